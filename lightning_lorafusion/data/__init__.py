@@ -1,0 +1,1 @@
+"""Sample sources, tokenization and packing into Microbatch tensors."""

@@ -1,0 +1,1 @@
+"""Fused LoRA kernels (Triton), their torch references and autograd wrappers."""

@@ -1,0 +1,37 @@
+"""The one entry point the decoder calls for LoRA projections; picks torch or Triton."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .reference import LoraModuleWeights, LoraRouting, lora_projections_reference
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+def lora_projections(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    loras: Sequence[LoraModuleWeights | None],
+    routing: LoraRouting | None,
+    *,
+    dropout_offset: int = 0,
+    backend: str = "torch",
+) -> list[torch.Tensor]:
+    """Projections ``x [M, K] -> [M, N_i]`` of one shared input, each with its LoRA term.
+
+    ``backend``: "torch" (reference, any device), "triton" (fused kernels), "auto" (Triton on
+    CUDA, torch elsewhere).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch" or routing is None or all(l is None for l in loras):
+        return lora_projections_reference(x, weights, biases, loras, routing, dropout_offset)
+    from .fused_lora import fused_lora_projections  # Triton is imported only when used
+
+    return fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset)

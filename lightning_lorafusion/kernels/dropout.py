@@ -1,0 +1,64 @@
+"""Counter-based dropout masks: a pure hash of (seed, offset, row, col), reproducible anywhere.
+
+The same function is evaluated inside the Triton kernels (uint32 arithmetic) and here in
+torch (int64 arithmetic masked to 32 bits), so the torch reference and the fused kernels
+drop exactly the same elements, and backward regenerates the forward's mask instead of
+storing it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers (golden ratio and murmur3 constants) that spread each coordinate.
+_C_SEED = 0x9E3779B1
+_C_OFFSET = 0x85EBCA77
+_C_ROW = 0xC2B2AE3D
+_C_COL = 0x27D4EB2F
+_FMIX1 = 0x85EBCA6B
+_FMIX2 = 0xC2B2AE35
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _FMIX1) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * _FMIX2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hash_uniform24(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """24 random bits in [0, 2^24) per (row, col); rows [R, 1] and cols [1, C] broadcast."""
+    base = ((seed * _C_SEED) ^ (offset * _C_OFFSET)) & _MASK32
+    x = (base ^ ((rows.to(torch.int64) * _C_ROW) & _MASK32)) & _MASK32
+    x = _fmix32(x)
+    x = (x ^ ((cols.to(torch.int64) * _C_COL) & _MASK32)) & _MASK32
+    x = _fmix32(x)
+    return x >> 8
+
+
+def dropout_keep_threshold(p: float) -> int:
+    """Elements whose 24-bit hash is >= this are kept; keep probability is 1 - p (to 2^-24)."""
+    return int(round(p * (1 << 24)))
+
+
+def dropout_keep_mask(
+    seed: int, offset: int, row_start: int, rows: int, cols: int, p: float, device=None
+) -> torch.Tensor:
+    """Boolean keep-mask ``[rows, cols]`` for token rows ``row_start .. row_start+rows``.
+
+    ``row`` is the token's index in the microbatch, ``col`` the input feature; ``seed`` is the
+    adapter's seed and ``offset`` distinguishes microbatches and layers (see ``dropout_offset``).
+    """
+    if p <= 0.0:
+        return torch.ones(rows, cols, dtype=torch.bool, device=device)
+    r = torch.arange(row_start, row_start + rows, device=device, dtype=torch.int64)[:, None]
+    c = torch.arange(cols, device=device, dtype=torch.int64)[None, :]
+    return hash_uniform24(seed, offset, r, c) >= dropout_keep_threshold(p)
+
+
+def dropout_offset(microbatch_index: int, layer: int, input_slot: int) -> int:
+    """Offset for one (microbatch, layer, input) triple; input_slot 0: attn input, 1: o_proj
+    input, 2: MLP input, 3: down_proj input. Shared-input projections share one mask."""
+    return ((microbatch_index * 4096 + layer) * 4 + input_slot) & _MASK32

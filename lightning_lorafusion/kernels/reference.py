@@ -1,0 +1,130 @@
+"""Torch reference of the (multi-)adapter LoRA linear: the spec the fused kernels must match.
+
+Math for token rows ``s..e`` routed to adapter ``a`` (PEFT's LoRA, scale = alpha / rank):
+
+    Y[s:e] = X[s:e] W^T (+ bias) + scale_a * (dropout_a(X[s:e]) A_a^T) B_a^T
+
+Rows not covered by any segment (or routed to an adapter that does not target this module)
+get the frozen linear only. Shapes: X [M, K], W [N, K], A_a [r_a, K], B_a [N, r_a].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .dropout import dropout_keep_mask
+
+
+@dataclass(frozen=True)
+class LoraRouting:
+    """Token-to-adapter routing of one microbatch, shared by every layer.
+
+    ``segments`` are ``(start, end, adapter)`` row ranges, sorted and non-overlapping;
+    ``adapter`` indexes the per-adapter tuples here and in ``LoraModuleWeights``.
+    ``microbatch_index`` feeds the dropout offset so each microbatch draws fresh masks.
+    """
+
+    num_rows: int
+    segments: tuple[tuple[int, int, int], ...]
+    scales: tuple[float, ...]
+    dropout_p: tuple[float, ...]
+    seeds: tuple[int, ...]
+    microbatch_index: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.scales)
+        if not (len(self.dropout_p) == len(self.seeds) == n):
+            raise ValueError("scales, dropout_p and seeds must have one entry per adapter")
+        prev_end = 0
+        for start, end, adapter in self.segments:
+            if not (prev_end <= start < end <= self.num_rows):
+                raise ValueError(
+                    f"segments must be sorted, non-empty, non-overlapping and inside "
+                    f"[0, {self.num_rows}); got {self.segments}"
+                )
+            if not 0 <= adapter < n:
+                raise ValueError(f"segment adapter {adapter} out of range for {n} adapters")
+            prev_end = end
+
+    @property
+    def num_adapters(self) -> int:
+        return len(self.scales)
+
+
+@dataclass(frozen=True)
+class LoraModuleWeights:
+    """One projection's LoRA factors for every adapter in the bank (None: not targeted)."""
+
+    a: tuple[torch.Tensor | None, ...]  # per adapter [r_a, K]
+    b: tuple[torch.Tensor | None, ...]  # per adapter [N, r_a]
+
+
+def lora_delta_reference(
+    x: torch.Tensor, lora: LoraModuleWeights, routing: LoraRouting, dropout_offset: int
+) -> torch.Tensor | None:
+    """The LoRA term alone, ``[M, N]``, or None when no row has an active adapter."""
+    pieces: list[torch.Tensor] = []
+    cursor = 0
+    n_out = None
+    for a_t in lora.b:
+        if a_t is not None:
+            n_out = a_t.shape[0]
+            break
+    if n_out is None:
+        return None
+    any_active = False
+    for start, end, adapter in routing.segments:
+        a, b = lora.a[adapter], lora.b[adapter]
+        if a is None:
+            continue
+        if start > cursor:
+            pieces.append(x.new_zeros(start - cursor, n_out))
+        xs = x[start:end]
+        p = routing.dropout_p[adapter]
+        if p > 0.0:
+            keep = dropout_keep_mask(
+                routing.seeds[adapter], dropout_offset, start, end - start, x.shape[1], p, x.device
+            )
+            xs = xs * keep.to(xs.dtype) / (1.0 - p)
+        pieces.append(routing.scales[adapter] * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t()))
+        cursor = end
+        any_active = True
+    if not any_active:
+        return None
+    if cursor < x.shape[0]:
+        pieces.append(x.new_zeros(x.shape[0] - cursor, n_out))
+    return torch.cat(pieces, dim=0)
+
+
+def lora_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora: LoraModuleWeights | None,
+    routing: LoraRouting | None,
+    dropout_offset: int = 0,
+) -> torch.Tensor:
+    """``[M, K] -> [M, N]``: frozen linear plus each row's adapter LoRA term."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    if lora is None or routing is None:
+        return y
+    delta = lora_delta_reference(x, lora, routing, dropout_offset)
+    return y if delta is None else y + delta
+
+
+def lora_projections_reference(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    loras: Sequence[LoraModuleWeights | None],
+    routing: LoraRouting | None,
+    dropout_offset: int = 0,
+) -> list[torch.Tensor]:
+    """Several projections of one input (q/k/v or gate/up); they share one dropout mask."""
+    return [
+        lora_linear_reference(x, w, b, l, routing, dropout_offset)
+        for w, b, l in zip(weights, biases, loras)
+    ]

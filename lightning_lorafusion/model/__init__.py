@@ -1,0 +1,1 @@
+"""Functional decoder, adapter bank, HF weight loading and PEFT export/import."""

@@ -1,0 +1,1 @@
+"""Pipeline schedules, their simulator, the P2P executor and the Lightning Strategy."""

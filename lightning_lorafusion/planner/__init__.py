@@ -1,0 +1,1 @@
+"""Multi-adapter microbatch planning: grouping, greedy and MILP packing, merge, verification."""

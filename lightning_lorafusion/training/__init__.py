@@ -1,0 +1,1 @@
+"""LightningModule, LightningDataModule, per-adapter optimizers and callbacks."""
