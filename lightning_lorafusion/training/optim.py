@@ -1,0 +1,39 @@
+"""Per-adapter optimizers and learning-rate schedules (each adapter steps on its own clock)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from ..specs import AdapterSpec
+
+
+def lr_multiplier(step: int, *, spec: AdapterSpec, total_steps: int) -> float:
+    """Factor on ``spec.lr`` after ``step`` optimizer steps: linear warm-up, then the schedule
+    decays to ``spec.min_lr_ratio`` at ``total_steps``."""
+    if spec.warmup_steps > 0 and step < spec.warmup_steps:
+        return (step + 1) / spec.warmup_steps
+    if spec.lr_schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - spec.warmup_steps)
+    progress = min(1.0, (step - spec.warmup_steps) / span)
+    floor = spec.min_lr_ratio
+    if spec.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_adapter_optimizer(
+    params: Iterable[torch.nn.Parameter], *, spec: AdapterSpec, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over one adapter's parameters with its own lr, weight decay and schedule."""
+    params = list(params)
+    if not params:
+        raise ValueError(f"adapter {spec.name!r} has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, spec=spec, total_steps=total_steps)
+    )
+    return optimizer, scheduler
