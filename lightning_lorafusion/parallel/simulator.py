@@ -1,0 +1,382 @@
+"""Discrete-event simulation of per-rank pipeline action lists: timing, bubbles, deadlocks.
+
+The simulator runs exactly the action lists the executor runs. Each rank executes its list in
+order. Compute actions take the time the ``CostModel`` gives them. A maximal run of
+consecutive communication actions is posted as one batch (as the executor does) and finishes
+when every operation in it has matched its counterpart on the neighbouring rank:
+
+- ``rendezvous=True`` (default, NCCL-like and the stricter check): a send completes only once
+  the receiver has posted the matching receive, so a schedule that passes here cannot deadlock
+  on blocking or pair-serialised P2P either.
+- ``rendezvous=False``: sends are fire-and-forget (buffered, like gloo's isend when the
+  executor defers waiting), only receives wait.
+
+Besides timing, the simulator checks the schedule's semantics and raises ``ScheduleError`` on
+any breach: matching send/receive sequences per channel, forward before backward, inputs
+received before use, at most ``num_stages`` microbatches in flight per stage, every microbatch
+forwarded and backwarded exactly once on every stage, each adapter stepping exactly once per
+global batch right after the last backward of that batch on that stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..planner.plan import Plan, PlannedMicrobatch
+from .schedule import (
+    COMMUNICATION_ACTIONS,
+    Action,
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+)
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank waits on a message that will never be posted."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Seconds per action on each stage of a pipeline, from FLOP counts.
+
+    A stage with ``L`` decoder layers spends, on a microbatch of ``tokens`` tokens whose samples
+    have squared lengths summing to ``seq_sq``,
+    ``L * (layer_flops_per_token * tokens + attention_flops_per_pair * seq_sq / 2) / flops_per_second``
+    in forward (causal attention visits about ``len^2 / 2`` query-key pairs per sample); the last
+    stage adds ``head_flops_per_token * tokens`` (norm, LM head, loss). Backward costs
+    ``backward_factor`` times forward: the base is frozen, so backward computes input
+    gradients only (one GEMM per forward GEMM) plus rank-r LoRA gradients; attention backward is
+    dearer, hence the default slightly above 1. Every compute action also pays
+    ``launch_overhead`` seconds. A P2P message of a microbatch costs
+    ``p2p_latency + capacity * bytes_per_token / p2p_bandwidth`` (shapes are static).
+    """
+
+    stage_layers: tuple[int, ...]
+    layer_flops_per_token: float
+    attention_flops_per_pair: float = 0.0
+    head_flops_per_token: float = 0.0
+    flops_per_second: float = 400e12
+    backward_factor: float = 1.2
+    launch_overhead: float = 0.0
+    optimizer_step_time: float = 0.0
+    p2p_latency: float = 20e-6
+    bytes_per_token: float = 0.0
+    p2p_bandwidth: float = 100e9
+
+    def __post_init__(self) -> None:
+        if not self.stage_layers or any(n < 0 for n in self.stage_layers):
+            raise ValueError(
+                f"stage_layers={self.stage_layers!r} must list a non-negative layer count per stage"
+            )
+        for name in ("flops_per_second", "p2p_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CostModel.{name}={getattr(self, name)} must be > 0")
+        for name in ("layer_flops_per_token", "attention_flops_per_pair", "head_flops_per_token",
+                     "backward_factor", "launch_overhead", "optimizer_step_time", "p2p_latency",
+                     "bytes_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    @classmethod
+    def from_decoder_config(
+        cls,
+        config: Any,
+        stage_layers: Sequence[int],
+        *,
+        bytes_per_element: int = 2,
+        **overrides: Any,
+    ) -> "CostModel":
+        """Analytic costs of a Llama-family decoder described by HF-style attribute names
+        (``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
+        ``num_key_value_heads``, ``vocab_size``); multiply-adds count 2 FLOPs."""
+        h = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or h // heads
+        linear_params = (
+            h * heads * head_dim * 2  # q_proj, o_proj
+            + h * kv_heads * head_dim * 2  # k_proj, v_proj
+            + 3 * h * config.intermediate_size  # gate, up, down
+        )
+        return cls(
+            stage_layers=tuple(int(n) for n in stage_layers),
+            layer_flops_per_token=2.0 * linear_params,
+            attention_flops_per_pair=4.0 * heads * head_dim,  # QK^T and PV
+            head_flops_per_token=2.0 * h * config.vocab_size,
+            bytes_per_token=float(h * bytes_per_element),
+            **overrides,
+        )
+
+    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0) -> float:
+        flops = self.stage_layers[stage] * (
+            self.layer_flops_per_token * tokens + self.attention_flops_per_pair * seq_sq / 2
+        )
+        if stage == self.num_stages - 1:
+            flops += self.head_flops_per_token * tokens
+        return self.launch_overhead + flops / self.flops_per_second
+
+    def backward_time(self, stage: int, tokens: int, seq_sq: int = 0) -> float:
+        compute = self.forward_time(stage, tokens, seq_sq) - self.launch_overhead
+        return self.launch_overhead + self.backward_factor * compute
+
+    def p2p_time(self, capacity: int) -> float:
+        return self.p2p_latency + capacity * self.bytes_per_token / self.p2p_bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationResult:
+    """What one simulated run of a schedule measured; ``timeline`` rows are
+    ``(stage, kind, microbatch or adapter, start, end)`` with kind ``"F"``, ``"B"`` or ``"S"``."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    max_in_flight: tuple[int, ...]
+    timeline: tuple[tuple[int, str, int, float, float], ...] = field(repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.busy)
+
+    @property
+    def stage_bubble_ratios(self) -> tuple[float, ...]:
+        if self.makespan == 0:
+            return tuple(0.0 for _ in self.busy)
+        return tuple(1.0 - b / self.makespan for b in self.busy)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of all stages' time between the first action and the last."""
+        if self.makespan == 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_stages * self.makespan)
+
+
+def _peer_and_channel(action: Action, stage: int) -> tuple[int, tuple[int, int, str]]:
+    """The neighbour rank of a communication action and its directed channel ``(src, dst, kind)``."""
+    if isinstance(action, SendActivation):
+        return stage + 1, (stage, stage + 1, "act")
+    if isinstance(action, RecvActivation):
+        return stage - 1, (stage - 1, stage, "act")
+    if isinstance(action, SendGrad):
+        return stage - 1, (stage, stage - 1, "grad")
+    assert isinstance(action, RecvGrad)
+    return stage + 1, (stage + 1, stage, "grad")
+
+
+def _group(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:
+    """Compute actions stay single; maximal runs of communication actions become tuples."""
+    items: list[Action | tuple[Action, ...]] = []
+    run: list[Action] = []
+    for a in actions:
+        if isinstance(a, COMMUNICATION_ACTIONS):
+            run.append(a)
+        else:
+            if run:
+                items.append(tuple(run))
+                run = []
+            items.append(a)
+    if run:
+        items.append(tuple(run))
+    return items
+
+
+def _check_static(plan: Plan, schedule: Sequence[Sequence[Action]]) -> None:
+    """Channel sequences match, every real microbatch runs once per stage, steps are complete."""
+    num_stages = len(schedule)
+    sends: dict[tuple[int, int, str], list[int]] = {}
+    recvs: dict[tuple[int, int, str], list[int]] = {}
+    real = [i for i, mb in enumerate(plan.microbatches) if not mb.is_noop]
+    step_points = Plan.compute_step_points(plan.microbatches)
+    for stage, actions in enumerate(schedule):
+        forwards, backwards, steps = [], [], []
+        for a in actions:
+            if isinstance(a, COMMUNICATION_ACTIONS):
+                peer, channel = _peer_and_channel(a, stage)
+                if not 0 <= peer < num_stages:
+                    raise ScheduleError(f"stage {stage}: {a} talks to rank {peer}, which does not exist")
+                if plan.microbatches[a.microbatch].is_noop:
+                    raise ScheduleError(f"stage {stage}: {a} communicates a no-op slot")
+                book = sends if isinstance(a, (SendActivation, SendGrad)) else recvs
+                book.setdefault(channel, []).append(a.microbatch)
+            elif isinstance(a, Forward):
+                forwards.append(a.microbatch)
+            elif isinstance(a, Backward):
+                backwards.append(a.microbatch)
+            elif isinstance(a, OptimizerStep):
+                steps.append((a.adapter, a.batch))
+            else:
+                raise ScheduleError(f"stage {stage}: unknown action {a!r}")
+        if sorted(forwards) != real or sorted(backwards) != real:
+            raise ScheduleError(
+                f"stage {stage} must forward and backward each of the plan's {len(real)} real "
+                f"microbatches exactly once; got {len(forwards)} forwards, {len(backwards)} backwards"
+            )
+        if sorted(steps) != sorted(step_points):
+            raise ScheduleError(
+                f"stage {stage} must step each (adapter, batch) of the plan exactly once; "
+                f"missing {sorted(set(step_points) - set(steps))}, extra/duplicate "
+                f"{sorted(set(steps) - set(step_points)) or [s for s in steps if steps.count(s) > 1]}"
+            )
+    for channel in set(sends) | set(recvs):
+        if sends.get(channel, []) != recvs.get(channel, []):
+            src, dst, kind = channel
+            raise ScheduleError(
+                f"{kind} messages from rank {src} to rank {dst} are sent in order "
+                f"{sends.get(channel, [])} but received in order {recvs.get(channel, [])}"
+            )
+
+
+def simulate(
+    plan: Plan,
+    schedule: Sequence[Sequence[Action]],
+    cost_model: CostModel,
+    *,
+    rendezvous: bool = True,
+) -> SimulationResult:
+    """Run ``schedule`` (one action list per stage) of ``plan`` on ``cost_model``'s clock."""
+    num_stages = len(schedule)
+    if cost_model.num_stages != num_stages:
+        raise ValueError(
+            f"cost model has {cost_model.num_stages} stages, schedule has {num_stages}; "
+            "build the CostModel with one stage_layers entry per pipeline stage"
+        )
+    _check_static(plan, schedule)
+    step_points = Plan.compute_step_points(plan.microbatches)
+
+    def work(mb: PlannedMicrobatch) -> tuple[int, int]:
+        return mb.padded_tokens(plan.pad_multiple), sum(s.length ** 2 for s in mb.samples)
+
+    costs = [work(mb) for mb in plan.microbatches]
+    message_time = cost_model.p2p_time(plan.capacity)
+    programs = [_group(actions) for actions in schedule]
+    pc = [0] * num_stages
+    clock = [0.0] * num_stages
+    busy = [0.0] * num_stages
+    # (posting rank, channel, microbatch) -> time the operation was posted
+    posts: dict[tuple[int, tuple[int, int, str], int], float] = {}
+    post_time: list[float | None] = [None] * num_stages  # of the run a rank is blocked in
+    in_flight: list[set[int]] = [set() for _ in range(num_stages)]
+    max_in_flight = [0] * num_stages
+    have_input: list[set[int]] = [set() for _ in range(num_stages)]
+    have_grad: list[set[int]] = [set() for _ in range(num_stages)]
+    backwarded: list[set[int]] = [set() for _ in range(num_stages)]
+    # microbatch of the last Backward when only optimizer steps ran since; else None
+    after_backward: list[int | None] = [None] * num_stages
+    timeline: list[tuple[int, str, int, float, float]] = []
+
+    def run_compute(stage: int, a: Action) -> None:
+        start = clock[stage]
+        first, last = stage == 0, stage == num_stages - 1
+        if isinstance(a, Forward):
+            i = a.microbatch
+            if not first and i not in have_input[stage]:
+                raise ScheduleError(f"stage {stage}: Forward({i}) before its activation was received")
+            duration = cost_model.forward_time(stage, *costs[i])
+            in_flight[stage].add(i)
+            max_in_flight[stage] = max(max_in_flight[stage], len(in_flight[stage]))
+            if max_in_flight[stage] > num_stages:
+                raise ScheduleError(
+                    f"stage {stage} holds {max_in_flight[stage]} microbatches in flight, more "
+                    f"than the 1F1B bound of num_stages={num_stages}"
+                )
+            kind, label = "F", i
+        elif isinstance(a, Backward):
+            i = a.microbatch
+            if i not in in_flight[stage]:
+                raise ScheduleError(f"stage {stage}: Backward({i}) before Forward({i})")
+            if not last and i not in have_grad[stage]:
+                raise ScheduleError(f"stage {stage}: Backward({i}) before its output gradient was received")
+            duration = cost_model.backward_time(stage, *costs[i])
+            in_flight[stage].discard(i)
+            backwarded[stage].add(i)
+            kind, label = "B", i
+        else:
+            assert isinstance(a, OptimizerStep)
+            p = step_points.get((a.adapter, a.batch))
+            if p is None or after_backward[stage] != p:
+                raise ScheduleError(
+                    f"stage {stage}: OptimizerStep({a.adapter}, {a.batch}) must come right after "
+                    f"Backward({p}), the last microbatch of that global batch; the last backward "
+                    f"before it was {after_backward[stage]}"
+                )
+            duration = cost_model.optimizer_step_time
+            kind, label = "S", a.adapter
+        clock[stage] = start + duration
+        busy[stage] += duration
+        if isinstance(a, Backward):
+            after_backward[stage] = a.microbatch
+        elif isinstance(a, Forward):
+            after_backward[stage] = None
+        timeline.append((stage, kind, label, start, start + duration))
+
+    def try_comm(stage: int, run: tuple[Action, ...]) -> bool:
+        """Post ``run`` (once) and finish it if every operation found its counterpart."""
+        if post_time[stage] is None:
+            post_time[stage] = clock[stage]
+            for a in run:
+                posts[(stage, _peer_and_channel(a, stage)[1], a.microbatch)] = clock[stage]
+        mine = post_time[stage]
+        done_at = mine
+        for a in run:
+            peer, channel = _peer_and_channel(a, stage)
+            is_send = isinstance(a, (SendActivation, SendGrad))
+            if is_send and not rendezvous:
+                continue  # buffered send: the sender does not wait
+            theirs = posts.get((peer, channel, a.microbatch))
+            if theirs is None:
+                return False
+            if rendezvous:
+                done_at = max(done_at, max(mine, theirs) + message_time)
+            else:
+                done_at = max(done_at, theirs + message_time)
+        for a in run:
+            if isinstance(a, RecvActivation):
+                have_input[stage].add(a.microbatch)
+            elif isinstance(a, RecvGrad):
+                have_grad[stage].add(a.microbatch)
+        clock[stage] = done_at
+        post_time[stage] = None
+        return True
+
+    remaining = sum(len(p) for p in programs)
+    while remaining:
+        progressed = False
+        for stage in range(num_stages):
+            while pc[stage] < len(programs[stage]):
+                item = programs[stage][pc[stage]]
+                if isinstance(item, tuple):
+                    if not try_comm(stage, item):
+                        break
+                else:
+                    run_compute(stage, item)
+                pc[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = {
+                stage: programs[stage][pc[stage]]
+                for stage in range(num_stages)
+                if pc[stage] < len(programs[stage])
+            }
+            raise DeadlockError(
+                "schedule deadlocks: every unfinished rank waits for a message that is never "
+                f"posted; blocked at {waiting}"
+            )
+    makespan = max(clock) if clock else 0.0
+    return SimulationResult(
+        makespan=makespan,
+        busy=tuple(busy),
+        max_in_flight=tuple(max_in_flight),
+        timeline=tuple(timeline),
+    )
