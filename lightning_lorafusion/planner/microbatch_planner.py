@@ -1,0 +1,185 @@
+"""plan_microbatches: group adapters, pack each wave (greedy or MILP), merge, verify, fix."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .config import Lengths, PlannerConfig, validate_lengths
+from .greedy import bin_count_lower_bound, pack_first_fit_decreasing, padded_load
+from .grouping import Groups, group_adapters
+from .merge import merge_across_batches
+from .plan import Plan, PlannedMicrobatch, SampleRef
+from .verify import check_plan, fix_plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaveReport:
+    """How one wave (batch ``round`` of each adapter in ``group``) was packed."""
+
+    round: int
+    group: tuple[int, ...]
+    num_samples: int
+    lower_bound: int
+    greedy_bins: int
+    bins: int
+    greedy_tail: int  # padded tokens of greedy's smallest microbatch
+    tail: int
+    method: str  # "greedy" or "milp": whose packing was kept
+    stage1_status: str = "skipped"
+    stage2_status: str = "skipped"
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """What the planner did for one plan; timings are informational, never part of the Plan."""
+
+    groups: Groups
+    waves: tuple[WaveReport, ...]
+    microbatches_before_merge: int
+    microbatches_after_merge: int
+    noops: int
+    seconds: float
+
+
+def _tail_last(bins: list[list[SampleRef]], pad_multiple: int) -> list[list[SampleRef]]:
+    # Fullest first, emptiest last: the wave's tail has room for the next wave's samples.
+    return sorted(bins, key=lambda c: -padded_load(c, pad_multiple))
+
+
+def pack_wave(samples: Sequence[SampleRef], config: PlannerConfig, *, round_: int = 0, group=()) -> tuple[list[list[SampleRef]], WaveReport]:
+    """Bins for one wave, emptiest last, with the report of which method won."""
+    t0 = time.perf_counter()
+    greedy = _tail_last(pack_first_fit_decreasing(samples, config.capacity, config.pad_multiple), config.pad_multiple)
+    lower = bin_count_lower_bound(samples, config.capacity, config.pad_multiple)
+    greedy_tail = padded_load(greedy[-1], config.pad_multiple)
+    bins, method, s1, s2 = greedy, "greedy", "skipped", "skipped"
+    if config.method == "milp":
+        from .milp import pack_milp
+
+        outcome = pack_milp(
+            samples,
+            capacity=config.capacity,
+            pad_multiple=config.pad_multiple,
+            greedy_bins=greedy,
+            lower_bound=lower,
+            time_limit=config.time_limit,
+            max_nodes=config.max_nodes,
+            solver=config.solver,
+            seed=config.seed,
+        )
+        s1, s2 = outcome.stage1_status, outcome.stage2_status
+        if outcome.fewer_bins or outcome.smaller_tail:
+            bins, method = outcome.bins, "milp"
+    report = WaveReport(
+        round=round_,
+        group=tuple(group),
+        num_samples=len(samples),
+        lower_bound=lower,
+        greedy_bins=len(greedy),
+        bins=len(bins),
+        greedy_tail=greedy_tail,
+        tail=padded_load(bins[-1], config.pad_multiple),
+        method=method,
+        stage1_status=s1,
+        stage2_status=s2,
+        seconds=time.perf_counter() - t0,
+    )
+    return bins, report
+
+
+def plan_window(
+    lengths: Lengths, config: PlannerConfig, *, batch_offsets: Sequence[int] | None = None
+) -> tuple[Plan, PlanReport]:
+    """Plan ``lengths[a][j]`` (adapter a's global batch ``batch_offsets[a] + j``) and report how.
+
+    Raises PlanningError on bad input (naming adapter, batch, sample and the capacity to set)
+    and if the finished plan fails verification.
+    """
+    t0 = time.perf_counter()
+    validate_lengths(lengths, config)
+    offsets = list(batch_offsets) if batch_offsets is not None else [0] * len(lengths)
+    if len(offsets) != len(lengths):
+        raise ValueError(f"batch_offsets has {len(offsets)} entries for {len(lengths)} adapters")
+    groups = group_adapters(lengths, config)
+    rounds = max(len(b) for b in lengths)
+    bins: list[list[SampleRef]] = []
+    waves = []
+    for r in range(rounds):
+        for group in groups:
+            samples = [
+                SampleRef(a, offsets[a] + r, i, int(n))
+                for a in group
+                if r < len(lengths[a])
+                for i, n in enumerate(lengths[a][r])
+            ]
+            if not samples:
+                continue
+            wave_bins, report = pack_wave(samples, config, round_=r, group=group)
+            bins.extend(wave_bins)
+            waves.append(report)
+    before = len(bins)
+    if config.merge:
+        bins = merge_across_batches(
+            bins, capacity=config.capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages
+        )
+    mbs = tuple(PlannedMicrobatch(tuple(sorted(b))) for b in bins)
+    plan = fix_plan(
+        Plan(
+            capacity=config.capacity,
+            pad_multiple=config.pad_multiple,
+            num_stages=config.num_stages,
+            microbatches=mbs,
+            step_points=Plan.compute_step_points(mbs),
+        )
+    )
+    check_plan(plan, lengths, batch_offsets=offsets)
+    report = PlanReport(
+        groups=groups,
+        waves=tuple(waves),
+        microbatches_before_merge=before,
+        microbatches_after_merge=len(bins),
+        noops=sum(1 for mb in plan.microbatches if mb.is_noop),
+        seconds=time.perf_counter() - t0,
+    )
+    return plan, report
+
+
+def plan_microbatches(
+    lengths: Lengths,
+    *,
+    capacity: int,
+    pad_multiple: int = 1,
+    num_stages: int = 1,
+    method: str = "greedy",
+    time_limit: float = 10.0,
+    seed: int = 0,
+    max_nodes: int = 2000,
+    solver: str = "auto",
+    grouping: bool = True,
+    merge: bool = True,
+    batch_offsets: Sequence[int] | None = None,
+) -> Plan:
+    """Pack ``lengths[adapter][global batch][sample]`` (token counts) into a verified Plan.
+
+    Every sample appears exactly once; each microbatch holds at most ``capacity`` tokens once
+    each adapter's segment is padded to ``pad_multiple``; samples inside a microbatch are
+    sorted by (adapter, batch, index); adapter a's batch j+1 starts at least ``num_stages``
+    microbatches after batch j's step point (no-op slots are inserted where needed).
+    See ``PlannerConfig`` for the other arguments.
+    """
+    config = PlannerConfig(
+        capacity=capacity,
+        pad_multiple=pad_multiple,
+        num_stages=num_stages,
+        method=method,
+        time_limit=time_limit,
+        max_nodes=max_nodes,
+        solver=solver,
+        grouping=grouping,
+        merge=merge,
+        seed=seed,
+    )
+    return plan_window(lengths, config, batch_offsets=batch_offsets)[0]
