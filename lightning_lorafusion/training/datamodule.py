@@ -108,7 +108,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         for spec in self.specs:
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
-            samples = build_source(spec.dataset, self.tokenizer, split="train", max_length=max_length)
+            source = dict(spec.dataset)
+            limit = source.pop("limit", None)  # train on the first `limit` samples only
+            samples = build_source(source, self.tokenizer, split="train", max_length=max_length)
+            if limit is not None:
+                samples = samples[: int(limit)]
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
             self.datasets.append(samples)
@@ -227,9 +231,6 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.epoch, pos = divmod(mb.index, EPOCH_STRIDE)
         self.position = pos + 1
 
-    def on_epoch_trained(self, epoch: int) -> None:
-        self.epoch, self.position = epoch + 1, 0
-
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position}
 
@@ -245,4 +246,8 @@ class _ResumableStream:
         self.dm = dm
 
     def __iter__(self) -> Iterator[Microbatch]:
-        return self.dm.iter_microbatches(self.dm.epoch, self.dm.position)
+        dm = self.dm
+        # Lightning owns the epoch counter (restored on resume); we own the position in it.
+        epoch = dm.trainer.current_epoch if dm._trainer is not None else dm.epoch
+        start = dm.position if dm.epoch == epoch else 0
+        return dm.iter_microbatches(epoch, start)

@@ -183,6 +183,11 @@ class LoRAFusionModule(L.LightningModule):
             self._gb_tokens[ref.adapter] += ref.length
         for a in mb.step_adapters:
             self._step_adapter(a)
+        # Advance the resume point here, not in on_train_batch_end: Lightning runs callback
+        # hooks (ModelCheckpoint) before the module's, and the checkpoint must see it.
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "on_microbatch_trained"):
+            dm.on_microbatch_trained(mb)
         self.log("train/real_tokens", float(mb.real_tokens), reduce_fx="sum", on_step=False, on_epoch=True)
 
     def _step_adapter(self, a: int) -> None:
@@ -229,16 +234,6 @@ class LoRAFusionModule(L.LightningModule):
         self.log(f"tokens/{name}", float(self._gb_tokens[a]), on_step=True, on_epoch=False, batch_size=1)
         self._gb_loss[a] = 0.0
         self._gb_tokens[a] = 0
-
-    def on_train_batch_end(self, outputs: Any, batch: Microbatch, batch_idx: int) -> None:
-        dm = self.trainer.datamodule
-        if dm is not None and hasattr(dm, "on_microbatch_trained"):
-            dm.on_microbatch_trained(batch)
-
-    def on_train_epoch_end(self) -> None:
-        dm = self.trainer.datamodule
-        if dm is not None and hasattr(dm, "on_epoch_trained"):
-            dm.on_epoch_trained(self.current_epoch)
 
     # Partial global batches live in .grad: keep them in the checkpoint so resume is exact.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
