@@ -1,0 +1,99 @@
+"""Packed variable-length causal attention: no token attends across a ``cu_seqlens`` boundary."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Causal attention inside each packed sequence.
+
+    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (GQA: Hq a multiple of Hkv), cu_seqlens ``[n+1]``
+    int (0 = cu_seqlens[0] < ... < cu_seqlens[n] = T) -> ``[T, Hq, D]``.
+    ``sliding_window`` W (Mistral/Qwen2 style): query i sees keys j with i - W < j <= i.
+    On CUDA uses ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention) when this torch
+    has it and the dtype is half precision; elsewhere a per-sequence SDPA loop.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
+        raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen)
+        if out is not None:
+            return out
+    return sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window)
+
+
+def sdpa_varlen_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference path: one causal SDPA call per sequence (cost is sum of L_i^2, not T^2)."""
+    bounds = cu_seqlens.tolist()  # host sync; fine for the CPU/reference path
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0, strictly increase and end at T={q.shape[0]}; got {bounds}"
+        )
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for start, end in zip(bounds, bounds[1:]):
+        # SDPA wants [heads, L, D]
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        length = end - start
+        if sliding_window is not None and sliding_window < length:
+            i = torch.arange(length, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen):
+    """``varlen_attn`` across torch versions (2.10: ``is_causal``; later: ``window_size``,
+    ``enable_gqa``); None when this torch has no usable variant."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    elif "is_causal" in params and sliding_window is None:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        return None
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)

