@@ -1,0 +1,252 @@
+"""The schedule builders and the simulator: semantics, bubble lemma, analytic bubble ratios."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_lorafusion.parallel.schedule import (
+    Backward,
+    BubbleLemmaError,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    build_1f1b_flushed_schedule,
+    build_pipeline_schedule,
+)
+from lightning_lorafusion.parallel.simulator import CostModel, DeadlockError, simulate
+from lightning_lorafusion.planner.plan import Plan
+
+from .plans import interleaved_groups, lemma_gap_violations, make_plan, pad_for_lemma
+
+
+def uniform_costs(num_stages, *, backward_factor=1.0, p2p_latency=0.0):
+    """Forward of any microbatch costs the same on every stage (no head, no attention term)."""
+    return CostModel(
+        stage_layers=(1,) * num_stages,
+        layer_flops_per_token=0.0,
+        launch_overhead=1.0,
+        backward_factor=backward_factor,
+        p2p_latency=p2p_latency,
+    )
+
+
+def token_costs(num_stages):
+    return CostModel(
+        stage_layers=(2,) * num_stages,
+        layer_flops_per_token=1e9,
+        attention_flops_per_pair=1e6,
+        head_flops_per_token=3e9,
+        flops_per_second=1e14,
+        optimizer_step_time=1e-5,
+        p2p_latency=1e-5,
+        bytes_per_token=4096.0,
+    )
+
+
+@st.composite
+def plans(draw):
+    num_stages = draw(st.integers(1, 5))
+    n_adapters = draw(st.integers(1, 4))
+    batches = [draw(st.integers(1, 3)) for _ in range(n_adapters)]
+    mbs_per_batch = [[draw(st.integers(1, 4)) for _ in range(n)] for n in batches]
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    groups = interleaved_groups(rng, batches, mbs_per_batch, noop_p=draw(st.sampled_from([0.0, 0.2])))
+    return num_stages, groups
+
+
+def positions(actions):
+    return {a: k for k, a in enumerate(actions)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_padded_plans_schedule_cleanly_and_keep_every_promise(case):
+    num_stages, groups = case
+    plan = make_plan(pad_for_lemma(groups, num_stages), num_stages=num_stages)
+    schedule = build_pipeline_schedule(plan, num_stages)
+    assert len(schedule) == num_stages
+    # The simulator re-checks dependencies, in-flight bound and step placement and detects
+    # deadlocks; both P2P semantics must pass.
+    for rendezvous in (True, False):
+        result = simulate(plan, schedule, token_costs(num_stages), rendezvous=rendezvous)
+        assert all(n <= num_stages - s for s, n in enumerate(result.max_in_flight))
+        assert result.makespan > 0
+    step_points = Plan.compute_step_points(plan.microbatches)
+    noop = [i for i, mb in enumerate(plan.microbatches) if mb.is_noop]
+    for stage, actions in enumerate(schedule):
+        pos = positions(actions)
+        assert not any(getattr(a, "microbatch", None) in noop for a in actions)
+        for (a, b), p in step_points.items():
+            step = pos[OptimizerStep(a, b)]
+            # right after the last backward of the batch: only other steps may sit between
+            between = actions[pos[Backward(p)] + 1 : step]
+            assert all(isinstance(x, OptimizerStep) for x in between)
+            for i, mb in enumerate(plan.microbatches):
+                holds = {(s.adapter, s.batch) for s in mb.samples}
+                if (a, b) in holds:
+                    assert pos[Backward(i)] < step
+                if (a, b + 1) in holds:  # the bubble lemma, stage by stage
+                    assert pos[Forward(i)] > step
+        # forwards and backwards both follow plan order on every stage (FIFO channels)
+        fwd = [x.microbatch for x in actions if isinstance(x, Forward)]
+        bwd = [x.microbatch for x in actions if isinstance(x, Backward)]
+        assert fwd == sorted(fwd) and bwd == sorted(bwd)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_builder_refuses_exactly_the_plans_that_break_the_bubble_lemma(case):
+    num_stages, groups = case
+    plan = make_plan(groups, num_stages=num_stages)
+    broken = lemma_gap_violations(plan, num_stages)
+    if broken:
+        with pytest.raises(BubbleLemmaError) as info:
+            build_pipeline_schedule(plan, num_stages)
+        message = str(info.value)
+        assert "stage 0" in message
+        assert any(f"adapter {a} batch {b}," in message for a, b in broken), (message, broken)
+        assert "no-op slots" in message
+    else:
+        simulate(plan, build_pipeline_schedule(plan, num_stages), token_costs(num_stages))
+    # the flushed baseline drains at every step point, so it never needs padding
+    simulate(plan, build_1f1b_flushed_schedule(plan, num_stages), token_costs(num_stages))
+
+
+@pytest.mark.parametrize("num_stages, per_batch", [(2, 3), (4, 4), (4, 8), (8, 8), (3, 1)])
+def test_flushed_1f1b_bubble_matches_the_textbook_formula(num_stages, per_batch):
+    # Equal forward/backward cost t on every stage, no latency: each flushed global batch of m
+    # microbatches takes (m + S - 1) * 2t, so the idle fraction is (S - 1) / (m + S - 1).
+    groups = [[(0, j, 100)] for j in range(3) for _ in range(per_batch)]
+    plan = make_plan(groups, num_stages=num_stages)
+    result = simulate(plan, build_1f1b_flushed_schedule(plan, num_stages), uniform_costs(num_stages))
+    expected = (num_stages - 1) / (per_batch + num_stages - 1)
+    assert result.bubble_ratio == pytest.approx(expected, abs=1e-12)
+    assert result.makespan == pytest.approx(3 * (per_batch + num_stages - 1) * 2.0)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4, 8])
+def test_no_flush_stream_drains_once(num_stages):
+    # Four adapters in round robin, one microbatch per global batch: the gap between an
+    # adapter's batches is 4 slots, enough for up to 4 stages; pad for 8.
+    groups = [[(a, j, 100)] for j in range(6) for a in range(4)]
+    groups = pad_for_lemma(groups, num_stages)
+    plan = make_plan(groups, num_stages=num_stages)
+    result = simulate(plan, build_pipeline_schedule(plan, num_stages), uniform_costs(num_stages))
+    slots = len(groups)  # no-op slots are idle time for the whole pipeline
+    real = 24
+    assert result.makespan == pytest.approx((slots + num_stages - 1) * 2.0)
+    assert result.bubble_ratio == pytest.approx(1 - real / (slots + num_stages - 1))
+    flushed = simulate(plan, build_1f1b_flushed_schedule(plan, num_stages), uniform_costs(num_stages))
+    assert flushed.bubble_ratio == pytest.approx((num_stages - 1) / num_stages)
+    assert result.bubble_ratio < flushed.bubble_ratio
+
+
+def test_action_lists_of_a_small_plan_are_1f1b_with_explicit_p2p():
+    plan = make_plan([[(0, 0, 10)], [(1, 0, 10)], [(0, 1, 10)]], num_stages=2)
+    first, last = build_pipeline_schedule(plan, 2)
+    assert first == [
+        Forward(0), SendActivation(0),
+        Forward(1), SendActivation(1), RecvGrad(0), Backward(0), OptimizerStep(0, 0),
+        Forward(2), SendActivation(2), RecvGrad(1), Backward(1), OptimizerStep(1, 0),
+        RecvGrad(2), Backward(2), OptimizerStep(0, 1),
+    ]
+    assert last == [
+        RecvActivation(0), Forward(0), Backward(0), OptimizerStep(0, 0), SendGrad(0),
+        RecvActivation(1), Forward(1), Backward(1), OptimizerStep(1, 0), SendGrad(1),
+        RecvActivation(2), Forward(2), Backward(2), OptimizerStep(0, 1), SendGrad(2),
+    ]
+
+
+def test_noop_slots_take_no_actions_but_keep_their_place():
+    with_noops = make_plan([[(0, 0, 10)], [], [], [(0, 1, 10)]], num_stages=3)
+    schedule = build_pipeline_schedule(with_noops, 3)
+    assert all(getattr(a, "microbatch", 0) in (0, 3) for actions in schedule for a in actions)
+    # without the two no-op slots, batch 1 would start only one slot after batch 0's step
+    with pytest.raises(BubbleLemmaError, match="adapter 0 batch 1"):
+        build_pipeline_schedule(make_plan([[(0, 0, 10)], [(0, 1, 10)]], num_stages=3), 3)
+    assert build_pipeline_schedule(make_plan([[], []], num_stages=2), 2) == [[], []]
+
+
+def test_bad_plans_and_arguments_are_refused_with_reasons():
+    plan = make_plan([[(0, 0, 10)], [(0, 1, 10)], [(0, 0, 10)]], num_stages=1)
+    with pytest.raises(ScheduleError, match="planned in order"):
+        build_pipeline_schedule(plan, 1)
+    good = make_plan([[(0, 0, 10)], [(0, 0, 10)]], num_stages=1)
+    wrong_steps = Plan(
+        capacity=good.capacity, pad_multiple=good.pad_multiple, num_stages=1,
+        microbatches=good.microbatches, step_points={(0, 0): 0},
+    )
+    with pytest.raises(ScheduleError, match="step_points disagrees"):
+        build_pipeline_schedule(wrong_steps, 1)
+    with pytest.raises(ScheduleError, match="num_stages"):
+        build_pipeline_schedule(good, 0)
+    with pytest.raises(ValueError, match="one stage_layers entry per pipeline stage"):
+        simulate(good, build_pipeline_schedule(good, 1), uniform_costs(2))
+
+
+def test_simulator_detects_deadlock_and_broken_dependencies():
+    plan = make_plan([[(0, 0, 10)]], num_stages=2)
+    costs = uniform_costs(2)
+    # rank 0 waits for a gradient before sending the activation rank 1 needs: a cycle
+    deadlock = [
+        [RecvGrad(0), Forward(0), SendActivation(0), Backward(0), OptimizerStep(0, 0)],
+        [RecvActivation(0), Forward(0), Backward(0), OptimizerStep(0, 0), SendGrad(0)],
+    ]
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        simulate(plan, deadlock, costs)
+    early_step = [
+        [Forward(0), SendActivation(0), RecvGrad(0), OptimizerStep(0, 0), Backward(0)],
+        [RecvActivation(0), Forward(0), Backward(0), OptimizerStep(0, 0), SendGrad(0)],
+    ]
+    with pytest.raises(ScheduleError, match="right after"):
+        simulate(plan, early_step, costs)
+    wrong_order = make_plan([[(0, 0, 10)], [(1, 0, 10)]], num_stages=2)
+    swapped = build_pipeline_schedule(wrong_order, 2)
+    swapped[1] = [
+        RecvActivation(1), Forward(1), Backward(1), OptimizerStep(1, 0), SendGrad(1),
+        RecvActivation(0), Forward(0), Backward(0), OptimizerStep(0, 0), SendGrad(0),
+    ]
+    with pytest.raises(ScheduleError, match="received in order"):
+        simulate(wrong_order, swapped, costs)
+
+
+def test_simulator_enforces_the_in_flight_bound():
+    plan = make_plan([[(0, 0, 10)], [(1, 0, 10)], [(2, 0, 10)]], num_stages=2)
+    greedy = [
+        [Forward(0), SendActivation(0), Forward(1), SendActivation(1), Forward(2),
+         SendActivation(2), RecvGrad(0), Backward(0), OptimizerStep(0, 0), RecvGrad(1),
+         Backward(1), OptimizerStep(1, 0), RecvGrad(2), Backward(2), OptimizerStep(2, 0)],
+        build_pipeline_schedule(plan, 2)[1],
+    ]
+    with pytest.raises(ScheduleError, match="3 microbatches in flight"):
+        simulate(plan, greedy, uniform_costs(2), rendezvous=False)
+
+
+def test_cost_model_counts_the_flops_of_a_real_llama_layer():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=96, intermediate_size=200, num_attention_heads=6, num_key_value_heads=2,
+        num_hidden_layers=1, vocab_size=301,
+    )
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, layer_idx=0)
+    linear_params = sum(m.weight.numel() for m in layer.modules() if type(m).__name__ == "Linear")
+    costs = CostModel.from_decoder_config(config, (3, 2), flops_per_second=1.0)
+    assert costs.layer_flops_per_token == 2 * linear_params
+    assert costs.head_flops_per_token == 2 * 96 * 301
+    # last stage pays the head; backward is backward_factor times forward
+    assert costs.forward_time(0, 10) == pytest.approx(3 * 10 * 2 * linear_params)
+    assert costs.forward_time(1, 10) == pytest.approx(2 * 10 * 2 * linear_params + 10 * 2 * 96 * 301)
+    assert costs.backward_time(1, 10) == pytest.approx(costs.backward_factor * costs.forward_time(1, 10))
+    with pytest.raises(ValueError, match="flops_per_second"):
+        CostModel(stage_layers=(1,), layer_flops_per_token=1.0, flops_per_second=0)
+    ns = SimpleNamespace(hidden_size=8, intermediate_size=16, num_attention_heads=2, vocab_size=10)
+    assert CostModel.from_decoder_config(ns, (1,)).layer_flops_per_token == 2 * (4 * 64 + 3 * 128)
