@@ -10,7 +10,7 @@ get the frozen linear only. Shapes: X [M, K], W [N, K], A_a [r_a, K], B_a [N, r_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -33,6 +33,9 @@ class LoraRouting:
     dropout_p: tuple[float, ...]
     seeds: tuple[int, ...]
     microbatch_index: int = 0
+    # Device-side launch tables of the fused kernels, built once per microbatch on first use
+    # (keyed by device, block size and ranks) and shared by every layer. Not part of equality.
+    launch_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.scales)

@@ -1,0 +1,84 @@
+"""The dropout hash of ``kernels/dropout.py`` written in Triton (uint32), plus a mask kernel.
+
+``keep_hash24`` must stay bit-identical to ``dropout.hash_uniform24``: the fused kernels
+regenerate the forward's mask in backward from (seed, offset, row, col) with it, and the torch
+reference draws its mask with the torch version. ``tests/kernels/test_dropout_triton.py``
+checks the two against each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dropout import _C_COL, _C_OFFSET, _C_SEED, _MASK32, dropout_keep_threshold
+
+
+def seed_hash(seed: int) -> int:
+    """The seed's share of the hash base; xor it with ``offset_hash`` to get the base."""
+    return (seed * _C_SEED) & _MASK32
+
+
+def offset_hash(offset: int) -> int:
+    """The dropout offset's share of the hash base."""
+    return (offset * _C_OFFSET) & _MASK32
+
+
+@triton.jit
+def fmix32(x):
+    """murmur3's 32-bit finaliser on uint32 values (multiplications wrap mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def row_hash(base, rows):
+    """First hash stage, once per row: ``base`` uint32 scalar, ``rows`` [BM] ints -> [BM] uint32."""
+    return fmix32(base ^ (rows.to(tl.uint32) * 0xC2B2AE3D))
+
+
+@triton.jit
+def keep_hash24(row_h, cols):
+    """24 random bits per element: ``row_h`` [BM] from ``row_hash``, ``cols`` [BK] -> [BM, BK]."""
+    col_h = cols.to(tl.uint32) * 0x27D4EB2F
+    return fmix32(row_h[:, None] ^ col_h[None, :]) >> 8
+
+
+@triton.jit
+def hash_base(seed_h, offset_h):
+    """uint32 base from the seed's and the offset's shares (either may arrive as int64)."""
+    return seed_h.to(tl.uint32) ^ offset_h.to(tl.uint32)
+
+
+@triton.jit
+def _keep_mask_kernel(
+    out_ptr, seed_h, offset_h, threshold, row_start, rows, cols,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rh = row_hash(hash_base(seed_h, offset_h), row_start + offs_r)
+    keep = keep_hash24(rh, offs_c) >= threshold.to(tl.uint32)
+    ok = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
+    tl.store(out_ptr + offs_r[:, None] * cols + offs_c[None, :], keep.to(tl.int8), mask=ok)
+
+
+def triton_dropout_keep_mask(
+    seed: int, offset: int, row_start: int, rows: int, cols: int, p: float, device
+) -> torch.Tensor:
+    """Boolean keep-mask ``[rows, cols]`` drawn by the Triton hash (same contract as
+    ``dropout.dropout_keep_mask``); used by tests and benchmarks to prove the two agree."""
+    out = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 64))
+    _keep_mask_kernel[grid](
+        out, seed_hash(seed), offset_hash(offset), dropout_keep_threshold(p), row_start, rows, cols,
+        BLOCK_R=32, BLOCK_C=64,
+    )
+    return out.bool()

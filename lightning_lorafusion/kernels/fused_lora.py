@@ -1,0 +1,659 @@
+"""FusedLoRA / FusedMultiLoRA: Triton kernels, launchers and the autograd Function.
+
+One call handles a group of projections that share an input (q/k/v, gate/up, or a single
+o/down projection) for every adapter routed in the microbatch. The graph is split at the small
+tensor S = dropout(X) A^T (compact ``[rows, total rank of the row's adapter]``):
+
+forward
+  1. ``_lora_s_kernel``: S for all projections of a row tile in one pass over X (dropout mask
+     drawn in-kernel from the hash, never stored).
+  2. ``_lora_fwd_gemm_kernel``: Y_i = X W_i^T (+ bias) + scale * S_i B_i^T, the LoRA term
+     accumulated into the GEMM's accumulator.
+backward
+  3. ``_lora_ds_kernel``: dS_i = scale * dY_i B_i (per row tile).
+  4. ``_lora_db_kernel``: dB_i = scale * dY_i^T S_i (per adapter, split over its tiles).
+  5. ``_lora_dx_gemm_kernel``: dX = sum_i dY_i W_i + (dS A) * mask / (1 - p), the LoRA term in
+     the same accumulator as the frozen GEMM.
+  6. ``_lora_da_kernel``: dA = dS^T (X * mask / (1 - p)), mask regenerated.
+
+Saved for backward: X (held by the previous layer anyway), S, and references to the frozen
+weights and the small concatenated A/B. Routing is per row tile (``routing_table.py``), so any
+segment layout is correct; segments padded to ``block_sizes.pad_multiple()`` avoid partial tiles.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_sizes import LoraBlockSizes, block_sizes_for
+from .dropout_triton import hash_base, keep_hash24, offset_hash, row_hash
+from .reference import LoraModuleWeights, LoraRouting
+from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, LoraLaunchTable, build_launch_table
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_pid(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    # Neighbouring programs share row blocks so their X / dY tiles stay in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_tile(tiles_ptr, t):
+    row_start = tl.load(tiles_ptr + t * 4)
+    row_end = tl.load(tiles_ptr + t * 4 + 1)
+    adapter = tl.load(tiles_ptr + t * 4 + 2)
+    s_off = tl.load(tiles_ptr + t * 4 + 3)
+    return row_start, row_end, adapter, s_off
+
+
+@triton.jit
+def _lora_s_kernel(
+    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K,
+    AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows."""
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
+    width = tl.load(ai_ptr + adapter * AI_STRIDE)
+    a_row = tl.load(ai_ptr + adapter * AI_STRIDE + 1)
+    seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
+    threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
+    inv_keep = tl.load(af_ptr + adapter * 2 + 1)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < row_end
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < width
+    k_stop = tl.where(rb * BLOCK_R < width, K, 0)
+    rh = row_hash(hash_base(seed_h, offset_h), offs_m)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        xt = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_DROPOUT:
+            keep = keep_hash24(rh, offs_k) >= threshold
+            xt = tl.where(keep, xt.to(tl.float32) * inv_keep, 0.0).to(x_ptr.dtype.element_ty)
+        at = tl.load(a_ptr + (a_row + offs_r)[None, :] * K + offs_k[:, None],
+                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+    s_ptrs = s_ptr + s_off + (offs_m - row_start)[:, None] * width + offs_r[None, :]
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_fwd_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, s_ptr, b_ptr,
+    tiles_ptr, block_tiles_ptr, ai_ptr, af_ptr,
+    M, N, K, b_stride, proj_col,
+    AI_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Y[M, N] = X W^T (+ bias) + per-row scale * S_i B_i^T."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_m % M  # wrapped so full tiles load in bounds; the store is masked
+    cols = offs_n % N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        t0 = tl.load(block_tiles_ptr + pid_m)
+        t1 = tl.load(block_tiles_ptr + pid_m + 1)
+        for t in range(t0, t1):
+            row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
+            width = tl.load(ai_ptr + adapter * AI_STRIDE)
+            rank = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col)
+            s_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
+            b_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)
+            scale = tl.load(af_ptr + adapter * 2)
+            row_ok = (offs_m >= row_start) & (offs_m < row_end)
+            s_rows = s_ptr + s_off + (offs_m - row_start) * width + s_col
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < rank
+                st = tl.load(s_rows[:, None] + offs_r[None, :],
+                             mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+                st = (st.to(tl.float32) * scale).to(b_ptr.dtype.element_ty)
+                bt = tl.load(b_ptr + cols[None, :] * b_stride + b_col + offs_r[:, None],
+                             mask=r_ok[:, None], other=0.0)
+                acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + cols[None, :] * K + offs_k[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _lora_ds_kernel(
+    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col,
+    AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS)."""
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
+    width = tl.load(ai_ptr + adapter * AI_STRIDE)
+    rank = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col)
+    s_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
+    b_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)
+    scale = tl.load(af_ptr + adapter * 2)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < row_end
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    n_stop = tl.where(rb * BLOCK_R < rank, N, 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(0, n_stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        dyt = tl.load(dy_ptr + offs_m[:, None] * N + offs_n[None, :],
+                      mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+        bt = tl.load(b_ptr + offs_n[:, None] * b_stride + b_col + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(dyt, bt, acc, input_precision=DOT_PRECISION)
+    ds_ptrs = ds_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :]
+    tl.store(ds_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_db_kernel(
+    dy_ptr, s_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
+    N, b_cols, proj_col, num_rblocks, split,
+    AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """part[split, N, b_cols]: scale * dY_i^T S_i over one share of an adapter's row tiles."""
+    pid_n = tl.program_id(0)
+    adapter = tl.program_id(1) // num_rblocks
+    rb = tl.program_id(1) % num_rblocks
+    sp = tl.program_id(2)
+    width = tl.load(ai_ptr + adapter * AI_STRIDE)
+    rank = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col)
+    s_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
+    b_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)
+    scale = tl.load(af_ptr + adapter * 2)
+    j0 = tl.load(adapter_tile_ptr_ptr + adapter)
+    j1 = tl.load(adapter_tile_ptr_ptr + adapter + 1)
+    per = tl.cdiv(j1 - j0, split)
+    js = j0 + sp * per
+    je = tl.minimum(js + per, j1)
+    je = tl.where(rb * BLOCK_R < rank, je, js)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for j in range(js, je):
+        t = tl.load(adapter_tiles_ptr + j)
+        row_start, row_end, _a, s_off = _load_tile(tiles_ptr, t)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < row_end
+        dyt = tl.load(dy_ptr + offs_m[None, :] * N + offs_n[:, None],
+                      mask=n_ok[:, None] & row_ok[None, :], other=0.0)
+        st = tl.load(s_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :],
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(dyt, st, acc, input_precision=DOT_PRECISION)
+    p_ptrs = part_ptr + sp * N * b_cols + offs_n[:, None] * b_cols + b_col + offs_r[None, :]
+    tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _dy_times_w(acc, dy_ptr, w_ptr, N, K, rows, kcols,
+                EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    dy_ptrs = dy_ptr + rows[:, None] * N + offs_n[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * K + kcols[None, :]
+    for n0 in range(0, N, BLOCK_N):
+        if EVEN_N:
+            dyt = tl.load(dy_ptrs)
+            wt = tl.load(w_ptrs)
+        else:
+            n_ok = offs_n < N - n0
+            dyt = tl.load(dy_ptrs, mask=n_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(dyt, wt, acc, input_precision=DOT_PRECISION)
+        dy_ptrs += BLOCK_N
+        w_ptrs += BLOCK_N * K
+    return acc
+
+
+@triton.jit
+def _lora_dx_gemm_kernel(
+    dy0_ptr, w0_ptr, N0, dy1_ptr, w1_ptr, N1, dy2_ptr, w2_ptr, N2,
+    prev_ptr, dx_ptr, ds_ptr, a_ptr, tiles_ptr, block_tiles_ptr, ai_ptr, af_ptr,
+    offset_h, M, K,
+    AI_STRIDE: tl.constexpr, NUM_PROJ: tl.constexpr, HAS_PREV: tl.constexpr,
+    HAS_LORA: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dX[M, K] = sum_i dY_i W_i (+ prev) + (dS A_a) * mask / (1 - p) per row."""
+    pid_m, pid_k = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = offs_m % M
+    kcols = offs_k % K
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if HAS_LORA:
+        t0 = tl.load(block_tiles_ptr + pid_m)
+        t1 = tl.load(block_tiles_ptr + pid_m + 1)
+        for t in range(t0, t1):
+            row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
+            width = tl.load(ai_ptr + adapter * AI_STRIDE)
+            a_row = tl.load(ai_ptr + adapter * AI_STRIDE + 1)
+            row_ok = (offs_m >= row_start) & (offs_m < row_end)
+            ds_rows = ds_ptr + s_off + (offs_m - row_start) * width
+            part = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for r0 in range(0, width, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < width
+                dst = tl.load(ds_rows[:, None] + offs_r[None, :],
+                              mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+                at = tl.load(a_ptr + (a_row + offs_r)[:, None] * K + kcols[None, :],
+                             mask=r_ok[:, None], other=0.0)
+                part = tl.dot(dst, at, part, input_precision=DOT_PRECISION)
+            if HAS_DROPOUT:
+                seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
+                threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
+                inv_keep = tl.load(af_ptr + adapter * 2 + 1)
+                keep = keep_hash24(row_hash(hash_base(seed_h, offset_h), offs_m), offs_k) >= threshold
+                part = tl.where(keep, part * inv_keep, 0.0)
+            acc += part
+    acc = _dy_times_w(acc, dy0_ptr, w0_ptr, N0, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
+    if NUM_PROJ > 1:
+        acc = _dy_times_w(acc, dy1_ptr, w1_ptr, N1, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
+    if NUM_PROJ > 2:
+        acc = _dy_times_w(acc, dy2_ptr, w2_ptr, N2, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
+    out_mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    out_off = offs_m[:, None] * K + offs_k[None, :]
+    if HAS_PREV:
+        acc += tl.load(prev_ptr + out_off, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + out_off, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _lora_da_kernel(
+    x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
+    offset_h, K, a_rows, num_rblocks, split,
+    AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """part[split, a_rows, K]: dS_a^T (X * mask / (1 - p)) over one share of an adapter's tiles."""
+    pid_k = tl.program_id(0)
+    adapter = tl.program_id(1) // num_rblocks
+    rb = tl.program_id(1) % num_rblocks
+    sp = tl.program_id(2)
+    width = tl.load(ai_ptr + adapter * AI_STRIDE)
+    a_row = tl.load(ai_ptr + adapter * AI_STRIDE + 1)
+    seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
+    threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
+    inv_keep = tl.load(af_ptr + adapter * 2 + 1)
+    j0 = tl.load(adapter_tile_ptr_ptr + adapter)
+    j1 = tl.load(adapter_tile_ptr_ptr + adapter + 1)
+    per = tl.cdiv(j1 - j0, split)
+    js = j0 + sp * per
+    je = tl.minimum(js + per, j1)
+    je = tl.where(rb * BLOCK_R < width, je, js)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < width
+    base = hash_base(seed_h, offset_h)
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for j in range(js, je):
+        t = tl.load(adapter_tiles_ptr + j)
+        row_start, row_end, _a, s_off = _load_tile(tiles_ptr, t)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < row_end
+        dst = tl.load(ds_ptr + s_off + (offs_m - row_start)[None, :] * width + offs_r[:, None],
+                      mask=r_ok[:, None] & row_ok[None, :], other=0.0)
+        xt = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_DROPOUT:
+            keep = keep_hash24(row_hash(base, offs_m), offs_k) >= threshold
+            xt = tl.where(keep, xt.to(tl.float32) * inv_keep, 0.0).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(dst, xt, acc, input_precision=DOT_PRECISION)
+    p_ptrs = part_ptr + sp * a_rows * K + (a_row + offs_r)[:, None] * K + offs_k[None, :]
+    tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision dots (tests compare to float64); 16-bit ones ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _rank_block(rank: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(max(rank, 1))))
+
+
+def _split_count(programs: int, max_tiles: int, device: torch.device) -> int:
+    """How many shares to split an adapter's tiles into so the grid fills the GPU."""
+    if max_tiles <= 1:
+        return 1
+    if device.type != "cuda":
+        return min(2, max_tiles)  # exercise the split path in the interpreter, cheaply
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_tiles, triton.cdiv(2 * sms, max(programs, 1))))
+
+
+def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
+    s = torch.empty(max(table.s_numel, 1), dtype=x.dtype, device=x.device)
+    block_r = _rank_block(table.max_total_rank, 128)
+    grid = (table.num_tiles, triton.cdiv(table.max_total_rank, block_r))
+    _lora_s_kernel[grid](
+        x, a_all, s, table.tiles, table.adapter_int, table.adapter_float, off_h, x.shape[1],
+        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout,
+        BLOCK_M=table.block_m, BLOCK_R=block_r, BLOCK_K=sizes.skinny_block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
+    )
+    return s
+
+
+def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    has_lora = b_cat is not None and table.max_rank[proj] > 0
+    bm, bn, bk = sizes.block_m, sizes.fwd_block_n, sizes.fwd_block_k
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _lora_fwd_gemm_kernel[grid](
+        x, w, bias if bias is not None else w, y, s if has_lora else x, b_cat if has_lora else w,
+        table.tiles, table.block_tiles, table.adapter_int, table.adapter_float,
+        m, n, k, b_cat.shape[1] if has_lora else 0, AI_FIRST_PROJ + AI_PER_PROJ * proj,
+        AI_STRIDE=table.adapter_int.shape[1], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_R=_rank_block(table.max_rank[proj], sizes.rank_block), GROUP_M=sizes.group_m,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=sizes.fwd_warps, num_stages=sizes.fwd_stages,
+    )
+    return y
+
+
+def _launch_ds(dy, b_cat, ds, proj, table, sizes: LoraBlockSizes) -> None:
+    block_r = _rank_block(table.max_rank[proj], 128)
+    grid = (table.num_tiles, triton.cdiv(table.max_rank[proj], block_r))
+    _lora_ds_kernel[grid](
+        dy, b_cat, ds, table.tiles, table.adapter_int, table.adapter_float,
+        dy.shape[1], b_cat.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj,
+        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=table.block_m, BLOCK_R=block_r,
+        BLOCK_N=sizes.skinny_block_k, DOT_PRECISION=_dot_precision(dy.dtype),
+        num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
+    )
+
+
+def _launch_db(dy, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
+    n = dy.shape[1]
+    block_r = _rank_block(table.max_rank[proj], 64)
+    block_n = sizes.skinny_block_k
+    rblocks = triton.cdiv(table.max_rank[proj], block_r)
+    programs = triton.cdiv(n, block_n) * len(table.active) * rblocks
+    split = _split_count(programs, table.max_adapter_tiles, dy.device)
+    part = torch.empty(split, n, b_cat.shape[1], dtype=torch.float32, device=dy.device)
+    grid = (triton.cdiv(n, block_n), table.num_adapters * rblocks, split)
+    _lora_db_kernel[grid](
+        dy, s, part, table.tiles, table.adapter_tiles, table.adapter_tile_ptr,
+        table.adapter_int, table.adapter_float, n, b_cat.shape[1],
+        AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, split,
+        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=table.block_m, BLOCK_N=block_n,
+        BLOCK_R=block_r, DOT_PRECISION=_dot_precision(dy.dtype),
+        num_warps=sizes.skinny_warps, num_stages=sizes.skinny_stages,
+    )
+    return part[0] if split == 1 else part.sum(0)
+
+
+def _launch_dx(dys, weights, ds, a_all, table, sizes: LoraBlockSizes, off_h: int, m: int, k: int,
+               dtype: torch.dtype, device) -> torch.Tensor:
+    pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
+    has_lora = ds is not None
+    bm, bk, bn = sizes.block_m, sizes.dx_block_k, sizes.dx_block_n
+    grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk),)
+    dx = None
+    if not pairs:
+        pairs = [(torch.zeros(m, 1, dtype=dtype, device=device),
+                  torch.zeros(1, k, dtype=dtype, device=device))]
+    for start in range(0, len(pairs), MAX_FUSED_DX_PROJECTIONS):
+        chunk = pairs[start:start + MAX_FUSED_DX_PROJECTIONS]
+        padded = chunk + [(None, None)] * (MAX_FUSED_DX_PROJECTIONS - len(chunk))
+        out = torch.empty(m, k, dtype=dtype, device=device)
+        lora_here = has_lora and start == 0
+        _lora_dx_gemm_kernel[grid](
+            padded[0][0], padded[0][1], padded[0][1].shape[0],
+            padded[1][0], padded[1][1], 0 if padded[1][1] is None else padded[1][1].shape[0],
+            padded[2][0], padded[2][1], 0 if padded[2][1] is None else padded[2][1].shape[0],
+            dx, out, ds if lora_here else out, a_all if lora_here else out,
+            table.tiles, table.block_tiles, table.adapter_int, table.adapter_float,
+            off_h, m, k,
+            AI_STRIDE=table.adapter_int.shape[1], NUM_PROJ=len(chunk), HAS_PREV=dx is not None,
+            HAS_LORA=lora_here, HAS_DROPOUT=table.has_dropout,
+            EVEN_N=all(w.shape[0] % bn == 0 for _, w in chunk),
+            BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+            BLOCK_R=_rank_block(table.max_total_rank, sizes.rank_block), GROUP_M=sizes.group_m,
+            DOT_PRECISION=_dot_precision(dtype),
+            num_warps=sizes.dx_warps, num_stages=sizes.dx_stages,
+        )
+        dx = out
+    return dx
+
+
+def _launch_da(x, ds, table, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
+    k = x.shape[1]
+    block_r = _rank_block(table.max_total_rank, 64)
+    block_k = sizes.skinny_block_k
+    rblocks = triton.cdiv(table.max_total_rank, block_r)
+    programs = triton.cdiv(k, block_k) * len(table.active) * rblocks
+    split = _split_count(programs, table.max_adapter_tiles, x.device)
+    part = torch.empty(split, table.a_rows, k, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(k, block_k), table.num_adapters * rblocks, split)
+    _lora_da_kernel[grid](
+        x, ds, part, table.tiles, table.adapter_tiles, table.adapter_tile_ptr,
+        table.adapter_int, table.adapter_float, off_h, k, table.a_rows, rblocks, split,
+        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout,
+        BLOCK_M=table.block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=sizes.skinny_warps, num_stages=sizes.skinny_stages,
+    )
+    return part[0] if split == 1 else part.sum(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class FusedLoraProjections(torch.autograd.Function):
+    """Shared-input projections with per-row-tile LoRA; differentiable w.r.t. X, A and B."""
+
+    @staticmethod
+    def forward(ctx, x, a_all, table, sizes, off_h, n_proj, *rest):
+        weights = rest[:n_proj]
+        biases = rest[n_proj:2 * n_proj]
+        b_cats = rest[2 * n_proj:3 * n_proj]
+        s = _launch_s(x, a_all, table, sizes, off_h)
+        ys = tuple(
+            _launch_fwd_gemm(x, w, b, s, bc, i, table, sizes)
+            for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
+        )
+        ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
+        ctx.table, ctx.sizes, ctx.off_h, ctx.n_proj = table, sizes, off_h, n_proj
+        ctx.mark_non_differentiable(s)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *dys):
+        table, sizes, off_h, n_proj = ctx.table, ctx.sizes, ctx.off_h, ctx.n_proj
+        x, a_all, s, *rest = ctx.saved_tensors
+        weights, b_cats = rest[:n_proj], rest[n_proj:]
+        m, k = x.shape
+        dys = [None if dy is None else dy.contiguous() for dy in dys]
+        ds = torch.empty(max(table.s_numel, 1), dtype=x.dtype, device=x.device)
+        db_cats = [None] * n_proj
+        for i in range(n_proj):
+            if b_cats[i] is None or table.max_rank[i] == 0:
+                continue
+            dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
+            _launch_ds(dy, b_cats[i], ds, i, table, sizes)
+            if ctx.needs_input_grad[6 + 2 * n_proj + i]:
+                db_cats[i] = _launch_db(dy, s, b_cats[i], i, table, sizes).to(b_cats[i].dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = _launch_dx(dys, weights, ds, a_all, table, sizes, off_h, m, k, x.dtype, x.device)
+        da = None
+        if ctx.needs_input_grad[1]:
+            da = _launch_da(x, ds, table, sizes, off_h).to(a_all.dtype)
+        return (dx, da, None, None, None, None, *([None] * (2 * n_proj)), *db_cats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, weights, biases, loras, routing: LoraRouting) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [tokens, hidden]; got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernels in the interpreter"
+        )
+    m, k = x.shape
+    if m == 0 or k == 0:
+        raise ValueError(f"x has an empty dimension {tuple(x.shape)}; pass at least one token and feature")
+    if x.numel() >= 2**31:
+        raise ValueError(f"x has {x.numel()} elements; the kernels index with int32 (< 2^31)")
+    if not (len(weights) == len(biases) == len(loras)) or not weights:
+        raise ValueError(
+            f"weights, biases and loras need one entry per projection; got {len(weights)}, "
+            f"{len(biases)}, {len(loras)}"
+        )
+    if routing.num_rows != m:
+        raise ValueError(f"routing.num_rows={routing.num_rows} but x has {m} rows")
+    for i, (w, b, lora) in enumerate(zip(weights, biases, loras)):
+        if w.dim() != 2 or w.shape[1] != k:
+            raise ValueError(f"weights[{i}] must be [N, {k}] to match x [M, {k}]; got {tuple(w.shape)}")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise TypeError(
+                f"weights[{i}] is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; "
+                "cast the frozen weights to the activation dtype"
+            )
+        if w.numel() >= 2**31 or m * w.shape[0] >= 2**31:
+            raise ValueError(f"projection {i} is too large for int32 indexing; split the rows")
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device):
+            raise ValueError(
+                f"biases[{i}] must be [{w.shape[0]}] {x.dtype} on {x.device}; got "
+                f"{tuple(b.shape)} {b.dtype} on {b.device}"
+            )
+        if lora is None:
+            continue
+        if len(lora.a) != routing.num_adapters or len(lora.b) != routing.num_adapters:
+            raise ValueError(
+                f"loras[{i}] has {len(lora.a)} A / {len(lora.b)} B entries but routing has "
+                f"{routing.num_adapters} adapters; pass one (possibly None) per adapter"
+            )
+        for ad, (a, bb) in enumerate(zip(lora.a, lora.b)):
+            if (a is None) != (bb is None):
+                raise ValueError(f"loras[{i}] adapter {ad}: A and B must both be given or both None")
+            if a is None:
+                continue
+            if a.dim() != 2 or a.shape[1] != k or a.shape[0] < 1:
+                raise ValueError(f"loras[{i}].a[{ad}] must be [rank >= 1, {k}]; got {tuple(a.shape)}")
+            if bb.shape != (w.shape[0], a.shape[0]):
+                raise ValueError(
+                    f"loras[{i}].b[{ad}] must be [{w.shape[0]}, {a.shape[0]}] (N, rank); got {tuple(bb.shape)}"
+                )
+            if a.dtype not in SUPPORTED_DTYPES or bb.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"loras[{i}] adapter {ad}: A/B dtype must be one of {SUPPORTED_DTYPES}")
+            if a.device != x.device or bb.device != x.device:
+                raise ValueError(f"loras[{i}] adapter {ad}: A/B must be on {x.device}")
+
+
+def lora_ranks(loras: Sequence[LoraModuleWeights | None], num_adapters: int) -> tuple[tuple[int, ...], ...]:
+    """``ranks[projection][adapter]``, 0 where the adapter has no LoRA on that projection."""
+    return tuple(
+        tuple(0 if l is None or l.a[a] is None else int(l.a[a].shape[0]) for a in range(num_adapters))
+        for l in loras
+    )
+
+
+def fused_lora_projections(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    loras: Sequence[LoraModuleWeights | None],
+    routing: LoraRouting,
+    *,
+    dropout_offset: int = 0,
+    block_sizes: LoraBlockSizes | None = None,
+) -> list[torch.Tensor]:
+    """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
+
+    ``weights[i]`` [N_i, K] and ``biases[i]`` [N_i] are frozen (no gradients). ``loras[i].a[a]``
+    [r, K] / ``.b[a]`` [N_i, r] (or None) get gradients, as does ``x``. All projections share one
+    dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
+    """
+    _check_inputs(x, weights, biases, loras, routing)
+    x = x.contiguous()
+    weights = [w.contiguous() for w in weights]
+    biases = [None if b is None else b.contiguous() for b in biases]
+    sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
+    ranks = lora_ranks(loras, routing.num_adapters)
+    table = build_launch_table(routing, ranks, sizes.block_m, x.device)
+    if table.a_rows == 0:  # no routed row has LoRA here: the frozen projections alone
+        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+    a_all = torch.cat([loras[i].a[a] for a, i in table.a_order]).to(x.dtype).contiguous()
+    b_cats = [
+        torch.cat([loras[i].b[a] for a in table.b_order[i]], dim=1).to(x.dtype).contiguous()
+        if table.b_order[i] else None
+        for i in range(len(weights))
+    ]
+    ys = FusedLoraProjections.apply(
+        x, a_all, table, sizes, offset_hash(dropout_offset), len(weights), *weights, *biases, *b_cats
+    )
+    return list(ys)

@@ -1,0 +1,162 @@
+"""Device-side routing tables of the fused LoRA kernels, built once per microbatch and reused.
+
+A microbatch's ``LoraRouting`` (row segments -> adapter) and the ranks of one group of
+shared-input projections are turned into small integer tables the kernels index:
+
+- row tiles: every segment of an adapter with LoRA weights, cut at multiples of ``block_m``,
+  so each tile lies inside one GEMM row block (segments need not be padded; padding them to
+  ``block_m`` only avoids partial tiles);
+- per GEMM row block, the range of tiles inside it; per adapter, the list of its tiles;
+- per adapter, its total rank over the projections (the row width of its slice of S), its rows
+  in the concatenated A, dropout hash seed and keep threshold, scale and 1/(1-p); per
+  (adapter, projection), the rank and the column offsets in S and in the concatenated B.
+
+S (``[rows of active segments, total rank of the row's adapter]``) is stored compactly: a
+segment's rows use only their adapter's width, so heterogeneous ranks cost no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dropout import dropout_keep_threshold
+from .dropout_triton import seed_hash
+from .reference import LoraRouting
+
+# Columns of ``adapter_int``: these four, then (rank, s_col, b_col) per projection.
+AI_TOTAL_RANK, AI_A_ROW, AI_SEED_HASH, AI_THRESHOLD = 0, 1, 2, 3
+AI_FIRST_PROJ = 4
+AI_PER_PROJ = 3
+
+
+@dataclass(frozen=True)
+class LoraLaunchTable:
+    """Tables for one (routing, projection-ranks, block_m, device); shapes in the field notes."""
+
+    block_m: int
+    num_rows: int
+    num_tiles: int
+    tiles: torch.Tensor  # [T, 4] int64: row_start, row_end, adapter, s_offset (elements)
+    block_tiles: torch.Tensor  # [cdiv(M, block_m) + 1] int32: tile range of each row block
+    adapter_tiles: torch.Tensor  # [T] int32: tile ids grouped by adapter
+    adapter_tile_ptr: torch.Tensor  # [A + 1] int32: adapter a's tiles are adapter_tiles[ptr[a]:ptr[a+1]]
+    adapter_int: torch.Tensor  # [A, 4 + 3P] int64 (see AI_* columns)
+    adapter_float: torch.Tensor  # [A, 2] float32: scale, 1 / (1 - p)
+    s_numel: int  # elements of the compact S (and dS)
+    a_rows: int  # rows of the concatenated A over active adapters
+    b_cols: tuple[int, ...]  # per projection, columns of its concatenated B
+    max_total_rank: int
+    max_rank: tuple[int, ...]  # per projection, largest rank of an active adapter
+    max_adapter_tiles: int
+    active: tuple[int, ...]  # adapters with tiles and LoRA weights, ascending
+    a_order: tuple[tuple[int, int], ...]  # (adapter, projection) order of A's row blocks
+    b_order: tuple[tuple[int, ...], ...]  # per projection, adapter order of B's column blocks
+    has_dropout: bool
+
+    @property
+    def num_adapters(self) -> int:
+        return int(self.adapter_int.shape[0])
+
+
+def build_launch_table(
+    routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], block_m: int, device: torch.device
+) -> LoraLaunchTable:
+    """Build (or fetch from ``routing.launch_cache``) the tables for ``ranks[proj][adapter]``
+    (0 where that adapter has no LoRA on that projection)."""
+    key = (str(device), block_m, ranks)
+    cached = routing.launch_cache.get(key)
+    if cached is not None:
+        return cached
+    table = _build(routing, ranks, block_m, device)
+    routing.launch_cache[key] = table
+    return table
+
+
+def _build(
+    routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], block_m: int, device: torch.device
+) -> LoraLaunchTable:
+    n_adapters = routing.num_adapters
+    n_proj = len(ranks)
+    total_rank = [sum(ranks[i][a] for i in range(n_proj)) for a in range(n_adapters)]
+    present = {a for _, _, a in routing.segments}
+    active = tuple(a for a in range(n_adapters) if a in present and total_rank[a] > 0)
+
+    tiles: list[tuple[int, int, int, int]] = []
+    s_offset = 0
+    for start, end, adapter in routing.segments:
+        if adapter not in active:
+            continue
+        row = start
+        while row < end:
+            stop = min(end, (row // block_m + 1) * block_m)
+            tiles.append((row, stop, adapter, s_offset + (row - start) * total_rank[adapter]))
+            row = stop
+        s_offset += (end - start) * total_rank[adapter]
+
+    n_blocks = -(-routing.num_rows // block_m)
+    block_tiles = [0] * (n_blocks + 1)
+    for row_start, _, _, _ in tiles:
+        block_tiles[row_start // block_m + 1] += 1
+    for b in range(n_blocks):
+        block_tiles[b + 1] += block_tiles[b]
+
+    by_adapter: list[list[int]] = [[] for _ in range(n_adapters)]
+    for t, (_, _, adapter, _) in enumerate(tiles):
+        by_adapter[adapter].append(t)
+    adapter_tiles = [t for lst in by_adapter for t in lst]
+    adapter_tile_ptr = [0]
+    for lst in by_adapter:
+        adapter_tile_ptr.append(adapter_tile_ptr[-1] + len(lst))
+
+    adapter_int = [[0] * (AI_FIRST_PROJ + AI_PER_PROJ * n_proj) for _ in range(n_adapters)]
+    adapter_float = [[0.0, 1.0] for _ in range(n_adapters)]
+    a_order: list[tuple[int, int]] = []
+    b_order: list[list[int]] = [[] for _ in range(n_proj)]
+    b_cols = [0] * n_proj
+    a_row = 0
+    for a in active:
+        p = routing.dropout_p[a]
+        row = adapter_int[a]
+        row[AI_TOTAL_RANK] = total_rank[a]
+        row[AI_A_ROW] = a_row
+        row[AI_SEED_HASH] = seed_hash(routing.seeds[a])
+        row[AI_THRESHOLD] = dropout_keep_threshold(p) if p > 0.0 else 0
+        adapter_float[a] = [float(routing.scales[a]), 1.0 / (1.0 - p)]
+        s_col = 0
+        for i in range(n_proj):
+            r = ranks[i][a]
+            base = AI_FIRST_PROJ + AI_PER_PROJ * i
+            row[base], row[base + 1], row[base + 2] = r, s_col, b_cols[i]
+            if r:
+                a_order.append((a, i))
+                b_order[i].append(a)
+            s_col += r
+            b_cols[i] += r
+        a_row += total_rank[a]
+
+    def to_dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return LoraLaunchTable(
+        block_m=block_m,
+        num_rows=routing.num_rows,
+        num_tiles=len(tiles),
+        tiles=to_dev(tiles if tiles else [[0, 0, 0, 0]], torch.int64),
+        block_tiles=to_dev(block_tiles, torch.int32),
+        adapter_tiles=to_dev(adapter_tiles if adapter_tiles else [0], torch.int32),
+        adapter_tile_ptr=to_dev(adapter_tile_ptr, torch.int32),
+        adapter_int=to_dev(adapter_int, torch.int64),
+        adapter_float=to_dev(adapter_float, torch.float32),
+        s_numel=s_offset,
+        a_rows=a_row,
+        b_cols=tuple(b_cols),
+        max_total_rank=max((total_rank[a] for a in active), default=0),
+        max_rank=tuple(max((ranks[i][a] for a in active), default=0) for i in range(n_proj)),
+        max_adapter_tiles=max((len(by_adapter[a]) for a in active), default=0),
+        active=active,
+        a_order=tuple(a_order),
+        b_order=tuple(tuple(o) for o in b_order),
+        has_dropout=any(routing.dropout_p[a] > 0.0 for a in active),
+    )
