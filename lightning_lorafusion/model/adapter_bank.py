@@ -1,0 +1,134 @@
+"""AdapterBank: the trainable LoRA factors of N adapters over one frozen decoder, plus routing."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..specs import ALL_TARGET_MODULES, AdapterSpec, ConfigError
+from .decoder import BankView, DecoderConfig
+
+
+def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
+    """Seed of one A factor: depends only on (adapter seed, layer, module), so an adapter's
+    initial weights do not change with the other adapters in the bank or its own targets."""
+    return (adapter_seed * 1_000_003 + layer * 131 + ALL_TARGET_MODULES.index(module)) % (2**63 - 1)
+
+
+class LoraFactors(nn.Module):
+    """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection."""
+
+    def __init__(self, rank: int, in_features: int, out_features: int, *, seed: int,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        a = torch.empty(rank, in_features, dtype=torch.float32)
+        # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)), B = 0, so training starts at the base.
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
+
+
+class AdapterBank(nn.Module):
+    """N LoRA adapters (heterogeneous rank, alpha, dropout, target modules) of one decoder.
+
+    Parameters live at ``adapters[a][layer][module].lora_A / .lora_B`` (so ``state_dict`` keys
+    look like ``adapters.0.3.q_proj.lora_A``); every layer of the decoder is adapted for each
+    targeted module (PEFT's default). Adapter ``a`` is ``specs[a]``; its index is what routing
+    segments and ``LoraModuleWeights`` tuples use.
+    """
+
+    def __init__(self, specs: Sequence[AdapterSpec], config: DecoderConfig, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not specs:
+            raise ConfigError("AdapterBank needs at least one AdapterSpec; got none")
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"adapter names must be unique; repeated: {duplicates}")
+        self.config = config
+        self.specs: tuple[AdapterSpec, ...] = tuple(specs)
+        adapters = []
+        for spec in self.specs:
+            for module in spec.target_modules:
+                if module not in ALL_TARGET_MODULES:
+                    raise ConfigError(
+                        f"adapter {spec.name!r}: unknown target module {module!r}; "
+                        f"allowed: {list(ALL_TARGET_MODULES)}"
+                    )
+                d_in, d_out = config.module_dims(module)
+                if spec.rank > min(d_in, d_out):
+                    raise ConfigError(
+                        f"adapter {spec.name!r}: rank={spec.rank} exceeds {module} dims "
+                        f"(in={d_in}, out={d_out}); use rank <= {min(d_in, d_out)} or drop "
+                        f"{module!r} from target_modules"
+                    )
+            layers = nn.ModuleList()
+            for layer in range(config.num_layers):
+                layers.append(nn.ModuleDict({
+                    m: LoraFactors(spec.rank, *config.module_dims(m),
+                                   seed=_init_seed(spec.seed, layer, m), dtype=dtype, device=device)
+                    for m in ALL_TARGET_MODULES if m in spec.target_modules
+                }))
+            adapters.append(layers)
+        self.adapters = nn.ModuleList(adapters)
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+    @property
+    def num_adapters(self) -> int:
+        return len(self.specs)
+
+    def index_of(self, name: str) -> int:
+        if name not in self.names:
+            raise KeyError(f"no adapter named {name!r}; the bank has {list(self.names)}")
+        return self.names.index(name)
+
+    def parameters_of(self, adapter_index: int) -> list[nn.Parameter]:
+        """Adapter ``adapter_index``'s parameters (for its own optimizer)."""
+        return list(self.adapters[adapter_index].parameters())
+
+    def factors(self, adapter_index: int, layer: int, module: str) -> LoraFactors | None:
+        layer_dict = self.adapters[adapter_index][layer]
+        return layer_dict[module] if module in layer_dict else None
+
+    def module_weights(self, layer: int, module: str) -> LoraModuleWeights | None:
+        """One projection's factors over all adapters (None where not targeted); None if no
+        adapter targets it."""
+        per = [self.factors(a, layer, module) for a in range(self.num_adapters)]
+        if all(f is None for f in per):
+            return None
+        return LoraModuleWeights(
+            a=tuple(None if f is None else f.lora_A for f in per),
+            b=tuple(None if f is None else f.lora_B for f in per),
+        )
+
+    def view(self, layers: Sequence[int] | None = None) -> BankView:
+        """``{(layer, module): LoraModuleWeights}`` for the decoder (default: all layers)."""
+        out = {}
+        for layer in range(self.config.num_layers) if layers is None else layers:
+            for module in ALL_TARGET_MODULES:
+                w = self.module_weights(layer, module)
+                if w is not None:
+                    out[(layer, module)] = w
+        return out
+
+    def routing(self, segments: Sequence[tuple[int, int, int]], microbatch_index: int,
+                num_rows: int, *, train: bool = True) -> LoraRouting:
+        """Routing table of one microbatch; ``train=False`` switches dropout off."""
+        return LoraRouting(
+            num_rows=num_rows,
+            segments=tuple(tuple(s) for s in segments),
+            scales=tuple(s.scale for s in self.specs),
+            dropout_p=tuple(s.dropout if train else 0.0 for s in self.specs),
+            seeds=tuple(s.seed for s in self.specs),
+            microbatch_index=microbatch_index,
+        )
