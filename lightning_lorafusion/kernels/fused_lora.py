@@ -622,6 +622,13 @@ def lora_ranks(loras: Sequence[LoraModuleWeights | None], num_adapters: int) -> 
     )
 
 
+def _concat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    # Differentiable concatenation (gradients flow back to each adapter's factor); a single
+    # factor is used as is, saving a copy and a launch in the common one-adapter case.
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    return out.to(dtype).contiguous()
+
+
 def fused_lora_projections(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -647,10 +654,9 @@ def fused_lora_projections(
     table = build_launch_table(routing, ranks, sizes.block_m, x.device)
     if table.a_rows == 0:  # no routed row has LoRA here: the frozen projections alone
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
-    a_all = torch.cat([loras[i].a[a] for a, i in table.a_order]).to(x.dtype).contiguous()
+    a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, x.dtype)
     b_cats = [
-        torch.cat([loras[i].b[a] for a in table.b_order[i]], dim=1).to(x.dtype).contiguous()
-        if table.b_order[i] else None
+        _concat([loras[i].b[a] for a in table.b_order[i]], 1, x.dtype) if table.b_order[i] else None
         for i in range(len(weights))
     ]
     ys = FusedLoraProjections.apply(

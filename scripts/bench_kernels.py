@@ -1,0 +1,305 @@
+"""GPU benchmark of the fused LoRA kernels against the frozen linear and PEFT-style torch LoRA.
+
+For bf16, r=16, p=0.1 it times forward+backward of
+  (a) the frozen linear  Y = X W^T (dX only: W is frozen),
+  (b) torch LoRA (PEFT's math)  Y = X W^T + s * (dropout(X) A^T) B^T,
+  (c) ours, one adapter,
+  (d) ours, 4 adapters with uneven segments (40/30/20/10 % of the rows),
+over M in {4096, 8192, 16384} x (K, N) in {(4096,4096), (4096,14336), (14336,4096),
+(5120,5120), (8192,8192)}, plus the seven projections of a Llama-3.1-8B decoder layer.
+Every time is reported as a ratio to (a) measured in the same run, with TFLOP/s, and the saved
+activations of one layer (bytes held between forward and backward, outputs excluded). bf16
+correctness against a float64 reference runs first, in the same script.
+
+    python scripts/bench_kernels.py [--tune] [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
+from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
+from lightning_lorafusion.kernels.dropout import dropout_keep_mask  # noqa: E402
+from lightning_lorafusion.kernels.dropout_triton import triton_dropout_keep_mask  # noqa: E402
+from lightning_lorafusion.kernels.reference import (  # noqa: E402
+    LoraModuleWeights,
+    LoraRouting,
+    lora_projections_reference,
+)
+
+SWEEP_M = (4096, 8192, 16384)
+SWEEP_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 5120), (8192, 8192))
+RANK, P, ALPHA = 16, 0.1, 32.0
+DT = torch.bfloat16
+
+
+def log(msg: str, fh=None) -> None:
+    print(msg, flush=True)
+    if fh is not None:
+        fh.write(msg + "\n")
+        fh.flush()
+
+
+def uneven_routing(m: int, n_adapters: int, p: float, scale: float, pad: int = 128) -> LoraRouting:
+    """Segments of 40/30/20/10 % (for 4 adapters) of the rows, padded to ``pad``."""
+    weights = [n_adapters - i for i in range(n_adapters)]
+    segs, start = [], 0
+    for a, wgt in enumerate(weights):
+        length = m - start if a == n_adapters - 1 else (m * wgt // sum(weights)) // pad * pad
+        segs.append((start, start + length, a))
+        start += length
+    return LoraRouting(num_rows=m, segments=tuple(segs), scales=(scale,) * n_adapters,
+                       dropout_p=(p,) * n_adapters, seeds=tuple(range(11, 11 + n_adapters)))
+
+
+def make_lora(n_adapters, ranks, k, ns, device, dtype=DT, requires_grad=True):
+    """Per projection LoraModuleWeights with random A [r, K] and B [N, r] (B nonzero)."""
+    out = []
+    for n in ns:
+        a = tuple((torch.randn(r, k, device=device, dtype=dtype) / k**0.5).requires_grad_(requires_grad) for r in ranks)
+        b = tuple((torch.randn(n, r, device=device, dtype=dtype) / r**0.5).requires_grad_(requires_grad) for r in ranks)
+        out.append(LoraModuleWeights(a, b))
+    return out
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness
+# ---------------------------------------------------------------------------------------------
+
+
+def check_correctness(device, fh) -> bool:
+    ok = True
+    for (seed, off, row0, rows, cols, p) in [(0, 0, 0, 300, 1000, 0.1), (987654321, 2**31 + 3, 77, 129, 4097, 0.5)]:
+        same = torch.equal(triton_dropout_keep_mask(seed, off, row0, rows, cols, p, device),
+                           dropout_keep_mask(seed, off, row0, rows, cols, p, device))
+        ok &= same
+        log(f"mask triton==torch seed={seed} p={p}: {same}", fh)
+    cases = [
+        ("single 4096x4096 r16 p0.1", 2048, 4096, (4096,), 1, (16,), 0.1, torch.bfloat16),
+        ("multi4 qkv 8B r8/16/32/64 p0.1", 2048, 4096, (4096, 1024, 1024), 4, (8, 16, 32, 64), 0.1, torch.bfloat16),
+        ("odd M=1000 K=4000 N=4097 r3 multi2 uneven", 1000, 4000, (4097,), 2, (3, 128), 0.2, torch.bfloat16),
+        ("fp16 multi3 r16", 1536, 2048, (2048, 512), 3, (16, 16, 1), 0.1, torch.float16),
+        ("fp32 single r16 p0", 1024, 1024, (1536,), 1, (16,), 0.0, torch.float32),
+    ]
+    for name, m, k, ns, n_ad, ranks, p, dtype in cases:
+        torch.manual_seed(0)
+        routing = uneven_routing(m, n_ad, p, 2.0, pad=1) if n_ad > 1 else \
+            LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(2.0,), dropout_p=(p,), seeds=(5,))
+        if "odd" in name:  # leave uncovered rows and unpadded segment ends
+            routing = LoraRouting(num_rows=m, segments=((3, 517, 0), (600, 999, 1)), scales=(2.0, 0.25),
+                                  dropout_p=(p, 0.0), seeds=(1, 2))
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        ws = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n in ns]
+        bs = [torch.randn(n, device=device, dtype=dtype) for n in ns]
+        loras = make_lora(n_ad, ranks, k, ns, device, dtype)
+        ys = lora_projections(x, ws, bs, loras, routing, dropout_offset=123, backend="triton")
+        params = [x] + [t for l in loras for t in l.a + l.b]
+        gys = [torch.randn_like(y) for y in ys]
+        grads = torch.autograd.grad(ys, params, gys, allow_unused=True)
+
+        def up(t):
+            return t.detach().double().requires_grad_(True)
+        x64 = up(x)
+        l64 = [LoraModuleWeights(tuple(up(t) for t in l.a), tuple(up(t) for t in l.b)) for l in loras]
+        ys64 = lora_projections_reference(x64, [w.double() for w in ws], [b.double() for b in bs], l64, routing, 123)
+        p64 = [x64] + [t for l in l64 for t in l.a + l.b]
+        g64 = torch.autograd.grad(ys64, p64, [g.double() for g in gys], allow_unused=True)
+        errs = [rel(y, y6) for y, y6 in zip(ys, ys64)]
+        gerrs = [0.0 if (g is None and g6 is None) else rel(g, g6) for g, g6 in zip(grads, g64)]
+        tol = 1e-2 if dtype != torch.float32 else 1e-3
+        good = all(e < tol for e in errs + gerrs) and all(torch.isfinite(y).all() for y in ys)
+        ok &= good
+        log(f"correctness {name} {dtype}: {'PASS' if good else 'FAIL'} max rel err Y {max(errs):.2e}, "
+            f"dX {gerrs[0]:.2e}, dA/dB max {max(gerrs[1:]):.2e} (tol {tol})", fh)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_fn(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def group_fns(m, k, ns, device, n_adapters=1, ranks=(RANK,)):
+    """fwd+bwd closures of one shared-input projection group for variants a-d."""
+    x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
+    ws = [torch.randn(n, k, device=device, dtype=DT) / k**0.5 for n in ns]
+    gys = [torch.randn(m, n, device=device, dtype=DT) for n in ns]
+    scale = ALPHA / RANK
+    single = make_lora(1, (RANK,), k, ns, device)
+    single_routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(scale,), dropout_p=(P,), seeds=(3,))
+    multi = make_lora(4, (RANK,) * 4, k, ns, device)
+    multi_routing = uneven_routing(m, 4, P, scale)
+
+    def frozen():
+        ys = [F.linear(x, w) for w in ws]
+        torch.autograd.grad(ys, [x], gys)
+
+    def torch_lora():
+        xd = F.dropout(x, P, training=True)
+        ys = [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
+        torch.autograd.grad(ys, [x] + [t for l in single for t in (l.a[0], l.b[0])], gys)
+
+    def ours(loras, routing):
+        def run():
+            ys = lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1, backend="triton")
+            torch.autograd.grad(ys, [x] + [t for l in loras for t in l.a + l.b], gys)
+        return run
+
+    def fwd_only(variant):
+        if variant == "frozen":
+            return lambda: [F.linear(x, w) for w in ws]
+        if variant == "torch_lora":
+            def f():
+                xd = F.dropout(x, P, training=True)
+                return [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
+            return f
+        loras, routing = (single, single_routing) if variant == "ours_single" else (multi, multi_routing)
+        return lambda: lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1, backend="triton")
+
+    fns = {"frozen": frozen, "torch_lora": torch_lora, "ours_single": ours(single, single_routing),
+           "ours_multi4": ours(multi, multi_routing)}
+    return fns, fwd_only, sum(ns)
+
+
+def saved_bytes(fwd) -> int:
+    """Bytes allocated by a forward beyond its outputs: what autograd holds for backward."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ys = fwd()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    out = sum(y.numel() * y.element_size() for y in ys)
+    del ys
+    return after - before - out
+
+
+def flops(m, k, n_total, lora: bool, n_groups_rank=RANK) -> float:
+    f = 4.0 * m * k * n_total  # Y = X W^T and dX = dY W
+    if lora:
+        # fwd S, S B^T; bwd dS, dB, dS A, dA (rank r)
+        f += 2.0 * m * n_groups_rank * (3 * k + 3 * n_total)
+    return f
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", action="store_true", help="run scripts/tune_kernels.py's search first")
+    parser.add_argument("--quick", action="store_true", help="only M=8192 of the sweep")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    fh = open(args.out / "bench_kernels.log", "w")
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"python {platform.python_version()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", fh)
+    log("command: " + " ".join(sys.argv), fh)
+    results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+               "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}", "rows": []}
+
+    t0 = time.time()
+    results["correct"] = check_correctness(device, fh)
+    log(f"correctness done in {time.time() - t0:.0f}s", fh)
+
+    if args.tune:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import tune_kernels
+        t0 = time.time()
+        sizes = tune_kernels.tune(device, log=lambda s: log(s, fh))
+        tune_kernels.write_table(name, sizes, tune_kernels.TABLE)
+        tune_kernels.write_table(name, sizes, args.out / "block_sizes.json")
+        log(f"tuned in {time.time() - t0:.0f}s: {sizes}", fh)
+        from lightning_lorafusion.kernels import block_sizes as bsmod
+        bsmod._load_table.cache_clear()
+    log(f"block sizes in use: {block_sizes_for(device)}", fh)
+
+    ms_list = (8192,) if args.quick else SWEEP_M
+    rows = []
+    for m in ms_list:
+        for k, n in SWEEP_KN:
+            torch.manual_seed(0)
+            fns, fwd_only, n_total = group_fns(m, k, (n,), device)
+            times = {v: bench_fn(fn) for v, fn in fns.items()}
+            mem = {v: saved_bytes(fwd_only(v)) for v in fns}
+            row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem,
+                   "ratio": {v: times[v] / times["frozen"] for v in times},
+                   "tflops": {v: flops(m, k, n_total, v != "frozen") / times[v] / 1e9 for v in times}}
+            rows.append(row)
+            log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms | torch_lora x{row['ratio']['torch_lora']:.3f}"
+                f" | ours_single x{row['ratio']['ours_single']:.3f} | ours_multi4 x{row['ratio']['ours_multi4']:.3f}"
+                f" | TFLOP/s frozen {row['tflops']['frozen']:.0f} ours {row['tflops']['ours_single']:.0f}"
+                f" | saved MiB frozen {mem['frozen']/2**20:.1f} torch {mem['torch_lora']/2**20:.1f}"
+                f" ours {mem['ours_single']/2**20:.1f}", fh)
+            del fns, fwd_only
+            torch.cuda.empty_cache()
+    results["rows"] = rows
+
+    # Llama-3.1-8B decoder layer projections: hidden 4096, q 4096, k/v 1024 (GQA 8 heads),
+    # o 4096, gate/up 14336, down 14336 -> 4096; all seven adapted, M = 8192 tokens.
+    m = 8192
+    groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+              ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
+    layer = {v: 0.0 for v in ("frozen", "torch_lora", "ours_single", "ours_multi4")}
+    layer_mem = {v: 0 for v in layer}
+    layer_flops = {v: 0.0 for v in layer}
+    for gname, k, ns in groups:
+        fns, fwd_only, n_total = group_fns(m, k, ns, device)
+        for v, fn in fns.items():
+            t = bench_fn(fn)
+            layer[v] += t
+            layer_mem[v] += saved_bytes(fwd_only(v))
+            layer_flops[v] += flops(m, k, n_total, v != "frozen")
+        del fns, fwd_only
+        torch.cuda.empty_cache()
+    results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem,
+                                "ratio": {v: layer[v] / layer["frozen"] for v in layer}}
+
+    def geo(v):
+        return math.exp(sum(math.log(r["ratio"][v]) for r in rows) / len(rows))
+
+    summary = {v: {"geomean": geo(v), "max": max(r["ratio"][v] for r in rows)}
+               for v in ("torch_lora", "ours_single", "ours_multi4")}
+    results["summary"] = summary
+    (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=2))
+
+    log("", fh)
+    log(f"== {name}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
+    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} {'torch':>6} {'single':>6} {'multi4':>6} {'TF/s a':>6} {'TF/s c':>6}", fh)
+    for r in rows:
+        log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:9.3f} {r['ratio']['torch_lora']:6.3f} "
+            f"{r['ratio']['ours_single']:6.3f} {r['ratio']['ours_multi4']:6.3f} {r['tflops']['frozen']:6.0f} "
+            f"{r['tflops']['ours_single']:6.0f}", fh)
+    for v, s in summary.items():
+        log(f"{v:12s} geomean x{s['geomean']:.3f}  max x{s['max']:.3f}", fh)
+    lr = results["llama8b_layer"]
+    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer['frozen']:.3f} ms; " +
+        ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4")), fh)
+    log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in layer_mem.items()), fh)
+    log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Pick the fused LoRA GEMM block sizes for this GPU and write them into the shipped JSON table.
+
+Times the forward GEMM (``_lora_fwd_gemm_kernel``, LoRA epilogue on, r=16) and the dX GEMM
+(``_lora_dx_gemm_kernel``) for a handful of tile configurations over a few decoder shapes and
+keeps, per kernel, the configuration with the smallest total time. The result is stored under
+the device's name (``torch.cuda.get_device_name``) in ``block_sizes.json``; other devices'
+entries are kept.
+
+    python scripts/tune_kernels.py [--out lightning_lorafusion/kernels/block_sizes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from lightning_lorafusion.kernels.block_sizes import LoraBlockSizes
+from lightning_lorafusion.kernels.fused_lora import _launch_dx, _launch_fwd_gemm, lora_ranks
+from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
+from lightning_lorafusion.kernels.routing_table import build_launch_table
+
+TABLE = Path(__file__).resolve().parents[1] / "lightning_lorafusion" / "kernels" / "block_sizes.json"
+
+# (block_m, block_n, block_k, warps, stages): forward tiles are [block_m, block_n] of Y with
+# block_k reduction; dX tiles are [block_m, block_n] of dX with block_k reduction over N.
+FWD_CANDIDATES = [
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4),
+    (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 32, 8, 5),
+]
+DX_CANDIDATES = [
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+    (64, 256, 64, 4, 4), (128, 128, 32, 8, 5),
+]
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]  # (M, K, N)
+
+
+def _problem(m, k, n, device, dtype=torch.bfloat16, rank=16):
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    a = torch.randn(rank, k, device=device, dtype=dtype) / k**0.5
+    b = torch.randn(n, rank, device=device, dtype=dtype)
+    routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(2.0,), dropout_p=(0.1,), seeds=(0,))
+    lora = LoraModuleWeights((a,), (b,))
+    return x, w, a, b, routing, lora
+
+
+def time_config(kind: str, cfg: tuple, device) -> float:
+    bm, bn, bk, warps, stages = cfg
+    if kind == "fwd":
+        sizes = LoraBlockSizes(block_m=bm, fwd_block_n=bn, fwd_block_k=bk, fwd_warps=warps, fwd_stages=stages)
+    else:
+        sizes = LoraBlockSizes(block_m=bm, dx_block_k=bn, dx_block_n=bk, dx_warps=warps, dx_stages=stages)
+    total = 0.0
+    for m, k, n in SHAPES:
+        x, w, a, b, routing, lora = _problem(m, k, n, device)
+        table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
+        s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
+        if kind == "fwd":
+            fn = lambda: _launch_fwd_gemm(x, w, None, s, b, 0, table, sizes)  # noqa: E731
+        else:
+            dy = torch.randn(m, n, device=device, dtype=x.dtype)
+            fn = lambda: _launch_dx([dy], [w], s, a, table, sizes, 0, m, k, x.dtype, device)  # noqa: E731
+        total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return total
+
+
+def tune(device: torch.device, log=print) -> LoraBlockSizes:
+    best = {}
+    for kind, candidates in (("fwd", FWD_CANDIDATES), ("dx", DX_CANDIDATES)):
+        results = []
+        for cfg in candidates:
+            t0 = time.time()
+            try:
+                ms = time_config(kind, cfg, device)
+            except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
+                log(f"tune {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            log(f"tune {kind} {cfg}: {ms:.3f} ms total over {len(SHAPES)} shapes ({time.time() - t0:.1f}s)")
+            results.append((ms, cfg))
+        results.sort()
+        best[kind] = results[0][1]
+    fwd, dx = best["fwd"], best["dx"]
+    # One block_m serves both GEMMs and the routing tiles: keep the forward's, and if the dX
+    # winner wanted another, fall back to its best config with the forward's block_m.
+    block_m = fwd[0]
+    if dx[0] != block_m:
+        same = [c for c in DX_CANDIDATES if c[0] == block_m]
+        dx = min(same, key=lambda c: time_config("dx", c, device))
+    return LoraBlockSizes(
+        block_m=block_m, fwd_block_n=fwd[1], fwd_block_k=fwd[2], fwd_warps=fwd[3], fwd_stages=fwd[4],
+        dx_block_k=dx[1], dx_block_n=dx[2], dx_warps=dx[3], dx_stages=dx[4],
+    )
+
+
+def write_table(name: str, sizes: LoraBlockSizes, path: Path) -> None:
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    raw.setdefault("devices", {})[name] = dataclasses.asdict(sizes)
+    raw["note"] = "written by scripts/tune_kernels.py; keys are torch.cuda.get_device_name()"
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=TABLE)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_kernels.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    sizes = tune(device)
+    write_table(name, sizes, args.out)
+    print(f"{name}: {sizes}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
