@@ -82,7 +82,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
             return
-        module = self.trainer.lightning_module if self._trainer is not None else None
+        module = self.trainer.lightning_module if self.trainer is not None else None
         if not self.specs:
             if module is None:
                 raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
@@ -248,6 +248,6 @@ class _ResumableStream:
     def __iter__(self) -> Iterator[Microbatch]:
         dm = self.dm
         # Lightning owns the epoch counter (restored on resume); we own the position in it.
-        epoch = dm.trainer.current_epoch if dm._trainer is not None else dm.epoch
+        epoch = dm.trainer.current_epoch if dm.trainer is not None else dm.epoch
         start = dm.position if dm.epoch == epoch else 0
         return dm.iter_microbatches(epoch, start)

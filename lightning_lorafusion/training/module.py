@@ -58,6 +58,7 @@ class LoRAFusionModule(L.LightningModule):
         cache_dir: where converted base weights are cached.
         max_nonfinite_steps: an adapter whose gradients are non-finite this many global
             batches in a row stops the run with an error (single bad batches are skipped).
+        export_on_fit_end: export every adapter as a PEFT directory when fit ends.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class LoRAFusionModule(L.LightningModule):
         export_dir: str | None = None,
         cache_dir: str | None = None,
         max_nonfinite_steps: int = 3,
+        export_on_fit_end: bool = True,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -92,6 +94,7 @@ class LoRAFusionModule(L.LightningModule):
         self.grad_clip = grad_clip
         self.export_dir = export_dir
         self.max_nonfinite_steps = max_nonfinite_steps
+        self.export_on_fit_end = export_on_fit_end
         self.base_model_name = base_model
 
         config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
@@ -264,7 +267,7 @@ class LoRAFusionModule(L.LightningModule):
         self._nonfinite_streak = list(state["nonfinite_streak"])
 
     def on_fit_end(self) -> None:
-        if self.trainer.is_global_zero:
+        if self.export_on_fit_end and self.trainer.is_global_zero:
             self.export_adapters()
 
     def export_adapters(self, out_dir: str | None = None) -> list[str]:

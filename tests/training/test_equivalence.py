@@ -32,7 +32,8 @@ def tiny_specs(dropout=0.0):
 
 
 def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, **trainer_kwargs):
-    module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0)
+    module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
+                              export_on_fit_end=False)
     dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2)
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
