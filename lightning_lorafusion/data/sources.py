@@ -44,6 +44,11 @@ ACLSUM_INSTRUCTIONS = {
 }
 
 
+def _check_limit(limit: int | None, kind: str) -> None:
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"dataset kind {kind!r}: limit={limit!r} must be an integer >= 1 (or unset)")
+
+
 def _normalize_split(split: str, where: str) -> str:
     aliases = {"validation": "val", "dev": "val"}
     split = aliases.get(split, split)
@@ -83,11 +88,15 @@ def _tokenize_all(
     *,
     name: str,
     max_length: int | None,
+    limit: int | None,
 ) -> list[TokenizedSample]:
-    """Tokenize every row; drop (and count) rows too long for ``max_length``; never empty."""
+    """Tokenize rows in order until ``limit`` samples are kept (all rows when None); drop (and
+    count) rows too long for ``max_length``; never return an empty list."""
     samples: list[TokenizedSample] = []
     too_long: list[int] = []
     for index, row in enumerate(rows):
+        if limit is not None and len(samples) == limit:
+            break
         try:
             samples.append(tokenize_row(row, index))
         except SampleTooLongError:
@@ -176,7 +185,11 @@ class JsonlSource:
 
     path: str | Mapping[str, str]
     fields: RowFields = field(default_factory=RowFields)
+    limit: int | None = None  # keep only the first `limit` samples
     kind: str = "jsonl"
+
+    def __post_init__(self) -> None:
+        _check_limit(self.limit, self.kind)
 
     def read_rows(self, path: Path, where: str) -> list[Any]:
         rows = []
@@ -205,6 +218,7 @@ class JsonlSource:
             lambda row, i: self.fields.tokenize_row(row, i, tokenizer, max_length, where),
             name=name,
             max_length=max_length,
+            limit=self.limit,
         )
 
 
@@ -263,9 +277,11 @@ class AclsumSource:
     max_document_tokens: int = 384
     sections: tuple[str, ...] = ACLSUM_SECTIONS
     use_chat_template: bool | None = None  # None: when the tokenizer has one
+    limit: int | None = None  # keep only the first `limit` papers
     kind: str = "aclsum"
 
     def __post_init__(self) -> None:
+        _check_limit(self.limit, self.kind)
         if self.aspect not in ACLSUM_ASPECTS:
             raise ConfigError(
                 f"dataset kind 'aclsum': aspect={self.aspect!r}; allowed: {list(ACLSUM_ASPECTS)}"
@@ -321,7 +337,9 @@ class AclsumSource:
                 max_length=max_length, source_index=index,
             )
 
-        return _tokenize_all(docs, tokenize_doc, name=name, max_length=max_length)
+        return _tokenize_all(
+            docs, tokenize_doc, name=name, max_length=max_length, limit=self.limit
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,9 +351,11 @@ class SyntheticSource:
     num_samples: int
     seed: int = 0
     vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    limit: int | None = None  # keep the first `limit` of the num_samples drawn
     kind: str = "synthetic"
 
     def __post_init__(self) -> None:
+        _check_limit(self.limit, self.kind)
         if self.num_samples < 1:
             raise ConfigError(
                 f"dataset kind 'synthetic': num_samples={self.num_samples} must be >= 1"
@@ -373,7 +393,7 @@ class SyntheticSource:
                 labels=shifted_labels(ids, [t != IGNORE_INDEX for t in targets]),
                 source_index=i,
             )
-            for i, (ids, targets) in enumerate(pairs)
+            for i, (ids, targets) in enumerate(pairs[: self.limit])
         ]
         if not samples:
             raise ConfigError(f"adapter dataset {name} is empty")

@@ -177,6 +177,11 @@ def _validate_messages(messages: Any, source_index: int) -> list[dict[str, str]]
                 f"{type(message['content']).__name__}"
             )
         clean.append({"role": str(message["role"]), "content": message["content"]})
+    if clean[0]["role"] == "assistant":
+        raise ValueError(
+            f"sample {source_index}: the conversation starts with an assistant turn; put the "
+            "user (or system) message it answers before it"
+        )
     if not any(m["role"] == "assistant" for m in clean):
         raise ValueError(
             f"sample {source_index}: no message has role 'assistant', so there is nothing to "
@@ -186,9 +191,15 @@ def _validate_messages(messages: Any, source_index: int) -> list[dict[str, str]]
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except Exception as err:  # jinja raises its own types, including the template's own errors
+        raise ValueError(f"the tokenizer's chat template failed to render: {err}") from err
+    if not isinstance(text, str):
+        raise ValueError(f"the chat template rendered a {type(text).__name__}, expected text")
+    return text
 
 
 def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -239,7 +250,10 @@ def tokenize_messages(
             "tokenizer_config.json has a chat_template, or prompt/completion rows"
         )
     clean = _validate_messages(messages, source_index)
-    text, spans = assistant_char_spans(tokenizer, clean)
+    try:
+        text, spans = assistant_char_spans(tokenizer, clean)
+    except ValueError as err:
+        raise ValueError(f"sample {source_index}: {err}") from err
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
     offsets = encoding["offset_mapping"]

@@ -40,7 +40,7 @@ def word_tokenizer():
 
     words = (
         "<unk> <eos> the a cat dog sat on mat what did do ? . : question answer it ran fast "
-        "slow red blue is are one two three four five"
+        "slow red blue is are one two three four five user assistant system"
     ).split()
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -118,6 +118,17 @@ def test_parquet_matches_jsonl(tmp_path, smollm2_tokenizer):
         build_source({"kind": "parquet", "path": str(tmp_path / "fake.parquet")}, tok)
 
 
+def test_limit_keeps_the_first_fitting_samples(tmp_path, word_tokenizer):
+    rows = [{"prompt": "what ?", "completion": w} for w in "one two three four five".split()]
+    rows[1]["completion"] = "the cat sat on the mat"  # too long for max_length=5
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    samples = build_source({"kind": "jsonl", "path": str(path), "limit": 3}, word_tokenizer, max_length=5)
+    assert [s.source_index for s in samples] == [0, 2, 3]
+    assert len(build_source({"kind": "aclsum", "aspect": "outcome", "limit": 7}, word_tokenizer)) == 7
+    with pytest.raises(ConfigError, match="limit=0"):
+        parse_source({"kind": "jsonl", "path": str(path), "limit": 0})
+
+
 def test_split_paths(tmp_path, word_tokenizer):
     train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "what ?", "completion": "one"}])
     val = write_jsonl(tmp_path / "val.jsonl", [{"prompt": "what ?", "completion": "two"}] * 2)
@@ -141,6 +152,8 @@ def test_spec_validation_errors():
         parse_source({"kind": "parquet"})
     with pytest.raises(ConfigError, match="format='chat'"):
         parse_source({"kind": "jsonl", "path": "x.jsonl", "format": "chat"})
+    with pytest.raises(ConfigError, match="kind 'aclsum': .*missing .*'aspect'"):
+        parse_source({"kind": "aclsum"})
     with pytest.raises(ConfigError, match="aspect='summary'"):
         parse_source({"kind": "aclsum", "aspect": "summary"})
     with pytest.raises(ConfigError, match="sections"):
@@ -179,9 +192,7 @@ def test_aclsum_document_budget_split_and_plain_prompt(smollm2_tokenizer, word_t
     short = build_source({"kind": "aclsum", "aspect": "approach", "max_document_tokens": 64}, tok)
     full = build_source({"kind": "aclsum", "aspect": "approach"}, tok)
     assert all(a.length < b.length for a, b in zip(short, full))
-    assert [a.labels[-30:] for a in short] != [] and all(
-        label_text(tok, a) == label_text(tok, b) for a, b in zip(short, full)
-    )
+    assert all(label_text(tok, a) == label_text(tok, b) for a, b in zip(short, full))
     assert len(build_source({"kind": "aclsum", "aspect": "approach"}, tok, split="val")) == 50
     assert len(build_source({"kind": "aclsum", "aspect": "approach", "split": "test"}, tok)) == 100
     # No chat template: a plain prompt ending in "Summary:" and the summary as completion.
@@ -205,6 +216,7 @@ def test_synthetic_source_is_seeded_and_pre_shifted(word_tokenizer):
     spec = {"kind": "synthetic", "distribution": "xsum", "num_samples": 16, "seed": 3, "vocab_size": 100}
     samples = build_source(spec, None, max_length=512)
     assert len(samples) == 16
+    assert build_source({**spec, "limit": 5}, None, max_length=512) == samples[:5]
     assert all(s.length <= 512 and max(s.input_ids) < 100 for s in samples)
     raw = synthetic_token_samples("xsum", 16, vocab_size=100, seed=3, max_length=512)
     for s, (ids, targets) in zip(samples, raw):

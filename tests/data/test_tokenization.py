@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX
@@ -158,3 +160,48 @@ def test_long_conversation_is_not_truncated(smollm2_tokenizer):
     assert tokenize_messages(smollm2_tokenizer, messages, max_length=full.length) == full
     with pytest.raises(SampleTooLongError, match="not truncated"):
         tokenize_messages(smollm2_tokenizer, messages, max_length=full.length - 1)
+
+
+def with_template(tokenizer, template):
+    clone = copy.deepcopy(tokenizer)
+    clone.chat_template = template
+    return clone
+
+
+def test_messages_with_another_template_format(word_tokenizer):
+    # Not ChatML: "role : content ." per turn, the generation prompt is "assistant :".
+    tok = with_template(
+        word_tokenizer,
+        "{% for m in messages %}{{ m.role }} : {{ m.content }} . {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}",
+    )
+    messages = [
+        {"role": "system", "content": "one two"},
+        {"role": "user", "content": "what did the cat do ?"},
+        {"role": "assistant", "content": "the cat sat"},
+        {"role": "user", "content": "what did the dog do ?"},
+        {"role": "assistant", "content": "it ran fast"},
+    ]
+    s = tokenize_messages(tok, messages)
+    assert_pre_shifted(s)
+    assert words(tok, label_ids(s)) == "the cat sat . it ran fast ."
+    assert words(tok, s.input_ids).startswith("system : one two . user : what did")
+
+
+def test_messages_template_problems_are_reported(word_tokenizer):
+    convo = [
+        {"role": "user", "content": "what ?"},
+        {"role": "assistant", "content": "the cat"},
+        {"role": "user", "content": "what ?"},
+    ]
+    # Renders the last message differently, so prefixes do not line up with the full text.
+    tok = with_template(
+        word_tokenizer, "{% for m in messages %}{% if loop.last %}red {% endif %}{{ m.content }} {% endfor %}"
+    )
+    with pytest.raises(ValueError, match="sample 4: .*renders message 1 differently"):
+        tokenize_messages(tok, convo, source_index=4)
+    tok = with_template(word_tokenizer, "{{ raise_exception('only one turn allowed') }}")
+    with pytest.raises(ValueError, match="failed to render: only one turn allowed"):
+        tokenize_messages(tok, convo)
+    with pytest.raises(ValueError, match="starts with an assistant turn"):
+        tokenize_messages(tok, convo[1:])
