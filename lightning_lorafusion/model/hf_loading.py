@@ -183,6 +183,7 @@ def convert_gguf(gguf_path: Path, *, cache_dir: str | os.PathLike | None = None)
 
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
     try:
         kw = {"gguf_file": gguf_path.name}
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
