@@ -59,7 +59,9 @@ def _normalize_split(split: str, where: str) -> str:
 
 def _resolve_path(path: str | Mapping[str, str], split: str, where: str) -> Path:
     """``path`` is one file (the train split) or a mapping split -> file."""
+    split = _normalize_split(split, where)
     if isinstance(path, Mapping):
+        path = {_normalize_split(str(k), where): v for k, v in path.items()}
         if split not in path:
             raise ConfigError(
                 f"{where}: no file for split {split!r} in path={dict(path)!r}; "
@@ -359,6 +361,13 @@ class SyntheticSource:
         if self.num_samples < 1:
             raise ConfigError(
                 f"dataset kind 'synthetic': num_samples={self.num_samples} must be >= 1"
+            )
+        from .synthetic import DISTRIBUTION_NAMES  # lazy: numpy only for this kind
+
+        if self.distribution not in DISTRIBUTION_NAMES:
+            raise ConfigError(
+                f"dataset kind 'synthetic': distribution={self.distribution!r}; "
+                f"allowed: {list(DISTRIBUTION_NAMES)}"
             )
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError(f"dataset kind 'synthetic': vocab_size={self.vocab_size} must be >= 2")

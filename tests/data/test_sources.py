@@ -135,6 +135,7 @@ def test_split_paths(tmp_path, word_tokenizer):
     spec = {"kind": "jsonl", "path": {"train": str(train), "val": str(val)}}
     assert len(build_source(spec, word_tokenizer)) == 1
     assert len(build_source(spec, word_tokenizer, split="val")) == 2
+    assert len(build_source(spec, word_tokenizer, split="validation")) == 2
     with pytest.raises(ConfigError, match="no file for split 'test'"):
         build_source(spec, word_tokenizer, split="test")
     with pytest.raises(ConfigError, match="used for the 'train' split only"):
@@ -160,6 +161,8 @@ def test_spec_validation_errors():
         parse_source({"kind": "aclsum", "aspect": "outcome", "sections": ["results"]})
     with pytest.raises(ConfigError, match="split='dev2'"):
         parse_source({"kind": "aclsum", "aspect": "outcome", "split": "dev2"})
+    with pytest.raises(ConfigError, match="distribution='reddit'; allowed: .*'xsum'"):
+        parse_source({"kind": "synthetic", "distribution": "reddit", "num_samples": 4})
     with pytest.raises(ConfigError, match="num_samples=0"):
         parse_source({"kind": "synthetic", "distribution": "xsum", "num_samples": 0})
     with pytest.raises(ConfigError, match="max_length=1"):
