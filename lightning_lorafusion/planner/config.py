@@ -29,6 +29,8 @@ class PlannerConfig:
     - ``time_limit``: wall-clock safety limit (s) per MILP solve. ``max_nodes`` is the
       deterministic budget: a MILP result is used only when proven optimal within it, so
       plans do not depend on machine speed unless ``time_limit`` itself is hit.
+    - ``neighbourhood``: the MILP re-packs the samples of this many emptiest microbatches
+      of a wave (see ``milp.pack_milp``); larger is slower and rarely proven optimal.
     - ``solver``: "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc".
     - ``grouping``: stagger adapters into head-tail groups (False: one group of all).
     - ``merge``: pull samples of later global batches into underfilled microbatches.
@@ -39,8 +41,9 @@ class PlannerConfig:
     pad_multiple: int = 1
     num_stages: int = 1
     method: str = "greedy"
-    time_limit: float = 10.0
-    max_nodes: int = 2000
+    time_limit: float = 20.0
+    max_nodes: int = 200
+    neighbourhood: int = 3
     solver: str = "auto"
     grouping: bool = True
     merge: bool = True
@@ -63,6 +66,8 @@ class PlannerConfig:
             raise PlanningError(f"solver={self.solver!r}; allowed: {list(SOLVERS)}")
         if not self.time_limit > 0:
             raise PlanningError(f"time_limit={self.time_limit!r} must be > 0 seconds")
+        if not isinstance(self.neighbourhood, int) or self.neighbourhood < 2:
+            raise PlanningError(f"neighbourhood={self.neighbourhood!r} must be an int >= 2")
         if not isinstance(self.max_nodes, int) or self.max_nodes < 1:
             raise PlanningError(f"max_nodes={self.max_nodes!r} must be an int >= 1")
 

@@ -69,6 +69,7 @@ def pack_wave(samples: Sequence[SampleRef], config: PlannerConfig, *, round_: in
             max_nodes=config.max_nodes,
             solver=config.solver,
             seed=config.seed,
+            neighbourhood=config.neighbourhood,
         )
         s1, s2 = outcome.stage1_status, outcome.stage2_status
         if outcome.fewer_bins or outcome.smaller_tail:
@@ -154,9 +155,10 @@ def plan_microbatches(
     pad_multiple: int = 1,
     num_stages: int = 1,
     method: str = "greedy",
-    time_limit: float = 10.0,
+    time_limit: float = 20.0,
     seed: int = 0,
-    max_nodes: int = 2000,
+    max_nodes: int = 200,
+    neighbourhood: int = 3,
     solver: str = "auto",
     grouping: bool = True,
     merge: bool = True,
@@ -177,6 +179,7 @@ def plan_microbatches(
         method=method,
         time_limit=time_limit,
         max_nodes=max_nodes,
+        neighbourhood=neighbourhood,
         solver=solver,
         grouping=grouping,
         merge=merge,

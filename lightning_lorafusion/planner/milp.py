@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .greedy import Bin, padded_load
+from .greedy import Bin, bin_count_lower_bound, padded_load
 from .plan import SampleRef
 
 
@@ -98,6 +98,19 @@ def _tail_last(bins: list[Bin], pad_multiple: int) -> list[Bin]:
     return sorted(bins, key=lambda c: -padded_load(c, pad_multiple))
 
 
+def _split(bins: list[Bin], neighbourhood: int) -> tuple[list[Bin], list[Bin]]:
+    """(fuller microbatches kept as they are, the ``neighbourhood`` emptiest to re-pack)."""
+    cut = max(len(bins) - neighbourhood, 0)
+    return bins[:cut], bins[cut:]
+
+
+def _tail_lower_bound(samples: Sequence[SampleRef], num_bins: int, capacity: int, pad_multiple: int) -> int:
+    """The smallest microbatch holds at least what the other ``num_bins - 1`` cannot."""
+    spill = sum(s.length for s in samples) - (num_bins - 1) * capacity
+    smallest = min(s.length for s in samples)
+    return max(-(-spill // pad_multiple) * pad_multiple, -(-smallest // pad_multiple) * pad_multiple, 0)
+
+
 def pack_milp(
     samples: Sequence[SampleRef],
     *,
@@ -109,19 +122,28 @@ def pack_milp(
     max_nodes: int,
     solver: str = "auto",
     seed: int = 0,
+    neighbourhood: int = 4,
     tail_stage: bool = True,
 ) -> MilpOutcome:
-    """Two-stage MILP packing of ``samples``, never worse than ``greedy_bins``."""
+    """Two-stage MILP packing of ``samples``, never worse than ``greedy_bins``.
+
+    Each stage re-packs the samples of the ``neighbourhood`` emptiest microbatches of the best
+    packing so far (all of them when there are no more); the fuller microbatches stay as
+    they are. This keeps every solve small enough to be proven optimal in well under a
+    second, which is what makes the deterministic acceptance rule useful.
+    """
     import mip
 
     t0 = time.perf_counter()
     name = solver_name(solver)
-    samples = list(samples)
     best = _tail_last([list(c) for c in greedy_bins], pad_multiple)
     stage1, fewer = "skipped", False
-    if len(best) > lower_bound:
+    keep, free = _split(best, neighbourhood)
+    samples = [s for c in free for s in c]
+    local_bound = bin_count_lower_bound(samples, capacity, pad_multiple)
+    if len(best) > lower_bound and len(free) > local_bound:
         model = _new_model(name, seed)
-        n_bins = len(best)
+        n_bins = len(free)
         x, blocks, loads = _assignment_vars(model, samples, n_bins, capacity, pad_multiple)
         used = [model.add_var(var_type=mip.BINARY) for _ in range(n_bins)]
         for b in range(n_bins):
@@ -130,33 +152,36 @@ def pack_milp(
                 model += used[b] >= used[b + 1]  # symmetry: used bins come first
         longest = min(range(len(samples)), key=lambda i: (-samples[i].length, i))
         model += x[longest][0] == 1
-        model += mip.xsum(used) >= lower_bound
+        model += mip.xsum(used) >= local_bound
         model.objective = mip.minimize(mip.xsum(used))
-        start = _start(x, blocks, samples, best, pad_multiple)
+        start = _start(x, blocks, samples, free, pad_multiple)
         start += [(used[b], 1.0) for b in range(n_bins)]
         model.start = start
         status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
         stage1 = status.name
         if status == mip.OptimizationStatus.OPTIMAL:
             found = _read_bins(x, samples, n_bins)
-            if len(found) < len(best):
-                best, fewer = _tail_last(found, pad_multiple), True
+            if len(found) < len(free):
+                best, fewer = _tail_last(keep + found, pad_multiple), True
     stage2, smaller = "skipped", False
     if tail_stage and len(best) > 1:
-        k = len(best)
+        keep, free = _split(best, neighbourhood)
+        samples = [s for c in free for s in c]
+        k = len(free)
         model = _new_model(name, seed)
         x, blocks, loads = _assignment_vars(model, samples, k, capacity, pad_multiple)
         for b in range(k):
             model += loads[b] <= capacity
         model.objective = mip.minimize(loads[k - 1])
-        model.start = _start(x, blocks, samples, best, pad_multiple)
+        model += loads[k - 1] >= _tail_lower_bound(samples, k, capacity, pad_multiple)
+        model.start = _start(x, blocks, samples, free, pad_multiple)
         status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
         stage2 = status.name
         if status == mip.OptimizationStatus.OPTIMAL:
             found = _read_bins(x, samples, k)
             tail = min(padded_load(c, pad_multiple) for c in found)
             if len(found) < k or tail < padded_load(best[-1], pad_multiple):
-                best, smaller = _tail_last(found, pad_multiple), True
+                best, smaller = _tail_last(keep + found, pad_multiple), True
     return MilpOutcome(
         bins=best,
         stage1_status=stage1,
