@@ -17,6 +17,7 @@ correctness against a float64 reference runs first, in the same script.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -36,6 +37,7 @@ from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
 from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
 from lightning_lorafusion.kernels.dropout import dropout_keep_mask  # noqa: E402
 from lightning_lorafusion.kernels.dropout_triton import triton_dropout_keep_mask  # noqa: E402
+from lightning_lorafusion.kernels.fused_lora import fused_lora_projections  # noqa: E402
 from lightning_lorafusion.kernels.reference import (  # noqa: E402
     LoraModuleWeights,
     LoraRouting,
@@ -78,7 +80,8 @@ def make_lora(n_adapters, ranks, k, ns, device, dtype=DT, requires_grad=True):
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,11 +179,22 @@ def group_fns(m, k, ns, device, n_adapters=1, ranks=(RANK,)):
                 xd = F.dropout(x, P, training=True)
                 return [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
             return f
+        if variant == "ours_single_tgemm":
+            sizes = dataclasses.replace(block_sizes_for(device), gemm="triton")
+            return lambda: fused_lora_projections(x, ws, [None] * len(ws), single, single_routing,
+                                                  dropout_offset=1, block_sizes=sizes)
         loras, routing = (single, single_routing) if variant == "ours_single" else (multi, multi_routing)
         return lambda: lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1, backend="triton")
 
+    def ours_triton_gemm():
+        # ours single, with the frozen GEMMs in Triton too (LoRA terms in the GEMM accumulator)
+        sizes = dataclasses.replace(block_sizes_for(device), gemm="triton")
+        ys = fused_lora_projections(x, ws, [None] * len(ws), single, single_routing, dropout_offset=1,
+                                    block_sizes=sizes)
+        torch.autograd.grad(ys, [x] + [t for l in single for t in l.a + l.b], gys)
+
     fns = {"frozen": frozen, "torch_lora": torch_lora, "ours_single": ours(single, single_routing),
-           "ours_multi4": ours(multi, multi_routing)}
+           "ours_multi4": ours(multi, multi_routing), "ours_single_tgemm": ours_triton_gemm}
     return fns, fwd_only, sum(ns)
 
 
@@ -250,6 +264,7 @@ def main() -> None:
             rows.append(row)
             log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms | torch_lora x{row['ratio']['torch_lora']:.3f}"
                 f" | ours_single x{row['ratio']['ours_single']:.3f} | ours_multi4 x{row['ratio']['ours_multi4']:.3f}"
+                f" | ours_tgemm x{row['ratio']['ours_single_tgemm']:.3f}"
                 f" | TFLOP/s frozen {row['tflops']['frozen']:.0f} ours {row['tflops']['ours_single']:.0f}"
                 f" | saved MiB frozen {mem['frozen']/2**20:.1f} torch {mem['torch_lora']/2**20:.1f}"
                 f" ours {mem['ours_single']/2**20:.1f}", fh)
@@ -262,7 +277,7 @@ def main() -> None:
     m = 8192
     groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
               ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
-    layer = {v: 0.0 for v in ("frozen", "torch_lora", "ours_single", "ours_multi4")}
+    layer = {v: 0.0 for v in ("frozen", "torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
     layer_mem = {v: 0 for v in layer}
     layer_flops = {v: 0.0 for v in layer}
     for gname, k, ns in groups:
@@ -281,22 +296,22 @@ def main() -> None:
         return math.exp(sum(math.log(r["ratio"][v]) for r in rows) / len(rows))
 
     summary = {v: {"geomean": geo(v), "max": max(r["ratio"][v] for r in rows)}
-               for v in ("torch_lora", "ours_single", "ours_multi4")}
+               for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
     results["summary"] = summary
     (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=2))
 
     log("", fh)
     log(f"== {name}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
-    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} {'torch':>6} {'single':>6} {'multi4':>6} {'TF/s a':>6} {'TF/s c':>6}", fh)
+    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} {'TF/s a':>6} {'TF/s c':>6}", fh)
     for r in rows:
         log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:9.3f} {r['ratio']['torch_lora']:6.3f} "
-            f"{r['ratio']['ours_single']:6.3f} {r['ratio']['ours_multi4']:6.3f} {r['tflops']['frozen']:6.0f} "
+            f"{r['ratio']['ours_single']:6.3f} {r['ratio']['ours_multi4']:6.3f} {r['ratio']['ours_single_tgemm']:6.3f} {r['tflops']['frozen']:6.0f} "
             f"{r['tflops']['ours_single']:6.0f}", fh)
     for v, s in summary.items():
         log(f"{v:12s} geomean x{s['geomean']:.3f}  max x{s['max']:.3f}", fh)
     lr = results["llama8b_layer"]
     log(f"Llama-3.1-8B layer projections M={m}: frozen {layer['frozen']:.3f} ms; " +
-        ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4")), fh)
+        ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")), fh)
     log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in layer_mem.items()), fh)
     log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
 

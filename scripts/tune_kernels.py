@@ -21,8 +21,13 @@ import torch
 import triton
 import triton.testing
 
-from lightning_lorafusion.kernels.block_sizes import LoraBlockSizes
-from lightning_lorafusion.kernels.fused_lora import _launch_dx, _launch_fwd_gemm, lora_ranks
+from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes
+from lightning_lorafusion.kernels.fused_lora import (
+    _launch_dx,
+    _launch_fwd_gemm,
+    fused_lora_projections,
+    lora_ranks,
+)
 from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
 from lightning_lorafusion.kernels.routing_table import build_launch_table
 
@@ -54,9 +59,11 @@ def _problem(m, k, n, device, dtype=torch.bfloat16, rank=16):
 def time_config(kind: str, cfg: tuple, device) -> float:
     bm, bn, bk, warps, stages = cfg
     if kind == "fwd":
-        sizes = LoraBlockSizes(block_m=bm, fwd_block_n=bn, fwd_block_k=bk, fwd_warps=warps, fwd_stages=stages)
+        sizes = LoraBlockSizes(block_m=bm, fwd_block_n=bn, fwd_block_k=bk, fwd_warps=warps,
+                               fwd_stages=stages, gemm="triton")
     else:
-        sizes = LoraBlockSizes(block_m=bm, dx_block_k=bn, dx_block_n=bk, dx_warps=warps, dx_stages=stages)
+        sizes = LoraBlockSizes(block_m=bm, dx_block_k=bn, dx_block_n=bk, dx_warps=warps,
+                               dx_stages=stages, gemm="triton")
     total = 0.0
     for m, k, n in SHAPES:
         x, w, a, b, routing, lora = _problem(m, k, n, device)
@@ -93,10 +100,31 @@ def tune(device: torch.device, log=print) -> LoraBlockSizes:
     if dx[0] != block_m:
         same = [c for c in DX_CANDIDATES if c[0] == block_m]
         dx = min(same, key=lambda c: time_config("dx", c, device))
-    return LoraBlockSizes(
+    tiles = LoraBlockSizes(
         block_m=block_m, fwd_block_n=fwd[1], fwd_block_k=fwd[2], fwd_warps=fwd[3], fwd_stages=fwd[4],
         dx_block_k=dx[1], dx_block_n=dx[2], dx_warps=dx[3], dx_stages=dx[4],
     )
+    # Whole forward+backward with the frozen GEMMs in Triton vs in cuBLAS: keep the faster.
+    mode_ms = {mode: time_fwd_bwd(dataclasses.replace(tiles, gemm=mode), device) for mode in GEMM_MODES}
+    log(f"tune gemm mode fwd+bwd total ms: {mode_ms}")
+    return dataclasses.replace(tiles, gemm=min(mode_ms, key=mode_ms.get))
+
+
+def time_fwd_bwd(sizes: LoraBlockSizes, device) -> float:
+    total = 0.0
+    for m, k, n in SHAPES:
+        x, w, a, b, routing, lora = _problem(m, k, n, device)
+        x.requires_grad_(True)
+        a.requires_grad_(True)
+        b.requires_grad_(True)
+        dy = torch.randn(m, n, device=device, dtype=x.dtype)
+
+        def fn():
+            (y,) = fused_lora_projections(x, [w], [None], [lora], routing, dropout_offset=1, block_sizes=sizes)
+            torch.autograd.grad([y], [x, a, b], [dy])
+
+        total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return total
 
 
 def write_table(name: str, sizes: LoraBlockSizes, path: Path) -> None:

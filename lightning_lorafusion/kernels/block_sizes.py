@@ -20,6 +20,8 @@ import torch
 # routing tiles. The data layer pads adapter segments to ``pad_multiple()``.
 PAD_MULTIPLE = 128
 
+GEMM_MODES = ("cublas", "triton")
+
 _TABLE_PATH = Path(__file__).with_name("block_sizes.json")
 
 
@@ -51,16 +53,24 @@ class LoraBlockSizes:
     group_m: int = 8
     rank_block: int = 32
     skinny_block_k: int = 64
+    skinny_block_m: int = 64  # rows per program of the S / dS kernels (<= block_m)
     skinny_warps: int = 4
     skinny_stages: int = 3
+    # "cublas": frozen GEMMs through torch (cuBLAS), LoRA terms added in place by Triton;
+    # "triton": frozen GEMMs in Triton with the LoRA terms in the same accumulator.
+    gemm: str = "cublas"
 
     def __post_init__(self) -> None:
+        if self.gemm not in GEMM_MODES:
+            raise ValueError(f"LoraBlockSizes.gemm={self.gemm!r}; allowed: {GEMM_MODES}")
         for f in dataclasses.fields(self):
+            if f.name == "gemm":
+                continue
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"LoraBlockSizes.{f.name}={v!r} must be a positive int")
         for name in ("block_m", "fwd_block_n", "fwd_block_k", "dx_block_k", "dx_block_n",
-                     "rank_block", "skinny_block_k"):
+                     "rank_block", "skinny_block_k", "skinny_block_m"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(
@@ -83,7 +93,7 @@ class LoraBlockSizes:
 # Small tiles for the CPU interpreter (TRITON_INTERPRET=1): fewer wasted elements per program.
 INTERPRETER_BLOCK_SIZES = LoraBlockSizes(
     block_m=32, fwd_block_n=64, fwd_block_k=32, dx_block_k=64, dx_block_n=32,
-    rank_block=16, skinny_block_k=32,
+    rank_block=16, skinny_block_k=32, skinny_block_m=16, gemm="triton",
 )
 
 

@@ -66,13 +66,16 @@ def _load_tile(tiles_ptr, t):
 
 @triton.jit
 def _lora_s_kernel(
-    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K,
+    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows."""
-    t = tl.program_id(0)
+    """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows.
+
+    Each row tile is covered by ``subs`` programs of BLOCK_M rows (more programs in flight)."""
+    t = tl.program_id(0) // subs
+    sub = tl.program_id(0) % subs
     rb = tl.program_id(1)
     row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
     width = tl.load(ai_ptr + adapter * AI_STRIDE)
@@ -80,11 +83,11 @@ def _lora_s_kernel(
     seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
     threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
     inv_keep = tl.load(af_ptr + adapter * 2 + 1)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_m = row_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < row_end
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < width
-    k_stop = tl.where(rb * BLOCK_R < width, K, 0)
+    k_stop = tl.where((rb * BLOCK_R < width) & (row_start + sub * BLOCK_M < row_end), K, 0)
     rh = row_hash(hash_base(seed_h, offset_h), offs_m)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, k_stop, BLOCK_K):
@@ -108,10 +111,14 @@ def _lora_fwd_gemm_kernel(
     tiles_ptr, block_tiles_ptr, ai_ptr, af_ptr,
     M, N, K, b_stride, proj_col,
     AI_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAIN_LOOP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Y[M, N] = X W^T (+ bias) + per-row scale * S_i B_i^T."""
+    """Y[M, N] = X W^T (+ bias) + per-row scale * S_i B_i^T.
+
+    With ``MAIN_LOOP=False`` the frozen product was already written into Y (by cuBLAS) and
+    only the LoRA term is added in place."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,35 +146,39 @@ def _lora_fwd_gemm_kernel(
                 bt = tl.load(b_ptr + cols[None, :] * b_stride + b_col + offs_r[:, None],
                              mask=r_ok[:, None], other=0.0)
                 acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + cols[None, :] * K + offs_k[:, None]
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-            wt = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < K - k0
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if MAIN_LOOP:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * K + offs_k[None, :]
+        w_ptrs = w_ptr + cols[None, :] * K + offs_k[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                wt = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k < K - k0
+                xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                wt = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    else:
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
 def _lora_ds_kernel(
-    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col,
+    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0) // subs
+    sub = tl.program_id(0) % subs
     rb = tl.program_id(1)
     row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
     width = tl.load(ai_ptr + adapter * AI_STRIDE)
@@ -175,11 +186,11 @@ def _lora_ds_kernel(
     s_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
     b_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)
     scale = tl.load(af_ptr + adapter * 2)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_m = row_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < row_end
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    n_stop = tl.where(rb * BLOCK_R < rank, N, 0)
+    n_stop = tl.where((rb * BLOCK_R < rank) & (row_start + sub * BLOCK_M < row_end), N, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for n0 in range(0, n_stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -266,7 +277,10 @@ def _lora_dx_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dX[M, K] = sum_i dY_i W_i (+ prev) + (dS A_a) * mask / (1 - p) per row."""
+    """dX[M, K] = sum_i dY_i W_i (+ prev) + (dS A_a) * mask / (1 - p) per row.
+
+    ``NUM_PROJ=0`` with ``prev_ptr == dx_ptr`` adds the LoRA term in place to a dX that cuBLAS
+    already wrote (each program reads its tile before writing it)."""
     pid_m, pid_k = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -298,7 +312,8 @@ def _lora_dx_gemm_kernel(
                 keep = keep_hash24(row_hash(hash_base(seed_h, offset_h), offs_m), offs_k) >= threshold
                 part = tl.where(keep, part * inv_keep, 0.0)
             acc += part
-    acc = _dy_times_w(acc, dy0_ptr, w0_ptr, N0, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
+    if NUM_PROJ > 0:
+        acc = _dy_times_w(acc, dy0_ptr, w0_ptr, N0, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
     if NUM_PROJ > 1:
         acc = _dy_times_w(acc, dy1_ptr, w1_ptr, N1, K, rows, kcols, EVEN_N, BLOCK_N, DOT_PRECISION)
     if NUM_PROJ > 2:
@@ -383,11 +398,13 @@ def _split_count(programs: int, max_tiles: int, device: torch.device) -> int:
 def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
     s = torch.empty(max(table.s_numel, 1), dtype=x.dtype, device=x.device)
     block_r = _rank_block(table.max_total_rank, 128)
-    grid = (table.num_tiles, triton.cdiv(table.max_total_rank, block_r))
+    sub_m = min(sizes.skinny_block_m, table.block_m)
+    subs = table.block_m // sub_m
+    grid = (table.num_tiles * subs, triton.cdiv(table.max_total_rank, block_r))
     _lora_s_kernel[grid](
-        x, a_all, s, table.tiles, table.adapter_int, table.adapter_float, off_h, x.shape[1],
+        x, a_all, s, table.tiles, table.adapter_int, table.adapter_float, off_h, x.shape[1], subs,
         AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout,
-        BLOCK_M=table.block_m, BLOCK_R=block_r, BLOCK_K=sizes.skinny_block_k,
+        BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_K=sizes.skinny_block_k,
         DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
     )
@@ -397,8 +414,14 @@ def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: in
 def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_lora = b_cat is not None and table.max_rank[proj] > 0
+    main_loop = sizes.gemm == "triton"
+    if main_loop:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.nn.functional.linear(x, w, bias)  # cuBLAS; the LoRA term is added in place
+        if not has_lora:
+            return y
     bm, bn, bk = sizes.block_m, sizes.fwd_block_n, sizes.fwd_block_k
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _lora_fwd_gemm_kernel[grid](
@@ -406,7 +429,7 @@ def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -
         table.tiles, table.block_tiles, table.adapter_int, table.adapter_float,
         m, n, k, b_cat.shape[1] if has_lora else 0, AI_FIRST_PROJ + AI_PER_PROJ * proj,
         AI_STRIDE=table.adapter_int.shape[1], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        MAIN_LOOP=main_loop, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_R=_rank_block(table.max_rank[proj], sizes.rank_block), GROUP_M=sizes.group_m,
         DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=sizes.fwd_warps, num_stages=sizes.fwd_stages,
@@ -416,11 +439,13 @@ def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -
 
 def _launch_ds(dy, b_cat, ds, proj, table, sizes: LoraBlockSizes) -> None:
     block_r = _rank_block(table.max_rank[proj], 128)
-    grid = (table.num_tiles, triton.cdiv(table.max_rank[proj], block_r))
+    sub_m = min(sizes.skinny_block_m, table.block_m)
+    subs = table.block_m // sub_m
+    grid = (table.num_tiles * subs, triton.cdiv(table.max_rank[proj], block_r))
     _lora_ds_kernel[grid](
         dy, b_cat, ds, table.tiles, table.adapter_int, table.adapter_float,
-        dy.shape[1], b_cat.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj,
-        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=table.block_m, BLOCK_R=block_r,
+        dy.shape[1], b_cat.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
+        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=sub_m, BLOCK_R=block_r,
         BLOCK_N=sizes.skinny_block_k, DOT_PRECISION=_dot_precision(dy.dtype),
         num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
     )
@@ -453,6 +478,21 @@ def _launch_dx(dys, weights, ds, a_all, table, sizes: LoraBlockSizes, off_h: int
     bm, bk, bn = sizes.block_m, sizes.dx_block_k, sizes.dx_block_n
     grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk),)
     dx = None
+    if sizes.gemm == "cublas":
+        dx = torch.zeros(m, k, dtype=dtype, device=device) if not pairs else pairs[0][0] @ pairs[0][1]
+        for dy, w in pairs[1:]:
+            dx.addmm_(dy, w)
+        if has_lora:
+            _lora_dx_gemm_kernel[grid](
+                None, None, 0, None, None, 0, None, None, 0,
+                dx, dx, ds, a_all, table.tiles, table.block_tiles, table.adapter_int,
+                table.adapter_float, off_h, m, k,
+                AI_STRIDE=table.adapter_int.shape[1], NUM_PROJ=0, HAS_PREV=True, HAS_LORA=True,
+                HAS_DROPOUT=table.has_dropout, EVEN_N=True, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+                BLOCK_R=_rank_block(table.max_total_rank, sizes.rank_block), GROUP_M=sizes.group_m,
+                DOT_PRECISION=_dot_precision(dtype), num_warps=sizes.dx_warps, num_stages=sizes.dx_stages,
+            )
+        return dx
     if not pairs:
         pairs = [(torch.zeros(m, 1, dtype=dtype, device=device),
                   torch.zeros(1, k, dtype=dtype, device=device))]
