@@ -3,6 +3,7 @@
 from .config import PlannerConfig, PlanningError
 from .microbatch_planner import PlanReport, WaveReport, plan_microbatches, plan_window
 from .plan import Plan, PlannedMicrobatch, SampleRef, padded_length
+from .stream import WindowPlan, join_plans, plan_stream
 from .verify import check_plan, fix_plan, verify_plan
 
 __all__ = [
@@ -13,10 +14,13 @@ __all__ = [
     "PlanningError",
     "SampleRef",
     "WaveReport",
+    "WindowPlan",
     "check_plan",
     "fix_plan",
+    "join_plans",
     "padded_length",
     "plan_microbatches",
+    "plan_stream",
     "plan_window",
     "verify_plan",
 ]
