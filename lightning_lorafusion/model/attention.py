@@ -71,6 +71,8 @@ def sdpa_varlen_loop(
 def _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen):
     """``varlen_attn`` across torch versions (2.10: ``is_causal``; later: ``window_size``,
     ``enable_gqa``); None when this torch has no usable variant."""
+    if q.shape[-1] % 8 or q.shape[-1] > 256:  # FlashAttention's head-dim limits
+        return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -307,12 +307,15 @@ def decoder_layers(
     microbatch_index: int | None = None,
     backend: str = "torch",
     max_seqlen: int | None = None,
+    checkpoint_layers: bool = False,
 ) -> torch.Tensor:
     """Run ``params["layers"][i]`` for i in ``layers`` (global indices; default all): ``h [T, H]``.
 
     ``params["layers"]`` may be a list of all layers or a dict holding only this stage's.
     ``microbatch_index`` feeds dropout offsets; default ``routing.microbatch_index`` (or 0).
     ``max_seqlen``: longest sample, if known (spares the flash path a device sync).
+    ``checkpoint_layers``: keep only each layer's input for backward and recompute the rest
+    (dropout masks are hashes of (seed, offset), so the recomputation draws the same ones).
     """
     t = h.shape[0]
     if h.dim() != 2 or h.shape[1] != config.hidden_size:
@@ -326,10 +329,15 @@ def decoder_layers(
     if microbatch_index is None:
         microbatch_index = routing.microbatch_index if routing is not None else 0
     cos, sin = rope_cos_sin(config, position_ids, h.dtype)
+    recompute = checkpoint_layers and torch.is_grad_enabled()
     for i in layers:
-        h = decoder_layer(params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing,
-                          config=config, layer=i, microbatch_index=microbatch_index,
-                          backend=backend, max_seqlen=max_seqlen)
+        args = (params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing)
+        kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
+                      max_seqlen=max_seqlen)
+        if recompute:
+            h = checkpoint(decoder_layer, *args, use_reentrant=False, **kwargs)
+        else:
+            h = decoder_layer(*args, **kwargs)
     return h
 
 

@@ -165,3 +165,23 @@ def test_gradients_reach_only_present_adapters_and_dropout_is_reproducible(tiny)
         changed = D.forward_loss_sums(params, bank.view(), ids, labels, pos, cu, other_mb, config=config)
     assert torch.equal(again, loss.detach())  # same (seed, microbatch) -> same dropout masks
     assert not torch.equal(changed, loss.detach())
+
+
+def test_checkpointed_layers_give_the_same_gradients(tiny):
+    _, config, params = tiny
+    specs = [AdapterSpec(name="a", rank=3, dropout=0.2, seed=4), AdapterSpec(name="b", rank=2, seed=5)]
+    bank = AdapterBank(specs, config)
+    _randomize_b(bank, seed=2)
+    t = 12
+    ids = torch.randint(0, config.vocab_size, (t,), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1)
+    cu, pos = torch.tensor([0, 7, t]), torch.cat([torch.arange(7), torch.arange(5)])
+    routing = bank.routing(((0, 7, 0), (7, t, 1)), microbatch_index=2, num_rows=t)
+    grads = []
+    for ckpt in (False, True):
+        h = D.decoder_layers(params, bank.view(), D.embed(params, ids), pos, cu, routing,
+                             config=config, checkpoint_layers=ckpt)
+        sums = D.head_loss_sums(params, h, labels, routing.segments, 2, config=config, chunk_size=5)
+        grads.append(torch.autograd.grad(sums.sum(), list(bank.parameters())))
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
