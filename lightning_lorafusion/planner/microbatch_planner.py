@@ -42,6 +42,8 @@ class PlanReport:
     microbatches_after_merge: int
     noops: int
     seconds: float
+    greedy_microbatches: int  # the all-greedy plan's length (incl. no-ops), for comparison
+    used: str  # "greedy" or "milp": the plan-level winner (MILP wins ties)
 
 
 def _tail_last(bins: list[list[SampleRef]], pad_multiple: int) -> list[list[SampleRef]]:
@@ -49,8 +51,10 @@ def _tail_last(bins: list[list[SampleRef]], pad_multiple: int) -> list[list[Samp
     return sorted(bins, key=lambda c: -padded_load(c, pad_multiple))
 
 
-def pack_wave(samples: Sequence[SampleRef], config: PlannerConfig, *, round_: int = 0, group=()) -> tuple[list[list[SampleRef]], WaveReport]:
-    """Bins for one wave, emptiest last, with the report of which method won."""
+def pack_wave(
+    samples: Sequence[SampleRef], config: PlannerConfig, *, round_: int = 0, group: Sequence[int] = ()
+) -> tuple[list[list[SampleRef]], list[list[SampleRef]], WaveReport]:
+    """(chosen bins, greedy bins) for one wave, emptiest last, and which method won."""
     t0 = time.perf_counter()
     greedy = _tail_last(pack_first_fit_decreasing(samples, config.capacity, config.pad_multiple), config.pad_multiple)
     lower = bin_count_lower_bound(samples, config.capacity, config.pad_multiple)
@@ -88,7 +92,24 @@ def pack_wave(samples: Sequence[SampleRef], config: PlannerConfig, *, round_: in
         stage2_status=s2,
         seconds=time.perf_counter() - t0,
     )
-    return bins, report
+    return bins, greedy, report
+
+
+def assemble_plan(bins: list[list[SampleRef]], config: PlannerConfig) -> tuple[Plan, int]:
+    """Merge (if configured) and fix the concatenated wave bins; also the count after merge."""
+    if config.merge:
+        bins = merge_across_batches(
+            bins, capacity=config.capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages
+        )
+    mbs = tuple(PlannedMicrobatch(tuple(sorted(b))) for b in bins)
+    plan = Plan(
+        capacity=config.capacity,
+        pad_multiple=config.pad_multiple,
+        num_stages=config.num_stages,
+        microbatches=mbs,
+        step_points=Plan.compute_step_points(mbs),
+    )
+    return fix_plan(plan), len(bins)
 
 
 def plan_window(
@@ -107,6 +128,7 @@ def plan_window(
     groups = group_adapters(lengths, config)
     rounds = max(len(b) for b in lengths)
     bins: list[list[SampleRef]] = []
+    greedy_bins: list[list[SampleRef]] = []
     waves = []
     for r in range(rounds):
         for group in groups:
@@ -118,32 +140,30 @@ def plan_window(
             ]
             if not samples:
                 continue
-            wave_bins, report = pack_wave(samples, config, round_=r, group=group)
-            bins.extend(wave_bins)
+            chosen, greedy, report = pack_wave(samples, config, round_=r, group=group)
+            bins.extend(chosen)
+            greedy_bins.extend(greedy)
             waves.append(report)
-    before = len(bins)
-    if config.merge:
-        bins = merge_across_batches(
-            bins, capacity=config.capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages
-        )
-    mbs = tuple(PlannedMicrobatch(tuple(sorted(b))) for b in bins)
-    plan = fix_plan(
-        Plan(
-            capacity=config.capacity,
-            pad_multiple=config.pad_multiple,
-            num_stages=config.num_stages,
-            microbatches=mbs,
-            step_points=Plan.compute_step_points(mbs),
-        )
-    )
+    plan, after = assemble_plan(bins, config)
+    used = "milp" if config.method == "milp" else "greedy"
+    greedy_count = len(plan.microbatches)
+    if any(w.method == "milp" for w in waves):
+        # The MILP wins wave by wave; the merge could still favour greedy's packing, so the
+        # plan-level result is whichever is shorter (never worse than greedy).
+        greedy_plan, greedy_after = assemble_plan(greedy_bins, config)
+        greedy_count = len(greedy_plan.microbatches)
+        if greedy_count < len(plan.microbatches):
+            plan, after, used = greedy_plan, greedy_after, "greedy"
     check_plan(plan, lengths, batch_offsets=offsets)
     report = PlanReport(
         groups=groups,
         waves=tuple(waves),
-        microbatches_before_merge=before,
-        microbatches_after_merge=len(bins),
+        microbatches_before_merge=len(bins),
+        microbatches_after_merge=after,
         noops=sum(1 for mb in plan.microbatches if mb.is_noop),
         seconds=time.perf_counter() - t0,
+        greedy_microbatches=greedy_count,
+        used=used,
     )
     return plan, report
 
