@@ -108,11 +108,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         for spec in self.specs:
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
-            source = dict(spec.dataset)
-            limit = source.pop("limit", None)  # train on the first `limit` samples only
-            samples = build_source(source, self.tokenizer, split="train", max_length=max_length)
-            if limit is not None:
-                samples = samples[: int(limit)]
+            samples = build_source(
+                spec.dataset, self.tokenizer, split="train", max_length=max_length, name=spec.name
+            )
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
             self.datasets.append(samples)
@@ -221,10 +219,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def train_dataloader(self):
         import torchdata.nodes as tn
 
-        stream = _ResumableStream(self)
-        node = tn.IterableWrapper(stream)
+        node = tn.IterableWrapper(_ResumableStream(self))
         node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
-        return tn.Loader(node)
+        return _MicrobatchLoader(tn.Loader(node))
 
     def on_microbatch_trained(self, mb: Microbatch) -> None:
         """Called by the LightningModule after a microbatch's step: advances the resume point."""
@@ -237,6 +234,18 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+class _MicrobatchLoader:
+    """The torchdata loader without its state_dict: resume is by our own (epoch, position),
+    which Lightning checkpoints through the data module; Lightning would otherwise try to
+    fast-forward the node graph itself."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def __iter__(self):
+        return iter(self._loader)
 
 
 class _ResumableStream:

@@ -84,6 +84,12 @@ class LoRAFusionModule(L.LightningModule):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"adapter names must be unique; got {names}")
+        from ..data.sources import parse_source
+
+        for spec in specs:  # dataset specs are checked now, before the model loads
+            if not spec.dataset:
+                raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
+            parse_source(spec.dataset, name=spec.name)
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
         self.save_hyperparameters(ignore=["adapters"])
@@ -258,13 +264,20 @@ class LoRAFusionModule(L.LightningModule):
             raise ConfigError(
                 f"checkpoint holds adapters {state['adapter_names']} but the config lists {names}"
             )
-        params = dict(self.bank.named_parameters())
-        for n, g in state["grads"].items():
-            params[n].grad = g.to(params[n].device, params[n].dtype)
+        # Trainer._run_stage zeroes all grads after restoring; re-apply them in on_train_start.
+        self._restored_grads = state["grads"]
         self._gb_loss = state["gb_loss"].clone()
         self._gb_tokens = state["gb_tokens"].clone()
         self.steps_taken = list(state["steps_taken"])
         self._nonfinite_streak = list(state["nonfinite_streak"])
+
+    def on_train_start(self) -> None:
+        grads = getattr(self, "_restored_grads", None)
+        if grads:
+            params = dict(self.bank.named_parameters())
+            for n, g in grads.items():
+                params[n].grad = g.to(params[n].device, params[n].dtype)
+        self._restored_grads = None
 
     def on_fit_end(self) -> None:
         if self.export_on_fit_end and self.trainer.is_global_zero:

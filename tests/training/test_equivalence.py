@@ -31,7 +31,7 @@ def tiny_specs(dropout=0.0):
     ]
 
 
-def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, **trainer_kwargs):
+def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, ckpt_path=None, **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_on_fit_end=False)
     dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2)
@@ -39,7 +39,7 @@ def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, *
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(**kwargs)
-    trainer.fit(module, datamodule=dm)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module, dm, trainer
 
 
