@@ -81,6 +81,27 @@ def params_from_state_dict(
     return {"embed": embed, "layers": layers, "norm": get("model.norm.weight"), "lm_head": lm_head}
 
 
+def params_to(params: Any, *, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> Any:
+    """The pytree moved/cast (e.g. to the training GPU); tensors shared in the input (tied
+    embeddings) stay one tensor in the output, and frozen stays frozen."""
+    done: dict[int, torch.Tensor] = {}
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in done:
+                t = x.to(device=device, dtype=dtype if x.is_floating_point() else None)
+                done[id(x)] = t.requires_grad_(x.requires_grad) if t is not x else t
+            return done[id(x)]
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(move(v) for v in x)
+        return x
+
+    return move(params)
+
+
 def params_from_hf_model(hf_model: Any, *, dtype: torch.dtype | None = None
                          ) -> tuple[DecoderConfig, dict[str, Any]]:
     """A transformers ``*ForCausalLM`` -> (DecoderConfig, params sharing its tensors)."""

@@ -61,6 +61,18 @@ def test_dtype_conversion(tmp_path):
     assert torch.equal(params["norm"], model.model.norm.weight.detach().to(torch.bfloat16))
 
 
+def test_params_to_keeps_tied_tensors_tied(tmp_path):
+    from lightning_lorafusion.model.hf_loading import params_to
+
+    path, _ = _save(tmp_path, tie_word_embeddings=True)
+    _, params, _ = load_base_model(str(path))
+    moved = params_to(params, dtype=torch.float16)
+    assert moved["lm_head"] is moved["embed"] and moved["embed"].dtype == torch.float16
+    assert moved["layers"][1]["v_proj"]["weight"].dtype == torch.float16
+    assert not moved["norm"].requires_grad
+    assert params["embed"].dtype == torch.float32  # the input pytree is untouched
+
+
 def test_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="no such directory"):
         load_base_model(str(tmp_path / "nope"))
