@@ -96,6 +96,24 @@ class BubbleLemmaError(ScheduleError):
     """A plan in which an adapter's next global batch would enter a stage before its step."""
 
 
+def communication_runs(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:
+    """Compute actions stay single; each maximal run of communication actions becomes a tuple,
+    posted as one batch by the executor and the simulator."""
+    items: list[Action | tuple[Action, ...]] = []
+    run: list[Action] = []
+    for a in actions:
+        if isinstance(a, COMMUNICATION_ACTIONS):
+            run.append(a)
+            continue
+        if run:
+            items.append(tuple(run))
+            run = []
+        items.append(a)
+    if run:
+        items.append(tuple(run))
+    return items
+
+
 def one_f_one_b_order(
     slots: Sequence[int], stage: int, num_stages: int
 ) -> list[tuple[str, int]]:

@@ -35,6 +35,7 @@ from .schedule import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    communication_runs,
 )
 
 
@@ -174,23 +175,6 @@ def _peer_and_channel(action: Action, stage: int) -> tuple[int, tuple[int, int, 
     return stage + 1, (stage + 1, stage, "grad")
 
 
-def _group(actions: Sequence[Action]) -> list[Action | tuple[Action, ...]]:
-    """Compute actions stay single; maximal runs of communication actions become tuples."""
-    items: list[Action | tuple[Action, ...]] = []
-    run: list[Action] = []
-    for a in actions:
-        if isinstance(a, COMMUNICATION_ACTIONS):
-            run.append(a)
-        else:
-            if run:
-                items.append(tuple(run))
-                run = []
-            items.append(a)
-    if run:
-        items.append(tuple(run))
-    return items
-
-
 def _check_static(plan: Plan, schedule: Sequence[Sequence[Action]]) -> None:
     """Channel sequences match, every real microbatch runs once per stage, steps are complete."""
     num_stages = len(schedule)
@@ -259,7 +243,7 @@ def simulate(
 
     costs = [work(mb) for mb in plan.microbatches]
     message_time = cost_model.p2p_time(plan.capacity)
-    programs = [_group(actions) for actions in schedule]
+    programs = [communication_runs(actions) for actions in schedule]
     pc = [0] * num_stages
     clock = [0.0] * num_stages
     busy = [0.0] * num_stages

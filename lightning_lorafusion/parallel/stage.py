@@ -1,0 +1,70 @@
+"""A pipeline stage of the functional decoder: its slice of layers behind the executor's interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from ..data.microbatch import Microbatch
+from ..model import decoder as dec
+
+
+class StageModule(Protocol):
+    """What ``run_stage`` needs from a stage.
+
+    ``forward(stage_input, microbatch)``: ``stage_input`` is None on the first stage (it reads
+    its microbatch's token ids itself) and the previous stage's output ``[capacity, hidden]``
+    (requiring grad) elsewhere. Returns ``[capacity, hidden]``, or on the last stage the scalar
+    to call backward on: the sum over present adapters of each adapter's loss normalised by
+    its global batch's label tokens.
+    """
+
+    def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor: ...
+
+
+def adapter_loss(loss_sums: torch.Tensor, denominators: torch.Tensor) -> torch.Tensor:
+    """``sum_a loss_sums[a] / denominators[a]`` over adapters present (denominator > 0): each
+    adapter's gradient is that of its own mean loss over its whole global batch."""
+    present = denominators > 0
+    return (loss_sums[present] / denominators[present].to(loss_sums.dtype)).sum()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderStage:
+    """Layers ``layers`` of the functional decoder (plus embedding on stage 0, norm + head + loss
+    on the last stage) over the frozen ``params`` and the adapters in ``bank``.
+
+    ``microbatches(i)`` returns plan microbatch ``i`` as tensors on the stage's device.
+    """
+
+    params: Mapping[str, Any]
+    bank: Any  # AdapterBank
+    config: dec.DecoderConfig
+    layers: range
+    is_first: bool
+    is_last: bool
+    microbatches: Callable[[int], Microbatch]
+    backend: str = "torch"
+    train: bool = True
+
+    def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor:
+        mb = self.microbatches(microbatch)
+        if self.is_first:
+            h = dec.embed(self.params, mb.input_ids)
+        else:
+            if stage_input is None:
+                raise ValueError("a stage other than the first needs the previous stage's output")
+            h = stage_input
+        routing = self.bank.routing(mb.segments, mb.index, mb.capacity, train=self.train)
+        h = dec.decoder_layers(
+            self.params, self.bank.view(self.layers), h, mb.position_ids, mb.cu_seqlens, routing,
+            config=self.config, layers=self.layers, microbatch_index=mb.index, backend=self.backend,
+        )
+        if not self.is_last:
+            return h
+        sums = dec.head_loss_sums(
+            self.params, h, mb.labels, mb.segments, self.bank.num_adapters, config=self.config
+        )
+        return adapter_loss(sums, mb.loss_denominators)

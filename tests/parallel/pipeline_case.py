@@ -1,0 +1,135 @@
+"""A tiny multi-adapter training case shared by the distributed tests and their reference.
+
+Everything is rebuilt from seeds in every process: the frozen base, the adapter bank, the
+samples, the plan and the packed microbatches, so ranks agree without exchanging anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_lorafusion.data.microbatch import IGNORE_INDEX, Microbatch
+from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
+from lightning_lorafusion.model import decoder as dec
+from lightning_lorafusion.model.adapter_bank import AdapterBank
+from lightning_lorafusion.planner import Plan, plan_microbatches
+from lightning_lorafusion.specs import AdapterSpec
+
+CAPACITY = 64
+PAD_MULTIPLE = 4
+LR = 0.5
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def tiny_config() -> dec.DecoderConfig:
+    return dec.DecoderConfig(
+        vocab_size=61, hidden_size=24, intermediate_size=40, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=6,
+    )
+
+
+def base_params(config: dec.DecoderConfig, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    h, q, kv, i = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    layers = []
+    for _ in range(config.num_layers):
+        layers.append({
+            "attn_norm": 1 + rand(h, scale=0.05),
+            "q_proj": {"weight": rand(q, h)}, "k_proj": {"weight": rand(kv, h)},
+            "v_proj": {"weight": rand(kv, h)}, "o_proj": {"weight": rand(h, q)},
+            "mlp_norm": 1 + rand(h, scale=0.05),
+            "gate_proj": {"weight": rand(i, h)}, "up_proj": {"weight": rand(i, h)},
+            "down_proj": {"weight": rand(h, i)},
+        })
+    return {"embed": rand(config.vocab_size, h, scale=1.0), "layers": layers,
+            "norm": 1 + rand(h, scale=0.05), "lm_head": rand(config.vocab_size, h)}
+
+
+def adapter_specs() -> list[AdapterSpec]:
+    return [
+        AdapterSpec(name="summ", rank=4, alpha=8.0, seed=1),
+        AdapterSpec(name="chat", rank=2, alpha=2.0, dropout=0.1, seed=2,
+                    target_modules=("q_proj", "v_proj", "down_proj")),
+        AdapterSpec(name="code", rank=3, alpha=6.0, seed=3, target_modules=("o_proj", "up_proj")),
+    ]
+
+
+def make_bank(config: dec.DecoderConfig) -> AdapterBank:
+    bank = AdapterBank(adapter_specs(), config)
+    # PEFT initialises B to zero; start from non-zero B so every factor gets a gradient at once.
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in sorted(bank.named_parameters()):
+            if name.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return bank
+
+
+def samples_and_plan(num_stages: int, num_batches: int = 3, batch_size: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n_adapters = len(adapter_specs())
+    datasets, batches, lengths = [], [], []
+    for a in range(n_adapters):
+        ds = []
+        for _ in range(num_batches * batch_size):
+            n = int(torch.randint(6, 22, (1,), generator=g))
+            prompt = int(torch.randint(1, n - 2, (1,), generator=g))
+            ids = torch.randint(0, 61, (n,), generator=g).tolist()
+            labels = [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]  # pre-shifted
+            ds.append(Sample(ids, labels))
+        datasets.append(ds)
+        batches.append([list(range(j * batch_size, (j + 1) * batch_size)) for j in range(num_batches)])
+        lengths.append([[len(ds[i].input_ids) for i in b] for b in batches[-1]])
+    plan = plan_microbatches(lengths, capacity=CAPACITY, pad_multiple=PAD_MULTIPLE,
+                             num_stages=num_stages, method="greedy")
+    lookup = SampleLookup(datasets, batches)
+    denominators = {(a, j): lookup.label_tokens(a, j) for a in range(n_adapters) for j in range(num_batches)}
+    step_at: dict[int, list[int]] = {}
+    for (a, j), i in plan.step_points.items():
+        step_at.setdefault(i, []).append(a)
+    packing = PackingConfig(capacity=CAPACITY, pad_multiple=PAD_MULTIPLE)
+    microbatches: dict[int, Microbatch] = {
+        i: pack_microbatch(mb, lookup, config=packing, num_adapters=n_adapters,
+                           denominators=denominators, step_adapters=tuple(sorted(step_at.get(i, []))), index=i)
+        for i, mb in enumerate(plan.microbatches) if not mb.is_noop
+    }
+    return plan, microbatches
+
+
+def optimizers(bank: AdapterBank) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(bank.parameters_of(a), lr=LR) for a in range(bank.num_adapters)]
+
+
+def reference_training(plan: Plan, microbatches: dict[int, Microbatch]) -> AdapterBank:
+    """Single process, whole model, microbatches in plan order, step at each step point."""
+    config = tiny_config()
+    params = base_params(config)
+    bank = make_bank(config)
+    opts = optimizers(bank)
+    from lightning_lorafusion.parallel.stage import adapter_loss
+
+    steps_after: dict[int, list[int]] = {}
+    for (a, j), i in plan.step_points.items():
+        steps_after.setdefault(i, []).append(a)
+    for i in range(len(plan.microbatches)):
+        if i in microbatches:
+            mb = microbatches[i]
+            routing = bank.routing(mb.segments, mb.index, mb.capacity)
+            sums = dec.forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids,
+                                         mb.cu_seqlens, routing, config=config)
+            adapter_loss(sums, mb.loss_denominators).backward()
+        for a in sorted(steps_after.get(i, [])):
+            opts[a].step()
+            opts[a].zero_grad(set_to_none=True)
+    return bank
