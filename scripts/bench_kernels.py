@@ -142,7 +142,13 @@ def check_correctness(device, fh) -> bool:
 
 
 def bench_fn(fn) -> float:
+    """Eager fwd+bwd time (CUDA events; includes any gap where the host launches too slowly)."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn) -> float:
+    """Device time of the same fwd+bwd replayed from a CUDA graph (no host launch gaps)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def group_fns(m, k, ns, device, n_adapters=1, ranks=(RANK,)):
@@ -257,14 +263,18 @@ def main() -> None:
             torch.manual_seed(0)
             fns, fwd_only, n_total = group_fns(m, k, (n,), device)
             times = {v: bench_fn(fn) for v, fn in fns.items()}
+            gtimes = {v: bench_graph(fn) for v, fn in fns.items()}
             mem = {v: saved_bytes(fwd_only(v)) for v in fns}
-            row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem,
+            row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem, "graph_ms": gtimes,
                    "ratio": {v: times[v] / times["frozen"] for v in times},
+                   "graph_ratio": {v: gtimes[v] / gtimes["frozen"] for v in gtimes},
                    "tflops": {v: flops(m, k, n_total, v != "frozen") / times[v] / 1e9 for v in times}}
             rows.append(row)
             log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms | torch_lora x{row['ratio']['torch_lora']:.3f}"
                 f" | ours_single x{row['ratio']['ours_single']:.3f} | ours_multi4 x{row['ratio']['ours_multi4']:.3f}"
                 f" | ours_tgemm x{row['ratio']['ours_single_tgemm']:.3f}"
+                f" | graph: torch x{row['graph_ratio']['torch_lora']:.3f} single x{row['graph_ratio']['ours_single']:.3f}"
+                f" multi4 x{row['graph_ratio']['ours_multi4']:.3f} tgemm x{row['graph_ratio']['ours_single_tgemm']:.3f}"
                 f" | TFLOP/s frozen {row['tflops']['frozen']:.0f} ours {row['tflops']['ours_single']:.0f}"
                 f" | saved MiB frozen {mem['frozen']/2**20:.1f} torch {mem['torch_lora']/2**20:.1f}"
                 f" ours {mem['ours_single']/2**20:.1f}", fh)
@@ -279,39 +289,50 @@ def main() -> None:
               ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
     layer = {v: 0.0 for v in ("frozen", "torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
     layer_mem = {v: 0 for v in layer}
+    layer_graph = {v: 0.0 for v in layer}
     layer_flops = {v: 0.0 for v in layer}
     for gname, k, ns in groups:
         fns, fwd_only, n_total = group_fns(m, k, ns, device)
         for v, fn in fns.items():
             t = bench_fn(fn)
             layer[v] += t
+            layer_graph[v] += bench_graph(fn)
             layer_mem[v] += saved_bytes(fwd_only(v))
             layer_flops[v] += flops(m, k, n_total, v != "frozen")
         del fns, fwd_only
         torch.cuda.empty_cache()
-    results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem,
-                                "ratio": {v: layer[v] / layer["frozen"] for v in layer}}
+    results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph,
+                                "ratio": {v: layer[v] / layer["frozen"] for v in layer},
+                                "graph_ratio": {v: layer_graph[v] / layer_graph["frozen"] for v in layer}}
 
-    def geo(v):
-        return math.exp(sum(math.log(r["ratio"][v]) for r in rows) / len(rows))
+    def geo(v, key):
+        return math.exp(sum(math.log(r[key][v]) for r in rows) / len(rows))
 
-    summary = {v: {"geomean": geo(v), "max": max(r["ratio"][v] for r in rows)}
+    summary = {v: {"geomean": geo(v, "ratio"), "max": max(r["ratio"][v] for r in rows),
+                   "graph_geomean": geo(v, "graph_ratio"), "graph_max": max(r["graph_ratio"][v] for r in rows)}
                for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
     results["summary"] = summary
     (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=2))
 
     log("", fh)
     log(f"== {name}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
-    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} {'TF/s a':>6} {'TF/s c':>6}", fh)
+    log("eager = CUDA events around eager calls; graph = CUDA-graph replay (device time only)", fh)
+    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} | eager: {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} |"
+        f" graph: {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} | {'TF/s a':>6} {'TF/s c':>6}", fh)
     for r in rows:
-        log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:9.3f} {r['ratio']['torch_lora']:6.3f} "
-            f"{r['ratio']['ours_single']:6.3f} {r['ratio']['ours_multi4']:6.3f} {r['ratio']['ours_single_tgemm']:6.3f} {r['tflops']['frozen']:6.0f} "
-            f"{r['tflops']['ours_single']:6.0f}", fh)
+        e, g = r["ratio"], r["graph_ratio"]
+        log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:9.3f} |        {e['torch_lora']:6.3f} "
+            f"{e['ours_single']:6.3f} {e['ours_multi4']:6.3f} {e['ours_single_tgemm']:6.3f} |        "
+            f"{g['torch_lora']:6.3f} {g['ours_single']:6.3f} {g['ours_multi4']:6.3f} {g['ours_single_tgemm']:6.3f} | "
+            f"{r['tflops']['frozen']:6.0f} {r['tflops']['ours_single']:6.0f}", fh)
     for v, s in summary.items():
-        log(f"{v:12s} geomean x{s['geomean']:.3f}  max x{s['max']:.3f}", fh)
+        log(f"{v:18s} eager geomean x{s['geomean']:.3f} max x{s['max']:.3f} | graph geomean "
+            f"x{s['graph_geomean']:.3f} max x{s['graph_max']:.3f}", fh)
     lr = results["llama8b_layer"]
-    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer['frozen']:.3f} ms; " +
+    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer['frozen']:.3f} ms eager; " +
         ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")), fh)
+    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer_graph['frozen']:.3f} ms graph; " +
+        ", ".join(f"{v} x{lr['graph_ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")), fh)
     log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in layer_mem.items()), fh)
     log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
 

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -59,6 +61,14 @@ def main() -> None:
                 fn()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        if name == "ours":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(20):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":

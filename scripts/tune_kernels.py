@@ -23,8 +23,13 @@ import triton.testing
 
 from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes
 from lightning_lorafusion.kernels.fused_lora import (
+    _launch_add,
+    _launch_da,
+    _launch_db,
+    _launch_ds,
     _launch_dx,
     _launch_fwd_gemm,
+    _launch_s,
     fused_lora_projections,
     lora_ranks,
 )
@@ -100,7 +105,9 @@ def tune(device: torch.device, log=print) -> LoraBlockSizes:
     if dx[0] != block_m:
         same = [c for c in DX_CANDIDATES if c[0] == block_m]
         dx = min(same, key=lambda c: time_config("dx", c, device))
-    tiles = LoraBlockSizes(
+    skinny = _tune_fields("skinny", SKINNY_CANDIDATES, _time_skinny, device, log)
+    add = _tune_fields("add", ADD_CANDIDATES, _time_add, device, log)
+    tiles = LoraBlockSizes(**skinny, **add,
         block_m=block_m, fwd_block_n=fwd[1], fwd_block_k=fwd[2], fwd_warps=fwd[3], fwd_stages=fwd[4],
         dx_block_k=dx[1], dx_block_n=dx[2], dx_warps=dx[3], dx_stages=dx[4],
     )
@@ -108,6 +115,82 @@ def tune(device: torch.device, log=print) -> LoraBlockSizes:
     mode_ms = {mode: time_fwd_bwd(dataclasses.replace(tiles, gemm=mode), device) for mode in GEMM_MODES}
     log(f"tune gemm mode fwd+bwd total ms: {mode_ms}")
     return dataclasses.replace(tiles, gemm=min(mode_ms, key=mode_ms.get))
+
+
+SKINNY_CANDIDATES = [  # S / dS / dB / dA kernels
+    dict(skinny_block_m=64, skinny_block_k=64, skinny_warps=4, skinny_stages=3, split_waves=2),
+    dict(skinny_block_m=32, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=2),
+    dict(skinny_block_m=32, skinny_block_k=64, skinny_warps=4, skinny_stages=4, split_waves=4),
+    dict(skinny_block_m=16, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=4),
+    dict(skinny_block_m=16, skinny_block_k=256, skinny_warps=4, skinny_stages=3, split_waves=4),
+    dict(skinny_block_m=64, skinny_block_k=128, skinny_warps=8, skinny_stages=3, split_waves=4),
+    dict(skinny_block_m=32, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=8),
+]
+ADD_CANDIDATES = [  # in-place LoRA-term kernels of the cuBLAS mode
+    dict(add_block_m=64, add_block_n=128, add_warps=4),
+    dict(add_block_m=32, add_block_n=128, add_warps=4),
+    dict(add_block_m=64, add_block_n=256, add_warps=8),
+    dict(add_block_m=128, add_block_n=128, add_warps=8),
+    dict(add_block_m=32, add_block_n=256, add_warps=4),
+    dict(add_block_m=16, add_block_n=256, add_warps=4),
+]
+SKINNY_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
+
+
+def _gpu_ms(fn) -> float:
+    # CUDA-graph replay: the kernels' device time without host launch gaps
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def _skinny_problem(m, k, n, sizes, device):
+    x, w, a, b, routing, lora = _problem(m, k, n, device)
+    table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
+    dy = torch.randn(m, n, device=device, dtype=x.dtype)
+    s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
+    return x, w, a, b, table, dy, s
+
+
+def _time_skinny(sizes, device) -> float:
+    total = 0.0
+    for m, k, n in SKINNY_SHAPES:
+        x, w, a, b, table, dy, s = _skinny_problem(m, k, n, sizes, device)
+        ds = torch.empty_like(s)
+
+        def fn():
+            _launch_s(x, a, table, sizes, 5)
+            _launch_ds(dy, b, ds, 0, table, sizes)
+            _launch_db(dy, s, b, 0, table, sizes)
+            _launch_da(x, ds, table, sizes, 5)
+
+        total += _gpu_ms(fn)
+    return total
+
+
+def _time_add(sizes, device) -> float:
+    total = 0.0
+    for m, k, n in SKINNY_SHAPES:
+        x, w, a, b, table, dy, s = _skinny_problem(m, k, n, sizes, device)
+        dx = torch.randn(m, k, device=device, dtype=x.dtype)
+
+        def fn():
+            _launch_add(dy, s, b, 0, table, sizes, 0, dx_mode=False)
+            _launch_add(dx, s, a, 0, table, sizes, 5, dx_mode=True)
+
+        total += _gpu_ms(fn)
+    return total
+
+
+def _tune_fields(kind, candidates, timer, device, log) -> dict:
+    results = []
+    for fields in candidates:
+        try:
+            ms = timer(LoraBlockSizes(**fields), device)
+        except Exception as e:
+            log(f"tune {kind} {fields}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"tune {kind} {fields}: {ms:.3f} ms (CUDA graph)")
+        results.append((ms, fields))
+    return min(results, key=lambda r: r[0])[1]
 
 
 def time_fwd_bwd(sizes: LoraBlockSizes, device) -> float:
@@ -123,7 +206,7 @@ def time_fwd_bwd(sizes: LoraBlockSizes, device) -> float:
             (y,) = fused_lora_projections(x, [w], [None], [lora], routing, dropout_offset=1, block_sizes=sizes)
             torch.autograd.grad([y], [x, a, b], [dy])
 
-        total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        total += _gpu_ms(fn)
     return total
 
 

@@ -54,6 +54,10 @@ class LoraBlockSizes:
     rank_block: int = 32
     skinny_block_k: int = 64
     skinny_block_m: int = 64  # rows per program of the S / dS kernels (<= block_m)
+    add_block_m: int = 64  # in-place LoRA-term kernels of the cuBLAS mode: rows per program
+    add_block_n: int = 128  # ... and output columns per program
+    add_warps: int = 4
+    split_waves: int = 2  # dA / dB split an adapter's rows until the grid is this many waves
     skinny_warps: int = 4
     skinny_stages: int = 3
     # "cublas": frozen GEMMs through torch (cuBLAS), LoRA terms added in place by Triton;
@@ -70,7 +74,8 @@ class LoraBlockSizes:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"LoraBlockSizes.{f.name}={v!r} must be a positive int")
         for name in ("block_m", "fwd_block_n", "fwd_block_k", "dx_block_k", "dx_block_n",
-                     "rank_block", "skinny_block_k", "skinny_block_m"):
+                     "rank_block", "skinny_block_k", "skinny_block_m", "add_block_m",
+                     "add_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(
@@ -93,7 +98,8 @@ class LoraBlockSizes:
 # Small tiles for the CPU interpreter (TRITON_INTERPRET=1): fewer wasted elements per program.
 INTERPRETER_BLOCK_SIZES = LoraBlockSizes(
     block_m=32, fwd_block_n=64, fwd_block_k=32, dx_block_k=64, dx_block_n=32,
-    rank_block=16, skinny_block_k=32, skinny_block_m=16, gemm="triton",
+    rank_block=16, skinny_block_k=32, skinny_block_m=16, add_block_m=16, add_block_n=64,
+    gemm="triton",
 )
 
 

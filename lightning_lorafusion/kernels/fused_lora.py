@@ -171,6 +171,65 @@ def _lora_fwd_gemm_kernel(
 
 
 @triton.jit
+def _lora_add_kernel(
+    out_ptr, left_ptr, right_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, N, right_stride, proj_col,
+    subs, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """In place, on the rows of one tile: out[rows, cols] += LoRA term (cuBLAS GEMM mode).
+
+    forward (``DX_MODE=False``): out = Y [M, N_i], term = scale * S_i B_i^T;
+    dX (``DX_MODE=True``): out = dX [M, K], term = (dS A_a) * mask / (1 - p).
+    Rows outside every tile are never touched.
+    """
+    t = tl.program_id(0) // subs
+    sub = tl.program_id(0) % subs
+    pid_n = tl.program_id(1)
+    row_start, row_end, adapter, s_off = _load_tile(tiles_ptr, t)
+    width = tl.load(ai_ptr + adapter * AI_STRIDE)
+    if DX_MODE:
+        rank = width
+        left_col = 0
+        right_off = tl.load(ai_ptr + adapter * AI_STRIDE + 1) * right_stride  # A rows a_row..
+        factor = tl.load(af_ptr + adapter * 2 + 1)
+    else:
+        rank = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col)
+        left_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
+        right_off = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)  # B columns b_col..
+        factor = tl.load(af_ptr + adapter * 2)
+    offs_m = row_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < row_end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    r_stop = tl.where(row_start + sub * BLOCK_M < row_end, rank, 0)
+    left_rows = left_ptr + s_off + (offs_m - row_start) * width + left_col
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, r_stop, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        lt = tl.load(left_rows[:, None] + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
+            rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
+            rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        part = tl.dot(lt, rt, part, input_precision=DOT_PRECISION)
+    part = part * factor
+    if DX_MODE:
+        if HAS_DROPOUT:
+            seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
+            threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
+            keep = keep_hash24(row_hash(hash_base(seed_h, offset_h), offs_m), offs_n) >= threshold
+            part = tl.where(keep, part, 0.0)
+    ok = row_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    cur = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (cur + part).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _lora_ds_kernel(
     dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -385,14 +444,15 @@ def _rank_block(rank: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(rank, 1))))
 
 
-def _split_count(programs: int, max_tiles: int, device: torch.device) -> int:
-    """How many shares to split an adapter's tiles into so the grid fills the GPU."""
+def _split_count(programs: int, max_tiles: int, device: torch.device, waves: int) -> int:
+    """How many shares to split an adapter's tiles into so the grid fills the GPU ``waves``
+    times over (programs per SM)."""
     if max_tiles <= 1:
         return 1
     if device.type != "cuda":
         return min(2, max_tiles)  # exercise the split path in the interpreter, cheaply
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_tiles, triton.cdiv(2 * sms, max(programs, 1))))
+    return max(1, min(max_tiles, triton.cdiv(waves * sms, max(programs, 1))))
 
 
 def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
@@ -411,6 +471,22 @@ def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: in
     return s
 
 
+def _launch_add(out, left, right, proj, table, sizes: LoraBlockSizes, off_h: int, dx_mode: bool) -> None:
+    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``)."""
+    n = out.shape[1]
+    sub_m = min(sizes.add_block_m, table.block_m)
+    subs = table.block_m // sub_m
+    rank = table.max_total_rank if dx_mode else table.max_rank[proj]
+    grid = (table.num_tiles * subs, triton.cdiv(n, sizes.add_block_n))
+    _lora_add_kernel[grid](
+        out, left, right, table.tiles, table.adapter_int, table.adapter_float, off_h, n,
+        right.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
+        AI_STRIDE=table.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=table.has_dropout,
+        BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n, BLOCK_R=_rank_block(rank, sizes.rank_block),
+        DOT_PRECISION=_dot_precision(out.dtype), num_warps=sizes.add_warps, num_stages=2,
+    )
+
+
 def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
@@ -420,8 +496,9 @@ def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.nn.functional.linear(x, w, bias)  # cuBLAS; the LoRA term is added in place
-        if not has_lora:
-            return y
+        if has_lora:
+            _launch_add(y, s, b_cat, proj, table, sizes, 0, dx_mode=False)
+        return y
     bm, bn, bk = sizes.block_m, sizes.fwd_block_n, sizes.fwd_block_k
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _lora_fwd_gemm_kernel[grid](
@@ -457,7 +534,7 @@ def _launch_db(dy, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor
     block_n = sizes.skinny_block_k
     rblocks = triton.cdiv(table.max_rank[proj], block_r)
     programs = triton.cdiv(n, block_n) * len(table.active) * rblocks
-    split = _split_count(programs, table.max_adapter_tiles, dy.device)
+    split = _split_count(programs, table.max_adapter_tiles, dy.device, sizes.split_waves)
     part = torch.empty(split, n, b_cat.shape[1], dtype=torch.float32, device=dy.device)
     grid = (triton.cdiv(n, block_n), table.num_adapters * rblocks, split)
     _lora_db_kernel[grid](
@@ -483,15 +560,7 @@ def _launch_dx(dys, weights, ds, a_all, table, sizes: LoraBlockSizes, off_h: int
         for dy, w in pairs[1:]:
             dx.addmm_(dy, w)
         if has_lora:
-            _lora_dx_gemm_kernel[grid](
-                None, None, 0, None, None, 0, None, None, 0,
-                dx, dx, ds, a_all, table.tiles, table.block_tiles, table.adapter_int,
-                table.adapter_float, off_h, m, k,
-                AI_STRIDE=table.adapter_int.shape[1], NUM_PROJ=0, HAS_PREV=True, HAS_LORA=True,
-                HAS_DROPOUT=table.has_dropout, EVEN_N=True, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
-                BLOCK_R=_rank_block(table.max_total_rank, sizes.rank_block), GROUP_M=sizes.group_m,
-                DOT_PRECISION=_dot_precision(dtype), num_warps=sizes.dx_warps, num_stages=sizes.dx_stages,
-            )
+            _launch_add(dx, ds, a_all, 0, table, sizes, off_h, dx_mode=True)
         return dx
     if not pairs:
         pairs = [(torch.zeros(m, 1, dtype=dtype, device=device),
@@ -526,7 +595,7 @@ def _launch_da(x, ds, table, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
     block_k = sizes.skinny_block_k
     rblocks = triton.cdiv(table.max_total_rank, block_r)
     programs = triton.cdiv(k, block_k) * len(table.active) * rblocks
-    split = _split_count(programs, table.max_adapter_tiles, x.device)
+    split = _split_count(programs, table.max_adapter_tiles, x.device, sizes.split_waves)
     part = torch.empty(split, table.a_rows, k, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(k, block_k), table.num_adapters * rblocks, split)
     _lora_da_kernel[grid](
