@@ -76,43 +76,55 @@ def make_bank(config: dec.DecoderConfig) -> AdapterBank:
     return bank
 
 
-def samples_and_plan(num_stages: int, num_batches: int = 3, batch_size: int = 3, seed: int = 0):
+def samples_and_plan(num_stages: int, *, replicas: int = 1, num_batches: int = 3,
+                     batch_size: int = 3, seed: int = 0):
+    """The plan and, per data-parallel replica, its packed microbatches ``{plan index: Microbatch}``.
+
+    Replicas share sample lengths (hence one plan with one step order) but draw their own
+    tokens and prompt lengths; loss denominators count the whole global batch over replicas.
+    """
     g = torch.Generator().manual_seed(seed)
     n_adapters = len(adapter_specs())
-    datasets, batches, lengths = [], [], []
-    for a in range(n_adapters):
-        ds = []
-        for _ in range(num_batches * batch_size):
-            n = int(torch.randint(6, 22, (1,), generator=g))
-            prompt = int(torch.randint(1, n - 2, (1,), generator=g))
-            ids = torch.randint(0, 61, (n,), generator=g).tolist()
-            labels = [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]  # pre-shifted
-            ds.append(Sample(ids, labels))
-        datasets.append(ds)
-        batches.append([list(range(j * batch_size, (j + 1) * batch_size)) for j in range(num_batches)])
-        lengths.append([[len(ds[i].input_ids) for i in b] for b in batches[-1]])
+    lengths = [[[int(torch.randint(6, 22, (1,), generator=g)) for _ in range(batch_size)]
+                for _ in range(num_batches)] for _ in range(n_adapters)]
     plan = plan_microbatches(lengths, capacity=CAPACITY, pad_multiple=PAD_MULTIPLE,
                              num_stages=num_stages, method="greedy")
-    lookup = SampleLookup(datasets, batches)
-    denominators = {(a, j): lookup.label_tokens(a, j) for a in range(n_adapters) for j in range(num_batches)}
+    lookups = []
+    for r in range(replicas):
+        gr = torch.Generator().manual_seed(1000 * (seed + 1) + r)
+        datasets, batches = [], []
+        for a in range(n_adapters):
+            ds = []
+            for j in range(num_batches):
+                for n in lengths[a][j]:
+                    prompt = int(torch.randint(1, n - 2, (1,), generator=gr))
+                    ids = torch.randint(0, 61, (n,), generator=gr).tolist()
+                    ds.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]))
+            datasets.append(ds)
+            batches.append([list(range(j * batch_size, (j + 1) * batch_size)) for j in range(num_batches)])
+        lookups.append(SampleLookup(datasets, batches))
+    denominators = {(a, j): sum(lk.label_tokens(a, j) for lk in lookups)
+                    for a in range(n_adapters) for j in range(num_batches)}
     step_at: dict[int, list[int]] = {}
     for (a, j), i in plan.step_points.items():
         step_at.setdefault(i, []).append(a)
     packing = PackingConfig(capacity=CAPACITY, pad_multiple=PAD_MULTIPLE)
-    microbatches: dict[int, Microbatch] = {
-        i: pack_microbatch(mb, lookup, config=packing, num_adapters=n_adapters,
-                           denominators=denominators, step_adapters=tuple(sorted(step_at.get(i, []))), index=i)
-        for i, mb in enumerate(plan.microbatches) if not mb.is_noop
-    }
-    return plan, microbatches
+    per_replica = [
+        {i: pack_microbatch(mb, lk, config=packing, num_adapters=n_adapters, denominators=denominators,
+                            step_adapters=tuple(sorted(step_at.get(i, []))), index=i)
+         for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+        for lk in lookups
+    ]
+    return plan, per_replica
 
 
 def optimizers(bank: AdapterBank) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(bank.parameters_of(a), lr=LR) for a in range(bank.num_adapters)]
 
 
-def reference_training(plan: Plan, microbatches: dict[int, Microbatch]) -> AdapterBank:
-    """Single process, whole model, microbatches in plan order, step at each step point."""
+def reference_training(plan: Plan, per_replica: list[dict[int, Microbatch]]) -> AdapterBank:
+    """Single process, whole model, microbatches in plan order (every replica's), step at each
+    step point."""
     config = tiny_config()
     params = base_params(config)
     bank = make_bank(config)
@@ -123,7 +135,9 @@ def reference_training(plan: Plan, microbatches: dict[int, Microbatch]) -> Adapt
     for (a, j), i in plan.step_points.items():
         steps_after.setdefault(i, []).append(a)
     for i in range(len(plan.microbatches)):
-        if i in microbatches:
+        for microbatches in per_replica:
+            if i not in microbatches:
+                continue
             mb = microbatches[i]
             routing = bank.routing(mb.segments, mb.index, mb.capacity)
             sums = dec.forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids,

@@ -10,6 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_lorafusion.parallel.data_parallel import (
+    ParallelLayout,
+    allreduce_adapter_grads,
+    build_data_parallel_groups,
+    check_same_step_order,
+)
 from lightning_lorafusion.parallel.executor import run_stage
 from lightning_lorafusion.parallel.partition import partition_layers
 from lightning_lorafusion.parallel.schedule import build_pipeline_schedule
@@ -18,34 +24,45 @@ from lightning_lorafusion.parallel.stage import DecoderStage
 from . import pipeline_case as case
 
 
-def _pipeline_worker(rank: int, num_stages: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, layouts: list[tuple[int, int]], init_file: str, out_dir: str) -> None:
+    """Train the case once per ``(pipeline_size, data_parallel_size)`` layout; save this rank's bank."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=num_stages)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        config = case.tiny_config()
-        params = case.base_params(config)
-        bank = case.make_bank(config)
-        opts = case.optimizers(bank)
-        plan, microbatches = case.samples_and_plan(num_stages)
-        layers = partition_layers(config.num_layers, num_stages)[rank]
-        stage = DecoderStage(
-            params=params, bank=bank, config=config, layers=layers, is_first=rank == 0,
-            is_last=rank == num_stages - 1, microbatches=microbatches.__getitem__,
-        )
+        for pp, dp in layouts:
+            layout = ParallelLayout(pipeline_size=pp, data_parallel_size=dp)
+            groups = build_data_parallel_groups(layout)
+            stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
+            config = case.tiny_config()
+            params = case.base_params(config)
+            bank = case.make_bank(config)
+            opts = case.optimizers(bank)
+            plan, per_replica = case.samples_and_plan(pp, replicas=dp)
+            microbatches = per_replica[replica]
+            layers = partition_layers(config.num_layers, pp)[stage_index]
+            stage = DecoderStage(
+                params=params, bank=bank, config=config, layers=layers, is_first=stage_index == 0,
+                is_last=stage_index == pp - 1, microbatches=microbatches.__getitem__,
+            )
+            dp_group = groups[stage_index]
 
-        def step(adapter: int, batch: int) -> None:
-            opts[adapter].step()
-            opts[adapter].zero_grad(set_to_none=True)
+            def step(adapter: int, batch: int) -> None:
+                mine = [p for layer in layers for p in bank.adapters[adapter][layer].parameters()]
+                allreduce_adapter_grads(mine, dp_group)
+                opts[adapter].step()
+                opts[adapter].zero_grad(set_to_none=True)
 
-        schedule = build_pipeline_schedule(plan, num_stages)
-        record = run_stage(
-            schedule[rank], stage, stage_index=rank, num_stages=num_stages,
-            activation_shape=(case.CAPACITY, config.hidden_size), dtype=torch.float32,
-            device="cpu", optimizer_step=step,
-        )
-        state = {k: v.detach().clone() for k, v in bank.state_dict().items()}
-        torch.save({"state": state, "layers": list(layers), "events": record.events},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+            actions = build_pipeline_schedule(plan, pp)[stage_index]
+            check_same_step_order(actions, dp_group)
+            record = run_stage(
+                actions, stage, stage_index=stage_index, num_stages=pp,
+                activation_shape=(case.CAPACITY, config.hidden_size), dtype=torch.float32,
+                device="cpu", optimizer_step=step, stage_ranks=layout.pipeline_ranks(replica),
+            )
+            state = {k: v.detach().clone() for k, v in bank.state_dict().items()}
+            torch.save({"state": state, "layers": list(layers), "events": record.events},
+                       os.path.join(out_dir, f"pp{pp}_dp{dp}_rank{rank}.pt"))
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -54,28 +71,34 @@ def _layer_of(key: str) -> int:
     return int(key.split(".")[2])  # adapters.<a>.<layer>.<module>.lora_A
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_pipeline_matches_single_process_training(num_stages):
-    plan, microbatches = case.samples_and_plan(num_stages)
-    steps = {b for (_, b) in plan.step_points}
-    assert len(steps) == 3 and len({a for (a, _) in plan.step_points}) == 3
-    assert any(len(mb.adapters()) > 1 for mb in plan.microbatches), "want mixed-adapter microbatches"
-    reference = case.reference_training(plan, microbatches).state_dict()
-    initial = case.make_bank(case.tiny_config()).state_dict()
+@pytest.mark.parametrize("world, layouts", [(2, [(2, 1), (1, 2)]), (4, [(4, 1), (2, 2)])])
+def test_pipeline_and_data_parallel_match_single_process_training(world, layouts):
+    """After 3 global batches of 3 adapters (mixed-adapter microbatches, dropout on one adapter),
+    every stage's adapter weights equal the one-process run, for PP, DP and DP x PP."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _pipeline_worker, args=(num_stages, os.path.join(tmp, "init"), tmp),
-            nprocs=num_stages, start_method="spawn",
+            _worker, args=(world, layouts, os.path.join(tmp, "init"), tmp), nprocs=world,
+            start_method="spawn",
         )
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(num_stages)]
-    for rank, result in enumerate(results):
-        mine = set(result["layers"])
-        kinds = {kind for kind, *_ in result["events"]}
-        assert {"F", "B", "S"} <= kinds
-        for key, value in result["state"].items():
-            if _layer_of(key) in mine:
-                # the weights moved, and moved exactly as in the one-process run
-                assert not torch.equal(value, initial[key]), key
-                torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=key)
-            else:
-                torch.testing.assert_close(value, initial[key], rtol=0, atol=0)
+        results = {
+            (pp, dp, r): torch.load(os.path.join(tmp, f"pp{pp}_dp{dp}_rank{r}.pt"))
+            for pp, dp in layouts for r in range(world)
+        }
+    initial = case.make_bank(case.tiny_config()).state_dict()
+    for pp, dp in layouts:
+        plan, per_replica = case.samples_and_plan(pp, replicas=dp)
+        assert len({b for (_, b) in plan.step_points}) == 3
+        assert any(len(mb.adapters()) > 1 for mb in plan.microbatches), "want mixed-adapter microbatches"
+        reference = case.reference_training(plan, per_replica).state_dict()
+        for rank in range(world):
+            result = results[(pp, dp, rank)]
+            assert {"F", "B", "S"} <= {kind for kind, *_ in result["events"]}
+            mine = set(result["layers"])
+            for key, value in result["state"].items():
+                if _layer_of(key) in mine:
+                    # the weights moved, and moved exactly as in the one-process run
+                    assert not torch.equal(value, initial[key]), key
+                    torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6,
+                                               msg=f"pp={pp} dp={dp} rank={rank} {key}")
+                else:
+                    torch.testing.assert_close(value, initial[key], rtol=0, atol=0)
