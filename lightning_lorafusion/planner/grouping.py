@@ -8,15 +8,19 @@ Rule (documented in docs/planner.md):
    fewest tokens per global batch so far (ties: lowest group). Long adapters thus share a
    group with short ones, so each group's wave of samples packs evenly.
 3. Rounds run group after group: round r = batch r of group 0's adapters, then group 1's, ...
-   Between two consecutive batches of an adapter lie the waves of every other group. Take
-   the smallest g for which, in every round, those waves need at least S - 1 microbatches
-   by a lower bound on their bin count (so any packing keeps S apart). With S = 1 this is
-   g = 1: all adapters in one group.
-4. If no g works (e.g. one adapter, or S larger than the other groups can fill), fall back
+   Between two consecutive batches of an adapter lie the waves of every other group. A
+   grouping is feasible if, in every round, those waves need at least S - 1 microbatches by
+   a lower bound on their bin count (so any packing keeps S apart). With S = 1 every g is.
+4. Among feasible groupings the planner keeps the one whose greedy+merge plan is shortest
+   (ties: fewer groups), a cheap deterministic trial that replaces guessing how much
+   mixing adapters buys against how much spacing the merge needs.
+5. If no g works (e.g. one adapter, or S larger than the other groups can fill), fall back
    to singleton groups; the verifier then inserts no-op microbatches where needed.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from .config import Lengths, PlannerConfig
 from .greedy import bin_count_lower_bound
@@ -88,13 +92,24 @@ def groups_keep_stages_apart(lengths: Lengths, groups: Groups, config: PlannerCo
     return True
 
 
-def group_adapters(lengths: Lengths, config: PlannerConfig) -> Groups:
-    """Groups of adapters, in execution order within each round (see the module docstring)."""
+def feasible_groupings(lengths: Lengths, config: PlannerConfig) -> list[Groups]:
+    """Every head-tail grouping (g = 1..A groups) that keeps batches S apart; singletons if none."""
     num_adapters = len(lengths)
     if not config.grouping:
-        return (tuple(range(num_adapters)),)
+        return [(tuple(range(num_adapters)),)]
+    found = []
     for g in range(1, num_adapters + 1):
         groups = deal_groups(lengths, g)
-        if groups_keep_stages_apart(lengths, groups, config):
-            return groups
-    return tuple((a,) for a in head_tail_order(lengths))
+        if groups not in found and groups_keep_stages_apart(lengths, groups, config):
+            found.append(groups)
+    return found or [tuple((a,) for a in head_tail_order(lengths))]
+
+
+def group_adapters(lengths: Lengths, config: PlannerConfig, score: Callable[[Groups], int] | None = None) -> Groups:
+    """The grouping to plan with: among ``feasible_groupings``, the one with the lowest
+    ``score`` (the planner passes the length of the greedy+merge plan, which costs
+    milliseconds); ties and ``score=None`` pick the fewest groups."""
+    candidates = feasible_groupings(lengths, config)
+    if score is None or len(candidates) == 1:
+        return candidates[0]
+    return min(candidates, key=lambda groups: (score(groups), len(groups)))

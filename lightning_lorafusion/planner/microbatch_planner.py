@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .config import Lengths, PlannerConfig, validate_lengths
@@ -112,6 +112,22 @@ def assemble_plan(bins: list[list[SampleRef]], config: PlannerConfig) -> tuple[P
     return fix_plan(plan), len(bins)
 
 
+def _waves(lengths: Lengths, groups: Groups, offsets: Sequence[int]):
+    """(round, group, samples) of every non-empty wave in execution order."""
+    out = []
+    for r in range(max(len(b) for b in lengths)):
+        for group in groups:
+            samples = [
+                SampleRef(a, offsets[a] + r, i, int(n))
+                for a in group
+                if r < len(lengths[a])
+                for i, n in enumerate(lengths[a][r])
+            ]
+            if samples:
+                out.append((r, group, samples))
+    return out
+
+
 def plan_window(
     lengths: Lengths, config: PlannerConfig, *, batch_offsets: Sequence[int] | None = None
 ) -> tuple[Plan, PlanReport]:
@@ -125,25 +141,21 @@ def plan_window(
     offsets = list(batch_offsets) if batch_offsets is not None else [0] * len(lengths)
     if len(offsets) != len(lengths):
         raise ValueError(f"batch_offsets has {len(offsets)} entries for {len(lengths)} adapters")
-    groups = group_adapters(lengths, config)
-    rounds = max(len(b) for b in lengths)
+    greedy_config = replace(config, method="greedy")
+
+    def greedy_length(groups: Groups) -> int:
+        bins = [b for wave in _waves(lengths, groups, offsets) for b in pack_wave(wave[2], greedy_config)[0]]
+        return len(assemble_plan(bins, greedy_config)[0].microbatches)
+
+    groups = group_adapters(lengths, config, score=greedy_length)
     bins: list[list[SampleRef]] = []
     greedy_bins: list[list[SampleRef]] = []
     waves = []
-    for r in range(rounds):
-        for group in groups:
-            samples = [
-                SampleRef(a, offsets[a] + r, i, int(n))
-                for a in group
-                if r < len(lengths[a])
-                for i, n in enumerate(lengths[a][r])
-            ]
-            if not samples:
-                continue
-            chosen, greedy, report = pack_wave(samples, config, round_=r, group=group)
-            bins.extend(chosen)
-            greedy_bins.extend(greedy)
-            waves.append(report)
+    for r, group, samples in _waves(lengths, groups, offsets):
+        chosen, greedy, report = pack_wave(samples, config, round_=r, group=group)
+        bins.extend(chosen)
+        greedy_bins.extend(greedy)
+        waves.append(report)
     plan, after = assemble_plan(bins, config)
     used = "milp" if config.method == "milp" else "greedy"
     greedy_count = len(plan.microbatches)
