@@ -62,13 +62,14 @@ def partition_layers(
 
 
 def partition_decoder(config: Any, num_stages: int) -> tuple[range, ...]:
-    """Balanced stages of an HF-style decoder config by FLOPs per token: embedding lookup is
-    free, the last stage pays norm + LM head (``2 * hidden * vocab`` FLOPs per token)."""
+    """Balanced stages of a decoder (HF config or ``DecoderConfig``) by FLOPs per token: the
+    embedding lookup is free, the last stage pays norm + LM head (``2 * hidden * vocab``)."""
     from .simulator import CostModel
 
     unit = CostModel.from_decoder_config(config, (1,))
+    num_layers = getattr(config, "num_hidden_layers", None) or config.num_layers
     return partition_layers(
-        config.num_hidden_layers,
+        num_layers,
         num_stages,
         layer_cost=unit.layer_flops_per_token,
         last_stage_extra=unit.head_flops_per_token,

@@ -98,12 +98,14 @@ class CostModel:
         bytes_per_element: int = 2,
         **overrides: Any,
     ) -> "CostModel":
-        """Analytic costs of a Llama-family decoder described by HF-style attribute names
-        (``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
-        ``num_key_value_heads``, ``vocab_size``); multiply-adds count 2 FLOPs."""
+        """Analytic costs of a Llama-family decoder: an HF config (``hidden_size``,
+        ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``vocab_size``) or the project's ``DecoderConfig`` (``num_heads``, ``num_kv_heads``);
+        multiply-adds count 2 FLOPs."""
         h = config.hidden_size
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        heads = getattr(config, "num_attention_heads", None) or config.num_heads
+        kv_heads = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+                    or heads)
         head_dim = getattr(config, "head_dim", None) or h // heads
         linear_params = (
             h * heads * head_dim * 2  # q_proj, o_proj
