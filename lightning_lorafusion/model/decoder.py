@@ -376,8 +376,12 @@ def head_loss_sums(
             raise ValueError(f"segment adapter {adapter} out of range for {num_adapters} adapters")
         owner[start:end] = adapter
     sums = torch.zeros(num_adapters + 1, dtype=torch.float32, device=h.device)
+    # Only label positions need logits: in instruction data most tokens are prompt, and the
+    # LM head is the largest single GEMM of a small model. (One host sync for the count.)
+    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    h, labels, owner = h.index_select(0, rows), labels.index_select(0, rows), owner.index_select(0, rows)
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
-    for c0 in range(0, t, chunk_size):
+    for c0 in range(0, h.shape[0], chunk_size):
         args = (h[c0:c0 + chunk_size], labels[c0:c0 + chunk_size], params["norm"], params["lm_head"],
                 config.rms_norm_eps)
         losses = checkpoint(_token_losses, *args, use_reentrant=False) if use_ckpt else _token_losses(*args)

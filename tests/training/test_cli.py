@@ -1,0 +1,75 @@
+"""The console entry point: YAML config, --print_config, training, checkpoints, PEFT export,
+W&B offline, and clear errors before training for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def run_cli(args, cwd, env_extra=None, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "WANDB"))}
+    env.update({"HOME": str(cwd), "PYTHONPATH": REPO})
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_lorafusion.cli", *args], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_print_config_resolves_demo_yaml(tmp_path):
+    out = run_cli(["fit", "--config", os.path.join(REPO, "configs", "demo.yaml"), "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    names = [a["name"] for a in cfg["model"]["adapters"]]
+    assert names == ["challenge", "approach", "outcome"]
+    assert cfg["model"]["adapters"][1]["rank"] == 16 and cfg["data"]["capacity"] == 1024
+
+
+def test_fit_trains_checkpoints_exports_and_logs_wandb_offline(tiny_model_dir, tmp_path):
+    out = run_cli(
+        ["fit", "--config", TINY, "--model.base_model", tiny_model_dir,
+         "--trainer.default_root_dir", str(tmp_path / "run"),
+         "--trainer.logger", "lightning.pytorch.loggers.WandbLogger",
+         "--trainer.logger.offline", "true", "--trainer.logger.save_dir", str(tmp_path / "run"),
+         "--trainer.enable_checkpointing", "true"],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    for name, rank in (("xsum", 4), ("cnndm", 2)):
+        d = tmp_path / "run" / "adapters" / name
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        assert cfg["r"] == rank and (d / "adapter_model.safetensors").stat().st_size > 0
+    ckpts = list((tmp_path / "run").rglob("*.ckpt"))
+    assert ckpts, "no checkpoint written"
+    wandb_runs = list((tmp_path / "run").rglob("offline-run-*"))
+    assert wandb_runs, "W&B offline run directory missing"
+    assert not (tmp_path / ".config" / "wandb").exists() and not (tmp_path / ".cache" / "wandb").exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--model.adapters.rank", "0"], None),
+        (["--data.capacity", "32", "--data.max_length", "48"], "capacity"),
+    ],
+)
+def test_bad_config_fails_before_training(tiny_model_dir, tmp_path, override, message):
+    cfg = yaml.safe_load(open(TINY))
+    if override[0] == "--model.adapters.rank":
+        cfg["model"]["adapters"][0]["rank"] = 0
+        message = "rank=0 must be >= 1"
+        override = []
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["fit", "--config", str(path), "--model.base_model", tiny_model_dir,
+                   "--trainer.default_root_dir", str(tmp_path / "run"), *override], tmp_path)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "run" / "adapters").exists()
