@@ -223,6 +223,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
         return _MicrobatchLoader(tn.Loader(node))
 
+    def transfer_batch_to_device(self, batch: Microbatch, device, dataloader_idx: int) -> Microbatch:
+        return batch.to(device)
+
     def on_microbatch_trained(self, mb: Microbatch) -> None:
         """Called by the LightningModule after a microbatch's step: advances the resume point."""
         self.epoch, pos = divmod(mb.index, EPOCH_STRIDE)

@@ -166,9 +166,6 @@ class LoRAFusionModule(L.LightningModule):
         return (loss_sums[present] / den).sum()
 
     # ------------------------------------------------------------- Lightning
-    def transfer_batch_to_device(self, batch: Microbatch, device: torch.device, dataloader_idx: int) -> Microbatch:
-        return batch.to(device)
-
     def configure_optimizers(self):
         dm = self.trainer.datamodule
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
