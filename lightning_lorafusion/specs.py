@@ -45,8 +45,12 @@ class AdapterSpec:
                 f"adapter name {self.name!r} must be a non-empty identifier-like string "
                 "(letters, digits, '_', '-', '.'); it names the exported PEFT directory"
             )
-        if isinstance(self.target_modules, list):
-            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = (targets,)
+        if tuple(targets) == ("all-linear",):  # PEFT's shorthand: every projection
+            targets = ALL_TARGET_MODULES
+        object.__setattr__(self, "target_modules", tuple(targets))
         if self.rank < 1:
             raise ConfigError(f"adapter {self.name!r}: rank={self.rank} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
