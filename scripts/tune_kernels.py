@@ -121,8 +121,8 @@ SKINNY_CANDIDATES = [  # S / dS / dB / dA kernels
     dict(skinny_block_m=64, skinny_block_k=64, skinny_warps=4, skinny_stages=3, split_waves=2),
     dict(skinny_block_m=32, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=2),
     dict(skinny_block_m=32, skinny_block_k=64, skinny_warps=4, skinny_stages=4, split_waves=4),
-    dict(skinny_block_m=16, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=4),
-    dict(skinny_block_m=16, skinny_block_k=256, skinny_warps=4, skinny_stages=3, split_waves=4),
+    dict(skinny_block_m=32, skinny_block_k=256, skinny_warps=4, skinny_stages=3, split_waves=8),
+    dict(skinny_block_m=64, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=8),
     dict(skinny_block_m=64, skinny_block_k=128, skinny_warps=8, skinny_stages=3, split_waves=4),
     dict(skinny_block_m=32, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=8),
 ]
@@ -132,7 +132,7 @@ ADD_CANDIDATES = [  # in-place LoRA-term kernels of the cuBLAS mode
     dict(add_block_m=64, add_block_n=256, add_warps=8),
     dict(add_block_m=128, add_block_n=128, add_warps=8),
     dict(add_block_m=32, add_block_n=256, add_warps=4),
-    dict(add_block_m=16, add_block_n=256, add_warps=4),
+    dict(add_block_m=64, add_block_n=128, add_warps=8),
 ]
 SKINNY_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
 

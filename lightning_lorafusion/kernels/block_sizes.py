@@ -81,6 +81,12 @@ class LoraBlockSizes:
                 raise ValueError(
                     f"LoraBlockSizes.{name}={v} must be a power of two >= 16 (tl.dot's minimum)"
                 )
+        for name in ("block_m", "skinny_block_m", "add_block_m"):
+            if getattr(self, name) < 32:
+                raise ValueError(
+                    f"LoraBlockSizes.{name}={getattr(self, name)} must be >= 32 (kernels split "
+                    "row blocks into even/odd halves of >= 16 rows for tl.dot)"
+                )
         if PAD_MULTIPLE % self.block_m:
             raise ValueError(
                 f"LoraBlockSizes.block_m={self.block_m} must divide PAD_MULTIPLE={PAD_MULTIPLE}"
@@ -98,7 +104,7 @@ class LoraBlockSizes:
 # Small tiles for the CPU interpreter (TRITON_INTERPRET=1): fewer wasted elements per program.
 INTERPRETER_BLOCK_SIZES = LoraBlockSizes(
     block_m=32, fwd_block_n=64, fwd_block_k=32, dx_block_k=64, dx_block_n=32,
-    rank_block=16, skinny_block_k=32, skinny_block_m=16, add_block_m=16, add_block_n=64,
+    rank_block=16, skinny_block_k=32, skinny_block_m=32, add_block_m=32, add_block_n=64,
     gemm="triton",
 )
 

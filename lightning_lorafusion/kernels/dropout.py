@@ -28,19 +28,24 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_uniform24(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """24 random bits in [0, 2^24) per (row, col); rows [R, 1] and cols [1, C] broadcast."""
+def hash_uniform16(seed: int, offset: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """16 random bits in [0, 2^16) per (row, col); rows [R, 1] and cols [1, C] broadcast.
+
+    One 32-bit hash serves a pair of rows (2i, 2i+1) at a column: row 2i takes its low 16 bits,
+    row 2i+1 its high 16 bits. The kernels thus hash half of the elements they mask.
+    """
     base = ((seed * _C_SEED) ^ (offset * _C_OFFSET)) & _MASK32
-    x = (base ^ ((rows.to(torch.int64) * _C_ROW) & _MASK32)) & _MASK32
+    rows = rows.to(torch.int64)
+    x = (base ^ (((rows >> 1) * _C_ROW) & _MASK32)) & _MASK32
     x = _fmix32(x)
     x = (x ^ ((cols.to(torch.int64) * _C_COL) & _MASK32)) & _MASK32
     x = _fmix32(x)
-    return x >> 8
+    return torch.where((rows & 1).bool(), x >> 16, x & 0xFFFF)
 
 
 def dropout_keep_threshold(p: float) -> int:
-    """Elements whose 24-bit hash is >= this are kept; keep probability is 1 - p (to 2^-24)."""
-    return int(round(p * (1 << 24)))
+    """Elements whose 16-bit hash is >= this are kept; keep probability is 1 - p (to 2^-16)."""
+    return int(round(p * (1 << 16)))
 
 
 def dropout_keep_mask(
@@ -55,7 +60,7 @@ def dropout_keep_mask(
         return torch.ones(rows, cols, dtype=torch.bool, device=device)
     r = torch.arange(row_start, row_start + rows, device=device, dtype=torch.int64)[:, None]
     c = torch.arange(cols, device=device, dtype=torch.int64)[None, :]
-    return hash_uniform24(seed, offset, r, c) >= dropout_keep_threshold(p)
+    return hash_uniform16(seed, offset, r, c) >= dropout_keep_threshold(p)
 
 
 def dropout_offset(microbatch_index: int, layer: int, input_slot: int) -> int:

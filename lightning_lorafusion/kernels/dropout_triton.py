@@ -1,6 +1,6 @@
 """The dropout hash of ``kernels/dropout.py`` written in Triton (uint32), plus a mask kernel.
 
-``keep_hash24`` must stay bit-identical to ``dropout.hash_uniform24``: the fused kernels
+``keep_bits16`` / ``pair_hash`` must stay bit-identical to ``dropout.hash_uniform16``: the fused kernels
 regenerate the forward's mask in backward from (seed, offset, row, col) with it, and the torch
 reference draws its mask with the torch version. ``tests/kernels/test_dropout_triton.py``
 checks the two against each other.
@@ -37,16 +37,24 @@ def fmix32(x):
 
 
 @triton.jit
-def row_hash(base, rows):
-    """First hash stage, once per row: ``base`` uint32 scalar, ``rows`` [BM] ints -> [BM] uint32."""
-    return fmix32(base ^ (rows.to(tl.uint32) * 0xC2B2AE3D))
+def row_hash(base, pairs):
+    """First hash stage, once per row pair: ``pairs`` [BP] = row // 2 -> [BP] uint32."""
+    return fmix32(base ^ (pairs.to(tl.uint32) * 0xC2B2AE3D))
 
 
 @triton.jit
-def keep_hash24(row_h, cols):
-    """24 random bits per element: ``row_h`` [BM] from ``row_hash``, ``cols`` [BK] -> [BM, BK]."""
+def pair_hash(pair_h, cols):
+    """Second stage: [BP] x [BK] -> [BP, BK] uint32; low 16 bits for the even row of each pair,
+    high 16 bits for the odd row."""
     col_h = cols.to(tl.uint32) * 0x27D4EB2F
-    return fmix32(row_h[:, None] ^ col_h[None, :]) >> 8
+    return fmix32(pair_h[:, None] ^ col_h[None, :])
+
+
+@triton.jit
+def keep_bits16(base, rows, cols):
+    """Element-wise 16 random bits for rows [BM] x cols [BK] (any row alignment)."""
+    h = pair_hash(row_hash(base, rows // 2), cols)
+    return tl.where((rows % 2 == 1)[:, None], h >> 16, h & 0xFFFF)
 
 
 @triton.jit
@@ -64,8 +72,7 @@ def _keep_mask_kernel(
     pid_c = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    rh = row_hash(hash_base(seed_h, offset_h), row_start + offs_r)
-    keep = keep_hash24(rh, offs_c) >= threshold.to(tl.uint32)
+    keep = keep_bits16(hash_base(seed_h, offset_h), row_start + offs_r, offs_c) >= threshold.to(tl.uint32)
     ok = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
     tl.store(out_ptr + offs_r[:, None] * cols + offs_c[None, :], keep.to(tl.int8), mask=ok)
 

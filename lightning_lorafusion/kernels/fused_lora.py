@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .block_sizes import GEMM_MODES, LoraBlockSizes, block_sizes_for
-from .dropout_triton import hash_base, keep_hash24, offset_hash, row_hash
+from .dropout_triton import hash_base, keep_bits16, offset_hash, pair_hash, row_hash
 from .reference import LoraModuleWeights, LoraRouting
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, LoraLaunchTable, build_launch_table
 
@@ -66,15 +66,31 @@ def _load_tile(tiles_ptr, t):
 
 
 @triton.jit
+def _row_window(row_start, row_end, sub, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Even and odd rows of sub-window ``sub`` of the (block-aligned, so pair-aligned) row block
+    holding a tile; the dropout hash serves each (even, odd) row pair with one 32-bit value."""
+    win = (row_start // TILE_M) * TILE_M + sub * BLOCK_M
+    pairs = win // 2 + tl.arange(0, BLOCK_M // 2)
+    rows_e = pairs * 2
+    rows_o = rows_e + 1
+    ok_e = (rows_e >= row_start) & (rows_e < row_end)
+    ok_o = (rows_o >= row_start) & (rows_o < row_end)
+    live = (win < row_end) & (win + BLOCK_M > row_start)
+    return pairs, rows_e, rows_o, ok_e, ok_o, live
+
+
+@triton.jit
 def _lora_s_kernel(
     x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs,
-    AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows.
 
-    Each row tile is covered by ``subs`` programs of BLOCK_M rows (more programs in flight)."""
+    Each row block is covered by ``subs`` programs of BLOCK_M rows (more programs in flight);
+    a program handles its even and odd rows as two halves sharing one hash evaluation.
+    """
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
     rb = tl.program_id(1)
@@ -84,26 +100,33 @@ def _lora_s_kernel(
     seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
     threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
     inv_keep = tl.load(af_ptr + adapter * 2 + 1)
-    offs_m = row_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < row_end
+    pairs, rows_e, rows_o, ok_e, ok_o, live = _row_window(row_start, row_end, sub, TILE_M, BLOCK_M)
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < width
-    k_stop = tl.where((rb * BLOCK_R < width) & (row_start + sub * BLOCK_M < row_end), K, 0)
-    rh = row_hash(hash_base(seed_h, offset_h), offs_m)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_stop = tl.where((rb * BLOCK_R < width) & live, K, 0)
+    pair_h = row_hash(hash_base(seed_h, offset_h), pairs)
+    acc_e = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
+    acc_o = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        xt = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if HAS_DROPOUT:
-            keep = keep_hash24(rh, offs_k) >= threshold
-            xt = tl.where(keep, xt.to(tl.float32) * inv_keep, 0.0).to(x_ptr.dtype.element_ty)
+        xe = tl.load(x_ptr + rows_e[:, None] * K + offs_k[None, :],
+                     mask=ok_e[:, None] & k_ok[None, :], other=0.0)
+        xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
+                     mask=ok_o[:, None] & k_ok[None, :], other=0.0)
+        if HAS_DROPOUT:  # 1 / (1 - p) is applied to the accumulator at the end
+            h = pair_hash(pair_h, offs_k)
+            xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)
+            xo = tl.where((h >> 16) >= threshold, xo, 0.0).to(x_ptr.dtype.element_ty)
         at = tl.load(a_ptr + (a_row + offs_r)[None, :] * K + offs_k[:, None],
                      mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
-    s_ptrs = s_ptr + s_off + (offs_m - row_start)[:, None] * width + offs_r[None, :]
-    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+        acc_e = tl.dot(xe, at, acc_e, input_precision=DOT_PRECISION)
+        acc_o = tl.dot(xo, at, acc_o, input_precision=DOT_PRECISION)
+    s_cols = s_ptr + s_off + offs_r[None, :]
+    tl.store(s_cols + (rows_e - row_start)[:, None] * width, (acc_e * inv_keep).to(s_ptr.dtype.element_ty),
+             mask=ok_e[:, None] & r_ok[None, :])
+    tl.store(s_cols + (rows_o - row_start)[:, None] * width, (acc_o * inv_keep).to(s_ptr.dtype.element_ty),
+             mask=ok_o[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -175,14 +198,14 @@ def _lora_fwd_gemm_kernel(
 def _lora_add_kernel(
     out_ptr, left_ptr, right_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, N, right_stride, proj_col,
     subs, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """In place, on the rows of one tile: out[rows, cols] += LoRA term (cuBLAS GEMM mode).
 
     forward (``DX_MODE=False``): out = Y [M, N_i], term = scale * S_i B_i^T;
     dX (``DX_MODE=True``): out = dX [M, K], term = (dS A_a) * mask / (1 - p).
-    Rows outside every tile are never touched.
+    Rows outside every tile are never touched. Even and odd rows are handled as two halves.
     """
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
@@ -199,35 +222,44 @@ def _lora_add_kernel(
         left_col = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 1)
         right_off = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)  # B columns b_col..
         factor = tl.load(af_ptr + adapter * 2)
-    offs_m = row_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < row_end
+    pairs, rows_e, rows_o, ok_e, ok_o, live = _row_window(row_start, row_end, sub, TILE_M, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    r_stop = tl.where(row_start + sub * BLOCK_M < row_end, rank, 0)
-    left_rows = left_ptr + s_off + (offs_m - row_start) * width + left_col
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    okn_e = ok_e[:, None] & n_ok[None, :]
+    okn_o = ok_o[:, None] & n_ok[None, :]
+    out_e = out_ptr + rows_e[:, None] * N + offs_n[None, :]
+    out_o = out_ptr + rows_o[:, None] * N + offs_n[None, :]
+    cur_e = tl.load(out_e, mask=okn_e, other=0.0)  # issued first: overlaps the small products
+    cur_o = tl.load(out_o, mask=okn_o, other=0.0)
+    r_stop = tl.where(live, rank, 0)
+    left_e = left_ptr + s_off + (rows_e - row_start) * width + left_col
+    left_o = left_ptr + s_off + (rows_o - row_start) * width + left_col
+    part_e = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+    part_o = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, r_stop, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
-        lt = tl.load(left_rows[:, None] + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
             rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
                          mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
             rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
                          mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        part = tl.dot(lt, rt, part, input_precision=DOT_PRECISION)
-    part = part * factor
+        le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
+        lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
+        part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
+        part_o = tl.dot(lo, rt, part_o, input_precision=DOT_PRECISION)
+    part_e = part_e * factor
+    part_o = part_o * factor
     if DX_MODE:
         if HAS_DROPOUT:
             seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
             threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
-            keep = keep_hash24(row_hash(hash_base(seed_h, offset_h), offs_m), offs_n) >= threshold
-            part = tl.where(keep, part, 0.0)
-    ok = row_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-    cur = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (cur + part).to(out_ptr.dtype.element_ty), mask=ok)
+            h = pair_hash(row_hash(hash_base(seed_h, offset_h), pairs), offs_n)
+            part_e = tl.where((h & 0xFFFF) >= threshold, part_e, 0.0)
+            part_o = tl.where((h >> 16) >= threshold, part_o, 0.0)
+    tl.store(out_e, (cur_e.to(tl.float32) + part_e).to(out_ptr.dtype.element_ty), mask=okn_e)
+    tl.store(out_o, (cur_o.to(tl.float32) + part_o).to(out_ptr.dtype.element_ty), mask=okn_o)
 
 
 @triton.jit
@@ -369,7 +401,7 @@ def _lora_dx_gemm_kernel(
                 seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
                 threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
                 inv_keep = tl.load(af_ptr + adapter * 2 + 1)
-                keep = keep_hash24(row_hash(hash_base(seed_h, offset_h), offs_m), offs_k) >= threshold
+                keep = keep_bits16(hash_base(seed_h, offset_h), offs_m, offs_k) >= threshold
                 part = tl.where(keep, part * inv_keep, 0.0)
             acc += part
     if NUM_PROJ > 0:
@@ -417,16 +449,23 @@ def _lora_da_kernel(
     for j in range(js, je):
         t = tl.load(adapter_tiles_ptr + j)
         row_start, row_end, _a, s_off = _load_tile(tiles_ptr, t)
-        offs_m = row_start + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < row_end
-        dst = tl.load(ds_ptr + s_off + (offs_m - row_start)[None, :] * width + offs_r[:, None],
-                      mask=r_ok[:, None] & row_ok[None, :], other=0.0)
-        xt = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if HAS_DROPOUT:
-            keep = keep_hash24(row_hash(base, offs_m), offs_k) >= threshold
-            xt = tl.where(keep, xt.to(tl.float32) * inv_keep, 0.0).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(dst, xt, acc, input_precision=DOT_PRECISION)
+        pairs, rows_e, rows_o, ok_e, ok_o, _live = _row_window(row_start, row_end, 0, BLOCK_M, BLOCK_M)
+        ds_cols = ds_ptr + s_off + offs_r[:, None]
+        dse = tl.load(ds_cols + (rows_e - row_start)[None, :] * width,
+                      mask=r_ok[:, None] & ok_e[None, :], other=0.0)
+        dso = tl.load(ds_cols + (rows_o - row_start)[None, :] * width,
+                      mask=r_ok[:, None] & ok_o[None, :], other=0.0)
+        xe = tl.load(x_ptr + rows_e[:, None] * K + offs_k[None, :],
+                     mask=ok_e[:, None] & k_ok[None, :], other=0.0)
+        xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
+                     mask=ok_o[:, None] & k_ok[None, :], other=0.0)
+        if HAS_DROPOUT:  # 1 / (1 - p) is applied to the accumulator at the end
+            h = pair_hash(row_hash(base, pairs), offs_k)
+            xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)
+            xo = tl.where((h >> 16) >= threshold, xo, 0.0).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(dse, xe, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(dso, xo, acc, input_precision=DOT_PRECISION)
+    acc = acc * inv_keep
     p_ptrs = part_ptr + sp * a_rows * K + (a_row + offs_r)[:, None] * K + offs_k[None, :]
     tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :])
 
@@ -464,7 +503,7 @@ def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: in
     grid = (table.num_tiles * subs, triton.cdiv(table.max_total_rank, block_r))
     _lora_s_kernel[grid](
         x, a_all, s, table.tiles, table.adapter_int, table.adapter_float, off_h, x.shape[1], subs,
-        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout,
+        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout, TILE_M=table.block_m,
         BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_K=sizes.skinny_block_k,
         DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
@@ -483,7 +522,7 @@ def _launch_add(out, left, right, proj, table, sizes: LoraBlockSizes, off_h: int
         out, left, right, table.tiles, table.adapter_int, table.adapter_float, off_h, n,
         right.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
         AI_STRIDE=table.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=table.has_dropout,
-        BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n, BLOCK_R=_rank_block(rank, sizes.rank_block),
+        TILE_M=table.block_m, BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n, BLOCK_R=_rank_block(rank, sizes.rank_block),
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=sizes.add_warps, num_stages=2,
     )
 

@@ -51,4 +51,4 @@ def test_masks_differ_across_seed_offset_and_rows(device):
 
 def test_threshold_rounds_p():
     assert dropout_keep_threshold(0.0) == 0
-    assert dropout_keep_threshold(0.5) == 1 << 23
+    assert dropout_keep_threshold(0.5) == 1 << 15
