@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Sequence
 
 METHODS = ("greedy", "milp")
@@ -50,6 +51,10 @@ class PlannerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("capacity", "pad_multiple", "num_stages", "max_nodes", "neighbourhood"):
+            value = getattr(self, name)
+            if isinstance(value, Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))  # accept numpy integers
         if not isinstance(self.capacity, int) or self.capacity < 1:
             raise PlanningError(f"capacity={self.capacity!r} must be a positive int (tokens per microbatch)")
         if not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:

@@ -54,7 +54,8 @@ def deal_groups(lengths: Lengths, num_groups: int) -> Groups:
     members: list[list[int]] = [[] for _ in range(num_groups)]
     load = [0.0] * num_groups
     for a in head_tail_order(lengths):
-        g = min(range(num_groups), key=lambda k: (len(members[k]) == 0 and -1 or 0, load[k], k))
+        # Every group gets one adapter before any gets a second; then the lightest group.
+        g = min(range(num_groups), key=lambda k: (len(members[k]) > 0, load[k], k))
         members[g].append(a)
         load[g] += tokens_per_batch[a]
     return tuple(tuple(sorted(m)) for m in members if m)
