@@ -10,12 +10,22 @@ For each synthetic workload, adapter count and stage count:
 Costs come from ``CostModel.from_decoder_config`` for a Llama-3-8B-shaped decoder whose layers are
 split by ``partition_decoder``. Usage::
 
-    python scripts/simulate_pipeline.py --png docs/figures/pipeline_timeline.png
+    PYTHONPATH=. python scripts/simulate_pipeline.py --png docs/figures/pipeline_timeline.png
+
+``--measure`` instead runs the real executor on random weights (an 8B-shaped model on CUDA,
+``--tiny`` for a CPU smoke run with gloo) in three layouts, one GPU, PP=2 and DP=2, and reports
+tokens/s, the measured bubble ratio of PP=2 and the simulator's prediction from a cost model
+fitted to the one-GPU run's forward/backward times::
+
+    PYTHONPATH=. python scripts/simulate_pipeline.py --measure --out measure.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -123,6 +133,227 @@ def draw_timeline(path: str, plan, fused: SimulationResult, flushed: SimulationR
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------- measurement
+
+def measure_config(args: argparse.Namespace):
+    from lightning_lorafusion.model.decoder import DecoderConfig
+
+    if args.tiny:
+        return DecoderConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                             num_heads=4, num_kv_heads=2, head_dim=16)
+    return DecoderConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
+
+
+def measure_lengths(args: argparse.Namespace, data_parallel: int):
+    """Per adapter and global batch; DP replicas each get half of every global batch (the same
+    lengths on both, so both replicas run one plan with one step order)."""
+    lengths = workload_lengths(args.workload, args.measure_adapters, num_batches=args.measure_batches,
+                               batch_size=args.batch_size, seed=args.seed, max_length=args.capacity)
+    if data_parallel > 1:
+        lengths = [[b[: len(b) // data_parallel] for b in batches] for batches in lengths]
+    return lengths
+
+
+def _random_stage_params(config, layers: range, first: bool, last: bool, device, dtype, seed: int):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    params = {"layers": {}}
+    for layer in layers:
+        params["layers"][layer] = {
+            "attn_norm": torch.ones(h, device=device, dtype=dtype),
+            "q_proj": {"weight": rand(q, h)}, "k_proj": {"weight": rand(kv, h)},
+            "v_proj": {"weight": rand(kv, h)}, "o_proj": {"weight": rand(h, q)},
+            "mlp_norm": torch.ones(h, device=device, dtype=dtype),
+            "gate_proj": {"weight": rand(i, h)}, "up_proj": {"weight": rand(i, h)},
+            "down_proj": {"weight": rand(h, i)},
+        }
+    if first:
+        params["embed"] = rand(config.vocab_size, h, scale=1.0)
+    if last:
+        params["norm"] = torch.ones(h, device=device, dtype=dtype)
+        params["lm_head"] = rand(config.vocab_size, h)
+    return params
+
+
+def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, init_file: str,
+                    out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
+    from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: F401 (vocab)
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.parallel.data_parallel import (
+        ParallelLayout, allreduce_adapter_grads, build_data_parallel_groups, check_same_step_order)
+    from lightning_lorafusion.parallel.executor import run_stage
+    from lightning_lorafusion.parallel.stage import DecoderStage
+    from lightning_lorafusion.specs import AdapterSpec
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world)
+    try:
+        pp = 2 if mode == "pp2" else 1
+        dp = world // pp
+        layout = ParallelLayout(pipeline_size=pp, data_parallel_size=dp)
+        groups = build_data_parallel_groups(layout)
+        stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
+        config = measure_config(args)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        layers = partition_decoder(config, pp)[stage_index]
+        first, last = stage_index == 0, stage_index == pp - 1
+        params = _random_stage_params(config, layers, first, last, device, dtype, seed=1 + stage_index)
+        specs = [AdapterSpec(name=f"a{k}", rank=16, alpha=32.0, seed=k, lr=1e-4)
+                 for k in range(args.measure_adapters)]
+        bank = AdapterBank(specs, config, dtype=dtype, device=device)
+        opts = [torch.optim.AdamW(bank.parameters_of(a), lr=1e-4) for a in range(bank.num_adapters)]
+        lengths = measure_lengths(args, dp)
+        plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple,
+                                 num_stages=pp, method="greedy")
+        g = torch.Generator().manual_seed(100 + replica)
+        datasets = [[SimpleNamespace(input_ids=(ids := torch.randint(0, config.vocab_size, (n,), generator=g).tolist()),
+                                     labels=ids[1:] + [-100])
+                     for batch in per_adapter for n in batch] for per_adapter in lengths]
+        batches = []
+        for per_adapter in lengths:
+            k, idx = 0, []
+            for batch in per_adapter:
+                idx.append(list(range(k, k + len(batch))))
+                k += len(batch)
+            batches.append(idx)
+        lookup = SampleLookup(datasets, batches)
+        dens = {(a, j): lookup.label_tokens(a, j) * dp for a in range(len(lengths)) for j in range(len(lengths[a]))}
+        packing = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
+        mbs = {i: pack_microbatch(mb, lookup, config=packing, num_adapters=len(specs), denominators=dens,
+                                  step_adapters=(), index=i).to(device)
+               for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+        stage = DecoderStage(params=params, bank=bank, config=config, layers=layers, is_first=first,
+                             is_last=last, microbatches=mbs.__getitem__, backend=args.lora_backend)
+        dp_group = groups[stage_index]
+
+        def step(adapter: int, batch: int) -> None:
+            mine = [p for layer in layers for p in bank.adapters[adapter][layer].parameters()]
+            allreduce_adapter_grads(mine, dp_group)
+            opts[adapter].step()
+            opts[adapter].zero_grad(set_to_none=True)
+
+        actions = build_pipeline_schedule(plan, pp)[stage_index]
+        check_same_step_order(actions, dp_group)
+        sync = torch.cuda.synchronize if cuda else None
+        kwargs = dict(stage_index=stage_index, num_stages=pp, activation_shape=(args.capacity, config.hidden_size),
+                      dtype=dtype, device=device, optimizer_step=step,
+                      stage_ranks=layout.pipeline_ranks(replica), synchronize=sync)
+        dist.barrier()
+        run_stage(actions, stage, **kwargs)  # warm-up: allocator, cuBLAS/flash/Triton selection
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        record = run_stage(actions, stage, **kwargs)
+        result = {
+            "mode": mode, "rank": rank, "stage": stage_index, "replica": replica,
+            "layers": [layers.start, layers.stop], "wall": record.wall, "busy": record.busy,
+            "events": record.events,
+            "real_tokens": sum(mb.real_tokens() for mb in plan.microbatches) if first else 0,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+        }
+        with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _fit_cost_model(args: argparse.Namespace, one: dict, num_stages: int) -> CostModel:
+    """Fit forward seconds = overhead + FLOPs / rate on the one-GPU run; backward as a ratio."""
+    import numpy as np
+
+    config = measure_config(args)
+    plan = plan_microbatches(measure_lengths(args, 1), capacity=args.capacity,
+                             pad_multiple=args.pad_multiple, num_stages=1, method="greedy")
+    unit = CostModel.from_decoder_config(config, (config.num_layers,), flops_per_second=1.0)
+    flops = {i: unit.forward_time(0, mb.padded_tokens(args.pad_multiple), sum(s.length ** 2 for s in mb.samples))
+             for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+    fwd = {i: t1 - t0 for kind, i, t0, t1 in one["events"] if kind == "F"}
+    bwd = {i: t1 - t0 for kind, i, t0, t1 in one["events"] if kind == "B"}
+    steps = [t1 - t0 for kind, _, t0, t1 in one["events"] if kind == "S"]
+    x = np.array([flops[i] for i in fwd])
+    y = np.array([fwd[i] for i in fwd])
+    slope, intercept = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y.mean() / x.mean(), 0.0)
+    intercept = max(float(intercept), 0.0)
+    ratio = float(np.median([(bwd[i] - intercept) / max(fwd[i] - intercept, 1e-9) for i in fwd]))
+    stages = partition_decoder(config, num_stages)
+    return CostModel.from_decoder_config(
+        config, [len(r) for r in stages], flops_per_second=1.0 / float(slope),
+        launch_overhead=intercept / num_stages, backward_factor=ratio,
+        optimizer_step_time=float(np.mean(steps)) if steps else 0.0,
+    )
+
+
+def measure_main(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    results: dict[str, list[dict]] = {}
+    for mode in args.modes:
+        world = 1 if mode == "one" else 2
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            mp.start_processes(_measure_worker, args=(world, mode, args, os.path.join(tmp, "init"), tmp),
+                               nprocs=world, start_method="spawn")
+            results[mode] = [json.load(open(os.path.join(tmp, f"{mode}_rank{r}.json"))) for r in range(world)]
+            print(f"{mode}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    summary: dict[str, object] = {"device": results[args.modes[0]][0]["device"], "workload": args.workload,
+                                  "adapters": args.measure_adapters, "global_batches": args.measure_batches,
+                                  "batch_size": args.batch_size, "capacity": args.capacity}
+    print("| layout | wall s | real tokens | tokens/s | per-rank busy s | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for mode, ranks in results.items():
+        wall = max(r["wall"] for r in ranks)
+        tokens = sum(r["real_tokens"] for r in ranks)
+        summary[mode] = {"wall": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                         "busy": [r["busy"] for r in ranks], "peak_gib": [r["peak_gib"] for r in ranks]}
+        busy = ", ".join(f"{r['busy']:.2f}" for r in ranks)
+        peak = ", ".join(f"{r['peak_gib']:.1f}" for r in ranks)
+        print(f"| {mode} | {wall:.2f} | {tokens} | {tokens / wall:,.0f} | "
+              f"{busy} | {peak} |")
+    if "pp2" in results and "one" in results:
+        ranks = sorted(results["pp2"], key=lambda r: r["stage"])
+        wall = max(r["wall"] for r in ranks)
+        measured = 1.0 - sum(r["busy"] for r in ranks) / (len(ranks) * wall)
+        costs = _fit_cost_model(args, results["one"][0], 2)
+        plan = plan_microbatches(measure_lengths(args, 1), capacity=args.capacity,
+                                 pad_multiple=args.pad_multiple, num_stages=2, method="greedy")
+        predicted = simulate(plan, build_pipeline_schedule(plan, 2), costs)
+        summary["pp2_bubble_measured"] = measured
+        summary["pp2_bubble_simulated"] = predicted.bubble_ratio
+        summary["pp2_makespan_simulated"] = predicted.makespan
+        summary["fitted_cost_model"] = {"flops_per_second": costs.flops_per_second,
+                                        "launch_overhead": costs.launch_overhead,
+                                        "backward_factor": costs.backward_factor}
+        one = summary["one"]["tokens_per_s"]
+        print(f"\nPP=2 bubble: measured {100 * measured:.1f}%, simulated {100 * predicted.bubble_ratio:.1f}% "
+              f"(cost model fitted on the one-GPU run: {costs.flops_per_second / 1e12:.0f} TFLOP/s, "
+              f"backward x{costs.backward_factor:.2f}); makespan measured {wall:.2f} s, simulated "
+              f"{predicted.makespan:.2f} s")
+        for mode in ("pp2", "dp2"):
+            if mode in summary:
+                print(f"{mode} / one GPU tokens/s: {summary[mode]['tokens_per_s'] / one:.2f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "runs": results}, f)
+        print(f"wrote {args.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+",
@@ -141,7 +372,19 @@ def main() -> None:
     p.add_argument("--p2p-bandwidth", type=float, default=100e9, help="bytes/s between stages")
     p.add_argument("--png", default=None, help="timeline of --png-case to this path")
     p.add_argument("--png-case", nargs=3, default=["mixed", "4", "4"], metavar=("WORKLOAD", "ADAPTERS", "STAGES"))
+    p.add_argument("--measure", action="store_true", help="run the real executor instead (see module doc)")
+    p.add_argument("--modes", nargs="+", default=["one", "pp2", "dp2"], choices=["one", "pp2", "dp2"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke run)")
+    p.add_argument("--workload", default="xsum")
+    p.add_argument("--measure-adapters", type=int, default=4)
+    p.add_argument("--measure-batches", type=int, default=4)
+    p.add_argument("--lora-backend", default="torch", choices=["torch", "triton", "auto"])
+    p.add_argument("--out", default=None, help="JSON with every rank's events (--measure)")
     args = p.parse_args()
+    if args.measure:
+        measure_main(args)
+        return
 
     print("| workload | adapters | stages | microbatches (no-op) | no-flush bubble | flushed 1F1B bubble | speed-up |")
     print("|---|---|---|---|---|---|---|")
