@@ -14,24 +14,51 @@ from __future__ import annotations
 from .plan import SampleRef, padded_length
 
 
+class _DeletedCounter:
+    """Fenwick tree over microbatch positions: how many deleted positions lie before i."""
+
+    def __init__(self, n: int):
+        self.tree = [0] * (n + 1)
+
+    def mark(self, i: int) -> None:
+        i += 1
+        while i < len(self.tree):
+            self.tree[i] += 1
+            i += i & -i
+
+    def before(self, i: int) -> int:
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+
 class _MergeState:
-    """Microbatches with per-adapter token sums and per-(adapter, batch) positions."""
+    """Microbatches (deleted ones stay as empty, marked slots so indices never shift), with
+    per-adapter token sums and the positions of every (adapter, batch)."""
 
     def __init__(self, bins: list[list[SampleRef]], capacity: int, pad_multiple: int, num_stages: int):
         self.bins = [list(b) for b in bins]
         self.capacity, self.pad, self.stages = capacity, pad_multiple, num_stages
-        self.rebuild()
-
-    def rebuild(self) -> None:
+        self.deleted = [False] * len(self.bins)
+        self.counter = _DeletedCounter(len(self.bins))
         self.tokens: list[dict[int, int]] = []
         self.where: dict[tuple[int, int], dict[int, int]] = {}
         for i, content in enumerate(self.bins):
             per: dict[int, int] = {}
             for s in content:
                 per[s.adapter] = per.get(s.adapter, 0) + s.length
-                self.where.setdefault((s.adapter, s.batch), {})
-                self.where[(s.adapter, s.batch)][i] = self.where[(s.adapter, s.batch)].get(i, 0) + 1
+                pos = self.where.setdefault((s.adapter, s.batch), {})
+                pos[i] = pos.get(i, 0) + 1
             self.tokens.append(per)
+        self.batches: dict[int, list[int]] = {}
+        for a, r in sorted(self.where):
+            self.batches.setdefault(a, []).append(r)
+
+    def rank(self, i: int) -> int:
+        """Position of microbatch i once deleted slots are dropped."""
+        return i - self.counter.before(i)
 
     def load(self, i: int) -> int:
         return sum(padded_length(t, self.pad) for t in self.tokens[i].values())
@@ -44,10 +71,14 @@ class _MergeState:
         pos = self.where.get(key)
         return max(pos) if pos else None
 
+    def first(self, key: tuple[int, int]) -> int | None:
+        pos = self.where.get(key)
+        return min(pos) if pos else None
+
     def may_hold(self, i: int, s: SampleRef) -> bool:
         """Bubble lemma for putting s at position i (its previous batch's step is fixed)."""
         prev = self.step((s.adapter, s.batch - 1))
-        return prev is None or i - prev >= self.stages
+        return prev is None or self.rank(i) - self.rank(prev) >= self.stages
 
     def move(self, s: SampleRef, src: int, dst: int) -> None:
         self.bins[src].remove(s)
@@ -65,16 +96,40 @@ class _MergeState:
 
     def may_delete(self, j: int) -> bool:
         """True if removing (empty) microbatch j keeps every adapter's batches >= S apart."""
-        for (a, r), pos in self.where.items():
+        for a, rounds in self.batches.items():
+            # The one batch r of adapter a (if any) with step(r-1) < j < first(r): batches of
+            # one adapter are ordered, so first(r) grows with r and bisection finds it.
+            lo, hi = 0, len(rounds)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.first((a, rounds[mid])) > j:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if lo == len(rounds):
+                continue
+            r = rounds[lo]
             prev = self.step((a, r - 1))
-            if prev is not None and prev < j < min(pos) and min(pos) - 1 - prev < self.stages:
-                return False
+            if prev is not None and prev < j:
+                first = self.first((a, r))
+                if self.rank(first) - self.rank(prev) - 1 < self.stages:
+                    return False
         return True
 
     def delete(self, j: int) -> None:
-        assert not self.bins[j]
-        del self.bins[j]
-        self.rebuild()
+        assert not self.bins[j] and not self.deleted[j]
+        self.deleted[j] = True
+        self.counter.mark(j)
+
+    def following(self, i: int, lookahead: int) -> list[int]:
+        """The next ``lookahead`` live microbatches after i."""
+        out = []
+        j = i + 1
+        while j < len(self.bins) and len(out) < lookahead:
+            if not self.deleted[j]:
+                out.append(j)
+            j += 1
+        return out
 
 
 def merge_across_batches(
@@ -87,11 +142,11 @@ def merge_across_batches(
 ) -> list[list[SampleRef]]:
     """Merged microbatches (same samples, same or fewer microbatches, lemma kept if it held)."""
     st = _MergeState(bins, capacity, pad_multiple, num_stages)
-    i = 0
-    while i < len(st.bins):
+    for i in range(len(st.bins)):
+        if st.deleted[i]:
+            continue
         # Full moves: absorb a whole later microbatch and delete it.
-        j = i + 1
-        while j < min(len(st.bins), i + 1 + lookahead):
+        for j in st.following(i, lookahead):
             content = st.bins[j]
             merged = dict(st.tokens[i])
             for s in content:
@@ -106,22 +161,18 @@ def merge_across_batches(
                     continue
                 for s in moved:
                     st.move(s, i, j)
-            j += 1
         # Partial moves: longest samples that fit, never emptying a microbatch we may not delete.
-        j = i + 1
-        while j < min(len(st.bins), i + 1 + lookahead) and st.load(i) < capacity:
+        for j in st.following(i, lookahead):
+            if st.load(i) >= capacity:
+                break
             for s in sorted(st.bins[j], key=lambda s: (-s.length, s.adapter, s.batch, s.index)):
                 if st.load(i) + st.grow(i, s.adapter, s.length) > capacity or not st.may_hold(i, s):
                     continue
-                if len(st.bins[j]) == 1:
-                    st.move(s, j, i)
+                st.move(s, j, i)
+                if not st.bins[j]:
                     if st.may_delete(j):
                         st.delete(j)
-                        j -= 1
                     else:
                         st.move(s, i, j)
                     break
-                st.move(s, j, i)
-            j += 1
-        i += 1
-    return [sorted(b) for b in st.bins]
+    return [sorted(b) for b, gone in zip(st.bins, st.deleted) if not gone]
