@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -71,10 +70,11 @@ def _layer_of(key: str) -> int:
     return int(key.split(".")[2])  # adapters.<a>.<layer>.<module>.lora_A
 
 
-@pytest.mark.parametrize("world, layouts", [(2, [(2, 1), (1, 2)]), (4, [(4, 1), (2, 2)])])
-def test_pipeline_and_data_parallel_match_single_process_training(world, layouts):
+def test_pipeline_and_data_parallel_match_single_process_training():
     """After 3 global batches of 3 adapters (mixed-adapter microbatches, dropout on one adapter),
-    every stage's adapter weights equal the one-process run, for PP, DP and DP x PP."""
+    every stage's adapter weights equal the one-process run, for PP=4, DP=2 x PP=2 and DP=4
+    (one spawn of 4 gloo processes runs all three; the Strategy test covers PP=2 alone)."""
+    world, layouts = 4, [(4, 1), (2, 2), (1, 4)]
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _worker, args=(world, layouts, os.path.join(tmp, "init"), tmp), nprocs=world,

@@ -1,0 +1,170 @@
+"""``MultiAdapterPipelineStrategy``: Lightning's DDP launch and process groups, our PP x DP layout.
+
+Lightning launches the processes (``devices``, ``num_nodes``, torchrun and SLURM environments,
+``start_method="spawn"`` for notebooks and tests) and initialises the default process group
+exactly as ``DDPStrategy`` does. This strategy then arranges the world as
+``pipeline_size x data_parallel_size`` (``ParallelLayout``), never wraps the model in
+DistributedDataParallel (adapters are all-reduced per adapter at their own step instead), and
+gives the LightningModule one call that trains a planned window on this rank's stage:
+``run_pipeline``.
+
+Selecting it from YAML (LightningCLI)::
+
+    trainer:
+      devices: 4
+      strategy:
+        class_path: lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy
+        init_args: {pipeline_size: 2}        # data_parallel_size defaults to world / pipeline_size
+
+What it expects from the LightningModule (manual optimization):
+
+- ``pipeline_stage(stage_index: int, layers: range, is_first: bool, is_last: bool) -> StageModule``:
+  called once per fit after setup; the module keeps only what that stage needs.
+- ``adapter_parameters(adapter: int, layers: range) -> list[Tensor]``: that adapter's
+  parameters on these layers (the ones all-reduced over data-parallel replicas at its step).
+- ``step_adapter(adapter: int, batch: int) -> None``: step (and zero) adapter ``adapter``'s
+  optimizer and scheduler; called after the all-reduce.
+- its ``training_step`` receives one planned window (a ``Plan`` plus its packed microbatches,
+  the same on every stage of a replica, this replica's shard under data parallelism) and calls
+  ``self.trainer.strategy.run_pipeline(plan, microbatch_lookup)``, which returns a
+  ``StageRecord`` (for the measured bubble ratio).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn import Module
+
+from ..data.microbatch import Microbatch
+from ..planner.plan import Plan
+from .data_parallel import (
+    ParallelLayout,
+    allreduce_adapter_grads,
+    build_data_parallel_groups,
+    check_same_step_order,
+)
+from .executor import StageRecord, run_stage
+from .partition import partition_decoder, partition_layers
+from .schedule import build_pipeline_schedule
+from .stage import StageModule
+
+
+class MultiAdapterPipelineStrategy(DDPStrategy):
+    """Pipeline (``pipeline_size`` stages) x data parallel training of many LoRA adapters."""
+
+    strategy_name = "lorafusion_pipeline"
+
+    def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
+                 **ddp_kwargs: Any) -> None:
+        if not isinstance(pipeline_size, int) or pipeline_size < 1:
+            raise ValueError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
+        if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1 or None")
+        super().__init__(**ddp_kwargs)
+        self.pipeline_size = pipeline_size
+        self._requested_dp = data_parallel_size
+        self.layout: ParallelLayout | None = None
+        self._dp_groups: list = []
+        self._stage: StageModule | None = None
+        self._layers: range | None = None
+        self._checked_step_order = False
+
+    # ---- process layout -----------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        world = self.world_size
+        if world % self.pipeline_size:
+            raise ValueError(
+                f"pipeline_size={self.pipeline_size} does not divide the {world} processes "
+                "(devices x num_nodes); choose devices so that it does"
+            )
+        dp = self._requested_dp or world // self.pipeline_size
+        self.layout = ParallelLayout(pipeline_size=self.pipeline_size, data_parallel_size=dp)
+        self.layout.check_world(world)
+        self._dp_groups = build_data_parallel_groups(self.layout)
+
+    def _require_layout(self) -> ParallelLayout:
+        if self.layout is None:
+            raise RuntimeError("the process layout exists only after the strategy's setup_environment")
+        return self.layout
+
+    @property
+    def stage_index(self) -> int:
+        return self._require_layout().stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self._require_layout().replica_of(self.global_rank)
+
+    @property
+    def data_parallel_group(self):
+        return self._dp_groups[self.stage_index]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of a replica must see the same data; replicas see different shards
+        layout = self._require_layout()
+        return {"num_replicas": layout.data_parallel_size, "rank": self.replica}
+
+    def stage_layers(self, config: Any = None, *, num_layers: int | None = None) -> range:
+        """This rank's layers: balanced by FLOPs for a decoder ``config``, else evenly."""
+        layout = self._require_layout()
+        if config is not None:
+            return partition_decoder(config, layout.pipeline_size)[self.stage_index]
+        if num_layers is None:
+            raise ValueError("stage_layers needs a decoder config or num_layers")
+        return partition_layers(num_layers, layout.pipeline_size)[self.stage_index]
+
+    # ---- no DDP wrapper: gradients are reduced per adapter at its step --------------------
+    def _setup_model(self, model: Module) -> Module:
+        return model
+
+    def configure_ddp(self) -> None:
+        self.model = self._setup_model(self.model)
+
+    # ---- training -------------------------------------------------------------------------
+    def run_pipeline(
+        self,
+        plan: Plan,
+        microbatches: Callable[[int], Microbatch] | None = None,
+        *,
+        activation_shape: tuple[int, int],
+        dtype: torch.dtype,
+        synchronize: Callable[[], None] | None = None,
+    ) -> StageRecord:
+        """Train one planned window on this rank's stage; adapters step inside as they finish.
+
+        The module's stage comes from ``pipeline_stage`` (built on first use; ``layers`` from
+        ``stage_layers(module.decoder_config)`` when the module has that attribute, else
+        ``num_layers``). ``microbatches`` is accepted for stages that look data up per window.
+        """
+        layout = self._require_layout()
+        module = self.lightning_module
+        if self._stage is None:
+            config = getattr(module, "decoder_config", None)
+            self._layers = (self.stage_layers(config) if config is not None
+                            else self.stage_layers(num_layers=module.num_layers))
+            self._stage = module.pipeline_stage(
+                self.stage_index, self._layers, self.stage_index == 0,
+                self.stage_index == layout.pipeline_size - 1,
+            )
+        actions = build_pipeline_schedule(plan, layout.pipeline_size)[self.stage_index]
+        group = self.data_parallel_group
+        if not self._checked_step_order:
+            check_same_step_order(actions, group)
+            self._checked_step_order = True
+        layers = self._layers
+
+        def step(adapter: int, batch: int) -> None:
+            allreduce_adapter_grads(module.adapter_parameters(adapter, layers), group)
+            module.step_adapter(adapter, batch)
+
+        return run_stage(
+            actions, self._stage, stage_index=self.stage_index, num_stages=layout.pipeline_size,
+            activation_shape=activation_shape, dtype=dtype, device=self.root_device,
+            optimizer_step=step, stage_ranks=layout.pipeline_ranks(self.replica),
+            synchronize=synchronize,
+        )
