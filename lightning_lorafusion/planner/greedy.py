@@ -51,6 +51,12 @@ def pack_first_fit_decreasing(samples: Sequence[SampleRef], capacity: int, pad_m
     return bins
 
 
+def emptiest_last(bins: Sequence[Bin], pad_multiple: int) -> list[Bin]:
+    """Bins fullest first (stable): a wave ends in its emptiest microbatch, where the
+    cross-batch merge has room for the next wave's samples."""
+    return sorted((list(b) for b in bins), key=lambda c: -padded_load(c, pad_multiple))
+
+
 def bin_count_lower_bound(samples: Sequence[SampleRef], capacity: int, pad_multiple: int) -> int:
     """A lower bound on the number of bins of any packing.
 

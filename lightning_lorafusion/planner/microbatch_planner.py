@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .config import Lengths, PlannerConfig, validate_lengths
-from .greedy import bin_count_lower_bound, pack_first_fit_decreasing, padded_load
+from .greedy import bin_count_lower_bound, emptiest_last, pack_first_fit_decreasing, padded_load
 from .grouping import Groups, group_adapters
 from .merge import merge_across_batches
 from .plan import Plan, PlannedMicrobatch, SampleRef
@@ -46,17 +46,12 @@ class PlanReport:
     used: str  # "greedy" or "milp": the plan-level winner (MILP wins ties)
 
 
-def _tail_last(bins: list[list[SampleRef]], pad_multiple: int) -> list[list[SampleRef]]:
-    # Fullest first, emptiest last: the wave's tail has room for the next wave's samples.
-    return sorted(bins, key=lambda c: -padded_load(c, pad_multiple))
-
-
 def pack_wave(
     samples: Sequence[SampleRef], config: PlannerConfig, *, round_: int = 0, group: Sequence[int] = ()
 ) -> tuple[list[list[SampleRef]], list[list[SampleRef]], WaveReport]:
     """(chosen bins, greedy bins) for one wave, emptiest last, and which method won."""
     t0 = time.perf_counter()
-    greedy = _tail_last(pack_first_fit_decreasing(samples, config.capacity, config.pad_multiple), config.pad_multiple)
+    greedy = emptiest_last(pack_first_fit_decreasing(samples, config.capacity, config.pad_multiple), config.pad_multiple)
     lower = bin_count_lower_bound(samples, config.capacity, config.pad_multiple)
     greedy_tail = padded_load(greedy[-1], config.pad_multiple)
     bins, method, s1, s2 = greedy, "greedy", "skipped", "skipped"

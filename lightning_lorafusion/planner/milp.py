@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .greedy import Bin, bin_count_lower_bound, padded_load
+from .greedy import Bin, bin_count_lower_bound, emptiest_last, padded_load
 from .plan import SampleRef
 
 
@@ -94,10 +94,6 @@ def _read_bins(x, samples: Sequence[SampleRef], num_bins: int) -> list[Bin]:
     return [content for content in bins if content]
 
 
-def _tail_last(bins: list[Bin], pad_multiple: int) -> list[Bin]:
-    return sorted(bins, key=lambda c: -padded_load(c, pad_multiple))
-
-
 def _split(bins: list[Bin], neighbourhood: int) -> tuple[list[Bin], list[Bin]]:
     """(fuller microbatches kept as they are, the ``neighbourhood`` emptiest to re-pack)."""
     cut = max(len(bins) - neighbourhood, 0)
@@ -105,7 +101,8 @@ def _split(bins: list[Bin], neighbourhood: int) -> tuple[list[Bin], list[Bin]]:
 
 
 def _tail_lower_bound(samples: Sequence[SampleRef], num_bins: int, capacity: int, pad_multiple: int) -> int:
-    """The smallest microbatch holds at least what the other ``num_bins - 1`` cannot."""
+    """The smallest microbatch holds at least what the other ``num_bins - 1`` cannot, and (as
+    stage 2 keeps every microbatch non-empty) at least one sample."""
     spill = sum(s.length for s in samples) - (num_bins - 1) * capacity
     smallest = min(s.length for s in samples)
     return max(-(-spill // pad_multiple) * pad_multiple, -(-smallest // pad_multiple) * pad_multiple, 0)
@@ -122,7 +119,7 @@ def pack_milp(
     max_nodes: int,
     solver: str = "auto",
     seed: int = 0,
-    neighbourhood: int = 4,
+    neighbourhood: int = 3,
     tail_stage: bool = True,
 ) -> MilpOutcome:
     """Two-stage MILP packing of ``samples``, never worse than ``greedy_bins``.
@@ -136,7 +133,7 @@ def pack_milp(
 
     t0 = time.perf_counter()
     name = solver_name(solver)
-    best = _tail_last([list(c) for c in greedy_bins], pad_multiple)
+    best = emptiest_last([list(c) for c in greedy_bins], pad_multiple)
     stage1, fewer = "skipped", False
     keep, free = _split(best, neighbourhood)
     samples = [s for c in free for s in c]
@@ -162,7 +159,7 @@ def pack_milp(
         if status == mip.OptimizationStatus.OPTIMAL:
             found = _read_bins(x, samples, n_bins)
             if len(found) < len(free):
-                best, fewer = _tail_last(keep + found, pad_multiple), True
+                best, fewer = emptiest_last(keep + found, pad_multiple), True
     stage2, smaller = "skipped", False
     if tail_stage and len(best) > 1:
         keep, free = _split(best, neighbourhood)
@@ -181,7 +178,7 @@ def pack_milp(
             found = _read_bins(x, samples, k)
             tail = min(padded_load(c, pad_multiple) for c in found)
             if len(found) < k or tail < padded_load(best[-1], pad_multiple):
-                best, smaller = _tail_last(keep + found, pad_multiple), True
+                best, smaller = emptiest_last(keep + found, pad_multiple), True
     return MilpOutcome(
         bins=best,
         stage1_status=stage1,
