@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .config import Lengths, PlanningError
 from .plan import Plan, PlannedMicrobatch
@@ -43,13 +43,20 @@ def lemma_violations(
     return problems
 
 
-def verify_plan(plan: Plan, lengths: Lengths | None = None, *, batch_offsets=None) -> list[str]:
+def verify_plan(
+    plan: Plan,
+    lengths: Lengths | None = None,
+    *,
+    batch_offsets: Sequence[int] | None = None,
+    carry_in: CarryState | None = None,
+) -> list[str]:
     """Every problem of ``plan`` as a sentence; an empty list means the plan is valid.
 
     Checks capacity (padded tokens), adapter order inside each microbatch, step points,
     the bubble lemma and no duplicate samples; with ``lengths`` (the planner's input, batch
     ``j`` of adapter ``a`` being global batch ``batch_offsets[a] + j``) also that every sample
-    appears exactly once with its length.
+    appears exactly once with its length. ``carry_in`` (see ``carry_state``) extends the
+    lemma check across the boundary with the plan executed before this one.
     """
     problems: list[str] = []
     seen: dict[tuple[int, int, int], int] = {}
@@ -72,7 +79,7 @@ def verify_plan(plan: Plan, lengths: Lengths | None = None, *, batch_offsets=Non
             seen[k] = i
     if plan.step_points != Plan.compute_step_points(plan.microbatches):
         problems.append("step_points: do not match Plan.compute_step_points(microbatches)")
-    problems += lemma_violations(plan.microbatches, plan.num_stages)
+    problems += lemma_violations(plan.microbatches, plan.num_stages, carry_in)
     if lengths is not None:
         lengths_by_key = {}
         for a, batches in enumerate(lengths):
@@ -150,7 +157,7 @@ def carry_state(plan: Plan, carry_in: CarryState | None = None) -> dict[int, tup
     return state
 
 
-def check_plan(plan: Plan, lengths: Lengths | None = None, *, batch_offsets=None) -> None:
+def check_plan(plan: Plan, lengths: Lengths | None = None, *, batch_offsets: Sequence[int] | None = None) -> None:
     """Raise PlanningError listing every problem of ``plan`` (see ``verify_plan``)."""
     problems = verify_plan(plan, lengths, batch_offsets=batch_offsets)
     if problems:

@@ -13,6 +13,8 @@ def test_workers_do_not_change_plans_and_resume_is_exact():
     assert [w.window for w in pooled] == [0, 1, 2] and [w.first_round for w in pooled] == [0, 2, 4]
     joined = join_plans([w.plan for w in inline])
     assert verify_plan(joined, lengths) == []
+    for w in inline:
+        assert verify_plan(w.plan, carry_in=w.carry_in) == []
     resumed = list(plan_stream(lengths, cfg, window=2, start_window=1, carry_in=inline[1].carry_in))
     assert [w.plan for w in resumed] == [w.plan for w in inline[1:]]
     assert inline[-1].carry_out == {a: (5, inline[-1].carry_out[a][1]) for a in range(3)}
@@ -26,6 +28,13 @@ def test_window_boundaries_get_noops_when_needed():
     joined = join_plans([w.plan for w in windows])
     assert verify_plan(joined, lengths) == []
     assert sum(mb.is_noop for mb in joined.microbatches) == 2 * 4
+    # Without the stitching no-ops, the carried state exposes the boundary violation.
+    bare = windows[1].plan.microbatches[2:]
+    from lightning_lorafusion.planner import Plan
+
+    unstitched = Plan(capacity=64, pad_multiple=1, num_stages=3, microbatches=bare,
+                      step_points=Plan.compute_step_points(bare))
+    assert any("bubble lemma" in m for m in verify_plan(unstitched, carry_in=windows[1].carry_in))
     assert joined == plan_microbatches(lengths, capacity=64, num_stages=3)
 
 
