@@ -127,12 +127,13 @@ SKINNY_CANDIDATES = [  # S / dS / dB / dA kernels
     dict(skinny_block_m=32, skinny_block_k=128, skinny_warps=4, skinny_stages=3, split_waves=8),
 ]
 ADD_CANDIDATES = [  # in-place LoRA-term kernels of the cuBLAS mode
-    dict(add_block_m=64, add_block_n=128, add_warps=4),
-    dict(add_block_m=32, add_block_n=128, add_warps=4),
-    dict(add_block_m=64, add_block_n=256, add_warps=8),
-    dict(add_block_m=128, add_block_n=128, add_warps=8),
-    dict(add_block_m=32, add_block_n=256, add_warps=4),
-    dict(add_block_m=64, add_block_n=128, add_warps=8),
+    dict(add_block_m=32, add_block_n=128, add_warps=4, add_n_blocks=1),
+    dict(add_block_m=64, add_block_n=128, add_warps=8, add_n_blocks=1),
+    dict(add_block_m=32, add_block_n=128, add_warps=4, add_n_blocks=4),
+    dict(add_block_m=32, add_block_n=128, add_warps=4, add_n_blocks=8),
+    dict(add_block_m=64, add_block_n=128, add_warps=4, add_n_blocks=4),
+    dict(add_block_m=64, add_block_n=128, add_warps=8, add_n_blocks=8),
+    dict(add_block_m=32, add_block_n=256, add_warps=4, add_n_blocks=4),
 ]
 SKINNY_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
 

@@ -57,6 +57,7 @@ class LoraBlockSizes:
     add_block_m: int = 64  # in-place LoRA-term kernels of the cuBLAS mode: rows per program
     add_block_n: int = 128  # ... and output columns per program
     add_warps: int = 4
+    add_n_blocks: int = 1  # column blocks each add-kernel program sweeps
     split_waves: int = 2  # dA / dB split an adapter's rows until the grid is this many waves
     skinny_warps: int = 4
     skinny_stages: int = 3
@@ -104,7 +105,8 @@ class LoraBlockSizes:
 # Small tiles for the CPU interpreter (TRITON_INTERPRET=1): fewer wasted elements per program.
 INTERPRETER_BLOCK_SIZES = LoraBlockSizes(
     block_m=32, fwd_block_n=64, fwd_block_k=32, dx_block_k=64, dx_block_n=32,
-    rank_block=16, skinny_block_k=32, skinny_block_m=32, add_block_m=32, add_block_n=64,
+    rank_block=16, skinny_block_k=32, skinny_block_m=32, add_block_m=32, add_block_n=32,
+    add_n_blocks=2,
     gemm="triton",
 )
 

@@ -199,7 +199,7 @@ def _lora_add_kernel(
     out_ptr, left_ptr, right_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, N, right_stride, proj_col,
     subs, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    N_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """In place, on the rows of one tile: out[rows, cols] += LoRA term (cuBLAS GEMM mode).
 
@@ -223,43 +223,50 @@ def _lora_add_kernel(
         right_off = tl.load(ai_ptr + adapter * AI_STRIDE + proj_col + 2)  # B columns b_col..
         factor = tl.load(af_ptr + adapter * 2)
     pairs, rows_e, rows_o, ok_e, ok_o, live = _row_window(row_start, row_end, sub, TILE_M, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    okn_e = ok_e[:, None] & n_ok[None, :]
-    okn_o = ok_o[:, None] & n_ok[None, :]
-    out_e = out_ptr + rows_e[:, None] * N + offs_n[None, :]
-    out_o = out_ptr + rows_o[:, None] * N + offs_n[None, :]
-    cur_e = tl.load(out_e, mask=okn_e, other=0.0)  # issued first: overlaps the small products
-    cur_o = tl.load(out_o, mask=okn_o, other=0.0)
-    r_stop = tl.where(live, rank, 0)
-    left_e = left_ptr + s_off + (rows_e - row_start) * width + left_col
-    left_o = left_ptr + s_off + (rows_o - row_start) * width + left_col
-    part_e = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
-    part_o = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, r_stop, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
-            rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
-            rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
-        lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
-        part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
-        part_o = tl.dot(lo, rt, part_o, input_precision=DOT_PRECISION)
-    part_e = part_e * factor
-    part_o = part_o * factor
     if DX_MODE:
         if HAS_DROPOUT:
             seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)
             threshold = tl.load(ai_ptr + adapter * AI_STRIDE + 3).to(tl.uint32)
-            h = pair_hash(row_hash(hash_base(seed_h, offset_h), pairs), offs_n)
-            part_e = tl.where((h & 0xFFFF) >= threshold, part_e, 0.0)
-            part_o = tl.where((h >> 16) >= threshold, part_o, 0.0)
-    tl.store(out_e, (cur_e.to(tl.float32) + part_e).to(out_ptr.dtype.element_ty), mask=okn_e)
-    tl.store(out_o, (cur_o.to(tl.float32) + part_o).to(out_ptr.dtype.element_ty), mask=okn_o)
+            pair_h = row_hash(hash_base(seed_h, offset_h), pairs)
+    r_stop = tl.where(live, rank, 0)
+    left_e = left_ptr + s_off + (rows_e - row_start) * width + left_col
+    left_o = left_ptr + s_off + (rows_o - row_start) * width + left_col
+    # Each program sweeps N_BLOCKS column blocks, so the table lookups above are paid once.
+    n_begin = pid_n * N_BLOCKS * BLOCK_N
+    n_end = tl.where(live, tl.minimum(N, n_begin + N_BLOCKS * BLOCK_N), n_begin)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        okn_e = ok_e[:, None] & n_ok[None, :]
+        okn_o = ok_o[:, None] & n_ok[None, :]
+        out_e = out_ptr + rows_e[:, None] * N + offs_n[None, :]
+        out_o = out_ptr + rows_o[:, None] * N + offs_n[None, :]
+        cur_e = tl.load(out_e, mask=okn_e, other=0.0)  # issued first: overlaps the small products
+        cur_o = tl.load(out_o, mask=okn_o, other=0.0)
+        part_e = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+        part_o = tl.zeros((BLOCK_M // 2, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, r_stop, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
+                rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
+                rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
+            lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
+            part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
+            part_o = tl.dot(lo, rt, part_o, input_precision=DOT_PRECISION)
+        part_e = part_e * factor
+        part_o = part_o * factor
+        if DX_MODE:
+            if HAS_DROPOUT:
+                h = pair_hash(pair_h, offs_n)
+                part_e = tl.where((h & 0xFFFF) >= threshold, part_e, 0.0)
+                part_o = tl.where((h >> 16) >= threshold, part_o, 0.0)
+        tl.store(out_e, (cur_e.to(tl.float32) + part_e).to(out_ptr.dtype.element_ty), mask=okn_e)
+        tl.store(out_o, (cur_o.to(tl.float32) + part_o).to(out_ptr.dtype.element_ty), mask=okn_o)
 
 
 @triton.jit
@@ -517,12 +524,13 @@ def _launch_add(out, left, right, proj, table, sizes: LoraBlockSizes, off_h: int
     sub_m = min(sizes.add_block_m, table.block_m)
     subs = table.block_m // sub_m
     rank = table.max_total_rank if dx_mode else table.max_rank[proj]
-    grid = (table.num_tiles * subs, triton.cdiv(n, sizes.add_block_n))
+    grid = (table.num_tiles * subs, triton.cdiv(n, sizes.add_block_n * sizes.add_n_blocks))
     _lora_add_kernel[grid](
         out, left, right, table.tiles, table.adapter_int, table.adapter_float, off_h, n,
         right.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
         AI_STRIDE=table.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=table.has_dropout,
-        TILE_M=table.block_m, BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n, BLOCK_R=_rank_block(rank, sizes.rank_block),
+        TILE_M=table.block_m, BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n,
+        BLOCK_R=_rank_block(rank, sizes.rank_block), N_BLOCKS=sizes.add_n_blocks,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=sizes.add_warps, num_stages=2,
     )
 
