@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
+import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX, Microbatch
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
@@ -147,3 +151,50 @@ def reference_training(plan: Plan, per_replica: list[dict[int, Microbatch]]) -> 
             opts[a].step()
             opts[a].zero_grad(set_to_none=True)
     return bank
+
+
+class PipelineCaseModule(L.LightningModule):
+    """The tiny three-adapter case behind the interface the strategy expects."""
+
+    def __init__(self, out_dir: str, num_stages: int, replicas: int = 1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.out_dir = out_dir
+        self.decoder_config = tiny_config()
+        self.params = base_params(self.decoder_config)
+        self.bank = make_bank(self.decoder_config)
+        self.plan, self.per_replica = samples_and_plan(num_stages, replicas=replicas)
+
+    def configure_optimizers(self):
+        return optimizers(self.bank)
+
+    def train_dataloader(self):
+        return DataLoader([0], batch_size=1)  # one planned window
+
+    def pipeline_stage(self, stage_index, layers, is_first, is_last):
+        self.layers = layers
+        lookup = self.per_replica[self.trainer.strategy.replica]
+        from lightning_lorafusion.parallel.stage import DecoderStage
+
+        return DecoderStage(params=self.params, bank=self.bank, config=self.decoder_config,
+                            layers=layers, is_first=is_first, is_last=is_last,
+                            microbatches=lookup.__getitem__)
+
+    def adapter_parameters(self, adapter, layers):
+        return [p for layer in layers for p in self.bank.adapters[adapter][layer].parameters()]
+
+    def step_adapter(self, adapter, batch):
+        opt = self.optimizers()[adapter]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def training_step(self, batch, batch_idx):
+        self.trainer.strategy.run_pipeline(
+            self.plan, activation_shape=(CAPACITY, self.decoder_config.hidden_size),
+            dtype=torch.float32,
+        )
+
+    def on_train_end(self):
+        torch.save({"state": self.bank.state_dict(), "layers": list(self.layers),
+                    "stage": self.trainer.strategy.stage_index},
+                   os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
