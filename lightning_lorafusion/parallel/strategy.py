@@ -28,13 +28,19 @@ What it expects from the LightningModule (manual optimization):
   the same on every stage of a replica, this replica's shard under data parallelism) and calls
   ``self.trainer.strategy.run_pipeline(plan, microbatch_lookup)``, which returns a
   ``StageRecord`` (for the measured bubble ratio).
+
+Checkpoints: each stage of replica 0 writes its own file (stage 0 at the path Lightning asks
+for, stage ``s`` at ``<path>.stage<s>``) and reads its own back on resume, so each stage's
+adapter shard and optimizer state survive; ``gather_stage_states`` collects every stage's
+layers on global rank 0 for a whole-adapter export (PEFT directories).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn import Module
 
@@ -168,3 +174,40 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             optimizer_step=step, stage_ranks=layout.pipeline_ranks(self.replica),
             synchronize=synchronize,
         )
+
+    # ---- checkpoints and export ------------------------------------------------------------
+    def stage_checkpoint_path(self, filepath: str) -> str:
+        return str(filepath) if self.stage_index == 0 else f"{filepath}.stage{self.stage_index}"
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        # data-parallel replicas hold identical adapters: replica 0 writes, one file per stage
+        if self.replica == 0:
+            self.checkpoint_io.save_checkpoint(checkpoint, self.stage_checkpoint_path(filepath),
+                                               storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        torch.cuda.empty_cache()
+        return self.checkpoint_io.load_checkpoint(self.stage_checkpoint_path(checkpoint_path))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.replica == 0:
+            self.checkpoint_io.remove_checkpoint(self.stage_checkpoint_path(filepath))
+
+    def gather_stage_states(self, state: Mapping[str, torch.Tensor],
+                            owns: Callable[[str], bool]) -> dict[str, torch.Tensor] | None:
+        """Merge, on global rank 0, the entries of ``state`` each stage of replica 0 ``owns``
+        (e.g. adapter keys of its layers); other ranks get None. Collective over the world."""
+        mine = {k: v.detach().cpu() for k, v in state.items() if owns(k)} if self.replica == 0 else {}
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.global_rank != 0:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            overlap = set(merged) & set(part)
+            if overlap:
+                raise RuntimeError(f"two stages claim the same entries {sorted(overlap)[:3]}...; "
+                                   "each key must be owned by exactly one stage")
+            merged.update(part)
+        return merged

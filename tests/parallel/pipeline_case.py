@@ -195,6 +195,13 @@ class PipelineCaseModule(L.LightningModule):
         )
 
     def on_train_end(self):
+        strategy = self.trainer.strategy
+        self.trainer.save_checkpoint(os.path.join(self.out_dir, "last.ckpt"))
+        owned = set(self.layers)
+        merged = strategy.gather_stage_states(self.bank.state_dict(),
+                                              lambda key: int(key.split(".")[2]) in owned)
+        if merged is not None:
+            torch.save(merged, os.path.join(self.out_dir, "gathered.pt"))
         torch.save({"state": self.bank.state_dict(), "layers": list(self.layers),
                     "stage": self.trainer.strategy.stage_index},
                    os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))

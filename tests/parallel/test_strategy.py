@@ -29,14 +29,23 @@ def test_strategy_trains_a_two_stage_pipeline_like_one_process():
         )
         trainer.fit(module)
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+        gathered = torch.load(os.path.join(tmp, "gathered.pt"))
+        shards = [torch.load(os.path.join(tmp, name), weights_only=False)["state_dict"]
+                  for name in ("last.ckpt", "last.ckpt.stage1")]
     plan, per_replica = case.samples_and_plan(2)
     reference = case.reference_training(plan, per_replica).state_dict()
     assert [r["stage"] for r in results] == [0, 1]
     assert sorted(i for r in results for i in r["layers"]) == list(range(4))
-    for r in results:
+    for r, shard in zip(results, shards):
         for key in reference:
             if int(key.split(".")[2]) in r["layers"]:
                 torch.testing.assert_close(r["state"][key], reference[key], rtol=1e-5, atol=1e-6, msg=key)
+                # each stage's checkpoint file holds that stage's trained shard
+                torch.testing.assert_close(shard[f"bank.{key}"], reference[key], rtol=1e-5, atol=1e-6)
+    # rank 0 gathered every stage's layers: the whole adapters, as the one-process run has them
+    assert sorted(gathered) == sorted(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(gathered[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_strategy_refuses_bad_sizes():
