@@ -45,7 +45,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         capacity: tokens per microbatch (the fixed tensor length).
         pad_multiple: each adapter's segment is padded to this multiple (the kernel block M).
         planner: "greedy" or "milp".
-        planner_time_limit: seconds per MILP solve.
+        planner_time_limit: wall-clock safety limit (s) per MILP solve (the MILP result is used
+            only when proven optimal within a node budget, so plans do not depend on speed).
+        planner_window: global batches per adapter planned together (one planning job).
+        planner_workers: processes planning windows in parallel (0: in this process).
+        num_stages: pipeline depth the plan must respect (set by the pipeline strategy).
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
         prefetch: microbatches packed ahead of the training step.
@@ -58,6 +62,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         pad_multiple: int = 16,
         planner: str = "greedy",
         planner_time_limit: float = 5.0,
+        planner_window: int = 8,
+        planner_workers: int = 0,
+        num_stages: int = 1,
         max_length: int | None = None,
         prefetch: int = 4,
         seed: int = 0,
@@ -68,6 +75,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.packing = PackingConfig(capacity=capacity, pad_multiple=pad_multiple)
         self.planner = planner
         self.planner_time_limit = planner_time_limit
+        self.planner_window = planner_window
+        self.planner_workers = planner_workers
+        self.num_stages = num_stages
+        self._restored_plan: tuple[int, Plan] | None = None
         self.max_length = max_length
         self.prefetch = prefetch
         self.seed = seed
@@ -161,24 +172,37 @@ class MultiAdapterDataModule(L.LightningDataModule):
         return batches
 
     def plan_epoch(self, epoch: int) -> EpochPlan:
-        from ..planner import plan_microbatches
+        """Plan every adapter's global batches of ``epoch`` (or reuse the checkpointed plan)."""
+        from ..planner import PlannerConfig, join_plans, plan_stream
 
         batches = [self.global_batches(a, epoch) for a in range(len(self.specs))]
         lookup = SampleLookup(self.datasets, batches)
-        lengths = [
-            [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
-            for a in range(len(self.specs))
-        ]
-        kwargs: dict[str, Any] = dict(
-            capacity=self.packing.capacity,
-            pad_multiple=self.packing.pad_multiple,
-            num_stages=1,
-            method=self.planner,
-            seed=self.seed + epoch,
-        )
-        if self.planner == "milp":
-            kwargs["time_limit"] = self.planner_time_limit
-        plan = plan_microbatches(lengths, **kwargs)
+        if self._restored_plan is not None and self._restored_plan[0] == epoch:
+            plan = self._restored_plan[1]  # exactly what the interrupted run trained on
+        else:
+            lengths = [
+                [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
+                for a in range(len(self.specs))
+            ]
+            config = PlannerConfig(
+                capacity=self.packing.capacity,
+                pad_multiple=self.packing.pad_multiple,
+                num_stages=self.num_stages,
+                method=self.planner,
+                time_limit=self.planner_time_limit,
+                seed=self.seed + epoch,
+            )
+            windows = plan_stream(
+                lengths, config, window=self.planner_window, workers=self.planner_workers
+            )
+            plan = join_plans([wp.plan for wp in windows])
+            fill = sum(mb.real_tokens() for mb in plan.microbatches) / max(
+                1, len(plan.microbatches) * self.packing.capacity
+            )
+            log.info(
+                "epoch %d planned (%s): %d microbatches of %d tokens, fill %.1f%%",
+                epoch, self.planner, len(plan.microbatches), self.packing.capacity, 100 * fill,
+            )
         denominators = {
             (a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))
         }
@@ -232,11 +256,17 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.position = pos + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
+        if self._epoch_plan is not None and self._epoch_plan.epoch == self.epoch:
+            # The plan itself, so a resumed run never depends on re-planning identically.
+            state["plan"] = self._epoch_plan.plan.to_json()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        if "plan" in state:
+            self._restored_plan = (self.epoch, Plan.from_json(state["plan"]))
 
 
 class _MicrobatchLoader:

@@ -31,10 +31,12 @@ def tiny_specs(dropout=0.0):
     ]
 
 
-def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, ckpt_path=None, **trainer_kwargs):
+def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, ckpt_path=None,
+              planner="greedy", **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_on_fit_end=False)
-    dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2)
+    dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2,
+                                planner=planner, planner_window=2)
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     kwargs.update(trainer_kwargs)
@@ -70,9 +72,10 @@ def train_alone(module, dm, adapter, max_epochs=1):
     return bank
 
 
-def test_packed_joint_training_equals_separate_runs(tiny_model_dir):
+@pytest.mark.parametrize("planner", ["greedy", "milp"])
+def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner):
     specs = tiny_specs()
-    module, dm, _ = fit_joint(tiny_model_dir, specs)
+    module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner)
     assert module.steps_taken == [3, 3, 2]  # ceil(7/3), ceil(5/2), ceil(8/4)
     # the plan really packed several adapters into one microbatch
     plan = dm.epoch_plan(0).plan

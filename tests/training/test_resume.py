@@ -24,6 +24,7 @@ def test_resume_from_mid_epoch_checkpoint_reproduces_uninterrupted_run(tiny_mode
     for path in (files[0], files[len(files) // 2 + 1]):
         state = torch.load(path, weights_only=False)
         assert 0 < state["MultiAdapterDataModule"]["position"]
+        assert "plan" in state["MultiAdapterDataModule"]  # the plan travels with the checkpoint
         assert "lorafusion" in state and state["lorafusion"]["adapter_names"] == ["a", "b", "c"]
         assert not any(k.startswith("base__") for k in state["state_dict"])  # frozen base not saved
         resumed, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2, ckpt_path=path)
