@@ -30,6 +30,7 @@ import time
 from types import SimpleNamespace
 
 from lightning_lorafusion.data.synthetic import workload_lengths
+from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.partition import partition_decoder
 from lightning_lorafusion.parallel.schedule import build_1f1b_flushed_schedule, build_pipeline_schedule
 from lightning_lorafusion.parallel.simulator import CostModel, SimulationResult, simulate
@@ -329,7 +330,7 @@ def measure_main(args: argparse.Namespace) -> None:
     if "pp2" in results and "one" in results:
         ranks = sorted(results["pp2"], key=lambda r: r["stage"])
         wall = max(r["wall"] for r in ranks)
-        measured = 1.0 - sum(r["busy"] for r in ranks) / (len(ranks) * wall)
+        measured = measured_bubble_ratio([(r["busy"], r["wall"]) for r in ranks])
         costs = _fit_cost_model(args, results["one"][0], 2)
         plan = plan_microbatches(measure_lengths(args, 1), capacity=args.capacity,
                                  pad_multiple=args.pad_multiple, num_stages=2, method="greedy")

@@ -47,6 +47,24 @@ class StageRecord:
         return sum(t1 - t0 for kind, _, t0, t1 in self.events if kind != "C")
 
 
+def measured_bubble_ratio(busy_and_wall: Sequence[tuple[float, float]]) -> float:
+    """Idle fraction of all ranks over the longest rank's wall time, from ``(busy, wall)`` per
+    rank (the simulator's ``bubble_ratio``, measured)."""
+    if not busy_and_wall:
+        raise ValueError("need (busy, wall) of at least one rank")
+    longest = max(wall for _, wall in busy_and_wall)
+    if longest <= 0:
+        return 0.0
+    return 1.0 - sum(busy for busy, _ in busy_and_wall) / (len(busy_and_wall) * longest)
+
+
+def gather_bubble_ratio(record: StageRecord, group: dist.ProcessGroup | None = None) -> float:
+    """``measured_bubble_ratio`` over every rank of ``group`` (default: the world); collective."""
+    pairs: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pairs, (record.busy, record.wall), group=group)
+    return measured_bubble_ratio(pairs)  # type: ignore[arg-type]
+
+
 def run_stage(
     actions: Sequence[Action],
     stage: StageModule,

@@ -52,9 +52,10 @@ from .data_parallel import (
     build_data_parallel_groups,
     check_same_step_order,
 )
-from .executor import StageRecord, run_stage
+from .executor import StageRecord, gather_bubble_ratio, run_stage
 from .partition import partition_decoder, partition_layers
 from .schedule import build_pipeline_schedule
+from .simulator import CostModel, simulate
 from .stage import StageModule
 
 
@@ -77,6 +78,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         self._stage: StageModule | None = None
         self._layers: range | None = None
         self._checked_step_order = False
+        self.last_bubble_ratio: float | None = None  # measured over all ranks, last window
 
     # ---- process layout -----------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -140,8 +142,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         activation_shape: tuple[int, int],
         dtype: torch.dtype,
         synchronize: Callable[[], None] | None = None,
+        measure_bubbles: bool = True,
     ) -> StageRecord:
         """Train one planned window on this rank's stage; adapters step inside as they finish.
+
+        With ``measure_bubbles`` the idle fraction over all ranks (a small all-gather) lands in
+        ``last_bubble_ratio``; pass ``synchronize=torch.cuda.synchronize`` for device times.
 
         The module's stage comes from ``pipeline_stage`` (built on first use; ``layers`` from
         ``stage_layers(module.decoder_config)`` when the module has that attribute, else
@@ -168,12 +174,21 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             allreduce_adapter_grads(module.adapter_parameters(adapter, layers), group)
             module.step_adapter(adapter, batch)
 
-        return run_stage(
+        record = run_stage(
             actions, self._stage, stage_index=self.stage_index, num_stages=layout.pipeline_size,
             activation_shape=activation_shape, dtype=dtype, device=self.root_device,
             optimizer_step=step, stage_ranks=layout.pipeline_ranks(self.replica),
             synchronize=synchronize,
         )
+        if measure_bubbles:
+            self.last_bubble_ratio = gather_bubble_ratio(record)
+        return record
+
+    def simulated_bubble_ratio(self, plan: Plan, cost_model: CostModel) -> float:
+        """The simulator's prediction for ``plan`` on this pipeline, to log next to
+        ``last_bubble_ratio``."""
+        pp = self._require_layout().pipeline_size
+        return simulate(plan, build_pipeline_schedule(plan, pp), cost_model).bubble_ratio
 
     # ---- checkpoints and export ------------------------------------------------------------
     def stage_checkpoint_path(self, filepath: str) -> str:

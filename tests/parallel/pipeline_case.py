@@ -189,10 +189,10 @@ class PipelineCaseModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
 
     def training_step(self, batch, batch_idx):
-        self.trainer.strategy.run_pipeline(
-            self.plan, activation_shape=(CAPACITY, self.decoder_config.hidden_size),
-            dtype=torch.float32,
-        )
+        strategy = self.trainer.strategy
+        strategy.run_pipeline(self.plan, activation_shape=(CAPACITY, self.decoder_config.hidden_size),
+                              dtype=torch.float32)
+        assert 0.0 <= strategy.last_bubble_ratio < 1.0
 
     def on_train_end(self):
         strategy = self.trainer.strategy

@@ -22,6 +22,7 @@ from lightning_lorafusion.parallel.schedule import (
     build_1f1b_flushed_schedule,
     build_pipeline_schedule,
 )
+from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.simulator import CostModel, DeadlockError, simulate
 from lightning_lorafusion.planner.plan import Plan
 
@@ -250,3 +251,14 @@ def test_cost_model_counts_the_flops_of_a_real_llama_layer():
         CostModel(stage_layers=(1,), layer_flops_per_token=1.0, flops_per_second=0)
     ns = SimpleNamespace(hidden_size=8, intermediate_size=16, num_attention_heads=2, vocab_size=10)
     assert CostModel.from_decoder_config(ns, (1,)).layer_flops_per_token == 2 * (4 * 64 + 3 * 128)
+
+
+def test_measured_bubble_ratio_agrees_with_the_simulators_definition():
+    plan = make_plan([[(a, 0, 100)] for a in range(6)], num_stages=3)
+    result = simulate(plan, build_pipeline_schedule(plan, 3), token_costs(3))
+    # every rank's wall clock is the whole run, as when ranks start together
+    pairs = [(busy, result.makespan) for busy in result.busy]
+    assert measured_bubble_ratio(pairs) == pytest.approx(result.bubble_ratio)
+    assert measured_bubble_ratio([(1.0, 2.0), (2.0, 2.0)]) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="at least one rank"):
+        measured_bubble_ratio([])
