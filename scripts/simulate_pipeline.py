@@ -189,7 +189,6 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
     import torch.distributed as dist
 
     from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
-    from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: F401 (vocab)
     from lightning_lorafusion.model.adapter_bank import AdapterBank
     from lightning_lorafusion.parallel.data_parallel import (
         ParallelLayout, allreduce_adapter_grads, build_data_parallel_groups, check_same_step_order)
