@@ -58,11 +58,11 @@ def measured_bubble_ratio(busy_and_wall: Sequence[tuple[float, float]]) -> float
     return 1.0 - sum(busy for busy, _ in busy_and_wall) / (len(busy_and_wall) * longest)
 
 
-def gather_bubble_ratio(record: StageRecord, group: dist.ProcessGroup | None = None) -> float:
-    """``measured_bubble_ratio`` over every rank of ``group`` (default: the world); collective."""
+def gather_busy_and_wall(record: StageRecord, group: dist.ProcessGroup | None = None) -> list[tuple[float, float]]:
+    """``(busy, wall)`` of every rank of ``group`` (default: the world), in rank order; collective."""
     pairs: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(pairs, (record.busy, record.wall), group=group)
-    return measured_bubble_ratio(pairs)  # type: ignore[arg-type]
+    return [tuple(p) for p in pairs]  # type: ignore[misc]
 
 
 def run_stage(

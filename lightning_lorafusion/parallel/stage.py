@@ -48,6 +48,9 @@ class DecoderStage:
     microbatches: Callable[[int], Microbatch]
     backend: str = "torch"
     train: bool = True
+    # last stage: called with (microbatch, per-adapter summed losses [num_adapters], detached)
+    # for logging; the loss to backward is unaffected
+    on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
 
     def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor:
         mb = self.microbatches(microbatch)
@@ -67,4 +70,6 @@ class DecoderStage:
         sums = dec.head_loss_sums(
             self.params, h, mb.labels, mb.segments, self.bank.num_adapters, config=self.config
         )
+        if self.on_loss_sums is not None:
+            self.on_loss_sums(microbatch, sums.detach())
         return adapter_loss(sums, mb.loss_denominators)

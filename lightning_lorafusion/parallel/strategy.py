@@ -52,7 +52,7 @@ from .data_parallel import (
     build_data_parallel_groups,
     check_same_step_order,
 )
-from .executor import StageRecord, gather_bubble_ratio, run_stage
+from .executor import StageRecord, gather_busy_and_wall, measured_bubble_ratio, run_stage
 from .partition import partition_decoder, partition_layers
 from .schedule import build_pipeline_schedule
 from .simulator import CostModel, simulate
@@ -79,6 +79,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         self._layers: range | None = None
         self._checked_step_order = False
         self.last_bubble_ratio: float | None = None  # measured over all ranks, last window
+        self.last_stage_bubble_ratios: tuple[float, ...] = ()  # per stage, averaged over replicas
 
     # ---- process layout -----------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -147,7 +148,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         """Train one planned window on this rank's stage; adapters step inside as they finish.
 
         With ``measure_bubbles`` the idle fraction over all ranks (a small all-gather) lands in
-        ``last_bubble_ratio``; pass ``synchronize=torch.cuda.synchronize`` for device times.
+        ``last_bubble_ratio`` and per stage in ``last_stage_bubble_ratios``; pass ``synchronize=torch.cuda.synchronize`` for device times.
 
         The module's stage comes from ``pipeline_stage`` (built on first use; ``layers`` from
         ``stage_layers(module.decoder_config)`` when the module has that attribute, else
@@ -181,7 +182,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             synchronize=synchronize,
         )
         if measure_bubbles:
-            self.last_bubble_ratio = gather_bubble_ratio(record)
+            pairs = gather_busy_and_wall(record)
+            self.last_bubble_ratio = measured_bubble_ratio(pairs)
+            longest = max(wall for _, wall in pairs)
+            per_stage = [[1.0 - busy / longest for r, (busy, _) in enumerate(pairs)
+                          if layout.stage_of(r) == s] for s in range(layout.pipeline_size)]
+            self.last_stage_bubble_ratios = tuple(sum(v) / len(v) for v in per_stage)
         return record
 
     def simulated_bubble_ratio(self, plan: Plan, cost_model: CostModel) -> float:

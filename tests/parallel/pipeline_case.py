@@ -176,9 +176,10 @@ class PipelineCaseModule(L.LightningModule):
         lookup = self.per_replica[self.trainer.strategy.replica]
         from lightning_lorafusion.parallel.stage import DecoderStage
 
+        self.loss_sums = {}
         return DecoderStage(params=self.params, bank=self.bank, config=self.decoder_config,
                             layers=layers, is_first=is_first, is_last=is_last,
-                            microbatches=lookup.__getitem__)
+                            microbatches=lookup.__getitem__, on_loss_sums=self.loss_sums.__setitem__)
 
     def adapter_parameters(self, adapter, layers):
         return [p for layer in layers for p in self.bank.adapters[adapter][layer].parameters()]
@@ -193,6 +194,12 @@ class PipelineCaseModule(L.LightningModule):
         strategy.run_pipeline(self.plan, activation_shape=(CAPACITY, self.decoder_config.hidden_size),
                               dtype=torch.float32)
         assert 0.0 <= strategy.last_bubble_ratio < 1.0
+        assert len(strategy.last_stage_bubble_ratios) == strategy.layout.pipeline_size
+        if strategy.stage_index == strategy.layout.pipeline_size - 1:
+            # the last stage saw every real microbatch's per-adapter loss sums
+            assert sorted(self.loss_sums) == sorted(self.per_replica[strategy.replica])
+            assert all(v.shape == (self.bank.num_adapters,) and torch.isfinite(v).all()
+                       for v in self.loss_sums.values())
 
     def on_train_end(self):
         strategy = self.trainer.strategy
