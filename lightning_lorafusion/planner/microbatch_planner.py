@@ -190,6 +190,8 @@ def plan_microbatches(
     grouping: bool = True,
     merge: bool = True,
     batch_offsets: Sequence[int] | None = None,
+    window: int | None = None,
+    workers: int = 0,
 ) -> Plan:
     """Pack ``lengths[adapter][global batch][sample]`` (token counts) into a verified Plan.
 
@@ -198,6 +200,10 @@ def plan_microbatches(
     sorted by (adapter, batch, index); adapter a's batch j+1 starts at least ``num_stages``
     microbatches after batch j's step point (no-op slots are inserted where needed).
     See ``PlannerConfig`` for the other arguments.
+
+    With ``window`` set, the batches are planned in windows of that many rounds by ``workers``
+    processes (``plan_stream``) and joined: the same result for any ``workers``, and the way
+    to plan a long epoch with ``method="milp"`` without waiting for one process.
     """
     config = PlannerConfig(
         capacity=capacity,
@@ -212,4 +218,13 @@ def plan_microbatches(
         merge=merge,
         seed=seed,
     )
-    return plan_window(lengths, config, batch_offsets=batch_offsets)[0]
+    if window is None:
+        return plan_window(lengths, config, batch_offsets=batch_offsets)[0]
+    if batch_offsets is not None:
+        raise ValueError("batch_offsets cannot be combined with window (windows number batches from 0)")
+    from .stream import join_plans, plan_stream
+
+    plans = [w.plan for w in plan_stream(lengths, config, window=window, workers=workers)]
+    if not plans:
+        return Plan(capacity=capacity, pad_multiple=pad_multiple, num_stages=num_stages, microbatches=())
+    return join_plans(plans)

@@ -15,6 +15,9 @@ def test_workers_do_not_change_plans_and_resume_is_exact():
     assert verify_plan(joined, lengths) == []
     for w in inline:
         assert verify_plan(w.plan, carry_in=w.carry_in) == []
+    assert plan_microbatches(
+        lengths, capacity=2048, pad_multiple=128, num_stages=2, method="milp", max_nodes=50, window=2
+    ) == joined
     resumed = list(plan_stream(lengths, cfg, window=2, start_window=1, carry_in=inline[1].carry_in))
     assert [w.plan for w in resumed] == [w.plan for w in inline[1:]]
     assert inline[-1].carry_out == {a: (5, inline[-1].carry_out[a][1]) for a in range(3)}
