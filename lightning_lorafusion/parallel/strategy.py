@@ -77,7 +77,6 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         self._dp_groups: list = []
         self._stage: StageModule | None = None
         self._layers: range | None = None
-        self._checked_step_order = False
         self.last_bubble_ratio: float | None = None  # measured over all ranks, last window
         self.last_stage_bubble_ratios: tuple[float, ...] = ()  # per stage, averaged over replicas
 
@@ -166,9 +165,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             )
         actions = build_pipeline_schedule(plan, layout.pipeline_size)[self.stage_index]
         group = self.data_parallel_group
-        if not self._checked_step_order:
-            check_same_step_order(actions, group)
-            self._checked_step_order = True
+        check_same_step_order(actions, group)  # every window: a mismatch would hang, not fail
         layers = self._layers
 
         def step(adapter: int, batch: int) -> None:

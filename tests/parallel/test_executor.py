@@ -17,7 +17,7 @@ from lightning_lorafusion.parallel.data_parallel import (
 )
 from lightning_lorafusion.parallel.executor import run_stage
 from lightning_lorafusion.parallel.partition import partition_layers
-from lightning_lorafusion.parallel.schedule import build_pipeline_schedule
+from lightning_lorafusion.parallel.schedule import OptimizerStep, ScheduleError, build_pipeline_schedule
 from lightning_lorafusion.parallel.stage import DecoderStage
 
 from . import pipeline_case as case
@@ -62,6 +62,14 @@ def _worker(rank: int, world: int, layouts: list[tuple[int, int]], init_file: st
             torch.save({"state": state, "layers": list(layers), "events": record.events},
                        os.path.join(out_dir, f"pp{pp}_dp{dp}_rank{rank}.pt"))
             dist.barrier()
+        # replicas that would step adapters in different orders are refused, on every rank
+        group = build_data_parallel_groups(ParallelLayout(pipeline_size=1, data_parallel_size=world))[0]
+        try:
+            check_same_step_order([OptimizerStep(rank % 2, 0), OptimizerStep(1 - rank % 2, 0)], group)
+            refused = ""
+        except ScheduleError as error:
+            refused = str(error)
+        torch.save(refused, os.path.join(out_dir, f"refused_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -84,6 +92,8 @@ def test_pipeline_and_data_parallel_match_single_process_training():
             (pp, dp, r): torch.load(os.path.join(tmp, f"pp{pp}_dp{dp}_rank{r}.pt"))
             for pp, dp in layouts for r in range(world)
         }
+        refused = [torch.load(os.path.join(tmp, f"refused_rank{r}.pt")) for r in range(world)]
+    assert all("different orders" in message and "same step order" in message for message in refused), refused
     initial = case.make_bank(case.tiny_config()).state_dict()
     for pp, dp in layouts:
         plan, per_replica = case.samples_and_plan(pp, replicas=dp)
