@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -112,3 +113,36 @@ def test_pipeline_and_data_parallel_match_single_process_training():
                                                msg=f"pp={pp} dp={dp} rank={rank} {key}")
                 else:
                     torch.testing.assert_close(value, initial[key], rtol=0, atol=0)
+
+
+def test_one_stage_executor_is_plain_training_and_checks_the_loss_shape():
+    """PP=1 needs no communication: run_stage alone must reproduce the reference run."""
+    config = case.tiny_config()
+    bank = case.make_bank(config)
+    opts = case.optimizers(bank)
+    plan, per_replica = case.samples_and_plan(1)
+    stage = DecoderStage(params=case.base_params(config), bank=bank, config=config,
+                         layers=range(config.num_layers), is_first=True, is_last=True,
+                         microbatches=per_replica[0].__getitem__)
+    steps = []
+
+    def step(adapter, batch):
+        steps.append((adapter, batch))
+        opts[adapter].step()
+        opts[adapter].zero_grad(set_to_none=True)
+
+    kwargs = dict(stage_index=0, num_stages=1, activation_shape=(case.CAPACITY, config.hidden_size),
+                  dtype=torch.float32, device="cpu", optimizer_step=step)
+    record = run_stage(build_pipeline_schedule(plan, 1)[0], stage, **kwargs)
+    assert sorted(steps) == sorted(plan.step_points)
+    assert 0 < record.busy <= record.wall
+    reference = case.reference_training(plan, per_replica).state_dict()
+    for key, value in bank.state_dict().items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    class NotAScalar:
+        def forward(self, stage_input, microbatch):
+            return torch.zeros(3, requires_grad=True)
+
+    with pytest.raises(ScheduleError, match="scalar loss"):
+        run_stage(build_pipeline_schedule(plan, 1)[0], NotAScalar(), **kwargs)
