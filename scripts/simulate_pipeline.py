@@ -261,7 +261,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
             torch.cuda.reset_peak_memory_stats()
         record = run_stage(actions, stage, **kwargs)
         result = {
-            "mode": mode, "rank": rank, "stage": stage_index, "replica": replica,
+            "mode": mode, "rank": rank, "stage": stage_index, "replica": replica, "plan": plan.to_json(),
             "layers": [layers.start, layers.stop], "wall": record.wall, "busy": record.busy,
             "events": record.events,
             "real_tokens": sum(mb.real_tokens() for mb in plan.microbatches) if first else 0,
@@ -354,6 +354,59 @@ def measure_main(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}")
 
 
+def plot_measured(path_json: str, png: str) -> None:
+    """Measured PP=2 timeline (executor timestamps) above the simulated one (fitted costs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_lorafusion.planner import Plan
+
+    d = json.load(open(path_json))
+    ranks = sorted(d["runs"]["pp2"], key=lambda r: r["stage"])
+    summary = d["summary"]
+    fitted = summary["fitted_cost_model"]
+    one_steps = [t1 - t0 for kind, _, t0, t1 in d["runs"]["one"][0]["events"] if kind == "S"]
+    if "plan" in ranks[0]:
+        plan = Plan.from_json(ranks[0]["plan"])
+    else:  # runs before plans were recorded: rebuild with the recorded settings
+        lengths = workload_lengths(summary["workload"], summary["adapters"], num_batches=summary["global_batches"],
+                                   batch_size=summary["batch_size"], seed=0, max_length=summary["capacity"])
+        plan = plan_microbatches(lengths, capacity=summary["capacity"], pad_multiple=64, num_stages=2,
+                                 method="greedy")
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+    costs = CostModel.from_decoder_config(
+        config, [r["layers"][1] - r["layers"][0] for r in ranks], flops_per_second=fitted["flops_per_second"],
+        launch_overhead=fitted["launch_overhead"], backward_factor=fitted["backward_factor"],
+        optimizer_step_time=sum(one_steps) / max(len(one_steps), 1),
+    )
+    simulated = simulate(plan, build_pipeline_schedule(plan, 2), costs)
+    fig, axes = plt.subplots(2, 1, figsize=(14, 3.8), sharex=True)
+    rows = [[(r["stage"], kind, i, t0, t1) for kind, i, t0, t1 in r["events"] if kind in "FB"] for r in ranks]
+    measured_wall = max(r["wall"] for r in ranks)
+    measured_ratio = summary["pp2_bubble_measured"]
+    for ax, timeline, name in (
+        (axes[0], [x for row in rows for x in row], f"measured on {summary['device']} x2: "
+         f"{measured_wall:.2f} s, bubbles {100 * measured_ratio:.1f}%"),
+        (axes[1], [x for x in simulated.timeline if x[1] in "FB"], f"simulated (cost model fitted on the "
+         f"one-GPU run): {simulated.makespan:.2f} s, bubbles {100 * simulated.bubble_ratio:.1f}%"),
+    ):
+        for stage, kind, _, t0, t1 in timeline:
+            ax.broken_barh([(t0, t1 - t0)], (1 - stage - 0.4, 0.8),
+                           color="tab:blue" if kind == "F" else "tab:orange")
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["stage 1", "stage 0"])
+        ax.set_title(name, fontsize=10)
+    axes[1].set_xlabel("time (s); blue = forward, orange = backward; gaps = idle")
+    fig.suptitle(f"PP=2, {summary['adapters']} adapters, {summary['workload']}, 8B-shaped random weights", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"timeline: {png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+",
@@ -381,7 +434,12 @@ def main() -> None:
     p.add_argument("--measure-batches", type=int, default=4)
     p.add_argument("--lora-backend", default="torch", choices=["torch", "triton", "auto"])
     p.add_argument("--out", default=None, help="JSON with every rank's events (--measure)")
+    p.add_argument("--plot-measured", default=None, metavar="JSON",
+                   help="draw the PP=2 run of a --measure JSON (to --png) and exit")
     args = p.parse_args()
+    if args.plot_measured:
+        plot_measured(args.plot_measured, args.png or "pipeline_measured_pp2.png")
+        return
     if args.measure:
         measure_main(args)
         return
