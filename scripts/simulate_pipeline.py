@@ -314,7 +314,8 @@ def measure_main(args: argparse.Namespace) -> None:
             print(f"{mode}: done in {time.perf_counter() - t0:.1f} s", flush=True)
     summary: dict[str, object] = {"device": results[args.modes[0]][0]["device"], "workload": args.workload,
                                   "adapters": args.measure_adapters, "global_batches": args.measure_batches,
-                                  "batch_size": args.batch_size, "capacity": args.capacity}
+                                  "batch_size": args.batch_size, "capacity": args.capacity,
+                                  "pad_multiple": args.pad_multiple, "seed": args.seed, "tiny": args.tiny}
     print("| layout | wall s | real tokens | tokens/s | per-rank busy s | peak GiB |")
     print("|---|---|---|---|---|---|")
     for mode, ranks in results.items():
@@ -372,11 +373,12 @@ def plot_measured(path_json: str, png: str) -> None:
         plan = Plan.from_json(ranks[0]["plan"])
     else:  # runs before plans were recorded: rebuild with the recorded settings
         lengths = workload_lengths(summary["workload"], summary["adapters"], num_batches=summary["global_batches"],
-                                   batch_size=summary["batch_size"], seed=0, max_length=summary["capacity"])
-        plan = plan_microbatches(lengths, capacity=summary["capacity"], pad_multiple=64, num_stages=2,
+                                   batch_size=summary["batch_size"], seed=summary.get("seed", 0),
+                                   max_length=summary["capacity"])
+        plan = plan_microbatches(lengths, capacity=summary["capacity"],
+                                 pad_multiple=summary.get("pad_multiple", 64), num_stages=2,
                                  method="greedy")
-    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+    config = measure_config(SimpleNamespace(tiny=summary.get("tiny", False)))
     costs = CostModel.from_decoder_config(
         config, [r["layers"][1] - r["layers"][0] for r in ranks], flops_per_second=fitted["flops_per_second"],
         launch_overhead=fitted["launch_overhead"], backward_factor=fitted["backward_factor"],
@@ -400,7 +402,8 @@ def plot_measured(path_json: str, png: str) -> None:
         ax.set_yticklabels(["stage 1", "stage 0"])
         ax.set_title(name, fontsize=10)
     axes[1].set_xlabel("time (s); blue = forward, orange = backward; gaps = idle")
-    fig.suptitle(f"PP=2, {summary['adapters']} adapters, {summary['workload']}, 8B-shaped random weights", fontsize=11)
+    model = "tiny" if summary.get("tiny") else "8B-shaped"
+    fig.suptitle(f"PP=2, {summary['adapters']} adapters, {summary['workload']}, {model} random weights", fontsize=11)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
