@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -34,8 +35,19 @@ class LoRAFusionCLI(LightningCLI):
         )
 
 
+def _log_to_stderr() -> None:
+    """Our INFO lines (planning, datasets, exports) next to Lightning's."""
+    logger = logging.getLogger("lightning_lorafusion")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[lorafusion] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     _keep_wandb_local()
+    _log_to_stderr()
     LoRAFusionCLI(
         LoRAFusionModule,
         MultiAdapterDataModule,

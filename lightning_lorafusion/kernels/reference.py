@@ -111,11 +111,7 @@ def lora_linear_reference(
     dropout_offset: int = 0,
 ) -> torch.Tensor:
     """``[M, K] -> [M, N]``: frozen linear plus each row's adapter LoRA term."""
-    y = torch.nn.functional.linear(x, weight, bias)
-    if lora is None or routing is None:
-        return y
-    delta = lora_delta_reference(x, lora, routing, dropout_offset)
-    return y if delta is None else y + delta
+    return lora_projections_reference(x, [weight], [bias], [lora], routing, dropout_offset)[0]
 
 
 def lora_projections_reference(
@@ -126,8 +122,28 @@ def lora_projections_reference(
     routing: LoraRouting | None,
     dropout_offset: int = 0,
 ) -> list[torch.Tensor]:
-    """Several projections of one input (q/k/v or gate/up); they share one dropout mask."""
-    return [
-        lora_linear_reference(x, w, b, l, routing, dropout_offset)
-        for w, b, l in zip(weights, biases, loras)
-    ]
+    """Several projections of one input (q/k/v or gate/up); they share one dropout mask.
+
+    The LoRA terms are added in place into each segment's rows of the frozen outputs (no
+    full-size zero/concatenate temporaries), and each segment's dropped-out input is built
+    once for all projections.
+    """
+    ys = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+    if routing is None or all(l is None for l in loras):
+        return ys
+    for start, end, adapter in routing.segments:
+        active = [i for i, l in enumerate(loras) if l is not None and l.a[adapter] is not None]
+        if not active:
+            continue
+        xs = x[start:end]
+        p = routing.dropout_p[adapter]
+        if p > 0.0:
+            keep = dropout_keep_mask(
+                routing.seeds[adapter], dropout_offset, start, end - start, x.shape[1], p, x.device
+            )
+            xs = xs * keep.to(xs.dtype) / (1.0 - p)
+        scale = routing.scales[adapter]
+        for i in active:
+            a, b = loras[i].a[adapter], loras[i].b[adapter]
+            ys[i][start:end] += scale * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t())
+    return ys
