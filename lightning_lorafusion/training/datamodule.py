@@ -38,6 +38,27 @@ class EpochPlan:
     step_adapters: dict[int, tuple[int, ...]]  # microbatch position -> adapters that step
 
 
+class PipelineWindow:
+    """One planned window for the pipeline strategy: the plan plus its microbatches, packed on
+    demand (every stage asks for the same positions) and cached on the target device."""
+
+    def __init__(self, epoch: int, plan: Plan, pack: Any, device: Any = None) -> None:
+        self.epoch = epoch
+        self.plan = plan
+        self._pack = pack
+        self._device = device
+        self._cache: dict[int, Microbatch] = {}
+
+    def microbatch(self, position: int) -> Microbatch:
+        if position not in self._cache:
+            mb = self._pack(position)
+            self._cache[position] = mb if self._device is None else mb.to(self._device)
+        return self._cache[position]
+
+    def to(self, device: Any) -> "PipelineWindow":
+        return PipelineWindow(self.epoch, self.plan, self._pack, device)
+
+
 class MultiAdapterDataModule(L.LightningDataModule):
     """Streams packed multi-adapter microbatches; adapters and tokenizer come from the module.
 
@@ -79,6 +100,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.planner_workers = planner_workers
         self.num_stages = num_stages
         self._restored_plan: tuple[int, Plan] | None = None
+        self.pipeline = False  # set when the trainer runs MultiAdapterPipelineStrategy
         self.max_length = max_length
         self.prefetch = prefetch
         self.seed = seed
@@ -91,6 +113,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
 
     # ----------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
+        if self.trainer is not None:
+            self._adopt_pipeline_layout()
         if self.datasets:
             return
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -99,6 +123,23 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
             self.configure(module.adapter_specs, module.tokenizer)
         self.load_datasets()
+
+    def _adopt_pipeline_layout(self) -> None:
+        from ..parallel.strategy import MultiAdapterPipelineStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, MultiAdapterPipelineStrategy):
+            return
+        layout = strategy.layout
+        if layout.data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size={layout.data_parallel_size} with the pipeline strategy: the "
+                "library's executor supports PP x DP (lightning_lorafusion.parallel), but this "
+                "data module does not yet shard global batches across replicas; run with "
+                "devices x num_nodes == pipeline_size"
+            )
+        self.num_stages = layout.pipeline_size
+        self.pipeline = True
 
     def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:
         """Use these adapters and tokenizer (the LightningModule's, under Lightning)."""
@@ -222,32 +263,46 @@ class MultiAdapterDataModule(L.LightningDataModule):
             self._epoch_plan = self.plan_epoch(epoch)
         return self._epoch_plan
 
+    def pack_position(self, epoch: int, pos: int) -> Microbatch:
+        """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
+        ep = self.epoch_plan(epoch)
+        return pack_microbatch(
+            ep.plan.microbatches[pos],
+            ep.lookup,
+            config=self.packing,
+            num_adapters=len(self.specs),
+            denominators=ep.denominators,
+            step_adapters=ep.step_adapters.get(pos, ()),
+            index=epoch * EPOCH_STRIDE + pos,
+        )
+
+    def iter_windows(self, epoch: int, start: int = 0) -> Iterator[PipelineWindow]:
+        """Pipeline mode: the whole epoch is one window (the pipeline drains once per epoch)."""
+        if start == 0:
+            ep = self.epoch_plan(epoch)
+            yield PipelineWindow(epoch, ep.plan, lambda pos: self.pack_position(epoch, pos))
+
+    def on_window_trained(self, window: PipelineWindow) -> None:
+        self.epoch, self.position = window.epoch, len(window.plan.microbatches)
+
     def iter_microbatches(self, epoch: int, start: int = 0) -> Iterator[Microbatch]:
         """Packed microbatches of ``epoch`` from position ``start`` (no-op slots skipped)."""
         ep = self.epoch_plan(epoch)
         for pos in range(start, len(ep.plan.microbatches)):
-            planned = ep.plan.microbatches[pos]
-            if planned.is_noop:
-                continue
-            yield pack_microbatch(
-                planned,
-                ep.lookup,
-                config=self.packing,
-                num_adapters=len(self.specs),
-                denominators=ep.denominators,
-                step_adapters=ep.step_adapters.get(pos, ()),
-                index=epoch * EPOCH_STRIDE + pos,
-            )
+            if not ep.plan.microbatches[pos].is_noop:
+                yield self.pack_position(epoch, pos)
 
     # ------------------------------------------------------------ Lightning
     def train_dataloader(self):
         import torchdata.nodes as tn
 
+        if self.pipeline:
+            return _MicrobatchLoader(_ResumableStream(self, windows=True))
         node = tn.IterableWrapper(_ResumableStream(self))
         node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
         return _MicrobatchLoader(tn.Loader(node))
 
-    def transfer_batch_to_device(self, batch: Microbatch, device, dataloader_idx: int) -> Microbatch:
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         return batch.to(device)
 
     def on_microbatch_trained(self, mb: Microbatch) -> None:
@@ -284,12 +339,15 @@ class _MicrobatchLoader:
 class _ResumableStream:
     """Iterable over the current epoch from the data module's resume point."""
 
-    def __init__(self, dm: MultiAdapterDataModule) -> None:
+    def __init__(self, dm: MultiAdapterDataModule, windows: bool = False) -> None:
         self.dm = dm
+        self.windows = windows
 
     def __iter__(self) -> Iterator[Microbatch]:
         dm = self.dm
         # Lightning owns the epoch counter (restored on resume); we own the position in it.
         epoch = dm.trainer.current_epoch if dm.trainer is not None else dm.epoch
         start = dm.position if dm.epoch == epoch else 0
+        if self.windows:
+            return dm.iter_windows(epoch, start)
         return dm.iter_microbatches(epoch, start)

@@ -123,6 +123,8 @@ class LoRAFusionModule(L.LightningModule):
 
                 import_peft_adapter(self.bank, i, spec.init_from)
                 log.info("adapter %s: initialised from PEFT adapter %s", spec.name, spec.init_from)
+        self._window = None  # the PipelineWindow being trained (pipeline strategy)
+        self._stage_layers = range(config.num_layers)
         self._gb_loss = torch.zeros(len(specs), dtype=torch.float64)
         self._gb_tokens = torch.zeros(len(specs), dtype=torch.long)
         self._nonfinite_streak = [0] * len(specs)
@@ -178,6 +180,8 @@ class LoRAFusionModule(L.LightningModule):
         return optimizers, schedulers
 
     def training_step(self, mb: Microbatch, batch_idx: int) -> None:
+        if not isinstance(mb, Microbatch):  # a PipelineWindow under the pipeline strategy
+            return self._pipeline_training_step(mb)
         sums = self.loss_sums(mb)
         loss = self.microbatch_loss(sums, mb)
         self.manual_backward(loss)
@@ -196,15 +200,19 @@ class LoRAFusionModule(L.LightningModule):
             dm.on_microbatch_trained(mb)
         self.log("train/real_tokens", float(mb.real_tokens), reduce_fx="sum", on_step=False, on_epoch=True)
 
-    def _step_adapter(self, a: int) -> None:
+    def _step_adapter(self, a: int, params: Sequence[torch.nn.Parameter] | None = None,
+                      log_loss: bool = True) -> None:
+        """Clip, check and step adapter ``a``'s optimizer and schedule (its global batch is
+        complete). Non-finite gradients skip the step; too many in a row raise."""
         spec = self.adapter_specs[a]
         optimizers = self.optimizers()
         schedulers = self.lr_schedulers()
         opt = optimizers[a] if isinstance(optimizers, list) else optimizers
         sched = schedulers[a] if isinstance(schedulers, list) else schedulers
-        params = self.bank.parameters_of(a)
+        params = self.bank.parameters_of(a) if params is None else params
         grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.tensor(0.0)
+        norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+                if grads else torch.tensor(0.0))
         loss = float(self._gb_loss[a])
         finite = math.isfinite(loss) and bool(torch.isfinite(norm))
         if not finite:
@@ -234,12 +242,90 @@ class LoRAFusionModule(L.LightningModule):
         sched.step()
         self.steps_taken[a] += 1
         name = spec.name
-        self.log(f"loss/{name}", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+        if log_loss:
+            self.log(f"loss/{name}", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+            self.log(f"tokens/{name}", float(self._gb_tokens[a]), on_step=True, on_epoch=False, batch_size=1)
         self.log(f"lr/{name}", sched.get_last_lr()[0], on_step=True, on_epoch=False, batch_size=1)
         self.log(f"grad_norm/{name}", float(norm), on_step=True, on_epoch=False, batch_size=1)
-        self.log(f"tokens/{name}", float(self._gb_tokens[a]), on_step=True, on_epoch=False, batch_size=1)
         self._gb_loss[a] = 0.0
         self._gb_tokens[a] = 0
+
+    # ------------------------------------------------- pipeline strategy contract
+    # (lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy)
+    @property
+    def decoder_config(self):
+        return self.config
+
+    def _pipeline_strategy(self):
+        from ..parallel.strategy import MultiAdapterPipelineStrategy
+
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
+
+    def setup(self, stage: str) -> None:
+        strategy = self._pipeline_strategy()
+        if strategy is not None:  # keep only this stage's frozen weights (before device move)
+            last = strategy.stage_index == strategy.layout.pipeline_size - 1
+            self._keep_stage_params(strategy.stage_layers(self.config), strategy.stage_index == 0, last)
+
+    def _keep_stage_params(self, layers: range, is_first: bool, is_last: bool) -> None:
+        template: dict[str, Any] = {"layers": {i: self._param_template["layers"][i] for i in layers}}
+        if is_first:
+            template["embed"] = self._param_template["embed"]
+        if is_last:
+            template["norm"] = self._param_template["norm"]
+            template["lm_head"] = self._param_template["lm_head"]
+        needed = set(_flatten(template))
+        needed |= {self._aliases[n] for n in needed if n in self._aliases}
+        for name in [n for n in self._buffers if n.startswith("base__")]:
+            if name[len("base__"):] not in needed:
+                del self._buffers[name]
+        self._aliases = {k: v for k, v in self._aliases.items() if k in needed}
+        self._param_template = template
+        self._stage_layers = layers
+
+    def pipeline_stage(self, stage_index: int, layers: range, is_first: bool, is_last: bool):
+        from ..parallel.stage import DecoderStage
+
+        self._stage_layers = layers
+        return DecoderStage(
+            params=self.base_params(), bank=self.bank, config=self.config, layers=layers,
+            is_first=is_first, is_last=is_last, microbatches=lambda pos: self._window.microbatch(pos),
+            backend=self.backend, on_loss_sums=self._on_pipeline_loss_sums if is_last else None,
+        )
+
+    def adapter_parameters(self, adapter: int, layers: range) -> list[torch.nn.Parameter]:
+        return [p for layer in layers for p in self.bank.adapters[adapter][layer].parameters()]
+
+    def step_adapter(self, adapter: int, batch: int) -> None:
+        strategy = self._pipeline_strategy()
+        is_last = strategy.stage_index == strategy.layout.pipeline_size - 1
+        self._step_adapter(adapter, self.adapter_parameters(adapter, self._stage_layers), log_loss=is_last)
+
+    def _on_pipeline_loss_sums(self, pos: int, sums: torch.Tensor) -> None:
+        mb = self._window.microbatch(pos)
+        per_adapter = (sums.double() / mb.loss_denominators.double().clamp_min(1)).cpu()
+        for _, _, a in mb.segments:
+            self._gb_loss[a] += per_adapter[a]
+        for ref in mb.samples:
+            self._gb_tokens[ref.adapter] += ref.length
+
+    def _pipeline_training_step(self, window) -> None:
+        strategy = self._pipeline_strategy()
+        if strategy is None:
+            raise RuntimeError("a PipelineWindow batch needs MultiAdapterPipelineStrategy")
+        self._window = window
+        dtype = next(iter(self._buffers.values())).dtype
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        strategy.run_pipeline(
+            window.plan, activation_shape=(window.plan.capacity, self.config.hidden_size),
+            dtype=dtype, synchronize=sync,
+        )
+        self.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
+        dm = self.trainer.datamodule
+        if dm is not None:
+            dm.on_window_trained(window)
+        self._window = None
 
     # Partial global batches live in .grad: keep them in the checkpoint so resume is exact.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -277,7 +363,18 @@ class LoRAFusionModule(L.LightningModule):
         self._restored_grads = None
 
     def on_fit_end(self) -> None:
-        if self.export_on_fit_end and self.trainer.is_global_zero:
+        if not self.export_on_fit_end:
+            return
+        strategy = self._pipeline_strategy()
+        if strategy is not None:  # every stage trained its own layers: gather on rank 0
+            owned = set(self._stage_layers)
+            merged = strategy.gather_stage_states(
+                self.bank.state_dict(), lambda key: int(key.split(".")[2]) in owned
+            )
+            if merged is None:
+                return
+            self.bank.load_state_dict(merged)
+        if self.trainer.is_global_zero:
             self.export_adapters()
 
     def export_adapters(self, out_dir: str | None = None) -> list[str]:
