@@ -1,0 +1,212 @@
+"""End-to-end LoRA fine-tuning throughput: HF transformers + PEFT vs ours, same samples, one GPU.
+
+(a) HF + PEFT, padded micro-batches, adapters trained one after another (what most users run);
+(b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
+    functional decoder, with the fused Triton LoRA kernels ("triton") and with the torch
+    reference LoRA ("torch").
+Reports real (non-padding) tokens/s and peak memory; prints a table last.
+
+    python scripts/bench_e2e.py --shape llama8b --layers 8 --workload xsum --out $OUT
+    python scripts/bench_e2e.py --shape tiny --device cpu --variants hf,torch   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
+from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
+from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
+from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
+from lightning_lorafusion.model.decoder import forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
+from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+DISTRIBUTIONS = {"xsum": ["xsum"] * 4, "cnn_dailymail": ["cnn_dailymail"] * 4, "wikisum": ["wikisum"] * 4,
+                 "mixed": ["mixed"] * 4, "heterogeneous": ["xsum", "cnn_dailymail", "wikisum", "mixed"]}
+
+
+class _Sample:
+    def __init__(self, ids, labels):
+        self.input_ids, self.labels = tuple(ids), tuple(labels)
+
+
+def build_model(args, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, attn_implementation="sdpa", **SHAPES[args.shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.requires_grad_(False)
+    return cfg, model
+
+
+def workload(args, vocab):
+    data = []
+    for a, dist in enumerate(DISTRIBUTIONS[args.workload][: args.adapters]):
+        pairs = synthetic_token_samples(dist, args.samples, vocab_size=vocab, seed=100 + a, max_length=args.max_length)
+        data.append(pairs)
+    return data
+
+
+def timed(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_hf_peft(args, model, data, device):
+    from peft import LoraConfig, get_peft_model
+
+    names = [f"a{i}" for i in range(len(data))]
+    lcfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout,
+                      target_modules=list(ALL_TARGET_MODULES), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, lcfg, adapter_name=names[0])
+    for n in names[1:]:
+        peft_model.add_adapter(n, lcfg)
+    tokens, t_total = 0, 0.0
+    for a, name in enumerate(names):
+        peft_model.set_adapter(name)
+        params = [p for n, p in peft_model.named_parameters() if f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        samples = data[a]
+        warm = a == 0
+        t0 = timed(device)
+        for g in range(0, len(samples), args.global_batch):
+            batch = samples[g : g + args.global_batch]
+            for m in range(0, len(batch), args.hf_batch):
+                micro = batch[m : m + args.hf_batch]
+                longest = max(len(ids) for ids, _ in micro)
+                ids = torch.zeros(len(micro), longest, dtype=torch.long)
+                lab = torch.full((len(micro), longest), -100, dtype=torch.long)
+                att = torch.zeros(len(micro), longest, dtype=torch.long)
+                for i, (x, y) in enumerate(micro):
+                    ids[i, : len(x)] = torch.tensor(x)
+                    lab[i, : len(y)] = torch.tensor(y)
+                    att[i, : len(x)] = 1
+                out = peft_model(input_ids=ids.to(device), attention_mask=att.to(device), labels=lab.to(device),
+                                 use_cache=False)
+                out.loss.backward()
+                if warm:  # first micro-batch of the run: kernels/allocator warm-up, untimed
+                    warm = False
+                    t0 = timed(device)
+                    continue
+                tokens += sum(len(x) for x, _ in micro)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t_total += timed(device) - t0
+        for p in params:
+            p.requires_grad_(False)
+    base = peft_model.unload()  # take PEFT's injected layers out of the shared base model again
+    return tokens / t_total, t_total, tokens, base
+
+
+def run_ours(args, hf_config, model, data, device, dtype, backend):
+    config, params = params_from_hf_model(model)
+    specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
+                         global_batch_size=args.global_batch, dataset={"kind": "synthetic"}) for i in range(len(data))]
+    bank = AdapterBank(specs, config, dtype=dtype, device=device)
+    opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4) for i in range(len(specs))]
+    datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]
+    batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
+               for d in datasets]
+    lookup = SampleLookup(datasets, batches)
+    lengths = [[[len(datasets[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(datasets))]
+    plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
+    dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))}
+    steps: dict[int, list[int]] = {}
+    for (a, _j), pos in plan.step_points.items():
+        steps.setdefault(pos, []).append(a)
+    cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
+    mbs = [pack_microbatch(p, lookup, config=cfg, num_adapters=len(specs), denominators=dens,
+                           step_adapters=tuple(steps.get(i, ())), index=i).to(device)
+           for i, p in enumerate(plan.microbatches) if not p.is_noop]
+    tokens, t0 = 0, None
+    for k, mb in enumerate(mbs):
+        if k == 1:
+            t0 = timed(device)  # microbatch 0 warms up (Triton compiles), untimed
+        routing = bank.routing(mb.segments, mb.index, mb.capacity)
+        sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=config, backend=backend)
+        present = [a for _, _, a in mb.segments]
+        (sums[present] / mb.loss_denominators[present]).sum().backward()
+        for a in mb.step_adapters:
+            opts[a].step()
+            opts[a].zero_grad(set_to_none=True)
+        if k >= 1:
+            tokens += mb.real_tokens
+    elapsed = timed(device) - t0
+    fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
+    return tokens / elapsed, elapsed, tokens, fill, len(mbs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--workload", default="xsum", choices=sorted(DISTRIBUTIONS))
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
+    ap.add_argument("--capacity", type=int, default=8192)
+    ap.add_argument("--pad-multiple", type=int, default=128)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variants", default="hf,torch,triton")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_config, model = build_model(args, device, dtype)
+    data = workload(args, hf_config.vocab_size)
+    rows = []
+    for variant in args.variants.split(","):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if variant == "hf":
+            tps, secs, toks, model = run_hf_peft(args, model, data, device)
+            extra = {}
+        else:
+            tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, variant)
+            extra = {"fill": round(fill, 3), "microbatches": n}
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        rows.append({"variant": variant, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2),
+                     "real_tokens": toks, "peak_gib": round(peak, 2), **extra})
+        print(json.dumps(rows[-1]), flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
+          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
+    base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
+    print(f"{'variant':8} {'tok/s':>10} {'vs hf':>9} {'peak GiB':>9}")
+    for r in rows:
+        print(f"{r['variant']:8} {r['tokens_per_s']:>10.1f} {r['tokens_per_s'] / base:>8.2f}x {r['peak_gib']:>9.2f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"e2e_{args.shape}_{args.workload}.json"), "w") as f:
+            json.dump({"device": name, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
