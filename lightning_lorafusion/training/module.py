@@ -104,6 +104,10 @@ class LoRAFusionModule(L.LightningModule):
         self.base_model_name = base_model
 
         config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        from ..model.hf_loading import resolve_model_dir
+
+        # exported adapters name the directory transformers can load the base from
+        self.base_model_dir = str(resolve_model_dir(base_model, cache_dir=cache_dir).resolve())
         self.config = config
         self.tokenizer = tokenizer
         self._param_template = params
@@ -385,7 +389,7 @@ class LoRAFusionModule(L.LightningModule):
         paths = []
         for i, spec in enumerate(self.adapter_specs):
             path = os.path.join(root, spec.name)
-            export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_name)
+            export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
             paths.append(path)
         log.info("exported %d PEFT adapters to %s", len(paths), root)
         return paths
