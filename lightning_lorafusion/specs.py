@@ -27,7 +27,7 @@ class AdapterSpec:
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ALL_TARGET_MODULES
+    target_modules: tuple[str, ...] | str = ALL_TARGET_MODULES  # or "all-linear"
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
