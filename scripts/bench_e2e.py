@@ -113,9 +113,11 @@ def run_hf_peft(args, model, data, device, packed=False):
     peft_model = get_peft_model(model, lcfg, adapter_name=names[0])
     for n in names[1:]:
         peft_model.add_adapter(n, lcfg)
-    for timed_pass in (False, True):  # the first pass warms up every shape, untimed
-        tokens, t_total = _hf_pass(args, peft_model, names, data, device, packed)
-    base = peft_model.unload()  # take PEFT's injected layers out of the shared base model again
+    try:
+        for timed_pass in (False, True):  # the first pass warms up every shape, untimed
+            tokens, t_total = _hf_pass(args, peft_model, names, data, device, packed)
+    finally:
+        base = peft_model.unload()  # take PEFT's injected layers out of the shared base model
     return tokens / t_total, t_total, tokens, base
 
 
@@ -243,8 +245,6 @@ def main() -> None:
                 extra = {"fill": round(fill, 3), "microbatches": n}
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
-            if hasattr(model, "unload"):
-                model = model.unload()
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         flops = model_flops(args, hf_config, [len(x) for d in data for x, _ in d])
