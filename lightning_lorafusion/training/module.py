@@ -325,7 +325,16 @@ class LoRAFusionModule(L.LightningModule):
             window.plan, activation_shape=(window.plan.capacity, self.config.hidden_size),
             dtype=dtype, synchronize=sync,
         )
+        # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
+        from ..parallel.partition import partition_decoder
+        from ..parallel.simulator import CostModel
+
+        stages = partition_decoder(self.config, strategy.layout.pipeline_size)
+        cost = CostModel.from_decoder_config(self.config, [len(r) for r in stages])
         self.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
+        self.log("pipeline/simulated_bubble_ratio", strategy.simulated_bubble_ratio(window.plan, cost), batch_size=1)
+        for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
+            self.log(f"pipeline/bubble_ratio_stage{s}", float(ratio), batch_size=1)
         dm = self.trainer.datamodule
         if dm is not None:
             dm.on_window_trained(window)

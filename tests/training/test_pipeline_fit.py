@@ -24,11 +24,15 @@ def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2):
                                               process_group_backend="gloo"),
     )
     trainer.fit(module, datamodule=dm)
+    return trainer
 
 
 def test_two_stage_pipeline_fit_matches_one_process(tiny_model_dir, tmp_path):
     specs = tiny_specs()  # dropout 0: masks depend on packing, which the pipeline plan changes
-    _pipeline_fit(tiny_model_dir, specs, tmp_path / "pp")
+    trainer = _pipeline_fit(tiny_model_dir, specs, tmp_path / "pp")
+    metrics = trainer.callback_metrics  # rank 0's, sent back by the spawn launcher
+    for key in ("pipeline/bubble_ratio", "pipeline/simulated_bubble_ratio", "pipeline/bubble_ratio_stage1"):
+        assert 0.0 <= float(metrics[key]) < 1.0, key
     single, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2)
     single.export_adapters(str(tmp_path / "one"))
     for spec in specs:
