@@ -204,9 +204,10 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             self.checkpoint_io.save_checkpoint(checkpoint, self.stage_checkpoint_path(filepath),
                                                storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         torch.cuda.empty_cache()
-        return self.checkpoint_io.load_checkpoint(self.stage_checkpoint_path(checkpoint_path))
+        return self.checkpoint_io.load_checkpoint(self.stage_checkpoint_path(checkpoint_path),
+                                                  weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.replica == 0:

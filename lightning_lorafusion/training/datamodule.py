@@ -345,9 +345,12 @@ class _ResumableStream:
 
     def __iter__(self) -> Iterator[Microbatch]:
         dm = self.dm
-        # Lightning owns the epoch counter (restored on resume); we own the position in it.
-        epoch = dm.trainer.current_epoch if dm.trainer is not None else dm.epoch
-        start = dm.position if dm.epoch == epoch else 0
+        # Our own (epoch, position), restored from the checkpoint, decide what comes next, not
+        # trainer.current_epoch: after a resume from an epoch-end checkpoint Lightning re-enters
+        # the finished epoch under its old number and counts it as the next one.
+        epoch, start = dm.epoch, dm.position
+        if all(mb.is_noop for mb in dm.epoch_plan(epoch).plan.microbatches[start:]):
+            epoch, start = epoch + 1, 0
         if self.windows:
             return dm.iter_windows(epoch, start)
         return dm.iter_microbatches(epoch, start)

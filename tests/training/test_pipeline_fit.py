@@ -13,17 +13,18 @@ from lightning_lorafusion.training.module import LoRAFusionModule
 from test_equivalence import fit_joint, tiny_specs
 
 
-def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2):
+def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbacks=(), ckpt_path=None):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(out_dir))
     dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=devices, max_epochs=2, logger=False,
+        enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
         enable_progress_bar=False, enable_model_summary=False,
         strategy=MultiAdapterPipelineStrategy(pipeline_size=pipeline_size, start_method="spawn",
                                               process_group_backend="gloo"),
     )
-    trainer.fit(module, datamodule=dm)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -58,3 +59,22 @@ def test_pipeline_with_data_parallel_replicas_is_refused_clearly(tiny_model_dir,
     dm.trainer = _Trainer()
     with pytest.raises(ConfigError, match="does not yet shard global batches"):
         dm._adopt_pipeline_layout()
+
+
+def test_pipeline_fit_resumes_from_epoch_checkpoint(tiny_model_dir, tmp_path):
+    """Resume a 2-stage run from its epoch-0 checkpoint (one file per stage): the adapters end
+    as in the uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    specs = tiny_specs()
+    ckpt_dir = tmp_path / "ckpt"
+    cb = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
+    _pipeline_fit(tiny_model_dir, specs, tmp_path / "straight", callbacks=cb)
+    assert (ckpt_dir / "epoch=0.ckpt").exists() and (ckpt_dir / "epoch=0.ckpt.stage1").exists()
+    _pipeline_fit(tiny_model_dir, specs, tmp_path / "resumed", ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
+    for spec in specs:
+        got = load_file(tmp_path / "resumed" / spec.name / "adapter_model.safetensors")
+        want = load_file(tmp_path / "straight" / spec.name / "adapter_model.safetensors")
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key, n=spec.name: f"{n}: {k}\n{m}")

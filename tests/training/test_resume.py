@@ -32,3 +32,16 @@ def test_resume_from_mid_epoch_checkpoint_reproduces_uninterrupted_run(tiny_mode
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"{path}: {name}")
         assert resumed.steps_taken == full.steps_taken
+
+
+def test_resume_from_epoch_end_checkpoint_trains_the_next_epoch(tiny_model_dir, tmp_path):
+    """Lightning re-enters a finished epoch under its old number after an epoch-end checkpoint;
+    the data module must still stream the next epoch's data."""
+    specs = tiny_specs()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    straight, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2, callbacks=[ckpt], enable_checkpointing=True)
+    resumed, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert resumed.steps_taken == straight.steps_taken
+    want, got = _weights(straight), _weights(resumed)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
