@@ -59,6 +59,8 @@ class LoRAFusionModule(L.LightningModule):
         max_nonfinite_steps: an adapter whose gradients are non-finite this many global
             batches in a row stops the run with an error (single bad batches are skipped).
         export_on_fit_end: export every adapter as a PEFT directory when fit ends.
+        activation_checkpointing: keep only each decoder layer's input for backward and
+            recompute the layer (less memory per token, so a larger ``data.capacity`` fits).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class LoRAFusionModule(L.LightningModule):
         cache_dir: str | None = None,
         max_nonfinite_steps: int = 3,
         export_on_fit_end: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -101,6 +104,7 @@ class LoRAFusionModule(L.LightningModule):
         self.export_dir = export_dir
         self.max_nonfinite_steps = max_nonfinite_steps
         self.export_on_fit_end = export_on_fit_end
+        self.activation_checkpointing = activation_checkpointing
         self.base_model_name = base_model
 
         config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
@@ -159,6 +163,7 @@ class LoRAFusionModule(L.LightningModule):
             layers=range(self.config.num_layers),
             microbatch_index=mb.index,
             backend=self.backend,
+            checkpoint_layers=self.activation_checkpointing,
         )
         return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config)
 

@@ -32,9 +32,9 @@ def tiny_specs(dropout=0.0):
 
 
 def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, ckpt_path=None,
-              planner="greedy", **trainer_kwargs):
+              planner="greedy", activation_checkpointing=False, **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
-                              export_on_fit_end=False)
+                              export_on_fit_end=False, activation_checkpointing=activation_checkpointing)
     dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2,
                                 planner=planner, planner_window=2)
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
@@ -72,10 +72,10 @@ def train_alone(module, dm, adapter, max_epochs=1):
     return bank
 
 
-@pytest.mark.parametrize("planner", ["greedy", "milp"])
-def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner):
+@pytest.mark.parametrize("planner, recompute", [("greedy", False), ("milp", False), ("greedy", True)])
+def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, recompute):
     specs = tiny_specs()
-    module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner)
+    module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner, activation_checkpointing=recompute)
     assert module.steps_taken == [3, 3, 2]  # ceil(7/3), ceil(5/2), ceil(8/4)
     # the plan really packed several adapters into one microbatch
     plan = dm.epoch_plan(0).plan
