@@ -168,7 +168,9 @@ def synthetic_token_samples(
     """``n`` samples ``(input_ids, labels)`` of random tokens in ``[0, vocab_size)``.
 
     ``labels`` equals ``input_ids`` on the completion and ``IGNORE_INDEX`` (-100) on the
-    prompt; it is aligned with ``input_ids`` (no shift: the loss shifts).
+    prompt; it is aligned with ``input_ids`` (not shifted). The training data path wants
+    pre-shifted labels: convert with ``data.tokenization.shifted_labels`` (the ``synthetic``
+    source kind does).
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1")
