@@ -29,7 +29,7 @@ def test_print_config_resolves_demo_yaml(tmp_path):
     cfg = yaml.safe_load(out.stdout)
     names = [a["name"] for a in cfg["model"]["adapters"]]
     assert names == ["challenge", "approach", "outcome"]
-    assert cfg["model"]["adapters"][1]["rank"] == 16 and cfg["data"]["capacity"] == 1024
+    assert cfg["model"]["adapters"][1]["rank"] == 16 and cfg["data"]["capacity"] == 768
 
 
 def test_fit_trains_checkpoints_exports_and_logs_wandb_offline(tiny_model_dir, tmp_path):
