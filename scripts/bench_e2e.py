@@ -179,12 +179,10 @@ def run_ours(args, hf_config, model, data, device, dtype, backend):
     lengths = [[[len(datasets[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(datasets))]
     plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
     dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))}
-    steps: dict[int, list[int]] = {}
-    for (a, _j), pos in plan.step_points.items():
-        steps.setdefault(pos, []).append(a)
+    steps = plan.step_adapters()
     cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
     mbs = [pack_microbatch(p, lookup, config=cfg, num_adapters=len(specs), denominators=dens,
-                           step_adapters=tuple(steps.get(i, ())), index=i).to(device)
+                           step_adapters=steps.get(i, ()), index=i).to(device)
            for i, p in enumerate(plan.microbatches) if not p.is_noop]
     for timed_pass in (False, True):  # the first pass compiles every kernel variant, untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device)

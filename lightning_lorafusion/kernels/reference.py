@@ -65,43 +65,6 @@ class LoraModuleWeights:
     b: tuple[torch.Tensor | None, ...]  # per adapter [N, r_a]
 
 
-def lora_delta_reference(
-    x: torch.Tensor, lora: LoraModuleWeights, routing: LoraRouting, dropout_offset: int
-) -> torch.Tensor | None:
-    """The LoRA term alone, ``[M, N]``, or None when no row has an active adapter."""
-    pieces: list[torch.Tensor] = []
-    cursor = 0
-    n_out = None
-    for a_t in lora.b:
-        if a_t is not None:
-            n_out = a_t.shape[0]
-            break
-    if n_out is None:
-        return None
-    any_active = False
-    for start, end, adapter in routing.segments:
-        a, b = lora.a[adapter], lora.b[adapter]
-        if a is None:
-            continue
-        if start > cursor:
-            pieces.append(x.new_zeros(start - cursor, n_out))
-        xs = x[start:end]
-        p = routing.dropout_p[adapter]
-        if p > 0.0:
-            keep = dropout_keep_mask(
-                routing.seeds[adapter], dropout_offset, start, end - start, x.shape[1], p, x.device
-            )
-            xs = xs * keep.to(xs.dtype) / (1.0 - p)
-        pieces.append(routing.scales[adapter] * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t()))
-        cursor = end
-        any_active = True
-    if not any_active:
-        return None
-    if cursor < x.shape[0]:
-        pieces.append(x.new_zeros(x.shape[0] - cursor, n_out))
-    return torch.cat(pieces, dim=0)
-
-
 def lora_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

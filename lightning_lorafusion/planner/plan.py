@@ -67,6 +67,13 @@ class Plan:
                 points[(s.adapter, s.batch)] = i
         return points
 
+    def step_adapters(self) -> dict[int, tuple[int, ...]]:
+        """Microbatch position -> adapters (ascending) whose global batch completes there."""
+        by_position: dict[int, list[int]] = {}
+        for (adapter, _batch), position in self.step_points.items():
+            by_position.setdefault(position, []).append(adapter)
+        return {p: tuple(sorted(a)) for p, a in by_position.items()}
+
     def to_json(self) -> str:
         return json.dumps(
             {

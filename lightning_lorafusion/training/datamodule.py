@@ -247,15 +247,12 @@ class MultiAdapterDataModule(L.LightningDataModule):
         denominators = {
             (a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))
         }
-        step_adapters: dict[int, list[int]] = {}
-        for (a, _j), pos in plan.step_points.items():
-            step_adapters.setdefault(pos, []).append(a)
         return EpochPlan(
             epoch=epoch,
             plan=plan,
             lookup=lookup,
             denominators=denominators,
-            step_adapters={k: tuple(sorted(v)) for k, v in step_adapters.items()},
+            step_adapters=plan.step_adapters(),
         )
 
     def epoch_plan(self, epoch: int) -> EpochPlan:

@@ -140,7 +140,8 @@ class LoRAFusionModule(L.LightningModule):
 
     # ------------------------------------------------------------ functional
     def base_params(self) -> Any:
-        flat = {n[len("base__"):]: b for n, b in self.named_buffers() if n.startswith("base__")}
+        # the base buffers sit on this module itself: no walk over the adapter bank's tree
+        flat = {n[len("base__"):]: b for n, b in self._buffers.items() if n.startswith("base__")}
         for alias, target in self._aliases.items():
             flat[alias] = flat[target]
         return _unflatten_into(self._param_template, flat)
@@ -167,15 +168,6 @@ class LoRAFusionModule(L.LightningModule):
         )
         return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config)
 
-    @staticmethod
-    def microbatch_loss(loss_sums: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-        """Sum over present adapters of (their token-loss sum / their global batch's label
-        tokens): its gradient w.r.t. adapter a's parameters is exactly a's own loss gradient,
-        since adapters' parameters and samples are disjoint."""
-        present = [a for _, _, a in mb.segments]
-        den = mb.loss_denominators[present].to(loss_sums.dtype)
-        return (loss_sums[present] / den).sum()
-
     # ------------------------------------------------------------- Lightning
     def configure_optimizers(self):
         dm = self.trainer.datamodule
@@ -191,15 +183,13 @@ class LoRAFusionModule(L.LightningModule):
     def training_step(self, mb: Microbatch, batch_idx: int) -> None:
         if not isinstance(mb, Microbatch):  # a PipelineWindow under the pipeline strategy
             return self._pipeline_training_step(mb)
+        from ..parallel.stage import adapter_loss
+
         sums = self.loss_sums(mb)
-        loss = self.microbatch_loss(sums, mb)
-        self.manual_backward(loss)
-        per_adapter = (sums.detach().double() / mb.loss_denominators.to(sums.device).double().clamp_min(1)).cpu()
-        present = [a for _, _, a in mb.segments]
-        for a in present:
-            self._gb_loss[a] += per_adapter[a]
-        for ref in mb.samples:
-            self._gb_tokens[ref.adapter] += ref.length
+        # sum over present adapters of (token-loss sum / label tokens of its global batch): the
+        # gradient w.r.t. adapter a is exactly a's own loss gradient (disjoint params, samples)
+        self.manual_backward(adapter_loss(sums, mb.loss_denominators))
+        self._accumulate_losses(sums.detach(), mb)
         for a in mb.step_adapters:
             self._step_adapter(a)
         # Advance the resume point here, not in on_train_batch_end: Lightning runs callback
@@ -311,13 +301,17 @@ class LoRAFusionModule(L.LightningModule):
         is_last = strategy.stage_index == strategy.layout.pipeline_size - 1
         self._step_adapter(adapter, self.adapter_parameters(adapter, self._stage_layers), log_loss=is_last)
 
-    def _on_pipeline_loss_sums(self, pos: int, sums: torch.Tensor) -> None:
-        mb = self._window.microbatch(pos)
-        per_adapter = (sums.double() / mb.loss_denominators.double().clamp_min(1)).cpu()
+    def _accumulate_losses(self, sums: torch.Tensor, mb: Microbatch) -> None:
+        """Add this microbatch's share of each present adapter's global-batch mean loss and its
+        real tokens (logged when the adapter steps)."""
+        per_adapter = (sums.double() / mb.loss_denominators.to(sums.device).double().clamp_min(1)).cpu()
         for _, _, a in mb.segments:
             self._gb_loss[a] += per_adapter[a]
         for ref in mb.samples:
             self._gb_tokens[ref.adapter] += ref.length
+
+    def _on_pipeline_loss_sums(self, pos: int, sums: torch.Tensor) -> None:
+        self._accumulate_losses(sums, self._window.microbatch(pos))
 
     def _pipeline_training_step(self, window) -> None:
         strategy = self._pipeline_strategy()

@@ -109,13 +109,11 @@ def samples_and_plan(num_stages: int, *, replicas: int = 1, num_batches: int = 3
         lookups.append(SampleLookup(datasets, batches))
     denominators = {(a, j): sum(lk.label_tokens(a, j) for lk in lookups)
                     for a in range(n_adapters) for j in range(num_batches)}
-    step_at: dict[int, list[int]] = {}
-    for (a, j), i in plan.step_points.items():
-        step_at.setdefault(i, []).append(a)
+    step_at = plan.step_adapters()
     packing = PackingConfig(capacity=CAPACITY, pad_multiple=PAD_MULTIPLE)
     per_replica = [
         {i: pack_microbatch(mb, lk, config=packing, num_adapters=n_adapters, denominators=denominators,
-                            step_adapters=tuple(sorted(step_at.get(i, []))), index=i)
+                            step_adapters=step_at.get(i, ()), index=i)
          for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
         for lk in lookups
     ]
