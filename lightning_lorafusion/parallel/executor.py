@@ -177,10 +177,11 @@ def run_stage(
         elif isinstance(item, Backward):
             i = item.microbatch
             out = outputs.pop(i)
-            if last:
-                torch.autograd.backward(out)
-            else:
-                torch.autograd.backward(out, grad_tensors=grads_in.pop(i))
+            grad = None if last else grads_in.pop(i)
+            # A data-parallel replica's share of a microbatch can be empty (all padding): on the
+            # first stage its output then has no graph to adapters, and there is nothing to do.
+            if out.requires_grad:
+                torch.autograd.backward(out, grad_tensors=grad)
             if not first:
                 x = inputs.pop(i)
                 grads_out[i] = x.grad if x.grad is not None else torch.zeros_like(x)
