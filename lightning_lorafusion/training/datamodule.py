@@ -20,6 +20,7 @@ from ..data.microbatch import IGNORE_INDEX, Microbatch
 from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
 from ..planner.plan import Plan, padded_length
 from ..specs import AdapterSpec, ConfigError
+from .capacity import DEFAULT_CANDIDATES
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
     """Streams packed multi-adapter microbatches; adapters and tokenizer come from the module.
 
     Args:
-        capacity: tokens per microbatch (the fixed tensor length).
+        capacity: tokens per microbatch (the fixed tensor length), or ``"auto"``: profile
+            ``capacity_candidates`` on the training device when fit starts and take the one
+            with the most real tokens per second that fits in memory
+            (``lightning_lorafusion.training.capacity``).
+        capacity_candidates: capacities ``"auto"`` tries (default 1024 ... 16384); those below
+            the longest (padded) sample are skipped.
+        capacity_memory_fraction: ``"auto"`` rejects capacities whose measured peak memory
+            exceeds this fraction of the device's memory (CUDA).
         pad_multiple: each adapter's segment is padded to this multiple (the kernel block M).
         planner: "greedy" or "milp".
         planner_time_limit: wall-clock safety limit (s) per MILP solve (the MILP result is used
@@ -79,7 +87,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def __init__(
         self,
         *,
-        capacity: int = 1024,
+        capacity: int | str = 1024,
+        capacity_candidates: list[int] | None = None,
+        capacity_memory_fraction: float = 0.9,
         pad_multiple: int = 16,
         planner: str = "greedy",
         planner_time_limit: float = 5.0,
@@ -93,7 +103,22 @@ class MultiAdapterDataModule(L.LightningDataModule):
         super().__init__()
         if planner not in ("greedy", "milp"):
             raise ConfigError(f"data.planner={planner!r}; allowed: 'greedy', 'milp'")
-        self.packing = PackingConfig(capacity=capacity, pad_multiple=pad_multiple)
+        if isinstance(capacity, str) and capacity != "auto":
+            raise ConfigError(f"data.capacity={capacity!r}; give a number of tokens or 'auto'")
+        self.capacity_pending = capacity == "auto"
+        self.capacity_candidates = sorted(set(capacity_candidates or DEFAULT_CANDIDATES))
+        if self.capacity_pending and any(c % pad_multiple for c in self.capacity_candidates):
+            raise ConfigError(
+                f"data.capacity_candidates={self.capacity_candidates} must be multiples of "
+                f"data.pad_multiple={pad_multiple}"
+            )
+        if not 0 < capacity_memory_fraction <= 1:
+            raise ConfigError(f"data.capacity_memory_fraction={capacity_memory_fraction} must be in (0, 1]")
+        self.capacity_memory_fraction = capacity_memory_fraction
+        self._restored_capacity: int | None = None
+        # until "auto" is resolved, the largest candidate bounds sample lengths
+        initial = max(self.capacity_candidates) if self.capacity_pending else int(capacity)
+        self.packing = PackingConfig(capacity=initial, pad_multiple=pad_multiple)
         self.planner = planner
         self.planner_time_limit = planner_time_limit
         self.planner_window = planner_window
@@ -130,6 +155,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         strategy = self.trainer.strategy
         if not isinstance(strategy, MultiAdapterPipelineStrategy):
             return
+        if self.capacity_pending:
+            raise ConfigError(
+                "data.capacity=auto is not supported with the pipeline strategy (the profiler "
+                "times the whole model on one device); set data.capacity"
+            )
         layout = strategy.layout
         if layout.data_parallel_size > 1:
             raise ConfigError(
@@ -166,7 +196,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
             self.datasets.append(samples)
-            self._check_lengths(spec, samples)
+            if not self.capacity_pending:
+                self._check_lengths(spec, samples)
             tokens = [len(s.input_ids) for s in samples]
             log.info(
                 "adapter %s: %d samples, mean %.0f tokens (max %d), %d global batches per epoch",
@@ -212,40 +243,45 @@ class MultiAdapterDataModule(L.LightningDataModule):
             batches = batches[: max(0, spec.max_steps - done)]
         return batches
 
-    def plan_epoch(self, epoch: int) -> EpochPlan:
-        """Plan every adapter's global batches of ``epoch`` (or reuse the checkpointed plan)."""
+    def _lookup_and_lengths(self, epoch: int):
+        batches = [self.global_batches(a, epoch) for a in range(len(self.specs))]
+        lengths = [
+            [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
+            for a in range(len(self.specs))
+        ]
+        return SampleLookup(self.datasets, batches), lengths
+
+    def _plan(self, epoch: int, lengths, capacity: int, method: str) -> Plan:
         from ..planner import PlannerConfig, join_plans, plan_stream
 
-        batches = [self.global_batches(a, epoch) for a in range(len(self.specs))]
-        lookup = SampleLookup(self.datasets, batches)
+        config = PlannerConfig(
+            capacity=capacity,
+            pad_multiple=self.packing.pad_multiple,
+            num_stages=self.num_stages,
+            method=method,
+            time_limit=self.planner_time_limit,
+            seed=self.seed + epoch,
+        )
+        windows = plan_stream(lengths, config, window=self.planner_window, workers=self.planner_workers)
+        return join_plans([wp.plan for wp in windows])
+
+    def plan_epoch(self, epoch: int) -> EpochPlan:
+        """Plan every adapter's global batches of ``epoch`` (or reuse the checkpointed plan)."""
+        if self.capacity_pending:
+            raise RuntimeError("data.capacity=auto is resolved when fit starts (resolve_capacity)")
+        lookup, lengths = self._lookup_and_lengths(epoch)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
         else:
-            lengths = [
-                [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
-                for a in range(len(self.specs))
-            ]
-            config = PlannerConfig(
-                capacity=self.packing.capacity,
-                pad_multiple=self.packing.pad_multiple,
-                num_stages=self.num_stages,
-                method=self.planner,
-                time_limit=self.planner_time_limit,
-                seed=self.seed + epoch,
-            )
-            windows = plan_stream(
-                lengths, config, window=self.planner_window, workers=self.planner_workers
-            )
-            plan = join_plans([wp.plan for wp in windows])
-            fill = sum(mb.real_tokens() for mb in plan.microbatches) / max(
-                1, len(plan.microbatches) * self.packing.capacity
-            )
+            plan = self._plan(epoch, lengths, self.packing.capacity, self.planner)
             log.info(
                 "epoch %d planned (%s): %d microbatches of %d tokens, fill %.1f%%",
-                epoch, self.planner, len(plan.microbatches), self.packing.capacity, 100 * fill,
+                epoch, self.planner, len(plan.microbatches), self.packing.capacity,
+                100 * plan_fill(plan, self.packing.capacity),
             )
         denominators = {
-            (a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))
+            (a, j): lookup.label_tokens(a, j)
+            for a in range(len(lengths)) for j in range(len(lengths[a]))
         }
         return EpochPlan(
             epoch=epoch,
@@ -254,6 +290,87 @@ class MultiAdapterDataModule(L.LightningDataModule):
             denominators=denominators,
             step_adapters=plan.step_adapters(),
         )
+
+    # -------------------------------------------------------- capacity: auto
+    def resolve_capacity(self, module: Any) -> int:
+        """Fix ``capacity: auto`` (called by the LightningModule when fit starts, on the
+        training device): reuse a checkpoint's capacity, else profile the candidates."""
+        if not self.capacity_pending:
+            return self.packing.capacity
+        if self._restored_capacity is not None:
+            chosen = self._restored_capacity
+            log.info("data.capacity=auto: %d tokens, from the checkpoint", chosen)
+        else:
+            chosen = self._profile_capacity(module)
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        if strategy is not None and getattr(strategy, "world_size", 1) > 1:
+            chosen = int(strategy.broadcast(chosen, src=0))  # every replica plans the same shape
+        self.packing = PackingConfig(
+            capacity=chosen, pad_multiple=self.packing.pad_multiple, pad_token_id=self.packing.pad_token_id
+        )
+        self.capacity_pending = False
+        for spec, samples in zip(self.specs, self.datasets):
+            self._check_lengths(spec, samples)
+        return chosen
+
+    def _profile_capacity(self, module: Any, probe_microbatches: int = 2) -> int:
+        from ..parallel.stage import adapter_loss
+        from .capacity import choose_capacity, device_memory_limit, format_probes, probe_capacities
+
+        pad = self.packing.pad_multiple
+        longest = max(padded_length(len(s.input_ids), pad) for d in self.datasets for s in d)
+        candidates = [c for c in self.capacity_candidates if c >= longest]
+        if not candidates:
+            raise ConfigError(
+                f"data.capacity=auto: every candidate in {self.capacity_candidates} is below the "
+                f"longest sample ({longest} tokens after padding); add larger "
+                "data.capacity_candidates or set data.max_length"
+            )
+        lookup, lengths = self._lookup_and_lengths(0)
+        denominators = {
+            (a, j): lookup.label_tokens(a, j) for a in range(len(lengths)) for j in range(len(lengths[a]))
+        }
+        device = module.device
+
+        def prepare(capacity: int):
+            plan = self._plan(0, lengths, capacity, "greedy")
+            config = PackingConfig(capacity=capacity, pad_multiple=pad, pad_token_id=self.packing.pad_token_id)
+            real = [(mb.real_tokens(), pos) for pos, mb in enumerate(plan.microbatches) if not mb.is_noop]
+            fullest = sorted(real, key=lambda t: (-t[0], t[1]))[:probe_microbatches]
+            mbs = [
+                pack_microbatch(
+                    plan.microbatches[pos], lookup, config=config, num_adapters=len(self.specs),
+                    denominators=denominators, step_adapters=(), index=pos,
+                ).to(device)
+                for _, pos in fullest
+            ]
+            return plan_fill(plan, capacity), mbs
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        precision = self.trainer.precision_plugin if self.trainer is not None else None
+
+        def step(mb: Microbatch) -> None:
+            if precision is not None:
+                with precision.forward_context():
+                    loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
+            else:
+                loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
+            loss.backward()
+            for p in params:
+                p.grad = None
+
+        probes = probe_capacities(
+            candidates, prepare, step, device,
+            memory_limit=device_memory_limit(device, self.capacity_memory_fraction),
+        )
+        chosen = choose_capacity(probes)
+        log.info(
+            "data.capacity=auto on %s (%s):\n%s", device,
+            "by speed; memory not measured off CUDA" if device.type != "cuda" else
+            f"memory limit {100 * self.capacity_memory_fraction:.0f}% of the device",
+            format_probes(probes, chosen),
+        )
+        return chosen.capacity
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
         if self._epoch_plan is None or self._epoch_plan.epoch != epoch:
@@ -308,7 +425,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.position = pos + 1
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
+        state: dict[str, Any] = {
+            "epoch": self.epoch, "position": self.position, "capacity": self.packing.capacity,
+        }
         if self._epoch_plan is not None and self._epoch_plan.epoch == self.epoch:
             # The plan itself, so a resumed run never depends on re-planning identically.
             state["plan"] = self._epoch_plan.plan.to_json()
@@ -317,8 +436,16 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        if "capacity" in state:
+            self._restored_capacity = int(state["capacity"])
         if "plan" in state:
             self._restored_plan = (self.epoch, Plan.from_json(state["plan"]))
+
+
+def plan_fill(plan: Plan, capacity: int) -> float:
+    """Real tokens over the slots of the plan's microbatches (no-op slots count as empty)."""
+    real = sum(mb.real_tokens() for mb in plan.microbatches)
+    return real / max(1, len(plan.microbatches) * capacity)
 
 
 class _MicrobatchLoader:

@@ -366,6 +366,12 @@ class LoRAFusionModule(L.LightningModule):
         self.steps_taken = list(state["steps_taken"])
         self._nonfinite_streak = list(state["nonfinite_streak"])
 
+    def on_fit_start(self) -> None:
+        # data.capacity=auto is profiled here: the model is on its device, no loader exists yet
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None and getattr(dm, "capacity_pending", False):
+            dm.resolve_capacity(self)
+
     def on_train_start(self) -> None:
         grads = getattr(self, "_restored_grads", None)
         if grads:
