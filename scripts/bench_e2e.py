@@ -186,8 +186,24 @@ def run_ours(args, hf_config, model, data, device, dtype, backend):
            for i, p in enumerate(plan.microbatches) if not p.is_noop]
     for timed_pass in (False, True):  # the first pass compiles every kernel variant, untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device)
+    if args.profile and device.type == "cuda":
+        _profile(args, backend, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device))
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     return tokens / elapsed, elapsed, tokens, fill, len(mbs)
+
+
+def _profile(args, label, fn) -> None:
+    """Kernel time table (torch.profiler) of ``fn``: where a step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    print(f"--- profile: {label}, 4 microbatches ---\n" + "\n".join(table.splitlines()[:25]), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"profile_{args.workload}_{label}.txt"), "w") as f:
+            f.write(table)
 
 
 def _ours_pass(mbs, bank, opts, params, config, backend, device):
@@ -223,6 +239,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
+    ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)

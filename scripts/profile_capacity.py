@@ -1,0 +1,121 @@
+"""Token-capacity profile of our training step on one device (what ``data.capacity: auto`` does
+inside ``fit``, here on bench_e2e's random-weight shapes and synthetic workloads).
+
+For each candidate capacity C: plan the workload's samples into C-token microbatches (greedy),
+time forward + backward of the two fullest packed microbatches after a warm-up call, record
+peak memory, and report real tokens/s = fill x C / time. The choice rule is
+``lightning_lorafusion.training.capacity.choose_capacity``.
+
+    PYTHONPATH=. python scripts/profile_capacity.py --shape llama8b --layers 32 --workload xsum \
+        --candidates 2048,4096,8192,16384 --out $OUT
+    PYTHONPATH=. python scripts/profile_capacity.py --shape tiny --layers 2 --device cpu \
+        --backend torch --candidates 2048,4096           # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_e2e import DISTRIBUTIONS, SHAPES, _Sample, build_model, workload  # noqa: E402
+
+from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
+from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
+from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
+from lightning_lorafusion.model.decoder import forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
+from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
+from lightning_lorafusion.specs import AdapterSpec  # noqa: E402
+from lightning_lorafusion.training.capacity import (  # noqa: E402
+    choose_capacity,
+    device_memory_limit,
+    format_probes,
+    probe_capacities,
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--workload", default="xsum", choices=sorted(DISTRIBUTIONS))
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--candidates", default="2048,4096,8192,16384")
+    ap.add_argument("--pad-multiple", type=int, default=128)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--backend", default="triton", choices=["torch", "triton"])
+    ap.add_argument("--memory-fraction", type=float, default=0.9)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_config, model = build_model(args, device, dtype)
+    data = workload(args, hf_config.vocab_size)
+    config, params = params_from_hf_model(model)
+    specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
+                         global_batch_size=args.global_batch, dataset={"kind": "synthetic"}) for i in range(len(data))]
+    bank = AdapterBank(specs, config, dtype=dtype, device=device)
+    datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]
+    batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
+               for d in datasets]
+    lookup = SampleLookup(datasets, batches)
+    lengths = [[[len(datasets[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(datasets))]
+    dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))}
+
+    def prepare(capacity: int):
+        plan = plan_microbatches(lengths, capacity=capacity, pad_multiple=args.pad_multiple, method="greedy")
+        fill = sum(p.real_tokens() for p in plan.microbatches) / (len(plan.microbatches) * capacity)
+        real = sorted(((p.real_tokens(), i) for i, p in enumerate(plan.microbatches) if not p.is_noop),
+                      key=lambda t: (-t[0], t[1]))[:2]
+        cfg = PackingConfig(capacity=capacity, pad_multiple=args.pad_multiple)
+        mbs = [pack_microbatch(plan.microbatches[i], lookup, config=cfg, num_adapters=len(specs),
+                               denominators=dens, step_adapters=(), index=i).to(device) for _, i in real]
+        return fill, mbs
+
+    lora = list(bank.parameters())
+
+    def step(mb) -> None:
+        routing = bank.routing(mb.segments, mb.index, mb.capacity)
+        sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=config, backend=args.backend)
+        adapter_loss(sums, mb.loss_denominators).backward()
+        for p in lora:
+            p.grad = None
+
+    longest = max(-(-len(s.input_ids) // args.pad_multiple) * args.pad_multiple for d in datasets for s in d)
+    candidates = [int(c) for c in args.candidates.split(",") if int(c) >= longest]
+    if not candidates:
+        raise SystemExit(f"every candidate is below the longest padded sample ({longest} tokens)")
+    probes = probe_capacities(candidates, prepare, step, device,
+                              memory_limit=device_memory_limit(device, args.memory_fraction))
+    chosen = choose_capacity(probes)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
+          f"workload={args.workload} backend={args.backend}; memory limit {args.memory_fraction:.0%}")
+    print(format_probes(probes, chosen))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        rows = [{"capacity": p.capacity, "fill": round(p.fill, 4), "seconds": p.seconds,
+                 "real_tokens_per_s": round(p.real_tokens_per_s, 1),
+                 "peak_gib": None if p.peak_bytes is None else round(p.peak_bytes / 2**30, 2),
+                 "rejected": p.rejected} for p in probes]
+        path = os.path.join(args.out, f"capacity_{args.shape}_{args.layers}l_{args.workload}.json")
+        with open(path, "w") as f:
+            json.dump({"device": name, "args": vars(args), "chosen": chosen.capacity, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
