@@ -35,6 +35,9 @@ class PlannerConfig:
     - ``solver``: "auto" (HiGHS when highspy is installed, else CBC), "highs" or "cbc".
     - ``grouping``: stagger adapters into head-tail groups (False: one group of all).
     - ``merge``: pull samples of later global batches into underfilled microbatches.
+    - ``knapsack``: also build the window microbatch by microbatch with exact padded
+      knapsacks (``knapsack.pack_in_order``, one trial per feasible grouping) and keep that
+      plan when it is shorter than the wave packers' (greedy / MILP + merge).
     - ``seed``: passed to the MILP solver; planning is deterministic for a given seed.
     """
 
@@ -48,6 +51,7 @@ class PlannerConfig:
     solver: str = "auto"
     grouping: bool = True
     merge: bool = True
+    knapsack: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""plan_microbatches: group adapters, pack each wave (greedy or MILP), merge, verify, fix."""
+"""plan_microbatches: group adapters, pack each wave (greedy or MILP) or the whole window in
+order (knapsack), merge, keep the shortest plan, verify, fix."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Sequence
 
 from .config import Lengths, PlannerConfig, validate_lengths
 from .greedy import bin_count_lower_bound, emptiest_last, pack_first_fit_decreasing, padded_load
-from .grouping import Groups, group_adapters
+from .grouping import Groups, feasible_groupings, group_adapters
+from .knapsack import pack_in_order
 from .merge import merge_across_batches
 from .plan import Plan, PlannedMicrobatch, SampleRef
 from .verify import check_plan, fix_plan
@@ -43,7 +45,9 @@ class PlanReport:
     noops: int
     seconds: float
     greedy_microbatches: int  # the all-greedy plan's length (incl. no-ops), for comparison
-    used: str  # "greedy" or "milp": the plan-level winner (MILP wins ties)
+    used: str  # "greedy", "milp" or "knapsack": the plan-level winner (ties: in that order, MILP first)
+    knapsack_microbatches: int | None = None  # the best knapsack plan's length; None if not tried
+    knapsack_groups: Groups | None = None  # the grouping of that knapsack plan
 
 
 def pack_wave(
@@ -91,7 +95,11 @@ def pack_wave(
 
 
 def assemble_plan(bins: list[list[SampleRef]], config: PlannerConfig) -> tuple[Plan, int]:
-    """Merge (if configured) and fix the concatenated wave bins; also the count after merge."""
+    """Merge (if configured) and fix the concatenated wave bins; also the count after merge.
+
+    Empty bins are dropped first: ``fix_plan`` re-inserts exactly the no-ops the lemma needs.
+    """
+    bins = [b for b in bins if b]
     if config.merge:
         bins = merge_across_batches(
             bins, capacity=config.capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages
@@ -161,6 +169,19 @@ def plan_window(
         greedy_count = len(greedy_plan.microbatches)
         if greedy_count < len(plan.microbatches):
             plan, after, used = greedy_plan, greedy_after, "greedy"
+    knapsack_count, knapsack_groups = None, None
+    if config.knapsack:
+        # One in-order knapsack trial per feasible grouping (each a pure function of the
+        # window), kept only when strictly shorter: both methods see the same candidates, so
+        # the MILP plan is still never longer than the greedy one.
+        for trial_groups in feasible_groupings(lengths, config):
+            waves_in_order = [w[2] for w in _waves(lengths, trial_groups, offsets)]
+            trial_bins = pack_in_order(waves_in_order, config.capacity, config.pad_multiple, config.num_stages)
+            trial, trial_after = assemble_plan(trial_bins, config)
+            if knapsack_count is None or len(trial.microbatches) < knapsack_count:
+                knapsack_count, knapsack_groups = len(trial.microbatches), trial_groups
+            if len(trial.microbatches) < len(plan.microbatches):
+                plan, after, used = trial, trial_after, "knapsack"
     check_plan(plan, lengths, batch_offsets=offsets)
     report = PlanReport(
         groups=groups,
@@ -171,6 +192,8 @@ def plan_window(
         seconds=time.perf_counter() - t0,
         greedy_microbatches=greedy_count,
         used=used,
+        knapsack_microbatches=knapsack_count,
+        knapsack_groups=knapsack_groups,
     )
     return plan, report
 
@@ -189,6 +212,7 @@ def plan_microbatches(
     solver: str = "auto",
     grouping: bool = True,
     merge: bool = True,
+    knapsack: bool = True,
     batch_offsets: Sequence[int] | None = None,
     window: int | None = None,
     workers: int = 0,
@@ -216,6 +240,7 @@ def plan_microbatches(
         solver=solver,
         grouping=grouping,
         merge=merge,
+        knapsack=knapsack,
         seed=seed,
     )
     if window is None:

@@ -46,12 +46,14 @@ def test_greedy_plans_cover_fit_and_keep_the_lemma(work, stages, grouping, merge
 def test_milp_never_more_microbatches_than_greedy_and_deterministic(work, stages):
     lengths, capacity, pad = work
     common = dict(capacity=capacity, pad_multiple=pad, num_stages=stages)
-    greedy = plan_microbatches(lengths, **common)
+    greedy = plan_microbatches(lengths, **common)  # greedy + merge, or the knapsack plan if shorter
     cfg = PlannerConfig(method="milp", time_limit=10.0, max_nodes=50, **common)
     milp, report = plan_window(lengths, cfg)
     assert verify_plan(milp, lengths) == []
     assert len(milp.microbatches) <= len(greedy.microbatches)
-    assert report.greedy_microbatches == len(greedy.microbatches)
+    waves_only = plan_microbatches(lengths, knapsack=False, **common)
+    assert report.greedy_microbatches == len(waves_only.microbatches)
+    assert len(greedy.microbatches) <= len(waves_only.microbatches)
     for wave in report.waves:
         assert wave.bins <= wave.greedy_bins
         assert wave.lower_bound <= wave.bins
