@@ -111,6 +111,14 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     def data_parallel_group(self):
         return self._dp_groups[self.stage_index]
 
+    def sum_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over the data-parallel replicas of this rank's stage (e.g. a
+        replica's share of an adapter's global-batch loss, for logging); collective over them."""
+        group = self.data_parallel_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every stage of a replica must see the same data; replicas see different shards

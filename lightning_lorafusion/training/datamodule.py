@@ -126,6 +126,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.num_stages = num_stages
         self._restored_plan: tuple[int, Plan] | None = None
         self.pipeline = False  # set when the trainer runs MultiAdapterPipelineStrategy
+        # Under data parallelism (that strategy with several replicas) every replica streams its
+        # own share of each global batch, through one plan shape (parallel.replica_shards).
+        self.data_parallel_size = 1
+        self.replica = 0
         self.max_length = max_length
         self.prefetch = prefetch
         self.seed = seed
@@ -161,14 +165,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 "times the whole model on one device); set data.capacity"
             )
         layout = strategy.layout
-        if layout.data_parallel_size > 1:
-            raise ConfigError(
-                f"data_parallel_size={layout.data_parallel_size} with the pipeline strategy: the "
-                "library's executor supports PP x DP (lightning_lorafusion.parallel), but this "
-                "data module does not yet shard global batches across replicas; run with "
-                "devices x num_nodes == pipeline_size"
-            )
         self.num_stages = layout.pipeline_size
+        self.data_parallel_size = layout.data_parallel_size
+        self.replica = strategy.replica
         self.pipeline = True
 
     def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:
@@ -270,6 +269,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if self.capacity_pending:
             raise RuntimeError("data.capacity=auto is resolved when fit starts (resolve_capacity)")
         lookup, lengths = self._lookup_and_lengths(epoch)
+        # loss denominators count each adapter's whole global batch, over all replicas
+        denominators = {
+            (a, j): lookup.label_tokens(a, j)
+            for a in range(len(lengths)) for j in range(len(lengths[a]))
+        }
+        if self.data_parallel_size > 1:
+            lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
         else:
@@ -279,10 +285,6 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 epoch, self.planner, len(plan.microbatches), self.packing.capacity,
                 100 * plan_fill(plan, self.packing.capacity),
             )
-        denominators = {
-            (a, j): lookup.label_tokens(a, j)
-            for a in range(len(lengths)) for j in range(len(lengths[a]))
-        }
         return EpochPlan(
             epoch=epoch,
             plan=plan,
@@ -290,6 +292,25 @@ class MultiAdapterDataModule(L.LightningDataModule):
             denominators=denominators,
             step_adapters=plan.step_adapters(),
         )
+
+    def _replica_shards(self, lookup: SampleLookup, lengths) -> tuple[SampleLookup, list]:
+        """This replica's share of every global batch, and the slot lengths to plan (replica
+        0's, which bound every replica's sample in the same slot): one plan shape for all
+        replicas, so they step adapters in the same order (``parallel.replica_shards``)."""
+        from ..parallel.replica_shards import split_global_batch
+
+        dp = self.data_parallel_size
+        shards = [[split_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
+                  for a in range(len(lengths))]
+        mine = [[s[self.replica] for s in per_adapter] for per_adapter in shards]
+        slots = [[[len(self.datasets[a][i].input_ids) for i in s[0]] for s in shards[a]]
+                 for a in range(len(lengths))]
+        real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
+        planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
+        log.info("data parallel x%d: replica %d of each global batch; slots padded to the longest "
+                 "sample dealt with them keep %.1f%% of the planned tokens real", dp, self.replica,
+                 100 * real / max(1, planned))
+        return SampleLookup(self.datasets, mine), slots
 
     # -------------------------------------------------------- capacity: auto
     def resolve_capacity(self, module: Any) -> int:
@@ -380,8 +401,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def pack_position(self, epoch: int, pos: int) -> Microbatch:
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
         ep = self.epoch_plan(epoch)
+        planned = ep.plan.microbatches[pos]
+        if self.data_parallel_size > 1:  # the shape plan's slots, filled with this replica's samples
+            from ..parallel.replica_shards import replica_microbatch
+
+            planned = replica_microbatch(planned, ep.lookup)
         return pack_microbatch(
-            ep.plan.microbatches[pos],
+            planned,
             ep.lookup,
             config=self.packing,
             num_adapters=len(self.specs),
@@ -391,7 +417,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
         )
 
     def iter_windows(self, epoch: int, start: int = 0) -> Iterator[PipelineWindow]:
-        """Pipeline mode: the whole epoch is one window (the pipeline drains once per epoch)."""
+        """Pipeline mode: the whole epoch is one window, so the pipeline drains once per epoch.
+
+        An epoch is where Lightning checkpoints and runs epoch-end hooks, and a checkpoint must
+        find no microbatch in flight and no global batch half done on any stage; a stream across
+        epochs would need both. The drain costs one warm-up and cool-down per epoch (about 0.3-2%
+        with 16 global batches per adapter, docs/parallel.md).
+        """
         if start == 0:
             ep = self.epoch_plan(epoch)
             yield PipelineWindow(epoch, ep.plan, lambda pos: self.pack_position(epoch, pos))

@@ -262,6 +262,10 @@ class LoRAFusionModule(L.LightningModule):
         return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
 
     def setup(self, stage: str) -> None:
+        # Spawned processes receive this module through torch.multiprocessing, which moves plain
+        # tensor attributes to shared memory: each process needs its own loss accumulators.
+        self._gb_loss = self._gb_loss.clone()
+        self._gb_tokens = self._gb_tokens.clone()
         strategy = self._pipeline_strategy()
         if strategy is not None:  # keep only this stage's frozen weights (before device move)
             last = strategy.stage_index == strategy.layout.pipeline_size - 1
@@ -299,6 +303,13 @@ class LoRAFusionModule(L.LightningModule):
     def step_adapter(self, adapter: int, batch: int) -> None:
         strategy = self._pipeline_strategy()
         is_last = strategy.stage_index == strategy.layout.pipeline_size - 1
+        if is_last and strategy.layout.data_parallel_size > 1:
+            # each replica holds its share of the global batch's loss and tokens: log the whole
+            stats = torch.tensor([float(self._gb_loss[adapter]), float(self._gb_tokens[adapter])],
+                                 dtype=torch.float64, device=strategy.root_device)
+            strategy.sum_over_replicas(stats)
+            self._gb_loss[adapter] = float(stats[0])
+            self._gb_tokens[adapter] = int(stats[1])
         self._step_adapter(adapter, self.adapter_parameters(adapter, self._stage_layers), log_loss=is_last)
 
     def _accumulate_losses(self, sums: torch.Tensor, mb: Microbatch) -> None:

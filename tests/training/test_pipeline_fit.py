@@ -1,13 +1,12 @@
 """`fit` under MultiAdapterPipelineStrategy (2 stages, gloo, spawned processes) trains every
-adapter to the same weights as the one-process run, and exports whole PEFT adapters."""
+adapter to the same weights as the one-process run, and exports whole PEFT adapters (data-parallel
+replicas: test_dp_fit.py)."""
 
 import lightning as L
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from lightning_lorafusion.parallel.strategy import MultiAdapterPipelineStrategy
-from lightning_lorafusion.specs import ConfigError
 from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
 from lightning_lorafusion.training.module import LoRAFusionModule
 from test_equivalence import fit_joint, tiny_specs
@@ -44,21 +43,6 @@ def test_two_stage_pipeline_fit_matches_one_process(tiny_model_dir, tmp_path):
             # The 2-stage plan packs differently (bubble-lemma spacing), so gradients are summed
             # in another order; after 8+ AdamW steps fp32 rounding reaches ~1e-6 absolute.
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m, k=key, n=spec.name: f"{n}: {k}\n{m}")
-
-
-def test_pipeline_with_data_parallel_replicas_is_refused_clearly(tiny_model_dir, tmp_path):
-    dm = MultiAdapterDataModule(capacity=128)
-
-    class _Layout:
-        pipeline_size, data_parallel_size = 2, 2
-
-    class _Trainer:
-        strategy = MultiAdapterPipelineStrategy(pipeline_size=2)
-
-    _Trainer.strategy.layout = _Layout()
-    dm.trainer = _Trainer()
-    with pytest.raises(ConfigError, match="does not yet shard global batches"):
-        dm._adopt_pipeline_layout()
 
 
 def test_pipeline_fit_resumes_from_epoch_checkpoint(tiny_model_dir, tmp_path):
