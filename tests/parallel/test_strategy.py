@@ -1,12 +1,11 @@
-"""MultiAdapterPipelineStrategy under a real Lightning Trainer: launch, layout, training."""
+"""MultiAdapterPipelineStrategy under a real Lightning Trainer: launch, layout, training (the
+simulated two-node PP=2 x DP=2 launch runs `fit`: tests/training/test_dp_fit.py)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -53,38 +52,3 @@ def test_strategy_refuses_bad_sizes():
         MultiAdapterPipelineStrategy(pipeline_size=0)
     with pytest.raises(ValueError, match="data_parallel_size"):
         MultiAdapterPipelineStrategy(pipeline_size=2, data_parallel_size=0)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_nodes_of_two_processes_through_lightning_environment_variables():
-    """2 nodes x 2 processes on localhost = PP=2 x DP=2, launched the Lightning way."""
-    script = os.path.join(os.path.dirname(__file__), "two_node_launch.py")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("PYTEST", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "SLURM", "GROUP_RANK"))}
-        nodes = [
-            subprocess.Popen(
-                [sys.executable, script, tmp],
-                env={**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(n)},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            for n in range(2)
-        ]
-        logs = [p.communicate(timeout=600)[0] for p in nodes]
-        assert all(p.returncode == 0 for p in nodes), "\n".join(logs)
-        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(4)]
-    plan, per_replica = case.samples_and_plan(2, replicas=2)
-    reference = case.reference_training(plan, per_replica).state_dict()
-    assert [r["stage"] for r in results] == [0, 1, 0, 1]
-    for r in results:
-        for key in reference:
-            if int(key.split(".")[2]) in r["layers"]:
-                torch.testing.assert_close(r["state"][key], reference[key], rtol=1e-5, atol=1e-6, msg=key)

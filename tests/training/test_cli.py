@@ -75,7 +75,7 @@ def test_bad_config_fails_before_training(tiny_model_dir, tmp_path, override, me
     assert not (tmp_path / "run" / "adapters").exists()
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "gpu_1x.yaml", "gpu_pp2.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "gpu_1x.yaml", "gpu_pp2.yaml", "gpu_dp2.yaml"])
 def test_every_shipped_config_parses(tmp_path, name):
     out = run_cli(["fit", "--config", os.path.join(REPO, "configs", name), "--print_config"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
