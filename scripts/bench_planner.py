@@ -2,8 +2,9 @@
 
 For every workload (4 adapters), capacity and pipeline depth S it plans the same global
 batches with: naive (each adapter alone, samples packed in arrival order, no padding
-sharing), greedy (FFD per wave, no merge), MILP (two-stage MILP per wave, no merge) and
-MILP+merge (the default pipeline), and reports microbatch count, fill ratio (real tokens /
+sharing), greedy (FFD per wave, no merge), greedy+merge, MILP (two-stage MILP per wave, no
+merge), MILP+merge (the wave packers alone, ``knapsack=False``) and the full planner (MILP+merge
+or the in-order knapsack plan, whichever is shorter: the default), and reports microbatch count, fill ratio (real tokens /
 (microbatches x capacity), no-op slots included), planning time per global batch (one
 round: one batch of every adapter), the share of waves where the MILP packing was kept, and
 the GPU time of one round at ``--gpu-tokens-per-s``. It can also compare CBC and HiGHS and
@@ -56,12 +57,15 @@ def run_case(lengths, *, capacity, pad, stages, solver, time_limit, max_nodes):
         "naive_fill": real / (naive * capacity),
         # No plan can use fewer microbatches than the real tokens need (padding ignored).
         "bound_mbs": -(-real // capacity),
+        # The most microbatches a plan may have and still be >= 97% full.
+        "max_mbs_97": int(real // (0.97 * capacity)),
     }
     variants = {
-        "greedy": dict(method="greedy", merge=False),
-        "greedy_merge": dict(method="greedy", merge=True),
-        "milp": dict(method="milp", merge=False),
-        "milp_merge": dict(method="milp", merge=True),
+        "greedy": dict(method="greedy", merge=False, knapsack=False),
+        "greedy_merge": dict(method="greedy", merge=True, knapsack=False),
+        "milp": dict(method="milp", merge=False, knapsack=False),
+        "milp_merge": dict(method="milp", merge=True, knapsack=False),
+        "planner": dict(method="milp", merge=True, knapsack=True),
     }
     plans = {}
     for name, kw in variants.items():
@@ -83,6 +87,7 @@ def run_case(lengths, *, capacity, pad, stages, solver, time_limit, max_nodes):
             row[f"{name}_wave_wins"] = sum(w.method == "milp" for w in report.waves)
             row[f"{name}_waves"] = len(report.waves)
             row[f"{name}_used"] = report.used
+            row[f"{name}_knapsack_mbs"] = report.knapsack_microbatches
             row[f"{name}_proven"] = sum(
                 w.stage2_status in ("OPTIMAL", "skipped") and w.stage1_status in ("OPTIMAL", "skipped")
                 for w in report.waves
@@ -99,7 +104,7 @@ def draw(workload, plans, capacity, stages, out_dir):
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 6), sharey=True)
     colors = plt.get_cmap("tab10")
-    for ax, name, title in zip(axes, ("greedy", "milp_merge"), ("greedy (FFD per wave)", "MILP + cross-batch merge")):
+    for ax, name, title in zip(axes, ("greedy", "planner"), ("greedy (FFD per wave)", "planner (default)")):
         plan = plans[name]
         for i, mb in enumerate(plan.microbatches):
             bottom = 0.0
@@ -154,10 +159,10 @@ def main() -> None:
     rows = []
     print(f"# bench_planner {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or platform.machine()}")
     print(
-        "| workload | C | S | solver | bound | naive | greedy | greedy+merge | MILP | MILP+merge | noops | "
-        "fill naive/greedy/MILP+merge | s/round greedy | s/round MILP+merge | GPU s/round | MILP wave wins |"
+        "| workload | C | S | solver | bound | max for 97% | naive | greedy | greedy+merge | MILP | MILP+merge | knapsack | "
+        "planner | used | noops | fill naive/greedy/MILP+merge/planner | s/round greedy | s/round planner | GPU s/round | MILP wave wins |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 20)
     for workload in args.workloads:
         for capacity in args.capacities:
             lengths = workload_lengths(
@@ -175,11 +180,13 @@ def main() -> None:
                     row["gpu_s_per_round"] = gpu
                     rows.append(row)
                     print(
-                        f"| {workload} | {capacity} | {stages} | {solver} | {row['bound_mbs']} | {row['naive_mbs']} | {row['greedy_mbs']} | "
+                        f"| {workload} | {capacity} | {stages} | {solver} | {row['bound_mbs']} | {row['max_mbs_97']} | "
+                        f"{row['naive_mbs']} | {row['greedy_mbs']} | "
                         f"{row['greedy_merge_mbs']} | {row['milp_mbs']} | {row['milp_merge_mbs']} | "
-                        f"{row['milp_merge_noops']} | {row['naive_fill']:.1%} / {row['greedy_fill']:.1%} / "
-                        f"{row['milp_merge_fill']:.1%} | {row['greedy_s_per_round']:.3f} | "
-                        f"{row['milp_merge_s_per_round']:.2f} | {gpu:.1f} | "
+                        f"{row['planner_knapsack_mbs']} | **{row['planner_mbs']}** | {row['planner_used']} | "
+                        f"{row['planner_noops']} | {row['naive_fill']:.1%} / {row['greedy_fill']:.1%} / "
+                        f"{row['milp_merge_fill']:.1%} / **{row['planner_fill']:.1%}** | {row['greedy_s_per_round']:.3f} | "
+                        f"{row['planner_s_per_round']:.2f} | {gpu:.1f} | "
                         f"{row['milp_merge_wave_wins']}/{row['milp_merge_waves']} |",
                         flush=True,
                     )
