@@ -4,8 +4,9 @@
     variant "hf"), and the stronger variant on pre-packed sequences of up to --capacity tokens
     (position ids restart per sample, no padding; variant "hf_packed");
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
-    functional decoder, with the fused Triton LoRA kernels ("triton") and with the torch
-    reference LoRA ("torch").
+    functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
+    compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
+    groups left eager ("triton_eager") and with the torch reference LoRA ("torch").
 Each variant runs the whole workload twice and times the second pass (the first compiles
 and warms up every shape). Reports real (non-padding) tokens/s and peak memory.
 
@@ -29,7 +30,7 @@ from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
@@ -256,7 +257,9 @@ def main() -> None:
                 tps, secs, toks, model = run_hf_peft(args, model, data, device, packed=variant == "hf_packed")
                 extra = {}
             else:
-                tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, variant)
+                set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
+                backend = "triton" if variant.startswith("triton") else variant
+                tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, backend)
                 extra = {"fill": round(fill, 3), "microbatches": n}
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)

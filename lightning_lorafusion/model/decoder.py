@@ -23,6 +23,7 @@ layers, and (last stage) ``head_loss_sums``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -231,6 +232,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# ------------------------------------------------------------------- elementwise fusion
+# Between the GEMMs a layer runs RMSNorm (twice), residual adds, RoPE on q and k and SwiGLU's
+# silu(g) * u: about 40 memory-bound kernels per layer forward and backward in eager mode
+# (measured on an H200 at 8B shape: `aten::mul` alone took 13% of a step's device time).
+# torch.compile (inductor) fuses each group below into one kernel forward and one backward.
+# The functions are the eager ones, only compiled; "auto" fuses on CUDA with the Triton LoRA
+# backend (the fast path) and leaves the torch reference path eager.
+
+_FUSION = {"mode": os.environ.get("LORAFUSION_FUSE_ELEMENTWISE", "auto"), "compiler": "inductor"}
+_COMPILED: dict[tuple[Any, str], Any] = {}
+
+
+def set_elementwise_fusion(mode: str = "auto", compiler: str = "inductor") -> None:
+    """``mode``: "auto" (CUDA + triton backend), "on" (always) or "off"; ``compiler``: the
+    torch.compile backend ("inductor"; "aot_eager" traces without code generation, for tests).
+    The environment variable ``LORAFUSION_FUSE_ELEMENTWISE`` sets the initial mode."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"elementwise fusion mode {mode!r}; allowed: 'auto', 'on', 'off'")
+    _FUSION.update(mode=mode, compiler=compiler)
+
+
+def _fuse(backend: str, x: torch.Tensor) -> bool:
+    mode = _FUSION["mode"]
+    return mode == "on" or (mode == "auto" and backend == "triton" and x.is_cuda)
+
+
+def _compiled(fn):
+    key = (fn, _FUSION["compiler"])
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=False, fullgraph=True, backend=_FUSION["compiler"])
+    return _COMPILED[key]
+
+
+def _add_rms_norm(h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float):
+    h = h + o
+    return h, rms_norm(h, weight, eps)
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
 def _w(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return p["weight"], p.get("bias")
 
@@ -270,26 +317,27 @@ def decoder_layer(
         return dropout_offset(microbatch_index, layer, slot)
 
     t = h.shape[0]
-    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    fuse = _fuse(backend, h)
+    norm, add_norm = (_compiled(rms_norm), _compiled(_add_rms_norm)) if fuse else (rms_norm, _add_rms_norm)
+    rope_qk, swiglu = (_compiled(_rope_qk), _compiled(_swiglu)) if fuse else (_rope_qk, _swiglu)
+    x = norm(h, lp["attn_norm"], config.rms_norm_eps)
     (wq, bq), (wk, bk), (wv, bv) = _w(lp["q_proj"]), _w(lp["k_proj"]), _w(lp["v_proj"])
     q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
                                routing, dropout_offset=offset(0), backend=backend)
-    q = apply_rope(q.view(t, config.num_heads, config.head_dim), cos, sin)
-    k = apply_rope(k.view(t, config.num_kv_heads, config.head_dim), cos, sin)
+    q, k = rope_qk(q.view(t, config.num_heads, config.head_dim),
+                   k.view(t, config.num_kv_heads, config.head_dim), cos, sin)
     v = v.view(t, config.num_kv_heads, config.head_dim)
     a = varlen_causal_attention(q, k, v, cu_seqlens, scale=config.head_dim**-0.5,
                                 sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen)
     wo, bo = _w(lp["o_proj"])
     (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
                             dropout_offset=offset(1), backend=backend)
-    h = h + o
-
-    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
+    h, x = add_norm(h, o, lp["mlp_norm"], config.rms_norm_eps)
     (wg, bg), (wu, bu) = _w(lp["gate_proj"]), _w(lp["up_proj"])
     g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
                             dropout_offset=offset(2), backend=backend)
     wd, bd = _w(lp["down_proj"])
-    (d,) = lora_projections(F.silu(g) * u, [wd], [bd], lora("down_proj"), routing,
+    (d,) = lora_projections(swiglu(g, u), [wd], [bd], lora("down_proj"), routing,
                             dropout_offset=offset(3), backend=backend)
     return h + d
 
