@@ -17,19 +17,23 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     runs = [json.load(open(p)) for p in args.results]
-    variants = [r["variant"] for r in runs[0]["rows"] if "tokens_per_s" in r]
+    variants: list[str] = []
+    for run in runs:  # every variant any run has, in first-seen order
+        variants += [r["variant"] for r in run["rows"] if "tokens_per_s" in r and r["variant"] not in variants]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(variants)
     for k, variant in enumerate(variants):
-        values = [next((r["tokens_per_s"] for r in run["rows"] if r.get("variant") == variant), 0.0) for run in runs]
-        xs = [i + k * width for i in range(len(runs))]
+        found = [next((r["tokens_per_s"] for r in run["rows"] if r.get("variant") == variant), None) for run in runs]
+        xs = [i + k * width for i, v in enumerate(found) if v is not None]  # variants a run lacks: no bar
+        values = [v for v in found if v is not None]
         bars = ax.bar(xs, values, width, label=variant)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(runs))])
     ax.set_xticklabels([f"{r['args']['workload']}\n{r['args']['layers']} layers" for r in runs])
     ax.set_ylabel("real tokens / s")
     ax.set_title(f"LoRA fine-tuning, 4 adapters, {runs[0]['device']}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.18 * ax.get_ylim()[1])
+    ax.legend(fontsize=8, ncol=len(variants), loc="upper center")
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
 
