@@ -355,15 +355,17 @@ def decoder_layers(
     microbatch_index: int | None = None,
     backend: str = "torch",
     max_seqlen: int | None = None,
-    checkpoint_layers: bool = False,
+    checkpoint_layers: bool | int = False,
 ) -> torch.Tensor:
     """Run ``params["layers"][i]`` for i in ``layers`` (global indices; default all): ``h [T, H]``.
 
     ``params["layers"]`` may be a list of all layers or a dict holding only this stage's.
     ``microbatch_index`` feeds dropout offsets; default ``routing.microbatch_index`` (or 0).
     ``max_seqlen``: longest sample, if known (spares the flash path a device sync).
-    ``checkpoint_layers``: keep only each layer's input for backward and recompute the rest
+    ``checkpoint_layers``: keep only a layer's input for backward and recompute the rest
     (dropout masks are hashes of (seed, offset), so the recomputation draws the same ones).
+    ``True``: every layer; an int ``n``: the model's first ``n`` layers (global index < n), so
+    a pipeline's early stages, which hold the most microbatches in flight, recompute first.
     """
     t = h.shape[0]
     if h.dim() != 2 or h.shape[1] != config.hidden_size:
@@ -377,12 +379,16 @@ def decoder_layers(
     if microbatch_index is None:
         microbatch_index = routing.microbatch_index if routing is not None else 0
     cos, sin = rope_cos_sin(config, position_ids, h.dtype)
-    recompute = checkpoint_layers and torch.is_grad_enabled()
+    if isinstance(checkpoint_layers, bool):
+        recompute_below = config.num_layers if checkpoint_layers else 0
+    else:
+        recompute_below = int(checkpoint_layers)
+    recompute_below = recompute_below if torch.is_grad_enabled() else 0
     for i in layers:
         args = (params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
                       max_seqlen=max_seqlen)
-        if recompute:
+        if i < recompute_below:
             h = checkpoint(decoder_layer, *args, use_reentrant=False, **kwargs)
         else:
             h = decoder_layer(*args, **kwargs)

@@ -48,6 +48,7 @@ class DecoderStage:
     microbatches: Callable[[int], Microbatch]
     backend: str = "torch"
     train: bool = True
+    checkpoint_layers: bool | int = False  # activation checkpointing (decoder.decoder_layers)
     # last stage: called with (microbatch, per-adapter summed losses [num_adapters], detached)
     # for logging; the loss to backward is unaffected
     on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
@@ -64,6 +65,7 @@ class DecoderStage:
         h = dec.decoder_layers(
             self.params, self.bank.view(self.layers), h, mb.position_ids, mb.cu_seqlens, routing,
             config=self.config, layers=self.layers, microbatch_index=mb.index, backend=self.backend,
+            checkpoint_layers=self.checkpoint_layers,
         )
         if not self.is_last:
             return h

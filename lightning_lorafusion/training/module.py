@@ -59,8 +59,10 @@ class LoRAFusionModule(L.LightningModule):
         max_nonfinite_steps: an adapter whose gradients are non-finite this many global
             batches in a row stops the run with an error (single bad batches are skipped).
         export_on_fit_end: export every adapter as a PEFT directory when fit ends.
-        activation_checkpointing: keep only each decoder layer's input for backward and
-            recompute the layer (less memory per token, so a larger ``data.capacity`` fits).
+        activation_checkpointing: keep only a decoder layer's input for backward and recompute
+            the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
+            every layer, or a number n for the first n layers (under the pipeline strategy the
+            early stages, which hold the most microbatches in flight, recompute first).
     """
 
     def __init__(
@@ -75,7 +77,7 @@ class LoRAFusionModule(L.LightningModule):
         cache_dir: str | None = None,
         max_nonfinite_steps: int = 3,
         export_on_fit_end: bool = True,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | int = False,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -108,6 +110,12 @@ class LoRAFusionModule(L.LightningModule):
         self.base_model_name = base_model
 
         config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        ckpt = activation_checkpointing
+        if not isinstance(ckpt, bool) and not (isinstance(ckpt, int) and 0 <= ckpt <= config.num_layers):
+            raise ConfigError(
+                f"model.activation_checkpointing={ckpt!r}: give true/false or a layer count in "
+                f"0..{config.num_layers}"
+            )
         from ..model.hf_loading import resolve_model_dir
 
         # exported adapters name the directory transformers can load the base from
@@ -295,6 +303,7 @@ class LoRAFusionModule(L.LightningModule):
             params=self.base_params(), bank=self.bank, config=self.config, layers=layers,
             is_first=is_first, is_last=is_last, microbatches=lambda pos: self._window.microbatch(pos),
             backend=self.backend, on_loss_sums=self._on_pipeline_loss_sums if is_last else None,
+            checkpoint_layers=self.activation_checkpointing,
         )
 
     def adapter_parameters(self, adapter: int, layers: range) -> list[torch.nn.Parameter]:

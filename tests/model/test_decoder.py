@@ -159,3 +159,32 @@ def test_bf16_cuda_decoder_matches_fp32_reference(family, overrides):
             ref = model(ids[start:end][None]).logits[0]
             # bf16 weights and activations through 2 layers: 5% of the logit scale
             assert (ours[start:end] - ref).abs().max() < 5e-2 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("checkpoint_layers, recomputed", [(False, 0), (True, 3), (2, 2), (0, 0)])
+def test_checkpoint_layer_count_recomputes_the_first_layers(monkeypatch, checkpoint_layers, recomputed):
+    model = tiny_hf_model("llama", num_hidden_layers=3)
+    config, params = params_from_hf_model(model)
+    ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
+    cu, pos = _pack([8, 12])
+    calls = []
+    layer = D.decoder_layer
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["layer"])
+        return layer(*args, **kwargs)
+
+    monkeypatch.setattr(D, "decoder_layer", counting)
+
+    def run(ckpt):
+        h = D.embed(params, ids).requires_grad_(True)
+        out = D.decoder_layers(params, None, h, pos, cu, None, config=config, checkpoint_layers=ckpt)
+        (grad,) = torch.autograd.grad(out.square().sum(), h)
+        return grad
+
+    want = run(False)
+    calls.clear()
+    got = run(checkpoint_layers)
+    assert calls[:3] == [0, 1, 2]  # forward
+    assert sorted(calls[3:]) == list(range(recomputed))  # backward recomputes exactly those
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -72,7 +72,7 @@ def train_alone(module, dm, adapter, max_epochs=1):
     return bank
 
 
-@pytest.mark.parametrize("planner, recompute", [("greedy", False), ("milp", False), ("greedy", True)])
+@pytest.mark.parametrize("planner, recompute", [("greedy", False), ("milp", False), ("greedy", True), ("greedy", 1)])
 def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, recompute):
     specs = tiny_specs()
     module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner, activation_checkpointing=recompute)
