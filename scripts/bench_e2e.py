@@ -167,19 +167,46 @@ def _hf_pass(args, peft_model, names, data, device, packed):
     return tokens, t_total
 
 
+class OursSetup:
+    """Our side of the benchmark: functional params, adapter bank and the samples as global
+    batches (with lengths and loss denominators) ready for the planner and the packer."""
+
+    def __init__(self, args, model, data, device, dtype):
+        self.config, self.params = params_from_hf_model(model)
+        self.specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
+                                  global_batch_size=args.global_batch, dataset={"kind": "synthetic"})
+                      for i in range(len(data))]
+        self.bank = AdapterBank(self.specs, self.config, dtype=dtype, device=device)
+        self.datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]
+        self.batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
+                        for d in self.datasets]
+        self.lookup = SampleLookup(self.datasets, self.batches)
+        self.lengths = [[[len(self.datasets[a][i].input_ids) for i in b] for b in self.batches[a]]
+                        for a in range(len(self.datasets))]
+        self.denominators = {(a, j): self.lookup.label_tokens(a, j)
+                             for a in range(len(self.batches)) for j in range(len(self.batches[a]))}
+
+
+def add_workload_args(ap, layers: int) -> None:
+    """Model shape, workload and adapter arguments shared with scripts/profile_capacity.py."""
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--workload", default="xsum", choices=sorted(DISTRIBUTIONS))
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--pad-multiple", type=int, default=128)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--device", default="cuda")
+
+
 def run_ours(args, hf_config, model, data, device, dtype, backend):
-    config, params = params_from_hf_model(model)
-    specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
-                         global_batch_size=args.global_batch, dataset={"kind": "synthetic"}) for i in range(len(data))]
-    bank = AdapterBank(specs, config, dtype=dtype, device=device)
+    w = OursSetup(args, model, data, device, dtype)
+    config, params, specs, bank, lookup, dens = w.config, w.params, w.specs, w.bank, w.lookup, w.denominators
     opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4) for i in range(len(specs))]
-    datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]
-    batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
-               for d in datasets]
-    lookup = SampleLookup(datasets, batches)
-    lengths = [[[len(datasets[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(datasets))]
-    plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
-    dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))}
+    plan = plan_microbatches(w.lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
     steps = plan.step_adapters()
     cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
     mbs = [pack_microbatch(p, lookup, config=cfg, num_adapters=len(specs), denominators=dens,
@@ -225,19 +252,9 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--workload", default="xsum", choices=sorted(DISTRIBUTIONS))
-    ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
-    ap.add_argument("--global-batch", type=int, default=16)
+    add_workload_args(ap, layers=8)
     ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
     ap.add_argument("--capacity", type=int, default=8192)
-    ap.add_argument("--pad-multiple", type=int, default=128)
-    ap.add_argument("--max-length", type=int, default=2048)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")

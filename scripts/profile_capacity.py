@@ -24,16 +24,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_e2e import DISTRIBUTIONS, SHAPES, _Sample, build_model, workload  # noqa: E402
+from bench_e2e import OursSetup, add_workload_args, build_model, workload  # noqa: E402
 
-from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
-from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
+from lightning_lorafusion.data.packing import PackingConfig, pack_microbatch  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums  # noqa: E402
-from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
-from lightning_lorafusion.specs import AdapterSpec  # noqa: E402
 from lightning_lorafusion.training.capacity import (  # noqa: E402
     choose_capacity,
     device_memory_limit,
@@ -44,36 +40,18 @@ from lightning_lorafusion.training.capacity import (  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--workload", default="xsum", choices=sorted(DISTRIBUTIONS))
-    ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
-    ap.add_argument("--global-batch", type=int, default=16)
+    add_workload_args(ap, layers=32)
     ap.add_argument("--candidates", default="2048,4096,8192,16384")
-    ap.add_argument("--pad-multiple", type=int, default=128)
-    ap.add_argument("--max-length", type=int, default=2048)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--backend", default="triton", choices=["torch", "triton"])
     ap.add_argument("--memory-fraction", type=float, default=0.9)
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf_config, model = build_model(args, device, dtype)
     data = workload(args, hf_config.vocab_size)
-    config, params = params_from_hf_model(model)
-    specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
-                         global_batch_size=args.global_batch, dataset={"kind": "synthetic"}) for i in range(len(data))]
-    bank = AdapterBank(specs, config, dtype=dtype, device=device)
-    datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]
-    batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
-               for d in datasets]
-    lookup = SampleLookup(datasets, batches)
-    lengths = [[[len(datasets[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(datasets))]
-    dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(batches)) for j in range(len(batches[a]))}
+    w = OursSetup(args, model, data, device, dtype)
+    lengths, lookup, dens, bank = w.lengths, w.lookup, w.denominators, w.bank
 
     def prepare(capacity: int):
         plan = plan_microbatches(lengths, capacity=capacity, pad_multiple=args.pad_multiple, method="greedy")
@@ -81,7 +59,7 @@ def main() -> None:
         real = sorted(((p.real_tokens(), i) for i, p in enumerate(plan.microbatches) if not p.is_noop),
                       key=lambda t: (-t[0], t[1]))[:2]
         cfg = PackingConfig(capacity=capacity, pad_multiple=args.pad_multiple)
-        mbs = [pack_microbatch(plan.microbatches[i], lookup, config=cfg, num_adapters=len(specs),
+        mbs = [pack_microbatch(plan.microbatches[i], lookup, config=cfg, num_adapters=len(w.specs),
                                denominators=dens, step_adapters=(), index=i).to(device) for _, i in real]
         return fill, mbs
 
@@ -89,13 +67,13 @@ def main() -> None:
 
     def step(mb) -> None:
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
-        sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
-                                 routing, config=config, backend=args.backend)
+        sums = forward_loss_sums(w.params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=w.config, backend=args.backend)
         adapter_loss(sums, mb.loss_denominators).backward()
         for p in lora:
             p.grad = None
 
-    longest = max(-(-len(s.input_ids) // args.pad_multiple) * args.pad_multiple for d in datasets for s in d)
+    longest = max(-(-len(s.input_ids) // args.pad_multiple) * args.pad_multiple for d in w.datasets for s in d)
     candidates = [int(c) for c in args.candidates.split(",") if int(c) >= longest]
     if not candidates:
         raise SystemExit(f"every candidate is below the longest padded sample ({longest} tokens)")

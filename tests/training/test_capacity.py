@@ -143,3 +143,24 @@ def test_resume_keeps_the_profiled_capacity_without_profiling_again(tiny_model_d
     want = dict(full.bank.named_parameters())
     for name, p in resumed.bank.named_parameters():
         torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_profile_capacity_script_runs_on_cpu(tmp_path):
+    """scripts/profile_capacity.py (the device benchmark) on the tiny shape: it measures every
+    candidate that fits the samples and writes its choice."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "scripts", "profile_capacity.py"), "--shape", "tiny", "--layers", "1",
+           "--device", "cpu", "--backend", "torch", "--samples", "4", "--candidates", "1024,2048,4096",
+           "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    (result,) = [json.load(open(tmp_path / f)) for f in os.listdir(tmp_path)]
+    measured = [r for r in result["rows"] if r["seconds"] is not None]
+    assert measured and all(r["real_tokens_per_s"] > 0 for r in measured)
+    best = max(measured, key=lambda r: r["real_tokens_per_s"])
+    assert result["chosen"] == best["capacity"]
