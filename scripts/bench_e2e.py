@@ -187,6 +187,14 @@ class OursSetup:
                              for a in range(len(self.batches)) for j in range(len(self.batches[a]))}
 
 
+def model_and_workload(args):
+    """Device, dtype (bf16 on CUDA, fp32 on CPU), the random-weight HF model and the samples."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_config, model = build_model(args, device, dtype)
+    return device, dtype, hf_config, model, workload(args, hf_config.vocab_size)
+
+
 def add_workload_args(ap, layers: int) -> None:
     """Model shape, workload and adapter arguments shared with scripts/profile_capacity.py."""
     ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
@@ -260,10 +268,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf_config, model = build_model(args, device, dtype)
-    data = workload(args, hf_config.vocab_size)
+    device, dtype, hf_config, model, data = model_and_workload(args)
     rows = []
     for variant in args.variants.split(","):
         if device.type == "cuda":

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_e2e import OursSetup, add_workload_args, build_model, workload  # noqa: E402
+from bench_e2e import OursSetup, add_workload_args, model_and_workload  # noqa: E402
 
 from lightning_lorafusion.data.packing import PackingConfig, pack_microbatch  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums  # noqa: E402
@@ -46,10 +46,7 @@ def main() -> None:
     ap.add_argument("--memory-fraction", type=float, default=0.9)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    hf_config, model = build_model(args, device, dtype)
-    data = workload(args, hf_config.vocab_size)
+    device, dtype, _, model, data = model_and_workload(args)
     w = OursSetup(args, model, data, device, dtype)
     lengths, lookup, dens, bank = w.lengths, w.lookup, w.denominators, w.bank
 
