@@ -159,12 +159,12 @@ class MultiAdapterDataModule(L.LightningDataModule):
         strategy = self.trainer.strategy
         if not isinstance(strategy, MultiAdapterPipelineStrategy):
             return
-        if self.capacity_pending:
-            raise ConfigError(
-                "data.capacity=auto is not supported with the pipeline strategy (the profiler "
-                "times the whole model on one device); set data.capacity"
-            )
         layout = strategy.layout
+        if self.capacity_pending and layout.pipeline_size > 1:
+            raise ConfigError(
+                f"data.capacity=auto is not supported with pipeline_size={layout.pipeline_size} "
+                "(the profiler times the whole model on one device); set data.capacity"
+            )
         self.num_stages = layout.pipeline_size
         self.data_parallel_size = layout.data_parallel_size
         self.replica = strategy.replica

@@ -164,3 +164,40 @@ def test_profile_capacity_script_runs_on_cpu(tmp_path):
     assert measured and all(r["real_tokens_per_s"] > 0 for r in measured)
     best = max(measured, key=lambda r: r["real_tokens_per_s"])
     assert result["chosen"] == best["capacity"]
+
+
+def test_auto_capacity_under_data_parallel_replicas(tiny_model_dir, tmp_path):
+    """PP=1 x DP=2 (spawned gloo processes): both replicas profile, take rank 0's capacity and
+    train the same plan shape; the adapters equal the one-process run (packing changes nothing
+    the adapters learn, so any chosen capacity gives the same weights)."""
+    from lightning_lorafusion.parallel.strategy import MultiAdapterPipelineStrategy
+    from test_dp_fit import _assert_same_adapters
+
+    specs = tiny_specs()
+    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=specs, backend="torch", grad_clip=0.0,
+                              export_dir=str(tmp_path / "dp"))
+    dm = MultiAdapterDataModule(capacity="auto", capacity_candidates=[64, 128], pad_multiple=8, max_length=48,
+                                planner_window=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=MultiAdapterPipelineStrategy(pipeline_size=1, start_method="spawn", process_group_backend="gloo"),
+    )
+    trainer.fit(module, datamodule=dm)
+    single, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=1)
+    single.export_adapters(str(tmp_path / "one"))
+    _assert_same_adapters(tmp_path / "dp", tmp_path / "one", specs, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_capacity_is_refused_with_pipeline_stages():
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.parallel.data_parallel import ParallelLayout
+    from lightning_lorafusion.parallel.strategy import MultiAdapterPipelineStrategy
+
+    strategy = MultiAdapterPipelineStrategy(pipeline_size=2, process_group_backend="gloo")
+    strategy.layout = ParallelLayout(pipeline_size=2, data_parallel_size=1)  # as setup_environment sets it
+    dm = MultiAdapterDataModule(capacity="auto", pad_multiple=8)
+    dm.trainer = SimpleNamespace(strategy=strategy)
+    with pytest.raises(ConfigError, match="pipeline_size=2"):
+        dm._adopt_pipeline_layout()
