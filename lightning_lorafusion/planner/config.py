@@ -36,8 +36,9 @@ class PlannerConfig:
     - ``grouping``: stagger adapters into head-tail groups (False: one group of all).
     - ``merge``: pull samples of later global batches into underfilled microbatches.
     - ``knapsack``: also build the window microbatch by microbatch with exact padded
-      knapsacks (``knapsack.pack_in_order``, one trial per feasible grouping) and keep that
-      plan when it is shorter than the wave packers' (greedy / MILP + merge).
+      knapsacks (``knapsack.pack_in_order``, one trial per feasible grouping, and with S > 1
+      a second, staggered one) and keep that plan when it is shorter than the wave packers'
+      (greedy / MILP + merge).
     - ``seed``: passed to the MILP solver; planning is deterministic for a given seed.
     """
 

@@ -13,6 +13,10 @@ gives, for every number of padded blocks, the most tokens that adapter can put i
 small dynamic programme shares the capacity's blocks between adapters. Padding is thus part
 of the choice: two samples of one adapter share a segment and pay one padding, so the
 knapsack prefers them when that fits more real tokens.
+
+With S > 1 the planner also tries a staggered variant, where only the earliest offered wave's
+batches may finish at a position: maximal knapsacks otherwise finish every adapter's batch in
+the same microbatch, and then no adapter may run in the next S - 1 positions.
 """
 
 from __future__ import annotations
@@ -116,13 +120,20 @@ def best_subset(
     return chosen
 
 
-def pack_in_order(waves: Sequence[Sequence[SampleRef]], capacity: int, pad_multiple: int, num_stages: int) -> list[Bin]:
+def pack_in_order(
+    waves: Sequence[Sequence[SampleRef]], capacity: int, pad_multiple: int, num_stages: int, *, staggered: bool = False
+) -> list[Bin]:
     """Microbatches of a whole window, in execution order (see the module docstring).
 
     ``waves`` are the window's waves in the grouping's order; each adapter's batches must
     appear in increasing batch order. A position where no adapter may run (only with S > 1)
     yields an empty microbatch; the caller drops it and lets ``fix_plan`` insert the no-ops
     that are really needed.
+
+    ``staggered``: only the batches of the earliest pending wave may finish at a position; a
+    batch of a later wave keeps at least its shortest remaining sample for later. Without it
+    the knapsack tends to finish every adapter's batch in the same microbatch, and with S > 1
+    the next S - 1 positions then have no eligible work (a near-empty microbatch per round).
     """
     rank: dict[tuple[int, int], int] = {}
     for w, wave in enumerate(waves):
@@ -150,7 +161,16 @@ def pack_in_order(waves: Sequence[Sequence[SampleRef]], capacity: int, pad_multi
             continue
         first = min(offered, key=lambda a: (rank[queue[a][position[a]]], a))
         must = decreasing_order(offered[first])[0]
-        chosen = best_subset(offered, capacity, pad_multiple, must)
+        candidates = offered
+        if staggered:
+            earliest = rank[queue[first][position[first]]]
+            candidates = {}
+            for a, samples in offered.items():
+                if rank[queue[a][position[a]]] == earliest:
+                    candidates[a] = samples
+                elif len(samples) > 1:
+                    candidates[a] = decreasing_order(samples)[:-1]
+        chosen = best_subset(candidates, capacity, pad_multiple, must)
         taken = {(s.adapter, s.batch, s.index) for s in chosen}
         for a in offered:
             key = queue[a][position[a]]

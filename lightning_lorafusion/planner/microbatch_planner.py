@@ -171,17 +171,21 @@ def plan_window(
             plan, after, used = greedy_plan, greedy_after, "greedy"
     knapsack_count, knapsack_groups = None, None
     if config.knapsack:
-        # One in-order knapsack trial per feasible grouping (each a pure function of the
-        # window), kept only when strictly shorter: both methods see the same candidates, so
-        # the MILP plan is still never longer than the greedy one.
+        # In-order knapsack trials per feasible grouping (with S > 1 also the staggered
+        # variant), each a pure function of the window, kept only when strictly shorter: both
+        # methods see the same candidates, so the MILP plan is still never longer than greedy's.
+        variants = (False, True) if config.num_stages > 1 else (False,)
         for trial_groups in feasible_groupings(lengths, config):
             waves_in_order = [w[2] for w in _waves(lengths, trial_groups, offsets)]
-            trial_bins = pack_in_order(waves_in_order, config.capacity, config.pad_multiple, config.num_stages)
-            trial, trial_after = assemble_plan(trial_bins, config)
-            if knapsack_count is None or len(trial.microbatches) < knapsack_count:
-                knapsack_count, knapsack_groups = len(trial.microbatches), trial_groups
-            if len(trial.microbatches) < len(plan.microbatches):
-                plan, after, used = trial, trial_after, "knapsack"
+            for staggered in variants:
+                trial_bins = pack_in_order(
+                    waves_in_order, config.capacity, config.pad_multiple, config.num_stages, staggered=staggered
+                )
+                trial, trial_after = assemble_plan(trial_bins, config)
+                if knapsack_count is None or len(trial.microbatches) < knapsack_count:
+                    knapsack_count, knapsack_groups = len(trial.microbatches), trial_groups
+                if len(trial.microbatches) < len(plan.microbatches):
+                    plan, after, used = trial, trial_after, "knapsack"
     check_plan(plan, lengths, batch_offsets=offsets)
     report = PlanReport(
         groups=groups,

@@ -85,19 +85,23 @@ def windows(draw):
     return lengths, capacity, pad
 
 
-@settings(max_examples=150, deadline=None)
-@given(windows(), st.integers(1, 4))
-def test_pack_in_order_covers_fits_and_keeps_the_lemma(work, stages):
-    lengths, capacity, pad = work
+def single_adapter_waves(lengths):
     rounds = max(len(b) for b in lengths)
-    waves = [
+    return [
         [SampleRef(a, r, i, n) for i, n in enumerate(lengths[a][r])]
         for r in range(rounds)
         for a in range(len(lengths))
         if r < len(lengths[a])
     ]
-    bins = pack_in_order(waves, capacity, pad, stages)
-    assert bins == pack_in_order(waves, capacity, pad, stages)  # deterministic
+
+
+@settings(max_examples=150, deadline=None)
+@given(windows(), st.integers(1, 4), st.booleans())
+def test_pack_in_order_covers_fits_and_keeps_the_lemma(work, stages, staggered):
+    lengths, capacity, pad = work
+    waves = single_adapter_waves(lengths)
+    bins = pack_in_order(waves, capacity, pad, stages, staggered=staggered)
+    assert bins == pack_in_order(waves, capacity, pad, stages, staggered=staggered)  # deterministic
     mbs = tuple(PlannedMicrobatch(tuple(sorted(b))) for b in bins)
     plan = Plan(
         capacity=capacity, pad_multiple=pad, num_stages=stages, microbatches=mbs,
@@ -105,6 +109,22 @@ def test_pack_in_order_covers_fits_and_keeps_the_lemma(work, stages):
     )
     # Empty positions are no-op slots here, so the raw order already satisfies everything.
     assert verify_plan(plan, lengths) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(windows(), st.integers(1, 4))
+def test_staggered_packing_finishes_one_wave_per_microbatch(work, stages):
+    # Only the earliest wave offered at a position may finish there; with one adapter per
+    # wave that is at most one global batch per microbatch, in wave order per adapter.
+    lengths, capacity, pad = work
+    waves = single_adapter_waves(lengths)
+    bins = pack_in_order(waves, capacity, pad, stages, staggered=True)
+    step = {}
+    for i, b in enumerate(bins):
+        for s in b:
+            step[(s.adapter, s.batch)] = i
+    assert len(step) == len(waves)
+    assert len(set(step.values())) == len(step), f"two batches finish in one microbatch: {step}"
 
 
 @settings(max_examples=60, deadline=None)
