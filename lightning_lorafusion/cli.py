@@ -45,10 +45,10 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> LoRAFusionCLI:
     _keep_wandb_local()
     _log_to_stderr()
-    LoRAFusionCLI(
+    return LoRAFusionCLI(
         LoRAFusionModule,
         MultiAdapterDataModule,
         args=argv if argv is not None else sys.argv[1:],

@@ -8,6 +8,7 @@ buffers, so checkpoints hold only adapters, optimizer states and the data positi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -98,7 +99,11 @@ class LoRAFusionModule(L.LightningModule):
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
         self.save_hyperparameters(ignore=["adapters"])
-        self.hparams["adapters"] = [s.name for s in specs]
+        # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
+        # hyperparameters into the model's arguments, so they must be valid `adapters` entries
+        self.hparams["adapters"] = [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(s).items()} for s in specs
+        ]
         self.automatic_optimization = False
         self.adapter_specs = specs
         self.backend = backend

@@ -51,6 +51,20 @@ def test_fit_trains_checkpoints_exports_and_logs_wandb_offline(tiny_model_dir, t
     wandb_runs = list((tmp_path / "run").rglob("offline-run-*"))
     assert wandb_runs, "W&B offline run directory missing"
     assert not (tmp_path / ".config" / "wandb").exists() and not (tmp_path / ".cache" / "wandb").exists()
+    # resume from the CLI: LightningCLI re-parses the checkpoint's hyperparameters as the model's
+    # arguments (once a crash: they held adapter names only), then trains one more epoch
+    before = (tmp_path / "run" / "adapters" / "xsum" / "adapter_model.safetensors").read_bytes()
+    last = sorted(ckpts, key=os.path.getmtime)[-1]
+    out = run_cli(
+        ["fit", "--config", TINY, "--model.base_model", tiny_model_dir,
+         "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_epochs", "2",
+         "--ckpt_path", str(last)],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Restoring states from the checkpoint" in out.stderr + out.stdout
+    after = (tmp_path / "run" / "adapters" / "xsum" / "adapter_model.safetensors").read_bytes()
+    assert after != before  # the resumed run trained and exported again
 
 
 @pytest.mark.parametrize(
