@@ -8,7 +8,8 @@ measures, on the actual device and model, for each candidate C:
 - ``fill``: the planned fill of the first epoch's real samples at C (greedy plan, which is
   fast; the MILP planner's fill is higher but ranks candidates the same way);
 - ``seconds``: mean wall time of forward + backward (no optimizer step) over a few real
-  packed microbatches at C, after one warm-up call (kernel compilation, autotuning);
+  packed microbatches at C, after one untimed pass over the same microbatches (kernel
+  compilation and autotuning happen there, also for each microbatch's own specialisations);
 - ``peak``: peak allocated device memory during those calls (CUDA only).
 
 and picks the candidate with the most real tokens per second, ``fill * C / seconds``, among
@@ -64,16 +65,17 @@ def time_step(
     warmup: int = 1,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, int | None]:
-    """Mean seconds of ``step(mb)`` over ``microbatches`` after ``warmup`` untimed calls, and the
-    peak allocated CUDA memory during all of them (None off CUDA)."""
+    """Mean seconds of ``step(mb)`` over ``microbatches`` after ``warmup`` untimed passes over
+    them, and the peak allocated CUDA memory during all of them (None off CUDA)."""
     if not microbatches:
         raise ValueError("no microbatches to time")
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    for i in range(warmup):
-        step(microbatches[i % len(microbatches)])
+    for _ in range(warmup):  # every microbatch once: its kernel specialisations compile here
+        for mb in microbatches:
+            step(mb)
     sync()
     start = clock()
     for mb in microbatches:

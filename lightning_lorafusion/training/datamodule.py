@@ -449,6 +449,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         return _MicrobatchLoader(tn.Loader(node))
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        if isinstance(batch, _Sealed):
+            batch = batch.item
         return batch.to(device)
 
     def on_microbatch_trained(self, mb: Microbatch) -> None:
@@ -489,7 +491,19 @@ class _MicrobatchLoader:
         self._loader = loader
 
     def __iter__(self):
-        return iter(self._loader)
+        return (_Sealed(item) for item in self._loader)
+
+
+class _Sealed:
+    """A batch that Lightning's collection walkers leave alone until our
+    ``transfer_batch_to_device`` opens it. Under ``precision: bf16-true`` / ``16-true`` the
+    precision plugin casts every floating tensor of a batch (``convert_input``), which would
+    fail on the frozen ``Microbatch`` and would round its fp32 loss denominators to 16 bits."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
 
 
 class _ResumableStream:

@@ -96,3 +96,19 @@ def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, rec
                                        msg=lambda m, n=f"{specs[a].name}.{name}": f"{n}\n{m}")
             moved |= not torch.equal(p, dict(init.adapters[0].named_parameters())[name])
         assert moved, f"adapter {specs[a].name} did not train"
+
+
+def test_bf16_true_precision_leaves_microbatches_intact(tiny_model_dir):
+    """`trainer.precision: bf16-true` (the GPU configs) casts every floating tensor of a batch
+    before it reaches the module; our microbatches (frozen, with fp32 loss denominators) must
+    pass through untouched. Runs the whole fit in bf16 on the CPU."""
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seen.append(batch.loss_denominators.dtype)
+
+    module, _, _ = fit_joint(tiny_model_dir, tiny_specs(), precision="bf16-true", callbacks=[Probe()])
+    assert module.steps_taken == [3, 3, 2]
+    assert seen and all(d == torch.float32 for d in seen)
+    assert all(torch.isfinite(p).all() for p in module.bank.parameters())
