@@ -10,6 +10,7 @@ stream is part of the checkpoint, so a resumed run continues at the exact microb
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -23,6 +24,8 @@ from ..specs import AdapterSpec, ConfigError
 from .capacity import DEFAULT_CANDIDATES
 
 log = logging.getLogger(__name__)
+
+_PLAN_LOCK = threading.Lock()  # module-level: the data module itself must stay picklable (spawn)
 
 # Microbatch.index = epoch * EPOCH_STRIDE + position: unique per run, feeds dropout offsets.
 EPOCH_STRIDE = 1_000_000
@@ -139,6 +142,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.epoch = 0  # next epoch to stream
         self.position = 0  # next microbatch position inside that epoch
         self._epoch_plan: EpochPlan | None = None
+        self._other_plan: EpochPlan | None = None
 
     # ----------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
@@ -394,9 +398,19 @@ class MultiAdapterDataModule(L.LightningDataModule):
         return chosen.capacity
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
-        if self._epoch_plan is None or self._epoch_plan.epoch != epoch:
-            self._epoch_plan = self.plan_epoch(epoch)
-        return self._epoch_plan
+        # The loader's prefetch thread and the main thread may both ask (Lightning can start a
+        # second iterator on resume): plan once.
+        # Two epochs are kept: at an epoch boundary (and on resume) both the finished epoch's
+        # plan (is anything left?) and the next one's are asked for, alternately.
+        with _PLAN_LOCK:
+            if self._epoch_plan is None or self._epoch_plan.epoch != epoch:
+                other = self._other_plan
+                self._other_plan = self._epoch_plan
+                self._epoch_plan = other if other is not None and other.epoch == epoch else self.plan_epoch(epoch)
+            return self._epoch_plan
+
+    def _cached_plan(self, epoch: int) -> EpochPlan | None:
+        return next((p for p in (self._epoch_plan, self._other_plan) if p is not None and p.epoch == epoch), None)
 
     def pack_position(self, epoch: int, pos: int) -> Microbatch:
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
@@ -462,9 +476,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         state: dict[str, Any] = {
             "epoch": self.epoch, "position": self.position, "capacity": self.packing.capacity,
         }
-        if self._epoch_plan is not None and self._epoch_plan.epoch == self.epoch:
+        current = self._cached_plan(self.epoch)
+        if current is not None:
             # The plan itself, so a resumed run never depends on re-planning identically.
-            state["plan"] = self._epoch_plan.plan.to_json()
+            state["plan"] = current.plan.to_json()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -34,13 +34,20 @@ def test_resume_from_mid_epoch_checkpoint_reproduces_uninterrupted_run(tiny_mode
         assert resumed.steps_taken == full.steps_taken
 
 
-def test_resume_from_epoch_end_checkpoint_trains_the_next_epoch(tiny_model_dir, tmp_path):
+def test_resume_from_epoch_end_checkpoint_trains_the_next_epoch(tiny_model_dir, tmp_path, monkeypatch):
     """Lightning re-enters a finished epoch under its old number after an epoch-end checkpoint;
-    the data module must still stream the next epoch's data."""
+    the data module must still stream the next epoch's data (and plan it only once)."""
+    from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
+
     specs = tiny_specs()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
     straight, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2, callbacks=[ckpt], enable_checkpointing=True)
+    planned = []
+    plan_epoch = MultiAdapterDataModule.plan_epoch
+    monkeypatch.setattr(MultiAdapterDataModule, "plan_epoch",
+                        lambda self, epoch: planned.append(epoch) or plan_epoch(self, epoch))
     resumed, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2, ckpt_path=str(tmp_path / "epoch=0.ckpt"))
+    assert sorted(planned) == sorted(set(planned))  # each epoch planned (or restored) once
     assert resumed.steps_taken == straight.steps_taken
     want, got = _weights(straight), _weights(resumed)
     for name, value in want.items():
