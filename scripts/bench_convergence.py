@@ -228,9 +228,8 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
     gb = d["global_batch"]
     batches = [[list(range(j * gb, (j + 1) * gb)) for j in range(args.steps)] for _ in data]
     lookup = SampleLookup(data, batches)
-    lengths = [[[len(data[a][i].input_ids) for i in b] for b in batches[a]] for a in range(len(data))]
-    plan = plan_microbatches(lengths, capacity=d["capacity"], pad_multiple=d["pad_multiple"], method="greedy")
-    dens = {(a, j): lookup.label_tokens(a, j) for a in range(len(data)) for j in range(args.steps)}
+    plan = plan_microbatches(lookup.lengths(), capacity=d["capacity"], pad_multiple=d["pad_multiple"], method="greedy")
+    dens = lookup.denominators()
     step_points = plan.step_adapters()
     pack = PackingConfig(capacity=d["capacity"], pad_multiple=d["pad_multiple"])
     mbs = [pack_microbatch(p, lookup, config=pack, num_adapters=len(specs), denominators=dens,

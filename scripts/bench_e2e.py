@@ -181,10 +181,8 @@ class OursSetup:
         self.batches = [[list(range(g, min(g + args.global_batch, len(d)))) for g in range(0, len(d), args.global_batch)]
                         for d in self.datasets]
         self.lookup = SampleLookup(self.datasets, self.batches)
-        self.lengths = [[[len(self.datasets[a][i].input_ids) for i in b] for b in self.batches[a]]
-                        for a in range(len(self.datasets))]
-        self.denominators = {(a, j): self.lookup.label_tokens(a, j)
-                             for a in range(len(self.batches)) for j in range(len(self.batches[a]))}
+        self.lengths = self.lookup.lengths()
+        self.denominators = self.lookup.denominators()
 
 
 def model_and_workload(args):

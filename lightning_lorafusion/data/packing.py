@@ -32,6 +32,15 @@ class SampleLookup:
             sum(1 for t in ds[i].labels if t != IGNORE_INDEX) for i in self.batches[adapter][batch]
         )
 
+    def denominators(self) -> dict[tuple[int, int], int]:
+        """``label_tokens`` of every (adapter, global batch): what ``pack_microbatch`` takes."""
+        return {(a, j): self.label_tokens(a, j) for a in range(len(self.batches)) for j in range(len(self.batches[a]))}
+
+    def lengths(self) -> list[list[list[int]]]:
+        """Token lengths of every sample, per adapter and global batch: the planner's input."""
+        return [[[len(self.datasets[a][i].input_ids) for i in batch] for batch in self.batches[a]]
+                for a in range(len(self.batches))]
+
 
 @dataclass(frozen=True, kw_only=True)
 class PackingConfig:

@@ -9,6 +9,7 @@ stream is part of the checkpoint, so a resumed run continues at the exact microb
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -141,8 +142,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.tokenizer: Any = None
         self.epoch = 0  # next epoch to stream
         self.position = 0  # next microbatch position inside that epoch
-        self._epoch_plan: EpochPlan | None = None
-        self._other_plan: EpochPlan | None = None
+        # the last two epochs' plans: at an epoch boundary (and on resume) the finished epoch's
+        # plan (is anything left?) and the next one's are both asked for, alternately
+        self._plans: dict[int, EpochPlan] = {}
 
     # ----------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
@@ -246,13 +248,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
             batches = batches[: max(0, spec.max_steps - done)]
         return batches
 
-    def _lookup_and_lengths(self, epoch: int):
-        batches = [self.global_batches(a, epoch) for a in range(len(self.specs))]
-        lengths = [
-            [[len(self.datasets[a][i].input_ids) for i in batch] for batch in batches[a]]
-            for a in range(len(self.specs))
-        ]
-        return SampleLookup(self.datasets, batches), lengths
+    def _lookup(self, epoch: int) -> SampleLookup:
+        return SampleLookup(self.datasets, [self.global_batches(a, epoch) for a in range(len(self.specs))])
 
     def _plan(self, epoch: int, lengths, capacity: int, method: str) -> Plan:
         from ..planner import PlannerConfig, join_plans, plan_stream
@@ -272,12 +269,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         """Plan every adapter's global batches of ``epoch`` (or reuse the checkpointed plan)."""
         if self.capacity_pending:
             raise RuntimeError("data.capacity=auto is resolved when fit starts (resolve_capacity)")
-        lookup, lengths = self._lookup_and_lengths(epoch)
-        # loss denominators count each adapter's whole global batch, over all replicas
-        denominators = {
-            (a, j): lookup.label_tokens(a, j)
-            for a in range(len(lengths)) for j in range(len(lengths[a]))
-        }
+        lookup = self._lookup(epoch)
+        lengths = lookup.lengths()
+        denominators = lookup.denominators()  # each adapter's whole global batch, all replicas
         if self.data_parallel_size > 1:
             lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
@@ -351,10 +345,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 f"longest sample ({longest} tokens after padding); add larger "
                 "data.capacity_candidates or set data.max_length"
             )
-        lookup, lengths = self._lookup_and_lengths(0)
-        denominators = {
-            (a, j): lookup.label_tokens(a, j) for a in range(len(lengths)) for j in range(len(lengths[a]))
-        }
+        lookup = self._lookup(0)
+        lengths, denominators = lookup.lengths(), lookup.denominators()
         device = module.device
 
         def prepare(capacity: int):
@@ -375,10 +367,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         precision = self.trainer.precision_plugin if self.trainer is not None else None
 
         def step(mb: Microbatch) -> None:
-            if precision is not None:
-                with precision.forward_context():
-                    loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
-            else:
+            with precision.forward_context() if precision is not None else contextlib.nullcontext():
                 loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
             loss.backward()
             for p in params:
@@ -398,19 +387,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
         return chosen.capacity
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
-        # The loader's prefetch thread and the main thread may both ask (Lightning can start a
-        # second iterator on resume): plan once.
-        # Two epochs are kept: at an epoch boundary (and on resume) both the finished epoch's
-        # plan (is anything left?) and the next one's are asked for, alternately.
+        # the loader's prefetch thread and the main thread may both ask: plan once
         with _PLAN_LOCK:
-            if self._epoch_plan is None or self._epoch_plan.epoch != epoch:
-                other = self._other_plan
-                self._other_plan = self._epoch_plan
-                self._epoch_plan = other if other is not None and other.epoch == epoch else self.plan_epoch(epoch)
-            return self._epoch_plan
-
-    def _cached_plan(self, epoch: int) -> EpochPlan | None:
-        return next((p for p in (self._epoch_plan, self._other_plan) if p is not None and p.epoch == epoch), None)
+            if epoch not in self._plans:
+                self._plans[epoch] = self.plan_epoch(epoch)
+                for old in sorted(self._plans)[:-2]:
+                    del self._plans[old]
+            return self._plans[epoch]
 
     def pack_position(self, epoch: int, pos: int) -> Microbatch:
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
@@ -476,7 +459,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         state: dict[str, Any] = {
             "epoch": self.epoch, "position": self.position, "capacity": self.packing.capacity,
         }
-        current = self._cached_plan(self.epoch)
+        current = self._plans.get(self.epoch)
         if current is not None:
             # The plan itself, so a resumed run never depends on re-planning identically.
             state["plan"] = current.plan.to_json()
