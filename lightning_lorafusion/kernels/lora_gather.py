@@ -15,9 +15,81 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
+MAX_RANK_CHUNK = 128  # rank vectors per fp32 accumulation (and per-program scratch floats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lora_gather_kernel(
+    x_ptr, pool_ptr, a_off_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, s_ptr,
+    K, N, x_stride, out_stride, n_per_split,
+    ACCUMULATE: tl.constexpr, CHUNK_R: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[row, split's columns] (+)= scale * (x[row] A^T) Bt for the row's own adapter and rank.
+
+    Program (row, split): phase 1 reduces s = scale * x A^T over K for up to CHUNK_R rank
+    vectors (BLOCK_R at a time, so a rank-8 row loads 8 rows of A, not the largest rank's) into
+    this program's fp32 scratch; phase 2 sweeps the split's column blocks, acc = s Bt in fp32,
+    one read-modify-write of out per block. Splitting N over programs recomputes s per split
+    (A re-read from L2) in exchange for more programs in flight at small batch.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    rank = tl.load(rank_ptr + row)
+    a_off = tl.load(a_off_ptr + row)
+    b_off = tl.load(b_off_ptr + row)
+    scale = tl.load(scale_ptr + row)
+    x_row = x_ptr + row.to(tl.int64) * x_stride
+    out_row = out_ptr + row.to(tl.int64) * out_stride
+    s_row = s_ptr + (row.to(tl.int64) * tl.num_programs(1) + split) * CHUNK_R
+    n_begin = split * n_per_split
+    n_end = tl.minimum(N, n_begin + n_per_split)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    # A fresh output is written even for rank-0 rows (zeros): at least one chunk pass then.
+    chunks = tl.cdiv(rank, CHUNK_R)
+    if not ACCUMULATE:
+        chunks = tl.maximum(chunks, 1)
+    for c in range(0, chunks):
+        c0 = c * CHUNK_R
+        r_hi = tl.minimum(rank, c0 + CHUNK_R)
+        for r0 in range(c0, r_hi, BLOCK_R):
+            r_ok = r0 + offs_r < r_hi
+            a_rows = pool_ptr + a_off + (r0 + offs_r)[:, None] * K
+            s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = k0 + offs_k < K
+                xk = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                s += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
+            tl.store(s_row + (r0 - c0) + offs_r, s * scale, mask=r_ok)
+        tl.debug_barrier()  # phase 2 reads scratch written by other threads of this program
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            n_ok = n0 + offs_n < n_end
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for r0 in range(c0, r_hi, BLOCK_R):
+                r_ok = r0 + offs_r < r_hi
+                s = tl.load(s_row + (r0 - c0) + offs_r, mask=r_ok, other=0.0)
+                bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + (n0 + offs_n)[None, :],
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
+            if ACCUMULATE:
+                acc += tl.load(out_row + n0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            else:  # ranks above CHUNK_R: later chunks add to what the first one wrote
+                acc += tl.load(out_row + n0 + offs_n, mask=n_ok & (c > 0), other=0.0).to(tl.float32)
+            tl.store(out_row + n0 + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.debug_barrier()  # the next chunk overwrites the scratch
 
 
 def _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out) -> None:
@@ -125,4 +197,50 @@ def lora_gather(
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
-    raise NotImplementedError("the Triton lora_gather kernel is being written; use backend='torch'")
+    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _num_splits(rows: int, n: int, block_n: int, device: torch.device) -> int:
+    """Column splits per row so about two programs per SM are in flight."""
+    if device.type != "cuda":
+        return min(2, triton.cdiv(n, block_n))  # exercise the split path in the interpreter
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(n, block_n), triton.cdiv(2 * sms, rows)))
+
+
+def _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *, splits=None):
+    _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+        )
+    if pool.stride(0) != 1:
+        raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
+    if out is not None and out.stride(1) != 1:
+        raise ValueError(f"out must have unit stride along features (it is written in place); got strides {out.stride()}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    n = out_features
+    result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return result
+    block_n = 256 if x.is_cuda else 32
+    block_k = 256 if x.is_cuda else 32
+    splits = splits if splits is not None else _num_splits(rows, n, block_n, x.device)
+    n_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
+    splits = triton.cdiv(n, n_per_split)
+    scratch = torch.empty(rows * splits * MAX_RANK_CHUNK, dtype=torch.float32, device=x.device)
+    _lora_gather_kernel[(rows, splits)](
+        x, pool, a_offsets, b_offsets, ranks, scales, result, scratch,
+        k, n, x.stride(0), result.stride(0), n_per_split,
+        ACCUMULATE=out is not None, CHUNK_R=MAX_RANK_CHUNK, BLOCK_R=16, BLOCK_K=block_k, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return result

@@ -12,9 +12,106 @@ import math
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    layer, qk_scale, window, q_stride_b, q_stride_h, pt_stride,
+    stride_p, stride_l, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (row, kv head, split): the GROUP query heads of one kv head attend together to
+    the split's share of the row's tokens (each K/V tile is loaded once for the whole group).
+
+    Tokens are gathered through the page table one by one (token t: page t // PAGE, slot
+    t % PAGE), so any page size works with any BLOCK_T. Online softmax in fp32 (base 2, the
+    scale folded into ``qk_scale``). With SPLITS > 1 (flash-decoding) each program writes its
+    unnormalised output and (max, sum) for ``_combine_splits_kernel``.
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(len_ptr + row)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    share = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_T) * BLOCK_T
+    t_begin = lo + split * share
+    t_end = tl.minimum(seq_len, t_begin + share)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q_heads = head * GROUP + offs_g
+    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    kv_layer = kv_ptr + layer.to(tl.int64) * stride_l + head * stride_h
+    pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        t = t0 + offs_t
+        t_ok = t < t_end
+        page = tl.load(pt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        tok = kv_layer + page * stride_p + (t % PAGE) * stride_s
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T], log2 units
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(out_ptr + (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads[:, None]) * HEAD_DIM
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # partials [B, Hq, SPLITS, D] and [B, Hq, SPLITS, 2]; an empty split leaves m = -inf, l = 0
+        part = (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads) * SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row * Hq + query head): merge the splits' partial softmaxes (base 2)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < SPLITS
+    d_ok = offs_d < HEAD_DIM
+    m = tl.load(part_ml_ptr + (pid * SPLITS + offs_s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (pid * SPLITS + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+    m_all = tl.max(m, axis=0)  # finite: the first split always holds the newest tokens
+    w = tl.exp2(m - m_all)
+    o = tl.load(part_o_ptr + (pid * SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + pid * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _check_pool(kv_pool, layer) -> None:
@@ -132,7 +229,65 @@ def paged_decode_attention(
         return paged_decode_attention_reference(
             q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window
         )
-    raise NotImplementedError("the Triton decode-attention kernel is being written; use backend='torch'")
+    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
+    """Sequence splits per (row, kv head) so about two programs per SM are in flight."""
+    if device.type != "cuda":
+        return min(2, max_blocks)  # exercise the combine path in the interpreter
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_blocks, 64, triton.cdiv(2 * sms, programs)))
+
+
+def _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *, splits=None):
+    _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (q is on {q.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+        )
+    if kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("kv_pool and q must have unit stride along head_dim")
+    page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    b, hq, d = q.shape
+    _, _, _, page, hkv, _ = kv_pool.shape
+    group = hq // hkv
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    block_t = 64 if q.is_cuda else 16
+    max_tokens = page_table.shape[1] * page
+    if sliding_window is not None:
+        max_tokens = min(max_tokens, sliding_window)
+    if splits is None:
+        splits = _num_splits(b * hkv, triton.cdiv(max_tokens, block_t), q.device)
+    if splits > 1:
+        part_o = torch.empty(b * hq * splits * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b * hq * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
+    sp, sl, skv, ss, sh, _ = kv_pool.stride()
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, kv_pool, page_table, seq_lens, out, part_o, part_ml,
+        layer, scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
+        sp, sl, skv, ss, sh,
+        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(b * hq,)](
+            part_o, part_ml, out, HEAD_DIM=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+        )
+    return out
 
 
 def write_kv(
