@@ -213,7 +213,11 @@ def _num_splits(rows: int, n: int, block_n: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(n, block_n), triton.cdiv(2 * sms, rows)))
 
 
-def _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *, splits=None):
+def _lora_gather_triton(
+    x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
+    splits=None, block_n=None, block_k=None, block_r=16, num_warps=4,
+):
+    """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -231,8 +235,8 @@ def _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_featur
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    block_n = 256 if x.is_cuda else 32
-    block_k = 256 if x.is_cuda else 32
+    block_n = block_n or (256 if x.is_cuda else 32)
+    block_k = block_k or (256 if x.is_cuda else 32)
     splits = splits if splits is not None else _num_splits(rows, n, block_n, x.device)
     n_per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     splits = triton.cdiv(n, n_per_split)
@@ -240,7 +244,7 @@ def _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_featur
     _lora_gather_kernel[(rows, splits)](
         x, pool, a_offsets, b_offsets, ranks, scales, result, scratch,
         k, n, x.stride(0), result.stride(0), n_per_split,
-        ACCUMULATE=out is not None, CHUNK_R=MAX_RANK_CHUNK, BLOCK_R=16, BLOCK_K=block_k, BLOCK_N=block_n,
-        num_warps=4,
+        ACCUMULATE=out is not None, CHUNK_R=MAX_RANK_CHUNK, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return result

@@ -245,7 +245,11 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
     return max(1, min(max_blocks, 64, triton.cdiv(2 * sms, programs)))
 
 
-def _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *, splits=None):
+def _paged_decode_attention_triton(
+    q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
+    splits=None, block_t=None, num_warps=4, num_stages=2,
+):
+    """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -261,7 +265,7 @@ def _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scal
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    block_t = 64 if q.is_cuda else 16
+    block_t = block_t or (64 if q.is_cuda else 16)
     max_tokens = page_table.shape[1] * page
     if sliding_window is not None:
         max_tokens = min(max_tokens, sliding_window)
@@ -280,7 +284,7 @@ def _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scal
         GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(b * hq,)](
