@@ -31,7 +31,7 @@ def _paged_decode_kernel(
     layer, qk_scale, window, q_stride_b, q_stride_h, pt_stride,
     stride_p, stride_l, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (row, kv head, split): the GROUP query heads of one kv head attend together to
@@ -39,17 +39,19 @@ def _paged_decode_kernel(
 
     Tokens are gathered through the page table one by one (token t: page t // PAGE, slot
     t % PAGE), so any page size works with any BLOCK_T. Online softmax in fp32 (base 2, the
-    scale folded into ``qk_scale``). With SPLITS > 1 (flash-decoding) each program writes its
-    unnormalised output and (max, sum) for ``_combine_splits_kernel``.
+    scale folded into ``qk_scale``). With SPLIT (flash-decoding: the grid's third axis cuts each
+    row's tokens into equal shares) each program writes its unnormalised output and (max, sum)
+    for ``_combine_splits_kernel``; the split count is not a compile-time constant.
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
+    splits = tl.num_programs(2)
     seq_len = tl.load(len_ptr + row)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    share = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK_T) * BLOCK_T
+    share = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_T) * BLOCK_T
     t_begin = lo + split * share
     t_end = tl.minimum(seq_len, t_begin + share)
     offs_g = tl.arange(0, BLOCK_G)
@@ -82,12 +84,12 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     out_mask = g_ok[:, None] & d_ok[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l[:, None]
         tl.store(out_ptr + (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads[:, None]) * HEAD_DIM
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:  # partials [B, Hq, SPLITS, D] and [B, Hq, SPLITS, 2]; an empty split leaves m = -inf, l = 0
-        part = (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads) * SPLITS + split
+    else:  # partials [B, Hq, splits, D] and [B, Hq, splits, 2]; an empty split leaves m = -inf, l = 0
+        part = (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads) * splits + split
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
@@ -95,20 +97,20 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_o_ptr, part_ml_ptr, out_ptr, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program (row * Hq + query head): merge the splits' partial softmaxes (base 2)."""
     pid = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < SPLITS
+    s_ok = offs_s < splits
     d_ok = offs_d < HEAD_DIM
-    m = tl.load(part_ml_ptr + (pid * SPLITS + offs_s) * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (pid * SPLITS + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+    m = tl.load(part_ml_ptr + (pid * splits + offs_s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (pid * splits + offs_s) * 2 + 1, mask=s_ok, other=0.0)
     m_all = tl.max(m, axis=0)  # finite: the first split always holds the newest tokens
     w = tl.exp2(m - m_all)
-    o = tl.load(part_o_ptr + (pid * SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    o = tl.load(part_o_ptr + (pid * splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + pid * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -281,14 +283,14 @@ def _paged_decode_attention_triton(
         q, kv_pool, page_table, seq_lens, out, part_o, part_ml,
         layer, scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
         sp, sl, skv, ss, sh,
-        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLITS=splits,
+        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(b * hq,)](
-            part_o, part_ml, out, HEAD_DIM=d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            part_o, part_ml, out, splits, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
         )
     return out
