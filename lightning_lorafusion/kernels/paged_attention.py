@@ -28,8 +28,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    layer, qk_scale, window, q_stride_b, q_stride_h, pt_stride,
-    stride_p, stride_l, stride_kv, stride_s, stride_h,
+    qk_scale, window, q_stride_b, q_stride_h, pt_stride,
+    stride_p, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -65,13 +65,13 @@ def _paged_decode_kernel(
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    kv_layer = kv_ptr + layer.to(tl.int64) * stride_l + head * stride_h
+    kv_head = kv_ptr + head * stride_h  # kv_ptr: the layer's slice of the pool
     pt_row = pt_ptr + row.to(tl.int64) * pt_stride
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + offs_t
         t_ok = t < t_end
         page = tl.load(pt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        tok = kv_layer + page * stride_p + (t % PAGE) * stride_s
+        tok = kv_head + page * stride_p + (t % PAGE) * stride_s
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -278,11 +278,12 @@ def _paged_decode_attention_triton(
         part_ml = torch.empty(b * hq * splits * 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
-    sp, sl, skv, ss, sh, _ = kv_pool.stride()
+    kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D] view: the pointer carries the offset
+    sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_decode_kernel[(b, hkv, splits)](
-        q, kv_pool, page_table, seq_lens, out, part_o, part_ml,
-        layer, scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
-        sp, sl, skv, ss, sh,
+        q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
+        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
+        sp, skv, ss, sh,
         GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
