@@ -44,21 +44,20 @@ FAILED: list[str] = []  # bf16 checks that failed (reported last; timing still r
 ROTATE = {"bytes": 256 << 20}  # data touched per timed call, ~5x the L2 (tiny under --smoke)
 LORA_CONFIGS = {  # launcher knobs of lora_gather; "auto" = the defaults
     "auto": {},
-    "n128": {"block_n": 128},
-    "n512": {"block_n": 512},
     "k128": {"block_k": 128},
     "k512": {"block_k": 512},
-    "r32": {"block_r": 32},
+    "n128": {"block_n": 128},
+    "n512": {"block_n": 512},
+    "r16": {"block_r": 16},
+    "r64": {"block_r": 64},
     "w8": {"num_warps": 8},
-    "split1": {"splits": 1},
-    "split_x2": {"splits": "x2"},
 }
 ATTN_CONFIGS = {
     "auto": {},
     "t32": {"block_t": 32},
     "t128": {"block_t": 128},
     "w8": {"num_warps": 8},
-    "st3": {"num_stages": 3},
+    "st2": {"num_stages": 2},
     "split1": {"splits": 1},
     "split_half": {"splits": "half"},
     "split_x2": {"splits": "x2"},
@@ -169,17 +168,9 @@ def make_lora_set(n_adapters, k, n, rows, device, gen, zero_rows=0):
     return s
 
 
-def lora_knobs(cfg, rows, n, device):
-    knobs = dict(LORA_CONFIGS[cfg])
-    if knobs.get("splits") == "x2":
-        block_n = 256 if device.type == "cuda" else 32
-        knobs["splits"] = 2 * lg._num_splits(rows, n, block_n, device)
-    return knobs
-
-
 def run_ours(s, n, y, cfg):
-    knobs = lora_knobs(cfg, s["x"].shape[0], n, s["x"].device)
-    return lg._lora_gather_triton(s["x"], s["pool"], s["a_off"], s["b_off"], s["ranks"], s["scales"], n, y, **knobs)
+    return lg._lora_gather_triton(s["x"], s["pool"], s["a_off"], s["b_off"], s["ranks"], s["scales"], n, y,
+                                  **LORA_CONFIGS[cfg])
 
 
 def run_loop(s, y):

@@ -249,7 +249,7 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
-    splits=None, block_t=None, num_warps=4, num_stages=2,
+    splits=None, block_t=None, num_warps=4, num_stages=3,
 ):
     """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
