@@ -70,6 +70,8 @@ def test_local_files_of_every_format_read_like_jsonl(tmp_path, smollm2_tokenizer
     write_jsonl(tmp_path / "shards" / "part-0.jsonl", PC_ROWS[:2])
     write_jsonl(tmp_path / "shards" / "part-1.jsonl", PC_ROWS[2:])
     assert build_source(hf(tmp_path / "shards" / "part-*.jsonl", tmp_path), tok) == reference
+    # a directory of data files: datasets infers the format
+    assert build_source(hf(tmp_path / "shards", tmp_path), tok) == reference
 
 
 def test_saved_dataset_dict_splits_and_split_slices(tmp_path, word_tokenizer):
