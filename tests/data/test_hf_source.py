@@ -4,9 +4,9 @@ chat rows, and its config errors. Reference: the same rows read by the `jsonl` k
 from __future__ import annotations
 
 import gzip
-import json
 
 import pytest
+from test_sources import PC_ROWS, label_text, write_jsonl
 
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX
 from lightning_lorafusion.data.sources import build_source, parse_source
@@ -15,12 +15,6 @@ from lightning_lorafusion.specs import ConfigError
 
 datasets = pytest.importorskip("datasets")
 
-PC_ROWS = [
-    {"prompt": "Q: capital of France?\nA:", "completion": " Paris."},
-    {"prompt": "Q: two plus three?\nA:", "completion": " Five."},
-    {"prompt": "Q: colour of the sky?\nA:", "completion": " Blue."},
-    {"prompt": "Q: opposite of hot?\nA:", "completion": " Cold."},
-]
 CHAT_ROWS = [
     {"messages": [
         {"role": "system", "content": "Be brief."},
@@ -34,15 +28,6 @@ CHAT_ROWS = [
         {"role": "assistant", "content": "Teal."},
     ]},
 ]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def label_text(tok, sample):
-    return tok.decode([t for t in sample.labels if t != IGNORE_INDEX])
 
 
 def hf(path, tmp_path, **keys):
