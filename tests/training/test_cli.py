@@ -145,7 +145,9 @@ def test_user_errors_are_one_line(tiny_model_dir, tmp_path, case):
     else:
         args = ["fit", "--config", _jsonl_config(tmp_path, tiny_model_dir)]
         message = "train.jsonl line 2 is not valid JSON"
-    out = run_cli([*args, "--trainer.default_root_dir", str(tmp_path / "run")], tmp_path)
+    # the second case through `python -m lightning_lorafusion.cli`: same exit status there
+    command = None if case == "missing model" else PYTHON_MODULE
+    out = run_cli([*args, "--trainer.default_root_dir", str(tmp_path / "run")], tmp_path, command=command)
     assert_one_error_line(out, message)
 
 
@@ -174,13 +176,15 @@ def in_process(tmp_path, monkeypatch):
 def test_fit_warns_nothing_inapplicable_and_refuses_a_resume_that_does_not_fit(
     tiny_model_dir, tmp_path, in_process, capsys
 ):
-    ckpt_dir = tmp_path / "ck"
-    args = ["fit", "--config", TINY, "--model.base_model", tiny_model_dir,
-            "--trainer.default_root_dir", str(tmp_path / "run"),
-            # every step: Lightning's manual-optimization checkpoint warning would fire each time
-            "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=1",
-            "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={ckpt_dir}",
-            "--trainer.callbacks.filename={step}"]
+    def fit_args(name):
+        return ["fit", "--config", TINY, "--model.base_model", tiny_model_dir,
+                "--trainer.default_root_dir", str(tmp_path / name),
+                # every step: Lightning's manual-optimization checkpoint warning would fire each time
+                "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=1",
+                "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={tmp_path / name / 'ck'}",
+                "--trainer.callbacks.filename={step}"]
+
+    args = fit_args("run")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.filterwarnings("error", module="lightning_lorafusion")  # ours: none at all
@@ -190,8 +194,8 @@ def test_fit_warns_nothing_inapplicable_and_refuses_a_resume_that_does_not_fit(
     assert (tmp_path / "run" / "adapters" / "xsum" / "adapter_config.json").is_file()
     capsys.readouterr()
     # step=1 is inside epoch 0: its plan was made for capacity 128, not 64
-    code = in_process([*args, "--trainer.default_root_dir", str(tmp_path / "resumed"),
-                       "--data.capacity", "64", "--ckpt_path", str(ckpt_dir / "step=1.ckpt")])
+    code = in_process([*fit_args("resumed"), "--data.capacity", "64",
+                       "--ckpt_path", str(tmp_path / "run" / "ck" / "step=1.ckpt")])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1, err[-3000:]
