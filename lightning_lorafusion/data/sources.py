@@ -386,7 +386,12 @@ class HfSource:
             location = self.path
         local = Path(location).expanduser()
         if local.is_dir() and ((local / "dataset_dict.json").is_file() or (local / "state.json").is_file()):
-            saved = datasets.load_from_disk(str(local))
+            try:
+                saved = datasets.load_from_disk(str(local))
+            except Exception as err:  # a damaged directory: datasets/pyarrow raise their own types
+                raise ConfigError(
+                    f"{where}: cannot load the saved dataset {location!r}: {type(err).__name__}: {err}"
+                ) from err
             if isinstance(saved, datasets.DatasetDict):
                 key = wanted or HF_SPLIT_NAMES[run_split]
                 if key not in saved:
