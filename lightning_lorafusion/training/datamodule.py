@@ -276,6 +276,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
+            self._check_restored_plan(plan, lengths)
         else:
             plan = self._plan(epoch, lengths, self.packing.capacity, self.planner)
             log.info(
@@ -290,6 +291,26 @@ class MultiAdapterDataModule(L.LightningDataModule):
             denominators=denominators,
             step_adapters=plan.step_adapters(),
         )
+
+    def _check_restored_plan(self, plan: Plan, lengths) -> None:
+        """A checkpoint saved mid-epoch resumes that epoch's plan: it must fit this run's data."""
+        from ..planner.verify import verify_plan
+
+        problems = []
+        if (plan.capacity, plan.pad_multiple) != (self.packing.capacity, self.packing.pad_multiple):
+            problems.append(
+                f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
+                f"{plan.pad_multiple}; this run has {self.packing.capacity}, {self.packing.pad_multiple}"
+            )
+        problems += verify_plan(plan, lengths)
+        if problems:
+            raise ConfigError(
+                f"the checkpoint stopped inside epoch {self.epoch}, but its plan for that epoch does "
+                f"not match this run's data ({problems[0]}"
+                + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
+                + "); resume with the data settings the checkpoint was saved with (datasets, "
+                "max_length, capacity, pad_multiple, devices), or start without --ckpt_path"
+            )
 
     def _replica_shards(self, lookup: SampleLookup, lengths) -> tuple[SampleLookup, list]:
         """This replica's share of every global batch, and the slot lengths to plan (replica

@@ -384,12 +384,29 @@ class LoRAFusionModule(L.LightningModule):
             raise ConfigError(
                 f"checkpoint holds adapters {state['adapter_names']} but the config lists {names}"
             )
+        self._check_checkpoint_shapes(checkpoint.get("state_dict", {}))
         # Trainer._run_stage zeroes all grads after restoring; re-apply them in on_train_start.
         self._restored_grads = state["grads"]
         self._gb_loss = state["gb_loss"].clone()
         self._gb_tokens = state["gb_tokens"].clone()
         self.steps_taken = list(state["steps_taken"])
         self._nonfinite_streak = list(state["nonfinite_streak"])
+
+    def _check_checkpoint_shapes(self, saved: dict[str, torch.Tensor]) -> None:
+        """Name the adapter whose rank or targets changed, before a strict load fails on it."""
+        own = self.state_dict()
+        for key, tensor in saved.items():
+            if key in own and tuple(tensor.shape) != tuple(own[key].shape):
+                # bank keys: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
+                parts = key.split(".")
+                where = key
+                if parts[:2] == ["bank", "adapters"] and parts[2].isdigit():
+                    where = f"adapter {self.adapter_specs[int(parts[2])].name!r} {'.'.join(parts[3:])}"
+                raise ConfigError(
+                    f"checkpoint does not match the config: {where} has shape "
+                    f"{tuple(tensor.shape)} in the checkpoint but {tuple(own[key].shape)} in this run "
+                    "(rank changed?); resume with the adapter settings it was saved with"
+                )
 
     def on_fit_start(self) -> None:
         # data.capacity=auto is profiled here: the model is on its device, no loader exists yet
