@@ -53,8 +53,9 @@ def adapter_dirs(model_dir, tmp_path_factory):
 def make_engine(model_dir, adapter_dirs):
     engines = []
 
-    def make(**config) -> Engine:
-        engine = Engine.from_pretrained(str(model_dir), adapter_dirs, EngineConfig(**config), device="cpu",
+    def make(with_adapters: bool = True, **config) -> Engine:
+        adapters = adapter_dirs if with_adapters else None
+        engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(**config), device="cpu",
                                         dtype=torch.float32)
         engines.append(engine)
         return engine
