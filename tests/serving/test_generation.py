@@ -187,3 +187,61 @@ def test_abort(make_engine):
     while engine.stats()["running"]:
         engine.step()
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def _write_family(path, family):
+    """A tiny random Qwen2 (q/k/v biases) or Mistral (sliding window 6) directory with the
+    word-level tokenizer of ``write_random_llama``."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from lightning_lorafusion.model.random_model import write_random_llama
+
+    write_random_llama(path, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=2, eos_token_id=3)
+    cfg = (Qwen2Config(**common) if family == "qwen2"
+           else MistralConfig(sliding_window=6, **common))
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.15) if p.dim() > 1 or name.endswith("bias") else p.fill_(1.0)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_equal_hf_peft(tmp_path, family):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import write_random_peft_adapter
+
+    model_dir = _write_family(tmp_path / family, family)
+    adapters = {"a": write_random_peft_adapter(model_dir, tmp_path / "a", rank=3, alpha=6.0,
+                                               targets=["q_proj", "k_proj", "v_proj", "down_proj"], seed=1),
+                "b": write_random_peft_adapter(model_dir, tmp_path / "b", rank=5, alpha=5.0,
+                                               targets=["o_proj", "up_proj"], seed=2)}
+    engine = Engine.from_pretrained(str(model_dir), {k: str(v) for k, v in adapters.items()},
+                                    EngineConfig(num_pages=64, page_size=4), device="cpu")
+    cases = [([5, 9, 17, 30, 2, 44, 8, 12], "a"), ([11, 4, 30], "b"), ([7, 13, 21, 33, 45], None)]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)  # prompt + 8 tokens > window 6
+    results = engine.generate(_requests(cases, sp))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, adapters["a"], adapter_name="a")
+    peft_model.load_adapter(adapters["b"], adapter_name="b")
+    for (prompt, adapter), res in zip(cases, results):
+        ids = torch.tensor([prompt])
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                      pad_token_id=0)
+        with torch.no_grad():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    out = peft_model.generate(**kwargs)
+            else:
+                peft_model.set_adapter(adapter)
+                out = peft_model.generate(**kwargs)
+        assert list(res.token_ids) == out[0, len(prompt):].tolist(), (family, adapter)
