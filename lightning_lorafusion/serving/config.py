@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # prefill + decode tokens per step (one longer prompt may run alone)
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
+    decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     seed: int = 0  # seeds the per-request generators of requests that give no seed
@@ -45,8 +46,10 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} (every running request decodes one token per step)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"EngineConfig.max_model_len={self.max_model_len} must be >= 2")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"EngineConfig.backend={self.backend!r}; allowed: {BACKENDS}")
+        for name in ("backend", "decode_backend"):
+            value = getattr(self, name)
+            if value not in BACKENDS and not (name == "decode_backend" and value is None):
+                raise ConfigError(f"EngineConfig.{name}={value!r}; allowed: {BACKENDS}")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:

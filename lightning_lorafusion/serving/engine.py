@@ -16,7 +16,7 @@ import torch
 from ..model.decoder import DecoderConfig
 from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
-from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, load_peft_adapter
+from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
 from .pool import UnifiedPool
@@ -63,7 +63,8 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefetch_depth=config.prefetch_depth,
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages))
-        self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend)
+        self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
+                                  decode_backend=config.decode_backend)
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
         self._states: dict[str, RequestState] = {}  # every unfinished request
@@ -105,6 +106,19 @@ class Engine:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         adapter = load_peft_adapter(name, path, self.model_config, dtype=self.dtype,
                                     pin=self.device.type == "cuda")
+        return self._register(adapter)
+
+    def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                            *, rank: int, alpha: float) -> AdapterInfo:
+        """Register an adapter from tensors: ``factors[(layer, module)] = (lora_A [r, in],
+        lora_B [out, r])`` for every layer of each targeted module (e.g. from a training
+        checkpoint's adapter bank); copied to host memory like ``add_adapter``."""
+        with self._lock:
+            if name in self._adapters:
+                raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
+        on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
+        adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
+                                            dtype=self.dtype, pin=self.device.type == "cuda")
         return self._register(adapter)
 
     def _register(self, adapter: HostAdapter) -> AdapterInfo:
@@ -292,7 +306,7 @@ class Engine:
                 if state.first_scheduled is None:
                     state.first_scheduled = now
                     self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
-            with torch.inference_mode():
+            with torch.no_grad():
                 self._run(plan.prefill + plan.decode, plan, events)
             self._counters["steps_total"] += 1
             return events

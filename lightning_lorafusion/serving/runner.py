@@ -56,12 +56,13 @@ class ModelRunner:
     """Runs the functional decoder's weights over a ``StepBatch``; owns no request state."""
 
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", decode_backend: str | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
-        cuda = self.device.type == "cuda"
-        self.lora_backend = backend if backend != "auto" else ("triton" if cuda else "torch")
-        self.kernel_backend = self.lora_backend
+        auto = "triton" if self.device.type == "cuda" else "torch"
+        self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        decode_backend = decode_backend or backend
+        self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
 
     # ------------------------------------------------------------------ inputs
 
