@@ -207,7 +207,10 @@ class ModelRunner:
             parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
                                                  sliding_window=window, max_seqlen=batch.max_prefill_len))
         if tp < t:
-            parts.append(paged_decode_attention(q[tp:], self.pool.kv, layer, batch.page_table, batch.seq_lens,
+            # the layer's slice as a one-layer pool: the Triton launcher would turn a layer index
+            # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+            kv_layer = self.pool.kv[:, layer:layer + 1]
+            parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
                                                 scale=scale, sliding_window=window,
                                                 backend=self.kernel_backend))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
