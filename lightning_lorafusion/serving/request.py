@@ -16,8 +16,6 @@ from .detokenize import IncrementalDetokenizer
 from .pool import ResidentAdapter
 from .sampling import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 def _new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"

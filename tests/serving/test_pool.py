@@ -13,7 +13,7 @@ from lightning_lorafusion.serving import GenerationRequest, SamplingParams, Unkn
 from lightning_lorafusion.serving.adapters import HostAdapter
 from lightning_lorafusion.serving.pool import UnifiedPool
 
-from test_generation import CASES, GREEDY, _requests
+from test_generation import CASES, _requests
 
 
 def test_small_pool_evicts_and_pages_back_in_without_changing_outputs(make_engine):
