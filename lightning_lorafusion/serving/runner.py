@@ -1,0 +1,240 @@
+"""The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
+
+Rows of a step: first every prefill request's tokens (positions from 0), then one token per
+decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
+multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
+through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
+Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
+cached pages (``paged_decode_attention``); both write their keys and values into the pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.api import lora_projections
+from ..kernels.lora_gather import lora_gather
+from ..kernels.paged_attention import paged_decode_attention, write_kv
+from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..model.attention import varlen_causal_attention
+from ..model.decoder import DecoderConfig, apply_rope, embed, rms_norm, rope_cos_sin
+from ..specs import ALL_TARGET_MODULES
+from .pool import ResidentAdapter, UnifiedPool
+from .request import RequestState
+
+_MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
+
+
+@dataclass
+class StepBatch:
+    """Device-side inputs of one step (built by ``ModelRunner.prepare``)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_pages: torch.Tensor  # [T] page of each row's KV
+    slot_offsets: torch.Tensor  # [T] slot inside that page
+    num_prefill_rows: int
+    cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
+    max_prefill_len: int
+    prefill_routing: LoraRouting | None
+    prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
+    page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
+    seq_lens: torch.Tensor | None  # [B] int32
+    decode_offsets: torch.Tensor | None  # [L, modules, 2, B] int64 element offsets of A and B^T
+    decode_ranks: torch.Tensor | None  # [modules, B] int32 (0 = no LoRA on that row/module)
+    decode_scales: torch.Tensor | None  # [B] fp32
+    decode_modules: frozenset[str]  # modules some decode row adapts
+    spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
+    output_rows: torch.Tensor  # [R] rows of the step whose hidden states are returned
+
+
+class ModelRunner:
+    """Runs the functional decoder's weights over a ``StepBatch``; owns no request state."""
+
+    def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
+                 backend: str = "auto", decode_backend: str | None = None) -> None:
+        self.config, self.params, self.pool = config, params, pool
+        self.device = pool.device
+        auto = "triton" if self.device.type == "cuda" else "torch"
+        self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        decode_backend = decode_backend or backend
+        self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
+
+    # ------------------------------------------------------------------ inputs
+
+    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
+        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed all their
+        tokens from position 0; decode requests feed their newest token."""
+        s = self.pool.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_pages: list[int] = []
+        spans: list[tuple[int, int]] = []
+        out_rows: list[int] = []
+        segments: list[tuple[int, int, int]] = []
+        local: dict[int, int] = {}  # adapter key -> index in the prefill routing
+        residents: list[ResidentAdapter] = []
+        cu = [0]
+        for state in prefill:
+            toks = state.all_ids
+            start = len(ids)
+            ids += toks
+            pos += range(len(toks))
+            slot_pages += [state.pages[p // s] for p in range(len(toks))]
+            cu.append(len(ids))
+            if state.resident is not None:
+                key = state.adapter.key
+                if key not in local:
+                    local[key] = len(residents)
+                    residents.append(state.resident)
+                segments.append((start, len(ids), local[key]))
+            first_out = start if state.wants_prompt_logprobs else len(ids) - 1
+            spans.append((len(out_rows), len(out_rows) + len(ids) - first_out))
+            out_rows += range(first_out, len(ids))
+        n_prefill = len(ids)
+        for state in decode:
+            p = state.num_tokens - 1
+            ids.append(state.last_token)
+            pos.append(p)
+            slot_pages.append(state.pages[p // s])
+            spans.append((len(out_rows), len(out_rows) + 1))
+            out_rows.append(len(ids) - 1)
+
+        dev = self.device
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        positions = torch.tensor(pos, dtype=torch.int64)
+        batch = StepBatch(
+            input_ids=tensor(ids), positions=positions.to(dev, non_blocking=True),
+            slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
+            num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
+            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+            prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
+            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
+            spans=spans, output_rows=tensor(out_rows),
+        )
+        if segments:
+            batch.prefill_routing = LoraRouting(
+                num_rows=len(ids), segments=tuple(segments),
+                scales=tuple(r.adapter.scale for r in residents), dropout_p=(0.0,) * len(residents),
+                seeds=(0,) * len(residents))
+            batch.prefill_loras = self._bank_view(residents)
+        if decode:
+            self._prepare_decode(batch, decode)
+        self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
+        return batch
+
+    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
+        dev, cfg = self.device, self.config
+        max_pages = max(len(st.pages) for st in decode)
+        table = torch.zeros(len(decode), max_pages, dtype=torch.int32)
+        for i, st in enumerate(decode):
+            table[i, :len(st.pages)] = torch.tensor(st.pages, dtype=torch.int32)
+        batch.page_table = table.to(dev, non_blocking=True)
+        batch.seq_lens = torch.tensor([st.num_tokens for st in decode], dtype=torch.int32).to(dev)
+        adapted = [st.resident for st in decode]
+        if all(r is None for r in adapted):
+            return
+        n_mod = len(ALL_TARGET_MODULES)
+        zeros_rel = torch.zeros(cfg.num_layers, n_mod, 2, dtype=torch.int64)
+        zeros_rank = torch.zeros(n_mod, dtype=torch.int32)
+        rel = torch.stack([zeros_rel if r is None else r.adapter.relative_offsets + r.offset for r in adapted])
+        ranks = torch.stack([zeros_rank if r is None else r.adapter.module_ranks for r in adapted])
+        batch.decode_offsets = rel.permute(1, 2, 3, 0).contiguous().to(dev, non_blocking=True)
+        batch.decode_ranks = ranks.t().contiguous().to(dev, non_blocking=True)
+        batch.decode_scales = torch.tensor([0.0 if r is None else r.adapter.scale for r in adapted],
+                                           dtype=torch.float32).to(dev, non_blocking=True)
+        batch.decode_modules = frozenset(m for r in adapted if r is not None for m in r.adapter.target_modules)
+
+    def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
+        """Views into the pool of the prefill adapters' factors, as the segment kernels take them
+        (``A [r, K]``, ``B [N, r]``, the latter a transposed view of the stored ``B^T``)."""
+        flat = self.pool.storage
+        view: dict[tuple[int, str], LoraModuleWeights] = {}
+        for layer in range(self.config.num_layers):
+            for module in ALL_TARGET_MODULES:
+                a: list[torch.Tensor | None] = []
+                b: list[torch.Tensor | None] = []
+                for r in residents:
+                    slot = r.adapter.slots.get((layer, module))
+                    if slot is None:
+                        a.append(None)
+                        b.append(None)
+                        continue
+                    rank, off = r.adapter.rank, r.offset
+                    a.append(flat[off + slot.a:off + slot.a + rank * slot.in_features].view(rank, slot.in_features))
+                    b.append(flat[off + slot.b:off + slot.b + rank * slot.out_features]
+                             .view(rank, slot.out_features).t())
+                if any(t is not None for t in a):
+                    view[(layer, module)] = LoraModuleWeights(a=tuple(a), b=tuple(b))
+        return view
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
+        cfg, params = self.config, self.params
+        h = embed(params, batch.input_ids)
+        cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype)
+        for layer in range(cfg.num_layers):
+            h = self._layer(layer, params["layers"][layer], h, cos, sin, batch)
+        h = h.index_select(0, batch.output_rows)
+        return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
+        return F.linear(hidden, self.params["lm_head"]).float()
+
+    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        cfg = self.config
+        t, tp = h.shape[0], batch.num_prefill_rows
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = self._projections(x, lp, ("q_proj", "k_proj", "v_proj"), layer, batch)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
+        scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
+        parts = []
+        if tp:
+            parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
+                                                 sliding_window=window, max_seqlen=batch.max_prefill_len))
+        if tp < t:
+            # the layer's slice as a one-layer pool: the Triton launcher would turn a layer index
+            # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+            kv_layer = self.pool.kv[:, layer:layer + 1]
+            parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
+                                                scale=scale, sliding_window=window,
+                                                backend=self.kernel_backend))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        (o,) = self._projections(attn.reshape(t, cfg.q_size), lp, ("o_proj",), layer, batch)
+        h = h + o
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        g, u = self._projections(x, lp, ("gate_proj", "up_proj"), layer, batch)
+        (d,) = self._projections(F.silu(g) * u, lp, ("down_proj",), layer, batch)
+        return h + d
+
+    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], names: tuple[str, ...], layer: int,
+                     batch: StepBatch) -> list[torch.Tensor]:
+        weights = [lp[n]["weight"] for n in names]
+        biases = [lp[n].get("bias") for n in names]
+        loras = [batch.prefill_loras.get((layer, n)) for n in names]
+        ys = lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+        tp = batch.num_prefill_rows
+        if batch.decode_offsets is not None:
+            xd = x[tp:]
+            for n, y in zip(names, ys):
+                if n not in batch.decode_modules:
+                    continue
+                m = _MODULE_INDEX[n]
+                lora_gather(xd, self.pool.storage, batch.decode_offsets[layer, m, 0],
+                            batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales,
+                            y.shape[1], out=y[tp:], backend=self.kernel_backend)
+        return ys
