@@ -85,8 +85,11 @@ def run(argv: list[str] | None = None) -> int:
         print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, config=server_cfg, store=store)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+    finally:
+        engine.close()
     return 0
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +78,15 @@ class _EngineCollector:
     _COUNTERS = (("generated_tokens_total", "lorafusion_generated_tokens", "Tokens generated (rate = tokens/s)"),
                  ("prompt_tokens_total", "lorafusion_prompt_tokens", "Prompt tokens prefilled"),
                  ("requests_total", "lorafusion_engine_requests", "Requests the engine accepted"),
-                 ("adapter_page_ins_total", "lorafusion_adapter_page_ins", "Adapters copied host -> device pool"))
+                 ("adapter_page_ins_total", "lorafusion_adapter_page_ins", "Adapters copied host -> device pool"),
+                 ("adapter_evictions_total", "lorafusion_adapter_evictions", "Adapters evicted from the device pool"),
+                 ("preemptions_total", "lorafusion_preemptions", "Requests preempted for KV pages"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
+               ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),
                ("adapters_resident", "lorafusion_adapters_resident", "Adapters resident in the device pool"),
                ("kv_pages_used", "lorafusion_kv_pages_used", "KV-cache pages in use"),
-               ("kv_pages_total", "lorafusion_kv_pages_total", "KV-cache pages in the pool"))
+               ("kv_pages_total", "lorafusion_kv_pages_total", "Pages in the pool (KV and adapters)"))
 
     def __init__(self, engine: Any):
         self._engine = engine
@@ -95,8 +99,6 @@ class _EngineCollector:
         for key, name, doc in self._GAUGES:
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=stats[key])
-        yield GaugeMetricFamily("lorafusion_adapters_loaded", "Adapters loaded (host memory)",
-                                value=len(self._engine.adapters()))
 
 
 class _Metrics:
@@ -129,15 +131,17 @@ class _Server:
 
         self.engine, self.config, self.store = engine, config, store
         self._GenerationRequest, self._SamplingParams = GenerationRequest, SamplingParams
-        self.model_name = config.served_model_name or getattr(engine, "model_name", None) or "base"
+        self.model_name = config.served_model_name or "base"
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
-        self.vocab_size = int(engine.vocab_size)
+        self.vocab_size = int(engine.model_config.vocab_size)
         self.metrics = _Metrics(engine)
         self.in_flight: set[str] = set()  # engine request ids submitted by this app and not finished
         self.closing = False
         self.started = oa.now()
         self._rescan_task: asyncio.Task | None = None
+        # engine.generate calls (echo scoring) block a thread each while the engine loop works
+        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="lorafusion-generate")
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -153,11 +157,15 @@ class _Server:
             self.closing = True
             if self._rescan_task is not None:
                 self._rescan_task.cancel()
-            # uvicorn has waited for open requests (timeout_graceful_shutdown); cancel what is left
+            # uvicorn has let open requests finish (timeout_graceful_shutdown): cancel the rest,
+            # and give their handlers a moment to see the abort
             for rid in list(self.in_flight):
                 self.engine.abort(rid)
-            if hasattr(self.engine, "shutdown"):
-                await asyncio.to_thread(self.engine.shutdown)
+            for _ in range(100):
+                if not self.in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _rescan_forever(self) -> None:
         while True:
@@ -172,8 +180,7 @@ class _Server:
     def authorize(self, request: Request) -> None:
         if self.config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
             raise oa.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -204,11 +211,12 @@ class _Server:
         raise oa.model_not_found(model)
 
     def admit(self, count: int) -> None:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
         if self.closing:
-            raise oa.APIError(503, "the server is shutting down", headers={"Retry-After": str(self.config.retry_after_s)})
+            raise oa.APIError(503, "the server is shutting down", headers=retry)
         if len(self.in_flight) + count > self.config.max_pending_requests:
-            raise oa.APIError(503, f"the server is overloaded ({len(self.in_flight)} requests in flight); retry later",
-                              code="server_overloaded", headers={"Retry-After": str(self.config.retry_after_s)})
+            raise oa.APIError(503, f"the server is overloaded ({len(self.in_flight)} requests in flight); "
+                                   "retry later", code="server_overloaded", headers=retry)
 
     def check_prompt(self, prompt: oa.Prompt) -> None:
         limit = min(self.config.max_prompt_tokens or self.max_model_len, self.max_model_len)
@@ -217,27 +225,34 @@ class _Server:
                               param="prompt", code="context_length_exceeded")
 
     def engine_request(self, prompt: oa.Prompt, adapter: str | None, sampling: dict) -> Any:
-        return self._GenerationRequest(prompt_token_ids=prompt.token_ids, adapter=adapter,
-                                       sampling=self._SamplingParams(**sampling), request_id=oa.new_id("req"))
+        try:
+            params = self._SamplingParams(**sampling)
+        except ConfigError as e:
+            raise oa.APIError(400, str(e)) from None
+        return self._GenerationRequest(prompt_token_ids=prompt.token_ids, adapter=adapter, sampling=params,
+                                       request_id=oa.new_id("req"))
+
+    def _engine_error(self, err: Exception, greq: Any) -> oa.APIError:
+        if isinstance(err, KeyError):  # UnknownAdapterError: removed between lookup and submit
+            return oa.model_not_found(greq.adapter or self.model_name)
+        return oa.APIError(400, str(err))  # ConfigError: e.g. a request that can never fit the pool
 
     async def events(self, greq: Any) -> AsyncIterator[Any]:
-        """The engine's token events of one request; leaving early (client gone, shutdown)
-        aborts it so its pages are freed."""
+        """The engine's token events of one request. Leaving early (client gone, shutdown)
+        closes the engine's stream, which aborts the request and frees its pages."""
         rid = greq.request_id
         self.in_flight.add(rid)
-        finished = False
         stream = self.engine.stream(greq)
         try:
+            try:
+                first = await anext(stream)
+            except (KeyError, ConfigError) as e:
+                raise self._engine_error(e, greq) from None
+            yield first
             async for event in stream:
-                if event.finish_reason is not None:
-                    finished = True
                 yield event
-        except KeyError as e:  # the adapter was removed between lookup and submit
-            raise oa.model_not_found(greq.adapter or self.model_name) from e
         finally:
             self.in_flight.discard(rid)
-            if not finished:
-                self.engine.abort(rid)
             await stream.aclose()
 
     async def collect(self, greq: Any) -> oa.ChoiceOutput:
@@ -246,18 +261,70 @@ class _Server:
             out.add(event)
         return out
 
+    async def generate(self, greqs: list) -> list[oa.ChoiceOutput]:
+        """Whole results through ``engine.generate`` (the only way to the prompt's logprobs),
+        run by the engine's background loop while a worker thread waits; cancelling aborts."""
+        ids = [g.request_id for g in greqs]
+        self.in_flight.update(ids)
+        self.engine.start()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.generate, greqs)
+        except (KeyError, ConfigError) as e:
+            raise self._engine_error(e, greqs[0]) from None
+        except asyncio.CancelledError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            self.in_flight.difference_update(ids)
+        return [oa.ChoiceOutput.from_result(r) for r in results]
 
-def _scoring_only(max_tokens: int) -> bool:
-    return max_tokens == 0
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work``; if the client goes away first, cancel it (aborting its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise oa.APIError(499, "client closed the request") from None
+        raise
+    finally:
+        watcher.cancel()
 
 
-async def _watch_disconnect(request: Request, task: asyncio.Future) -> None:
-    """Cancel ``task`` (which aborts its engine requests) when the client goes away."""
-    while not task.done():
-        if await request.is_disconnected():
-            task.cancel()
-            return
-        await asyncio.sleep(0.25)
+async def _open_streams(request: Request, srv: _Server, greqs: list) -> list[AsyncIterator[Any]]:
+    """Submit every choice and wait for its first event before answering 200, so that engine
+    refusals become HTTP errors instead of an error inside an event stream."""
+    streams = [srv.events(g) for g in greqs]
+    firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        await _unless_disconnected(request, asyncio.gather(*firsts))
+    except BaseException:  # one refused, or the client left: close them all (aborting the others)
+        for f in firsts:
+            f.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
+    return [_prepend(f.result(), s) for f, s in zip(firsts, streams)]
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
 
 
 def create_app(engine: Any, *, config: ServerConfig | None = None, store: AdapterStore | None = None) -> FastAPI:
@@ -329,13 +396,17 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
                 # the engine always generates >= 1 token: scoring only (max_tokens=0) drops it
                 kwargs = oa.sampling_kwargs(req, max_new_tokens=max(max_tokens, 1), choice=j, logprobs=req.logprobs,
                                             prompt_logprobs=req.echo and req.logprobs is not None)
-                plans.append((p_i * req.n + j, prompt, srv.engine_request(prompt, adapter, kwargs),
-                              _scoring_only(max_tokens)))
+                plans.append((p_i * req.n + j, prompt, srv.engine_request(prompt, adapter, kwargs), max_tokens == 0))
         srv.admit(len(plans))
         rid, created = oa.new_id("cmpl"), oa.now()
+        greqs = [plan[2] for plan in plans]
         if req.stream:
-            return _sse(_stream_completion(srv, req, plans, rid, created))
-        outs = await _gather(request, srv, [plan[2] for plan in plans])
+            streams = await _open_streams(request, srv, greqs)
+            return _sse(_stream_completion(srv, req, plans, streams, rid, created))
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs come with whole results only
+            outs = await _unless_disconnected(request, srv.generate(greqs))
+        else:
+            outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
         choices, completion_tokens = [], 0
         for (index, prompt, _, score_only), out in zip(plans, outs):
             if score_only:
@@ -370,8 +441,9 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         srv.admit(len(greqs))
         rid, created = oa.new_id("chatcmpl"), oa.now()
         if req.stream:
-            return _sse(_stream_chat(srv, req, prompt, greqs, rid, created))
-        outs = await _gather(request, srv, greqs)
+            streams = await _open_streams(request, srv, greqs)
+            return _sse(_stream_chat(srv, req, prompt, streams, rid, created))
+        outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
         choices = [oa.chat_choice(j, out, srv.tokenizer, logprobs=req.logprobs) for j, out in enumerate(outs)]
         return oa.chat_response(request_id=rid, model=req.model, created=created, choices=choices,
                                 prompt_tokens=len(prompt.token_ids) * req.n,
@@ -443,43 +515,45 @@ class _CountRequests:
             self.metrics.observe(endpoint, status, started)
 
 
-async def _gather(request: Request, srv: _Server, greqs: list) -> list[oa.ChoiceOutput]:
-    """Run the choices concurrently (they share engine batches); a client that disconnects
-    cancels them, which aborts them in the engine."""
-    task = asyncio.ensure_future(asyncio.gather(*(srv.collect(g) for g in greqs)))
-    watcher = asyncio.create_task(_watch_disconnect(request, task))
-    try:
-        return await task
-    except asyncio.CancelledError:
-        raise oa.APIError(499, "client closed the request") from None
-    finally:
-        watcher.cancel()
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed when sending stops (a client that
+    went away included), so the engine requests behind it are aborted at once."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStreamResponse(chunks)
 
 
-async def _merged(srv: _Server, greqs: list) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, event) of several requests as they come; closing it aborts the rest."""
-    if len(greqs) == 1:
-        async for event in srv.events(greqs[0]):
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, event) of several event streams as they come; closing it closes them all
+    (which aborts what is unfinished)."""
+    if len(streams) == 1:
+        async for event in streams[0]:
             yield 0, event
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, greq: Any) -> None:
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
         try:
-            async for event in srv.events(greq):
+            async for event in stream:
                 await queue.put((i, event))
-        except Exception as e:  # surfaced to the consumer
+        except Exception as e:  # handed to the consumer
             await queue.put((i, e))
         finally:
             await queue.put((i, done))
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(greqs)]
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -496,13 +570,13 @@ async def _merged(srv: _Server, greqs: list) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, rid: str,
+async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, streams: list, rid: str,
                              created: int) -> AsyncIterator[bytes]:
     include_usage = req.include_usage_in_stream()
     offsets = [0] * len(plans)
     generated = 0
     try:
-        async for i, event in _merged(srv, [p[2] for p in plans]):
+        async for i, event in _merged(streams):
             if event.token_id is not None:
                 generated += 1
             if not event.text and event.finish_reason is None and (req.logprobs is None or event.token_id is None):
@@ -523,7 +597,7 @@ async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: lis
     yield oa.SSE_DONE
 
 
-async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt, greqs: list, rid: str,
+async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt, streams: list, rid: str,
                        created: int) -> AsyncIterator[bytes]:
     include_usage = req.include_usage_in_stream()
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -532,11 +606,11 @@ async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.P
         return oa.sse(oa.chat_chunk(request_id=rid, model=req.model, created=created, index=index, delta=delta,
                                     finish_reason=finish, logprobs=lp, with_usage_field=include_usage))
 
-    for j in range(len(greqs)):
+    for j in range(len(streams)):
         yield chunk(j, {"role": "assistant", "content": ""})
     generated = 0
     try:
-        async for j, event in _merged(srv, greqs):
+        async for j, event in _merged(streams):
             if event.token_id is not None:
                 generated += 1
             if not event.text and event.finish_reason is None and (not req.logprobs or event.token_id is None):
@@ -549,5 +623,5 @@ async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.P
     if include_usage:
         yield oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created,
                                     object_name="chat.completion.chunk",
-                                    prompt_tokens=len(prompt.token_ids) * len(greqs), completion_tokens=generated))
+                                    prompt_tokens=len(prompt.token_ids) * len(streams), completion_tokens=generated))
     yield oa.SSE_DONE
