@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -331,11 +331,6 @@ class ChoiceOutput:
                    prompt_top_logprobs=getattr(result, "prompt_top_logprobs", None))
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    """The engine's ``abort`` has no OpenAI name; a cut-off answer is closest to ``length``."""
-    return "length" if reason == "abort" else reason
-
-
 # ---------------------------------------------------------------------------------------------
 # responses
 
@@ -391,7 +386,7 @@ def completion_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, prompt: 
         lps += out.logprobs
         tops += out.top_logprobs if out.top_logprobs else [None] * len(out.token_ids)
         lp = completion_logprobs(tokenizer, ids, lps, tops if logprobs > 0 else None)
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": openai_finish_reason(out.finish_reason)}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
 
 def completion_response(*, request_id: str, model: str, created: int, choices: list[dict],
@@ -419,7 +414,7 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[f
 def chat_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, logprobs: bool) -> dict:
     lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if logprobs else None
     return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-            "finish_reason": openai_finish_reason(out.finish_reason)}
+            "finish_reason": out.finish_reason}
 
 
 def chat_response(*, request_id: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
@@ -437,24 +432,26 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-def completion_chunk(*, request_id: str, model: str, created: int, index: int, text: str,
-                     finish_reason: str | None, logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                          "finish_reason": openai_finish_reason(finish_reason)}]}
-    if with_usage_field:
+def _chunk(*, request_id: str, model: str, created: int, object_name: str, choice: dict,
+           with_usage_field: bool) -> dict:
+    chunk = {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
+    if with_usage_field:  # with include_usage, every chunk but the last carries "usage": null
         chunk["usage"] = None
     return chunk
+
+
+def completion_chunk(*, request_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None, logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(request_id=request_id, model=model, created=created, object_name="text_completion", choice=choice,
+                  with_usage_field=with_usage_field)
 
 
 def chat_chunk(*, request_id: str, model: str, created: int, index: int, delta: dict, finish_reason: str | None,
                logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": openai_finish_reason(finish_reason)}]}
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(request_id=request_id, model=model, created=created, object_name="chat.completion.chunk",
+                  choice=choice, with_usage_field=with_usage_field)
 
 
 def usage_chunk(*, request_id: str, model: str, created: int, object_name: str, prompt_tokens: int,
@@ -493,5 +490,3 @@ def model_card(name: str, *, created: int, root: str | None = None, parent: str 
 def models_list(cards: list[dict]) -> dict:
     return {"object": "list", "data": cards}
 
-
-Kind = Literal["completion", "chat"]

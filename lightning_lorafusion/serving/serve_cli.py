@@ -67,10 +67,10 @@ def run(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     cfg = parser.parse_args(argv if argv is not None else sys.argv[1:])
-    objs = parser.instantiate(cfg)
     logging.basicConfig(level=cfg.log_level.upper(), format="[lorafusion] %(message)s")
-    server_cfg = objs.server
     try:
+        objs = parser.instantiate(cfg)
+        server_cfg = objs.server
         overrides = {}
         if server_cfg.api_key is None and os.environ.get(API_KEY_ENV):
             overrides["api_key"] = os.environ[API_KEY_ENV]

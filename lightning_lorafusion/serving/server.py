@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 class ServerConfig:
     """The HTTP layer's settings (the engine's are ``EngineConfig``).
 
-    served_model_name: the ``model`` that means the base model without adapter (default: the
-        base model's name as given to ``serve``).
+    served_model_name: the ``model`` that means the base model without adapter (``serve``
+        defaults it to the base model's name; None here = "base").
     api_key: when set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>``
         (``/health`` and ``/metrics`` stay open for probes and scrapers).
     max_request_bytes: larger request bodies are refused (413).
@@ -232,6 +232,13 @@ class _Server:
         return self._GenerationRequest(prompt_token_ids=prompt.token_ids, adapter=adapter, sampling=params,
                                        request_id=oa.new_id("req"))
 
+    def aborted(self) -> oa.APIError:
+        """What a client whose request the engine aborted gets (not a disconnect: nobody listens)."""
+        if self.closing:
+            return oa.APIError(503, "the request was cancelled: the server is shutting down",
+                               headers={"Retry-After": str(self.config.retry_after_s)})
+        return oa.APIError(500, "the engine aborted the request")
+
     def _engine_error(self, err: Exception, greq: Any) -> oa.APIError:
         if isinstance(err, KeyError):  # UnknownAdapterError: removed between lookup and submit
             return oa.model_not_found(greq.adapter or self.model_name)
@@ -259,6 +266,8 @@ class _Server:
         out = oa.ChoiceOutput()
         async for event in self.events(greq):
             out.add(event)
+        if out.finish_reason == "abort":
+            raise self.aborted()
         return out
 
     async def generate(self, greqs: list) -> list[oa.ChoiceOutput]:
@@ -277,6 +286,8 @@ class _Server:
             raise
         finally:
             self.in_flight.difference_update(ids)
+        if any(r.finish_reason == "abort" for r in results):
+            raise self.aborted()
         return [oa.ChoiceOutput.from_result(r) for r in results]
 
 
@@ -577,6 +588,8 @@ async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: lis
     generated = 0
     try:
         async for i, event in _merged(streams):
+            if event.finish_reason == "abort":
+                raise srv.aborted()
             if event.token_id is not None:
                 generated += 1
             if not event.text and event.finish_reason is None and (req.logprobs is None or event.token_id is None):
@@ -611,6 +624,8 @@ async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.P
     generated = 0
     try:
         async for j, event in _merged(streams):
+            if event.finish_reason == "abort":
+                raise srv.aborted()
             if event.token_id is not None:
                 generated += 1
             if not event.text and event.finish_reason is None and (not req.logprobs or event.token_id is None):

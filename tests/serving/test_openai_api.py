@@ -199,7 +199,7 @@ def test_choice_output_folds_events():
     assert out.logprobs == [-0.5, -1.5, -0.1] and out.top_logprobs[1] == {21: -1.0, 20: -1.2}
     aborted = oa.ChoiceOutput()
     aborted.add(_event(None, "", finish="abort"))
-    assert aborted.token_ids == [] and oa.openai_finish_reason(aborted.finish_reason) == "length"
+    assert aborted.token_ids == [] and aborted.finish_reason == "abort"
 
 
 def test_completion_choice_with_echo_and_logprobs(tokenizer):

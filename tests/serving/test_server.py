@@ -454,14 +454,18 @@ def test_client_disconnect_mid_stream_frees_pages(model_dir):
         engine.close()
 
 
-def test_overload_is_503_with_retry_after(tmp_path):
+def _long_engine(tmp_path) -> Engine:
+    """A 4096-token context: a 4000-token request surely still runs while the test acts."""
     from lightning_lorafusion.model.random_model import write_random_llama
 
-    # a long context, so that the first request is surely still running when the second comes
     long_dir = write_random_llama(tmp_path / "long", vocab_size=64, hidden_size=32, intermediate_size=64,
                                   num_layers=2, max_positions=4096)
-    engine = Engine.from_pretrained(str(long_dir), None, EngineConfig(**{**ENGINE_CONFIG, "num_pages": 600}),
-                                    device="cpu", dtype=torch.float32)
+    return Engine.from_pretrained(str(long_dir), None, EngineConfig(**{**ENGINE_CONFIG, "num_pages": 600}),
+                                  device="cpu", dtype=torch.float32)
+
+
+def test_overload_is_503_with_retry_after(tmp_path):
+    engine = _long_engine(tmp_path)
     app = create_app(engine, config=ServerConfig(served_model_name=BASE, max_pending_requests=2, retry_after_s=2))
     server = _Uvicorn(app)
     try:
@@ -494,6 +498,26 @@ def test_graceful_shutdown_lets_running_requests_finish(model_dir):
         r = answer.result()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 100
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    engine.close()
+
+
+def test_shutdown_cancels_requests_that_outlast_the_grace_period(tmp_path):
+    engine = _long_engine(tmp_path)
+    server = _Uvicorn(create_app(engine, config=ServerConfig(served_model_name=BASE)), timeout_graceful_shutdown=0.5)
+    with ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60, json={
+            "model": BASE, "prompt": "w5 w6", "max_tokens": 4000, "ignore_eos": True, "stream": stream})
+            for stream in (False, True)]
+        _wait_for(lambda: engine.stats()["running"] == 2)
+        server.stop()
+        for a in answers:
+            try:
+                r = a.result()
+                assert r.status_code != 200 or "[DONE]" not in r.text  # cut off, not completed
+            except httpx.HTTPError:
+                pass  # the connection was closed under it
+    _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["kv_pages_used"] == 0)
+    assert engine.stats()["generated_tokens_total"] < 2 * 4000
     engine.close()
 
 
@@ -539,8 +563,9 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
                 else [sys.executable, "-m", "lightning_lorafusion.serving.serve_cli"])
     cmd = launcher + (["serve"] if launcher[0] == str(script) else []) + [
         "--config", str(REPO / "configs" / "serve_tiny.yaml"), "--base_model", str(base), "--adapter_dir", str(store),
-        "--port", str(port), "--engine.num_pages", str(ENGINE_CONFIG["num_pages"]), "--server.api_key", "k"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        "--port", str(port), "--engine.num_pages", str(ENGINE_CONFIG["num_pages"])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "LORAFUSION_API_KEY": "k"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
