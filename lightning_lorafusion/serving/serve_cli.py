@@ -36,7 +36,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--host", type=str, default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", type=str | None, default=None, help="cuda, cuda:1, cpu (default: cuda if present).")
-    parser.add_argument("--dtype", type=str | None, default=None, help="bfloat16, float16, float32 (default: the engine's).")
+    parser.add_argument("--dtype", type=str | None, default=None,
+                        help="bfloat16, float16, float32 (default: the engine's).")
     parser.add_argument("--log_level", type=str, default="info")
     parser.add_argument("--graceful_shutdown_s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, how long running requests may finish before they are cancelled.")

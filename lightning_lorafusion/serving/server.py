@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -581,10 +581,13 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, streams: list, rid: str,
-                             created: int) -> AsyncIterator[bytes]:
-    include_usage = req.include_usage_in_stream()
-    offsets = [0] * len(plans)
+async def _event_stream(srv: _Server, streams: list, *, head: list[bytes], render: Callable[[int, Any], bytes],
+                        every_token: bool, usage: Callable[[int], bytes] | None) -> AsyncIterator[bytes]:
+    """OpenAI's event stream over the choices' engine events: ``head``, a chunk ``render(choice,
+    event)`` per event with text (per token when ``every_token``, for logprobs), ``usage(generated
+    tokens)``, ``[DONE]``; an engine abort ends it with an error event instead."""
+    for chunk in head:
+        yield chunk
     generated = 0
     try:
         async for i, event in _merged(streams):
@@ -592,26 +595,41 @@ async def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: lis
                 raise srv.aborted()
             if event.token_id is not None:
                 generated += 1
-            if not event.text and event.finish_reason is None and (req.logprobs is None or event.token_id is None):
+            if not event.text and event.finish_reason is None and (not every_token or event.token_id is None):
                 continue  # a token whose text is held back (stop-string prefix, partial UTF-8)
-            lp = (oa.stream_event_logprobs(srv.tokenizer, event, chat=False, top=req.logprobs, text_offset=offsets[i])
-                  if req.logprobs is not None else None)
-            offsets[i] += len(event.text)
-            yield oa.sse(oa.completion_chunk(request_id=rid, model=req.model, created=created, index=plans[i][0],
-                                             text=event.text, finish_reason=event.finish_reason, logprobs=lp,
-                                             with_usage_field=include_usage))
+            yield render(i, event)
     except oa.APIError as e:
         yield oa.sse(e.body())
         return
-    if include_usage:
-        prompt_tokens = sum(len(p[1].token_ids) for p in plans)
-        yield oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created, object_name="text_completion",
-                                    prompt_tokens=prompt_tokens, completion_tokens=generated))
+    if usage is not None:
+        yield usage(generated)
     yield oa.SSE_DONE
 
 
-async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt, streams: list, rid: str,
+def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, streams: list, rid: str,
                        created: int) -> AsyncIterator[bytes]:
+    include_usage = req.include_usage_in_stream()
+    offsets = [0] * len(plans)  # characters streamed per choice: the logprobs' text_offset
+
+    def render(i: int, event: Any) -> bytes:
+        lp = (oa.stream_event_logprobs(srv.tokenizer, event, chat=False, top=req.logprobs, text_offset=offsets[i])
+              if req.logprobs is not None else None)
+        offsets[i] += len(event.text)
+        return oa.sse(oa.completion_chunk(request_id=rid, model=req.model, created=created, index=plans[i][0],
+                                          text=event.text, finish_reason=event.finish_reason, logprobs=lp,
+                                          with_usage_field=include_usage))
+
+    def usage(generated: int) -> bytes:
+        return oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created, object_name="text_completion",
+                                     prompt_tokens=sum(len(p[1].token_ids) for p in plans),
+                                     completion_tokens=generated))
+
+    return _event_stream(srv, streams, head=[], render=render, every_token=req.logprobs is not None,
+                         usage=usage if include_usage else None)
+
+
+def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt, streams: list, rid: str,
+                 created: int) -> AsyncIterator[bytes]:
     include_usage = req.include_usage_in_stream()
     top = (req.top_logprobs or 0) if req.logprobs else None
 
@@ -619,24 +637,15 @@ async def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.P
         return oa.sse(oa.chat_chunk(request_id=rid, model=req.model, created=created, index=index, delta=delta,
                                     finish_reason=finish, logprobs=lp, with_usage_field=include_usage))
 
-    for j in range(len(streams)):
-        yield chunk(j, {"role": "assistant", "content": ""})
-    generated = 0
-    try:
-        async for j, event in _merged(streams):
-            if event.finish_reason == "abort":
-                raise srv.aborted()
-            if event.token_id is not None:
-                generated += 1
-            if not event.text and event.finish_reason is None and (not req.logprobs or event.token_id is None):
-                continue
-            lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=True, top=top) if req.logprobs else None
-            yield chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp)
-    except oa.APIError as e:
-        yield oa.sse(e.body())
-        return
-    if include_usage:
-        yield oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created,
-                                    object_name="chat.completion.chunk",
-                                    prompt_tokens=len(prompt.token_ids) * len(streams), completion_tokens=generated))
-    yield oa.SSE_DONE
+    def render(j: int, event: Any) -> bytes:
+        lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=True, top=top) if req.logprobs else None
+        return chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp)
+
+    def usage(generated: int) -> bytes:
+        return oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created,
+                                     object_name="chat.completion.chunk",
+                                     prompt_tokens=len(prompt.token_ids) * len(streams), completion_tokens=generated))
+
+    head = [chunk(j, {"role": "assistant", "content": ""}) for j in range(len(streams))]
+    return _event_stream(srv, streams, head=head, render=render, every_token=req.logprobs,
+                         usage=usage if include_usage else None)

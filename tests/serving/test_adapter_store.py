@@ -4,6 +4,7 @@ paths (symlinks included) never reach outside the store; broken adapters do not 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import pytest
@@ -149,3 +150,34 @@ def test_an_adapter_removed_while_in_use_finishes_its_requests(engine, store_dir
     assert tuple(e.token_id for e in events if e.request_id == rid) == alone
     engine.step()  # nothing runs it any more: its pages are freed
     assert engine.stats()["adapters_resident"] == 0
+
+
+class _Pickled:
+    """Unpickling this creates ``marker``: what an arbitrary-object .bin could do instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_bin_weights_never_unpickle_objects(engine, store_dir, adapter_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    evil = store_dir / "evil"
+    evil.mkdir()
+    shutil.copy(store_dir / "all4" / "adapter_config.json", evil)
+    state = load_file(str(store_dir / "all4" / "adapter_model.safetensors"))
+    marker = tmp_path / "unpickled"
+    torch.save({**state, "payload": _Pickled(marker)}, evil / "adapter_model.bin", pickle_module=pickle)
+    report = AdapterStore(store_dir, engine).scan()
+    assert "evil" in report.failed and not marker.exists()
+    plain = store_dir / "plain-bin"  # a .bin of tensors only loads
+    plain.mkdir()
+    shutil.copy(store_dir / "all4" / "adapter_config.json", plain)
+    torch.save(state, plain / "adapter_model.bin")
+    assert AdapterStore(store_dir, engine).lookup("plain-bin")
+    assert {a.name: a.rank for a in engine.adapters()}["plain-bin"] == 4
+    torch.load(evil / "adapter_model.bin", weights_only=False)  # the payload is real: full unpickling runs it
+    assert marker.exists()

@@ -90,7 +90,8 @@ def test_unknown_fields_are_ignored_and_non_objects_refused():
 
 def test_chat_request_validation():
     ok = oa.parse_request(oa.ChatCompletionRequest, {
-        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": " w6"}]}],
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": " w6"}]}],
         "max_tokens": 9, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 2})
     assert ok.messages[0].text() == "w5 w6" and ok.requested_max_tokens() == 4
     assert oa.parse_request(oa.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
@@ -122,7 +123,7 @@ def test_error_body_has_openai_shape():
 def test_completion_prompts_tokenize_strings_and_check_ids(tokenizer):
     req = oa.parse_request(oa.CompletionRequest, {"model": "m", "prompt": ["w5 w6", "w7"]})
     prompts = oa.completion_prompts(req, tokenizer, vocab_size=256)
-    assert [p.token_ids for p in prompts] == [tuple(tokenizer("w5 w6")["input_ids"]), tuple(tokenizer("w7")["input_ids"])]
+    assert [p.token_ids for p in prompts] == [tuple(tokenizer(t)["input_ids"]) for t in ("w5 w6", "w7")]
     assert prompts[0].text == "w5 w6"
     ids = oa.parse_request(oa.CompletionRequest, {"model": "m", "prompt": [9, 10]})
     (p,) = oa.completion_prompts(ids, tokenizer, vocab_size=256)

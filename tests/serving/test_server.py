@@ -481,7 +481,8 @@ def test_overload_is_503_with_retry_after(tmp_path):
                 _error(busy, 503, code="server_overloaded")
                 assert busy.headers["retry-after"] == "2"
             _wait_for(lambda: not app.state.server.in_flight)
-            assert client.post("/v1/completions", json={"model": BASE, "prompt": "w5", "max_tokens": 1}).status_code == 200
+            after = client.post("/v1/completions", json={"model": BASE, "prompt": "w5", "max_tokens": 1})
+            assert after.status_code == 200
     finally:
         server.stop()
         engine.close()
