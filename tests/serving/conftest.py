@@ -100,3 +100,10 @@ def hf_reference(model_dir, adapter_dirs):
             return self._run(adapter, lambda: model(input_ids=torch.tensor([prompt])).logits[0])
 
     return Reference()
+
+
+@pytest.fixture(name="write_random_peft_adapter")
+def write_random_peft_adapter_fixture():
+    """The writer above as a fixture: test modules cannot import this conftest by name (pytest
+    loads several conftest.py files, and whichever came first owns the name ``conftest``)."""
+    return write_random_peft_adapter

@@ -223,11 +223,9 @@ def _write_family(path, family):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_other_families_equal_hf_peft(tmp_path, family):
+def test_other_families_equal_hf_peft(tmp_path, family, write_random_peft_adapter):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from conftest import write_random_peft_adapter
 
     model_dir = _write_family(tmp_path / family, family)
     adapters = {"a": write_random_peft_adapter(model_dir, tmp_path / "a", rank=3, alpha=6.0,
