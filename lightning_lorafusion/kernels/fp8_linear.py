@@ -174,9 +174,9 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype):
 
 
 def _real_outputs(x, weights, biases):
+    _check_real(x, weights)
     from .fp8_triton import quantize_rows
 
-    _check_real(x, weights)
     xq, sx = quantize_rows([x.contiguous()], None)
     ys = []
     for w, b in zip(weights, biases):
