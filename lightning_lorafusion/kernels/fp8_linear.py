@@ -160,7 +160,7 @@ def _check_real(x: torch.Tensor, weights: Sequence[Fp8Weight]) -> None:
             )
 
 
-def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype):
+def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = FAST_ACCUM):
     """``(a_q * a_scale) @ (b_t_q * b_scale).T``; ``a_q [M, K]``, ``b_t_q [N, K]`` row-major
     e4m3, ``a_scale [M, 1]``, ``b_scale [1, N]`` fp32. Rows are zero-padded to a multiple of 16."""
     m = a_q.shape[0]
@@ -169,7 +169,7 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype):
         a_q = torch.cat([a_q, a_q.new_zeros(pad, a_q.shape[1])])
         a_scale = torch.cat([a_scale, a_scale.new_ones(pad, 1)])
     out = torch._scaled_mm(a_q, b_t_q.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype,
-                           use_fast_accum=FAST_ACCUM)
+                           use_fast_accum=fast_accum)
     return out[:m] if pad else out
 
 
