@@ -103,6 +103,9 @@ def linear_variants(m, k, n, device):
     (dx8,) = torch.autograd.grad(y8, [xe], [dy])
     errors = {"fp8_y_vs_fp32": rel(y8, y_ref), "fp8_dx_vs_fp32": rel(dx8, dx_ref),
               "bf16_y_vs_fp32": rel(F.linear(x.detach(), w), y_ref), "bf16_dx_vs_fp32": rel(dy @ w, dx_ref)}
+    # fast accumulation: its own error, against the same products accumulated in fp32
+    errors["fast_accum_y_vs_fp8"] = rel(F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True), y8)
+    errors["fast_accum_dx_vs_fp8"] = rel(F8._scaled_mm(gq, sg, wt_stored, ones, DT, fast_accum=True), dx8)
     fns = {"bf16": bf16, "fp8": fp8, "fp8_wt_stored": fp8_wt_stored, "fp8_dq_bwd": fp8_dq_bwd,
            "fp8_fast_accum": fp8_fast_accum}
     return fns, pieces, errors
