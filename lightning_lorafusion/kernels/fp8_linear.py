@@ -23,6 +23,7 @@ Emulated path: quantize, dequantize in fp32 with the same scales, matmul.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -78,7 +79,13 @@ def is_quantized(p: Mapping[str, Any]) -> bool:
 def fp8_supported(device: torch.device | str) -> bool:
     """True where FP8 tensor-core products run: CUDA with compute capability >= 8.9."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+    return device.type == "cuda" and _capability(device.index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    # asked on every projection call: a device's capability never changes, so ask CUDA once
+    return torch.cuda.get_device_capability(index)
 
 
 # ------------------------------------------------------------------------------- quantization

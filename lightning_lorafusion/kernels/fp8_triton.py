@@ -75,14 +75,30 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, n, k, dst_stride, col_off, BLOCK: tl.constexpr):
-    """dst[kk, col_off + nn] = src[nn, kk] for a BLOCK x BLOCK tile (bytes)."""
-    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _transpose_tile(src_ptr, dst_ptr, n, k, dst_stride, col_off, pid_n, pid_k, BLOCK: tl.constexpr):
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
     ok = (offs_n < n)[:, None] & (offs_k < k)[None, :]
     tile = tl.load(src_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :], mask=ok)
     dst = dst_ptr + offs_k.to(tl.int64)[None, :] * dst_stride + col_off + offs_n[:, None]
     tl.store(dst, tile, mask=ok)
+
+
+@triton.jit
+def _transpose_kernel(src0_ptr, n0, src1_ptr, n1, src2_ptr, n2, dst_ptr, k, dst_stride,
+                      NUM_IN: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[kk, off_i + nn] = src_i[nn, kk] (bytes); axis 0 walks src_0's row blocks, then
+    src_1's, then src_2's."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b0 = tl.cdiv(n0, BLOCK)
+    b1 = tl.cdiv(n1, BLOCK)
+    if pid < b0:
+        _transpose_tile(src0_ptr, dst_ptr, n0, k, dst_stride, 0, pid, pid_k, BLOCK)
+    elif NUM_IN > 1 and pid < b0 + b1:
+        _transpose_tile(src1_ptr, dst_ptr, n1, k, dst_stride, n0, pid - b0, pid_k, BLOCK)
+    elif NUM_IN > 2:
+        _transpose_tile(src2_ptr, dst_ptr, n2, k, dst_stride, n0 + n1, pid - b0 - b1, pid_k, BLOCK)
 
 
 def quantize_rows(xs: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None
@@ -116,14 +132,16 @@ def quantize_rows(xs: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor]
 
 def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[W_0; W_1; ...]^T``: each e4m3 ``W_i [N_i, K]`` -> one ``[K, sum N_i]`` (K-major for
-    the input-gradient product)."""
+    the input-gradient product), up to ``MAX_INPUTS`` weights per launch."""
     k = ws[0].shape[1]
     total = sum(w.shape[0] for w in ws)
     out = torch.empty(k, total, dtype=torch.uint8, device=ws[0].device)
-    off = 0
-    for w in ws:
-        n = w.shape[0]
-        grid = (triton.cdiv(n, TRANSPOSE_BLOCK), triton.cdiv(k, TRANSPOSE_BLOCK))
-        _transpose_kernel[grid](w.view(torch.uint8), out, n, k, total, off, BLOCK=TRANSPOSE_BLOCK, num_warps=4)
-        off += n
+    for start in range(0, len(ws), MAX_INPUTS):
+        chunk = [w.view(torch.uint8) for w in ws[start:start + MAX_INPUTS]]
+        base = out[:, sum(w.shape[0] for w in ws[:start]):]  # column offset of this chunk
+        args = []
+        for j in range(MAX_INPUTS):
+            args += [chunk[j], chunk[j].shape[0]] if j < len(chunk) else [chunk[0], 0]
+        grid = (sum(triton.cdiv(w.shape[0], TRANSPOSE_BLOCK) for w in chunk), triton.cdiv(k, TRANSPOSE_BLOCK))
+        _transpose_kernel[grid](*args, base, k, total, NUM_IN=len(chunk), BLOCK=TRANSPOSE_BLOCK, num_warps=4)
     return out.view(FP8_DTYPE)
