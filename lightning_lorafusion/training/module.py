@@ -24,6 +24,29 @@ from .optim import build_adapter_optimizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_PRECISIONS = ("bf16", "fp8")
+
+
+def _check_base_precision(base_precision: str, dtype: str, fp8_emulate: bool) -> None:
+    if base_precision not in BASE_PRECISIONS:
+        raise ConfigError(f"model.base_precision={base_precision!r}; allowed: {BASE_PRECISIONS}")
+    if base_precision != "fp8" or fp8_emulate:
+        return
+    from ..kernels.fp8_linear import MIN_CAPABILITY, fp8_supported
+
+    if not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")):
+        found = (f"compute capability {torch.cuda.get_device_capability()}" if torch.cuda.is_available()
+                 else "no CUDA GPU")
+        raise ConfigError(
+            f"model.base_precision='fp8' needs FP8 tensor cores: a CUDA GPU with compute capability "
+            f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper); found {found}. Use "
+            "base_precision: bf16"
+        )
+    if dtype != "bfloat16":
+        raise ConfigError(
+            f"model.base_precision='fp8' computes with bfloat16 activations; model.dtype={dtype!r}. "
+            "Set model.dtype: bfloat16 (and trainer.precision: bf16-true)"
+        )
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -64,6 +87,14 @@ class LoRAFusionModule(L.LightningModule):
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
             early stages, which hold the most microbatches in flight, recompute first).
+        base_precision: "bf16": the frozen projections multiply in ``dtype`` (default);
+            "fp8": the seven projection weights of every layer are quantized once to float8
+            e4m3 (per-output-channel scales, half the base's projection memory) and their
+            products run on FP8 tensor cores; the LoRA path, norms, attention, LM head and
+            loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
+            capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
+        fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
+            missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
     """
 
     def __init__(
@@ -79,6 +110,8 @@ class LoRAFusionModule(L.LightningModule):
         max_nonfinite_steps: int = 3,
         export_on_fit_end: bool = True,
         activation_checkpointing: bool | int = False,
+        base_precision: str = "bf16",
+        fp8_emulate: bool = False,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -98,6 +131,7 @@ class LoRAFusionModule(L.LightningModule):
             parse_source(spec.dataset, name=spec.name)
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
+        _check_base_precision(base_precision, dtype, fp8_emulate)
         self.save_hyperparameters(ignore=["adapters"])
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
         # hyperparameters into the model's arguments, so they must be valid `adapters` entries
@@ -113,8 +147,21 @@ class LoRAFusionModule(L.LightningModule):
         self.export_on_fit_end = export_on_fit_end
         self.activation_checkpointing = activation_checkpointing
         self.base_model_name = base_model
+        self.base_precision = base_precision
 
         config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        if base_precision == "fp8":
+            from ..kernels.fp8_linear import GEMM_MULTIPLE
+            from ..model.hf_loading import quantize_base_fp8
+
+            dims = {m: config.module_dims(m) for m in ("q_proj", "k_proj", "o_proj", "gate_proj")}
+            odd = {m: d for m, d in dims.items() if d[0] % GEMM_MULTIPLE or d[1] % GEMM_MULTIPLE}
+            if odd and not fp8_emulate:
+                raise ConfigError(
+                    f"model.base_precision='fp8': FP8 products need projection sizes divisible by "
+                    f"{GEMM_MULTIPLE}; {base_model} has {odd} (in, out). Use base_precision: bf16"
+                )
+            params = quantize_base_fp8(params)  # the 16-bit projection weights are dropped here
         ckpt = activation_checkpointing
         if not isinstance(ckpt, bool) and not (isinstance(ckpt, int) and 0 <= ckpt <= config.num_layers):
             raise ConfigError(
