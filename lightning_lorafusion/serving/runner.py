@@ -94,7 +94,8 @@ class ModelRunner:
                                          device=self.device)
         self.pad_decode = True
         self.graphs = DecodeGraphs(self.buckets, self._graph_body)
-        return self.graphs.capture()
+        with torch.no_grad():
+            return self.graphs.capture()
 
     def _graph_body(self, rows: int, lora: bool) -> None:
         hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
