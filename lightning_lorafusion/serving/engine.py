@@ -18,7 +18,7 @@ from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .config import EngineConfig
-from .detokenize import IncrementalDetokenizer
+from .detokenize import IncrementalDetokenizer, add_tokens
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
@@ -349,7 +349,11 @@ class Engine:
             state.num_cached = state.num_tokens
         for state in plan.decode:
             state.num_cached += 1
-        for i, (state, token) in enumerate(zip(seqs, tokens.tolist())):
+        tokens = tokens.tolist()
+        # every row's text at once (one batched decode), except rows that stop on this token
+        add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
+                    and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
+        for i, (state, token) in enumerate(zip(seqs, tokens)):
             if state.sampling.max_new_tokens == 0:  # scoring the prompt only
                 self._finish(state, "length", events)
                 continue
@@ -380,6 +384,8 @@ class Engine:
 
     def _append_token(self, state: RequestState, token: int, logprob: float | None,
                       top: dict[int, float] | None, events: list[TokenEvent]) -> None:
+        """Record a sampled token (its text already given to the detokenizer unless it is a
+        stop token) and emit its event, finishing the request if it stops here."""
         now = time.perf_counter()
         state.first_token = state.first_token or now
         state.output_ids.append(token)
@@ -392,7 +398,6 @@ class Engine:
         if token in state.eos_token_ids or token in sp.stop_token_ids:
             reason = "stop"
         else:
-            state.detokenizer.add_token(token)
             if state.detokenizer.stopped:
                 reason = "stop"
             elif len(state.output_ids) >= sp.max_new_tokens or state.num_tokens >= state.max_total_len:
