@@ -27,7 +27,8 @@ DEBUG_ENV = "LORAFUSION_DEBUG"
 
 DESCRIPTION = "Train many LoRA adapters of one frozen LLM at once (fused kernels, MILP planner)."
 EPILOG = (
-    "Also: 'lightning-lorafusion serve --help' (multi-adapter generation server). "
+    "Also: 'lightning-lorafusion serve --help' (multi-adapter generation server), "
+    "'lightning-lorafusion generate --help' (prompts from a file through the adapters). "
     "Exit status: 0 success; 2 usage or configuration error, reported as one 'error:' line "
     f"({DEBUG_FLAG} or {DEBUG_ENV}=1 adds the traceback); 1 unexpected error."
 )
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: the process's arguments); return the exit status.
 
     ``fit`` / ``validate`` (and ``--print_config``, ``--help``) go to LightningCLI; ``serve``
-    goes to the generation server's own parser.
+    and ``generate`` go to the generation server's and the generate command's own parsers.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         from .serving.serve_cli import run as serve_run  # lazy: the server's deps only for serve
 
         return serve_run(args[1:])
+    if args and args[0] == "generate":
+        from .serving.generate_cli import run as generate_run  # lazy: no Lightning needed
+
+        return generate_run(args[1:])
     if argv is None:
         # LightningCLI reads sys.argv itself (it warns when given args as well); only the
         # --debug flag, which is ours, is taken out of it.

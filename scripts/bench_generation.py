@@ -12,6 +12,11 @@ exactly that many).
   (PEFT's mixed-adapter batch), left-padded batches of ``--hf-batch`` of those requests; and
   the same batches with adapters disabled (HF's base model, no LoRA) for reference.
 
+``--graphs compare`` runs the engine phases twice, decode CUDA graphs on and then off (a new
+engine over the same weights, the same requests; "eager_" rows), and each engine also times
+``--step-batch`` requests' decode-only steps (``step_ms``: wall time per step; ``forward_ms``:
+the step's forward, synchronised, the rest being host work: scheduling, sampling, events).
+
 Greedy agreement between ours and HF+PEFT on the first ``--check`` requests is reported as the
 share of the first ``--check-tokens`` tokens that match and the mean length of the common
 prefix (in bf16 two correct implementations drift apart once a near-tie flips).
@@ -187,6 +192,39 @@ def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
             "tokens": tokens}
 
 
+def step_time(engine: Engine, requests, steps: int, device) -> dict:
+    """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps."""
+    ids = [engine.submit(r) for r in requests]
+    while engine.stats()["waiting"]:
+        engine.step()
+    forward = [0.0]
+    decode_logits = engine.runner.decode_logits
+
+    def timed(decode):
+        t = time.perf_counter()
+        out = decode_logits(decode)
+        sync(device)
+        forward[0] += time.perf_counter() - t
+        return out
+
+    engine.runner.decode_logits = timed
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        del engine.runner.decode_logits  # back to the method
+    running = engine.stats()["running"]
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
+            "forward_ms": 1e3 * forward[0] / steps, "decode_tok_per_s": running * steps / wall}
+
+
 def agreement(ours: dict[str, list[int]], ref: dict[str, list[int]], ids: list[str], first: int) -> dict:
     same, prefix = 0, []
     for rid in ids:
@@ -249,6 +287,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--fp32-check", action="store_true")
     ap.add_argument("--skip-hf-mixed", action="store_true", help="no PEFT mixed-adapter baseline (slow at 8B)")
+    ap.add_argument("--graphs", choices=("auto", "on", "off", "compare"), default="auto",
+                    help="EngineConfig.cuda_graphs; compare = the engine phases with graphs on, then off")
+    ap.add_argument("--step-batch", type=int, default=0, help="requests whose decode steps are timed (0: none)")
+    ap.add_argument("--step-count", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -289,51 +331,68 @@ def main(argv=None) -> dict:
     config, params = params_from_hf_model(model)  # shares the HF tensors (no copy)
     ranks = [int(r) for r in args.ranks.split(",")]
     adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
-    engine = Engine(config, params, tokenizer,
-                    EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                 gpu_memory_fraction=args.memory_fraction, backend=args.backend,
-                                 cpu_pool_mib=1024),
-                    device=device, dtype=dtype)
-    for name, r, alpha, factors in adapters:
-        engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
-    report["pool_pages"] = engine.pool.num_pages
-    report["pool_gib"] = engine.pool.storage.numel() * engine.pool.storage.element_size() / 2**30
     names = [a[0] for a in adapters]
     reqs = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
                          args.new_tokens, seed=4)
     subset = reqs[:args.hf_requests]
+    step_reqs = reqs[:min(args.step_batch, args.max_num_seqs)]
+    modes = ("on", "off") if args.graphs == "compare" else (args.graphs,)
 
-    def warm_up():
+    def engine_phases(graphs: str, prefix: str) -> None:
         t0 = time.perf_counter()
-        warm = make_requests(min(8, len(names)), shape["vocab_size"], args.prompt_min, args.prompt_min + 16, names,
-                             4, seed=5)
-        engine.generate(_renamed(warm, "w"))
-        engine.generate(_renamed(warm, "wb", adapter=None))
-        return {"seconds": time.perf_counter() - t0, "pool_pages": report["pool_pages"],
-                "pool_gib": round(report["pool_gib"], 2)}
+        engine = Engine(config, params, tokenizer,
+                        EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                     gpu_memory_fraction=args.memory_fraction, backend=args.backend,
+                                     cpu_pool_mib=1024, cuda_graphs=graphs),
+                        device=device, dtype=dtype)
+        report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None,
+                                     "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
+                                     "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
+                                     / 2**30}
+        log(f"{prefix}engine: {report[prefix + 'engine']}")
+        for name, r, alpha, factors in adapters:
+            engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
 
-    def ours_all():
+        def warm_up():
+            t0 = time.perf_counter()
+            warm = make_requests(min(8, len(names)), shape["vocab_size"], args.prompt_min, args.prompt_min + 16,
+                                 names, 4, seed=5)
+            engine.generate(_renamed(warm, "w"))
+            engine.generate(_renamed(warm, "wb", adapter=None))
+            return {"seconds": time.perf_counter() - t0}
+
+        def ours_all():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            out = run_ours(engine, reqs, device)
+            if device.type == "cuda":
+                out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            return out
+
+        def ours_subset():
+            out = run_ours(engine, _renamed(subset, "s"), device)
+            out["tokens"] = {k[1:]: v for k, v in out["tokens"].items()}
+            return out
+
+        phase(prefix + "warm_up", warm_up)
+        phase(prefix + "ours_all", ours_all)  # first pass: adapter page-ins, prefill compiles
+        phase(prefix + "ours_all_again", lambda: run_ours(engine, _renamed(reqs, "a"), device))
+        phase(prefix + "ours_all_base", lambda: run_ours(engine, _renamed(reqs, "b", adapter=None), device))
+        if not prefix:
+            phase("ours_subset", ours_subset)
+        if step_reqs:
+            steps = min(args.step_count, args.new_tokens // 2)
+            phase(prefix + "step_adapters", lambda: step_time(engine, _renamed(step_reqs, "t"), steps, device))
+            phase(prefix + "step_base", lambda: step_time(engine, _renamed(step_reqs, "tb", adapter=None), steps,
+                                                          device))
+        engine.close()
+        del engine
+        gc.collect()
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        out = run_ours(engine, reqs, device)
-        if device.type == "cuda":
-            out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        return out
+            torch.cuda.empty_cache()
 
-    def ours_subset():
-        out = run_ours(engine, _renamed(subset, "s"), device)
-        out["tokens"] = {k[1:]: v for k, v in out["tokens"].items()}
-        return out
-
-    phase("warm_up", warm_up)
-    phase("ours_all", ours_all)
-    phase("ours_all_base", lambda: run_ours(engine, _renamed(reqs, "b", adapter=None), device))
-    phase("ours_subset", ours_subset)
-    engine.close()
-    del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    for i, graphs in enumerate(modes):
+        engine_phases(graphs, "eager_" if i else "")
 
     hf_model = model if args.skip_hf_mixed else attach_peft(model, adapters)
     phase("hf_warm_up", lambda: run_hf(hf_model, subset[:2], 2, device, use_adapters=False)["wall_s"])
@@ -345,12 +404,17 @@ def main(argv=None) -> dict:
         phase("agreement", lambda: agreement(report["ours_all"]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
                                              min(args.check_tokens, args.new_tokens)))
 
-    rows = [(k, report[k]) for k in ("ours_all", "ours_all_base", "ours_subset", "hf_base", "hf_peft_mixed")
-            if k in report]
-    print(f"\n{'run':<16} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'tok/s':>9} {'steps':>6}")
+    runs = [p + k for p in ("", "eager_") for k in ("ours_all", "ours_all_again", "ours_all_base")]
+    rows = [(k, report[k]) for k in runs + ["ours_subset", "hf_base", "hf_peft_mixed"] if k in report]
+    print(f"\n{'run':<22} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'tok/s':>9} {'steps':>6}")
     for name, r in rows:
-        print(f"{name:<16} {r['requests']:>8} {r['generated_tokens']:>10} {r['wall_s']:>8.2f} "
+        print(f"{name:<22} {r['requests']:>8} {r['generated_tokens']:>10} {r['wall_s']:>8.2f} "
               f"{r['tokens_per_s']:>9.0f} {r.get('steps', ''):>6}")
+    for name in [p + k for p in ("", "eager_") for k in ("step_adapters", "step_base")]:
+        if name in report:
+            r = report[name]
+            print(f"{name:<22} batch {r['running']:>4}: {r['step_ms']:7.2f} ms/step, forward {r['forward_ms']:7.2f} ms, "
+                  f"{r['decode_tok_per_s']:>8.0f} tok/s")
     if report["errors"]:
         print("errors:", report["errors"])
     return report

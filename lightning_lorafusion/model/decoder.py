@@ -218,10 +218,12 @@ def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype
+    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads)."""
-    inv_freq = rope_inv_freq(config, position_ids.device)
+    """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads); ``inv_freq``: the
+    config's ``rope_inv_freq`` if the caller keeps it (the serving loop does, per step)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(config, position_ids.device)
     freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..specs import ConfigError
 
 BACKENDS = ("auto", "torch", "triton")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
     decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
+    cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     seed: int = 0  # seeds the per-request generators of requests that give no seed
@@ -50,6 +52,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in BACKENDS and not (name == "decode_backend" and value is None):
                 raise ConfigError(f"EngineConfig.{name}={value!r}; allowed: {BACKENDS}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}; allowed: {CUDA_GRAPHS}")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:

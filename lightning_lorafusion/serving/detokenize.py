@@ -28,16 +28,18 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters of `text` already returned
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def add_token(self, token_id: int) -> None:
         """Append one generated token's text; sets ``stopped`` when a stop string appears."""
+        add_tokens([(self, token_id)])
+
+    def _pending(self, token_id: int) -> tuple[list[int], list[int]] | None:
+        """Append the token; -> the two id runs whose texts ``_apply`` needs (None if stopped)."""
         if self.stopped:
-            return
+            return None
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        return self._ids[self._prefix:self._read], self._ids[self._prefix:]
+
+    def _apply(self, prefix_text: str, new_text: str) -> None:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return  # wait for the rest of a multi-byte character
         delta = new_text[len(prefix_text):]
@@ -55,3 +57,28 @@ class IncrementalDetokenizer:
         delta = self.text[self._sent:end]
         self._sent = end
         return delta
+
+
+def add_tokens(items: Sequence[tuple[IncrementalDetokenizer, int]]) -> None:
+    """``add_token`` for many detokenizers (of one tokenizer) at once: the texts all of them
+    need are decoded in one batched call (a step's rows, instead of two calls per row)."""
+    work = [(d, ids) for d, token in items if (ids := d._pending(token)) is not None]
+    if not work:
+        return
+    texts = decode_many(work[0][0].tokenizer, [run for _, pair in work for run in pair])
+    for i, (d, _) in enumerate(work):
+        d._apply(texts[2 * i], texts[2 * i + 1])
+
+
+def decode_many(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` of each of ``seqs``. A fast
+    tokenizer that decodes as transformers' base class does (no subclass override, no clean-up
+    pass) goes through its Rust backend's ``decode_batch`` in one call: the same strings."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
+            and getattr(cls, "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", None)
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
+        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]

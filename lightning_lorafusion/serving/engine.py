@@ -18,7 +18,7 @@ from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .config import EngineConfig
-from .detokenize import IncrementalDetokenizer
+from .detokenize import IncrementalDetokenizer, add_tokens
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
@@ -64,7 +64,12 @@ class Engine:
                                    prefetch_depth=config.prefetch_depth,
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages))
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
-                                  decode_backend=config.decode_backend)
+                                  decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
+                                  max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
+                                                        self.pool.num_pages))
+        if self._use_cuda_graphs():
+            seconds = self.runner.capture_decode_graphs()
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
         self._states: dict[str, RequestState] = {}  # every unfinished request
@@ -79,6 +84,15 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0}
+
+    def _use_cuda_graphs(self) -> bool:
+        mode = self.config.cuda_graphs
+        able = self.device.type == "cuda" and self.runner.kernel_backend == "triton"
+        if mode == "on" and not able:
+            raise ConfigError(f"EngineConfig.cuda_graphs='on' needs a CUDA device and the Triton decode kernels; "
+                              f"this engine runs on {self.device} with decode backend "
+                              f"{self.runner.kernel_backend!r} (use 'auto' or 'off')")
+        return mode == "on" or (mode == "auto" and able)
 
     @classmethod
     def from_pretrained(cls, base_model: str, adapters: Mapping[str, str] | None = None,
@@ -307,18 +321,22 @@ class Engine:
                     state.first_scheduled = now
                     self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
             with torch.no_grad():
-                self._run(plan.prefill + plan.decode, plan, events)
+                self._run(plan, events)
             self._counters["steps_total"] += 1
             return events
 
-    def _run(self, seqs: list[RequestState], plan, events: list[TokenEvent]) -> None:
-        batch = self.runner.prepare(plan.prefill, plan.decode)
-        hidden = self.runner.forward(batch)
-        last_rows = torch.tensor([end - 1 for _, end in batch.spans], device=self.device)
-        logits = self.runner.logits(hidden.index_select(0, last_rows))
-        for state, (start, end) in zip(seqs, batch.spans):
-            if state.status is Status.RUNNING and state.wants_prompt_logprobs:
-                state.prompt_logprobs = self._prompt_logprobs(state, hidden[start:end])
+    def _run(self, plan, events: list[TokenEvent]) -> None:
+        seqs = plan.prefill + plan.decode
+        if plan.prefill:
+            batch = self.runner.prepare(plan.prefill, plan.decode)
+            hidden = self.runner.forward(batch)
+            last_rows = torch.tensor([end - 1 for _, end in batch.spans], device=self.device)
+            logits = self.runner.logits(hidden.index_select(0, last_rows))
+            for state, (start, end) in zip(seqs, batch.spans):
+                if state.status is Status.RUNNING and state.wants_prompt_logprobs:
+                    self._prompt_logprobs(state, hidden[start:end])
+        else:  # decode only: a CUDA graph replay where captured
+            logits = self.runner.decode_logits(plan.decode)
         tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         top_n = max((s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None), default=None)
         chosen = top_vals = top_ids = None
@@ -331,7 +349,14 @@ class Engine:
             state.num_cached = state.num_tokens
         for state in plan.decode:
             state.num_cached += 1
-        for i, (state, token) in enumerate(zip(seqs, tokens.tolist())):
+        tokens = tokens.tolist()
+        # every row's text at once (one batched decode), except rows that stop on this token
+        add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
+                    and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
+        for i, (state, token) in enumerate(zip(seqs, tokens)):
+            if state.sampling.max_new_tokens == 0:  # scoring the prompt only
+                self._finish(state, "length", events)
+                continue
             lp = top = None
             want = state.sampling.logprobs
             if want is not None:
@@ -339,18 +364,28 @@ class Engine:
                 top = {} if not want else dict(zip(top_ids[i][:want], top_vals[i][:want]))
             self._append_token(state, token, lp, top, events)
 
-    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor) -> list[float | None]:
+    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor) -> None:
+        """Each prompt token's logprob given the tokens before it (None for the first), and with
+        ``prompt_logprobs=k > 0`` the k most likely tokens at each position."""
         prompt = state.request.prompt_token_ids
-        n = len(prompt)
-        out: list[float | None] = [None]
+        n, k = len(prompt), state.sampling.prompt_logprobs
+        chosen: list[float | None] = [None]
+        tops: list[dict[int, float] | None] = [None]
         targets = torch.tensor(prompt[1:], device=self.device)
         for c in range(0, n - 1, PROMPT_LOGPROB_CHUNK):
             lp = torch.log_softmax(self.runner.logits(hidden[c:min(c + PROMPT_LOGPROB_CHUNK, n - 1)]), dim=-1)
-            out += lp.gather(1, targets[c:c + lp.shape[0], None]).squeeze(1).tolist()
-        return out
+            chosen += lp.gather(1, targets[c:c + lp.shape[0], None]).squeeze(1).tolist()
+            if k:
+                values, ids = lp.topk(k, dim=-1)
+                tops += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            else:
+                tops += [{} for _ in range(lp.shape[0])]
+        state.prompt_logprobs, state.prompt_top_logprobs = chosen, tops
 
     def _append_token(self, state: RequestState, token: int, logprob: float | None,
                       top: dict[int, float] | None, events: list[TokenEvent]) -> None:
+        """Record a sampled token (its text already given to the detokenizer unless it is a
+        stop token) and emit its event, finishing the request if it stops here."""
         now = time.perf_counter()
         state.first_token = state.first_token or now
         state.output_ids.append(token)
@@ -363,7 +398,6 @@ class Engine:
         if token in state.eos_token_ids or token in sp.stop_token_ids:
             reason = "stop"
         else:
-            state.detokenizer.add_token(token)
             if state.detokenizer.stopped:
                 reason = "stop"
             elif len(state.output_ids) >= sp.max_new_tokens or state.num_tokens >= state.max_total_len:

@@ -258,9 +258,11 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> Prompt:
 
 
 def sampling_kwargs(req: _SamplingFields, *, max_new_tokens: int, choice: int, logprobs: int | None,
-                    prompt_logprobs: bool = False) -> dict[str, Any]:
+                    prompt_logprobs: int | None = None) -> dict[str, Any]:
     """Keyword arguments of the engine's ``SamplingParams`` for choice ``choice`` of ``n``: with a
-    ``seed``, choice i samples with ``seed + i`` (reproducible and distinct); without, independently."""
+    ``seed``, choice i samples with ``seed + i`` (reproducible and distinct); without, independently.
+    ``prompt_logprobs``: top-k of every prompt position (for echo); with it ``max_new_tokens``
+    may be 0 (score the prompt only)."""
     return {
         "max_new_tokens": max_new_tokens,
         "temperature": req.temperature,
@@ -328,7 +330,8 @@ class ChoiceOutput:
         return cls(token_ids=list(result.token_ids), text=result.text, finish_reason=result.finish_reason,
                    logprobs=list(result.logprobs or ()), top_logprobs=[dict(d) for d in result.top_logprobs or ()],
                    prompt_logprobs=None if result.prompt_logprobs is None else list(result.prompt_logprobs),
-                   prompt_top_logprobs=getattr(result, "prompt_top_logprobs", None))
+                   prompt_top_logprobs=None if result.prompt_top_logprobs is None
+                   else list(result.prompt_top_logprobs))
 
 
 # ---------------------------------------------------------------------------------------------

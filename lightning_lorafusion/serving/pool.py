@@ -9,7 +9,9 @@ One flat storage tensor of ``num_pages * page_elems`` elements is viewed two way
   share the pool without padding to the largest one.
 
 KV pages are taken lowest-first and adapter runs highest-first, so the two grow from opposite
-ends. When no free run is long enough, KV pages inside the cheapest adapter-free window are
+ends. One more page past the ``num_pages`` of the budget, ``scratch_page``, is never handed
+out: padded rows of a CUDA-graphed decode step write their keys and values there. When no free
+run is long enough, KV pages inside the cheapest adapter-free window are
 moved out (their owners' page lists are updated in place); when pages are short, adapters no
 running request uses are evicted least-recently-used first. Host copies are never dropped, so
 an evicted adapter pages back in on its next use.
@@ -40,7 +42,8 @@ class ResidentAdapter:
 
 
 class UnifiedPool:
-    """``num_pages`` pages of ``page_size`` tokens for every layer; see the module docstring."""
+    """``num_pages`` pages of ``page_size`` tokens for every layer (plus the scratch page); see
+    the module docstring."""
 
     def __init__(self, *, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -49,8 +52,9 @@ class UnifiedPool:
         self.num_pages, self.page_size = num_pages, page_size
         self.page_elems = num_layers * 2 * page_size * num_kv_heads * head_dim
         self.device = torch.device(device)
-        self.storage = torch.zeros(num_pages * self.page_elems, dtype=dtype, device=self.device)
-        self.kv = self.storage.view(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.scratch_page = num_pages  # outside the accounting: where padded decode rows write
+        self.storage = torch.zeros((num_pages + 1) * self.page_elems, dtype=dtype, device=self.device)
+        self.kv = self.storage.view(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
         self._free = np.ones(num_pages, dtype=bool)
         self._kv_owner: dict[int, list[int]] = {}  # KV page -> the page list that holds it
         self._adapter_pages = np.zeros(num_pages, dtype=bool)

@@ -64,6 +64,8 @@ class GenerationResult:
     top_logprobs: list[dict[int, float]] | None
     prompt_logprobs: list[float | None] | None
     timings: dict[str, float]
+    # per prompt position the top-k logprobs (k = SamplingParams.prompt_logprobs; None first)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Status(enum.Enum):
@@ -94,6 +96,7 @@ class RequestState:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
@@ -125,7 +128,7 @@ class RequestState:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.sampling.prompt_logprobs and self.prompt_logprobs is None
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None
 
     def result(self) -> GenerationResult:
         assert self.finish_reason is not None, "result of an unfinished request"
@@ -136,4 +139,5 @@ class RequestState:
             request_id=self.request_id, adapter=self.request.adapter,
             prompt_token_ids=self.request.prompt_token_ids, token_ids=tuple(self.output_ids),
             text=self.detokenizer.text, finish_reason=self.finish_reason, logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs, timings=timings)
+            top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs, timings=timings,
+            prompt_top_logprobs=self.prompt_top_logprobs)

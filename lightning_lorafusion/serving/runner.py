@@ -6,6 +6,10 @@ multi-adapter segment kernels (``lora_projections`` with one segment per request
 through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
 Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
 cached pages (``paged_decode_attention``); both write their keys and values into the pages.
+
+A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
+replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
+steps with prefill rows run eagerly.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from ..kernels.lora_gather import lora_gather
 from ..kernels.paged_attention import paged_decode_attention, write_kv
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..model.attention import varlen_causal_attention
-from ..model.decoder import DecoderConfig, apply_rope, embed, rms_norm, rope_cos_sin
+from ..model.decoder import DecoderConfig, apply_rope, embed, rms_norm, rope_cos_sin, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
+from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 
 _MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
+_ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 
 
 @dataclass
@@ -49,20 +55,85 @@ class StepBatch:
     decode_scales: torch.Tensor | None  # [B] fp32
     decode_modules: frozenset[str]  # modules some decode row adapts
     spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
-    output_rows: torch.Tensor  # [R] rows of the step whose hidden states are returned
+    output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
 
 
 class ModelRunner:
-    """Runs the functional decoder's weights over a ``StepBatch``; owns no request state."""
+    """Runs the functional decoder's weights over a ``StepBatch``; owns no request state.
+
+    ``max_decode_rows`` (the engine's ``max_num_seqs``) and ``max_pages_per_row`` size the
+    decode rows' persistent buffers. ``pad_decode``: decode-only steps run padded to the
+    batch-size buckets (what the graphs do; on by ``capture_decode_graphs``, settable on the
+    CPU to test the padding)."""
 
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
-                 backend: str = "auto", decode_backend: str | None = None) -> None:
+                 backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
+                 max_pages_per_row: int | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
+        self.inv_freq = rope_inv_freq(config, self.device)
+        self.buckets = graph_buckets(max_decode_rows)
+        self.decode_inputs = DecodeInputs(
+            max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
+            page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
+        self.pad_decode = False
+        self.graphs: DecodeGraphs | None = None
+        self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+
+    def capture_decode_graphs(self) -> float:
+        """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
+        decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
+        if self.device.type != "cuda" or self.kernel_backend != "triton":
+            raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
+                               f"(device {self.device}, decode backend {self.kernel_backend!r})")
+        self._graph_logits = torch.empty(self.buckets[-1], self.config.vocab_size, dtype=torch.float32,
+                                         device=self.device)
+        self.pad_decode = True
+        self.graphs = DecodeGraphs(self.buckets, self._graph_body)
+        with torch.no_grad():
+            return self.graphs.capture()
+
+    def _graph_body(self, rows: int, lora: bool) -> None:
+        hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
+        self._graph_logits[:rows].copy_(F.linear(hidden, self.params["lm_head"]))
+
+    # ------------------------------------------------------------------ decode-only steps
+
+    def decode_logits(self, decode: Sequence[RequestState]) -> torch.Tensor:
+        """A step with decode rows only: each request feeds its newest token -> fp32 logits of
+        its next token ``[B, V]`` (a view valid until the next step)."""
+        b = len(decode)
+        rows = bucket_for(b, self.buckets) if self.pad_decode else b
+        inputs = self.decode_inputs
+        if inputs.load_tables(decode, self.pool.pages_moved):
+            self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
+        inputs.load_step(decode, rows)
+        if self.graphs is not None:
+            self.graphs.replay(rows, inputs.has_lora)
+            return self._graph_logits[:b]
+        # eager: padded steps run every module's gather, as the graphs do
+        modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
+        return self.logits(self.forward(self._decode_batch(rows, modules)))[:b]
+
+    def _decode_batch(self, rows: int, modules: frozenset[str]) -> StepBatch:
+        """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows (the derived
+        tensors are computed by device ops, so they are part of a captured graph)."""
+        inputs = self.decode_inputs
+        positions = inputs.step[1, :rows]
+        lora = bool(modules)
+        return StepBatch(
+            input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
+            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, cu_seqlens=None, max_prefill_len=0,
+            prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
+            seq_lens=(positions + 1).to(torch.int32),
+            decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
+            decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
+            decode_scales=inputs.lora_scales[:rows] if lora else None,
+            decode_modules=modules, spans=[], output_rows=None)
 
     # ------------------------------------------------------------------ inputs
 
@@ -131,26 +202,16 @@ class ModelRunner:
         return batch
 
     def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
-        dev, cfg = self.device, self.config
-        max_pages = max(len(st.pages) for st in decode)
-        table = torch.zeros(len(decode), max_pages, dtype=torch.int32)
-        for i, st in enumerate(decode):
-            table[i, :len(st.pages)] = torch.tensor(st.pages, dtype=torch.int32)
-        batch.page_table = table.to(dev, non_blocking=True)
-        batch.seq_lens = torch.tensor([st.num_tokens for st in decode], dtype=torch.int32).to(dev)
-        adapted = [st.resident for st in decode]
-        if all(r is None for r in adapted):
-            return
-        n_mod = len(ALL_TARGET_MODULES)
-        zeros_rel = torch.zeros(cfg.num_layers, n_mod, 2, dtype=torch.int64)
-        zeros_rank = torch.zeros(n_mod, dtype=torch.int32)
-        rel = torch.stack([zeros_rel if r is None else r.adapter.relative_offsets + r.offset for r in adapted])
-        ranks = torch.stack([zeros_rank if r is None else r.adapter.module_ranks for r in adapted])
-        batch.decode_offsets = rel.permute(1, 2, 3, 0).contiguous().to(dev, non_blocking=True)
-        batch.decode_ranks = ranks.t().contiguous().to(dev, non_blocking=True)
-        batch.decode_scales = torch.tensor([0.0 if r is None else r.adapter.scale for r in adapted],
-                                           dtype=torch.float32).to(dev, non_blocking=True)
-        batch.decode_modules = frozenset(m for r in adapted if r is not None for m in r.adapter.target_modules)
+        inputs = self.decode_inputs
+        inputs.load_tables(decode, self.pool.pages_moved)
+        b, tp = len(decode), batch.num_prefill_rows
+        batch.page_table = inputs.page_table[:b]
+        batch.seq_lens = (batch.positions[tp:] + 1).to(torch.int32)
+        if inputs.has_lora:
+            batch.decode_offsets = inputs.lora_offsets[..., :b]
+            batch.decode_ranks = inputs.lora_ranks[:, :b]
+            batch.decode_scales = inputs.lora_scales[:b]
+            batch.decode_modules = inputs.modules
 
     def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
         """Views into the pool of the prefill adapters' factors, as the segment kernels take them
@@ -181,10 +242,11 @@ class ModelRunner:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         cfg, params = self.config, self.params
         h = embed(params, batch.input_ids)
-        cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype)
+        cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)
         for layer in range(cfg.num_layers):
             h = self._layer(layer, params["layers"][layer], h, cos, sin, batch)
-        h = h.index_select(0, batch.output_rows)
+        if batch.output_rows is not None:
+            h = h.index_select(0, batch.output_rows)
         return rms_norm(h, params["norm"], cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ class SamplingParams:
     (0 = off) and ``top_p`` (1 = off) filter, in that order (HF's order). ``seed`` fixes the
     request's own random stream, so the same seed gives the same tokens whatever else is in
     the batch. ``logprobs``: return the chosen token's logprob and the ``logprobs`` most likely
-    (0 = only the chosen one). Logprobs are of the model's distribution (log-softmax of the raw
-    logits), before temperature and filtering.
+    (0 = only the chosen one). ``prompt_logprobs``: the same for every prompt token given the
+    ones before it (``True`` = 0: the prompt tokens' own logprobs only; ``None``/``False`` = off);
+    with it, ``max_new_tokens=0`` scores the prompt and generates nothing. Logprobs are of the
+    model's distribution (log-softmax of the raw logits), before temperature and filtering.
     """
 
     max_new_tokens: int = 128
@@ -33,14 +35,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    prompt_logprobs: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+        prompt_k = self.prompt_logprobs
+        if isinstance(prompt_k, bool):  # True: the prompt tokens' logprobs without a top-k
+            prompt_k = 0 if prompt_k else None
+            object.__setattr__(self, "prompt_logprobs", prompt_k)
+        if prompt_k is not None and not (isinstance(prompt_k, int) and 0 <= prompt_k <= MAX_LOGPROBS):
+            raise ConfigError(f"SamplingParams.prompt_logprobs={prompt_k!r} must be an int in [0, {MAX_LOGPROBS}], "
+                              "True or None")
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and prompt_k is None):
+            raise ConfigError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1 (0 only scores "
+                              "the prompt: set prompt_logprobs with it)")
         if not self.temperature >= 0.0:
             raise ConfigError(f"SamplingParams.temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:

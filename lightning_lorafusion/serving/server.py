@@ -396,18 +396,19 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
             raise oa.APIError(400, "echo is not supported with stream=true", param="echo")
         if req.max_tokens == 0 and not req.echo:
             raise oa.APIError(400, "max_tokens=0 only scores the prompt: it needs echo=true", param="max_tokens")
-        plans = []  # (choice index, prompt, GenerationRequest, generate nothing?)
+        plans = []  # (choice index, prompt, GenerationRequest)
         for p_i, prompt in enumerate(prompts):
             srv.check_prompt(prompt)
             requested = 16 if req.max_tokens is None else req.max_tokens
             max_tokens = oa.resolve_max_tokens(requested, prompt_len=len(prompt.token_ids),
                                                max_model_len=srv.max_model_len, default=None,
                                                limit=srv.config.max_tokens_limit)
+            # echo with logprobs: the prompt's logprobs and top-k; max_tokens=0 only scores the prompt
+            scoring = req.echo and (req.logprobs is not None or max_tokens == 0)
             for j in range(req.n):
-                # the engine always generates >= 1 token: scoring only (max_tokens=0) drops it
-                kwargs = oa.sampling_kwargs(req, max_new_tokens=max(max_tokens, 1), choice=j, logprobs=req.logprobs,
-                                            prompt_logprobs=req.echo and req.logprobs is not None)
-                plans.append((p_i * req.n + j, prompt, srv.engine_request(prompt, adapter, kwargs), max_tokens == 0))
+                kwargs = oa.sampling_kwargs(req, max_new_tokens=max_tokens, choice=j, logprobs=req.logprobs,
+                                            prompt_logprobs=(req.logprobs or 0) if scoring else None)
+                plans.append((p_i * req.n + j, prompt, srv.engine_request(prompt, adapter, kwargs)))
         srv.admit(len(plans))
         rid, created = oa.new_id("cmpl"), oa.now()
         greqs = [plan[2] for plan in plans]
@@ -419,10 +420,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         else:
             outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
         choices, completion_tokens = [], 0
-        for (index, prompt, _, score_only), out in zip(plans, outs):
-            if score_only:
-                out = oa.ChoiceOutput(finish_reason="length", prompt_logprobs=out.prompt_logprobs,
-                                      prompt_top_logprobs=out.prompt_top_logprobs)
+        for (index, prompt, _), out in zip(plans, outs):
             completion_tokens += len(out.token_ids)
             choices.append(oa.completion_choice(index, out, srv.tokenizer, prompt=prompt if req.echo else None,
                                                 logprobs=req.logprobs))

@@ -156,6 +156,38 @@ def test_prompt_and_token_logprobs_match_hf(make_engine, hf_reference):
             assert list(res.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+def test_prompt_top_logprobs_and_scoring_only(make_engine, hf_reference):
+    """``prompt_logprobs=k``: each prompt position's top-k equals HF + PEFT's log-softmax;
+    ``max_new_tokens=0`` scores the prompt, generates nothing and ends with "length", in a batch
+    with a request that generates."""
+    engine = make_engine(num_pages=96, page_size=4)
+    score = SamplingParams(max_new_tokens=0, prompt_logprobs=3)
+    generate = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    cases = [CASES[2], CASES[3], CASES[1]]
+    reqs = _requests(cases[:2], score) + _requests(cases[2:], generate)
+    results = engine.generate(reqs)
+    for (prompt, adapter), res in zip(cases[:2], results):
+        assert res.token_ids == () and res.finish_reason == "length" and res.text == ""
+        ref = torch.log_softmax(hf_reference.logits(prompt, adapter).double(), dim=-1)
+        assert res.prompt_logprobs[0] is None and res.prompt_top_logprobs[0] is None
+        assert len(res.prompt_logprobs) == len(res.prompt_top_logprobs) == len(prompt)
+        for t in range(1, len(prompt)):
+            assert res.prompt_logprobs[t] == pytest.approx(ref[t - 1, prompt[t]].item(), abs=1e-4)
+            top = ref[t - 1].topk(3)
+            assert list(res.prompt_top_logprobs[t]) == top.indices.tolist()
+            assert list(res.prompt_top_logprobs[t].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    generated = results[2]
+    assert len(generated.token_ids) == 4 and generated.prompt_top_logprobs[1:] == [{}] * (len(cases[2][0]) - 1)
+    assert engine.stats()["generated_tokens_total"] == 4 and engine.stats()["kv_pages_used"] == 0
+    assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=False).prompt_logprobs is None
+    for bad in (21, -1, 1.5):
+        with pytest.raises(ConfigError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=-1, prompt_logprobs=1)
+
+
 def test_bad_requests_fail_alone(make_engine):
     engine = make_engine(num_pages=24, page_size=4, max_model_len=64)
     good = _requests([CASES[0]])[0]

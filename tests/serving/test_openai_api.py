@@ -164,7 +164,7 @@ def test_sampling_kwargs_build_engine_params_with_per_choice_seeds():
     assert [p.seed for p in params] == [11, 12, 13]
     p = params[0]
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.stop, p.logprobs, p.prompt_logprobs) == (
-        7, 0.7, 0.9, 5, ("w9", "w8"), 2, False)
+        7, 0.7, 0.9, 5, ("w9", "w8"), 2, None)
     unseeded = oa.parse_request(oa.CompletionRequest, {"model": "m", "prompt": "x", "n": 2})
     assert {oa.sampling_kwargs(unseeded, max_new_tokens=1, choice=j, logprobs=None)["seed"] for j in range(2)} == {None}
 

@@ -195,6 +195,35 @@ def test_echo_scores_the_prompt_like_hf_peft(served, hf_reference):
             assert lp["top_logprobs"][-1] == {served.engine.tokenizer.decode([token]): lp["token_logprobs"][-1]}
 
 
+def test_echo_logprobs_have_the_shape_lm_eval_reads(served, hf_reference):
+    """lm-evaluation-harness ``local-completions`` scores a continuation with echo, logprobs=1
+    and max_tokens=1, then reads ``token_logprobs[ctxlen:-1]`` and ``top_logprobs[ctxlen:-1]``
+    (a dict per token; greedy if the token's logprob is the top one). With max_tokens=0 the
+    same lists cover exactly the prompt. Both against HF + PEFT's log-softmax."""
+    prompt, ctxlen = [10, 20, 30, 11, 25, 40, 7], 4
+    ref = torch.log_softmax(hf_reference.logits(prompt, "attn2").double(), dim=-1)
+    decode = served.engine.tokenizer.decode
+    bodies = [_complete(served.client, model="attn2", prompt=[prompt, prompt[:3]], max_tokens=m, echo=True,
+                        logprobs=1) for m in (1, 0)]
+    for max_tokens, body in zip((1, 0), bodies):
+        lp = body["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + max_tokens
+        assert lp["top_logprobs"][0] is None and all(isinstance(d, dict) and len(d) == 1
+                                                     for d in lp["top_logprobs"][1:])
+        end = len(prompt) if max_tokens == 0 else -1
+        continuation = lp["token_logprobs"][ctxlen:end]
+        tops = lp["top_logprobs"][ctxlen:end]
+        assert len(continuation) == len(tops) == len(prompt) - ctxlen
+        for t, (value, top) in zip(range(ctxlen, len(prompt)), zip(continuation, tops)):
+            assert value == pytest.approx(ref[t - 1, prompt[t]].item(), abs=1e-4)
+            best = int(ref[t - 1].argmax())
+            assert top == {decode([best]): pytest.approx(ref[t - 1, best].item(), abs=1e-4)}
+            assert (value == max(top.values())) == (best == prompt[t])  # lm-eval's is_greedy test
+        assert body["usage"]["completion_tokens"] == 2 * max_tokens
+        short = body["choices"][1]
+        assert short["finish_reason"] == "length" and len(short["logprobs"]["tokens"]) == 3 + max_tokens
+
+
 def test_generated_token_logprobs_equal_hf_peft(served, hf_reference):
     prompt = [12, 13, 14, 15]
     body = _complete(served.client, model="all4", prompt=prompt, max_tokens=4, logprobs=3)
