@@ -148,7 +148,12 @@ class LoRAFusionModule(L.LightningModule):
         self._aliases: dict[str, str] = {}
         if params is not None:
             self._register_base(params)
-        self.bank = AdapterBank(specs, config, dtype=torch.float32)
+        # A random base exists only from setup on, on the training device; the bank waits for it
+        # there too (on the meta device until then): a 70B bank is 3.3 GB of fp32 that every
+        # process would otherwise allocate and fill on the host, then copy over.
+        self._bank_on_meta = params is None and not any(s.init_from for s in specs)
+        self.bank = AdapterBank(specs, config, dtype=torch.float32, draw_a=not self._bank_on_meta,
+                                device="meta" if self._bank_on_meta else None)
         for i, spec in enumerate(specs):
             if spec.init_from:
                 from ..model.peft_io import import_peft_adapter
@@ -321,6 +326,13 @@ class LoRAFusionModule(L.LightningModule):
             device = self._trainer.strategy.root_device if self._trainer is not None else self.device
             self._register_base(random_base_params(self.config, layers, is_first=first, is_last=last,
                                                    device=device, dtype=self.base_dtype))
+            if self._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
+                self.bank.to_empty(device=device)
+                with torch.no_grad():
+                    for p in self.bank.parameters():
+                        p.zero_()
+                self.bank.draw_initial_a(layers)
+                self._bank_on_meta = False
             self._stage_layers = layers
         elif strategy is not None:  # keep only this stage's frozen weights (before device move)
             self._keep_stage_params(layers, first, last)
