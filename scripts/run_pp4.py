@@ -6,8 +6,10 @@
 2. Llama-3.1-8B shape, 4 mixed adapters on 4 GPUs: one job as PP=2 x DP=2, one job as DP=4, and
    two independent 2-adapter jobs on 2 GPUs each, side by side (configs/gpu_8b_4gpu.yaml + overrides).
 
-Every run is its own process group with a time limit (killed on expiry; the next run starts
-anyway), all under one overall deadline, so the script ends inside one device call. Each run
+Ranks are started by torchrun (`--launcher torchrun`, all at once; `--launcher lightning` lets
+Lightning's launcher start them after rank 0 has set up, one start-up longer). Every run has a
+time limit (on expiry it is killed with every descendant; the next run starts anyway), all
+under one overall deadline (the flushed run, last, is the first to be cut). Each run
 writes `run_summary.json` (training.callbacks.RunSummary) after every epoch; the table reads
 its last epoch (the first includes torch.compile and allocator warm-up). NVLink multicast stays
 off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
@@ -39,9 +41,11 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """One `fit` process tree: its config files, GPUs (CUDA_VISIBLE_DEVICES, None = all)."""
+    """One `fit` process tree: its config files, processes (= the config's trainer.devices) and
+    GPUs (CUDA_VISIBLE_DEVICES, None = all)."""
 
     configs: tuple[str, ...]
+    procs: int = 4
     gpus: str | None = None
     tag: str = ""
 
@@ -68,35 +72,79 @@ RUNS = (  # in priority order: the last ones are the first to be cut by the dead
     Run(name="8b_dp4", what="8B DP=4, 4 adapters, mixed", jobs=(Job(configs=(C8, "configs/pp4/dp4.yaml")),),
         limit_s=90),
     Run(name="8b_2jobs_pp2", what="8B 2 jobs x (PP=2, 2 adapters), side by side",
-        jobs=(Job(configs=(C8, "configs/pp4/job_a.yaml"), gpus="0,1", tag="a"),
-              Job(configs=(C8, "configs/pp4/job_b.yaml"), gpus="2,3", tag="b")), limit_s=90),
+        jobs=(Job(configs=(C8, "configs/pp4/job_a.yaml"), procs=2, gpus="0,1", tag="a"),
+              Job(configs=(C8, "configs/pp4/job_b.yaml"), procs=2, gpus="2,3", tag="b")), limit_s=90),
     Run(name="70b_pp4_mixed_4ad_flushed", what="70B PP=4, 4 adapters, mixed, flushed 1F1B",
         jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", "configs/pp4/flushed_1f1b.yaml")),), limit_s=150),
 )
 
 
-def fit_command(python: str, job: Job, root: str, extra: list[str]) -> list[str]:
+def fit_command(python: str, job: Job, root: str, extra: list[str], launcher: str = "torchrun") -> list[str]:
+    """``fit`` through the CLI module. ``torchrun`` starts every rank at once (Lightning sees a
+    torchelastic environment); ``lightning`` lets Lightning's launcher start ranks 1.. after
+    rank 0 has imported and built everything (slower by one start-up per run)."""
     cmd = [python, "-m", "lightning_lorafusion.cli", "fit"]
+    if launcher == "torchrun":
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(job.procs),
+               "-m", "lightning_lorafusion.cli", "fit"]
     for config in job.configs:
         cmd += ["--config", os.path.join(REPO, config)]
     return cmd + ["--trainer.default_root_dir", root] + extra
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the job's process group (Lightning's launcher and every rank), SIGKILL after 10 s."""
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun starts its ranks in sessions of their own, so
+    the job's process group does not hold them)."""
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM the job (its process group and every descendant: launcher, ranks, compile
+    workers), SIGKILL whatever is left 10 s later."""
+    pids = {proc.pid}
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        pids |= set(_descendants(proc.pid))
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # ranks that outlived the launcher (still in the group)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            proc.poll()  # reap our direct child
+            if not any(_running(pid) for pid in pids):
+                return
+            time.sleep(0.2)
 
 
 def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float) -> list[str]:
@@ -117,7 +165,7 @@ def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float) -> lis
             statuses.append("ok" if code == 0 else f"exit {code}")
         except subprocess.TimeoutExpired:
             statuses.append("timeout")
-        _kill_group(proc)  # also on success: no rank may hold a GPU into the next run
+        _kill_tree(proc)  # also on success: no rank may hold a GPU into the next run
     return statuses
 
 
@@ -255,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="where the table, JSON and logs archive go")
     ap.add_argument("--work", default="/tmp/pp4_runs", help="run directories (large; not sent back)")
-    ap.add_argument("--deadline", type=float, default=540.0, help="seconds for everything, table included")
+    ap.add_argument("--deadline", type=float, default=480.0, help="seconds for everything, table included")
     ap.add_argument("--only", default="", help="comma-separated run names (default: all, in order)")
     ap.add_argument("--extra", default="", help="arguments appended to every fit command")
     ap.add_argument("--fuse-elementwise", choices=["auto", "off"], default="auto",
                     help="LORAFUSION_FUSE_ELEMENTWISE: 'off' skips torch.compile of the elementwise groups")
+    ap.add_argument("--launcher", choices=["torchrun", "lightning"], default="torchrun",
+                    help="who starts the ranks (see fit_command)")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -292,10 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             summary = os.path.join(root, "run_summary.json")
             if os.path.exists(summary):
                 os.remove(summary)  # never report an earlier session's numbers
-            env = {**base_env, **run.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + 10 * i + k)}
+            env = {**base_env, **run.env}
+            if args.launcher == "lightning":  # torchrun --standalone picks free ports itself
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + 10 * i + k))
             if job.gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = job.gpus
-            commands.append((fit_command(args.python, job, root, extra), env, os.path.join(root, "fit.log")))
+            commands.append((fit_command(args.python, job, root, extra, args.launcher), env,
+                             os.path.join(root, "fit.log")))
             roots.append(root)
         t0 = time.monotonic()
         print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {run.what} (limit {limit:.0f} s)", flush=True)

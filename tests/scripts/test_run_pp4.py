@@ -46,13 +46,16 @@ def _resolved_config(args, tmp_path, monkeypatch) -> dict:
 
 @pytest.mark.parametrize("name, job", JOBS, ids=[f"{n}{'_' + j.tag if j.tag else ''}" for n, j in JOBS])
 def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job):
-    cmd = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), []) + ["--print_config"]
+    cmd = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [], launcher="lightning")
     assert cmd[1:4] == ["-m", "lightning_lorafusion.cli", "fit"]
-    cfg = _resolved_config(cmd[3:], tmp_path, monkeypatch)
+    torchrun = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [])
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == str(job.procs)
+    assert torchrun[torchrun.index("lightning_lorafusion.cli"):] == cmd[2:]
+    cfg = _resolved_config(cmd[3:] + ["--print_config"], tmp_path, monkeypatch)
     trainer, model = cfg["trainer"], cfg["model"]
     strategy = trainer["strategy"]["init_args"]
     adapters = [a["name"] for a in model["adapters"]]
-    assert trainer["default_root_dir"] == str(tmp_path / "run")
+    assert trainer["default_root_dir"] == str(tmp_path / "run") and trainer["devices"] == job.procs
     assert trainer["precision"] == "bf16-true" and trainer["max_epochs"] == 2
     assert [c["class_path"] for c in trainer["callbacks"]] == ["lightning_lorafusion.training.callbacks.RunSummary"]
     assert model["backend"] == "auto" and model["export_on_fit_end"] is False
@@ -74,9 +77,12 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
 
 
 def test_a_job_over_its_limit_is_killed_with_its_children_and_others_report(tmp_path):
+    """The child sits in a session of its own, as torchrun's ranks do: killing the job's process
+    group alone would leave it running (and holding its GPU)."""
     pid_file = tmp_path / "child.pid"
     sleeper = ("import subprocess, sys, time; "
-               f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+               "start_new_session=True); "
                f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)")
     commands = [([sys.executable, "-c", sleeper], dict(os.environ), str(tmp_path / "slow.log")),
                 ([sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ), str(tmp_path / "bad.log")),
