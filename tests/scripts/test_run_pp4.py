@@ -3,29 +3,17 @@ over its time limit is killed with its whole process tree and the next one still
 table adds up side-by-side jobs."""
 
 import contextlib
-import importlib.util
 import io
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "run_pp4.py"
+from _script_loader import load_script
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("run_pp4", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-RUN_PP4 = _script()
+RUN_PP4 = load_script("run_pp4")
 JOBS = [(run.name, job) for run in RUN_PP4.RUNS for job in run.jobs]
 
 

@@ -14,6 +14,7 @@ from lightning_lorafusion.parallel.strategy import MultiAdapterPipelineStrategy
 from lightning_lorafusion.training.callbacks import RunSummary
 from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
 from lightning_lorafusion.training.module import LoRAFusionModule
+from test_dp_fit import _assert_same_adapters
 from test_equivalence import fit_joint, tiny_specs
 
 
@@ -89,10 +90,4 @@ def test_flushed_schedule_on_a_random_base_matches_one_process(tmp_path):
     _fit(base, specs, tmp_path / "flushed", devices=2, pipeline_size=2, schedule="flushed_1f1b")
     single, _, _ = fit_joint(base, specs, max_epochs=2)  # the same seeded weights, all on one process
     single.export_adapters(str(tmp_path / "one"))
-    for spec in specs:
-        got = load_file(tmp_path / "flushed" / spec.name / "adapter_model.safetensors")
-        want = load_file(tmp_path / "one" / spec.name / "adapter_model.safetensors")
-        assert got.keys() == want.keys() and len(want) > 0
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, k=key, n=spec.name: f"{n}: {k}\n{m}")
+    _assert_same_adapters(tmp_path / "flushed", tmp_path / "one", specs, rtol=1e-4, atol=1e-5)
