@@ -15,6 +15,7 @@ Selecting it from YAML (LightningCLI)::
       strategy:
         class_path: lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy
         init_args: {pipeline_size: 2}        # data_parallel_size defaults to world / pipeline_size
+                                             # schedule: no_flush (default) or flushed_1f1b
 
 What it expects from the LightningModule (manual optimization):
 
