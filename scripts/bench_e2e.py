@@ -39,6 +39,7 @@ from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwis
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
+from lightning_lorafusion.training.flops import lora_training_flops  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
@@ -94,20 +95,6 @@ def packed_rows(samples, capacity):
             rows.append([sample])
             loads.append(len(sample[0]))
     return rows
-
-
-def model_flops(args, hf_config, samples_lengths):
-    """Useful FLOPs of LoRA training over these samples (frozen base, no weight gradients):
-    4 x linear weights (forward + input-gradient) per token, the LM head likewise, and causal
-    attention 6 x L^2 x hidden per layer per sample (forward 2, backward 4). LoRA's own FLOPs
-    (< 1%) are left out."""
-    h, i, v = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    kv = hf_config.num_key_value_heads * (h // hf_config.num_attention_heads)
-    per_layer = h * h * 2 + 2 * h * kv + 3 * h * i
-    tokens = sum(samples_lengths)
-    linear = 4 * tokens * (args.layers * per_layer + v * h)
-    attention = sum(6 * n * n * h * args.layers for n in samples_lengths)
-    return linear + attention
 
 
 def run_hf_peft(args, model, data, device, packed=False):
@@ -316,7 +303,7 @@ def main() -> None:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        flops = model_flops(args, hf_config, [len(x) for d in data for x, _ in d])
+        flops = lora_training_flops(hf_config, [len(x) for d in data for x, _ in d])
         extra["mfu"] = round(flops / secs / args.peak_tflops / 1e12, 4)
         rows.append({"variant": variant, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2),
                      "real_tokens": toks, "peak_gib": round(peak, 2), **extra})

