@@ -77,6 +77,24 @@ RUNS = (  # in priority order: the last ones are the first to be cut by the dead
     Run(name="70b_pp4_mixed_4ad_flushed", what="70B PP=4, 4 adapters, mixed, flushed 1F1B",
         jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", "configs/pp4/flushed_1f1b.yaml")),), limit_s=150),
 )
+P2 = "configs/pp2/pp2_70b.yaml"
+D2 = "configs/pp2/devices2.yaml"
+ONE = "configs/pp2/single_gpu.yaml"
+RUNS_2GPU = (  # issue 18's fallback when only a 2-GPU machine is lent (--gpus 2)
+    Run(name="70b_pp2_mixed_4ad", what="70B PP=2, 4 adapters, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2), procs=2),), limit_s=170),
+    Run(name="70b_pp2_mixed_1ad", what="70B PP=2, 1 adapter, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed1.yaml", P2), procs=2),), limit_s=110),
+    Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed", jobs=(Job(configs=(C8, D2), procs=2),), limit_s=80),
+    Run(name="8b_dp2", what="8B DP=2, 4 adapters, mixed",
+        jobs=(Job(configs=(C8, D2, "configs/pp4/dp4.yaml"), procs=2),), limit_s=80),
+    Run(name="8b_2jobs_1gpu", what="8B 2 jobs x (1 GPU, 2 adapters), side by side",
+        jobs=(Job(configs=(C8, "configs/pp4/job_a.yaml", ONE), procs=1, gpus="0", tag="a"),
+              Job(configs=(C8, "configs/pp4/job_b.yaml", ONE), procs=1, gpus="1", tag="b")), limit_s=80),
+    Run(name="70b_pp2_mixed_4ad_flushed", what="70B PP=2, 4 adapters, mixed, flushed 1F1B",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2, "configs/pp4/flushed_1f1b.yaml"), procs=2),),
+        limit_s=150),
+)
 
 
 def fit_command(python: str, job: Job, root: str, extra: list[str], launcher: str = "torchrun") -> list[str]:
@@ -258,6 +276,10 @@ def table(results: list[dict]) -> str:
         f"- 70B mixed, 4 adapters vs 1 adapter tokens/s: {ratio('70b_pp4_mixed_4ad', '70b_pp4_mixed_1ad')}",
         f"- 70B mixed, 4 adapters, no-flush vs flushed 1F1B tokens/s: "
         f"{ratio('70b_pp4_mixed_4ad', '70b_pp4_mixed_4ad_flushed')}",
+        f"- 70B PP=2 mixed, 4 vs 1 adapter: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_1ad')}; no-flush vs "
+        f"flushed: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_4ad_flushed')}",
+        f"- 8B on 2 GPUs, PP=2 vs DP=2: {ratio('8b_pp2', '8b_dp2')}; PP=2 vs two 1-GPU jobs: "
+        f"{ratio('8b_pp2', '8b_2jobs_1gpu')}; two jobs vs DP=2: {ratio('8b_2jobs_1gpu', '8b_dp2')}",
         f"- 8B on 4 GPUs, PP=2xDP=2 vs DP=4: {ratio('8b_pp2xdp2', '8b_dp4')}; "
         f"PP=2xDP=2 vs two 2-GPU jobs: {ratio('8b_pp2xdp2', '8b_2jobs_pp2')}; "
         f"two jobs vs DP=4: {ratio('8b_2jobs_pp2', '8b_dp4')}",
@@ -310,16 +332,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="LORAFUSION_FUSE_ELEMENTWISE: 'off' skips torch.compile of the elementwise groups")
     ap.add_argument("--launcher", choices=["torchrun", "lightning"], default="torchrun",
                     help="who starts the ranks (see fit_command)")
+    ap.add_argument("--gpus", type=int, choices=[2, 4], default=4,
+                    help="4: the issue's runs; 2: the fallback set for a 2-GPU machine (70B in 2 stages)")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
-    known = {r.name for r in RUNS}
+    run_set = RUNS if args.gpus == 4 else RUNS_2GPU
+    known = {r.name for r in run_set}
     only = [n for n in args.only.split(",") if n]
     if set(only) - known:
-        ap.error(f"unknown run(s) {sorted(set(only) - known)}; known: {[r.name for r in RUNS]}")
-    runs = [r for r in RUNS if not only or r.name in only]
+        ap.error(f"unknown run(s) {sorted(set(only) - known)}; known: {[r.name for r in run_set]}")
+    runs = [r for r in run_set if not only or r.name in only]
     base_env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
                 "LORAFUSION_FUSE_ELEMENTWISE": args.fuse_elementwise}
