@@ -93,7 +93,7 @@ RUNS_2GPU = (  # issue 18's fallback when only a 2-GPU machine is lent (--gpus 2
               Job(configs=(C8, "configs/pp4/job_b.yaml", ONE), procs=1, gpus="1", tag="b")), limit_s=80),
     Run(name="70b_pp2_mixed_4ad_flushed", what="70B PP=2, 4 adapters, mixed, flushed 1F1B",
         jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2, "configs/pp4/flushed_1f1b.yaml"), procs=2),),
-        limit_s=150),
+        limit_s=210),
 )
 
 
