@@ -616,6 +616,9 @@ class LoRAFusionModule(L.LightningModule):
             for n, g in grads.items():
                 params[n].grad = g.to(params[n].device, params[n].dtype)
         self._restored_grads = None
+        for a in range(len(self.adapter_specs)):  # until its first good step, the start is "last good"
+            if a not in self._last_good:
+                self._last_good[a] = (self.steps_taken[a], self._host_copy(self._named_params(a)))
         fresh = not any(self.steps_taken) and not any(p.val_history for p in self.progress)
         if self.validate_before_training and fresh:
             self._validate_now()
