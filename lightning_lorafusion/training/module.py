@@ -375,6 +375,10 @@ class LoRAFusionModule(L.LightningModule):
         self._val_sums = torch.zeros(n, dtype=torch.float64, device=self.device)
         self._val_tokens = torch.zeros(n, dtype=torch.float64, device=self.device)
 
+    def on_validation_model_zero_grad(self) -> None:
+        # Lightning frees .grad before validating; ours hold partial global batches mid-epoch
+        pass
+
     def validation_step(self, mb: Microbatch, batch_idx: int) -> None:
         """Accumulate each adapter's summed token loss and label tokens (no dropout, no grads)."""
         sums = self.loss_sums(mb, train=False)

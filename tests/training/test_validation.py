@@ -30,7 +30,7 @@ def val_specs(dropout=0.1, **extra):
     ]
 
 
-def fit_val(model_dir, specs, *, max_epochs=1, export_dir=None, module_kwargs=None, **trainer_kwargs):
+def fit_val(model_dir, specs, *, max_epochs=1, export_dir=None, module_kwargs=None, ckpt_path=None, **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_on_fit_end=export_dir is not None, export_dir=export_dir,
                               **(module_kwargs or {}))
@@ -39,7 +39,7 @@ def fit_val(model_dir, specs, *, max_epochs=1, export_dir=None, module_kwargs=No
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(**kwargs)
-    trainer.fit(module, datamodule=dm)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module, dm, trainer
 
 
@@ -125,3 +125,16 @@ def test_packed_val_loss_equals_each_adapter_alone_and_reaches_the_logger(tiny_m
         last = json.loads((top / "last" / "trainer_state.json").read_text())
         assert last["weights"] == "last" and last["step"] == module.steps_taken[a]
         assert (top / "adapter_config.json").exists() and (top / "last" / "adapter_model.safetensors").exists()
+
+
+def test_validating_inside_global_batches_changes_no_weights(tiny_model_dir):
+    """Validation after every microbatch (inside partial global batches, whose gradients wait in
+    .grad) leaves training exactly as without validation."""
+    specs = val_specs(dropout=0.1)
+    validated, _, _ = fit_val(tiny_model_dir, specs, val_check_interval=1)
+    assert len(validated.progress[0].val_history) > validated.steps_taken[0]
+    plain, _, _ = fit_val(tiny_model_dir, specs, limit_val_batches=0)
+    assert not plain.progress[0].val_history
+    want = dict(plain.bank.named_parameters())
+    for name, p in validated.bank.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=0, msg=name)
