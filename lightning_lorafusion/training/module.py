@@ -176,6 +176,8 @@ class LoRAFusionModule(L.LightningModule):
         self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         self._val_sums: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
+        self._validated_at: tuple[int, int] | None = None  # data position of the last validation
+        self._val_due_on_resume = False
 
     # ------------------------------------------------------------ functional
     def base_params(self) -> Any:
@@ -410,6 +412,21 @@ class LoRAFusionModule(L.LightningModule):
             self.log(f"val/ppl/{name}", math.exp(min(loss, 80.0)), batch_size=1)
         if self.trainer.state.fn == "fit":
             self._judge(losses)
+            self._validated_at = self._data_position()
+
+    def _data_position(self) -> tuple[int, int] | None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return (dm.epoch, dm.position) if dm is not None and hasattr(dm, "position") else None
+
+    def _validation_pending(self) -> bool:
+        """Lightning validates after a batch's ``on_train_batch_end``, where ModelCheckpoint saves,
+        and skips that validation when resuming from such a checkpoint: say so in it."""
+        loop = self.trainer.fit_loop
+        try:
+            due = loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+        except Exception:  # not inside a training epoch
+            return False
+        return bool(due) and self._validated_at != self._data_position()
 
     def _judge(self, losses: dict[int, float]) -> None:
         """Best weights, early stopping and quarantine after a validation during fit."""
@@ -435,8 +452,8 @@ class LoRAFusionModule(L.LightningModule):
                 self._quarantine(a, why)
 
     def _validate_now(self) -> None:
-        """One validation pass outside Lightning's loop (``validate_before_training``): the same
-        accumulation, logged to every logger at step 0."""
+        """One validation pass outside Lightning's loop (``validate_before_training``, or the one
+        a resumed run would skip): the same accumulation, logged to every logger."""
         dm = self.trainer.datamodule
         if dm is None or not getattr(dm, "has_validation", False):
             return
@@ -454,8 +471,9 @@ class LoRAFusionModule(L.LightningModule):
             log.info("adapter %s: val loss before training %.4f", name, loss)
         if self.trainer.is_global_zero:
             for logger in self.loggers:
-                logger.log_metrics(metrics, step=0)
+                logger.log_metrics(metrics, step=self.global_step)
         self._judge(losses)
+        self._validated_at = self._data_position()
 
     # ------------------------------------------------- pipeline strategy contract
     # (lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy)
@@ -584,6 +602,7 @@ class LoRAFusionModule(L.LightningModule):
             "progress": [p.to_dict() for p in self.progress],
             "best_weights": {a: {n: t.clone() for n, t in w.items()} for a, w in self._best_weights.items()},
             "last_good": {a: (step, {n: t.clone() for n, t in w.items()}) for a, (step, w) in self._last_good.items()},
+            "validation_pending": self._validation_pending() if self._trainer is not None else False,
         }
         self._sync_host_copies()
 
@@ -606,6 +625,7 @@ class LoRAFusionModule(L.LightningModule):
             self.progress = [AdapterProgress.from_dict(d) for d in state["progress"]]
             self._best_weights = {int(a): dict(w) for a, w in state["best_weights"].items()}
             self._last_good = {int(a): (int(step), dict(w)) for a, (step, w) in state["last_good"].items()}
+            self._val_due_on_resume = bool(state.get("validation_pending", False))
 
     def on_fit_start(self) -> None:
         # data.capacity=auto is profiled here: the model is on its device, no loader exists yet
@@ -624,8 +644,9 @@ class LoRAFusionModule(L.LightningModule):
             if a not in self._last_good:
                 self._last_good[a] = (self.steps_taken[a], self._host_copy(self._named_params(a)))
         fresh = not any(self.steps_taken) and not any(p.val_history for p in self.progress)
-        if self.validate_before_training and fresh:
+        if (self.validate_before_training and fresh) or self._val_due_on_resume:
             self._validate_now()
+        self._val_due_on_resume = False
 
     def on_fit_end(self) -> None:
         if not self.export_on_fit_end:
