@@ -89,8 +89,38 @@ def test_bad_config_fails_before_training(tiny_model_dir, tmp_path, override, me
     assert not (tmp_path / "run" / "adapters").exists()
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "gpu_1x.yaml", "gpu_pp2.yaml", "gpu_dp2.yaml"])
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny_eval.yaml", "gpu_1x.yaml", "gpu_pp2.yaml", "gpu_dp2.yaml"])
 def test_every_shipped_config_parses(tmp_path, name):
     out = run_cli(["fit", "--config", os.path.join(REPO, "configs", name), "--print_config"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert yaml.safe_load(out.stdout)["model"]["adapters"]
+
+
+def test_fit_with_validation_then_validate_subcommand_in_process(tiny_model_dir, tmp_path, monkeypatch):
+    """configs/tiny_eval.yaml through the CLI (in this process): step-0 and periodic validation in
+    the CSV log, best/last export; then `validate --ckpt_path` on the final checkpoint reproduces
+    the last val losses."""
+    import csv
+
+    from lightning_lorafusion.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    common = ["--config", os.path.join(REPO, "configs", "tiny_eval.yaml"), "--model.base_model", tiny_model_dir,
+              "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run)]
+    main(["fit", *common, "--trainer.enable_checkpointing", "true"])
+    rows = list(csv.DictReader(open(next(run.rglob("metrics.csv")))))
+    val = [r for r in rows if r.get("val/loss/xsum")]
+    assert val[0]["step"] == "0" and len(val) >= 3  # before training, every 4 microbatches, epoch ends
+    assert all(r.get("val/ppl/cnndm") for r in val)
+    for name in ("xsum", "cnndm"):
+        state = json.loads((run / "adapters" / name / "trainer_state.json").read_text())
+        assert state["weights"] == "best" and state["val_loss"] is not None
+        assert (run / "adapters" / name / "last" / "adapter_model.safetensors").exists()
+    ckpt = sorted(run.rglob("*.ckpt"), key=os.path.getmtime)[-1]
+    main(["validate", *common, "--trainer.logger.init_args.name", "validate", "--ckpt_path", str(ckpt)])
+    again = list(csv.DictReader(open(next((run / "validate").rglob("metrics.csv")))))
+    assert len(again) == 1
+    for name in ("xsum", "cnndm"):
+        last = [r for r in val if r.get(f"val/loss/{name}")][-1]
+        assert float(again[0][f"val/loss/{name}"]) == pytest.approx(float(last[f"val/loss/{name}"]), rel=1e-6)
