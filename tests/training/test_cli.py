@@ -105,6 +105,7 @@ def test_fit_with_validation_then_validate_subcommand_in_process(tiny_model_dir,
     from lightning_lorafusion.cli import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-lorafusion"])  # not pytest's arguments
     run = tmp_path / "run"
     common = ["--config", os.path.join(REPO, "configs", "tiny_eval.yaml"), "--model.base_model", tiny_model_dir,
               "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run)]
