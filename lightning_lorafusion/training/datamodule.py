@@ -216,8 +216,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"validation (val_dataset / val_fraction of adapters {with_val}) is not supported "
                 f"under the pipeline strategy with pipeline_size={layout.pipeline_size} yet; remove "
-                "it, or validate the exported adapters on one device (`lightning-lorafusion "
-                "validate --config ... --ckpt_path ...` with pipeline_size 1)"
+                "it, and validate the exported adapters on one device afterwards (`lightning-lorafusion "
+                "validate` with adapters[].init_from set to them)"
             )
 
     def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:

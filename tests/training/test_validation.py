@@ -138,3 +138,20 @@ def test_validating_inside_global_batches_changes_no_weights(tiny_model_dir):
     want = dict(plain.bank.named_parameters())
     for name, p in validated.bank.named_parameters():
         torch.testing.assert_close(p, want[name], rtol=0, atol=0, msg=name)
+
+
+def test_validation_under_a_multi_stage_pipeline_is_refused_clearly():
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.parallel.data_parallel import ParallelLayout
+    from lightning_lorafusion.parallel.strategy import MultiAdapterPipelineStrategy
+
+    strategy = MultiAdapterPipelineStrategy(pipeline_size=2)
+    strategy.layout = ParallelLayout(pipeline_size=2, data_parallel_size=1)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8)
+    dm.trainer = SimpleNamespace(strategy=strategy, lightning_module=SimpleNamespace(adapter_specs=val_specs()))
+    with pytest.raises(ConfigError, match="validation .* is not supported under the pipeline strategy with pipeline_size=2"):
+        dm._adopt_pipeline_layout()
+    dm.trainer.lightning_module.adapter_specs = tiny_specs()  # no validation data: fine
+    dm._adopt_pipeline_layout()
+    assert dm.num_stages == 2
