@@ -9,6 +9,8 @@ from typing import Any
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Task metrics an adapter can report on its generated val samples (training/val_samples.py).
+METRICS = ("rouge",)
 
 
 class ConfigError(ValueError):
@@ -47,6 +49,8 @@ class AdapterSpec:
     # ``val_explode_factor`` x its best (None: never)
     max_bad_steps: int | None = None
     val_explode_factor: float | None = 3.0
+    val_samples: int = 0  # greedy generations for this many fixed val prompts at each validation
+    metric: str | None = None  # task metric on those generations: "rouge"
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "_").replace(".", "_").isidentifier():
@@ -118,6 +122,15 @@ class AdapterSpec:
             object.__setattr__(self, "early_stopping", {"patience": patience, "min_delta": float(min_delta)})
         if self.max_bad_steps is not None and (isinstance(self.max_bad_steps, bool) or self.max_bad_steps < 1):
             raise ConfigError(f"{where}: max_bad_steps={self.max_bad_steps!r} must be an int >= 1 (or unset)")
+        if isinstance(self.val_samples, bool) or not isinstance(self.val_samples, int) or self.val_samples < 0:
+            raise ConfigError(f"{where}: val_samples={self.val_samples!r} must be an int >= 0")
+        if self.metric is not None and self.metric not in METRICS:
+            raise ConfigError(f"{where}: metric={self.metric!r}; allowed: {list(METRICS)} (or null)")
+        if self.metric is not None and self.val_samples < 1:
+            raise ConfigError(f"{where}: metric={self.metric!r} is computed on generated val samples; "
+                              "set val_samples >= 1")
+        if (self.val_samples or self.metric) and not self.has_validation:
+            raise ConfigError(f"{where}: val_samples/metric need validation data; set val_dataset or val_fraction")
         if self.val_explode_factor is not None and not self.val_explode_factor > 1.0:
             raise ConfigError(f"{where}: val_explode_factor={self.val_explode_factor!r} must be > 1 "
                               "(or null to never quarantine on validation loss)")

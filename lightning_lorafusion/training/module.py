@@ -70,6 +70,8 @@ class LoRAFusionModule(L.LightningModule):
         validate_before_training: run one validation before the first training step (not on
             resume), so the step-0 val loss is logged and is the baseline for early stopping
             and ``val_explode_factor``.
+        sample_max_new_tokens: length of the greedy generations for ``adapters[].val_samples``
+            (written to ``<default_root_dir>/samples.jsonl`` and a W&B table at each validation).
         activation_checkpointing: keep only a decoder layer's input for backward and recompute
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
@@ -90,6 +92,7 @@ class LoRAFusionModule(L.LightningModule):
         export_on_fit_end: bool = True,
         activation_checkpointing: bool | int = False,
         validate_before_training: bool = False,
+        sample_max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -130,6 +133,8 @@ class LoRAFusionModule(L.LightningModule):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.export_on_fit_end = export_on_fit_end
         self.validate_before_training = validate_before_training
+        self.sample_max_new_tokens = sample_max_new_tokens
+        self._last_samples: dict[int, str] = {}  # adapter -> its latest generated val sample
         self.activation_checkpointing = activation_checkpointing
         self.base_model_name = base_model
 
@@ -410,9 +415,60 @@ class LoRAFusionModule(L.LightningModule):
             name = self.adapter_specs[a].name
             self.log(f"val/loss/{name}", loss, batch_size=1)
             self.log(f"val/ppl/{name}", math.exp(min(loss, 80.0)), batch_size=1)
+        for key, value in self._generate_val_samples().items():
+            self.log(key, value, batch_size=1, rank_zero_only=True)
         if self.trainer.state.fn == "fit":
             self._judge(losses)
             self._validated_at = self._data_position()
+
+    def _generate_val_samples(self) -> dict[str, float]:
+        """Greedy generations for each adapter's first ``val_samples`` val prompts (rank 0),
+        appended to ``samples.jsonl`` and logged as a W&B table; returns the task metrics."""
+        import json
+
+        from .val_samples import greedy_generate, split_prompt
+
+        dm = self.trainer.datamodule
+        fitting = self.trainer.state.fn == "fit"
+        wanted = [a for a, spec in enumerate(self.adapter_specs)
+                  if spec.val_samples and (self.progress[a].training or not fitting)]
+        if not wanted or not self.trainer.is_global_zero or dm is None or not getattr(dm, "val_datasets", None):
+            return {}
+        prompts = [split_prompt(a, s) for a in wanted
+                   for s in dm.val_datasets[a][: self.adapter_specs[a].val_samples]]
+        generated = greedy_generate(
+            self.base_params(), self.bank, self.config, prompts, max_new_tokens=self.sample_max_new_tokens,
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None), pad_multiple=dm.packing.pad_multiple,
+            pad_token_id=dm.packing.pad_token_id, backend=self.backend, device=self.device,
+        )
+
+        def text(ids) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        rows = [{"step": self.global_step, "adapter": self.adapter_specs[p.adapter].name,
+                 "adapter_step": self.steps_taken[p.adapter], "prompt": text(p.prompt),
+                 "generated": text(g), "reference": text(p.reference)} for p, g in zip(prompts, generated)]
+        metrics: dict[str, float] = {}
+        for a in wanted:
+            mine = [r for r in rows if r["adapter"] == self.adapter_specs[a].name]
+            self._last_samples[a] = mine[0]["generated"]
+            if self.adapter_specs[a].metric == "rouge":
+                from .val_samples import rouge_scores
+
+                for key, value in rouge_scores([r["generated"] for r in mine], [r["reference"] for r in mine]).items():
+                    metrics[f"val/{key}/{self.adapter_specs[a].name}"] = value
+        os.makedirs(self.trainer.default_root_dir, exist_ok=True)
+        with open(os.path.join(self.trainer.default_root_dir, "samples.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger):
+                columns = list(rows[0])
+                logger.log_table(key="val/samples", columns=columns, data=[[r[c] for c in columns] for r in rows],
+                                 step=self.global_step)
+        return metrics
 
     def _data_position(self) -> tuple[int, int] | None:
         dm = self.trainer.datamodule if self._trainer is not None else None
@@ -463,7 +519,8 @@ class LoRAFusionModule(L.LightningModule):
             for i, mb in enumerate(dm.iter_val_microbatches()):
                 self.validation_step(mb.to(self.device), i)
         losses = self._val_losses()
-        metrics = {}
+        with torch.no_grad(), precision.forward_context():
+            metrics = self._generate_val_samples()
         for a, loss in losses.items():
             name = self.adapter_specs[a].name
             metrics[f"val/loss/{name}"] = loss
@@ -672,14 +729,15 @@ class LoRAFusionModule(L.LightningModule):
 
     def summary(self) -> str:
         """A table: per adapter, status, steps, val loss at step 0 / best / last."""
-        rows = ["| adapter | status | steps | val loss step 0 | best val loss (step) | last val loss (step) |",
-                "|---|---|---|---|---|---|"]
+        rows = ["| adapter | status | steps | val loss step 0 | best val loss (step) | last val loss (step) | sample |",
+                "|---|---|---|---|---|---|---|"]
         for a, spec in enumerate(self.adapter_specs):
             p = self.progress[a]
             first = next((f"{v:.4f}" for s, v in p.val_history if s == 0), "-")
             best = f"{p.best_val_loss:.4f} ({p.best_step})" if p.best_step is not None else "-"
             last = f"{p.val_history[-1][1]:.4f} ({p.val_history[-1][0]})" if p.val_history else "-"
-            rows.append(f"| {spec.name} | {p.status} | {self.steps_taken[a]} | {first} | {best} | {last} |")
+            sample = " ".join(self._last_samples.get(a, "-").split())[:80].replace("|", "/")
+            rows.append(f"| {spec.name} | {p.status} | {self.steps_taken[a]} | {first} | {best} | {last} | {sample} |")
         return "adapters at the end of fit:\n" + "\n".join(rows)
 
     def export_adapters(self, out_dir: str | None = None) -> list[str]:

@@ -118,6 +118,11 @@ def test_fit_with_validation_then_validate_subcommand_in_process(tiny_model_dir,
         state = json.loads((run / "adapters" / name / "trainer_state.json").read_text())
         assert state["weights"] == "best" and state["val_loss"] is not None
         assert (run / "adapters" / name / "last" / "adapter_model.safetensors").exists()
+    assert all(r.get("val/rouge1/xsum") and r.get("val/rougeL/xsum") for r in val)
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    assert {s["adapter"] for s in samples} == {"xsum", "cnndm"} and samples[0]["step"] == 0
+    assert sum(s["adapter"] == "xsum" for s in samples if s["step"] == 0) == 2
+    assert all(s["prompt"] and s["reference"] and "generated" in s for s in samples)
     ckpt = sorted(run.rglob("*.ckpt"), key=os.path.getmtime)[-1]
     main(["validate", *common, "--trainer.logger.init_args.name", "validate", "--ckpt_path", str(ckpt)])
     again = list(csv.DictReader(open(next((run / "validate").rglob("metrics.csv")))))

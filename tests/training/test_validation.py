@@ -80,6 +80,10 @@ def test_holdout_is_stable_seeded_and_never_empty():
     (dict(early_stopping={"min_delta": -1}), "min_delta=-1"),
     (dict(max_bad_steps=0), "max_bad_steps=0"),
     (dict(val_explode_factor=1.0), "val_explode_factor=1.0 must be > 1"),
+    (dict(val_samples=-1), "val_samples=-1"),
+    (dict(val_fraction=0.1, metric="bleu"), "metric='bleu'; allowed"),
+    (dict(val_fraction=0.1, metric="rouge"), "set val_samples >= 1"),
+    (dict(val_samples=2), "val_samples/metric need validation data"),
 ])
 def test_bad_validation_fields_raise_named_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
