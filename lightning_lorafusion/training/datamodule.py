@@ -475,10 +475,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         with _PLAN_LOCK:
             self.excluded = self.excluded | new
             for epoch in sorted(e for e in self._plans if e >= self.epoch):
-                if epoch in self._streamed and not self.pipeline:
-                    self._plans[epoch] = self._replan_rest(self._plans[epoch])
-                elif epoch not in self._streamed:
+                if epoch not in self._streamed:
                     del self._plans[epoch]  # planned ahead, not started: plan it again without them
+                elif not self.pipeline:  # a started pipeline window keeps its plan to the end
+                    self._plans[epoch] = self._replan_rest(self._plans[epoch])
         log.info("adapters %s are no longer planned", sorted(self.specs[a].name for a in new))
 
     def _replan_rest(self, ep: EpochPlan) -> EpochPlan:
@@ -571,7 +571,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         with 16 global batches per adapter, docs/parallel.md).
         """
         if start == 0:
-            ep = self.epoch_plan(epoch)
+            with _PLAN_LOCK:
+                ep = self.epoch_plan(epoch)
+                self._streamed[epoch] = 0  # started: exclude_adapters keeps this plan
             if ep.plan.microbatches:  # empty once every adapter has stopped
                 yield PipelineWindow(epoch, ep.plan, lambda pos: self.pack_position(epoch, pos))
 

@@ -181,6 +181,7 @@ class LoRAFusionModule(L.LightningModule):
         self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         self._val_sums: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
+        self._adapter_params: dict[int, dict[str, torch.nn.Parameter]] = {}
         self._validated_at: tuple[int, int] | None = None  # data position of the last validation
         self._val_due_on_resume = False
 
@@ -311,8 +312,10 @@ class LoRAFusionModule(L.LightningModule):
     # ------------------------------------------------- stopping and divergence guard
     def _named_params(self, a: int, params: Sequence[torch.nn.Parameter] | None = None) -> dict[str, torch.nn.Parameter]:
         """Adapter ``a``'s parameters by bank name (only ``params`` if given: a pipeline stage's)."""
-        prefix = f"adapters.{a}."
-        named = {n: p for n, p in self.bank.named_parameters() if n.startswith(prefix)}
+        if a not in self._adapter_params:  # the bank's parameters keep their identity (in-place moves)
+            prefix = f"adapters.{a}."
+            self._adapter_params[a] = {n: p for n, p in self.bank.named_parameters() if n.startswith(prefix)}
+        named = self._adapter_params[a]
         if params is None:
             return named
         wanted = {id(p) for p in params}
