@@ -246,6 +246,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
             val: Sequence = []
             if spec.val_fraction > 0:
+                if len(samples) < 2:
+                    raise ConfigError(f"adapter {spec.name!r}: val_fraction={spec.val_fraction} needs at "
+                                      f"least 2 samples to split; its dataset has {len(samples)}")
                 held = set(holdout_indices(len(samples), spec.val_fraction, spec.seed))
                 val = [s for i, s in enumerate(samples) if i in held]
                 samples = [s for i, s in enumerate(samples) if i not in held]

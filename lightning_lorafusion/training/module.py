@@ -257,7 +257,7 @@ class LoRAFusionModule(L.LightningModule):
     def _step_adapter(self, a: int, params: Sequence[torch.nn.Parameter] | None = None,
                       log_loss: bool = True) -> None:
         """Clip, check and step adapter ``a``'s optimizer and schedule (its global batch is
-        complete). Non-finite gradients skip the step; too many in a row raise."""
+        complete). A non-finite loss or gradient skips the step; too many in a row quarantine."""
         spec = self.adapter_specs[a]
         optimizers = self.optimizers()
         schedulers = self.lr_schedulers()
@@ -324,11 +324,13 @@ class LoRAFusionModule(L.LightningModule):
     def _host_copy(self, named: dict[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Copy tensors to host memory (into existing buffers when given: no allocation; pinned
         and asynchronous from CUDA, ordered before the optimizer step that follows on the stream)."""
-        out = into if into is not None and into.keys() == named.keys() else {}
+        out = {}
         for n, p in named.items():
-            if n not in out:
-                out[n] = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda)
-            out[n].copy_(p.detach(), non_blocking=p.is_cuda)
+            buf = (into or {}).get(n)
+            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+                buf = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda)
+            buf.copy_(p.detach(), non_blocking=p.is_cuda)
+            out[n] = buf
         return out
 
     def _sync_host_copies(self) -> None:
@@ -652,6 +654,7 @@ class LoRAFusionModule(L.LightningModule):
 
     # Partial global batches live in .grad: keep them in the checkpoint so resume is exact.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._sync_host_copies()  # the host copies below may still be in flight from the device
         checkpoint["lorafusion"] = {
             "grads": {n: p.grad.detach().cpu().clone() for n, p in self.bank.named_parameters() if p.grad is not None},
             "gb_loss": self._gb_loss.clone(),
@@ -664,7 +667,6 @@ class LoRAFusionModule(L.LightningModule):
             "last_good": {a: (step, {n: t.clone() for n, t in w.items()}) for a, (step, w) in self._last_good.items()},
             "validation_pending": self._validation_pending() if self._trainer is not None else False,
         }
-        self._sync_host_copies()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("lorafusion")
