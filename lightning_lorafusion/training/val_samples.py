@@ -7,6 +7,7 @@ the fast path for real generation.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -108,7 +109,12 @@ def rouge_scores(predictions: Sequence[str], references: Sequence[str]) -> dict[
         from ..specs import ConfigError
 
         raise ConfigError("metric: rouge needs the rouge-score package; pip install 'rouge-score>=0.1.2'") from err
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    try:
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    finally:  # its first absl log line installs a root handler: every log line would print twice
+        root.handlers[:] = handlers
     totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
     for prediction, reference in zip(predictions, references):
         for key, score in scorer.score(reference, prediction).items():

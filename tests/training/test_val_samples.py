@@ -52,5 +52,9 @@ def test_generation_stops_at_eos(tiny_model_dir):
 
 
 def test_rouge_scores():
+    import logging
+
+    handlers = list(logging.getLogger().handlers)
     scores = rouge_scores(["the cat sat on the mat", "a b c"], ["the cat sat on the mat", "x y z"])
     assert scores["rouge1"] == pytest.approx(0.5) and scores["rougeL"] == pytest.approx(0.5)
+    assert logging.getLogger().handlers == handlers  # rouge-score's absl logging left no root handler

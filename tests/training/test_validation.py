@@ -131,12 +131,14 @@ def test_packed_val_loss_equals_each_adapter_alone_and_reaches_the_logger(tiny_m
         assert (top / "adapter_config.json").exists() and (top / "last" / "adapter_model.safetensors").exists()
 
 
-def test_validating_inside_global_batches_changes_no_weights(tiny_model_dir):
-    """Validation after every microbatch (inside partial global batches, whose gradients wait in
-    .grad) leaves training exactly as without validation."""
-    specs = val_specs(dropout=0.1)
-    validated, _, _ = fit_val(tiny_model_dir, specs, val_check_interval=1)
+def test_validating_inside_global_batches_changes_no_weights(tiny_model_dir, tmp_path):
+    """Validation before training and after every microbatch (inside partial global batches,
+    whose gradients wait in .grad), with generated samples, leaves training exactly as without."""
+    specs = val_specs(dropout=0.1, a={"val_samples": 1, "metric": "rouge"})
+    validated, _, _ = fit_val(tiny_model_dir, specs, val_check_interval=1, default_root_dir=str(tmp_path),
+                              module_kwargs={"validate_before_training": True, "sample_max_new_tokens": 2})
     assert len(validated.progress[0].val_history) > validated.steps_taken[0]
+    assert validated.progress[0].val_history[0][0] == 0 and (tmp_path / "samples.jsonl").exists()
     plain, _, _ = fit_val(tiny_model_dir, specs, limit_val_batches=0)
     assert not plain.progress[0].val_history
     want = dict(plain.bank.named_parameters())
