@@ -23,7 +23,18 @@ the update (fp32 rounding gives ~1e-7 and ~1e-5; AdamW's m/sqrt(v) amplifies tin
 Loss alone is blunt over a few steps: a dropout-mask mismatch moved the tiny model's losses by
 only 6e-5 in 3 steps but its weights by 68% of the update, which is why weights are checked.
 
+FP8 base (``--base-precision fp8``): ours with the FP8 base against ours with the bf16 base
+(same case, init, samples, masks), the torch fp32 run again as the bf16 yardstick, and a held-
+out eval loss (``--eval-samples`` per adapter, dropout off) after training. PASS when every
+adapter's final eval loss (train: mean of the last 5 steps, without eval samples) is within
+``--fp8-final-rel`` (1%, issue 16) of the bf16 base's, and no per-step loss differs by more than
+``--fp8-max-rel`` (5%). Why: e4m3 rounds each operand by up to 2^-4 = 6.25% (16x bf16's 2^-8),
+so a per-step loss gap of a few 1e-2 is one rounding of the frozen products; a defect (a
+scale applied twice, a wrong layout) costs more than that, and grows or stays instead of the
+adapters learning the same task to the same loss.
+
     python scripts/bench_convergence.py --model llama8b smollm2 --gguf /path/SmolLM2.gguf --png --out $OUT
+    python scripts/bench_convergence.py --model llama8b --base-precision fp8 --steps 30 --eval-samples 8 --out $OUT
     TRITON_INTERPRET=1 python scripts/bench_convergence.py --model tiny --device cpu --dtype float32 --steps 3
 """
 
@@ -50,7 +61,7 @@ from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderConfig, forward_loss_sums  # noqa: E402
-from lightning_lorafusion.model.hf_loading import params_from_hf_model, params_to  # noqa: E402
+from lightning_lorafusion.model.hf_loading import params_from_hf_model, params_to, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
@@ -186,6 +197,7 @@ class Case:
     fill: float
     real_tokens: int
     reference_params: dict[str, Any] | None = field(default=None, repr=False)
+    eval_microbatches: list = field(default_factory=list)  # held-out, scored once after training
 
 
 def _weights_name(weights: str) -> str:
@@ -196,6 +208,8 @@ def _weights_name(weights: str) -> str:
 
 def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Case:
     d = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in MODEL_DEFAULTS[model].items()}
+    n_eval = getattr(args, "eval_samples", 0) or 0
+    n_train = args.steps * d["global_batch"]
     if model == "smollm2":
         from lightning_lorafusion.model.hf_loading import load_base_model
 
@@ -206,7 +220,7 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
             params["layers"] = params["layers"][: d["layers"]]
         params = params_to(params, device=device, dtype=dtype)
         by_aspect = read_samples_file(args.samples_file)
-        data = [aclsum_adapter_samples(by_aspect, a, args.steps * d["global_batch"], d["max_length"])
+        data = [aclsum_adapter_samples(by_aspect, a, n_train + n_eval, d["max_length"])
                 for a in range(args.adapters)]
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -219,12 +233,14 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
         hf_model.requires_grad_(False)
         config, params = params_from_hf_model(hf_model)
         vocab = hf_cfg.vocab_size
-        data = [markov_samples(args.steps * d["global_batch"], vocab=vocab, seed=100 + a,
+        data = [markov_samples(n_train + n_eval, vocab=vocab, seed=100 + a,
                                min_length=d["min_length"], max_length=d["max_length"])
                 for a in range(args.adapters)]
     specs = [AdapterSpec(name=f"a{a}", rank=args.rank, alpha=args.alpha, dropout=args.dropout, lr=args.lr,
                          seed=a, global_batch_size=d["global_batch"], target_modules=ALL_TARGET_MODULES,
                          dataset={"kind": "synthetic"}) for a in range(args.adapters)]
+    held_out = [d_[n_train:] for d_ in data]
+    data = [d_[:n_train] for d_ in data]
     gb = d["global_batch"]
     batches = [[list(range(j * gb, (j + 1) * gb)) for j in range(args.steps)] for _ in data]
     lookup = SampleLookup(data, batches)
@@ -236,8 +252,16 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
                            step_adapters=step_points.get(i, ()), index=i).to(device)
            for i, p in enumerate(plan.microbatches) if not p.is_noop]
     real = sum(m.real_tokens for m in mbs)
+    eval_mbs = []
+    if n_eval:  # one global batch of n_eval samples per adapter, packed the same way
+        ev = SampleLookup(held_out, [[list(range(n_eval))] for _ in held_out])
+        ev_plan = plan_microbatches(ev.lengths(), capacity=d["capacity"], pad_multiple=d["pad_multiple"],
+                                    method="greedy")
+        eval_mbs = [pack_microbatch(p, ev, config=pack, num_adapters=len(specs), denominators=ev.denominators(), step_adapters=(),
+                                    index=10**6 + i).to(device)
+                    for i, p in enumerate(ev_plan.microbatches) if not p.is_noop]
     return Case(name=model, config=config, params=params, specs=specs, microbatches=mbs, steps=args.steps,
-                fill=real / (len(mbs) * d["capacity"]), real_tokens=real)
+                fill=real / (len(mbs) * d["capacity"]), real_tokens=real, eval_microbatches=eval_mbs)
 
 
 # ----------------------------------------------------------------------------- training
@@ -249,6 +273,7 @@ class RunResult:
     losses: list[list[float]]  # [adapter][step]
     weights: list[torch.Tensor]  # per adapter, all factors flattened, fp32 on CPU
     seconds: float
+    eval_losses: list[float] | None = None  # per adapter, on case.eval_microbatches
 
 
 def adapter_vectors(bank: AdapterBank) -> list[torch.Tensor]:
@@ -298,7 +323,20 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
     if any(len(v) != case.steps for v in values):
         raise RuntimeError(f"{label}: steps per adapter {[len(v) for v in values]}, expected {case.steps}")
     return RunResult(label=label, backend=backend, dtype=str(params["embed"].dtype).replace("torch.", ""),
-                     losses=values, weights=adapter_vectors(bank), seconds=seconds)
+                     losses=values, weights=adapter_vectors(bank), seconds=seconds,
+                     eval_losses=eval_losses(case, bank, params, backend) if case.eval_microbatches else None)
+
+
+def eval_losses(case: Case, bank: AdapterBank, params: dict[str, Any], backend: str) -> list[float]:
+    """Per-adapter mean token loss over the held-out microbatches, dropout off, no gradients."""
+    total = torch.zeros(len(case.specs), dtype=torch.float64)
+    with torch.no_grad():
+        for mb in case.eval_microbatches:
+            routing = bank.routing(mb.segments, mb.index, mb.capacity, train=False)
+            sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids,
+                                     mb.cu_seqlens, routing, config=case.config, backend=backend)
+            total += (sums.double() / mb.loss_denominators.double().clamp_min(1)).cpu()
+    return total.tolist()
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -349,6 +387,75 @@ def verdict(ours_vs_torch: dict, torch_vs_ref: dict | None, *, factor: float, ma
     out["checks"] = checks
     out["pass"] = all(checks.values())
     return out
+
+
+def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
+    """Ours with the FP8 base vs ours with the bf16 base (module docstring: tolerance)."""
+    dtype = DTYPES[args.dtype]
+    adapter_dtype = DTYPES[args.adapter_dtype]
+    t0 = time.perf_counter()
+    case = build_case(args, model, device, dtype)
+    fp8_params = quantize_base_fp8(case.params)
+    print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
+          f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
+    init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
+    runs = {}
+    for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
+        runs[label] = train(case, label=label, backend="triton", params=params, adapter_dtype=adapter_dtype)
+        r = runs[label]
+        print(f"[{model}] {label}: {r.seconds:.1f}s, loss a0 {r.losses[0][0]:.4f} -> {r.losses[0][-1]:.4f}"
+              f", eval {r.eval_losses}", flush=True)
+    base, fp8 = runs[f"ours_{args.dtype}"], runs["ours_fp8"]
+    ref_vs = None
+    if args.reference_dtype != "none":
+        ref_name = "float32" if args.reference_dtype == "auto" else args.reference_dtype
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        ref = runs[f"torch_{ref_name}"] = train(case, label=f"torch_{ref_name}", backend="torch",
+                                                params=params_to(case.params, dtype=DTYPES[ref_name]),
+                                                adapter_dtype=DTYPES[ref_name])
+        ref_vs = compare(base, ref, init)
+    fp8_vs = compare(fp8, base, init)
+
+    def final(r: RunResult) -> list[float]:
+        return r.eval_losses if r.eval_losses is not None else [sum(l[-5:]) / len(l[-5:]) for l in r.losses]
+
+    final_rel = [abs(f - b) / abs(b) for f, b in zip(final(fp8), final(base))]
+    checks = {f"final loss rel <= {args.fp8_final_rel:g}": max(final_rel) <= args.fp8_final_rel,
+              f"per-step loss max_rel <= {args.fp8_max_rel:g}": fp8_vs["pooled"]["max_rel"] <= args.fp8_max_rel}
+    verdict_ = {"checks": checks, "pass": all(checks.values()), "final_rel": final_rel,
+                "final_kind": "eval" if base.eval_losses is not None else "train, last 5 steps",
+                "max_rel_limit": args.fp8_max_rel}
+    if ref_vs is not None:
+        verdict_["fp8_vs_bf16_over_bf16_vs_ref"] = fp8_vs["pooled"]["mean_rel"] / max(ref_vs["pooled"]["mean_rel"], 1e-30)
+    return {
+        "model": model, "layers": case.config.num_layers, "microbatches": len(case.microbatches),
+        "steps": case.steps, "adapters": len(case.specs), "base_precision": "fp8",
+        "base_label": f"ours_{args.dtype}",
+        "runs": {k: {"backend": r.backend, "dtype": r.dtype, "seconds": round(r.seconds, 2), "losses": r.losses,
+                     "eval_losses": r.eval_losses} for k, r in runs.items()},
+        "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
+        "seconds_total": round(time.perf_counter() - t0, 1),
+    }
+
+
+def print_fp8_table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'model':8} {'adapter':7} {'train loss first->last (base | fp8)':>38} {'eval base':>9} "
+          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12}")
+    for r in results:
+        runs, v = r["runs"], r["verdict"]
+        base, fp8 = runs[r["base_label"]], runs["ours_fp8"]
+        for a, p in enumerate(r["fp8_vs_bf16"]["per_adapter"]):
+            eb = base["eval_losses"][a] if base["eval_losses"] else float("nan")
+            ef = fp8["eval_losses"][a] if fp8["eval_losses"] else float("nan")
+            print(f"{r['model']:8} a{a:<6} {base['losses'][a][0]:8.4f} -> {base['losses'][a][-1]:7.4f} | "
+                  f"{fp8['losses'][a][0]:7.4f} -> {fp8['losses'][a][-1]:7.4f} {eb:9.4f} {ef:9.4f} "
+                  f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e}")
+        extra = (f", fp8-vs-bf16 / bf16-vs-fp32 mean per-step gap {v['fp8_vs_bf16_over_bf16_vs_ref']:.1f}x"
+                 if "fp8_vs_bf16_over_bf16_vs_ref" in v else "")
+        print(f"{r['model']:8} {'PASS' if v['pass'] else 'FAIL'} ({v['final_kind']}): "
+              + ", ".join(f"{k}: {ok}" for k, ok in v["checks"].items()) + extra + f"; {r['seconds_total']}s")
 
 
 def run_model(args, model: str, device: torch.device) -> dict[str, Any]:
@@ -500,6 +607,11 @@ def main() -> None:
     ap.add_argument("--max-weights-rel", type=float, default=None,
                     help="cap on final-weight difference relative to the update (default: fp32 1e-3, "
                          "16-bit none: judged against the reference run instead)")
+    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8"],
+                    help="fp8: ours with the FP8 base vs ours with the bf16 base (see the docstring)")
+    ap.add_argument("--eval-samples", type=int, default=0, help="held-out samples per adapter, scored after training")
+    ap.add_argument("--fp8-final-rel", type=float, default=1e-2, help="fp8: final-loss tolerance (relative)")
+    ap.add_argument("--fp8-max-rel", type=float, default=5e-2, help="fp8: per-step loss tolerance (relative)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", action="store_true", help="write convergence_<model>.png under --out")
     args = ap.parse_args()
@@ -509,17 +621,18 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the fused kernels are first imported
-    results = [run_model(args, m, device) for m in args.model]
+    fp8 = args.base_precision == "fp8"
+    results = [(run_fp8_model if fp8 else run_model)(args, m, device) for m in args.model]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         for r in results:
-            with open(os.path.join(args.out, f"convergence_{r['model']}.json"), "w") as f:
+            with open(os.path.join(args.out, f"convergence_{r['model']}{'_fp8' if fp8 else ''}.json"), "w") as f:
                 json.dump({"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "args": vars(args), **r}, f, indent=1)
     print(f"\n{name}, torch {torch.__version__}, {args.dtype}, r={args.rank} alpha={args.alpha:g} "
           f"p={args.dropout} lr={args.lr:g}, {args.adapters} adapters x {args.steps} steps")
-    print_table(results)
+    (print_fp8_table if fp8 else print_table)(results)
     if not all(r["verdict"]["pass"] for r in results):
         sys.exit(1)
 

@@ -6,11 +6,16 @@
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
     functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
     compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
-    groups left eager ("triton_eager") and with the torch reference LoRA ("torch").
+    groups left eager ("triton_eager") and with the torch reference LoRA ("torch"). With
+    ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
+    ("triton_fp8": projection weights quantized to e4m3, frozen GEMMs on FP8 tensor cores); the
+    FP8 runs come last and release the HF model's bf16 projection weights, so their peak memory
+    is the FP8 base's.
 Each variant runs the whole workload twice and times the second pass (the first compiles
 and warms up every shape). Reports real (non-padding) tokens/s and peak memory.
 
     python scripts/bench_e2e.py --shape llama8b --layers 8 --workload xsum --out $OUT
+    python scripts/bench_e2e.py --shape llama8b --layers 32 --variants triton --base-precision bf16,fp8
     python scripts/bench_e2e.py --shape tiny --device cpu --variants hf,torch   # smoke test
 """
 
@@ -31,9 +36,10 @@ from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa:
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
-from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
+from lightning_lorafusion.training.flops import lora_training_flops  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
@@ -89,20 +95,6 @@ def packed_rows(samples, capacity):
             rows.append([sample])
             loads.append(len(sample[0]))
     return rows
-
-
-def model_flops(args, hf_config, samples_lengths):
-    """Useful FLOPs of LoRA training over these samples (frozen base, no weight gradients):
-    4 x linear weights (forward + input-gradient) per token, the LM head likewise, and causal
-    attention 6 x L^2 x hidden per layer per sample (forward 2, backward 4). LoRA's own FLOPs
-    (< 1%) are left out."""
-    h, i, v = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    kv = hf_config.num_key_value_heads * (h // hf_config.num_attention_heads)
-    per_layer = h * h * 2 + 2 * h * kv + 3 * h * i
-    tokens = sum(samples_lengths)
-    linear = 4 * tokens * (args.layers * per_layer + v * h)
-    attention = sum(6 * n * n * h * args.layers for n in samples_lengths)
-    return linear + attention
 
 
 def run_hf_peft(args, model, data, device, packed=False):
@@ -208,8 +200,23 @@ def add_workload_args(ap, layers: int) -> None:
     ap.add_argument("--device", default="cuda")
 
 
-def run_ours(args, hf_config, model, data, device, dtype, backend):
+def release_projection_weights(model) -> None:
+    """Drop the HF model's seven projection weights per layer (after ``quantize_base_fp8`` made
+    the FP8 copies): the model cannot run afterwards; only the FP8 variants may follow."""
+    for layer in model.model.layers:
+        for mod in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
+                    *[getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]):
+            mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
+
+
+def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16"):
     w = OursSetup(args, model, data, device, dtype)
+    if base_precision == "fp8":
+        w.params = quantize_base_fp8(w.params)
+        release_projection_weights(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     config, params, specs, bank, lookup, dens = w.config, w.params, w.specs, w.bank, w.lookup, w.denominators
     opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4) for i in range(len(specs))]
     plan = plan_microbatches(w.lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
@@ -262,13 +269,22 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
     ap.add_argument("--capacity", type=int, default=8192)
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
+    ap.add_argument("--base-precision", default="bf16",
+                    help="comma list of bf16 / fp8: our variants run once per entry (fp8 rows last, "
+                         "suffixed _fp8); needs a GPU with FP8 tensor cores for fp8")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device, dtype, hf_config, model, data = model_and_workload(args)
+    precisions = args.base_precision.split(",")
+    if set(precisions) - {"bf16", "fp8"} or not precisions:
+        raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
+    ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
+    runs = [(v, "bf16") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
+    runs += [(v, "fp8") for v in ours if "fp8" in precisions]  # last: they release the bf16 weights
     rows = []
-    for variant in args.variants.split(","):
+    for variant, precision in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -279,13 +295,15 @@ def main() -> None:
             else:
                 set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
                 backend = "triton" if variant.startswith("triton") else variant
-                tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, backend)
+                tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, backend,
+                                                    base_precision=precision)
                 extra = {"fill": round(fill, 3), "microbatches": n}
+                variant = variant + ("_fp8" if precision == "fp8" else "")
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        flops = model_flops(args, hf_config, [len(x) for d in data for x, _ in d])
+        flops = lora_training_flops(hf_config, [len(x) for d in data for x, _ in d])
         extra["mfu"] = round(flops / secs / args.peak_tflops / 1e12, 4)
         rows.append({"variant": variant, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2),
                      "real_tokens": toks, "peak_gib": round(peak, 2), **extra})
@@ -295,10 +313,16 @@ def main() -> None:
           f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
     best_hf = max((r["tokens_per_s"] for r in rows if r["variant"].startswith("hf")), default=base)
-    print(f"{'variant':10} {'tok/s':>10} {'vs hf':>7} {'vs best hf':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'variant':12} {'tok/s':>10} {'vs hf':>7} {'vs best hf':>10} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:
-        print(f"{r['variant']:10} {r['tokens_per_s']:>10.1f} {r['tokens_per_s'] / base:>6.2f}x "
+        print(f"{r['variant']:12} {r['tokens_per_s']:>10.1f} {r['tokens_per_s'] / base:>6.2f}x "
               f"{r['tokens_per_s'] / best_hf:>9.2f}x {r['mfu']:>6.1%} {r['peak_gib']:>9.2f}")
+    by_name = {r["variant"]: r for r in rows}
+    for r in rows:
+        bf16 = by_name.get(r["variant"].removesuffix("_fp8")) if r["variant"].endswith("_fp8") else None
+        if bf16 is not None:
+            print(f"{r['variant']}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x the tokens/s of "
+                  f"{bf16['variant']}, peak {r['peak_gib'] - bf16['peak_gib']:+.2f} GiB")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"e2e_{args.shape}_{args.workload}.json"), "w") as f:

@@ -156,33 +156,6 @@ def measure_lengths(args: argparse.Namespace, data_parallel: int):
     return lengths
 
 
-def _random_stage_params(config, layers: range, first: bool, last: bool, device, dtype, seed: int):
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
-
-    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    params = {"layers": {}}
-    for layer in layers:
-        params["layers"][layer] = {
-            "attn_norm": torch.ones(h, device=device, dtype=dtype),
-            "q_proj": {"weight": rand(q, h)}, "k_proj": {"weight": rand(kv, h)},
-            "v_proj": {"weight": rand(kv, h)}, "o_proj": {"weight": rand(h, q)},
-            "mlp_norm": torch.ones(h, device=device, dtype=dtype),
-            "gate_proj": {"weight": rand(i, h)}, "up_proj": {"weight": rand(i, h)},
-            "down_proj": {"weight": rand(h, i)},
-        }
-    if first:
-        params["embed"] = rand(config.vocab_size, h, scale=1.0)
-    if last:
-        params["norm"] = torch.ones(h, device=device, dtype=dtype)
-        params["lm_head"] = rand(config.vocab_size, h)
-    return params
-
-
 def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, init_file: str,
                     out_dir: str) -> None:
     import torch
@@ -190,6 +163,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
 
     from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
     from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.model.random_model import random_base_params
     from lightning_lorafusion.parallel.data_parallel import (
         ParallelLayout, allreduce_adapter_grads, build_data_parallel_groups, check_same_step_order)
     from lightning_lorafusion.parallel.executor import run_stage
@@ -212,7 +186,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
         dtype = torch.bfloat16 if cuda else torch.float32
         layers = partition_decoder(config, pp)[stage_index]
         first, last = stage_index == 0, stage_index == pp - 1
-        params = _random_stage_params(config, layers, first, last, device, dtype, seed=1 + stage_index)
+        params = random_base_params(config, layers, is_first=first, is_last=last, device=device, dtype=dtype)
         specs = [AdapterSpec(name=f"a{k}", rank=16, alpha=32.0, seed=k, lr=1e-4)
                  for k in range(args.measure_adapters)]
         bank = AdapterBank(specs, config, dtype=dtype, device=device)

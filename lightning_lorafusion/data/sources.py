@@ -1,4 +1,4 @@
-"""Adapter dataset sources (ACLSum, JSONL, Parquet, synthetic) read into tokenized samples.
+"""Adapter dataset sources (ACLSum, JSONL, Parquet, `datasets`, synthetic) read into tokenized samples.
 
 An adapter's ``dataset`` mapping (``AdapterSpec.dataset``) names one source by ``kind``.
 ``parse_source`` validates it into a frozen record (call it before training starts to catch
@@ -7,11 +7,12 @@ config mistakes early); ``build_source`` parses and reads it into ``TokenizedSam
 
 from __future__ import annotations
 
+import glob as globlib
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -24,12 +25,13 @@ from .tokenization import (
     shifted_labels,
     tokenize_messages,
     tokenize_prompt_completion,
+    tokenize_text,
 )
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
-ROW_FORMATS = ("auto", "prompt_completion", "messages")
+ROW_FORMATS = ("auto", "prompt_completion", "messages", "text")
 
 ACLSUM_ASPECTS = ("challenge", "approach", "outcome")
 ACLSUM_SECTIONS = ("abstract", "introduction", "conclusion")
@@ -85,34 +87,37 @@ def _check_file(path: Path, where: str) -> None:
 
 
 def _tokenize_all(
-    rows: Sequence[Any],
+    rows: Iterable[Any],
     tokenize_row: Callable[[Any, int], TokenizedSample],
     *,
     name: str,
     max_length: int | None,
     limit: int | None,
 ) -> list[TokenizedSample]:
-    """Tokenize rows in order until ``limit`` samples are kept (all rows when None); drop (and
-    count) rows too long for ``max_length``; never return an empty list."""
+    """Tokenize rows in order until ``limit`` samples are kept (all rows when None; rows after
+    that are never read, so a stream stops there); drop (and count) rows too long for
+    ``max_length``; never return an empty list."""
     samples: list[TokenizedSample] = []
     too_long: list[int] = []
+    read = 0
     for index, row in enumerate(rows):
-        if limit is not None and len(samples) == limit:
-            break
+        read = index + 1
         try:
             samples.append(tokenize_row(row, index))
         except SampleTooLongError:
             too_long.append(index)
+        if limit is not None and len(samples) == limit:
+            break
     if too_long:
         log.warning(
             "adapter dataset %s: dropped %d of %d samples that do not fit max_length=%s "
             "(first rows: %s); raise max_length to keep them",
-            name, len(too_long), len(rows), max_length, too_long[:10],
+            name, len(too_long), read, max_length, too_long[:10],
         )
     if not samples:
         detail = (
-            f"all {len(rows)} samples are longer than max_length={max_length}"
-            if rows
+            f"all {read} samples are longer than max_length={max_length}"
+            if read
             else "the source has no rows"
         )
         raise ConfigError(f"adapter dataset {name} is empty: {detail}")
@@ -121,13 +126,32 @@ def _tokenize_all(
 
 @dataclass(frozen=True, kw_only=True)
 class RowFields:
-    """Which fields of a JSONL/Parquet row hold the text, and which row format to expect."""
+    """Which fields of a row hold the text, and which row format to expect."""
 
     format: str = "auto"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    text_field: str = "text"
     add_eos: bool = True
+
+    def columns_for(self, fmt: str) -> list[str]:
+        """The fields a row of format ``fmt`` ("messages", "prompt_completion", "text") needs."""
+        return {
+            "messages": [self.messages_field],
+            "prompt_completion": [self.prompt_field, self.completion_field],
+            "text": [self.text_field],
+        }[fmt]
+
+    def format_for_columns(self, columns: Sequence[str]) -> str | None:
+        """The row format a table with ``columns`` is read in: ``format``, or for "auto" the
+        first complete match in the per-row order (messages, prompt/completion, text); None
+        when the table lacks a column that format needs."""
+        candidates = ROW_FORMATS[1:] if self.format == "auto" else (self.format,)
+        for fmt in ("messages", "prompt_completion", "text"):
+            if fmt in candidates and all(c in columns for c in self.columns_for(fmt)):
+                return fmt
+        return None
 
     def tokenize_row(
         self, row: Any, index: int, tokenizer: Any, max_length: int | None, where: str
@@ -140,11 +164,14 @@ class RowFields:
                 fmt = "messages"
             elif self.prompt_field in row or self.completion_field in row:
                 fmt = "prompt_completion"
+            elif self.text_field in row:
+                fmt = "text"
             else:
                 raise ConfigError(
                     f"{where}: row {index} has neither {self.messages_field!r} nor "
-                    f"{self.prompt_field!r}/{self.completion_field!r} (fields: {sorted(row)}); "
-                    "set prompt_field/completion_field or messages_field to the right names"
+                    f"{self.prompt_field!r}/{self.completion_field!r} nor {self.text_field!r} "
+                    f"(fields: {sorted(row)}); set prompt_field/completion_field, messages_field "
+                    "or text_field to the right names"
                 )
         if fmt == "messages":
             if self.messages_field not in row:
@@ -159,6 +186,21 @@ class RowFields:
             except SampleTooLongError:
                 raise
             except ValueError as err:
+                raise ConfigError(f"{where}: row {index}: {err}") from err
+        if fmt == "text":
+            if row.get(self.text_field) is None:
+                raise ConfigError(
+                    f"{where}: row {index} has no field {self.text_field!r} (fields: {sorted(row)}); "
+                    "set text_field to the right name"
+                )
+            try:
+                return tokenize_text(
+                    tokenizer, row[self.text_field], max_length=max_length,
+                    add_eos=self.add_eos, source_index=index,
+                )
+            except SampleTooLongError:
+                raise
+            except (ValueError, TypeError) as err:
                 raise ConfigError(f"{where}: row {index}: {err}") from err
         for needed in (self.prompt_field, self.completion_field):
             if needed not in row or row[needed] is None:
@@ -241,6 +283,192 @@ class ParquetSource(JsonlSource):
             return pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow raises its own error types for corrupt files
             raise ConfigError(f"{where}: cannot read {path} as Parquet: {err}") from err
+
+
+# Local data files the `datasets` library reads, by extension: its packaged builder's name.
+HF_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+HF_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# Our split names -> the usual names of a `datasets` dataset's splits.
+HF_SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}
+
+
+def _file_builder(path: str) -> str | None:
+    """The `datasets` builder for a data file, looking through a compression suffix."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in HF_COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    return HF_FILE_BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _read_checked(rows: Iterable[Any], where: str) -> Iterator[Any]:
+    """Rows of a `datasets` dataset; a row that cannot be read (a stream reads lazily, so a bad
+    line shows up only here) is a ConfigError naming the source."""
+    iterator = iter(rows)
+    while True:
+        try:
+            row = next(iterator)
+        except StopIteration:
+            return
+        except Exception as err:  # datasets/pyarrow/fsspec raise their own types for bad input
+            raise ConfigError(f"{where}: cannot read a row: {type(err).__name__}: {err}") from err
+        yield row
+
+
+@dataclass(frozen=True, kw_only=True)
+class HfSource:
+    """Rows read with the `datasets` library, mapped to samples like JSONL rows (``fields``).
+
+    ``path`` is a local data file or glob (json/jsonl/parquet/arrow/csv, optionally compressed),
+    a directory written by ``save_to_disk``, a directory of data files, or a Hub dataset name
+    (needs network); or a mapping split -> one of those. ``split`` names the `datasets` split to
+    read (slices such as ``train[:1000]`` allowed without streaming); a single name is for our
+    'train' split, a mapping ``{train: ..., val: ...}`` covers several. With ``streaming`` rows are
+    read lazily, so with ``limit`` only the first rows are ever read or downloaded.
+    """
+
+    path: str | Mapping[str, str]
+    split: str | Mapping[str, str] | None = None
+    config_name: str | None = None  # a Hub dataset's configuration (load_dataset's `name`)
+    streaming: bool = False
+    cache_dir: str | None = None  # where `datasets` keeps its Arrow cache (default: HF_HOME)
+    fields: RowFields = field(default_factory=RowFields)
+    limit: int | None = None  # keep only the first `limit` samples
+    kind: str = "hf"
+
+    def __post_init__(self) -> None:
+        _check_limit(self.limit, self.kind)
+        if not isinstance(self.streaming, bool):
+            raise ConfigError(f"dataset kind 'hf': streaming={self.streaming!r} must be true or false")
+        if not isinstance(self.path, (str, Mapping)) or not self.path:
+            raise ConfigError(
+                f"dataset kind 'hf': path={self.path!r}; give a data file, a directory, a Hub "
+                "dataset name, or a mapping {train: ..., val: ...} of those"
+            )
+
+    def _wanted_split(self, run_split: str, where: str) -> str | None:
+        """The `datasets` split the config names for our ``run_split`` (None: not named)."""
+        if self.split is None:
+            return None
+        if isinstance(self.split, Mapping):
+            chosen = {_normalize_split(str(k), where): v for k, v in self.split.items()}
+            if run_split not in chosen:
+                raise ConfigError(f"{where}: no entry for split {run_split!r} in split={dict(self.split)!r}")
+            return str(chosen[run_split])
+        if run_split != "train":
+            raise ConfigError(
+                f"{where}: split={self.split!r} is the split read for training; to read our "
+                f"{run_split!r} split, give split as a mapping, e.g. {{train: {self.split}, {run_split}: ...}}"
+            )
+        return str(self.split)
+
+    def _load_dataset(self, datasets: Any, where: str, what: str, path: str, **kwargs: Any) -> Any:
+        """``datasets.load_dataset(path, ...)``; any failure is a ConfigError naming ``what``."""
+        try:
+            return datasets.load_dataset(path, streaming=self.streaming, cache_dir=self.cache_dir, **kwargs)
+        except Exception as err:  # datasets/pyarrow/fsspec/the Hub raise many types for bad input
+            cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+            raise ConfigError(
+                f"{where}: cannot load {what} with the datasets library: "
+                f"{type(err).__name__}: {err}{cause}"
+            ) from err
+
+    def load(self, run_split: str, where: str) -> Any:
+        """The `datasets` Dataset (or IterableDataset when streaming) for ``run_split``."""
+        try:
+            import datasets
+        except ImportError as err:
+            raise ConfigError(f"{where}: dataset kind 'hf' needs the datasets package; pip install datasets") from err
+        wanted = self._wanted_split(run_split, where)
+        if isinstance(self.path, Mapping):
+            location = str(_resolve_path(self.path, run_split, where))
+            run_split = "train"  # the file(s) named for this split hold only it
+        else:
+            location = self.path
+        local = Path(location).expanduser()
+        if local.is_dir() and ((local / "dataset_dict.json").is_file() or (local / "state.json").is_file()):
+            try:
+                saved = datasets.load_from_disk(str(local))
+            except Exception as err:  # a damaged directory: datasets/pyarrow raise their own types
+                raise ConfigError(
+                    f"{where}: cannot load the saved dataset {location!r}: {type(err).__name__}: {err}"
+                ) from err
+            if isinstance(saved, datasets.DatasetDict):
+                key = wanted or HF_SPLIT_NAMES[run_split]
+                if key not in saved:
+                    raise ConfigError(
+                        f"{where}: {location} has no split {key!r} (splits: {list(saved)}); set 'split'"
+                    )
+                saved = saved[key]
+            elif wanted is not None or run_split != "train":
+                raise ConfigError(
+                    f"{where}: {location} is a saved Dataset without splits, read as the train split "
+                    "only; remove 'split', or save a DatasetDict"
+                )
+            return saved.to_iterable_dataset() if self.streaming else saved
+        if local.is_dir():  # a directory of data files: `datasets` infers the format and splits
+            return self._load_dataset(
+                datasets, where, f"directory {location!r}", str(local), split=wanted or HF_SPLIT_NAMES[run_split]
+            )
+        is_glob = any(ch in location for ch in "*?[")
+        if is_glob or local.exists() or _file_builder(location) or location.startswith((".", "/", "~")):
+            files = sorted(globlib.glob(str(local))) if is_glob else [str(local)] if local.is_file() else []
+            if not files:
+                raise ConfigError(
+                    f"{where}: no data file matches {location!r} (resolved to "
+                    f"{str(local.resolve())!r}); fix 'path' in the adapter's dataset config"
+                )
+            builders = {_file_builder(f) for f in files}
+            if None in builders or len(builders) > 1:
+                raise ConfigError(
+                    f"{where}: {location!r} matches {files[:5]}; give files of one type among "
+                    f"{sorted(HF_FILE_BUILDERS)} (compressed {list(HF_COMPRESSION_SUFFIXES)} too)"
+                )
+            if wanted is None and run_split != "train":
+                raise ConfigError(
+                    f"{where}: path={location!r} is read as the 'train' split only; for our "
+                    f"{run_split!r} split give path as a mapping {{train: ..., {run_split}: ...}} "
+                    f"or split as one, e.g. {{train: 'train[:90%]', {run_split}: 'train[90%:]'}}"
+                )
+            return self._load_dataset(
+                datasets, where, repr(location), builders.pop(), data_files=files, split=wanted or "train"
+            )
+        return self._load_dataset(  # not on disk: a Hub dataset name
+            datasets, where, f"{location!r} (not a local file or directory, so read as a Hub dataset)",
+            location, name=self.config_name, split=wanted or HF_SPLIT_NAMES[run_split],
+        )
+
+    def build(
+        self, tokenizer: Any, *, split: str, max_length: int | None, name: str
+    ) -> list[TokenizedSample]:
+        where = f"adapter dataset {name} (hf)"
+        if tokenizer is None:
+            raise ConfigError(f"{where}: a tokenizer is required to read text data")
+        dataset = self.load(_normalize_split(split, where), where)
+        where = f"{where} {self.path if isinstance(self.path, str) else dict(self.path)}"
+        row_fields = self.fields
+        columns = dataset.column_names  # None for some streams (csv): checked per row instead
+        if columns is not None:
+            fmt = row_fields.format_for_columns(columns)
+            if fmt is None:
+                if row_fields.format == "auto":
+                    wanted = (
+                        f"a {row_fields.messages_field!r} column, {row_fields.prompt_field!r} + "
+                        f"{row_fields.completion_field!r} columns, or a {row_fields.text_field!r} column"
+                    )
+                else:
+                    wanted = f"column(s) {row_fields.columns_for(row_fields.format)} (format={row_fields.format})"
+                raise ConfigError(
+                    f"{where}: needs {wanted}; its columns are {list(columns)}. Set messages_field, "
+                    "prompt_field/completion_field or text_field to the right names"
+                )
+            row_fields = replace(row_fields, format=fmt)
+        return _tokenize_all(
+            _read_checked(dataset, where),
+            lambda row, i: row_fields.tokenize_row(row, i, tokenizer, max_length, where),
+            name=name,
+            max_length=max_length,
+            limit=self.limit,
+        )
 
 
 def aclsum_data_dir() -> Path:
@@ -409,9 +637,10 @@ class SyntheticSource:
         return samples
 
 
-SourceSpec = Union[AclsumSource, JsonlSource, ParquetSource, SyntheticSource]
+SourceSpec = Union[AclsumSource, HfSource, JsonlSource, ParquetSource, SyntheticSource]
 SOURCE_KINDS: dict[str, type] = {
     "aclsum": AclsumSource,
+    "hf": HfSource,
     "jsonl": JsonlSource,
     "parquet": ParquetSource,
     "synthetic": SyntheticSource,
@@ -435,7 +664,7 @@ def parse_source(spec: Mapping[str, Any], *, name: str = "<unnamed>") -> SourceS
         )
     cls = SOURCE_KINDS[kind]
     params = {k: v for k, v in spec.items() if k != "kind"}
-    if cls in (JsonlSource, ParquetSource):
+    if "fields" in {f.name for f in fields(cls)}:  # row sources: the RowFields keys sit flat
         row_keys = {k: params.pop(k) for k in list(params) if k in _ROW_FIELD_KEYS}
         if row_keys.get("format", "auto") not in ROW_FORMATS:
             raise ConfigError(

@@ -154,6 +154,44 @@ def tokenize_prompt_completion(
     )
 
 
+def tokenize_text(
+    tokenizer: Any,
+    text: str,
+    *,
+    max_length: int | None = None,
+    add_eos: bool = True,
+    source_index: int = 0,
+) -> TokenizedSample:
+    """Plain text for language modelling: ``[specials] + text (+ EOS)``; loss on every token.
+
+    Every text token (and the EOS) is a target, except the first one when no special token
+    precedes it (nothing predicts it). A sample longer than ``max_length`` is cut from the
+    right: its beginning is kept, and it then has no EOS (the text does not end there).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"sample {source_index}: text must be a string, got {type(text).__name__}")
+    prefix = _special_prefix(tokenizer)
+    ids = prefix + _encode(tokenizer, text)
+    if add_eos:
+        eos = _eos_id(tokenizer)
+        if ids[-1:] != [eos]:
+            ids.append(eos)
+    first_target = max(len(prefix), 1)  # the first token without a special before it is context
+    if max_length is not None:
+        if first_target >= max_length:
+            raise SampleTooLongError(
+                f"sample {source_index}: {len(prefix)} leading special token(s) leave no room "
+                f"for text within max_length={max_length}"
+            )
+        ids = ids[:max_length]
+    if len(ids) <= first_target:
+        raise ValueError(f"sample {source_index}: text is empty, nothing to train on")
+    is_target = [t >= first_target for t in range(len(ids))]
+    return TokenizedSample(
+        input_ids=tuple(ids), labels=shifted_labels(ids, is_target), source_index=source_index
+    )
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

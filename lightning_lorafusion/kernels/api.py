@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from .fp8_linear import Fp8Weight
 from .reference import LoraModuleWeights, LoraRouting, lora_projections_reference
 
 BACKENDS = ("torch", "triton", "auto")
@@ -13,7 +14,7 @@ BACKENDS = ("torch", "triton", "auto")
 
 def lora_projections(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | Fp8Weight],
     biases: Sequence[torch.Tensor | None],
     loras: Sequence[LoraModuleWeights | None],
     routing: LoraRouting | None,
@@ -24,7 +25,8 @@ def lora_projections(
     """Projections ``x [M, K] -> [M, N_i]`` of one shared input, each with its LoRA term.
 
     ``backend``: "torch" (reference, any device), "triton" (fused kernels), "auto" (Triton on
-    CUDA, torch elsewhere).
+    CUDA, torch elsewhere). ``weights`` may be ``Fp8Weight``s (an FP8 base): the frozen
+    products then run through ``fp8_linear`` in either backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")

@@ -17,7 +17,11 @@ backward
   6. ``_lora_da_kernel``: dA = dS^T (X * mask / (1 - p)), mask regenerated.
 
 Saved for backward: X (held by the previous layer anyway), S, and references to the frozen
-weights and the small concatenated A/B. Routing is per row tile (``routing_table.py``), so any
+weights and the small concatenated A/B.
+
+FP8 base (``fp8_linear.Fp8Weight`` weights): the frozen products of steps 2 and 5 go through
+``fp8_linear`` (X quantized once per group; dX of the group in one product) and the LoRA terms
+are added in place by ``_lora_add_kernel``, whatever ``LoraBlockSizes.gemm`` says. Routing is per row tile (``routing_table.py``), so any
 segment layout is correct; segments padded to ``block_sizes.pad_multiple()`` avoid partial tiles.
 """
 
@@ -32,12 +36,14 @@ import triton
 import triton.language as tl
 
 from .block_sizes import GEMM_MODES, LoraBlockSizes, block_sizes_for
+from .fp8_linear import Fp8Weight, fp8_input_grad, fp8_outputs, frozen_projections, resolve_emulate
 from .dropout_triton import hash_base, keep_bits16, offset_hash, pair_hash, row_hash
 from .reference import LoraModuleWeights, LoraRouting
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, LoraLaunchTable, build_launch_table
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
+FP8_NAME = "fp8 (Fp8Weight)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,6 +541,15 @@ def _launch_add(out, left, right, proj, table, sizes: LoraBlockSizes, off_h: int
     )
 
 
+def _launch_fwd_fp8(x, weights, biases, s, b_cats, table, sizes: LoraBlockSizes) -> list[torch.Tensor]:
+    """FP8 frozen products of the group (X quantized once), each LoRA term added in place."""
+    ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None))
+    for proj, (y, b_cat) in enumerate(zip(ys, b_cats)):
+        if b_cat is not None and table.max_rank[proj] > 0:
+            _launch_add(y, s, b_cat, proj, table, sizes, 0, dx_mode=False)
+    return ys
+
+
 def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
@@ -598,8 +613,14 @@ def _launch_db(dy, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor
 
 def _launch_dx(dys, weights, ds, a_all, table, sizes: LoraBlockSizes, off_h: int, m: int, k: int,
                dtype: torch.dtype, device) -> torch.Tensor:
-    pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
     has_lora = ds is not None
+    if isinstance(weights[0], Fp8Weight):
+        dx = fp8_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device,
+                            emulate=resolve_emulate(device, None))
+        if has_lora:
+            _launch_add(dx, ds, a_all, 0, table, sizes, off_h, dx_mode=True)
+        return dx
+    pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
     bm, bk, bn = sizes.block_m, sizes.dx_block_k, sizes.dx_block_n
     grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk),)
     dx = None
@@ -671,11 +692,16 @@ class FusedLoraProjections(torch.autograd.Function):
         biases = rest[n_proj:2 * n_proj]
         b_cats = rest[2 * n_proj:3 * n_proj]
         s = _launch_s(x, a_all, table, sizes, off_h)
-        ys = tuple(
-            _launch_fwd_gemm(x, w, b, s, bc, i, table, sizes)
-            for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
-        )
-        ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
+        ctx.fp8_weights = tuple(weights) if isinstance(weights[0], Fp8Weight) else None
+        if ctx.fp8_weights is not None:
+            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, table, sizes))
+            ctx.save_for_backward(x, a_all, s, *b_cats)  # Fp8Weights hold frozen buffers only
+        else:
+            ys = tuple(
+                _launch_fwd_gemm(x, w, b, s, bc, i, table, sizes)
+                for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
+            )
+            ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
         ctx.table, ctx.sizes, ctx.off_h, ctx.n_proj = table, sizes, off_h, n_proj
         ctx.mark_non_differentiable(s)
         return ys
@@ -684,6 +710,8 @@ class FusedLoraProjections(torch.autograd.Function):
     def backward(ctx, *dys):
         x, a_all, s, *rest = ctx.saved_tensors
         n_proj = ctx.n_proj
+        if ctx.fp8_weights is not None:
+            rest = [*ctx.fp8_weights, *rest]
         need_db = [ctx.needs_input_grad[6 + 2 * n_proj + i] for i in range(n_proj)]
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.table,
                                     ctx.sizes, ctx.off_h, ctx.needs_input_grad[0],
@@ -857,15 +885,18 @@ def _check_inputs(x, weights, biases, loras, routing: LoraRouting) -> None:
         )
     if routing.num_rows != m:
         raise ValueError(f"routing.num_rows={routing.num_rows} but x has {m} rows")
+    if len({isinstance(w, Fp8Weight) for w in weights}) > 1:
+        raise TypeError("a projection group mixes FP8 and plain weights; quantize all or none")
     for i, (w, b, lora) in enumerate(zip(weights, biases, loras)):
-        if w.dim() != 2 or w.shape[1] != k:
+        if len(w.shape) != 2 or w.shape[1] != k:
             raise ValueError(f"weights[{i}] must be [N, {k}] to match x [M, {k}]; got {tuple(w.shape)}")
-        if w.dtype != x.dtype or w.device != x.device:
+        w_dtype = FP8_NAME if isinstance(w, Fp8Weight) else w.dtype
+        if (w_dtype != x.dtype and w_dtype != FP8_NAME) or w.device != x.device:
             raise TypeError(
-                f"weights[{i}] is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; "
+                f"weights[{i}] is {w_dtype} on {w.device} but x is {x.dtype} on {x.device}; "
                 "cast the frozen weights to the activation dtype"
             )
-        if w.numel() >= 2**31 or m * w.shape[0] >= 2**31:
+        if w.shape[0] * w.shape[1] >= 2**31 or m * w.shape[0] >= 2**31:
             raise ValueError(f"projection {i} is too large for int32 indexing; split the rows")
         if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device):
             raise ValueError(
@@ -913,7 +944,7 @@ def _concat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Te
 
 def fused_lora_projections(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | Fp8Weight],
     biases: Sequence[torch.Tensor | None],
     loras: Sequence[LoraModuleWeights | None],
     routing: LoraRouting,
@@ -923,25 +954,31 @@ def fused_lora_projections(
 ) -> list[torch.Tensor]:
     """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
 
-    ``weights[i]`` [N_i, K] and ``biases[i]`` [N_i] are frozen (no gradients). ``loras[i].a[a]``
+    ``weights[i]`` [N_i, K] (a tensor of x's dtype, or an ``Fp8Weight``) and ``biases[i]`` [N_i]
+    are frozen (no gradients). ``loras[i].a[a]``
     [r, K] / ``.b[a]`` [N_i, r] (or None) get gradients, as does ``x``. All projections share one
     dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
     """
     _check_inputs(x, weights, biases, loras, routing)
     x = x.contiguous()
-    weights = [w.contiguous() for w in weights]
+    weights = [w if isinstance(w, Fp8Weight) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
     sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
     ranks = lora_ranks(loras, routing.num_adapters)
     table = build_launch_table(routing, ranks, sizes.block_m, x.device)
     if table.a_rows == 0:  # no routed row has LoRA here: the frozen projections alone
-        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+        return frozen_projections(x, weights, biases)
     a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, x.dtype)
     b_cats = [
         _concat([loras[i].b[a] for a in table.b_order[i]], 1, x.dtype) if table.b_order[i] else None
         for i in range(len(weights))
     ]
     if torch.compiler.is_compiling():
+        if isinstance(weights[0], Fp8Weight):
+            raise NotImplementedError(
+                "the FP8 base is not supported inside torch.compile of the LoRA projections (the "
+                "custom ops take plain weights); run the projections eagerly"
+            )
         # torch.compile traces the custom ops (fake tensors for shapes) instead of the launches
         tensors, meta = _table_to_args(table)
         empty = x.new_empty(0)

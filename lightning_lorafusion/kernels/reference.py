@@ -5,7 +5,9 @@ Math for token rows ``s..e`` routed to adapter ``a`` (PEFT's LoRA, scale = alpha
     Y[s:e] = X[s:e] W^T (+ bias) + scale_a * (dropout_a(X[s:e]) A_a^T) B_a^T
 
 Rows not covered by any segment (or routed to an adapter that does not target this module)
-get the frozen linear only. Shapes: X [M, K], W [N, K], A_a [r_a, K], B_a [N, r_a].
+get the frozen linear only. Shapes: X [M, K], W [N, K], A_a [r_a, K], B_a [N, r_a]. A frozen
+weight may be an ``fp8_linear.Fp8Weight``: the frozen products then run in FP8 (emulated off
+Ada/Hopper) and the LoRA terms, their dropout and gradients stay in X's dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Sequence
 import torch
 
 from .dropout import dropout_keep_mask
+from .fp8_linear import Fp8Weight, frozen_projections
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class LoraModuleWeights:
 
 def lora_linear_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None,
     lora: LoraModuleWeights | None,
     routing: LoraRouting | None,
@@ -79,7 +82,7 @@ def lora_linear_reference(
 
 def lora_projections_reference(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | Fp8Weight],
     biases: Sequence[torch.Tensor | None],
     loras: Sequence[LoraModuleWeights | None],
     routing: LoraRouting | None,
@@ -91,7 +94,7 @@ def lora_projections_reference(
     full-size zero/concatenate temporaries), and each segment's dropped-out input is built
     once for all projections.
     """
-    ys = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+    ys = frozen_projections(x, weights, biases)
     if routing is None or all(l is None for l in loras):
         return ys
     for start, end, adapter in routing.segments:

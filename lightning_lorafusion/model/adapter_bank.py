@@ -20,16 +20,27 @@ def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
 
 
 class LoraFactors(nn.Module):
-    """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection."""
+    """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection.
+
+    PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) from the factor's own ``seed`` (drawn on
+    the CPU, so the values do not depend on the device), B = 0, so training starts at the base.
+    ``draw=False`` leaves A at zero until ``draw_initial_a`` (a pipeline stage draws only its
+    own layers' factors)."""
 
     def __init__(self, rank: int, in_features: int, out_features: int, *, seed: int,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, draw: bool = True) -> None:
         super().__init__()
-        a = torch.empty(rank, in_features, dtype=torch.float32)
-        # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)), B = 0, so training starts at the base.
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed))
-        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.seed = seed
+        self.lora_A = nn.Parameter(torch.zeros(rank, in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
+        if draw:
+            self.draw_initial_a()
+
+    @torch.no_grad()
+    def draw_initial_a(self) -> None:
+        a = torch.empty(self.lora_A.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(self.seed))
+        self.lora_A.copy_(a)
 
 
 class AdapterBank(nn.Module):
@@ -42,7 +53,8 @@ class AdapterBank(nn.Module):
     """
 
     def __init__(self, specs: Sequence[AdapterSpec], config: DecoderConfig, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 draw_a: bool = True) -> None:
         super().__init__()
         if not specs:
             raise ConfigError("AdapterBank needs at least one AdapterSpec; got none")
@@ -71,13 +83,21 @@ class AdapterBank(nn.Module):
             for layer in range(config.num_layers):
                 layers.append(nn.ModuleDict({
                     m: LoraFactors(spec.rank, *config.module_dims(m),
-                                   seed=_init_seed(spec.seed, layer, m), dtype=dtype, device=device)
+                                   seed=_init_seed(spec.seed, layer, m), dtype=dtype, device=device, draw=draw_a)
                     for m in ALL_TARGET_MODULES if m in spec.target_modules
                 }))
             adapters.append(layers)
         self.adapters = nn.ModuleList(adapters)
         for p in self.parameters():
             p.requires_grad_(True)
+
+    def draw_initial_a(self, layers: Sequence[int], adapters: Sequence[int] | None = None) -> None:
+        """Draw the initial A factors of ``layers`` (of ``adapters``, default all) for a bank built
+        with ``draw_a=False``: the values an eagerly initialised bank has."""
+        for a in range(self.num_adapters) if adapters is None else adapters:
+            for layer in layers:
+                for factors in self.adapters[a][layer].values():
+                    factors.draw_initial_a()
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ Params pytree (plain nested dicts; the frozen base tensors are never copied)::
                  "o_proj": {"weight": [H, Hq*D], "bias"?},
                  "mlp_norm": [H],
                  "gate_proj": {"weight": [I, H]}, "up_proj": {...}, "down_proj": {"weight": [H, I]}},
-                ...],
+                ...],   # FP8 base: each {"weight": W} is {"weight_fp8": uint8 bits, "weight_scale": [N]}
      "norm": [H],
      "lm_head": [V, H]}   # the same tensor object as "embed" when embeddings are tied
 
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
+from ..kernels.fp8_linear import Fp8Weight, is_quantized
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..specs import ConfigError
 from .attention import varlen_causal_attention
@@ -217,10 +218,12 @@ def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype
+    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads)."""
-    inv_freq = rope_inv_freq(config, position_ids.device)
+    """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads); ``inv_freq``: the
+    config's ``rope_inv_freq`` if the caller keeps it (the serving loop does, per step)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(config, position_ids.device)
     freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -278,8 +281,9 @@ def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def _w(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return p["weight"], p.get("bias")
+def _w(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
+    # an FP8 base (hf_loading.quantize_base_fp8) holds {"weight_fp8", "weight_scale"}
+    return (Fp8Weight.from_params(p) if is_quantized(p) else p["weight"]), p.get("bias")
 
 
 # --------------------------------------------------------------------------- the model

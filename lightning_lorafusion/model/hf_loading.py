@@ -102,6 +102,23 @@ def params_to(params: Any, *, device: torch.device | str | None = None,
     return move(params)
 
 
+def quantize_base_fp8(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The pytree with every decoder layer's seven projection weights quantized once to e4m3
+    (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); embeddings, norms and
+    the LM head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the
+    input pytree frees the 16-bit projection weights (the base's memory halves)."""
+    from ..kernels.fp8_linear import quantize_projection
+
+    def layer(lp: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: quantize_projection(v) if k in _LAYER_KEYS else v for k, v in lp.items()}
+
+    layers = params["layers"]
+    out = dict(params)
+    out["layers"] = ({i: layer(lp) for i, lp in layers.items()} if isinstance(layers, Mapping)
+                     else [layer(lp) for lp in layers])
+    return out
+
+
 def params_from_hf_model(hf_model: Any, *, dtype: torch.dtype | None = None
                          ) -> tuple[DecoderConfig, dict[str, Any]]:
     """A transformers ``*ForCausalLM`` -> (DecoderConfig, params sharing its tensors)."""

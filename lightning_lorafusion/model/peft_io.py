@@ -93,23 +93,9 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | os.PathLike) -> None:
     """Load a PEFT LoRA adapter's weights into bank adapter ``adapter_index`` (to continue
     training). Its rank, alpha and target modules must equal the adapter's spec."""
-    path = Path(peft_dir)
     spec = bank.specs[adapter_index]
-    where = f"adapter {spec.name!r}: init_from {str(path)!r}"
-    if not (path / CONFIG_FILE).is_file():
-        raise ConfigError(f"{where} has no {CONFIG_FILE}; is it a PEFT adapter directory?")
-    cfg = json.loads((path / CONFIG_FILE).read_text())
-    if cfg.get("peft_type") != "LORA":
-        raise ConfigError(f"{where} is a {cfg.get('peft_type')!r} adapter; only LORA is supported")
-    for flag in ("use_dora", "use_rslora"):
-        if cfg.get(flag):
-            raise ConfigError(f"{where} uses {flag}=true, which this trainer does not implement")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("layers_to_transform"):
-        raise ConfigError(f"{where} uses rank_pattern/alpha_pattern/layers_to_transform; not supported")
-    targets = cfg.get("target_modules")
-    targets = set(ALL_TARGET_MODULES) if targets == "all-linear" else targets
-    if isinstance(targets, str) or not set(targets or ()) <= set(ALL_TARGET_MODULES):
-        raise ConfigError(f"{where} targets {targets!r}; supported: a subset of {list(ALL_TARGET_MODULES)}")
+    where = f"adapter {spec.name!r}: init_from {str(peft_dir)!r}"
+    cfg, targets, state = read_peft_adapter(peft_dir, where)
     mismatches = []
     if cfg.get("r") != spec.rank:
         mismatches.append(f"rank: {cfg.get('r')} there, {spec.rank} in the config")
@@ -120,7 +106,6 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
     if mismatches:
         raise ConfigError(f"{where} does not match the adapter's spec ({'; '.join(mismatches)}); "
                           "set the adapter's rank/alpha/target_modules to the PEFT adapter's values")
-    state = _read_peft_weights(path, where)
     expected = {}
     for layer in range(bank.config.num_layers):
         for module in spec.target_modules:
@@ -139,6 +124,35 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
     with torch.no_grad():
         for key, param in expected.items():
             param.copy_(state[key])
+
+
+def read_peft_adapter(peft_dir: str | os.PathLike, where: str
+                      ) -> tuple[dict, tuple[str, ...], dict[str, torch.Tensor]]:
+    """Read a PEFT LoRA directory: (adapter_config.json as a dict, target modules in our order,
+    weights keyed like ``peft_key``). Refuses, naming ``where``, the PEFT features this project
+    does not implement (DoRA, rsLoRA, per-layer rank/alpha patterns, LoRA biases, extra saved
+    modules, transposed weights) and targets outside the Llama family's seven projections."""
+    path = Path(peft_dir)
+    if not (path / CONFIG_FILE).is_file():
+        raise ConfigError(f"{where} has no {CONFIG_FILE}; is it a PEFT adapter directory?")
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise ConfigError(f"{where} is a {cfg.get('peft_type')!r} adapter; only LORA is supported")
+    for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
+        if cfg.get(flag):
+            raise ConfigError(f"{where} uses {flag}=true, which is not implemented here")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("layers_to_transform"):
+        raise ConfigError(f"{where} uses rank_pattern/alpha_pattern/layers_to_transform; not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
+        raise ConfigError(f"{where} trains biases or saves extra modules (bias={cfg.get('bias')!r}, "
+                          f"modules_to_save={cfg.get('modules_to_save')!r}); only plain LoRA factors "
+                          "are supported")
+    targets = cfg.get("target_modules")
+    targets = set(ALL_TARGET_MODULES) if targets == "all-linear" else targets
+    if isinstance(targets, str) or not targets or not set(targets) <= set(ALL_TARGET_MODULES):
+        raise ConfigError(f"{where} targets {targets!r}; supported: a subset of {list(ALL_TARGET_MODULES)}")
+    ordered = tuple(m for m in ALL_TARGET_MODULES if m in set(targets))
+    return cfg, ordered, _read_peft_weights(path, where)
 
 
 def _read_peft_weights(path: Path, where: str) -> dict[str, torch.Tensor]:

@@ -273,3 +273,7 @@ def build_1f1b_flushed_schedule(plan: Plan, num_stages: int) -> list[list[Action
         schedule.append(actions)
     check_bubble_lemma(plan, schedule)
     return schedule
+
+
+# Names a user picks a schedule by (the pipeline strategy's ``schedule`` argument).
+SCHEDULES = {"no_flush": build_pipeline_schedule, "flushed_1f1b": build_1f1b_flushed_schedule}

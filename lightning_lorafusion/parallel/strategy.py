@@ -15,6 +15,7 @@ Selecting it from YAML (LightningCLI)::
       strategy:
         class_path: lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy
         init_args: {pipeline_size: 2}        # data_parallel_size defaults to world / pipeline_size
+                                             # schedule: no_flush (default) or flushed_1f1b
 
 What it expects from the LightningModule (manual optimization):
 
@@ -46,6 +47,7 @@ from torch.nn import Module
 
 from ..data.microbatch import Microbatch
 from ..planner.plan import Plan
+from ..specs import ConfigError
 from .data_parallel import (
     ParallelLayout,
     allreduce_adapter_grads,
@@ -54,24 +56,32 @@ from .data_parallel import (
 )
 from .executor import StageRecord, gather_busy_and_wall, measured_bubble_ratio, run_stage
 from .partition import partition_decoder, partition_layers
-from .schedule import build_pipeline_schedule
+from .schedule import SCHEDULES
 from .simulator import CostModel, simulate
 from .stage import StageModule
 
 
 class MultiAdapterPipelineStrategy(DDPStrategy):
-    """Pipeline (``pipeline_size`` stages) x data parallel training of many LoRA adapters."""
+    """Pipeline (``pipeline_size`` stages) x data parallel training of many LoRA adapters.
+
+    ``schedule``: ``"no_flush"`` (default: one 1F1B stream over the whole plan, adapters step
+    in flight) or ``"flushed_1f1b"`` (the baseline: the pipeline drains at every step point),
+    both over the same planned microbatches.
+    """
 
     strategy_name = "lorafusion_pipeline"
 
     def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
-                 **ddp_kwargs: Any) -> None:
+                 schedule: str = "no_flush", **ddp_kwargs: Any) -> None:
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
-            raise ValueError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
+            raise ConfigError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
         if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
-            raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1 or None")
+            raise ConfigError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1 or None")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"strategy schedule={schedule!r}; allowed: {sorted(SCHEDULES)}")
         super().__init__(**ddp_kwargs)
         self.pipeline_size = pipeline_size
+        self.schedule = schedule
         self._requested_dp = data_parallel_size
         self.layout: ParallelLayout | None = None
         self._dp_groups: list = []
@@ -171,7 +181,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
                 self.stage_index, self._layers, self.stage_index == 0,
                 self.stage_index == layout.pipeline_size - 1,
             )
-        actions = build_pipeline_schedule(plan, layout.pipeline_size)[self.stage_index]
+        actions = SCHEDULES[self.schedule](plan, layout.pipeline_size)[self.stage_index]
         group = self.data_parallel_group
         check_same_step_order(actions, group)  # every window: a mismatch would hang, not fail
         layers = self._layers
@@ -199,7 +209,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         """The simulator's prediction for ``plan`` on this pipeline, to log next to
         ``last_bubble_ratio``."""
         pp = self._require_layout().pipeline_size
-        return simulate(plan, build_pipeline_schedule(plan, pp), cost_model).bubble_ratio
+        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model).bubble_ratio
 
     # ---- checkpoints and export ------------------------------------------------------------
     def stage_checkpoint_path(self, filepath: str) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import lightning as L
@@ -93,6 +93,23 @@ class PipelineWindow:
 
     def to(self, device: Any) -> "PipelineWindow":
         return PipelineWindow(self.epoch, self.plan, self._pack, device)
+
+    def _real_positions(self) -> list[int]:
+        return [pos for pos, mb in enumerate(self.plan.microbatches) if not mb.is_noop]
+
+    def sample_lengths(self) -> list[int]:
+        """Token counts of this replica's samples in the window (packs what is not packed yet)."""
+        return [ref.length for pos in self._real_positions() for ref in self.microbatch(pos).samples]
+
+    @property
+    def real_tokens(self) -> int:
+        """Non-padding tokens this replica trains in the window (as ``Microbatch.real_tokens``)."""
+        return sum(self.sample_lengths())
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the window's real microbatches (``TokenThroughput``'s fill denominator)."""
+        return self.plan.capacity * len(self._real_positions())
 
 
 class MultiAdapterDataModule(L.LightningDataModule):
@@ -171,6 +188,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.specs: tuple[AdapterSpec, ...] = ()
         self.datasets: list[Sequence] = []
         self.tokenizer: Any = None
+        self.vocab_size: int | None = None
         self.epoch = 0  # next epoch to stream
         self.position = 0  # next microbatch position inside that epoch
         # the last two epochs' plans: at an epoch boundary (and on resume) the finished epoch's
@@ -191,7 +209,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if not self.specs:
             if module is None:
                 raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
-            self.configure(module.adapter_specs, module.tokenizer)
+            self.configure(module.adapter_specs, module.tokenizer,
+                           vocab_size=getattr(getattr(module, "config", None), "vocab_size", None))
         self.load_datasets()
 
     def _adopt_pipeline_layout(self) -> None:
@@ -220,10 +239,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 "validate` with adapters[].init_from set to them)"
             )
 
-    def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any) -> None:
-        """Use these adapters and tokenizer (the LightningModule's, under Lightning)."""
+    def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any, *, vocab_size: int | None = None) -> None:
+        """Use these adapters and tokenizer (the LightningModule's, under Lightning).
+        ``vocab_size`` (the model's) is what synthetic datasets draw token ids from when there is
+        no tokenizer (a ``random:`` base) and they name no ``vocab_size`` themselves."""
         self.specs = tuple(specs)
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         if self.tokenizer is not None and getattr(self.tokenizer, "pad_token_id", None) is not None:
             self.packing = PackingConfig(
                 capacity=self.packing.capacity,
@@ -232,15 +254,19 @@ class MultiAdapterDataModule(L.LightningDataModule):
             )
 
     def load_datasets(self) -> None:
-        from ..data.sources import build_source
+        from ..data.sources import SyntheticSource, build_source, parse_source
 
         max_length = self.max_length or self.packing.capacity
         self.datasets, self.val_datasets = [], []
         for spec in self.specs:
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
+            source = parse_source(spec.dataset, name=spec.name)
+            if (isinstance(source, SyntheticSource) and source.vocab_size is None and self.tokenizer is None
+                    and self.vocab_size is not None):
+                source = replace(source, vocab_size=self.vocab_size)
             samples = build_source(
-                spec.dataset, self.tokenizer, split="train", max_length=max_length, name=spec.name
+                source, self.tokenizer, split="train", max_length=max_length, name=spec.name
             )
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
@@ -346,6 +372,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
+            self._check_restored_plan(plan, lengths)
         else:
             plan = self._plan(epoch, self._planned_lengths(lengths), self.packing.capacity, self.planner)
             log.info(
@@ -360,6 +387,26 @@ class MultiAdapterDataModule(L.LightningDataModule):
             denominators=denominators,
             step_adapters=plan.step_adapters(),
         )
+
+    def _check_restored_plan(self, plan: Plan, lengths) -> None:
+        """A checkpoint saved mid-epoch resumes that epoch's plan: it must fit this run's data."""
+        from ..planner.verify import verify_plan
+
+        problems = []
+        if (plan.capacity, plan.pad_multiple) != (self.packing.capacity, self.packing.pad_multiple):
+            problems.append(
+                f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
+                f"{plan.pad_multiple}; this run has {self.packing.capacity}, {self.packing.pad_multiple}"
+            )
+        problems += verify_plan(plan, lengths)
+        if problems:
+            raise ConfigError(
+                f"the checkpoint stopped inside epoch {self.epoch}, but its plan for that epoch does "
+                f"not match this run's data ({problems[0]}"
+                + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
+                + "); resume with the data settings the checkpoint was saved with (datasets, "
+                "max_length, capacity, pad_multiple, devices), or start without --ckpt_path"
+            )
 
     def _replica_shards(self, lookup: SampleLookup, lengths) -> tuple[SampleLookup, list]:
         """This replica's share of every global batch, and the slot lengths to plan (replica

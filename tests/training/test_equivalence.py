@@ -32,9 +32,10 @@ def tiny_specs(dropout=0.0):
 
 
 def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, ckpt_path=None,
-              planner="greedy", activation_checkpointing=False, **trainer_kwargs):
+              planner="greedy", activation_checkpointing=False, module_kwargs=None, **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
-                              export_on_fit_end=False, activation_checkpointing=activation_checkpointing)
+                              export_on_fit_end=False, activation_checkpointing=activation_checkpointing,
+                              **(module_kwargs or {}))
     dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2,
                                 planner=planner, planner_window=2)
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,

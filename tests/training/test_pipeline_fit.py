@@ -55,6 +55,11 @@ def test_pipeline_fit_resumes_from_epoch_checkpoint(tiny_model_dir, tmp_path):
     cb = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")]
     _pipeline_fit(tiny_model_dir, specs, tmp_path / "straight", callbacks=cb)
     assert (ckpt_dir / "epoch=0.ckpt").exists() and (ckpt_dir / "epoch=0.ckpt.stage1").exists()
+    # each stage file holds its own layers' adapters only (the 2-layer model: layer s on stage s)
+    for stage, name in enumerate(("epoch=0.ckpt", "epoch=0.ckpt.stage1")):
+        state = torch.load(ckpt_dir / name, weights_only=False)["state_dict"]
+        layers = {int(k.split(".")[3]) for k in state if k.startswith("bank.adapters.")}
+        assert layers == {stage}, (name, layers)
     _pipeline_fit(tiny_model_dir, specs, tmp_path / "resumed", ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
     for spec in specs:
         got = load_file(tmp_path / "resumed" / spec.name / "adapter_model.safetensors")

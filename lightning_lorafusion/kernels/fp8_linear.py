@@ -1,0 +1,262 @@
+"""FP8 frozen linear: e4m3 weights quantized once, activations and output gradients per row on the fly.
+
+Math (the spec, written out by the emulated path, which runs anywhere). Every scale is a power
+of two ``s = pow2_scales(amax)``, the smallest with ``amax / s <= 448`` (e4m3's largest value),
+so multiplying by ``s`` or ``1 / s`` is exact in fp32 and the real and emulated paths quantize
+to the same bits.
+
+    W [N, K]   ~ Wq * sw[:, None]            quantized once, per output channel
+    forward    Y  = (Xq * sx) (Wq * sw)^T    Xq, sx [M, 1]: rows of X quantized on the fly
+    backward   dX = (Gq * sg) Wq             Gq, sg [M, 1]: rows of G = dY * sw[None, :]
+
+Folding ``sw`` into dY makes the backward the exact input gradient of the forward's dequantized
+weight (only dY is quantized) and lets both products use the same ``Wq``: no second copy of the
+weight quantized along K. A group of projections sharing one input (q/k/v) quantizes X once
+and sums the backward in one product over the concatenated ``[G_q | G_k | G_v]`` (one scale
+per row for the group). The weight gets no gradient.
+
+Real path (CUDA, compute capability >= 8.9): Triton kernels quantize rows and transpose
+``Wq`` for the backward (``fp8_triton.py``); ``torch._scaled_mm`` multiplies with row-wise
+scales (``scale_a [M, 1]``, ``scale_b [1, N]`` fp32, ``mat2`` column-major), bf16 out.
+Emulated path: quantize, dequantize in fp32 with the same scales, matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
+GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
+FAST_ACCUM = False  # cuBLAS/CUTLASS fast accumulation off: fp32 accumulators throughout
+# Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
+# uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
+# the per-output-channel scales (powers of two: exact in bf16 too).
+WEIGHT_KEY, SCALE_KEY = "weight_fp8", "weight_scale"
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A frozen weight ``W [N, K] ~ data * scale[:, None]`` (``data`` e4m3, ``scale`` [N] fp32)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != FP8_DTYPE or self.data.dim() != 2:
+            raise ValueError(f"Fp8Weight.data must be a 2-D {FP8_DTYPE} tensor; got {self.data.dtype} "
+                             f"{tuple(self.data.shape)}")
+        if self.scale.shape != (self.data.shape[0],):
+            raise ValueError(f"Fp8Weight.scale must be [{self.data.shape[0]}]; got {tuple(self.scale.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[N, K]`` in ``dtype`` (exact in fp32)."""
+        return (self.data.float() * self.scale.float()[:, None]).to(dtype)
+
+    @classmethod
+    def from_params(cls, p: Mapping[str, torch.Tensor]) -> "Fp8Weight":
+        """From a quantized projection's params dict (see ``quantize_projection``)."""
+        return cls(p[WEIGHT_KEY].view(FP8_DTYPE), p[SCALE_KEY].float())
+
+
+def is_quantized(p: Mapping[str, Any]) -> bool:
+    return WEIGHT_KEY in p
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """True where FP8 tensor-core products run: CUDA with compute capability >= 8.9."""
+    device = torch.device(device)
+    return device.type == "cuda" and _capability(device.index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    # asked on every projection call: a device's capability never changes, so ask CUDA once
+    return torch.cuda.get_device_capability(index)
+
+
+# ------------------------------------------------------------------------------- quantization
+
+
+def pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``amax / s <= 448``, elementwise, fp32; 1 where
+    ``amax`` is 0; at least 2^-126 (fp32's smallest normal, so ``1 / s`` stays finite).
+
+    ``amax = m * 2^e`` with ``m`` in [0.5, 1) and ``448 = 0.875 * 2^9``, so the exponent is
+    ``e - 9``, plus one when ``m > 0.875``: integer work only, which the Triton kernel repeats
+    bit for bit."""
+    amax = amax.float()
+    m, e = torch.frexp(amax)
+    p = (e - 9 + (m > 0.875).to(e.dtype)).clamp_min(-126)
+    one = torch.ones_like(amax)
+    return torch.where(amax > 0, torch.ldexp(one, p), one)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, 1]``), one power-of-two scale per row."""
+    xf = x.float()
+    scale = pow2_scales(xf.abs().amax(dim=1, keepdim=True))
+    return (xf * (1.0 / scale)).to(FP8_DTYPE), scale
+
+
+def quantize_weight(w: torch.Tensor) -> Fp8Weight:
+    """``W [N, K]`` -> e4m3 with one power-of-two scale per output channel (row)."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight needs a 2-D weight [N, K]; got {tuple(w.shape)}")
+    q, scale = quantize_rows_reference(w.detach())
+    return Fp8Weight(q, scale.squeeze(1))
+
+
+def quantize_projection(p: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A projection's params ``{"weight", "bias"?}`` -> ``{WEIGHT_KEY, SCALE_KEY, "bias"?}``;
+    the bf16 weight is not kept (the caller drops its last reference)."""
+    fw = quantize_weight(p["weight"])
+    out = {WEIGHT_KEY: fw.data.view(torch.uint8), SCALE_KEY: fw.scale}
+    if "bias" in p:
+        out["bias"] = p["bias"]
+    return out
+
+
+# ------------------------------------------------------------------------------- products
+
+
+def _emulated_outputs(x, weights, biases):
+    xq, sx = quantize_rows_reference(x)
+    xd = xq.float() * sx
+    ys = []
+    for w, b in zip(weights, biases):
+        y = (xd @ w.dequantize().t()).to(x.dtype)
+        ys.append(y if b is None else y + b)
+    return ys
+
+
+def _emulated_input_grad(dys, weights, dtype):
+    g = torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)
+    gq, sg = quantize_rows_reference(g)
+    wq = torch.cat([w.data.float() for w in weights], dim=0)  # [sum N, K]
+    return ((gq.float() * sg) @ wq).to(dtype)
+
+
+def _check_real(x: torch.Tensor, weights: Sequence[Fp8Weight]) -> None:
+    if not fp8_supported(x.device):
+        raise RuntimeError(
+            f"the FP8 base needs a CUDA GPU with compute capability >= {MIN_CAPABILITY[0]}."
+            f"{MIN_CAPABILITY[1]} (Ada/Hopper); x is on {x.device}. Use the bf16 base there"
+        )
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the FP8 base computes with bfloat16 activations; x is {x.dtype}")
+    for w in weights:
+        n, k = w.shape
+        if n % GEMM_MULTIPLE or k % GEMM_MULTIPLE:
+            raise ValueError(
+                f"FP8 products need in/out features divisible by {GEMM_MULTIPLE}; a weight is "
+                f"[{n}, {k}]. Use the bf16 base for this model"
+            )
+
+
+def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = FAST_ACCUM):
+    """``(a_q * a_scale) @ (b_t_q * b_scale).T``; ``a_q [M, K]``, ``b_t_q [N, K]`` row-major
+    e4m3, ``a_scale [M, 1]``, ``b_scale [1, N]`` fp32. Rows are zero-padded to a multiple of 16."""
+    m = a_q.shape[0]
+    pad = -m % GEMM_MULTIPLE
+    if pad:
+        a_q = torch.cat([a_q, a_q.new_zeros(pad, a_q.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_ones(pad, 1)])
+    out = torch._scaled_mm(a_q, b_t_q.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
+    return out[:m] if pad else out
+
+
+def _real_outputs(x, weights, biases):
+    _check_real(x, weights)
+    from .fp8_triton import quantize_rows
+
+    xq, sx = quantize_rows([x.contiguous()], None)
+    ys = []
+    for w, b in zip(weights, biases):
+        y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype)
+        ys.append(y if b is None else y + b)
+    return ys
+
+
+def _real_input_grad(dys, weights, dtype):
+    from .fp8_triton import quantize_rows, transpose_concat
+
+    gq, sg = quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights])
+    wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
+    ones = torch.ones(1, wt.shape[0], dtype=torch.float32, device=wt.device)
+    return _scaled_mm(gq, sg, wt, ones, dtype)
+
+
+def fp8_outputs(x: torch.Tensor, weights: Sequence[Fp8Weight], biases: Sequence[torch.Tensor | None],
+                *, emulate: bool) -> list[torch.Tensor]:
+    """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``,
+    ``x`` quantized once for all of them."""
+    return (_emulated_outputs if emulate else _real_outputs)(x, weights, biases)
+
+
+def fp8_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Fp8Weight], *, m: int, k: int,
+                   dtype: torch.dtype, device: torch.device, emulate: bool) -> torch.Tensor:
+    """``dX [M, K] = sum_i dY_i W_i`` with each ``dY_i [M, N_i]`` (None: zero) quantized per
+    row together with the others, after scaling its columns by ``W_i``'s channel scales."""
+    pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
+    if not pairs:
+        return torch.zeros(m, k, dtype=dtype, device=device)
+    dys, weights = [p[0] for p in pairs], [p[1] for p in pairs]
+    return (_emulated_input_grad if emulate else _real_input_grad)(dys, weights, dtype)
+
+
+class Fp8FrozenProjections(torch.autograd.Function):
+    """``x -> [x W_i^T + b_i]`` through FP8; differentiable w.r.t. ``x`` only."""
+
+    @staticmethod
+    def forward(ctx, x, emulate, n_proj, *rest):
+        weights, biases = rest[:n_proj], rest[n_proj:]
+        ctx.weights, ctx.emulate, ctx.x_meta = weights, emulate, (x.shape, x.dtype, x.device)
+        return tuple(fp8_outputs(x, weights, biases, emulate=emulate))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        (m, k), dtype, device = ctx.x_meta
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_input_grad(dys, ctx.weights, m=m, k=k, dtype=dtype, device=device, emulate=ctx.emulate)
+        return (dx, None, None) + (None,) * (2 * len(ctx.weights))
+
+
+def resolve_emulate(device: torch.device, emulate: bool | None) -> bool:
+    """``None``: emulate exactly where the device has no FP8 tensor cores."""
+    return (not fp8_supported(device)) if emulate is None else emulate
+
+
+def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weight],
+                       biases: Sequence[torch.Tensor | None], *, emulate: bool | None = None
+                       ) -> list[torch.Tensor]:
+    """The frozen part of a projection group, ``x [M, K] -> [M, N_i]``: ``F.linear`` for plain
+    weights, FP8 (``Fp8FrozenProjections``) when the weights are ``Fp8Weight``."""
+    kinds = {isinstance(w, Fp8Weight) for w in weights}
+    if kinds == {False}:
+        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+    if kinds != {True}:
+        raise TypeError("a projection group mixes FP8 and plain weights; quantize all or none")
+    return list(Fp8FrozenProjections.apply(x, resolve_emulate(x.device, emulate), len(weights), *weights, *biases))
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None, *,
+               emulate: bool | None = None) -> torch.Tensor:
+    """One frozen FP8 linear ``x [M, K] -> [M, N]``, differentiable w.r.t. ``x``."""
+    return frozen_projections(x, [weight], [bias], emulate=emulate)[0]
+

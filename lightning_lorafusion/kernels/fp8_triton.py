@@ -1,0 +1,147 @@
+"""Triton kernels of the FP8 base: per-row e4m3 quantization and the weight transpose for dX.
+
+``quantize_rows`` must give the same bits as ``fp8_linear.quantize_rows_reference`` (power-of-
+two scales from integer work on the fp32 bits of the row maximum, exact scaling, round to
+nearest even); the GPU test checks it bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_linear import FP8_DTYPE
+
+MAX_INPUTS = 3  # quantize_rows reads up to this many [M, N_i] inputs per launch
+ROW_BLOCK = 1024  # columns per step of the row kernels
+TRANSPOSE_BLOCK = 64
+
+
+@triton.jit
+def _row_amax(x_ptr, c_ptr, n, row, amax, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(0, n, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        v = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL:
+            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    return amax
+
+
+@triton.jit
+def _row_store(x_ptr, c_ptr, n, row, inv, q_row_ptr, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(0, n, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        v = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL:
+            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        tl.store(q_row_ptr + offs, (v * inv).to(q_row_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x0_ptr, c0_ptr, n0, x1_ptr, c1_ptr, n1, x2_ptr, c2_ptr, n2, q_ptr, s_ptr, nq,
+    NUM_IN: tl.constexpr, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Row ``row`` of ``[x0*c0 | x1*c1 | x2*c2]`` -> e4m3 row of q [M, nq] and its scale s[row]."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.full((), 0.0, tl.float32)
+    amax = _row_amax(x0_ptr, c0_ptr, n0, row, amax, HAS_COL, BLOCK_N)
+    if NUM_IN > 1:
+        amax = _row_amax(x1_ptr, c1_ptr, n1, row, amax, HAS_COL, BLOCK_N)
+    if NUM_IN > 2:
+        amax = _row_amax(x2_ptr, c2_ptr, n2, row, amax, HAS_COL, BLOCK_N)
+    # pow2_scales: amax = (1 + mant / 2^23) 2^(e - 127), 448 = 1.75 * 2^8
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    p = e - 135 + (mant > 0x600000).to(tl.int32)
+    p = tl.maximum(p, -126)
+    p = tl.where(amax > 0, p, 0)
+    scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - p) << 23).to(tl.float32, bitcast=True)
+    q_row = q_ptr + row * nq
+    _row_store(x0_ptr, c0_ptr, n0, row, inv, q_row, HAS_COL, BLOCK_N)
+    if NUM_IN > 1:
+        _row_store(x1_ptr, c1_ptr, n1, row, inv, q_row + n0, HAS_COL, BLOCK_N)
+    if NUM_IN > 2:
+        _row_store(x2_ptr, c2_ptr, n2, row, inv, q_row + n0 + n1, HAS_COL, BLOCK_N)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _transpose_tile(src_ptr, dst_ptr, n, k, dst_stride, col_off, pid_n, pid_k, BLOCK: tl.constexpr):
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    ok = (offs_n < n)[:, None] & (offs_k < k)[None, :]
+    tile = tl.load(src_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :], mask=ok)
+    dst = dst_ptr + offs_k.to(tl.int64)[None, :] * dst_stride + col_off + offs_n[:, None]
+    tl.store(dst, tile, mask=ok)
+
+
+@triton.jit
+def _transpose_kernel(src0_ptr, n0, src1_ptr, n1, src2_ptr, n2, dst_ptr, k, dst_stride,
+                      NUM_IN: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[kk, off_i + nn] = src_i[nn, kk] (bytes); axis 0 walks src_0's row blocks, then
+    src_1's, then src_2's."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b0 = tl.cdiv(n0, BLOCK)
+    b1 = tl.cdiv(n1, BLOCK)
+    if pid < b0:
+        _transpose_tile(src0_ptr, dst_ptr, n0, k, dst_stride, 0, pid, pid_k, BLOCK)
+    elif NUM_IN > 1 and pid < b0 + b1:
+        _transpose_tile(src1_ptr, dst_ptr, n1, k, dst_stride, n0, pid - b0, pid_k, BLOCK)
+    elif NUM_IN > 2:
+        _transpose_tile(src2_ptr, dst_ptr, n2, k, dst_stride, n0 + n1, pid - b0 - b1, pid_k, BLOCK)
+
+
+def quantize_rows(xs: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[x_0 * c_0 | x_1 * c_1 | ...]`` (each ``[M, N_i]`` contiguous, ``c_i [N_i]`` fp32 or
+    none) -> (e4m3 ``[M, sum N_i]``, fp32 scales ``[M, 1]``), one scale per row over all inputs."""
+    if len(xs) > MAX_INPUTS:  # one row scale over all inputs: concatenate first (rare)
+        xs = [torch.cat([x.float() * (c if c is not None else 1.0)
+                         for x, c in zip(xs, col_scales or [None] * len(xs))], dim=1)]
+        col_scales = None
+    m = xs[0].shape[0]
+    widths = [x.shape[1] for x in xs]
+    q = torch.empty(m, sum(widths), dtype=FP8_DTYPE, device=xs[0].device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=xs[0].device)
+    if m == 0:
+        return q, s
+    cols = list(col_scales) if col_scales is not None else [None] * len(xs)
+    args = []
+    for j in range(MAX_INPUTS):
+        if j < len(xs):
+            c = cols[j] if cols[j] is not None else xs[j]
+            args += [xs[j], c, widths[j]]
+        else:
+            args += [xs[0], xs[0], 0]
+    _quantize_rows_kernel[(m,)](
+        *args, q, s, q.shape[1], NUM_IN=len(xs), HAS_COL=col_scales is not None, BLOCK_N=ROW_BLOCK,
+        num_warps=4,
+    )
+    return q, s
+
+
+def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[W_0; W_1; ...]^T``: each e4m3 ``W_i [N_i, K]`` -> one ``[K, sum N_i]`` (K-major for
+    the input-gradient product), up to ``MAX_INPUTS`` weights per launch."""
+    k = ws[0].shape[1]
+    total = sum(w.shape[0] for w in ws)
+    out = torch.empty(k, total, dtype=torch.uint8, device=ws[0].device)
+    for start in range(0, len(ws), MAX_INPUTS):
+        chunk = [w.view(torch.uint8) for w in ws[start:start + MAX_INPUTS]]
+        base = out[:, sum(w.shape[0] for w in ws[:start]):]  # column offset of this chunk
+        args = []
+        for j in range(MAX_INPUTS):
+            args += [chunk[j], chunk[j].shape[0]] if j < len(chunk) else [chunk[0], 0]
+        grid = (sum(triton.cdiv(w.shape[0], TRANSPOSE_BLOCK) for w in chunk), triton.cdiv(k, TRANSPOSE_BLOCK))
+        _transpose_kernel[grid](*args, base, k, total, NUM_IN=len(chunk), BLOCK=TRANSPOSE_BLOCK, num_warps=4)
+    return out.view(FP8_DTYPE)

@@ -1,0 +1,332 @@
+"""Decode attention over the paged KV cache (one query token per row, GQA, sliding window).
+
+KV pool layout ``kv_pool [P, L, 2, S, Hkv, D]``: P pages of S consecutive tokens of one
+sequence, holding that token range's keys (index 0) and values (index 1) for all L layers.
+Row b's tokens 0..seq_lens[b]-1 live in pages ``page_table[b, 0..]`` in order; token t sits
+in page ``page_table[b, t // S]`` at slot ``t % S``. Inference only (no autograd).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("torch", "triton", "auto")
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, window, q_stride_b, q_stride_h, pt_stride,
+    stride_p, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (row, kv head, split): the GROUP query heads of one kv head attend together to
+    the split's share of the row's tokens (each K/V tile is loaded once for the whole group).
+
+    Tokens are gathered through the page table one by one (token t: page t // PAGE, slot
+    t % PAGE), so any page size works with any BLOCK_T. Online softmax in fp32 (base 2, the
+    scale folded into ``qk_scale``). With SPLIT (flash-decoding: the grid's third axis cuts each
+    row's tokens into equal shares) each program writes its unnormalised output and (max, sum)
+    for ``_combine_splits_kernel``; the split count is not a compile-time constant.
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    seq_len = tl.load(len_ptr + row)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    share = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_T) * BLOCK_T
+    t_begin = lo + split * share
+    t_end = tl.minimum(seq_len, t_begin + share)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q_heads = head * GROUP + offs_g
+    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    kv_head = kv_ptr + head * stride_h  # kv_ptr: the layer's slice of the pool
+    pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        t = t0 + offs_t
+        t_ok = t < t_end
+        page = tl.load(pt_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        tok = kv_head + page * stride_p + (t % PAGE) * stride_s
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T], log2 units
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if not SPLIT:
+        out = acc / l[:, None]
+        tl.store(out_ptr + (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads[:, None]) * HEAD_DIM
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # partials [B, Hq, splits, D] and [B, Hq, splits, 2]; an empty split leaves m = -inf, l = 0
+        part = (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads) * splits + split
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_ml_ptr, out_ptr, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row * Hq + query head): merge the splits' partial softmaxes (base 2)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < splits
+    d_ok = offs_d < HEAD_DIM
+    m = tl.load(part_ml_ptr + (pid * splits + offs_s) * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (pid * splits + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+    m_all = tl.max(m, axis=0)  # finite: the first split always holds the newest tokens
+    w = tl.exp2(m - m_all)
+    o = tl.load(part_o_ptr + (pid * splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + pid * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _check_pool(kv_pool, layer) -> None:
+    if not isinstance(kv_pool, torch.Tensor) or kv_pool.dim() != 6 or kv_pool.shape[2] != 2:
+        raise ValueError(
+            f"kv_pool must be [pages, layers, 2, page_size, kv_heads, head_dim]; got "
+            f"{getattr(kv_pool, 'shape', type(kv_pool))}"
+        )
+    if kv_pool.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv_pool.dtype={kv_pool.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not isinstance(layer, int) or not 0 <= layer < kv_pool.shape[1]:
+        raise ValueError(f"layer={layer!r} is not in [0, {kv_pool.shape[1]})")
+
+
+def _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window) -> None:
+    """Shapes, dtypes and devices only: no value is read (no device sync, CUDA-graph safe)."""
+    _check_pool(kv_pool, layer)
+    _, _, _, _, hkv, d = kv_pool.shape
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != d:
+        raise ValueError(f"q must be [rows, q_heads, {d}] (head_dim of kv_pool); got {getattr(q, 'shape', type(q))}")
+    if q.dtype != kv_pool.dtype or q.device != kv_pool.device:
+        raise TypeError(f"q is {q.dtype} on {q.device} but kv_pool is {kv_pool.dtype} on {kv_pool.device}")
+    b, hq, _ = q.shape
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of the pool's {hkv} kv heads (GQA)")
+    if (
+        not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != b
+        or page_table.shape[1] < 1 or page_table.dtype != torch.int32 or page_table.device != q.device
+    ):
+        raise ValueError(
+            f"page_table must be a [{b}, max_pages >= 1] int32 tensor on {q.device}; got "
+            f"{getattr(page_table, 'shape', type(page_table))} {getattr(page_table, 'dtype', '')}"
+        )
+    if (
+        not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (b,)
+        or seq_lens.dtype != torch.int32 or seq_lens.device != q.device
+    ):
+        raise ValueError(
+            f"seq_lens must be a [{b}] int32 tensor on {q.device}; got "
+            f"{getattr(seq_lens, 'shape', type(seq_lens))} {getattr(seq_lens, 'dtype', '')}"
+        )
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (usually head_dim ** -0.5); got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
+
+
+@torch.no_grad()
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each row's newest token over its cached tokens: ``[B, Hq, D]`` in q.dtype.
+
+    q ``[B, Hq, D]``; page_table ``[B, max_pages]`` int32 (entries past a row's last page are
+    ignored, any value); seq_lens ``[B]`` int32 >= 1, the cached tokens including the current
+    one. Query head h reads kv head ``h // (Hq // Hkv)``. Scores ``scale * q.k`` and softmax
+    in fp32; with ``sliding_window`` W only the last W tokens (positions >= seq_len - W) count.
+    Gathers the pages of the longest row for every row (reads seq_lens on the host: a sync).
+    """
+    _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    b, hq, d = q.shape
+    s, hkv = kv_pool.shape[3], kv_pool.shape[4]
+    max_len = int(seq_lens.max()) if b else 0
+    if b and int(seq_lens.min()) < 1:
+        raise ValueError(f"seq_lens must be >= 1 (the current token is cached); got {seq_lens.tolist()}")
+    n_pages = -(-max_len // s)
+    if n_pages > page_table.shape[1]:
+        raise ValueError(f"seq_lens need {n_pages} pages but page_table has {page_table.shape[1]} columns")
+    pos = torch.arange(n_pages * s, device=q.device)
+    lens = seq_lens.long()[:, None]
+    valid = pos[None, :] < lens  # [B, T]
+    if sliding_window is not None:
+        valid &= pos[None, :] >= lens - sliding_window
+    used = torch.arange(n_pages, device=q.device)[None, :] * s < lens  # pages holding tokens
+    pages = torch.where(used, page_table[:, :n_pages].long(), 0)
+    if bool(((pages < 0) | (pages >= kv_pool.shape[0])).any()):
+        raise ValueError(f"page_table holds page ids outside [0, {kv_pool.shape[0]}) within seq_lens")
+    kv = kv_pool[:, layer][pages]  # [B, n_pages, 2, S, Hkv, D]
+    k = kv[:, :, 0].reshape(b, n_pages * s, hkv, d).float()
+    v = kv[:, :, 1].reshape(b, n_pages * s, hkv, d).float()
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Same contract as ``paged_decode_attention_reference``; ``backend``: "torch" (the
+    reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
+    The Triton path reads no value on the host (CUDA-graph safe)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "torch":
+        return paged_decode_attention_reference(
+            q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window
+        )
+    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
+    """Sequence splits per (row, kv head) so about two programs per SM are in flight."""
+    if device.type != "cuda":
+        return min(2, max_blocks)  # exercise the combine path in the interpreter
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(max_blocks, 64, triton.cdiv(2 * sms, programs)))
+
+
+def _paged_decode_attention_triton(
+    q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
+    splits=None, block_t=None, num_warps=4, num_stages=3,
+):
+    """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
+    _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (q is on {q.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+        )
+    if kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("kv_pool and q must have unit stride along head_dim")
+    page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    b, hq, d = q.shape
+    _, _, _, page, hkv, _ = kv_pool.shape
+    group = hq // hkv
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    block_t = block_t or (64 if q.is_cuda else 16)
+    max_tokens = page_table.shape[1] * page
+    if sliding_window is not None:
+        max_tokens = min(max_tokens, sliding_window)
+    if splits is None:
+        splits = _num_splits(b * hkv, triton.cdiv(max_tokens, block_t), q.device)
+    if splits > 1:
+        part_o = torch.empty(b * hq * splits * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b * hq * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused
+    kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D] view: the pointer carries the offset
+    sp, skv, ss, sh, _ = kv_layer.stride()
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
+        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
+        sp, skv, ss, sh,
+        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(b * hq,)](
+            part_o, part_ml, out, splits, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+        )
+    return out
+
+
+def write_kv(
+    kv_pool: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_pages: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """Scatter new tokens' keys and values into their pages, in place.
+
+    k, v ``[T, Hkv, D]``; token t goes to ``kv_pool[slot_pages[t], layer, 0 / 1,
+    slot_offsets[t]]``. slot_pages / slot_offsets ``[T]`` integer tensors on the pool's
+    device. Two index_put ops; no host sync, so it can be captured in a CUDA graph.
+    """
+    _check_pool(kv_pool, layer)
+    shape = (kv_pool.shape[4], kv_pool.shape[5])
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != shape:
+            raise ValueError(f"{name} must be [tokens, {shape[0]}, {shape[1]}]; got {getattr(t, 'shape', type(t))}")
+        if t.device != kv_pool.device:
+            raise ValueError(f"{name} is on {t.device} but kv_pool is on {kv_pool.device}")
+    n = k.shape[0]
+    for name, t in (("slot_pages", slot_pages), ("slot_offsets", slot_offsets)):
+        if (
+            not isinstance(t, torch.Tensor) or t.shape != (n,) or t.dtype not in (torch.int32, torch.int64)
+            or t.device != kv_pool.device
+        ):
+            raise ValueError(f"{name} must be a [{n}] int32/int64 tensor on {kv_pool.device}; got {getattr(t, 'shape', t)}")
+    if v.shape[0] != n:
+        raise ValueError(f"k has {n} tokens but v has {v.shape[0]}")
+    pages, offsets = slot_pages.long(), slot_offsets.long()
+    kv_pool[:, layer, 0][pages, offsets] = k.to(kv_pool.dtype)
+    kv_pool[:, layer, 1][pages, offsets] = v.to(kv_pool.dtype)

@@ -1,0 +1,60 @@
+"""EngineConfig: pool size, batching limits and kernel backend of the generation engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..specs import ConfigError
+
+BACKENDS = ("auto", "torch", "triton")
+CUDA_GRAPHS = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Knobs of ``Engine``; the defaults suit one GPU.
+
+    Pool size: ``num_pages`` if given; else on CUDA ``gpu_memory_fraction`` of the memory free
+    after loading the base, minus an estimate of one step's activations; else (CPU)
+    ``cpu_pool_mib``. A page holds ``page_size`` tokens of KV for every layer, or a piece of
+    an adapter.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_fraction: float = 0.9
+    cpu_pool_mib: int = 256
+    max_num_seqs: int = 256  # running requests at most
+    max_num_batched_tokens: int = 8192  # prefill + decode tokens per step (one longer prompt may run alone)
+    max_model_len: int | None = None  # prompt + generated; default the model's max positions
+    backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
+    decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
+    cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
+    prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
+    kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
+    seed: int = 0  # seeds the per-request generators of requests that give no seed
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "cpu_pool_mib", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"EngineConfig.num_pages={self.num_pages} must be >= 1 (or None to size it)")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"EngineConfig.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1]")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"EngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs} (every running request decodes one token per step)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"EngineConfig.max_model_len={self.max_model_len} must be >= 2")
+        for name in ("backend", "decode_backend"):
+            value = getattr(self, name)
+            if value not in BACKENDS and not (name == "decode_backend" and value is None):
+                raise ConfigError(f"EngineConfig.{name}={value!r}; allowed: {BACKENDS}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}; allowed: {CUDA_GRAPHS}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ConfigError(f"EngineConfig.kv_watermark={self.kv_watermark} must be in [0, 1)")

@@ -1,0 +1,184 @@
+"""Decode steps as CUDA graphs: the decode rows' persistent input buffers, padded to batch-size
+buckets, and one captured graph per (bucket, with or without LoRA)."""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..specs import ALL_TARGET_MODULES
+from .request import RequestState
+
+
+def graph_buckets(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes a decode step is padded to: the powers of two below ``max_rows``, then
+    ``max_rows`` (1, 2, 4, ..., 128, 256 for 256)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} must be >= 1")
+    sizes = []
+    b = 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_rows)
+
+
+def bucket_for(rows: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket holding ``rows`` rows."""
+    i = bisect.bisect_left(buckets, rows)
+    if i == len(buckets):
+        raise ValueError(f"{rows} decode rows exceed the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class DecodeInputs:
+    """The decode rows' inputs of a step, in device buffers that live as long as the engine (a
+    captured graph reads them at fixed addresses). Sized for ``max_rows``; a step of B decode
+    rows fills rows ``[:B]``; padded to a bucket, rows ``[B:bucket)`` are inert: token 0 at
+    position 0, whose key and value go to the pool's scratch page, LoRA rank 0.
+
+    - ``step [3, max_rows]`` int64: each row's token, its position, and the page its KV slot
+      is in (rewritten every step; the slot's offset and the row's length follow from the
+      position);
+    - ``page_table [max_rows, max_pages]`` int32, ``lora_offsets [L, modules, 2, max_rows]``
+      int64 (element offsets of A and B^T in the pool), ``lora_ranks [modules, max_rows]``
+      int32 (0 = no LoRA), ``lora_scales [max_rows]`` fp32: rebuilt when the decode rows change
+      (a request joins, leaves or is preempted, or KV pages were moved); between rebuilds only
+      the page-table entries of rows that gained a page are written.
+    """
+
+    def __init__(self, *, max_rows: int, max_pages: int, num_layers: int, page_size: int, scratch_page: int,
+                 device: torch.device) -> None:
+        self.max_rows, self.page_size, self.scratch_page = max_rows, page_size, scratch_page
+        self.device = device
+        n_mod = len(ALL_TARGET_MODULES)
+        self.step = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
+        self.step[2] = scratch_page
+        self.page_table = torch.full((max_rows, max_pages), scratch_page, dtype=torch.int32, device=device)
+        self.lora_offsets = torch.zeros(num_layers, n_mod, 2, max_rows, dtype=torch.int64, device=device)
+        self.lora_ranks = torch.zeros(n_mod, max_rows, dtype=torch.int32, device=device)
+        self.lora_scales = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.modules: frozenset[str] = frozenset()  # modules some current row adapts
+        self._rows: list[RequestState] = []  # the requests the tables hold, in row order
+        self._pages_written: list[int] = []
+        self._pages_moved = -1
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self.modules)
+
+    def load_step(self, decode: Sequence[RequestState], rows: int) -> None:
+        """Write ``step[:, :rows]``: the decode rows' newest tokens, then ``rows - len(decode)``
+        padding rows."""
+        s = self.page_size
+        tokens, positions, pages = [], [], []
+        for st in decode:
+            p = st.num_tokens - 1
+            tokens.append(st.last_token)
+            positions.append(p)
+            pages.append(st.pages[p // s])
+        pad = rows - len(decode)
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, pages + [self.scratch_page] * pad],
+                            dtype=torch.int64)
+        self.step[:, :rows].copy_(host, non_blocking=True)
+
+    def load_tables(self, decode: Sequence[RequestState], pages_moved: int) -> bool:
+        """Bring the page table and LoRA tables up to date for ``decode`` (in row order);
+        ``pages_moved``: the pool's counter of moved KV pages. True if rebuilt from scratch."""
+        same = (pages_moved == self._pages_moved and len(decode) == len(self._rows)
+                and all(map(operator.is_, decode, self._rows)))
+        if not same:
+            self._rebuild(decode)
+            self._pages_moved = pages_moved
+            return True
+        rows, cols, pages = [], [], []
+        for i, st in enumerate(decode):
+            done = self._pages_written[i]
+            if len(st.pages) != done:
+                new = st.pages[done:]
+                rows += [i] * len(new)
+                cols += range(done, done + len(new))
+                pages += new
+                self._pages_written[i] = len(st.pages)
+        if pages:
+            idx = torch.tensor([rows, cols, pages], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.page_table.index_put_((idx[0], idx[1]), idx[2].to(torch.int32))
+        return False
+
+    def _rebuild(self, decode: Sequence[RequestState]) -> None:
+        b = len(decode)
+        self._rows = list(decode)
+        self._pages_written = [len(st.pages) for st in decode]
+        if b:
+            width = max(self._pages_written)
+            table = np.full((b, width), self.scratch_page, dtype=np.int32)
+            for i, st in enumerate(decode):
+                table[i, :len(st.pages)] = st.pages
+            self.page_table[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
+        # distinct adapters of the rows (index 0 = no adapter), then one gather per table
+        slot: dict[int, int] = {}
+        residents = []
+        index = []
+        for st in decode:
+            r = st.resident
+            if r is None:
+                index.append(0)
+                continue
+            if id(r) not in slot:
+                slot[id(r)] = len(residents) + 1
+                residents.append(r)
+            index.append(slot[id(r)])
+        n_layers, n_mod = self.lora_offsets.shape[:2]
+        offsets = torch.zeros(len(residents) + 1, n_layers, n_mod, 2, dtype=torch.int64)
+        ranks = torch.zeros(len(residents) + 1, n_mod, dtype=torch.int32)
+        scales = torch.zeros(len(residents) + 1, dtype=torch.float32)
+        for j, r in enumerate(residents, start=1):
+            offsets[j] = r.adapter.relative_offsets + r.offset
+            ranks[j] = r.adapter.module_ranks
+            scales[j] = r.adapter.scale
+        idx = torch.tensor(index, dtype=torch.int64)
+        if b:
+            self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)
+            self.lora_ranks[:, :b].copy_(ranks[idx].t(), non_blocking=True)
+            self.lora_scales[:b].copy_(scales[idx], non_blocking=True)
+        # rows past the real ones are inert in any bucket: the scratch page, rank 0
+        self.page_table[b:, 0] = self.scratch_page
+        self.lora_ranks[:, b:] = 0
+        self.lora_scales[b:] = 0.0
+        self.modules = frozenset(m for r in residents for m in r.adapter.target_modules)
+
+
+class DecodeGraphs:
+    """One CUDA graph per (bucket, lora) of ``run(rows, lora)``, a decode forward over the
+    first ``rows`` rows of the static inputs that writes its logits into a static buffer.
+    Captured largest bucket first into one shared memory pool (a smaller graph reuses the
+    larger ones' intermediates; graphs never run concurrently)."""
+
+    def __init__(self, buckets: Sequence[int], run: Callable[[int, bool], None]) -> None:
+        self.buckets = tuple(buckets)
+        self._run = run
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+
+    def capture(self) -> float:
+        """Capture every (bucket, lora) pair; returns the seconds it took."""
+        t0 = time.perf_counter()
+        pool = None
+        for lora in (True, False):
+            for rows in sorted(self.buckets, reverse=True):
+                self._run(rows, lora)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run(rows, lora)
+                pool = graph.pool() if pool is None else pool
+                self._graphs[(rows, lora)] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def replay(self, rows: int, lora: bool) -> None:
+        self._graphs[(rows, lora)].replay()

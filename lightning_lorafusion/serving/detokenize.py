@@ -1,0 +1,84 @@
+"""Incremental detokenization: text deltas as tokens arrive, stop strings, held-back tails."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Tokens of the prompt decoded ahead of the output, so that the first output token's leading
+# space (SentencePiece / byte-level BPE) comes out as it would mid-sentence.
+PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one delta per call.
+
+    A delta is only released when it does not end in an incomplete UTF-8 character (``\\ufffd``);
+    with stop strings, the last ``len(longest stop) - 1`` characters are held back until the
+    request finishes, so no streamed text is ever retracted. Text found at or after a stop
+    string is cut (the stop string itself is not returned).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._prefix, self._read = 0, len(self._ids)
+        self.text = ""  # output text so far (after any stop cut)
+        self._sent = 0  # characters of `text` already returned
+        self.stopped = False
+
+    def add_token(self, token_id: int) -> None:
+        """Append one generated token's text; sets ``stopped`` when a stop string appears."""
+        add_tokens([(self, token_id)])
+
+    def _pending(self, token_id: int) -> tuple[list[int], list[int]] | None:
+        """Append the token; -> the two id runs whose texts ``_apply`` needs (None if stopped)."""
+        if self.stopped:
+            return None
+        self._ids.append(int(token_id))
+        return self._ids[self._prefix:self._read], self._ids[self._prefix:]
+
+    def _apply(self, prefix_text: str, new_text: str) -> None:
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return  # wait for the rest of a multi-byte character
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        searched_from = max(0, len(self.text) - self._hold)
+        self.text += delta
+        cut = min((i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.stopped = True
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text not yet returned; keeps back a possible stop-string prefix unless ``final``."""
+        end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self._hold)
+        delta = self.text[self._sent:end]
+        self._sent = end
+        return delta
+
+
+def add_tokens(items: Sequence[tuple[IncrementalDetokenizer, int]]) -> None:
+    """``add_token`` for many detokenizers (of one tokenizer) at once: the texts all of them
+    need are decoded in one batched call (a step's rows, instead of two calls per row)."""
+    work = [(d, ids) for d, token in items if (ids := d._pending(token)) is not None]
+    if not work:
+        return
+    texts = decode_many(work[0][0].tokenizer, [run for _, pair in work for run in pair])
+    for i, (d, _) in enumerate(work):
+        d._apply(texts[2 * i], texts[2 * i + 1])
+
+
+def decode_many(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` of each of ``seqs``. A fast
+    tokenizer that decodes as transformers' base class does (no subclass override, no clean-up
+    pass) goes through its Rust backend's ``decode_batch`` in one call: the same strings."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
+            and getattr(cls, "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", None)
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
+        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]

@@ -1,0 +1,505 @@
+"""The generation engine: requests in, tokens out; each step runs scheduler -> runner -> sampler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+
+import torch
+
+from ..model.decoder import DecoderConfig
+from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
+from ..specs import ConfigError
+from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
+from .config import EngineConfig
+from .detokenize import IncrementalDetokenizer, add_tokens
+from .pool import UnifiedPool
+from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
+from .runner import ModelRunner
+from .sampling import sample_tokens, token_logprobs
+from .scheduler import Scheduler
+
+log = logging.getLogger("lightning_lorafusion.serving")
+
+# Rows of prompt logits materialised at once when scoring prompts ([rows, vocab] fp32).
+PROMPT_LOGPROB_CHUNK = 512
+# Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
+CUDA_HEADROOM_BYTES = 512 * 2**20
+
+
+class Engine:
+    """Many LoRA adapters of one base model served in shared batches (S-LoRA style).
+
+    ``generate`` drives the loop itself and blocks; ``stream`` (async) and the server use a
+    background thread that steps while there is work. ``submit`` + ``step`` is the loop's
+    synchronous interface. The pool, scheduler and runner are touched by the stepping thread
+    only; ``submit``, ``abort`` and the adapter registry take a lock.
+    """
+
+    def __init__(self, model_config: DecoderConfig, params: Mapping[str, Any], tokenizer: Any,
+                 config: EngineConfig | None = None, *, eos_token_ids: Iterable[int] | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = model_config
+        self.device = torch.device(device) if device is not None else params["embed"].device
+        self.dtype = dtype or params["embed"].dtype
+        self.params = params_to(params, device=self.device, dtype=self.dtype)
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = () if eos is None else (eos,)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.pool = UnifiedPool(num_pages=self._pool_pages(), page_size=config.page_size,
+                                num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                                head_dim=model_config.head_dim, dtype=self.dtype, device=self.device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   prefetch_depth=config.prefetch_depth,
+                                   watermark_pages=int(config.kv_watermark * self.pool.num_pages))
+        self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
+                                  decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
+                                  max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
+                                                        self.pool.num_pages))
+        if self._use_cuda_graphs():
+            seconds = self.runner.capture_decode_graphs()
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
+        self._adapters: dict[str, HostAdapter] = {}
+        self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
+        self._states: dict[str, RequestState] = {}  # every unfinished request
+        self._incoming: deque[RequestState] = deque()
+        self._aborts: deque[str] = deque()
+        self._keep_results: dict[str, GenerationResult | None] = {}
+        self._lock = threading.Lock()  # registry, incoming, aborts
+        self._step_lock = threading.Lock()  # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
+                          "steps_total": 0}
+
+    def _use_cuda_graphs(self) -> bool:
+        mode = self.config.cuda_graphs
+        able = self.device.type == "cuda" and self.runner.kernel_backend == "triton"
+        if mode == "on" and not able:
+            raise ConfigError(f"EngineConfig.cuda_graphs='on' needs a CUDA device and the Triton decode kernels; "
+                              f"this engine runs on {self.device} with decode backend "
+                              f"{self.runner.kernel_backend!r} (use 'auto' or 'off')")
+        return mode == "on" or (mode == "auto" and able)
+
+    @classmethod
+    def from_pretrained(cls, base_model: str, adapters: Mapping[str, str] | None = None,
+                        config: EngineConfig | None = None, *, device: torch.device | str | None = None,
+                        dtype: torch.dtype | None = None) -> "Engine":
+        """``base_model``: a local HF directory or a built-in name (as in ``fit``); ``adapters``:
+        name -> PEFT adapter directory. Default device: CUDA if available; default dtype: bf16
+        on CUDA, fp32 on CPU."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model_config, params, tokenizer = load_base_model(base_model, dtype=dtype)
+        engine = cls(model_config, params, tokenizer, config, device=device, dtype=dtype,
+                     eos_token_ids=_generation_eos(resolve_model_dir(base_model), tokenizer))
+        for name, path in (adapters or {}).items():
+            engine.add_adapter(name, path)
+        return engine
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load a PEFT LoRA directory into host memory (pinned on CUDA); it is paged into the GPU
+        pool when a request needs it."""
+        with self._lock:
+            if name in self._adapters:
+                raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
+        adapter = load_peft_adapter(name, path, self.model_config, dtype=self.dtype,
+                                    pin=self.device.type == "cuda")
+        return self._register(adapter)
+
+    def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                            *, rank: int, alpha: float) -> AdapterInfo:
+        """Register an adapter from tensors: ``factors[(layer, module)] = (lora_A [r, in],
+        lora_B [out, r])`` for every layer of each targeted module (e.g. from a training
+        checkpoint's adapter bank); copied to host memory like ``add_adapter``."""
+        with self._lock:
+            if name in self._adapters:
+                raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
+        on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
+        adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
+                                            dtype=self.dtype, pin=self.device.type == "cuda")
+        return self._register(adapter)
+
+    def _register(self, adapter: HostAdapter) -> AdapterInfo:
+        if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
+            raise ConfigError(f"adapter {adapter.name!r} needs {self.pool.pages_for_adapter(adapter)} pages but "
+                              f"the pool has {self.pool.num_pages}; give the engine a larger pool")
+        with self._lock:
+            if adapter.name in self._adapters:
+                raise ConfigError(f"adapter {adapter.name!r} is already loaded")
+            self._adapters[adapter.name] = adapter
+        return adapter.info(resident=False)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unlist ``name`` now (new requests naming it fail); requests already submitted with it
+        finish normally, and its pool pages are freed once none of them is left."""
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                raise UnknownAdapterError(name, list(self._adapters))
+            self._retired.append(adapter)
+            self._wake.notify_all()
+
+    def adapters(self) -> list[AdapterInfo]:
+        with self._lock:
+            listed = list(self._adapters.values())
+        return [a.info(resident=self.pool.resident(a) is not None) for a in listed]
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerationRequest,
+               on_event: Callable[[TokenEvent], None] | None = None) -> str:
+        """Queue a request; returns its id. Bad requests raise here and touch nothing else."""
+        with self._lock:
+            state = self._new_state(request, on_event)
+            self._states[request.request_id] = state
+            self._incoming.append(state)
+            self._counters["requests_total"] += 1
+            self._wake.notify_all()
+        return request.request_id
+
+    def _new_state(self, request: GenerationRequest, on_event) -> RequestState:
+        """Validate and build (caller holds ``_lock``)."""
+        rid = request.request_id
+        if rid in self._states:
+            raise ConfigError(f"request id {rid!r} is already in use by an unfinished request")
+        adapter = None
+        if request.adapter is not None:
+            adapter = self._adapters.get(request.adapter)
+            if adapter is None:
+                raise UnknownAdapterError(request.adapter, list(self._adapters))
+        prompt = request.prompt_token_ids
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ConfigError(f"request {rid!r}: prompt token ids must be in [0, {vocab}); got "
+                              f"min {min(prompt)}, max {max(prompt)}")
+        if len(prompt) >= self.max_model_len:
+            raise ConfigError(f"request {rid!r}: the prompt has {len(prompt)} tokens; the model's context "
+                              f"is {self.max_model_len} (prompt + generated tokens)")
+        sp = request.sampling
+        longest = min(len(prompt) + sp.max_new_tokens, self.max_model_len)
+        pages = self.pool.pages_for_tokens(longest) + (self.pool.pages_for_adapter(adapter) if adapter else 0)
+        if pages > self.pool.num_pages:
+            raise ConfigError(f"request {rid!r} can never fit the pool: {len(prompt)} prompt + up to "
+                              f"{sp.max_new_tokens} new tokens (and its adapter) need {pages} pages of "
+                              f"{self.pool.num_pages}; lower max_new_tokens or enlarge the pool")
+        generator = None
+        if not sp.greedy:
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return RequestState(
+            request=request, adapter=adapter, generator=generator, on_event=on_event,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, sp.stop),
+            eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
+            max_total_len=self.max_model_len)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it ends with an event whose finish_reason is "abort" (no-op if done)."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wake.notify_all()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion (batched with each other and with anything else in
+        flight); results in the order given. All are validated before any is queued."""
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ConfigError("generate: request ids must be unique")
+        with self._lock:
+            for r in requests:
+                self._new_state(r, None)
+        done = threading.Event()
+        pending = {r.request_id for r in requests}
+
+        def on_event(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                pending.discard(event.request_id)
+                if not pending:
+                    done.set()
+
+        for r in requests:
+            self._keep_results[r.request_id] = None
+            self.submit(r, on_event)
+        if self._thread is not None and self._thread.is_alive():
+            done.wait()
+        else:
+            while pending:
+                self.step()
+        return [self._keep_results.pop(r.request_id) for r in requests]
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Yield the request's events as the background loop produces them (one per token, the
+        last with ``finish_reason``). Closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        rid = self.submit(request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        self.start()
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    # ------------------------------------------------------------------ background loop
+
+    def start(self) -> None:
+        """Start the background loop thread (idempotent); ``stream`` calls it."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="lorafusion-engine", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background loop (unfinished requests stay queued)."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self._retired or self.scheduler.has_work())
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                if not self.step() and not self.scheduler.running:
+                    time.sleep(0.001)  # nothing could run (e.g. waiting for a removal): do not spin
+            except Exception:  # a bug must not leave callers waiting forever
+                log.exception("engine step failed; aborting every unfinished request")
+                with self._step_lock:
+                    for state in list(self._states.values()):
+                        self._finish(state, "abort", [])
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[TokenEvent]:
+        """One iteration: admit, run one forward over prefill + decode rows, sample, emit."""
+        with self._step_lock:
+            events: list[TokenEvent] = []
+            self._take_incoming(events)
+            self._retire_adapters()
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return events
+            now = time.perf_counter()
+            for state in plan.prefill:
+                if state.first_scheduled is None:
+                    state.first_scheduled = now
+                    self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
+            with torch.no_grad():
+                self._run(plan, events)
+            self._counters["steps_total"] += 1
+            return events
+
+    def _run(self, plan, events: list[TokenEvent]) -> None:
+        seqs = plan.prefill + plan.decode
+        if plan.prefill:
+            batch = self.runner.prepare(plan.prefill, plan.decode)
+            hidden = self.runner.forward(batch)
+            last_rows = torch.tensor([end - 1 for _, end in batch.spans], device=self.device)
+            logits = self.runner.logits(hidden.index_select(0, last_rows))
+            for state, (start, end) in zip(seqs, batch.spans):
+                if state.status is Status.RUNNING and state.wants_prompt_logprobs:
+                    self._prompt_logprobs(state, hidden[start:end])
+        else:  # decode only: a CUDA graph replay where captured
+            logits = self.runner.decode_logits(plan.decode)
+        tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        top_n = max((s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None), default=None)
+        chosen = top_vals = top_ids = None
+        if top_n is not None:
+            chosen, top_vals, top_ids = token_logprobs(logits, tokens, top_n)
+            chosen = chosen.tolist()
+            if top_vals is not None:
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for state in plan.prefill:
+            state.num_cached = state.num_tokens
+        for state in plan.decode:
+            state.num_cached += 1
+        tokens = tokens.tolist()
+        # every row's text at once (one batched decode), except rows that stop on this token
+        add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
+                    and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
+        for i, (state, token) in enumerate(zip(seqs, tokens)):
+            if state.sampling.max_new_tokens == 0:  # scoring the prompt only
+                self._finish(state, "length", events)
+                continue
+            lp = top = None
+            want = state.sampling.logprobs
+            if want is not None:
+                lp = chosen[i]
+                top = {} if not want else dict(zip(top_ids[i][:want], top_vals[i][:want]))
+            self._append_token(state, token, lp, top, events)
+
+    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor) -> None:
+        """Each prompt token's logprob given the tokens before it (None for the first), and with
+        ``prompt_logprobs=k > 0`` the k most likely tokens at each position."""
+        prompt = state.request.prompt_token_ids
+        n, k = len(prompt), state.sampling.prompt_logprobs
+        chosen: list[float | None] = [None]
+        tops: list[dict[int, float] | None] = [None]
+        targets = torch.tensor(prompt[1:], device=self.device)
+        for c in range(0, n - 1, PROMPT_LOGPROB_CHUNK):
+            lp = torch.log_softmax(self.runner.logits(hidden[c:min(c + PROMPT_LOGPROB_CHUNK, n - 1)]), dim=-1)
+            chosen += lp.gather(1, targets[c:c + lp.shape[0], None]).squeeze(1).tolist()
+            if k:
+                values, ids = lp.topk(k, dim=-1)
+                tops += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            else:
+                tops += [{} for _ in range(lp.shape[0])]
+        state.prompt_logprobs, state.prompt_top_logprobs = chosen, tops
+
+    def _append_token(self, state: RequestState, token: int, logprob: float | None,
+                      top: dict[int, float] | None, events: list[TokenEvent]) -> None:
+        """Record a sampled token (its text already given to the detokenizer unless it is a
+        stop token) and emit its event, finishing the request if it stops here."""
+        now = time.perf_counter()
+        state.first_token = state.first_token or now
+        state.output_ids.append(token)
+        self._counters["generated_tokens_total"] += 1
+        if state.logprobs is not None:
+            state.logprobs.append(logprob)
+            state.top_logprobs.append(top)
+        sp = state.sampling
+        reason = None
+        if token in state.eos_token_ids or token in sp.stop_token_ids:
+            reason = "stop"
+        else:
+            if state.detokenizer.stopped:
+                reason = "stop"
+            elif len(state.output_ids) >= sp.max_new_tokens or state.num_tokens >= state.max_total_len:
+                reason = "length"
+        if reason is None:
+            event = TokenEvent(state.request_id, token, state.detokenizer.take_delta(), logprob, top, None)
+            events.append(event)
+            if state.on_event is not None:
+                state.on_event(event)
+        else:
+            self._finish(state, reason, events, token=token, logprob=logprob, top=top)
+
+    def _finish(self, state: RequestState, reason: str, events: list[TokenEvent], *, token: int | None = None,
+                logprob: float | None = None, top: dict[int, float] | None = None) -> None:
+        if state.status is Status.FINISHED:
+            return
+        self.scheduler.finish(state)
+        state.finish_reason = reason
+        state.finished = time.perf_counter()
+        with self._lock:
+            self._states.pop(state.request_id, None)
+            if state.request_id in self._keep_results:
+                self._keep_results[state.request_id] = state.result()
+        event = TokenEvent(state.request_id, token, state.detokenizer.take_delta(final=True), logprob, top,
+                           reason)
+        events.append(event)
+        if state.on_event is not None:
+            state.on_event(event)
+
+    def _take_incoming(self, events: list[TokenEvent]) -> None:
+        with self._lock:
+            incoming, aborts = list(self._incoming), list(self._aborts)
+            self._incoming.clear()
+            self._aborts.clear()
+        for state in incoming:
+            self.scheduler.add(state)
+        for rid in aborts:
+            state = self._states.get(rid)
+            if state is not None:
+                self._finish(state, "abort", events)
+
+    def _retire_adapters(self) -> None:
+        """Free the pages of removed adapters that no unfinished request uses any more."""
+        if not self._retired:
+            return
+        with self._lock:
+            in_use = {s.adapter.key for s in self._states.values() if s.adapter is not None}
+            done = [a for a in self._retired if a.key not in in_use]
+            self._retired = [a for a in self._retired if a.key in in_use]
+        for adapter in done:
+            if self.pool.resident(adapter) is not None:
+                self.pool.evict(adapter)
+
+    # ------------------------------------------------------------------ sizes and stats
+
+    def _pool_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        page_bytes = mc.num_layers * 2 * cfg.page_size * mc.kv_size * elt
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if self.device.type != "cuda":
+            return max(1, cfg.cpu_pool_mib * 2**20 // page_bytes)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * elt * 2
+        reserve = (cfg.max_num_batched_tokens * per_token + CUDA_HEADROOM_BYTES
+                   + (cfg.max_num_seqs + PROMPT_LOGPROB_CHUNK) * mc.vocab_size * 4 * 3)
+        pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
+        if pages < 1:
+            raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "
+                              f"{reserve / 2**30:.1f} GiB kept for activations); lower "
+                              "max_num_batched_tokens or free memory")
+        return pages
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.pool
+        with self._lock:
+            waiting = len(self._incoming) + len(self.scheduler.waiting)
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": waiting,
+            **self._counters,
+            "adapters_loaded": len(self._adapters),
+            "adapters_resident": len(pool.resident_adapters()),
+            "adapter_page_ins_total": pool.page_ins,
+            "adapter_evictions_total": pool.evictions,
+            "adapter_pages_used": pool.adapter_pages_used,
+            "kv_pages_used": pool.kv_pages_used,
+            "kv_pages_total": pool.num_pages,
+            "pages_free": pool.num_free,
+            "kv_pages_moved_total": pool.pages_moved,
+            "preemptions_total": self.scheduler.num_preemptions,
+        }
+
+
+def _generation_eos(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids of the model: generation_config.json's (may be a list) plus the tokenizer's."""
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,495 @@
+"""OpenAI API <-> engine translation: request models, prompts, sampling parameters, response and
+stream-chunk JSON. Pure functions over dicts and engine types: no HTTP, no engine loop."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# OpenAI's own bound for top-k logprobs in chat (completions allow 5; vLLM 20): one bound for both
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's JSON shape with an HTTP status."""
+
+    _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API answers errors."""
+    kind = APIError._TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------------------------------------
+# request models
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions. Unknown fields are ignored (clients send
+    ``user`` and the like); known OpenAI features this server does not implement are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # vLLM's extension; 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported by this server (use 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a list
+    of token-id lists (what lm-eval-harness sends); each prompt yields ``n`` choices."""
+
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def is_ids(x):
+            return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in x)
+
+        if isinstance(v, str):
+            return [v]
+        if is_ids(v):
+            return [v]
+        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(is_ids(x) for x in v)):
+            return v
+        raise ValueError("prompt must be a string, a list of strings, a non-empty list of token ids "
+                         "or a list of non-empty token-id lists")
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported by this server (leave it unset or equal to n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions; the prompt is the tokenizer's chat template over ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools are not supported by this server")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        for m in self.messages:
+            m.text()  # refuses non-text content parts here, as a 400
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(cls: type[BaseModel], body: Any):
+    """Validate a decoded JSON body into ``cls``; a mistake becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(x) for x in err["loc"]]
+        param = loc[0] if loc else None
+        msg = err["msg"].removeprefix("Value error, ")
+        where = ".".join(loc)
+        raise APIError(400, f"{where}: {msg}" if where else msg, param=param) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine sees it (token ids) and as echo returns it (text)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, *, vocab_size: int) -> list[Prompt]:
+    """Tokenize (strings, with the tokenizer's special tokens as HF does by default) or check
+    (token ids must be in ``[0, vocab_size)``) every prompt of a completions request."""
+    prompts = []
+    for p in req.prompt:
+        if isinstance(p, str):
+            ids = tuple(tokenizer(p)["input_ids"])
+            if not ids:
+                raise APIError(400, "prompt: an empty prompt has no token to condition on", param="prompt")
+            prompts.append(Prompt(ids, p))
+        else:
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                               param="prompt")
+            prompts.append(Prompt(tuple(p), tokenizer.decode(p)))
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> Prompt:
+    """The base tokenizer's own chat template over the messages, with the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions",
+                       param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as e:  # jinja raises on roles or orders a template refuses
+        raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+    ids = out["input_ids"] if not isinstance(out, list) else out
+    return Prompt(tuple(int(t) for t in ids), tokenizer.decode(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def sampling_kwargs(req: _SamplingFields, *, max_new_tokens: int, choice: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of the engine's ``SamplingParams`` for choice ``choice`` of ``n``: with a
+    ``seed``, choice i samples with ``seed + i`` (reproducible and distinct); without, independently.
+    ``prompt_logprobs``: top-k of every prompt position (for echo); with it ``max_new_tokens``
+    may be 0 (score the prompt only)."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": None if req.seed is None else req.seed + choice,
+        "stop": req.stop_sequences(),
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+    }
+
+
+def resolve_max_tokens(requested: int | None, *, prompt_len: int, max_model_len: int, default: int | None,
+                       limit: int) -> int:
+    """How many tokens to generate: the request's, else ``default`` (None: what fits in the
+    context); refused with a 400 when the prompt plus it exceed the context or ``limit``."""
+    room = max_model_len - prompt_len
+    if room < 0 or (room == 0 and requested != 0):
+        raise APIError(400, f"prompt is {prompt_len} tokens; this model's context is {max_model_len} tokens",
+                       param="prompt", code="context_length_exceeded")
+    if requested is None:
+        return min(room, limit, default if default is not None else room)
+    if requested > limit:
+        raise APIError(400, f"max_tokens: {requested} is above this server's limit of {limit}", param="max_tokens")
+    if requested > room:
+        raise APIError(400, f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({requested}) exceed "
+                            f"this model's context of {max_model_len} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+# ---------------------------------------------------------------------------------------------
+# what one choice generated
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's output, accumulated from the engine's token events (or a finished result):
+    token ids, detokenized text, per-token logprobs / top-k and the prompt's logprobs for echo."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+
+    def add(self, event: Any) -> None:
+        """Fold in one ``TokenEvent``."""
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
+            if event.top_logprobs is not None:
+                self.top_logprobs.append(dict(event.top_logprobs))
+        self.text += event.text
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+
+    @classmethod
+    def from_result(cls, result: Any) -> "ChoiceOutput":
+        """From a finished ``GenerationResult``."""
+        return cls(token_ids=list(result.token_ids), text=result.text, finish_reason=result.finish_reason,
+                   logprobs=list(result.logprobs or ()), top_logprobs=[dict(d) for d in result.top_logprobs or ()],
+                   prompt_logprobs=None if result.prompt_logprobs is None else list(result.prompt_logprobs),
+                   prompt_top_logprobs=None if result.prompt_top_logprobs is None
+                   else list(result.prompt_top_logprobs))
+
+
+# ---------------------------------------------------------------------------------------------
+# responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[float | None],
+                        top_logprobs: Sequence[dict[int, float] | None] | None, *, text_offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (token text -> logprob; None where unknown, e.g. the first prompt token) and ``text_offset``
+    (each token's character offset in the returned text, from the tokens' own texts)."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    pos = text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    tops = None if top_logprobs is None else [
+        None if d is None else {token_text(tokenizer, k): v for k, v in d.items()} for d in top_logprobs
+    ]
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, prompt: Prompt | None,
+                      logprobs: int | None) -> dict:
+    """One ``choices[i]`` of a (non-streamed) completion; ``prompt`` given = echo."""
+    text = (prompt.text if prompt is not None else "") + out.text
+    lp = None
+    if logprobs is not None:
+        ids: list[int] = []
+        lps: list[float | None] = []
+        tops: list[dict[int, float] | None] = []
+        if prompt is not None:
+            ids += prompt.token_ids
+            lps += out.prompt_logprobs if out.prompt_logprobs is not None else [None] * len(prompt.token_ids)
+            tops += out.prompt_top_logprobs or [None] * len(prompt.token_ids)
+        ids += out.token_ids
+        lps += out.logprobs
+        tops += out.top_logprobs if out.top_logprobs else [None] * len(out.token_ids)
+        lp = completion_logprobs(tokenizer, ids, lps, tops if logprobs > 0 else None)
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+
+
+def completion_response(*, request_id: str, model: str, created: int, choices: list[dict],
+                        prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[float],
+                  top_logprobs: Sequence[dict[int, float]] | None) -> dict:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    def entry(tid: int, value: float) -> dict:
+        text = token_text(tokenizer, tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for i, (tid, value) in enumerate(zip(token_ids, logprobs)):
+        e = entry(tid, value)
+        top = top_logprobs[i] if top_logprobs else {}
+        e["top_logprobs"] = [entry(k, v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])]
+        content.append(e)
+    return {"content": content}
+
+
+def chat_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, logprobs: bool) -> dict:
+    lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if logprobs else None
+    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+            "finish_reason": out.finish_reason}
+
+
+def chat_response(*, request_id: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming (server-sent events in OpenAI's chunk format)
+
+
+def sse(data: dict) -> bytes:
+    """One server-sent event carrying a JSON chunk."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(*, request_id: str, model: str, created: int, object_name: str, choice: dict,
+           with_usage_field: bool) -> dict:
+    chunk = {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
+    if with_usage_field:  # with include_usage, every chunk but the last carries "usage": null
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_chunk(*, request_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None, logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(request_id=request_id, model=model, created=created, object_name="text_completion", choice=choice,
+                  with_usage_field=with_usage_field)
+
+
+def chat_chunk(*, request_id: str, model: str, created: int, index: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(request_id=request_id, model=model, created=created, object_name="chat.completion.chunk",
+                  choice=choice, with_usage_field=with_usage_field)
+
+
+def usage_chunk(*, request_id: str, model: str, created: int, object_name: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The extra last chunk of ``stream_options.include_usage``: no choices, the whole usage."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def stream_event_logprobs(tokenizer: Any, event: Any, *, chat: bool, top: int | None,
+                          text_offset: int = 0) -> dict | None:
+    """The ``logprobs`` of one streamed token event (None when the event carries no token)."""
+    if event.token_id is None or event.logprob is None:
+        return None
+    tops = [dict(event.top_logprobs or {})] if top else None
+    if chat:
+        return chat_logprobs(tokenizer, [event.token_id], [event.logprob], tops)
+    return completion_logprobs(tokenizer, [event.token_id], [event.logprob], tops, text_offset=text_offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# models list
+
+
+def model_card(name: str, *, created: int, root: str | None = None, parent: str | None = None,
+               rank: int | None = None, alpha: float | None = None, target_modules: Sequence[str] | None = None,
+               ) -> dict:
+    """One ``/v1/models`` entry; adapters carry ``parent`` (the base) and their LoRA shape."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "lightning-lorafusion",
+                            "root": root, "parent": parent}
+    if rank is not None:
+        card["lora"] = {"rank": rank, "alpha": alpha, "target_modules": list(target_modules or ())}
+    return card
+
+
+def models_list(cards: list[dict]) -> dict:
+    return {"object": "list", "data": cards}
+

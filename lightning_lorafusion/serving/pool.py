@@ -1,0 +1,248 @@
+"""The unified GPU pool: KV-cache pages and adapter weights carved out of one budget of pages.
+
+One flat storage tensor of ``num_pages * page_elems`` elements is viewed two ways:
+
+- as the KV cache ``kv [P, L, 2, S, Hkv, D]``: a page holds ``S`` consecutive tokens of one
+  sequence for every layer (keys and values);
+- as a flat buffer holding adapters: an adapter occupies a contiguous run of whole pages and
+  its matrices sit at element offsets inside it (``HostAdapter.slots``), so ranks of any size
+  share the pool without padding to the largest one.
+
+KV pages are taken lowest-first and adapter runs highest-first, so the two grow from opposite
+ends. One more page past the ``num_pages`` of the budget, ``scratch_page``, is never handed
+out: padded rows of a CUDA-graphed decode step write their keys and values there. When no free
+run is long enough, KV pages inside the cheapest adapter-free window are
+moved out (their owners' page lists are updated in place); when pages are short, adapters no
+running request uses are evicted least-recently-used first. Host copies are never dropped, so
+an evicted adapter pages back in on its next use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .adapters import HostAdapter
+
+
+@dataclass(eq=False)
+class ResidentAdapter:
+    """An adapter's run of pages in the pool."""
+
+    adapter: HostAdapter
+    first_page: int
+    num_pages: int
+    offset: int  # element offset of its first element in the flat storage
+    users: int = 0  # running requests using it (not evictable while > 0)
+    last_used: int = 0
+    ready: torch.cuda.Event | None = None  # its host-to-device copy, when asynchronous
+
+
+class UnifiedPool:
+    """``num_pages`` pages of ``page_size`` tokens for every layer (plus the scratch page); see
+    the module docstring."""
+
+    def __init__(self, *, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"pool needs num_pages >= 1 and page_size >= 1; got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.page_elems = num_layers * 2 * page_size * num_kv_heads * head_dim
+        self.device = torch.device(device)
+        self.scratch_page = num_pages  # outside the accounting: where padded decode rows write
+        self.storage = torch.zeros((num_pages + 1) * self.page_elems, dtype=dtype, device=self.device)
+        self.kv = self.storage.view(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self._free = np.ones(num_pages, dtype=bool)
+        self._kv_owner: dict[int, list[int]] = {}  # KV page -> the page list that holds it
+        self._adapter_pages = np.zeros(num_pages, dtype=bool)
+        self._resident: dict[int, ResidentAdapter] = {}  # HostAdapter.key -> its run
+        self._tick = 0
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.page_ins = 0
+        self.evictions = 0
+        self.pages_moved = 0
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def kv_pages_used(self) -> int:
+        return len(self._kv_owner)
+
+    @property
+    def adapter_pages_used(self) -> int:
+        return int(self._adapter_pages.sum())
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def pages_for_adapter(self, adapter: HostAdapter) -> int:
+        return -(-adapter.numel // self.page_elems)
+
+    def check(self) -> None:
+        """Internal invariant: every page is exactly one of free, KV, adapter."""
+        kv = np.zeros(self.num_pages, dtype=bool)
+        kv[list(self._kv_owner)] = True
+        assert not (kv & self._adapter_pages).any(), "a page is both KV and adapter"
+        assert ((kv | self._adapter_pages) == ~self._free).all(), "free map out of sync"
+        runs = sum(r.num_pages for r in self._resident.values())
+        assert runs == self.adapter_pages_used, "adapter runs out of sync"
+        for page, owner in self._kv_owner.items():
+            assert page in owner, "KV page missing from its owner's list"
+
+    # ------------------------------------------------------------------ KV pages
+
+    def allocate_kv(self, pages: list[int], count: int) -> bool:
+        """Append ``count`` free pages (lowest first) to ``pages``; False (nothing taken) when
+        fewer are free."""
+        if count <= 0:
+            return True
+        free = np.flatnonzero(self._free)
+        if free.size < count:
+            return False
+        taken = free[:count].tolist()
+        self._free[taken] = False
+        for p in taken:
+            self._kv_owner[p] = pages
+        pages.extend(taken)
+        return True
+
+    def free_kv(self, pages: list[int]) -> None:
+        """Give back every page of ``pages`` and empty the list."""
+        for p in pages:
+            del self._kv_owner[p]
+        self._free[pages] = True
+        pages.clear()
+
+    # ------------------------------------------------------------------ adapters
+
+    def resident(self, adapter: HostAdapter) -> ResidentAdapter | None:
+        return self._resident.get(adapter.key)
+
+    def resident_adapters(self) -> list[ResidentAdapter]:
+        return list(self._resident.values())
+
+    def acquire(self, adapter: HostAdapter) -> ResidentAdapter:
+        """Mark a resident adapter used by one more running request."""
+        r = self._resident[adapter.key]
+        r.users += 1
+        self.touch(r)
+        return r
+
+    def release(self, adapter: HostAdapter) -> None:
+        r = self._resident[adapter.key]
+        assert r.users > 0, "release without acquire"
+        r.users -= 1
+
+    def touch(self, r: ResidentAdapter) -> None:
+        self._tick += 1
+        r.last_used = self._tick
+
+    def page_in(self, adapter: HostAdapter, *, may_evict: bool = True,
+                protect: Iterable[int] = ()) -> ResidentAdapter | None:
+        """Make ``adapter`` resident (a no-op if it is). Uses free pages, moving KV pages to
+        open a contiguous run if needed, and, if ``may_evict``, evicts idle adapters (not in
+        ``protect``, a set of adapter keys) least recently used first. None if it cannot fit now."""
+        r = self._resident.get(adapter.key)
+        if r is not None:
+            self.touch(r)
+            return r
+        n = self.pages_for_adapter(adapter)
+        if n > self.num_pages:
+            return None
+        protect = set(protect)
+        while True:
+            start = self._find_run(n)
+            if start is None and self.num_free >= n:
+                start = self._open_run(n)
+            if start is not None:
+                break
+            if not (may_evict and self.evict_lru_idle(protect)):
+                return None
+        self._free[start:start + n] = False
+        self._adapter_pages[start:start + n] = True
+        r = ResidentAdapter(adapter, start, n, start * self.page_elems)
+        dst = self.storage[r.offset:r.offset + adapter.numel]
+        if self._copy_stream is not None:
+            # the pages may still be read by queued kernels of their previous owner
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                dst.copy_(adapter.flat, non_blocking=True)
+                r.ready = torch.cuda.Event()
+                r.ready.record()
+        else:
+            dst.copy_(adapter.flat)
+        self._resident[adapter.key] = r
+        self.touch(r)
+        self.page_ins += 1
+        return r
+
+    def wait_ready(self, residents: Iterable[ResidentAdapter]) -> None:
+        """Order the current stream after the page-in copies of ``residents``."""
+        for r in residents:
+            if r.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(r.ready)
+                r.ready = None
+
+    def evict(self, adapter: HostAdapter) -> None:
+        """Drop an idle adapter's pages (its host copy stays)."""
+        r = self._resident.pop(adapter.key)
+        assert r.users == 0, "evicting an adapter in use"
+        self.wait_ready([r])  # a pending page-in copy must land before the pages are reused
+        self._free[r.first_page:r.first_page + r.num_pages] = True
+        self._adapter_pages[r.first_page:r.first_page + r.num_pages] = False
+        self.evictions += 1
+
+    def evict_lru_idle(self, protect: Iterable[int] = ()) -> bool:
+        """Evict the least recently used adapter with no users (and not in ``protect``)."""
+        protect = set(protect)
+        idle = [r for r in self._resident.values() if r.users == 0 and r.adapter.key not in protect]
+        if not idle:
+            return False
+        self.evict(min(idle, key=lambda r: r.last_used).adapter)
+        return True
+
+    # ------------------------------------------------------------------ runs of pages
+
+    def _find_run(self, n: int) -> int | None:
+        """Start of the highest run of ``n`` free pages, or None."""
+        edges = np.diff(np.concatenate(([0], self._free.astype(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        fits = np.flatnonzero(ends - starts >= n)
+        return None if fits.size == 0 else int(ends[fits[-1]] - n)
+
+    def _open_run(self, n: int) -> int | None:
+        """Free a run of ``n`` pages by moving the KV pages of the adapter-free window that holds
+        the fewest of them to free pages outside it (needs ``num_free >= n``)."""
+        if n > self.num_pages:
+            return None
+        kv = (~self._free & ~self._adapter_pages).astype(np.int64)
+        ad = self._adapter_pages.astype(np.int64)
+        kv_in = np.convolve(kv, np.ones(n, dtype=np.int64), "valid")  # window starting at i
+        ad_in = np.convolve(ad, np.ones(n, dtype=np.int64), "valid")
+        cost = np.where(ad_in == 0, kv_in, np.iinfo(np.int64).max)
+        start = int(len(cost) - 1 - np.argmin(cost[::-1]))  # cheapest, highest on ties
+        if ad_in[start] != 0:
+            return None
+        src = [p for p in range(start, start + n) if not self._free[p]]
+        outside = np.flatnonzero(self._free)
+        outside = outside[(outside < start) | (outside >= start + n)][:len(src)]
+        if outside.size < len(src):
+            return None
+        dst = outside.tolist()
+        if src:
+            self.kv[dst] = self.kv[src]
+            for s, d in zip(src, dst):
+                owner = self._kv_owner.pop(s)
+                owner[owner.index(s)] = d
+                self._kv_owner[d] = owner
+            self._free[dst] = False
+            self._free[src] = True
+            self.pages_moved += len(src)
+        return start

@@ -1,0 +1,143 @@
+"""A generation request, its streamed events and final result, and its state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..specs import ConfigError
+from .adapters import HostAdapter
+from .detokenize import IncrementalDetokenizer
+from .pool import ResidentAdapter
+from .sampling import SamplingParams
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One prompt (token ids), the adapter to apply (None = the base model) and how to sample."""
+
+    prompt_token_ids: tuple[int, ...]
+    adapter: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=_new_request_id)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ConfigError(f"request {self.request_id!r}: prompt_token_ids is empty")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token (``token_id``) and its text delta; the request's last event has
+    ``finish_reason`` set (and may carry no token, e.g. after an abort)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request. ``timings``: queued_s (arrival to first scheduled), ttft_s (arrival
+    to first token), total_s (arrival to finish)."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[float | None] | None
+    timings: dict[str, float]
+    # per prompt position the top-k logprobs (k = SamplingParams.prompt_logprobs; None first)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the engine tracks for one request. Tokens ``all_ids[:num_cached]`` have their keys
+    and values in ``pages``; the next forward feeds ``all_ids[num_cached:]``."""
+
+    request: GenerationRequest
+    adapter: HostAdapter | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+    max_total_len: int  # prompt + generated may not exceed this (the model's context)
+    on_event: Callable[[TokenEvent], None] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    resident: ResidentAdapter | None = None  # set while running with an adapter
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.request.sampling.logprobs is not None:
+            self.logprobs, self.top_logprobs = [], []
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def all_ids(self) -> list[int]:
+        return list(self.request.prompt_token_ids) + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.request.prompt_token_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def result(self) -> GenerationResult:
+        assert self.finish_reason is not None, "result of an unfinished request"
+        t0 = self.arrival
+        timings = {"queued_s": (self.first_scheduled or self.finished) - t0,
+                   "ttft_s": (self.first_token or self.finished) - t0, "total_s": self.finished - t0}
+        return GenerationResult(
+            request_id=self.request_id, adapter=self.request.adapter,
+            prompt_token_ids=self.request.prompt_token_ids, token_ids=tuple(self.output_ids),
+            text=self.detokenizer.text, finish_reason=self.finish_reason, logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs, timings=timings,
+            prompt_top_logprobs=self.prompt_top_logprobs)

@@ -1,0 +1,302 @@
+"""The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
+
+Rows of a step: first every prefill request's tokens (positions from 0), then one token per
+decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
+multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
+through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
+Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
+cached pages (``paged_decode_attention``); both write their keys and values into the pages.
+
+A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
+replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
+steps with prefill rows run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.api import lora_projections
+from ..kernels.lora_gather import lora_gather
+from ..kernels.paged_attention import paged_decode_attention, write_kv
+from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..model.attention import varlen_causal_attention
+from ..model.decoder import DecoderConfig, apply_rope, embed, rms_norm, rope_cos_sin, rope_inv_freq
+from ..specs import ALL_TARGET_MODULES
+from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
+from .pool import ResidentAdapter, UnifiedPool
+from .request import RequestState
+
+_MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
+_ALL_MODULES = frozenset(ALL_TARGET_MODULES)
+
+
+@dataclass
+class StepBatch:
+    """Device-side inputs of one step (built by ``ModelRunner.prepare``)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_pages: torch.Tensor  # [T] page of each row's KV
+    slot_offsets: torch.Tensor  # [T] slot inside that page
+    num_prefill_rows: int
+    cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
+    max_prefill_len: int
+    prefill_routing: LoraRouting | None
+    prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
+    page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
+    seq_lens: torch.Tensor | None  # [B] int32
+    decode_offsets: torch.Tensor | None  # [L, modules, 2, B] int64 element offsets of A and B^T
+    decode_ranks: torch.Tensor | None  # [modules, B] int32 (0 = no LoRA on that row/module)
+    decode_scales: torch.Tensor | None  # [B] fp32
+    decode_modules: frozenset[str]  # modules some decode row adapts
+    spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
+    output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
+
+
+class ModelRunner:
+    """Runs the functional decoder's weights over a ``StepBatch``; owns no request state.
+
+    ``max_decode_rows`` (the engine's ``max_num_seqs``) and ``max_pages_per_row`` size the
+    decode rows' persistent buffers. ``pad_decode``: decode-only steps run padded to the
+    batch-size buckets (what the graphs do; on by ``capture_decode_graphs``, settable on the
+    CPU to test the padding)."""
+
+    def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
+                 backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
+                 max_pages_per_row: int | None = None) -> None:
+        self.config, self.params, self.pool = config, params, pool
+        self.device = pool.device
+        auto = "triton" if self.device.type == "cuda" else "torch"
+        self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        decode_backend = decode_backend or backend
+        self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
+        self.inv_freq = rope_inv_freq(config, self.device)
+        self.buckets = graph_buckets(max_decode_rows)
+        self.decode_inputs = DecodeInputs(
+            max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
+            page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
+        self.pad_decode = False
+        self.graphs: DecodeGraphs | None = None
+        self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+
+    def capture_decode_graphs(self) -> float:
+        """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
+        decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
+        if self.device.type != "cuda" or self.kernel_backend != "triton":
+            raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
+                               f"(device {self.device}, decode backend {self.kernel_backend!r})")
+        self._graph_logits = torch.empty(self.buckets[-1], self.config.vocab_size, dtype=torch.float32,
+                                         device=self.device)
+        self.pad_decode = True
+        self.graphs = DecodeGraphs(self.buckets, self._graph_body)
+        with torch.no_grad():
+            return self.graphs.capture()
+
+    def _graph_body(self, rows: int, lora: bool) -> None:
+        hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
+        self._graph_logits[:rows].copy_(F.linear(hidden, self.params["lm_head"]))
+
+    # ------------------------------------------------------------------ decode-only steps
+
+    def decode_logits(self, decode: Sequence[RequestState]) -> torch.Tensor:
+        """A step with decode rows only: each request feeds its newest token -> fp32 logits of
+        its next token ``[B, V]`` (a view valid until the next step)."""
+        b = len(decode)
+        rows = bucket_for(b, self.buckets) if self.pad_decode else b
+        inputs = self.decode_inputs
+        if inputs.load_tables(decode, self.pool.pages_moved):
+            self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
+        inputs.load_step(decode, rows)
+        if self.graphs is not None:
+            self.graphs.replay(rows, inputs.has_lora)
+            return self._graph_logits[:b]
+        # eager: padded steps run every module's gather, as the graphs do
+        modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
+        return self.logits(self.forward(self._decode_batch(rows, modules)))[:b]
+
+    def _decode_batch(self, rows: int, modules: frozenset[str]) -> StepBatch:
+        """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows (the derived
+        tensors are computed by device ops, so they are part of a captured graph)."""
+        inputs = self.decode_inputs
+        positions = inputs.step[1, :rows]
+        lora = bool(modules)
+        return StepBatch(
+            input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
+            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, cu_seqlens=None, max_prefill_len=0,
+            prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
+            seq_lens=(positions + 1).to(torch.int32),
+            decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
+            decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
+            decode_scales=inputs.lora_scales[:rows] if lora else None,
+            decode_modules=modules, spans=[], output_rows=None)
+
+    # ------------------------------------------------------------------ inputs
+
+    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
+        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed all their
+        tokens from position 0; decode requests feed their newest token."""
+        s = self.pool.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_pages: list[int] = []
+        spans: list[tuple[int, int]] = []
+        out_rows: list[int] = []
+        segments: list[tuple[int, int, int]] = []
+        local: dict[int, int] = {}  # adapter key -> index in the prefill routing
+        residents: list[ResidentAdapter] = []
+        cu = [0]
+        for state in prefill:
+            toks = state.all_ids
+            start = len(ids)
+            ids += toks
+            pos += range(len(toks))
+            slot_pages += [state.pages[p // s] for p in range(len(toks))]
+            cu.append(len(ids))
+            if state.resident is not None:
+                key = state.adapter.key
+                if key not in local:
+                    local[key] = len(residents)
+                    residents.append(state.resident)
+                segments.append((start, len(ids), local[key]))
+            first_out = start if state.wants_prompt_logprobs else len(ids) - 1
+            spans.append((len(out_rows), len(out_rows) + len(ids) - first_out))
+            out_rows += range(first_out, len(ids))
+        n_prefill = len(ids)
+        for state in decode:
+            p = state.num_tokens - 1
+            ids.append(state.last_token)
+            pos.append(p)
+            slot_pages.append(state.pages[p // s])
+            spans.append((len(out_rows), len(out_rows) + 1))
+            out_rows.append(len(ids) - 1)
+
+        dev = self.device
+
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        positions = torch.tensor(pos, dtype=torch.int64)
+        batch = StepBatch(
+            input_ids=tensor(ids), positions=positions.to(dev, non_blocking=True),
+            slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
+            num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
+            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+            prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
+            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
+            spans=spans, output_rows=tensor(out_rows),
+        )
+        if segments:
+            batch.prefill_routing = LoraRouting(
+                num_rows=len(ids), segments=tuple(segments),
+                scales=tuple(r.adapter.scale for r in residents), dropout_p=(0.0,) * len(residents),
+                seeds=(0,) * len(residents))
+            batch.prefill_loras = self._bank_view(residents)
+        if decode:
+            self._prepare_decode(batch, decode)
+        self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
+        return batch
+
+    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
+        inputs = self.decode_inputs
+        inputs.load_tables(decode, self.pool.pages_moved)
+        b, tp = len(decode), batch.num_prefill_rows
+        batch.page_table = inputs.page_table[:b]
+        batch.seq_lens = (batch.positions[tp:] + 1).to(torch.int32)
+        if inputs.has_lora:
+            batch.decode_offsets = inputs.lora_offsets[..., :b]
+            batch.decode_ranks = inputs.lora_ranks[:, :b]
+            batch.decode_scales = inputs.lora_scales[:b]
+            batch.decode_modules = inputs.modules
+
+    def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
+        """Views into the pool of the prefill adapters' factors, as the segment kernels take them
+        (``A [r, K]``, ``B [N, r]``, the latter a transposed view of the stored ``B^T``)."""
+        flat = self.pool.storage
+        view: dict[tuple[int, str], LoraModuleWeights] = {}
+        for layer in range(self.config.num_layers):
+            for module in ALL_TARGET_MODULES:
+                a: list[torch.Tensor | None] = []
+                b: list[torch.Tensor | None] = []
+                for r in residents:
+                    slot = r.adapter.slots.get((layer, module))
+                    if slot is None:
+                        a.append(None)
+                        b.append(None)
+                        continue
+                    rank, off = r.adapter.rank, r.offset
+                    a.append(flat[off + slot.a:off + slot.a + rank * slot.in_features].view(rank, slot.in_features))
+                    b.append(flat[off + slot.b:off + slot.b + rank * slot.out_features]
+                             .view(rank, slot.out_features).t())
+                if any(t is not None for t in a):
+                    view[(layer, module)] = LoraModuleWeights(a=tuple(a), b=tuple(b))
+        return view
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
+        cfg, params = self.config, self.params
+        h = embed(params, batch.input_ids)
+        cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)
+        for layer in range(cfg.num_layers):
+            h = self._layer(layer, params["layers"][layer], h, cos, sin, batch)
+        if batch.output_rows is not None:
+            h = h.index_select(0, batch.output_rows)
+        return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
+        return F.linear(hidden, self.params["lm_head"]).float()
+
+    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        cfg = self.config
+        t, tp = h.shape[0], batch.num_prefill_rows
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = self._projections(x, lp, ("q_proj", "k_proj", "v_proj"), layer, batch)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
+        scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
+        parts = []
+        if tp:
+            parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
+                                                 sliding_window=window, max_seqlen=batch.max_prefill_len))
+        if tp < t:
+            # the layer's slice as a one-layer pool: the Triton launcher would turn a layer index
+            # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+            kv_layer = self.pool.kv[:, layer:layer + 1]
+            parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
+                                                scale=scale, sliding_window=window,
+                                                backend=self.kernel_backend))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        (o,) = self._projections(attn.reshape(t, cfg.q_size), lp, ("o_proj",), layer, batch)
+        h = h + o
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        g, u = self._projections(x, lp, ("gate_proj", "up_proj"), layer, batch)
+        (d,) = self._projections(F.silu(g) * u, lp, ("down_proj",), layer, batch)
+        return h + d
+
+    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], names: tuple[str, ...], layer: int,
+                     batch: StepBatch) -> list[torch.Tensor]:
+        weights = [lp[n]["weight"] for n in names]
+        biases = [lp[n].get("bias") for n in names]
+        loras = [batch.prefill_loras.get((layer, n)) for n in names]
+        ys = lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+        tp = batch.num_prefill_rows
+        if batch.decode_offsets is not None:
+            xd = x[tp:]
+            for n, y in zip(names, ys):
+                if n not in batch.decode_modules:
+                    continue
+                m = _MODULE_INDEX[n]
+                lora_gather(xd, self.pool.storage, batch.decode_offsets[layer, m, 0],
+                            batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales,
+                            y.shape[1], out=y[tp:], backend=self.kernel_backend)
+        return ys

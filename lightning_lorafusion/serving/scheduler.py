@@ -1,0 +1,143 @@
+"""Continuous batching: who runs this step (decodes first, then new prefills) under a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .pool import UnifiedPool
+from .request import RequestState, Status
+
+
+@dataclass
+class StepPlan:
+    """One iteration: ``prefill`` requests feed all their tokens (from position 0), ``decode``
+    requests feed their newest token; ``preempted`` lost their KV pages and wait again."""
+
+    prefill: list[RequestState] = field(default_factory=list)
+    decode: list[RequestState] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """FIFO admission into a running set; every running request decodes one token per step.
+
+    Pages: a running request grows by one KV page every ``page_size`` tokens; when none is free,
+    idle adapters are evicted first, then the most recently admitted request is preempted (its
+    pages freed; it waits at the head of the queue and is prefilled again, prompt and generated
+    tokens, when there is room). A waiting request is admitted when its adapter is (or can be
+    paged) in and its prompt's pages fit above the watermark; otherwise it waits, and so do the
+    requests behind it (no reordering, so no starvation).
+    """
+
+    def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefetch_depth: int, watermark_pages: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefetch_depth = prefetch_depth
+        self.watermark_pages = watermark_pages
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.num_preemptions = 0
+
+    def add(self, state: RequestState) -> None:
+        state.status = Status.WAITING
+        self.waiting.append(state)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for state in list(self.running):
+            if state.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if self._grow(state, plan):
+                plan.decode.append(state)
+        budget = self.max_num_batched_tokens - len(plan.decode)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            state = self.waiting[0]
+            n = state.num_tokens
+            if n > budget and (plan.prefill or plan.decode):
+                break  # a prompt longer than the whole budget runs when the step is otherwise empty
+            if not self._admit(state):
+                break
+            self.waiting.popleft()
+            plan.prefill.append(state)
+            budget -= n
+        self._prefetch()
+        return plan
+
+    def finish(self, state: RequestState) -> None:
+        """Take a request out (finished or aborted), giving back its pages."""
+        if state.status is Status.RUNNING:
+            self._release(state)
+            self.running.remove(state)
+        elif state.status is Status.WAITING and state in self.waiting:
+            self.waiting.remove(state)
+        state.status = Status.FINISHED
+
+    # ------------------------------------------------------------------ internals
+
+    def _grow(self, state: RequestState, plan: StepPlan) -> bool:
+        """KV room for the token ``state`` feeds this step; False if ``state`` got preempted."""
+        need = self.pool.pages_for_tokens(state.num_tokens) - len(state.pages)
+        while need > 0 and not self.pool.allocate_kv(state.pages, need):
+            if self.pool.evict_lru_idle():
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is state:
+                return False
+        return True
+
+    def _admit(self, state: RequestState) -> bool:
+        pool = self.pool
+        protect = {state.adapter.key} if state.adapter is not None else set()
+        if state.adapter is not None and pool.page_in(state.adapter, protect=protect) is None:
+            return False
+        pages = pool.pages_for_tokens(state.num_tokens)
+        reserve = self.watermark_pages if self.running else 0
+        while pool.num_free - pages < reserve or not pool.allocate_kv(state.pages, pages):
+            if not pool.evict_lru_idle(protect):
+                return False
+        if state.adapter is not None:
+            state.resident = pool.acquire(state.adapter)
+        state.status = Status.RUNNING
+        state.num_cached = 0
+        self.running.append(state)
+        return True
+
+    def _release(self, state: RequestState) -> None:
+        self.pool.free_kv(state.pages)
+        if state.resident is not None:
+            self.pool.release(state.adapter)
+            state.resident = None
+
+    def _preempt(self, state: RequestState) -> None:
+        self._release(state)
+        self.running.remove(state)
+        state.status = Status.WAITING
+        state.num_cached = 0
+        state.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(state)
+
+    def _prefetch(self) -> None:
+        """Page in adapters of the next queued requests, into free pages only (never evicting)."""
+        pool = self.pool
+        for i, state in enumerate(self.waiting):
+            if i >= self.prefetch_depth:
+                break
+            a = state.adapter
+            if a is None or pool.resident(a) is not None:
+                continue
+            if pool.num_free - pool.pages_for_adapter(a) < self.watermark_pages + len(self.running):
+                break
+            pool.page_in(a, may_evict=False)

@@ -1,0 +1,98 @@
+"""`lightning-lorafusion serve --config serve.yaml`: YAML plus command-line overrides (jsonargparse,
+as `fit`), then the engine, the adapter store and the HTTP server under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from ..specs import ConfigError
+
+API_KEY_ENV = "LORAFUSION_API_KEY"
+
+
+def build_parser() -> ArgumentParser:
+    from . import EngineConfig
+    from .server import ServerConfig
+
+    parser = ArgumentParser(
+        prog="lightning-lorafusion serve",
+        description="Serve a base model and every LoRA adapter of a directory behind one OpenAI-compatible "
+                    "endpoint (the request's `model` names the adapter).",
+        default_config_files=[],
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="A serve.yaml (see configs/serve.yaml).")
+    parser.add_argument("--base_model", type=str, required=True,
+                        help="The base: a local HF model directory or a name fit accepts (smollm2-135m-instruct).")
+    parser.add_argument("--adapter_dir", type=str | None, default=None,
+                        help="The adapter store: a directory of PEFT adapter directories, served under their "
+                             "directory names; new ones are picked up without a restart.")
+    parser.add_argument("--adapters", type=dict[str, str], default={},
+                        help="Fixed adapters outside the store: name -> PEFT directory.")
+    parser.add_argument("--host", type=str, default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", type=str | None, default=None, help="cuda, cuda:1, cpu (default: cuda if present).")
+    parser.add_argument("--dtype", type=str | None, default=None,
+                        help="bfloat16, float16, float32 (default: the engine's).")
+    parser.add_argument("--log_level", type=str, default="info")
+    parser.add_argument("--graceful_shutdown_s", type=float, default=30.0,
+                        help="On SIGTERM/SIGINT, how long running requests may finish before they are cancelled.")
+    parser.add_class_arguments(EngineConfig, "engine", help="The generation engine's settings.")
+    parser.add_class_arguments(ServerConfig, "server", help="The HTTP layer's settings.")
+    return parser
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype {name!r} is not a torch dtype; use bfloat16, float16 or float32")
+    return dtype
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (``--print_config`` prints the merged config and exits), build everything
+    and serve until SIGINT/SIGTERM. Returns the process exit code."""
+    import uvicorn
+
+    from . import Engine
+    from .adapter_store import AdapterStore
+    from .server import create_app
+
+    parser = build_parser()
+    cfg = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    logging.basicConfig(level=cfg.log_level.upper(), format="[lorafusion] %(message)s")
+    try:
+        objs = parser.instantiate(cfg)
+        server_cfg = objs.server
+        overrides = {}
+        if server_cfg.api_key is None and os.environ.get(API_KEY_ENV):
+            overrides["api_key"] = os.environ[API_KEY_ENV]
+        if server_cfg.served_model_name is None:
+            overrides["served_model_name"] = Path(cfg.base_model).name
+        if overrides:
+            server_cfg = type(server_cfg)(**{**vars(server_cfg), **overrides})
+        engine = Engine.from_pretrained(cfg.base_model, adapters=dict(cfg.adapters) or None, config=objs.engine,
+                                        device=cfg.device, dtype=_dtype(cfg.dtype))
+        store = AdapterStore(cfg.adapter_dir, engine) if cfg.adapter_dir else None
+    except ConfigError as e:
+        print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, config=server_cfg, store=store)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,198 @@
+"""GPU benchmark of the FP8 frozen base (kernels/fp8_linear.py) against bf16, same run.
+
+(1) The frozen linear alone, forward + input gradient (W frozen), M=8192 tokens, the Llama-3.1-8B
+    shapes (K, N) in {(4096,4096), (4096,1024), (4096,14336), (14336,4096)}:
+      bf16            F.linear, dX = dY W (cuBLAS)
+      fp8             ours: X and dY*sw quantized per row, Wq^T made on the fly for dX
+      fp8_wt_stored   the same with a second, stored copy of Wq^T (no transpose per call;
+                      twice the FP8 weight memory: as much as bf16)
+      fp8_dq_bwd      FP8 forward, dX in bf16 against W dequantized on the fly
+      fp8_fast_accum  ours with torch._scaled_mm(use_fast_accum=True)
+    plus the pieces of ours (quantize X, forward GEMM, quantize dY, transpose, dX GEMM) and the
+    relative error of Y and dX against bf16 (random data; real weights: scripts/fp8_quality.py).
+(2) The whole LoRA projection of a Llama-3.1-8B layer (q/k/v, o, gate/up, down; r=16, p=0.1,
+    one adapter and 4 adapters on 40/30/20/10 % of the rows): the fused Triton path with the
+    bf16 base vs with the FP8 base, and the frozen bf16 linear for scale.
+Times: median device time of fwd+bwd replayed from a CUDA graph (``graph``) and eager calls.
+
+    python scripts/bench_fp8.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import ALPHA, P, RANK, bench_fn, bench_graph, log, make_lora, uneven_routing  # noqa: E402
+from lightning_lorafusion.kernels import fp8_linear as F8  # noqa: E402
+from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
+from lightning_lorafusion.kernels.fp8_triton import quantize_rows, transpose_concat  # noqa: E402
+from lightning_lorafusion.kernels.reference import LoraRouting  # noqa: E402
+
+M = 8192
+SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
+DT = torch.bfloat16
+LAYER_GROUPS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+                ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,)))
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
+
+
+def linear_variants(m, k, n, device):
+    x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=DT) / k**0.5
+    dy = torch.randn(m, n, device=device, dtype=DT)
+    fw = F8.quantize_weight(w)
+    wt_stored = transpose_concat([fw.data])
+    ones = torch.ones(1, k, dtype=torch.float32, device=device)
+    scale_row = fw.scale.view(1, -1)
+
+    def bf16():
+        torch.autograd.grad(F.linear(x, w), [x], [dy])
+
+    def fp8():
+        torch.autograd.grad(F8.fp8_linear(x, fw), [x], [dy])
+
+    def fp8_fwd():
+        xq, sx = quantize_rows([x.detach()], None)
+        return F8._scaled_mm(xq, sx, fw.data, scale_row, DT)
+
+    def fp8_wt_stored():
+        fp8_fwd()
+        gq, sg = quantize_rows([dy], [fw.scale])
+        return F8._scaled_mm(gq, sg, wt_stored, ones, DT)
+
+    def fp8_dq_bwd():
+        fp8_fwd()
+        return dy @ (fw.data.to(DT) * fw.scale.to(DT)[:, None])
+
+    def fp8_fast_accum():  # ours, piece by piece, with fast accumulation in both products
+        xq, sx = quantize_rows([x.detach()], None)
+        F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True)
+        gq, sg = quantize_rows([dy], [fw.scale])
+        return F8._scaled_mm(gq, sg, transpose_concat([fw.data]), ones, DT, fast_accum=True)
+
+    xq, sx = quantize_rows([x.detach()], None)
+    gq, sg = quantize_rows([dy], [fw.scale])
+    pieces = {
+        "quant_x": lambda: quantize_rows([x.detach()], None),
+        "gemm_fwd": lambda: F8._scaled_mm(xq, sx, fw.data, scale_row, DT),
+        "quant_dy": lambda: quantize_rows([dy], [fw.scale]),
+        "transpose": lambda: transpose_concat([fw.data]),
+        "gemm_dx": lambda: F8._scaled_mm(gq, sg, wt_stored, ones, DT),
+        "bf16_fwd": lambda: F.linear(x.detach(), w),
+        "bf16_dx": lambda: dy @ w,
+    }
+    y_ref = F.linear(x.detach().float(), w.float())
+    dx_ref = dy.float() @ w.float()
+    xe = x.detach().requires_grad_(True)
+    y8 = F8.fp8_linear(xe, fw)
+    (dx8,) = torch.autograd.grad(y8, [xe], [dy])
+    errors = {"fp8_y_vs_fp32": rel(y8, y_ref), "fp8_dx_vs_fp32": rel(dx8, dx_ref),
+              "bf16_y_vs_fp32": rel(F.linear(x.detach(), w), y_ref), "bf16_dx_vs_fp32": rel(dy @ w, dx_ref)}
+    # fast accumulation: its own error, against the same products accumulated in fp32
+    errors["fast_accum_y_vs_fp8"] = rel(F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True), y8)
+    errors["fast_accum_dx_vs_fp8"] = rel(F8._scaled_mm(gq, sg, wt_stored, ones, DT, fast_accum=True), dx8)
+    fns = {"bf16": bf16, "fp8": fp8, "fp8_wt_stored": fp8_wt_stored, "fp8_dq_bwd": fp8_dq_bwd,
+           "fp8_fast_accum": fp8_fast_accum}
+    return fns, pieces, errors
+
+
+def group_variants(m, k, ns, device):
+    x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
+    ws = [torch.randn(n, k, device=device, dtype=DT) / k**0.5 for n in ns]
+    fws = [F8.quantize_weight(w) for w in ws]
+    gys = [torch.randn(m, n, device=device, dtype=DT) for n in ns]
+    scale = ALPHA / RANK
+    single = make_lora(1, (RANK,), k, ns, device)
+    single_routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(scale,), dropout_p=(P,), seeds=(3,))
+    multi = make_lora(4, (RANK,) * 4, k, ns, device)
+    multi_routing = uneven_routing(m, 4, P, scale)
+
+    def frozen():
+        torch.autograd.grad([F.linear(x, w) for w in ws], [x], gys)
+
+    def ours(weights, loras, routing):
+        def run():
+            ys = lora_projections(x, weights, [None] * len(ns), loras, routing, dropout_offset=1, backend="triton")
+            torch.autograd.grad(ys, [x] + [t for l in loras for t in l.a + l.b], gys)
+        return run
+
+    return {"frozen_bf16": frozen, "lora_bf16": ours(ws, single, single_routing),
+            "lora_fp8": ours(fws, single, single_routing), "lora_bf16_multi4": ours(ws, multi, multi_routing),
+            "lora_fp8_multi4": ours(fws, multi, multi_routing)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    fh = open(args.out / "bench_fp8.log", "w")
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; {now:%Y-%m-%d %H:%M} UTC", fh)
+    log("command: " + " ".join(sys.argv), fh)
+    results = {"device": name, "torch": torch.__version__, "date": f"{now:%Y-%m-%d}", "linear": [], "layer": {}}
+    torch.manual_seed(0)
+    for k, n in SHAPES:
+        fns, pieces, errors = linear_variants(M, k, n, device)
+        graph = {v: bench_graph(f) for v, f in fns.items()}
+        eager = {v: bench_fn(f) for v, f in fns.items()}
+        parts = {v: bench_graph(f) for v, f in pieces.items()}
+        row = {"M": M, "K": k, "N": n, "graph_ms": graph, "eager_ms": eager, "pieces_ms": parts, "errors": errors,
+               "tflops_graph": {v: 4.0 * M * k * n / t / 1e9 for v, t in graph.items()}}
+        results["linear"].append(row)
+        log(f"K={k:5d} N={n:5d} graph ms " + " ".join(f"{v} {t:.3f}" for v, t in graph.items())
+            + " | pieces " + " ".join(f"{v} {t:.3f}" for v, t in parts.items())
+            + " | errors " + " ".join(f"{v} {e:.2e}" for v, e in errors.items()), fh)
+        del fns, pieces
+        torch.cuda.empty_cache()
+    layer_graph: dict[str, float] = {}
+    layer_eager: dict[str, float] = {}
+    for gname, k, ns in LAYER_GROUPS:
+        fns = group_variants(M, k, ns, device)
+        for v, f in fns.items():
+            g, e = bench_graph(f), bench_fn(f)
+            layer_graph[v] = layer_graph.get(v, 0.0) + g
+            layer_eager[v] = layer_eager.get(v, 0.0) + e
+            results["layer"].setdefault(gname, {})[v] = {"graph_ms": g, "eager_ms": e}
+        log(f"group {gname}: graph ms " + " ".join(f"{v} {results['layer'][gname][v]['graph_ms']:.3f}" for v in fns), fh)
+        del fns
+        torch.cuda.empty_cache()
+    results["layer_total"] = {"graph_ms": layer_graph, "eager_ms": layer_eager}
+    (args.out / "bench_fp8.json").write_text(json.dumps(results, indent=1))
+
+    log("", fh)
+    log(f"== {name}: frozen linear fwd+dX, M={M}, graph ms (ratio to bf16) ==", fh)
+    variants = list(results["linear"][0]["graph_ms"])
+    log(f"{'K':>5} {'N':>5} " + " ".join(f"{v:>20}" for v in variants), fh)
+    for r in results["linear"]:
+        b = r["graph_ms"]["bf16"]
+        log(f"{r['K']:5d} {r['N']:5d} " + " ".join(f"{r['graph_ms'][v]:8.3f} ({b / r['graph_ms'][v]:4.2f}x)     "
+                                               for v in variants), fh)
+    log(f"== pieces of ours (graph ms): " + ", ".join(results["linear"][0]["pieces_ms"]), fh)
+    for r in results["linear"]:
+        log(f"{r['K']:5d} {r['N']:5d} " + " ".join(f"{t:7.3f}" for t in r["pieces_ms"].values()), fh)
+    log(f"== Llama-3.1-8B layer, all seven projections, M={M}, r={RANK}, p={P} ==", fh)
+    for v in layer_graph:
+        log(f"{v:18s} graph {layer_graph[v]:7.3f} ms ({layer_graph['lora_bf16'] / layer_graph[v]:.2f}x vs lora_bf16)"
+            f"  eager {layer_eager[v]:7.3f} ms ({layer_eager['lora_bf16'] / layer_eager[v]:.2f}x)", fh)
+
+
+if __name__ == "__main__":
+    main()

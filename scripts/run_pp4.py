@@ -1,0 +1,415 @@
+"""The 4-GPU runs of issue 18, all through `lightning-lorafusion fit`, one after another, then one table.
+
+1. Llama-3.1-70B-shaped random base (`random:llama70b`), 4 pipeline stages: 4 adapters on the
+   heterogeneous and on the mixed workload, 1 adapter (mixed), and the 4 mixed adapters with the
+   flushed 1F1B schedule (configs/gpu_pp4_70b.yaml + configs/pp4/*.yaml).
+2. Llama-3.1-8B shape, 4 mixed adapters on 4 GPUs: one job as PP=2 x DP=2, one job as DP=4, and
+   two independent 2-adapter jobs on 2 GPUs each, side by side (configs/gpu_8b_4gpu.yaml + overrides).
+
+Ranks are started by torchrun (`--launcher torchrun`, all at once; `--launcher lightning` lets
+Lightning's launcher start them after rank 0 has set up, one start-up longer). Every run has a
+time limit (on expiry it is killed with every descendant; the next run starts anyway), all
+under one overall deadline (the flushed run, last, is the first to be cut). Each run
+writes `run_summary.json` (training.callbacks.RunSummary) after every epoch; the table reads
+its last epoch (the first includes torch.compile and allocator warm-up). NVLink multicast stays
+off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+
+    PYTHONPATH=. python3 scripts/run_pp4.py --out $OUT               # on a 4-GPU machine
+    PYTHONPATH=. python3 scripts/run_pp4.py --out $OUT --only 8b_pp2xdp2,8b_dp4
+
+Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status and summary),
+pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
+fraction of all GPUs over the run's window (the executor's timestamps); simulated = the
+analytic simulator on the same plan and schedule (parallel.simulator.CostModel defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One `fit` process tree: its config files, processes (= the config's trainer.devices) and
+    GPUs (CUDA_VISIBLE_DEVICES, None = all)."""
+
+    configs: tuple[str, ...]
+    procs: int = 4
+    gpus: str | None = None
+    tag: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    name: str
+    what: str
+    jobs: tuple[Job, ...]
+    limit_s: float
+    env: dict = field(default_factory=dict)
+
+
+C70 = "configs/gpu_pp4_70b.yaml"
+C8 = "configs/gpu_8b_4gpu.yaml"
+RUNS = (  # in priority order: the last ones are the first to be cut by the deadline
+    Run(name="70b_pp4_het_4ad", what="70B PP=4, 4 adapters, heterogeneous", jobs=(Job(configs=(C70,)),),
+        limit_s=150),
+    Run(name="70b_pp4_mixed_4ad", what="70B PP=4, 4 adapters, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml")),), limit_s=120),
+    Run(name="70b_pp4_mixed_1ad", what="70B PP=4, 1 adapter, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed1.yaml")),), limit_s=90),
+    Run(name="8b_pp2xdp2", what="8B PP=2 x DP=2, 4 adapters, mixed", jobs=(Job(configs=(C8,)),), limit_s=90),
+    Run(name="8b_dp4", what="8B DP=4, 4 adapters, mixed", jobs=(Job(configs=(C8, "configs/pp4/dp4.yaml")),),
+        limit_s=90),
+    Run(name="8b_2jobs_pp2", what="8B 2 jobs x (PP=2, 2 adapters), side by side",
+        jobs=(Job(configs=(C8, "configs/pp4/job_a.yaml"), procs=2, gpus="0,1", tag="a"),
+              Job(configs=(C8, "configs/pp4/job_b.yaml"), procs=2, gpus="2,3", tag="b")), limit_s=90),
+    Run(name="70b_pp4_mixed_4ad_flushed", what="70B PP=4, 4 adapters, mixed, flushed 1F1B",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", "configs/pp4/flushed_1f1b.yaml")),), limit_s=150),
+)
+P2 = "configs/pp2/pp2_70b.yaml"
+D2 = "configs/pp2/devices2.yaml"
+ONE = "configs/pp2/single_gpu.yaml"
+RUNS_2GPU = (  # issue 18's fallback when only a 2-GPU machine is lent (--gpus 2)
+    Run(name="70b_pp2_mixed_4ad", what="70B PP=2, 4 adapters, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2), procs=2),), limit_s=170),
+    Run(name="70b_pp2_mixed_1ad", what="70B PP=2, 1 adapter, mixed",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed1.yaml", P2), procs=2),), limit_s=110),
+    Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed", jobs=(Job(configs=(C8, D2), procs=2),), limit_s=80),
+    Run(name="8b_dp2", what="8B DP=2, 4 adapters, mixed",
+        jobs=(Job(configs=(C8, D2, "configs/pp4/dp4.yaml"), procs=2),), limit_s=80),
+    Run(name="8b_2jobs_1gpu", what="8B 2 jobs x (1 GPU, 2 adapters), side by side",
+        jobs=(Job(configs=(C8, "configs/pp4/job_a.yaml", ONE), procs=1, gpus="0", tag="a"),
+              Job(configs=(C8, "configs/pp4/job_b.yaml", ONE), procs=1, gpus="1", tag="b")), limit_s=80),
+    Run(name="70b_pp2_mixed_4ad_flushed", what="70B PP=2, 4 adapters, mixed, flushed 1F1B",
+        jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2, "configs/pp4/flushed_1f1b.yaml"), procs=2),),
+        limit_s=150),
+)
+
+
+def fit_command(python: str, job: Job, root: str, extra: list[str], launcher: str = "torchrun") -> list[str]:
+    """``fit`` through the CLI module. ``torchrun`` starts every rank at once (Lightning sees a
+    torchelastic environment); ``lightning`` lets Lightning's launcher start ranks 1.. after
+    rank 0 has imported and built everything (slower by one start-up per run)."""
+    cmd = [python, "-m", "lightning_lorafusion.cli", "fit"]
+    if launcher == "torchrun":
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(job.procs),
+               "-m", "lightning_lorafusion.cli", "fit"]
+    for config in job.configs:
+        cmd += ["--config", os.path.join(REPO, config)]
+    return cmd + ["--trainer.default_root_dir", root] + extra
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (torchrun starts its ranks in sessions of their own, so
+    the job's process group does not hold them)."""
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM the job (its process group and every descendant: launcher, ranks, compile
+    workers), SIGKILL whatever is left 10 s later."""
+    pids = {proc.pid}
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        pids |= set(_descendants(proc.pid))
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            proc.poll()  # reap our direct child
+            if not any(_running(pid) for pid in pids):
+                return
+            time.sleep(0.2)
+
+
+def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float) -> list[str]:
+    """Start every ``(command, env, log path)`` at once, each in its own process group; wait up
+    to ``limit_s`` for all. Returns one status per command: "ok", "exit <code>" or "timeout"."""
+    procs = []
+    for cmd, env, log in commands:
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True, cwd=REPO))
+    deadline = time.monotonic() + limit_s
+    statuses = []
+    for proc in procs:
+        try:
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            statuses.append("ok" if code == 0 else f"exit {code}")
+        except subprocess.TimeoutExpired:
+            statuses.append("timeout")
+        _kill_tree(proc)  # also on success: no rank may hold a GPU into the next run
+    return statuses
+
+
+def _wait_for_free_gpus(max_wait_s: float = 20.0) -> None:
+    """Until no compute process holds a GPU (nvidia-smi), at most ``max_wait_s``."""
+    end = time.monotonic() + max_wait_s
+    while time.monotonic() < end:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return
+        if not out:
+            return
+        time.sleep(1.0)
+
+
+def _last_epoch(summary: dict | None) -> dict | None:
+    return summary["epochs"][-1] if summary and summary.get("epochs") else None
+
+
+def _overlap(intervals: list[tuple[float, float]]) -> float:
+    """Shared time of the intervals over their union (1.0: they ran exactly side by side)."""
+    start, end = max(s for s, _ in intervals), min(e for _, e in intervals)
+    union = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return max(0.0, end - start) / union if union > 0 else 1.0
+
+
+def combine(summaries: list[dict | None]) -> dict | None:
+    """One row from a run's jobs (two side-by-side jobs: rates add up, GPUs concatenate)."""
+    epochs = [_last_epoch(s) for s in summaries]
+    if not epochs or any(e is None for e in epochs):
+        return None
+    gpus = sum(s["gpus"] for s in summaries)
+    peak = summaries[0]["peak_tflops"]
+    row = {
+        "epoch": min(e["epoch"] for e in epochs),
+        "gpus": gpus,
+        "layout": " + ".join(f"PP{s['pipeline_size']}xDP{s['data_parallel_size']}" for s in summaries),
+        "adapters": sum(len(s["adapters"]) for s in summaries),
+        "tokens_per_s": sum(e["tokens_per_s"] for e in epochs),
+        "mfu": sum(e["useful_flops"] / e["wall_s"] for e in epochs) / (gpus * peak * 1e12),
+        "bubble_ratio": _mean([e.get("bubble_ratio") for e in epochs]),
+        "simulated_bubble_ratio": _mean([e.get("simulated_bubble_ratio") for e in epochs]),
+        "peak_allocated_gib": [g for e in epochs for g in e["peak_allocated_gib"]],
+        "microbatches": sum(e.get("microbatches", 0) for e in epochs),
+        "noop_slots": sum(e.get("noop_slots", 0) for e in epochs),
+        "schedule": summaries[0].get("schedule"),
+        "wall_s": max(e["wall_s"] for e in epochs),
+    }
+    if len(epochs) > 1:
+        row["overlap"] = _overlap([(e["start_unix"], e["end_unix"]) for e in epochs])
+    return row
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| run | layout | adapters | tokens/s (real) | MFU | bubble measured | bubble simulated | "
+             "peak GiB per GPU | microbatches (no-op) | timed epoch s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        row = r.get("row")
+        if row is None:
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | {r['status']} |")
+            continue
+        warm = "" if row["epoch"] >= 1 else " (epoch 0 only: includes warm-up)"
+        layout = row["layout"] + (f", {row['schedule']}" if row.get("schedule") == "flushed_1f1b" else "")
+        lines.append(
+            f"| {r['name']} | {layout} | {row['adapters']} | {row['tokens_per_s']:,.0f} | {_pct(row['mfu'])} | "
+            f"{_pct(row['bubble_ratio'])} | {_pct(row['simulated_bubble_ratio'])} | "
+            f"{', '.join(f'{g:.1f}' for g in row['peak_allocated_gib'])} | {row['microbatches']} "
+            f"({row['noop_slots']}) | {row['wall_s']:.1f} | {r['status']}{warm} |")
+    rows = {r["name"]: r.get("row") for r in results}
+
+    def ratio(a: str, b: str) -> str:
+        if rows.get(a) and rows.get(b):
+            return f"{rows[a]['tokens_per_s'] / rows[b]['tokens_per_s']:.2f}x"
+        return "-"
+
+    lines += [
+        "",
+        f"- 70B mixed, 4 adapters vs 1 adapter tokens/s: {ratio('70b_pp4_mixed_4ad', '70b_pp4_mixed_1ad')}",
+        f"- 70B mixed, 4 adapters, no-flush vs flushed 1F1B tokens/s: "
+        f"{ratio('70b_pp4_mixed_4ad', '70b_pp4_mixed_4ad_flushed')}",
+        f"- 70B PP=2 mixed, 4 vs 1 adapter: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_1ad')}; no-flush vs "
+        f"flushed: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_4ad_flushed')}",
+        f"- 8B on 2 GPUs, PP=2 vs DP=2: {ratio('8b_pp2', '8b_dp2')}; PP=2 vs two 1-GPU jobs: "
+        f"{ratio('8b_pp2', '8b_2jobs_1gpu')}; two jobs vs DP=2: {ratio('8b_2jobs_1gpu', '8b_dp2')}",
+        f"- 8B on 4 GPUs, PP=2xDP=2 vs DP=4: {ratio('8b_pp2xdp2', '8b_dp4')}; "
+        f"PP=2xDP=2 vs two 2-GPU jobs: {ratio('8b_pp2xdp2', '8b_2jobs_pp2')}; "
+        f"two jobs vs DP=4: {ratio('8b_2jobs_pp2', '8b_dp4')}",
+    ]
+    two = rows.get("8b_2jobs_pp2")
+    if two and "overlap" in two:
+        lines.append(f"- the two jobs' timed epochs overlapped for {100 * two['overlap']:.0f}% of their union "
+                     "(tokens/s is the sum of both jobs' rates)")
+    return "\n".join(lines)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _tail_bytes(path: str, limit: int = 3 << 20) -> None:
+    """Keep a log's first 256 KiB and last ``limit`` bytes (the files sent back are capped)."""
+    size = os.path.getsize(path)
+    if size <= limit + (256 << 10):
+        return
+    with open(path, "rb") as f:
+        head = f.read(256 << 10)
+        f.seek(size - limit)
+        tail = f.read()
+    with open(path, "wb") as f:
+        f.write(head + f"\n... [{size - len(head) - len(tail)} bytes cut] ...\n".encode() + tail)
+
+
+def preflight(python: str, env: dict) -> str | None:
+    """The CLI must import here (the device image lacks some wheels); None if it does."""
+    probe = subprocess.run([python, "-c", "import lightning_lorafusion.cli, torchdata, jsonargparse; "
+                            "import torch; print('cuda devices:', torch.cuda.device_count())"],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    print(probe.stdout.strip(), flush=True)
+    return None if probe.returncode == 0 else probe.stderr[-3000:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="where the table, JSON and logs archive go")
+    ap.add_argument("--work", default="/tmp/pp4_runs", help="run directories (large; not sent back)")
+    ap.add_argument("--deadline", type=float, default=480.0, help="seconds for everything, table included")
+    ap.add_argument("--only", default="", help="comma-separated run names (default: all, in order)")
+    ap.add_argument("--extra", default="", help="arguments appended to every fit command")
+    ap.add_argument("--fuse-elementwise", choices=["auto", "off"], default="auto",
+                    help="LORAFUSION_FUSE_ELEMENTWISE: 'off' skips torch.compile of the elementwise groups")
+    ap.add_argument("--launcher", choices=["torchrun", "lightning"], default="torchrun",
+                    help="who starts the ranks (see fit_command)")
+    ap.add_argument("--gpus", type=int, choices=[2, 4], default=4,
+                    help="4: the issue's runs; 2: the fallback set for a 2-GPU machine (70B in 2 stages)")
+    ap.add_argument("--python", default=sys.executable)
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.work, exist_ok=True)
+    run_set = RUNS if args.gpus == 4 else RUNS_2GPU
+    known = {r.name for r in run_set}
+    only = [n for n in args.only.split(",") if n]
+    if set(only) - known:
+        ap.error(f"unknown run(s) {sorted(set(only) - known)}; known: {[r.name for r in run_set]}")
+    runs = [r for r in run_set if not only or r.name in only]
+    base_env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
+                "LORAFUSION_FUSE_ELEMENTWISE": args.fuse_elementwise}
+    error = preflight(args.python, base_env)
+    if error is not None:
+        print(f"the CLI does not import; no run started:\n{error}", flush=True)
+        return 2
+    extra = args.extra.split()
+    results = []
+    for i, run in enumerate(runs):
+        left = args.deadline - (time.monotonic() - t_start) - 15.0  # keep time for the table
+        if left < 30.0:
+            results.append({"name": run.name, "what": run.what, "status": "skipped (deadline)", "row": None})
+            continue
+        limit = min(run.limit_s, left)
+        commands, roots = [], []
+        for k, job in enumerate(run.jobs):
+            root = os.path.join(args.work, run.name + (f"_{job.tag}" if job.tag else ""))
+            os.makedirs(root, exist_ok=True)
+            summary = os.path.join(root, "run_summary.json")
+            if os.path.exists(summary):
+                os.remove(summary)  # never report an earlier session's numbers
+            env = {**base_env, **run.env}
+            if args.launcher == "lightning":  # torchrun --standalone picks free ports itself
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + 10 * i + k))
+            if job.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = job.gpus
+            commands.append((fit_command(args.python, job, root, extra, args.launcher), env,
+                             os.path.join(root, "fit.log")))
+            roots.append(root)
+        t0 = time.monotonic()
+        print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {run.what} (limit {limit:.0f} s)", flush=True)
+        statuses = run_jobs(commands, limit)
+        _wait_for_free_gpus()
+        summaries = [_read_json(os.path.join(root, "run_summary.json")) for root in roots]
+        status = ", ".join(sorted(set(statuses)))
+        row = combine(summaries)
+        if row is None and status == "ok":
+            status = "ok, no summary"
+        print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {status} after {time.monotonic() - t0:.0f} s"
+              + (f", {row['tokens_per_s']:,.0f} tokens/s" if row else ""), flush=True)
+        for root in roots:
+            _tail_bytes(os.path.join(root, "fit.log"))
+            if status != "ok":  # the end of a failed run's log, where the error is
+                with open(os.path.join(root, "fit.log"), errors="replace") as f:
+                    print("".join(f.readlines()[-25:]), flush=True)
+        results.append({"name": run.name, "what": run.what, "status": status, "row": row,
+                        "elapsed_s": time.monotonic() - t0, "summaries": summaries,
+                        "commands": [c for c, _, _ in commands]})
+    text = table(results)
+    with open(os.path.join(args.out, "pp4_summary.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "pp4_runs.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with tarfile.open(os.path.join(args.out, "pp4_logs.tar.gz"), "w:gz") as tar:
+        for run in runs:
+            for job in run.jobs:
+                name = run.name + (f"_{job.tag}" if job.tag else "")
+                for fname in ("fit.log", "config.yaml", "run_summary.json"):
+                    path = os.path.join(args.work, name, fname)
+                    if os.path.exists(path):
+                        tar.add(path, arcname=f"{name}/{fname}")
+    print(f"\ntotal {time.monotonic() - t_start:.0f} s\n\n{text}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Decode LoRA gather (S-LoRA MBGMV): reference vs plain per-row math, Triton vs reference.
+
+The Triton kernel runs in the interpreter on CPU (fp32 / fp16; bf16 is checked on the GPU by
+scripts/bench_decode_kernels.py). Tolerances on ||got - want|| / ||want||:
+reference vs float64 per-row math: 1e-5 (fp32 matmuls over K <= 257 terms land near 1e-7);
+Triton vs reference, fp32: 1e-5 (same fp32 inputs, only the summation order differs);
+fp16: 1e-3 (both sum the same fp16 inputs in fp32 and round once to fp16, unit roundoff
+4.9e-4: a one-ulp disagreement on an element is the most a different order can cause).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.lora_gather import _lora_gather_triton, lora_gather, lora_gather_reference
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+def rel_err(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def make_adapters(ranks, k, n, dtype, device, seed=0):
+    """PEFT-layout factors (lora_A [r, K], lora_B [N, r]) packed into one flat pool as A then
+    B^T, with a gap between adapters; returns (pool, [(a_offset, b_offset, A, B)])."""
+    g = torch.Generator().manual_seed(seed)
+    parts, adapters, pos = [], [], 3
+    parts.append(torch.randn(pos, generator=g))
+    for r in ranks:
+        a = torch.randn(r, k, generator=g) * k**-0.5
+        b = torch.randn(n, r, generator=g) * max(r, 1) ** -0.5
+        adapters.append((pos, pos + r * k, a, b))
+        parts += [a.reshape(-1), b.T.reshape(-1), torch.randn(5, generator=g)]
+        pos += r * (k + n) + 5
+    pool = torch.cat(parts).to(device=device, dtype=dtype)
+    return pool, [(ao, bo, a.to(dtype).double(), b.to(dtype).double()) for ao, bo, a, b in adapters]
+
+
+def make_routing(adapters, row_adapter, ranks, device, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    a_off = torch.tensor([adapters[i][0] for i in row_adapter], dtype=torch.int64, device=device)
+    b_off = torch.tensor([adapters[i][1] for i in row_adapter], dtype=torch.int64, device=device)
+    rk = torch.tensor([ranks[i] for i in row_adapter], dtype=torch.int32, device=device)
+    scales = (torch.rand(len(row_adapter), generator=g) * 2 + 0.5).to(device)
+    return a_off, b_off, rk, scales
+
+
+def test_reference_matches_per_row_peft_math():
+    """The spec, checked once against x A^T B^T with PEFT's (un-transposed) factors."""
+    k, n, ranks = 47, 123, [1, 5, 16, 0]
+    pool, adapters = make_adapters(ranks, k, n, torch.float32, "cpu")
+    row_adapter = [2, 0, 3, 1, 2, 2, 1]
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, "cpu")
+    x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(3))
+    got = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n)
+    want = torch.zeros(len(row_adapter), n, dtype=torch.float64)
+    for i, ad in enumerate(row_adapter):
+        _, _, a, b = adapters[ad]
+        if ranks[ad]:
+            want[i] = float(scales[i]) * (x[i].double() @ a.T) @ b.T
+    assert got.dtype == torch.float32 and got.shape == (len(row_adapter), n)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got[2], torch.zeros(n))  # rank 0: no LoRA
+
+    y = torch.randn(len(row_adapter), n)
+    y0 = y.clone()
+    assert lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y) is y
+    assert rel_err(y, y0.double() + want) < 1e-5
+
+
+CASES = {
+    # name: (K, N, adapter ranks, row -> adapter)
+    "mixed_ranks": (47, 123, [1, 5, 16, 64, 0], [3, 0, 4, 2, 1, 3, 2, 0]),
+    "B1": (257, 47, [16], [0]),
+    "B37_few_adapters": (123, 47, [8, 0, 5], [i * 7 % 3 for i in range(37)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_matches_reference(device, dtype, case):
+    k, n, ranks, row_adapter = CASES[case]
+    pool, adapters = make_adapters(ranks, k, n, dtype, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
+    assert got.dtype == dtype and got.shape == want.shape
+    assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
+    zero_rows = [i for i, ad in enumerate(row_adapter) if ranks[ad] == 0]
+    assert torch.all(got[zero_rows] == 0)
+
+
+def test_triton_adds_into_strided_out_and_reads_strided_x(device):
+    """The engine's use: y = x W^T for a fused projection, LoRA added into a column slice of
+    it; x a column slice of a wider activation. Rows with rank 0 keep y exactly."""
+    k, n, ranks, row_adapter = 47, 123, [5, 0, 16], [0, 1, 2, 0, 2, 1]
+    pool, adapters = make_adapters(ranks, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, device)
+    g = torch.Generator().manual_seed(7)
+    x_wide = torch.randn(len(row_adapter), k + 9, generator=g).to(device)
+    y_wide = torch.randn(len(row_adapter), n + 20, generator=g).to(device)
+    x, out = x_wide[:, 4 : 4 + k], y_wide[:, 10 : 10 + n]
+    want_wide = y_wide.clone()
+    lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=want_wide[:, 10 : 10 + n])
+    before = y_wide.clone()
+    assert lora_gather(x, pool, a_off, b_off, rk, scales, n, out=out, backend="triton") is out
+    assert rel_err(y_wide, want_wide) < TOL[torch.float32]
+    assert torch.equal(y_wide[:, :10], before[:, :10]) and torch.equal(y_wide[:, 10 + n :], before[:, 10 + n :])
+    assert torch.equal(y_wide[[1, 5]], before[[1, 5]])
+
+
+def test_triton_max_rank_and_rank_above_it(device):
+    """Rank 128 (MAX_RANK, several rank blocks) is exact; a row above it comes out NaN from the
+    kernel (it cannot check on the host) while the reference raises; other rows are unaffected."""
+    k, n, ranks = 33, 47, [128, 3, 129]
+    pool, adapters = make_adapters(ranks, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, [0, 1, 0, 2], ranks, device)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(9)).to(device)
+    want = lora_gather_reference(x[:3], pool, a_off[:3], b_off[:3], rk[:3], scales[:3], n)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
+    assert rel_err(got[:3], want) < TOL[torch.float32]
+    assert torch.isnan(got[3]).all()
+    with pytest.raises(ValueError, match="ranks must be in \\[0, 128\\]"):
+        lora_gather_reference(x, pool, a_off, b_off, rk, scales, n)
+
+
+def test_triton_block_sizes_do_not_change_the_result(device):
+    """Other K / N / rank blocks (the GPU's, 256 / 256 / 32) on odd shapes give the same sums."""
+    k, n, ranks, row_adapter = 257, 123, [64, 5], [0, 1, 0]
+    pool, adapters = make_adapters(ranks, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).to(device)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n)
+    for blocks in ({"block_k": 256, "block_n": 256, "block_r": 32}, {"block_k": 64, "block_n": 16, "block_r": 64}):
+        got = _lora_gather_triton(x, pool, a_off, b_off, rk, scales, n, None, **blocks)
+        assert rel_err(got, want) < TOL[torch.float32], blocks
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    k, n = 8, 6
+    pool, adapters = make_adapters([2], k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, [0, 0], [2], device)
+    x = torch.randn(2, k, device=device)
+    with pytest.raises(ValueError, match="ranks must be a \\[2\\] torch.int32"):
+        lora_gather(x, pool, a_off, b_off, rk.long(), scales, n, backend="triton")
+    with pytest.raises(ValueError, match="a_offsets must be a \\[2\\]"):
+        lora_gather(x, pool, a_off[:1], b_off, rk, scales, n)
+    with pytest.raises(TypeError, match="pool is torch.float16"):
+        lora_gather(x, pool.half(), a_off, b_off, rk, scales, n)
+    with pytest.raises(ValueError, match="out must be \\[2, 6\\]"):
+        lora_gather(x, pool, a_off, b_off, rk, scales, n, out=torch.zeros(2, 5, device=device))
+    with pytest.raises(ValueError, match="backend="):
+        lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="cuda")
+    with pytest.raises(ValueError, match="reaches past the pool"):
+        lora_gather_reference(x, pool, a_off, b_off + 1000, rk, scales, n)

@@ -1,0 +1,150 @@
+"""Paged decode attention: reference vs plain per-row math, Triton vs reference, write_kv.
+
+The Triton kernel runs in the interpreter on CPU (fp32 / fp16; bf16 is checked on the GPU by
+scripts/bench_decode_kernels.py). Tolerances on ||got - want|| / ||want||:
+reference vs float64 per-row math: 1e-5 (fp32 softmax over <= 70 tokens, errors near 1e-7);
+Triton vs reference, fp32 (IEEE dots): 1e-5 (only the order of the online softmax differs);
+fp16: 1e-3 (probabilities are rounded to fp16 before the P V product, unit roundoff 4.9e-4,
+and the output once more; the reference keeps them in fp32; seen: ~2e-4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.paged_attention import (
+    _paged_decode_attention_triton,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    write_kv,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+def rel_err(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def make_problem(lens, page, hq, hkv, d, dtype, device, layers=2, seed=0):
+    """A pool with every row's pages scattered in random order, unused page-table entries -1."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in lens]
+    max_pages = max(need) + 1
+    num_pages = sum(need) + 3
+    pool = torch.randn(num_pages, layers, 2, page, hkv, d, generator=g).to(device, dtype)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(lens), max_pages), -1, dtype=torch.int32)
+    pos = 0
+    for b, p in enumerate(need):
+        table[b, :p] = torch.tensor(perm[pos : pos + p], dtype=torch.int32)
+        pos += p
+    q = torch.randn(len(lens), hq, d, generator=g).to(device, dtype)
+    return q, pool, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def naive_attention(q, pool, layer, table, lens, scale, window):
+    """Token by token through the page table, one head at a time, float64."""
+    b, hq, d = q.shape
+    page, hkv = pool.shape[3], pool.shape[4]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        first = 0 if window is None else max(0, n - window)
+        toks = [(int(table[i, t // page]), t % page) for t in range(first, n)]
+        for h in range(hq):
+            kvh = h // (hq // hkv)
+            k = torch.stack([pool[p, layer, 0, s, kvh] for p, s in toks]).double()
+            v = torch.stack([pool[p, layer, 1, s, kvh] for p, s in toks]).double()
+            w = torch.softmax(k @ q[i, h].double() * scale, dim=0)
+            out[i, h] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_reference_matches_naive_per_row_math(window):
+    lens = [1, 5, 6, 10, 37]  # one token, exactly one page, one past it, two pages, long
+    q, pool, table, seq_lens = make_problem(lens, 5, 8, 2, 16, torch.float32, "cpu")
+    got = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.3, sliding_window=window)
+    want = naive_attention(q, pool, 1, table, seq_lens, 0.3, window)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    assert rel_err(got, want) < 1e-5
+
+
+def test_write_kv_scatters_into_the_named_slots_only():
+    pool = torch.zeros(6, 3, 2, 4, 2, 8)
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    pages = torch.tensor([4, 4, 1, 1, 1], dtype=torch.int32)
+    offsets = torch.tensor([2, 3, 0, 1, 2])
+    write_kv(pool, 1, k, v, pages, offsets)
+    for t in range(5):
+        assert torch.equal(pool[pages[t], 1, 0, offsets[t]], k[t])
+        assert torch.equal(pool[pages[t], 1, 1, offsets[t]], v[t])
+    assert int((pool != 0).sum()) == 2 * k.numel()  # nothing else touched (other layers included)
+    with pytest.raises(ValueError, match="k must be \\[tokens, 2, 8\\]"):
+        write_kv(pool, 1, k[:, :1], v, pages, offsets)
+    with pytest.raises(ValueError, match="layer=3"):
+        write_kv(pool, 3, k, v, pages, offsets)
+
+
+def test_written_tokens_attend_like_sdpa():
+    """write_kv then the reference equals SDPA over the same tokens (decode of the last one)."""
+    hq, hkv, d, page, n = 4, 2, 8, 4, 10
+    pool = torch.zeros(5, 1, 2, page, hkv, d)
+    k, v, q = torch.randn(n, hkv, d), torch.randn(n, hkv, d), torch.randn(1, hq, d)
+    table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    write_kv(pool, 0, k, v, table[0, torch.arange(n) // page], torch.arange(n) % page)
+    got = paged_decode_attention(q, pool, 0, table, torch.tensor([n], dtype=torch.int32), scale=d**-0.5)
+    kk = k.transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    vv = v.transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    want = torch.nn.functional.scaled_dot_product_attention(q.view(hq, 1, d), kk, vv).view(1, hq, d)
+    assert rel_err(got, want) < 1e-5
+
+
+CASES = {
+    # name: (seq_lens, page size, Hq, Hkv, head dim, sliding window, splits (None = launcher's))
+    "gqa4_page5": ([1, 5, 6, 37], 5, 8, 2, 24, None, None),
+    "gqa4_page5_window": ([1, 5, 6, 37], 5, 8, 2, 24, 7, 3),
+    "mha_page16_one_split": ([16, 17, 3, 70], 16, 3, 3, 16, None, 1),
+    "B37_window_past_len": ([1 + (i * 11) % 40 for i in range(37)], 16, 4, 1, 16, 20, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_matches_reference(device, dtype, case):
+    lens, page, hq, hkv, d, window, splits = CASES[case]
+    q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, dtype, device)
+    scale = 1 / math.sqrt(d)
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=scale, sliding_window=window)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, splits=splits)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
+
+
+def test_public_triton_backend_and_strided_q(device):
+    """q as a head slice of a fused qkv activation (row stride != Hq * D)."""
+    lens, page, hq, hkv, d = [9, 2], 4, 4, 2, 16
+    _, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, torch.float32, device)
+    qkv = torch.randn(2, hq + 2 * hkv, d, device=device)
+    q = qkv[:, :hq]
+    want = paged_decode_attention_reference(q.contiguous(), pool, 0, table, seq_lens, scale=0.25)
+    got = paged_decode_attention(q, pool, 0, table, seq_lens, scale=0.25, backend="triton")
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    q, pool, table, seq_lens = make_problem([3, 4], 4, 4, 2, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="not a multiple of the pool's 2 kv heads"):
+        paged_decode_attention(q[:, :3], pool, 0, table, seq_lens, scale=1.0, backend="triton")
+    with pytest.raises(ValueError, match="page_table must be a \\[2, max_pages >= 1\\] int32"):
+        paged_decode_attention(q, pool, 0, table.long(), seq_lens, scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window must be None or a positive int"):
+        paged_decode_attention(q, pool, 0, table, seq_lens, scale=1.0, sliding_window=0)
+    with pytest.raises(TypeError, match="q is torch.float16"):
+        paged_decode_attention(q.half(), pool, 0, table, seq_lens, scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens need 3 pages but page_table has 2 columns"):
+        paged_decode_attention_reference(q, pool, 0, table, seq_lens + 5, scale=1.0)

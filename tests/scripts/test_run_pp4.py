@@ -1,0 +1,131 @@
+"""scripts/run_pp4.py without GPUs: every run's config resolves to the layout it claims; a job
+over its time limit is killed with its whole process tree and the next one still runs; the
+table adds up side-by-side jobs."""
+
+import contextlib
+import io
+import os
+import sys
+import time
+
+import pytest
+import yaml
+
+from _script_loader import load_script
+
+RUN_PP4 = load_script("run_pp4")
+JOBS = [(run.name, job) for run in RUN_PP4.RUNS + RUN_PP4.RUNS_2GPU for job in run.jobs]
+
+
+def _resolved_config(args, tmp_path, monkeypatch) -> dict:
+    """``fit ... --print_config`` in this process (a subprocess per config costs ~20 s of imports)."""
+    from lightning_lorafusion.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-lorafusion"])  # pytest's own arguments are not ours
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(args)  # the CLI returns its exit status (--print_config included)
+    assert code == 0, out.getvalue()[-3000:]
+    return yaml.safe_load(out.getvalue())
+
+
+@pytest.mark.parametrize("name, job", JOBS, ids=[f"{n}{'_' + j.tag if j.tag else ''}" for n, j in JOBS])
+def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job):
+    cmd = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [], launcher="lightning")
+    assert cmd[1:4] == ["-m", "lightning_lorafusion.cli", "fit"]
+    torchrun = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [])
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == str(job.procs)
+    assert torchrun[torchrun.index("lightning_lorafusion.cli"):] == cmd[2:]
+    cfg = _resolved_config(cmd[3:] + ["--print_config"], tmp_path, monkeypatch)
+    trainer, model = cfg["trainer"], cfg["model"]
+    strategy = trainer["strategy"]["init_args"]
+    adapters = [a["name"] for a in model["adapters"]]
+    assert trainer["default_root_dir"] == str(tmp_path / "run") and trainer["devices"] == job.procs
+    assert trainer["precision"] == "bf16-true" and trainer["max_epochs"] == 2
+    assert [c["class_path"] for c in trainer["callbacks"]] == ["lightning_lorafusion.training.callbacks.RunSummary"]
+    assert model["backend"] == "auto" and model["export_on_fit_end"] is False
+    assert all(a["rank"] == 16 and a["target_modules"] == "all-linear" for a in model["adapters"])
+    if name.startswith("70b"):
+        stages = 2 if "_pp2_" in name else 4
+        assert model["base_model"] == "random:llama70b" and trainer["devices"] == stages
+        assert strategy["pipeline_size"] == stages
+        assert model["activation_checkpointing"] == (16 if stages == 2 else False)
+        assert strategy["schedule"] == ("flushed_1f1b" if name.endswith("flushed") else "no_flush")
+        assert len(adapters) == (1 if "_1ad" in name else 4)
+        want = ["xsum", "cnndm", "wikisum", "mixed"] if "_het_" in name else None
+        assert want is None or adapters == want
+        assert all(a["dataset"]["distribution"] == "mixed" for a in model["adapters"]) or "_het_" in name
+    else:
+        assert model["base_model"] == "random:llama8b"
+        layout = {"8b_pp2xdp2": (4, 2), "8b_dp4": (4, 1), "8b_2jobs_pp2": (2, 2), "8b_pp2": (2, 2),
+                  "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1)}[name]
+        assert (trainer["devices"], strategy["pipeline_size"]) == layout
+        want = {"a": ["mixed1", "mixed2"], "b": ["mixed3", "mixed4"]}.get(job.tag, ["mixed1", "mixed2", "mixed3", "mixed4"])
+        assert adapters == want
+
+
+def test_a_job_over_its_limit_is_killed_with_its_children_and_others_report(tmp_path):
+    """The child sits in a session of its own, as torchrun's ranks do: killing the job's process
+    group alone would leave it running (and holding its GPU)."""
+    pid_file = tmp_path / "child.pid"
+    sleeper = ("import subprocess, sys, time; "
+               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+               "start_new_session=True); "
+               f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)")
+    commands = [([sys.executable, "-c", sleeper], dict(os.environ), str(tmp_path / "slow.log")),
+                ([sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ), str(tmp_path / "bad.log")),
+                ([sys.executable, "-c", "print('fine')"], dict(os.environ), str(tmp_path / "ok.log"))]
+    t0 = time.monotonic()
+    statuses = RUN_PP4.run_jobs(commands, limit_s=5.0)
+    assert statuses == ["timeout", "exit 3", "ok"]
+    assert time.monotonic() - t0 < 60
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not _alive(child), "the job's child process outlived the time limit"
+    assert "fine" in (tmp_path / "ok.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that never comes in some containers is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _summary(gpus, pp, adapters, epochs):
+    return {"gpus": gpus, "pipeline_size": pp, "data_parallel_size": gpus // pp, "adapters": adapters,
+            "schedule": "no_flush", "peak_tflops": 1000.0, "epochs": epochs}
+
+
+def _epoch(epoch, tokens, wall, flops, start, peaks, bubble=0.1, sim=0.08):
+    return {"epoch": epoch, "real_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "useful_flops": flops, "start_unix": start, "end_unix": start + wall, "bubble_ratio": bubble,
+            "simulated_bubble_ratio": sim, "peak_allocated_gib": peaks, "microbatches": 10, "noop_slots": 1}
+
+
+def test_side_by_side_jobs_add_rates_and_the_table_reads_the_last_epoch():
+    a = _summary(2, 2, ["a1", "a2"], [_epoch(0, 100, 10.0, 1e15, 0.0, [9.0, 9.0]),
+                                      _epoch(1, 1000, 4.0, 4e15, 10.0, [50.0, 40.0], bubble=0.05)])
+    b = _summary(2, 2, ["b1", "b2"], [_epoch(0, 100, 10.0, 1e15, 0.0, [9.0, 9.0]),
+                                      _epoch(1, 1200, 5.0, 6e15, 11.0, [51.0, 41.0], bubble=0.07)])
+    row = RUN_PP4.combine([a, b])
+    assert row["epoch"] == 1 and row["adapters"] == 4 and row["gpus"] == 4
+    assert row["tokens_per_s"] == pytest.approx(1000 / 4.0 + 1200 / 5.0)
+    assert row["mfu"] == pytest.approx((4e15 / 4.0 + 6e15 / 5.0) / (4 * 1000e12))
+    assert row["bubble_ratio"] == pytest.approx(0.06)
+    assert row["peak_allocated_gib"] == [50.0, 40.0, 51.0, 41.0]
+    assert row["overlap"] == pytest.approx((14.0 - 11.0) / (16.0 - 10.0))
+    single = RUN_PP4.combine([_summary(4, 4, ["x"], [_epoch(0, 500, 5.0, 2e15, 0.0, [1.0] * 4)])])
+    results = [{"name": "8b_2jobs_pp2", "status": "ok", "row": row},
+               {"name": "70b_pp4_mixed_1ad", "status": "timeout", "row": single},
+               {"name": "8b_dp4", "status": "exit 1", "row": None}]
+    text = RUN_PP4.table(results)
+    assert "| 8b_2jobs_pp2 | PP2xDP1 + PP2xDP1 | 4 | 490 |" in text
+    assert "| 8b_dp4 | - |" in text and "exit 1" in text
+    assert "timeout (epoch 0 only: includes warm-up)" in text
+    assert RUN_PP4.combine([a, None]) is None

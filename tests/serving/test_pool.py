@@ -1,0 +1,145 @@
+"""Unified pool: adapters and KV share pages; eviction, page-in, waiting admission, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams, UnknownAdapterError
+from lightning_lorafusion.serving.adapters import HostAdapter
+from lightning_lorafusion.serving.pool import UnifiedPool
+
+from test_generation import CASES, _requests
+
+
+def test_small_pool_evicts_and_pages_back_in_without_changing_outputs(make_engine):
+    reference = make_engine(num_pages=200, page_size=4).generate(_requests(CASES))
+    # 34 pages: all4 (16) + mlp8 (22) + attn2 (2) = 40 pages of adapters alone do not fit
+    engine = make_engine(num_pages=34, page_size=4)
+    results = engine.generate(_requests(CASES + CASES[::-1]))
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference + reference[::-1]]
+    stats = engine.stats()
+    assert stats["adapter_evictions_total"] > 0
+    assert stats["adapter_page_ins_total"] > len({a for _, a in CASES if a})
+    assert stats["kv_pages_used"] == 0 and stats["running"] == 0
+    engine.pool.check()
+
+
+def test_admission_waits_for_kv_and_proceeds(make_engine):
+    cases = [(list(range(3 + i, 12 + i)), None) for i in range(8)]  # 9 + 10 tokens: 5 pages each
+    reference = make_engine(num_pages=200, page_size=4).generate(_requests(cases))
+    engine = make_engine(False, num_pages=16, page_size=4, kv_watermark=0.0)
+    for r in _requests(cases):
+        engine.submit(r)
+    saw_waiting, done = False, {}
+    for _ in range(200):
+        for ev in engine.step():
+            if ev.finish_reason:
+                done[ev.request_id] = ev.finish_reason
+        s = engine.stats()
+        saw_waiting |= s["running"] > 0 and s["waiting"] > 0
+        assert s["kv_pages_used"] <= 16
+        if len(done) == len(cases):
+            break
+    assert saw_waiting and len(done) == len(cases)
+    assert engine.stats()["kv_pages_used"] == 0
+    again = make_engine(False, num_pages=16, page_size=4, kv_watermark=0.0).generate(_requests(cases))
+    assert [r.token_ids for r in again] == [r.token_ids for r in reference]
+
+
+def test_remove_adapter_frees_pages_once_idle(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    req = _requests([CASES[3]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    engine.submit(req)
+    engine.step()
+    assert {a.name: a.resident for a in engine.adapters()}["mlp8"]
+    engine.remove_adapter("mlp8")
+    assert "mlp8" not in {a.name for a in engine.adapters()}
+    with pytest.raises(UnknownAdapterError):
+        engine.submit(GenerationRequest(prompt_token_ids=[1, 2], adapter="mlp8"))
+    with pytest.raises(UnknownAdapterError):
+        engine.remove_adapter("mlp8")
+    assert engine.stats()["adapter_pages_used"] == 22  # still in use by the running request
+    tokens = []
+    while engine.stats()["running"]:
+        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
+    assert len(tokens) == 5
+    engine.step()
+    assert engine.stats()["adapter_pages_used"] == 0 and engine.stats()["adapters_resident"] == 0
+
+
+def _fake_adapter(numel: int) -> HostAdapter:
+    return HostAdapter(name=f"a{numel}", rank=1, alpha=1.0, target_modules=(), slots={},
+                       flat=torch.arange(numel, dtype=torch.float32), num_layers=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_pool_accounting_never_leaks(seed):
+    """Random arrivals / growth / finishes / adapter page-ins: pages are always exactly one of
+    free, KV or adapter; moved KV pages keep their contents; everything returns at the end."""
+    rng = random.Random(seed)
+    pool = UnifiedPool(num_pages=40, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    adapters = [_fake_adapter(rng.randint(1, 8 * pool.page_elems)) for _ in range(5)]
+    owners: list[tuple[list[int], float]] = []  # page list, marker value written into its pages
+    users: list[HostAdapter] = []
+    for step in range(60):
+        op = rng.random()
+        if op < 0.35:
+            pages: list[int] = []
+            if pool.allocate_kv(pages, rng.randint(1, 4)):
+                marker = float(step + 1)
+                pool.kv[pages] = marker
+                owners.append((pages, marker))
+        elif op < 0.5 and owners:
+            pages, marker = owners.pop(rng.randrange(len(owners)))
+            pool.free_kv(pages)
+        elif op < 0.75:
+            a = rng.choice(adapters)
+            r = pool.page_in(a)
+            if r is not None:
+                assert torch.equal(pool.storage[r.offset:r.offset + a.numel], a.flat)
+                if rng.random() < 0.5:
+                    pool.acquire(a)
+                    users.append(a)
+        elif op < 0.85 and users:
+            pool.release(users.pop(rng.randrange(len(users))))
+        else:
+            pool.evict_lru_idle()
+        pool.check()
+        for pages, marker in owners:
+            assert bool((pool.kv[pages] == marker).all())  # relocation moved the contents too
+        for a in set(users):
+            r = pool.resident(a)
+            assert r is not None and torch.equal(pool.storage[r.offset:r.offset + a.numel], a.flat)
+    for pages, _ in owners:
+        pool.free_kv(pages)
+    for a in users:
+        pool.release(a)
+    while pool.evict_lru_idle():
+        pass
+    pool.check()
+    assert pool.num_free == pool.num_pages
+
+
+def test_fragmented_pool_moves_kv_pages_to_fit_an_adapter():
+    pool = UnifiedPool(num_pages=12, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    lists = [[] for _ in range(12)]
+    for i, pages in enumerate(lists):
+        assert pool.allocate_kv(pages, 1)
+        pool.kv[pages] = float(i)
+    for pages in lists[::2]:  # every other page free: no run of 2
+        pool.free_kv(pages)
+    adapter = _fake_adapter(5 * pool.page_elems)  # needs 5 contiguous pages; 6 are free
+    r = pool.page_in(adapter)
+    assert r is not None and pool.pages_moved > 0
+    pool.check()
+    for i, pages in enumerate(lists):
+        if i % 2:
+            assert bool((pool.kv[pages] == float(i)).all())

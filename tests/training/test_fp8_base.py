@@ -1,0 +1,82 @@
+"""``model.base_precision: fp8`` through the Lightning module, with the emulated FP8 products.
+
+The FP8 base quantizes activations and output gradients per token row, so packing must still
+not change what an adapter learns: the joint run is compared with each adapter trained alone
+on the same quantized base (test_equivalence's reference).
+"""
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.fp8_linear import SCALE_KEY, WEIGHT_KEY
+from lightning_lorafusion.specs import ConfigError
+from lightning_lorafusion.training.module import LoRAFusionModule
+
+from test_equivalence import fit_joint, tiny_specs, train_alone
+
+FP8 = {"base_precision": "fp8", "fp8_emulate": True}
+
+
+def test_base_precision_is_validated(tiny_model_dir):
+    with pytest.raises(ConfigError, match="base_precision='fp4'.*allowed"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], base_precision="fp4")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs FP8 tensor cores.*no CUDA GPU"):
+            LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], base_precision="fp8")
+
+
+def test_fp8_base_packed_training_equals_separate_runs(tiny_model_dir):
+    specs = tiny_specs()  # no dropout: masks depend on the microbatch layout
+    module, dm, _ = fit_joint(tiny_model_dir, specs, module_kwargs=FP8)
+    assert module.steps_taken == [3, 3, 2]
+    buffers = dict(module.named_buffers())
+    q = buffers[f"base__layers__0__q_proj__{WEIGHT_KEY}"]
+    assert q.dtype == torch.uint8 and buffers[f"base__layers__0__q_proj__{SCALE_KEY}"].dtype == torch.float32
+    assert not any(n.endswith("proj__weight") for n in buffers), "the 16-bit projection weights are dropped"
+    for a in range(3):
+        ref = train_alone(module, dm, a)  # module.base_params(): the same quantized base
+        alone = dict(ref.adapters[0].named_parameters())
+        for name, p in module.bank.adapters[a].named_parameters():
+            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=f"{specs[a].name}.{name}": f"{n}\n{m}")
+
+
+def test_fp8_base_trains_under_bf16_true(tiny_model_dir):
+    """Lightning's bf16-true casts floating buffers: the e4m3 bits are stored as uint8 and the
+    power-of-two scales survive the cast exactly; the step runs and the adapters learn."""
+    module, _, _ = fit_joint(tiny_model_dir, tiny_specs(), precision="bf16-true", module_kwargs=FP8)
+    assert module.steps_taken == [3, 3, 2]
+    buffers = dict(module.named_buffers())
+    assert buffers[f"base__layers__1__down_proj__{WEIGHT_KEY}"].dtype == torch.uint8
+    scale = buffers[f"base__layers__1__down_proj__{SCALE_KEY}"].float()
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
+    assert all(torch.isfinite(p).all() for p in module.bank.parameters())
+    assert any(p.abs().sum() > 0 for n, p in module.bank.named_parameters() if ".b" in n or "lora_B" in n)
+
+
+def test_fp8_base_with_activation_checkpointing(tiny_model_dir):
+    """Recomputing a layer re-quantizes the same activations to the same bits: adapter
+    gradients with and without checkpointing are identical on the FP8 base."""
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.model.decoder import decoder_layers, embed
+    from lightning_lorafusion.model.hf_loading import load_base_model, quantize_base_fp8
+
+    config, params, _ = load_base_model(tiny_model_dir)
+    params = quantize_base_fp8(params)
+    specs = tiny_specs(dropout=0.1)
+    ids = torch.randint(4, config.vocab_size, (64,))
+    grads = []
+    for ckpt in (False, True):
+        bank = AdapterBank(specs, config, dtype=torch.float32)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in bank.parameters():
+                p.normal_(0, 0.1)
+        routing = bank.routing([(0, 24, 0), (24, 40, 1), (40, 64, 2)], 0, 64)
+        h = decoder_layers(params, bank.view(), embed(params, ids), torch.arange(64),
+                           torch.tensor([0, 24, 64], dtype=torch.int32), routing, config=config,
+                           checkpoint_layers=ckpt)
+        (h.float() ** 2).mean().backward()
+        grads.append([p.grad.clone() for p in bank.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
