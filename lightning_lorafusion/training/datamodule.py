@@ -398,6 +398,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
                 f"{plan.pad_multiple}; this run has {self.packing.capacity}, {self.packing.pad_multiple}"
             )
+        # a stopped adapter's samples end where its planning stopped: at a window boundary, so
+        # what the plan holds of it is whole global batches 0 .. k-1
+        last = {}
+        for mb in plan.microbatches:
+            for ref in mb.samples:
+                last[ref.adapter] = max(last.get(ref.adapter, -1), ref.batch)
+        lengths = [batches[: last.get(a, -1) + 1] if a in self.excluded else batches
+                   for a, batches in enumerate(lengths)]
         problems += verify_plan(plan, lengths)
         if problems:
             raise ConfigError(
