@@ -531,7 +531,9 @@ class LoRAFusionModule(L.LightningModule):
             pad_token_id=dm.packing.pad_token_id, backend=self.backend, device=self.device,
         )
 
-        def text(ids) -> str:
+        def text(ids) -> str:  # a random-weight base has no tokenizer: token ids then
+            if self.tokenizer is None:
+                return " ".join(str(int(t)) for t in ids)
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
         rows = [{"step": self.global_step, "adapter": self.adapter_specs[p.adapter].name,
