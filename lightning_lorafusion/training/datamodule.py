@@ -5,11 +5,15 @@ shuffled with its own seed, cut into its own global batches, planned together in
 fixed-capacity microbatches (``lightning_lorafusion.planner``) and streamed through a
 torchdata node graph that packs tensors in a background thread. The position in the
 stream is part of the checkpoint, so a resumed run continues at the exact microbatch.
+Validation samples (an adapter's ``val_dataset`` or held-out ``val_fraction``) are planned
+and packed the same way, every adapter together, into the validation loader. Adapters that
+stop (early stopping, quarantine) are left out of planning from the next planning window.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -26,10 +30,37 @@ from .capacity import DEFAULT_CANDIDATES
 
 log = logging.getLogger(__name__)
 
-_PLAN_LOCK = threading.Lock()  # module-level: the data module itself must stay picklable (spawn)
+_PLAN_LOCK = threading.RLock()  # module-level: the data module itself must stay picklable (spawn)
 
 # Microbatch.index = epoch * EPOCH_STRIDE + position: unique per run, feeds dropout offsets.
 EPOCH_STRIDE = 1_000_000
+
+
+def holdout_indices(num_samples: int, fraction: float, seed: int) -> list[int]:
+    """Dataset indices held out for validation: those whose hash of (seed, index) falls below
+    ``fraction``, so a sample's side does not depend on the others (adding samples moves none).
+    At least one sample is held out and at least one kept for training."""
+    if num_samples < 2:
+        raise ConfigError(f"val_fraction needs at least 2 samples to split; the dataset has {num_samples}")
+    keys = [int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") / 2**64
+            for i in range(num_samples)]
+    held = [i for i, k in enumerate(keys) if k < fraction]
+    if not held:
+        held = [min(range(num_samples), key=keys.__getitem__)]
+    if len(held) == num_samples:
+        held.remove(max(held, key=keys.__getitem__))
+    return held
+
+
+def window_starts(plan: Plan, window: int) -> dict[int, int]:
+    """Planning window -> position of its first sample in ``plan`` (windows hold rounds
+    ``[w * window, (w + 1) * window)`` of every adapter and follow each other, so no global
+    batch straddles these positions)."""
+    starts: dict[int, int] = {}
+    for pos, mb in enumerate(plan.microbatches):
+        for s in mb.samples:
+            starts.setdefault(s.batch // window, pos)
+    return starts
 
 
 @dataclass(frozen=True)
@@ -163,6 +194,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         # the last two epochs' plans: at an epoch boundary (and on resume) the finished epoch's
         # plan (is anything left?) and the next one's are both asked for, alternately
         self._plans: dict[int, EpochPlan] = {}
+        self.val_datasets: list[Sequence] = []  # per adapter ([] without validation data)
+        self.excluded: frozenset[int] = frozenset()  # adapters no longer planned (stopped)
+        self._streamed: dict[int, int] = {}  # epoch -> last position the stream has begun packing
+        self._val_plans: dict[tuple[int, ...], tuple[Plan, SampleLookup]] = {}
 
     # ----------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
@@ -194,6 +229,15 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.data_parallel_size = layout.data_parallel_size
         self.replica = strategy.replica
         self.pipeline = True
+        specs = self.specs or getattr(self.trainer.lightning_module, "adapter_specs", ())
+        with_val = [s.name for s in specs if s.has_validation]
+        if layout.pipeline_size > 1 and with_val:
+            raise ConfigError(
+                f"validation (val_dataset / val_fraction of adapters {with_val}) is not supported "
+                f"under the pipeline strategy with pipeline_size={layout.pipeline_size} yet; remove "
+                "it, and validate the exported adapters on one device afterwards (`lightning-lorafusion "
+                "validate` with adapters[].init_from set to them)"
+            )
 
     def configure(self, specs: Sequence[AdapterSpec], tokenizer: Any, *, vocab_size: int | None = None) -> None:
         """Use these adapters and tokenizer (the LightningModule's, under Lightning).
@@ -213,7 +257,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         from ..data.sources import SyntheticSource, build_source, parse_source
 
         max_length = self.max_length or self.packing.capacity
-        self.datasets = []
+        self.datasets, self.val_datasets = [], []
         for spec in self.specs:
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
@@ -226,14 +270,30 @@ class MultiAdapterDataModule(L.LightningDataModule):
             )
             if len(samples) == 0:
                 raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
+            val: Sequence = []
+            if spec.val_fraction > 0:
+                if len(samples) < 2:
+                    raise ConfigError(f"adapter {spec.name!r}: val_fraction={spec.val_fraction} needs at "
+                                      f"least 2 samples to split; its dataset has {len(samples)}")
+                held = set(holdout_indices(len(samples), spec.val_fraction, spec.seed))
+                val = [s for i, s in enumerate(samples) if i in held]
+                samples = [s for i, s in enumerate(samples) if i not in held]
+            elif spec.val_dataset is not None:
+                # a single file is read whole; path mappings, aclsum and synthetic give their 'val' split
+                split = "train" if isinstance(spec.val_dataset.get("path"), str) else "val"
+                val = build_source(spec.val_dataset, self.tokenizer, split=split, max_length=max_length,
+                                   name=f"{spec.name} (val)")
             self.datasets.append(samples)
+            self.val_datasets.append(val)
             if not self.capacity_pending:
                 self._check_lengths(spec, samples)
+                self._check_lengths(spec, val)
             tokens = [len(s.input_ids) for s in samples]
             log.info(
-                "adapter %s: %d samples, mean %.0f tokens (max %d), %d global batches per epoch",
+                "adapter %s: %d samples, mean %.0f tokens (max %d), %d global batches per epoch%s",
                 spec.name, len(samples), float(np.mean(tokens)), max(tokens),
                 self.batches_per_epoch(len(self.datasets) - 1),
+                f"; {len(val)} validation samples" if val else "",
             )
 
     def _check_lengths(self, spec: AdapterSpec, samples: Sequence) -> None:
@@ -277,19 +337,29 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def _lookup(self, epoch: int) -> SampleLookup:
         return SampleLookup(self.datasets, [self.global_batches(a, epoch) for a in range(len(self.specs))])
 
-    def _plan(self, epoch: int, lengths, capacity: int, method: str) -> Plan:
+    def _plan(self, epoch: int, lengths, capacity: int, method: str, *, num_stages: int | None = None,
+              start_window: int = 0, carry_in=None) -> Plan:
         from ..planner import PlannerConfig, join_plans, plan_stream
+        from ..planner.stream import num_windows
 
         config = PlannerConfig(
             capacity=capacity,
             pad_multiple=self.packing.pad_multiple,
-            num_stages=self.num_stages,
+            num_stages=self.num_stages if num_stages is None else num_stages,
             method=method,
             time_limit=self.planner_time_limit,
             seed=self.seed + epoch,
         )
-        windows = plan_stream(lengths, config, window=self.planner_window, workers=self.planner_workers)
+        if start_window >= num_windows(lengths, self.planner_window):  # nothing (left) to plan
+            return Plan(capacity=capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages,
+                        microbatches=())
+        windows = plan_stream(lengths, config, window=self.planner_window, workers=self.planner_workers,
+                              start_window=start_window, carry_in=carry_in)
         return join_plans([wp.plan for wp in windows])
+
+    def _planned_lengths(self, lengths) -> list:
+        """The planner's input with stopped adapters' batches left out."""
+        return [[] if a in self.excluded else batches for a, batches in enumerate(lengths)]
 
     def plan_epoch(self, epoch: int) -> EpochPlan:
         """Plan every adapter's global batches of ``epoch`` (or reuse the checkpointed plan)."""
@@ -304,7 +374,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
             self._check_restored_plan(plan, lengths)
         else:
-            plan = self._plan(epoch, lengths, self.packing.capacity, self.planner)
+            plan = self._plan(epoch, self._planned_lengths(lengths), self.packing.capacity, self.planner)
             log.info(
                 "epoch %d planned (%s): %d microbatches of %d tokens, fill %.1f%%",
                 epoch, self.planner, len(plan.microbatches), self.packing.capacity,
@@ -328,6 +398,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
                 f"{plan.pad_multiple}; this run has {self.packing.capacity}, {self.packing.pad_multiple}"
             )
+        # a stopped adapter's samples end where its planning stopped: at a window boundary, so
+        # what the plan holds of it is whole global batches 0 .. k-1
+        last = {}
+        for mb in plan.microbatches:
+            for ref in mb.samples:
+                last[ref.adapter] = max(last.get(ref.adapter, -1), ref.batch)
+        lengths = [batches[: last.get(a, -1) + 1] if a in self.excluded else batches
+                   for a, batches in enumerate(lengths)]
         problems += verify_plan(plan, lengths)
         if problems:
             raise ConfigError(
@@ -375,8 +453,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
             capacity=chosen, pad_multiple=self.packing.pad_multiple, pad_token_id=self.packing.pad_token_id
         )
         self.capacity_pending = False
-        for spec, samples in zip(self.specs, self.datasets):
+        for spec, samples, val in zip(self.specs, self.datasets, self.val_datasets):
             self._check_lengths(spec, samples)
+            self._check_lengths(spec, val)
         return chosen
 
     def _profile_capacity(self, module: Any, probe_microbatches: int = 2) -> int:
@@ -442,6 +521,87 @@ class MultiAdapterDataModule(L.LightningDataModule):
                     del self._plans[old]
             return self._plans[epoch]
 
+    # ------------------------------------------------ stopping adapters
+    def exclude_adapters(self, adapters: Sequence[int]) -> None:
+        """Stop planning ``adapters`` (early stopped or quarantined): later epochs leave them out,
+        and the epoch being streamed is re-planned from its next planning window that the stream
+        has not reached (samples of theirs packed before it still arrive; the module ignores
+        them). Under the pipeline strategy an epoch is one window: from the next epoch."""
+        new = frozenset(adapters) - self.excluded
+        if not new:
+            return
+        with _PLAN_LOCK:
+            self.excluded = self.excluded | new
+            for epoch in sorted(e for e in self._plans if e >= self.epoch):
+                if epoch not in self._streamed:
+                    del self._plans[epoch]  # planned ahead, not started: plan it again without them
+                elif not self.pipeline:  # a started pipeline window keeps its plan to the end
+                    self._plans[epoch] = self._replan_rest(self._plans[epoch])
+        log.info("adapters %s are no longer planned", sorted(self.specs[a].name for a in new))
+
+    def _replan_rest(self, ep: EpochPlan) -> EpochPlan:
+        """``ep`` with every planning window from the first one the stream has not reached
+        planned again without the excluded adapters. The cut sits a fixed distance ahead of the
+        training position (further than the prefetch can run), so where it falls does not depend
+        on the loader thread's timing."""
+        from ..planner.verify import carry_state
+
+        plan = ep.plan
+        earliest = self.position + self.prefetch + 4 if ep.epoch == self.epoch else 0
+        earliest = max(earliest, self._streamed.get(ep.epoch, -1) + 1)
+        cuts = sorted((pos, w) for w, pos in window_starts(plan, self.planner_window).items() if pos >= earliest)
+        if not cuts:
+            return ep  # its last window is already streaming; the next epoch leaves them out
+        cut, first_window = cuts[0]
+        head = plan.microbatches[:cut]
+        head_plan = Plan(capacity=plan.capacity, pad_multiple=plan.pad_multiple, num_stages=plan.num_stages,
+                         microbatches=head, step_points=Plan.compute_step_points(head))
+        rest = self._plan(ep.epoch, self._planned_lengths(ep.lookup.lengths()), plan.capacity, self.planner,
+                          start_window=first_window, carry_in=carry_state(head_plan))
+        joined = head + rest.microbatches
+        new = Plan(capacity=plan.capacity, pad_multiple=plan.pad_multiple, num_stages=plan.num_stages,
+                   microbatches=joined, step_points=Plan.compute_step_points(joined))
+        log.info("epoch %d re-planned from microbatch %d (window %d): %d microbatches instead of %d",
+                 ep.epoch, cut, first_window, len(joined), len(plan.microbatches))
+        return EpochPlan(epoch=ep.epoch, plan=new, lookup=ep.lookup, denominators=ep.denominators,
+                         step_adapters=new.step_adapters())
+
+    # ------------------------------------------------------------ validation
+    @property
+    def has_validation(self) -> bool:
+        return any(len(v) > 0 for v in self.val_datasets)
+
+    def val_plan(self) -> tuple[Plan, SampleLookup] | None:
+        """Every validating adapter's val samples planned together, cut into chunks of its global
+        batch size like its training data; None if there are none. During fit, adapters that
+        stopped training are left out (``validate`` evaluates them all)."""
+        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+        skip = self.excluded if fitting else frozenset()
+        active = tuple(a for a, v in enumerate(self.val_datasets) if len(v) and a not in skip)
+        if not active:
+            return None
+        if active not in self._val_plans:
+            batches = [[list(range(i, min(i + self.specs[a].global_batch_size, len(v))))
+                        for i in range(0, len(v), self.specs[a].global_batch_size)] if a in active else []
+                       for a, v in enumerate(self.val_datasets)]
+            lookup = SampleLookup(self.val_datasets, batches)
+            plan = self._plan(0, lookup.lengths(), self.packing.capacity, self.planner, num_stages=1)
+            self._val_plans[active] = (plan, lookup)
+        return self._val_plans[active]
+
+    def iter_val_microbatches(self) -> Iterator[Microbatch]:
+        """This replica's share of the validation microbatches (every ``data_parallel_size``-th)."""
+        planned = self.val_plan()
+        if planned is None:
+            return
+        plan, lookup = planned
+        denominators = lookup.denominators()
+        for pos in range(self.replica, len(plan.microbatches), self.data_parallel_size):
+            if not plan.microbatches[pos].is_noop:
+                yield pack_microbatch(plan.microbatches[pos], lookup, config=self.packing,
+                                      num_adapters=len(self.specs), denominators=denominators,
+                                      step_adapters=(), index=pos)
+
     def pack_position(self, epoch: int, pos: int) -> Microbatch:
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
         ep = self.epoch_plan(epoch)
@@ -469,18 +629,33 @@ class MultiAdapterDataModule(L.LightningDataModule):
         with 16 global batches per adapter, docs/parallel.md).
         """
         if start == 0:
-            ep = self.epoch_plan(epoch)
-            yield PipelineWindow(epoch, ep.plan, lambda pos: self.pack_position(epoch, pos))
+            with _PLAN_LOCK:
+                ep = self.epoch_plan(epoch)
+                self._streamed[epoch] = 0  # started: exclude_adapters keeps this plan
+            if ep.plan.microbatches:  # empty once every adapter has stopped
+                yield PipelineWindow(epoch, ep.plan, lambda pos: self.pack_position(epoch, pos))
 
     def on_window_trained(self, window: PipelineWindow) -> None:
         self.epoch, self.position = window.epoch, len(window.plan.microbatches)
 
     def iter_microbatches(self, epoch: int, start: int = 0) -> Iterator[Microbatch]:
-        """Packed microbatches of ``epoch`` from position ``start`` (no-op slots skipped)."""
-        ep = self.epoch_plan(epoch)
-        for pos in range(start, len(ep.plan.microbatches)):
-            if not ep.plan.microbatches[pos].is_noop:
+        """Packed microbatches of ``epoch`` from position ``start`` (no-op slots skipped).
+
+        The plan is looked up again at every position: ``exclude_adapters`` may re-plan the
+        positions the stream has not reached yet."""
+        pos = start
+        while True:
+            with _PLAN_LOCK:
+                ep = self.epoch_plan(epoch)
+                if pos >= len(ep.plan.microbatches):
+                    return
+                self._streamed[epoch] = pos
+                for old in sorted(self._streamed)[:-2]:
+                    del self._streamed[old]
+                noop = ep.plan.microbatches[pos].is_noop
+            if not noop:
                 yield self.pack_position(epoch, pos)
+            pos += 1
 
     # ------------------------------------------------------------ Lightning
     def train_dataloader(self):
@@ -491,6 +666,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         node = tn.IterableWrapper(_ResumableStream(self))
         node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
         return _MicrobatchLoader(tn.Loader(node))
+
+    def val_dataloader(self):
+        """Packed validation microbatches of the adapters still training (re-read at every
+        validation; nothing when no adapter has validation data)."""
+        return _ValLoader(self)
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         if isinstance(batch, _Sealed):
@@ -505,6 +685,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "epoch": self.epoch, "position": self.position, "capacity": self.packing.capacity,
+            "excluded": sorted(self.excluded),
         }
         current = self._plans.get(self.epoch)
         if current is not None:
@@ -519,6 +700,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             self._restored_capacity = int(state["capacity"])
         if "plan" in state:
             self._restored_plan = (self.epoch, Plan.from_json(state["plan"]))
+        self.excluded = frozenset(state.get("excluded", ()))
 
 
 def plan_fill(plan: Plan, capacity: int) -> float:
@@ -537,6 +719,28 @@ class _MicrobatchLoader:
 
     def __iter__(self):
         return (_Sealed(item) for item in self._loader)
+
+
+class _ValLoader:
+    """Iterable over this replica's validation microbatches, packed ahead in a thread; the plan
+    (which adapters validate) is taken when each validation starts."""
+
+    def __init__(self, dm: MultiAdapterDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self):
+        import torchdata.nodes as tn
+
+        node = tn.Prefetcher(tn.IterableWrapper(_ValStream(self.dm)), prefetch_factor=max(1, self.dm.prefetch))
+        return (_Sealed(item) for item in tn.Loader(node))
+
+
+class _ValStream:
+    def __init__(self, dm: MultiAdapterDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[Microbatch]:
+        return self.dm.iter_val_microbatches()
 
 
 class _Sealed:

@@ -4,6 +4,9 @@ Manual optimization: every microbatch runs one forward/backward for all adapters
 each adapter's own AdamW steps when the microbatch that completes its global batch has
 finished backward (``Microbatch.step_adapters``). The frozen base lives in non-persistent
 buffers, so checkpoints hold only adapters, optimizer states and the data position.
+Validation runs the same packed forward without dropout or gradients and tracks each
+adapter's best val loss; adapters stop on their own (early stopping) or are quarantined when
+they diverge, and the others train on as if they were not there (docs/training.md).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any, Sequence
 import lightning as L
 import torch
 
-from ..data.microbatch import Microbatch
+from ..data.microbatch import IGNORE_INDEX, Microbatch
 from ..specs import AdapterSpec, ConfigError
+from .evaluation import EARLY_STOPPED, QUARANTINED, AdapterProgress, judge_validation, write_trainer_state
 from .optim import build_adapter_optimizer
 
 log = logging.getLogger(__name__)
@@ -90,9 +94,17 @@ class LoRAFusionModule(L.LightningModule):
         export_dir: where PEFT adapters are written at the end of fit (default:
             ``<trainer.default_root_dir>/adapters``).
         cache_dir: where converted base weights are cached.
-        max_nonfinite_steps: an adapter whose gradients are non-finite this many global
-            batches in a row stops the run with an error (single bad batches are skipped).
-        export_on_fit_end: export every adapter as a PEFT directory when fit ends.
+        max_nonfinite_steps: an adapter whose loss or gradients are non-finite this many global
+            batches in a row is quarantined (single bad batches are skipped); the default of
+            ``adapters[].max_bad_steps``.
+        export_on_fit_end: export every adapter as a PEFT directory when fit ends
+            (``<export_dir>/<name>/``: its best-val weights when it was validated, with the
+            final ones in ``<name>/last/``; ``trainer_state.json`` in each says which).
+        validate_before_training: run one validation before the first training step (not on
+            resume), so the step-0 val loss is logged and is the baseline for early stopping
+            and ``val_explode_factor``.
+        sample_max_new_tokens: length of the greedy generations for ``adapters[].val_samples``
+            (written to ``<default_root_dir>/samples.jsonl`` and a W&B table at each validation).
         activation_checkpointing: keep only a decoder layer's input for backward and recompute
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
@@ -122,6 +134,8 @@ class LoRAFusionModule(L.LightningModule):
         activation_checkpointing: bool | int = False,
         base_precision: str = "bf16",
         fp8_emulate: bool = False,
+        validate_before_training: bool = False,
+        sample_max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -139,8 +153,15 @@ class LoRAFusionModule(L.LightningModule):
             if not spec.dataset:
                 raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
             parse_source(spec.dataset, name=spec.name)
+            if spec.val_dataset is not None:
+                parse_source(spec.val_dataset, name=f"{spec.name} (val_dataset)")
+            if spec.early_stopping and not spec.has_validation:
+                raise ConfigError(f"adapter {spec.name!r}: early_stopping needs validation data; "
+                                  "set val_dataset or val_fraction")
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
+        if isinstance(max_nonfinite_steps, bool) or max_nonfinite_steps < 1:
+            raise ConfigError(f"model.max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1")
         _check_base_precision(base_precision, dtype, fp8_emulate)
         self.save_hyperparameters(ignore=["adapters"])
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -155,6 +176,9 @@ class LoRAFusionModule(L.LightningModule):
         self.export_dir = export_dir
         self.max_nonfinite_steps = max_nonfinite_steps
         self.export_on_fit_end = export_on_fit_end
+        self.validate_before_training = validate_before_training
+        self.sample_max_new_tokens = sample_max_new_tokens
+        self._last_samples: dict[int, str] = {}  # adapter -> its latest generated val sample
         self.activation_checkpointing = activation_checkpointing
         self.base_model_name = base_model
         self.base_precision = base_precision
@@ -215,6 +239,16 @@ class LoRAFusionModule(L.LightningModule):
         self._gb_tokens = torch.zeros(len(specs), dtype=torch.long)
         self._nonfinite_streak = [0] * len(specs)
         self.steps_taken = [0] * len(specs)
+        self.progress = [AdapterProgress() for _ in specs]
+        # host copies, per adapter, {parameter name: tensor}: the best-val weights, and the last
+        # weights whose loss and gradients were finite (with their step), kept at every good step
+        self._best_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._val_sums: torch.Tensor | None = None
+        self._val_tokens: torch.Tensor | None = None
+        self._adapter_params: dict[int, dict[str, torch.nn.Parameter]] = {}
+        self._validated_at: tuple[int, int] | None = None  # data position of the last validation
+        self._val_due_on_resume = False
 
     # ------------------------------------------------------------ functional
     def _register_base(self, params: Any) -> None:
@@ -243,12 +277,13 @@ class LoRAFusionModule(L.LightningModule):
             flat[alias] = flat[target]
         return _unflatten_into(self._param_template, flat)
 
-    def loss_sums(self, mb: Microbatch) -> torch.Tensor:
-        """Per-adapter summed token cross-entropy of one microbatch, ``[num_adapters]`` fp32."""
+    def loss_sums(self, mb: Microbatch, *, train: bool = True) -> torch.Tensor:
+        """Per-adapter summed token cross-entropy of one microbatch, ``[num_adapters]`` fp32
+        (``train=False``: no dropout)."""
         from ..model.decoder import decoder_layers, embed, head_loss_sums
 
         params = self.base_params()
-        routing = self.bank.routing(mb.segments, mb.index, mb.capacity)
+        routing = self.bank.routing(mb.segments, mb.index, mb.capacity, train=train)
         h = embed(params, mb.input_ids)
         h = decoder_layers(
             params,
@@ -284,8 +319,15 @@ class LoRAFusionModule(L.LightningModule):
 
         sums = self.loss_sums(mb)
         # sum over present adapters of (token-loss sum / label tokens of its global batch): the
-        # gradient w.r.t. adapter a is exactly a's own loss gradient (disjoint params, samples)
-        self.manual_backward(adapter_loss(sums, mb.loss_denominators))
+        # gradient w.r.t. adapter a is exactly a's own loss gradient (disjoint params, samples).
+        # A stopped adapter's samples still in flight count for nobody (zero denominator).
+        denominators = mb.loss_denominators
+        stopped = [a for _, _, a in mb.segments if not self.progress[a].training]
+        if stopped:
+            denominators = denominators.clone()
+            denominators[stopped] = 0
+        if bool((denominators > 0).any()):
+            self.manual_backward(adapter_loss(sums, denominators))
         self._accumulate_losses(sums.detach(), mb)
         for a in mb.step_adapters:
             self._step_adapter(a)
@@ -299,13 +341,18 @@ class LoRAFusionModule(L.LightningModule):
     def _step_adapter(self, a: int, params: Sequence[torch.nn.Parameter] | None = None,
                       log_loss: bool = True) -> None:
         """Clip, check and step adapter ``a``'s optimizer and schedule (its global batch is
-        complete). Non-finite gradients skip the step; too many in a row raise."""
+        complete). A non-finite loss or gradient skips the step; too many in a row quarantine."""
         spec = self.adapter_specs[a]
         optimizers = self.optimizers()
         schedulers = self.lr_schedulers()
         opt = optimizers[a] if isinstance(optimizers, list) else optimizers
         sched = schedulers[a] if isinstance(schedulers, list) else schedulers
         params = self.bank.parameters_of(a) if params is None else params
+        if not self.progress[a].training:  # stopped: samples still in flight change nothing
+            opt.zero_grad(set_to_none=True)
+            self._gb_loss[a] = 0.0
+            self._gb_tokens[a] = 0
+            return
         grads = [p.grad for p in params if p.grad is not None]
         norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
                 if grads else torch.tensor(0.0))
@@ -314,20 +361,20 @@ class LoRAFusionModule(L.LightningModule):
         if not finite:
             self._nonfinite_streak[a] += 1
             log.warning(
-                "adapter %s: non-finite loss/gradients in global batch %d (loss=%s); step skipped "
-                "(%d in a row)", spec.name, self.steps_taken[a], loss, self._nonfinite_streak[a],
+                "adapter %s: non-finite loss/gradients at step %d (loss=%s, grad norm=%s); step "
+                "skipped (%d in a row)", spec.name, self.steps_taken[a], loss, float(norm),
+                self._nonfinite_streak[a],
             )
             opt.zero_grad(set_to_none=True)
             self._gb_loss[a] = 0.0
             self._gb_tokens[a] = 0
-            if self._nonfinite_streak[a] >= self.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"adapter {spec.name!r}: non-finite loss or gradients in "
-                    f"{self._nonfinite_streak[a]} consecutive global batches; lower its lr "
-                    f"({spec.lr}) or check its data. Other adapters' last checkpoint is intact."
-                )
+            limit = spec.max_bad_steps or self.max_nonfinite_steps
+            if self._nonfinite_streak[a] >= limit:
+                self._quarantine(a, f"non-finite loss or gradients in {self._nonfinite_streak[a]} "
+                                    f"consecutive global batches; lower its lr ({spec.lr}) or check its data")
             return
         self._nonfinite_streak[a] = 0
+        self._keep_last_good(a, params)
         if self.grad_clip and self.grad_clip > 0:
             scale = min(1.0, self.grad_clip / (float(norm) + 1e-6))
             if scale < 1.0:
@@ -345,6 +392,236 @@ class LoRAFusionModule(L.LightningModule):
         self.log(f"grad_norm/{name}", float(norm), on_step=True, on_epoch=False, batch_size=1)
         self._gb_loss[a] = 0.0
         self._gb_tokens[a] = 0
+
+    # ------------------------------------------------- stopping and divergence guard
+    def _named_params(self, a: int, params: Sequence[torch.nn.Parameter] | None = None) -> dict[str, torch.nn.Parameter]:
+        """Adapter ``a``'s parameters by bank name (only ``params`` if given: a pipeline stage's)."""
+        if a not in self._adapter_params:  # the bank's parameters keep their identity (in-place moves)
+            prefix = f"adapters.{a}."
+            self._adapter_params[a] = {n: p for n, p in self.bank.named_parameters() if n.startswith(prefix)}
+        named = self._adapter_params[a]
+        if params is None:
+            return named
+        wanted = {id(p) for p in params}
+        return {n: p for n, p in named.items() if id(p) in wanted}
+
+    def _host_copy(self, named: dict[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Copy tensors to host memory (into existing buffers when given: no allocation; pinned
+        and asynchronous from CUDA, ordered before the optimizer step that follows on the stream)."""
+        out = {}
+        for n, p in named.items():
+            buf = (into or {}).get(n)
+            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
+                buf = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda)
+            buf.copy_(p.detach(), non_blocking=p.is_cuda)
+            out[n] = buf
+        return out
+
+    def _sync_host_copies(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _keep_last_good(self, a: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Before a good step: these weights gave a finite loss and gradient norm."""
+        old = self._last_good.get(a)
+        self._last_good[a] = (self.steps_taken[a], self._host_copy(self._named_params(a, params), old and old[1]))
+
+    def _load_weights(self, a: int, weights: dict[str, torch.Tensor]) -> None:
+        self._sync_host_copies()
+        named = self._named_params(a)
+        with torch.no_grad():
+            for n, t in weights.items():
+                named[n].copy_(t)
+
+    def _stop_adapter(self, a: int, status: str, why: str) -> None:
+        progress = self.progress[a]
+        if not progress.training:
+            return
+        progress.status, progress.stopped_step, progress.message = status, self.steps_taken[a], why
+        for p in self.bank.parameters_of(a):  # a partial global batch is dropped
+            p.grad = None
+        self._gb_loss[a] = 0.0
+        self._gb_tokens[a] = 0
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "exclude_adapters"):
+            dm.exclude_adapters([a])
+        if self._trainer is not None and not any(p.training for p in self.progress):
+            log.warning("every adapter has stopped training: ending the run")
+            self.trainer.should_stop = True
+
+    def _quarantine(self, a: int, why: str) -> None:
+        """Stop adapter ``a`` for good and put its last good weights back in the bank."""
+        spec = self.adapter_specs[a]
+        step = self.steps_taken[a]
+        if a in self._last_good:
+            good_step, weights = self._last_good[a]
+            self._load_weights(a, weights)
+            kept = f"its last good weights (after step {good_step})"
+        else:
+            kept = "its weights as they are"
+        if self.progress[a].best_step is not None:
+            kept += f"; its best-val weights (step {self.progress[a].best_step}) are the exported adapter"
+        self._stop_adapter(a, QUARANTINED, why)
+        log.error("adapter %s quarantined at step %d: %s. It stops training and keeps %s; the other "
+                  "adapters train on as if it were not there.", spec.name, step, why, kept)
+
+    # --------------------------------------------------------------- validation
+    def on_validation_epoch_start(self) -> None:
+        n = len(self.adapter_specs)
+        self._val_sums = torch.zeros(n, dtype=torch.float64, device=self.device)
+        self._val_tokens = torch.zeros(n, dtype=torch.float64, device=self.device)
+
+    def on_validation_model_zero_grad(self) -> None:
+        # Lightning frees .grad before validating; ours hold partial global batches mid-epoch
+        pass
+
+    def validation_step(self, mb: Microbatch, batch_idx: int) -> None:
+        """Accumulate each adapter's summed token loss and label tokens (no dropout, no grads)."""
+        sums = self.loss_sums(mb, train=False)
+        owner = torch.full((mb.capacity,), len(self.adapter_specs), dtype=torch.long, device=mb.labels.device)
+        for start, end, a in mb.segments:
+            owner[start:end] = a
+        counts = torch.bincount(owner[mb.labels != IGNORE_INDEX], minlength=len(self.adapter_specs) + 1)
+        self._val_sums += sums.double()
+        self._val_tokens += counts[: len(self.adapter_specs)].double()
+
+    def _val_losses(self) -> dict[int, float]:
+        """Token-weighted mean val loss per adapter over the whole val set (all replicas)."""
+        stats = torch.stack([self._val_sums, self._val_tokens])
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if strategy is not None and getattr(strategy, "world_size", 1) > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)  # every replica holds a share of the val set
+        sums, tokens = stats[0].tolist(), stats[1].tolist()
+        return {a: sums[a] / tokens[a] for a in range(len(self.adapter_specs)) if tokens[a] > 0}
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        losses = self._val_losses()
+        for a, loss in losses.items():
+            name = self.adapter_specs[a].name
+            self.log(f"val/loss/{name}", loss, batch_size=1)
+            self.log(f"val/ppl/{name}", math.exp(min(loss, 80.0)), batch_size=1)
+        for key, value in self._generate_val_samples().items():
+            self.log(key, value, batch_size=1, rank_zero_only=True)
+        if self.trainer.state.fn == "fit":
+            self._judge(losses)
+            self._validated_at = self._data_position()
+
+    def _generate_val_samples(self) -> dict[str, float]:
+        """Greedy generations for each adapter's first ``val_samples`` val prompts (rank 0),
+        appended to ``samples.jsonl`` and logged as a W&B table; returns the task metrics."""
+        import json
+
+        from .val_samples import greedy_generate, split_prompt
+
+        dm = self.trainer.datamodule
+        fitting = self.trainer.state.fn == "fit"
+        wanted = [a for a, spec in enumerate(self.adapter_specs)
+                  if spec.val_samples and (self.progress[a].training or not fitting)]
+        if not wanted or not self.trainer.is_global_zero or dm is None or not getattr(dm, "val_datasets", None):
+            return {}
+        prompts = [split_prompt(a, s) for a in wanted
+                   for s in dm.val_datasets[a][: self.adapter_specs[a].val_samples]]
+        generated = greedy_generate(
+            self.base_params(), self.bank, self.config, prompts, max_new_tokens=self.sample_max_new_tokens,
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None), pad_multiple=dm.packing.pad_multiple,
+            pad_token_id=dm.packing.pad_token_id, backend=self.backend, device=self.device,
+        )
+
+        def text(ids) -> str:  # a random-weight base has no tokenizer: token ids then
+            if self.tokenizer is None:
+                return " ".join(str(int(t)) for t in ids)
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        rows = [{"step": self.global_step, "adapter": self.adapter_specs[p.adapter].name,
+                 "adapter_step": self.steps_taken[p.adapter], "prompt": text(p.prompt),
+                 "generated": text(g), "reference": text(p.reference)} for p, g in zip(prompts, generated)]
+        metrics: dict[str, float] = {}
+        for a in wanted:
+            mine = [r for r in rows if r["adapter"] == self.adapter_specs[a].name]
+            self._last_samples[a] = mine[0]["generated"]
+            if self.adapter_specs[a].metric == "rouge":
+                from .val_samples import rouge_scores
+
+                for key, value in rouge_scores([r["generated"] for r in mine], [r["reference"] for r in mine]).items():
+                    metrics[f"val/{key}/{self.adapter_specs[a].name}"] = value
+        os.makedirs(self.trainer.default_root_dir, exist_ok=True)
+        with open(os.path.join(self.trainer.default_root_dir, "samples.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger):
+                columns = list(rows[0])
+                logger.log_table(key="val/samples", columns=columns, data=[[r[c] for c in columns] for r in rows],
+                                 step=self.global_step)
+        return metrics
+
+    def _data_position(self) -> tuple[int, int] | None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return (dm.epoch, dm.position) if dm is not None and hasattr(dm, "position") else None
+
+    def _validation_pending(self) -> bool:
+        """Lightning validates after a batch's ``on_train_batch_end``, where ModelCheckpoint saves,
+        and skips that validation when resuming from such a checkpoint: say so in it."""
+        loop = self.trainer.fit_loop
+        try:
+            due = loop.epoch_loop._should_check_val_fx(loop._data_fetcher)
+        except Exception:  # not inside a training epoch
+            return False
+        return bool(due) and self._validated_at != self._data_position()
+
+    def _judge(self, losses: dict[int, float]) -> None:
+        """Best weights, early stopping and quarantine after a validation during fit."""
+        for a, loss in losses.items():
+            spec, progress, step = self.adapter_specs[a], self.progress[a], self.steps_taken[a]
+            if not progress.training:
+                continue
+            best = progress.best_val_loss
+            verdict = judge_validation(progress, loss, spec=spec, step=step)
+            if verdict == "best":
+                self._best_weights[a] = self._host_copy(self._named_params(a), self._best_weights.get(a))
+                self._sync_host_copies()
+            elif verdict == "early_stop":
+                self._stop_adapter(a, EARLY_STOPPED, (
+                    f"val loss did not improve by more than {spec.early_stopping['min_delta']} for "
+                    f"{progress.evals_since_best} validations (best {best:.4f} at step {progress.best_step})"))
+                log.info("adapter %s: early stopped at step %d (best val loss %.4f at step %d)",
+                         spec.name, step, best, progress.best_step)
+            elif verdict == "quarantine":
+                why = (f"val loss {loss:.4g} is not finite" if not math.isfinite(loss) else
+                       f"val loss {loss:.4g} exceeds val_explode_factor={spec.val_explode_factor} x its "
+                       f"best {best:.4g} (step {progress.best_step})")
+                self._quarantine(a, why)
+
+    def _validate_now(self) -> None:
+        """One validation pass outside Lightning's loop (``validate_before_training``, or the one
+        a resumed run would skip): the same accumulation, logged to every logger."""
+        dm = self.trainer.datamodule
+        if dm is None or not getattr(dm, "has_validation", False):
+            return
+        precision = self.trainer.precision_plugin
+        self.on_validation_epoch_start()
+        with torch.no_grad(), precision.forward_context():
+            for i, mb in enumerate(dm.iter_val_microbatches()):
+                self.validation_step(mb.to(self.device), i)
+        losses = self._val_losses()
+        with torch.no_grad(), precision.forward_context():
+            metrics = self._generate_val_samples()
+        for a, loss in losses.items():
+            name = self.adapter_specs[a].name
+            metrics[f"val/loss/{name}"] = loss
+            metrics[f"val/ppl/{name}"] = math.exp(min(loss, 80.0))
+            log.info("adapter %s: val loss before training %.4f", name, loss)
+        if self.trainer.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=self.global_step)
+        self._judge(losses)
+        self._validated_at = self._data_position()
 
     # ------------------------------------------------- pipeline strategy contract
     # (lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy)
@@ -470,9 +747,23 @@ class LoRAFusionModule(L.LightningModule):
         if dm is not None:
             dm.on_window_trained(window)
         self._window = None
+        self._agree_on_quarantine(strategy)
+
+    def _agree_on_quarantine(self, strategy) -> None:
+        """Stages judge non-finite gradients on their own layers: after a window every rank
+        quarantines what any rank did, so all plan the next epoch alike."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([p.status == QUARANTINED for p in self.progress], dtype=torch.float64,
+                             device=strategy.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for a, flag in enumerate(flags.tolist()):
+            if flag and self.progress[a].status != QUARANTINED:
+                self._quarantine(a, "quarantined on another pipeline stage or replica (non-finite gradients there)")
 
     # Partial global batches live in .grad: keep them in the checkpoint so resume is exact.
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._sync_host_copies()  # the host copies below may still be in flight from the device
         checkpoint["lorafusion"] = {
             "grads": {n: p.grad.detach().cpu().clone() for n, p in self.bank.named_parameters() if p.grad is not None},
             "gb_loss": self._gb_loss.clone(),
@@ -480,6 +771,10 @@ class LoRAFusionModule(L.LightningModule):
             "steps_taken": list(self.steps_taken),
             "nonfinite_streak": list(self._nonfinite_streak),
             "adapter_names": [s.name for s in self.adapter_specs],
+            "progress": [p.to_dict() for p in self.progress],
+            "best_weights": {a: {n: t.clone() for n, t in w.items()} for a, w in self._best_weights.items()},
+            "last_good": {a: (step, {n: t.clone() for n, t in w.items()}) for a, (step, w) in self._last_good.items()},
+            "validation_pending": self._validation_pending() if self._trainer is not None else False,
         }
         if self._holds_other_stages():
             # a stage trains only its own layers' adapters; the bank's other layers are untouched
@@ -514,6 +809,11 @@ class LoRAFusionModule(L.LightningModule):
         self._gb_tokens = state["gb_tokens"].clone()
         self.steps_taken = list(state["steps_taken"])
         self._nonfinite_streak = list(state["nonfinite_streak"])
+        if "progress" in state:
+            self.progress = [AdapterProgress.from_dict(d) for d in state["progress"]]
+            self._best_weights = {int(a): dict(w) for a, w in state["best_weights"].items()}
+            self._last_good = {int(a): (int(step), dict(w)) for a, (step, w) in state["last_good"].items()}
+            self._val_due_on_resume = bool(state.get("validation_pending", False))
 
     def _check_checkpoint_shapes(self, saved: dict[str, torch.Tensor]) -> None:
         """Name the adapter whose rank or targets changed, before a strict load fails on it."""
@@ -544,6 +844,13 @@ class LoRAFusionModule(L.LightningModule):
             for n, g in grads.items():
                 params[n].grad = g.to(params[n].device, params[n].dtype)
         self._restored_grads = None
+        for a in range(len(self.adapter_specs)):  # until its first good step, the start is "last good"
+            if a not in self._last_good:
+                self._last_good[a] = (self.steps_taken[a], self._host_copy(self._named_params(a)))
+        fresh = not any(self.steps_taken) and not any(p.val_history for p in self.progress)
+        if (self.validate_before_training and fresh) or self._val_due_on_resume:
+            self._validate_now()
+        self._val_due_on_resume = False
 
     def on_fit_end(self) -> None:
         if not self.export_on_fit_end:
@@ -559,16 +866,62 @@ class LoRAFusionModule(L.LightningModule):
             self.bank.load_state_dict({k[len("bank."):]: v for k, v in merged.items()})
         if self.trainer.is_global_zero:
             self.export_adapters()
+            log.info("%s", self.summary())
+        if all(p.status == QUARANTINED for p in self.progress):
+            raise FloatingPointError(
+                "every adapter was quarantined (diverged): "
+                + "; ".join(f"{s.name}: {p.message}" for s, p in zip(self.adapter_specs, self.progress))
+                + ". Their last good weights were exported."
+            )
+
+    def summary(self) -> str:
+        """A table: per adapter, status, steps, val loss at step 0 / best / last."""
+        rows = ["| adapter | status | steps | val loss step 0 | best val loss (step) | last val loss (step) | sample |",
+                "|---|---|---|---|---|---|---|"]
+        for a, spec in enumerate(self.adapter_specs):
+            p = self.progress[a]
+            first = next((f"{v:.4f}" for s, v in p.val_history if s == 0), "-")
+            best = f"{p.best_val_loss:.4f} ({p.best_step})" if p.best_step is not None else "-"
+            last = f"{p.val_history[-1][1]:.4f} ({p.val_history[-1][0]})" if p.val_history else "-"
+            sample = " ".join(self._last_samples.get(a, "-").split())[:80].replace("|", "/")
+            rows.append(f"| {spec.name} | {p.status} | {self.steps_taken[a]} | {first} | {best} | {last} | {sample} |")
+        return "adapters at the end of fit:\n" + "\n".join(rows)
 
     def export_adapters(self, out_dir: str | None = None) -> list[str]:
-        """Write one PEFT directory per adapter; returns their paths."""
+        """Write one PEFT directory per adapter and return their paths.
+
+        ``<root>/<name>/``: the adapter to use: its best-val weights when it was validated (else
+        its final weights); ``<root>/<name>/last/``: its final weights, when they differ in kind
+        (validated adapters). A quarantined adapter's final weights are its last good ones.
+        Each directory has a ``trainer_state.json`` saying which weights it holds and why.
+        """
         from ..model.peft_io import export_peft_adapter
 
         root = out_dir or self.export_dir or os.path.join(self.trainer.default_root_dir, "adapters")
         paths = []
+        self._sync_host_copies()
         for i, spec in enumerate(self.adapter_specs):
             path = os.path.join(root, spec.name)
-            export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
+            progress, steps = self.progress[i], self.steps_taken[i]
+            quarantined = progress.status == QUARANTINED
+            last_step = self._last_good[i][0] if quarantined and i in self._last_good else steps
+            last_kind = "last_good" if quarantined else "last"
+            reason = {QUARANTINED: "quarantined", EARLY_STOPPED: "early_stopped"}.get(progress.status)
+            if i in self._best_weights:
+                current = self._host_copy(self._named_params(i))
+                self._load_weights(i, self._best_weights[i])
+                export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
+                self._load_weights(i, current)
+                write_trainer_state(path, adapter=spec.name, weights="best", reason=reason or "best",
+                                    step=progress.best_step, progress=progress, steps_taken=steps)
+                last = os.path.join(path, "last")
+                export_peft_adapter(self.bank, i, last, base_model_name_or_path=self.base_model_dir)
+                write_trainer_state(last, adapter=spec.name, weights=last_kind, reason=reason or "last",
+                                    step=last_step, progress=progress, steps_taken=steps)
+            else:
+                export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
+                write_trainer_state(path, adapter=spec.name, weights=last_kind, reason=reason or "last",
+                                    step=last_step, progress=progress, steps_taken=steps)
             paths.append(path)
         log.info("exported %d PEFT adapters to %s", len(paths), root)
         return paths

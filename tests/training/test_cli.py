@@ -239,3 +239,36 @@ def test_checkpoint_with_other_ranks_is_a_config_error(tiny_model_dir):
     saved.on_save_checkpoint(checkpoint)
     with pytest.raises(ConfigError, match=r"adapter 'a' 0.q_proj.lora_A has shape \(2, 32\) in the checkpoint but \(4, 32\)"):
         module(4).on_load_checkpoint(checkpoint)
+
+
+def test_fit_with_validation_then_validate_subcommand_in_process(tiny_model_dir, tmp_path, in_process):
+    """configs/tiny_eval.yaml through the CLI (in this process): step-0 and periodic validation in
+    the CSV log, best/last export; then `validate --ckpt_path` on the final checkpoint reproduces
+    the last val losses."""
+    import csv
+
+    main = in_process
+    run = tmp_path / "run"
+    common = ["--config", os.path.join(REPO, "configs", "tiny_eval.yaml"), "--model.base_model", tiny_model_dir,
+              "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run)]
+    main(["fit", *common, "--trainer.enable_checkpointing", "true"])
+    rows = list(csv.DictReader(open(next(run.rglob("metrics.csv")))))
+    val = [r for r in rows if r.get("val/loss/xsum")]
+    assert val[0]["step"] == "0" and len(val) >= 3  # before training, every 4 microbatches, epoch ends
+    assert all(r.get("val/ppl/cnndm") for r in val)
+    for name in ("xsum", "cnndm"):
+        state = json.loads((run / "adapters" / name / "trainer_state.json").read_text())
+        assert state["weights"] == "best" and state["val_loss"] is not None
+        assert (run / "adapters" / name / "last" / "adapter_model.safetensors").exists()
+    assert all(r.get("val/rouge1/xsum") and r.get("val/rougeL/xsum") for r in val)
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    assert {s["adapter"] for s in samples} == {"xsum", "cnndm"} and samples[0]["step"] == 0
+    assert sum(s["adapter"] == "xsum" for s in samples if s["step"] == 0) == 2
+    assert all(s["prompt"] and s["reference"] and "generated" in s for s in samples)
+    ckpt = sorted(run.rglob("*.ckpt"), key=os.path.getmtime)[-1]
+    main(["validate", *common, "--trainer.logger.init_args.name", "validate", "--ckpt_path", str(ckpt)])
+    again = list(csv.DictReader(open(next((run / "validate").rglob("metrics.csv")))))
+    assert len(again) == 1
+    for name in ("xsum", "cnndm"):
+        last = [r for r in val if r.get(f"val/loss/{name}")][-1]
+        assert float(again[0][f"val/loss/{name}"]) == pytest.approx(float(last[f"val/loss/{name}"]), rel=1e-6)

@@ -7,6 +7,7 @@ its share of each global batch and the adapters end as in the one-process run.
   environment variables (NODE_RANK, MASTER_ADDR, MASTER_PORT).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -23,12 +24,12 @@ from lightning_lorafusion.training.module import LoRAFusionModule
 from test_equivalence import fit_joint, tiny_specs
 
 
-def _dp_fit(model_dir, specs, out_dir, *, callbacks=(), ckpt_path=None):
+def _dp_fit(model_dir, specs, out_dir, *, callbacks=(), ckpt_path=None, max_epochs=2):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(out_dir))
     dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_epochs=2, logger=False,
+        accelerator="cpu", devices=2, max_epochs=max_epochs, logger=False, num_sanity_val_steps=0,
         enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
         enable_progress_bar=False, enable_model_summary=False,
         strategy=MultiAdapterPipelineStrategy(pipeline_size=1, start_method="spawn",
@@ -38,10 +39,10 @@ def _dp_fit(model_dir, specs, out_dir, *, callbacks=(), ckpt_path=None):
     return trainer
 
 
-def _assert_same_adapters(got_dir, want_dir, specs, *, rtol, atol):
+def _assert_same_adapters(got_dir, want_dir, specs, *, rtol, atol, sub=""):
     for spec in specs:
-        got = load_file(got_dir / spec.name / "adapter_model.safetensors")
-        want = load_file(want_dir / spec.name / "adapter_model.safetensors")
+        got = load_file(got_dir / spec.name / sub / "adapter_model.safetensors")
+        want = load_file(want_dir / spec.name / sub / "adapter_model.safetensors")
         assert got.keys() == want.keys() and len(want) > 0
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol,
@@ -73,6 +74,26 @@ def test_data_parallel_fit_matches_one_process_and_resumes(tiny_model_dir, tmp_p
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt"]
     _dp_fit(tiny_model_dir, specs, tmp_path / "resumed", ckpt_path=str(ckpt_dir / "epoch=0.ckpt"))
     _assert_same_adapters(tmp_path / "resumed", tmp_path / "dp", specs, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_validation_and_early_stopping_match_one_process(tiny_model_dir, tmp_path):
+    """Each replica validates its share of the packed val microbatches; the summed losses, the
+    early-stopping decision (b stops after the second validation and leaves the third epoch's
+    plan) and the best/last exports equal the one-process run's."""
+    from test_validation import fit_val, val_specs
+
+    specs = val_specs(dropout=0.0, b={"early_stopping": {"patience": 1, "min_delta": 10.0}})
+    trainer = _dp_fit(tiny_model_dir, specs, tmp_path / "dp", max_epochs=3)
+    single, _, one = fit_val(tiny_model_dir, specs, max_epochs=3, export_dir=str(tmp_path / "one"))
+    assert [p.status for p in single.progress] == ["training", "early_stopped", "training"]
+    for spec in specs:
+        torch.testing.assert_close(float(trainer.callback_metrics[f"val/loss/{spec.name}"]),
+                                   float(one.callback_metrics[f"val/loss/{spec.name}"]), rtol=1e-5, atol=1e-6)
+        state = json.loads((tmp_path / "dp" / spec.name / "trainer_state.json").read_text())
+        want = json.loads((tmp_path / "one" / spec.name / "trainer_state.json").read_text())
+        assert (state["reason"], state["step"], state["steps_taken"]) == (want["reason"], want["step"], want["steps_taken"])
+    _assert_same_adapters(tmp_path / "dp", tmp_path / "one", specs, rtol=1e-4, atol=1e-5)
+    _assert_same_adapters(tmp_path / "dp", tmp_path / "one", [s for s in specs], rtol=1e-4, atol=1e-5, sub="last")
 
 
 def _free_port() -> int:
