@@ -132,11 +132,18 @@ def attach_peft(model, adapters):
     return peft_model.eval()
 
 
-def make_requests(n: int, vocab: int, lo: int, hi: int, adapters: list[str], new_tokens: int, seed: int):
+def make_requests(n: int, vocab: int, lo: int, hi: int, adapters: list[str], new_tokens: int, seed: int,
+                  adapter_weights: list[float] | None = None):
+    """``n`` greedy requests (EOS ignored) with prompts of ``lo``..``hi`` random tokens, each naming an
+    adapter drawn uniformly or, with ``adapter_weights``, in those proportions."""
     rng = random.Random(seed)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def pick() -> str:
+        return rng.choice(adapters) if adapter_weights is None else rng.choices(adapters, adapter_weights)[0]
+
     return [GenerationRequest(prompt_token_ids=[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))],
-                              adapter=rng.choice(adapters), sampling=sp, request_id=f"r{i}") for i in range(n)]
+                              adapter=pick(), sampling=sp, request_id=f"r{i}") for i in range(n)]
 
 
 def run_ours(engine: Engine, requests, device) -> dict:

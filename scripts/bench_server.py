@@ -1,0 +1,440 @@
+"""HTTP load test: the OpenAI-compatible server against the engine called directly, same requests.
+
+One process, one device, one engine: a random-weight Llama of a real shape (``--shape 1b`` or
+``8b``, as scripts/bench_generation.py builds it) with ``--adapters`` random LoRA adapters of
+mixed ranks. ``--requests`` greedy requests (prompts of ``--prompt-min``..``--prompt-max`` random
+tokens, ``--new-tokens`` generated, EOS ignored), each naming an adapter drawn uniformly or, with
+``--zipf s``, with probability proportional to 1 / rank^s. They run twice, side by side:
+
+- direct: ``Engine.stream`` per request, as asyncio tasks in this process;
+- http: ``create_app(engine)`` under uvicorn in a thread of this process on a free port; clients
+  are asyncio + ``httpx.AsyncClient`` streaming ``POST /v1/completions`` (server-sent events,
+  ``model`` = the adapter's name, ``prompt`` = the token ids). ``--client process`` (default)
+  runs the clients in a child process (as real clients would: they do not share the server's
+  GIL); ``--client thread`` runs them in this process's main thread.
+
+Load: ``--concurrency C`` clients in a closed loop (each sends its next request when its last one
+finished), or ``--rate R`` Poisson arrivals at R requests/s (open loop, no limit on concurrency).
+Both modes measure at the client: throughput (generated tokens / wall time from the first send
+to the last answer), TTFT (send to the first text), inter-token latency (gaps between text
+pieces, all requests pooled) and time per output token (per request: (last - first) / (tokens - 1)):
+mean, p50, p99. Every request must end complete (``finish_reason`` "length" with all its tokens)
+or as a counted error; nothing is lost. Greedy texts of the two modes are compared request by
+request (in bf16 a near-tie can flip when batches are composed differently; fp32 must agree).
+HTTP overhead = 1 - http tokens/s / direct tokens/s.
+
+    PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --out $OUT
+    PYTHONPATH=. python3 scripts/bench_server.py --shape tiny --device cpu --dtype float32 --requests 8 \\
+        --concurrency 4 --new-tokens 4 --prompt-min 4 --prompt-max 12 --adapters 3 --client thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from bench_generation import SHAPES, build_model, make_requests, random_adapters, sync  # noqa: E402
+
+from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.serving import Engine, EngineConfig  # noqa: E402
+
+BASE_MODEL = "base"
+
+
+def log(msg: str) -> None:
+    print(f"[bench_server {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a client sees of one request
+
+
+@dataclass
+class Outcome:
+    """One request at the client: times are ``time.perf_counter()`` of the process that sent it."""
+
+    request_id: str
+    sent: float
+    first: float | None = None  # first non-empty text
+    last: float | None = None  # last non-empty text
+    done: float | None = None  # answer over (finish, error or end of stream)
+    gaps: list[float] = field(default_factory=list)  # between consecutive text pieces
+    tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def piece(self, text: str) -> None:
+        if not text:
+            return
+        now = time.perf_counter()
+        if self.last is not None:
+            self.gaps.append(now - self.last)
+        self.first = self.first if self.first is not None else now
+        self.last = now
+        self.text += text
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """A request as the HTTP client sends it (plain data: it crosses to the client process)."""
+
+    request_id: str
+    model: str
+    prompt: list[int]
+    max_tokens: int
+
+
+def to_spec(req) -> Spec:
+    return Spec(request_id=req.request_id, model=req.adapter or BASE_MODEL, prompt=list(req.prompt_token_ids),
+                max_tokens=req.sampling.max_new_tokens)
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets (seconds) of ``n`` requests at ``rate`` per second (exponential gaps)."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def drive(send, items: list, *, concurrency: int, arrivals: list[float] | None) -> tuple[list[Outcome], float]:
+    """Send every item with ``send(item) -> Outcome``: ``concurrency`` workers in a closed loop,
+    or each at its arrival offset (open loop). Outcomes in the items' order, and the wall time
+    from the first send to the last answer."""
+    outcomes: list[Outcome | None] = [None] * len(items)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        outcomes[i] = await send(items[i])
+
+    if arrivals is None:
+        queue = iter(range(len(items)))
+
+        async def worker() -> None:
+            for i in queue:  # a shared iterator: each index is taken once
+                await one(i)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        async def at(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            await one(i)
+
+        await asyncio.gather(*(at(i) for i in range(len(items))))
+    return outcomes, max(o.done for o in outcomes) - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# the two modes
+
+
+async def send_direct(engine: Engine, req) -> Outcome:
+    out = Outcome(req.request_id, time.perf_counter())
+    try:
+        async for event in engine.stream(req):
+            out.tokens += event.token_id is not None
+            out.piece(event.text)
+            out.finish_reason = event.finish_reason or out.finish_reason
+    except Exception as e:  # counted, not raised: one refused request must not end the run
+        out.error = f"{type(e).__name__}: {e}"
+    out.done = time.perf_counter()
+    return out
+
+
+async def send_http(client, spec: Spec) -> Outcome:
+    import httpx
+
+    out = Outcome(spec.request_id, time.perf_counter())
+    body = {"model": spec.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+            else:
+                ended = False
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    data = line[6:] if line.startswith("data: ") else None
+                    if data == "[DONE]":
+                        ended = True
+                        break
+                    chunk = json.loads(data) if data is not None else {"error": {"message": f"not SSE: {line!r}"}}
+                    if "error" in chunk:
+                        out.error = f"stream error: {chunk['error'].get('message')}"
+                        break
+                    for choice in chunk["choices"]:
+                        out.piece(choice["text"])
+                        out.finish_reason = choice["finish_reason"] or out.finish_reason
+                    if chunk.get("usage"):
+                        out.tokens = chunk["usage"]["completion_tokens"]
+                if not ended and out.error is None:
+                    out.error = "the stream ended without [DONE]"
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    out.done = time.perf_counter()
+    return out
+
+
+async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
+                       arrivals: list[float] | None) -> tuple[list[Outcome], float]:
+    """Warm the connections with ``warm`` (not measured), then drive ``specs``."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(concurrency, 1) if arrivals is None else None,
+                          max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await drive(lambda s: send_http(client, s), warm, concurrency=concurrency, arrivals=None)
+        return await drive(lambda s: send_http(client, s), specs, concurrency=concurrency, arrivals=arrivals)
+
+
+def _http_clients_in_child(url, warm, specs, concurrency, arrivals, conn) -> None:
+    """Entry point of the client process: outcomes go back through ``conn`` as dicts."""
+    try:
+        outcomes, wall = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals))
+        conn.send(([asdict(o) for o in outcomes], wall))
+    except BaseException as e:  # the parent reports it
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
+                     arrivals: list[float] | None, where: str) -> tuple[list[Outcome], float]:
+    if where == "thread":
+        return asyncio.run(http_clients(url, warm, specs, concurrency, arrivals))
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA and threads
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_http_clients_in_child, args=(url, warm, specs, concurrency, arrivals, child),
+                       daemon=True)
+    proc.start()
+    child.close()
+    try:
+        got = parent.recv()
+    except EOFError:
+        got = f"the client process died (exit code {proc.join(5) or proc.exitcode})"
+    proc.join(30)
+    if isinstance(got, str):
+        raise RuntimeError(f"HTTP clients failed: {got}")
+    outcomes, wall = got
+    return [Outcome(**o) for o in outcomes], wall
+
+
+class UvicornThread:
+    """uvicorn serving ``app`` on a free local port in a daemon thread of this process."""
+
+    def __init__(self, app, *, loop: str, http: str):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    loop=loop, http=http, timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# numbers
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values) if values else None, "p50": percentile(values, 50),
+            "p99": percentile(values, 99)}
+
+
+def summarize(outcomes: list[Outcome], wall: float, *, new_tokens: int) -> dict:
+    errors = [o for o in outcomes if o.error is not None]
+    complete = [o for o in outcomes if o.error is None and o.finish_reason == "length" and o.tokens == new_tokens]
+    tokens = sum(o.tokens for o in outcomes if o.error is None)
+    ttft = [o.first - o.sent for o in complete if o.first is not None]
+    tpot = [(o.last - o.first) / (o.tokens - 1) for o in complete if o.first is not None and o.tokens > 1]
+    return {"requests": len(outcomes), "complete": len(complete), "errors": len(errors),
+            "incomplete": len(outcomes) - len(complete) - len(errors),
+            "error_kinds": dict(Counter(o.error[:120] for o in errors)),
+            "generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ttft_s": spread(ttft), "itl_s": spread([g for o in complete for g in o.gaps]), "tpot_s": spread(tpot)}
+
+
+def compare_texts(direct: dict[str, str], http: dict[str, str]) -> dict:
+    ids = [k for k in direct if k in http]
+    equal = [k for k in ids if direct[k] == http[k]]
+    prefix = [next((i for i, (a, b) in enumerate(zip(direct[k], http[k])) if a != b),
+                   min(len(direct[k]), len(http[k]))) for k in ids]
+    return {"compared": len(ids), "equal": len(equal), "differ": [k for k in ids if k not in set(equal)][:20],
+            "mean_common_prefix_chars": sum(prefix) / len(prefix) if prefix else None,
+            "mean_chars": sum(len(direct[k]) for k in ids) / len(ids) if ids else None}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
+
+
+def table(report: dict) -> str:
+    load = report["load"]
+    head = (f"{'mode':<7} {'requests':>8} {'load':>10} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'tok p50':>8} {'tok p99':>8} {'errors':>6} {'lost':>5}")
+    lines = [head, "  (latencies in ms; tok = inter-token latency at the client)"]
+    for mode in ("direct", "http"):
+        r = report.get(mode)
+        if r is None:
+            continue
+        lines.append(f"{mode:<7} {r['requests']:>8} {load:>10} {r['tokens_per_s']:>9.0f} {_ms(r['ttft_s']['p50']):>9} "
+                     f"{_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} {_ms(r['itl_s']['p99']):>8} "
+                     f"{r['errors']:>6} {r['incomplete']:>5}")
+    if "http_overhead" in report:
+        lines.append(f"HTTP overhead = 1 - http/direct tokens/s = {100 * report['http_overhead']:.1f}%")
+    if "texts" in report:
+        t = report["texts"]
+        lines.append(f"greedy texts equal: {t['equal']}/{t['compared']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="1b")
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--ranks", default="8,16,32,64")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-min", type=int, default=128)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (ignored with --rate)")
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
+    ap.add_argument("--zipf", type=float, default=0.0, help="adapter popularity ~ 1/rank^s (0: uniform)")
+    ap.add_argument("--client", choices=("process", "thread"), default="process",
+                    help="HTTP clients in a child process or in this process's main thread")
+    ap.add_argument("--uvicorn-loop", default="auto", help="uvicorn's event loop: auto, asyncio, uvloop")
+    ap.add_argument("--uvicorn-http", default="auto", help="uvicorn's HTTP parser: auto, h11, httptools")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--memory-fraction", type=float, default=0.6)
+    ap.add_argument("--num-pages", type=int, default=None, help="pool pages (default: from free memory)")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    closed = args.rate <= 0
+    report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "load": f"C={args.concurrency}" if closed else f"{args.rate:g}/s"}
+
+    t0 = time.perf_counter()
+    shape = SHAPES[args.shape]
+    model, tokenizer = build_model(shape, device, dtype, seed=0)
+    config, params = params_from_hf_model(model)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
+    names = [a[0] for a in adapters]
+    engine = Engine(config, params, tokenizer,
+                    EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                 gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages,
+                                 backend=args.backend, cpu_pool_mib=1024, cuda_graphs=args.graphs),
+                    device=device, dtype=dtype)
+    for name, r, alpha, factors in adapters:
+        engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
+    del model, adapters
+    weights = [1.0 / (i + 1) ** args.zipf for i in range(len(names))] if args.zipf > 0 else None
+    reqs = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
+                         args.new_tokens, seed=args.seed, adapter_weights=weights)
+    arrivals = None if closed else poisson_arrivals(len(reqs), args.rate, seed=args.seed)
+    # one short request per adapter: compiles, graph buckets and every adapter paged in before either mode
+    warm = make_requests(len(names), shape["vocab_size"], args.prompt_min, args.prompt_min + 16, names, 4,
+                         seed=args.seed + 1)
+    warm = [replace(w, adapter=n, request_id=f"w{i}") for i, (w, n) in enumerate(zip(warm, names))]
+    engine.generate(warm)
+    # and a batch of the trace's own prompts (shorter answers): prefill shapes like the measured runs'
+    engine.generate([replace(r, request_id=f"t{r.request_id}", sampling=replace(r.sampling, max_new_tokens=8))
+                     for r in reqs[:args.concurrency]])
+    report["setup_s"] = time.perf_counter() - t0
+    log(f"engine ready in {report['setup_s']:.1f}s: {engine.pool.num_pages} pages, "
+        f"cuda graphs {engine.runner.graphs is not None}, {len(names)} adapters")
+
+    def stats_delta(before: dict) -> dict:
+        after = engine.stats()
+        return {k: after[k] - before[k] for k in ("steps_total", "adapter_page_ins_total", "preemptions_total")}
+
+    # direct: engine.stream per request from asyncio tasks of this thread
+    before = engine.stats()
+    sync(device)
+    outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs, concurrency=args.concurrency,
+                                       arrivals=arrivals))
+    report["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+    direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
+    log(f"direct: {report['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+
+    # http: the same requests through the server in a thread of this process
+    from lightning_lorafusion.serving.server import ServerConfig, create_app
+
+    app = create_app(engine, config=ServerConfig(served_model_name=BASE_MODEL, rescan_interval_s=0,
+                                                 max_pending_requests=max(256, args.concurrency)))
+    server = UvicornThread(app, loop=args.uvicorn_loop, http=args.uvicorn_http)
+    try:
+        before = engine.stats()
+        warm_specs = [Spec(request_id=f"hw{i}", model=n, prompt=list(w.prompt_token_ids), max_tokens=4)
+                      for i, (w, n) in enumerate(zip(warm, names))]
+        outcomes, wall = run_http_clients(server.url, warm_specs, [to_spec(r) for r in reqs], args.concurrency,
+                                          arrivals, args.client)
+        # the engine's step counts include the HTTP warm-up (its connections are opened by it)
+        report["http"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+    finally:
+        server.stop()
+        engine.close()
+    log(f"http: {report['http']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+    report["texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes if o.error is None})
+    if report["direct"]["tokens_per_s"] > 0:
+        report["http_overhead"] = 1.0 - report["http"]["tokens_per_s"] / report["direct"]["tokens_per_s"]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"bench_server_{args.shape}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    report["table"] = table(report)
+    print("\n" + report["table"])
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""scripts/bench_server.py on CPU (tiny shape, fp32): both modes run the same requests, none is lost,
+the greedy texts agree, the JSON and the table are written."""
+
+import json
+
+import pytest
+
+from _script_loader import load_script
+
+ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-tokens", "4", "--prompt-min", "4",
+        "--prompt-max", "12", "--adapters", "3", "--ranks", "4,8", "--num-pages", "512", "--max-num-seqs", "8",
+        "--max-batched-tokens", "256"]
+
+
+@pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4"], "thread"),
+                                         (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process")])
+def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
+    module = load_script("bench_server")
+    report = module.main(ARGS + load + ["--client", client, "--out", str(tmp_path)])
+    n = report["args"]["requests"]
+    for mode in ("direct", "http"):
+        r = report[mode]
+        assert (r["requests"], r["complete"], r["errors"], r["incomplete"]) == (n, n, 0, 0), r
+        assert r["generated_tokens"] == n * 4
+        assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
+    assert report["texts"]["compared"] == n and report["texts"]["equal"] == n  # fp32 greedy: same text
+    assert report["texts"]["mean_chars"] > 0
+    assert report["http_overhead"] == 1 - report["http"]["tokens_per_s"] / report["direct"]["tokens_per_s"]
+    saved = json.loads((tmp_path / "bench_server_tiny.json").read_text())
+    assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == n * 4
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(f"greedy texts equal: {n}/{n}")
+    assert "direct " in out and "http " in out and "HTTP overhead" in out
