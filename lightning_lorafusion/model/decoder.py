@@ -281,8 +281,9 @@ def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def _w(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
-    # an FP8 base (hf_loading.quantize_base_fp8) holds {"weight_fp8", "weight_scale"}
+def frozen_weight(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
+    """A projection's frozen weight and bias; an FP8 base (``hf_loading.quantize_base_fp8``)
+    holds {"weight_fp8", "weight_scale"}, returned as an ``Fp8Weight``."""
     return (Fp8Weight.from_params(p) if is_quantized(p) else p["weight"]), p.get("bias")
 
 
@@ -325,7 +326,7 @@ def decoder_layer(
     norm, add_norm = (_compiled(rms_norm), _compiled(_add_rms_norm)) if fuse else (rms_norm, _add_rms_norm)
     rope_qk, swiglu = (_compiled(_rope_qk), _compiled(_swiglu)) if fuse else (_rope_qk, _swiglu)
     x = norm(h, lp["attn_norm"], config.rms_norm_eps)
-    (wq, bq), (wk, bk), (wv, bv) = _w(lp["q_proj"]), _w(lp["k_proj"]), _w(lp["v_proj"])
+    (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
     q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
                                routing, dropout_offset=offset(0), backend=backend)
     q, k = rope_qk(q.view(t, config.num_heads, config.head_dim),
@@ -333,14 +334,14 @@ def decoder_layer(
     v = v.view(t, config.num_kv_heads, config.head_dim)
     a = varlen_causal_attention(q, k, v, cu_seqlens, scale=config.head_dim**-0.5,
                                 sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen)
-    wo, bo = _w(lp["o_proj"])
+    wo, bo = frozen_weight(lp["o_proj"])
     (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
                             dropout_offset=offset(1), backend=backend)
     h, x = add_norm(h, o, lp["mlp_norm"], config.rms_norm_eps)
-    (wg, bg), (wu, bu) = _w(lp["gate_proj"]), _w(lp["up_proj"])
+    (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
     g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
                             dropout_offset=offset(2), backend=backend)
-    wd, bd = _w(lp["down_proj"])
+    wd, bd = frozen_weight(lp["down_proj"])
     (d,) = lora_projections(swiglu(g, u), [wd], [bd], lora("down_proj"), routing,
                             dropout_offset=offset(3), backend=backend)
     return h + d

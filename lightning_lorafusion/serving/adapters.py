@@ -88,6 +88,17 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _matrix_elems(rank: int, in_features: int, out_features: int) -> int:
+    """Elements one (layer, module) takes in an adapter's flat layout: aligned A, aligned B^T."""
+    return _aligned(rank * in_features) + _aligned(rank * out_features)
+
+
+def adapter_numel(config: DecoderConfig, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:
+    """Elements of a ``HostAdapter``'s flat buffer (every layer of each target module), before
+    building it: what sizing a pool for known adapters needs."""
+    return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in target_modules)
+
+
 def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                               *, rank: int, alpha: float, config: DecoderConfig, dtype: torch.dtype,
                               pin: bool, path: str | None = None) -> HostAdapter:
@@ -109,7 +120,7 @@ def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[to
                     f"{tuple(b.shape)}; this base needs [{rank}, {k}] and [{n}, {rank}] "
                     "(was the adapter trained on another base model?)")
             slots[(layer, module)] = MatrixSlot(offset, offset + _aligned(rank * k), k, n)
-            offset += _aligned(rank * k) + _aligned(rank * n)
+            offset += _matrix_elems(rank, k, n)
     extra = sorted({lm for lm in factors if lm[0] >= config.num_layers})
     if extra:
         raise ConfigError(f"adapter {name!r} has weights for layers beyond the base's "

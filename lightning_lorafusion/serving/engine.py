@@ -40,6 +40,11 @@ class Engine:
     background thread that steps while there is work. ``submit`` + ``step`` is the loop's
     synchronous interface. The pool, scheduler and runner are touched by the stepping thread
     only; ``submit``, ``abort`` and the adapter registry take a lock.
+
+    The constructor serves an already-loaded base (``params`` as ``load_base_model`` returns,
+    e.g. a training module's frozen weights: used in place when ``device`` and ``dtype`` match,
+    no copy); ``from_pretrained`` loads one. ``tokenizer=None`` serves token ids only: results
+    carry no text and ``stop`` strings are refused.
     """
 
     def __init__(self, model_config: DecoderConfig, params: Mapping[str, Any], tokenizer: Any,
@@ -49,7 +54,7 @@ class Engine:
         self.model_config = model_config
         self.device = torch.device(device) if device is not None else params["embed"].device
         self.dtype = dtype or params["embed"].dtype
-        self.params = params_to(params, device=self.device, dtype=self.dtype)
+        self.params = params_to(params, device=self.device, dtype=dtype)  # no cast unless asked
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if eos_token_ids is None:
@@ -192,6 +197,9 @@ class Engine:
             raise ConfigError(f"request {rid!r}: the prompt has {len(prompt)} tokens; the model's context "
                               f"is {self.max_model_len} (prompt + generated tokens)")
         sp = request.sampling
+        if sp.stop and self.tokenizer is None:
+            raise ConfigError(f"request {rid!r}: stop strings need a tokenizer; this engine has none "
+                              "(use stop_token_ids)")
         longest = min(len(prompt) + sp.max_new_tokens, self.max_model_len)
         pages = self.pool.pages_for_tokens(longest) + (self.pool.pages_for_adapter(adapter) if adapter else 0)
         if pages > self.pool.num_pages:
@@ -351,8 +359,9 @@ class Engine:
             state.num_cached += 1
         tokens = tokens.tolist()
         # every row's text at once (one batched decode), except rows that stop on this token
-        add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
-                    and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
+        if self.tokenizer is not None:
+            add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
+                        and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
         for i, (state, token) in enumerate(zip(seqs, tokens)):
             if state.sampling.max_new_tokens == 0:  # scoring the prompt only
                 self._finish(state, "length", events)

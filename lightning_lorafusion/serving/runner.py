@@ -25,7 +25,8 @@ from ..kernels.lora_gather import lora_gather
 from ..kernels.paged_attention import paged_decode_attention, write_kv
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..model.attention import varlen_causal_attention
-from ..model.decoder import DecoderConfig, apply_rope, embed, rms_norm, rope_cos_sin, rope_inv_freq
+from ..model.decoder import (DecoderConfig, apply_rope, embed, frozen_weight, rms_norm, rope_cos_sin,
+                             rope_inv_freq)
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
 from .pool import ResidentAdapter, UnifiedPool
@@ -285,8 +286,7 @@ class ModelRunner:
 
     def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], names: tuple[str, ...], layer: int,
                      batch: StepBatch) -> list[torch.Tensor]:
-        weights = [lp[n]["weight"] for n in names]
-        biases = [lp[n].get("bias") for n in names]
+        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
         loras = [batch.prefill_loras.get((layer, n)) for n in names]
         ys = lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
         tp = batch.num_prefill_rows

@@ -527,8 +527,7 @@ class LoRAFusionModule(L.LightningModule):
                    for s in dm.val_datasets[a][: self.adapter_specs[a].val_samples]]
         generated = greedy_generate(
             self.base_params(), self.bank, self.config, prompts, max_new_tokens=self.sample_max_new_tokens,
-            eos_token_id=getattr(self.tokenizer, "eos_token_id", None), pad_multiple=dm.packing.pad_multiple,
-            pad_token_id=dm.packing.pad_token_id, backend=self.backend, device=self.device,
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None), backend=self.backend,
         )
 
         def text(ids) -> str:  # a random-weight base has no tokenizer: token ids then

@@ -1,9 +1,5 @@
-"""Greedy generations for fixed validation prompts, every adapter's prompts packed into one forward.
-
-A simple loop over the functional decoder (no KV cache: each new token recomputes the prefix),
-enough for a few prompts per adapter at each validation; the multi-adapter serving engine is
-the fast path for real generation.
-"""
+"""Greedy generations for fixed validation prompts: every adapter's prompts in one batch of the
+multi-adapter generation engine (paged KV cache) over the training module's frozen base."""
 
 from __future__ import annotations
 
@@ -12,13 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..data.microbatch import IGNORE_INDEX
-from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
-from ..data.tokenization import TokenizedSample
 from ..model import decoder as dec
-from ..planner.plan import PlannedMicrobatch, SampleRef, padded_length
 
 
 @dataclass(frozen=True)
@@ -46,59 +38,52 @@ def greedy_generate(
     *,
     max_new_tokens: int,
     eos_token_id: int | None,
-    pad_multiple: int = 1,
-    pad_token_id: int = 0,
-    backend: str = "torch",
-    device: torch.device | str = "cpu",
+    backend: str = "auto",
+    page_size: int = 16,
 ) -> list[tuple[int, ...]]:
-    """Greedy continuation (at most ``max_new_tokens``, stopping at ``eos_token_id``) of every
-    prompt with its own adapter: one packed forward per new token for all prompts still going."""
-    seqs = [list(p.prompt) for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    num_adapters = bank.num_adapters
-    for _ in range(max_new_tokens):
-        if not live:
-            break
-        order = sorted(live, key=lambda i: (prompts[i].adapter, i))
-        datasets: list[list[TokenizedSample]] = [[] for _ in range(num_adapters)]
-        refs = []
-        for i in order:
-            a = prompts[i].adapter
-            refs.append(SampleRef(adapter=a, batch=0, index=len(datasets[a]), length=len(seqs[i])))
-            datasets[a].append(TokenizedSample(input_ids=tuple(seqs[i]), labels=(IGNORE_INDEX,) * len(seqs[i])))
-        # where each sequence's last token lands: adapter segments in order, each padded
-        last_rows, cursor, start, current = [], 0, 0, None
-        for ref in refs:
-            if ref.adapter != current:  # a new segment starts after the previous one's padding
-                start = cursor = start + padded_length(cursor - start, pad_multiple)
-                current = ref.adapter
-            cursor += ref.length
-            last_rows.append(cursor - 1)
-        used = start + padded_length(cursor - start, pad_multiple)
-        capacity = padded_length(max(used, 1), pad_multiple)
-        lookup = SampleLookup(datasets, [[list(range(len(d)))] for d in datasets])
-        mb = pack_microbatch(
-            PlannedMicrobatch(tuple(refs)), lookup,
-            config=PackingConfig(capacity=capacity, pad_multiple=pad_multiple, pad_token_id=pad_token_id),
-            num_adapters=num_adapters, denominators={(a, 0): 1 for a in range(num_adapters)},
-            step_adapters=(), index=0,
-        ).to(device)
-        routing = bank.routing(mb.segments, 0, mb.capacity, train=False)
-        h = dec.embed(params, mb.input_ids)
-        h = dec.decoder_layers(params, bank.view(), h, mb.position_ids, mb.cu_seqlens, routing,
-                               config=config, backend=backend)
-        h = h[torch.tensor(last_rows, device=h.device)]
-        logits = F.linear(dec.rms_norm(h, params["norm"], config.rms_norm_eps), params["lm_head"])
-        next_ids = logits.argmax(dim=-1).tolist()
-        still = []
-        for i, token in zip(order, next_ids):
-            out[i].append(int(token))
-            seqs[i].append(int(token))
-            if token != eos_token_id:
-                still.append(i)
-        live = sorted(still)
-    return [tuple(o) for o in out]
+    """Greedy continuation (at most ``max_new_tokens``, stopping at and keeping ``eos_token_id``)
+    of every prompt with its own adapter of ``bank`` (no dropout), all prompts in one
+    ``Engine.generate`` call.
+
+    The engine runs over ``params`` in place (their device and dtype, no copy), with a pool of
+    exactly the pages these prompts and the adapters they use need, and the adapters' current
+    weights; the engine is dropped before returning, so no memory stays held."""
+    from ..serving import Engine, EngineConfig, GenerationRequest, SamplingParams
+    from ..serving.adapters import adapter_numel
+
+    if not prompts:
+        return []
+    used = sorted({p.adapter for p in prompts})
+    specs = [bank.specs[a] for a in used]
+    page_elems = config.num_layers * 2 * page_size * config.kv_size
+    kv_pages = sum(-(-(len(p.prompt) + max_new_tokens) // page_size) for p in prompts)
+    adapter_pages = sum(-(-adapter_numel(config, s.rank, s.target_modules) // page_elems) for s in specs)
+    prompt_tokens = sum(len(p.prompt) for p in prompts)
+    engine_config = EngineConfig(
+        page_size=page_size, num_pages=kv_pages + adapter_pages, max_num_seqs=len(prompts),
+        max_num_batched_tokens=max(prompt_tokens, len(prompts)), backend=backend, cuda_graphs="off",
+        kv_watermark=0.0)
+    device = params["embed"].device
+    engine = Engine(config, params, None, engine_config, device=device,
+                    eos_token_ids=() if eos_token_id is None else (eos_token_id,))
+    try:
+        for a, spec in zip(used, specs):
+            factors = {}
+            for layer in range(config.num_layers):
+                for module in spec.target_modules:
+                    f = bank.factors(a, layer, module)
+                    factors[(layer, module)] = (f.lora_A.detach(), f.lora_B.detach())
+            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha)
+        greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        requests = [GenerationRequest(prompt_token_ids=p.prompt, adapter=bank.specs[p.adapter].name,
+                                      sampling=greedy) for p in prompts]
+        # the base's own dtype, whatever autocast the caller runs under
+        with torch.autocast(device_type=device.type, enabled=False):
+            results = engine.generate(requests)
+    finally:
+        engine.close()
+        del engine
+    return [tuple(r.token_ids) for r in results]
 
 
 def rouge_scores(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
