@@ -305,7 +305,8 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
     for mb in case.microbatches:
         routing = bank.routing(mb.segments, mb.index + dropout_index_shift, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
-                                 routing, config=case.config, backend=backend)
+                                 routing, config=case.config, backend=backend,
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
         adapter_loss(sums, mb.loss_denominators).backward()
         per = sums.detach().double() / mb.loss_denominators.double().clamp_min(1)
         for _, _, a in mb.segments:
@@ -334,7 +335,8 @@ def eval_losses(case: Case, bank: AdapterBank, params: dict[str, Any], backend: 
         for mb in case.eval_microbatches:
             routing = bank.routing(mb.segments, mb.index, mb.capacity, train=False)
             sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids,
-                                     mb.cu_seqlens, routing, config=case.config, backend=backend)
+                                     mb.cu_seqlens, routing, config=case.config, backend=backend,
+                                     max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
             total += (sums.double() / mb.loss_denominators.double().clamp_min(1)).cpu()
     return total.tolist()
 

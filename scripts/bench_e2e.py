@@ -253,7 +253,8 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device):
     for mb in mbs:
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
-                                 routing, config=config, backend=backend)
+                                 routing, config=config, backend=backend,
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
         present = [a for _, _, a in mb.segments]
         (sums[present] / mb.loss_denominators[present]).sum().backward()
         for a in mb.step_adapters:

@@ -65,7 +65,8 @@ def main() -> None:
     def step(mb) -> None:
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(w.params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
-                                 routing, config=w.config, backend=args.backend)
+                                 routing, config=w.config, backend=args.backend,
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
         adapter_loss(sums, mb.loss_denominators).backward()
         for p in lora:
             p.grad = None

@@ -27,6 +27,11 @@ class Microbatch:
       global batch however it was split across microbatches.
     - ``step_adapters``: adapters whose global batch completes with this microbatch.
     - ``index``: running microbatch counter (dropout offsets derive from it).
+    - ``max_seqlen``: host int, the longest attention block in ``cu_seqlens`` (padding blocks
+      included); None if unknown. Spares varlen attention a device->host sync.
+    - ``label_rows`` ``[num_label_rows]`` int64: the rows whose label is not IGNORE_INDEX, in
+      order; built on the host at packing and moved with the batch, so the LM head needs no
+      ``nonzero()`` sync. None if unknown.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +43,8 @@ class Microbatch:
     loss_denominators: torch.Tensor
     step_adapters: tuple[int, ...]
     index: int = 0
+    max_seqlen: int | None = None
+    label_rows: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -46,6 +53,11 @@ class Microbatch:
     @property
     def real_tokens(self) -> int:
         return sum(s.length for s in self.samples)
+
+    @property
+    def num_label_rows(self) -> int | None:
+        """Tokens with a label (a host int: the shape of ``label_rows``), None if unknown."""
+        return None if self.label_rows is None else int(self.label_rows.shape[0])
 
     def adapters(self) -> tuple[int, ...]:
         return tuple(sorted({a for _, _, a in self.segments}))
@@ -61,4 +73,6 @@ class Microbatch:
             loss_denominators=self.loss_denominators.to(device, non_blocking=True),
             step_adapters=self.step_adapters,
             index=self.index,
+            max_seqlen=self.max_seqlen,
+            label_rows=None if self.label_rows is None else self.label_rows.to(device, non_blocking=True),
         )

@@ -73,7 +73,8 @@ def pack_microbatch(
 
     Every sample and every padding run is its own attention block in ``cu_seqlens``; position
     ids restart at 0 per sample. ``denominators[(a, j)]`` is the label-token count of adapter
-    a's global batch j.
+    a's global batch j. The host metadata ``max_seqlen`` (longest block) and ``label_rows``
+    (rows with a label) are filled here, so the step needs no device->host sync for them.
     """
     cap = config.capacity
     input_ids = torch.full((cap,), config.pad_token_id, dtype=torch.long)
@@ -129,4 +130,6 @@ def pack_microbatch(
         loss_denominators=dens,
         step_adapters=step_adapters,
         index=index,
+        max_seqlen=max(b - a for a, b in zip(boundaries, boundaries[1:])),
+        label_rows=(labels != IGNORE_INDEX).nonzero().squeeze(1),  # host tensor: no device sync
     )

@@ -366,7 +366,8 @@ def decoder_layers(
 
     ``params["layers"]`` may be a list of all layers or a dict holding only this stage's.
     ``microbatch_index`` feeds dropout offsets; default ``routing.microbatch_index`` (or 0).
-    ``max_seqlen``: longest sample, if known (spares the flash path a device sync).
+    ``max_seqlen``: longest attention block, if known (``Microbatch.max_seqlen``; spares the
+    flash path a device->host sync).
     ``checkpoint_layers``: keep only a layer's input for backward and recompute the rest
     (dropout masks are hashes of (seed, offset), so the recomputation draws the same ones).
     ``True``: every layer; an int ``n``: the model's first ``n`` layers (global index < n), so
@@ -416,6 +417,7 @@ def head_loss_sums(
     *,
     config: DecoderConfig,
     chunk_size: int = 1024,
+    label_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final norm + LM head + cross-entropy, summed per adapter: ``[num_adapters]`` fp32.
 
@@ -423,12 +425,17 @@ def head_loss_sums(
     segment count for nobody. Logits exist for ``chunk_size`` tokens at a time; under autograd
     each chunk is checkpointed, so backward recomputes them instead of storing ``[T, V]``.
     Divide by the per-adapter label-token counts of the global batch to get mean losses.
+    ``label_rows`` ``[n]`` int: the rows whose label is not IGNORE_INDEX, ascending (what
+    ``Microbatch.label_rows`` holds, built on the host at packing); without it they are found
+    with ``nonzero()``, a device->host sync. It is trusted, not checked (checking would sync).
     """
     t = h.shape[0]
     if labels.shape != (t,):
         raise ValueError(f"labels must be [{t}]; got {tuple(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if label_rows is not None and (label_rows.dim() != 1 or label_rows.shape[0] > t):
+        raise ValueError(f"label_rows must be [n <= {t}] row indices; got {tuple(label_rows.shape)}")
     owner = torch.full((t,), num_adapters, dtype=torch.int64, device=h.device)  # last bucket: nobody
     for start, end, adapter in segments:
         if not 0 <= adapter < num_adapters:
@@ -436,8 +443,12 @@ def head_loss_sums(
         owner[start:end] = adapter
     sums = torch.zeros(num_adapters + 1, dtype=torch.float32, device=h.device)
     # Only label positions need logits: in instruction data most tokens are prompt, and the
-    # LM head is the largest single GEMM of a small model. (One host sync for the count.)
-    rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    # LM head is the largest single GEMM of a small model. (Without label_rows: one host sync
+    # for the count.)
+    if label_rows is None:
+        rows = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+    else:
+        rows = label_rows.to(device=h.device, dtype=torch.int64, non_blocking=True)
     h, labels, owner = h.index_select(0, rows), labels.index_select(0, rows), owner.index_select(0, rows)
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     for c0 in range(0, h.shape[0], chunk_size):
@@ -478,10 +489,13 @@ def forward_loss_sums(
     config: DecoderConfig,
     backend: str = "torch",
     chunk_size: int = 1024,
+    max_seqlen: int | None = None,
+    label_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32."""
+    """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32.
+    ``max_seqlen`` / ``label_rows``: the microbatch's host-built metadata, if known (no syncs)."""
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
-                       backend=backend)
+                       backend=backend, max_seqlen=max_seqlen)
     return head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, label_rows=label_rows)

@@ -65,12 +65,14 @@ class DecoderStage:
         h = dec.decoder_layers(
             self.params, self.bank.view(self.layers), h, mb.position_ids, mb.cu_seqlens, routing,
             config=self.config, layers=self.layers, microbatch_index=mb.index, backend=self.backend,
-            checkpoint_layers=self.checkpoint_layers,
+            max_seqlen=mb.max_seqlen, checkpoint_layers=self.checkpoint_layers,
         )
         if not self.is_last:
             return h
+        # every stage packs its microbatches on its host, so each has this metadata (no syncs)
         sums = dec.head_loss_sums(
-            self.params, h, mb.labels, mb.segments, self.bank.num_adapters, config=self.config
+            self.params, h, mb.labels, mb.segments, self.bank.num_adapters, config=self.config,
+            label_rows=mb.label_rows,
         )
         if self.on_loss_sums is not None:
             self.on_loss_sums(microbatch, sums.detach())

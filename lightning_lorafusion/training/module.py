@@ -296,9 +296,12 @@ class LoRAFusionModule(L.LightningModule):
             layers=range(self.config.num_layers),
             microbatch_index=mb.index,
             backend=self.backend,
+            max_seqlen=mb.max_seqlen,
             checkpoint_layers=self.activation_checkpointing,
         )
-        return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config)
+        # max_seqlen and label_rows come from packing (host): no device->host sync for either
+        return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config,
+                              label_rows=mb.label_rows)
 
     # ------------------------------------------------------------- Lightning
     def configure_optimizers(self):
