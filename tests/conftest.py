@@ -1,11 +1,17 @@
-"""Fixtures shared by test directories."""
+"""Test-wide setup: Triton kernels run in the interpreter when no GPU is present; the
+``sync_guard`` fixture (no device->host syncs on the training forward)."""
 
+import os
 import threading
 
 import pytest
 import torch
 
-from lightning_lorafusion.model import decoder as dec
+# Must be set before any @triton.jit function is created (at import of the kernel modules).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class _SyncGuard:
@@ -13,6 +19,8 @@ class _SyncGuard:
     ``max_seqlen`` it is given. Other threads (the packing prefetcher) are unaffected."""
 
     def __init__(self, monkeypatch):
+        from lightning_lorafusion.model import decoder as dec  # after TRITON_INTERPRET is set
+
         self.local = threading.local()
         self.max_seqlens: list = []
         nonzero, attention = torch.Tensor.nonzero, dec.varlen_causal_attention
