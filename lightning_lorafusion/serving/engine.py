@@ -67,7 +67,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefetch_depth=config.prefetch_depth,
-                                   watermark_pages=int(config.kv_watermark * self.pool.num_pages))
+                                   watermark_pages=int(config.kv_watermark * self.pool.num_pages),
+                                   prefix_caching=config.prefix_caching)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
@@ -355,6 +356,7 @@ class Engine:
                 top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for state in plan.prefill:
             state.num_cached = state.num_tokens
+            self.scheduler.register_prefill(state)
         for state in plan.decode:
             state.num_cached += 1
         tokens = tokens.tolist()
@@ -499,6 +501,10 @@ class Engine:
             "pages_free": pool.num_free,
             "kv_pages_moved_total": pool.pages_moved,
             "preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_hits_total": self.scheduler.prefix_cache_hits,
+            "prefix_tokens_reused_total": self.scheduler.prefix_tokens_reused,
+            "prefix_pages_cached": pool.kv_pages_cached,
+            "prefix_pages_evicted_total": pool.prefix_evictions,
         }
 
 

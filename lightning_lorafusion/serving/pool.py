@@ -203,13 +203,6 @@ class UnifiedPool:
         self._prefix[key] = page
         self._page_key[page] = key
 
-    def drop_cached(self) -> int:
-        """Free every cached prefix page (e.g. when an adapter is removed); returns how many."""
-        n = len(self._cached)
-        while self._cached:
-            self._drop_cached()
-        return n
-
     def _drop_cached(self) -> None:
         """Free the least recently used cached page."""
         page, _ = self._cached.popitem(last=False)
