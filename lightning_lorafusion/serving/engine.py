@@ -17,6 +17,7 @@ from ..model.decoder import DecoderConfig
 from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
+from .checkpoint import read_checkpoint_adapters
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer, add_tokens
 from .pool import UnifiedPool
@@ -140,6 +141,23 @@ class Engine:
         adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
                                             dtype=self.dtype, pin=self.device.type == "cuda")
         return self._register(adapter)
+
+    def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
+                                     weights: str = "best") -> list[AdapterInfo]:
+        """Register adapters straight from a ``fit`` checkpoint (.ckpt), under their training
+        names (``names``: a subset; default all). ``weights``: "best" (what ``export_adapters``
+        writes: best-validation weights when validated, else the saved ones) or "last". Each is
+        checked against this base (dims, layers) like a PEFT directory; a mismatch names it."""
+        found = read_checkpoint_adapters(ckpt_path, None if names is None else list(names), weights=weights)
+        with self._lock:
+            taken = [a.name for a in found if a.name in self._adapters]
+        if taken:
+            raise ConfigError(f"adapter {taken[0]!r} is already loaded; remove_adapter({taken[0]!r}) first")
+        hosts = [host_adapter_from_factors(a.name, a.factors, rank=a.rank, alpha=a.alpha, config=self.model_config,
+                                           dtype=self.dtype, pin=self.device.type == "cuda",
+                                           path=f"{ckpt_path}#{a.name}")
+                 for a in found]  # every one checked before any is registered
+        return [self._register(h) for h in hosts]
 
     def _register(self, adapter: HostAdapter) -> AdapterInfo:
         if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
