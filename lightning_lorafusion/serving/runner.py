@@ -50,7 +50,8 @@ class StepBatch:
     num_prefill_rows: int
     cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
     max_prefill_len: int
-    prefill_prefixes: list[tuple[int, torch.Tensor]] | None  # per prefill request (first position, pages) when one reuses a cached prefix
+    # per prefill request (first row, end row, first position, pages [n]) when one reuses a cached prefix
+    prefill_prefixes: list[tuple[int, int, int, torch.Tensor]] | None
     prefill_routing: LoraRouting | None
     prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
     page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
@@ -194,7 +195,7 @@ class ModelRunner:
             slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
             num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
             max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
-            prefill_prefixes=([(st.num_cached, tensor(st.pages)) for st in prefill]
+            prefill_prefixes=([(a, b, st.num_cached, tensor(st.pages)) for st, a, b in zip(prefill, cu, cu[1:])]
                               if any(st.num_cached for st in prefill) else None),
             prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
@@ -276,10 +277,9 @@ class ModelRunner:
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
         if tp and batch.prefill_prefixes is not None:
-            bounds = batch.cu_seqlens.tolist()
             parts += [paged_prefix_attention_reference(q[a:b], self.pool.kv, layer, pages, first, scale=scale,
                                                        sliding_window=window)
-                      for (a, b), (first, pages) in zip(zip(bounds, bounds[1:]), batch.prefill_prefixes)]
+                      for a, b, first, pages in batch.prefill_prefixes]
         elif tp:
             parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
                                                  sliding_window=window, max_seqlen=batch.max_prefill_len))

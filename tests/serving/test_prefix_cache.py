@@ -119,3 +119,25 @@ def test_readded_adapter_never_hits_the_old_prefix(make_engine, adapter_dirs):
     assert again.token_ids == first.token_ids  # same weights, so the same tokens, computed afresh
     engine.generate(_requests([(prompt, "attn2")]))
     assert engine.stats()["prefix_cache_hits_total"] == 1  # the re-added one caches its own prefix
+
+
+def test_prefix_attention_equals_full_causal_attention():
+    """New queries over [cached prefix + new] K/V in scattered pages equal the rows of causal
+    attention over the whole sequence, with and without a sliding window (GQA)."""
+    import torch
+
+    from lightning_lorafusion.kernels.paged_attention import paged_prefix_attention_reference
+    from lightning_lorafusion.model.attention import sdpa_varlen_loop
+
+    g = torch.Generator().manual_seed(0)
+    n_total, start, s, hq, hkv, d = 11, 8, 4, 4, 2, 8
+    q, k, v = (torch.randn(n_total, h, d, generator=g) for h in (hq, hkv, hkv))
+    pool = torch.zeros(6, 2, 2, s, hkv, d)  # [P, L, 2, S, Hkv, D]
+    pages = torch.tensor([4, 1, 3])
+    for pos in range(n_total):
+        pool[pages[pos // s], 1, 0, pos % s] = k[pos]
+        pool[pages[pos // s], 1, 1, pos % s] = v[pos]
+    for window in (None, 5):
+        full = sdpa_varlen_loop(q, k, v, torch.tensor([0, n_total]), scale=0.3, sliding_window=window)
+        got = paged_prefix_attention_reference(q[start:], pool, 1, pages, start, scale=0.3, sliding_window=window)
+        torch.testing.assert_close(got, full[start:], rtol=1e-5, atol=1e-6)
