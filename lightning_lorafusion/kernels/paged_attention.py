@@ -209,6 +209,41 @@ def paged_decode_attention_reference(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+@torch.no_grad()
+def paged_prefix_attention_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    pages: torch.Tensor,
+    start: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its cached prefix and themselves.
+
+    q ``[n, Hq, D]``: the queries of positions ``start .. start + n - 1``, whose keys and values
+    (and those of positions ``0 .. start - 1``) are already in ``pages`` (``[>= ceil((start + n) /
+    S)]`` int, the sequence's page list) of ``kv_pool [P, L, 2, S, Hkv, D]``. Query i sees
+    positions j <= start + i (and, with ``sliding_window`` W, j > start + i - W). -> ``[n, Hq, D]``.
+    A torch path (gathers the pages; SDPA), for prefills that reuse a cached prefix.
+    """
+    n, hq, d = q.shape
+    s, hkv = kv_pool.shape[3], kv_pool.shape[4]
+    total = start + n
+    kv = kv_pool[pages[:-(-total // s)].long(), layer]  # [n_pages, 2, S, Hkv, D]
+    k = kv[:, 0].reshape(-1, hkv, d)[:total].transpose(0, 1)
+    v = kv[:, 1].reshape(-1, hkv, d)[:total].transpose(0, 1)
+    qpos = torch.arange(start, total, device=q.device)[:, None]
+    kpos = torch.arange(total, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    return out.transpose(0, 1)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_pool: torch.Tensor,

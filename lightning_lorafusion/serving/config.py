@@ -32,6 +32,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
+    prefix_caching: bool = True  # share full KV pages of equal leading tokens per adapter (docs/serving.md)
     seed: int = 0  # seeds the per-request generators of requests that give no seed
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from ..model.decoder import DecoderConfig
 from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
+from .checkpoint import read_checkpoint_adapters
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer, add_tokens
 from .pool import UnifiedPool
@@ -67,7 +68,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefetch_depth=config.prefetch_depth,
-                                   watermark_pages=int(config.kv_watermark * self.pool.num_pages))
+                                   watermark_pages=int(config.kv_watermark * self.pool.num_pages),
+                                   prefix_caching=config.prefix_caching)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
@@ -139,6 +141,23 @@ class Engine:
         adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
                                             dtype=self.dtype, pin=self.device.type == "cuda")
         return self._register(adapter)
+
+    def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
+                                     weights: str = "best") -> list[AdapterInfo]:
+        """Register adapters straight from a ``fit`` checkpoint (.ckpt), under their training
+        names (``names``: a subset; default all). ``weights``: "best" (what ``export_adapters``
+        writes: best-validation weights when validated, else the saved ones) or "last". Each is
+        checked against this base (dims, layers) like a PEFT directory; a mismatch names it."""
+        found = read_checkpoint_adapters(ckpt_path, None if names is None else list(names), weights=weights)
+        with self._lock:
+            taken = [a.name for a in found if a.name in self._adapters]
+        if taken:
+            raise ConfigError(f"adapter {taken[0]!r} is already loaded; remove_adapter({taken[0]!r}) first")
+        hosts = [host_adapter_from_factors(a.name, a.factors, rank=a.rank, alpha=a.alpha, config=self.model_config,
+                                           dtype=self.dtype, pin=self.device.type == "cuda",
+                                           path=f"{ckpt_path}#{a.name}")
+                 for a in found]  # every one checked before any is registered
+        return [self._register(h) for h in hosts]
 
     def _register(self, adapter: HostAdapter) -> AdapterInfo:
         if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
@@ -355,6 +374,7 @@ class Engine:
                 top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for state in plan.prefill:
             state.num_cached = state.num_tokens
+            self.scheduler.register_prefill(state)
         for state in plan.decode:
             state.num_cached += 1
         tokens = tokens.tolist()
@@ -499,6 +519,10 @@ class Engine:
             "pages_free": pool.num_free,
             "kv_pages_moved_total": pool.pages_moved,
             "preemptions_total": self.scheduler.num_preemptions,
+            "prefix_cache_hits_total": self.scheduler.prefix_cache_hits,
+            "prefix_tokens_reused_total": self.scheduler.prefix_tokens_reused,
+            "prefix_pages_cached": pool.kv_pages_cached,
+            "prefix_pages_evicted_total": pool.prefix_evictions,
         }
 
 

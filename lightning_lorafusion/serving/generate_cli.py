@@ -13,6 +13,7 @@ from typing import Any, Iterable, TextIO
 from ..model.peft_io import CONFIG_FILE
 from ..specs import ConfigError
 from .adapters import UnknownAdapterError
+from .checkpoint import read_checkpoint_adapters
 
 PROG = "lightning-lorafusion generate"
 # per-line keys of the prompts file that override the command line's sampling settings
@@ -29,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                "prompt_tokens. Exit status: 0 done; 2 a usage or input mistake (one 'error:' line).")
     p.add_argument("--base_model", "--base", required=True,
                    help="A local HF model directory or a name fit accepts (smollm2-135m-instruct).")
-    p.add_argument("--adapters", nargs="*", default=[], metavar="[NAME=]DIR",
+    p.add_argument("--adapters", nargs="*", default=[], metavar="[NAME=]DIR|CKPT",
                    help="PEFT adapter directories (served under the directory's name, or NAME), or directories "
-                        "of them such as a fit run's adapters/ directory (each subdirectory one adapter).")
+                        "of them such as a fit run's adapters/ directory (each subdirectory one adapter), or a "
+                        "fit checkpoint (.ckpt: every adapter in it, under its training name, best weights).")
     p.add_argument("--prompts", help="A JSONL file of prompts (see below).")
     p.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable); used with --adapter_name.")
     p.add_argument("--adapter_name", action="append", default=None,
@@ -145,7 +147,13 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
 
     from . import Engine, EngineConfig, GenerationRequest
 
-    adapters = adapter_dirs(args.adapters)
+    checkpoints = [a for a in args.adapters if a.endswith(".ckpt")]
+    adapters = adapter_dirs([a for a in args.adapters if not a.endswith(".ckpt")])
+    from_ckpt = [a for c in checkpoints for a in read_checkpoint_adapters(c)]
+    for a in from_ckpt:
+        if a.name in adapters:
+            raise ConfigError(f"two adapters are named {a.name!r} (one from a checkpoint); load one of them")
+        adapters[a.name] = None
     items = read_prompts(args)
     for item in items:
         name = item.get("adapter")
@@ -159,8 +167,10 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             raise ConfigError(f"--dtype {args.dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(8192, args.max_num_seqs),
                           cuda_graphs=args.cuda_graphs)
-    engine = Engine.from_pretrained(args.base_model, {n: str(p) for n, p in adapters.items()}, config,
-                                    device=args.device, dtype=dtype)
+    engine = Engine.from_pretrained(args.base_model, {n: str(p) for n, p in adapters.items() if p is not None},
+                                    config, device=args.device, dtype=dtype)
+    for a in from_ckpt:
+        engine.add_adapter_weights(a.name, a.factors, rank=a.rank, alpha=a.alpha)
     with engine:
         requests = [GenerationRequest(prompt_token_ids=_prompt_ids(engine.tokenizer, it["prompt"], args.chat,
                                                                    it["where"]),

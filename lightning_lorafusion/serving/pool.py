@@ -15,12 +15,21 @@ run is long enough, KV pages inside the cheapest adapter-free window are
 moved out (their owners' page lists are updated in place); when pages are short, adapters no
 running request uses are evicted least-recently-used first. Host copies are never dropped, so
 an evicted adapter pages back in on its next use.
+
+Prefix caching: a full KV page may be registered under a ``PageKey`` (adapter identity, the
+previous page's key, the page's token ids; see ``prefix_page_keys``) and shared by several
+page lists (reference-counted: a page's owners). A registered page whose last owner lets it go
+stays cached (no owner, in an LRU) until its room is needed: cached pages count as available
+and are dropped least-recently-used first, before any idle adapter is evicted (and so before
+the scheduler preempts a request).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +50,23 @@ class ResidentAdapter:
     ready: torch.cuda.Event | None = None  # its host-to-device copy, when asynchronous
 
 
+PageKey = bytes  # a 32-byte digest chaining the adapter, the previous page's key and the page's tokens
+
+
+def prefix_page_keys(adapter_key: int | None, token_ids: Sequence[int], page_size: int,
+                     num_pages: int) -> list[PageKey]:
+    """Keys of the first ``num_pages`` full pages of ``token_ids``: page i's key hashes the
+    adapter identity (``HostAdapter.key``, unique per load; None = base), page i-1's key and
+    page i's token ids, so equal keys mean the same adapter and the same leading tokens."""
+    keys: list[PageKey] = []
+    prev = b"base" if adapter_key is None else b"adapter%d" % adapter_key
+    for i in range(num_pages):
+        tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], dtype=np.int64)
+        prev = hashlib.sha256(prev + b"|" + tokens.tobytes()).digest()
+        keys.append(prev)
+    return keys
+
+
 class UnifiedPool:
     """``num_pages`` pages of ``page_size`` tokens for every layer (plus the scratch page); see
     the module docstring."""
@@ -56,7 +82,10 @@ class UnifiedPool:
         self.storage = torch.zeros((num_pages + 1) * self.page_elems, dtype=dtype, device=self.device)
         self.kv = self.storage.view(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
         self._free = np.ones(num_pages, dtype=bool)
-        self._kv_owner: dict[int, list[int]] = {}  # KV page -> the page list that holds it
+        self._kv_owner: dict[int, list[list[int]]] = {}  # KV page in use -> the page lists holding it
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered pages with no owner, LRU first
+        self._page_key: dict[int, PageKey] = {}  # registered page -> its key
+        self._prefix: dict[PageKey, int] = {}  # key -> registered page
         self._adapter_pages = np.zeros(num_pages, dtype=bool)
         self._resident: dict[int, ResidentAdapter] = {}  # HostAdapter.key -> its run
         self._tick = 0
@@ -64,16 +93,24 @@ class UnifiedPool:
         self.page_ins = 0
         self.evictions = 0
         self.pages_moved = 0
+        self.prefix_evictions = 0
 
     # ------------------------------------------------------------------ accounting
 
     @property
     def num_free(self) -> int:
-        return int(self._free.sum())
+        """Pages available to a new allocation: free ones plus cached prefix pages (dropped on demand)."""
+        return int(self._free.sum()) + len(self._cached)
 
     @property
     def kv_pages_used(self) -> int:
+        """KV pages some page list holds (a shared page counts once)."""
         return len(self._kv_owner)
+
+    @property
+    def kv_pages_cached(self) -> int:
+        """Registered prefix pages no page list holds (kept until their room is needed)."""
+        return len(self._cached)
 
     @property
     def adapter_pages_used(self) -> int:
@@ -88,13 +125,18 @@ class UnifiedPool:
     def check(self) -> None:
         """Internal invariant: every page is exactly one of free, KV, adapter."""
         kv = np.zeros(self.num_pages, dtype=bool)
-        kv[list(self._kv_owner)] = True
+        kv[list(self._kv_owner) + list(self._cached)] = True
+        assert not set(self._kv_owner) & set(self._cached), "a cached page has owners"
         assert not (kv & self._adapter_pages).any(), "a page is both KV and adapter"
         assert ((kv | self._adapter_pages) == ~self._free).all(), "free map out of sync"
         runs = sum(r.num_pages for r in self._resident.values())
         assert runs == self.adapter_pages_used, "adapter runs out of sync"
-        for page, owner in self._kv_owner.items():
-            assert page in owner, "KV page missing from its owner's list"
+        for page, owners in self._kv_owner.items():
+            assert owners, "a KV page in use with no owner"
+            for owner in owners:
+                assert sum(p == page for p in owner) == 1, "KV page not exactly once in its owner's list"
+        assert all(p in self._page_key for p in self._cached), "an unregistered page is cached"
+        assert {self._prefix[k]: k for k in self._prefix} == self._page_key, "prefix index out of sync"
 
     # ------------------------------------------------------------------ KV pages
 
@@ -103,22 +145,70 @@ class UnifiedPool:
         fewer are free."""
         if count <= 0:
             return True
-        free = np.flatnonzero(self._free)
-        if free.size < count:
+        if self.num_free < count:
             return False
-        taken = free[:count].tolist()
+        while int(self._free.sum()) < count:
+            self._drop_cached()
+        taken = np.flatnonzero(self._free)[:count].tolist()
         self._free[taken] = False
         for p in taken:
-            self._kv_owner[p] = pages
+            self._kv_owner[p] = [pages]
         pages.extend(taken)
         return True
 
     def free_kv(self, pages: list[int]) -> None:
-        """Give back every page of ``pages`` and empty the list."""
+        """Let go of every page of ``pages`` and empty the list: a page no other list holds is
+        freed, or cached (most recently used) if it is registered under a prefix key."""
         for p in pages:
+            owners = [o for o in self._kv_owner[p] if o is not pages]
+            if owners:
+                self._kv_owner[p] = owners
+                continue
             del self._kv_owner[p]
-        self._free[pages] = True
+            if p in self._page_key:
+                self._cached[p] = None
+            else:
+                self._free[p] = True
         pages.clear()
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def match_prefix(self, keys: Sequence[PageKey]) -> list[int]:
+        """Registered pages of the longest run of ``keys`` from the first (in use or cached)."""
+        found: list[int] = []
+        for key in keys:
+            page = self._prefix.get(key)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
+    def share(self, pages: list[int], shared: Sequence[int]) -> None:
+        """Append registered pages (from ``match_prefix``) to ``pages``, which becomes one more
+        owner of each; a cached one leaves the LRU."""
+        for p in shared:
+            if p in self._cached:
+                del self._cached[p]
+                self._kv_owner[p] = [pages]
+            else:
+                self._kv_owner[p].append(pages)
+            pages.append(p)
+
+    def register(self, page: int, key: PageKey) -> None:
+        """Record that KV page ``page`` (in use, full, computed) holds the tokens of ``key``; a
+        no-op if another page already holds that key or this one is registered."""
+        if key in self._prefix or page in self._page_key:
+            return
+        assert page in self._kv_owner, "registering a page no list holds"
+        self._prefix[key] = page
+        self._page_key[page] = key
+
+    def _drop_cached(self) -> None:
+        """Free the least recently used cached page."""
+        page, _ = self._cached.popitem(last=False)
+        del self._prefix[self._page_key.pop(page)]
+        self._free[page] = True
+        self.prefix_evictions += 1
 
     # ------------------------------------------------------------------ adapters
 
@@ -159,10 +249,13 @@ class UnifiedPool:
         protect = set(protect)
         while True:
             start = self._find_run(n)
-            if start is None and self.num_free >= n:
+            if start is None and int(self._free.sum()) >= n:
                 start = self._open_run(n)
             if start is not None:
                 break
+            if may_evict and self._cached:  # cached prefix pages go before any adapter
+                self._drop_cached()
+                continue
             if not (may_evict and self.evict_lru_idle(protect)):
                 return None
         self._free[start:start + n] = False
@@ -218,8 +311,9 @@ class UnifiedPool:
         return None if fits.size == 0 else int(ends[fits[-1]] - n)
 
     def _open_run(self, n: int) -> int | None:
-        """Free a run of ``n`` pages by moving the KV pages of the adapter-free window that holds
-        the fewest of them to free pages outside it (needs ``num_free >= n``)."""
+        """Free a run of ``n`` pages by moving the KV pages (in use or cached) of the
+        adapter-free window that holds the fewest of them to free pages outside it (needs
+        ``n`` free pages)."""
         if n > self.num_pages:
             return None
         kv = (~self._free & ~self._adapter_pages).astype(np.int64)
@@ -239,10 +333,22 @@ class UnifiedPool:
         if src:
             self.kv[dst] = self.kv[src]
             for s, d in zip(src, dst):
-                owner = self._kv_owner.pop(s)
-                owner[owner.index(s)] = d
-                self._kv_owner[d] = owner
+                self._relocate(s, d)
             self._free[dst] = False
             self._free[src] = True
             self.pages_moved += len(src)
         return start
+
+    def _relocate(self, src: int, dst: int) -> None:
+        """Move the bookkeeping of KV page ``src`` to ``dst`` (contents already copied)."""
+        if src in self._kv_owner:
+            owners = self._kv_owner.pop(src)
+            for owner in owners:
+                owner[owner.index(src)] = dst
+            self._kv_owner[dst] = owners
+        else:  # cached: keep its place in the LRU
+            self._cached = OrderedDict((dst if p == src else p, None) for p in self._cached)
+        key = self._page_key.pop(src, None)
+        if key is not None:
+            self._page_key[dst] = key
+            self._prefix[key] = dst

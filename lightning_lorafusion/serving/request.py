@@ -90,7 +90,8 @@ class RequestState:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    num_cached: int = 0
+    num_cached: int = 0  # tokens whose KV is in the pages
+    page_keys: list[bytes] = field(default_factory=list)  # prefix keys of its full pages (prefix caching)
     resident: ResidentAdapter | None = None  # set while running with an adapter
     finish_reason: str | None = None
     logprobs: list[float] | None = None

@@ -5,7 +5,10 @@ decode request. Linear layers run once over all rows. LoRA: prefill rows go thro
 multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
 through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
 Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
-cached pages (``paged_decode_attention``); both write their keys and values into the pages.
+cached pages (``paged_decode_attention``); both write their keys and values into the pages. A
+prefill that starts after a reused cached prefix (prefix caching) attends over its pages
+(``paged_prefix_attention_reference``, a torch path); a step holding one runs every prefill
+request that way.
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from ..kernels.api import lora_projections
 from ..kernels.lora_gather import lora_gather
-from ..kernels.paged_attention import paged_decode_attention, write_kv
+from ..kernels.paged_attention import paged_decode_attention, paged_prefix_attention_reference, write_kv
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import (DecoderConfig, apply_rope, embed, frozen_weight, rms_norm, rope_cos_sin,
@@ -47,6 +50,8 @@ class StepBatch:
     num_prefill_rows: int
     cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
     max_prefill_len: int
+    # per prefill request (first row, end row, first position, pages [n]) when one reuses a cached prefix
+    prefill_prefixes: list[tuple[int, int, int, torch.Tensor]] | None
     prefill_routing: LoraRouting | None
     prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
     page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
@@ -129,6 +134,7 @@ class ModelRunner:
         return StepBatch(
             input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
             slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, cu_seqlens=None, max_prefill_len=0,
+            prefill_prefixes=None,
             prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
             seq_lens=(positions + 1).to(torch.int32),
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
@@ -139,8 +145,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
 
     def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
-        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed all their
-        tokens from position 0; decode requests feed their newest token."""
+        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed their tokens
+        from ``num_cached`` (0 unless a cached prefix was reused); decode requests feed their
+        newest token."""
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -152,11 +159,12 @@ class ModelRunner:
         residents: list[ResidentAdapter] = []
         cu = [0]
         for state in prefill:
-            toks = state.all_ids
+            first = state.num_cached
+            toks = state.all_ids[first:]
             start = len(ids)
             ids += toks
-            pos += range(len(toks))
-            slot_pages += [state.pages[p // s] for p in range(len(toks))]
+            pos += range(first, first + len(toks))
+            slot_pages += [state.pages[p // s] for p in range(first, first + len(toks))]
             cu.append(len(ids))
             if state.resident is not None:
                 key = state.adapter.key
@@ -187,6 +195,8 @@ class ModelRunner:
             slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
             num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
             max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+            prefill_prefixes=([(a, b, st.num_cached, tensor(st.pages)) for st, a, b in zip(prefill, cu, cu[1:])]
+                              if any(st.num_cached for st in prefill) else None),
             prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows),
@@ -266,7 +276,11 @@ class ModelRunner:
         write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
-        if tp:
+        if tp and batch.prefill_prefixes is not None:
+            parts += [paged_prefix_attention_reference(q[a:b], self.pool.kv, layer, pages, first, scale=scale,
+                                                       sliding_window=window)
+                      for a, b, first, pages in batch.prefill_prefixes]
+        elif tp:
             parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
                                                  sliding_window=window, max_seqlen=batch.max_prefill_len))
         if tp < t:

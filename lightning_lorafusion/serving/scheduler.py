@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .pool import UnifiedPool
+from .pool import UnifiedPool, prefix_page_keys
 from .request import RequestState, Status
 
 
@@ -32,11 +32,18 @@ class Scheduler:
     tokens, when there is room). A waiting request is admitted when its adapter is (or can be
     paged) in and its prompt's pages fit above the watermark; otherwise it waits, and so do the
     requests behind it (no reordering, so no starvation).
+
+    With ``prefix_caching``, an admitted request first takes the longest run of cached full
+    pages with its adapter and leading tokens (never its last token's page: that token's logits
+    are needed; never when it wants prompt logprobs) and is prefilled from there.
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefetch_depth: int, watermark_pages: int) -> None:
+                 prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False) -> None:
         self.pool = pool
+        self.prefix_caching = prefix_caching
+        self.prefix_cache_hits = 0  # admissions that reused at least one cached page
+        self.prefix_tokens_reused = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefetch_depth = prefetch_depth
@@ -102,17 +109,34 @@ class Scheduler:
         protect = {state.adapter.key} if state.adapter is not None else set()
         if state.adapter is not None and pool.page_in(state.adapter, protect=protect) is None:
             return False
-        pages = pool.pages_for_tokens(state.num_tokens)
+        reused: list[int] = []
+        if self.prefix_caching:
+            ids = state.all_ids
+            state.page_keys = prefix_page_keys(None if state.adapter is None else state.adapter.key, ids,
+                                               pool.page_size, len(ids) // pool.page_size)
+            if not state.wants_prompt_logprobs:
+                reused = pool.match_prefix(state.page_keys[:(len(ids) - 1) // pool.page_size])
+                pool.share(state.pages, reused)  # before allocating, so they cannot be dropped for it
+        pages = pool.pages_for_tokens(state.num_tokens) - len(reused)
         reserve = self.watermark_pages if self.running else 0
         while pool.num_free - pages < reserve or not pool.allocate_kv(state.pages, pages):
             if not pool.evict_lru_idle(protect):
+                pool.free_kv(state.pages)  # the shared pages go back to the cache
                 return False
         if state.adapter is not None:
             state.resident = pool.acquire(state.adapter)
         state.status = Status.RUNNING
-        state.num_cached = 0
+        state.num_cached = len(reused) * pool.page_size
+        if reused:
+            self.prefix_cache_hits += 1
+            self.prefix_tokens_reused += state.num_cached
         self.running.append(state)
         return True
+
+    def register_prefill(self, state: RequestState) -> None:
+        """After ``state``'s prefill ran: its full pages become reusable prefixes."""
+        for page, key in zip(state.pages, state.page_keys):
+            self.pool.register(page, key)
 
     def _release(self, state: RequestState) -> None:
         self.pool.free_kv(state.pages)

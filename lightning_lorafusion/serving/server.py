@@ -80,12 +80,16 @@ class _EngineCollector:
                  ("requests_total", "lorafusion_engine_requests", "Requests the engine accepted"),
                  ("adapter_page_ins_total", "lorafusion_adapter_page_ins", "Adapters copied host -> device pool"),
                  ("adapter_evictions_total", "lorafusion_adapter_evictions", "Adapters evicted from the device pool"),
-                 ("preemptions_total", "lorafusion_preemptions", "Requests preempted for KV pages"))
+                 ("preemptions_total", "lorafusion_preemptions", "Requests preempted for KV pages"),
+                 ("prefix_cache_hits_total", "lorafusion_prefix_cache_hits", "Requests that reused cached prefix pages"),
+                 ("prefix_tokens_reused_total", "lorafusion_prefix_tokens_reused",
+                  "Prompt tokens not prefilled thanks to the prefix cache"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
                ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),
                ("adapters_resident", "lorafusion_adapters_resident", "Adapters resident in the device pool"),
                ("kv_pages_used", "lorafusion_kv_pages_used", "KV-cache pages in use"),
+               ("prefix_pages_cached", "lorafusion_prefix_pages_cached", "Cached prefix pages no request holds"),
                ("kv_pages_total", "lorafusion_kv_pages_total", "Pages in the pool (KV and adapters)"))
 
     def __init__(self, engine: Any):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams, UnknownAdapterError
 from lightning_lorafusion.serving.adapters import HostAdapter
-from lightning_lorafusion.serving.pool import UnifiedPool
+from lightning_lorafusion.serving.pool import UnifiedPool, prefix_page_keys
 
 from test_generation import CASES, _requests
 
@@ -80,24 +80,41 @@ def _fake_adapter(numel: int) -> HostAdapter:
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_pool_accounting_never_leaks(seed):
-    """Random arrivals / growth / finishes / adapter page-ins: pages are always exactly one of
-    free, KV or adapter; moved KV pages keep their contents; everything returns at the end."""
+    """Random arrivals / growth / finishes / adapter page-ins / shared prefix pages: pages are
+    always exactly one of free, KV (in use or cached) or adapter; moved KV pages keep their
+    contents; everything returns at the end."""
     rng = random.Random(seed)
     pool = UnifiedPool(num_pages=40, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
                        dtype=torch.float32, device="cpu")
     adapters = [_fake_adapter(rng.randint(1, 8 * pool.page_elems)) for _ in range(5)]
-    owners: list[tuple[list[int], float]] = []  # page list, marker value written into its pages
+    owners: list[tuple[list[int], list[float]]] = []  # page list, marker value written into each page
     users: list[HostAdapter] = []
+    # prefix caching: three chains of page keys; a page registered under key i of a chain holds
+    # that key's marker, and lists taking a chain's prefix share those pages
+    chains = [prefix_page_keys(c, [c] * 8, 2, 4) for c in range(3)]
     for step in range(60):
         op = rng.random()
-        if op < 0.35:
+        if op < 0.2:
             pages: list[int] = []
             if pool.allocate_kv(pages, rng.randint(1, 4)):
-                marker = float(step + 1)
-                pool.kv[pages] = marker
-                owners.append((pages, marker))
+                markers = [float(step + 1)] * len(pages)
+                pool.kv[pages] = markers[0]
+                owners.append((pages, markers))
+        elif op < 0.35:
+            c, n = rng.randrange(3), rng.randint(1, 4)
+            keys = chains[c][:n]
+            pages = []
+            pool.share(pages, pool.match_prefix(keys))
+            reused = len(pages)
+            if pool.allocate_kv(pages, n - reused):
+                for i in range(reused, n):
+                    pool.kv[pages[i]] = 100.0 * (c + 1) + i
+                    pool.register(pages[i], keys[i])
+                owners.append((pages, [100.0 * (c + 1) + i for i in range(n)]))
+            else:
+                pool.free_kv(pages)
         elif op < 0.5 and owners:
-            pages, marker = owners.pop(rng.randrange(len(owners)))
+            pages, _ = owners.pop(rng.randrange(len(owners)))
             pool.free_kv(pages)
         elif op < 0.75:
             a = rng.choice(adapters)
@@ -112,8 +129,9 @@ def test_pool_accounting_never_leaks(seed):
         else:
             pool.evict_lru_idle()
         pool.check()
-        for pages, marker in owners:
-            assert bool((pool.kv[pages] == marker).all())  # relocation moved the contents too
+        for pages, markers in owners:  # relocation moved the contents too; shared pages are the right ones
+            for page, marker in zip(pages, markers):
+                assert bool((pool.kv[page] == marker).all())
         for a in set(users):
             r = pool.resident(a)
             assert r is not None and torch.equal(pool.storage[r.offset:r.offset + a.numel], a.flat)
@@ -124,7 +142,12 @@ def test_pool_accounting_never_leaks(seed):
     while pool.evict_lru_idle():
         pass
     pool.check()
-    assert pool.num_free == pool.num_pages
+    assert pool.num_free == pool.num_pages and pool.kv_pages_used == 0
+    everything: list[int] = []
+    assert pool.allocate_kv(everything, pool.num_pages)  # drops every cached prefix page
+    assert pool.kv_pages_cached == 0 and pool.match_prefix([k[0] for k in chains]) == []
+    pool.free_kv(everything)
+    pool.check()
 
 
 def test_fragmented_pool_moves_kv_pages_to_fit_an_adapter():

@@ -1,0 +1,143 @@
+"""Prefix caching: full KV pages shared per adapter; same outputs, fewer pages, LRU eviction."""
+
+from __future__ import annotations
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+
+from test_generation import GREEDY, _requests
+
+SYSTEM = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 32, 38, 46]  # 13 tokens: 3 full pages of 4
+SUFFIXES = [[2, 7], [18, 28, 18, 28, 45], [1], [59, 4, 23], [60, 61, 62, 63, 1, 2, 3, 4]]
+
+
+def _shared_cases():
+    adapters = [None, "all4", "attn2"]
+    return [(SYSTEM + sfx, adapters[i % 3]) for i, sfx in enumerate(SUFFIXES + SUFFIXES[::-1])]
+
+
+def _run_arriving(engine, reqs, arrive_at):
+    tokens = {r.request_id: [] for r in reqs}
+    finished = set()
+    for step in range(200):
+        for i in arrive_at.get(step, []):
+            engine.submit(reqs[i])
+        for ev in engine.step():
+            if ev.token_id is not None:
+                tokens[ev.request_id].append(ev.token_id)
+            if ev.finish_reason is not None:
+                finished.add(ev.request_id)
+        if len(finished) == len(reqs):
+            break
+    assert len(finished) == len(reqs)
+    return [tuple(tokens[r.request_id]) for r in reqs]
+
+
+def test_shared_system_prompt_same_outputs_with_and_without_prefix_caching(make_engine, hf_reference):
+    cases = _shared_cases()
+    arrive_at = {0: [0, 1], 3: [2, 3], 6: [4], 12: [5, 6, 7], 20: [8, 9]}
+    off = _run_arriving(make_engine(num_pages=96, page_size=4, prefix_caching=False), _requests(cases), arrive_at)
+    engine = make_engine(num_pages=96, page_size=4)
+    on = _run_arriving(engine, _requests(cases), arrive_at)
+    assert on == off
+    for (prompt, adapter), out in list(zip(cases, on))[4:7]:  # hits, against HF + PEFT too
+        assert list(out) == hf_reference.generate(prompt, adapter, GREEDY.max_new_tokens)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_total"] >= 5 and stats["prefix_tokens_reused_total"] >= 5 * 12
+    assert stats["kv_pages_used"] == 0 and stats["prefix_pages_cached"] > 0
+    engine.pool.check()
+
+
+def _admit(engine, prompt, adapter):
+    """Submit and run one step (the prefill); -> the request's state."""
+    req = GenerationRequest(prompt_token_ids=prompt, adapter=adapter,
+                            sampling=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    engine.submit(req)
+    engine.step()
+    return next(s for s in engine.scheduler.running if s.request_id == req.request_id)
+
+
+def test_page_counts_show_sharing_per_adapter(make_engine):
+    engine = make_engine(num_pages=200, page_size=4, kv_watermark=0.0)
+    pool = engine.pool
+    a = _admit(engine, SYSTEM + [1, 2, 3], "all4")  # 16 tokens -> 4 pages, 4 registered
+    assert len(a.pages) == 4 and engine.stats()["prefix_cache_hits_total"] == 0
+    used = pool.kv_pages_used
+    b = _admit(engine, SYSTEM + [4, 5], "all4")  # same adapter: shares the 3 system pages
+    assert b.pages[:3] == a.pages[:3] and b.pages[3] != a.pages[3]
+    assert pool.kv_pages_used - used == 2  # b's one new page + a's page for its 17th token (a decoded)
+    assert engine.stats()["prefix_tokens_reused_total"] == 12
+    used = pool.kv_pages_used
+    c = _admit(engine, SYSTEM + [4, 5], "attn2")  # another adapter: shares nothing
+    assert not set(c.pages) & set(a.pages + b.pages) and pool.kv_pages_used - used == len(c.pages)
+    base = _admit(engine, SYSTEM + [4, 5], None)  # nor does the base
+    assert not set(base.pages) & set(a.pages + b.pages + c.pages)
+    assert engine.stats()["prefix_cache_hits_total"] == 1
+    shared = list(a.pages[:3])
+    while engine.stats()["running"]:
+        engine.step()
+    assert pool.kv_pages_used == 0 and set(shared) <= set(pool._cached)  # kept after the requests finished
+    d = _admit(engine, SYSTEM + [9], "all4")  # reuses the cached pages of finished requests
+    assert d.pages[:3] == shared and engine.stats()["prefix_cache_hits_total"] == 2
+    pool.check()
+
+
+def test_prompt_logprobs_requests_do_not_reuse(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    engine.generate(_requests([(SYSTEM + [1], "mlp8")]))
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=True)
+    scored = engine.generate(_requests([(SYSTEM + [2], "mlp8")], sp))[0]
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    ref = make_engine(num_pages=96, page_size=4, prefix_caching=False).generate(
+        _requests([(SYSTEM + [2], "mlp8")], sp))[0]
+    assert scored.prompt_logprobs == ref.prompt_logprobs and scored.token_ids == ref.token_ids
+
+
+def test_cached_pages_evicted_under_pool_pressure(make_engine):
+    # distinct 12-token prefixes per request fill the cache; 40 pages (adapters take 2 + 16)
+    cases = [([(7 * i + j) % 64 for j in range(12)] + [i % 5 + 1], a)
+             for i in range(10) for a in ("attn2", "all4", None)]
+    cases += cases[:6]  # repeats that hit if their pages survived
+    ref = make_engine(num_pages=200, page_size=4, prefix_caching=False).generate(_requests(cases))
+    engine = make_engine(num_pages=40, page_size=4)
+    out = engine.generate(_requests(cases))
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    stats = engine.stats()
+    assert stats["prefix_pages_evicted_total"] > 0 and stats["kv_pages_used"] == 0
+    assert stats["prefix_pages_cached"] + stats["adapter_pages_used"] <= 40
+    engine.pool.check()
+
+
+def test_readded_adapter_never_hits_the_old_prefix(make_engine, adapter_dirs):
+    engine = make_engine(num_pages=96, page_size=4)
+    prompt = SYSTEM + [5, 6]
+    first = engine.generate(_requests([(prompt, "attn2")]))[0]
+    engine.remove_adapter("attn2")
+    engine.step()  # retires it
+    engine.add_adapter("attn2", adapter_dirs["attn2"])
+    again = engine.generate(_requests([(prompt, "attn2")]))[0]
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    assert again.token_ids == first.token_ids  # same weights, so the same tokens, computed afresh
+    engine.generate(_requests([(prompt, "attn2")]))
+    assert engine.stats()["prefix_cache_hits_total"] == 1  # the re-added one caches its own prefix
+
+
+def test_prefix_attention_equals_full_causal_attention():
+    """New queries over [cached prefix + new] K/V in scattered pages equal the rows of causal
+    attention over the whole sequence, with and without a sliding window (GQA)."""
+    import torch
+
+    from lightning_lorafusion.kernels.paged_attention import paged_prefix_attention_reference
+    from lightning_lorafusion.model.attention import sdpa_varlen_loop
+
+    g = torch.Generator().manual_seed(0)
+    n_total, start, s, hq, hkv, d = 11, 8, 4, 4, 2, 8
+    q, k, v = (torch.randn(n_total, h, d, generator=g) for h in (hq, hkv, hkv))
+    pool = torch.zeros(6, 2, 2, s, hkv, d)  # [P, L, 2, S, Hkv, D]
+    pages = torch.tensor([4, 1, 3])
+    for pos in range(n_total):
+        pool[pages[pos // s], 1, 0, pos % s] = k[pos]
+        pool[pages[pos // s], 1, 1, pos % s] = v[pos]
+    for window in (None, 5):
+        full = sdpa_varlen_loop(q, k, v, torch.tensor([0, n_total]), scale=0.3, sliding_window=window)
+        got = paged_prefix_attention_reference(q[start:], pool, 1, pages, start, scale=0.3, sliding_window=window)
+        torch.testing.assert_close(got, full[start:], rtol=1e-5, atol=1e-6)
