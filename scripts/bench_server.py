@@ -416,6 +416,7 @@ def main(argv=None) -> dict:
         for k in range(args.rounds):
             row: dict = {}
             # direct: engine.stream per request from asyncio tasks of this thread (the server is idle)
+            engine.reset_prefix_cache()  # each run prefills its prompts itself (no hits from the last run)
             before = engine.stats()
             sync(device)
             outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs,
@@ -424,6 +425,7 @@ def main(argv=None) -> dict:
             direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
             # http: the same requests through the server in a thread of this process
+            engine.reset_prefix_cache()
             before = engine.stats()
             outcomes, wall = run_http_clients(server.url, warm_specs, [to_spec(r) for r in reqs],
                                               args.concurrency, arrivals, args.client)

@@ -333,6 +333,12 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page no running request holds (vLLM's reset_prefix_cache):
+        later prompts are prefilled from scratch. Returns the pages freed."""
+        with self._step_lock:
+            return self.pool.drop_cached_prefixes()
+
     def step(self) -> list[TokenEvent]:
         """One iteration: admit, run one forward over prefill + decode rows, sample, emit."""
         with self._step_lock:

@@ -141,3 +141,17 @@ def test_prefix_attention_equals_full_causal_attention():
         full = sdpa_varlen_loop(q, k, v, torch.tensor([0, n_total]), scale=0.3, sliding_window=window)
         got = paged_prefix_attention_reference(q[start:], pool, 1, pages, start, scale=0.3, sliding_window=window)
         torch.testing.assert_close(got, full[start:], rtol=1e-5, atol=1e-6)
+
+
+def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    prompt = SYSTEM + [5, 6]
+    first = engine.generate(_requests([(prompt, "all4")]))[0]
+    cached = engine.stats()["prefix_pages_cached"]
+    assert cached == 3
+    free_before = engine.pool.num_free
+    assert engine.reset_prefix_cache() == cached
+    assert engine.stats()["prefix_pages_cached"] == 0 and engine.pool.num_free == free_before  # cached counted free
+    again = engine.generate(_requests([(prompt, "all4")]))[0]
+    assert engine.stats()["prefix_cache_hits_total"] == 0 and again.token_ids == first.token_ids
+    engine.pool.check()
