@@ -359,11 +359,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this process (the engine and server threads share the GIL)")
     ap.add_argument("--rounds", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
     ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     closed = args.rate <= 0
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "load": f"C={args.concurrency}" if closed else f"{args.rate:g}/s"}

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
@@ -32,6 +33,32 @@ log = logging.getLogger("lightning_lorafusion.serving")
 PROMPT_LOGPROB_CHUNK = 512
 # Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
 CUDA_HEADROOM_BYTES = 512 * 2**20
+
+
+class _LoopSink:
+    """Events bound for one asyncio loop, handed over once per engine step (one
+    ``call_soon_threadsafe`` wake-up for all of a step's rows instead of one per token: under
+    load the loop thread otherwise spends its time, and the GIL, on wake-ups)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, TokenEvent]] = []
+
+    def push(self, queue: asyncio.Queue, event: TokenEvent) -> None:
+        self.pending.append((queue, event))
+
+    def flush(self) -> None:
+        batch, self.pending = self.pending, []
+        if batch:
+            try:
+                self.loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)
 
 
 class Engine:
@@ -88,6 +115,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # asyncio loops that stream from this engine -> their per-step event batch
+        self._sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSink] = weakref.WeakKeyDictionary()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0}
@@ -273,7 +302,11 @@ class Engine:
         last with ``finish_reason``). Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        rid = self.submit(request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        with self._lock:
+            sink = self._sinks.get(loop)
+            if sink is None:
+                sink = self._sinks[loop] = _LoopSink(loop)
+        rid = self.submit(request, lambda ev: sink.push(queue, ev))
         self.start()
         finished = False
         try:
@@ -330,6 +363,7 @@ class Engine:
                 with self._step_lock:
                     for state in list(self._states.values()):
                         self._finish(state, "abort", [])
+                    self._flush_sinks()
 
     # ------------------------------------------------------------------ one step
 
@@ -342,21 +376,35 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """One iteration: admit, run one forward over prefill + decode rows, sample, emit."""
         with self._step_lock:
-            events: list[TokenEvent] = []
-            self._take_incoming(events)
-            self._retire_adapters()
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                return events
-            now = time.perf_counter()
-            for state in plan.prefill:
-                if state.first_scheduled is None:
-                    state.first_scheduled = now
-                    self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
-            with torch.no_grad():
-                self._run(plan, events)
-            self._counters["steps_total"] += 1
+            try:
+                return self._step()
+            finally:
+                self._flush_sinks()
+
+    def _flush_sinks(self) -> None:
+        """Hand this step's events to the asyncio loops streaming them (caller holds ``_step_lock``)."""
+        with self._lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            sink.flush()
+
+    def _step(self) -> list[TokenEvent]:
+        """The step itself (caller holds ``_step_lock``)."""
+        events: list[TokenEvent] = []
+        self._take_incoming(events)
+        self._retire_adapters()
+        plan = self.scheduler.schedule()
+        if plan.empty:
             return events
+        now = time.perf_counter()
+        for state in plan.prefill:
+            if state.first_scheduled is None:
+                state.first_scheduled = now
+                self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
+        with torch.no_grad():
+            self._run(plan, events)
+        self._counters["steps_total"] += 1
+        return events
 
     def _run(self, plan, events: list[TokenEvent]) -> None:
         seqs = plan.prefill + plan.decode
