@@ -4,11 +4,11 @@ Rows of a step: first every prefill request's tokens (positions from 0), then on
 decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
 multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
 through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
-Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
-cached pages (``paged_decode_attention``); both write their keys and values into the pages. A
-prefill that starts after a reused cached prefix (prefix caching) attends over its pages
-(``paged_prefix_attention_reference``, a torch path); a step holding one runs every prefill
-request that way.
+Attention: every row's keys and values are written into the pages first. Prefill requests that
+start at position 0 come first and attend to their own tokens (varlen causal); those that start
+after tokens already in their pages (a reused cached prefix) follow and attend over their pages
+(``paged_prefill_attention``: all of them in one launch per layer); decode rows attend to their
+cached pages (``paged_decode_attention``).
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from ..kernels.api import lora_projections
 from ..kernels.lora_gather import lora_gather
-from ..kernels.paged_attention import paged_decode_attention, paged_prefix_attention_reference, write_kv
+from ..kernels.paged_attention import paged_decode_attention, write_kv
+from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import (DecoderConfig, apply_rope, embed, frozen_weight, rms_norm, rope_cos_sin,
@@ -39,6 +40,17 @@ _MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 
 
+@dataclass(frozen=True)
+class PrefixRows:
+    """The prefill requests of a step that start after tokens already in their pages; their rows
+    follow the other prefill rows (``StepBatch.num_fresh_rows`` on)."""
+
+    cu_seqlens: torch.Tensor  # [m + 1] int32, over these rows (from 0)
+    starts: torch.Tensor  # [m] int32 first position of each request's rows
+    page_table: torch.Tensor  # [m, max pages] int32 each request's pages (0 past its last)
+    max_seqlen: int  # most rows of one request
+
+
 @dataclass
 class StepBatch:
     """Device-side inputs of one step (built by ``ModelRunner.prepare``)."""
@@ -48,10 +60,10 @@ class StepBatch:
     slot_pages: torch.Tensor  # [T] page of each row's KV
     slot_offsets: torch.Tensor  # [T] slot inside that page
     num_prefill_rows: int
-    cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
-    max_prefill_len: int
-    # per prefill request (first row, end row, first position, pages [n]) when one reuses a cached prefix
-    prefill_prefixes: list[tuple[int, int, int, torch.Tensor]] | None
+    num_fresh_rows: int  # prefill rows [0, this) start at position 0; the rest are prefill_prefixes'
+    cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the fresh prefill rows
+    max_prefill_len: int  # of the fresh prefill rows
+    prefill_prefixes: PrefixRows | None
     prefill_routing: LoraRouting | None
     prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
     page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
@@ -79,6 +91,7 @@ class ModelRunner:
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
@@ -133,8 +146,8 @@ class ModelRunner:
         lora = bool(modules)
         return StepBatch(
             input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
-            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, cu_seqlens=None, max_prefill_len=0,
-            prefill_prefixes=None,
+            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, num_fresh_rows=0, cu_seqlens=None,
+            max_prefill_len=0, prefill_prefixes=None,
             prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
             seq_lens=(positions + 1).to(torch.int32),
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
@@ -147,18 +160,22 @@ class ModelRunner:
     def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
         """Host-side bookkeeping of a step -> device tensors. Prefill requests feed their tokens
         from ``num_cached`` (0 unless a cached prefix was reused); decode requests feed their
-        newest token."""
+        newest token. Rows: the prefill requests with nothing cached, then those after a cached
+        prefix, then the decode rows; ``spans`` stay in the order of ``prefill + decode``."""
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []
         slot_pages: list[int] = []
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = [(0, 0)] * (len(prefill) + len(decode))
         out_rows: list[int] = []
         segments: list[tuple[int, int, int]] = []
         local: dict[int, int] = {}  # adapter key -> index in the prefill routing
         residents: list[ResidentAdapter] = []
-        cu = [0]
-        for state in prefill:
+        fresh = [i for i, st in enumerate(prefill) if st.num_cached == 0]
+        cached = [i for i, st in enumerate(prefill) if st.num_cached > 0]
+        cu = [0]  # row bounds of the prefill requests in row order (fresh, then cached)
+        for i in fresh + cached:
+            state = prefill[i]
             first = state.num_cached
             toks = state.all_ids[first:]
             start = len(ids)
@@ -173,15 +190,15 @@ class ModelRunner:
                     residents.append(state.resident)
                 segments.append((start, len(ids), local[key]))
             first_out = start if state.wants_prompt_logprobs else len(ids) - 1
-            spans.append((len(out_rows), len(out_rows) + len(ids) - first_out))
+            spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
             out_rows += range(first_out, len(ids))
-        n_prefill = len(ids)
-        for state in decode:
+        n_prefill, n_fresh = len(ids), cu[len(fresh)]
+        for j, state in enumerate(decode):
             p = state.num_tokens - 1
             ids.append(state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])
-            spans.append((len(out_rows), len(out_rows) + 1))
+            spans[len(prefill) + j] = (len(out_rows), len(out_rows) + 1)
             out_rows.append(len(ids) - 1)
 
         dev = self.device
@@ -190,13 +207,14 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
         positions = torch.tensor(pos, dtype=torch.int64)
+        fresh_cu = cu[:len(fresh) + 1]
         batch = StepBatch(
             input_ids=tensor(ids), positions=positions.to(dev, non_blocking=True),
             slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
-            num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
-            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
-            prefill_prefixes=([(a, b, st.num_cached, tensor(st.pages)) for st, a, b in zip(prefill, cu, cu[1:])]
-                              if any(st.num_cached for st in prefill) else None),
+            num_prefill_rows=n_prefill, num_fresh_rows=n_fresh,
+            cu_seqlens=tensor(fresh_cu, torch.int32) if fresh else None,
+            max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
+            prefill_prefixes=self._prefix_rows([prefill[i] for i in cached], cu[len(fresh):]) if cached else None,
             prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows),
@@ -211,6 +229,20 @@ class ModelRunner:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
+
+    def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> PrefixRows:
+        """Device tables of the prefill requests after a cached prefix; ``bounds`` their rows'
+        bounds in the step (consecutive)."""
+        s = self.pool.page_size
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        pages = [st.pages[:-(-(st.num_cached + n) // s)] for st, n in zip(states, lens)]
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32)
+        dev = self.device
+        return PrefixRows(
+            cu_seqlens=torch.tensor([b - bounds[0] for b in bounds], dtype=torch.int32).to(dev, non_blocking=True),
+            starts=torch.tensor([st.num_cached for st in states], dtype=torch.int32).to(dev, non_blocking=True),
+            page_table=table.to(dev, non_blocking=True), max_seqlen=max(lens))
 
     def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
         inputs = self.decode_inputs
@@ -276,17 +308,19 @@ class ModelRunner:
         write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
-        if tp and batch.prefill_prefixes is not None:
-            parts += [paged_prefix_attention_reference(q[a:b], self.pool.kv, layer, pages, first, scale=scale,
-                                                       sliding_window=window)
-                      for a, b, first, pages in batch.prefill_prefixes]
-        elif tp:
-            parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
+        tf = batch.num_fresh_rows
+        if tf:
+            parts.append(varlen_causal_attention(q[:tf], k[:tf], v[:tf], batch.cu_seqlens, scale=scale,
                                                  sliding_window=window, max_seqlen=batch.max_prefill_len))
+        # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
+        # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+        kv_layer = self.pool.kv[:, layer:layer + 1]
+        if batch.prefill_prefixes is not None:
+            pre = batch.prefill_prefixes
+            parts.append(paged_prefill_attention(q[tf:tp], kv_layer, 0, pre.cu_seqlens, pre.starts, pre.page_table,
+                                                 scale=scale, sliding_window=window, max_seqlen=pre.max_seqlen,
+                                                 backend=self.prefill_attention_backend))
         if tp < t:
-            # the layer's slice as a one-layer pool: the Triton launcher would turn a layer index
-            # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
-            kv_layer = self.pool.kv[:, layer:layer + 1]
             parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
                                                 scale=scale, sliding_window=window,
                                                 backend=self.kernel_backend))

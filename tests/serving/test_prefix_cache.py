@@ -155,3 +155,33 @@ def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
     again = engine.generate(_requests([(prompt, "all4")]))[0]
     assert engine.stats()["prefix_cache_hits_total"] == 0 and again.token_ids == first.token_ids
     engine.pool.check()
+
+
+def test_prefix_hits_fresh_prompts_and_decodes_in_one_triton_step(make_engine, hf_reference):
+    """Triton kernels (interpreter, fp32): one step prefills two prefix hits (the paged prefill
+    kernel, both in one launch per layer) next to two fresh prompts (varlen) and two decoding
+    requests; every request's tokens equal HF + PEFT's."""
+    engine = make_engine(num_pages=96, page_size=4, backend="triton")
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    cases = [(SYSTEM + [1], "all4"), (SYSTEM + [2, 3], None),  # step 0: fill the cache, then decode
+             (SYSTEM + [18, 28, 45], "all4"), ([7, 13, 21, 33, 45, 50], "attn2"),  # step 1: hit, fresh
+             (SYSTEM + [59, 4, 23, 60, 61], None), (SYSTEM + [9], "mlp8")]  # hit (5 new rows), fresh
+    steps = []
+    prepare = engine.runner.prepare
+
+    def recording_prepare(prefill, decode):
+        batch = prepare(prefill, decode)
+        pre = batch.prefill_prefixes
+        steps.append((batch.num_fresh_rows, batch.num_prefill_rows, len(decode),
+                      None if pre is None else (pre.cu_seqlens.tolist(), pre.starts.tolist())))
+        return batch
+
+    engine.runner.prepare = recording_prepare
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp) for p, a in cases]
+    out = _run_arriving(engine, reqs, {0: [0, 1], 1: [2, 3, 4, 5]})
+    # step 1: fresh rows first (6 + 14), then the hits' new tokens (4 and 6) after 12 cached each
+    assert steps[1] == (20, 30, 2, ([0, 4, 10], [12, 12]))
+    for (prompt, adapter), tokens in zip(cases, out):
+        assert list(tokens) == hf_reference.generate(prompt, adapter, 3), adapter
+    assert engine.stats()["prefix_cache_hits_total"] == 2
+    engine.pool.check()
