@@ -45,7 +45,6 @@ CONFIGS = {  # launcher knobs (block_m counts rows: tokens x the group's query h
     "auto": {},  # m128 n64 stages 3, 4 warps for D <= 64, else 8
     "m64_n64_w4": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
     "m128_n32_w4": {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
-    "m128_n64_w8_s2": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     "m128_n128_w8_s2": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
 }
 HEADS = {"llama1b": (32, 8, 64), "llama8b": (32, 8, 128)}
