@@ -160,6 +160,17 @@ class Engine:
                  for a in found]  # every one checked before any is registered
         return [self._register(h) for h in hosts]
 
+    def add_host_adapter(self, adapter: HostAdapter) -> AdapterInfo:
+        """Register an adapter already in host memory (e.g. from ``adapters.host_adapter_from_factors``
+        for this base, in the engine's dtype). Several may share one host buffer (the pool only
+        copies from it): each is still its own adapter, paged in and evicted on its own, which
+        is how scripts/bench_serving.py simulates thousands of adapters in little host memory."""
+        if adapter.flat.dtype != self.dtype or adapter.relative_offsets.shape[0] != self.model_config.num_layers:
+            raise ConfigError(f"adapter {adapter.name!r}: built for {adapter.relative_offsets.shape[0]} layers in "
+                              f"{adapter.flat.dtype}; this engine serves {self.model_config.num_layers} layers in "
+                              f"{self.dtype}")
+        return self._register(adapter)
+
     def _register(self, adapter: HostAdapter) -> AdapterInfo:
         if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
             raise ConfigError(f"adapter {adapter.name!r} needs {self.pool.pages_for_adapter(adapter)} pages but "
