@@ -26,8 +26,8 @@ SLO attainment (share of all the trace's requests with a first token within ``--
 evictions, engine steps, prefill chunks, preemptions, pool use (pages, sampled every 0.1 s)
 and peak GPU memory. ``--unchunked N,..``: those points again with chunked prefill off.
 
-Baselines (HF transformers + PEFT, the model holding N adapters), for N <= ``--baseline-max-adapters``
-only and on the trace's first ``--baseline-requests`` requests (same arrivals), each stopped
+Baselines (HF transformers + PEFT, the model holding N adapters), at the points ``--baseline-at``
+(default all) with N <= ``--baseline-max-adapters`` only, on the trace's first ``--baseline-requests`` requests (same arrivals), each stopped
 after ``--baseline-max-s`` s (what was not served by then counts as missed): ``peft_switch``:
 static batches of one adapter (the oldest waiting request's, with every waiting request of
 that adapter up to ``--baseline-batch``), ``set_adapter`` then ``generate``; ``peft_mixed``: the
@@ -40,8 +40,8 @@ token-identical in fp32; in bf16 near-ties drift).
 ``--deadline S``: stop starting phases S seconds after the start (a phase under way is cut at
 the deadline and reported as far as it got); the JSON is rewritten after every phase.
 
-    PYTHONPATH=. python3 scripts/bench_serving.py --shape 1b --num-adapters 1,16,256,1024 --rate 24 \\
-        --requests 400 --deadline 330 --out $OUT
+    PYTHONPATH=. python3 scripts/bench_serving.py --shape 1b --num-adapters 1,16,256,1024 --rate 40 \\
+        --requests 400 --baseline-at 16 --unchunked 16 --deadline 340 --out $OUT
     PYTHONPATH=. python3 scripts/bench_serving.py --shape tiny --device cpu --dtype float32 --num-adapters 1,4 \\
         --requests 12 --rate 30 --prompt-len 4,24 --output-len 2,8 --max-batched-tokens 16 --max-num-seqs 8
 """
@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--distinct-weights", type=int, default=2, help="random weight sets per rank")
     ap.add_argument("--popularity", choices=("uniform", "zipf"), default="zipf")
     ap.add_argument("--alpha", type=float, default=1.0)
-    ap.add_argument("--rate", type=float, default=24.0, help="requests per second")
+    ap.add_argument("--rate", type=float, default=40.0, help="requests per second")
     ap.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of the gaps (1: Poisson)")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--prompt-len", type=_pair, default=(8, 512))
@@ -408,7 +408,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
-    ap.add_argument("--baseline-max-adapters", type=int, default=64)
+    ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
+    ap.add_argument("--baseline-at", type=_ints, default=None, help="points (N) with baselines (default: all <= max)")
     ap.add_argument("--baseline-requests", type=int, default=64)
     ap.add_argument("--baseline-batch", type=int, default=32)
     ap.add_argument("--baseline-max-s", type=float, default=45.0)
@@ -436,7 +437,7 @@ def main(argv=None) -> dict:
     def phase(kind: str, row: dict, fn) -> dict | None:
         """Run one measurement unless the deadline passed; a failure is recorded, the rest run."""
         name = f"{kind} N={row['num_adapters']}" + ("" if row.get("chunked_prefill", True) else " unchunked")
-        if time.perf_counter() > deadline - 5:
+        if time.perf_counter() > deadline - 15:
             report["skipped"].append(name)
             log(f"skipped (deadline): {name}")
             return None
@@ -479,7 +480,8 @@ def main(argv=None) -> dict:
         phase("ours", {"run": "ours", "num_adapters": n, **common}, ours(n, trace_for(n, args.requests), True))
 
     baselines = [b for b in args.baselines.split(",") if b]
-    for n in [n for n in args.num_adapters if n <= args.baseline_max_adapters] if baselines else []:
+    at = args.num_adapters if args.baseline_at is None else args.baseline_at
+    for n in [n for n in at if n <= args.baseline_max_adapters] if baselines else []:
         trace = trace_for(n, min(args.requests, args.baseline_requests))
         mine = phase("ours", {"run": "ours_subset", "num_adapters": n, **common}, ours(n, trace, True))
         peft_model = attach_peft(model, weight_sets_for(weight_sets, n))
