@@ -24,10 +24,13 @@ request's scheduled arrival) and time per output token (per request, (last - fir
 SLO attainment (share of all the trace's requests with a first token within ``--slo-ttft`` s,
 6 s as in S-LoRA; requests cut by the deadline count as misses), adapter page-ins and
 evictions, engine steps, prefill chunks, preemptions, pool use (pages, sampled every 0.1 s)
-and peak GPU memory. ``--unchunked N,..``: those points again with chunked prefill off.
+and peak GPU memory. The points run with chunked prefill on (``--chunked-prefill off``: off;
+the engine's default is off, docs/serving.md) and ``--max-batched-tokens`` (default the
+engine's); ``--unchunked N,..``: those points again with chunked prefill off.
 
 Baselines (HF transformers + PEFT, the model holding N adapters), at the points ``--baseline-at``
-(default all) with N <= ``--baseline-max-adapters`` only, on the trace's first ``--baseline-requests`` requests (same arrivals), each stopped
+(default all) with N <= ``--baseline-max-adapters`` only, on the trace's first
+``--baseline-requests`` requests (same arrivals), each stopped
 after ``--baseline-max-s`` s (what was not served by then counts as missed): ``peft_switch``:
 static batches of one adapter (the oldest waiting request's, with every waiting request of
 that adapter up to ``--baseline-batch``), ``set_adapter`` then ``generate``; ``peft_mixed``: the
@@ -140,7 +143,8 @@ def summarize(records: list[Record], t0: float, slo_ttft: float) -> dict:
     end = max((r.token_times[-1] for r in timed), default=t0)
     wall = end - t0
     ttft = [r.token_times[0] - r.arrival for r in timed]
-    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in timed if len(r.token_times) > 1]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
+            for r in timed if len(r.token_times) > 1]
     per_token = [(r.token_times[-1] - r.arrival) / len(r.token_times) for r in complete]
     lag = [r.submitted - r.arrival for r in records if r.submitted is not None]
     return {"requests": len(records), "complete": len(complete), "generated_tokens": tokens, "wall_s": wall,
@@ -360,8 +364,8 @@ def replay_hf(model, trace: list[TraceItem], *, mode: str, batch: int, device, d
 
 def same_tokens(ours: dict[str, list[int]], theirs: dict[str, list[int]], ids: list[str]) -> dict:
     """How many of ``ids`` got the same greedy tokens, and the mean share of their common prefix."""
-    prefix = [next((k for k, (x, y) in enumerate(zip(ours[i], theirs[i])) if x != y), min(len(ours[i]), len(theirs[i])))
-              / max(1, len(theirs[i])) for i in ids]
+    prefix = [next((k for k, (x, y) in enumerate(zip(ours[i], theirs[i])) if x != y),
+                   min(len(ours[i]), len(theirs[i]))) / max(1, len(theirs[i])) for i in ids]
     return {"compared": len(ids), "identical": sum(ours[i] == theirs[i] for i in ids),
             "mean_common_prefix_share": sum(prefix) / len(prefix) if prefix else None}
 
@@ -406,6 +410,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
+    ap.add_argument("--chunked-prefill", choices=("on", "off"), default="on", help="for the points")
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
@@ -436,7 +441,7 @@ def main(argv=None) -> dict:
 
     def phase(kind: str, row: dict, fn) -> dict | None:
         """Run one measurement unless the deadline passed; a failure is recorded, the rest run."""
-        name = f"{kind} N={row['num_adapters']}" + ("" if row.get("chunked_prefill", True) else " unchunked")
+        name = f"{row['run']} N={row['num_adapters']}" + ("" if row.get("chunked_prefill", True) else " unchunked")
         if time.perf_counter() > deadline - 15:
             report["skipped"].append(name)
             log(f"skipped (deadline): {name}")
@@ -476,14 +481,17 @@ def main(argv=None) -> dict:
                                 chunked=chunked, deadline=min(deadline, time.perf_counter() + args.point_max_s))
 
     common = {"popularity": args.popularity, "alpha": args.alpha, "rate": args.rate}
+    chunked = args.chunked_prefill == "on"
     for n in args.num_adapters:
-        phase("ours", {"run": "ours", "num_adapters": n, **common}, ours(n, trace_for(n, args.requests), True))
+        phase("ours", {"run": "ours", "num_adapters": n, **common, "chunked_prefill": chunked},
+              ours(n, trace_for(n, args.requests), chunked))
 
     baselines = [b for b in args.baselines.split(",") if b]
     at = args.num_adapters if args.baseline_at is None else args.baseline_at
     for n in [n for n in at if n <= args.baseline_max_adapters] if baselines else []:
         trace = trace_for(n, min(args.requests, args.baseline_requests))
-        mine = phase("ours", {"run": "ours_subset", "num_adapters": n, **common}, ours(n, trace, True))
+        mine = phase("ours", {"run": "ours_subset", "num_adapters": n, **common, "chunked_prefill": chunked},
+                     ours(n, trace, chunked))
         peft_model = attach_peft(model, weight_sets_for(weight_sets, n))
         try:
             for b in baselines:

@@ -58,7 +58,7 @@ def test_chunked_equals_unchunked_and_hf_peft(make_engine, hf_reference):
     whole = _run_arriving(make_engine(num_pages=96, page_size=4, enable_chunked_prefill=False,
                                       prefix_caching=False), reqs, ARRIVE)
     engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=6,
-                         prefix_caching=False)
+                         prefix_caching=False, enable_chunked_prefill=True)
     plans = _record_plans(engine)
     chunked = _run_arriving(engine, _requests(MIXED), ARRIVE)
     assert chunked == whole
@@ -84,7 +84,8 @@ def test_unchunked_prompt_longer_than_budget_runs_alone(make_engine):
 def test_chunked_prefill_with_tiny_pool_evicting_adapters(make_engine):
     reference = make_engine(num_pages=200, page_size=4, enable_chunked_prefill=False).generate(_requests(MIXED))
     # 40 pages: all4 (16) + mlp8 (22) + attn2 (2) = 40 pages of adapters alone leave no KV room
-    engine = make_engine(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=7)
+    engine = make_engine(num_pages=40, page_size=4, max_num_seqs=4, max_num_batched_tokens=7,
+                         enable_chunked_prefill=True)
     plans = _record_plans(engine)
     results = engine.generate(_requests(MIXED + MIXED[::-1]))
     assert [r.token_ids for r in results] == [r.token_ids for r in reference + reference[::-1]]
@@ -103,7 +104,7 @@ def test_chunked_prefill_with_preemption(make_engine):
     reference = make_engine(False, num_pages=200, page_size=4, enable_chunked_prefill=False).generate(
         _requests(cases, sp))
     engine = make_engine(False, num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=7,
-                         kv_watermark=0.0)
+                         kv_watermark=0.0, enable_chunked_prefill=True)
     plans = _record_plans(engine)
     results = engine.generate(_requests(cases, sp))
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
@@ -121,7 +122,8 @@ def test_chunked_prefill_shares_only_computed_prefix_pages(make_engine, hf_refer
     second = (SYSTEM + [1, 2, 3, 4, 5, 6, 7, 40, 41], "all4")  # shares 5 full pages with first
     other = (SYSTEM + [1, 2], "attn2")
     cases = [first, second, other]
-    engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                         enable_chunked_prefill=True)
     out = _run_arriving(engine, _requests(cases), {0: [0], 2: [1, 2]})
     stats = engine.stats()
     assert stats["prefix_cache_hits_total"] == 1 and stats["prefix_tokens_reused_total"] == 16
@@ -144,7 +146,8 @@ def test_chunked_prompt_logprobs_and_seeded_sampling(make_engine):
     reqs = lambda: (_requests(LONG[:2], score) + _requests(LONG[2:4], both)  # noqa: E731
                     + _requests(LONG[3:], sampled))
     whole = make_engine(num_pages=96, page_size=4, enable_chunked_prefill=False).generate(reqs())
-    engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=5)
+    engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=5,
+                         enable_chunked_prefill=True)
     plans = _record_plans(engine)
     chunked = engine.generate(reqs())
     _check_chunking(plans, 5, 4)
@@ -180,8 +183,8 @@ def test_random_arrivals_and_aborts_never_leak_pages(loaded, seed):
     budget = rng.randint(max_seqs, 8)
     names = [None, *adapter_dirs]
     header = [rng.randrange(4, 64) for _ in range(rng.randint(page_size, 3 * page_size))]  # shared by some
-    cases = [((header if rng.random() < 0.5 else []) + [rng.randrange(4, 64) for _ in range(rng.randint(1, 4 * budget))],
-              rng.choice(names)) for _ in range(rng.randint(3, 8))]
+    tail = lambda: [rng.randrange(4, 64) for _ in range(rng.randint(1, 4 * budget))]  # noqa: E731
+    cases = [((header if rng.random() < 0.5 else []) + tail(), rng.choice(names)) for _ in range(rng.randint(3, 8))]
     sp = SamplingParams(max_new_tokens=rng.randint(1, 10), temperature=0.0, ignore_eos=True)
 
     def engine(**cfg):
@@ -198,7 +201,8 @@ def test_random_arrivals_and_aborts_never_leak_pages(loaded, seed):
     need = max([need] + [big.pool.pages_for_adapter(a) for a in big._adapters.values()])
     pages = need + rng.randint(0, 6)
     eng = engine(num_pages=pages, page_size=page_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                 kv_watermark=rng.choice([0.0, 0.05]), prefix_caching=rng.random() < 0.5)
+                 kv_watermark=rng.choice([0.0, 0.05]), prefix_caching=rng.random() < 0.5,
+                 enable_chunked_prefill=True)
     plans = _record_plans(eng)
     reqs = _requests(cases, sp)
     arrive = sorted(rng.randrange(0, 12) for _ in reqs)
@@ -241,7 +245,7 @@ def test_chunked_prefill_on_gpu_equals_hf_peft(model_dir, adapter_dirs, hf_refer
                                       device="cuda", dtype=torch.float32)
 
     whole = engine(enable_chunked_prefill=False, max_num_batched_tokens=64)
-    chunked = engine(max_num_batched_tokens=6)
+    chunked = engine(max_num_batched_tokens=6, enable_chunked_prefill=True)
     plans = _record_plans(chunked)
     got = _run_arriving(chunked, _requests(MIXED), ARRIVE)
     assert got == _run_arriving(whole, _requests(MIXED), ARRIVE)
