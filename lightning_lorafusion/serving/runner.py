@@ -144,10 +144,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
-        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed their tokens
-        from ``num_cached`` (0 unless a cached prefix was reused); decode requests feed their
-        newest token."""
+    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
+                prefill_lens: Sequence[int] | None = None) -> StepBatch:
+        """Host-side bookkeeping of a step -> device tensors. Prefill request i feeds
+        ``prefill_lens[i]`` tokens (default: all the rest) from ``num_cached`` (0 unless a cached
+        prefix was reused or an earlier chunk ran); decode requests feed their newest token.
+        Output rows: a prefill's last row when it completes the request's tokens (every row
+        when it wants prompt logprobs), each decode row."""
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -158,9 +161,10 @@ class ModelRunner:
         local: dict[int, int] = {}  # adapter key -> index in the prefill routing
         residents: list[ResidentAdapter] = []
         cu = [0]
-        for state in prefill:
+        for i, state in enumerate(prefill):
             first = state.num_cached
-            toks = state.all_ids[first:]
+            end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
+            toks = state.all_ids[first:end]
             start = len(ids)
             ids += toks
             pos += range(first, first + len(toks))
@@ -172,7 +176,8 @@ class ModelRunner:
                     local[key] = len(residents)
                     residents.append(state.resident)
                 segments.append((start, len(ids), local[key]))
-            first_out = start if state.wants_prompt_logprobs else len(ids) - 1
+            first_out = (start if state.wants_prompt_logprobs
+                         else len(ids) - 1 if end == state.num_tokens else len(ids))
             spans.append((len(out_rows), len(out_rows) + len(ids) - first_out))
             out_rows += range(first_out, len(ids))
         n_prefill = len(ids)
