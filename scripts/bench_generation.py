@@ -165,6 +165,18 @@ def run_ours(engine: Engine, requests, device) -> dict:
             "tokens": {r.request_id: list(r.token_ids) for r in results}}
 
 
+def left_padded(requests) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' prompts left-padded with 0: input ids and attention mask ``[B, longest]``."""
+    width = max(len(r.prompt_token_ids) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, r in enumerate(requests):
+        p = r.prompt_token_ids
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
     """Left-padded batches of ``batch`` requests through ``generate`` (greedy, EOS suppressed)."""
     tokens: dict[str, list[int]] = {}
@@ -172,13 +184,8 @@ def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch):
         chunk = requests[i:i + batch]
-        width = max(len(r.prompt_token_ids) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(chunk):
-            p = r.prompt_token_ids
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        ids, mask = left_padded(chunk)
+        width = ids.shape[1]
         new = chunk[0].sampling.max_new_tokens
         kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                       min_new_tokens=new, do_sample=False, pad_token_id=0)

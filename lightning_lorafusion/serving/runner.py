@@ -1,12 +1,13 @@
 """The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
 
-Rows of a step: first every prefill request's tokens (positions from 0), then one token per
-decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
+Rows of a step: first every prefill request's tokens (from its first uncached position), then
+one token per decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
 multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
 through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
 Attention: every row's keys and values are written into the pages first. Prefill requests that
 start at position 0 come first and attend to their own tokens (varlen causal); those that start
-after tokens already in their pages (a reused cached prefix) follow and attend over their pages
+after tokens already in their pages (a reused cached prefix, an earlier chunk) follow and
+attend over their pages
 (``paged_prefill_attention``: all of them in one launch per layer); decode rows attend to their
 cached pages (``paged_decode_attention``).
 
@@ -157,11 +158,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
-        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed their tokens
-        from ``num_cached`` (0 unless a cached prefix was reused); decode requests feed their
-        newest token. Rows: the prefill requests with nothing cached, then those after a cached
-        prefix, then the decode rows; ``spans`` stay in the order of ``prefill + decode``."""
+    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
+                prefill_lens: Sequence[int] | None = None) -> StepBatch:
+        """Host-side bookkeeping of a step -> device tensors. Prefill request i feeds
+        ``prefill_lens[i]`` tokens (default: all the rest) from ``num_cached`` (0 unless a cached
+        prefix was reused or an earlier chunk ran); decode requests feed their newest token.
+        Output rows: a prefill's last row when it completes the request's tokens (every row
+        when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
+        cached, then those after cached tokens, then the decode rows; ``spans`` stay in the
+        order of ``prefill + decode``."""
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -177,7 +182,8 @@ class ModelRunner:
         for i in fresh + cached:
             state = prefill[i]
             first = state.num_cached
-            toks = state.all_ids[first:]
+            end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
+            toks = state.all_ids[first:end]
             start = len(ids)
             ids += toks
             pos += range(first, first + len(toks))
@@ -189,7 +195,8 @@ class ModelRunner:
                     local[key] = len(residents)
                     residents.append(state.resident)
                 segments.append((start, len(ids), local[key]))
-            first_out = start if state.wants_prompt_logprobs else len(ids) - 1
+            first_out = (start if state.wants_prompt_logprobs
+                         else len(ids) - 1 if end == state.num_tokens else len(ids))
             spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
             out_rows += range(first_out, len(ids))
         n_prefill, n_fresh = len(ids), cu[len(fresh)]
