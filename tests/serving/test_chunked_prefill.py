@@ -234,6 +234,22 @@ def test_random_arrivals_and_aborts_never_leak_pages(loaded, seed):
     assert pool.num_free + pool.adapter_pages_used == pool.num_pages
 
 
+def test_chunked_prefill_with_triton_kernels_equals_hf_peft(make_engine, hf_reference):
+    """Later chunks (starting inside a page) attend over their earlier chunks' pages through the
+    Triton paged prefill kernel (interpreter, fp32; on a GPU the test above), in steps shared
+    with first chunks and decode rows."""
+    cases = LONG[:3] + CASES[:1]
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0)
+    engine = make_engine(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=7,
+                         prefix_caching=False, enable_chunked_prefill=True, backend="triton")
+    plans = _record_plans(engine)
+    got = _run_arriving(engine, _requests(cases, sp), {0: [0, 1], 2: [2], 5: [3]})
+    for (prompt, adapter), out in zip(cases, got):
+        assert list(out) == hf_reference.generate(prompt, adapter, 3), (adapter, len(prompt))
+    _check_chunking(plans, 7, 4)
+    engine.pool.check()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_chunked_prefill_on_gpu_equals_hf_peft(model_dir, adapter_dirs, hf_reference):
     """On a GPU (fp32, Triton kernels, decode CUDA graphs): chunked prefill sharing steps with
