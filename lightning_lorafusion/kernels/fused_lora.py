@@ -148,8 +148,8 @@ def _lora_fwd_gemm_kernel(
 ):
     """Y[M, N] = X W^T (+ bias) + per-row scale * S_i B_i^T.
 
-    With ``MAIN_LOOP=False`` the frozen product was already written into Y (by cuBLAS) and
-    only the LoRA term is added in place."""
+    With ``MAIN_LOOP=False`` only the LoRA term (+ bias; 0 on rows without LoRA) is written:
+    cuBLAS then accumulates the frozen product onto it (``gemm="cublas_accumulate"``)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,8 +196,8 @@ def _lora_fwd_gemm_kernel(
             w_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    else:
-        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    elif HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -623,7 +623,8 @@ def _build_fwd_gemm(plan: _Plan, proj: int, has_bias: bool, has_lora: bool, n: i
     launch = CachedLaunch(
         _lora_fwd_gemm_kernel, (_cdiv(plan.m, bm) * _cdiv(n, bn),),
         num_warps=sz.fwd_warps, num_stages=sz.fwd_stages,
-        AI_STRIDE=t.adapter_int.shape[1], HAS_BIAS=has_bias, HAS_LORA=has_lora, MAIN_LOOP=True,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_BIAS=has_bias, HAS_LORA=has_lora,
+        MAIN_LOOP=sz.gemm == "triton",
         EVEN_K=plan.k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_R=_rank_block(t.max_rank[proj], sz.rank_block), GROUP_M=sz.group_m,
         DOT_PRECISION=plan.precision,
@@ -632,9 +633,9 @@ def _build_fwd_gemm(plan: _Plan, proj: int, has_bias: bool, has_lora: bool, n: i
 
 
 def _launch_fwd_gemm(x, w, bias, s, b_cat, proj: int, plan: _Plan) -> torch.Tensor:
-    t = plan.table
+    t, gemm = plan.table, plan.sizes.gemm
     has_lora = b_cat is not None and t.max_rank[proj] > 0
-    if plan.sizes.gemm == "cublas":
+    if gemm == "cublas" or (gemm == "cublas_accumulate" and not has_lora):
         y = torch.nn.functional.linear(x, w, bias)  # cuBLAS; the LoRA term is added in place
         if has_lora:
             _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
@@ -645,6 +646,8 @@ def _launch_fwd_gemm(x, w, bias, s, b_cat, proj: int, plan: _Plan) -> torch.Tens
                              bias is not None, has_lora, n, b_cat.shape[1] if has_lora else 0)
     launch(x, w, bias if bias is not None else w, y, s if has_lora else x, b_cat if has_lora else w,
            t.tiles, t.block_tiles, t.adapter_int, t.adapter_float, *fixed)
+    if gemm == "cublas_accumulate":  # Y holds scale * S B^T (+ bias): add X W^T (beta = 1)
+        y.addmm_(x, w.t())
     return y
 
 
@@ -735,7 +738,16 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
             _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx
     pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
-    if plan.sizes.gemm == "cublas":
+    if plan.sizes.gemm == "cublas_accumulate" and has_lora:
+        # the LoRA term written first (every row), the frozen products accumulated by cuBLAS
+        dx = torch.empty(m, k, dtype=dtype, device=device)
+        launch = plan.get(("dx", (), False, True), _build_dx_gemm, (), False, True)
+        launch(dx, dx, 0, dx, dx, 0, dx, dx, 0, dx, dx, ds, a_all, t.tiles, t.block_tiles, t.adapter_int,
+               t.adapter_float, off_h, m, k)
+        for dy, w in pairs:
+            dx.addmm_(dy, w)
+        return dx
+    if plan.sizes.gemm != "triton":
         dx = torch.zeros(m, k, dtype=dtype, device=device) if not pairs else pairs[0][0] @ pairs[0][1]
         for dy, w in pairs[1:]:
             dx.addmm_(dy, w)

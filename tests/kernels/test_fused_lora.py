@@ -86,7 +86,7 @@ def single(m, p, seed=3, scale=2.0):
     return LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(scale,), dropout_p=(p,), seeds=(seed,))
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("gemm", ["triton", "cublas", "cublas_accumulate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_single_adapter_odd_shape(device, gemm, dtype):
     # M=47, K=123, N=4097, r=3: every dimension has a masked tail
@@ -95,8 +95,8 @@ def test_single_adapter_odd_shape(device, gemm, dtype):
     check_against_reference(x, ws, bs, loras, single(47, 0.25), 5, dtype, sizes)
 
 
-@pytest.mark.parametrize("p", [0.0, 0.5])
-def test_multi_adapter_heterogeneous_ranks(device, p):
+@pytest.mark.parametrize("p,gemm", [(0.0, "triton"), (0.5, "triton"), (0.5, "cublas_accumulate")])
+def test_multi_adapter_heterogeneous_ranks(device, p, gemm):
     # ranks 1, 16, 128 and 5 on q/k/v-like projections; adapter 2 has no LoRA on k;
     # rows 0..2 and 90..99 belong to no segment; segments are not block-aligned.
     m, k = 100, 70
@@ -110,7 +110,8 @@ def test_multi_adapter_heterogeneous_ranks(device, p):
         seeds=(1, 2, 3, 4),
         microbatch_index=3,
     )
-    check_against_reference(x, ws, bs, loras, routing, 2**31 + 9, torch.float32)
+    check_against_reference(x, ws, bs, loras, routing, 2**31 + 9, torch.float32,
+                            dataclasses.replace(SMALL, gemm=gemm))
 
 
 def test_many_adapters_fp16_padded_segments(device):
@@ -124,7 +125,7 @@ def test_many_adapters_fp16_padded_segments(device):
     check_against_reference(x, ws, bs, loras, routing, 17, torch.float16)
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("gemm", ["triton", "cublas", "cublas_accumulate"])
 def test_four_projections_chain_dx_gemm(device, gemm):
     # more projections than one dX launch sums (3): the Triton path chains launches
     x, ws, bs, loras = make_problem(40, 48, (16, 17, 18, 19), ((2, 3),) * 4, torch.float32, device)
