@@ -5,7 +5,8 @@ For bf16, r=16, p=0.1 it times forward+backward of
   torch_lora:   torch LoRA (PEFT's math)  Y = X W^T + s * (dropout(X) A^T) B^T,
   ours_single:  ours, one adapter, the device's block sizes (``block_sizes_for``),
   ours_multi4:  ours, 4 adapters with uneven segments (40/30/20/10 % of the rows),
-  *_acc:        the same with ``gemm="cublas_accumulate"``; ours_single_tgemm: ``gemm="triton"``,
+  *_acc:        the same with ``gemm="cublas_accumulate"``; ours_single_tgemm: ``gemm="triton"``;
+  ours_single_default: one adapter with ``LoraBlockSizes()`` (the defaults of untuned GPUs),
 over M in {4096, 8192, 16384} x (K, N) in {(4096,4096), (4096,14336), (14336,4096),
 (5120,5120), (8192,8192)}, plus the seven projections of a Llama-3.1-8B decoder layer.
 Every time is reported as a ratio to frozen measured in the same run, eager (CUDA events around
@@ -37,7 +38,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
-from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
+from lightning_lorafusion.kernels.block_sizes import LoraBlockSizes, block_sizes_for  # noqa: E402
 from lightning_lorafusion.kernels.dropout import dropout_keep_mask  # noqa: E402
 from lightning_lorafusion.kernels.dropout_triton import triton_dropout_keep_mask  # noqa: E402
 from lightning_lorafusion.kernels.fused_lora import fused_lora_projections  # noqa: E402
@@ -48,8 +49,8 @@ from lightning_lorafusion.kernels.reference import (  # noqa: E402
 )
 
 VARIANTS = ("frozen", "torch_lora", "ours_single", "ours_multi4", "ours_single_acc", "ours_multi4_acc",
-            "ours_single_tgemm")
-DEFAULT_VARIANTS = VARIANTS[:6]
+            "ours_single_default", "ours_single_tgemm")
+DEFAULT_VARIANTS = VARIANTS[:7]
 SWEEP_M = (4096, 8192, 16384)
 SWEEP_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 5120), (8192, 8192))
 RANK, P, ALPHA = 16, 0.1, 32.0
@@ -182,6 +183,7 @@ def group_fns(m, k, ns, device, variants):
     gemms = {"cublas_accumulate": "_acc", "triton": "_tgemm"}
     gemm_sizes = {g: dataclasses.replace(block_sizes_for(device), gemm=g)
                   for g, tag in gemms.items() if any(v.endswith(tag) for v in variants)}
+    gemm_sizes["default"] = LoraBlockSizes()
 
     def ours_fwd(loras, routing, gemm):
         if gemm is None:
@@ -203,6 +205,7 @@ def group_fns(m, k, ns, device, variants):
         "ours_single_acc": (ours_fwd(single, single_routing, "cublas_accumulate"), None),
         "ours_multi4_acc": (ours_fwd(multi, multi_routing, "cublas_accumulate"), None),
         "ours_single_tgemm": (ours_fwd(single, single_routing, "triton"), None),
+        "ours_single_default": (ours_fwd(single, single_routing, "default"), None),
     }
 
     def fwd_bwd(fwd, params):
