@@ -61,8 +61,12 @@ class CachedLaunch:
                 key |= 1 << bit
         runner = self.runners.get(key)
         if runner is not None:
-            runner(*args, *self.tail)
-            return
+            try:
+                runner(*args, *self.tail)
+                return
+            except TypeError:  # a Triton whose launcher takes another argument list: dispatch
+                self.tail = None
+                self.runners.clear()
         compiled = self.kernel[self.grid](*args, **self.keywords)
         kernel_type = _compiled_kernel_type()
         if self.tail is not None and kernel_type is not None and isinstance(compiled, kernel_type):
