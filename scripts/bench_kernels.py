@@ -287,6 +287,15 @@ def main() -> None:
     def measure(m, k, ns):
         torch.manual_seed(0)
         fns, fwd_only, n_total = group_fns(m, k, ns, device, variants)
+        for v in list(fns):  # a variant that fails is reported and left out of the rest of the run
+            try:
+                fns[v]()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - one broken variant must not lose the sweep
+                log(f"variant {v} failed at M={m} K={k} N={ns}: {type(e).__name__}: {str(e)[:300]}", fh)
+                del fns[v], fwd_only[v]
+                variants.remove(v)
+                ours.remove(v)
         times = {v: bench_fn(fn) for v, fn in fns.items()}
         gtimes = {v: bench_graph(fn) for v, fn in fns.items()}
         host = {v: host_us(fn) for v, fn in fns.items()}
@@ -328,6 +337,9 @@ def main() -> None:
                 layer_graph[v] += gtimes[v]
                 layer_host[v] += host[v]
                 layer_mem[v] += mem[v]
+        for d in (layer, layer_graph, layer_host, layer_mem):
+            for v in [v for v in d if v not in variants]:  # failed in a later group
+                del d[v]
         results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph,
                                     "host_us": layer_host,
                                     "ratio": {v: layer[v] / layer["frozen"] for v in layer},
@@ -336,6 +348,7 @@ def main() -> None:
     def geo(v, key):
         return math.exp(sum(math.log(r[key][v]) for r in rows) / len(rows))
 
+    ours = [v for v in ours if all(v in r["ratio"] for r in rows)]
     summary = {v: {"geomean": geo(v, "ratio"), "max": max(r["ratio"][v] for r in rows),
                    "graph_geomean": geo(v, "graph_ratio"), "graph_max": max(r["graph_ratio"][v] for r in rows)}
                for v in ours}
