@@ -155,7 +155,7 @@ def bench_fn(fn) -> float:
 
 def bench_graph(fn) -> float:
     """Device time of the same fwd+bwd replayed from a CUDA graph (no host launch gaps)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
 def host_us(fn, calls: int = 20) -> float:
