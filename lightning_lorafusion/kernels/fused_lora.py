@@ -23,6 +23,10 @@ FP8 base (``fp8_linear.Fp8Weight`` weights): the frozen products of steps 2 and 
 ``fp8_linear`` (X quantized once per group; dX of the group in one product) and the LoRA terms
 are added in place by ``_lora_add_kernel``, whatever ``LoraBlockSizes.gemm`` says. Routing is per row tile (``routing_table.py``), so any
 segment layout is correct; segments padded to ``block_sizes.pad_multiple()`` avoid partial tiles.
+
+Host side: a ``_Plan`` (table, grids, constexprs, split counts, ``triton_launch.CachedLaunch``
+objects) is built by the first call of a microbatch for each group shape and reused by every
+layer, so a call costs a dictionary lookup plus the launches themselves.
 """
 
 from __future__ import annotations
