@@ -17,6 +17,9 @@ engine over the same weights, the same requests; "eager_" rows), and each engine
 ``--step-batch`` requests' decode-only steps (``step_ms``: wall time per step; ``forward_ms``:
 the step's forward, synchronised, the rest being host work: scheduling, sampling, events).
 
+The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
+same prompts, which would otherwise hit the cache.
+
 ``--profile-steps N`` profiles N decode-only steps of the ``--step-batch`` requests, run eagerly
 (the graphs bypassed, the same padded kernels), with adapters and on the base: device time per
 step by kernel (``profile_adapters`` / ``profile_base``; on the CPU, host time by op).
@@ -243,7 +246,9 @@ def _kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
             return float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0))
         return float(evt.self_cpu_time_total)
 
-    rows = [(evt.key, evt.count, self_time(evt)) for evt in prof.key_averages()]
+    # on CUDA the kernels only (a CPU op's self device time repeats its kernels')
+    events = [evt for evt in prof.key_averages() if not cuda or "CPU" not in str(evt.device_type)]
+    rows = [(evt.key, evt.count, self_time(evt)) for evt in events]
     rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
     total = sum(r[2] for r in rows) / steps
     return {"steps": steps, "time_per_step_us": total, "kernels_per_step": sum(r[1] for r in rows) / steps,
@@ -355,6 +360,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-count", type=int, default=32)
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many eager decode steps (0: none)")
     ap.add_argument("--skip-hf", action="store_true", help="no HF baselines at all")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="EngineConfig.prefix_caching (off: the repeated runs send the same prompts again, "
+                         "which would hit the cache and not measure the same work)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -407,7 +415,7 @@ def main(argv=None) -> dict:
         engine = Engine(config, params, tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
-                                     cpu_pool_mib=1024, cuda_graphs=graphs),
+                                     cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,

@@ -323,7 +323,10 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     """(block_k, block_r) of the shrink and the expand's rank loop: the GPU's defaults, or small
     blocks in the interpreter (masks and rank loops exercised on tiny shapes)."""
     gpu = device.type == "cuda"
-    return block_k or (256 if gpu else 32), block_r or (32 if gpu else 16)
+    # H100, 8B shapes, r=16, 16-256 rows (scripts/bench_decode_kernels.py, kernels.md): K blocks of
+    # 512 and rank blocks of 16 beat 256 / 32 by 1.3-2.1x in the fused epilogues (no masked lanes
+    # at r=16, half the programs); mixed ranks 8-64 lost nothing
+    return block_k or (512 if gpu else 32), block_r or (16 if gpu else 16)
 
 
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
