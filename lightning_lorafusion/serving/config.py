@@ -37,6 +37,9 @@ class EngineConfig:
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     prefix_caching: bool = True  # share full KV pages of equal leading tokens per adapter (docs/serving.md)
+    # q/k/v and gate/up weights concatenated (one GEMM per group); the engine drops its references
+    # to the originals, so a caller that shares its own weights (a training module) holds both: off there
+    fuse_projections: bool = True
     seed: int = 0  # seeds the per-request generators of requests that give no seed
 
     def __post_init__(self) -> None:

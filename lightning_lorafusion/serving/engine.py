@@ -21,6 +21,7 @@ from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapte
 from .checkpoint import read_checkpoint_adapters
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer, add_tokens
+from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
@@ -83,6 +84,8 @@ class Engine:
         self.device = torch.device(device) if device is not None else params["embed"].device
         self.dtype = dtype or params["embed"].dtype
         self.params = params_to(params, device=self.device, dtype=dtype)  # no cast unless asked
+        if config.fuse_projections:
+            fuse_projection_weights(self.params)  # before sizing the pool: the originals may stay alive
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if eos_token_ids is None:

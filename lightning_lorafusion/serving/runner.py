@@ -1,15 +1,19 @@
 """The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
 
 Rows of a step: first every prefill request's tokens (from its first uncached position), then
-one token per decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
-multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
-through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
+one token per decode request. Linear layers run once over all rows: q/k/v and gate/up as one
+GEMM each (``fused_weights``) unless prefill rows bring LoRA, which goes through the
+multi-adapter segment kernels (``lora_projections`` with one segment per request). Decode rows'
+LoRA is gathered (each row its own adapter and rank, weights read from the pool): one shrink per
+group of projections sharing an input, the expand fused into what consumes the projection
+(``lora_epilogues``: RoPE + KV write, SwiGLU; ``lora_gather`` for o and down). Residual adds are
+fused into the next RMSNorm (``add_rms_norm``): a layer returns its MLP output and the next one
+adds it.
 Attention: every row's keys and values are written into the pages first. Prefill requests that
 start at position 0 come first and attend to their own tokens (varlen causal); those that start
 after tokens already in their pages (a reused cached prefix, an earlier chunk) follow and
-attend over their pages
-(``paged_prefill_attention``: all of them in one launch per layer); decode rows attend to their
-cached pages (``paged_decode_attention``).
+attend over their pages (``paged_prefill_attention``: all of them in one launch per layer);
+decode rows attend to their cached pages (``paged_decode_attention``).
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
@@ -21,24 +25,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from ..kernels.api import lora_projections
-from ..kernels.lora_gather import lora_gather
-from ..kernels.paged_attention import paged_decode_attention, write_kv
+from ..kernels.lora_epilogues import rope_write_kv, swiglu
+from ..kernels.lora_gather import GatheredLora, lora_gather
+from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
-from ..model.decoder import (DecoderConfig, apply_rope, embed, frozen_weight, rms_norm, rope_cos_sin,
-                             rope_inv_freq)
+from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
+from .fused_weights import FUSED_PROJECTIONS
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 
 _MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
+# groups of projections sharing an input: (fused weight key or None, members in output order);
+# members are consecutive in ALL_TARGET_MODULES, so a group's decode tables are one slice
+_QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
+_O = (None, ("o_proj",))
+_GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
+_DOWN = (None, ("down_proj",))
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,9 @@ class ModelRunner:
         self.pad_decode = False
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+        # per resident adapter, views of its factors in the pool (valid while it stays resident:
+        # a page-in makes a new ResidentAdapter)
+        self._adapter_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -266,25 +283,25 @@ class ModelRunner:
     def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
         """Views into the pool of the prefill adapters' factors, as the segment kernels take them
         (``A [r, K]``, ``B [N, r]``, the latter a transposed view of the stored ``B^T``)."""
-        flat = self.pool.storage
+        per = [self._resident_views(r) for r in residents]
         view: dict[tuple[int, str], LoraModuleWeights] = {}
         for layer in range(self.config.num_layers):
             for module in ALL_TARGET_MODULES:
-                a: list[torch.Tensor | None] = []
-                b: list[torch.Tensor | None] = []
-                for r in residents:
-                    slot = r.adapter.slots.get((layer, module))
-                    if slot is None:
-                        a.append(None)
-                        b.append(None)
-                        continue
-                    rank, off = r.adapter.rank, r.offset
-                    a.append(flat[off + slot.a:off + slot.a + rank * slot.in_features].view(rank, slot.in_features))
-                    b.append(flat[off + slot.b:off + slot.b + rank * slot.out_features]
-                             .view(rank, slot.out_features).t())
-                if any(t is not None for t in a):
-                    view[(layer, module)] = LoraModuleWeights(a=tuple(a), b=tuple(b))
+                pairs = [p.get((layer, module)) for p in per]
+                if any(pair is not None for pair in pairs):
+                    view[(layer, module)] = LoraModuleWeights(a=tuple(p and p[0] for p in pairs),
+                                                              b=tuple(p and p[1] for p in pairs))
         return view
+
+    def _resident_views(self, r: ResidentAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        views = self._adapter_views.get(r)
+        if views is None:
+            flat, rank, off = self.pool.storage, r.adapter.rank, r.offset
+            views = {key: (flat[off + s.a:off + s.a + rank * s.in_features].view(rank, s.in_features),
+                           flat[off + s.b:off + s.b + rank * s.out_features].view(rank, s.out_features).t())
+                     for key, s in r.adapter.slots.items()}
+            self._adapter_views[r] = views
+        return views
 
     # ------------------------------------------------------------------ forward
 
@@ -293,32 +310,38 @@ class ModelRunner:
         cfg, params = self.config, self.params
         h = embed(params, batch.input_ids)
         cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)
+        d = None
         for layer in range(cfg.num_layers):
-            h = self._layer(layer, params["layers"][layer], h, cos, sin, batch)
+            d = self._layer(layer, params["layers"][layer], h, d, cos, sin, batch)
         if batch.output_rows is not None:
-            h = h.index_select(0, batch.output_rows)
-        return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+            h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
+        return add_rms_norm(h, d, params["norm"], cfg.rms_norm_eps, backend=self.kernel_backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
         return F.linear(hidden, self.params["lm_head"]).float()
 
-    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        cfg = self.config
+    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
+        in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it)."""
+        cfg, kb = self.config, self.kernel_backend
         t, tp = h.shape[0], batch.num_prefill_rows
-        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = self._projections(x, lp, ("q_proj", "k_proj", "v_proj"), layer, batch)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
+        q, k, v = self._projections(x, lp, _QKV, layer, batch)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
+        rope_write_kv(q, k, v, cos, sin, self.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
+                      lora=self._gathered(x, layer, _QKV, batch), backend=kb)
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
         tf = batch.num_fresh_rows
         if tf:
-            parts.append(varlen_causal_attention(q[:tf], k[:tf], v[:tf], batch.cu_seqlens, scale=scale,
-                                                 sliding_window=window, max_seqlen=batch.max_prefill_len))
+            # q, k, v may be column views of one fused GEMM output: attention gets dense copies
+            parts.append(varlen_causal_attention(q[:tf].contiguous(), k[:tf].contiguous(), v[:tf].contiguous(),
+                                                 batch.cu_seqlens, scale=scale, sliding_window=window,
+                                                 max_seqlen=batch.max_prefill_len))
         # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
         # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
         kv_layer = self.pool.kv[:, layer:layer + 1]
@@ -331,27 +354,45 @@ class ModelRunner:
             parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
                                                 scale=scale, sliding_window=window,
                                                 backend=self.kernel_backend))
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        (o,) = self._projections(attn.reshape(t, cfg.q_size), lp, ("o_proj",), layer, batch)
-        h = h + o
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        g, u = self._projections(x, lp, ("gate_proj", "up_proj"), layer, batch)
-        (d,) = self._projections(F.silu(g) * u, lp, ("down_proj",), layer, batch)
-        return h + d
+        attn = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+        (o,) = self._projections(attn, lp, _O, layer, batch)
+        self._gather_into(attn, o, layer, "o_proj", batch)
+        x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
+        g, u = self._projections(x, lp, _GATE_UP, layer, batch)
+        act = swiglu(g, u, lora=self._gathered(x, layer, _GATE_UP, batch), backend=kb)
+        (down,) = self._projections(act, lp, _DOWN, layer, batch)
+        self._gather_into(act, down, layer, "down_proj", batch)
+        return down
 
-    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], names: tuple[str, ...], layer: int,
-                     batch: StepBatch) -> list[torch.Tensor]:
-        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],
+                     layer: int, batch: StepBatch) -> list[torch.Tensor]:
+        """The frozen projections of a group (one GEMM when the layer has its fused weight and
+        no prefill row brings LoRA here; a column view per member) plus the prefill rows' LoRA."""
+        fused, names = group
         loras = [batch.prefill_loras.get((layer, n)) for n in names]
-        ys = lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+        if fused is not None and fused in lp and all(lora is None for lora in loras):
+            y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
+            return list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
+        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+        return lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+
+    def _gathered(self, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
+                  batch: StepBatch) -> GatheredLora | None:
+        """The decode rows' LoRA tables of a group (None when no decode row adapts any member)."""
+        names = group[1]
+        if batch.decode_offsets is None or not batch.decode_modules.intersection(names):
+            return None
+        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
         tp = batch.num_prefill_rows
-        if batch.decode_offsets is not None:
-            xd = x[tp:]
-            for n, y in zip(names, ys):
-                if n not in batch.decode_modules:
-                    continue
-                m = _MODULE_INDEX[n]
-                lora_gather(xd, self.pool.storage, batch.decode_offsets[layer, m, 0],
-                            batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales,
-                            y.shape[1], out=y[tp:], backend=self.kernel_backend)
-        return ys
+        return GatheredLora(x[tp:], self.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
+                            batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
+                            first_row=tp)
+
+    def _gather_into(self, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
+        """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
+        if batch.decode_offsets is None or name not in batch.decode_modules:
+            return
+        m, tp = _MODULE_INDEX[name], batch.num_prefill_rows
+        lora_gather(x[tp:], self.pool.storage, batch.decode_offsets[layer, m, 0], batch.decode_offsets[layer, m, 1],
+                    batch.decode_ranks[m], batch.decode_scales, y.shape[1], out=y[tp:],
+                    backend=self.kernel_backend)
