@@ -53,9 +53,11 @@ def adapter_dirs(model_dir, tmp_path_factory):
 def make_engine(model_dir, adapter_dirs):
     engines = []
 
-    def make(with_adapters: bool = True, **config) -> Engine:
+    def make(with_adapters: bool = True, device: str | None = None, **config) -> Engine:
         adapters = adapter_dirs if with_adapters else None
-        engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(**config), device="cpu",
+        if device is None:  # Triton kernels on CPU tensors need the interpreter, set only without a GPU
+            device = "cuda" if config.get("backend") == "triton" and torch.cuda.is_available() else "cpu"
+        engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(**config), device=device,
                                         dtype=torch.float32)
         engines.append(engine)
         return engine
