@@ -5,7 +5,7 @@ static shapes. What still varies is bounded and bucketed here, so a handful of g
 run (``GraphKey``): the longest attention block (``max_seqlen``, a launch argument of varlen
 attention: next power of two), the number of attention blocks (``cu_seqlens`` padded with empty
 blocks to a power of two), and the number of label rows the LM head computes (padded to a
-multiple of ``max(chunk_size, capacity / 8)`` with a row that has no label). The fused LoRA
+multiple of ``capacity / 16`` with a row that has no label). The fused LoRA
 kernels get fixed-shape launch tables (``kernels/static_routing.py``): every adapter active,
 tiles padded to a bound, the microbatch index folded into the seed column, so the adapters
 present in a microbatch do not change the graph.
@@ -40,6 +40,7 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 MAX_GRAPHS = 48  # shape keys captured per run; later new keys run eagerly
 MIN_SEQLEN_BUCKET = 128
 MIN_BLOCKS_BUCKET = 8
+MIN_LABEL_ROWS_STEP = 128
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,14 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def label_rows_step(capacity: int, chunk_size: int) -> int:
-    """Label-row counts are padded to multiples of this (at most 8 buckets per capacity)."""
-    return max(1, min(capacity, max(chunk_size, capacity // 8)))
+def label_rows_step(capacity: int) -> int:
+    """Label-row counts are padded to multiples of this: at most 16 buckets per capacity, and
+    at most ``capacity / 16`` rows (6% of a microbatch's tokens) of LM head computed for
+    nothing."""
+    return min(capacity, max(MIN_LABEL_ROWS_STEP, capacity // 16))
 
 
-def graph_key(mb: Microbatch, *, chunk_size: int = 1024) -> GraphKey:
+def graph_key(mb: Microbatch) -> GraphKey:
     """The bucketed key of ``mb``, from host metadata only (no device reads).
 
     Raises ``ValueError`` when ``mb`` lacks ``max_seqlen`` / ``label_rows`` (built by packing).
@@ -69,7 +72,7 @@ def graph_key(mb: Microbatch, *, chunk_size: int = 1024) -> GraphKey:
     if mb.max_seqlen is None or mb.label_rows is None:
         raise ValueError("the microbatch has no host-built max_seqlen/label_rows (data.packing adds them)")
     cap = mb.capacity
-    step = label_rows_step(cap, chunk_size)
+    step = label_rows_step(cap)
     return GraphKey(
         capacity=cap,
         max_seqlen=min(cap, _pow2_at_least(mb.max_seqlen, MIN_SEQLEN_BUCKET)),
@@ -175,7 +178,7 @@ class TrainingGraphs:
         if self.disabled is not None:
             return None
         try:
-            key = graph_key(mb, chunk_size=self.chunk_size)
+            key = graph_key(mb)
         except ValueError as e:
             self._refuse("metadata", str(e))
             return None

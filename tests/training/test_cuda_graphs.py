@@ -38,6 +38,8 @@ from lightning_lorafusion.training.cuda_graphs import (
 )
 
 CUDA = torch.cuda.is_available()
+# the kernel-level checks run on the GPU where there is one (fp32), else in the Triton interpreter
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +103,9 @@ def test_dropout_offset_folds_the_microbatch_into_the_seed():
 def test_graph_key_bounds_buckets_and_reuse():
     config = tiny_config()
     mbs = microbatches(config, capacity=128, samples=12)
-    keys = [graph_key(mb, chunk_size=32) for mb in mbs]
-    step = label_rows_step(128, 32)
-    assert step == 32
+    keys = [graph_key(mb) for mb in mbs]
+    step = label_rows_step(128)
+    assert step == 128 and label_rows_step(8192) == 512 and label_rows_step(64) == 64
     for mb, key in zip(mbs, keys):
         assert key.capacity == mb.capacity == 128
         assert mb.max_seqlen <= key.max_seqlen <= 128 and key.max_seqlen & (key.max_seqlen - 1) == 0
@@ -115,19 +117,19 @@ def test_graph_key_bounds_buckets_and_reuse():
     shared = [mb for mb, k in zip(mbs, keys) if k == keys[0]]
     assert len({mb.segments for mb in shared} | {mb.samples for mb in shared}) > 1 or len(shared) == 1
     # the key never reads the device: a meta-device microbatch gives the same key
-    assert graph_key(mbs[0].to("meta"), chunk_size=32) == keys[0]
+    assert graph_key(mbs[0].to("meta")) == keys[0]
     bare = dataclasses.replace(mbs[0], label_rows=None)
     with pytest.raises(ValueError, match="max_seqlen/label_rows"):
         graph_key(bare)
     # a microbatch without labels still has a (non-empty) head bucket
     empty = dataclasses.replace(mbs[0], label_rows=torch.zeros(0, dtype=torch.int64))
-    assert graph_key(empty, chunk_size=32).label_rows == 32
+    assert graph_key(empty).label_rows == step
 
 
 def test_static_inputs_pad_with_empty_blocks_and_label_free_rows():
     config = tiny_config()
     mb = microbatches(config, capacity=128)[0]
-    key = graph_key(mb, chunk_size=32)
+    key = graph_key(mb)
     inputs = StaticInputs(128, 3, torch.device("cpu"))
     dens = mb.loss_denominators.clone()
     dens[1] = 0
@@ -159,10 +161,14 @@ def test_static_inputs_pad_with_empty_blocks_and_label_free_rows():
 def _projection_case(seed=0, m=128, k=32, n=(24, 16)):
     g = torch.Generator().manual_seed(seed)
     ranks = [(4, 4), (8, 0), (0, 2)]  # adapter x projection; adapter 2 only on the second
-    x = torch.randn(m, k, generator=g)
-    weights = [torch.randn(ni, k, generator=g) * 0.2 for ni in n]
-    a = [[torch.randn(r[i], k, generator=g) * 0.2 if r[i] else None for r in ranks] for i in range(2)]
-    b = [[torch.randn(ni, r[i], generator=g) * 0.2 if r[i] else None for r in ranks] for i, ni in enumerate(n)]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    x = randn(m, k)
+    weights = [randn(ni, k) * 0.2 for ni in n]
+    a = [[randn(r[i], k) * 0.2 if r[i] else None for r in ranks] for i in range(2)]
+    b = [[randn(ni, r[i]) * 0.2 if r[i] else None for r in ranks] for i, ni in enumerate(n)]
     return x, weights, a, b
 
 
@@ -175,7 +181,7 @@ def _run_projections(x, weights, a, b, routing, offset):
     loras = [LoraModuleWeights(a=tuple(a[i]), b=tuple(b[i])) for i in range(2)]
     ys = fused_lora_projections(x, weights, [None, None], loras, routing, dropout_offset=offset)
     g = torch.Generator().manual_seed(9)
-    sum((y * torch.randn(y.shape, generator=g)).sum() for y in ys).backward()
+    sum((y * torch.randn(y.shape, generator=g).to(y.device)).sum() for y in ys).backward()
     grads = [x.grad] + [t.grad if t is not None else None for per in a + b for t in per]
     return ys, grads
 
@@ -190,7 +196,7 @@ def test_static_tables_give_the_eager_kernel_results(segments):
     index, layer_slot = 1234, (1, 2)
     eager_routing = dataclasses.replace(base, segments=segments, microbatch_index=index, launch_cache={})
     ys_e, grads_e = _run_projections(x, weights, a, b, eager_routing, dropout_offset(index, *layer_slot))
-    tables = StaticLaunchTables(base, torch.device("cpu"))
+    tables = StaticLaunchTables(base, DEVICE)
     tables.fill(segments, index)  # before any table exists: tables made later get these contents
     static_routing = dataclasses.replace(base, launch_cache=tables.cache)
     ys_s, grads_s = _run_projections(x, weights, a, b, static_routing, dropout_offset(0, *layer_slot))
@@ -218,7 +224,7 @@ def test_static_tables_give_the_eager_kernel_results(segments):
     assert ptrs == [table.tiles.data_ptr(), table.adapter_int.data_ptr(), table.block_tiles.data_ptr()]
     eager = build_launch_table(dataclasses.replace(base, segments=((0, 128, 2),), launch_cache={}),
                                ((4, 8, 0), (4, 0, 2)), table.block_m, torch.device("cpu"))
-    assert torch.equal(table.tiles[: eager.num_tiles], eager.tiles)
+    assert torch.equal(table.tiles[: eager.num_tiles].cpu(), eager.tiles)
     assert (table.tiles[eager.num_tiles:] == 0).all()  # padding tiles are empty
 
 
@@ -240,13 +246,13 @@ def test_static_tables_refuse_new_tables_while_frozen():
 # ------------------------------------------------------------------- the whole step
 
 
-def _setup(config, specs, seed=0):
-    params = random_base_params(config, seed=seed, std=0.2)
-    bank = AdapterBank(specs, config, dtype=torch.float32)
+def _setup(config, specs, seed=0, device=DEVICE):
+    params = random_base_params(config, seed=seed, std=0.2, device=device)
+    bank = AdapterBank(specs, config, dtype=torch.float32, device=device)
     with torch.no_grad():  # B = 0 at init would hide most of the LoRA path: start elsewhere
         g = torch.Generator().manual_seed(seed + 1)
         for p in bank.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            p.add_(torch.randn(p.shape, generator=g).to(device) * 0.05)
     opts = [torch.optim.AdamW(bank.parameters_of(a), lr=s.lr) for a, s in enumerate(specs)]
     return params, bank, opts
 
@@ -282,8 +288,9 @@ def test_fixed_shape_step_equals_the_eager_step(checkpoint_layers):
     several optimizer steps, dropout on. fp32 tolerance: the two differ only in how dA/dB
     partial sums are split (summation order) and in padding rows that carry no loss."""
     config, specs = tiny_config(), tiny_specs()
-    mbs = microbatches(config, capacity=128, samples=6)
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=64, samples=4, max_length=14, global_batch=2)]
     assert sum(len(mb.step_adapters) for mb in mbs) >= 3 and any(len(mb.adapters()) < 3 for mb in mbs)
+    assert len({graph_key(mb) for mb in mbs}) < len(mbs)  # keys shared
     params, bank_e, opts_e = _setup(config, specs)
     losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, checkpoint_layers), bank_e, opts_e, mbs)
     params, bank_s, opts_s = _setup(config, specs)
@@ -298,7 +305,7 @@ def test_fixed_shape_step_equals_the_eager_step(checkpoint_layers):
 
 def test_grads_are_rebound_to_the_static_tensors():
     config, specs = tiny_config(), tiny_specs()
-    params, bank, _ = _setup(config, specs)
+    params, bank, _ = _setup(config, specs, device="cpu")
     graphs = TrainingGraphs(params=params, bank=bank, config=config, capture=False)
     graphs._bind_grads()
     p0, p1, p2 = list(bank.parameters())[:3]
@@ -325,7 +332,7 @@ def test_what_cannot_be_a_graph_and_why():
     assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
     # a microbatch without host metadata takes the eager step, with the reason kept
     config = tiny_config()
-    params, bank, _ = _setup(config, tiny_specs())
+    params, bank, _ = _setup(config, tiny_specs(), device="cpu")
     graphs = TrainingGraphs(params=params, bank=bank, config=config, capture=False)
     mb = dataclasses.replace(microbatches(config)[0], max_seqlen=None)
     assert graphs.step(mb, mb.loss_denominators) is None
@@ -351,12 +358,13 @@ def test_module_cuda_graphs_option(tiny_model_dir):
 # ------------------------------------------------------------------------- on a GPU
 
 
-def _gpu_case(checkpoint_layers, *, layers=3, capacity=256):
+def _gpu_case(*, layers=3):
+    """6 microbatches of 512 tokens, 2 of the 3 adapters in each, 12 adapter steps, 2 keys."""
     config = DecoderConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=layers,
                            num_heads=4, num_kv_heads=2, head_dim=32)
     specs = tiny_specs(dropout=0.1)
-    mbs = [mb.to("cuda") for mb in microbatches(config, capacity=capacity, samples=12, max_length=200,
-                                                  pad_multiple=128, global_batch=4)]
+    mbs = [mb.to("cuda") for mb in microbatches(config, capacity=512, samples=8, max_length=100,
+                                                  pad_multiple=128, global_batch=2)]
     return config, specs, mbs
 
 
@@ -382,7 +390,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
     the sign of near-zero gradients, so each weight may differ by up to 2 lr per step, and the
     updates as a whole (w - w0) must agree to 5% in norm."""
     torch.manual_seed(0)
-    config, specs, mbs = _gpu_case(checkpoint_layers)
+    config, specs, mbs = _gpu_case()
     params, bank_e, opts_e = _gpu_setup(config, specs)
     start = [p.detach().clone() for p in bank_e.parameters()]
 
@@ -398,7 +406,17 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
     losses_e = _train(eager, bank_e, opts_e, epochs)
     params, bank_g, opts_g = _gpu_setup(config, specs)
     graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers)
-    losses_g = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_g, opts_g, epochs)
+
+    def replayed(mb):
+        if graph_key(mb) not in graphs._graphs:
+            return graphs.step(mb, mb.loss_denominators)
+        torch.cuda.set_sync_debug_mode("error")  # a replayed step reads nothing back
+        try:
+            return graphs.step(mb, mb.loss_denominators)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    losses_g = _train(replayed, bank_g, opts_g, epochs)
     torch.cuda.synchronize()
     assert not graphs.refusals, graphs.refusals
     assert graphs.captures >= 1 and graphs.replays >= len(mbs)
