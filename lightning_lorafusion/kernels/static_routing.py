@@ -38,6 +38,13 @@ def max_tiles(capacity: int, block_m: int, num_adapters: int) -> int:
     return -(-capacity // block_m) + num_adapters
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``: the kernels key tables by ``str(x.device)``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class StaticTableError(RuntimeError):
     """The fused kernels asked for a table this module cannot hold in fixed shape."""
 
@@ -78,7 +85,7 @@ class StaticLaunchTables:
 
     def __init__(self, template: LoraRouting, device: torch.device) -> None:
         self.capacity = template.num_rows
-        self.device = torch.device(device)
+        self.device = _with_index(torch.device(device))
         self._template = template
         self._entries: dict[tuple, _Entry] = {}
         self._frozen = False
@@ -105,7 +112,7 @@ class StaticLaunchTables:
             ranks = tuple(tuple(int(r) for r in per_proj) for per_proj in ranks)
         except (TypeError, ValueError) as e:
             raise StaticTableError(f"unexpected launch-table key {key!r} (routing_table changed?)") from e
-        if device != str(self.device):
+        if _with_index(torch.device(device)) != self.device:
             raise StaticTableError(f"launch table asked for {device}; the static tables live on {self.device}")
         if self._frozen:
             raise StaticTableError(f"a new launch table (block_m={block_m}, ranks={ranks}) was asked for "
