@@ -420,6 +420,9 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
     torch.cuda.synchronize()
     assert not graphs.refusals, graphs.refusals
     assert graphs.captures >= 1 and graphs.replays >= len(mbs)
+    rel = ((losses_g - losses_e).abs() / losses_e.abs().clamp_min(1e-6)).max().item()
+    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}): {graphs.captures} graphs, "
+          f"{graphs.replays} replays, worst relative loss-sum gap {rel:.2e}")
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
     steps = sum(len(mb.step_adapters) for mb in epochs)
     for (name, pe), pg, p0, spec_lr in zip(bank_e.named_parameters(), bank_g.parameters(), start,
@@ -428,6 +431,8 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
     upd_e = torch.cat([(pe - p0).flatten() for pe, p0 in zip(bank_e.parameters(), start)])
     upd_g = torch.cat([(pg - p0).flatten() for pg, p0 in zip(bank_g.parameters(), start)])
     assert upd_e.norm() > 0
+    print(f"update gap |dg - de| / |de| = {((upd_g - upd_e).norm() / upd_e.norm()).item():.2e}, "
+          f"worst weight gap {(upd_g - upd_e).abs().max().item():.2e}")
     assert (upd_g - upd_e).norm() <= 0.05 * upd_e.norm()
 
 
@@ -455,5 +460,16 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     graphs = runs["on"]._graphs
     assert graphs is not None and graphs.replays > 0 and not graphs.refusals, graphs and graphs.refusals
     assert runs["off"]._graphs is None and runs["on"].steps_taken == runs["off"].steps_taken
+    init = dict(AdapterBank(fit_specs(), runs["off"].config).named_parameters())
+    off = {n: p.float() for n, p in runs["off"].bank.named_parameters()}
+    on = {n: p.float() for n, p in runs["on"].bank.named_parameters()}
+    upd_off = torch.cat([(off[n] - init[n].to(off[n].device)).flatten() for n in off])
+    upd_on = torch.cat([(on[n] - init[n].to(on[n].device)).flatten() for n in off])
+    ratio = ((upd_on - upd_off).norm() / upd_off.norm()).item()
+    print(f"\nfit on vs off: {graphs.captures} graphs, {graphs.replays} replays, update gap {ratio:.2e}, "
+          f"worst weight gap {(upd_on - upd_off).abs().max().item():.2e}")
+    # bf16 weights and AdamW in bf16 (bf16-true): a broken replay (stale inputs, wrong masks,
+    # lost gradients) moves the updates by O(100%); rounding by a few %
+    assert upd_off.norm() > 0 and ratio <= 0.25
     for (name, p_off), p_on in zip(runs["off"].bank.named_parameters(), runs["on"].bank.parameters()):
         torch.testing.assert_close(p_on, p_off, rtol=0, atol=0.05, msg=lambda m, n=name: f"{n}: {m}")
