@@ -6,16 +6,22 @@
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
     functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
     compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
-    groups left eager ("triton_eager") and with the torch reference LoRA ("torch"). With
+    groups left eager ("triton_eager"), with each microbatch's forward + backward replayed as a
+    CUDA graph ("triton_graphs", training/cuda_graphs.py; the first pass captures) and with the
+    torch reference LoRA ("torch"). With
     ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
     ("triton_fp8": projection weights quantized to e4m3, frozen GEMMs on FP8 tensor cores); the
     FP8 runs come last and release the HF model's bf16 projection weights, so their peak memory
     is the FP8 base's.
+(c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
+    forward + backward (input gradients only) on micro-batches of --hf-batch samples of like
+    length (each global batch sorted by length, padded, attention-masked).
 Each variant runs the whole workload twice and times the second pass (the first compiles
 and warms up every shape). Reports real (non-padding) tokens/s and peak memory.
 
     python scripts/bench_e2e.py --shape llama8b --layers 8 --workload xsum --out $OUT
     python scripts/bench_e2e.py --shape llama8b --layers 32 --variants triton --base-precision bf16,fp8
+    python scripts/bench_e2e.py --shape llama1b --layers 16 --capacity 8192 --variants hf_frozen,triton,triton_graphs
     python scripts/bench_e2e.py --shape tiny --device cpu --variants hf,torch   # smoke test
 """
 
@@ -37,6 +43,7 @@ from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
+from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
 from lightning_lorafusion.training.flops import lora_training_flops  # noqa: E402
@@ -44,6 +51,7 @@ from lightning_lorafusion.training.flops import lora_training_flops  # noqa: E40
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
+    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
 }
 DISTRIBUTIONS = {"xsum": ["xsum"] * 4, "cnn_dailymail": ["cnn_dailymail"] * 4, "wikisum": ["wikisum"] * 4,
@@ -114,6 +122,37 @@ def run_hf_peft(args, model, data, device, packed=False):
     return tokens / t_total, t_total, tokens, base
 
 
+def run_hf_frozen(args, model, data, device):
+    """The frozen base alone (no PEFT): forward + backward to the input embeddings."""
+    for timed_pass in (False, True):
+        tokens, t0 = 0, timed(device)
+        for samples in data:
+            for g in range(0, len(samples), args.global_batch):
+                batch = sorted(samples[g : g + args.global_batch], key=lambda s: len(s[0]))
+                for m in range(0, len(batch), args.hf_batch):
+                    ids, lab, att = _padded(batch[m : m + args.hf_batch])
+                    embeds = model.model.embed_tokens(ids.to(device)).detach().requires_grad_(True)
+                    out = model(inputs_embeds=embeds, attention_mask=att.to(device), labels=lab.to(device),
+                                use_cache=False)
+                    out.loss.backward()
+                    tokens += int(att.sum())
+        elapsed = timed(device) - t0
+    return tokens / elapsed, elapsed, tokens
+
+
+def _padded(micro):
+    """input ids, labels (-100 on padding) and attention mask ``[B, longest]`` of some samples."""
+    longest = max(len(ids) for ids, _ in micro)
+    ids = torch.zeros(len(micro), longest, dtype=torch.long)
+    lab = torch.full((len(micro), longest), -100, dtype=torch.long)
+    att = torch.zeros(len(micro), longest, dtype=torch.long)
+    for i, (x, y) in enumerate(micro):
+        ids[i, : len(x)] = torch.tensor(x)
+        lab[i, : len(y)] = torch.tensor(y)
+        att[i, : len(x)] = 1
+    return ids, lab, att
+
+
 def _hf_pass(args, peft_model, names, data, device, packed):
     tokens, t_total = 0, 0.0
     for a, name in enumerate(names):
@@ -139,14 +178,7 @@ def _hf_pass(args, peft_model, names, data, device, packed):
                 continue
             for m in range(0, len(batch), args.hf_batch):
                 micro = batch[m : m + args.hf_batch]
-                longest = max(len(ids) for ids, _ in micro)
-                ids = torch.zeros(len(micro), longest, dtype=torch.long)
-                lab = torch.full((len(micro), longest), -100, dtype=torch.long)
-                att = torch.zeros(len(micro), longest, dtype=torch.long)
-                for i, (x, y) in enumerate(micro):
-                    ids[i, : len(x)] = torch.tensor(x)
-                    lab[i, : len(y)] = torch.tensor(y)
-                    att[i, : len(x)] = 1
+                ids, lab, att = _padded(micro)
                 out = peft_model(input_ids=ids.to(device), attention_mask=att.to(device), labels=lab.to(device),
                                  use_cache=False)
                 out.loss.backward()
@@ -209,7 +241,7 @@ def release_projection_weights(model) -> None:
             mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
 
 
-def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16"):
+def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False):
     w = OursSetup(args, model, data, device, dtype)
     if base_precision == "fp8":
         w.params = quantize_base_fp8(w.params)
@@ -225,12 +257,23 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     mbs = [pack_microbatch(p, lookup, config=cfg, num_adapters=len(specs), denominators=dens,
                            step_adapters=steps.get(i, ()), index=i).to(device)
            for i, p in enumerate(plan.microbatches) if not p.is_noop]
-    for timed_pass in (False, True):  # the first pass compiles every kernel variant, untimed
-        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device)
+    runner = None
+    if graphs:
+        from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, graph_key
+
+        runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda")
+    for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
+        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner)
+    label = backend + ("_graphs" if graphs else "")
     if args.profile and device.type == "cuda":
-        _profile(args, backend, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device))
+        _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner))
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
-    return tokens / elapsed, elapsed, tokens, fill, len(mbs)
+    extra = {}
+    if runner is not None:
+        extra = {"graphs": runner.num_graphs, "keys": len({graph_key(mb) for mb in mbs}),
+                 "replays": runner.replays, "capture_s": round(runner.capture_seconds, 1),
+                 "refusals": {str(k): v for k, v in runner.refusals.items()}}
+    return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
 
 
 def _profile(args, label, fn) -> None:
@@ -247,16 +290,21 @@ def _profile(args, label, fn) -> None:
             f.write(table)
 
 
-def _ours_pass(mbs, bank, opts, params, config, backend, device):
+def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
     t0 = timed(device)
     tokens = 0
     for mb in mbs:
+        if runner is not None and runner.step(mb, mb.loss_denominators) is not None:
+            for a in mb.step_adapters:
+                opts[a].step()
+                opts[a].zero_grad(set_to_none=False)
+            tokens += mb.real_tokens
+            continue
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=config, backend=backend,
                                  max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
-        present = [a for _, _, a in mb.segments]
-        (sums[present] / mb.loss_denominators[present]).sum().backward()
+        adapter_loss(sums, mb.loss_denominators).backward()
         for a in mb.step_adapters:
             opts[a].step()
             opts[a].zero_grad(set_to_none=True)
@@ -293,12 +341,16 @@ def main() -> None:
             if variant in ("hf", "hf_packed"):
                 tps, secs, toks, model = run_hf_peft(args, model, data, device, packed=variant == "hf_packed")
                 extra = {}
+            elif variant == "hf_frozen":
+                tps, secs, toks = run_hf_frozen(args, model, data, device)
+                extra = {}
             else:
                 set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
                 backend = "triton" if variant.startswith("triton") else variant
-                tps, secs, toks, fill, n = run_ours(args, hf_config, model, data, device, dtype, backend,
-                                                    base_precision=precision)
-                extra = {"fill": round(fill, 3), "microbatches": n}
+                tps, secs, toks, fill, n, extra = run_ours(args, hf_config, model, data, device, dtype, backend,
+                                                           base_precision=precision,
+                                                           graphs=variant == "triton_graphs")
+                extra = {"fill": round(fill, 3), "microbatches": n, **extra}
                 variant = variant + ("_fp8" if precision == "fp8" else "")
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
@@ -313,11 +365,13 @@ def main() -> None:
     print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
           f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
-    best_hf = max((r["tokens_per_s"] for r in rows if r["variant"].startswith("hf")), default=base)
-    print(f"{'variant':12} {'tok/s':>10} {'vs hf':>7} {'vs best hf':>10} {'MFU':>6} {'peak GiB':>9}")
+    best_hf = max((r["tokens_per_s"] for r in rows if r["variant"] in ("hf", "hf_packed")), default=base)
+    frozen = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf_frozen"), float("nan"))
+    print(f"{'variant':14} {'tok/s':>10} {'vs hf':>7} {'vs best hf':>10} {'vs frozen':>9} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:
-        print(f"{r['variant']:12} {r['tokens_per_s']:>10.1f} {r['tokens_per_s'] / base:>6.2f}x "
-              f"{r['tokens_per_s'] / best_hf:>9.2f}x {r['mfu']:>6.1%} {r['peak_gib']:>9.2f}")
+        print(f"{r['variant']:14} {r['tokens_per_s']:>10.1f} {r['tokens_per_s'] / base:>6.2f}x "
+              f"{r['tokens_per_s'] / best_hf:>9.2f}x {r['tokens_per_s'] / frozen:>8.2f}x {r['mfu']:>6.1%} "
+              f"{r['peak_gib']:>9.2f}")
     by_name = {r["variant"]: r for r in rows}
     for r in rows:
         bf16 = by_name.get(r["variant"].removesuffix("_fp8")) if r["variant"].endswith("_fp8") else None
@@ -326,7 +380,7 @@ def main() -> None:
                   f"{bf16['variant']}, peak {r['peak_gib'] - bf16['peak_gib']:+.2f} GiB")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"e2e_{args.shape}_{args.workload}.json"), "w") as f:
+        with open(os.path.join(args.out, f"e2e_{args.shape}_{args.workload}_c{args.capacity}.json"), "w") as f:
             json.dump({"device": name, "args": vars(args), "rows": rows}, f, indent=1)
 
 

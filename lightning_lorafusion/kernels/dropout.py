@@ -18,6 +18,7 @@ _C_ROW = 0xC2B2AE3D
 _C_COL = 0x27D4EB2F
 _FMIX1 = 0x85EBCA6B
 _FMIX2 = 0xC2B2AE35
+_INV_C_OFFSET = pow(_C_OFFSET, -1, 1 << 32)  # _C_OFFSET is odd: invertible mod 2^32
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,30 @@ def dropout_keep_mask(
     return hash_uniform16(seed, offset, r, c) >= dropout_keep_threshold(p)
 
 
+def _fmix32_int(x: int) -> int:
+    """``_fmix32`` on one Python int (a bijection of 32-bit values; 0 maps to 0)."""
+    x ^= x >> 16
+    x = (x * _FMIX1) & _MASK32
+    x ^= x >> 13
+    x = (x * _FMIX2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def microbatch_hash(microbatch_index: int) -> int:
+    """The microbatch's share of the hash base (0 for microbatch 0)."""
+    return _fmix32_int(microbatch_index & _MASK32)
+
+
 def dropout_offset(microbatch_index: int, layer: int, input_slot: int) -> int:
     """Offset for one (microbatch, layer, input) triple; input_slot 0: attn input, 1: o_proj
-    input, 2: MLP input, 3: down_proj input. Shared-input projections share one mask."""
-    return ((microbatch_index * 4096 + layer) * 4 + input_slot) & _MASK32
+    input, 2: MLP input, 3: down_proj input. Shared-input projections share one mask.
+
+    Chosen so that the microbatch enters the hash base by xor: ``offset * _C_OFFSET`` (what
+    the base takes, mod 2^32) is ``microbatch_hash(microbatch_index) ^ ((layer * 4 + slot) *
+    _C_OFFSET)``. A CUDA graph captured at microbatch 0 (its offsets are launch constants)
+    replays microbatch ``i`` with each adapter's seed hash xored with ``microbatch_hash(i)``,
+    a device table entry, and draws exactly the masks an eager step draws
+    (``kernels/static_routing.py``).
+    """
+    layer_part = ((layer * 4 + input_slot) * _C_OFFSET) & _MASK32
+    return ((microbatch_hash(microbatch_index) ^ layer_part) * _INV_C_OFFSET) & _MASK32

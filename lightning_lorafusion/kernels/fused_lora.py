@@ -43,7 +43,7 @@ from .block_sizes import GEMM_MODES, LoraBlockSizes, block_sizes_for
 from .fp8_linear import Fp8Weight, fp8_input_grad, fp8_outputs, frozen_projections, resolve_emulate
 from .dropout_triton import hash_base, keep_bits16, offset_hash, pair_hash, row_hash
 from .reference import LoraModuleWeights, LoraRouting
-from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, LoraLaunchTable, build_launch_table
+from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, PLAN_KEY, LoraLaunchTable, build_launch_table
 from .triton_launch import CachedLaunch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -1101,13 +1101,13 @@ def fused_lora_projections(
     # The plan (tables, grids, split counts, launch objects) is built by the first call of a
     # microbatch and reused by every layer: the per-call host work is the lookup below.
     # ``block_sizes`` is keyed by identity; the plan holds it, so the id stays unique.
-    key = (id(block_sizes), ranks, x.dtype, x.device, x.shape[1], tuple(w.shape[0] for w in weights))
+    key = (PLAN_KEY, id(block_sizes), ranks, x.dtype, x.device, x.shape[1], tuple(w.shape[0] for w in weights))
     plan = routing.launch_cache.get(key)
     if plan is None:
         sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
         table = build_launch_table(routing, ranks, sizes.block_m, x.device)
         plan = _NO_LORA if table.a_rows == 0 else _Plan(
-            table, sizes, m=x.shape[0], k=x.shape[1], ns=key[5], b_cols=table.b_cols, dtype=x.dtype,
+            table, sizes, m=x.shape[0], k=x.shape[1], ns=key[6], b_cols=table.b_cols, dtype=x.dtype,
             device=x.device)
         routing.launch_cache[key] = plan
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone

@@ -60,6 +60,11 @@ class LoraLaunchTable:
         return int(self.adapter_int.shape[0])
 
 
+# ``LoraRouting.launch_cache`` holds launch tables under (device string, block_m, ranks) and
+# the fused kernels' launch plans under keys starting with this marker.
+PLAN_KEY = "launch-plan"
+
+
 def build_launch_table(
     routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], block_m: int, device: torch.device
 ) -> LoraLaunchTable:

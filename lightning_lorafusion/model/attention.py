@@ -21,7 +21,7 @@ def varlen_causal_attention(
     """Causal attention inside each packed sequence.
 
     q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (GQA: Hq a multiple of Hkv), cu_seqlens ``[n+1]``
-    int (0 = cu_seqlens[0] < ... < cu_seqlens[n] = T) -> ``[T, Hq, D]``.
+    int (0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = T; empty blocks are allowed) -> ``[T, Hq, D]``.
     ``sliding_window`` W (Mistral/Qwen2 style): query i sees keys j with i - W < j <= i.
     On CUDA uses ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention) when this torch
     has it and the dtype is half precision; elsewhere a per-sequence SDPA loop.
@@ -48,13 +48,15 @@ def sdpa_varlen_loop(
 ) -> torch.Tensor:
     """Reference path: one causal SDPA call per sequence (cost is sum of L_i^2, not T^2)."""
     bounds = cu_seqlens.tolist()  # host sync; fine for the CPU/reference path
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
-            f"cu_seqlens must start at 0, strictly increase and end at T={q.shape[0]}; got {bounds}"
+            f"cu_seqlens must start at 0, never decrease and end at T={q.shape[0]}; got {bounds}"
         )
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for start, end in zip(bounds, bounds[1:]):
+        if end == start:  # an empty block (CUDA-graph padding of cu_seqlens to a fixed count)
+            continue
         # SDPA wants [heads, L, D]
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         length = end - start

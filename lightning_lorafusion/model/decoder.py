@@ -398,7 +398,9 @@ def decoder_layers(
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
                       max_seqlen=max_seqlen)
         if i < recompute_below:
-            h = checkpoint(decoder_layer, *args, use_reentrant=False, **kwargs)
+            # no torch RNG inside (dropout masks are hashes): nothing to preserve, and a CUDA
+            # graph capture may not read or set the generator's state
+            h = checkpoint(decoder_layer, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
         else:
             h = decoder_layer(*args, **kwargs)
     return h
@@ -422,6 +424,7 @@ def head_loss_sums(
     chunk_size: int = 1024,
     label_rows: torch.Tensor | None = None,
     lm_head_loss: str = "checkpointed",
+    row_owner: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final norm + LM head + cross-entropy, summed per adapter: ``[num_adapters]`` fp32.
 
@@ -435,6 +438,8 @@ def head_loss_sums(
     ``lm_head_loss``: "checkpointed" (backward recomputes each chunk's logits) or "fused"
     (``kernels.linear_cross_entropy``: the forward keeps the input gradient instead, one LM-head
     GEMM fewer; the final norm and LM head must be frozen).
+    ``row_owner`` ``[T]`` int64: each row's adapter (``num_adapters`` = nobody), given instead
+    of ``segments`` (which are then ignored) by a CUDA graph that replays with new owners.
     """
     if lm_head_loss not in LM_HEAD_LOSSES:
         raise ConfigError(f"lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
@@ -445,11 +450,16 @@ def head_loss_sums(
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     if label_rows is not None and (label_rows.dim() != 1 or label_rows.shape[0] > t):
         raise ValueError(f"label_rows must be [n <= {t}] row indices; got {tuple(label_rows.shape)}")
-    owner = torch.full((t,), num_adapters, dtype=torch.int64, device=h.device)  # last bucket: nobody
-    for start, end, adapter in segments:
-        if not 0 <= adapter < num_adapters:
-            raise ValueError(f"segment adapter {adapter} out of range for {num_adapters} adapters")
-        owner[start:end] = adapter
+    if row_owner is not None:
+        if row_owner.shape != (t,):
+            raise ValueError(f"row_owner must be [{t}]; got {tuple(row_owner.shape)}")
+        owner = row_owner
+    else:
+        owner = torch.full((t,), num_adapters, dtype=torch.int64, device=h.device)  # last bucket: nobody
+        for start, end, adapter in segments:
+            if not 0 <= adapter < num_adapters:
+                raise ValueError(f"segment adapter {adapter} out of range for {num_adapters} adapters")
+            owner[start:end] = adapter
     sums = torch.zeros(num_adapters + 1, dtype=torch.float32, device=h.device)
     # Only label positions need logits: in instruction data most tokens are prompt, and the
     # LM head is the largest single GEMM of a small model. (Without label_rows: one host sync
@@ -469,7 +479,8 @@ def head_loss_sums(
     for c0 in range(0, h.shape[0], chunk_size):
         args = (h[c0:c0 + chunk_size], labels[c0:c0 + chunk_size], params["norm"], params["lm_head"],
                 config.rms_norm_eps)
-        losses = checkpoint(_token_losses, *args, use_reentrant=False) if use_ckpt else _token_losses(*args)
+        losses = (checkpoint(_token_losses, *args, use_reentrant=False, preserve_rng_state=False) if use_ckpt
+                  else _token_losses(*args))
         sums = sums.index_add(0, owner[c0:c0 + chunk_size], losses)
     return sums[:num_adapters]
 

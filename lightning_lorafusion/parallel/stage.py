@@ -27,8 +27,10 @@ class StageModule(Protocol):
 def adapter_loss(loss_sums: torch.Tensor, denominators: torch.Tensor) -> torch.Tensor:
     """``sum_a loss_sums[a] / denominators[a]`` over adapters present (denominator > 0): each
     adapter's gradient is that of its own mean loss over its whole global batch."""
+    # masked arithmetic, not boolean indexing: no nonzero() sync, and a CUDA graph can hold it
     present = denominators > 0
-    return (loss_sums[present] / denominators[present].to(loss_sums.dtype)).sum()
+    per_adapter = loss_sums / denominators.to(loss_sums.dtype).clamp_min(1)
+    return torch.where(present, per_adapter, torch.zeros_like(per_adapter)).sum()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -121,6 +121,11 @@ class LoRAFusionModule(L.LightningModule):
             capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
         fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
             missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
+        cuda_graphs: "auto": each training microbatch's forward + backward replays a captured
+            CUDA graph when training runs on one CUDA GPU with the fused kernels (eager
+            otherwise); "on": the same, and a ``ConfigError`` where graphs cannot be used;
+            "off": eager. Steps a graph cannot hold fall back to eager with the reason logged
+            (``training/cuda_graphs.py``, docs/training.md "CUDA graphs").
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class LoRAFusionModule(L.LightningModule):
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
         lm_head_loss: str = "checkpointed",
+        cuda_graphs: str = "auto",
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -172,6 +178,11 @@ class LoRAFusionModule(L.LightningModule):
 
         if lm_head_loss not in LM_HEAD_LOSSES:
             raise ConfigError(f"model.lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
+
+        from .cuda_graphs import CUDA_GRAPH_MODES
+
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ConfigError(f"model.cuda_graphs={cuda_graphs!r}; allowed: {CUDA_GRAPH_MODES}")
         self.save_hyperparameters(ignore=["adapters"])
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
         # hyperparameters into the model's arguments, so they must be valid `adapters` entries
@@ -192,6 +203,8 @@ class LoRAFusionModule(L.LightningModule):
         self.lm_head_loss = lm_head_loss
         self.base_model_name = base_model
         self.base_precision = base_precision
+        self.cuda_graphs = cuda_graphs
+        self._graphs = None  # TrainingGraphs, made in on_train_start when graphs are used
 
         from ..model.random_model import is_random_base, random_base_config
 
@@ -330,17 +343,21 @@ class LoRAFusionModule(L.LightningModule):
             return self._pipeline_training_step(mb)
         from ..parallel.stage import adapter_loss
 
-        sums = self.loss_sums(mb)
         # sum over present adapters of (token-loss sum / label tokens of its global batch): the
         # gradient w.r.t. adapter a is exactly a's own loss gradient (disjoint params, samples).
         # A stopped adapter's samples still in flight count for nobody (zero denominator).
         denominators = mb.loss_denominators
-        stopped = [a for _, _, a in mb.segments if not self.progress[a].training]
+        stopped = sorted({a for _, _, a in mb.segments if not self.progress[a].training})
         if stopped:
             denominators = denominators.clone()
-            denominators[stopped] = 0
-        if bool((denominators > 0).any()):
-            self.manual_backward(adapter_loss(sums, denominators))
+            for a in stopped:  # one fill each: no host->device index copy
+                denominators[a] = 0
+        sums = self._graphs.step(mb, denominators) if self._graphs is not None else None
+        if sums is None:  # eager (no device->host sync: the loss is masked, not indexed)
+            sums = self.loss_sums(mb)
+            loss = adapter_loss(sums, denominators)
+            if loss.requires_grad:
+                self.manual_backward(loss)
         self._accumulate_losses(sums.detach(), mb)
         for a in mb.step_adapters:
             self._step_adapter(a)
@@ -394,7 +411,7 @@ class LoRAFusionModule(L.LightningModule):
                 for g in grads:
                     g.mul_(scale)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=self._graphs is None)  # graphs keep their .grad tensors
         sched.step()
         self.steps_taken[a] += 1
         name = spec.name
@@ -725,9 +742,11 @@ class LoRAFusionModule(L.LightningModule):
     def _accumulate_losses(self, sums: torch.Tensor, mb: Microbatch) -> None:
         """Add this microbatch's share of each present adapter's global-batch mean loss and its
         real tokens (logged when the adapter steps)."""
-        per_adapter = (sums.double() / mb.loss_denominators.to(sums.device).double().clamp_min(1)).cpu()
-        for _, _, a in mb.segments:
-            self._gb_loss[a] += per_adapter[a]
+        # on the device: no sync per microbatch (read when the adapter steps). Adapters absent
+        # from the microbatch have loss sum 0 and add 0.
+        if self._gb_loss.device != sums.device:
+            self._gb_loss = self._gb_loss.to(sums.device)
+        self._gb_loss += sums.double() / mb.loss_denominators.to(sums.device).double().clamp_min(1)
         for ref in mb.samples:
             self._gb_tokens[ref.adapter] += ref.length
 
@@ -778,7 +797,7 @@ class LoRAFusionModule(L.LightningModule):
         self._sync_host_copies()  # the host copies below may still be in flight from the device
         checkpoint["lorafusion"] = {
             "grads": {n: p.grad.detach().cpu().clone() for n, p in self.bank.named_parameters() if p.grad is not None},
-            "gb_loss": self._gb_loss.clone(),
+            "gb_loss": self._gb_loss.cpu(),
             "gb_tokens": self._gb_tokens.clone(),
             "steps_taken": list(self.steps_taken),
             "nonfinite_streak": list(self._nonfinite_streak),
@@ -849,7 +868,28 @@ class LoRAFusionModule(L.LightningModule):
         if dm is not None and getattr(dm, "capacity_pending", False):
             dm.resolve_capacity(self)
 
+    def _start_cuda_graphs(self) -> None:
+        """Resolve ``cuda_graphs`` now that the device and the strategy are known."""
+        from .cuda_graphs import TrainingGraphs, cuda_graphs_refusal
+
+        self._graphs = None
+        if self.cuda_graphs == "off":
+            return
+        backend = self.backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        reason = cuda_graphs_refusal(device=self.device, backend=backend,
+                                     pipeline=self._pipeline_strategy() is not None)
+        if reason is not None:
+            if self.cuda_graphs == "on":
+                raise ConfigError(f"model.cuda_graphs='on' but {reason}; use cuda_graphs: auto or off")
+            log.info("CUDA graphs off: %s", reason)
+            return
+        self._graphs = TrainingGraphs(params=self.base_params(), bank=self.bank, config=self.config,
+                                      checkpoint_layers=self.activation_checkpointing)
+
     def on_train_start(self) -> None:
+        self._start_cuda_graphs()
         grads = getattr(self, "_restored_grads", None)
         if grads:
             params = dict(self.bank.named_parameters())

@@ -1,0 +1,293 @@
+"""CUDA graphs of the training step: one captured forward + backward per microbatch shape key.
+
+A microbatch has a fixed token capacity, so almost everything in its forward and backward has
+static shapes. What still varies is bounded and bucketed here, so a handful of graphs covers a
+run (``GraphKey``): the longest attention block (``max_seqlen``, a launch argument of varlen
+attention: next power of two), the number of attention blocks (``cu_seqlens`` padded with empty
+blocks to a power of two), and the number of label rows the LM head computes (padded to a
+multiple of ``capacity / 16`` with a row that has no label). The fused LoRA
+kernels get fixed-shape launch tables (``kernels/static_routing.py``): every adapter active,
+tiles padded to a bound, the microbatch index folded into the seed column, so the adapters
+present in a microbatch do not change the graph.
+
+A step copies the microbatch into static buffers, refills the tables and replays; the first
+microbatch of a key runs eagerly on a side stream (that is its real step: gradients count),
+then the same function is captured, sharing one memory pool with the other keys' graphs
+(never replayed concurrently; outputs are copied out at once). Gradients accumulate into
+static ``.grad`` tensors (bound before every step, so ``zero_grad(set_to_none=True)`` or a
+restored checkpoint is harmless). Optimizer steps stay outside the graph. What cannot be
+captured falls back to the caller's eager step with the reason logged (``refusals``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ..data.microbatch import Microbatch
+from ..kernels.static_routing import StaticLaunchTables, StaticTableError
+from ..model.decoder import DecoderConfig, decoder_layers, embed, head_loss_sums
+from ..parallel.stage import adapter_loss
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+MAX_GRAPHS = 48  # shape keys captured per run; later new keys run eagerly
+MIN_SEQLEN_BUCKET = 128
+MIN_BLOCKS_BUCKET = 8
+MIN_LABEL_ROWS_STEP = 128
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a captured step's launches depend on, bucketed (see the module docstring)."""
+
+    capacity: int
+    max_seqlen: int
+    num_blocks: int
+    label_rows: int
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def label_rows_step(capacity: int) -> int:
+    """Label-row counts are padded to multiples of this: at most 16 buckets per capacity, and
+    at most ``capacity / 16`` rows (6% of a microbatch's tokens) of LM head computed for
+    nothing."""
+    return min(capacity, max(MIN_LABEL_ROWS_STEP, capacity // 16))
+
+
+def graph_key(mb: Microbatch) -> GraphKey:
+    """The bucketed key of ``mb``, from host metadata only (no device reads).
+
+    Raises ``ValueError`` when ``mb`` lacks ``max_seqlen`` / ``label_rows`` (built by packing).
+    """
+    if mb.max_seqlen is None or mb.label_rows is None:
+        raise ValueError("the microbatch has no host-built max_seqlen/label_rows (data.packing adds them)")
+    cap = mb.capacity
+    step = label_rows_step(cap)
+    return GraphKey(
+        capacity=cap,
+        max_seqlen=min(cap, _pow2_at_least(mb.max_seqlen, MIN_SEQLEN_BUCKET)),
+        num_blocks=min(cap, _pow2_at_least(mb.cu_seqlens.shape[0] - 1, MIN_BLOCKS_BUCKET)),
+        label_rows=min(cap, -(-max(mb.num_label_rows, 1) // step) * step),
+    )
+
+
+def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool) -> str | None:
+    """Why training steps cannot be graphs here (None: they can)."""
+    if device.type != "cuda":
+        return f"training runs on {device.type}, not on a CUDA GPU"
+    if backend == "torch":
+        return ("backend='torch': the torch reference LoRA draws its dropout masks from host "
+                "integers; graphs need the fused Triton kernels (backend: auto or triton)")
+    if pipeline:
+        return ("the pipeline strategy runs stages through its own executor; graphs of pipeline "
+                "stages are not implemented")
+    return None
+
+
+class StaticInputs:
+    """The device buffers a graph reads, at fixed addresses, for one capacity C and A adapters.
+
+    ``input_ids``, ``labels``, ``position_ids``, ``row_owner`` (each row's adapter, A = nobody)
+    ``[C]`` int64; ``cu_seqlens`` ``[C + 1]`` int32 (a graph reads the first ``num_blocks + 1``:
+    the microbatch's boundaries, then C repeated: empty blocks); ``label_rows`` ``[C]`` int64 (a
+    graph reads the first ``label_rows``: the microbatch's, then row C - 1, whose label is
+    IGNORE_INDEX by the pre-shifted label contract: padding, or the last token of a sample);
+    ``denominators`` ``[A]`` fp32.
+    """
+
+    def __init__(self, capacity: int, num_adapters: int, device: torch.device) -> None:
+        self.capacity, self.num_adapters = capacity, num_adapters
+
+        def buf(n, dtype=torch.int64):
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.input_ids, self.labels, self.position_ids = buf(capacity), buf(capacity), buf(capacity)
+        self.row_owner = buf(capacity)
+        self.cu_seqlens = buf(capacity + 1, torch.int32)
+        self.label_rows = buf(capacity)
+        self.denominators = buf(num_adapters, torch.float32)
+
+    def load(self, mb: Microbatch, denominators: torch.Tensor) -> None:
+        """Copy ``mb`` in (stream-ordered device copies and fills; no host sync)."""
+        cap = self.capacity
+        if mb.capacity != cap:
+            raise ValueError(f"a capacity-{mb.capacity} microbatch in capacity-{cap} buffers")
+        self.input_ids.copy_(mb.input_ids, non_blocking=True)
+        self.labels.copy_(mb.labels, non_blocking=True)
+        self.position_ids.copy_(mb.position_ids, non_blocking=True)
+        n = mb.cu_seqlens.shape[0]
+        self.cu_seqlens[:n].copy_(mb.cu_seqlens, non_blocking=True)
+        self.cu_seqlens[n:].fill_(cap)
+        rows = mb.num_label_rows
+        self.label_rows[:rows].copy_(mb.label_rows, non_blocking=True)
+        self.label_rows[rows:].fill_(cap - 1)
+        self.row_owner.fill_(self.num_adapters)
+        for start, end, adapter in mb.segments:
+            self.row_owner[start:end].fill_(adapter)
+        self.denominators.copy_(denominators, non_blocking=True)
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    sums: torch.Tensor  # the graph's output [A] fp32, inside its memory pool
+
+
+class TrainingGraphs:
+    """Forward + backward of training microbatches as CUDA graphs over ``params`` (frozen) and
+    ``bank`` (an ``AdapterBank``; its parameters' ``.grad`` accumulate).
+
+    ``step(mb, denominators)`` returns the per-adapter loss sums ``[A]`` fp32 (a fresh tensor)
+    after accumulating the gradients of ``adapter_loss(sums, denominators)``, or None when this
+    microbatch must take the caller's eager step (reason in ``refusals`` and the log).
+    ``capture=False`` runs the same fixed-shape step without graphs (CPU tests of the logic).
+    """
+
+    def __init__(self, *, params: Mapping[str, Any], bank, config: DecoderConfig,
+                 checkpoint_layers: bool | int = False, chunk_size: int = 1024,
+                 max_graphs: int = MAX_GRAPHS, capture: bool = True) -> None:
+        self.params, self.bank, self.config = params, bank, config
+        self.checkpoint_layers, self.chunk_size = checkpoint_layers, chunk_size
+        self.max_graphs, self.capture = max_graphs, capture
+        self.refusals: dict[Any, str] = {}
+        self.disabled: str | None = None  # set after a failed capture: every later step is eager
+        self.captures = self.replays = 0
+        self.capture_seconds = 0.0
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._tables: dict[int, StaticLaunchTables] = {}
+        self._inputs: dict[int, StaticInputs] = {}
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._pool = None
+        self._side = None  # the warm-up stream
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def step(self, mb: Microbatch, denominators: torch.Tensor) -> torch.Tensor | None:
+        if self.disabled is not None:
+            return None
+        try:
+            key = graph_key(mb)
+        except ValueError as e:
+            self._refuse("metadata", str(e))
+            return None
+        if key in self.refusals:
+            return None
+        captured = self._graphs.get(key)
+        if captured is None and self.capture and len(self._graphs) >= self.max_graphs:
+            self._refuse(key, f"{self.max_graphs} shape keys are captured already; this one runs eagerly")
+            return None
+        tables, inputs = self._buffers(mb.capacity, mb.input_ids.device)
+        self._bind_grads()
+        tables.fill(mb.segments, mb.index)
+        inputs.load(mb, denominators)
+        if captured is not None:
+            captured.graph.replay()
+            self.replays += 1
+            return captured.sums.clone()
+        if not self.capture:
+            return self._run_static(key, inputs, tables)
+        return self._warm_up_and_capture(key, inputs, tables)
+
+    # ------------------------------------------------------------------ internals
+    def _refuse(self, key, reason: str) -> None:
+        if key not in self.refusals:
+            log.warning("CUDA graphs: %s runs eagerly: %s", key, reason)
+        self.refusals[key] = reason
+
+    def _buffers(self, capacity: int, device: torch.device) -> tuple[StaticLaunchTables, StaticInputs]:
+        if capacity not in self._tables:
+            template = self.bank.routing((), 0, capacity, train=True)
+            self._tables[capacity] = StaticLaunchTables(template, device)
+            self._inputs[capacity] = StaticInputs(capacity, self.bank.num_adapters, device)
+        return self._tables[capacity], self._inputs[capacity]
+
+    def _bind_grads(self) -> None:
+        """Every adapter parameter's ``.grad`` is its static tensor (the graphs add into it):
+        one set to None since is zeroed, one replaced (a restored checkpoint) is copied in."""
+        if not self._grads:
+            for p in self.bank.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._grads.append((p, p.grad))
+            return
+        stale = [(p, g) for p, g in self._grads if p.grad is not g]
+        if not stale:
+            return
+        zero = [g for p, g in stale if p.grad is None]
+        if zero:
+            torch._foreach_zero_(zero)
+        for p, g in stale:
+            if p.grad is not None:
+                g.copy_(p.grad)
+            p.grad = g
+
+    def _run_static(self, key: GraphKey, inputs: StaticInputs, tables: StaticLaunchTables) -> torch.Tensor:
+        """The step a graph holds: forward over the static buffers, backward, loss sums [A]."""
+        # microbatch 0, no segments: the fused kernels find their fixed-shape tables in the cache
+        routing = dataclasses.replace(self.bank.routing((), 0, key.capacity, train=True),
+                                      launch_cache=tables.cache)
+        h = embed(self.params, inputs.input_ids)
+        h = decoder_layers(self.params, self.bank.view(), h, inputs.position_ids,
+                           inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,
+                           microbatch_index=0, backend="triton", max_seqlen=key.max_seqlen,
+                           checkpoint_layers=self.checkpoint_layers)
+        sums = head_loss_sums(self.params, h, inputs.labels, (), self.bank.num_adapters, config=self.config,
+                              chunk_size=self.chunk_size, label_rows=inputs.label_rows[: key.label_rows],
+                              row_owner=inputs.row_owner)
+        loss = adapter_loss(sums, inputs.denominators)
+        if loss.requires_grad:
+            loss.backward()
+        return sums.detach()
+
+    def _warm_up_and_capture(self, key: GraphKey, inputs: StaticInputs,
+                             tables: StaticLaunchTables) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        main = torch.cuda.current_stream()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=main.device)
+        side = self._side
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):  # this microbatch's real step, eager: it compiles and warms up
+                sums = self._run_static(key, inputs, tables)
+        except StaticTableError as e:  # raised in the forward, before any gradient was touched
+            main.wait_stream(side)
+            self.disabled = f"launch tables: {e}"
+            self._refuse(key, self.disabled)
+            return None
+        main.wait_stream(side)
+        if tables.num_tables == 0:
+            self.disabled = "the fused LoRA kernels did not take the fixed-shape launch tables"
+            self._refuse(key, self.disabled)
+            return sums
+        graph = torch.cuda.CUDAGraph()
+        tables.freeze()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._run_static(key, inputs, tables)
+        except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly
+            self.disabled = f"capture failed: {type(e).__name__}: {e}"
+            self._refuse(key, self.disabled)
+            return sums
+        finally:
+            tables.freeze(False)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[key] = _Captured(graph=graph, sums=out)
+        self.captures += 1
+        seconds = time.perf_counter() - t0
+        self.capture_seconds += seconds
+        log.info("CUDA graphs: captured %s in %.2f s (%d graphs)", key, seconds, len(self._graphs))
+        return sums

@@ -1,0 +1,475 @@
+"""CUDA graphs of the training step (training/cuda_graphs.py, kernels/static_routing.py).
+
+On the CPU: the shape keys (buckets, reuse, bounds), the static buffers, the fixed-shape launch
+tables (same kernel results as the eager tables, dropout included), the fixed-shape step run
+without capture against the eager step over several optimizer steps, and what falls back and
+why. On a GPU (skipped here): captured and replayed steps against eager steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_lorafusion.data.microbatch import IGNORE_INDEX
+from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
+from lightning_lorafusion.data.synthetic import synthetic_token_samples
+from lightning_lorafusion.data.tokenization import shifted_labels
+from lightning_lorafusion.kernels.dropout import _C_OFFSET, _MASK32, dropout_offset, microbatch_hash
+from lightning_lorafusion.kernels.dropout_triton import offset_hash
+from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
+from lightning_lorafusion.kernels.routing_table import build_launch_table
+from lightning_lorafusion.kernels.static_routing import StaticLaunchTables, max_tiles
+from lightning_lorafusion.model.adapter_bank import AdapterBank
+from lightning_lorafusion.model.decoder import DecoderConfig, forward_loss_sums
+from lightning_lorafusion.model.random_model import random_base_params
+from lightning_lorafusion.parallel.stage import adapter_loss
+from lightning_lorafusion.planner import plan_microbatches
+from lightning_lorafusion.specs import AdapterSpec, ConfigError
+from lightning_lorafusion.training.cuda_graphs import (
+    GraphKey,
+    StaticInputs,
+    TrainingGraphs,
+    cuda_graphs_refusal,
+    graph_key,
+    label_rows_step,
+)
+
+CUDA = torch.cuda.is_available()
+# the kernel-level checks run on the GPU where there is one (fp32), else in the Triton interpreter
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    input_ids: tuple
+    labels: tuple
+
+
+def tiny_config(layers: int = 2) -> DecoderConfig:
+    return DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=layers,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def tiny_specs(dropout: float = 0.1) -> list[AdapterSpec]:
+    """Heterogeneous ranks and targets; adapter 2 adapts only the MLP."""
+    return [
+        AdapterSpec(name="a", rank=4, alpha=8, dropout=dropout, seed=11, lr=1e-2, dataset={"kind": "synthetic"}),
+        AdapterSpec(name="b", rank=8, alpha=8, dropout=dropout, seed=12, lr=1e-2,
+                    target_modules=("q_proj", "v_proj", "o_proj", "down_proj"), dataset={"kind": "synthetic"}),
+        AdapterSpec(name="c", rank=2, alpha=4, dropout=0.0, seed=13, lr=1e-2,
+                    target_modules=("gate_proj", "up_proj", "down_proj"), dataset={"kind": "synthetic"}),
+    ]
+
+
+def microbatches(config: DecoderConfig, *, capacity: int = 128, samples: int = 6, pad_multiple: int = 16,
+                 max_length: int = 60, global_batch: int = 3, seed: int = 0):
+    """Planner-packed microbatches of synthetic samples for 3 adapters (host tensors)."""
+    datasets = []
+    for a, dist in enumerate(("xsum", "cnn_dailymail", "wikisum")):
+        pairs = synthetic_token_samples(dist, samples, vocab_size=config.vocab_size, seed=seed + a,
+                                        max_length=max_length)
+        datasets.append([_Sample(tuple(x), shifted_labels(x, [t != IGNORE_INDEX for t in y])) for x, y in pairs])
+    batches = [[list(range(g, min(g + global_batch, len(d)))) for g in range(0, len(d), global_batch)]
+               for d in datasets]
+    lookup = SampleLookup(datasets, batches)
+    plan = plan_microbatches(lookup.lengths(), capacity=capacity, pad_multiple=pad_multiple, method="greedy")
+    steps = plan.step_adapters()
+    cfg = PackingConfig(capacity=capacity, pad_multiple=pad_multiple)
+    dens = lookup.denominators()
+    return [pack_microbatch(p, lookup, config=cfg, num_adapters=len(datasets), denominators=dens,
+                            step_adapters=steps.get(i, ()), index=1000 + i)
+            for i, p in enumerate(plan.microbatches) if not p.is_noop]
+
+
+# ------------------------------------------------------------------------------ keys
+
+
+def test_dropout_offset_folds_the_microbatch_into_the_seed():
+    """What lets a graph captured at microbatch 0 draw microbatch i's masks from its tables."""
+    for mb in (0, 1, 7, 1000, 2**33 + 5):
+        for layer in (0, 3, 79):
+            for slot in range(4):
+                eager = offset_hash(dropout_offset(mb, layer, slot))
+                assert eager == microbatch_hash(mb) ^ offset_hash(dropout_offset(0, layer, slot))
+    assert microbatch_hash(0) == 0
+    assert offset_hash(dropout_offset(0, 5, 2)) == ((5 * 4 + 2) * _C_OFFSET) & _MASK32
+    # distinct offsets across microbatches, layers and slots
+    assert len({dropout_offset(m, l, s) for m in range(64) for l in range(16) for s in range(4)}) == 64 * 16 * 4
+
+
+def test_graph_key_bounds_buckets_and_reuse():
+    config = tiny_config()
+    mbs = microbatches(config, capacity=128, samples=12)
+    keys = [graph_key(mb) for mb in mbs]
+    step = label_rows_step(128)
+    assert step == 128 and label_rows_step(8192) == 512 and label_rows_step(64) == 64
+    for mb, key in zip(mbs, keys):
+        assert key.capacity == mb.capacity == 128
+        assert mb.max_seqlen <= key.max_seqlen <= 128 and key.max_seqlen & (key.max_seqlen - 1) == 0
+        blocks = mb.cu_seqlens.shape[0] - 1
+        assert blocks <= key.num_blocks <= 128 and key.num_blocks >= 8
+        assert mb.num_label_rows <= key.label_rows <= 128 and key.label_rows % step == 0
+    # buckets: far fewer keys than microbatches, and microbatches with different layouts share one
+    assert len(set(keys)) < len(mbs)
+    shared = [mb for mb, k in zip(mbs, keys) if k == keys[0]]
+    assert len({mb.segments for mb in shared} | {mb.samples for mb in shared}) > 1 or len(shared) == 1
+    # the key never reads the device: a meta-device microbatch gives the same key
+    assert graph_key(mbs[0].to("meta")) == keys[0]
+    bare = dataclasses.replace(mbs[0], label_rows=None)
+    with pytest.raises(ValueError, match="max_seqlen/label_rows"):
+        graph_key(bare)
+    # a microbatch without labels still has a (non-empty) head bucket
+    empty = dataclasses.replace(mbs[0], label_rows=torch.zeros(0, dtype=torch.int64))
+    assert graph_key(empty).label_rows == step
+
+
+def test_static_inputs_pad_with_empty_blocks_and_label_free_rows():
+    config = tiny_config()
+    mb = microbatches(config, capacity=128)[0]
+    key = graph_key(mb)
+    inputs = StaticInputs(128, 3, torch.device("cpu"))
+    dens = mb.loss_denominators.clone()
+    dens[1] = 0
+    inputs.load(mb, dens)
+    n = mb.cu_seqlens.shape[0]
+    cu = inputs.cu_seqlens[: key.num_blocks + 1]
+    assert torch.equal(cu[:n], mb.cu_seqlens) and (cu[n:] == 128).all()
+    rows = inputs.label_rows[: key.label_rows]
+    assert torch.equal(rows[: mb.num_label_rows], mb.label_rows) and (rows[mb.num_label_rows:] == 127).all()
+    assert int(mb.labels[127]) == IGNORE_INDEX  # the padding row has no label, by the label contract
+    for t in ("input_ids", "labels", "position_ids"):
+        assert torch.equal(getattr(inputs, t), getattr(mb, t))
+    owner = torch.full((128,), 3)
+    for s, e, a in mb.segments:
+        owner[s:e] = a
+    assert torch.equal(inputs.row_owner, owner)
+    assert torch.equal(inputs.denominators, dens)
+    # a second microbatch reuses the same storage (a graph reads fixed addresses)
+    ptrs = [t.data_ptr() for t in (inputs.input_ids, inputs.cu_seqlens, inputs.label_rows)]
+    inputs.load(microbatches(config, capacity=128)[1], dens)
+    assert ptrs == [t.data_ptr() for t in (inputs.input_ids, inputs.cu_seqlens, inputs.label_rows)]
+    with pytest.raises(ValueError, match="capacity"):
+        StaticInputs(64, 3, torch.device("cpu")).load(mb, dens)
+
+
+# -------------------------------------------------------------------- launch tables
+
+
+def _projection_case(seed=0, m=128, k=32, n=(24, 16)):
+    g = torch.Generator().manual_seed(seed)
+    ranks = [(4, 4), (8, 0), (0, 2)]  # adapter x projection; adapter 2 only on the second
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    x = randn(m, k)
+    weights = [randn(ni, k) * 0.2 for ni in n]
+    a = [[randn(r[i], k) * 0.2 if r[i] else None for r in ranks] for i in range(2)]
+    b = [[randn(ni, r[i]) * 0.2 if r[i] else None for r in ranks] for i, ni in enumerate(n)]
+    return x, weights, a, b
+
+
+def _run_projections(x, weights, a, b, routing, offset):
+    from lightning_lorafusion.kernels.reference import LoraModuleWeights
+
+    x = x.clone().requires_grad_(True)
+    a = [[t.clone().requires_grad_(True) if t is not None else None for t in per] for per in a]
+    b = [[t.clone().requires_grad_(True) if t is not None else None for t in per] for per in b]
+    loras = [LoraModuleWeights(a=tuple(a[i]), b=tuple(b[i])) for i in range(2)]
+    ys = fused_lora_projections(x, weights, [None, None], loras, routing, dropout_offset=offset)
+    g = torch.Generator().manual_seed(9)
+    sum((y * torch.randn(y.shape, generator=g).to(y.device)).sum() for y in ys).backward()
+    grads = [x.grad] + [t.grad if t is not None else None for per in a + b for t in per]
+    return ys, grads
+
+
+@pytest.mark.parametrize("segments", [((0, 40, 0), (48, 100, 2)), ((0, 128, 1),), ((16, 80, 0), (80, 128, 1))])
+def test_static_tables_give_the_eager_kernel_results(segments):
+    """Fixed-shape tables (every adapter active, padded tiles, the microbatch index in the seed
+    column) against the eager tables of the same microbatch: same outputs and gradients, with
+    dropout, at a microbatch index != 0. Absent adapters get zero gradients, not None."""
+    x, weights, a, b = _projection_case()
+    base = AdapterBank(tiny_specs(dropout=0.2), tiny_config()).routing((), 0, 128)
+    index, layer_slot = 1234, (1, 2)
+    eager_routing = dataclasses.replace(base, segments=segments, microbatch_index=index, launch_cache={})
+    ys_e, grads_e = _run_projections(x, weights, a, b, eager_routing, dropout_offset(index, *layer_slot))
+    tables = StaticLaunchTables(base, DEVICE)
+    tables.fill(segments, index)  # before any table exists: tables made later get these contents
+    static_routing = dataclasses.replace(base, launch_cache=tables.cache)
+    ys_s, grads_s = _run_projections(x, weights, a, b, static_routing, dropout_offset(0, *layer_slot))
+    assert tables.num_tables == 1
+    for ye, ys in zip(ys_e, ys_s):
+        torch.testing.assert_close(ys, ye, rtol=1e-5, atol=1e-5)
+    present = {ad for _, _, ad in segments}
+    for i, (ge, gs) in enumerate(zip(grads_e, grads_s)):
+        if i == 0:
+            torch.testing.assert_close(gs, ge, rtol=1e-5, atol=1e-5)
+            continue
+        adapter = (i - 1) % 3
+        if gs is None:  # no factor there
+            continue
+        if adapter in present:
+            torch.testing.assert_close(gs, ge, rtol=1e-5, atol=1e-5)
+        else:
+            assert ge is None and torch.count_nonzero(gs) == 0
+    # the table keeps its tensors (a graph reads them) and its bounds across refills
+    (table,) = tables.tables()
+    ptrs = [table.tiles.data_ptr(), table.adapter_int.data_ptr(), table.block_tiles.data_ptr()]
+    assert table.num_tiles == max_tiles(128, table.block_m, 3)
+    assert table.active == (0, 1, 2) and table.s_numel == 128 * table.max_total_rank
+    tables.fill(((0, 128, 2),), 7)
+    assert ptrs == [table.tiles.data_ptr(), table.adapter_int.data_ptr(), table.block_tiles.data_ptr()]
+    eager = build_launch_table(dataclasses.replace(base, segments=((0, 128, 2),), launch_cache={}),
+                               ((4, 8, 0), (4, 0, 2)), table.block_m, torch.device("cpu"))
+    assert torch.equal(table.tiles[: eager.num_tiles].cpu(), eager.tiles)
+    assert (table.tiles[eager.num_tiles:] == 0).all()  # padding tiles are empty
+
+
+def test_static_tables_refuse_new_tables_while_frozen():
+    from lightning_lorafusion.kernels.static_routing import StaticTableError
+
+    base = AdapterBank(tiny_specs(), tiny_config()).routing((), 0, 128)
+    tables = StaticLaunchTables(base, torch.device("cpu"))
+    tables.freeze()
+    with pytest.raises(StaticTableError, match="during capture"):
+        tables.cache.get(("cpu", 32, ((4, 8, 0),)))
+    tables.freeze(False)
+    with pytest.raises(StaticTableError, match="key"):
+        tables.cache.get(("cpu", 32))
+    with pytest.raises(StaticTableError, match="one rank per adapter"):
+        tables.cache.get(("cpu", 32, ((4, 8),)))
+
+
+# ------------------------------------------------------------------- the whole step
+
+
+def _setup(config, specs, seed=0, device=DEVICE):
+    params = random_base_params(config, seed=seed, std=0.2, device=device)
+    bank = AdapterBank(specs, config, dtype=torch.float32, device=device)
+    with torch.no_grad():  # B = 0 at init would hide most of the LoRA path: start elsewhere
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in bank.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(device) * 0.05)
+    opts = [torch.optim.AdamW(bank.parameters_of(a), lr=s.lr) for a, s in enumerate(specs)]
+    return params, bank, opts
+
+
+def _eager_step(params, bank, config, mb, checkpoint_layers):
+    from lightning_lorafusion.model.decoder import decoder_layers, embed, head_loss_sums
+
+    routing = bank.routing(mb.segments, mb.index, mb.capacity)
+    h = embed(params, mb.input_ids)
+    h = decoder_layers(params, bank.view(), h, mb.position_ids, mb.cu_seqlens, routing, config=config,
+                       microbatch_index=mb.index, backend="triton", max_seqlen=mb.max_seqlen,
+                       checkpoint_layers=checkpoint_layers)
+    sums = head_loss_sums(params, h, mb.labels, mb.segments, bank.num_adapters, config=config, chunk_size=32,
+                          label_rows=mb.label_rows)
+    adapter_loss(sums, mb.loss_denominators).backward()
+    return sums.detach()
+
+
+def _train(step, bank, opts, mbs):
+    losses = []
+    for mb in mbs:
+        losses.append(step(mb))
+        for a in mb.step_adapters:
+            opts[a].step()
+            opts[a].zero_grad(set_to_none=True)
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_fixed_shape_step_equals_the_eager_step(checkpoint_layers):
+    """The function a graph captures, run without capture (Triton interpreter, fp32), against
+    the eager step: same per-adapter loss sums at every microbatch and the same weights after
+    several optimizer steps, dropout on. fp32 tolerance: the two differ only in how dA/dB
+    partial sums are split (summation order) and in padding rows that carry no loss."""
+    config, specs = tiny_config(), tiny_specs()
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=64, samples=4, max_length=14, global_batch=2)]
+    assert sum(len(mb.step_adapters) for mb in mbs) >= 3 and any(len(mb.adapters()) < 3 for mb in mbs)
+    assert len({graph_key(mb) for mb in mbs}) < len(mbs)  # keys shared
+    params, bank_e, opts_e = _setup(config, specs)
+    losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, checkpoint_layers), bank_e, opts_e, mbs)
+    params, bank_s, opts_s = _setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank_s, config=config, checkpoint_layers=checkpoint_layers,
+                            chunk_size=32, capture=False)
+    losses_s = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_s, opts_s, mbs)
+    assert not graphs.refusals
+    torch.testing.assert_close(losses_s, losses_e, rtol=1e-5, atol=1e-6)
+    for (name, pe), ps in zip(bank_e.named_parameters(), bank_s.parameters()):
+        torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_grads_are_rebound_to_the_static_tensors():
+    config, specs = tiny_config(), tiny_specs()
+    params, bank, _ = _setup(config, specs, device="cpu")
+    graphs = TrainingGraphs(params=params, bank=bank, config=config, capture=False)
+    graphs._bind_grads()
+    p0, p1, p2 = list(bank.parameters())[:3]
+    static = [p.grad for p in (p0, p1, p2)]
+    with torch.no_grad():
+        for g in static:
+            g.fill_(3.0)
+    p0.grad = None  # zero_grad(set_to_none=True)
+    p1.grad = torch.full_like(p1, 5.0)  # a restored checkpoint
+    graphs._bind_grads()
+    assert [p.grad for p in (p0, p1, p2)] == static or all(
+        p.grad is g for p, g in zip((p0, p1, p2), static))
+    assert (p0.grad == 0).all() and (p1.grad == 5).all() and (p2.grad == 3).all()
+
+
+# ---------------------------------------------------------------------- fallbacks
+
+
+def test_what_cannot_be_a_graph_and_why():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert "not on a CUDA GPU" in cuda_graphs_refusal(device=cpu, backend="triton", pipeline=False)
+    assert "backend='torch'" in cuda_graphs_refusal(device=gpu, backend="torch", pipeline=False)
+    assert "pipeline" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True)
+    assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
+    # a microbatch without host metadata takes the eager step, with the reason kept
+    config = tiny_config()
+    params, bank, _ = _setup(config, tiny_specs(), device="cpu")
+    graphs = TrainingGraphs(params=params, bank=bank, config=config, capture=False)
+    mb = dataclasses.replace(microbatches(config)[0], max_seqlen=None)
+    assert graphs.step(mb, mb.loss_denominators) is None
+    assert "max_seqlen" in graphs.refusals["metadata"]
+    assert all(p.grad is None for p in bank.parameters())  # nothing ran
+
+
+def test_module_cuda_graphs_option(tiny_model_dir):
+    """`model.cuda_graphs`: a bad value is a ConfigError; 'on' where graphs cannot run (the CPU)
+    stops fit with the reason; 'auto' on the CPU trains eagerly."""
+    from test_equivalence import fit_joint, tiny_specs as fit_specs
+
+    from lightning_lorafusion.training.module import LoRAFusionModule
+
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs="yes")
+    with pytest.raises(ConfigError, match="not on a CUDA GPU"):
+        fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "on"})
+    module, _, _ = fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "auto"})
+    assert module._graphs is None and module.steps_taken == [3, 3, 2]
+
+
+# ------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_case(*, layers=3):
+    """6 microbatches of 512 tokens, 2 of the 3 adapters in each, 12 adapter steps, 2 keys."""
+    config = DecoderConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=layers,
+                           num_heads=4, num_kv_heads=2, head_dim=32)
+    specs = tiny_specs(dropout=0.1)
+    mbs = [mb.to("cuda") for mb in microbatches(config, capacity=512, samples=8, max_length=100,
+                                                  pad_multiple=128, global_batch=2)]
+    return config, specs, mbs
+
+
+def _gpu_setup(config, specs):
+    params = random_base_params(config, device="cuda", dtype=torch.bfloat16, seed=0, std=0.05)
+    bank = AdapterBank(specs, config, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for p in bank.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+    opts = [torch.optim.AdamW(bank.parameters_of(a), lr=s.lr) for a, s in enumerate(specs)]
+    return params, bank, opts
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
+    """Captured + replayed training steps against eager steps from the same start, bf16,
+    dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
+    adapters step several times). Tolerance: the two runs share every kernel except the
+    dA/dB partial-sum split (fp32 summation order) and the attention launch's max_seqlen
+    bucket, so losses agree to bf16 rounding (rtol 1e-2 on per-adapter sums); AdamW can flip
+    the sign of near-zero gradients, so each weight may differ by up to 2 lr per step, and the
+    updates as a whole (w - w0) must agree to 5% in norm."""
+    torch.manual_seed(0)
+    config, specs, mbs = _gpu_case()
+    params, bank_e, opts_e = _gpu_setup(config, specs)
+    start = [p.detach().clone() for p in bank_e.parameters()]
+
+    def eager(mb):
+        routing = bank_e.routing(mb.segments, mb.index, mb.capacity)
+        sums = forward_loss_sums(params, bank_e.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=config, backend="triton", max_seqlen=mb.max_seqlen,
+                                 label_rows=mb.label_rows)
+        adapter_loss(sums, mb.loss_denominators).backward()
+        return sums.detach()
+
+    epochs = mbs + [dataclasses.replace(mb, index=mb.index + 100) for mb in mbs]
+    losses_e = _train(eager, bank_e, opts_e, epochs)
+    params, bank_g, opts_g = _gpu_setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers)
+
+    def replayed(mb):
+        if graph_key(mb) not in graphs._graphs:
+            return graphs.step(mb, mb.loss_denominators)
+        torch.cuda.set_sync_debug_mode("error")  # a replayed step reads nothing back
+        try:
+            return graphs.step(mb, mb.loss_denominators)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    losses_g = _train(replayed, bank_g, opts_g, epochs)
+    torch.cuda.synchronize()
+    assert not graphs.refusals, graphs.refusals
+    assert graphs.captures >= 1 and graphs.replays >= len(mbs)
+    rel = ((losses_g - losses_e).abs() / losses_e.abs().clamp_min(1e-6)).max().item()
+    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}): {graphs.captures} graphs, "
+          f"{graphs.replays} replays, worst relative loss-sum gap {rel:.2e}")
+    torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
+    steps = sum(len(mb.step_adapters) for mb in epochs)
+    for (name, pe), pg, p0, spec_lr in zip(bank_e.named_parameters(), bank_g.parameters(), start,
+                                           [specs[int(n.split(".")[1])].lr for n, _ in bank_e.named_parameters()]):
+        assert (pg - pe).abs().max() <= 2 * spec_lr * steps, name
+    upd_e = torch.cat([(pe - p0).flatten() for pe, p0 in zip(bank_e.parameters(), start)])
+    upd_g = torch.cat([(pg - p0).flatten() for pg, p0 in zip(bank_g.parameters(), start)])
+    assert upd_e.norm() > 0
+    print(f"update gap |dg - de| / |de| = {((upd_g - upd_e).norm() / upd_e.norm()).item():.2e}, "
+          f"worst weight gap {(upd_g - upd_e).abs().max().item():.2e}")
+    assert (upd_g - upd_e).norm() <= 0.05 * upd_e.norm()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
+    """Through the Trainer on one GPU (bf16-true, fused kernels, dropout 0.1): cuda_graphs on
+    replays graphs and ends with the weights of cuda_graphs off (bf16: 0.05 absolute on
+    weights of magnitude ~0.1-1 after a few AdamW steps at lr <= 1e-2)."""
+    import lightning as L
+    from test_equivalence import tiny_specs as fit_specs
+
+    from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
+    from lightning_lorafusion.training.module import LoRAFusionModule
+
+    runs = {}
+    for mode in ("off", "on"):
+        module = LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(dropout=0.1), backend="triton",
+                                  dtype="bfloat16", grad_clip=0.0, export_on_fit_end=False, cuda_graphs=mode)
+        dm = MultiAdapterDataModule(capacity=128, pad_multiple=128, max_length=48, prefetch=2, planner="greedy",
+                                    planner_window=2)
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=2, precision="bf16-true", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, datamodule=dm)
+        runs[mode] = module
+    graphs = runs["on"]._graphs
+    assert graphs is not None and graphs.replays > 0 and not graphs.refusals, graphs and graphs.refusals
+    assert runs["off"]._graphs is None and runs["on"].steps_taken == runs["off"].steps_taken
+    init = dict(AdapterBank(fit_specs(), runs["off"].config).named_parameters())
+    off = {n: p.float() for n, p in runs["off"].bank.named_parameters()}
+    on = {n: p.float() for n, p in runs["on"].bank.named_parameters()}
+    upd_off = torch.cat([(off[n] - init[n].to(off[n].device)).flatten() for n in off])
+    upd_on = torch.cat([(on[n] - init[n].to(on[n].device)).flatten() for n in off])
+    ratio = ((upd_on - upd_off).norm() / upd_off.norm()).item()
+    print(f"\nfit on vs off: {graphs.captures} graphs, {graphs.replays} replays, update gap {ratio:.2e}, "
+          f"worst weight gap {(upd_on - upd_off).abs().max().item():.2e}")
+    # bf16 weights and AdamW in bf16 (bf16-true): a broken replay (stale inputs, wrong masks,
+    # lost gradients) moves the updates by O(100%); rounding by a few %
+    assert upd_off.norm() > 0 and ratio <= 0.25
+    for (name, p_off), p_on in zip(runs["off"].bank.named_parameters(), runs["on"].bank.parameters()):
+        torch.testing.assert_close(p_on, p_off, rtol=0, atol=0.05, msg=lambda m, n=name: f"{n}: {m}")
