@@ -59,8 +59,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX  # noqa: E402
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
+from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import DecoderConfig, forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.decoder import DecoderConfig, embedding_device_dtype, forward_loss_sums  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, params_to, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
@@ -323,7 +324,7 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
     values = [torch.stack(l).tolist() for l in losses]  # one host sync per adapter, at the end
     if any(len(v) != case.steps for v in values):
         raise RuntimeError(f"{label}: steps per adapter {[len(v) for v in values]}, expected {case.steps}")
-    return RunResult(label=label, backend=backend, dtype=str(params["embed"].dtype).replace("torch.", ""),
+    return RunResult(label=label, backend=backend, dtype=str(embedding_device_dtype(params)[1]).replace("torch.", ""),
                      losses=values, weights=adapter_vectors(bank), seconds=seconds,
                      eval_losses=eval_losses(case, bank, params, backend) if case.eval_microbatches else None)
 
@@ -397,13 +398,15 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     adapter_dtype = DTYPES[args.adapter_dtype]
     t0 = time.perf_counter()
     case = build_case(args, model, device, dtype)
-    fp8_params = quantize_base_fp8(case.params)
+    fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings)
+    set_fast_accumulation(forward=args.fp8_fast_accum in ("forward", "both"),
+                          input_grad=args.fp8_fast_accum == "both")
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
           f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
     init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
     runs = {}
     for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
-        runs[label] = train(case, label=label, backend="triton", params=params, adapter_dtype=adapter_dtype)
+        runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype)
         r = runs[label]
         print(f"[{model}] {label}: {r.seconds:.1f}s, loss a0 {r.losses[0][0]:.4f} -> {r.losses[0][-1]:.4f}"
               f", eval {r.eval_losses}", flush=True)
@@ -612,6 +615,11 @@ def main() -> None:
     ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: ours with the FP8 base vs ours with the bf16 base (see the docstring)")
     ap.add_argument("--eval-samples", type=int, default=0, help="held-out samples per adapter, scored after training")
+    ap.add_argument("--fp8-fast-accum", default="off", choices=["off", "forward", "both"],
+                    help="fp8: fast accumulation of the forward / forward and dX products (GPU)")
+    ap.add_argument("--backend", default="triton", choices=["triton", "torch"],
+                    help="fp8: LoRA path of both runs (torch: the reference path, e.g. a CPU run with "
+                         "the emulated FP8 products instead of the Triton interpreter)")
     ap.add_argument("--fp8-final-rel", type=float, default=1e-2, help="fp8: final-loss tolerance (relative)")
     ap.add_argument("--fp8-max-rel", type=float, default=5e-2, help="fp8: per-step loss tolerance (relative)")
     ap.add_argument("--out", default=None)
