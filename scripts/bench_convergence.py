@@ -404,6 +404,12 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
           f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
     init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
+    untrained: dict[str, list[float]] = {}
+    if case.eval_microbatches:  # B = 0 before training: the held-out loss of each base alone
+        bank0 = AdapterBank(case.specs, case.config, dtype=adapter_dtype, device=device)
+        for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
+            untrained[label] = eval_losses(case, bank0, params, args.backend)
+        print(f"[{model}] eval before training: {untrained}", flush=True)
     runs = {}
     for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
         runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype)
@@ -432,6 +438,9 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     verdict_ = {"checks": checks, "pass": all(checks.values()), "final_rel": final_rel,
                 "final_kind": "eval" if base.eval_losses is not None else "train, last 5 steps",
                 "max_rel_limit": args.fp8_max_rel}
+    if untrained:  # how far the FP8 base alone moves the held-out loss (no training involved)
+        verdict_["untrained_rel"] = [abs(f - b) / abs(b) for f, b in
+                                     zip(untrained["ours_fp8"], untrained[f"ours_{args.dtype}"])]
     if ref_vs is not None:
         verdict_["fp8_vs_bf16_over_bf16_vs_ref"] = fp8_vs["pooled"]["mean_rel"] / max(ref_vs["pooled"]["mean_rel"], 1e-30)
     return {
@@ -440,14 +449,14 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
         "base_label": f"ours_{args.dtype}",
         "runs": {k: {"backend": r.backend, "dtype": r.dtype, "seconds": round(r.seconds, 2), "losses": r.losses,
                      "eval_losses": r.eval_losses} for k, r in runs.items()},
-        "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
+        "eval_untrained": untrained, "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
         "seconds_total": round(time.perf_counter() - t0, 1),
     }
 
 
 def print_fp8_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'model':8} {'adapter':7} {'train loss first->last (base | fp8)':>38} {'eval base':>9} "
-          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12}")
+          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12} {'untrained rel':>13}")
     for r in results:
         runs, v = r["runs"], r["verdict"]
         base, fp8 = runs[r["base_label"]], runs["ours_fp8"]
@@ -456,7 +465,8 @@ def print_fp8_table(results: list[dict[str, Any]]) -> None:
             ef = fp8["eval_losses"][a] if fp8["eval_losses"] else float("nan")
             print(f"{r['model']:8} a{a:<6} {base['losses'][a][0]:8.4f} -> {base['losses'][a][-1]:7.4f} | "
                   f"{fp8['losses'][a][0]:7.4f} -> {fp8['losses'][a][-1]:7.4f} {eb:9.4f} {ef:9.4f} "
-                  f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e}")
+                  f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e} "
+                  f"{v['untrained_rel'][a] if 'untrained_rel' in v else float('nan'):13.2e}")
         extra = (f", fp8-vs-bf16 / bf16-vs-fp32 mean per-step gap {v['fp8_vs_bf16_over_bf16_vs_ref']:.1f}x"
                  if "fp8_vs_bf16_over_bf16_vs_ref" in v else "")
         print(f"{r['model']:8} {'PASS' if v['pass'] else 'FAIL'} ({v['final_kind']}): "
