@@ -31,7 +31,11 @@ adapter's final eval loss (train: mean of the last 5 steps, without eval samples
 ``--fp8-max-rel`` (5%). Why: e4m3 rounds each operand by up to 2^-4 = 6.25% (16x bf16's 2^-8),
 so a per-step loss gap of a few 1e-2 is one rounding of the frozen products; a defect (a
 scale applied twice, a wrong layout) costs more than that, and grows or stays instead of the
-adapters learning the same task to the same loss.
+adapters learning the same task to the same loss. With eval samples, both bases are also
+scored before training (B = 0: the base alone), recorded as ``untrained_rel``: how far the FP8
+base by itself moves the held-out loss, the yardstick for whether training widens the gap.
+``--backend torch`` runs both paths through the torch reference LoRA (with the emulated FP8
+products off the GPU): SmolLM2 on ACLSum on the CPU (docs/kernels.md "FP8 base").
 
     python scripts/bench_convergence.py --model llama8b smollm2 --gguf /path/SmolLM2.gguf --png --out $OUT
     python scripts/bench_convergence.py --model llama8b --base-precision fp8 --steps 30 --eval-samples 8 --out $OUT
