@@ -8,6 +8,13 @@
    every adapter to the largest rank with gathered bmm, and the frozen linear x W^T itself.
 3. paged decode attention, Hq=32, Hkv=8, D=128, page 16, every row at context 512/2048/8192,
    B in {1, 16, 64, 256}, against gathering the pages into dense K/V and running SDPA.
+4. the fused decode epilogues at 8B shapes (``--sections epilogues``), B in {16, 64, 256}, each
+   row its own r=16 adapter (64 adapters at most): q/k/v (grouped shrink + LoRA expand, RoPE and
+   KV write in one kernel) against the engine's previous path (three lora_gather calls, eager
+   RoPE, write_kv); gate/up (grouped shrink + LoRA expand + SwiGLU) against two lora_gather
+   calls and eager silu * up; each also without LoRA; add + RMSNorm against the eager ops; and
+   the frozen q/k/v and gate/up GEMMs, three / two of them against one over the fused weight.
+   Shrink launch configurations are swept; bf16 checks against the references come first.
 
 Times are medians of CUDA-graph replays (device time; the engine replays graphs) unless the
 column says eager. Each timed call cycles through enough adapter pools / weights / layers to
@@ -35,8 +42,11 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_lorafusion.kernels import lora_epilogues as le  # noqa: E402
 from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
 from lightning_lorafusion.kernels import paged_attention as pa  # noqa: E402
+from lightning_lorafusion.kernels.rms_norm import add_rms_norm  # noqa: E402
+from lightning_lorafusion.model.decoder import apply_rope, rms_norm  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 DT = {"dtype": torch.bfloat16}  # fp32 under --smoke (the interpreter's bf16 arithmetic is wrong)
@@ -50,6 +60,14 @@ LORA_CONFIGS = {  # launcher knobs of lora_gather; "auto" = the defaults
     "n512": {"block_n": 512},
     "r16": {"block_r": 16},
     "r64": {"block_r": 64},
+    "w8": {"num_warps": 8},
+}
+SHRINK_CONFIGS = {  # the grouped shrink's knobs in the fused epilogues; "auto" = the defaults
+    "auto": {},
+    "k128": {"block_k": 128},
+    "k512": {"block_k": 512},
+    "r16": {"block_r": 16},
+    "k512r16": {"block_k": 512, "block_r": 16},
     "w8": {"num_warps": 8},
 }
 ATTN_CONFIGS = {
@@ -347,11 +365,202 @@ def bench_attn(device, fh, timer, smoke):
     return rows_out
 
 
+# ---------------------------------------------------------------------------------------------
+# fused decode epilogues (q/k/v + RoPE + KV write, gate/up + SwiGLU, add + RMSNorm)
+# ---------------------------------------------------------------------------------------------
+
+QKV = {"hq": 32, "hkv": 8, "d": 128}  # 8B attention
+EPI_RANK = 16
+
+
+def make_group_set(k, widths, rows, n_adapters, rank, device, gen):
+    """A pool holding n_adapters adapters (rank ``rank`` on every projection of the group) and
+    a GatheredLora routing row i to adapter i % n_adapters; plus random outputs to add into."""
+    dt = DT["dtype"]
+    parts, offs, pos = [], [], 0
+    for _ in range(n_adapters):
+        per = []
+        for n in widths:
+            parts += [(torch.randn(rank, k, generator=gen, device=device) * k**-0.5).to(dt).reshape(-1),
+                      (torch.randn(rank, n, generator=gen, device=device) * rank**-0.5).to(dt).reshape(-1)]
+            per.append((pos, pos + rank * k))
+            pos += rank * (k + n)
+        offs.append(per)
+    row_ad = [i % n_adapters for i in range(rows)]
+    a_off = torch.tensor([[offs[a][g][0] for a in row_ad] for g in range(len(widths))], device=device)
+    b_off = torch.tensor([[offs[a][g][1] for a in row_ad] for g in range(len(widths))], device=device)
+    lora = lg.GatheredLora(torch.randn(rows, k, generator=gen, device=device).to(dt), torch.cat(parts), a_off, b_off,
+                           torch.full((len(widths), rows), rank, dtype=torch.int32, device=device),
+                           torch.full((rows,), 2.0, device=device))
+    y = torch.randn(rows, sum(widths), generator=gen, device=device).to(dt)
+    return {"lora": lora, "y": y, "unique_bytes": 2 * min(rows, n_adapters) * rank * len(widths) * k
+            + 2 * min(rows, n_adapters) * rank * sum(widths)}
+
+
+def make_rope_inputs(rows, device, gen, layers):
+    dt = DT["dtype"]
+    hkv, d = QKV["hkv"], QKV["d"]
+    page = 16
+    pages = rows + 1
+    pool = torch.randn(pages, layers, 2, page, hkv, d, generator=gen, device=device).to(dt)
+    angle = torch.rand(rows, d // 2, generator=gen, device=device) * 6.0
+    angle = torch.cat((angle, angle), dim=-1)
+    return {"kv": pool, "cos": angle.cos().to(dt), "sin": angle.sin().to(dt),
+            "pages": torch.randperm(pages, generator=gen, device=device)[:rows],
+            "slots": torch.randint(0, page, (rows,), generator=gen, device=device)}
+
+
+def qkv_views(y):
+    hq, hkv, d = QKV["hq"], QKV["hkv"], QKV["d"]
+    t = y.shape[0]
+    q, k, v = y.split((hq * d, hkv * d, hkv * d), dim=1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
+def run_qkv_new(s, r, layer, lora=True, cfg="auto"):
+    q, k, v = qkv_views(s["y"])
+    le.rope_write_kv(q, k, v, r["cos"], r["sin"], r["kv"], layer, r["pages"], r["slots"],
+                     lora=s["lora"] if lora else None, backend="triton", **SHRINK_CONFIGS[cfg])
+
+
+def run_qkv_old(s, r, layer, lora=True):
+    """The engine's previous path: a lora_gather per projection, eager RoPE, write_kv."""
+    q, k, v = qkv_views(s["y"])
+    if lora:
+        l = s["lora"]
+        for g, y in enumerate(s["y"].split((q.shape[1] * q.shape[2], k.shape[1] * k.shape[2],
+                                            v.shape[1] * v.shape[2]), dim=1)):
+            lg.lora_gather(l.x, l.pool, l.a_offsets[g], l.b_offsets[g], l.ranks[g], l.scales, y.shape[1], out=y,
+                           backend="triton")
+    cos, sin = r["cos"][:, None, :], r["sin"][:, None, :]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    pa.write_kv(r["kv"], layer, k, v, r["pages"], r["slots"])
+    return q
+
+
+def run_gu_new(s, lora=True, cfg="auto"):
+    n = s["y"].shape[1] // 2
+    return le.swiglu(s["y"][:, :n], s["y"][:, n:], lora=s["lora"] if lora else None, backend="triton",
+                     **SHRINK_CONFIGS[cfg])
+
+
+def run_gu_old(s, lora=True):
+    n = s["y"].shape[1] // 2
+    g, u = s["y"][:, :n], s["y"][:, n:]
+    if lora:
+        l = s["lora"]
+        for i, y in enumerate((g, u)):
+            lg.lora_gather(l.x, l.pool, l.a_offsets[i], l.b_offsets[i], l.ranks[i], l.scales, n, out=y,
+                           backend="triton")
+    return F.silu(g) * u
+
+
+def check_epilogues(device, fh, smoke):
+    log("\n# fused epilogues bf16 vs references (rel. Frobenius error; tolerance 1e-2)", fh)
+    gen = torch.Generator(device=device).manual_seed(5)
+    rows = 5 if smoke else 64
+    k, widths_qkv, inter = (64, None, 48) if smoke else (4096, None, 14336)
+    if smoke:
+        QKV.update(hq=4, hkv=2, d=16)
+    widths_qkv = (QKV["hq"] * QKV["d"], QKV["hkv"] * QKV["d"], QKV["hkv"] * QKV["d"])
+    worst = 0.0
+    s = make_group_set(k, widths_qkv, rows, rows, EPI_RANK, device, gen)
+    r = make_rope_inputs(rows, device, gen, 2)
+    want_kv, want_y = r["kv"].clone(), s["y"].clone()
+    le.rope_write_kv_reference(*qkv_views(want_y), r["cos"], r["sin"], want_kv, 1, r["pages"], r["slots"], s["lora"])
+    y0, kv0 = s["y"].clone(), r["kv"].clone()
+    for cfg in SHRINK_CONFIGS:
+        s["y"].copy_(y0)
+        r["kv"].copy_(kv0)
+        run_qkv_new(s, r, 1, True, cfg)
+        e = max(rel_err(s["y"], want_y), rel_err(r["kv"], want_kv))
+        worst = max(worst, e)
+        log(f"rope_write_kv B={rows} cfg={cfg:8s} {e:.1e} {'ok' if e < 1e-2 else 'FAIL'}", fh)
+        FAILED.extend([] if e < 1e-2 else [f"rope_write_kv {cfg}"])
+    s = make_group_set(k, (inter, inter), rows, rows, EPI_RANK, device, gen)
+    want = le.swiglu_reference(s["y"][:, :inter], s["y"][:, inter:], s["lora"])
+    for cfg in SHRINK_CONFIGS:
+        e = rel_err(run_gu_new(s, True, cfg), want)
+        worst = max(worst, e)
+        log(f"swiglu B={rows} cfg={cfg:8s} {e:.1e} {'ok' if e < 1e-2 else 'FAIL'}", fh)
+        FAILED.extend([] if e < 1e-2 else [f"swiglu {cfg}"])
+    h = torch.randn(rows, k, generator=gen, device=device).to(DT["dtype"])
+    o = torch.randn(rows, k, generator=gen, device=device).to(DT["dtype"])
+    w = torch.rand(k, generator=gen, device=device).to(DT["dtype"])
+    e = rel_err(add_rms_norm(h.clone(), o, w, 1e-5, backend="triton"), rms_norm(h + o, w, 1e-5))
+    worst = max(worst, e)
+    log(f"add_rms_norm B={rows} {e:.1e} {'ok' if e < 1e-2 else 'FAIL'}", fh)
+    FAILED.extend([] if e < 1e-2 else ["add_rms_norm"])
+    return worst
+
+
+def bench_epilogues(device, fh, timer, smoke):
+    log("\n# fused epilogues timing (r=16, each row its own adapter up to 64 adapters)", fh)
+    gen = torch.Generator(device=device).manual_seed(6)
+    k, inter = (64, 48) if smoke else (4096, 14336)
+    widths_qkv = (QKV["hq"] * QKV["d"], QKV["hkv"] * QKV["d"], QKV["hkv"] * QKV["d"])
+    dt = DT["dtype"]
+    out = []
+    for rows in ([3] if smoke else [16, 64, 256]):
+        n_ad = min(rows, 64)
+        for group, widths in (("qkv", widths_qkv), ("gate_up", (inter, inter))):
+            probe = make_group_set(k, widths, rows, n_ad, EPI_RANK, device, gen)
+            count = max(1, min(16, math.ceil(ROTATE["bytes"] / probe["unique_bytes"])))
+            sets = [probe] + [make_group_set(k, widths, rows, n_ad, EPI_RANK, device, gen) for _ in range(count - 1)]
+            w_count = max(1, min(8, math.ceil(ROTATE["bytes"] / (2 * k * sum(widths)))))
+            ws = [torch.randn(sum(widths), k, generator=gen, device=device).to(dt) for _ in range(w_count)]
+            xs = [s["lora"].x for s in sets]
+            res = {"group": group, "B": rows, "adapters": n_ad, "sets": count,
+                   "unique_adapter_MB": probe["unique_bytes"] / 1e6}
+            if group == "qkv":
+                ropes = [make_rope_inputs(rows, device, gen, 4) for _ in range(2)]
+
+                def each(fn):
+                    return lambda: [fn(s, ropes[i % 2], i % 4) for i, s in enumerate(sets)]
+
+                res["old_lora_us"] = timer.graph(each(lambda s, r, l: run_qkv_old(s, r, l, True))) / count
+                res["old_base_us"] = timer.graph(each(lambda s, r, l: run_qkv_old(s, r, l, False))) / count
+                res["new_base_us"] = timer.graph(each(lambda s, r, l: run_qkv_new(s, r, l, False))) / count
+                cfgs = {c: timer.graph(each(lambda s, r, l, c=c: run_qkv_new(s, r, l, True, c))) / count
+                        for c in SHRINK_CONFIGS}
+            else:
+                res["old_lora_us"] = timer.graph(lambda: [run_gu_old(s, True) for s in sets]) / count
+                res["old_base_us"] = timer.graph(lambda: [run_gu_old(s, False) for s in sets]) / count
+                res["new_base_us"] = timer.graph(lambda: [run_gu_new(s, False) for s in sets]) / count
+                cfgs = {c: timer.graph(lambda c=c: [run_gu_new(s, True, c) for s in sets]) / count
+                        for c in SHRINK_CONFIGS}
+            res["new_lora_us"], res["configs_us"] = cfgs["auto"], cfgs
+            res["best_cfg"] = min(cfgs, key=cfgs.get)
+            res["gemm_fused_us"] = timer.graph(lambda: [F.linear(xs[i % count], w) for i, w in enumerate(ws)]) / w_count
+            splits = [w.split(widths) for w in ws]
+            res["gemm_split_us"] = timer.graph(
+                lambda: [[F.linear(xs[i % count], wi) for wi in sp] for i, sp in enumerate(splits)]) / w_count
+            res["adapter_GBps"] = probe["unique_bytes"] / (res["new_lora_us"] - res["new_base_us"]) / 1e3 \
+                if res["new_lora_us"] > res["new_base_us"] else float("nan")
+            out.append(res)
+            log(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in res.items()
+                            if kk != "configs_us"}), fh)
+            log("   configs: " + " ".join(f"{c}={t:.1f}" for c, t in cfgs.items()), fh)
+            del sets, ws, xs
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        hs = [torch.randn(rows, k, generator=gen, device=device).to(dt) for _ in range(8)]
+        wn = torch.rand(k, generator=gen, device=device).to(dt)
+        eager = timer.graph(lambda: [rms_norm(h + hs[i - 1], wn, 1e-5) for i, h in enumerate(hs)]) / len(hs)
+        fused = timer.graph(lambda: [add_rms_norm(h, hs[i - 1], wn, 1e-5, backend="triton")
+                                     for i, h in enumerate(hs)]) / len(hs)
+        out.append({"group": "add_rms_norm", "B": rows, "old_base_us": eager, "new_base_us": fused})
+        log(json.dumps(out[-1]), fh)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes (tests the script)")
+    parser.add_argument("--sections", default="lora,attention,epilogues",
+                        help="comma-separated: lora, attention, epilogues")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         DT["dtype"] = torch.float32
@@ -363,16 +572,19 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", fh)
     timer = Timer(args.smoke)
     t0 = time.time()
-    lora_err = check_lora(device, fh, args.smoke)
-    attn_err = check_attn(device, fh, args.smoke)
+    lora_err = check_lora(device, fh, args.smoke) if "lora" in sections else float("nan")
+    attn_err = check_attn(device, fh, args.smoke) if "attention" in sections else float("nan")
+    epi_err = check_epilogues(device, fh, args.smoke) if "epilogues" in sections else float("nan")
     log(f"checks done in {time.time() - t0:.0f} s", fh)
-    lora = bench_lora(device, fh, timer, args.smoke)
+    epi = bench_epilogues(device, fh, timer, args.smoke) if "epilogues" in sections else []
+    log(f"epilogue timing done at {time.time() - t0:.0f} s", fh)
+    lora = bench_lora(device, fh, timer, args.smoke) if "lora" in sections else []
     log(f"lora timing done at {time.time() - t0:.0f} s", fh)
-    attn = bench_attn(device, fh, timer, args.smoke)
+    attn = bench_attn(device, fh, timer, args.smoke) if "attention" in sections else []
     log(f"attention timing done at {time.time() - t0:.0f} s", fh)
     (args.out / "bench_decode_kernels.json").write_text(json.dumps(
         {"device": name, "lora_bf16_worst_err": lora_err, "attn_bf16_worst_err": attn_err,
-         "lora": lora, "attention": attn}, indent=1))
+         "epilogue_bf16_worst_err": epi_err, "lora": lora, "attention": attn, "epilogues": epi}, indent=1))
 
     log("\n## lora_gather, us per call (graph replay; eager = CUDA events around eager calls)", fh)
     log("| K->N | B | adapters | ours | ours eager | best cfg | per-adapter loop | pad to max rank | x W^T | ours / x W^T | GB/s |", fh)
@@ -387,8 +599,18 @@ def main() -> None:
     for r in attn:
         log(f"| {r['B']} | {r['context']} | {r['ours_us']:.1f} | {r['ours_eager_us']:.1f} | {r['best_cfg']} {r['best_us']:.1f} | "
             f"{r['gather_sdpa_us']:.1f} | {r['gather_sdpa_us'] / r['ours_us']:.1f}x | {r['ours_GBps']:.0f} |", fh)
+    log("\n## fused epilogues, us per call (graph replay; old = the engine's previous ops)", fh)
+    log("| op | B | old, LoRA | fused, LoRA | best shrink cfg | old, base | fused, base | GEMMs split / fused |", fh)
+    log("|---|---|---|---|---|---|---|---|", fh)
+    for r in epi:
+        if r["group"] == "add_rms_norm":
+            log(f"| add + RMSNorm | {r['B']} | | | | {r['old_base_us']:.1f} | {r['new_base_us']:.1f} | |", fh)
+            continue
+        log(f"| {r['group']} | {r['B']} | {r['old_lora_us']:.1f} | {r['new_lora_us']:.1f} | {r['best_cfg']} "
+            f"{r['configs_us'][r['best_cfg']]:.1f} | {r['old_base_us']:.1f} | {r['new_base_us']:.1f} | "
+            f"{r['gemm_split_us']:.1f} / {r['gemm_fused_us']:.1f} |", fh)
     log(f"\nbf16 checks: {'FAILED: ' + ', '.join(FAILED) if FAILED else 'all passed'} "
-        f"(worst lora_gather {lora_err:.1e}, attention {attn_err:.1e})", fh)
+        f"(worst lora_gather {lora_err:.1e}, attention {attn_err:.1e}, epilogues {epi_err:.1e})", fh)
     fh.close()
 
 

@@ -17,6 +17,13 @@ engine over the same weights, the same requests; "eager_" rows), and each engine
 ``--step-batch`` requests' decode-only steps (``step_ms``: wall time per step; ``forward_ms``:
 the step's forward, synchronised, the rest being host work: scheduling, sampling, events).
 
+The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
+same prompts, which would otherwise hit the cache.
+
+``--profile-steps N`` profiles N decode-only steps of the ``--step-batch`` requests, run eagerly
+(the graphs bypassed, the same padded kernels), with adapters and on the base: device time per
+step by kernel (``profile_adapters`` / ``profile_base``; on the CPU, host time by op).
+
 Greedy agreement between ours and HF+PEFT on the first ``--check`` requests is reported as the
 share of the first ``--check-tokens`` tokens that match and the mean length of the common
 prefix (in bf16 two correct implementations drift apart once a near-tie flips).
@@ -165,6 +172,18 @@ def run_ours(engine: Engine, requests, device) -> dict:
             "tokens": {r.request_id: list(r.token_ids) for r in results}}
 
 
+def left_padded(requests) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' prompts left-padded with 0: input ids and attention mask ``[B, longest]``."""
+    width = max(len(r.prompt_token_ids) for r in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, r in enumerate(requests):
+        p = r.prompt_token_ids
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
     """Left-padded batches of ``batch`` requests through ``generate`` (greedy, EOS suppressed)."""
     tokens: dict[str, list[int]] = {}
@@ -172,13 +191,8 @@ def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch):
         chunk = requests[i:i + batch]
-        width = max(len(r.prompt_token_ids) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(chunk):
-            p = r.prompt_token_ids
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        ids, mask = left_padded(chunk)
+        width = ids.shape[1]
         new = chunk[0].sampling.max_new_tokens
         kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                       min_new_tokens=new, do_sample=False, pad_token_id=0)
@@ -230,6 +244,59 @@ def step_time(engine: Engine, requests, steps: int, device) -> dict:
     engine.step()
     return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
             "forward_ms": 1e3 * forward[0] / steps, "decode_tok_per_s": running * steps / wall}
+
+
+def _kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
+    """Per-kernel (per-op on the CPU) self time of a profile, per step, largest first."""
+    def self_time(evt) -> float:  # us; the attribute names moved between torch versions
+        if cuda:
+            return float(getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0))
+        return float(evt.self_cpu_time_total)
+
+    # on CUDA the kernels only (a CPU op's self device time repeats its kernels')
+    events = [evt for evt in prof.key_averages() if not cuda or "CPU" not in str(evt.device_type)]
+    rows = [(evt.key, evt.count, self_time(evt)) for evt in events]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows) / steps
+    return {"steps": steps, "time_per_step_us": total, "kernels_per_step": sum(r[1] for r in rows) / steps,
+            "top": [{"name": name[:90], "calls_per_step": count / steps, "us_per_step": t / steps,
+                     "share": t / steps / total} for name, count, t in rows[:top]]}
+
+
+def profile_steps(engine: Engine, requests, steps: int, device, top: int = 40) -> dict:
+    """Admit ``requests`` (their prefill profiled: ``prefill``), then profile ``steps`` eager
+    decode forwards of them (the same rows each time, graphs bypassed) -> per-kernel time per
+    step, largest first."""
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    ids = [engine.submit(r) for r in requests]
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        prefill_steps = 0
+        while engine.stats()["waiting"]:
+            engine.step()
+            prefill_steps += 1
+        sync(device)
+    prefill = {"wall_ms_profiled": 1e3 * (time.perf_counter() - t0), "engine_steps": prefill_steps,
+               **_kernel_table(prof, 1, cuda, top)}
+    decode = engine.scheduler.schedule().decode  # a decode-only step's rows, pages taken
+    runner = engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        with torch.no_grad():
+            runner.decode_logits(decode)  # warm: tables loaded
+            sync(device)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(steps):
+                    runner.decode_logits(decode)
+                sync(device)
+    finally:
+        runner.graphs = graphs
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    return {"batch": len(decode), **_kernel_table(prof, steps, cuda, top), "prefill": prefill}
 
 
 def agreement(ours: dict[str, list[int]], ref: dict[str, list[int]], ids: list[str], first: int) -> dict:
@@ -298,6 +365,11 @@ def main(argv=None) -> dict:
                     help="EngineConfig.cuda_graphs; compare = the engine phases with graphs on, then off")
     ap.add_argument("--step-batch", type=int, default=0, help="requests whose decode steps are timed (0: none)")
     ap.add_argument("--step-count", type=int, default=32)
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many eager decode steps (0: none)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF baselines at all")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="EngineConfig.prefix_caching (off: the repeated runs send the same prompts again, "
+                         "which would hit the cache and not measure the same work)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -350,7 +422,7 @@ def main(argv=None) -> dict:
         engine = Engine(config, params, tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
-                                     cpu_pool_mib=1024, cuda_graphs=graphs),
+                                     cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
@@ -392,6 +464,11 @@ def main(argv=None) -> dict:
             phase(prefix + "step_adapters", lambda: step_time(engine, _renamed(step_reqs, "t"), steps, device))
             phase(prefix + "step_base", lambda: step_time(engine, _renamed(step_reqs, "tb", adapter=None), steps,
                                                           device))
+        if step_reqs and args.profile_steps:
+            phase(prefix + "profile_adapters", lambda: profile_steps(engine, _renamed(step_reqs, "p"),
+                                                                     args.profile_steps, device))
+            phase(prefix + "profile_base", lambda: profile_steps(engine, _renamed(step_reqs, "pb", adapter=None),
+                                                                 args.profile_steps, device))
         engine.close()
         del engine
         gc.collect()
@@ -401,10 +478,11 @@ def main(argv=None) -> dict:
     for i, graphs in enumerate(modes):
         engine_phases(graphs, "eager_" if i else "")
 
-    hf_model = model if args.skip_hf_mixed else attach_peft(model, adapters)
-    phase("hf_warm_up", lambda: run_hf(hf_model, subset[:2], 2, device, use_adapters=False)["wall_s"])
-    phase("hf_base", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=False))
-    if not args.skip_hf_mixed:
+    hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)
+    if not args.skip_hf:
+        phase("hf_warm_up", lambda: run_hf(hf_model, subset[:2], 2, device, use_adapters=False)["wall_s"])
+        phase("hf_base", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=False))
+    if not (args.skip_hf_mixed or args.skip_hf):
         phase("hf_peft_mixed", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=True))
     if "hf_peft_mixed" in report and "ours_all" in report:
         ids = [r.request_id for r in subset[:args.check]]
@@ -422,6 +500,18 @@ def main(argv=None) -> dict:
             r = report[name]
             print(f"{name:<22} batch {r['running']:>4}: {r['step_ms']:7.2f} ms/step, forward {r['forward_ms']:7.2f} ms, "
                   f"{r['decode_tok_per_s']:>8.0f} tok/s")
+    for name in [p + k for p in ("", "eager_") for k in ("profile_adapters", "profile_base")]:
+        if name in report:
+            r = report[name]
+            print(f"\n{name}: batch {r['batch']}, {r['time_per_step_us'] / 1e3:.2f} ms of kernels per step, "
+                  f"{r['kernels_per_step']:.0f} kernels per step")
+            for k in r["top"][:25]:
+                print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
+            pre = r["prefill"]
+            print(f"  its prefill ({pre['engine_steps']} engine steps): {pre['time_per_step_us'] / 1e3:.1f} ms of kernels, "
+                  f"{pre['wall_ms_profiled']:.1f} ms wall under the profiler")
+            for k in pre["top"][:12]:
+                print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
     if report["errors"]:
         print("errors:", report["errors"])
     return report

@@ -1,17 +1,21 @@
 """GPU benchmark of the fused LoRA kernels against the frozen linear and PEFT-style torch LoRA.
 
 For bf16, r=16, p=0.1 it times forward+backward of
-  (a) the frozen linear  Y = X W^T (dX only: W is frozen),
-  (b) torch LoRA (PEFT's math)  Y = X W^T + s * (dropout(X) A^T) B^T,
-  (c) ours, one adapter,
-  (d) ours, 4 adapters with uneven segments (40/30/20/10 % of the rows),
+  frozen:       the frozen linear  Y = X W^T (dX only: W is frozen),
+  torch_lora:   torch LoRA (PEFT's math)  Y = X W^T + s * (dropout(X) A^T) B^T,
+  ours_single:  ours, one adapter, the device's block sizes (``block_sizes_for``),
+  ours_multi4:  ours, 4 adapters with uneven segments (40/30/20/10 % of the rows),
+  *_acc:        the same with ``gemm="cublas_accumulate"``; ours_single_tgemm: ``gemm="triton"``;
+  ours_single_default: one adapter with ``LoraBlockSizes()`` (the defaults of untuned GPUs),
 over M in {4096, 8192, 16384} x (K, N) in {(4096,4096), (4096,14336), (14336,4096),
 (5120,5120), (8192,8192)}, plus the seven projections of a Llama-3.1-8B decoder layer.
-Every time is reported as a ratio to (a) measured in the same run, with TFLOP/s, and the saved
-activations of one layer (bytes held between forward and backward, outputs excluded). bf16
-correctness against a float64 reference runs first, in the same script.
+Every time is reported as a ratio to frozen measured in the same run, eager (CUDA events around
+plain calls: counts the gaps where the host cannot launch fast enough) and CUDA-graph replay
+(device time), with the host's enqueue time per call, TFLOP/s and the saved activations
+(bytes held between forward and backward, outputs excluded). bf16 correctness against a
+float64 reference runs first, in the same script.
 
-    python scripts/bench_kernels.py [--tune] [--quick] [--out DIR]
+    python scripts/bench_kernels.py [--tune] [--quick] [--variants a,b,..] [--skip-correctness] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
-from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
+from lightning_lorafusion.kernels.block_sizes import LoraBlockSizes, block_sizes_for  # noqa: E402
 from lightning_lorafusion.kernels.dropout import dropout_keep_mask  # noqa: E402
 from lightning_lorafusion.kernels.dropout_triton import triton_dropout_keep_mask  # noqa: E402
 from lightning_lorafusion.kernels.fused_lora import fused_lora_projections  # noqa: E402
@@ -44,6 +48,9 @@ from lightning_lorafusion.kernels.reference import (  # noqa: E402
     lora_projections_reference,
 )
 
+VARIANTS = ("frozen", "torch_lora", "ours_single", "ours_multi4", "ours_single_acc", "ours_multi4_acc",
+            "ours_single_default", "ours_single_tgemm")
+DEFAULT_VARIANTS = VARIANTS[:7]
 SWEEP_M = (4096, 8192, 16384)
 SWEEP_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (5120, 5120), (8192, 8192))
 RANK, P, ALPHA = 16, 0.1, 32.0
@@ -148,11 +155,22 @@ def bench_fn(fn) -> float:
 
 def bench_graph(fn) -> float:
     """Device time of the same fwd+bwd replayed from a CUDA graph (no host launch gaps)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def group_fns(m, k, ns, device, n_adapters=1, ranks=(RANK,)):
-    """fwd+bwd closures of one shared-input projection group for variants a-d."""
+def host_us(fn, calls: int = 20) -> float:
+    """Host time to enqueue one fwd+bwd (the GPU is drained first, then left to run behind)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
+def group_fns(m, k, ns, device, variants):
+    """fwd+bwd closures (and forward-only ones) of one shared-input projection group."""
     x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
     ws = [torch.randn(n, k, device=device, dtype=DT) / k**0.5 for n in ns]
     gys = [torch.randn(m, n, device=device, dtype=DT) for n in ns]
@@ -161,46 +179,46 @@ def group_fns(m, k, ns, device, n_adapters=1, ranks=(RANK,)):
     single_routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(scale,), dropout_p=(P,), seeds=(3,))
     multi = make_lora(4, (RANK,) * 4, k, ns, device)
     multi_routing = uneven_routing(m, 4, P, scale)
+    # one LoraBlockSizes object per variant, made once: the launch plans are keyed by it
+    gemms = {"cublas_accumulate": "_acc", "triton": "_tgemm"}
+    gemm_sizes = {g: dataclasses.replace(block_sizes_for(device), gemm=g)
+                  for g, tag in gemms.items() if any(v.endswith(tag) for v in variants)}
+    gemm_sizes["default"] = LoraBlockSizes()
 
-    def frozen():
-        ys = [F.linear(x, w) for w in ws]
-        torch.autograd.grad(ys, [x], gys)
+    def ours_fwd(loras, routing, gemm):
+        if gemm is None:
+            return lambda: lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1,
+                                            backend="triton")
+        sizes = gemm_sizes.get(gemm)
+        return lambda: fused_lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1,
+                                              block_sizes=sizes)
 
-    def torch_lora():
+    def torch_lora_fwd():
         xd = F.dropout(x, P, training=True)
-        ys = [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
-        torch.autograd.grad(ys, [x] + [t for l in single for t in (l.a[0], l.b[0])], gys)
+        return [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
 
-    def ours(loras, routing):
+    forward = {
+        "frozen": (lambda: [F.linear(x, w) for w in ws], [x]),
+        "torch_lora": (torch_lora_fwd, [x] + [t for l in single for t in (l.a[0], l.b[0])]),
+        "ours_single": (ours_fwd(single, single_routing, None), None),
+        "ours_multi4": (ours_fwd(multi, multi_routing, None), None),
+        "ours_single_acc": (ours_fwd(single, single_routing, "cublas_accumulate"), None),
+        "ours_multi4_acc": (ours_fwd(multi, multi_routing, "cublas_accumulate"), None),
+        "ours_single_tgemm": (ours_fwd(single, single_routing, "triton"), None),
+        "ours_single_default": (ours_fwd(single, single_routing, "default"), None),
+    }
+
+    def fwd_bwd(fwd, params):
         def run():
-            ys = lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1, backend="triton")
-            torch.autograd.grad(ys, [x] + [t for l in loras for t in l.a + l.b], gys)
+            torch.autograd.grad(fwd(), params, gys)
         return run
 
-    def fwd_only(variant):
-        if variant == "frozen":
-            return lambda: [F.linear(x, w) for w in ws]
-        if variant == "torch_lora":
-            def f():
-                xd = F.dropout(x, P, training=True)
-                return [F.linear(x, w) + scale * F.linear(F.linear(xd, l.a[0]), l.b[0]) for w, l in zip(ws, single)]
-            return f
-        if variant == "ours_single_tgemm":
-            sizes = dataclasses.replace(block_sizes_for(device), gemm="triton")
-            return lambda: fused_lora_projections(x, ws, [None] * len(ws), single, single_routing,
-                                                  dropout_offset=1, block_sizes=sizes)
-        loras, routing = (single, single_routing) if variant == "ours_single" else (multi, multi_routing)
-        return lambda: lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=1, backend="triton")
-
-    def ours_triton_gemm():
-        # ours single, with the frozen GEMMs in Triton too (LoRA terms in the GEMM accumulator)
-        sizes = dataclasses.replace(block_sizes_for(device), gemm="triton")
-        ys = fused_lora_projections(x, ws, [None] * len(ws), single, single_routing, dropout_offset=1,
-                                    block_sizes=sizes)
-        torch.autograd.grad(ys, [x] + [t for l in single for t in l.a + l.b], gys)
-
-    fns = {"frozen": frozen, "torch_lora": torch_lora, "ours_single": ours(single, single_routing),
-           "ours_multi4": ours(multi, multi_routing), "ours_single_tgemm": ours_triton_gemm}
+    fns, fwd_only = {}, {}
+    for v in variants:
+        fwd, params = forward[v]
+        if params is None:
+            params = [x] + [t for l in (multi if "multi" in v else single) for t in l.a + l.b]
+        fns[v], fwd_only[v] = fwd_bwd(fwd, params), fwd
     return fns, fwd_only, sum(ns)
 
 
@@ -228,8 +246,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="run scripts/tune_kernels.py's search first")
     parser.add_argument("--quick", action="store_true", help="only M=8192 of the sweep")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from {','.join(VARIANTS)} (frozen is always timed)")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--no-layer", action="store_true", help="skip the Llama-3.1-8B layer")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    variants = ["frozen"] + [v for v in args.variants.split(",") if v != "frozen"]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS}")
+    ours = [v for v in variants if v != "frozen"]
     args.out.mkdir(parents=True, exist_ok=True)
     fh = open(args.out / "bench_kernels.log", "w")
     device = torch.device("cuda")
@@ -240,9 +267,10 @@ def main() -> None:
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}", "rows": []}
 
-    t0 = time.time()
-    results["correct"] = check_correctness(device, fh)
-    log(f"correctness done in {time.time() - t0:.0f}s", fh)
+    if not args.skip_correctness:
+        t0 = time.time()
+        results["correct"] = check_correctness(device, fh)
+        log(f"correctness done in {time.time() - t0:.0f}s", fh)
 
     if args.tune:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -256,85 +284,108 @@ def main() -> None:
         bsmod._load_table.cache_clear()
     log(f"block sizes in use: {block_sizes_for(device)}", fh)
 
+    def measure(m, k, ns):
+        torch.manual_seed(0)
+        fns, fwd_only, n_total = group_fns(m, k, ns, device, variants)
+        for v in list(fns):  # a variant that fails is reported and left out of the rest of the run
+            try:
+                fns[v]()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - one broken variant must not lose the sweep
+                log(f"variant {v} failed at M={m} K={k} N={ns}: {type(e).__name__}: {str(e)[:300]}", fh)
+                del fns[v], fwd_only[v]
+                variants.remove(v)
+                ours.remove(v)
+        times = {v: bench_fn(fn) for v, fn in fns.items()}
+        gtimes = {v: bench_graph(fn) for v, fn in fns.items()}
+        host = {v: host_us(fn) for v, fn in fns.items()}
+        mem = {v: saved_bytes(fwd_only[v]) for v in fns}
+        flop = {v: flops(m, k, n_total, v != "frozen") for v in fns}
+        del fns, fwd_only
+        torch.cuda.empty_cache()
+        return times, gtimes, host, mem, flop
+
     ms_list = (8192,) if args.quick else SWEEP_M
     rows = []
     for m in ms_list:
         for k, n in SWEEP_KN:
-            torch.manual_seed(0)
-            fns, fwd_only, n_total = group_fns(m, k, (n,), device)
-            times = {v: bench_fn(fn) for v, fn in fns.items()}
-            gtimes = {v: bench_graph(fn) for v, fn in fns.items()}
-            mem = {v: saved_bytes(fwd_only(v)) for v in fns}
-            row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem, "graph_ms": gtimes,
+            times, gtimes, host, mem, flop = measure(m, k, (n,))
+            row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem, "graph_ms": gtimes, "host_us": host,
                    "ratio": {v: times[v] / times["frozen"] for v in times},
                    "graph_ratio": {v: gtimes[v] / gtimes["frozen"] for v in gtimes},
-                   "tflops": {v: flops(m, k, n_total, v != "frozen") / times[v] / 1e9 for v in times}}
+                   "tflops": {v: flop[v] / times[v] / 1e9 for v in times}}
             rows.append(row)
-            log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms | torch_lora x{row['ratio']['torch_lora']:.3f}"
-                f" | ours_single x{row['ratio']['ours_single']:.3f} | ours_multi4 x{row['ratio']['ours_multi4']:.3f}"
-                f" | ours_tgemm x{row['ratio']['ours_single_tgemm']:.3f}"
-                f" | graph: torch x{row['graph_ratio']['torch_lora']:.3f} single x{row['graph_ratio']['ours_single']:.3f}"
-                f" multi4 x{row['graph_ratio']['ours_multi4']:.3f} tgemm x{row['graph_ratio']['ours_single_tgemm']:.3f}"
-                f" | TFLOP/s frozen {row['tflops']['frozen']:.0f} ours {row['tflops']['ours_single']:.0f}"
-                f" | saved MiB frozen {mem['frozen']/2**20:.1f} torch {mem['torch_lora']/2**20:.1f}"
-                f" ours {mem['ours_single']/2**20:.1f}", fh)
-            del fns, fwd_only
-            torch.cuda.empty_cache()
+            log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms (graph {gtimes['frozen']:.3f}, host "
+                f"{host['frozen']:.0f} us) | " + " | ".join(
+                    f"{v} x{row['ratio'][v]:.3f} g x{row['graph_ratio'][v]:.3f} h {host[v]:.0f}us" for v in ours)
+                + " | saved MiB " + " ".join(f"{v} {mem[v] / 2**20:.1f}" for v in variants), fh)
+            (args.out / "bench_kernels.json").write_text(json.dumps(dict(results, rows=rows), indent=2))
     results["rows"] = rows
 
-    # Llama-3.1-8B decoder layer projections: hidden 4096, q 4096, k/v 1024 (GQA 8 heads),
-    # o 4096, gate/up 14336, down 14336 -> 4096; all seven adapted, M = 8192 tokens.
-    m = 8192
-    groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
-              ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
-    layer = {v: 0.0 for v in ("frozen", "torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
-    layer_mem = {v: 0 for v in layer}
-    layer_graph = {v: 0.0 for v in layer}
-    layer_flops = {v: 0.0 for v in layer}
-    for gname, k, ns in groups:
-        fns, fwd_only, n_total = group_fns(m, k, ns, device)
-        for v, fn in fns.items():
-            t = bench_fn(fn)
-            layer[v] += t
-            layer_graph[v] += bench_graph(fn)
-            layer_mem[v] += saved_bytes(fwd_only(v))
-            layer_flops[v] += flops(m, k, n_total, v != "frozen")
-        del fns, fwd_only
-        torch.cuda.empty_cache()
-    results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph,
-                                "ratio": {v: layer[v] / layer["frozen"] for v in layer},
-                                "graph_ratio": {v: layer_graph[v] / layer_graph["frozen"] for v in layer}}
+    if not args.no_layer:
+        # Llama-3.1-8B decoder layer projections: hidden 4096, q 4096, k/v 1024 (GQA 8 heads),
+        # o 4096, gate/up 14336, down 14336 -> 4096; all seven adapted, M = 8192 tokens.
+        m = 8192
+        groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+                  ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
+        layer = {v: 0.0 for v in variants}
+        layer_graph, layer_host, layer_mem = dict(layer), dict(layer), {v: 0 for v in variants}
+        for gname, k, ns in groups:
+            times, gtimes, host, mem, _ = measure(m, k, ns)
+            for v in variants:
+                layer[v] += times[v]
+                layer_graph[v] += gtimes[v]
+                layer_host[v] += host[v]
+                layer_mem[v] += mem[v]
+        for d in (layer, layer_graph, layer_host, layer_mem):
+            for v in [v for v in d if v not in variants]:  # failed in a later group
+                del d[v]
+        results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph,
+                                    "host_us": layer_host,
+                                    "ratio": {v: layer[v] / layer["frozen"] for v in layer},
+                                    "graph_ratio": {v: layer_graph[v] / layer_graph["frozen"] for v in layer}}
 
     def geo(v, key):
         return math.exp(sum(math.log(r[key][v]) for r in rows) / len(rows))
 
+    ours = [v for v in ours if all(v in r["ratio"] for r in rows)]
     summary = {v: {"geomean": geo(v, "ratio"), "max": max(r["ratio"][v] for r in rows),
                    "graph_geomean": geo(v, "graph_ratio"), "graph_max": max(r["graph_ratio"][v] for r in rows)}
-               for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")}
+               for v in ours}
     results["summary"] = summary
     (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=2))
 
     log("", fh)
     log(f"== {name}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
-    log("eager = CUDA events around eager calls; graph = CUDA-graph replay (device time only)", fh)
-    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen ms':>9} | eager: {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} |"
-        f" graph: {'torch':>6} {'single':>6} {'multi4':>6} {'tgemm':>6} | {'TF/s a':>6} {'TF/s c':>6}", fh)
+    log("eager = CUDA events around eager calls; graph = CUDA-graph replay (device time only); "
+        "host = enqueue time per call, us", fh)
+    short = {v: v.replace("ours_", "").replace("torch_lora", "torch") for v in ours}
+    log(f"{'M':>6} {'K':>5} {'N':>5} {'frozen':>7} | eager: " + " ".join(f"{short[v]:>10}" for v in ours)
+        + " | graph: " + " ".join(f"{short[v]:>10}" for v in ours) + " | host us: frozen "
+        + " ".join(f"{short[v]:>10}" for v in ours), fh)
     for r in rows:
-        e, g = r["ratio"], r["graph_ratio"]
-        log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:9.3f} |        {e['torch_lora']:6.3f} "
-            f"{e['ours_single']:6.3f} {e['ours_multi4']:6.3f} {e['ours_single_tgemm']:6.3f} |        "
-            f"{g['torch_lora']:6.3f} {g['ours_single']:6.3f} {g['ours_multi4']:6.3f} {g['ours_single_tgemm']:6.3f} | "
-            f"{r['tflops']['frozen']:6.0f} {r['tflops']['ours_single']:6.0f}", fh)
+        log(f"{r['M']:6d} {r['K']:5d} {r['N']:5d} {r['ms']['frozen']:7.3f} |        "
+            + " ".join(f"{r['ratio'][v]:10.3f}" for v in ours) + " |        "
+            + " ".join(f"{r['graph_ratio'][v]:10.3f}" for v in ours) + f" |          {r['host_us']['frozen']:6.0f} "
+            + " ".join(f"{r['host_us'][v]:10.0f}" for v in ours), fh)
     for v, s in summary.items():
         log(f"{v:18s} eager geomean x{s['geomean']:.3f} max x{s['max']:.3f} | graph geomean "
             f"x{s['graph_geomean']:.3f} max x{s['graph_max']:.3f}", fh)
-    lr = results["llama8b_layer"]
-    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer['frozen']:.3f} ms eager; " +
-        ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")), fh)
-    log(f"Llama-3.1-8B layer projections M={m}: frozen {layer_graph['frozen']:.3f} ms graph; " +
-        ", ".join(f"{v} x{lr['graph_ratio'][v]:.3f}" for v in ("torch_lora", "ours_single", "ours_multi4", "ours_single_tgemm")), fh)
-    log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in layer_mem.items()), fh)
-    log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
+    if "torch_lora" in ours:
+        for v in ours:
+            if v.startswith("ours"):
+                worse = [(r["M"], r["K"], r["N"]) for r in rows if r["ratio"][v] > r["ratio"]["torch_lora"]]
+                log(f"{v}: eager slower than torch LoRA at {len(worse)} of {len(rows)} shapes {worse}", fh)
+    if "llama8b_layer" in results:
+        lr, m = results["llama8b_layer"], 8192
+        log(f"Llama-3.1-8B layer projections M={m}: frozen {lr['ms']['frozen']:.3f} ms eager; " +
+            ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ours), fh)
+        log(f"Llama-3.1-8B layer projections M={m}: frozen {lr['graph_ms']['frozen']:.3f} ms graph; " +
+            ", ".join(f"{v} x{lr['graph_ratio'][v]:.3f}" for v in ours), fh)
+        log("layer host us: " + ", ".join(f"{v} {b:.0f}" for v, b in lr["host_us"].items()), fh)
+        log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in lr["saved_bytes"].items()), fh)
+    if "correct" in results:
+        log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
 
 
 if __name__ == "__main__":

@@ -319,7 +319,12 @@ def table(report: dict) -> str:
                      f"{_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} {_ms(r['itl_s']['p99']):>8} "
                      f"{r['errors']:>6} {r['incomplete']:>5}")
     if "http_overhead" in report:
-        lines.append(f"HTTP overhead = 1 - http/direct tokens/s = {100 * report['http_overhead']:.1f}%")
+        lines.append(f"HTTP overhead = 1 - http/direct tokens/s = {100 * report['http_overhead']:.1f}% (last round)")
+    per_round = report.get("http_overhead_per_round", [])
+    if len(per_round) > 1:
+        lines.append("per round: " + ", ".join(
+            f"{r['direct']['tokens_per_s']:.0f} direct / {r['http']['tokens_per_s']:.0f} http ({100 * o:.1f}%)"
+            for r, o in zip(report["rounds"], per_round)))
     if "texts" in report:
         t = report["texts"]
         lines.append(f"greedy texts equal: {t['equal']}/{t['compared']}")
@@ -354,10 +359,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for this process (the engine and server threads share the GIL)")
+    ap.add_argument("--rounds", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
     ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     closed = args.rate <= 0
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "load": f"C={args.concurrency}" if closed else f"{args.rate:g}/s"}
@@ -397,36 +407,48 @@ def main(argv=None) -> dict:
         after = engine.stats()
         return {k: after[k] - before[k] for k in ("steps_total", "adapter_page_ins_total", "preemptions_total")}
 
-    # direct: engine.stream per request from asyncio tasks of this thread
-    before = engine.stats()
-    sync(device)
-    outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs, concurrency=args.concurrency,
-                                       arrivals=arrivals))
-    report["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
-    direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
-    log(f"direct: {report['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-
-    # http: the same requests through the server in a thread of this process
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 
     app = create_app(engine, config=ServerConfig(served_model_name=BASE_MODEL, rescan_interval_s=0,
                                                  max_pending_requests=max(256, args.concurrency)))
     server = UvicornThread(app, loop=args.uvicorn_loop, http=args.uvicorn_http)
+    warm_specs = [Spec(request_id=f"hw{i}", model=n, prompt=list(w.prompt_token_ids), max_tokens=4)
+                  for i, (w, n) in enumerate(zip(warm, names))]
+    rounds: list[dict] = []
     try:
-        before = engine.stats()
-        warm_specs = [Spec(request_id=f"hw{i}", model=n, prompt=list(w.prompt_token_ids), max_tokens=4)
-                      for i, (w, n) in enumerate(zip(warm, names))]
-        outcomes, wall = run_http_clients(server.url, warm_specs, [to_spec(r) for r in reqs], args.concurrency,
-                                          arrivals, args.client)
-        # the engine's step counts include the HTTP warm-up (its connections are opened by it)
-        report["http"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+        # the modes alternate, so first-time costs and drift over the run hit both alike
+        for k in range(args.rounds):
+            row: dict = {}
+            # direct: engine.stream per request from asyncio tasks of this thread (the server is idle)
+            engine.reset_prefix_cache()  # each run prefills its prompts itself (no hits from the last run)
+            before = engine.stats()
+            sync(device)
+            outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs,
+                                               concurrency=args.concurrency, arrivals=arrivals))
+            row["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+            direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
+            log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+            # http: the same requests through the server in a thread of this process
+            engine.reset_prefix_cache()
+            before = engine.stats()
+            outcomes, wall = run_http_clients(server.url, warm_specs, [to_spec(r) for r in reqs],
+                                              args.concurrency, arrivals, args.client)
+            # the engine's step counts include the HTTP warm-up (its connections are opened by it)
+            row["http"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+            log(f"round {k}: http {row['http']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+            row["texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes if o.error is None})
+            if row["direct"]["tokens_per_s"] > 0:
+                row["http_overhead"] = 1.0 - row["http"]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+            rounds.append(row)
     finally:
         server.stop()
         engine.close()
-    log(f"http: {report['http']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-    report["texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes if o.error is None})
-    if report["direct"]["tokens_per_s"] > 0:
-        report["http_overhead"] = 1.0 - report["http"]["tokens_per_s"] / report["direct"]["tokens_per_s"]
+    report["rounds"] = rounds
+    # the headline is the last round (everything warm); every round stays in the JSON and the table
+    report.update(rounds[-1])
+    overheads = [r["http_overhead"] for r in rounds if "http_overhead" in r]
+    if overheads:
+        report["http_overhead_per_round"] = overheads
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_server_{args.shape}.json"), "w") as f:

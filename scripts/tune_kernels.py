@@ -23,6 +23,7 @@ import triton.testing
 
 from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes
 from lightning_lorafusion.kernels.fused_lora import (
+    _Plan,
     _launch_add,
     _launch_da,
     _launch_db,
@@ -73,14 +74,19 @@ def time_config(kind: str, cfg: tuple, device) -> float:
     for m, k, n in SHAPES:
         x, w, a, b, routing, lora = _problem(m, k, n, device)
         table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
+        plan = _plan(table, sizes, m, k, n, x)
         s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
         if kind == "fwd":
-            fn = lambda: _launch_fwd_gemm(x, w, None, s, b, 0, table, sizes)  # noqa: E731
+            fn = lambda: _launch_fwd_gemm(x, w, None, s, b, 0, plan)  # noqa: E731
         else:
             dy = torch.randn(m, n, device=device, dtype=x.dtype)
-            fn = lambda: _launch_dx([dy], [w], s, a, table, sizes, 0, m, k, x.dtype, device)  # noqa: E731
+            fn = lambda: _launch_dx([dy], [w], s, a, plan, 0, x.dtype, device)  # noqa: E731
         total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
     return total
+
+
+def _plan(table, sizes, m, k, n, x) -> _Plan:
+    return _Plan(table, sizes, m=m, k=k, ns=(n,), b_cols=table.b_cols, dtype=x.dtype, device=x.device)
 
 
 def tune(device: torch.device, log=print) -> LoraBlockSizes:
@@ -148,20 +154,21 @@ def _skinny_problem(m, k, n, sizes, device):
     table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
     dy = torch.randn(m, n, device=device, dtype=x.dtype)
     s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
-    return x, w, a, b, table, dy, s
+    return x, w, a, b, _plan(table, sizes, m, k, n, x), dy, s
 
 
 def _time_skinny(sizes, device) -> float:
     total = 0.0
     for m, k, n in SKINNY_SHAPES:
-        x, w, a, b, table, dy, s = _skinny_problem(m, k, n, sizes, device)
+        x, w, a, b, plan, dy, s = _skinny_problem(m, k, n, sizes, device)
         ds = torch.empty_like(s)
+        part = torch.empty(plan.split, plan.part_numel, device=device)
 
         def fn():
-            _launch_s(x, a, table, sizes, 5)
-            _launch_ds(dy, b, ds, 0, table, sizes)
-            _launch_db(dy, s, b, 0, table, sizes)
-            _launch_da(x, ds, table, sizes, 5)
+            _launch_s(x, a, plan, 5)
+            _launch_ds(dy, b, ds, 0, plan)
+            _launch_db(dy, s, b, part, 0, plan)
+            _launch_da(x, ds, part, plan, 5)
 
         total += _gpu_ms(fn)
     return total
@@ -170,12 +177,12 @@ def _time_skinny(sizes, device) -> float:
 def _time_add(sizes, device) -> float:
     total = 0.0
     for m, k, n in SKINNY_SHAPES:
-        x, w, a, b, table, dy, s = _skinny_problem(m, k, n, sizes, device)
+        x, w, a, b, plan, dy, s = _skinny_problem(m, k, n, sizes, device)
         dx = torch.randn(m, k, device=device, dtype=x.dtype)
 
         def fn():
-            _launch_add(dy, s, b, 0, table, sizes, 0, dx_mode=False)
-            _launch_add(dx, s, a, 0, table, sizes, 5, dx_mode=True)
+            _launch_add(dy, s, b, 0, plan, 0, dx_mode=False)
+            _launch_add(dx, s, a, 0, plan, 5, dx_mode=True)
 
         total += _gpu_ms(fn)
     return total

@@ -20,7 +20,7 @@ import torch
 # routing tiles. The data layer pads adapter segments to ``pad_multiple()``.
 PAD_MULTIPLE = 128
 
-GEMM_MODES = ("cublas", "triton")
+GEMM_MODES = ("cublas", "triton", "cublas_accumulate")
 
 _TABLE_PATH = Path(__file__).with_name("block_sizes.json")
 
@@ -62,7 +62,9 @@ class LoraBlockSizes:
     skinny_warps: int = 4
     skinny_stages: int = 3
     # "cublas": frozen GEMMs through torch (cuBLAS), LoRA terms added in place by Triton;
-    # "triton": frozen GEMMs in Triton with the LoRA terms in the same accumulator.
+    # "triton": frozen GEMMs in Triton with the LoRA terms in the same accumulator;
+    # "cublas_accumulate": Triton writes the LoRA terms of Y and dX first, cuBLAS accumulates
+    # the frozen products onto them (beta = 1): one read of Y and of dX fewer than "cublas".
     gemm: str = "cublas"
 
     def __post_init__(self) -> None:

@@ -23,6 +23,10 @@ FP8 base (``fp8_linear.Fp8Weight`` weights): the frozen products of steps 2 and 
 ``fp8_linear`` (X quantized once per group; dX of the group in one product) and the LoRA terms
 are added in place by ``_lora_add_kernel``, whatever ``LoraBlockSizes.gemm`` says. Routing is per row tile (``routing_table.py``), so any
 segment layout is correct; segments padded to ``block_sizes.pad_multiple()`` avoid partial tiles.
+
+Host side: a ``_Plan`` (table, grids, constexprs, split counts, ``triton_launch.CachedLaunch``
+objects) is built by the first call of a microbatch for each group shape and reused by every
+layer, so a call costs a dictionary lookup plus the launches themselves.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .fp8_linear import Fp8Weight, fp8_input_grad, fp8_outputs, frozen_projectio
 from .dropout_triton import hash_base, keep_bits16, offset_hash, pair_hash, row_hash
 from .reference import LoraModuleWeights, LoraRouting
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, LoraLaunchTable, build_launch_table
+from .triton_launch import CachedLaunch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
@@ -85,7 +90,7 @@ def _row_window(row_start, row_end, sub, TILE_M: tl.constexpr, BLOCK_M: tl.const
     return pairs, rows_e, rows_o, ok_e, ok_o, live
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset_h"])
 def _lora_s_kernel(
     x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, TILE_M: tl.constexpr,
@@ -147,8 +152,8 @@ def _lora_fwd_gemm_kernel(
 ):
     """Y[M, N] = X W^T (+ bias) + per-row scale * S_i B_i^T.
 
-    With ``MAIN_LOOP=False`` the frozen product was already written into Y (by cuBLAS) and
-    only the LoRA term is added in place."""
+    With ``MAIN_LOOP=False`` only the LoRA term (+ bias; 0 on rows without LoRA) is written:
+    cuBLAS then accumulates the frozen product onto it (``gemm="cublas_accumulate"``)."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,12 +200,12 @@ def _lora_fwd_gemm_kernel(
             w_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    else:
-        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    elif HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset_h"])
 def _lora_add_kernel(
     out_ptr, left_ptr, right_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, N, right_stride, proj_col,
     subs, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -313,11 +318,12 @@ def _lora_ds_kernel(
 @triton.jit
 def _lora_db_kernel(
     dy_ptr, s_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
-    N, b_cols, proj_col, num_rblocks, split,
+    N, b_cols, part_stride, proj_col, num_rblocks, split,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """part[split, N, b_cols]: scale * dY_i^T S_i over one share of an adapter's row tiles."""
+    """part[sp] (``part_stride`` apart) as [N, b_cols]: scale * dY_i^T S_i over share ``sp`` of an
+    adapter's row tiles."""
     pid_n = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -348,7 +354,7 @@ def _lora_db_kernel(
         st = tl.load(s_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :],
                      mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(dyt, st, acc, input_precision=DOT_PRECISION)
-    p_ptrs = part_ptr + sp * N * b_cols + offs_n[:, None] * b_cols + b_col + offs_r[None, :]
+    p_ptrs = part_ptr + sp * part_stride + offs_n[:, None] * b_cols + b_col + offs_r[None, :]
     tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :])
 
 
@@ -372,7 +378,7 @@ def _dy_times_w(acc, dy_ptr, w_ptr, N, K, rows, kcols,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset_h"])
 def _lora_dx_gemm_kernel(
     dy0_ptr, w0_ptr, N0, dy1_ptr, w1_ptr, N1, dy2_ptr, w2_ptr, N2,
     prev_ptr, dx_ptr, ds_ptr, a_ptr, tiles_ptr, block_tiles_ptr, ai_ptr, af_ptr,
@@ -430,14 +436,15 @@ def _lora_dx_gemm_kernel(
     tl.store(dx_ptr + out_off, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["offset_h"])
 def _lora_da_kernel(
     x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
-    offset_h, K, a_rows, num_rblocks, split,
+    offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """part[split, a_rows, K]: dS_a^T (X * mask / (1 - p)) over one share of an adapter's tiles."""
+    """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
+    ``sp`` of an adapter's tiles."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -479,13 +486,26 @@ def _lora_da_kernel(
         acc = tl.dot(dse, xe, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(dso, xo, acc, input_precision=DOT_PRECISION)
     acc = acc * inv_keep
-    p_ptrs = part_ptr + sp * a_rows * K + (a_row + offs_r)[:, None] * K + offs_k[None, :]
+    p_ptrs = part_ptr + sp * part_stride + (a_row + offs_r)[:, None] * K + offs_k[None, :]
     tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers
+# Launch plans and launchers
 # ----------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _round16b(numel: int) -> int:
+    # fp32 elements up to the next multiple of 16 bytes (keeps sub-buffer pointers aligned)
+    return _cdiv(numel, 4) * 4
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -494,188 +514,271 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _rank_block(rank: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(max(rank, 1))))
+    return max(16, min(cap, _next_pow2(rank)))
 
 
-def _split_count(programs: int, max_tiles: int, device: torch.device, waves: int) -> int:
+def _split_count(programs: int, max_tiles: int, sms: int | None, waves: int) -> int:
     """How many shares to split an adapter's tiles into so the grid fills the GPU ``waves``
-    times over (programs per SM)."""
+    times over (programs per SM); ``sms=None`` (interpreter): 2, to exercise the split path."""
     if max_tiles <= 1:
         return 1
-    if device.type != "cuda":
-        return min(2, max_tiles)  # exercise the split path in the interpreter, cheaply
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_tiles, triton.cdiv(waves * sms, max(programs, 1))))
+    if sms is None:
+        return min(2, max_tiles)
+    return max(1, min(max_tiles, _cdiv(waves * sms, max(programs, 1))))
 
 
-def _launch_s(x, a_all, table: LoraLaunchTable, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
-    s = torch.empty(max(table.s_numel, 1), dtype=x.dtype, device=x.device)
-    block_r = _rank_block(table.max_total_rank, 128)
-    sub_m = min(sizes.skinny_block_m, table.block_m)
-    subs = table.block_m // sub_m
-    grid = (table.num_tiles * subs, triton.cdiv(table.max_total_rank, block_r))
-    _lora_s_kernel[grid](
-        x, a_all, s, table.tiles, table.adapter_int, table.adapter_float, off_h, x.shape[1], subs,
-        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout, TILE_M=table.block_m,
-        BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_K=sizes.skinny_block_k,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
+class _Plan:
+    """Everything host-side about one projection group's launches on one routing table.
+
+    Built once per (routing table, K, N_i, dtype, device, block sizes) and cached in the
+    routing's ``launch_cache``, so every layer of a microbatch reuses it: grids, tile sizes and
+    constexprs (``CachedLaunch`` objects, made on first use), the device's SM count, the dA/dB
+    split count and the layout of their joint fp32 partial-sum buffer ``[split, part_numel]``
+    (dA ``[a_rows, K]`` at ``part_offsets[0]``, dB_i ``[N_i, b_cols_i]`` at ``part_offsets[1 + i]``).
+    """
+
+    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "part_offsets", "part_numel",
+                 "launches")
+
+    def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
+                 b_cols: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+        self.table, self.sizes, self.m, self.k, self.ns = table, sizes, m, k, tuple(ns)
+        self.precision = _dot_precision(dtype)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        # one split for dA and every dB (they share the partial buffer), sized for dA, which
+        # reads X and is the largest of them
+        rblocks = _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 64))
+        programs = _cdiv(k, sizes.skinny_block_k) * len(table.active) * rblocks
+        self.split = _split_count(programs, table.max_adapter_tiles, sms, sizes.split_waves)
+        offsets, numel = [0], _round16b(table.a_rows * k)
+        for n, bc in zip(self.ns, b_cols):
+            offsets.append(numel)
+            numel += _round16b(n * bc)
+        self.part_offsets, self.part_numel = tuple(offsets), numel
+        self.launches: dict = {}
+
+    def get(self, key, build, *args):
+        """The launch stored under ``key``, made by ``build(self, *args)`` on first use."""
+        hit = self.launches.get(key)
+        if hit is None:
+            hit = self.launches[key] = build(self, *args)
+        return hit
+
+
+def _skinny_rows(plan: _Plan, block_m: int) -> tuple[int, int]:
+    sub_m = min(block_m, plan.table.block_m)
+    return sub_m, plan.table.block_m // sub_m
+
+
+def _build_s(plan: _Plan):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_total_rank, 128)
+    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    launch = CachedLaunch(
+        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r)),
+        num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m, BLOCK_M=sub_m,
+        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, DOT_PRECISION=plan.precision,
     )
+    return launch, (plan.k, subs)
+
+
+def _launch_s(x, a_all, plan: _Plan, off_h: int) -> torch.Tensor:
+    t = plan.table
+    s = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    launch, fixed = plan.get("s", _build_s)
+    launch(x, a_all, s, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
     return s
 
 
-def _launch_add(out, left, right, proj, table, sizes: LoraBlockSizes, off_h: int, dx_mode: bool) -> None:
-    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``)."""
-    n = out.shape[1]
-    sub_m = min(sizes.add_block_m, table.block_m)
-    subs = table.block_m // sub_m
-    rank = table.max_total_rank if dx_mode else table.max_rank[proj]
-    grid = (table.num_tiles * subs, triton.cdiv(n, sizes.add_block_n * sizes.add_n_blocks))
-    _lora_add_kernel[grid](
-        out, left, right, table.tiles, table.adapter_int, table.adapter_float, off_h, n,
-        right.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
-        AI_STRIDE=table.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=table.has_dropout,
-        TILE_M=table.block_m, BLOCK_M=sub_m, BLOCK_N=sizes.add_block_n,
-        BLOCK_R=_rank_block(rank, sizes.rank_block), N_BLOCKS=sizes.add_n_blocks,
-        DOT_PRECISION=_dot_precision(out.dtype), num_warps=sizes.add_warps, num_stages=2,
+def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int):
+    t, sz = plan.table, plan.sizes
+    sub_m, subs = _skinny_rows(plan, sz.add_block_m)
+    rank = t.max_total_rank if dx_mode else t.max_rank[proj]
+    launch = CachedLaunch(
+        _lora_add_kernel, (t.num_tiles * subs, _cdiv(n, sz.add_block_n * sz.add_n_blocks)),
+        num_warps=sz.add_warps, num_stages=2,
+        AI_STRIDE=t.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m,
+        BLOCK_M=sub_m, BLOCK_N=sz.add_block_n, BLOCK_R=_rank_block(rank, sz.rank_block),
+        N_BLOCKS=sz.add_n_blocks, DOT_PRECISION=plan.precision,
     )
+    return launch, (n, right_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
 
 
-def _launch_fwd_fp8(x, weights, biases, s, b_cats, table, sizes: LoraBlockSizes) -> list[torch.Tensor]:
+def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: bool) -> None:
+    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``)."""
+    t = plan.table
+    launch, fixed = plan.get(("add", proj, dx_mode), _build_add, proj, dx_mode, out.shape[1], right.shape[1])
+    launch(out, left, right, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+
+
+def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan) -> list[torch.Tensor]:
     """FP8 frozen products of the group (X quantized once), each LoRA term added in place."""
     ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None))
     for proj, (y, b_cat) in enumerate(zip(ys, b_cats)):
-        if b_cat is not None and table.max_rank[proj] > 0:
-            _launch_add(y, s, b_cat, proj, table, sizes, 0, dx_mode=False)
+        if b_cat is not None and plan.table.max_rank[proj] > 0:
+            _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
     return ys
 
 
-def _launch_fwd_gemm(x, w, bias, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    has_lora = b_cat is not None and table.max_rank[proj] > 0
-    main_loop = sizes.gemm == "triton"
-    if main_loop:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
+def _build_fwd_gemm(plan: _Plan, proj: int, has_bias: bool, has_lora: bool, n: int, b_stride: int):
+    t, sz = plan.table, plan.sizes
+    bm, bn, bk = sz.block_m, sz.fwd_block_n, sz.fwd_block_k
+    launch = CachedLaunch(
+        _lora_fwd_gemm_kernel, (_cdiv(plan.m, bm) * _cdiv(n, bn),),
+        num_warps=sz.fwd_warps, num_stages=sz.fwd_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_BIAS=has_bias, HAS_LORA=has_lora,
+        MAIN_LOOP=sz.gemm == "triton",
+        EVEN_K=plan.k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_R=_rank_block(t.max_rank[proj], sz.rank_block), GROUP_M=sz.group_m,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (plan.m, n, plan.k, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj)
+
+
+def _launch_fwd_gemm(x, w, bias, s, b_cat, proj: int, plan: _Plan) -> torch.Tensor:
+    t, gemm = plan.table, plan.sizes.gemm
+    has_lora = b_cat is not None and t.max_rank[proj] > 0
+    if gemm == "cublas" or (gemm == "cublas_accumulate" and not has_lora):
         y = torch.nn.functional.linear(x, w, bias)  # cuBLAS; the LoRA term is added in place
         if has_lora:
-            _launch_add(y, s, b_cat, proj, table, sizes, 0, dx_mode=False)
+            _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
         return y
-    bm, bn, bk = sizes.block_m, sizes.fwd_block_n, sizes.fwd_block_k
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _lora_fwd_gemm_kernel[grid](
-        x, w, bias if bias is not None else w, y, s if has_lora else x, b_cat if has_lora else w,
-        table.tiles, table.block_tiles, table.adapter_int, table.adapter_float,
-        m, n, k, b_cat.shape[1] if has_lora else 0, AI_FIRST_PROJ + AI_PER_PROJ * proj,
-        AI_STRIDE=table.adapter_int.shape[1], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        MAIN_LOOP=main_loop, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_R=_rank_block(table.max_rank[proj], sizes.rank_block), GROUP_M=sizes.group_m,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=sizes.fwd_warps, num_stages=sizes.fwd_stages,
-    )
+    n = w.shape[0]
+    y = torch.empty(plan.m, n, dtype=x.dtype, device=x.device)
+    launch, fixed = plan.get(("fwd", proj, bias is not None, has_lora), _build_fwd_gemm, proj,
+                             bias is not None, has_lora, n, b_cat.shape[1] if has_lora else 0)
+    launch(x, w, bias if bias is not None else w, y, s if has_lora else x, b_cat if has_lora else w,
+           t.tiles, t.block_tiles, t.adapter_int, t.adapter_float, *fixed)
+    if gemm == "cublas_accumulate":  # Y holds scale * S B^T (+ bias): add X W^T (beta = 1)
+        y.addmm_(x, w.t())
     return y
 
 
-def _launch_ds(dy, b_cat, ds, proj, table, sizes: LoraBlockSizes) -> None:
-    block_r = _rank_block(table.max_rank[proj], 128)
-    sub_m = min(sizes.skinny_block_m, table.block_m)
-    subs = table.block_m // sub_m
-    grid = (table.num_tiles * subs, triton.cdiv(table.max_rank[proj], block_r))
-    _lora_ds_kernel[grid](
-        dy, b_cat, ds, table.tiles, table.adapter_int, table.adapter_float,
-        dy.shape[1], b_cat.shape[1], AI_FIRST_PROJ + AI_PER_PROJ * proj, subs,
-        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=sub_m, BLOCK_R=block_r,
-        BLOCK_N=sizes.skinny_block_k, DOT_PRECISION=_dot_precision(dy.dtype),
-        num_warps=sizes.skinny_warps if block_r <= 64 else 8, num_stages=sizes.skinny_stages,
+def _build_ds(plan: _Plan, proj: int, n: int, b_stride: int):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_rank[proj], 128)
+    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    launch = CachedLaunch(
+        _lora_ds_kernel, (t.num_tiles * subs, _cdiv(t.max_rank[proj], block_r)),
+        num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_N=sz.skinny_block_k,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (n, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
+
+
+def _launch_ds(dy, b_cat, ds, proj: int, plan: _Plan) -> None:
+    t = plan.table
+    launch, fixed = plan.get(("ds", proj), _build_ds, proj, dy.shape[1], b_cat.shape[1])
+    launch(dy, b_cat, ds, t.tiles, t.adapter_int, t.adapter_float, *fixed)
+
+
+def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_rank[proj], 64)
+    block_n = sz.skinny_block_k
+    rblocks = _cdiv(t.max_rank[proj], block_r)
+    launch = CachedLaunch(
+        _lora_db_kernel, (_cdiv(n, block_n), t.num_adapters * rblocks, plan.split),
+        num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (n, b_cols, plan.part_numel, AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, plan.split)
+
+
+def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan) -> None:
+    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset."""
+    t = plan.table
+    launch, fixed = plan.get(("db", proj), _build_db, proj, dy.shape[1], b_cat.shape[1])
+    off = plan.part_offsets[1 + proj]
+    launch(dy, s, part[:, off:], t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
+           t.adapter_float, *fixed)
+
+
+def _build_da(plan: _Plan):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_total_rank, 64)
+    block_k = sz.skinny_block_k
+    rblocks = _cdiv(t.max_total_rank, block_r)
+    launch = CachedLaunch(
+        _lora_da_kernel, (_cdiv(plan.k, block_k), t.num_adapters * rblocks, plan.split),
+        num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
+        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision,
+    )
+    return launch, (plan.k, plan.part_numel, rblocks, plan.split)
+
+
+def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int) -> None:
+    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0."""
+    t = plan.table
+    launch, fixed = plan.get("da", _build_da)
+    launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
+           off_h, *fixed)
+
+
+def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_here: bool):
+    t, sz = plan.table, plan.sizes
+    bm, bk, bn = sz.block_m, sz.dx_block_k, sz.dx_block_n
+    return CachedLaunch(
+        _lora_dx_gemm_kernel, (_cdiv(plan.m, bm) * _cdiv(plan.k, bk),),
+        num_warps=sz.dx_warps, num_stages=sz.dx_stages,
+        AI_STRIDE=t.adapter_int.shape[1], NUM_PROJ=len(n_list), HAS_PREV=has_prev,
+        HAS_LORA=lora_here, HAS_DROPOUT=t.has_dropout, EVEN_N=all(n % bn == 0 for n in n_list),
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=_rank_block(t.max_total_rank, sz.rank_block),
+        GROUP_M=sz.group_m, DOT_PRECISION=plan.precision,
     )
 
 
-def _launch_db(dy, s, b_cat, proj, table, sizes: LoraBlockSizes) -> torch.Tensor:
-    n = dy.shape[1]
-    block_r = _rank_block(table.max_rank[proj], 64)
-    block_n = sizes.skinny_block_k
-    rblocks = triton.cdiv(table.max_rank[proj], block_r)
-    programs = triton.cdiv(n, block_n) * len(table.active) * rblocks
-    split = _split_count(programs, table.max_adapter_tiles, dy.device, sizes.split_waves)
-    part = torch.empty(split, n, b_cat.shape[1], dtype=torch.float32, device=dy.device)
-    grid = (triton.cdiv(n, block_n), table.num_adapters * rblocks, split)
-    _lora_db_kernel[grid](
-        dy, s, part, table.tiles, table.adapter_tiles, table.adapter_tile_ptr,
-        table.adapter_int, table.adapter_float, n, b_cat.shape[1],
-        AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, split,
-        AI_STRIDE=table.adapter_int.shape[1], BLOCK_M=table.block_m, BLOCK_N=block_n,
-        BLOCK_R=block_r, DOT_PRECISION=_dot_precision(dy.dtype),
-        num_warps=sizes.skinny_warps, num_stages=sizes.skinny_stages,
-    )
-    return part[0] if split == 1 else part.sum(0)
-
-
-def _launch_dx(dys, weights, ds, a_all, table, sizes: LoraBlockSizes, off_h: int, m: int, k: int,
-               dtype: torch.dtype, device) -> torch.Tensor:
+def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dtype, device) -> torch.Tensor:
+    t, m, k = plan.table, plan.m, plan.k
     has_lora = ds is not None
     if isinstance(weights[0], Fp8Weight):
         dx = fp8_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device,
                             emulate=resolve_emulate(device, None))
         if has_lora:
-            _launch_add(dx, ds, a_all, 0, table, sizes, off_h, dx_mode=True)
+            _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx
     pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
-    bm, bk, bn = sizes.block_m, sizes.dx_block_k, sizes.dx_block_n
-    grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk),)
-    dx = None
-    if sizes.gemm == "cublas":
+    if plan.sizes.gemm == "cublas_accumulate" and has_lora:
+        # the LoRA term written first (every row), the frozen products accumulated by cuBLAS
+        dx = torch.empty(m, k, dtype=dtype, device=device)
+        launch = plan.get(("dx", (), False, True), _build_dx_gemm, (), False, True)
+        launch(dx, dx, 0, dx, dx, 0, dx, dx, 0, dx, dx, ds, a_all, t.tiles, t.block_tiles, t.adapter_int,
+               t.adapter_float, off_h, m, k)
+        for dy, w in pairs:
+            dx.addmm_(dy, w)
+        return dx
+    if plan.sizes.gemm != "triton":
         dx = torch.zeros(m, k, dtype=dtype, device=device) if not pairs else pairs[0][0] @ pairs[0][1]
         for dy, w in pairs[1:]:
             dx.addmm_(dy, w)
         if has_lora:
-            _launch_add(dx, ds, a_all, 0, table, sizes, off_h, dx_mode=True)
+            _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx
     if not pairs:
         pairs = [(torch.zeros(m, 1, dtype=dtype, device=device),
                   torch.zeros(1, k, dtype=dtype, device=device))]
+    dx = None
     for start in range(0, len(pairs), MAX_FUSED_DX_PROJECTIONS):
         chunk = pairs[start:start + MAX_FUSED_DX_PROJECTIONS]
+        n_list = tuple(w.shape[0] for _, w in chunk)
+        lora_here = has_lora and start == 0
+        launch = plan.get(("dx", n_list, dx is not None, lora_here), _build_dx_gemm, n_list, dx is not None,
+                          lora_here)
         padded = chunk + [(None, None)] * (MAX_FUSED_DX_PROJECTIONS - len(chunk))
         out = torch.empty(m, k, dtype=dtype, device=device)
-        lora_here = has_lora and start == 0
-        _lora_dx_gemm_kernel[grid](
-            padded[0][0], padded[0][1], padded[0][1].shape[0],
-            padded[1][0], padded[1][1], 0 if padded[1][1] is None else padded[1][1].shape[0],
-            padded[2][0], padded[2][1], 0 if padded[2][1] is None else padded[2][1].shape[0],
+        launch(
+            padded[0][0], padded[0][1], n_list[0],
+            padded[1][0], padded[1][1], n_list[1] if len(n_list) > 1 else 0,
+            padded[2][0], padded[2][1], n_list[2] if len(n_list) > 2 else 0,
             dx, out, ds if lora_here else out, a_all if lora_here else out,
-            table.tiles, table.block_tiles, table.adapter_int, table.adapter_float,
-            off_h, m, k,
-            AI_STRIDE=table.adapter_int.shape[1], NUM_PROJ=len(chunk), HAS_PREV=dx is not None,
-            HAS_LORA=lora_here, HAS_DROPOUT=table.has_dropout,
-            EVEN_N=all(w.shape[0] % bn == 0 for _, w in chunk),
-            BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
-            BLOCK_R=_rank_block(table.max_total_rank, sizes.rank_block), GROUP_M=sizes.group_m,
-            DOT_PRECISION=_dot_precision(dtype),
-            num_warps=sizes.dx_warps, num_stages=sizes.dx_stages,
+            t.tiles, t.block_tiles, t.adapter_int, t.adapter_float, off_h, m, k,
         )
         dx = out
     return dx
-
-
-def _launch_da(x, ds, table, sizes: LoraBlockSizes, off_h: int) -> torch.Tensor:
-    k = x.shape[1]
-    block_r = _rank_block(table.max_total_rank, 64)
-    block_k = sizes.skinny_block_k
-    rblocks = triton.cdiv(table.max_total_rank, block_r)
-    programs = triton.cdiv(k, block_k) * len(table.active) * rblocks
-    split = _split_count(programs, table.max_adapter_tiles, x.device, sizes.split_waves)
-    part = torch.empty(split, table.a_rows, k, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(k, block_k), table.num_adapters * rblocks, split)
-    _lora_da_kernel[grid](
-        x, ds, part, table.tiles, table.adapter_tiles, table.adapter_tile_ptr,
-        table.adapter_int, table.adapter_float, off_h, k, table.a_rows, rblocks, split,
-        AI_STRIDE=table.adapter_int.shape[1], HAS_DROPOUT=table.has_dropout,
-        BLOCK_M=table.block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=sizes.skinny_warps, num_stages=sizes.skinny_stages,
-    )
-    return part[0] if split == 1 else part.sum(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,22 +790,23 @@ class FusedLoraProjections(torch.autograd.Function):
     """Shared-input projections with per-row-tile LoRA; differentiable w.r.t. X, A and B."""
 
     @staticmethod
-    def forward(ctx, x, a_all, table, sizes, off_h, n_proj, *rest):
+    def forward(ctx, x, a_all, plan, off_h, *rest):
+        n_proj = len(rest) // 3
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
-        b_cats = rest[2 * n_proj:3 * n_proj]
-        s = _launch_s(x, a_all, table, sizes, off_h)
+        b_cats = rest[2 * n_proj:]
+        s = _launch_s(x, a_all, plan, off_h)
         ctx.fp8_weights = tuple(weights) if isinstance(weights[0], Fp8Weight) else None
         if ctx.fp8_weights is not None:
-            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, table, sizes))
+            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan))
             ctx.save_for_backward(x, a_all, s, *b_cats)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
-                _launch_fwd_gemm(x, w, b, s, bc, i, table, sizes)
+                _launch_fwd_gemm(x, w, b, s, bc, i, plan)
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
             ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
-        ctx.table, ctx.sizes, ctx.off_h, ctx.n_proj = table, sizes, off_h, n_proj
+        ctx.plan, ctx.off_h, ctx.n_proj = plan, off_h, n_proj
         ctx.mark_non_differentiable(s)
         return ys
 
@@ -712,29 +816,41 @@ class FusedLoraProjections(torch.autograd.Function):
         n_proj = ctx.n_proj
         if ctx.fp8_weights is not None:
             rest = [*ctx.fp8_weights, *rest]
-        need_db = [ctx.needs_input_grad[6 + 2 * n_proj + i] for i in range(n_proj)]
-        dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.table,
-                                    ctx.sizes, ctx.off_h, ctx.needs_input_grad[0],
-                                    ctx.needs_input_grad[1], need_db)
-        return (dx, da, None, None, None, None, *([None] * (2 * n_proj)), *db_cats)
+        need = ctx.needs_input_grad
+        need_db = [need[4 + 2 * n_proj + i] for i in range(n_proj)]
+        dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
+                                    ctx.off_h, need[0], need[1], need_db)
+        return (dx, da, None, None, *([None] * (2 * n_proj)), *db_cats)
 
 
-def _backward(dys, x, a_all, s, weights, b_cats, table, sizes, off_h, need_dx, need_da, need_db):
+def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA)."""
+    t = plan.table
     n_proj = len(weights)
     m, k = x.shape
     dys = [None if dy is None else dy.contiguous() for dy in dys]
-    ds = torch.empty(max(table.s_numel, 1), dtype=x.dtype, device=x.device)
-    db_cats = [None] * n_proj
-    for i in range(n_proj):
-        if b_cats[i] is None or table.max_rank[i] == 0:
-            continue
+    lora_proj = [i for i in range(n_proj) if b_cats[i] is not None and t.max_rank[i] > 0]
+    db_proj = [i for i in lora_proj if need_db[i]]
+    ds = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    # dA and every dB share one fp32 partial-sum buffer: one reduction and one cast for all
+    part = (torch.empty(plan.split, plan.part_numel, dtype=torch.float32, device=x.device)
+            if db_proj or need_da else None)
+    for i in lora_proj:
         dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
-        _launch_ds(dy, b_cats[i], ds, i, table, sizes)
+        _launch_ds(dy, b_cats[i], ds, i, plan)
         if need_db[i]:
-            db_cats[i] = _launch_db(dy, s, b_cats[i], i, table, sizes).to(b_cats[i].dtype)
-    dx = _launch_dx(dys, weights, ds, a_all, table, sizes, off_h, m, k, x.dtype, x.device) if need_dx else None
-    da = _launch_da(x, ds, table, sizes, off_h).to(a_all.dtype) if need_da else None
+            _launch_db(dy, s, b_cats[i], part, i, plan)
+    if need_da:
+        _launch_da(x, ds, part, plan, off_h)
+    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device) if need_dx else None
+    da, db_cats = None, [None] * n_proj
+    if part is not None:
+        grads = (part[0] if plan.split == 1 else part.sum(0)).to(a_all.dtype)
+        if need_da:
+            da = grads[:t.a_rows * k].view(t.a_rows, k)
+        for i in db_proj:
+            off, n, bc = plan.part_offsets[1 + i], plan.ns[i], b_cats[i].shape[1]
+            db_cats[i] = grads[off:off + n * bc].view(n, bc)  # B_cat has A_all's dtype
     return dx, da, db_cats
 
 
@@ -797,6 +913,13 @@ def _none_if_empty(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.numel() == 0 else t
 
 
+def _op_plan(x, weights, b_cats, table_tensors, table_meta, sizes) -> _Plan:
+    # Rebuilt on every op call: under torch.compile the launches run from the compiled graph.
+    return _Plan(_table_from_args(table_tensors, table_meta), _sizes_from_args(sizes), m=x.shape[0],
+                 k=x.shape[1], ns=[w.shape[0] for w in weights], b_cols=[bc.shape[-1] for bc in b_cats],
+                 dtype=x.dtype, device=x.device)
+
+
 @torch.library.custom_op("lightning_lorafusion::fused_lora_fwd", mutates_args=())
 def fused_lora_fwd_op(
     x: torch.Tensor, a_all: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
@@ -804,9 +927,9 @@ def fused_lora_fwd_op(
     sizes: list[int], offset_h: int,
 ) -> list[torch.Tensor]:
     """Forward as a custom op: returns ``[Y_0 .. Y_{P-1}, S]``; empty biases / b_cats = none."""
-    table, bs = _table_from_args(table_tensors, table_meta), _sizes_from_args(sizes)
-    s = _launch_s(x, a_all, table, bs, offset_h)
-    ys = [_launch_fwd_gemm(x, w, _none_if_empty(b), s, _none_if_empty(bc), i, table, bs)
+    plan = _op_plan(x, weights, b_cats, table_tensors, table_meta, sizes)
+    s = _launch_s(x, a_all, plan, offset_h)
+    ys = [_launch_fwd_gemm(x, w, _none_if_empty(b), s, _none_if_empty(bc), i, plan)
           for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))]
     return ys + [s]
 
@@ -824,10 +947,11 @@ def fused_lora_bwd_op(
 ) -> list[torch.Tensor]:
     """Backward as a custom op: returns ``[dX, dA_all, dB_0 .. dB_{P-1}]`` (``[0]``-shaped
     for projections without LoRA)."""
-    table, bs = _table_from_args(table_tensors, table_meta), _sizes_from_args(sizes)
+    plan = _op_plan(x, weights, b_cats, table_tensors, table_meta, sizes)
     dx, da, dbs = _backward(list(dys), x, a_all, s, weights, [_none_if_empty(bc) for bc in b_cats],
-                            table, bs, offset_h, True, True, [True] * len(weights))
-    return [dx, da] + [x.new_empty(0) if db is None else db for db in dbs]
+                            plan, offset_h, True, True, [True] * len(weights))
+    # dA and the dB_i are views of one buffer; an op's outputs must not alias each other
+    return [dx, da.clone()] + [x.new_empty(0) if db is None else db.clone() for db in dbs]
 
 
 @fused_lora_bwd_op.register_fake
@@ -942,6 +1066,14 @@ def _concat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Te
     return out.to(dtype).contiguous()
 
 
+def _factors(loras, table, dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """A_all (active adapters' A factors stacked in ``table.a_order``) and per projection B_cat."""
+    a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, dtype)
+    b_cats = [_concat([loras[i].b[a] for a in order], 1, dtype) if order else None
+              for i, order in enumerate(table.b_order)]
+    return a_all, b_cats
+
+
 def fused_lora_projections(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor | Fp8Weight],
@@ -963,32 +1095,49 @@ def fused_lora_projections(
     x = x.contiguous()
     weights = [w if isinstance(w, Fp8Weight) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
-    sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
     ranks = lora_ranks(loras, routing.num_adapters)
-    table = build_launch_table(routing, ranks, sizes.block_m, x.device)
-    if table.a_rows == 0:  # no routed row has LoRA here: the frozen projections alone
-        return frozen_projections(x, weights, biases)
-    a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, x.dtype)
-    b_cats = [
-        _concat([loras[i].b[a] for a in table.b_order[i]], 1, x.dtype) if table.b_order[i] else None
-        for i in range(len(weights))
-    ]
     if torch.compiler.is_compiling():
-        if isinstance(weights[0], Fp8Weight):
-            raise NotImplementedError(
-                "the FP8 base is not supported inside torch.compile of the LoRA projections (the "
-                "custom ops take plain weights); run the projections eagerly"
-            )
-        # torch.compile traces the custom ops (fake tensors for shapes) instead of the launches
-        tensors, meta = _table_to_args(table)
-        empty = x.new_empty(0)
-        out = fused_lora_fwd_op(
-            x, a_all, weights, [empty if b is None else b for b in biases],
-            [empty if bc is None else bc for bc in b_cats], tensors, meta, _sizes_to_args(sizes),
-            offset_hash(dropout_offset),
+        return _compiled_projections(x, weights, biases, loras, routing, ranks, dropout_offset, block_sizes)
+    # The plan (tables, grids, split counts, launch objects) is built by the first call of a
+    # microbatch and reused by every layer: the per-call host work is the lookup below.
+    # ``block_sizes`` is keyed by identity; the plan holds it, so the id stays unique.
+    key = (id(block_sizes), ranks, x.dtype, x.device, x.shape[1], tuple(w.shape[0] for w in weights))
+    plan = routing.launch_cache.get(key)
+    if plan is None:
+        sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
+        table = build_launch_table(routing, ranks, sizes.block_m, x.device)
+        plan = _NO_LORA if table.a_rows == 0 else _Plan(
+            table, sizes, m=x.shape[0], k=x.shape[1], ns=key[5], b_cols=table.b_cols, dtype=x.dtype,
+            device=x.device)
+        routing.launch_cache[key] = plan
+    if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
+        return frozen_projections(x, weights, biases)
+    table = plan.table
+    a_all, b_cats = _factors(loras, table, x.dtype)
+    return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash(dropout_offset), *weights, *biases,
+                                           *b_cats))
+
+
+_NO_LORA = object()  # plan-cache entry of a group none of whose routed rows has LoRA
+
+
+def _compiled_projections(x, weights, biases, loras, routing, ranks, dropout_offset, block_sizes):
+    """Under torch.compile: trace the custom ops (fake tensors for shapes), not the launches."""
+    if isinstance(weights[0], Fp8Weight):
+        raise NotImplementedError(
+            "the FP8 base is not supported inside torch.compile of the LoRA projections (the "
+            "custom ops take plain weights); run the projections eagerly"
         )
-        return list(out[:-1])
-    ys = FusedLoraProjections.apply(
-        x, a_all, table, sizes, offset_hash(dropout_offset), len(weights), *weights, *biases, *b_cats
+    sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
+    table = build_launch_table(routing, ranks, sizes.block_m, x.device)
+    if table.a_rows == 0:
+        return frozen_projections(x, weights, biases)
+    a_all, b_cats = _factors(loras, table, x.dtype)
+    tensors, meta = _table_to_args(table)
+    empty = x.new_empty(0)
+    out = fused_lora_fwd_op(
+        x, a_all, weights, [empty if b is None else b for b in biases],
+        [empty if bc is None else bc for bc in b_cats], tensors, meta, _sizes_to_args(sizes),
+        offset_hash(dropout_offset),
     )
-    return list(ys)
+    return list(out[:-1])

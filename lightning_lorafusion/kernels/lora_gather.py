@@ -9,11 +9,18 @@ For row i of ``x [B, K]`` with adapter weights stored anywhere in a flat ``pool`
 ``ranks[i] == 0`` means no LoRA for the row (delta 0); ranks go up to ``MAX_RANK`` (128).
 Inference only: nothing here is differentiable (the Triton path has no autograd; the
 reference runs under ``torch.no_grad``).
+
+Projections that share an input (q/k/v, gate/up) are a group: ``GatheredLora`` holds the
+tables of G projections, ``lora_shrink`` computes every projection's ``x A^T`` in one launch,
+and the expand half (``lora_delta``, a Triton helper) runs inside whatever kernel consumes the
+projection's output (``lora_epilogues.py``: RoPE + KV write, SwiGLU; ``lora_gather``: a plain
+add).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,28 +43,74 @@ MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sum
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride,
+    x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride,
     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """part[row, kb, :rank] = x[row, kb's columns] A^T[kb's columns, :rank] (fp32).
+    """part[g, row, kb, :rank] = x[row, kb's columns] A_g^T[kb's columns, :rank] (fp32).
 
-    Program (row, K block kb): loads the row's A tile for its K block, BLOCK_R rank vectors at
-    a time up to the row's own rank (a rank-8 row loads 8 rows of A, not the largest rank's).
+    Program (row, K block kb, projection g): loads the row's A tile of projection g for its K
+    block, BLOCK_R rank vectors at a time up to the row's own rank (a rank-8 row loads 8 rows
+    of A, not the largest rank's). The G projections of a group share the row's x.
     """
     row = tl.program_id(0)
     kb = tl.program_id(1)
-    rank = tl.minimum(tl.load(rank_ptr + row), MAX_R)
-    a_off = tl.load(a_off_ptr + row)
+    g = tl.program_id(2)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + row), MAX_R)
+    a_off = tl.load(a_off_ptr + g * a_g_stride + row)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     k_ok = offs_k < K
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    part_row = part_ptr + (row.to(tl.int64) * tl.num_programs(1) + kb) * MAX_R
+    part_row = part_ptr + ((g * tl.num_programs(0) + row).to(tl.int64) * tl.num_programs(1) + kb) * MAX_R
     for r0 in range(0, rank, BLOCK_R):
         r_ok = r0 + offs_r < rank
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(part_row + r0 + offs_r, tl.sum(a.to(tl.float32) * x[None, :], axis=1), mask=r_ok)
+
+
+@triton.jit
+def lora_delta(
+    part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """The expand half for one row and one block of output columns ``offs_n`` (fp32, shape of
+    offs_n): ``scale * (sum over K blocks of part[kb, :rank]) @ Bt[:rank, offs_n]``.
+
+    ``part_row`` points at the row's ``part[g, row, 0, 0]`` (written by the shrink); ``rank``
+    already clamped to MAX_R (0: no LoRA, the loop does not run); ``Bt [rank, N]`` at
+    ``pool_ptr + b_off``.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    kb_ok = offs_kb < k_blocks
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        part = tl.load(part_row + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :],
+                       mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
+        s = tl.sum(part, axis=0) * scale
+        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
+def lora_row_tables(
+    b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, rows, k_blocks, b_g_stride, r_g_stride,
+    MAX_R: tl.constexpr,
+):
+    """Row ``lrow`` of a gathered group's tables for projection g -> (rank as given, rank
+    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow < 0`` (a row
+    before ``GatheredLora.first_row``): rank 0, nothing read."""
+    live = lrow >= 0
+    safe = tl.maximum(lrow, 0)
+    rank_in = tl.load(rank_ptr + g * r_g_stride + safe, mask=live, other=0)
+    b_off = tl.load(b_off_ptr + g * b_g_stride + safe, mask=live, other=0)
+    scale = tl.load(scale_ptr + safe, mask=live, other=0.0)
+    part_row = part_ptr + ((g * rows + safe).to(tl.int64) * k_blocks) * MAX_R
+    return rank_in, tl.minimum(rank_in, MAX_R), b_off, scale, part_row
 
 
 @triton.jit
@@ -75,24 +128,12 @@ def _lora_expand_kernel(
     """
     row = tl.program_id(0)
     nb = tl.program_id(1)
-    rank_in = tl.load(rank_ptr + row)
-    rank = tl.minimum(rank_in, MAX_R)
-    b_off = tl.load(b_off_ptr + row)
-    scale = tl.load(scale_ptr + row)
+    rank_in, rank, b_off, scale, part_row = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, 0, tl.num_programs(0), k_blocks, 0, 0, MAX_R)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_kb = tl.arange(0, BLOCK_KB)
     n_ok = offs_n < N
-    kb_ok = offs_kb < k_blocks
-    part_row = part_ptr + (row.to(tl.int64) * k_blocks + offs_kb) * MAX_R
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_ok = r0 + offs_r < rank
-        part = tl.load(part_row[:, None] + r0 + offs_r[None, :], mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
-        s = tl.sum(part, axis=0) * scale
-        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
+    acc = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                     MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
     acc = tl.where(rank_in > MAX_R, float("nan"), acc)
     out_ptrs = out_ptr + row.to(tl.int64) * out_stride + offs_n
     if ACCUMULATE:
@@ -213,6 +254,104 @@ def lora_gather(
 
 
 # ----------------------------------------------------------------------------------------------
+# A group of projections sharing an input
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatheredLora:
+    """The decode rows' LoRA for G projections that share an input (q/k/v: G=3, gate/up: 2, or
+    one projection): row i of ``x [B, K]`` uses, for projection g, ``A`` at ``a_offsets[g, i]``
+    and ``B^T`` at ``b_offsets[g, i]`` in ``pool`` with rank ``ranks[g, i]`` (0 = none) and
+    scale ``scales[i]``, as in ``lora_gather``. The projections' outputs hold these rows from
+    ``first_row`` on (rows before it, e.g. a step's prefill rows, get no LoRA from here).
+
+    ``a_offsets`` / ``b_offsets [G, B]`` int64, ``ranks [G, B]`` int32 (unit stride along rows;
+    any stride between projections), ``scales [B]`` fp32, all on x's device.
+    """
+
+    x: torch.Tensor
+    pool: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    first_row: int = 0
+
+    @property
+    def num_projections(self) -> int:
+        return self.a_offsets.shape[0]
+
+    def check(self, out_features: tuple[int, ...], rows: int) -> None:
+        """Shapes only (no value read): one output width per projection; ``rows``: rows of the
+        outputs, which must end with the gathered rows."""
+        g, b = self.a_offsets.shape if self.a_offsets.dim() == 2 else (None, None)
+        if g is None or len(out_features) != g:
+            raise ValueError(f"GatheredLora.a_offsets must be [{len(out_features)}, rows]; got "
+                             f"{tuple(self.a_offsets.shape)}")
+        for name in ("b_offsets", "ranks"):
+            t = getattr(self, name)
+            if t.shape != (g, b) or t.stride(1) != 1:
+                raise ValueError(f"GatheredLora.{name} must be [{g}, {b}] with unit row stride like "
+                                 f"a_offsets; got {tuple(t.shape)} strides {t.stride()}")
+        if self.a_offsets.stride(1) != 1:
+            raise ValueError(f"GatheredLora.a_offsets needs unit row stride; got {self.a_offsets.stride()}")
+        for i in range(g):
+            _check_inputs(self.x, self.pool, self.a_offsets[i], self.b_offsets[i], self.ranks[i], self.scales,
+                          out_features[i], None)
+        if not 0 <= self.first_row or self.first_row + b != rows:
+            raise ValueError(f"GatheredLora: {b} rows from first_row={self.first_row} must end the outputs' "
+                             f"{rows} rows")
+
+    def add_reference(self, outs: list[torch.Tensor]) -> None:
+        """Add each projection's LoRA into ``outs[g] [rows, N_g]`` (rows from ``first_row``), in
+        place, with ``lora_gather_reference``."""
+        for g, y in enumerate(outs):
+            lora_gather_reference(self.x, self.pool, self.a_offsets[g], self.b_offsets[g], self.ranks[g],
+                                  self.scales, y.shape[1], out=y[self.first_row:])
+
+
+def _require_triton(t: torch.Tensor) -> None:
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got one on {t.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernels in the interpreter"
+        )
+
+
+def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int | None = None) -> tuple[int, int]:
+    """(block_k, block_r) of the shrink and the expand's rank loop: the GPU's defaults, or small
+    blocks in the interpreter (masks and rank loops exercised on tiny shapes)."""
+    gpu = device.type == "cuda"
+    # H100, 8B shapes, r=16, 16-256 rows (scripts/bench_decode_kernels.py, kernels.md): K blocks of
+    # 512 and rank blocks of 16 beat 256 / 32 by 1.3-2.1x in the fused epilogues (no masked lanes
+    # at r=16, half the programs); mixed ranks 8-64 lost nothing
+    return block_k or (512 if gpu else 32), block_r or (16 if gpu else 16)
+
+
+def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
+                num_warps: int = 4) -> tuple[torch.Tensor, int]:
+    """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
+    ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
+    ``lora_delta``; entries past a row's rank are never written nor read)."""
+    _require_triton(lora.x)
+    if lora.pool.stride(0) != 1:
+        raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
+    x = lora.x if lora.x.stride(1) == 1 else lora.x.contiguous()
+    g, rows = lora.ranks.shape
+    k = x.shape[1]
+    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    k_blocks = triton.cdiv(k, block_k)
+    part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _lora_shrink_kernel[(rows, k_blocks, g)](
+            x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
+            lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+        )
+    return part, k_blocks
+
+
+# ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
@@ -223,32 +362,18 @@ def _lora_gather_triton(
 ):
     """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' or "
-            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernels in the interpreter"
-        )
-    if pool.stride(0) != 1:
-        raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
+    _require_triton(x)
     if out is not None and out.stride(1) != 1:
         raise ValueError(f"out must have unit stride along features (it is written in place); got strides {out.stride()}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
+    rows = x.shape[0]
     n = out_features
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    gpu = x.is_cuda  # the interpreter gets small blocks: masks and rank loops exercised on tiny shapes
-    block_k = block_k or (256 if gpu else 32)
-    block_n = block_n or (256 if gpu else 32)
-    block_r = block_r or (32 if gpu else 16)
-    k_blocks = triton.cdiv(k, block_k)
-    part = torch.empty(rows * k_blocks * MAX_RANK, dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(rows, k_blocks)](
-        x, pool, a_offsets, ranks, part, k, x.stride(0),
-        MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
-    )
+    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    block_n = block_n or (256 if x.is_cuda else 32)
+    part, k_blocks = lora_shrink(GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales),
+                                 block_k=block_k, block_r=block_r, num_warps=num_warps)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

@@ -39,9 +39,9 @@ class LoraLaunchTable:
     num_rows: int
     num_tiles: int
     tiles: torch.Tensor  # [T, 4] int64: row_start, row_end, adapter, s_offset (elements)
-    block_tiles: torch.Tensor  # [cdiv(M, block_m) + 1] int32: tile range of each row block
-    adapter_tiles: torch.Tensor  # [T] int32: tile ids grouped by adapter
-    adapter_tile_ptr: torch.Tensor  # [A + 1] int32: adapter a's tiles are adapter_tiles[ptr[a]:ptr[a+1]]
+    block_tiles: torch.Tensor  # [cdiv(M, block_m) + 1] int64: tile range of each row block
+    adapter_tiles: torch.Tensor  # [T] int64: tile ids grouped by adapter
+    adapter_tile_ptr: torch.Tensor  # [A + 1] int64: adapter a's tiles are adapter_tiles[ptr[a]:ptr[a+1]]
     adapter_int: torch.Tensor  # [A, 4 + 3P] int64 (see AI_* columns)
     adapter_float: torch.Tensor  # [A, 2] float32: scale, 1 / (1 - p)
     s_numel: int  # elements of the compact S (and dS)
@@ -136,19 +136,34 @@ def _build(
             b_cols[i] += r
         a_row += total_rank[a]
 
-    def to_dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    # One host->device copy for all tables (the first layer of a microbatch pays it once):
+    # int64 sections padded to 16 bytes, then the float32 section, all in one byte buffer.
+    int_parts = [tiles if tiles else [[0, 0, 0, 0]], block_tiles, adapter_tiles if adapter_tiles else [0],
+                 adapter_tile_ptr, adapter_int]
+    ints = [torch.tensor(part, dtype=torch.int64) for part in int_parts]
+    floats = torch.tensor(adapter_float, dtype=torch.float32)
+    starts, nbytes = [], 0
+    for t in ints:
+        starts.append(nbytes)
+        nbytes += -(-t.numel() * 8 // 16) * 16
+    host = torch.zeros(nbytes + floats.numel() * 4, dtype=torch.uint8)
+    for t, start in zip(ints, starts):
+        host[start:start + t.numel() * 8].view(torch.int64).copy_(t.flatten())
+    host[nbytes:].view(torch.float32).copy_(floats.flatten())
+    dev = host.to(device, non_blocking=True)
+    views = [dev[start:start + t.numel() * 8].view(torch.int64).view(t.shape) for t, start in zip(ints, starts)]
+    tiles_t, block_tiles_t, adapter_tiles_t, adapter_tile_ptr_t, adapter_int_t = views
 
     return LoraLaunchTable(
         block_m=block_m,
         num_rows=routing.num_rows,
         num_tiles=len(tiles),
-        tiles=to_dev(tiles if tiles else [[0, 0, 0, 0]], torch.int64),
-        block_tiles=to_dev(block_tiles, torch.int32),
-        adapter_tiles=to_dev(adapter_tiles if adapter_tiles else [0], torch.int32),
-        adapter_tile_ptr=to_dev(adapter_tile_ptr, torch.int32),
-        adapter_int=to_dev(adapter_int, torch.int64),
-        adapter_float=to_dev(adapter_float, torch.float32),
+        tiles=tiles_t,
+        block_tiles=block_tiles_t,
+        adapter_tiles=adapter_tiles_t,
+        adapter_tile_ptr=adapter_tile_ptr_t,
+        adapter_int=adapter_int_t,
+        adapter_float=dev[nbytes:].view(torch.float32).view(floats.shape),
         s_numel=s_offset,
         a_rows=a_row,
         b_cols=tuple(b_cols),

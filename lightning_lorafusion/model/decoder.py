@@ -25,6 +25,7 @@ layers, and (last stage) ``head_loss_sums``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -38,12 +39,14 @@ from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
 from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, is_quantized
+from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..specs import ConfigError
 from .attention import varlen_causal_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
+LM_HEAD_LOSSES = ("checkpointed", "fused")  # head_loss_sums: recompute chunks / fused linear CE
 
 # (layer index, module name) -> that projection's LoRA factors over all adapters of the bank.
 BankView = Mapping[tuple[int, str], LoraModuleWeights]
@@ -432,6 +435,7 @@ def head_loss_sums(
     config: DecoderConfig,
     chunk_size: int = 1024,
     label_rows: torch.Tensor | None = None,
+    lm_head_loss: str = "checkpointed",
 ) -> torch.Tensor:
     """Final norm + LM head + cross-entropy, summed per adapter: ``[num_adapters]`` fp32.
 
@@ -442,7 +446,12 @@ def head_loss_sums(
     ``label_rows`` ``[n]`` int: the rows whose label is not IGNORE_INDEX, ascending (what
     ``Microbatch.label_rows`` holds, built on the host at packing); without it they are found
     with ``nonzero()``, a device->host sync. It is trusted, not checked (checking would sync).
+    ``lm_head_loss``: "checkpointed" (backward recomputes each chunk's logits) or "fused"
+    (``kernels.linear_cross_entropy``: the forward keeps the input gradient instead, one LM-head
+    GEMM fewer; the final norm and LM head must be frozen).
     """
+    if lm_head_loss not in LM_HEAD_LOSSES:
+        raise ConfigError(f"lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
     t = h.shape[0]
     if labels.shape != (t,):
         raise ValueError(f"labels must be [{t}]; got {tuple(labels.shape)}")
@@ -464,6 +473,12 @@ def head_loss_sums(
     else:
         rows = label_rows.to(device=h.device, dtype=torch.int64, non_blocking=True)
     h, labels, owner = h.index_select(0, rows), labels.index_select(0, rows), owner.index_select(0, rows)
+    if lm_head_loss == "fused":
+        if params["norm"].requires_grad:
+            raise ValueError("lm_head_loss='fused' gives the final norm no gradient; it must be frozen")
+        pre = functools.partial(rms_norm, weight=params["norm"], eps=config.rms_norm_eps)
+        return linear_cross_entropy_sums(h, params["lm_head"], labels, owner, num_adapters,
+                                         chunk_size=chunk_size, pre=pre, ignore_index=IGNORE_INDEX)
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     for c0 in range(0, h.shape[0], chunk_size):
         args = (h[c0:c0 + chunk_size], labels[c0:c0 + chunk_size], params["norm"], params["lm_head"],
@@ -505,11 +520,13 @@ def forward_loss_sums(
     chunk_size: int = 1024,
     max_seqlen: int | None = None,
     label_rows: torch.Tensor | None = None,
+    lm_head_loss: str = "checkpointed",
 ) -> torch.Tensor:
     """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32.
-    ``max_seqlen`` / ``label_rows``: the microbatch's host-built metadata, if known (no syncs)."""
+    ``max_seqlen`` / ``label_rows``: the microbatch's host-built metadata, if known (no syncs);
+    ``lm_head_loss``: see ``head_loss_sums``."""
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
                        backend=backend, max_seqlen=max_seqlen)
     return head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config,
-                          chunk_size=chunk_size, label_rows=label_rows)
+                          chunk_size=chunk_size, label_rows=label_rows, lm_head_loss=lm_head_loss)

@@ -49,6 +49,7 @@ class DecoderStage:
     backend: str = "torch"
     train: bool = True
     checkpoint_layers: bool | int = False  # activation checkpointing (decoder.decoder_layers)
+    lm_head_loss: str = "checkpointed"  # last stage: decoder.head_loss_sums' LM-head loss
     # last stage: called with (microbatch, per-adapter summed losses [num_adapters], detached)
     # for logging; the loss to backward is unaffected
     on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
@@ -72,7 +73,7 @@ class DecoderStage:
         # every stage packs its microbatches on its host, so each has this metadata (no syncs)
         sums = dec.head_loss_sums(
             self.params, h, mb.labels, mb.segments, self.bank.num_adapters, config=self.config,
-            label_rows=mb.label_rows,
+            label_rows=mb.label_rows, lm_head_loss=self.lm_head_loss,
         )
         if self.on_loss_sums is not None:
             self.on_loss_sums(microbatch, sums.detach())

@@ -25,7 +25,11 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     cpu_pool_mib: int = 256
     max_num_seqs: int = 256  # running requests at most
-    max_num_batched_tokens: int = 8192  # prefill + decode tokens per step (one longer prompt may run alone)
+    max_num_batched_tokens: int = 8192  # prefill + decode tokens per step
+    # split prefills into chunks so every step stays within max_num_batched_tokens (decode rows
+    # first, then prefill chunks); off: a prompt runs whole, one longer than the budget alone.
+    # Off by default: it measured slower on the 1B Poisson trace (docs/BENCHMARKS.md, "Serving trace")
+    enable_chunked_prefill: bool = False
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
     decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
@@ -33,6 +37,9 @@ class EngineConfig:
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     prefix_caching: bool = True  # share full KV pages of equal leading tokens per adapter (docs/serving.md)
+    # q/k/v and gate/up weights concatenated (one GEMM per group); the engine drops its references
+    # to the originals, so a caller that shares its own weights (a training module) holds both: off there
+    fuse_projections: bool = True
     seed: int = 0  # seeds the per-request generators of requests that give no seed
 
     def __post_init__(self) -> None:

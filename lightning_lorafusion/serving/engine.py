@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
@@ -20,6 +21,7 @@ from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapte
 from .checkpoint import read_checkpoint_adapters
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer, add_tokens
+from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
@@ -32,6 +34,32 @@ log = logging.getLogger("lightning_lorafusion.serving")
 PROMPT_LOGPROB_CHUNK = 512
 # Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
 CUDA_HEADROOM_BYTES = 512 * 2**20
+
+
+class _LoopSink:
+    """Events bound for one asyncio loop, handed over once per engine step (one
+    ``call_soon_threadsafe`` wake-up for all of a step's rows instead of one per token: under
+    load the loop thread otherwise spends its time, and the GIL, on wake-ups)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, TokenEvent]] = []
+
+    def push(self, queue: asyncio.Queue, event: TokenEvent) -> None:
+        self.pending.append((queue, event))
+
+    def flush(self) -> None:
+        batch, self.pending = self.pending, []
+        if batch:
+            try:
+                self.loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)
 
 
 class Engine:
@@ -57,6 +85,8 @@ class Engine:
         self.device = torch.device(device) if device is not None else base_device
         self.dtype = dtype or base_dtype
         self.params = params_to(params, device=self.device, dtype=dtype)  # no cast unless asked
+        if config.fuse_projections:
+            fuse_projection_weights(self.params)  # before sizing the pool: the originals may stay alive
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if eos_token_ids is None:
@@ -70,7 +100,8 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefetch_depth=config.prefetch_depth,
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages),
-                                   prefix_caching=config.prefix_caching)
+                                   prefix_caching=config.prefix_caching,
+                                   chunked_prefill=config.enable_chunked_prefill)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
@@ -89,6 +120,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # asyncio loops that stream from this engine -> their per-step event batch
+        self._sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSink] = weakref.WeakKeyDictionary()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0}
@@ -159,6 +192,17 @@ class Engine:
                                            path=f"{ckpt_path}#{a.name}")
                  for a in found]  # every one checked before any is registered
         return [self._register(h) for h in hosts]
+
+    def add_host_adapter(self, adapter: HostAdapter) -> AdapterInfo:
+        """Register an adapter already in host memory (e.g. from ``adapters.host_adapter_from_factors``
+        for this base, in the engine's dtype). Several may share one host buffer (the pool only
+        copies from it): each is still its own adapter, paged in and evicted on its own, which
+        is how scripts/bench_serving.py simulates thousands of adapters in little host memory."""
+        if adapter.flat.dtype != self.dtype or adapter.relative_offsets.shape[0] != self.model_config.num_layers:
+            raise ConfigError(f"adapter {adapter.name!r}: built for {adapter.relative_offsets.shape[0]} layers in "
+                              f"{adapter.flat.dtype}; this engine serves {self.model_config.num_layers} layers in "
+                              f"{self.dtype}")
+        return self._register(adapter)
 
     def _register(self, adapter: HostAdapter) -> AdapterInfo:
         if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
@@ -274,7 +318,11 @@ class Engine:
         last with ``finish_reason``). Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        rid = self.submit(request, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        with self._lock:
+            sink = self._sinks.get(loop)
+            if sink is None:
+                sink = self._sinks[loop] = _LoopSink(loop)
+        rid = self.submit(request, lambda ev: sink.push(queue, ev))
         self.start()
         finished = False
         try:
@@ -331,39 +379,69 @@ class Engine:
                 with self._step_lock:
                     for state in list(self._states.values()):
                         self._finish(state, "abort", [])
+                    self._flush_sinks()
 
     # ------------------------------------------------------------------ one step
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page no running request holds (vLLM's reset_prefix_cache):
+        later prompts are prefilled from scratch. Returns the pages freed."""
+        with self._step_lock:
+            return self.pool.drop_cached_prefixes()
 
     def step(self) -> list[TokenEvent]:
         """One iteration: admit, run one forward over prefill + decode rows, sample, emit."""
         with self._step_lock:
-            events: list[TokenEvent] = []
-            self._take_incoming(events)
-            self._retire_adapters()
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                return events
-            now = time.perf_counter()
-            for state in plan.prefill:
-                if state.first_scheduled is None:
-                    state.first_scheduled = now
-                    self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
-            with torch.no_grad():
-                self._run(plan, events)
-            self._counters["steps_total"] += 1
+            try:
+                return self._step()
+            finally:
+                self._flush_sinks()
+
+    def _flush_sinks(self) -> None:
+        """Hand this step's events to the asyncio loops streaming them (caller holds ``_step_lock``)."""
+        with self._lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            sink.flush()
+
+    def _step(self) -> list[TokenEvent]:
+        """The step itself (caller holds ``_step_lock``)."""
+        events: list[TokenEvent] = []
+        self._take_incoming(events)
+        self._retire_adapters()
+        plan = self.scheduler.schedule()
+        if plan.empty:
             return events
+        now = time.perf_counter()
+        for state in plan.prefill:
+            if state.first_scheduled is None:
+                state.first_scheduled = now
+                self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
+        with torch.no_grad():
+            self._run(plan, events)
+        self._counters["steps_total"] += 1
+        return events
 
     def _run(self, plan, events: list[TokenEvent]) -> None:
-        seqs = plan.prefill + plan.decode
         if plan.prefill:
-            batch = self.runner.prepare(plan.prefill, plan.decode)
+            batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
             hidden = self.runner.forward(batch)
-            last_rows = torch.tensor([end - 1 for _, end in batch.spans], device=self.device)
-            logits = self.runner.logits(hidden.index_select(0, last_rows))
-            for state, (start, end) in zip(seqs, batch.spans):
-                if state.status is Status.RUNNING and state.wants_prompt_logprobs:
-                    self._prompt_logprobs(state, hidden[start:end])
+            seqs, last_rows = [], []  # requests that sample a token this step, and their rows
+            for state, n, (start, end) in zip(plan.prefill, plan.prefill_lens, batch.spans):
+                if state.wants_prompt_logprobs:
+                    self._prompt_logprobs(state, hidden[start:end], state.num_cached)
+                state.num_cached += n
+                self.scheduler.register_prefill(state)
+                if state.num_cached == state.num_tokens:  # its prefill is complete (else a chunk ran)
+                    seqs.append(state)
+                    last_rows.append(end - 1)
+            seqs += plan.decode
+            last_rows += [end - 1 for _, end in batch.spans[len(plan.prefill):]]
+            if not seqs:
+                return
+            logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
         else:  # decode only: a CUDA graph replay where captured
+            seqs = plan.decode
             logits = self.runner.decode_logits(plan.decode)
         tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
         top_n = max((s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None), default=None)
@@ -373,9 +451,6 @@ class Engine:
             chosen = chosen.tolist()
             if top_vals is not None:
                 top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for state in plan.prefill:
-            state.num_cached = state.num_tokens
-            self.scheduler.register_prefill(state)
         for state in plan.decode:
             state.num_cached += 1
         tokens = tokens.tolist()
@@ -394,23 +469,29 @@ class Engine:
                 top = {} if not want else dict(zip(top_ids[i][:want], top_vals[i][:want]))
             self._append_token(state, token, lp, top, events)
 
-    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor, first: int) -> None:
         """Each prompt token's logprob given the tokens before it (None for the first), and with
-        ``prompt_logprobs=k > 0`` the k most likely tokens at each position."""
+        ``prompt_logprobs=k > 0`` the k most likely tokens at each position. ``hidden`` ``[n, H]``:
+        the rows of positions ``first .. first + n - 1`` (a prefill chunk, or the whole prompt),
+        whose logits score prompt tokens ``first + 1 ..``; complete once the last is scored."""
         prompt = state.request.prompt_token_ids
-        n, k = len(prompt), state.sampling.prompt_logprobs
-        chosen: list[float | None] = [None]
-        tops: list[dict[int, float] | None] = [None]
-        targets = torch.tensor(prompt[1:], device=self.device)
-        for c in range(0, n - 1, PROMPT_LOGPROB_CHUNK):
-            lp = torch.log_softmax(self.runner.logits(hidden[c:min(c + PROMPT_LOGPROB_CHUNK, n - 1)]), dim=-1)
+        p, k = len(prompt), state.sampling.prompt_logprobs
+        if first == 0:  # (again, after a preemption)
+            state.partial_prompt_logprobs = ([None], [None])
+        chosen, tops = state.partial_prompt_logprobs
+        rows = min(hidden.shape[0], p - 1 - first)
+        targets = torch.tensor(prompt[first + 1:first + 1 + rows], device=self.device)
+        for c in range(0, rows, PROMPT_LOGPROB_CHUNK):
+            lp = torch.log_softmax(self.runner.logits(hidden[c:min(c + PROMPT_LOGPROB_CHUNK, rows)]), dim=-1)
             chosen += lp.gather(1, targets[c:c + lp.shape[0], None]).squeeze(1).tolist()
             if k:
                 values, ids = lp.topk(k, dim=-1)
                 tops += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             else:
                 tops += [{} for _ in range(lp.shape[0])]
-        state.prompt_logprobs, state.prompt_top_logprobs = chosen, tops
+        if len(chosen) == p:
+            state.prompt_logprobs, state.prompt_top_logprobs = chosen, tops
+            state.partial_prompt_logprobs = None
 
     def _append_token(self, state: RequestState, token: int, logprob: float | None,
                       top: dict[int, float] | None, events: list[TokenEvent]) -> None:
@@ -520,6 +601,7 @@ class Engine:
             "pages_free": pool.num_free,
             "kv_pages_moved_total": pool.pages_moved,
             "preemptions_total": self.scheduler.num_preemptions,
+            "prefill_chunks_total": self.scheduler.prefill_chunks,
             "prefix_cache_hits_total": self.scheduler.prefix_cache_hits,
             "prefix_tokens_reused_total": self.scheduler.prefix_tokens_reused,
             "prefix_pages_cached": pool.kv_pages_cached,

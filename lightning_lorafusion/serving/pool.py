@@ -203,6 +203,14 @@ class UnifiedPool:
         self._prefix[key] = page
         self._page_key[page] = key
 
+    def drop_cached_prefixes(self) -> int:
+        """Free every cached prefix page (no owner); pages in use stay registered. Returns how
+        many were freed."""
+        n = len(self._cached)
+        for _ in range(n):
+            self._drop_cached()
+        return n
+
     def _drop_cached(self) -> None:
         """Free the least recently used cached page."""
         page, _ = self._cached.popitem(last=False)

@@ -98,6 +98,8 @@ class RequestState:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # prompt logprobs of the prefill chunks run so far (set complete into the two fields above)
+    partial_prompt_logprobs: tuple[list[float | None], list[dict[int, float] | None]] | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None

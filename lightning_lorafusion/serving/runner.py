@@ -1,14 +1,19 @@
 """The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
 
-Rows of a step: first every prefill request's tokens (positions from 0), then one token per
-decode request. Linear layers run once over all rows. LoRA: prefill rows go through the
-multi-adapter segment kernels (``lora_projections`` with one segment per request), decode rows
-through ``lora_gather`` (each row its own adapter and rank, weights read from the pool).
-Attention: prefill rows attend to their own tokens (varlen causal), decode rows to their
-cached pages (``paged_decode_attention``); both write their keys and values into the pages. A
-prefill that starts after a reused cached prefix (prefix caching) attends over its pages
-(``paged_prefix_attention_reference``, a torch path); a step holding one runs every prefill
-request that way.
+Rows of a step: first every prefill request's tokens (from its first uncached position), then
+one token per decode request. Linear layers run once over all rows: q/k/v and gate/up as one
+GEMM each (``fused_weights``) unless prefill rows bring LoRA, which goes through the
+multi-adapter segment kernels (``lora_projections`` with one segment per request). Decode rows'
+LoRA is gathered (each row its own adapter and rank, weights read from the pool): one shrink per
+group of projections sharing an input, the expand fused into what consumes the projection
+(``lora_epilogues``: RoPE + KV write, SwiGLU; ``lora_gather`` for o and down). Residual adds are
+fused into the next RMSNorm (``add_rms_norm``): a layer returns its MLP output and the next one
+adds it.
+Attention: every row's keys and values are written into the pages first. Prefill requests that
+start at position 0 come first and attend to their own tokens (varlen causal); those that start
+after tokens already in their pages (a reused cached prefix, an earlier chunk) follow and
+attend over their pages (``paged_prefill_attention``: all of them in one launch per layer);
+decode rows attend to their cached pages (``paged_decode_attention``).
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
@@ -20,23 +25,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from ..kernels.api import lora_projections
-from ..kernels.lora_gather import lora_gather
-from ..kernels.paged_attention import paged_decode_attention, paged_prefix_attention_reference, write_kv
+from ..kernels.lora_epilogues import rope_write_kv, swiglu
+from ..kernels.lora_gather import GatheredLora, lora_gather
+from ..kernels.paged_attention import paged_decode_attention
+from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.reference import LoraModuleWeights, LoraRouting
+from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
-from ..model.decoder import (DecoderConfig, apply_rope, embed, frozen_weight, rms_norm, rope_cos_sin,
-                             rope_inv_freq)
+from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
+from .fused_weights import FUSED_PROJECTIONS
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 
 _MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
+# groups of projections sharing an input: (fused weight key or None, members in output order);
+# members are consecutive in ALL_TARGET_MODULES, so a group's decode tables are one slice
+_QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
+_O = (None, ("o_proj",))
+_GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
+_DOWN = (None, ("down_proj",))
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """The prefill requests of a step that start after tokens already in their pages; their rows
+    follow the other prefill rows (``StepBatch.num_fresh_rows`` on)."""
+
+    cu_seqlens: torch.Tensor  # [m + 1] int32, over these rows (from 0)
+    starts: torch.Tensor  # [m] int32 first position of each request's rows
+    page_table: torch.Tensor  # [m, max pages] int32 each request's pages (0 past its last)
+    max_seqlen: int  # most rows of one request
 
 
 @dataclass
@@ -48,10 +75,10 @@ class StepBatch:
     slot_pages: torch.Tensor  # [T] page of each row's KV
     slot_offsets: torch.Tensor  # [T] slot inside that page
     num_prefill_rows: int
-    cu_seqlens: torch.Tensor | None  # [n_prefill + 1] over the prefill rows
-    max_prefill_len: int
-    # per prefill request (first row, end row, first position, pages [n]) when one reuses a cached prefix
-    prefill_prefixes: list[tuple[int, int, int, torch.Tensor]] | None
+    num_fresh_rows: int  # prefill rows [0, this) start at position 0; the rest are prefill_prefixes'
+    cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the fresh prefill rows
+    max_prefill_len: int  # of the fresh prefill rows
+    prefill_prefixes: PrefixRows | None
     prefill_routing: LoraRouting | None
     prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
     page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
@@ -79,6 +106,7 @@ class ModelRunner:
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
@@ -89,6 +117,9 @@ class ModelRunner:
         self.pad_decode = False
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+        # per resident adapter, views of its factors in the pool (valid while it stays resident:
+        # a page-in makes a new ResidentAdapter)
+        self._adapter_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -133,8 +164,8 @@ class ModelRunner:
         lora = bool(modules)
         return StepBatch(
             input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
-            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, cu_seqlens=None, max_prefill_len=0,
-            prefill_prefixes=None,
+            slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, num_fresh_rows=0, cu_seqlens=None,
+            max_prefill_len=0, prefill_prefixes=None,
             prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
             seq_lens=(positions + 1).to(torch.int32),
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
@@ -144,23 +175,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState]) -> StepBatch:
-        """Host-side bookkeeping of a step -> device tensors. Prefill requests feed their tokens
-        from ``num_cached`` (0 unless a cached prefix was reused); decode requests feed their
-        newest token."""
+    def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
+                prefill_lens: Sequence[int] | None = None) -> StepBatch:
+        """Host-side bookkeeping of a step -> device tensors. Prefill request i feeds
+        ``prefill_lens[i]`` tokens (default: all the rest) from ``num_cached`` (0 unless a cached
+        prefix was reused or an earlier chunk ran); decode requests feed their newest token.
+        Output rows: a prefill's last row when it completes the request's tokens (every row
+        when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
+        cached, then those after cached tokens, then the decode rows; ``spans`` stay in the
+        order of ``prefill + decode``."""
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []
         slot_pages: list[int] = []
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int]] = [(0, 0)] * (len(prefill) + len(decode))
         out_rows: list[int] = []
         segments: list[tuple[int, int, int]] = []
         local: dict[int, int] = {}  # adapter key -> index in the prefill routing
         residents: list[ResidentAdapter] = []
-        cu = [0]
-        for state in prefill:
+        fresh = [i for i, st in enumerate(prefill) if st.num_cached == 0]
+        cached = [i for i, st in enumerate(prefill) if st.num_cached > 0]
+        cu = [0]  # row bounds of the prefill requests in row order (fresh, then cached)
+        for i in fresh + cached:
+            state = prefill[i]
             first = state.num_cached
-            toks = state.all_ids[first:]
+            end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
+            toks = state.all_ids[first:end]
             start = len(ids)
             ids += toks
             pos += range(first, first + len(toks))
@@ -172,16 +212,17 @@ class ModelRunner:
                     local[key] = len(residents)
                     residents.append(state.resident)
                 segments.append((start, len(ids), local[key]))
-            first_out = start if state.wants_prompt_logprobs else len(ids) - 1
-            spans.append((len(out_rows), len(out_rows) + len(ids) - first_out))
+            first_out = (start if state.wants_prompt_logprobs
+                         else len(ids) - 1 if end == state.num_tokens else len(ids))
+            spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
             out_rows += range(first_out, len(ids))
-        n_prefill = len(ids)
-        for state in decode:
+        n_prefill, n_fresh = len(ids), cu[len(fresh)]
+        for j, state in enumerate(decode):
             p = state.num_tokens - 1
             ids.append(state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])
-            spans.append((len(out_rows), len(out_rows) + 1))
+            spans[len(prefill) + j] = (len(out_rows), len(out_rows) + 1)
             out_rows.append(len(ids) - 1)
 
         dev = self.device
@@ -190,13 +231,14 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
         positions = torch.tensor(pos, dtype=torch.int64)
+        fresh_cu = cu[:len(fresh) + 1]
         batch = StepBatch(
             input_ids=tensor(ids), positions=positions.to(dev, non_blocking=True),
             slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
-            num_prefill_rows=n_prefill, cu_seqlens=tensor(cu, torch.int32) if prefill else None,
-            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
-            prefill_prefixes=([(a, b, st.num_cached, tensor(st.pages)) for st, a, b in zip(prefill, cu, cu[1:])]
-                              if any(st.num_cached for st in prefill) else None),
+            num_prefill_rows=n_prefill, num_fresh_rows=n_fresh,
+            cu_seqlens=tensor(fresh_cu, torch.int32) if fresh else None,
+            max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
+            prefill_prefixes=self._prefix_rows([prefill[i] for i in cached], cu[len(fresh):]) if cached else None,
             prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows),
@@ -211,6 +253,20 @@ class ModelRunner:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
+
+    def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> PrefixRows:
+        """Device tables of the prefill requests after a cached prefix; ``bounds`` their rows'
+        bounds in the step (consecutive)."""
+        s = self.pool.page_size
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        pages = [st.pages[:-(-(st.num_cached + n) // s)] for st, n in zip(states, lens)]
+        width = max(len(p) for p in pages)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32)
+        dev = self.device
+        return PrefixRows(
+            cu_seqlens=torch.tensor([b - bounds[0] for b in bounds], dtype=torch.int32).to(dev, non_blocking=True),
+            starts=torch.tensor([st.num_cached for st in states], dtype=torch.int32).to(dev, non_blocking=True),
+            page_table=table.to(dev, non_blocking=True), max_seqlen=max(lens))
 
     def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
         inputs = self.decode_inputs
@@ -227,25 +283,25 @@ class ModelRunner:
     def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
         """Views into the pool of the prefill adapters' factors, as the segment kernels take them
         (``A [r, K]``, ``B [N, r]``, the latter a transposed view of the stored ``B^T``)."""
-        flat = self.pool.storage
+        per = [self._resident_views(r) for r in residents]
         view: dict[tuple[int, str], LoraModuleWeights] = {}
         for layer in range(self.config.num_layers):
             for module in ALL_TARGET_MODULES:
-                a: list[torch.Tensor | None] = []
-                b: list[torch.Tensor | None] = []
-                for r in residents:
-                    slot = r.adapter.slots.get((layer, module))
-                    if slot is None:
-                        a.append(None)
-                        b.append(None)
-                        continue
-                    rank, off = r.adapter.rank, r.offset
-                    a.append(flat[off + slot.a:off + slot.a + rank * slot.in_features].view(rank, slot.in_features))
-                    b.append(flat[off + slot.b:off + slot.b + rank * slot.out_features]
-                             .view(rank, slot.out_features).t())
-                if any(t is not None for t in a):
-                    view[(layer, module)] = LoraModuleWeights(a=tuple(a), b=tuple(b))
+                pairs = [p.get((layer, module)) for p in per]
+                if any(pair is not None for pair in pairs):
+                    view[(layer, module)] = LoraModuleWeights(a=tuple(p and p[0] for p in pairs),
+                                                              b=tuple(p and p[1] for p in pairs))
         return view
+
+    def _resident_views(self, r: ResidentAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        views = self._adapter_views.get(r)
+        if views is None:
+            flat, rank, off = self.pool.storage, r.adapter.rank, r.offset
+            views = {key: (flat[off + s.a:off + s.a + rank * s.in_features].view(rank, s.in_features),
+                           flat[off + s.b:off + s.b + rank * s.out_features].view(rank, s.out_features).t())
+                     for key, s in r.adapter.slots.items()}
+            self._adapter_views[r] = views
+        return views
 
     # ------------------------------------------------------------------ forward
 
@@ -254,63 +310,89 @@ class ModelRunner:
         cfg, params = self.config, self.params
         h = embed(params, batch.input_ids)
         cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)
+        d = None
         for layer in range(cfg.num_layers):
-            h = self._layer(layer, params["layers"][layer], h, cos, sin, batch)
+            d = self._layer(layer, params["layers"][layer], h, d, cos, sin, batch)
         if batch.output_rows is not None:
-            h = h.index_select(0, batch.output_rows)
-        return rms_norm(h, params["norm"], cfg.rms_norm_eps)
+            h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
+        return add_rms_norm(h, d, params["norm"], cfg.rms_norm_eps, backend=self.kernel_backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
         return F.linear(hidden, self.params["lm_head"]).float()
 
-    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        cfg = self.config
+    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
+        in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it)."""
+        cfg, kb = self.config, self.kernel_backend
         t, tp = h.shape[0], batch.num_prefill_rows
-        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = self._projections(x, lp, ("q_proj", "k_proj", "v_proj"), layer, batch)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
+        q, k, v = self._projections(x, lp, _QKV, layer, batch)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(self.pool.kv, layer, k, v, batch.slot_pages, batch.slot_offsets)
+        rope_write_kv(q, k, v, cos, sin, self.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
+                      lora=self._gathered(x, layer, _QKV, batch), backend=kb)
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
-        if tp and batch.prefill_prefixes is not None:
-            parts += [paged_prefix_attention_reference(q[a:b], self.pool.kv, layer, pages, first, scale=scale,
-                                                       sliding_window=window)
-                      for a, b, first, pages in batch.prefill_prefixes]
-        elif tp:
-            parts.append(varlen_causal_attention(q[:tp], k[:tp], v[:tp], batch.cu_seqlens, scale=scale,
-                                                 sliding_window=window, max_seqlen=batch.max_prefill_len))
+        tf = batch.num_fresh_rows
+        if tf:
+            # q, k, v may be column views of one fused GEMM output: attention gets dense copies
+            parts.append(varlen_causal_attention(q[:tf].contiguous(), k[:tf].contiguous(), v[:tf].contiguous(),
+                                                 batch.cu_seqlens, scale=scale, sliding_window=window,
+                                                 max_seqlen=batch.max_prefill_len))
+        # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
+        # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+        kv_layer = self.pool.kv[:, layer:layer + 1]
+        if batch.prefill_prefixes is not None:
+            pre = batch.prefill_prefixes
+            parts.append(paged_prefill_attention(q[tf:tp], kv_layer, 0, pre.cu_seqlens, pre.starts, pre.page_table,
+                                                 scale=scale, sliding_window=window, max_seqlen=pre.max_seqlen,
+                                                 backend=self.prefill_attention_backend))
         if tp < t:
-            # the layer's slice as a one-layer pool: the Triton launcher would turn a layer index
-            # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
-            kv_layer = self.pool.kv[:, layer:layer + 1]
             parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
                                                 scale=scale, sliding_window=window,
                                                 backend=self.kernel_backend))
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        (o,) = self._projections(attn.reshape(t, cfg.q_size), lp, ("o_proj",), layer, batch)
-        h = h + o
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        g, u = self._projections(x, lp, ("gate_proj", "up_proj"), layer, batch)
-        (d,) = self._projections(F.silu(g) * u, lp, ("down_proj",), layer, batch)
-        return h + d
+        attn = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+        (o,) = self._projections(attn, lp, _O, layer, batch)
+        self._gather_into(attn, o, layer, "o_proj", batch)
+        x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
+        g, u = self._projections(x, lp, _GATE_UP, layer, batch)
+        act = swiglu(g, u, lora=self._gathered(x, layer, _GATE_UP, batch), backend=kb)
+        (down,) = self._projections(act, lp, _DOWN, layer, batch)
+        self._gather_into(act, down, layer, "down_proj", batch)
+        return down
 
-    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], names: tuple[str, ...], layer: int,
-                     batch: StepBatch) -> list[torch.Tensor]:
-        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],
+                     layer: int, batch: StepBatch) -> list[torch.Tensor]:
+        """The frozen projections of a group (one GEMM when the layer has its fused weight and
+        no prefill row brings LoRA here; a column view per member) plus the prefill rows' LoRA."""
+        fused, names = group
         loras = [batch.prefill_loras.get((layer, n)) for n in names]
-        ys = lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+        if fused is not None and fused in lp and all(lora is None for lora in loras):
+            y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
+            return list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
+        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+        return lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+
+    def _gathered(self, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
+                  batch: StepBatch) -> GatheredLora | None:
+        """The decode rows' LoRA tables of a group (None when no decode row adapts any member)."""
+        names = group[1]
+        if batch.decode_offsets is None or not batch.decode_modules.intersection(names):
+            return None
+        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
         tp = batch.num_prefill_rows
-        if batch.decode_offsets is not None:
-            xd = x[tp:]
-            for n, y in zip(names, ys):
-                if n not in batch.decode_modules:
-                    continue
-                m = _MODULE_INDEX[n]
-                lora_gather(xd, self.pool.storage, batch.decode_offsets[layer, m, 0],
-                            batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales,
-                            y.shape[1], out=y[tp:], backend=self.kernel_backend)
-        return ys
+        return GatheredLora(x[tp:], self.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
+                            batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
+                            first_row=tp)
+
+    def _gather_into(self, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
+        """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
+        if batch.decode_offsets is None or name not in batch.decode_modules:
+            return
+        m, tp = _MODULE_INDEX[name], batch.num_prefill_rows
+        lora_gather(x[tp:], self.pool.storage, batch.decode_offsets[layer, m, 0], batch.decode_offsets[layer, m, 1],
+                    batch.decode_ranks[m], batch.decode_scales, y.shape[1], out=y[tp:],
+                    backend=self.kernel_backend)

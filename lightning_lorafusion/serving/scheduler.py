@@ -11,10 +11,12 @@ from .request import RequestState, Status
 
 @dataclass
 class StepPlan:
-    """One iteration: ``prefill`` requests feed all their tokens (from position 0), ``decode``
-    requests feed their newest token; ``preempted`` lost their KV pages and wait again."""
+    """One iteration: ``prefill[i]`` feeds ``prefill_lens[i]`` tokens from its first uncached
+    one (a chunk, or the rest of its tokens), ``decode`` requests feed their newest token;
+    ``preempted`` lost their KV pages and wait again."""
 
     prefill: list[RequestState] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
     decode: list[RequestState] = field(default_factory=list)
     preempted: list[RequestState] = field(default_factory=list)
 
@@ -22,9 +24,26 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.prefill_lens) + len(self.decode)
+
+    def add_prefill(self, state: RequestState, tokens: int) -> None:
+        self.prefill.append(state)
+        self.prefill_lens.append(tokens)
+
 
 class Scheduler:
-    """FIFO admission into a running set; every running request decodes one token per step.
+    """FIFO admission into a running set; every running request decodes one token per step
+    once its prefill is done.
+
+    Token budget (``max_num_batched_tokens``, Sarathi-Serve's / vLLM's chunked prefill): each
+    step first takes one token per decoding request, then, with ``chunked_prefill``, fills the
+    rest with prefill chunks: requests whose prefill is under way (admission order), then
+    newly admitted ones, each getting ``min(its uncached tokens, budget left)``. A running
+    request with exactly one uncached token decodes it (the same computation as prefilling
+    it). Without ``chunked_prefill`` a prompt is prefilled whole in the step that admits it
+    and one longer than the budget runs in a step with no other prefill.
 
     Pages: a running request grows by one KV page every ``page_size`` tokens; when none is free,
     idle adapters are evicted first, then the most recently admitted request is preempted (its
@@ -39,8 +58,11 @@ class Scheduler:
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False) -> None:
+                 prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
+                 chunked_prefill: bool = False) -> None:
         self.pool = pool
+        self.chunked_prefill = chunked_prefill
+        self.prefill_chunks = 0  # prefill pieces that left part of their request's tokens for later
         self.prefix_caching = prefix_caching
         self.prefix_cache_hits = 0  # admissions that reused at least one cached page
         self.prefix_tokens_reused = 0
@@ -61,24 +83,41 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        prefilling: list[RequestState] = []
         for state in list(self.running):
             if state.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._grow(state, plan):
+            if state.num_tokens - state.num_cached > 1:  # a chunked prefill under way (pages all taken)
+                prefilling.append(state)
+            elif self._grow(state, plan):
                 plan.decode.append(state)
         budget = self.max_num_batched_tokens - len(plan.decode)
+        for state in prefilling:  # budget >= max_num_seqs: each gets at least one token
+            if state.status is Status.RUNNING and budget > 0:
+                budget -= self._add_prefill(plan, state, budget)
         while self.waiting and len(self.running) < self.max_num_seqs:
             state = self.waiting[0]
-            n = state.num_tokens
-            if n > budget and (plan.prefill or plan.decode):
+            if self.chunked_prefill:
+                if budget <= 0:
+                    break
+            elif state.num_tokens > budget and (plan.prefill or plan.decode):
                 break  # a prompt longer than the whole budget runs when the step is otherwise empty
             if not self._admit(state):
                 break
             self.waiting.popleft()
-            plan.prefill.append(state)
-            budget -= n
+            budget -= self._add_prefill(plan, state, budget)
         self._prefetch()
         return plan
+
+    def _add_prefill(self, plan: StepPlan, state: RequestState, budget: int) -> int:
+        """Schedule ``state``'s next prefill piece (all its uncached tokens, or with chunking at
+        most ``budget``); -> tokens scheduled."""
+        n = state.num_tokens - state.num_cached
+        if self.chunked_prefill and n > budget:
+            n = budget
+            self.prefill_chunks += 1
+        plan.add_prefill(state, n)
+        return n
 
     def finish(self, state: RequestState) -> None:
         """Take a request out (finished or aborted), giving back its pages."""
@@ -134,8 +173,10 @@ class Scheduler:
         return True
 
     def register_prefill(self, state: RequestState) -> None:
-        """After ``state``'s prefill ran: its full pages become reusable prefixes."""
-        for page, key in zip(state.pages, state.page_keys):
+        """After a prefill piece of ``state`` ran: its full, computed pages become reusable
+        prefixes (with chunking, those before ``num_cached``)."""
+        full = state.num_cached // self.pool.page_size
+        for page, key in zip(state.pages[:full], state.page_keys):
             self.pool.register(page, key)
 
     def _release(self, state: RequestState) -> None:

@@ -105,6 +105,10 @@ class LoRAFusionModule(L.LightningModule):
             and ``val_explode_factor``.
         sample_max_new_tokens: length of the greedy generations for ``adapters[].val_samples``
             (written to ``<default_root_dir>/samples.jsonl`` and a W&B table at each validation).
+        lm_head_loss: "checkpointed": the LM-head loss chunks are recomputed in backward;
+            "fused": each chunk's input gradient is formed in the forward while its logits are
+            live (fused linear cross-entropy: one LM-head GEMM fewer per microbatch, the
+            gradient of the label rows kept until backward); see docs/model.md.
         activation_checkpointing: keep only a decoder layer's input for backward and recompute
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
@@ -137,6 +141,7 @@ class LoRAFusionModule(L.LightningModule):
         fp8_emulate: bool = False,
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
+        lm_head_loss: str = "checkpointed",
     ) -> None:
         super().__init__()
         from ..model.adapter_bank import AdapterBank
@@ -164,6 +169,10 @@ class LoRAFusionModule(L.LightningModule):
         if isinstance(max_nonfinite_steps, bool) or max_nonfinite_steps < 1:
             raise ConfigError(f"model.max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1")
         _check_base_precision(base_precision, dtype, fp8_emulate)
+        from ..model.decoder import LM_HEAD_LOSSES
+
+        if lm_head_loss not in LM_HEAD_LOSSES:
+            raise ConfigError(f"model.lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
         self.save_hyperparameters(ignore=["adapters"])
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
         # hyperparameters into the model's arguments, so they must be valid `adapters` entries
@@ -181,6 +190,7 @@ class LoRAFusionModule(L.LightningModule):
         self.sample_max_new_tokens = sample_max_new_tokens
         self._last_samples: dict[int, str] = {}  # adapter -> its latest generated val sample
         self.activation_checkpointing = activation_checkpointing
+        self.lm_head_loss = lm_head_loss
         self.base_model_name = base_model
         self.base_precision = base_precision
 
@@ -303,7 +313,7 @@ class LoRAFusionModule(L.LightningModule):
         )
         # max_seqlen and label_rows come from packing (host): no device->host sync for either
         return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config,
-                              label_rows=mb.label_rows)
+                              label_rows=mb.label_rows, lm_head_loss=self.lm_head_loss)
 
     # ------------------------------------------------------------- Lightning
     def configure_optimizers(self):
@@ -696,7 +706,7 @@ class LoRAFusionModule(L.LightningModule):
             params=self.base_params(), bank=self.bank, config=self.config, layers=layers,
             is_first=is_first, is_last=is_last, microbatches=lambda pos: self._window.microbatch(pos),
             backend=self.backend, on_loss_sums=self._on_pipeline_loss_sums if is_last else None,
-            checkpoint_layers=self.activation_checkpointing,
+            checkpoint_layers=self.activation_checkpointing, lm_head_loss=self.lm_head_loss,
         )
 
     def adapter_parameters(self, adapter: int, layers: range) -> list[torch.nn.Parameter]:

@@ -86,7 +86,7 @@ def single(m, p, seed=3, scale=2.0):
     return LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(scale,), dropout_p=(p,), seeds=(seed,))
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("gemm", ["triton", "cublas", "cublas_accumulate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_single_adapter_odd_shape(device, gemm, dtype):
     # M=47, K=123, N=4097, r=3: every dimension has a masked tail
@@ -95,8 +95,8 @@ def test_single_adapter_odd_shape(device, gemm, dtype):
     check_against_reference(x, ws, bs, loras, single(47, 0.25), 5, dtype, sizes)
 
 
-@pytest.mark.parametrize("p", [0.0, 0.5])
-def test_multi_adapter_heterogeneous_ranks(device, p):
+@pytest.mark.parametrize("p,gemm", [(0.0, "triton"), (0.5, "triton"), (0.5, "cublas_accumulate")])
+def test_multi_adapter_heterogeneous_ranks(device, p, gemm):
     # ranks 1, 16, 128 and 5 on q/k/v-like projections; adapter 2 has no LoRA on k;
     # rows 0..2 and 90..99 belong to no segment; segments are not block-aligned.
     m, k = 100, 70
@@ -110,7 +110,8 @@ def test_multi_adapter_heterogeneous_ranks(device, p):
         seeds=(1, 2, 3, 4),
         microbatch_index=3,
     )
-    check_against_reference(x, ws, bs, loras, routing, 2**31 + 9, torch.float32)
+    check_against_reference(x, ws, bs, loras, routing, 2**31 + 9, torch.float32,
+                            dataclasses.replace(SMALL, gemm=gemm))
 
 
 def test_many_adapters_fp16_padded_segments(device):
@@ -124,7 +125,7 @@ def test_many_adapters_fp16_padded_segments(device):
     check_against_reference(x, ws, bs, loras, routing, 17, torch.float16)
 
 
-@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("gemm", ["triton", "cublas", "cublas_accumulate"])
 def test_four_projections_chain_dx_gemm(device, gemm):
     # more projections than one dX launch sums (3): the Triton path chains launches
     x, ws, bs, loras = make_problem(40, 48, (16, 17, 18, 19), ((2, 3),) * 4, torch.float32, device)
@@ -246,3 +247,26 @@ def test_custom_ops_pass_opcheck_and_compile_fullgraph(device):
     g_want = torch.autograd.grad(want, params, [torch.ones_like(y) for y in want])
     for a, b in zip(list(got) + list(g_got), list(want) + list(g_want)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cached launches call compiled kernels: CUDA only")
+@pytest.mark.parametrize("gemm", ["cublas", "cublas_accumulate", "triton"])
+def test_cached_launches_repeat_calls_and_misaligned_inputs_cuda(gemm):
+    # The first call of a plan goes through Triton's dispatch, later ones call the compiled
+    # kernels directly (triton_launch.CachedLaunch); a tensor at a new 16-byte alignment goes
+    # through the dispatch again. Every call must match the float64 reference.
+    from lightning_lorafusion.kernels import fused_lora as fl
+
+    sizes = dataclasses.replace(SMALL, gemm=gemm)  # small tiles: fp32 Triton GEMMs fit in shared memory
+    x, ws, bs, loras = make_problem(300, 250, (192, 64), ((16, 8), (16, 8)), torch.float32, "cuda")
+    routing = LoraRouting(num_rows=300, segments=((0, 130, 1), (130, 290, 0)), scales=(2.0, 0.5),
+                          dropout_p=(0.1, 0.25), seeds=(7, 8))
+    for offset in (5, 5, 6):
+        check_against_reference(x, ws, bs, loras, routing, offset, torch.float32, sizes)
+    plans = [p for p in routing.launch_cache.values() if isinstance(p, fl._Plan)]
+    launches = [launch for p in plans for hit in p.launches.values()
+                for launch in (hit if isinstance(hit, tuple) else (hit,)) if hasattr(launch, "runners")]
+    assert launches and all(launch.runners for launch in launches)  # the direct path was taken
+    # rows of 250 fp32 = 1000 bytes: x[1:] starts 8 bytes off a 16-byte boundary
+    big = torch.randn(301, 250, device="cuda").requires_grad_(True)
+    check_against_reference(big[1:], ws, bs, loras, routing, 6, torch.float32, sizes)

@@ -12,7 +12,7 @@ ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-token
         "--max-batched-tokens", "256"]
 
 
-@pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4"], "thread"),
+@pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4", "--rounds", "2"], "thread"),
                                          (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process")])
 def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     module = load_script("bench_server")
@@ -26,6 +26,11 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     assert report["texts"]["compared"] == n and report["texts"]["equal"] == n  # fp32 greedy: same text
     assert report["texts"]["mean_chars"] > 0
     assert report["http_overhead"] == 1 - report["http"]["tokens_per_s"] / report["direct"]["tokens_per_s"]
+    rounds = report["rounds"]
+    assert len(rounds) == report["args"]["rounds"] and rounds[-1]["http"] == report["http"]
+    for row in rounds:  # every round ran every request in both modes
+        assert all(row[m]["complete"] == n and row[m]["errors"] == 0 for m in ("direct", "http"))
+    assert report["http_overhead_per_round"] == [r["http_overhead"] for r in rounds]
     saved = json.loads((tmp_path / "bench_server_tiny.json").read_text())
     assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == n * 4
     out = capsys.readouterr().out

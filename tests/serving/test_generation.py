@@ -51,6 +51,28 @@ def test_triton_kernels_equal_hf_peft(make_engine, hf_reference):
         assert list(res.token_ids) == hf_reference.generate(prompt, adapter, 3), adapter
 
 
+def test_triton_mixed_prefill_and_decode_step_equals_torch(make_engine):
+    """A step holding prefill rows and decode rows (the decode rows' LoRA gathered from row
+    ``first_row`` on, q/k/v not fused there because the prefill rows bring LoRA): the Triton
+    kernels (interpreter, fp32) give the torch references' tokens and logprobs."""
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    cases = [CASES[1], CASES[3], CASES[2]]
+    got = []
+    for backend in ("torch", "triton"):
+        engine = make_engine(num_pages=96, page_size=4, backend=backend)
+        reqs = _requests(cases, sp)
+        events = []
+        for step in range(6):
+            if step < 2:  # two requests first; the third joins while they decode
+                for r in reqs[:2] if step == 0 else reqs[2:]:
+                    engine.submit(r)
+            events += engine.step()
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        got.append([(index[ev.request_id], ev.token_id, ev.logprob) for ev in events if ev.token_id is not None])
+    assert [(r, t) for r, t, _ in got[0]] == [(r, t) for r, t, _ in got[1]] and len(got[0]) == 6
+    assert [lp for *_, lp in got[0]] == pytest.approx([lp for *_, lp in got[1]], abs=1e-5)
+
+
 def test_requests_arriving_at_different_steps_match_running_alone(make_engine):
     engine = make_engine(num_pages=96, page_size=4)
     alone = {i: engine.generate(_requests([c]))[0].token_ids for i, c in enumerate(CASES)}

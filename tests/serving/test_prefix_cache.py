@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+import torch
+
+from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
 
 from test_generation import GREEDY, _requests
 
@@ -124,8 +126,6 @@ def test_readded_adapter_never_hits_the_old_prefix(make_engine, adapter_dirs):
 def test_prefix_attention_equals_full_causal_attention():
     """New queries over [cached prefix + new] K/V in scattered pages equal the rows of causal
     attention over the whole sequence, with and without a sliding window (GQA)."""
-    import torch
-
     from lightning_lorafusion.kernels.paged_attention import paged_prefix_attention_reference
     from lightning_lorafusion.model.attention import sdpa_varlen_loop
 
@@ -141,3 +141,57 @@ def test_prefix_attention_equals_full_causal_attention():
         full = sdpa_varlen_loop(q, k, v, torch.tensor([0, n_total]), scale=0.3, sliding_window=window)
         got = paged_prefix_attention_reference(q[start:], pool, 1, pages, start, scale=0.3, sliding_window=window)
         torch.testing.assert_close(got, full[start:], rtol=1e-5, atol=1e-6)
+
+
+def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    prompt = SYSTEM + [5, 6]
+    first = engine.generate(_requests([(prompt, "all4")]))[0]
+    cached = engine.stats()["prefix_pages_cached"]
+    assert cached == 3
+    free_before = engine.pool.num_free
+    assert engine.reset_prefix_cache() == cached
+    assert engine.stats()["prefix_pages_cached"] == 0 and engine.pool.num_free == free_before  # cached counted free
+    again = engine.generate(_requests([(prompt, "all4")]))[0]
+    assert engine.stats()["prefix_cache_hits_total"] == 0 and again.token_ids == first.token_ids
+    engine.pool.check()
+
+
+def test_prefix_hits_fresh_prompts_and_decodes_in_one_triton_step(model_dir, adapter_dirs, hf_reference):
+    """Triton kernels in fp32 (the interpreter on CPU; the GPU where there is one): one step
+    prefills two prefix hits (the paged prefill kernel, both in one launch per layer) next to
+    two fresh prompts (varlen) and two decoding requests; every request's tokens equal HF +
+    PEFT's."""
+    engine = Engine.from_pretrained(str(model_dir), adapter_dirs,
+                                    EngineConfig(num_pages=96, page_size=4, backend="triton"),
+                                    device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
+    try:
+        _check_mixed_triton_step(engine, hf_reference)
+    finally:
+        engine.close()
+
+
+def _check_mixed_triton_step(engine, hf_reference):
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    cases = [(SYSTEM + [1], "all4"), (SYSTEM + [2, 3], None),  # step 0: fill the cache, then decode
+             (SYSTEM + [18, 28, 45], "all4"), ([7, 13, 21, 33, 45, 50], "attn2"),  # step 1: hit, fresh
+             (SYSTEM + [59, 4, 23, 60, 61], None), (SYSTEM + [9], "mlp8")]  # hit (6 new rows), fresh
+    steps = []
+    prepare = engine.runner.prepare
+
+    def recording_prepare(prefill, decode, *args):
+        batch = prepare(prefill, decode, *args)
+        pre = batch.prefill_prefixes
+        steps.append((batch.num_fresh_rows, batch.num_prefill_rows, len(decode),
+                      None if pre is None else (pre.cu_seqlens.tolist(), pre.starts.tolist())))
+        return batch
+
+    engine.runner.prepare = recording_prepare
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp) for p, a in cases]
+    out = _run_arriving(engine, reqs, {0: [0, 1], 1: [2, 3, 4, 5]})
+    # step 1: fresh rows first (6 + 14), then the hits' new tokens (4 and 6) after 12 cached each
+    assert steps[1] == (20, 30, 2, ([0, 4, 10], [12, 12]))
+    for (prompt, adapter), tokens in zip(cases, out):
+        assert list(tokens) == hf_reference.generate(prompt, adapter, 3), adapter
+    assert engine.stats()["prefix_cache_hits_total"] == 2
+    engine.pool.check()

@@ -73,10 +73,15 @@ def train_alone(module, dm, adapter, max_epochs=1):
     return bank
 
 
-@pytest.mark.parametrize("planner, recompute", [("greedy", False), ("milp", False), ("greedy", True), ("greedy", 1)])
-def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, recompute):
+@pytest.mark.parametrize("planner, recompute, head", [
+    ("greedy", False, "checkpointed"), ("milp", False, "checkpointed"), ("greedy", True, "checkpointed"),
+    ("greedy", 1, "checkpointed"), ("greedy", False, "fused")])
+def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, recompute, head):
+    # head="fused": the joint run's LM-head loss is the fused linear cross-entropy, the
+    # reference keeps the checkpointed chunks
     specs = tiny_specs()
-    module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner, activation_checkpointing=recompute)
+    module, dm, _ = fit_joint(tiny_model_dir, specs, planner=planner, activation_checkpointing=recompute,
+                              module_kwargs={"lm_head_loss": head})
     assert module.steps_taken == [3, 3, 2]  # ceil(7/3), ceil(5/2), ceil(8/4)
     # the plan really packed several adapters into one microbatch
     plan = dm.epoch_plan(0).plan

@@ -1,0 +1,309 @@
+"""What follows a serving step's q/k/v and gate/up GEMMs, fused with the decode rows' LoRA expand.
+
+``rope_write_kv``: q, k, v ``(+)= LoRA``, RoPE on q and k, k and v written into their KV-cache
+pages: one launch, a program per (row, head). ``swiglu``: ``silu(gate (+ LoRA)) * (up (+ LoRA))``:
+one launch over (row, column block). With a ``GatheredLora`` (the decode rows' adapters) the
+group's shrink (``lora_shrink``, one launch for all its projections) runs first and the expand
+happens inside these kernels, so a projection's LoRA costs no launch of its own after the shrink.
+
+The references compose the existing ops in the engine's order: ``lora_gather_reference`` into
+each projection (fp32 sum, one rounding), then ``apply_rope`` / ``write_kv`` or ``silu * up``.
+The kernels round at the same points (after the LoRA add; then once at the end, where the
+reference rounds after each half-precision op), so fp32 agrees to rounding and half precision
+to an ulp or so of the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..model.decoder import apply_rope
+from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta, lora_row_tables,
+                          lora_shrink, shrink_blocks)
+from .paged_attention import _check_pool, write_kv
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+               b_g_stride, r_g_stride, N, offs_n, n_ok,
+               MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """x (fp32 values of the output dtype at columns offs_n of projection g) + the row's LoRA
+    delta, still fp32 (the caller rounds). NaN where the row's rank exceeds MAX_R."""
+    rank_in, rank, b_off, scale, part_row = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+    delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+    return tl.where(rank_in > MAX_R, float("nan"), x + delta)
+
+
+@triton.jit
+def _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+               b_g_stride, r_g_stride, N, col0,
+               HALF: tl.constexpr, HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_KB: tl.constexpr):
+    """A head's two halves (fp32 values of its dtype), with the row's LoRA added and rounded."""
+    x1 = tl.load(base + offs, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if HAS_LORA:
+        x1 = _with_lora(x1, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+                        b_g_stride, r_g_stride, N, col0 + offs, ok,
+                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        x2 = _with_lora(x2, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+                        b_g_stride, r_g_stride, N, col0 + HALF + offs, ok,
+                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+    cos_ptr, sin_ptr, cs_stride,
+    kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """Program (row, head): head < HQ is query head ``head`` (LoRA, RoPE, in place); otherwise
+    kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value (LoRA, in
+    place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    ok = offs < HALF
+    cos1 = tl.load(cos_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    lrow = row - first_row
+    if head < HQ:
+        base = q_ptr + row64 * q_stride + head * q_hstride
+        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, lora_rows,
+                            k_blocks, b_g_stride, r_g_stride, HQ * 2 * HALF, head * 2 * HALF,
+                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        tl.store(base + offs, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(base + HALF + offs, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=ok)
+    else:
+        j = head - HQ
+        slot = (kv_ptr + tl.load(page_ptr + row).to(tl.int64) * kv_sp + tl.load(slot_ptr + row).to(tl.int64) * kv_ss
+                + j * kv_sh)
+        base = k_ptr + row64 * k_stride + j * k_hstride
+        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, lora_rows,
+                            k_blocks, b_g_stride, r_g_stride, HKV * 2 * HALF, j * 2 * HALF,
+                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
+        k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
+        tl.store(base + offs, k1, mask=ok)
+        tl.store(base + HALF + offs, k2, mask=ok)
+        tl.store(slot + offs, k1.to(kv_ptr.dtype.element_ty), mask=ok)
+        tl.store(slot + HALF + offs, k2.to(kv_ptr.dtype.element_ty), mask=ok)
+        base = v_ptr + row64 * v_stride + j * v_hstride
+        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 2, lora_rows,
+                            k_blocks, b_g_stride, r_g_stride, HKV * 2 * HALF, j * 2 * HALF,
+                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        v1 = x1.to(v_ptr.dtype.element_ty)
+        v2 = x2.to(v_ptr.dtype.element_ty)
+        if HAS_LORA:
+            tl.store(base + offs, v1, mask=ok)
+            tl.store(base + HALF + offs, v2, mask=ok)
+        tl.store(slot + kv_skv + offs, v1.to(kv_ptr.dtype.element_ty), mask=ok)
+        tl.store(slot + kv_skv + HALF + offs, v2.to(kv_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_kernel(
+    g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
+    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[row, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype first;
+    silu rounded before the product, as the eager ops do."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+    u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+    dtype = g.dtype
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    if HAS_LORA:
+        lrow = row - first_row
+        g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, lora_rows, k_blocks,
+                       b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, lora_rows, k_blocks,
+                       b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.shape[0] != rows or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name} must have {rows} rows, dtype {dtype} and device {device}; got "
+                         f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')} on {getattr(t, 'device', '')}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dim; got strides {t.stride()}")
+
+
+def _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lora) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q must be a [tokens, heads, head_dim] tensor of {SUPPORTED_DTYPES}; got "
+                         f"{getattr(q, 'shape', type(q))} {getattr(q, 'dtype', '')}")
+    t, _, d = q.shape
+    _check_pool(kv_pool, layer)
+    hkv = kv_pool.shape[4]
+    for name, x in (("k", k), ("v", v)):
+        _check_rows(name, x, t, q.dtype, q.device)
+        if tuple(x.shape[1:]) != (hkv, d):
+            raise ValueError(f"{name} must be [{t}, {hkv}, {d}] (the pool's kv heads, q's head_dim); got "
+                             f"{tuple(x.shape)}")
+    if d % 2 or tuple(kv_pool.shape[5:]) != (d,) or kv_pool.dtype != q.dtype or kv_pool.device != q.device:
+        raise ValueError(f"kv_pool {tuple(kv_pool.shape)} {kv_pool.dtype} on {kv_pool.device} does not hold "
+                         f"heads of q's even head_dim {d} in {q.dtype} on {q.device}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.numel() != t * d or c.shape[0] != t or c.dtype != q.dtype or c.device != q.device:
+            raise ValueError(f"{name} must be [{t}, {d}] or [{t}, 1, {d}] {q.dtype} on {q.device}; got "
+                             f"{tuple(c.shape)} {c.dtype}")
+    for name, s in (("slot_pages", slot_pages), ("slot_offsets", slot_offsets)):
+        if s.shape != (t,) or s.dtype not in (torch.int32, torch.int64) or s.device != q.device:
+            raise ValueError(f"{name} must be a [{t}] int32/int64 tensor on {q.device}; got {tuple(s.shape)} {s.dtype}")
+    if lora is not None:
+        lora.check((q.shape[1] * d, hkv * d, hkv * d), t)
+
+
+@torch.no_grad()
+def rope_write_kv_reference(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets,
+                            lora: GatheredLora | None = None) -> None:
+    """In place: q ``[T, Hq, D]``, k, v ``[T, Hkv, D]`` (+)= the decode rows' LoRA (``lora``:
+    projections q, k, v, rows from ``lora.first_row``); RoPE on q and k (cos, sin ``[T, D]`` or
+    ``[T, 1, D]``: the same angle for every head); k and v written to ``kv_pool`` at layer
+    ``layer``, token t into page ``slot_pages[t]``, slot ``slot_offsets[t]`` (as ``write_kv``)."""
+    _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lora)
+    t, _, d = q.shape
+    if lora is not None:
+        lora.add_reference([q.view(t, -1), k.view(t, -1), v.view(t, -1)])
+    cos, sin = cos.reshape(t, 1, d), sin.reshape(t, 1, d)
+    q.copy_(apply_rope(q, cos, sin))
+    k.copy_(apply_rope(k, cos, sin))
+    write_kv(kv_pool, layer, k, v, slot_pages, slot_offsets)
+
+
+@torch.no_grad()
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, lora: GatheredLora | None = None) -> torch.Tensor:
+    """``silu(gate (+ LoRA)) * (up (+ LoRA))`` ``[T, I]``: the decode rows' LoRA (``lora``:
+    projections gate, up) added to copies; gate and up are not written."""
+    _check_swiglu(gate, up, lora)
+    if lora is not None:
+        gate, up = gate.clone(), up.clone()
+        lora.add_reference([gate, up])
+    return torch.nn.functional.silu(gate) * up
+
+
+def _check_swiglu(gate, up, lora) -> None:
+    if not isinstance(gate, torch.Tensor) or gate.dim() != 2 or gate.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"gate must be a [tokens, intermediate] tensor of {SUPPORTED_DTYPES}; got "
+                         f"{getattr(gate, 'shape', type(gate))}")
+    _check_rows("up", up, gate.shape[0], gate.dtype, gate.device)
+    if up.shape != gate.shape or gate.stride(1) != 1:
+        raise ValueError(f"gate and up must both be {tuple(gate.shape)} with unit column stride; got "
+                         f"{tuple(up.shape)}, strides {gate.stride()}")
+    if lora is not None:
+        lora.check((gate.shape[1], gate.shape[1]), gate.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions and launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve(backend: str, t: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    return ("triton" if t.is_cuda else "torch") if backend == "auto" else backend
+
+
+def _lora_args(lora: GatheredLora | None, ref: torch.Tensor, block_k: int | None, block_r: int | None,
+               num_warps: int):
+    """The LoRA half of a kernel's arguments (shrink launched first), or inert stand-ins."""
+    if lora is None:
+        return (ref, ref, ref, ref, ref, 0, 0, 1, 0, 0), {"HAS_LORA": False, "MAX_R": MAX_RANK, "BLOCK_R": 16,
+                                                          "BLOCK_KB": 1}
+    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
+    args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
+            lora.b_offsets.stride(0), lora.ranks.stride(0))
+    return args, {"HAS_LORA": True, "MAX_R": MAX_RANK, "BLOCK_R": block_r,
+                  "BLOCK_KB": triton.next_power_of_2(k_blocks)}
+
+
+def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *,
+                  lora: GatheredLora | None = None, backend: str = "auto",
+                  block_k: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+    """Same contract as ``rope_write_kv_reference``; ``backend``: "torch", "triton" or "auto".
+    The Triton path: the q/k/v shrink (if ``lora``), then one launch over (row, Hq + Hkv
+    heads); no host read, so it can be captured in a CUDA graph. q, k, v may be strided views
+    (of one fused q|k|v GEMM output): unit stride along head_dim only. ``block_k`` /
+    ``block_r`` / ``num_warps``: the shrink's knobs (``lora_shrink``)."""
+    if _resolve(backend, q) == "torch":
+        return rope_write_kv_reference(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lora)
+    _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lora)
+    _require_triton(q)
+    t, hq, d = q.shape
+    hkv = kv_pool.shape[4]
+    if t == 0:
+        return None
+    cos, sin = cos.reshape(t, d), sin.reshape(t, d)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D]: the pointer carries the layer's offset
+    sp, skv, ss, sh, _ = kv_layer.stride()
+    lora_args, lora_meta = _lora_args(lora, q, block_k, block_r, num_warps)
+    _rope_kv_kernel[(t, hq + hkv)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
+        cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *lora_args,
+        HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2), **lora_meta, num_warps=num_warps,
+    )
+    return None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None, backend: str = "auto",
+           block_n: int | None = None, block_k: int | None = None, block_r: int | None = None,
+           num_warps: int = 4) -> torch.Tensor:
+    """Same contract as ``swiglu_reference``; ``backend``: "torch", "triton" or "auto". The
+    Triton path: the gate/up shrink (if ``lora``), then one launch over (row, column block);
+    gate and up may be column slices of one fused gate|up GEMM output."""
+    if _resolve(backend, gate) == "torch":
+        return swiglu_reference(gate, up, lora)
+    _check_swiglu(gate, up, lora)
+    _require_triton(gate)
+    t, n = gate.shape
+    out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
+    if t == 0:
+        return out
+    block_n = block_n or ((256 if lora is not None else 1024) if gate.is_cuda else 32)
+    lora_args, lora_meta = _lora_args(lora, gate, block_k, block_r, num_warps)
+    _swiglu_kernel[(t, triton.cdiv(n, block_n))](
+        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *lora_args, **lora_meta,
+        BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,222 @@
+"""Fused LoRA epilogues (RoPE + KV write, SwiGLU) and the grouped shrink: references vs float64
+math, Triton (interpreter on CPU) vs references.
+
+Tolerances on ||got - want|| / ||want||: fp32 1e-5 (same fp32 inputs; summation order and FMA
+contraction differ); fp16 2e-3 (both add the LoRA term in fp32 and round once; the kernels then
+round RoPE / SwiGLU once where the eager ops round after each op: a few ulps of 4.9e-4 at most).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.lora_epilogues import (rope_write_kv, rope_write_kv_reference, swiglu,
+                                                         swiglu_reference)
+from lightning_lorafusion.kernels.lora_gather import MAX_RANK, GatheredLora
+from lightning_lorafusion.model.decoder import rope_cos_sin, rope_inv_freq
+from lightning_lorafusion.model.decoder import DecoderConfig
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel_err(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def make_group(k, widths, ranks, rows, dtype, device, *, first_row=0, seed=0):
+    """A pool of adapters for a group of projections sharing an input of width k (widths: their
+    output widths) and a routing of ``rows`` decode rows over them. ``ranks[a][g]``: adapter a's
+    rank on projection g (0 = not targeted). Returns (GatheredLora, factors) with
+    factors[row][g] = (A [r, k], B [n, r], scale) in float64 (None: no LoRA)."""
+    gen = torch.Generator().manual_seed(seed)
+    parts, pos, offsets = [torch.randn(7, generator=gen)], 7, []
+    factors_by_adapter = []
+    for adapter_ranks in ranks:
+        offs, facs = [], []
+        for n, r in zip(widths, adapter_ranks):
+            a = torch.randn(r, k, generator=gen) * k**-0.5
+            b = torch.randn(n, r, generator=gen) * max(r, 1) ** -0.5
+            offs.append((pos, pos + r * k))
+            parts += [a.reshape(-1), b.T.reshape(-1), torch.randn(3, generator=gen)]
+            pos += r * (k + n) + 3
+            facs.append((a.to(dtype).double(), b.to(dtype).double()) if r else None)
+        offsets.append(offs)
+        factors_by_adapter.append(facs)
+    pool = torch.cat(parts).to(device, dtype)
+    row_adapter = [(i * 5 + 1) % len(ranks) for i in range(rows)]
+    a_off = torch.tensor([[offsets[a][g][0] for a in row_adapter] for g in range(len(widths))], device=device)
+    b_off = torch.tensor([[offsets[a][g][1] for a in row_adapter] for g in range(len(widths))], device=device)
+    rk = torch.tensor([[ranks[a][g] for a in row_adapter] for g in range(len(widths))], dtype=torch.int32,
+                      device=device)
+    scales = (torch.rand(rows, generator=gen) + 0.5).to(device)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    lora = GatheredLora(x, pool, a_off, b_off, rk, scales, first_row)
+    factors = [[None if f is None else (*f, float(scales[i])) for f in factors_by_adapter[a]]
+               for i, a in enumerate(row_adapter)]
+    return lora, factors
+
+
+def lora_delta64(lora, factors, g, width):
+    """float64 [B, width]: scale * x A^T B^T per row (PEFT layout), 0 where no LoRA."""
+    out = torch.zeros(lora.x.shape[0], width, dtype=torch.float64)
+    for i, facs in enumerate(factors):
+        if facs[g] is not None:
+            a, b, s = facs[g]
+            out[i] = s * (lora.x[i].double().cpu() @ a.T) @ b.T
+    return out
+
+
+SHAPES = {  # name: (tokens, Hq, Hkv, head_dim, hidden K, first_row)
+    "decode": (5, 4, 2, 8, 47, 0),
+    "mixed_rows_odd_half": (7, 6, 2, 6, 33, 3),
+    "mha": (3, 2, 2, 16, 20, 1),
+}
+# adapter -> ranks of (q, k, v): one targets only q and v, one has a rank of several blocks
+QKV_RANKS = [(4, 4, 4), (3, 0, 5), (20, 20, 2)]
+
+
+def make_rope_case(name, dtype, device, with_lora, fused, seed=0):
+    t, hq, hkv, d, k, first = SHAPES[name]
+    gen = torch.Generator().manual_seed(seed + 11)
+    widths = (hq * d, hkv * d, hkv * d)
+    if fused:  # views of one q|k|v GEMM output, as the engine's fused projection gives them
+        qkv = torch.randn(t, sum(widths), generator=gen).to(device, dtype)
+        q, k_, v = (y.view(t, -1, d) for y in qkv.split(widths, dim=1))
+    else:
+        q, k_, v = (torch.randn(t, w // d, d, generator=gen).to(device, dtype) for w in widths)
+    cfg = DecoderConfig(vocab_size=8, hidden_size=k, intermediate_size=8, num_layers=1, num_heads=hq,
+                        num_kv_heads=hkv, head_dim=d, rope_theta=100.0)
+    positions = torch.randint(0, 40, (t,), generator=gen)
+    cos, sin = rope_cos_sin(cfg, positions, dtype, rope_inv_freq(cfg))
+    pages, page_size, layers = 6, 4, 3
+    pool = torch.randn(pages, layers, 2, page_size, hkv, d, generator=gen).to(device, dtype)
+    slots = torch.randperm(pages * page_size, generator=gen)[:t]  # distinct slots, pages shared
+    slot_pages, slot_offsets = (slots // page_size).to(device), (slots % page_size).to(device)
+    lora = factors = None
+    if with_lora:
+        lora, factors = make_group(k, widths, QKV_RANKS, t - first, dtype, device, first_row=first, seed=seed)
+    return dict(q=q, k=k_, v=v, cos=cos.to(device), sin=sin.to(device), kv_pool=pool, layer=1, slot_pages=slot_pages,
+                slot_offsets=slot_offsets, lora=lora), factors
+
+
+def clone_case(case):
+    out = dict(case)
+    for key in ("q", "k", "v", "kv_pool"):
+        out[key] = case[key].clone()
+    return out
+
+
+def test_rope_reference_matches_float64_math():
+    """q, k, v += scale x A^T B^T for the decode rows; RoPE as HF's rotate_half; k and v land in
+    their slots and no other slot changes."""
+    case, factors = make_rope_case("mixed_rows_odd_half", torch.float32, "cpu", True, False)
+    t, hq, d = case["q"].shape
+    hkv = case["k"].shape[1]
+    first = case["lora"].first_row
+    want = {}
+    for g, name in enumerate(("q", "k", "v")):
+        y = case[name].double().reshape(t, -1).clone()
+        y[first:] += lora_delta64(case["lora"], factors, g, y.shape[1])
+        want[name] = y.view(t, -1, d)
+    cos, sin = case["cos"].double().reshape(t, 1, d), case["sin"].double().reshape(t, 1, d)
+
+    def rope(x):
+        return x * cos + torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1) * sin
+
+    want["q"], want["k"] = rope(want["q"]), rope(want["k"])
+    ref = clone_case(case)
+    rope_write_kv_reference(**ref)
+    for name in ("q", "k", "v"):
+        assert rel_err(ref[name], want[name]) < 1e-5, name
+    pool_want = case["kv_pool"].clone()
+    pool_want[case["slot_pages"], 1, 0, case["slot_offsets"]] = want["k"].float()
+    pool_want[case["slot_pages"], 1, 1, case["slot_offsets"]] = want["v"].float()
+    assert rel_err(ref["kv_pool"], pool_want) < 1e-6
+    untouched = torch.ones(case["kv_pool"].shape[:4], dtype=torch.bool)
+    untouched[case["slot_pages"], 1, :, case["slot_offsets"]] = False
+    assert torch.equal(ref["kv_pool"][untouched], case["kv_pool"][untouched])
+    assert hkv == 2 and hq == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("with_lora,fused", [(True, True), (True, False), (False, True)])
+def test_rope_triton_matches_reference(device, dtype, shape, with_lora, fused):
+    case, _ = make_rope_case(shape, dtype, device, with_lora, fused)
+    ref, got = clone_case(case), clone_case(case)
+    rope_write_kv_reference(**ref)
+    rope_write_kv(**got, backend="triton")
+    for name in ("q", "k", "v", "kv_pool"):
+        assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
+    if not with_lora:
+        assert torch.equal(got["v"], case["v"])
+
+
+def test_rope_triton_shrink_blocks_and_rank_above_max(device):
+    """Other shrink blocks give the same result; a row whose rank exceeds MAX_RANK comes out
+    NaN (the kernels cannot check on the host) and leaves the other rows alone."""
+    case, _ = make_rope_case("decode", torch.float32, device, True, True)
+    ref = clone_case(case)
+    rope_write_kv_reference(**ref)
+    for blocks in ({"block_k": 16, "block_r": 16}, {"block_k": 64, "block_r": 32}):
+        got = clone_case(case)
+        rope_write_kv(**got, backend="triton", **blocks)
+        assert rel_err(got["q"], ref["q"]) < TOL[torch.float32], blocks
+    bad = clone_case(case)
+    bad["lora"] = GatheredLora(*[getattr(case["lora"], f) for f in ("x", "pool", "a_offsets", "b_offsets")],
+                               case["lora"].ranks.clone(), case["lora"].scales)
+    bad["lora"].ranks[0, 2] = MAX_RANK + 1
+    rope_write_kv(**bad, backend="triton")
+    assert torch.isnan(bad["q"][2]).all() and not torch.isnan(bad["q"][[0, 1, 3, 4]]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_lora", [True, False])
+@pytest.mark.parametrize("n,first_row", [(47, 0), (123, 2)])
+def test_swiglu_triton_matches_reference(device, dtype, with_lora, n, first_row):
+    """gate and up as column slices of one gate|up GEMM output; LoRA on rows from first_row."""
+    t, k = 6, 29
+    gen = torch.Generator().manual_seed(n)
+    gu = torch.randn(t, 2 * n, generator=gen).to(device, dtype)
+    gate, up = gu[:, :n], gu[:, n:]
+    lora = None
+    if with_lora:
+        lora, _ = make_group(k, (n, n), [(4, 4), (0, 7), (17, 2)], t - first_row, dtype, device,
+                             first_row=first_row)
+    before = gu.clone()
+    want = swiglu_reference(gate, up, lora)
+    got = swiglu(gate, up, lora=lora, backend="triton")
+    assert torch.equal(gu, before)  # neither path writes gate / up
+    assert got.shape == (t, n) and got.dtype == dtype
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_swiglu_reference_matches_float64_math():
+    t, k, n = 5, 12, 9
+    lora, factors = make_group(k, (n, n), [(3, 3), (2, 0)], t, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    gate, up = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    g64 = gate.double() + lora_delta64(lora, factors, 0, n)
+    u64 = up.double() + lora_delta64(lora, factors, 1, n)
+    assert rel_err(swiglu_reference(gate, up, lora), torch.nn.functional.silu(g64) * u64) < 1e-5
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    case, _ = make_rope_case("decode", torch.float32, device, True, True)
+    with pytest.raises(ValueError, match="k must be"):
+        rope_write_kv(**{**case, "k": case["k"][:, :1]})
+    with pytest.raises(ValueError, match="cos must be"):
+        rope_write_kv(**{**case, "cos": case["cos"][:2]})
+    lora = case["lora"]
+    short = GatheredLora(lora.x, lora.pool, lora.a_offsets[:2], lora.b_offsets[:2], lora.ranks[:2], lora.scales)
+    with pytest.raises(ValueError, match="a_offsets must be \\[3, rows\\]"):
+        rope_write_kv(**{**case, "lora": short})
+    late = GatheredLora(lora.x, lora.pool, lora.a_offsets, lora.b_offsets, lora.ranks, lora.scales, 2)
+    with pytest.raises(ValueError, match="must end the outputs"):
+        rope_write_kv(**{**case, "lora": late})
+    g = torch.randn(4, 6, device=device)
+    with pytest.raises(ValueError, match="up must have 4 rows"):
+        swiglu(g, torch.randn(3, 6, device=device))
+    with pytest.raises(ValueError, match="backend="):
+        swiglu(g, g, backend="gpu")
