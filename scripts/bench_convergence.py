@@ -31,7 +31,11 @@ adapter's final eval loss (train: mean of the last 5 steps, without eval samples
 ``--fp8-max-rel`` (5%). Why: e4m3 rounds each operand by up to 2^-4 = 6.25% (16x bf16's 2^-8),
 so a per-step loss gap of a few 1e-2 is one rounding of the frozen products; a defect (a
 scale applied twice, a wrong layout) costs more than that, and grows or stays instead of the
-adapters learning the same task to the same loss.
+adapters learning the same task to the same loss. With eval samples, both bases are also
+scored before training (B = 0: the base alone), recorded as ``untrained_rel``: how far the FP8
+base by itself moves the held-out loss, the yardstick for whether training widens the gap.
+``--backend torch`` runs both paths through the torch reference LoRA (with the emulated FP8
+products off the GPU): SmolLM2 on ACLSum on the CPU (docs/kernels.md "FP8 base").
 
     python scripts/bench_convergence.py --model llama8b smollm2 --gguf /path/SmolLM2.gguf --png --out $OUT
     python scripts/bench_convergence.py --model llama8b --base-precision fp8 --steps 30 --eval-samples 8 --out $OUT
@@ -59,8 +63,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX  # noqa: E402
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
+from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import DecoderConfig, forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.decoder import DecoderConfig, embedding_device_dtype, forward_loss_sums  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, params_to, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
@@ -323,7 +328,7 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
     values = [torch.stack(l).tolist() for l in losses]  # one host sync per adapter, at the end
     if any(len(v) != case.steps for v in values):
         raise RuntimeError(f"{label}: steps per adapter {[len(v) for v in values]}, expected {case.steps}")
-    return RunResult(label=label, backend=backend, dtype=str(params["embed"].dtype).replace("torch.", ""),
+    return RunResult(label=label, backend=backend, dtype=str(embedding_device_dtype(params)[1]).replace("torch.", ""),
                      losses=values, weights=adapter_vectors(bank), seconds=seconds,
                      eval_losses=eval_losses(case, bank, params, backend) if case.eval_microbatches else None)
 
@@ -397,13 +402,21 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     adapter_dtype = DTYPES[args.adapter_dtype]
     t0 = time.perf_counter()
     case = build_case(args, model, device, dtype)
-    fp8_params = quantize_base_fp8(case.params)
+    fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings)
+    set_fast_accumulation(forward=args.fp8_fast_accum in ("forward", "both"),
+                          input_grad=args.fp8_fast_accum == "both")
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
           f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
     init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
+    untrained: dict[str, list[float]] = {}
+    if case.eval_microbatches:  # B = 0 before training: the held-out loss of each base alone
+        bank0 = AdapterBank(case.specs, case.config, dtype=adapter_dtype, device=device)
+        for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
+            untrained[label] = eval_losses(case, bank0, params, args.backend)
+        print(f"[{model}] eval before training: {untrained}", flush=True)
     runs = {}
     for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
-        runs[label] = train(case, label=label, backend="triton", params=params, adapter_dtype=adapter_dtype)
+        runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype)
         r = runs[label]
         print(f"[{model}] {label}: {r.seconds:.1f}s, loss a0 {r.losses[0][0]:.4f} -> {r.losses[0][-1]:.4f}"
               f", eval {r.eval_losses}", flush=True)
@@ -429,6 +442,9 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     verdict_ = {"checks": checks, "pass": all(checks.values()), "final_rel": final_rel,
                 "final_kind": "eval" if base.eval_losses is not None else "train, last 5 steps",
                 "max_rel_limit": args.fp8_max_rel}
+    if untrained:  # how far the FP8 base alone moves the held-out loss (no training involved)
+        verdict_["untrained_rel"] = [abs(f - b) / abs(b) for f, b in
+                                     zip(untrained["ours_fp8"], untrained[f"ours_{args.dtype}"])]
     if ref_vs is not None:
         verdict_["fp8_vs_bf16_over_bf16_vs_ref"] = fp8_vs["pooled"]["mean_rel"] / max(ref_vs["pooled"]["mean_rel"], 1e-30)
     return {
@@ -437,14 +453,14 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
         "base_label": f"ours_{args.dtype}",
         "runs": {k: {"backend": r.backend, "dtype": r.dtype, "seconds": round(r.seconds, 2), "losses": r.losses,
                      "eval_losses": r.eval_losses} for k, r in runs.items()},
-        "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
+        "eval_untrained": untrained, "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
         "seconds_total": round(time.perf_counter() - t0, 1),
     }
 
 
 def print_fp8_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'model':8} {'adapter':7} {'train loss first->last (base | fp8)':>38} {'eval base':>9} "
-          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12}")
+          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12} {'untrained rel':>13}")
     for r in results:
         runs, v = r["runs"], r["verdict"]
         base, fp8 = runs[r["base_label"]], runs["ours_fp8"]
@@ -453,7 +469,8 @@ def print_fp8_table(results: list[dict[str, Any]]) -> None:
             ef = fp8["eval_losses"][a] if fp8["eval_losses"] else float("nan")
             print(f"{r['model']:8} a{a:<6} {base['losses'][a][0]:8.4f} -> {base['losses'][a][-1]:7.4f} | "
                   f"{fp8['losses'][a][0]:7.4f} -> {fp8['losses'][a][-1]:7.4f} {eb:9.4f} {ef:9.4f} "
-                  f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e}")
+                  f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e} "
+                  f"{v['untrained_rel'][a] if 'untrained_rel' in v else float('nan'):13.2e}")
         extra = (f", fp8-vs-bf16 / bf16-vs-fp32 mean per-step gap {v['fp8_vs_bf16_over_bf16_vs_ref']:.1f}x"
                  if "fp8_vs_bf16_over_bf16_vs_ref" in v else "")
         print(f"{r['model']:8} {'PASS' if v['pass'] else 'FAIL'} ({v['final_kind']}): "
@@ -612,6 +629,11 @@ def main() -> None:
     ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8"],
                     help="fp8: ours with the FP8 base vs ours with the bf16 base (see the docstring)")
     ap.add_argument("--eval-samples", type=int, default=0, help="held-out samples per adapter, scored after training")
+    ap.add_argument("--fp8-fast-accum", default="off", choices=["off", "forward", "both"],
+                    help="fp8: fast accumulation of the forward / forward and dX products (GPU)")
+    ap.add_argument("--backend", default="triton", choices=["triton", "torch"],
+                    help="fp8: LoRA path of both runs (torch: the reference path, e.g. a CPU run with "
+                         "the emulated FP8 products instead of the Triton interpreter)")
     ap.add_argument("--fp8-final-rel", type=float, default=1e-2, help="fp8: final-loss tolerance (relative)")
     ap.add_argument("--fp8-max-rel", type=float, default=5e-2, help="fp8: per-step loss tolerance (relative)")
     ap.add_argument("--out", default=None)

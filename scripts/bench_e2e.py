@@ -10,8 +10,10 @@
     CUDA graph ("triton_graphs", training/cuda_graphs.py; the first pass captures) and with the
     torch reference LoRA ("torch"). With
     ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
-    ("triton_fp8": projection weights quantized to e4m3, frozen GEMMs on FP8 tensor cores); the
-    FP8 runs come last and release the HF model's bf16 projection weights, so their peak memory
+    ("triton_fp8": projection weights and the untied input embedding quantized to e4m3, frozen
+    GEMMs on FP8 tensor cores; ``--fp8-fast-accum off,forward,both`` repeats it per fast-
+    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``); the FP8 runs come last
+    and release the HF model's bf16 projection weights and embedding table, so their peak memory
     is the FP8 base's.
 (c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
     forward + backward (input gradients only) on micro-batches of --hf-batch samples of like
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
+from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
@@ -233,19 +236,29 @@ def add_workload_args(ap, layers: int) -> None:
 
 
 def release_projection_weights(model) -> None:
-    """Drop the HF model's seven projection weights per layer (after ``quantize_base_fp8`` made
-    the FP8 copies): the model cannot run afterwards; only the FP8 variants may follow."""
+    """Drop the HF model's seven projection weights per layer and its (untied) input embedding
+    table (after ``quantize_base_fp8`` made the FP8 copies): the model cannot run afterwards;
+    only the FP8 variants may follow."""
+    emb = model.get_input_embeddings()
+    if emb.weight is not model.get_output_embeddings().weight:
+        emb.weight = torch.nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
     for layer in model.model.layers:
         for mod in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
                     *[getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]):
             mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
 
 
-def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False):
+def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
+             fp8_params=None):
+    """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
+    and releases the HF model's bf16 weights, so later ones cannot quantize again)."""
     w = OursSetup(args, model, data, device, dtype)
     if base_precision == "fp8":
-        w.params = quantize_base_fp8(w.params)
-        release_projection_weights(model)
+        fp8_params = {} if fp8_params is None else fp8_params
+        if "params" not in fp8_params:
+            fp8_params["params"] = quantize_base_fp8(w.params, embedding=not w.config.tie_word_embeddings)
+            release_projection_weights(model)
+        w.params = fp8_params["params"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -264,7 +277,7 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda")
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner)
-    label = backend + ("_graphs" if graphs else "")
+    label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
         _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner))
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
@@ -322,6 +335,9 @@ def main() -> None:
                     help="comma list of bf16 / fp8: our variants run once per entry (fp8 rows last, "
                          "suffixed _fp8); needs a GPU with FP8 tensor cores for fp8")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
+    ap.add_argument("--fp8-fast-accum", default="off",
+                    help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
+                         "accumulation of the forward products, or of the forward and dX products)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -330,10 +346,14 @@ def main() -> None:
     if set(precisions) - {"bf16", "fp8"} or not precisions:
         raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
     ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
-    runs = [(v, "bf16") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
-    runs += [(v, "fp8") for v in ours if "fp8" in precisions]  # last: they release the bf16 weights
+    runs = [(v, "bf16", "off") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
+    modes = args.fp8_fast_accum.split(",")
+    if set(modes) - {"off", "forward", "both"} or not modes:
+        raise SystemExit(f"--fp8-fast-accum {args.fp8_fast_accum!r}: give off, forward, both (comma list)")
+    runs += [(v, "fp8", m) for v in ours if "fp8" in precisions for m in modes]  # last: they release the bf16 weights
     rows = []
-    for variant, precision in runs:
+    fp8_params: dict = {}
+    for variant, precision, accum in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -346,12 +366,14 @@ def main() -> None:
                 extra = {}
             else:
                 set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
+                set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
                 backend = "triton" if variant.startswith("triton") else variant
+                variant = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
                 tps, secs, toks, fill, n, extra = run_ours(args, hf_config, model, data, device, dtype, backend,
                                                            base_precision=precision,
-                                                           graphs=variant == "triton_graphs")
+                                                           graphs=variant.startswith("triton_graphs"),
+                                                           label=variant, fp8_params=fp8_params)
                 extra = {"fill": round(fill, 3), "microbatches": n, **extra}
-                variant = variant + ("_fp8" if precision == "fp8" else "")
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
             continue
@@ -374,7 +396,7 @@ def main() -> None:
               f"{r['peak_gib']:>9.2f}")
     by_name = {r["variant"]: r for r in rows}
     for r in rows:
-        bf16 = by_name.get(r["variant"].removesuffix("_fp8")) if r["variant"].endswith("_fp8") else None
+        bf16 = by_name.get(r["variant"].split("_fp8")[0]) if "_fp8" in r["variant"] else None
         if bf16 is not None:
             print(f"{r['variant']}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x the tokens/s of "
                   f"{bf16['variant']}, peak {r['peak_gib'] - bf16['peak_gib']:+.2f} GiB")

@@ -8,11 +8,17 @@
                       twice the FP8 weight memory: as much as bf16)
       fp8_dq_bwd      FP8 forward, dX in bf16 against W dequantized on the fly
       fp8_fast_accum  ours with torch._scaled_mm(use_fast_accum=True)
-    plus the pieces of ours (quantize X, forward GEMM, quantize dY, transpose, dX GEMM) and the
+    plus the pieces of ours (quantize X, forward GEMM, quantize dY, transpose, dX GEMM), the
+    GEMMs with fast accumulation (``_fast``) and with one scale per tensor instead of row-wise
+    scales (``_tensorwise``: what cuBLAS runs without an epilogue of per-row scales), and the
     relative error of Y and dX against bf16 (random data; real weights: scripts/fp8_quality.py).
+(1b) The row quantizer (fp8_triton.quantize_rows) on the inputs the 8B layer quantizes: X of
+    q/k/v, o, gate/up (4096 wide), of down (14336); dY*sw of q/k/v (4096+1024+1024), o (4096),
+    gate/up (14336+14336), down (4096): time and bandwidth (2 bytes read + 1 written per element).
 (2) The whole LoRA projection of a Llama-3.1-8B layer (q/k/v, o, gate/up, down; r=16, p=0.1,
     one adapter and 4 adapters on 40/30/20/10 % of the rows): the fused Triton path with the
-    bf16 base vs with the FP8 base, and the frozen bf16 linear for scale.
+    bf16 base vs with the FP8 base (also with fast accumulation of the forward products,
+    ``_fa-forward``, and of both products, ``_fa-both``), and the frozen bf16 linear for scale.
 Times: median device time of fwd+bwd replayed from a CUDA graph (``graph``) and eager calls.
 
     python scripts/bench_fp8.py --out $OUT
@@ -87,12 +93,18 @@ def linear_variants(m, k, n, device):
 
     xq, sx = quantize_rows([x.detach()], None)
     gq, sg = quantize_rows([dy], [fw.scale])
+    one = torch.ones((), dtype=torch.float32, device=device)
     pieces = {
         "quant_x": lambda: quantize_rows([x.detach()], None),
         "gemm_fwd": lambda: F8._scaled_mm(xq, sx, fw.data, scale_row, DT),
         "quant_dy": lambda: quantize_rows([dy], [fw.scale]),
         "transpose": lambda: transpose_concat([fw.data]),
         "gemm_dx": lambda: F8._scaled_mm(gq, sg, wt_stored, ones, DT),
+        "gemm_fwd_fast": lambda: F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True),
+        "gemm_dx_fast": lambda: F8._scaled_mm(gq, sg, wt_stored, ones, DT, fast_accum=True),
+        "gemm_fwd_tensorwise": lambda: torch._scaled_mm(xq, fw.data.t(), scale_a=one, scale_b=one, out_dtype=DT),
+        "gemm_fwd_tensorwise_fast": lambda: torch._scaled_mm(xq, fw.data.t(), scale_a=one, scale_b=one,
+                                                             out_dtype=DT, use_fast_accum=True),
         "bf16_fwd": lambda: F.linear(x.detach(), w),
         "bf16_dx": lambda: dy @ w,
     }
@@ -109,6 +121,33 @@ def linear_variants(m, k, n, device):
     fns = {"bf16": bf16, "fp8": fp8, "fp8_wt_stored": fp8_wt_stored, "fp8_dq_bwd": fp8_dq_bwd,
            "fp8_fast_accum": fp8_fast_accum}
     return fns, pieces, errors
+
+
+QUANT_INPUTS = (("x_qkv_o_gateup", (4096,), False), ("x_down", (14336,), False),
+                ("dy_qkv", (4096, 1024, 1024), True), ("dy_o_down", (4096,), True),
+                ("dy_gateup", (14336, 14336), True))
+
+
+def quantize_inputs(m, device):
+    """The row quantizer on the layer's inputs: {name: (fn, bytes moved)}."""
+    out = {}
+    for name, widths, cols in QUANT_INPUTS:
+        xs = [torch.randn(m, n, device=device, dtype=DT) for n in widths]
+        cs = [F8.pow2_scales(torch.rand(n, device=device) * 4) for n in widths] if cols else None
+        out[name] = ((lambda xs=xs, cs=cs: quantize_rows(xs, cs)), 3 * m * sum(widths))
+    return out
+
+
+def with_fast_accum(fn, forward: bool, input_grad: bool):
+    """``fn`` run (and captured) with the given fast-accumulation settings, restored after."""
+    def run():
+        old = F8.fast_accumulation()
+        F8.set_fast_accumulation(forward=forward, input_grad=input_grad)
+        try:
+            return fn()
+        finally:
+            F8.set_fast_accumulation(**old)
+    return run
 
 
 def group_variants(m, k, ns, device):
@@ -132,13 +171,18 @@ def group_variants(m, k, ns, device):
         return run
 
     return {"frozen_bf16": frozen, "lora_bf16": ours(ws, single, single_routing),
-            "lora_fp8": ours(fws, single, single_routing), "lora_bf16_multi4": ours(ws, multi, multi_routing),
+            "lora_fp8": ours(fws, single, single_routing),
+            "lora_fp8_fa-forward": with_fast_accum(ours(fws, single, single_routing), True, False),
+            "lora_fp8_fa-both": with_fast_accum(ours(fws, single, single_routing), True, True),
+            "lora_bf16_multi4": ours(ws, multi, multi_routing),
             "lora_fp8_multi4": ours(fws, multi, multi_routing)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--sections", default="linear,quantize,layer",
+                    help="comma list of the parts to run: linear (1), quantize (1b), layer (2)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     fh = open(args.out / "bench_fp8.log", "w")
@@ -149,7 +193,8 @@ def main() -> None:
     log("command: " + " ".join(sys.argv), fh)
     results = {"device": name, "torch": torch.__version__, "date": f"{now:%Y-%m-%d}", "linear": [], "layer": {}}
     torch.manual_seed(0)
-    for k, n in SHAPES:
+    sections = set(args.sections.split(","))
+    for k, n in (SHAPES if "linear" in sections else ()):
         fns, pieces, errors = linear_variants(M, k, n, device)
         graph = {v: bench_graph(f) for v, f in fns.items()}
         eager = {v: bench_fn(f) for v, f in fns.items()}
@@ -162,9 +207,15 @@ def main() -> None:
             + " | errors " + " ".join(f"{v} {e:.2e}" for v, e in errors.items()), fh)
         del fns, pieces
         torch.cuda.empty_cache()
+    results["quantize"] = {}
+    for qname, (fn, nbytes) in (quantize_inputs(M, device).items() if "quantize" in sections else ()):
+        t = bench_graph(fn)
+        results["quantize"][qname] = {"graph_ms": t, "gb_per_s": nbytes / t / 1e6}
+        log(f"quantize {qname:16s} {t:.3f} ms {nbytes / t / 1e6:7.0f} GB/s", fh)
+    torch.cuda.empty_cache()
     layer_graph: dict[str, float] = {}
     layer_eager: dict[str, float] = {}
-    for gname, k, ns in LAYER_GROUPS:
+    for gname, k, ns in (LAYER_GROUPS if "layer" in sections else ()):
         fns = group_variants(M, k, ns, device)
         for v, f in fns.items():
             g, e = bench_graph(f), bench_fn(f)
@@ -178,6 +229,16 @@ def main() -> None:
     (args.out / "bench_fp8.json").write_text(json.dumps(results, indent=1))
 
     log("", fh)
+    if results["linear"]:
+        summarize_linear(results, name, fh)
+    if layer_graph:
+        log(f"== Llama-3.1-8B layer, all seven projections, M={M}, r={RANK}, p={P} ==", fh)
+    for v in layer_graph:
+        log(f"{v:18s} graph {layer_graph[v]:7.3f} ms ({layer_graph['lora_bf16'] / layer_graph[v]:.2f}x vs lora_bf16)"
+            f"  eager {layer_eager[v]:7.3f} ms ({layer_eager['lora_bf16'] / layer_eager[v]:.2f}x)", fh)
+
+
+def summarize_linear(results, name, fh) -> None:
     log(f"== {name}: frozen linear fwd+dX, M={M}, graph ms (ratio to bf16) ==", fh)
     variants = list(results["linear"][0]["graph_ms"])
     log(f"{'K':>5} {'N':>5} " + " ".join(f"{v:>20}" for v in variants), fh)
@@ -188,10 +249,6 @@ def main() -> None:
     log(f"== pieces of ours (graph ms): " + ", ".join(results["linear"][0]["pieces_ms"]), fh)
     for r in results["linear"]:
         log(f"{r['K']:5d} {r['N']:5d} " + " ".join(f"{t:7.3f}" for t in r["pieces_ms"].values()), fh)
-    log(f"== Llama-3.1-8B layer, all seven projections, M={M}, r={RANK}, p={P} ==", fh)
-    for v in layer_graph:
-        log(f"{v:18s} graph {layer_graph[v]:7.3f} ms ({layer_graph['lora_bf16'] / layer_graph[v]:.2f}x vs lora_bf16)"
-            f"  eager {layer_eager[v]:7.3f} ms ({layer_eager['lora_bf16'] / layer_eager[v]:.2f}x)", fh)
 
 
 if __name__ == "__main__":

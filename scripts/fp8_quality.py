@@ -8,7 +8,11 @@ bf16 tensors, the relative Frobenius error of
   fp8        ours (kernels/fp8_linear.py, emulated: the spec the GPU path matches): W per output
              channel, X and dY * sw per row, power-of-two scales,
   fp8_tensor the alternative of one power-of-two scale for the whole weight.
-Printed per projection (mean and max over layers); CPU only.
+Printed per projection (mean and max over layers). Also the input embedding table stored in
+e4m3 with one power-of-two scale per row (``quantize_base_fp8(embedding=True)``, for untied
+models; SmolLM2 ties its table to the LM head, so here only the lookup is swapped and the head
+stays bf16): the table's relative error and the base model's mean token loss on the samples
+with the FP8 lookup against the bf16 one. CPU only.
 
     python scripts/fp8_quality.py --samples 8 --out docs/results/fp8
 """
@@ -55,6 +59,29 @@ def errors(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, floa
             "fp8_tensor_dx": rel((gq.float() * sg) @ wt, dx64)}
 
 
+def embedding_quality(model, samples) -> dict[str, float]:
+    """The bf16 embedding table vs its e4m3 copy (per-row scales): table error, and the base
+    model's mean token loss over ``samples`` with each lookup (fp32 compute, LM head as is)."""
+    table = model.get_input_embeddings().weight.detach()
+    t16 = table.bfloat16()
+    q = F8.quantize_embedding(t16)
+    deq = F8.fp8_embedding(torch.arange(table.shape[0]), q).float()
+    losses = {}
+    for name, rows in (("bf16", t16.float()), ("fp8", deq)):
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for s in samples:
+                ids = torch.tensor(s.input_ids)
+                labels = torch.tensor([[IGNORE_INDEX] + [t for t in s.labels[:-1]]])
+                n = int((labels != IGNORE_INDEX).sum())
+                total += float(model(inputs_embeds=rows[ids][None], labels=labels, use_cache=False).loss) * n
+                count += n
+        losses[name] = total / count
+    return {"table_rel": rel(deq, t16.double()), "table_rel_bf16": rel(t16, table.double()),
+            "loss_bf16": losses["bf16"], "loss_fp8": losses["fp8"],
+            "loss_rel": (losses["fp8"] - losses["bf16"]) / losses["bf16"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF directory or gguf:PATH")
@@ -85,6 +112,7 @@ def main() -> None:
         model(inputs_embeds=h, labels=labels, use_cache=False).loss.backward()
     for hk in hooks:
         hk.remove()
+    emb = embedding_quality(model, samples)
     rows = []
     for (layer, name), rec in sorted(seen.items()):
         x = torch.cat(rec["x"]).bfloat16()
@@ -102,12 +130,16 @@ def main() -> None:
         summary[name] = {k: {"mean": sum(r[k] for r in sel) / len(sel), "max": max(r[k] for r in sel)} for k in keys}
         print(f"{name:10} " + " ".join(f"{summary[name][k]['mean']:6.4f}/{summary[name][k]['max']:6.4f}"
                                        for k in keys))
+    print(f"embedding table in e4m3 (per-row scales): table rel error {emb['table_rel']:.4f} "
+          f"(bf16: {emb['table_rel_bf16']:.4f}); base loss {emb['loss_bf16']:.4f} (bf16 lookup) vs "
+          f"{emb['loss_fp8']:.4f} (FP8 lookup), relative {emb['loss_rel']:+.2e}")
     print(f"{time.time() - t0:.0f}s")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fp8_quality_smollm2.json"), "w") as f:
             json.dump({"model": args.model, "samples": len(samples), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-                       "device": "cpu (emulated FP8)", "summary": summary, "rows": rows}, f, indent=1)
+                       "device": "cpu (emulated FP8)", "summary": summary, "embedding": emb, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,16 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
 GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
-FAST_ACCUM = False  # cuBLAS/CUTLASS fast accumulation off: fp32 accumulators throughout
+# cuBLAS/CUTLASS fast accumulation (``use_fast_accum``) per product: off keeps fp32 accumulators
+# throughout; on lets the tensor cores' own narrower accumulator sum more terms before promotion
+# (faster, about 3e-3 relative on the product: docs/kernels.md "FP8 base"). The emulated path
+# has no such mode. Changed through ``set_fast_accumulation`` (benchmarks, convergence checks).
+_FAST_ACCUM = {"forward": False, "input_grad": False}
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
 # the per-output-channel scales (powers of two: exact in bf16 too).
 WEIGHT_KEY, SCALE_KEY = "weight_fp8", "weight_scale"
+EMBED_BLOCK_ROWS = 8192  # rows per step of quantize_embedding
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,9 @@ class Fp8Weight:
         return cls(p[WEIGHT_KEY].view(FP8_DTYPE), p[SCALE_KEY].float())
 
 
-def is_quantized(p: Mapping[str, Any]) -> bool:
-    return WEIGHT_KEY in p
+def is_quantized(p: Any) -> bool:
+    """True for a quantized projection or embedding entry of the params pytree."""
+    return isinstance(p, Mapping) and WEIGHT_KEY in p
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -130,6 +136,30 @@ def quantize_projection(p: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def quantize_embedding(table: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A frozen embedding table ``[V, H]`` -> ``{WEIGHT_KEY: uint8 [V, H], SCALE_KEY: [V]}``,
+    one power-of-two scale per row (a token's vector), the scales kept in the table's dtype
+    (exact: powers of two), which ``fp8_embedding`` returns. Quantized in blocks of rows, so
+    the fp32 temporaries stay small next to a 128k-row table."""
+    if table.dim() != 2:
+        raise ValueError(f"quantize_embedding needs a 2-D table [V, H]; got {tuple(table.shape)}")
+    data = torch.empty(table.shape, dtype=torch.uint8, device=table.device)
+    scale = torch.empty(table.shape[0], dtype=table.dtype, device=table.device)
+    for r0 in range(0, table.shape[0], EMBED_BLOCK_ROWS):
+        q, s = quantize_rows_reference(table[r0:r0 + EMBED_BLOCK_ROWS].detach())
+        data[r0:r0 + EMBED_BLOCK_ROWS] = q.view(torch.uint8)
+        scale[r0:r0 + EMBED_BLOCK_ROWS] = s.squeeze(1).to(table.dtype)
+    return {WEIGHT_KEY: data, SCALE_KEY: scale}
+
+
+def fp8_embedding(ids: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Rows ``ids [T]`` of a ``quantize_embedding`` table, dequantized: ``[T, H]`` in the
+    scales' dtype. Only the gathered rows are converted (no full-table copy)."""
+    rows = p[WEIGHT_KEY].index_select(0, ids).view(FP8_DTYPE).float()
+    scale = p[SCALE_KEY].index_select(0, ids).float()
+    return (rows * scale[:, None]).to(p[SCALE_KEY].dtype)
+
+
 # ------------------------------------------------------------------------------- products
 
 
@@ -167,7 +197,17 @@ def _check_real(x: torch.Tensor, weights: Sequence[Fp8Weight]) -> None:
             )
 
 
-def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = FAST_ACCUM):
+def set_fast_accumulation(*, forward: bool, input_grad: bool) -> None:
+    """Fast accumulation of the real path's forward (Y) and input-gradient (dX) products."""
+    _FAST_ACCUM.update(forward=bool(forward), input_grad=bool(input_grad))
+
+
+def fast_accumulation() -> dict[str, bool]:
+    """The current ``set_fast_accumulation`` settings."""
+    return dict(_FAST_ACCUM)
+
+
+def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False):
     """``(a_q * a_scale) @ (b_t_q * b_scale).T``; ``a_q [M, K]``, ``b_t_q [N, K]`` row-major
     e4m3, ``a_scale [M, 1]``, ``b_scale [1, N]`` fp32. Rows are zero-padded to a multiple of 16."""
     m = a_q.shape[0]
@@ -187,7 +227,7 @@ def _real_outputs(x, weights, biases):
     xq, sx = quantize_rows([x.contiguous()], None)
     ys = []
     for w, b in zip(weights, biases):
-        y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype)
+        y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, _FAST_ACCUM["forward"])
         ys.append(y if b is None else y + b)
     return ys
 
@@ -198,7 +238,7 @@ def _real_input_grad(dys, weights, dtype):
     gq, sg = quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights])
     wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
     ones = torch.ones(1, wt.shape[0], dtype=torch.float32, device=wt.device)
-    return _scaled_mm(gq, sg, wt, ones, dtype)
+    return _scaled_mm(gq, sg, wt, ones, dtype, _FAST_ACCUM["input_grad"])
 
 
 def fp8_outputs(x: torch.Tensor, weights: Sequence[Fp8Weight], biases: Sequence[torch.Tensor | None],

@@ -7,6 +7,7 @@ nearest even); the GPU test checks it bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -16,8 +17,12 @@ import triton.language as tl
 from .fp8_linear import FP8_DTYPE
 
 MAX_INPUTS = 3  # quantize_rows reads up to this many [M, N_i] inputs per launch
-ROW_BLOCK = 1024  # columns per step of the row kernels
 TRANSPOSE_BLOCK = 64
+# A row is read twice (its maximum, then the stores); the second read should hit L2, so the rows
+# in flight at once (SMs x programs per SM) must fit in a fraction of it. One program per row:
+# wider rows get more warps per program, hence fewer programs per SM (at most 64 warps each).
+L2_ROW_BUDGET = 24 * 2**20  # bytes of rows in flight, about half of H100/H200 L2 (50 / 60 MB)
+ROW_ELEMENTS_PER_THREAD = 8  # one 16-byte load of bf16 per thread per step
 
 
 @triton.jit
@@ -101,6 +106,15 @@ def _transpose_kernel(src0_ptr, n0, src1_ptr, n1, src2_ptr, n2, dst_ptr, k, dst_
         _transpose_tile(src2_ptr, dst_ptr, n2, k, dst_stride, n0 + n1, pid - b0 - b1, pid_k, BLOCK)
 
 
+def row_launch(width: int, elem_bytes: int, sms: int = 132) -> tuple[int, int]:
+    """(columns per step, warps) of the one-program-per-row kernel for rows of ``width``
+    elements: enough warps that ``sms * 64 / warps`` rows fit ``L2_ROW_BUDGET`` (4 to 32)."""
+    warps = 4
+    while warps < 32 and sms * (64 // warps) * width * elem_bytes > L2_ROW_BUDGET:
+        warps *= 2
+    return warps * 32 * ROW_ELEMENTS_PER_THREAD, warps
+
+
 def quantize_rows(xs: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor] | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[x_0 * c_0 | x_1 * c_1 | ...]`` (each ``[M, N_i]`` contiguous, ``c_i [N_i]`` fp32 or
@@ -123,11 +137,20 @@ def quantize_rows(xs: Sequence[torch.Tensor], col_scales: Sequence[torch.Tensor]
             args += [xs[j], c, widths[j]]
         else:
             args += [xs[0], xs[0], 0]
+    block, warps = row_launch(q.shape[1], xs[0].element_size(), _sm_count(xs[0].device))
     _quantize_rows_kernel[(m,)](
-        *args, q, s, q.shape[1], NUM_IN=len(xs), HAS_COL=col_scales is not None, BLOCK_N=ROW_BLOCK,
-        num_warps=4,
+        *args, q, s, q.shape[1], NUM_IN=len(xs), HAS_COL=col_scales is not None, BLOCK_N=block,
+        num_warps=warps,
     )
     return q, s
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    # a device's multiprocessor count never changes: ask CUDA once (132 for the interpreter)
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:

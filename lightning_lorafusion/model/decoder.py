@@ -13,6 +13,9 @@ Params pytree (plain nested dicts; the frozen base tensors are never copied)::
      "norm": [H],
      "lm_head": [V, H]}   # the same tensor object as "embed" when embeddings are tied
 
+An FP8 base with untied embeddings may also hold "embed" as {"weight_fp8": [V, H], "weight_scale":
+[V]} (per-row scales in the model's dtype; ``hf_loading.quantize_base_fp8(embedding=True)``).
+
 Microbatches are packed: ``T`` tokens of several samples, ``cu_seqlens`` marks their
 boundaries and ``position_ids`` restart at 0 per sample. Labels are PRE-SHIFTED by the data
 layer: ``labels[t]`` is the target predicted from position ``t`` (IGNORE_INDEX where none), so
@@ -35,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
-from ..kernels.fp8_linear import Fp8Weight, is_quantized
+from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, is_quantized
 from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..specs import ConfigError
@@ -297,7 +300,18 @@ def embed(params: Mapping[str, Any], input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids ``[T]`` int -> hidden states ``[T, H]``."""
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids must be [tokens]; got shape {tuple(input_ids.shape)}")
-    return F.embedding(input_ids, params["embed"])
+    table = params["embed"]
+    if is_quantized(table):  # FP8 table: gather, then dequantize the gathered rows only
+        return fp8_embedding(input_ids, table)
+    return F.embedding(input_ids, table)
+
+
+def embedding_device_dtype(params: Mapping[str, Any]) -> tuple[torch.device, torch.dtype]:
+    """Device and compute dtype of the base, read off its embedding (plain or FP8)."""
+    table = params["embed"]
+    if is_quantized(table):
+        return table[SCALE_KEY].device, table[SCALE_KEY].dtype
+    return table.device, table.dtype
 
 
 def decoder_layer(

@@ -102,12 +102,17 @@ def params_to(params: Any, *, device: torch.device | str | None = None,
     return move(params)
 
 
-def quantize_base_fp8(params: Mapping[str, Any]) -> dict[str, Any]:
+def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False) -> dict[str, Any]:
     """The pytree with every decoder layer's seven projection weights quantized once to e4m3
-    (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); embeddings, norms and
-    the LM head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the
-    input pytree frees the 16-bit projection weights (the base's memory halves)."""
-    from ..kernels.fp8_linear import quantize_projection
+    (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); norms and the LM
+    head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the input
+    pytree frees the 16-bit projection weights (the base's memory halves).
+
+    ``embedding=True`` also stores the input embedding table (a gather, no product) as e4m3 with
+    one power-of-two scale per token row (``fp8_linear.quantize_embedding``; half its bytes).
+    Only for untied embeddings: a table that is also the LM head stays as it is (the head stays
+    16-bit), so pass ``not config.tie_word_embeddings``."""
+    from ..kernels.fp8_linear import quantize_embedding, quantize_projection
 
     def layer(lp: Mapping[str, Any]) -> dict[str, Any]:
         return {k: quantize_projection(v) if k in _LAYER_KEYS else v for k, v in lp.items()}
@@ -116,6 +121,8 @@ def quantize_base_fp8(params: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(params)
     out["layers"] = ({i: layer(lp) for i, lp in layers.items()} if isinstance(layers, Mapping)
                      else [layer(lp) for lp in layers])
+    if embedding and "embed" in params and params.get("lm_head") is not params["embed"]:
+        out["embed"] = quantize_embedding(params["embed"])
     return out
 
 

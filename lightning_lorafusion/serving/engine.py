@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import torch
 
-from ..model.decoder import DecoderConfig
+from ..model.decoder import DecoderConfig, embedding_device_dtype
 from ..model.hf_loading import load_base_model, params_to, resolve_model_dir
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
@@ -81,8 +81,9 @@ class Engine:
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = model_config
-        self.device = torch.device(device) if device is not None else params["embed"].device
-        self.dtype = dtype or params["embed"].dtype
+        base_device, base_dtype = embedding_device_dtype(params)  # plain or FP8 table
+        self.device = torch.device(device) if device is not None else base_device
+        self.dtype = dtype or base_dtype
         self.params = params_to(params, device=self.device, dtype=dtype)  # no cast unless asked
         if config.fuse_projections:
             fuse_projection_weights(self.params)  # before sizing the pool: the originals may stay alive

@@ -116,8 +116,9 @@ class LoRAFusionModule(L.LightningModule):
         base_precision: "bf16": the frozen projections multiply in ``dtype`` (default);
             "fp8": the seven projection weights of every layer are quantized once to float8
             e4m3 (per-output-channel scales, half the base's projection memory) and their
-            products run on FP8 tensor cores; the LoRA path, norms, attention, LM head and
-            loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
+            products run on FP8 tensor cores; an untied input embedding table is stored in e4m3
+            too (per-row scales, dequantized at the gather); the LoRA path, norms, attention, LM
+            head and loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
             capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
         fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
             missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
@@ -225,7 +226,8 @@ class LoRAFusionModule(L.LightningModule):
             if params is not None:  # a random base is quantized at setup, where it is drawn
                 from ..model.hf_loading import quantize_base_fp8
 
-                params = quantize_base_fp8(params)  # the 16-bit projection weights are dropped here
+                # the 16-bit projection weights (and an untied embedding table) are dropped here
+                params = quantize_base_fp8(params, embedding=not config.tie_word_embeddings)
         ckpt = activation_checkpointing
         if not isinstance(ckpt, bool) and not (isinstance(ckpt, int) and 0 <= ckpt <= config.num_layers):
             raise ConfigError(
@@ -684,7 +686,7 @@ class LoRAFusionModule(L.LightningModule):
             if self.base_precision == "fp8":
                 from ..model.hf_loading import quantize_base_fp8
 
-                params = quantize_base_fp8(params)
+                params = quantize_base_fp8(params, embedding=not self.config.tie_word_embeddings)
             self._register_base(params)
             if self._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
                 self.bank.to_empty(device=device)

@@ -63,7 +63,7 @@ def greedy_generate(
         page_size=page_size, num_pages=kv_pages + adapter_pages, max_num_seqs=len(prompts),
         max_num_batched_tokens=max(prompt_tokens, len(prompts)), backend=backend, cuda_graphs="off",
         kv_watermark=0.0, fuse_projections=False)  # the engine shares the training module's weights
-    device = params["embed"].device
+    device = dec.embedding_device_dtype(params)[0]
     engine = Engine(config, params, None, engine_config, device=device,
                     eos_token_ids=() if eos_token_id is None else (eos_token_id,))
     try:

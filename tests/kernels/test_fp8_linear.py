@@ -155,6 +155,36 @@ def test_lora_gradients_do_not_depend_on_fp8_except_through_dy():
     assert rel(g8[0], gp[0]) < FP8_TOL
 
 
+def test_fp8_embedding_table_and_lookup():
+    """The input embedding stored in e4m3 with one power-of-two scale per token row: a lookup
+    returns exactly the dequantized rows, in the table's dtype; a tied table (the LM head) is
+    left alone by quantize_base_fp8."""
+    from lightning_lorafusion.model.decoder import embed, embedding_device_dtype
+    from lightning_lorafusion.model.hf_loading import quantize_base_fp8
+
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        table = (torch.randn(37, 64, generator=g) * torch.rand(37, 1, generator=g) * 4).to(dtype)
+        table[5] = 0
+        q = F8.quantize_embedding(table)
+        assert q[F8.WEIGHT_KEY].dtype == torch.uint8 and q[F8.WEIGHT_KEY].shape == (37, 64)
+        assert q[F8.SCALE_KEY].dtype == dtype and q[F8.SCALE_KEY].shape == (37,)
+        deq = F8.quantize_weight(table).dequantize()  # the same per-row scales and bits
+        ids = torch.tensor([3, 5, 36, 3, 0])
+        got = embed({"embed": q}, ids)
+        assert got.dtype == dtype and torch.equal(got, deq[ids].to(dtype))
+        assert (got[1] == 0).all()
+        big = table.float().abs() >= q[F8.SCALE_KEY].float()[:, None] * 2**-6
+        err = (deq - table.float()).abs()
+        assert (err[big] <= table.float().abs()[big] * 2**-4).all(), "half an e4m3 ulp"
+        assert embedding_device_dtype({"embed": q}) == (table.device, dtype)
+    untied = {"embed": table, "lm_head": table.clone(), "layers": []}
+    tied = {"embed": table, "lm_head": table, "layers": []}
+    assert F8.is_quantized(quantize_base_fp8(untied, embedding=True)["embed"])
+    assert quantize_base_fp8(untied)["embed"] is table, "off unless asked"
+    assert quantize_base_fp8(tied, embedding=True)["embed"] is table
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU); the GPU test covers the real fused path")
 def test_fused_kernels_with_fp8_base_match_the_reference():
     """Triton interpreter (fp32): the fused path's FP8 branch (X quantized once per group,
@@ -209,6 +239,14 @@ def test_real_fp8_path_matches_emulated_on_gpu():
     q, s = quantize_rows(parts, [c[:123], c[123:]])
     qr, sr = F8.quantize_rows_reference(torch.cat(parts, 1).float() * c)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    # wide rows (more warps per row, row_launch): the 8B shape's down input and gate/up dY
+    for widths in ((14336,), (14336, 14336)):
+        parts = [torch.randn(64, n, device="cuda", dtype=torch.bfloat16) for n in widths]
+        cols = [F8.pow2_scales(torch.rand(n, device="cuda") * 8) for n in widths]
+        q, s = quantize_rows(parts, cols if len(widths) > 1 else None)
+        ref_in = torch.cat([p.float() * c for p, c in zip(parts, cols)], 1) if len(widths) > 1 else parts[0]
+        qr, sr = F8.quantize_rows_reference(ref_in)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     fws = [F8.quantize_weight(w) for w in ws]
     wt = transpose_concat([fw.data for fw in fws])
     assert torch.equal(wt.view(torch.uint8), torch.cat([fw.data for fw in fws]).view(torch.uint8).t())

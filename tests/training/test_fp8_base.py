@@ -33,6 +33,8 @@ def test_fp8_base_packed_training_equals_separate_runs(tiny_model_dir):
     q = buffers[f"base__layers__0__q_proj__{WEIGHT_KEY}"]
     assert q.dtype == torch.uint8 and buffers[f"base__layers__0__q_proj__{SCALE_KEY}"].dtype == torch.float32
     assert not any(n.endswith("proj__weight") for n in buffers), "the 16-bit projection weights are dropped"
+    # the tiny model's embeddings are untied: its table is stored in e4m3 too, per-row scales
+    assert buffers[f"base__embed__{WEIGHT_KEY}"].dtype == torch.uint8 and "base__embed" not in buffers
     for a in range(3):
         ref = train_alone(module, dm, a)  # module.base_params(): the same quantized base
         alone = dict(ref.adapters[0].named_parameters())
