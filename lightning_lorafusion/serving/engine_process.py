@@ -197,36 +197,46 @@ def _engine_info(engine: Any) -> dict[str, Any]:
 
 
 def _child_main(build: Callable[[], Any], conn: Any, parent_pid: int) -> None:
-    """The engine process: build, report ready (or why not), loop, leave."""
+    """The engine process: build the engine, report ready (or why not), step it until told to
+    stop or the parent is gone. The loop runs on a thread of its own, as ``Engine.start`` steps
+    the engine in-process: torch keeps some state per thread (on a busy 2-core host, steps on
+    the thread that built the engine were ~10x slower, OpenMP's intra-op threads)."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = 0
+    exit_code = [0]
     try:
+        engine = build()
+    except BaseException as e:
+        exit_code[0] = 1
         try:
-            engine = build()
-        except BaseException as e:
-            code = 1
             conn.send(("failed", _portable(e), traceback.format_exc()))
-            return
-        loop = _EngineLoop(engine, conn, parent_pid)
-        try:
-            loop.send(("ready", _engine_info(engine)))
-            loop.run()
         except (OSError, EOFError):
-            pass  # the parent is gone
-        except BaseException:
-            code = 1
-            log.exception("the engine process failed; every unfinished request is aborted")
-            try:
-                loop.send(("crashed", traceback.format_exc()))
-            except (OSError, EOFError):
-                pass
-    finally:
-        conn.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # no interpreter teardown: a worker thread or a CUDA context must not hold the exit up
-        os._exit(code)
+            pass
+    else:
+        thread = threading.Thread(target=_serve, args=(_EngineLoop(engine, conn, parent_pid), exit_code),
+                                  name="lorafusion-engine")
+        thread.start()
+        thread.join()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: a worker thread or a CUDA context must not hold the exit up
+    os._exit(exit_code[0])
+
+
+def _serve(loop: _EngineLoop, exit_code: list[int]) -> None:
+    try:
+        loop.send(("ready", _engine_info(loop.engine)))
+        loop.run()
+    except (OSError, EOFError):
+        pass  # the parent is gone
+    except BaseException:
+        exit_code[0] = 1
+        log.exception("the engine process failed; every unfinished request is aborted")
+        try:
+            loop.send(("crashed", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +327,11 @@ class EngineClient:
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit code (None while it runs)."""
+        return self._process.exitcode
 
     @property
     def alive(self) -> bool:
