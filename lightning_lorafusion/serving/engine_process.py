@@ -69,7 +69,6 @@ class _EngineLoop:
         self.pending: list[tuple] = []  # events not sent yet
         self.lock = threading.Lock()  # pending and generating (worker threads step too, in generate)
         self.send_lock = threading.Lock()
-        self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="lorafusion-call")
         self.kick = False  # step once even with nothing streaming (an abort, a removed adapter)
 
     def send(self, message: tuple) -> None:
@@ -133,8 +132,9 @@ class _EngineLoop:
             self.kick = True
         elif kind == "call":
             _, call_id, name, args = message
-            if name in WORKER_CALLS:
-                self.workers.submit(self.answer, call_id, name, args)
+            if name in WORKER_CALLS:  # a daemon thread: one stuck call must not hold the process's exit up
+                threading.Thread(target=self.answer, args=(call_id, name, args), name=f"lorafusion-{name}",
+                                 daemon=True).start()
             elif name in INLINE_CALLS:
                 self.answer(call_id, name, args)
             else:
@@ -175,7 +175,7 @@ class _EngineLoop:
                 self.generating -= ids
 
     def shutdown(self) -> None:
-        """``close``: abort whatever still runs, send the abort events, stop the workers."""
+        """``close``: abort whatever still runs and send the abort events."""
         with self.lock:
             running = list(self.live) + list(self.generating)
         for rid in running:
@@ -187,7 +187,6 @@ class _EngineLoop:
                 if not self.live and not self.generating:
                     break
             time.sleep(0.001)
-        self.workers.shutdown(wait=False, cancel_futures=True)
 
 
 def _engine_info(engine: Any) -> dict[str, Any]:
@@ -218,10 +217,7 @@ def _child_main(build: Callable[[], Any], conn: Any, parent_pid: int) -> None:
         thread.start()
         thread.join()
     conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # no interpreter teardown: a worker thread or a CUDA context must not hold the exit up
-    os._exit(exit_code[0])
+    sys.exit(exit_code[0])  # multiprocessing's exit: its finalizers run (e.g. tqdm's semaphore is released)
 
 
 def _serve(loop: _EngineLoop, exit_code: list[int]) -> None:
