@@ -10,6 +10,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -217,7 +218,13 @@ def _child_main(build: Callable[[], Any], conn: Any, parent_pid: int) -> None:
         thread.start()
         thread.join()
     conn.close()
-    sys.exit(exit_code[0])  # multiprocessing's exit: its finalizers run (e.g. tqdm's semaphore is released)
+    # multiprocessing's own exit steps (its finalizers: e.g. tqdm's semaphore is released, no
+    # "leaked semaphore" warning), then no interpreter teardown: on the H100 a child that left
+    # through sys.exit after serving was still alive 30 s later (CUDA teardown suspected)
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code[0])
 
 
 def _serve(loop: _EngineLoop, exit_code: list[int]) -> None:
