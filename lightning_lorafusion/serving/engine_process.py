@@ -10,7 +10,6 @@ import functools
 import itertools
 import logging
 import multiprocessing
-import multiprocessing.util
 import os
 import pickle
 import signal
@@ -218,13 +217,7 @@ def _child_main(build: Callable[[], Any], conn: Any, parent_pid: int) -> None:
         thread.start()
         thread.join()
     conn.close()
-    # multiprocessing's own exit steps (its finalizers: e.g. tqdm's semaphore is released, no
-    # "leaked semaphore" warning), then no interpreter teardown: on the H100 a child that left
-    # through sys.exit after serving was still alive 30 s later (CUDA teardown suspected)
-    multiprocessing.util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code[0])
+    sys.exit(exit_code[0])  # multiprocessing's exit: its finalizers run (e.g. tqdm's semaphore is released)
 
 
 def _serve(loop: _EngineLoop, exit_code: list[int]) -> None:
@@ -273,6 +266,7 @@ class EngineClient:
 
     def __init__(self, build: Callable[[], Any], *, start_timeout_s: float | None = None):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+        self._reap_lock = threading.Lock()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=_child_main, args=(build, child_conn, os.getpid()),
                                     name="lorafusion-engine", daemon=True)
@@ -334,7 +328,15 @@ class EngineClient:
     @property
     def exitcode(self) -> int | None:
         """The engine process's exit code (None while it runs)."""
-        return self._process.exitcode
+        with self._reap_lock:
+            return self._process.exitcode
+
+    def _wait_exit(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the engine process to end; its exit code (None: it runs).
+        One thread at a time: of two threads reaping one child, one gets ECHILD and reads it as alive."""
+        with self._reap_lock:
+            self._process.join(timeout_s)
+            return self._process.exitcode
 
     @property
     def alive(self) -> bool:
@@ -415,9 +417,9 @@ class EngineClient:
                 pass
 
     def _gone(self, reason: str) -> None:
-        self._process.join(5)
-        if self._process.exitcode not in (None, 0):
-            reason += f" (exit code {self._process.exitcode})"
+        code = self._wait_exit(5)
+        if code not in (None, 0):
+            reason += f" (exit code {code})"
         with self._lock:
             if self._closed:
                 reason = "the engine was closed"
@@ -538,11 +540,10 @@ class EngineClient:
             self._send(("close",))
         except EngineDeadError:
             pass
-        self._process.join(timeout_s)
-        if self._process.is_alive():
+        if self._wait_exit(timeout_s) is None:
             log.warning("the engine process did not exit within %.0f s; killing it", timeout_s)
             self._process.kill()
-            self._process.join(5)
+            self._wait_exit(5)
         self._reader.join(10)
         self._conn.close()
 

@@ -79,7 +79,8 @@ def engines(model_dir, adapter_dirs):
 def test_outputs_equal_the_in_process_engine(engines):
     local, remote = engines
     assert remote.max_model_len == local.max_model_len and remote.model_config == local.model_config
-    assert remote.eos_token_ids == local.eos_token_ids and remote.tokenizer.decode([5, 6]) == local.tokenizer.decode([5, 6])
+    assert remote.eos_token_ids == local.eos_token_ids
+    assert remote.tokenizer.decode([5, 6, 7]) == local.tokenizer.decode([5, 6, 7])
     requests = [_request([5, 9, 17, 30], None, "a", logprobs=2), _request([7, 8], "all4", "b", prompt_logprobs=1),
                 _request([11, 12, 13], "attn2", "c", temperature=1.0, seed=5, max_new_tokens=8),
                 _request([40, 41, 42, 43, 44], "all4", "d", stop_token_ids=(9,), max_new_tokens=10)]
