@@ -501,11 +501,10 @@ def test_client_disconnect_mid_stream_frees_pages(long_engine):
         with httpx.Client(base_url=server.url, timeout=30) as client:
             with client.stream("POST", "/v1/completions", json={
                     "model": BASE, "prompt": "w5 w6", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
-                first = next(r.iter_lines())
+                lines = r.iter_lines()  # held: dropping the iterator would close the connection already
+                first = next(lines)
                 assert r.status_code == 200 and '"finish_reason":null' in first.replace(" ", ""), first
-                stats = engine.stats()
-                time.sleep(0.5)
-                assert stats["kv_pages_used"] > 0, (first, stats, engine.stats())
+                assert engine.stats()["kv_pages_used"] > 0
         # gone after the first token: the engine aborts the request and frees its pages
         _wait_for(lambda: _idle(engine))
         assert engine.stats()["generated_tokens_total"] - generated < 4000
