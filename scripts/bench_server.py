@@ -1,29 +1,36 @@
 """HTTP load test: the OpenAI-compatible server against the engine called directly, same requests.
 
-One process, one device, one engine: a random-weight Llama of a real shape (``--shape 1b`` or
-``8b``, as scripts/bench_generation.py builds it) with ``--adapters`` random LoRA adapters of
-mixed ranks. ``--requests`` greedy requests (prompts of ``--prompt-min``..``--prompt-max`` random
-tokens, ``--new-tokens`` generated, EOS ignored), each naming an adapter drawn uniformly or, with
-``--zipf s``, with probability proportional to 1 / rank^s. They run twice, side by side:
+One device, one engine per mode: a random-weight Llama of a real shape (``--shape 1b`` or ``8b``,
+as scripts/bench_generation.py builds it) with ``--adapters`` random LoRA adapters of mixed ranks
+(``build_engine``: seeded, so every engine built from the same arguments has the same weights).
+``--requests`` greedy requests (prompts of ``--prompt-min``..``--prompt-max`` random tokens,
+``--new-tokens`` generated, EOS ignored), each naming an adapter drawn uniformly or, with
+``--zipf s``, with probability proportional to 1 / rank^s. They run side by side:
 
-- direct: ``Engine.stream`` per request, as asyncio tasks in this process;
+- direct: ``Engine.stream`` per request, as asyncio tasks in this process (the reference);
 - http: ``create_app(engine)`` under uvicorn in a thread of this process on a free port; clients
   are asyncio + ``httpx.AsyncClient`` streaming ``POST /v1/completions`` (server-sent events,
   ``model`` = the adapter's name, ``prompt`` = the token ids). ``--client process`` (default)
   runs the clients in a child process (as real clients would: they do not share the server's
-  GIL); ``--client thread`` runs them in this process's main thread.
+  GIL); ``--client thread`` runs them in this process's main thread. With ``--engine-process``
+  the server's engine is an ``EngineClient``: the same engine built in a child process (as
+  ``serve`` runs it on CUDA); ``--compare-in-process`` then also runs the HTTP trace against
+  the in-process engine (mode http_in_process), for the side-by-side.
 
 Load: ``--concurrency C`` clients in a closed loop (each sends its next request when its last one
 finished), or ``--rate R`` Poisson arrivals at R requests/s (open loop, no limit on concurrency).
-Both modes measure at the client: throughput (generated tokens / wall time from the first send
-to the last answer), TTFT (send to the first text), inter-token latency (gaps between text
-pieces, all requests pooled) and time per output token (per request: (last - first) / (tokens - 1)):
-mean, p50, p99. Every request must end complete (``finish_reason`` "length" with all its tokens)
-or as a counted error; nothing is lost. Greedy texts of the two modes are compared request by
-request (in bf16 a near-tie can flip when batches are composed differently; fp32 must agree).
+Every mode is measured at the client: throughput (generated tokens / wall time from the first
+send to the last answer), TTFT (send to the first text), inter-token latency (gaps between text
+pieces, all requests pooled) and time per output token (per request: (last - first) / (tokens -
+1)): mean, p50, p99. Every request must end complete (``finish_reason`` "length" with all its
+tokens) or as a counted error; nothing is lost. Each HTTP mode's greedy texts are compared with
+direct's request by request (in bf16 a near-tie can flip when batches are composed differently;
+fp32 must agree).
 HTTP overhead = 1 - http tokens/s / direct tokens/s.
 
     PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --out $OUT
+    PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --requests 2048 --rounds 2 --engine-process \
+        --compare-in-process --out $OUT
     PYTHONPATH=. python3 scripts/bench_server.py --shape tiny --device cpu --dtype float32 --requests 8 \\
         --concurrency 4 --new-tokens 4 --prompt-min 4 --prompt-max 12 --adapters 3 --client thread
 """
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -51,8 +59,10 @@ from bench_generation import SHAPES, build_model, make_requests, random_adapters
 
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig  # noqa: E402
+from lightning_lorafusion.serving.engine_process import EngineClient  # noqa: E402
 
 BASE_MODEL = "base"
+HTTP_MODES = ("http", "http_in_process")  # http: the server's engine (an EngineClient with --engine-process)
 
 
 def log(msg: str) -> None:
@@ -141,7 +151,24 @@ async def drive(send, items: list, *, concurrency: int, arrivals: list[float] | 
 
 
 # ---------------------------------------------------------------------------------------------
-# the two modes
+# the engine
+
+
+def build_engine(shape: str, device: str, dtype: torch.dtype, adapters: int, ranks: list[int],
+                 config: EngineConfig) -> Engine:
+    """The benchmark's engine: the random ``shape`` model (seed 0) and ``adapters`` random adapters
+    named adapter0.. (seed 1). Module-level and seeded: the engine process builds the same weights."""
+    device = torch.device(device)
+    model, tokenizer = build_model(SHAPES[shape], device, dtype, seed=0)
+    model_config, params = params_from_hf_model(model)
+    engine = Engine(model_config, params, tokenizer, config, device=device, dtype=dtype)
+    for name, r, alpha, factors in random_adapters(model_config, adapters, ranks, device, dtype, seed=1, b_std=0.02):
+        engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------
+# the modes
 
 
 async def send_direct(engine: Engine, req) -> Outcome:
@@ -308,26 +335,33 @@ def _ms(x: float | None) -> str:
 
 def table(report: dict) -> str:
     load = report["load"]
-    head = (f"{'mode':<7} {'requests':>8} {'load':>10} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+    engine_process = report["args"].get("engine_process")
+    label = {"direct": "direct", "http": "http (engine process)" if engine_process else "http",
+             "http_in_process": "http (in-process)"}
+    head = (f"{'mode':<22} {'requests':>8} {'load':>10} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'tok p50':>8} {'tok p99':>8} {'errors':>6} {'lost':>5}")
     lines = [head, "  (latencies in ms; tok = inter-token latency at the client)"]
-    for mode in ("direct", "http"):
+    for mode in ("direct",) + HTTP_MODES:
         r = report.get(mode)
         if r is None:
             continue
-        lines.append(f"{mode:<7} {r['requests']:>8} {load:>10} {r['tokens_per_s']:>9.0f} {_ms(r['ttft_s']['p50']):>9} "
-                     f"{_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} {_ms(r['itl_s']['p99']):>8} "
-                     f"{r['errors']:>6} {r['incomplete']:>5}")
-    if "http_overhead" in report:
-        lines.append(f"HTTP overhead = 1 - http/direct tokens/s = {100 * report['http_overhead']:.1f}% (last round)")
-    per_round = report.get("http_overhead_per_round", [])
-    if len(per_round) > 1:
-        lines.append("per round: " + ", ".join(
-            f"{r['direct']['tokens_per_s']:.0f} direct / {r['http']['tokens_per_s']:.0f} http ({100 * o:.1f}%)"
-            for r, o in zip(report["rounds"], per_round)))
-    if "texts" in report:
-        t = report["texts"]
-        lines.append(f"greedy texts equal: {t['equal']}/{t['compared']}")
+        lines.append(f"{label[mode]:<22} {r['requests']:>8} {load:>10} {r['tokens_per_s']:>9.0f} "
+                     f"{_ms(r['ttft_s']['p50']):>9} {_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} "
+                     f"{_ms(r['itl_s']['p99']):>8} {r['errors']:>6} {r['incomplete']:>5}")
+    for mode in HTTP_MODES:
+        if f"{mode}_overhead" in report:
+            lines.append(f"{label[mode]} overhead = 1 - http/direct tokens/s = "
+                         f"{100 * report[f'{mode}_overhead']:.1f}% (last round)")
+    if len(report.get("rounds", [])) > 1:
+        for mode in HTTP_MODES:
+            if f"{mode}_overhead" in report:
+                lines.append(f"per round, {label[mode]}: " + ", ".join(
+                    f"{r['direct']['tokens_per_s']:.0f} direct / {r[mode]['tokens_per_s']:.0f} http "
+                    f"({100 * r[f'{mode}_overhead']:.1f}%)" for r in report["rounds"]))
+    for mode in HTTP_MODES:
+        if _texts_key(mode) in report:
+            t = report[_texts_key(mode)]
+            lines.append(f"greedy texts equal to direct, {label[mode]}: {t['equal']}/{t['compared']}")
     return "\n".join(lines)
 
 
@@ -362,6 +396,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the engine and server threads share the GIL)")
     ap.add_argument("--rounds", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the server's engine runs in a child process (EngineClient, as serve does on CUDA)")
+    ap.add_argument("--compare-in-process", action="store_true",
+                    help="with --engine-process: also serve HTTP from the in-process engine (mode http_in_process)")
     ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -372,77 +410,82 @@ def main(argv=None) -> dict:
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "load": f"C={args.concurrency}" if closed else f"{args.rate:g}/s"}
 
+    if args.compare_in_process and not args.engine_process:
+        ap.error("--compare-in-process needs --engine-process")
+
     t0 = time.perf_counter()
-    shape = SHAPES[args.shape]
-    model, tokenizer = build_model(shape, device, dtype, seed=0)
-    config, params = params_from_hf_model(model)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
-    names = [a[0] for a in adapters]
-    engine = Engine(config, params, tokenizer,
-                    EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                 gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages,
-                                 backend=args.backend, cpu_pool_mib=1024, cuda_graphs=args.graphs),
-                    device=device, dtype=dtype)
-    for name, r, alpha, factors in adapters:
-        engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
-    del model, adapters
+    vocab = SHAPES[args.shape]["vocab_size"]
+    build = functools.partial(
+        build_engine, args.shape, args.device, dtype, args.adapters, [int(r) for r in args.ranks.split(",")],
+        EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                     gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages, backend=args.backend,
+                     cpu_pool_mib=1024, cuda_graphs=args.graphs))
+    engine = build()  # the direct mode's (and without --engine-process the server's)
+    # built second, so its pool is sized from what the first left free (both fit a 1B model on 80 GB)
+    served = {"http": EngineClient(build) if args.engine_process else engine}
+    if args.compare_in_process:
+        served["http_in_process"] = engine
+    names = [a.name for a in engine.adapters()]
     weights = [1.0 / (i + 1) ** args.zipf for i in range(len(names))] if args.zipf > 0 else None
-    reqs = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
+    reqs = make_requests(args.requests, vocab, args.prompt_min, args.prompt_max, names,
                          args.new_tokens, seed=args.seed, adapter_weights=weights)
     arrivals = None if closed else poisson_arrivals(len(reqs), args.rate, seed=args.seed)
-    # one short request per adapter: compiles, graph buckets and every adapter paged in before either mode
-    warm = make_requests(len(names), shape["vocab_size"], args.prompt_min, args.prompt_min + 16, names, 4,
-                         seed=args.seed + 1)
+    # one short request per adapter: compiles, graph buckets and every adapter paged in before any mode
+    warm = make_requests(len(names), vocab, args.prompt_min, args.prompt_min + 16, names, 4, seed=args.seed + 1)
     warm = [replace(w, adapter=n, request_id=f"w{i}") for i, (w, n) in enumerate(zip(warm, names))]
-    engine.generate(warm)
-    # and a batch of the trace's own prompts (shorter answers): prefill shapes like the measured runs'
-    engine.generate([replace(r, request_id=f"t{r.request_id}", sampling=replace(r.sampling, max_new_tokens=8))
-                     for r in reqs[:args.concurrency]])
+    for e in {id(e): e for e in [engine, *served.values()]}.values():
+        e.generate(warm)
+        # and a batch of the trace's own prompts (shorter answers): prefill shapes like the measured runs'
+        e.generate([replace(r, request_id=f"t{r.request_id}", sampling=replace(r.sampling, max_new_tokens=8))
+                    for r in reqs[:args.concurrency]])
     report["setup_s"] = time.perf_counter() - t0
-    log(f"engine ready in {report['setup_s']:.1f}s: {engine.pool.num_pages} pages, "
-        f"cuda graphs {engine.runner.graphs is not None}, {len(names)} adapters")
+    log(f"engines ready in {report['setup_s']:.1f}s: " + ", ".join(
+        f"{mode} {e.stats()['kv_pages_total']} pages" for mode, e in [("direct", engine), *served.items()])
+        + f"; cuda graphs {engine.runner.graphs is not None}, {len(names)} adapters")
 
-    def stats_delta(before: dict) -> dict:
-        after = engine.stats()
+    def stats_delta(e, before: dict) -> dict:
+        after = e.stats()
         return {k: after[k] - before[k] for k in ("steps_total", "adapter_page_ins_total", "preemptions_total")}
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 
-    app = create_app(engine, config=ServerConfig(served_model_name=BASE_MODEL, rescan_interval_s=0,
-                                                 max_pending_requests=max(256, args.concurrency)))
-    server = UvicornThread(app, loop=args.uvicorn_loop, http=args.uvicorn_http)
+    servers = {mode: UvicornThread(create_app(e, config=ServerConfig(
+        served_model_name=BASE_MODEL, rescan_interval_s=0, max_pending_requests=max(256, args.concurrency))),
+        loop=args.uvicorn_loop, http=args.uvicorn_http) for mode, e in served.items()}
     warm_specs = [Spec(request_id=f"hw{i}", model=n, prompt=list(w.prompt_token_ids), max_tokens=4)
                   for i, (w, n) in enumerate(zip(warm, names))]
     rounds: list[dict] = []
     try:
-        # the modes alternate, so first-time costs and drift over the run hit both alike
+        # the modes alternate, so first-time costs and drift over the run hit all alike
         for k in range(args.rounds):
             row: dict = {}
-            # direct: engine.stream per request from asyncio tasks of this thread (the server is idle)
+            # direct: engine.stream per request from asyncio tasks of this thread (the servers are idle)
             engine.reset_prefix_cache()  # each run prefills its prompts itself (no hits from the last run)
             before = engine.stats()
             sync(device)
             outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs,
                                                concurrency=args.concurrency, arrivals=arrivals))
-            row["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
+            row["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(engine, before)}
             direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-            # http: the same requests through the server in a thread of this process
-            engine.reset_prefix_cache()
-            before = engine.stats()
-            outcomes, wall = run_http_clients(server.url, warm_specs, [to_spec(r) for r in reqs],
-                                              args.concurrency, arrivals, args.client)
-            # the engine's step counts include the HTTP warm-up (its connections are opened by it)
-            row["http"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(before)}
-            log(f"round {k}: http {row['http']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-            row["texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes if o.error is None})
-            if row["direct"]["tokens_per_s"] > 0:
-                row["http_overhead"] = 1.0 - row["http"]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+            for mode, e in served.items():  # the same requests through each server
+                e.reset_prefix_cache()
+                before = e.stats()
+                outcomes, wall = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
+                                                  args.concurrency, arrivals, args.client)
+                # the engine's step counts include the HTTP warm-up (its connections are opened by it)
+                row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before)}
+                log(f"round {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+                row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
+                                                                     if o.error is None})
+                if row["direct"]["tokens_per_s"] > 0:
+                    row[f"{mode}_overhead"] = 1.0 - row[mode]["tokens_per_s"] / row["direct"]["tokens_per_s"]
             rounds.append(row)
     finally:
-        server.stop()
-        engine.close()
+        for server in servers.values():
+            server.stop()
+        for e in {id(e): e for e in [engine, *served.values()]}.values():
+            e.close()
     report["rounds"] = rounds
     # the headline is the last round (everything warm); every round stays in the JSON and the table
     report.update(rounds[-1])
@@ -456,6 +499,10 @@ def main(argv=None) -> dict:
     report["table"] = table(report)
     print("\n" + report["table"])
     return report
+
+
+def _texts_key(mode: str) -> str:
+    return "texts" if mode == "http" else f"{mode}_texts"
 
 
 if __name__ == "__main__":

@@ -23,12 +23,15 @@ class UnknownAdapterError(KeyError):
     """A request named an adapter the engine does not have."""
 
     def __init__(self, name: str, known: list[str] | None = None) -> None:
-        self.name = name
+        self.name, self.known = name, known
         hint = f"; loaded adapters: {sorted(known)}" if known is not None else ""
         super().__init__(f"unknown adapter {name!r}{hint}")
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+    def __reduce__(self):  # pickled by its arguments (it crosses from the engine process)
+        return type(self), (self.name, self.known)
 
 
 @dataclass(frozen=True)

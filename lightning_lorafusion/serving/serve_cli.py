@@ -3,6 +3,7 @@ as `fit`), then the engine, the adapter store and the HTTP server under uvicorn.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -38,6 +39,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--device", type=str | None, default=None, help="cuda, cuda:1, cpu (default: cuda if present).")
     parser.add_argument("--dtype", type=str | None, default=None,
                         help="bfloat16, float16, float32 (default: the engine's).")
+    parser.add_argument("--engine_process", type=bool | None, default=None,
+                        help="Run the engine in a child process (true) or in the server's process (false); "
+                             "null (default): a child process when the engine runs on CUDA, where HTTP work "
+                             "and engine steps sharing one GIL cost throughput (docs/serving_http.md).")
     parser.add_argument("--log_level", type=str, default="info")
     parser.add_argument("--graceful_shutdown_s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, how long running requests may finish before they are cancelled.")
@@ -57,6 +62,18 @@ def _dtype(name: str | None):
     return dtype
 
 
+def use_engine_process(setting: bool | None, device: str | None) -> bool:
+    """``engine_process``: True, False, or None = on when the engine runs on CUDA (``device``
+    names it, or none is given and CUDA is available)."""
+    if setting is not None:
+        return setting
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (``--print_config`` prints the merged config and exits), build everything
     and serve until SIGINT/SIGTERM. Returns the process exit code."""
@@ -64,6 +81,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from . import Engine
     from .adapter_store import AdapterStore
+    from .engine_process import EngineClient
     from .server import create_app
 
     parser = build_parser()
@@ -79,8 +97,9 @@ def run(argv: list[str] | None = None) -> int:
             overrides["served_model_name"] = Path(cfg.base_model).name
         if overrides:
             server_cfg = type(server_cfg)(**{**vars(server_cfg), **overrides})
-        engine = Engine.from_pretrained(cfg.base_model, adapters=dict(cfg.adapters) or None, config=objs.engine,
-                                        device=cfg.device, dtype=_dtype(cfg.dtype))
+        build = functools.partial(Engine.from_pretrained, cfg.base_model, adapters=dict(cfg.adapters) or None,
+                                  config=objs.engine, device=cfg.device, dtype=_dtype(cfg.dtype))
+        engine = EngineClient(build) if use_engine_process(cfg.engine_process, cfg.device) else build()
         store = AdapterStore(cfg.adapter_dir, engine) if cfg.adapter_dir else None
     except ConfigError as e:
         print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)

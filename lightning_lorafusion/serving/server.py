@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..specs import ConfigError
 from . import openai_api as oa
 from .adapter_store import AdapterPathError, AdapterStore
+from .engine_process import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class _EngineCollector:
         self._engine = engine
 
     def collect(self):
-        stats = self._engine.stats()
+        try:
+            stats = self._engine.stats()
+        except Exception as e:  # e.g. the engine process is gone: the HTTP metrics still answer
+            log.warning("engine stats unavailable: %s", str(e).splitlines()[0])
+            return
         for key, name, doc in self._COUNTERS:
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
@@ -244,6 +249,8 @@ class _Server:
         return oa.APIError(500, "the engine aborted the request")
 
     def _engine_error(self, err: Exception, greq: Any) -> oa.APIError:
+        if isinstance(err, EngineDeadError):  # the engine process is gone; /health says so too
+            return oa.APIError(503, "the engine is not running; the server must be restarted")
         if isinstance(err, KeyError):  # UnknownAdapterError: removed between lookup and submit
             return oa.model_not_found(greq.adapter or self.model_name)
         return oa.APIError(400, str(err))  # ConfigError: e.g. a request that can never fit the pool
@@ -257,7 +264,7 @@ class _Server:
         try:
             try:
                 first = await anext(stream)
-            except (KeyError, ConfigError) as e:
+            except (KeyError, ConfigError, EngineDeadError) as e:
                 raise self._engine_error(e, greq) from None
             yield first
             async for event in stream:
@@ -282,7 +289,7 @@ class _Server:
         self.engine.start()
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.generate, greqs)
-        except (KeyError, ConfigError) as e:
+        except (KeyError, ConfigError, EngineDeadError) as e:
             raise self._engine_error(e, greqs[0]) from None
         except asyncio.CancelledError:
             for rid in ids:
@@ -370,6 +377,8 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
     async def health():
         if srv.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not getattr(srv.engine, "alive", True):  # an EngineClient whose engine process died
+            return JSONResponse({"status": "engine process gone"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -1,5 +1,6 @@
-"""scripts/bench_server.py on CPU (tiny shape, fp32): both modes run the same requests, none is lost,
-the greedy texts agree, the JSON and the table are written."""
+"""scripts/bench_server.py on CPU (tiny shape, fp32): every mode runs the same requests, none is lost,
+the greedy texts agree, the JSON and the table are written; with --engine-process the server's
+engine is built in a child process from the same seeds (same weights: same texts)."""
 
 import json
 
@@ -13,26 +14,34 @@ ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-token
 
 
 @pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4", "--rounds", "2"], "thread"),
-                                         (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process")])
+                                         (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process"),
+                                         (["--requests", "6", "--concurrency", "3", "--engine-process",
+                                           "--compare-in-process"], "thread")])
 def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     module = load_script("bench_server")
     report = module.main(ARGS + load + ["--client", client, "--out", str(tmp_path)])
     n = report["args"]["requests"]
-    for mode in ("direct", "http"):
+    modes = ["direct", "http"] + (["http_in_process"] if report["args"]["compare_in_process"] else [])
+    for mode in modes:
         r = report[mode]
         assert (r["requests"], r["complete"], r["errors"], r["incomplete"]) == (n, n, 0, 0), r
         assert r["generated_tokens"] == n * 4
         assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
-    assert report["texts"]["compared"] == n and report["texts"]["equal"] == n  # fp32 greedy: same text
-    assert report["texts"]["mean_chars"] > 0
+        assert r["steps_total"] > 0  # read from the engine that served the mode
+    for key in ("texts", "http_in_process_texts")[:len(modes) - 1]:
+        assert report[key]["compared"] == n and report[key]["equal"] == n  # fp32 greedy: same text
+        assert report[key]["mean_chars"] > 0
     assert report["http_overhead"] == 1 - report["http"]["tokens_per_s"] / report["direct"]["tokens_per_s"]
     rounds = report["rounds"]
     assert len(rounds) == report["args"]["rounds"] and rounds[-1]["http"] == report["http"]
-    for row in rounds:  # every round ran every request in both modes
-        assert all(row[m]["complete"] == n and row[m]["errors"] == 0 for m in ("direct", "http"))
+    for row in rounds:  # every round ran every request in every mode
+        assert all(row[m]["complete"] == n and row[m]["errors"] == 0 for m in modes)
     assert report["http_overhead_per_round"] == [r["http_overhead"] for r in rounds]
     saved = json.loads((tmp_path / "bench_server_tiny.json").read_text())
     assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == n * 4
     out = capsys.readouterr().out
-    assert out.rstrip().endswith(f"greedy texts equal: {n}/{n}")
-    assert "direct " in out and "http " in out and "HTTP overhead" in out
+    label = "http (engine process)" if report["args"]["engine_process"] else "http"
+    assert out.rstrip().splitlines()[-len(modes) + 1] == f"greedy texts equal to direct, {label}: {n}/{n}"
+    assert "direct " in out and f"{label} overhead" in out
+    if "http_in_process" in modes:
+        assert "http (in-process) overhead" in out and report["http_in_process_overhead"] < 1

@@ -109,3 +109,19 @@ def write_random_peft_adapter_fixture():
     """The writer above as a fixture: test modules cannot import this conftest by name (pytest
     loads several conftest.py files, and whichever came first owns the name ``conftest``)."""
     return write_random_peft_adapter
+
+
+def _process_exited(pid: int) -> bool:
+    """No process ``pid`` any more, or only its zombie (nobody may reap it in a container)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.fixture(name="process_exited")
+def process_exited_fixture():
+    """``process_exited(pid)``, for tests that check child processes end (Linux /proc)."""
+    return _process_exited

@@ -1,9 +1,11 @@
 """The HTTP server against a real engine (tiny random Llama, PEFT adapters in a store): OpenAI
 endpoints, streaming, echo scoring vs HF + PEFT, n/seed/stop, errors, security, store pickup,
-metrics, disconnects, shutdown, and `serve` as a subprocess queried with the openai client."""
+metrics, disconnects, shutdown, and `serve` as a subprocess queried with the openai client. The key
+cases run twice: engine in the server's process, and in its own (``EngineClient``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ from fastapi.testclient import TestClient
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.adapter_store import AdapterStore
+from lightning_lorafusion.serving.engine_process import EngineClient
 from lightning_lorafusion.serving.server import ServerConfig, create_app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +36,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}w1{% else %
                  "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}")
 ENGINE_CONFIG = dict(num_pages=160, page_size=8, max_num_seqs=16, max_num_batched_tokens=512, backend="torch")
 PROMPT = "w5 w9 w17 w30 w2"
+# where the engine runs: the server's process (Engine) or a child process (EngineClient)
+MODES = ["in_process", "engine_process"]
 
 
-def _engine(model_dir) -> Engine:
-    engine = Engine.from_pretrained(str(model_dir), None, EngineConfig(**ENGINE_CONFIG), device="cpu",
-                                    dtype=torch.float32)
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
+def _engine(model_dir, mode: str = "in_process", **config) -> Engine | EngineClient:
+    build = functools.partial(Engine.from_pretrained, str(model_dir), None,
+                              EngineConfig(**{**ENGINE_CONFIG, **config}), device="cpu", dtype=torch.float32)
+    engine = build() if mode == "in_process" else EngineClient(build)
+    engine.tokenizer.chat_template = CHAT_TEMPLATE  # the server applies chat templates in its own process
     return engine
 
 
@@ -75,10 +81,10 @@ def _error(response, status, *, param=None, code=None):
     return err
 
 
-@pytest.fixture(scope="module")
-def served(model_dir, adapter_dirs, tmp_path_factory):
+@pytest.fixture(scope="module", params=MODES)
+def served(request, model_dir, adapter_dirs, tmp_path_factory):
     """One app over a store holding two of the three test adapters (mlp8 stays outside)."""
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, request.param)
     store = _store(tmp_path_factory.mktemp("served"), adapter_dirs, ["all4", "attn2"])
     app = create_app(engine, config=ServerConfig(served_model_name=BASE, rescan_interval_s=0),
                      store=AdapterStore(store, engine))
@@ -324,8 +330,9 @@ def test_api_key_is_required_on_v1_routes(model_dir, adapter_dirs, tmp_path):
 # -- the adapter store while serving -------------------------------------------------------------
 
 
-def test_adapters_appear_and_disappear_without_restart(model_dir, adapter_dirs, tmp_path):
-    engine = _engine(model_dir)
+@pytest.mark.parametrize("mode", MODES)
+def test_adapters_appear_and_disappear_without_restart(model_dir, adapter_dirs, tmp_path, mode):
+    engine = _engine(model_dir, mode)
     store = _store(tmp_path, adapter_dirs, ["all4"])
     app = create_app(engine, config=ServerConfig(served_model_name=BASE, rescan_interval_s=0),
                      store=AdapterStore(store, engine))
@@ -466,38 +473,48 @@ def _wait_for(cond, timeout=10.0):
         time.sleep(0.02)
 
 
-def test_client_disconnect_mid_stream_frees_pages(tmp_path):
+@pytest.fixture(scope="module", params=MODES)
+def long_engine(request, tmp_path_factory):
+    """A 4096-token context, shared by the tests below (each waits until its requests are gone):
+    a 4000-token request surely still runs while a test acts."""
+    from lightning_lorafusion.model.random_model import write_random_llama
+
+    long_dir = write_random_llama(tmp_path_factory.mktemp("long"), vocab_size=64, hidden_size=32,
+                                  intermediate_size=64, num_layers=2, max_positions=4096)
+    engine = _engine(long_dir, request.param, num_pages=600)
+    yield engine
+    engine.close()
+
+
+def _idle(engine) -> bool:
+    stats = engine.stats()
+    return stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_pages_used"] == 0
+
+
+def test_client_disconnect_mid_stream_frees_pages(long_engine):
     # A 4000-token request: on a loaded machine a short one could finish before the server
     # notices the disconnect, and the test would prove nothing.
-    engine = _long_engine(tmp_path)
+    engine = long_engine
+    generated = engine.stats()["generated_tokens_total"]
     server = _Uvicorn(create_app(engine, config=ServerConfig(served_model_name=BASE)))
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             with client.stream("POST", "/v1/completions", json={
                     "model": BASE, "prompt": "w5 w6", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
-                next(r.iter_lines())
+                lines = r.iter_lines()  # held: dropping the iterator would close the connection already
+                first = next(lines)
+                assert r.status_code == 200 and '"finish_reason":null' in first.replace(" ", ""), first
                 assert engine.stats()["kv_pages_used"] > 0
         # gone after the first token: the engine aborts the request and frees its pages
-        _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["kv_pages_used"] == 0)
-        assert engine.stats()["generated_tokens_total"] < 4000
+        _wait_for(lambda: _idle(engine))
+        assert engine.stats()["generated_tokens_total"] - generated < 4000
     finally:
         server.stop()
-        engine.close()
 
 
-def _long_engine(tmp_path) -> Engine:
-    """A 4096-token context: a 4000-token request surely still runs while the test acts."""
-    from lightning_lorafusion.model.random_model import write_random_llama
-
-    long_dir = write_random_llama(tmp_path / "long", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                  num_layers=2, max_positions=4096)
-    return Engine.from_pretrained(str(long_dir), None, EngineConfig(**{**ENGINE_CONFIG, "num_pages": 600}),
-                                  device="cpu", dtype=torch.float32)
-
-
-def test_overload_is_503_with_retry_after(tmp_path):
-    engine = _long_engine(tmp_path)
-    app = create_app(engine, config=ServerConfig(served_model_name=BASE, max_pending_requests=2, retry_after_s=2))
+def test_overload_is_503_with_retry_after(long_engine):
+    app = create_app(long_engine, config=ServerConfig(served_model_name=BASE, max_pending_requests=2,
+                                                      retry_after_s=2))
     server = _Uvicorn(app)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -516,11 +533,11 @@ def test_overload_is_503_with_retry_after(tmp_path):
             assert after.status_code == 200
     finally:
         server.stop()
-        engine.close()
+    _wait_for(lambda: _idle(long_engine))
 
 
-def test_graceful_shutdown_lets_running_requests_finish(model_dir):
-    engine = _engine(model_dir)
+def test_graceful_shutdown_lets_running_requests_finish(long_engine):
+    engine = long_engine
     server = _Uvicorn(create_app(engine, config=ServerConfig(served_model_name=BASE)), timeout_graceful_shutdown=20)
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60, json={
@@ -530,11 +547,11 @@ def test_graceful_shutdown_lets_running_requests_finish(model_dir):
         r = answer.result()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 100
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    engine.close()
 
 
-def test_shutdown_cancels_requests_that_outlast_the_grace_period(tmp_path):
-    engine = _long_engine(tmp_path)
+def test_shutdown_cancels_requests_that_outlast_the_grace_period(long_engine):
+    engine = long_engine
+    generated = engine.stats()["generated_tokens_total"]
     server = _Uvicorn(create_app(engine, config=ServerConfig(served_model_name=BASE)), timeout_graceful_shutdown=0.5)
     with ThreadPoolExecutor(2) as pool:
         answers = [pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60, json={
@@ -548,9 +565,8 @@ def test_shutdown_cancels_requests_that_outlast_the_grace_period(tmp_path):
                 assert r.status_code != 200 or "[DONE]" not in r.text  # cut off, not completed
             except httpx.HTTPError:
                 pass  # the connection was closed under it
-    _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["kv_pages_used"] == 0)
-    assert engine.stats()["generated_tokens_total"] < 2 * 4000
-    engine.close()
+    _wait_for(lambda: _idle(engine))
+    assert engine.stats()["generated_tokens_total"] - generated < 2 * 4000
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -579,7 +595,14 @@ def _console_dispatches_serve() -> bool:
     return "serve_cli" in inspect.getsource(cli)
 
 
-def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_path):
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.parametrize("engine_process", ["false", "true"])
+def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_path, engine_process, process_exited):
     openai = pytest.importorskip("openai")
     base = tmp_path / "base"
     shutil.copytree(model_dir, base)
@@ -595,7 +618,8 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
                 else [sys.executable, "-m", "lightning_lorafusion.serving.serve_cli"])
     cmd = launcher + (["serve"] if launcher[0] == str(script) else []) + [
         "--config", str(REPO / "configs" / "serve_tiny.yaml"), "--base_model", str(base), "--adapter_dir", str(store),
-        "--port", str(port), "--engine.num_pages", str(ENGINE_CONFIG["num_pages"])]
+        "--port", str(port), "--engine.num_pages", str(ENGINE_CONFIG["num_pages"]),
+        "--engine_process", engine_process]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "LORAFUSION_API_KEY": "k"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -611,6 +635,9 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
+        children = _children(proc.pid)  # the engine process, if any (spawn also starts a resource tracker)
+        if engine_process == "true":
+            assert children
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list().data] == [base.name, "all4", "attn2"]
 
@@ -654,3 +681,4 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
                 proc.kill()
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it (exit status -SIGTERM)
     assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read()
+    _wait_for(lambda: all(process_exited(c) for c in children))  # the engine process stopped with the server

@@ -1,0 +1,554 @@
+"""The engine in a process of its own: ``EngineClient`` offers the server ``Engine``'s interface while
+a child process steps the engine, so HTTP work and the engine's host-side step never share a GIL."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+
+import torch
+
+from ..specs import ConfigError
+from .adapters import AdapterInfo
+from .request import GenerationRequest, GenerationResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+# An idle child waits this long for a command before it checks that its parent still lives (it
+# also leaves on the pipe's EOF, which a dead parent's closed end gives at once).
+IDLE_POLL_S = 0.5
+BUSY_PARENT_CHECK_S = 1.0
+# Running requests that made no progress in a step (e.g. waiting for pages): wait a little, do not spin.
+STALL_POLL_S = 0.001
+# Calls the child answers between two steps (cheap) and those a worker thread of the child runs
+# (disk reads, or blocking until requests finish) while the step loop goes on.
+INLINE_CALLS = frozenset({"stats", "adapters", "remove_adapter", "reset_prefix_cache"})
+WORKER_CALLS = frozenset({"add_adapter", "add_adapter_weights", "add_adapters_from_checkpoint", "generate"})
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (it crashed, was killed or was closed): nothing more can run."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling unchanged in type, else a RuntimeError with its type and message."""
+    try:
+        if type(pickle.loads(pickle.dumps(exc))) is type(exc):
+            return exc
+    except Exception:  # an exception whose constructor does not take its args back
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the child: build the engine, step it, answer commands between steps
+
+
+class _EngineLoop:
+    """The engine process's main loop. Streamed requests' events leave as one message per step:
+    ``("events", [(request_id, token_id, text, logprob, top_logprobs, finish_reason), ...])``
+    (TokenEvent's fields in order; the text is detokenized here)."""
+
+    def __init__(self, engine: Any, conn: Any, parent_pid: int):
+        self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
+        self.live: set[str] = set()  # streamed requests not finished yet
+        self.generating: set[str] = set()  # requests of generate calls in flight
+        self.pending: list[tuple] = []  # events not sent yet
+        self.lock = threading.Lock()  # pending and generating (worker threads step too, in generate)
+        self.send_lock = threading.Lock()
+        self.kick = False  # step once even with nothing streaming (an abort, a removed adapter)
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def on_event(self, event: TokenEvent) -> None:
+        """The engine's callback for streamed requests (on whichever thread steps)."""
+        with self.lock:
+            self.pending.append((event.request_id, event.token_id, event.text, event.logprob, event.top_logprobs,
+                                 event.finish_reason))
+        if event.finish_reason is not None:
+            self.live.discard(event.request_id)
+
+    def flush(self) -> None:
+        with self.lock:
+            batch, self.pending = self.pending, []
+        if batch:
+            self.send(("events", batch))
+
+    def run(self) -> None:
+        """Step while requests stream; between steps take every waiting command. Returns on
+        ``close`` or when the parent is gone (pipe EOF, or it is no longer this process's parent)."""
+        checked, stalled = time.monotonic(), False
+        while True:
+            busy = bool(self.live)
+            if self.conn.poll((STALL_POLL_S if stalled else 0.0) if busy else IDLE_POLL_S):
+                if not self.take_commands():
+                    return
+            now = time.monotonic()
+            if not busy or now - checked > BUSY_PARENT_CHECK_S:
+                if os.getppid() != self.parent_pid:
+                    return
+                checked = now
+            if self.live or self.kick:
+                self.kick = False
+                stalled = not self.engine.step()
+            self.flush()
+
+    def take_commands(self) -> bool:
+        try:
+            while self.conn.poll(0):
+                if not self.handle(self.conn.recv()):
+                    return False
+        except EOFError:
+            return False
+        return True
+
+    def handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "submit":
+            request = message[1]
+            self.live.add(request.request_id)
+            try:
+                self.engine.submit(request, self.on_event)
+            except Exception as e:  # validation: the parent's stream raises it
+                self.live.discard(request.request_id)
+                self.send(("refused", request.request_id, _portable(e)))
+        elif kind == "abort":
+            self.engine.abort(message[1])
+            self.kick = True
+        elif kind == "call":
+            _, call_id, name, args = message
+            if name in WORKER_CALLS:  # a daemon thread: one stuck call must not hold the process's exit up
+                threading.Thread(target=self.answer, args=(call_id, name, args), name=f"lorafusion-{name}",
+                                 daemon=True).start()
+            elif name in INLINE_CALLS:
+                self.answer(call_id, name, args)
+            else:
+                self.send(("reply", call_id, False, RuntimeError(f"the engine process has no call {name!r}")))
+            self.kick = True
+        elif kind == "close":
+            self.shutdown()
+            return False
+        return True
+
+    def answer(self, call_id: int, name: str, args: tuple) -> None:
+        try:
+            if name == "stats":  # with the adapters resident now: EngineClient.adapters() reports them
+                value = (self.engine.stats(), [a.name for a in self.engine.adapters() if a.resident])
+            elif name == "generate":
+                value = self.generate(*args)
+            else:
+                value = getattr(self.engine, name)(*args)
+            reply = ("reply", call_id, True, value)
+        except Exception as e:
+            reply = ("reply", call_id, False, _portable(e))
+        try:
+            self.send(reply)
+        except (OSError, EOFError):
+            pass  # the parent is gone; the main loop notices
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """``Engine.generate`` on a worker thread: with no engine thread it steps itself, beside
+        the main loop (steps are serialised by the engine); events of streamed requests reach
+        ``on_event`` whoever steps."""
+        ids = {r.request_id for r in requests}
+        with self.lock:
+            self.generating |= ids
+        try:
+            return self.engine.generate(requests)
+        finally:
+            with self.lock:
+                self.generating -= ids
+
+    def shutdown(self) -> None:
+        """``close``: abort whatever still runs and send the abort events."""
+        with self.lock:
+            running = list(self.live) + list(self.generating)
+        for rid in running:
+            self.engine.abort(rid)
+        for _ in range(1000):  # an abort ends at the next step; generate calls return then
+            self.engine.step()
+            self.flush()
+            with self.lock:
+                if not self.live and not self.generating:
+                    break
+            time.sleep(0.001)
+
+
+def _engine_info(engine: Any) -> dict[str, Any]:
+    return {"tokenizer": engine.tokenizer, "model_config": engine.model_config,
+            "max_model_len": engine.max_model_len, "eos_token_ids": engine.eos_token_ids, "config": engine.config,
+            "device": str(engine.device), "dtype": engine.dtype, "adapters": engine.adapters()}
+
+
+def _child_main(build: Callable[[], Any], conn: Any, parent_pid: int) -> None:
+    """The engine process: build the engine, report ready (or why not), step it until told to
+    stop or the parent is gone. The loop runs on a thread of its own, as ``Engine.start`` steps
+    the engine in-process: torch keeps some state per thread (on a busy 2-core host, steps on
+    the thread that built the engine were ~10x slower, OpenMP's intra-op threads)."""
+    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_code = [0]
+    try:
+        engine = build()
+    except BaseException as e:
+        exit_code[0] = 1
+        try:
+            conn.send(("failed", _portable(e), traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+    else:
+        thread = threading.Thread(target=_serve, args=(_EngineLoop(engine, conn, parent_pid), exit_code),
+                                  name="lorafusion-engine")
+        thread.start()
+        thread.join()
+    conn.close()
+    sys.exit(exit_code[0])  # multiprocessing's exit: its finalizers run (e.g. tqdm's semaphore is released)
+
+
+def _serve(loop: _EngineLoop, exit_code: list[int]) -> None:
+    try:
+        loop.send(("ready", _engine_info(loop.engine)))
+        loop.run()
+    except (OSError, EOFError):
+        pass  # the parent is gone
+    except BaseException:
+        exit_code[0] = 1
+        log.exception("the engine process failed; every unfinished request is aborted")
+        try:
+            loop.send(("crashed", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: Engine's interface over the pipe
+
+
+def _put_each(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+class EngineClient:
+    """``Engine``'s serving interface (``stream``, ``generate``, ``abort``, ``stats``, the adapter
+    registry, ``tokenizer``, ``model_config``, ``max_model_len``) with the engine stepping in a
+    child process (spawned; ``build()``, a picklable callable such as ``functools.partial(
+    Engine.from_pretrained, ...)``, makes it there).
+
+    Why: in one process the HTTP layer (JSON, server-sent events, one asyncio generator per
+    token) and the engine's step take turns on one GIL; see docs/serving.md. The child sends
+    each step's events as one message; a reader thread here hands them to each asyncio loop
+    with one ``call_soon_threadsafe``.
+
+    Same semantics as ``Engine``: a refused request (``UnknownAdapterError``, ``ConfigError``)
+    raises from the stream's first ``anext`` (and from ``generate``); closing a stream early
+    aborts its request. The adapter registry is mirrored here (every change goes through this
+    client), so ``adapters()`` answers without a round trip; its ``resident`` flags are as of
+    the last ``stats()``. If the engine process dies (a failed step, a kill), every stream in
+    flight ends with an "abort" event, waiting calls and new requests raise
+    ``EngineDeadError``, and ``alive`` turns False. The child leaves when this process dies.
+    """
+
+    def __init__(self, build: Callable[[], Any], *, start_timeout_s: float | None = None):
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+        self._reap_lock = threading.Lock()
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_child_main, args=(build, child_conn, os.getpid()),
+                                    name="lorafusion-engine", daemon=True)
+        self._process.start()
+        child_conn.close()  # only the child holds its end: its exit is our EOF
+        info = self._wait_ready(start_timeout_s)
+        self.tokenizer = info["tokenizer"]
+        self.model_config = info["model_config"]
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = info["eos_token_ids"]
+        self.config = info["config"]
+        self.device = torch.device(info["device"])
+        self.dtype = info["dtype"]
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in info["adapters"]}
+        self._resident: set[str] = {a.name for a in info["adapters"] if a.resident}
+        self._lock = threading.Lock()  # streams, calls, adapters, dead/closed
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None  # why the engine process is gone
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="lorafusion-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_pretrained(cls, base_model: str, adapters: Mapping[str, str] | None = None, config: Any = None, *,
+                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                        start_timeout_s: float | None = None) -> "EngineClient":
+        """``Engine.from_pretrained`` with the same arguments, run in the engine process."""
+        from .engine import Engine
+
+        return cls(functools.partial(Engine.from_pretrained, base_model, adapters, config, device=device,
+                                     dtype=dtype), start_timeout_s=start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float | None) -> dict[str, Any]:
+        try:
+            if not self._conn.poll(timeout_s):
+                self._process.kill()
+                raise EngineDeadError(f"the engine process was not ready after {timeout_s} s")
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineDeadError(f"the engine process died while building the engine (exit code "
+                                  f"{self._process.exitcode})") from None
+        if message[0] == "failed":
+            self._process.join(5)
+            error = message[1]
+            error.add_note(f"(raised in the engine process)\n{message[2]}")
+            raise error
+        return message[1]
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit code (None while it runs)."""
+        with self._reap_lock:
+            return self._process.exitcode
+
+    def _wait_exit(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the engine process to end; its exit code (None: it runs).
+        One thread at a time: of two threads reaping one child, one gets ECHILD and reads it as alive."""
+        with self._reap_lock:
+            self._process.join(timeout_s)
+            return self._process.exitcode
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine process is gone (crashed, killed or closed)."""
+        return self._dead is None
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as e:  # closed pipe / connection
+                raise EngineDeadError(f"the engine process is gone ({e})") from None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, name, args))
+        except EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
+        return future.result()
+
+    # ------------------------------------------------------------------ the reader thread
+
+    def _read(self) -> None:
+        reason = "the engine process exited"
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "events":
+                    self._dispatch(message[1])
+                elif kind == "reply":
+                    _, call_id, ok, value = message
+                    future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "refused":
+                    entry = self._streams.pop(message[1], None)
+                    if entry is not None:
+                        self._deliver({entry[0]: [(entry[1], message[2])]})
+                elif kind == "crashed":
+                    reason = f"the engine process crashed:\n{message[1]}"
+        except (EOFError, OSError):
+            pass
+        self._gone(reason)
+
+    def _dispatch(self, batch: list[tuple]) -> None:
+        """One step's events: to their streams' queues, one wake-up per asyncio loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = self._streams
+        for fields in batch:
+            entry = streams.get(fields[0])
+            if entry is None:  # closed early (aborted) or not streamed
+                continue
+            if fields[5] is not None:
+                streams.pop(fields[0], None)
+            loop, queue = entry
+            items = by_loop.get(loop)
+            if items is None:
+                items = by_loop[loop] = []
+            items.append((queue, TokenEvent(*fields)))
+        self._deliver(by_loop)
+
+    @staticmethod
+    def _deliver(by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _gone(self, reason: str) -> None:
+        code = self._wait_exit(5)
+        if code not in (None, 0):
+            reason += f" (exit code {code})"
+        with self._lock:
+            if self._closed:
+                reason = "the engine was closed"
+            self._dead = reason
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        if not self._closed:
+            log.error("%s; aborting %d streams and %d calls", reason, len(streams), len(calls))
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, (loop, queue) in streams.items():
+            by_loop.setdefault(loop, []).append((queue, TokenEvent(rid, None, "", None, None, "abort")))
+        self._deliver(by_loop)
+        for future in calls.values():
+            future.set_exception(EngineDeadError(reason))
+
+    # ------------------------------------------------------------------ requests
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Yield the request's events (one per token, the last with ``finish_reason``). Closing
+        the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            if rid in self._streams:
+                raise ConfigError(f"request id {rid!r} is already in use by an unfinished request")
+            self._streams[rid] = (loop, queue)
+        finished = False
+        try:
+            self._send(("submit", request))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):  # refused by the engine: nothing to abort
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run ``requests`` to completion (blocking); results in the order given."""
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ConfigError("generate: request ids must be unique")
+        return self._call("generate", list(requests))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (no-op if it is done, or if the engine is gone)."""
+        try:
+            self._send(("abort", request_id))
+        except EngineDeadError:
+            pass
+
+    def start(self) -> None:
+        """Nothing to start: the engine process steps whenever it has work (``Engine.start``'s place)."""
+
+    def stats(self) -> dict[str, Any]:
+        stats, resident = self._call("stats")
+        self._resident = set(resident)
+        return stats
+
+    def reset_prefix_cache(self) -> int:
+        return self._call("reset_prefix_cache")
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapters(self) -> list[AdapterInfo]:
+        """Every adapter the engine serves (no round trip: see the class docstring)."""
+        with self._lock:
+            listed = list(self._adapters.values())
+        return [dataclasses.replace(a, resident=a.name in self._resident) for a in listed]
+
+    def _listed(self, infos: Iterable[AdapterInfo]) -> None:
+        with self._lock:
+            for info in infos:
+                self._adapters[info.name] = info
+
+    def add_adapter(self, name: str, path: str | os.PathLike) -> AdapterInfo:
+        info = self._call("add_adapter", name, os.fspath(path))
+        self._listed([info])
+        return info
+
+    def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                            *, rank: int, alpha: float) -> AdapterInfo:
+        on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
+        info = self._call("add_adapter_weights", name, on_host, rank, alpha)
+        self._listed([info])
+        return info
+
+    def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
+                                     weights: str = "best") -> list[AdapterInfo]:
+        infos = self._call("add_adapters_from_checkpoint", os.fspath(ckpt_path),
+                           None if names is None else list(names), weights)
+        self._listed(infos)
+        return infos
+
+    def remove_adapter(self, name: str) -> None:
+        try:
+            self._call("remove_adapter", name)
+        finally:  # gone there (or never there): gone here
+            with self._lock:
+                self._adapters.pop(name, None)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine process: what still runs is aborted (its streams end with "abort"),
+        then the process exits; killed if it has not after ``timeout_s``. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._send(("close",))
+        except EngineDeadError:
+            pass
+        if self._wait_exit(timeout_s) is None:
+            log.warning("the engine process did not exit within %.0f s; killing it", timeout_s)
+            self._process.kill()
+            self._wait_exit(5)
+        self._reader.join(10)
+        self._conn.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
