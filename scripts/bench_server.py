@@ -358,6 +358,8 @@ def table(report: dict) -> str:
                 lines.append(f"per round, {label[mode]}: " + ", ".join(
                     f"{r['direct']['tokens_per_s']:.0f} direct / {r[mode]['tokens_per_s']:.0f} http "
                     f"({100 * r[f'{mode}_overhead']:.1f}%)" for r in report["rounds"]))
+                lines.append(f"{label[mode]} overhead over all rounds (tokens / time pooled) = "
+                             f"{100 * report[f'{mode}_overhead_pooled']:.1f}%")
     for mode in HTTP_MODES:
         if _texts_key(mode) in report:
             t = report[_texts_key(mode)]
@@ -492,6 +494,12 @@ def main(argv=None) -> dict:
     overheads = [r["http_overhead"] for r in rounds if "http_overhead" in r]
     if overheads:
         report["http_overhead_per_round"] = overheads
+    # every round's tokens over every round's time, per mode: the figure least moved by one
+    # round's drift (the per-round ratios compare runs minutes apart, not side by side)
+    for mode in [m for m in HTTP_MODES if m in rounds[-1]]:
+        rate = {m: sum(r[m]["generated_tokens"] for r in rounds) / sum(r[m]["wall_s"] for r in rounds)
+                for m in ("direct", mode)}
+        report[f"{mode}_overhead_pooled"] = 1.0 - rate[mode] / rate["direct"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_server_{args.shape}.json"), "w") as f:

@@ -37,6 +37,9 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     for row in rounds:  # every round ran every request in every mode
         assert all(row[m]["complete"] == n and row[m]["errors"] == 0 for m in modes)
     assert report["http_overhead_per_round"] == [r["http_overhead"] for r in rounds]
+    direct_rate = sum(r["direct"]["generated_tokens"] for r in rounds) / sum(r["direct"]["wall_s"] for r in rounds)
+    http_rate = sum(r["http"]["generated_tokens"] for r in rounds) / sum(r["http"]["wall_s"] for r in rounds)
+    assert report["http_overhead_pooled"] == pytest.approx(1 - http_rate / direct_rate)
     saved = json.loads((tmp_path / "bench_server_tiny.json").read_text())
     assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == n * 4
     out = capsys.readouterr().out
