@@ -349,6 +349,9 @@ def test_module_cuda_graphs_option(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="cuda_graphs"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs="yes")
+    assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graphs == "off"  # default
+    for yaml_bool, mode in ((False, "off"), (True, "on")):  # a bare YAML off/on arrives as a boolean
+        assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs=yaml_bool).cuda_graphs == mode
     with pytest.raises(ConfigError, match="not on a CUDA GPU"):
         fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "on"})
     module, _, _ = fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "auto"})
