@@ -139,14 +139,7 @@ def _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window
     b, hq, _ = q.shape
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the pool's {hkv} kv heads (GQA)")
-    if (
-        not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != b
-        or page_table.shape[1] < 1 or page_table.dtype != torch.int32 or page_table.device != q.device
-    ):
-        raise ValueError(
-            f"page_table must be a [{b}, max_pages >= 1] int32 tensor on {q.device}; got "
-            f"{getattr(page_table, 'shape', type(page_table))} {getattr(page_table, 'dtype', '')}"
-        )
+    check_page_table(page_table, b, q.device)
     if (
         not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (b,)
         or seq_lens.dtype != torch.int32 or seq_lens.device != q.device
@@ -155,6 +148,35 @@ def _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window
             f"seq_lens must be a [{b}] int32 tensor on {q.device}; got "
             f"{getattr(seq_lens, 'shape', type(seq_lens))} {getattr(seq_lens, 'dtype', '')}"
         )
+    check_scale_window(scale, sliding_window)
+
+
+def check_page_table(page_table, rows: int, device: torch.device) -> None:
+    """``page_table`` must be ``[rows, max_pages >= 1]`` int32 on ``device`` (no value read)."""
+    if (
+        not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != rows
+        or page_table.shape[1] < 1 or page_table.dtype != torch.int32 or page_table.device != device
+    ):
+        raise ValueError(
+            f"page_table must be a [{rows}, max_pages >= 1] int32 tensor on {device}; got "
+            f"{getattr(page_table, 'shape', type(page_table))} {getattr(page_table, 'dtype', '')}"
+        )
+
+
+def triton_prologue(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """What every paged Triton launcher checks first (CUDA or the interpreter, unit strides
+    along head_dim) -> ``page_table`` with unit column stride."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (q is on {q.device}); use backend='torch' or "
+            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+        )
+    if kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("kv_pool and q must have unit stride along head_dim")
+    return page_table if page_table.stride(1) == 1 else page_table.contiguous()
+
+
+def check_scale_window(scale, sliding_window) -> None:
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number (usually head_dim ** -0.5); got {scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -288,14 +310,7 @@ def _paged_decode_attention_triton(
 ):
     """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (q is on {q.device}); use backend='torch' or "
-            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
-        )
-    if kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("kv_pool and q must have unit stride along head_dim")
-    page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    page_table = triton_prologue(q, kv_pool, page_table)
     b, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv

@@ -10,14 +10,14 @@ prefill) look the same. Inference only (no autograd).
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import _LOG2E, BACKENDS, _check_pool, paged_prefix_attention_reference
+from .paged_attention import (
+    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, paged_prefix_attention_reference,
+    triton_prologue,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
@@ -152,18 +152,8 @@ def _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, slid
             f"starts must be a [{n}] int32 tensor on {q.device} (one per request of cu_seqlens); got "
             f"{getattr(starts, 'shape', type(starts))} {getattr(starts, 'dtype', '')}"
         )
-    if (
-        not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or page_table.shape[0] != n
-        or page_table.shape[1] < 1 or page_table.dtype != torch.int32 or page_table.device != q.device
-    ):
-        raise ValueError(
-            f"page_table must be a [{n}, max_pages >= 1] int32 tensor on {q.device}; got "
-            f"{getattr(page_table, 'shape', type(page_table))} {getattr(page_table, 'dtype', '')}"
-        )
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number (usually head_dim ** -0.5); got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
+    check_page_table(page_table, n, q.device)
+    check_scale_window(scale, sliding_window)
 
 
 @torch.no_grad()
@@ -257,14 +247,7 @@ def _paged_prefill_attention_triton(
     """The launcher; the keyword knobs exist for tests and scripts/bench_prefill_attention.py.
     ``block_m`` counts rows of the flattened (token, query head of the group) tile."""
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"backend='triton' needs CUDA tensors (q is on {q.device}); use backend='torch' or "
-            "'auto' on the CPU, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
-        )
-    if kv_pool.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("kv_pool and q must have unit stride along head_dim")
-    page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    page_table = triton_prologue(q, kv_pool, page_table)
     t, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv
