@@ -84,7 +84,9 @@ class _EngineCollector:
                  ("preemptions_total", "lorafusion_preemptions", "Requests preempted for KV pages"),
                  ("prefix_cache_hits_total", "lorafusion_prefix_cache_hits", "Requests that reused cached prefix pages"),
                  ("prefix_tokens_reused_total", "lorafusion_prefix_tokens_reused",
-                  "Prompt tokens not prefilled thanks to the prefix cache"))
+                  "Prompt tokens not prefilled thanks to the prefix cache"),
+                 ("prefill_chunks_total", "lorafusion_prefill_chunks",
+                  "Prefill chunks that left part of their prompt for a later step (chunked prefill)"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
                ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),

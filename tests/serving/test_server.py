@@ -425,7 +425,7 @@ def test_metrics_count_requests_and_tokens_per_app(served, model_dir):
     generated = ("lorafusion_generated_tokens_total", ())
     assert after[generated] - before[generated] >= body["usage"]["completion_tokens"]
     for name in ("lorafusion_queue_length", "lorafusion_adapters_resident", "lorafusion_adapter_page_ins_total",
-                 "lorafusion_requests_running"):
+                 "lorafusion_requests_running", "lorafusion_prefill_chunks_total"):
         assert (name, ()) in after
     assert after[("lorafusion_adapters_resident", ())] >= 1
     # a second app in the same process has its own registry
