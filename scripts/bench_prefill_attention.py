@@ -42,7 +42,7 @@ from lightning_lorafusion.kernels.paged_prefill import (
 from lightning_lorafusion.model.attention import varlen_causal_attention
 
 CONFIGS = {  # launcher knobs (block_m counts rows: tokens x the group's query heads); "auto" = defaults
-    "auto": {},  # m128 n64 stages 3, 4 warps for D <= 64, else 8
+    "auto": {},  # the defaults: m128 n64 4 warps for D <= 64, else m128 n32 4 warps (stages 3)
     "m64_n64_w4": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
     "m128_n32_w4": {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
     "m128_n128_w8_s2": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
