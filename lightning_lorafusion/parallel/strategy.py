@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.nn import Module
 
 from ..data.microbatch import Microbatch
@@ -59,6 +60,22 @@ from .partition import partition_decoder, partition_layers
 from .schedule import SCHEDULES
 from .simulator import CostModel, simulate
 from .stage import StageModule
+
+
+class _ReleasingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, whose worker releases its process group before it
+    returns. Left to interpreter exit, gloo's threads were once torn down in use: a spawned rank
+    aborted ("terminate called without an active exception", SIGABRT) after its fit had
+    finished (one CI run of five, not reproduced in isolation). The worker's last collective is
+    in ``on_fit_end`` (gathering pipeline stages for export), which runs after the strategy's
+    teardown, so the group is released here, after everything."""
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        finally:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 class MultiAdapterPipelineStrategy(DDPStrategy):
@@ -91,6 +108,11 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         self.last_stage_bubble_ratios: tuple[float, ...] = ()  # per stage, averaged over replicas
 
     # ---- process layout -----------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:
+            self._launcher = _ReleasingLauncher(self, start_method=self._start_method)
+
     def setup_distributed(self) -> None:
         super().setup_distributed()
         world = self.world_size
