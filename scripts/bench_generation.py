@@ -340,15 +340,20 @@ def _renamed(requests, prefix: str, *, adapter: str | None | bool = False):
                               adapter=r.adapter if adapter is False else adapter) for r in requests]
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trace_args(ap: argparse.ArgumentParser, *, new_tokens: int) -> None:
+    """Model shape, adapters and request lengths (shared with scripts/bench_server.py)."""
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-min", type=int, default=128)
     ap.add_argument("--prompt-max", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_args(ap, new_tokens=128)
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--check", type=int, default=16)

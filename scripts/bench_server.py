@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from bench_generation import SHAPES, build_model, make_requests, random_adapters, sync  # noqa: E402
+from bench_generation import SHAPES, add_trace_args, build_model, make_requests, random_adapters, sync  # noqa: E402
 
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig  # noqa: E402
@@ -372,13 +372,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=list(SHAPES), default="1b")
-    ap.add_argument("--adapters", type=int, default=16)
-    ap.add_argument("--ranks", default="8,16,32,64")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--prompt-min", type=int, default=128)
-    ap.add_argument("--prompt-max", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_trace_args(ap, new_tokens=64)
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (ignored with --rate)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
     ap.add_argument("--zipf", type=float, default=0.0, help="adapter popularity ~ 1/rank^s (0: uniform)")

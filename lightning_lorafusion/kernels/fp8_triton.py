@@ -26,13 +26,21 @@ ROW_ELEMENTS_PER_THREAD = 8  # one 16-byte load of bf16 per thread per step
 
 
 @triton.jit
+def _row_block(x_ptr, c_ptr, n, row, n0, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns n0 .. n0 + BLOCK_N - 1 of ``row`` in fp32 (times the column scales when given),
+    their offsets and mask."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    ok = offs < n
+    v = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_COL:
+        v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+    return v, offs, ok
+
+
+@triton.jit
 def _row_amax(x_ptr, c_ptr, n, row, amax, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(0, n, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        ok = offs < n
-        v = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        v, offs, ok = _row_block(x_ptr, c_ptr, n, row, n0, HAS_COL, BLOCK_N)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
     return amax
 
@@ -40,11 +48,7 @@ def _row_amax(x_ptr, c_ptr, n, row, amax, HAS_COL: tl.constexpr, BLOCK_N: tl.con
 @triton.jit
 def _row_store(x_ptr, c_ptr, n, row, inv, q_row_ptr, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(0, n, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        ok = offs < n
-        v = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        v, offs, ok = _row_block(x_ptr, c_ptr, n, row, n0, HAS_COL, BLOCK_N)
         tl.store(q_row_ptr + offs, (v * inv).to(q_row_ptr.dtype.element_ty), mask=ok)
 
 
