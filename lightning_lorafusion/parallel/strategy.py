@@ -82,7 +82,10 @@ class _ReleasingLauncher(_MultiProcessingLauncher):
 def _release_process_group() -> None:
     """atexit hook for ranks that no launcher of ours wraps (Lightning's subprocess launcher
     on each node, torchrun, SLURM): the same release, before interpreter teardown. A PP=2 x
-    DP=2 two-node fit once aborted this way in CI after its fit had finished."""
+    DP=2 two-node fit once aborted this way in CI after its fit had finished. The mechanism, as
+    described in pytorch/pytorch PR 179291 (an unmerged proposal to do this inside torch): gloo's
+    worker threads still hold work objects whose tensors reach back into Python, and freeing
+    them during interpreter finalization aborts the process."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
