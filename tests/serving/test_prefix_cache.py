@@ -195,3 +195,75 @@ def _check_mixed_triton_step(engine, hf_reference):
         assert list(tokens) == hf_reference.generate(prompt, adapter, 3), adapter
     assert engine.stats()["prefix_cache_hits_total"] == 2
     engine.pool.check()
+
+
+# Pages filled while decoding: a next chat turn (prompt = previous prompt + answer + new text),
+# a resent completion or a preempted request's re-admission reuses them like prompt pages.
+
+TURN1 = SYSTEM + [2, 7]  # 15 tokens: 3 full prompt pages of 4
+USER2 = [18, 28, 45]
+
+
+def _pages_at_finish(engine) -> dict[str, list[int]]:
+    """request id -> its page list just before it finished (``Scheduler.finish`` wrapped)."""
+    seen: dict[str, list[int]] = {}
+    finish = engine.scheduler.finish
+
+    def recording(state):
+        seen[state.request_id] = list(state.pages)
+        finish(state)
+
+    engine.scheduler.finish = recording
+    return seen
+
+
+def _two_turns(engine, adapter, later_adapter=None):
+    """Turn 1, then (under ``later_adapter``, default the same) turn 2 = turn 1's prompt +
+    answer + new text and turn 1's prompt + answer resent alone; -> the three results."""
+    turn1 = engine.generate(_requests([(TURN1, adapter)]))[0]
+    history = TURN1 + list(turn1.token_ids)
+    later = adapter if later_adapter is None else later_adapter
+    return [turn1, *engine.generate(_requests([(history + USER2, later), (history, later)]))]
+
+
+def test_next_turn_reuses_the_pages_filled_while_decoding(make_engine, hf_reference):
+    """With prefix caching, turn 2 (and the resent completion) take turn 1's 3 prompt pages and
+    the 3 filled while decoding its 10-token answer (every page but the one holding the answer's
+    last token, whose KV was never written); tokens equal those without prefix caching and
+    HF + PEFT's."""
+    off = _two_turns(make_engine(num_pages=96, page_size=4, prefix_caching=False), "all4")
+    engine = make_engine(num_pages=96, page_size=4)
+    pages = _pages_at_finish(engine)
+    on = _two_turns(engine, "all4")
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    history = TURN1 + list(on[0].token_ids)
+    for prompt, res in zip([TURN1, history + USER2, history], on):
+        assert list(res.token_ids) == hf_reference.generate(prompt, "all4", GREEDY.max_new_tokens)
+    written = (len(history) - 1) // 4  # 6 pages: 3 of the prompt, 3 filled while decoding
+    assert written == 6 and len(TURN1) // 4 == 3
+    first, second, resent = (pages[r.request_id] for r in on)
+    assert second[:written] == first[:written] and resent[:written] == first[:written]
+    assert not set(second[written:]) & set(first) and not set(resent[written:]) & set(first)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_total"] == 2 and stats["prefix_tokens_reused_total"] == 2 * 4 * written
+    engine.pool.check()
+
+
+def test_next_turn_under_another_adapter_reuses_nothing(make_engine):
+    """Turn 2 under another adapter (attn2's LoRA touches v; mlp8's leaves k and v alone: not
+    shared either) or the base takes none of turn 1's pages, prompt or decoded; under turn 1's
+    adapter it takes them all."""
+    engine = make_engine(num_pages=96, page_size=4)
+    pages = _pages_at_finish(engine)
+    turn1 = engine.generate(_requests([(TURN1, "all4")]))[0]
+    history = TURN1 + list(turn1.token_ids)
+    cached = set(engine.pool._cached)
+    assert len(cached) == (len(history) - 1) // 4 and cached == set(pages[turn1.request_id][:len(cached)])
+    for other in ("attn2", "mlp8", None):
+        for res in engine.generate(_requests([(history + USER2, other), (history, other)])):
+            assert not set(pages[res.request_id]) & cached
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    same = engine.generate(_requests([(history + USER2, "all4")]))[0]
+    assert set(pages[same.request_id][:len(cached)]) == cached
+    assert engine.stats()["prefix_cache_hits_total"] == 1
+    engine.pool.check()
