@@ -149,7 +149,8 @@ def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
     prompt = SYSTEM + [5, 6]
     first = engine.generate(_requests([(prompt, "all4")]))[0]
     cached = engine.stats()["prefix_pages_cached"]
-    assert cached == (len(prompt) + len(first.token_ids) - 1) // 4  # prompt and decoded pages (the last token's KV is never written)
+    # the prompt's pages and those filled while decoding (the last token's KV is never written)
+    assert cached == (len(prompt) + len(first.token_ids) - 1) // 4
     free_before = engine.pool.num_free
     assert engine.reset_prefix_cache() == cached
     assert engine.stats()["prefix_pages_cached"] == 0 and engine.pool.num_free == free_before  # cached counted free
