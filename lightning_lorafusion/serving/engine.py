@@ -431,7 +431,7 @@ class Engine:
                 if state.wants_prompt_logprobs:
                     self._prompt_logprobs(state, hidden[start:end], state.num_cached)
                 state.num_cached += n
-                self.scheduler.register_prefill(state)
+                self.scheduler.register_computed_pages(state)
                 if state.num_cached == state.num_tokens:  # its prefill is complete (else a chunk ran)
                     seqs.append(state)
                     last_rows.append(end - 1)

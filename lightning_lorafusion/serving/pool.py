@@ -18,10 +18,12 @@ an evicted adapter pages back in on its next use.
 
 Prefix caching: a full KV page may be registered under a ``PageKey`` (adapter identity, the
 previous page's key, the page's token ids; see ``prefix_page_keys``) and shared by several
-page lists (reference-counted: a page's owners). A registered page whose last owner lets it go
-stays cached (no owner, in an LRU) until its room is needed: cached pages count as available
-and are dropped least-recently-used first, before any idle adapter is evicted (and so before
-the scheduler preempts a request).
+page lists (reference-counted: a page's owners). Prompt pages and pages filled while decoding
+are registered alike (the scheduler decides when a page's keys and values are all written). A
+registered page whose last owner lets it go stays cached (no owner, in an LRU) until its room
+is needed: cached pages count as available and are dropped least-recently-used first, a
+sequence's tail before its head, before any idle adapter is evicted (and so before the
+scheduler preempts a request).
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ PageKey = bytes  # a 32-byte digest chaining the adapter, the previous page's ke
 
 
 def prefix_page_keys(adapter_key: int | None, token_ids: Sequence[int], page_size: int,
-                     num_pages: int) -> list[PageKey]:
+                     num_pages: int, known: Sequence[PageKey] = ()) -> list[PageKey]:
     """Keys of the first ``num_pages`` full pages of ``token_ids``: page i's key hashes the
     adapter identity (``HostAdapter.key``, unique per load; None = base), page i-1's key and
-    page i's token ids, so equal keys mean the same adapter and the same leading tokens."""
-    keys: list[PageKey] = []
-    prev = b"base" if adapter_key is None else b"adapter%d" % adapter_key
-    for i in range(num_pages):
+    page i's token ids, so equal keys mean the same adapter and the same leading tokens.
+    ``known``: keys of the first pages from an earlier call over the same leading tokens (a
+    sequence that grew by decoding); only the pages after them are hashed."""
+    keys = list(known[:num_pages])
+    prev = keys[-1] if keys else (b"base" if adapter_key is None else b"adapter%d" % adapter_key)
+    for i in range(len(keys), num_pages):
         tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], dtype=np.int64)
         prev = hashlib.sha256(prev + b"|" + tokens.tobytes()).digest()
         keys.append(prev)
@@ -158,8 +162,10 @@ class UnifiedPool:
 
     def free_kv(self, pages: list[int]) -> None:
         """Let go of every page of ``pages`` and empty the list: a page no other list holds is
-        freed, or cached (most recently used) if it is registered under a prefix key."""
-        for p in pages:
+        freed, or cached (most recently used) if it is registered under a prefix key. Pages are
+        let go last first, so a sequence's leading pages are cached as the more recently used
+        and dropped after its tail (a dropped page makes every page after it unreachable)."""
+        for p in reversed(pages):
             owners = [o for o in self._kv_owner[p] if o is not pages]
             if owners:
                 self._kv_owner[p] = owners

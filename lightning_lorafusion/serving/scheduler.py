@@ -54,7 +54,10 @@ class Scheduler:
 
     With ``prefix_caching``, an admitted request first takes the longest run of cached full
     pages with its adapter and leading tokens (never its last token's page: that token's logits
-    are needed; never when it wants prompt logprobs) and is prefilled from there.
+    are needed; never when it wants prompt logprobs) and is prefilled from there. Its own full
+    pages are registered once computed: prompt pages after each prefill piece, pages filled by
+    decoding before it grows, finishes or is preempted (so a next chat turn, a resent
+    completion or its own re-admission reuses prompt and generated tokens alike).
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
@@ -133,6 +136,8 @@ class Scheduler:
     def _grow(self, state: RequestState, plan: StepPlan) -> bool:
         """KV room for the token ``state`` feeds this step; False if ``state`` got preempted."""
         need = self.pool.pages_for_tokens(state.num_tokens) - len(state.pages)
+        if need > 0:  # its pages are full, every token but the one it feeds now computed
+            self.register_computed_pages(state)
         while need > 0 and not self.pool.allocate_kv(state.pages, need):
             if self.pool.evict_lru_idle():
                 continue
@@ -172,14 +177,24 @@ class Scheduler:
         self.running.append(state)
         return True
 
-    def register_prefill(self, state: RequestState) -> None:
-        """After a prefill piece of ``state`` ran: its full, computed pages become reusable
-        prefixes (with chunking, those before ``num_cached``)."""
-        full = state.num_cached // self.pool.page_size
+    def register_computed_pages(self, state: RequestState) -> None:
+        """Make ``state``'s full pages whose keys and values are all written (tokens
+        ``all_ids[:num_cached]``) reusable prefixes. Called after each prefill piece, and for
+        pages filled while decoding when the request next needs a page, finishes or is
+        preempted: its newest token's KV is written by the step that feeds it, so the page
+        holding it is never registered before that step ran."""
+        if not self.prefix_caching:
+            return
+        pool = self.pool
+        full = state.num_cached // pool.page_size
+        if len(state.page_keys) < full:  # pages filled since admission: extend the key chain
+            state.page_keys = prefix_page_keys(None if state.adapter is None else state.adapter.key,
+                                               state.all_ids, pool.page_size, full, known=state.page_keys)
         for page, key in zip(state.pages[:full], state.page_keys):
-            self.pool.register(page, key)
+            pool.register(page, key)
 
     def _release(self, state: RequestState) -> None:
+        self.register_computed_pages(state)  # kept cached: a later turn or a re-admission reuses them
         self.pool.free_kv(state.pages)
         if state.resident is not None:
             self.pool.release(state.adapter)

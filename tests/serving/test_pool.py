@@ -80,9 +80,10 @@ def _fake_adapter(numel: int) -> HostAdapter:
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_pool_accounting_never_leaks(seed):
-    """Random arrivals / growth / finishes / adapter page-ins / shared prefix pages: pages are
-    always exactly one of free, KV (in use or cached) or adapter; moved KV pages keep their
-    contents; everything returns at the end."""
+    """Random arrivals / growth / finishes / adapter page-ins / shared prefix pages, and lists
+    that grow page by page registering each page once filled (decoding): pages are always
+    exactly one of free, KV (in use or cached) or adapter; moved KV pages keep their contents;
+    everything returns at the end."""
     rng = random.Random(seed)
     pool = UnifiedPool(num_pages=40, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
                        dtype=torch.float32, device="cpu")
@@ -91,17 +92,40 @@ def test_pool_accounting_never_leaks(seed):
     users: list[HostAdapter] = []
     # prefix caching: three chains of page keys; a page registered under key i of a chain holds
     # that key's marker, and lists taking a chain's prefix share those pages
-    chains = [prefix_page_keys(c, [c] * 8, 2, 4) for c in range(3)]
-    for step in range(60):
+    chains = [prefix_page_keys(c, [c] * 16, 2, 8) for c in range(3)]
+    # decoding lists: chain c's list starts with its first page and grows a page at a time, registering
+    # each grown page under the key extended from the last (``known=``) once it is full
+    decoding: list[tuple[int, list[int], list[float], list[bytes]]] = []
+    for step in range(80):
         op = rng.random()
-        if op < 0.2:
+        if op < 0.1 and decoding:
+            c, pages, markers, keys = decoding[rng.randrange(len(decoding))]
+            n = len(pages)
+            if n < len(chains[c]) and pool.allocate_kv(pages, 1):
+                keys[:] = prefix_page_keys(c, [c] * 2 * (n + 1), 2, n + 1, known=keys)
+                assert keys == chains[c][:n + 1]  # extending the chain = hashing it from the start
+                markers.append(100.0 * (c + 1) + n)
+                pool.kv[pages[-1]] = markers[-1]
+                pool.register(pages[-1], keys[-1])  # a no-op if another list registered that key first
+        elif op < 0.15:
+            c, pages = rng.randrange(3), []
+            shared = pool.match_prefix(chains[c][:1])
+            pool.share(pages, shared)
+            if shared or pool.allocate_kv(pages, 1):
+                if not shared:
+                    pool.kv[pages[0]] = 100.0 * (c + 1)
+                    pool.register(pages[0], chains[c][0])
+                entry = (c, pages, [100.0 * (c + 1)], [chains[c][0]])
+                decoding.append(entry)
+                owners.append(entry[1:3])
+        elif op < 0.22:
             pages: list[int] = []
             if pool.allocate_kv(pages, rng.randint(1, 4)):
                 markers = [float(step + 1)] * len(pages)
                 pool.kv[pages] = markers[0]
                 owners.append((pages, markers))
         elif op < 0.35:
-            c, n = rng.randrange(3), rng.randint(1, 4)
+            c, n = rng.randrange(3), rng.randint(1, 6)
             keys = chains[c][:n]
             pages = []
             pool.share(pages, pool.match_prefix(keys))
@@ -115,6 +139,7 @@ def test_pool_accounting_never_leaks(seed):
                 pool.free_kv(pages)
         elif op < 0.5 and owners:
             pages, _ = owners.pop(rng.randrange(len(owners)))
+            decoding = [d for d in decoding if d[1] is not pages]
             pool.free_kv(pages)
         elif op < 0.75:
             a = rng.choice(adapters)
@@ -147,6 +172,24 @@ def test_pool_accounting_never_leaks(seed):
     assert pool.allocate_kv(everything, pool.num_pages)  # drops every cached prefix page
     assert pool.kv_pages_cached == 0 and pool.match_prefix([k[0] for k in chains]) == []
     pool.free_kv(everything)
+    pool.check()
+
+
+def test_a_freed_sequence_is_dropped_tail_first():
+    """Cached pages of a finished sequence go least-recently-used first from its last page, so
+    under pressure the cache keeps its leading pages (still reachable from the first key)."""
+    pool = UnifiedPool(num_pages=6, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    keys = prefix_page_keys(None, list(range(8)), 2, 4)
+    seq: list[int] = []
+    assert pool.allocate_kv(seq, 4)
+    for page, key in zip(seq, keys):
+        pool.register(page, key)
+    head = seq[:2]
+    pool.free_kv(seq)
+    other: list[int] = []
+    assert pool.allocate_kv(other, 4)  # 2 free pages and the 2 least recently used cached ones
+    assert pool.match_prefix(keys) == head and pool.prefix_evictions == 2
     pool.check()
 
 

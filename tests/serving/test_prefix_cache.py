@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.pool import prefix_page_keys
 
 from test_generation import GREEDY, _requests
 
@@ -148,7 +149,8 @@ def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
     prompt = SYSTEM + [5, 6]
     first = engine.generate(_requests([(prompt, "all4")]))[0]
     cached = engine.stats()["prefix_pages_cached"]
-    assert cached == 3
+    # the prompt's pages and those filled while decoding (the last token's KV is never written)
+    assert cached == (len(prompt) + len(first.token_ids) - 1) // 4
     free_before = engine.pool.num_free
     assert engine.reset_prefix_cache() == cached
     assert engine.stats()["prefix_pages_cached"] == 0 and engine.pool.num_free == free_before  # cached counted free
@@ -194,4 +196,164 @@ def _check_mixed_triton_step(engine, hf_reference):
     for (prompt, adapter), tokens in zip(cases, out):
         assert list(tokens) == hf_reference.generate(prompt, adapter, 3), adapter
     assert engine.stats()["prefix_cache_hits_total"] == 2
+    engine.pool.check()
+
+
+# Pages filled while decoding: a next chat turn (prompt = previous prompt + answer + new text),
+# a resent completion or a preempted request's re-admission reuses them like prompt pages.
+
+TURN1 = SYSTEM + [2, 7]  # 15 tokens: 3 full prompt pages of 4
+USER2 = [18, 28, 45]
+
+
+def _pages_at_finish(engine) -> dict[str, list[int]]:
+    """request id -> its page list just before it finished (``Scheduler.finish`` wrapped)."""
+    seen: dict[str, list[int]] = {}
+    finish = engine.scheduler.finish
+
+    def recording(state):
+        seen[state.request_id] = list(state.pages)
+        finish(state)
+
+    engine.scheduler.finish = recording
+    return seen
+
+
+def _two_turns(engine, adapter, later_adapter=None):
+    """Turn 1, then (under ``later_adapter``, default the same) turn 2 = turn 1's prompt +
+    answer + new text and turn 1's prompt + answer resent alone; -> the three results."""
+    turn1 = engine.generate(_requests([(TURN1, adapter)]))[0]
+    history = TURN1 + list(turn1.token_ids)
+    later = adapter if later_adapter is None else later_adapter
+    return [turn1, *engine.generate(_requests([(history + USER2, later), (history, later)]))]
+
+
+def test_next_turn_reuses_the_pages_filled_while_decoding(make_engine, hf_reference):
+    """With prefix caching, turn 2 (and the resent completion) take turn 1's 3 prompt pages and
+    the 3 filled while decoding its 10-token answer (every page but the one holding the answer's
+    last token, whose KV was never written); tokens equal those without prefix caching and
+    HF + PEFT's."""
+    off = _two_turns(make_engine(num_pages=96, page_size=4, prefix_caching=False), "all4")
+    engine = make_engine(num_pages=96, page_size=4)
+    pages = _pages_at_finish(engine)
+    on = _two_turns(engine, "all4")
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    history = TURN1 + list(on[0].token_ids)
+    for prompt, res in zip([TURN1, history + USER2, history], on):
+        assert list(res.token_ids) == hf_reference.generate(prompt, "all4", GREEDY.max_new_tokens)
+    written = (len(history) - 1) // 4  # 6 pages: 3 of the prompt, 3 filled while decoding
+    assert written == 6 and len(TURN1) // 4 == 3
+    first, second, resent = (pages[r.request_id] for r in on)
+    assert second[:written] == first[:written] and resent[:written] == first[:written]
+    assert not set(second[written:]) & set(first) and not set(resent[written:]) & set(first)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_total"] == 2 and stats["prefix_tokens_reused_total"] == 2 * 4 * written
+    engine.pool.check()
+
+
+def test_next_turn_under_another_adapter_reuses_nothing(make_engine):
+    """Turn 2 under another adapter (attn2's LoRA touches v; mlp8's leaves k and v alone: not
+    shared either) or the base takes none of turn 1's pages, prompt or decoded; under turn 1's
+    adapter it takes them all."""
+    engine = make_engine(num_pages=96, page_size=4)
+    pages = _pages_at_finish(engine)
+    turn1 = engine.generate(_requests([(TURN1, "all4")]))[0]
+    history = TURN1 + list(turn1.token_ids)
+    cached = set(engine.pool._cached)
+    assert len(cached) == (len(history) - 1) // 4 and cached == set(pages[turn1.request_id][:len(cached)])
+    for other in ("attn2", "mlp8", None):
+        for res in engine.generate(_requests([(history + USER2, other), (history, other)])):
+            assert not set(pages[res.request_id]) & cached
+    assert engine.stats()["prefix_cache_hits_total"] == 0
+    same = engine.generate(_requests([(history + USER2, "all4")]))[0]
+    assert set(pages[same.request_id][:len(cached)]) == cached
+    assert engine.stats()["prefix_cache_hits_total"] == 1
+    engine.pool.check()
+
+
+def test_pages_registered_while_decoding_hold_their_tokens_kv(make_engine):
+    """A request that ends on a stop string: exactly its pages whose every token's KV was
+    written are registered (keyed by the token ids they hold), and each holds the keys and
+    values a fresh prefill of the same tokens computes (fp32)."""
+    ref = make_engine(num_pages=96, page_size=4, prefix_caching=False)
+    free = ref.generate(_requests([(TURN1, "all4")]))[0]
+    words = ref.tokenizer.convert_ids_to_tokens(list(free.token_ids))
+    stop = f"{words[6]} {words[7]}"
+    engine = make_engine(num_pages=96, page_size=4)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, stop=(stop,))
+    stopped = engine.generate(_requests([(TURN1, "all4")], sp))[0]
+    cut = free.text.find(stop)
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[:cut]
+    ids = TURN1 + list(stopped.token_ids)
+    assert len(stopped.token_ids) == free.text[:cut + len(stop)].count(" ") < 10
+    written = (len(ids) - 1) // 4  # the last token's KV is never written
+    keys = prefix_page_keys(engine._adapters["all4"].key, ids, 4, len(ids) // 4)
+    cached = engine.pool.match_prefix(keys)
+    assert len(cached) == written > len(TURN1) // 4 and engine.stats()["prefix_pages_cached"] == written
+    pages = _pages_at_finish(ref)
+    prefill = ref.generate(_requests([(ids, "all4")], SamplingParams(max_new_tokens=1, temperature=0.0)))[0]
+    fresh = pages[prefill.request_id][:written]
+    torch.testing.assert_close(engine.pool.kv[cached], ref.pool.kv[fresh], rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_arriving_mid_decode_reuses_pages_just_filled(make_engine):
+    """A page is registered as soon as the request that filled it by decoding needs its next
+    page: a request sent while the first still runs, with its prompt and tokens so far, reuses
+    the prompt pages and the pages filled since."""
+    engine = make_engine(num_pages=96, page_size=4)
+    pages = _pages_at_finish(engine)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    first = _requests([(TURN1, "all4")], sp)[0]
+    engine.submit(first)
+    tokens = []
+    while len(tokens) < 6:  # 21 tokens, KV written for 20: 5 full pages (the 5th registered next step)
+        tokens += [e.token_id for e in engine.step() if e.request_id == first.request_id]
+    second = _requests([(TURN1 + tokens + USER2, "all4")], sp)[0]
+    engine.submit(second)
+    engine.step()
+    assert engine.stats()["running"] == 2 and engine.stats()["prefix_tokens_reused_total"] == 5 * 4
+    while engine.stats()["running"]:
+        engine.step()
+    assert pages[second.request_id][:5] == pages[first.request_id][:5]
+    engine.pool.check()
+
+
+def test_a_preempted_request_reuses_the_pages_it_decoded(make_engine):
+    """KV pages run out while requests decode: a preempted request's pages stay cached, and its
+    re-admission (prompt + generated tokens) reuses pages it filled while decoding rather
+    than recomputing them; every output equals the engine's without prefix caching."""
+    from test_chunked_prefill import LONG
+
+    sp = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    cases = [(p, None) for p, _ in LONG]
+    off = make_engine(False, num_pages=16, page_size=4, kv_watermark=0.0, prefix_caching=False)
+    reference = off.generate(_requests(cases, sp))
+    engine = make_engine(False, num_pages=16, page_size=4, kv_watermark=0.0)
+    readmitted = []
+    admit = engine.scheduler._admit
+
+    def recording(state):
+        admitted = admit(state)
+        if admitted and state.output_ids:  # a re-admission after a preemption
+            readmitted.append((len(state.request.prompt_token_ids), state.num_cached))
+        return admitted
+
+    engine.scheduler._admit = recording
+    results = engine.generate(_requests(cases, sp))
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert off.stats()["preemptions_total"] > 0 and engine.stats()["preemptions_total"] > 0
+    assert any(cached > prompt // 4 * 4 for prompt, cached in readmitted), readmitted
+    engine.pool.check()
+
+
+def test_next_turn_with_triton_kernels_equals_hf_peft(make_engine, hf_reference):
+    """Triton kernels in fp32 (the interpreter on CPU, the GPU where there is one): pages whose
+    KV the decode kernels wrote are attended by the next turn's paged prefill; every turn's
+    tokens equal HF + PEFT's."""
+    engine = make_engine(num_pages=96, page_size=4, backend="triton")
+    turn1, second, resent = _two_turns(engine, "all4")  # LoRA on k and v too
+    history = TURN1 + list(turn1.token_ids)
+    for prompt, res in zip([TURN1, history + USER2, history], [turn1, second, resent]):
+        assert list(res.token_ids) == hf_reference.generate(prompt, "all4", GREEDY.max_new_tokens)
+    assert engine.stats()["prefix_tokens_reused_total"] == 2 * 4 * ((len(history) - 1) // 4)
     engine.pool.check()
