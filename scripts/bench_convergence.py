@@ -34,6 +34,7 @@ scale applied twice, a wrong layout) costs more than that, and grows or stays in
 adapters learning the same task to the same loss. With eval samples, both bases are also
 scored before training (B = 0: the base alone), recorded as ``untrained_rel``: how far the FP8
 base by itself moves the held-out loss, the yardstick for whether training widens the gap.
+``--fp8-exempt-layers N`` keeps the first and last N layers' projections 16-bit in the FP8 run.
 ``--backend torch`` runs both paths through the torch reference LoRA (with the emulated FP8
 products off the GPU): SmolLM2 on ACLSum on the CPU (docs/kernels.md "FP8 base").
 
@@ -66,7 +67,12 @@ from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderConfig, embedding_device_dtype, forward_loss_sums  # noqa: E402
-from lightning_lorafusion.model.hf_loading import params_from_hf_model, params_to, quantize_base_fp8  # noqa: E402
+from lightning_lorafusion.model.hf_loading import (  # noqa: E402
+    fp8_exempt_layer_set,
+    params_from_hf_model,
+    params_to,
+    quantize_base_fp8,
+)
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
@@ -402,7 +408,8 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     adapter_dtype = DTYPES[args.adapter_dtype]
     t0 = time.perf_counter()
     case = build_case(args, model, device, dtype)
-    fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings)
+    keep = fp8_exempt_layer_set(case.config.num_layers, args.fp8_exempt_layers)
+    fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings, keep_layers=keep)
     set_fast_accumulation(forward=args.fp8_fast_accum in ("forward", "both"),
                           input_grad=args.fp8_fast_accum == "both")
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
@@ -450,6 +457,7 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     return {
         "model": model, "layers": case.config.num_layers, "microbatches": len(case.microbatches),
         "steps": case.steps, "adapters": len(case.specs), "base_precision": "fp8",
+        "fp8_exempt_layers": args.fp8_exempt_layers,
         "base_label": f"ours_{args.dtype}",
         "runs": {k: {"backend": r.backend, "dtype": r.dtype, "seconds": round(r.seconds, 2), "losses": r.losses,
                      "eval_losses": r.eval_losses} for k, r in runs.items()},
@@ -634,6 +642,8 @@ def main() -> None:
     ap.add_argument("--backend", default="triton", choices=["triton", "torch"],
                     help="fp8: LoRA path of both runs (torch: the reference path, e.g. a CPU run with "
                          "the emulated FP8 products instead of the Triton interpreter)")
+    ap.add_argument("--fp8-exempt-layers", type=int, default=0,
+                    help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
     ap.add_argument("--fp8-final-rel", type=float, default=1e-2, help="fp8: final-loss tolerance (relative)")
     ap.add_argument("--fp8-max-rel", type=float, default=5e-2, help="fp8: per-step loss tolerance (relative)")
     ap.add_argument("--out", default=None)

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -102,7 +102,16 @@ def params_to(params: Any, *, device: torch.device | str | None = None,
     return move(params)
 
 
-def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False) -> dict[str, Any]:
+def fp8_exempt_layer_set(num_layers: int, exempt: int) -> frozenset[int]:
+    """The first and last ``exempt`` layers of ``num_layers`` (those an FP8 base keeps 16-bit)."""
+    if isinstance(exempt, bool) or not isinstance(exempt, int) or exempt < 0 or 2 * exempt >= num_layers:
+        raise ValueError(f"fp8_exempt_layers={exempt!r}: give an int n >= 0 with 2n < {num_layers} "
+                         "(the model's layer count); n = 0 quantizes every layer")
+    return frozenset(range(exempt)) | frozenset(range(num_layers - exempt, num_layers))
+
+
+def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False,
+                      keep_layers: Collection[int] = ()) -> dict[str, Any]:
     """The pytree with every decoder layer's seven projection weights quantized once to e4m3
     (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); norms and the LM
     head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the input
@@ -111,16 +120,22 @@ def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False) -> 
     ``embedding=True`` also stores the input embedding table (a gather, no product) as e4m3 with
     one power-of-two scale per token row (``fp8_linear.quantize_embedding``; half its bytes).
     Only for untied embeddings: a table that is also the LM head stays as it is (the head stays
-    16-bit), so pass ``not config.tie_word_embeddings``."""
+    16-bit), so pass ``not config.tie_word_embeddings``.
+
+    ``keep_layers``: global indices of layers whose projections stay 16-bit (a layer list is
+    indexed by position, a pipeline stage's layer mapping by its keys;
+    ``fp8_exempt_layer_set`` names the outermost ones)."""
     from ..kernels.fp8_linear import quantize_embedding, quantize_projection
 
-    def layer(lp: Mapping[str, Any]) -> dict[str, Any]:
+    def layer(i: int, lp: Mapping[str, Any]) -> Mapping[str, Any]:
+        if i in keep_layers:
+            return lp
         return {k: quantize_projection(v) if k in _LAYER_KEYS else v for k, v in lp.items()}
 
     layers = params["layers"]
     out = dict(params)
-    out["layers"] = ({i: layer(lp) for i, lp in layers.items()} if isinstance(layers, Mapping)
-                     else [layer(lp) for lp in layers])
+    out["layers"] = ({i: layer(i, lp) for i, lp in layers.items()} if isinstance(layers, Mapping)
+                     else [layer(i, lp) for i, lp in enumerate(layers)])
     if embedding and "embed" in params and params.get("lm_head") is not params["embed"]:
         out["embed"] = quantize_embedding(params["embed"])
     return out

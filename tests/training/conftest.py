@@ -3,11 +3,11 @@
 import pytest
 
 
-def make_tiny_model_dir(path, *, vocab_size: int = 256, seed: int = 0):
+def make_tiny_model_dir(path, *, vocab_size: int = 256, seed: int = 0, num_layers: int = 2):
     """A 2-layer random Llama (GQA) and a matching word-level tokenizer in ``path``."""
     from lightning_lorafusion.model.random_model import write_random_llama
 
-    return write_random_llama(path, vocab_size=vocab_size, seed=seed)
+    return write_random_llama(path, vocab_size=vocab_size, seed=seed, num_layers=num_layers)
 
 
 @pytest.fixture(scope="session")

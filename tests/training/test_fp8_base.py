@@ -82,3 +82,47 @@ def test_fp8_base_with_activation_checkpointing(tiny_model_dir):
         grads.append([p.grad.clone() for p in bank.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path):
+    """``fp8_exempt_layers: 1`` on a 4-layer base: layers 0 and 3 keep 16-bit projection weights,
+    layers 1 and 2 hold e4m3 bits; packed training still equals each adapter trained alone on
+    that mixed base (so the mixed layers route through both product paths correctly)."""
+    from conftest import make_tiny_model_dir
+
+    model_dir = str(make_tiny_model_dir(tmp_path / "four", num_layers=4))
+    specs = tiny_specs()
+    module, dm, _ = fit_joint(model_dir, specs, module_kwargs={**FP8, "fp8_exempt_layers": 1})
+    buffers = dict(module.named_buffers())
+    for i in range(4):
+        quantized = f"base__layers__{i}__gate_proj__{WEIGHT_KEY}" in buffers
+        assert quantized == (i in (1, 2)), i
+        assert (f"base__layers__{i}__gate_proj__weight" in buffers) == (i in (0, 3)), i
+    for a in range(3):
+        ref = train_alone(module, dm, a)
+        alone = dict(ref.adapters[0].named_parameters())
+        for name, p in module.bank.adapters[a].named_parameters():
+            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_exempt_layers_is_validated(tiny_model_dir):
+    """The tiny base has 2 layers: exempting 1 from each end leaves nothing in FP8."""
+    with pytest.raises(ConfigError, match=r"fp8_exempt_layers=1: give an int n >= 0 with 2n < 2"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=1, **FP8)
+    with pytest.raises(ConfigError, match=r"fp8_exempt_layers=-1"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=-1, **FP8)
+    with pytest.raises(ConfigError, match="applies only with model.base_precision: fp8"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=1)
+
+
+def test_quantize_base_fp8_keeps_the_named_layers_of_a_list_or_a_stage_mapping():
+    from lightning_lorafusion.model.hf_loading import fp8_exempt_layer_set, quantize_base_fp8
+
+    assert fp8_exempt_layer_set(6, 2) == {0, 1, 4, 5} and fp8_exempt_layer_set(6, 0) == set()
+    w = {m: {"weight": torch.randn(16, 16)} for m in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj")}
+    as_list = quantize_base_fp8({"layers": [w, w, w]}, keep_layers={0, 2})
+    assert [WEIGHT_KEY in lp["q_proj"] for lp in as_list["layers"]] == [False, True, False]
+    assert as_list["layers"][0]["q_proj"]["weight"] is w["q_proj"]["weight"]
+    stage = quantize_base_fp8({"layers": {4: w, 5: w}}, keep_layers={5})  # a pipeline stage's layers
+    assert WEIGHT_KEY in stage["layers"][4]["down_proj"] and "weight" in stage["layers"][5]["down_proj"]
