@@ -45,7 +45,11 @@ from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
 from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
-from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
+from lightning_lorafusion.model.hf_loading import (  # noqa: E402
+    fp8_exempt_layer_set,
+    params_from_hf_model,
+    quantize_base_fp8,
+)
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
@@ -235,14 +239,17 @@ def add_workload_args(ap, layers: int) -> None:
     ap.add_argument("--device", default="cuda")
 
 
-def release_projection_weights(model) -> None:
-    """Drop the HF model's seven projection weights per layer and its (untied) input embedding
-    table (after ``quantize_base_fp8`` made the FP8 copies): the model cannot run afterwards;
-    only the FP8 variants may follow."""
+def release_projection_weights(model, keep_layers=()) -> None:
+    """Drop the HF model's seven projection weights per layer (but ``keep_layers``, which the
+    FP8 base shares as they are) and its (untied) input embedding table (after
+    ``quantize_base_fp8`` made the FP8 copies): the model cannot run afterwards; only the FP8
+    variants may follow."""
     emb = model.get_input_embeddings()
     if emb.weight is not model.get_output_embeddings().weight:
         emb.weight = torch.nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
+        if i in keep_layers:
+            continue
         for mod in (*[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
                     *[getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]):
             mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
@@ -256,8 +263,10 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     if base_precision == "fp8":
         fp8_params = {} if fp8_params is None else fp8_params
         if "params" not in fp8_params:
-            fp8_params["params"] = quantize_base_fp8(w.params, embedding=not w.config.tie_word_embeddings)
-            release_projection_weights(model)
+            keep = fp8_exempt_layer_set(w.config.num_layers, args.fp8_exempt_layers)
+            fp8_params["params"] = quantize_base_fp8(w.params, embedding=not w.config.tie_word_embeddings,
+                                                     keep_layers=keep)
+            release_projection_weights(model, keep)
         w.params = fp8_params["params"]
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -335,6 +344,8 @@ def main() -> None:
                     help="comma list of bf16 / fp8: our variants run once per entry (fp8 rows last, "
                          "suffixed _fp8); needs a GPU with FP8 tensor cores for fp8")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
+    ap.add_argument("--fp8-exempt-layers", type=int, default=0,
+                    help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
     ap.add_argument("--fp8-fast-accum", default="off",
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")
