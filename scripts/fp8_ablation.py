@@ -9,7 +9,8 @@ Two families, each one row per variant, the gap in % of the fp32 loss per adapte
                output channel), X in 1 x B blocks along K with W per channel or in B x B blocks,
                and W in B x B blocks with X per row. Scales are powers of two in every variant.
 Emulated FP8 (quantize, dequantize, fp32 product) on the CPU, the spec the GPU path matches;
-the same case as ``bench_convergence.py --model smollm2`` (same samples file, held-out papers).
+the same case as ``bench_convergence.py --model smollm2 --steps 8 --global-batch 2`` (same
+samples file; the held-out papers follow the 16 training ones).
 
     OMP_NUM_THREADS=1 python scripts/fp8_ablation.py --out docs/results/fp8
 """
@@ -82,8 +83,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     case_args = argparse.Namespace(
-        gguf=args.gguf, samples_file=args.samples_file, eval_samples=args.eval_samples, steps=1,
-        adapters=args.adapters, rank=16, alpha=32.0, dropout=0.0, lr=1e-4, layers=args.layers, global_batch=1,
+        gguf=args.gguf, samples_file=args.samples_file, eval_samples=args.eval_samples, steps=8,
+        adapters=args.adapters, rank=16, alpha=32.0, dropout=0.0, lr=1e-4, layers=args.layers, global_batch=2,
         capacity=1024, pad_multiple=16, max_length=None, min_length=None)
     t0 = time.time()
     case = bc.build_case(case_args, "smollm2", torch.device("cpu"), torch.float32)
