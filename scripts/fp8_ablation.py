@@ -110,8 +110,9 @@ def main() -> None:
         variants = [("none (all FP8)", frozenset()), ("first", frozenset({0})), ("last", frozenset({n - 1}))]
         variants += [(f"first+last {k} (fp8_exempt_layers={k})", fp8_exempt_layer_set(n, k))
                      for k in (1, 2) if 2 * k < n]
-        variants += [(f"quarter {i + 1} (layers {i * q}-{min(n, (i + 1) * q) - 1})",
-                      frozenset(range(i * q, n if i == 3 else (i + 1) * q))) for i in range(4) if i * q < n]
+        ends = [n if i == 3 else min(n, (i + 1) * q) for i in range(4)]  # the last quarter takes the rest
+        variants += [(f"quarter {i + 1} (layers {i * q}-{ends[i] - 1})", frozenset(range(i * q, ends[i])))
+                     for i in range(4) if i * q < n]
         for name, keep in variants:
             params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings, keep_layers=keep)
             record("layers", name, len(keep), gap(params))
