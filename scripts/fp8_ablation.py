@@ -38,16 +38,19 @@ from lightning_lorafusion.model.hf_loading import fp8_exempt_layer_set, quantize
 
 def fake_quantize(t: torch.Tensor, rows: int | None, cols: int | None) -> torch.Tensor:
     """``t [R, C]`` rounded through e4m3 with one power-of-two scale per ``rows x cols`` block
-    (None: the whole dimension), returned dequantized in fp32."""
+    (None: the whole dimension; ``rows == 1``: every row at once), returned dequantized, fp32."""
     r_all, c_all = t.shape
     rows, cols = rows or r_all, cols or c_all
     out = torch.empty(t.shape, dtype=torch.float32)
     for r0 in range(0, r_all, rows):
+        r1 = r_all if rows == 1 else r0 + rows
         for c0 in range(0, c_all, cols):
-            block = t[r0:r0 + rows, c0:c0 + cols].float()
+            block = t[r0:r1, c0:c0 + cols].float()
             amax = block.abs().amax(dim=1, keepdim=True) if rows == 1 else block.abs().amax().reshape(1, 1)
             scale = F8.pow2_scales(amax)
-            out[r0:r0 + rows, c0:c0 + cols] = (block / scale).to(F8.FP8_DTYPE).float() * scale
+            out[r0:r1, c0:c0 + cols] = (block / scale).to(F8.FP8_DTYPE).float() * scale
+        if rows == 1:
+            break
     return out
 
 
