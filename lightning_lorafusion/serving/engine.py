@@ -513,7 +513,7 @@ class Engine:
             elif len(out) >= state.max_output:
                 self._finish(state, "length", events, token=token, logprob=lp, top=top)
             else:
-                event = TokenEvent(state.request.request_id, token, detok.take_delta(), lp, top, None)
+                event = TokenEvent._make((state.request.request_id, token, detok.take_delta(), lp, top, None))
                 events.append(event)
                 if state.on_event is not None:
                     state.on_event(event)
