@@ -16,6 +16,12 @@ id that never occur, every 32nd with ``logprobs=2``. All are admitted and prefil
 - host = step - model - sampler: scheduling, table and input updates, stop checks,
   detokenization, events (what runs in Python per step and per row).
 
+``--model real,stub`` (the default) measures twice: with the tiny model, then with its forward
+and LM head replaced by fixed tensors (``stub_model``: the sampler still runs, on random logits
+that change every step). The stub leaves the host path alone on the CPU: with the real model
+the host's code also runs after the forward has evicted it from the caches, and two shared
+cores add noise, so its host column is higher and varies more than the stub's.
+
 Each batch size runs ``--repeats`` times (fresh requests); the table gives min / median over
 the repeats of the per-step mean. ``--cprofile`` profiles one more run of the largest batch and
 prints the top functions by cumulative and by own time. ``--dump FILE`` writes every event
@@ -188,9 +194,73 @@ def instrument(engine: Engine, timers: Timers) -> None:
             setattr(engine_module, name, timers.wrap("sampler", getattr(engine_module, name)))
 
 
+def stub_model(engine: Engine, timers: Timers, rows: int, tokens: int, bank: int = 16) -> None:
+    """Replace the decoder and LM head by fixed tensors: ``forward`` returns zeros (``tokens``
+    rows at most), ``logits`` the next of ``bank`` random ``[rows, V]`` matrices (tokens vary
+    from step to step)."""
+    cfg = engine.model_config
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(rows, cfg.vocab_size, generator=g) for _ in range(bank)]
+    hidden = torch.zeros(tokens, cfg.hidden_size)
+    calls = [0]
+
+    def forward(batch):
+        return hidden
+
+    def lm_head(h):
+        calls[0] += 1
+        return logits[calls[0] % bank][:h.shape[0]]
+
+    engine.runner.forward = timers.wrap("model", forward)
+    engine.runner.logits = timers.wrap("model", lm_head)
+
+
+def measure(engine: Engine, timers: Timers, args, adapters: list[str], rows: int, model: str,
+            record: list | None) -> dict:
+    """``args.repeats`` runs at ``rows`` rows -> min / median over runs of the per-step means."""
+    means = []
+    for rep in range(args.repeats):
+        steps = run_once(engine, timers, make_requests(rows, args, adapters, seed=rows * 100 + rep),
+                         args.steps, record)
+        n = len(steps)
+        mean = {k: sum(s[k] for s in steps) / n for k in ("step", "model", "sampler")}
+        mean["host"] = mean["step"] - mean["model"] - mean["sampler"]
+        means.append(mean)
+    row = {"model": model, "rows": rows, "runs": args.repeats, "steps_per_run": args.steps}
+    for k in ("step", "model", "sampler", "host"):
+        values = [1e6 * m[k] for m in means]
+        row[f"{k}_us_min"], row[f"{k}_us_median"] = min(values), statistics.median(values)
+    row["host_us_per_row_median"] = row["host_us_median"] / rows
+    return row
+
+
+def profile(engine: Engine, args, adapters: list[str], rows: int) -> None:
+    """cProfile of ``args.steps`` decode steps at ``rows`` rows: top functions by cumulative and own time."""
+    prof = cProfile.Profile()
+    reqs = make_requests(rows, args, adapters, seed=7)
+    for r in reqs:
+        engine.submit(r)
+    while engine.stats()["waiting"] or any(s.num_cached < s.num_tokens - 1 for s in engine.scheduler.running):
+        engine.step()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    prof.disable()
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.step()
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
+        print(f"--- cProfile of {args.steps} decode steps at {rows} rows, by {key}")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:8000])
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="64,256", help="batch sizes (running requests), comma-separated")
+    ap.add_argument("--model", default="real,stub",
+                    help="real (the tiny random model), stub (fixed tensors instead of the forward), or both")
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=64)
@@ -200,13 +270,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per run (< new tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="profile the largest batch (stubbed model if run)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--dump", default=None, help="write every event of the runs to this JSON file")
     ap.add_argument("--out", default=None, help="write the table as JSON to this file")
     args = ap.parse_args(argv)
     if args.steps >= args.new_tokens:
         ap.error("--steps must be below --new-tokens (every timed step decodes every row)")
+    models = args.model.split(",")
+    if not set(models) <= {"real", "stub"}:
+        ap.error("--model: real, stub or real,stub")
     torch.set_num_threads(args.threads)
     engine, adapters = build_engine(args)
     timers = Timers()
@@ -214,44 +287,18 @@ def main(argv=None) -> dict:
     record: list | None = [] if args.dump else None
     rows_list = [int(r) for r in args.rows.split(",")]
     engine.generate(make_requests(8, args, adapters, seed=999))  # warm-up: adapters paged in, code paths run
-    table = []
-    for rows in rows_list:
-        means = []
-        for rep in range(args.repeats):
-            steps = run_once(engine, timers, make_requests(rows, args, adapters, seed=rows * 100 + rep),
-                             args.steps, record)
-            n = len(steps)
-            mean = {k: sum(s[k] for s in steps) / n for k in ("step", "model", "sampler")}
-            mean["host"] = mean["step"] - mean["model"] - mean["sampler"]
-            means.append(mean)
-        row = {"rows": rows, "runs": args.repeats, "steps_per_run": args.steps}
-        for k in ("step", "model", "sampler", "host"):
-            values = [1e6 * m[k] for m in means]
-            row[f"{k}_us_min"], row[f"{k}_us_median"] = min(values), statistics.median(values)
-        row["host_us_per_row_median"] = row["host_us_median"] / rows
-        table.append(row)
-    if args.cprofile:
-        prof = cProfile.Profile()
-        rows = rows_list[-1]
-        reqs = make_requests(rows, args, adapters, seed=7)
-        for r in reqs:
-            engine.submit(r)
-        while engine.stats()["waiting"] or any(s.num_cached < s.num_tokens - 1 for s in engine.scheduler.running):
-            engine.step()
-        prof.enable()
-        for _ in range(args.steps):
-            engine.step()
-        prof.disable()
-        for r in reqs:
-            engine.abort(r.request_id)
-        engine.step()
-        for key in ("cumulative", "tottime"):
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(args.top)
-            print(f"--- cProfile of {args.steps} decode steps at {rows} rows, by {key}")
-            print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:8000])
-    if record is not None:
+    if record is not None and "real" in models:
         record += run_mix(engine, finishing_mix(args, adapters))
+    table = []
+    for model in ("real", "stub"):
+        if model not in models:
+            continue
+        if model == "stub":
+            stub_model(engine, timers, max(rows_list), max(rows_list) * (args.prompt + args.new_tokens))
+        for rows in rows_list:
+            table.append(measure(engine, timers, args, adapters, rows, model, record))
+    if args.cprofile:
+        profile(engine, args, adapters, rows_list[-1])
     engine.close()
     if args.dump:
         with open(args.dump, "w") as f:
@@ -261,10 +308,10 @@ def main(argv=None) -> dict:
             json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "table": table}, f, indent=1)
     print(f"CPU, torch {torch.__version__}, {args.threads} torch thread(s); {args.repeats} runs x {args.steps} "
           f"decode steps; us per step, min / median over runs")
-    print("| rows | step | model | sampler | host | host per row |")
-    print("|---|---|---|---|---|---|")
+    print("| model | rows | step | model forward | sampler | host | host per row |")
+    print("|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['rows']} | {r['step_us_min']:.0f} / {r['step_us_median']:.0f} | "
+        print(f"| {r['model']} | {r['rows']} | {r['step_us_min']:.0f} / {r['step_us_median']:.0f} | "
               f"{r['model_us_min']:.0f} / {r['model_us_median']:.0f} | "
               f"{r['sampler_us_min']:.0f} / {r['sampler_us_median']:.0f} | "
               f"{r['host_us_min']:.0f} / {r['host_us_median']:.0f} | {r['host_us_per_row_median']:.1f} |")
