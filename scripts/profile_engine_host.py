@@ -9,8 +9,9 @@ id that never occur, every 32nd with ``logprobs=2``. All are admitted and prefil
 ``--steps`` decode-only steps are timed one by one:
 
 - step: wall time of ``Engine.step``;
-- model: the runner's ``forward`` and ``logits`` calls inside it (the decoder and LM head: on a
-  GPU, the graph replay), timed by wrapping the two methods on the runner instance;
+- model: the runner's ``forward`` and ``logits`` calls inside it (the decoder and LM head) and
+  ``_decode_batch`` (the eager decode step's views and ops on its input buffers): what a GPU's
+  graph replay runs, timed by wrapping the three methods on the runner instance;
 - sampler: the engine's sampler calls (``sample_rows``, ``token_logprobs``: argmax, filtering,
   per-row draws), timed the same way;
 - host = step - model - sampler: scheduling, table and input updates, stop checks,
@@ -189,6 +190,8 @@ def instrument(engine: Engine, timers: Timers) -> None:
     runner = engine.runner
     runner.forward = timers.wrap("model", runner.forward)
     runner.logits = timers.wrap("model", runner.logits)
+    # the eager decode step's device ops on the persistent buffers (inside the graph on a GPU)
+    runner._decode_batch = timers.wrap("model", runner._decode_batch)
     for name in ("sample_tokens", "sample_rows", "token_logprobs"):  # the sampler entry points the engine calls
         if hasattr(engine_module, name):
             setattr(engine_module, name, timers.wrap("sampler", getattr(engine_module, name)))

@@ -71,6 +71,7 @@ class DecodeInputs:
         self._pages_written: list[int] = []
         self._pages_moved = -1
         self._host = np.zeros((3, max_rows), dtype=np.int64)  # what step[:, :rows] was last given
+        self._host_tensor = torch.from_numpy(self._host)  # the same memory
         self._step_rows: list[RequestState] = []  # the rows of the last load_step, in order
         self._step_bucket = 0
 
@@ -103,8 +104,8 @@ class DecodeInputs:
             host[:2, b:rows] = 0
             host[2, b:rows] = self.scratch_page
             self._step_rows, self._step_bucket = list(decode), rows
-        # a copy: the device copy may still be reading when the mirror changes next step
-        self.step[:, :rows].copy_(torch.from_numpy(host[:, :rows].copy()), non_blocking=True)
+        # from pageable memory: the copy has read the mirror when it returns, so it may change next step
+        self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
 
     def forget_step(self) -> None:
         """The rows moved on without ``load_step`` (a step with prefill rows ran): the next

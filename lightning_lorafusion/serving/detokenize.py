@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 # Tokens of the prompt decoded ahead of the output, so that the first output token's leading
 # space (SentencePiece / byte-level BPE) comes out as it would mid-sentence.
@@ -55,7 +55,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def add_tokens(items: Sequence[tuple[IncrementalDetokenizer, int]],
+def add_tokens(items: Iterable[tuple[IncrementalDetokenizer, int]],
                token_texts: dict[int, str] | None = None) -> None:
     """``add_token`` for many detokenizers (of one tokenizer) at once: the texts all of them
     need are decoded in one batched call (a step's rows, instead of two calls per row).

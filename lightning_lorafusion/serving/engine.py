@@ -485,8 +485,11 @@ class Engine:
         token or stop string ("stop"), at ``max_output`` tokens ("length"). This loop runs for
         every row of every step: per-request constants only, no calls it can avoid."""
         if self.tokenizer is not None:  # every row's text in one batched decode, except rows that end on this token
-            add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if t not in st.stop_ids and st.max_output],
-                       self._token_texts)
+            if rows.all_generate and rows.stop_ids.isdisjoint(tokens):  # the common case: no row is left out
+                items = zip(rows.detokenizers, tokens)
+            else:
+                items = [(st.detokenizer, t) for st, t in zip(seqs, tokens) if t not in st.stop_ids and st.max_output]
+            add_tokens(items, self._token_texts)
         now = time.perf_counter()
         generated = 0
         lp_row = rows.logprob_row
@@ -632,8 +635,9 @@ class Engine:
 
 
 class _SampledRows:
-    """The sampler's view of a step's sampled requests (``states``, in row order): their
-    sampling settings gathered, and the rows that want logprobs."""
+    """What a step needs of its sampled requests (``states``, in row order), gathered once per
+    batch composition: their sampling settings, the rows that want logprobs, their
+    detokenizers and stop ids."""
 
     def __init__(self, states: list[RequestState], device: torch.device) -> None:
         self.states = list(states)
@@ -642,6 +646,10 @@ class _SampledRows:
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
         self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)
+        # for detokenization: every row generates (none only scores its prompt), the stop ids of any row
+        self.all_generate = all(s.max_output for s in states)
+        self.stop_ids = frozenset().union(*(s.stop_ids for s in states))
+        self.detokenizers = [s.detokenizer for s in states]
 
 
 def _generation_eos(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
