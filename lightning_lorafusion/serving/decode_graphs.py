@@ -15,6 +15,9 @@ from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
 
 
+_pages_of = operator.attrgetter("pages")
+
+
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
     """Batch sizes a decode step is padded to: the powers of two below ``max_rows``, then
     ``max_rows`` (1, 2, 4, ..., 128, 256 for 256)."""
@@ -67,25 +70,47 @@ class DecodeInputs:
         self._rows: list[RequestState] = []  # the requests the tables hold, in row order
         self._pages_written: list[int] = []
         self._pages_moved = -1
+        self._host = np.zeros((3, max_rows), dtype=np.int64)  # what step[:, :rows] was last given
+        self._host_tensor = torch.from_numpy(self._host)  # the same memory
+        self._step_rows: list[RequestState] = []  # the rows of the last load_step, in order
+        self._step_bucket = 0
 
     @property
     def has_lora(self) -> bool:
         return bool(self.modules)
 
-    def load_step(self, decode: Sequence[RequestState], rows: int) -> None:
+    def load_step(self, decode: Sequence[RequestState], rows: int, next_tokens: Sequence[int] | None = None) -> None:
         """Write ``step[:, :rows]``: the decode rows' newest tokens, then ``rows - len(decode)``
-        padding rows."""
-        s = self.page_size
-        tokens, positions, pages = [], [], []
-        for st in decode:
-            p = st.num_tokens - 1
-            tokens.append(st.last_token)
-            positions.append(p)
-            pages.append(st.pages[p // s])
-        pad = rows - len(decode)
-        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, pages + [self.scratch_page] * pad],
-                            dtype=torch.int64)
-        self.step[:, :rows].copy_(host, non_blocking=True)
+        padding rows. ``next_tokens``: the rows' newest tokens when each row is one token
+        further than at the previous call, which had the same rows in the same order (a
+        decode-only step after a decode-only step): positions are advanced and only rows that
+        entered a new page look their page up (no per-row Python otherwise)."""
+        s, b, host = self.page_size, len(decode), self._host
+        if (next_tokens is not None and rows == self._step_bucket and len(self._step_rows) == b
+                and all(map(operator.is_, decode, self._step_rows))):
+            host[0, :b] = next_tokens
+            positions = host[1, :b]
+            positions += 1
+            for i in np.flatnonzero(positions % s == 0).tolist():
+                host[2, i] = decode[i].pages[int(positions[i]) // s]
+        else:
+            tokens, positions, pages = [], [], []
+            for st in decode:
+                p = st.num_tokens - 1
+                tokens.append(st.last_token)
+                positions.append(p)
+                pages.append(st.pages[p // s])
+            host[0, :b], host[1, :b], host[2, :b] = tokens, positions, pages
+            host[:2, b:rows] = 0
+            host[2, b:rows] = self.scratch_page
+            self._step_rows, self._step_bucket = list(decode), rows
+        # from pageable memory: the copy has read the mirror when it returns, so it may change next step
+        self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
+
+    def forget_step(self) -> None:
+        """The rows moved on without ``load_step`` (a step with prefill rows ran): the next
+        ``load_step`` rewrites every row."""
+        self._step_rows = []
 
     def load_tables(self, decode: Sequence[RequestState], pages_moved: int) -> bool:
         """Bring the page table and LoRA tables up to date for ``decode`` (in row order);
@@ -96,10 +121,13 @@ class DecodeInputs:
             self._rebuild(decode)
             self._pages_moved = pages_moved
             return True
+        counts = list(map(len, map(_pages_of, decode)))  # no per-row Python unless a row grew
+        if counts == self._pages_written:
+            return False
         rows, cols, pages = [], [], []
         for i, st in enumerate(decode):
             done = self._pages_written[i]
-            if len(st.pages) != done:
+            if counts[i] != done:
                 new = st.pages[done:]
                 rows += [i] * len(new)
                 cols += range(done, done + len(new))

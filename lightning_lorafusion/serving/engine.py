@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -25,7 +26,7 @@ from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
-from .sampling import sample_tokens, token_logprobs
+from .sampling import SamplingRows, sample_rows, token_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("lightning_lorafusion.serving")
@@ -123,6 +124,11 @@ class Engine:
         # asyncio loops that stream from this engine -> their per-step event batch
         self._sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSink] = weakref.WeakKeyDictionary()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+        # the step loop's caches: the last decode-only step's rows and tokens, what sampling needs
+        # of the current batch, and single tokens' texts (detokenize.add_tokens)
+        self._last_sampled: tuple[list[RequestState], list[int]] | None = None
+        self._rows: _SampledRows | None = None
+        self._token_texts: dict[int, str] = {}
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0}
 
@@ -423,6 +429,7 @@ class Engine:
         return events
 
     def _run(self, plan, events: list[TokenEvent]) -> None:
+        last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
             batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
             hidden = self.runner.forward(batch)
@@ -442,32 +449,78 @@ class Engine:
             logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
         else:  # decode only: a CUDA graph replay where captured
             seqs = plan.decode
-            logits = self.runner.decode_logits(plan.decode)
-        tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        top_n = max((s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None), default=None)
+            # the previous step sampled these very rows: their tokens are the inputs
+            same = last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, seqs, last[0]))
+            logits = self.runner.decode_logits(seqs, last[1] if same else None)
+        rows = self._sampled_rows(seqs)
+        tokens = sample_rows(logits, rows.sampling)
         chosen = top_vals = top_ids = None
-        if top_n is not None:
-            chosen, top_vals, top_ids = token_logprobs(logits, tokens, top_n)
+        if rows.top_n is not None:
+            lp_logits, lp_tokens = logits, tokens
+            if rows.logprob_index is not None:  # only the rows that asked
+                lp_logits, lp_tokens = logits.index_select(0, rows.logprob_index), tokens[rows.logprob_index]
+            chosen, top_vals, top_ids = token_logprobs(lp_logits, lp_tokens, rows.top_n)
             chosen = chosen.tolist()
             if top_vals is not None:
                 top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for state in plan.decode:
             state.num_cached += 1
         tokens = tokens.tolist()
-        # every row's text at once (one batched decode), except rows that stop on this token
-        if self.tokenizer is not None:
-            add_tokens([(st.detokenizer, t) for st, t in zip(seqs, tokens) if st.sampling.max_new_tokens
-                        and t not in st.eos_token_ids and t not in st.sampling.stop_token_ids])
+        if not plan.prefill:
+            self._last_sampled = (seqs, tokens)
+        self._emit(seqs, tokens, rows, chosen, top_vals, top_ids, events)
+
+    def _sampled_rows(self, seqs: list[RequestState]) -> "_SampledRows":
+        """What sampling needs of ``seqs``, reused while the batch keeps the same requests in
+        the same order (decode steps between arrivals and finishes)."""
+        rows = self._rows
+        if rows is None or len(rows.states) != len(seqs) or not all(map(operator.is_, seqs, rows.states)):
+            rows = self._rows = _SampledRows(seqs, self.device)
+        return rows
+
+    def _emit(self, seqs: list[RequestState], tokens: list[int], rows: "_SampledRows", chosen: list[float] | None,
+              top_vals: list[list[float]] | None, top_ids: list[list[int]] | None, events: list[TokenEvent]) -> None:
+        """Record each row's sampled token (its text already given to the detokenizer unless it
+        is a stop token) and emit its event, finishing the requests that stop on it: on a stop
+        token or stop string ("stop"), at ``max_output`` tokens ("length"). This loop runs for
+        every row of every step: per-request constants only, no calls it can avoid."""
+        if self.tokenizer is not None:  # every row's text in one batched decode, except rows that end on this token
+            if rows.all_generate and rows.stop_ids.isdisjoint(tokens):  # the common case: no row is left out
+                items = zip(rows.detokenizers, tokens)
+            else:
+                items = [(st.detokenizer, t) for st, t in zip(seqs, tokens) if t not in st.stop_ids and st.max_output]
+            add_tokens(items, self._token_texts)
+        now = time.perf_counter()
+        generated = 0
+        lp_row = rows.logprob_row
         for i, (state, token) in enumerate(zip(seqs, tokens)):
-            if state.sampling.max_new_tokens == 0:  # scoring the prompt only
+            if not state.max_output:  # scoring the prompt only
                 self._finish(state, "length", events)
                 continue
+            out = state.output_ids
+            out.append(token)
+            generated += 1
+            if state.first_token is None:
+                state.first_token = now
             lp = top = None
-            want = state.sampling.logprobs
-            if want is not None:
-                lp = chosen[i]
-                top = {} if not want else dict(zip(top_ids[i][:want], top_vals[i][:want]))
-            self._append_token(state, token, lp, top, events)
+            if state.logprobs is not None:
+                j = lp_row[i]
+                want = state.sampling.logprobs
+                lp = chosen[j]
+                top = {} if not want else dict(zip(top_ids[j][:want], top_vals[j][:want]))
+                state.logprobs.append(lp)
+                state.top_logprobs.append(top)
+            detok = state.detokenizer
+            if token in state.stop_ids or detok.stopped:
+                self._finish(state, "stop", events, token=token, logprob=lp, top=top)
+            elif len(out) >= state.max_output:
+                self._finish(state, "length", events, token=token, logprob=lp, top=top)
+            else:
+                event = TokenEvent._make((state.request.request_id, token, detok.take_delta(), lp, top, None))
+                events.append(event)
+                if state.on_event is not None:
+                    state.on_event(event)
+        self._counters["generated_tokens_total"] += generated
 
     def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor, first: int) -> None:
         """Each prompt token's logprob given the tokens before it (None for the first), and with
@@ -492,34 +545,6 @@ class Engine:
         if len(chosen) == p:
             state.prompt_logprobs, state.prompt_top_logprobs = chosen, tops
             state.partial_prompt_logprobs = None
-
-    def _append_token(self, state: RequestState, token: int, logprob: float | None,
-                      top: dict[int, float] | None, events: list[TokenEvent]) -> None:
-        """Record a sampled token (its text already given to the detokenizer unless it is a
-        stop token) and emit its event, finishing the request if it stops here."""
-        now = time.perf_counter()
-        state.first_token = state.first_token or now
-        state.output_ids.append(token)
-        self._counters["generated_tokens_total"] += 1
-        if state.logprobs is not None:
-            state.logprobs.append(logprob)
-            state.top_logprobs.append(top)
-        sp = state.sampling
-        reason = None
-        if token in state.eos_token_ids or token in sp.stop_token_ids:
-            reason = "stop"
-        else:
-            if state.detokenizer.stopped:
-                reason = "stop"
-            elif len(state.output_ids) >= sp.max_new_tokens or state.num_tokens >= state.max_total_len:
-                reason = "length"
-        if reason is None:
-            event = TokenEvent(state.request_id, token, state.detokenizer.take_delta(), logprob, top, None)
-            events.append(event)
-            if state.on_event is not None:
-                state.on_event(event)
-        else:
-            self._finish(state, reason, events, token=token, logprob=logprob, top=top)
 
     def _finish(self, state: RequestState, reason: str, events: list[TokenEvent], *, token: int | None = None,
                 logprob: float | None = None, top: dict[int, float] | None = None) -> None:
@@ -607,6 +632,24 @@ class Engine:
             "prefix_pages_cached": pool.kv_pages_cached,
             "prefix_pages_evicted_total": pool.prefix_evictions,
         }
+
+
+class _SampledRows:
+    """What a step needs of its sampled requests (``states``, in row order), gathered once per
+    batch composition: their sampling settings, the rows that want logprobs, their
+    detokenizers and stop ids."""
+
+    def __init__(self, states: list[RequestState], device: torch.device) -> None:
+        self.states = list(states)
+        self.sampling = SamplingRows.build([s.sampling for s in states], [s.generator for s in states], device)
+        want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
+        self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
+        self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
+        self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)
+        # for detokenization: every row generates (none only scores its prompt), the stop ids of any row
+        self.all_generate = all(s.max_output for s in states)
+        self.stop_ids = frozenset().union(*(s.stop_ids for s in states))
+        self.detokenizers = [s.detokenizer for s in states]
 
 
 def _generation_eos(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:

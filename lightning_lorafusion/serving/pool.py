@@ -104,7 +104,7 @@ class UnifiedPool:
     @property
     def num_free(self) -> int:
         """Pages available to a new allocation: free ones plus cached prefix pages (dropped on demand)."""
-        return int(self._free.sum()) + len(self._cached)
+        return np.count_nonzero(self._free) + len(self._cached)
 
     @property
     def kv_pages_used(self) -> int:
@@ -151,13 +151,34 @@ class UnifiedPool:
             return True
         if self.num_free < count:
             return False
-        while int(self._free.sum()) < count:
+        while np.count_nonzero(self._free) < count:
             self._drop_cached()
         taken = np.flatnonzero(self._free)[:count].tolist()
         self._free[taken] = False
         for p in taken:
             self._kv_owner[p] = [pages]
         pages.extend(taken)
+        return True
+
+    def allocate_kv_rows(self, lists: Sequence[list[int]], counts: Sequence[int]) -> bool:
+        """``allocate_kv(lists[i], counts[i])`` for every i in order, in one pass over the free
+        map (a decode step's rows that each need a page), when enough pages are free without
+        dropping cached prefix pages; otherwise False and nothing is taken (the caller goes row
+        by row). The same pages as the calls one by one."""
+        total = sum(counts)
+        if total == 0:
+            return True
+        free = np.flatnonzero(self._free)
+        if free.size < total:
+            return False
+        taken = free[:total].tolist()
+        self._free[taken] = False
+        i = 0
+        for pages, n in zip(lists, counts):
+            for p in taken[i:i + n]:
+                self._kv_owner[p] = [pages]
+            pages.extend(taken[i:i + n])
+            i += n
         return True
 
     def free_kv(self, pages: list[int]) -> None:

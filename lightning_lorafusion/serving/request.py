@@ -6,7 +6,7 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -36,10 +36,11 @@ class GenerationRequest:
             raise ConfigError(f"request {self.request_id!r}: prompt_token_ids is empty")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """One generated token (``token_id``) and its text delta; the request's last event has
-    ``finish_reason`` set (and may carry no token, e.g. after an abort)."""
+    ``finish_reason`` set (and may carry no token, e.g. after an abort). A named tuple
+    (immutable): the engine makes one per running request per step, and ``TokenEvent._make``
+    costs a third of a frozen dataclass's constructor."""
 
     request_id: str
     token_id: int | None
@@ -104,10 +105,16 @@ class RequestState:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    # what ends it, fixed at creation (checked for every row of every step)
+    stop_ids: frozenset[int] = field(init=False)  # eos_token_ids and the request's stop_token_ids
+    max_output: int = field(init=False)  # generated tokens that end it ("length"): max_new_tokens or the context
 
     def __post_init__(self) -> None:
-        if self.request.sampling.logprobs is not None:
+        sp = self.request.sampling
+        if sp.logprobs is not None:
             self.logprobs, self.top_logprobs = [], []
+        self.stop_ids = self.eos_token_ids | frozenset(sp.stop_token_ids)
+        self.max_output = min(sp.max_new_tokens, self.max_total_len - len(self.request.prompt_token_ids))
 
     @property
     def request_id(self) -> str:

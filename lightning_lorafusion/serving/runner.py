@@ -140,15 +140,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode-only steps
 
-    def decode_logits(self, decode: Sequence[RequestState]) -> torch.Tensor:
+    def decode_logits(self, decode: Sequence[RequestState], next_tokens: Sequence[int] | None = None) -> torch.Tensor:
         """A step with decode rows only: each request feeds its newest token -> fp32 logits of
-        its next token ``[B, V]`` (a view valid until the next step)."""
+        its next token ``[B, V]`` (a view valid until the next step). ``next_tokens``: those
+        tokens, when the previous step was a decode-only step of the same rows in the same
+        order (``DecodeInputs.load_step``)."""
         b = len(decode)
         rows = bucket_for(b, self.buckets) if self.pad_decode else b
         inputs = self.decode_inputs
         if inputs.load_tables(decode, self.pool.pages_moved):
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
-        inputs.load_step(decode, rows)
+            next_tokens = None  # KV pages moved: every row's slot page is looked up again
+        inputs.load_step(decode, rows, next_tokens)
         if self.graphs is not None:
             self.graphs.replay(rows, inputs.has_lora)
             return self._graph_logits[:b]
@@ -184,6 +187,7 @@ class ModelRunner:
         when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
         cached, then those after cached tokens, then the decode rows; ``spans`` stay in the
         order of ``prefill + decode``."""
+        self.decode_inputs.forget_step()  # its decode rows move on without load_step
         s = self.pool.page_size
         ids: list[int] = []
         pos: list[int] = []

@@ -87,27 +87,50 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return logits
 
 
+@dataclass(frozen=True)
+class SamplingRows:
+    """A batch's sampled (not greedy) rows and their settings as the sampler takes them: built
+    once and reused while the batch keeps the same requests in the same order."""
+
+    rows: tuple[int, ...]  # rows that draw, ascending
+    index: torch.Tensor | None  # [S] int64 those rows (None when every row is greedy)
+    temperature: torch.Tensor | None  # [S] fp32
+    top_k: torch.Tensor | None  # [S] int64
+    top_p: torch.Tensor | None  # [S] fp32
+    generators: tuple[torch.Generator | None, ...]  # [S] each row's generator
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+              device: torch.device) -> "SamplingRows":
+        rows = tuple(i for i, p in enumerate(params) if not p.greedy)
+        if not rows:
+            return cls((), None, None, None, None, ())
+        return cls(
+            rows, torch.tensor(rows, device=device),
+            torch.tensor([params[i].temperature for i in rows], device=device, dtype=torch.float32),
+            torch.tensor([params[i].top_k for i in rows], device=device, dtype=torch.int64),
+            torch.tensor([params[i].top_p for i in rows], device=device, dtype=torch.float32),
+            tuple(generators[i] for i in rows))
+
+
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One next token per row: logits ``[B, V]`` fp32 -> token ids ``[B]`` int64.
 
     Greedy rows take the argmax; sampled rows draw from their own ``generators[i]`` (one draw
     per row per step), so a row's tokens depend only on its logits and its seed."""
+    return sample_rows(logits, SamplingRows.build(params, generators, logits.device))
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """``sample_tokens`` with the batch's settings already gathered (``SamplingRows.build``)."""
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
+    if rows.index is None:
         return tokens
-    dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    sub = filter_logits(
-        logits.index_select(0, idx),
-        torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32),
-        torch.tensor([params[i].top_k for i in rows], device=dev, dtype=torch.int64),
-        torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
-    )
+    sub = filter_logits(logits.index_select(0, rows.index), rows.temperature, rows.top_k, rows.top_p)
     probs = sub.softmax(dim=-1)
-    drawn = [torch.multinomial(probs[j], 1, generator=generators[i]) for j, i in enumerate(rows)]
-    tokens[idx] = torch.cat(drawn)
+    drawn = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(rows.generators)]
+    tokens[rows.index] = torch.cat(drawn)
     return tokens
 
 

@@ -87,13 +87,14 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         prefilling: list[RequestState] = []
-        for state in list(self.running):
-            if state.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            if state.num_tokens - state.num_cached > 1:  # a chunked prefill under way (pages all taken)
-                prefilling.append(state)
-            elif self._grow(state, plan):
-                plan.decode.append(state)
+        if not self._grow_all(plan, prefilling):
+            for state in list(self.running):
+                if state.status is not Status.RUNNING:  # preempted earlier in this loop
+                    continue
+                if state.num_tokens - state.num_cached > 1:  # a chunked prefill under way (pages all taken)
+                    prefilling.append(state)
+                elif self._grow(state, plan):
+                    plan.decode.append(state)
         budget = self.max_num_batched_tokens - len(plan.decode)
         for state in prefilling:  # budget >= max_num_seqs: each gets at least one token
             if state.status is Status.RUNNING and budget > 0:
@@ -132,6 +133,30 @@ class Scheduler:
         state.status = Status.FINISHED
 
     # ------------------------------------------------------------------ internals
+
+    def _grow_all(self, plan: StepPlan, prefilling: list[RequestState]) -> bool:
+        """The decode rows' KV room in one pool allocation when enough pages are free (no
+        eviction, no preemption: what ``_grow`` row by row would do then); fills
+        ``plan.decode`` and ``prefilling``. False, with both left empty, when it cannot."""
+        size = self.pool.page_size
+        decode: list[RequestState] = []
+        growing: list[list[int]] = []
+        counts: list[int] = []
+        for state in self.running:
+            tokens = state.num_tokens
+            if tokens - state.num_cached > 1:  # a chunked prefill under way (pages all taken)
+                prefilling.append(state)
+                continue
+            decode.append(state)
+            need = -(-tokens // size) - len(state.pages)
+            if need > 0:
+                growing.append(state.pages)
+                counts.append(need)
+        if growing and not self.pool.allocate_kv_rows(growing, counts):
+            prefilling.clear()
+            return False
+        plan.decode = decode
+        return True
 
     def _grow(self, state: RequestState, plan: StepPlan) -> bool:
         """KV room for the token ``state`` feeds this step; False if ``state`` got preempted."""
