@@ -149,7 +149,8 @@ class Scheduler:
                 continue
             decode.append(state)
             need = -(-tokens // size) - len(state.pages)
-            if need > 0:
+            if need > 0:  # as in _grow: its full pages are computed and cacheable now
+                self.register_computed_pages(state)
                 growing.append(state.pages)
                 counts.append(need)
         if growing and not self.pool.allocate_kv_rows(growing, counts):
