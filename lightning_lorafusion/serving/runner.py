@@ -113,7 +113,7 @@ class ModelRunner:
         self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         if prefill_attention not in ("auto", "varlen", "paged"):
             raise ValueError(f"prefill_attention={prefill_attention!r}; allowed: auto, varlen, paged")
-        if prefill_attention == "auto":  # the torch reference gathers per request: varlen is faster there
+        if prefill_attention == "auto":  # with the torch kernels "paged" is the per-request gather + SDPA reference
             prefill_attention = "paged" if self.prefill_attention_backend == "triton" else "varlen"
         self.prefill_attention = prefill_attention
         decode_backend = decode_backend or backend
