@@ -20,6 +20,12 @@ the step's forward, synchronised, the rest being host work: scheduling, sampling
 The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
 same prompts, which would otherwise hit the cache.
 
+``--prefill-attention varlen,paged`` (``EngineConfig.prefill_attention``, a comma list) runs the
+engine phases once per value, each in a new engine over the same weights ("varlen_" / "paged_"
+rows). ``--prefill-reps N`` adds a ``prefill`` phase per engine: all requests with one new token
+(each finishes in the step that prefills it), N times: wall time (the prefill steps and their
+host work), prompt tokens/s and mean TTFT, min and median over the N.
+
 ``--profile-steps N`` profiles N decode-only steps of the ``--step-batch`` requests, run eagerly
 (the graphs bypassed, the same padded kernels), with adapters and on the base: device time per
 step by kernel (``profile_adapters`` / ``profile_base``; on the CPU, host time by op).
@@ -33,6 +39,9 @@ HF + PEFT token for token.
     PYTHONPATH=. python3 scripts/bench_generation.py --shape 1b --out $OUT
     PYTHONPATH=. python3 scripts/bench_generation.py --shape tiny --device cpu --dtype float32 \
         --requests 6 --hf-requests 4 --new-tokens 4 --prompt-min 4 --prompt-max 12 --out /tmp/bg
+    PYTHONPATH=. python3 scripts/bench_generation.py --shape tiny --device cpu --dtype float32 --skip-hf \
+        --requests 8 --new-tokens 4 --prompt-min 4 --prompt-max 40 --prefill-attention varlen,paged \
+        --prefill-reps 3 --out /tmp/bg
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import torch  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.model.random_model import write_random_llama  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES  # noqa: E402
 
 SHAPES = {
@@ -170,6 +180,26 @@ def run_ours(engine: Engine, requests, device) -> dict:
             "page_ins": after["adapter_page_ins_total"] - before["adapter_page_ins_total"],
             "preemptions": after["preemptions_total"] - before["preemptions_total"],
             "tokens": {r.request_id: list(r.token_ids) for r in results}}
+
+
+def prefill_time(engine: Engine, requests, reps: int, device) -> dict:
+    """``requests`` with one new token each (they finish in the step that prefills them), ``reps``
+    times -> min / median wall, prompt tokens/s and mean TTFT."""
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    walls, ttfts, steps = [], [], []
+    for i in range(reps):
+        reqs = [GenerationRequest(prompt_token_ids=r.prompt_token_ids, adapter=r.adapter, sampling=one,
+                                  request_id=f"f{i}{r.request_id}") for r in requests]
+        out = run_ours(engine, reqs, device)
+        walls.append(out["wall_s"])
+        ttfts.append(out["ttft_mean_s"])
+        steps.append(out["steps"])
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    walls, ttfts = sorted(walls), sorted(ttfts)
+    return {"requests": len(requests), "prompt_tokens": prompt, "reps": reps, "steps": steps,
+            "wall_s_min": walls[0], "wall_s_median": walls[len(walls) // 2],
+            "prompt_tok_per_s_median": prompt / walls[len(walls) // 2],
+            "ttft_mean_s_min": ttfts[0], "ttft_mean_s_median": ttfts[len(ttfts) // 2]}
 
 
 def left_padded(requests) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,6 +405,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefix-caching", action="store_true",
                     help="EngineConfig.prefix_caching (off: the repeated runs send the same prompts again, "
                          "which would hit the cache and not measure the same work)")
+    ap.add_argument("--prefill-attention", type=_choices(PREFILL_ATTENTION), default=["auto"],
+                    help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
+    ap.add_argument("--prefill-reps", type=int, default=0,
+                    help="time a prefill-only pass (one new token per request) this many times (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -421,15 +455,22 @@ def main(argv=None) -> dict:
     subset = reqs[:args.hf_requests]
     step_reqs = reqs[:min(args.step_batch, args.max_num_seqs)]
     modes = ("on", "off") if args.graphs == "compare" else (args.graphs,)
+    # (cuda_graphs, prefill_attention, row prefix) per engine; one prefill_attention: no label for it
+    label = len(args.prefill_attention) > 1
+    variants = [(graphs, pa, ("eager_" if i else "") + (f"{pa}_" if label else ""))
+                for pa in args.prefill_attention for i, graphs in enumerate(modes)]
+    prefixes = [v[2] for v in variants]
 
-    def engine_phases(graphs: str, prefix: str) -> None:
+    def engine_phases(graphs: str, prefill_attention: str, prefix: str) -> None:
         t0 = time.perf_counter()
         engine = Engine(config, params, tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
-                                     cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching),
+                                     cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching,
+                                     prefill_attention=prefill_attention),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None,
+                                     "prefill_attention": engine.runner.prefill_attention,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
                                      "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
                                      / 2**30}
@@ -462,8 +503,10 @@ def main(argv=None) -> dict:
         phase(prefix + "ours_all", ours_all)  # first pass: adapter page-ins, prefill compiles
         phase(prefix + "ours_all_again", lambda: run_ours(engine, _renamed(reqs, "a"), device))
         phase(prefix + "ours_all_base", lambda: run_ours(engine, _renamed(reqs, "b", adapter=None), device))
-        if not prefix:
+        if prefix == prefixes[0]:
             phase("ours_subset", ours_subset)
+        if args.prefill_reps:
+            phase(prefix + "prefill", lambda: prefill_time(engine, _renamed(reqs, "p"), args.prefill_reps, device))
         if step_reqs:
             steps = min(args.step_count, args.new_tokens // 2)
             phase(prefix + "step_adapters", lambda: step_time(engine, _renamed(step_reqs, "t"), steps, device))
@@ -480,8 +523,8 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for i, graphs in enumerate(modes):
-        engine_phases(graphs, "eager_" if i else "")
+    for graphs, prefill_attention, prefix in variants:
+        engine_phases(graphs, prefill_attention, prefix)
 
     hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)
     if not args.skip_hf:
@@ -489,23 +532,28 @@ def main(argv=None) -> dict:
         phase("hf_base", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=False))
     if not (args.skip_hf_mixed or args.skip_hf):
         phase("hf_peft_mixed", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=True))
-    if "hf_peft_mixed" in report and "ours_all" in report:
+    first = prefixes[0] + "ours_all"
+    if "hf_peft_mixed" in report and first in report:
         ids = [r.request_id for r in subset[:args.check]]
-        phase("agreement", lambda: agreement(report["ours_all"]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
+        phase("agreement", lambda: agreement(report[first]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
                                              min(args.check_tokens, args.new_tokens)))
+    if label and all(p + "ours_all" in report for p in prefixes):  # every engine's greedy tokens against the first's
+        phase("prefill_attention_agreement", lambda: {
+            p: agreement(report[p + "ours_all"]["tokens"], report[first]["tokens"], [r.request_id for r in reqs],
+                         args.new_tokens) for p in prefixes[1:]})
 
-    runs = [p + k for p in ("", "eager_") for k in ("ours_all", "ours_all_again", "ours_all_base")]
+    runs = [p + k for p in prefixes for k in ("ours_all", "ours_all_again", "ours_all_base")]
     rows = [(k, report[k]) for k in runs + ["ours_subset", "hf_base", "hf_peft_mixed"] if k in report]
     print(f"\n{'run':<22} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'tok/s':>9} {'steps':>6}")
     for name, r in rows:
         print(f"{name:<22} {r['requests']:>8} {r['generated_tokens']:>10} {r['wall_s']:>8.2f} "
               f"{r['tokens_per_s']:>9.0f} {r.get('steps', ''):>6}")
-    for name in [p + k for p in ("", "eager_") for k in ("step_adapters", "step_base")]:
+    for name in [p + k for p in prefixes for k in ("step_adapters", "step_base")]:
         if name in report:
             r = report[name]
             print(f"{name:<22} batch {r['running']:>4}: {r['step_ms']:7.2f} ms/step, forward {r['forward_ms']:7.2f} ms, "
                   f"{r['decode_tok_per_s']:>8.0f} tok/s")
-    for name in [p + k for p in ("", "eager_") for k in ("profile_adapters", "profile_base")]:
+    for name in [p + k for p in prefixes for k in ("profile_adapters", "profile_base")]:
         if name in report:
             r = report[name]
             print(f"\n{name}: batch {r['batch']}, {r['time_per_step_us'] / 1e3:.2f} ms of kernels per step, "
@@ -517,9 +565,28 @@ def main(argv=None) -> dict:
                   f"{pre['wall_ms_profiled']:.1f} ms wall under the profiler")
             for k in pre["top"][:12]:
                 print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
+    pre = [(p + "prefill", report[p + "prefill"]) for p in prefixes if p + "prefill" in report]
+    if pre:
+        print(f"\n{'prefill (1 new token)':<22} {'requests':>8} {'prompt tok':>10} {'wall s min':>10} {'median':>8} "
+              f"{'prompt tok/s':>12} {'TTFT mean s':>11} {'steps':>6}")
+        for name, r in pre:
+            print(f"{name:<22} {r['requests']:>8} {r['prompt_tokens']:>10} {r['wall_s_min']:>10.4f} "
+                  f"{r['wall_s_median']:>8.4f} {r['prompt_tok_per_s_median']:>12.0f} {r['ttft_mean_s_median']:>11.4f} "
+                  f"{max(r['steps']):>6}")
     if report["errors"]:
         print("errors:", report["errors"])
     return report
+
+
+def _choices(allowed):
+    """argparse type: a comma list of ``allowed`` values."""
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma list of {', '.join(allowed)}")
+        return values
+    return parse
 
 
 if __name__ == "__main__":

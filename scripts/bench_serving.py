@@ -27,6 +27,8 @@ evictions, engine steps, prefill chunks, preemptions, pool use (pages, sampled e
 and peak GPU memory. The points run with chunked prefill on (``--chunked-prefill off``: off;
 the engine's default is off, docs/serving.md) and ``--max-batched-tokens`` (default the
 engine's); ``--unchunked N,..``: those points again with chunked prefill off.
+``--prefill-attention``: every engine's ``EngineConfig.prefill_attention`` (each row records the
+resolved value).
 
 Baselines (HF transformers + PEFT, the model holding N adapters), at the points ``--baseline-at``
 (default all) with N <= ``--baseline-max-adapters`` only, on the trace's first
@@ -71,6 +73,7 @@ from bench_server import percentile  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter, host_adapter_from_factors  # noqa: E402
+from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -248,7 +251,8 @@ def host_adapters(config, weight_sets, count: int, dtype, pin: bool) -> list[Hos
 def engine_config(args, chunked: bool) -> EngineConfig:
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     return EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
-                        cpu_pool_mib=args.cpu_pool_mib, enable_chunked_prefill=chunked, **extra)
+                        cpu_pool_mib=args.cpu_pool_mib, enable_chunked_prefill=chunked,
+                        prefill_attention=args.prefill_attention, **extra)
 
 
 def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], args, device, dtype, *,
@@ -279,7 +283,8 @@ def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], ar
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out.update(build_s=build_s, warm_up_s=warm_s, cuda_graphs=engine.runner.graphs is not None,
                    pool_gib=engine.pool.storage.numel() * engine.pool.storage.element_size() / 2**30,
-                   max_num_batched_tokens=engine.config.max_num_batched_tokens, chunked_prefill=chunked)
+                   max_num_batched_tokens=engine.config.max_num_batched_tokens, chunked_prefill=chunked,
+                   prefill_attention=engine.runner.prefill_attention)
         return out
     finally:
         engine.close()
@@ -412,6 +417,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="on", help="for the points")
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
+    ap.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
+                    help="EngineConfig.prefill_attention of every engine")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
     ap.add_argument("--baseline-at", type=_ints, default=None, help="points (N) with baselines (default: all <= max)")

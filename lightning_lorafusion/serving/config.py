@@ -8,6 +8,7 @@ from ..specs import ConfigError
 
 BACKENDS = ("auto", "torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
+PREFILL_ATTENTION = ("auto", "varlen", "paged")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,11 @@ class EngineConfig:
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
     decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
     cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
+    # attention of prompts prefilled from position 0: "varlen" (their own tokens, FlashAttention
+    # varlen on CUDA), "paged" (over their pages, with the prefix hits and later chunks in one
+    # paged prefill launch per layer), "auto" (paged with the Triton kernels). Default varlen, the
+    # path measured in the engine on a GPU; paged is faster at the kernel level (docs/serving.md)
+    prefill_attention: str = "varlen"
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     prefix_caching: bool = True  # share full KV pages of equal leading tokens per adapter (docs/serving.md)
@@ -62,6 +68,9 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={value!r}; allowed: {BACKENDS}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}; allowed: {CUDA_GRAPHS}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ConfigError(f"EngineConfig.prefill_attention={self.prefill_attention!r}; "
+                              f"allowed: {PREFILL_ATTENTION}")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:

@@ -10,10 +10,11 @@ group of projections sharing an input, the expand fused into what consumes the p
 fused into the next RMSNorm (``add_rms_norm``): a layer returns its MLP output and the next one
 adds it.
 Attention: every row's keys and values are written into the pages first. Prefill requests that
-start at position 0 come first and attend to their own tokens (varlen causal); those that start
-after tokens already in their pages (a reused cached prefix, an earlier chunk) follow and
-attend over their pages (``paged_prefill_attention``: all of them in one launch per layer);
-decode rows attend to their cached pages (``paged_decode_attention``).
+start after tokens already in their pages (a reused cached prefix, an earlier chunk) attend over
+their pages (``paged_prefill_attention``: all of them in one launch per layer); those that start
+at position 0 join them there (``prefill_attention`` "paged", or "auto" with the Triton
+kernels) or come first and attend to their own tokens (varlen causal, "varlen"); decode rows
+attend to their cached pages (``paged_decode_attention``).
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
@@ -57,8 +58,9 @@ _DOWN = (None, ("down_proj",))
 
 @dataclass(frozen=True)
 class PrefixRows:
-    """The prefill requests of a step that start after tokens already in their pages; their rows
-    follow the other prefill rows (``StepBatch.num_fresh_rows`` on)."""
+    """The prefill requests of a step that attend over their pages in one paged prefill launch:
+    those that start after tokens already in their pages, and (``prefill_attention`` "paged")
+    those that start at position 0; their rows follow the varlen ones (``StepBatch.num_fresh_rows`` on)."""
 
     cu_seqlens: torch.Tensor  # [m + 1] int32, over these rows (from 0)
     starts: torch.Tensor  # [m] int32 first position of each request's rows
@@ -75,9 +77,9 @@ class StepBatch:
     slot_pages: torch.Tensor  # [T] page of each row's KV
     slot_offsets: torch.Tensor  # [T] slot inside that page
     num_prefill_rows: int
-    num_fresh_rows: int  # prefill rows [0, this) start at position 0; the rest are prefill_prefixes'
-    cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the fresh prefill rows
-    max_prefill_len: int  # of the fresh prefill rows
+    num_fresh_rows: int  # prefill rows [0, this) start at position 0, attend varlen; the rest are prefill_prefixes'
+    cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the varlen prefill rows
+    max_prefill_len: int  # of the varlen prefill rows
     prefill_prefixes: PrefixRows | None
     prefill_routing: LoraRouting | None
     prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
@@ -97,16 +99,23 @@ class ModelRunner:
     ``max_decode_rows`` (the engine's ``max_num_seqs``) and ``max_pages_per_row`` size the
     decode rows' persistent buffers. ``pad_decode``: decode-only steps run padded to the
     batch-size buckets (what the graphs do; on by ``capture_decode_graphs``, settable on the
-    CPU to test the padding)."""
+    CPU to test the padding). ``prefill_attention``: how prefill rows from position 0 attend,
+    "varlen", "paged" or "auto" (paged with the Triton prefill kernels, varlen with the torch
+    references); resolved into ``self.prefill_attention``."""
 
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
-                 max_pages_per_row: int | None = None) -> None:
+                 max_pages_per_row: int | None = None, prefill_attention: str = "varlen") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
         self.prefill_attention_backend = self.lora_backend  # paged prefill attention
+        if prefill_attention not in ("auto", "varlen", "paged"):
+            raise ValueError(f"prefill_attention={prefill_attention!r}; allowed: auto, varlen, paged")
+        if prefill_attention == "auto":  # with the torch kernels "paged" is the per-request gather + SDPA reference
+            prefill_attention = "paged" if self.prefill_attention_backend == "triton" else "varlen"
+        self.prefill_attention = prefill_attention
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
@@ -185,8 +194,8 @@ class ModelRunner:
         prefix was reused or an earlier chunk ran); decode requests feed their newest token.
         Output rows: a prefill's last row when it completes the request's tokens (every row
         when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
-        cached, then those after cached tokens, then the decode rows; ``spans`` stay in the
-        order of ``prefill + decode``."""
+        cached (varlen attention; none with ``prefill_attention`` "paged"), then the others (paged
+        prefill attention), then the decode rows; ``spans`` stay in the order of ``prefill + decode``."""
         self.decode_inputs.forget_step()  # its decode rows move on without load_step
         s = self.pool.page_size
         ids: list[int] = []
@@ -197,10 +206,12 @@ class ModelRunner:
         segments: list[tuple[int, int, int]] = []
         local: dict[int, int] = {}  # adapter key -> index in the prefill routing
         residents: list[ResidentAdapter] = []
-        fresh = [i for i, st in enumerate(prefill) if st.num_cached == 0]
-        cached = [i for i, st in enumerate(prefill) if st.num_cached > 0]
-        cu = [0]  # row bounds of the prefill requests in row order (fresh, then cached)
-        for i in fresh + cached:
+        # fresh: attend to their own tokens (varlen); paged: over their pages (one launch)
+        own = [self.prefill_attention == "varlen" and st.num_cached == 0 for st in prefill]
+        fresh = [i for i, o in enumerate(own) if o]
+        paged = [i for i, o in enumerate(own) if not o]
+        cu = [0]  # row bounds of the prefill requests in row order (fresh, then paged)
+        for i in fresh + paged:
             state = prefill[i]
             first = state.num_cached
             end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
@@ -242,7 +253,7 @@ class ModelRunner:
             num_prefill_rows=n_prefill, num_fresh_rows=n_fresh,
             cu_seqlens=tensor(fresh_cu, torch.int32) if fresh else None,
             max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
-            prefill_prefixes=self._prefix_rows([prefill[i] for i in cached], cu[len(fresh):]) if cached else None,
+            prefill_prefixes=self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None,
             prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows),
@@ -259,8 +270,8 @@ class ModelRunner:
         return batch
 
     def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> PrefixRows:
-        """Device tables of the prefill requests after a cached prefix; ``bounds`` their rows'
-        bounds in the step (consecutive)."""
+        """Device tables of the prefill requests that attend over their pages; ``bounds`` their
+        rows' bounds in the step (consecutive)."""
         s = self.pool.page_size
         lens = [b - a for a, b in zip(bounds, bounds[1:])]
         pages = [st.pages[:-(-(st.num_cached + n) // s)] for st, n in zip(states, lens)]

@@ -1,18 +1,12 @@
 """scripts/bench_generation.py on CPU (tiny shape, fp32): every phase runs and ours equals HF + PEFT."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from _script_loader import load_script
 
 
 def test_bench_generation_tiny_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_generation", ROOT / "scripts" / "bench_generation.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench_generation")
     report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "5",
                           "--hf-requests", "3", "--hf-batch", "2", "--new-tokens", "3", "--prompt-min", "4",
                           "--prompt-max", "9", "--adapters", "3", "--check", "3", "--check-tokens", "3",
@@ -29,3 +23,21 @@ def test_bench_generation_tiny_cpu(tmp_path):
     assert report["agreement"]["match_rate"] == 1.0  # fp32: token for token
     saved = json.loads((tmp_path / "bench_generation_tiny.json").read_text())
     assert saved["ours_all"]["requests"] == 5 and "tokens" not in saved["ours_all"]
+
+
+def test_bench_generation_prefill_attention_variants_tiny_cpu(tmp_path):
+    """``--prefill-attention varlen,paged --prefill-reps 2``: an engine per value (the paged one
+    runs the torch paged prefill reference on the CPU), each with its prefill phase; fp32 greedy
+    tokens equal across the two."""
+    module = load_script("bench_generation")
+    report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                          "--new-tokens", "2", "--prompt-min", "4", "--prompt-max", "30", "--adapters", "2",
+                          "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf",
+                          "--prefill-attention", "varlen,paged", "--prefill-reps", "2", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    for mode in ("varlen", "paged"):
+        assert report[f"{mode}_engine"]["prefill_attention"] == mode
+        assert report[f"{mode}_ours_all"]["generated_tokens"] == 4 * 2
+        pre = report[f"{mode}_prefill"]
+        assert pre["requests"] == 4 and pre["steps"] == [1, 1] and 0 < pre["wall_s_min"] <= pre["wall_s_median"]
+    assert report["prefill_attention_agreement"]["paged_"]["match_rate"] == 1.0

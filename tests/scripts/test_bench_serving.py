@@ -20,7 +20,8 @@ def test_bench_serving_tiny_cpu(tmp_path):
     report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--num-adapters", "3",
                          "--requests", "8", "--rate", "40", "--prompt-len", "4,24", "--output-len", "2,6",
                          "--max-batched-tokens", "12", "--max-num-seqs", "6", "--unchunked", "3",
-                         "--baseline-requests", "6", "--baseline-batch", "4", "--out", str(tmp_path)])
+                         "--baseline-requests", "6", "--baseline-batch", "4", "--prefill-attention", "paged",
+                         "--out", str(tmp_path)])
     assert report["errors"] == {} and report["skipped"] == []
     runs = {(r["run"], r.get("chunked_prefill")): r for r in report["points"] + report["baselines"]}
     assert set(runs) == {("ours", True), ("ours_subset", True), ("ours", False), ("peft_mixed", None),
@@ -28,6 +29,8 @@ def test_bench_serving_tiny_cpu(tmp_path):
     for r in runs.values():
         assert r["complete"] == r["requests"] and r["tokens_per_s"] > 0 and r["slo_attainment"] == 1.0
         assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
+    # ours: every prompt through the paged prefill reference (--prefill-attention paged)
+    assert all(r["prefill_attention"] == "paged" for (run, _), r in runs.items() if run.startswith("ours"))
     assert runs[("ours", True)]["prefill_chunks"] > 0 and runs[("ours", False)]["prefill_chunks"] == 0
     assert runs[("ours", True)]["tokens"] == runs[("ours", False)]["tokens"]
     for b in ("peft_mixed", "peft_switch"):  # fp32: the baselines generate exactly our tokens

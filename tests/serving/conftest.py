@@ -67,41 +67,53 @@ def make_engine(model_dir, adapter_dirs):
         e.close()
 
 
+class HFReference:
+    """``generate(prompt, adapter, max_new_tokens)`` and ``logits(prompt, adapter)`` from HF
+    transformers + PEFT over ``model_dir`` with every adapter of ``adapter_dirs`` loaded
+    (``set_adapter`` / ``disable_adapter``; adapter None = the base)."""
+
+    def __init__(self, model_dir, adapter_dirs) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        names = list(adapter_dirs)
+        model = PeftModel.from_pretrained(base, str(adapter_dirs[names[0]]), adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(str(adapter_dirs[name]), adapter_name=name)
+        self.model = model.eval()
+
+    def _run(self, adapter, fn):
+        if adapter is None:
+            with self.model.disable_adapter():
+                return fn()
+        self.model.set_adapter(adapter)
+        return fn()
+
+    @torch.no_grad()
+    def generate(self, prompt, adapter, max_new_tokens):
+        ids = torch.tensor([prompt])
+        out = self._run(adapter, lambda: self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0))
+        return out[0, len(prompt):].tolist()
+
+    @torch.no_grad()
+    def logits(self, prompt, adapter):
+        return self._run(adapter, lambda: self.model(input_ids=torch.tensor([prompt])).logits[0])
+
+
 @pytest.fixture(scope="session")
 def hf_reference(model_dir, adapter_dirs):
-    """``generate(prompt, adapter, max_new_tokens)`` and ``logits(prompt, adapter)`` from HF
-    transformers + PEFT with every adapter loaded (``set_adapter`` / ``disable_adapter``)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    """``HFReference`` of the tiny Llama and its three adapters."""
+    return HFReference(model_dir, adapter_dirs)
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    names = list(adapter_dirs)
-    model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
-    model.eval()
 
-    class Reference:
-        def _run(self, adapter, fn):
-            if adapter is None:
-                with model.disable_adapter():
-                    return fn()
-            model.set_adapter(adapter)
-            return fn()
-
-        @torch.no_grad()
-        def generate(self, prompt, adapter, max_new_tokens):
-            ids = torch.tensor([prompt])
-            out = self._run(adapter, lambda: model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=0))
-            return out[0, len(prompt):].tolist()
-
-        @torch.no_grad()
-        def logits(self, prompt, adapter):
-            return self._run(adapter, lambda: model(input_ids=torch.tensor([prompt])).logits[0])
-
-    return Reference()
+@pytest.fixture(name="hf_reference_of")
+def hf_reference_of_fixture():
+    """``HFReference`` itself, for tests with their own model (see ``write_random_peft_adapter``
+    for why not an import)."""
+    return HFReference
 
 
 @pytest.fixture(name="write_random_peft_adapter")

@@ -38,14 +38,15 @@ def test_generate_command(model_dir, adapter_dirs, tmp_path):
     out = tmp_path / "out.jsonl"
     proc = _cli("--base_model", str(model_dir), "--adapters", str(run_adapters), f"mlp={adapter_dirs['mlp8']}",
                 "--prompts", str(prompts), "--prompt", "w8 w16", "--adapter_name", "attn2", "--adapter_name", "base",
-                "--out", str(out), "--max_new_tokens", "6", "--device", "cpu", "--dtype", "float32")
+                "--out", str(out), "--max_new_tokens", "6", "--device", "cpu", "--dtype", "float32",
+                "--prefill_attention", "paged")
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in results] == ["a", "prompts.jsonl:2", "prompts.jsonl:3", "prompts.jsonl:4",
                                           "prompt0-attn2", "prompt0-base"]
     assert [r["adapter"] for r in results] == ["all4", "attn2", None, "mlp", "attn2", None]
 
-    # the same requests straight through an engine
+    # the same requests straight through an engine (its prompts attending varlen: auto on the CPU)
     engine = Engine.from_pretrained(str(model_dir), {"all4": adapter_dirs["all4"], "attn2": adapter_dirs["attn2"],
                                                      "mlp": adapter_dirs["mlp8"]},
                                     EngineConfig(num_pages=128), device="cpu", dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
@@ -159,21 +160,31 @@ def test_reset_prefix_cache_frees_cached_pages_and_stops_hits(make_engine):
     engine.pool.check()
 
 
-def test_prefix_hits_fresh_prompts_and_decodes_in_one_triton_step(model_dir, adapter_dirs, hf_reference):
+# step 1's prefill layout: (varlen rows, prefill rows, decode rows, the paged launch's
+# (cu_seqlens, starts)): varlen: the fresh prompts' rows (6 + 14) first, then the hits' new
+# tokens (4 and 6) after 12 cached each; paged: all four in one launch, in scheduling order
+MIXED_STEP = {"varlen": (20, 30, 2, ([0, 4, 10], [12, 12])),
+              "paged": (0, 30, 2, ([0, 4, 10, 16, 30], [12, 0, 12, 0]))}
+
+
+@pytest.mark.parametrize("prefill_attention", ["varlen", "paged"])
+def test_prefix_hits_fresh_prompts_and_decodes_in_one_triton_step(model_dir, adapter_dirs, hf_reference,
+                                                                  prefill_attention):
     """Triton kernels in fp32 (the interpreter on CPU; the GPU where there is one): one step
     prefills two prefix hits (the paged prefill kernel, both in one launch per layer) next to
-    two fresh prompts (varlen) and two decoding requests; every request's tokens equal HF +
-    PEFT's."""
+    two fresh prompts (varlen, or with ``prefill_attention="paged"`` in that same launch) and
+    two decoding requests; every request's tokens equal HF + PEFT's."""
     engine = Engine.from_pretrained(str(model_dir), adapter_dirs,
-                                    EngineConfig(num_pages=96, page_size=4, backend="triton"),
+                                    EngineConfig(num_pages=96, page_size=4, backend="triton",
+                                                 prefill_attention=prefill_attention),
                                     device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
     try:
-        _check_mixed_triton_step(engine, hf_reference)
+        _check_mixed_triton_step(engine, hf_reference, MIXED_STEP[prefill_attention])
     finally:
         engine.close()
 
 
-def _check_mixed_triton_step(engine, hf_reference):
+def _check_mixed_triton_step(engine, hf_reference, layout):
     sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     cases = [(SYSTEM + [1], "all4"), (SYSTEM + [2, 3], None),  # step 0: fill the cache, then decode
              (SYSTEM + [18, 28, 45], "all4"), ([7, 13, 21, 33, 45, 50], "attn2"),  # step 1: hit, fresh
@@ -191,8 +202,7 @@ def _check_mixed_triton_step(engine, hf_reference):
     engine.runner.prepare = recording_prepare
     reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp) for p, a in cases]
     out = _run_arriving(engine, reqs, {0: [0, 1], 1: [2, 3, 4, 5]})
-    # step 1: fresh rows first (6 + 14), then the hits' new tokens (4 and 6) after 12 cached each
-    assert steps[1] == (20, 30, 2, ([0, 4, 10], [12, 12]))
+    assert steps[1] == layout
     for (prompt, adapter), tokens in zip(cases, out):
         assert list(tokens) == hf_reference.generate(prompt, adapter, 3), adapter
     assert engine.stats()["prefix_cache_hits_total"] == 2
