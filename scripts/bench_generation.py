@@ -251,9 +251,9 @@ def step_time(engine: Engine, requests, steps: int, device) -> dict:
     forward = [0.0]
     decode_logits = engine.runner.decode_logits
 
-    def timed(decode):
+    def timed(decode, next_tokens=None):
         t = time.perf_counter()
-        out = decode_logits(decode)
+        out = decode_logits(decode, next_tokens)
         sync(device)
         forward[0] += time.perf_counter() - t
         return out
