@@ -121,10 +121,10 @@ class LoRAFusionModule(L.LightningModule):
             head and loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
             capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
         fp8_exempt_layers: with ``base_precision="fp8"``, the first and last n decoder layers
-            keep their projections in ``dtype`` (0, the default, quantizes every layer). On a
-            small model the FP8 error concentrates nowhere, but the outermost layers carry more
-            of it into the loss: see docs/kernels.md "FP8 base", quality (SmolLM2-135M: n=2
-            halves the untrained loss gap at 4 of 30 layers left in 16 bits).
+            keep their projections in ``dtype`` (0, the default, quantizes every layer). The FP8
+            error is spread over the layers, the outermost carrying a little more of it into
+            the loss (SmolLM2-135M: n=2, 4 of 30 layers in 16 bits, halves the untrained loss
+            gap); docs/kernels.md "FP8 base", quality.
         fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
             missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
         cuda_graphs: "off" (the default until the GPU equivalence tests have run; YAML's bare
