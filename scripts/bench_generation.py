@@ -243,6 +243,18 @@ def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
             "tokens": tokens}
 
 
+def build_workload(args, device, dtype):
+    """The benchmark's random base (``args.shape``) and ``args.adapters`` random adapters of
+    ``args.ranks``: (shape, HF model, tokenizer, DecoderConfig, params sharing the HF tensors,
+    adapters)."""
+    shape = SHAPES[args.shape]
+    model, tokenizer = build_model(shape, device, dtype, seed=0)
+    config, params = params_from_hf_model(model)  # shares the HF tensors (no copy)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
+    return shape, model, tokenizer, config, params, adapters
+
+
 def step_time(engine: Engine, requests, steps: int, device) -> dict:
     """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps."""
     ids = [engine.submit(r) for r in requests]
@@ -444,11 +456,7 @@ def main(argv=None) -> dict:
     if args.fp32_check:
         phase("fp32_check", lambda: fp32_check(device, args))
 
-    shape = SHAPES[args.shape]
-    model, tokenizer = build_model(shape, device, dtype, seed=0)
-    config, params = params_from_hf_model(model)  # shares the HF tensors (no copy)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
+    shape, model, tokenizer, config, params, adapters = build_workload(args, device, dtype)
     names = [a[0] for a in adapters]
     reqs = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
                          args.new_tokens, seed=4)

@@ -32,9 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from bench_generation import SHAPES, add_trace_args, build_model, make_requests, random_adapters, sync  # noqa: E402
+from bench_generation import add_trace_args, build_workload, make_requests, sync  # noqa: E402
 
-from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest  # noqa: E402
 
 
@@ -99,11 +98,7 @@ def main(argv=None) -> dict:
     report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
-    shape = SHAPES[args.shape]
-    model, tokenizer = build_model(shape, device, dtype, seed=0)
-    config, params = params_from_hf_model(model)  # shares the HF tensors (no copy)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    adapters = random_adapters(config, args.adapters, ranks, device, dtype, seed=1, b_std=0.02)
+    shape, model, tokenizer, config, params, adapters = build_workload(args, device, dtype)
     names = [a[0] for a in adapters]
     turn1 = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
                           args.new_tokens, seed=4)
