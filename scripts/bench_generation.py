@@ -163,14 +163,18 @@ def make_requests(n: int, vocab: int, lo: int, hi: int, adapters: list[str], new
                               adapter=pick(), sampling=sp, request_id=f"r{i}") for i in range(n)]
 
 
-def run_ours(engine: Engine, requests, device) -> dict:
+def timed_generate(engine: Engine, requests, device) -> tuple[list, float, dict, dict]:
+    """Generate ``requests`` together -> (results, wall seconds, engine stats before, after)."""
     before = engine.stats()
     sync(device)
     t0 = time.perf_counter()
     results = engine.generate(requests)
     sync(device)
-    wall = time.perf_counter() - t0
-    after = engine.stats()
+    return results, time.perf_counter() - t0, before, engine.stats()
+
+
+def run_ours(engine: Engine, requests, device) -> dict:
+    results, wall, before, after = timed_generate(engine, requests, device)
     tokens = sum(len(r.token_ids) for r in results)
     ttft = sorted(r.timings["ttft_s"] for r in results)
     return {"requests": len(requests), "generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from bench_generation import add_trace_args, build_workload, make_requests, sync  # noqa: E402
+from bench_generation import add_trace_args, build_workload, make_requests, timed_generate  # noqa: E402
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest  # noqa: E402
 
@@ -48,13 +48,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 def run_turn(engine: Engine, requests: list[GenerationRequest], device: torch.device) -> tuple[dict, list]:
     """Generate ``requests`` together; -> (numbers, results)."""
-    before = engine.stats()
-    sync(device)
-    t0 = time.perf_counter()
-    results = engine.generate(requests)
-    sync(device)
-    wall = time.perf_counter() - t0
-    after = engine.stats()
+    results, wall, before, after = timed_generate(engine, requests, device)
     ttft = [r.timings["ttft_s"] for r in results]
     generated = sum(len(r.token_ids) for r in results)
     return {"requests": len(results), "prompt_tokens": sum(len(r.prompt_token_ids) for r in results),
