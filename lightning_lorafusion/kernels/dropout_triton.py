@@ -21,8 +21,19 @@ def seed_hash(seed: int) -> int:
 
 
 def offset_hash(offset: int) -> int:
-    """The dropout offset's share of the hash base."""
+    """The dropout offset's share of the hash base (uint32 value)."""
     return (offset * _C_OFFSET) & _MASK32
+
+
+def offset_hash_arg(offset: int) -> int:
+    """``offset_hash`` as the kernels take it: the same 32 bits as a signed int32 value.
+
+    The kernels read it as uint32 (``hash_base``). In int32's range, Triton types the argument
+    the same for every offset; a value >= 2**31 would be typed uint32, and a launch compiled for
+    int32 (``triton_launch.CachedLaunch`` reuses the first call's kernel) refuses it with an
+    OverflowError."""
+    h = offset_hash(offset)
+    return h - (1 << 32) if h >= 1 << 31 else h
 
 
 @triton.jit
@@ -85,7 +96,7 @@ def triton_dropout_keep_mask(
     out = torch.empty(rows, cols, dtype=torch.int8, device=device)
     grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 64))
     _keep_mask_kernel[grid](
-        out, seed_hash(seed), offset_hash(offset), dropout_keep_threshold(p), row_start, rows, cols,
+        out, seed_hash(seed), offset_hash_arg(offset), dropout_keep_threshold(p), row_start, rows, cols,
         BLOCK_R=32, BLOCK_C=64,
     )
     return out.bool()

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .block_sizes import GEMM_MODES, LoraBlockSizes, block_sizes_for
 from .fp8_linear import Fp8Weight, fp8_input_grad, fp8_outputs, frozen_projections, resolve_emulate
-from .dropout_triton import hash_base, keep_bits16, offset_hash, pair_hash, row_hash
+from .dropout_triton import hash_base, keep_bits16, offset_hash_arg, pair_hash, row_hash
 from .reference import LoraModuleWeights, LoraRouting
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ, PLAN_KEY, LoraLaunchTable, build_launch_table
 from .triton_launch import CachedLaunch
@@ -1114,7 +1114,7 @@ def fused_lora_projections(
         return frozen_projections(x, weights, biases)
     table = plan.table
     a_all, b_cats = _factors(loras, table, x.dtype)
-    return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash(dropout_offset), *weights, *biases,
+    return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), *weights, *biases,
                                            *b_cats))
 
 
@@ -1138,6 +1138,6 @@ def _compiled_projections(x, weights, biases, loras, routing, ranks, dropout_off
     out = fused_lora_fwd_op(
         x, a_all, weights, [empty if b is None else b for b in biases],
         [empty if bc is None else bc for bc in b_cats], tensors, meta, _sizes_to_args(sizes),
-        offset_hash(dropout_offset),
+        offset_hash_arg(dropout_offset),
     )
     return list(out[:-1])

@@ -22,6 +22,7 @@ the eager builder, two copies per table).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -101,6 +102,10 @@ class StaticLaunchTables:
         self._fills = 0
         self._events: list[torch.cuda.Event | None] = [None, None]
         self.cache = _StaticTableCache(self)
+        # entered around a new table's allocations: the graphs' warm-up may be allocating from
+        # their memory pool, where a table (it lives on) could share memory with a graph's
+        # intermediates (training/cuda_graphs.py sets it)
+        self.allocation_context = contextlib.nullcontext
 
     @property
     def num_tables(self) -> int:
@@ -142,14 +147,16 @@ class StaticLaunchTables:
         t = max_tiles(self.capacity, block_m, n)
         blocks = -(-self.capacity // block_m)
         cols = layout.adapter_int.shape[1]
-        dev64 = torch.zeros(t * 4 + n * cols, dtype=torch.int64, device=self.device)
-        dev32 = torch.zeros(blocks + 1 + t + n + 1, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
+        with self.allocation_context():
+            dev64 = torch.zeros(t * 4 + n * cols, dtype=torch.int64, device=self.device)
+            dev32 = torch.zeros(blocks + 1 + t + n + 1, dtype=torch.int32, device=self.device)
+            adapter_float = layout.adapter_float.to(self.device)
         table = dataclasses.replace(
             layout, num_rows=self.capacity, num_tiles=t,
             tiles=dev64[: t * 4].view(t, 4), adapter_int=dev64[t * 4:].view(n, cols),
             block_tiles=dev32[: blocks + 1], adapter_tiles=dev32[blocks + 1: blocks + 1 + t],
-            adapter_tile_ptr=dev32[blocks + 1 + t:], adapter_float=layout.adapter_float.to(self.device),
+            adapter_tile_ptr=dev32[blocks + 1 + t:], adapter_float=adapter_float,
             s_numel=self.capacity * layout.max_total_rank, max_adapter_tiles=t,
         )
         entry = _Entry(ranks=ranks, table=table, adapter_int=layout.adapter_int.clone(), dev64=dev64,

@@ -21,6 +21,7 @@ captured falls back to the caller's eager step with the reason logged (``refusal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -260,14 +261,30 @@ class TrainingGraphs:
         side = self._side
         side.wait_stream(main)
         try:
-            with torch.cuda.stream(side):  # this microbatch's real step, eager: it compiles and warms up
-                sums = self._run_static(key, inputs, tables)
+            # this microbatch's real step, eager: it compiles and warms up. Once graphs exist it
+            # allocates from their pool, so its activations reuse the graphs' intermediate memory
+            # instead of needing as much again (the 8B shape at capacity 8192 does not fit twice
+            # on an 80 GB GPU)
+            pool = self._pool
+            tables.allocation_context = lambda: _outside(pool, main.device)
+            try:
+                with torch.cuda.stream(side), _allocating_from(pool, main.device):
+                    sums = self._run_static(key, inputs, tables)
+            finally:
+                tables.allocation_context = contextlib.nullcontext
+            with torch.cuda.stream(side):
+                sums = sums.clone()  # out of the pool: a later replay may reuse its memory
         except StaticTableError as e:  # raised in the forward, before any gradient was touched
             main.wait_stream(side)
             self.disabled = f"launch tables: {e}"
             self._refuse(key, self.disabled)
             return None
         main.wait_stream(side)
+        if self._pool is None:
+            # the first warm-up's activations sit in the allocator's cache; hand them back so
+            # the graphs' private pool can take that memory
+            torch.cuda.synchronize(main.device)
+            torch.cuda.empty_cache()
         if tables.num_tables == 0:
             self.disabled = "the fused LoRA kernels did not take the fixed-shape launch tables"
             self._refuse(key, self.disabled)
@@ -275,7 +292,7 @@ class TrainingGraphs:
         graph = torch.cuda.CUDAGraph()
         tables.freeze()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 out = self._run_static(key, inputs, tables)
         except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly
             self.disabled = f"capture failed: {type(e).__name__}: {e}"
@@ -291,3 +308,48 @@ class TrainingGraphs:
         self.capture_seconds += seconds
         log.info("CUDA graphs: captured %s in %.2f s (%d graphs)", key, seconds, len(self._graphs))
         return sums
+
+
+def _pool_api():
+    """torch's private calls that route a thread's allocations to a graph memory pool (what its
+    own CUDA-graph trees use for their warm-ups), or None on a torch without them."""
+    names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
+    calls = [getattr(torch._C, n, None) for n in names]
+    return None if None in calls else calls
+
+
+@contextlib.contextmanager
+def _allocating_from(pool, device: torch.device):
+    """Allocations of this thread come from the graphs' memory ``pool`` (no change when it is
+    None or torch lacks the calls). A pool's freed blocks are reused only by the stream that freed
+    them: enter this on the stream the graphs are captured on."""
+    api = _pool_api() if pool is not None else None
+    if api is None:
+        yield
+        return
+    begin, end, release = api
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    begin(index, pool)
+    try:
+        yield
+    finally:
+        end(index, pool)
+        release(index, pool)
+
+
+@contextlib.contextmanager
+def _outside(pool, device: torch.device):
+    """Inside ``_allocating_from(pool)``: these allocations come from the ordinary allocator
+    (tensors that outlive the step must not share memory with a graph's intermediates)."""
+    api = _pool_api() if pool is not None else None
+    if api is None:
+        yield
+        return
+    begin, end, release = api
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    end(index, pool)
+    release(index, pool)
+    try:
+        yield
+    finally:
+        begin(index, pool)

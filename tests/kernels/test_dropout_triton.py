@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels.dropout import dropout_keep_mask, dropout_keep_threshold
-from lightning_lorafusion.kernels.dropout_triton import triton_dropout_keep_mask
+from lightning_lorafusion.kernels.dropout_triton import offset_hash, offset_hash_arg, triton_dropout_keep_mask
 
 
 @pytest.mark.parametrize(
@@ -52,3 +52,14 @@ def test_masks_differ_across_seed_offset_and_rows(device):
 def test_threshold_rounds_p():
     assert dropout_keep_threshold(0.0) == 0
     assert dropout_keep_threshold(0.5) == 1 << 15
+
+
+def test_offset_hash_arg_is_the_same_bits_in_int32_range():
+    """The kernels take the offset hash as int32 whatever the offset, so a launch compiled for
+    one offset accepts every other (Triton types 2**31..2**32-1 as uint32)."""
+    hashes = [offset_hash(o) for o in range(64)] + [offset_hash(2**31 + 5), offset_hash(2**32 - 1)]
+    assert any(h >= 2**31 for h in hashes) and any(h < 2**31 for h in hashes)
+    for o in list(range(64)) + [2**31 + 5, 2**32 - 1]:
+        arg = offset_hash_arg(o)
+        assert -(2**31) <= arg < 2**31
+        assert arg & 0xFFFFFFFF == offset_hash(o)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels.api import lora_projections
+from lightning_lorafusion.kernels.dropout_triton import offset_hash
 from lightning_lorafusion.kernels.block_sizes import INTERPRETER_BLOCK_SIZES, LoraBlockSizes
 from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
 from lightning_lorafusion.kernels.reference import (
@@ -233,7 +234,7 @@ def test_custom_ops_pass_opcheck_and_compile_fullgraph(device):
     b_cat = torch.cat(loras[0].b, dim=1).detach().requires_grad_(True)
     empty = x.new_empty(0)
     args = (x, a_all, ws, [bs[0], empty], [b_cat, empty], tensors, meta, fl._sizes_to_args(SMALL),
-            fl.offset_hash(3))
+            fl.offset_hash_arg(3))
     torch.library.opcheck(fl.fused_lora_fwd_op, args)
 
     def f(inp):
@@ -261,7 +262,10 @@ def test_cached_launches_repeat_calls_and_misaligned_inputs_cuda(gemm):
     x, ws, bs, loras = make_problem(300, 250, (192, 64), ((16, 8), (16, 8)), torch.float32, "cuda")
     routing = LoraRouting(num_rows=300, segments=((0, 130, 1), (130, 290, 0)), scales=(2.0, 0.5),
                           dropout_p=(0.1, 0.25), seeds=(7, 8))
-    for offset in (5, 5, 6):
+    # offset 2's hash is below 2**31, offset 3's is not: both must reuse the launch compiled for
+    # the first call's argument types (an OverflowError before offset_hash_arg)
+    assert offset_hash(2) < 1 << 31 <= offset_hash(3)
+    for offset in (2, 2, 3, 6):
         check_against_reference(x, ws, bs, loras, routing, offset, torch.float32, sizes)
     plans = [p for p in routing.launch_cache.values() if isinstance(p, fl._Plan)]
     launches = [launch for p in plans for hit in p.launches.values()

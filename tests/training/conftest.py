@@ -13,3 +13,10 @@ def make_tiny_model_dir(path, *, vocab_size: int = 256, seed: int = 0, num_layer
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture
+def tiny_model_factory():
+    """``make_tiny_model_dir`` for tests that need another size (importing it from ``conftest``
+    picks whichever test directory's conftest Python saw first)."""
+    return make_tiny_model_dir

@@ -84,13 +84,11 @@ def test_fp8_base_with_activation_checkpointing(tiny_model_dir):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path):
+def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path, tiny_model_factory):
     """``fp8_exempt_layers: 1`` on a 4-layer base: layers 0 and 3 keep 16-bit projection weights,
     layers 1 and 2 hold e4m3 bits; packed training still equals each adapter trained alone on
     that mixed base (so the mixed layers route through both product paths correctly)."""
-    from conftest import make_tiny_model_dir
-
-    model_dir = str(make_tiny_model_dir(tmp_path / "four", num_layers=4))
+    model_dir = str(tiny_model_factory(tmp_path / "four", num_layers=4))
     specs = tiny_specs()
     module, dm, _ = fit_joint(model_dir, specs, module_kwargs={**FP8, "fp8_exempt_layers": 1})
     buffers = dict(module.named_buffers())
