@@ -2,7 +2,9 @@
 
 (a) HF + PEFT, padded micro-batches, adapters trained one after another (what most users run,
     variant "hf"), and the stronger variant on pre-packed sequences of up to --capacity tokens
-    (position ids restart per sample, no padding; variant "hf_packed");
+    (position ids restart per sample, no padding; variant "hf_packed"); both again with Liger
+    Kernel applied to the HF model (RMSNorm, RoPE, SwiGLU and fused linear cross-entropy
+    kernels: "hf_liger", "hf_liger_packed"; needs liger-kernel, run after the plain HF variants);
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
     functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
     compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
@@ -127,6 +129,23 @@ def run_hf_peft(args, model, data, device, packed=False):
     finally:
         base = peft_model.unload()  # take PEFT's injected layers out of the shared base model
     return tokens / t_total, t_total, tokens, base
+
+
+HF_PEFT_VARIANTS = ("hf", "hf_packed", "hf_liger", "hf_liger_packed")
+
+
+def apply_liger(model):
+    """Liger Kernel on the HF model (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): the
+    strongest single-adapter setup HF + PEFT users have. Patches ``model`` in place, once."""
+    if getattr(model, "_liger_applied", False):
+        return
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError as e:
+        raise SystemExit("variant hf_liger needs liger-kernel (pip install liger-kernel)") from e
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+    model._liger_applied = True
 
 
 def run_hf_frozen(args, model, data, device):
@@ -358,6 +377,8 @@ def main() -> None:
         raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
     ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
     runs = [(v, "bf16", "off") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
+    # Liger patches the shared HF model in place: its variants run after the plain HF ones
+    runs.sort(key=lambda r: r[0].startswith("hf_liger"))
     modes = args.fp8_fast_accum.split(",")
     if set(modes) - {"off", "forward", "both"} or not modes:
         raise SystemExit(f"--fp8-fast-accum {args.fp8_fast_accum!r}: give off, forward, both (comma list)")
@@ -369,8 +390,10 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            if variant in ("hf", "hf_packed"):
-                tps, secs, toks, model = run_hf_peft(args, model, data, device, packed=variant == "hf_packed")
+            if variant in HF_PEFT_VARIANTS:
+                if variant.startswith("hf_liger"):
+                    apply_liger(model)
+                tps, secs, toks, model = run_hf_peft(args, model, data, device, packed=variant.endswith("_packed"))
                 extra = {}
             elif variant == "hf_frozen":
                 tps, secs, toks = run_hf_frozen(args, model, data, device)
@@ -398,7 +421,7 @@ def main() -> None:
     print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
           f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
-    best_hf = max((r["tokens_per_s"] for r in rows if r["variant"] in ("hf", "hf_packed")), default=base)
+    best_hf = max((r["tokens_per_s"] for r in rows if r["variant"] in HF_PEFT_VARIANTS), default=base)
     frozen = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf_frozen"), float("nan"))
     print(f"{'variant':14} {'tok/s':>10} {'vs hf':>7} {'vs best hf':>10} {'vs frozen':>9} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:

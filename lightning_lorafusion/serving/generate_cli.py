@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="bfloat16, float16, float32 (default: bf16 on CUDA, fp32 on CPU).")
     p.add_argument("--max_num_seqs", type=int, default=256, help="Requests decoding at once, at most.")
     p.add_argument("--cuda_graphs", default="auto", choices=("auto", "on", "off"))
-    p.add_argument("--prefill_attention", default="varlen", choices=PREFILL_ATTENTION,
-                   help="How prompts attend while prefilled: varlen (default), paged (the paged prefill "
-                        "kernel), auto (paged with the Triton kernels, i.e. on CUDA; docs/serving.md).")
+    p.add_argument("--prefill_attention", default="auto", choices=PREFILL_ATTENTION,
+                   help="How prompts attend while prefilled: varlen, paged (the paged prefill kernel), "
+                        "auto (default: paged with the Triton kernels, i.e. on CUDA; docs/serving.md).")
     return p
 
 

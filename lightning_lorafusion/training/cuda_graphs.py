@@ -82,7 +82,8 @@ def graph_key(mb: Microbatch) -> GraphKey:
     )
 
 
-def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool) -> str | None:
+def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
+                        world_size: int = 1) -> str | None:
     """Why training steps cannot be graphs here (None: they can)."""
     if device.type != "cuda":
         return f"training runs on {device.type}, not on a CUDA GPU"
@@ -92,6 +93,10 @@ def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool) -
     if pipeline:
         return ("the pipeline strategy runs stages through its own executor; graphs of pipeline "
                 "stages are not implemented")
+    if world_size > 1:
+        return (f"{world_size} processes without the multi-adapter strategy (e.g. strategy: ddp, "
+                "whose gradient all-reduce hooks would run inside the captured backward); graphs "
+                "are implemented for one GPU")
     return None
 
 

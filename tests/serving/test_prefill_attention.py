@@ -37,8 +37,9 @@ def _record_prefill_steps(engine: Engine) -> list[dict]:
 def test_prefill_attention_is_checked_and_auto_follows_the_backend(make_engine):
     with pytest.raises(ConfigError, match="prefill_attention='flash'.*auto.*varlen.*paged"):
         EngineConfig(prefill_attention="flash")
-    assert EngineConfig().prefill_attention == "varlen"  # the default: the path measured on a GPU
-    assert make_engine(num_pages=32, page_size=4, backend="triton").runner.prefill_attention == "varlen"
+    assert EngineConfig().prefill_attention == "auto"  # the default: paged with the Triton kernels
+    assert make_engine(num_pages=32, page_size=4, backend="triton").runner.prefill_attention == "paged"
+    assert make_engine(num_pages=32, page_size=4, backend="torch").runner.prefill_attention == "varlen"
     auto = {"num_pages": 32, "page_size": 4, "prefill_attention": "auto"}
     assert make_engine(**auto, backend="torch").runner.prefill_attention == "varlen"
     assert make_engine(**auto, backend="triton").runner.prefill_attention == "paged"

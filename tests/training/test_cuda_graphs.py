@@ -329,6 +329,7 @@ def test_what_cannot_be_a_graph_and_why():
     assert "not on a CUDA GPU" in cuda_graphs_refusal(device=cpu, backend="triton", pipeline=False)
     assert "backend='torch'" in cuda_graphs_refusal(device=gpu, backend="torch", pipeline=False)
     assert "pipeline" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True)
+    assert "ddp" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, world_size=2)
     assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
     # a microbatch without host metadata takes the eager step, with the reason kept
     config = tiny_config()
@@ -349,7 +350,7 @@ def test_module_cuda_graphs_option(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="cuda_graphs"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs="yes")
-    assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graphs == "off"  # default
+    assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graphs == "auto"  # default
     for yaml_bool, mode in ((False, "off"), (True, "on")):  # a bare YAML off/on arrives as a boolean
         assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs=yaml_bool).cuda_graphs == mode
     with pytest.raises(ConfigError, match="not on a CUDA GPU"):
@@ -371,8 +372,12 @@ def _gpu_case(*, layers=3):
     return config, specs, mbs
 
 
-def _gpu_setup(config, specs):
+def _gpu_setup(config, specs, base_precision="bf16"):
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, seed=0, std=0.05)
+    if base_precision == "fp8":
+        from lightning_lorafusion.model.hf_loading import quantize_base_fp8
+
+        params = quantize_base_fp8(params, embedding=True)
     bank = AdapterBank(specs, config, dtype=torch.float32, device="cuda")
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -382,19 +387,30 @@ def _gpu_setup(config, specs):
     return params, bank, opts
 
 
+def _fp8_tensor_cores() -> bool:
+    if not CUDA:
+        return False
+    from lightning_lorafusion.kernels.fp8_linear import fp8_supported
+
+    return fp8_supported(torch.device("cuda"))
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("checkpoint_layers", [False, True])
-def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
+@pytest.mark.parametrize("checkpoint_layers,base_precision", [(False, "bf16"), (True, "bf16"), (False, "fp8")])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
     adapters step several times). Tolerance: the two runs share every kernel except the
     dA/dB partial-sum split (fp32 summation order) and the attention launch's max_seqlen
     bucket, so losses agree to bf16 rounding (rtol 1e-2 on per-adapter sums); AdamW can flip
     the sign of near-zero gradients, so each weight may differ by up to 2 lr per step, and the
-    updates as a whole (w - w0) must agree to 5% in norm."""
+    updates as a whole (w - w0) must agree to 5% in norm. With the FP8 base both runs use the
+    same e4m3 weights and per-row activation scales, so the same bounds hold."""
+    if base_precision == "fp8" and not _fp8_tensor_cores():
+        pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
     config, specs, mbs = _gpu_case()
-    params, bank_e, opts_e = _gpu_setup(config, specs)
+    params, bank_e, opts_e = _gpu_setup(config, specs, base_precision)
     start = [p.detach().clone() for p in bank_e.parameters()]
 
     def eager(mb):
@@ -407,7 +423,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
 
     epochs = mbs + [dataclasses.replace(mb, index=mb.index + 100) for mb in mbs]
     losses_e = _train(eager, bank_e, opts_e, epochs)
-    params, bank_g, opts_g = _gpu_setup(config, specs)
+    params, bank_g, opts_g = _gpu_setup(config, specs, base_precision)
     graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers)
 
     def replayed(mb):
@@ -424,7 +440,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers):
     assert not graphs.refusals, graphs.refusals
     assert graphs.captures >= 1 and graphs.replays >= len(mbs)
     rel = ((losses_g - losses_e).abs() / losses_e.abs().clamp_min(1e-6)).max().item()
-    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}): {graphs.captures} graphs, "
+    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}, {base_precision}): {graphs.captures} graphs, "
           f"{graphs.replays} replays, worst relative loss-sum gap {rel:.2e}")
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
     steps = sum(len(mb.step_adapters) for mb in epochs)

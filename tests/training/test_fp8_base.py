@@ -113,6 +113,25 @@ def test_fp8_exempt_layers_is_validated(tiny_model_dir):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=1)
 
 
+def test_fp8_fast_accumulation_option_sets_both_products(tiny_model_dir):
+    """``model.fp8_fast_accumulation`` (default true) sets the FP8 products' accumulation mode;
+    a bf16 base leaves it alone."""
+    from lightning_lorafusion.kernels.fp8_linear import fast_accumulation, set_fast_accumulation
+
+    before = fast_accumulation()
+    try:
+        set_fast_accumulation(forward=False, input_grad=False)
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1])
+        assert fast_accumulation() == {"forward": False, "input_grad": False}
+        module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **FP8)
+        assert module.fp8_fast_accumulation is True
+        assert fast_accumulation() == {"forward": True, "input_grad": True}
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_fast_accumulation=False, **FP8)
+        assert fast_accumulation() == {"forward": False, "input_grad": False}
+    finally:
+        set_fast_accumulation(**before)
+
+
 def test_quantize_base_fp8_keeps_the_named_layers_of_a_list_or_a_stage_mapping():
     from lightning_lorafusion.model.hf_loading import fp8_exempt_layer_set, quantize_base_fp8
 
