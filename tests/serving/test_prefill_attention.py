@@ -111,8 +111,10 @@ def test_sliding_window_fresh_prompts_through_the_triton_kernel(tmp_path, write_
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
     def run(**config):
+        # Triton kernels on CPU tensors need the interpreter, which conftest sets only without a GPU
+        device = "cuda" if config.get("backend") == "triton" and torch.cuda.is_available() else "cpu"
         engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(num_pages=64, page_size=4, **config),
-                                        device="cpu", dtype=torch.float32)
+                                        device=device, dtype=torch.float32)
         try:
             steps = _record_prefill_steps(engine)
             return _run_arriving(engine, _requests(cases, sp), arrive), steps, engine.stats()
