@@ -26,6 +26,11 @@ rows). ``--prefill-reps N`` adds a ``prefill`` phase per engine: all requests wi
 (each finishes in the step that prefills it), N times: wall time (the prefill steps and their
 host work), prompt tokens/s and mean TTFT, min and median over the N.
 
+``--base-precision bf16,fp8`` (a comma list) runs the engine phases once per base precision:
+"fp8" serves the same weights quantized to e4m3 (``quantize_base_fp8``: the seven projections
+per output channel, an untied embedding per row; "fp8_" rows), so decode reads half the
+frozen bytes per step. On a CPU the FP8 products are emulated.
+
 ``--profile-steps N`` profiles N decode-only steps of the ``--step-batch`` requests, run eagerly
 (the graphs bypassed, the same padded kernels), with adapters and on the base: device time per
 step by kernel (``profile_adapters`` / ``profile_base``; on the CPU, host time by op).
@@ -423,6 +428,8 @@ def main(argv=None) -> dict:
                          "which would hit the cache and not measure the same work)")
     ap.add_argument("--prefill-attention", type=_choices(PREFILL_ATTENTION), default=["auto"],
                     help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
+    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8")), default=["bf16"],
+                    help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
     ap.add_argument("--prefill-reps", type=int, default=0,
                     help="time a prefill-only pass (one new token per request) this many times (0: none)")
     ap.add_argument("--out", default=None)
@@ -467,21 +474,32 @@ def main(argv=None) -> dict:
     subset = reqs[:args.hf_requests]
     step_reqs = reqs[:min(args.step_batch, args.max_num_seqs)]
     modes = ("on", "off") if args.graphs == "compare" else (args.graphs,)
-    # (cuda_graphs, prefill_attention, row prefix) per engine; one prefill_attention: no label for it
+    # (cuda_graphs, prefill_attention, base precision, row prefix) per engine; an axis with one
+    # value gets no label
     label = len(args.prefill_attention) > 1
-    variants = [(graphs, pa, ("eager_" if i else "") + (f"{pa}_" if label else ""))
-                for pa in args.prefill_attention for i, graphs in enumerate(modes)]
-    prefixes = [v[2] for v in variants]
+    label_precision = len(args.base_precision) > 1
+    variants = [(graphs, pa, bp, (f"{bp}_" if label_precision else "") + ("eager_" if i else "")
+                 + (f"{pa}_" if label else ""))
+                for bp in args.base_precision for pa in args.prefill_attention for i, graphs in enumerate(modes)]
+    prefixes = [v[3] for v in variants]
+    base_params: dict = {"bf16": params}
 
-    def engine_phases(graphs: str, prefill_attention: str, prefix: str) -> None:
+    def params_of(precision: str):
+        if precision not in base_params:  # quantized once, shared by that precision's engines
+            from lightning_lorafusion.model.hf_loading import quantize_base_fp8
+
+            base_params[precision] = quantize_base_fp8(params, embedding=not config.tie_word_embeddings)
+        return base_params[precision]
+
+    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str) -> None:
         t0 = time.perf_counter()
-        engine = Engine(config, params, tokenizer,
+        engine = Engine(config, params_of(precision), tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
                                      cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching,
                                      prefill_attention=prefill_attention),
                         device=device, dtype=dtype)
-        report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None,
+        report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None, "base_precision": precision,
                                      "prefill_attention": engine.runner.prefill_attention,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
                                      "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
@@ -535,8 +553,9 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for graphs, prefill_attention, prefix in variants:
-        engine_phases(graphs, prefill_attention, prefix)
+    for graphs, prefill_attention, precision, prefix in variants:
+        engine_phases(graphs, prefill_attention, precision, prefix)
+    base_params.pop("fp8", None)
 
     hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)
     if not args.skip_hf:
@@ -549,8 +568,9 @@ def main(argv=None) -> dict:
         ids = [r.request_id for r in subset[:args.check]]
         phase("agreement", lambda: agreement(report[first]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
                                              min(args.check_tokens, args.new_tokens)))
-    if label and all(p + "ours_all" in report for p in prefixes):  # every engine's greedy tokens against the first's
-        phase("prefill_attention_agreement", lambda: {
+    if (label or label_precision) and all(p + "ours_all" in report for p in prefixes):
+        # every engine's greedy tokens against the first's
+        phase("prefill_attention_agreement" if not label_precision else "engine_agreement", lambda: {
             p: agreement(report[p + "ours_all"]["tokens"], report[first]["tokens"], [r.request_id for r in reqs],
                          args.new_tokens) for p in prefixes[1:]})
 

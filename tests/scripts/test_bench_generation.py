@@ -41,3 +41,31 @@ def test_bench_generation_prefill_attention_variants_tiny_cpu(tmp_path):
         pre = report[f"{mode}_prefill"]
         assert pre["requests"] == 4 and pre["steps"] == [1, 1] and 0 < pre["wall_s_min"] <= pre["wall_s_median"]
     assert report["prefill_attention_agreement"]["paged_"]["match_rate"] == 1.0
+
+
+def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
+    """``--base-precision bf16,fp8``: a second engine over the same weights quantized to e4m3
+    (emulated FP8 products on the CPU), with its own rows; both generate every token."""
+    from lightning_lorafusion.kernels.fp8_linear import is_quantized
+
+    module = load_script("bench_generation")
+    seen = []
+    real_engine = module.Engine
+
+    def recording_engine(config, params, *args, **kwargs):
+        seen.append(is_quantized(params["layers"][0]["q_proj"]))
+        return real_engine(config, params, *args, **kwargs)
+
+    module.Engine = recording_engine
+    report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                          "--new-tokens", "3", "--prompt-min", "4", "--prompt-max", "20", "--adapters", "2",
+                          "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf", "--step-batch", "4",
+                          "--base-precision", "bf16,fp8", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [False, True]
+    for precision in ("bf16", "fp8"):
+        assert report[f"{precision}_engine"]["base_precision"] == precision
+        assert report[f"{precision}_ours_all"]["generated_tokens"] == 4 * 3
+        assert report[f"{precision}_step_adapters"]["steps"] >= 1
+    agreement = report["engine_agreement"]["fp8_"]
+    assert 0.0 <= agreement["match_rate"] <= 1.0
