@@ -38,6 +38,13 @@ GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
 # (faster, about 3e-3 relative on the product: docs/kernels.md "FP8 base"). The emulated path
 # has no such mode. Changed through ``set_fast_accumulation`` (benchmarks, convergence checks).
 _FAST_ACCUM = {"forward": False, "input_grad": False}
+# Without autograd (inference), products of at most this many rows run weight-only on the GPU
+# (``fp8_triton.weight_only_linear``: e4m3 weights, bf16 activations, fp32 accumulation), meant
+# for the generation engine's decode steps. 0 (the default): off. Measured on an H100 at 64 rows
+# with its first tile sizes it made the 8B decode step 1.47x slower (docs/BENCHMARKS.md, "FP8
+# base in the generation engine"); scripts/bench_fp8_decode.py --configs sweeps the tiles and
+# split-K to find ones that win before this is raised. The emulated path (CPU) ignores it.
+WEIGHT_ONLY_MAX_ROWS = 0
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
 # the per-output-channel scales (powers of two: exact in bf16 too).
@@ -163,7 +170,7 @@ def fp8_embedding(ids: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Ten
 # ------------------------------------------------------------------------------- products
 
 
-def _emulated_outputs(x, weights, biases):
+def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: always row-quantized
     xq, sx = quantize_rows_reference(x)
     xd = xq.float() * sx
     ys = []
@@ -220,10 +227,15 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False
     return out[:m] if pad else out
 
 
-def _real_outputs(x, weights, biases):
+def _real_outputs(x, weights, biases, weight_only=False):
     _check_real(x, weights)
-    from .fp8_triton import quantize_rows
+    from .fp8_triton import quantize_rows, weight_only_linear
 
+    if weight_only and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        # decode: read the e4m3 weights once and keep x in bf16 (a row quantization and
+        # _scaled_mm's small-M kernels cost what the halved weight bytes save)
+        ys = [weight_only_linear(x, w.data, w.scale) for w in weights]
+        return [y if b is None else y + b for y, b in zip(ys, biases)]
     xq, sx = quantize_rows([x.contiguous()], None)
     ys = []
     for w, b in zip(weights, biases):
@@ -242,10 +254,11 @@ def _real_input_grad(dys, weights, dtype):
 
 
 def fp8_outputs(x: torch.Tensor, weights: Sequence[Fp8Weight], biases: Sequence[torch.Tensor | None],
-                *, emulate: bool) -> list[torch.Tensor]:
+                *, emulate: bool, weight_only: bool = False) -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``,
-    ``x`` quantized once for all of them."""
-    return (_emulated_outputs if emulate else _real_outputs)(x, weights, biases)
+    ``x`` quantized once for all of them. ``weight_only`` (inference): on the real path, at most
+    ``WEIGHT_ONLY_MAX_ROWS`` rows multiply unquantized ``x`` with the e4m3 weights instead."""
+    return (_emulated_outputs if emulate else _real_outputs)(x, weights, biases, weight_only)
 
 
 def fp8_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Fp8Weight], *, m: int, k: int,
@@ -267,6 +280,11 @@ class Fp8FrozenProjections(torch.autograd.Function):
         weights, biases = rest[:n_proj], rest[n_proj:]
         ctx.weights, ctx.emulate, ctx.x_meta = weights, emulate, (x.shape, x.dtype, x.device)
         return tuple(fp8_outputs(x, weights, biases, emulate=emulate))
+
+    @staticmethod
+    def inference(x, emulate, weights, biases):
+        """No gradient will be asked for: the weight-only product may serve few rows."""
+        return fp8_outputs(x, weights, biases, emulate=emulate, weight_only=True)
 
     @staticmethod
     def backward(ctx, *dys):
@@ -292,7 +310,10 @@ def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weig
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
     if kinds != {True}:
         raise TypeError("a projection group mixes FP8 and plain weights; quantize all or none")
-    return list(Fp8FrozenProjections.apply(x, resolve_emulate(x.device, emulate), len(weights), *weights, *biases))
+    emulate = resolve_emulate(x.device, emulate)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine)
+        return Fp8FrozenProjections.inference(x, emulate, weights, biases)
+    return list(Fp8FrozenProjections.apply(x, emulate, len(weights), *weights, *biases))
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None, *,

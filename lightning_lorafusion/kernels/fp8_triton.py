@@ -172,3 +172,75 @@ def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
         grid = (sum(triton.cdiv(w.shape[0], TRANSPOSE_BLOCK) for w in chunk), triton.cdiv(k, TRANSPOSE_BLOCK))
         _transpose_kernel[grid](*args, base, k, total, NUM_IN=len(chunk), BLOCK=TRANSPOSE_BLOCK, num_warps=4)
     return out.view(FP8_DTYPE)
+
+
+# ------------------------------------------------------------------ weight-only products (few rows)
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, s_ptr, y_ptr, m, n, k, k_per_split, stride_xm, stride_ym, stride_ys,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT: tl.constexpr):
+    """``y[rows, cols] = x[rows, :] @ (w[cols, :] * s[cols])^T``: e4m3 ``w`` converted to x's
+    dtype in registers (the bytes read are the FP8 ones), fp32 accumulation, the channel scale
+    applied once at the end. ``n`` and ``k_per_split`` are multiples of BLOCK_N and BLOCK_K.
+    With SPLIT > 1 each program sums one K range into its own fp32 slice ``y[split]``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = (rows < m)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        kk = k_start + k0 + offs_k
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok, other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * k + kk[:, None])  # [BLOCK_K, BLOCK_N] e4m3
+        acc += tl.dot(x, w.to(x.dtype))
+    scale = tl.load(s_ptr + cols)
+    y = acc * scale[None, :]
+    out = y_ptr + pid_k * stride_ys + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _largest_divisor(n: int, options: Sequence[int]) -> int:
+    return next(b for b in options if n % b == 0)
+
+
+def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, block_n: int | None = None,
+                       block_k: int | None = None, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+    """``x [M, K] @ (w * scale[:, None])^T -> [M, N]`` in ``x.dtype`` for few rows (decode):
+    the e4m3 weight ``w [N, K]`` (N, K multiples of 16) is read once, converted in registers,
+    and multiplied with the unquantized activations (no row quantization of ``x``).
+    ``block_n`` / ``block_k``: tile sizes (defaults: the largest of 64/32/16 dividing N; of
+    256/.../16 dividing K / split_k). ``split_k`` > 1 splits K over that many programs per
+    column block (fp32 partial sums, added after). More than 64 rows make several row blocks,
+    each reading ``w`` again: ``torch._scaled_mm`` serves that case."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or scale.shape != (n,):
+        raise ValueError(f"weight_only_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale {tuple(scale.shape)}")
+    if n % 16 or k % 16:
+        raise ValueError(f"weight_only_linear needs N and K divisible by 16; w is {tuple(w.shape)}")
+    if split_k < 1 or k % (16 * split_k):
+        raise ValueError(f"split_k={split_k} must divide K={k} into multiples of 16")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    k_split = k // split_k
+    bn = block_n or _largest_divisor(n, (64, 32, 16))
+    bk = block_k or _largest_divisor(k_split, (256, 128, 64, 32, 16))
+    bm = max(16, min(64, triton.next_power_of_2(max(m, 1))))
+    if m == 0:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (n // bn, triton.cdiv(m, bm), split_k)
+    if split_k == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        _weight_only_kernel[grid](x, w.view(FP8_DTYPE), scale.float(), y, m, n, k, k_split, x.stride(0),
+                                  y.stride(0), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=1, num_warps=num_warps)
+        return y
+    parts = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _weight_only_kernel[grid](x, w.view(FP8_DTYPE), scale.float(), parts, m, n, k, k_split, x.stride(0),
+                              parts.stride(1), parts.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split_k,
+                              num_warps=num_warps)
+    return parts.sum(0).to(x.dtype)

@@ -288,3 +288,47 @@ def test_real_fp8_path_matches_emulated_on_gpu():
         assert rel(a.cpu(), b) < 2 * REAL_TOL
     for a, b in zip(gg, gc):
         assert rel(a.cpu(), b) < 2 * REAL_TOL
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk,split", [(1, 48, 64, None, None, 1), (5, 128, 96, None, None, 1),
+                                               (64, 64, 256, 32, 64, 1), (70, 32, 48, 16, 16, 1),
+                                               (3, 64, 256, None, None, 4), (64, 32, 96, 16, 16, 2)])
+def test_weight_only_linear_kernel(device, m, n, k, bn, bk, split):
+    """``fp8_triton.weight_only_linear`` (the decode product: e4m3 weights, unquantized x) equals
+    x @ dequantized(W)^T; fp32 under the interpreter (only accumulation order differs), bf16 on a
+    GPU (the output's rounding)."""
+    from lightning_lorafusion.kernels.fp8_triton import weight_only_linear
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x, (w,) = problem(m=m, k=k, ns=(n,), dtype=torch.float32, seed=m)
+    fw = F8.quantize_weight(w)
+    want = x.detach().double() @ fw.dequantize(torch.float64).t()
+    got = weight_only_linear(x.detach().to(device, dtype), fw.data.to(device), fw.scale.to(device),
+                             block_n=bn, block_k=bk, split_k=split)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert rel(got.cpu(), want) < (SAME_SCALES_TOL if dtype == torch.float32 else REAL_TOL)
+    # a strided x (a column slice of a wider tensor) reads the same values
+    wide = torch.cat([x.detach(), x.detach()], dim=1).to(device, dtype)
+    again = weight_only_linear(wide[:, :k], fw.data.to(device), fw.scale.to(device), block_n=bn, block_k=bk,
+                               split_k=split)
+    assert torch.equal(again, got)
+
+
+def test_inference_only_asks_for_the_weight_only_product(monkeypatch):
+    """``frozen_projections`` without autograd passes ``weight_only=True`` down (the real path
+    then serves few rows weight-only); with a gradient it keeps the row-quantized product."""
+    x, ws = problem(m=8, k=64, ns=(32, 16))
+    fws = [F8.quantize_weight(w) for w in ws]
+    seen = []
+    real = F8.fp8_outputs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("weight_only", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F8, "fp8_outputs", spy)
+    with torch.no_grad():
+        F8.frozen_projections(x, fws, [None, None], emulate=True)
+    F8.frozen_projections(x.detach(), fws, [None, None], emulate=True)
+    ys = F8.frozen_projections(x, fws, [None, None], emulate=True)
+    assert seen == [True, True, False] and ys[0].requires_grad
