@@ -1,0 +1,197 @@
+"""The HTTP layer's own cost per streamed token, on any machine: the real server over a stub engine.
+
+``serve``'s app (``serving.server.create_app``) runs under uvicorn in a child process over a
+stub engine that costs nothing: every ``--step-ms`` it hands each running stream one token (a
+word of a word-level tokenizer), like an engine step that decodes one token per request. Closed-
+loop clients in this process (``--concurrency`` streams, each sending its next request when the
+previous stream ends, prompts of ``--prompt-tokens`` token ids, ``--new-tokens`` per request)
+read the OpenAI server-sent events over a real socket. Reported: streamed tokens/s at the
+client, the tokens/s the stub would have produced with no HTTP at all (concurrency x 1000 /
+step_ms), the server process's CPU seconds per 1,000 tokens (from /proc), and time to first
+token at the client. What the server costs per token here is what it adds to a GPU engine's
+step loop (with ``--engine-process`` the engine has its own process and GIL, so this CPU time is
+the server's alone).
+
+    PYTHONPATH=. python3 scripts/profile_server_host.py --concurrency 64 --step-ms 10 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class StubEngine:
+    """What ``create_app`` uses of an engine, with streams that cost nothing to produce."""
+
+    def __init__(self, model_dir: str, step_ms: float) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_config = AutoConfig.from_pretrained(model_dir)
+        self.max_model_len = 4096
+        self.step_s = step_ms / 1e3
+        self.tokens = 0
+
+    def start(self) -> None:
+        pass
+
+    def adapters(self):
+        return []
+
+    def stats(self) -> dict:
+        return {"generated_tokens_total": self.tokens}
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    async def stream(self, greq):
+        from lightning_lorafusion.serving.request import TokenEvent
+
+        n = greq.sampling.max_new_tokens
+        loop = asyncio.get_running_loop()
+        step = self.step_s
+        for i in range(n):
+            # the next engine step boundary (all streams tick together, as in a batch)
+            now = loop.time()
+            await asyncio.sleep(step - (now % step) if step > 0 else 0)
+            self.tokens += 1
+            yield TokenEvent(greq.request_id, 5 + i % 200, f" w{5 + i % 200}", None, None,
+                             "length" if i == n - 1 else None)
+
+
+def _serve(model_dir: str, step_ms: float, port: int) -> None:
+    import uvicorn
+
+    from lightning_lorafusion.serving.server import ServerConfig, create_app
+
+    app = create_app(StubEngine(model_dir, step_ms), config=ServerConfig(max_pending_requests=100000))
+    profile_to = os.environ.get("PROFILE_SERVER_TO")
+    if not profile_to:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+        return
+    import contextlib
+    import cProfile
+    import signal
+
+    class _Server(uvicorn.Server):  # SIGTERM ends the run without re-raising: the profile is written
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    with cProfile.Profile() as prof:
+        server.run()
+    prof.dump_stats(profile_to)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _load(port: int, concurrency: int, seconds: float, prompt_tokens: int, new_tokens: int) -> dict:
+    import httpx
+
+    body = {"model": "base", "prompt": list(range(5, 5 + prompt_tokens)), "max_tokens": new_tokens,
+            "stream": True, "temperature": 0}
+    tokens, ttft, done = 0, [], 0
+    stop_at = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=60) as client:
+
+        async def one_client() -> None:
+            nonlocal tokens, done
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                first = True
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        if json.loads(line[6:])["choices"][0].get("text"):
+                            tokens += 1
+                            if first:
+                                ttft.append(time.perf_counter() - t0)
+                                first = False
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"tokens": tokens, "requests": done, "wall_s": wall, "ttft": ttft}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the stub engine's step time (0: as fast as it can)")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--serve", nargs=3, metavar=("MODEL_DIR", "STEP_MS", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--profile", default=None, help="write the server process's cProfile stats to this file")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.serve:
+        _serve(args.serve[0], float(args.serve[1]), int(args.serve[2]))
+        return {}
+    from lightning_lorafusion.model.random_model import write_random_llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_random_llama(Path(tmp) / "m", vocab_size=512, max_positions=4096))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = subprocess.Popen([sys.executable, __file__, "--serve", model_dir, str(args.step_ms), str(port)],
+                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                       **({"PROFILE_SERVER_TO": args.profile} if args.profile else {})})
+        try:
+            import httpx
+
+            for _ in range(600):
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            else:
+                raise SystemExit("the server did not come up")
+            asyncio.run(_load(port, min(4, args.concurrency), 1.0, args.prompt_tokens, args.new_tokens))  # warm up
+            cpu0 = _cpu_seconds(server.pid)
+            r = asyncio.run(_load(port, args.concurrency, args.seconds, args.prompt_tokens, args.new_tokens))
+            cpu = _cpu_seconds(server.pid) - cpu0
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    offered = args.concurrency * 1e3 / args.step_ms if args.step_ms > 0 else float("nan")
+    report = {"args": vars(args), "tokens_per_s": r["tokens"] / r["wall_s"], "stub_tokens_per_s": offered,
+              "tokens": r["tokens"], "wall_s": r["wall_s"], "requests": r["requests"], "server_cpu_s": cpu, "server_cpu_s_per_1k_tokens": 1e3 * cpu / max(r["tokens"], 1),
+              "server_cpu_share": cpu / r["wall_s"],
+              "ttft_p50_ms": 1e3 * statistics.median(r["ttft"]) if r["ttft"] else None,
+              "ttft_p99_ms": 1e3 * sorted(r["ttft"])[int(0.99 * (len(r["ttft"]) - 1))] if r["ttft"] else None}
+    print(json.dumps(report))
+    print(f"\nstreams {args.concurrency}, stub step {args.step_ms} ms: {report['tokens_per_s']:.0f} tok/s at the "
+          f"clients (stub alone: {offered:.0f}), server CPU {report['server_cpu_s_per_1k_tokens'] * 1e3:.0f} us "
+          f"per token ({100 * report['server_cpu_share']:.0f}% of a core), TTFT p50 {report['ttft_p50_ms']:.1f} ms "
+          f"p99 {report['ttft_p99_ms']:.1f} ms, {r['requests']} requests")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "profile_server_host.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
