@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -315,12 +316,16 @@ class TrainingGraphs:
         return sums
 
 
-def _pool_api():
+def _pool_calls(pool, device: torch.device):
     """torch's private calls that route a thread's allocations to a graph memory pool (what its
-    own CUDA-graph trees use for their warm-ups), or None on a torch without them."""
+    own CUDA-graph trees use for their warm-ups) bound to ``pool`` on ``device``: (begin, end,
+    release), each taking no argument; None when ``pool`` is None or torch lacks them."""
     names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
     calls = [getattr(torch._C, n, None) for n in names]
-    return None if None in calls else calls
+    if pool is None or None in calls:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(functools.partial(call, index, pool) for call in calls)
 
 
 @contextlib.contextmanager
@@ -328,33 +333,31 @@ def _allocating_from(pool, device: torch.device):
     """Allocations of this thread come from the graphs' memory ``pool`` (no change when it is
     None or torch lacks the calls). A pool's freed blocks are reused only by the stream that freed
     them: enter this on the stream the graphs are captured on."""
-    api = _pool_api() if pool is not None else None
-    if api is None:
+    calls = _pool_calls(pool, device)
+    if calls is None:
         yield
         return
-    begin, end, release = api
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    begin(index, pool)
+    begin, end, release = calls
+    begin()
     try:
         yield
     finally:
-        end(index, pool)
-        release(index, pool)
+        end()
+        release()
 
 
 @contextlib.contextmanager
 def _outside(pool, device: torch.device):
     """Inside ``_allocating_from(pool)``: these allocations come from the ordinary allocator
     (tensors that outlive the step must not share memory with a graph's intermediates)."""
-    api = _pool_api() if pool is not None else None
-    if api is None:
+    calls = _pool_calls(pool, device)
+    if calls is None:
         yield
         return
-    begin, end, release = api
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    end(index, pool)
-    release(index, pool)
+    begin, end, release = calls
+    end()
+    release()
     try:
         yield
     finally:
-        begin(index, pool)
+        begin()

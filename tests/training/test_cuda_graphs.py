@@ -492,3 +492,26 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     assert upd_off.norm() > 0 and ratio <= 0.25
     for (name, p_off), p_on in zip(runs["off"].bank.named_parameters(), runs["on"].bank.parameters()):
         torch.testing.assert_close(p_on, p_off, rtol=0, atol=0.05, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_warm_up_pool_routing_calls_balance(monkeypatch):
+    """``_allocating_from(pool)`` begins routing this thread's allocations to the graphs' pool and
+    ends and releases it on the way out; ``_outside`` inside it ends + releases, then begins again
+    (each begin holds one reference to the pool, each release drops one); no pool: no calls."""
+    from lightning_lorafusion.training import cuda_graphs as cg
+
+    calls = []
+    for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name, lambda index, pool, name=name: calls.append((name[6:11], index, pool)),
+                            raising=False)
+    dev = torch.device("cuda", 3)
+    with cg._allocating_from(None, dev), cg._outside(None, dev):
+        pass
+    assert calls == []
+    with cg._allocating_from((7, 1), dev):
+        with cg._outside((7, 1), dev):
+            calls.append("table")
+    assert calls == [("begin", 3, (7, 1)), ("endAl", 3, (7, 1)), ("relea", 3, (7, 1)), "table",
+                     ("begin", 3, (7, 1)), ("endAl", 3, (7, 1)), ("relea", 3, (7, 1))]
+    refs = sum(1 if c[0] == "begin" else -1 if c[0] == "relea" else 0 for c in calls if c != "table")
+    assert refs == 0
