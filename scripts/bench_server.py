@@ -385,6 +385,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--num-pages", type=int, default=None, help="pool pages (default: from free memory)")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--prefill-wait-steps", type=int, default=0,
+                    help="EngineConfig.prefill_wait_steps (prefill coalescing) of every engine")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -415,7 +417,7 @@ def main(argv=None) -> dict:
         build_engine, args.shape, args.device, dtype, args.adapters, [int(r) for r in args.ranks.split(",")],
         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                      gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages, backend=args.backend,
-                     cpu_pool_mib=1024, cuda_graphs=args.graphs))
+                     cpu_pool_mib=1024, cuda_graphs=args.graphs, prefill_wait_steps=args.prefill_wait_steps))
     engine = build()  # the direct mode's (and without --engine-process the server's)
     # built second, so its pool is sized from what the first left free (both fit a 1B model on 80 GB)
     served = {"http": EngineClient(build) if args.engine_process else engine}
@@ -441,7 +443,8 @@ def main(argv=None) -> dict:
 
     def stats_delta(e, before: dict) -> dict:
         after = e.stats()
-        return {k: after[k] - before[k] for k in ("steps_total", "adapter_page_ins_total", "preemptions_total")}
+        return {k: after[k] - before[k] for k in ("steps_total", "prefill_steps_total", "prefill_held_steps_total",
+                                                "adapter_page_ins_total", "preemptions_total")}
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 

@@ -31,6 +31,10 @@ class EngineConfig:
     # first, then prefill chunks); off: a prompt runs whole, one longer than the budget alone.
     # Off by default: it measured slower on the 1B Poisson trace (docs/BENCHMARKS.md, "Serving trace")
     enable_chunked_prefill: bool = False
+    # prefill coalescing: while requests decode, new arrivals wait up to this many steps to be
+    # prefilled together (a step with prefill rows runs eagerly, not as a decode CUDA graph);
+    # 0 admits every arrival at the next step (docs/serving.md, "Scheduler")
+    prefill_wait_steps: int = 0
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
     decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
@@ -71,6 +75,8 @@ class EngineConfig:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ConfigError(f"EngineConfig.prefill_attention={self.prefill_attention!r}; "
                               f"allowed: {PREFILL_ATTENTION}")
+        if self.prefill_wait_steps < 0:
+            raise ConfigError(f"EngineConfig.prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:

@@ -102,7 +102,8 @@ class Engine:
                                    prefetch_depth=config.prefetch_depth,
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages),
                                    prefix_caching=config.prefix_caching,
-                                   chunked_prefill=config.enable_chunked_prefill)
+                                   chunked_prefill=config.enable_chunked_prefill,
+                                   prefill_wait_steps=config.prefill_wait_steps)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.prefill_attention,
@@ -131,7 +132,7 @@ class Engine:
         self._rows: _SampledRows | None = None
         self._token_texts: dict[int, str] = {}
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
-                          "steps_total": 0}
+                          "steps_total": 0, "prefill_steps_total": 0}
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
@@ -427,6 +428,8 @@ class Engine:
         with torch.no_grad():
             self._run(plan, events)
         self._counters["steps_total"] += 1
+        # steps with prefill rows run eagerly (decode-only steps replay CUDA graphs where captured)
+        self._counters["prefill_steps_total"] += bool(plan.prefill)
         return events
 
     def _run(self, plan, events: list[TokenEvent]) -> None:
@@ -628,6 +631,7 @@ class Engine:
             "kv_pages_moved_total": pool.pages_moved,
             "preemptions_total": self.scheduler.num_preemptions,
             "prefill_chunks_total": self.scheduler.prefill_chunks,
+            "prefill_held_steps_total": self.scheduler.held_steps,
             "prefix_cache_hits_total": self.scheduler.prefix_cache_hits,
             "prefix_tokens_reused_total": self.scheduler.prefix_tokens_reused,
             "prefix_pages_cached": pool.kv_pages_cached,

@@ -105,6 +105,7 @@ class RequestState:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    queued_step: int = 0  # the scheduler's step count when it (last) joined the queue
     # what ends it, fixed at creation (checked for every row of every step)
     stop_ids: frozenset[int] = field(init=False)  # eos_token_ids and the request's stop_token_ids
     max_output: int = field(init=False)  # generated tokens that end it ("length"): max_new_tokens or the context

@@ -58,12 +58,26 @@ class Scheduler:
     pages are registered once computed: prompt pages after each prefill piece, pages filled by
     decoding before it grows, finishes or is preempted (so a next chat turn, a resent
     completion or its own re-admission reuses prompt and generated tokens alike).
+
+    Prefill coalescing (``prefill_wait_steps`` k > 0): a step with prefill rows cannot replay a
+    decode CUDA graph, so requests that arrive a step or two apart (clients over HTTP, answers
+    that ended together and whose next requests come back one round trip later) would each turn
+    a cheap decode step into an eager mixed one. While requests are decoding, new arrivals are
+    held back for at most k steps (counted from the oldest of them), then admitted together; they go in at
+    once when nothing is decoding, when a prefill runs this step anyway, when their prompts fill
+    the step's token budget, when they are as many as the rows decoding (TGI's
+    waiting-served ratio, at 1: held rows are missing from a batch that runs anyway) or when
+    they would fill every free running slot. A preempted request never waits (it goes back at
+    the head of the queue and is admitted as before).
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, prefill_wait_steps: int = 0) -> None:
         self.pool = pool
+        self.prefill_wait_steps = prefill_wait_steps
+        self.steps = 0  # schedule() calls: the clock of prefill_wait_steps
+        self.held_steps = 0  # steps in which arrivals were held back to be prefilled together
         self.chunked_prefill = chunked_prefill
         self.prefill_chunks = 0  # prefill pieces that left part of their request's tokens for later
         self.prefix_caching = prefix_caching
@@ -79,12 +93,14 @@ class Scheduler:
 
     def add(self, state: RequestState) -> None:
         state.status = Status.WAITING
+        state.queued_step = self.steps
         self.waiting.append(state)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        self.steps += 1
         plan = StepPlan()
         prefilling: list[RequestState] = []
         if not self._grow_all(plan, prefilling):
@@ -99,6 +115,10 @@ class Scheduler:
         for state in prefilling:  # budget >= max_num_seqs: each gets at least one token
             if state.status is Status.RUNNING and budget > 0:
                 budget -= self._add_prefill(plan, state, budget)
+        if self.waiting and self._hold_arrivals(plan, budget):
+            self.held_steps += 1
+            self._prefetch()
+            return plan
         while self.waiting and len(self.running) < self.max_num_seqs:
             state = self.waiting[0]
             if self.chunked_prefill:
@@ -112,6 +132,27 @@ class Scheduler:
             budget -= self._add_prefill(plan, state, budget)
         self._prefetch()
         return plan
+
+    def _hold_arrivals(self, plan: StepPlan, budget: int) -> bool:
+        """Whether the queue waits this step, to be prefilled with later arrivals (see the class
+        docstring's prefill coalescing)."""
+        k = self.prefill_wait_steps
+        head = self.waiting[0]
+        if k <= 0 or not plan.decode or plan.prefill or head.num_preemptions:
+            return False
+        if self.steps - head.queued_step > k:  # it was held in k steps already
+            return False
+        # holding is worth it while the arrivals are fewer than the rows decoding without them
+        # (each held step leaves them out of a batch that runs anyway)
+        limit = min(self.max_num_seqs - len(self.running), len(plan.decode))
+        tokens = 0
+        for i, state in enumerate(self.waiting):
+            if i + 1 >= limit:
+                return False
+            tokens += state.num_tokens - state.num_cached
+            if tokens >= budget:
+                return False
+        return True
 
     def _add_prefill(self, plan: StepPlan, state: RequestState, budget: int) -> int:
         """Schedule ``state``'s next prefill piece (all its uncached tokens, or with chunking at
