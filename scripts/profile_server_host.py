@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,16 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class StubEngine:
-    """What ``create_app`` uses of an engine, with streams that cost nothing to produce."""
+    """What ``create_app`` uses of an engine, with streams that cost nothing to produce. Tokens
+    reach the event loop the way ``EngineClient`` delivers them: a thread wakes at every step
+    boundary and hands the step's events to the loop with one ``call_soon_threadsafe``, which
+    puts one event into each running stream's queue."""
 
     def __init__(self, model_dir: str, step_ms: float) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        if step_ms <= 0:
+            raise SystemExit("--step-ms must be > 0")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_config = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = 4096
         self.step_s = step_ms / 1e3
         self.tokens = 0
+        self.live: dict[str, list] = {}  # request id -> [queue, tokens sent, tokens wanted]
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         pass
@@ -56,22 +64,42 @@ class StubEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    async def stream(self, greq):
+    def _ticker(self) -> None:
+        step = self.step_s
+        while True:
+            time.sleep(max(0.0, step - time.monotonic() % step))
+            self.loop.call_soon_threadsafe(self._tick)
+
+    def _tick(self) -> None:
         from lightning_lorafusion.serving.request import TokenEvent
 
-        n = greq.sampling.max_new_tokens
-        loop = asyncio.get_running_loop()
-        step = self.step_s
-        for i in range(n):
-            # the next engine step boundary (all streams tick together, as in a batch)
-            now = loop.time()
-            await asyncio.sleep(step - (now % step) if step > 0 else 0)
+        for rid, entry in list(self.live.items()):
+            queue, i, n = entry
+            entry[1] = i + 1
             self.tokens += 1
-            yield TokenEvent(greq.request_id, 5 + i % 200, f" w{5 + i % 200}", None, None,
-                             "length" if i == n - 1 else None)
+            last = i == n - 1
+            if last:
+                del self.live[rid]
+            queue.put_nowait(TokenEvent(rid, 5 + i % 200, f" w{5 + i % 200}", None, None,
+                                        "length" if last else None))
+
+    async def stream(self, greq):
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            threading.Thread(target=self._ticker, daemon=True).start()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.live[greq.request_id] = [queue, 0, greq.sampling.max_new_tokens]
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.live.pop(greq.request_id, None)
 
 
-def _serve(model_dir: str, step_ms: float, port: int) -> None:
+def _serve(model_dir: str, step_ms: float, port: int, loop: str = "auto", http: str = "auto") -> None:
     import uvicorn
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
@@ -79,7 +107,7 @@ def _serve(model_dir: str, step_ms: float, port: int) -> None:
     app = create_app(StubEngine(model_dir, step_ms), config=ServerConfig(max_pending_requests=100000))
     profile_to = os.environ.get("PROFILE_SERVER_TO")
     if not profile_to:
-        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=loop, http=http)
         return
     import contextlib
     import cProfile
@@ -90,7 +118,7 @@ def _serve(model_dir: str, step_ms: float, port: int) -> None:
         def capture_signals(self):
             yield
 
-    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop=loop, http=http))
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     with cProfile.Profile() as prof:
         server.run()
@@ -137,16 +165,18 @@ async def _load(port: int, concurrency: int, seconds: float, prompt_tokens: int,
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--step-ms", type=float, default=10.0, help="the stub engine's step time (0: as fast as it can)")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the stub engine's step time (> 0)")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--serve", nargs=3, metavar=("MODEL_DIR", "STEP_MS", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--uvicorn-loop", default="auto", help="uvicorn's event loop: auto (uvloop if installed), asyncio, uvloop")
+    ap.add_argument("--uvicorn-http", default="auto", help="uvicorn's HTTP parser: auto (httptools if installed), h11, httptools")
+    ap.add_argument("--serve", nargs=5, metavar=("MODEL_DIR", "STEP_MS", "PORT", "LOOP", "HTTP"), help=argparse.SUPPRESS)
     ap.add_argument("--profile", default=None, help="write the server process's cProfile stats to this file")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.serve:
-        _serve(args.serve[0], float(args.serve[1]), int(args.serve[2]))
+        _serve(args.serve[0], float(args.serve[1]), int(args.serve[2]), args.serve[3], args.serve[4])
         return {}
     from lightning_lorafusion.model.random_model import write_random_llama
 
@@ -155,7 +185,8 @@ def main(argv=None) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = subprocess.Popen([sys.executable, __file__, "--serve", model_dir, str(args.step_ms), str(port)],
+        server = subprocess.Popen([sys.executable, __file__, "--serve", model_dir, str(args.step_ms), str(port),
+                                   args.uvicorn_loop, args.uvicorn_http],
                                   env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
                                        **({"PROFILE_SERVER_TO": args.profile} if args.profile else {})})
         try:

@@ -457,6 +457,34 @@ def chat_chunk(*, request_id: str, model: str, created: int, index: int, delta: 
                   choice=choice, with_usage_field=with_usage_field)
 
 
+class ChunkWriter:
+    """``sse(completion_chunk(...))`` / ``sse(chat_chunk(...))`` of one streamed response, byte for
+    byte, for the chunks without logprobs (one per token): the parts that never change in the
+    response are encoded once, so a token costs one ``json.dumps`` of its text. Keys in the
+    order ``_chunk``, ``completion_chunk`` and ``chat_chunk`` build them (a test compares)."""
+
+    def __init__(self, *, request_id: str, model: str, created: int, chat: bool, with_usage_field: bool):
+        dumps = json.dumps
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (f'data: {{"id":{dumps(request_id)},"object":"{kind}","created":{dumps(created)},'
+                      f'"model":{dumps(model)},"choices":[{{"index":').encode()
+        self._tail = b"}]" + (b',"usage":null' if with_usage_field else b"") + b"}\n\n"
+        self._chat = chat
+        self._index: dict[int, bytes] = {}
+
+    def __call__(self, index: int, text: str | None, finish_reason: str | None) -> bytes:
+        """The chunk of choice ``index``; for chat, ``text=None`` is an empty delta ``{}``."""
+        head = self._index.get(index)
+        if head is None:
+            head = self._index[index] = self._head + str(index).encode()
+        if self._chat:
+            body = b',"delta":{}' if text is None else b',"delta":{"content":' + json.dumps(text).encode() + b"}"
+        else:
+            body = b',"text":' + json.dumps(text).encode()
+        reason = b"null" if finish_reason is None else json.dumps(finish_reason).encode()
+        return head + body + b',"logprobs":null,"finish_reason":' + reason + self._tail
+
+
 def usage_chunk(*, request_id: str, model: str, created: int, object_name: str, prompt_tokens: int,
                 completion_tokens: int) -> dict:
     """The extra last chunk of ``stream_options.include_usage``: no choices, the whole usage."""

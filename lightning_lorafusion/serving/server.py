@@ -622,15 +622,14 @@ async def _event_stream(srv: _Server, streams: list, *, head: list[bytes], rende
 def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, streams: list, rid: str,
                        created: int) -> AsyncIterator[bytes]:
     include_usage = req.include_usage_in_stream()
-    offsets = [0] * len(plans)  # characters streamed per choice: the logprobs' text_offset
+    if req.logprobs is None:  # the common case: chunks from a pre-encoded template
+        write = oa.ChunkWriter(request_id=rid, model=req.model, created=created, chat=False,
+                               with_usage_field=include_usage)
 
-    def render(i: int, event: Any) -> bytes:
-        lp = (oa.stream_event_logprobs(srv.tokenizer, event, chat=False, top=req.logprobs, text_offset=offsets[i])
-              if req.logprobs is not None else None)
-        offsets[i] += len(event.text)
-        return oa.sse(oa.completion_chunk(request_id=rid, model=req.model, created=created, index=plans[i][0],
-                                          text=event.text, finish_reason=event.finish_reason, logprobs=lp,
-                                          with_usage_field=include_usage))
+        def render(i: int, event: Any) -> bytes:
+            return write(plans[i][0], event.text, event.finish_reason)
+    else:
+        render = _render_completion_logprobs(srv, req, plans, rid, created, include_usage)
 
     def usage(generated: int) -> bytes:
         return oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created, object_name="text_completion",
@@ -639,6 +638,20 @@ def _stream_completion(srv: _Server, req: oa.CompletionRequest, plans: list, str
 
     return _event_stream(srv, streams, head=[], render=render, every_token=req.logprobs is not None,
                          usage=usage if include_usage else None)
+
+
+def _render_completion_logprobs(srv: _Server, req: oa.CompletionRequest, plans: list, rid: str, created: int,
+                                include_usage: bool) -> Callable[[int, Any], bytes]:
+    offsets = [0] * len(plans)  # characters streamed per choice: the logprobs' text_offset
+
+    def render(i: int, event: Any) -> bytes:
+        lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=False, top=req.logprobs, text_offset=offsets[i])
+        offsets[i] += len(event.text)
+        return oa.sse(oa.completion_chunk(request_id=rid, model=req.model, created=created, index=plans[i][0],
+                                          text=event.text, finish_reason=event.finish_reason, logprobs=lp,
+                                          with_usage_field=include_usage))
+
+    return render
 
 
 def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt, streams: list, rid: str,
@@ -650,9 +663,16 @@ def _stream_chat(srv: _Server, req: oa.ChatCompletionRequest, prompt: oa.Prompt,
         return oa.sse(oa.chat_chunk(request_id=rid, model=req.model, created=created, index=index, delta=delta,
                                     finish_reason=finish, logprobs=lp, with_usage_field=include_usage))
 
-    def render(j: int, event: Any) -> bytes:
-        lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=True, top=top) if req.logprobs else None
-        return chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp)
+    if req.logprobs:
+        def render(j: int, event: Any) -> bytes:
+            lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=True, top=top)
+            return chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp)
+    else:  # the common case: chunks from a pre-encoded template
+        write = oa.ChunkWriter(request_id=rid, model=req.model, created=created, chat=True,
+                               with_usage_field=include_usage)
+
+        def render(j: int, event: Any) -> bytes:
+            return write(j, event.text or None, event.finish_reason)
 
     def usage(generated: int) -> bytes:
         return oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_lorafusion.serving import SamplingParams, TokenEvent
 from lightning_lorafusion.serving import openai_api as oa
@@ -258,3 +260,24 @@ def test_model_cards():
     lora = oa.model_card("a", created=5, root="/s/a", parent="base", rank=4, alpha=8.0, target_modules=("q_proj",))
     assert "lora" not in base and lora["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]}
     assert oa.models_list([base, lora])["data"][1]["parent"] == "base"
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(), model=st.text(min_size=1), index=st.integers(0, 40), created=st.integers(0, 2**40),
+       finish=st.sampled_from([None, "stop", "length", "abort"]), chat=st.booleans(), with_usage=st.booleans())
+def test_chunk_writer_is_byte_for_byte_the_dict_path(text, model, index, created, finish, chat, with_usage):
+    """The streamed chunks' pre-encoded template equals ``sse(completion_chunk / chat_chunk)``:
+    any text (quotes, control characters, non-ASCII, empty), model name and finish reason."""
+    write = oa.ChunkWriter(request_id="cmpl-1\"x", model=model, created=created, chat=chat,
+                           with_usage_field=with_usage)
+    if chat:
+        expected = oa.sse(oa.chat_chunk(request_id="cmpl-1\"x", model=model, created=created, index=index,
+                                        delta={"content": text} if text else {}, finish_reason=finish,
+                                        with_usage_field=with_usage))
+        got = write(index, text or None, finish)
+    else:
+        expected = oa.sse(oa.completion_chunk(request_id="cmpl-1\"x", model=model, created=created, index=index,
+                                              text=text, finish_reason=finish, with_usage_field=with_usage))
+        got = write(index, text, finish)
+    assert got == expected
+    assert got == write(index, text or None if chat else text, finish)  # the cached per-index head
