@@ -12,42 +12,30 @@ from lightning_lorafusion.serving import EngineConfig
 from lightning_lorafusion.specs import ConfigError
 
 from test_generation import CASES, GREEDY, _requests
+from test_prefix_cache import _run_arriving
 
 
 def _run(engine, reqs, arrive_at: dict[int, list[int]]):
-    """Submit ``reqs[i]`` before step ``s`` for each ``s -> [i, ...]``; step until all finish.
-    -> (tokens per request, {request index: step its prefill ran}, plans as (prefill, decode) counts)."""
+    """``_run_arriving`` with the plans recorded: -> (tokens per request, {request index: step its
+    prefill ran}, plans as (prefill, decode) counts)."""
     index = {r.request_id: i for i, r in enumerate(reqs)}
-    tokens = {r.request_id: [] for r in reqs}
     admitted: dict[int, int] = {}
     plans: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
-    step = 0
 
     def recorded():
         plan = schedule()
         for state in plan.prefill:
-            admitted.setdefault(index[state.request.request_id], step)
+            admitted.setdefault(index[state.request.request_id], len(plans))
         plans.append((len(plan.prefill), len(plan.decode)))
         return plan
 
     engine.scheduler.schedule = recorded
-    finished = set()
     try:
-        for step in range(300):
-            for i in arrive_at.get(step, []):
-                engine.submit(reqs[i])
-            for ev in engine.step():
-                if ev.token_id is not None:
-                    tokens[ev.request_id].append(ev.token_id)
-                if ev.finish_reason is not None:
-                    finished.add(ev.request_id)
-            if len(finished) == len(reqs):
-                break
+        tokens = _run_arriving(engine, reqs, arrive_at)
     finally:
         engine.scheduler.schedule = schedule
-    assert len(finished) == len(reqs)
-    return [tuple(tokens[r.request_id]) for r in reqs], admitted, plans
+    return tokens, admitted, plans
 
 
 # four requests decode from step 0; three more arrive one step apart
