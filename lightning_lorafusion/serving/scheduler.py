@@ -63,12 +63,12 @@ class Scheduler:
     decode CUDA graph, so requests that arrive a step or two apart (clients over HTTP, answers
     that ended together and whose next requests come back one round trip later) would each turn
     a cheap decode step into an eager mixed one. While requests are decoding, new arrivals are
-    held back for at most k steps (counted from the oldest of them), then admitted together; they go in at
-    once when nothing is decoding, when a prefill runs this step anyway, when their prompts fill
-    the step's token budget, when they are as many as the rows decoding (TGI's
-    waiting-served ratio, at 1: held rows are missing from a batch that runs anyway) or when
-    they would fill every free running slot. A preempted request never waits (it goes back at
-    the head of the queue and is admitted as before).
+    held back for at most k steps (counted from the oldest of them), then admitted together.
+    They go in at once when nothing is decoding, when a prefill runs this step anyway, when
+    their prompts fill the step's token budget, when they are as many as the rows decoding
+    (TGI's waiting-served ratio, at 1: held rows are missing from a batch that runs anyway) or
+    when they would fill every free running slot. A preempted request never waits (it goes back
+    at the head of the queue and is admitted as before).
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
