@@ -97,8 +97,11 @@ def test_packed_joint_training_equals_separate_runs(tiny_model_dir, planner, rec
             # Packing changes matmul shapes and so fp32 summation order (~1e-7 relative in the
             # gradients); AdamW turns that into ~1e-6 on entries whose gradient is near zero
             # (m / sqrt(v) is O(1) there whatever the magnitude). A wrong loss normalisation
-            # moves weights by ~1e-3.
-            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=1e-5,
+            # moves weights by ~1e-3. With head="fused" the two runs also compute the loss by
+            # different algorithms (fused linear cross-entropy vs checkpointed chunks): on an AMD
+            # EPYC CI host one near-zero entry of 512 moved 1.65e-5, so that case gets 5e-5
+            # (still 20x below the ~1e-3 of a normalisation bug).
+            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=5e-5 if head == "fused" else 1e-5,
                                        msg=lambda m, n=f"{specs[a].name}.{name}": f"{n}\n{m}")
             moved |= not torch.equal(p, dict(init.adapters[0].named_parameters())[name])
         assert moved, f"adapter {specs[a].name} did not train"
