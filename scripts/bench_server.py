@@ -333,6 +333,27 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}"
 
 
+# engine counters each mode records (differences over its run; HTTP runs include the clients' warm-up)
+ENGINE_COUNTERS = ("steps_total", "prefill_steps_total", "prefill_held_steps_total", "step_rows_total",
+                   "step_seconds_total", "prefill_step_seconds_total", "ttft_seconds_total", "first_tokens_total",
+                   "adapter_page_ins_total", "preemptions_total")
+
+
+def engine_view(r: dict) -> dict:
+    """Where a mode's wall time went, seen by the engine: its steps (how many, how full, how
+    long: decode-only steps replay graphs, prefill steps run eagerly), the time it had nothing
+    to run, and the engine's own time to first token against the client's."""
+    steps, prefill = r["steps_total"], r["prefill_steps_total"]
+    busy, busy_prefill = r["step_seconds_total"], r["prefill_step_seconds_total"]
+    decode = steps - prefill
+    return {"steps": steps, "prefill_steps": prefill, "rows_per_step": r["step_rows_total"] / steps if steps else None,
+            "decode_step_s": (busy - busy_prefill) / decode if decode else None,
+            "prefill_step_s": busy_prefill / prefill if prefill else None,
+            "busy_s": busy, "idle_s": r["wall_s"] - busy,
+            "engine_ttft_s": r["ttft_seconds_total"] / r["first_tokens_total"] if r["first_tokens_total"] else None,
+            "client_ttft_s": r["ttft_s"]["mean"]}
+
+
 def table(report: dict) -> str:
     load = report["load"]
     engine_process = report["args"].get("engine_process")
@@ -348,6 +369,16 @@ def table(report: dict) -> str:
         lines.append(f"{label[mode]:<22} {r['requests']:>8} {load:>10} {r['tokens_per_s']:>9.0f} "
                      f"{_ms(r['ttft_s']['p50']):>9} {_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} "
                      f"{_ms(r['itl_s']['p99']):>8} {r['errors']:>6} {r['incomplete']:>5}")
+    lines.append(f"{'engine view':<22} {'steps':>6} {'prefill':>7} {'rows/step':>9} {'decode ms':>9} "
+                 f"{'prefill ms':>10} {'busy s':>7} {'idle s':>7} {'TTFT engine':>11} {'TTFT client':>11}")
+    for mode in ("direct",) + HTTP_MODES:
+        r = report.get(mode)
+        if r is None or "step_seconds_total" not in r:
+            continue
+        v = engine_view(r)
+        lines.append(f"{label[mode]:<22} {v['steps']:>6} {v['prefill_steps']:>7} {v['rows_per_step'] or 0:>9.1f} "
+                     f"{_ms(v['decode_step_s']):>9} {_ms(v['prefill_step_s']):>10} {v['busy_s']:>7.2f} "
+                     f"{v['idle_s']:>7.2f} {_ms(v['engine_ttft_s']):>11} {_ms(v['client_ttft_s']):>11}")
     for mode in HTTP_MODES:
         if f"{mode}_overhead" in report:
             lines.append(f"{label[mode]} overhead = 1 - http/direct tokens/s = "
@@ -443,8 +474,7 @@ def main(argv=None) -> dict:
 
     def stats_delta(e, before: dict) -> dict:
         after = e.stats()
-        return {k: after[k] - before[k] for k in ("steps_total", "prefill_steps_total", "prefill_held_steps_total",
-                                                "adapter_page_ins_total", "preemptions_total")}
+        return {k: after[k] - before[k] for k in ENGINE_COUNTERS}
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 

@@ -132,7 +132,13 @@ class Engine:
         self._rows: _SampledRows | None = None
         self._token_texts: dict[int, str] = {}
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
-                          "steps_total": 0, "prefill_steps_total": 0}
+                          "steps_total": 0, "prefill_steps_total": 0, "step_rows_total": 0,
+                          # host seconds inside steps that ran a forward (each ends when its sampled
+                          # tokens reach the host, so this is the device's busy time too); wall time
+                          # minus this is time the engine had nothing to run
+                          "step_seconds_total": 0.0, "prefill_step_seconds_total": 0.0,
+                          # arrival at the engine to the first generated token, summed over requests
+                          "ttft_seconds_total": 0.0, "first_tokens_total": 0}
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
@@ -427,9 +433,14 @@ class Engine:
                 self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
         with torch.no_grad():
             self._run(plan, events)
-        self._counters["steps_total"] += 1
-        # steps with prefill rows run eagerly (decode-only steps replay CUDA graphs where captured)
-        self._counters["prefill_steps_total"] += bool(plan.prefill)
+        seconds = time.perf_counter() - now
+        counters = self._counters
+        counters["steps_total"] += 1
+        counters["step_rows_total"] += len(plan.prefill) + len(plan.decode)
+        counters["step_seconds_total"] += seconds
+        if plan.prefill:  # steps with prefill rows run eagerly (decode-only steps replay CUDA graphs where captured)
+            counters["prefill_steps_total"] += 1
+            counters["prefill_step_seconds_total"] += seconds
         return events
 
     def _run(self, plan, events: list[TokenEvent]) -> None:
@@ -495,7 +506,8 @@ class Engine:
                 items = [(st.detokenizer, t) for st, t in zip(seqs, tokens) if t not in st.stop_ids and st.max_output]
             add_tokens(items, self._token_texts)
         now = time.perf_counter()
-        generated = 0
+        generated = first = 0
+        ttft = 0.0
         lp_row = rows.logprob_row
         for i, (state, token) in enumerate(zip(seqs, tokens)):
             if not state.max_output:  # scoring the prompt only
@@ -506,6 +518,8 @@ class Engine:
             generated += 1
             if state.first_token is None:
                 state.first_token = now
+                first += 1
+                ttft += now - state.arrival
             lp = top = None
             if state.logprobs is not None:
                 j = lp_row[i]
@@ -524,7 +538,11 @@ class Engine:
                 events.append(event)
                 if state.on_event is not None:
                     state.on_event(event)
-        self._counters["generated_tokens_total"] += generated
+        counters = self._counters
+        counters["generated_tokens_total"] += generated
+        if first:
+            counters["first_tokens_total"] += first
+            counters["ttft_seconds_total"] += ttft
 
     def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor, first: int) -> None:
         """Each prompt token's logprob given the tokens before it (None for the first), and with

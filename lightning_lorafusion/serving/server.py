@@ -86,7 +86,15 @@ class _EngineCollector:
                  ("prefix_tokens_reused_total", "lorafusion_prefix_tokens_reused",
                   "Prompt tokens not prefilled thanks to the prefix cache"),
                  ("prefill_chunks_total", "lorafusion_prefill_chunks",
-                  "Prefill chunks that left part of their prompt for a later step (chunked prefill)"))
+                  "Prefill chunks that left part of their prompt for a later step (chunked prefill)"),
+                 ("steps_total", "lorafusion_engine_steps", "Engine steps that ran a forward"),
+                 ("prefill_steps_total", "lorafusion_engine_prefill_steps",
+                  "Engine steps with prefill rows (these run eagerly; decode-only steps replay CUDA graphs)"),
+                 ("step_seconds_total", "lorafusion_engine_busy_seconds",
+                  "Seconds the engine spent in steps (rate = utilisation)"),
+                 ("ttft_seconds_total", "lorafusion_engine_ttft_seconds",
+                  "Arrival at the engine to first token, summed over requests (divide by first tokens)"),
+                 ("first_tokens_total", "lorafusion_engine_first_tokens", "Requests that got their first token"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
                ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),

@@ -28,6 +28,13 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
         assert r["generated_tokens"] == n * 4
         assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
         assert r["steps_total"] > 0  # read from the engine that served the mode
+        view = module.engine_view(r)
+        assert view["rows_per_step"] >= 1 and view["busy_s"] > 0 and view["decode_step_s"] > 0
+        # every request got a first token (the HTTP modes' counts include the clients' warm-up)
+        assert r["first_tokens_total"] >= n and view["engine_ttft_s"] > 0
+    view = module.engine_view(report["direct"])  # direct: the engine's clock runs inside the client's
+    assert view["busy_s"] <= report["direct"]["wall_s"] and view["engine_ttft_s"] <= view["client_ttft_s"]
+    assert report["direct"]["first_tokens_total"] == n
     for key in ("texts", "http_in_process_texts")[:len(modes) - 1]:
         assert report[key]["compared"] == n and report[key]["equal"] == n  # fp32 greedy: same text
         assert report[key]["mean_chars"] > 0
@@ -45,6 +52,6 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     out = capsys.readouterr().out
     label = "http (engine process)" if report["args"]["engine_process"] else "http"
     assert out.rstrip().splitlines()[-len(modes) + 1] == f"greedy texts equal to direct, {label}: {n}/{n}"
-    assert "direct " in out and f"{label} overhead" in out
+    assert "direct " in out and f"{label} overhead" in out and "engine view" in out
     if "http_in_process" in modes:
         assert "http (in-process) overhead" in out and report["http_in_process_overhead"] < 1

@@ -57,6 +57,11 @@ def test_arrivals_are_prefilled_together_and_outputs_unchanged(make_engine, hf_r
     stats = engine.stats()
     assert stats["prefill_steps_total"] == 2 and stats["prefill_held_steps_total"] == 3
     assert stats["kv_pages_used"] == 0 and stats["running"] == 0
+    # the step counters: rows and steps as planned, time split between prefill and decode steps
+    ran = [p + d for p, d in plans if p + d]
+    assert stats["steps_total"] == len(ran) and stats["step_rows_total"] == sum(ran)
+    assert 0 < stats["prefill_step_seconds_total"] < stats["step_seconds_total"]
+    assert stats["first_tokens_total"] == len(SEVEN) and stats["ttft_seconds_total"] > 0
     engine.pool.check()
 
 
