@@ -342,7 +342,8 @@ ENGINE_COUNTERS = ("steps_total", "prefill_steps_total", "prefill_held_steps_tot
 def engine_view(r: dict) -> dict:
     """Where a mode's wall time went, seen by the engine: its steps (how many, how full, how
     long: decode-only steps replay graphs, prefill steps run eagerly), the time it had nothing
-    to run, and the engine's own time to first token against the client's."""
+    to run, and the mean time to first token seen by the engine (from its arrival there), by
+    the server (from the request reaching it; HTTP modes) and by the client (from sending)."""
     steps, prefill = r["steps_total"], r["prefill_steps_total"]
     busy, busy_prefill = r["step_seconds_total"], r["prefill_step_seconds_total"]
     decode = steps - prefill
@@ -351,7 +352,7 @@ def engine_view(r: dict) -> dict:
             "prefill_step_s": busy_prefill / prefill if prefill else None,
             "busy_s": busy, "idle_s": r["wall_s"] - busy,
             "engine_ttft_s": r["ttft_seconds_total"] / r["first_tokens_total"] if r["first_tokens_total"] else None,
-            "client_ttft_s": r["ttft_s"]["mean"]}
+            "server_ttft_s": r.get("server_ttft_s"), "client_ttft_s": r["ttft_s"]["mean"]}
 
 
 def table(report: dict) -> str:
@@ -370,7 +371,8 @@ def table(report: dict) -> str:
                      f"{_ms(r['ttft_s']['p50']):>9} {_ms(r['ttft_s']['p99']):>9} {_ms(r['itl_s']['p50']):>8} "
                      f"{_ms(r['itl_s']['p99']):>8} {r['errors']:>6} {r['incomplete']:>5}")
     lines.append(f"{'engine view':<22} {'steps':>6} {'prefill':>7} {'rows/step':>9} {'decode ms':>9} "
-                 f"{'prefill ms':>10} {'busy s':>7} {'idle s':>7} {'TTFT engine':>11} {'TTFT client':>11}")
+                 f"{'prefill ms':>10} {'busy s':>7} {'idle s':>7} {'TTFT engine':>11} {'TTFT server':>11} "
+                 f"{'TTFT client':>11}")
     for mode in ("direct",) + HTTP_MODES:
         r = report.get(mode)
         if r is None or "step_seconds_total" not in r:
@@ -378,7 +380,8 @@ def table(report: dict) -> str:
         v = engine_view(r)
         lines.append(f"{label[mode]:<22} {v['steps']:>6} {v['prefill_steps']:>7} {v['rows_per_step'] or 0:>9.1f} "
                      f"{_ms(v['decode_step_s']):>9} {_ms(v['prefill_step_s']):>10} {v['busy_s']:>7.2f} "
-                     f"{v['idle_s']:>7.2f} {_ms(v['engine_ttft_s']):>11} {_ms(v['client_ttft_s']):>11}")
+                     f"{v['idle_s']:>7.2f} {_ms(v['engine_ttft_s']):>11} {_ms(v['server_ttft_s']):>11} "
+                     f"{_ms(v['client_ttft_s']):>11}")
     for mode in HTTP_MODES:
         if f"{mode}_overhead" in report:
             lines.append(f"{label[mode]} overhead = 1 - http/direct tokens/s = "
@@ -478,6 +481,17 @@ def main(argv=None) -> dict:
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 
+    def server_ttft(url: str) -> tuple[float, float]:
+        """(sum, count) of the server's time-to-first-token histogram for /v1/completions."""
+        import httpx
+
+        got = {}
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("lorafusion_http_time_to_first_token_seconds_") and "/v1/completions" in line:
+                name, value = line.rsplit(" ", 1)
+                got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
+        return got.get("sum", 0.0), got.get("count", 0.0)
+
     servers = {mode: UvicornThread(create_app(e, config=ServerConfig(
         served_model_name=BASE_MODEL, rescan_interval_s=0, max_pending_requests=max(256, args.concurrency))),
         loop=args.uvicorn_loop, http=args.uvicorn_http) for mode, e in served.items()}
@@ -499,11 +513,13 @@ def main(argv=None) -> dict:
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
             for mode, e in served.items():  # the same requests through each server
                 e.reset_prefix_cache()
-                before = e.stats()
+                before, ttft_before = e.stats(), server_ttft(servers[mode].url)
                 outcomes, wall = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
                                                   args.concurrency, arrivals, args.client)
                 # the engine's step counts include the HTTP warm-up (its connections are opened by it)
                 row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before)}
+                ttft_sum, ttft_count = (a - b for a, b in zip(server_ttft(servers[mode].url), ttft_before))
+                row[mode]["server_ttft_s"] = ttft_sum / ttft_count if ttft_count else None
                 log(f"round {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
                 row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
                                                                      if o.error is None})

@@ -187,7 +187,10 @@ def main(argv=None) -> dict:
             port = s.getsockname()[1]
         server = subprocess.Popen([sys.executable, __file__, "--serve", model_dir, str(args.step_ms), str(port),
                                    args.uvicorn_loop, args.uvicorn_http],
-                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                  # the repo first, then whatever the caller's path held (carried wheels)
+                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                      [str(Path(__file__).resolve().parents[1])]
+                                      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
                                        **({"PROFILE_SERVER_TO": args.profile} if args.profile else {})})
         try:
             import httpx

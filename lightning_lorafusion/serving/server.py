@@ -131,6 +131,11 @@ class _Metrics:
                                  "Time from request to the last byte of its answer", ["endpoint"],
                                  registry=self.registry,
                                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.first_token = Histogram("lorafusion_http_time_to_first_token_seconds",
+                                     "Streamed requests: from the request reaching the server to its first "
+                                     "token ready to send", ["endpoint"], registry=self.registry,
+                                     buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                                              1, 2.5, 5, 10))
         self.registry.register(_EngineCollector(engine))
 
     def observe(self, endpoint: str, status: int, started: float) -> None:
@@ -347,6 +352,9 @@ async def _open_streams(request: Request, srv: _Server, greqs: list) -> list[Asy
         await asyncio.gather(*firsts, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
         raise
+    started = request.scope.get(_STARTED)
+    if started is not None:
+        srv.metrics.first_token.labels(request.scope["path"]).observe(time.perf_counter() - started)
     return [_prepend(f.result(), s) for f, s in zip(firsts, streams)]
 
 
@@ -518,6 +526,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
     return app
 
 
+_STARTED = "lorafusion.started"  # the ASGI scope key: perf_counter() when the request reached the server
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
               "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
@@ -533,6 +542,7 @@ class _CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started, status = time.perf_counter(), 500
+        scope[_STARTED] = started  # for the time-to-first-token histogram
 
         async def send_and_note(message):
             nonlocal status

@@ -32,6 +32,8 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
         assert view["rows_per_step"] >= 1 and view["busy_s"] > 0 and view["decode_step_s"] > 0
         # every request got a first token (the HTTP modes' counts include the clients' warm-up)
         assert r["first_tokens_total"] >= n and view["engine_ttft_s"] > 0
+        if mode != "direct":  # the server's histogram: every request reached its first token after arriving
+            assert 0 < view["server_ttft_s"] <= view["client_ttft_s"]
     view = module.engine_view(report["direct"])  # direct: the engine's clock runs inside the client's
     assert view["busy_s"] <= report["direct"]["wall_s"] and view["engine_ttft_s"] <= view["client_ttft_s"]
     assert report["direct"]["first_tokens_total"] == n

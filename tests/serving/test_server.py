@@ -418,8 +418,11 @@ def test_metrics_count_requests_and_tokens_per_app(served, model_dir):
     body = _complete(served.client, model="all4", max_tokens=5)
     _complete(served.client, model="attn2", max_tokens=5, stream=False)
     served.client.post("/v1/completions", json={"model": "nope", "prompt": "w5"})
+    streamed = served.client.post("/v1/completions", json={"model": "all4", "prompt": PROMPT, "max_tokens": 3,
+                                                           "stream": True})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
     after = _samples(served.client)
-    assert after[key] - before.get(key, 0) == 2
+    assert after[key] - before.get(key, 0) == 3
     notfound = ("lorafusion_http_requests_total", (("endpoint", "/v1/completions"), ("status", "404")))
     assert after[notfound] - before.get(notfound, 0) == 1
     generated = ("lorafusion_generated_tokens_total", ())
@@ -428,6 +431,12 @@ def test_metrics_count_requests_and_tokens_per_app(served, model_dir):
                  "lorafusion_requests_running", "lorafusion_prefill_chunks_total"):
         assert (name, ()) in after
     assert after[("lorafusion_adapters_resident", ())] >= 1
+    # time to first token at the server: the streamed request only (non-streamed answers have no
+    # first token to send); the engine's busy time grew
+    ttft = ("lorafusion_http_time_to_first_token_seconds_count", (("endpoint", "/v1/completions"),))
+    assert after[ttft] - before.get(ttft, 0) == 1
+    busy = ("lorafusion_engine_busy_seconds_total", ())
+    assert after[busy] > before[busy] and after[("lorafusion_engine_steps_total", ())] > 0
     # a second app in the same process has its own registry
     other = create_app(served.engine, config=ServerConfig(served_model_name=BASE))
     with TestClient(other) as client:

@@ -4,7 +4,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $R/gpu.txt; date -u | tee -a $R/gpu.txt
-timeout 150 python3 scripts/bench_server.py --shape 1b --requests 768 --rounds 3 --engine-process --out $R/srv > $R/srv.log 2>&1; echo "srv rc=$? t=${SECONDS}s"
+timeout 240 python3 scripts/bench_server.py --shape 1b --requests 768 --rounds 3 --engine-process --out $R/srv > $R/srv.log 2>&1; echo "srv rc=$? t=${SECONDS}s"
 grep -A4 "^engine view" $R/srv.log; grep -E "overhead" $R/srv.log | cut -c1-200
 timeout 200 python3 scripts/bench_fp8_decode.py --rows 64,16 --configs 16/64/1/4,16/64/2/4,16/64/4/4,16/128/1/4,16/128/2/4,16/128/4/4,32/64/1/4,32/64/2/4,32/64/4/4,32/128/1/4,32/128/2/4,32/128/4/4,64/64/1/4,64/64/2/4,64/64/4/4,64/128/1/4,64/128/2/4,64/128/4/4 --out $R/fp8 > $R/fp8.log 2>&1; echo "fp8 rc=$? t=${SECONDS}s"
 tail -12 $R/fp8.log | cut -c1-200
