@@ -184,58 +184,92 @@ async def send_direct(engine: Engine, req) -> Outcome:
     return out
 
 
-async def send_http(client, spec: Spec) -> Outcome:
-    import httpx
+async def _read_sse(out: Outcome, lines) -> bool:
+    """Consume one completion's server-sent events (``lines`` without line ends) into ``out``;
+    -> whether the stream ended with ``[DONE]``."""
+    async for line in lines:
+        if not line:
+            continue
+        data = line[6:] if line.startswith("data: ") else None
+        if data == "[DONE]":
+            return True
+        chunk = json.loads(data) if data is not None else {"error": {"message": f"not SSE: {line!r}"}}
+        if "error" in chunk:
+            out.error = f"stream error: {chunk['error'].get('message')}"
+            return False
+        for choice in chunk["choices"]:
+            out.piece(choice["text"])
+            out.finish_reason = choice["finish_reason"] or out.finish_reason
+        if chunk.get("usage"):
+            out.tokens = chunk["usage"]["completion_tokens"]
+    return False
 
+
+async def _aiohttp_lines(content):
+    async for raw in content:  # aiohttp's StreamReader yields one line at a time
+        yield raw.decode().rstrip("\r\n")
+
+
+async def send_http(session, spec: Spec) -> Outcome:
+    """One streamed completion through ``session`` (an aiohttp ClientSession or an httpx
+    AsyncClient, both with the server's base URL)."""
     out = Outcome(spec.request_id, time.perf_counter())
     body = {"model": spec.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    aiohttp = sys.modules.get("aiohttp")
+    errors: tuple = (ValueError, KeyError, OSError, asyncio.TimeoutError)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-            else:
-                ended = False
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    data = line[6:] if line.startswith("data: ") else None
-                    if data == "[DONE]":
-                        ended = True
-                        break
-                    chunk = json.loads(data) if data is not None else {"error": {"message": f"not SSE: {line!r}"}}
-                    if "error" in chunk:
-                        out.error = f"stream error: {chunk['error'].get('message')}"
-                        break
-                    for choice in chunk["choices"]:
-                        out.piece(choice["text"])
-                        out.finish_reason = choice["finish_reason"] or out.finish_reason
-                    if chunk.get("usage"):
-                        out.tokens = chunk["usage"]["completion_tokens"]
-                if not ended and out.error is None:
-                    out.error = "the stream ended without [DONE]"
-    except (httpx.HTTPError, ValueError, KeyError) as e:
+        if aiohttp is not None and isinstance(session, aiohttp.ClientSession):
+            errors += (aiohttp.ClientError,)
+            async with session.post("/v1/completions", json=body) as r:
+                if r.status != 200:
+                    out.error = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
+                    ended = True
+                else:
+                    ended = await _read_sse(out, _aiohttp_lines(r.content))
+        else:
+            import httpx
+
+            errors += (httpx.HTTPError,)
+            async with session.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                    ended = True
+                else:
+                    ended = await _read_sse(out, r.aiter_lines())
+        if not ended and out.error is None:
+            out.error = "the stream ended without [DONE]"
+    except errors as e:
         out.error = f"{type(e).__name__}: {e}"
     out.done = time.perf_counter()
     return out
 
 
-async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
-                       arrivals: list[float] | None) -> tuple[list[Outcome], float]:
-    """Warm the connections with ``warm`` (not measured), then drive ``specs``."""
+def _session(url: str, lib: str, concurrency: int, open_loop: bool):
+    """The clients' connection pool: at most ``concurrency`` connections in a closed loop."""
+    if lib == "aiohttp":
+        import aiohttp
+
+        return aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0 if open_loop else max(concurrency, 1)))
     import httpx
 
-    limits = httpx.Limits(max_connections=max(concurrency, 1) if arrivals is None else None,
-                          max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await drive(lambda s: send_http(client, s), warm, concurrency=concurrency, arrivals=None)
-        return await drive(lambda s: send_http(client, s), specs, concurrency=concurrency, arrivals=arrivals)
+    limits = httpx.Limits(max_connections=None if open_loop else max(concurrency, 1), max_keepalive_connections=None)
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits)
 
 
-def _http_clients_in_child(url, warm, specs, concurrency, arrivals, conn) -> None:
+async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
+                       arrivals: list[float] | None, lib: str = "aiohttp") -> tuple[list[Outcome], float]:
+    """Warm the connections with ``warm`` (not measured), then drive ``specs``."""
+    async with _session(url, lib, concurrency, arrivals is not None) as session:
+        await drive(lambda s: send_http(session, s), warm, concurrency=concurrency, arrivals=None)
+        return await drive(lambda s: send_http(session, s), specs, concurrency=concurrency, arrivals=arrivals)
+
+
+def _http_clients_in_child(url, warm, specs, concurrency, arrivals, lib, conn) -> None:
     """Entry point of the client process: outcomes go back through ``conn`` as dicts."""
     try:
-        outcomes, wall = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals))
+        outcomes, wall = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
         conn.send(([asdict(o) for o in outcomes], wall))
     except BaseException as e:  # the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
@@ -244,12 +278,12 @@ def _http_clients_in_child(url, warm, specs, concurrency, arrivals, conn) -> Non
 
 
 def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
-                     arrivals: list[float] | None, where: str) -> tuple[list[Outcome], float]:
+                     arrivals: list[float] | None, where: str, lib: str = "aiohttp") -> tuple[list[Outcome], float]:
     if where == "thread":
-        return asyncio.run(http_clients(url, warm, specs, concurrency, arrivals))
+        return asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA and threads
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_http_clients_in_child, args=(url, warm, specs, concurrency, arrivals, child),
+    proc = ctx.Process(target=_http_clients_in_child, args=(url, warm, specs, concurrency, arrivals, lib, child),
                        daemon=True)
     proc.start()
     child.close()
@@ -412,6 +446,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--zipf", type=float, default=0.0, help="adapter popularity ~ 1/rank^s (0: uniform)")
     ap.add_argument("--client", choices=("process", "thread"), default="process",
                     help="HTTP clients in a child process or in this process's main thread")
+    ap.add_argument("--client-lib", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the HTTP clients' library (httpx costs the clients ~3x the CPU per streamed token)")
     ap.add_argument("--uvicorn-loop", default="auto", help="uvicorn's event loop: auto, asyncio, uvloop")
     ap.add_argument("--uvicorn-http", default="auto", help="uvicorn's HTTP parser: auto, h11, httptools")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -515,7 +551,7 @@ def main(argv=None) -> dict:
                 e.reset_prefix_cache()
                 before, ttft_before = e.stats(), server_ttft(servers[mode].url)
                 outcomes, wall = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
-                                                  args.concurrency, arrivals, args.client)
+                                                  args.concurrency, arrivals, args.client, args.client_lib)
                 # the engine's step counts include the HTTP warm-up (its connections are opened by it)
                 row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before)}
                 ttft_sum, ttft_count = (a - b for a, b in zip(server_ttft(servers[mode].url), ttft_before))

@@ -130,36 +130,60 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _load(port: int, concurrency: int, seconds: float, prompt_tokens: int, new_tokens: int) -> dict:
-    import httpx
-
+async def _load(port: int, concurrency: int, seconds: float, prompt_tokens: int, new_tokens: int,
+                lib: str = "httpx") -> dict:
     body = {"model": "base", "prompt": list(range(5, 5 + prompt_tokens)), "max_tokens": new_tokens,
             "stream": True, "temperature": 0}
     tokens, ttft, done = 0, [], 0
     stop_at = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=60) as client:
 
-        async def one_client() -> None:
-            nonlocal tokens, done
-            while time.perf_counter() < stop_at:
-                t0 = time.perf_counter()
-                first = True
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        if json.loads(line[6:])["choices"][0].get("text"):
-                            tokens += 1
-                            if first:
-                                ttft.append(time.perf_counter() - t0)
-                                first = False
-                done += 1
+    def on_line(line: str, first: bool, t0: float) -> bool:
+        """Count one SSE line; -> whether the first token is still to come."""
+        nonlocal tokens
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return first
+        if json.loads(line[6:])["choices"][0].get("text"):
+            tokens += 1
+            if first:
+                ttft.append(time.perf_counter() - t0)
+                return False
+        return first
 
-        t0 = time.perf_counter()
+    if lib == "aiohttp":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        session = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector,
+                                        timeout=aiohttp.ClientTimeout(total=60))
+
+        async def one_request() -> None:
+            t0, first = time.perf_counter(), True
+            async with session.post("/v1/completions", json=body) as r:
+                async for raw in r.content:  # one SSE line at a time
+                    first = on_line(raw.decode().rstrip("\n"), first, t0)
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        session = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=60)
+
+        async def one_request() -> None:
+            t0, first = time.perf_counter(), True
+            async with session.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    first = on_line(line, first, t0)
+
+    async def one_client() -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            await one_request()
+            done += 1
+
+    async with session:
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"tokens": tokens, "requests": done, "wall_s": wall, "ttft": ttft}
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"tokens": tokens, "requests": done, "wall_s": wall, "ttft": ttft, "client_cpu_s": cpu}
 
 
 def main(argv=None) -> dict:
@@ -171,6 +195,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--uvicorn-loop", default="auto", help="uvicorn's event loop: auto (uvloop if installed), asyncio, uvloop")
     ap.add_argument("--uvicorn-http", default="auto", help="uvicorn's HTTP parser: auto (httptools if installed), h11, httptools")
+    ap.add_argument("--client-lib", choices=("httpx", "aiohttp"), default="httpx",
+                    help="the clients' HTTP library (their CPU time per token is reported too)")
     ap.add_argument("--serve", nargs=5, metavar=("MODEL_DIR", "STEP_MS", "PORT", "LOOP", "HTTP"), help=argparse.SUPPRESS)
     ap.add_argument("--profile", default=None, help="write the server process's cProfile stats to this file")
     ap.add_argument("--out", default=None)
@@ -203,9 +229,11 @@ def main(argv=None) -> dict:
                     time.sleep(0.1)
             else:
                 raise SystemExit("the server did not come up")
-            asyncio.run(_load(port, min(4, args.concurrency), 1.0, args.prompt_tokens, args.new_tokens))  # warm up
+            asyncio.run(_load(port, min(4, args.concurrency), 1.0, args.prompt_tokens, args.new_tokens,
+                              args.client_lib))  # warm up
             cpu0 = _cpu_seconds(server.pid)
-            r = asyncio.run(_load(port, args.concurrency, args.seconds, args.prompt_tokens, args.new_tokens))
+            r = asyncio.run(_load(port, args.concurrency, args.seconds, args.prompt_tokens, args.new_tokens,
+                                  args.client_lib))
             cpu = _cpu_seconds(server.pid) - cpu0
         finally:
             server.terminate()
@@ -213,13 +241,16 @@ def main(argv=None) -> dict:
     offered = args.concurrency * 1e3 / args.step_ms if args.step_ms > 0 else float("nan")
     report = {"args": vars(args), "tokens_per_s": r["tokens"] / r["wall_s"], "stub_tokens_per_s": offered,
               "tokens": r["tokens"], "wall_s": r["wall_s"], "requests": r["requests"], "server_cpu_s": cpu, "server_cpu_s_per_1k_tokens": 1e3 * cpu / max(r["tokens"], 1),
-              "server_cpu_share": cpu / r["wall_s"],
+              "server_cpu_share": cpu / r["wall_s"], "client_cpu_share": r["client_cpu_s"] / r["wall_s"],
+              "client_cpu_s_per_1k_tokens": 1e3 * r["client_cpu_s"] / max(r["tokens"], 1),
               "ttft_p50_ms": 1e3 * statistics.median(r["ttft"]) if r["ttft"] else None,
               "ttft_p99_ms": 1e3 * sorted(r["ttft"])[int(0.99 * (len(r["ttft"]) - 1))] if r["ttft"] else None}
     print(json.dumps(report))
     print(f"\nstreams {args.concurrency}, stub step {args.step_ms} ms: {report['tokens_per_s']:.0f} tok/s at the "
           f"clients (stub alone: {offered:.0f}), server CPU {report['server_cpu_s_per_1k_tokens'] * 1e3:.0f} us "
-          f"per token ({100 * report['server_cpu_share']:.0f}% of a core), TTFT p50 {report['ttft_p50_ms']:.1f} ms "
+          f"per token ({100 * report['server_cpu_share']:.0f}% of a core), {args.client_lib} clients "
+          f"{report['client_cpu_s_per_1k_tokens'] * 1e3:.0f} us per token "
+          f"({100 * report['client_cpu_share']:.0f}% of a core), TTFT p50 {report['ttft_p50_ms']:.1f} ms "
           f"p99 {report['ttft_p99_ms']:.1f} ms, {r['requests']} requests")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

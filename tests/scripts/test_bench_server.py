@@ -13,7 +13,8 @@ ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-token
         "--max-batched-tokens", "256"]
 
 
-@pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4", "--rounds", "2"], "thread"),
+@pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4", "--rounds", "2",
+                                           "--client-lib", "httpx"], "thread"),
                                          (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process"),
                                          (["--requests", "6", "--concurrency", "3", "--engine-process",
                                            "--compare-in-process"], "thread")])
