@@ -42,8 +42,10 @@ _FAST_ACCUM = {"forward": False, "input_grad": False}
 # (``fp8_triton.weight_only_linear``: e4m3 weights, bf16 activations, fp32 accumulation), meant
 # for the generation engine's decode steps. 0 (the default): off. Measured on an H100 at 64 rows
 # with its first tile sizes it made the 8B decode step 1.47x slower (docs/BENCHMARKS.md, "FP8
-# base in the generation engine"); scripts/bench_fp8_decode.py --configs sweeps the tiles and
-# split-K to find ones that win before this is raised. The emulated path (CPU) ignores it.
+# base in the generation engine"). The tile sweep since (fp8_triton.weight_only_config, its
+# winners) beats the row-quantized product at 16 rows on the narrow projections (o, k/v, down)
+# but loses to it at 64 rows on all but k/v: not raised until the engine's decode step is
+# measured with it. The emulated path (CPU) ignores it.
 WEIGHT_ONLY_MAX_ROWS = 0
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and

@@ -209,17 +209,36 @@ def _largest_divisor(n: int, options: Sequence[int]) -> int:
     return next(b for b in options if n % b == 0)
 
 
+def weight_only_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """``(block_n, block_k, split_k)`` for ``weight_only_linear`` at ``m`` rows, ``w [n, k]``: the
+    winners of the H100 tile sweep (docs/BENCHMARKS.md, "FP8 base in the generation engine"; 18
+    configurations at 16 and 64 rows over the 8B projections, four weight copies per timing):
+    32 columns a program at <= 16 rows or n <= 1024, else 64; K steps of 128; K split over 4
+    programs unless the weight is wide (n >= 2k: enough column blocks already). Shapes the rule
+    cannot serve fall back to the largest dividing tiles and no split."""
+    bn = 32 if m <= 16 or n <= 1024 else 64
+    split = 1 if n >= 2 * k else 4
+    if k % (128 * split):
+        split = 1
+    bn = bn if n % bn == 0 else _largest_divisor(n, (64, 32, 16))
+    bk = 128 if (k // split) % 128 == 0 else _largest_divisor(k // split, (64, 32, 16))
+    return bn, bk, split
+
+
 def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, block_n: int | None = None,
-                       block_k: int | None = None, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+                       block_k: int | None = None, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """``x [M, K] @ (w * scale[:, None])^T -> [M, N]`` in ``x.dtype`` for few rows (decode):
     the e4m3 weight ``w [N, K]`` (N, K multiples of 16) is read once, converted in registers,
     and multiplied with the unquantized activations (no row quantization of ``x``).
-    ``block_n`` / ``block_k``: tile sizes (defaults: the largest of 64/32/16 dividing N; of
-    256/.../16 dividing K / split_k). ``split_k`` > 1 splits K over that many programs per
-    column block (fp32 partial sums, added after). More than 64 rows make several row blocks,
-    each reading ``w`` again: ``torch._scaled_mm`` serves that case."""
+    ``block_n`` / ``block_k``: tile sizes; ``split_k`` > 1 splits K over that many programs per
+    column block (fp32 partial sums, added after); all three left None: ``weight_only_config``
+    (the H100 sweep's winners). More than 64 rows make several row blocks, each reading ``w``
+    again: ``torch._scaled_mm`` serves that case."""
     m, k = x.shape
     n = w.shape[0]
+    if block_n is None and block_k is None and split_k is None:
+        block_n, block_k, split_k = weight_only_config(m, n, k)
+    split_k = 1 if split_k is None else split_k
     if w.shape[1] != k or scale.shape != (n,):
         raise ValueError(f"weight_only_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, scale {tuple(scale.shape)}")
     if n % 16 or k % 16:
@@ -228,7 +247,7 @@ def weight_only_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
         raise ValueError(f"split_k={split_k} must divide K={k} into multiples of 16")
     x = x if x.stride(1) == 1 else x.contiguous()
     k_split = k // split_k
-    bn = block_n or _largest_divisor(n, (64, 32, 16))
+    bn = block_n or _largest_divisor(n, (64, 32, 16))  # (a tile given without the others)
     bk = block_k or _largest_divisor(k_split, (256, 128, 64, 32, 16))
     bm = max(16, min(64, triton.next_power_of_2(max(m, 1))))
     if m == 0:

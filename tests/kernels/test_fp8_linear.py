@@ -290,7 +290,7 @@ def test_real_fp8_path_matches_emulated_on_gpu():
         assert rel(a.cpu(), b) < 2 * REAL_TOL
 
 
-@pytest.mark.parametrize("m,n,k,bn,bk,split", [(1, 48, 64, None, None, 1), (5, 128, 96, None, None, 1),
+@pytest.mark.parametrize("m,n,k,bn,bk,split", [(1, 48, 64, None, None, None), (5, 128, 512, None, None, None),
                                                (64, 64, 256, 32, 64, 1), (70, 32, 48, 16, 16, 1),
                                                (3, 64, 256, None, None, 4), (64, 32, 96, 16, 16, 2)])
 def test_weight_only_linear_kernel(device, m, n, k, bn, bk, split):
@@ -312,6 +312,23 @@ def test_weight_only_linear_kernel(device, m, n, k, bn, bk, split):
     again = weight_only_linear(wide[:, :k], fw.data.to(device), fw.scale.to(device), block_n=bn, block_k=bk,
                                split_k=split)
     assert torch.equal(again, got)
+
+
+def test_weight_only_config_is_the_sweeps_winner_and_always_valid():
+    """The default tiles are the H100 sweep's winners at its shapes (block_n, block_k, split_k;
+    docs/BENCHMARKS.md) and divide any other shape the kernel accepts."""
+    from lightning_lorafusion.kernels.fp8_triton import weight_only_config
+
+    winners = {(16, 4096, 4096): (32, 128, 4), (16, 1024, 4096): (32, 128, 4), (16, 14336, 4096): (32, 128, 1),
+               (16, 4096, 14336): (32, 128, 4), (64, 4096, 4096): (64, 128, 4), (64, 1024, 4096): (32, 128, 4),
+               (64, 14336, 4096): (64, 128, 1), (64, 4096, 14336): (64, 128, 4)}
+    for (m, n, k), want in winners.items():
+        assert weight_only_config(m, n, k) == want
+    for m in (1, 16, 17, 64):
+        for n in (16, 48, 96, 1040, 14336):
+            for k in (16, 48, 96, 272, 4096, 4112):
+                bn, bk, split = weight_only_config(m, n, k)
+                assert n % bn == 0 and k % split == 0 and (k // split) % bk == 0 and bk % 16 == 0, (m, n, k)
 
 
 def test_inference_only_asks_for_the_weight_only_product(monkeypatch):
