@@ -4,6 +4,7 @@ a child process steps the engine, so HTTP work and the engine's host-side step n
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -60,7 +61,14 @@ def _portable(exc: BaseException) -> BaseException:
 class _EngineLoop:
     """The engine process's main loop. Streamed requests' events leave as one message per step:
     ``("events", [(request_id, token_id, text, logprob, top_logprobs, finish_reason), ...])``
-    (TokenEvent's fields in order; the text is detokenized here)."""
+    (TokenEvent's fields in order; the text is detokenized here).
+
+    A receiver thread drains the pipe at all times, so the parent's sends never wait for a step
+    to end (a long prompt's request is larger than the socket's buffer; the parent sends from
+    its event loop). It submits requests itself (``Engine.submit`` is thread-safe; the request
+    arrives, and is stamped, while a step runs, as with an in-process engine) unless other
+    commands are queued before it: commands take effect in the order they were sent. Everything
+    else waits for the main loop, between steps."""
 
     def __init__(self, engine: Any, conn: Any, parent_pid: int):
         self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
@@ -70,6 +78,9 @@ class _EngineLoop:
         self.lock = threading.Lock()  # pending and generating (worker threads step too, in generate)
         self.send_lock = threading.Lock()
         self.kick = False  # step once even with nothing streaming (an abort, a removed adapter)
+        self.commands: collections.deque[tuple] = collections.deque()  # received, for the main loop
+        self.order = threading.Lock()  # a command being taken effect: the receiver's submits wait
+        self.wake = threading.Event()  # set when something arrived
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -89,15 +100,33 @@ class _EngineLoop:
         if batch:
             self.send(("events", batch))
 
+    def receive(self) -> None:
+        """The receiver thread: every message off the pipe at once; ends at EOF (queued as ``eof``)."""
+        try:
+            while True:
+                message = self.conn.recv()
+                with self.order:
+                    if message[0] == "submit" and not self.commands:
+                        self.submit(message[1])
+                    else:
+                        self.commands.append(message)
+                self.wake.set()
+        except (EOFError, OSError):
+            self.commands.append(("eof",))
+            self.wake.set()
+
     def run(self) -> None:
         """Step while requests stream; between steps take every waiting command. Returns on
         ``close`` or when the parent is gone (pipe EOF, or it is no longer this process's parent)."""
+        threading.Thread(target=self.receive, name="lorafusion-engine-receiver", daemon=True).start()
         checked, stalled = time.monotonic(), False
         while True:
             busy = bool(self.live)
-            if self.conn.poll((STALL_POLL_S if stalled else 0.0) if busy else IDLE_POLL_S):
-                if not self.take_commands():
-                    return
+            if not busy or stalled:
+                self.wake.wait(STALL_POLL_S if busy else IDLE_POLL_S)
+            self.wake.clear()
+            if self.commands and not self.take_commands():
+                return
             now = time.monotonic()
             if not busy or now - checked > BUSY_PARENT_CHECK_S:
                 if os.getppid() != self.parent_pid:
@@ -109,24 +138,26 @@ class _EngineLoop:
             self.flush()
 
     def take_commands(self) -> bool:
-        try:
-            while self.conn.poll(0):
-                if not self.handle(self.conn.recv()):
+        """Every queued command, in order; False on ``close`` or EOF."""
+        while self.commands:
+            with self.order:
+                message = self.commands.popleft()
+                if message[0] == "eof" or not self.handle(message):
                     return False
-        except EOFError:
-            return False
         return True
+
+    def submit(self, request: GenerationRequest) -> None:
+        self.live.add(request.request_id)
+        try:
+            self.engine.submit(request, self.on_event)
+        except Exception as e:  # validation: the parent's stream raises it
+            self.live.discard(request.request_id)
+            self.send(("refused", request.request_id, _portable(e)))
 
     def handle(self, message: tuple) -> bool:
         kind = message[0]
         if kind == "submit":
-            request = message[1]
-            self.live.add(request.request_id)
-            try:
-                self.engine.submit(request, self.on_event)
-            except Exception as e:  # validation: the parent's stream raises it
-                self.live.discard(request.request_id)
-                self.send(("refused", request.request_id, _portable(e)))
+            self.submit(message[1])
         elif kind == "abort":
             self.engine.abort(message[1])
             self.kick = True

@@ -63,7 +63,13 @@ def test_padded_decode_step_equals_unpadded_and_writes_only_the_scratch_page(mak
         padded = runner.decode_logits(decode)
     assert padded.shape == plain.shape == (len(CASES), engine.model_config.vocab_size)
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
-    assert torch.equal(pool.kv[:pool.num_pages], kv_before)  # same KV rewritten, no other page touched
+    # the real rows rewrite their own KV (the same values up to rounding: a GEMM of 8 rows may
+    # round differently from one of 6, as on an AMD EPYC host); no other page is touched
+    kv = pool.kv[:pool.num_pages]
+    torch.testing.assert_close(kv, kv_before, rtol=1e-5, atol=1e-5)
+    theirs = sorted({p for st in decode for p in st.pages})
+    others = [p for p in range(pool.num_pages) if p not in set(theirs)]
+    assert torch.equal(kv[others], kv_before[others])
     inputs = runner.decode_inputs
     rows = bucket_for(len(CASES), runner.buckets)
     assert rows == 8

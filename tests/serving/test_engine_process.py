@@ -259,3 +259,94 @@ def test_the_engine_process_exits_with_its_parent(model_dir, process_exited):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- the child's loop, in this process over a real pipe ----------------------------------------
+
+
+class _SteppingEngine:
+    """What ``_EngineLoop`` uses of an engine: records submits and calls in order; ``step``
+    blocks until the test releases it, so the test can act while a step runs."""
+
+    def __init__(self):
+        import threading
+
+        self.log: list[tuple] = []
+        self.in_step, self.release = threading.Event(), threading.Event()
+        self.callbacks: dict[str, object] = {}
+
+    def submit(self, request, on_event):
+        self.log.append(("submit", request.request_id, self.in_step.is_set()))
+        self.callbacks[request.request_id] = on_event
+
+    def step(self):
+        self.in_step.set()
+        assert self.release.wait(60), "the test never released the step"
+        self.in_step.clear()
+        from lightning_lorafusion.serving.request import TokenEvent
+
+        for rid, on_event in list(self.callbacks.items()):  # every request ends in this step
+            on_event(TokenEvent(rid, 1, "x", None, None, "length"))
+        self.callbacks.clear()
+        return True
+
+    def remove_adapter(self, name):
+        self.log.append(("remove_adapter", name, self.in_step.is_set()))
+
+    def abort(self, request_id):
+        self.log.append(("abort", request_id, self.in_step.is_set()))
+
+
+def test_the_child_drains_the_pipe_while_a_step_runs_and_keeps_command_order():
+    """A request sent while the child steps is received (and submitted) at once, however large
+    (the parent's send never waits for the step); a submit queued behind another command waits
+    for it: commands take effect in the order sent."""
+    import multiprocessing
+    import threading
+
+    from lightning_lorafusion.serving.engine_process import _EngineLoop
+
+    parent, child = multiprocessing.Pipe(duplex=True)
+    engine = _SteppingEngine()
+    loop = _EngineLoop(engine, child, os.getppid())  # the loop leaves when its parent changes
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    try:
+        def request(rid, n=4):
+            return GenerationRequest(prompt_token_ids=list(range(n)), sampling=SamplingParams(max_new_tokens=1),
+                                     request_id=rid)
+
+        parent.send(("submit", request("a")))
+        assert engine.in_step.wait(30)  # the loop is stepping "a" and holds the step open
+        # ~1.5 MB pickled: more than the socket buffers hold, so a send that waits for the
+        # step to end would still be blocked
+        sender = threading.Thread(target=parent.send, args=(("submit", request("big", 300_000)),))
+        sender.start()
+        sender.join(30)
+        assert not sender.is_alive() and engine.in_step.is_set()
+        deadline = time.monotonic() + 30
+        while ("submit", "big", True) not in engine.log:
+            assert time.monotonic() < deadline, engine.log
+            time.sleep(0.01)
+        # a call queued for the main loop, then a submit: the submit waits its turn
+        parent.send(("call", 7, "remove_adapter", ("gone",)))
+        parent.send(("submit", request("c")))
+        time.sleep(0.2)
+        assert [e[1] for e in engine.log] == ["a", "big"]  # "c" waits behind the call
+        engine.release.set()
+        assert parent.poll(30)
+        got = {}
+        while parent.poll(2):
+            message = parent.recv()
+            got.setdefault(message[0], []).append(message)
+        assert got["reply"] == [("reply", 7, True, None)]
+        finished = [e[0] for m in got["events"] for e in m[1] if e[5] == "length"]
+        assert set(finished) >= {"a", "big"}
+        assert [e[:2] for e in engine.log] == [("submit", "a"), ("submit", "big"), ("remove_adapter", "gone"),
+                                                ("submit", "c")]
+    finally:
+        engine.release.set()
+        parent.send(("close",))
+        runner.join(30)
+        parent.close()
+    assert not runner.is_alive()
