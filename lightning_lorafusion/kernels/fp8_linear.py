@@ -44,8 +44,9 @@ _FAST_ACCUM = {"forward": False, "input_grad": False}
 # with its first tile sizes it made the 8B decode step 1.47x slower (docs/BENCHMARKS.md, "FP8
 # base in the generation engine"). The tile sweep since (fp8_triton.weight_only_config, its
 # winners) beats the row-quantized product at 16 rows on the narrow projections (o, k/v, down)
-# but loses to it at 64 rows on all but k/v: not raised until the engine's decode step is
-# measured with it. The emulated path (CPU) ignores it.
+# but loses to it at 64 rows on all but k/v; ``weight_only_wins`` picks per weight. Not raised
+# until the engine's decode step is measured with it (16 is the value to try). The emulated
+# path (CPU) ignores it.
 WEIGHT_ONLY_MAX_ROWS = 0
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
@@ -233,17 +234,29 @@ def _real_outputs(x, weights, biases, weight_only=False):
     _check_real(x, weights)
     from .fp8_triton import quantize_rows, weight_only_linear
 
-    if weight_only and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
-        # decode: read the e4m3 weights once and keep x in bf16 (a row quantization and
-        # _scaled_mm's small-M kernels cost what the halved weight bytes save)
-        ys = [weight_only_linear(x, w.data, w.scale) for w in weights]
-        return [y if b is None else y + b for y, b in zip(ys, biases)]
-    xq, sx = quantize_rows([x.contiguous()], None)
+    m = x.shape[0]
+    # decode: weight-only products read the e4m3 weights once and keep x in bf16 (for the
+    # others a row quantization and _scaled_mm's small-M kernels cost what the halved bytes save)
+    light = [weight_only and weight_only_wins(m, *w.shape) for w in weights]
+    xq = sx = None
+    if not all(light):
+        xq, sx = quantize_rows([x.contiguous()], None)
     ys = []
-    for w, b in zip(weights, biases):
-        y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, _FAST_ACCUM["forward"])
+    for w, b, wo in zip(weights, biases, light):
+        if wo:
+            y = weight_only_linear(x, w.data, w.scale)
+        else:
+            y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, _FAST_ACCUM["forward"])
         ys.append(y if b is None else y + b)
     return ys
+
+
+def weight_only_wins(m: int, n: int, k: int) -> bool:
+    """Whether ``m`` rows times an e4m3 weight ``[n, k]`` take the weight-only product: at most
+    ``WEIGHT_ONLY_MAX_ROWS`` rows, and for more than one row only weights no wider than deep
+    (o, k/v, down at the 8B shape): there the H100 sweep's weight-only tiles beat the
+    row-quantized product at 16 rows, on gate/up they do not (docs/BENCHMARKS.md)."""
+    return m <= WEIGHT_ONLY_MAX_ROWS and (m <= 1 or n <= k)
 
 
 def _real_input_grad(dys, weights, dtype):

@@ -331,6 +331,47 @@ def test_weight_only_config_is_the_sweeps_winner_and_always_valid():
                 assert n % bn == 0 and k % split == 0 and (k // split) % bk == 0 and bk % 16 == 0, (m, n, k)
 
 
+def test_weight_only_products_are_chosen_per_weight(monkeypatch):
+    """The real forward's routing, with CPU stand-ins for its GPU products: with weight-only on,
+    at most WEIGHT_ONLY_MAX_ROWS rows take it for weights no wider than deep (and every weight
+    for one row); the rest share one row quantization of x; all equal x @ W^T."""
+    from lightning_lorafusion.kernels import fp8_triton
+
+    calls = []
+
+    def weight_only(x, data, scale):
+        calls.append(("wo", data.shape[0]))
+        return x @ F8.Fp8Weight(data, scale).dequantize(x.dtype).t()
+
+    def quantize_rows(xs, _):
+        calls.append(("quantize", None))
+        return xs[0], torch.ones(xs[0].shape[0], 1)
+
+    def scaled_mm(xq, sx, data, scale, dtype, fast):
+        calls.append(("rowwise", data.shape[0]))
+        return (xq * sx) @ F8.Fp8Weight(data, scale.view(-1)).dequantize(dtype).t()
+
+    monkeypatch.setattr(F8, "_check_real", lambda x, w: None)
+    monkeypatch.setattr(fp8_triton, "weight_only_linear", weight_only)
+    monkeypatch.setattr(fp8_triton, "quantize_rows", quantize_rows)
+    monkeypatch.setattr(F8, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(F8, "WEIGHT_ONLY_MAX_ROWS", 16)
+    ws = [torch.randn(n, 64) for n in (128, 64, 32)]  # wider than deep, square, narrow
+    fws = [F8.quantize_weight(w) for w in ws]
+    for m, weight_only_on, want in [(16, True, ["quantize", ("rowwise", 128), ("wo", 64), ("wo", 32)]),
+                                    (1, True, [("wo", 128), ("wo", 64), ("wo", 32)]),
+                                    (17, True, ["quantize", ("rowwise", 128), ("rowwise", 64), ("rowwise", 32)]),
+                                    (4, False, ["quantize", ("rowwise", 128), ("rowwise", 64), ("rowwise", 32)])]:
+        calls.clear()
+        x = torch.randn(m, 64)
+        ys = F8._real_outputs(x, fws, [None, None, torch.ones(32)], weight_only=weight_only_on)
+        assert [c if c[0] != "quantize" else "quantize" for c in calls] == want, (m, weight_only_on)
+        for y, fw, b in zip(ys, fws, [0, 0, 1]):
+            torch.testing.assert_close(y, x @ fw.dequantize(torch.float32).t() + b)
+    monkeypatch.setattr(F8, "WEIGHT_ONLY_MAX_ROWS", 0)  # the default: never
+    assert not any(F8.weight_only_wins(m, 32, 64) for m in (1, 16, 64))
+
+
 def test_inference_only_asks_for_the_weight_only_product(monkeypatch):
     """``frozen_projections`` without autograd passes ``weight_only=True`` down (the real path
     then serves few rows weight-only); with a gradient it keeps the row-quantized product."""
