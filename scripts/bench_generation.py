@@ -430,6 +430,9 @@ def main(argv=None) -> dict:
                     help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
     ap.add_argument("--base-precision", type=_choices(("bf16", "fp8")), default=["bf16"],
                     help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
+    ap.add_argument("--fp8-weight-only-rows", type=int, default=None,
+                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS for FP8 engines (decode steps of at most this many "
+                         "rows take weight-only products where fp8_linear.weight_only_wins; default: as set)")
     ap.add_argument("--prefill-reps", type=int, default=0,
                     help="time a prefill-only pass (one new token per request) this many times (0: none)")
     ap.add_argument("--out", default=None)
@@ -438,6 +441,11 @@ def main(argv=None) -> dict:
     report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "errors": {}}
+    if args.fp8_weight_only_rows is not None:
+        from lightning_lorafusion.kernels import fp8_linear
+
+        fp8_linear.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
+        report["fp8_weight_only_max_rows"] = args.fp8_weight_only_rows
 
     def save() -> None:
         if args.out:
