@@ -26,7 +26,7 @@ from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
-from .sampling import SamplingRows, sample_rows, token_logprobs
+from .sampling import LogitAdjustments, SamplingRows, sample_rows, token_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("lightning_lorafusion.serving")
@@ -275,6 +275,9 @@ class Engine:
             raise ConfigError(f"request {rid!r}: the prompt has {len(prompt)} tokens; the model's context "
                               f"is {self.max_model_len} (prompt + generated tokens)")
         sp = request.sampling
+        if sp.logit_bias and sp.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise ConfigError(f"request {rid!r}: logit_bias token ids must be in [0, {vocab}); got "
+                              f"{sp.logit_bias[-1][0]}")
         if sp.stop and self.tokenizer is None:
             raise ConfigError(f"request {rid!r}: stop strings need a tokenizer; this engine has none "
                               "(use stop_token_ids)")
@@ -468,7 +471,10 @@ class Engine:
             same = last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, seqs, last[0]))
             logits = self.runner.decode_logits(seqs, last[1] if same else None)
         rows = self._sampled_rows(seqs)
-        tokens = sample_rows(logits, rows.sampling)
+        adjust = rows.adjust
+        tokens = sample_rows(logits if adjust is None else adjust.apply(logits), rows.sampling)
+        if adjust is not None:
+            adjust.note(tokens)
         chosen = top_vals = top_ids = None
         if rows.top_n is not None:
             lp_logits, lp_tokens = logits, tokens
@@ -490,7 +496,7 @@ class Engine:
         the same order (decode steps between arrivals and finishes)."""
         rows = self._rows
         if rows is None or len(rows.states) != len(seqs) or not all(map(operator.is_, seqs, rows.states)):
-            rows = self._rows = _SampledRows(seqs, self.device)
+            rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size)
         return rows
 
     def _emit(self, seqs: list[RequestState], tokens: list[int], rows: "_SampledRows", chosen: list[float] | None,
@@ -659,12 +665,17 @@ class Engine:
 
 class _SampledRows:
     """What a step needs of its sampled requests (``states``, in row order), gathered once per
-    batch composition: their sampling settings, the rows that want logprobs, their
-    detokenizers and stop ids."""
+    batch composition: their sampling settings, their logit adjustments, the rows that want
+    logprobs, their detokenizers and stop ids."""
 
-    def __init__(self, states: list[RequestState], device: torch.device) -> None:
+    def __init__(self, states: list[RequestState], device: torch.device, vocab: int) -> None:
         self.states = list(states)
         self.sampling = SamplingRows.build([s.sampling for s in states], [s.generator for s in states], device)
+        # bias and penalties: their rows' token counts, kept up to date while the batch lasts
+        adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
+        self.adjust = None if not adjusted else LogitAdjustments(
+            adjusted, [states[i].sampling for i in adjusted], [states[i].request.prompt_token_ids for i in adjusted],
+            [states[i].output_ids for i in adjusted], vocab, device)
         want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors

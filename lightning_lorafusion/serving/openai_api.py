@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # OpenAI's own bound for top-k logprobs in chat (completions allow 5; vLLM 20): one bound for both
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -78,9 +79,11 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension; 1 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension; 0 = off
 
     @field_validator("stop")
     @classmethod
@@ -94,13 +97,22 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop sequences must not be empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, v):
+        if not v:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
+        for key, bias in v.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias} for token {key}")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported by this server (use 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -273,6 +285,11 @@ def sampling_kwargs(req: _SamplingFields, *, max_new_tokens: int, choice: int, l
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "logit_bias": {int(k): b for k, b in (req.logit_bias or {}).items()},
+        "min_p": req.min_p,
     }
 
 

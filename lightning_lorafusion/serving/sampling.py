@@ -1,9 +1,11 @@
-"""Sampling parameters of a request and the sampler: greedy, temperature, top-k, top-p, seeded."""
+"""Sampling parameters of a request and the sampler: greedy, temperature, top-k, top-p, min-p,
+seeded; logit bias and repetition / frequency / presence penalties."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+import math
+from typing import Mapping, Sequence
 
 import torch
 
@@ -16,8 +18,15 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, then ``top_k``
-    (0 = off) and ``top_p`` (1 = off) filter, in that order (HF's order). ``seed`` fixes the
+    Before a token is picked (greedy or drawn), a request's logits may be changed, in this order
+    (HF's and vLLM's): ``logit_bias`` ({token id: bias in [-100, 100]}) is added;
+    ``repetition_penalty`` (1 = off; > 1 discourages) divides the positive and multiplies the
+    negative logits of every token already in the prompt or the output (HF's, vLLM's); then
+    ``frequency_penalty`` times a token's count in the output so far and ``presence_penalty``
+    for each token in the output at all are subtracted (OpenAI's, both in [-2, 2]).
+    ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, then ``min_p``
+    (0 = off: drop tokens less likely than min_p times the most likely one; vLLM's), ``top_k``
+    (0 = off) and ``top_p`` (1 = off) filter, in that order. ``seed`` fixes the
     request's own random stream, so the same seed gives the same tokens whatever else is in
     the batch. ``logprobs``: return the chosen token's logprob and the ``logprobs`` most likely
     (0 = only the chosen one). ``prompt_logprobs``: the same for every prompt token given the
@@ -36,8 +45,28 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a mapping is accepted
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ConfigError(f"SamplingParams.logit_bias must map token ids to numbers; got {self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", bias)
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias) or len({t for t, _ in bias}) != len(bias):
+            raise ConfigError("SamplingParams.logit_bias: token ids must be >= 0 and distinct, biases in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"SamplingParams.{name}={getattr(self, name)} must be in [-2, 2]")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ConfigError(f"SamplingParams.repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"SamplingParams.min_p={self.min_p} must be in [0, 1] (0 = off)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
@@ -66,13 +95,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits change before a token is picked (bias or penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
+
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, row by row: ``[B, V]`` fp32 -> ``[B, V]`` with
-    filtered entries at ``-inf``. temperature ``[B]`` (> 0), top_k ``[B]`` int (0 = off),
-    top_p ``[B]`` (1 = off); at least the most likely token always survives."""
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p, row by row: ``[B, V]`` fp32 -> ``[B, V]`` with
+    filtered entries at ``-inf``. temperature ``[B]`` (> 0), min_p ``[B]`` (0 = off; None: off
+    for all), top_k ``[B]`` int (0 = off), top_p ``[B]`` (1 = off); at least the most likely
+    token always survives."""
     logits = logits / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p < min_p * p_max  <=>  logit < logit_max + log(min_p)
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     if bool((k < vocab).any()) or bool((top_p < 1.0).any()):
@@ -98,6 +138,7 @@ class SamplingRows:
     top_k: torch.Tensor | None  # [S] int64
     top_p: torch.Tensor | None  # [S] fp32
     generators: tuple[torch.Generator | None, ...]  # [S] each row's generator
+    min_p: torch.Tensor | None = None  # [S] fp32 (None: no row filters by min-p)
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
@@ -105,12 +146,14 @@ class SamplingRows:
         rows = tuple(i for i, p in enumerate(params) if not p.greedy)
         if not rows:
             return cls((), None, None, None, None, ())
+        min_p = [params[i].min_p for i in rows]
         return cls(
             rows, torch.tensor(rows, device=device),
             torch.tensor([params[i].temperature for i in rows], device=device, dtype=torch.float32),
             torch.tensor([params[i].top_k for i in rows], device=device, dtype=torch.int64),
             torch.tensor([params[i].top_p for i in rows], device=device, dtype=torch.float32),
-            tuple(generators[i] for i in rows))
+            tuple(generators[i] for i in rows),
+            torch.tensor(min_p, device=device, dtype=torch.float32) if any(min_p) else None)
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -127,11 +170,71 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     if rows.index is None:
         return tokens
-    sub = filter_logits(logits.index_select(0, rows.index), rows.temperature, rows.top_k, rows.top_p)
+    sub = filter_logits(logits.index_select(0, rows.index), rows.temperature, rows.top_k, rows.top_p, rows.min_p)
     probs = sub.softmax(dim=-1)
     drawn = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(rows.generators)]
     tokens[rows.index] = torch.cat(drawn)
     return tokens
+
+
+class LogitAdjustments:
+    """The logit changes of a batch's rows that ask for them (``SamplingParams.adjusts_logits``),
+    built once per batch composition from the rows' prompts and outputs so far, then kept up to
+    date with each step's tokens (``note``) while the batch keeps its rows. On the device: the
+    rows' output token counts ``[S, V]`` int32, the tokens of their prompts ``[S, V]`` (with a
+    repetition penalty) and their biases ``[S, V]`` (with a logit bias)."""
+
+    def __init__(self, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+                 outputs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> None:
+        self.rows = tuple(rows)
+        self.index = torch.tensor(self.rows, device=device, dtype=torch.int64)
+        n = len(self.rows)
+        self.counts = _token_counts(outputs, n, vocab, device)
+        self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=torch.float32)
+        self.presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=torch.float32)
+        self.penalized = any(p.frequency_penalty or p.presence_penalty for p in params)
+        self.repetition = self.in_prompt = self.bias = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.repetition = torch.tensor([p.repetition_penalty for p in params], device=device,
+                                           dtype=torch.float32)[:, None]
+            self.in_prompt = _token_counts(prompts, n, vocab, device) > 0
+        if any(p.logit_bias for p in params):
+            self.bias = torch.zeros(n, vocab, device=device, dtype=torch.float32)
+            pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+            rows_i, tokens, values = zip(*pairs)
+            self.bias[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
+                values, device=device, dtype=torch.float32)
+        self._arange = torch.arange(n, device=device)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [B, V]`` fp32 -> a copy with these rows changed (the input is left as it is:
+        logprobs are of the model's own distribution)."""
+        sub = logits.index_select(0, self.index)
+        if self.bias is not None:
+            sub = sub + self.bias
+        if self.repetition is not None:
+            seen = self.in_prompt | (self.counts > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / self.repetition, sub * self.repetition), sub)
+        if self.penalized:
+            counts = self.counts.float()
+            sub = sub - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
+        return logits.index_copy(0, self.index, sub)
+
+    def note(self, tokens: torch.Tensor) -> None:
+        """This step's tokens ``[B]`` (of every row): count those of these rows."""
+        self.counts.index_put_((self._arange, tokens.index_select(0, self.index)),
+                               torch.ones(len(self.rows), device=self.counts.device, dtype=self.counts.dtype),
+                               accumulate=True)
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[n, vocab]`` int32: how often each token occurs in each of ``seqs``."""
+    longest = max((len(q) for q in seqs), default=0)
+    counts = torch.zeros(n, vocab + 1, device=device, dtype=torch.int32)  # column vocab: padding
+    if longest:
+        ids = torch.tensor([list(q) + [vocab] * (longest - len(q)) for q in seqs], device=device, dtype=torch.int64)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab].contiguous()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int

@@ -64,14 +64,18 @@ def test_completion_prompt_forms_are_normalised_to_a_list():
     ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop"),
     ({"model": "m", "prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
 ])
 def test_completion_field_errors_are_400_naming_the_field(body, param):
     _raises_400(oa.CompletionRequest, body, param)
 
 
 @pytest.mark.parametrize("body,words", [
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": "m", "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -80,6 +84,19 @@ def test_unsupported_openai_features_are_refused_not_ignored(body, words):
     with pytest.raises(oa.APIError) as e:
         oa.parse_request(oa.CompletionRequest, body)
     assert e.value.status == 400 and words in e.value.message
+
+
+def test_penalties_bias_and_min_p_reach_the_sampling_settings():
+    req = oa.parse_request(oa.CompletionRequest, {
+        "model": "m", "prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2,
+        "min_p": 0.1, "logit_bias": {"7": -100, " 3": 2.5}})
+    kw = oa.sampling_kwargs(req, max_new_tokens=4, choice=0, logprobs=None)
+    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"], kw["min_p"]) == (
+        0.5, -0.25, 1.2, 0.1)
+    assert kw["logit_bias"] == {7: -100.0, 3: 2.5}
+    plain = oa.sampling_kwargs(oa.parse_request(oa.CompletionRequest, {"model": "m", "prompt": "x"}),
+                               max_new_tokens=4, choice=0, logprobs=None)
+    assert (plain["presence_penalty"], plain["repetition_penalty"], plain["logit_bias"]) == (0.0, 1.0, {})
 
 
 def test_unknown_fields_are_ignored_and_non_objects_refused():

@@ -273,6 +273,24 @@ def test_stop_string_cuts_the_text(served):
     assert cut["text"] == free[:free.index(stop)] and cut["finish_reason"] == "stop"
 
 
+def test_logit_bias_and_penalties_reach_the_engine(served):
+    """A +100 bias on one token makes greedy decoding repeat it; a strong repetition penalty
+    with that bias turns it off after its first use; a bias outside the vocabulary is a 400."""
+    tok = served.engine.tokenizer
+    word = "w7"
+    (tid,) = tok.encode(word, add_special_tokens=False)
+    forced = _complete(served.client, model="all4", max_tokens=4, ignore_eos=True, logit_bias={str(tid): 100})
+    assert forced["choices"][0]["text"].split() == [word] * 4
+    # a +5 bias picks w7 first; once it is in the output the repetition penalty divides its
+    # (positive) logit by 50 and the presence penalty takes 2 more off: it is not picked again
+    free = _complete(served.client, model="all4", max_tokens=4, ignore_eos=True)["choices"][0]["text"].split()
+    once = _complete(served.client, model="all4", max_tokens=4, ignore_eos=True, logit_bias={str(tid): 5},
+                     repetition_penalty=50.0, presence_penalty=2.0)["choices"][0]["text"].split()
+    assert once[0] == word and word not in once[1:] and free != [word] * 4
+    _error(served.client.post("/v1/completions", json={"model": BASE, "prompt": "w5", "logit_bias": {"64": 1}}),
+           400)
+
+
 def test_several_prompts_and_token_id_prompts(served):
     prompts = [[9, 10, 11], [30, 31]]
     body = _complete(served.client, model=BASE, prompt=prompts, max_tokens=3, n=2)
