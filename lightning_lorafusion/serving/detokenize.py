@@ -15,12 +15,18 @@ class IncrementalDetokenizer:
     A delta is only released when it does not end in an incomplete UTF-8 character (``\\ufffd``);
     with stop strings, the last ``len(longest stop) - 1`` characters are held back until the
     request finishes, so no streamed text is ever retracted. Text found at or after a stop
-    string is cut (the stop string itself is not returned).
+    string is cut (the stop string itself is not returned). With ``min_tokens``, stop strings
+    are looked for only in text from the ``min_tokens``-th token on.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (), *,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        # stop strings are looked for once this many tokens are out (the text of the first ones
+        # is not searched, except the held-back tail a stop string may start in; vLLM's min_tokens)
+        self.min_tokens = min_tokens
+        self._tokens = 0
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix, self._read = 0, len(self._ids)
@@ -42,6 +48,8 @@ class IncrementalDetokenizer:
             return
         searched_from = max(0, len(self.text) - self._hold)
         self.text += delta
+        if self._tokens < self.min_tokens:
+            return
         cut = min((i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
@@ -73,6 +81,7 @@ def add_tokens(items: Iterable[tuple[IncrementalDetokenizer, int]],
             continue
         ids = d._ids
         ids.append(int(token))
+        d._tokens += 1
         start, read = d._prefix, d._read
         if token_texts is not None and read - start == 1:
             single = ids[start]

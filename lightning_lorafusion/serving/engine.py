@@ -293,7 +293,7 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         return RequestState(
             request=request, adapter=adapter, generator=generator, on_event=on_event,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, sp.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, sp.stop, min_tokens=sp.min_tokens),
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
             max_total_len=self.max_model_len)
 
@@ -675,7 +675,7 @@ class _SampledRows:
         adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
         self.adjust = None if not adjusted else LogitAdjustments(
             adjusted, [states[i].sampling for i in adjusted], [states[i].request.prompt_token_ids for i in adjusted],
-            [states[i].output_ids for i in adjusted], vocab, device)
+            [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted])
         want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors

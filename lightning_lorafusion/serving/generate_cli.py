@@ -19,7 +19,8 @@ from .config import PREFILL_ATTENTION
 PROG = "lightning-lorafusion generate"
 # per-line keys of the prompts file that override the command line's sampling settings
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "min_p",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                 "stop_token_ids")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -84,6 +84,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension; 1 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension; 0 = off
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no stop before this many tokens
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)  # vLLM's extension
 
     @field_validator("stop")
     @classmethod
@@ -290,6 +292,8 @@ def sampling_kwargs(req: _SamplingFields, *, max_new_tokens: int, choice: int, l
         "repetition_penalty": req.repetition_penalty,
         "logit_bias": {int(k): b for k, b in (req.logit_bias or {}).items()},
         "min_p": req.min_p,
+        "min_tokens": req.min_tokens,
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
     }
 
 

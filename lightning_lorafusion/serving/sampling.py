@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -23,7 +23,9 @@ class SamplingParams:
     ``repetition_penalty`` (1 = off; > 1 discourages) divides the positive and multiplies the
     negative logits of every token already in the prompt or the output (HF's, vLLM's); then
     ``frequency_penalty`` times a token's count in the output so far and ``presence_penalty``
-    for each token in the output at all are subtracted (OpenAI's, both in [-2, 2]).
+    for each token in the output at all are subtracted (OpenAI's, both in [-2, 2]). Until
+    ``min_tokens`` tokens are out, the request's stop tokens (EOS unless ``ignore_eos``, and
+    ``stop_token_ids``) cannot be picked and its stop strings are not looked for (vLLM's).
     ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, then ``min_p``
     (0 = off: drop tokens less likely than min_p times the most likely one; vLLM's), ``top_k``
     (0 = off) and ``top_p`` (1 = off) filter, in that order. ``seed`` fixes the
@@ -50,6 +52,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a mapping is accepted
     min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -67,6 +70,9 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ConfigError(f"SamplingParams.min_p={self.min_p} must be in [0, 1] (0 = off)")
+        if not 0 <= self.min_tokens <= max(self.max_new_tokens, 0):
+            raise ConfigError(f"SamplingParams.min_tokens={self.min_tokens} must be in [0, max_new_tokens="
+                              f"{self.max_new_tokens}]")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
@@ -99,7 +105,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether its logits change before a token is picked (bias or penalties)."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.min_tokens > 0
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -185,7 +191,8 @@ class LogitAdjustments:
     repetition penalty) and their biases ``[S, V]`` (with a logit bias)."""
 
     def __init__(self, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-                 outputs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> None:
+                 outputs: Sequence[Sequence[int]], vocab: int, device: torch.device,
+                 stop_ids: Sequence[Iterable[int]] | None = None) -> None:
         self.rows = tuple(rows)
         self.index = torch.tensor(self.rows, device=device, dtype=torch.int64)
         n = len(self.rows)
@@ -204,6 +211,15 @@ class LogitAdjustments:
             rows_i, tokens, values = zip(*pairs)
             self.bias[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
                 values, device=device, dtype=torch.float32)
+        self.min_tokens = self.generated = self.stop_mask = None
+        if any(p.min_tokens for p in params):  # each row's stop tokens, masked while it is short
+            self.min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
+            self.generated = torch.tensor([len(o) for o in outputs], device=device)
+            self.stop_mask = torch.zeros(n, vocab, device=device, dtype=torch.bool)
+            pairs = [(i, t) for i, ids in enumerate(stop_ids or [()] * n) for t in ids if 0 <= t < vocab]
+            if pairs:
+                rows_i, tokens = zip(*pairs)
+                self.stop_mask[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = True
         self._arange = torch.arange(n, device=device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -218,6 +234,8 @@ class LogitAdjustments:
         if self.penalized:
             counts = self.counts.float()
             sub = sub - self.frequency[:, None] * counts - self.presence[:, None] * (counts > 0).float()
+        if self.stop_mask is not None:
+            sub = sub.masked_fill(self.stop_mask & (self.generated < self.min_tokens)[:, None], float("-inf"))
         return logits.index_copy(0, self.index, sub)
 
     def note(self, tokens: torch.Tensor) -> None:
@@ -225,6 +243,8 @@ class LogitAdjustments:
         self.counts.index_put_((self._arange, tokens.index_select(0, self.index)),
                                torch.ones(len(self.rows), device=self.counts.device, dtype=self.counts.dtype),
                                accumulate=True)
+        if self.generated is not None:
+            self.generated += 1
 
 
 def _token_counts(seqs: Sequence[Sequence[int]], n: int, vocab: int, device: torch.device) -> torch.Tensor:

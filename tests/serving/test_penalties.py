@@ -166,3 +166,46 @@ def test_logit_bias_outside_the_vocabulary_is_refused(make_engine):
     engine = make_engine(num_pages=96, page_size=4)
     with pytest.raises(ConfigError, match="logit_bias"):
         engine.submit(GenerationRequest(prompt_token_ids=[5, 6], sampling=SamplingParams(logit_bias={64: 1.0})))
+
+
+def test_min_tokens_holds_eos_back_like_hf_min_new_tokens(make_engine, hf_reference):
+    """EOS made likely with a logit bias (the tiny model's greedy outputs never end early by
+    themselves): with min_tokens the engine gives HF + PEFT's ``min_new_tokens`` tokens (after
+    the same ``sequence_bias``), in a batch with rows that only carry the bias."""
+    engine = make_engine(num_pages=96, page_size=4)
+    n, k = 10, 4
+    reqs, want = [], []
+    for prompt, adapter in CASES:
+        for bias in (3.0, 6.0):
+            biased = {EOS: bias}
+            for min_tokens in (0, k):
+                reqs.append(GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=SamplingParams(
+                    max_new_tokens=n, temperature=0.0, logit_bias=biased, min_tokens=min_tokens)))
+                want.append(_hf_greedy(hf_reference, prompt, adapter, n, sequence_bias={(EOS,): bias},
+                                       min_new_tokens=min_tokens))
+    early = [w for w, r in zip(want, reqs) if r.sampling.min_tokens == 0 and len(w) < k]
+    held = [w for w, r in zip(want, reqs) if r.sampling.min_tokens == k]
+    assert early and all(len(w) >= k and EOS not in w[:k] for w in held)  # the check is not vacuous
+    assert [list(r.token_ids) for r in engine.generate(reqs)] == want
+
+
+def test_min_tokens_holds_stop_token_ids_and_stop_strings_back(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    prompt, adapter = CASES[0]
+    free = engine.generate([GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=SamplingParams(
+        max_new_tokens=8, temperature=0.0, ignore_eos=True))])[0]
+    first = free.token_ids[0]
+    # stopping on the first token's id: at once without min_tokens, not before 4 tokens with it
+    stop = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(first,))
+    held = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(first,), min_tokens=4)
+    a, b = engine.generate([GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=sp)
+                            for sp in (stop, held)])
+    assert a.token_ids == (first,) and a.finish_reason == "stop"
+    assert len(b.token_ids) >= 4 and first not in b.token_ids[:4]
+    # a stop string in the first token's text is not looked for until 4 tokens are out
+    word = engine.tokenizer.decode([first]).strip()
+    c = engine.generate([GenerationRequest(prompt_token_ids=prompt, adapter=adapter, sampling=SamplingParams(
+        max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=(word,), min_tokens=4))])[0]
+    assert c.token_ids[:4] == free.token_ids[:4] and word in c.text
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(max_new_tokens=3, min_tokens=4)

@@ -289,6 +289,16 @@ def test_logit_bias_and_penalties_reach_the_engine(served):
     assert once[0] == word and word not in once[1:] and free != [word] * 4
     _error(served.client.post("/v1/completions", json={"model": BASE, "prompt": "w5", "logit_bias": {"64": 1}}),
            400)
+    # vLLM's stop_token_ids and min_tokens: stop on w7's id at once; with min_tokens 3, w7
+    # cannot be picked for 3 tokens, then its +100 bias picks it and the request stops
+    stopped = _complete(served.client, model="all4", max_tokens=4, ignore_eos=True, logit_bias={str(tid): 100},
+                        stop_token_ids=[tid])["choices"][0]
+    assert stopped["text"] == "" and stopped["finish_reason"] == "stop"
+    held = _complete(served.client, model="all4", max_tokens=4, ignore_eos=True, logit_bias={str(tid): 100},
+                     stop_token_ids=[tid], min_tokens=3)["choices"][0]
+    assert len(held["text"].split()) == 3 and word not in held["text"].split() and held["finish_reason"] == "stop"
+    _error(served.client.post("/v1/completions", json={"model": BASE, "prompt": "w5", "max_tokens": 2,
+                                                       "min_tokens": 3}), 400)
 
 
 def test_several_prompts_and_token_id_prompts(served):
