@@ -222,7 +222,9 @@ def paged_decode_attention_reference(
         raise ValueError(f"page_table holds page ids outside [0, {kv_pool.shape[0]}) within seq_lens")
     kv = kv_pool[:, layer][pages]  # [B, n_pages, 2, S, Hkv, D]
     k = kv[:, :, 0].reshape(b, n_pages * s, hkv, d).float()
-    v = kv[:, :, 1].reshape(b, n_pages * s, hkv, d).float()
+    # slots past a sequence's end hold whatever their page held before (a freed page's old
+    # values, NaN included): zero them, as the Triton kernel's masked loads do (0 * NaN = NaN)
+    v = kv[:, :, 1].reshape(b, n_pages * s, hkv, d).float().masked_fill(~valid[:, :, None, None], 0.0)
     qg = q.float().view(b, hkv, hq // hkv, d)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -83,6 +83,20 @@ class HostAdapter:
     def numel(self) -> int:
         return self.flat.numel()
 
+    def check_finite(self) -> None:
+        """Refuse weights with NaN or infinite values (a diverged run's export): a ConfigError
+        naming the adapter, the first such projection and how many values are bad."""
+        if bool(torch.isfinite(self.flat).all()):
+            return
+        bad = int((~torch.isfinite(self.flat)).sum())
+        r = self.rank
+        for (layer, module), s in sorted(self.slots.items()):
+            for which, start, size in (("lora_A", s.a, r * s.in_features), ("lora_B", s.b, r * s.out_features)):
+                if not bool(torch.isfinite(self.flat[start:start + size]).all()):
+                    raise ConfigError(f"adapter {self.name!r}: {bad} NaN or infinite weights, the first in layer "
+                                      f"{layer} {module} {which}; it was not loaded")
+        raise ConfigError(f"adapter {self.name!r}: {bad} NaN or infinite weights; it was not loaded")
+
     def info(self, resident: bool) -> AdapterInfo:
         return AdapterInfo(self.name, self.rank, self.alpha, self.target_modules, self.path, resident)
 

@@ -138,7 +138,8 @@ class Engine:
                           # minus this is time the engine had nothing to run
                           "step_seconds_total": 0.0, "prefill_step_seconds_total": 0.0,
                           # arrival at the engine to the first generated token, summed over requests
-                          "ttft_seconds_total": 0.0, "first_tokens_total": 0}
+                          "ttft_seconds_total": 0.0, "first_tokens_total": 0,
+                          "nonfinite_logits_total": 0}  # requests aborted for NaN / inf logits
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
@@ -175,6 +176,7 @@ class Engine:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         adapter = load_peft_adapter(name, path, self.model_config, dtype=self.dtype,
                                     pin=self.device.type == "cuda")
+        adapter.check_finite()
         return self._register(adapter)
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
@@ -188,6 +190,7 @@ class Engine:
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
         adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
                                             dtype=self.dtype, pin=self.device.type == "cuda")
+        adapter.check_finite()
         return self._register(adapter)
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
@@ -205,13 +208,16 @@ class Engine:
                                            dtype=self.dtype, pin=self.device.type == "cuda",
                                            path=f"{ckpt_path}#{a.name}")
                  for a in found]  # every one checked before any is registered
+        for h in hosts:
+            h.check_finite()
         return [self._register(h) for h in hosts]
 
     def add_host_adapter(self, adapter: HostAdapter) -> AdapterInfo:
         """Register an adapter already in host memory (e.g. from ``adapters.host_adapter_from_factors``
         for this base, in the engine's dtype). Several may share one host buffer (the pool only
         copies from it): each is still its own adapter, paged in and evicted on its own, which
-        is how scripts/bench_serving.py simulates thousands of adapters in little host memory."""
+        is how scripts/bench_serving.py simulates thousands of adapters in little host memory.
+        Its weights are not checked for NaN / inf (``HostAdapter.check_finite`` does that)."""
         if adapter.flat.dtype != self.dtype or adapter.relative_offsets.shape[0] != self.model_config.num_layers:
             raise ConfigError(f"adapter {adapter.name!r}: built for {adapter.relative_offsets.shape[0]} layers in "
                               f"{adapter.flat.dtype}; this engine serves {self.model_config.num_layers} layers in "
@@ -475,6 +481,7 @@ class Engine:
         tokens = sample_rows(logits if adjust is None else adjust.apply(logits), rows.sampling)
         if adjust is not None:
             adjust.note(tokens)
+        finite = torch.isfinite(logits).all(dim=-1)
         chosen = top_vals = top_ids = None
         if rows.top_n is not None:
             lp_logits, lp_tokens = logits, tokens
@@ -486,7 +493,9 @@ class Engine:
                 top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for state in plan.decode:
             state.num_cached += 1
-        tokens = tokens.tolist()
+        # a row whose logits are not finite (an overflow in its adapter, say) gets token -1:
+        # that request ends ("abort", logged), the others go on
+        tokens = torch.where(finite, tokens, -1).tolist()
         if not plan.prefill:
             self._last_sampled = (seqs, tokens)
         self._emit(seqs, tokens, rows, chosen, top_vals, top_ids, events)
@@ -506,10 +515,11 @@ class Engine:
         token or stop string ("stop"), at ``max_output`` tokens ("length"). This loop runs for
         every row of every step: per-request constants only, no calls it can avoid."""
         if self.tokenizer is not None:  # every row's text in one batched decode, except rows that end on this token
-            if rows.all_generate and rows.stop_ids.isdisjoint(tokens):  # the common case: no row is left out
+            if rows.all_generate and rows.stop_ids.isdisjoint(tokens) and min(tokens) >= 0:  # the common case
                 items = zip(rows.detokenizers, tokens)
             else:
-                items = [(st.detokenizer, t) for st, t in zip(seqs, tokens) if t not in st.stop_ids and st.max_output]
+                items = [(st.detokenizer, t) for st, t in zip(seqs, tokens)
+                         if t not in st.stop_ids and st.max_output and t >= 0]
             add_tokens(items, self._token_texts)
         now = time.perf_counter()
         generated = first = 0
@@ -518,6 +528,12 @@ class Engine:
         for i, (state, token) in enumerate(zip(seqs, tokens)):
             if not state.max_output:  # scoring the prompt only
                 self._finish(state, "length", events)
+                continue
+            if token < 0:
+                self._counters["nonfinite_logits_total"] += 1
+                log.error("request %r (adapter %r): its logits are not finite (NaN or inf) after %d tokens; it "
+                          "is aborted", state.request_id, state.request.adapter, len(state.output_ids))
+                self._finish(state, "abort", events)
                 continue
             out = state.output_ids
             out.append(token)

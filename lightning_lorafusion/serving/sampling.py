@@ -178,6 +178,8 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
         return tokens
     sub = filter_logits(logits.index_select(0, rows.index), rows.temperature, rows.top_k, rows.top_p, rows.min_p)
     probs = sub.softmax(dim=-1)
+    # NaN / inf logits (the caller drops those rows' tokens): draw from anything rather than fail
+    probs = probs.masked_fill(~torch.isfinite(probs).all(dim=-1, keepdim=True), 1.0)
     drawn = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(rows.generators)]
     tokens[rows.index] = torch.cat(drawn)
     return tokens

@@ -94,7 +94,9 @@ class _EngineCollector:
                   "Seconds the engine spent in steps (rate = utilisation)"),
                  ("ttft_seconds_total", "lorafusion_engine_ttft_seconds",
                   "Arrival at the engine to first token, summed over requests (divide by first tokens)"),
-                 ("first_tokens_total", "lorafusion_engine_first_tokens", "Requests that got their first token"))
+                 ("first_tokens_total", "lorafusion_engine_first_tokens", "Requests that got their first token"),
+                 ("nonfinite_logits_total", "lorafusion_nonfinite_logits",
+                  "Requests aborted because their logits were NaN or infinite"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
                ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),

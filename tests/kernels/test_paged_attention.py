@@ -125,6 +125,22 @@ def test_triton_matches_reference(device, dtype, case):
     assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stale_slots_past_the_end_never_reach_the_output(device, backend):
+    """Slots of a row's last page past its length hold a freed page's old values: NaN and inf
+    there change nothing (both paths)."""
+    lens, page, hq, hkv, d = [9, 2, 5], 4, 4, 2, 16
+    q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, torch.float32, device)
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.25)
+    dirty = pool.clone()
+    for b, n in enumerate(lens):  # 9, 2 and 5 all leave free slots in their last page
+        last, used = int(table[b, (n - 1) // page]), n % page
+        dirty[last, :, :, used:] = float("nan")  # K and V past the end
+        dirty[last, :, 0, page - 1] = float("inf")  # a K past the end (used < page - 1 for all three)
+    got = paged_decode_attention(q, dirty, 1, table, seq_lens, scale=0.25, backend=backend)
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL[torch.float32]
+
+
 def test_public_triton_backend_and_strided_q(device):
     """q as a head slice of a fused qkv activation (row stride != Hq * D)."""
     lens, page, hq, hkv, d = [9, 2], 4, 4, 2, 16
