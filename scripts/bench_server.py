@@ -258,19 +258,38 @@ def _session(url: str, lib: str, concurrency: int, open_loop: bool):
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits)
 
 
+def server_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram for /v1/completions."""
+    import urllib.request
+
+    got = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("lorafusion_http_time_to_first_token_seconds_") and "/v1/completions" in line:
+                name, value = line.rsplit(" ", 1)
+                got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
 async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
-                       arrivals: list[float] | None, lib: str = "aiohttp") -> tuple[list[Outcome], float]:
-    """Warm the connections with ``warm`` (not measured), then drive ``specs``."""
+                       arrivals: list[float] | None, lib: str = "aiohttp"
+                       ) -> tuple[list[Outcome], float, float | None]:
+    """Warm the connections with ``warm`` (not measured), then drive ``specs``; -> (outcomes,
+    wall seconds, the server's mean time to first token over ``specs``)."""
     async with _session(url, lib, concurrency, arrivals is not None) as session:
         await drive(lambda s: send_http(session, s), warm, concurrency=concurrency, arrivals=None)
-        return await drive(lambda s: send_http(session, s), specs, concurrency=concurrency, arrivals=arrivals)
+        before = server_ttft(url)  # nothing runs now: a blocking read is fine
+        outcomes, wall = await drive(lambda s: send_http(session, s), specs, concurrency=concurrency,
+                                     arrivals=arrivals)
+        total, count = (a - b for a, b in zip(server_ttft(url), before))
+        return outcomes, wall, total / count if count else None
 
 
 def _http_clients_in_child(url, warm, specs, concurrency, arrivals, lib, conn) -> None:
     """Entry point of the client process: outcomes go back through ``conn`` as dicts."""
     try:
-        outcomes, wall = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
-        conn.send(([asdict(o) for o in outcomes], wall))
+        outcomes, wall, ttft = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
+        conn.send(([asdict(o) for o in outcomes], wall, ttft))
     except BaseException as e:  # the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
     finally:
@@ -278,7 +297,8 @@ def _http_clients_in_child(url, warm, specs, concurrency, arrivals, lib, conn) -
 
 
 def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
-                     arrivals: list[float] | None, where: str, lib: str = "aiohttp") -> tuple[list[Outcome], float]:
+                     arrivals: list[float] | None, where: str, lib: str = "aiohttp"
+                     ) -> tuple[list[Outcome], float, float | None]:
     if where == "thread":
         return asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA and threads
@@ -294,8 +314,8 @@ def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency:
     proc.join(30)
     if isinstance(got, str):
         raise RuntimeError(f"HTTP clients failed: {got}")
-    outcomes, wall = got
-    return [Outcome(**o) for o in outcomes], wall
+    outcomes, wall, ttft = got
+    return [Outcome(**o) for o in outcomes], wall, ttft
 
 
 class UvicornThread:
@@ -519,17 +539,6 @@ def main(argv=None) -> dict:
 
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 
-    def server_ttft(url: str) -> tuple[float, float]:
-        """(sum, count) of the server's time-to-first-token histogram for /v1/completions."""
-        import httpx
-
-        got = {}
-        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("lorafusion_http_time_to_first_token_seconds_") and "/v1/completions" in line:
-                name, value = line.rsplit(" ", 1)
-                got[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
-        return got.get("sum", 0.0), got.get("count", 0.0)
-
     servers = {mode: UvicornThread(create_app(e, config=ServerConfig(
         served_model_name=BASE_MODEL, rescan_interval_s=0, max_pending_requests=max(256, args.concurrency))),
         loop=args.uvicorn_loop, http=args.uvicorn_http) for mode, e in served.items()}
@@ -551,13 +560,12 @@ def main(argv=None) -> dict:
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
             for mode, e in served.items():  # the same requests through each server
                 e.reset_prefix_cache()
-                before, ttft_before = e.stats(), server_ttft(servers[mode].url)
-                outcomes, wall = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
-                                                  args.concurrency, arrivals, args.client, args.client_lib)
+                before = e.stats()
+                outcomes, wall, ttft = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
+                                                        args.concurrency, arrivals, args.client, args.client_lib)
                 # the engine's step counts include the HTTP warm-up (its connections are opened by it)
-                row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before)}
-                ttft_sum, ttft_count = (a - b for a, b in zip(server_ttft(servers[mode].url), ttft_before))
-                row[mode]["server_ttft_s"] = ttft_sum / ttft_count if ttft_count else None
+                row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before),
+                             "server_ttft_s": ttft}
                 log(f"round {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
                 row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
                                                                      if o.error is None})

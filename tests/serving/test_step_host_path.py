@@ -177,7 +177,8 @@ def test_emitted_events_follow_the_per_row_stop_rule(make_engine, seed):
     while live:
         tokens = [rng.choice([eos, rng.randrange(4, 64), rng.randrange(4, 12)]) for _ in live]
         events = []
-        engine._emit([states[i] for i in live], tokens, _SampledRows([states[i] for i in live], engine.device),
+        engine._emit([states[i] for i in live], tokens, _SampledRows([states[i] for i in live], engine.device,
+                                                                     engine.model_config.vocab_size),
                      None, None, None, events)
         assert [e.request_id for e in events] == [states[i].request_id for i in live]
         for i, token, event in zip(live, tokens, events):
