@@ -192,7 +192,8 @@ def instrument(engine: Engine, timers: Timers) -> None:
     runner.logits = timers.wrap("model", runner.logits)
     # the eager decode step's device ops on the persistent buffers (inside the graph on a GPU)
     runner._decode_batch = timers.wrap("model", runner._decode_batch)
-    for name in ("sample_tokens", "sample_rows", "token_logprobs"):  # the sampler entry points the engine calls
+    # the sampler entry points the engine calls
+    for name in ("sample_tokens", "sample_rows", "sample_rows_checked", "token_logprobs"):
         if hasattr(engine_module, name):
             setattr(engine_module, name, timers.wrap("sampler", getattr(engine_module, name)))
 

@@ -26,7 +26,7 @@ from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .request import GenerationRequest, GenerationResult, RequestState, Status, TokenEvent
 from .runner import ModelRunner
-from .sampling import LogitAdjustments, SamplingRows, sample_rows, token_logprobs
+from .sampling import LogitAdjustments, SamplingRows, sample_rows_checked, token_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("lightning_lorafusion.serving")
@@ -478,10 +478,11 @@ class Engine:
             logits = self.runner.decode_logits(seqs, last[1] if same else None)
         rows = self._sampled_rows(seqs)
         adjust = rows.adjust
-        tokens = sample_rows(logits if adjust is None else adjust.apply(logits), rows.sampling)
+        # finite: no NaN / +inf in the row's logits (read off the argmax's pass; a bias or penalty
+        # keeps NaN and inf as they are)
+        tokens, finite = sample_rows_checked(logits if adjust is None else adjust.apply(logits), rows.sampling)
         if adjust is not None:
             adjust.note(tokens)
-        finite = torch.isfinite(logits).all(dim=-1)
         chosen = top_vals = top_ids = None
         if rows.top_n is not None:
             lp_logits, lp_tokens = logits, tokens

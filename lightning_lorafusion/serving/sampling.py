@@ -173,16 +173,23 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """``sample_tokens`` with the batch's settings already gathered (``SamplingRows.build``)."""
-    tokens = logits.argmax(dim=-1)
+    return sample_rows_checked(logits, rows)[0]
+
+
+def sample_rows_checked(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_rows`` and, per row, whether its logits are free of NaN and +inf (``[B]`` bool,
+    on the device): the greedy argmax's own pass gives it (a row's max is NaN or inf then)."""
+    top, tokens = logits.max(dim=-1)
+    finite = torch.isfinite(top)
     if rows.index is None:
-        return tokens
+        return tokens, finite
     sub = filter_logits(logits.index_select(0, rows.index), rows.temperature, rows.top_k, rows.top_p, rows.min_p)
     probs = sub.softmax(dim=-1)
     # NaN / inf logits (the caller drops those rows' tokens): draw from anything rather than fail
     probs = probs.masked_fill(~torch.isfinite(probs).all(dim=-1, keepdim=True), 1.0)
     drawn = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(rows.generators)]
     tokens[rows.index] = torch.cat(drawn)
-    return tokens
+    return tokens, finite
 
 
 class LogitAdjustments:
