@@ -534,6 +534,8 @@ class Engine:
                 self._counters["nonfinite_logits_total"] += 1
                 log.error("request %r (adapter %r): its logits are not finite (NaN or inf) after %d tokens; it "
                           "is aborted", state.request_id, state.request.adapter, len(state.output_ids))
+                state.cacheable = False  # its KV may hold NaN: never reused
+                self.pool.forget_prefixes(state.pages)
                 self._finish(state, "abort", events)
                 continue
             out = state.output_ids

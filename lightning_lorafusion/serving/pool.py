@@ -230,6 +230,18 @@ class UnifiedPool:
         self._prefix[key] = page
         self._page_key[page] = key
 
+    def forget_prefixes(self, pages: Sequence[int]) -> None:
+        """Unregister ``pages`` from the prefix cache (their KV must not be reused, e.g. a
+        request's whose logits turned NaN): no later request matches them; whoever holds one
+        keeps it, and it is freed rather than cached when let go."""
+        for p in pages:
+            key = self._page_key.pop(p, None)
+            if key is not None:
+                del self._prefix[key]
+                if p in self._cached:  # not held (cannot happen for a running request's pages)
+                    del self._cached[p]
+                    self._free[p] = True
+
     def drop_cached_prefixes(self) -> int:
         """Free every cached prefix page (no owner); pages in use stay registered. Returns how
         many were freed."""

@@ -250,7 +250,7 @@ class Scheduler:
         pages filled while decoding when the request next needs a page, finishes or is
         preempted: its newest token's KV is written by the step that feeds it, so the page
         holding it is never registered before that step ran."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not state.cacheable:
             return
         pool = self.pool
         full = state.num_cached // pool.page_size

@@ -78,3 +78,12 @@ def test_a_request_with_nonfinite_logits_ends_alone(make_engine, backend):
     stats = engine.stats()  # the requests run alone afterwards took the freed (NaN-holding) pages
     assert stats["nonfinite_logits_total"] == 2 and stats["kv_pages_used"] == 0 and stats["running"] == 0
     engine.pool.check()
+    # the aborted requests' full pages never enter the prefix cache: the same prompt again is
+    # prefilled from scratch (and aborted again), while a healthy request's pages are reused
+    long_prompt = list(range(10, 22))  # three full pages of 4
+    for adapter, hits in (("poisoned", 0), ("all4", 1)):
+        before = engine.stats()["prefix_cache_hits_total"]
+        for _ in range(2):
+            engine.generate([request(long_prompt, adapter, 0.0)])
+        assert engine.stats()["prefix_cache_hits_total"] - before == hits, adapter
+    engine.pool.check()

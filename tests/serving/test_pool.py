@@ -193,6 +193,27 @@ def test_a_freed_sequence_is_dropped_tail_first():
     pool.check()
 
 
+def test_forgotten_prefix_pages_are_freed_not_cached():
+    """``forget_prefixes``: no key matches the pages any more; a holder keeps them, and letting
+    go frees them (a sharer's copy of the list keeps them until it lets go too)."""
+    pool = UnifiedPool(num_pages=6, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    keys = prefix_page_keys(None, list(range(6)), 2, 3)
+    seq: list[int] = []
+    assert pool.allocate_kv(seq, 3)
+    for page, key in zip(seq, keys):
+        pool.register(page, key)
+    sharer: list[int] = []
+    pool.share(sharer, pool.match_prefix(keys[:1]))
+    pool.forget_prefixes(seq)
+    assert pool.match_prefix(keys) == [] and pool.kv_pages_cached == 0
+    pool.free_kv(seq)
+    assert pool.num_free == 5 and pool.kv_pages_cached == 0  # the shared first page is still held
+    pool.free_kv(sharer)
+    assert pool.num_free == 6
+    pool.check()
+
+
 def test_fragmented_pool_moves_kv_pages_to_fit_an_adapter():
     pool = UnifiedPool(num_pages=12, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
                        dtype=torch.float32, device="cpu")
