@@ -253,14 +253,43 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, *, vocab_size: in
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> Prompt:
-    """The base tokenizer's own chat template over the messages, with the generation prompt."""
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): ``prompt`` as completions tokenize it, or ``messages`` as chat
+    completions do (``add_generation_prompt``, default true)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids -> text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
+def chat_prompt(req: ChatCompletionRequest | TokenizeRequest, tokenizer: Any) -> Prompt:
+    """The base tokenizer's own chat template over the messages, with the generation prompt
+    (a TokenizeRequest may leave it out)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "the served model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=getattr(req, "add_generation_prompt", True),
+                                            tokenize=True, return_dict=True)
     except Exception as e:  # jinja raises on roles or orders a template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
     ids = out["input_ids"] if not isinstance(out, list) else out

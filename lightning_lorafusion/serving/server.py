@@ -416,6 +416,27 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
                                        rank=a.rank, alpha=a.alpha, target_modules=a.target_modules))
         return oa.models_list(cards)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: the token ids the server would run for a completions prompt or chat messages."""
+        srv.authorize(request)
+        req = oa.parse_request(oa.TokenizeRequest, await srv.read_json(request))
+        await srv.resolve_adapter(req.model)  # 404 for an unknown model, as everywhere
+        if req.messages is not None:
+            ids = oa.chat_prompt(req, srv.tokenizer).token_ids
+        else:
+            ids = tuple(srv.tokenizer(req.prompt)["input_ids"])
+        return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        srv.authorize(request)
+        req = oa.parse_request(oa.DetokenizeRequest, await srv.read_json(request))
+        await srv.resolve_adapter(req.model)
+        if any(not 0 <= t < srv.vocab_size for t in req.tokens):
+            raise oa.APIError(400, f"tokens must be in [0, {srv.vocab_size})", param="tokens")
+        return {"prompt": srv.tokenizer.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         srv.authorize(request)
@@ -530,7 +551,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
 
 _STARTED = "lorafusion.started"  # the ASGI scope key: perf_counter() when the request reached the server
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize"}
 
 
 class _CountRequests:

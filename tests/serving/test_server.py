@@ -301,6 +301,27 @@ def test_logit_bias_and_penalties_reach_the_engine(served):
                                                        "min_tokens": 3}), 400)
 
 
+def test_tokenize_and_detokenize_give_what_the_server_runs(served):
+    """vLLM's /tokenize: the prompt's ids as completions run them (usage counts them), chat
+    messages as chat completions run them; /detokenize inverts; unknown model 404, bad ids 400."""
+    c = served.client
+    got = c.post("/tokenize", json={"model": "all4", "prompt": PROMPT}).json()
+    usage = _complete(c, model="all4", max_tokens=1)["usage"]
+    assert got["count"] == len(got["tokens"]) == usage["prompt_tokens"] and got["max_model_len"] == 128
+    assert c.post("/detokenize", json={"model": BASE, "tokens": got["tokens"]}).json()["prompt"] == \
+        served.engine.tokenizer.decode(got["tokens"])
+    messages = [{"role": "user", "content": "w5 w6"}]
+    chat = c.post("/tokenize", json={"model": BASE, "messages": messages}).json()
+    bare = c.post("/tokenize", json={"model": BASE, "messages": messages, "add_generation_prompt": False}).json()
+    answered = c.post("/v1/chat/completions", json={"model": BASE, "messages": messages, "max_tokens": 1,
+                                                    "temperature": 0}).json()
+    assert chat["count"] == answered["usage"]["prompt_tokens"] == bare["count"] + 1  # the template's "w3"
+    _error(c.post("/tokenize", json={"model": "nope", "prompt": "w5"}), 404)
+    _error(c.post("/tokenize", json={"model": BASE}), 400)
+    _error(c.post("/tokenize", json={"model": BASE, "prompt": "w5", "messages": messages}), 400)
+    _error(c.post("/detokenize", json={"model": BASE, "tokens": [5, 64]}), 400, param="tokens")
+
+
 def test_several_prompts_and_token_id_prompts(served):
     prompts = [[9, 10, 11], [30, 31]]
     body = _complete(served.client, model=BASE, prompt=prompts, max_tokens=3, n=2)
@@ -352,6 +373,10 @@ def test_api_key_is_required_on_v1_routes(model_dir, adapter_dirs, tmp_path):
                          headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+        _error(client.post("/tokenize", json={"model": BASE, "prompt": "w5"}), 401)
+        _error(client.post("/detokenize", json={"model": BASE, "tokens": [5]}), 401)
+        assert client.post("/tokenize", json={"model": BASE, "prompt": "w5"},
+                           headers={"Authorization": "Bearer sekret"}).json()["count"] >= 1
     engine.close()
 
 
