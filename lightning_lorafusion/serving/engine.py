@@ -506,7 +506,7 @@ class Engine:
         the same order (decode steps between arrivals and finishes)."""
         rows = self._rows
         if rows is None or len(rows.states) != len(seqs) or not all(map(operator.is_, seqs, rows.states)):
-            rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size)
+            rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size, previous=rows)
         return rows
 
     def _emit(self, seqs: list[RequestState], tokens: list[int], rows: "_SampledRows", chosen: list[float] | None,
@@ -687,14 +687,18 @@ class _SampledRows:
     batch composition: their sampling settings, their logit adjustments, the rows that want
     logprobs, their detokenizers and stop ids."""
 
-    def __init__(self, states: list[RequestState], device: torch.device, vocab: int) -> None:
+    def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
+                 previous: "_SampledRows | None" = None) -> None:
         self.states = list(states)
         self.sampling = SamplingRows.build([s.sampling for s in states], [s.generator for s in states], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
         adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
         self.adjust = None if not adjusted else LogitAdjustments(
             adjusted, [states[i].sampling for i in adjusted], [states[i].request.prompt_token_ids for i in adjusted],
-            [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted])
+            [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted],
+            # keyed by the states themselves (a request id may come back for a new request;
+            # ``previous`` holds its states, so no id() of theirs is reused meanwhile)
+            ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust)
         want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors

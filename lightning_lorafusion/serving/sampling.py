@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -194,18 +194,41 @@ def sample_rows_checked(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch
 
 class LogitAdjustments:
     """The logit changes of a batch's rows that ask for them (``SamplingParams.adjusts_logits``),
-    built once per batch composition from the rows' prompts and outputs so far, then kept up to
-    date with each step's tokens (``note``) while the batch keeps its rows. On the device: the
-    rows' output token counts ``[S, V]`` int32, the tokens of their prompts ``[S, V]`` (with a
-    repetition penalty) and their biases ``[S, V]`` (with a logit bias)."""
+    built once per batch composition, then kept up to date with each step's tokens (``note``)
+    while the batch keeps its rows. On the device: the rows' output token counts ``[S, V]``
+    int32, the tokens of their prompts ``[S, V]`` (with a repetition penalty) and their biases
+    ``[S, V]`` (with a logit bias). ``ids`` identify the rows' requests: with ``previous`` (the last
+    composition's), the rows of requests it held copy their counts and prompt tokens from it on
+    the device, and only newcomers' are built from their token lists (in continuous batching
+    the composition changes nearly every step; rebuilding every row's counts from its output
+    would cost the host O(rows x output length) each time)."""
 
     def __init__(self, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
                  outputs: Sequence[Sequence[int]], vocab: int, device: torch.device,
-                 stop_ids: Sequence[Iterable[int]] | None = None) -> None:
+                 stop_ids: Sequence[Iterable[int]] | None = None, *, ids: Sequence[Hashable] | None = None,
+                 previous: "LogitAdjustments | None" = None) -> None:
         self.rows = tuple(rows)
         self.index = torch.tensor(self.rows, device=device, dtype=torch.int64)
         n = len(self.rows)
-        self.counts = _token_counts(outputs, n, vocab, device)
+        self.ids = tuple(ids) if ids is not None else None
+        known = {} if previous is None or previous.ids is None or self.ids is None else \
+            {rid: j for j, rid in enumerate(previous.ids)}
+        kept = [(i, known[rid]) for i, rid in enumerate(self.ids or ()) if rid in known]
+
+        def per_row(seqs: Sequence[Sequence[int]], old: torch.Tensor | None) -> torch.Tensor:
+            """``_token_counts`` of ``seqs``, rows of kept requests copied from ``old`` instead."""
+            if not kept or old is None:
+                return _token_counts(seqs, n, vocab, device)
+            out = torch.zeros(n, vocab, device=device, dtype=old.dtype)
+            new_i, old_j = zip(*kept)
+            out[torch.tensor(new_i, device=device)] = old[torch.tensor(old_j, device=device)]
+            fresh = sorted(set(range(n)) - set(new_i))
+            if fresh:
+                out[torch.tensor(fresh, device=device)] = _token_counts([seqs[i] for i in fresh], len(fresh), vocab,
+                                                                        device).to(old.dtype)
+            return out
+
+        self.counts = per_row(outputs, None if previous is None else previous.counts)
         self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=torch.float32)
         self.presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=torch.float32)
         self.penalized = any(p.frequency_penalty or p.presence_penalty for p in params)
@@ -213,7 +236,7 @@ class LogitAdjustments:
         if any(p.repetition_penalty != 1.0 for p in params):
             self.repetition = torch.tensor([p.repetition_penalty for p in params], device=device,
                                            dtype=torch.float32)[:, None]
-            self.in_prompt = _token_counts(prompts, n, vocab, device) > 0
+            self.in_prompt = per_row(prompts, None if previous is None else previous.in_prompt) > 0
         if any(p.logit_bias for p in params):
             self.bias = torch.zeros(n, vocab, device=device, dtype=torch.float32)
             pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]

@@ -209,3 +209,29 @@ def test_min_tokens_holds_stop_token_ids_and_stop_strings_back(make_engine):
     assert c.token_ids[:4] == free.token_ids[:4] and word in c.text
     with pytest.raises(ConfigError, match="min_tokens"):
         SamplingParams(max_new_tokens=3, min_tokens=4)
+
+
+def test_adjustments_carried_over_equal_rebuilt_ones():
+    """A new composition's adjustments copy the kept rows' counts and prompt tokens from the
+    last composition's (on the device) and build only newcomers': the same tensors as building
+    everything from the token lists."""
+    g = torch.Generator().manual_seed(2)
+    vocab = 40
+    sp = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5), SamplingParams(presence_penalty=1.0),
+          SamplingParams(repetition_penalty=0.9)]
+    prompts = [[1, 2, 3], [4, 4], [7, 8, 9, 9]]
+    outputs = [[5, 5, 6], [7], [1]]
+    first = LogitAdjustments([0, 1, 2], sp, prompts, outputs, vocab, torch.device("cpu"), ids=["a", "b", "c"])
+    tokens = torch.randint(0, vocab, (3,), generator=g)
+    first.note(tokens)
+    for j in range(3):
+        outputs[j].append(int(tokens[j]))
+    # "b" left, "d" joined, "c" and "a" kept (in a new order and at new rows)
+    sp2 = [sp[2], SamplingParams(frequency_penalty=1.0, repetition_penalty=1.1), sp[0]]
+    prompts2, outputs2 = [prompts[2], [11, 12], prompts[0]], [outputs[2], [13, 13], outputs[0]]
+    carried = LogitAdjustments([1, 2, 4], sp2, prompts2, outputs2, vocab, torch.device("cpu"), ids=["c", "d", "a"],
+                               previous=first)
+    rebuilt = LogitAdjustments([1, 2, 4], sp2, prompts2, outputs2, vocab, torch.device("cpu"))
+    assert torch.equal(carried.counts, rebuilt.counts) and torch.equal(carried.in_prompt, rebuilt.in_prompt)
+    logits = torch.randn(5, vocab, generator=g)
+    assert torch.equal(carried.apply(logits), rebuilt.apply(logits))
