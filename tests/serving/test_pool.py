@@ -175,16 +175,23 @@ def test_pool_accounting_never_leaks(seed):
     pool.check()
 
 
+def _registered_sequence(pages: int):
+    """A 6-page pool (2 tokens a page) holding one sequence of ``pages`` full, registered pages:
+    -> (pool, its page list, their prefix keys)."""
+    pool = UnifiedPool(num_pages=6, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    keys = prefix_page_keys(None, list(range(2 * pages)), 2, pages)
+    seq: list[int] = []
+    assert pool.allocate_kv(seq, pages)
+    for page, key in zip(seq, keys):
+        pool.register(page, key)
+    return pool, seq, keys
+
+
 def test_a_freed_sequence_is_dropped_tail_first():
     """Cached pages of a finished sequence go least-recently-used first from its last page, so
     under pressure the cache keeps its leading pages (still reachable from the first key)."""
-    pool = UnifiedPool(num_pages=6, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
-                       dtype=torch.float32, device="cpu")
-    keys = prefix_page_keys(None, list(range(8)), 2, 4)
-    seq: list[int] = []
-    assert pool.allocate_kv(seq, 4)
-    for page, key in zip(seq, keys):
-        pool.register(page, key)
+    pool, seq, keys = _registered_sequence(4)
     head = seq[:2]
     pool.free_kv(seq)
     other: list[int] = []
@@ -196,13 +203,7 @@ def test_a_freed_sequence_is_dropped_tail_first():
 def test_forgotten_prefix_pages_are_freed_not_cached():
     """``forget_prefixes``: no key matches the pages any more; a holder keeps them, and letting
     go frees them (a sharer's copy of the list keeps them until it lets go too)."""
-    pool = UnifiedPool(num_pages=6, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
-                       dtype=torch.float32, device="cpu")
-    keys = prefix_page_keys(None, list(range(6)), 2, 3)
-    seq: list[int] = []
-    assert pool.allocate_kv(seq, 3)
-    for page, key in zip(seq, keys):
-        pool.register(page, key)
+    pool, seq, keys = _registered_sequence(3)
     sharer: list[int] = []
     pool.share(sharer, pool.match_prefix(keys[:1]))
     pool.forget_prefixes(seq)
