@@ -248,7 +248,7 @@ class LogitAdjustments:
             self.min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
             self.generated = torch.tensor([len(o) for o in outputs], device=device)
             self.stop_mask = torch.zeros(n, vocab, device=device, dtype=torch.bool)
-            pairs = [(i, t) for i, ids in enumerate(stop_ids or [()] * n) for t in ids if 0 <= t < vocab]
+            pairs = [(i, t) for i, stops in enumerate(stop_ids or [()] * n) for t in stops if 0 <= t < vocab]
             if pairs:
                 rows_i, tokens = zip(*pairs)
                 self.stop_mask[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = True
