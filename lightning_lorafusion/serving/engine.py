@@ -293,12 +293,12 @@ class Engine:
             raise ConfigError(f"request {rid!r} can never fit the pool: {len(prompt)} prompt + up to "
                               f"{sp.max_new_tokens} new tokens (and its adapter) need {pages} pages of "
                               f"{self.pool.num_pages}; lower max_new_tokens or enlarge the pool")
-        generator = None
-        if not sp.greedy:
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        seed = None
+        if not sp.greedy:  # sampling.uniform_draws takes seeds in [0, 2^62)
+            seed = sp.seed % (1 << 62) if sp.seed is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         return RequestState(
-            request=request, adapter=adapter, generator=generator, on_event=on_event,
+            request=request, adapter=adapter, seed=seed, on_event=on_event,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, sp.stop, min_tokens=sp.min_tokens),
             eos_token_ids=frozenset() if sp.ignore_eos else self.eos_token_ids,
             max_total_len=self.max_model_len)
@@ -690,7 +690,8 @@ class _SampledRows:
     def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
                  previous: "_SampledRows | None" = None) -> None:
         self.states = list(states)
-        self.sampling = SamplingRows.build([s.sampling for s in states], [s.generator for s in states], device)
+        self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
+                                           [len(s.output_ids) for s in states], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
         adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
         self.adjust = None if not adjusted else LogitAdjustments(

@@ -8,8 +8,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-import torch
-
 from ..specs import ConfigError
 from .adapters import HostAdapter
 from .detokenize import IncrementalDetokenizer
@@ -83,7 +81,7 @@ class RequestState:
     request: GenerationRequest
     adapter: HostAdapter | None
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    seed: int | None  # sampled requests' seed in [0, 2^62) (sampling.uniform_draws); None when greedy
     eos_token_ids: frozenset[int]
     max_total_len: int  # prompt + generated may not exceed this (the model's context)
     on_event: Callable[[TokenEvent], None] | None = None

@@ -29,8 +29,8 @@ class SamplingParams:
     ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, then ``min_p``
     (0 = off: drop tokens less likely than min_p times the most likely one; vLLM's), ``top_k``
     (0 = off) and ``top_p`` (1 = off) filter, in that order. ``seed`` fixes the
-    request's own random stream, so the same seed gives the same tokens whatever else is in
-    the batch. ``logprobs``: return the chosen token's logprob and the ``logprobs`` most likely
+    request's draws (``uniform_draws`` of the seed and the token's position), so the same seed
+    gives the same tokens whatever else is in the batch. ``logprobs``: return the chosen token's logprob and the ``logprobs`` most likely
     (0 = only the chosen one). ``prompt_logprobs``: the same for every prompt token given the
     ones before it (``True`` = 0: the prompt tokens' own logprobs only; ``None``/``False`` = off);
     with it, ``max_new_tokens=0`` scores the prompt and generates nothing. Logprobs are of the
@@ -136,39 +136,73 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 @dataclass(frozen=True)
 class SamplingRows:
     """A batch's sampled (not greedy) rows and their settings as the sampler takes them: built
-    once and reused while the batch keeps the same requests in the same order."""
+    once and reused while the batch keeps the same requests in the same order. ``draws`` counts
+    each row's draws so far (its generated tokens): the sampler advances it in place."""
 
     rows: tuple[int, ...]  # rows that draw, ascending
     index: torch.Tensor | None  # [S] int64 those rows (None when every row is greedy)
     temperature: torch.Tensor | None  # [S] fp32
     top_k: torch.Tensor | None  # [S] int64
     top_p: torch.Tensor | None  # [S] fp32
-    generators: tuple[torch.Generator | None, ...]  # [S] each row's generator
+    seeds: torch.Tensor | None  # [S] int64 each row's seed, in [0, 2^62)
+    draws: torch.Tensor | None  # [S] int64 draws made so far (the next draw's counter)
     min_p: torch.Tensor | None = None  # [S] fp32 (None: no row filters by min-p)
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int | None], draws: Sequence[int],
               device: torch.device) -> "SamplingRows":
         rows = tuple(i for i, p in enumerate(params) if not p.greedy)
         if not rows:
-            return cls((), None, None, None, None, ())
+            return cls((), None, None, None, None, None, None)
         min_p = [params[i].min_p for i in rows]
         return cls(
             rows, torch.tensor(rows, device=device),
             torch.tensor([params[i].temperature for i in rows], device=device, dtype=torch.float32),
             torch.tensor([params[i].top_k for i in rows], device=device, dtype=torch.int64),
             torch.tensor([params[i].top_p for i in rows], device=device, dtype=torch.float32),
-            tuple(generators[i] for i in rows),
+            torch.tensor([seeds[i] for i in rows], device=device, dtype=torch.int64),
+            torch.tensor([draws[i] for i in rows], device=device, dtype=torch.int64),
             torch.tensor(min_p, device=device, dtype=torch.float32) if any(min_p) else None)
 
 
-def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 ``x`` in [0, 2^32): ``c`` in 16-bit halves, so no product
+    reaches 2^63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift / multiply rounds; the constants of Chris Wellons'
+    "lowbias32" from his hash-prospector search) on int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_draws(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) (float64, 53 random bits) per row from its ``seed`` and ``counter``
+    alone (int64 ``[S]``, seeds in [0, 2^62)): a counter-based generator, so a row's draw
+    depends on nothing else in the batch and needs no per-row state or call."""
+    a = _hash32((counters & _M32) ^ _hash32((seeds >> 32) & _M32))
+    h1 = _hash32(a ^ (seeds & _M32))
+    h2 = _hash32(h1 ^ 0x9E3779B9)
+    return ((h1 >> 6) * (1 << 27) + (h2 >> 5)).double() / float(1 << 53)
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int | None],
+                  draws: Sequence[int] | None = None) -> torch.Tensor:
     """One next token per row: logits ``[B, V]`` fp32 -> token ids ``[B]`` int64.
 
-    Greedy rows take the argmax; sampled rows draw from their own ``generators[i]`` (one draw
-    per row per step), so a row's tokens depend only on its logits and its seed."""
-    return sample_rows(logits, SamplingRows.build(params, generators, logits.device))
+    Greedy rows take the argmax; sampled rows draw with ``uniform_draws(seed, draws)`` (draws:
+    how many tokens the row drew before; default 0), so a row's token depends only on its
+    logits, its seed and its position."""
+    draws = [0] * len(params) if draws is None else draws
+    return sample_rows(logits, SamplingRows.build(params, seeds, draws, logits.device))
 
 
 def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -178,7 +212,9 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 def sample_rows_checked(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_rows`` and, per row, whether its logits are free of NaN and +inf (``[B]`` bool,
-    on the device): the greedy argmax's own pass gives it (a row's max is NaN or inf then)."""
+    on the device): the greedy argmax's own pass gives it (a row's max is NaN or inf then).
+    Sampled rows invert their filtered distribution's CDF (float64) at one uniform each, all
+    rows in one pass; ``rows.draws`` advances by one."""
     top, tokens = logits.max(dim=-1)
     finite = torch.isfinite(top)
     if rows.index is None:
@@ -187,8 +223,12 @@ def sample_rows_checked(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch
     probs = sub.softmax(dim=-1)
     # NaN / inf logits (the caller drops those rows' tokens): draw from anything rather than fail
     probs = probs.masked_fill(~torch.isfinite(probs).all(dim=-1, keepdim=True), 1.0)
-    drawn = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(rows.generators)]
-    tokens[rows.index] = torch.cat(drawn)
+    cdf = probs.double().cumsum(dim=-1)
+    at = uniform_draws(rows.seeds, rows.draws) * cdf[:, -1]
+    # the first token whose cumulative mass exceeds the draw: tokens of probability 0 never are
+    drawn = torch.searchsorted(cdf, at[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    rows.draws.add_(1)
+    tokens[rows.index] = drawn
     return tokens, finite
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
-from lightning_lorafusion.serving.sampling import filter_logits, sample_tokens
+from lightning_lorafusion.serving.sampling import filter_logits, sample_tokens, uniform_draws
 
 PROMPT = [11, 4, 30, 22, 8, 19, 40]
 
@@ -58,7 +58,38 @@ def test_sampled_tokens_stay_inside_the_filter():
     torch.manual_seed(0)
     logits = torch.randn(1, 50).repeat(200, 1)
     params = [SamplingParams(temperature=1.0, top_k=3)] * 200
-    gens = [torch.Generator().manual_seed(i) for i in range(200)]
-    tokens = sample_tokens(logits, params, gens)
+    tokens = sample_tokens(logits, params, list(range(200)))
     allowed = set(logits[0].topk(3).indices.tolist())
     assert set(tokens.tolist()) == allowed  # all three drawn over 200 rows, nothing else
+
+
+def test_draws_are_uniform_and_depend_on_seed_and_counter_only():
+    seeds = torch.arange(20_000, dtype=torch.int64) * 7919 + (1 << 40)
+    u = uniform_draws(seeds, torch.zeros_like(seeds))
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    counts = torch.histc(u, bins=20, min=0.0, max=1.0)
+    expected = len(u) / 20
+    assert float(((counts - expected) ** 2 / expected).sum()) < 50  # chi-square, 19 dof (p ~ 1e-4)
+    again = uniform_draws(seeds.flip(0), torch.zeros_like(seeds))  # order and batch do not matter
+    assert torch.equal(again, u.flip(0))
+    later = uniform_draws(seeds, torch.ones_like(seeds))
+    assert float((later == u).double().mean()) < 1e-3 and abs(float(torch.corrcoef(torch.stack([u, later]))[0, 1])) < 0.03
+    big = uniform_draws(torch.tensor([(1 << 62) - 1, 0]), torch.tensor([1 << 40, 0]))  # no overflow anywhere
+    assert bool(((big >= 0) & (big < 1)).all())
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    """Inverting the CDF at one draw per row: over many seeds, each token's share matches its
+    probability (chi-square), tokens of probability 0 are never drawn."""
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0625, 0.0625, 0.0])
+    n = 16_000
+    logits = torch.log(probs).repeat(n, 1)
+    tokens = sample_tokens(logits, [SamplingParams(temperature=1.0)] * n, list(range(n)))
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    want = probs[probs > 0].double() * n
+    assert float(((counts[probs > 0] - want) ** 2 / want).sum()) < 20  # 4 dof
+    # the k-th draw of a seed is the same alone or in a batch, at any row
+    alone = sample_tokens(logits[:1], [SamplingParams(temperature=1.0)], [123], [5])
+    mixed = sample_tokens(logits[:3], [SamplingParams(temperature=1.0)] * 3, [9, 123, 4], [0, 5, 2])
+    assert int(alone[0]) == int(mixed[1])
