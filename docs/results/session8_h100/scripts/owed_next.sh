@@ -1,6 +1,6 @@
 #!/bin/bash
-# Owed after session 8 (no device time left): one H100 call, ~8 minutes. Carry .whl with the wheels
-# named in docs/BENCHMARKS.md (issue 13 section, session 8) and run from the repo root.
+# Owed after session 8 (no device time left): one H100 call, ~8 minutes, from the repo root, carrying .whl
+# (run fetch_wheels.sh beside this here first: the wheels named in docs/BENCHMARKS.md, issue 13, session 8).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
