@@ -273,23 +273,26 @@ def server_ttft(url: str) -> tuple[float, float]:
 
 async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
                        arrivals: list[float] | None, lib: str = "aiohttp"
-                       ) -> tuple[list[Outcome], float, float | None]:
+                       ) -> tuple[list[Outcome], float, dict]:
     """Warm the connections with ``warm`` (not measured), then drive ``specs``; -> (outcomes,
-    wall seconds, the server's mean time to first token over ``specs``)."""
+    wall seconds, {"server_ttft_s": the server's mean time to first token over ``specs``,
+    "client_cpu_s": this process's CPU seconds while driving them})."""
     async with _session(url, lib, concurrency, arrivals is not None) as session:
         await drive(lambda s: send_http(session, s), warm, concurrency=concurrency, arrivals=None)
         before = server_ttft(url)  # nothing runs now: a blocking read is fine
+        cpu = time.process_time()
         outcomes, wall = await drive(lambda s: send_http(session, s), specs, concurrency=concurrency,
                                      arrivals=arrivals)
+        cpu = time.process_time() - cpu
         total, count = (a - b for a, b in zip(server_ttft(url), before))
-        return outcomes, wall, total / count if count else None
+        return outcomes, wall, {"server_ttft_s": total / count if count else None, "client_cpu_s": cpu}
 
 
 def _http_clients_in_child(url, warm, specs, concurrency, arrivals, lib, conn) -> None:
     """Entry point of the client process: outcomes go back through ``conn`` as dicts."""
     try:
-        outcomes, wall, ttft = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
-        conn.send(([asdict(o) for o in outcomes], wall, ttft))
+        outcomes, wall, extra = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
+        conn.send(([asdict(o) for o in outcomes], wall, extra))
     except BaseException as e:  # the parent reports it
         conn.send(f"{type(e).__name__}: {e}")
     finally:
@@ -298,9 +301,12 @@ def _http_clients_in_child(url, warm, specs, concurrency, arrivals, lib, conn) -
 
 def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency: int,
                      arrivals: list[float] | None, where: str, lib: str = "aiohttp"
-                     ) -> tuple[list[Outcome], float, float | None]:
+                     ) -> tuple[list[Outcome], float, dict]:
+    """``http_clients`` in a child process (``where`` "process") or in this thread ("thread":
+    the clients' CPU is then not theirs alone, and is not reported)."""
     if where == "thread":
-        return asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
+        outcomes, wall, extra = asyncio.run(http_clients(url, warm, specs, concurrency, arrivals, lib))
+        return outcomes, wall, {**extra, "client_cpu_s": None}
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA and threads
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_http_clients_in_child, args=(url, warm, specs, concurrency, arrivals, lib, child),
@@ -314,8 +320,8 @@ def run_http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrency:
     proc.join(30)
     if isinstance(got, str):
         raise RuntimeError(f"HTTP clients failed: {got}")
-    outcomes, wall, ttft = got
-    return [Outcome(**o) for o in outcomes], wall, ttft
+    outcomes, wall, extra = got
+    return [Outcome(**o) for o in outcomes], wall, extra
 
 
 class UvicornThread:
@@ -387,6 +393,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}"
 
 
+# a client process busier than this share of a core is suspected of bounding the HTTP numbers
+# (session 8: httpx clients at 5-6k tok/s on the H100 host)
+CLIENT_BUSY = 0.8
+
 # engine counters each mode records (differences over its run; HTTP runs include the clients' warm-up)
 ENGINE_COUNTERS = ("steps_total", "prefill_steps_total", "prefill_held_steps_total", "step_rows_total",
                    "step_seconds_total", "prefill_step_seconds_total", "ttft_seconds_total", "first_tokens_total",
@@ -436,6 +446,12 @@ def table(report: dict) -> str:
                      f"{_ms(v['decode_step_s']):>9} {_ms(v['prefill_step_s']):>10} {v['busy_s']:>7.2f} "
                      f"{v['idle_s']:>7.2f} {_ms(v['engine_ttft_s']):>11} {_ms(v['server_ttft_s']):>11} "
                      f"{_ms(v['client_ttft_s']):>11}")
+    for mode in HTTP_MODES:
+        r = report.get(mode)
+        if r is not None and r.get("client_cpu_s") is not None and r["wall_s"] > 0:
+            share = r["client_cpu_s"] / r["wall_s"]
+            lines.append(f"{label[mode]}: the client process used {100 * share:.0f}% of a core"
+                         + (" (busy: the clients may bound these numbers)" if share > CLIENT_BUSY else ""))
     for mode in HTTP_MODES:
         if f"{mode}_overhead" in report:
             lines.append(f"{label[mode]} overhead = 1 - http/direct tokens/s = "
@@ -561,11 +577,15 @@ def main(argv=None) -> dict:
             for mode, e in served.items():  # the same requests through each server
                 e.reset_prefix_cache()
                 before = e.stats()
-                outcomes, wall, ttft = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
-                                                        args.concurrency, arrivals, args.client, args.client_lib)
+                outcomes, wall, extra = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
+                                                         args.concurrency, arrivals, args.client, args.client_lib)
                 # the engine's step counts include the HTTP warm-up (its connections are opened by it)
                 row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before),
-                             "server_ttft_s": ttft}
+                             **extra}
+                cpu = extra["client_cpu_s"]
+                if cpu is not None and wall > 0 and cpu / wall > CLIENT_BUSY:
+                    log(f"round {k}: {mode}: the client process used {100 * cpu / wall:.0f}% of a core: the "
+                        "clients, not the server, may bound this mode's numbers")
                 log(f"round {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
                 row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
                                                                      if o.error is None})

@@ -35,6 +35,9 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
         assert r["first_tokens_total"] >= n and view["engine_ttft_s"] > 0
         if mode != "direct":  # the server's histogram: every request reached its first token after arriving
             assert 0 < view["server_ttft_s"] <= view["client_ttft_s"]
+            # the clients' own CPU, when they have a process of their own
+            assert (r["client_cpu_s"] is None) == (client == "thread")
+            assert client == "thread" or 0 < r["client_cpu_s"] <= 4 * r["wall_s"]
     view = module.engine_view(report["direct"])  # direct: the engine's clock runs inside the client's
     assert view["busy_s"] <= report["direct"]["wall_s"] and view["engine_ttft_s"] <= view["client_ttft_s"]
     assert report["direct"]["first_tokens_total"] == n
