@@ -240,17 +240,27 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, *, vocab_size: in
     prompts = []
     for p in req.prompt:
         if isinstance(p, str):
-            ids = tuple(tokenizer(p)["input_ids"])
+            ids = text_token_ids(tokenizer, p)
             if not ids:
                 raise APIError(400, "prompt: an empty prompt has no token to condition on", param="prompt")
             prompts.append(Prompt(ids, p))
         else:
-            bad = [t for t in p if not 0 <= t < vocab_size]
-            if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                               param="prompt")
+            check_token_ids(p, vocab_size, param="prompt")
             prompts.append(Prompt(tuple(p), tokenizer.decode(p)))
     return prompts
+
+
+def text_token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """A text prompt's token ids, with the tokenizer's special tokens as HF adds them by default
+    (what completions run, and what /tokenize reports)."""
+    return tuple(tokenizer(text)["input_ids"])
+
+
+def check_token_ids(ids: Any, vocab_size: int, *, param: str) -> None:
+    """A 400 naming ``param`` for the first id outside ``[0, vocab_size)``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
 class TokenizeRequest(BaseModel):

@@ -425,7 +425,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         if req.messages is not None:
             ids = oa.chat_prompt(req, srv.tokenizer).token_ids
         else:
-            ids = tuple(srv.tokenizer(req.prompt)["input_ids"])
+            ids = oa.text_token_ids(srv.tokenizer, req.prompt)
         return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": list(ids)}
 
     @app.post("/detokenize")
@@ -433,8 +433,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         srv.authorize(request)
         req = oa.parse_request(oa.DetokenizeRequest, await srv.read_json(request))
         await srv.resolve_adapter(req.model)
-        if any(not 0 <= t < srv.vocab_size for t in req.tokens):
-            raise oa.APIError(400, f"tokens must be in [0, {srv.vocab_size})", param="tokens")
+        oa.check_token_ids(req.tokens, srv.vocab_size, param="tokens")
         return {"prompt": srv.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
