@@ -1,0 +1,248 @@
+"""Prefill-time multi-adapter LoRA over the unified pool (S-LoRA's MBGMM): row tiles, one adapter each.
+
+A step's prefill rows come in segments, one per request, each with its own adapter (or none).
+``segment_tiles`` cuts the segments into tiles of at most ``block_m`` rows; tile t covers rows
+``[start_t, end_t)`` of ``x [T, K]`` and names adapter ``a_t`` (an index into the step's adapter
+tables). For projection g of a group sharing the input x:
+
+    A    = pool[a_offsets[g, a] : + r * K].view(r, K)     (r = ranks[g, a]; 0 = no LoRA there)
+    Bt   = pool[b_offsets[g, a] : + r * N_g].view(r, N_g)   (PEFT's lora_B, transposed)
+    out_g[start:end] += scales[a] * (x[start:end] @ A^T) @ Bt      (fp32 sums, one rounding)
+
+The weights stay where the pool keeps them (no per-step concatenation of factors, unlike the
+training kernels' A_all / B_cat), and the base product is a plain GEMM before this adds into its
+output. Two launches per group: the shrink ``S[g] = x A^T`` for every projection of the group
+(tensor-core dots over K, ranks padded in registers to ``block_r``, fp32 S), then one expand per
+projection (``S Bt`` added into its output, which may be a column view of a fused GEMM's).
+The grids run over the tile table's length; a tile with ``start == end`` (padding) does nothing.
+Inference only (no autograd). The torch reference (``segment_lora_reference``) computes the
+same sums per segment from the host copy of the segments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+@triton.jit
+def _segment_shrink_kernel(
+    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """S[g, rows of tile t, :rank] = x[rows] A_g^T (fp32), A_g of the tile's adapter."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    rank = tl.load(rank_ptr + g * r_g_stride + ad)
+    if (end > start) & (rank > 0):
+        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        m_ok = offs_m < end
+        r_ok = offs_r < rank
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
+            acc += tl.dot(x, tl.trans(a))
+        s_ptrs = s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :]
+        tl.store(s_ptrs, acc, mask=m_ok[:, None])
+
+
+@triton.jit
+def _segment_expand_kernel(
+    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[rows of tile t, n block] += scale * S[rows, :rank] Bt[:rank, n block]: fp32 sum of
+    the output and the delta, one rounding."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    rank = tl.load(rank_ptr + ad)
+    if (end > start) & (rank > 0):
+        b_off = tl.load(b_off_ptr + ad)
+        scale = tl.load(scale_ptr + ad)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < end
+        r_ok = offs_r < rank
+        n_ok = offs_n < N
+        s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
+                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        delta = tl.dot(s, bt, input_precision=DOT_PRECISION) * scale
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int) -> list[tuple[int, int, int]]:
+    """Segments ``(start, end, adapter)`` -> tiles of at most ``block_m`` rows, in order."""
+    tiles = []
+    for start, end, adapter in segments:
+        tiles += [(s, min(s + block_m, end), adapter) for s in range(start, end, block_m)]
+    return tiles
+
+
+def block_r_for(max_rank: int) -> int:
+    """The rank block (a compile-time constant): a power of two >= 16 holding ``max_rank``."""
+    if not 0 <= max_rank <= MAX_RANK:
+        raise ValueError(f"ranks must be in [0, {MAX_RANK}]; got {max_rank}")
+    return max(16, triton.next_power_of_2(max(max_rank, 1)))
+
+
+@dataclass(frozen=True)
+class SegmentLora:
+    """A step's prefill rows' LoRA for G projections sharing an input.
+
+    ``tiles [3, n_tiles]`` int32 (row start, row end, adapter index; padding tiles have start ==
+    end), ``a_offsets`` / ``b_offsets [G, A]`` int64 element offsets into ``pool`` (unit stride
+    along adapters), ``ranks [G, A]`` int32 (0 = the adapter has no LoRA on that projection),
+    ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
+    tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
+    ``block_r`` >= every rank (``block_r_for``).
+    """
+
+    pool: torch.Tensor
+    tiles: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+    block_m: int
+    block_r: int
+
+    @property
+    def num_projections(self) -> int:
+        return self.a_offsets.shape[0]
+
+    def check(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Shapes, dtypes and devices only (no device value read)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a 2-D tensor [rows, in_features]; got {getattr(x, 'shape', type(x))}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        pool = self.pool
+        if pool.dim() != 1 or pool.dtype != x.dtype or pool.device != x.device:
+            raise TypeError(f"pool must be 1-D {x.dtype} on {x.device}; got {tuple(pool.shape)} {pool.dtype} "
+                            f"on {pool.device}")
+        g = self.num_projections
+        if len(outs) != g:
+            raise ValueError(f"{g} projections' tables but {len(outs)} outputs")
+        n_ad = self.scales.shape[0]
+        for name, t, dtype in (("a_offsets", self.a_offsets, torch.int64), ("b_offsets", self.b_offsets, torch.int64),
+                               ("ranks", self.ranks, torch.int32)):
+            if t.shape != (g, n_ad) or t.dtype != dtype or t.device != x.device or (n_ad > 1 and t.stride(1) != 1):
+                raise ValueError(f"SegmentLora.{name} must be [{g}, {n_ad}] {dtype} on {x.device} with unit "
+                                 f"stride along adapters; got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if self.tiles.dim() != 2 or self.tiles.shape[0] != 3 or self.tiles.dtype != torch.int32 \
+                or not self.tiles.is_contiguous():
+            raise ValueError(f"SegmentLora.tiles must be a contiguous [3, tiles] int32 tensor; got "
+                             f"{tuple(self.tiles.shape)} {self.tiles.dtype}")
+        if self.scales.dtype != torch.float32:
+            raise TypeError(f"SegmentLora.scales must be float32; got {self.scales.dtype}")
+        if self.block_r < 16 or self.block_r & (self.block_r - 1) or self.block_r > MAX_RANK:
+            raise ValueError(f"block_r must be a power of two in [16, {MAX_RANK}]; got {self.block_r}")
+        rows = x.shape[0]
+        for i, y in enumerate(outs):
+            if y.dim() != 2 or y.shape[0] != rows or y.dtype != x.dtype or y.device != x.device or y.stride(1) != 1:
+                raise ValueError(f"outs[{i}] must be [{rows}, N] {x.dtype} on {x.device} with unit column stride; "
+                                 f"got {tuple(y.shape)} {y.dtype} strides {y.stride()}")
+        if any(end > rows for _, end, _ in self.segments):
+            raise ValueError(f"a segment ends past x's {rows} rows: {self.segments}")
+
+
+@torch.no_grad()
+def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor]) -> None:
+    """``outs[g][segment rows] +=`` each segment's LoRA (fp32 sums, one rounding), in place.
+    Reads the adapter tables on the host (a device sync): for the CPU and tests."""
+    lora.check(x, outs)
+    k = x.shape[1]
+    a_off, b_off, ranks, scales = (t.cpu().tolist() for t in (lora.a_offsets, lora.b_offsets, lora.ranks,
+                                                               lora.scales))
+    pool = lora.pool
+    for g, y in enumerate(outs):
+        n = y.shape[1]
+        for start, end, ad in lora.segments:
+            r = ranks[g][ad]
+            if r == 0 or end <= start:
+                continue
+            if r > lora.block_r:
+                raise ValueError(f"adapter {ad} has rank {r} on projection {g}, above block_r={lora.block_r}")
+            a, b = a_off[g][ad], b_off[g][ad]
+            if a < 0 or b < 0 or a + r * k > pool.numel() or b + r * n > pool.numel():
+                raise ValueError(f"adapter {ad}, projection {g}: A at {a} / B^T at {b} (rank {r}, K={k}, N={n}) "
+                                 f"reach past the pool ({pool.numel()} elements)")
+            s = x[start:end].float() @ pool[a:a + r * k].view(r, k).float().T
+            delta = (s @ pool[b:b + r * n].view(r, n).float()) * scales[ad]
+            y[start:end] = (y[start:end].float() + delta).to(y.dtype)
+
+
+def _shrink_block_k(device: torch.device) -> int:
+    return 64 if device.type == "cuda" else 16
+
+
+def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
+                     backend: str = "auto", check: bool = True) -> None:
+    """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
+    ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
+    "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
+    the group, one expand per projection, grids over the tile table's length."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        segment_lora_reference(x, lora, outs)
+        return
+    if check:
+        lora.check(x, outs)
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
+                           "'auto' on the CPU, or set TRITON_INTERPRET=1")
+    n_tiles = lora.tiles.shape[1]
+    if n_tiles == 0:
+        return
+    x = x if x.stride(1) == 1 else x.contiguous()
+    g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
+    block_m, block_r = lora.block_m, lora.block_r
+    s = torch.empty(g, rows, block_r, dtype=torch.float32, device=x.device)
+    _segment_shrink_kernel[(n_tiles, g)](
+        x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, x.stride(0), n_tiles,
+        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device))
+    precision = "tf32" if x.is_cuda else "ieee"
+    for i, y in enumerate(outs):
+        n = y.shape[1]
+        block_n = 128 if x.is_cuda else 32
+        _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
+            s[i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0), n_tiles,
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, DOT_PRECISION=precision)

@@ -1,0 +1,153 @@
+"""Prefill segment LoRA over the pool (MBGMM): reference vs float64 PEFT math, Triton vs reference.
+
+The Triton kernels run in the interpreter on CPU (fp32 / fp16; bf16 runs on the GPU through the
+engine, scripts/profile_prefill_step.py). Tolerances on ||got - want|| / ||want|| of the added
+delta: reference vs float64 math 1e-5 (fp32 sums over K <= 70 terms); Triton vs reference fp32
+1e-5 (summation order only); fp16 2e-3 (both round the sum into an fp16 output once, and the
+outputs' own magnitude is 1: one ulp of it, 9.8e-4, is the most an order difference moves an
+element, against deltas of norm about 1 per element).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.lora_segments import (
+    SegmentLora,
+    block_r_for,
+    segment_lora_add,
+    segment_lora_reference,
+    segment_tiles,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel_err(got, want):
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def make_pool(ranks, k, ns, dtype, device, seed=0):
+    """Adapters (one rank each, one (A [r, K], B [N_g, r]) pair per projection, rank 0 where a
+    projection is untargeted) in one flat pool as A then B^T with gaps; returns the pool, the
+    [G, A] offset / rank tables and the factors in float64."""
+    g = torch.Generator().manual_seed(seed)
+    parts, pos = [torch.randn(7, generator=g)], 7
+    a_off = torch.zeros(len(ns), len(ranks), dtype=torch.int64)
+    b_off = torch.zeros_like(a_off)
+    rk = torch.zeros(len(ns), len(ranks), dtype=torch.int32)
+    factors = {}
+    for ad, rs in enumerate(ranks):
+        for p, n in enumerate(ns):
+            r = rs[p]
+            if r == 0:
+                continue
+            a = torch.randn(r, k, generator=g) * k**-0.5
+            b = torch.randn(n, r, generator=g) * r**-0.5
+            a_off[p, ad], b_off[p, ad], rk[p, ad] = pos, pos + r * k, r
+            parts += [a.reshape(-1), b.T.reshape(-1), torch.randn(3, generator=g)]
+            pos += r * (k + n) + 3
+            factors[(ad, p)] = (a, b)
+    pool = torch.cat(parts).to(device=device, dtype=dtype)
+    factors = {key: (a.to(dtype).double(), b.to(dtype).double()) for key, (a, b) in factors.items()}
+    return pool, a_off.to(device), b_off.to(device), rk.to(device), factors
+
+
+def make_lora(pool, a_off, b_off, rk, scales, segments, block_m, *, pad_tiles=0, block_r=None):
+    tiles = segment_tiles(segments, block_m) + [(0, 0, 0)] * pad_tiles
+    tiles_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(pool.device)
+    return SegmentLora(pool=pool, tiles=tiles_t, a_offsets=a_off, b_offsets=b_off, ranks=rk,
+                       scales=scales.to(pool.device), segments=tuple(segments), block_m=block_m,
+                       block_r=block_r or block_r_for(int(rk.max()) if rk.numel() else 0))
+
+
+def test_segment_tiles_cover_each_segment_in_order():
+    tiles = segment_tiles([(0, 5, 2), (5, 6, 0), (9, 41, 1)], 16)
+    assert tiles == [(0, 5, 2), (5, 6, 0), (9, 25, 1), (25, 41, 1)]
+    assert segment_tiles([], 16) == []
+
+
+def test_block_r_is_a_power_of_two_holding_the_rank():
+    assert [block_r_for(r) for r in (0, 1, 16, 17, 64, 65, 128)] == [16, 16, 16, 32, 64, 128, 128]
+    with pytest.raises(ValueError, match="ranks must be in"):
+        block_r_for(129)
+
+
+def test_reference_matches_peft_math_per_segment():
+    """The spec, once, against x A^T B^T with PEFT's factors in float64: rows outside every
+    segment untouched, a projection an adapter does not target untouched."""
+    k, ns = 37, (24, 8, 8)
+    ranks = [(4, 4, 4), (8, 0, 8), (2, 2, 0)]
+    pool, a_off, b_off, rk, factors = make_pool(ranks, k, ns, torch.float32, "cpu")
+    scales = torch.tensor([0.5, 2.0, 1.5])
+    segments = [(0, 5, 1), (5, 6, 0), (9, 20, 2), (20, 23, 1)]  # rows 6..8 have no adapter
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(1))
+    base = [torch.randn(23, n, generator=torch.Generator().manual_seed(2 + p)) for p, n in enumerate(ns)]
+    outs = [y.clone() for y in base]
+    segment_lora_reference(x, make_lora(pool, a_off, b_off, rk, scales, segments, 4), outs)
+    for p in range(len(ns)):
+        want = base[p].double().clone()
+        for start, end, ad in segments:
+            if (ad, p) in factors:
+                a, b = factors[(ad, p)]
+                want[start:end] += scales[ad].item() * (x[start:end].double() @ a.T @ b.T)
+        assert rel_err(outs[p] - base[p], want - base[p].double()) < 1e-5
+        assert torch.equal(outs[p][6:9], base[p][6:9])
+    assert torch.equal(outs[1][0:5], base[1][0:5]) and torch.equal(outs[2][9:20], base[2][9:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_triton_matches_reference_on_column_views_of_one_output(device, dtype, block_m):
+    """q/k/v-like group: the outputs are column views of one fused GEMM output; segments that
+    span several tiles and end mid-tile, mixed ranks (one above 16: a 32-wide rank block), a
+    rank-0 projection, padding tiles at the end of the table."""
+    k, ns = 70, (48, 16, 16)
+    ranks = [(8, 8, 8), (20, 20, 20), (3, 0, 3), (16, 16, 16)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, dtype, device, seed=3)
+    scales = torch.tensor([2.0, 0.125, 1.0, 0.5])
+    segments = [(0, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 107, 1)]
+    x = torch.randn(110, k, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    base = torch.randn(110, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    lora = make_lora(pool, a_off, b_off, rk, scales, segments, block_m, pad_tiles=3)
+    got, want = base.clone(), base.clone()
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton")
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
+    assert rel_err(got - base, want - base) < TOL[dtype]
+    assert torch.equal(got[40:44], base[40:44]) and torch.equal(got[107:], base[107:])  # no segment there
+    assert torch.equal(got[44:45, 48:64], base[44:45, 48:64])  # adapter 2 has no k LoRA
+
+
+def test_triton_separate_outputs_and_block_r_wider_than_ranks(device):
+    """o / down-like single projections into their own tensors; block_r larger than needed."""
+    k, ns = 40, (33,)
+    ranks = [(5,), (12,)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, device, seed=6)
+    segments = [(2, 19, 1), (19, 23, 0)]
+    lora = make_lora(pool, a_off, b_off, rk, torch.tensor([1.0, 0.75]), segments, 16, block_r=64)
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(7)).to(device)
+    got = torch.zeros(23, 33, device=device)
+    want = got.clone()
+    segment_lora_add(x, lora, [got], backend="triton")
+    segment_lora_reference(x, lora, [want])
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got[:2], torch.zeros(2, 33, device=device))
+
+
+def test_bad_tables_are_refused_before_any_launch():
+    k, ns = 8, (8,)
+    pool, a_off, b_off, rk, _ = make_pool([(4,)], k, ns, torch.float32, "cpu")
+    x = torch.randn(4, k)
+    lora = make_lora(pool, a_off, b_off, rk, torch.tensor([1.0]), [(0, 4, 0)], 16)
+    with pytest.raises(ValueError, match="2 outputs"):
+        segment_lora_add(x, lora, [torch.zeros(4, 8), torch.zeros(4, 8)], backend="torch")
+    with pytest.raises(ValueError, match="ends past"):
+        segment_lora_add(x[:3], lora, [torch.zeros(3, 8)], backend="torch")
+    with pytest.raises(TypeError, match="pool must be"):
+        segment_lora_add(x.half(), lora, [torch.zeros(4, 8, dtype=torch.float16)], backend="torch")
+    with pytest.raises(ValueError, match="backend="):
+        segment_lora_add(x, lora, [torch.zeros(4, 8)], backend="cuda")
+    big = SegmentLora(**{**lora.__dict__, "block_r": 16, "ranks": torch.tensor([[20]], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="above block_r"):
+        segment_lora_reference(x, big, [torch.zeros(4, 8)])
