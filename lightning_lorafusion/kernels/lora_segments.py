@@ -37,7 +37,7 @@ BACKENDS = ("torch", "triton", "auto")
 @triton.jit
 def _segment_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """S[g, rows of tile t, :rank] = x[rows] A_g^T (fp32), A_g of the tile's adapter."""
     t = tl.program_id(0)
@@ -60,7 +60,7 @@ def _segment_shrink_kernel(
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-            acc += tl.dot(x, tl.trans(a))
+            acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
         s_ptrs = s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :]
         tl.store(s_ptrs, acc, mask=m_ok[:, None])
 
@@ -235,11 +235,13 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, block_r = lora.block_m, lora.block_r
     s = torch.empty(g, rows, block_r, dtype=torch.float32, device=x.device)
+    # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
+    # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
+    precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
     _segment_shrink_kernel[(n_tiles, g)](
         x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, x.stride(0), n_tiles,
         lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device))
-    precision = "tf32" if x.is_cuda else "ieee"
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device), DOT_PRECISION=precision)
     for i, y in enumerate(outs):
         n = y.shape[1]
         block_n = 128 if x.is_cuda else 32

@@ -2,8 +2,10 @@
 
 Rows of a step: first every prefill request's tokens (from its first uncached position), then
 one token per decode request. Linear layers run once over all rows: q/k/v and gate/up as one
-GEMM each (``fused_weights``) unless prefill rows bring LoRA, which goes through the
-multi-adapter segment kernels (``lora_projections`` with one segment per request). Decode rows'
+GEMM each (``fused_weights``). Prefill rows' LoRA is added into those outputs by row tiles of one
+request each (``lora_segments``: one shrink per group of projections sharing an input, one
+expand per projection, the factors read where the pool holds them; one table of tiles and one
+of the step's adapters' offsets serve every layer). Decode rows'
 LoRA is gathered (each row its own adapter and rank, weights read from the pool): one shrink per
 group of projections sharing an input, the expand fused into what consumes the projection
 (``lora_epilogues``: RoPE + KV write, SwiGLU; ``lora_gather`` for o and down). Residual adds are
@@ -26,17 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from ..kernels.api import lora_projections
+from ..kernels.fp8_linear import frozen_projections
 from ..kernels.lora_epilogues import rope_write_kv, swiglu
 from ..kernels.lora_gather import GatheredLora, lora_gather
+from ..kernels.lora_segments import SegmentLora, block_r_for, segment_lora_add, segment_tiles
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.paged_prefill import paged_prefill_attention
-from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin, rope_inv_freq
@@ -68,6 +68,27 @@ class PrefixRows:
     max_seqlen: int  # most rows of one request
 
 
+@dataclass(frozen=True)
+class PrefillLora:
+    """The prefill rows' LoRA tables of a step (``lora_segments``): row tiles of one request
+    each, and the step's distinct adapters' element offsets in the pool."""
+
+    tiles: torch.Tensor  # [3, tiles] int32: row start, row end, adapter index
+    offsets: torch.Tensor  # [L, modules, 2, A] int64 (A, B^T), absolute in the pool
+    ranks: torch.Tensor  # [modules, A] int32 (0 = the adapter does not target the module)
+    scales: torch.Tensor  # [A] fp32
+    segments: tuple[tuple[int, int, int], ...]  # (row start, row end, adapter index), host copy
+    modules: frozenset[str]  # modules some prefill adapter targets
+    block_m: int
+    block_r: int
+
+    def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
+        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
+        return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
+                           b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
+                           segments=self.segments, block_m=self.block_m, block_r=self.block_r)
+
+
 @dataclass
 class StepBatch:
     """Device-side inputs of one step (built by ``ModelRunner.prepare``)."""
@@ -81,8 +102,7 @@ class StepBatch:
     cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the varlen prefill rows
     max_prefill_len: int  # of the varlen prefill rows
     prefill_prefixes: PrefixRows | None
-    prefill_routing: LoraRouting | None
-    prefill_loras: Mapping[tuple[int, str], LoraModuleWeights]
+    prefill_lora: PrefillLora | None
     page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
     seq_lens: torch.Tensor | None  # [B] int32
     decode_offsets: torch.Tensor | None  # [L, modules, 2, B] int64 element offsets of A and B^T
@@ -109,7 +129,8 @@ class ModelRunner:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
-        self.lora_backend = auto if backend == "auto" else backend  # prefill segment kernels
+        self.lora_backend = auto if backend == "auto" else backend  # prefill LoRA (lora_segments)
+        self.segment_block_m = 64 if self.device.type == "cuda" else 16  # rows per prefill LoRA tile
         self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         if prefill_attention not in ("auto", "varlen", "paged"):
             raise ValueError(f"prefill_attention={prefill_attention!r}; allowed: auto, varlen, paged")
@@ -126,9 +147,6 @@ class ModelRunner:
         self.pad_decode = False
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
-        # per resident adapter, views of its factors in the pool (valid while it stays resident:
-        # a page-in makes a new ResidentAdapter)
-        self._adapter_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -177,8 +195,7 @@ class ModelRunner:
         return StepBatch(
             input_ids=inputs.step[0, :rows], positions=positions, slot_pages=inputs.step[2, :rows],
             slot_offsets=positions % self.pool.page_size, num_prefill_rows=0, num_fresh_rows=0, cu_seqlens=None,
-            max_prefill_len=0, prefill_prefixes=None,
-            prefill_routing=None, prefill_loras={}, page_table=inputs.page_table[:rows],
+            max_prefill_len=0, prefill_prefixes=None, prefill_lora=None, page_table=inputs.page_table[:rows],
             seq_lens=(positions + 1).to(torch.int32),
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
             decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
@@ -254,16 +271,12 @@ class ModelRunner:
             cu_seqlens=tensor(fresh_cu, torch.int32) if fresh else None,
             max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
             prefill_prefixes=self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None,
-            prefill_routing=None, prefill_loras={}, page_table=None, seq_lens=None,
+            prefill_lora=None, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows),
         )
         if segments:
-            batch.prefill_routing = LoraRouting(
-                num_rows=len(ids), segments=tuple(segments),
-                scales=tuple(r.adapter.scale for r in residents), dropout_p=(0.0,) * len(residents),
-                seeds=(0,) * len(residents))
-            batch.prefill_loras = self._bank_view(residents)
+            batch.prefill_lora = self._prefill_lora(segments, residents)
         if decode:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
@@ -295,28 +308,21 @@ class ModelRunner:
             batch.decode_scales = inputs.lora_scales[:b]
             batch.decode_modules = inputs.modules
 
-    def _bank_view(self, residents: Sequence[ResidentAdapter]) -> dict[tuple[int, str], LoraModuleWeights]:
-        """Views into the pool of the prefill adapters' factors, as the segment kernels take them
-        (``A [r, K]``, ``B [N, r]``, the latter a transposed view of the stored ``B^T``)."""
-        per = [self._resident_views(r) for r in residents]
-        view: dict[tuple[int, str], LoraModuleWeights] = {}
-        for layer in range(self.config.num_layers):
-            for module in ALL_TARGET_MODULES:
-                pairs = [p.get((layer, module)) for p in per]
-                if any(pair is not None for pair in pairs):
-                    view[(layer, module)] = LoraModuleWeights(a=tuple(p and p[0] for p in pairs),
-                                                              b=tuple(p and p[1] for p in pairs))
-        return view
-
-    def _resident_views(self, r: ResidentAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        views = self._adapter_views.get(r)
-        if views is None:
-            flat, rank, off = self.pool.storage, r.adapter.rank, r.offset
-            views = {key: (flat[off + s.a:off + s.a + rank * s.in_features].view(rank, s.in_features),
-                           flat[off + s.b:off + s.b + rank * s.out_features].view(rank, s.out_features).t())
-                     for key, s in r.adapter.slots.items()}
-            self._adapter_views[r] = views
-        return views
+    def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter]) -> PrefillLora:
+        """The step's prefill LoRA tables: tiles of ``segment_block_m`` rows, one copy each to
+        the device; the adapters' offsets are ``relative_offsets`` (per layer and module) moved
+        by where each sits in the pool."""
+        tiles = segment_tiles(segments, self.segment_block_m)
+        dev = self.device
+        offsets = torch.stack([r.adapter.relative_offsets + r.offset for r in residents], dim=-1)  # [L, M, 2, A]
+        ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
+        return PrefillLora(
+            tiles=torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True),
+            offsets=offsets.to(dev, non_blocking=True), ranks=ranks.to(dev, non_blocking=True),
+            scales=torch.tensor([r.adapter.scale for r in residents], dtype=torch.float32).to(dev, non_blocking=True),
+            segments=tuple(segments),
+            modules=frozenset(m for r in residents for m in r.adapter.target_modules),
+            block_m=self.segment_block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
 
     # ------------------------------------------------------------------ forward
 
@@ -381,15 +387,19 @@ class ModelRunner:
 
     def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],
                      layer: int, batch: StepBatch) -> list[torch.Tensor]:
-        """The frozen projections of a group (one GEMM when the layer has its fused weight and
-        no prefill row brings LoRA here; a column view per member) plus the prefill rows' LoRA."""
+        """The frozen projections of a group (one GEMM when the layer has its fused weight; a
+        column view per member) plus the prefill rows' LoRA, added in place."""
         fused, names = group
-        loras = [batch.prefill_loras.get((layer, n)) for n in names]
-        if fused is not None and fused in lp and all(lora is None for lora in loras):
+        if fused is not None and fused in lp:
             y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
-            return list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
-        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-        return lora_projections(x, weights, biases, loras, batch.prefill_routing, backend=self.lora_backend)
+            outs = list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
+        else:
+            weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+            outs = frozen_projections(x, weights, biases)
+        pre = batch.prefill_lora
+        if pre is not None and pre.modules.intersection(names):
+            segment_lora_add(x, pre.group(self.pool.storage, layer, names), outs, backend=self.lora_backend)
+        return outs
 
     def _gathered(self, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
                   batch: StepBatch) -> GatheredLora | None:

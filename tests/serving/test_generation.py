@@ -53,7 +53,7 @@ def test_triton_kernels_equal_hf_peft(make_engine, hf_reference):
 
 def test_triton_mixed_prefill_and_decode_step_equals_torch(make_engine):
     """A step holding prefill rows and decode rows (the decode rows' LoRA gathered from row
-    ``first_row`` on, q/k/v not fused there because the prefill rows bring LoRA): the Triton
+    ``first_row`` on, the prefill rows' by row tiles): the Triton
     kernels (interpreter, fp32) give the torch references' tokens and logprobs."""
     sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
     cases = [CASES[1], CASES[3], CASES[2]]
