@@ -4,7 +4,8 @@ One device, one engine per mode: a random-weight Llama of a real shape (``--shap
 as scripts/bench_generation.py builds it) with ``--adapters`` random LoRA adapters of mixed ranks
 (``build_engine``: seeded, so every engine built from the same arguments has the same weights).
 ``--requests`` greedy requests (prompts of ``--prompt-min``..``--prompt-max`` random tokens,
-``--new-tokens`` generated, EOS ignored), each naming an adapter drawn uniformly or, with
+``--new-tokens`` generated, or with ``--new-tokens-max`` a length drawn uniformly between the two per
+request, EOS ignored), each naming an adapter drawn uniformly or, with
 ``--zipf s``, with probability proportional to 1 / rank^s. They run side by side:
 
 - direct: ``Engine.stream`` per request, as asyncio tasks in this process (the reference);
@@ -366,9 +367,13 @@ def spread(values: list[float]) -> dict:
             "p99": percentile(values, 99)}
 
 
-def summarize(outcomes: list[Outcome], wall: float, *, new_tokens: int) -> dict:
+def summarize(outcomes: list[Outcome], wall: float, *, new_tokens: int | dict[str, int]) -> dict:
+    """``new_tokens``: every request's length, or each one's by request id."""
+    def wanted(o: Outcome) -> int:
+        return new_tokens if isinstance(new_tokens, int) else new_tokens[o.request_id]
+
     errors = [o for o in outcomes if o.error is not None]
-    complete = [o for o in outcomes if o.error is None and o.finish_reason == "length" and o.tokens == new_tokens]
+    complete = [o for o in outcomes if o.error is None and o.finish_reason == "length" and o.tokens == wanted(o)]
     tokens = sum(o.tokens for o in outcomes if o.error is None)
     ttft = [o.first - o.sent for o in complete if o.first is not None]
     tpot = [(o.last - o.first) / (o.tokens - 1) for o in complete if o.first is not None and o.tokens > 1]
@@ -479,6 +484,9 @@ def table(report: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_args(ap, new_tokens=64)
+    ap.add_argument("--new-tokens-max", type=int, default=None,
+                    help="outputs of uniform length in [--new-tokens, this] per request (scripts/bench_serving.py's "
+                         "--output-len); default: every request --new-tokens")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients (ignored with --rate)")
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
     ap.add_argument("--zipf", type=float, default=0.0, help="adapter popularity ~ 1/rank^s (0: uniform)")
@@ -535,6 +543,16 @@ def main(argv=None) -> dict:
     weights = [1.0 / (i + 1) ** args.zipf for i in range(len(names))] if args.zipf > 0 else None
     reqs = make_requests(args.requests, vocab, args.prompt_min, args.prompt_max, names,
                          args.new_tokens, seed=args.seed, adapter_weights=weights)
+    if args.new_tokens_max is not None:
+        if args.new_tokens_max < args.new_tokens:
+            ap.error("--new-tokens-max must be at least --new-tokens")
+        lengths = random.Random(args.seed + 7)
+        reqs = [replace(r, sampling=replace(r.sampling, max_new_tokens=lengths.randint(args.new_tokens,
+                                                                                        args.new_tokens_max)))
+                for r in reqs]
+    expected = {r.request_id: r.sampling.max_new_tokens for r in reqs}
+    report["output_lengths"] = {"min": min(expected.values()), "max": max(expected.values()),
+                                "total": sum(expected.values())}
     arrivals = None if closed else poisson_arrivals(len(reqs), args.rate, seed=args.seed)
     # one short request per adapter: compiles, graph buckets and every adapter paged in before any mode
     warm = make_requests(len(names), vocab, args.prompt_min, args.prompt_min + 16, names, 4, seed=args.seed + 1)
@@ -571,7 +589,7 @@ def main(argv=None) -> dict:
             sync(device)
             outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs,
                                                concurrency=args.concurrency, arrivals=arrivals))
-            row["direct"] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(engine, before)}
+            row["direct"] = {**summarize(outcomes, wall, new_tokens=expected), **stats_delta(engine, before)}
             direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
             for mode, e in served.items():  # the same requests through each server
@@ -580,7 +598,7 @@ def main(argv=None) -> dict:
                 outcomes, wall, extra = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
                                                          args.concurrency, arrivals, args.client, args.client_lib)
                 # the engine's step counts include the HTTP warm-up (its connections are opened by it)
-                row[mode] = {**summarize(outcomes, wall, new_tokens=args.new_tokens), **stats_delta(e, before),
+                row[mode] = {**summarize(outcomes, wall, new_tokens=expected), **stats_delta(e, before),
                              **extra}
                 cpu = extra["client_cpu_s"]
                 if cpu is not None and wall > 0 and cpu / wall > CLIENT_BUSY:

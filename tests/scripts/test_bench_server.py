@@ -15,18 +15,24 @@ ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-token
 
 @pytest.mark.parametrize("load,client", [(["--requests", "10", "--concurrency", "4", "--rounds", "2",
                                            "--client-lib", "httpx"], "thread"),
-                                         (["--requests", "6", "--rate", "100", "--zipf", "1.0"], "process"),
+                                         (["--requests", "6", "--rate", "100", "--zipf", "1.0", "--new-tokens-max",
+                                           "9"], "process"),
                                          (["--requests", "6", "--concurrency", "3", "--engine-process",
                                            "--compare-in-process"], "thread")])
 def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     module = load_script("bench_server")
     report = module.main(ARGS + load + ["--client", client, "--out", str(tmp_path)])
     n = report["args"]["requests"]
+    lengths = report["output_lengths"]  # each request's own length with --new-tokens-max
+    if report["args"]["new_tokens_max"] is None:
+        assert lengths == {"min": 4, "max": 4, "total": n * 4}
+    else:
+        assert 4 <= lengths["min"] < lengths["max"] <= 9
     modes = ["direct", "http"] + (["http_in_process"] if report["args"]["compare_in_process"] else [])
     for mode in modes:
         r = report[mode]
         assert (r["requests"], r["complete"], r["errors"], r["incomplete"]) == (n, n, 0, 0), r
-        assert r["generated_tokens"] == n * 4
+        assert r["generated_tokens"] == lengths["total"]
         assert r["ttft_s"]["p50"] > 0 and r["itl_s"]["p99"] >= r["itl_s"]["p50"] > 0
         assert r["steps_total"] > 0  # read from the engine that served the mode
         view = module.engine_view(r)
@@ -58,7 +64,7 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     http_rate = sum(r["http"]["generated_tokens"] for r in warm) / sum(r["http"]["wall_s"] for r in warm)
     assert report["http_overhead_pooled_warm"] == pytest.approx(1 - http_rate / direct_rate)
     saved = json.loads((tmp_path / "bench_server_tiny.json").read_text())
-    assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == n * 4
+    assert saved["http"]["complete"] == n and saved["direct"]["generated_tokens"] == lengths["total"]
     out = capsys.readouterr().out
     label = "http (engine process)" if report["args"]["engine_process"] else "http"
     assert out.rstrip().splitlines()[-len(modes) + 1] == f"greedy texts equal to direct, {label}: {n}/{n}"
