@@ -5,16 +5,15 @@ A step's prefill rows come in segments, one per request, each with its own adapt
 ``[start_t, end_t)`` of ``x [T, K]`` and names adapter ``a_t`` (an index into the step's adapter
 tables). For projection g of a group sharing the input x:
 
-    A    = pool[offsets[g, 0, a] : + r * K].view(r, K)     (r = ranks[g, a]; 0 = no LoRA there)
-    Bt   = pool[offsets[g, 1, a] : + r * N_g].view(r, N_g)   (PEFT's lora_B, transposed)
+    A    = pool[a_offsets[g, a] : + r * K].view(r, K)     (r = ranks[g, a]; 0 = no LoRA there)
+    Bt   = pool[b_offsets[g, a] : + r * N_g].view(r, N_g)   (PEFT's lora_B, transposed)
     out_g[start:end] += scales[a] * (x[start:end] @ A^T) @ Bt      (fp32 sums, one rounding)
 
 The weights stay where the pool keeps them (no per-step concatenation of factors, unlike the
 training kernels' A_all / B_cat), and the base product is a plain GEMM before this adds into its
 output. Two launches per group: the shrink ``S[g] = x A^T`` for every projection of the group
-(tensor-core dots over K, ranks padded in registers to ``block_r``, fp32 S), then the expand
-(``S Bt`` added into each output): one launch when the outputs are column ranges of one tensor
-(a fused GEMM's), else one per projection.
+(tensor-core dots over K, ranks padded in registers to ``block_r``, fp32 S), then one expand per
+projection (``S Bt`` added into its output, which may be a column view of a fused GEMM's).
 The grids run over the tile table's length; a tile with ``start == end`` (padding) does nothing.
 Inference only (no autograd). The torch reference (``segment_lora_reference``) computes the
 same sums per segment from the host copy of the segments.
@@ -37,19 +36,18 @@ BACKENDS = ("torch", "triton", "auto")
 
 @triton.jit
 def _segment_shrink_kernel(
-    x_ptr, pool_ptr, tiles_ptr, off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, n_adapters, first, first_rank,
-    s_g_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """S[g, rows of tile t, :rank] = x[rows] A_g^T (fp32), A_g of the tile's adapter: its offset
-    at ``offsets[first + g, 0, adapter]``, its rank at ``ranks[first_rank + g, adapter]``."""
+    """S[g, rows of tile t, :rank] = x[rows] A_g^T (fp32), A_g of the tile's adapter."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.load(rank_ptr + (first_rank + g) * n_adapters + ad)
+    rank = tl.load(rank_ptr + g * r_g_stride + ad)
     if (end > start) & (rank > 0):
-        a_off = tl.load(off_ptr + (first + g) * 2 * n_adapters + ad)
+        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < end
@@ -69,39 +67,32 @@ def _segment_shrink_kernel(
 
 @triton.jit
 def _segment_expand_kernel(
-    s_ptr, pool_ptr, tiles_ptr, off_ptr, rank_ptr, scale_ptr, out_ptr, out_stride, n_tiles, n_adapters, first,
-    first_rank, g0, s_g_stride, N0, N1, N2, C1, C2,
+    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """out[rows of tile t, columns of projection g's n block] += scale * S[g, rows, :rank]
-    Bt_g[:rank, n block]: fp32 sum of the output and the delta, one rounding. Projection
-    g = g0 + program_id(2) writes N_g columns from column C_g of ``out`` (C_0 = 0): up to three
-    projections whose outputs are column ranges of one tensor, in one launch."""
+    """out[rows of tile t, n block] += scale * S[rows, :rank] Bt[:rank, n block]: fp32 sum of
+    the output and the delta, one rounding."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    j = tl.program_id(2)
-    n = tl.where(j == 0, N0, tl.where(j == 1, N1, N2))
-    col0 = tl.where(j == 0, 0, tl.where(j == 1, C1, C2))
-    g = g0 + j
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.load(rank_ptr + (first_rank + g) * n_adapters + ad)
-    if (end > start) & (rank > 0) & (nb * BLOCK_N < n):
-        b_off = tl.load(off_ptr + ((first + g) * 2 + 1) * n_adapters + ad)
+    rank = tl.load(rank_ptr + ad)
+    if (end > start) & (rank > 0):
+        b_off = tl.load(b_off_ptr + ad)
         scale = tl.load(scale_ptr + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < end
         r_ok = offs_r < rank
-        n_ok = offs_n < n
-        s = tl.load(s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
+        n_ok = offs_n < N
+        s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        bt = tl.load(pool_ptr + b_off + offs_r[:, None] * n + offs_n[None, :],
+        bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
                      mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         delta = tl.dot(s, bt, input_precision=DOT_PRECISION) * scale
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + col0 + offs_n[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
         y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=ok)
@@ -132,33 +123,26 @@ class SegmentLora:
     """A step's prefill rows' LoRA for G projections sharing an input.
 
     ``tiles [3, n_tiles]`` int32 (row start, row end, adapter index; padding tiles have start ==
-    end). ``offsets [P, 2, A]`` int64: element offsets into ``pool`` of A and B^T, projection g of
-    this group at row ``first + g`` (the engine keeps one table for every (layer, module) of the
-    step and points each group into it, so no view is made per call); ``ranks [Q, A]`` int32,
-    projection g at row ``first_rank + g`` (0 = the adapter has no LoRA on that projection);
-    ``scales [A]`` fp32; all contiguous, on the pool's device. ``segments``: the host copy of
-    what the tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
-    ``block_r`` >= every rank (``block_r_for``). ``scratch``: optional fp32 buffer of at least
-    ``G * rows * block_r`` elements for S, reused across calls (the engine allocates one per
-    step; calls on one stream are ordered).
+    end), ``a_offsets`` / ``b_offsets [G, A]`` int64 element offsets into ``pool`` (unit stride
+    along adapters), ``ranks [G, A]`` int32 (0 = the adapter has no LoRA on that projection),
+    ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
+    tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
+    ``block_r`` >= every rank (``block_r_for``).
     """
 
     pool: torch.Tensor
     tiles: torch.Tensor
-    offsets: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
     ranks: torch.Tensor
     scales: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
     block_m: int
     block_r: int
-    num_projections: int
-    first: int = 0
-    first_rank: int = 0
-    scratch: torch.Tensor | None = None
 
-    def projection(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A offsets, B^T offsets, ranks) of projection g, each ``[A]`` (views; for the reference)."""
-        return self.offsets[self.first + g, 0], self.offsets[self.first + g, 1], self.ranks[self.first_rank + g]
+    @property
+    def num_projections(self) -> int:
+        return self.a_offsets.shape[0]
 
     def check(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Shapes, dtypes and devices only (no device value read)."""
@@ -171,22 +155,14 @@ class SegmentLora:
             raise TypeError(f"pool must be 1-D {x.dtype} on {x.device}; got {tuple(pool.shape)} {pool.dtype} "
                             f"on {pool.device}")
         g = self.num_projections
-        if len(outs) != g or not 1 <= g <= 3:
-            raise ValueError(f"{g} projections' tables (1 to 3) but {len(outs)} outputs")
+        if len(outs) != g:
+            raise ValueError(f"{g} projections' tables but {len(outs)} outputs")
         n_ad = self.scales.shape[0]
-        off, rk = self.offsets, self.ranks
-        if off.dim() != 3 or off.shape[1:] != (2, n_ad) or off.dtype != torch.int64 or not off.is_contiguous() \
-                or not 0 <= self.first <= off.shape[0] - g:
-            raise ValueError(f"SegmentLora.offsets must be a contiguous [P, 2, {n_ad}] int64 tensor with rows "
-                             f"first..first+{g - 1} = {self.first}..{self.first + g - 1}; got {tuple(off.shape)} "
-                             f"{off.dtype}")
-        if rk.dim() != 2 or rk.shape[1] != n_ad or rk.dtype != torch.int32 or not rk.is_contiguous() \
-                or not 0 <= self.first_rank <= rk.shape[0] - g:
-            raise ValueError(f"SegmentLora.ranks must be a contiguous [Q, {n_ad}] int32 tensor with rows "
-                             f"{self.first_rank}..{self.first_rank + g - 1}; got {tuple(rk.shape)} {rk.dtype}")
-        for name, t in (("offsets", off), ("ranks", rk), ("tiles", self.tiles), ("scales", self.scales)):
-            if t.device != x.device:
-                raise ValueError(f"SegmentLora.{name} is on {t.device}, x on {x.device}")
+        for name, t, dtype in (("a_offsets", self.a_offsets, torch.int64), ("b_offsets", self.b_offsets, torch.int64),
+                               ("ranks", self.ranks, torch.int32)):
+            if t.shape != (g, n_ad) or t.dtype != dtype or t.device != x.device or (n_ad > 1 and t.stride(1) != 1):
+                raise ValueError(f"SegmentLora.{name} must be [{g}, {n_ad}] {dtype} on {x.device} with unit "
+                                 f"stride along adapters; got {tuple(t.shape)} {t.dtype} on {t.device}")
         if self.tiles.dim() != 2 or self.tiles.shape[0] != 3 or self.tiles.dtype != torch.int32 \
                 or not self.tiles.is_contiguous():
             raise ValueError(f"SegmentLora.tiles must be a contiguous [3, tiles] int32 tensor; got "
@@ -202,11 +178,6 @@ class SegmentLora:
                                  f"got {tuple(y.shape)} {y.dtype} strides {y.stride()}")
         if any(end > rows for _, end, _ in self.segments):
             raise ValueError(f"a segment ends past x's {rows} rows: {self.segments}")
-        sc = self.scratch
-        if sc is not None and (sc.dtype != torch.float32 or sc.device != x.device or not sc.is_contiguous()
-                               or sc.numel() < g * rows * self.block_r):
-            raise ValueError(f"SegmentLora.scratch must be a contiguous float32 buffer of >= {g * rows * self.block_r} "
-                             f"elements on {x.device}")
 
 
 @torch.no_grad()
@@ -215,19 +186,18 @@ def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[to
     Reads the adapter tables on the host (a device sync): for the CPU and tests."""
     lora.check(x, outs)
     k = x.shape[1]
-    tables = [[t.cpu().tolist() for t in lora.projection(g)] for g in range(lora.num_projections)]
-    scales = lora.scales.cpu().tolist()
+    a_off, b_off, ranks, scales = (t.cpu().tolist() for t in (lora.a_offsets, lora.b_offsets, lora.ranks,
+                                                               lora.scales))
     pool = lora.pool
     for g, y in enumerate(outs):
         n = y.shape[1]
         for start, end, ad in lora.segments:
-            a_offs, b_offs, ranks = tables[g]
-            r = ranks[ad]
+            r = ranks[g][ad]
             if r == 0 or end <= start:
                 continue
             if r > lora.block_r:
                 raise ValueError(f"adapter {ad} has rank {r} on projection {g}, above block_r={lora.block_r}")
-            a, b = a_offs[ad], b_offs[ad]
+            a, b = a_off[g][ad], b_off[g][ad]
             if a < 0 or b < 0 or a + r * k > pool.numel() or b + r * n > pool.numel():
                 raise ValueError(f"adapter {ad}, projection {g}: A at {a} / B^T at {b} (rank {r}, K={k}, N={n}) "
                                  f"reach past the pool ({pool.numel()} elements)")
@@ -263,40 +233,18 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         return
     x = x if x.stride(1) == 1 else x.contiguous()
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
-    block_m, block_r, n_ad = lora.block_m, lora.block_r, lora.scales.shape[0]
-    size = g * rows * block_r
-    s = (lora.scratch.view(-1)[:size] if lora.scratch is not None
-         else torch.empty(size, dtype=torch.float32, device=x.device)).view(g, rows, block_r)
+    block_m, block_r = lora.block_m, lora.block_r
+    s = torch.empty(g, rows, block_r, dtype=torch.float32, device=x.device)
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
     _segment_shrink_kernel[(n_tiles, g)](
-        x, lora.pool, lora.tiles, lora.offsets, lora.ranks, s, k, x.stride(0), n_tiles, n_ad, lora.first,
-        lora.first_rank, s.stride(0),
+        x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, x.stride(0), n_tiles,
+        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device), DOT_PRECISION=precision)
-    block_n = 128 if x.is_cuda else 32
-    for g0, out, widths, cols in _expand_launches(outs):
-        n_max = max(widths)
-        widths += [0] * (3 - len(widths))
-        cols += [0] * (3 - len(cols))
-        _segment_expand_kernel[(n_tiles, triton.cdiv(n_max, block_n), len(outs) if g0 < 0 else 1)](
-            s, lora.pool, lora.tiles, lora.offsets, lora.ranks, lora.scales, out, out.stride(0), n_tiles, n_ad,
-            lora.first, lora.first_rank, max(g0, 0), s.stride(0), widths[0], widths[1], widths[2], cols[1], cols[2],
+    for i, y in enumerate(outs):
+        n = y.shape[1]
+        block_n = 128 if x.is_cuda else 32
+        _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
+            s[i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0), n_tiles,
             BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, DOT_PRECISION=precision)
-
-
-def _expand_launches(outs: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor, list[int], list[int]]]:
-    """One expand launch for outputs that are column ranges of one tensor (a fused GEMM's, in
-    order), else one per output: ``(g0, out, widths, column offsets)``; g0 = -1 marks the single
-    launch over all of them (its projection index is the program's)."""
-    first = outs[0]
-    base, size = first.data_ptr(), first.element_size()
-    cols = [(y.data_ptr() - base) // size for y in outs]
-    joint = len(outs) > 1 and all(
-        y.stride(0) == first.stride(0) and y.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        for y in outs) and all(c >= 0 for c in cols) and all(
-        cols[i] + outs[i].shape[1] <= cols[i + 1] for i in range(len(outs) - 1)) and \
-        cols[-1] + outs[-1].shape[1] <= first.stride(0)
-    if joint:
-        return [(-1, first, [y.shape[1] for y in outs], cols)]
-    return [(i, y, [y.shape[1]], [0]) for i, y in enumerate(outs)]

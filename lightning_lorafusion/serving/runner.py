@@ -74,22 +74,19 @@ class PrefillLora:
     each, and the step's distinct adapters' element offsets in the pool."""
 
     tiles: torch.Tensor  # [3, tiles] int32: row start, row end, adapter index
-    offsets: torch.Tensor  # [L * modules, 2, A] int64 (A, B^T), absolute in the pool
+    offsets: torch.Tensor  # [L, modules, 2, A] int64 (A, B^T), absolute in the pool
     ranks: torch.Tensor  # [modules, A] int32 (0 = the adapter does not target the module)
     scales: torch.Tensor  # [A] fp32
     segments: tuple[tuple[int, int, int], ...]  # (row start, row end, adapter index), host copy
     modules: frozenset[str]  # modules some prefill adapter targets
     block_m: int
     block_r: int
-    scratch: torch.Tensor  # S of every group, reused layer after layer (fp32, 3 * rows * block_r)
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
-        """The tables of one group of one layer: row offsets into the step's tables, no views."""
-        m0 = _MODULE_INDEX[names[0]]
-        return SegmentLora(pool=pool, tiles=self.tiles, offsets=self.offsets, ranks=self.ranks, scales=self.scales,
-                           segments=self.segments, block_m=self.block_m, block_r=self.block_r,
-                           num_projections=len(names), first=layer * len(ALL_TARGET_MODULES) + m0, first_rank=m0,
-                           scratch=self.scratch)
+        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
+        return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
+                           b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
+                           segments=self.segments, block_m=self.block_m, block_r=self.block_r)
 
 
 @dataclass
@@ -279,7 +276,7 @@ class ModelRunner:
             spans=spans, output_rows=tensor(out_rows),
         )
         if segments:
-            batch.prefill_lora = self._prefill_lora(segments, residents, len(ids))
+            batch.prefill_lora = self._prefill_lora(segments, residents)
         if decode:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
@@ -311,8 +308,7 @@ class ModelRunner:
             batch.decode_scales = inputs.lora_scales[:b]
             batch.decode_modules = inputs.modules
 
-    def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter],
-                      rows: int) -> PrefillLora:
+    def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter]) -> PrefillLora:
         """The step's prefill LoRA tables: tiles of ``segment_block_m`` rows, one copy each to
         the device; the adapters' offsets are ``relative_offsets`` (per layer and module) moved
         by where each sits in the pool."""
@@ -320,16 +316,13 @@ class ModelRunner:
         dev = self.device
         offsets = torch.stack([r.adapter.relative_offsets + r.offset for r in residents], dim=-1)  # [L, M, 2, A]
         ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
-        block_r = block_r_for(max(r.adapter.rank for r in residents))
         return PrefillLora(
             tiles=torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True),
-            offsets=offsets.flatten(0, 1).contiguous().to(dev, non_blocking=True),
-            ranks=ranks.contiguous().to(dev, non_blocking=True),
+            offsets=offsets.to(dev, non_blocking=True), ranks=ranks.to(dev, non_blocking=True),
             scales=torch.tensor([r.adapter.scale for r in residents], dtype=torch.float32).to(dev, non_blocking=True),
             segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
-            block_m=self.segment_block_m, block_r=block_r,
-            scratch=torch.empty(3 * rows * block_r, dtype=torch.float32, device=dev))
+            block_m=self.segment_block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
 
     # ------------------------------------------------------------------ forward
 
@@ -405,9 +398,7 @@ class ModelRunner:
             outs = frozen_projections(x, weights, biases)
         pre = batch.prefill_lora
         if pre is not None and pre.modules.intersection(names):
-            # shapes are the same in every layer of the step: checked in the first
-            segment_lora_add(x, pre.group(self.pool.storage, layer, names), outs, backend=self.lora_backend,
-                             check=layer == 0)
+            segment_lora_add(x, pre.group(self.pool.storage, layer, names), outs, backend=self.lora_backend)
         return outs
 
     def _gathered(self, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],

@@ -56,13 +56,12 @@ def make_pool(ranks, k, ns, dtype, device, seed=0):
     return pool, a_off.to(device), b_off.to(device), rk.to(device), factors
 
 
-def make_lora(pool, a_off, b_off, rk, scales, segments, block_m, *, pad_tiles=0, block_r=None, scratch=None):
+def make_lora(pool, a_off, b_off, rk, scales, segments, block_m, *, pad_tiles=0, block_r=None):
     tiles = segment_tiles(segments, block_m) + [(0, 0, 0)] * pad_tiles
     tiles_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(pool.device)
-    return SegmentLora(pool=pool, tiles=tiles_t, offsets=torch.stack([a_off, b_off], dim=1).contiguous(),
-                       ranks=rk.contiguous(), scales=scales.to(pool.device), segments=tuple(segments),
-                       block_m=block_m, block_r=block_r or block_r_for(int(rk.max()) if rk.numel() else 0),
-                       num_projections=rk.shape[0], scratch=scratch)
+    return SegmentLora(pool=pool, tiles=tiles_t, a_offsets=a_off, b_offsets=b_off, ranks=rk,
+                       scales=scales.to(pool.device), segments=tuple(segments), block_m=block_m,
+                       block_r=block_r or block_r_for(int(rk.max()) if rk.numel() else 0))
 
 
 def test_segment_tiles_cover_each_segment_in_order():
@@ -154,37 +153,3 @@ def test_bad_tables_are_refused_before_any_launch():
     big = SegmentLora(**{**lora.__dict__, "block_r": 16, "ranks": torch.tensor([[20]], dtype=torch.int32)})
     with pytest.raises(ValueError, match="above block_r"):
         segment_lora_reference(x, big, [torch.zeros(4, 8)])
-    with pytest.raises(ValueError, match="rows first"):  # a group pointing past the table
-        segment_lora_add(x, SegmentLora(**{**lora.__dict__, "first": 1}), [torch.zeros(4, 8)], backend="torch")
-    with pytest.raises(ValueError, match="scratch"):
-        segment_lora_add(x, SegmentLora(**{**lora.__dict__, "scratch": torch.zeros(10)}), [torch.zeros(4, 8)],
-                         backend="torch")
-
-
-def test_group_inside_larger_tables_with_scratch(device):
-    """The engine's layout: one [P, 2, A] offset table for every (layer, module), each group
-    pointing at its rows (first, first_rank), S in a reused scratch buffer: same result as the
-    group's own tables, and the other rows' offsets are never used (they point past the pool)."""
-    k, ns = 24, (16, 8, 8)
-    ranks = [(4, 4, 4), (8, 8, 0)]
-    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, device, seed=9)
-    scales = torch.tensor([1.0, 0.5])
-    segments = [(0, 9, 1), (9, 30, 0)]
-    own = make_lora(pool, a_off, b_off, rk, scales, segments, 16)
-    junk = torch.full((2, 2, 2), 10**9, dtype=torch.int64, device=device)
-    offsets = torch.cat([junk, torch.stack([a_off, b_off], dim=1), junk]).contiguous()
-    big_ranks = torch.cat([torch.full((5, 2), 64, dtype=torch.int32, device=device), rk]).contiguous()
-    inside = SegmentLora(**{**own.__dict__, "offsets": offsets, "ranks": big_ranks, "first": 2, "first_rank": 5,
-                            "scratch": torch.full((3 * 30 * 16 + 5,), float("nan"), device=device)})
-    x = torch.randn(30, k, generator=torch.Generator().manual_seed(10)).to(device)
-    base = torch.randn(30, sum(ns), generator=torch.Generator().manual_seed(11)).to(device)
-    want = base.clone()
-    segment_lora_reference(x, own, list(want.split(ns, dim=1)))
-    for backend in ("torch", "triton"):
-        got = base.clone()
-        segment_lora_add(x, inside, list(got.split(ns, dim=1)), backend=backend)
-        assert rel_err(got - base, want - base) < 1e-5, backend
-        # the same projections into separate tensors: one expand launch each (projection g0 = 1, 2 too)
-        parts = [p.clone() for p in base.split(ns, dim=1)]
-        segment_lora_add(x, inside, parts, backend=backend)
-        assert rel_err(torch.cat(parts, dim=1) - base, want - base) < 1e-5, backend

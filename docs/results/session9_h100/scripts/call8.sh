@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 9, call 8 (carry .whl and .ab_old = `git archive 1a8a9b0 lightning_lorafusion`): lora_segments'
+# Session 9, call 8 (NOT RUN: no device time left; run it on branch session9-lora-segments-v2, carrying
+# .whl and .ab_old = `git archive 1a8a9b0 lightning_lorafusion`): lora_segments'
 # second version on CUDA (kernel tests, the engine against HF + PEFT), then the mixed step before this
 # session vs now, same call.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
