@@ -37,7 +37,8 @@ STALL_POLL_S = 0.001
 # Calls the child answers between two steps (cheap) and those a worker thread of the child runs
 # (disk reads, or blocking until requests finish) while the step loop goes on.
 INLINE_CALLS = frozenset({"stats", "adapters", "remove_adapter", "reset_prefix_cache"})
-WORKER_CALLS = frozenset({"add_adapter", "add_adapter_weights", "add_adapters_from_checkpoint", "generate"})
+WORKER_CALLS = frozenset({"add_adapter", "add_adapter_weights", "add_adapters_from_checkpoint", "generate",
+                          "warm_up"})
 
 
 class EngineDeadError(RuntimeError):
@@ -182,6 +183,8 @@ class _EngineLoop:
                 value = (self.engine.stats(), [a.name for a in self.engine.adapters() if a.resident])
             elif name == "generate":
                 value = self.generate(*args)
+            elif name == "warm_up":
+                value = self.engine.warm_up(**args[0])
             else:
                 value = getattr(self.engine, name)(*args)
             reply = ("reply", call_id, True, value)
@@ -518,6 +521,10 @@ class EngineClient:
 
     def reset_prefix_cache(self) -> int:
         return self._call("reset_prefix_cache")
+
+    def warm_up(self, **kwargs: Any) -> dict[str, Any]:
+        """``Engine.warm_up`` in the child."""
+        return self._call("warm_up", kwargs)
 
     # ------------------------------------------------------------------ adapters
 

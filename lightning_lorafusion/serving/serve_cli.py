@@ -43,6 +43,10 @@ def build_parser() -> ArgumentParser:
                         help="Run the engine in a child process (true) or in the server's process (false); "
                              "null (default): a child process when the engine runs on CUDA, where HTTP work "
                              "and engine steps sharing one GIL cost throughput (docs/serving_http.md).")
+    parser.add_argument("--warm_up", type=bool, default=True,
+                        help="Before accepting requests, run a few synthetic requests through the base and one "
+                             "adapter of each rank (Engine.warm_up): kernel compiles and first graph replays "
+                             "happen at startup, not in the first users' requests.")
     parser.add_argument("--log_level", type=str, default="info")
     parser.add_argument("--graceful_shutdown_s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, how long running requests may finish before they are cancelled.")
@@ -101,6 +105,13 @@ def run(argv: list[str] | None = None) -> int:
                                   config=objs.engine, device=cfg.device, dtype=_dtype(cfg.dtype))
         engine = EngineClient(build) if use_engine_process(cfg.engine_process, cfg.device) else build()
         store = AdapterStore(cfg.adapter_dir, engine) if cfg.adapter_dir else None
+        if cfg.warm_up:
+            if store is not None:
+                store.scan()  # the store's adapters too (the server would scan them at its start anyway)
+            done = engine.warm_up()
+            logging.getLogger("lightning_lorafusion.serving").info(
+                "warm-up: %d requests (base and adapter ranks %s) in %.2f s", done["requests"], done["ranks"],
+                done["seconds"])
     except ConfigError as e:
         print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)
         return 2

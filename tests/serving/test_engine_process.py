@@ -109,6 +109,14 @@ def test_outputs_equal_the_in_process_engine(engines):
         assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [result.finish_reason]
 
 
+def test_warm_up_runs_in_the_child(engines):
+    local, remote = engines
+    done = remote.warm_up(prompt_len=5)
+    assert (done["requests"], done["ranks"]) == (1 + 2 + 3 + 6, [2, 4])  # base, attn2 (2), all4 (4)
+    stats = remote.stats()
+    assert stats["running"] == stats["waiting"] == stats["kv_pages_used"] == 0
+
+
 def test_refusals_are_the_engines_exceptions(engines):
     local, remote = engines
     with pytest.raises(UnknownAdapterError) as ours:

@@ -681,7 +681,7 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
     cmd = launcher + (["serve"] if launcher[0] == str(script) else []) + [
         "--config", str(REPO / "configs" / "serve_tiny.yaml"), "--base_model", str(base), "--adapter_dir", str(store),
         "--port", str(port), "--engine.num_pages", str(ENGINE_CONFIG["num_pages"]),
-        "--engine_process", engine_process]
+        "--engine_process", engine_process, "--log_level", "info"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "LORAFUSION_API_KEY": "k"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -742,5 +742,8 @@ def test_serve_subprocess_with_the_openai_client(model_dir, adapter_dirs, tmp_pa
             if proc.poll() is None:
                 proc.kill()
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it (exit status -SIGTERM)
-    assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read()
+    out = proc.stdout.read()
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    # before serving: the base and the store's two adapters (ranks 2 and 4) alone, together, two each
+    assert "warm-up: 12 requests (base and adapter ranks [2, 4])" in out, out
     _wait_for(lambda: all(process_exited(c) for c in children))  # the engine process stopped with the server

@@ -1,0 +1,47 @@
+"""Engine.warm_up: synthetic requests through the base and one adapter of each rank, alone and
+mixed, before serving; nothing of them stays behind (pages, cached prefixes, running requests),
+and what the engine answers afterwards is what a fresh engine answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.specs import ConfigError
+
+PROMPTS = [([5, 9, 11, 3, 7], "all4"), ([2, 8, 8, 1], "mlp8"), ([4, 4, 6, 30, 12, 9], None), ([13, 2, 5], "attn2")]
+
+
+def _answers(engine):
+    sp = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp, request_id=f"q{i}")
+            for i, (p, a) in enumerate(PROMPTS)]
+    return [r.token_ids for r in engine.generate(reqs)]
+
+
+def test_warm_up_runs_every_rank_alone_and_mixed_and_leaves_nothing(make_engine):
+    engine = make_engine(num_pages=96, page_size=4)
+    before = engine.stats()
+    done = engine.warm_up(prompt_len=6)
+    # base + ranks 2, 4, 8 alone (4), all four together (4), two of each with longer prompts (8)
+    assert (done["requests"], done["rounds"], done["ranks"]) == (16, 6, [2, 4, 8])
+    stats = engine.stats()
+    assert stats["requests_total"] - before["requests_total"] == 16
+    assert stats["running"] == stats["waiting"] == stats["kv_pages_used"] == 0  # prefix pages dropped too
+    assert done["prefix_pages_freed"] > 0 and done["seconds"] > 0
+    assert _answers(engine) == _answers(make_engine(num_pages=96, page_size=4))
+
+
+def test_warm_up_fits_a_small_pool_and_a_short_context(make_engine):
+    """Its prompts shrink to what the context and the pool hold (half of what the adapter leaves)."""
+    engine = make_engine(num_pages=24, page_size=4, max_model_len=16)
+    done = engine.warm_up(prompt_len=40, max_new_tokens=3)
+    assert done["requests"] == 16 and engine.stats()["kv_pages_used"] == 0
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        engine.warm_up(prompt_len=0)
+
+
+def test_warm_up_without_adapters(make_engine):
+    engine = make_engine(with_adapters=False, num_pages=64, page_size=4)
+    done = engine.warm_up(prompt_len=4)
+    assert (done["requests"], done["ranks"]) == (1 + 1 + 2, [])
