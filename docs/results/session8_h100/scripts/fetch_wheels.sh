@@ -6,7 +6,8 @@ grep -q '^/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.
 mkdir -p .whl
 for p in fastapi starlette uvicorn uvloop httptools pydantic pydantic_core annotated-types typing-inspection \
          typing_extensions anyio h11 opentelemetry-api prometheus_client httpx httpcore aiohttp aiohappyeyeballs \
-         aiosignal attrs frozenlist idna multidict propcache yarl; do
+         aiosignal attrs frozenlist idna multidict propcache yarl \
+         pytest pluggy iniconfig pygments hypothesis sortedcontainers; do  # the last six: pytest on the device (session 9)
   spec=$(grep -i -E "^${p//[-_]/[-_]}==" constraints-cpu.txt | head -1)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
