@@ -34,7 +34,11 @@ from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 BACKENDS = ("torch", "triton", "auto")
 
 
-@triton.jit
+# Arguments that change from step to step (the tile count, the step's adapter count in the
+# table strides, its row count in S's stride) are not specialised: Triton would compile a variant
+# per "== 1" and "divisible by 16" of each, and such first-time compiles stalled whole steps for
+# 1-3 s on an H100 mid-run (docs/BENCHMARKS.md, issue 13, session 9). They only index tables.
+@triton.jit(do_not_specialize=["n_tiles", "a_g_stride", "r_g_stride", "s_g_stride"])
 def _segment_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -65,7 +69,7 @@ def _segment_shrink_kernel(
         tl.store(s_ptrs, acc, mask=m_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])
 def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
