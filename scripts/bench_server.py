@@ -16,7 +16,11 @@ request, EOS ignored), each naming an adapter drawn uniformly or, with
   GIL); ``--client thread`` runs them in this process's main thread. With ``--engine-process``
   the server's engine is an ``EngineClient``: the same engine built in a child process (as
   ``serve`` runs it on CUDA); ``--compare-in-process`` then also runs the HTTP trace against
-  the in-process engine (mode http_in_process), for the side-by-side.
+  the in-process engine (mode http_in_process), for the side-by-side, and
+  ``--compare-direct-process`` also streams the requests straight from that child engine
+  (``EngineClient.stream``, no HTTP; mode direct_process): HTTP against it isolates the HTTP
+  layer with the engine laid out as ``serve`` lays it out (direct's engine shares this process
+  and its GIL with the consumers of 64 streams).
 
 Load: ``--concurrency C`` clients in a closed loop (each sends its next request when its last one
 finished), or ``--rate R`` Poisson arrivals at R requests/s (open loop, no limit on concurrency).
@@ -428,11 +432,11 @@ def table(report: dict) -> str:
     load = report["load"]
     engine_process = report["args"].get("engine_process")
     label = {"direct": "direct", "http": "http (engine process)" if engine_process else "http",
-             "http_in_process": "http (in-process)"}
+             "http_in_process": "http (in-process)", "direct_process": "direct (engine process)"}
     head = (f"{'mode':<22} {'requests':>8} {'load':>10} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'tok p50':>8} {'tok p99':>8} {'errors':>6} {'lost':>5}")
     lines = [head, "  (latencies in ms; tok = inter-token latency at the client)"]
-    for mode in ("direct",) + HTTP_MODES:
+    for mode in ("direct", "direct_process") + HTTP_MODES:
         r = report.get(mode)
         if r is None:
             continue
@@ -442,7 +446,7 @@ def table(report: dict) -> str:
     lines.append(f"{'engine view':<22} {'steps':>6} {'prefill':>7} {'rows/step':>9} {'decode ms':>9} "
                  f"{'prefill ms':>10} {'busy s':>7} {'idle s':>7} {'TTFT engine':>11} {'TTFT server':>11} "
                  f"{'TTFT client':>11}")
-    for mode in ("direct",) + HTTP_MODES:
+    for mode in ("direct", "direct_process") + HTTP_MODES:
         r = report.get(mode)
         if r is None or "step_seconds_total" not in r:
             continue
@@ -471,7 +475,12 @@ def table(report: dict) -> str:
                              f"{100 * report[f'{mode}_overhead_pooled']:.1f}%")
                 lines.append(f"{label[mode]} overhead over the rounds after the first (tokens / time pooled) = "
                              f"{100 * report[f'{mode}_overhead_pooled_warm']:.1f}%")
-    for mode in HTTP_MODES:
+    if "http_vs_direct_process_overhead" in report:
+        lines.append("http (engine process) overhead against direct (engine process) = "
+                     f"{100 * report['http_vs_direct_process_overhead']:.1f}% (last round), "
+                     f"{100 * report['http_vs_direct_process_overhead_pooled_warm']:.1f}% pooled over the rounds "
+                     "after the first")
+    for mode in ("direct_process",) + HTTP_MODES:
         if _texts_key(mode) in report:
             t = report[_texts_key(mode)]
             lines.append(f"greedy texts equal to direct, {label[mode]}: {t['equal']}/{t['compared']}")
@@ -512,6 +521,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
     ap.add_argument("--engine-process", action="store_true",
                     help="the server's engine runs in a child process (EngineClient, as serve does on CUDA)")
+    ap.add_argument("--compare-direct-process", action="store_true",
+                    help="with --engine-process: also stream the requests from the child engine without HTTP")
     ap.add_argument("--compare-in-process", action="store_true",
                     help="with --engine-process: also serve HTTP from the in-process engine (mode http_in_process)")
     ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
@@ -526,6 +537,8 @@ def main(argv=None) -> dict:
 
     if args.compare_in_process and not args.engine_process:
         ap.error("--compare-in-process needs --engine-process")
+    if args.compare_direct_process and not args.engine_process:
+        ap.error("--compare-direct-process needs --engine-process")
 
     t0 = time.perf_counter()
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -592,6 +605,17 @@ def main(argv=None) -> dict:
             row["direct"] = {**summarize(outcomes, wall, new_tokens=expected), **stats_delta(engine, before)}
             direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
             log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+            if args.compare_direct_process:  # the server's child engine, streamed without HTTP
+                client = served["http"]
+                client.reset_prefix_cache()
+                before = client.stats()
+                outcomes, wall = asyncio.run(drive(lambda r: send_direct(client, r), reqs,
+                                                   concurrency=args.concurrency, arrivals=arrivals))
+                row["direct_process"] = {**summarize(outcomes, wall, new_tokens=expected),
+                                         **stats_delta(client, before)}
+                row["direct_process_texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
+                                                                           if o.error is None})
+                log(f"round {k}: direct_process {row['direct_process']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
             for mode, e in served.items():  # the same requests through each server
                 e.reset_prefix_cache()
                 before = e.stats()
@@ -609,6 +633,9 @@ def main(argv=None) -> dict:
                                                                      if o.error is None})
                 if row["direct"]["tokens_per_s"] > 0:
                     row[f"{mode}_overhead"] = 1.0 - row[mode]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+            if "direct_process" in row and row["direct_process"]["tokens_per_s"] > 0:
+                row["http_vs_direct_process_overhead"] = (
+                    1.0 - row["http"]["tokens_per_s"] / row["direct_process"]["tokens_per_s"])
             rounds.append(row)
     finally:
         for server in servers.values():
@@ -626,14 +653,17 @@ def main(argv=None) -> dict:
     # "warm": the same over every round but the first (on the H100 the first direct round ran at
     # half speed, first-time costs the warm-up did not reach, and moved the all-rounds figure by
     # 30 points); with one round it is that round's
-    def pooled(mode: str, rows: list[dict]) -> float:
+    def pooled(mode: str, rows: list[dict], base: str = "direct") -> float:
         rate = {m: sum(r[m]["generated_tokens"] for r in rows) / sum(r[m]["wall_s"] for r in rows)
-                for m in ("direct", mode)}
-        return 1.0 - rate[mode] / rate["direct"]
+                for m in (base, mode)}
+        return 1.0 - rate[mode] / rate[base]
 
     for mode in [m for m in HTTP_MODES if m in rounds[-1]]:
         report[f"{mode}_overhead_pooled"] = pooled(mode, rounds)
         report[f"{mode}_overhead_pooled_warm"] = pooled(mode, rounds[1:] or rounds)
+    if "direct_process" in rounds[-1]:
+        report["http_vs_direct_process_overhead_pooled"] = pooled("http", rounds, "direct_process")
+        report["http_vs_direct_process_overhead_pooled_warm"] = pooled("http", rounds[1:] or rounds, "direct_process")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_server_{args.shape}.json"), "w") as f:

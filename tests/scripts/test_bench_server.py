@@ -18,7 +18,8 @@ ARGS = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--new-token
                                          (["--requests", "6", "--rate", "100", "--zipf", "1.0", "--new-tokens-max",
                                            "9"], "process"),
                                          (["--requests", "6", "--concurrency", "3", "--engine-process",
-                                           "--compare-in-process"], "thread")])
+                                           "--compare-in-process", "--compare-direct-process", "--rounds", "2"],
+                                          "thread")])
 def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     module = load_script("bench_server")
     report = module.main(ARGS + load + ["--client", client, "--out", str(tmp_path)])
@@ -29,6 +30,17 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     else:
         assert 4 <= lengths["min"] < lengths["max"] <= 9
     modes = ["direct", "http"] + (["http_in_process"] if report["args"]["compare_in_process"] else [])
+    if report["args"]["compare_direct_process"]:  # the child engine streamed without HTTP, same requests
+        r = report["direct_process"]
+        assert (r["complete"], r["errors"], r["generated_tokens"]) == (n, 0, lengths["total"])
+        assert r["steps_total"] > 0 and report["direct_process_texts"]["equal"] == n
+        assert report["http_vs_direct_process_overhead"] == pytest.approx(
+            1 - report["http"]["tokens_per_s"] / r["tokens_per_s"])
+        warm = report["rounds"][1:]
+        rate = {m: sum(x[m]["generated_tokens"] for x in warm) / sum(x[m]["wall_s"] for x in warm)
+                for m in ("http", "direct_process")}
+        assert report["http_vs_direct_process_overhead_pooled_warm"] == pytest.approx(
+            1 - rate["http"] / rate["direct_process"])
     for mode in modes:
         r = report[mode]
         assert (r["requests"], r["complete"], r["errors"], r["incomplete"]) == (n, n, 0, 0), r
@@ -69,5 +81,6 @@ def test_bench_server_tiny_cpu(tmp_path, capsys, load, client):
     label = "http (engine process)" if report["args"]["engine_process"] else "http"
     assert out.rstrip().splitlines()[-len(modes) + 1] == f"greedy texts equal to direct, {label}: {n}/{n}"
     assert "direct " in out and f"{label} overhead" in out and "engine view" in out
+    assert ("overhead against direct (engine process)" in out) == report["args"]["compare_direct_process"]
     if "http_in_process" in modes:
         assert "http (in-process) overhead" in out and report["http_in_process_overhead"] < 1
