@@ -15,7 +15,8 @@ rows), ``--repeats`` times. Each step is timed three ways:
 - device: CUDA events around the step (GPU time from the step's first launch to its last).
 
 A step whose wall time is close to its host phases and far above its device time is bound by
-the host (Python and launches), not the GPU. ``--torch-profile K`` adds a torch.profiler table of
+the host (Python and launches), not the GPU. ``--warm-up`` runs ``Engine.warm_up`` first (what ``serve`` does); every step's own
+wall time is printed too, so first-time stalls (Triton compiles) show. ``--torch-profile K`` adds a torch.profiler table of
 one step with K prompts (top ops by self CPU and by device time).
 
     PYTHONPATH=. python3 scripts/profile_prefill_step.py --shape 1b --prompts 0,1,4,12,21 --out $OUT
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--torch-profile", type=int, default=None, help="profile one step with this many prompts")
+    ap.add_argument("--warm-up", action="store_true",
+                    help="run Engine.warm_up() first, as serve does (else only this script's own mixed batch)")
     ap.add_argument("--cprofile", type=int, default=None, help="cProfile one step with this many prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         return GenerationRequest(prompt_token_ids=prompt, adapter=names[i % len(names)], request_id=f"r{i}",
                                  sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
 
+    if args.warm_up:
+        print(f"Engine.warm_up: {engine.warm_up()}")
     # warm: every adapter paged in, prefill shapes compiled
     engine.generate([request(2) for _ in range(max(len(names), max(counts)))])
     total_steps = len(counts) * args.repeats + (args.torch_profile is not None) + 8

@@ -13,6 +13,6 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_segm
 timeout 330 python3 scripts/bench_server.py --shape 1b --requests 320 --prompt-min 8 --prompt-max 512 --new-tokens 8 \
   --new-tokens-max 512 --rounds 4 --engine-process --compare-direct-process --out $R/srv > $R/srv.log 2>&1; echo "srv rc=$? t=${SECONDS}s"
 grep -A4 "^engine view" $R/srv.log; grep -E "overhead|greedy" $R/srv.log | cut -c1-220
-timeout 100 python3 scripts/profile_prefill_step.py --shape 1b --prompts 1,4,12,21 --prompt-len 320 --repeats 8 --out $R/p320 > $R/p320.log 2>&1; echo "p320 rc=$? t=${SECONDS}s"
+timeout 100 python3 scripts/profile_prefill_step.py --shape 1b --prompts 1,4,12,21 --prompt-len 320 --repeats 8 --warm-up --out $R/p320 > $R/p320.log 2>&1; echo "p320 rc=$? t=${SECONDS}s"
 grep -A5 "^1b," $R/p320.log; grep "every step" $R/p320.log
 cd $OUT && tar czf results.tgz r && rm -rf r
