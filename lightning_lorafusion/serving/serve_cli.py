@@ -43,10 +43,11 @@ def build_parser() -> ArgumentParser:
                         help="Run the engine in a child process (true) or in the server's process (false); "
                              "null (default): a child process when the engine runs on CUDA, where HTTP work "
                              "and engine steps sharing one GIL cost throughput (docs/serving_http.md).")
-    parser.add_argument("--warm_up", type=bool, default=True,
+    parser.add_argument("--warm_up", type=bool | None, default=None,
                         help="Before accepting requests, run a few synthetic requests through the base and one "
                              "adapter of each rank (Engine.warm_up): kernel compiles and first graph replays "
-                             "happen at startup, not in the first users' requests.")
+                             "happen at startup, not in the first users' requests. null (default): on when the "
+                             "engine runs on CUDA (on the CPU there is nothing to compile; it only delays start).")
     parser.add_argument("--log_level", type=str, default="info")
     parser.add_argument("--graceful_shutdown_s", type=float, default=30.0,
                         help="On SIGTERM/SIGINT, how long running requests may finish before they are cancelled.")
@@ -64,6 +65,11 @@ def _dtype(name: str | None):
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"dtype {name!r} is not a torch dtype; use bfloat16, float16 or float32")
     return dtype
+
+
+def should_warm_up(setting: bool | None, device: str | None) -> bool:
+    """``warm_up``: True, False, or None = on when the engine runs on CUDA (as ``engine_process``)."""
+    return use_engine_process(setting, device)
 
 
 def use_engine_process(setting: bool | None, device: str | None) -> bool:
@@ -105,7 +111,7 @@ def run(argv: list[str] | None = None) -> int:
                                   config=objs.engine, device=cfg.device, dtype=_dtype(cfg.dtype))
         engine = EngineClient(build) if use_engine_process(cfg.engine_process, cfg.device) else build()
         store = AdapterStore(cfg.adapter_dir, engine) if cfg.adapter_dir else None
-        if cfg.warm_up:
+        if should_warm_up(cfg.warm_up, cfg.device):
             if store is not None:
                 store.scan()  # the store's adapters too (the server would scan them at its start anyway)
             done = engine.warm_up()

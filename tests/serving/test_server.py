@@ -634,6 +634,14 @@ def test_shutdown_cancels_requests_that_outlast_the_grace_period(long_engine):
 # -- the command line --------------------------------------------------------------------------
 
 
+def test_warm_up_defaults_to_cuda_only():
+    from lightning_lorafusion.serving.serve_cli import should_warm_up
+
+    assert should_warm_up(None, "cuda:1") and not should_warm_up(None, "cpu")
+    assert should_warm_up(True, "cpu") and not should_warm_up(False, "cuda")
+    assert should_warm_up(None, None) == torch.cuda.is_available()
+
+
 def test_serve_print_config_merges_yaml_and_overrides(capsys):
     import yaml
 
