@@ -107,6 +107,7 @@ class Engine:
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.prefill_attention,
+                                  max_batched_tokens=config.max_num_batched_tokens,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))
         if self._use_cuda_graphs():

@@ -111,6 +111,7 @@ class StepBatch:
     decode_modules: frozenset[str]  # modules some decode row adapts
     spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
     output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
+    real_rows: int | None = None  # rows [real_rows, T) are padding (pad_mixed); None: no padding
 
 
 class ModelRunner:
@@ -125,7 +126,8 @@ class ModelRunner:
 
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
-                 max_pages_per_row: int | None = None, prefill_attention: str = "varlen") -> None:
+                 max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
+                 max_batched_tokens: int = 8192) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -145,6 +147,10 @@ class ModelRunner:
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
             page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
         self.pad_decode = False
+        # mixed steps padded to token buckets, every row's LoRA by row tiles (decode rows are
+        # 1-row tiles): the fixed shapes a captured mixed step needs; settable on the CPU to test
+        self.pad_mixed = False
+        self.token_buckets = graph_buckets(max_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
 
@@ -249,13 +255,27 @@ class ModelRunner:
             spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
             out_rows += range(first_out, len(ids))
         n_prefill, n_fresh = len(ids), cu[len(fresh)]
+        pad = self.pad_mixed
         for j, state in enumerate(decode):
             p = state.num_tokens - 1
+            if pad and state.resident is not None:  # its LoRA as a tile of one row
+                key = state.adapter.key
+                if key not in local:
+                    local[key] = len(residents)
+                    residents.append(state.resident)
+                segments.append((len(ids), len(ids) + 1, local[key]))
             ids.append(state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])
             spans[len(prefill) + j] = (len(out_rows), len(out_rows) + 1)
             out_rows.append(len(ids) - 1)
+        real = len(ids)
+        if pad:  # inert rows up to the token bucket: token 0 at position 0, KV to the scratch page
+            # (a prompt longer than the step budget runs whole, unchunked: no bucket holds it)
+            extra = bucket_for(real, self.token_buckets) - real if real <= self.token_buckets[-1] else 0
+            ids += [0] * extra
+            pos += [0] * extra
+            slot_pages += [self.pool.scratch_page] * extra
 
         dev = self.device
 
@@ -273,12 +293,12 @@ class ModelRunner:
             prefill_prefixes=self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None,
             prefill_lora=None, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
-            spans=spans, output_rows=tensor(out_rows),
+            spans=spans, output_rows=tensor(out_rows), real_rows=real if pad else None,
         )
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
         if decode:
-            self._prepare_decode(batch, decode)
+            self._prepare_decode(batch, decode, lora=not pad)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
 
@@ -296,13 +316,13 @@ class ModelRunner:
             starts=torch.tensor([st.num_cached for st in states], dtype=torch.int32).to(dev, non_blocking=True),
             page_table=table.to(dev, non_blocking=True), max_seqlen=max(lens))
 
-    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
+    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState], lora: bool = True) -> None:
         inputs = self.decode_inputs
         inputs.load_tables(decode, self.pool.pages_moved)
         b, tp = len(decode), batch.num_prefill_rows
         batch.page_table = inputs.page_table[:b]
-        batch.seq_lens = (batch.positions[tp:] + 1).to(torch.int32)
-        if inputs.has_lora:
+        batch.seq_lens = (batch.positions[tp:tp + b] + 1).to(torch.int32)
+        if lora and inputs.has_lora:
             batch.decode_offsets = inputs.lora_offsets[..., :b]
             batch.decode_ranks = inputs.lora_ranks[:, :b]
             batch.decode_scales = inputs.lora_scales[:b]
@@ -345,9 +365,19 @@ class ModelRunner:
     def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
                cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
-        in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it)."""
+        in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
+        pieces: what a piecewise graph would capture before attention, attention (its launch
+        grids depend on the step's requests), and what it would capture after."""
+        q, k, v = self._before_attention(layer, lp, h, d, cos, sin, batch)
+        attn = self._attention(layer, q, k, v, batch)
+        return self._after_attention(layer, lp, h, attn, batch)
+
+    def _before_attention(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+                          cos: torch.Tensor, sin: torch.Tensor,
+                          batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add + norm, q/k/v (+ LoRA), RoPE and the KV write -> q, k, v ``[T, heads, D]``."""
         cfg, kb = self.config, self.kernel_backend
-        t, tp = h.shape[0], batch.num_prefill_rows
+        t = h.shape[0]
         x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
         q, k, v = self._projections(x, lp, _QKV, layer, batch)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -355,6 +385,14 @@ class ModelRunner:
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         rope_write_kv(q, k, v, cos, sin, self.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
                       lora=self._gathered(x, layer, _QKV, batch), backend=kb)
+        return q, k, v
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   batch: StepBatch) -> torch.Tensor:
+        """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros)."""
+        cfg = self.config
+        t, tp = q.shape[0], batch.num_prefill_rows
+        real = t if batch.real_rows is None else batch.real_rows
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         parts = []
         tf = batch.num_fresh_rows
@@ -371,11 +409,18 @@ class ModelRunner:
             parts.append(paged_prefill_attention(q[tf:tp], kv_layer, 0, pre.cu_seqlens, pre.starts, pre.page_table,
                                                  scale=scale, sliding_window=window, max_seqlen=pre.max_seqlen,
                                                  backend=self.prefill_attention_backend))
-        if tp < t:
-            parts.append(paged_decode_attention(q[tp:], kv_layer, 0, batch.page_table, batch.seq_lens,
+        if tp < real:
+            parts.append(paged_decode_attention(q[tp:real], kv_layer, 0, batch.page_table, batch.seq_lens,
                                                 scale=scale, sliding_window=window,
                                                 backend=self.kernel_backend))
-        attn = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+        if real < t:
+            parts.append(q.new_zeros(t - real, cfg.num_heads, cfg.head_dim))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+
+    def _after_attention(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
+                         batch: StepBatch) -> torch.Tensor:
+        """o (+ LoRA), residual add + norm, gate/up (+ LoRA), SwiGLU, down (+ LoRA) -> the MLP output."""
+        cfg, kb = self.config, self.kernel_backend
         (o,) = self._projections(attn, lp, _O, layer, batch)
         self._gather_into(attn, o, layer, "o_proj", batch)
         x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
