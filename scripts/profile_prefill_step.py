@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--torch-profile", type=int, default=None, help="profile one step with this many prompts")
+    ap.add_argument("--mixed-graphs", choices=("off", "eager", "on"), default="off",
+                    help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
     ap.add_argument("--warm-up", action="store_true",
                     help="run Engine.warm_up() first, as serve does (else only this script's own mixed batch)")
     ap.add_argument("--cprofile", type=int, default=None, help="cProfile one step with this many prompts")
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     counts = [int(k) for k in args.prompts.split(",")]
     engine = build_engine(args.shape, args.device, dtype, args.adapters, [int(r) for r in args.ranks.split(",")],
                           EngineConfig(max_num_seqs=max(256, args.decode + max(counts)), max_num_batched_tokens=65536,
-                                       gpu_memory_fraction=0.5, cpu_pool_mib=512, cuda_graphs=args.graphs))
+                                       gpu_memory_fraction=0.5, cpu_pool_mib=512, cuda_graphs=args.graphs,
+                                       mixed_graphs=args.mixed_graphs))
     names = [a.name for a in engine.adapters()]
     vocab = SHAPES[args.shape]["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)

@@ -51,6 +51,10 @@ class EngineConfig:
     # to the originals, so a caller that shares its own weights (a training module) holds both: off there
     fuse_projections: bool = True
     seed: int = 0  # seeds the per-request generators of requests that give no seed
+    # steps with prefill rows padded to token buckets and run as pieces around attention
+    # (mixed_graphs.py): "off" (one eager forward), "eager" (the pieces run eagerly: the CPU
+    # path of the same code), "on" (each piece a CUDA graph; CUDA + Triton). Off until measured
+    mixed_graphs: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "cpu_pool_mib", "max_num_seqs", "max_num_batched_tokens"):
@@ -75,6 +79,8 @@ class EngineConfig:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ConfigError(f"EngineConfig.prefill_attention={self.prefill_attention!r}; "
                               f"allowed: {PREFILL_ATTENTION}")
+        if self.mixed_graphs not in ("off", "eager", "on"):
+            raise ConfigError(f"EngineConfig.mixed_graphs={self.mixed_graphs!r}; allowed: off, eager, on")
         if self.prefill_wait_steps < 0:
             raise ConfigError(f"EngineConfig.prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
         if self.prefetch_depth < 0:

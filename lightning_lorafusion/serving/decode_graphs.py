@@ -191,6 +191,7 @@ class DecodeGraphs:
         self.buckets = tuple(buckets)
         self._run = run
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool (mixed-step pieces share it)
 
     def capture(self) -> float:
         """Capture every (bucket, lora) pair; returns the seconds it took."""
@@ -206,6 +207,7 @@ class DecodeGraphs:
                 pool = graph.pool() if pool is None else pool
                 self._graphs[(rows, lora)] = graph
         torch.cuda.synchronize()
+        self.pool = pool
         return time.perf_counter() - t0
 
     def replay(self, rows: int, lora: bool) -> None:

@@ -113,6 +113,8 @@ class Engine:
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
+        if config.mixed_graphs != "off":
+            self.runner.use_mixed_pieces("graphs" if config.mixed_graphs == "on" else "eager")
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
         self._states: dict[str, RequestState] = {}  # every unfinished request

@@ -43,6 +43,7 @@ from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin, r
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
 from .fused_weights import FUSED_PROJECTIONS
+from .mixed_graphs import MixedPieces
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 
@@ -151,6 +152,10 @@ class ModelRunner:
         # 1-row tiles): the fixed shapes a captured mixed step needs; settable on the CPU to test
         self.pad_mixed = False
         self.token_buckets = graph_buckets(max_batched_tokens)
+        # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
+        # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
+        self.mixed_pieces: str | None = None
+        self._mixed: dict[tuple[int, int], MixedPieces] = {}
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
 
@@ -346,8 +351,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
 
+    def use_mixed_pieces(self, mode: str | None) -> None:
+        """Padded mixed steps (``pad_mixed``) as pieces: "graphs" (CUDA: each piece captured on
+        first use of its token bucket and rank block), "eager" (same buffers, run eagerly), or
+        None (off: one eager forward, unpadded)."""
+        if mode not in (None, "eager", "graphs"):
+            raise ValueError(f"mixed pieces mode {mode!r}; allowed: None, 'eager', 'graphs'")
+        if mode == "graphs" and (self.device.type != "cuda" or self.lora_backend != "triton"
+                                 or self.kernel_backend != "triton"):
+            raise RuntimeError("mixed-step CUDA graphs need a CUDA device and the Triton kernels")
+        self.mixed_pieces, self.pad_mixed = mode, mode is not None
+        self._mixed.clear()
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
+        rows = batch.input_ids.shape[0]
+        if self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets:
+            block_r = batch.prefill_lora.block_r if batch.prefill_lora is not None else 16
+            pieces = self._mixed.get((rows, block_r))
+            if pieces is None:
+                pieces = self._mixed[(rows, block_r)] = MixedPieces(
+                    self, rows, block_r, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
+                                                                         self.decode_inputs.max_rows),
+                    max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
+                    pool=self.graphs.pool if self.graphs is not None else None)
+            return pieces.run(batch)
         cfg, params = self.config, self.params
         h = embed(params, batch.input_ids)
         cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)

@@ -6,6 +6,7 @@ with the Triton kernels (interpreter, fp32), through prefills that arrive while 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 
@@ -51,3 +52,35 @@ def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
         assert t >= real and t & (t - 1) == 0
     assert any(t > real for t, real in mixed)
     assert all(real is None for _, real in plain_shapes)
+
+
+@pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
+def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, attention):
+    """``mixed_graphs: eager``: the pieces a GPU captures, run eagerly over their static buffers
+    (inputs and fixed-length LoRA tables copied in per step): the same tokens and logprobs as the
+    plain eager forward; one set of pieces per (token bucket, rank block), reused."""
+    config = dict(num_pages=128, page_size=4, backend=backend, prefill_attention=attention,
+                  max_num_batched_tokens=64, max_num_seqs=8, prefix_caching=False)
+    plain, _ = _run(make_engine(**config), False)
+    engine = make_engine(**config, mixed_graphs="eager")
+    assert engine.runner.mixed_pieces == "eager" and engine.runner.pad_mixed
+    engine.runner.pad_mixed = True
+    events, shapes = _run(engine, True)
+    assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
+    assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-5)
+    built = engine.runner._mixed
+    assert built and all(rows in engine.runner.token_buckets for rows, _ in built)
+    assert len(built) <= len({t for t, real in shapes if real is not None})  # reused across steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mixed_graphs_on_cuda_equal_one_forward(make_engine):
+    """``mixed_graphs: on``: each piece captured as a CUDA graph (fp32, Triton kernels)."""
+    config = dict(num_pages=128, page_size=4, backend="triton", max_num_batched_tokens=64, max_num_seqs=8,
+                  prefix_caching=False)
+    plain, _ = _run(make_engine(**config), False)
+    engine = make_engine(**config, mixed_graphs="on")
+    events, _ = _run(engine, True)
+    assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
+    assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-4)
+    assert all(p.graphs is not None for p in engine.runner._mixed.values())

@@ -1,0 +1,144 @@
+"""Mixed (prefill + decode) steps as pieces around attention, over static inputs of one token
+bucket: captured as CUDA graphs on a GPU, run eagerly on the CPU (the same code and buffers).
+
+A padded mixed step (``ModelRunner.pad_mixed``: T rows padded to a token bucket, every row's
+LoRA by row tiles) runs as L + 1 pieces: piece 0 embeds and runs layer 0 up to its KV write;
+piece l runs layer l-1 after attention (o, MLP) and layer l up to its KV write; piece L ends
+with the final norm over every row. Attention runs eagerly between them, from the pieces' q, k,
+v into a static buffer: its grids depend on the step's requests. Each step copies its inputs
+and its LoRA tables into the static buffers (tables padded to fixed lengths: empty tiles and
+rank-0 adapters do nothing), so a captured piece reads every value at a fixed address and no
+host value is baked in except the shapes: the token bucket and the rank block (``block_r``),
+the key of a set of pieces. docs/serving.md, "Mixed steps as graphs".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels.rms_norm import add_rms_norm
+from ..model.decoder import embed, rope_cos_sin
+from ..specs import ALL_TARGET_MODULES
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner, PrefillLora, StepBatch
+
+
+class MixedPieces:
+    """Static buffers and the L + 1 pieces of padded mixed steps of ``rows`` rows whose LoRA
+    tables use rank block ``block_r``; ``capture``: record each piece as a CUDA graph (into
+    ``pool``, shared with the runner's other graphs), else run the pieces eagerly."""
+
+    def __init__(self, runner: "ModelRunner", rows: int, block_r: int, *, max_tiles: int, max_adapters: int,
+                 capture: bool, pool=None) -> None:
+        from .runner import PrefillLora, StepBatch
+
+        self.runner, self.rows, self.block_r = runner, rows, block_r
+        cfg, dev = runner.config, runner.device
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slot_pages = torch.full((rows,), runner.pool.scratch_page, dtype=torch.int64, device=dev)
+        self.slot_offsets = torch.zeros(rows, dtype=torch.int64, device=dev)
+        n_mod = len(ALL_TARGET_MODULES)
+        self.lora = PrefillLora(
+            tiles=torch.zeros(3, max_tiles, dtype=torch.int32, device=dev),
+            offsets=torch.zeros(cfg.num_layers, n_mod, 2, max_adapters, dtype=torch.int64, device=dev),
+            ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
+            scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
+            modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=block_r)
+        self.attn = torch.zeros(rows, cfg.q_size, dtype=runner.pool.storage.dtype, device=dev)
+        self.batch = StepBatch(
+            input_ids=self.input_ids, positions=self.positions, slot_pages=self.slot_pages,
+            slot_offsets=self.slot_offsets, num_prefill_rows=rows, num_fresh_rows=0, cu_seqlens=None,
+            max_prefill_len=0, prefill_prefixes=None, prefill_lora=self.lora, page_table=None, seq_lens=None,
+            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(), spans=[],
+            output_rows=None, real_rows=None)
+        self.h = self.cos = self.sin = self.q = self.k = self.v = self.final = None
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.capture_s = 0.0
+        if capture:
+            self._capture(pool)
+
+    @staticmethod
+    def max_tiles(rows: int, block_m: int, max_segments: int) -> int:
+        """Tiles of any step of at most ``rows`` rows in at most ``max_segments`` segments."""
+        return -(-rows // block_m) + max_segments
+
+    # ------------------------------------------------------------------ the pieces
+
+    def piece(self, i: int) -> None:
+        """Piece i of L + 1 (see the module docstring), on the static buffers."""
+        r = self.runner
+        cfg, params, b = r.config, r.params, self.batch
+        if i == 0:
+            self.h = embed(params, b.input_ids)
+            self.cos, self.sin = rope_cos_sin(cfg, b.positions, self.h.dtype, r.inv_freq)
+            d = None
+        else:
+            d = r._after_attention(i - 1, params["layers"][i - 1], self.h, self.attn, b)
+        if i < cfg.num_layers:
+            self.q, self.k, self.v = r._before_attention(i, params["layers"][i], self.h, d, self.cos, self.sin, b)
+        else:
+            self.final = add_rms_norm(self.h, d, params["norm"], cfg.rms_norm_eps, backend=r.kernel_backend)
+
+    def _capture(self, pool) -> None:
+        t0 = time.perf_counter()
+        graphs = []
+        with torch.no_grad():
+            for i in range(self.runner.config.num_layers + 1):
+                self.piece(i)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.piece(i)
+                pool = graph.pool() if pool is None else pool
+                graphs.append(graph)
+        torch.cuda.synchronize()
+        self.graphs, self.pool = graphs, pool
+        self.capture_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ one step
+
+    def load(self, batch: "StepBatch") -> None:
+        """Copy a padded step's inputs and LoRA tables into the static buffers."""
+        if batch.input_ids.shape[0] != self.rows:
+            raise ValueError(f"a step of {batch.input_ids.shape[0]} rows for pieces of {self.rows}")
+        self.input_ids.copy_(batch.input_ids, non_blocking=True)
+        self.positions.copy_(batch.positions, non_blocking=True)
+        self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
+        self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
+        lora, pre = self.lora, batch.prefill_lora
+        lora.tiles.zero_()
+        lora.ranks.zero_()
+        lora.scales.zero_()
+        segments, modules = (), frozenset()
+        if pre is not None:
+            if pre.block_r != self.block_r:
+                raise ValueError(f"a step of rank block {pre.block_r} for pieces of {self.block_r}")
+            n, a = pre.tiles.shape[1], pre.scales.shape[0]
+            lora.tiles[:, :n].copy_(pre.tiles, non_blocking=True)
+            lora.offsets[..., :a].copy_(pre.offsets, non_blocking=True)
+            lora.ranks[:, :a].copy_(pre.ranks, non_blocking=True)
+            lora.scales[:a].copy_(pre.scales, non_blocking=True)
+            segments, modules = pre.segments, pre.modules
+        # the torch references read the segments on the host (eager pieces only; a captured
+        # piece launches every group's kernels, and rank-0 tiles do nothing)
+        self.batch.prefill_lora = dataclasses.replace(lora, segments=segments, modules=(
+            frozenset(ALL_TARGET_MODULES) if self.graphs is not None else modules))
+
+    def run(self, batch: "StepBatch") -> torch.Tensor:
+        """The step's forward -> final-normed hidden states of ``batch.output_rows``."""
+        self.load(batch)
+        r = self.runner
+        for i in range(r.config.num_layers + 1):
+            if i:
+                self.attn.copy_(r._attention(i - 1, self.q, self.k, self.v, batch))
+            if self.graphs is not None:
+                self.graphs[i].replay()
+            else:
+                self.piece(i)
+        return self.final.index_select(0, batch.output_rows)
