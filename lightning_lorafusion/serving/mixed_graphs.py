@@ -93,7 +93,9 @@ class MixedPieces:
                 self.piece(i)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # captured mid-run (the first step of its key): other threads of the engine may
+                # use the GPU meanwhile, which the default ("global") mode turns into an error
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.piece(i)
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)
