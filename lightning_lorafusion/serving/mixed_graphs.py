@@ -100,7 +100,7 @@ class MixedPieces:
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)
         torch.cuda.synchronize()
-        self.graphs, self.pool = graphs, pool
+        self.graphs = graphs
         self.capture_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
