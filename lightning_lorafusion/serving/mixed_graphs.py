@@ -15,7 +15,6 @@ the key of a set of pieces. docs/serving.md, "Mixed steps as graphs".
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,7 +58,6 @@ class MixedPieces:
             output_rows=None, real_rows=None)
         self.h = self.cos = self.sin = self.q = self.k = self.v = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        self.capture_s = 0.0
         if capture:
             self._capture(pool)
 
@@ -86,7 +84,6 @@ class MixedPieces:
             self.final = add_rms_norm(self.h, d, params["norm"], cfg.rms_norm_eps, backend=r.kernel_backend)
 
     def _capture(self, pool) -> None:
-        t0 = time.perf_counter()
         graphs = []
         with torch.no_grad():
             for i in range(self.runner.config.num_layers + 1):
@@ -101,7 +98,6 @@ class MixedPieces:
                 graphs.append(graph)
         torch.cuda.synchronize()
         self.graphs = graphs
-        self.capture_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
 

@@ -232,8 +232,16 @@ class ModelRunner:
         spans: list[tuple[int, int]] = [(0, 0)] * (len(prefill) + len(decode))
         out_rows: list[int] = []
         segments: list[tuple[int, int, int]] = []
-        local: dict[int, int] = {}  # adapter key -> index in the prefill routing
+        local: dict[int, int] = {}  # adapter key -> index in the step's LoRA tables
         residents: list[ResidentAdapter] = []
+
+        def adapter_index(state: RequestState) -> int:
+            key = state.adapter.key
+            if key not in local:
+                local[key] = len(residents)
+                residents.append(state.resident)
+            return local[key]
+
         # fresh: attend to their own tokens (varlen); paged: over their pages (one launch)
         own = [self.prefill_attention == "varlen" and st.num_cached == 0 for st in prefill]
         fresh = [i for i, o in enumerate(own) if o]
@@ -250,11 +258,7 @@ class ModelRunner:
             slot_pages += [state.pages[p // s] for p in range(first, first + len(toks))]
             cu.append(len(ids))
             if state.resident is not None:
-                key = state.adapter.key
-                if key not in local:
-                    local[key] = len(residents)
-                    residents.append(state.resident)
-                segments.append((start, len(ids), local[key]))
+                segments.append((start, len(ids), adapter_index(state)))
             first_out = (start if state.wants_prompt_logprobs
                          else len(ids) - 1 if end == state.num_tokens else len(ids))
             spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
@@ -264,11 +268,7 @@ class ModelRunner:
         for j, state in enumerate(decode):
             p = state.num_tokens - 1
             if pad and state.resident is not None:  # its LoRA as a tile of one row
-                key = state.adapter.key
-                if key not in local:
-                    local[key] = len(residents)
-                    residents.append(state.resident)
-                segments.append((len(ids), len(ids) + 1, local[key]))
+                segments.append((len(ids), len(ids) + 1, adapter_index(state)))
             ids.append(state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])

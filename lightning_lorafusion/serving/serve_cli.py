@@ -67,14 +67,9 @@ def _dtype(name: str | None):
     return dtype
 
 
-def should_warm_up(setting: bool | None, device: str | None) -> bool:
-    """``warm_up``: True, False, or None = on when the engine runs on CUDA (as ``engine_process``)."""
-    return use_engine_process(setting, device)
-
-
-def use_engine_process(setting: bool | None, device: str | None) -> bool:
-    """``engine_process``: True, False, or None = on when the engine runs on CUDA (``device``
-    names it, or none is given and CUDA is available)."""
+def on_cuda_unless_set(setting: bool | None, device: str | None) -> bool:
+    """A switch that is True, False, or None = on when the engine runs on CUDA (``device``
+    names it, or none is given and CUDA is available): ``engine_process`` and ``warm_up``."""
     if setting is not None:
         return setting
     if device is not None:
@@ -82,6 +77,9 @@ def use_engine_process(setting: bool | None, device: str | None) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+use_engine_process = should_warm_up = on_cuda_unless_set
 
 
 def run(argv: list[str] | None = None) -> int:
