@@ -252,7 +252,7 @@ def engine_config(args, chunked: bool) -> EngineConfig:
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     return EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
                         cpu_pool_mib=args.cpu_pool_mib, enable_chunked_prefill=chunked,
-                        prefill_attention=args.prefill_attention, **extra)
+                        prefill_attention=args.prefill_attention, mixed_graphs=args.mixed_graphs, **extra)
 
 
 def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], args, device, dtype, *,
@@ -419,6 +419,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
     ap.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
                     help="EngineConfig.prefill_attention of every engine")
+    ap.add_argument("--mixed-graphs", choices=("off", "eager", "on"), default="off",
+                    help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
     ap.add_argument("--baseline-at", type=_ints, default=None, help="points (N) with baselines (default: all <= max)")

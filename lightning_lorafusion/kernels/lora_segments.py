@@ -32,6 +32,8 @@ import triton.language as tl
 from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 
 BACKENDS = ("torch", "triton", "auto")
+# column blocks of BLOCK_N an expand program covers (scripts/bench_lora_segments.py measures 1-8)
+EXPAND_BLOCKS_PER_PROGRAM = 4
 
 
 # Arguments that change from step to step (the tile count, the step's adapter count in the
@@ -72,10 +74,13 @@ def _segment_shrink_kernel(
 @triton.jit(do_not_specialize=["n_tiles"])
 def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """out[rows of tile t, n block] += scale * S[rows, :rank] Bt[:rank, n block]: fp32 sum of
-    the output and the delta, one rounding."""
+    """out[rows of tile t, N_BLOCKS column blocks] += scale * S[rows, :rank] Bt[:rank, cols]:
+    fp32 sum of the output and the delta, one rounding. A program covers N_BLOCKS blocks of
+    BLOCK_N columns with the tile's S loaded once: a tile of one decode row costs a program's
+    fixed work (tables, S) once per N_BLOCKS blocks, not once per block."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(tiles_ptr + t)
@@ -87,19 +92,20 @@ def _segment_expand_kernel(
         scale = tl.load(scale_ptr + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < end
         r_ok = offs_r < rank
-        n_ok = offs_n < N
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        delta = tl.dot(s, bt, input_precision=DOT_PRECISION) * scale
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=ok)
+        for j in range(N_BLOCKS):
+            offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            delta = tl.dot(s, bt, input_precision=DOT_PRECISION) * scale
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
+            y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,12 +220,18 @@ def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
+def _expand_blocks_per_program(col_blocks: int) -> int:
+    """Column blocks per expand program: EXPAND_BLOCKS_PER_PROGRAM, fewer for narrow outputs."""
+    return max(1, min(EXPAND_BLOCKS_PER_PROGRAM, col_blocks))
+
+
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
-                     backend: str = "auto", check: bool = True) -> None:
+                     backend: str = "auto", check: bool = True, n_blocks: int | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
-    the group, one expand per projection, grids over the tile table's length."""
+    the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
+    column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -246,9 +258,10 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, x.stride(0), n_tiles,
         lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device), DOT_PRECISION=precision)
+    block_n = 128 if x.is_cuda else 32
     for i, y in enumerate(outs):
         n = y.shape[1]
-        block_n = 128 if x.is_cuda else 32
-        _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n))](
+        per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
+        _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n * per))](
             s[i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0), n_tiles,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, DOT_PRECISION=precision)
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, N_BLOCKS=per, DOT_PRECISION=precision)

@@ -49,14 +49,24 @@ class MixedPieces:
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
             modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=block_r)
-        self.attn = torch.zeros(rows, cfg.q_size, dtype=runner.pool.storage.dtype, device=dev)
+        dtype = runner.pool.storage.dtype
+        self.attn = torch.zeros(rows, cfg.q_size, dtype=dtype, device=dev)
+        # what attention reads from piece l, at addresses fixed here: a tensor allocated inside a
+        # capture lives where that capture's allocator put it, and piece l + 1's capture may put
+        # its own q elsewhere (the pool reuses freed blocks as it sees fit), so attention after
+        # piece l must not read "the last q captured". k and v only where fresh prompts attend to
+        # their own tokens (varlen); paged attention reads them from the KV cache.
+        self.q = torch.zeros(rows, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)
+        own_kv = runner.prefill_attention == "varlen"
+        self.k, self.v = ((torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
+                           for _ in range(2)) if own_kv else (None, None))
         self.batch = StepBatch(
             input_ids=self.input_ids, positions=self.positions, slot_pages=self.slot_pages,
             slot_offsets=self.slot_offsets, num_prefill_rows=rows, num_fresh_rows=0, cu_seqlens=None,
             max_prefill_len=0, prefill_prefixes=None, prefill_lora=self.lora, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(), spans=[],
             output_rows=None, real_rows=None)
-        self.h = self.cos = self.sin = self.q = self.k = self.v = self.final = None
+        self.h = self.cos = self.sin = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture:
             self._capture(pool)
@@ -79,7 +89,11 @@ class MixedPieces:
         else:
             d = r._after_attention(i - 1, params["layers"][i - 1], self.h, self.attn, b)
         if i < cfg.num_layers:
-            self.q, self.k, self.v = r._before_attention(i, params["layers"][i], self.h, d, self.cos, self.sin, b)
+            q, k, v = r._before_attention(i, params["layers"][i], self.h, d, self.cos, self.sin, b)
+            self.q.copy_(q)
+            if self.k is not None:
+                self.k.copy_(k)
+                self.v.copy_(v)
         else:
             self.final = add_rms_norm(self.h, d, params["norm"], cfg.rms_norm_eps, backend=r.kernel_backend)
 

@@ -265,10 +265,18 @@ class ModelRunner:
             out_rows += range(first_out, len(ids))
         n_prefill, n_fresh = len(ids), cu[len(fresh)]
         pad = self.pad_mixed
-        for j, state in enumerate(decode):
+        order = list(range(len(decode)))
+        if pad:  # decode rows of one adapter side by side: their LoRA as one tile, not a tile per row
+            order.sort(key=lambda j: -1 if decode[j].resident is None else decode[j].adapter.key)
+        for j in order:
+            state = decode[j]
             p = state.num_tokens - 1
-            if pad and state.resident is not None:  # its LoRA as a tile of one row
-                segments.append((len(ids), len(ids) + 1, adapter_index(state)))
+            if pad and state.resident is not None:
+                a = adapter_index(state)
+                if segments and segments[-1][1] == len(ids) and segments[-1][2] == a:
+                    segments[-1] = (segments[-1][0], len(ids) + 1, a)
+                else:
+                    segments.append((len(ids), len(ids) + 1, a))
             ids.append(state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])
@@ -303,7 +311,7 @@ class ModelRunner:
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
         if decode:
-            self._prepare_decode(batch, decode, lora=not pad)
+            self._prepare_decode(batch, [decode[j] for j in order], lora=not pad)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
 

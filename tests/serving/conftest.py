@@ -137,3 +137,9 @@ def _process_exited(pid: int) -> bool:
 def process_exited_fixture():
     """``process_exited(pid)``, for tests that check child processes end (Linux /proc)."""
     return _process_exited
+
+
+@pytest.fixture(name="write_adapter")
+def write_adapter_fixture():
+    """``write_random_peft_adapter``, for tests that build their own base model."""
+    return write_random_peft_adapter

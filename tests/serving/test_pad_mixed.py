@@ -9,22 +9,27 @@ import pytest
 import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.serving import runner as runner_module
 
 CASES = [([5, 9, 11, 3, 7, 2, 2], "all4"), ([2, 8, 8, 1], "mlp8"), ([4, 4, 6, 30, 12, 9, 1, 1, 3], None),
          ([13, 2, 5, 6, 7], "attn2"), ([9, 9, 9], "all4")]
 
 
-def _run(engine, pad: bool):
+def _run(engine, pad: bool, decode_tiles: list | None = None):
+    decode_tiles = [] if decode_tiles is None else decode_tiles
     engine.runner.pad_mixed = pad
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
     reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp, request_id=f"r{i}")
             for i, (p, a) in enumerate(CASES)]
-    arrive = {0: reqs[:2], 1: reqs[2:3], 2: reqs[3:5]}  # later prompts join running decodes
+    # later prompts join running decodes; r0 and r4 (one adapter) decode side by side from step 1
+    arrive = {0: [reqs[0], reqs[1], reqs[4]], 1: reqs[2:3], 2: reqs[3:4]}
     events, shapes = [], []
     forward = engine.runner.forward
 
     def recording(batch):
         shapes.append((batch.input_ids.shape[0], batch.real_rows))
+        if batch.real_rows is not None and batch.prefill_lora is not None:  # LoRA tiles of decode rows
+            decode_tiles.extend(b - a for a, b, _ in batch.prefill_lora.segments if a >= batch.num_prefill_rows)
         return forward(batch)
 
     engine.runner.forward = recording
@@ -38,11 +43,11 @@ def _run(engine, pad: bool):
 
 @pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
 def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
-    got = {}
+    got, decode_tiles = {}, []
     for pad in (False, True):
         engine = make_engine(num_pages=128, page_size=4, backend=backend, prefill_attention=attention,
                              max_num_batched_tokens=64, max_num_seqs=8, prefix_caching=False)
-        got[pad] = _run(engine, pad)
+        got[pad] = _run(engine, pad, decode_tiles if pad else None)
     (plain, plain_shapes), (padded, padded_shapes) = got[False], got[True]
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in padded] and len(plain) == 5 * 4
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in padded], abs=1e-5)
@@ -52,10 +57,12 @@ def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
         assert t >= real and t & (t - 1) == 0
     assert any(t > real for t, real in mixed)
     assert all(real is None for _, real in plain_shapes)
+    # decode rows grouped by adapter: r0 and r4 share one tile of two rows, the others one row each
+    assert sorted(decode_tiles) == [1, 1, 2, 2]  # steps 1 and 2; r2 (base) has no tile
 
 
 @pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
-def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, attention):
+def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, attention, monkeypatch):
     """``mixed_graphs: eager``: the pieces a GPU captures, run eagerly over their static buffers
     (inputs and fixed-length LoRA tables copied in per step): the same tokens and logprobs as the
     plain eager forward; one set of pieces per (token bucket, rank block), reused."""
@@ -65,11 +72,23 @@ def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, 
     engine = make_engine(**config, mixed_graphs="eager")
     assert engine.runner.mixed_pieces == "eager" and engine.runner.pad_mixed
     engine.runner.pad_mixed = True
+    q_ptrs = {}
+
+    class Recorded(runner_module.MixedPieces):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            q_ptrs[id(self)] = self.q.data_ptr()
+
+    monkeypatch.setattr(runner_module, "MixedPieces", Recorded)
     events, shapes = _run(engine, True)
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-5)
     built = engine.runner._mixed
     assert built and all(rows in engine.runner.token_buckets for rows, _ in built)
+    # attention reads each piece's q through one buffer fixed at construction, never a tensor a
+    # piece allocated (under capture that would be wherever the last capture put it)
+    for pieces in built.values():
+        assert pieces.q.data_ptr() == q_ptrs[id(pieces)]
     assert len(built) <= len({t for t, real in shapes if real is not None})  # reused across steps
 
 
@@ -84,3 +103,49 @@ def test_mixed_graphs_on_cuda_equal_one_forward(make_engine):
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-4)
     assert all(p.graphs is not None for p in engine.runner._mixed.values())
+
+
+@pytest.mark.parametrize("mode", ["eager", pytest.param("on", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_mixed_pieces_on_a_wide_model(tmp_path, write_adapter, mode):
+    """Pieces (eager; on a GPU also captured) on a model wide and deep enough that a graph pool
+    reuses and splits large blocks between captures (the tiny model's tensors all fit small
+    blocks): fp32 tokens and logprobs equal to the plain engine's, prompts of 40-300 tokens
+    joining running decodes, adapters of ranks 8 and 16 and the base in the same steps."""
+    from lightning_lorafusion.model.random_model import write_random_llama
+    from lightning_lorafusion.serving import Engine, EngineConfig
+
+    model_dir = tmp_path / "wide"
+    write_random_llama(model_dir, vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=4,
+                       num_heads=8, num_kv_heads=4, init_std=0.05, max_positions=1024, seed=5)
+    adapters = {f"a{r}": str(write_adapter(model_dir, tmp_path / f"a{r}", rank=r, alpha=2.0 * r,
+                                                     targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"], seed=r))
+                for r in (8, 16)}
+    g = torch.Generator().manual_seed(0)
+    lens = [40, 300, 120, 77, 250, 64, 180, 90]
+    names = ["a8", "a16", None, "a8", "a16", "a8", None, "a16"]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = {}
+    device = "cuda" if mode == "on" else "cpu"
+    for m in ("off", mode):
+        engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(
+            num_pages=512, page_size=16, max_num_batched_tokens=1024, max_num_seqs=16, prefix_caching=False,
+            mixed_graphs=m), device=device, dtype=torch.float32)
+        reqs = [GenerationRequest(prompt_token_ids=torch.randint(1, 256, (n,), generator=g).tolist(), adapter=a,
+                                  sampling=sp, request_id=f"r{i}") for i, (n, a) in enumerate(zip(lens, names))]
+        g = torch.Generator().manual_seed(0)  # the same prompts for the second engine
+        events = []
+        for step in range(20):
+            for r in reqs[2 * step:2 * step + 2]:  # two arrivals per step while earlier ones decode
+                engine.submit(r)
+            events += [(ev.request_id, ev.token_id, ev.logprob) for ev in engine.step() if ev.token_id is not None]
+        if m != "off":
+            assert engine.runner._mixed and all((p.graphs is not None) == (m == "on")
+                                                for p in engine.runner._mixed.values())
+        engine.close()
+        results[m] = events
+    off, on = results["off"], results[mode]
+    assert len(off) == len(lens) * 6
+    assert [(r, t) for r, t, _ in off] == [(r, t) for r, t, _ in on]
+    assert [lp for *_, lp in off] == pytest.approx([lp for *_, lp in on], abs=1e-3)
