@@ -428,6 +428,9 @@ def main(argv=None) -> dict:
                          "which would hit the cache and not measure the same work)")
     ap.add_argument("--prefill-attention", type=_choices(PREFILL_ATTENTION), default=["auto"],
                     help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
+    ap.add_argument("--mixed-graphs", type=_choices(("auto", "on", "off", "eager")), default=["auto"],
+                    help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
+                         "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
     ap.add_argument("--base-precision", type=_choices(("bf16", "fp8")), default=["bf16"],
                     help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
     ap.add_argument("--fp8-weight-only-rows", type=int, default=None,
@@ -486,9 +489,11 @@ def main(argv=None) -> dict:
     # value gets no label
     label = len(args.prefill_attention) > 1
     label_precision = len(args.base_precision) > 1
+    label_mixed = len(args.mixed_graphs) > 1
     variants = [(graphs, pa, bp, (f"{bp}_" if label_precision else "") + ("eager_" if i else "")
-                 + (f"{pa}_" if label else ""))
-                for bp in args.base_precision for pa in args.prefill_attention for i, graphs in enumerate(modes)]
+                 + (f"{pa}_" if label else "") + (f"mixed_{mg}_" if label_mixed else ""), mg)
+                for bp in args.base_precision for pa in args.prefill_attention for mg in args.mixed_graphs
+                for i, graphs in enumerate(modes)]
     prefixes = [v[3] for v in variants]
     base_params: dict = {"bf16": params}
 
@@ -499,16 +504,17 @@ def main(argv=None) -> dict:
             base_params[precision] = quantize_base_fp8(params, embedding=not config.tie_word_embeddings)
         return base_params[precision]
 
-    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str) -> None:
+    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str, mixed_graphs: str) -> None:
         t0 = time.perf_counter()
         engine = Engine(config, params_of(precision), tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
                                      cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching,
-                                     prefill_attention=prefill_attention),
+                                     prefill_attention=prefill_attention, mixed_graphs=mixed_graphs),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None, "base_precision": precision,
                                      "prefill_attention": engine.runner.prefill_attention,
+                                     "mixed_graphs": engine.runner.mixed_pieces,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
                                      "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
                                      / 2**30}
@@ -561,8 +567,8 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for graphs, prefill_attention, precision, prefix in variants:
-        engine_phases(graphs, prefill_attention, precision, prefix)
+    for graphs, prefill_attention, precision, prefix, mixed_graphs in variants:
+        engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs)
     base_params.pop("fp8", None)
 
     hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)

@@ -513,6 +513,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill-wait-steps", type=int, default=0,
                     help="EngineConfig.prefill_wait_steps (prefill coalescing) of every engine")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--mixed-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.mixed_graphs: steps with prefill rows as CUDA graphs in pieces")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=4)
@@ -546,7 +548,8 @@ def main(argv=None) -> dict:
         build_engine, args.shape, args.device, dtype, args.adapters, [int(r) for r in args.ranks.split(",")],
         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                      gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages, backend=args.backend,
-                     cpu_pool_mib=1024, cuda_graphs=args.graphs, prefill_wait_steps=args.prefill_wait_steps))
+                     cpu_pool_mib=1024, cuda_graphs=args.graphs, prefill_wait_steps=args.prefill_wait_steps,
+                     mixed_graphs=args.mixed_graphs))
     engine = build()  # the direct mode's (and without --engine-process the server's)
     # built second, so its pool is sized from what the first left free (both fit a 1B model on 80 GB)
     served = {"http": EngineClient(build) if args.engine_process else engine}

@@ -419,7 +419,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
     ap.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
                     help="EngineConfig.prefill_attention of every engine")
-    ap.add_argument("--mixed-graphs", choices=("off", "eager", "on"), default="off",
+    ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
                     help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")

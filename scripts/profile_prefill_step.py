@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--torch-profile", type=int, default=None, help="profile one step with this many prompts")
-    ap.add_argument("--mixed-graphs", choices=("off", "eager", "on"), default="off",
+    ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
                     help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
     ap.add_argument("--warm-up", action="store_true",
                     help="run Engine.warm_up() first, as serve does (else only this script's own mixed batch)")

@@ -35,6 +35,8 @@ log = logging.getLogger("lightning_lorafusion.serving")
 PROMPT_LOGPROB_CHUNK = 512
 # Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
 CUDA_HEADROOM_BYTES = 512 * 2**20
+# rank blocks (16, 32, 64, 128) a padded mixed step's pieces may be captured for
+MIXED_RANK_BLOCKS = 4
 
 
 class _LoopSink:
@@ -113,8 +115,9 @@ class Engine:
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
-        if config.mixed_graphs != "off":
-            self.runner.use_mixed_pieces("graphs" if config.mixed_graphs == "on" else "eager")
+        mixed = self._mixed_pieces_mode()
+        if mixed is not None:
+            self.runner.use_mixed_pieces(mixed)
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
         self._states: dict[str, RequestState] = {}  # every unfinished request
@@ -152,6 +155,19 @@ class Engine:
                               f"this engine runs on {self.device} with decode backend "
                               f"{self.runner.kernel_backend!r} (use 'auto' or 'off')")
         return mode == "on" or (mode == "auto" and able)
+
+    def _mixed_pieces_mode(self) -> str | None:
+        """``EngineConfig.mixed_graphs`` -> the runner's mode: "graphs", "eager" or None (off)."""
+        mode = self.config.mixed_graphs
+        able = (self.device.type == "cuda" and self.runner.kernel_backend == "triton"
+                and self.runner.lora_backend == "triton")
+        if mode == "on" and not able:
+            raise ConfigError(f"EngineConfig.mixed_graphs='on' needs a CUDA device and the Triton kernels; this "
+                              f"engine runs on {self.device} with backend {self.runner.lora_backend!r} "
+                              "(use 'auto', 'eager' or 'off')")
+        if mode == "on" or (mode == "auto" and able and self._use_cuda_graphs()):
+            return "graphs"
+        return "eager" if mode == "eager" else None
 
     @classmethod
     def from_pretrained(cls, base_model: str, adapters: Mapping[str, str] | None = None,
@@ -694,6 +710,12 @@ class Engine:
         per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * elt * 2
         reserve = (cfg.max_num_batched_tokens * per_token + CUDA_HEADROOM_BYTES
                    + (cfg.max_num_seqs + PROMPT_LOGPROB_CHUNK) * mc.vocab_size * 4 * 3)
+        if cfg.mixed_graphs in ("on", "auto"):
+            # captured mixed steps keep a forward's temporaries in their graph pool (eager steps
+            # need their own beside it), and static buffers per (token bucket, rank block): at
+            # most 2 x max_num_batched_tokens rows over the buckets, for each of 4 rank blocks
+            static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
+            reserve += cfg.max_num_batched_tokens * (per_token + 2 * MIXED_RANK_BLOCKS * static_row)
         pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
         if pages < 1:
             raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "

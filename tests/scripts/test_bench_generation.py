@@ -69,3 +69,18 @@ def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
         assert report[f"{precision}_step_adapters"]["steps"] >= 1
     agreement = report["engine_agreement"]["fp8_"]
     assert 0.0 <= agreement["match_rate"] <= 1.0
+
+
+def test_bench_generation_mixed_graphs_variants_tiny_cpu(tmp_path):
+    """``--mixed-graphs off,eager``: one engine per value over the same weights, with its own
+    rows and the runner's mode recorded; both generate every token."""
+    module = load_script("bench_generation")
+    report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                          "--new-tokens", "2", "--prompt-min", "4", "--prompt-max", "30", "--adapters", "2",
+                          "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf",
+                          "--mixed-graphs", "off,eager", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert report["mixed_off_engine"]["mixed_graphs"] is None
+    assert report["mixed_eager_engine"]["mixed_graphs"] == "eager"
+    for mode in ("off", "eager"):
+        assert report[f"mixed_{mode}_ours_all"]["generated_tokens"] == 4 * 2

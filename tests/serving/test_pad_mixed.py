@@ -149,3 +149,19 @@ def test_mixed_pieces_on_a_wide_model(tmp_path, write_adapter, mode):
     assert len(off) == len(lens) * 6
     assert [(r, t) for r, t, _ in off] == [(r, t) for r, t, _ in on]
     assert [lp for *_, lp in off] == pytest.approx([lp for *_, lp in on], abs=1e-3)
+
+
+def test_mixed_graphs_modes_resolve_per_device(make_engine):
+    """"auto" (the default) captures mixed steps only where decode steps are CUDA graphs: off on
+    the CPU; "on" without CUDA is a clear error; a bad value is refused by the config."""
+    from lightning_lorafusion.serving import EngineConfig
+    from lightning_lorafusion.specs import ConfigError
+
+    assert EngineConfig().mixed_graphs == "auto"
+    engine = make_engine(num_pages=64, page_size=4)
+    assert engine.runner.mixed_pieces is None and not engine.runner.pad_mixed
+    assert make_engine(num_pages=64, page_size=4, mixed_graphs="eager").runner.mixed_pieces == "eager"
+    with pytest.raises(ConfigError, match="mixed_graphs='on' needs a CUDA device"):
+        make_engine(num_pages=64, page_size=4, mixed_graphs="on", device="cpu")
+    with pytest.raises(ConfigError, match="allowed: auto, on, off, eager"):
+        EngineConfig(mixed_graphs="yes")
