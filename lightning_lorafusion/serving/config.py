@@ -33,7 +33,7 @@ class EngineConfig:
     # Off by default: it measured slower on the 1B Poisson trace (docs/BENCHMARKS.md, "Serving trace")
     enable_chunked_prefill: bool = False
     # prefill coalescing: while requests decode, new arrivals wait up to this many steps to be
-    # prefilled together (a step with prefill rows runs eagerly, not as a decode CUDA graph);
+    # prefilled together (a step with prefill rows costs more than a decode step, even as pieces);
     # 0 admits every arrival at the next step (docs/serving.md, "Scheduler")
     prefill_wait_steps: int = 0
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
