@@ -1,11 +1,14 @@
 """Prefill/mixed-step LoRA by row tiles (``kernels/lora_segments.py``): time one layer's
 segment LoRA (q/k/v, o, gate/up, down at a model shape) for several mixes of tiles and for
-1, 2, 4, 8 column blocks per expand program, checked against the torch reference first.
+variants "NxS" (N column blocks per expand program, the shrink's K in S splits; "d" = the
+defaults), each checked against the torch reference first.
 
 Mixes (rows of one step): ``prefill`` P prompts of L tokens; ``mixed`` the same plus D decode
 rows, each its own 1-row tile (round-robin adapters: the decode rows of an unsorted step);
 ``grouped`` the same D decode rows sorted by adapter (one tile per adapter, what a padded mixed
-step builds); ``decode`` the D rows alone, 1-row tiles.
+step builds); ``padded`` grouped plus the empty tiles a captured mixed step launches (its table
+has room for ``--max-num-seqs`` segments more than the bucket's tiles); ``decode`` the D rows
+alone, 1-row tiles.
 
     PYTHONPATH=. python3 scripts/bench_lora_segments.py --shape 1b --prompts 12 --prompt-len 320 --decode 60
 """
@@ -68,7 +71,7 @@ def mixes(prompts: int, prompt_len: int, decode: int, adapters: int) -> dict[str
         if n:
             grouped.append((start, start + n, a))
             start += n
-    return {"prefill": pre, "mixed": pre + rows, "grouped": pre + grouped,
+    return {"prefill": pre, "mixed": pre + rows, "grouped": pre + grouped, "padded": pre + grouped,
             "decode": [(j, j + 1, a) for j, (_, _, a) in enumerate(rows)]}
 
 
@@ -80,7 +83,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--decode", type=int, default=60)
     ap.add_argument("--adapters", type=int, default=16)
     ap.add_argument("--ranks", default="8,16,32,64", help="adapter i has rank ranks[i % len]")
-    ap.add_argument("--n-blocks", default="1,2,4,8")
+    ap.add_argument("--variants", default="d,4x1,4x2,4x4,4x8,1x4,8x4",
+                    help="comma list of NxS (column blocks per expand program x shrink K splits), d = defaults")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="for the padded mix's empty tiles")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
@@ -89,11 +94,13 @@ def main(argv=None) -> list[dict]:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rank_list = [int(r) for r in args.ranks.split(",")]
     ranks = [rank_list[i % len(rank_list)] for i in range(args.adapters)]
-    n_blocks = [int(n) for n in args.n_blocks.split(",")]
+    variants = {v: (None, None) if v == "d" else tuple(int(p) for p in v.split("x")) for v in args.variants.split(",")}
     results = []
     for mix, segments in mixes(args.prompts, args.prompt_len, args.decode, args.adapters).items():
         rows = max(end for _, end, _ in segments)
         tiles = segment_tiles(segments, args.block_m)
+        if mix == "padded":
+            tiles += [(0, 0, 0)] * (-(-rows // args.block_m) + args.max_num_seqs - len(tiles))
         tiles_t = torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(device)
         for name, k, ns in groups(args.shape):
             pool, a_off, b_off, rk = make_tables(k, ns, ranks, dtype, device)
@@ -104,37 +111,37 @@ def main(argv=None) -> list[dict]:
             base = torch.randn(rows, sum(ns), device=device, dtype=dtype)
             want = base.clone()
             segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
-            for nb in n_blocks:
+            for variant, (nb, sk) in variants.items():
                 got = base.clone()
-                segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", n_blocks=nb)
+                segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", n_blocks=nb, split_k=sk)
                 err = float(((got - base).double() - (want - base).double()).norm()
                             / (want - base).double().norm().clamp_min(1e-30))
                 if err > 2e-2:
-                    raise SystemExit(f"{mix} {name} n_blocks={nb}: relative error {err:.3g} against the reference")
+                    raise SystemExit(f"{mix} {name} {variant}: relative error {err:.3g} against the reference")
                 outs = list(got.split(ns, dim=1))
                 if cuda:
                     for _ in range(3):
-                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb)
+                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda.synchronize()
                     start.record()
                     for _ in range(args.reps):
-                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb)
+                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
                     end.record()
                     torch.cuda.synchronize()
                     us = start.elapsed_time(end) * 1e3 / args.reps
                 else:
                     us = float("nan")
-                results.append(dict(mix=mix, group=name, rows=rows, tiles=len(tiles), n_blocks=nb, us=us,
+                results.append(dict(mix=mix, group=name, rows=rows, tiles=len(tiles), variant=variant, us=us,
                                     rel_err=err))
     print(f"{args.shape}: {args.prompts} prompts x {args.prompt_len} + {args.decode} decode rows, "
           f"{args.adapters} adapters ranks {args.ranks}, {dtype}, block_m {args.block_m}; us per layer "
-          f"(all groups), by column blocks per expand program")
-    print(f"{'mix':>8} {'rows':>6} {'tiles':>6} " + " ".join(f"{f'nb={nb}':>9}" for nb in n_blocks))
+          f"(all groups), by variant NxS: N column blocks per expand program, S shrink K splits (d: defaults)")
+    print(f"{'mix':>8} {'rows':>6} {'tiles':>6} " + " ".join(f"{v:>8}" for v in variants))
     for mix in dict.fromkeys(r["mix"] for r in results):
         sel = [r for r in results if r["mix"] == mix]
         line = f"{mix:>8} {sel[0]['rows']:>6} {sel[0]['tiles']:>6} "
-        line += " ".join(f"{sum(r['us'] for r in sel if r['n_blocks'] == nb):>9.1f}" for nb in n_blocks)
+        line += " ".join(f"{sum(r['us'] for r in sel if r['variant'] == v):>8.1f}" for v in variants)
         print(line)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -34,20 +34,28 @@ from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 BACKENDS = ("torch", "triton", "auto")
 # column blocks of BLOCK_N an expand program covers (scripts/bench_lora_segments.py measures 1-8)
 EXPAND_BLOCKS_PER_PROGRAM = 4
+# the shrink's K splits (scripts/bench_lora_segments.py): one per this much of K, at most the max
+SHRINK_K_PER_SPLIT = 2048
+SHRINK_MAX_SPLITS = 4
 
 
 # Arguments that change from step to step (the tile count, the step's adapter count in the
 # table strides, its row count in S's stride) are not specialised: Triton would compile a variant
 # per "== 1" and "divisible by 16" of each, and such first-time compiles stalled whole steps for
 # 1-3 s on an H100 mid-run (docs/BENCHMARKS.md, issue 13, session 9). They only index tables.
-@triton.jit(do_not_specialize=["n_tiles", "a_g_stride", "r_g_stride", "s_g_stride"])
+@triton.jit(do_not_specialize=["n_tiles", "a_g_stride", "r_g_stride", "s_g_stride", "s_split_stride"])
 def _segment_shrink_kernel(
-    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride,
+    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, k_per_split, x_stride, n_tiles, a_g_stride,
+    r_g_stride, s_g_stride, s_split_stride,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """S[g, rows of tile t, :rank] = x[rows] A_g^T (fp32), A_g of the tile's adapter."""
+    """S[split, g, rows of tile t, :rank] = x[rows, split's K range] A_g[:, range]^T (fp32), A_g
+    of the tile's adapter; the expand sums the splits. Splitting K gives a step of few tiles
+    (decode rows, a short prompt) enough programs: one program over all of K = 8,192 is a
+    long chain of dependent loads."""
     t = tl.program_id(0)
     g = tl.program_id(1)
+    sp = tl.program_id(2)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
@@ -59,7 +67,8 @@ def _segment_shrink_kernel(
         m_ok = offs_m < end
         r_ok = offs_r < rank
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = sp * k_per_split
+        for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
@@ -67,15 +76,16 @@ def _segment_shrink_kernel(
             a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
             acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-        s_ptrs = s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :]
+        s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R
+                  + offs_r[None, :])
         tl.store(s_ptrs, acc, mask=m_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["n_tiles"])
+@triton.jit(do_not_specialize=["n_tiles", "s_split_stride"])
 def _segment_expand_kernel(
-    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
+    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[rows of tile t, N_BLOCKS column blocks] += scale * S[rows, :rank] Bt[:rank, cols]:
     fp32 sum of the output and the delta, one rounding. A program covers N_BLOCKS blocks of
@@ -94,8 +104,11 @@ def _segment_expand_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < end
         r_ok = offs_r < rank
-        s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :],
-                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :]
+        s_ok = m_ok[:, None] & r_ok[None, :]
+        s = tl.load(s_ptrs, mask=s_ok, other=0.0)
+        for sp in range(1, SPLIT):  # the shrink's K splits, summed in a fixed order
+            s += tl.load(s_ptrs + sp * s_split_stride, mask=s_ok, other=0.0)
         for j in range(N_BLOCKS):
             offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
@@ -220,18 +233,25 @@ def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
+def shrink_splits(k: int) -> int:
+    """K splits of the shrink: one per SHRINK_K_PER_SPLIT of K, at most SHRINK_MAX_SPLITS."""
+    return max(1, min(SHRINK_MAX_SPLITS, k // SHRINK_K_PER_SPLIT))
+
+
 def _expand_blocks_per_program(col_blocks: int) -> int:
     """Column blocks per expand program: EXPAND_BLOCKS_PER_PROGRAM, fewer for narrow outputs."""
     return max(1, min(EXPAND_BLOCKS_PER_PROGRAM, col_blocks))
 
 
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
-                     backend: str = "auto", check: bool = True, n_blocks: int | None = None) -> None:
+                     backend: str = "auto", check: bool = True, n_blocks: int | None = None,
+                     split_k: int | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
-    column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width)."""
+    column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
+    ``split_k``: K splits of the shrink (default ``shrink_splits(K)``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -250,18 +270,22 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     x = x if x.stride(1) == 1 else x.contiguous()
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, block_r = lora.block_m, lora.block_r
-    s = torch.empty(g, rows, block_r, dtype=torch.float32, device=x.device)
+    block_k = _shrink_block_k(x.device)
+    split = shrink_splits(k) if split_k is None else split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
-    _segment_shrink_kernel[(n_tiles, g)](
-        x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, x.stride(0), n_tiles,
-        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_shrink_block_k(x.device), DOT_PRECISION=precision)
+    _segment_shrink_kernel[(n_tiles, g, split)](
+        x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
+        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=precision)
     block_n = 128 if x.is_cuda else 32
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
         _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n * per))](
-            s[i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0), n_tiles,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, N_BLOCKS=per, DOT_PRECISION=precision)
+            s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
+            n_tiles, s.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
+            DOT_PRECISION=precision)

@@ -137,18 +137,19 @@ def test_triton_separate_outputs_and_block_r_wider_than_ranks(device):
     assert torch.equal(got[:2], torch.zeros(2, 33, device=device))
 
 
-@pytest.mark.parametrize("n_blocks", [1, 3, 4])
-def test_expand_programs_over_several_column_blocks(device, n_blocks):
+@pytest.mark.parametrize("n_blocks,split_k", [(1, 1), (3, 2), (4, 3), (2, 8)])
+def test_expand_programs_over_several_column_blocks(device, n_blocks, split_k):
     """An expand program covering 1, 3 or 4 column blocks (the last program's blocks partly or
-    wholly past the output's width): the same sums; a 1-row tile beside a multi-tile segment."""
-    k, ns = 24, (100,)
+    wholly past the output's width), the shrink's K in 1, 2, 3 or 8 splits (8: more splits than
+    K blocks, the last ones empty): the same sums; a 1-row tile beside a multi-tile segment."""
+    k, ns = 70, (100,)
     pool, a_off, b_off, rk, _ = make_pool([(6,), (9,)], k, ns, torch.float32, device, seed=8)
     segments = [(0, 1, 1), (1, 40, 0), (41, 42, 1)]
     lora = make_lora(pool, a_off, b_off, rk, torch.tensor([0.5, 2.0]), segments, 16)
     x = torch.randn(44, k, generator=torch.Generator().manual_seed(9)).to(device)
     base = torch.randn(44, 100, generator=torch.Generator().manual_seed(10)).to(device)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, lora, [got], backend="triton", n_blocks=n_blocks)
+    segment_lora_add(x, lora, [got], backend="triton", n_blocks=n_blocks, split_k=split_k)
     segment_lora_reference(x, lora, [want])
     assert rel_err(got - base, want - base) < 1e-5
     assert torch.equal(got[40:41], base[40:41]) and torch.equal(got[42:], base[42:])
