@@ -87,7 +87,7 @@ def main(argv=None) -> list[dict]:
                     help="comma list of NxS (column blocks per expand program x shrink K splits), d = defaults")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="for the padded mix's empty tiles")
     ap.add_argument("--block-m", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=20, help="replays of a graph of 10 calls")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -119,17 +119,24 @@ def main(argv=None) -> list[dict]:
                 if err > 2e-2:
                     raise SystemExit(f"{mix} {name} {variant}: relative error {err:.3g} against the reference")
                 outs = list(got.split(ns, dim=1))
-                if cuda:
-                    for _ in range(3):
+                if cuda:  # GPU time: the launches captured as one CUDA graph (as a mixed step runs them),
+                    # replayed; eager launches from Python would time the host for small mixes
+                    for _ in range(2):
                         segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(10):
+                            segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
+                    graph.replay()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda.synchronize()
                     start.record()
                     for _ in range(args.reps):
-                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
+                        graph.replay()
                     end.record()
                     torch.cuda.synchronize()
-                    us = start.elapsed_time(end) * 1e3 / args.reps
+                    us = start.elapsed_time(end) * 1e3 / (10 * args.reps)
                 else:
                     us = float("nan")
                 results.append(dict(mix=mix, group=name, rows=rows, tiles=len(tiles), variant=variant, us=us,
