@@ -14,7 +14,8 @@ adapter ``i % (distinct * len(ranks))``; adapters sharing a set share one host b
 (``Engine.add_host_adapter``) but are separate adapters to the engine, each paged into the GPU
 pool and evicted on its own (what the benchmark measures); host memory stays small at 2048.
 
-Ours: a new ``Engine`` per point (cold pool), a warm-up (one request per rank, not measured),
+Ours: a new ``Engine`` per point (cold pool), a warm-up (one request per rank, then
+``Engine.warm_up`` as ``serve`` runs it, which on a GPU captures the mixed-step pieces; not measured),
 then the trace: this thread submits each request at its arrival time (``Engine.submit`` with a
 per-token callback; the engine's background loop runs the steps, as under the HTTP server)
 and every token's time is taken in that callback. Per point: generated tokens/s and
@@ -275,13 +276,16 @@ def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], ar
                 for j, name in enumerate(ranks.values())]
         t_warm = time.perf_counter()
         engine.generate(warm)
+        # and serve's warm-up: on a GPU it also captures the mixed-step pieces of every token bucket
+        serve_warm = engine.warm_up()
         warm_s = time.perf_counter() - t_warm
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)
         if device.type == "cuda":
             out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        out.update(build_s=build_s, warm_up_s=warm_s, cuda_graphs=engine.runner.graphs is not None,
+        out.update(build_s=build_s, warm_up_s=warm_s, mixed_piece_keys=serve_warm["mixed_piece_keys"],
+                   cuda_graphs=engine.runner.graphs is not None,
                    pool_gib=engine.pool.storage.numel() * engine.pool.storage.element_size() / 2**30,
                    max_num_batched_tokens=engine.config.max_num_batched_tokens, chunked_prefill=chunked,
                    prefill_attention=engine.runner.prefill_attention)

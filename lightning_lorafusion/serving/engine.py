@@ -432,8 +432,9 @@ class Engine:
         users (an H100 measured 1-3 s stalls for a step whose mix of ranks was new to the process,
         docs/BENCHMARKS.md, issue 13, session 9). Rounds: the base and one adapter of each distinct
         rank alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
-        rows, two requests per adapter). Then drops the prompts' cached prefix pages. Returns what
-        ran. Call it before serving (``serve`` does, unless ``warm_up: false``)."""
+        rows, two requests per adapter). Then drops the prompts' cached prefix pages, and builds
+        (on a GPU: captures) the mixed-step pieces of every token bucket for the adapters' rank
+        blocks (``ModelRunner.build_mixed_pieces``). Returns what ran. Call it before serving (``serve`` does, unless ``warm_up: false``)."""
         if prompt_len < 1 or max_new_tokens < 1:
             raise ConfigError(f"warm_up: prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
         t0 = time.perf_counter()
@@ -463,10 +464,19 @@ class Engine:
         for batch in rounds:
             self.generate(batch)
         freed = self.reset_prefix_cache()
+        # mixed steps as pieces: every token bucket's, for the rank blocks these adapters make,
+        # built (captured) now rather than by the first step of each (bucket, rank block)
+        t_pieces = time.perf_counter()
+        with self._step_lock:
+            pieces = self.runner.build_mixed_pieces(by_rank)
+        pieces_s = time.perf_counter() - t_pieces
+        if pieces:
+            log.info("mixed-step pieces: %d (token bucket, rank block) keys %s in %.1f s", pieces,
+                     "captured" if self.runner.mixed_pieces == "graphs" else "built", pieces_s)
         seconds = time.perf_counter() - t0
         ranks = sorted(by_rank)
         return {"requests": sum(map(len, rounds)), "rounds": len(rounds), "ranks": ranks, "seconds": seconds,
-                "prefix_pages_freed": freed}
+                "prefix_pages_freed": freed, "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page no running request holds (vLLM's reset_prefix_cache):

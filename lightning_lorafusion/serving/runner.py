@@ -26,7 +26,7 @@ steps with prefill rows run eagerly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,8 @@ _QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
 _O = (None, ("o_proj",))
 _GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
 _DOWN = (None, ("down_proj",))
+# the rank block of the mixed-step pieces of steps without LoRA rows (block_r_for's smallest)
+BASE_BLOCK_R = block_r_for(0)
 
 
 @dataclass(frozen=True)
@@ -371,18 +373,32 @@ class ModelRunner:
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
         self._mixed.clear()
 
+    def _new_pieces(self, rows: int, block_r: int) -> MixedPieces:
+        return MixedPieces(self, rows, block_r, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
+                                                                              self.decode_inputs.max_rows),
+                           max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
+                           pool=self.graphs.pool if self.graphs is not None else None)
+
+    def build_mixed_pieces(self, ranks: Iterable[int]) -> int:
+        """Build (capture, with graphs) the pieces of every token bucket for the rank blocks of
+        steps whose adapters have ``ranks`` (and of base-only steps), now rather than on the
+        first step of each key mid-run. -> how many keys were new. No-op with pieces off."""
+        if self.mixed_pieces is None:
+            return 0
+        blocks = {BASE_BLOCK_R} | {block_r_for(r) for r in ranks}
+        new = [(rows, br) for rows in self.token_buckets for br in sorted(blocks) if (rows, br) not in self._mixed]
+        for rows, br in new:
+            self._mixed[(rows, br)] = self._new_pieces(rows, br)
+        return len(new)
+
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         rows = batch.input_ids.shape[0]
         if self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets:
-            block_r = batch.prefill_lora.block_r if batch.prefill_lora is not None else 16
+            block_r = batch.prefill_lora.block_r if batch.prefill_lora is not None else BASE_BLOCK_R
             pieces = self._mixed.get((rows, block_r))
             if pieces is None:
-                pieces = self._mixed[(rows, block_r)] = MixedPieces(
-                    self, rows, block_r, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
-                                                                         self.decode_inputs.max_rows),
-                    max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
-                    pool=self.graphs.pool if self.graphs is not None else None)
+                pieces = self._mixed[(rows, block_r)] = self._new_pieces(rows, block_r)
             return pieces.run(batch)
         cfg, params = self.config, self.params
         h = embed(params, batch.input_ids)
