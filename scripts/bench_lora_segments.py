@@ -1,7 +1,8 @@
 """Prefill/mixed-step LoRA by row tiles (``kernels/lora_segments.py``): time one layer's
 segment LoRA (q/k/v, o, gate/up, down at a model shape) for several mixes of tiles and for
-variants "NxS" (N column blocks per expand program, the shrink's K in S splits; "d" = the
-defaults), each checked against the torch reference first.
+variants "NxS" or "NxSxWsxWe" (N column blocks per expand program, the shrink's K in S splits,
+Ws / We the shrink's / expand's num_warps; "d" = the defaults), each checked against the torch
+reference first.
 
 Mixes (rows of one step): ``prefill`` P prompts of L tokens; ``mixed`` the same plus D decode
 rows, each its own 1-row tile (round-robin adapters: the decode rows of an unsorted step);
@@ -94,7 +95,11 @@ def main(argv=None) -> list[dict]:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     rank_list = [int(r) for r in args.ranks.split(",")]
     ranks = [rank_list[i % len(rank_list)] for i in range(args.adapters)]
-    variants = {v: (None, None) if v == "d" else tuple(int(p) for p in v.split("x")) for v in args.variants.split(",")}
+    def parse(v: str) -> tuple:
+        parts = [None] * 4 if v == "d" else [int(p) for p in v.split("x")]
+        return tuple(parts + [None] * (4 - len(parts)))
+
+    variants = {v: parse(v) for v in args.variants.split(",")}
     results = []
     for mix, segments in mixes(args.prompts, args.prompt_len, args.decode, args.adapters).items():
         rows = max(end for _, end, _ in segments)
@@ -111,9 +116,10 @@ def main(argv=None) -> list[dict]:
             base = torch.randn(rows, sum(ns), device=device, dtype=dtype)
             want = base.clone()
             segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
-            for variant, (nb, sk) in variants.items():
+            for variant, (nb, sk, ws, we) in variants.items():
+                kw = dict(n_blocks=nb, split_k=sk, warps=(ws, we))
                 got = base.clone()
-                segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", n_blocks=nb, split_k=sk)
+                segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", **kw)
                 err = float(((got - base).double() - (want - base).double()).norm()
                             / (want - base).double().norm().clamp_min(1e-30))
                 if err > 2e-2:
@@ -122,12 +128,12 @@ def main(argv=None) -> list[dict]:
                 if cuda:  # GPU time: the launches captured as one CUDA graph (as a mixed step runs them),
                     # replayed; eager launches from Python would time the host for small mixes
                     for _ in range(2):
-                        segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
+                        segment_lora_add(x, lora, outs, backend="triton", check=False, **kw)
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         for _ in range(10):
-                            segment_lora_add(x, lora, outs, backend="triton", check=False, n_blocks=nb, split_k=sk)
+                            segment_lora_add(x, lora, outs, backend="triton", check=False, **kw)
                     graph.replay()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda.synchronize()

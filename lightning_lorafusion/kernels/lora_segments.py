@@ -246,13 +246,14 @@ def _expand_blocks_per_program(col_blocks: int) -> int:
 
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
-                     split_k: int | None = None) -> None:
+                     split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None)) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
-    ``split_k``: K splits of the shrink (default ``shrink_splits(K)``)."""
+    ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
+    the expand's ``num_warps`` (None: Triton's default, 4)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -281,7 +282,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     _segment_shrink_kernel[(n_tiles, g, split)](
         x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
         lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=precision)
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=precision,
+        **({} if warps[0] is None else {"num_warps": warps[0]}))
     block_n = 128 if x.is_cuda else 32
     for i, y in enumerate(outs):
         n = y.shape[1]
@@ -289,4 +291,4 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n * per))](
             s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
             n_tiles, s.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
-            DOT_PRECISION=precision)
+            DOT_PRECISION=precision, **({} if warps[1] is None else {"num_warps": warps[1]}))

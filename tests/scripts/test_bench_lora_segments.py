@@ -11,7 +11,7 @@ from _script_loader import load_script
 def test_bench_lora_segments_tiny_cpu(tmp_path, capsys):
     module = load_script("bench_lora_segments")
     results = module.main(["--shape", "tiny", "--prompts", "2", "--prompt-len", "20", "--decode", "5",
-                           "--adapters", "3", "--reps", "1", "--variants", "d,1x1,3x2", "--block-m", "16", "--max-num-seqs", "6",
+                           "--adapters", "3", "--reps", "1", "--variants", "d,1x1,3x2x2x8", "--block-m", "16", "--max-num-seqs", "6",
                            "--out", str(tmp_path)])
     assert len(results) == 5 * 4 * 3  # mixes x groups x variants
     assert all(r["rel_err"] < 1e-5 for r in results)
