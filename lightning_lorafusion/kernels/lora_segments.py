@@ -38,10 +38,10 @@ EXPAND_BLOCKS_PER_PROGRAM = 4
 # tied at every mix at the 1B and 8B shapes on an H100, 1-16 % below 1 split (docs/kernels.md)
 SHRINK_K_PER_SPLIT = 512
 SHRINK_MAX_SPLITS = 4
-# the expand's num_warps at rank blocks >= 64: 2 took 22-32 % off the 1B mixes at block_r 64 on
-# an H100, where at block_r 16 (the 8B r = 16 mixes) it added 14-17 % (docs/kernels.md)
-EXPAND_WIDE_RANK_BLOCK = 64
-EXPAND_WIDE_RANK_WARPS = 2
+# the expand's num_warps for S tiles of block_m x block_r >= 64 x 64: 2 warps took 22-32 % off the
+# mixes there on an H100 (1B and 8B), and added 13-70 % at 64 x 16, 64 x 32 and 32 x 64 (docs/kernels.md)
+EXPAND_WIDE_TILE = 64 * 64
+EXPAND_WIDE_TILE_WARPS = 2
 
 
 # Arguments that change from step to step (the tile count, the step's adapter count in the
@@ -243,9 +243,10 @@ def shrink_splits(k: int) -> int:
     return max(1, min(SHRINK_MAX_SPLITS, k // SHRINK_K_PER_SPLIT))
 
 
-def expand_warps(block_r: int) -> int | None:
-    """The expand's num_warps: 2 for rank blocks of 64 and more, Triton's default (4) below."""
-    return EXPAND_WIDE_RANK_WARPS if block_r >= EXPAND_WIDE_RANK_BLOCK else None
+def expand_warps(block_m: int, block_r: int) -> int | None:
+    """The expand's num_warps: 2 for S tiles of >= 64 x 64 (block_m x block_r), Triton's default (4)
+    for smaller ones."""
+    return EXPAND_WIDE_TILE_WARPS if block_m * block_r >= EXPAND_WIDE_TILE else None
 
 
 def _expand_blocks_per_program(col_blocks: int) -> int:
@@ -262,8 +263,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
-    the expand's ``num_warps`` (None: Triton's default, 4, for the shrink; ``expand_warps(block_r)``
-    for the expand)."""
+    the expand's ``num_warps`` (None: Triton's default, 4, for the shrink; ``expand_warps(block_m,
+    block_r)`` for the expand)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -295,7 +296,7 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=precision,
         **({} if warps[0] is None else {"num_warps": warps[0]}))
     block_n = 128 if x.is_cuda else 32
-    expand_w = expand_warps(block_r) if warps[1] is None else warps[1]
+    expand_w = expand_warps(block_m, block_r) if warps[1] is None else warps[1]
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks

@@ -171,3 +171,12 @@ def test_bad_tables_are_refused_before_any_launch():
     big = SegmentLora(**{**lora.__dict__, "block_r": 16, "ranks": torch.tensor([[20]], dtype=torch.int32)})
     with pytest.raises(ValueError, match="above block_r"):
         segment_lora_reference(x, big, [torch.zeros(4, 8)])
+
+
+def test_expand_warps_follow_the_s_tile_size():
+    """2 warps for S tiles of at least 64 x 64 (block_m x block_r), the default below: what the
+    H100 measured fastest at 64 x 64 and slowest at 64 x 16, 64 x 32 and 32 x 64 (docs/kernels.md)."""
+    from lightning_lorafusion.kernels.lora_segments import expand_warps
+
+    assert expand_warps(64, 64) == 2 and expand_warps(64, 128) == 2
+    assert expand_warps(64, 16) is None and expand_warps(64, 32) is None and expand_warps(32, 64) is None
