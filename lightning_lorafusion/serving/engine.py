@@ -434,7 +434,8 @@ class Engine:
         rank alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
         rows, two requests per adapter). Then drops the prompts' cached prefix pages, and builds
         (on a GPU: captures) the mixed-step pieces of every token bucket for the adapters' rank
-        blocks (``ModelRunner.build_mixed_pieces``). Returns what ran. Call it before serving (``serve`` does, unless ``warm_up: false``)."""
+        blocks (``ModelRunner.build_mixed_pieces``). Returns what ran. Call it before serving
+        (``serve`` does, unless ``warm_up: false``)."""
         if prompt_len < 1 or max_new_tokens < 1:
             raise ConfigError(f"warm_up: prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
         t0 = time.perf_counter()

@@ -19,8 +19,10 @@ kernels) or come first and attend to their own tokens (varlen causal, "varlen");
 attend to their cached pages (``paged_decode_attention``).
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
-replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``);
-steps with prefill rows run eagerly.
+replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``).
+Steps with prefill rows run eagerly, or (``EngineConfig.mixed_graphs``, on by default on CUDA)
+padded to a token bucket as captured pieces around attention (``mixed_graphs.MixedPieces``): then
+every row's LoRA, decode rows' included (grouped by adapter), goes through ``lora_segments``.
 """
 
 from __future__ import annotations
