@@ -31,6 +31,10 @@ host work), prompt tokens/s and mean TTFT, min and median over the N.
 per output channel, an untied embedding per row; "fp8_" rows), so decode reads half the
 frozen bytes per step. On a CPU the FP8 products are emulated.
 
+``--mixed-graphs off,on`` (``EngineConfig.mixed_graphs``, a comma list; default ``auto``) runs
+the engine phases once per value ("mixed_off_" / "mixed_on_" rows): steps with prefill rows
+eager, or padded to token buckets and run as captured pieces around attention.
+
 ``--profile-steps N`` profiles N decode-only steps of the ``--step-batch`` requests, run eagerly
 (the graphs bypassed, the same padded kernels), with adapters and on the base: device time per
 step by kernel (``profile_adapters`` / ``profile_base``; on the CPU, host time by op).
