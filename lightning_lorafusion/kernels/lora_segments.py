@@ -35,7 +35,7 @@ BACKENDS = ("torch", "triton", "auto")
 # column blocks of BLOCK_N an expand program covers (scripts/bench_lora_segments.py measures 1-8)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
-# tied at every mix at the 1B and 8B shapes on an H100, 1-16 % below 1 split (docs/kernels.md)
+# tied at every mix at the 1B and 8B shapes on an H100, 7-43 % less time than 1 split (docs/kernels.md)
 SHRINK_K_PER_SPLIT = 512
 SHRINK_MAX_SPLITS = 4
 # the expand's num_warps for S tiles of block_m x block_r >= 64 x 64: 2 warps took 22-32 % off the

@@ -159,8 +159,7 @@ class Engine:
     def _mixed_pieces_mode(self) -> str | None:
         """``EngineConfig.mixed_graphs`` -> the runner's mode: "graphs", "eager" or None (off)."""
         mode = self.config.mixed_graphs
-        able = (self.device.type == "cuda" and self.runner.kernel_backend == "triton"
-                and self.runner.lora_backend == "triton")
+        able = self.runner.can_capture_mixed
         if mode == "on" and not able:
             raise ConfigError(f"EngineConfig.mixed_graphs='on' needs a CUDA device and the Triton kernels; this "
                               f"engine runs on {self.device} with backend {self.runner.lora_backend!r} "

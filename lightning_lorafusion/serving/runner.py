@@ -152,8 +152,8 @@ class ModelRunner:
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
             page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
         self.pad_decode = False
-        # mixed steps padded to token buckets, every row's LoRA by row tiles (decode rows are
-        # 1-row tiles): the fixed shapes a captured mixed step needs; settable on the CPU to test
+        # mixed steps padded to token buckets, every row's LoRA by row tiles (decode rows grouped
+        # by adapter): the fixed shapes a captured mixed step needs; settable on the CPU to test
         self.pad_mixed = False
         self.token_buckets = graph_buckets(max_batched_tokens)
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
@@ -363,14 +363,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
 
+    @property
+    def can_capture_mixed(self) -> bool:
+        """Whether mixed-step pieces can be captured: a CUDA device and the Triton kernels."""
+        return self.device.type == "cuda" and self.lora_backend == "triton" and self.kernel_backend == "triton"
+
     def use_mixed_pieces(self, mode: str | None) -> None:
         """Padded mixed steps (``pad_mixed``) as pieces: "graphs" (CUDA: each piece captured on
         first use of its token bucket and rank block), "eager" (same buffers, run eagerly), or
         None (off: one eager forward, unpadded)."""
         if mode not in (None, "eager", "graphs"):
             raise ValueError(f"mixed pieces mode {mode!r}; allowed: None, 'eager', 'graphs'")
-        if mode == "graphs" and (self.device.type != "cuda" or self.lora_backend != "triton"
-                                 or self.kernel_backend != "triton"):
+        if mode == "graphs" and not self.can_capture_mixed:
             raise RuntimeError("mixed-step CUDA graphs need a CUDA device and the Triton kernels")
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
         self._mixed.clear()
