@@ -14,7 +14,9 @@
     ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
     ("triton_fp8": projection weights and the untied input embedding quantized to e4m3, frozen
     GEMMs on FP8 tensor cores; ``--fp8-fast-accum off,forward,both`` repeats it per fast-
-    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``); the FP8 runs come last
+    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``; ``--fp8-fused-swiglu
+    on,off`` repeats it with the MLP's FP8 operands quantized by SwiGLU or by the products
+    themselves, the latter rows suffixed ``_sw-off``); the FP8 runs come last
     and release the HF model's bf16 projection weights and embedding table, so their peak memory
     is the FP8 base's.
 (c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
@@ -44,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
+from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation, set_fused_swiglu  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
 from lightning_lorafusion.model.hf_loading import (  # noqa: E402
@@ -308,6 +310,13 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
         _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner))
+    if args.memory_peak and device.type == "cuda" and runner is None:  # graph replays allocate nothing
+        from memory_peak import format_report, peak_report
+
+        # the largest microbatch (most real tokens), after the timed pass: optimizer state exists
+        big = max(mbs, key=lambda m: m.real_tokens)
+        print(format_report(label, peak_report(lambda: _ours_pass([big], bank, opts, params, config, backend,
+                                                                  device))), flush=True)
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     extra = {}
     if runner is not None:
@@ -368,7 +377,14 @@ def main() -> None:
     ap.add_argument("--fp8-fast-accum", default="off",
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")
+    ap.add_argument("--fp8-fused-swiglu", default="on",
+                    help="comma list of on / off: the FP8 runs repeat per setting (SwiGLU quantizing the "
+                         "down projection's input and the gate/up gradient itself, fp8_linear.Fp8SwiGLU; "
+                         "rows without it suffixed _sw-off)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="eager variants: what is live at one microbatch's memory peak, by allocating line "
+                         "(scripts/memory_peak.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device, dtype, hf_config, model, data = model_and_workload(args)
@@ -376,16 +392,20 @@ def main() -> None:
     if set(precisions) - {"bf16", "fp8"} or not precisions:
         raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
     ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
-    runs = [(v, "bf16", "off") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
+    runs = [(v, "bf16", ("off", "on")) for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
     # Liger patches the shared HF model in place: its variants run after the plain HF ones
     runs.sort(key=lambda r: r[0].startswith("hf_liger"))
     modes = args.fp8_fast_accum.split(",")
     if set(modes) - {"off", "forward", "both"} or not modes:
         raise SystemExit(f"--fp8-fast-accum {args.fp8_fast_accum!r}: give off, forward, both (comma list)")
-    runs += [(v, "fp8", m) for v in ours if "fp8" in precisions for m in modes]  # last: they release the bf16 weights
+    swiglu = args.fp8_fused_swiglu.split(",")
+    if set(swiglu) - {"on", "off"} or not swiglu:
+        raise SystemExit(f"--fp8-fused-swiglu {args.fp8_fused_swiglu!r}: give on, off or on,off")
+    # last: they release the bf16 weights
+    runs += [(v, "fp8", (m, sw)) for v in ours if "fp8" in precisions for m in modes for sw in swiglu]
     rows = []
     fp8_params: dict = {}
-    for variant, precision, accum in runs:
+    for variant, precision, (accum, fused_swiglu) in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -401,8 +421,10 @@ def main() -> None:
             else:
                 set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
                 set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
+                set_fused_swiglu(fused_swiglu == "on")
                 backend = "triton" if variant.startswith("triton") else variant
-                variant = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
+                variant = (variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
+                           + ("_sw-off" if fused_swiglu == "off" else ""))
                 tps, secs, toks, fill, n, extra = run_ours(args, hf_config, model, data, device, dtype, backend,
                                                            base_precision=precision,
                                                            graphs=variant.startswith("triton_graphs"),

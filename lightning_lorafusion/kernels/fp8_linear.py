@@ -170,11 +170,133 @@ def fp8_embedding(ids: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Ten
     return (rows * scale[:, None]).to(p[SCALE_KEY].dtype)
 
 
+# --------------------------------------------------------- operands quantized by their producer
+# A kernel that produces a product's operand may quantize it on the way (``Fp8SwiGLU``: h for the
+# down projection, [dg * sw_g | du * sw_u] for the gate/up input gradient) and offer it here; the
+# next FP8 product takes it if its operand is that very tensor (same storage, shape, strides and
+# version; the offer holds a reference, so the storage cannot be reused meanwhile), else
+# quantizes as usual. One slot each, emptied by the next product that looks: an offer nobody
+# takes is dropped, never kept. The bits are the same either way (the spec's quantization of
+# the same tensor), so taking an offer changes speed only.
+_OFFERS: dict[str, tuple] = {}
+# Whether the decoder's SwiGLU over an FP8 MLP offers its quantized operands (Fp8SwiGLU); off
+# only to measure what it saves (scripts/bench_e2e.py --fp8-fused-swiglu).
+_FUSED_SWIGLU = {"on": True}
+
+
+def set_fused_swiglu(on: bool) -> None:
+    """Turn the FP8 MLP's fused SwiGLU + quantization (``Fp8SwiGLU``) on (default) or off."""
+    _FUSED_SWIGLU["on"] = bool(on)
+
+
+def fused_swiglu_enabled() -> bool:
+    return _FUSED_SWIGLU["on"]
+
+
+def _mark(t: torch.Tensor) -> tuple:
+    """The tensor and what must not change for its quantized rows to stay valid."""
+    return t, t.data_ptr(), t.shape, t.stride(), t.dtype, t._version
+
+
+def _is_marked(mark: tuple, t: torch.Tensor) -> bool:
+    return mark[1:] == (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+
+
+def offer_quantized_input(x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor) -> None:
+    """The next FP8 forward product whose input is ``x`` uses rows ``xq [M, K]``, scales ``sx [M, 1]``."""
+    _OFFERS["input"] = (_mark(x), xq, sx)
+
+
+def offer_quantized_grad(dys: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], gq: torch.Tensor,
+                         sg: torch.Tensor) -> None:
+    """The next FP8 input gradient over output gradients ``dys`` of weights with channel scales
+    ``scales`` uses ``gq [M, sum N_i]`` = rows of ``[dy_i * scale_i | ...]`` quantized, ``sg [M, 1]``."""
+    _OFFERS["grad"] = (tuple(_mark(d) for d in dys), tuple(_mark(c) for c in scales), gq, sg)
+
+
+def _take_quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    offer = _OFFERS.pop("input", None)
+    if offer is None or not _is_marked(offer[0], x):
+        return None
+    return offer[1], offer[2]
+
+
+def _take_quantized_grad(dys, weights) -> tuple[torch.Tensor, torch.Tensor] | None:
+    offer = _OFFERS.pop("grad", None)
+    if offer is None or len(offer[0]) != len(dys):
+        return None
+    offered_dys, scales, gq, sg = offer
+    if not all(_is_marked(a, b) for a, b in zip(offered_dys, dys)):
+        return None
+    if not all(_is_marked(c, w.scale) for c, w in zip(scales, weights)):  # (no device sync here)
+        return None
+    return gq, sg
+
+
+def _swiglu_reference(g: torch.Tensor, u: torch.Tensor):
+    """The decoder's eager SwiGLU, op for op (so the emulated path matches it bit for bit)."""
+    h = torch.nn.functional.silu(g) * u
+    hq, sh = quantize_rows_reference(h)
+    return h, hq, sh
+
+
+def _swiglu_grads_reference(g, u, dh, scale_g, scale_u):
+    """Autograd's backward of ``silu(g) * u``, op for op; then the spec's quantization of G."""
+    du = dh * torch.nn.functional.silu(g)
+    dg = torch.ops.aten.silu_backward(dh * u, g)
+    gq, sg = quantize_rows_reference(torch.cat([dg.float() * scale_g.float()[None, :],
+                                                du.float() * scale_u.float()[None, :]], dim=1))
+    return dg, du, gq, sg
+
+
+class Fp8SwiGLU(torch.autograd.Function):
+    """``h = silu(g) * u`` of an FP8 MLP that also quantizes the operands of its neighbours'
+    products (see "operands quantized by their producer"): h's rows for the down projection in
+    the forward, ``[dg * sw_g | du * sw_u]``'s rows for the gate/up input gradient in the
+    backward. Real path: one Triton kernel each way (``fp8_triton.swiglu_quantize`` /
+    ``swiglu_grads_quantize``); emulated: the eager ops and the spec's quantization."""
+
+    @staticmethod
+    def forward(ctx, g, u, scale_g, scale_u, emulate):
+        if emulate:
+            h, hq, sh = _swiglu_reference(g, u)
+        else:
+            from .fp8_triton import swiglu_quantize
+
+            h, hq, sh = swiglu_quantize(g, u)
+        offer_quantized_input(h, hq, sh)
+        ctx.save_for_backward(g, u, scale_g, scale_u)
+        ctx.emulate = emulate
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        g, u, scale_g, scale_u = ctx.saved_tensors
+        if ctx.emulate:
+            dg, du, gq, sg = _swiglu_grads_reference(g, u, dh, scale_g, scale_u)
+        else:
+            from .fp8_triton import swiglu_grads_quantize
+
+            dg, du, gq, sg = swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
+        offer_quantized_grad((dg, du), (scale_g, scale_u), gq, sg)
+        return dg, du, None, None, None
+
+
+def fp8_swiglu(g: torch.Tensor, u: torch.Tensor, gate: Fp8Weight, up: Fp8Weight, *,
+               emulate: bool | None = None) -> torch.Tensor:
+    """``silu(g) * u`` between FP8 gate/up and down projections (``Fp8SwiGLU``); the real path
+    needs bf16 on a GPU with FP8 tensor cores, like the products around it."""
+    emulate = resolve_emulate(g.device, emulate)
+    if not emulate and g.dtype != torch.bfloat16:
+        raise TypeError(f"the FP8 base computes with bfloat16 activations; g is {g.dtype}")
+    return Fp8SwiGLU.apply(g, u, gate.scale, up.scale, emulate)
+
+
 # ------------------------------------------------------------------------------- products
 
 
 def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: always row-quantized
-    xq, sx = quantize_rows_reference(x)
+    xq, sx = _take_quantized_input(x) or quantize_rows_reference(x)
     xd = xq.float() * sx
     ys = []
     for w, b in zip(weights, biases):
@@ -184,8 +306,12 @@ def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: alway
 
 
 def _emulated_input_grad(dys, weights, dtype):
-    g = torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)
-    gq, sg = quantize_rows_reference(g)
+    offered = _take_quantized_grad(dys, weights)
+    if offered is not None:
+        gq, sg = offered
+    else:
+        g = torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)
+        gq, sg = quantize_rows_reference(g)
     wq = torch.cat([w.data.float() for w in weights], dim=0)  # [sum N, K]
     return ((gq.float() * sg) @ wq).to(dtype)
 
@@ -240,7 +366,7 @@ def _real_outputs(x, weights, biases, weight_only=False):
     light = [weight_only and weight_only_wins(m, *w.shape) for w in weights]
     xq = sx = None
     if not all(light):
-        xq, sx = quantize_rows([x.contiguous()], None)
+        xq, sx = _take_quantized_input(x) or quantize_rows([x.contiguous()], None)
     ys = []
     for w, b, wo in zip(weights, biases, light):
         if wo:
@@ -262,7 +388,8 @@ def weight_only_wins(m: int, n: int, k: int) -> bool:
 def _real_input_grad(dys, weights, dtype):
     from .fp8_triton import quantize_rows, transpose_concat
 
-    gq, sg = quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights])
+    gq, sg = (_take_quantized_grad(dys, weights)
+              or quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
     wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
     ones = torch.ones(1, wt.shape[0], dtype=torch.float32, device=wt.device)
     return _scaled_mm(gq, sg, wt, ones, dtype, _FAST_ACCUM["input_grad"])

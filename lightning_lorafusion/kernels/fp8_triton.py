@@ -53,6 +53,21 @@ def _row_store(x_ptr, c_ptr, n, row, inv, q_row_ptr, HAS_COL: tl.constexpr, BLOC
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """``fp8_linear.pow2_scales`` of an fp32 row maximum, and its inverse (both exact powers of
+    two): amax = (1 + mant / 2^23) 2^(e - 127), 448 = 1.75 * 2^8."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    p = e - 135 + (mant > 0x600000).to(tl.int32)
+    p = tl.maximum(p, -126)
+    p = tl.where(amax > 0, p, 0)
+    scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - p) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x0_ptr, c0_ptr, n0, x1_ptr, c1_ptr, n1, x2_ptr, c2_ptr, n2, q_ptr, s_ptr, nq,
     NUM_IN: tl.constexpr, HAS_COL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -65,15 +80,7 @@ def _quantize_rows_kernel(
         amax = _row_amax(x1_ptr, c1_ptr, n1, row, amax, HAS_COL, BLOCK_N)
     if NUM_IN > 2:
         amax = _row_amax(x2_ptr, c2_ptr, n2, row, amax, HAS_COL, BLOCK_N)
-    # pow2_scales: amax = (1 + mant / 2^23) 2^(e - 127), 448 = 1.75 * 2^8
-    bits = amax.to(tl.int32, bitcast=True)
-    e = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    p = e - 135 + (mant > 0x600000).to(tl.int32)
-    p = tl.maximum(p, -126)
-    p = tl.where(amax > 0, p, 0)
-    scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - p) << 23).to(tl.float32, bitcast=True)
+    scale, inv = _pow2_scale(amax)
     q_row = q_ptr + row * nq
     _row_store(x0_ptr, c0_ptr, n0, row, inv, q_row, HAS_COL, BLOCK_N)
     if NUM_IN > 1:
@@ -172,6 +179,111 @@ def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
         grid = (sum(triton.cdiv(w.shape[0], TRANSPOSE_BLOCK) for w in chunk), triton.cdiv(k, TRANSPOSE_BLOCK))
         _transpose_kernel[grid](*args, base, k, total, NUM_IN=len(chunk), BLOCK=TRANSPOSE_BLOCK, num_warps=4)
     return out.view(FP8_DTYPE)
+
+
+# ------------------------------------------------------------ SwiGLU with the FP8 operands fused
+# The MLP's row quantizations sit next to SwiGLU: the down projection quantizes h = silu(g) u,
+# the gate/up input gradient quantizes [dg * sw_g | du * sw_u]. Done by the SwiGLU kernels
+# themselves, the quantizer's read of h (forward) and of dg, du (backward) from memory goes:
+# one program per row computes the row and its maximum, then recomputes it (its inputs are in
+# L2 by then) to store the e4m3 row. Bits as ``quantize_rows`` of the kernel's own bf16 outputs.
+
+
+@triton.jit
+def _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N: tl.constexpr):
+    offs = n0 + tl.arange(0, BLOCK_N)
+    ok = offs < n
+    g = tl.load(g_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+    return g, u, offs, ok
+
+
+@triton.jit
+def _swiglu_quant_fwd_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, n, BLOCK_N: tl.constexpr):
+    """Row ``row``: h = silu(g) u (fp32, rounded once to h's dtype), its e4m3 row and scale."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.full((), 0.0, tl.float32)
+    for n0 in range(0, n, BLOCK_N):
+        g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
+        h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * n + offs, h, mask=ok)
+        amax = tl.maximum(amax, tl.max(tl.abs(h.to(tl.float32)), axis=0))
+    scale, inv = _pow2_scale(amax)
+    for n0 in range(0, n, BLOCK_N):
+        g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
+        h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(q_ptr + row * n + offs, (h * inv).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N: tl.constexpr):
+    """dg, du of h = silu(g) u at columns n0.., rounded to the gradients' dtype, in fp32."""
+    g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
+    dh = tl.load(dh_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    du = (dh * g * sig).to(dg_ptr.dtype.element_ty)
+    dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
+    return dg, du, offs, ok
+
+
+@triton.jit
+def _swiglu_quant_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, cg_ptr, cu_ptr, q_ptr, s_ptr, n,
+                             BLOCK_N: tl.constexpr):
+    """Row ``row``: dg, du (stored in their dtype) and the e4m3 row of [dg * cg | du * cu]."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.full((), 0.0, tl.float32)
+    for n0 in range(0, n, BLOCK_N):
+        dg, du, offs, ok = _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N)
+        tl.store(dg_ptr + row * n + offs, dg, mask=ok)
+        tl.store(du_ptr + row * n + offs, du, mask=ok)
+        cg = tl.load(cg_ptr + offs, mask=ok, other=0.0)
+        cu = tl.load(cu_ptr + offs, mask=ok, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(dg.to(tl.float32) * cg), axis=0))
+        amax = tl.maximum(amax, tl.max(tl.abs(du.to(tl.float32) * cu), axis=0))
+    scale, inv = _pow2_scale(amax)
+    q_row = q_ptr + row * 2 * n
+    for n0 in range(0, n, BLOCK_N):
+        dg, du, offs, ok = _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N)
+        cg = tl.load(cg_ptr + offs, mask=ok, other=0.0)
+        cu = tl.load(cu_ptr + offs, mask=ok, other=0.0)
+        tl.store(q_row + offs, (dg.to(tl.float32) * cg * inv).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_row + n + offs, (du.to(tl.float32) * cu * inv).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``g, u [M, N]`` -> (h = silu(g) u in g's dtype, its rows quantized ``[M, N]`` (e4m3), fp32
+    row scales ``[M, 1]``). ``q_dtype`` float32 keeps the scaled values unrounded (the Triton
+    interpreter's e4m3 conversion is wrong at binade edges: CPU tests round them in torch)."""
+    g, u = g.contiguous(), u.contiguous()
+    m, n = g.shape
+    h = torch.empty_like(g)
+    q = torch.empty(m, n, dtype=q_dtype, device=g.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
+    if m:
+        block, warps = row_launch(2 * n, g.element_size(), _sm_count(g.device))
+        _swiglu_quant_fwd_kernel[(m,)](g, u, h, q, s, n, BLOCK_N=block // 2, num_warps=warps)
+    return h, q, s
+
+
+def swiglu_grads_quantize(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, scale_g: torch.Tensor,
+                          scale_u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of h = silu(g) u: (dg, du in g's dtype, ``[dg * scale_g | du * scale_u]`` rows
+    quantized ``[M, 2N]``, fp32 row scales ``[M, 1]``): ``quantize_rows([dg, du], [scale_g,
+    scale_u])`` without reading dg, du back. ``q_dtype`` as in ``swiglu_quantize``."""
+    g, u, dh = g.contiguous(), u.contiguous(), dh.contiguous()
+    m, n = g.shape
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    q = torch.empty(m, 2 * n, dtype=q_dtype, device=g.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
+    if m:
+        block, warps = row_launch(3 * n, g.element_size(), _sm_count(g.device))
+        _swiglu_quant_bwd_kernel[(m,)](g, u, dh, dg, du, scale_g.float().contiguous(), scale_u.float().contiguous(),
+                                       q, s, n, BLOCK_N=max(32, block // 4), num_warps=warps)
+    return dg, du, q, s
 
 
 # ------------------------------------------------------------------ weight-only products (few rows)

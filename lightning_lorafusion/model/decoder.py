@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
-from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, is_quantized
+from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, fp8_swiglu, fused_swiglu_enabled, is_quantized
 from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..specs import ConfigError
@@ -359,7 +359,13 @@ def decoder_layer(
     g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
                             dropout_offset=offset(2), backend=backend)
     wd, bd = frozen_weight(lp["down_proj"])
-    (d,) = lora_projections(swiglu(g, u), [wd], [bd], lora("down_proj"), routing,
+    if backend == "triton" and fused_swiglu_enabled() and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)):
+        # also quantizes h for down and the gate/up gradient for dX (which the fused projections'
+        # backward takes; the torch reference sums its gradient from slices and would not)
+        mid = fp8_swiglu(g, u, wg, wu)
+    else:
+        mid = swiglu(g, u)
+    (d,) = lora_projections(mid, [wd], [bd], lora("down_proj"), routing,
                             dropout_offset=offset(3), backend=backend)
     return h + d
 

@@ -10,7 +10,8 @@ import torch
 from _tiny_hf import tiny_hf_model
 from lightning_lorafusion.model import decoder as D
 from lightning_lorafusion.model.adapter_bank import AdapterBank
-from lightning_lorafusion.model.hf_loading import params_from_hf_model
+from lightning_lorafusion.kernels import fp8_linear as F8
+from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8
 from lightning_lorafusion.specs import AdapterSpec
 
 
@@ -63,3 +64,66 @@ def test_fusion_mode_rules(fusion_mode):
     assert not D._fuse("triton", x)
     with pytest.raises(ValueError, match="'auto', 'on', 'off'"):
         D.set_elementwise_fusion("always")
+
+
+@pytest.fixture
+def fused_swiglu():
+    yield F8.set_fused_swiglu
+    F8.set_fused_swiglu(True)
+
+
+def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monkeypatch):
+    """FP8 base: SwiGLU quantizing h for down and the gate/up gradient for dX
+    (``fp8_linear.Fp8SwiGLU``) against the decoder without it, every layer taking both offers.
+    CPU (emulated FP8, fused kernels in the interpreter, fp32): loss and gradients bit for bit
+    (the emulated SwiGLU is the eager ops and the spec's quantization). GPU (real FP8, bf16):
+    its Triton SwiGLU rounds like inductor's up to bf16 ulps, so close, not equal."""
+    cuda = torch.cuda.is_available()
+    model = tiny_hf_model("llama", num_hidden_layers=2)
+    if cuda:
+        model = model.to("cuda", torch.bfloat16)
+    config, params = params_from_hf_model(model)
+    params = quantize_base_fp8(params, embedding=True)
+    specs = [AdapterSpec(name="a", rank=4, alpha=8, dropout=0.1, seed=1),
+             AdapterSpec(name="b", rank=2, alpha=2, seed=2, target_modules=("gate_proj", "down_proj"))]
+    bank = AdapterBank(specs, config, device=model.device, dtype=torch.float32)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.normal_(0.0, 0.1)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (32,), generator=gen).to(model.device)
+    labels = torch.randint(0, config.vocab_size, (32,), generator=gen).to(model.device)
+    cu = torch.tensor([0, 7, 12, 32], dtype=torch.int32, device=model.device)
+    pos = torch.cat([torch.arange(7), torch.arange(5), torch.arange(20)]).to(model.device)
+    taken = {"input": 0, "grad": 0}
+    take_in, take_grad = F8._take_quantized_input, F8._take_quantized_grad
+
+    def count(kind, fn):
+        def wrapped(*args):
+            out = fn(*args)
+            taken[kind] += out is not None
+            return out
+        return wrapped
+
+    monkeypatch.setattr(F8, "_take_quantized_input", count("input", take_in))
+    monkeypatch.setattr(F8, "_take_quantized_grad", count("grad", take_grad))
+
+    def run(on):
+        fused_swiglu(on)
+        routing = bank.routing([(0, 12, 0), (12, 32, 1)], 5, 32)
+        sums = D.forward_loss_sums(params, bank.view(), ids, labels, pos, cu, routing, config=config,
+                                   backend="triton")  # (interpreter on CPU)
+        return sums.detach(), torch.autograd.grad(sums.sum(), list(bank.parameters()))
+
+    off_sums, off_grads = run(False)
+    assert taken == {"input": 0, "grad": 0}
+    on_sums, on_grads = run(True)
+    assert taken == {"input": config.num_layers, "grad": config.num_layers}
+    if not cuda:
+        assert torch.equal(on_sums, off_sums)
+        for a, b in zip(on_grads, off_grads):
+            assert torch.equal(a, b)
+        return
+    torch.testing.assert_close(on_sums, off_sums, rtol=1e-2, atol=1e-2)
+    for a, b in zip(on_grads, off_grads):
+        assert (a - b).norm() <= 3e-2 * b.norm()
