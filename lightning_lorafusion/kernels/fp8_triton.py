@@ -184,18 +184,11 @@ def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
 # ------------------------------------------------------------ SwiGLU with the FP8 operands fused
 # The MLP's row quantizations sit next to SwiGLU: the down projection quantizes h = silu(g) u,
 # the gate/up input gradient quantizes [dg * sw_g | du * sw_u]. Done by the SwiGLU kernels
-# themselves, the quantizer's read of h (forward) and of dg, du (backward) from memory goes:
-# one program per row computes the row and its maximum, then recomputes it (its inputs are in
-# L2 by then) to store the e4m3 row. Bits as ``quantize_rows`` of the kernel's own bf16 outputs.
-
-
-@triton.jit
-def _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N: tl.constexpr):
-    offs = n0 + tl.arange(0, BLOCK_N)
-    ok = offs < n
-    g = tl.load(g_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
-    return g, u, offs, ok
+# themselves, the quantizer's first read of h (forward) and of dg, du (backward) from memory
+# goes: one program per row computes and stores the row, tracking its maximum, then reads the
+# row it just stored back (from L2, as the row quantizer's second pass does) to store the e4m3
+# row. Bits as ``quantize_rows`` of the kernel's own outputs.
+SWIGLU_L2_ROW_BUDGET = L2_ROW_BUDGET
 
 
 @triton.jit
@@ -204,27 +197,21 @@ def _swiglu_quant_fwd_kernel(g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, n, BLOCK_N: tl.c
     row = tl.program_id(0).to(tl.int64)
     amax = tl.full((), 0.0, tl.float32)
     for n0 in range(0, n, BLOCK_N):
-        g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        g = tl.load(g_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
         h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * n + offs, h, mask=ok)
         amax = tl.maximum(amax, tl.max(tl.abs(h.to(tl.float32)), axis=0))
     scale, inv = _pow2_scale(amax)
+    tl.debug_barrier()  # the row's stores are visible to the whole program
     for n0 in range(0, n, BLOCK_N):
-        g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
-        h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty).to(tl.float32)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        h = tl.load(h_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(q_ptr + row * n + offs, (h * inv).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row, scale)
-
-
-@triton.jit
-def _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N: tl.constexpr):
-    """dg, du of h = silu(g) u at columns n0.., rounded to the gradients' dtype, in fp32."""
-    g, u, offs, ok = _swiglu_block(g_ptr, u_ptr, row, n, n0, BLOCK_N)
-    dh = tl.load(dh_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    du = (dh * g * sig).to(dg_ptr.dtype.element_ty)
-    dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
-    return dg, du, offs, ok
 
 
 @triton.jit
@@ -234,7 +221,14 @@ def _swiglu_quant_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, cg_ptr, cu_pt
     row = tl.program_id(0).to(tl.int64)
     amax = tl.full((), 0.0, tl.float32)
     for n0 in range(0, n, BLOCK_N):
-        dg, du, offs, ok = _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        g = tl.load(g_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        du = (dh * g * sig).to(du_ptr.dtype.element_ty)
+        dg = (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
         tl.store(dg_ptr + row * n + offs, dg, mask=ok)
         tl.store(du_ptr + row * n + offs, du, mask=ok)
         cg = tl.load(cg_ptr + offs, mask=ok, other=0.0)
@@ -242,17 +236,34 @@ def _swiglu_quant_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, cg_ptr, cu_pt
         amax = tl.maximum(amax, tl.max(tl.abs(dg.to(tl.float32) * cg), axis=0))
         amax = tl.maximum(amax, tl.max(tl.abs(du.to(tl.float32) * cu), axis=0))
     scale, inv = _pow2_scale(amax)
+    tl.debug_barrier()  # the row's stores are visible to the whole program
     q_row = q_ptr + row * 2 * n
     for n0 in range(0, n, BLOCK_N):
-        dg, du, offs, ok = _swiglu_grad_block(g_ptr, u_ptr, dh_ptr, dg_ptr, row, n, n0, BLOCK_N)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        ok = offs < n
+        dg = tl.load(dg_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + row * n + offs, mask=ok, other=0.0).to(tl.float32)
         cg = tl.load(cg_ptr + offs, mask=ok, other=0.0)
         cu = tl.load(cu_ptr + offs, mask=ok, other=0.0)
-        tl.store(q_row + offs, (dg.to(tl.float32) * cg * inv).to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(q_row + n + offs, (du.to(tl.float32) * cu * inv).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_row + offs, (dg * cg * inv).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_row + n + offs, (du * cu * inv).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
-def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE
+def _swiglu_launch(row_bytes: int, device: torch.device, warps: int | None, block_n: int | None,
+                   per_step: int) -> tuple[int, int]:
+    """(columns per step, warps; ``per_step``: a power of two, the arrays a step loads or stores
+    per column): ``row_launch`` over the bytes a row keeps in L2 for its second
+    pass, unless given (scripts/bench_fp8_swiglu.py sweeps them)."""
+    if warps is None:
+        warps = 4
+        while warps < 32 and _sm_count(device) * (64 // warps) * row_bytes > SWIGLU_L2_ROW_BUDGET:
+            warps *= 2
+    return block_n or max(32, warps * 32 * ROW_ELEMENTS_PER_THREAD // per_step), warps
+
+
+def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE, *,
+                    num_warps: int | None = None, block_n: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``g, u [M, N]`` -> (h = silu(g) u in g's dtype, its rows quantized ``[M, N]`` (e4m3), fp32
     row scales ``[M, 1]``). ``q_dtype`` float32 keeps the scaled values unrounded (the Triton
@@ -263,26 +274,27 @@ def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8
     q = torch.empty(m, n, dtype=q_dtype, device=g.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
     if m:
-        block, warps = row_launch(2 * n, g.element_size(), _sm_count(g.device))
-        _swiglu_quant_fwd_kernel[(m,)](g, u, h, q, s, n, BLOCK_N=block // 2, num_warps=warps)
+        block, warps = _swiglu_launch(n * g.element_size(), g.device, num_warps, block_n, 2)
+        _swiglu_quant_fwd_kernel[(m,)](g, u, h, q, s, n, BLOCK_N=block, num_warps=warps)
     return h, q, s
 
 
 def swiglu_grads_quantize(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, scale_g: torch.Tensor,
-                          scale_u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE
+                          scale_u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE, *,
+                          num_warps: int | None = None, block_n: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of h = silu(g) u: (dg, du in g's dtype, ``[dg * scale_g | du * scale_u]`` rows
     quantized ``[M, 2N]``, fp32 row scales ``[M, 1]``): ``quantize_rows([dg, du], [scale_g,
-    scale_u])`` without reading dg, du back. ``q_dtype`` as in ``swiglu_quantize``."""
+    scale_u])`` without its first read of dg, du. ``q_dtype`` as in ``swiglu_quantize``."""
     g, u, dh = g.contiguous(), u.contiguous(), dh.contiguous()
     m, n = g.shape
     dg, du = torch.empty_like(g), torch.empty_like(u)
     q = torch.empty(m, 2 * n, dtype=q_dtype, device=g.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
     if m:
-        block, warps = row_launch(3 * n, g.element_size(), _sm_count(g.device))
+        block, warps = _swiglu_launch(2 * n * g.element_size(), g.device, num_warps, block_n, 4)
         _swiglu_quant_bwd_kernel[(m,)](g, u, dh, dg, du, scale_g.float().contiguous(), scale_u.float().contiguous(),
-                                       q, s, n, BLOCK_N=max(32, block // 4), num_warps=warps)
+                                       q, s, n, BLOCK_N=block, num_warps=warps)
     return dg, du, q, s
 
 

@@ -79,7 +79,8 @@ def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monk
     (the emulated SwiGLU is the eager ops and the spec's quantization). GPU (real FP8, bf16):
     its Triton SwiGLU rounds like inductor's up to bf16 ulps, so close, not equal."""
     cuda = torch.cuda.is_available()
-    model = tiny_hf_model("llama", num_hidden_layers=2)
+    # every projection width a multiple of 16 (FP8 products), head_dim 16
+    model = tiny_hf_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96)
     if cuda:
         model = model.to("cuda", torch.bfloat16)
     config, params = params_from_hf_model(model)
