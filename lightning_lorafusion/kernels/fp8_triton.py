@@ -187,8 +187,8 @@ def transpose_concat(ws: Sequence[torch.Tensor]) -> torch.Tensor:
 # themselves, the quantizer's first read of h (forward) and of dg, du (backward) from memory
 # goes: one program per row computes and stores the row, tracking its maximum, then reads the
 # row it just stored back (from L2, as the row quantizer's second pass does) to store the e4m3
-# row. Bits as ``quantize_rows`` of the kernel's own outputs.
-SWIGLU_L2_ROW_BUDGET = L2_ROW_BUDGET
+# row. Bits as ``quantize_rows`` of the kernel's own outputs. (Recomputing the row from the
+# inputs instead of reading it back, the first version, was slower than the unfused pair.)
 
 
 @triton.jit
@@ -250,16 +250,18 @@ def _swiglu_quant_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, cg_ptr, cu_pt
     tl.store(s_ptr + row, scale)
 
 
-def _swiglu_launch(row_bytes: int, device: torch.device, warps: int | None, block_n: int | None,
-                   per_step: int) -> tuple[int, int]:
-    """(columns per step, warps; ``per_step``: a power of two, the arrays a step loads or stores
-    per column): ``row_launch`` over the bytes a row keeps in L2 for its second
-    pass, unless given (scripts/bench_fp8_swiglu.py sweeps them)."""
-    if warps is None:
-        warps = 4
-        while warps < 32 and _sm_count(device) * (64 // warps) * row_bytes > SWIGLU_L2_ROW_BUDGET:
-            warps *= 2
-    return block_n or max(32, warps * 32 * ROW_ELEMENTS_PER_THREAD // per_step), warps
+# One program per row, SWIGLU_BLOCK_N columns a step at 8 elements per thread: the H200 sweep's
+# winner at the 8B MLP (N = 14336; docs/kernels.md "FP8 base"): 16 warps x 4096 columns beat
+# the row quantizer's launch (32 warps, 2048 columns: slower than the unfused pair backward).
+SWIGLU_BLOCK_N = 4096
+
+
+def _swiglu_launch(n: int, warps: int | None, block_n: int | None) -> tuple[int, int]:
+    """(columns per step, warps) for rows of ``n``: the given ones, else ``SWIGLU_BLOCK_N``
+    columns (fewer for narrow rows) and one warp per 256 of them (scripts/bench_fp8_swiglu.py
+    sweeps both)."""
+    block = block_n or min(SWIGLU_BLOCK_N, max(32, triton.next_power_of_2(n)))
+    return block, warps or max(1, min(16, block // 256))
 
 
 def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE, *,
@@ -274,7 +276,7 @@ def swiglu_quantize(g: torch.Tensor, u: torch.Tensor, q_dtype: torch.dtype = FP8
     q = torch.empty(m, n, dtype=q_dtype, device=g.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
     if m:
-        block, warps = _swiglu_launch(n * g.element_size(), g.device, num_warps, block_n, 2)
+        block, warps = _swiglu_launch(n, num_warps, block_n)
         _swiglu_quant_fwd_kernel[(m,)](g, u, h, q, s, n, BLOCK_N=block, num_warps=warps)
     return h, q, s
 
@@ -292,7 +294,7 @@ def swiglu_grads_quantize(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, sc
     q = torch.empty(m, 2 * n, dtype=q_dtype, device=g.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=g.device)
     if m:
-        block, warps = _swiglu_launch(2 * n * g.element_size(), g.device, num_warps, block_n, 4)
+        block, warps = _swiglu_launch(n, num_warps, block_n)
         _swiglu_quant_bwd_kernel[(m,)](g, u, dh, dg, du, scale_g.float().contiguous(), scale_u.float().contiguous(),
                                        q, s, n, BLOCK_N=block, num_warps=warps)
     return dg, du, q, s
