@@ -60,6 +60,21 @@ def base_params(config: dec.DecoderConfig, seed: int = 0) -> dict:
             "norm": 1 + rand(h, scale=0.05), "lm_head": rand(config.vocab_size, h)}
 
 
+def case_params(config: dec.DecoderConfig, fp8: bool = False) -> dict:
+    """``base_params``; ``fp8``: its projections and embedding table quantized (the emulated FP8
+    products on CPU, what ``model.base_precision: fp8`` runs on a GPU). FP8 training is not
+    stable under last-bit changes: a product summed in another order (another intra-op thread
+    count) can move a value across an e4m3 rounding boundary (up to 2^-4 of it), and the case's
+    0.5 learning rate carries that on (1 vs 4 threads: 4.4 % of the update apart, against 7e-7
+    for the 16-bit base). FP8 runs of the case therefore use one intra-op thread everywhere."""
+    params = base_params(config)
+    if fp8:
+        from lightning_lorafusion.model.hf_loading import quantize_base_fp8
+
+        params = quantize_base_fp8(params, embedding=True)
+    return params
+
+
 def adapter_specs() -> list[AdapterSpec]:
     return [
         AdapterSpec(name="summ", rank=4, alpha=8.0, seed=1),
@@ -124,11 +139,11 @@ def optimizers(bank: AdapterBank) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(bank.parameters_of(a), lr=LR) for a in range(bank.num_adapters)]
 
 
-def reference_training(plan: Plan, per_replica: list[dict[int, Microbatch]]) -> AdapterBank:
+def reference_training(plan: Plan, per_replica: list[dict[int, Microbatch]], fp8: bool = False) -> AdapterBank:
     """Single process, whole model, microbatches in plan order (every replica's), step at each
     step point."""
     config = tiny_config()
-    params = base_params(config)
+    params = case_params(config, fp8)
     bank = make_bank(config)
     opts = optimizers(bank)
     from lightning_lorafusion.parallel.stage import adapter_loss
@@ -154,12 +169,13 @@ def reference_training(plan: Plan, per_replica: list[dict[int, Microbatch]]) -> 
 class PipelineCaseModule(L.LightningModule):
     """The tiny three-adapter case behind the interface the strategy expects."""
 
-    def __init__(self, out_dir: str, num_stages: int, replicas: int = 1) -> None:
+    def __init__(self, out_dir: str, num_stages: int, replicas: int = 1, fp8: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.out_dir = out_dir
         self.decoder_config = tiny_config()
-        self.params = base_params(self.decoder_config)
+        self.params = case_params(self.decoder_config, fp8)
+        self.fp8 = fp8
         self.bank = make_bank(self.decoder_config)
         self.plan, self.per_replica = samples_and_plan(num_stages, replicas=replicas)
 
@@ -170,6 +186,8 @@ class PipelineCaseModule(L.LightningModule):
         return DataLoader([0], batch_size=1)  # one planned window
 
     def pipeline_stage(self, stage_index, layers, is_first, is_last):
+        if self.fp8:  # one intra-op thread, as the reference uses (see case_params)
+            torch.set_num_threads(1)
         self.layers = layers
         lookup = self.per_replica[self.trainer.strategy.replica]
         from lightning_lorafusion.parallel.stage import DecoderStage
