@@ -435,11 +435,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--mixed-graphs", type=_choices(("auto", "on", "off", "eager")), default=["auto"],
                     help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
                          "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
-    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8")), default=["bf16"],
-                    help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
+    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8", "fp8wo")), default=["bf16"],
+                    help="the engine's frozen base: bf16 (as built), fp8 (quantized) and/or fp8wo (the same "
+                         "FP8 base with weight-only decode products, see --fp8-weight-only-rows), a comma list")
     ap.add_argument("--fp8-weight-only-rows", type=int, default=None,
-                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS for FP8 engines (decode steps of at most this many "
-                         "rows take weight-only products where fp8_linear.weight_only_wins; default: as set)")
+                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS: for fp8 engines when given (default: as set, 0), for "
+                         "fp8wo engines this or 16 (decode steps of at most this many rows take weight-only "
+                         "products where fp8_linear.weight_only_wins)")
     ap.add_argument("--prefill-reps", type=int, default=0,
                     help="time a prefill-only pass (one new token per request) this many times (0: none)")
     ap.add_argument("--out", default=None)
@@ -448,11 +450,13 @@ def main(argv=None) -> dict:
     report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "errors": {}}
-    if args.fp8_weight_only_rows is not None:
-        from lightning_lorafusion.kernels import fp8_linear
+    from lightning_lorafusion.kernels import fp8_linear
 
+    module_weight_only_rows = fp8_linear.WEIGHT_ONLY_MAX_ROWS  # restored when the engines are done
+    if args.fp8_weight_only_rows is not None:
         fp8_linear.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
         report["fp8_weight_only_max_rows"] = args.fp8_weight_only_rows
+    weight_only_rows = {"fp8": fp8_linear.WEIGHT_ONLY_MAX_ROWS, "fp8wo": args.fp8_weight_only_rows or 16}
 
     def save() -> None:
         if args.out:
@@ -502,6 +506,7 @@ def main(argv=None) -> dict:
     base_params: dict = {"bf16": params}
 
     def params_of(precision: str):
+        precision = "fp8" if precision == "fp8wo" else precision  # the same quantized base
         if precision not in base_params:  # quantized once, shared by that precision's engines
             from lightning_lorafusion.model.hf_loading import quantize_base_fp8
 
@@ -510,6 +515,8 @@ def main(argv=None) -> dict:
 
     def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str, mixed_graphs: str) -> None:
         t0 = time.perf_counter()
+        if precision in weight_only_rows:  # decided where products are traced or captured: set per engine
+            fp8_linear.WEIGHT_ONLY_MAX_ROWS = weight_only_rows[precision]
         engine = Engine(config, params_of(precision), tokenizer,
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
@@ -517,6 +524,7 @@ def main(argv=None) -> dict:
                                      prefill_attention=prefill_attention, mixed_graphs=mixed_graphs),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None, "base_precision": precision,
+                                     "fp8_weight_only_max_rows": weight_only_rows.get(precision),
                                      "prefill_attention": engine.runner.prefill_attention,
                                      "mixed_graphs": engine.runner.mixed_pieces,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
@@ -571,8 +579,11 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for graphs, prefill_attention, precision, prefix, mixed_graphs in variants:
-        engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs)
+    try:
+        for graphs, prefill_attention, precision, prefix, mixed_graphs in variants:
+            engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs)
+    finally:
+        fp8_linear.WEIGHT_ONLY_MAX_ROWS = module_weight_only_rows
     base_params.pop("fp8", None)
 
     hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)
