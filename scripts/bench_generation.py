@@ -435,13 +435,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--mixed-graphs", type=_choices(("auto", "on", "off", "eager")), default=["auto"],
                     help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
                          "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
-    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8", "fp8wo")), default=["bf16"],
-                    help="the engine's frozen base: bf16 (as built), fp8 (quantized) and/or fp8wo (the same "
-                         "FP8 base with weight-only decode products, see --fp8-weight-only-rows), a comma list")
+    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8", "fp8rq")), default=["bf16"],
+                    help="the engine's frozen base: bf16 (as built), fp8 (quantized) and/or fp8rq (the same "
+                         "FP8 base with row-quantized products only: no weight-only decode products), a comma list")
     ap.add_argument("--fp8-weight-only-rows", type=int, default=None,
-                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS: for fp8 engines when given (default: as set, 0), for "
-                         "fp8wo engines this or 16 (decode steps of at most this many rows take weight-only "
-                         "products where fp8_linear.weight_only_wins)")
+                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS for fp8 engines (decode steps of at most this many rows "
+                         "take weight-only products where fp8_linear.weight_only_wins; default: as set, 16)")
     ap.add_argument("--prefill-reps", type=int, default=0,
                     help="time a prefill-only pass (one new token per request) this many times (0: none)")
     ap.add_argument("--out", default=None)
@@ -456,7 +455,7 @@ def main(argv=None) -> dict:
     if args.fp8_weight_only_rows is not None:
         fp8_linear.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
         report["fp8_weight_only_max_rows"] = args.fp8_weight_only_rows
-    weight_only_rows = {"fp8": fp8_linear.WEIGHT_ONLY_MAX_ROWS, "fp8wo": args.fp8_weight_only_rows or 16}
+    weight_only_rows = {"fp8": fp8_linear.WEIGHT_ONLY_MAX_ROWS, "fp8rq": 0}
 
     def save() -> None:
         if args.out:
@@ -506,7 +505,7 @@ def main(argv=None) -> dict:
     base_params: dict = {"bf16": params}
 
     def params_of(precision: str):
-        precision = "fp8" if precision == "fp8wo" else precision  # the same quantized base
+        precision = "fp8" if precision == "fp8rq" else precision  # the same quantized base
         if precision not in base_params:  # quantized once, shared by that precision's engines
             from lightning_lorafusion.model.hf_loading import quantize_base_fp8
 

@@ -39,15 +39,15 @@ GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
 # has no such mode. Changed through ``set_fast_accumulation`` (benchmarks, convergence checks).
 _FAST_ACCUM = {"forward": False, "input_grad": False}
 # Without autograd (inference), products of at most this many rows run weight-only on the GPU
-# (``fp8_triton.weight_only_linear``: e4m3 weights, bf16 activations, fp32 accumulation), meant
-# for the generation engine's decode steps. 0 (the default): off. Measured on an H100 at 64 rows
-# with its first tile sizes it made the 8B decode step 1.47x slower (docs/BENCHMARKS.md, "FP8
-# base in the generation engine"). The tile sweep since (fp8_triton.weight_only_config, its
-# winners) beats the row-quantized product at 16 rows on the narrow projections (o, k/v, down)
-# but loses to it at 64 rows on all but k/v; ``weight_only_wins`` picks per weight. Not raised
-# until the engine's decode step is measured with it (16 is the value to try). The emulated
-# path (CPU) ignores it.
-WEIGHT_ONLY_MAX_ROWS = 0
+# (``fp8_triton.weight_only_linear``: e4m3 weights, bf16 activations, fp32 accumulation), for
+# the generation engine's decode steps, on the weights ``weight_only_wins`` picks (all of them
+# at one row; o, k/v and down at 2-16 rows, where the H100 tile sweep's weight-only tiles beat
+# the row-quantized product); more rows take the row-quantized ``_scaled_mm``. Measured in the
+# engine on an H100 (docs/BENCHMARKS.md, "FP8 base in the generation engine", session 11): a
+# decode step of 16 rows with adapters 8.46 ms against 9.43 without weight-only products (bf16:
+# 8.71), of 1 row 7.39 against 9.44 (bf16 7.44). 0 turns it off; the emulated path (CPU)
+# ignores it.
+WEIGHT_ONLY_MAX_ROWS = 16
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
 # the per-output-channel scales (powers of two: exact in bf16 too).

@@ -368,8 +368,10 @@ def test_weight_only_products_are_chosen_per_weight(monkeypatch):
         assert [c if c[0] != "quantize" else "quantize" for c in calls] == want, (m, weight_only_on)
         for y, fw, b in zip(ys, fws, [0, 0, 1]):
             torch.testing.assert_close(y, x @ fw.dequantize(torch.float32).t() + b)
-    monkeypatch.setattr(F8, "WEIGHT_ONLY_MAX_ROWS", 0)  # the default: never
+    monkeypatch.setattr(F8, "WEIGHT_ONLY_MAX_ROWS", 0)  # off: never
     assert not any(F8.weight_only_wins(m, 32, 64) for m in (1, 16, 64))
+    monkeypatch.undo()
+    assert F8.WEIGHT_ONLY_MAX_ROWS == 16  # the default since session 11's engine measurement
 
 
 def test_inference_only_asks_for_the_weight_only_product(monkeypatch):
