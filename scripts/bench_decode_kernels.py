@@ -69,6 +69,10 @@ SHRINK_CONFIGS = {  # the grouped shrink's knobs in the fused epilogues; "auto" 
     "r16": {"block_r": 16},
     "k512r16": {"block_k": 512, "block_r": 16},
     "w8": {"num_warps": 8},
+    "k1024": {"block_k": 1024},
+    "k1024w8": {"block_k": 1024, "num_warps": 8},
+    "k2048w8": {"block_k": 2048, "num_warps": 8},
+    "w2": {"num_warps": 2},
 }
 ATTN_CONFIGS = {
     "auto": {},
