@@ -102,9 +102,10 @@ def lora_row_tables(
     MAX_R: tl.constexpr,
 ):
     """Row ``lrow`` of a gathered group's tables for projection g -> (rank as given, rank
-    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow < 0`` (a row
-    before ``GatheredLora.first_row``): rank 0, nothing read."""
-    live = lrow >= 0
+    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow`` outside
+    ``[0, rows)`` (a row before ``GatheredLora.first_row`` or after its rows): rank 0, nothing
+    read."""
+    live = (lrow >= 0) & (lrow < rows)
     safe = tl.maximum(lrow, 0)
     rank_in = tl.load(rank_ptr + g * r_g_stride + safe, mask=live, other=0)
     b_off = tl.load(b_off_ptr + g * b_g_stride + safe, mask=live, other=0)
@@ -263,8 +264,9 @@ class GatheredLora:
     """The decode rows' LoRA for G projections that share an input (q/k/v: G=3, gate/up: 2, or
     one projection): row i of ``x [B, K]`` uses, for projection g, ``A`` at ``a_offsets[g, i]``
     and ``B^T`` at ``b_offsets[g, i]`` in ``pool`` with rank ``ranks[g, i]`` (0 = none) and
-    scale ``scales[i]``, as in ``lora_gather``. The projections' outputs hold these rows from
-    ``first_row`` on (rows before it, e.g. a step's prefill rows, get no LoRA from here).
+    scale ``scales[i]``, as in ``lora_gather``. The projections' outputs hold these B rows from
+    ``first_row`` on (rows outside ``[first_row, first_row + B)``, e.g. a step's prefill rows,
+    get no LoRA from here).
 
     ``a_offsets`` / ``b_offsets [G, B]`` int64, ``ranks [G, B]`` int32 (unit stride along rows;
     any stride between projections), ``scales [B]`` fp32, all on x's device.
@@ -284,7 +286,7 @@ class GatheredLora:
 
     def check(self, out_features: tuple[int, ...], rows: int) -> None:
         """Shapes only (no value read): one output width per projection; ``rows``: rows of the
-        outputs, which must end with the gathered rows."""
+        outputs, which must hold the gathered rows."""
         g, b = self.a_offsets.shape if self.a_offsets.dim() == 2 else (None, None)
         if g is None or len(out_features) != g:
             raise ValueError(f"GatheredLora.a_offsets must be [{len(out_features)}, rows]; got "
@@ -299,16 +301,16 @@ class GatheredLora:
         for i in range(g):
             _check_inputs(self.x, self.pool, self.a_offsets[i], self.b_offsets[i], self.ranks[i], self.scales,
                           out_features[i], None)
-        if not 0 <= self.first_row or self.first_row + b != rows:
-            raise ValueError(f"GatheredLora: {b} rows from first_row={self.first_row} must end the outputs' "
-                             f"{rows} rows")
+        if not 0 <= self.first_row or self.first_row + b > rows:
+            raise ValueError(f"GatheredLora: {b} rows from first_row={self.first_row} must lie within the "
+                             f"outputs' {rows} rows")
 
     def add_reference(self, outs: list[torch.Tensor]) -> None:
         """Add each projection's LoRA into ``outs[g] [rows, N_g]`` (rows from ``first_row``), in
         place, with ``lora_gather_reference``."""
         for g, y in enumerate(outs):
             lora_gather_reference(self.x, self.pool, self.a_offsets[g], self.b_offsets[g], self.ranks[g],
-                                  self.scales, y.shape[1], out=y[self.first_row:])
+                                  self.scales, y.shape[1], out=y[self.first_row:self.first_row + self.x.shape[0]])
 
 
 def _require_triton(t: torch.Tensor) -> None:

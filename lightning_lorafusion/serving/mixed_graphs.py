@@ -1,8 +1,9 @@
 """Mixed (prefill + decode) steps as pieces around attention, over static inputs of one token
 bucket: captured as CUDA graphs on a GPU, run eagerly on the CPU (the same code and buffers).
 
-A padded mixed step (``ModelRunner.pad_mixed``: T rows padded to a token bucket, every row's
-LoRA by row tiles) runs as L + 1 pieces: piece 0 embeds and runs layer 0 up to its KV write;
+A padded mixed step (``ModelRunner.pad_mixed``: T rows padded to a token bucket, the decode
+rows first with their LoRA gathered per row from the persistent decode tables, the prefill
+rows' LoRA by row tiles) runs as L + 1 pieces: piece 0 embeds and runs layer 0 up to its KV write;
 piece l runs layer l-1 after attention (o, MLP) and layer l up to its KV write; piece L ends
 with the final norm over every row. Attention runs eagerly between them, from the pieces' q, k,
 v into a static buffer: its grids depend on the step's requests. Each step copies its inputs
@@ -60,12 +61,19 @@ class MixedPieces:
         own_kv = runner.prefill_attention == "varlen"
         self.k, self.v = ((torch.zeros(rows, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
                            for _ in range(2)) if own_kv else (None, None))
+        # the decode rows (rows [0, B) of a padded step) read the engine's persistent decode
+        # tables (DecodeInputs), whose rows past B have rank 0: a fixed length per bucket, so the
+        # gather kernels' grids are fixed too, and the rows they cover beyond the decode rows
+        # (prefill or padding) get nothing from them
+        inputs = runner.decode_inputs
+        d = min(inputs.max_rows, rows)
         self.batch = StepBatch(
             input_ids=self.input_ids, positions=self.positions, slot_pages=self.slot_pages,
             slot_offsets=self.slot_offsets, num_prefill_rows=rows, num_fresh_rows=0, cu_seqlens=None,
             max_prefill_len=0, prefill_prefixes=None, prefill_lora=self.lora, page_table=None, seq_lens=None,
-            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(), spans=[],
-            output_rows=None, real_rows=None)
+            decode_offsets=inputs.lora_offsets[..., :d], decode_ranks=inputs.lora_ranks[:, :d],
+            decode_scales=inputs.lora_scales[:d], decode_modules=frozenset(ALL_TARGET_MODULES) if capture
+            else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True)
         self.h = self.cos = self.sin = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture:
@@ -138,9 +146,13 @@ class MixedPieces:
             lora.scales[:a].copy_(pre.scales, non_blocking=True)
             segments, modules = pre.segments, pre.modules
         # the torch references read the segments on the host (eager pieces only; a captured
-        # piece launches every group's kernels, and rank-0 tiles do nothing)
+        # piece launches every group's kernels, and rank-0 tiles and rows do nothing)
+        captured = self.graphs is not None
         self.batch.prefill_lora = dataclasses.replace(lora, segments=segments, modules=(
-            frozenset(ALL_TARGET_MODULES) if self.graphs is not None else modules))
+            frozenset(ALL_TARGET_MODULES) if captured else modules))
+        if not batch.decode_first:
+            raise ValueError("pieces run padded steps, whose decode rows come first")
+        self.batch.decode_modules = frozenset(ALL_TARGET_MODULES) if captured else batch.decode_modules
 
     def run(self, batch: "StepBatch") -> torch.Tensor:
         """The step's forward -> final-normed hidden states of ``batch.output_rows``."""

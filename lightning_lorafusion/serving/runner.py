@@ -22,7 +22,8 @@ A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) a
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``).
 Steps with prefill rows run eagerly, or (``EngineConfig.mixed_graphs``, on by default on CUDA)
 padded to a token bucket as captured pieces around attention (``mixed_graphs.MixedPieces``): then
-every row's LoRA, decode rows' included (grouped by adapter), goes through ``lora_segments``.
+the decode rows come first and take their LoRA from the persistent decode tables (one gather
+over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``lora_segments``.
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ class StepBatch:
     spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
     output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
     real_rows: int | None = None  # rows [real_rows, T) are padding (pad_mixed); None: no padding
+    # padded steps (pad_mixed) put the decode rows first, at rows [0, B), and the prefill rows
+    # from ``prefill_start`` on; otherwise prefill rows come first and decode rows follow them
+    decode_first: bool = False
+    prefill_start: int = 0
+
+    @property
+    def first_decode_row(self) -> int:
+        return 0 if self.decode_first else self.num_prefill_rows
 
 
 class ModelRunner:
@@ -227,7 +236,8 @@ class ModelRunner:
         Output rows: a prefill's last row when it completes the request's tokens (every row
         when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
         cached (varlen attention; none with ``prefill_attention`` "paged"), then the others (paged
-        prefill attention), then the decode rows; ``spans`` stay in the order of ``prefill + decode``."""
+        prefill attention), then the decode rows; padded (``pad_mixed``): the decode rows first,
+        then the prefill rows, then padding. ``spans`` stay in the order of ``prefill + decode``."""
         self.decode_inputs.forget_step()  # its decode rows move on without load_step
         s = self.pool.page_size
         ids: list[int] = []
@@ -250,7 +260,11 @@ class ModelRunner:
         own = [self.prefill_attention == "varlen" and st.num_cached == 0 for st in prefill]
         fresh = [i for i, o in enumerate(own) if o]
         paged = [i for i, o in enumerate(own) if not o]
-        cu = [0]  # row bounds of the prefill requests in row order (fresh, then paged)
+        pad = self.pad_mixed
+        if pad:  # decode rows first (their LoRA tables start at row 0 in any bucket), then prefill
+            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
+        n_decode_first = len(ids)
+        cu = [0]  # row bounds of the prefill requests in row order (fresh, then paged), from their first row
         for i in fresh + paged:
             state = prefill[i]
             first = state.num_cached
@@ -260,32 +274,16 @@ class ModelRunner:
             ids += toks
             pos += range(first, first + len(toks))
             slot_pages += [state.pages[p // s] for p in range(first, first + len(toks))]
-            cu.append(len(ids))
+            cu.append(len(ids) - n_decode_first)
             if state.resident is not None:
                 segments.append((start, len(ids), adapter_index(state)))
             first_out = (start if state.wants_prompt_logprobs
                          else len(ids) - 1 if end == state.num_tokens else len(ids))
             spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
             out_rows += range(first_out, len(ids))
-        n_prefill, n_fresh = len(ids), cu[len(fresh)]
-        pad = self.pad_mixed
-        order = list(range(len(decode)))
-        if pad:  # decode rows of one adapter side by side: their LoRA as one tile, not a tile per row
-            order.sort(key=lambda j: -1 if decode[j].resident is None else decode[j].adapter.key)
-        for j in order:
-            state = decode[j]
-            p = state.num_tokens - 1
-            if pad and state.resident is not None:
-                a = adapter_index(state)
-                if segments and segments[-1][1] == len(ids) and segments[-1][2] == a:
-                    segments[-1] = (segments[-1][0], len(ids) + 1, a)
-                else:
-                    segments.append((len(ids), len(ids) + 1, a))
-            ids.append(state.last_token)
-            pos.append(p)
-            slot_pages.append(state.pages[p // s])
-            spans[len(prefill) + j] = (len(out_rows), len(out_rows) + 1)
-            out_rows.append(len(ids) - 1)
+        n_prefill, n_fresh = len(ids) - n_decode_first, cu[len(fresh)]
+        if not pad:
+            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
         real = len(ids)
         if pad:  # inert rows up to the token bucket: token 0 at position 0, KV to the scratch page
             # (a prompt longer than the step budget runs whole, unchunked: no bucket holds it)
@@ -311,13 +309,28 @@ class ModelRunner:
             prefill_lora=None, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows), real_rows=real if pad else None,
+            decode_first=pad, prefill_start=n_decode_first,
         )
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
-        if decode:
-            self._prepare_decode(batch, [decode[j] for j in order], lora=not pad)
+        if decode or pad:  # (pad: rank-0 tables past the decode rows, which the pieces read)
+            self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
+
+    def _add_decode_rows(self, decode: Sequence[RequestState], n_prefill_requests: int, ids: list[int],
+                         pos: list[int], slot_pages: list[int], spans: list[tuple[int, int]],
+                         out_rows: list[int]) -> None:
+        """Append the decode rows (their newest tokens), in ``decode`` order (the order of the
+        decode tables), to the step's row lists."""
+        s = self.pool.page_size
+        for j, state in enumerate(decode):
+            p = state.num_tokens - 1
+            ids.append(state.last_token)
+            pos.append(p)
+            slot_pages.append(state.pages[p // s])
+            spans[n_prefill_requests + j] = (len(out_rows), len(out_rows) + 1)
+            out_rows.append(len(ids) - 1)
 
     def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> PrefixRows:
         """Device tables of the prefill requests that attend over their pages; ``bounds`` their
@@ -333,13 +346,13 @@ class ModelRunner:
             starts=torch.tensor([st.num_cached for st in states], dtype=torch.int32).to(dev, non_blocking=True),
             page_table=table.to(dev, non_blocking=True), max_seqlen=max(lens))
 
-    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState], lora: bool = True) -> None:
+    def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
         inputs = self.decode_inputs
         inputs.load_tables(decode, self.pool.pages_moved)
-        b, tp = len(decode), batch.num_prefill_rows
+        b, ds = len(decode), batch.first_decode_row
         batch.page_table = inputs.page_table[:b]
-        batch.seq_lens = (batch.positions[tp:tp + b] + 1).to(torch.int32)
-        if lora and inputs.has_lora:
+        batch.seq_lens = (batch.positions[ds:ds + b] + 1).to(torch.int32)
+        if b and inputs.has_lora:
             batch.decode_offsets = inputs.lora_offsets[..., :b]
             batch.decode_ranks = inputs.lora_ranks[:, :b]
             batch.decode_scales = inputs.lora_scales[:b]
@@ -452,25 +465,30 @@ class ModelRunner:
         t, tp = q.shape[0], batch.num_prefill_rows
         real = t if batch.real_rows is None else batch.real_rows
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
-        parts = []
-        tf = batch.num_fresh_rows
-        if tf:
-            # q, k, v may be column views of one fused GEMM output: attention gets dense copies
-            parts.append(varlen_causal_attention(q[:tf].contiguous(), k[:tf].contiguous(), v[:tf].contiguous(),
-                                                 batch.cu_seqlens, scale=scale, sliding_window=window,
-                                                 max_seqlen=batch.max_prefill_len))
         # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
         # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
         kv_layer = self.pool.kv[:, layer:layer + 1]
+        ds, nd = batch.first_decode_row, real - tp
+
+        def decode_part():
+            return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
+                                          scale=scale, sliding_window=window, backend=self.kernel_backend)
+
+        parts = [decode_part()] if batch.decode_first and nd else []  # in row order
+        ps, tf = batch.prefill_start, batch.num_fresh_rows
+        if tf:
+            # q, k, v may be column views of one fused GEMM output: attention gets dense copies
+            fresh = slice(ps, ps + tf)
+            parts.append(varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
+                                                 batch.cu_seqlens, scale=scale, sliding_window=window,
+                                                 max_seqlen=batch.max_prefill_len))
         if batch.prefill_prefixes is not None:
             pre = batch.prefill_prefixes
-            parts.append(paged_prefill_attention(q[tf:tp], kv_layer, 0, pre.cu_seqlens, pre.starts, pre.page_table,
-                                                 scale=scale, sliding_window=window, max_seqlen=pre.max_seqlen,
-                                                 backend=self.prefill_attention_backend))
-        if tp < real:
-            parts.append(paged_decode_attention(q[tp:real], kv_layer, 0, batch.page_table, batch.seq_lens,
-                                                scale=scale, sliding_window=window,
-                                                backend=self.kernel_backend))
+            parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
+                                                 pre.page_table, scale=scale, sliding_window=window,
+                                                 max_seqlen=pre.max_seqlen, backend=self.prefill_attention_backend))
+        if not batch.decode_first and nd:
+            parts.append(decode_part())
         if real < t:
             parts.append(q.new_zeros(t - real, cfg.num_heads, cfg.head_dim))
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
@@ -511,16 +529,16 @@ class ModelRunner:
         if batch.decode_offsets is None or not batch.decode_modules.intersection(names):
             return None
         m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
-        tp = batch.num_prefill_rows
-        return GatheredLora(x[tp:], self.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
+        ds, b = batch.first_decode_row, batch.decode_scales.shape[0]
+        return GatheredLora(x[ds:ds + b], self.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
                             batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
-                            first_row=tp)
+                            first_row=ds)
 
     def _gather_into(self, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
         """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
         if batch.decode_offsets is None or name not in batch.decode_modules:
             return
-        m, tp = _MODULE_INDEX[name], batch.num_prefill_rows
-        lora_gather(x[tp:], self.pool.storage, batch.decode_offsets[layer, m, 0], batch.decode_offsets[layer, m, 1],
-                    batch.decode_ranks[m], batch.decode_scales, y.shape[1], out=y[tp:],
-                    backend=self.kernel_backend)
+        m, ds, b = _MODULE_INDEX[name], batch.first_decode_row, batch.decode_scales.shape[0]
+        lora_gather(x[ds:ds + b], self.pool.storage, batch.decode_offsets[layer, m, 0],
+                    batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales, y.shape[1],
+                    out=y[ds:ds + b], backend=self.kernel_backend)

@@ -173,17 +173,18 @@ def test_rope_triton_shrink_blocks_and_rank_above_max(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_lora", [True, False])
-@pytest.mark.parametrize("n,first_row", [(47, 0), (123, 2)])
-def test_swiglu_triton_matches_reference(device, dtype, with_lora, n, first_row):
-    """gate and up as column slices of one gate|up GEMM output; LoRA on rows from first_row."""
+@pytest.mark.parametrize("n,first_row,rows", [(47, 0, 6), (123, 2, 4), (47, 0, 3), (64, 1, 3)])
+def test_swiglu_triton_matches_reference(device, dtype, with_lora, n, first_row, rows):
+    """gate and up as column slices of one gate|up GEMM output; LoRA on ``rows`` rows from
+    first_row: the last rows, the first ones (a padded mixed step's decode rows) or some in the
+    middle (rows after them get none)."""
     t, k = 6, 29
     gen = torch.Generator().manual_seed(n)
     gu = torch.randn(t, 2 * n, generator=gen).to(device, dtype)
     gate, up = gu[:, :n], gu[:, n:]
     lora = None
     if with_lora:
-        lora, _ = make_group(k, (n, n), [(4, 4), (0, 7), (17, 2)], t - first_row, dtype, device,
-                             first_row=first_row)
+        lora, _ = make_group(k, (n, n), [(4, 4), (0, 7), (17, 2)], rows, dtype, device, first_row=first_row)
     before = gu.clone()
     want = swiglu_reference(gate, up, lora)
     got = swiglu(gate, up, lora=lora, backend="triton")
@@ -213,7 +214,7 @@ def test_bad_inputs_raise_clear_errors(device):
     with pytest.raises(ValueError, match="a_offsets must be \\[3, rows\\]"):
         rope_write_kv(**{**case, "lora": short})
     late = GatheredLora(lora.x, lora.pool, lora.a_offsets, lora.b_offsets, lora.ranks, lora.scales, 2)
-    with pytest.raises(ValueError, match="must end the outputs"):
+    with pytest.raises(ValueError, match="must lie within the outputs"):
         rope_write_kv(**{**case, "lora": late})
     g = torch.randn(4, 6, device=device)
     with pytest.raises(ValueError, match="up must have 4 rows"):

@@ -1,7 +1,8 @@
 """Mixed steps padded to token buckets (``ModelRunner.pad_mixed``: the fixed shapes a captured
-mixed step needs; every row's LoRA by row tiles, decode rows as tiles of one row, no decode
-gather): the same tokens and logprobs as unpadded eager steps, with the torch references and
-with the Triton kernels (interpreter, fp32), through prefills that arrive while others decode."""
+mixed step needs; the decode rows first with their LoRA gathered per row, the prefill rows'
+LoRA by row tiles): the same tokens and logprobs as unpadded eager steps (prefill rows first),
+with the torch references and with the Triton kernels (interpreter, fp32), through prefills
+that arrive while others decode."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ CASES = [([5, 9, 11, 3, 7, 2, 2], "all4"), ([2, 8, 8, 1], "mlp8"), ([4, 4, 6, 30
          ([13, 2, 5, 6, 7], "attn2"), ([9, 9, 9], "all4")]
 
 
-def _run(engine, pad: bool, decode_tiles: list | None = None):
-    decode_tiles = [] if decode_tiles is None else decode_tiles
+def _run(engine, pad: bool, layouts: list | None = None):
+    layouts = [] if layouts is None else layouts
     engine.runner.pad_mixed = pad
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
     reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp, request_id=f"r{i}")
@@ -28,8 +29,10 @@ def _run(engine, pad: bool, decode_tiles: list | None = None):
 
     def recording(batch):
         shapes.append((batch.input_ids.shape[0], batch.real_rows))
-        if batch.real_rows is not None and batch.prefill_lora is not None:  # LoRA tiles of decode rows
-            decode_tiles.extend(b - a for a, b, _ in batch.prefill_lora.segments if a >= batch.num_prefill_rows)
+        if batch.real_rows is not None:  # a padded step: where its rows and LoRA tables are
+            segments = batch.prefill_lora.segments if batch.prefill_lora is not None else ()
+            layouts.append((batch.decode_first, batch.prefill_start, min((a for a, _, _ in segments), default=None),
+                            None if batch.decode_scales is None else batch.decode_scales.shape[0]))
         return forward(batch)
 
     engine.runner.forward = recording
@@ -43,11 +46,11 @@ def _run(engine, pad: bool, decode_tiles: list | None = None):
 
 @pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
 def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
-    got, decode_tiles = {}, []
+    got, layouts = {}, []
     for pad in (False, True):
         engine = make_engine(num_pages=128, page_size=4, backend=backend, prefill_attention=attention,
                              max_num_batched_tokens=64, max_num_seqs=8, prefix_caching=False)
-        got[pad] = _run(engine, pad, decode_tiles if pad else None)
+        got[pad] = _run(engine, pad, layouts if pad else None)
     (plain, plain_shapes), (padded, padded_shapes) = got[False], got[True]
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in padded] and len(plain) == 5 * 4
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in padded], abs=1e-5)
@@ -57,8 +60,10 @@ def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
         assert t >= real and t & (t - 1) == 0
     assert any(t > real for t, real in mixed)
     assert all(real is None for _, real in plain_shapes)
-    # decode rows grouped by adapter: r0 and r4 share one tile of two rows, the others one row each
-    assert sorted(decode_tiles) == [1, 1, 2, 2]  # steps 1 and 2; r2 (base) has no tile
+    # decode rows first, their LoRA from the decode tables (one table row per decode row), the
+    # prefill segments after them: step 0 has no decode rows, steps 1 and 2 have 3 and 4; the
+    # prompt of step 1 (r2) has no adapter, so no segment
+    assert layouts == [(True, 0, 0, None), (True, 3, None, 3), (True, 4, 4, 4)]
 
 
 @pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
