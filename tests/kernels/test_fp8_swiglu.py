@@ -70,7 +70,8 @@ def test_swiglu_kernels_against_autograd_and_the_spec(m, n):
 
 
 def test_offers_are_taken_only_by_their_tensor_and_only_once():
-    x = torch.randn(4, 8)
+    gen = torch.Generator().manual_seed(5)  # (the shared generator's state is left to other tests)
+    x = torch.randn(4, 8, generator=gen)
     xq, sx = F8.quantize_rows_reference(x)
     F8.offer_quantized_input(x, xq, sx)
     assert F8._take_quantized_input(x.clone()) is None  # another tensor: declined ...
@@ -81,10 +82,11 @@ def test_offers_are_taken_only_by_their_tensor_and_only_once():
     x.add_(1)  # changed in place since the offer: its rows are no longer these
     assert F8._take_quantized_input(x) is None
 
-    w = F8.quantize_weight(torch.randn(8, 6))
-    dy = torch.randn(4, 8)
+    w = F8.quantize_weight(torch.randn(8, 6, generator=gen))
+    dy = torch.randn(4, 8, generator=gen)
     F8.offer_quantized_grad((dy,), (w.scale,), xq, sx)
-    assert F8._take_quantized_grad([dy], [F8.quantize_weight(torch.randn(8, 6))]) is None  # other scales
+    other = F8.quantize_weight(torch.randn(8, 6, generator=gen))
+    assert F8._take_quantized_grad([dy], [other]) is None  # other scales
     F8.offer_quantized_grad((dy,), (w.scale,), xq, sx)
     assert F8._take_quantized_grad([dy], [w]) == (xq, sx)
     assert F8._take_quantized_grad([dy], [w]) is None
