@@ -66,6 +66,25 @@ def test_padded_mixed_steps_equal_unpadded(make_engine, backend, attention):
     assert layouts == [(True, 0, 0, None), (True, 3, None, 3), (True, 4, 4, 4)]
 
 
+@pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "varlen")])
+def test_padded_chunked_prefill_with_decode_rows_first(make_engine, backend, attention):
+    """Chunked prefill into a small budget, padded and run as eager pieces: every step's decode
+    rows come first, the prompts' chunks after them (fresh chunks varlen from the row after the
+    decode rows, later chunks over their pages); the same tokens and logprobs as unpadded steps."""
+    config = dict(num_pages=128, page_size=4, backend=backend, prefill_attention=attention,
+                  max_num_batched_tokens=16, max_num_seqs=8, prefix_caching=False, enable_chunked_prefill=True)
+    plain, _ = _run(make_engine(**config), False)
+    engine = make_engine(**config, mixed_graphs="eager")
+    layouts = []
+    events, shapes = _run(engine, True, layouts)
+    assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events] and len(plain) == 5 * 4
+    assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-5)
+    assert all(first for first, *_ in layouts)
+    # some padded steps hold decode rows before a prompt's chunk
+    assert any(start > 0 and seg is not None and seg >= start for _, start, seg, _ in layouts)
+    assert all(t in engine.runner.token_buckets for t, real in shapes if real is not None)
+
+
 @pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
 def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, attention, monkeypatch):
     """``mixed_graphs: eager``: the pieces a GPU captures, run eagerly over their static buffers
