@@ -72,12 +72,15 @@ def fused_swiglu():
     F8.set_fused_swiglu(True)
 
 
-def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monkeypatch):
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["saved", "recomputed"])
+def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monkeypatch, checkpoint):
     """FP8 base: SwiGLU quantizing h for down and the gate/up gradient for dX
     (``fp8_linear.Fp8SwiGLU``) against the decoder without it, every layer taking both offers.
     CPU (emulated FP8, fused kernels in the interpreter, fp32): loss and gradients bit for bit
     (the emulated SwiGLU is the eager ops and the spec's quantization). GPU (real FP8, bf16):
-    its Triton SwiGLU rounds like inductor's up to bf16 ulps, so close, not equal."""
+    its Triton SwiGLU rounds like inductor's up to bf16 ulps, so close, not equal. Recomputed
+    (activation checkpointing): the recomputed forward makes and takes its own input offers
+    (twice per layer in all), the backward's gradient offers still reach the gate/up products."""
     cuda = torch.cuda.is_available()
     # every projection width a multiple of 16 (FP8 products), head_dim 16
     model = tiny_hf_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=96)
@@ -112,14 +115,16 @@ def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monk
     def run(on):
         fused_swiglu(on)
         routing = bank.routing([(0, 12, 0), (12, 32, 1)], 5, 32)
-        sums = D.forward_loss_sums(params, bank.view(), ids, labels, pos, cu, routing, config=config,
-                                   backend="triton")  # (interpreter on CPU)
+        h = D.embed(params, ids)
+        h = D.decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",
+                             checkpoint_layers=checkpoint)  # (the interpreter on CPU)
+        sums = D.head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config)
         return sums.detach(), torch.autograd.grad(sums.sum(), list(bank.parameters()))
 
     off_sums, off_grads = run(False)
     assert taken == {"input": 0, "grad": 0}
     on_sums, on_grads = run(True)
-    assert taken == {"input": config.num_layers, "grad": config.num_layers}
+    assert taken == {"input": config.num_layers * (2 if checkpoint else 1), "grad": config.num_layers}
     if not cuda:
         assert torch.equal(on_sums, off_sums)
         for a, b in zip(on_grads, off_grads):
