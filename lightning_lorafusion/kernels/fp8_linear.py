@@ -306,12 +306,8 @@ def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: alway
 
 
 def _emulated_input_grad(dys, weights, dtype):
-    offered = _take_quantized_grad(dys, weights)
-    if offered is not None:
-        gq, sg = offered
-    else:
-        g = torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)
-        gq, sg = quantize_rows_reference(g)
+    gq, sg = (_take_quantized_grad(dys, weights) or quantize_rows_reference(
+        torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)))
     wq = torch.cat([w.data.float() for w in weights], dim=0)  # [sum N, K]
     return ((gq.float() * sg) @ wq).to(dtype)
 

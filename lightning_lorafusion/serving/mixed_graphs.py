@@ -7,8 +7,9 @@ rows' LoRA by row tiles) runs as L + 1 pieces: piece 0 embeds and runs layer 0 u
 piece l runs layer l-1 after attention (o, MLP) and layer l up to its KV write; piece L ends
 with the final norm over every row. Attention runs eagerly between them, from the pieces' q, k,
 v into a static buffer: its grids depend on the step's requests. Each step copies its inputs
-and its LoRA tables into the static buffers (tables padded to fixed lengths: empty tiles and
-rank-0 adapters do nothing), so a captured piece reads every value at a fixed address and no
+and its prefill LoRA tables into the static buffers (tables padded to fixed lengths: empty tiles
+and rank-0 adapters do nothing; the decode rows' tables are the engine's persistent ones, rank 0
+past the step's decode rows), so a captured piece reads every value at a fixed address and no
 host value is baked in except the shapes: the token bucket and the rank block (``block_r``),
 the key of a set of pieces. docs/serving.md, "Mixed steps as graphs".
 """

@@ -119,13 +119,21 @@ class StepBatch:
     output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
     real_rows: int | None = None  # rows [real_rows, T) are padding (pad_mixed); None: no padding
     # padded steps (pad_mixed) put the decode rows first, at rows [0, B), and the prefill rows
-    # from ``prefill_start`` on; otherwise prefill rows come first and decode rows follow them
+    # after them; otherwise prefill rows come first and decode rows follow them
     decode_first: bool = False
-    prefill_start: int = 0
+
+    @property
+    def num_decode_rows(self) -> int:
+        real = self.input_ids.shape[0] if self.real_rows is None else self.real_rows
+        return real - self.num_prefill_rows
 
     @property
     def first_decode_row(self) -> int:
         return 0 if self.decode_first else self.num_prefill_rows
+
+    @property
+    def prefill_start(self) -> int:
+        return self.num_decode_rows if self.decode_first else 0
 
 
 class ModelRunner:
@@ -161,8 +169,9 @@ class ModelRunner:
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
             page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
         self.pad_decode = False
-        # mixed steps padded to token buckets, every row's LoRA by row tiles (decode rows grouped
-        # by adapter): the fixed shapes a captured mixed step needs; settable on the CPU to test
+        # mixed steps padded to token buckets, decode rows first with their LoRA from the decode
+        # tables, the prefill rows' LoRA by row tiles: the fixed shapes a captured mixed step
+        # needs; settable on the CPU to test
         self.pad_mixed = False
         self.token_buckets = graph_buckets(max_batched_tokens)
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
@@ -309,7 +318,7 @@ class ModelRunner:
             prefill_lora=None, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
             spans=spans, output_rows=tensor(out_rows), real_rows=real if pad else None,
-            decode_first=pad, prefill_start=n_decode_first,
+            decode_first=pad,
         )
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
@@ -462,13 +471,13 @@ class ModelRunner:
                    batch: StepBatch) -> torch.Tensor:
         """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros)."""
         cfg = self.config
-        t, tp = q.shape[0], batch.num_prefill_rows
-        real = t if batch.real_rows is None else batch.real_rows
+        t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
+        real = tp + nd
         scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
         # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
         # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
         kv_layer = self.pool.kv[:, layer:layer + 1]
-        ds, nd = batch.first_decode_row, real - tp
+        ds = batch.first_decode_row
 
         def decode_part():
             return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
