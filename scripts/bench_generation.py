@@ -31,6 +31,10 @@ host work), prompt tokens/s and mean TTFT, min and median over the N.
 per output channel, an untied embedding per row; "fp8_" rows), so decode reads half the
 frozen bytes per step. On a CPU the FP8 products are emulated.
 
+``--async-decode off,on`` (``EngineConfig.async_decode``, a comma list; default ``auto``) runs
+the engine phases once per value ("async_off_" / "async_on_" rows): decode-only steps read
+before the next is planned, or overlapped with the host (the next launched first).
+
 ``--mixed-graphs off,on`` (``EngineConfig.mixed_graphs``, a comma list; default ``auto``) runs
 the engine phases once per value ("mixed_off_" / "mixed_on_" rows): steps with prefill rows
 eager, or padded to token buckets and run as captured pieces around attention.
@@ -269,10 +273,27 @@ def build_workload(args, device, dtype):
 
 
 def step_time(engine: Engine, requests, steps: int, device) -> dict:
-    """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps."""
+    """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps. With the
+    overlapped decode the forward is not timed apart (``forward_ms`` None): synchronising it
+    would undo the overlap."""
     ids = [engine.submit(r) for r in requests]
     while engine.stats()["waiting"]:
         engine.step()
+    if engine._overlap:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        wall = time.perf_counter() - t0
+        running = engine.stats()["running"]
+        for rid in ids:
+            engine.abort(rid)
+        while engine._has_work():
+            engine.step()
+        return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
+                "forward_ms": None, "decode_tok_per_s": running * steps / wall,
+                "steps_ahead": engine.stats()["decode_steps_ahead_total"]}
     forward = [0.0]
     decode_logits = engine.runner.decode_logits
 
@@ -435,6 +456,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mixed-graphs", type=_choices(("auto", "on", "off", "eager")), default=["auto"],
                     help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
                          "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
+    ap.add_argument("--async-decode", type=_choices(("auto", "on", "off")), default=["auto"],
+                    help="EngineConfig.async_decode (decode steps overlapped with the host), a comma list: the "
+                         "engine phases once per value, in that order (\"async_on_\" / \"async_off_\" rows)")
     ap.add_argument("--base-precision", type=_choices(("bf16", "fp8", "fp8rq")), default=["bf16"],
                     help="the engine's frozen base: bf16 (as built), fp8 (quantized) and/or fp8rq (the same "
                          "FP8 base with row-quantized products only: no weight-only decode products), a comma list")
@@ -497,10 +521,12 @@ def main(argv=None) -> dict:
     label = len(args.prefill_attention) > 1
     label_precision = len(args.base_precision) > 1
     label_mixed = len(args.mixed_graphs) > 1
+    label_async = len(args.async_decode) > 1
     variants = [(graphs, pa, bp, (f"{bp}_" if label_precision else "") + ("eager_" if i else "")
-                 + (f"{pa}_" if label else "") + (f"mixed_{mg}_" if label_mixed else ""), mg)
+                 + (f"{pa}_" if label else "") + (f"mixed_{mg}_" if label_mixed else "")
+                 + (f"async_{ad}_" if label_async else ""), mg, ad)
                 for bp in args.base_precision for pa in args.prefill_attention for mg in args.mixed_graphs
-                for i, graphs in enumerate(modes)]
+                for ad in args.async_decode for i, graphs in enumerate(modes)]
     prefixes = [v[3] for v in variants]
     base_params: dict = {"bf16": params}
 
@@ -512,7 +538,8 @@ def main(argv=None) -> dict:
             base_params[precision] = quantize_base_fp8(params, embedding=not config.tie_word_embeddings)
         return base_params[precision]
 
-    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str, mixed_graphs: str) -> None:
+    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str, mixed_graphs: str,
+                      async_decode: str) -> None:
         t0 = time.perf_counter()
         if precision in weight_only_rows:  # decided where products are traced or captured: set per engine
             fp8_linear.WEIGHT_ONLY_MAX_ROWS = weight_only_rows[precision]
@@ -520,12 +547,14 @@ def main(argv=None) -> dict:
                         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                      gpu_memory_fraction=args.memory_fraction, backend=args.backend,
                                      cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching,
-                                     prefill_attention=prefill_attention, mixed_graphs=mixed_graphs),
+                                     prefill_attention=prefill_attention, mixed_graphs=mixed_graphs,
+                                     async_decode=async_decode),
                         device=device, dtype=dtype)
         report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None, "base_precision": precision,
                                      "fp8_weight_only_max_rows": weight_only_rows.get(precision),
                                      "prefill_attention": engine.runner.prefill_attention,
                                      "mixed_graphs": engine.runner.mixed_pieces,
+                                     "async_decode": engine._overlap,
                                      "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
                                      "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
                                      / 2**30}
@@ -579,8 +608,8 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
 
     try:
-        for graphs, prefill_attention, precision, prefix, mixed_graphs in variants:
-            engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs)
+        for graphs, prefill_attention, precision, prefix, mixed_graphs, async_decode in variants:
+            engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs, async_decode)
     finally:
         fp8_linear.WEIGHT_ONLY_MAX_ROWS = module_weight_only_rows
     base_params.pop("fp8", None)
@@ -596,9 +625,9 @@ def main(argv=None) -> dict:
         ids = [r.request_id for r in subset[:args.check]]
         phase("agreement", lambda: agreement(report[first]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
                                              min(args.check_tokens, args.new_tokens)))
-    if (label or label_precision) and all(p + "ours_all" in report for p in prefixes):
+    if (label or label_precision or label_async) and all(p + "ours_all" in report for p in prefixes):
         # every engine's greedy tokens against the first's
-        phase("prefill_attention_agreement" if not label_precision else "engine_agreement", lambda: {
+        phase("prefill_attention_agreement" if not (label_precision or label_async) else "engine_agreement", lambda: {
             p: agreement(report[p + "ours_all"]["tokens"], report[first]["tokens"], [r.request_id for r in reqs],
                          args.new_tokens) for p in prefixes[1:]})
 
@@ -611,7 +640,8 @@ def main(argv=None) -> dict:
     for name in [p + k for p in prefixes for k in ("step_adapters", "step_base")]:
         if name in report:
             r = report[name]
-            print(f"{name:<22} batch {r['running']:>4}: {r['step_ms']:7.2f} ms/step, forward {r['forward_ms']:7.2f} ms, "
+            forward = "" if r["forward_ms"] is None else f", forward {r['forward_ms']:7.2f} ms"
+            print(f"{name:<22} batch {r['running']:>4}: {r['step_ms']:7.2f} ms/step{forward}, "
                   f"{r['decode_tok_per_s']:>8.0f} tok/s")
     for name in [p + k for p in prefixes for k in ("profile_adapters", "profile_base")]:
         if name in report:

@@ -253,7 +253,8 @@ def engine_config(args, chunked: bool) -> EngineConfig:
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     return EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
                         cpu_pool_mib=args.cpu_pool_mib, enable_chunked_prefill=chunked,
-                        prefill_attention=args.prefill_attention, mixed_graphs=args.mixed_graphs, **extra)
+                        prefill_attention=args.prefill_attention, mixed_graphs=args.mixed_graphs,
+                        async_decode=args.async_decode, **extra)
 
 
 def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], args, device, dtype, *,
@@ -425,6 +426,8 @@ def main(argv=None) -> dict:
                     help="EngineConfig.prefill_attention of every engine")
     ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
                     help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
+    ap.add_argument("--async-decode", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.async_decode: decode-only steps overlapped with the host")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
     ap.add_argument("--baseline-at", type=_ints, default=None, help="points (N) with baselines (default: all <= max)")

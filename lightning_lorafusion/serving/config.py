@@ -10,6 +10,7 @@ BACKENDS = ("auto", "torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
 PREFILL_ATTENTION = ("auto", "varlen", "paged")
 MIXED_GRAPHS = ("auto", "on", "off", "eager")
+ASYNC_DECODE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,13 @@ class EngineConfig:
     # on: 1.48x the tokens/s of off, time to first token p50 0.03 s against 1.81 s
     # (docs/BENCHMARKS.md, "Mixed steps as CUDA graphs")
     mixed_graphs: str = "auto"
+    # overlapped decode (vLLM's async scheduling, SGLang's overlap scheduler): while a decode-only
+    # step runs on the device, the next one (the same rows, each fed the token the running step
+    # samples, copied on the device) is planned and launched before the running step's tokens
+    # are read, so scheduling, detokenization and events overlap the device. A row that stops
+    # on a stop token or string costs one discarded row in the step after. "auto" (the
+    # default): on with CUDA; "on": also on a CPU (the same logic, nothing to overlap); "off"
+    async_decode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "cpu_pool_mib", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,6 +93,8 @@ class EngineConfig:
                               f"allowed: {PREFILL_ATTENTION}")
         if self.mixed_graphs not in MIXED_GRAPHS:
             raise ConfigError(f"EngineConfig.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
+        if self.async_decode not in ASYNC_DECODE:
+            raise ConfigError(f"EngineConfig.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
         if self.prefill_wait_steps < 0:
             raise ConfigError(f"EngineConfig.prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
         if self.prefetch_depth < 0:

@@ -70,8 +70,14 @@ class DecodeInputs:
         self._rows: list[RequestState] = []  # the requests the tables hold, in row order
         self._pages_written: list[int] = []
         self._pages_moved = -1
-        self._host = np.zeros((3, max_rows), dtype=np.int64)  # what step[:, :rows] was last given
-        self._host_tensor = torch.from_numpy(self._host)  # the same memory
+        # what step[:, :rows] was last given, on the host: on CUDA two pinned mirrors used in
+        # turn (a copy from one may still be queued behind a running step while the next step's
+        # inputs are written into the other; engine.py's overlapped decode), else one
+        pinned = self.device.type == "cuda"
+        self._mirrors = [torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned) for _ in range(1 + pinned)]
+        self._mirror = 0
+        self._host_tensor = self._mirrors[0]
+        self._host = self._host_tensor.numpy()  # the same memory
         self._step_rows: list[RequestState] = []  # the rows of the last load_step, in order
         self._step_bucket = 0
 
@@ -79,16 +85,30 @@ class DecodeInputs:
     def has_lora(self) -> bool:
         return bool(self.modules)
 
-    def load_step(self, decode: Sequence[RequestState], rows: int, next_tokens: Sequence[int] | None = None) -> None:
+    def load_step(self, decode: Sequence[RequestState], rows: int, next_tokens: Sequence[int] | None = None,
+                  token_tensor: torch.Tensor | None = None) -> None:
         """Write ``step[:, :rows]``: the decode rows' newest tokens, then ``rows - len(decode)``
         padding rows. ``next_tokens``: the rows' newest tokens when each row is one token
         further than at the previous call, which had the same rows in the same order (a
         decode-only step after a decode-only step): positions are advanced and only rows that
-        entered a new page look their page up (no per-row Python otherwise)."""
-        s, b, host = self.page_size, len(decode), self._host
-        if (next_tokens is not None and rows == self._step_bucket and len(self._step_rows) == b
-                and all(map(operator.is_, decode, self._step_rows))):
-            host[0, :b] = next_tokens
+        entered a new page look their page up (no per-row Python otherwise). ``token_tensor``
+        (``[len(decode)]`` on the device): the same, with the tokens not yet on the host (the
+        previous step sampled them and may still be running): copied on the device."""
+        s, b = self.page_size, len(decode)
+        same = (rows == self._step_bucket and len(self._step_rows) == b
+                and all(map(operator.is_, decode, self._step_rows)))
+        if token_tensor is not None and not same:
+            raise RuntimeError("DecodeInputs.load_step: tokens on the device need the previous step's rows")
+        previous = self._host
+        if len(self._mirrors) > 1:  # the other pinned mirror, starting from what the last step was given
+            self._mirror ^= 1
+            self._host_tensor = self._mirrors[self._mirror]
+            self._host = host = self._host_tensor.numpy()
+            host[:, :rows] = previous[:, :rows]
+        host = self._host
+        if same and (next_tokens is not None or token_tensor is not None):
+            if next_tokens is not None:
+                host[0, :b] = next_tokens
             positions = host[1, :b]
             positions += 1
             for i in np.flatnonzero(positions % s == 0).tolist():
@@ -104,8 +124,11 @@ class DecodeInputs:
             host[:2, b:rows] = 0
             host[2, b:rows] = self.scratch_page
             self._step_rows, self._step_bucket = list(decode), rows
-        # from pageable memory: the copy has read the mirror when it returns, so it may change next step
-        self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
+        if token_tensor is None:
+            self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
+        else:  # positions and pages from the host, tokens from the device (host[0, :b] is stale)
+            self.step[1:, :rows].copy_(self._host_tensor[1:, :rows], non_blocking=True)
+            self.step[0, :b].copy_(token_tensor)
 
     def forget_step(self) -> None:
         """The rows moved on without ``load_step`` (a step with prefill rows ran): the next
@@ -133,8 +156,9 @@ class DecodeInputs:
                 cols += range(done, done + len(new))
                 pages += new
                 self._pages_written[i] = len(st.pages)
-        if pages:
-            idx = torch.tensor([rows, cols, pages], dtype=torch.int64).to(self.device, non_blocking=True)
+        if pages:  # pinned on CUDA: a copy from pageable memory may wait for the running step
+            idx = torch.tensor([rows, cols, pages], dtype=torch.int64,
+                               pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
             self.page_table.index_put_((idx[0], idx[1]), idx[2].to(torch.int32))
         return False
 

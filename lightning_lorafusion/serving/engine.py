@@ -135,6 +135,10 @@ class Engine:
         # the step loop's caches: the last decode-only step's rows and tokens, what sampling needs
         # of the current batch, and single tokens' texts (detokenize.add_tokens)
         self._last_sampled: tuple[list[RequestState], list[int]] | None = None
+        # overlapped decode (EngineConfig.async_decode): the decode-only step launched and not
+        # yet read, whose tokens the next step's call emits
+        self._overlap = config.async_decode == "on" or (config.async_decode == "auto" and self.device.type == "cuda")
+        self._inflight: _Launched | None = None
         self._rows: _SampledRows | None = None
         self._token_texts: dict[int, str] = {}
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
@@ -145,7 +149,10 @@ class Engine:
                           "step_seconds_total": 0.0, "prefill_step_seconds_total": 0.0,
                           # arrival at the engine to the first generated token, summed over requests
                           "ttft_seconds_total": 0.0, "first_tokens_total": 0,
-                          "nonfinite_logits_total": 0}  # requests aborted for NaN / inf logits
+                          "nonfinite_logits_total": 0,  # requests aborted for NaN / inf logits
+                          # overlapped decode: steps launched before the previous step's tokens
+                          # were read, and their rows discarded (the request stopped meanwhile)
+                          "decode_steps_ahead_total": 0, "decode_rows_discarded_total": 0}
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
@@ -403,7 +410,8 @@ class Engine:
         self.close()
 
     def _has_work(self) -> bool:
-        return bool(self._incoming or self._aborts or self._retired or self.scheduler.has_work())
+        return bool(self._incoming or self._aborts or self._retired or self._inflight is not None
+                    or self.scheduler.has_work())
 
     def _loop(self) -> None:
         while True:
@@ -418,6 +426,7 @@ class Engine:
             except Exception:  # a bug must not leave callers waiting forever
                 log.exception("engine step failed; aborting every unfinished request")
                 with self._step_lock:
+                    self._inflight = None
                     for state in list(self._states.values()):
                         self._finish(state, "abort", [])
                     self._flush_sinks()
@@ -485,7 +494,12 @@ class Engine:
             return self.pool.drop_cached_prefixes()
 
     def step(self) -> list[TokenEvent]:
-        """One iteration: admit, run one forward over prefill + decode rows, sample, emit."""
+        """One iteration: admit, run one forward over prefill + decode rows, sample, emit.
+
+        With the overlapped decode (``EngineConfig.async_decode``) a decode-only step is
+        launched and left running: the next call launches the step after it when it can
+        (``Scheduler.plan_ahead``), then reads and emits the running one's tokens; so a call
+        returns the events of the step before the one it launched."""
         with self._step_lock:
             try:
                 return self._step()
@@ -504,16 +518,30 @@ class Engine:
         events: list[TokenEvent] = []
         self._take_incoming(events)
         self._retire_adapters()
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return events
+        running, self._inflight = self._inflight, None
+        plan = None
         now = time.perf_counter()
+        if running is not None:  # a decode-only step is on the device: launch the next one first
+            if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
+                plan = self.scheduler.plan_ahead(running.seqs)
+            if plan is None:  # the next step depends on its tokens
+                self._complete(running, events)
+                running = None
+            else:
+                self._counters["decode_steps_ahead_total"] += 1
+        if plan is None:
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                return events
         for state in plan.prefill:
             if state.first_scheduled is None:
                 state.first_scheduled = now
                 self._counters["prompt_tokens_total"] += len(state.request.prompt_token_ids)
         with torch.no_grad():
-            self._run(plan, events)
+            self._run(plan, events, running)
+            if running is not None:
+                self.scheduler.prefetch()  # after the launch: a page-in may move KV pages
+                self._complete(running, events)
         seconds = time.perf_counter() - now
         counters = self._counters
         counters["steps_total"] += 1
@@ -524,7 +552,11 @@ class Engine:
             counters["prefill_step_seconds_total"] += seconds
         return events
 
-    def _run(self, plan, events: list[TokenEvent]) -> None:
+    def _run(self, plan, events: list[TokenEvent], running: "_Launched | None" = None) -> None:
+        """Run ``plan``'s forward, sample and emit; a decode-only step under the overlapped
+        decode is launched and left in ``_inflight`` instead (``_complete`` emits it).
+        ``running``: the decode-only step still on the device whose rows ``plan`` continues
+        (``Scheduler.plan_ahead``): its sampled tokens are this step's inputs."""
         last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
             batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
@@ -543,6 +575,9 @@ class Engine:
             if not seqs:
                 return
             logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
+        elif running is not None:  # decode only, fed the running step's tokens on the device
+            seqs = plan.decode
+            logits = self.runner.decode_logits(seqs, token_tensor=running.tokens)
         else:  # decode only: a CUDA graph replay where captured
             seqs = plan.decode
             # the previous step sampled these very rows: their tokens are the inputs
@@ -561,17 +596,23 @@ class Engine:
             if rows.logprob_index is not None:  # only the rows that asked
                 lp_logits, lp_tokens = logits.index_select(0, rows.logprob_index), tokens[rows.logprob_index]
             chosen, top_vals, top_ids = token_logprobs(lp_logits, lp_tokens, rows.top_n)
-            chosen = chosen.tolist()
-            if top_vals is not None:
-                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for state in plan.decode:
             state.num_cached += 1
         # a row whose logits are not finite (an overflow in its adapter, say) gets token -1:
         # that request ends ("abort", logged), the others go on
-        tokens = torch.where(finite, tokens, -1).tolist()
-        if not plan.prefill:
-            self._last_sampled = (seqs, tokens)
-        self._emit(seqs, tokens, rows, chosen, top_vals, top_ids, events)
+        launched = _Launched(seqs, rows, tokens, torch.where(finite, tokens, -1), chosen, top_vals, top_ids,
+                             self.pool.pages_moved, decode_only=not plan.prefill)
+        if self._overlap and not plan.prefill:
+            self._inflight = launched
+            return
+        self._complete(launched, events)
+
+    def _complete(self, launched: "_Launched", events: list[TokenEvent]) -> None:
+        """Read a launched step's tokens (waiting for the device) and emit them."""
+        tokens, chosen, top_vals, top_ids = launched.read()
+        if launched.decode_only:
+            self._last_sampled = (launched.seqs, tokens)
+        self._emit(launched.seqs, tokens, launched.rows, chosen, top_vals, top_ids, events)
 
     def _sampled_rows(self, seqs: list[RequestState]) -> "_SampledRows":
         """What sampling needs of ``seqs``, reused while the batch keeps the same requests in
@@ -599,6 +640,9 @@ class Engine:
         ttft = 0.0
         lp_row = rows.logprob_row
         for i, (state, token) in enumerate(zip(seqs, tokens)):
+            if state.status is FINISHED:  # stopped (or aborted) after this step was launched: discarded
+                self._counters["decode_rows_discarded_total"] += 1
+                continue
             if not state.max_output:  # scoring the prompt only
                 self._finish(state, "length", events)
                 continue
@@ -758,6 +802,42 @@ class Engine:
             "prefix_pages_cached": pool.kv_pages_cached,
             "prefix_pages_evicted_total": pool.prefix_evictions,
         }
+
+
+FINISHED = Status.FINISHED
+
+
+class _Launched:
+    """A step's sampled tokens on the device, and their copies to the host under way (pinned
+    memory, an event after them on CUDA): ``read`` waits for that event only, so a step
+    launched after this one keeps the device busy meanwhile. ``tokens`` feed the next step;
+    ``emitted`` (-1 where the logits were not finite) are what ``read`` returns."""
+
+    __slots__ = ("seqs", "rows", "tokens", "pages_moved", "decode_only", "_host", "_event")
+
+    def __init__(self, seqs: list[RequestState], rows: "_SampledRows", tokens: torch.Tensor,
+                 emitted: torch.Tensor, chosen: torch.Tensor | None, top_vals: torch.Tensor | None,
+                 top_ids: torch.Tensor | None, pages_moved: int, *, decode_only: bool) -> None:
+        self.seqs, self.rows, self.tokens, self.pages_moved = seqs, rows, tokens, pages_moved
+        self.decode_only = decode_only
+        cuda = tokens.device.type == "cuda"
+        self._host = [None if t is None else _to_host(t, cuda) for t in (emitted, chosen, top_vals, top_ids)]
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> tuple[list[int], list | None, list | None, list | None]:
+        if self._event is not None:
+            self._event.synchronize()
+        return tuple(None if t is None else t.tolist() for t in self._host)
+
+
+def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
+    if not cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class _SampledRows:

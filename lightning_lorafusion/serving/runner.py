@@ -200,18 +200,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode-only steps
 
-    def decode_logits(self, decode: Sequence[RequestState], next_tokens: Sequence[int] | None = None) -> torch.Tensor:
+    def decode_logits(self, decode: Sequence[RequestState], next_tokens: Sequence[int] | None = None, *,
+                      token_tensor: torch.Tensor | None = None) -> torch.Tensor:
         """A step with decode rows only: each request feeds its newest token -> fp32 logits of
         its next token ``[B, V]`` (a view valid until the next step). ``next_tokens``: those
         tokens, when the previous step was a decode-only step of the same rows in the same
-        order (``DecodeInputs.load_step``)."""
+        order (``DecodeInputs.load_step``); ``token_tensor``: the same tokens still on the
+        device (the previous step sampled them and may be running: the overlapped decode of
+        engine.py), which needs its KV pages unmoved since then."""
         b = len(decode)
         rows = bucket_for(b, self.buckets) if self.pad_decode else b
         inputs = self.decode_inputs
         if inputs.load_tables(decode, self.pool.pages_moved):
+            if token_tensor is not None:
+                raise RuntimeError("decode_logits: tokens on the device need the previous step's rows and pages")
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
-        inputs.load_step(decode, rows, next_tokens)
+        inputs.load_step(decode, rows, next_tokens, token_tensor)
         if self.graphs is not None:
             self.graphs.replay(rows, inputs.has_lora)
             return self._graph_logits[:b]

@@ -96,7 +96,11 @@ class _EngineCollector:
                   "Arrival at the engine to first token, summed over requests (divide by first tokens)"),
                  ("first_tokens_total", "lorafusion_engine_first_tokens", "Requests that got their first token"),
                  ("nonfinite_logits_total", "lorafusion_nonfinite_logits",
-                  "Requests aborted because their logits were NaN or infinite"))
+                  "Requests aborted because their logits were NaN or infinite"),
+                 ("decode_steps_ahead_total", "lorafusion_engine_decode_steps_ahead",
+                  "Decode steps launched before the previous step's tokens were read (overlapped decode)"),
+                 ("decode_rows_discarded_total", "lorafusion_engine_decode_rows_discarded",
+                  "Rows of overlapped decode steps discarded: their request stopped during the step before"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),
                ("running", "lorafusion_requests_running", "Requests in the running batch"),
                ("adapters_loaded", "lorafusion_adapters_loaded", "Adapters loaded (host memory)"),

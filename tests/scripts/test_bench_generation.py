@@ -90,3 +90,21 @@ def test_bench_generation_mixed_graphs_variants_tiny_cpu(tmp_path):
     assert report["mixed_eager_engine"]["mixed_graphs"] == "eager"
     for mode in ("off", "eager"):
         assert report[f"mixed_{mode}_ours_all"]["generated_tokens"] == 4 * 2
+
+
+def test_bench_generation_async_decode_variants_tiny_cpu(tmp_path):
+    """``--async-decode off,on`` with timed decode steps: an engine per value with its own rows;
+    the overlapped one ran steps ahead (its forward is not timed apart) and its fp32 greedy
+    tokens equal the step-by-step engine's."""
+    module = load_script("bench_generation")
+    report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                          "--new-tokens", "8", "--prompt-min", "4", "--prompt-max", "30", "--adapters", "2",
+                          "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf", "--step-batch", "4",
+                          "--step-count", "3", "--async-decode", "off,on", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert report["async_off_engine"]["async_decode"] is False and report["async_on_engine"]["async_decode"] is True
+    assert report["async_on_ours_all"]["generated_tokens"] == report["async_off_ours_all"]["generated_tokens"] == 32
+    assert report["async_off_step_adapters"]["forward_ms"] > 0
+    assert report["async_on_step_adapters"]["forward_ms"] is None
+    assert report["async_on_step_adapters"]["steps_ahead"] >= 2
+    assert report["engine_agreement"]["async_on_"]["match_rate"] == 1.0

@@ -98,23 +98,31 @@ def test_one_allocation_per_step_equals_row_by_row_growth(make_engine, num_pages
         assert fast.stats()["preemptions_total"] > 0  # the row-by-row fallback ran
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("pad", [False, True])
-def test_step_inputs_advanced_from_the_last_tokens_equal_a_full_load(make_engine, pad):
+def test_step_inputs_advanced_from_the_last_tokens_equal_a_full_load(make_engine, pad, overlap):
     """Every decode step's input buffer (token, position, KV page per row, padding rows) equals
     what loading each row from its state gives, with the fast path taken on most steps: page
-    boundaries every 2 tokens, requests joining and finishing."""
-    engine = make_engine(num_pages=96, page_size=2)
+    boundaries every 2 tokens, requests joining and finishing. With the overlapped decode the
+    fast path's tokens come from the device, one token ahead of the host's state."""
+    engine = make_engine(num_pages=96, page_size=2, async_decode=overlap)
     engine.runner.pad_decode = pad
     inputs = engine.runner.decode_inputs
     load = inputs.load_step
     fast_steps = []
+    ahead_steps = []
 
-    def checked(decode, rows, next_tokens=None):
-        fast_steps.append(next_tokens is not None and inputs._step_rows == list(decode))
-        load(decode, rows, next_tokens)
+    def checked(decode, rows, next_tokens=None, token_tensor=None):
+        fast_steps.append((next_tokens is not None or token_tensor is not None) and inputs._step_rows == list(decode))
+        ahead_steps.append(token_tensor is not None)
+        load(decode, rows, next_tokens, token_tensor)
         s = inputs.page_size
-        expected = [[st.last_token for st in decode], [st.num_tokens - 1 for st in decode],
-                    [st.pages[(st.num_tokens - 1) // s] for st in decode]]
+        if token_tensor is None:
+            expected = [[st.last_token for st in decode], [st.num_tokens - 1 for st in decode],
+                        [st.pages[(st.num_tokens - 1) // s] for st in decode]]
+        else:  # each row feeds the token the step before sampled, not yet in its state
+            expected = [token_tensor.tolist(), [st.num_tokens for st in decode],
+                        [st.pages[st.num_tokens // s] for st in decode]]
         pad_rows = rows - len(decode)
         expected = [expected[0] + [0] * pad_rows, expected[1] + [0] * pad_rows,
                     expected[2] + [inputs.scratch_page] * pad_rows]
@@ -125,6 +133,7 @@ def test_step_inputs_advanced_from_the_last_tokens_equal_a_full_load(make_engine
     reqs = _requests("s", sp)
     _trace(engine, reqs, {0: [0, 1], 3: [2, 3], 4: [4], 11: [5]}, 40)
     assert sum(fast_steps) >= len(fast_steps) // 2 and not all(fast_steps)
+    assert any(ahead_steps) == (overlap == "on")
     alone = [engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp)])[0].token_ids
              for p, a in CASES]
     results = engine.generate(_requests("t", sp))

@@ -1,0 +1,232 @@
+"""The overlapped decode (``EngineConfig.async_decode``): a decode-only step launched before the
+previous step's tokens are read gives every request the tokens, texts, finish reasons and
+logprobs of the engine that reads each step before planning the next, while requests arrive,
+stop on stop tokens and strings mid-batch (their row in the step ahead is discarded), hit
+their length, are aborted with a step in flight, or are preempted in a tiny pool; the pool
+ends with no page leaked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+
+ADAPTER_CHOICES = [None, "all4", "attn2", "mlp8"]
+
+
+def _requests(engine, seed: int, n: int) -> list[GenerationRequest]:
+    """Random prompts and adapters; greedy, seeded sampling, penalties and logprobs mixed; stop
+    ids and stop strings that end some requests early; lengths 1..14."""
+    rng = random.Random(seed)
+    vocab = [engine.tokenizer.convert_ids_to_tokens(i) for i in range(engine.model_config.vocab_size)]
+    out = []
+    for i in range(n):
+        kind = i % 4
+        extra = {}
+        if kind == 1:
+            extra = dict(temperature=0.9, top_p=0.9, seed=1000 + i)
+        elif kind == 2:
+            extra = dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4)
+        elif kind == 3:
+            extra = dict(temperature=0.0, logprobs=2)
+        else:
+            extra = dict(temperature=0.0)
+        stop = (rng.choice(vocab[4:]),) if rng.random() < 0.3 else ()
+        sp = SamplingParams(max_new_tokens=rng.randint(1, 14), ignore_eos=rng.random() < 0.5, stop=stop,
+                            stop_token_ids=tuple(rng.sample(range(4, 64), rng.randint(0, 3))), **extra)
+        prompt = [rng.randrange(4, 64) for _ in range(rng.randint(1, 12))]
+        out.append(GenerationRequest(prompt_token_ids=prompt, adapter=rng.choice(ADAPTER_CHOICES), sampling=sp,
+                                     request_id=f"r{i}"))
+    return out
+
+
+def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = None, max_calls: int = 400):
+    """Submit ``requests`` a few at a time (one batch every ``arrive_every`` step calls), abort
+    the named request at the given call, step until all ended -> request id -> (token ids,
+    text, finish reason, logprobs, top logprobs) and the request ids in finishing order."""
+    abort = abort or {}
+    results, pending = {}, list(requests)
+    ended = []
+    streams: dict[str, list] = {r.request_id: [] for r in requests}
+
+    def on_event(event):
+        assert event.request_id not in ended, "an event after the request's last one"
+        streams[event.request_id].append((event.token_id, event.text))
+        if event.finish_reason is not None:
+            ended.append(event.request_id)
+
+    keep = engine._keep_results
+    for r in requests:
+        keep[r.request_id] = None
+    for call in range(max_calls):
+        if call % arrive_every == 0 and pending:
+            for r in pending[:3]:
+                engine.submit(r, on_event)
+            pending = pending[3:]
+        if call in abort:
+            engine.abort(abort[call])
+        engine.step()
+        if not pending and len(ended) == len(requests):
+            break
+    assert len(ended) == len(requests), "not every request ended"
+    while engine._has_work():  # a step ahead whose rows all stopped: read, every row discarded
+        engine.step()
+    for r in requests:
+        res = keep.pop(r.request_id)
+        results[r.request_id] = (res.token_ids, res.text, res.finish_reason, res.logprobs, res.top_logprobs)
+        # the stream carries the result: every token (the stop token too) and the text in pieces
+        tokens = [t for t, _ in streams[r.request_id] if t is not None]
+        assert tokens == list(res.token_ids) and "".join(x for _, x in streams[r.request_id]) == res.text
+    return results
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        ids, text, reason, lps, tops = a[rid]
+        ids2, text2, reason2, lps2, tops2 = b[rid]
+        assert (ids, text, reason) == (ids2, text2, reason2), rid
+        if lps is None:
+            assert lps2 is None
+        else:
+            assert lps2 == pytest.approx(lps, rel=1e-5, abs=1e-6), rid
+            assert [sorted(t) for t in tops] == [sorted(t) for t in tops2], rid
+
+
+def _assert_pool_empty(engine) -> None:
+    engine.pool.check()
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["kv_pages_used"] == 0
+    assert engine._inflight is None
+
+
+@pytest.mark.parametrize("seed,arrive_every", [(0, 2), (1, 5), (2, 1)])
+def test_overlapped_decode_equals_the_step_by_step_engine(make_engine, seed, arrive_every):
+    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False)
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    assert not sync._overlap and overlap._overlap
+    reqs = _requests(sync, seed, 18)
+    want = _drive(sync, reqs, arrive_every)
+    got = _drive(overlap, reqs, arrive_every)
+    _assert_same(want, got)
+    stats = overlap.stats()
+    assert stats["decode_steps_ahead_total"] > 0  # the overlap ran
+    assert sync.stats()["decode_steps_ahead_total"] == 0
+    reasons = {v[2] for v in want.values()}
+    assert reasons == {"stop", "length"}  # both kinds of ending happened mid-batch
+    for engine in (sync, overlap):
+        _assert_pool_empty(engine)
+
+
+def test_a_stop_token_mid_batch_discards_one_row(make_engine):
+    """Six greedy requests decoding together; one stops on a stop token after its 3rd token, one
+    on a stop string after its 4th: each has a row in the step launched ahead that is discarded, and
+    every output equals the step-by-step engine's."""
+    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False)
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    free = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [([5 + i, 9, 17 + i], ADAPTER_CHOICES[i % 4]) for i in range(6)]
+    plain = sync.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=free) for p, a in prompts])
+    ids1, ids4 = list(plain[1].token_ids), list(plain[4].token_ids)
+    def first_new(ids, start):  # the first token at index >= start not seen before it
+        return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+    stop_id = ids1[first_new(ids1, 3)]
+    words4 = sync.tokenizer.convert_ids_to_tokens(ids4)
+    stop_word = words4[first_new(ids4, 4)]
+    samplings = [free] * 6
+    samplings[1] = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))
+    samplings[4] = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop_word,))
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp, request_id=f"s{i}")
+            for i, ((p, a), sp) in enumerate(zip(prompts, samplings))]
+    want, got = _drive(sync, reqs, 100), _drive(overlap, reqs, 100)
+    _assert_same(want, got)
+    assert want["s1"][2] == want["s4"][2] == "stop"
+    assert len(want["s1"][0]) == ids1.index(stop_id) + 1 < 12
+    stats = overlap.stats()
+    assert stats["decode_rows_discarded_total"] == 2
+    # every decode step but the first and the one whose rows reach their length ran ahead
+    assert stats["decode_steps_ahead_total"] >= 9
+    _assert_pool_empty(overlap)
+
+
+def test_a_request_aborted_with_its_step_in_flight(make_engine):
+    """An abort that lands while a step ahead holds the request's row: it ends "abort", its row's
+    token is discarded, the others are unchanged."""
+    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False)
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_token_ids=[5 + i, 9, 17 + i], adapter=ADAPTER_CHOICES[i % 4], sampling=sp,
+                              request_id=f"a{i}") for i in range(6)]
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    want = _drive(sync, reqs, 100)
+    got = _drive(overlap, reqs, 100, abort={5: "a2"})
+    assert got["a2"][2] == "abort" and 0 < len(got["a2"][0]) < 12
+    assert list(got["a2"][0]) == list(want["a2"][0][:len(got["a2"][0])])
+    del want["a2"], got["a2"]
+    _assert_same(want, got)
+    _assert_pool_empty(overlap)
+
+
+def test_overlapped_decode_in_a_pool_that_preempts(make_engine):
+    """A pool too small for every running request's growth: the step ahead is refused when the
+    next pages are not free, the engine reads the running step and preempts as before."""
+    config = dict(num_pages=24, page_size=2, max_num_seqs=8, kv_watermark=0.0, prefix_caching=False)
+    sp = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_token_ids=[4 + 3 * i, 9, 17, 30 - i], adapter=None, sampling=sp,
+                              request_id=f"p{i}") for i in range(6)]
+    sync = make_engine(with_adapters=False, async_decode="off", **config)
+    overlap = make_engine(with_adapters=False, async_decode="on", **config)
+    want = _drive(sync, reqs, 100)
+    got = _drive(overlap, reqs, 100)
+    _assert_same(want, got)
+    assert overlap.stats()["preemptions_total"] > 0 and overlap.stats()["decode_steps_ahead_total"] > 0
+    _assert_pool_empty(overlap)
+
+
+def test_overlapped_decode_with_prefix_caching(make_engine):
+    """Prefix caching on: requests finishing with a step in flight register their pages (the
+    token fed by the discarded row included); a second round with the same prompts reuses
+    them and gives the same outputs as the step-by-step engine."""
+    config = dict(num_pages=200, page_size=2, max_num_seqs=8, prefix_caching=True)
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    reqs = _requests(sync, 7, 12)
+    for engine in (sync, overlap):
+        engine._round = [_drive(engine, reqs, 3)]
+    again = [GenerationRequest(prompt_token_ids=list(r.prompt_token_ids), adapter=r.adapter, sampling=r.sampling,
+                               request_id=r.request_id + "x") for r in reqs]
+    for engine in (sync, overlap):
+        engine._round.append(_drive(engine, again, 100))
+    for a, b in zip(sync._round, overlap._round):
+        _assert_same(a, b)
+    assert overlap.stats()["prefix_cache_hits_total"] > 0
+    for engine in (sync, overlap):
+        engine.pool.check()
+        assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_async_decode_setting_is_checked():
+    from lightning_lorafusion.serving import EngineConfig
+    from lightning_lorafusion.specs import ConfigError
+
+    with pytest.raises(ConfigError, match="async_decode"):
+        EngineConfig(async_decode="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies, events, CUDA graphs")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_overlapped_decode_on_a_gpu_with_graphs(make_engine, seed):
+    """On a GPU (fp32, Triton kernels, decode CUDA graphs): the step ahead replays the graph fed
+    by a device-to-device token copy, its inputs come from the pinned mirrors in turn, the
+    running step's tokens reach the host by a pinned copy and an event; outputs equal the
+    step-by-step engine's, with stops mid-batch."""
+    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False, backend="triton",
+                  cuda_graphs="on")
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    assert overlap.runner.graphs is not None and overlap.device.type == "cuda"
+    reqs = _requests(sync, seed, 18)
+    _assert_same(_drive(sync, reqs, 4), _drive(overlap, reqs, 4))
+    assert overlap.stats()["decode_steps_ahead_total"] > 0
+    _assert_pool_empty(overlap)
