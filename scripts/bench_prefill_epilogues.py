@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from lightning_lorafusion.kernels import lora_epilogues as epi
 from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, rope_write_kv_reference, swiglu
 
 SHAPES = {"8b": dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128),
@@ -57,6 +58,8 @@ def bench_swiglu(shape: dict, rows: int, reps: int, dtype) -> list[dict]:
             ms = timed(lambda: swiglu(g, u, block_n=block_n, num_warps=warps), reps)
             out.append({"kernel": "swiglu", "rows": rows, "config": f"block_n={block_n} warps={warps}", "ms": ms,
                         "tb_s": moved / ms / 1e9})
+    ms = timed(lambda: swiglu(g, u), reps)
+    out.append({"kernel": "swiglu", "rows": rows, "config": "default", "ms": ms, "tb_s": moved / ms / 1e9})
     ms = timed(lambda: torch.nn.functional.silu(g) * u, reps)
     out.append({"kernel": "swiglu", "rows": rows, "config": "torch silu(g) * u", "ms": ms, "tb_s": moved / ms / 1e9})
     return out
@@ -85,16 +88,22 @@ def bench_rope(shape: dict, rows: int, reps: int, dtype) -> list[dict]:
     # q and k read and written, v read, k and v written to the pool; cos and sin read
     moved = rows * d * qkv.element_size() * (2 * hq + 2 * hkv + hkv + 2 * hkv + 2)
     out = []
-    for warps in (1, 2, 4):
-        t, pool = qkv.clone(), kv.clone()
-        rope_write_kv(*views(t), cos, sin, pool, 0, slot_pages, slot_offsets, num_warps=warps)
-        torch.testing.assert_close(t, ref_in, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(pool, ref_kv, rtol=2e-2, atol=2e-2)
-        work = qkv.clone()
-        ms = timed(lambda: rope_write_kv(*views(work), cos, sin, kv, 0, slot_pages, slot_offsets, num_warps=warps),
-                   reps)
-        out.append({"kernel": "rope_write_kv", "rows": rows, "config": f"warps={warps}", "ms": ms,
-                    "tb_s": moved / ms / 1e9})
+    # (label, program per row from this many rows, its warps): the per-(row, head) kernel, then
+    # the per-row kernel at several warp counts
+    settings = [("per head, warps=4", 10**9, 4)] + [(f"per row, warps={w}", 1, w) for w in (2, 4, 8)]
+    saved = epi.ROPE_ROWS_KERNEL_MIN_ROWS, epi.ROPE_ROWS_WARPS
+    try:
+        for label, min_rows, warps in settings:
+            epi.ROPE_ROWS_KERNEL_MIN_ROWS, epi.ROPE_ROWS_WARPS = min_rows, warps
+            t, pool = qkv.clone(), kv.clone()
+            rope_write_kv(*views(t), cos, sin, pool, 0, slot_pages, slot_offsets)
+            torch.testing.assert_close(t, ref_in, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(pool, ref_kv, rtol=2e-2, atol=2e-2)
+            work = qkv.clone()
+            ms = timed(lambda: rope_write_kv(*views(work), cos, sin, kv, 0, slot_pages, slot_offsets), reps)
+            out.append({"kernel": "rope_write_kv", "rows": rows, "config": label, "ms": ms, "tb_s": moved / ms / 1e9})
+    finally:
+        epi.ROPE_ROWS_KERNEL_MIN_ROWS, epi.ROPE_ROWS_WARPS = saved
     return out
 
 

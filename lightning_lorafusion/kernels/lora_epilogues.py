@@ -25,6 +25,10 @@ from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lor
 from .paged_attention import _check_pool, write_kv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# rows without LoRA in one rope_write_kv launch from which a program handles a whole row (all
+# heads) instead of one head; module-level so tests and benchmarks can move it
+ROPE_ROWS_KERNEL_MIN_ROWS = 64
+ROPE_ROWS_WARPS = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,13 +76,14 @@ def _rope_kv_kernel(
     cos_ptr, sin_ptr, cs_stride,
     kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
+    row0,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
 ):
-    """Program (row, head): head < HQ is query head ``head`` (LoRA, RoPE, in place); otherwise
-    kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value (LoRA, in
-    place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``."""
-    row = tl.program_id(0)
+    """Program (row0 + i, head): head < HQ is query head ``head`` (LoRA, RoPE, in place);
+    otherwise kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value
+    (LoRA, in place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``."""
+    row = row0 + tl.program_id(0)
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -123,15 +128,62 @@ def _rope_kv_kernel(
 
 
 @triton.jit
+def _rope_kv_rows_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+    cos_ptr, sin_ptr, cs_stride,
+    kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh, row0,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """``_rope_kv_kernel`` without LoRA, a program per row (every head as one tile): for the
+    rows of a prefill, where a program per (row, head) moves 128 elements and launches are what
+    cost. The same arithmetic per element, so the same bits."""
+    row = row0 + tl.program_id(0)
+    row64 = row.to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    ok = offs < HALF
+    cos1 = tl.load(cos_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    hq = tl.arange(0, BLOCK_HQ)
+    q_ok = (hq < HQ)[:, None] & ok[None, :]
+    base = q_ptr + row64 * q_stride + hq[:, None] * q_hstride + offs[None, :]
+    x1 = tl.load(base, mask=q_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(base, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=q_ok)
+    tl.store(base + HALF, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=q_ok)
+    hk = tl.arange(0, BLOCK_HKV)
+    k_ok = (hk < HKV)[:, None] & ok[None, :]
+    slot = (kv_ptr + tl.load(page_ptr + row).to(tl.int64) * kv_sp + tl.load(slot_ptr + row).to(tl.int64) * kv_ss
+            + hk[:, None] * kv_sh + offs[None, :])
+    base = k_ptr + row64 * k_stride + hk[:, None] * k_hstride + offs[None, :]
+    x1 = tl.load(base, mask=k_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=k_ok, other=0.0).to(tl.float32)
+    k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
+    k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
+    tl.store(base, k1, mask=k_ok)
+    tl.store(base + HALF, k2, mask=k_ok)
+    tl.store(slot, k1.to(kv_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(slot + HALF, k2.to(kv_ptr.dtype.element_ty), mask=k_ok)
+    base = v_ptr + row64 * v_stride + hk[:, None] * v_hstride + offs[None, :]
+    v1 = tl.load(base, mask=k_ok, other=0.0)
+    v2 = tl.load(base + HALF, mask=k_ok, other=0.0)
+    tl.store(slot + kv_skv, v1.to(kv_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(slot + kv_skv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
 def _swiglu_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
+    row0,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[row, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype first;
-    silu rounded before the product, as the eager ops do."""
-    row = tl.program_id(0)
+    """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
+    first; silu rounded before the product, as the eager ops do."""
+    row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
@@ -242,12 +294,29 @@ def _resolve(backend: str, t: torch.Tensor) -> str:
     return ("triton" if t.is_cuda else "torch") if backend == "auto" else backend
 
 
+_NO_LORA_META = {"HAS_LORA": False, "MAX_R": MAX_RANK, "BLOCK_R": 16, "BLOCK_KB": 1}
+
+
+def _no_lora_args(ref: torch.Tensor) -> tuple:
+    return (ref, ref, ref, ref, ref, 0, 0, 1, 0, 0)
+
+
+def _row_launches(t: int, lora: GatheredLora | None) -> list[tuple[int, int, bool]]:
+    """(first row, rows, with LoRA) per launch over ``t`` rows: the LoRA variant only over the
+    gathered rows ``[first_row, first_row + B)`` (a padded step's decode rows), the plain one
+    (wider blocks, no per-row table reads) over the rows before and after them (its prefill
+    rows and padding), so a prefill of thousands of rows does not run the LoRA variant."""
+    if lora is None:
+        return [(0, t, False)]
+    a, b = lora.first_row, lora.first_row + lora.ranks.shape[1]
+    return [(r0, n, with_lora) for r0, n, with_lora in ((0, a, False), (a, b - a, True), (b, t - b, False)) if n > 0]
+
+
 def _lora_args(lora: GatheredLora | None, ref: torch.Tensor, block_k: int | None, block_r: int | None,
                num_warps: int):
     """The LoRA half of a kernel's arguments (shrink launched first), or inert stand-ins."""
     if lora is None:
-        return (ref, ref, ref, ref, ref, 0, 0, 1, 0, 0), {"HAS_LORA": False, "MAX_R": MAX_RANK, "BLOCK_R": 16,
-                                                          "BLOCK_KB": 1}
+        return _no_lora_args(ref), dict(_NO_LORA_META)
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
@@ -278,11 +347,22 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
     kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D]: the pointer carries the layer's offset
     sp, skv, ss, sh, _ = kv_layer.stride()
     lora_args, lora_meta = _lora_args(lora, q, block_k, block_r, num_warps)
-    _rope_kv_kernel[(t, hq + hkv)](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
-        cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *lora_args,
-        HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2), **lora_meta, num_warps=num_warps,
-    )
+    half, block_half = d // 2, triton.next_power_of_2(d // 2)
+    for row0, rows, with_lora in _row_launches(t, lora):
+        if not with_lora and rows >= ROPE_ROWS_KERNEL_MIN_ROWS:  # a prefill's rows: a program per row
+            _rope_kv_rows_kernel[(rows,)](
+                q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
+                cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, row0,
+                HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
+                BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=block_half, num_warps=ROPE_ROWS_WARPS,
+            )
+            continue
+        args, meta = (lora_args, lora_meta) if with_lora else (_no_lora_args(q), _NO_LORA_META)
+        _rope_kv_kernel[(rows, hq + hkv)](
+            q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
+            cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
+            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **meta, num_warps=num_warps,
+        )
     return None
 
 
@@ -300,10 +380,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     if t == 0:
         return out
-    block_n = block_n or ((256 if lora is not None else 1024) if gate.is_cuda else 32)
     lora_args, lora_meta = _lora_args(lora, gate, block_k, block_r, num_warps)
-    _swiglu_kernel[(t, triton.cdiv(n, block_n))](
-        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *lora_args, **lora_meta,
-        BLOCK_N=block_n, num_warps=num_warps,
-    )
+    for row0, rows, with_lora in _row_launches(t, lora):
+        args, meta = (lora_args, lora_meta) if with_lora else (_no_lora_args(gate), _NO_LORA_META)
+        # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any swept at 4,096 and 16,384
+        # rows of the 8B shape (bench_prefill_epilogues.py: 1.7x (1024, 4) at 4,096; level at 16,384)
+        bn, warps = block_n, num_warps
+        if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
+            bn, warps = 2048, 8
+        bn = bn or ((256 if with_lora else 1024) if gate.is_cuda else 32)
+        _swiglu_kernel[(rows, triton.cdiv(n, bn))](
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
+            BLOCK_N=bn, num_warps=warps,
+        )
     return out

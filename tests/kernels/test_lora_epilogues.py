@@ -67,17 +67,20 @@ def lora_delta64(lora, factors, g, width):
     return out
 
 
-SHAPES = {  # name: (tokens, Hq, Hkv, head_dim, hidden K, first_row)
-    "decode": (5, 4, 2, 8, 47, 0),
-    "mixed_rows_odd_half": (7, 6, 2, 6, 33, 3),
-    "mha": (3, 2, 2, 16, 20, 1),
+SHAPES = {  # name: (tokens, Hq, Hkv, head_dim, hidden K, first_row, rows after the LoRA rows)
+    "decode": (5, 4, 2, 8, 47, 0, 0),
+    "mixed_rows_odd_half": (7, 6, 2, 6, 33, 3, 0),
+    "mha": (3, 2, 2, 16, 20, 1, 0),
+    # decode rows first, then rows without LoRA (a padded step's prefill rows): two launches
+    "decode_rows_first": (7, 4, 2, 8, 24, 0, 4),
+    "lora_rows_in_the_middle": (8, 4, 2, 8, 24, 2, 3),
 }
 # adapter -> ranks of (q, k, v): one targets only q and v, one has a rank of several blocks
 QKV_RANKS = [(4, 4, 4), (3, 0, 5), (20, 20, 2)]
 
 
 def make_rope_case(name, dtype, device, with_lora, fused, seed=0):
-    t, hq, hkv, d, k, first = SHAPES[name]
+    t, hq, hkv, d, k, first, after = SHAPES[name]
     gen = torch.Generator().manual_seed(seed + 11)
     widths = (hq * d, hkv * d, hkv * d)
     if fused:  # views of one q|k|v GEMM output, as the engine's fused projection gives them
@@ -95,7 +98,8 @@ def make_rope_case(name, dtype, device, with_lora, fused, seed=0):
     slot_pages, slot_offsets = (slots // page_size).to(device), (slots % page_size).to(device)
     lora = factors = None
     if with_lora:
-        lora, factors = make_group(k, widths, QKV_RANKS, t - first, dtype, device, first_row=first, seed=seed)
+        lora, factors = make_group(k, widths, QKV_RANKS, t - first - after, dtype, device, first_row=first,
+                                   seed=seed)
     return dict(q=q, k=k_, v=v, cos=cos.to(device), sin=sin.to(device), kv_pool=pool, layer=1, slot_pages=slot_pages,
                 slot_offsets=slot_offsets, lora=lora), factors
 
@@ -151,6 +155,26 @@ def test_rope_triton_matches_reference(device, dtype, shape, with_lora, fused):
         assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
     if not with_lora:
         assert torch.equal(got["v"], case["v"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("with_lora", [True, False])
+def test_rope_rows_kernel_gives_the_per_head_kernels_bits(device, dtype, shape, with_lora, monkeypatch):
+    """The rows without LoRA through the program-per-row kernel (from 1 row) and through the
+    program-per-(row, head) one (never): the same q, k, v and pool, bit for bit (odd head
+    counts, half head dims that are not powers of two, LoRA rows before, between and after)."""
+    import lightning_lorafusion.kernels.lora_epilogues as epi
+
+    case, _ = make_rope_case(shape, dtype, device, with_lora, True)
+    outs = []
+    for threshold in (1, 10**9):
+        monkeypatch.setattr(epi, "ROPE_ROWS_KERNEL_MIN_ROWS", threshold)
+        got = clone_case(case)
+        rope_write_kv(**got, backend="triton")
+        outs.append(got)
+    for name in ("q", "k", "v", "kv_pool"):
+        assert torch.equal(outs[0][name], outs[1][name]), name
 
 
 def test_rope_triton_shrink_blocks_and_rank_above_max(device):
