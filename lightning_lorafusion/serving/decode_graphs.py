@@ -92,13 +92,14 @@ class DecodeInputs:
         further than at the previous call, which had the same rows in the same order (a
         decode-only step after a decode-only step): positions are advanced and only rows that
         entered a new page look their page up (no per-row Python otherwise). ``token_tensor``
-        (``[len(decode)]`` on the device): the same, with the tokens not yet on the host (the
-        previous step sampled them and may still be running): copied on the device."""
+        (``[len(decode)]`` on the device): the rows' newest tokens not yet on the host (the
+        previous step sampled them and may still be running; the engine's overlapped decode):
+        copied on the device; each row's state then lacks that token, so its position is
+        ``num_tokens``, not ``num_tokens - 1``."""
         s, b = self.page_size, len(decode)
         same = (rows == self._step_bucket and len(self._step_rows) == b
                 and all(map(operator.is_, decode, self._step_rows)))
-        if token_tensor is not None and not same:
-            raise RuntimeError("DecodeInputs.load_step: tokens on the device need the previous step's rows")
+        ahead = token_tensor is not None
         previous = self._host
         if len(self._mirrors) > 1:  # the other pinned mirror, starting from what the last step was given
             self._mirror ^= 1
@@ -116,18 +117,16 @@ class DecodeInputs:
         else:
             tokens, positions, pages = [], [], []
             for st in decode:
-                p = st.num_tokens - 1
-                tokens.append(st.last_token)
+                p = st.num_tokens - 1 + ahead
+                tokens.append(0 if ahead else st.last_token)  # (ahead: written on the device below)
                 positions.append(p)
                 pages.append(st.pages[p // s])
             host[0, :b], host[1, :b], host[2, :b] = tokens, positions, pages
             host[:2, b:rows] = 0
             host[2, b:rows] = self.scratch_page
             self._step_rows, self._step_bucket = list(decode), rows
-        if token_tensor is None:
-            self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
-        else:  # positions and pages from the host, tokens from the device (host[0, :b] is stale)
-            self.step[1:, :rows].copy_(self._host_tensor[1:, :rows], non_blocking=True)
+        self.step[:, :rows].copy_(self._host_tensor[:, :rows], non_blocking=True)
+        if ahead:  # then the rows' tokens from the device (host[0, :b] is stale)
             self.step[0, :b].copy_(token_tensor)
 
     def forget_step(self) -> None:

@@ -577,13 +577,18 @@ class Engine:
             logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
         elif running is not None:  # decode only, fed the running step's tokens on the device
             seqs = plan.decode
-            logits = self.runner.decode_logits(seqs, token_tensor=running.tokens)
+            fed = running.tokens
+            if len(seqs) != len(running.seqs):  # rows that end with the running step left out
+                ids = set(map(id, seqs))
+                keep = [i for i, st in enumerate(running.seqs) if id(st) in ids]
+                fed = fed.index_select(0, torch.tensor(keep, pin_memory=fed.is_cuda).to(fed.device, non_blocking=True))
+            logits = self.runner.decode_logits(seqs, token_tensor=fed)
         else:  # decode only: a CUDA graph replay where captured
             seqs = plan.decode
             # the previous step sampled these very rows: their tokens are the inputs
             same = last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, seqs, last[0]))
             logits = self.runner.decode_logits(seqs, last[1] if same else None)
-        rows = self._sampled_rows(seqs)
+        rows = self._sampled_rows(seqs, ahead=running is not None)
         adjust = rows.adjust
         # finite: no NaN / +inf in the row's logits (read off the argmax's pass; a bias or penalty
         # keeps NaN and inf as they are)
@@ -614,12 +619,15 @@ class Engine:
             self._last_sampled = (launched.seqs, tokens)
         self._emit(launched.seqs, tokens, launched.rows, chosen, top_vals, top_ids, events)
 
-    def _sampled_rows(self, seqs: list[RequestState]) -> "_SampledRows":
+    def _sampled_rows(self, seqs: list[RequestState], ahead: bool = False) -> "_SampledRows":
         """What sampling needs of ``seqs``, reused while the batch keeps the same requests in
-        the same order (decode steps between arrivals and finishes)."""
+        the same order (decode steps between arrivals and finishes). ``ahead``: each row has one
+        token more than its state holds (a step planned ahead; the rows are then all rows of the
+        last composition, whose device-side counts already hold that token)."""
         rows = self._rows
         if rows is None or len(rows.states) != len(seqs) or not all(map(operator.is_, seqs, rows.states)):
-            rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size, previous=rows)
+            rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size, previous=rows,
+                                             ahead=int(ahead))
         return rows
 
     def _emit(self, seqs: list[RequestState], tokens: list[int], rows: "_SampledRows", chosen: list[float] | None,
@@ -846,10 +854,10 @@ class _SampledRows:
     logprobs, their detokenizers and stop ids."""
 
     def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
-                 previous: "_SampledRows | None" = None) -> None:
+                 previous: "_SampledRows | None" = None, ahead: int = 0) -> None:
         self.states = list(states)
         self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
-                                           [len(s.output_ids) for s in states], device)
+                                           [len(s.output_ids) + ahead for s in states], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
         adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
         self.adjust = None if not adjusted else LogitAdjustments(
@@ -857,7 +865,8 @@ class _SampledRows:
             [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted],
             # keyed by the states themselves (a request id may come back for a new request;
             # ``previous`` holds its states, so no id() of theirs is reused meanwhile)
-            ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust)
+            ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust,
+            ahead=ahead)
         want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors

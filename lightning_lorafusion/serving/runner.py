@@ -205,15 +205,13 @@ class ModelRunner:
         """A step with decode rows only: each request feeds its newest token -> fp32 logits of
         its next token ``[B, V]`` (a view valid until the next step). ``next_tokens``: those
         tokens, when the previous step was a decode-only step of the same rows in the same
-        order (``DecodeInputs.load_step``); ``token_tensor``: the same tokens still on the
-        device (the previous step sampled them and may be running: the overlapped decode of
-        engine.py), which needs its KV pages unmoved since then."""
+        order (``DecodeInputs.load_step``); ``token_tensor``: the rows' newest tokens still on
+        the device, not in their states (the previous step sampled them and may be running: the
+        overlapped decode of engine.py)."""
         b = len(decode)
         rows = bucket_for(b, self.buckets) if self.pad_decode else b
         inputs = self.decode_inputs
         if inputs.load_tables(decode, self.pool.pages_moved):
-            if token_tensor is not None:
-                raise RuntimeError("decode_logits: tokens on the device need the previous step's rows and pages")
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
         inputs.load_step(decode, rows, next_tokens, token_tensor)

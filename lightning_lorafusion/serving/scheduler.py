@@ -137,24 +137,25 @@ class Scheduler:
     def plan_ahead(self, decode: list[RequestState]) -> StepPlan | None:
         """The decode-only step after the one ``decode`` (its rows, in order) is running on the
         device, planned before that step's tokens are known (the engine's overlapped decode):
-        the same rows, each one token further, when ``schedule`` would run exactly them
-        whatever those tokens are, short of one that stops its request (that row's output in
-        the planned step is discarded). None, with nothing changed, when it might not: a
-        request is running that is not in ``decode``, or one is missing (finished, aborted); a
-        queued request could be admitted (a free running slot); a row reaches its length limit
-        with the running step's token; or the rows' next KV pages are not all free without
-        eviction or preemption. Prefetch is left to the caller (a page-in may move KV pages)."""
+        its rows that the running step's token does not bring to their length limit, in order,
+        each one token further; what ``schedule`` would run once those tokens are known, short
+        of a row whose request stops on one of them (that row's output is then discarded).
+        None, with nothing changed, when it might not be: a request is running that is not in
+        ``decode``, or one is missing (finished, aborted); a queued request could be admitted
+        (a free running slot, counting the rows that end now); no row goes on; or the rows'
+        next KV pages are not all free without eviction or preemption. Prefetch is left to the
+        caller (a page-in may move KV pages)."""
         running = self.running
         if len(running) != len(decode) or not all(map(operator.is_, running, decode)):
             return None
-        if self.waiting and len(running) < self.max_num_seqs:
+        # the running step's token is the last of these rows' (length): they end when it is read
+        going_on = [state for state in decode if len(state.output_ids) + 1 < state.max_output]
+        if not going_on or (self.waiting and len(going_on) < self.max_num_seqs):
             return None
         size = self.pool.page_size
         growing: list[RequestState] = []
         counts: list[int] = []
-        for state in decode:
-            if len(state.output_ids) + 1 >= state.max_output:  # the running step's token ends it
-                return None
+        for state in going_on:
             # room for the running step's token, which this step feeds (num_tokens lacks it)
             need = -(-(state.num_tokens + 1) // size) - len(state.pages)
             if need > 0:
@@ -165,7 +166,7 @@ class Scheduler:
         for state in growing:  # as in _grow_all: its full pages' KV is computed or being written
             self.register_computed_pages(state)
         self.steps += 1
-        return StepPlan(decode=list(decode))
+        return StepPlan(decode=going_on)
 
     def prefetch(self) -> None:
         """``_prefetch`` for a step planned by ``plan_ahead``, once that step is launched."""

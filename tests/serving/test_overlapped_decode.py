@@ -43,8 +43,9 @@ def _requests(engine, seed: int, n: int) -> list[GenerationRequest]:
     return out
 
 
-def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = None, max_calls: int = 400):
-    """Submit ``requests`` a few at a time (one batch every ``arrive_every`` step calls), abort
+def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = None, max_calls: int = 400,
+           per_batch: int = 3):
+    """Submit ``requests`` ``per_batch`` at a time (one batch every ``arrive_every`` step calls), abort
     the named request at the given call, step until all ended -> request id -> (token ids,
     text, finish reason, logprobs, top logprobs) and the request ids in finishing order."""
     abort = abort or {}
@@ -63,9 +64,9 @@ def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = N
         keep[r.request_id] = None
     for call in range(max_calls):
         if call % arrive_every == 0 and pending:
-            for r in pending[:3]:
+            for r in pending[:per_batch]:
                 engine.submit(r, on_event)
-            pending = pending[3:]
+            pending = pending[per_batch:]
         if call in abort:
             engine.abort(abort[call])
         engine.step()
@@ -150,6 +151,40 @@ def test_a_stop_token_mid_batch_discards_one_row(make_engine):
     assert stats["decode_rows_discarded_total"] == 2
     # every decode step but the first and the one whose rows reach their length ran ahead
     assert stats["decode_steps_ahead_total"] >= 9
+    _assert_pool_empty(overlap)
+
+
+def test_rows_reaching_their_length_leave_the_step_planned_ahead(make_engine):
+    """Requests of six lengths decoding together: each step planned ahead leaves out the rows
+    whose last token the running step samples, so no step after the first decode step waits
+    for the host until the last row ends; the rows that go on (greedy, seeded sampling,
+    penalties with min_tokens) are rebuilt for the smaller batch one token ahead of their
+    states (draw counters, generated counts) and give the step-by-step engine's outputs."""
+    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=5),
+             dict(temperature=0.7, seed=9, repetition_penalty=1.2, min_tokens=4),
+             dict(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3), dict(temperature=1.0, seed=2),
+             dict(temperature=0.9, top_p=0.8, seed=3, min_tokens=2)]
+    reqs = [GenerationRequest(prompt_token_ids=[6 + i, 20, 33 - i], adapter=ADAPTER_CHOICES[i % 4],
+                              sampling=SamplingParams(max_new_tokens=3 + 2 * i, **kinds[i]), request_id=f"n{i}")
+            for i in range(6)]
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    want, got = _drive(sync, reqs, 100, per_batch=6), _drive(overlap, reqs, 100, per_batch=6)
+    _assert_same(want, got)
+    stats = overlap.stats()
+    if all(v[2] == "length" for v in want.values()):  # (an EOS draw would end a row early)
+        decode_steps = stats["steps_total"] - stats["prefill_steps_total"]
+        assert stats["decode_steps_ahead_total"] == decode_steps - 1
+    # every token but 0-3 stops this one once 4 are out: it must stop at its 5th exactly, also
+    # when the batch is rebuilt (n0 leaving) while its 4th token is in flight
+    edge = GenerationRequest(prompt_token_ids=[9, 14, 27], adapter="mlp8", request_id="n6", sampling=SamplingParams(
+        max_new_tokens=10, temperature=0.0, min_tokens=4, stop_token_ids=tuple(range(4, 64))))
+    reqs = [GenerationRequest(prompt_token_ids=r.prompt_token_ids, adapter=r.adapter, sampling=r.sampling,
+                              request_id=r.request_id + "b") for r in reqs] + [edge]
+    want, got = _drive(sync, reqs, 100, per_batch=7), _drive(overlap, reqs, 100, per_batch=7)
+    _assert_same(want, got)
+    assert want["n6"][2] == "stop" and len(want["n6"][0]) == 5
+    assert stats["decode_steps_ahead_total"] >= 8
     _assert_pool_empty(overlap)
 
 
