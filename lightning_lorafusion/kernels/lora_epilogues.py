@@ -383,8 +383,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     lora_args, lora_meta = _lora_args(lora, gate, block_k, block_r, num_warps)
     for row0, rows, with_lora in _row_launches(t, lora):
         args, meta = (lora_args, lora_meta) if with_lora else (_no_lora_args(gate), _NO_LORA_META)
-        # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any swept at 4,096 and 16,384
-        # rows of the 8B shape (bench_prefill_epilogues.py: 1.7x (1024, 4) at 4,096; level at 16,384)
+        # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
+        # and 16,384 rows of the 8B shape in two calls (bench_prefill_epilogues.py; BENCHMARKS.md)
         bn, warps = block_n, num_warps
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8
