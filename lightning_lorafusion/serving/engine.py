@@ -553,10 +553,10 @@ class Engine:
         return events
 
     def _run(self, plan, events: list[TokenEvent], running: "_Launched | None" = None) -> None:
-        """Run ``plan``'s forward, sample and emit; a decode-only step under the overlapped
-        decode is launched and left in ``_inflight`` instead (``_complete`` emits it).
-        ``running``: the decode-only step still on the device whose rows ``plan`` continues
-        (``Scheduler.plan_ahead``): its sampled tokens are this step's inputs."""
+        """Run ``plan``'s forward, sample and emit; under the overlapped decode the step is
+        launched and left in ``_inflight`` instead (``_complete`` emits it). ``running``: the step still on the device whose rows ``plan`` continues
+        (``Scheduler.plan_ahead``; a decode-only step, or a step with prefill rows whose
+        prefills all completed): its sampled tokens are this step's inputs."""
         last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
             batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
@@ -607,7 +607,7 @@ class Engine:
         # that request ends ("abort", logged), the others go on
         launched = _Launched(seqs, rows, tokens, torch.where(finite, tokens, -1), chosen, top_vals, top_ids,
                              self.pool.pages_moved, decode_only=not plan.prefill)
-        if self._overlap and not plan.prefill:
+        if self._overlap:
             self._inflight = launched
             return
         self._complete(launched, events)

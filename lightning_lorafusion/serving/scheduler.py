@@ -135,18 +135,21 @@ class Scheduler:
         return plan
 
     def plan_ahead(self, decode: list[RequestState]) -> StepPlan | None:
-        """The decode-only step after the one ``decode`` (its rows, in order) is running on the
-        device, planned before that step's tokens are known (the engine's overlapped decode):
-        its rows that the running step's token does not bring to their length limit, in order,
-        each one token further; what ``schedule`` would run once those tokens are known, short
-        of a row whose request stops on one of them (that row's output is then discarded).
-        None, with nothing changed, when it might not be: a request is running that is not in
-        ``decode``, or one is missing (finished, aborted); a queued request could be admitted
-        (a free running slot, counting the rows that end now); no row goes on; or the rows'
-        next KV pages are not all free without eviction or preemption. Prefetch is left to the
-        caller (a page-in may move KV pages)."""
+        """The decode-only step after the one whose sampled rows are ``decode`` (in its row
+        order) is running on the device, planned before that step's tokens are known (the
+        engine's overlapped decode): its rows that the running step's token does not bring to
+        their length limit, in ``decode``'s order, each one token further; the rows ``schedule``
+        would run once those tokens are known (in its own order), short of a row whose request
+        stops on one of them (that row's output is then discarded). The running step may be a
+        decode-only step or one whose prefills all completed. None, with nothing changed, when
+        it might not be: a running request is not in ``decode`` (a chunked prefill under way, a
+        request admitted since), or one is missing (finished, aborted); a queued request could
+        be admitted (a free running slot, counting the rows that end now); no row goes on; or
+        the rows' next KV pages are not all free without eviction or preemption. Prefetch is
+        left to the caller (a page-in may move KV pages)."""
         running = self.running
-        if len(running) != len(decode) or not all(map(operator.is_, running, decode)):
+        if len(running) != len(decode) or (not all(map(operator.is_, running, decode))
+                                           and set(map(id, running)) != set(map(id, decode))):
             return None
         # the running step's token is the last of these rows' (length): they end when it is read
         going_on = [state for state in decode if len(state.output_ids) + 1 < state.max_output]

@@ -77,7 +77,8 @@ def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = N
         engine.step()
     for r in requests:
         res = keep.pop(r.request_id)
-        results[r.request_id] = (res.token_ids, res.text, res.finish_reason, res.logprobs, res.top_logprobs)
+        results[r.request_id] = (res.token_ids, res.text, res.finish_reason, res.logprobs, res.top_logprobs,
+                                 res.prompt_logprobs)
         # the stream carries the result: every token (the stop token too) and the text in pieces
         tokens = [t for t, _ in streams[r.request_id] if t is not None]
         assert tokens == list(res.token_ids) and "".join(x for _, x in streams[r.request_id]) == res.text
@@ -87,9 +88,14 @@ def _drive(engine, requests, arrive_every: int, abort: dict[int, str] | None = N
 def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for rid in a:
-        ids, text, reason, lps, tops = a[rid]
-        ids2, text2, reason2, lps2, tops2 = b[rid]
+        ids, text, reason, lps, tops, prompt_lps = a[rid]
+        ids2, text2, reason2, lps2, tops2, prompt_lps2 = b[rid]
         assert (ids, text, reason) == (ids2, text2, reason2), rid
+        if prompt_lps is None:
+            assert prompt_lps2 is None
+        else:
+            assert prompt_lps2[0] is prompt_lps[0] is None
+            assert prompt_lps2[1:] == pytest.approx(prompt_lps[1:], rel=1e-5, abs=1e-6), rid
         if lps is None:
             assert lps2 is None
         else:
@@ -156,8 +162,8 @@ def test_a_stop_token_mid_batch_discards_one_row(make_engine):
 
 def test_rows_reaching_their_length_leave_the_step_planned_ahead(make_engine):
     """Requests of six lengths decoding together: each step planned ahead leaves out the rows
-    whose last token the running step samples, so no step after the first decode step waits
-    for the host until the last row ends; the rows that go on (greedy, seeded sampling,
+    whose last token the running step samples, so no decode step waits for the host (the
+    first is planned while the prefill step runs) until the last row ends; the rows that go on (greedy, seeded sampling,
     penalties with min_tokens) are rebuilt for the smaller batch one token ahead of their
     states (draw counters, generated counts) and give the step-by-step engine's outputs."""
     config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False)
@@ -174,7 +180,7 @@ def test_rows_reaching_their_length_leave_the_step_planned_ahead(make_engine):
     stats = overlap.stats()
     if all(v[2] == "length" for v in want.values()):  # (an EOS draw would end a row early)
         decode_steps = stats["steps_total"] - stats["prefill_steps_total"]
-        assert stats["decode_steps_ahead_total"] == decode_steps - 1
+        assert stats["decode_steps_ahead_total"] == decode_steps  # the first one after the prefill too
     # every token but 0-3 stops this one once 4 are out: it must stop at its 5th exactly, also
     # when the batch is rebuilt (n0 leaving) while its 4th token is in flight
     edge = GenerationRequest(prompt_token_ids=[9, 14, 27], adapter="mlp8", request_id="n6", sampling=SamplingParams(
@@ -186,6 +192,52 @@ def test_rows_reaching_their_length_leave_the_step_planned_ahead(make_engine):
     assert want["n6"][2] == "stop" and len(want["n6"][0]) == 5
     assert stats["decode_steps_ahead_total"] >= 8
     _assert_pool_empty(overlap)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_overlapped_decode_with_chunked_prefill_and_prompt_logprobs(make_engine, seed):
+    """Chunked prefill under a small token budget (a step whose prefill chunk leaves tokens for
+    later is read before the next is planned), prompt logprobs on some requests, and steps
+    with prefill rows left running (the next decode step planned ahead over their rows, in
+    their order): the step-by-step engine's outputs."""
+    config = dict(num_pages=200, page_size=4, max_num_seqs=8, prefix_caching=False, enable_chunked_prefill=True,
+                  max_num_batched_tokens=12)
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    reqs = _requests(sync, seed, 14)
+    reqs = [GenerationRequest(prompt_token_ids=list(r.prompt_token_ids) * 2, adapter=r.adapter, request_id=r.request_id,
+                              sampling=SamplingParams(**{**_fields(r.sampling), "prompt_logprobs": 2 if i % 5 == 0
+                                                         else None}))
+            for i, r in enumerate(reqs)]
+    want, got = _drive(sync, reqs, 3), _drive(overlap, reqs, 3)
+    _assert_same(want, got)
+    stats = overlap.stats()
+    assert stats["prefill_chunks_total"] > 0 and stats["decode_steps_ahead_total"] > 0
+    assert any(v[5] is not None for v in want.values())
+    _assert_pool_empty(overlap)
+
+
+def test_the_step_after_a_mixed_step_is_planned_ahead(make_engine):
+    """Three requests decode; a fourth arrives and is prefilled beside them (its row sampled
+    first, theirs after): the decode step after that mixed step is planned while it runs, over
+    its rows in its order (not the scheduler's), and so is every other decode step; outputs
+    equal the step-by-step engine's."""
+    config = dict(num_pages=200, page_size=4, max_num_seqs=8, prefix_caching=False)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_token_ids=[4 + 7 * i, 11, 25 + i], adapter=ADAPTER_CHOICES[i], sampling=sp,
+                              request_id=f"m{i}") for i in range(4)]
+    sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    want, got = _drive(sync, reqs, 5), _drive(overlap, reqs, 5)  # three at call 0, the fourth at call 5
+    _assert_same(want, got)
+    stats = overlap.stats()
+    assert stats["prefill_steps_total"] == 2
+    assert stats["decode_steps_ahead_total"] == stats["steps_total"] - stats["prefill_steps_total"]
+    _assert_pool_empty(overlap)
+
+
+def _fields(sp: SamplingParams) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(sp, f.name) for f in dataclasses.fields(sp)}
 
 
 def test_a_request_aborted_with_its_step_in_flight(make_engine):
