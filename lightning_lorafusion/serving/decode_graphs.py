@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..capture import gc_paused
 from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
 
@@ -225,7 +226,8 @@ class DecodeGraphs:
                 self._run(rows, lora)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread-local: another engine's thread in this process may use the GPU meanwhile
+                with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self._run(rows, lora)
                 pool = graph.pool() if pool is None else pool
                 self._graphs[(rows, lora)] = graph

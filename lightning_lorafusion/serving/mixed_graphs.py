@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..capture import gc_paused
 from ..kernels.rms_norm import add_rms_norm
 from ..model.decoder import embed, rope_cos_sin
 from ..specs import ALL_TARGET_MODULES
@@ -115,7 +116,7 @@ class MixedPieces:
                 graph = torch.cuda.CUDAGraph()
                 # captured mid-run (the first step of its key): other threads of the engine may
                 # use the GPU meanwhile, which the default ("global") mode turns into an error
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.piece(i)
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..capture import gc_paused
 from ..data.microbatch import Microbatch
 from ..kernels.static_routing import StaticLaunchTables, StaticTableError
 from ..model.decoder import DecoderConfig, decoder_layers, embed, head_loss_sums
@@ -298,7 +299,7 @@ class TrainingGraphs:
         graph = torch.cuda.CUDAGraph()
         tables.freeze()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            with gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 out = self._run_static(key, inputs, tables)
         except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly
             self.disabled = f"capture failed: {type(e).__name__}: {e}"
