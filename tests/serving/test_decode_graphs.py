@@ -41,7 +41,8 @@ def test_cuda_graphs_on_without_cuda_is_refused(make_engine):
 
 def _decode_ready(engine, cases):
     """Submit ``cases``, run their prefill step and schedule the next (a decode-only step, its
-    pages taken); -> the decode rows."""
+    pages taken); -> the decode rows. The engine must read each step before the next call
+    (``async_decode`` off): the prefill step's tokens are on the host then."""
     for r in _requests(cases):
         engine.submit(r)
     engine.step()
@@ -133,9 +134,10 @@ def test_graph_replay_equals_eager_decode(model_dir, adapter_dirs, hf_reference)
     generations with graphs on equal graphs off and HF + PEFT's greedy tokens."""
     from lightning_lorafusion.serving import Engine
 
-    def engine(graphs):
+    def engine(graphs):  # read after each step (``_decode_ready`` plans the decode step itself)
         return Engine.from_pretrained(str(model_dir), adapter_dirs, EngineConfig(
-            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs), device="cuda", dtype=torch.float32)
+            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs, async_decode="off"), device="cuda",
+            dtype=torch.float32)
 
     on, off = engine("on"), engine("off")
     assert on.runner.graphs is not None and off.runner.graphs is None
