@@ -143,8 +143,9 @@ class Engine:
         self._token_texts: dict[int, str] = {}
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0, "prefill_steps_total": 0, "step_rows_total": 0,
-                          # host seconds inside steps that ran a forward (each ends when its sampled
-                          # tokens reach the host, so this is the device's busy time too); wall time
+                          # host seconds inside steps that ran a forward (each ends when the tokens
+                          # it emits reach the host: its own, or with the overlapped decode the
+                          # previous step's, so this is about the device's busy time too); wall time
                           # minus this is time the engine had nothing to run
                           "step_seconds_total": 0.0, "prefill_step_seconds_total": 0.0,
                           # arrival at the engine to the first generated token, summed over requests
