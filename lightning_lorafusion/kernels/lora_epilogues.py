@@ -317,7 +317,7 @@ def _lora_args(lora: GatheredLora | None, ref: torch.Tensor, block_k: int | None
     """The LoRA half of a kernel's arguments (shrink launched first), or inert stand-ins."""
     if lora is None:
         return _no_lora_args(ref), dict(_NO_LORA_META)
-    part, k_blocks = lora.shrunk or lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
             lora.b_offsets.stride(0), lora.ranks.stride(0))

@@ -279,9 +279,6 @@ class GatheredLora:
     ranks: torch.Tensor
     scales: torch.Tensor
     first_row: int = 0
-    # (part, k_blocks) of ``lora_shrink`` when it already ran (e.g. on a side stream, beside the
-    # group's frozen GEMM): the epilogue launchers then use it instead of launching the shrink
-    shrunk: tuple[torch.Tensor, int] | None = None
 
     @property
     def num_projections(self) -> int:
@@ -335,7 +332,7 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
 
 
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
-                num_warps: int = 4, part: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                num_warps: int = 4) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
     ``lora_delta``; entries past a row's rank are never written nor read)."""
@@ -347,11 +344,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     k = x.shape[1]
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     k_blocks = triton.cdiv(k, block_k)
-    size = max(g * rows * k_blocks * MAX_RANK, 1)
-    if part is None:
-        part = torch.empty(size, dtype=torch.float32, device=x.device)
-    elif part.numel() < size or part.dtype != torch.float32 or not part.is_contiguous():
-        raise ValueError(f"part must be a contiguous fp32 buffer of at least {size} elements")
+    part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
     if rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),

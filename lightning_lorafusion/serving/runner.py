@@ -28,8 +28,6 @@ over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``l
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 
 from ..kernels.fp8_linear import frozen_projections
 from ..kernels.lora_epilogues import rope_write_kv, swiglu
-from ..kernels.lora_gather import MAX_RANK, GatheredLora, lora_gather, lora_shrink, shrink_blocks
+from ..kernels.lora_gather import GatheredLora, lora_gather
 from ..kernels.lora_segments import SegmentLora, block_r_for, segment_lora_add, segment_tiles
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.paged_prefill import paged_prefill_attention
@@ -182,11 +180,6 @@ class ModelRunner:
         self._mixed: dict[tuple[int, int], MixedPieces] = {}
         self.graphs: DecodeGraphs | None = None
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
-        # experiment (off by default): the decode rows' q/k/v and gate/up LoRA shrinks on a side
-        # stream, beside the group's frozen GEMM (both read only x); set before capturing graphs
-        self.shrink_stream: torch.cuda.Stream | None = None
-        if os.environ.get("LORAFUSION_DECODE_SHRINK_STREAM") == "1" and self.device.type == "cuda":
-            self.shrink_stream = torch.cuda.Stream(self.device)
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -469,32 +462,13 @@ class ModelRunner:
         cfg, kb = self.config, self.kernel_backend
         t = h.shape[0]
         x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
-        lora, joined = self._shrink_aside(self._gathered(x, layer, _QKV, batch))
         q, k, v = self._projections(x, lp, _QKV, layer, batch)
-        joined()
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
         rope_write_kv(q, k, v, cos, sin, self.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
-                      lora=lora, backend=kb)
+                      lora=self._gathered(x, layer, _QKV, batch), backend=kb)
         return q, k, v
-
-    def _shrink_aside(self, lora: GatheredLora | None):
-        """With ``shrink_stream`` set (CUDA, Triton): launch ``lora``'s shrink on it, after what
-        the current stream has queued (x); -> (``lora`` carrying the shrink's output, a
-        function that makes the current stream wait for the shrink). Else (``lora``, no-op)."""
-        side = self.shrink_stream
-        if lora is None or side is None or self.kernel_backend != "triton":
-            return lora, _no_wait
-        main = torch.cuda.current_stream(self.device)
-        g, rows = lora.ranks.shape
-        k_blocks = -(-lora.x.shape[1] // shrink_blocks(self.device)[0])
-        # allocated on the current stream, which reads it after waiting for the side stream
-        part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shrunk = lora_shrink(lora, part=part)
-        return dataclasses.replace(lora, shrunk=shrunk), lambda: main.wait_stream(side)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    batch: StepBatch) -> torch.Tensor:
@@ -538,10 +512,8 @@ class ModelRunner:
         (o,) = self._projections(attn, lp, _O, layer, batch)
         self._gather_into(attn, o, layer, "o_proj", batch)
         x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
-        lora, joined = self._shrink_aside(self._gathered(x, layer, _GATE_UP, batch))
         g, u = self._projections(x, lp, _GATE_UP, layer, batch)
-        joined()
-        act = swiglu(g, u, lora=lora, backend=kb)
+        act = swiglu(g, u, lora=self._gathered(x, layer, _GATE_UP, batch), backend=kb)
         (down,) = self._projections(act, lp, _DOWN, layer, batch)
         self._gather_into(act, down, layer, "down_proj", batch)
         return down
@@ -582,7 +554,3 @@ class ModelRunner:
         lora_gather(x[ds:ds + b], self.pool.storage, batch.decode_offsets[layer, m, 0],
                     batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales, y.shape[1],
                     out=y[ds:ds + b], backend=self.kernel_backend)
-
-
-def _no_wait() -> None:
-    """``ModelRunner._shrink_aside``'s join when nothing ran aside."""

@@ -317,22 +317,3 @@ def test_overlapped_decode_on_a_gpu_with_graphs(make_engine, seed):
     _assert_same(_drive(sync, reqs, 4), _drive(overlap, reqs, 4))
     assert overlap.stats()["decode_steps_ahead_total"] > 0
     _assert_pool_empty(overlap)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a second CUDA stream")
-def test_decode_shrinks_on_a_side_stream_give_the_same_bits(make_engine, monkeypatch):
-    """The experiment ``LORAFUSION_DECODE_SHRINK_STREAM=1`` (q/k/v and gate/up LoRA shrinks of
-    the decode rows on a side stream, beside the frozen GEMMs, in the captured graphs): the
-    same kernels on the same inputs, so the same tokens and logprobs, bit for bit."""
-    config = dict(num_pages=160, page_size=4, max_num_seqs=8, prefix_caching=False, backend="triton",
-                  cuda_graphs="on", async_decode="off")
-    plain = make_engine(**config)
-    monkeypatch.setenv("LORAFUSION_DECODE_SHRINK_STREAM", "1")
-    aside = make_engine(**config)
-    assert aside.runner.shrink_stream is not None and plain.runner.shrink_stream is None
-    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-    reqs = [GenerationRequest(prompt_token_ids=[5 + i, 9, 17 + i], adapter=ADAPTER_CHOICES[i % 4], sampling=sp,
-                              request_id=f"x{i}") for i in range(6)]
-    want, got = plain.generate(reqs), aside.generate(reqs)
-    for a, b in zip(want, got):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

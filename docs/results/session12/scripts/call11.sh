@@ -1,4 +1,5 @@
 #!/bin/bash
+# The experiment's code was removed after this call (rejected: no gain); commit 7b7bf08 holds it.
 # session 12 device call 11 (issue 12): an experiment, the decode rows' q/k/v and gate/up LoRA
 # shrinks on a side stream beside the frozen GEMMs (LORAFUSION_DECODE_SHRINK_STREAM=1, captured in
 # the decode graphs). GPU test (same bits), then the 8B setting off, on, on, off and 1B on, off.
