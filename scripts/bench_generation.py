@@ -279,32 +279,18 @@ def step_time(engine: Engine, requests, steps: int, device) -> dict:
     ids = [engine.submit(r) for r in requests]
     while engine.stats()["waiting"]:
         engine.step()
-    if engine._overlap:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(device)
-        wall = time.perf_counter() - t0
-        running = engine.stats()["running"]
-        for rid in ids:
-            engine.abort(rid)
-        while engine._has_work():
-            engine.step()
-        return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
-                "forward_ms": None, "decode_tok_per_s": running * steps / wall,
-                "steps_ahead": engine.stats()["decode_steps_ahead_total"]}
-    forward = [0.0]
-    decode_logits = engine.runner.decode_logits
+    forward = None if engine._overlap else [0.0]
+    if forward is not None:
+        decode_logits = engine.runner.decode_logits
 
-    def timed(decode, next_tokens=None):
-        t = time.perf_counter()
-        out = decode_logits(decode, next_tokens)
-        sync(device)
-        forward[0] += time.perf_counter() - t
-        return out
+        def timed(decode, next_tokens=None):
+            t = time.perf_counter()
+            out = decode_logits(decode, next_tokens)
+            sync(device)
+            forward[0] += time.perf_counter() - t
+            return out
 
-    engine.runner.decode_logits = timed
+        engine.runner.decode_logits = timed
     try:
         sync(device)
         t0 = time.perf_counter()
@@ -313,13 +299,16 @@ def step_time(engine: Engine, requests, steps: int, device) -> dict:
         sync(device)
         wall = time.perf_counter() - t0
     finally:
-        del engine.runner.decode_logits  # back to the method
+        if forward is not None:
+            del engine.runner.decode_logits  # back to the method
     running = engine.stats()["running"]
     for rid in ids:
         engine.abort(rid)
-    engine.step()
+    while engine._has_work():  # the aborts, and a step still running under the overlap
+        engine.step()
     return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
-            "forward_ms": 1e3 * forward[0] / steps, "decode_tok_per_s": running * steps / wall}
+            "forward_ms": None if forward is None else 1e3 * forward[0] / steps,
+            "decode_tok_per_s": running * steps / wall, "steps_ahead": engine.stats()["decode_steps_ahead_total"]}
 
 
 def _kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:

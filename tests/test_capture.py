@@ -28,9 +28,11 @@ def test_gc_paused_collects_first_then_holds_collection():
         b.self = b
         ref_b = weakref.ref(b)
         del b
-        for _ in range(20000):  # allocations that would trigger an automatic collection
-            _Node()
+        # container objects kept alive: enough net allocations to trigger an automatic collection
+        # (which would free b's cycle) were the collector on
+        alive = [_Node() for _ in range(20000)]
         assert ref_b() is not None
+        del alive
     assert gc.isenabled()
     gc.collect()
     assert ref_b() is None

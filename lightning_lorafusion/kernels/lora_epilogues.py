@@ -312,11 +312,8 @@ def _row_launches(t: int, lora: GatheredLora | None) -> list[tuple[int, int, boo
     return [(r0, n, with_lora) for r0, n, with_lora in ((0, a, False), (a, b - a, True), (b, t - b, False)) if n > 0]
 
 
-def _lora_args(lora: GatheredLora | None, ref: torch.Tensor, block_k: int | None, block_r: int | None,
-               num_warps: int):
-    """The LoRA half of a kernel's arguments (shrink launched first), or inert stand-ins."""
-    if lora is None:
-        return _no_lora_args(ref), dict(_NO_LORA_META)
+def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num_warps: int):
+    """The LoRA half of a kernel's arguments and its constexprs (the group's shrink launched now)."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
@@ -346,7 +343,8 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
         cos, sin = cos.contiguous(), sin.contiguous()
     kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D]: the pointer carries the layer's offset
     sp, skv, ss, sh, _ = kv_layer.stride()
-    lora_args, lora_meta = _lora_args(lora, q, block_k, block_r, num_warps)
+    plain = (_no_lora_args(q), _NO_LORA_META)  # rows without LoRA: inert stand-ins
+    gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     half, block_half = d // 2, triton.next_power_of_2(d // 2)
     for row0, rows, with_lora in _row_launches(t, lora):
         if not with_lora and rows >= ROPE_ROWS_KERNEL_MIN_ROWS:  # a prefill's rows: a program per row
@@ -357,7 +355,7 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
                 BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=block_half, num_warps=ROPE_ROWS_WARPS,
             )
             continue
-        args, meta = (lora_args, lora_meta) if with_lora else (_no_lora_args(q), _NO_LORA_META)
+        args, meta = gathered if with_lora else plain
         _rope_kv_kernel[(rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
@@ -380,9 +378,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     if t == 0:
         return out
-    lora_args, lora_meta = _lora_args(lora, gate, block_k, block_r, num_warps)
+    plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
+    gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     for row0, rows, with_lora in _row_launches(t, lora):
-        args, meta = (lora_args, lora_meta) if with_lora else (_no_lora_args(gate), _NO_LORA_META)
+        args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape in two calls (bench_prefill_epilogues.py; BENCHMARKS.md)
         bn, warps = block_n, num_warps

@@ -101,12 +101,12 @@ class DecodeInputs:
         same = (rows == self._step_bucket and len(self._step_rows) == b
                 and all(map(operator.is_, decode, self._step_rows)))
         ahead = token_tensor is not None
-        previous = self._host
         if len(self._mirrors) > 1:  # the other pinned mirror, starting from what the last step was given
+            previous = self._host
             self._mirror ^= 1
             self._host_tensor = self._mirrors[self._mirror]
-            self._host = host = self._host_tensor.numpy()
-            host[:, :rows] = previous[:, :rows]
+            self._host = self._host_tensor.numpy()
+            self._host[:, :rows] = previous[:, :rows]
         host = self._host
         if same and (next_tokens is not None or token_tensor is not None):
             if next_tokens is not None:

@@ -135,8 +135,8 @@ class Engine:
         # the step loop's caches: the last decode-only step's rows and tokens, what sampling needs
         # of the current batch, and single tokens' texts (detokenize.add_tokens)
         self._last_sampled: tuple[list[RequestState], list[int]] | None = None
-        # overlapped decode (EngineConfig.async_decode): the decode-only step launched and not
-        # yet read, whose tokens the next step's call emits
+        # overlapped decode (EngineConfig.async_decode): the step launched and not yet read,
+        # whose tokens the next call emits
         self._overlap = config.async_decode == "on" or (config.async_decode == "auto" and self.device.type == "cuda")
         self._inflight: _Launched | None = None
         self._rows: _SampledRows | None = None
@@ -497,8 +497,8 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """One iteration: admit, run one forward over prefill + decode rows, sample, emit.
 
-        With the overlapped decode (``EngineConfig.async_decode``) a decode-only step is
-        launched and left running: the next call launches the step after it when it can
+        With the overlapped decode (``EngineConfig.async_decode``) every step is launched and
+        left running: the next call launches the decode step after it when it can
         (``Scheduler.plan_ahead``), then reads and emits the running one's tokens; so a call
         returns the events of the step before the one it launched."""
         with self._step_lock:
@@ -522,7 +522,7 @@ class Engine:
         running, self._inflight = self._inflight, None
         plan = None
         now = time.perf_counter()
-        if running is not None:  # a decode-only step is on the device: launch the next one first
+        if running is not None:  # a step is on the device: launch the next one first
             if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
                 plan = self.scheduler.plan_ahead(running.seqs)
             if plan is None:  # the next step depends on its tokens
@@ -555,9 +555,10 @@ class Engine:
 
     def _run(self, plan, events: list[TokenEvent], running: "_Launched | None" = None) -> None:
         """Run ``plan``'s forward, sample and emit; under the overlapped decode the step is
-        launched and left in ``_inflight`` instead (``_complete`` emits it). ``running``: the step still on the device whose rows ``plan`` continues
-        (``Scheduler.plan_ahead``; a decode-only step, or a step with prefill rows whose
-        prefills all completed): its sampled tokens are this step's inputs."""
+        launched and left in ``_inflight`` instead (``_complete`` emits it). ``running``: the
+        step still on the device whose rows ``plan`` continues (``Scheduler.plan_ahead``; a
+        decode-only step, or a step with prefill rows whose prefills all completed): its
+        sampled tokens are this step's inputs."""
         last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
             batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
