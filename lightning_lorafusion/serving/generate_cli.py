@@ -7,6 +7,8 @@ import argparse
 import json
 import logging
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
@@ -58,7 +60,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill_attention", default="auto", choices=PREFILL_ATTENTION,
                    help="How prompts attend while prefilled: varlen, paged (the paged prefill kernel), "
                         "auto (default: paged with the Triton kernels, i.e. on CUDA; docs/serving.md).")
+    p.add_argument("--progress", default="auto", choices=("auto", "on", "off"),
+                   help="Requests done and generated tokens/s on standard error while generating (auto: only "
+                        "when standard error is a terminal; the results never mix with it).")
     return p
+
+
+class Progress:
+    """Requests done and generated tokens per second on ``stream`` while an engine generates:
+    a thread reads ``Engine.stats()`` every ``interval`` seconds and rewrites one line; leaving
+    the ``with`` block writes the final one. Done = requests submitted since the start and no longer running or
+    waiting (all of ``generate``'s requests are submitted before its first step)."""
+
+    def __init__(self, engine: Any, total: int, stream: TextIO, interval: float = 1.0) -> None:
+        self.engine, self.total, self.stream, self.interval = engine, total, stream, interval
+        start = engine.stats()
+        self._requests0, self._tokens0 = start["requests_total"], start["generated_tokens_total"]
+        self._t0 = time.perf_counter()
+        self._done = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="generate-progress", daemon=True)
+
+    def __enter__(self) -> "Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._write(final=True, finished=exc[0] is None)
+
+    def line(self, finished: bool = False) -> str:
+        stats = self.engine.stats()
+        if finished:
+            self._done = self.total
+        else:  # monotone: a request moving from waiting to running may be counted in neither for an instant
+            busy = stats["running"] + stats["waiting"]
+            self._done = max(self._done, min(self.total, stats["requests_total"] - self._requests0 - busy))
+        tokens = stats["generated_tokens_total"] - self._tokens0
+        elapsed = time.perf_counter() - self._t0
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        return (f"{PROG}: {self._done}/{self.total} requests, {tokens} tokens generated, "
+                f"{rate:.1f} tokens/s, {elapsed:.0f} s")
+
+    def _write(self, final: bool, finished: bool = False) -> None:
+        self.stream.write("\r" + self.line(finished) + ("\n" if final else ""))
+        self.stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._write(final=False)
+
+
+def show_progress(mode: str, stream: TextIO) -> bool:
+    """--progress: on, off, or auto (on when ``stream`` is a terminal)."""
+    if mode == "auto":
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
+    return mode == "on"
 
 
 def adapter_dirs(specs: Iterable[str]) -> dict[str, Path]:
@@ -181,7 +240,11 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         requests = [GenerationRequest(prompt_token_ids=_prompt_ids(engine.tokenizer, it["prompt"], args.chat,
                                                                    it["where"]),
                                       adapter=it.get("adapter"), sampling=_sampling(args, it)) for it in items]
-        results = engine.generate(requests)
+        if show_progress(args.progress, sys.stderr):
+            with Progress(engine, len(requests), sys.stderr):
+                results = engine.generate(requests)
+        else:
+            results = engine.generate(requests)
     for item, res in zip(items, results):
         out.write(json.dumps({"id": item["id"], "adapter": res.adapter, "prompt": item["prompt"],
                               "completion": res.text, "tokens": list(res.token_ids),

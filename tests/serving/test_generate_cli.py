@@ -91,3 +91,60 @@ def test_generate_input_mistakes(model_dir, adapter_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own usage error
         run(["--prompt", "w5"])
     assert e.value.code == 2
+
+
+def _progress_lines(err: str) -> list[str]:
+    return [x for x in err.replace("\r", "\n").splitlines() if "requests," in x and "tokens/s" in x]
+
+
+def test_generate_progress(model_dir, adapter_dirs, tmp_path, capsys, monkeypatch):
+    """Progress on standard error when forced on or when it is a terminal; never otherwise, and
+    never in the results."""
+    out = tmp_path / "out.jsonl"
+    base = ["--base_model", str(model_dir), "--adapters", f"x={adapter_dirs['attn2']}", "--prompt", "w5 w9",
+            "--prompt", "w7", "--adapter_name", "x", "--max_new_tokens", "4", "--device", "cpu",
+            "--dtype", "float32"]
+    assert run(base + ["--out", str(out), "--progress", "on"]) == 0
+    lines = _progress_lines(capsys.readouterr().err)
+    assert lines and lines[-1].startswith("lightning-lorafusion generate: 2/2 requests, ")
+    assert int(lines[-1].split(", ")[1].split()[0]) == sum(len(json.loads(x)["tokens"])
+                                                          for x in out.read_text().splitlines())
+    assert run(base + ["--progress", "on"]) == 0  # results on stdout stay clean
+    captured = capsys.readouterr()
+    assert _progress_lines(captured.err) and len([json.loads(x) for x in captured.out.splitlines()]) == 2
+    for mode in ("auto", "off"):  # standard error is not a terminal here
+        assert run(base + ["--out", str(out), "--progress", mode]) == 0
+        assert not _progress_lines(capsys.readouterr().err), mode
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert run(base + ["--out", str(out)]) == 0
+    assert _progress_lines(capsys.readouterr().err)
+
+
+class _FakeEngine:
+    def __init__(self, snapshots):
+        self.snapshots = iter(snapshots)
+
+    def stats(self):
+        return next(self.snapshots)
+
+
+def test_progress_counts_done_requests():
+    """Done = submitted since the start minus running and waiting, never going back; tokens and
+    requests counted from the engine's totals when the progress began."""
+    import io
+
+    from lightning_lorafusion.serving.generate_cli import Progress
+
+    def snap(total, running, waiting, tokens):
+        return {"requests_total": total, "running": running, "waiting": waiting, "generated_tokens_total": tokens}
+
+    engine = _FakeEngine([snap(5, 0, 0, 100),  # at the start: 5 earlier requests, 100 earlier tokens
+                          snap(9, 3, 1, 110), snap(9, 1, 1, 130), snap(9, 2, 1, 131), snap(9, 0, 0, 140)])
+    stream = io.StringIO()
+    progress = Progress(engine, 4, stream)
+    assert progress.line().startswith("lightning-lorafusion generate: 0/4 requests, 10 tokens generated, ")
+    assert progress.line().startswith("lightning-lorafusion generate: 2/4 requests, 30 tokens generated, ")
+    assert progress.line().startswith("lightning-lorafusion generate: 2/4 requests, 31 tokens generated, ")
+    progress._write(final=True, finished=True)
+    assert stream.getvalue().startswith("\rlightning-lorafusion generate: 4/4 requests, 40 tokens generated, ")
+    assert stream.getvalue().endswith(" s\n")
