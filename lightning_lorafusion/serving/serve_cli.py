@@ -110,6 +110,7 @@ def run(argv: list[str] | None = None) -> int:
     from . import Engine
     from .adapter_store import AdapterStore
     from .engine_process import EngineClient
+    from .http_limits import uvicorn_limits
     from .server import create_app
 
     parser = build_parser()
@@ -142,7 +143,7 @@ def run(argv: list[str] | None = None) -> int:
     app = create_app(engine, config=server_cfg, store=store)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+                    timeout_graceful_shutdown=cfg.graceful_shutdown_s, **uvicorn_limits(server_cfg))
     finally:
         engine.close()
     return 0
