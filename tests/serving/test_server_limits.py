@@ -182,14 +182,6 @@ def test_a_killed_engine_process_is_restarted_and_serves_again(model_dir, adapte
 # -- the admission limit is exact --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory):
-    from lightning_lorafusion.model.random_model import write_random_llama
-
-    return write_random_llama(tmp_path_factory.mktemp("long"), vocab_size=64, hidden_size=32, intermediate_size=64,
-                              num_layers=2, max_positions=4096)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,30 +206,23 @@ class _Uvicorn:
         self.thread.join(30)
 
 
-def test_admission_limit_is_exact_with_more_clients_than_the_limit(long_model):
-    engine = _build(long_model, num_pages=600)()
+def test_admission_limit_is_exact_with_more_clients_than_the_limit(served):
+    """Twelve requests at once against a limit of three: exactly three are admitted (checking
+    the limit and counting a request in must not be split by an await)."""
+    import asyncio
+
     limit, clients = 3, 12
-    app = create_app(engine, config=ServerConfig(served_model_name=BASE, max_pending_requests=limit))
-    server = _Uvicorn(app)
-    all_answered = threading.Barrier(clients)
+    app = create_app(served.engine, config=ServerConfig(served_model_name=BASE, max_pending_requests=limit))
+    body = {"model": BASE, "prompt": "w5 w6", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
 
-    def one() -> int:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json={"model": BASE, "prompt": "w5 w6", "max_tokens": 4000,
-                                                           "ignore_eos": True, "stream": True}) as r:
-                if r.status_code == 200:
-                    next(r.iter_lines())  # running: held in flight until every client has its answer
-                all_answered.wait(60)
-                return r.status_code
+    async def all_at_once():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(clients)))
 
-    try:
-        with ThreadPoolExecutor(clients) as pool:
-            statuses = list(pool.map(lambda _: one(), range(clients)))
-        assert sorted(statuses) == [200] * limit + [503] * (clients - limit)
-        _wait_for(lambda: not app.state.server.in_flight)
-    finally:
-        server.stop()
-        engine.close()
+    answers = asyncio.run(all_at_once())
+    assert sorted(r.status_code for r in answers) == [200] * limit + [503] * (clients - limit)
+    assert all(r.json()["error"]["code"] == "server_overloaded" for r in answers if r.status_code == 503)
+    assert not app.state.server.in_flight
 
 
 # -- broken adapters hurt nobody; /v1/models shows no server paths ------------------------------
