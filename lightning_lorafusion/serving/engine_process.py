@@ -664,6 +664,8 @@ class EngineClient:
             self._send(("close",))
         except EngineDeadError:
             pass
+        if self._restarting:  # a new engine process is being built: nothing of it is worth waiting for
+            self._process.kill()
         if self._wait_exit(timeout_s) is None:
             log.warning("the engine process did not exit within %.0f s; killing it", timeout_s)
             self._process.kill()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from lightning_lorafusion.serving import Engine, EngineConfig
 from lightning_lorafusion.serving.server import ServerConfig, create_app
 
 BASE = "tiny"
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 WELL_FORMED = {"model": BASE, "prompt": "w5 w9 w17 w30 w2", "temperature": 0, "max_tokens": 8, "ignore_eos": True,
                "logprobs": 0}
@@ -68,16 +69,32 @@ def _body(fixed, optional):
     return st.fixed_dictionaries(fixed, optional=optional)
 
 
-COMPLETIONS = _body({"model": MODEL, "prompt": PROMPT},
-                    {**SAMPLING, "echo": _field(st.booleans()), "logprobs": _field(st.one_of(st.none(),
-                                                                                              st.integers(-1, 25))),
-                     "best_of": _field(st.integers(0, 3)), "suffix": _field(TEXT)})
+def _one_to_three_off(valid: dict, fields: dict):
+    """A valid request with one to three fields replaced: most cases then reach the engine
+    with exactly the odd value (a request with everything random rarely gets past the first)."""
+    keys = st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True)
+    wild = {k: st.one_of(v, EDGE_INTS, NUMBERS) for k, v in fields.items()}
+    return keys.flatmap(lambda ks: st.fixed_dictionaries({k: wild[k] for k in ks})).map(lambda d: {**valid, **d})
+
+
+VALID_COMPLETION = {"model": BASE, "prompt": "w5 w6 w7", "temperature": 1.0, "max_tokens": 4}
+VALID_CHAT = {"model": BASE, "messages": [{"role": "user", "content": "w5 w6"}], "temperature": 1.0,
+              "max_tokens": 4}
+COMPLETION_FIELDS = {**SAMPLING, "prompt": PROMPT, "echo": _field(st.booleans()),
+                     "logprobs": _field(st.one_of(st.none(), st.integers(-1, 25))),
+                     "best_of": _field(st.integers(0, 3)), "suffix": _field(TEXT)}
+COMPLETIONS = st.one_of(_one_to_three_off(VALID_COMPLETION, COMPLETION_FIELDS),
+                        _body({"model": MODEL, "prompt": PROMPT},
+                              {k: v for k, v in COMPLETION_FIELDS.items() if k != "prompt"}))
 MESSAGE = _field(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", ""]),
                                         "content": st.one_of(WORDS, TEXT, st.lists(JSON, max_size=3))}))
-CHAT = _body({"model": MODEL, "messages": _field(st.lists(MESSAGE, max_size=4))},
-             {**SAMPLING, "logprobs": _field(st.booleans()), "top_logprobs": _field(st.integers(-1, 25)),
-              "max_completion_tokens": _field(st.one_of(st.integers(0, 12), EDGE_INTS)),
-              "tools": _field(st.lists(JSON, max_size=2)), "response_format": JSON})
+CHAT_FIELDS = {**SAMPLING, "logprobs": _field(st.booleans()), "top_logprobs": _field(st.integers(-1, 25)),
+               "max_completion_tokens": _field(st.one_of(st.integers(0, 12), EDGE_INTS)),
+               "tools": _field(st.lists(JSON, max_size=2)), "response_format": JSON,
+               "messages": _field(st.lists(MESSAGE, max_size=4))}
+CHAT = st.one_of(_one_to_three_off(VALID_CHAT, CHAT_FIELDS),
+                 _body({"model": MODEL, "messages": _field(st.lists(MESSAGE, max_size=4))},
+                       {k: v for k, v in CHAT_FIELDS.items() if k != "messages"}))
 TOKENIZE = _body({}, {"model": MODEL, "prompt": _field(TEXT), "messages": _field(st.lists(MESSAGE, max_size=3)),
                       "add_special_tokens": _field(st.booleans()), "add_generation_prompt": _field(st.booleans())})
 DETOKENIZE = _body({}, {"model": MODEL, "tokens": _field(st.lists(st.one_of(st.integers(-3, 70), EDGE_INTS),
@@ -159,3 +176,27 @@ def test_fuzzed_tokenizer_endpoints(app_client, path, tokenize, detokenize):
        raw=RAW)
 def test_fuzzed_raw_bodies(app_client, path, raw):
     _check(app_client, path, raw=raw)
+
+
+# every numeric field at every boundary, one at a time in an otherwise valid request: the sweep
+# random cases rarely complete (a value must be both odd and the only odd one to reach the engine)
+EDGES = [-1, 2 ** 31 - 1, 2 ** 31, 2 ** 63, -2 ** 63 - 1, 2 ** 70, 10 ** 400, 1e300, math.nan, math.inf]
+NUMERIC = ["max_tokens", "top_k", "seed", "n", "min_tokens", "temperature", "top_p", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_p", "logprobs", "best_of"]
+
+
+@pytest.mark.parametrize("field", NUMERIC)
+def test_every_numeric_field_at_every_boundary(app_client, field):
+    for value in EDGES:
+        _check(app_client, "/v1/completions", {**VALID_COMPLETION, field: value})
+
+
+@pytest.mark.parametrize("value", [v for v in EDGES if isinstance(v, int)])
+def test_token_ids_at_every_boundary(app_client, value):
+    """As a list element and as a mapping key, with min_tokens on (the stop ids then reach a
+    tensor) and off."""
+    for extra in ({}, {"min_tokens": 2}):
+        _check(app_client, "/v1/completions", {**VALID_COMPLETION, **extra, "stop_token_ids": [value]})
+        _check(app_client, "/v1/completions", {**VALID_COMPLETION, **extra, "logit_bias": {str(value): 1.0}})
+    _check(app_client, "/v1/completions", {**VALID_COMPLETION, "prompt": [5, value]})
+    _check(app_client, "/detokenize", {"tokens": [5, value]})
