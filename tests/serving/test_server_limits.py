@@ -387,8 +387,12 @@ def test_tokenizer_info_and_tokenize_as_lm_eval_remote_tokenizer_calls_them(serv
 def test_serve_without_the_serve_extra_is_a_one_line_error(monkeypatch, capsys):
     from lightning_lorafusion.serving import serve_cli
 
+    from lightning_lorafusion.cli import main
+
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn -> ModuleNotFoundError
-    code = serve_cli.run(["--base_model", "anything"])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and len(err.splitlines()) == 1
-    assert 'pip install -e ".[serve]"' in err and "uvicorn" in err and "Traceback" not in err
+    for run in (lambda: serve_cli.run(["--base_model", "anything"]),
+                lambda: main(["serve", "--base_model", "anything"])):  # the console script's path
+        code = run()
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and len(err.splitlines()) == 1, err
+        assert 'pip install -e ".[serve]"' in err and "uvicorn" in err and "Traceback" not in err
