@@ -886,6 +886,10 @@ def _check_step_inputs(rid: str, sp: SamplingParams, seed: int | None, prompt: t
     request alone, and never a batched step that carries every other user's request."""
     if not isinstance(sp, SamplingParams):
         raise ConfigError(f"request {rid!r}: sampling must be a SamplingParams, got {type(sp).__name__}")
+    try:
+        sp.check_ranges()  # again: a frozen dataclass can still be changed behind its back
+    except ConfigError as e:
+        raise ConfigError(f"request {rid!r}: {e}") from None
     cpu = torch.device("cpu")
     try:
         SamplingRows.build([sp], [seed], [0], cpu)

@@ -59,7 +59,7 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self._check_ranges()
+        self.check_ranges()
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         try:
             bias = tuple(sorted((int(t), float(b)) for t, b in bias))
@@ -102,7 +102,7 @@ class SamplingParams:
         if any(not s for s in stop):
             raise ConfigError("SamplingParams.stop: stop strings must be non-empty")
 
-    def _check_ranges(self) -> None:
+    def check_ranges(self) -> None:
         """Types and ranges of every number, before anything is built from them: a value the step's
         tensors cannot hold is a ConfigError naming the field here, never a failed batch later."""
         for name in ("max_new_tokens", "top_k", "min_tokens"):

@@ -132,7 +132,7 @@ def test_a_request_whose_settings_cannot_run_fails_alone(make_engine):
     again = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=6,
                                                                                    temperature=0.0))
     engine.submit(again)
-    with pytest.raises(ConfigError, match="sampling settings"):
+    with pytest.raises(ConfigError, match="top_k"):
         engine.submit(bad)
     while engine.stats()["running"] or engine.stats()["waiting"]:
         engine.step()
