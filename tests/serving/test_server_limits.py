@@ -326,6 +326,15 @@ def test_prompt_lists_are_refused_before_they_are_tokenized(served, monkeypatch)
 # -- request heads: size and time --------------------------------------------------------------
 
 
+def _read_until(sock, end: bytes) -> bytes:
+    data = b""
+    while not data.endswith(end):
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
 def test_request_heads_are_bounded_in_size_and_time(served):
     from lightning_lorafusion.serving.http_limits import uvicorn_limits
 
@@ -345,11 +354,15 @@ def test_request_heads_are_bounded_in_size_and_time(served):
                 assert answer.startswith(b"HTTP/1.1 408"), (http, answer)
                 assert slow.recv(4096) == b""  # closed by the server
                 assert time.monotonic() - started < 9
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as kept:
+                kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_until(kept, b'{"status":"ok"}').startswith(b"HTTP/1.1 200")
+                kept.sendall(b"GET /health HTTP/1.1\r\nHo")  # a second request, stalled in its headers
+                assert kept.recv(4096).startswith(b"HTTP/1.1 408")
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as idle:
                 idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert idle.recv(4096).startswith(b"HTTP/1.1 200")
-                idle.sendall(b"GET /health HTTP/1.1\r\nHo")  # a second request, stalled in its headers
-                assert idle.recv(4096).startswith(b"HTTP/1.1 408")
+                assert _read_until(idle, b'{"status":"ok"}').startswith(b"HTTP/1.1 200")
+                assert idle.recv(4096) == b""  # then idle: closed after keep_alive_timeout_s (a recv timeout fails)
         finally:
             server.stop()
 
