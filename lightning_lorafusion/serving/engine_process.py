@@ -308,7 +308,8 @@ class EngineClient:
     def __init__(self, build: Callable[[], Any], *, start_timeout_s: float | None = None,
                  restart_on_crash: bool = False, max_restarts: int = 5):
         self._build, self._start_timeout_s = build, start_timeout_s
-        self._restart_on_crash, self._restarts_left = restart_on_crash, max_restarts
+        self._restart_on_crash, self._max_restarts = restart_on_crash, max_restarts
+        self._restarts_left = max_restarts  # failed or crashed starts in a row still allowed
         self._reap_lock = threading.Lock()
         self._spawn()
         info = self._wait_ready(start_timeout_s)
@@ -505,7 +506,8 @@ class EngineClient:
 
     def _restart(self) -> None:
         """Start a new engine process after a crash, add the adapters this client had added,
-        then serve again (``restarting`` turns False). Gives up after ``max_restarts``."""
+        then serve again (``restarting`` turns False). Gives up after ``max_restarts`` starts in
+        a row that failed or died before serving."""
         while True:
             with self._lock:
                 if self._closed:
@@ -539,6 +541,8 @@ class EngineClient:
         for name, (call, args) in registrations:
             try:
                 self._call(call, *args, internal=True)
+            except EngineDeadError:  # the new process died too: the restart that follows adds them
+                return
             except Exception as e:  # noqa: BLE001 - e.g. its files were removed meanwhile
                 log.error("adapter %r could not be added to the restarted engine: %s", name, e)
                 with self._lock:
@@ -546,6 +550,7 @@ class EngineClient:
                     self._registrations.pop(name, None)
         with self._lock:
             self.restarts += 1
+            self._restarts_left = self._max_restarts  # it serves: the count of starts in a row begins again
             self._restarting = False
         log.warning("the engine process was restarted (restart %d); %d adapters added again", self.restarts,
                     len(registrations))
