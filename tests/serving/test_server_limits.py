@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -239,7 +240,7 @@ def _copy_with_config(src, dst, **changes):
                                      {"lora_alpha": 0}, {"r": 0}, {"r": True}])
 def test_adapters_with_bad_rank_or_alpha_are_skipped_and_refused(served, adapter_dirs, changes):
     name = "bad-" + "-".join(f"{k}{v}" for k, v in changes.items()).replace(".", "_")
-    _copy_with_config(__import__("pathlib").Path(adapter_dirs["attn2"]), served.store / name, **changes)
+    _copy_with_config(Path(adapter_dirs["attn2"]), served.store / name, **changes)
     try:
         models = served.client.get("/v1/models")
         assert models.status_code == 200
@@ -276,8 +277,6 @@ def _corrupt(path, how):
 
 @pytest.mark.parametrize("how", ["json-array", "not-json", "truncated", "huge-header", "pickle"])
 def test_load_endpoint_answers_400_for_unreadable_adapter_files(served, adapter_dirs, how):
-    from pathlib import Path
-
     name = f"broken-{how}"
     shutil.copytree(adapter_dirs["attn2"], served.store / name)
     _corrupt(served.store / name, how)
@@ -286,7 +285,7 @@ def test_load_endpoint_answers_400_for_unreadable_adapter_files(served, adapter_
         assert served.client.get("/v1/models").status_code == 200
         assert served.client.get("/health").status_code == 200
     finally:
-        shutil.rmtree(Path(served.store / name))
+        shutil.rmtree(served.store / name)
 
 
 def test_models_cannot_fail_on_one_adapters_metadata(served, monkeypatch):
@@ -349,11 +348,9 @@ def test_request_heads_are_bounded_in_size_and_time(served):
             assert big.status_code == 431, (http, big.status_code)
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as slow:
                 slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the end of the headers
-                started = time.monotonic()
-                answer = slow.recv(4096)
+                answer = slow.recv(4096)  # within the socket's 10 s timeout, or the test fails
                 assert answer.startswith(b"HTTP/1.1 408"), (http, answer)
                 assert slow.recv(4096) == b""  # closed by the server
-                assert time.monotonic() - started < 9
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as kept:
                 kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert _read_until(kept, b'{"status":"ok"}').startswith(b"HTTP/1.1 200")
