@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,10 @@ class HostAdapter:
     def __init__(self, *, name: str, rank: int, alpha: float, target_modules: tuple[str, ...],
                  slots: dict[tuple[int, str], MatrixSlot], flat: torch.Tensor, num_layers: int,
                  path: str | None = None) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ConfigError(f"adapter {name!r}: rank={rank!r} must be an integer >= 1")
+        if not math.isfinite(float(alpha)) or float(alpha) <= 0:
+            raise ConfigError(f"adapter {name!r}: alpha={alpha!r} must be finite and > 0; it was not loaded")
         self.key = next(_KEYS)  # unique per load: a re-added name is a different adapter
         self.name, self.rank, self.alpha, self.path = name, rank, float(alpha), path
         self.target_modules = target_modules
@@ -156,11 +161,19 @@ def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig,
     """Read a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``) for
     the base described by ``config``; any mismatch is a ``ConfigError`` naming the adapter."""
     where = f"adapter {name!r} ({str(path)!r})"
-    cfg, targets, state = read_peft_adapter(path, where)
+    try:
+        cfg, targets, state = read_peft_adapter(path, where)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - not JSON, a JSON array, truncated safetensors, a refused pickle
+        detail = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ConfigError(f"{where}: its files cannot be read as a PEFT adapter ({type(e).__name__}: {detail}); "
+                          "re-export it") from None
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise ConfigError(f"{where}: adapter_config.json needs an integer r >= 1 and a numeric "
-                          f"lora_alpha; got r={rank!r}, lora_alpha={alpha!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{where}: adapter_config.json needs an integer r >= 1; got r={rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ConfigError(f"{where}: adapter_config.json needs a finite lora_alpha > 0; got lora_alpha={alpha!r}")
     for module in targets:
         if rank > min(config.module_dims(module)):
             raise ConfigError(f"{where}: rank {rank} exceeds the dims of {module} "

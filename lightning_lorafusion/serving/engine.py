@@ -323,6 +323,7 @@ class Engine:
         if not sp.greedy:  # sampling.uniform_draws takes seeds in [0, 2^62)
             seed = sp.seed % (1 << 62) if sp.seed is not None else \
                 int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        _check_step_inputs(rid, sp, seed, prompt, vocab)
         return RequestState(
             request=request, adapter=adapter, seed=seed, on_event=on_event,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, sp.stop, min_tokens=sp.min_tokens),
@@ -877,6 +878,26 @@ class _SampledRows:
         self.all_generate = all(s.max_output for s in states)
         self.stop_ids = frozenset().union(*(s.stop_ids for s in states))
         self.detokenizers = [s.detokenizer for s in states]
+
+
+def _check_step_inputs(rid: str, sp: SamplingParams, seed: int | None, prompt: tuple[int, ...], vocab: int) -> None:
+    """Build this one request's sampling rows on the CPU, as a step builds them for its batch:
+    whatever its settings cannot become (a value no tensor holds, a bad type) fails here, for this
+    request alone, and never a batched step that carries every other user's request."""
+    if not isinstance(sp, SamplingParams):
+        raise ConfigError(f"request {rid!r}: sampling must be a SamplingParams, got {type(sp).__name__}")
+    try:
+        sp.check_ranges()  # again: a frozen dataclass can still be changed behind its back
+    except ConfigError as e:
+        raise ConfigError(f"request {rid!r}: {e}") from None
+    cpu = torch.device("cpu")
+    try:
+        SamplingRows.build([sp], [seed], [0], cpu)
+        if sp.adjusts_logits:
+            LogitAdjustments([0], [sp], [prompt], [[]], vocab, cpu, [tuple(sp.stop_token_ids)])
+    except Exception as e:  # noqa: BLE001 - any failure here is this request's own
+        raise ConfigError(f"request {rid!r}: its sampling settings cannot be run: {type(e).__name__}: "
+                          f"{str(e)[:200]}") from None
 
 
 def _generation_eos(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:

@@ -41,6 +41,9 @@ WORKER_CALLS = frozenset({"add_adapter", "add_adapter_weights", "add_adapters_fr
                           "warm_up"})
 
 
+RESTARTING = "the engine process failed and is being restarted; retry the request"
+
+
 class EngineDeadError(RuntimeError):
     """The engine process is gone (it crashed, was killed or was closed): nothing more can run."""
 
@@ -295,17 +298,20 @@ class EngineClient:
     client), so ``adapters()`` answers without a round trip; its ``resident`` flags are as of
     the last ``stats()``. If the engine process dies (a failed step, a kill), every stream in
     flight ends with an "abort" event, waiting calls and new requests raise
-    ``EngineDeadError``, and ``alive`` turns False. The child leaves when this process dies.
+    ``EngineDeadError``, and ``alive`` turns False. With ``restart_on_crash`` (what ``serve``
+    uses) the streams and calls in flight raise ``EngineDeadError`` instead, ``restarting`` is
+    True while a new engine process is built (new requests raise ``EngineDeadError`` meanwhile)
+    and the adapters added through this client are added to it again; after ``max_restarts``
+    failed starts it stays dead. The child leaves when this process dies.
     """
 
-    def __init__(self, build: Callable[[], Any], *, start_timeout_s: float | None = None):
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+    def __init__(self, build: Callable[[], Any], *, start_timeout_s: float | None = None,
+                 restart_on_crash: bool = False, max_restarts: int = 5):
+        self._build, self._start_timeout_s = build, start_timeout_s
+        self._restart_on_crash, self._max_restarts = restart_on_crash, max_restarts
+        self._restarts_left = max_restarts  # failed or crashed starts in a row still allowed
         self._reap_lock = threading.Lock()
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_child_main, args=(build, child_conn, os.getpid()),
-                                    name="lorafusion-engine", daemon=True)
-        self._process.start()
-        child_conn.close()  # only the child holds its end: its exit is our EOF
+        self._spawn()
         info = self._wait_ready(start_timeout_s)
         self.tokenizer = info["tokenizer"]
         self.model_config = info["model_config"]
@@ -323,8 +329,21 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._dead: str | None = None  # why the engine process is gone
         self._closed = False
-        self._reader = threading.Thread(target=self._read, name="lorafusion-engine-reader", daemon=True)
+        self._restarting = False
+        self.restarts = 0  # engine processes started again after a crash
+        # how each adapter added through this client was added, replayed into a restarted process
+        self._registrations: dict[str, tuple[str, tuple]] = {}
+        self._reader = threading.Thread(target=self._read, args=(self._conn,), name="lorafusion-engine-reader",
+                                        daemon=True)
         self._reader.start()
+
+    def _spawn(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA or threads
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_child_main, args=(self._build, child_conn, os.getpid()),
+                                    name="lorafusion-engine", daemon=True)
+        self._process.start()
+        child_conn.close()  # only the child holds its end: its exit is our EOF
 
     @classmethod
     def from_pretrained(cls, base_model: str, adapters: Mapping[str, str] | None = None, config: Any = None, *,
@@ -374,8 +393,14 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        """False once the engine process is gone (crashed, killed or closed)."""
-        return self._dead is None
+        """False once the engine process is gone (crashed, killed or closed), and while a
+        crashed one is being restarted."""
+        return self._dead is None and not self._restarting
+
+    @property
+    def restarting(self) -> bool:
+        """True from a crash until the new engine process serves (``restart_on_crash``)."""
+        return self._restarting
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
@@ -386,11 +411,13 @@ class EngineClient:
             except (OSError, ValueError) as e:  # closed pipe / connection
                 raise EngineDeadError(f"the engine process is gone ({e})") from None
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, internal: bool = False) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
+            if self._restarting and not internal:
+                raise EngineDeadError(RESTARTING)
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         try:
@@ -402,11 +429,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ the reader thread
 
-    def _read(self) -> None:
+    def _read(self, conn: Any) -> None:
         reason = "the engine process exited"
         try:
             while True:
-                message = self._conn.recv()
+                message = conn.recv()
                 kind = message[0]
                 if kind == "events":
                     self._dispatch(message[1])
@@ -457,17 +484,76 @@ class EngineClient:
         with self._lock:
             if self._closed:
                 reason = "the engine was closed"
+            restart = self._restart_on_crash and not self._closed and self._restarts_left > 0
             self._dead = reason
+            self._restarting = restart
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
         if not self._closed:
-            log.error("%s; aborting %d streams and %d calls", reason, len(streams), len(calls))
+            log.error("%s; %s %d streams and %d calls", reason, "failing" if restart else "aborting", len(streams),
+                      len(calls))
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, (loop, queue) in streams.items():
-            by_loop.setdefault(loop, []).append((queue, TokenEvent(rid, None, "", None, None, "abort")))
+            # restarting: the stream raises (the server answers 503, retry); else it ends with "abort"
+            item = EngineDeadError(f"{RESTARTING} ({reason.splitlines()[0]})") if restart else \
+                TokenEvent(rid, None, "", None, None, "abort")
+            by_loop.setdefault(loop, []).append((queue, item))
         self._deliver(by_loop)
         for future in calls.values():
-            future.set_exception(EngineDeadError(reason))
+            future.set_exception(EngineDeadError(f"{RESTARTING} ({reason.splitlines()[0]})" if restart else reason))
+        if restart:
+            threading.Thread(target=self._restart, name="lorafusion-engine-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        """Start a new engine process after a crash, add the adapters this client had added,
+        then serve again (``restarting`` turns False). Gives up after ``max_restarts`` starts in
+        a row that failed or died before serving."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._restarts_left -= 1
+            try:
+                self._conn.close()
+                self._spawn()
+                self._wait_ready(self._start_timeout_s)
+            except Exception as e:  # noqa: BLE001 - logged; tried again while restarts are left
+                log.error("the engine process could not be restarted: %s", str(e).splitlines()[0] if str(e) else e)
+                with self._lock:
+                    if self._restarts_left <= 0 or self._closed:
+                        self._restarting = False
+                        self._dead = f"the engine process crashed and could not be restarted: {e}"
+                        return
+                time.sleep(1.0)
+                continue
+            break
+        with self._lock:
+            if self._closed:  # closed while it started: close() waited for the old process only
+                self._process.kill()
+                self._restarting = False
+                return
+            self._dead = None
+            self._resident = set()
+            registrations = list(self._registrations.items())
+        self._reader = threading.Thread(target=self._read, args=(self._conn,), name="lorafusion-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+        for name, (call, args) in registrations:
+            try:
+                self._call(call, *args, internal=True)
+            except EngineDeadError:  # the new process died too: the restart that follows adds them
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. its files were removed meanwhile
+                log.error("adapter %r could not be added to the restarted engine: %s", name, e)
+                with self._lock:
+                    self._adapters.pop(name, None)
+                    self._registrations.pop(name, None)
+        with self._lock:
+            self.restarts += 1
+            self._restarts_left = self._max_restarts  # it serves: the count of starts in a row begins again
+            self._restarting = False
+        log.warning("the engine process was restarted (restart %d); %d adapters added again", self.restarts,
+                    len(registrations))
 
     # ------------------------------------------------------------------ requests
 
@@ -480,6 +566,8 @@ class EngineClient:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
+            if self._restarting:
+                raise EngineDeadError(RESTARTING)
             if rid in self._streams:
                 raise ConfigError(f"request id {rid!r} is already in use by an unfinished request")
             self._streams[rid] = (loop, queue)
@@ -534,28 +622,30 @@ class EngineClient:
             listed = list(self._adapters.values())
         return [dataclasses.replace(a, resident=a.name in self._resident) for a in listed]
 
-    def _listed(self, infos: Iterable[AdapterInfo]) -> None:
+    def _listed(self, infos: Iterable[AdapterInfo], how: dict[str, tuple[str, tuple]]) -> None:
         with self._lock:
             for info in infos:
                 self._adapters[info.name] = info
+            self._registrations.update(how)
 
     def add_adapter(self, name: str, path: str | os.PathLike) -> AdapterInfo:
         info = self._call("add_adapter", name, os.fspath(path))
-        self._listed([info])
+        self._listed([info], {name: ("add_adapter", (name, os.fspath(path)))})
         return info
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                             *, rank: int, alpha: float) -> AdapterInfo:
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
         info = self._call("add_adapter_weights", name, on_host, rank, alpha)
-        self._listed([info])
+        self._listed([info], {name: ("add_adapter_weights", (name, on_host, rank, alpha))})
         return info
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
                                      weights: str = "best") -> list[AdapterInfo]:
         infos = self._call("add_adapters_from_checkpoint", os.fspath(ckpt_path),
                            None if names is None else list(names), weights)
-        self._listed(infos)
+        self._listed(infos, {i.name: ("add_adapters_from_checkpoint", (os.fspath(ckpt_path), [i.name], weights))
+                             for i in infos})
         return infos
 
     def remove_adapter(self, name: str) -> None:
@@ -564,6 +654,7 @@ class EngineClient:
         finally:  # gone there (or never there): gone here
             with self._lock:
                 self._adapters.pop(name, None)
+                self._registrations.pop(name, None)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -578,6 +669,8 @@ class EngineClient:
             self._send(("close",))
         except EngineDeadError:
             pass
+        if self._restarting:  # a new engine process is being built: nothing of it is worth waiting for
+            self._process.kill()
         if self._wait_exit(timeout_s) is None:
             log.warning("the engine process did not exit within %.0f s; killing it", timeout_s)
             self._process.kill()

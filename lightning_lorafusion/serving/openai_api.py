@@ -4,11 +4,12 @@ stream-chunk JSON. Pure functions over dicts and engine types: no HTTP, no engin
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -16,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+# integers beyond what the engine's step tensors hold are refused here as a 400 naming the field
+# (the engine checks them again: SamplingParams / Engine.submit)
+MAX_INT32 = (1 << 31) - 1
+INT64 = (-(1 << 63), (1 << 63) - 1)
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 SSE_DONE = b"data: [DONE]\n\n"
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,26 +73,26 @@ class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions. Unknown fields are ignored (clients send
     ``user`` and the like); known OpenAI features this server does not implement are refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # vLLM's extension; 0 = off
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=MAX_INT32)  # vLLM's extension; 0 = off
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_INT32)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
-    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extension; 1 = off
+    repetition_penalty: float = Field(1.0, gt=0.0, le=1e6)  # vLLM's extension; 1 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension; 0 = off
-    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no stop before this many tokens
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_SEQUENCES)  # vLLM's extension
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)  # vLLM's extension: no stop before this many tokens
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_SEQUENCES)  # vLLM's extension
 
     @field_validator("stop")
     @classmethod
@@ -107,8 +114,10 @@ class _SamplingFields(BaseModel):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
         for key, bias in v.items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+            if _TOKEN_ID_KEY.fullmatch(key.strip()) is None:  # ASCII digits: "²" is a digit to str.isdigit
+                raise ValueError(f"logit_bias keys are token ids (0 to {MAX_INT32}); got {key[:20]!r}")
+            if int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys are token ids (0 to {MAX_INT32}); got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias} for token {key}")
         return v
@@ -133,7 +142,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Any
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -186,7 +195,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -250,10 +259,34 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, *, vocab_size: in
     return prompts
 
 
-def text_token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+def text_token_ids(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> tuple[int, ...]:
     """A text prompt's token ids, with the tokenizer's special tokens as HF adds them by default
-    (what completions run, and what /tokenize reports)."""
-    return tuple(tokenizer(text)["input_ids"])
+    (what completions run, and what /tokenize reports unless told ``add_special_tokens=False``)."""
+    return tuple(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def tokenizer_info(tokenizer: Any, *, max_model_len: int) -> dict[str, Any]:
+    """GET /tokenizer_info (vLLM's): the tokenizer's configuration as ``tokenizer_config.json``
+    holds it, what a remote-tokenizer client (lm-eval's ``tokenizer_backend=remote``) reads:
+    ``tokenizer_class``, the special tokens' texts, ``chat_template``, ``model_max_length``."""
+    def text(token: Any) -> str | None:
+        return None if token is None else str(token)
+
+    info: dict[str, Any] = {
+        "tokenizer_class": type(tokenizer).__name__,
+        "model_max_length": max_model_len,
+        "chat_template": getattr(tokenizer, "chat_template", None) or None,
+        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
+        "padding_side": getattr(tokenizer, "padding_side", None),
+        "truncation_side": getattr(tokenizer, "truncation_side", None),
+        "clean_up_tokenization_spaces": getattr(tokenizer, "clean_up_tokenization_spaces", None),
+    }
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = text(getattr(tokenizer, name, None))
+    extra = getattr(tokenizer, "additional_special_tokens", None)
+    info["additional_special_tokens"] = [str(t) for t in extra] if extra else []
+    return info
 
 
 def check_token_ids(ids: Any, vocab_size: int, *, param: str) -> None:
@@ -265,14 +298,17 @@ def check_token_ids(ids: Any, vocab_size: int, *, param: str) -> None:
 
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's): ``prompt`` as completions tokenize it, or ``messages`` as chat
-    completions do (``add_generation_prompt``, default true)."""
+    completions do (``add_generation_prompt``, default true). ``model`` is optional (the base;
+    the tokenizer is the base's for every adapter); ``add_special_tokens`` defaults, as vLLM's,
+    to true for a prompt and false for messages (the chat template writes its own)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -286,7 +322,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)
     tokens: list[int]
 
 

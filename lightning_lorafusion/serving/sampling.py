@@ -12,6 +12,10 @@ import torch
 from ..specs import ConfigError
 
 MAX_LOGPROBS = 20
+# the largest count or token id a request may carry: the batched step packs them into int32/int64
+# tensors, where a larger Python int would fail the whole batch
+MAX_INT32 = (1 << 31) - 1
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's seed is an int64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +59,7 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self.check_ranges()
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         try:
             bias = tuple(sorted((int(t), float(b)) for t, b in bias))
@@ -97,6 +102,33 @@ class SamplingParams:
         if any(not s for s in stop):
             raise ConfigError("SamplingParams.stop: stop strings must be non-empty")
 
+    def check_ranges(self) -> None:
+        """Types and ranges of every number, before anything is built from them: a value the step's
+        tensors cannot hold is a ConfigError naming the field here, never a failed batch later."""
+        for name in ("max_new_tokens", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not -MAX_INT32 <= value <= MAX_INT32:
+                raise ConfigError(f"SamplingParams.{name}={_short(value)} must be an integer <= {MAX_INT32}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT32 <= value <= MAX_INT32:
+                raise ConfigError(f"SamplingParams.{name}={_short(value)} must be in [0, {MAX_LOGPROBS}] or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ConfigError(f"SamplingParams.seed={_short(self.seed)} must be a 64-bit integer or None")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"SamplingParams.{name}={_short(value)} must be a finite number")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT32:
+                raise ConfigError(f"SamplingParams.stop_token_ids: {_short(t)} is not a token id in [0, {MAX_INT32}]")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        for pair in pairs:
+            t = pair[0] if isinstance(pair, (tuple, list)) and pair else pair
+            if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t <= MAX_INT32:
+                raise ConfigError(f"SamplingParams.logit_bias: {_short(t)} is not a token id in [0, {MAX_INT32}]")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -106,6 +138,15 @@ class SamplingParams:
         """Whether its logits change before a token is picked (bias or penalties)."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
             or self.repetition_penalty != 1.0 or self.min_tokens > 0
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut short: a 5,000-digit number must not become a 5,000-character error."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's str() digit limit
+        return "<an integer of more than 4300 digits>"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

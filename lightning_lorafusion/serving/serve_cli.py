@@ -14,6 +14,21 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from ..specs import ConfigError
 
 API_KEY_ENV = "LORAFUSION_API_KEY"
+# what `serve` needs beyond the core install: the `serve` extra of pyproject.toml
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+SERVE_EXTRA_HINT = 'pip install -e ".[serve]"'
+
+
+def missing_serve_module() -> str | None:
+    """The first module of the ``serve`` extra that cannot be imported (None: all present)."""
+    import importlib
+
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
 
 
 def build_parser() -> ArgumentParser:
@@ -85,11 +100,17 @@ use_engine_process = should_warm_up = on_cuda_unless_set
 def run(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (``--print_config`` prints the merged config and exits), build everything
     and serve until SIGINT/SIGTERM. Returns the process exit code."""
+    missing = missing_serve_module()
+    if missing is not None:
+        print(f"lightning-lorafusion serve: error: the server needs the 'serve' extra ({missing} is not installed): "
+              f"{SERVE_EXTRA_HINT}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from . import Engine
     from .adapter_store import AdapterStore
     from .engine_process import EngineClient
+    from .http_limits import uvicorn_limits
     from .server import create_app
 
     parser = build_parser()
@@ -107,7 +128,7 @@ def run(argv: list[str] | None = None) -> int:
             server_cfg = type(server_cfg)(**{**vars(server_cfg), **overrides})
         build = functools.partial(Engine.from_pretrained, cfg.base_model, adapters=dict(cfg.adapters) or None,
                                   config=objs.engine, device=cfg.device, dtype=_dtype(cfg.dtype))
-        engine = EngineClient(build) if use_engine_process(cfg.engine_process, cfg.device) else build()
+        engine = EngineClient(build, restart_on_crash=True) if use_engine_process(cfg.engine_process, cfg.device) else build()
         store = AdapterStore(cfg.adapter_dir, engine) if cfg.adapter_dir else None
         if should_warm_up(cfg.warm_up, cfg.device):
             if store is not None:
@@ -122,7 +143,7 @@ def run(argv: list[str] | None = None) -> int:
     app = create_app(engine, config=server_cfg, store=store)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
-                    timeout_graceful_shutdown=cfg.graceful_shutdown_s)
+                    timeout_graceful_shutdown=cfg.graceful_shutdown_s, **uvicorn_limits(server_cfg))
     finally:
         engine.close()
     return 0

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..specs import ConfigError
 from . import openai_api as oa
 from .adapter_store import AdapterPathError, AdapterStore
-from .engine_process import EngineDeadError
+from .engine_process import RESTARTING, EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class ServerConfig:
         requests get 503 with ``Retry-After: retry_after_s``.
     rescan_interval_s: how often the adapter store is rescanned (0 = only on requests for
         unknown names and on ``GET /v1/models``).
+    max_header_bytes: a request's line and headers larger than this get 431 and a closed
+        connection (``serve`` sets it on uvicorn: ``http_limits``).
+    header_timeout_s: a request whose line and headers take longer to arrive gets 408 and a
+        closed connection (slow-header clients).
+    keep_alive_timeout_s: an idle kept-alive connection is closed after this many seconds.
     """
 
     served_model_name: str | None = None
@@ -59,14 +65,20 @@ class ServerConfig:
     max_pending_requests: int = 256
     retry_after_s: int = 1
     rescan_interval_s: float = 10.0
+    max_header_bytes: int = 65536
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_tokens_limit", "max_n", "max_pending_requests"):
+        for name in ("max_request_bytes", "max_tokens_limit", "max_n", "max_pending_requests", "max_header_bytes",
+                     "keep_alive_timeout_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ServerConfig.{name}={getattr(self, name)} must be >= 1")
         for name in ("max_prompt_tokens", "default_max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"ServerConfig.{name}={getattr(self, name)} must be >= 1 or null")
+        if not self.header_timeout_s > 0:
+            raise ConfigError(f"ServerConfig.header_timeout_s={self.header_timeout_s} must be > 0")
         if self.retry_after_s < 0 or self.rescan_interval_s < 0:
             raise ConfigError("ServerConfig.retry_after_s and rescan_interval_s must be >= 0")
         if self.api_key is not None and not self.api_key:
@@ -227,8 +239,10 @@ class _Server:
                 raise oa.APIError(413, f"request body exceeds this server's limit of {limit} bytes")
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise oa.APIError(400, f"the request body is not valid JSON: {e}") from None
+        except ValueError as e:  # bad JSON or UTF-8, or an integer beyond Python's 4300-digit limit
+            raise oa.APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+        except RecursionError:
+            raise oa.APIError(400, "the request body is nested too deeply") from None
 
     async def resolve_adapter(self, model: str) -> str | None:
         """The engine adapter ``model`` names (None = the base); 404 when there is none."""
@@ -240,13 +254,49 @@ class _Server:
             return model
         raise oa.model_not_found(model)
 
-    def admit(self, count: int) -> None:
+    @contextlib.contextmanager
+    def admitted(self, greqs: list) -> Any:
+        """Count ``greqs`` as in flight from now on, or refuse them (503) when the server is
+        closing or ``max_pending_requests`` would be exceeded. Check and count happen with no
+        await between them, so the limit is exact however many requests arrive at once; if the
+        handler fails before the requests reach the engine, they are uncounted again (the
+        engine streams uncount them when they end)."""
         retry = {"Retry-After": str(self.config.retry_after_s)}
         if self.closing:
             raise oa.APIError(503, "the server is shutting down", headers=retry)
-        if len(self.in_flight) + count > self.config.max_pending_requests:
+        if len(self.in_flight) + len(greqs) > self.config.max_pending_requests:
             raise oa.APIError(503, f"the server is overloaded ({len(self.in_flight)} requests in flight); "
                                    "retry later", code="server_overloaded", headers=retry)
+        ids = [g.request_id for g in greqs]
+        self.in_flight.update(ids)
+        try:
+            yield
+        except BaseException:
+            self.in_flight.difference_update(ids)
+            raise
+
+    def shown_path(self, path: str | None) -> str | None:
+        """An adapter's directory as ``/v1/models`` shows it: relative to the store, never the
+        server's absolute paths (outside the store: the directory's name only)."""
+        if path is None:
+            return None
+        p = Path(path)
+        if self.store is not None:
+            with contextlib.suppress(ValueError, OSError):
+                return p.resolve().relative_to(self.store.root).as_posix()
+        return p.name
+
+    def adapter_card(self, a: Any) -> dict:
+        """One adapter's ``/v1/models`` entry; metadata that cannot be shown (a non-finite
+        number, say) is left out, so one adapter can never fail the listing for everyone."""
+        try:
+            card = oa.model_card(a.name, created=self.started, root=self.shown_path(a.path), parent=self.model_name,
+                                 rank=a.rank, alpha=a.alpha, target_modules=a.target_modules)
+            json.dumps(card, allow_nan=False)
+            return card
+        except Exception as e:  # noqa: BLE001 - logged; the listing goes on
+            log.warning("adapter %r: its metadata cannot be listed (%s); listed by name only", a.name, e)
+            return oa.model_card(str(a.name), created=self.started, parent=self.model_name)
 
     def check_prompt(self, prompt: oa.Prompt) -> None:
         limit = min(self.config.max_prompt_tokens or self.max_model_len, self.max_model_len)
@@ -271,6 +321,9 @@ class _Server:
 
     def _engine_error(self, err: Exception, greq: Any) -> oa.APIError:
         if isinstance(err, EngineDeadError):  # the engine process is gone; /health says so too
+            if getattr(self.engine, "restarting", False) or str(err).startswith(RESTARTING):
+                return oa.APIError(503, RESTARTING, code="engine_restarting",
+                                   headers={"Retry-After": str(self.config.retry_after_s)})
             return oa.APIError(503, "the engine is not running; the server must be restarted")
         if isinstance(err, KeyError):  # UnknownAdapterError: removed between lookup and submit
             return oa.model_not_found(greq.adapter or self.model_name)
@@ -288,8 +341,11 @@ class _Server:
             except (KeyError, ConfigError, EngineDeadError) as e:
                 raise self._engine_error(e, greq) from None
             yield first
-            async for event in stream:
-                yield event
+            try:
+                async for event in stream:
+                    yield event
+            except EngineDeadError as e:  # the engine process failed mid-request
+                raise self._engine_error(e, greq) from None
         finally:
             self.in_flight.discard(rid)
             await stream.aclose()
@@ -401,6 +457,8 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
     async def health():
         if srv.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if getattr(srv.engine, "restarting", False):  # an EngineClient starting a new engine process
+            return JSONResponse({"status": "restarting"}, status_code=503)
         if not getattr(srv.engine, "alive", True):  # an EngineClient whose engine process died
             return JSONResponse({"status": "engine process gone"}, status_code=503)
         return {"status": "ok"}
@@ -416,8 +474,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
             await asyncio.to_thread(srv.store.scan)
         cards = [oa.model_card(srv.model_name, created=srv.started)]
         for a in sorted(srv.engine.adapters(), key=lambda a: a.name):
-            cards.append(oa.model_card(a.name, created=srv.started, root=a.path, parent=srv.model_name,
-                                       rank=a.rank, alpha=a.alpha, target_modules=a.target_modules))
+            cards.append(srv.adapter_card(a))
         return oa.models_list(cards)
 
     @app.post("/tokenize")
@@ -425,30 +482,41 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         """vLLM's: the token ids the server would run for a completions prompt or chat messages."""
         srv.authorize(request)
         req = oa.parse_request(oa.TokenizeRequest, await srv.read_json(request))
-        await srv.resolve_adapter(req.model)  # 404 for an unknown model, as everywhere
+        if req.model is not None:  # optional, as vLLM's: the base's tokenizer serves every adapter
+            await srv.resolve_adapter(req.model)  # 404 for an unknown model, as everywhere
         if req.messages is not None:
-            ids = oa.chat_prompt(req, srv.tokenizer).token_ids
+            prompt = oa.chat_prompt(req, srv.tokenizer)
+            ids = oa.text_token_ids(srv.tokenizer, prompt.text) if req.add_special_tokens else prompt.token_ids
         else:
-            ids = oa.text_token_ids(srv.tokenizer, req.prompt)
+            specials = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = oa.text_token_ids(srv.tokenizer, req.prompt, add_special_tokens=specials)
         return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": list(ids)}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         srv.authorize(request)
         req = oa.parse_request(oa.DetokenizeRequest, await srv.read_json(request))
-        await srv.resolve_adapter(req.model)
+        if req.model is not None:
+            await srv.resolve_adapter(req.model)
         oa.check_token_ids(req.tokens, srv.vocab_size, param="tokens")
         return {"prompt": srv.tokenizer.decode(req.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """vLLM's: the tokenizer's configuration, for clients that tokenize through this server."""
+        srv.authorize(request)
+        return oa.tokenizer_info(srv.tokenizer, max_model_len=srv.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         srv.authorize(request)
         req = oa.parse_request(oa.CompletionRequest, await srv.read_json(request))
+        # the size limit before any work: a list of 50,000 prompts is refused, not tokenized
+        if len(req.prompt) * req.n > srv.config.max_n:
+            raise oa.APIError(400, f"n x prompts = {len(req.prompt) * req.n} choices; this server allows at most "
+                                   f"{srv.config.max_n} per request", param="n")
         adapter = await srv.resolve_adapter(req.model)
         prompts = oa.completion_prompts(req, srv.tokenizer, vocab_size=srv.vocab_size)
-        if len(prompts) * req.n > srv.config.max_n:
-            raise oa.APIError(400, f"n x prompts = {len(prompts) * req.n} choices; this server allows at most "
-                                   f"{srv.config.max_n} per request", param="n")
         if req.echo and req.stream:
             raise oa.APIError(400, "echo is not supported with stream=true", param="echo")
         if req.max_tokens == 0 and not req.echo:
@@ -466,16 +534,16 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
                 kwargs = oa.sampling_kwargs(req, max_new_tokens=max_tokens, choice=j, logprobs=req.logprobs,
                                             prompt_logprobs=(req.logprobs or 0) if scoring else None)
                 plans.append((p_i * req.n + j, prompt, srv.engine_request(prompt, adapter, kwargs)))
-        srv.admit(len(plans))
         rid, created = oa.new_id("cmpl"), oa.now()
         greqs = [plan[2] for plan in plans]
-        if req.stream:
-            streams = await _open_streams(request, srv, greqs)
-            return _sse(_stream_completion(srv, req, plans, streams, rid, created))
-        if req.echo and req.logprobs is not None:  # the prompt's logprobs come with whole results only
-            outs = await _unless_disconnected(request, srv.generate(greqs))
-        else:
-            outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
+        with srv.admitted(greqs):
+            if req.stream:
+                streams = await _open_streams(request, srv, greqs)
+                return _sse(_stream_completion(srv, req, plans, streams, rid, created))
+            if req.echo and req.logprobs is not None:  # the prompt's logprobs come with whole results only
+                outs = await _unless_disconnected(request, srv.generate(greqs))
+            else:
+                outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
         choices, completion_tokens = [], 0
         for (index, prompt, _), out in zip(plans, outs):
             completion_tokens += len(out.token_ids)
@@ -504,12 +572,12 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
         greqs = [srv.engine_request(prompt, adapter, oa.sampling_kwargs(req, max_new_tokens=max_tokens, choice=j,
                                                                         logprobs=top))
                  for j in range(req.n)]
-        srv.admit(len(greqs))
         rid, created = oa.new_id("chatcmpl"), oa.now()
-        if req.stream:
-            streams = await _open_streams(request, srv, greqs)
-            return _sse(_stream_chat(srv, req, prompt, streams, rid, created))
-        outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
+        with srv.admitted(greqs):
+            if req.stream:
+                streams = await _open_streams(request, srv, greqs)
+                return _sse(_stream_chat(srv, req, prompt, streams, rid, created))
+            outs = await _unless_disconnected(request, asyncio.gather(*(srv.collect(g) for g in greqs)))
         choices = [oa.chat_choice(j, out, srv.tokenizer, logprobs=req.logprobs) for j, out in enumerate(outs)]
         return oa.chat_response(request_id=rid, model=req.model, created=created, choices=choices,
                                 prompt_tokens=len(prompt.token_ids) * req.n,
@@ -554,7 +622,7 @@ def create_app(engine: Any, *, config: ServerConfig | None = None, store: Adapte
 
 _STARTED = "lorafusion.started"  # the ASGI scope key: perf_counter() when the request reached the server
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize"}
+              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize", "/tokenizer_info"}
 
 
 class _CountRequests:
