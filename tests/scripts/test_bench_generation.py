@@ -44,11 +44,8 @@ def test_bench_generation_prefill_attention_variants_tiny_cpu(tmp_path):
 
 
 def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
-    """``--base-precision bf16,fp8,fp8rq``: engines over the same weights quantized to e4m3
-    (emulated FP8 products on the CPU), with their own rows; all generate every token; fp8
-    engines run with the module's weight-only setting (16 rows), fp8rq ones with none (0),
-    and the script restores the setting afterwards."""
-    from lightning_lorafusion.kernels import fp8_linear
+    """``--base-precision bf16,fp8``: an engine over the same weights quantized to e4m3
+    (emulated FP8 products on the CPU), with its own rows; both generate every token."""
     from lightning_lorafusion.kernels.fp8_linear import is_quantized
 
     module = load_script("bench_generation")
@@ -63,13 +60,10 @@ def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
     report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
                           "--new-tokens", "3", "--prompt-min", "4", "--prompt-max", "20", "--adapters", "2",
                           "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf", "--step-batch", "4",
-                          "--base-precision", "bf16,fp8,fp8rq", "--out", str(tmp_path)])
+                          "--base-precision", "bf16,fp8", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    assert seen == [False, True, True]
-    assert report["fp8_engine"]["fp8_weight_only_max_rows"] == 16
-    assert report["fp8rq_engine"]["fp8_weight_only_max_rows"] == 0
-    assert fp8_linear.WEIGHT_ONLY_MAX_ROWS == 16
-    for precision in ("bf16", "fp8", "fp8rq"):
+    assert seen == [False, True]
+    for precision in ("bf16", "fp8"):
         assert report[f"{precision}_engine"]["base_precision"] == precision
         assert report[f"{precision}_ours_all"]["generated_tokens"] == 4 * 3
         assert report[f"{precision}_step_adapters"]["steps"] >= 1
