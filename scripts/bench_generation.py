@@ -63,7 +63,6 @@ import argparse
 import gc
 import random
 import tempfile
-import time
 
 from harness import Report, add_device_args, add_output_args, comma_list, dtype_of, logger, sync, timer
 

@@ -92,12 +92,12 @@ def kernel_ms(fn: Callable[[], Any], *, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (nearest rank) of ``values``; None when empty."""
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank ``q``-th percentile (``q`` in 0..100) of ``values``; None when empty."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
 
 
 def device_info(device: torch.device | str) -> dict[str, Any]:
