@@ -156,12 +156,37 @@ def measure_lengths(args: argparse.Namespace, data_parallel: int):
     return lengths
 
 
+def _measure_microbatches(args: argparse.Namespace, plan, lengths, config, num_adapters: int, replica: int,
+                          dp: int, device) -> dict:
+    """The plan's microbatches packed from random token ids (seeded per replica), on ``device``."""
+    import torch
+
+    from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
+
+    g = torch.Generator().manual_seed(100 + replica)
+    datasets = [[SimpleNamespace(input_ids=(ids := torch.randint(0, config.vocab_size, (n,), generator=g).tolist()),
+                                 labels=ids[1:] + [-100])
+                 for batch in per_adapter for n in batch] for per_adapter in lengths]
+    batches = []
+    for per_adapter in lengths:
+        k, idx = 0, []
+        for batch in per_adapter:
+            idx.append(list(range(k, k + len(batch))))
+            k += len(batch)
+        batches.append(idx)
+    lookup = SampleLookup(datasets, batches)
+    dens = {(a, j): lookup.label_tokens(a, j) * dp for a in range(len(lengths)) for j in range(len(lengths[a]))}
+    packing = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
+    return {i: pack_microbatch(mb, lookup, config=packing, num_adapters=num_adapters, denominators=dens,
+                               step_adapters=(), index=i).to(device)
+            for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+
+
 def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, init_file: str,
                     out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
     from lightning_lorafusion.model.adapter_bank import AdapterBank
     from lightning_lorafusion.model.random_model import random_base_params
     from lightning_lorafusion.parallel.data_parallel import (
@@ -194,23 +219,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
         lengths = measure_lengths(args, dp)
         plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple,
                                  num_stages=pp, method="greedy")
-        g = torch.Generator().manual_seed(100 + replica)
-        datasets = [[SimpleNamespace(input_ids=(ids := torch.randint(0, config.vocab_size, (n,), generator=g).tolist()),
-                                     labels=ids[1:] + [-100])
-                     for batch in per_adapter for n in batch] for per_adapter in lengths]
-        batches = []
-        for per_adapter in lengths:
-            k, idx = 0, []
-            for batch in per_adapter:
-                idx.append(list(range(k, k + len(batch))))
-                k += len(batch)
-            batches.append(idx)
-        lookup = SampleLookup(datasets, batches)
-        dens = {(a, j): lookup.label_tokens(a, j) * dp for a in range(len(lengths)) for j in range(len(lengths[a]))}
-        packing = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
-        mbs = {i: pack_microbatch(mb, lookup, config=packing, num_adapters=len(specs), denominators=dens,
-                                  step_adapters=(), index=i).to(device)
-               for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+        mbs = _measure_microbatches(args, plan, lengths, config, len(specs), replica, dp, device)
         stage = DecoderStage(params=params, bank=bank, config=config, layers=layers, is_first=first,
                              is_last=last, microbatches=mbs.__getitem__, backend=args.lora_backend)
         dp_group = groups[stage_index]
