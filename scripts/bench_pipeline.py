@@ -35,6 +35,8 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 
+from harness import write_json
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -124,8 +126,8 @@ def _children() -> dict[int, list[int]]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun starts its ranks in sessions of their own, so
-    the job's process group does not hold them)."""
+    """Every live descendant of ``pid`` (torchrun starts its ranks under setsid, so the job's
+    process group does not hold them)."""
     children, found, todo = _children(), [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -393,8 +395,7 @@ def write_outputs(args, results: list[dict]) -> str:
     text = table(results)
     with open(os.path.join(args.out, "pp4_summary.md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(args.out, "pp4_runs.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.out, "pp4_runs.json", results)
     with tarfile.open(os.path.join(args.out, "pp4_logs.tar.gz"), "w:gz") as tar:
         for run in args.runs:
             for job in run.jobs:

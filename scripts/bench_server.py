@@ -212,8 +212,8 @@ async def _aiohttp_lines(content):
         yield raw.decode().rstrip("\r\n")
 
 
-async def send_http(session, spec: Spec) -> Outcome:
-    """One streamed completion through ``session`` (an aiohttp ClientSession or an httpx
+async def send_http(pool, spec: Spec) -> Outcome:
+    """One streamed completion through ``pool`` (an aiohttp ClientSession or an httpx
     AsyncClient, both with the server's base URL)."""
     out = Outcome(spec.request_id, time.perf_counter())
     body = {"model": spec.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
@@ -221,9 +221,9 @@ async def send_http(session, spec: Spec) -> Outcome:
     aiohttp = sys.modules.get("aiohttp")
     errors: tuple = (ValueError, KeyError, OSError, asyncio.TimeoutError)
     try:
-        if aiohttp is not None and isinstance(session, aiohttp.ClientSession):
+        if aiohttp is not None and isinstance(pool, aiohttp.ClientSession):
             errors += (aiohttp.ClientError,)
-            async with session.post("/v1/completions", json=body) as r:
+            async with pool.post("/v1/completions", json=body) as r:
                 if r.status != 200:
                     out.error = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
                     ended = True
@@ -233,7 +233,7 @@ async def send_http(session, spec: Spec) -> Outcome:
             import httpx
 
             errors += (httpx.HTTPError,)
-            async with session.stream("POST", "/v1/completions", json=body) as r:
+            async with pool.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                     ended = True
@@ -247,7 +247,7 @@ async def send_http(session, spec: Spec) -> Outcome:
     return out
 
 
-def _session(url: str, lib: str, concurrency: int, open_loop: bool):
+def _connection_pool(url: str, lib: str, concurrency: int, open_loop: bool):
     """The clients' connection pool: at most ``concurrency`` connections in a closed loop."""
     if lib == "aiohttp":
         import aiohttp
@@ -279,11 +279,11 @@ async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrenc
     """Warm the connections with ``warm`` (not measured), then drive ``specs``; -> (outcomes,
     wall seconds, {"server_ttft_s": the server's mean time to first token over ``specs``,
     "client_cpu_s": this process's CPU seconds while driving them})."""
-    async with _session(url, lib, concurrency, arrivals is not None) as session:
-        await drive(lambda s: send_http(session, s), warm, concurrency=concurrency, arrivals=None)
+    async with _connection_pool(url, lib, concurrency, arrivals is not None) as pool:
+        await drive(lambda s: send_http(pool, s), warm, concurrency=concurrency, arrivals=None)
         before = server_ttft(url)  # nothing runs now: a blocking read is fine
         cpu = time.process_time()
-        outcomes, wall = await drive(lambda s: send_http(session, s), specs, concurrency=concurrency,
+        outcomes, wall = await drive(lambda s: send_http(pool, s), specs, concurrency=concurrency,
                                      arrivals=arrivals)
         cpu = time.process_time() - cpu
         total, count = (a - b for a, b in zip(server_ttft(url), before))

@@ -29,6 +29,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import harness  # noqa: F401  (puts the repository on sys.path)
+
 from lightning_lorafusion.data.synthetic import workload_lengths
 from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.partition import partition_decoder
@@ -249,7 +251,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
             "events": record.events,
             "real_tokens": sum(mb.real_tokens() for mb in plan.microbatches) if first else 0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "device": harness.device_info(device)["device_name"],
         }
         with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -393,7 +395,7 @@ def plot_measured(path_json: str, png: str) -> None:
     print(f"timeline: {png}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+",
                    default=["xsum", "cnn_dailymail", "wikisum", "mixed", "heterogeneous"])
@@ -422,7 +424,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON with every rank's events (--measure)")
     p.add_argument("--plot-measured", default=None, metavar="JSON",
                    help="draw the PP=2 run of a --measure JSON (to --png) and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.plot_measured:
         plot_measured(args.plot_measured, args.png or "pipeline_measured_pp2.png")
         return

@@ -68,7 +68,7 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
 
 
 def test_a_job_over_its_limit_is_killed_with_its_children_and_others_report(tmp_path):
-    """The child sits in a session of its own, as torchrun's ranks do: killing the job's process
+    """The child runs under setsid, as torchrun's ranks do: killing the job's process
     group alone would leave it running (and holding its GPU)."""
     pid_file = tmp_path / "child.pid"
     sleeper = ("import subprocess, sys, time; "
