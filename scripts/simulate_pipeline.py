@@ -275,6 +275,8 @@ def _fit_cost_model(args: argparse.Namespace, one: dict, num_stages: int) -> Cos
     x = np.array([flops[i] for i in fwd])
     y = np.array([fwd[i] for i in fwd])
     slope, intercept = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y.mean() / x.mean(), 0.0)
+    if slope <= 0:  # times do not grow with FLOPs (noise dominates, e.g. a tiny model): a pure rate
+        slope, intercept = y.mean() / x.mean(), 0.0
     intercept = max(float(intercept), 0.0)
     ratio = float(np.median([(bwd[i] - intercept) / max(fwd[i] - intercept, 1e-9) for i in fwd]))
     stages = partition_decoder(config, num_stages)
