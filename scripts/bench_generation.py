@@ -15,7 +15,8 @@ exactly that many).
 ``--graphs compare`` runs the engine phases twice, decode CUDA graphs on and then off (a new
 engine over the same weights, the same requests; "eager_" rows), and each engine also times
 ``--step-batch`` requests' decode-only steps (``step_ms``: wall time per step; ``forward_ms``:
-the step's forward, synchronised, the rest being host work: scheduling, sampling, events).
+the same rows' decode forward alone, synchronised, the rest of a step being host work:
+scheduling, sampling, events; not timed apart under the overlapped decode).
 
 The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
 same prompts, which would otherwise hit the cache.
