@@ -27,7 +27,7 @@ FP8 base (``--base-precision fp8``): ours with the FP8 base against ours with th
 (same case, init, samples, masks), the torch fp32 run again as the bf16 yardstick, and a held-
 out eval loss (``--eval-samples`` per adapter, dropout off) after training. PASS when every
 adapter's final eval loss (train: mean of the last 5 steps, without eval samples) is within
-``--fp8-final-rel`` (1%, issue 16) of the bf16 base's, and no per-step loss differs by more than
+``--fp8-final-rel`` (1%) of the bf16 base's, and no per-step loss differs by more than
 ``--fp8-max-rel`` (5%). Why: e4m3 rounds each operand by up to 2^-4 = 6.25% (16x bf16's 2^-8),
 so a per-step loss gap of a few 1e-2 is one rounding of the frozen products; a defect (a
 scale applied twice, a wrong layout) costs more than that, and grows or stays instead of the
@@ -55,9 +55,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
+from harness import device_info, sync, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 
 # Only modules whose import chain avoids mip/highspy/torchdata/wandb/jsonargparse (absent on the
 # GPU machine): the greedy planner, packing, the functional decoder and the bank.
@@ -292,11 +292,6 @@ def adapter_vectors(bank: AdapterBank) -> list[torch.Tensor]:
             for a in range(bank.num_adapters)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapter_dtype: torch.dtype,
           dropout_index_shift: int = 0) -> RunResult:
     """Train every adapter for ``case.steps`` steps over the case's microbatches.
@@ -311,7 +306,7 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
     n = len(case.specs)
     acc: list[Any] = [0.0] * n
     losses: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for mb in case.microbatches:
         routing = bank.routing(mb.segments, mb.index + dropout_index_shift, mb.capacity)
@@ -329,7 +324,7 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
             sched.step()
             losses[a].append(acc[a])
             acc[a] = 0.0
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     values = [torch.stack(l).tolist() for l in losses]  # one host sync per adapter, at the end
     if any(len(v) != case.steps for v in values):
@@ -657,13 +652,10 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the fused kernels are first imported
     fp8 = args.base_precision == "fp8"
     results = [(run_fp8_model if fp8 else run_model)(args, m, device) for m in args.model]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        for r in results:
-            with open(os.path.join(args.out, f"convergence_{r['model']}{'_fp8' if fp8 else ''}.json"), "w") as f:
-                json.dump({"device": name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "args": vars(args), **r}, f, indent=1)
+    info = device_info(device)
+    name = info["device_name"]
+    for r in results:
+        write_json(args.out, f"convergence_{r['model']}{'_fp8' if fp8 else ''}.json", {**info, "args": vars(args), **r})
     print(f"\n{name}, torch {torch.__version__}, {args.dtype}, r={args.rank} alpha={args.alpha:g} "
           f"p={args.dropout} lr={args.lr:g}, {args.adapters} adapters x {args.steps} steps")
     (print_fp8_table if fp8 else print_table)(results)

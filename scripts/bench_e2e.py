@@ -14,9 +14,7 @@
     ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
     ("triton_fp8": projection weights and the untied input embedding quantized to e4m3, frozen
     GEMMs on FP8 tensor cores; ``--fp8-fast-accum off,forward,both`` repeats it per fast-
-    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``; ``--fp8-fused-swiglu
-    on,off`` repeats it with the MLP's FP8 operands quantized by SwiGLU or by the products
-    themselves, the latter rows suffixed ``_sw-off``); the FP8 runs come last
+    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``); the FP8 runs come last
     and release the HF model's bf16 projection weights and embedding table, so their peak memory
     is the FP8 base's.
 (c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
@@ -36,17 +34,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-import torch
+from harness import add_output_args, comma_list, device_info, sync, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation, set_fused_swiglu  # noqa: E402
+from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
 from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
 from lightning_lorafusion.model.hf_loading import (  # noqa: E402
@@ -95,8 +92,8 @@ def workload(args, vocab):
 
 
 def timed(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    """The clock after the device's queued work (a pass's start or end)."""
+    sync(device)
     return time.perf_counter()
 
 
@@ -138,16 +135,13 @@ HF_PEFT_VARIANTS = ("hf", "hf_packed", "hf_liger", "hf_liger_packed")
 
 def apply_liger(model):
     """Liger Kernel on the HF model (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): the
-    strongest single-adapter setup HF + PEFT users have. Patches ``model`` in place, once."""
-    if getattr(model, "_liger_applied", False):
-        return
+    strongest single-adapter setup HF + PEFT users have. Patches ``model`` in place (call once)."""
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
     except ImportError as e:
         raise SystemExit("variant hf_liger needs liger-kernel (pip install liger-kernel)") from e
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=True, model=model)
-    model._liger_applied = True
 
 
 def run_hf_frozen(args, model, data, device):
@@ -362,85 +356,68 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
     return tokens, timed(device) - t0
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, layers=8)
+    add_output_args(ap)
     ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
     ap.add_argument("--capacity", type=int, default=8192)
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
-    ap.add_argument("--base-precision", default="bf16",
+    ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8")), default=["bf16"],
                     help="comma list of bf16 / fp8: our variants run once per entry (fp8 rows last, "
                          "suffixed _fp8); needs a GPU with FP8 tensor cores for fp8")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
     ap.add_argument("--fp8-exempt-layers", type=int, default=0,
                     help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
-    ap.add_argument("--fp8-fast-accum", default="off",
+    ap.add_argument("--fp8-fast-accum", type=comma_list(("off", "forward", "both")), default=["off"],
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")
-    ap.add_argument("--fp8-fused-swiglu", default="on",
-                    help="comma list of on / off: the FP8 runs repeat per setting (SwiGLU quantizing the "
-                         "down projection's input and the gate/up gradient itself, fp8_linear.Fp8SwiGLU; "
-                         "rows without it suffixed _sw-off)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--memory-peak", action="store_true",
                     help="eager variants: what is live at one microbatch's memory peak, by allocating line "
                          "(scripts/memory_peak.py)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    device, dtype, hf_config, model, data = model_and_workload(args)
-    precisions = args.base_precision.split(",")
-    if set(precisions) - {"bf16", "fp8"} or not precisions:
-        raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
-    ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
-    runs = [(v, "bf16", ("off", "on")) for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
-    # Liger patches the shared HF model in place: its variants run after the plain HF ones
+    return ap.parse_args(argv)
+
+
+def planned_runs(args) -> list[tuple[str, str, str]]:
+    """(variant, base precision, fast accumulation) in run order: HF variants (Liger's after the
+    plain ones: Liger patches the shared HF model in place), ours in bf16, then ours in FP8 (last:
+    they release the HF model's bf16 weights)."""
+    variants = args.variants.split(",")
+    ours = [v for v in variants if not v.startswith("hf")]
+    runs = [(v, "bf16", "off") for v in variants if v.startswith("hf") or "bf16" in args.base_precision]
     runs.sort(key=lambda r: r[0].startswith("hf_liger"))
-    modes = args.fp8_fast_accum.split(",")
-    if set(modes) - {"off", "forward", "both"} or not modes:
-        raise SystemExit(f"--fp8-fast-accum {args.fp8_fast_accum!r}: give off, forward, both (comma list)")
-    swiglu = args.fp8_fused_swiglu.split(",")
-    if set(swiglu) - {"on", "off"} or not swiglu:
-        raise SystemExit(f"--fp8-fused-swiglu {args.fp8_fused_swiglu!r}: give on, off or on,off")
-    # last: they release the bf16 weights
-    runs += [(v, "fp8", (m, sw)) for v in ours if "fp8" in precisions for m in modes for sw in swiglu]
-    rows = []
-    fp8_params: dict = {}
-    for variant, precision, (accum, fused_swiglu) in runs:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            if variant in HF_PEFT_VARIANTS:
-                if variant.startswith("hf_liger"):
-                    apply_liger(model)
-                tps, secs, toks, model = run_hf_peft(args, model, data, device, packed=variant.endswith("_packed"))
-                extra = {}
-            elif variant == "hf_frozen":
-                tps, secs, toks = run_hf_frozen(args, model, data, device)
-                extra = {}
-            else:
-                set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
-                set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
-                set_fused_swiglu(fused_swiglu == "on")
-                backend = "triton" if variant.startswith("triton") else variant
-                variant = (variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
-                           + ("_sw-off" if fused_swiglu == "off" else ""))
-                tps, secs, toks, fill, n, extra = run_ours(args, hf_config, model, data, device, dtype, backend,
-                                                           base_precision=precision,
-                                                           graphs=variant.startswith("triton_graphs"),
-                                                           label=variant, fp8_params=fp8_params)
-                extra = {"fill": round(fill, 3), "microbatches": n, **extra}
-        except torch.OutOfMemoryError:
-            print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
-            continue
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        flops = lora_training_flops(hf_config, [len(x) for d in data for x, _ in d])
-        extra["mfu"] = round(flops / secs / args.peak_tflops / 1e12, 4)
-        rows.append({"variant": variant, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2),
-                     "real_tokens": toks, "peak_gib": round(peak, 2), **extra})
-        print(json.dumps(rows[-1]), flush=True)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
+    runs += [(v, "fp8", m) for v in ours if "fp8" in args.base_precision for m in args.fp8_fast_accum]
+    return runs
+
+
+def run_variant(args, w: dict, variant: str, precision: str, accum: str) -> tuple[str, float, float, int, dict]:
+    """One variant -> (row label, tokens/s, seconds, real tokens, extra columns). ``w`` holds the
+    workload and the shared HF model (replaced when PEFT unloads)."""
+    device = w["device"]
+    if variant in HF_PEFT_VARIANTS:
+        if variant.startswith("hf_liger") and not w["liger"]:
+            apply_liger(w["model"])
+            w["liger"] = True
+        tps, secs, toks, w["model"] = run_hf_peft(args, w["model"], w["data"], device,
+                                                   packed=variant.endswith("_packed"))
+        return variant, tps, secs, toks, {}
+    if variant == "hf_frozen":
+        tps, secs, toks = run_hf_frozen(args, w["model"], w["data"], device)
+        return variant, tps, secs, toks, {}
+    set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
+    set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
+    backend = "triton" if variant.startswith("triton") else variant
+    label = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
+    tps, secs, toks, fill, n, extra = run_ours(args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
+                                               backend, base_precision=precision,
+                                               graphs=label.startswith("triton_graphs"), label=label,
+                                               fp8_params=w["fp8_params"])
+    return label, tps, secs, toks, {"fill": round(fill, 3), "microbatches": n, **extra}
+
+
+def print_table(rows: list[dict], args, device_name: str) -> None:
+    print(f"\n{device_name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
           f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
     best_hf = max((r["tokens_per_s"] for r in rows if r["variant"] in HF_PEFT_VARIANTS), default=base)
@@ -456,10 +433,34 @@ def main() -> None:
         if bf16 is not None:
             print(f"{r['variant']}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x the tokens/s of "
                   f"{bf16['variant']}, peak {r['peak_gib'] - bf16['peak_gib']:+.2f} GiB")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"e2e_{args.shape}_{args.workload}_c{args.capacity}.json"), "w") as f:
-            json.dump({"device": name, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device, dtype, hf_config, model, data = model_and_workload(args)
+    w = {"device": device, "dtype": dtype, "hf_config": hf_config, "model": model, "data": data, "liger": False,
+         "fp8_params": {}}
+    flops = lora_training_flops(hf_config, [len(x) for d in data for x, _ in d])
+    rows = []
+    for variant, precision, accum in planned_runs(args):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            label, tps, secs, toks, extra = run_variant(args, w, variant, precision, accum)
+        except torch.OutOfMemoryError:
+            print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        extra["mfu"] = round(flops / secs / args.peak_tflops / 1e12, 4)
+        rows.append({"variant": label, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2),
+                     "real_tokens": toks, "peak_gib": round(peak, 2), **extra})
+        print(json.dumps(rows[-1]), flush=True)
+    info = device_info(device)
+    print_table(rows, args, info["device_name"])
+    write_json(args.out, f"e2e_{args.shape}_{args.workload}_c{args.capacity}.json",
+               {**info, "args": vars(args), "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,14 +4,9 @@
     shapes (K, N) in {(4096,4096), (4096,1024), (4096,14336), (14336,4096)}:
       bf16            F.linear, dX = dY W (cuBLAS)
       fp8             ours: X and dY*sw quantized per row, Wq^T made on the fly for dX
-      fp8_wt_stored   the same with a second, stored copy of Wq^T (no transpose per call;
-                      twice the FP8 weight memory: as much as bf16)
-      fp8_dq_bwd      FP8 forward, dX in bf16 against W dequantized on the fly
-      fp8_fast_accum  ours with torch._scaled_mm(use_fast_accum=True)
-    plus the pieces of ours (quantize X, forward GEMM, quantize dY, transpose, dX GEMM), the
-    GEMMs with fast accumulation (``_fast``) and with one scale per tensor instead of row-wise
-    scales (``_tensorwise``: what cuBLAS runs without an epilogue of per-row scales), and the
-    relative error of Y and dX against bf16 (random data; real weights: scripts/fp8_quality.py).
+      fp8_fast_accum  ours with fast accumulation in both products
+    plus the pieces of ours (quantize X, forward products, quantize dY, transpose, dX), and
+    the relative error of Y and dX against fp32 (random data).
 (1b) The row quantizer (fp8_triton.quantize_rows) on the inputs the 8B layer quantizes: X of
     q/k/v, o, gate/up (4096 wide), of down (14336); dY*sw of q/k/v (4096+1024+1024), o (4096),
     gate/up (14336+14336), down (4096): time and bandwidth (2 bytes read + 1 written per element).
@@ -27,19 +22,14 @@ Times: median device time of fwd+bwd replayed from a CUDA graph (``graph``) and 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-import triton
+from harness import device_info, kernel_ms, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_kernels import ALPHA, P, RANK, bench_fn, bench_graph, log, make_lora, uneven_routing  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_kernels import ALPHA, P, RANK, log, make_lora, uneven_routing  # noqa: E402
 from lightning_lorafusion.kernels import fp8_linear as F8  # noqa: E402
 from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
 from lightning_lorafusion.kernels.fp8_triton import quantize_rows, transpose_concat  # noqa: E402
@@ -58,13 +48,12 @@ def rel(a, b) -> float:
 
 
 def linear_variants(m, k, n, device):
+    """fwd + dX closures of the frozen linear (bf16, ours in FP8, ours with fast accumulation),
+    the pieces of ours by public function, and the relative errors of Y and dX."""
     x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
     w = torch.randn(n, k, device=device, dtype=DT) / k**0.5
     dy = torch.randn(m, n, device=device, dtype=DT)
     fw = F8.quantize_weight(w)
-    wt_stored = transpose_concat([fw.data])
-    ones = torch.ones(1, k, dtype=torch.float32, device=device)
-    scale_row = fw.scale.view(1, -1)
 
     def bf16():
         torch.autograd.grad(F.linear(x, w), [x], [dy])
@@ -72,54 +61,30 @@ def linear_variants(m, k, n, device):
     def fp8():
         torch.autograd.grad(F8.fp8_linear(x, fw), [x], [dy])
 
-    def fp8_fwd():
-        xq, sx = quantize_rows([x.detach()], None)
-        return F8._scaled_mm(xq, sx, fw.data, scale_row, DT)
-
-    def fp8_wt_stored():
-        fp8_fwd()
-        gq, sg = quantize_rows([dy], [fw.scale])
-        return F8._scaled_mm(gq, sg, wt_stored, ones, DT)
-
-    def fp8_dq_bwd():
-        fp8_fwd()
-        return dy @ (fw.data.to(DT) * fw.scale.to(DT)[:, None])
-
-    def fp8_fast_accum():  # ours, piece by piece, with fast accumulation in both products
-        xq, sx = quantize_rows([x.detach()], None)
-        F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True)
-        gq, sg = quantize_rows([dy], [fw.scale])
-        return F8._scaled_mm(gq, sg, transpose_concat([fw.data]), ones, DT, fast_accum=True)
-
-    xq, sx = quantize_rows([x.detach()], None)
-    gq, sg = quantize_rows([dy], [fw.scale])
-    one = torch.ones((), dtype=torch.float32, device=device)
     pieces = {
         "quant_x": lambda: quantize_rows([x.detach()], None),
-        "gemm_fwd": lambda: F8._scaled_mm(xq, sx, fw.data, scale_row, DT),
+        "fwd": lambda: F8.fp8_outputs(x.detach(), [fw], [None], emulate=False),
         "quant_dy": lambda: quantize_rows([dy], [fw.scale]),
         "transpose": lambda: transpose_concat([fw.data]),
-        "gemm_dx": lambda: F8._scaled_mm(gq, sg, wt_stored, ones, DT),
-        "gemm_fwd_fast": lambda: F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True),
-        "gemm_dx_fast": lambda: F8._scaled_mm(gq, sg, wt_stored, ones, DT, fast_accum=True),
-        "gemm_fwd_tensorwise": lambda: torch._scaled_mm(xq, fw.data.t(), scale_a=one, scale_b=one, out_dtype=DT),
-        "gemm_fwd_tensorwise_fast": lambda: torch._scaled_mm(xq, fw.data.t(), scale_a=one, scale_b=one,
-                                                             out_dtype=DT, use_fast_accum=True),
+        "dx": lambda: F8.fp8_input_grad([dy], [fw], m=m, k=k, dtype=DT, device=device, emulate=False),
         "bf16_fwd": lambda: F.linear(x.detach(), w),
         "bf16_dx": lambda: dy @ w,
     }
     y_ref = F.linear(x.detach().float(), w.float())
     dx_ref = dy.float() @ w.float()
-    xe = x.detach().requires_grad_(True)
-    y8 = F8.fp8_linear(xe, fw)
-    (dx8,) = torch.autograd.grad(y8, [xe], [dy])
+
+    def fp8_y_dx():
+        xe = x.detach().requires_grad_(True)
+        y = F8.fp8_linear(xe, fw)
+        return y, torch.autograd.grad(y, [xe], [dy])[0]
+
+    y8, dx8 = fp8_y_dx()
+    y_fast, dx_fast = with_fast_accum(fp8_y_dx, True, True)()
     errors = {"fp8_y_vs_fp32": rel(y8, y_ref), "fp8_dx_vs_fp32": rel(dx8, dx_ref),
-              "bf16_y_vs_fp32": rel(F.linear(x.detach(), w), y_ref), "bf16_dx_vs_fp32": rel(dy @ w, dx_ref)}
-    # fast accumulation: its own error, against the same products accumulated in fp32
-    errors["fast_accum_y_vs_fp8"] = rel(F8._scaled_mm(xq, sx, fw.data, scale_row, DT, fast_accum=True), y8)
-    errors["fast_accum_dx_vs_fp8"] = rel(F8._scaled_mm(gq, sg, wt_stored, ones, DT, fast_accum=True), dx8)
-    fns = {"bf16": bf16, "fp8": fp8, "fp8_wt_stored": fp8_wt_stored, "fp8_dq_bwd": fp8_dq_bwd,
-           "fp8_fast_accum": fp8_fast_accum}
+              "bf16_y_vs_fp32": rel(F.linear(x.detach(), w), y_ref), "bf16_dx_vs_fp32": rel(dy @ w, dx_ref),
+              # fast accumulation: its own error, against the same products accumulated in fp32
+              "fast_accum_y_vs_fp8": rel(y_fast, y8), "fast_accum_dx_vs_fp8": rel(dx_fast, dx8)}
+    fns = {"bf16": bf16, "fp8": fp8, "fp8_fast_accum": with_fast_accum(fp8, True, True)}
     return fns, pieces, errors
 
 
@@ -178,27 +143,12 @@ def group_variants(m, k, ns, device):
             "lora_fp8_multi4": ours(fws, multi, multi_routing)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--sections", default="linear,quantize,layer",
-                    help="comma list of the parts to run: linear (1), quantize (1b), layer (2)")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    fh = open(args.out / "bench_fp8.log", "w")
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; {now:%Y-%m-%d %H:%M} UTC", fh)
-    log("command: " + " ".join(sys.argv), fh)
-    results = {"device": name, "torch": torch.__version__, "date": f"{now:%Y-%m-%d}", "linear": [], "layer": {}}
-    torch.manual_seed(0)
-    sections = set(args.sections.split(","))
-    for k, n in (SHAPES if "linear" in sections else ()):
+def run_linear(device, results, fh) -> None:
+    for k, n in SHAPES:
         fns, pieces, errors = linear_variants(M, k, n, device)
-        graph = {v: bench_graph(f) for v, f in fns.items()}
-        eager = {v: bench_fn(f) for v, f in fns.items()}
-        parts = {v: bench_graph(f) for v, f in pieces.items()}
+        graph = {v: kernel_ms(f, graph=True) for v, f in fns.items()}
+        eager = {v: kernel_ms(f) for v, f in fns.items()}
+        parts = {v: kernel_ms(f, graph=True) for v, f in pieces.items()}
         row = {"M": M, "K": k, "N": n, "graph_ms": graph, "eager_ms": eager, "pieces_ms": parts, "errors": errors,
                "tflops_graph": {v: 4.0 * M * k * n / t / 1e9 for v, t in graph.items()}}
         results["linear"].append(row)
@@ -207,18 +157,23 @@ def main() -> None:
             + " | errors " + " ".join(f"{v} {e:.2e}" for v, e in errors.items()), fh)
         del fns, pieces
         torch.cuda.empty_cache()
-    results["quantize"] = {}
-    for qname, (fn, nbytes) in (quantize_inputs(M, device).items() if "quantize" in sections else ()):
-        t = bench_graph(fn)
+
+
+def run_quantize(device, results, fh) -> None:
+    for qname, (fn, nbytes) in quantize_inputs(M, device).items():
+        t = kernel_ms(fn, graph=True)
         results["quantize"][qname] = {"graph_ms": t, "gb_per_s": nbytes / t / 1e6}
         log(f"quantize {qname:16s} {t:.3f} ms {nbytes / t / 1e6:7.0f} GB/s", fh)
     torch.cuda.empty_cache()
+
+
+def run_layer(device, results, fh) -> None:
     layer_graph: dict[str, float] = {}
     layer_eager: dict[str, float] = {}
-    for gname, k, ns in (LAYER_GROUPS if "layer" in sections else ()):
+    for gname, k, ns in LAYER_GROUPS:
         fns = group_variants(M, k, ns, device)
         for v, f in fns.items():
-            g, e = bench_graph(f), bench_fn(f)
+            g, e = kernel_ms(f, graph=True), kernel_ms(f)
             layer_graph[v] = layer_graph.get(v, 0.0) + g
             layer_eager[v] = layer_eager.get(v, 0.0) + e
             results["layer"].setdefault(gname, {})[v] = {"graph_ms": g, "eager_ms": e}
@@ -226,11 +181,30 @@ def main() -> None:
         del fns
         torch.cuda.empty_cache()
     results["layer_total"] = {"graph_ms": layer_graph, "eager_ms": layer_eager}
-    (args.out / "bench_fp8.json").write_text(json.dumps(results, indent=1))
 
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--sections", default="linear,quantize,layer",
+                    help="comma list of the parts to run: linear (1), quantize (1b), layer (2)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    fh = open(args.out / "bench_fp8.log", "w")
+    device = torch.device("cuda")
+    results = {**device_info(device), "linear": [], "quantize": {}, "layer": {}, "layer_total": {}}
+    log(f"{results}", fh)
+    log("command: " + " ".join(sys.argv), fh)
+    torch.manual_seed(0)
+    sections = set(args.sections.split(","))
+    for section, run in (("linear", run_linear), ("quantize", run_quantize), ("layer", run_layer)):
+        if section in sections:
+            run(device, results, fh)
+    write_json(args.out, "bench_fp8.json", results)
     log("", fh)
     if results["linear"]:
-        summarize_linear(results, name, fh)
+        summarize_linear(results, results["device_name"], fh)
+    layer_graph, layer_eager = results["layer_total"].get("graph_ms", {}), results["layer_total"].get("eager_ms", {})
     if layer_graph:
         log(f"== Llama-3.1-8B layer, all seven projections, M={M}, r={RANK}, p={P} ==", fh)
     for v in layer_graph:

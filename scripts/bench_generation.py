@@ -15,7 +15,8 @@ exactly that many).
 ``--graphs compare`` runs the engine phases twice, decode CUDA graphs on and then off (a new
 engine over the same weights, the same requests; "eager_" rows), and each engine also times
 ``--step-batch`` requests' decode-only steps (``step_ms``: wall time per step; ``forward_ms``:
-the step's forward, synchronised, the rest being host work: scheduling, sampling, events).
+the same rows' decode forward alone, synchronised, the rest of a step being host work:
+scheduling, sampling, events; not timed apart under the overlapped decode).
 
 The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
 same prompts, which would otherwise hit the cache.
@@ -61,18 +62,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
-import sys
 import tempfile
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import Report, add_device_args, add_output_args, comma_list, dtype_of, logger, sync, timer
 
 import torch  # noqa: E402
 
-from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.model.random_model import write_random_llama  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
@@ -92,13 +89,7 @@ SHAPES = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[bench_generation {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+log = logger("bench_generation")
 
 
 def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int, init_std: float | None = None):
@@ -179,11 +170,9 @@ def make_requests(n: int, vocab: int, lo: int, hi: int, adapters: list[str], new
 def timed_generate(engine: Engine, requests, device) -> tuple[list, float, dict, dict]:
     """Generate ``requests`` together -> (results, wall seconds, engine stats before, after)."""
     before = engine.stats()
-    sync(device)
-    t0 = time.perf_counter()
-    results = engine.generate(requests)
-    sync(device)
-    return results, time.perf_counter() - t0, before, engine.stats()
+    with timer(device) as t:
+        results = engine.generate(requests)
+    return results, t.seconds, before, engine.stats()
 
 
 def run_ours(engine: Engine, requests, device) -> dict:
@@ -234,30 +223,30 @@ def left_padded(requests) -> tuple[torch.Tensor, torch.Tensor]:
 def run_hf(model, requests, batch: int, device, *, use_adapters: bool) -> dict:
     """Left-padded batches of ``batch`` requests through ``generate`` (greedy, EOS suppressed)."""
     tokens: dict[str, list[int]] = {}
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(0, len(requests), batch):
-        chunk = requests[i:i + batch]
-        ids, mask = left_padded(chunk)
-        width = ids.shape[1]
-        new = chunk[0].sampling.max_new_tokens
-        kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                      min_new_tokens=new, do_sample=False, pad_token_id=0)
-        with torch.no_grad():
-            if use_adapters:
-                out = model.generate(**kwargs, adapter_names=[r.adapter for r in chunk])
-            elif hasattr(model, "disable_adapter"):  # a PeftModel: its base alone
-                with model.disable_adapter():
-                    out = model.generate(**kwargs)
-            else:
-                out = model.generate(**kwargs)
-        for j, r in enumerate(chunk):
-            tokens[r.request_id] = out[j, width:].tolist()
-    sync(device)
-    wall = time.perf_counter() - t0
+    with timer(device) as t:
+        for i in range(0, len(requests), batch):
+            tokens.update(_hf_batch(model, requests[i:i + batch], device, use_adapters))
     n = sum(len(t) for t in tokens.values())
-    return {"requests": len(requests), "generated_tokens": n, "wall_s": wall, "tokens_per_s": n / wall,
+    return {"requests": len(requests), "generated_tokens": n, "wall_s": t.seconds, "tokens_per_s": n / t.seconds,
             "tokens": tokens}
+
+
+def _hf_batch(model, chunk, device, use_adapters: bool) -> dict[str, list[int]]:
+    """One left-padded batch through ``generate`` -> each request's new tokens."""
+    ids, mask = left_padded(chunk)
+    width = ids.shape[1]
+    new = chunk[0].sampling.max_new_tokens
+    kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                  min_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        if use_adapters:
+            out = model.generate(**kwargs, adapter_names=[r.adapter for r in chunk])
+        elif hasattr(model, "disable_adapter"):  # a PeftModel: its base alone
+            with model.disable_adapter():
+                out = model.generate(**kwargs)
+        else:
+            out = model.generate(**kwargs)
+    return {r.request_id: out[j, width:].tolist() for j, r in enumerate(chunk)}
 
 
 def build_workload(args, device, dtype):
@@ -272,43 +261,48 @@ def build_workload(args, device, dtype):
     return shape, model, tokenizer, config, params, adapters
 
 
-def step_time(engine: Engine, requests, steps: int, device) -> dict:
-    """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps. With the
-    overlapped decode the forward is not timed apart (``forward_ms`` None): synchronising it
-    would undo the overlap."""
-    ids = [engine.submit(r) for r in requests]
+def _admit(engine: Engine) -> int:
+    """Step until no request waits (every submitted prompt prefilled) -> the steps it took."""
+    steps = 0
     while engine.stats()["waiting"]:
         engine.step()
-    forward = None if engine._overlap else [0.0]
-    if forward is not None:
-        decode_logits = engine.runner.decode_logits
+        steps += 1
+    return steps
 
-        def timed(decode, next_tokens=None):
-            t = time.perf_counter()
-            out = decode_logits(decode, next_tokens)
-            sync(device)
-            forward[0] += time.perf_counter() - t
-            return out
 
-        engine.runner.decode_logits = timed
-    try:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync(device)
-        wall = time.perf_counter() - t0
-    finally:
-        if forward is not None:
-            del engine.runner.decode_logits  # back to the method
-    running = engine.stats()["running"]
+def _drain(engine: Engine, ids: list[str]) -> None:
+    """Abort ``ids`` and step until the engine is idle (a step still running under the overlap)."""
     for rid in ids:
         engine.abort(rid)
-    while engine._has_work():  # the aborts, and a step still running under the overlap
+    while engine.has_work():
         engine.step()
-    return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * wall / steps,
-            "forward_ms": None if forward is None else 1e3 * forward[0] / steps,
-            "decode_tok_per_s": running * steps / wall, "steps_ahead": engine.stats()["decode_steps_ahead_total"]}
+
+
+def step_time(engine: Engine, requests, steps: int, device) -> dict:
+    """Admit ``requests`` (all prefilled), then time ``steps`` decode-only steps (``step_ms``).
+    Without the overlapped decode, ``forward_ms`` is the same rows' decode forward alone,
+    synchronised (the rest of a step is host work: scheduling, sampling, events); with it the
+    forward is not timed apart (None): synchronising it would undo the overlap."""
+    ids = [engine.submit(r) for r in requests]
+    _admit(engine)
+    with timer(device) as t:
+        for _ in range(steps):
+            engine.step()
+    running = engine.stats()["running"]
+    forward_ms = None if engine.async_decode else _forward_ms(engine, steps, device)
+    _drain(engine, ids)
+    return {"batch": len(requests), "running": running, "steps": steps, "step_ms": 1e3 * t.seconds / steps,
+            "forward_ms": forward_ms, "decode_tok_per_s": running * steps / t.seconds,
+            "steps_ahead": engine.stats()["decode_steps_ahead_total"]}
+
+
+def _forward_ms(engine: Engine, steps: int, device) -> float:
+    """Mean ms of the runner's decode forward over the running rows (as a step runs it)."""
+    decode = engine.scheduler.schedule().decode
+    with torch.no_grad(), timer(device) as t:
+        for _ in range(steps):
+            engine.runner.decode_logits(decode)
+    return 1e3 * t.seconds / steps
 
 
 def _kernel_table(prof, steps: int, cuda: bool, top: int) -> dict:
@@ -335,15 +329,10 @@ def profile_steps(engine: Engine, requests, steps: int, device, top: int = 40) -
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     ids = [engine.submit(r) for r in requests]
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        prefill_steps = 0
-        while engine.stats()["waiting"]:
-            engine.step()
-            prefill_steps += 1
+    with timer(device) as t, torch.profiler.profile(activities=activities) as prof:
+        prefill_steps = _admit(engine)
         sync(device)
-    prefill = {"wall_ms_profiled": 1e3 * (time.perf_counter() - t0), "engine_steps": prefill_steps,
+    prefill = {"wall_ms_profiled": 1e3 * t.seconds, "engine_steps": prefill_steps,
                **_kernel_table(prof, 1, cuda, top)}
     decode = engine.scheduler.schedule().decode  # a decode-only step's rows, pages taken
     runner = engine.runner
@@ -358,9 +347,7 @@ def profile_steps(engine: Engine, requests, steps: int, device, top: int = 40) -
                 sync(device)
     finally:
         runner.graphs = graphs
-    for rid in ids:
-        engine.abort(rid)
-    engine.step()
+    _drain(engine, ids)
     return {"batch": len(decode), **_kernel_table(prof, steps, cuda, top), "prefill": prefill}
 
 
@@ -416,9 +403,11 @@ def add_trace_args(ap: argparse.ArgumentParser, *, new_tokens: int) -> None:
     ap.add_argument("--new-tokens", type=int, default=new_tokens)
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_args(ap, new_tokens=128)
+    add_device_args(ap)
+    add_output_args(ap)
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--check", type=int, default=16)
@@ -427,8 +416,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--fp32-check", action="store_true")
     ap.add_argument("--skip-hf-mixed", action="store_true", help="no PEFT mixed-adapter baseline (slow at 8B)")
     ap.add_argument("--graphs", choices=("auto", "on", "off", "compare"), default="auto",
@@ -440,192 +427,181 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefix-caching", action="store_true",
                     help="EngineConfig.prefix_caching (off: the repeated runs send the same prompts again, "
                          "which would hit the cache and not measure the same work)")
-    ap.add_argument("--prefill-attention", type=_choices(PREFILL_ATTENTION), default=["auto"],
+    ap.add_argument("--prefill-attention", type=comma_list(PREFILL_ATTENTION), default=["auto"],
                     help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
-    ap.add_argument("--mixed-graphs", type=_choices(("auto", "on", "off", "eager")), default=["auto"],
+    ap.add_argument("--mixed-graphs", type=comma_list(("auto", "on", "off", "eager")), default=["auto"],
                     help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
                          "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
-    ap.add_argument("--async-decode", type=_choices(("auto", "on", "off")), default=["auto"],
+    ap.add_argument("--async-decode", type=comma_list(("auto", "on", "off")), default=["auto"],
                     help="EngineConfig.async_decode (decode steps overlapped with the host), a comma list: the "
                          "engine phases once per value, in that order (\"async_on_\" / \"async_off_\" rows)")
-    ap.add_argument("--base-precision", type=_choices(("bf16", "fp8", "fp8rq")), default=["bf16"],
-                    help="the engine's frozen base: bf16 (as built), fp8 (quantized) and/or fp8rq (the same "
-                         "FP8 base with row-quantized products only: no weight-only decode products), a comma list")
-    ap.add_argument("--fp8-weight-only-rows", type=int, default=None,
-                    help="fp8_linear.WEIGHT_ONLY_MAX_ROWS for fp8 engines (decode steps of at most this many rows "
-                         "take weight-only products where fp8_linear.weight_only_wins; default: as set, 16)")
+    ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8")), default=["bf16"],
+                    help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
     ap.add_argument("--prefill-reps", type=int, default=0,
                     help="time a prefill-only pass (one new token per request) this many times (0: none)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "errors": {}}
-    from lightning_lorafusion.kernels import fp8_linear
+    return ap.parse_args(argv)
 
-    module_weight_only_rows = fp8_linear.WEIGHT_ONLY_MAX_ROWS  # restored when the engines are done
-    if args.fp8_weight_only_rows is not None:
-        fp8_linear.WEIGHT_ONLY_MAX_ROWS = args.fp8_weight_only_rows
-        report["fp8_weight_only_max_rows"] = args.fp8_weight_only_rows
-    weight_only_rows = {"fp8": fp8_linear.WEIGHT_ONLY_MAX_ROWS, "fp8rq": 0}
 
-    def save() -> None:
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            slim = {k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
-                    for k, v in report.items()}
-            with open(os.path.join(args.out, f"bench_generation_{args.shape}.json"), "w") as f:
-                json.dump(slim, f, indent=1)
-
-    def phase(name: str, fn) -> None:
-        """Run one measurement; a failure is recorded and the others still run."""
-        try:
-            report[name] = fn()
-            r = report[name]
-            if isinstance(r, dict) and "tokens_per_s" in r:
-                log(f"{name}: {r['requests']} requests, {r['generated_tokens']} tokens in {r['wall_s']:.2f}s = "
-                    f"{r['tokens_per_s']:.0f} tok/s")
-            else:
-                log(f"{name}: {r}")
-        except Exception as exc:  # keep going: one broken baseline must not lose the other numbers
-            import traceback
-
-            traceback.print_exc()
-            report["errors"][name] = f"{type(exc).__name__}: {exc}"
-        save()
-
-    if args.fp32_check:
-        phase("fp32_check", lambda: fp32_check(device, args))
-
-    shape, model, tokenizer, config, params, adapters = build_workload(args, device, dtype)
-    names = [a[0] for a in adapters]
-    reqs = make_requests(args.requests, shape["vocab_size"], args.prompt_min, args.prompt_max, names,
-                         args.new_tokens, seed=4)
-    subset = reqs[:args.hf_requests]
-    step_reqs = reqs[:min(args.step_batch, args.max_num_seqs)]
+def engine_variants(args) -> list[dict]:
+    """One engine per combination of the comma-list options; its row prefix names the values of
+    the axes given more than one value ("eager_" for the graphs-off half of ``--graphs compare``)."""
     modes = ("on", "off") if args.graphs == "compare" else (args.graphs,)
-    # (cuda_graphs, prefill_attention, base precision, row prefix) per engine; an axis with one
-    # value gets no label
-    label = len(args.prefill_attention) > 1
-    label_precision = len(args.base_precision) > 1
-    label_mixed = len(args.mixed_graphs) > 1
-    label_async = len(args.async_decode) > 1
-    variants = [(graphs, pa, bp, (f"{bp}_" if label_precision else "") + ("eager_" if i else "")
-                 + (f"{pa}_" if label else "") + (f"mixed_{mg}_" if label_mixed else "")
-                 + (f"async_{ad}_" if label_async else ""), mg, ad)
-                for bp in args.base_precision for pa in args.prefill_attention for mg in args.mixed_graphs
-                for ad in args.async_decode for i, graphs in enumerate(modes)]
-    prefixes = [v[3] for v in variants]
-    base_params: dict = {"bf16": params}
+    labelled = {axis: len(getattr(args, axis)) > 1
+                for axis in ("base_precision", "prefill_attention", "mixed_graphs", "async_decode")}
+    variants = []
+    for bp in args.base_precision:
+        for pa in args.prefill_attention:
+            for mg in args.mixed_graphs:
+                for ad in args.async_decode:
+                    for i, graphs in enumerate(modes):
+                        prefix = ((f"{bp}_" if labelled["base_precision"] else "") + ("eager_" if i else "")
+                                  + (f"{pa}_" if labelled["prefill_attention"] else "")
+                                  + (f"mixed_{mg}_" if labelled["mixed_graphs"] else "")
+                                  + (f"async_{ad}_" if labelled["async_decode"] else ""))
+                        variants.append(dict(prefix=prefix, precision=bp, cuda_graphs=graphs, prefill_attention=pa,
+                                             mixed_graphs=mg, async_decode=ad))
+    return variants
 
-    def params_of(precision: str):
-        precision = "fp8" if precision == "fp8rq" else precision  # the same quantized base
-        if precision not in base_params:  # quantized once, shared by that precision's engines
-            from lightning_lorafusion.model.hf_loading import quantize_base_fp8
 
-            base_params[precision] = quantize_base_fp8(params, embedding=not config.tie_word_embeddings)
-        return base_params[precision]
+def describe(r) -> str:
+    if isinstance(r, dict) and "tokens_per_s" in r:
+        return (f"{r['requests']} requests, {r['generated_tokens']} tokens in {r['wall_s']:.2f}s = "
+                f"{r['tokens_per_s']:.0f} tok/s")
+    return str(r)
 
-    def engine_phases(graphs: str, prefill_attention: str, precision: str, prefix: str, mixed_graphs: str,
-                      async_decode: str) -> None:
-        t0 = time.perf_counter()
-        if precision in weight_only_rows:  # decided where products are traced or captured: set per engine
-            fp8_linear.WEIGHT_ONLY_MAX_ROWS = weight_only_rows[precision]
-        engine = Engine(config, params_of(precision), tokenizer,
-                        EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                                     gpu_memory_fraction=args.memory_fraction, backend=args.backend,
-                                     cpu_pool_mib=1024, cuda_graphs=graphs, prefix_caching=args.prefix_caching,
-                                     prefill_attention=prefill_attention, mixed_graphs=mixed_graphs,
-                                     async_decode=async_decode),
-                        device=device, dtype=dtype)
-        report[prefix + "engine"] = {"cuda_graphs": engine.runner.graphs is not None, "base_precision": precision,
-                                     "fp8_weight_only_max_rows": weight_only_rows.get(precision),
-                                     "prefill_attention": engine.runner.prefill_attention,
-                                     "mixed_graphs": engine.runner.mixed_pieces,
-                                     "async_decode": engine._overlap,
-                                     "build_s": time.perf_counter() - t0, "pool_pages": engine.pool.num_pages,
-                                     "pool_gib": engine.pool.storage.numel() * engine.pool.storage.element_size()
-                                     / 2**30}
-        log(f"{prefix}engine: {report[prefix + 'engine']}")
-        for name, r, alpha, factors in adapters:
+
+def _slim(report: dict) -> dict:
+    """The report without the generated tokens (kept in memory for the agreement checks)."""
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
+            for k, v in report.items()}
+
+
+class Bench:
+    """The workload (random base, adapters, requests) and the report the phases fill."""
+
+    def __init__(self, args, report: Report):
+        self.args, self.report = args, report
+        self.device, self.dtype = torch.device(args.device), dtype_of(args.dtype)
+        self.shape, self.model, self.tokenizer, self.config, self.params, self.adapters = build_workload(
+            args, self.device, self.dtype)
+        self.names = [a[0] for a in self.adapters]
+        self.reqs = make_requests(args.requests, self.shape["vocab_size"], args.prompt_min, args.prompt_max,
+                                  self.names, args.new_tokens, seed=4)
+        self.subset = self.reqs[:args.hf_requests]
+        self.step_reqs = self.reqs[:min(args.step_batch, args.max_num_seqs)]
+        self.base_params = {"bf16": self.params}
+
+    def params_of(self, precision: str):
+        if precision not in self.base_params:  # quantized once, shared by that precision's engines
+            self.base_params[precision] = quantize_base_fp8(self.params,
+                                                            embedding=not self.config.tie_word_embeddings)
+        return self.base_params[precision]
+
+    def build_engine(self, v: dict) -> Engine:
+        args = self.args
+        with timer() as t:
+            engine = Engine(self.config, self.params_of(v["precision"]), self.tokenizer,
+                            EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                         gpu_memory_fraction=args.memory_fraction, backend=args.backend,
+                                         cpu_pool_mib=1024, cuda_graphs=v["cuda_graphs"],
+                                         prefix_caching=args.prefix_caching, prefill_attention=v["prefill_attention"],
+                                         mixed_graphs=v["mixed_graphs"], async_decode=v["async_decode"]),
+                            device=self.device, dtype=self.dtype)
+        pool = engine.pool
+        self.report[v["prefix"] + "engine"] = {
+            "cuda_graphs": engine.runner.graphs is not None, "base_precision": v["precision"],
+            "prefill_attention": engine.runner.prefill_attention, "mixed_graphs": engine.runner.mixed_pieces,
+            "async_decode": engine.async_decode, "build_s": t.seconds, "pool_pages": pool.num_pages,
+            "pool_gib": pool.storage.numel() * pool.storage.element_size() / 2**30}
+        log(f"{v['prefix']}engine: {self.report[v['prefix'] + 'engine']}")
+        for name, r, alpha, factors in self.adapters:
             engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
+        return engine
 
-        def warm_up():
-            t0 = time.perf_counter()
-            warm = make_requests(min(8, len(names)), shape["vocab_size"], args.prompt_min, args.prompt_min + 16,
-                                 names, 4, seed=5)
+    def warm_up(self, engine: Engine) -> dict:
+        with timer(self.device) as t:
+            warm = make_requests(min(8, len(self.names)), self.shape["vocab_size"], self.args.prompt_min,
+                                 self.args.prompt_min + 16, self.names, 4, seed=5)
             engine.generate(_renamed(warm, "w"))
             engine.generate(_renamed(warm, "wb", adapter=None))
-            return {"seconds": time.perf_counter() - t0}
+        return {"seconds": t.seconds}
 
-        def ours_all():
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            out = run_ours(engine, reqs, device)
-            if device.type == "cuda":
-                out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            return out
+    def ours_all(self, engine: Engine) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        out = run_ours(engine, self.reqs, self.device)
+        if self.device.type == "cuda":
+            out["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return out
 
-        def ours_subset():
-            out = run_ours(engine, _renamed(subset, "s"), device)
-            out["tokens"] = {k[1:]: v for k, v in out["tokens"].items()}
-            return out
+    def ours_subset(self, engine: Engine) -> dict:
+        out = run_ours(engine, _renamed(self.subset, "s"), self.device)
+        out["tokens"] = {k[1:]: v for k, v in out["tokens"].items()}
+        return out
 
-        phase(prefix + "warm_up", warm_up)
-        phase(prefix + "ours_all", ours_all)  # first pass: adapter page-ins, prefill compiles
-        phase(prefix + "ours_all_again", lambda: run_ours(engine, _renamed(reqs, "a"), device))
-        phase(prefix + "ours_all_base", lambda: run_ours(engine, _renamed(reqs, "b", adapter=None), device))
-        if prefix == prefixes[0]:
-            phase("ours_subset", ours_subset)
+    def engine_phases(self, v: dict, first: bool) -> None:
+        """Every engine measurement of one variant, in a fresh engine over the same weights."""
+        args, device, measure, prefix = self.args, self.device, self.report.measure, v["prefix"]
+        engine = self.build_engine(v)
+        measure(prefix + "warm_up", lambda: self.warm_up(engine))
+        measure(prefix + "ours_all", lambda: self.ours_all(engine))  # first pass: adapter page-ins, compiles
+        measure(prefix + "ours_all_again", lambda: run_ours(engine, _renamed(self.reqs, "a"), device))
+        measure(prefix + "ours_all_base", lambda: run_ours(engine, _renamed(self.reqs, "b", adapter=None), device))
+        if first:
+            measure("ours_subset", lambda: self.ours_subset(engine))
         if args.prefill_reps:
-            phase(prefix + "prefill", lambda: prefill_time(engine, _renamed(reqs, "p"), args.prefill_reps, device))
-        if step_reqs:
+            measure(prefix + "prefill", lambda: prefill_time(engine, _renamed(self.reqs, "p"), args.prefill_reps,
+                                                             device))
+        if self.step_reqs:
             steps = min(args.step_count, args.new_tokens // 2)
-            phase(prefix + "step_adapters", lambda: step_time(engine, _renamed(step_reqs, "t"), steps, device))
-            phase(prefix + "step_base", lambda: step_time(engine, _renamed(step_reqs, "tb", adapter=None), steps,
-                                                          device))
-        if step_reqs and args.profile_steps:
-            phase(prefix + "profile_adapters", lambda: profile_steps(engine, _renamed(step_reqs, "p"),
-                                                                     args.profile_steps, device))
-            phase(prefix + "profile_base", lambda: profile_steps(engine, _renamed(step_reqs, "pb", adapter=None),
-                                                                 args.profile_steps, device))
+            for kind, tag, adapter in (("adapters", "t", False), ("base", "tb", None)):
+                measure(f"{prefix}step_{kind}",
+                        lambda: step_time(engine, _renamed(self.step_reqs, tag, adapter=adapter), steps, device))
+            if args.profile_steps:
+                for kind, tag, adapter in (("adapters", "p", False), ("base", "pb", None)):
+                    measure(f"{prefix}profile_{kind}", lambda: profile_steps(
+                        engine, _renamed(self.step_reqs, tag, adapter=adapter), args.profile_steps, device))
         engine.close()
         del engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    try:
-        for graphs, prefill_attention, precision, prefix, mixed_graphs, async_decode in variants:
-            engine_phases(graphs, prefill_attention, precision, prefix, mixed_graphs, async_decode)
-    finally:
-        fp8_linear.WEIGHT_ONLY_MAX_ROWS = module_weight_only_rows
-    base_params.pop("fp8", None)
+    def hf_phases(self) -> None:
+        args, measure, device = self.args, self.report.measure, self.device
+        self.base_params.pop("fp8", None)
+        if args.skip_hf:
+            return
+        hf_model = self.model if args.skip_hf_mixed else attach_peft(self.model, self.adapters)
+        measure("hf_warm_up", lambda: run_hf(hf_model, self.subset[:2], 2, device, use_adapters=False)["wall_s"])
+        measure("hf_base", lambda: run_hf(hf_model, self.subset, args.hf_batch, device, use_adapters=False))
+        if not args.skip_hf_mixed:
+            measure("hf_peft_mixed", lambda: run_hf(hf_model, self.subset, args.hf_batch, device, use_adapters=True))
 
-    hf_model = model if args.skip_hf_mixed or args.skip_hf else attach_peft(model, adapters)
-    if not args.skip_hf:
-        phase("hf_warm_up", lambda: run_hf(hf_model, subset[:2], 2, device, use_adapters=False)["wall_s"])
-        phase("hf_base", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=False))
-    if not (args.skip_hf_mixed or args.skip_hf):
-        phase("hf_peft_mixed", lambda: run_hf(hf_model, subset, args.hf_batch, device, use_adapters=True))
-    first = prefixes[0] + "ours_all"
-    if "hf_peft_mixed" in report and first in report:
-        ids = [r.request_id for r in subset[:args.check]]
-        phase("agreement", lambda: agreement(report[first]["tokens"], report["hf_peft_mixed"]["tokens"], ids,
-                                             min(args.check_tokens, args.new_tokens)))
-    if (label or label_precision or label_async) and all(p + "ours_all" in report for p in prefixes):
-        # every engine's greedy tokens against the first's
-        phase("prefill_attention_agreement" if not (label_precision or label_async) else "engine_agreement", lambda: {
-            p: agreement(report[p + "ours_all"]["tokens"], report[first]["tokens"], [r.request_id for r in reqs],
-                         args.new_tokens) for p in prefixes[1:]})
+    def agreement_phases(self, prefixes: list[str]) -> None:
+        """Ours against HF + PEFT on the first requests; every engine variant against the first."""
+        args, report = self.args, self.report
+        first = prefixes[0] + "ours_all"
+        if "hf_peft_mixed" in report and first in report:
+            ids = [r.request_id for r in self.subset[:args.check]]
+            report.measure("agreement", lambda: agreement(report[first]["tokens"], report["hf_peft_mixed"]["tokens"],
+                                                          ids, min(args.check_tokens, args.new_tokens)))
+        several = [a for a in ("prefill_attention", "base_precision", "async_decode") if len(getattr(args, a)) > 1]
+        if several and all(p + "ours_all" in report for p in prefixes):
+            name = "prefill_attention_agreement" if several == ["prefill_attention"] else "engine_agreement"
+            ids = [r.request_id for r in self.reqs]
+            report.measure(name, lambda: {p: agreement(report[p + "ours_all"]["tokens"], report[first]["tokens"], ids,
+                                                       args.new_tokens) for p in prefixes[1:]})
 
+
+def print_summary(report: dict, prefixes: list[str]) -> None:
     runs = [p + k for p in prefixes for k in ("ours_all", "ours_all_again", "ours_all_base")]
-    rows = [(k, report[k]) for k in runs + ["ours_subset", "hf_base", "hf_peft_mixed"] if k in report]
     print(f"\n{'run':<22} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'tok/s':>9} {'steps':>6}")
-    for name, r in rows:
-        print(f"{name:<22} {r['requests']:>8} {r['generated_tokens']:>10} {r['wall_s']:>8.2f} "
-              f"{r['tokens_per_s']:>9.0f} {r.get('steps', ''):>6}")
+    for name in runs + ["ours_subset", "hf_base", "hf_peft_mixed"]:
+        if name in report:
+            r = report[name]
+            print(f"{name:<22} {r['requests']:>8} {r['generated_tokens']:>10} {r['wall_s']:>8.2f} "
+                  f"{r['tokens_per_s']:>9.0f} {r.get('steps', ''):>6}")
     for name in [p + k for p in prefixes for k in ("step_adapters", "step_base")]:
         if name in report:
             r = report[name]
@@ -634,16 +610,7 @@ def main(argv=None) -> dict:
                   f"{r['decode_tok_per_s']:>8.0f} tok/s")
     for name in [p + k for p in prefixes for k in ("profile_adapters", "profile_base")]:
         if name in report:
-            r = report[name]
-            print(f"\n{name}: batch {r['batch']}, {r['time_per_step_us'] / 1e3:.2f} ms of kernels per step, "
-                  f"{r['kernels_per_step']:.0f} kernels per step")
-            for k in r["top"][:25]:
-                print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
-            pre = r["prefill"]
-            print(f"  its prefill ({pre['engine_steps']} engine steps): {pre['time_per_step_us'] / 1e3:.1f} ms of kernels, "
-                  f"{pre['wall_ms_profiled']:.1f} ms wall under the profiler")
-            for k in pre["top"][:12]:
-                print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
+            print_profile(name, report[name])
     pre = [(p + "prefill", report[p + "prefill"]) for p in prefixes if p + "prefill" in report]
     if pre:
         print(f"\n{'prefill (1 new token)':<22} {'requests':>8} {'prompt tok':>10} {'wall s min':>10} {'median':>8} "
@@ -654,18 +621,35 @@ def main(argv=None) -> dict:
                   f"{max(r['steps']):>6}")
     if report["errors"]:
         print("errors:", report["errors"])
+
+
+def print_profile(name: str, r: dict) -> None:
+    print(f"\n{name}: batch {r['batch']}, {r['time_per_step_us'] / 1e3:.2f} ms of kernels per step, "
+          f"{r['kernels_per_step']:.0f} kernels per step")
+    for k in r["top"][:25]:
+        print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
+    pre = r["prefill"]
+    print(f"  its prefill ({pre['engine_steps']} engine steps): {pre['time_per_step_us'] / 1e3:.1f} ms of kernels, "
+          f"{pre['wall_ms_profiled']:.1f} ms wall under the profiler")
+    for k in pre["top"][:12]:
+        print(f"  {k['us_per_step']:9.1f} us {k['share']:6.1%} {k['calls_per_step']:6.0f}x  {k['name'][:70]}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = Report(args.device, args, out=args.out, file_name=f"bench_generation_{args.shape}.json",
+                    log=log, slim=_slim, describe=describe)
+    if args.fp32_check:
+        report.measure("fp32_check", lambda: fp32_check(torch.device(args.device), args))
+    bench = Bench(args, report)
+    variants = engine_variants(args)
+    for i, v in enumerate(variants):
+        bench.engine_phases(v, first=i == 0)
+    bench.hf_phases()
+    prefixes = [v["prefix"] for v in variants]
+    bench.agreement_phases(prefixes)
+    print_summary(report, prefixes)
     return report
-
-
-def _choices(allowed):
-    """argparse type: a comma list of ``allowed`` values."""
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(f"{text!r}: a comma list of {', '.join(allowed)}")
-        return values
-    return parse
 
 
 if __name__ == "__main__":

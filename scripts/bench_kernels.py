@@ -15,27 +15,24 @@ plain calls: counts the gaps where the host cannot launch fast enough) and CUDA-
 (bytes held between forward and backward, outputs excluded). bf16 correctness against a
 float64 reference runs first, in the same script.
 
-    python scripts/bench_kernels.py [--tune] [--quick] [--variants a,b,..] [--skip-correctness] [--out DIR]
+    python scripts/tune_kernels.py   # optional: this GPU's block sizes into kernels/block_sizes.json
+    python scripts/bench_kernels.py [--quick] [--variants a,b,..] [--skip-correctness] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-import triton
-import triton.testing
+from harness import device_info, kernel_ms, timer, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
 from lightning_lorafusion.kernels.block_sizes import LoraBlockSizes, block_sizes_for  # noqa: E402
@@ -148,16 +145,6 @@ def check_correctness(device, fh) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_fn(fn) -> float:
-    """Eager fwd+bwd time (CUDA events; includes any gap where the host launches too slowly)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def bench_graph(fn) -> float:
-    """Device time of the same fwd+bwd replayed from a CUDA graph (no host launch gaps)."""
-    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
-
-
 def host_us(fn, calls: int = 20) -> float:
     """Host time to enqueue one fwd+bwd (the GPU is drained first, then left to run behind)."""
     torch.cuda.synchronize()
@@ -242,121 +229,101 @@ def flops(m, k, n_total, lora: bool, n_groups_rank=RANK) -> float:
     return f
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tune", action="store_true", help="run scripts/tune_kernels.py's search first")
     parser.add_argument("--quick", action="store_true", help="only M=8192 of the sweep")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from {','.join(VARIANTS)} (frozen is always timed)")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--no-layer", action="store_true", help="skip the Llama-3.1-8B layer")
     parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
-    variants = ["frozen"] + [v for v in args.variants.split(",") if v != "frozen"]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    args = parser.parse_args(argv)
+    args.variants = ["frozen"] + [v for v in args.variants.split(",") if v != "frozen"]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {VARIANTS}")
-    ours = [v for v in variants if v != "frozen"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    fh = open(args.out / "bench_kernels.log", "w")
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    log(f"device {name}; torch {torch.__version__}; triton {triton.__version__}; "
-        f"python {platform.python_version()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", fh)
-    log("command: " + " ".join(sys.argv), fh)
-    results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-               "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}", "rows": []}
+        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    return args
 
-    if not args.skip_correctness:
-        t0 = time.time()
-        results["correct"] = check_correctness(device, fh)
-        log(f"correctness done in {time.time() - t0:.0f}s", fh)
 
-    if args.tune:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import tune_kernels
-        t0 = time.time()
-        sizes = tune_kernels.tune(device, log=lambda s: log(s, fh))
-        tune_kernels.write_table(name, sizes, tune_kernels.TABLE)
-        tune_kernels.write_table(name, sizes, args.out / "block_sizes.json")
-        log(f"tuned in {time.time() - t0:.0f}s: {sizes}", fh)
-        from lightning_lorafusion.kernels import block_sizes as bsmod
-        bsmod._load_table.cache_clear()
-    log(f"block sizes in use: {block_sizes_for(device)}", fh)
+def measure(m, k, ns, device, variants: list[str], fh):
+    """Eager and graph ms, host us, saved bytes and FLOPs of every variant on one projection
+    group; a variant that fails is reported and dropped from ``variants`` for the rest of the run."""
+    torch.manual_seed(0)
+    fns, fwd_only, n_total = group_fns(m, k, ns, device, variants)
+    for v in list(fns):
+        try:
+            fns[v]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - one broken variant must not lose the sweep
+            log(f"variant {v} failed at M={m} K={k} N={ns}: {type(e).__name__}: {str(e)[:300]}", fh)
+            del fns[v], fwd_only[v]
+            variants.remove(v)
+    times = {v: kernel_ms(fn) for v, fn in fns.items()}
+    gtimes = {v: kernel_ms(fn, graph=True) for v, fn in fns.items()}
+    host = {v: host_us(fn) for v, fn in fns.items()}
+    mem = {v: saved_bytes(fwd_only[v]) for v in fns}
+    flop = {v: flops(m, k, n_total, v != "frozen") for v in fns}
+    del fns, fwd_only
+    torch.cuda.empty_cache()
+    return times, gtimes, host, mem, flop
 
-    def measure(m, k, ns):
-        torch.manual_seed(0)
-        fns, fwd_only, n_total = group_fns(m, k, ns, device, variants)
-        for v in list(fns):  # a variant that fails is reported and left out of the rest of the run
-            try:
-                fns[v]()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - one broken variant must not lose the sweep
-                log(f"variant {v} failed at M={m} K={k} N={ns}: {type(e).__name__}: {str(e)[:300]}", fh)
-                del fns[v], fwd_only[v]
-                variants.remove(v)
-                ours.remove(v)
-        times = {v: bench_fn(fn) for v, fn in fns.items()}
-        gtimes = {v: bench_graph(fn) for v, fn in fns.items()}
-        host = {v: host_us(fn) for v, fn in fns.items()}
-        mem = {v: saved_bytes(fwd_only[v]) for v in fns}
-        flop = {v: flops(m, k, n_total, v != "frozen") for v in fns}
-        del fns, fwd_only
-        torch.cuda.empty_cache()
-        return times, gtimes, host, mem, flop
 
-    ms_list = (8192,) if args.quick else SWEEP_M
+def run_sweep(args, device, variants, results, fh) -> list[dict]:
+    """Every (M, K, N) of the sweep: one row each, written to the JSON as it goes."""
     rows = []
-    for m in ms_list:
+    for m in (8192,) if args.quick else SWEEP_M:
         for k, n in SWEEP_KN:
-            times, gtimes, host, mem, flop = measure(m, k, (n,))
+            times, gtimes, host, mem, flop = measure(m, k, (n,), device, variants, fh)
             row = {"M": m, "K": k, "N": n, "ms": times, "saved_bytes": mem, "graph_ms": gtimes, "host_us": host,
                    "ratio": {v: times[v] / times["frozen"] for v in times},
                    "graph_ratio": {v: gtimes[v] / gtimes["frozen"] for v in gtimes},
                    "tflops": {v: flop[v] / times[v] / 1e9 for v in times}}
             rows.append(row)
+            ours = [v for v in variants if v != "frozen"]
             log(f"M={m:6d} K={k:5d} N={n:5d} frozen {times['frozen']:.3f} ms (graph {gtimes['frozen']:.3f}, host "
                 f"{host['frozen']:.0f} us) | " + " | ".join(
                     f"{v} x{row['ratio'][v]:.3f} g x{row['graph_ratio'][v]:.3f} h {host[v]:.0f}us" for v in ours)
                 + " | saved MiB " + " ".join(f"{v} {mem[v] / 2**20:.1f}" for v in variants), fh)
-            (args.out / "bench_kernels.json").write_text(json.dumps(dict(results, rows=rows), indent=2))
-    results["rows"] = rows
+            write_json(args.out, "bench_kernels.json", dict(results, rows=rows))
+    return rows
 
-    if not args.no_layer:
-        # Llama-3.1-8B decoder layer projections: hidden 4096, q 4096, k/v 1024 (GQA 8 heads),
-        # o 4096, gate/up 14336, down 14336 -> 4096; all seven adapted, M = 8192 tokens.
-        m = 8192
-        groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
-                  ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
-        layer = {v: 0.0 for v in variants}
-        layer_graph, layer_host, layer_mem = dict(layer), dict(layer), {v: 0 for v in variants}
-        for gname, k, ns in groups:
-            times, gtimes, host, mem, _ = measure(m, k, ns)
-            for v in variants:
-                layer[v] += times[v]
-                layer_graph[v] += gtimes[v]
-                layer_host[v] += host[v]
-                layer_mem[v] += mem[v]
-        for d in (layer, layer_graph, layer_host, layer_mem):
-            for v in [v for v in d if v not in variants]:  # failed in a later group
-                del d[v]
-        results["llama8b_layer"] = {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph,
-                                    "host_us": layer_host,
-                                    "ratio": {v: layer[v] / layer["frozen"] for v in layer},
-                                    "graph_ratio": {v: layer_graph[v] / layer_graph["frozen"] for v in layer}}
 
+def run_layer(device, variants, fh) -> dict:
+    """Llama-3.1-8B decoder layer projections: hidden 4096, q 4096, k/v 1024 (GQA 8 heads),
+    o 4096, gate/up 14336, down 14336 -> 4096; all seven adapted, M = 8192 tokens."""
+    m = 8192
+    groups = [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+              ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,))]
+    layer = {v: 0.0 for v in variants}
+    layer_graph, layer_host, layer_mem = dict(layer), dict(layer), {v: 0 for v in variants}
+    for _, k, ns in groups:
+        times, gtimes, host, mem, _ = measure(m, k, ns, device, variants, fh)
+        for v in variants:
+            layer[v] += times[v]
+            layer_graph[v] += gtimes[v]
+            layer_host[v] += host[v]
+            layer_mem[v] += mem[v]
+    for d in (layer, layer_graph, layer_host, layer_mem):
+        for v in [v for v in d if v not in variants]:  # failed in a later group
+            del d[v]
+    return {"M": m, "ms": layer, "saved_bytes": layer_mem, "graph_ms": layer_graph, "host_us": layer_host,
+            "ratio": {v: layer[v] / layer["frozen"] for v in layer},
+            "graph_ratio": {v: layer_graph[v] / layer_graph["frozen"] for v in layer}}
+
+
+def summarize(rows: list[dict], ours: list[str]) -> dict:
     def geo(v, key):
         return math.exp(sum(math.log(r[key][v]) for r in rows) / len(rows))
 
-    ours = [v for v in ours if all(v in r["ratio"] for r in rows)]
-    summary = {v: {"geomean": geo(v, "ratio"), "max": max(r["ratio"][v] for r in rows),
-                   "graph_geomean": geo(v, "graph_ratio"), "graph_max": max(r["graph_ratio"][v] for r in rows)}
-               for v in ours}
-    results["summary"] = summary
-    (args.out / "bench_kernels.json").write_text(json.dumps(results, indent=2))
+    return {v: {"geomean": geo(v, "ratio"), "max": max(r["ratio"][v] for r in rows),
+                "graph_geomean": geo(v, "graph_ratio"), "graph_max": max(r["graph_ratio"][v] for r in rows)}
+            for v in ours}
 
+
+def print_summary(results: dict, ours: list[str], fh) -> None:
+    rows, summary = results["rows"], results["summary"]
     log("", fh)
-    log(f"== {name}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
+    log(f"== {results['device_name']}, bf16, r={RANK}, p={P}; fwd+bwd time / frozen linear (same run) ==", fh)
     log("eager = CUDA events around eager calls; graph = CUDA-graph replay (device time only); "
         "host = enqueue time per call, us", fh)
     short = {v: v.replace("ours_", "").replace("torch_lora", "torch") for v in ours}
@@ -372,20 +339,42 @@ def main() -> None:
         log(f"{v:18s} eager geomean x{s['geomean']:.3f} max x{s['max']:.3f} | graph geomean "
             f"x{s['graph_geomean']:.3f} max x{s['graph_max']:.3f}", fh)
     if "torch_lora" in ours:
-        for v in ours:
-            if v.startswith("ours"):
-                worse = [(r["M"], r["K"], r["N"]) for r in rows if r["ratio"][v] > r["ratio"]["torch_lora"]]
-                log(f"{v}: eager slower than torch LoRA at {len(worse)} of {len(rows)} shapes {worse}", fh)
+        for v in [v for v in ours if v.startswith("ours")]:
+            worse = [(r["M"], r["K"], r["N"]) for r in rows if r["ratio"][v] > r["ratio"]["torch_lora"]]
+            log(f"{v}: eager slower than torch LoRA at {len(worse)} of {len(rows)} shapes {worse}", fh)
     if "llama8b_layer" in results:
-        lr, m = results["llama8b_layer"], 8192
-        log(f"Llama-3.1-8B layer projections M={m}: frozen {lr['ms']['frozen']:.3f} ms eager; " +
-            ", ".join(f"{v} x{lr['ratio'][v]:.3f}" for v in ours), fh)
-        log(f"Llama-3.1-8B layer projections M={m}: frozen {lr['graph_ms']['frozen']:.3f} ms graph; " +
-            ", ".join(f"{v} x{lr['graph_ratio'][v]:.3f}" for v in ours), fh)
+        lr = results["llama8b_layer"]
+        for key, label in (("ms", "eager"), ("graph_ms", "graph")):
+            ratio = "ratio" if key == "ms" else "graph_ratio"
+            log(f"Llama-3.1-8B layer projections M={lr['M']}: frozen {lr[key]['frozen']:.3f} ms {label}; " +
+                ", ".join(f"{v} x{lr[ratio][v]:.3f}" for v in ours), fh)
         log("layer host us: " + ", ".join(f"{v} {b:.0f}" for v, b in lr["host_us"].items()), fh)
         log("layer saved activations MiB: " + ", ".join(f"{v} {b / 2**20:.0f}" for v, b in lr["saved_bytes"].items()), fh)
     if "correct" in results:
         log(f"correctness: {'PASS' if results['correct'] else 'FAIL'}", fh)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    variants = args.variants
+    args.out.mkdir(parents=True, exist_ok=True)
+    fh = open(args.out / "bench_kernels.log", "w")
+    device = torch.device("cuda")
+    results = {**device_info(device), "args": {k: str(v) for k, v in vars(args).items()}, "rows": []}
+    log(f"{results}; python {platform.python_version()}", fh)
+    log("command: " + " ".join(sys.argv), fh)
+    if not args.skip_correctness:
+        with timer() as t:
+            results["correct"] = check_correctness(device, fh)
+        log(f"correctness done in {t.seconds:.0f}s", fh)
+    log(f"block sizes in use: {block_sizes_for(device)}", fh)
+    results["rows"] = rows = run_sweep(args, device, variants, results, fh)
+    if not args.no_layer:
+        results["llama8b_layer"] = run_layer(device, variants, fh)
+    ours = [v for v in variants if v != "frozen" and all(v in r["ratio"] for r in rows)]
+    results["summary"] = summarize(rows, ours)
+    write_json(args.out, "bench_kernels.json", results)
+    print_summary(results, ours, fh)
 
 
 if __name__ == "__main__":

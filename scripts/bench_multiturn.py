@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_device_args, add_output_args, device_info, dtype_of, logger, percentile, write_json
 
 import torch  # noqa: E402
 from bench_generation import add_trace_args, build_workload, make_requests, timed_generate  # noqa: E402
@@ -37,13 +32,7 @@ from bench_generation import add_trace_args, build_workload, make_requests, time
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest  # noqa: E402
 
 
-def log(msg: str) -> None:
-    print(f"[bench_multiturn {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+log = logger("bench_multiturn")
 
 
 def run_turn(engine: Engine, requests: list[GenerationRequest], device: torch.device) -> tuple[dict, list]:
@@ -53,8 +42,8 @@ def run_turn(engine: Engine, requests: list[GenerationRequest], device: torch.de
     generated = sum(len(r.token_ids) for r in results)
     return {"requests": len(results), "prompt_tokens": sum(len(r.prompt_token_ids) for r in results),
             "generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall,
-            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": _quantile(ttft, 0.5),
-            "ttft_p99_s": _quantile(ttft, 0.99), "steps": after["steps_total"] - before["steps_total"],
+            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99), "steps": after["steps_total"] - before["steps_total"],
             "prefix_hits": after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"],
             "prefix_tokens_reused": after["prefix_tokens_reused_total"] - before["prefix_tokens_reused_total"],
             "preemptions": after["preemptions_total"] - before["preemptions_total"]}, results
@@ -84,13 +73,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", default=None)
+    add_device_args(ap)
+    add_output_args(ap)
     args = ap.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    device, dtype = torch.device(args.device), dtype_of(args.dtype)
+    report: dict = {**device_info(device), "args": vars(args)}
 
     shape, model, tokenizer, config, params, adapters = build_workload(args, device, dtype)
     names = [a[0] for a in adapters]
@@ -122,12 +109,9 @@ def main(argv=None) -> dict:
 
     on, off = report["prefix_caching_on"]["turn2_tokens"], report["prefix_caching_off"]["turn2_tokens"]
     report["turn2_identical"] = sum(a == b for a, b in zip(on, off))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slim = {k: ({kk: vv for kk, vv in v.items() if kk != "turn2_tokens"} if isinstance(v, dict) else v)
-                for k, v in report.items()}
-        with open(os.path.join(args.out, f"bench_multiturn_{args.shape}.json"), "w") as f:
-            json.dump(slim, f, indent=1)
+    write_json(args.out, f"bench_multiturn_{args.shape}.json",
+               {k: ({kk: vv for kk, vv in v.items() if kk != "turn2_tokens"} if isinstance(v, dict) else v)
+                for k, v in report.items()})
 
     print(f"\n{'run':<20} {'turn':>4} {'prompt tok':>10} {'wall s':>8} {'tok/s':>8} {'TTFT mean':>9} "
           f"{'p50':>7} {'p99':>7} {'reused':>8} {'decoded':>8}")

@@ -6,8 +6,8 @@ sharing), greedy (FFD per wave, no merge), greedy+merge, MILP (two-stage MILP pe
 merge), MILP+merge (the wave packers alone, ``knapsack=False``) and the full planner (MILP+merge
 or the in-order knapsack plan, whichever is shorter: the default), and reports microbatch count, fill ratio (real tokens /
 (microbatches x capacity), no-op slots included), planning time per global batch (one
-round: one batch of every adapter), the share of waves where the MILP packing was kept, and
-the GPU time of one round at ``--gpu-tokens-per-s``. It can also compare CBC and HiGHS and
+cycle: one global batch of every adapter), the share of waves where the MILP packing was kept, and
+the GPU time of one cycle at ``--gpu-tokens-per-s``. It can also compare CBC and HiGHS and
 draws one PNG per workload: per-microbatch fill, greedy vs MILP+merge.
 
     python scripts/bench_planner.py --out docs/figures --json bench_planner.json
@@ -17,10 +17,12 @@ draws one PNG per workload: per-microbatch fill, greedy vs MILP+merge.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from datetime import datetime, timezone
+from pathlib import Path
+
+import harness  # noqa: F401  (puts the repository on sys.path)
 
 from lightning_lorafusion.data.synthetic import WORKLOADS, workload_lengths
 from lightning_lorafusion.planner import Plan, PlannerConfig, plan_window, verify_plan
@@ -47,11 +49,11 @@ def fill(plan: Plan) -> float:
 
 
 def run_case(lengths, *, capacity, pad, stages, solver, time_limit, max_nodes):
-    rounds = max(len(b) for b in lengths)
+    cycles = max(len(b) for b in lengths)
     real = sum(n for bs in lengths for b in bs for n in b)
     naive = naive_microbatches(lengths, capacity, pad)
     row = {
-        "rounds": rounds,
+        "cycles": cycles,
         "real_tokens": real,
         "naive_mbs": naive,
         "naive_fill": real / (naive * capacity),
@@ -82,7 +84,7 @@ def run_case(lengths, *, capacity, pad, stages, solver, time_limit, max_nodes):
         row[f"{name}_mbs"] = len(plan.microbatches)
         row[f"{name}_noops"] = report.noops
         row[f"{name}_fill"] = fill(plan)
-        row[f"{name}_s_per_round"] = dt / rounds
+        row[f"{name}_s_per_cycle"] = dt / cycles
         if kw["method"] == "milp":
             row[f"{name}_wave_wins"] = sum(w.method == "milp" for w in report.waves)
             row[f"{name}_waves"] = len(report.waves)
@@ -133,7 +135,7 @@ def draw(workload, plans, capacity, stages, out_dir):
     return path
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--batches", type=int, default=8, help="global batches per adapter (one planning window)")
@@ -152,7 +154,7 @@ def main() -> None:
     ap.add_argument("--plot-stages", type=int, default=1)
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.capacities, args.stages, args.batches = [8192], [1], 2
 
@@ -160,7 +162,7 @@ def main() -> None:
     print(f"# bench_planner {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or platform.machine()}")
     print(
         "| workload | C | S | solver | bound | max for 97% | naive | greedy | greedy+merge | MILP | MILP+merge | knapsack | "
-        "planner | used | noops | fill naive/greedy/MILP+merge/planner | s/round greedy | s/round planner | GPU s/round | MILP wave wins |"
+        "planner | used | noops | fill naive/greedy/MILP+merge/planner | s/cycle greedy | s/cycle planner | GPU s/cycle | MILP wave wins |"
     )
     print("|" + "---|" * 20)
     for workload in args.workloads:
@@ -176,8 +178,8 @@ def main() -> None:
                         time_limit=args.time_limit, max_nodes=args.max_nodes,
                     )
                     row.update(workload=workload, capacity=capacity, stages=stages, solver=solver)
-                    gpu = row["real_tokens"] / row["rounds"] / args.gpu_tokens_per_s
-                    row["gpu_s_per_round"] = gpu
+                    gpu = row["real_tokens"] / row["cycles"] / args.gpu_tokens_per_s
+                    row["gpu_s_per_cycle"] = gpu
                     rows.append(row)
                     print(
                         f"| {workload} | {capacity} | {stages} | {solver} | {row['bound_mbs']} | {row['max_mbs_97']} | "
@@ -185,16 +187,17 @@ def main() -> None:
                         f"{row['greedy_merge_mbs']} | {row['milp_mbs']} | {row['milp_merge_mbs']} | "
                         f"{row['planner_knapsack_mbs']} | **{row['planner_mbs']}** | {row['planner_used']} | "
                         f"{row['planner_noops']} | {row['naive_fill']:.1%} / {row['greedy_fill']:.1%} / "
-                        f"{row['milp_merge_fill']:.1%} / **{row['planner_fill']:.1%}** | {row['greedy_s_per_round']:.3f} | "
-                        f"{row['planner_s_per_round']:.2f} | {gpu:.1f} | "
+                        f"{row['milp_merge_fill']:.1%} / **{row['planner_fill']:.1%}** | {row['greedy_s_per_cycle']:.3f} | "
+                        f"{row['planner_s_per_cycle']:.2f} | {gpu:.1f} | "
                         f"{row['milp_merge_wave_wins']}/{row['milp_merge_waves']} |",
                         flush=True,
                     )
                     if args.out and capacity == args.plot_capacity and stages == args.plot_stages and solver == args.solvers[0]:
                         draw(workload, plans, capacity, stages, args.out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        path = Path(args.json).resolve()
+        harness.write_json(path.parent, path.name, rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ fp32 must agree).
 HTTP overhead = 1 - http tokens/s / direct tokens/s.
 
     PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --out $OUT
-    PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --requests 2048 --rounds 2 --engine-process \
+    PYTHONPATH=. python3 scripts/bench_server.py --shape 1b --requests 2048 --repeats 2 --engine-process \
         --compare-in-process --out $OUT
     PYTHONPATH=. python3 scripts/bench_server.py --shape tiny --device cpu --dtype float32 --requests 8 \\
         --concurrency 4 --new-tokens 4 --prompt-min 4 --prompt-max 12 --adapters 3 --client thread
@@ -47,7 +47,6 @@ import asyncio
 import functools
 import json
 import multiprocessing
-import os
 import random
 import socket
 import sys
@@ -56,11 +55,10 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_device_args, device_info, dtype_of, logger, percentile, sync, timer, write_json
 
 import torch  # noqa: E402
-from bench_generation import SHAPES, add_trace_args, build_model, make_requests, random_adapters, sync  # noqa: E402
+from bench_generation import SHAPES, add_trace_args, build_model, make_requests, random_adapters  # noqa: E402
 
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig  # noqa: E402
@@ -70,8 +68,7 @@ BASE_MODEL = "base"
 HTTP_MODES = ("http", "http_in_process")  # http: the server's engine (an EngineClient with --engine-process)
 
 
-def log(msg: str) -> None:
-    print(f"[bench_server {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = logger("bench_server")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +212,8 @@ async def _aiohttp_lines(content):
         yield raw.decode().rstrip("\r\n")
 
 
-async def send_http(session, spec: Spec) -> Outcome:
-    """One streamed completion through ``session`` (an aiohttp ClientSession or an httpx
+async def send_http(pool, spec: Spec) -> Outcome:
+    """One streamed completion through ``pool`` (an aiohttp ClientSession or an httpx
     AsyncClient, both with the server's base URL)."""
     out = Outcome(spec.request_id, time.perf_counter())
     body = {"model": spec.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0,
@@ -224,9 +221,9 @@ async def send_http(session, spec: Spec) -> Outcome:
     aiohttp = sys.modules.get("aiohttp")
     errors: tuple = (ValueError, KeyError, OSError, asyncio.TimeoutError)
     try:
-        if aiohttp is not None and isinstance(session, aiohttp.ClientSession):
+        if aiohttp is not None and isinstance(pool, aiohttp.ClientSession):
             errors += (aiohttp.ClientError,)
-            async with session.post("/v1/completions", json=body) as r:
+            async with pool.post("/v1/completions", json=body) as r:
                 if r.status != 200:
                     out.error = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
                     ended = True
@@ -236,7 +233,7 @@ async def send_http(session, spec: Spec) -> Outcome:
             import httpx
 
             errors += (httpx.HTTPError,)
-            async with session.stream("POST", "/v1/completions", json=body) as r:
+            async with pool.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                     ended = True
@@ -250,7 +247,7 @@ async def send_http(session, spec: Spec) -> Outcome:
     return out
 
 
-def _session(url: str, lib: str, concurrency: int, open_loop: bool):
+def _connection_pool(url: str, lib: str, concurrency: int, open_loop: bool):
     """The clients' connection pool: at most ``concurrency`` connections in a closed loop."""
     if lib == "aiohttp":
         import aiohttp
@@ -282,11 +279,11 @@ async def http_clients(url: str, warm: list[Spec], specs: list[Spec], concurrenc
     """Warm the connections with ``warm`` (not measured), then drive ``specs``; -> (outcomes,
     wall seconds, {"server_ttft_s": the server's mean time to first token over ``specs``,
     "client_cpu_s": this process's CPU seconds while driving them})."""
-    async with _session(url, lib, concurrency, arrivals is not None) as session:
-        await drive(lambda s: send_http(session, s), warm, concurrency=concurrency, arrivals=None)
+    async with _connection_pool(url, lib, concurrency, arrivals is not None) as pool:
+        await drive(lambda s: send_http(pool, s), warm, concurrency=concurrency, arrivals=None)
         before = server_ttft(url)  # nothing runs now: a blocking read is fine
         cpu = time.process_time()
-        outcomes, wall = await drive(lambda s: send_http(session, s), specs, concurrency=concurrency,
+        outcomes, wall = await drive(lambda s: send_http(pool, s), specs, concurrency=concurrency,
                                      arrivals=arrivals)
         cpu = time.process_time() - cpu
         total, count = (a - b for a, b in zip(server_ttft(url), before))
@@ -358,14 +355,6 @@ class UvicornThread:
 # numbers
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
-
-
 def spread(values: list[float]) -> dict:
     return {"mean": sum(values) / len(values) if values else None, "p50": percentile(values, 50),
             "p99": percentile(values, 99)}
@@ -403,7 +392,7 @@ def _ms(x: float | None) -> str:
 
 
 # a client process busier than this share of a core is suspected of bounding the HTTP numbers
-# (session 8: httpx clients at 5-6k tok/s on the H100 host)
+# (httpx clients were, at 5-6k tok/s on an H100 host: docs/BENCHMARKS.md, HTTP server)
 CLIENT_BUSY = 0.8
 
 # engine counters each mode records (differences over its run; HTTP runs include the clients' warm-up)
@@ -464,21 +453,21 @@ def table(report: dict) -> str:
     for mode in HTTP_MODES:
         if f"{mode}_overhead" in report:
             lines.append(f"{label[mode]} overhead = 1 - http/direct tokens/s = "
-                         f"{100 * report[f'{mode}_overhead']:.1f}% (last round)")
-    if len(report.get("rounds", [])) > 1:
+                         f"{100 * report[f'{mode}_overhead']:.1f}% (last repeat)")
+    if len(report.get("repeats", [])) > 1:
         for mode in HTTP_MODES:
             if f"{mode}_overhead" in report:
-                lines.append(f"per round, {label[mode]}: " + ", ".join(
+                lines.append(f"per repeat, {label[mode]}: " + ", ".join(
                     f"{r['direct']['tokens_per_s']:.0f} direct / {r[mode]['tokens_per_s']:.0f} http "
-                    f"({100 * r[f'{mode}_overhead']:.1f}%)" for r in report["rounds"]))
-                lines.append(f"{label[mode]} overhead over all rounds (tokens / time pooled) = "
+                    f"({100 * r[f'{mode}_overhead']:.1f}%)" for r in report["repeats"]))
+                lines.append(f"{label[mode]} overhead over all repeats (tokens / time pooled) = "
                              f"{100 * report[f'{mode}_overhead_pooled']:.1f}%")
-                lines.append(f"{label[mode]} overhead over the rounds after the first (tokens / time pooled) = "
+                lines.append(f"{label[mode]} overhead over the repeats after the first (tokens / time pooled) = "
                              f"{100 * report[f'{mode}_overhead_pooled_warm']:.1f}%")
     if "http_vs_direct_process_overhead" in report:
         lines.append("http (engine process) overhead against direct (engine process) = "
-                     f"{100 * report['http_vs_direct_process_overhead']:.1f}% (last round), "
-                     f"{100 * report['http_vs_direct_process_overhead_pooled_warm']:.1f}% pooled over the rounds "
+                     f"{100 * report['http_vs_direct_process_overhead']:.1f}% (last repeat), "
+                     f"{100 * report['http_vs_direct_process_overhead_pooled_warm']:.1f}% pooled over the repeats "
                      "after the first")
     for mode in ("direct_process",) + HTTP_MODES:
         if _texts_key(mode) in report:
@@ -490,9 +479,10 @@ def table(report: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_args(ap, new_tokens=64)
+    add_device_args(ap)
     ap.add_argument("--new-tokens-max", type=int, default=None,
                     help="outputs of uniform length in [--new-tokens, this] per request (scripts/bench_serving.py's "
                          "--output-len); default: every request --new-tokens")
@@ -515,12 +505,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--mixed-graphs", choices=("auto", "on", "off"), default="auto",
                     help="EngineConfig.mixed_graphs: steps with prefill rows as CUDA graphs in pieces")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the engine and server threads share the GIL)")
-    ap.add_argument("--rounds", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
+    ap.add_argument("--repeats", type=int, default=1, help="direct then HTTP, this many times (headline: the last)")
     ap.add_argument("--engine-process", action="store_true",
                     help="the server's engine runs in a child process (EngineClient, as serve does on CUDA)")
     ap.add_argument("--compare-direct-process", action="store_true",
@@ -529,23 +517,36 @@ def main(argv=None) -> dict:
                     help="with --engine-process: also serve HTTP from the in-process engine (mode http_in_process)")
     ap.add_argument("--out", default=None, help="directory for bench_server_<shape>.json")
     args = ap.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    closed = args.rate <= 0
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
-    report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "load": f"C={args.concurrency}" if closed else f"{args.rate:g}/s"}
-
     if args.compare_in_process and not args.engine_process:
         ap.error("--compare-in-process needs --engine-process")
     if args.compare_direct_process and not args.engine_process:
         ap.error("--compare-direct-process needs --engine-process")
+    if args.new_tokens_max is not None and args.new_tokens_max < args.new_tokens:
+        ap.error("--new-tokens-max must be at least --new-tokens")
+    return args
 
-    t0 = time.perf_counter()
+
+@dataclass
+class Setup:
+    """The engines (direct's and each HTTP mode's), the trace and its warm-up."""
+
+    engine: Engine
+    served: dict
+    reqs: list
+    expected: dict[str, int]
+    arrivals: list[float] | None
+    warm: list
+    names: list[str]
+
+    def engines(self) -> list:
+        return list({id(e): e for e in [self.engine, *self.served.values()]}.values())
+
+
+def build_setup(args) -> Setup:
     vocab = SHAPES[args.shape]["vocab_size"]
     build = functools.partial(
-        build_engine, args.shape, args.device, dtype, args.adapters, [int(r) for r in args.ranks.split(",")],
+        build_engine, args.shape, args.device, dtype_of(args.dtype), args.adapters,
+        [int(r) for r in args.ranks.split(",")],
         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                      gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages, backend=args.backend,
                      cpu_pool_mib=1024, cuda_graphs=args.graphs, prefill_wait_steps=args.prefill_wait_steps,
@@ -560,117 +561,125 @@ def main(argv=None) -> dict:
     reqs = make_requests(args.requests, vocab, args.prompt_min, args.prompt_max, names,
                          args.new_tokens, seed=args.seed, adapter_weights=weights)
     if args.new_tokens_max is not None:
-        if args.new_tokens_max < args.new_tokens:
-            ap.error("--new-tokens-max must be at least --new-tokens")
         lengths = random.Random(args.seed + 7)
         reqs = [replace(r, sampling=replace(r.sampling, max_new_tokens=lengths.randint(args.new_tokens,
                                                                                         args.new_tokens_max)))
                 for r in reqs]
-    expected = {r.request_id: r.sampling.max_new_tokens for r in reqs}
-    report["output_lengths"] = {"min": min(expected.values()), "max": max(expected.values()),
-                                "total": sum(expected.values())}
-    arrivals = None if closed else poisson_arrivals(len(reqs), args.rate, seed=args.seed)
+    arrivals = None if args.rate <= 0 else poisson_arrivals(len(reqs), args.rate, seed=args.seed)
     # one short request per adapter: compiles, graph buckets and every adapter paged in before any mode
     warm = make_requests(len(names), vocab, args.prompt_min, args.prompt_min + 16, names, 4, seed=args.seed + 1)
     warm = [replace(w, adapter=n, request_id=f"w{i}") for i, (w, n) in enumerate(zip(warm, names))]
-    for e in {id(e): e for e in [engine, *served.values()]}.values():
+    setup = Setup(engine, served, reqs, {r.request_id: r.sampling.max_new_tokens for r in reqs}, arrivals, warm,
+                  names)
+    for e in setup.engines():
         e.generate(warm)
         # and a batch of the trace's own prompts (shorter answers): prefill shapes like the measured runs'
         e.generate([replace(r, request_id=f"t{r.request_id}", sampling=replace(r.sampling, max_new_tokens=8))
                     for r in reqs[:args.concurrency]])
-    report["setup_s"] = time.perf_counter() - t0
-    log(f"engines ready in {report['setup_s']:.1f}s: " + ", ".join(
-        f"{mode} {e.stats()['kv_pages_total']} pages" for mode, e in [("direct", engine), *served.items()])
-        + f"; cuda graphs {engine.runner.graphs is not None}, {len(names)} adapters")
+    return setup
 
-    def stats_delta(e, before: dict) -> dict:
-        after = e.stats()
-        return {k: after[k] - before[k] for k in ENGINE_COUNTERS}
 
+def stats_delta(e, before: dict) -> dict:
+    after = e.stats()
+    return {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+
+
+def run_direct(e, setup: Setup, concurrency: int) -> tuple[dict, dict[str, str]]:
+    """``e.stream`` per request from asyncio tasks of this thread -> the mode's row and its texts."""
+    e.reset_prefix_cache()  # each run prefills its prompts itself (no hits from the last run)
+    before = e.stats()
+    sync()
+    outcomes, wall = asyncio.run(drive(lambda r: send_direct(e, r), setup.reqs, concurrency=concurrency,
+                                       arrivals=setup.arrivals))
+    row = {**summarize(outcomes, wall, new_tokens=setup.expected), **stats_delta(e, before)}
+    return row, {o.request_id: o.text for o in outcomes if o.error is None}
+
+
+def run_repeat(k: int, args, setup: Setup, servers: dict, warm_specs: list[Spec]) -> dict:
+    """Direct, then (optionally) the child engine without HTTP, then each HTTP mode: one row."""
+    row: dict = {}
+    row["direct"], direct_texts = run_direct(setup.engine, setup, args.concurrency)
+    log(f"repeat {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {row['direct']['wall_s']:.2f}s")
+    if args.compare_direct_process:  # the server's child engine, streamed without HTTP
+        row["direct_process"], texts = run_direct(setup.served["http"], setup, args.concurrency)
+        row["direct_process_texts"] = compare_texts(direct_texts, texts)
+        log(f"repeat {k}: direct_process {row['direct_process']['tokens_per_s']:.0f} tok/s")
+    for mode, e in setup.served.items():  # the same requests through each server
+        e.reset_prefix_cache()
+        before = e.stats()
+        outcomes, wall, extra = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in setup.reqs],
+                                                 args.concurrency, setup.arrivals, args.client, args.client_lib)
+        # the engine's step counts include the HTTP warm-up (its connections are opened by it)
+        row[mode] = {**summarize(outcomes, wall, new_tokens=setup.expected), **stats_delta(e, before), **extra}
+        cpu = extra["client_cpu_s"]
+        if cpu is not None and wall > 0 and cpu / wall > CLIENT_BUSY:
+            log(f"repeat {k}: {mode}: the client process used {100 * cpu / wall:.0f}% of a core: the "
+                "clients, not the server, may bound this mode's numbers")
+        log(f"repeat {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
+        row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
+                                                             if o.error is None})
+        if row["direct"]["tokens_per_s"] > 0:
+            row[f"{mode}_overhead"] = 1.0 - row[mode]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+    if "direct_process" in row and row["direct_process"]["tokens_per_s"] > 0:
+        row["http_vs_direct_process_overhead"] = 1.0 - row["http"]["tokens_per_s"] / row["direct_process"]["tokens_per_s"]
+    return row
+
+
+def pooled(mode: str, rows: list[dict], base: str = "direct") -> float:
+    """1 - the mode's tokens/s over ``base``'s, tokens and time summed over ``rows``: the figure
+    least moved by one repeat's drift (per-repeat ratios compare runs minutes apart)."""
+    rate = {m: sum(r[m]["generated_tokens"] for r in rows) / sum(r[m]["wall_s"] for r in rows) for m in (base, mode)}
+    return 1.0 - rate[mode] / rate[base]
+
+
+def add_pooled(report: dict, repeats: list[dict]) -> None:
+    """The headline is the last repeat (everything warm); every repeat stays in ``repeats``.
+    "warm" pools every repeat but the first (first-time costs the warm-up did not reach can
+    slow the first direct run); with one repeat it is that repeat's."""
+    report["repeats"] = repeats
+    report.update(repeats[-1])
+    overheads = [r["http_overhead"] for r in repeats if "http_overhead" in r]
+    if overheads:
+        report["http_overhead_per_repeat"] = overheads
+    warm = repeats[1:] or repeats
+    for mode in [m for m in HTTP_MODES if m in repeats[-1]]:
+        report[f"{mode}_overhead_pooled"] = pooled(mode, repeats)
+        report[f"{mode}_overhead_pooled_warm"] = pooled(mode, warm)
+    if "direct_process" in repeats[-1]:
+        report["http_vs_direct_process_overhead_pooled"] = pooled("http", repeats, "direct_process")
+        report["http_vs_direct_process_overhead_pooled_warm"] = pooled("http", warm, "direct_process")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    report: dict = {**device_info(args.device), "args": vars(args),
+                    "load": f"C={args.concurrency}" if args.rate <= 0 else f"{args.rate:g}/s"}
+    with timer() as t:
+        setup = build_setup(args)
+    report["output_lengths"] = {"min": min(setup.expected.values()), "max": max(setup.expected.values()),
+                                "total": sum(setup.expected.values())}
+    report["setup_s"] = t.seconds
+    log(f"engines ready in {t.seconds:.1f}s: " + ", ".join(
+        f"{mode} {e.stats()['kv_pages_total']} pages" for mode, e in [("direct", setup.engine), *setup.served.items()])
+        + f"; cuda graphs {setup.engine.runner.graphs is not None}, {len(setup.names)} adapters")
     from lightning_lorafusion.serving.server import ServerConfig, create_app
 
     servers = {mode: UvicornThread(create_app(e, config=ServerConfig(
         served_model_name=BASE_MODEL, rescan_interval_s=0, max_pending_requests=max(256, args.concurrency))),
-        loop=args.uvicorn_loop, http=args.uvicorn_http) for mode, e in served.items()}
+        loop=args.uvicorn_loop, http=args.uvicorn_http) for mode, e in setup.served.items()}
     warm_specs = [Spec(request_id=f"hw{i}", model=n, prompt=list(w.prompt_token_ids), max_tokens=4)
-                  for i, (w, n) in enumerate(zip(warm, names))]
-    rounds: list[dict] = []
-    try:
-        # the modes alternate, so first-time costs and drift over the run hit all alike
-        for k in range(args.rounds):
-            row: dict = {}
-            # direct: engine.stream per request from asyncio tasks of this thread (the servers are idle)
-            engine.reset_prefix_cache()  # each run prefills its prompts itself (no hits from the last run)
-            before = engine.stats()
-            sync(device)
-            outcomes, wall = asyncio.run(drive(lambda r: send_direct(engine, r), reqs,
-                                               concurrency=args.concurrency, arrivals=arrivals))
-            row["direct"] = {**summarize(outcomes, wall, new_tokens=expected), **stats_delta(engine, before)}
-            direct_texts = {o.request_id: o.text for o in outcomes if o.error is None}
-            log(f"round {k}: direct {row['direct']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-            if args.compare_direct_process:  # the server's child engine, streamed without HTTP
-                client = served["http"]
-                client.reset_prefix_cache()
-                before = client.stats()
-                outcomes, wall = asyncio.run(drive(lambda r: send_direct(client, r), reqs,
-                                                   concurrency=args.concurrency, arrivals=arrivals))
-                row["direct_process"] = {**summarize(outcomes, wall, new_tokens=expected),
-                                         **stats_delta(client, before)}
-                row["direct_process_texts"] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
-                                                                           if o.error is None})
-                log(f"round {k}: direct_process {row['direct_process']['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-            for mode, e in served.items():  # the same requests through each server
-                e.reset_prefix_cache()
-                before = e.stats()
-                outcomes, wall, extra = run_http_clients(servers[mode].url, warm_specs, [to_spec(r) for r in reqs],
-                                                         args.concurrency, arrivals, args.client, args.client_lib)
-                # the engine's step counts include the HTTP warm-up (its connections are opened by it)
-                row[mode] = {**summarize(outcomes, wall, new_tokens=expected), **stats_delta(e, before),
-                             **extra}
-                cpu = extra["client_cpu_s"]
-                if cpu is not None and wall > 0 and cpu / wall > CLIENT_BUSY:
-                    log(f"round {k}: {mode}: the client process used {100 * cpu / wall:.0f}% of a core: the "
-                        "clients, not the server, may bound this mode's numbers")
-                log(f"round {k}: {mode} {row[mode]['tokens_per_s']:.0f} tok/s over {wall:.2f}s")
-                row[_texts_key(mode)] = compare_texts(direct_texts, {o.request_id: o.text for o in outcomes
-                                                                     if o.error is None})
-                if row["direct"]["tokens_per_s"] > 0:
-                    row[f"{mode}_overhead"] = 1.0 - row[mode]["tokens_per_s"] / row["direct"]["tokens_per_s"]
-            if "direct_process" in row and row["direct_process"]["tokens_per_s"] > 0:
-                row["http_vs_direct_process_overhead"] = (
-                    1.0 - row["http"]["tokens_per_s"] / row["direct_process"]["tokens_per_s"])
-            rounds.append(row)
+                  for i, (w, n) in enumerate(zip(setup.warm, setup.names))]
+    try:  # the modes alternate, so first-time costs and drift over the run hit all alike
+        repeats = [run_repeat(k, args, setup, servers, warm_specs) for k in range(args.repeats)]
     finally:
         for server in servers.values():
             server.stop()
-        for e in {id(e): e for e in [engine, *served.values()]}.values():
+        for e in setup.engines():
             e.close()
-    report["rounds"] = rounds
-    # the headline is the last round (everything warm); every round stays in the JSON and the table
-    report.update(rounds[-1])
-    overheads = [r["http_overhead"] for r in rounds if "http_overhead" in r]
-    if overheads:
-        report["http_overhead_per_round"] = overheads
-    # every round's tokens over every round's time, per mode: the figure least moved by one
-    # round's drift (the per-round ratios compare runs minutes apart, not side by side)
-    # "warm": the same over every round but the first (on the H100 the first direct round ran at
-    # half speed, first-time costs the warm-up did not reach, and moved the all-rounds figure by
-    # 30 points); with one round it is that round's
-    def pooled(mode: str, rows: list[dict], base: str = "direct") -> float:
-        rate = {m: sum(r[m]["generated_tokens"] for r in rows) / sum(r[m]["wall_s"] for r in rows)
-                for m in (base, mode)}
-        return 1.0 - rate[mode] / rate[base]
-
-    for mode in [m for m in HTTP_MODES if m in rounds[-1]]:
-        report[f"{mode}_overhead_pooled"] = pooled(mode, rounds)
-        report[f"{mode}_overhead_pooled_warm"] = pooled(mode, rounds[1:] or rounds)
-    if "direct_process" in rounds[-1]:
-        report["http_vs_direct_process_overhead_pooled"] = pooled("http", rounds, "direct_process")
-        report["http_vs_direct_process_overhead_pooled_warm"] = pooled("http", rounds[1:] or rounds, "direct_process")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"bench_server_{args.shape}.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    add_pooled(report, repeats)
+    write_json(args.out, f"bench_server_{args.shape}.json", report)
     report["table"] = table(report)
     print("\n" + report["table"])
     return report

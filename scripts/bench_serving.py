@@ -57,19 +57,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_device_args, add_output_args, device_info, dtype_of, logger, percentile, sync, write_json
 
 import torch  # noqa: E402
-from bench_generation import SHAPES, attach_peft, build_model, left_padded, random_adapters, sync  # noqa: E402
-from bench_server import percentile  # noqa: E402
+from bench_generation import SHAPES, attach_peft, build_model, left_padded, random_adapters  # noqa: E402
 
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
@@ -77,8 +74,7 @@ from lightning_lorafusion.serving.adapters import HostAdapter, host_adapter_from
 from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
 
 
-def log(msg: str) -> None:
-    print(f"[bench_serving {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = logger("bench_serving")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,11 +396,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default="1b")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_device_args(ap)
     ap.add_argument("--num-adapters", type=_ints, default=[1, 16, 256, 1024])
     ap.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64])
     ap.add_argument("--distinct-weights", type=int, default=2, help="random weight sets per rank")
@@ -437,96 +432,105 @@ def main(argv=None) -> dict:
     ap.add_argument("--point-max-s", type=float, default=120.0, help="a trace replay is cut after this long")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds from the start: no phase runs past it")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    start = time.perf_counter()
-    deadline = start + args.deadline
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    report: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "points": [], "baselines": [], "skipped": [], "errors": {}}
+    add_output_args(ap)
+    return ap.parse_args(argv)
 
-    def save() -> None:
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            slim = json.loads(json.dumps(report, default=str))
-            for row in slim["points"] + slim["baselines"]:
-                row.pop("tokens", None)
-            with open(os.path.join(args.out, f"bench_serving_{args.shape}.json"), "w") as f:
-                json.dump(slim, f, indent=1)
 
-    def phase(kind: str, row: dict, fn) -> dict | None:
+class ServingBench:
+    """The model, the host adapters and the report the points and baselines fill."""
+
+    def __init__(self, args):
+        self.args = args
+        self.start = time.perf_counter()
+        self.deadline = self.start + args.deadline
+        self.device, self.dtype = torch.device(args.device), dtype_of(args.dtype)
+        self.report: dict = {**device_info(self.device), "args": vars(args), "points": [], "baselines": [],
+                             "skipped": [], "errors": {}}
+        self.shape = SHAPES[args.shape]
+        self.model, self.tokenizer = build_model(self.shape, self.device, self.dtype, seed=0)
+        self.config, self.params = params_from_hf_model(self.model)  # shares the HF tensors (no copy)
+        sets_needed = min(max(args.num_adapters), args.distinct_weights * len(args.ranks))
+        self.weight_sets = random_adapters(self.config, sets_needed, args.ranks, self.device, self.dtype, seed=1,
+                                           b_std=0.02)
+        self.adapters = host_adapters(self.config, self.weight_sets, max(args.num_adapters), self.dtype,
+                                      pin=self.device.type == "cuda")
+        self.common = {"popularity": args.popularity, "alpha": args.alpha, "rate": args.rate}
+        log(f"model {args.shape} and {len(self.adapters)} adapters ({sets_needed} weight sets) ready in "
+            f"{time.perf_counter() - self.start:.1f} s")
+
+    def save(self) -> None:
+        slim = json.loads(json.dumps(self.report, default=str))
+        for row in slim["points"] + slim["baselines"]:
+            row.pop("tokens", None)
+        write_json(self.args.out, f"bench_serving_{self.args.shape}.json", slim)
+
+    def phase(self, kind: str, row: dict, fn) -> dict | None:
         """Run one measurement unless the deadline passed; a failure is recorded, the rest run."""
         name = f"{row['run']} N={row['num_adapters']}" + ("" if row.get("chunked_prefill", True) else " unchunked")
-        if time.perf_counter() > deadline - 15:
-            report["skipped"].append(name)
+        if time.perf_counter() > self.deadline - 15:
+            self.report["skipped"].append(name)
             log(f"skipped (deadline): {name}")
             return None
         try:
             row.update(fn())
-            report["baselines" if kind.startswith("peft") else "points"].append(row)
+            self.report["baselines" if kind.startswith("peft") else "points"].append(row)
             log(f"{name}: {row['complete']}/{row['requests']} requests, {row['tokens_per_s']:.0f} tok/s, TTFT p50 "
                 f"{_s(row['ttft_s']['p50'])} p99 {_s(row['ttft_s']['p99'])}, SLO {100 * row['slo_attainment']:.0f}%")
             return row
         except Exception as exc:  # keep going: one broken phase must not lose the other numbers
-            import traceback
-
             traceback.print_exc()
-            report["errors"][name] = f"{type(exc).__name__}: {exc}"
+            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
             return None
         finally:
-            save()
+            self.save()
 
-    shape = SHAPES[args.shape]
-    model, tokenizer = build_model(shape, device, dtype, seed=0)
-    config, params = params_from_hf_model(model)  # shares the HF tensors (no copy)
-    sets_needed = min(max(args.num_adapters), args.distinct_weights * len(args.ranks))
-    weight_sets = random_adapters(config, sets_needed, args.ranks, device, dtype, seed=1, b_std=0.02)
-    adapters = host_adapters(config, weight_sets, max(args.num_adapters), dtype, pin=device.type == "cuda")
-    log(f"model {args.shape} and {len(adapters)} adapters ({sets_needed} weight sets) ready in "
-        f"{time.perf_counter() - start:.1f} s")
-
-    def trace_for(n: int, count: int) -> list[TraceItem]:
+    def trace_for(self, n: int, count: int) -> list[TraceItem]:
+        args = self.args
         return make_trace(num_requests=count, rate=args.rate, cv=args.cv,
-                          adapters=[a.name for a in adapters[:n]], popularity=args.popularity, alpha=args.alpha,
-                          prompt_len=args.prompt_len, output_len=args.output_len, vocab=shape["vocab_size"],
+                          adapters=[a.name for a in self.adapters[:n]], popularity=args.popularity, alpha=args.alpha,
+                          prompt_len=args.prompt_len, output_len=args.output_len, vocab=self.shape["vocab_size"],
                           seed=args.seed + n)
 
-    def ours(n: int, trace: list[TraceItem], chunked: bool):
-        return lambda: run_ours((config, params, tokenizer), adapters[:n], trace, args, device, dtype,
-                                chunked=chunked, deadline=min(deadline, time.perf_counter() + args.point_max_s))
+    def ours(self, run: str, n: int, trace: list[TraceItem], chunked: bool) -> dict | None:
+        row = {"run": run, "num_adapters": n, **self.common, "chunked_prefill": chunked}
+        return self.phase("ours", row, lambda: run_ours(
+            (self.config, self.params, self.tokenizer), self.adapters[:n], trace, self.args, self.device, self.dtype,
+            chunked=chunked, deadline=min(self.deadline, time.perf_counter() + self.args.point_max_s)))
 
-    common = {"popularity": args.popularity, "alpha": args.alpha, "rate": args.rate}
-    chunked = args.chunked_prefill == "on"
-    for n in args.num_adapters:
-        phase("ours", {"run": "ours", "num_adapters": n, **common, "chunked_prefill": chunked},
-              ours(n, trace_for(n, args.requests), chunked))
-
-    baselines = [b for b in args.baselines.split(",") if b]
-    at = args.num_adapters if args.baseline_at is None else args.baseline_at
-    for n in [n for n in at if n <= args.baseline_max_adapters] if baselines else []:
-        trace = trace_for(n, min(args.requests, args.baseline_requests))
-        mine = phase("ours", {"run": "ours_subset", "num_adapters": n, **common, "chunked_prefill": chunked},
-                     ours(n, trace, chunked))
-        peft_model = attach_peft(model, weight_sets_for(weight_sets, n))
+    def baselines_at(self, n: int, baselines: list[str], chunked: bool) -> None:
+        """Ours on a shorter trace, then each HF + PEFT baseline on it, tokens compared."""
+        args = self.args
+        trace = self.trace_for(n, min(args.requests, args.baseline_requests))
+        mine = self.ours("ours_subset", n, trace, chunked)
+        peft_model = attach_peft(self.model, weight_sets_for(self.weight_sets, n))
         try:
             for b in baselines:
-                row = phase(b, {"run": b, "num_adapters": n, **common}, lambda: replay_hf(
-                    peft_model, trace, mode=b.removeprefix("peft_"), batch=args.baseline_batch, device=device,
-                    deadline=min(deadline, time.perf_counter() + args.baseline_max_s), slo_ttft=args.slo_ttft))
+                row = self.phase(b, {"run": b, "num_adapters": n, **self.common}, lambda: replay_hf(
+                    peft_model, trace, mode=b.removeprefix("peft_"), batch=args.baseline_batch, device=self.device,
+                    deadline=min(self.deadline, time.perf_counter() + args.baseline_max_s), slo_ttft=args.slo_ttft))
                 if row is not None and mine is not None:
                     served = [it.request.request_id for it in trace
                               if len(row["tokens"][it.request.request_id]) == it.request.sampling.max_new_tokens]
                     row["agreement"] = same_tokens(mine["tokens"], row["tokens"], served)
-                    save()
+                    self.save()
         finally:
-            model = detach_peft(peft_model)
+            self.model = detach_peft(peft_model)
             gc.collect()
 
-    for n in args.unchunked:
-        phase("ours", {"run": "ours", "num_adapters": n, **common, "chunked_prefill": False},
-              ours(n, trace_for(n, args.requests), False))
 
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    bench = ServingBench(args)
+    chunked = args.chunked_prefill == "on"
+    for n in args.num_adapters:
+        bench.ours("ours", n, bench.trace_for(n, args.requests), chunked)
+    baselines = [b for b in args.baselines.split(",") if b]
+    at = args.num_adapters if args.baseline_at is None else args.baseline_at
+    for n in [n for n in at if n <= args.baseline_max_adapters] if baselines else []:
+        bench.baselines_at(n, baselines, chunked)
+    for n in args.unchunked:
+        bench.ours("ours", n, bench.trace_for(n, args.requests), False)
+    report = bench.report
     print("\n" + table(report))
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))

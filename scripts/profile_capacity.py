@@ -15,15 +15,10 @@ peak memory, and report real tokens/s = fill x C / time. The choice rule is
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-import torch
+from harness import add_output_args, device_info, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import torch  # noqa: E402
 from bench_e2e import OursSetup, add_workload_args, model_and_workload  # noqa: E402
 
 from lightning_lorafusion.data.packing import PackingConfig, pack_microbatch  # noqa: E402
@@ -44,7 +39,7 @@ def main() -> None:
     ap.add_argument("--candidates", default="2048,4096,8192,16384")
     ap.add_argument("--backend", default="triton", choices=["torch", "triton"])
     ap.add_argument("--memory-fraction", type=float, default=0.9)
-    ap.add_argument("--out", default=None)
+    add_output_args(ap)
     args = ap.parse_args()
     device, dtype, _, model, data = model_and_workload(args)
     w = OursSetup(args, model, data, device, dtype)
@@ -78,19 +73,16 @@ def main() -> None:
     probes = probe_capacities(candidates, prepare, step, device,
                               memory_limit=device_memory_limit(device, args.memory_fraction))
     chosen = choose_capacity(probes)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"\n{name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
+    info = device_info(device)
+    print(f"\n{info['device_name']}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
           f"workload={args.workload} backend={args.backend}; memory limit {args.memory_fraction:.0%}")
     print(format_probes(probes, chosen))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        rows = [{"capacity": p.capacity, "fill": round(p.fill, 4), "seconds": p.seconds,
-                 "real_tokens_per_s": round(p.real_tokens_per_s, 1),
-                 "peak_gib": None if p.peak_bytes is None else round(p.peak_bytes / 2**30, 2),
-                 "rejected": p.rejected} for p in probes]
-        path = os.path.join(args.out, f"capacity_{args.shape}_{args.layers}l_{args.workload}.json")
-        with open(path, "w") as f:
-            json.dump({"device": name, "args": vars(args), "chosen": chosen.capacity, "rows": rows}, f, indent=1)
+    rows = [{"capacity": p.capacity, "fill": round(p.fill, 4), "seconds": p.seconds,
+             "real_tokens_per_s": round(p.real_tokens_per_s, 1),
+             "peak_gib": None if p.peak_bytes is None else round(p.peak_bytes / 2**30, 2),
+             "rejected": p.rejected} for p in probes]
+    write_json(args.out, f"capacity_{args.shape}_{args.layers}l_{args.workload}.json",
+               {**info, "args": vars(args), "chosen": chosen.capacity, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import harness  # noqa: F401  (puts the repository on sys.path)
+
 from lightning_lorafusion.data.synthetic import workload_lengths
 from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.partition import partition_decoder
@@ -156,12 +158,37 @@ def measure_lengths(args: argparse.Namespace, data_parallel: int):
     return lengths
 
 
+def _measure_microbatches(args: argparse.Namespace, plan, lengths, config, num_adapters: int, replica: int,
+                          dp: int, device) -> dict:
+    """The plan's microbatches packed from random token ids (seeded per replica), on ``device``."""
+    import torch
+
+    from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
+
+    g = torch.Generator().manual_seed(100 + replica)
+    datasets = [[SimpleNamespace(input_ids=(ids := torch.randint(0, config.vocab_size, (n,), generator=g).tolist()),
+                                 labels=ids[1:] + [-100])
+                 for batch in per_adapter for n in batch] for per_adapter in lengths]
+    batches = []
+    for per_adapter in lengths:
+        k, idx = 0, []
+        for batch in per_adapter:
+            idx.append(list(range(k, k + len(batch))))
+            k += len(batch)
+        batches.append(idx)
+    lookup = SampleLookup(datasets, batches)
+    dens = {(a, j): lookup.label_tokens(a, j) * dp for a in range(len(lengths)) for j in range(len(lengths[a]))}
+    packing = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
+    return {i: pack_microbatch(mb, lookup, config=packing, num_adapters=num_adapters, denominators=dens,
+                               step_adapters=(), index=i).to(device)
+            for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+
+
 def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, init_file: str,
                     out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch
     from lightning_lorafusion.model.adapter_bank import AdapterBank
     from lightning_lorafusion.model.random_model import random_base_params
     from lightning_lorafusion.parallel.data_parallel import (
@@ -194,23 +221,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
         lengths = measure_lengths(args, dp)
         plan = plan_microbatches(lengths, capacity=args.capacity, pad_multiple=args.pad_multiple,
                                  num_stages=pp, method="greedy")
-        g = torch.Generator().manual_seed(100 + replica)
-        datasets = [[SimpleNamespace(input_ids=(ids := torch.randint(0, config.vocab_size, (n,), generator=g).tolist()),
-                                     labels=ids[1:] + [-100])
-                     for batch in per_adapter for n in batch] for per_adapter in lengths]
-        batches = []
-        for per_adapter in lengths:
-            k, idx = 0, []
-            for batch in per_adapter:
-                idx.append(list(range(k, k + len(batch))))
-                k += len(batch)
-            batches.append(idx)
-        lookup = SampleLookup(datasets, batches)
-        dens = {(a, j): lookup.label_tokens(a, j) * dp for a in range(len(lengths)) for j in range(len(lengths[a]))}
-        packing = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
-        mbs = {i: pack_microbatch(mb, lookup, config=packing, num_adapters=len(specs), denominators=dens,
-                                  step_adapters=(), index=i).to(device)
-               for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+        mbs = _measure_microbatches(args, plan, lengths, config, len(specs), replica, dp, device)
         stage = DecoderStage(params=params, bank=bank, config=config, layers=layers, is_first=first,
                              is_last=last, microbatches=mbs.__getitem__, backend=args.lora_backend)
         dp_group = groups[stage_index]
@@ -240,7 +251,7 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
             "events": record.events,
             "real_tokens": sum(mb.real_tokens() for mb in plan.microbatches) if first else 0,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "device": harness.device_info(device)["device_name"],
         }
         with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -264,6 +275,8 @@ def _fit_cost_model(args: argparse.Namespace, one: dict, num_stages: int) -> Cos
     x = np.array([flops[i] for i in fwd])
     y = np.array([fwd[i] for i in fwd])
     slope, intercept = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y.mean() / x.mean(), 0.0)
+    if slope <= 0:  # times do not grow with FLOPs (noise dominates, e.g. a tiny model): a pure rate
+        slope, intercept = y.mean() / x.mean(), 0.0
     intercept = max(float(intercept), 0.0)
     ratio = float(np.median([(bwd[i] - intercept) / max(fwd[i] - intercept, 1e-9) for i in fwd]))
     stages = partition_decoder(config, num_stages)
@@ -384,7 +397,7 @@ def plot_measured(path_json: str, png: str) -> None:
     print(f"timeline: {png}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+",
                    default=["xsum", "cnn_dailymail", "wikisum", "mixed", "heterogeneous"])
@@ -413,7 +426,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON with every rank's events (--measure)")
     p.add_argument("--plot-measured", default=None, metavar="JSON",
                    help="draw the PP=2 run of a --measure JSON (to --png) and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.plot_measured:
         plot_measured(args.plot_measured, args.png or "pipeline_measured_pp2.png")
         return

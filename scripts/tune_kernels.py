@@ -1,10 +1,12 @@
-"""Pick the fused LoRA GEMM block sizes for this GPU and write them into the shipped JSON table.
+"""Pick the fused LoRA kernels' block sizes for this GPU and write them into the shipped JSON table.
 
-Times the forward GEMM (``_lora_fwd_gemm_kernel``, LoRA epilogue on, r=16) and the dX GEMM
-(``_lora_dx_gemm_kernel``) for a handful of tile configurations over a few decoder shapes and
-keeps, per kernel, the configuration with the smallest total time. The result is stored under
-the device's name (``torch.cuda.get_device_name``) in ``block_sizes.json``; other devices'
-entries are kept.
+Coordinate descent over ``LoraBlockSizes``, each candidate timed as the whole forward + backward
+of ``fused_lora_projections`` (r=16, p=0.1, one adapter) replayed from a CUDA graph, summed over
+a few decoder shapes: the forward GEMM tiles (``gemm="triton"``), then the dX GEMM tiles with
+the forward's ``block_m``, the rank-r kernels (S, dS, dB, dA), the in-place LoRA-term kernels
+of the ``cublas_accumulate`` mode, and last the GEMM mode itself. The result is stored under the
+device's name (``torch.cuda.get_device_name``) in ``block_sizes.json``; other devices' entries
+are kept.
 
     python scripts/tune_kernels.py [--out lightning_lorafusion/kernels/block_sizes.json]
 """
@@ -14,28 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
-import torch
-import triton
-import triton.testing
+from harness import device_info, kernel_ms, logger
 
-from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes
-from lightning_lorafusion.kernels.fused_lora import (
-    _Plan,
-    _launch_add,
-    _launch_da,
-    _launch_db,
-    _launch_ds,
-    _launch_dx,
-    _launch_fwd_gemm,
-    _launch_s,
-    fused_lora_projections,
-    lora_ranks,
-)
-from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
-from lightning_lorafusion.kernels.routing_table import build_launch_table
+import torch  # noqa: E402
+
+from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes  # noqa: E402
+from lightning_lorafusion.kernels.fused_lora import fused_lora_projections  # noqa: E402
+from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting  # noqa: E402
 
 TABLE = Path(__file__).resolve().parents[1] / "lightning_lorafusion" / "kernels" / "block_sizes.json"
 
@@ -50,77 +39,6 @@ DX_CANDIDATES = [
     (64, 256, 64, 4, 4), (128, 128, 32, 8, 5),
 ]
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]  # (M, K, N)
-
-
-def _problem(m, k, n, device, dtype=torch.bfloat16, rank=16):
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-    a = torch.randn(rank, k, device=device, dtype=dtype) / k**0.5
-    b = torch.randn(n, rank, device=device, dtype=dtype)
-    routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(2.0,), dropout_p=(0.1,), seeds=(0,))
-    lora = LoraModuleWeights((a,), (b,))
-    return x, w, a, b, routing, lora
-
-
-def time_config(kind: str, cfg: tuple, device) -> float:
-    bm, bn, bk, warps, stages = cfg
-    if kind == "fwd":
-        sizes = LoraBlockSizes(block_m=bm, fwd_block_n=bn, fwd_block_k=bk, fwd_warps=warps,
-                               fwd_stages=stages, gemm="triton")
-    else:
-        sizes = LoraBlockSizes(block_m=bm, dx_block_k=bn, dx_block_n=bk, dx_warps=warps,
-                               dx_stages=stages, gemm="triton")
-    total = 0.0
-    for m, k, n in SHAPES:
-        x, w, a, b, routing, lora = _problem(m, k, n, device)
-        table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
-        plan = _plan(table, sizes, m, k, n, x)
-        s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
-        if kind == "fwd":
-            fn = lambda: _launch_fwd_gemm(x, w, None, s, b, 0, plan)  # noqa: E731
-        else:
-            dy = torch.randn(m, n, device=device, dtype=x.dtype)
-            fn = lambda: _launch_dx([dy], [w], s, a, plan, 0, x.dtype, device)  # noqa: E731
-        total += triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    return total
-
-
-def _plan(table, sizes, m, k, n, x) -> _Plan:
-    return _Plan(table, sizes, m=m, k=k, ns=(n,), b_cols=table.b_cols, dtype=x.dtype, device=x.device)
-
-
-def tune(device: torch.device, log=print) -> LoraBlockSizes:
-    best = {}
-    for kind, candidates in (("fwd", FWD_CANDIDATES), ("dx", DX_CANDIDATES)):
-        results = []
-        for cfg in candidates:
-            t0 = time.time()
-            try:
-                ms = time_config(kind, cfg, device)
-            except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
-                log(f"tune {kind} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            log(f"tune {kind} {cfg}: {ms:.3f} ms total over {len(SHAPES)} shapes ({time.time() - t0:.1f}s)")
-            results.append((ms, cfg))
-        results.sort()
-        best[kind] = results[0][1]
-    fwd, dx = best["fwd"], best["dx"]
-    # One block_m serves both GEMMs and the routing tiles: keep the forward's, and if the dX
-    # winner wanted another, fall back to its best config with the forward's block_m.
-    block_m = fwd[0]
-    if dx[0] != block_m:
-        same = [c for c in DX_CANDIDATES if c[0] == block_m]
-        dx = min(same, key=lambda c: time_config("dx", c, device))
-    skinny = _tune_fields("skinny", SKINNY_CANDIDATES, _time_skinny, device, log)
-    add = _tune_fields("add", ADD_CANDIDATES, _time_add, device, log)
-    tiles = LoraBlockSizes(**skinny, **add,
-        block_m=block_m, fwd_block_n=fwd[1], fwd_block_k=fwd[2], fwd_warps=fwd[3], fwd_stages=fwd[4],
-        dx_block_k=dx[1], dx_block_n=dx[2], dx_warps=dx[3], dx_stages=dx[4],
-    )
-    # Whole forward+backward with the frozen GEMMs in Triton vs in cuBLAS: keep the faster.
-    mode_ms = {mode: time_fwd_bwd(dataclasses.replace(tiles, gemm=mode), device) for mode in GEMM_MODES}
-    log(f"tune gemm mode fwd+bwd total ms: {mode_ms}")
-    return dataclasses.replace(tiles, gemm=min(mode_ms, key=mode_ms.get))
 
 
 SKINNY_CANDIDATES = [  # S / dS / dB / dA kernels
@@ -141,81 +59,61 @@ ADD_CANDIDATES = [  # in-place LoRA-term kernels of the cuBLAS mode
     dict(add_block_m=64, add_block_n=128, add_warps=8, add_n_blocks=8),
     dict(add_block_m=32, add_block_n=256, add_warps=4, add_n_blocks=4),
 ]
-SKINNY_SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096)]
 
 
-def _gpu_ms(fn) -> float:
-    # CUDA-graph replay: the kernels' device time without host launch gaps
-    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-
-
-def _skinny_problem(m, k, n, sizes, device):
-    x, w, a, b, routing, lora = _problem(m, k, n, device)
-    table = build_launch_table(routing, lora_ranks([lora], 1), sizes.block_m, device)
-    dy = torch.randn(m, n, device=device, dtype=x.dtype)
-    s = torch.randn(table.s_numel, device=device, dtype=x.dtype)
-    return x, w, a, b, _plan(table, sizes, m, k, n, x), dy, s
-
-
-def _time_skinny(sizes, device) -> float:
-    total = 0.0
-    for m, k, n in SKINNY_SHAPES:
-        x, w, a, b, plan, dy, s = _skinny_problem(m, k, n, sizes, device)
-        ds = torch.empty_like(s)
-        part = torch.empty(plan.split, plan.part_numel, device=device)
-
-        def fn():
-            _launch_s(x, a, plan, 5)
-            _launch_ds(dy, b, ds, 0, plan)
-            _launch_db(dy, s, b, part, 0, plan)
-            _launch_da(x, ds, part, plan, 5)
-
-        total += _gpu_ms(fn)
-    return total
-
-
-def _time_add(sizes, device) -> float:
-    total = 0.0
-    for m, k, n in SKINNY_SHAPES:
-        x, w, a, b, plan, dy, s = _skinny_problem(m, k, n, sizes, device)
-        dx = torch.randn(m, k, device=device, dtype=x.dtype)
-
-        def fn():
-            _launch_add(dy, s, b, 0, plan, 0, dx_mode=False)
-            _launch_add(dx, s, a, 0, plan, 5, dx_mode=True)
-
-        total += _gpu_ms(fn)
-    return total
-
-
-def _tune_fields(kind, candidates, timer, device, log) -> dict:
-    results = []
-    for fields in candidates:
-        try:
-            ms = timer(LoraBlockSizes(**fields), device)
-        except Exception as e:
-            log(f"tune {kind} {fields}: failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        log(f"tune {kind} {fields}: {ms:.3f} ms (CUDA graph)")
-        results.append((ms, fields))
-    return min(results, key=lambda r: r[0])[1]
+def _problem(m, k, n, device, dtype=torch.bfloat16, rank=16):
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    a = (torch.randn(rank, k, device=device, dtype=dtype) / k**0.5).requires_grad_(True)
+    b = torch.randn(n, rank, device=device, dtype=dtype, requires_grad=True)
+    routing = LoraRouting(num_rows=m, segments=((0, m, 0),), scales=(2.0,), dropout_p=(0.1,), seeds=(0,))
+    return x, w, a, b, routing, LoraModuleWeights((a,), (b,))
 
 
 def time_fwd_bwd(sizes: LoraBlockSizes, device) -> float:
+    """Device ms of forward + backward with ``sizes``, summed over ``SHAPES``."""
     total = 0.0
     for m, k, n in SHAPES:
         x, w, a, b, routing, lora = _problem(m, k, n, device)
-        x.requires_grad_(True)
-        a.requires_grad_(True)
-        b.requires_grad_(True)
         dy = torch.randn(m, n, device=device, dtype=x.dtype)
 
         def fn():
             (y,) = fused_lora_projections(x, [w], [None], [lora], routing, dropout_offset=1, block_sizes=sizes)
             torch.autograd.grad([y], [x, a, b], [dy])
 
-        total += _gpu_ms(fn)
+        total += kernel_ms(fn, graph=True)
     return total
+
+
+def best_of(kind: str, base: LoraBlockSizes, candidates: list[dict], device, log) -> LoraBlockSizes:
+    """``base`` with the fields of the fastest candidate (one the compiler rejects is skipped)."""
+    results = []
+    for fields in candidates:
+        sizes = dataclasses.replace(base, **fields)
+        try:
+            ms = time_fwd_bwd(sizes, device)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile
+            log(f"tune {kind} {fields}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"tune {kind} {fields}: {ms:.3f} ms fwd+bwd over {len(SHAPES)} shapes")
+        results.append((ms, sizes))
+    if not results:
+        raise RuntimeError(f"every {kind} candidate failed on this device")
+    return min(results, key=lambda r: r[0])[1]
+
+
+def tune(device: torch.device, log=print) -> LoraBlockSizes:
+    sizes = LoraBlockSizes(gemm="triton")
+    sizes = best_of("fwd", sizes, [dict(block_m=bm, fwd_block_n=bn, fwd_block_k=bk, fwd_warps=w, fwd_stages=st)
+                                   for bm, bn, bk, w, st in FWD_CANDIDATES], device, log)
+    # one block_m serves both GEMMs and the routing tiles: the forward's
+    sizes = best_of("dx", sizes, [dict(dx_block_k=bn, dx_block_n=bk, dx_warps=w, dx_stages=st)
+                                  for bm, bn, bk, w, st in DX_CANDIDATES if bm == sizes.block_m], device, log)
+    sizes = best_of("skinny", sizes, SKINNY_CANDIDATES, device, log)
+    accumulate = best_of("add", dataclasses.replace(sizes, gemm="cublas_accumulate"), ADD_CANDIDATES, device, log)
+    sizes = dataclasses.replace(sizes, **{f.name: getattr(accumulate, f.name) for f in dataclasses.fields(sizes)
+                                          if f.name.startswith("add_")})
+    return best_of("gemm", sizes, [dict(gemm=mode) for mode in GEMM_MODES], device, log)
 
 
 def write_table(name: str, sizes: LoraBlockSizes, path: Path) -> None:
@@ -232,8 +130,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels.py needs a CUDA GPU")
     device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    sizes = tune(device)
+    name = device_info(device)["device_name"]
+    sizes = tune(device, log=logger("tune_kernels"))
     write_table(name, sizes, args.out)
     print(f"{name}: {sizes}")
     print(f"wrote {args.out}")

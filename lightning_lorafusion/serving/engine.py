@@ -411,6 +411,17 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def async_decode(self) -> bool:
+        """Whether decode-only steps overlap the host (``EngineConfig.async_decode`` resolved for
+        this device: ``auto`` is on for CUDA)."""
+        return self._overlap
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` has anything left to do: requests waiting, running or being aborted,
+        adapters being retired, or a launched step whose tokens were not read yet."""
+        return self._has_work()
+
     def _has_work(self) -> bool:
         return bool(self._incoming or self._aborts or self._retired or self._inflight is not None
                     or self.scheduler.has_work())

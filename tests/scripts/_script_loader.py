@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "scripts") not in sys.path:  # as `python scripts/<name>.py` has it: the harness imports
+    sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def load_script(name: str):

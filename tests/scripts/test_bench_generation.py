@@ -16,9 +16,9 @@ def test_bench_generation_tiny_cpu(tmp_path):
     for run in ("ours_all", "ours_all_again", "ours_all_base", "ours_subset", "hf_base", "hf_peft_mixed"):
         assert report[run]["generated_tokens"] == report[run]["requests"] * 3
     for run in ("step_adapters", "step_base"):
-        assert report[run]["running"] == 3 and report[run]["steps"] == 1 and report[run]["step_ms"] > 0
+        assert report[run]["running"] == 3 and report[run]["steps"] == 1 and report[run]["step_ms"] >= 0
     for run in ("profile_adapters", "profile_base"):
-        assert report[run]["batch"] == 3 and report[run]["top"] and report[run]["time_per_step_us"] > 0
+        assert report[run]["batch"] == 3 and report[run]["top"] and report[run]["time_per_step_us"] >= 0
     assert report["engine"]["cuda_graphs"] is False
     assert report["agreement"]["match_rate"] == 1.0  # fp32: token for token
     saved = json.loads((tmp_path / "bench_generation_tiny.json").read_text())
@@ -39,16 +39,13 @@ def test_bench_generation_prefill_attention_variants_tiny_cpu(tmp_path):
         assert report[f"{mode}_engine"]["prefill_attention"] == mode
         assert report[f"{mode}_ours_all"]["generated_tokens"] == 4 * 2
         pre = report[f"{mode}_prefill"]
-        assert pre["requests"] == 4 and pre["steps"] == [1, 1] and 0 < pre["wall_s_min"] <= pre["wall_s_median"]
+        assert pre["requests"] == 4 and pre["steps"] == [1, 1] and 0 <= pre["wall_s_min"] <= pre["wall_s_median"]
     assert report["prefill_attention_agreement"]["paged_"]["match_rate"] == 1.0
 
 
 def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
-    """``--base-precision bf16,fp8,fp8rq``: engines over the same weights quantized to e4m3
-    (emulated FP8 products on the CPU), with their own rows; all generate every token; fp8
-    engines run with the module's weight-only setting (16 rows), fp8rq ones with none (0),
-    and the script restores the setting afterwards."""
-    from lightning_lorafusion.kernels import fp8_linear
+    """``--base-precision bf16,fp8``: an engine over the same weights quantized to e4m3
+    (emulated FP8 products on the CPU), with its own rows; both generate every token."""
     from lightning_lorafusion.kernels.fp8_linear import is_quantized
 
     module = load_script("bench_generation")
@@ -63,13 +60,10 @@ def test_bench_generation_fp8_base_variant_tiny_cpu(tmp_path):
     report = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
                           "--new-tokens", "3", "--prompt-min", "4", "--prompt-max", "20", "--adapters", "2",
                           "--max-num-seqs", "8", "--max-batched-tokens", "128", "--skip-hf", "--step-batch", "4",
-                          "--base-precision", "bf16,fp8,fp8rq", "--out", str(tmp_path)])
+                          "--base-precision", "bf16,fp8", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    assert seen == [False, True, True]
-    assert report["fp8_engine"]["fp8_weight_only_max_rows"] == 16
-    assert report["fp8rq_engine"]["fp8_weight_only_max_rows"] == 0
-    assert fp8_linear.WEIGHT_ONLY_MAX_ROWS == 16
-    for precision in ("bf16", "fp8", "fp8rq"):
+    assert seen == [False, True]
+    for precision in ("bf16", "fp8"):
         assert report[f"{precision}_engine"]["base_precision"] == precision
         assert report[f"{precision}_ours_all"]["generated_tokens"] == 4 * 3
         assert report[f"{precision}_step_adapters"]["steps"] >= 1
@@ -104,7 +98,7 @@ def test_bench_generation_async_decode_variants_tiny_cpu(tmp_path):
     assert report["errors"] == {}
     assert report["async_off_engine"]["async_decode"] is False and report["async_on_engine"]["async_decode"] is True
     assert report["async_on_ours_all"]["generated_tokens"] == report["async_off_ours_all"]["generated_tokens"] == 32
-    assert report["async_off_step_adapters"]["forward_ms"] > 0
+    assert report["async_off_step_adapters"]["forward_ms"] >= 0  # timed apart: a number, not None
     assert report["async_on_step_adapters"]["forward_ms"] is None
     assert report["async_on_step_adapters"]["steps_ahead"] >= 2
     assert report["engine_agreement"]["async_on_"]["match_rate"] == 1.0

@@ -2,6 +2,7 @@
 engine and both PEFT baselines, every request served, the same greedy tokens everywhere."""
 
 import json
+import math
 
 from _script_loader import load_script
 
@@ -21,14 +22,17 @@ def test_bench_serving_tiny_cpu(tmp_path):
                          "--requests", "8", "--rate", "40", "--prompt-len", "4,24", "--output-len", "2,6",
                          "--max-batched-tokens", "12", "--max-num-seqs", "6", "--unchunked", "3",
                          "--baseline-requests", "6", "--baseline-batch", "4", "--prefill-attention", "paged",
-                         "--out", str(tmp_path)])
+                         # no replay is cut by a clock: every request must be served however loaded the host
+                         "--point-max-s", "3600", "--baseline-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {} and report["skipped"] == []
     runs = {(r["run"], r.get("chunked_prefill")): r for r in report["points"] + report["baselines"]}
     assert set(runs) == {("ours", True), ("ours_subset", True), ("ours", False), ("peft_mixed", None),
                          ("peft_switch", None)}
-    for r in runs.values():
-        assert r["complete"] == r["requests"] and r["tokens_per_s"] > 0 and r["slo_attainment"] == 1.0
-        assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
+    for r in runs.values():  # structure only: wall-clock outcomes (SLO, speed) depend on the host's load
+        assert r["complete"] == r["requests"] and r["generated_tokens"] > 0
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("wall_s", "tokens_per_s", "requests_per_s"))
+        assert 0.0 <= r["slo_attainment"] <= 1.0 and r["slo_ttft_s"] == 6.0
+        assert r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] <= r["ttft_s"]["p99"] and r["ttft_s"]["p50"] >= 0
     # ours: every prompt through the paged prefill reference (--prefill-attention paged)
     assert all(r["prefill_attention"] == "paged" for (run, _), r in runs.items() if run.startswith("ours"))
     assert runs[("ours", True)]["prefill_chunks"] > 0 and runs[("ours", False)]["prefill_chunks"] == 0

@@ -60,8 +60,9 @@ def test_arrivals_are_prefilled_together_and_outputs_unchanged(make_engine, hf_r
     # the step counters: rows and steps as planned, time split between prefill and decode steps
     ran = [p + d for p, d in plans if p + d]
     assert stats["steps_total"] == len(ran) and stats["step_rows_total"] == sum(ran)
-    assert 0 < stats["prefill_step_seconds_total"] < stats["step_seconds_total"]
-    assert stats["first_tokens_total"] == len(SEVEN) and stats["ttft_seconds_total"] > 0
+    # prefill steps' seconds are part of all steps' (no wall-clock outcome: only non-negative)
+    assert 0 <= stats["prefill_step_seconds_total"] <= stats["step_seconds_total"]
+    assert stats["first_tokens_total"] == len(SEVEN) and stats["ttft_seconds_total"] >= 0
     engine.pool.check()
 
 

@@ -28,7 +28,7 @@ def test_warm_up_runs_every_rank_alone_and_mixed_and_leaves_nothing(make_engine)
     stats = engine.stats()
     assert stats["requests_total"] - before["requests_total"] == 16
     assert stats["running"] == stats["waiting"] == stats["kv_pages_used"] == 0  # prefix pages dropped too
-    assert done["prefix_pages_freed"] > 0 and done["seconds"] > 0
+    assert done["prefix_pages_freed"] > 0 and done["seconds"] >= 0
     assert _answers(engine) == _answers(make_engine(num_pages=96, page_size=4))
 
 

@@ -1,4 +1,4 @@
-"""scripts/run_pp4.py without GPUs: every run's config resolves to the layout it claims; a job
+"""scripts/bench_pipeline.py without GPUs: every run's config resolves to the layout it claims; a job
 over its time limit is killed with its whole process tree and the next one still runs; the
 table adds up side-by-side jobs."""
 
@@ -13,8 +13,8 @@ import yaml
 
 from _script_loader import load_script
 
-RUN_PP4 = load_script("run_pp4")
-JOBS = [(run.name, job) for run in RUN_PP4.RUNS + RUN_PP4.RUNS_2GPU for job in run.jobs]
+BENCH_PIPELINE = load_script("bench_pipeline")
+JOBS = [(run.name, job) for run in BENCH_PIPELINE.RUNS + BENCH_PIPELINE.RUNS_2GPU for job in run.jobs]
 
 
 def _resolved_config(args, tmp_path, monkeypatch) -> dict:
@@ -34,9 +34,9 @@ def _resolved_config(args, tmp_path, monkeypatch) -> dict:
 
 @pytest.mark.parametrize("name, job", JOBS, ids=[f"{n}{'_' + j.tag if j.tag else ''}" for n, j in JOBS])
 def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job):
-    cmd = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [], launcher="lightning")
+    cmd = BENCH_PIPELINE.fit_command(sys.executable, job, str(tmp_path / "run"), [], launcher="lightning")
     assert cmd[1:4] == ["-m", "lightning_lorafusion.cli", "fit"]
-    torchrun = RUN_PP4.fit_command(sys.executable, job, str(tmp_path / "run"), [])
+    torchrun = BENCH_PIPELINE.fit_command(sys.executable, job, str(tmp_path / "run"), [])
     assert torchrun[torchrun.index("--nproc_per_node") + 1] == str(job.procs)
     assert torchrun[torchrun.index("lightning_lorafusion.cli"):] == cmd[2:]
     cfg = _resolved_config(cmd[3:] + ["--print_config"], tmp_path, monkeypatch)
@@ -68,7 +68,7 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
 
 
 def test_a_job_over_its_limit_is_killed_with_its_children_and_others_report(tmp_path):
-    """The child sits in a session of its own, as torchrun's ranks do: killing the job's process
+    """The child runs under setsid, as torchrun's ranks do: killing the job's process
     group alone would leave it running (and holding its GPU)."""
     pid_file = tmp_path / "child.pid"
     sleeper = ("import subprocess, sys, time; "
@@ -78,10 +78,8 @@ def test_a_job_over_its_limit_is_killed_with_its_children_and_others_report(tmp_
     commands = [([sys.executable, "-c", sleeper], dict(os.environ), str(tmp_path / "slow.log")),
                 ([sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ), str(tmp_path / "bad.log")),
                 ([sys.executable, "-c", "print('fine')"], dict(os.environ), str(tmp_path / "ok.log"))]
-    t0 = time.monotonic()
-    statuses = RUN_PP4.run_jobs(commands, limit_s=5.0)
+    statuses = BENCH_PIPELINE.run_jobs(commands, limit_s=5.0)
     assert statuses == ["timeout", "exit 3", "ok"]
-    assert time.monotonic() - t0 < 60
     child = int(pid_file.read_text())
     time.sleep(0.5)
     assert not _alive(child), "the job's child process outlived the time limit"
@@ -113,19 +111,19 @@ def test_side_by_side_jobs_add_rates_and_the_table_reads_the_last_epoch():
                                       _epoch(1, 1000, 4.0, 4e15, 10.0, [50.0, 40.0], bubble=0.05)])
     b = _summary(2, 2, ["b1", "b2"], [_epoch(0, 100, 10.0, 1e15, 0.0, [9.0, 9.0]),
                                       _epoch(1, 1200, 5.0, 6e15, 11.0, [51.0, 41.0], bubble=0.07)])
-    row = RUN_PP4.combine([a, b])
+    row = BENCH_PIPELINE.combine([a, b])
     assert row["epoch"] == 1 and row["adapters"] == 4 and row["gpus"] == 4
     assert row["tokens_per_s"] == pytest.approx(1000 / 4.0 + 1200 / 5.0)
     assert row["mfu"] == pytest.approx((4e15 / 4.0 + 6e15 / 5.0) / (4 * 1000e12))
     assert row["bubble_ratio"] == pytest.approx(0.06)
     assert row["peak_allocated_gib"] == [50.0, 40.0, 51.0, 41.0]
     assert row["overlap"] == pytest.approx((14.0 - 11.0) / (16.0 - 10.0))
-    single = RUN_PP4.combine([_summary(4, 4, ["x"], [_epoch(0, 500, 5.0, 2e15, 0.0, [1.0] * 4)])])
+    single = BENCH_PIPELINE.combine([_summary(4, 4, ["x"], [_epoch(0, 500, 5.0, 2e15, 0.0, [1.0] * 4)])])
     results = [{"name": "8b_2jobs_pp2", "status": "ok", "row": row},
                {"name": "70b_pp4_mixed_1ad", "status": "timeout", "row": single},
                {"name": "8b_dp4", "status": "exit 1", "row": None}]
-    text = RUN_PP4.table(results)
+    text = BENCH_PIPELINE.table(results)
     assert "| 8b_2jobs_pp2 | PP2xDP1 + PP2xDP1 | 4 | 490 |" in text
     assert "| 8b_dp4 | - |" in text and "exit 1" in text
     assert "timeout (epoch 0 only: includes warm-up)" in text
-    assert RUN_PP4.combine([a, None]) is None
+    assert BENCH_PIPELINE.combine([a, None]) is None

@@ -1,4 +1,4 @@
-"""The 4-GPU runs of issue 18, all through `lightning-lorafusion fit`, one after another, then one table.
+"""Pipeline-parallel training on 4 GPUs, all through `lightning-lorafusion fit`, one run after another, then one table.
 
 1. Llama-3.1-70B-shaped random base (`random:llama70b`), 4 pipeline stages: 4 adapters on the
    heterogeneous and on the mixed workload, 1 adapter (mixed), and the 4 mixed adapters with the
@@ -14,8 +14,8 @@ writes `run_summary.json` (training.callbacks.RunSummary) after every epoch; the
 its last epoch (the first includes torch.compile and allocator warm-up). NVLink multicast stays
 off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 
-    PYTHONPATH=. python3 scripts/run_pp4.py --out $OUT               # on a 4-GPU machine
-    PYTHONPATH=. python3 scripts/run_pp4.py --out $OUT --only 8b_pp2xdp2,8b_dp4
+    PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT               # on a 4-GPU machine
+    PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --only 8b_pp2xdp2,8b_dp4
 
 Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status and summary),
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
@@ -34,6 +34,8 @@ import sys
 import tarfile
 import time
 from dataclasses import dataclass, field
+
+from harness import write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -80,7 +82,7 @@ RUNS = (  # in priority order: the last ones are the first to be cut by the dead
 P2 = "configs/pp2/pp2_70b.yaml"
 D2 = "configs/pp2/devices2.yaml"
 ONE = "configs/pp2/single_gpu.yaml"
-RUNS_2GPU = (  # issue 18's fallback when only a 2-GPU machine is lent (--gpus 2)
+RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
     Run(name="70b_pp2_mixed_4ad", what="70B PP=2, 4 adapters, mixed",
         jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2), procs=2),), limit_s=170),
     Run(name="70b_pp2_mixed_1ad", what="70B PP=2, 1 adapter, mixed",
@@ -124,8 +126,8 @@ def _children() -> dict[int, list[int]]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (torchrun starts its ranks in sessions of their own, so
-    the job's process group does not hold them)."""
+    """Every live descendant of ``pid`` (torchrun starts its ranks under setsid, so the job's
+    process group does not hold them)."""
     children, found, todo = _children(), [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -321,7 +323,7 @@ def preflight(python: str, env: dict) -> str | None:
     return None if probe.returncode == 0 else probe.stderr[-3000:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="where the table, JSON and logs archive go")
     ap.add_argument("--work", default="/tmp/pp4_runs", help="run directories (large; not sent back)")
@@ -333,18 +335,83 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launcher", choices=["torchrun", "lightning"], default="torchrun",
                     help="who starts the ranks (see fit_command)")
     ap.add_argument("--gpus", type=int, choices=[2, 4], default=4,
-                    help="4: the issue's runs; 2: the fallback set for a 2-GPU machine (70B in 2 stages)")
+                    help="4: the runs above; 2: the fallback set for a 2-GPU machine (70B in 2 stages)")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args(argv)
-    t_start = time.monotonic()
-    os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.work, exist_ok=True)
     run_set = RUNS if args.gpus == 4 else RUNS_2GPU
     known = {r.name for r in run_set}
     only = [n for n in args.only.split(",") if n]
     if set(only) - known:
         ap.error(f"unknown run(s) {sorted(set(only) - known)}; known: {[r.name for r in run_set]}")
-    runs = [r for r in run_set if not only or r.name in only]
+    args.runs = [r for r in run_set if not only or r.name in only]
+    return args
+
+
+def job_commands(args, i: int, run: Run, base_env: dict) -> tuple[list, list[str]]:
+    """Each job's (fit command, environment, log path) and run directory (summary cleared)."""
+    commands, roots = [], []
+    for k, job in enumerate(run.jobs):
+        root = os.path.join(args.work, run.name + (f"_{job.tag}" if job.tag else ""))
+        os.makedirs(root, exist_ok=True)
+        summary = os.path.join(root, "run_summary.json")
+        if os.path.exists(summary):
+            os.remove(summary)  # never report an earlier run's numbers
+        env = {**base_env, **run.env}
+        if args.launcher == "lightning":  # torchrun --standalone picks free ports itself
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + 10 * i + k))
+        if job.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = job.gpus
+        commands.append((fit_command(args.python, job, root, args.extra.split(), args.launcher), env,
+                         os.path.join(root, "fit.log")))
+        roots.append(root)
+    return commands, roots
+
+
+def execute(args, i: int, run: Run, base_env: dict, limit: float, t_start: float) -> dict:
+    """One run's jobs side by side under ``limit`` seconds -> its result (status, combined row)."""
+    commands, roots = job_commands(args, i, run, base_env)
+    t0 = time.monotonic()
+    print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {run.what} (limit {limit:.0f} s)", flush=True)
+    statuses = run_jobs(commands, limit)
+    _wait_for_free_gpus()
+    summaries = [_read_json(os.path.join(root, "run_summary.json")) for root in roots]
+    status = ", ".join(sorted(set(statuses)))
+    row = combine(summaries)
+    if row is None and status == "ok":
+        status = "ok, no summary"
+    print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {status} after {time.monotonic() - t0:.0f} s"
+          + (f", {row['tokens_per_s']:,.0f} tokens/s" if row else ""), flush=True)
+    for root in roots:
+        _tail_bytes(os.path.join(root, "fit.log"))
+        if status != "ok":  # the end of a failed run's log, where the error is
+            with open(os.path.join(root, "fit.log"), errors="replace") as f:
+                print("".join(f.readlines()[-25:]), flush=True)
+    return {"name": run.name, "what": run.what, "status": status, "row": row, "elapsed_s": time.monotonic() - t0,
+            "summaries": summaries, "commands": [c for c, _, _ in commands]}
+
+
+def write_outputs(args, results: list[dict]) -> str:
+    """The table (pp4_summary.md), every result (pp4_runs.json) and the logs archive."""
+    text = table(results)
+    with open(os.path.join(args.out, "pp4_summary.md"), "w") as f:
+        f.write(text + "\n")
+    write_json(args.out, "pp4_runs.json", results)
+    with tarfile.open(os.path.join(args.out, "pp4_logs.tar.gz"), "w:gz") as tar:
+        for run in args.runs:
+            for job in run.jobs:
+                name = run.name + (f"_{job.tag}" if job.tag else "")
+                for fname in ("fit.log", "config.yaml", "run_summary.json"):
+                    path = os.path.join(args.work, name, fname)
+                    if os.path.exists(path):
+                        tar.add(path, arcname=f"{name}/{fname}")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.work, exist_ok=True)
     base_env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
                 "LORAFUSION_FUSE_ELEMENTWISE": args.fuse_elementwise}
@@ -352,61 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print(f"the CLI does not import; no run started:\n{error}", flush=True)
         return 2
-    extra = args.extra.split()
     results = []
-    for i, run in enumerate(runs):
+    for i, run in enumerate(args.runs):
         left = args.deadline - (time.monotonic() - t_start) - 15.0  # keep time for the table
         if left < 30.0:
             results.append({"name": run.name, "what": run.what, "status": "skipped (deadline)", "row": None})
             continue
-        limit = min(run.limit_s, left)
-        commands, roots = [], []
-        for k, job in enumerate(run.jobs):
-            root = os.path.join(args.work, run.name + (f"_{job.tag}" if job.tag else ""))
-            os.makedirs(root, exist_ok=True)
-            summary = os.path.join(root, "run_summary.json")
-            if os.path.exists(summary):
-                os.remove(summary)  # never report an earlier session's numbers
-            env = {**base_env, **run.env}
-            if args.launcher == "lightning":  # torchrun --standalone picks free ports itself
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + 10 * i + k))
-            if job.gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = job.gpus
-            commands.append((fit_command(args.python, job, root, extra, args.launcher), env,
-                             os.path.join(root, "fit.log")))
-            roots.append(root)
-        t0 = time.monotonic()
-        print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {run.what} (limit {limit:.0f} s)", flush=True)
-        statuses = run_jobs(commands, limit)
-        _wait_for_free_gpus()
-        summaries = [_read_json(os.path.join(root, "run_summary.json")) for root in roots]
-        status = ", ".join(sorted(set(statuses)))
-        row = combine(summaries)
-        if row is None and status == "ok":
-            status = "ok, no summary"
-        print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {status} after {time.monotonic() - t0:.0f} s"
-              + (f", {row['tokens_per_s']:,.0f} tokens/s" if row else ""), flush=True)
-        for root in roots:
-            _tail_bytes(os.path.join(root, "fit.log"))
-            if status != "ok":  # the end of a failed run's log, where the error is
-                with open(os.path.join(root, "fit.log"), errors="replace") as f:
-                    print("".join(f.readlines()[-25:]), flush=True)
-        results.append({"name": run.name, "what": run.what, "status": status, "row": row,
-                        "elapsed_s": time.monotonic() - t0, "summaries": summaries,
-                        "commands": [c for c, _, _ in commands]})
-    text = table(results)
-    with open(os.path.join(args.out, "pp4_summary.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "pp4_runs.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with tarfile.open(os.path.join(args.out, "pp4_logs.tar.gz"), "w:gz") as tar:
-        for run in runs:
-            for job in run.jobs:
-                name = run.name + (f"_{job.tag}" if job.tag else "")
-                for fname in ("fit.log", "config.yaml", "run_summary.json"):
-                    path = os.path.join(args.work, name, fname)
-                    if os.path.exists(path):
-                        tar.add(path, arcname=f"{name}/{fname}")
+        results.append(execute(args, i, run, base_env, min(run.limit_s, left), t_start))
+    text = write_outputs(args, results)
     print(f"\ntotal {time.monotonic() - t_start:.0f} s\n\n{text}", flush=True)
     return 0
 
