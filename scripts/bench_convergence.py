@@ -136,7 +136,7 @@ def write_samples_file(path: str, weights: str, *, max_document_tokens: int) -> 
     input_ids[t+1]`` for t in each ``[start, end)`` span and IGNORE_INDEX elsewhere."""
     from transformers import AutoTokenizer
 
-    from lightning_lorafusion.data.sources import ACLSUM_ASPECTS, AclsumSource
+    from lightning_lorafusion.data.sources.aclsum import ACLSUM_ASPECTS, AclsumSource
     from lightning_lorafusion.model.hf_loading import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(_weights_name(weights)))

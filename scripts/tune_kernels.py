@@ -22,7 +22,8 @@ import triton
 import triton.testing
 
 from lightning_lorafusion.kernels.block_sizes import GEMM_MODES, LoraBlockSizes
-from lightning_lorafusion.kernels.fused_lora import (
+from lightning_lorafusion.kernels.fused_lora import fused_lora_projections, lora_ranks
+from lightning_lorafusion.kernels.fused_lora_launch import (
     _Plan,
     _launch_add,
     _launch_da,
@@ -31,8 +32,6 @@ from lightning_lorafusion.kernels.fused_lora import (
     _launch_dx,
     _launch_fwd_gemm,
     _launch_s,
-    fused_lora_projections,
-    lora_ranks,
 )
 from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
 from lightning_lorafusion.kernels.routing_table import build_launch_table
