@@ -29,8 +29,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from .fp8_format import FP8_DTYPE
+from .fp8_triton import (quantize_rows, swiglu_grads_quantize, swiglu_quantize, transpose_concat,
+                         weight_only_linear)
+
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
 GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
 # cuBLAS/CUTLASS fast accumulation (``use_fast_accum``) per product: off keeps fp32 accumulators
@@ -261,8 +263,6 @@ class Fp8SwiGLU(torch.autograd.Function):
         if emulate:
             h, hq, sh = _swiglu_reference(g, u)
         else:
-            from .fp8_triton import swiglu_quantize
-
             h, hq, sh = swiglu_quantize(g, u)
         offer_quantized_input(h, hq, sh)
         ctx.save_for_backward(g, u, scale_g, scale_u)
@@ -275,8 +275,6 @@ class Fp8SwiGLU(torch.autograd.Function):
         if ctx.emulate:
             dg, du, gq, sg = _swiglu_grads_reference(g, u, dh, scale_g, scale_u)
         else:
-            from .fp8_triton import swiglu_grads_quantize
-
             dg, du, gq, sg = swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
         offer_quantized_grad((dg, du), (scale_g, scale_u), gq, sg)
         return dg, du, None, None, None
@@ -354,8 +352,6 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False
 
 def _real_outputs(x, weights, biases, weight_only=False):
     _check_real(x, weights)
-    from .fp8_triton import quantize_rows, weight_only_linear
-
     m = x.shape[0]
     # decode: weight-only products read the e4m3 weights once and keep x in bf16 (for the
     # others a row quantization and _scaled_mm's small-M kernels cost what the halved bytes save)
@@ -382,8 +378,6 @@ def weight_only_wins(m: int, n: int, k: int) -> bool:
 
 
 def _real_input_grad(dys, weights, dtype):
-    from .fp8_triton import quantize_rows, transpose_concat
-
     gq, sg = (_take_quantized_grad(dys, weights)
               or quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
     wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand

@@ -113,3 +113,20 @@ def lora_projections_reference(
             a, b = loras[i].a[adapter], loras[i].b[adapter]
             ys[i][start:end] += scale * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t())
     return ys
+
+
+# ------------------------------------------------ the decoder's elementwise pieces
+# (here, below the model, so the fused serving kernels can use them as their references)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[T, H] -> [T, H]``; statistics in fp32, as in the reference implementation."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -35,13 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
 from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, fp8_swiglu, fused_swiglu_enabled, is_quantized
 from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
-from ..kernels.reference import LoraModuleWeights, LoraRouting
-from ..specs import ConfigError
+from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
+from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -196,13 +195,6 @@ def _sliding_windows(hf_config: Any, model_type: str, n_layers: int) -> tuple[in
 # --------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[T, H] -> [T, H]``; statistics in fp32, as in the reference implementation."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
     """``[D/2]`` fp32 inverse frequencies for the config's RoPE variant."""
     d = config.head_dim
@@ -233,12 +225,6 @@ def rope_cos_sin(
     freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 # ------------------------------------------------------------------- elementwise fusion
