@@ -7,16 +7,14 @@
     kernels: "hf_liger", "hf_liger_packed"; needs liger-kernel, run after the plain HF variants);
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
     functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
-    compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
+    compiled by torch.compile, see model.decoder.DecoderOptions), the same with those
     groups left eager ("triton_eager"), with each microbatch's forward + backward replayed as a
     CUDA graph ("triton_graphs", training/cuda_graphs.py; the first pass captures) and with the
     torch reference LoRA ("torch"). With
     ``--base-precision bf16,fp8`` each of our variants runs again with the FP8 base
     ("triton_fp8": projection weights and the untied input embedding quantized to e4m3, frozen
     GEMMs on FP8 tensor cores; ``--fp8-fast-accum off,forward,both`` repeats it per fast-
-    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``; ``--fp8-fused-swiglu
-    on,off`` repeats it with the MLP's FP8 operands quantized by SwiGLU or by the products
-    themselves, the latter rows suffixed ``_sw-off``); the FP8 runs come last
+    accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``); the FP8 runs come last
     and release the HF model's bf16 projection weights and embedding table, so their peak memory
     is the FP8 base's.
 (c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
@@ -46,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation, set_fused_swiglu  # noqa: E402
+from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
+from lightning_lorafusion.model.decoder import DEFAULT_OPTIONS, DecoderOptions, forward_loss_sums  # noqa: E402
 from lightning_lorafusion.model.hf_loading import (  # noqa: E402
     fp8_exempt_layer_set,
     params_from_hf_model,
@@ -277,7 +275,7 @@ def release_projection_weights(model, keep_layers=()) -> None:
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None):
+             fp8_params=None, options=DEFAULT_OPTIONS):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again)."""
     w = OursSetup(args, model, data, device, dtype)
@@ -304,19 +302,20 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     if graphs:
         from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, graph_key
 
-        runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda")
+        runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
+                                options=options)
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
-        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner)
+        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options)
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
-        _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner))
+        _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner, options))
     if args.memory_peak and device.type == "cuda" and runner is None:  # graph replays allocate nothing
         from memory_peak import format_report, peak_report
 
         # the largest microbatch (most real tokens), after the timed pass: optimizer state exists
         big = max(mbs, key=lambda m: m.real_tokens)
         print(format_report(label, peak_report(lambda: _ours_pass([big], bank, opts, params, config, backend,
-                                                                  device))), flush=True)
+                                                                  device, options=options))), flush=True)
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     extra = {}
     if runner is not None:
@@ -340,7 +339,7 @@ def _profile(args, label, fn) -> None:
             f.write(table)
 
 
-def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
+def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS):
     t0 = timed(device)
     tokens = 0
     for mb in mbs:
@@ -353,7 +352,7 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=config, backend=backend,
-                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options)
         adapter_loss(sums, mb.loss_denominators).backward()
         for a in mb.step_adapters:
             opts[a].step()
@@ -377,10 +376,6 @@ def main() -> None:
     ap.add_argument("--fp8-fast-accum", default="off",
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")
-    ap.add_argument("--fp8-fused-swiglu", default="on",
-                    help="comma list of on / off: the FP8 runs repeat per setting (SwiGLU quantizing the "
-                         "down projection's input and the gate/up gradient itself, fp8_linear.Fp8SwiGLU; "
-                         "rows without it suffixed _sw-off)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--memory-peak", action="store_true",
                     help="eager variants: what is live at one microbatch's memory peak, by allocating line "
@@ -392,20 +387,17 @@ def main() -> None:
     if set(precisions) - {"bf16", "fp8"} or not precisions:
         raise SystemExit(f"--base-precision {args.base_precision!r}: give bf16, fp8 or bf16,fp8")
     ours = [v for v in args.variants.split(",") if not v.startswith("hf")]
-    runs = [(v, "bf16", ("off", "on")) for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
+    runs = [(v, "bf16", "off") for v in args.variants.split(",") if v.startswith("hf") or "bf16" in precisions]
     # Liger patches the shared HF model in place: its variants run after the plain HF ones
     runs.sort(key=lambda r: r[0].startswith("hf_liger"))
     modes = args.fp8_fast_accum.split(",")
     if set(modes) - {"off", "forward", "both"} or not modes:
         raise SystemExit(f"--fp8-fast-accum {args.fp8_fast_accum!r}: give off, forward, both (comma list)")
-    swiglu = args.fp8_fused_swiglu.split(",")
-    if set(swiglu) - {"on", "off"} or not swiglu:
-        raise SystemExit(f"--fp8-fused-swiglu {args.fp8_fused_swiglu!r}: give on, off or on,off")
     # last: they release the bf16 weights
-    runs += [(v, "fp8", (m, sw)) for v in ours if "fp8" in precisions for m in modes for sw in swiglu]
+    runs += [(v, "fp8", m) for v in ours if "fp8" in precisions for m in modes]
     rows = []
     fp8_params: dict = {}
-    for variant, precision, (accum, fused_swiglu) in runs:
+    for variant, precision, accum in runs:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -419,16 +411,16 @@ def main() -> None:
                 tps, secs, toks = run_hf_frozen(args, model, data, device)
                 extra = {}
             else:
-                set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
-                set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
-                set_fused_swiglu(fused_swiglu == "on")
+                options = DecoderOptions(
+                    elementwise_fusion="off" if variant == "triton_eager" else "auto",
+                    kernels=KernelOptions(fp8_fast_accum_forward=accum in ("forward", "both"),
+                                          fp8_fast_accum_input_grad=accum == "both"))
                 backend = "triton" if variant.startswith("triton") else variant
-                variant = (variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
-                           + ("_sw-off" if fused_swiglu == "off" else ""))
+                variant = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
                 tps, secs, toks, fill, n, extra = run_ours(args, hf_config, model, data, device, dtype, backend,
                                                            base_precision=precision,
                                                            graphs=variant.startswith("triton_graphs"),
-                                                           label=variant, fp8_params=fp8_params)
+                                                           label=variant, fp8_params=fp8_params, options=options)
                 extra = {"fill": round(fill, 3), "microbatches": n, **extra}
         except torch.OutOfMemoryError:
             print(json.dumps({"variant": variant, "error": "out of memory"}), flush=True)

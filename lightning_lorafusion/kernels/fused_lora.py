@@ -41,9 +41,10 @@ import torch
 
 from .block_sizes import LoraBlockSizes, block_sizes_for
 from .dropout_triton import offset_hash_arg
-from .fp8_linear import Fp8Weight, frozen_projections
+from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
 from .fused_lora_launch import _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
 from .fused_lora_ops import _sizes_to_args, _table_to_args, fused_lora_fwd_op
+from .options import KernelOptions
 from .reference import LoraModuleWeights, LoraRouting
 from .routing_table import PLAN_KEY, build_launch_table
 
@@ -55,7 +56,7 @@ class FusedLoraProjections(torch.autograd.Function):
     """Shared-input projections with per-row-tile LoRA; differentiable w.r.t. X, A and B."""
 
     @staticmethod
-    def forward(ctx, x, a_all, plan, off_h, *rest):
+    def forward(ctx, x, a_all, plan, off_h, operands, *rest):
         n_proj = len(rest) // 3
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
@@ -63,7 +64,7 @@ class FusedLoraProjections(torch.autograd.Function):
         s = _launch_s(x, a_all, plan, off_h)
         ctx.fp8_weights = tuple(weights) if isinstance(weights[0], Fp8Weight) else None
         if ctx.fp8_weights is not None:
-            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan))
+            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
             ctx.save_for_backward(x, a_all, s, *b_cats)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
@@ -71,7 +72,7 @@ class FusedLoraProjections(torch.autograd.Function):
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
             ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
-        ctx.plan, ctx.off_h, ctx.n_proj = plan, off_h, n_proj
+        ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands = plan, off_h, n_proj, operands
         ctx.mark_non_differentiable(s)
         return ys
 
@@ -82,10 +83,10 @@ class FusedLoraProjections(torch.autograd.Function):
         if ctx.fp8_weights is not None:
             rest = [*ctx.fp8_weights, *rest]
         need = ctx.needs_input_grad
-        need_db = [need[4 + 2 * n_proj + i] for i in range(n_proj)]
+        need_db = [need[5 + 2 * n_proj + i] for i in range(n_proj)]
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
-                                    ctx.off_h, need[0], need[1], need_db)
-        return (dx, da, None, None, *([None] * (2 * n_proj)), *db_cats)
+                                    ctx.off_h, need[0], need[1], need_db, ctx.operands)
+        return (dx, da, None, None, None, *([None] * (2 * n_proj)), *db_cats)
 
 
 def _check_inputs(x, weights, biases, loras, routing: LoraRouting) -> None:
@@ -184,6 +185,8 @@ def fused_lora_projections(
     *,
     dropout_offset: int = 0,
     block_sizes: LoraBlockSizes | None = None,
+    options: KernelOptions | None = None,
+    operands: QuantizedOperands | None = None,
 ) -> list[torch.Tensor]:
     """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
 
@@ -191,6 +194,8 @@ def fused_lora_projections(
     are frozen (no gradients). ``loras[i].a[a]``
     [r, K] / ``.b[a]`` [N_i, r] (or None) get gradients, as does ``x``. All projections share one
     dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
+    ``options``: the FP8 products' accumulation (``KernelOptions``; default: fp32). ``operands``:
+    an FP8 group's quantized input / output gradient offered by its neighbour (``fp8_swiglu``).
     """
     _check_inputs(x, weights, biases, loras, routing)
     x = x.contiguous()
@@ -202,21 +207,23 @@ def fused_lora_projections(
     # The plan (tables, grids, split counts, launch objects) is built by the first call of a
     # microbatch and reused by every layer: the per-call host work is the lookup below.
     # ``block_sizes`` is keyed by identity; the plan holds it, so the id stays unique.
-    key = (PLAN_KEY, id(block_sizes), ranks, x.dtype, x.device, x.shape[1], tuple(w.shape[0] for w in weights))
+    options = options if options is not None else KernelOptions()
+    key = (PLAN_KEY, id(block_sizes), ranks, x.dtype, x.device, x.shape[1], tuple(w.shape[0] for w in weights),
+           options)
     plan = routing.launch_cache.get(key)
     if plan is None:
         sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)
         table = build_launch_table(routing, ranks, sizes.block_m, x.device)
         plan = _NO_LORA if table.a_rows == 0 else _Plan(
             table, sizes, m=x.shape[0], k=x.shape[1], ns=key[6], b_cols=table.b_cols, dtype=x.dtype,
-            device=x.device)
+            device=x.device, options=options)
         routing.launch_cache[key] = plan
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
-        return frozen_projections(x, weights, biases)
+        return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
     a_all, b_cats = _factors(loras, table, x.dtype)
-    return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), *weights, *biases,
-                                           *b_cats))
+    return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, *weights,
+                                           *biases, *b_cats))
 
 
 _NO_LORA = object()  # plan-cache entry of a group none of whose routed rows has LoRA

@@ -13,9 +13,10 @@ from typing import Sequence
 import torch
 
 from .block_sizes import LoraBlockSizes
-from .fp8_linear import Fp8Weight, fp8_input_grad, fp8_outputs, resolve_emulate
+from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
 from .fused_lora_kernels import (_lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
                                  _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel)
+from .options import KernelOptions
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
 
@@ -59,17 +60,20 @@ class _Plan:
 
     Built once per (routing table, K, N_i, dtype, device, block sizes) and cached in the
     routing's ``launch_cache``, so every layer of a microbatch reuses it: grids, tile sizes and
-    constexprs (``CachedLaunch`` objects, made on first use), the device's SM count, the dA/dB
+    constexprs (``CachedLaunch`` objects, made on first use), the kernel options (FP8
+    accumulation), the device's SM count, the dA/dB
     split count and the layout of their joint fp32 partial-sum buffer ``[split, part_numel]``
     (dA ``[a_rows, K]`` at ``part_offsets[0]``, dB_i ``[N_i, b_cols_i]`` at ``part_offsets[1 + i]``).
     """
 
     __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "part_offsets", "part_numel",
-                 "launches")
+                 "launches", "options")
 
     def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
-                 b_cols: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+                 b_cols: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 options: KernelOptions | None = None) -> None:
         self.table, self.sizes, self.m, self.k, self.ns = table, sizes, m, k, tuple(ns)
+        self.options = options if options is not None else KernelOptions()
         self.precision = _dot_precision(dtype)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         # one split for dA and every dB (they share the partial buffer), sized for dA, which
@@ -139,9 +143,12 @@ def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: b
     launch(out, left, right, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
 
 
-def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan) -> list[torch.Tensor]:
-    """FP8 frozen products of the group (X quantized once), each LoRA term added in place."""
-    ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None))
+def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan,
+                    operands: QuantizedOperands | None = None) -> list[torch.Tensor]:
+    """FP8 frozen products of the group (X quantized once, or taken from ``operands``), each
+    LoRA term added in place."""
+    ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
+                     fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
     for proj, (y, b_cat) in enumerate(zip(ys, b_cats)):
         if b_cat is not None and plan.table.max_rank[proj] > 0:
             _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
@@ -259,12 +266,14 @@ def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_he
     )
 
 
-def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dtype, device,
+               operands: QuantizedOperands | None = None) -> torch.Tensor:
     t, m, k = plan.table, plan.m, plan.k
     has_lora = ds is not None
     if isinstance(weights[0], Fp8Weight):
         dx = fp8_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device,
-                            emulate=resolve_emulate(device, None))
+                            emulate=resolve_emulate(device, None),
+                            fast_accum=plan.options.fp8_fast_accum_input_grad, operands=operands)
         if has_lora:
             _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx
@@ -308,8 +317,10 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
     return dx
 
 
-def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db):
-    """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA)."""
+def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
+              operands: QuantizedOperands | None = None):
+    """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
+    take its quantized gradient from ``operands``."""
     t = plan.table
     n_proj = len(weights)
     m, k = x.shape
@@ -327,7 +338,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
             _launch_db(dy, s, b_cats[i], part, i, plan)
     if need_da:
         _launch_da(x, ds, part, plan, off_h)
-    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device) if need_dx else None
+    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None:
         grads = (part[0] if plan.split == 1 else part.sum(0)).to(a_all.dtype)

@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 
 from .dropout import dropout_keep_mask
-from .fp8_linear import Fp8Weight, frozen_projections
+from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
+from .options import KernelOptions
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,17 @@ def lora_projections_reference(
     loras: Sequence[LoraModuleWeights | None],
     routing: LoraRouting | None,
     dropout_offset: int = 0,
+    *,
+    options: KernelOptions | None = None,
+    operands: QuantizedOperands | None = None,
 ) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v or gate/up); they share one dropout mask.
 
     The LoRA terms are added in place into each segment's rows of the frozen outputs (no
     full-size zero/concatenate temporaries), and each segment's dropped-out input is built
-    once for all projections.
+    once for all projections. ``options`` / ``operands``: as in ``fp8_linear.frozen_projections``.
     """
-    ys = frozen_projections(x, weights, biases)
+    ys = frozen_projections(x, weights, biases, options=options, operands=operands)
     if routing is None or all(l is None for l in loras):
         return ys
     for start, end, adapter in routing.segments:
