@@ -231,7 +231,7 @@ def rope_cos_sin(
 # ------------------------------------------------------------------- elementwise fusion
 # Between the GEMMs a layer runs RMSNorm (twice), residual adds, RoPE on q and k and SwiGLU's
 # silu(g) * u: about 40 memory-bound kernels per layer forward and backward in eager mode
-# (docs/model.md, "Elementwise fusion"). torch.compile (inductor) fuses each group below into
+# (docs/model.md, "Elementwise fusion (torch.compile)"). torch.compile (inductor) fuses each group below into
 # one kernel forward and one backward. The functions are the eager ones, only compiled; "auto"
 # fuses on CUDA with the Triton LoRA backend (the fast path) and leaves the torch reference
 # path eager.

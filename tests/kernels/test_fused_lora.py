@@ -63,7 +63,7 @@ def check_against_reference(x, ws, bs, loras, routing, offset, dtype, sizes=SMAL
     assert all(y.dtype == dtype for y in ys)
     # output gradients from their own generator: the draw does not depend on which tests ran
     # before (a 1-row rank-1 adapter's dA is dS x for one dS summed over N, whose cancellation
-    # some draws of the shared generator pushed past the fp32 tolerance: 1.9e-5, CI, session 11)
+    # some draws of the shared generator pushed past the fp32 tolerance: 1.9e-5 in CI)
     gen = torch.Generator().manual_seed(1234)
     gys = [torch.randn(y.shape, generator=gen).to(y.device, y.dtype) for y in ys]
     params = leaves(x, loras)
