@@ -29,10 +29,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .fp8_format import FP8_DTYPE
+from . import fp8_triton
+from .fp8_format import FP8_DTYPE, FP8_MAX  # noqa: F401  (FP8_MAX: part of this module's API)
 from .options import KernelOptions
-from .fp8_triton import (quantize_rows, swiglu_grads_quantize, swiglu_quantize, transpose_concat,
-                         weight_only_linear)
 
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
 GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
@@ -260,7 +259,7 @@ class Fp8SwiGLU(torch.autograd.Function):
         if emulate:
             h, hq, sh = _swiglu_reference(g, u)
         else:
-            h, hq, sh = swiglu_quantize(g, u)
+            h, hq, sh = fp8_triton.swiglu_quantize(g, u)
         operands.offer_input(h, hq, sh)
         ctx.save_for_backward(g, u, scale_g, scale_u)
         ctx.emulate, ctx.operands = emulate, operands
@@ -272,7 +271,7 @@ class Fp8SwiGLU(torch.autograd.Function):
         if ctx.emulate:
             dg, du, gq, sg = _swiglu_grads_reference(g, u, dh, scale_g, scale_u)
         else:
-            dg, du, gq, sg = swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
+            dg, du, gq, sg = fp8_triton.swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
         ctx.operands.offer_grad((dg, du), (scale_g, scale_u), gq, sg)
         return dg, du, None, None, None, None
 
@@ -291,7 +290,8 @@ def fp8_swiglu(g: torch.Tensor, u: torch.Tensor, gate: Fp8Weight, up: Fp8Weight,
 # ------------------------------------------------------------------------------- products
 
 
-def _emulated_outputs(x, weights, biases, weight_only, fast_accum, operands):  # the spec: row-quantized
+def _emulated_outputs(x, weights, biases, weight_only=False, fast_accum=False, operands=None):
+    # the spec: always row-quantized (no weight-only product, no fast accumulation)
     xq, sx = _take_input(operands, x) or quantize_rows_reference(x)
     xd = xq.float() * sx
     ys = []
@@ -301,7 +301,7 @@ def _emulated_outputs(x, weights, biases, weight_only, fast_accum, operands):  #
     return ys
 
 
-def _emulated_input_grad(dys, weights, dtype, fast_accum, operands):  # (no fast accumulation mode)
+def _emulated_input_grad(dys, weights, dtype, fast_accum=False, operands=None):  # (no fast accumulation)
     gq, sg = (_take_grad(operands, dys, weights) or quantize_rows_reference(
         torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)))
     wq = torch.cat([w.data.float() for w in weights], dim=0)  # [sum N, K]
@@ -338,7 +338,7 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False
     return out[:m] if pad else out
 
 
-def _real_outputs(x, weights, biases, weight_only, fast_accum, operands):
+def _real_outputs(x, weights, biases, weight_only=False, fast_accum=False, operands=None):
     _check_real(x, weights)
     m = x.shape[0]
     # decode: weight-only products read the e4m3 weights once and keep x in bf16 (for the
@@ -346,11 +346,11 @@ def _real_outputs(x, weights, biases, weight_only, fast_accum, operands):
     light = [weight_only and weight_only_wins(m, *w.shape) for w in weights]
     xq = sx = None
     if not all(light):
-        xq, sx = _take_input(operands, x) or quantize_rows([x.contiguous()], None)
+        xq, sx = _take_input(operands, x) or fp8_triton.quantize_rows([x.contiguous()], None)
     ys = []
     for w, b, wo in zip(weights, biases, light):
         if wo:
-            y = weight_only_linear(x, w.data, w.scale)
+            y = fp8_triton.weight_only_linear(x, w.data, w.scale)
         else:
             y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, fast_accum)
         ys.append(y if b is None else y + b)
@@ -365,10 +365,10 @@ def weight_only_wins(m: int, n: int, k: int) -> bool:
     return m <= WEIGHT_ONLY_MAX_ROWS and (m <= 1 or n <= k)
 
 
-def _real_input_grad(dys, weights, dtype, fast_accum, operands):
+def _real_input_grad(dys, weights, dtype, fast_accum=False, operands=None):
     gq, sg = (_take_grad(operands, dys, weights)
-              or quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
-    wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
+              or fp8_triton.quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
+    wt = fp8_triton.transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
     ones = torch.ones(1, wt.shape[0], dtype=torch.float32, device=wt.device)
     return _scaled_mm(gq, sg, wt, ones, dtype, fast_accum)
 
