@@ -9,6 +9,8 @@ from typing import Any
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Label of a token with no target (prompt, padding); cross-entropy skips it (torch's default).
+IGNORE_INDEX = -100
 # Task metrics an adapter can report on its generated val samples (training/val_samples.py).
 METRICS = ("rouge",)
 

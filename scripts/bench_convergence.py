@@ -64,9 +64,10 @@ import torch  # noqa: E402
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX  # noqa: E402
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
+from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import DecoderConfig, embedding_device_dtype, forward_loss_sums  # noqa: E402
+from lightning_lorafusion.model.decoder import (DEFAULT_OPTIONS, DecoderConfig, DecoderOptions,  # noqa: E402
+                                                embedding_device_dtype, forward_loss_sums)
 from lightning_lorafusion.model.hf_loading import (  # noqa: E402
     fp8_exempt_layer_set,
     params_from_hf_model,
@@ -136,7 +137,7 @@ def write_samples_file(path: str, weights: str, *, max_document_tokens: int) -> 
     input_ids[t+1]`` for t in each ``[start, end)`` span and IGNORE_INDEX elsewhere."""
     from transformers import AutoTokenizer
 
-    from lightning_lorafusion.data.sources import ACLSUM_ASPECTS, AclsumSource
+    from lightning_lorafusion.data.sources.aclsum import ACLSUM_ASPECTS, AclsumSource
     from lightning_lorafusion.model.hf_loading import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(_weights_name(weights)))
@@ -293,7 +294,7 @@ def adapter_vectors(bank: AdapterBank) -> list[torch.Tensor]:
 
 
 def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapter_dtype: torch.dtype,
-          dropout_index_shift: int = 0) -> RunResult:
+          dropout_index_shift: int = 0, options: DecoderOptions = DEFAULT_OPTIONS) -> RunResult:
     """Train every adapter for ``case.steps`` steps over the case's microbatches.
 
     ``dropout_index_shift`` moves the microbatch index that dropout offsets hash (so it changes
@@ -312,7 +313,7 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
         routing = bank.routing(mb.segments, mb.index + dropout_index_shift, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=case.config, backend=backend,
-                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options)
         adapter_loss(sums, mb.loss_denominators).backward()
         per = sums.detach().double() / mb.loss_denominators.double().clamp_min(1)
         for _, _, a in mb.segments:
@@ -331,10 +332,11 @@ def train(case: Case, *, label: str, backend: str, params: dict[str, Any], adapt
         raise RuntimeError(f"{label}: steps per adapter {[len(v) for v in values]}, expected {case.steps}")
     return RunResult(label=label, backend=backend, dtype=str(embedding_device_dtype(params)[1]).replace("torch.", ""),
                      losses=values, weights=adapter_vectors(bank), seconds=seconds,
-                     eval_losses=eval_losses(case, bank, params, backend) if case.eval_microbatches else None)
+                     eval_losses=eval_losses(case, bank, params, backend, options) if case.eval_microbatches else None)
 
 
-def eval_losses(case: Case, bank: AdapterBank, params: dict[str, Any], backend: str) -> list[float]:
+def eval_losses(case: Case, bank: AdapterBank, params: dict[str, Any], backend: str,
+                options: DecoderOptions = DEFAULT_OPTIONS) -> list[float]:
     """Per-adapter mean token loss over the held-out microbatches, dropout off, no gradients."""
     total = torch.zeros(len(case.specs), dtype=torch.float64)
     with torch.no_grad():
@@ -342,7 +344,7 @@ def eval_losses(case: Case, bank: AdapterBank, params: dict[str, Any], backend: 
             routing = bank.routing(mb.segments, mb.index, mb.capacity, train=False)
             sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids,
                                      mb.cu_seqlens, routing, config=case.config, backend=backend,
-                                     max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
+                                     max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options)
             total += (sums.double() / mb.loss_denominators.double().clamp_min(1)).cpu()
     return total.tolist()
 
@@ -405,8 +407,8 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     case = build_case(args, model, device, dtype)
     keep = fp8_exempt_layer_set(case.config.num_layers, args.fp8_exempt_layers)
     fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings, keep_layers=keep)
-    set_fast_accumulation(forward=args.fp8_fast_accum in ("forward", "both"),
-                          input_grad=args.fp8_fast_accum == "both")
+    options = DecoderOptions(kernels=KernelOptions(fp8_fast_accum_forward=args.fp8_fast_accum in ("forward", "both"),
+                                                   fp8_fast_accum_input_grad=args.fp8_fast_accum == "both"))
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
           f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
     init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
@@ -414,11 +416,12 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
     if case.eval_microbatches:  # B = 0 before training: the held-out loss of each base alone
         bank0 = AdapterBank(case.specs, case.config, dtype=adapter_dtype, device=device)
         for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
-            untrained[label] = eval_losses(case, bank0, params, args.backend)
+            untrained[label] = eval_losses(case, bank0, params, args.backend, options)
         print(f"[{model}] eval before training: {untrained}", flush=True)
     runs = {}
     for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
-        runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype)
+        runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype,
+                            options=options)
         r = runs[label]
         print(f"[{model}] {label}: {r.seconds:.1f}s, loss a0 {r.losses[0][0]:.4f} -> {r.losses[0][-1]:.4f}"
               f", eval {r.eval_losses}", flush=True)

@@ -7,7 +7,7 @@
     kernels: "hf_liger", "hf_liger_packed"; needs liger-kernel, run after the plain HF variants);
 (b) ours, all adapters together: planner-packed fixed-capacity microbatches through the
     functional decoder, with the fused Triton LoRA kernels ("triton"; norm/RoPE/SwiGLU groups
-    compiled by torch.compile, see model.decoder.set_elementwise_fusion), the same with those
+    compiled by torch.compile, see model.decoder.DecoderOptions), the same with those
     groups left eager ("triton_eager"), with each microbatch's forward + backward replayed as a
     CUDA graph ("triton_graphs", training/cuda_graphs.py; the first pass captures) and with the
     torch reference LoRA ("torch"). With
@@ -43,9 +43,9 @@ import torch  # noqa: E402
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
 from lightning_lorafusion.data.tokenization import shifted_labels  # noqa: E402
-from lightning_lorafusion.kernels.fp8_linear import set_fast_accumulation  # noqa: E402
+from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
 from lightning_lorafusion.model.adapter_bank import AdapterBank  # noqa: E402
-from lightning_lorafusion.model.decoder import forward_loss_sums, set_elementwise_fusion  # noqa: E402
+from lightning_lorafusion.model.decoder import DEFAULT_OPTIONS, DecoderOptions, forward_loss_sums  # noqa: E402
 from lightning_lorafusion.model.hf_loading import (  # noqa: E402
     fp8_exempt_layer_set,
     params_from_hf_model,
@@ -271,7 +271,7 @@ def release_projection_weights(model, keep_layers=()) -> None:
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None):
+             fp8_params=None, options=DEFAULT_OPTIONS):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again)."""
     w = OursSetup(args, model, data, device, dtype)
@@ -298,19 +298,20 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     if graphs:
         from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, graph_key
 
-        runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda")
+        runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
+                                options=options)
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
-        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner)
+        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options)
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
-        _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner))
+        _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner, options))
     if args.memory_peak and device.type == "cuda" and runner is None:  # graph replays allocate nothing
         from memory_peak import format_report, peak_report
 
         # the largest microbatch (most real tokens), after the timed pass: optimizer state exists
         big = max(mbs, key=lambda m: m.real_tokens)
         print(format_report(label, peak_report(lambda: _ours_pass([big], bank, opts, params, config, backend,
-                                                                  device))), flush=True)
+                                                                  device, options=options))), flush=True)
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     extra = {}
     if runner is not None:
@@ -334,7 +335,7 @@ def _profile(args, label, fn) -> None:
             f.write(table)
 
 
-def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
+def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS):
     t0 = timed(device)
     tokens = 0
     for mb in mbs:
@@ -347,7 +348,7 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None):
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=config, backend=backend,
-                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows)
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options)
         adapter_loss(sums, mb.loss_denominators).backward()
         for a in mb.step_adapters:
             opts[a].step()
@@ -405,14 +406,16 @@ def run_variant(args, w: dict, variant: str, precision: str, accum: str) -> tupl
     if variant == "hf_frozen":
         tps, secs, toks = run_hf_frozen(args, w["model"], w["data"], device)
         return variant, tps, secs, toks, {}
-    set_elementwise_fusion("off" if variant == "triton_eager" else "auto")
-    set_fast_accumulation(forward=accum in ("forward", "both"), input_grad=accum == "both")
+    options = DecoderOptions(
+        elementwise_fusion="off" if variant == "triton_eager" else "auto",
+        kernels=KernelOptions(fp8_fast_accum_forward=accum in ("forward", "both"),
+                              fp8_fast_accum_input_grad=accum == "both"))
     backend = "triton" if variant.startswith("triton") else variant
     label = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
     tps, secs, toks, fill, n, extra = run_ours(args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
                                                backend, base_precision=precision,
                                                graphs=label.startswith("triton_graphs"), label=label,
-                                               fp8_params=w["fp8_params"])
+                                               fp8_params=w["fp8_params"], options=options)
     return label, tps, secs, toks, {"fill": round(fill, 3), "microbatches": n, **extra}
 
 

@@ -33,6 +33,7 @@ from bench_kernels import ALPHA, P, RANK, log, make_lora, uneven_routing  # noqa
 from lightning_lorafusion.kernels import fp8_linear as F8  # noqa: E402
 from lightning_lorafusion.kernels.api import lora_projections  # noqa: E402
 from lightning_lorafusion.kernels.fp8_triton import quantize_rows, transpose_concat  # noqa: E402
+from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
 from lightning_lorafusion.kernels.reference import LoraRouting  # noqa: E402
 
 M = 8192
@@ -103,18 +104,6 @@ def quantize_inputs(m, device):
     return out
 
 
-def with_fast_accum(fn, forward: bool, input_grad: bool):
-    """``fn`` run (and captured) with the given fast-accumulation settings, restored after."""
-    def run():
-        old = F8.fast_accumulation()
-        F8.set_fast_accumulation(forward=forward, input_grad=input_grad)
-        try:
-            return fn()
-        finally:
-            F8.set_fast_accumulation(**old)
-    return run
-
-
 def group_variants(m, k, ns, device):
     x = torch.randn(m, k, device=device, dtype=DT, requires_grad=True)
     ws = [torch.randn(n, k, device=device, dtype=DT) / k**0.5 for n in ns]
@@ -129,16 +118,18 @@ def group_variants(m, k, ns, device):
     def frozen():
         torch.autograd.grad([F.linear(x, w) for w in ws], [x], gys)
 
-    def ours(weights, loras, routing):
+    def ours(weights, loras, routing, options=None):
         def run():
-            ys = lora_projections(x, weights, [None] * len(ns), loras, routing, dropout_offset=1, backend="triton")
+            ys = lora_projections(x, weights, [None] * len(ns), loras, routing, dropout_offset=1, backend="triton",
+                                  options=options)
             torch.autograd.grad(ys, [x] + [t for l in loras for t in l.a + l.b], gys)
         return run
 
     return {"frozen_bf16": frozen, "lora_bf16": ours(ws, single, single_routing),
             "lora_fp8": ours(fws, single, single_routing),
-            "lora_fp8_fa-forward": with_fast_accum(ours(fws, single, single_routing), True, False),
-            "lora_fp8_fa-both": with_fast_accum(ours(fws, single, single_routing), True, True),
+            "lora_fp8_fa-forward": ours(fws, single, single_routing, KernelOptions(fp8_fast_accum_forward=True)),
+            "lora_fp8_fa-both": ours(fws, single, single_routing,
+                                     KernelOptions(fp8_fast_accum_forward=True, fp8_fast_accum_input_grad=True)),
             "lora_bf16_multi4": ours(ws, multi, multi_routing),
             "lora_fp8_multi4": ours(fws, multi, multi_routing)}
 

@@ -330,8 +330,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds for everything, table included")
     ap.add_argument("--only", default="", help="comma-separated run names (default: all, in order)")
     ap.add_argument("--extra", default="", help="arguments appended to every fit command")
-    ap.add_argument("--fuse-elementwise", choices=["auto", "off"], default="auto",
-                    help="LORAFUSION_FUSE_ELEMENTWISE: 'off' skips torch.compile of the elementwise groups")
     ap.add_argument("--launcher", choices=["torchrun", "lightning"], default="torchrun",
                     help="who starts the ranks (see fit_command)")
     ap.add_argument("--gpus", type=int, choices=[2, 4], default=4,
@@ -413,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.work, exist_ok=True)
     base_env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
-                "LORAFUSION_FUSE_ELEMENTWISE": args.fuse_elementwise}
+                "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)}
     error = preflight(args.python, base_env)
     if error is not None:
         print(f"the CLI does not import; no run started:\n{error}", flush=True)

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..planner.plan import SampleRef
-
-IGNORE_INDEX = -100
+from ..specs import IGNORE_INDEX  # noqa: F401  (the data contract's name for it)
 
 
 @dataclass

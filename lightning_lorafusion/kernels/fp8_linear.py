@@ -29,24 +29,20 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from . import fp8_triton
+from .fp8_format import FP8_DTYPE, FP8_MAX  # noqa: F401  (FP8_MAX: part of this module's API)
+from .options import KernelOptions
+
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
 GEMM_MULTIPLE = 16  # torch._scaled_mm needs every dimension divisible by 16
-# cuBLAS/CUTLASS fast accumulation (``use_fast_accum``) per product: off keeps fp32 accumulators
-# throughout; on lets the tensor cores' own narrower accumulator sum more terms before promotion
-# (faster, about 3e-3 relative on the product: docs/kernels.md "FP8 base"). The emulated path
-# has no such mode. Changed through ``set_fast_accumulation`` (benchmarks, convergence checks).
-_FAST_ACCUM = {"forward": False, "input_grad": False}
 # Without autograd (inference), products of at most this many rows run weight-only on the GPU
 # (``fp8_triton.weight_only_linear``: e4m3 weights, bf16 activations, fp32 accumulation), for
 # the generation engine's decode steps, on the weights ``weight_only_wins`` picks (all of them
 # at one row; o, k/v and down at 2-16 rows, where the H100 tile sweep's weight-only tiles beat
 # the row-quantized product); more rows take the row-quantized ``_scaled_mm``. Measured in the
-# engine on an H100 (docs/BENCHMARKS.md, "FP8 base in the generation engine", session 11): a
-# decode step of 16 rows with adapters 8.46 ms against 9.43 without weight-only products (bf16:
-# 8.71), of 1 row 7.39 against 9.44 (bf16 7.44). 0 turns it off; the emulated path (CPU)
-# ignores it.
+# engine on an H100 (docs/BENCHMARKS.md, "FP8 base in the generation engine"): faster decode
+# steps at 1 and 16 rows than without weight-only products. 0 turns it off; the emulated path
+# (CPU) ignores it.
 WEIGHT_ONLY_MAX_ROWS = 16
 # Params-pytree keys of a quantized projection (beside an optional "bias"): the e4m3 bits as
 # uint8 (integer dtypes are left alone by Module.to(dtype) / Lightning's bf16-true casts) and
@@ -172,25 +168,12 @@ def fp8_embedding(ids: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Ten
 
 # --------------------------------------------------------- operands quantized by their producer
 # A kernel that produces a product's operand may quantize it on the way (``Fp8SwiGLU``: h for the
-# down projection, [dg * sw_g | du * sw_u] for the gate/up input gradient) and offer it here; the
-# next FP8 product takes it if its operand is that very tensor (same storage, shape, strides and
-# version; the offer holds a reference, so the storage cannot be reused meanwhile), else
-# quantizes as usual. One slot each, emptied by the next product that looks: an offer nobody
-# takes is dropped, never kept. The bits are the same either way (the spec's quantization of
-# the same tensor), so taking an offer changes speed only.
-_OFFERS: dict[str, tuple] = {}
-# Whether the decoder's SwiGLU over an FP8 MLP offers its quantized operands (Fp8SwiGLU); off
-# only to measure what it saves (scripts/bench_e2e.py --fp8-fused-swiglu).
-_FUSED_SWIGLU = {"on": True}
-
-
-def set_fused_swiglu(on: bool) -> None:
-    """Turn the FP8 MLP's fused SwiGLU + quantization (``Fp8SwiGLU``) on (default) or off."""
-    _FUSED_SWIGLU["on"] = bool(on)
-
-
-def fused_swiglu_enabled() -> bool:
-    return _FUSED_SWIGLU["on"]
+# down projection, [dg * sw_g | du * sw_u] for the gate/up input gradient) and offer it to the
+# products of the same layer through a ``QuantizedOperands`` the caller passes to both. A product
+# takes an offer if its operand is that very tensor (same storage, shape, strides and version;
+# the offer holds a reference, so the storage cannot be reused meanwhile), else quantizes as
+# usual; looking empties the slot, so an offer is used at most once. The bits are the same
+# either way (the spec's quantization of the same tensor): taking an offer changes speed only.
 
 
 def _mark(t: torch.Tensor) -> tuple:
@@ -202,35 +185,50 @@ def _is_marked(mark: tuple, t: torch.Tensor) -> bool:
     return mark[1:] == (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
 
 
-def offer_quantized_input(x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor) -> None:
-    """The next FP8 forward product whose input is ``x`` uses rows ``xq [M, K]``, scales ``sx [M, 1]``."""
-    _OFFERS["input"] = (_mark(x), xq, sx)
+class QuantizedOperands:
+    """One decoder layer's hand-off of quantized operands from their producer (the FP8 SwiGLU)
+    to the next FP8 products (down's forward, gate/up's input gradient): one slot each way."""
+
+    __slots__ = ("input", "grad")
+
+    def __init__(self) -> None:
+        self.input: tuple | None = None
+        self.grad: tuple | None = None
+
+    def offer_input(self, x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor) -> None:
+        """The next FP8 forward product whose input is ``x`` uses rows ``xq [M, K]``, scales ``sx [M, 1]``."""
+        self.input = (_mark(x), xq, sx)
+
+    def offer_grad(self, dys: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], gq: torch.Tensor,
+                   sg: torch.Tensor) -> None:
+        """The next FP8 input gradient over output gradients ``dys`` of weights with channel scales
+        ``scales`` uses ``gq [M, sum N_i]`` = rows of ``[dy_i * scale_i | ...]`` quantized, ``sg [M, 1]``."""
+        self.grad = (tuple(_mark(d) for d in dys), tuple(_mark(c) for c in scales), gq, sg)
+
+    def take_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        offer, self.input = self.input, None
+        if offer is None or not _is_marked(offer[0], x):
+            return None
+        return offer[1], offer[2]
+
+    def take_grad(self, dys, weights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        offer, self.grad = self.grad, None
+        if offer is None or len(offer[0]) != len(dys):
+            return None
+        offered_dys, scales, gq, sg = offer
+        if not all(_is_marked(a, b) for a, b in zip(offered_dys, dys)):
+            return None
+        if not all(_is_marked(c, w.scale) for c, w in zip(scales, weights)):  # (no device sync here)
+            return None
+        return gq, sg
 
 
-def offer_quantized_grad(dys: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], gq: torch.Tensor,
-                         sg: torch.Tensor) -> None:
-    """The next FP8 input gradient over output gradients ``dys`` of weights with channel scales
-    ``scales`` uses ``gq [M, sum N_i]`` = rows of ``[dy_i * scale_i | ...]`` quantized, ``sg [M, 1]``."""
-    _OFFERS["grad"] = (tuple(_mark(d) for d in dys), tuple(_mark(c) for c in scales), gq, sg)
+def _take_input(operands: QuantizedOperands | None, x: torch.Tensor):
+    return None if operands is None else operands.take_input(x)
 
 
-def _take_quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    offer = _OFFERS.pop("input", None)
-    if offer is None or not _is_marked(offer[0], x):
-        return None
-    return offer[1], offer[2]
-
-
-def _take_quantized_grad(dys, weights) -> tuple[torch.Tensor, torch.Tensor] | None:
-    offer = _OFFERS.pop("grad", None)
-    if offer is None or len(offer[0]) != len(dys):
-        return None
-    offered_dys, scales, gq, sg = offer
-    if not all(_is_marked(a, b) for a, b in zip(offered_dys, dys)):
-        return None
-    if not all(_is_marked(c, w.scale) for c, w in zip(scales, weights)):  # (no device sync here)
-        return None
-    return gq, sg
+def _take_grad(operands: QuantizedOperands | None, dys, weights):
+    return None if operands is None else operands.take_grad(dys, weights)
 
 
 def _swiglu_reference(g: torch.Tensor, u: torch.Tensor):
@@ -257,16 +255,14 @@ class Fp8SwiGLU(torch.autograd.Function):
     ``swiglu_grads_quantize``); emulated: the eager ops and the spec's quantization."""
 
     @staticmethod
-    def forward(ctx, g, u, scale_g, scale_u, emulate):
+    def forward(ctx, g, u, scale_g, scale_u, emulate, operands):
         if emulate:
             h, hq, sh = _swiglu_reference(g, u)
         else:
-            from .fp8_triton import swiglu_quantize
-
-            h, hq, sh = swiglu_quantize(g, u)
-        offer_quantized_input(h, hq, sh)
+            h, hq, sh = fp8_triton.swiglu_quantize(g, u)
+        operands.offer_input(h, hq, sh)
         ctx.save_for_backward(g, u, scale_g, scale_u)
-        ctx.emulate = emulate
+        ctx.emulate, ctx.operands = emulate, operands
         return h
 
     @staticmethod
@@ -275,28 +271,28 @@ class Fp8SwiGLU(torch.autograd.Function):
         if ctx.emulate:
             dg, du, gq, sg = _swiglu_grads_reference(g, u, dh, scale_g, scale_u)
         else:
-            from .fp8_triton import swiglu_grads_quantize
-
-            dg, du, gq, sg = swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
-        offer_quantized_grad((dg, du), (scale_g, scale_u), gq, sg)
-        return dg, du, None, None, None
+            dg, du, gq, sg = fp8_triton.swiglu_grads_quantize(g, u, dh, scale_g, scale_u)
+        ctx.operands.offer_grad((dg, du), (scale_g, scale_u), gq, sg)
+        return dg, du, None, None, None, None
 
 
-def fp8_swiglu(g: torch.Tensor, u: torch.Tensor, gate: Fp8Weight, up: Fp8Weight, *,
-               emulate: bool | None = None) -> torch.Tensor:
-    """``silu(g) * u`` between FP8 gate/up and down projections (``Fp8SwiGLU``); the real path
-    needs bf16 on a GPU with FP8 tensor cores, like the products around it."""
+def fp8_swiglu(g: torch.Tensor, u: torch.Tensor, gate: Fp8Weight, up: Fp8Weight, operands: QuantizedOperands,
+               *, emulate: bool | None = None) -> torch.Tensor:
+    """``silu(g) * u`` between FP8 gate/up and down projections (``Fp8SwiGLU``), offering its
+    quantized operands through ``operands`` (pass the same object to down and gate/up); the
+    real path needs bf16 on a GPU with FP8 tensor cores, like the products around it."""
     emulate = resolve_emulate(g.device, emulate)
     if not emulate and g.dtype != torch.bfloat16:
         raise TypeError(f"the FP8 base computes with bfloat16 activations; g is {g.dtype}")
-    return Fp8SwiGLU.apply(g, u, gate.scale, up.scale, emulate)
+    return Fp8SwiGLU.apply(g, u, gate.scale, up.scale, emulate, operands)
 
 
 # ------------------------------------------------------------------------------- products
 
 
-def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: always row-quantized
-    xq, sx = _take_quantized_input(x) or quantize_rows_reference(x)
+def _emulated_outputs(x, weights, biases, weight_only=False, fast_accum=False, operands=None):
+    # the spec: always row-quantized (no weight-only product, no fast accumulation)
+    xq, sx = _take_input(operands, x) or quantize_rows_reference(x)
     xd = xq.float() * sx
     ys = []
     for w, b in zip(weights, biases):
@@ -305,8 +301,8 @@ def _emulated_outputs(x, weights, biases, weight_only=False):  # the spec: alway
     return ys
 
 
-def _emulated_input_grad(dys, weights, dtype):
-    gq, sg = (_take_quantized_grad(dys, weights) or quantize_rows_reference(
+def _emulated_input_grad(dys, weights, dtype, fast_accum=False, operands=None):  # (no fast accumulation)
+    gq, sg = (_take_grad(operands, dys, weights) or quantize_rows_reference(
         torch.cat([dy.float() * w.scale.float()[None, :] for dy, w in zip(dys, weights)], dim=1)))
     wq = torch.cat([w.data.float() for w in weights], dim=0)  # [sum N, K]
     return ((gq.float() * sg) @ wq).to(dtype)
@@ -329,16 +325,6 @@ def _check_real(x: torch.Tensor, weights: Sequence[Fp8Weight]) -> None:
             )
 
 
-def set_fast_accumulation(*, forward: bool, input_grad: bool) -> None:
-    """Fast accumulation of the real path's forward (Y) and input-gradient (dX) products."""
-    _FAST_ACCUM.update(forward=bool(forward), input_grad=bool(input_grad))
-
-
-def fast_accumulation() -> dict[str, bool]:
-    """The current ``set_fast_accumulation`` settings."""
-    return dict(_FAST_ACCUM)
-
-
 def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False):
     """``(a_q * a_scale) @ (b_t_q * b_scale).T``; ``a_q [M, K]``, ``b_t_q [N, K]`` row-major
     e4m3, ``a_scale [M, 1]``, ``b_scale [1, N]`` fp32. Rows are zero-padded to a multiple of 16."""
@@ -352,23 +338,21 @@ def _scaled_mm(a_q, a_scale, b_t_q, b_scale, out_dtype, fast_accum: bool = False
     return out[:m] if pad else out
 
 
-def _real_outputs(x, weights, biases, weight_only=False):
+def _real_outputs(x, weights, biases, weight_only=False, fast_accum=False, operands=None):
     _check_real(x, weights)
-    from .fp8_triton import quantize_rows, weight_only_linear
-
     m = x.shape[0]
     # decode: weight-only products read the e4m3 weights once and keep x in bf16 (for the
     # others a row quantization and _scaled_mm's small-M kernels cost what the halved bytes save)
     light = [weight_only and weight_only_wins(m, *w.shape) for w in weights]
     xq = sx = None
     if not all(light):
-        xq, sx = _take_quantized_input(x) or quantize_rows([x.contiguous()], None)
+        xq, sx = _take_input(operands, x) or fp8_triton.quantize_rows([x.contiguous()], None)
     ys = []
     for w, b, wo in zip(weights, biases, light):
         if wo:
-            y = weight_only_linear(x, w.data, w.scale)
+            y = fp8_triton.weight_only_linear(x, w.data, w.scale)
         else:
-            y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, _FAST_ACCUM["forward"])
+            y = _scaled_mm(xq, sx, w.data, w.scale.view(1, -1), x.dtype, fast_accum)
         ys.append(y if b is None else y + b)
     return ys
 
@@ -381,56 +365,63 @@ def weight_only_wins(m: int, n: int, k: int) -> bool:
     return m <= WEIGHT_ONLY_MAX_ROWS and (m <= 1 or n <= k)
 
 
-def _real_input_grad(dys, weights, dtype):
-    from .fp8_triton import quantize_rows, transpose_concat
-
-    gq, sg = (_take_quantized_grad(dys, weights)
-              or quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
-    wt = transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
+def _real_input_grad(dys, weights, dtype, fast_accum=False, operands=None):
+    gq, sg = (_take_grad(operands, dys, weights)
+              or fp8_triton.quantize_rows([dy.contiguous() for dy in dys], [w.scale for w in weights]))
+    wt = fp8_triton.transpose_concat([w.data for w in weights])  # [K, sum N]: Wq^T, the K-major operand
     ones = torch.ones(1, wt.shape[0], dtype=torch.float32, device=wt.device)
-    return _scaled_mm(gq, sg, wt, ones, dtype, _FAST_ACCUM["input_grad"])
+    return _scaled_mm(gq, sg, wt, ones, dtype, fast_accum)
 
 
 def fp8_outputs(x: torch.Tensor, weights: Sequence[Fp8Weight], biases: Sequence[torch.Tensor | None],
-                *, emulate: bool, weight_only: bool = False) -> list[torch.Tensor]:
+                *, emulate: bool, weight_only: bool = False, fast_accum: bool = False,
+                operands: QuantizedOperands | None = None) -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``,
-    ``x`` quantized once for all of them. ``weight_only`` (inference): on the real path, at most
-    ``WEIGHT_ONLY_MAX_ROWS`` rows multiply unquantized ``x`` with the e4m3 weights instead."""
-    return (_emulated_outputs if emulate else _real_outputs)(x, weights, biases, weight_only)
+    ``x`` quantized once for all of them (or taken from ``operands``). ``weight_only``
+    (inference): on the real path, at most ``WEIGHT_ONLY_MAX_ROWS`` rows multiply unquantized
+    ``x`` with the e4m3 weights instead. ``fast_accum``: ``KernelOptions.fp8_fast_accum_forward``."""
+    return (_emulated_outputs if emulate else _real_outputs)(x, weights, biases, weight_only, fast_accum,
+                                                             operands)
 
 
 def fp8_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Fp8Weight], *, m: int, k: int,
-                   dtype: torch.dtype, device: torch.device, emulate: bool) -> torch.Tensor:
+                   dtype: torch.dtype, device: torch.device, emulate: bool, fast_accum: bool = False,
+                   operands: QuantizedOperands | None = None) -> torch.Tensor:
     """``dX [M, K] = sum_i dY_i W_i`` with each ``dY_i [M, N_i]`` (None: zero) quantized per
-    row together with the others, after scaling its columns by ``W_i``'s channel scales."""
+    row together with the others, after scaling its columns by ``W_i``'s channel scales (or
+    taken from ``operands``). ``fast_accum``: ``KernelOptions.fp8_fast_accum_input_grad``."""
     pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
     if not pairs:
         return torch.zeros(m, k, dtype=dtype, device=device)
     dys, weights = [p[0] for p in pairs], [p[1] for p in pairs]
-    return (_emulated_input_grad if emulate else _real_input_grad)(dys, weights, dtype)
+    return (_emulated_input_grad if emulate else _real_input_grad)(dys, weights, dtype, fast_accum, operands)
 
 
 class Fp8FrozenProjections(torch.autograd.Function):
     """``x -> [x W_i^T + b_i]`` through FP8; differentiable w.r.t. ``x`` only."""
 
     @staticmethod
-    def forward(ctx, x, emulate, n_proj, *rest):
+    def forward(ctx, x, emulate, options, operands, n_proj, *rest):
         weights, biases = rest[:n_proj], rest[n_proj:]
         ctx.weights, ctx.emulate, ctx.x_meta = weights, emulate, (x.shape, x.dtype, x.device)
-        return tuple(fp8_outputs(x, weights, biases, emulate=emulate))
+        ctx.fast_accum, ctx.operands = options.fp8_fast_accum_input_grad, operands
+        return tuple(fp8_outputs(x, weights, biases, emulate=emulate, fast_accum=options.fp8_fast_accum_forward,
+                                 operands=operands))
 
     @staticmethod
-    def inference(x, emulate, weights, biases):
+    def inference(x, emulate, options, operands, weights, biases):
         """No gradient will be asked for: the weight-only product may serve few rows."""
-        return fp8_outputs(x, weights, biases, emulate=emulate, weight_only=True)
+        return fp8_outputs(x, weights, biases, emulate=emulate, weight_only=True,
+                           fast_accum=options.fp8_fast_accum_forward, operands=operands)
 
     @staticmethod
     def backward(ctx, *dys):
         (m, k), dtype, device = ctx.x_meta
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_input_grad(dys, ctx.weights, m=m, k=k, dtype=dtype, device=device, emulate=ctx.emulate)
-        return (dx, None, None) + (None,) * (2 * len(ctx.weights))
+            dx = fp8_input_grad(dys, ctx.weights, m=m, k=k, dtype=dtype, device=device, emulate=ctx.emulate,
+                                fast_accum=ctx.fast_accum, operands=ctx.operands)
+        return (dx, None, None, None, None) + (None,) * (2 * len(ctx.weights))
 
 
 def resolve_emulate(device: torch.device, emulate: bool | None) -> bool:
@@ -439,19 +430,22 @@ def resolve_emulate(device: torch.device, emulate: bool | None) -> bool:
 
 
 def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weight],
-                       biases: Sequence[torch.Tensor | None], *, emulate: bool | None = None
+                       biases: Sequence[torch.Tensor | None], *, emulate: bool | None = None,
+                       options: KernelOptions | None = None, operands: QuantizedOperands | None = None
                        ) -> list[torch.Tensor]:
     """The frozen part of a projection group, ``x [M, K] -> [M, N_i]``: ``F.linear`` for plain
-    weights, FP8 (``Fp8FrozenProjections``) when the weights are ``Fp8Weight``."""
+    weights, FP8 (``Fp8FrozenProjections``, with ``options``' accumulation, taking offers from
+    ``operands``) when the weights are ``Fp8Weight``."""
     kinds = {isinstance(w, Fp8Weight) for w in weights}
     if kinds == {False}:
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
     if kinds != {True}:
         raise TypeError("a projection group mixes FP8 and plain weights; quantize all or none")
     emulate = resolve_emulate(x.device, emulate)
+    options = options if options is not None else KernelOptions()
     if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine)
-        return Fp8FrozenProjections.inference(x, emulate, weights, biases)
-    return list(Fp8FrozenProjections.apply(x, emulate, len(weights), *weights, *biases))
+        return Fp8FrozenProjections.inference(x, emulate, options, operands, weights, biases)
+    return list(Fp8FrozenProjections.apply(x, emulate, options, operands, len(weights), *weights, *biases))
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None, *,

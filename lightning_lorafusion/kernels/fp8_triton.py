@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_linear import FP8_DTYPE
+from .fp8_format import FP8_DTYPE
 
 MAX_INPUTS = 3  # quantize_rows reads up to this many [M, N_i] inputs per launch
 TRANSPOSE_BLOCK = 64

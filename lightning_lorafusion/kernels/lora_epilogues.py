@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.decoder import apply_rope
 from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta, lora_row_tables,
                           lora_shrink, shrink_blocks)
 from .paged_attention import _check_pool, write_kv
+from .reference import apply_rope
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # rows without LoRA in one rope_write_kv launch from which a program handles a whole row (all

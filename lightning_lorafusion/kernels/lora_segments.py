@@ -47,7 +47,7 @@ EXPAND_WIDE_TILE_WARPS = 2
 # Arguments that change from step to step (the tile count, the step's adapter count in the
 # table strides, its row count in S's stride) are not specialised: Triton would compile a variant
 # per "== 1" and "divisible by 16" of each, and such first-time compiles stalled whole steps for
-# 1-3 s on an H100 mid-run (docs/BENCHMARKS.md, issue 13, session 9). They only index tables.
+# seconds mid-run (docs/kernels.md, "kernels/lora_segments.py"). They only index tables.
 @triton.jit(do_not_specialize=["n_tiles", "a_g_stride", "r_g_stride", "s_g_stride", "s_split_stride"])
 def _segment_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, k_per_split, x_stride, n_tiles, a_g_stride,

@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 
 from .dropout import dropout_keep_mask
-from .fp8_linear import Fp8Weight, frozen_projections
+from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
+from .options import KernelOptions
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,17 @@ def lora_projections_reference(
     loras: Sequence[LoraModuleWeights | None],
     routing: LoraRouting | None,
     dropout_offset: int = 0,
+    *,
+    options: KernelOptions | None = None,
+    operands: QuantizedOperands | None = None,
 ) -> list[torch.Tensor]:
     """Several projections of one input (q/k/v or gate/up); they share one dropout mask.
 
     The LoRA terms are added in place into each segment's rows of the frozen outputs (no
     full-size zero/concatenate temporaries), and each segment's dropped-out input is built
-    once for all projections.
+    once for all projections. ``options`` / ``operands``: as in ``fp8_linear.frozen_projections``.
     """
-    ys = frozen_projections(x, weights, biases)
+    ys = frozen_projections(x, weights, biases, options=options, operands=operands)
     if routing is None or all(l is None for l in loras):
         return ys
     for start, end, adapter in routing.segments:
@@ -113,3 +117,20 @@ def lora_projections_reference(
             a, b = loras[i].a[adapter], loras[i].b[adapter]
             ys[i][start:end] += scale * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t())
     return ys
+
+
+# ------------------------------------------------ the decoder's elementwise pieces
+# (here, below the model, so the fused serving kernels can use them as their references)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[T, H] -> [T, H]``; statistics in fp32, as in the reference implementation."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

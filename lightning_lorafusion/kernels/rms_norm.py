@@ -1,6 +1,6 @@
 """Residual add + RMSNorm in one pass (serving steps): ``h += delta; x = rms_norm(h) * weight``.
 
-The reference is the decoder's own arithmetic (``model.decoder.rms_norm`` after ``h + delta``):
+The reference is the decoder's own arithmetic (``reference.rms_norm``, which the decoder uses, after ``h + delta``):
 the sum rounded to h's dtype, statistics in fp32, the normalised row rounded to h's dtype,
 then times the weight (one more rounding). The Triton kernel rounds at the same points, so in
 half precision the two differ only by the order of the fp32 sum of squares.
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.decoder import rms_norm
 from .lora_gather import BACKENDS, _require_triton
+from .reference import rms_norm
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

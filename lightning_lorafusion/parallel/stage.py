@@ -52,6 +52,7 @@ class DecoderStage:
     train: bool = True
     checkpoint_layers: bool | int = False  # activation checkpointing (decoder.decoder_layers)
     lm_head_loss: str = "checkpointed"  # last stage: decoder.head_loss_sums' LM-head loss
+    options: dec.DecoderOptions = dec.DEFAULT_OPTIONS  # how the layers compute (fusion, FP8 accumulation)
     # last stage: called with (microbatch, per-adapter summed losses [num_adapters], detached)
     # for logging; the loss to backward is unaffected
     on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
@@ -68,7 +69,7 @@ class DecoderStage:
         h = dec.decoder_layers(
             self.params, self.bank.view(self.layers), h, mb.position_ids, mb.cu_seqlens, routing,
             config=self.config, layers=self.layers, microbatch_index=mb.index, backend=self.backend,
-            max_seqlen=mb.max_seqlen, checkpoint_layers=self.checkpoint_layers,
+            max_seqlen=mb.max_seqlen, checkpoint_layers=self.checkpoint_layers, options=self.options,
         )
         if not self.is_last:
             return h

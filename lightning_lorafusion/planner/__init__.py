@@ -1,10 +1,11 @@
 """Multi-adapter microbatch planning: grouping, greedy and MILP packing, merge, verification."""
 
 from .config import PlannerConfig, PlanningError
-from .microbatch_planner import PlanReport, WaveReport, plan_microbatches, plan_window
+from .microbatch_planner import plan_microbatches
 from .plan import Plan, PlannedMicrobatch, SampleRef, padded_length
 from .stream import WindowPlan, join_plans, plan_stream
 from .verify import check_plan, fix_plan, verify_plan
+from .window import PlanReport, WaveReport, plan_window
 
 __all__ = [
     "Plan",

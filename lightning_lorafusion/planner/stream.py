@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .config import Lengths, PlannerConfig, validate_lengths
-from .microbatch_planner import plan_window
+from .window import plan_window
 from .plan import Plan, PlannedMicrobatch
 from .verify import CarryState, carry_state, fix_plan
 

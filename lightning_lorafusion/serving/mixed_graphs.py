@@ -17,17 +17,13 @@ the key of a set of pieces. docs/serving.md, "Mixed steps as graphs".
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..capture import gc_paused
 from ..kernels.rms_norm import add_rms_norm
 from ..model.decoder import embed, rope_cos_sin
 from ..specs import ALL_TARGET_MODULES
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner, PrefillLora, StepBatch
+from .step_batch import PrefillLora, StepBatch
 
 
 class MixedPieces:
@@ -37,8 +33,6 @@ class MixedPieces:
 
     def __init__(self, runner: "ModelRunner", rows: int, block_r: int, *, max_tiles: int, max_adapters: int,
                  capture: bool, pool=None) -> None:
-        from .runner import PrefillLora, StepBatch
-
         self.runner, self.rows, self.block_r = runner, rows, block_r
         cfg, dev = runner.config, runner.device
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)

@@ -28,7 +28,6 @@ over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from ..kernels.fp8_linear import frozen_projections
 from ..kernels.lora_epilogues import rope_write_kv, swiglu
 from ..kernels.lora_gather import GatheredLora, lora_gather
-from ..kernels.lora_segments import SegmentLora, block_r_for, segment_lora_add, segment_tiles
+from ..kernels.lora_segments import block_r_for, segment_lora_add, segment_tiles
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.rms_norm import add_rms_norm
@@ -49,8 +48,8 @@ from .fused_weights import FUSED_PROJECTIONS
 from .mixed_graphs import MixedPieces
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
+from .step_batch import MODULE_INDEX as _MODULE_INDEX, PrefillLora, PrefixRows, StepBatch
 
-_MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 # groups of projections sharing an input: (fused weight key or None, members in output order);
 # members are consecutive in ALL_TARGET_MODULES, so a group's decode tables are one slice
@@ -60,80 +59,6 @@ _GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
 _DOWN = (None, ("down_proj",))
 # the rank block of the mixed-step pieces of steps without LoRA rows (block_r_for's smallest)
 BASE_BLOCK_R = block_r_for(0)
-
-
-@dataclass(frozen=True)
-class PrefixRows:
-    """The prefill requests of a step that attend over their pages in one paged prefill launch:
-    those that start after tokens already in their pages, and (``prefill_attention`` "paged")
-    those that start at position 0; their rows follow the varlen ones (``StepBatch.num_fresh_rows`` on)."""
-
-    cu_seqlens: torch.Tensor  # [m + 1] int32, over these rows (from 0)
-    starts: torch.Tensor  # [m] int32 first position of each request's rows
-    page_table: torch.Tensor  # [m, max pages] int32 each request's pages (0 past its last)
-    max_seqlen: int  # most rows of one request
-
-
-@dataclass(frozen=True)
-class PrefillLora:
-    """The prefill rows' LoRA tables of a step (``lora_segments``): row tiles of one request
-    each, and the step's distinct adapters' element offsets in the pool."""
-
-    tiles: torch.Tensor  # [3, tiles] int32: row start, row end, adapter index
-    offsets: torch.Tensor  # [L, modules, 2, A] int64 (A, B^T), absolute in the pool
-    ranks: torch.Tensor  # [modules, A] int32 (0 = the adapter does not target the module)
-    scales: torch.Tensor  # [A] fp32
-    segments: tuple[tuple[int, int, int], ...]  # (row start, row end, adapter index), host copy
-    modules: frozenset[str]  # modules some prefill adapter targets
-    block_m: int
-    block_r: int
-
-    def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
-        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
-        return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
-                           b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
-                           segments=self.segments, block_m=self.block_m, block_r=self.block_r)
-
-
-@dataclass
-class StepBatch:
-    """Device-side inputs of one step (built by ``ModelRunner.prepare``)."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_pages: torch.Tensor  # [T] page of each row's KV
-    slot_offsets: torch.Tensor  # [T] slot inside that page
-    num_prefill_rows: int
-    num_fresh_rows: int  # prefill rows [0, this) start at position 0, attend varlen; the rest are prefill_prefixes'
-    cu_seqlens: torch.Tensor | None  # [n_fresh + 1] over the varlen prefill rows
-    max_prefill_len: int  # of the varlen prefill rows
-    prefill_prefixes: PrefixRows | None
-    prefill_lora: PrefillLora | None
-    page_table: torch.Tensor | None  # [B, max_pages] int32 for the decode rows
-    seq_lens: torch.Tensor | None  # [B] int32
-    decode_offsets: torch.Tensor | None  # [L, modules, 2, B] int64 element offsets of A and B^T
-    decode_ranks: torch.Tensor | None  # [modules, B] int32 (0 = no LoRA on that row/module)
-    decode_scales: torch.Tensor | None  # [B] fp32
-    decode_modules: frozenset[str]  # modules some decode row adapts
-    spans: list[tuple[int, int]]  # per request, its rows in the output hidden states
-    output_rows: torch.Tensor | None  # [R] rows of the step whose hidden states are returned (None: all)
-    real_rows: int | None = None  # rows [real_rows, T) are padding (pad_mixed); None: no padding
-    # padded steps (pad_mixed) put the decode rows first, at rows [0, B), and the prefill rows
-    # after them; otherwise prefill rows come first and decode rows follow them
-    decode_first: bool = False
-
-    @property
-    def num_decode_rows(self) -> int:
-        real = self.input_ids.shape[0] if self.real_rows is None else self.real_rows
-        return real - self.num_prefill_rows
-
-    @property
-    def first_decode_row(self) -> int:
-        return 0 if self.decode_first else self.num_prefill_rows
-
-    @property
-    def prefill_start(self) -> int:
-        return self.num_decode_rows if self.decode_first else 0
 
 
 class ModelRunner:

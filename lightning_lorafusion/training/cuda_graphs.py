@@ -34,7 +34,7 @@ import torch
 from ..capture import gc_paused
 from ..data.microbatch import Microbatch
 from ..kernels.static_routing import StaticLaunchTables, StaticTableError
-from ..model.decoder import DecoderConfig, decoder_layers, embed, head_loss_sums
+from ..model.decoder import DEFAULT_OPTIONS, DecoderConfig, DecoderOptions, decoder_layers, embed, head_loss_sums
 from ..parallel.stage import adapter_loss
 
 log = logging.getLogger(__name__)
@@ -163,8 +163,9 @@ class TrainingGraphs:
 
     def __init__(self, *, params: Mapping[str, Any], bank, config: DecoderConfig,
                  checkpoint_layers: bool | int = False, chunk_size: int = 1024,
-                 max_graphs: int = MAX_GRAPHS, capture: bool = True) -> None:
-        self.params, self.bank, self.config = params, bank, config
+                 max_graphs: int = MAX_GRAPHS, capture: bool = True,
+                 options: DecoderOptions = DEFAULT_OPTIONS) -> None:
+        self.params, self.bank, self.config, self.options = params, bank, config, options
         self.checkpoint_layers, self.chunk_size = checkpoint_layers, chunk_size
         self.max_graphs, self.capture = max_graphs, capture
         self.refusals: dict[Any, str] = {}
@@ -250,7 +251,7 @@ class TrainingGraphs:
         h = decoder_layers(self.params, self.bank.view(), h, inputs.position_ids,
                            inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,
                            microbatch_index=0, backend="triton", max_seqlen=key.max_seqlen,
-                           checkpoint_layers=self.checkpoint_layers)
+                           checkpoint_layers=self.checkpoint_layers, options=self.options)
         sums = head_loss_sums(self.params, h, inputs.labels, (), self.bank.num_adapters, config=self.config,
                               chunk_size=self.chunk_size, label_rows=inputs.label_rows[: key.label_rows],
                               row_owner=inputs.row_owner)

@@ -21,6 +21,8 @@ import lightning as L
 import torch
 
 from ..data.microbatch import IGNORE_INDEX, Microbatch
+from ..kernels.options import KernelOptions
+from ..model.decoder import DecoderOptions
 from ..specs import AdapterSpec, ConfigError
 from .evaluation import EARLY_STOPPED, QUARANTINED, AdapterProgress, judge_validation, write_trainer_state
 from .optim import build_adapter_optimizer
@@ -129,7 +131,7 @@ class LoRAFusionModule(L.LightningModule):
             (forward and input gradient) accumulate in the tensor cores' narrower accumulator
             (default true: 5-12% off each frozen GEMM on an H100, an error a tenth of FP8's
             own; the convergence check passes with it, docs/kernels.md "FP8 base"). false keeps
-            fp32 accumulation. A process-wide setting (``fp8_linear.set_fast_accumulation``).
+            fp32 accumulation. Passed to the decoder in ``decoder_options`` (no process-wide setting).
         fp8_emulate: for tests: allow ``base_precision="fp8"`` where FP8 tensor cores are
             missing (CPU) by emulating the FP8 products (quantize, dequantize, fp32 matmul).
         cuda_graphs: "auto" (the default): each training microbatch's forward + backward
@@ -222,6 +224,8 @@ class LoRAFusionModule(L.LightningModule):
         self.base_precision = base_precision
         self.fp8_exempt_layers = fp8_exempt_layers
         self.fp8_fast_accumulation = bool(fp8_fast_accumulation)
+        self.decoder_options = DecoderOptions(kernels=KernelOptions(
+            fp8_fast_accum_forward=self.fp8_fast_accumulation, fp8_fast_accum_input_grad=self.fp8_fast_accumulation))
         self.cuda_graphs = cuda_graphs
         self._graphs = None  # TrainingGraphs, made in on_train_start when graphs are used
 
@@ -235,10 +239,8 @@ class LoRAFusionModule(L.LightningModule):
             raise ConfigError(f"model.fp8_exempt_layers={fp8_exempt_layers!r} applies only with "
                               "model.base_precision: fp8")
         if base_precision == "fp8":
-            from ..kernels.fp8_linear import GEMM_MULTIPLE, set_fast_accumulation
+            from ..kernels.fp8_linear import GEMM_MULTIPLE
             from ..model.hf_loading import fp8_exempt_layer_set
-
-            set_fast_accumulation(forward=self.fp8_fast_accumulation, input_grad=self.fp8_fast_accumulation)
 
             try:
                 self._fp8_keep = fp8_exempt_layer_set(config.num_layers, fp8_exempt_layers)
@@ -353,6 +355,7 @@ class LoRAFusionModule(L.LightningModule):
             backend=self.backend,
             max_seqlen=mb.max_seqlen,
             checkpoint_layers=self.activation_checkpointing,
+            options=self.decoder_options,
         )
         # max_seqlen and label_rows come from packing (host): no device->host sync for either
         return head_loss_sums(params, h, mb.labels, mb.segments, len(self.adapter_specs), config=self.config,
@@ -755,6 +758,7 @@ class LoRAFusionModule(L.LightningModule):
             is_first=is_first, is_last=is_last, microbatches=lambda pos: self._window.microbatch(pos),
             backend=self.backend, on_loss_sums=self._on_pipeline_loss_sums if is_last else None,
             checkpoint_layers=self.activation_checkpointing, lm_head_loss=self.lm_head_loss,
+            options=self.decoder_options,
         )
 
     def adapter_parameters(self, adapter: int, layers: range) -> list[torch.nn.Parameter]:
@@ -920,7 +924,7 @@ class LoRAFusionModule(L.LightningModule):
             log.info("CUDA graphs off: %s", reason)
             return
         self._graphs = TrainingGraphs(params=self.base_params(), bank=self.bank, config=self.config,
-                                      checkpoint_layers=self.activation_checkpointing)
+                                      checkpoint_layers=self.activation_checkpointing, options=self.decoder_options)
 
     def on_train_start(self) -> None:
         self._start_cuda_graphs()

@@ -175,7 +175,7 @@ def test_aclsum_train_split(aspect, smollm2_tokenizer):
     samples = build_source({"kind": "aclsum", "aspect": aspect}, tok, name=aspect)
     assert len(samples) == 100
     assert [s.source_index for s in samples] == list(range(100))
-    from lightning_lorafusion.data.sources import read_aclsum
+    from lightning_lorafusion.data.sources.aclsum import read_aclsum
 
     docs = read_aclsum("train")
     for s, doc in zip(samples[:10], docs):

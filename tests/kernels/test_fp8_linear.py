@@ -371,7 +371,7 @@ def test_weight_only_products_are_chosen_per_weight(monkeypatch):
     monkeypatch.setattr(F8, "WEIGHT_ONLY_MAX_ROWS", 0)  # off: never
     assert not any(F8.weight_only_wins(m, 32, 64) for m in (1, 16, 64))
     monkeypatch.undo()
-    assert F8.WEIGHT_ONLY_MAX_ROWS == 16  # the default since session 11's engine measurement
+    assert F8.WEIGHT_ONLY_MAX_ROWS == 16  # the default, from the engine's decode measurement (docs/kernels.md)
 
 
 def test_inference_only_asks_for_the_weight_only_product(monkeypatch):

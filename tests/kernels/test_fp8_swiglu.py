@@ -73,20 +73,22 @@ def test_offers_are_taken_only_by_their_tensor_and_only_once():
     gen = torch.Generator().manual_seed(5)  # (the shared generator's state is left to other tests)
     x = torch.randn(4, 8, generator=gen)
     xq, sx = F8.quantize_rows_reference(x)
-    F8.offer_quantized_input(x, xq, sx)
-    assert F8._take_quantized_input(x.clone()) is None  # another tensor: declined ...
-    assert F8._take_quantized_input(x) is None  # ... and the offer is gone
-    F8.offer_quantized_input(x, xq, sx)
-    assert F8._take_quantized_input(x)[0] is xq
-    F8.offer_quantized_input(x, xq, sx)
+    ops = F8.QuantizedOperands()
+    ops.offer_input(x, xq, sx)
+    assert ops.take_input(x.clone()) is None  # another tensor: declined ...
+    assert ops.take_input(x) is None  # ... and the offer is gone
+    ops.offer_input(x, xq, sx)
+    assert F8.QuantizedOperands().take_input(x) is None  # another layer's hand-off holds nothing
+    assert ops.take_input(x)[0] is xq
+    ops.offer_input(x, xq, sx)
     x.add_(1)  # changed in place since the offer: its rows are no longer these
-    assert F8._take_quantized_input(x) is None
+    assert ops.take_input(x) is None
 
     w = F8.quantize_weight(torch.randn(8, 6, generator=gen))
     dy = torch.randn(4, 8, generator=gen)
-    F8.offer_quantized_grad((dy,), (w.scale,), xq, sx)
+    ops.offer_grad((dy,), (w.scale,), xq, sx)
     other = F8.quantize_weight(torch.randn(8, 6, generator=gen))
-    assert F8._take_quantized_grad([dy], [other]) is None  # other scales
-    F8.offer_quantized_grad((dy,), (w.scale,), xq, sx)
-    assert F8._take_quantized_grad([dy], [w]) == (xq, sx)
-    assert F8._take_quantized_grad([dy], [w]) is None
+    assert ops.take_grad([dy], [other]) is None  # other scales
+    ops.offer_grad((dy,), (w.scale,), xq, sx)
+    assert ops.take_grad([dy], [w]) == (xq, sx)
+    assert ops.take_grad([dy], [w]) is None

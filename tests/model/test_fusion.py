@@ -15,20 +15,14 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize
 from lightning_lorafusion.specs import AdapterSpec
 
 
-@pytest.fixture
-def fusion_mode():
-    yield D.set_elementwise_fusion
-    D.set_elementwise_fusion("auto")
-
-
-def _loss_and_grads(config, params, bank, ids, labels, pos, cu):
+def _loss_and_grads(config, params, bank, ids, labels, pos, cu, options):
     routing = bank.routing([(0, 12, 0), (12, 20, 1)], 5, 20)
-    sums = D.forward_loss_sums(params, bank.view(), ids, labels, pos, cu, routing, config=config)
+    sums = D.forward_loss_sums(params, bank.view(), ids, labels, pos, cu, routing, config=config, options=options)
     grads = torch.autograd.grad(sums.sum(), list(bank.parameters()))
     return sums.detach(), grads
 
 
-def test_fused_layers_equal_eager_layers(fusion_mode):
+def test_fused_layers_equal_eager_layers():
     model = tiny_hf_model("qwen2", num_hidden_layers=2)  # qkv bias too
     config, params = params_from_hf_model(model)
     specs = [AdapterSpec(name="a", rank=4, alpha=8, dropout=0.1, seed=1),
@@ -43,11 +37,11 @@ def test_fused_layers_equal_eager_layers(fusion_mode):
     cu = torch.tensor([0, 7, 12, 20], dtype=torch.int32)
     pos = torch.cat([torch.arange(7), torch.arange(5), torch.arange(8)])
 
-    fusion_mode("off")
-    ref_sums, ref_grads = _loss_and_grads(config, params, bank, ids, labels, pos, cu)
-    fusion_mode("on", compiler="aot_eager")
-    assert D._fuse("torch", ids)
-    sums, grads = _loss_and_grads(config, params, bank, ids, labels, pos, cu)
+    off = D.DecoderOptions(elementwise_fusion="off")
+    ref_sums, ref_grads = _loss_and_grads(config, params, bank, ids, labels, pos, cu, off)
+    on = D.DecoderOptions(elementwise_fusion="on", fusion_compiler="aot_eager")
+    assert D._fuse("torch", ids, on)
+    sums, grads = _loss_and_grads(config, params, bank, ids, labels, pos, cu, on)
     assert any(fn is D._swiglu for fn, _ in D._COMPILED)  # the compiled groups really ran
     torch.testing.assert_close(sums, ref_sums, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads):
@@ -55,25 +49,26 @@ def test_fused_layers_equal_eager_layers(fusion_mode):
     assert all(w.abs().sum() > 0 for w in ref_grads)
 
 
-def test_fusion_mode_rules(fusion_mode):
+def test_fusion_mode_rules():
     x = torch.zeros(2)
-    fusion_mode("auto")
-    assert not D._fuse("triton", x)  # CPU tensor: eager
-    assert not D._fuse("torch", x)
-    fusion_mode("off")
-    assert not D._fuse("triton", x)
+    auto = D.DecoderOptions()
+    assert auto.elementwise_fusion == "auto"  # the default
+    assert not D._fuse("triton", x, auto)  # CPU tensor: eager
+    assert not D._fuse("torch", x, auto)
+    assert not D._fuse("triton", x, D.DecoderOptions(elementwise_fusion="off"))
     with pytest.raises(ValueError, match="'auto', 'on', 'off'"):
-        D.set_elementwise_fusion("always")
+        D.DecoderOptions(elementwise_fusion="always")
 
 
-@pytest.fixture
-def fused_swiglu():
-    yield F8.set_fused_swiglu
-    F8.set_fused_swiglu(True)
+def test_fusion_mode_is_not_read_from_the_environment(monkeypatch):
+    # the decoder's options are arguments: an environment variable changes nothing
+    monkeypatch.setenv("LORAFUSION_FUSE_ELEMENTWISE", "on")
+    assert D.DecoderOptions().elementwise_fusion == "auto"
+    assert not D._fuse("torch", torch.zeros(2), D.DecoderOptions())
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["saved", "recomputed"])
-def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monkeypatch, checkpoint):
+def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(monkeypatch, checkpoint):
     """FP8 base: SwiGLU quantizing h for down and the gate/up gradient for dX
     (``fp8_linear.Fp8SwiGLU``) against the decoder without it, every layer taking both offers.
     CPU (emulated FP8, fused kernels in the interpreter, fp32): loss and gradients bit for bit
@@ -100,7 +95,7 @@ def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monk
     cu = torch.tensor([0, 7, 12, 32], dtype=torch.int32, device=model.device)
     pos = torch.cat([torch.arange(7), torch.arange(5), torch.arange(20)]).to(model.device)
     taken = {"input": 0, "grad": 0}
-    take_in, take_grad = F8._take_quantized_input, F8._take_quantized_grad
+    take_in, take_grad = F8.QuantizedOperands.take_input, F8.QuantizedOperands.take_grad
 
     def count(kind, fn):
         def wrapped(*args):
@@ -109,11 +104,14 @@ def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(fused_swiglu, monk
             return out
         return wrapped
 
-    monkeypatch.setattr(F8, "_take_quantized_input", count("input", take_in))
-    monkeypatch.setattr(F8, "_take_quantized_grad", count("grad", take_grad))
+    monkeypatch.setattr(F8.QuantizedOperands, "take_input", count("input", take_in))
+    monkeypatch.setattr(F8.QuantizedOperands, "take_grad", count("grad", take_grad))
+    fused = D.fp8_swiglu
 
     def run(on):
-        fused_swiglu(on)
+        # the unfused decoder: the same layers with the eager SwiGLU in place of the FP8 one
+        unfused = lambda g, u, gate, up, operands: D._swiglu(g, u)  # noqa: E731
+        monkeypatch.setattr(D, "fp8_swiglu", fused if on else unfused)
         routing = bank.routing([(0, 12, 0), (12, 32, 1)], 5, 32)
         h = D.embed(params, ids)
         h = D.decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",

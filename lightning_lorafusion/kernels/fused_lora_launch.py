@@ -1,0 +1,352 @@
+"""FusedLoRA launch plans and launchers: grids, block sizes and constexprs of each kernel of
+``fused_lora_kernels.py`` for one routing table, and the backward's launch sequence.
+
+A ``_Plan`` (table, grids, constexprs, split counts, ``triton_launch.CachedLaunch`` objects) is
+built by the first call of a microbatch for each group shape and reused by every layer, so a
+call costs a dictionary lookup plus the launches themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .block_sizes import LoraBlockSizes
+from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
+from .fused_lora_kernels import (_lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
+                                 _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel)
+from .options import KernelOptions
+from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
+from .triton_launch import CachedLaunch
+
+MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _round16b(numel: int) -> int:
+    # fp32 elements up to the next multiple of 16 bytes (keeps sub-buffer pointers aligned)
+    return _cdiv(numel, 4) * 4
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision dots (tests compare to float64); 16-bit ones ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _rank_block(rank: int, cap: int) -> int:
+    return max(16, min(cap, _next_pow2(rank)))
+
+
+def _split_count(programs: int, max_tiles: int, sms: int | None, waves: int) -> int:
+    """How many shares to split an adapter's tiles into so the grid fills the GPU ``waves``
+    times over (programs per SM); ``sms=None`` (interpreter): 2, to exercise the split path."""
+    if max_tiles <= 1:
+        return 1
+    if sms is None:
+        return min(2, max_tiles)
+    return max(1, min(max_tiles, _cdiv(waves * sms, max(programs, 1))))
+
+
+class _Plan:
+    """Everything host-side about one projection group's launches on one routing table.
+
+    Built once per (routing table, K, N_i, dtype, device, block sizes) and cached in the
+    routing's ``launch_cache``, so every layer of a microbatch reuses it: grids, tile sizes and
+    constexprs (``CachedLaunch`` objects, made on first use), the kernel options (FP8
+    accumulation), the device's SM count, the dA/dB
+    split count and the layout of their joint fp32 partial-sum buffer ``[split, part_numel]``
+    (dA ``[a_rows, K]`` at ``part_offsets[0]``, dB_i ``[N_i, b_cols_i]`` at ``part_offsets[1 + i]``).
+    """
+
+    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "part_offsets", "part_numel",
+                 "launches", "options")
+
+    def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
+                 b_cols: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 options: KernelOptions | None = None) -> None:
+        self.table, self.sizes, self.m, self.k, self.ns = table, sizes, m, k, tuple(ns)
+        self.options = options if options is not None else KernelOptions()
+        self.precision = _dot_precision(dtype)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        # one split for dA and every dB (they share the partial buffer), sized for dA, which
+        # reads X and is the largest of them
+        rblocks = _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 64))
+        programs = _cdiv(k, sizes.skinny_block_k) * len(table.active) * rblocks
+        self.split = _split_count(programs, table.max_adapter_tiles, sms, sizes.split_waves)
+        offsets, numel = [0], _round16b(table.a_rows * k)
+        for n, bc in zip(self.ns, b_cols):
+            offsets.append(numel)
+            numel += _round16b(n * bc)
+        self.part_offsets, self.part_numel = tuple(offsets), numel
+        self.launches: dict = {}
+
+    def get(self, key, build, *args):
+        """The launch stored under ``key``, made by ``build(self, *args)`` on first use."""
+        hit = self.launches.get(key)
+        if hit is None:
+            hit = self.launches[key] = build(self, *args)
+        return hit
+
+
+def _skinny_rows(plan: _Plan, block_m: int) -> tuple[int, int]:
+    sub_m = min(block_m, plan.table.block_m)
+    return sub_m, plan.table.block_m // sub_m
+
+
+def _build_s(plan: _Plan):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_total_rank, 128)
+    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    launch = CachedLaunch(
+        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r)),
+        num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m, BLOCK_M=sub_m,
+        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, DOT_PRECISION=plan.precision,
+    )
+    return launch, (plan.k, subs)
+
+
+def _launch_s(x, a_all, plan: _Plan, off_h: int) -> torch.Tensor:
+    t = plan.table
+    s = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    launch, fixed = plan.get("s", _build_s)
+    launch(x, a_all, s, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+    return s
+
+
+def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int):
+    t, sz = plan.table, plan.sizes
+    sub_m, subs = _skinny_rows(plan, sz.add_block_m)
+    rank = t.max_total_rank if dx_mode else t.max_rank[proj]
+    launch = CachedLaunch(
+        _lora_add_kernel, (t.num_tiles * subs, _cdiv(n, sz.add_block_n * sz.add_n_blocks)),
+        num_warps=sz.add_warps, num_stages=2,
+        AI_STRIDE=t.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m,
+        BLOCK_M=sub_m, BLOCK_N=sz.add_block_n, BLOCK_R=_rank_block(rank, sz.rank_block),
+        N_BLOCKS=sz.add_n_blocks, DOT_PRECISION=plan.precision,
+    )
+    return launch, (n, right_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
+
+
+def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: bool) -> None:
+    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``)."""
+    t = plan.table
+    launch, fixed = plan.get(("add", proj, dx_mode), _build_add, proj, dx_mode, out.shape[1], right.shape[1])
+    launch(out, left, right, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+
+
+def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan,
+                    operands: QuantizedOperands | None = None) -> list[torch.Tensor]:
+    """FP8 frozen products of the group (X quantized once, or taken from ``operands``), each
+    LoRA term added in place."""
+    ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
+                     fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
+    for proj, (y, b_cat) in enumerate(zip(ys, b_cats)):
+        if b_cat is not None and plan.table.max_rank[proj] > 0:
+            _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
+    return ys
+
+
+def _build_fwd_gemm(plan: _Plan, proj: int, has_bias: bool, has_lora: bool, n: int, b_stride: int):
+    t, sz = plan.table, plan.sizes
+    bm, bn, bk = sz.block_m, sz.fwd_block_n, sz.fwd_block_k
+    launch = CachedLaunch(
+        _lora_fwd_gemm_kernel, (_cdiv(plan.m, bm) * _cdiv(n, bn),),
+        num_warps=sz.fwd_warps, num_stages=sz.fwd_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_BIAS=has_bias, HAS_LORA=has_lora,
+        MAIN_LOOP=sz.gemm == "triton",
+        EVEN_K=plan.k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_R=_rank_block(t.max_rank[proj], sz.rank_block), GROUP_M=sz.group_m,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (plan.m, n, plan.k, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj)
+
+
+def _launch_fwd_gemm(x, w, bias, s, b_cat, proj: int, plan: _Plan) -> torch.Tensor:
+    t, gemm = plan.table, plan.sizes.gemm
+    has_lora = b_cat is not None and t.max_rank[proj] > 0
+    if gemm == "cublas" or (gemm == "cublas_accumulate" and not has_lora):
+        y = torch.nn.functional.linear(x, w, bias)  # cuBLAS; the LoRA term is added in place
+        if has_lora:
+            _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
+        return y
+    n = w.shape[0]
+    y = torch.empty(plan.m, n, dtype=x.dtype, device=x.device)
+    launch, fixed = plan.get(("fwd", proj, bias is not None, has_lora), _build_fwd_gemm, proj,
+                             bias is not None, has_lora, n, b_cat.shape[1] if has_lora else 0)
+    launch(x, w, bias if bias is not None else w, y, s if has_lora else x, b_cat if has_lora else w,
+           t.tiles, t.block_tiles, t.adapter_int, t.adapter_float, *fixed)
+    if gemm == "cublas_accumulate":  # Y holds scale * S B^T (+ bias): add X W^T (beta = 1)
+        y.addmm_(x, w.t())
+    return y
+
+
+def _build_ds(plan: _Plan, proj: int, n: int, b_stride: int):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_rank[proj], 128)
+    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    launch = CachedLaunch(
+        _lora_ds_kernel, (t.num_tiles * subs, _cdiv(t.max_rank[proj], block_r)),
+        num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_N=sz.skinny_block_k,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (n, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
+
+
+def _launch_ds(dy, b_cat, ds, proj: int, plan: _Plan) -> None:
+    t = plan.table
+    launch, fixed = plan.get(("ds", proj), _build_ds, proj, dy.shape[1], b_cat.shape[1])
+    launch(dy, b_cat, ds, t.tiles, t.adapter_int, t.adapter_float, *fixed)
+
+
+def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_rank[proj], 64)
+    block_n = sz.skinny_block_k
+    rblocks = _cdiv(t.max_rank[proj], block_r)
+    launch = CachedLaunch(
+        _lora_db_kernel, (_cdiv(n, block_n), t.num_adapters * rblocks, plan.split),
+        num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_PRECISION=plan.precision,
+    )
+    return launch, (n, b_cols, plan.part_numel, AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, plan.split)
+
+
+def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan) -> None:
+    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset."""
+    t = plan.table
+    launch, fixed = plan.get(("db", proj), _build_db, proj, dy.shape[1], b_cat.shape[1])
+    off = plan.part_offsets[1 + proj]
+    launch(dy, s, part[:, off:], t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
+           t.adapter_float, *fixed)
+
+
+def _build_da(plan: _Plan):
+    t, sz = plan.table, plan.sizes
+    block_r = _rank_block(t.max_total_rank, 64)
+    block_k = sz.skinny_block_k
+    rblocks = _cdiv(t.max_total_rank, block_r)
+    launch = CachedLaunch(
+        _lora_da_kernel, (_cdiv(plan.k, block_k), t.num_adapters * rblocks, plan.split),
+        num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
+        AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
+        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision,
+    )
+    return launch, (plan.k, plan.part_numel, rblocks, plan.split)
+
+
+def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int) -> None:
+    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0."""
+    t = plan.table
+    launch, fixed = plan.get("da", _build_da)
+    launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
+           off_h, *fixed)
+
+
+def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_here: bool):
+    t, sz = plan.table, plan.sizes
+    bm, bk, bn = sz.block_m, sz.dx_block_k, sz.dx_block_n
+    return CachedLaunch(
+        _lora_dx_gemm_kernel, (_cdiv(plan.m, bm) * _cdiv(plan.k, bk),),
+        num_warps=sz.dx_warps, num_stages=sz.dx_stages,
+        AI_STRIDE=t.adapter_int.shape[1], NUM_PROJ=len(n_list), HAS_PREV=has_prev,
+        HAS_LORA=lora_here, HAS_DROPOUT=t.has_dropout, EVEN_N=all(n % bn == 0 for n in n_list),
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=_rank_block(t.max_total_rank, sz.rank_block),
+        GROUP_M=sz.group_m, DOT_PRECISION=plan.precision,
+    )
+
+
+def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dtype, device,
+               operands: QuantizedOperands | None = None) -> torch.Tensor:
+    t, m, k = plan.table, plan.m, plan.k
+    has_lora = ds is not None
+    if isinstance(weights[0], Fp8Weight):
+        dx = fp8_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device,
+                            emulate=resolve_emulate(device, None),
+                            fast_accum=plan.options.fp8_fast_accum_input_grad, operands=operands)
+        if has_lora:
+            _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
+        return dx
+    pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
+    if plan.sizes.gemm == "cublas_accumulate" and has_lora:
+        # the LoRA term written first (every row), the frozen products accumulated by cuBLAS
+        dx = torch.empty(m, k, dtype=dtype, device=device)
+        launch = plan.get(("dx", (), False, True), _build_dx_gemm, (), False, True)
+        launch(dx, dx, 0, dx, dx, 0, dx, dx, 0, dx, dx, ds, a_all, t.tiles, t.block_tiles, t.adapter_int,
+               t.adapter_float, off_h, m, k)
+        for dy, w in pairs:
+            dx.addmm_(dy, w)
+        return dx
+    if plan.sizes.gemm != "triton":
+        dx = torch.zeros(m, k, dtype=dtype, device=device) if not pairs else pairs[0][0] @ pairs[0][1]
+        for dy, w in pairs[1:]:
+            dx.addmm_(dy, w)
+        if has_lora:
+            _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
+        return dx
+    if not pairs:
+        pairs = [(torch.zeros(m, 1, dtype=dtype, device=device),
+                  torch.zeros(1, k, dtype=dtype, device=device))]
+    dx = None
+    for start in range(0, len(pairs), MAX_FUSED_DX_PROJECTIONS):
+        chunk = pairs[start:start + MAX_FUSED_DX_PROJECTIONS]
+        n_list = tuple(w.shape[0] for _, w in chunk)
+        lora_here = has_lora and start == 0
+        launch = plan.get(("dx", n_list, dx is not None, lora_here), _build_dx_gemm, n_list, dx is not None,
+                          lora_here)
+        padded = chunk + [(None, None)] * (MAX_FUSED_DX_PROJECTIONS - len(chunk))
+        out = torch.empty(m, k, dtype=dtype, device=device)
+        launch(
+            padded[0][0], padded[0][1], n_list[0],
+            padded[1][0], padded[1][1], n_list[1] if len(n_list) > 1 else 0,
+            padded[2][0], padded[2][1], n_list[2] if len(n_list) > 2 else 0,
+            dx, out, ds if lora_here else out, a_all if lora_here else out,
+            t.tiles, t.block_tiles, t.adapter_int, t.adapter_float, off_h, m, k,
+        )
+        dx = out
+    return dx
+
+
+def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
+              operands: QuantizedOperands | None = None):
+    """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
+    take its quantized gradient from ``operands``."""
+    t = plan.table
+    n_proj = len(weights)
+    m, k = x.shape
+    dys = [None if dy is None else dy.contiguous() for dy in dys]
+    lora_proj = [i for i in range(n_proj) if b_cats[i] is not None and t.max_rank[i] > 0]
+    db_proj = [i for i in lora_proj if need_db[i]]
+    ds = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    # dA and every dB share one fp32 partial-sum buffer: one reduction and one cast for all
+    part = (torch.empty(plan.split, plan.part_numel, dtype=torch.float32, device=x.device)
+            if db_proj or need_da else None)
+    for i in lora_proj:
+        dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
+        _launch_ds(dy, b_cats[i], ds, i, plan)
+        if need_db[i]:
+            _launch_db(dy, s, b_cats[i], part, i, plan)
+    if need_da:
+        _launch_da(x, ds, part, plan, off_h)
+    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
+    da, db_cats = None, [None] * n_proj
+    if part is not None:
+        grads = (part[0] if plan.split == 1 else part.sum(0)).to(a_all.dtype)
+        if need_da:
+            da = grads[:t.a_rows * k].view(t.a_rows, k)
+        for i in db_proj:
+            off, n, bc = plan.part_offsets[1 + i], plan.ns[i], b_cats[i].shape[1]
+            db_cats[i] = grads[off:off + n * bc].view(n, bc)  # B_cat has A_all's dtype
+    return dx, da, db_cats
+
+

@@ -1,0 +1,23 @@
+"""``KernelOptions``: the choices that change how the kernels compute, passed as an argument
+(to the decoder through ``model.decoder.DecoderOptions``) instead of process-wide switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelOptions:
+    """``fp8_fast_accum_forward`` / ``fp8_fast_accum_input_grad``: an FP8 base's forward (Y)
+    and input-gradient (dX) products use cuBLAS's fast accumulation (``use_fast_accum``): the
+    tensor cores' narrower accumulator sums more terms before promotion to fp32 (faster, about
+    3e-3 relative on the product: docs/kernels.md "FP8 base"). Off keeps fp32 accumulation
+    throughout; the emulated path (no FP8 tensor cores) has no such mode and ignores both."""
+
+    fp8_fast_accum_forward: bool = False
+    fp8_fast_accum_input_grad: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("fp8_fast_accum_forward", "fp8_fast_accum_input_grad"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r} must be a bool")
