@@ -96,7 +96,8 @@ MODEL_DEFAULTS = {
     "smollm2": dict(layers=None, global_batch=4, capacity=8192, pad_multiple=128, min_length=1, max_length=2048),
 }
 DEFAULT_SAMPLES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "docs", "results", "smollm2_aclsum_samples.jsonl.gz")
+                                    "docs", "results", "training_h200_202611",
+                                    "smollm2_aclsum_samples.jsonl.gz")
 MARKOV_STATES = 64
 MARKOV_PROBS = (0.55, 0.25, 0.15, 0.05)  # successor probabilities: entropy 1.11 nats per token
 

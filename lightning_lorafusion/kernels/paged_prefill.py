@@ -238,7 +238,7 @@ def _default_blocks(head_dim: int, device: torch.device) -> dict:
     if head_dim <= 64:  # H100, Llama-1B heads: the fastest of the four swept for prefix hits
         return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     # H100, Llama-8B heads (D 128): 292.8 / 594.5 µs (prefix hits / fresh) against 365.5 / 763.7
-    # for m128 n64 8 warps (docs/results/prefill_h100/bench_prefill_attention.log)
+    # for m128 n64 8 warps (docs/results/kernels_h100_202611/prefill_attention/)
     return {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3}
 
 
