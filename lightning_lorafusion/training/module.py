@@ -876,6 +876,11 @@ class LoRAFusionModule(L.LightningModule):
             for key, value in self.state_dict().items():
                 if _bank_layer(key) is not None and _bank_layer(key) not in owned:
                     checkpoint["state_dict"].setdefault(key, value)
+        from .resume_check import check_checkpoint_config
+
+        stage = self.trainer.state.fn if self._trainer is not None else "fit"
+        check_checkpoint_config(checkpoint.get("hyper_parameters"), dict(self.hparams), model_class=type(self),
+                                stage=str(getattr(stage, "value", stage)))
         state = checkpoint.get("lorafusion")
         if state is None:
             return
