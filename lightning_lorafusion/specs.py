@@ -53,6 +53,7 @@ class AdapterSpec:
     # validation (docs/training.md): a dataset of its own, or a seeded split of ``dataset``
     val_dataset: dict[str, Any] | None = None
     val_fraction: float = 0.0  # share of ``dataset`` held out (by sample index hash), never trained on
+    test_dataset: dict[str, Any] | None = None  # evaluated by `lightning-lorafusion test`
     early_stopping: dict[str, Any] | None = None  # {patience: int >= 1, min_delta: float >= 0}
     # divergence guard: quarantine after this many consecutive non-finite global batches
     # (None: the model's ``max_nonfinite_steps``), or when a val loss exceeds
@@ -114,6 +115,9 @@ class AdapterSpec:
         if self.val_dataset is not None and not isinstance(self.val_dataset, dict):
             raise ConfigError(f"{where}: val_dataset must be a mapping like dataset, e.g. "
                               "{kind: jsonl, path: {train: a.jsonl, val: b.jsonl}, split: val}")
+        if self.test_dataset is not None and not isinstance(self.test_dataset, dict):
+            raise ConfigError(f"{where}: test_dataset must be a mapping like dataset, e.g. "
+                              "{kind: jsonl, path: {train: a.jsonl, test: c.jsonl}}")
         if self.early_stopping is not None:
             stop = dict(self.early_stopping)
             unknown = sorted(set(stop) - {"patience", "min_delta"})

@@ -186,6 +186,8 @@ class LoRAFusionModule(L.LightningModule):
             parse_source(spec.dataset, name=spec.name)
             if spec.val_dataset is not None:
                 parse_source(spec.val_dataset, name=f"{spec.name} (val_dataset)")
+            if spec.test_dataset is not None:
+                parse_source(spec.test_dataset, name=f"{spec.name} (test_dataset)")
             if spec.early_stopping and not spec.has_validation:
                 raise ConfigError(f"adapter {spec.name!r}: early_stopping needs validation data; "
                                   "set val_dataset or val_fraction")
@@ -590,6 +592,36 @@ class LoRAFusionModule(L.LightningModule):
             self._judge(losses)
             self._validated_at = self._data_position()
 
+    # --------------------------------------------------------------------- test
+    # `lightning-lorafusion test`: each adapter's test_dataset through the validation forward.
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def test_step(self, mb: Microbatch, batch_idx: int) -> None:
+        self.validation_step(mb, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        losses = self._val_losses()
+        self.test_losses = losses
+        for a, loss in losses.items():
+            name = self.adapter_specs[a].name
+            self.log(f"test/loss/{name}", loss, batch_size=1)
+            self.log(f"test/ppl/{name}", math.exp(min(loss, 80.0)), batch_size=1)
+        if self.trainer.is_global_zero:
+            log.info("%s", self.test_summary(losses))
+
+    def test_summary(self, losses: dict[int, float]) -> str:
+        """A table: per adapter, its test samples, token-weighted mean test loss and perplexity."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        counts = getattr(dm, "test_datasets", None) or []
+        rows = ["| adapter | test samples | test loss | test ppl |", "|---|---|---|---|"]
+        for a, spec in enumerate(self.adapter_specs):
+            n = len(counts[a]) if a < len(counts) else 0
+            loss = losses.get(a)
+            shown = ("-", "-") if loss is None else (f"{loss:.4f}", f"{math.exp(min(loss, 80.0)):.2f}")
+            rows.append(f"| {spec.name} | {n} | {shown[0]} | {shown[1]} |")
+        return "adapters on their test data:\n" + "\n".join(rows)
+
     def _generate_val_samples(self) -> dict[str, float]:
         """Greedy generations for each adapter's first ``val_samples`` val prompts (rank 0),
         appended to ``samples.jsonl`` and logged as a W&B table; returns the task metrics."""
@@ -715,6 +747,14 @@ class LoRAFusionModule(L.LightningModule):
         return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
 
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            from .checkpoint_io import AtomicCheckpointIO
+
+            strategy = self.trainer.strategy
+            if type(strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a user's
+                strategy.checkpoint_io = AtomicCheckpointIO()
         # Spawned processes receive this module through torch.multiprocessing, which moves plain
         # tensor attributes to shared memory: each process needs its own loss accumulators.
         self._gb_loss = self._gb_loss.clone()
@@ -925,6 +965,14 @@ class LoRAFusionModule(L.LightningModule):
             dm.resolve_capacity(self)
         if self.export_on_fit_end and self.trainer.is_global_zero:
             self.check_export_targets()  # before training: the export would fail after it
+        if self.trainer.is_global_zero:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            from .checkpoint_io import remove_stale_temporaries
+
+            for callback in self.trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                    remove_stale_temporaries(callback.dirpath)
 
     def on_train_end(self) -> None:
         """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every
