@@ -919,8 +919,9 @@ class LoRAFusionModule(L.LightningModule):
         from .resume_check import check_checkpoint_config
 
         stage = self.trainer.state.fn if self._trainer is not None else "fit"
+        stage = str(getattr(stage, "value", stage))
         check_checkpoint_config(checkpoint.get("hyper_parameters"), dict(self.hparams), model_class=type(self),
-                                stage=str(getattr(stage, "value", stage)))
+                                stage=stage, log_changes=stage == "fit")
         state = checkpoint.get("lorafusion")
         if state is None:
             return
