@@ -1,4 +1,5 @@
-"""`lightning-lorafusion fit --config run.yaml`: a thin LightningCLI over the library."""
+"""`lightning-lorafusion fit --config run.yaml` (and `validate`, `test`): a thin LightningCLI over
+the library, whose errors are one line with a hint."""
 
 from __future__ import annotations
 
@@ -133,6 +134,11 @@ def _usage_hint(message: str, parsers: dict, subcommand: str | None) -> str:
 
 
 class LoRAFusionCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands but ``predict``: the module has no ``predict_step``."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     def parse_arguments(self, parser, args) -> None:
         """Parse, turning the parser's refusal into a one-line ``UsageError`` with a hint."""
         try:
@@ -227,7 +233,7 @@ def _report_user_error(err: BaseException, debug: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: the process's arguments); return the exit status.
 
-    ``fit`` / ``validate`` (and ``--print_config``, ``--help``) go to LightningCLI; ``serve``
+    ``fit`` / ``validate`` / ``test`` (and ``--print_config``, ``--help``) go to LightningCLI; ``serve``
     and ``generate`` go to the generation server's and the generate command's own parsers.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -265,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
                     "fit": {"default_config_files": [], **quiet},
                     "validate": quiet,
                     "test": quiet,
-                    "predict": quiet,
                 },
             )
     except SystemExit as exit_:  # argparse: --help, --print_config

@@ -225,6 +225,16 @@ def test_usage_errors_keep_argparse_exit_status(in_process, capsys):
     assert "serve" in out and "Exit status" in out
 
 
+def test_predict_is_not_offered(in_process, capsys):
+    """The module has no predict_step: the subcommand is not listed, and asking for it is a
+    usage error, not a crash."""
+    assert in_process(["--help"]) == 0
+    assert "predict" not in capsys.readouterr().out
+    assert in_process(["predict", "--config", TINY]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'predict'" in err and "Traceback" not in err
+
+
 def test_checkpoint_with_other_ranks_is_a_config_error(tiny_model_dir):
     from lightning_lorafusion.specs import AdapterSpec, ConfigError
     from lightning_lorafusion.training.module import LoRAFusionModule
