@@ -148,7 +148,7 @@ class AdapterSpec:
         factor = self.val_explode_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or not factor > 1.0):
-            raise ConfigError(f"{where}: val_explode_factor={factor!r} must be a finite number > 1 "
+            raise ConfigError(f"{where}: val_explode_factor={factor!r} must be > 1 and finite "
                               "(or null to never quarantine on validation loss)")
 
     @property

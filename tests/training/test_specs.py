@@ -47,7 +47,7 @@ def test_bad_fields_raise_named_errors(kwargs, match):
         (dict(rank=True), "rank=True must be >= 1"),
         (dict(seed=-1), "seed=-1 must be >= 0"),
         (dict(early_stopping={"min_delta": float("nan")}), "early_stopping.min_delta=nan"),
-        (dict(val_explode_factor=float("inf")), "val_explode_factor=inf must be a finite number > 1"),
+        (dict(val_explode_factor=float("inf")), "val_explode_factor=inf must be > 1 and finite"),
         (dict(test_dataset="test.jsonl"), "test_dataset must be a mapping"),
     ],
 )
