@@ -1,14 +1,22 @@
-"""`lightning-lorafusion fit --config run.yaml`: a thin LightningCLI over the library."""
+"""`lightning-lorafusion fit --config run.yaml` (and `validate`, `test`): a thin LightningCLI over
+the library, whose errors are one line with a hint."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import difflib
+import importlib
+import inspect
 import logging
 import os
+import re
 import sys
 import traceback
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -45,7 +53,122 @@ def _keep_wandb_local() -> None:
         os.makedirs(os.environ[var], exist_ok=True)
 
 
+# Names other tools use for our fields (PEFT, transformers' TrainingArguments): a typo hint
+# offers ours even where the spelling is far off.
+KNOWN_ALIASES = {
+    "learning_rate": "lr", "r": "rank", "lora_r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "batch_size": "global_batch_size", "per_device_train_batch_size": "global_batch_size",
+    "num_train_epochs": "max_epochs", "epochs": "max_epochs", "warmup": "warmup_steps",
+    "lr_scheduler_type": "lr_schedule", "train_dataset": "dataset", "eval_dataset": "val_dataset",
+}
+
+
+class UsageError(Exception):
+    """A command line or config the parser refused: its message in one line, and a hint."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def _suggest(word: str, accepted: list[str]) -> str | None:
+    """The accepted key closest to ``word`` (a known alias of its last dotted part first)."""
+    prefix, _, last = word.rpartition(".")
+    alias = KNOWN_ALIASES.get(last)
+    if alias is not None and (f"{prefix}.{alias}" if prefix else alias) in accepted:
+        return f"{prefix}.{alias}" if prefix else alias
+    match = difflib.get_close_matches(word, accepted, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _class_fields(class_path: str) -> list[str]:
+    """Field or constructor argument names of the class a config entry names."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "args", "kwargs")]
+
+
+def _parser_keys(parser) -> list[str]:
+    """Every option key a (jsonargparse) parser accepts, dotted (``trainer.max_epochs``)."""
+    keys = []
+    for action in getattr(parser, "_actions", []):
+        dest = getattr(action, "dest", None)
+        if dest and dest not in ("help", argparse.SUPPRESS) and not dest.startswith("_"):
+            keys.append(dest)
+    return keys
+
+
+def _usage_hint(message: str, parsers: dict, subcommand: str | None) -> str:
+    """'did you mean ...' for the key or choice the parser refused, then where the full usage is."""
+    prog = "lightning-lorafusion" + (f" {subcommand}" if subcommand else "")
+    tail = f"'{prog} --help' lists every accepted option"
+    suggestion = None
+    refused = re.search(r"does not accept option '([^']+)'", message)
+    unknown_field = re.search(r"Option '([^']+)' is not accepted", message)
+    choice = re.search(r"invalid choice: '([^']+)' \(choose from (.*)\)", message)
+    unrecognized = re.search(r"unrecognized arguments: --([^\s=]+)", message)
+    if unknown_field:
+        owner = re.search(r"class_path '([^']+)'", message)
+        fields = _class_fields(owner.group(1)) if owner else []
+        key = re.search(r'Parser key "([^"]+)"', message)
+        match = _suggest(unknown_field.group(1), fields)
+        if match is not None:
+            where = f" ({key.group(1)}[].{match})" if key and "adapters" in key.group(1) else ""
+            suggestion = f"'{match}'{where}"
+    elif refused and subcommand in parsers:
+        match = _suggest(refused.group(1), _parser_keys(parsers[subcommand]))
+        suggestion = f"'{match}'" if match else None
+    elif unrecognized and subcommand in parsers:
+        match = _suggest(unrecognized.group(1), _parser_keys(parsers[subcommand]))
+        suggestion = f"'--{match}'" if match else None
+    elif choice:
+        options = re.findall(r"'([^']+)'", choice.group(2))
+        match = _suggest(choice.group(1), options)
+        suggestion = f"'{match}'" if match else None
+    return (f"did you mean {suggestion}? " if suggestion else "") + tail
+
+
 class LoRAFusionCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's subcommands but ``predict``: the module has no ``predict_step``."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, turning the parser's refusal into a one-line ``UsageError`` with a hint."""
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as error:
+            argv = list(sys.argv[1:] if args is None else args)
+            parsers = getattr(self, "_subcommand_parsers", {})
+            subcommand = next((a for a in argv if a in parsers), None)
+            message = " ".join(str(error).split())
+            raise UsageError(message, _usage_hint(str(error), parsers, subcommand)) from None
+
+    def _parse_ckpt_path(self) -> None:
+        """With ``--ckpt_path``, check the config's model section against the checkpoint's (a
+        mismatch is a ``ConfigError`` naming the field). Lightning's own version would replace the
+        config's model section with the checkpoint's, silently, so a config that does not fit
+        the checkpoint could never be noticed; here the config given is the one used."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return  # "last"/"best" or a missing file: Lightning resolves or refuses it
+        import torch
+
+        from .training.resume_check import check_checkpoint_config
+
+        checkpoint = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True)
+        check_checkpoint_config(checkpoint.get("hyper_parameters"), self.config[subcommand]["model"],
+                                model_class=LoRAFusionModule, stage=subcommand, log_changes=False)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
             {
@@ -110,7 +233,7 @@ def _report_user_error(err: BaseException, debug: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: the process's arguments); return the exit status.
 
-    ``fit`` / ``validate`` (and ``--print_config``, ``--help``) go to LightningCLI; ``serve``
+    ``fit`` / ``validate`` / ``test`` (and ``--print_config``, ``--help``) go to LightningCLI; ``serve``
     and ``generate`` go to the generation server's and the generate command's own parsers.
     """
     args = list(sys.argv[1:] if argv is None else argv)
@@ -132,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] = args
     _keep_wandb_local()
     _log_to_stderr()
+    # parse errors raise (UsageError, one line) instead of printing the whole usage first
+    quiet = {"exit_on_error": False}
     try:
         with _without_inapplicable_lightning_warnings():
             LoRAFusionCLI(
@@ -142,11 +267,18 @@ def main(argv: list[str] | None = None) -> int:
                 parser_kwargs={
                     "description": DESCRIPTION,
                     "epilog": EPILOG,
-                    "fit": {"default_config_files": []},
+                    **quiet,
+                    "fit": {"default_config_files": [], **quiet},
+                    "validate": quiet,
+                    "test": quiet,
                 },
             )
-    except SystemExit as exit_:  # argparse: --help, --print_config, usage errors
+    except SystemExit as exit_:  # argparse: --help, --print_config
         return _exit_status(exit_.code)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        print(f"hint: {err.hint}", file=sys.stderr)
+        return EXIT_USER
     except USER_ERRORS as err:
         return _report_user_error(err, debug)
     return EXIT_OK

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,6 +17,13 @@ from .adapter_bank import AdapterBank
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# What an export writes into an adapter directory (trainer_state.json: training/evaluation.py;
+# last/: the final weights of a validated adapter). Anything else found there is the user's.
+EXPORTED_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, "trainer_state.json"})
+EXPORTED_DIRS = frozenset({"last"})
+# Temporary directories an export makes beside its target: ".<name>.tmp-<random>" (being
+# written) and ".<name>.old-<random>" (the replaced export, being removed).
+_TEMP_DIR = re.compile(r"\.(?P<name>.+)\.(tmp|old)-[A-Za-z0-9_]{8}")
 
 
 def peft_key(layer: int, module: str, factor: str) -> str:
@@ -30,15 +39,22 @@ def export_peft_adapter(
     *,
     base_model_name_or_path: str | None = None,
     dtype: torch.dtype | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``out_dir/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT LoRA format).
 
     The directory is built next to ``out_dir`` and moved into place, so readers never see a
-    half-written adapter; an existing ``out_dir`` is replaced. ``dtype``: default the bank's.
+    half-written adapter. An existing ``out_dir`` is replaced only when it holds nothing but an
+    earlier export's files (``check_export_target``); otherwise ``ConfigError``. Non-finite
+    weights or alpha raise instead of being written. ``extra_files``: more files of
+    ``EXPORTED_FILES`` (name -> text) written with it. ``dtype``: default the bank's.
     """
     from safetensors.torch import save_file
 
     spec = bank.specs[adapter_index]
+    if not (math.isfinite(spec.alpha) and spec.alpha > 0 and spec.rank >= 1):
+        raise ValueError(f"adapter {spec.name!r}: rank={spec.rank}, alpha={spec.alpha} cannot be exported "
+                         "(adapter_config.json needs r >= 1 and a finite lora_alpha > 0)")
     tensors = {}
     for layer in range(bank.config.num_layers):
         for module in spec.target_modules:
@@ -46,6 +62,9 @@ def export_peft_adapter(
             for factor, p in (("lora_A", f.lora_A), ("lora_B", f.lora_B)):
                 t = p.detach().to("cpu", dtype or p.dtype).contiguous()
                 tensors[peft_key(layer, module, factor)] = t
+    bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise FloatingPointError(f"adapter {spec.name!r}: {bad} holds non-finite values; not exported")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -65,18 +84,69 @@ def export_peft_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+    check_export_target(out_dir)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_export_temporaries(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o755)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
+        for name, text in (extra_files or {}).items():
+            if name not in EXPORTED_FILES:
+                raise ValueError(f"extra export file {name!r}; allowed: {sorted(EXPORTED_FILES)}")
+            (tmp / name).write_text(text)
         _swap_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_export_target(out: str | os.PathLike) -> None:
+    """Raise ``ConfigError`` unless ``out`` may be (re)placed by an export: it does not exist, or
+    it is a real directory holding only what an export writes. An export removes nothing else."""
+    raw = os.fspath(out)
+    if os.path.basename(raw) in ("", ".", ".."):  # Path() would drop a trailing '.' silently
+        raise ConfigError(f"export target {raw!r} does not end in an adapter name")
+    out = Path(raw)
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"export target {str(out)!r} exists and is not a directory; move it away or "
+                          "choose another model.export_dir")
+    foreign = _foreign_entries(out)
+    if foreign:
+        raise ConfigError(
+            f"export target {str(out)!r} holds files an export did not write ({', '.join(foreign[:5])}); "
+            "an export replaces the whole adapter directory, so move them away or choose another "
+            "model.export_dir"
+        )
+
+
+def _foreign_entries(directory: Path, prefix: str = "") -> list[str]:
+    found = []
+    for entry in sorted(directory.iterdir()):
+        if entry.is_symlink():
+            found.append(prefix + entry.name)
+        elif entry.is_dir() and entry.name in EXPORTED_DIRS and not prefix:
+            found += _foreign_entries(entry, f"{entry.name}/")
+        elif not (entry.is_file() and entry.name in EXPORTED_FILES):
+            found.append(prefix + entry.name)
+    return found
+
+
+def remove_stale_export_temporaries(out: str | os.PathLike) -> None:
+    """Remove ``.<name>.tmp-*`` / ``.<name>.old-*`` directories beside ``out`` that an earlier
+    export of the same adapter left when it was killed (only directories named by this module)."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return
+    for entry in out.parent.iterdir():
+        match = _TEMP_DIR.fullmatch(entry.name)
+        if match and match.group("name") == out.name and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

@@ -197,21 +197,47 @@ class MultiAdapterDataModule(L.LightningDataModule):
         self.val_datasets: list[Sequence] = []  # per adapter ([] without validation data)
         self.excluded: frozenset[int] = frozenset()  # adapters no longer planned (stopped)
         self._streamed: dict[int, int] = {}  # epoch -> last position the stream has begun packing
-        self._val_plans: dict[tuple[int, ...], tuple[Plan, SampleLookup]] = {}
+        self._val_plans: dict[tuple[str, tuple[int, ...]], tuple[Plan, SampleLookup]] = {}
+        self.test_datasets: list[Sequence] = []  # per adapter, for `test` ([] without test data)
 
     # ----------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
         if self.trainer is not None:
             self._adopt_pipeline_layout()
-        if self.datasets:
-            return
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not self.specs:
             if module is None:
                 raise RuntimeError("attach adapters with configure(specs, tokenizer) before setup")
             self.configure(module.adapter_specs, module.tokenizer,
                            vocab_size=getattr(getattr(module, "config", None), "vocab_size", None))
-        self.load_datasets()
+        if stage == "test":  # only the test data: nothing trains or validates
+            if not self.test_datasets:
+                self.load_test_datasets()
+            return
+        if not self.datasets:
+            self.load_datasets()
+
+    def load_test_datasets(self) -> None:
+        """Each adapter's ``test_dataset`` (``[]`` for those without one), tokenized like training
+        data; ``ConfigError`` when no adapter has one."""
+        from ..data.sources import build_source
+
+        if not any(spec.test_dataset for spec in self.specs):
+            raise ConfigError("`test` evaluates each adapter's test_dataset, and no adapter sets one; add "
+                              "adapters[].test_dataset (a mapping like dataset, e.g. {kind: jsonl, path: "
+                              "test.jsonl})")
+        max_length = self.max_length or self.packing.capacity
+        self.test_datasets = []
+        for spec in self.specs:
+            samples: Sequence = []
+            if spec.test_dataset:
+                # a single file is read whole; path mappings, aclsum and synthetic give their 'test' split
+                split = "train" if isinstance(spec.test_dataset.get("path"), str) else "test"
+                samples = build_source(spec.test_dataset, self.tokenizer, split=split, max_length=max_length,
+                                       name=f"{spec.name} (test)")
+                self._check_lengths(spec, samples)
+                log.info("adapter %s: %d test samples", spec.name, len(samples))
+            self.test_datasets.append(samples)
 
     def _adopt_pipeline_layout(self) -> None:
         from ..parallel.strategy import MultiAdapterPipelineStrategy
@@ -571,27 +597,30 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def has_validation(self) -> bool:
         return any(len(v) > 0 for v in self.val_datasets)
 
-    def val_plan(self) -> tuple[Plan, SampleLookup] | None:
-        """Every validating adapter's val samples planned together, cut into chunks of its global
-        batch size like its training data; None if there are none. During fit, adapters that
-        stopped training are left out (``validate`` evaluates them all)."""
-        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+    def val_plan(self, kind: str = "val") -> tuple[Plan, SampleLookup] | None:
+        """Every validating adapter's val samples (``kind="test"``: test samples) planned
+        together, cut into chunks of its global batch size like its training data; None if there
+        are none. During fit, adapters that stopped training are left out (``validate`` and
+        ``test`` evaluate them all)."""
+        datasets = self.test_datasets if kind == "test" else self.val_datasets
+        fitting = kind == "val" and (self.trainer is None or self.trainer.state.fn == "fit")
         skip = self.excluded if fitting else frozenset()
-        active = tuple(a for a, v in enumerate(self.val_datasets) if len(v) and a not in skip)
+        active = tuple(a for a, v in enumerate(datasets) if len(v) and a not in skip)
         if not active:
             return None
-        if active not in self._val_plans:
+        if (kind, active) not in self._val_plans:
             batches = [[list(range(i, min(i + self.specs[a].global_batch_size, len(v))))
                         for i in range(0, len(v), self.specs[a].global_batch_size)] if a in active else []
-                       for a, v in enumerate(self.val_datasets)]
-            lookup = SampleLookup(self.val_datasets, batches)
+                       for a, v in enumerate(datasets)]
+            lookup = SampleLookup(datasets, batches)
             plan = self._plan(0, lookup.lengths(), self.packing.capacity, self.planner, num_stages=1)
-            self._val_plans[active] = (plan, lookup)
-        return self._val_plans[active]
+            self._val_plans[(kind, active)] = (plan, lookup)
+        return self._val_plans[(kind, active)]
 
-    def iter_val_microbatches(self) -> Iterator[Microbatch]:
-        """This replica's share of the validation microbatches (every ``data_parallel_size``-th)."""
-        planned = self.val_plan()
+    def iter_val_microbatches(self, kind: str = "val") -> Iterator[Microbatch]:
+        """This replica's share of the validation (or ``kind="test"``) microbatches (every
+        ``data_parallel_size``-th)."""
+        planned = self.val_plan(kind)
         if planned is None:
             return
         plan, lookup = planned
@@ -672,6 +701,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         validation; nothing when no adapter has validation data)."""
         return _ValLoader(self)
 
+    def test_dataloader(self):
+        """Packed microbatches of every adapter's test data (``lightning-lorafusion test``)."""
+        return _ValLoader(self, kind="test")
+
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         if isinstance(batch, _Sealed):
             batch = batch.item
@@ -725,22 +758,25 @@ class _ValLoader:
     """Iterable over this replica's validation microbatches, packed ahead in a thread; the plan
     (which adapters validate) is taken when each validation starts."""
 
-    def __init__(self, dm: MultiAdapterDataModule) -> None:
+    def __init__(self, dm: MultiAdapterDataModule, kind: str = "val") -> None:
         self.dm = dm
+        self.kind = kind
 
     def __iter__(self):
         import torchdata.nodes as tn
 
-        node = tn.Prefetcher(tn.IterableWrapper(_ValStream(self.dm)), prefetch_factor=max(1, self.dm.prefetch))
+        stream = _ValStream(self.dm, self.kind)
+        node = tn.Prefetcher(tn.IterableWrapper(stream), prefetch_factor=max(1, self.dm.prefetch))
         return (_Sealed(item) for item in tn.Loader(node))
 
 
 class _ValStream:
-    def __init__(self, dm: MultiAdapterDataModule) -> None:
+    def __init__(self, dm: MultiAdapterDataModule, kind: str = "val") -> None:
         self.dm = dm
+        self.kind = kind
 
     def __iter__(self) -> Iterator[Microbatch]:
-        return self.dm.iter_val_microbatches()
+        return self.dm.iter_val_microbatches(self.kind)
 
 
 class _Sealed:

@@ -11,6 +11,7 @@ from typing import Any
 from ..specs import AdapterSpec
 
 TRAINING, EARLY_STOPPED, QUARANTINED = "training", "early_stopped", "quarantined"
+DONE = "done"  # how an adapter still training when fit ends is reported (never stored)
 STATE_FILE = "trainer_state.json"
 
 
@@ -72,13 +73,25 @@ def val_loss_at(progress: AdapterProgress, step: int) -> float | None:
     return None
 
 
-def write_trainer_state(directory: str | os.PathLike, *, adapter: str, weights: str, reason: str,
-                        step: int, progress: AdapterProgress, steps_taken: int) -> None:
+def final_status(progress: AdapterProgress) -> str:
+    """An adapter's status once fit has ended: ``done`` for one that trained to the end, else
+    ``early_stopped`` or ``quarantined``. Checkpoints keep ``training`` (a resumed run trains on)."""
+    return DONE if progress.status == TRAINING else progress.status
+
+
+def write_trainer_state(directory: str | os.PathLike, **kwargs: Any) -> None:
+    """Write ``trainer_state_json(**kwargs)`` to ``<directory>/trainer_state.json``."""
+    with open(os.path.join(directory, STATE_FILE), "w") as f:
+        f.write(trainer_state_json(**kwargs))
+
+
+def trainer_state_json(*, adapter: str, weights: str, reason: str, step: int, progress: AdapterProgress,
+                       steps_taken: int) -> str:
     """``trainer_state.json`` next to an exported adapter: which weights these are and why.
 
     ``weights``: "best" (lowest val loss), "last" (the final weights) or "last_good" (the last
     weights whose loss and gradients were finite, for a quarantined adapter). ``reason``: "best",
-    "last", "early_stopped" or "quarantined".
+    "last", "early_stopped" or "quarantined". ``status``: ``final_status`` of the adapter.
     """
     def number(x: float | None) -> float | str | None:  # JSON has no NaN / Infinity
         return x if x is None or math.isfinite(x) else str(x)
@@ -89,7 +102,7 @@ def write_trainer_state(directory: str | os.PathLike, *, adapter: str, weights: 
         "reason": reason,
         "step": step,
         "val_loss": number(val_loss_at(progress, step)),
-        "status": progress.status,
+        "status": final_status(progress),
         "steps_taken": steps_taken,
         "best_step": progress.best_step,
         "best_val_loss": number(progress.best_val_loss),
@@ -97,6 +110,4 @@ def write_trainer_state(directory: str | os.PathLike, *, adapter: str, weights: 
         "message": progress.message,
         "val_history": [{"step": s, "val_loss": number(v)} for s, v in progress.val_history],
     }
-    with open(os.path.join(directory, STATE_FILE), "w") as f:
-        json.dump(state, f, indent=2)
-        f.write("\n")
+    return json.dumps(state, indent=2, allow_nan=False) + "\n"

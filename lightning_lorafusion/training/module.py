@@ -23,8 +23,15 @@ import torch
 from ..data.microbatch import IGNORE_INDEX, Microbatch
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderOptions
-from ..specs import AdapterSpec, ConfigError
-from .evaluation import EARLY_STOPPED, QUARANTINED, AdapterProgress, judge_validation, write_trainer_state
+from ..specs import AdapterSpec, ConfigError, check_adapter_names
+from .evaluation import (
+    EARLY_STOPPED,
+    QUARANTINED,
+    AdapterProgress,
+    final_status,
+    judge_validation,
+    trainer_state_json,
+)
 from .optim import build_adapter_optimizer
 
 log = logging.getLogger(__name__)
@@ -172,9 +179,7 @@ class LoRAFusionModule(L.LightningModule):
         if not adapters:
             raise ConfigError("model.adapters is empty: list at least one adapter to train")
         specs = tuple(a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in adapters)
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"adapter names must be unique; got {names}")
+        check_adapter_names(specs)
         from ..data.sources import parse_source
 
         for spec in specs:  # dataset specs are checked now, before the model loads
@@ -183,11 +188,16 @@ class LoRAFusionModule(L.LightningModule):
             parse_source(spec.dataset, name=spec.name)
             if spec.val_dataset is not None:
                 parse_source(spec.val_dataset, name=f"{spec.name} (val_dataset)")
+            if spec.test_dataset is not None:
+                parse_source(spec.test_dataset, name=f"{spec.name} (test_dataset)")
             if spec.early_stopping and not spec.has_validation:
                 raise ConfigError(f"adapter {spec.name!r}: early_stopping needs validation data; "
                                   "set val_dataset or val_fraction")
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype={dtype!r}; allowed: {sorted(DTYPES)}")
+        if (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not math.isfinite(grad_clip)
+                or grad_clip < 0):
+            raise ConfigError(f"model.grad_clip={grad_clip!r} must be a finite number >= 0 (0 disables clipping)")
         if isinstance(max_nonfinite_steps, bool) or max_nonfinite_steps < 1:
             raise ConfigError(f"model.max_nonfinite_steps={max_nonfinite_steps!r} must be an int >= 1")
         _check_base_precision(base_precision, dtype, fp8_emulate)
@@ -446,6 +456,16 @@ class LoRAFusionModule(L.LightningModule):
                 for g in grads:
                     g.mul_(scale)
         opt.step()
+        # a finite gradient can still step to non-finite weights (an overflowing lr): those
+        # weights would poison every later step, so the adapter is quarantined at once
+        finite = [torch.isfinite(p.detach()).all() for p in params]
+        if finite and not bool(torch.stack(finite).all()):
+            opt.zero_grad(set_to_none=True)
+            self._gb_loss[a] = 0.0
+            self._gb_tokens[a] = 0
+            self._quarantine(a, f"its weights became non-finite in optimizer step {self.steps_taken[a] + 1}; "
+                                f"lower its lr ({spec.lr})")
+            return
         opt.zero_grad(set_to_none=self._graphs is None)  # graphs keep their .grad tensors
         sched.step()
         self.steps_taken[a] += 1
@@ -575,6 +595,36 @@ class LoRAFusionModule(L.LightningModule):
             self._judge(losses)
             self._validated_at = self._data_position()
 
+    # --------------------------------------------------------------------- test
+    # `lightning-lorafusion test`: each adapter's test_dataset through the validation forward.
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    def test_step(self, mb: Microbatch, batch_idx: int) -> None:
+        self.validation_step(mb, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        losses = self._val_losses()
+        self.test_losses = losses
+        for a, loss in losses.items():
+            name = self.adapter_specs[a].name
+            self.log(f"test/loss/{name}", loss, batch_size=1)
+            self.log(f"test/ppl/{name}", math.exp(min(loss, 80.0)), batch_size=1)
+        if self.trainer.is_global_zero:
+            log.info("%s", self.test_summary(losses))
+
+    def test_summary(self, losses: dict[int, float]) -> str:
+        """A table: per adapter, its test samples, token-weighted mean test loss and perplexity."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        counts = getattr(dm, "test_datasets", None) or []
+        rows = ["| adapter | test samples | test loss | test ppl |", "|---|---|---|---|"]
+        for a, spec in enumerate(self.adapter_specs):
+            n = len(counts[a]) if a < len(counts) else 0
+            loss = losses.get(a)
+            shown = ("-", "-") if loss is None else (f"{loss:.4f}", f"{math.exp(min(loss, 80.0)):.2f}")
+            rows.append(f"| {spec.name} | {n} | {shown[0]} | {shown[1]} |")
+        return "adapters on their test data:\n" + "\n".join(rows)
+
     def _generate_val_samples(self) -> dict[str, float]:
         """Greedy generations for each adapter's first ``val_samples`` val prompts (rank 0),
         appended to ``samples.jsonl`` and logged as a W&B table; returns the task metrics."""
@@ -700,6 +750,14 @@ class LoRAFusionModule(L.LightningModule):
         return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
 
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            from .checkpoint_io import AtomicCheckpointIO
+
+            strategy = self.trainer.strategy
+            if type(strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a user's
+                strategy.checkpoint_io = AtomicCheckpointIO()
         # Spawned processes receive this module through torch.multiprocessing, which moves plain
         # tensor attributes to shared memory: each process needs its own loss accumulators.
         self._gb_loss = self._gb_loss.clone()
@@ -862,6 +920,12 @@ class LoRAFusionModule(L.LightningModule):
             for key, value in self.state_dict().items():
                 if _bank_layer(key) is not None and _bank_layer(key) not in owned:
                     checkpoint["state_dict"].setdefault(key, value)
+        from .resume_check import check_checkpoint_config
+
+        stage = self.trainer.state.fn if self._trainer is not None else "fit"
+        stage = str(getattr(stage, "value", stage))
+        check_checkpoint_config(checkpoint.get("hyper_parameters"), dict(self.hparams), model_class=type(self),
+                                stage=stage, log_changes=stage == "fit")
         state = checkpoint.get("lorafusion")
         if state is None:
             return
@@ -904,6 +968,38 @@ class LoRAFusionModule(L.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None and getattr(dm, "capacity_pending", False):
             dm.resolve_capacity(self)
+        if self.export_on_fit_end and self.trainer.is_global_zero:
+            self.check_export_targets()  # before training: the export would fail after it
+        if self.trainer.is_global_zero:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            from .checkpoint_io import remove_stale_temporaries
+
+            for callback in self.trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                    remove_stale_temporaries(callback.dirpath)
+
+    def on_train_end(self) -> None:
+        """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every
+        checkpoint callback's directory as its ``last`` checkpoint, unless the last one it saved
+        already holds this step: ``validate --ckpt_path`` and a resume then start from the
+        weights that were exported, not from the last periodic checkpoint."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        saved = set()
+        metrics = {**self.trainer.callback_metrics, "epoch": self.trainer.current_epoch,
+                   "step": self.trainer.global_step}
+        for callback in self.trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
+                continue
+            if getattr(callback, "_last_global_step_saved", None) == self.trainer.global_step:
+                continue
+            path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
+            if path in saved:
+                continue
+            saved.add(path)
+            self.trainer.save_checkpoint(path)
+            log.info("end of training: checkpoint %s (global step %d)", path, self.trainer.global_step)
 
     def _start_cuda_graphs(self) -> None:
         """Resolve ``cuda_graphs`` now that the device and the strategy are known."""
@@ -974,44 +1070,78 @@ class LoRAFusionModule(L.LightningModule):
             best = f"{p.best_val_loss:.4f} ({p.best_step})" if p.best_step is not None else "-"
             last = f"{p.val_history[-1][1]:.4f} ({p.val_history[-1][0]})" if p.val_history else "-"
             sample = " ".join(self._last_samples.get(a, "-").split())[:80].replace("|", "/")
-            rows.append(f"| {spec.name} | {p.status} | {self.steps_taken[a]} | {first} | {best} | {last} | {sample} |")
+            rows.append(f"| {spec.name} | {final_status(p)} | {self.steps_taken[a]} | {first} | {best} | {last} | {sample} |")
         return "adapters at the end of fit:\n" + "\n".join(rows)
+
+    def export_root(self) -> str:
+        """Where ``export_adapters`` writes by default."""
+        return self.export_dir or os.path.join(self.trainer.default_root_dir, "adapters")
+
+    def check_export_targets(self, out_dir: str | None = None) -> None:
+        """``ConfigError`` now, before training, if an export would have to replace a directory
+        holding files it did not write (``peft_io.check_export_target``)."""
+        from ..model.peft_io import check_export_target
+
+        root = out_dir or self.export_root()
+        for spec in self.adapter_specs:
+            check_export_target(os.path.join(root, spec.name))
+
+    def _nonfinite_weights(self, a: int) -> str | None:
+        """The name of a parameter of adapter ``a`` holding NaN/inf (None when all are finite)."""
+        for name, p in self._named_params(a).items():
+            if not bool(torch.isfinite(p.detach()).all()):
+                return name
+        return None
 
     def export_adapters(self, out_dir: str | None = None) -> list[str]:
         """Write one PEFT directory per adapter and return their paths.
 
         ``<root>/<name>/``: the adapter to use: its best-val weights when it was validated (else
         its final weights); ``<root>/<name>/last/``: its final weights, when they differ in kind
-        (validated adapters). A quarantined adapter's final weights are its last good ones.
-        Each directory has a ``trainer_state.json`` saying which weights it holds and why.
+        (validated adapters). A quarantined adapter's final weights are its last good ones; an
+        adapter whose weights are not finite at the end is quarantined first (its last good
+        weights), and weights that are still not finite are never written.
+        Each directory has a ``trainer_state.json`` saying which weights it holds and why. Only
+        ``<root>/<name>/`` directories are replaced, each only if it holds nothing but an earlier
+        export (``peft_io.check_export_target``).
         """
         from ..model.peft_io import export_peft_adapter
 
-        root = out_dir or self.export_dir or os.path.join(self.trainer.default_root_dir, "adapters")
+        root = out_dir or self.export_root()
+        self.check_export_targets(root)
         paths = []
         self._sync_host_copies()
         for i, spec in enumerate(self.adapter_specs):
+            bad = self._nonfinite_weights(i)
+            if bad is not None and self.progress[i].status != QUARANTINED:
+                self._quarantine(i, f"its weights are not finite at the end of training ({bad})")
             path = os.path.join(root, spec.name)
             progress, steps = self.progress[i], self.steps_taken[i]
             quarantined = progress.status == QUARANTINED
             last_step = self._last_good[i][0] if quarantined and i in self._last_good else steps
             last_kind = "last_good" if quarantined else "last"
             reason = {QUARANTINED: "quarantined", EARLY_STOPPED: "early_stopped"}.get(progress.status)
-            if i in self._best_weights:
-                current = self._host_copy(self._named_params(i))
-                self._load_weights(i, self._best_weights[i])
-                export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
-                self._load_weights(i, current)
-                write_trainer_state(path, adapter=spec.name, weights="best", reason=reason or "best",
-                                    step=progress.best_step, progress=progress, steps_taken=steps)
-                last = os.path.join(path, "last")
-                export_peft_adapter(self.bank, i, last, base_model_name_or_path=self.base_model_dir)
-                write_trainer_state(last, adapter=spec.name, weights=last_kind, reason=reason or "last",
-                                    step=last_step, progress=progress, steps_taken=steps)
-            else:
-                export_peft_adapter(self.bank, i, path, base_model_name_or_path=self.base_model_dir)
-                write_trainer_state(path, adapter=spec.name, weights=last_kind, reason=reason or "last",
-                                    step=last_step, progress=progress, steps_taken=steps)
+
+            def export(where: str, *, weights: str, why: str, step: int | None) -> None:
+                state = trainer_state_json(adapter=spec.name, weights=weights, reason=why, step=step,
+                                           progress=progress, steps_taken=steps)
+                export_peft_adapter(self.bank, i, where, base_model_name_or_path=self.base_model_dir,
+                                    extra_files={"trainer_state.json": state})
+
+            try:
+                if i in self._best_weights:
+                    current = self._host_copy(self._named_params(i))
+                    self._load_weights(i, self._best_weights[i])
+                    try:
+                        export(path, weights="best", why=reason or "best", step=progress.best_step)
+                    finally:
+                        self._load_weights(i, current)
+                    export(os.path.join(path, "last"), weights=last_kind, why=reason or "last", step=last_step)
+                else:
+                    export(path, weights=last_kind, why=reason or "last", step=last_step)
+            except FloatingPointError as error:
+                log.error("adapter %s not exported: %s", spec.name, error)
+                continue
             paths.append(path)
         log.info("exported %d PEFT adapters to %s", len(paths), root)
         return paths

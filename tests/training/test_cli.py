@@ -225,6 +225,16 @@ def test_usage_errors_keep_argparse_exit_status(in_process, capsys):
     assert "serve" in out and "Exit status" in out
 
 
+def test_predict_is_not_offered(in_process, capsys):
+    """The module has no predict_step: the subcommand is not listed, and asking for it is a
+    usage error, not a crash."""
+    assert in_process(["--help"]) == 0
+    assert "predict" not in capsys.readouterr().out
+    assert in_process(["predict", "--config", TINY]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'predict'" in err and "Traceback" not in err
+
+
 def test_checkpoint_with_other_ranks_is_a_config_error(tiny_model_dir):
     from lightning_lorafusion.specs import AdapterSpec, ConfigError
     from lightning_lorafusion.training.module import LoRAFusionModule
@@ -265,10 +275,102 @@ def test_fit_with_validation_then_validate_subcommand_in_process(tiny_model_dir,
     assert {s["adapter"] for s in samples} == {"xsum", "cnndm"} and samples[0]["step"] == 0
     assert sum(s["adapter"] == "xsum" for s in samples if s["step"] == 0) == 2
     assert all(s["prompt"] and s["reference"] and "generated" in s for s in samples)
-    ckpt = sorted(run.rglob("*.ckpt"), key=os.path.getmtime)[-1]
+    # the checkpoint Lightning saved right after the last validation (last.ckpt, written when
+    # training ends, holds the steps taken after it too)
+    ckpt = sorted((p for p in run.rglob("*.ckpt") if p.name != "last.ckpt"), key=os.path.getmtime)[-1]
     main(["validate", *common, "--trainer.logger.init_args.name", "validate", "--ckpt_path", str(ckpt)])
     again = list(csv.DictReader(open(next((run / "validate").rglob("metrics.csv")))))
     assert len(again) == 1
     for name in ("xsum", "cnndm"):
         last = [r for r in val if r.get(f"val/loss/{name}")][-1]
         assert float(again[0][f"val/loss/{name}"]) == pytest.approx(float(last[f"val/loss/{name}"]), rel=1e-6)
+
+
+def _tiny_with(tmp_path, name, edit):
+    """configs/tiny.yaml with ``edit(cfg)`` applied, written to ``tmp_path/name``."""
+    cfg = yaml.safe_load(open(TINY))
+    edit(cfg)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def assert_usage_error(out, message, suggestion):
+    """Exit 2, one 'error:' line holding ``message``, a 'did you mean' hint naming
+    ``suggestion``, and no usage text (that is for --help)."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    lines = out.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr[-3000:]
+    hints = [line for line in lines if line.startswith("hint:")]
+    assert len(hints) == 1 and f"did you mean {suggestion}" in hints[0], out.stderr[-3000:]
+    assert "usage:" not in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+def test_config_typos_get_one_error_line_and_a_hint(tmp_path):
+    def rename_lr(cfg):
+        cfg["model"]["adapters"][0]["learning_rate"] = cfg["model"]["adapters"][0].pop("lr")
+
+    out = run_cli(["fit", "--config", _tiny_with(tmp_path, "typo.yaml", rename_lr)], tmp_path)
+    assert_usage_error(out, "Option 'learning_rate' is not accepted", "'lr'")
+
+    def misspell_max_epochs(cfg):
+        cfg["trainer"]["max_epoch"] = cfg["trainer"].pop("max_epochs")
+
+    out = run_cli(["fit", "--config", _tiny_with(tmp_path, "typo2.yaml", misspell_max_epochs)], tmp_path)
+    assert_usage_error(out, "does not accept option 'trainer.max_epoch'", "'trainer.max_epochs'")
+    out = run_cli(["fitt", "--config", TINY], tmp_path)
+    assert_usage_error(out, "invalid choice: 'fitt'", "'fit'")
+    out = run_cli(["fit", "--help"], tmp_path)  # the full usage, on request only
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_an_adapter_named_dot_is_refused_and_the_export_dir_is_untouched(tiny_model_dir, tmp_path):
+    export = tmp_path / "exports"
+    export.mkdir()
+    (export / "keep.txt").write_text("the user's")
+
+    def dot_name(cfg):
+        cfg["model"]["adapters"][0]["name"] = "."
+
+    out = run_cli(["fit", "--config", _tiny_with(tmp_path, "dot.yaml", dot_name), "--model.base_model",
+                   tiny_model_dir, "--model.export_dir", str(export),
+                   "--trainer.default_root_dir", str(tmp_path / "run")], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "adapter name '.' must be identifier-like" in errors[0], out.stderr[-3000:]
+    assert sorted(p.name for p in export.iterdir()) == ["keep.txt"]
+
+
+def test_checkpoint_and_config_must_agree_for_resume_validate_and_test(tiny_model_dir, tmp_path, in_process):
+    """A run trained with tiny_eval.yaml; resuming it with another rank, validating it with a
+    config of other adapters, and `test` on it, through the console script."""
+    run = tmp_path / "run"
+    assert in_process(["fit", "--config", os.path.join(REPO, "configs", "tiny_eval.yaml"),
+                       "--model.base_model", tiny_model_dir, "--trainer.default_root_dir", str(run),
+                       "--trainer.logger", "false", "--trainer.max_epochs", "1",
+                       "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={run / 'ck'}"]) == 0
+    ckpt = str(next((run / "ck").glob("*.ckpt")))
+    eval_yaml = os.path.join(REPO, "configs", "tiny_eval.yaml")
+    common = ["--model.base_model", tiny_model_dir, "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(tmp_path / "again"), "--ckpt_path", ckpt]
+
+    cfg = yaml.safe_load(open(eval_yaml))
+    cfg["model"]["adapters"][0]["rank"] = 8
+    (tmp_path / "rank8.yaml").write_text(yaml.safe_dump(cfg))
+    out = run_cli(["fit", "--config", str(tmp_path / "rank8.yaml"), "--trainer.max_epochs", "2", *common], tmp_path)
+    assert_one_error_line(out, "model.adapters[xsum].rank is 4 in the checkpoint but 8 in the config")
+    assert not (tmp_path / "again" / "adapters").exists()
+
+    def other_adapters(cfg):
+        cfg["model"]["adapters"][0]["name"] = "challenge"
+
+    out = run_cli(["validate", "--config", _tiny_with(tmp_path, "other.yaml", other_adapters), *common], tmp_path)
+    assert_one_error_line(out, "the checkpoint's adapters do not match the config's")
+
+    out = run_cli(["test", "--config", TINY, *common], tmp_path)  # tiny.yaml: no test_dataset
+    assert_one_error_line(out, "no adapter sets one")
+    out = run_cli(["test", "--config", eval_yaml, *common], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "adapters on their test data:" in text and "| xsum | 4 |" in text and "| cnndm | 3 |" in text
