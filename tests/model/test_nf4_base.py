@@ -17,6 +17,8 @@ from lightning_lorafusion.model.hf_loading import _LAYER_KEYS, load_base_model, 
 from lightning_lorafusion.model.random_model import write_random_llama
 from lightning_lorafusion.specs import AdapterSpec, ConfigError
 
+from _nf4_checkpoint import write_bnb_checkpoint
+
 PROJECTIONS = tuple(_LAYER_KEYS)
 
 
@@ -97,59 +99,41 @@ def test_nf4_decoder_equals_dequantized_model(model_dir):
         torch.testing.assert_close(gq, gd, rtol=1e-5, atol=1e-6)
 
 
-def _write_bnb_checkpoint(src, dst, *, double_quant=True):
-    """A transformers + bitsandbytes NF4 checkpoint of ``src``, written by hand in the exact
-    key layout ``Linear4bit`` saves (``<proj>.weight`` packed uint8 [n/2, 1] plus
-    ``.weight.absmax``, ``.weight.quant_map``, ``.weight.nested_*``,
-    ``.weight.quant_state.bitsandbytes__nf4``) from bitsandbytes.functional's own outputs, and
-    the config's ``quantization_config`` as transformers writes it. Returns name -> (q, state)."""
-    F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    quantized = {}
-    for name in list(state):
-        if any(name.endswith(f"{m}.weight") for m in _LAYER_KEYS.values()):
-            q, qs = F.quantize_4bit(state[name], blocksize=64, quant_type="nf4", compress_statistics=double_quant)
-            state[name] = q
-            for k, v in qs.as_dict(packed=True).items():
-                state[f"{name}.{k}"] = v
-            quantized[name] = (q, qs)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": double_quant,
-        "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8",
-        "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
-    }
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return quantized
-
-
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_bitsandbytes_checkpoint_loads_as_it_is(model_dir, tmp_path, double_quant):
-    F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
-    quantized = _write_bnb_checkpoint(model_dir, tmp_path / "bnb", double_quant=double_quant)
+    """A checkpoint saved by transformers + bitsandbytes in 4-bit loads with its bytes kept;
+    our dequantization of each projection is bitsandbytes' bit for bit, and the decoder's logits
+    equal the fp32 decoder's on bitsandbytes' dequantized weights exactly and transformers' own
+    4-bit model's up to matmul rounding."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    from safetensors.torch import load_file
+
+    hf_model = write_bnb_checkpoint(str(model_dir), tmp_path / "bnb", double_quant=double_quant)
+    state = load_file(str(tmp_path / "bnb" / "model.safetensors"))
     config, params, _ = load_base_model(str(tmp_path / "bnb"))
+    dense_layers = []
     for i, lp in enumerate(params["layers"]):
+        dense = dict(lp)
         for ours, theirs in _LAYER_KEYS.items():
-            assert is_nf4(lp[ours]) and lp[ours][WEIGHT_KEY].dtype == torch.uint8
-            q, qs = quantized[f"model.layers.{i}.{theirs}.weight"]
-            assert torch.equal(lp[ours][WEIGHT_KEY].view(-1), q.view(-1))  # the 4-bit bytes, untouched
+            key = f"model.layers.{i}.{theirs}.weight"
+            assert is_nf4(lp[ours]) and torch.equal(lp[ours][WEIGHT_KEY].view(-1), state[key].view(-1))
+            qs = bnb.functional.QuantState.from_dict(
+                {k[len(key) + 1:]: v for k, v in state.items() if k.startswith(key + ".")}, device=torch.device("cpu"))
+            theirs_w = bnb.functional.dequantize_4bit(state[key], qs)
             w = Nf4Weight.from_params(lp[ours])
             assert w.nested == double_quant
-            assert torch.equal(dequantize_nf4_reference(w), F.dequantize_4bit(q, qs))
-    # the decoder on the loaded NF4 base equals the fp32 decoder on bitsandbytes' dequantization
+            assert torch.equal(dequantize_nf4_reference(w), theirs_w)
+            dense[ours] = {"weight": theirs_w}
+        dense_layers.append(dense)
     t = 12
     ids = torch.randint(4, config.vocab_size, (t,), generator=torch.Generator().manual_seed(0))
     cu, pos = torch.tensor([0, t], dtype=torch.int32), torch.arange(t)
     got = logits(params, None, ids, pos, cu, None, config=config)
-    dense = {**params, "layers": [
-        {**lp, **{ours: {"weight": F.dequantize_4bit(*quantized[f"model.layers.{i}.{theirs}.weight"])}
-                  for ours, theirs in _LAYER_KEYS.items()}} for i, lp in enumerate(params["layers"])]}
-    torch.testing.assert_close(got, logits(dense, None, ids, pos, cu, None, config=config), rtol=0, atol=0)
+    want = logits({**params, "layers": dense_layers}, None, ids, pos, cu, None, config=config)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():
+        hf_logits = hf_model(ids[None]).logits[0].float()
+    torch.testing.assert_close(got, hf_logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("qc,message", [
