@@ -145,3 +145,32 @@ def test_frozen_product_forward_and_input_grad(with_bias):
     torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)  # summation order of dx may differ
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(nf4_frozen_projections(x, ws, bs), ys_ref))
+
+
+def test_fused_lora_projections_with_nf4_weights(device):
+    """The Triton LoRA path over NF4 frozen weights (two adapters of different ranks, dropout)
+    equals the same fused path over the dequantized weights: outputs and the gradients of x, A
+    and B (the input gradient dequantizes the 4-bit weights again)."""
+    from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
+    from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
+
+    torch.manual_seed(4)
+    k, m = 64, 48
+    ws = [quantize_nf4_reference(torch.randn(n, k, device=device) * 0.1, double_quant=True) for n in (32, 16)]
+    dense = [dequantize_nf4_reference(w) for w in ws]
+    routing = LoraRouting(num_rows=m, segments=((0, 16, 0), (16, 48, 1)), scales=(2.0, 0.5),
+                          dropout_p=(0.0, 0.1), seeds=(1, 2))
+    factors = [[(torch.randn(r, k, device=device) * 0.1, torch.randn(n, r, device=device) * 0.1)
+                for r in (4, 2)] for n in (32, 16)]
+    x0 = torch.randn(m, k, device=device)
+
+    def run(weights):
+        x = x0.clone().requires_grad_(True)
+        leaves = [[(a.clone().requires_grad_(True), b.clone().requires_grad_(True)) for a, b in f] for f in factors]
+        loras = [LoraModuleWeights(a=tuple(a for a, _ in f), b=tuple(b for _, b in f)) for f in leaves]
+        ys = fused_lora_projections(x, weights, [None, None], loras, routing, dropout_offset=3)
+        sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+        return [y.detach() for y in ys] + [x.grad] + [t.grad for f in leaves for pair in f for t in pair]
+
+    for got, want in zip(run(ws), run(dense)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
