@@ -138,13 +138,20 @@ class Nf4Weight:
         return dequantize_blockwise_reference(self.absmax, self.nested_absmax, self.nested_code,
                                               self.nested_blocksize) + self.offset
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[N, K]`` in ``dtype`` (the Triton kernel on CUDA, the torch reference elsewhere;
-        bit-identical); ``out``: a buffer of at least ``N * K`` elements of ``dtype`` to fill."""
-        if self.data.is_cuda:
-            from .nf4_triton import dequantize_nf4_triton
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, *,
+                   backend: str = "auto") -> torch.Tensor:
+        """``[N, K]`` in ``dtype``; ``out``: a buffer of at least ``N * K`` elements of ``dtype``
+        to fill. ``backend``: "triton" (the kernel), "torch" (the reference), "auto" (Triton on
+        CUDA, torch elsewhere); bit-identical."""
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend={backend!r}; allowed: ('auto', 'torch', 'triton')")
+        if backend == "triton" or (backend == "auto" and self.data.is_cuda):
+            from .nf4_triton import dequantize_nf4_triton  # Triton is imported only when used
 
-            return dequantize_nf4_triton(self, dtype, out=out)
+            nested = ((self.nested_absmax, self.nested_code, self.offset, self.nested_blocksize)
+                      if self.nested else None)
+            return dequantize_nf4_triton(self.data, self.absmax, self.code, self.blocksize, nested,
+                                         dtype=dtype, out=out)
         w = dequantize_nf4_reference(self, dtype)
         if out is None:
             return w

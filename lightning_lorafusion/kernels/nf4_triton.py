@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import Nf4Weight
-
 BLOCK = 1024  # packed bytes per program
 
 
@@ -40,21 +38,22 @@ def _nf4_dequant_kernel(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, off
     tl.store(out_ptr + out, values.to(out_ptr.dtype.element_ty), mask=out < 2 * n_bytes)
 
 
-def dequantize_nf4_triton(w: Nf4Weight, dtype: torch.dtype = torch.float32,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[N, K]`` in ``dtype``; ``out``: a contiguous buffer of at least ``N * K`` ``dtype``
-    elements to write into (its leading part is returned, viewed as ``[N, K]``)."""
-    n, k = w.shape
+def dequantize_nf4_triton(data: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                          nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None, *,
+                          dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An ``nf4.Nf4Weight``'s pieces -> ``[N, K]`` in ``dtype`` (``data`` uint8 ``[N, K/2]``;
+    ``nested``: (nested_absmax, nested_code, offset [1], nested_blocksize) when ``absmax`` holds
+    uint8 indices). ``out``: a contiguous buffer of at least ``N * K`` ``dtype`` elements to
+    write into (its leading part is returned, viewed as ``[N, K]``)."""
+    n, k = data.shape[0], 2 * data.shape[1]
     if out is None:
-        out = torch.empty(n * k, dtype=dtype, device=w.device)
-    if out.dtype != dtype or not out.is_contiguous() or out.numel() < n * k or out.device != w.device:
-        raise ValueError(f"out must be a contiguous {dtype} buffer of >= {n * k} elements on {w.device}")
+        out = torch.empty(n * k, dtype=dtype, device=data.device)
+    if out.dtype != dtype or not out.is_contiguous() or out.numel() < n * k or out.device != data.device:
+        raise ValueError(f"out must be a contiguous {dtype} buffer of >= {n * k} elements on {data.device}")
     view = out.view(-1)[: n * k]
-    n_bytes = w.data.numel()
-    nested = w.nested
-    dummy = w.absmax
+    n_bytes = data.numel()
+    nested_absmax, nested_code, offset, nested_blocksize = nested if nested is not None else (code, code, code, 1)
     _nf4_dequant_kernel[(triton.cdiv(n_bytes, BLOCK),)](
-        w.data, w.absmax, w.code, w.nested_absmax if nested else dummy, w.nested_code if nested else w.code,
-        w.offset if nested else w.code, view, n_bytes, BLOCKSIZE=w.blocksize, NESTED=nested,
-        NESTED_BLOCKSIZE=w.nested_blocksize if nested else 1, BLOCK=BLOCK, enable_fp_fusion=False)
+        data, absmax, code, nested_absmax, nested_code, offset, view, n_bytes, BLOCKSIZE=blocksize,
+        NESTED=nested is not None, NESTED_BLOCKSIZE=nested_blocksize, BLOCK=BLOCK, enable_fp_fusion=False)
     return view.view(n, k)

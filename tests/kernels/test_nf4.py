@@ -91,23 +91,19 @@ def test_double_quantization_against_bitsandbytes(shape, dtype):
 @pytest.mark.parametrize("blocksize", [64, 256])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_dequantize_equals_reference(shape, blocksize, dtype, double_quant, device):
-    from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton
-
     torch.manual_seed(2)
     w = quantize_nf4_reference(torch.randn(shape, device=device), blocksize=blocksize, double_quant=double_quant)
     expected = dequantize_nf4_reference(w, dtype)
-    assert torch.equal(dequantize_nf4_triton(w, dtype), expected)
+    assert torch.equal(w.dequantize(dtype, backend="triton"), expected)
     buf = torch.full((shape[0] * shape[1] + 5,), float("nan"), dtype=dtype, device=device)
-    got = dequantize_nf4_triton(w, dtype, out=buf)
+    got = w.dequantize(dtype, out=buf, backend="triton")
     assert got.data_ptr() == buf.data_ptr() and torch.equal(got, expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 arithmetic is checked on the GPU only")
 def test_triton_dequantize_bf16_on_gpu():
-    from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton
-
     w = quantize_nf4_reference(torch.randn(256, 1024, device="cuda"), double_quant=True)
-    assert torch.equal(dequantize_nf4_triton(w, torch.bfloat16), dequantize_nf4_reference(w, torch.bfloat16))
+    assert torch.equal(w.dequantize(torch.bfloat16, backend="triton"), dequantize_nf4_reference(w, torch.bfloat16))
 
 
 def test_params_round_trip_survives_dtype_casts():
