@@ -72,3 +72,18 @@ def test_bitsandbytes_checkpoint_needs_base_precision_nf4(tiny_model_dir, tmp_pa
         LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch")
     module = LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch", **NF4)
     assert module.base_params()["layers"][0]["k_proj"][WEIGHT_KEY].dtype == torch.uint8
+
+
+def test_random_base_is_quantized_to_nf4_at_setup(tmp_path):
+    """A ``random:`` base is drawn in setup(); with ``base_precision: nf4`` its projections are
+    quantized there (embeddings and norms stay)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "cfg")
+    module = LoRAFusionModule(base_model=f"random:{tmp_path / 'cfg'}", adapters=tiny_specs()[:1], backend="torch",
+                              **NF4)
+    module.setup("fit")
+    buffers = dict(module.named_buffers())
+    assert buffers[f"base__layers__1__gate_proj__{WEIGHT_KEY}"].dtype == torch.uint8
+    assert not any(n.endswith("proj__weight") for n in buffers) and buffers["base__embed"].is_floating_point()
