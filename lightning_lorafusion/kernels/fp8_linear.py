@@ -31,6 +31,7 @@ import torch
 
 from . import fp8_triton
 from .fp8_format import FP8_DTYPE, FP8_MAX  # noqa: F401  (FP8_MAX: part of this module's API)
+from .nf4 import Nf4Weight, nf4_frozen_projections
 from .options import KernelOptions
 
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: FP8 tensor cores
@@ -435,7 +436,10 @@ def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weig
                        ) -> list[torch.Tensor]:
     """The frozen part of a projection group, ``x [M, K] -> [M, N_i]``: ``F.linear`` for plain
     weights, FP8 (``Fp8FrozenProjections``, with ``options``' accumulation, taking offers from
-    ``operands``) when the weights are ``Fp8Weight``."""
+    ``operands``) when the weights are ``Fp8Weight``; NF4 (``nf4.nf4_frozen_projections``) when
+    they are ``nf4.Nf4Weight``."""
+    if any(isinstance(w, Nf4Weight) for w in weights):
+        return nf4_frozen_projections(x, weights, biases)
     kinds = {isinstance(w, Fp8Weight) for w in weights}
     if kinds == {False}:
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]

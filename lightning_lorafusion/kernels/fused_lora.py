@@ -21,7 +21,9 @@ weights and the small concatenated A/B.
 
 FP8 base (``fp8_linear.Fp8Weight`` weights): the frozen products of steps 2 and 5 go through
 ``fp8_linear`` (X quantized once per group; dX of the group in one product) and the LoRA terms
-are added in place by ``_lora_add_kernel``, whatever ``LoraBlockSizes.gemm`` says. Routing is per row tile (``routing_table.py``), so any
+are added in place by ``_lora_add_kernel``, whatever ``LoraBlockSizes.gemm`` says. An NF4 base
+(``nf4.Nf4Weight``) takes the same route: each weight dequantized into a scratch buffer and
+multiplied by cuBLAS (``nf4.nf4_outputs`` / ``nf4_input_grad``). Routing is per row tile (``routing_table.py``), so any
 segment layout is correct; segments padded to ``block_sizes.pad_multiple()`` avoid partial tiles.
 
 Layout of the op: the Triton kernels are in
@@ -42,6 +44,7 @@ import torch
 from .block_sizes import LoraBlockSizes, block_sizes_for
 from .dropout_triton import offset_hash_arg
 from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
+from .nf4 import Nf4Weight
 from .fused_lora_launch import _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
 from .fused_lora_ops import _sizes_to_args, _table_to_args, fused_lora_fwd_op
 from .options import KernelOptions
@@ -50,6 +53,7 @@ from .routing_table import PLAN_KEY, build_launch_table
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_NAME = "fp8 (Fp8Weight)"
+NF4_NAME = "nf4 (Nf4Weight)"
 
 
 class FusedLoraProjections(torch.autograd.Function):
@@ -62,7 +66,8 @@ class FusedLoraProjections(torch.autograd.Function):
         biases = rest[n_proj:2 * n_proj]
         b_cats = rest[2 * n_proj:]
         s = _launch_s(x, a_all, plan, off_h)
-        ctx.fp8_weights = tuple(weights) if isinstance(weights[0], Fp8Weight) else None
+        # quantized frozen weights (FP8 or NF4) hold frozen buffers only: kept by reference
+        ctx.fp8_weights = tuple(weights) if isinstance(weights[0], (Fp8Weight, Nf4Weight)) else None
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
             ctx.save_for_backward(x, a_all, s, *b_cats)  # Fp8Weights hold frozen buffers only
@@ -111,13 +116,13 @@ def _check_inputs(x, weights, biases, loras, routing: LoraRouting) -> None:
         )
     if routing.num_rows != m:
         raise ValueError(f"routing.num_rows={routing.num_rows} but x has {m} rows")
-    if len({isinstance(w, Fp8Weight) for w in weights}) > 1:
-        raise TypeError("a projection group mixes FP8 and plain weights; quantize all or none")
+    if len({type(w) if isinstance(w, (Fp8Weight, Nf4Weight)) else torch.Tensor for w in weights}) > 1:
+        raise TypeError("a projection group mixes quantized (FP8/NF4) and plain weights; quantize all or none")
     for i, (w, b, lora) in enumerate(zip(weights, biases, loras)):
         if len(w.shape) != 2 or w.shape[1] != k:
             raise ValueError(f"weights[{i}] must be [N, {k}] to match x [M, {k}]; got {tuple(w.shape)}")
-        w_dtype = FP8_NAME if isinstance(w, Fp8Weight) else w.dtype
-        if (w_dtype != x.dtype and w_dtype != FP8_NAME) or w.device != x.device:
+        w_dtype = FP8_NAME if isinstance(w, Fp8Weight) else NF4_NAME if isinstance(w, Nf4Weight) else w.dtype
+        if (w_dtype != x.dtype and w_dtype not in (FP8_NAME, NF4_NAME)) or w.device != x.device:
             raise TypeError(
                 f"weights[{i}] is {w_dtype} on {w.device} but x is {x.dtype} on {x.device}; "
                 "cast the frozen weights to the activation dtype"
@@ -199,7 +204,7 @@ def fused_lora_projections(
     """
     _check_inputs(x, weights, biases, loras, routing)
     x = x.contiguous()
-    weights = [w if isinstance(w, Fp8Weight) else w.contiguous() for w in weights]
+    weights = [w if isinstance(w, (Fp8Weight, Nf4Weight)) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
     ranks = lora_ranks(loras, routing.num_adapters)
     if torch.compiler.is_compiling():
@@ -231,9 +236,9 @@ _NO_LORA = object()  # plan-cache entry of a group none of whose routed rows has
 
 def _compiled_projections(x, weights, biases, loras, routing, ranks, dropout_offset, block_sizes):
     """Under torch.compile: trace the custom ops (fake tensors for shapes), not the launches."""
-    if isinstance(weights[0], Fp8Weight):
+    if isinstance(weights[0], (Fp8Weight, Nf4Weight)):
         raise NotImplementedError(
-            "the FP8 base is not supported inside torch.compile of the LoRA projections (the "
+            "the FP8 and NF4 bases are not supported inside torch.compile of the LoRA projections (the "
             "custom ops take plain weights); run the projections eagerly"
         )
     sizes = block_sizes if block_sizes is not None else block_sizes_for(x.device)

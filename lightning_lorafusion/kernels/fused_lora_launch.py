@@ -14,6 +14,7 @@ import torch
 
 from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
+from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
 from .fused_lora_kernels import (_lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
                                  _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel)
 from .options import KernelOptions
@@ -145,10 +146,13 @@ def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: b
 
 def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan,
                     operands: QuantizedOperands | None = None) -> list[torch.Tensor]:
-    """FP8 frozen products of the group (X quantized once, or taken from ``operands``), each
-    LoRA term added in place."""
-    ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
-                     fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
+    """Quantized frozen products of the group (FP8: X quantized once, or taken from
+    ``operands``; NF4: weights dequantized), each LoRA term added in place."""
+    if isinstance(weights[0], Nf4Weight):  # NF4: each weight dequantized, then cuBLAS
+        ys = nf4_outputs(x, weights, biases)
+    else:
+        ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
+                         fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
     for proj, (y, b_cat) in enumerate(zip(ys, b_cats)):
         if b_cat is not None and plan.table.max_rank[proj] > 0:
             _launch_add(y, s, b_cat, proj, plan, 0, dx_mode=False)
@@ -270,6 +274,11 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
                operands: QuantizedOperands | None = None) -> torch.Tensor:
     t, m, k = plan.table, plan.m, plan.k
     has_lora = ds is not None
+    if isinstance(weights[0], Nf4Weight):  # the same 4-bit weights dequantized again
+        dx = nf4_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device)
+        if has_lora:
+            _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
+        return dx
     if isinstance(weights[0], Fp8Weight):
         dx = fp8_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device,
                             emulate=resolve_emulate(device, None),

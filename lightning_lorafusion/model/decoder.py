@@ -10,6 +10,7 @@ Params pytree (plain nested dicts; the frozen base tensors are never copied)::
                  "mlp_norm": [H],
                  "gate_proj": {"weight": [I, H]}, "up_proj": {...}, "down_proj": {"weight": [H, I]}},
                 ...],   # FP8 base: each {"weight": W} is {"weight_fp8": uint8 bits, "weight_scale": [N]}
+                        # NF4 base: {"weight_nf4": uint8 [N, K/2], "nf4_absmax", ...} (kernels/nf4.py)
      "norm": [H],
      "lm_head": [V, H]}   # the same tensor object as "embed" when embeddings are tied
 
@@ -38,6 +39,7 @@ from ..kernels.api import lora_projections
 from ..kernels.dropout import dropout_offset
 from ..kernels.fp8_linear import SCALE_KEY, Fp8Weight, QuantizedOperands, fp8_embedding, fp8_swiglu, is_quantized
 from ..kernels.linear_cross_entropy import linear_cross_entropy_sums
+from ..kernels.nf4 import Nf4Weight, is_nf4
 from ..kernels.options import KernelOptions
 from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
 from ..specs import IGNORE_INDEX, ConfigError
@@ -288,9 +290,13 @@ def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def frozen_weight(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
+def frozen_weight(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight | Nf4Weight, torch.Tensor | None]:
     """A projection's frozen weight and bias; an FP8 base (``hf_loading.quantize_base_fp8``)
-    holds {"weight_fp8", "weight_scale"}, returned as an ``Fp8Weight``."""
+    holds {"weight_fp8", "weight_scale"}, returned as an ``Fp8Weight``; an NF4 base
+    (``hf_loading.quantize_base_nf4`` or a bitsandbytes 4-bit checkpoint) {"weight_nf4", ...},
+    returned as an ``Nf4Weight``."""
+    if is_nf4(p):
+        return Nf4Weight.from_params(p), p.get("bias")
     return (Fp8Weight.from_params(p) if is_quantized(p) else p["weight"]), p.get("bias")
 
 

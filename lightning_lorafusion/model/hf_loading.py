@@ -47,7 +47,8 @@ def params_from_state_dict(
     """HF Llama-family state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree.
 
     Tensors are used as they are (no copy) when ``dtype`` is None or already matches; all are
-    frozen (``requires_grad=False``). Tied embeddings share one tensor.
+    frozen (``requires_grad=False``). Tied embeddings share one tensor. A transformers +
+    bitsandbytes NF4 checkpoint's projections stay 4-bit (``kernels.nf4`` params entries).
     """
     missing: list[str] = []
 
@@ -62,7 +63,9 @@ def params_from_state_dict(
         return t.requires_grad_(False)
 
     def linear(prefix: str, has_bias: bool) -> dict[str, torch.Tensor]:
-        out = {"weight": get(prefix + ".weight")}
+        out = _bnb_4bit_projection(state, prefix)  # a bitsandbytes 4-bit checkpoint: kept 4-bit
+        if out is None:
+            out = {"weight": get(prefix + ".weight")}
         bias = get(prefix + ".bias", optional=not has_bias)
         if bias is not None:
             out["bias"] = bias
@@ -88,6 +91,39 @@ def params_from_state_dict(
             f"e.g. {shown}; is it a complete HF {config.model_type} checkpoint?"
         )
     return {"embed": embed, "layers": layers, "norm": get("model.norm.weight"), "lm_head": lm_head}
+
+
+def _bnb_4bit_projection(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor] | None:
+    """The NF4 params entries of ``prefix`` in a transformers + bitsandbytes 4-bit state dict
+    (``<prefix>.weight`` packed uint8 with ``.weight.absmax``, ``.weight.quant_map``, optional
+    ``.weight.nested_absmax`` / ``.weight.nested_quant_map`` and the JSON ``.weight.quant_state.
+    bitsandbytes__nf4``), or None when ``prefix`` is a plain projection."""
+    from ..kernels.nf4 import Nf4Weight
+
+    w = prefix + ".weight"
+    if w + ".quant_state.bitsandbytes__fp4" in state:
+        raise ConfigError(f"{w} is bitsandbytes FP4; only NF4 4-bit checkpoints load "
+                          "(bnb_4bit_quant_type='nf4'), or use a bf16 checkpoint")
+    meta_key = w + ".quant_state.bitsandbytes__nf4"
+    if meta_key not in state:
+        return None
+    meta = json.loads(bytes(state[meta_key].reshape(-1).tolist()).decode())
+    n, k = (int(d) for d in meta["shape"])
+    if k % 2:
+        raise ConfigError(f"{w}: NF4 shape {meta['shape']} has an odd in_features; it cannot be read as [N, K/2]")
+    data = state[w].detach().view(torch.uint8).reshape(n, k // 2)
+    nested = w + ".nested_absmax" in state
+    try:
+        weight = Nf4Weight(
+            data, state[w + ".absmax"] if nested else state[w + ".absmax"].float(), state[w + ".quant_map"].float(),
+            state[w + ".nested_absmax"].float() if nested else None,
+            state[w + ".nested_quant_map"].float() if nested else None,
+            torch.tensor([meta["nested_offset"]], dtype=torch.float32) if nested else None)
+    except (KeyError, ValueError) as error:
+        raise ConfigError(f"{w}: incomplete or inconsistent bitsandbytes NF4 state ({error})") from None
+    if -(-n * k // int(meta["blocksize"])) != weight.absmax.numel():
+        raise ConfigError(f"{w}: blocksize {meta['blocksize']} does not match {weight.absmax.numel()} absmax blocks")
+    return weight.to_params()  # (the bias, if any, is read by the caller like any other)
 
 
 def params_to(params: Any, *, device: torch.device | str | None = None,
@@ -150,6 +186,56 @@ def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False,
     return out
 
 
+def quantize_base_nf4(params: Mapping[str, Any], *, blocksize: int = 64, double_quant: bool = True
+                      ) -> dict[str, Any]:
+    """The pytree with every decoder layer's seven projection weights quantized once to NF4
+    (``kernels.nf4.quantize_projection_nf4``: bitsandbytes' format, ``blocksize`` values per
+    absmax, the absmax double-quantized when ``double_quant``, as QLoRA does); embeddings,
+    norms and the LM head are shared unchanged, projections already in NF4 (a bitsandbytes
+    checkpoint) are kept. Each layer is rebuilt in turn, so a caller that drops the input
+    pytree frees the 16-bit projection weights."""
+    from ..kernels.fp8_linear import is_quantized
+    from ..kernels.nf4 import is_nf4, quantize_projection_nf4
+
+    def proj(v: Mapping[str, Any]) -> Mapping[str, Any]:
+        if is_nf4(v) or is_quantized(v):
+            return v
+        return quantize_projection_nf4(v, blocksize=blocksize, double_quant=double_quant)
+
+    def layer(lp: Mapping[str, Any]) -> Mapping[str, Any]:
+        return {k: proj(v) if k in _LAYER_KEYS else v for k, v in lp.items()}
+
+    layers = params["layers"]
+    out = dict(params)
+    out["layers"] = ({i: layer(lp) for i, lp in layers.items()} if isinstance(layers, Mapping)
+                     else [layer(lp) for lp in layers])
+    return out
+
+
+def has_nf4_projections(params: Mapping[str, Any]) -> bool:
+    """True when any decoder layer holds an NF4 projection (a bitsandbytes 4-bit checkpoint)."""
+    from ..kernels.nf4 import is_nf4
+
+    layers = params["layers"]
+    return any(is_nf4(lp.get(k)) for lp in (layers.values() if isinstance(layers, Mapping) else layers)
+               for k in _LAYER_KEYS)
+
+
+def _check_quantization_config(name_or_path: str, hf_config: Any) -> None:
+    """A quantized HF checkpoint loads only as transformers + bitsandbytes NF4 (4-bit)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return
+    qc = qc if isinstance(qc, Mapping) else qc.to_dict()
+    method, four_bit, kind = qc.get("quant_method"), qc.get("load_in_4bit"), qc.get("bnb_4bit_quant_type")
+    if method != "bitsandbytes" or not four_bit or kind != "nf4":
+        raise ConfigError(
+            f"{name_or_path}: quantization_config (quant_method={method!r}, load_in_4bit={four_bit!r}, "
+            f"bnb_4bit_quant_type={kind!r}) is not supported; give a bf16/fp32 checkpoint or a "
+            "bitsandbytes NF4 4-bit one"
+        )
+
+
 def params_from_hf_model(hf_model: Any, *, dtype: torch.dtype | None = None
                          ) -> tuple[DecoderConfig, dict[str, Any]]:
     """A transformers ``*ForCausalLM`` -> (DecoderConfig, params sharing its tensors)."""
@@ -199,6 +285,7 @@ def load_base_model(
             f"{name_or_path}: model_type={getattr(hf_config, 'model_type', None)!r} is not "
             f"supported; supported families: {SUPPORTED_MODEL_TYPES}"
         )
+    _check_quantization_config(name_or_path, hf_config)
     config = DecoderConfig.from_hf(hf_config)
     params = params_from_state_dict(_read_weights(model_dir), config, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -7,6 +7,7 @@ from typing import Any, MutableMapping
 import torch
 
 from ..kernels.fp8_linear import is_quantized
+from ..kernels.nf4 import is_nf4
 
 # fused key -> its member projections, in output-column order
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -19,8 +20,8 @@ def fuse_projection_weights(params: MutableMapping[str, Any]) -> None:
     dimension (biases too, when every member has one), and each member's weight and bias
     replaced by a row view of it. No second copy stays in ``params``: a layer's originals are
     freed as soon as it is done unless something else holds them (a caller sharing its own
-    tensors, e.g. a training module, keeps both). Groups with an FP8 member, or members that
-    disagree on having a bias, are left as they are.
+    tensors, e.g. a training module, keeps both). Groups with a quantized member, or members that
+    disagree on having a bias, are left as they are (as are FP8 and NF4 groups).
 
     ``params["layers"]``: the ``load_base_model`` pytree's list (or dict) of layer dicts, which
     this replaces by new dicts; the projections' own dicts are replaced too, not edited.
@@ -31,7 +32,7 @@ def fuse_projection_weights(params: MutableMapping[str, Any]) -> None:
         lp = dict(layers[i])
         for fused, members in FUSED_PROJECTIONS.items():
             parts = [lp.get(m) for m in members]
-            if any(p is None or is_quantized(p) for p in parts) or fused in lp:
+            if any(p is None or is_quantized(p) or is_nf4(p) for p in parts) or fused in lp:
                 continue
             has_bias = [p.get("bias") is not None for p in parts]
             if any(has_bias) and not all(has_bias):

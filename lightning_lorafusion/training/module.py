@@ -37,7 +37,7 @@ from .optim import build_adapter_optimizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BASE_PRECISIONS = ("bf16", "fp8")
+BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
 
 def _check_base_precision(base_precision: str, dtype: str, fp8_emulate: bool) -> None:
@@ -129,6 +129,11 @@ class LoRAFusionModule(L.LightningModule):
             too (per-row scales, dequantized at the gather); the LoRA path, norms, attention, LM
             head and loss stay in ``dtype`` (which must be bfloat16). Needs a CUDA GPU with compute
             capability >= 8.9 (Ada/Hopper); see docs/kernels.md "FP8 base".
+            "nf4" (QLoRA): the seven projection weights of every layer are quantized once to
+            bitsandbytes' NF4 (blocks of 64, double-quantized absmax), or kept 4-bit from a
+            transformers + bitsandbytes NF4 checkpoint; each frozen product dequantizes its
+            weight into a scratch buffer and multiplies in ``dtype``; runs anywhere (CPU too);
+            see docs/model.md "NF4 base (QLoRA)".
         fp8_exempt_layers: with ``base_precision="fp8"``, the first and last n decoder layers
             keep their projections in ``dtype`` (0, the default, quantizes every layer). The FP8
             error is spread over the layers, the outermost carrying a little more of it into
@@ -245,6 +250,12 @@ class LoRAFusionModule(L.LightningModule):
             config, params, tokenizer = random_base_config(base_model), None, None
         else:
             config, params, tokenizer = load_base_model(base_model, dtype=DTYPES[dtype], cache_dir=cache_dir)
+        if params is not None:  # NF4 (QLoRA): quantized here, or kept from a bitsandbytes 4-bit checkpoint
+            from ..model.hf_loading import has_nf4_projections, quantize_base_nf4
+
+            if base_precision != "nf4" and has_nf4_projections(params):
+                raise ConfigError(f"{base_model} is a bitsandbytes NF4 4-bit checkpoint; set model.base_precision: nf4")
+            params = quantize_base_nf4(params) if base_precision == "nf4" else params
         if fp8_exempt_layers and base_precision != "fp8":
             raise ConfigError(f"model.fp8_exempt_layers={fp8_exempt_layers!r} applies only with "
                               "model.base_precision: fp8")
@@ -779,6 +790,10 @@ class LoRAFusionModule(L.LightningModule):
 
                 params = quantize_base_fp8(params, embedding=not self.config.tie_word_embeddings,
                                            keep_layers=self._fp8_keep)
+            elif self.base_precision == "nf4":
+                from ..model.hf_loading import quantize_base_nf4
+
+                params = quantize_base_nf4(params)
             self._register_base(params)
             if self._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
                 self.bank.to_empty(device=device)

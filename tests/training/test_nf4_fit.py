@@ -1,0 +1,89 @@
+"""``model.base_precision: nf4`` (QLoRA) through the Lightning module and the console script."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_lorafusion.kernels.nf4 import ABSMAX_KEY, WEIGHT_KEY, Nf4Weight, dequantize_nf4_reference
+from lightning_lorafusion.specs import ConfigError
+from lightning_lorafusion.training.module import LoRAFusionModule
+
+from _nf4_checkpoint import write_bnb_checkpoint
+from test_cli import REPO, assert_clean_output, run_cli
+from test_equivalence import fit_joint, tiny_specs, train_alone
+
+NF4 = {"base_precision": "nf4"}
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def test_nf4_packed_training_equals_separate_runs(tiny_model_dir):
+    """The base's projections are held 4-bit (uint8 codes, int32-stored absmax: no float
+    buffer for a dtype cast to touch); packing several adapters still equals training each
+    alone on the same NF4 base."""
+    specs = tiny_specs()
+    module, dm, _ = fit_joint(tiny_model_dir, specs, module_kwargs=NF4)
+    assert module.steps_taken == [3, 3, 2]
+    buffers = dict(module.named_buffers())
+    assert buffers[f"base__layers__0__q_proj__{WEIGHT_KEY}"].dtype == torch.uint8
+    assert not buffers[f"base__layers__1__down_proj__{ABSMAX_KEY}"].is_floating_point()
+    assert not any(n.endswith("proj__weight") for n in buffers), "the 16-bit projection weights are dropped"
+    assert buffers["base__embed"].is_floating_point()  # embeddings and norms stay
+    for a in range(3):
+        ref = train_alone(module, dm, a)  # module.base_params(): the same NF4 base
+        alone = dict(ref.adapters[0].named_parameters())
+        for name, p in module.bank.adapters[a].named_parameters():
+            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=f"{specs[a].name}.{name}": f"{n}\n{m}")
+
+
+def test_nf4_base_survives_bf16_true(tiny_model_dir):
+    """Lightning's bf16-true casts floating buffers; the NF4 state has none, so the 4-bit
+    weights dequantize to the same values after the cast and training runs."""
+    module, _, _ = fit_joint(tiny_model_dir, tiny_specs(), precision="bf16-true", module_kwargs=NF4)
+    assert module.steps_taken == [3, 3, 2]
+    reference = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **NF4)
+    got, want = module.base_params()["layers"][1]["up_proj"], reference.base_params()["layers"][1]["up_proj"]
+    assert torch.equal(dequantize_nf4_reference(Nf4Weight.from_params(got)),
+                       dequantize_nf4_reference(Nf4Weight.from_params(want)))
+    assert all(torch.isfinite(p).all() for p in module.bank.parameters())
+
+
+def test_nf4_fit_console_script_exports_adapters(tiny_model_dir, tmp_path):
+    out = run_cli(["fit", "--config", TINY, "--model.base_model", tiny_model_dir, "--model.base_precision", "nf4",
+                   "--trainer.default_root_dir", str(tmp_path / "run")], tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert_clean_output(out)
+    for name, rank in (("xsum", 4), ("cnndm", 2)):
+        d = tmp_path / "run" / "adapters" / name
+        assert json.loads((d / "adapter_config.json").read_text())["r"] == rank
+        tensors = load_file(str(d / "adapter_model.safetensors"))
+        lora_b = [t for k, t in tensors.items() if "lora_B" in k]
+        assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: it trained
+
+
+def test_bitsandbytes_checkpoint_needs_base_precision_nf4(tiny_model_dir, tmp_path):
+    pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
+    write_bnb_checkpoint(Path(tiny_model_dir), tmp_path / "bnb")
+    with pytest.raises(ConfigError, match="bitsandbytes NF4 4-bit checkpoint; set model.base_precision: nf4"):
+        LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch")
+    module = LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch", **NF4)
+    assert module.base_params()["layers"][0]["k_proj"][WEIGHT_KEY].dtype == torch.uint8
+
+
+def test_random_base_is_quantized_to_nf4_at_setup(tmp_path):
+    """A ``random:`` base is drawn in setup(); with ``base_precision: nf4`` its projections are
+    quantized there (embeddings and norms stay)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "cfg")
+    module = LoRAFusionModule(base_model=f"random:{tmp_path / 'cfg'}", adapters=tiny_specs()[:1], backend="torch",
+                              **NF4)
+    module.setup("fit")
+    buffers = dict(module.named_buffers())
+    assert buffers[f"base__layers__1__gate_proj__{WEIGHT_KEY}"].dtype == torch.uint8
+    assert not any(n.endswith("proj__weight") for n in buffers) and buffers["base__embed"].is_floating_point()
