@@ -41,6 +41,27 @@ def _exists(rel: str, base: Path) -> bool:
     return True
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    return {_slug(m) for m in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, flags=re.M)}
+
+
+def _anchored_links(text: str) -> list[tuple[str, str]]:
+    """(file, anchor) of every relative link with a ``#anchor`` (file "" = the same page)."""
+    out = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
+            continue
+        path, anchor = target.split("#", 1)
+        out.append((path, anchor))
+    return out
+
+
 def _links(text: str) -> list[str]:
     out = []
     for target in _LINK.findall(text):
@@ -62,6 +83,17 @@ def test_relative_links_resolve(doc: Path) -> None:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_link_anchors_resolve(doc: Path) -> None:
+    text = doc.read_text()
+    broken = []
+    for path, anchor in _anchored_links(text):
+        target = (doc.parent / path) if path else doc
+        if target.suffix == ".md" and target.exists() and anchor not in _anchors(target.read_text()):
+            broken.append(f"{path}#{anchor}")
+    assert not broken, f"{doc.relative_to(ROOT)}: links to missing headings: {broken}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_cited_repository_paths_exist(doc: Path) -> None:
     text = doc.read_text()
     missing = [p for p in _cited_paths(text) if not _exists(p, ROOT)]
@@ -77,3 +109,7 @@ def test_the_checks_catch_a_broken_reference(tmp_path: Path) -> None:
     assert not _exists("docs/results/nowhere_h100_209901/run.json", ROOT)
     assert _exists("scripts/{bench_kernels,bench_fp8}.py", ROOT)
     assert not _exists("scripts/{bench_kernels,no_such_bench}.py", ROOT)
+    assert _slug("Decode kernels (generation)") == "decode-kernels-generation"
+    assert _slug("`kernels/lora_gather.py`: decode rows") == "kernelslora_gatherpy-decode-rows"
+    assert _anchored_links("[a](B.md#x-y) [b](#z) [c](https://h/#q)") == [("B.md", "x-y"), ("", "z")]
+    assert "fused-lora-training" in _anchors("# T\n\n### Fused LoRA (training)\n")
