@@ -258,8 +258,8 @@ SWIGLU_BLOCK_N = 4096
 
 def _swiglu_launch(n: int, warps: int | None, block_n: int | None) -> tuple[int, int]:
     """(columns per step, warps) for rows of ``n``: the given ones, else ``SWIGLU_BLOCK_N``
-    columns (fewer for narrow rows) and one warp per 256 of them (scripts/bench_fp8_swiglu.py
-    sweeps both)."""
+    columns (fewer for narrow rows) and one warp per 256 of them (the launch
+    swept on an H200: docs/kernels.md)."""
     block = block_n or min(SWIGLU_BLOCK_N, max(32, triton.next_power_of_2(n)))
     return block, warps or max(1, min(16, block // 256))
 

@@ -383,7 +383,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     for row0, rows, with_lora in _row_launches(t, lora):
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
-        # and 16,384 rows of the 8B shape in two calls (bench_prefill_epilogues.py; BENCHMARKS.md)
+        # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)
         bn, warps = block_n, num_warps
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8

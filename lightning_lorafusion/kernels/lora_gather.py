@@ -325,7 +325,7 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     """(block_k, block_r) of the shrink and the expand's rank loop: the GPU's defaults, or small
     blocks in the interpreter (masks and rank loops exercised on tiny shapes)."""
     gpu = device.type == "cuda"
-    # H100, 8B shapes, r=16, 16-256 rows (scripts/bench_decode_kernels.py, kernels.md): K blocks of
+    # H100, 8B shapes, r=16, 16-256 rows (docs/kernels.md): K blocks of
     # 512 and rank blocks of 16 beat 256 / 32 by 1.3-2.1x in the fused epilogues (no masked lanes
     # at r=16, half the programs); mixed ranks 8-64 lost nothing
     return block_k or (512 if gpu else 32), block_r or (16 if gpu else 16)
@@ -362,7 +362,7 @@ def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
     block_k=None, block_n=None, block_r=None, num_warps=4,
 ):
-    """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
+    """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
     _require_triton(x)
     if out is not None and out.stride(1) != 1:

@@ -32,7 +32,7 @@ import triton.language as tl
 from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 
 BACKENDS = ("torch", "triton", "auto")
-# column blocks of BLOCK_N an expand program covers (scripts/bench_lora_segments.py measures 1-8)
+# column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
 # tied at every mix at the 1B and 8B shapes on an H100, 7-43 % less time than 1 split (docs/kernels.md)

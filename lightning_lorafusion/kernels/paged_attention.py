@@ -310,7 +310,7 @@ def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
     splits=None, block_t=None, num_warps=4, num_stages=3,
 ):
-    """The launcher; the keyword knobs exist for tests and scripts/bench_decode_kernels.py."""
+    """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     page_table = triton_prologue(q, kv_pool, page_table)
     b, hq, d = q.shape

@@ -246,7 +246,7 @@ def _paged_prefill_attention_triton(
     q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window, *,
     max_seqlen=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
 ):
-    """The launcher; the keyword knobs exist for tests and scripts/bench_prefill_attention.py.
+    """The launcher; the keyword knobs exist for tests and sweeps (scripts/bench_generation.py --prefill-attention).
     ``block_m`` counts rows of the flattened (token, query head of the group) tile."""
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
     page_table = triton_prologue(q, kv_pool, page_table)

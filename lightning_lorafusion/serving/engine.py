@@ -451,7 +451,7 @@ class Engine:
         make, so first-time costs (Triton compiles per rank block and launch specialisation, the
         first replays of the decode graphs, cuBLAS heuristics) are paid here and not by the first
         users (an H100 measured 1-3 s stalls for a step whose mix of ranks was new to the process,
-        docs/BENCHMARKS.md, issue 13, session 9). Rounds: the base and one adapter of each distinct
+        docs/BENCHMARKS.md, generation engine). Batches: the base and one adapter of each distinct
         rank alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
         rows, two requests per adapter). Then drops the prompts' cached prefix pages, and builds
         (on a GPU: captures) the mixed-step pieces of every token bucket for the adapters' rank

@@ -1,7 +1,7 @@
 """Decode LoRA gather (S-LoRA MBGMV): reference vs plain per-row math, Triton vs reference.
 
 The Triton kernel runs in the interpreter on CPU (fp32 / fp16; bf16 is checked on the GPU by
-scripts/bench_decode_kernels.py). Tolerances on ||got - want|| / ||want||:
+scripts/bench_generation.py --step-batch). Tolerances on ||got - want|| / ||want||:
 reference vs float64 per-row math: 1e-5 (fp32 matmuls over K <= 257 terms land near 1e-7);
 Triton vs reference, fp32: 1e-5 (same fp32 inputs, only the summation order differs);
 fp16: 1e-3 (both sum the same fp16 inputs in fp32 and round once to fp16, unit roundoff

@@ -1,7 +1,7 @@
 """Prefill segment LoRA over the pool (MBGMM): reference vs float64 PEFT math, Triton vs reference.
 
 The Triton kernels run in the interpreter on CPU (fp32 / fp16; bf16 runs on the GPU through the
-engine, scripts/profile_prefill_step.py). Tolerances on ||got - want|| / ||want|| of the added
+engine, scripts/bench_generation.py --step-batch). Tolerances on ||got - want|| / ||want|| of the added
 delta: reference vs float64 math 1e-5 (fp32 sums over K <= 70 terms); Triton vs reference fp32
 1e-5 (summation order only); fp16 2e-3 (both round the sum into an fp16 output once, and the
 outputs' own magnitude is 1: one ulp of it, 9.8e-4, is the most an order difference moves an

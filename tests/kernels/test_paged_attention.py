@@ -1,7 +1,7 @@
 """Paged decode attention: reference vs plain per-row math, Triton vs reference, write_kv.
 
 The Triton kernel runs in the interpreter on CPU (fp32 / fp16; bf16 is checked on the GPU by
-scripts/bench_decode_kernels.py). Tolerances on ||got - want|| / ||want||:
+scripts/bench_generation.py --step-batch). Tolerances on ||got - want|| / ||want||:
 reference vs float64 per-row math: 1e-5 (fp32 softmax over <= 70 tokens, errors near 1e-7);
 Triton vs reference, fp32 (IEEE dots): 1e-5 (only the order of the online softmax differs);
 fp16: 1e-3 (probabilities are rounded to fp16 before the P V product, unit roundoff 4.9e-4,

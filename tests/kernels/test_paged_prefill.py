@@ -1,7 +1,7 @@
 """Paged prefill attention: reference and Triton kernel vs causal SDPA over the unpaged K/V.
 
 The Triton kernel runs in the interpreter on CPU (fp32 / fp16; bf16 is checked on the GPU by
-``test_bf16_on_gpu`` and scripts/bench_prefill_attention.py). Tolerances on ||got - want|| /
+``test_bf16_on_gpu`` and scripts/bench_generation.py --prefill-attention). Tolerances on ||got - want|| /
 ||want||: fp32 1e-5 (IEEE dots; only the order of the online softmax's sums differs from
 SDPA's, errors near 1e-7); fp16 1e-3 (the kernel rounds the probabilities to fp16 before the
 P V product, unit roundoff 4.9e-4, and the output once more; the reference here runs in fp32

@@ -48,7 +48,7 @@ def test_strategy_trains_a_two_stage_pipeline_like_one_process():
 
 
 def test_strategy_trains_a_pipeline_over_an_fp8_base():
-    """Issue 16 item 2: the two-stage pipeline over an FP8 base (emulated products on CPU: the
+    """The two-stage pipeline over an FP8 base (emulated products on CPU: the
     spec the GPU path matches) trains like one process over the same base, both on one
     intra-op thread (pipeline_case.case_params says why): within 1e-4 of the update (measured:
     identical), while the

@@ -226,7 +226,7 @@ def test_the_step_after_a_mixed_step_is_planned_ahead(make_engine):
     reqs = [GenerationRequest(prompt_token_ids=[4 + 7 * i, 11, 25 + i], adapter=ADAPTER_CHOICES[i], sampling=sp,
                               request_id=f"m{i}") for i in range(4)]
     sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
-    want, got = _drive(sync, reqs, 5), _drive(overlap, reqs, 5)  # three at call 0, the fourth at call 5
+    want, got = _drive(sync, reqs, 5), _drive(overlap, reqs, 5)  # three at step 0, the fourth at step 5
     _assert_same(want, got)
     stats = overlap.stats()
     assert stats["prefill_steps_total"] == 2
@@ -275,7 +275,7 @@ def test_overlapped_decode_in_a_pool_that_preempts(make_engine):
 
 def test_overlapped_decode_with_prefix_caching(make_engine):
     """Prefix caching on: requests finishing with a step in flight register their pages (the
-    token fed by the discarded row included); a second round with the same prompts reuses
+    token fed by the discarded row included); a second batch with the same prompts reuses
     them and gives the same outputs as the step-by-step engine."""
     config = dict(num_pages=200, page_size=2, max_num_seqs=8, prefix_caching=True)
     sync, overlap = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)

@@ -17,7 +17,7 @@ TINY = os.path.join(REPO, "configs", "tiny.yaml")
 # The installed console script (the README installs the package into the venv running pytest).
 CONSOLE_SCRIPT = Path(sys.executable).parent / "lightning-lorafusion"
 PYTHON_MODULE = (sys.executable, "-m", "lightning_lorafusion.cli")
-# Lightning warnings that do not apply to this CLI (issue 17); neither may reach the user.
+# Lightning warnings that do not apply to this CLI; neither may reach the user.
 ARGS_WARNING = "LightningCLI's args parameter"
 CHECKPOINT_WARNING = "Using ModelCheckpoint with manual optimization"
 LEAFSPEC_WARNING = "isinstance(treespec, LeafSpec)"  # Lightning's code on torch >= 2.10
