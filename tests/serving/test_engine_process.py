@@ -273,7 +273,7 @@ def test_the_engine_process_exits_with_its_parent(model_dir, process_exited):
 
 
 class _SteppingEngine:
-    """What ``_EngineLoop`` uses of an engine: records submits and calls in order; ``step``
+    """What ``EngineLoop`` uses of an engine: records submits and calls in order; ``step``
     blocks until the test releases it, so the test can act while a step runs."""
 
     def __init__(self):
