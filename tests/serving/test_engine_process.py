@@ -273,7 +273,7 @@ def test_the_engine_process_exits_with_its_parent(model_dir, process_exited):
 
 
 class _SteppingEngine:
-    """What ``_EngineLoop`` uses of an engine: records submits and calls in order; ``step``
+    """What ``EngineLoop`` uses of an engine: records submits and calls in order; ``step``
     blocks until the test releases it, so the test can act while a step runs."""
 
     def __init__(self):
@@ -312,11 +312,11 @@ def test_the_child_drains_the_pipe_while_a_step_runs_and_keeps_command_order():
     import multiprocessing
     import threading
 
-    from lightning_lorafusion.serving.engine_process import _EngineLoop
+    from lightning_lorafusion.serving.engine_child import EngineLoop
 
     parent, child = multiprocessing.Pipe(duplex=True)
     engine = _SteppingEngine()
-    loop = _EngineLoop(engine, child, os.getppid())  # the loop leaves when its parent changes
+    loop = EngineLoop(engine, child, os.getppid())  # the loop leaves when its parent changes
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
     try:
