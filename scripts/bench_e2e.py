@@ -16,7 +16,10 @@
     GEMMs on FP8 tensor cores; ``--fp8-fast-accum off,forward,both`` repeats it per fast-
     accumulation setting, rows suffixed ``_fa-forward`` / ``_fa-both``); the FP8 runs come last
     and release the HF model's bf16 projection weights and embedding table, so their peak memory
-    is the FP8 base's.
+    is the FP8 base's. ``nf4`` likewise runs them over an NF4 base (QLoRA: the projections in
+    bitsandbytes' 4-bit format, dequantized per projection group into a reused buffer), and the
+    variant "hf_qlora" is HF + PEFT over bitsandbytes' ``Linear4bit`` NF4 layers (double
+    quantization, bf16 compute), the QLoRA baseline, run last.
 (c) "hf_frozen": the floor under all of them, HF transformers' frozen base with no LoRA at all:
     forward + backward (input gradients only) on micro-batches of --hf-batch samples of like
     length (each global batch sorted by length, padded, attention-masked).
@@ -26,6 +29,7 @@ and warms up every shape). Reports real (non-padding) tokens/s and peak memory.
     python scripts/bench_e2e.py --shape llama8b --layers 8 --workload xsum --out $OUT
     python scripts/bench_e2e.py --shape llama8b --layers 32 --variants triton --base-precision bf16,fp8
     python scripts/bench_e2e.py --shape llama1b --layers 16 --capacity 8192 --variants hf_frozen,triton,triton_graphs
+    python scripts/bench_e2e.py --shape llama8b --layers 32 --variants hf_qlora,triton --base-precision bf16,nf4
     python scripts/bench_e2e.py --shape tiny --device cpu --variants hf,torch   # smoke test
 """
 
@@ -50,6 +54,7 @@ from lightning_lorafusion.model.hf_loading import (  # noqa: E402
     fp8_exempt_layer_set,
     params_from_hf_model,
     quantize_base_fp8,
+    quantize_base_nf4,
 )
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
@@ -254,13 +259,13 @@ def add_workload_args(ap, layers: int) -> None:
     ap.add_argument("--device", default="cuda")
 
 
-def release_projection_weights(model, keep_layers=()) -> None:
+def release_projection_weights(model, keep_layers=(), embedding=True) -> None:
     """Drop the HF model's seven projection weights per layer (but ``keep_layers``, which the
     FP8 base shares as they are) and its (untied) input embedding table (after
     ``quantize_base_fp8`` made the FP8 copies): the model cannot run afterwards; only the FP8
     variants may follow."""
     emb = model.get_input_embeddings()
-    if emb.weight is not model.get_output_embeddings().weight:
+    if embedding and emb.weight is not model.get_output_embeddings().weight:
         emb.weight = torch.nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
     for i, layer in enumerate(model.model.layers):
         if i in keep_layers:
@@ -270,19 +275,68 @@ def release_projection_weights(model, keep_layers=()) -> None:
             mod.weight = torch.nn.Parameter(mod.weight.new_empty(0), requires_grad=False)
 
 
+QUANTIZED = ("fp8", "nf4")
+
+
+def quantize_all(args, w: "OursSetup", model, store: dict) -> None:
+    """Every quantized base the run asks for (``store[precision]``), and the 4-bit layers of the
+    HF + PEFT + bitsandbytes baseline (``store["bnb"]``) when it is planned, all from the bf16
+    weights, which are then released (their memory would count in the quantized runs' peaks)."""
+    keep = fp8_exempt_layer_set(w.config.num_layers, args.fp8_exempt_layers) if "fp8" in args.base_precision else set()
+    if "fp8" in args.base_precision:
+        store["fp8"] = quantize_base_fp8(w.params, embedding=not w.config.tie_word_embeddings, keep_layers=keep)
+    if "nf4" in args.base_precision:
+        store["nf4"] = quantize_base_nf4(w.params)
+    if "hf_qlora" in args.variants.split(","):
+        store["bnb"] = bnb_projection_layers(model)
+    # the FP8 base holds its own embedding table; the NF4 base and the QLoRA baseline share HF's
+    release_projection_weights(model, keep, embedding=set(store) == {"fp8"})
+
+
+def bnb_projection_layers(model) -> dict:
+    """{(layer, module name): bitsandbytes ``Linear4bit``} for the seven projections, NF4 with
+    double quantization and bf16 compute, as ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`` builds them."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise SystemExit("variant hf_qlora needs bitsandbytes (pip install bitsandbytes)") from e
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = getattr(parent, n)
+                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                      compute_dtype=lin.weight.dtype, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+                q.weight = bnb.nn.Params4bit(lin.weight.data.to("cpu"), requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4").to(lin.weight.device)
+                if lin.bias is not None:
+                    q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+                out[(i, n)] = q
+    return out
+
+
+def run_hf_qlora(args, model, data, device, layers: dict):
+    """HF + PEFT over the bitsandbytes NF4 layers (QLoRA): the projections swapped in place,
+    PEFT's LoRA on top, the same passes as ``run_hf_peft``."""
+    for (i, n), q in layers.items():
+        layer = model.model.layers[i]
+        setattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n, q)
+    return run_hf_peft(args, model, data, device)
+
+
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
              fp8_params=None, options=DEFAULT_OPTIONS):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again)."""
     w = OursSetup(args, model, data, device, dtype)
-    if base_precision == "fp8":
+    if base_precision in QUANTIZED:
         fp8_params = {} if fp8_params is None else fp8_params
-        if "params" not in fp8_params:
-            keep = fp8_exempt_layer_set(w.config.num_layers, args.fp8_exempt_layers)
-            fp8_params["params"] = quantize_base_fp8(w.params, embedding=not w.config.tie_word_embeddings,
-                                                     keep_layers=keep)
-            release_projection_weights(model, keep)
-        w.params = fp8_params["params"]
+        if base_precision not in fp8_params:
+            quantize_all(args, w, model, fp8_params)
+        w.params = fp8_params[base_precision]
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -364,9 +418,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
     ap.add_argument("--capacity", type=int, default=8192)
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
-    ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8")), default=["bf16"],
-                    help="comma list of bf16 / fp8: our variants run once per entry (fp8 rows last, "
-                         "suffixed _fp8); needs a GPU with FP8 tensor cores for fp8")
+    ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8", "nf4")), default=["bf16"],
+                    help="comma list of bf16 / fp8 / nf4: our variants run once per entry (quantized rows "
+                         "last, suffixed _fp8 / _nf4); fp8 needs a GPU with FP8 tensor cores. The variant "
+                         "hf_qlora (HF + PEFT + bitsandbytes NF4) needs fp8 or nf4 here")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
     ap.add_argument("--fp8-exempt-layers", type=int, default=0,
                     help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
@@ -386,9 +441,13 @@ def planned_runs(args) -> list[tuple[str, str, str]]:
     they release the HF model's bf16 weights)."""
     variants = args.variants.split(",")
     ours = [v for v in variants if not v.startswith("hf")]
-    runs = [(v, "bf16", "off") for v in variants if v.startswith("hf") or "bf16" in args.base_precision]
+    runs = [(v, "bf16", "off") for v in variants
+            if (v.startswith("hf") or "bf16" in args.base_precision) and v != "hf_qlora"]
     runs.sort(key=lambda r: r[0].startswith("hf_liger"))
     runs += [(v, "fp8", m) for v in ours if "fp8" in args.base_precision for m in args.fp8_fast_accum]
+    runs += [(v, "nf4", "off") for v in ours if "nf4" in args.base_precision]
+    # last: it needs the 4-bit layers made when the first quantized run released the bf16 weights
+    runs += [("hf_qlora", "nf4", "off")] if "hf_qlora" in variants else []
     return runs
 
 
@@ -406,12 +465,17 @@ def run_variant(args, w: dict, variant: str, precision: str, accum: str) -> tupl
     if variant == "hf_frozen":
         tps, secs, toks = run_hf_frozen(args, w["model"], w["data"], device)
         return variant, tps, secs, toks, {}
+    if variant == "hf_qlora":
+        if "bnb" not in w["fp8_params"]:
+            raise SystemExit("variant hf_qlora needs a quantized run of ours before it (--base-precision ...,nf4)")
+        tps, secs, toks, w["model"] = run_hf_qlora(args, w["model"], w["data"], device, w["fp8_params"]["bnb"])
+        return variant, tps, secs, toks, {}
     options = DecoderOptions(
         elementwise_fusion="off" if variant == "triton_eager" else "auto",
         kernels=KernelOptions(fp8_fast_accum_forward=accum in ("forward", "both"),
                               fp8_fast_accum_input_grad=accum == "both"))
     backend = "triton" if variant.startswith("triton") else variant
-    label = variant + ("_fp8" if precision == "fp8" else "") + ("" if accum == "off" else f"_fa-{accum}")
+    label = variant + ("" if precision == "bf16" else f"_{precision}") + ("" if accum == "off" else f"_fa-{accum}")
     tps, secs, toks, fill, n, extra = run_ours(args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
                                                backend, base_precision=precision,
                                                graphs=label.startswith("triton_graphs"), label=label,
@@ -432,10 +496,16 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
               f"{r['peak_gib']:>9.2f}")
     by_name = {r["variant"]: r for r in rows}
     for r in rows:
-        bf16 = by_name.get(r["variant"].split("_fp8")[0]) if "_fp8" in r["variant"] else None
+        quant = next((q for q in QUANTIZED if f"_{q}" in r["variant"]), None)
+        bf16 = by_name.get(r["variant"].split(f"_{quant}")[0]) if quant else None
         if bf16 is not None:
             print(f"{r['variant']}: {r['tokens_per_s'] / bf16['tokens_per_s']:.3f}x the tokens/s of "
                   f"{bf16['variant']}, peak {r['peak_gib'] - bf16['peak_gib']:+.2f} GiB")
+    qlora = by_name.get("hf_qlora")
+    for r in rows:
+        if qlora is not None and r["variant"].endswith("_nf4"):
+            print(f"{r['variant']}: {r['tokens_per_s'] / qlora['tokens_per_s']:.3f}x the tokens/s of hf_qlora "
+                  f"(HF + PEFT + bitsandbytes NF4), peak {r['peak_gib'] - qlora['peak_gib']:+.2f} GiB")
 
 
 def main(argv=None) -> list[dict]:
