@@ -44,7 +44,8 @@ def default_cache_dir() -> Path:
 def params_from_state_dict(
     state: Mapping[str, torch.Tensor], config: DecoderConfig, *, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """HF Llama-family state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree.
+    """HF decoder state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree
+    (the layer norms a family has: ``config.family.norm_keys()``).
 
     Tensors are used as they are (no copy) when ``dtype`` is None or already matches; all are
     frozen (``requires_grad=False``). Tied embeddings share one tensor.
@@ -74,8 +75,7 @@ def params_from_state_dict(
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        layer = {"attn_norm": get(p + "input_layernorm.weight"),
-                 "mlp_norm": get(p + "post_attention_layernorm.weight")}
+        layer = {ours: get(p + theirs + ".weight") for ours, theirs in config.family.norm_keys().items()}
         for ours, theirs in _LAYER_KEYS.items():
             layer[ours] = linear(p + theirs, biases[ours])
         layers.append(layer)
