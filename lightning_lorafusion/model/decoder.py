@@ -140,9 +140,13 @@ class DecoderConfig:
         """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``."""
         h, i = self.hidden_size, self.intermediate_size
         dims = {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-                "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        if module not in dims:
-            raise ConfigError(f"unknown module {module!r}; allowed: {list(dims)}")
+                "qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+        if module not in self.family.projections:
+            fused = " (the checkpoint fuses them: target 'qkv_proj' / 'gate_up_proj', PEFT's names)" if (
+                module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else ""
+            raise ConfigError(f"module {module!r} is not a projection of a {self.model_type} layer{fused}; "
+                              f"allowed: {list(self.family.projections)}")
         return dims[module]
 
     @classmethod
@@ -168,7 +172,7 @@ class DecoderConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type not in ("mistral", "qwen2") and attention_bias,
+            o_bias=model_type not in ("mistral", "qwen2", "phi3") and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             sliding_windows=_sliding_windows(hf_config, model_type, n_layers),
             family=family,
@@ -375,14 +379,20 @@ def decoder_layer(
         norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
                                         _compiled(_rope_qk, c), _compiled(act, c))
     x = norm(h, lp["attn_norm"], eps) if family.input_norms else h
-    (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
-    q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
-                               routing, dropout_offset=offset(0), backend=backend, options=kernel_options)
-    q, k = q.view(t, config.num_heads, config.head_dim), k.view(t, config.num_kv_heads, config.head_dim)
+    if family.fused_qkv:  # one product, split after (LoRA on the fused projection, as PEFT)
+        wqkv, bqkv = frozen_weight(lp["qkv_proj"])
+        (qkv,) = lora_projections(x, [wqkv], [bqkv], lora("qkv_proj"), routing, dropout_offset=offset(0),
+                                  backend=backend, options=kernel_options)
+        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
+    else:
+        (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
+                                   routing, dropout_offset=offset(0), backend=backend, options=kernel_options)
+    q, k = q.reshape(t, config.num_heads, config.head_dim), k.reshape(t, config.num_kv_heads, config.head_dim)
     if family.qk_norm != "none":
         q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], eps, family)
     q, k = rope_qk(q, k, cos, sin)
-    v = v.view(t, config.num_kv_heads, config.head_dim)
+    v = v.reshape(t, config.num_kv_heads, config.head_dim)
     a = varlen_causal_attention(q, k, v, cu_seqlens, scale=attention_scale(family, config.head_dim),
                                 sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen,
                                 softcap=family.attn_logit_softcap)
@@ -395,8 +405,18 @@ def decoder_layer(
         h, x = add_norm(h, o, lp["mlp_norm"], eps)
     else:
         h = x = h + o
-    (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
     wd, bd = frozen_weight(lp["down_proj"])
+    if family.fused_gate_up:
+        wgu, bgu = frozen_weight(lp["gate_up_proj"])
+        (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
+                                 backend=backend, options=kernel_options)
+        g, u = gu.chunk(2, dim=-1)
+        (d,) = lora_projections(act(g, u), [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
+                                backend=backend, options=kernel_options)
+        if family.output_norms:
+            d = norm(d, lp["mlp_post_norm"], eps)
+        return h + d
+    (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
     # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
     # for dX, handed over through `operands` (the fused projections' backward takes the
     # gradient; the torch reference sums its gradient from slices and would not)

@@ -41,7 +41,9 @@ class DecoderFamily:
     ``cap * tanh(x / cap)`` of attention scores / output logits. ``query_pre_attn_scalar``:
     attention scale ``s ** -0.5`` instead of ``head_dim ** -0.5``. ``local_rope_theta``: RoPE
     base of the sliding-window layers (Gemma 3; always default RoPE there), the global layers
-    keep the config's RoPE.
+    keep the config's RoPE. ``fused_qkv`` / ``fused_gate_up``: the checkpoint holds q/k/v as one
+    ``qkv_proj`` and gate/up as one ``gate_up_proj`` (Phi-3/4); they stay fused here, LoRA
+    targets them under those names (as PEFT does) and the outputs are split after the product.
     """
 
     name: str = "llama"
@@ -55,6 +57,8 @@ class DecoderFamily:
     final_logit_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     def __post_init__(self) -> None:
         if self.norm_offset not in NORM_OFFSETS:
@@ -74,6 +78,13 @@ class DecoderFamily:
     def is_llama_block(self) -> bool:
         """True when the block is exactly Llama's (what a caller without the pieces computes)."""
         return self == DecoderFamily(name=self.name)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The layer's projection names in this family's checkpoints (and LoRA targets)."""
+        attn = ("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj", "v_proj")
+        mlp = ("gate_up_proj",) if self.fused_gate_up else ("gate_proj", "up_proj")
+        return (*attn, "o_proj", *mlp, "down_proj")
 
     def norm_keys(self) -> dict[str, str]:
         """Our layer norm names -> HF names under ``model.layers.{i}.`` for this family."""
@@ -120,6 +131,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "qwen3": dict(qk_norm="head"),
     "olmo2": dict(input_norms=False, output_norms=True, qk_norm="projection"),
+    "phi3": dict(fused_qkv=True, fused_gate_up=True),
     "gemma2": dict(_GEMMA),
     "gemma3_text": dict(_GEMMA, qk_norm="head"),
 }

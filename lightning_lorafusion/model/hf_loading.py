@@ -33,7 +33,7 @@ OLD_CACHE_ENV = "LLF_CACHE_DIR"  # the earlier name, still read (with a Deprecat
 _LAYER_KEYS = {  # our name -> HF name under model.layers.{i}.
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
+    "down_proj": "mlp.down_proj", "qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj",
 }
 
 
@@ -78,14 +78,14 @@ def params_from_state_dict(
         return out
 
     biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
-              "o_proj": config.o_bias, "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias,
-              "down_proj": config.mlp_bias}
+              "qkv_proj": config.qkv_bias, "o_proj": config.o_bias, "gate_proj": config.mlp_bias,
+              "up_proj": config.mlp_bias, "gate_up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         layer = {ours: get(p + theirs + ".weight") for ours, theirs in config.family.norm_keys().items()}
-        for ours, theirs in _LAYER_KEYS.items():
-            layer[ours] = linear(p + theirs, biases[ours])
+        for ours in config.family.projections:  # fused checkpoints (Phi-3) stay fused
+            layer[ours] = linear(p + _LAYER_KEYS[ours], biases[ours])
         layers.append(layer)
     embed = get("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
@@ -129,7 +129,7 @@ def fp8_exempt_layer_set(num_layers: int, exempt: int) -> frozenset[int]:
 
 def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False,
                       keep_layers: Collection[int] = ()) -> dict[str, Any]:
-    """The pytree with every decoder layer's seven projection weights quantized once to e4m3
+    """The pytree with every decoder layer's projection weights quantized once to e4m3
     (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); norms and the LM
     head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the input
     pytree frees the 16-bit projection weights (the base's memory halves).

@@ -12,6 +12,7 @@ FAMILY_OVERRIDES = {
     "llama": {}, "mistral": {}, "qwen2": {},
     "qwen3": dict(head_dim=12),
     "olmo2": dict(eos_token_id=100),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=7),
     "gemma2": dict(head_dim=12, query_pre_attn_scalar=20, sliding_window=5, attn_logit_softcapping=2.0,
                    final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"],
                    tie_word_embeddings=True),
@@ -21,7 +22,7 @@ FAMILY_OVERRIDES = {
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000.0}},
                         tie_word_embeddings=True),
 }
-NEW_FAMILIES = ("qwen3", "olmo2", "gemma2", "gemma3_text")
+NEW_FAMILIES = ("qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
 
 
 def tiny_hf_config(family: str, **overrides):

@@ -30,6 +30,16 @@ SPECS = [
     AdapterSpec(name="attn", rank=6, alpha=3.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=2),
     AdapterSpec(name="mlp", rank=3, alpha=12.0, target_modules=("gate_proj", "up_proj", "down_proj"), seed=3),
 ]
+# A fused checkpoint (Phi-3) is targeted by PEFT's names for its fused projections.
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+
+
+def _specs(config) -> list[AdapterSpec]:
+    if not config.family.fused_qkv:
+        return SPECS
+    return [dataclasses.replace(s, target_modules=tuple(dict.fromkeys(FUSED.get(m, m) for m in s.target_modules)))
+            for s in SPECS]
 
 
 def _samples(vocab: int, seed: int = 5) -> list[torch.Tensor]:
@@ -46,7 +56,7 @@ def _packed(samples):
 
 
 def _bank(config, seed=0):
-    bank = AdapterBank(SPECS, config)
+    bank = AdapterBank(_specs(config), config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in bank.named_parameters():
@@ -83,6 +93,7 @@ def test_packed_base_logits_equal_hf_per_sample(family):
 MUTATIONS = {
     "qwen3": dict(qk_norm="none"),
     "olmo2": dict(qk_norm="none"),
+    "phi3": dict(activation="gelu_tanh"),
     "gemma2": dict(attn_logit_softcap=None),
     "gemma3_text": dict(local_rope_theta=None),
 }
@@ -117,7 +128,7 @@ def test_packed_adapter_losses_and_gradients_equal_hf_peft(family, tmp_path):
     counts = [sum(LENGTHS[i] - 1 for i, o in enumerate(OWNERS) if o == a) for a in range(len(SPECS))]
     (sums / torch.tensor(counts, dtype=torch.float32)).sum().backward()
 
-    for a, spec in enumerate(SPECS):
+    for a, spec in enumerate(bank.specs):
         out = export_peft_adapter(bank, a, tmp_path / spec.name)
         peft_model = PeftModel.from_pretrained(tiny_hf_model(family), out, is_trainable=True)
         ref_sum = torch.zeros(())
@@ -132,7 +143,7 @@ def test_packed_adapter_losses_and_gradients_equal_hf_peft(family, tmp_path):
         for layer in range(config.num_layers):
             for module in spec.target_modules:
                 f = bank.factors(a, layer, module)
-                block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+                block = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")) else "mlp"
                 for factor, ours in (("lora_A", f.lora_A.grad), ("lora_B", f.lora_B.grad)):
                     ref = ref_grads[f"base_model.model.model.layers.{layer}.{block}.{module}.{factor}.default.weight"]
                     scale = max(1e-3, ref.abs().max().item())
@@ -147,7 +158,7 @@ def test_exported_adapter_gives_our_logits_in_peft(family, tmp_path):
     model, config, params = _family_model(family, seed=3)
     bank = _bank(config, seed=4)
     samples = _samples(config.vocab_size)
-    for a, spec in enumerate(SPECS):
+    for a, spec in enumerate(bank.specs):
         out = export_peft_adapter(bank, a, tmp_path / spec.name, base_model_name_or_path="tiny")
         peft_model = PeftModel.from_pretrained(tiny_hf_model(family, seed=3), out).eval()
         for s in samples[:2]:
@@ -167,17 +178,16 @@ def test_peft_created_adapter_imports(family, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     model, config, params = _family_model(family, seed=2)
+    targets = ("qkv_proj", "down_proj") if config.family.fused_qkv else ("q_proj", "v_proj", "down_proj")
     peft_model = get_peft_model(tiny_hf_model(family, seed=2),
-                                LoraConfig(r=5, lora_alpha=7, lora_dropout=0.0,
-                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+                                LoraConfig(r=5, lora_alpha=7, lora_dropout=0.0, target_modules=list(targets)))
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     peft_model.save_pretrained(tmp_path / "made_by_peft")
-    bank = AdapterBank([AdapterSpec(name="imported", rank=5, alpha=7.0,
-                                    target_modules=("q_proj", "v_proj", "down_proj"))], config)
+    bank = AdapterBank([AdapterSpec(name="imported", rank=5, alpha=7.0, target_modules=targets)], config)
     import_peft_adapter(bank, 0, tmp_path / "made_by_peft")
     s = _samples(config.vocab_size)[2]
     n = len(s)
@@ -217,3 +227,13 @@ def test_llama_family_is_the_default_block():
                            num_kv_heads=2, head_dim=4).family == DecoderFamily()
     with pytest.raises(ConfigError, match="norm_offset=0.5"):
         DecoderFamily(norm_offset=0.5)
+
+
+def test_fused_checkpoint_refuses_per_projection_targets_in_one_line():
+    config, _ = params_from_hf_model(tiny_hf_model("phi3"))
+    with pytest.raises(ConfigError, match=r"target module 'q_proj' is not a projection of this phi3 base.*qkv_proj") as info:
+        AdapterBank([AdapterSpec(name="x", rank=2, alpha=2.0, target_modules=("q_proj", "o_proj"))], config)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="gate_up_proj"):
+        config.module_dims("up_proj")
+    assert config.module_dims("gate_up_proj") == (config.hidden_size, 2 * config.intermediate_size)
