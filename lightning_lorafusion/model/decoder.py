@@ -137,16 +137,14 @@ class DecoderConfig:
         return self.family.local_rope_theta is not None and self.sliding_window(layer) is not None
 
     def module_dims(self, module: str) -> tuple[int, int]:
-        """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``."""
+        """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``; also
+        the fused ``qkv_proj`` / ``gate_up_proj``. Which ones a layer holds: ``family.projections``."""
         h, i = self.hidden_size, self.intermediate_size
         dims = {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
                 "qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
-        if module not in self.family.projections:
-            fused = " (the checkpoint fuses them: target 'qkv_proj' / 'gate_up_proj', PEFT's names)" if (
-                module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else ""
-            raise ConfigError(f"module {module!r} is not a projection of a {self.model_type} layer{fused}; "
-                              f"allowed: {list(self.family.projections)}")
+        if module not in dims:
+            raise ConfigError(f"unknown module {module!r}; allowed: {list(dims)}")
         return dims[module]
 
     @classmethod

@@ -234,6 +234,24 @@ def test_fused_checkpoint_refuses_per_projection_targets_in_one_line():
     with pytest.raises(ConfigError, match=r"target module 'q_proj' is not a projection of this phi3 base.*qkv_proj") as info:
         AdapterBank([AdapterSpec(name="x", rank=2, alpha=2.0, target_modules=("q_proj", "o_proj"))], config)
     assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="gate_up_proj"):
-        config.module_dims("up_proj")
     assert config.module_dims("gate_up_proj") == (config.hidden_size, 2 * config.intermediate_size)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_random_base_has_the_loaded_pytree_layout_and_identity_norms(family):
+    from lightning_lorafusion.model.random_model import random_base_params
+
+    config, loaded = params_from_hf_model(tiny_hf_model(family))
+    drawn = random_base_params(config)
+
+    def shapes(tree):
+        return {k: shapes(v) if isinstance(v, dict) else tuple(v.shape) for k, v in tree.items()}
+
+    assert shapes(drawn["layers"][1]) == shapes(loaded["layers"][1])
+    x = torch.randn(3, config.hidden_size)
+    from lightning_lorafusion.model.family import family_norm
+
+    norm = family_norm(config.family)
+    torch.testing.assert_close(norm(x, drawn["layers"][0][next(iter(config.family.norm_keys()))], 1e-6),
+                               norm(x, torch.ones(config.hidden_size) - config.family.norm_offset, 1e-6))
+    torch.testing.assert_close(norm(x, drawn["norm"], 0.0), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
