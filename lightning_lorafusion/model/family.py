@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels.reference import rms_norm
+from ..kernels.reference import offset_rms_norm, rms_norm
 from ..specs import ConfigError
 
 NORM_OFFSETS = (0.0, 1.0)
@@ -154,13 +154,6 @@ def _local_rope_theta(hf_config: Any) -> float:
 
 # --------------------------------------------------------------------------- per-piece functions
 # Pure tensor functions the training block uses and the serving forward can share.
-
-
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm ``[..., H]``: ``x / rms(x) * (1 + w)``, all in fp32, cast after."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
 def family_norm(family: DecoderFamily):
