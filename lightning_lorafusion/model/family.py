@@ -115,6 +115,8 @@ class DecoderFamily:
         fields["activation"] = _HF_ACTIVATIONS[act]
         if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
             raise ConfigError(f"{model_type}: mixture-of-experts configs are not supported")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ConfigError(f"{model_type}: use_bidirectional_attention=True is not supported; the decoder is causal")
         if model_type in ("gemma2", "gemma3_text"):
             fields["attn_logit_softcap"] = getattr(hf_config, "attn_logit_softcapping", None)
             fields["final_logit_softcap"] = getattr(hf_config, "final_logit_softcapping", None)

@@ -204,6 +204,7 @@ def test_peft_created_adapter_imports(family, tmp_path):
     ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor"),
     ("qwen3", dict(num_experts=4), "mixture-of-experts"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
 ])
 def test_uncovered_configs_fail_in_one_line(family, overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
