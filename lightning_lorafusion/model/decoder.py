@@ -404,26 +404,23 @@ def decoder_layer(
     else:
         h = x = h + o
     wd, bd = frozen_weight(lp["down_proj"])
-    if family.fused_gate_up:
+    operands = None
+    if family.fused_gate_up:  # one product, chunked into gate and up after
         wgu, bgu = frozen_weight(lp["gate_up_proj"])
         (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
                                  backend=backend, options=kernel_options)
-        g, u = gu.chunk(2, dim=-1)
-        (d,) = lora_projections(act(g, u), [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
-                                backend=backend, options=kernel_options)
-        if family.output_norms:
-            d = norm(d, lp["mlp_post_norm"], eps)
-        return h + d
-    (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
-    # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
-    # for dX, handed over through `operands` (the fused projections' backward takes the
-    # gradient; the torch reference sums its gradient from slices and would not)
-    fp8_mlp = (backend == "triton" and family.activation == "silu"
-               and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)))
-    operands = QuantizedOperands() if fp8_mlp else None
-    g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
-                            dropout_offset=offset(2), backend=backend, options=kernel_options, operands=operands)
-    mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else act(g, u)
+        mid = act(*gu.chunk(2, dim=-1))
+    else:
+        (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
+        # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
+        # for dX, handed over through `operands` (the fused projections' backward takes the
+        # gradient; the torch reference sums its gradient from slices and would not)
+        fp8_mlp = (backend == "triton" and family.activation == "silu"
+                   and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)))
+        operands = QuantizedOperands() if fp8_mlp else None
+        g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing, dropout_offset=offset(2),
+                                backend=backend, options=kernel_options, operands=operands)
+        mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else act(g, u)
     (d,) = lora_projections(mid, [wd], [bd], lora("down_proj"), routing,
                             dropout_offset=offset(3), backend=backend, options=kernel_options, operands=operands)
     if family.output_norms:

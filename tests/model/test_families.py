@@ -147,7 +147,8 @@ def test_packed_adapter_losses_and_gradients_equal_hf_peft(family, tmp_path):
                 for factor, ours in (("lora_A", f.lora_A.grad), ("lora_B", f.lora_B.grad)):
                     ref = ref_grads[f"base_model.model.model.layers.{layer}.{block}.{module}.{factor}.default.weight"]
                     scale = max(1e-3, ref.abs().max().item())
-                    assert (ours - ref).abs().max().item() < 1e-4 * scale, f"{family} {spec.name} {layer}.{module}.{factor}"
+                    where = f"{family} {spec.name} {layer}.{module}.{factor}"
+                    assert (ours - ref).abs().max().item() < 1e-4 * scale, where
                     assert ours.abs().max() > 0
 
 
@@ -232,7 +233,8 @@ def test_llama_family_is_the_default_block():
 
 def test_fused_checkpoint_refuses_per_projection_targets_in_one_line():
     config, _ = params_from_hf_model(tiny_hf_model("phi3"))
-    with pytest.raises(ConfigError, match=r"target module 'q_proj' is not a projection of this phi3 base.*qkv_proj") as info:
+    message = r"target module 'q_proj' is not a projection of this phi3 base.*qkv_proj"
+    with pytest.raises(ConfigError, match=message) as info:
         AdapterBank([AdapterSpec(name="x", rank=2, alpha=2.0, target_modules=("q_proj", "o_proj"))], config)
     assert "\n" not in str(info.value)
     assert config.module_dims("gate_up_proj") == (config.hidden_size, 2 * config.intermediate_size)
