@@ -11,6 +11,9 @@ from typing import Any, Sequence
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# Fused checkpoints (Phi-3/4) hold q/k/v and gate/up as one projection each; PEFT targets them so.
+FUSED_TARGET_MODULES = ("qkv_proj", "gate_up_proj")
+ADAPTABLE_MODULES = ALL_TARGET_MODULES + FUSED_TARGET_MODULES
 # Label of a token with no target (prompt, padding); cross-entropy skips it (torch's default).
 IGNORE_INDEX = -100
 # Task metrics an adapter can report on its generated val samples (training/val_samples.py).
@@ -95,11 +98,11 @@ class AdapterSpec:
             )
         if not self.target_modules:
             raise ConfigError(f"adapter {self.name!r}: target_modules is empty")
-        unknown = [m for m in self.target_modules if m not in ALL_TARGET_MODULES]
+        unknown = [m for m in self.target_modules if m not in ADAPTABLE_MODULES]
         if unknown:
             raise ConfigError(
                 f"adapter {self.name!r}: unknown target module(s) {unknown}; "
-                f"allowed: {list(ALL_TARGET_MODULES)} (or 'all-linear')"
+                f"allowed: {list(ADAPTABLE_MODULES)} (or 'all-linear')"
             )
         if self.max_steps is not None:
             _check_int(where, "max_steps", self.max_steps, minimum=1)

@@ -4,6 +4,9 @@ The reference is the decoder's own arithmetic (``reference.rms_norm``, which the
 the sum rounded to h's dtype, statistics in fp32, the normalised row rounded to h's dtype,
 then times the weight (one more rounding). The Triton kernel rounds at the same points, so in
 half precision the two differ only by the order of the fp32 sum of squares.
+
+``weight_offset=1.0`` is Gemma's convention (``reference.offset_rms_norm``): the row times
+``1 + w``, all in fp32, rounded once.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import triton
 import triton.language as tl
 
 from .lora_gather import BACKENDS, _require_triton
-from .reference import rms_norm
+from .reference import offset_rms_norm, rms_norm
+
+WEIGHT_OFFSETS = (0.0, 1.0)  # x * w (Llama) or x * (1 + w) (Gemma)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -21,9 +26,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _add_rms_norm_kernel(
     h_ptr, d_ptr, w_ptr, x_ptr, H, h_stride, d_stride, x_stride, eps,
-    HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PLUS_W: tl.constexpr,
 ):
-    """Program per row: h[row] (+)= d[row] (stored back), x[row] = w * norm(h[row])."""
+    """Program per row: h[row] (+)= d[row] (stored back), x[row] = w * norm(h[row]) (or
+    (1 + w) * norm(h[row]) in fp32 with ONE_PLUS_W)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -34,9 +40,12 @@ def _add_rms_norm_kernel(
         tl.store(h_ptr + row * h_stride + offs, h, mask=ok)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
-    n = (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_ptr + row * x_stride + offs, (w * n).to(x_ptr.dtype.element_ty), mask=ok)
+    if ONE_PLUS_W:
+        out = (hf * rstd) * (1.0 + w)
+    else:
+        out = w * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(x_ptr + row * x_stride + offs, out.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> None:
@@ -54,16 +63,23 @@ def _check(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) ->
 
 @torch.no_grad()
 def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
-    """``h [T, H]`` (+)= ``delta [T, H]`` in place (None: no add) -> ``rms_norm(h) [T, H]``."""
+                           eps: float, *, weight_offset: float = 0.0) -> torch.Tensor:
+    """``h [T, H]`` (+)= ``delta [T, H]`` in place (None: no add) -> ``rms_norm(h) [T, H]``
+    (``weight_offset=1.0``: ``offset_rms_norm``, Gemma's ``1 + w``)."""
     _check(h, delta, weight)
+    _check_offset(weight_offset)
     if delta is not None:
         h.add_(delta)
-    return rms_norm(h, weight, eps)
+    return (offset_rms_norm if weight_offset else rms_norm)(h, weight, eps)
+
+
+def _check_offset(weight_offset: float) -> None:
+    if weight_offset not in WEIGHT_OFFSETS:
+        raise ValueError(f"weight_offset={weight_offset!r}; allowed: {WEIGHT_OFFSETS}")
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", weight_offset: float = 0.0) -> torch.Tensor:
     """Same contract as ``add_rms_norm_reference``; ``backend``: "torch", "triton" (CUDA, or CPU
     under TRITON_INTERPRET=1) or "auto" (Triton on CUDA). The Triton path is one launch, a
     program per row (h and delta need unit stride along hidden)."""
@@ -72,7 +88,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if backend == "auto":
         backend = "triton" if h.is_cuda else "torch"
     if backend == "torch":
-        return add_rms_norm_reference(h, delta, weight, eps)
+        return add_rms_norm_reference(h, delta, weight, eps, weight_offset=weight_offset)
+    _check_offset(weight_offset)
     _check(h, delta, weight)
     _require_triton(h)
     if h.stride(1) != 1 or (delta is not None and delta.stride(1) != 1):
@@ -84,6 +101,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         _add_rms_norm_kernel[(t,)](
             h, h if delta is None else delta, weight.contiguous(), x, hidden, h.stride(0),
             0 if delta is None else delta.stride(0), x.stride(0), float(eps),
-            HAS_DELTA=delta is not None, BLOCK_H=block, num_warps=4 if block <= 2048 else 8,
+            HAS_DELTA=delta is not None, BLOCK_H=block, ONE_PLUS_W=bool(weight_offset),
+            num_warps=4 if block <= 2048 else 8,
         )
     return x

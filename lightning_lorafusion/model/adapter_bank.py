@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from ..kernels.reference import LoraModuleWeights, LoraRouting
-from ..specs import ALL_TARGET_MODULES, AdapterSpec, ConfigError
+from ..specs import ADAPTABLE_MODULES, AdapterSpec, ConfigError
 from .decoder import BankView, DecoderConfig
 
 
 def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
     """Seed of one A factor: depends only on (adapter seed, layer, module), so an adapter's
     initial weights do not change with the other adapters in the bank or its own targets."""
-    return (adapter_seed * 1_000_003 + layer * 131 + ALL_TARGET_MODULES.index(module)) % (2**63 - 1)
+    return (adapter_seed * 1_000_003 + layer * 131 + ADAPTABLE_MODULES.index(module)) % (2**63 - 1)
 
 
 class LoraFactors(nn.Module):
@@ -67,10 +67,12 @@ class AdapterBank(nn.Module):
         adapters = []
         for spec in self.specs:
             for module in spec.target_modules:
-                if module not in ALL_TARGET_MODULES:
+                if module not in config.family.projections:
                     raise ConfigError(
-                        f"adapter {spec.name!r}: unknown target module {module!r}; "
-                        f"allowed: {list(ALL_TARGET_MODULES)}"
+                        f"adapter {spec.name!r}: target module {module!r} is not a projection of this "
+                        f"{config.model_type} base; allowed: {list(config.family.projections)}"
+                        + (" (its checkpoint fuses q/k/v and gate/up, as PEFT names them)"
+                           if config.family.fused_qkv or config.family.fused_gate_up else "")
                     )
                 d_in, d_out = config.module_dims(module)
                 if spec.rank > min(d_in, d_out):
@@ -84,7 +86,7 @@ class AdapterBank(nn.Module):
                 layers.append(nn.ModuleDict({
                     m: LoraFactors(spec.rank, *config.module_dims(m),
                                    seed=_init_seed(spec.seed, layer, m), dtype=dtype, device=device, draw=draw_a)
-                    for m in ALL_TARGET_MODULES if m in spec.target_modules
+                    for m in ADAPTABLE_MODULES if m in spec.target_modules
                 }))
             adapters.append(layers)
         self.adapters = nn.ModuleList(adapters)
@@ -135,7 +137,7 @@ class AdapterBank(nn.Module):
         """``{(layer, module): LoraModuleWeights}`` for the decoder (default: all layers)."""
         out = {}
         for layer in range(self.config.num_layers) if layers is None else layers:
-            for module in ALL_TARGET_MODULES:
+            for module in ADAPTABLE_MODULES:
                 w = self.module_weights(layer, module)
                 if w is not None:
                     out[(layer, module)] = w

@@ -17,6 +17,7 @@ def varlen_causal_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seqlen: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each packed sequence.
 
@@ -25,16 +26,21 @@ def varlen_causal_attention(
     ``sliding_window`` W (Mistral/Qwen2 style): query i sees keys j with i - W < j <= i.
     On CUDA uses ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention) when this torch
     has it and the dtype is half precision; elsewhere a per-sequence SDPA loop.
+    ``softcap`` C (Gemma 2): scores become ``C * tanh(scores / C)`` before the softmax. The
+    FlashAttention path has no soft-cap, so soft-capped attention always takes the reference
+    loop (correct, not fast: it materialises ``[heads, L, L]`` per sequence).
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r} must be > 0 or None")
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and softcap is None:
         out = _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen)
         if out is not None:
             return out
-    return sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window)
+    return sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def sdpa_varlen_loop(
@@ -45,8 +51,10 @@ def sdpa_varlen_loop(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference path: one causal SDPA call per sequence (cost is sum of L_i^2, not T^2)."""
+    """Reference path: one causal SDPA call per sequence (cost is sum of L_i^2, not T^2);
+    with ``softcap`` an explicit softmax over capped scores (SDPA has no soft-cap)."""
     bounds = cu_seqlens.tolist()  # host sync; fine for the CPU/reference path
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
@@ -60,6 +68,9 @@ def sdpa_varlen_loop(
         # SDPA wants [heads, L, D]
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         length = end - start
+        if softcap is not None:
+            outs.append(_softcapped_attention(qs, ks, vs, scale, softcap, sliding_window).transpose(0, 1))
+            continue
         if sliding_window is not None and sliding_window < length:
             i = torch.arange(length, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
@@ -68,6 +79,22 @@ def sdpa_varlen_loop(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def _softcapped_attention(q, k, v, scale, softcap, sliding_window):
+    """q ``[Hq, L, D]``, k/v ``[Hkv, L, D]`` -> ``[Hq, L, D]``: causal (and windowed) attention
+    over ``softcap * tanh(q k^T * scale / softcap)``, softmax in fp32."""
+    rep = q.shape[0] // k.shape[0]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(q.shape[1], device=q.device)
+    allowed = i[None, :] <= i[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (i[None, :] > i[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen):

@@ -1,4 +1,6 @@
-"""Functional Llama-family decoder (Llama, Mistral, Qwen2): pure functions over a params pytree.
+"""Functional decoder of the supported families (Llama, Mistral, Qwen2/3, OLMo 2, Gemma 2/3): pure
+functions over a params pytree. How a family's block differs is ``config.family``
+(``family.DecoderFamily``); the block below is built from its per-piece functions.
 
 Params pytree (plain nested dicts; the frozen base tensors are never copied)::
 
@@ -8,7 +10,11 @@ Params pytree (plain nested dicts; the frozen base tensors are never copied)::
                  "k_proj": {"weight": [Hkv*D, H], "bias"?}, "v_proj": {...},
                  "o_proj": {"weight": [H, Hq*D], "bias"?},
                  "mlp_norm": [H],
-                 "gate_proj": {"weight": [I, H]}, "up_proj": {...}, "down_proj": {"weight": [H, I]}},
+                 "gate_proj": {"weight": [I, H]}, "up_proj": {...}, "down_proj": {"weight": [H, I]},
+                 # by family (DecoderFamily.norm_keys): "attn_post_norm", "mlp_post_norm": [H]
+                 # (Gemma, OLMo 2; OLMo 2 has no attn_norm/mlp_norm); "q_norm", "k_norm": [D]
+                 # per head (Qwen3, Gemma 3) or [Hq*D] / [Hkv*D] whole projection (OLMo 2)
+                 },
                 ...],   # FP8 base: each {"weight": W} is {"weight_fp8": uint8 bits, "weight_scale": [N]}
                         # NF4 base: {"weight_nf4": uint8 [N, K/2], "nf4_absmax", ...} (kernels/nf4.py)
      "norm": [H],
@@ -44,8 +50,19 @@ from ..kernels.options import KernelOptions
 from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
 from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
+from .family import (
+    SUPPORTED_MODEL_TYPES,
+    DecoderFamily,
+    attention_scale,
+    embedding_multiplier,
+    family_add_norm,
+    family_norm,
+    gated_activation,
+    qk_norm,
+    soft_cap,
+    swiglu,
+)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 LM_HEAD_LOSSES = ("checkpointed", "fused")  # head_loss_sums: recompute chunks / fused linear CE
 ELEMENTWISE_FUSION_MODES = ("auto", "on", "off")
@@ -56,7 +73,8 @@ BankView = Mapping[tuple[int, str], LoraModuleWeights]
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    """Shape and math options of a Llama-family decoder; build it with ``from_hf``."""
+    """Shape and math options of a decoder; build it with ``from_hf``. ``family``: how the
+    block differs from Llama's (``DecoderFamily``; the default is Llama's block)."""
 
     model_type: str = "llama"
     vocab_size: int
@@ -79,6 +97,7 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; () means none anywhere
+    family: DecoderFamily = field(default_factory=DecoderFamily)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -96,6 +115,8 @@ class DecoderConfig:
             raise ConfigError(
                 f"DecoderConfig.rope_type={self.rope_type!r} is not supported; allowed: {ROPE_TYPES}"
             )
+        if not isinstance(self.family, DecoderFamily):
+            raise ConfigError(f"DecoderConfig.family must be a DecoderFamily; got {type(self.family).__name__}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ConfigError(
                 f"DecoderConfig.sliding_windows has {len(self.sliding_windows)} entries; "
@@ -113,27 +134,26 @@ class DecoderConfig:
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    def local_rope(self, layer: int) -> bool:
+        """True where the layer uses the family's local RoPE base (Gemma 3's sliding layers)."""
+        return self.family.local_rope_theta is not None and self.sliding_window(layer) is not None
+
     def module_dims(self, module: str) -> tuple[int, int]:
-        """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``."""
+        """``(in_features, out_features)`` of a projection, e.g. ``"k_proj" -> (H, Hkv*D)``; also
+        the fused ``qkv_proj`` / ``gate_up_proj``. Which ones a layer holds: ``family.projections``."""
         h, i = self.hidden_size, self.intermediate_size
         dims = {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-                "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+                "qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         if module not in dims:
             raise ConfigError(f"unknown module {module!r}; allowed: {list(dims)}")
         return dims[module]
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "DecoderConfig":
-        """From a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` (v4 or v5)."""
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={model_type!r} is not supported; the decoder implements the Llama "
-                f"family: {SUPPORTED_MODEL_TYPES}"
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act={act!r} is not supported; the decoder implements 'silu'")
+        """From a transformers config of a supported family (``SUPPORTED_MODEL_TYPES``; v4 or v5)."""
+        family = DecoderFamily.from_hf(hf_config)  # ConfigError for an unknown type or feature
+        model_type = hf_config.model_type
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         rope = _rope_fields(hf_config)
@@ -152,9 +172,10 @@ class DecoderConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            o_bias=model_type not in ("mistral", "qwen2", "phi3") and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             sliding_windows=_sliding_windows(hf_config, model_type, n_layers),
+            family=family,
             **rope,
         )
 
@@ -162,6 +183,8 @@ class DecoderConfig:
 def _rope_fields(hf_config: Any) -> dict:
     # transformers v5 keeps everything in `rope_parameters`; v4 has rope_theta + rope_scaling.
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' RoPE here
+        params = dict(params["full_attention"])
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -185,12 +208,16 @@ def _rope_fields(hf_config: Any) -> dict:
 
 def _sliding_windows(hf_config: Any, model_type: str, n_layers: int) -> tuple[int | None, ...]:
     window = getattr(hf_config, "sliding_window", None)
-    if window is None or (model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False)):
+    if window is None or (model_type in ("qwen2", "qwen3")
+                          and not getattr(hf_config, "use_sliding_window", False)):
         return ()
     layer_types = getattr(hf_config, "layer_types", None)
-    if model_type == "qwen2" and layer_types is not None:
+    if model_type in ("gemma2", "gemma3_text") and layer_types is None:
+        raise ConfigError(f"{model_type}: the config has sliding_window but no layer_types; "
+                          "save it with a transformers version that writes layer_types")
+    if model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text") and layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if model_type == "llama":
+    if model_type in ("llama", "olmo2"):
         return ()
     return (window,) * n_layers
 
@@ -198,10 +225,13 @@ def _sliding_windows(hf_config: Any, model_type: str, n_layers: int) -> tuple[in
 # --------------------------------------------------------------------------- building blocks
 
 
-def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
-    """``[D/2]`` fp32 inverse frequencies for the config's RoPE variant."""
+def rope_inv_freq(config: DecoderConfig, device=None, *, local: bool = False) -> torch.Tensor:
+    """``[D/2]`` fp32 inverse frequencies for the config's RoPE variant; ``local=True``: the
+    family's sliding-layer RoPE (default RoPE at ``family.local_rope_theta``, Gemma 3)."""
     d = config.head_dim
     exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    if local:
+        return 1.0 / (config.family.local_rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_type == "linear":
         return inv_freq / config.rope_factor
@@ -219,12 +249,14 @@ def rope_inv_freq(config: DecoderConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None
+    config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
+    *, local: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """position_ids ``[T]`` -> cos, sin ``[T, 1, D]`` (broadcast over heads); ``inv_freq``: the
-    config's ``rope_inv_freq`` if the caller keeps it (the serving loop does, per step)."""
+    config's ``rope_inv_freq`` if the caller keeps it (the serving loop does, per step);
+    ``local``: see ``rope_inv_freq``."""
     if inv_freq is None:
-        inv_freq = rope_inv_freq(config, position_ids.device)
+        inv_freq = rope_inv_freq(config, position_ids.device, local=local)
     freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -277,17 +309,11 @@ def _compiled(fn, compiler: str):
     return _COMPILED[key]
 
 
-def _add_rms_norm(h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float):
-    h = h + o
-    return h, rms_norm(h, weight, eps)
-
-
 def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return F.silu(g) * u
+_swiglu = swiglu  # Llama's MLP group (the fusion tests look for it among the compiled ones)
 
 
 def frozen_weight(p: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | Fp8Weight | Nf4Weight, torch.Tensor | None]:
@@ -337,9 +363,12 @@ def decoder_layer(
     max_seqlen: int | None = None,
     options: DecoderOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
-    """One pre-norm block ``h [T, H] -> [T, H]``: attention then SwiGLU MLP, each with LoRA."""
+    """One block ``h [T, H] -> [T, H]``: attention then gated MLP, each with LoRA, arranged as
+    ``config.family`` says (Llama's pre-norm SwiGLU block by default). ``cos``/``sin``: this
+    layer's RoPE (``decoder_layers`` picks the local or global one per layer)."""
     view = bank_view or {}
     kernel_options = options.kernels
+    family, eps = config.family, config.rms_norm_eps
 
     def lora(*names: str) -> list[LoraModuleWeights | None]:
         return [view.get((layer, n)) for n in names]
@@ -348,37 +377,60 @@ def decoder_layer(
         return dropout_offset(microbatch_index, layer, slot)
 
     t = h.shape[0]
+    norm, add_norm, act, rope_qk = family_norm(family), family_add_norm(family), gated_activation(family), _rope_qk
     if _fuse(backend, h, options):
         c = options.fusion_compiler
-        norm, add_norm, rope_qk, swiglu = (_compiled(rms_norm, c), _compiled(_add_rms_norm, c),
-                                           _compiled(_rope_qk, c), _compiled(_swiglu, c))
+        norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
+                                        _compiled(_rope_qk, c), _compiled(act, c))
+    x = norm(h, lp["attn_norm"], eps) if family.input_norms else h
+    if family.fused_qkv:  # one product, split after (LoRA on the fused projection, as PEFT)
+        wqkv, bqkv = frozen_weight(lp["qkv_proj"])
+        (qkv,) = lora_projections(x, [wqkv], [bqkv], lora("qkv_proj"), routing, dropout_offset=offset(0),
+                                  backend=backend, options=kernel_options)
+        q, k, v = qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
     else:
-        norm, add_norm, rope_qk, swiglu = rms_norm, _add_rms_norm, _rope_qk, _swiglu
-    x = norm(h, lp["attn_norm"], config.rms_norm_eps)
-    (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
-    q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
-                               routing, dropout_offset=offset(0), backend=backend, options=kernel_options)
-    q, k = rope_qk(q.view(t, config.num_heads, config.head_dim),
-                   k.view(t, config.num_kv_heads, config.head_dim), cos, sin)
-    v = v.view(t, config.num_kv_heads, config.head_dim)
-    a = varlen_causal_attention(q, k, v, cu_seqlens, scale=config.head_dim**-0.5,
-                                sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen)
+        (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"),
+                                   routing, dropout_offset=offset(0), backend=backend, options=kernel_options)
+    q, k = q.reshape(t, config.num_heads, config.head_dim), k.reshape(t, config.num_kv_heads, config.head_dim)
+    if family.qk_norm != "none":
+        q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], eps, family)
+    q, k = rope_qk(q, k, cos, sin)
+    v = v.reshape(t, config.num_kv_heads, config.head_dim)
+    a = varlen_causal_attention(q, k, v, cu_seqlens, scale=attention_scale(family, config.head_dim),
+                                sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen,
+                                softcap=family.attn_logit_softcap)
     wo, bo = frozen_weight(lp["o_proj"])
     (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
                             dropout_offset=offset(1), backend=backend, options=kernel_options)
-    h, x = add_norm(h, o, lp["mlp_norm"], config.rms_norm_eps)
-    (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
+    if family.output_norms:
+        o = norm(o, lp["attn_post_norm"], eps)
+    if family.input_norms:
+        h, x = add_norm(h, o, lp["mlp_norm"], eps)
+    else:
+        h = x = h + o
     wd, bd = frozen_weight(lp["down_proj"])
-    # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
-    # for dX, handed over through `operands` (the fused projections' backward takes the
-    # gradient; the torch reference sums its gradient from slices and would not)
-    fp8_mlp = backend == "triton" and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd))
-    operands = QuantizedOperands() if fp8_mlp else None
-    g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
-                            dropout_offset=offset(2), backend=backend, options=kernel_options, operands=operands)
-    mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else swiglu(g, u)
+    operands = None
+    if family.fused_gate_up:  # one product, chunked into gate and up after
+        wgu, bgu = frozen_weight(lp["gate_up_proj"])
+        (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
+                                 backend=backend, options=kernel_options)
+        mid = act(*gu.chunk(2, dim=-1))
+    else:
+        (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
+        # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
+        # for dX, handed over through `operands` (the fused projections' backward takes the
+        # gradient; the torch reference sums its gradient from slices and would not)
+        fp8_mlp = (backend == "triton" and family.activation == "silu"
+                   and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)))
+        operands = QuantizedOperands() if fp8_mlp else None
+        g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing, dropout_offset=offset(2),
+                                backend=backend, options=kernel_options, operands=operands)
+        mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else act(g, u)
     (d,) = lora_projections(mid, [wd], [bd], lora("down_proj"), routing,
                             dropout_offset=offset(3), backend=backend, options=kernel_options, operands=operands)
+    if family.output_norms:
+        d = norm(d, lp["mlp_post_norm"], eps)
     return h + d
 
 
@@ -422,13 +474,21 @@ def decoder_layers(
     if microbatch_index is None:
         microbatch_index = routing.microbatch_index if routing is not None else 0
     cos, sin = rope_cos_sin(config, position_ids, h.dtype)
+    ropes = {False: (cos, sin)}
+    if any(config.local_rope(i) for i in layers):
+        ropes[True] = rope_cos_sin(config, position_ids, h.dtype, local=True)
+    multiplier = embedding_multiplier(config.family, config.hidden_size, h.dtype)
+    if multiplier is not None and 0 in layers:
+        # the family's embedding scale (Gemma): applied here, before the first layer, so every
+        # caller of ``embed`` (training, pipeline stages, CUDA graphs) gets it
+        h = h * multiplier
     if isinstance(checkpoint_layers, bool):
         recompute_below = config.num_layers if checkpoint_layers else 0
     else:
         recompute_below = int(checkpoint_layers)
     recompute_below = recompute_below if torch.is_grad_enabled() else 0
     for i in layers:
-        args = (params["layers"][i], bank_view, h, cos, sin, cu_seqlens, routing)
+        args = (params["layers"][i], bank_view, h, *ropes[config.local_rope(i)], cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
                       max_seqlen=max_seqlen, options=options)
         if i < recompute_below:
@@ -441,9 +501,11 @@ def decoder_layers(
 
 
 def _token_losses(h: torch.Tensor, labels: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
-                  eps: float) -> torch.Tensor:
+                  eps: float, family: DecoderFamily | None = None) -> torch.Tensor:
     """``[C, H]`` -> per-token cross-entropy ``[C]`` fp32 (0 where label is IGNORE_INDEX)."""
-    logits = F.linear(rms_norm(h, norm, eps), lm_head).float()  # [C, V], one chunk at a time
+    family = family or DecoderFamily()
+    logits = F.linear(family_norm(family)(h, norm, eps), lm_head)  # [C, V], one chunk at a time
+    logits = soft_cap(logits, family.final_logit_softcap).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 
@@ -471,7 +533,8 @@ def head_loss_sums(
     with ``nonzero()``, a device->host sync. It is trusted, not checked (checking would sync).
     ``lm_head_loss``: "checkpointed" (backward recomputes each chunk's logits) or "fused"
     (``kernels.linear_cross_entropy``: the forward keeps the input gradient instead, one LM-head
-    GEMM fewer; the final norm and LM head must be frozen).
+    GEMM fewer; the final norm and LM head must be frozen). A family with a final logit
+    soft-cap (Gemma 2) always takes the checkpointed path: the fused kernel has no soft-cap.
     ``row_owner`` ``[T]`` int64: each row's adapter (``num_adapters`` = nobody), given instead
     of ``segments`` (which are then ignored) by a CUDA graph that replays with new owners.
     """
@@ -503,16 +566,18 @@ def head_loss_sums(
     else:
         rows = label_rows.to(device=h.device, dtype=torch.int64, non_blocking=True)
     h, labels, owner = h.index_select(0, rows), labels.index_select(0, rows), owner.index_select(0, rows)
+    if lm_head_loss == "fused" and config.family.final_logit_softcap is not None:
+        lm_head_loss = "checkpointed"  # the fused linear cross-entropy has no logit soft-cap
     if lm_head_loss == "fused":
         if params["norm"].requires_grad:
             raise ValueError("lm_head_loss='fused' gives the final norm no gradient; it must be frozen")
-        pre = functools.partial(rms_norm, weight=params["norm"], eps=config.rms_norm_eps)
+        pre = functools.partial(family_norm(config.family), weight=params["norm"], eps=config.rms_norm_eps)
         return linear_cross_entropy_sums(h, params["lm_head"], labels, owner, num_adapters,
                                          chunk_size=chunk_size, pre=pre, ignore_index=IGNORE_INDEX)
     use_ckpt = torch.is_grad_enabled() and h.requires_grad
     for c0 in range(0, h.shape[0], chunk_size):
         args = (h[c0:c0 + chunk_size], labels[c0:c0 + chunk_size], params["norm"], params["lm_head"],
-                config.rms_norm_eps)
+                config.rms_norm_eps, config.family)
         losses = (checkpoint(_token_losses, *args, use_reentrant=False, preserve_rng_state=False) if use_ckpt
                   else _token_losses(*args))
         sums = sums.index_add(0, owner[c0:c0 + chunk_size], losses)
@@ -535,7 +600,8 @@ def logits(
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
                        backend=backend, options=options)
-    return F.linear(rms_norm(h, params["norm"], config.rms_norm_eps), params["lm_head"])
+    out = F.linear(family_norm(config.family)(h, params["norm"], config.rms_norm_eps), params["lm_head"])
+    return soft_cap(out, config.family.final_logit_softcap)
 
 
 def forward_loss_sums(

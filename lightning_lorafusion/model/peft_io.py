@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..specs import ALL_TARGET_MODULES, ATTENTION_MODULES, ConfigError
+from ..specs import ADAPTABLE_MODULES, ALL_TARGET_MODULES, ATTENTION_MODULES, ConfigError
 from .adapter_bank import AdapterBank
 
 CONFIG_FILE = "adapter_config.json"
@@ -28,7 +28,7 @@ _TEMP_DIR = re.compile(r"\.(?P<name>.+)\.(tmp|old)-[A-Za-z0-9_]{8}")
 
 def peft_key(layer: int, module: str, factor: str) -> str:
     """HF PEFT's saved name, e.g. ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
-    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+    block = "self_attn" if module in ATTENTION_MODULES or module == "qkv_proj" else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{module}.{factor}.weight"
 
 
@@ -72,7 +72,7 @@ def export_peft_adapter(
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": [m for m in ALL_TARGET_MODULES if m in spec.target_modules],
+        "target_modules": [m for m in ADAPTABLE_MODULES if m in spec.target_modules],
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -201,7 +201,8 @@ def read_peft_adapter(peft_dir: str | os.PathLike, where: str
     """Read a PEFT LoRA directory: (adapter_config.json as a dict, target modules in our order,
     weights keyed like ``peft_key``). Refuses, naming ``where``, the PEFT features this project
     does not implement (DoRA, rsLoRA, per-layer rank/alpha patterns, LoRA biases, extra saved
-    modules, transposed weights) and targets outside the Llama family's seven projections."""
+    modules, transposed weights) and targets outside the known projections (the Llama family's seven,
+    and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``)."""
     path = Path(peft_dir)
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(f"{where} has no {CONFIG_FILE}; is it a PEFT adapter directory?")
@@ -219,9 +220,9 @@ def read_peft_adapter(peft_dir: str | os.PathLike, where: str
                           "are supported")
     targets = cfg.get("target_modules")
     targets = set(ALL_TARGET_MODULES) if targets == "all-linear" else targets
-    if isinstance(targets, str) or not targets or not set(targets) <= set(ALL_TARGET_MODULES):
-        raise ConfigError(f"{where} targets {targets!r}; supported: a subset of {list(ALL_TARGET_MODULES)}")
-    ordered = tuple(m for m in ALL_TARGET_MODULES if m in set(targets))
+    if isinstance(targets, str) or not targets or not set(targets) <= set(ADAPTABLE_MODULES):
+        raise ConfigError(f"{where} targets {targets!r}; supported: a subset of {list(ADAPTABLE_MODULES)}")
+    ordered = tuple(m for m in ADAPTABLE_MODULES if m in set(targets))
     return cfg, ordered, _read_peft_weights(path, where)
 
 

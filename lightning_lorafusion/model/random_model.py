@@ -75,13 +75,20 @@ def random_base_params(config: DecoderConfig, layers: range | None = None, *, is
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
+    family = config.family
     biases = {"q_proj": config.qkv_bias, "k_proj": config.qkv_bias, "v_proj": config.qkv_bias,
-              "o_proj": config.o_bias, "gate_proj": config.mlp_bias, "up_proj": config.mlp_bias,
-              "down_proj": config.mlp_bias}
+              "qkv_proj": config.qkv_bias, "o_proj": config.o_bias, "gate_proj": config.mlp_bias,
+              "up_proj": config.mlp_bias, "gate_up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
+    per_head = family.qk_norm == "head"
+    norm_sizes = {"q_norm": config.head_dim if per_head else config.q_size,
+                  "k_norm": config.head_dim if per_head else config.kv_size}
     params: dict[str, Any] = {"layers": {}}
     for i in range(config.num_layers) if layers is None else layers:
-        layer: dict[str, Any] = {"attn_norm": ones(config.hidden_size), "mlp_norm": ones(config.hidden_size)}
-        for module, has_bias in biases.items():
+        # norms start at the identity: w = 1, or w = 0 where the family multiplies by 1 + w
+        layer: dict[str, Any] = {name: ones(norm_sizes.get(name, config.hidden_size)) - family.norm_offset
+                                 for name in family.norm_keys()}
+        for module in family.projections:
+            has_bias = biases[module]
             d_in, d_out = config.module_dims(module)
             layer[module] = {"weight": normal(f"layers.{i}.{module}", d_out, d_in)}
             if has_bias:
@@ -91,7 +98,7 @@ def random_base_params(config: DecoderConfig, layers: range | None = None, *, is
     if is_first or (is_last and tied):
         params["embed"] = normal("embed", config.vocab_size, config.hidden_size)
     if is_last:
-        params["norm"] = ones(config.hidden_size)
+        params["norm"] = ones(config.hidden_size) - family.norm_offset
         params["lm_head"] = params["embed"] if tied else normal("lm_head", config.vocab_size, config.hidden_size)
         if tied and not is_first:
             params.pop("embed")  # only the head uses it here

@@ -72,3 +72,29 @@ def test_bad_inputs_raise_clear_errors(device):
         add_rms_norm(h[0], None, w, 1e-5)
     with pytest.raises(ValueError, match="backend="):
         add_rms_norm(h, None, w, 1e-5, backend="cuda")
+
+
+def test_offset_reference_matches_float64_math():
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(4, 47, generator=g), torch.randn(47, generator=g)
+    want = (1.0 + w.double()) * h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_err(add_rms_norm_reference(h.clone(), None, w, 1e-6, weight_offset=1.0), want) < 1e-6
+    with pytest.raises(ValueError, match="weight_offset=0.5"):
+        add_rms_norm_reference(h.clone(), None, w, 1e-6, weight_offset=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [47, 128])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_triton_one_plus_w_matches_reference(device, dtype, hidden, with_delta):
+    """Gemma's ``1 + w`` weights (near 0, as trained Gemma norms are) through the same kernel."""
+    g = torch.Generator().manual_seed(hidden + 1)
+    h = torch.randn(5, hidden, generator=g).to(device, dtype)
+    d = torch.randn(5, hidden, generator=g).to(device, dtype) if with_delta else None
+    w = (0.3 * torch.randn(hidden, generator=g)).to(device, dtype)
+    h_ref = h.clone()
+    want = add_rms_norm_reference(h_ref, d, w, 1e-6, weight_offset=1.0)
+    got = add_rms_norm(h, d, w, 1e-6, backend="triton", weight_offset=1.0)
+    assert rel_err(got, want) < TOL[dtype]
+    assert rel_err(got, add_rms_norm_reference(h.clone(), None, w, 1e-6)) > 0.1  # the offset matters
+    assert torch.equal(h, h_ref)

@@ -1,20 +1,40 @@
-"""Tiny random Llama-family models built from transformers configs (no downloads); test helpers."""
+"""Tiny random decoder models built from transformers configs (no downloads); test helpers."""
 
 from __future__ import annotations
 
 import torch
 
 
+# Per family: what a tiny config sets beyond the common shape, so each family feature is live
+# (soft-caps small enough to bend the scores, a window shorter than the test sequences, a query
+# scalar unlike head_dim, local and global RoPE bases that differ).
+FAMILY_OVERRIDES = {
+    "llama": {}, "mistral": {}, "qwen2": {},
+    "qwen3": dict(head_dim=12),
+    "olmo2": dict(eos_token_id=100),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=7),
+    "gemma2": dict(head_dim=12, query_pre_attn_scalar=20, sliding_window=5, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"],
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=12, query_pre_attn_scalar=20, sliding_window=5, num_hidden_layers=3,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+                        tie_word_embeddings=True),
+}
+NEW_FAMILIES = ("qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
+
+
 def tiny_hf_config(family: str, **overrides):
     """A 2-layer config of one family; sizes are deliberately not powers of two."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoConfig
 
     common = dict(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+    common.update(FAMILY_OVERRIDES[family])
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
-    return cls(**common)
+    return AutoConfig.for_model(family, **common)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
