@@ -44,6 +44,17 @@ def test_published_codebook_and_layout():
     torch.testing.assert_close(dequantize_nf4_reference(q), torch.tensor([[1.0, -1.0, 0.0, NF4_CODE[13]]]))
 
 
+def _assert_dequantized_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Bit for bit where bitsandbytes' CPU library multiplies in fp32 (as we do); its vectorised
+    half-precision path on some CPUs rounds the product differently, by at most one unit in the
+    last place of the 16-bit result, which is all this allows there."""
+    if torch.equal(ours, theirs):
+        return
+    assert ours.dtype in (torch.float16, torch.bfloat16), "fp32 results must be equal bit for bit"
+    ulp = torch.finfo(ours.dtype).eps
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=ulp, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("blocksize", [64, 32, 128])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -55,7 +66,7 @@ def test_quantize_equals_bitsandbytes_bit_for_bit(shape, blocksize, dtype):
     ours = quantize_nf4_reference(w, blocksize=blocksize)
     assert torch.equal(ours.data.view(-1), q.view(-1))
     assert torch.equal(ours.absmax, state.absmax)
-    assert torch.equal(dequantize_nf4_reference(ours, dtype), F.dequantize_4bit(q, state))
+    _assert_dequantized_equal(dequantize_nf4_reference(ours, dtype), F.dequantize_4bit(q, state))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -83,7 +94,7 @@ def test_double_quantization_against_bitsandbytes(shape, dtype):
     live = ours.nested_absmax[block] > 0  # (an all-equal absmax centres to 0: any index decodes to 0)
     assert torch.all((d_bnb - d_ours)[live] < 1e-4)  # where the two differ, it was a near-tie
     theirs = _from_bnb(q, state)
-    assert torch.equal(dequantize_nf4_reference(theirs, dtype), F.dequantize_4bit(q, state))
+    _assert_dequantized_equal(dequantize_nf4_reference(theirs, dtype), F.dequantize_4bit(q, state))
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
