@@ -355,7 +355,8 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
                                 options=options)
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
-        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options)
+        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
+                                     checkpoint_layers=args.checkpoint_layers if runner is None else 0)
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
         _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner, options))
@@ -389,7 +390,8 @@ def _profile(args, label, fn) -> None:
             f.write(table)
 
 
-def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS):
+def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS,
+               checkpoint_layers=0):
     t0 = timed(device)
     tokens = 0
     for mb in mbs:
@@ -402,7 +404,8 @@ def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, op
         routing = bank.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=config, backend=backend,
-                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options)
+                                 max_seqlen=mb.max_seqlen, label_rows=mb.label_rows, options=options,
+                                 checkpoint_layers=checkpoint_layers)
         adapter_loss(sums, mb.loss_denominators).backward()
         for a in mb.step_adapters:
             opts[a].step()
@@ -428,6 +431,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp8-fast-accum", type=comma_list(("off", "forward", "both")), default=["off"],
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")
+    ap.add_argument("--checkpoint-layers", type=int, default=0,
+                    help="eager variants: activation checkpointing of the first N decoder layers (each keeps "
+                         "only its input for backward and recomputes the rest; model.activation_checkpointing)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
     ap.add_argument("--memory-peak", action="store_true",
                     help="eager variants: what is live at one microbatch's memory peak, by allocating line "
@@ -485,7 +491,8 @@ def run_variant(args, w: dict, variant: str, precision: str, accum: str) -> tupl
 
 def print_table(rows: list[dict], args, device_name: str) -> None:
     print(f"\n{device_name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
-          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout}")
+          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} p={args.dropout} "
+          f"capacity={args.capacity} checkpoint_layers={args.checkpoint_layers}")
     base = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf"), rows[0]["tokens_per_s"])
     best_hf = max((r["tokens_per_s"] for r in rows if r["variant"] in HF_PEFT_VARIANTS), default=base)
     frozen = next((r["tokens_per_s"] for r in rows if r["variant"] == "hf_frozen"), float("nan"))

@@ -620,12 +620,15 @@ def forward_loss_sums(
     label_rows: torch.Tensor | None = None,
     lm_head_loss: str = "checkpointed",
     options: DecoderOptions = DEFAULT_OPTIONS,
+    checkpoint_layers: bool | int = False,
 ) -> torch.Tensor:
     """Whole model on one packed microbatch: per-adapter summed loss ``[num_adapters]`` fp32.
     ``max_seqlen`` / ``label_rows``: the microbatch's host-built metadata, if known (no syncs);
-    ``lm_head_loss``: see ``head_loss_sums``; ``options``: see ``decoder_layers``."""
+    ``lm_head_loss``: see ``head_loss_sums``; ``options`` and ``checkpoint_layers``: see
+    ``decoder_layers``."""
     h = embed(params, input_ids)
     h = decoder_layers(params, bank_view, h, position_ids, cu_seqlens, routing, config=config,
-                       backend=backend, max_seqlen=max_seqlen, options=options)
+                       backend=backend, max_seqlen=max_seqlen, options=options,
+                       checkpoint_layers=checkpoint_layers)
     return head_loss_sums(params, h, labels, routing.segments, routing.num_adapters, config=config,
                           chunk_size=chunk_size, label_rows=label_rows, lm_head_loss=lm_head_loss)
