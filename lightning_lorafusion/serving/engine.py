@@ -1,4 +1,10 @@
-"""The generation engine: requests in, tokens out; each step runs scheduler -> runner -> sampler."""
+"""The generation engine: requests in, tokens out; each step runs scheduler -> runner -> sampler.
+
+This module wires the engine (pool, scheduler, runner) and holds its public API; ``Engine``
+takes its other concerns from one class each: the step (``engine_step``), the output assembly
+(``engine_output``), the loop thread and event sinks (``engine_loop``), the adapter registry
+(``engine_adapters``) and the warm-up (``warm_up``).
+"""
 
 from __future__ import annotations
 
