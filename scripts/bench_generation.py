@@ -21,7 +21,7 @@ scheduling, sampling, events; not timed apart under the overlapped decode).
 The engine runs with prefix caching off unless ``--prefix-caching``: the repeated runs send the
 same prompts, which would otherwise hit the cache.
 
-``--prefill-attention varlen,paged`` (``EngineConfig.prefill_attention``, a comma list) runs the
+``--prefill-attention varlen,paged`` (``EngineTuning.prefill_attention``, a comma list) runs the
 engine phases once per value, each in a new engine over the same weights ("varlen_" / "paged_"
 rows). ``--prefill-reps N`` adds a ``prefill`` phase per engine: all requests with one new token
 (each finishes in the step that prefills it), N times: wall time (the prefill steps and their
@@ -32,11 +32,11 @@ host work), prompt tokens/s and mean TTFT, min and median over the N.
 per output channel, an untied embedding per row; "fp8_" rows), so decode reads half the
 frozen bytes per step. On a CPU the FP8 products are emulated.
 
-``--async-decode off,on`` (``EngineConfig.async_decode``, a comma list; default ``auto``) runs
+``--async-decode off,on`` (``EngineTuning.async_decode``, a comma list; default ``auto``) runs
 the engine phases once per value ("async_off_" / "async_on_" rows): decode-only steps read
 before the next is planned, or overlapped with the host (the next launched first).
 
-``--mixed-graphs off,on`` (``EngineConfig.mixed_graphs``, a comma list; default ``auto``) runs
+``--mixed-graphs off,on`` (``EngineTuning.mixed_graphs``, a comma list; default ``auto``) runs
 the engine phases once per value ("mixed_off_" / "mixed_on_" rows): steps with prefill rows
 eager, or padded to token buckets and run as captured pieces around attention.
 
@@ -72,7 +72,7 @@ import torch  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize_base_fp8  # noqa: E402
 from lightning_lorafusion.model.random_model import write_random_llama  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
+from lightning_lorafusion.serving.config import PREFILL_ATTENTION, EngineTuning  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES  # noqa: E402
 
 SHAPES = {
@@ -428,12 +428,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="EngineConfig.prefix_caching (off: the repeated runs send the same prompts again, "
                          "which would hit the cache and not measure the same work)")
     ap.add_argument("--prefill-attention", type=comma_list(PREFILL_ATTENTION), default=["auto"],
-                    help="EngineConfig.prefill_attention, a comma list: the engine phases once per value")
+                    help="EngineTuning.prefill_attention, a comma list: the engine phases once per value")
     ap.add_argument("--mixed-graphs", type=comma_list(("auto", "on", "off", "eager")), default=["auto"],
-                    help="EngineConfig.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
+                    help="EngineTuning.mixed_graphs (steps with prefill rows as CUDA graphs in pieces), a comma "
                          "list: the engine phases once per value (\"mixed_on_\" / \"mixed_off_\" rows)")
     ap.add_argument("--async-decode", type=comma_list(("auto", "on", "off")), default=["auto"],
-                    help="EngineConfig.async_decode (decode steps overlapped with the host), a comma list: the "
+                    help="EngineTuning.async_decode (decode steps overlapped with the host), a comma list: the "
                          "engine phases once per value, in that order (\"async_on_\" / \"async_off_\" rows)")
     ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8")), default=["bf16"],
                     help="the engine's frozen base: bf16 (as built) and/or fp8 (quantized), a comma list")
@@ -504,8 +504,10 @@ class Bench:
                             EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                                          gpu_memory_fraction=args.memory_fraction, backend=args.backend,
                                          cpu_pool_mib=1024, cuda_graphs=v["cuda_graphs"],
-                                         prefix_caching=args.prefix_caching, prefill_attention=v["prefill_attention"],
-                                         mixed_graphs=v["mixed_graphs"], async_decode=v["async_decode"]),
+                                         prefix_caching=args.prefix_caching,
+                                         tuning=EngineTuning(prefill_attention=v["prefill_attention"],
+                                                             mixed_graphs=v["mixed_graphs"],
+                                                             async_decode=v["async_decode"])),
                             device=self.device, dtype=self.dtype)
         pool = engine.pool
         self.report[v["prefix"] + "engine"] = {

@@ -62,6 +62,7 @@ from bench_generation import SHAPES, add_trace_args, build_model, make_requests,
 
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig  # noqa: E402
+from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.engine_process import EngineClient  # noqa: E402
 
 BASE_MODEL = "base"
@@ -504,7 +505,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="EngineConfig.prefill_wait_steps (prefill coalescing) of every engine")
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--mixed-graphs", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.mixed_graphs: steps with prefill rows as CUDA graphs in pieces")
+                    help="EngineTuning.mixed_graphs: steps with prefill rows as CUDA graphs in pieces")
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the engine and server threads share the GIL)")
@@ -550,7 +551,7 @@ def build_setup(args) -> Setup:
         EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                      gpu_memory_fraction=args.memory_fraction, num_pages=args.num_pages, backend=args.backend,
                      cpu_pool_mib=1024, cuda_graphs=args.graphs, prefill_wait_steps=args.prefill_wait_steps,
-                     mixed_graphs=args.mixed_graphs))
+                     tuning=EngineTuning(mixed_graphs=args.mixed_graphs)))
     engine = build()  # the direct mode's (and without --engine-process the server's)
     # built second, so its pool is sized from what the first left free (both fit a 1B model on 80 GB)
     served = {"http": EngineClient(build) if args.engine_process else engine}

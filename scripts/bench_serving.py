@@ -28,7 +28,7 @@ evictions, engine steps, prefill chunks, preemptions, pool use (pages, sampled e
 and peak GPU memory. The points run with chunked prefill on (``--chunked-prefill off``: off;
 the engine's default is off, docs/serving.md) and ``--max-batched-tokens`` (default the
 engine's); ``--unchunked N,..``: those points again with chunked prefill off.
-``--prefill-attention``: every engine's ``EngineConfig.prefill_attention`` (each row records the
+``--prefill-attention``: every engine's ``EngineTuning.prefill_attention`` (each row records the
 resolved value).
 
 Baselines (HF transformers + PEFT, the model holding N adapters), at the points ``--baseline-at``
@@ -71,7 +71,7 @@ from bench_generation import SHAPES, attach_peft, build_model, left_padded, rand
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter, host_adapter_from_factors  # noqa: E402
-from lightning_lorafusion.serving.config import PREFILL_ATTENTION  # noqa: E402
+from lightning_lorafusion.serving.config import PREFILL_ATTENTION, EngineTuning  # noqa: E402
 
 
 log = logger("bench_serving")
@@ -249,8 +249,8 @@ def engine_config(args, chunked: bool) -> EngineConfig:
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     return EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
                         cpu_pool_mib=args.cpu_pool_mib, enable_chunked_prefill=chunked,
-                        prefill_attention=args.prefill_attention, mixed_graphs=args.mixed_graphs,
-                        async_decode=args.async_decode, **extra)
+                        tuning=EngineTuning(prefill_attention=args.prefill_attention, mixed_graphs=args.mixed_graphs,
+                                            async_decode=args.async_decode), **extra)
 
 
 def run_ours(model_bits, adapters: list[HostAdapter], trace: list[TraceItem], args, device, dtype, *,
@@ -418,11 +418,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="on", help="for the points")
     ap.add_argument("--unchunked", type=_ints, default=[], help="points (N) run again with chunked prefill off")
     ap.add_argument("--prefill-attention", choices=PREFILL_ATTENTION, default="auto",
-                    help="EngineConfig.prefill_attention of every engine")
+                    help="EngineTuning.prefill_attention of every engine")
     ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
-                    help="EngineConfig.mixed_graphs: steps with prefill rows as pieces around attention")
+                    help="EngineTuning.mixed_graphs: steps with prefill rows as pieces around attention")
     ap.add_argument("--async-decode", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.async_decode: decode-only steps overlapped with the host")
+                    help="EngineTuning.async_decode: decode-only steps overlapped with the host")
     ap.add_argument("--baselines", default="peft_mixed,peft_switch")
     ap.add_argument("--baseline-max-adapters", type=int, default=64, help="no baseline above this N")
     ap.add_argument("--baseline-at", type=_ints, default=None, help="points (N) with baselines (default: all <= max)")

@@ -1,8 +1,11 @@
-"""EngineConfig: pool size, batching limits and kernel backend of the generation engine."""
+"""EngineConfig: pool size, batching limits and kernel backend of the generation engine, with its
+execution modes (EngineTuning, whose defaults suit every device) nested under ``tuning``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 from ..specs import ConfigError
 
@@ -11,6 +14,46 @@ CUDA_GRAPHS = ("auto", "on", "off")
 PREFILL_ATTENTION = ("auto", "varlen", "paged")
 MIXED_GRAPHS = ("auto", "on", "off", "eager")
 ASYNC_DECODE = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineTuning:
+    """How the engine runs its steps, apart from what it computes: every mode's default
+    ("auto", or None) picks the fastest path measured for the device and kernels, and the
+    others exist to compare paths (benchmarks, tests) or to rule one out when debugging.
+    ``EngineConfig(tuning=EngineTuning(mixed_graphs="off"))``."""
+
+    decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
+    # attention of prompts prefilled from position 0: "varlen" (their own tokens, FlashAttention
+    # varlen on CUDA), "paged" (over their pages, with the prefix hits and later chunks in one
+    # paged prefill launch per layer), "auto" (the default: paged with the Triton kernels, varlen
+    # with the torch ones; paged prefilled 6% faster at the 8B shape on an H100, docs/serving.md)
+    prefill_attention: str = "auto"
+    # steps with prefill rows padded to token buckets and run as pieces around attention
+    # (mixed_graphs.py): "off" (one eager forward), "eager" (the pieces run eagerly: the CPU
+    # path of the same code), "on" (each piece a CUDA graph; CUDA + Triton), "auto" (the
+    # default: on where decode steps run as CUDA graphs). On the 1B Poisson trace on an H100,
+    # on: 1.48x the tokens/s of off, time to first token p50 0.03 s against 1.81 s
+    # (docs/BENCHMARKS.md, "Mixed steps as CUDA graphs")
+    mixed_graphs: str = "auto"
+    # overlapped decode (vLLM's async scheduling, SGLang's overlap scheduler): while a decode-only
+    # step runs on the device, the next one (the same rows, each fed the token the running step
+    # samples, copied on the device) is planned and launched before the running step's tokens
+    # are read, so scheduling, detokenization and events overlap the device. A row that stops
+    # on a stop token or string costs one discarded row in the step after. "auto" (the
+    # default): on with CUDA; "on": also on a CPU (the same logic, nothing to overlap); "off"
+    async_decode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.decode_backend is not None and self.decode_backend not in BACKENDS:
+            raise ConfigError(f"EngineTuning.decode_backend={self.decode_backend!r}; allowed: {BACKENDS} or None")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ConfigError(f"EngineTuning.prefill_attention={self.prefill_attention!r}; "
+                              f"allowed: {PREFILL_ATTENTION}")
+        if self.mixed_graphs not in MIXED_GRAPHS:
+            raise ConfigError(f"EngineTuning.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
+        if self.async_decode not in ASYNC_DECODE:
+            raise ConfigError(f"EngineTuning.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,13 +82,7 @@ class EngineConfig:
     prefill_wait_steps: int = 0
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
-    decode_backend: str | None = None  # lora_gather + paged attention, if not ``backend``
     cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
-    # attention of prompts prefilled from position 0: "varlen" (their own tokens, FlashAttention
-    # varlen on CUDA), "paged" (over their pages, with the prefix hits and later chunks in one
-    # paged prefill launch per layer), "auto" (the default: paged with the Triton kernels, varlen
-    # with the torch ones; paged prefilled 6% faster at the 8B shape on an H100, docs/serving.md)
-    prefill_attention: str = "auto"
     prefetch_depth: int = 8  # queued requests whose adapters are paged in ahead, into free pages only
     kv_watermark: float = 0.01  # fraction of pages kept free when admitting (room for decode growth)
     prefix_caching: bool = True  # share full KV pages of equal leading tokens per adapter (docs/serving.md)
@@ -53,22 +90,16 @@ class EngineConfig:
     # to the originals, so a caller that shares its own weights (a training module) holds both: off there
     fuse_projections: bool = True
     seed: int = 0  # seeds the per-request generators of requests that give no seed
-    # steps with prefill rows padded to token buckets and run as pieces around attention
-    # (mixed_graphs.py): "off" (one eager forward), "eager" (the pieces run eagerly: the CPU
-    # path of the same code), "on" (each piece a CUDA graph; CUDA + Triton), "auto" (the
-    # default: on where decode steps run as CUDA graphs). On the 1B Poisson trace on an H100,
-    # on: 1.48x the tokens/s of off, time to first token p50 0.03 s against 1.81 s
-    # (docs/BENCHMARKS.md, "Mixed steps as CUDA graphs")
-    mixed_graphs: str = "auto"
-    # overlapped decode (vLLM's async scheduling, SGLang's overlap scheduler): while a decode-only
-    # step runs on the device, the next one (the same rows, each fed the token the running step
-    # samples, copied on the device) is planned and launched before the running step's tokens
-    # are read, so scheduling, detokenization and events overlap the device. A row that stops
-    # on a stop token or string costs one discarded row in the step after. "auto" (the
-    # default): on with CUDA; "on": also on a CPU (the same logic, nothing to overlap); "off"
-    async_decode: str = "auto"
+    # execution modes a user need not set (their "auto" defaults suit every device); YAML: a
+    # nested mapping (``tuning: {mixed_graphs: eager}``)
+    tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tuning, Mapping):
+            object.__setattr__(self, "tuning", EngineTuning(**self.tuning))
+        elif not isinstance(self.tuning, EngineTuning):
+            raise ConfigError(f"EngineConfig.tuning must be an EngineTuning or a mapping of its fields; "
+                              f"got {type(self.tuning).__name__}")
         for name in ("page_size", "cpu_pool_mib", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
@@ -82,22 +113,41 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} (every running request decodes one token per step)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"EngineConfig.max_model_len={self.max_model_len} must be >= 2")
-        for name in ("backend", "decode_backend"):
-            value = getattr(self, name)
-            if value not in BACKENDS and not (name == "decode_backend" and value is None):
-                raise ConfigError(f"EngineConfig.{name}={value!r}; allowed: {BACKENDS}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"EngineConfig.backend={self.backend!r}; allowed: {BACKENDS}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}; allowed: {CUDA_GRAPHS}")
-        if self.prefill_attention not in PREFILL_ATTENTION:
-            raise ConfigError(f"EngineConfig.prefill_attention={self.prefill_attention!r}; "
-                              f"allowed: {PREFILL_ATTENTION}")
-        if self.mixed_graphs not in MIXED_GRAPHS:
-            raise ConfigError(f"EngineConfig.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
-        if self.async_decode not in ASYNC_DECODE:
-            raise ConfigError(f"EngineConfig.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
         if self.prefill_wait_steps < 0:
             raise ConfigError(f"EngineConfig.prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ConfigError(f"EngineConfig.kv_watermark={self.kv_watermark} must be in [0, 1)")
+
+
+# EngineConfig fields that moved into EngineTuning: passing one flat names its new place
+MOVED_TO_TUNING = tuple(f.name for f in fields(EngineTuning))
+
+
+def moved_key_error(name: str) -> ConfigError:
+    return ConfigError(f"EngineConfig.{name} moved to EngineConfig.tuning.{name}: pass "
+                       f"EngineConfig(tuning=EngineTuning({name}=...)), in YAML `engine: {{tuning: {{{name}: ...}}}}`, "
+                       f"on the command line --engine.tuning.{name}")
+
+
+def _refuse_moved_keys(init):
+    """Wrap the dataclass's ``__init__``: a moved key raises ``moved_key_error`` (a ConfigError)
+    instead of Python's TypeError about an unexpected argument. functools.wraps keeps the
+    signature that jsonargparse reads."""
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name in MOVED_TO_TUNING:
+                raise moved_key_error(name)
+        init(self, **kwargs)
+
+    return __init__
+
+
+EngineConfig.__init__ = _refuse_moved_keys(EngineConfig.__init__)

@@ -16,7 +16,7 @@ from ..model.peft_io import CONFIG_FILE
 from ..specs import ConfigError
 from .adapters import UnknownAdapterError
 from .checkpoint import read_checkpoint_adapters
-from .config import PREFILL_ATTENTION
+from .config import PREFILL_ATTENTION, EngineTuning
 
 PROG = "lightning-lorafusion generate"
 # per-line keys of the prompts file that override the command line's sampling settings
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda_graphs", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--prefill_attention", default="auto", choices=PREFILL_ATTENTION,
                    help="How prompts attend while prefilled: varlen, paged (the paged prefill kernel), "
-                        "auto (default: paged with the Triton kernels, i.e. on CUDA; docs/serving.md).")
+                        "auto (default: paged with the Triton kernels, i.e. on CUDA; docs/serving.md); "
+                        "EngineTuning.prefill_attention.")
     p.add_argument("--progress", default="auto", choices=("auto", "on", "off"),
                    help="Requests done and generated tokens/s on standard error while generating (auto: only "
                         "when standard error is a terminal; the results never mix with it).")
@@ -231,7 +232,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         if not isinstance(dtype, torch.dtype):
             raise ConfigError(f"--dtype {args.dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(8192, args.max_num_seqs),
-                          cuda_graphs=args.cuda_graphs, prefill_attention=args.prefill_attention)
+                          cuda_graphs=args.cuda_graphs, tuning=EngineTuning(prefill_attention=args.prefill_attention))
     engine = Engine.from_pretrained(args.base_model, {n: str(p) for n, p in adapters.items() if p is not None},
                                     config, device=args.device, dtype=dtype)
     for a in from_ckpt:

@@ -20,9 +20,8 @@ import dataclasses
 import torch
 
 from ..capture import gc_paused
-from ..kernels.rms_norm import add_rms_norm
-from ..model.decoder import embed, rope_cos_sin
 from ..specs import ALL_TARGET_MODULES
+from .paged_forward import after_attention, attention, before_attention, embed_rows, final_norm
 from .step_batch import PrefillLora, StepBatch
 
 
@@ -84,22 +83,21 @@ class MixedPieces:
 
     def piece(self, i: int) -> None:
         """Piece i of L + 1 (see the module docstring), on the static buffers."""
-        r = self.runner
-        cfg, params, b = r.config, r.params, self.batch
+        m, b = self.runner.model, self.batch
+        layers = m.params["layers"]
         if i == 0:
-            self.h = embed(params, b.input_ids)
-            self.cos, self.sin = rope_cos_sin(cfg, b.positions, self.h.dtype, r.inv_freq)
+            self.h, self.cos, self.sin = embed_rows(m, b)
             d = None
         else:
-            d = r._after_attention(i - 1, params["layers"][i - 1], self.h, self.attn, b)
-        if i < cfg.num_layers:
-            q, k, v = r._before_attention(i, params["layers"][i], self.h, d, self.cos, self.sin, b)
+            d = after_attention(m, i - 1, layers[i - 1], self.h, self.attn, b)
+        if i < m.config.num_layers:
+            q, k, v = before_attention(m, i, layers[i], self.h, d, self.cos, self.sin, b)
             self.q.copy_(q)
             if self.k is not None:
                 self.k.copy_(k)
                 self.v.copy_(v)
         else:
-            self.final = add_rms_norm(self.h, d, params["norm"], cfg.rms_norm_eps, backend=r.kernel_backend)
+            self.final = final_norm(m, self.h, d)
 
     def _capture(self, pool) -> None:
         graphs = []
@@ -156,7 +154,7 @@ class MixedPieces:
         r = self.runner
         for i in range(r.config.num_layers + 1):
             if i:
-                self.attn.copy_(r._attention(i - 1, self.q, self.k, self.v, batch))
+                self.attn.copy_(attention(r.model, i - 1, self.q, self.k, self.v, batch))
             if self.graphs is not None:
                 self.graphs[i].replay()
             else:

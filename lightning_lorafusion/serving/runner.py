@@ -1,26 +1,16 @@
-"""The tensors of one engine step: a mixed prefill + decode forward over the paged KV cache.
+"""The tensors of one engine step: its rows built into a ``StepBatch``, and the paged forward over
+them run eagerly, padded as mixed-step pieces, or replayed as a decode CUDA graph.
 
 Rows of a step: first every prefill request's tokens (from its first uncached position), then
-one token per decode request. Linear layers run once over all rows: q/k/v and gate/up as one
-GEMM each (``fused_weights``). Prefill rows' LoRA is added into those outputs by row tiles of one
-request each (``lora_segments``: one shrink per group of projections sharing an input, one
-expand per projection, the factors read where the pool holds them; one table of tiles and one
-of the step's adapters' offsets serve every layer). Decode rows'
-LoRA is gathered (each row its own adapter and rank, weights read from the pool): one shrink per
-group of projections sharing an input, the expand fused into what consumes the projection
-(``lora_epilogues``: RoPE + KV write, SwiGLU; ``lora_gather`` for o and down). Residual adds are
-fused into the next RMSNorm (``add_rms_norm``): a layer returns its MLP output and the next one
-adds it.
-Attention: every row's keys and values are written into the pages first. Prefill requests that
-start after tokens already in their pages (a reused cached prefix, an earlier chunk) attend over
-their pages (``paged_prefill_attention``: all of them in one launch per layer); those that start
-at position 0 join them there (``prefill_attention`` "paged", or "auto" with the Triton
-kernels) or come first and attend to their own tokens (varlen causal, "varlen"); decode rows
-attend to their cached pages (``paged_decode_attention``).
+one token per decode request. Prefill requests with nothing cached attend to their own tokens
+(``prefill_attention`` "varlen") and come first; the others attend over their pages. Prefill
+rows' LoRA goes by row tiles of one request each (one table of tiles and one of the step's
+adapters' offsets serve every layer); decode rows' LoRA is gathered from the persistent decode
+tables. The math of the forward is ``paged_forward.py``.
 
 A decode-only step reads its inputs from persistent buffers (``DecodeInputs``) and, on CUDA,
 replays a captured graph of the whole forward for its batch-size bucket (``DecodeGraphs``).
-Steps with prefill rows run eagerly, or (``EngineConfig.mixed_graphs``, on by default on CUDA)
+Steps with prefill rows run eagerly, or (``EngineTuning.mixed_graphs``, on by default on CUDA)
 padded to a token bucket as captured pieces around attention (``mixed_graphs.MixedPieces``): then
 the decode rows come first and take their LoRA from the persistent decode tables (one gather
 over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``lora_segments``.
@@ -33,30 +23,17 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..kernels.fp8_linear import frozen_projections
-from ..kernels.lora_epilogues import rope_write_kv, swiglu
-from ..kernels.lora_gather import GatheredLora, lora_gather
-from ..kernels.lora_segments import block_r_for, segment_lora_add, segment_tiles
-from ..kernels.paged_attention import paged_decode_attention
-from ..kernels.paged_prefill import paged_prefill_attention
-from ..kernels.rms_norm import add_rms_norm
-from ..model.attention import varlen_causal_attention
-from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin, rope_inv_freq
+from ..kernels.lora_segments import block_r_for, segment_tiles
+from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
-from .fused_weights import FUSED_PROJECTIONS
 from .mixed_graphs import MixedPieces
+from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
-from .step_batch import MODULE_INDEX as _MODULE_INDEX, PrefillLora, PrefixRows, StepBatch
+from .step_batch import PrefillLora, PrefixRows, StepBatch
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
-# groups of projections sharing an input: (fused weight key or None, members in output order);
-# members are consecutive in ALL_TARGET_MODULES, so a group's decode tables are one slice
-_QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
-_O = (None, ("o_proj",))
-_GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
-_DOWN = (None, ("down_proj",))
 # the rank block of the mixed-step pieces of steps without LoRA rows (block_r_for's smallest)
 BASE_BLOCK_R = block_r_for(0)
 
@@ -89,6 +66,9 @@ class ModelRunner:
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
+        self.model = PagedDecoder(config=config, params=params, pool=pool, kernel_backend=self.kernel_backend,
+                                  lora_backend=self.lora_backend,
+                                  prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq)
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -186,12 +166,12 @@ class ModelRunner:
         local: dict[int, int] = {}  # adapter key -> index in the step's LoRA tables
         residents: list[ResidentAdapter] = []
 
-        def adapter_index(state: RequestState) -> int:
+        def add_segment(state: RequestState, start: int, end: int) -> None:
             key = state.adapter.key
-            if key not in local:
+            if key not in local:  # the adapter's index in the step's LoRA tables
                 local[key] = len(residents)
                 residents.append(state.resident)
-            return local[key]
+            segments.append((start, end, local[key]))
 
         # fresh: attend to their own tokens (varlen); paged: over their pages (one launch)
         own = [self.prefill_attention == "varlen" and st.num_cached == 0 for st in prefill]
@@ -201,23 +181,9 @@ class ModelRunner:
         if pad:  # decode rows first (their LoRA tables start at row 0 in any bucket), then prefill
             self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
         n_decode_first = len(ids)
-        cu = [0]  # row bounds of the prefill requests in row order (fresh, then paged), from their first row
-        for i in fresh + paged:
-            state = prefill[i]
-            first = state.num_cached
-            end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
-            toks = state.all_ids[first:end]
-            start = len(ids)
-            ids += toks
-            pos += range(first, first + len(toks))
-            slot_pages += [state.pages[p // s] for p in range(first, first + len(toks))]
-            cu.append(len(ids) - n_decode_first)
-            if state.resident is not None:
-                segments.append((start, len(ids), adapter_index(state)))
-            first_out = (start if state.wants_prompt_logprobs
-                         else len(ids) - 1 if end == state.num_tokens else len(ids))
-            spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
-            out_rows += range(first_out, len(ids))
+        # row bounds of the prefill requests in row order (fresh, then paged), from their first row
+        cu = self._add_prefill_rows(prefill, fresh + paged, prefill_lens, ids, pos, slot_pages, spans, out_rows,
+                                    add_segment)
         n_prefill, n_fresh = len(ids) - n_decode_first, cu[len(fresh)]
         if not pad:
             self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
@@ -254,6 +220,33 @@ class ModelRunner:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
+
+    def _add_prefill_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
+                          prefill_lens: Sequence[int] | None, ids: list[int], pos: list[int], slot_pages: list[int],
+                          spans: list[tuple[int, int]], out_rows: list[int], add_segment) -> list[int]:
+        """Append the rows of ``prefill[i]`` for i in ``order`` to the step's row lists (each
+        adapted request's rows also to its LoRA segments, through ``add_segment(state, start,
+        end)``) -> their row bounds, from their first row."""
+        s = self.pool.page_size
+        n_before = len(ids)
+        cu = [0]
+        for i in order:
+            state = prefill[i]
+            first = state.num_cached
+            end = state.num_tokens if prefill_lens is None else first + prefill_lens[i]
+            toks = state.all_ids[first:end]
+            start = len(ids)
+            ids += toks
+            pos += range(first, first + len(toks))
+            slot_pages += [state.pages[p // s] for p in range(first, first + len(toks))]
+            cu.append(len(ids) - n_before)
+            if state.resident is not None:
+                add_segment(state, start, len(ids))
+            first_out = (start if state.wants_prompt_logprobs
+                         else len(ids) - 1 if end == state.num_tokens else len(ids))
+            spans[i] = (len(out_rows), len(out_rows) + len(ids) - first_out)
+            out_rows += range(first_out, len(ids))
+        return cu
 
     def _add_decode_rows(self, decode: Sequence[RequestState], n_prefill_requests: int, ids: list[int],
                          pos: list[int], slot_pages: list[int], spans: list[tuple[int, int]],
@@ -356,126 +349,8 @@ class ModelRunner:
             if pieces is None:
                 pieces = self._mixed[(rows, block_r)] = self._new_pieces(rows, block_r)
             return pieces.run(batch)
-        cfg, params = self.config, self.params
-        h = embed(params, batch.input_ids)
-        cos, sin = rope_cos_sin(cfg, batch.positions, h.dtype, self.inv_freq)
-        d = None
-        for layer in range(cfg.num_layers):
-            d = self._layer(layer, params["layers"][layer], h, d, cos, sin, batch)
-        if batch.output_rows is not None:
-            h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
-        return add_rms_norm(h, d, params["norm"], cfg.rms_norm_eps, backend=self.kernel_backend)
+        return paged_forward(self.model, batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
-        return F.linear(hidden, self.params["lm_head"]).float()
-
-    def _layer(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-               cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
-        in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
-        pieces: what a piecewise graph would capture before attention, attention (its launch
-        grids depend on the step's requests), and what it would capture after."""
-        q, k, v = self._before_attention(layer, lp, h, d, cos, sin, batch)
-        attn = self._attention(layer, q, k, v, batch)
-        return self._after_attention(layer, lp, h, attn, batch)
-
-    def _before_attention(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-                          cos: torch.Tensor, sin: torch.Tensor,
-                          batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Residual add + norm, q/k/v (+ LoRA), RoPE and the KV write -> q, k, v ``[T, heads, D]``."""
-        cfg, kb = self.config, self.kernel_backend
-        t = h.shape[0]
-        x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
-        q, k, v = self._projections(x, lp, _QKV, layer, batch)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        rope_write_kv(q, k, v, cos, sin, self.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
-                      lora=self._gathered(x, layer, _QKV, batch), backend=kb)
-        return q, k, v
-
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   batch: StepBatch) -> torch.Tensor:
-        """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros)."""
-        cfg = self.config
-        t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
-        real = tp + nd
-        scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
-        # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
-        # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
-        kv_layer = self.pool.kv[:, layer:layer + 1]
-        ds = batch.first_decode_row
-
-        def decode_part():
-            return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
-                                          scale=scale, sliding_window=window, backend=self.kernel_backend)
-
-        parts = [decode_part()] if batch.decode_first and nd else []  # in row order
-        ps, tf = batch.prefill_start, batch.num_fresh_rows
-        if tf:
-            # q, k, v may be column views of one fused GEMM output: attention gets dense copies
-            fresh = slice(ps, ps + tf)
-            parts.append(varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
-                                                 batch.cu_seqlens, scale=scale, sliding_window=window,
-                                                 max_seqlen=batch.max_prefill_len))
-        if batch.prefill_prefixes is not None:
-            pre = batch.prefill_prefixes
-            parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
-                                                 pre.page_table, scale=scale, sliding_window=window,
-                                                 max_seqlen=pre.max_seqlen, backend=self.prefill_attention_backend))
-        if not batch.decode_first and nd:
-            parts.append(decode_part())
-        if real < t:
-            parts.append(q.new_zeros(t - real, cfg.num_heads, cfg.head_dim))
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
-
-    def _after_attention(self, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
-                         batch: StepBatch) -> torch.Tensor:
-        """o (+ LoRA), residual add + norm, gate/up (+ LoRA), SwiGLU, down (+ LoRA) -> the MLP output."""
-        cfg, kb = self.config, self.kernel_backend
-        (o,) = self._projections(attn, lp, _O, layer, batch)
-        self._gather_into(attn, o, layer, "o_proj", batch)
-        x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
-        g, u = self._projections(x, lp, _GATE_UP, layer, batch)
-        act = swiglu(g, u, lora=self._gathered(x, layer, _GATE_UP, batch), backend=kb)
-        (down,) = self._projections(act, lp, _DOWN, layer, batch)
-        self._gather_into(act, down, layer, "down_proj", batch)
-        return down
-
-    def _projections(self, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],
-                     layer: int, batch: StepBatch) -> list[torch.Tensor]:
-        """The frozen projections of a group (one GEMM when the layer has its fused weight; a
-        column view per member) plus the prefill rows' LoRA, added in place."""
-        fused, names = group
-        if fused is not None and fused in lp:
-            y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
-            outs = list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
-        else:
-            weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-            outs = frozen_projections(x, weights, biases)
-        pre = batch.prefill_lora
-        if pre is not None and pre.modules.intersection(names):
-            segment_lora_add(x, pre.group(self.pool.storage, layer, names), outs, backend=self.lora_backend)
-        return outs
-
-    def _gathered(self, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
-                  batch: StepBatch) -> GatheredLora | None:
-        """The decode rows' LoRA tables of a group (None when no decode row adapts any member)."""
-        names = group[1]
-        if batch.decode_offsets is None or not batch.decode_modules.intersection(names):
-            return None
-        m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
-        ds, b = batch.first_decode_row, batch.decode_scales.shape[0]
-        return GatheredLora(x[ds:ds + b], self.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
-                            batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
-                            first_row=ds)
-
-    def _gather_into(self, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
-        """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
-        if batch.decode_offsets is None or name not in batch.decode_modules:
-            return
-        m, ds, b = _MODULE_INDEX[name], batch.first_decode_row, batch.decode_scales.shape[0]
-        lora_gather(x[ds:ds + b], self.pool.storage, batch.decode_offsets[layer, m, 0],
-                    batch.decode_offsets[layer, m, 1], batch.decode_ranks[m], batch.decode_scales, y.shape[1],
-                    out=y[ds:ds + b], backend=self.kernel_backend)
+        return lm_logits(self.model, hidden)

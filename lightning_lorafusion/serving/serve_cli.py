@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -71,6 +73,22 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def parse_args(parser: ArgumentParser, argv: list[str]):
+    """``parser.parse_args``, except that an engine key moved into ``engine.tuning`` (in the YAML
+    or on the command line) is a ConfigError naming its new place."""
+    from .config import MOVED_TO_TUNING, moved_key_error
+
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(argv)
+    except ArgumentError as e:
+        moved = re.search(r"(?:Group 'engine' does not accept option '|--engine\.)(\w+)", str(e))
+        if moved is not None and moved.group(1) in MOVED_TO_TUNING:
+            raise moved_key_error(moved.group(1)) from None
+        parser.exit_on_error = True
+        parser.error(str(e))  # as parse_args reports any other error: usage, message, exit 2
+
+
 def _dtype(name: str | None):
     if name is None:
         return None
@@ -114,7 +132,11 @@ def run(argv: list[str] | None = None) -> int:
     from .server import create_app
 
     parser = build_parser()
-    cfg = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    try:
+        cfg = parse_args(parser, argv if argv is not None else sys.argv[1:])
+    except ConfigError as e:
+        print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="[lorafusion] %(message)s")
     try:
         objs = parser.instantiate(cfg)

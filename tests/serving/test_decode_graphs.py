@@ -133,10 +133,12 @@ def test_graph_replay_equals_eager_decode(model_dir, adapter_dirs, hf_reference)
     """On a GPU (fp32): a replayed decode step gives the eager padded step's logits, and whole
     generations with graphs on equal graphs off and HF + PEFT's greedy tokens."""
     from lightning_lorafusion.serving import Engine
+    from lightning_lorafusion.serving.config import EngineTuning
 
     def engine(graphs):  # read after each step (``_decode_ready`` plans the decode step itself)
         return Engine.from_pretrained(str(model_dir), adapter_dirs, EngineConfig(
-            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs, async_decode="off"), device="cuda",
+            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs,
+            tuning=EngineTuning(async_decode="off")), device="cuda",
             dtype=torch.float32)
 
     on, off = engine("on"), engine("off")

@@ -1,4 +1,4 @@
-"""The overlapped decode (``EngineConfig.async_decode``): a decode-only step launched before the
+"""The overlapped decode (``EngineTuning.async_decode``): a decode-only step launched before the
 previous step's tokens are read gives every request the tokens, texts, finish reasons and
 logprobs of the engine that reads each step before planning the next, while requests arrive,
 stop on stop tokens and strings mid-batch (their row in the step ahead is discarded), hit
@@ -295,11 +295,11 @@ def test_overlapped_decode_with_prefix_caching(make_engine):
 
 
 def test_async_decode_setting_is_checked():
-    from lightning_lorafusion.serving import EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
     from lightning_lorafusion.specs import ConfigError
 
     with pytest.raises(ConfigError, match="async_decode"):
-        EngineConfig(async_decode="yes")
+        EngineTuning(async_decode="yes")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies, events, CUDA graphs")

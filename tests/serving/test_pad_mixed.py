@@ -138,6 +138,7 @@ def test_mixed_pieces_on_a_wide_model(tmp_path, write_adapter, mode):
     joining running decodes, adapters of ranks 8 and 16 and the base in the same steps."""
     from lightning_lorafusion.model.random_model import write_random_llama
     from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
 
     model_dir = tmp_path / "wide"
     write_random_llama(model_dir, vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=4,
@@ -155,7 +156,7 @@ def test_mixed_pieces_on_a_wide_model(tmp_path, write_adapter, mode):
     for m in ("off", mode):
         engine = Engine.from_pretrained(str(model_dir), adapters, EngineConfig(
             num_pages=512, page_size=16, max_num_batched_tokens=1024, max_num_seqs=16, prefix_caching=False,
-            mixed_graphs=m), device=device, dtype=torch.float32)
+            tuning=EngineTuning(mixed_graphs=m)), device=device, dtype=torch.float32)
         reqs = [GenerationRequest(prompt_token_ids=torch.randint(1, 256, (n,), generator=g).tolist(), adapter=a,
                                   sampling=sp, request_id=f"r{i}") for i, (n, a) in enumerate(zip(lens, names))]
         g = torch.Generator().manual_seed(0)  # the same prompts for the second engine
@@ -179,13 +180,14 @@ def test_mixed_graphs_modes_resolve_per_device(make_engine):
     """"auto" (the default) captures mixed steps only where decode steps are CUDA graphs: off on
     the CPU; "on" without CUDA is a clear error; a bad value is refused by the config."""
     from lightning_lorafusion.serving import EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
     from lightning_lorafusion.specs import ConfigError
 
-    assert EngineConfig().mixed_graphs == "auto"
+    assert EngineConfig().tuning.mixed_graphs == "auto"
     engine = make_engine(num_pages=64, page_size=4)
     assert engine.runner.mixed_pieces is None and not engine.runner.pad_mixed
     assert make_engine(num_pages=64, page_size=4, mixed_graphs="eager").runner.mixed_pieces == "eager"
     with pytest.raises(ConfigError, match="mixed_graphs='on' needs a CUDA device"):
         make_engine(num_pages=64, page_size=4, mixed_graphs="on", device="cpu")
     with pytest.raises(ConfigError, match="allowed: auto, on, off, eager"):
-        EngineConfig(mixed_graphs="yes")
+        EngineTuning(mixed_graphs="yes")

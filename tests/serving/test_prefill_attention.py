@@ -1,4 +1,4 @@
-"""EngineConfig.prefill_attention: prompts from position 0 through the paged prefill kernel (one
+"""EngineTuning.prefill_attention: prompts from position 0 through the paged prefill kernel (one
 launch with prefix hits and later chunks) give the varlen path's and HF + PEFT's greedy tokens."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.config import EngineTuning
 from lightning_lorafusion.specs import ConfigError
 
 from test_generation import _requests, _write_family
@@ -36,8 +37,8 @@ def _record_prefill_steps(engine: Engine) -> list[dict]:
 
 def test_prefill_attention_is_checked_and_auto_follows_the_backend(make_engine):
     with pytest.raises(ConfigError, match="prefill_attention='flash'.*auto.*varlen.*paged"):
-        EngineConfig(prefill_attention="flash")
-    assert EngineConfig().prefill_attention == "auto"  # the default: paged with the Triton kernels
+        EngineTuning(prefill_attention="flash")
+    assert EngineConfig().tuning.prefill_attention == "auto"  # the default: paged with the Triton kernels
     assert make_engine(num_pages=32, page_size=4, backend="triton").runner.prefill_attention == "paged"
     assert make_engine(num_pages=32, page_size=4, backend="torch").runner.prefill_attention == "varlen"
     auto = {"num_pages": 32, "page_size": 4, "prefill_attention": "auto"}
@@ -121,8 +122,8 @@ def test_sliding_window_fresh_prompts_through_the_triton_kernel(tmp_path, write_
         finally:
             engine.close()
 
-    varlen, _, _ = run(prefill_attention="varlen")
-    paged, steps, stats = run(backend="triton", prefill_attention="paged")
+    varlen, _, _ = run(tuning=EngineTuning(prefill_attention="varlen"))
+    paged, steps, stats = run(backend="triton", tuning=EngineTuning(prefill_attention="paged"))
     assert paged == varlen
     reference = hf_reference_of(model_dir, adapters)
     for (prompt, adapter), out in zip(cases, paged):

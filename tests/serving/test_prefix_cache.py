@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.config import EngineTuning
 from lightning_lorafusion.serving.pool import prefix_page_keys
 
 from test_generation import GREEDY, _requests
@@ -176,7 +177,7 @@ def test_prefix_hits_fresh_prompts_and_decodes_in_one_triton_step(model_dir, ada
     two decoding requests; every request's tokens equal HF + PEFT's."""
     engine = Engine.from_pretrained(str(model_dir), adapter_dirs,
                                     EngineConfig(num_pages=96, page_size=4, backend="triton",
-                                                 prefill_attention=prefill_attention),
+                                                 tuning=EngineTuning(prefill_attention=prefill_attention)),
                                     device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.float32)
     try:
         _check_mixed_triton_step(engine, hf_reference, MIXED_STEP[prefill_attention])

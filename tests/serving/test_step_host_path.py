@@ -12,7 +12,7 @@ import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.detokenize import IncrementalDetokenizer
-from lightning_lorafusion.serving.engine import _SampledRows
+from lightning_lorafusion.serving.engine_step import _SampledRows
 from lightning_lorafusion.serving.pool import UnifiedPool, prefix_page_keys
 
 CASES = [([5, 9, 17], None), ([11, 4, 30, 22, 8, 19, 40], "all4"), ([7, 13, 21, 33, 45, 50, 6, 12, 28], "attn2"),

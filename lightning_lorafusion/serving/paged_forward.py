@@ -1,0 +1,213 @@
+"""The decoder forward over the paged KV cache: one engine step's rows through every layer.
+
+A step's rows (``StepBatch``) run every linear layer once: q/k/v and gate/up as one GEMM each
+(``fused_weights``) plus their LoRA, added by row tiles of one request each for prefill rows
+(``lora_segments``) and gathered per row for decode rows (each its own adapter and rank), the
+expand fused into what consumes the projection (``lora_epilogues``: RoPE + KV write, SwiGLU;
+``lora_gather`` for o and down). Residual adds are fused into the next RMSNorm
+(``add_rms_norm``): a layer returns its MLP output and the next one adds it.
+
+Attention: every row's keys and values are written into the pages first. Prefill requests that
+start after tokens already in their pages (a reused cached prefix, an earlier chunk) attend over
+their pages (``paged_prefill_attention``: all of them in one launch per layer); those that start
+at position 0 join them there (prefill attention "paged") or come first and attend to their own
+tokens (varlen causal, "varlen"); decode rows attend to their cached pages
+(``paged_decode_attention``).
+
+A layer is three pieces, each its own function: ``before_attention`` (norm, q/k/v, RoPE, KV
+write), ``attention`` (its launch grids depend on the step's requests) and ``after_attention``
+(o, norm, gate/up, SwiGLU, down); a captured mixed step (``mixed_graphs``) records the first and
+last as CUDA graphs and runs attention between them. The runner (``runner.py``) builds the
+step's tensors and picks eager, padded or captured execution; this module is the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.fp8_linear import frozen_projections
+from ..kernels.lora_epilogues import rope_write_kv, swiglu
+from ..kernels.lora_gather import GatheredLora, lora_gather
+from ..kernels.lora_segments import segment_lora_add
+from ..kernels.paged_attention import paged_decode_attention
+from ..kernels.paged_prefill import paged_prefill_attention
+from ..kernels.rms_norm import add_rms_norm
+from ..model.attention import varlen_causal_attention
+from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin
+from .fused_weights import FUSED_PROJECTIONS
+from .pool import UnifiedPool
+from .step_batch import MODULE_INDEX as _MODULE_INDEX, StepBatch
+
+# groups of projections sharing an input: (fused weight key or None, members in output order);
+# members are consecutive in ALL_TARGET_MODULES, so a group's decode tables are one slice
+_QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
+_O = (None, ("o_proj",))
+_GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
+_DOWN = (None, ("down_proj",))
+
+
+@dataclass(frozen=True)
+class PagedDecoder:
+    """What the paged forward reads besides a step's tensors: the base's weights, the pool
+    (KV pages and adapter weights), the kernels to use and the RoPE frequencies.
+    ``kernel_backend``: norms, epilogues, the decode rows' LoRA gather and paged decode
+    attention; ``lora_backend``: the prefill rows' LoRA (``lora_segments``);
+    ``prefill_attention_backend``: paged prefill attention."""
+
+    config: DecoderConfig
+    params: Mapping[str, Any]
+    pool: UnifiedPool
+    kernel_backend: str
+    lora_backend: str
+    prefill_attention_backend: str
+    inv_freq: torch.Tensor
+
+
+def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's token embeddings ``h [T, H]`` and RoPE ``cos, sin`` at its positions."""
+    h = embed(m.params, batch.input_ids)
+    cos, sin = rope_cos_sin(m.config, batch.positions, h.dtype, m.inv_freq)
+    return h, cos, sin
+
+
+def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The last layer's residual add + the final RMSNorm -> ``[R, H]``."""
+    return add_rms_norm(h, d, m.params["norm"], m.config.rms_norm_eps, backend=m.kernel_backend)
+
+
+def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
+    """One eager forward of ``batch`` -> final-normed hidden states of ``batch.output_rows``
+    (every row when None): ``[R, H]``."""
+    h, cos, sin = embed_rows(m, batch)
+    d = None
+    for layer in range(m.config.num_layers):
+        d = decoder_layer(m, layer, m.params["layers"][layer], h, d, cos, sin, batch)
+    if batch.output_rows is not None:
+        h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
+    return final_norm(m, h, d)
+
+
+def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
+    """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
+    return F.linear(hidden, m.params["lm_head"]).float()
+
+
+def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+                  cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
+    in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
+    pieces: what a piecewise graph would capture before attention, attention (its launch
+    grids depend on the step's requests), and what it would capture after."""
+    q, k, v = before_attention(m, layer, lp, h, d, cos, sin, batch)
+    attn = attention(m, layer, q, k, v, batch)
+    return after_attention(m, layer, lp, h, attn, batch)
+
+
+def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor,
+                     batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual add + norm, q/k/v (+ LoRA), RoPE and the KV write -> q, k, v ``[T, heads, D]``."""
+    cfg, kb = m.config, m.kernel_backend
+    t = h.shape[0]
+    x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
+    q, k, v = projections(m, x, lp, _QKV, layer, batch)
+    q = q.view(t, cfg.num_heads, cfg.head_dim)
+    k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+    rope_write_kv(q, k, v, cos, sin, m.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
+                  lora=gathered(m, x, layer, _QKV, batch), backend=kb)
+    return q, k, v
+
+
+def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              batch: StepBatch) -> torch.Tensor:
+    """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros)."""
+    cfg = m.config
+    t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
+    real = tp + nd
+    scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
+    # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
+    # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
+    kv_layer = m.pool.kv[:, layer:layer + 1]
+    ds = batch.first_decode_row
+
+    def decode_part():
+        return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
+                                      scale=scale, sliding_window=window, backend=m.kernel_backend)
+
+    parts = [decode_part()] if batch.decode_first and nd else []  # in row order
+    ps, tf = batch.prefill_start, batch.num_fresh_rows
+    if tf:
+        # q, k, v may be column views of one fused GEMM output: attention gets dense copies
+        fresh = slice(ps, ps + tf)
+        parts.append(varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
+                                             batch.cu_seqlens, scale=scale, sliding_window=window,
+                                             max_seqlen=batch.max_prefill_len))
+    if batch.prefill_prefixes is not None:
+        pre = batch.prefill_prefixes
+        parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
+                                             pre.page_table, scale=scale, sliding_window=window,
+                                             max_seqlen=pre.max_seqlen, backend=m.prefill_attention_backend))
+    if not batch.decode_first and nd:
+        parts.append(decode_part())
+    if real < t:
+        parts.append(q.new_zeros(t - real, cfg.num_heads, cfg.head_dim))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+
+
+def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
+                    batch: StepBatch) -> torch.Tensor:
+    """o (+ LoRA), residual add + norm, gate/up (+ LoRA), SwiGLU, down (+ LoRA) -> the MLP output."""
+    cfg, kb = m.config, m.kernel_backend
+    (o,) = projections(m, attn, lp, _O, layer, batch)
+    gather_into(m, attn, o, layer, "o_proj", batch)
+    x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
+    g, u = projections(m, x, lp, _GATE_UP, layer, batch)
+    act = swiglu(g, u, lora=gathered(m, x, layer, _GATE_UP, batch), backend=kb)
+    (down,) = projections(m, act, lp, _DOWN, layer, batch)
+    gather_into(m, act, down, layer, "down_proj", batch)
+    return down
+
+
+def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
+                group: tuple[str | None, tuple[str, ...]], layer: int, batch: StepBatch) -> list[torch.Tensor]:
+    """The frozen projections of a group (one GEMM when the layer has its fused weight; a
+    column view per member) plus the prefill rows' LoRA, added in place."""
+    fused, names = group
+    if fused is not None and fused in lp:
+        y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
+        outs = list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
+    else:
+        weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
+        outs = frozen_projections(x, weights, biases)
+    pre = batch.prefill_lora
+    if pre is not None and pre.modules.intersection(names):
+        segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend)
+    return outs
+
+
+def gathered(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
+             batch: StepBatch) -> GatheredLora | None:
+    """The decode rows' LoRA tables of a group (None when no decode row adapts any member)."""
+    names = group[1]
+    if batch.decode_offsets is None or not batch.decode_modules.intersection(names):
+        return None
+    m0, m1 = _MODULE_INDEX[names[0]], _MODULE_INDEX[names[-1]] + 1
+    ds, b = batch.first_decode_row, batch.decode_scales.shape[0]
+    return GatheredLora(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
+                        batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
+                        first_row=ds)
+
+
+def gather_into(m: PagedDecoder, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
+    """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
+    if batch.decode_offsets is None or name not in batch.decode_modules:
+        return
+    i, ds, b = _MODULE_INDEX[name], batch.first_decode_row, batch.decode_scales.shape[0]
+    lora_gather(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, i, 0],
+                batch.decode_offsets[layer, i, 1], batch.decode_ranks[i], batch.decode_scales, y.shape[1],
+                out=y[ds:ds + b], backend=m.kernel_backend)

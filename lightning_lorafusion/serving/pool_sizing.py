@@ -1,0 +1,43 @@
+"""How many pages the engine's unified pool gets: what the device leaves after the base, minus
+an estimate of one step's activations."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.decoder import DecoderConfig
+from ..specs import ConfigError
+from .config import EngineConfig
+from .engine_output import PROMPT_LOGPROB_CHUNK
+
+# Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
+CUDA_HEADROOM_BYTES = 512 * 2**20
+# rank blocks (16, 32, 64, 128) a padded mixed step's pieces may be captured for
+MIXED_RANK_BLOCKS = 4
+
+
+def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """Pages of the pool: ``cfg.num_pages`` if given, else ``cpu_pool_mib`` on a CPU, else the
+    fraction ``gpu_memory_fraction`` of free GPU memory left after one step's activations."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    page_bytes = mc.num_layers * 2 * cfg.page_size * mc.kv_size * elt
+    if cfg.num_pages is not None:
+        return cfg.num_pages
+    if device.type != "cuda":
+        return max(1, cfg.cpu_pool_mib * 2**20 // page_bytes)
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * elt * 2
+    reserve = (cfg.max_num_batched_tokens * per_token + CUDA_HEADROOM_BYTES
+               + (cfg.max_num_seqs + PROMPT_LOGPROB_CHUNK) * mc.vocab_size * 4 * 3)
+    if cfg.tuning.mixed_graphs in ("on", "auto"):
+        # captured mixed steps keep a forward's temporaries in their graph pool (eager steps
+        # need their own beside it), and static buffers per (token bucket, rank block): at
+        # most 2 x max_num_batched_tokens rows over the buckets, for each of 4 rank blocks
+        static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
+        reserve += cfg.max_num_batched_tokens * (per_token + 2 * MIXED_RANK_BLOCKS * static_row)
+    pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
+    if pages < 1:
+        raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "
+                          f"{reserve / 2**30:.1f} GiB kept for activations); lower "
+                          "max_num_batched_tokens or free memory")
+    return pages
