@@ -30,6 +30,9 @@ _EXPORTS = {
     "GenerationResult": "lightning_lorafusion.serving.request",
     "LoRAFusionModule": "lightning_lorafusion.training.module",
     "MultiAdapterDataModule": "lightning_lorafusion.training.datamodule",
+    "PlanningConfig": "lightning_lorafusion.training.epoch_planning",
+    "PrecisionConfig": "lightning_lorafusion.training.precision",
+    "Fp8Config": "lightning_lorafusion.training.precision",
     "TokenThroughput": "lightning_lorafusion.training.callbacks",
     "RunSummary": "lightning_lorafusion.training.callbacks",
 }
@@ -49,7 +52,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never run
     from .specs import AdapterSpec, ConfigError
     from .training.callbacks import RunSummary, TokenThroughput
     from .training.datamodule import MultiAdapterDataModule
+    from .training.epoch_planning import PlanningConfig
     from .training.module import LoRAFusionModule
+    from .training.precision import Fp8Config, PrecisionConfig
 
 
 def __getattr__(name: str) -> Any:
