@@ -63,6 +63,20 @@ KNOWN_ALIASES = {
 }
 
 
+# Keys that became fields of a section: a config still using the old key is refused with a hint
+# naming the new one.
+RENAMED_KEYS = {
+    "model.base_precision": "model.precision.base",
+    "model.fp8_emulate": "model.precision.fp8.emulate",
+    "model.fp8_exempt_layers": "model.precision.fp8.exempt_layers",
+    "model.fp8_fast_accumulation": "model.precision.fp8.fast_accumulation",
+    "data.planner": "data.planner.method",
+    "data.planner_time_limit": "data.planner.time_limit",
+    "data.planner_window": "data.planner.window",
+    "data.planner_workers": "data.planner.workers",
+}
+
+
 class UsageError(Exception):
     """A command line or config the parser refused: its message in one line, and a hint."""
 
@@ -103,10 +117,26 @@ def _parser_keys(parser) -> list[str]:
     return keys
 
 
+def _renamed_key(message: str) -> str | None:
+    """'<old> is now <new>' when the parser refused a key that moved into a section."""
+    group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
+    section = re.search(r'Parser key "([^"]+)": Unable to load config', message)
+    flag = re.search(r"unrecognized arguments: --([^\s=]+)", message)
+    key = (f"{group.group(1)}.{group.group(2)}" if group else section.group(1) if section
+           else flag.group(1) if flag else None)
+    new = RENAMED_KEYS.get(key) if key else None
+    if new is None:
+        return None
+    return f"'{key}' is now '{new}' (a field of the '{new.rpartition('.')[0]}' section); "
+
+
 def _usage_hint(message: str, parsers: dict, subcommand: str | None) -> str:
     """'did you mean ...' for the key or choice the parser refused, then where the full usage is."""
     prog = "lightning-lorafusion" + (f" {subcommand}" if subcommand else "")
     tail = f"'{prog} --help' lists every accepted option"
+    renamed = _renamed_key(message)
+    if renamed is not None:
+        return renamed + tail
     suggestion = None
     refused = re.search(r"does not accept option '([^']+)'", message)
     unknown_field = re.search(r"Option '([^']+)' is not accepted", message)

@@ -642,7 +642,7 @@ def main() -> None:
                     help="fp8: LoRA path of both runs (torch: the reference path, e.g. a CPU run with "
                          "the emulated FP8 products instead of the Triton interpreter)")
     ap.add_argument("--fp8-exempt-layers", type=int, default=0,
-                    help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
+                    help="fp8: the first and last N layers keep 16-bit projections (model.precision.fp8.exempt_layers)")
     ap.add_argument("--fp8-final-rel", type=float, default=1e-2, help="fp8: final-loss tolerance (relative)")
     ap.add_argument("--fp8-max-rel", type=float, default=5e-2, help="fp8: per-step loss tolerance (relative)")
     ap.add_argument("--out", default=None)

@@ -427,7 +427,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "hf_qlora (HF + PEFT + bitsandbytes NF4) needs fp8 or nf4 here")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM datasheet)")
     ap.add_argument("--fp8-exempt-layers", type=int, default=0,
-                    help="fp8: the first and last N layers keep 16-bit projections (model.fp8_exempt_layers)")
+                    help="fp8: the first and last N layers keep 16-bit projections (model.precision.fp8.exempt_layers)")
     ap.add_argument("--fp8-fast-accum", type=comma_list(("off", "forward", "both")), default=["off"],
                     help="comma list of off / forward / both: the FP8 runs repeat per setting (fast "
                          "accumulation of the forward products, or of the forward and dX products)")

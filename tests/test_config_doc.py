@@ -68,7 +68,9 @@ def code_fields(path: str) -> list[tuple[str, str, object]]:
 
 
 def as_yaml_value(value: object) -> object:
-    """The code's default as YAML would give it back (tuples are lists)."""
+    """The code's default as YAML would give it back (tuples are lists, sections mappings)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     return list(value) if isinstance(value, tuple) else value
 
 
@@ -81,6 +83,9 @@ def test_every_config_object_has_a_table():
         "lightning_lorafusion.training.module.LoRAFusionModule",
         "lightning_lorafusion.training.datamodule.MultiAdapterDataModule",
         "lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy",
+        "lightning_lorafusion.training.precision.PrecisionConfig",
+        "lightning_lorafusion.training.precision.Fp8Config",
+        "lightning_lorafusion.training.epoch_planning.PlanningConfig",
     }
 
 

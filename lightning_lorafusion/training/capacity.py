@@ -20,6 +20,7 @@ since memory grows with C. On CPU no memory is measured and the choice is by spe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -27,7 +28,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..data.microbatch import Microbatch
+from ..data.packing import PackingConfig, pack_microbatch
+from ..parallel.stage import adapter_loss
+from ..planner.plan import padded_length
 from ..specs import ConfigError
+from .epoch_planning import plan_fill
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +160,57 @@ def device_memory_limit(device: torch.device, fraction: float) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.get_device_properties(device).total_memory * fraction)
+
+
+def profile_capacity(dm: Any, module: Any, probe_microbatches: int = 2) -> int:
+    """Profile ``dm.capacity_candidates`` with ``module`` on its device and return the chosen
+    capacity: ``probe_microbatches`` of the fullest planned microbatches of epoch 0 each."""
+    pad = dm.packing.pad_multiple
+    longest = max(padded_length(len(s.input_ids), pad) for d in dm.datasets for s in d)
+    candidates = [c for c in dm.capacity_candidates if c >= longest]
+    if not candidates:
+        raise ConfigError(
+            f"data.capacity=auto: every candidate in {dm.capacity_candidates} is below the "
+            f"longest sample ({longest} tokens after padding); add larger "
+            "data.capacity_candidates or set data.max_length"
+        )
+    lookup = dm._lookup(0)
+    lengths, denominators = lookup.lengths(), lookup.denominators()
+    device = module.device
+
+    def prepare(capacity: int):
+        plan = dm._plan(0, lengths, capacity, "greedy")
+        config = PackingConfig(capacity=capacity, pad_multiple=pad, pad_token_id=dm.packing.pad_token_id)
+        real = [(mb.real_tokens(), pos) for pos, mb in enumerate(plan.microbatches) if not mb.is_noop]
+        fullest = sorted(real, key=lambda t: (-t[0], t[1]))[:probe_microbatches]
+        mbs = [
+            pack_microbatch(
+                plan.microbatches[pos], lookup, config=config, num_adapters=len(dm.specs),
+                denominators=denominators, step_adapters=(), index=pos,
+            ).to(device)
+            for _, pos in fullest
+        ]
+        return plan_fill(plan, capacity), mbs
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    precision = dm.trainer.precision_plugin if dm.trainer is not None else None
+
+    def step(mb: Microbatch) -> None:
+        with precision.forward_context() if precision is not None else contextlib.nullcontext():
+            loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
+        loss.backward()
+        for p in params:
+            p.grad = None
+
+    probes = probe_capacities(
+        candidates, prepare, step, device,
+        memory_limit=device_memory_limit(device, dm.capacity_memory_fraction),
+    )
+    chosen = choose_capacity(probes)
+    log.info(
+        "data.capacity=auto on %s (%s):\n%s", device,
+        "by speed; memory not measured off CUDA" if device.type != "cuda" else
+        f"memory limit {100 * dm.capacity_memory_fraction:.0f}% of the device",
+        format_probes(probes, chosen),
+    )
+    return chosen.capacity

@@ -8,25 +8,43 @@ stream is part of the checkpoint, so a resumed run continues at the exact microb
 Validation samples (an adapter's ``val_dataset`` or held-out ``val_fraction``) are planned
 and packed the same way, every adapter together, into the validation loader. Adapters that
 stop (early stopping, quarantine) are left out of planning from the next planning window.
+
+Beside this file: ``adapter_datasets`` (reading, hold-out, length checks), ``epoch_planning``
+(the planner over an epoch, restored plans, replica shares), ``microbatch_stream`` (the
+loaders Lightning iterates) and ``capacity`` (``capacity: auto``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
 import threading
-from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import lightning as L
 import numpy as np
 
-from ..data.microbatch import IGNORE_INDEX, Microbatch
+from ..data.microbatch import Microbatch
 from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
-from ..planner.plan import Plan, padded_length
+from ..parallel.replica_shards import replica_microbatch
+from ..parallel.strategy import MultiAdapterPipelineStrategy
+from ..planner.plan import Plan
+from ..planner.verify import carry_state
 from ..specs import AdapterSpec, ConfigError
-from .capacity import DEFAULT_CANDIDATES
+from .adapter_datasets import check_lengths, holdout_indices, load_test, load_train_and_val
+from .capacity import DEFAULT_CANDIDATES, profile_capacity
+from .epoch_planning import (
+    EpochPlan,
+    PlanningConfig,
+    check_restored_plan,
+    plan_fill,
+    plan_windows,
+    replica_shards,
+    window_starts,
+)
+from .microbatch_stream import PipelineWindow, Sealed, ValLoader, train_loader
+
+__all__ = ["EPOCH_STRIDE", "EpochPlan", "MultiAdapterDataModule", "PlanningConfig", "PipelineWindow", "holdout_indices",
+           "plan_fill", "window_starts"]
 
 log = logging.getLogger(__name__)
 
@@ -34,82 +52,6 @@ _PLAN_LOCK = threading.RLock()  # module-level: the data module itself must stay
 
 # Microbatch.index = epoch * EPOCH_STRIDE + position: unique per run, feeds dropout offsets.
 EPOCH_STRIDE = 1_000_000
-
-
-def holdout_indices(num_samples: int, fraction: float, seed: int) -> list[int]:
-    """Dataset indices held out for validation: those whose hash of (seed, index) falls below
-    ``fraction``, so a sample's side does not depend on the others (adding samples moves none).
-    At least one sample is held out and at least one kept for training."""
-    if num_samples < 2:
-        raise ConfigError(f"val_fraction needs at least 2 samples to split; the dataset has {num_samples}")
-    keys = [int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") / 2**64
-            for i in range(num_samples)]
-    held = [i for i, k in enumerate(keys) if k < fraction]
-    if not held:
-        held = [min(range(num_samples), key=keys.__getitem__)]
-    if len(held) == num_samples:
-        held.remove(max(held, key=keys.__getitem__))
-    return held
-
-
-def window_starts(plan: Plan, window: int) -> dict[int, int]:
-    """Planning window -> position of its first sample in ``plan`` (windows hold rounds
-    ``[w * window, (w + 1) * window)`` of every adapter and follow each other, so no global
-    batch straddles these positions)."""
-    starts: dict[int, int] = {}
-    for pos, mb in enumerate(plan.microbatches):
-        for s in mb.samples:
-            starts.setdefault(s.batch // window, pos)
-    return starts
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """Everything needed to stream one epoch: the plan and how to find each sample."""
-
-    epoch: int
-    plan: Plan
-    lookup: SampleLookup
-    denominators: dict[tuple[int, int], int]
-    step_adapters: dict[int, tuple[int, ...]]  # microbatch position -> adapters that step
-
-
-class PipelineWindow:
-    """One planned window for the pipeline strategy: the plan plus its microbatches, packed on
-    demand (every stage asks for the same positions) and cached on the target device."""
-
-    def __init__(self, epoch: int, plan: Plan, pack: Any, device: Any = None) -> None:
-        self.epoch = epoch
-        self.plan = plan
-        self._pack = pack
-        self._device = device
-        self._cache: dict[int, Microbatch] = {}
-
-    def microbatch(self, position: int) -> Microbatch:
-        if position not in self._cache:
-            mb = self._pack(position)
-            self._cache[position] = mb if self._device is None else mb.to(self._device)
-        return self._cache[position]
-
-    def to(self, device: Any) -> "PipelineWindow":
-        return PipelineWindow(self.epoch, self.plan, self._pack, device)
-
-    def _real_positions(self) -> list[int]:
-        return [pos for pos, mb in enumerate(self.plan.microbatches) if not mb.is_noop]
-
-    def sample_lengths(self) -> list[int]:
-        """Token counts of this replica's samples in the window (packs what is not packed yet)."""
-        return [ref.length for pos in self._real_positions() for ref in self.microbatch(pos).samples]
-
-    @property
-    def real_tokens(self) -> int:
-        """Non-padding tokens this replica trains in the window (as ``Microbatch.real_tokens``)."""
-        return sum(self.sample_lengths())
-
-    @property
-    def capacity(self) -> int:
-        """Token slots of the window's real microbatches (``TokenThroughput``'s fill denominator)."""
-        return self.plan.capacity * len(self._real_positions())
 
 
 class MultiAdapterDataModule(L.LightningDataModule):
@@ -125,11 +67,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         capacity_memory_fraction: ``"auto"`` rejects capacities whose measured peak memory
             exceeds this fraction of the device's memory (CUDA).
         pad_multiple: each adapter's segment is padded to this multiple (the kernel block M).
-        planner: "greedy" or "milp".
-        planner_time_limit: wall-clock safety limit (s) per MILP solve (the MILP result is used
-            only when proven optimal within a node budget, so plans do not depend on speed).
-        planner_window: global batches per adapter planned together (one planning job).
-        planner_workers: processes planning windows in parallel (0: in this process).
+        planner: how epochs are planned (``PlanningConfig``: ``method``, ``time_limit``,
+            ``window``, ``workers``).
         num_stages: pipeline depth the plan must respect (set by the pipeline strategy).
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
@@ -143,18 +82,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
         capacity_candidates: list[int] | None = None,
         capacity_memory_fraction: float = 0.9,
         pad_multiple: int = 16,
-        planner: str = "greedy",
-        planner_time_limit: float = 5.0,
-        planner_window: int = 8,
-        planner_workers: int = 0,
+        planner: PlanningConfig = PlanningConfig(),
         num_stages: int = 1,
         max_length: int | None = None,
         prefetch: int = 4,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if planner not in ("greedy", "milp"):
-            raise ConfigError(f"data.planner={planner!r}; allowed: 'greedy', 'milp'")
+        planner = PlanningConfig.parse(planner)
         if isinstance(capacity, str) and capacity != "auto":
             raise ConfigError(f"data.capacity={capacity!r}; give a number of tokens or 'auto'")
         self.capacity_pending = capacity == "auto"
@@ -172,9 +107,6 @@ class MultiAdapterDataModule(L.LightningDataModule):
         initial = max(self.capacity_candidates) if self.capacity_pending else int(capacity)
         self.packing = PackingConfig(capacity=initial, pad_multiple=pad_multiple)
         self.planner = planner
-        self.planner_time_limit = planner_time_limit
-        self.planner_window = planner_window
-        self.planner_workers = planner_workers
         self.num_stages = num_stages
         self._restored_plan: tuple[int, Plan] | None = None
         self.pipeline = False  # set when the trainer runs MultiAdapterPipelineStrategy
@@ -220,28 +152,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
     def load_test_datasets(self) -> None:
         """Each adapter's ``test_dataset`` (``[]`` for those without one), tokenized like training
         data; ``ConfigError`` when no adapter has one."""
-        from ..data.sources import build_source
-
-        if not any(spec.test_dataset for spec in self.specs):
-            raise ConfigError("`test` evaluates each adapter's test_dataset, and no adapter sets one; add "
-                              "adapters[].test_dataset (a mapping like dataset, e.g. {kind: jsonl, path: "
-                              "test.jsonl})")
-        max_length = self.max_length or self.packing.capacity
-        self.test_datasets = []
-        for spec in self.specs:
-            samples: Sequence = []
-            if spec.test_dataset:
-                # a single file is read whole; path mappings, aclsum and synthetic give their 'test' split
-                split = "train" if isinstance(spec.test_dataset.get("path"), str) else "test"
-                samples = build_source(spec.test_dataset, self.tokenizer, split=split, max_length=max_length,
-                                       name=f"{spec.name} (test)")
-                self._check_lengths(spec, samples)
-                log.info("adapter %s: %d test samples", spec.name, len(samples))
-            self.test_datasets.append(samples)
+        self.test_datasets = load_test(self.specs, self.tokenizer, max_length=self.max_length or self.packing.capacity,
+                                       packing=self.packing)
 
     def _adopt_pipeline_layout(self) -> None:
-        from ..parallel.strategy import MultiAdapterPipelineStrategy
-
         strategy = self.trainer.strategy
         if not isinstance(strategy, MultiAdapterPipelineStrategy):
             return
@@ -280,35 +194,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
             )
 
     def load_datasets(self) -> None:
-        from ..data.sources import SyntheticSource, build_source, parse_source
-
         max_length = self.max_length or self.packing.capacity
         self.datasets, self.val_datasets = [], []
         for spec in self.specs:
-            if not spec.dataset:
-                raise ConfigError(f"adapter {spec.name!r} has no dataset; set adapters[].dataset")
-            source = parse_source(spec.dataset, name=spec.name)
-            if (isinstance(source, SyntheticSource) and source.vocab_size is None and self.tokenizer is None
-                    and self.vocab_size is not None):
-                source = replace(source, vocab_size=self.vocab_size)
-            samples = build_source(
-                source, self.tokenizer, split="train", max_length=max_length, name=spec.name
-            )
-            if len(samples) == 0:
-                raise ConfigError(f"adapter {spec.name!r}: its dataset {spec.dataset} is empty")
-            val: Sequence = []
-            if spec.val_fraction > 0:
-                if len(samples) < 2:
-                    raise ConfigError(f"adapter {spec.name!r}: val_fraction={spec.val_fraction} needs at "
-                                      f"least 2 samples to split; its dataset has {len(samples)}")
-                held = set(holdout_indices(len(samples), spec.val_fraction, spec.seed))
-                val = [s for i, s in enumerate(samples) if i in held]
-                samples = [s for i, s in enumerate(samples) if i not in held]
-            elif spec.val_dataset is not None:
-                # a single file is read whole; path mappings, aclsum and synthetic give their 'val' split
-                split = "train" if isinstance(spec.val_dataset.get("path"), str) else "val"
-                val = build_source(spec.val_dataset, self.tokenizer, split=split, max_length=max_length,
-                                   name=f"{spec.name} (val)")
+            samples, val = load_train_and_val(spec, self.tokenizer, vocab_size=self.vocab_size, max_length=max_length)
             self.datasets.append(samples)
             self.val_datasets.append(val)
             if not self.capacity_pending:
@@ -323,19 +212,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             )
 
     def _check_lengths(self, spec: AdapterSpec, samples: Sequence) -> None:
-        cap, pad = self.packing.capacity, self.packing.pad_multiple
-        for i, s in enumerate(samples):
-            n = len(s.input_ids)
-            if padded_length(n, pad) > cap:
-                raise ConfigError(
-                    f"adapter {spec.name!r}: sample {i} has {n} tokens, more than the microbatch "
-                    f"capacity {cap} (after padding to a multiple of {pad}); set "
-                    f"data.capacity >= {padded_length(n, pad)} or data.max_length <= {cap}"
-                )
-            if not any(t != IGNORE_INDEX for t in s.labels):
-                raise ConfigError(
-                    f"adapter {spec.name!r}: sample {i} has no label tokens (empty completion?)"
-                )
+        check_lengths(spec, samples, self.packing)
 
     # ------------------------------------------------------------- schedule
     def batches_per_epoch(self, adapter: int) -> int:
@@ -365,23 +242,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
 
     def _plan(self, epoch: int, lengths, capacity: int, method: str, *, num_stages: int | None = None,
               start_window: int = 0, carry_in=None) -> Plan:
-        from ..planner import PlannerConfig, join_plans, plan_stream
-        from ..planner.stream import num_windows
-
-        config = PlannerConfig(
-            capacity=capacity,
-            pad_multiple=self.packing.pad_multiple,
-            num_stages=self.num_stages if num_stages is None else num_stages,
-            method=method,
-            time_limit=self.planner_time_limit,
-            seed=self.seed + epoch,
-        )
-        if start_window >= num_windows(lengths, self.planner_window):  # nothing (left) to plan
-            return Plan(capacity=capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages,
-                        microbatches=())
-        windows = plan_stream(lengths, config, window=self.planner_window, workers=self.planner_workers,
-                              start_window=start_window, carry_in=carry_in)
-        return join_plans([wp.plan for wp in windows])
+        config = self.planner.planner_config(
+            capacity=capacity, pad_multiple=self.packing.pad_multiple,
+            num_stages=self.num_stages if num_stages is None else num_stages, seed=self.seed + epoch, method=method)
+        return plan_windows(lengths, config, window=self.planner.window, workers=self.planner.workers,
+                            start_window=start_window, carry_in=carry_in)
 
     def _planned_lengths(self, lengths) -> list:
         """The planner's input with stopped adapters' batches left out."""
@@ -400,10 +265,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
             self._check_restored_plan(plan, lengths)
         else:
-            plan = self._plan(epoch, self._planned_lengths(lengths), self.packing.capacity, self.planner)
+            plan = self._plan(epoch, self._planned_lengths(lengths), self.packing.capacity, self.planner.method)
             log.info(
                 "epoch %d planned (%s): %d microbatches of %d tokens, fill %.1f%%",
-                epoch, self.planner, len(plan.microbatches), self.packing.capacity,
+                epoch, self.planner.method, len(plan.microbatches), self.packing.capacity,
                 100 * plan_fill(plan, self.packing.capacity),
             )
         return EpochPlan(
@@ -415,51 +280,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         )
 
     def _check_restored_plan(self, plan: Plan, lengths) -> None:
-        """A checkpoint saved mid-epoch resumes that epoch's plan: it must fit this run's data."""
-        from ..planner.verify import verify_plan
-
-        problems = []
-        if (plan.capacity, plan.pad_multiple) != (self.packing.capacity, self.packing.pad_multiple):
-            problems.append(
-                f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
-                f"{plan.pad_multiple}; this run has {self.packing.capacity}, {self.packing.pad_multiple}"
-            )
-        # a stopped adapter's samples end where its planning stopped: at a window boundary, so
-        # what the plan holds of it is whole global batches 0 .. k-1
-        last = {}
-        for mb in plan.microbatches:
-            for ref in mb.samples:
-                last[ref.adapter] = max(last.get(ref.adapter, -1), ref.batch)
-        lengths = [batches[: last.get(a, -1) + 1] if a in self.excluded else batches
-                   for a, batches in enumerate(lengths)]
-        problems += verify_plan(plan, lengths)
-        if problems:
-            raise ConfigError(
-                f"the checkpoint stopped inside epoch {self.epoch}, but its plan for that epoch does "
-                f"not match this run's data ({problems[0]}"
-                + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
-                + "); resume with the data settings the checkpoint was saved with (datasets, "
-                "max_length, capacity, pad_multiple, devices), or start without --ckpt_path"
-            )
+        check_restored_plan(plan, lengths, packing=self.packing, excluded=self.excluded, epoch=self.epoch)
 
     def _replica_shards(self, lookup: SampleLookup, lengths) -> tuple[SampleLookup, list]:
-        """This replica's share of every global batch, and the slot lengths to plan (replica
-        0's, which bound every replica's sample in the same slot): one plan shape for all
-        replicas, so they step adapters in the same order (``parallel.replica_shards``)."""
-        from ..parallel.replica_shards import split_global_batch
-
-        dp = self.data_parallel_size
-        shards = [[split_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
-                  for a in range(len(lengths))]
-        mine = [[s[self.replica] for s in per_adapter] for per_adapter in shards]
-        slots = [[[len(self.datasets[a][i].input_ids) for i in s[0]] for s in shards[a]]
-                 for a in range(len(lengths))]
-        real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
-        planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
-        log.info("data parallel x%d: replica %d of each global batch; slots padded to the longest "
-                 "sample dealt with them keep %.1f%% of the planned tokens real", dp, self.replica,
-                 100 * real / max(1, planned))
-        return SampleLookup(self.datasets, mine), slots
+        return replica_shards(self.datasets, lookup, lengths, data_parallel_size=self.data_parallel_size,
+                              replica=self.replica)
 
     # -------------------------------------------------------- capacity: auto
     def resolve_capacity(self, module: Any) -> int:
@@ -485,58 +310,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         return chosen
 
     def _profile_capacity(self, module: Any, probe_microbatches: int = 2) -> int:
-        from ..parallel.stage import adapter_loss
-        from .capacity import choose_capacity, device_memory_limit, format_probes, probe_capacities
-
-        pad = self.packing.pad_multiple
-        longest = max(padded_length(len(s.input_ids), pad) for d in self.datasets for s in d)
-        candidates = [c for c in self.capacity_candidates if c >= longest]
-        if not candidates:
-            raise ConfigError(
-                f"data.capacity=auto: every candidate in {self.capacity_candidates} is below the "
-                f"longest sample ({longest} tokens after padding); add larger "
-                "data.capacity_candidates or set data.max_length"
-            )
-        lookup = self._lookup(0)
-        lengths, denominators = lookup.lengths(), lookup.denominators()
-        device = module.device
-
-        def prepare(capacity: int):
-            plan = self._plan(0, lengths, capacity, "greedy")
-            config = PackingConfig(capacity=capacity, pad_multiple=pad, pad_token_id=self.packing.pad_token_id)
-            real = [(mb.real_tokens(), pos) for pos, mb in enumerate(plan.microbatches) if not mb.is_noop]
-            fullest = sorted(real, key=lambda t: (-t[0], t[1]))[:probe_microbatches]
-            mbs = [
-                pack_microbatch(
-                    plan.microbatches[pos], lookup, config=config, num_adapters=len(self.specs),
-                    denominators=denominators, step_adapters=(), index=pos,
-                ).to(device)
-                for _, pos in fullest
-            ]
-            return plan_fill(plan, capacity), mbs
-
-        params = [p for p in module.parameters() if p.requires_grad]
-        precision = self.trainer.precision_plugin if self.trainer is not None else None
-
-        def step(mb: Microbatch) -> None:
-            with precision.forward_context() if precision is not None else contextlib.nullcontext():
-                loss = adapter_loss(module.loss_sums(mb), mb.loss_denominators)
-            loss.backward()
-            for p in params:
-                p.grad = None
-
-        probes = probe_capacities(
-            candidates, prepare, step, device,
-            memory_limit=device_memory_limit(device, self.capacity_memory_fraction),
-        )
-        chosen = choose_capacity(probes)
-        log.info(
-            "data.capacity=auto on %s (%s):\n%s", device,
-            "by speed; memory not measured off CUDA" if device.type != "cuda" else
-            f"memory limit {100 * self.capacity_memory_fraction:.0f}% of the device",
-            format_probes(probes, chosen),
-        )
-        return chosen.capacity
+        return profile_capacity(self, module, probe_microbatches)
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
         # the loader's prefetch thread and the main thread may both ask: plan once
@@ -570,19 +344,17 @@ class MultiAdapterDataModule(L.LightningDataModule):
         planned again without the excluded adapters. The cut sits a fixed distance ahead of the
         training position (further than the prefetch can run), so where it falls does not depend
         on the loader thread's timing."""
-        from ..planner.verify import carry_state
-
         plan = ep.plan
         earliest = self.position + self.prefetch + 4 if ep.epoch == self.epoch else 0
         earliest = max(earliest, self._streamed.get(ep.epoch, -1) + 1)
-        cuts = sorted((pos, w) for w, pos in window_starts(plan, self.planner_window).items() if pos >= earliest)
+        cuts = sorted((pos, w) for w, pos in window_starts(plan, self.planner.window).items() if pos >= earliest)
         if not cuts:
             return ep  # its last window is already streaming; the next epoch leaves them out
         cut, first_window = cuts[0]
         head = plan.microbatches[:cut]
         head_plan = Plan(capacity=plan.capacity, pad_multiple=plan.pad_multiple, num_stages=plan.num_stages,
                          microbatches=head, step_points=Plan.compute_step_points(head))
-        rest = self._plan(ep.epoch, self._planned_lengths(ep.lookup.lengths()), plan.capacity, self.planner,
+        rest = self._plan(ep.epoch, self._planned_lengths(ep.lookup.lengths()), plan.capacity, self.planner.method,
                           start_window=first_window, carry_in=carry_state(head_plan))
         joined = head + rest.microbatches
         new = Plan(capacity=plan.capacity, pad_multiple=plan.pad_multiple, num_stages=plan.num_stages,
@@ -613,7 +385,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
                         for i in range(0, len(v), self.specs[a].global_batch_size)] if a in active else []
                        for a, v in enumerate(datasets)]
             lookup = SampleLookup(datasets, batches)
-            plan = self._plan(0, lookup.lengths(), self.packing.capacity, self.planner, num_stages=1)
+            plan = self._plan(0, lookup.lengths(), self.packing.capacity, self.planner.method, num_stages=1)
             self._val_plans[(kind, active)] = (plan, lookup)
         return self._val_plans[(kind, active)]
 
@@ -636,8 +408,6 @@ class MultiAdapterDataModule(L.LightningDataModule):
         ep = self.epoch_plan(epoch)
         planned = ep.plan.microbatches[pos]
         if self.data_parallel_size > 1:  # the shape plan's slots, filled with this replica's samples
-            from ..parallel.replica_shards import replica_microbatch
-
             planned = replica_microbatch(planned, ep.lookup)
         return pack_microbatch(
             planned,
@@ -688,25 +458,19 @@ class MultiAdapterDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ Lightning
     def train_dataloader(self):
-        import torchdata.nodes as tn
-
-        if self.pipeline:
-            return _MicrobatchLoader(_ResumableStream(self, windows=True))
-        node = tn.IterableWrapper(_ResumableStream(self))
-        node = tn.Prefetcher(node, prefetch_factor=max(1, self.prefetch))
-        return _MicrobatchLoader(tn.Loader(node))
+        return train_loader(self)
 
     def val_dataloader(self):
         """Packed validation microbatches of the adapters still training (re-read at every
         validation; nothing when no adapter has validation data)."""
-        return _ValLoader(self)
+        return ValLoader(self)
 
     def test_dataloader(self):
         """Packed microbatches of every adapter's test data (``lightning-lorafusion test``)."""
-        return _ValLoader(self, kind="test")
+        return ValLoader(self, kind="test")
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
-        if isinstance(batch, _Sealed):
+        if isinstance(batch, Sealed):
             batch = batch.item
         return batch.to(device)
 
@@ -734,78 +498,3 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if "plan" in state:
             self._restored_plan = (self.epoch, Plan.from_json(state["plan"]))
         self.excluded = frozenset(state.get("excluded", ()))
-
-
-def plan_fill(plan: Plan, capacity: int) -> float:
-    """Real tokens over the slots of the plan's microbatches (no-op slots count as empty)."""
-    real = sum(mb.real_tokens() for mb in plan.microbatches)
-    return real / max(1, len(plan.microbatches) * capacity)
-
-
-class _MicrobatchLoader:
-    """The torchdata loader without its state_dict: resume is by our own (epoch, position),
-    which Lightning checkpoints through the data module; Lightning would otherwise try to
-    fast-forward the node graph itself."""
-
-    def __init__(self, loader) -> None:
-        self._loader = loader
-
-    def __iter__(self):
-        return (_Sealed(item) for item in self._loader)
-
-
-class _ValLoader:
-    """Iterable over this replica's validation microbatches, packed ahead in a thread; the plan
-    (which adapters validate) is taken when each validation starts."""
-
-    def __init__(self, dm: MultiAdapterDataModule, kind: str = "val") -> None:
-        self.dm = dm
-        self.kind = kind
-
-    def __iter__(self):
-        import torchdata.nodes as tn
-
-        stream = _ValStream(self.dm, self.kind)
-        node = tn.Prefetcher(tn.IterableWrapper(stream), prefetch_factor=max(1, self.dm.prefetch))
-        return (_Sealed(item) for item in tn.Loader(node))
-
-
-class _ValStream:
-    def __init__(self, dm: MultiAdapterDataModule, kind: str = "val") -> None:
-        self.dm = dm
-        self.kind = kind
-
-    def __iter__(self) -> Iterator[Microbatch]:
-        return self.dm.iter_val_microbatches(self.kind)
-
-
-class _Sealed:
-    """A batch that Lightning's collection walkers leave alone until our
-    ``transfer_batch_to_device`` opens it. Under ``precision: bf16-true`` / ``16-true`` the
-    precision plugin casts every floating tensor of a batch (``convert_input``), which would
-    fail on the frozen ``Microbatch`` and would round its fp32 loss denominators to 16 bits."""
-
-    __slots__ = ("item",)
-
-    def __init__(self, item: Any) -> None:
-        self.item = item
-
-
-class _ResumableStream:
-    """Iterable over the current epoch from the data module's resume point."""
-
-    def __init__(self, dm: MultiAdapterDataModule, windows: bool = False) -> None:
-        self.dm = dm
-        self.windows = windows
-
-    def __iter__(self) -> Iterator[Microbatch]:
-        dm = self.dm
-        # Our own (epoch, position), restored from the checkpoint, decide what comes next, not
-        # trainer.current_epoch: after a resume from an epoch-end checkpoint Lightning re-enters
-        # the finished epoch under its old number and counts it as the next one.
-        epoch, start = dm.epoch, dm.position
-        if all(mb.is_noop for mb in dm.epoch_plan(epoch).plan.microbatches[start:]):
-            epoch, start = epoch + 1, 0
-        if self.windows:
-            return dm.iter_windows(epoch, start)
-        return dm.iter_microbatches(epoch, start)

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 # recomputation, the LM-head loss's form, FP8 accumulation), where and whether it exports, and
 # what is done once at a fresh start. Every other model field must equal the checkpoint's.
 MODEL_MAY_CHANGE = frozenset({
-    "backend", "cuda_graphs", "activation_checkpointing", "lm_head_loss", "fp8_fast_accumulation",
+    "backend", "cuda_graphs", "activation_checkpointing", "lm_head_loss", "precision.fp8.fast_accumulation",
     "export_dir", "export_on_fit_end", "cache_dir", "validate_before_training", "sample_max_new_tokens",
     "max_nonfinite_steps",
 })
@@ -28,7 +28,7 @@ ADAPTER_MAY_CHANGE = frozenset({
 })
 # What evaluating a checkpoint (`validate`, `test`) needs to match: the base and each adapter's
 # shape and scale. Training hyperparameters and data may differ there.
-EVAL_MODEL_FIELDS = frozenset({"base_model", "dtype", "base_precision", "fp8_exempt_layers"})
+EVAL_MODEL_FIELDS = frozenset({"base_model", "dtype", "precision.base", "precision.fp8.exempt_layers"})
 EVAL_ADAPTER_FIELDS = frozenset({"name", "rank", "alpha", "target_modules"})
 
 
@@ -49,6 +49,18 @@ def _model_defaults(model_class: type) -> dict[str, Any]:
     params = inspect.signature(model_class.__init__).parameters
     return {n: p.default for n, p in params.items()
             if n not in ("self", "adapters") and p.default is not inspect.Parameter.empty}
+
+
+def _leaves(name: str, default: Any, old: Any, new: Any) -> list[tuple[str, Any, Any]]:
+    """A model field as (dotted name, old, new) per leaf: a section (``precision``) by its fields,
+    each missing one at its default."""
+    default = _plain(default)
+    if not isinstance(default, dict):
+        return [(name, old, new)]
+    old = old if isinstance(old, dict) else {}
+    new = new if isinstance(new, dict) else {}
+    return [leaf for key, value in default.items()
+            for leaf in _leaves(f"{name}.{key}", value, old.get(key, _plain(value)), new.get(key, _plain(value)))]
 
 
 def _adapters(entries: Any, where: str) -> list[dict[str, Any]]:
@@ -99,10 +111,12 @@ def check_checkpoint_config(saved: Mapping[str, Any] | None, given: Mapping[str,
         changed.append(f"{field}: {old!r} -> {new!r}")
 
     defaults = _model_defaults(model_class)
-    for name, default in defaults.items():
-        old, new = saved.get(name, default), given.get(name, default)
-        allowed = name not in EVAL_MODEL_FIELDS if evaluating else name in MODEL_MAY_CHANGE
-        compare(f"model.{name}", old, new, allowed)
+    for field_name, default in defaults.items():
+        default = _plain(default)
+        for name, old, new in _leaves(field_name, default, saved.get(field_name, default),
+                                      given.get(field_name, default)):
+            allowed = name not in EVAL_MODEL_FIELDS if evaluating else name in MODEL_MAY_CHANGE
+            compare(f"model.{name}", old, new, allowed)
     for old, new in zip(old_adapters, new_adapters):
         for name in old:
             allowed = name not in EVAL_ADAPTER_FIELDS if evaluating else name in ADAPTER_MAY_CHANGE

@@ -89,7 +89,7 @@ def _fit_auto(model_dir, specs, candidates, ckpt_path=None, **trainer_kwargs):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_on_fit_end=False)
     dm = MultiAdapterDataModule(capacity="auto", capacity_candidates=candidates, pad_multiple=8,
-                                max_length=48, prefetch=2, planner="greedy", planner_window=2)
+                                max_length=48, prefetch=2, planner={"method": "greedy", "window": 2})
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False)
     kwargs.update(trainer_kwargs)
@@ -177,7 +177,7 @@ def test_auto_capacity_under_data_parallel_replicas(tiny_model_dir, tmp_path):
     module = LoRAFusionModule(base_model=tiny_model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(tmp_path / "dp"))
     dm = MultiAdapterDataModule(capacity="auto", capacity_candidates=[64, 128], pad_multiple=8, max_length=48,
-                                planner_window=2)
+                                planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,

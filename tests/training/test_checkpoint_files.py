@@ -113,7 +113,7 @@ def test_test_stage_evaluates_test_datasets_with_the_validation_forward(tiny_mod
     specs = [AdapterSpec(**{**a.__dict__, "val_dataset": held, "test_dataset": held}),
              AdapterSpec(**{**c.__dict__, "test_dataset": other}), b]
     module = LoRAFusionModule(base_model=tiny_model_dir, adapters=specs, backend="torch", export_on_fit_end=False)
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner={"window": 2})
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)
     tested = trainer.test(module, datamodule=dm)[0]

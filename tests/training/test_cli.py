@@ -374,3 +374,33 @@ def test_checkpoint_and_config_must_agree_for_resume_validate_and_test(tiny_mode
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "adapters on their test data:" in text and "| xsum | 4 |" in text and "| cnndm | 3 |" in text
+
+
+@pytest.mark.parametrize("edit, old, new", [
+    (lambda cfg: cfg["model"].update(base_precision="bf16"), "model.base_precision", "model.precision.base"),
+    (lambda cfg: cfg["model"].update(fp8_fast_accumulation=False), "model.fp8_fast_accumulation",
+     "model.precision.fp8.fast_accumulation"),
+    (lambda cfg: cfg["data"].update(planner="greedy"), "data.planner", "data.planner.method"),
+    (lambda cfg: cfg["data"].update(planner_window=2), "data.planner_window", "data.planner.window"),
+])
+def test_a_renamed_key_is_one_error_line_whose_hint_names_the_new_key(tmp_path, edit, old, new):
+    out = run_cli(["fit", "--config", _tiny_with(tmp_path, "old.yaml", edit), "--print_config"], tmp_path)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    lines = out.stderr.splitlines()
+    assert len([line for line in lines if line.startswith("error:")]) == 1, out.stderr[-3000:]
+    hints = [line for line in lines if line.startswith("hint:")]
+    assert len(hints) == 1 and f"'{old}' is now '{new}'" in hints[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_the_new_sections_parse_from_yaml(tmp_path):
+    def nested(cfg):
+        cfg["model"]["precision"] = {"base": "bf16", "fp8": {"fast_accumulation": False}}
+        cfg["data"]["planner"] = {"method": "milp", "window": 3}
+
+    out = run_cli(["fit", "--config", _tiny_with(tmp_path, "new.yaml", nested), "--print_config"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    printed = yaml.safe_load(out.stdout)
+    assert printed["model"]["precision"] == {"base": "bf16", "fp8": {"fast_accumulation": False, "exempt_layers": 0,
+                                                                      "emulate": False}}
+    assert printed["data"]["planner"] == {"method": "milp", "time_limit": 5.0, "window": 3, "workers": 0}

@@ -470,8 +470,8 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     for mode in ("off", "on"):
         module = LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(dropout=0.1), backend="triton",
                                   dtype="bfloat16", grad_clip=0.0, export_on_fit_end=False, cuda_graphs=mode)
-        dm = MultiAdapterDataModule(capacity=128, pad_multiple=128, max_length=48, prefetch=2, planner="greedy",
-                                    planner_window=2)
+        dm = MultiAdapterDataModule(capacity=128, pad_multiple=128, max_length=48, prefetch=2,
+                                    planner={"method": "greedy", "window": 2})
         trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=2, precision="bf16-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, datamodule=dm)

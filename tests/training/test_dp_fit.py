@@ -27,7 +27,7 @@ from test_equivalence import fit_joint, tiny_specs
 def _dp_fit(model_dir, specs, out_dir, *, callbacks=(), ckpt_path=None, max_epochs=2):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(out_dir))
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_epochs=max_epochs, logger=False, num_sanity_val_steps=0,
         enable_checkpointing=bool(callbacks), callbacks=list(callbacks),

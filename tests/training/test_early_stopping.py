@@ -23,7 +23,7 @@ def _synthetic(n, seed, distribution="xsum"):
 def test_excluding_an_adapter_replans_the_epoch_from_the_next_window_the_stream_has_not_reached():
     specs = [AdapterSpec(name=f"x{i}", global_batch_size=1 + i % 2, seed=i, dataset=_synthetic(12, i))
              for i in range(3)]
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner_window=1)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner={"window": 1})
     dm.configure(specs, None)
     dm.load_datasets()
     before = dm.epoch_plan(0).plan

@@ -37,7 +37,7 @@ def fit_joint(model_dir, specs, *, capacity=128, pad_multiple=8, max_epochs=1, c
                               export_on_fit_end=False, activation_checkpointing=activation_checkpointing,
                               **(module_kwargs or {}))
     dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2,
-                                planner=planner, planner_window=2)
+                                planner={"method": planner, "window": 2})
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     kwargs.update(trainer_kwargs)

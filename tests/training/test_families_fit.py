@@ -48,3 +48,18 @@ def test_fit_on_a_tiny_gemma2_exports_peft_adapters(tmp_path):
         exported = json.loads((d / "adapter_config.json").read_text())
         assert exported["r"] == adapter["rank"] and (d / "adapter_model.safetensors").stat().st_size > 0
         assert PeftConfig.from_pretrained(d).r == adapter["rank"]
+
+
+def test_val_samples_on_a_family_the_engine_does_not_serve_is_a_one_line_error(tmp_path):
+    base = _tiny_gemma2_dir(tmp_path / "gemma2")
+    cfg = yaml.safe_load(open(TINY))
+    cfg["model"]["base_model"] = str(base)
+    cfg["model"]["adapters"][0]["val_samples"] = 2
+    cfg["trainer"]["default_root_dir"] = str(tmp_path / "run")
+    config_path = tmp_path / "gemma2.yaml"
+    config_path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["fit", "--config", str(config_path)], tmp_path)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "set val_samples: 0" in errors[0] and "'gemma2'" in errors[0]
+    assert "Traceback" not in out.stderr

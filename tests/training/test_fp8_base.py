@@ -1,4 +1,4 @@
-"""``model.base_precision: fp8`` through the Lightning module, with the emulated FP8 products.
+"""``model.precision: {base: fp8}`` through the Lightning module, with the emulated FP8 products.
 
 The FP8 base quantizes activations and output gradients per token row, so packing must still
 not change what an adapter learns: the joint run is compared with each adapter trained alone
@@ -14,15 +14,22 @@ from lightning_lorafusion.training.module import LoRAFusionModule
 
 from test_equivalence import fit_joint, tiny_specs, train_alone
 
-FP8 = {"base_precision": "fp8", "fp8_emulate": True}
+
+
+def fp8(**options) -> dict:
+    """The module's ``precision`` argument for an emulated FP8 base with these ``fp8`` options."""
+    return {"precision": {"base": "fp8", "fp8": {"emulate": True, **options}}}
+
+
+FP8 = fp8()
 
 
 def test_base_precision_is_validated(tiny_model_dir):
-    with pytest.raises(ConfigError, match="base_precision='fp4'.*allowed"):
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], base_precision="fp4")
+    with pytest.raises(ConfigError, match="precision.base='fp4'.*allowed"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], precision={"base": "fp4"})
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="needs FP8 tensor cores.*no CUDA GPU"):
-            LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], base_precision="fp8")
+            LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], precision={"base": "fp8"})
 
 
 def test_fp8_base_packed_training_equals_separate_runs(tiny_model_dir):
@@ -85,12 +92,12 @@ def test_fp8_base_with_activation_checkpointing(tiny_model_dir):
 
 
 def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path, tiny_model_factory):
-    """``fp8_exempt_layers: 1`` on a 4-layer base: layers 0 and 3 keep 16-bit projection weights,
+    """``precision.fp8.exempt_layers: 1`` on a 4-layer base: layers 0 and 3 keep 16-bit projection weights,
     layers 1 and 2 hold e4m3 bits; packed training still equals each adapter trained alone on
     that mixed base (so the mixed layers route through both product paths correctly)."""
     model_dir = str(tiny_model_factory(tmp_path / "four", num_layers=4))
     specs = tiny_specs()
-    module, dm, _ = fit_joint(model_dir, specs, module_kwargs={**FP8, "fp8_exempt_layers": 1})
+    module, dm, _ = fit_joint(model_dir, specs, module_kwargs=fp8(exempt_layers=1))
     buffers = dict(module.named_buffers())
     for i in range(4):
         quantized = f"base__layers__{i}__gate_proj__{WEIGHT_KEY}" in buffers
@@ -105,25 +112,25 @@ def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path, tiny_model
 
 def test_fp8_exempt_layers_is_validated(tiny_model_dir):
     """The tiny base has 2 layers: exempting 1 from each end leaves nothing in FP8."""
-    with pytest.raises(ConfigError, match=r"fp8_exempt_layers=1: give an int n >= 0 with 2n < 2"):
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=1, **FP8)
-    with pytest.raises(ConfigError, match=r"fp8_exempt_layers=-1"):
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=-1, **FP8)
-    with pytest.raises(ConfigError, match="applies only with model.base_precision: fp8"):
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_exempt_layers=1)
+    with pytest.raises(ConfigError, match=r"precision.fp8.exempt_layers=1: give an int n >= 0 with 2n < 2"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **fp8(exempt_layers=1))
+    with pytest.raises(ConfigError, match=r"precision.fp8.exempt_layers=-1"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **fp8(exempt_layers=-1))
+    with pytest.raises(ConfigError, match="applies only with model.precision.base: fp8"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], precision={"fp8": {"exempt_layers": 1}})
 
 
 def test_fp8_fast_accumulation_option_sets_both_products(tiny_model_dir):
-    """``model.fp8_fast_accumulation`` (default true) sets the FP8 products' accumulation mode
+    """``model.precision.fp8.fast_accumulation`` (default true) sets the FP8 products' accumulation mode
     in the module's own decoder options, which its forward, pipeline stages and CUDA graphs
     pass on; building another module (or an engine) changes nothing for this one."""
     from lightning_lorafusion.kernels.options import KernelOptions
 
     module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **FP8)
-    assert module.fp8_fast_accumulation is True
+    assert module.precision.fp8.fast_accumulation is True
     assert module.decoder_options.kernels == KernelOptions(fp8_fast_accum_forward=True,
                                                            fp8_fast_accum_input_grad=True)
-    off = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], fp8_fast_accumulation=False, **FP8)
+    off = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **fp8(fast_accumulation=False))
     assert off.decoder_options.kernels == KernelOptions(fp8_fast_accum_forward=False, fp8_fast_accum_input_grad=False)
     assert module.decoder_options.kernels.fp8_fast_accum_forward  # not overwritten by the second module
     stage = module.pipeline_stage(0, range(module.config.num_layers), True, True)

@@ -1,4 +1,4 @@
-"""``model.base_precision: nf4`` (QLoRA) through the Lightning module and the console script."""
+"""``model.precision.base: nf4`` (QLoRA) through the Lightning module and the console script."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from _nf4_checkpoint import write_bnb_checkpoint
 from test_cli import REPO, assert_clean_output, run_cli
 from test_equivalence import fit_joint, tiny_specs, train_alone
 
-NF4 = {"base_precision": "nf4"}
+NF4 = {"precision": {"base": "nf4"}}
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 
 
@@ -53,7 +53,7 @@ def test_nf4_base_survives_bf16_true(tiny_model_dir):
 
 
 def test_nf4_fit_console_script_exports_adapters(tiny_model_dir, tmp_path):
-    out = run_cli(["fit", "--config", TINY, "--model.base_model", tiny_model_dir, "--model.base_precision", "nf4",
+    out = run_cli(["fit", "--config", TINY, "--model.base_model", tiny_model_dir, "--model.precision.base", "nf4",
                    "--trainer.default_root_dir", str(tmp_path / "run")], tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     assert_clean_output(out)
@@ -65,17 +65,17 @@ def test_nf4_fit_console_script_exports_adapters(tiny_model_dir, tmp_path):
         assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: it trained
 
 
-def test_bitsandbytes_checkpoint_needs_base_precision_nf4(tiny_model_dir, tmp_path):
+def test_bitsandbytes_checkpoint_needs_precision_base_nf4(tiny_model_dir, tmp_path):
     pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
     write_bnb_checkpoint(Path(tiny_model_dir), tmp_path / "bnb")
-    with pytest.raises(ConfigError, match="bitsandbytes NF4 4-bit checkpoint; set model.base_precision: nf4"):
+    with pytest.raises(ConfigError, match="bitsandbytes NF4 4-bit checkpoint; set model.precision.base: nf4"):
         LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch")
     module = LoRAFusionModule(base_model=str(tmp_path / "bnb"), adapters=tiny_specs()[:1], backend="torch", **NF4)
     assert module.base_params()["layers"][0]["k_proj"][WEIGHT_KEY].dtype == torch.uint8
 
 
 def test_random_base_is_quantized_to_nf4_at_setup(tmp_path):
-    """A ``random:`` base is drawn in setup(); with ``base_precision: nf4`` its projections are
+    """A ``random:`` base is drawn in setup(); with ``precision.base: nf4`` its projections are
     quantized there (embeddings and norms stay)."""
     from transformers import LlamaConfig
 

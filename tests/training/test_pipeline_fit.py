@@ -15,7 +15,7 @@ from test_equivalence import fit_joint, tiny_specs
 def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbacks=(), ckpt_path=None):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(out_dir))
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_epochs=2, logger=False,
         enable_checkpointing=bool(callbacks), callbacks=list(callbacks),

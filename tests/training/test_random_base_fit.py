@@ -44,7 +44,7 @@ def _fit(base, specs, out_dir, *, devices, pipeline_size, schedule="no_flush", p
          dtype="float32", callbacks=()):
     module = LoRAFusionModule(base_model=base, adapters=specs, backend="torch", grad_clip=0.0, dtype=dtype,
                               export_dir=str(out_dir))
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision=precision, callbacks=list(callbacks),

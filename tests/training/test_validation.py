@@ -34,7 +34,7 @@ def fit_val(model_dir, specs, *, max_epochs=1, export_dir=None, module_kwargs=No
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_on_fit_end=export_dir is not None, export_dir=export_dir,
                               **(module_kwargs or {}))
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner={"window": 2})
     kwargs = dict(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)

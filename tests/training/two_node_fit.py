@@ -26,7 +26,7 @@ def main() -> None:
     model_dir, export_dir = sys.argv[1:3]
     module = LoRAFusionModule(base_model=model_dir, adapters=tiny_specs(), backend="torch",
                               grad_clip=0.0, export_dir=export_dir)
-    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner_window=2)
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=2, num_nodes=2, max_epochs=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

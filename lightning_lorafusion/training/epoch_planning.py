@@ -1,0 +1,156 @@
+"""Planning an epoch for the data module: the planner run over every adapter's global batches
+(window by window), a checkpointed plan checked against this run's data, and each data-parallel
+replica's share of a global batch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..data.packing import PackingConfig, SampleLookup
+from ..parallel.replica_shards import split_global_batch
+from ..planner import PlannerConfig, join_plans, plan_stream
+from ..planner.config import METHODS
+from ..planner.plan import Plan
+from ..planner.stream import num_windows
+from ..planner.verify import verify_plan
+from ..specs import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningConfig:
+    """``data.planner``: how each epoch is planned. ``method`` and ``time_limit`` are the
+    ``PlannerConfig`` fields of those names (capacity, padding, stages and seed come from the
+    data module and the strategy).
+
+    - ``method``: "greedy" or "milp" (two-stage MILP, greedy where not proven optimal).
+    - ``time_limit``: wall-clock safety limit (s) per MILP solve (the MILP result is used only
+      when proven optimal within a node budget, so plans do not depend on speed).
+    - ``window``: global batches per adapter planned together (one planning job).
+    - ``workers``: processes planning windows in parallel (0: in this process).
+    """
+
+    method: str = "greedy"
+    time_limit: float = 5.0
+    window: int = 8
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"data.planner.method={self.method!r}; allowed: {', '.join(map(repr, METHODS))}")
+        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) or not self.time_limit > 0:
+            raise ConfigError(f"data.planner.time_limit={self.time_limit!r} must be > 0 seconds")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"data.planner.window={self.window!r} must be an int >= 1")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"data.planner.workers={self.workers!r} must be an int >= 0")
+
+    @classmethod
+    def parse(cls, value: "PlanningConfig | dict | None") -> "PlanningConfig":
+        """A ``PlanningConfig`` from itself, a mapping (YAML, Python) or None (the default)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            raise ConfigError(f"data.planner={value!r} is a section now; write planner: {{method: {value}}}")
+        if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+            value = value.as_dict()
+        try:
+            return cls(**dict(value))
+        except TypeError as error:
+            raise ConfigError(f"data.planner: {error}; fields: method, time_limit, window, workers") from None
+
+    def planner_config(self, *, capacity: int, pad_multiple: int, num_stages: int, seed: int,
+                       method: str | None = None) -> PlannerConfig:
+        """The planner's config for one planning run (``method`` overrides this section's)."""
+        return PlannerConfig(capacity=capacity, pad_multiple=pad_multiple, num_stages=num_stages,
+                             method=self.method if method is None else method, time_limit=self.time_limit,
+                             seed=seed)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Everything needed to stream one epoch: the plan and how to find each sample."""
+
+    epoch: int
+    plan: Plan
+    lookup: SampleLookup
+    denominators: dict[tuple[int, int], int]
+    step_adapters: dict[int, tuple[int, ...]]  # microbatch position -> adapters that step
+
+
+def window_starts(plan: Plan, window: int) -> dict[int, int]:
+    """Planning window -> position of its first sample in ``plan`` (windows hold rounds
+    ``[w * window, (w + 1) * window)`` of every adapter and follow each other, so no global
+    batch straddles these positions)."""
+    starts: dict[int, int] = {}
+    for pos, mb in enumerate(plan.microbatches):
+        for s in mb.samples:
+            starts.setdefault(s.batch // window, pos)
+    return starts
+
+
+def plan_fill(plan: Plan, capacity: int) -> float:
+    """Real tokens over the slots of the plan's microbatches (no-op slots count as empty)."""
+    real = sum(mb.real_tokens() for mb in plan.microbatches)
+    return real / max(1, len(plan.microbatches) * capacity)
+
+
+def plan_windows(lengths, config: PlannerConfig, *, window: int, workers: int, start_window: int = 0,
+                 carry_in=None) -> Plan:
+    """``lengths`` planned window by window from ``start_window`` and joined into one plan."""
+    if start_window >= num_windows(lengths, window):  # nothing (left) to plan
+        return Plan(capacity=config.capacity, pad_multiple=config.pad_multiple, num_stages=config.num_stages,
+                    microbatches=())
+    windows = plan_stream(lengths, config, window=window, workers=workers, start_window=start_window,
+                          carry_in=carry_in)
+    return join_plans([wp.plan for wp in windows])
+
+
+def check_restored_plan(plan: Plan, lengths, *, packing: PackingConfig, excluded: frozenset[int],
+                        epoch: int) -> None:
+    """A checkpoint saved mid-epoch resumes that epoch's plan: it must fit this run's data."""
+    problems = []
+    if (plan.capacity, plan.pad_multiple) != (packing.capacity, packing.pad_multiple):
+        problems.append(
+            f"it was planned with data.capacity={plan.capacity}, data.pad_multiple="
+            f"{plan.pad_multiple}; this run has {packing.capacity}, {packing.pad_multiple}"
+        )
+    # a stopped adapter's samples end where its planning stopped: at a window boundary, so
+    # what the plan holds of it is whole global batches 0 .. k-1
+    last: dict[int, int] = {}
+    for mb in plan.microbatches:
+        for ref in mb.samples:
+            last[ref.adapter] = max(last.get(ref.adapter, -1), ref.batch)
+    lengths = [batches[: last.get(a, -1) + 1] if a in excluded else batches for a, batches in enumerate(lengths)]
+    problems += verify_plan(plan, lengths)
+    if problems:
+        raise ConfigError(
+            f"the checkpoint stopped inside epoch {epoch}, but its plan for that epoch does "
+            f"not match this run's data ({problems[0]}"
+            + (f"; {len(problems) - 1} more problem(s)" if len(problems) > 1 else "")
+            + "); resume with the data settings the checkpoint was saved with (datasets, "
+            "max_length, capacity, pad_multiple, devices), or start without --ckpt_path"
+        )
+
+
+def replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, lengths, *, data_parallel_size: int,
+                   replica: int) -> tuple[SampleLookup, list]:
+    """This replica's share of every global batch, and the slot lengths to plan (replica
+    0's, which bound every replica's sample in the same slot): one plan shape for all
+    replicas, so they step adapters in the same order (``parallel.replica_shards``)."""
+    dp = data_parallel_size
+    shards = [[split_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
+              for a in range(len(lengths))]
+    mine = [[s[replica] for s in per_adapter] for per_adapter in shards]
+    slots = [[[len(datasets[a][i].input_ids) for i in s[0]] for s in shards[a]] for a in range(len(lengths))]
+    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
+    planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
+    log.info("data parallel x%d: replica %d of each global batch; slots padded to the longest "
+             "sample dealt with them keep %.1f%% of the planned tokens real", dp, replica,
+             100 * real / max(1, planned))
+    return SampleLookup(datasets, mine), slots

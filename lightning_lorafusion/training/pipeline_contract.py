@@ -1,0 +1,111 @@
+"""The training module's side of ``MultiAdapterPipelineStrategy``: this stage's layers and frozen
+weights, its ``DecoderStage``, stepping an adapter on its own layers, and one planned window run
+through the pipeline schedule. Functions over the training module's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning import LightningModule as Module
+
+from ..parallel.partition import partition_decoder
+from ..parallel.simulator import CostModel
+from ..parallel.stage import DecoderStage
+from ..parallel.strategy import MultiAdapterPipelineStrategy
+from .frozen_base import draw_stage_base, flatten_tree, stage_template
+from .nonfinite_guard import agree_on_quarantine, step_adapter
+
+
+def pipeline_strategy(m: Module) -> MultiAdapterPipelineStrategy | None:
+    strategy = m.trainer.strategy if m._trainer is not None else None
+    return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
+
+
+def setup_stage(m: Module) -> None:
+    """This process's layers: a random base drawn for them on the device, or a loaded base cut
+    down to them (before the device move) under the pipeline strategy."""
+    strategy = pipeline_strategy(m)
+    if strategy is not None:
+        layers = strategy.stage_layers(m.config)
+        first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
+    else:
+        layers, first, last = range(m.config.num_layers), True, True
+    if m._param_template is None:  # random base: only this stage's weights, on its device
+        device = m._trainer.strategy.root_device if m._trainer is not None else m.device
+        m._register_base(draw_stage_base(m.config, layers, is_first=first, is_last=last, device=device,
+                                         dtype=m.base_dtype, base_precision=m.base_precision,
+                                         fp8_keep=m._fp8_keep))
+        if m._bank_on_meta:  # zeros, then this stage's initial A factors (other layers unused)
+            m.bank.to_empty(device=device)
+            with torch.no_grad():
+                for p in m.bank.parameters():
+                    p.zero_()
+            m.bank.draw_initial_a(layers)
+            m._bank_on_meta = False
+        m._stage_layers = layers
+    elif strategy is not None:
+        keep_stage_params(m, layers, first, last)
+
+
+def keep_stage_params(m: Module, layers: range, is_first: bool, is_last: bool) -> None:
+    """Drop the frozen buffers of every layer this stage does not run."""
+    template = stage_template(m._param_template, layers, is_first, is_last)
+    needed = set(flatten_tree(template))
+    needed |= {m._aliases[n] for n in needed if n in m._aliases}
+    for name in [n for n in m._buffers if n.startswith("base__")]:
+        if name[len("base__"):] not in needed:
+            del m._buffers[name]
+    m._aliases = {k: v for k, v in m._aliases.items() if k in needed}
+    m._param_template = template
+    m._stage_layers = layers
+
+
+def build_stage(m: Module, layers: range, is_first: bool, is_last: bool) -> DecoderStage:
+    m._stage_layers = layers
+    return DecoderStage(
+        params=m.base_params(), bank=m.bank, config=m.config, layers=layers,
+        is_first=is_first, is_last=is_last, microbatches=lambda pos: m._window.microbatch(pos),
+        backend=m.backend, on_loss_sums=m._on_pipeline_loss_sums if is_last else None,
+        checkpoint_layers=m.activation_checkpointing, lm_head_loss=m.lm_head_loss,
+        options=m.decoder_options,
+    )
+
+
+def step_adapter_on_stage(m: Module, adapter: int) -> None:
+    """Step ``adapter`` on this stage's layers (its loss is logged by the last stage)."""
+    strategy = pipeline_strategy(m)
+    is_last = strategy.stage_index == strategy.layout.pipeline_size - 1
+    if is_last and strategy.layout.data_parallel_size > 1:
+        # each replica holds its share of the global batch's loss and tokens: log the whole
+        stats = torch.tensor([float(m._gb_loss[adapter]), float(m._gb_tokens[adapter])],
+                             dtype=torch.float64, device=strategy.root_device)
+        strategy.sum_over_replicas(stats)
+        m._gb_loss[adapter] = float(stats[0])
+        m._gb_tokens[adapter] = int(stats[1])
+    step_adapter(m, adapter, m.adapter_parameters(adapter, m._stage_layers), log_loss=is_last)
+
+
+def train_window(m: Module, window: Any) -> None:
+    """One ``PipelineWindow`` through the strategy's schedule, with its measured and simulated
+    bubble ratios logged."""
+    strategy = pipeline_strategy(m)
+    if strategy is None:
+        raise RuntimeError("a PipelineWindow batch needs MultiAdapterPipelineStrategy")
+    m._window = window
+    dtype = next(iter(m._buffers.values())).dtype
+    sync = torch.cuda.synchronize if m.device.type == "cuda" else None
+    strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
+                          dtype=dtype, synchronize=sync)
+    # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
+    stages = partition_decoder(m.config, strategy.layout.pipeline_size)
+    cost = CostModel.from_decoder_config(m.config, [len(r) for r in stages])
+    m.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
+    m.log("pipeline/simulated_bubble_ratio", strategy.simulated_bubble_ratio(window.plan, cost), batch_size=1)
+    for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
+        m.log(f"pipeline/bubble_ratio_stage{s}", float(ratio), batch_size=1)
+    dm = m.trainer.datamodule
+    if dm is not None:
+        dm.on_window_trained(window)
+    m._window = None
+    agree_on_quarantine(m, strategy)
