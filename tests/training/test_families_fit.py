@@ -54,7 +54,7 @@ def test_val_samples_on_a_family_the_engine_does_not_serve_is_a_one_line_error(t
     base = _tiny_gemma2_dir(tmp_path / "gemma2")
     cfg = yaml.safe_load(open(TINY))
     cfg["model"]["base_model"] = str(base)
-    cfg["model"]["adapters"][0]["val_samples"] = 2
+    cfg["model"]["adapters"][0].update(val_samples=2, val_fraction=0.25)
     cfg["trainer"]["default_root_dir"] = str(tmp_path / "run")
     config_path = tmp_path / "gemma2.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
