@@ -32,6 +32,26 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the field and how to fix it."""
 
 
+def parse_section(cls: Any, value: Any, *, where: str, scalar_field: str, fields: str) -> Any:
+    """A config section (a frozen dataclass ``cls``) from itself, a mapping (YAML, Python), a
+    jsonargparse Namespace or None (the default). A plain string, the section's old flat form,
+    is a ``ConfigError`` that shows the new spelling with it as ``scalar_field``; unknown keys
+    name the section's ``fields``."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    name = where.rsplit(".", 1)[-1]
+    if isinstance(value, str):
+        raise ConfigError(f"{where}={value!r} is a section now; write {name}: {{{scalar_field}: {value}}}")
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    try:
+        return cls(**dict(value))
+    except TypeError as error:
+        raise ConfigError(f"{where}: {error}; fields: {fields}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdapterSpec:
     """One LoRA adapter to train: its hyperparameters and where its samples come from.

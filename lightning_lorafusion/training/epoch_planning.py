@@ -15,7 +15,7 @@ from ..planner.config import METHODS
 from ..planner.plan import Plan
 from ..planner.stream import num_windows
 from ..planner.verify import verify_plan
-from ..specs import ConfigError
+from ..specs import ConfigError, parse_section
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +51,8 @@ class PlanningConfig:
     @classmethod
     def parse(cls, value: "PlanningConfig | dict | None") -> "PlanningConfig":
         """A ``PlanningConfig`` from itself, a mapping (YAML, Python) or None (the default)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            raise ConfigError(f"data.planner={value!r} is a section now; write planner: {{method: {value}}}")
-        if hasattr(value, "as_dict"):  # a jsonargparse Namespace
-            value = value.as_dict()
-        try:
-            return cls(**dict(value))
-        except TypeError as error:
-            raise ConfigError(f"data.planner: {error}; fields: method, time_limit, window, workers") from None
+        return parse_section(cls, value, where="data.planner", scalar_field="method",
+                             fields="method, time_limit, window, workers")
 
     def planner_config(self, *, capacity: int, pad_multiple: int, num_stages: int, seed: int,
                        method: str | None = None) -> PlannerConfig:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..specs import ConfigError
+from ..specs import ConfigError, parse_section
 
 BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
@@ -61,19 +61,8 @@ class PrecisionConfig:
     @classmethod
     def parse(cls, value: "PrecisionConfig | dict | None") -> "PrecisionConfig":
         """A ``PrecisionConfig`` from itself, a mapping (YAML, Python) or None (the default)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            raise ConfigError(f"model.precision={value!r} is a section now; write precision: {{base: {value}}}")
-        if hasattr(value, "as_dict"):  # a jsonargparse Namespace
-            value = value.as_dict()
-        try:
-            return cls(**dict(value))
-        except TypeError as error:
-            raise ConfigError(f"model.precision: {error}; fields: base, fp8 "
-                              "(fp8: fast_accumulation, exempt_layers, emulate)") from None
+        return parse_section(cls, value, where="model.precision", scalar_field="base",
+                             fields="base, fp8 (fp8: fast_accumulation, exempt_layers, emulate)")
 
 
 def check_base_precision(precision: PrecisionConfig, dtype: str) -> None:

@@ -30,6 +30,7 @@ from lightning_lorafusion.serving.adapter_store import AdapterStore
 from lightning_lorafusion.serving.engine_process import EngineClient
 from lightning_lorafusion.serving.server import ServerConfig, create_app
 from lightning_lorafusion.specs import ConfigError
+from test_server import _Uvicorn  # uvicorn in a thread
 
 BASE = "tiny"
 ENGINE_CONFIG = dict(num_pages=160, page_size=8, max_num_seqs=16, max_num_batched_tokens=512, backend="torch")
@@ -181,30 +182,6 @@ def test_a_killed_engine_process_is_restarted_and_serves_again(model_dir, adapte
 
 
 # -- the admission limit is exact --------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Uvicorn:
-    def __init__(self, app, **config):
-        import uvicorn
-
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        _wait_for(lambda: self.server.started or not self.thread.is_alive())
-        assert self.server.started, "uvicorn did not start"
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def test_admission_limit_is_exact_with_more_clients_than_the_limit(served):
