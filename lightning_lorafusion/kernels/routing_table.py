@@ -79,15 +79,11 @@ def build_launch_table(
     return table
 
 
-def _build(
-    routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], block_m: int, device: torch.device
-) -> LoraLaunchTable:
-    n_adapters = routing.num_adapters
-    n_proj = len(ranks)
-    total_rank = [sum(ranks[i][a] for i in range(n_proj)) for a in range(n_adapters)]
-    present = {a for _, _, a in routing.segments}
-    active = tuple(a for a in range(n_adapters) if a in present and total_rank[a] > 0)
-
+def _row_tiles(
+    routing: LoraRouting, active: tuple[int, ...], total_rank: list[int], block_m: int
+) -> tuple[list[tuple[int, int, int, int]], int]:
+    """Active segments cut at multiples of ``block_m`` into ``(row_start, row_end, adapter,
+    s_offset)`` tiles, and the element count of the compact S they cover."""
     tiles: list[tuple[int, int, int, int]] = []
     s_offset = 0
     for start, end, adapter in routing.segments:
@@ -99,8 +95,15 @@ def _build(
             tiles.append((row, stop, adapter, s_offset + (row - start) * total_rank[adapter]))
             row = stop
         s_offset += (end - start) * total_rank[adapter]
+    return tiles, s_offset
 
-    n_blocks = -(-routing.num_rows // block_m)
+
+def _tile_indices(
+    tiles: list[tuple[int, int, int, int]], num_rows: int, block_m: int, n_adapters: int
+) -> tuple[list[int], list[list[int]], list[int], list[int]]:
+    """Per GEMM row block the prefix sums of its tile counts (``block_tiles``); per adapter its
+    tile ids (``by_adapter``), flattened (``adapter_tiles``) with their offsets (``adapter_tile_ptr``)."""
+    n_blocks = -(-num_rows // block_m)
     block_tiles = [0] * (n_blocks + 1)
     for row_start, _, _, _ in tiles:
         block_tiles[row_start // block_m + 1] += 1
@@ -114,7 +117,16 @@ def _build(
     adapter_tile_ptr = [0]
     for lst in by_adapter:
         adapter_tile_ptr.append(adapter_tile_ptr[-1] + len(lst))
+    return block_tiles, by_adapter, adapter_tiles, adapter_tile_ptr
 
+
+def _adapter_rows(
+    routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], active: tuple[int, ...], total_rank: list[int]
+) -> tuple[list[list[int]], list[list[float]], list[tuple[int, int]], list[list[int]], list[int], int]:
+    """The ``adapter_int`` and ``adapter_float`` rows of every adapter, the (adapter, projection)
+    order of A's row blocks, per projection B's adapter order and column count, and A's row count."""
+    n_adapters = routing.num_adapters
+    n_proj = len(ranks)
     adapter_int = [[0] * (AI_FIRST_PROJ + AI_PER_PROJ * n_proj) for _ in range(n_adapters)]
     adapter_float = [[0.0, 1.0] for _ in range(n_adapters)]
     a_order: list[tuple[int, int]] = []
@@ -140,11 +152,15 @@ def _build(
             s_col += r
             b_cols[i] += r
         a_row += total_rank[a]
+    return adapter_int, adapter_float, a_order, b_order, b_cols, a_row
 
-    # One host->device copy for all tables (the first layer of a microbatch pays it once):
-    # int64 sections padded to 16 bytes, then the float32 section, all in one byte buffer.
-    int_parts = [tiles if tiles else [[0, 0, 0, 0]], block_tiles, adapter_tiles if adapter_tiles else [0],
-                 adapter_tile_ptr, adapter_int]
+
+def _to_device(
+    int_parts: list[list], adapter_float: list[list[float]], device: torch.device
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Copy the int64 tables and the float32 table to ``device`` in one host->device transfer (the
+    first layer of a microbatch pays it once): int64 sections padded to 16 bytes, then the
+    float32 section, all in one byte buffer. Returns device views shaped like the inputs."""
     ints = [torch.tensor(part, dtype=torch.int64) for part in int_parts]
     floats = torch.tensor(adapter_float, dtype=torch.float32)
     starts, nbytes = [], 0
@@ -157,6 +173,28 @@ def _build(
     host[nbytes:].view(torch.float32).copy_(floats.flatten())
     dev = host.to(device, non_blocking=True)
     views = [dev[start:start + t.numel() * 8].view(torch.int64).view(t.shape) for t, start in zip(ints, starts)]
+    return views, dev[nbytes:].view(torch.float32).view(floats.shape)
+
+
+def _build(
+    routing: LoraRouting, ranks: tuple[tuple[int, ...], ...], block_m: int, device: torch.device
+) -> LoraLaunchTable:
+    n_adapters = routing.num_adapters
+    n_proj = len(ranks)
+    total_rank = [sum(ranks[i][a] for i in range(n_proj)) for a in range(n_adapters)]
+    present = {a for _, _, a in routing.segments}
+    active = tuple(a for a in range(n_adapters) if a in present and total_rank[a] > 0)
+
+    tiles, s_offset = _row_tiles(routing, active, total_rank, block_m)
+    block_tiles, by_adapter, adapter_tiles, adapter_tile_ptr = _tile_indices(
+        tiles, routing.num_rows, block_m, n_adapters
+    )
+    adapter_int, adapter_float, a_order, b_order, b_cols, a_row = _adapter_rows(
+        routing, ranks, active, total_rank
+    )
+    int_parts = [tiles if tiles else [[0, 0, 0, 0]], block_tiles, adapter_tiles if adapter_tiles else [0],
+                 adapter_tile_ptr, adapter_int]
+    views, adapter_float_t = _to_device(int_parts, adapter_float, device)
     tiles_t, block_tiles_t, adapter_tiles_t, adapter_tile_ptr_t, adapter_int_t = views
 
     return LoraLaunchTable(
@@ -168,7 +206,7 @@ def _build(
         adapter_tiles=adapter_tiles_t,
         adapter_tile_ptr=adapter_tile_ptr_t,
         adapter_int=adapter_int_t,
-        adapter_float=dev[nbytes:].view(torch.float32).view(floats.shape),
+        adapter_float=adapter_float_t,
         s_numel=s_offset,
         a_rows=a_row,
         b_cols=tuple(b_cols),

@@ -65,6 +65,155 @@ def gather_busy_and_wall(record: StageRecord, group: dist.ProcessGroup | None = 
     return [tuple(p) for p in pairs]  # type: ignore[misc]
 
 
+class _StageRun:
+    """One rank's tensors in transit, pending sends and timed events while it runs its list."""
+
+    def __init__(
+        self,
+        stage: StageModule,
+        *,
+        stage_index: int,
+        num_stages: int,
+        ranks: list[int],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        optimizer_step: Callable[[int, int], None],
+        group: dist.ProcessGroup | None,
+        synchronize: Callable[[], None] | None,
+    ) -> None:
+        self.stage = stage
+        self.stage_index = stage_index
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.optimizer_step = optimizer_step
+        self.group = group
+        self.synchronize = synchronize
+        self.first, self.last = stage_index == 0, stage_index == num_stages - 1
+        self.prev_rank = ranks[stage_index - 1] if not self.first else None
+        self.next_rank = ranks[stage_index + 1] if not self.last else None
+        self.inputs: dict[int, torch.Tensor] = {}  # received activation (leaf requiring grad)
+        self.outputs: dict[int, torch.Tensor] = {}  # stage output, graph attached
+        self.grads_in: dict[int, torch.Tensor] = {}  # received gradient w.r.t. our output
+        self.grads_out: dict[int, torch.Tensor] = {}  # gradient w.r.t. our input, to send
+        self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.events: list[tuple[str, int, float, float]] = []
+        self.t_start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def sync(self) -> None:
+        if self.synchronize is not None:
+            self.synchronize()
+
+    def p2p_op(self, a: Action) -> tuple[dist.P2POp, torch.Tensor, bool]:
+        """The P2P operation of one communication action, its tensor, and whether it receives."""
+        i = a.microbatch
+        if isinstance(a, SendActivation):
+            out = self.outputs[i].detach()
+            if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+                raise ScheduleError(
+                    f"stage {self.stage_index} produced {tuple(out.shape)} {out.dtype} for microbatch "
+                    f"{i}; pipeline messages must be {self.shape} {self.dtype} (fixed microbatch capacity)"
+                )
+            tensor = out.contiguous()
+            return dist.P2POp(dist.isend, tensor, self.next_rank, self.group), tensor, False
+        if isinstance(a, SendGrad):
+            tensor = self.grads_out.pop(i).contiguous()
+            return dist.P2POp(dist.isend, tensor, self.prev_rank, self.group), tensor, False
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if isinstance(a, RecvActivation):
+            self.inputs[i] = tensor
+            return dist.P2POp(dist.irecv, tensor, self.prev_rank, self.group), tensor, True
+        assert isinstance(a, RecvGrad)
+        self.grads_in[i] = tensor
+        return dist.P2POp(dist.irecv, tensor, self.next_rank, self.group), tensor, True
+
+    def post(self, run: tuple[Action, ...]) -> None:
+        """Post ``run`` as one batch, wait for its receives and keep its sends pending."""
+        ops: list[dist.P2POp] = []
+        recv_works_idx: list[int] = []
+        keep: list[torch.Tensor] = []
+        for a in run:
+            op, tensor, is_recv = self.p2p_op(a)
+            if is_recv:
+                recv_works_idx.append(len(ops))
+            ops.append(op)
+            keep.append(tensor)
+        t0 = self.now()
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            for k, (w, op) in enumerate(zip(works, ops)):
+                if k in recv_works_idx:
+                    w.wait()
+                else:
+                    self.pending_sends.append((w, keep[k]))
+        else:  # one coalesced work for the whole batch (NCCL)
+            for w in works:
+                w.wait()
+        self.events.append(("C", -1, t0, self.now()))
+        # drop references to sends that have completed
+        self.pending_sends[:] = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
+
+    def forward(self, item: Forward) -> tuple[str, int]:
+        i = item.microbatch
+        x = None
+        if not self.first:
+            x = self.inputs[i].requires_grad_(True)
+        out = self.stage.forward(x, i)
+        if self.last and out.dim() != 0:
+            raise ScheduleError(
+                f"the last stage must return the scalar loss to backward; got shape {tuple(out.shape)}"
+            )
+        self.outputs[i] = out
+        return "F", i
+
+    def backward(self, item: Backward) -> tuple[str, int]:
+        i = item.microbatch
+        out = self.outputs.pop(i)
+        grad = None if self.last else self.grads_in.pop(i)
+        # A data-parallel replica's share of a microbatch can be empty (all padding): on the
+        # first stage its output then has no graph to adapters, and there is nothing to do.
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_tensors=grad)
+        if not self.first:
+            x = self.inputs.pop(i)
+            self.grads_out[i] = x.grad if x.grad is not None else torch.zeros_like(x)
+        return "B", i
+
+    def step(self, item: OptimizerStep) -> tuple[str, int]:
+        self.optimizer_step(item.adapter, item.batch)
+        return "S", item.adapter
+
+    def compute(self, item: Action) -> None:
+        """Run one Forward, Backward or OptimizerStep and record its (synchronised) time."""
+        self.sync()
+        t0 = self.now()
+        if isinstance(item, Forward):
+            kind, label = self.forward(item)
+        elif isinstance(item, Backward):
+            kind, label = self.backward(item)
+        else:
+            assert isinstance(item, OptimizerStep)
+            kind, label = self.step(item)
+        self.sync()
+        self.events.append((kind, label, t0, self.now()))
+
+    def finish(self) -> StageRecord:
+        """Wait for the pending sends, check nothing was left unconsumed, and return the record."""
+        for w, _ in self.pending_sends:
+            w.wait()
+        if self.outputs or self.grads_in or self.grads_out:
+            raise ScheduleError(
+                f"stage {self.stage_index} finished with unconsumed microbatches "
+                f"{sorted(set(self.outputs) | set(self.grads_in) | set(self.grads_out))}; "
+                "the action list is incomplete"
+            )
+        return StageRecord(events=tuple(self.events), wall=self.now())
+
+
 def run_stage(
     actions: Sequence[Action],
     stage: StageModule,
@@ -91,112 +240,21 @@ def run_stage(
     ranks = list(range(num_stages)) if stage_ranks is None else list(stage_ranks)
     if len(ranks) != num_stages:
         raise ValueError(f"stage_ranks has {len(ranks)} entries for {num_stages} stages")
-    shape = tuple(int(n) for n in activation_shape)
-    first, last = stage_index == 0, stage_index == num_stages - 1
-    prev_rank = ranks[stage_index - 1] if not first else None
-    next_rank = ranks[stage_index + 1] if not last else None
-
-    inputs: dict[int, torch.Tensor] = {}  # received activation (leaf requiring grad)
-    outputs: dict[int, torch.Tensor] = {}  # stage output, graph attached
-    grads_in: dict[int, torch.Tensor] = {}  # received gradient w.r.t. our output
-    grads_out: dict[int, torch.Tensor] = {}  # gradient w.r.t. our input, to send
-    pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
-    events: list[tuple[str, int, float, float]] = []
-    t_start = time.perf_counter()
-
-    def now() -> float:
-        return time.perf_counter() - t_start
-
-    def sync() -> None:
-        if synchronize is not None:
-            synchronize()
-
-    def post(run: tuple[Action, ...]) -> None:
-        ops: list[dist.P2POp] = []
-        recv_works_idx: list[int] = []
-        keep: list[torch.Tensor] = []
-        for a in run:
-            i = a.microbatch
-            if isinstance(a, SendActivation):
-                out = outputs[i].detach()
-                if tuple(out.shape) != shape or out.dtype != dtype:
-                    raise ScheduleError(
-                        f"stage {stage_index} produced {tuple(out.shape)} {out.dtype} for microbatch "
-                        f"{i}; pipeline messages must be {shape} {dtype} (fixed microbatch capacity)"
-                    )
-                tensor = out.contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, next_rank, group))
-            elif isinstance(a, SendGrad):
-                tensor = grads_out.pop(i).contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, prev_rank, group))
-            elif isinstance(a, RecvActivation):
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                inputs[i] = tensor
-                recv_works_idx.append(len(ops))
-                ops.append(dist.P2POp(dist.irecv, tensor, prev_rank, group))
-            else:
-                assert isinstance(a, RecvGrad)
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                grads_in[i] = tensor
-                recv_works_idx.append(len(ops))
-                ops.append(dist.P2POp(dist.irecv, tensor, next_rank, group))
-            keep.append(tensor)
-        t0 = now()
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):
-            for k, (w, op) in enumerate(zip(works, ops)):
-                if k in recv_works_idx:
-                    w.wait()
-                else:
-                    pending_sends.append((w, keep[k]))
-        else:  # one coalesced work for the whole batch (NCCL)
-            for w in works:
-                w.wait()
-        events.append(("C", -1, t0, now()))
-        # drop references to sends that have completed
-        pending_sends[:] = [(w, t) for w, t in pending_sends if not w.is_completed()]
-
+    state = _StageRun(
+        stage,
+        stage_index=stage_index,
+        num_stages=num_stages,
+        ranks=ranks,
+        shape=tuple(int(n) for n in activation_shape),
+        dtype=dtype,
+        device=device,
+        optimizer_step=optimizer_step,
+        group=group,
+        synchronize=synchronize,
+    )
     for item in communication_runs(actions):
         if isinstance(item, tuple):
-            post(item)
-            continue
-        sync()
-        t0 = now()
-        if isinstance(item, Forward):
-            i = item.microbatch
-            x = None
-            if not first:
-                x = inputs[i].requires_grad_(True)
-            out = stage.forward(x, i)
-            if last and out.dim() != 0:
-                raise ScheduleError(
-                    f"the last stage must return the scalar loss to backward; got shape {tuple(out.shape)}"
-                )
-            outputs[i] = out
-            kind, label = "F", i
-        elif isinstance(item, Backward):
-            i = item.microbatch
-            out = outputs.pop(i)
-            grad = None if last else grads_in.pop(i)
-            # A data-parallel replica's share of a microbatch can be empty (all padding): on the
-            # first stage its output then has no graph to adapters, and there is nothing to do.
-            if out.requires_grad:
-                torch.autograd.backward(out, grad_tensors=grad)
-            if not first:
-                x = inputs.pop(i)
-                grads_out[i] = x.grad if x.grad is not None else torch.zeros_like(x)
-            kind, label = "B", i
+            state.post(item)
         else:
-            assert isinstance(item, OptimizerStep)
-            optimizer_step(item.adapter, item.batch)
-            kind, label = "S", item.adapter
-        sync()
-        events.append((kind, label, t0, now()))
-    for w, _ in pending_sends:
-        w.wait()
-    if outputs or grads_in or grads_out:
-        raise ScheduleError(
-            f"stage {stage_index} finished with unconsumed microbatches "
-            f"{sorted(set(outputs) | set(grads_in) | set(grads_out))}; the action list is incomplete"
-        )
-    return StageRecord(events=tuple(events), wall=now())
+            state.compute(item)
+    return state.finish()

@@ -223,6 +223,166 @@ def _check_static(plan: Plan, schedule: Sequence[Sequence[Action]]) -> None:
             )
 
 
+class _Simulation:
+    """The clocks, message posts and per-stage bookkeeping of one simulated run."""
+
+    def __init__(
+        self, plan: Plan, schedule: Sequence[Sequence[Action]], cost_model: CostModel, rendezvous: bool
+    ) -> None:
+        num_stages = len(schedule)
+        self.num_stages = num_stages
+        self.cost_model = cost_model
+        self.rendezvous = rendezvous
+        self.step_points = Plan.compute_step_points(plan.microbatches)
+        self.costs = [_work(plan, mb) for mb in plan.microbatches]
+        self.message_time = cost_model.p2p_time(plan.capacity)
+        self.programs = [communication_runs(actions) for actions in schedule]
+        self.pc = [0] * num_stages
+        self.clock = [0.0] * num_stages
+        self.busy = [0.0] * num_stages
+        # (posting rank, channel, microbatch) -> time the operation was posted
+        self.posts: dict[tuple[int, tuple[int, int, str], int], float] = {}
+        self.post_time: list[float | None] = [None] * num_stages  # of the run a rank is blocked in
+        self.in_flight: list[set[int]] = [set() for _ in range(num_stages)]
+        self.max_in_flight = [0] * num_stages
+        self.have_input: list[set[int]] = [set() for _ in range(num_stages)]
+        self.have_grad: list[set[int]] = [set() for _ in range(num_stages)]
+        self.backwarded: list[set[int]] = [set() for _ in range(num_stages)]
+        # microbatch of the last Backward when only optimizer steps ran since; else None
+        self.after_backward: list[int | None] = [None] * num_stages
+        self.timeline: list[tuple[int, str, int, float, float]] = []
+
+    def forward_cost(self, stage: int, a: Forward) -> float:
+        """Check that ``a`` may run now, mark its microbatch in flight and return its duration."""
+        i = a.microbatch
+        if stage != 0 and i not in self.have_input[stage]:
+            raise ScheduleError(f"stage {stage}: Forward({i}) before its activation was received")
+        duration = self.cost_model.forward_time(stage, *self.costs[i])
+        self.in_flight[stage].add(i)
+        self.max_in_flight[stage] = max(self.max_in_flight[stage], len(self.in_flight[stage]))
+        if self.max_in_flight[stage] > self.num_stages:
+            raise ScheduleError(
+                f"stage {stage} holds {self.max_in_flight[stage]} microbatches in flight, more "
+                f"than the 1F1B bound of num_stages={self.num_stages}"
+            )
+        return duration
+
+    def backward_cost(self, stage: int, a: Backward) -> float:
+        """Check that ``a`` may run now, retire its microbatch and return its duration."""
+        i = a.microbatch
+        if i not in self.in_flight[stage]:
+            raise ScheduleError(f"stage {stage}: Backward({i}) before Forward({i})")
+        if stage != self.num_stages - 1 and i not in self.have_grad[stage]:
+            raise ScheduleError(f"stage {stage}: Backward({i}) before its output gradient was received")
+        duration = self.cost_model.backward_time(stage, *self.costs[i])
+        self.in_flight[stage].discard(i)
+        self.backwarded[stage].add(i)
+        return duration
+
+    def step_cost(self, stage: int, a: OptimizerStep) -> float:
+        """Check that ``a`` comes right after its batch's last backward and return its duration."""
+        p = self.step_points.get((a.adapter, a.batch))
+        if p is None or self.after_backward[stage] != p:
+            raise ScheduleError(
+                f"stage {stage}: OptimizerStep({a.adapter}, {a.batch}) must come right after "
+                f"Backward({p}), the last microbatch of that global batch; the last backward "
+                f"before it was {self.after_backward[stage]}"
+            )
+        return self.cost_model.optimizer_step_time
+
+    def run_compute(self, stage: int, a: Action) -> None:
+        start = self.clock[stage]
+        if isinstance(a, Forward):
+            duration = self.forward_cost(stage, a)
+            kind, label = "F", a.microbatch
+        elif isinstance(a, Backward):
+            duration = self.backward_cost(stage, a)
+            kind, label = "B", a.microbatch
+        else:
+            assert isinstance(a, OptimizerStep)
+            duration = self.step_cost(stage, a)
+            kind, label = "S", a.adapter
+        self.clock[stage] = start + duration
+        self.busy[stage] += duration
+        if isinstance(a, Backward):
+            self.after_backward[stage] = a.microbatch
+        elif isinstance(a, Forward):
+            self.after_backward[stage] = None
+        self.timeline.append((stage, kind, label, start, start + duration))
+
+    def try_comm(self, stage: int, run: tuple[Action, ...]) -> bool:
+        """Post ``run`` (once) and finish it if every operation found its counterpart."""
+        if self.post_time[stage] is None:
+            self.post_time[stage] = self.clock[stage]
+            for a in run:
+                self.posts[(stage, _peer_and_channel(a, stage)[1], a.microbatch)] = self.clock[stage]
+        mine = self.post_time[stage]
+        done_at = mine
+        for a in run:
+            peer, channel = _peer_and_channel(a, stage)
+            is_send = isinstance(a, (SendActivation, SendGrad))
+            if is_send and not self.rendezvous:
+                continue  # buffered send: the sender does not wait
+            theirs = self.posts.get((peer, channel, a.microbatch))
+            if theirs is None:
+                return False
+            if self.rendezvous:
+                done_at = max(done_at, max(mine, theirs) + self.message_time)
+            else:
+                done_at = max(done_at, theirs + self.message_time)
+        for a in run:
+            if isinstance(a, RecvActivation):
+                self.have_input[stage].add(a.microbatch)
+            elif isinstance(a, RecvGrad):
+                self.have_grad[stage].add(a.microbatch)
+        self.clock[stage] = done_at
+        self.post_time[stage] = None
+        return True
+
+    def run(self) -> None:
+        """Advance every rank as far as it can go, round after round, until all lists are done;
+        raise ``DeadlockError`` when a round moves no rank."""
+        programs, pc = self.programs, self.pc
+        remaining = sum(len(p) for p in programs)
+        while remaining:
+            progressed = False
+            for stage in range(self.num_stages):
+                while pc[stage] < len(programs[stage]):
+                    item = programs[stage][pc[stage]]
+                    if isinstance(item, tuple):
+                        if not self.try_comm(stage, item):
+                            break
+                    else:
+                        self.run_compute(stage, item)
+                    pc[stage] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                waiting = {
+                    stage: programs[stage][pc[stage]]
+                    for stage in range(self.num_stages)
+                    if pc[stage] < len(programs[stage])
+                }
+                raise DeadlockError(
+                    "schedule deadlocks: every unfinished rank waits for a message that is never "
+                    f"posted; blocked at {waiting}"
+                )
+
+    def result(self) -> SimulationResult:
+        makespan = max(self.clock) if self.clock else 0.0
+        return SimulationResult(
+            makespan=makespan,
+            busy=tuple(self.busy),
+            max_in_flight=tuple(self.max_in_flight),
+            timeline=tuple(self.timeline),
+        )
+
+
+def _work(plan: Plan, mb: PlannedMicrobatch) -> tuple[int, int]:
+    """Padded tokens of ``mb`` and the sum of its samples' squared lengths (the cost model's inputs)."""
+    return mb.padded_tokens(plan.pad_multiple), sum(s.length ** 2 for s in mb.samples)
+
+
 def simulate(
     plan: Plan,
     schedule: Sequence[Sequence[Action]],
@@ -238,131 +398,6 @@ def simulate(
             "build the CostModel with one stage_layers entry per pipeline stage"
         )
     _check_static(plan, schedule)
-    step_points = Plan.compute_step_points(plan.microbatches)
-
-    def work(mb: PlannedMicrobatch) -> tuple[int, int]:
-        return mb.padded_tokens(plan.pad_multiple), sum(s.length ** 2 for s in mb.samples)
-
-    costs = [work(mb) for mb in plan.microbatches]
-    message_time = cost_model.p2p_time(plan.capacity)
-    programs = [communication_runs(actions) for actions in schedule]
-    pc = [0] * num_stages
-    clock = [0.0] * num_stages
-    busy = [0.0] * num_stages
-    # (posting rank, channel, microbatch) -> time the operation was posted
-    posts: dict[tuple[int, tuple[int, int, str], int], float] = {}
-    post_time: list[float | None] = [None] * num_stages  # of the run a rank is blocked in
-    in_flight: list[set[int]] = [set() for _ in range(num_stages)]
-    max_in_flight = [0] * num_stages
-    have_input: list[set[int]] = [set() for _ in range(num_stages)]
-    have_grad: list[set[int]] = [set() for _ in range(num_stages)]
-    backwarded: list[set[int]] = [set() for _ in range(num_stages)]
-    # microbatch of the last Backward when only optimizer steps ran since; else None
-    after_backward: list[int | None] = [None] * num_stages
-    timeline: list[tuple[int, str, int, float, float]] = []
-
-    def run_compute(stage: int, a: Action) -> None:
-        start = clock[stage]
-        first, last = stage == 0, stage == num_stages - 1
-        if isinstance(a, Forward):
-            i = a.microbatch
-            if not first and i not in have_input[stage]:
-                raise ScheduleError(f"stage {stage}: Forward({i}) before its activation was received")
-            duration = cost_model.forward_time(stage, *costs[i])
-            in_flight[stage].add(i)
-            max_in_flight[stage] = max(max_in_flight[stage], len(in_flight[stage]))
-            if max_in_flight[stage] > num_stages:
-                raise ScheduleError(
-                    f"stage {stage} holds {max_in_flight[stage]} microbatches in flight, more "
-                    f"than the 1F1B bound of num_stages={num_stages}"
-                )
-            kind, label = "F", i
-        elif isinstance(a, Backward):
-            i = a.microbatch
-            if i not in in_flight[stage]:
-                raise ScheduleError(f"stage {stage}: Backward({i}) before Forward({i})")
-            if not last and i not in have_grad[stage]:
-                raise ScheduleError(f"stage {stage}: Backward({i}) before its output gradient was received")
-            duration = cost_model.backward_time(stage, *costs[i])
-            in_flight[stage].discard(i)
-            backwarded[stage].add(i)
-            kind, label = "B", i
-        else:
-            assert isinstance(a, OptimizerStep)
-            p = step_points.get((a.adapter, a.batch))
-            if p is None or after_backward[stage] != p:
-                raise ScheduleError(
-                    f"stage {stage}: OptimizerStep({a.adapter}, {a.batch}) must come right after "
-                    f"Backward({p}), the last microbatch of that global batch; the last backward "
-                    f"before it was {after_backward[stage]}"
-                )
-            duration = cost_model.optimizer_step_time
-            kind, label = "S", a.adapter
-        clock[stage] = start + duration
-        busy[stage] += duration
-        if isinstance(a, Backward):
-            after_backward[stage] = a.microbatch
-        elif isinstance(a, Forward):
-            after_backward[stage] = None
-        timeline.append((stage, kind, label, start, start + duration))
-
-    def try_comm(stage: int, run: tuple[Action, ...]) -> bool:
-        """Post ``run`` (once) and finish it if every operation found its counterpart."""
-        if post_time[stage] is None:
-            post_time[stage] = clock[stage]
-            for a in run:
-                posts[(stage, _peer_and_channel(a, stage)[1], a.microbatch)] = clock[stage]
-        mine = post_time[stage]
-        done_at = mine
-        for a in run:
-            peer, channel = _peer_and_channel(a, stage)
-            is_send = isinstance(a, (SendActivation, SendGrad))
-            if is_send and not rendezvous:
-                continue  # buffered send: the sender does not wait
-            theirs = posts.get((peer, channel, a.microbatch))
-            if theirs is None:
-                return False
-            if rendezvous:
-                done_at = max(done_at, max(mine, theirs) + message_time)
-            else:
-                done_at = max(done_at, theirs + message_time)
-        for a in run:
-            if isinstance(a, RecvActivation):
-                have_input[stage].add(a.microbatch)
-            elif isinstance(a, RecvGrad):
-                have_grad[stage].add(a.microbatch)
-        clock[stage] = done_at
-        post_time[stage] = None
-        return True
-
-    remaining = sum(len(p) for p in programs)
-    while remaining:
-        progressed = False
-        for stage in range(num_stages):
-            while pc[stage] < len(programs[stage]):
-                item = programs[stage][pc[stage]]
-                if isinstance(item, tuple):
-                    if not try_comm(stage, item):
-                        break
-                else:
-                    run_compute(stage, item)
-                pc[stage] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waiting = {
-                stage: programs[stage][pc[stage]]
-                for stage in range(num_stages)
-                if pc[stage] < len(programs[stage])
-            }
-            raise DeadlockError(
-                "schedule deadlocks: every unfinished rank waits for a message that is never "
-                f"posted; blocked at {waiting}"
-            )
-    makespan = max(clock) if clock else 0.0
-    return SimulationResult(
-        makespan=makespan,
-        busy=tuple(busy),
-        max_in_flight=tuple(max_in_flight),
-        timeline=tuple(timeline),
-    )
+    simulation = _Simulation(plan, schedule, cost_model, rendezvous)
+    simulation.run()
+    return simulation.result()
