@@ -17,7 +17,7 @@ _EXPORTS = {
     "ConfigError": "lightning_lorafusion.specs",
     "PlannerConfig": "lightning_lorafusion.planner.config",
     "PlanningError": "lightning_lorafusion.planner.config",
-    "DecoderConfig": "lightning_lorafusion.model.decoder",
+    "DecoderConfig": "lightning_lorafusion.model.decoder_config",
     "DecoderOptions": "lightning_lorafusion.model.decoder",
     "AdapterBank": "lightning_lorafusion.model.adapter_bank",
     "export_peft_adapter": "lightning_lorafusion.model.peft_io",
@@ -41,7 +41,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never run
     from .model.adapter_bank import AdapterBank
-    from .model.decoder import DecoderConfig, DecoderOptions
+    from .model.decoder import DecoderOptions
+    from .model.decoder_config import DecoderConfig
     from .model.peft_io import export_peft_adapter, import_peft_adapter
     from .parallel.strategy import MultiAdapterPipelineStrategy
     from .planner.config import PlannerConfig, PlanningError
