@@ -1,7 +1,7 @@
 """The tree speaks of the product, not of the process that built it.
 
-No numbered work sessions, calls, issues or items, and no work rounds ("fourth round",
-"round 3"), in the package, tests, scripts, configs, README.md, docs/*.md, or any file name under
+No work sessions, numbered calls, issues or items, and no numbered or ordinal work rounds, in
+the package, tests, scripts, configs, README.md, docs/*.md, or any file name under
 those (docs/results' machine logs are checked by name only). Legitimate uses stay allowed:
 pytest's ``scope="session"``, identifiers such as ``ClientSession`` / ``start_new_session``,
 ``round(``, "rounding", "round trip", and the planner's rounds (batch r of every adapter), which
@@ -64,11 +64,15 @@ def test_no_process_words_in_text() -> None:
     assert not bad, "text that speaks of the process, say what is true instead:\n" + "\n".join(bad[:40])
 
 
-@pytest.mark.parametrize("text", [
-    "see docs/BENCHMARKS.md, issue 13, session 9", "Issue 16 item 2: the pipeline",
-    "three at call 0", "results/session6_h100/call13.sh", "the fourth round of tuning",
-    "bench_server.py --rounds 4", "in round 2 the tiles",
-])
+# what the patterns must catch, built from each kind's noun so that this file quotes no history
+_NOUNS = ("session", "call", "issue", "item", "round")
+_CAUGHT = ([f"see the docs, {noun} {n}" for noun in _NOUNS for n in (0, 13)]
+           + [f"results/h100/{noun}13.sh" for noun in ("call", "issue")]
+           + [f"the {ordinal} round of tuning" for ordinal in ("fourth", "2nd")]
+           + ["bench_server.py --" + "rounds" + " 4", "Issue #16: the pipeline"])
+
+
+@pytest.mark.parametrize("text", _CAUGHT)
 def test_patterns_catch_process_words(text: str) -> None:
     assert find_product_words(text)
 
