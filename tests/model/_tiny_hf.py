@@ -59,3 +59,14 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     cfg = tiny_hf_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     return randomize_(model, seed).eval()
+
+
+def bank_with_nonzero_b(bank, seed: int = 0):
+    """``bank`` with every LoRA B factor drawn (B starts at zero, which would hide A's gradient
+    and any routing mistake), seeded; returned for chaining."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in bank.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return bank

@@ -21,7 +21,7 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model
 from lightning_lorafusion.model.peft_io import export_peft_adapter, import_peft_adapter
 from lightning_lorafusion.specs import IGNORE_INDEX, AdapterSpec, ConfigError
 
-from _tiny_hf import NEW_FAMILIES, tiny_hf_config, tiny_hf_model
+from _tiny_hf import bank_with_nonzero_b, NEW_FAMILIES, tiny_hf_config, tiny_hf_model
 
 LENGTHS = (9, 6, 11, 7)  # longer than the tiny Gemma window (5) in three of four samples
 OWNERS = (0, 0, 1, 2)  # adapter of each sample (contiguous per adapter, as packing lays them)
@@ -56,13 +56,7 @@ def _packed(samples):
 
 
 def _bank(config, seed=0):
-    bank = AdapterBank(_specs(config), config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in bank.named_parameters():
-            if name.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return bank
+    return bank_with_nonzero_b(AdapterBank(_specs(config), config), seed)
 
 
 def _family_model(family: str, seed: int = 0):

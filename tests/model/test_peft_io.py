@@ -13,7 +13,7 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model
 from lightning_lorafusion.model.peft_io import export_peft_adapter, import_peft_adapter
 from lightning_lorafusion.specs import AdapterSpec, ConfigError
 
-from _tiny_hf import tiny_hf_model
+from _tiny_hf import bank_with_nonzero_b, tiny_hf_model
 
 SPECS = [
     AdapterSpec(name="all", rank=4, alpha=8.0, seed=1),
@@ -24,13 +24,7 @@ SPECS = [
 
 
 def _bank(config, seed=0):
-    bank = AdapterBank(SPECS, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in bank.named_parameters():
-            if name.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return bank
+    return bank_with_nonzero_b(AdapterBank(SPECS, config), seed)
 
 
 @pytest.mark.parametrize("adapter", [0, 1, 2])
