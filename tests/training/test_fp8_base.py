@@ -107,7 +107,11 @@ def test_fp8_exempt_layers_keep_the_outermost_layers_16_bit(tmp_path, tiny_model
         ref = train_alone(module, dm, a)
         alone = dict(ref.adapters[0].named_parameters())
         for name, p in module.bank.adapters[a].named_parameters():
-            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=1e-5)
+            # 5e-5 as in test_equivalence's fused-head case: packing changes fp32 summation order,
+            # AdamW scales near-zero-gradient entries to O(lr) moves, and here an e4m3 rounding of
+            # the mixed base may flip with it (one entry moved 1.84e-5 on a CI host). A loss
+            # normalisation bug moves weights by ~1e-3.
+            torch.testing.assert_close(p, alone[name], rtol=1e-4, atol=5e-5)
 
 
 def test_fp8_exempt_layers_is_validated(tiny_model_dir):
