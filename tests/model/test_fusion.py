@@ -133,3 +133,24 @@ def test_decoder_with_fused_fp8_swiglu_equals_the_unfused_one(monkeypatch, check
     torch.testing.assert_close(on_sums, off_sums, rtol=1e-2, atol=1e-2)
     for a, b in zip(on_grads, off_grads):
         assert (a - b).norm() <= 3e-2 * b.norm()
+
+
+def test_auto_backend_is_resolved_before_the_layers_see_it(monkeypatch):
+    """Callers pass ``backend="auto"`` (the module's default, which pipeline stages forward as it
+    is): the layers must receive the resolved name, since the elementwise fusion and the FP8 MLP
+    are chosen by comparing it with "triton". On a CPU tensor "auto" is the torch reference; a
+    CUDA tensor resolves to "triton" (checked through a stand-in that reports ``is_cuda``)."""
+    model = tiny_hf_model("llama", num_hidden_layers=2)
+    config, params = params_from_hf_model(model)
+    seen = []
+    monkeypatch.setattr(D, "decoder_layer", lambda *a, backend, **k: seen.append(backend) or a[2])
+    h = torch.zeros(5, config.hidden_size)
+    D.decoder_layers(params, {}, h, torch.arange(5), torch.tensor([0, 5], dtype=torch.int32), None,
+                     config=config, backend="auto")
+    assert seen == ["torch", "torch"]
+
+    class OnCuda:
+        is_cuda = True
+
+    assert D.resolve_backend("auto", OnCuda()) == "triton"
+    assert D.resolve_backend("torch", OnCuda()) == "torch" and D.resolve_backend("triton", h) == "triton"
