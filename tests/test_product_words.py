@@ -23,7 +23,7 @@ RAW_DATA = ROOT / "docs" / "results"  # machine logs: names checked, contents no
 
 _ORDINAL = r"(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th))"
 PATTERNS = {
-    "a work session": re.compile(r"\bsessions?\b(?<!scope=\"session)(?<!scope='session)", re.I),
+    "a work session": re.compile(r"\bsessions?(?:\b|[_#-]?\d)(?<!scope=\"session)(?<!scope='session)", re.I),
     "a numbered call": re.compile(r"\bcalls?[ _#-]?\d+", re.I),
     "a numbered issue": re.compile(r"\bissues?[ _#-]?#?\d+", re.I),
     "a numbered item": re.compile(r"\bitems?[ _#-]?\d+", re.I),
@@ -67,7 +67,7 @@ def test_no_process_words_in_text() -> None:
 # what the patterns must catch, built from each kind's noun so that this file quotes no history
 _NOUNS = ("session", "call", "issue", "item", "round")
 _CAUGHT = ([f"see the docs, {noun} {n}" for noun in _NOUNS for n in (0, 13)]
-           + [f"results/h100/{noun}13.sh" for noun in ("call", "issue")]
+           + [f"results/h100/{noun}13.sh" for noun in ("session", "call", "issue")]
            + [f"the {ordinal} round of tuning" for ordinal in ("fourth", "2nd")]
            + ["bench_server.py --" + "rounds" + " 4", "Issue #16: the pipeline"])
 
