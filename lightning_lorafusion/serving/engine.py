@@ -104,7 +104,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         if mixed is not None:
             self.runner.use_mixed_pieces(mixed)
         self._adapters: dict[str, HostAdapter] = {}
-        self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
+        self._retired: list[HostAdapter] = []  # removed or replaced, freed once no request uses them
+        self._versions: dict[str, int] = {}  # name -> its latest version (kept after removal)
         self._states: dict[str, RequestState] = {}  # every unfinished request
         self._incoming: deque[RequestState] = deque()
         self._aborts: deque[str] = deque()
