@@ -90,7 +90,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages),
                                    prefix_caching=config.prefix_caching,
                                    chunked_prefill=config.enable_chunked_prefill,
-                                   prefill_wait_steps=config.prefill_wait_steps)
+                                   prefill_wait_steps=config.prefill_wait_steps,
+                                   scheduling=config.scheduling)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.tuning.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.tuning.prefill_attention,
