@@ -43,13 +43,14 @@ class FairShare:
         """``state`` joined the queue (``front``: a preempted request going back first)."""
         t = tenant_of(state)
         queue = self._queues.setdefault(t, deque())
-        running_tenants = {tenant_of(s) for s in running}
-        if not front and not queue and t not in running_tenants:
-            active = {u for u, q in self._queues.items() if q} | running_tenants
-            active.discard(t)
-            if active:
-                floor = min(self.service.get(u, 0.0) for u in active)
-                self.service[t] = max(self.service.get(t, 0.0), floor)
+        if not front and not queue:  # (a flood's later requests skip this scan of the running set)
+            running_tenants = {tenant_of(s) for s in running}
+            if t not in running_tenants:
+                active = {u for u, q in self._queues.items() if q} | running_tenants
+                active.discard(t)
+                if active:
+                    floor = min(self.service.get(u, 0.0) for u in active)
+                    self.service[t] = max(self.service.get(t, 0.0), floor)
         if front:
             queue.appendleft((-next(self._order), state))
         else:
@@ -64,6 +65,13 @@ class FairShare:
                 if best is None or key < best[0]:
                     best = (key, queue[0][1])
         return None if best is None else best[1]
+
+    def heads(self) -> list[RequestState]:
+        """Each waiting tenant's first request, in the order ``next()`` would take them if no
+        counter moved (the adapters worth paging in ahead)."""
+        keyed = sorted((self.service.get(t, 0.0), q[0][0], i) for i, (t, q) in enumerate(self._queues.items()) if q)
+        queues = list(self._queues.values())
+        return [queues[i][0][1] for _, _, i in keyed]
 
     def remove(self, state: RequestState) -> None:
         """``state`` left the queue (admitted, finished or aborted while waiting)."""

@@ -360,7 +360,8 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Page in adapters of the next queued requests, into free pages only (never evicting)."""
         pool = self.pool
-        for i, state in enumerate(self.waiting):
+        upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
+        for i, state in enumerate(upcoming):
             if i >= self.prefetch_depth:
                 break
             a = state.adapter

@@ -60,6 +60,14 @@ def test_fair_admits_each_light_tenant_before_the_flood_backlog(make_engine):
     assert order == ["flood0", "light0", "light1", "light2"] + [f"flood{i}" for i in range(1, 10)]
 
 
+@pytest.mark.parametrize("scheduling", ["fifo", "fair"])
+def test_prefetch_follows_the_admission_order(make_engine, scheduling):
+    engine = _flood_then_light(make_engine, scheduling)
+    engine.step()  # admits two requests, then pages in the adapters of those next in line
+    resident = {r.adapter.name for r in engine.pool.resident_adapters()}
+    assert ("mlp8" in resident) == (scheduling == "fair")  # FIFO: ten flood requests come first
+
+
 def test_fair_light_arrival_mid_flood_waits_for_at_most_one_flood_admission(make_engine):
     engine = make_engine(backend="torch", max_num_seqs=2, max_num_batched_tokens=64, scheduling="fair",
                          prefix_caching=False, async_decode="off")
@@ -111,10 +119,10 @@ def test_counters_lift_and_charge():
     assert fair.service["a"] == 10 * PROMPT_WEIGHT + 2 * OUTPUT_WEIGHT
     fair.queued(b1, [])  # b arrives while a waits: lifted to a's service, not 0
     assert fair.service["b"] == fair.service["a"]
-    assert fair.next() is a1  # equal service: the earlier arrival
+    assert fair.next() is a1 and fair.heads() == [a1, b1]  # equal service: the earlier arrival
     fair.remove(a1)
     fair.charge_prefill(a1, 1)
-    assert fair.next() is b1
+    assert fair.next() is b1 and fair.heads() == [b1, a2]
     fair.remove(b1)
     fair.remove(a2)
     assert fair.next() is None
