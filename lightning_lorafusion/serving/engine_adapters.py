@@ -138,9 +138,9 @@ class AdapterRegistry:
             old = self._adapters.get(adapter.name)
             if old is not None and not replace:
                 raise ConfigError(f"adapter {adapter.name!r} is already loaded")
-            if old is adapter:
-                raise ConfigError(f"adapter {adapter.name!r}: this HostAdapter is the version being served; "
-                                  "build a new one for an update")
+            if old is adapter or any(adapter is a for a in self._retired):
+                raise ConfigError(f"adapter {adapter.name!r}: this HostAdapter is a version requests still "
+                                  "run on; build a new one for an update")
             adapter.version = self._versions.get(adapter.name, 0) + 1
             self._versions[adapter.name] = adapter.version
             self._adapters[adapter.name] = adapter

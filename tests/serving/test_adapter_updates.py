@@ -165,6 +165,8 @@ def test_update_from_factors_versions_and_refusals(model_dir, version_dirs, refe
     with pytest.raises(ConfigError, match="named 'other'"):
         engine.update_adapter("a", load_peft_adapter("other", version_dirs["v1"], engine.model_config,
                                                      dtype=torch.float32))
+    with pytest.raises(ConfigError, match="still run on"):  # the version being served, as its own update
+        engine.update_adapter("a", engine._adapters["a"])
     assert {a.name: a.version for a in engine.adapters()} == {"a": 2, "b": 1}  # refused updates change nothing
     engine.remove_adapter("a")
     engine.add_adapter("a", version_dirs["v3"])  # a name re-added never reuses an old version number
