@@ -35,6 +35,7 @@ _EXPORTS = {
     "Fp8Config": "lightning_lorafusion.training.precision",
     "TokenThroughput": "lightning_lorafusion.training.callbacks",
     "RunSummary": "lightning_lorafusion.training.callbacks",
+    "PublishToEngine": "lightning_lorafusion.training.engine_publish",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never run
     from .specs import AdapterSpec, ConfigError
     from .training.callbacks import RunSummary, TokenThroughput
     from .training.datamodule import MultiAdapterDataModule
+    from .training.engine_publish import PublishToEngine
     from .training.epoch_planning import PlanningConfig
     from .training.module import LoRAFusionModule
     from .training.precision import Fp8Config, PrecisionConfig

@@ -120,10 +120,16 @@ class AdapterStore:
     def _engine_names(self) -> set[str]:
         return {a.name for a in self._engine.adapters()}
 
-    def _add(self, name: str, path: Path, origin: str) -> Any:
+    def _add(self, name: str, path: Path, origin: str, *, replace: bool = False) -> Any:
+        """Load ``path`` as ``name``; with ``replace`` the engine's adapter of that name is
+        updated in place (``Engine.update_adapter``: no moment without the name, its version
+        goes up)."""
         fp = self._fingerprint(path)
         try:
-            info = self._engine.add_adapter(name, str(path))
+            if replace:
+                info = self._engine.update_adapter(name, str(path), add=True)
+            else:
+                info = self._engine.add_adapter(name, str(path))
         except Exception:
             self._failed[name] = fp
             raise
@@ -159,14 +165,13 @@ class AdapterStore:
                     continue
                 if entry is None and self._failed.get(name) == fp:
                     continue  # the same broken files as last time
-                if entry is not None:
-                    self._remove(name)
-                try:
-                    self._add(name, path, entry.origin if entry else "store")
+                try:  # a changed adapter is updated in place: requests naming it never fail meanwhile
+                    self._add(name, path, entry.origin if entry else "store", replace=entry is not None)
                 except Exception as e:  # a broken adapter must not stop the others
                     failed[name] = str(e)
                     log.warning("adapter %r in %s could not be loaded: %s", name, path, e)
                     if entry is not None:
+                        self._remove(name)
                         removed.append(name)
                     continue
                 (reloaded if entry is not None else added).append(name)
@@ -196,18 +201,25 @@ class AdapterStore:
             log.info("adapter store %s: loaded %r on request", self.root, name)
             return True
 
-    def load(self, name: str, path: str | os.PathLike | None = None) -> Any:
+    def load(self, name: str, path: str | os.PathLike | None = None, *, replace: bool = False) -> Any:
         """Load ``path`` (default ``root/name``) as ``name`` for an operator; returns its
         ``AdapterInfo``. Raises ``AdapterPathError`` for names/paths outside the store and
-        ``ValueError`` when the name is already served."""
+        ``ValueError`` when the name is already served, unless ``replace``: then its weights
+        are swapped in place (``Engine.update_adapter``). Adapters the store did not load
+        (the serve config's) are never replaced."""
         if not valid_adapter_name(name):
             raise AdapterPathError(f"adapter name {name!r} must match {ADAPTER_NAME.pattern}")
         with self._lock:
-            if name in self._engine_names():
-                raise ValueError(f"adapter {name!r} is already loaded; unload it first")
+            served = name in self._engine_names()
+            if served and not replace:
+                raise ValueError(f"adapter {name!r} is already loaded; unload it first, or send replace: true "
+                                 "to update its weights in place")
+            if served and name not in self._entries:
+                raise ValueError(f"adapter {name!r} was not loaded from the adapter store (the serve config's "
+                                 "adapters); it cannot be replaced here")
             real = self.resolve(path if path is not None else name)
             self._unloaded.discard(name)
-            return self._add(name, real, "operator")
+            return self._add(name, real, "operator", replace=served)
 
     def unload(self, name: str) -> None:
         """Stop serving ``name`` (its pages are freed once no request uses it). A directory

@@ -45,6 +45,7 @@ class AdapterInfo:
     target_modules: tuple[str, ...]
     path: str | None
     resident: bool  # its weights are in the GPU pool now
+    version: int = 1  # 1 when first loaded under its name; each in-place update adds one
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class HostAdapter:
         if not math.isfinite(float(alpha)) or float(alpha) <= 0:
             raise ConfigError(f"adapter {name!r}: alpha={alpha!r} must be finite and > 0; it was not loaded")
         self.key = next(_KEYS)  # unique per load: a re-added name is a different adapter
+        self.version = 1  # set by the engine's registry (its count of loads under this name)
         self.name, self.rank, self.alpha, self.path = name, rank, float(alpha), path
         self.target_modules = target_modules
         self.scale = self.alpha / rank
@@ -103,7 +105,8 @@ class HostAdapter:
         raise ConfigError(f"adapter {self.name!r}: {bad} NaN or infinite weights; it was not loaded")
 
     def info(self, resident: bool) -> AdapterInfo:
-        return AdapterInfo(self.name, self.rank, self.alpha, self.target_modules, self.path, resident)
+        return AdapterInfo(self.name, self.rank, self.alpha, self.target_modules, self.path, resident,
+                           self.version)
 
 
 def _aligned(n: int) -> int:

@@ -14,6 +14,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 PREFILL_ATTENTION = ("auto", "varlen", "paged")
 MIXED_GRAPHS = ("auto", "on", "off", "eager")
 ASYNC_DECODE = ("auto", "on", "off")
+SCHEDULING = ("fifo", "fair")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +81,10 @@ class EngineConfig:
     # prefilled together (a step with prefill rows costs more than a decode step, even as pieces);
     # 0 admits every arrival at the next step (docs/serving.md, "Scheduler")
     prefill_wait_steps: int = 0
+    # which waiting request is admitted next: "fifo" (the oldest) or "fair" (the oldest of the
+    # adapter served least so far, S-LoRA's virtual token counter: one adapter flooding the
+    # queue does not hold the others' requests back; docs/serving.md, "Fair sharing")
+    scheduling: str = "fifo"
     max_model_len: int | None = None  # prompt + generated; default the model's max positions
     backend: str = "auto"  # kernels: "torch" references, "triton", or "auto" (triton on CUDA)
     cuda_graphs: str = "auto"  # decode steps as CUDA graphs: "on", "off", "auto" (on with CUDA + Triton decode)
@@ -117,6 +122,8 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.backend={self.backend!r}; allowed: {BACKENDS}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}; allowed: {CUDA_GRAPHS}")
+        if self.scheduling not in SCHEDULING:
+            raise ConfigError(f"EngineConfig.scheduling={self.scheduling!r}; allowed: {', '.join(SCHEDULING)}")
         if self.prefill_wait_steps < 0:
             raise ConfigError(f"EngineConfig.prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
         if self.prefetch_depth < 0:

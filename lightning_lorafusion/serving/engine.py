@@ -90,7 +90,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages),
                                    prefix_caching=config.prefix_caching,
                                    chunked_prefill=config.enable_chunked_prefill,
-                                   prefill_wait_steps=config.prefill_wait_steps)
+                                   prefill_wait_steps=config.prefill_wait_steps,
+                                   scheduling=config.scheduling)
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.tuning.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.tuning.prefill_attention,
@@ -104,7 +105,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         if mixed is not None:
             self.runner.use_mixed_pieces(mixed)
         self._adapters: dict[str, HostAdapter] = {}
-        self._retired: list[HostAdapter] = []  # removed, freed once no request uses them
+        self._retired: list[HostAdapter] = []  # removed or replaced, freed once no request uses them
+        self._versions: dict[str, int] = {}  # name -> its latest version (kept after removal)
         self._states: dict[str, RequestState] = {}  # every unfinished request
         self._incoming: deque[RequestState] = deque()
         self._aborts: deque[str] = deque()

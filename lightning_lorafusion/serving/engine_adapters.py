@@ -1,7 +1,9 @@
-"""The engine's adapter registry: adapters loaded into host memory, listed, removed and retired."""
+"""The engine's adapter registry: adapters loaded into host memory, listed, updated in place,
+removed and retired."""
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Mapping
 
 import torch
@@ -12,8 +14,12 @@ from .checkpoint import read_checkpoint_adapters
 
 
 class AdapterRegistry:
-    """``Engine``'s adapters by name (``_adapters``) and those removed while requests still use
-    them (``_retired``), under the engine's ``_lock``; set up by ``Engine.__init__``."""
+    """``Engine``'s adapters by name (``_adapters``), those removed or replaced while requests
+    still use them (``_retired``) and each name's latest version (``_versions``), under the
+    engine's ``_lock``; set up by ``Engine.__init__``.
+
+    A request is bound to the adapter object its name maps to when it is submitted, so an
+    update (a new object under the name) never changes what a submitted request runs on."""
 
     def add_adapter(self, name: str, path: str) -> AdapterInfo:
         """Load a PEFT LoRA directory into host memory (pinned on CUDA); it is paged into the GPU
@@ -65,20 +71,82 @@ class AdapterRegistry:
         copies from it): each is still its own adapter, paged in and evicted on its own, which
         is how scripts/bench_serving.py simulates thousands of adapters in little host memory.
         Its weights are not checked for NaN / inf (``HostAdapter.check_finite`` does that)."""
+        self._check_host_layout(adapter)
+        return self._register(adapter)
+
+    def _check_host_layout(self, adapter: HostAdapter) -> None:
         if adapter.flat.dtype != self.dtype or adapter.relative_offsets.shape[0] != self.model_config.num_layers:
             raise ConfigError(f"adapter {adapter.name!r}: built for {adapter.relative_offsets.shape[0]} layers in "
                               f"{adapter.flat.dtype}; this engine serves {self.model_config.num_layers} layers in "
                               f"{self.dtype}")
-        return self._register(adapter)
 
-    def _register(self, adapter: HostAdapter) -> AdapterInfo:
+    def update_adapter(self, name: str, weights: str | os.PathLike | HostAdapter | Mapping, *,
+                       alpha: float | None = None, add: bool = False) -> AdapterInfo:
+        """Replace ``name``'s weights in place, atomically; returns the new version's info.
+
+        ``weights``: a PEFT LoRA directory, a ``HostAdapter`` for this base, or factors as
+        ``add_adapter_weights`` takes them (``{(layer, module): (lora_A [r, in], lora_B [out,
+        r])}``; the rank is theirs, ``alpha`` defaults to the current version's). Rank, targets
+        and alpha may all change. Requests submitted after this returns run on the new weights;
+        requests submitted before (running or still queued) finish on the version they were
+        submitted under, whose pool pages are freed once the last of them ends. Prefix-cache
+        pages are keyed by the loaded weights, never by the name, so no KV computed with the
+        old version is reused for the new one. The version (in ``adapters()``, every
+        ``TokenEvent`` and result) goes up by one per update. ``add=True``: an unknown name is
+        added (as its next version) instead of refused."""
+        with self._lock:
+            current = self._adapters.get(name)
+            if current is None and not add:
+                raise UnknownAdapterError(name, list(self._adapters))
+        if alpha is None and current is not None:
+            alpha = current.alpha
+        return self._register(self._host_adapter(name, weights, alpha=alpha), replace=True)
+
+    def _host_adapter(self, name: str, weights, *, alpha: float | None) -> HostAdapter:
+        """``update_adapter``'s ``weights`` as a checked ``HostAdapter`` named ``name``."""
+        pin = self.device.type == "cuda"
+        if isinstance(weights, HostAdapter):
+            if weights.name != name:
+                raise ConfigError(f"update_adapter({name!r}): the HostAdapter given is named {weights.name!r}; "
+                                  "build it under the name it replaces")
+            self._check_host_layout(weights)
+            return weights
+        if isinstance(weights, (str, os.PathLike)):
+            adapter = load_peft_adapter(name, weights, self.model_config, dtype=self.dtype, pin=pin)
+        elif isinstance(weights, Mapping) and weights:
+            if alpha is None:
+                raise ConfigError(f"update_adapter({name!r}, factors, add=True): a new adapter needs alpha=")
+            rank = int(next(iter(weights.values()))[0].shape[0])
+            on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in weights.items()}
+            adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
+                                                dtype=self.dtype, pin=pin)
+        else:
+            raise ConfigError(f"update_adapter({name!r}): weights must be a PEFT directory, a HostAdapter or a "
+                              "non-empty mapping {(layer, module): (lora_A, lora_B)}; got "
+                              f"{type(weights).__name__}")
+        adapter.check_finite()
+        return adapter
+
+    def _register(self, adapter: HostAdapter, *, replace: bool = False) -> AdapterInfo:
+        """List ``adapter`` under its name as that name's next version; with ``replace`` the
+        adapter listed under it now (if any) is retired in the same critical section, so every
+        submit sees either the old version or the new one."""
         if self.pool.pages_for_adapter(adapter) > self.pool.num_pages:
             raise ConfigError(f"adapter {adapter.name!r} needs {self.pool.pages_for_adapter(adapter)} pages but "
                               f"the pool has {self.pool.num_pages}; give the engine a larger pool")
         with self._lock:
-            if adapter.name in self._adapters:
+            old = self._adapters.get(adapter.name)
+            if old is not None and not replace:
                 raise ConfigError(f"adapter {adapter.name!r} is already loaded")
+            if old is adapter or any(adapter is a for a in self._retired):
+                raise ConfigError(f"adapter {adapter.name!r}: this HostAdapter is a version requests still "
+                                  "run on; build a new one for an update")
+            adapter.version = self._versions.get(adapter.name, 0) + 1
+            self._versions[adapter.name] = adapter.version
             self._adapters[adapter.name] = adapter
+            if old is not None:
+                self._retired.append(old)
+                self._wake.notify_all()
         return adapter.info(resident=False)
 
     def remove_adapter(self, name: str) -> None:

@@ -28,7 +28,7 @@ STALL_POLL_S = 0.001
 # (disk reads, or blocking until requests finish) while the step loop goes on.
 INLINE_CALLS = frozenset({"stats", "adapters", "remove_adapter", "reset_prefix_cache"})
 WORKER_CALLS = frozenset({"add_adapter", "add_adapter_weights", "add_adapters_from_checkpoint", "generate",
-                          "warm_up"})
+                          "update_adapter", "warm_up"})
 
 
 def portable_exception(exc: BaseException) -> BaseException:
@@ -43,7 +43,7 @@ def portable_exception(exc: BaseException) -> BaseException:
 
 class EngineLoop:
     """The engine process's main loop. Streamed requests' events leave as one message per step:
-    ``("events", [(request_id, token_id, text, logprob, top_logprobs, finish_reason), ...])``
+    ``("events", [(request_id, token_id, text, logprob, top_logprobs, finish_reason, adapter_version), ...])``
     (TokenEvent's fields in order; the text is detokenized here).
 
     A receiver thread drains the pipe at all times, so the parent's sends never wait for a step
@@ -73,7 +73,7 @@ class EngineLoop:
         """The engine's callback for streamed requests (on whichever thread steps)."""
         with self.lock:
             self.pending.append((event.request_id, event.token_id, event.text, event.logprob, event.top_logprobs,
-                                 event.finish_reason))
+                                 event.finish_reason, event.adapter_version))
         if event.finish_reason is not None:
             self.live.discard(event.request_id)
 
@@ -167,6 +167,8 @@ class EngineLoop:
                 value = self.generate(*args)
             elif name == "warm_up":
                 value = self.engine.warm_up(**args[0])
+            elif name == "update_adapter":  # (name, weights, alpha, add)
+                value = self.engine.update_adapter(args[0], args[1], alpha=args[2], add=args[3])
             else:
                 value = getattr(self.engine, name)(*args)
             reply = ("reply", call_id, True, value)

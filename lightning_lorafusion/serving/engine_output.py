@@ -74,7 +74,8 @@ class OutputAssembly:
             elif len(out) >= state.max_output:
                 self._finish(state, "length", events, token=token, logprob=lp, top=top)
             else:
-                event = TokenEvent._make((state.request.request_id, token, detok.take_delta(), lp, top, None))
+                event = TokenEvent._make((state.request.request_id, token, detok.take_delta(), lp, top, None,
+                                          state.adapter_version))
                 events.append(event)
                 if state.on_event is not None:
                     state.on_event(event)
@@ -120,7 +121,7 @@ class OutputAssembly:
             if state.request_id in self._keep_results:
                 self._keep_results[state.request_id] = state.result()
         event = TokenEvent(state.request_id, token, state.detokenizer.take_delta(final=True), logprob, top,
-                           reason)
+                           reason, state.adapter_version)
         events.append(event)
         if state.on_event is not None:
             state.on_event(event)

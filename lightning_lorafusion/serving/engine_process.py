@@ -403,6 +403,16 @@ class EngineClient:
                              for i in infos})
         return infos
 
+    def update_adapter(self, name: str, weights: Any, *, alpha: float | None = None, add: bool = False) -> AdapterInfo:
+        """``Engine.update_adapter`` in the engine process (a restarted process gets the newest weights)."""
+        if isinstance(weights, (str, os.PathLike)):
+            weights = os.fspath(weights)
+        elif isinstance(weights, Mapping):
+            weights = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in weights.items()}
+        info = self._call("update_adapter", name, weights, alpha, add)
+        self._listed([info], {name: ("update_adapter", (name, weights, info.alpha, True))})
+        return info
+
     def remove_adapter(self, name: str) -> None:
         try:
             self._call("remove_adapter", name)

@@ -154,7 +154,7 @@ def stream_completion(srv: ServerState, req: oa.CompletionRequest, plans: list, 
                                with_usage_field=include_usage)
 
         def render(i: int, event: Any) -> bytes:
-            return write(plans[i][0], event.text, event.finish_reason)
+            return write(plans[i][0], event.text, event.finish_reason, _last_version(event))
     else:
         render = _render_completion_logprobs(srv, req, plans, rid, created, include_usage)
 
@@ -176,7 +176,7 @@ def _render_completion_logprobs(srv: ServerState, req: oa.CompletionRequest, pla
         offsets[i] += len(event.text)
         return oa.sse(oa.completion_chunk(request_id=rid, model=req.model, created=created, index=plans[i][0],
                                           text=event.text, finish_reason=event.finish_reason, logprobs=lp,
-                                          with_usage_field=include_usage))
+                                          with_usage_field=include_usage, adapter_version=_last_version(event)))
 
     return render
 
@@ -186,20 +186,23 @@ def stream_chat(srv: ServerState, req: oa.ChatCompletionRequest, prompt: oa.Prom
     include_usage = req.include_usage_in_stream()
     top = (req.top_logprobs or 0) if req.logprobs else None
 
-    def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None) -> bytes:
+    def chunk(index: int, delta: dict, finish: str | None = None, lp: dict | None = None,
+              version: int | None = None) -> bytes:
         return oa.sse(oa.chat_chunk(request_id=rid, model=req.model, created=created, index=index, delta=delta,
-                                    finish_reason=finish, logprobs=lp, with_usage_field=include_usage))
+                                    finish_reason=finish, logprobs=lp, with_usage_field=include_usage,
+                                    adapter_version=version))
 
     if req.logprobs:
         def render(j: int, event: Any) -> bytes:
             lp = oa.stream_event_logprobs(srv.tokenizer, event, chat=True, top=top)
-            return chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp)
+            return chunk(j, {"content": event.text} if event.text else {}, event.finish_reason, lp,
+                         _last_version(event))
     else:  # the common case: chunks from a pre-encoded template
         write = oa.ChunkWriter(request_id=rid, model=req.model, created=created, chat=True,
                                with_usage_field=include_usage)
 
         def render(j: int, event: Any) -> bytes:
-            return write(j, event.text or None, event.finish_reason)
+            return write(j, event.text or None, event.finish_reason, _last_version(event))
 
     def usage(generated: int) -> bytes:
         return oa.sse(oa.usage_chunk(request_id=rid, model=req.model, created=created,
@@ -209,3 +212,8 @@ def stream_chat(srv: ServerState, req: oa.ChatCompletionRequest, prompt: oa.Prom
     head = [chunk(j, {"role": "assistant", "content": ""}) for j in range(len(streams))]
     return _event_stream(srv, streams, head=head, render=render, every_token=req.logprobs,
                          usage=usage if include_usage else None)
+
+
+def _last_version(event: Any) -> int | None:
+    """The adapter version a choice's last chunk carries (its finishing event's); None before."""
+    return None if event.finish_reason is None else event.adapter_version

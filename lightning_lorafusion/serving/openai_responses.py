@@ -32,9 +32,11 @@ class ChoiceOutput:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    adapter_version: int | None = None  # the version of the adapter that generated it (None: the base)
 
     def add(self, event: Any) -> None:
         """Fold in one ``TokenEvent``."""
+        self.adapter_version = event.adapter_version
         if event.token_id is not None:
             self.token_ids.append(event.token_id)
             if event.logprob is not None:
@@ -52,7 +54,7 @@ class ChoiceOutput:
                    logprobs=list(result.logprobs or ()), top_logprobs=[dict(d) for d in result.top_logprobs or ()],
                    prompt_logprobs=None if result.prompt_logprobs is None else list(result.prompt_logprobs),
                    prompt_top_logprobs=None if result.prompt_top_logprobs is None
-                   else list(result.prompt_top_logprobs))
+                   else list(result.prompt_top_logprobs), adapter_version=result.adapter_version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +112,16 @@ def completion_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, prompt: 
         lps += out.logprobs
         tops += out.top_logprobs if out.top_logprobs else [None] * len(out.token_ids)
         lp = completion_logprobs(tokenizer, ids, lps, tops if logprobs > 0 else None)
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+    return _versioned({"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason},
+                      out.adapter_version)
+
+
+def _versioned(choice: dict, adapter_version: int | None) -> dict:
+    """A choice naming the adapter version that generated it (an extra field OpenAI clients
+    ignore; absent for the base model, which has no versions)."""
+    if adapter_version is not None:
+        choice["adapter_version"] = adapter_version
+    return choice
 
 
 def completion_response(*, request_id: str, model: str, created: int, choices: list[dict],
@@ -137,8 +148,8 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[f
 
 def chat_choice(index: int, out: ChoiceOutput, tokenizer: Any, *, logprobs: bool) -> dict:
     lp = chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs) if logprobs else None
-    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-            "finish_reason": out.finish_reason}
+    return _versioned({"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+                       "finish_reason": out.finish_reason}, out.adapter_version)
 
 
 def chat_response(*, request_id: str, model: str, created: int, choices: list[dict], prompt_tokens: int,
@@ -165,15 +176,19 @@ def _chunk(*, request_id: str, model: str, created: int, object_name: str, choic
 
 
 def completion_chunk(*, request_id: str, model: str, created: int, index: int, text: str,
-                     finish_reason: str | None, logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                     finish_reason: str | None, logprobs: dict | None = None, with_usage_field: bool = False,
+                     adapter_version: int | None = None) -> dict:
+    choice = _versioned({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason},
+                        adapter_version)
     return _chunk(request_id=request_id, model=model, created=created, object_name="text_completion", choice=choice,
                   with_usage_field=with_usage_field)
 
 
 def chat_chunk(*, request_id: str, model: str, created: int, index: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None, with_usage_field: bool = False) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+               logprobs: dict | None = None, with_usage_field: bool = False,
+               adapter_version: int | None = None) -> dict:
+    choice = _versioned({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason},
+                        adapter_version)
     return _chunk(request_id=request_id, model=model, created=created, object_name="chat.completion.chunk",
                   choice=choice, with_usage_field=with_usage_field)
 
@@ -193,8 +208,10 @@ class ChunkWriter:
         self._chat = chat
         self._index: dict[int, bytes] = {}
 
-    def __call__(self, index: int, text: str | None, finish_reason: str | None) -> bytes:
-        """The chunk of choice ``index``; for chat, ``text=None`` is an empty delta ``{}``."""
+    def __call__(self, index: int, text: str | None, finish_reason: str | None,
+                 adapter_version: int | None = None) -> bytes:
+        """The chunk of choice ``index``; for chat, ``text=None`` is an empty delta ``{}``;
+        ``adapter_version`` (given on a choice's last chunk) is added to the choice."""
         head = self._index.get(index)
         if head is None:
             head = self._index[index] = self._head + str(index).encode()
@@ -203,6 +220,8 @@ class ChunkWriter:
         else:
             body = b',"text":' + json.dumps(text).encode()
         reason = b"null" if finish_reason is None else json.dumps(finish_reason).encode()
+        if adapter_version is not None:
+            reason += b',"adapter_version":' + str(int(adapter_version)).encode()
         return head + body + b',"logprobs":null,"finish_reason":' + reason + self._tail
 
 
@@ -230,12 +249,15 @@ def stream_event_logprobs(tokenizer: Any, event: Any, *, chat: bool, top: int | 
 
 def model_card(name: str, *, created: int, root: str | None = None, parent: str | None = None,
                rank: int | None = None, alpha: float | None = None, target_modules: Sequence[str] | None = None,
-               ) -> dict:
-    """One ``/v1/models`` entry; adapters carry ``parent`` (the base) and their LoRA shape."""
+               adapter_version: int | None = None) -> dict:
+    """One ``/v1/models`` entry; adapters carry ``parent`` (the base), their LoRA shape and
+    ``adapter_version`` (up by one at each in-place update)."""
     card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "lightning-lorafusion",
                             "root": root, "parent": parent}
     if rank is not None:
         card["lora"] = {"rank": rank, "alpha": alpha, "target_modules": list(target_modules or ())}
+    if adapter_version is not None:
+        card["adapter_version"] = adapter_version
     return card
 
 

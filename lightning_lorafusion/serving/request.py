@@ -46,6 +46,8 @@ class TokenEvent(NamedTuple):
     logprob: float | None
     top_logprobs: dict[int, float] | None
     finish_reason: str | None
+    # the version of the request's adapter it runs on (fixed when it was submitted); None: the base
+    adapter_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GenerationResult:
     timings: dict[str, float]
     # per prompt position the top-k logprobs (k = SamplingParams.prompt_logprobs; None first)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    adapter_version: int | None = None  # the adapter's version it ran on (None: the base)
 
 
 class Status(enum.Enum):
@@ -121,6 +124,10 @@ class RequestState:
         return self.request.request_id
 
     @property
+    def adapter_version(self) -> int | None:
+        return None if self.adapter is None else self.adapter.version
+
+    @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
 
@@ -150,4 +157,4 @@ class RequestState:
             prompt_token_ids=self.request.prompt_token_ids, token_ids=tuple(self.output_ids),
             text=self.detokenizer.text, finish_reason=self.finish_reason, logprobs=self.logprobs,
             top_logprobs=self.top_logprobs, prompt_logprobs=self.prompt_logprobs, timings=timings,
-            prompt_top_logprobs=self.prompt_top_logprobs)
+            prompt_top_logprobs=self.prompt_top_logprobs, adapter_version=self.adapter_version)

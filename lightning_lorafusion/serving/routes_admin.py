@@ -1,6 +1,6 @@
 """The routes beside generation: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, vLLM's
-``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, and ``/tokenize``, ``/detokenize``,
-``/tokenizer_info``."""
+``/v1/load_lora_adapter`` (with ``replace``: an in-place update) and ``/v1/unload_lora_adapter``,
+and ``/tokenize``, ``/detokenize``, ``/tokenizer_info``."""
 
 from __future__ import annotations
 
@@ -90,16 +90,21 @@ async def load_lora_adapter(request: Request):
     srv.authorize(request)
     body = await srv.read_json(request)
     name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
-    if not isinstance(name, str) or (path is not None and not isinstance(path, str)):
-        raise oa.APIError(400, "send {'lora_name': str, 'lora_path': str (inside the adapter store)}")
+    replace = body.get("replace", False) if isinstance(body, dict) else False
+    if not isinstance(name, str) or (path is not None and not isinstance(path, str)) or not isinstance(replace, bool):
+        raise oa.APIError(400, "send {'lora_name': str, 'lora_path': str (inside the adapter store), "
+                               "'replace': bool (optional: update a loaded adapter's weights in place)}")
     if srv.store is None:
         raise oa.APIError(400, "this server has no adapter_dir; adapters can only be loaded from its store")
     try:
-        await asyncio.to_thread(srv.store.load, name, path)
+        info = await asyncio.to_thread(srv.store.load, name, path, replace=replace)
     except AdapterPathError as e:
         raise oa.APIError(400, str(e), param="lora_path") from None
     except ValueError as e:  # already loaded, or the adapter does not fit the base (ConfigError)
         raise oa.APIError(400, str(e), param="lora_name") from None
+    version = getattr(info, "version", None)
+    if replace:
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' updated in place to version {version}.")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

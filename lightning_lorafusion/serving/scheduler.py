@@ -6,6 +6,7 @@ from collections import deque
 import operator
 from dataclasses import dataclass, field
 
+from .fair_share import FairShare
 from .pool import UnifiedPool, prefix_page_keys
 from .request import RequestState, Status
 
@@ -70,12 +71,18 @@ class Scheduler:
     (TGI's waiting-served ratio, at 1: held rows are missing from a batch that runs anyway) or
     when they would fill every free running slot. A preempted request never waits (it goes back
     at the head of the queue and is admitted as before).
+
+    ``scheduling="fair"`` changes which waiting request is admitted next: instead of the
+    oldest, the oldest of the tenant (adapter) that has been served least (``FairShare``);
+    preempted requests still go first, and admission still stops at the first request that
+    does not fit (no skipping, so no starvation).
     """
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
-                 chunked_prefill: bool = False, prefill_wait_steps: int = 0) -> None:
+                 chunked_prefill: bool = False, prefill_wait_steps: int = 0, scheduling: str = "fifo") -> None:
         self.pool = pool
+        self.fair = FairShare() if scheduling == "fair" else None
         self.prefill_wait_steps = prefill_wait_steps
         self.steps = 0  # schedule() calls: the clock of prefill_wait_steps
         self.held_steps = 0  # steps in which arrivals were held back to be prefilled together
@@ -96,6 +103,8 @@ class Scheduler:
         state.status = Status.WAITING
         state.queued_step = self.steps
         self.waiting.append(state)
+        if self.fair is not None:
+            self.fair.queued(state, self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -118,10 +127,17 @@ class Scheduler:
                 budget -= self._add_prefill(plan, state, budget)
         if self.waiting and self._hold_arrivals(plan, budget):
             self.held_steps += 1
-            self._prefetch()
-            return plan
+        else:
+            self._admit_waiting(plan, budget)
+        self._prefetch()
+        if self.fair is not None:  # (prefill pieces are charged as they are added)
+            self.fair.charge_decode(plan.decode)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        """Admit queued requests into ``plan`` while slots, ``budget`` tokens and pages last."""
         while self.waiting and len(self.running) < self.max_num_seqs:
-            state = self.waiting[0]
+            state = self._next_waiting()
             if self.chunked_prefill:
                 if budget <= 0:
                     break
@@ -129,10 +145,24 @@ class Scheduler:
                 break  # a prompt longer than the whole budget runs when the step is otherwise empty
             if not self._admit(state):
                 break
-            self.waiting.popleft()
+            self._dequeue(state)
             budget -= self._add_prefill(plan, state, budget)
-        self._prefetch()
-        return plan
+
+    def _next_waiting(self) -> RequestState:
+        """The request to admit next: the queue's head (FIFO, or a preempted request), else the
+        fair pick."""
+        head = self.waiting[0]
+        if self.fair is None or head.num_preemptions:
+            return head
+        return self.fair.next() or head
+
+    def _dequeue(self, state: RequestState) -> None:
+        if self.waiting[0] is state:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(state)
+        if self.fair is not None:
+            self.fair.remove(state)
 
     def plan_ahead(self, decode: list[RequestState]) -> StepPlan | None:
         """The decode-only step after the one whose sampled rows are ``decode`` (in its row
@@ -169,6 +199,8 @@ class Scheduler:
         for state in growing:  # as in _grow_all: its full pages' KV is computed or being written
             self.register_computed_pages(state)
         self.steps += 1
+        if self.fair is not None:
+            self.fair.charge_decode(going_on)
         return StepPlan(decode=going_on)
 
     def prefetch(self) -> None:
@@ -205,6 +237,8 @@ class Scheduler:
             n = budget
             self.prefill_chunks += 1
         plan.add_prefill(state, n)
+        if self.fair is not None:  # now, so the next pick of this same step already sees it
+            self.fair.charge_prefill(state, n)
         return n
 
     def finish(self, state: RequestState) -> None:
@@ -214,6 +248,8 @@ class Scheduler:
             self.running.remove(state)
         elif state.status is Status.WAITING and state in self.waiting:
             self.waiting.remove(state)
+            if self.fair is not None:
+                self.fair.remove(state)
         state.status = Status.FINISHED
 
     # ------------------------------------------------------------------ internals
@@ -318,11 +354,14 @@ class Scheduler:
         state.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(state)
+        if self.fair is not None:
+            self.fair.queued(state, self.running, front=True)
 
     def _prefetch(self) -> None:
         """Page in adapters of the next queued requests, into free pages only (never evicting)."""
         pool = self.pool
-        for i, state in enumerate(self.waiting):
+        upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
+        for i, state in enumerate(upcoming):
             if i >= self.prefetch_depth:
                 break
             a = state.adapter

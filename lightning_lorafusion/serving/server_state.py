@@ -152,7 +152,8 @@ class ServerState:
         number, say) is left out, so one adapter can never fail the listing for everyone."""
         try:
             card = oa.model_card(a.name, created=self.started, root=self.shown_path(a.path), parent=self.model_name,
-                                 rank=a.rank, alpha=a.alpha, target_modules=a.target_modules)
+                                 rank=a.rank, alpha=a.alpha, target_modules=a.target_modules,
+                                 adapter_version=getattr(a, "version", None))
             json.dumps(card, allow_nan=False)
             return card
         except Exception as e:  # noqa: BLE001 - logged; the listing goes on

@@ -115,14 +115,14 @@ def hf_reference(model_dir, adapter_dirs):
     return HFReference(model_dir, adapter_dirs)
 
 
-@pytest.fixture(name="hf_reference_of")
+@pytest.fixture(name="hf_reference_of", scope="session")
 def hf_reference_of_fixture():
     """``HFReference`` itself, for tests with their own model (see ``write_random_peft_adapter``
     for why not an import)."""
     return HFReference
 
 
-@pytest.fixture(name="write_random_peft_adapter")
+@pytest.fixture(name="write_random_peft_adapter", scope="session")
 def write_random_peft_adapter_fixture():
     """The writer above as a fixture: test modules cannot import this conftest by name (pytest
     loads several conftest.py files, and whichever came first owns the name ``conftest``)."""
