@@ -167,6 +167,9 @@ class EngineLoop:
                 value = self.generate(*args)
             elif name == "warm_up":
                 value = self.engine.warm_up(**args[0])
+            elif name == "add_adapter_weights":  # rank, alpha and layout are keyword-only there
+                adapter, factors, rank, alpha, layout = args
+                value = self.engine.add_adapter_weights(adapter, factors, rank=rank, alpha=alpha, layout=layout)
             else:
                 value = getattr(self.engine, name)(*args)
             reply = ("reply", call_id, True, value)
