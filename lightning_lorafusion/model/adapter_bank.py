@@ -138,6 +138,10 @@ class AdapterBank(nn.Module):
         """Adapter ``adapter_index``'s parameters (for its own optimizer)."""
         return list(self.adapters[adapter_index].parameters())
 
+    def named_parameters_of(self, adapter_index: int) -> list[tuple[str, nn.Parameter]]:
+        """``parameters_of`` with names like ``3.q_proj.lora_B`` (what LoRA+ groups by)."""
+        return list(self.adapters[adapter_index].named_parameters())
+
     def factors(self, adapter_index: int, layer: int, module: str) -> LoraFactors | None:
         layer_dict = self.adapters[adapter_index][layer]
         return layer_dict[module] if module in layer_dict else None
