@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lightning_lorafusion.model import decoder as D
 from lightning_lorafusion.model.adapter_bank import AdapterBank
@@ -272,3 +275,16 @@ def test_fused_kernels_take_per_module_ranks_and_scales():
         ref = D.logits(*args, config=config, backend="torch")
         fused = D.logits(*args, config=config, backend="triton")
     assert (fused - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_every_example_of_the_options_page_is_a_valid_adapter():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "LORA_OPTIONS.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", page, flags=re.S)
+    entries = [entry for block in blocks for entry in yaml.safe_load(block)]
+    specs = [AdapterSpec(**entry) for entry in entries]
+    assert len(specs) == 5
+    by_name = {s.name: s for s in specs}
+    assert by_name["big-rank"].scale == 16 / math.sqrt(128)
+    assert by_name["shaped"].layout.module_rank(0, "down_proj") == 32
+    assert by_name["shaped"].layout.module_rank(1, "down_proj") == 16
+    assert by_name["top-half"].layout.transforms(16, "q_proj") and not by_name["top-half"].layout.transforms(3, "q_proj")
