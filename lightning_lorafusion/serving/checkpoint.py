@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..specs import AdapterSpec, ConfigError, LoraLayout
+from ..specs import ConfigError, LoraLayout
 
 # state_dict keys of the adapter bank: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
 _BANK_KEY = re.compile(r"^bank\.adapters\.(\d+)\.(\d+)\.(\w+)\.(lora_A|lora_B)$")
@@ -85,10 +85,11 @@ def _adapter(name: str, spec: dict[str, Any], tensors: dict[tuple[int, str], dic
     if not tensors:
         raise ConfigError(f"{where}: the checkpoint's state_dict holds no weights for it")
     rank = spec.get("rank")
-    try:
-        layout = AdapterSpec(**spec).layout
-    except (ConfigError, TypeError) as error:
-        raise ConfigError(f"{where}: its saved spec is not valid here ({error})") from None
+    layout = LoraLayout(rank=rank, alpha=spec.get("alpha"), target_modules=tuple(spec.get("target_modules") or ()),
+                        use_rslora=spec.get("use_rslora", False), rank_pattern=spec.get("rank_pattern") or {},
+                        alpha_pattern=spec.get("alpha_pattern") or {},
+                        layers_to_transform=spec.get("layers_to_transform"),
+                        layers_pattern=spec.get("layers_pattern"), owner=where)
     factors = {}
     for lm, pair in tensors.items():
         if set(pair) != {"lora_A", "lora_B"}:

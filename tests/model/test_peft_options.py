@@ -329,3 +329,17 @@ def test_fit_trains_and_exports_every_option_from_yaml(tmp_path, monkeypatch):
             before = base(ids[None]).logits
             after = PeftModel.from_pretrained(base, str(out)).eval()(input_ids=ids[None]).logits
         assert (after - before).abs().max() > 1e-6  # trained: B moved off zero
+    # the run's checkpoint serves like the export (the spec's layout travels with it)
+    from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    ckpt = next((tmp_path / "run").rglob("*.ckpt"))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    dirs = {f"{n}-dir": str(tmp_path / "run" / "adapters" / n) for n in ("rs", "shaped")}
+    with Engine.from_pretrained(str(model_dir), dirs, EngineConfig(num_pages=64, page_size=4), device="cpu",
+                                dtype=torch.float32) as engine:
+        engine.add_adapters_from_checkpoint(str(ckpt))
+        names = ("rs", "rs-dir", "shaped", "shaped-dir")
+        out = engine.generate([GenerationRequest(prompt_token_ids=[5, 9, 17, 30], adapter=n, sampling=greedy)
+                               for n in names])
+    tokens = dict(zip(names, (r.token_ids for r in out)))
+    assert tokens["rs"] == tokens["rs-dir"] and tokens["shaped"] == tokens["shaped-dir"]
