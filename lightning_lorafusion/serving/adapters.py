@@ -164,7 +164,7 @@ def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[to
                           f"{config.num_layers} (e.g. {extra[:2]}); it belongs to another base model")
     slots: dict[tuple[int, str], MatrixSlot] = {}
     offset = 0
-    for module in shared:  # one zero A / B^T that every unadapted layer of the module points at
+    for module in (m for m in ranks if m in shared):  # one zero A / B^T for the module's unadapted layers
         k, n = config.module_dims(module)
         zero = MatrixSlot(offset, offset + _aligned(ranks[module][0] * k), k, n)
         slots.update({(layer, module): zero for layer in range(config.num_layers)})
