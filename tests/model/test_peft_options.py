@@ -263,18 +263,26 @@ def test_import_names_a_pattern_mismatch(tmp_path):
 
 def test_fused_kernels_take_per_module_ranks_and_scales():
     """The Triton path (interpreter on CPU) with one adapter's ranks differing per module and
-    per layer, beside a plain adapter in the same microbatch: the torch reference's logits."""
+    per layer and scales per module, beside a layers_to_transform adapter in the same
+    microbatch: the torch reference's logits and A / B gradients."""
     model = tiny_hf_model("llama", seed=4, num_hidden_layers=LAYERS)
     config, params = params_from_hf_model(model)
     bank = bank_with_nonzero_b(AdapterBank([_spec("patterns"), _spec("layers", name="b")], config), seed=3)
-    ids, _ = _inputs(config, t=20)
+    ids, weights = _inputs(config, t=20)
     routing = bank.routing(((0, 9, 0), (9, 20, 1)), microbatch_index=0, num_rows=20, train=False)
     positions = torch.cat([torch.arange(9), torch.arange(11)])
-    args = (params, bank.view(), ids, positions, torch.tensor([0, 9, 20]), routing)
-    with torch.no_grad():
-        ref = D.logits(*args, config=config, backend="torch")
-        fused = D.logits(*args, config=config, backend="triton")
+    results = {}
+    for backend in ("torch", "triton"):
+        bank.zero_grad(set_to_none=True)
+        logits = D.logits(params, bank.view(), ids, positions, torch.tensor([0, 9, 20]), routing, config=config,
+                          backend=backend)
+        (logits * weights).sum().backward()
+        results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in bank.named_parameters()})
+    (ref, ref_grads), (fused, fused_grads) = results["torch"], results["triton"]
     assert (fused - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+    assert ref_grads.keys() == fused_grads.keys() and len(ref_grads) > 40
+    for name, g in ref_grads.items():
+        assert (fused_grads[name] - g).abs().max() < 1e-4 * max(1e-2, g.abs().max().item()), name
 
 
 def test_every_example_of_the_options_page_is_a_valid_adapter():
