@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 # Names of the projections a LoRA adapter may target in a Llama-family decoder (PEFT's names).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -26,6 +26,11 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # experiments: AdamW moves each weight by about lr per step, and LoRA weights are ~1e-2.
 MAX_LR = 1e6
 MAX_ALPHA = 1e6
+# ``init_lora_weights`` values ``fit`` draws: PEFT's default (kaiming-uniform A, zero B) and
+# "gaussian" (A ~ N(0, 1/r), zero B). PEFT inits starting with these prefixes rewrite the
+# frozen base weight (W - s*BA at init), which one base shared by every adapter cannot allow.
+INIT_LORA_WEIGHTS = (True, "gaussian")
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 class ConfigError(ValueError):
@@ -50,6 +55,155 @@ def parse_section(cls: Any, value: Any, *, where: str, scalar_field: str, fields
         return cls(**dict(value))
     except TypeError as error:
         raise ConfigError(f"{where}: {error}; fields: {fields}") from None
+
+
+def module_path(layer: int, module: str) -> str:
+    """A projection's name in a Hugging Face decoder, ``model.layers.<layer>.<block>.<module>``:
+    what PEFT matches ``rank_pattern`` / ``alpha_pattern`` keys and ``layers_to_transform``
+    against, and the stem of its saved weight names."""
+    block = "self_attn" if module in ATTENTION_MODULES or module == "qkv_proj" else "mlp"
+    return f"model.layers.{layer}.{block}.{module}"
+
+
+def _pattern_value(pattern: Mapping[str, Any], path: str) -> Any:
+    """PEFT's lookup: the value of the first key (in order) that, as a regular expression,
+    matches the whole of ``path`` or its end after a dot; None if no key does."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return None
+
+
+def _check_regex(where: str, field_name: str, key: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{where}: {field_name} keys must be non-empty strings (module names or "
+                          f"regular expressions); got {key!r}")
+    try:
+        re.compile(key)
+    except re.error as error:
+        raise ConfigError(f"{where}: {field_name} key {key!r} is not a regular expression ({error})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraLayout:
+    """Which projections of a decoder one adapter adapts, with what rank and scale: PEFT's ``r``,
+    ``lora_alpha``, ``target_modules``, ``use_rslora``, ``rank_pattern``, ``alpha_pattern``,
+    ``layers_to_transform`` and ``layers_pattern``, resolved by PEFT's matching rules against
+    ``module_path`` names. ``owner`` names the adapter in error messages."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    owner: str = field(default="adapter", compare=False)
+
+    def __post_init__(self) -> None:
+        where = self.owner
+        _check_int(where, "rank", self.rank, minimum=1)
+        _check_number(where, "alpha", self.alpha, low=0.0, low_open=True, high=MAX_ALPHA)
+        if not isinstance(self.use_rslora, bool):
+            raise ConfigError(f"{where}: use_rslora={self.use_rslora!r} must be true or false")
+        for name in ("rank_pattern", "alpha_pattern"):
+            pattern = getattr(self, name)
+            if pattern is None:
+                pattern = {}
+            if not isinstance(pattern, Mapping):
+                raise ConfigError(f"{where}: {name} must be a mapping {{module name or regex: value}}; "
+                                  f"got {pattern!r}")
+            for key, value in pattern.items():
+                _check_regex(where, name, key)
+                if name == "rank_pattern":
+                    _check_int(where, f"rank_pattern[{key!r}]", value, minimum=1)
+                else:
+                    _check_number(where, f"alpha_pattern[{key!r}]", value, low=0.0, low_open=True, high=MAX_ALPHA)
+            object.__setattr__(self, name, dict(pattern))
+        self._normalise_layers(where)
+
+    def _normalise_layers(self, where: str) -> None:
+        layers = self.layers_to_transform
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        if layers is not None:
+            if isinstance(layers, str) or not isinstance(layers, Sequence):
+                raise ConfigError(f"{where}: layers_to_transform={layers!r} must be a layer index or a list of them")
+            for index in layers:
+                _check_int(where, "layers_to_transform entry", index, minimum=0)
+            layers = tuple(sorted(set(layers))) or None  # PEFT: an empty list adapts every layer
+        patterns = self.layers_pattern
+        if isinstance(patterns, str):
+            patterns = (patterns,)
+        if patterns is not None:
+            for p in patterns:
+                _check_regex(where, "layers_pattern", p)
+            patterns = tuple(patterns) or None
+        if patterns is not None and layers is None:
+            raise ConfigError(f"{where}: layers_pattern={list(patterns)} needs layers_to_transform "
+                              "(it names where the layer index is, as in PEFT); set both or neither")
+        object.__setattr__(self, "layers_to_transform", layers)
+        object.__setattr__(self, "layers_pattern", patterns)
+
+    @property
+    def scale(self) -> float:
+        """The adapter's LoRA scale: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def transforms(self, layer: int, module: str) -> bool:
+        """Whether projection ``module`` of ``layer`` carries this adapter (PEFT's rule: the first
+        index after ``layers_pattern``, or after the first dotted name, is the layer index)."""
+        if module not in self.target_modules:
+            return False
+        if self.layers_to_transform is None:
+            return True
+        path = module_path(layer, module)
+        for p in self.layers_pattern or (None,):
+            found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\." if p is None else rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.",
+                             path)
+            if found:
+                return int(found["idx"]) in self.layers_to_transform
+        return False
+
+    def module_rank(self, layer: int, module: str) -> int:
+        """Rank of one projection: ``rank_pattern``'s value for it, else ``rank``."""
+        value = _pattern_value(self.rank_pattern, module_path(layer, module))
+        return self.rank if value is None else value
+
+    def module_alpha(self, layer: int, module: str) -> float:
+        value = _pattern_value(self.alpha_pattern, module_path(layer, module))
+        return float(self.alpha if value is None else value)
+
+    def module_scale(self, layer: int, module: str) -> float:
+        """Scale of one projection (PEFT's ``scaling``): its alpha over its rank (or sqrt(rank))."""
+        r = self.module_rank(layer, module)
+        return self.module_alpha(layer, module) / (math.sqrt(r) if self.use_rslora else r)
+
+    def adapted(self, num_layers: int) -> list[tuple[int, str]]:
+        """The (layer, module) pairs carrying the adapter in a ``num_layers`` decoder, layer-major;
+        ``ConfigError`` if ``layers_to_transform`` names a layer it lacks or nothing is adapted."""
+        beyond = [i for i in self.layers_to_transform or () if i >= num_layers]
+        if beyond:
+            raise ConfigError(f"{self.owner}: layers_to_transform names layer(s) {beyond} of a {num_layers}-layer "
+                              f"model; use indices 0..{num_layers - 1}")
+        pairs = [(layer, m) for layer in range(num_layers) for m in ADAPTABLE_MODULES if self.transforms(layer, m)]
+        if not pairs:
+            raise ConfigError(f"{self.owner}: no projection carries the adapter (layers_pattern="
+                              f"{list(self.layers_pattern or ())} matches no layer); PEFT's layer names are "
+                              "model.layers.<i>.<self_attn|mlp>.<module>, so use layers_pattern 'layers' or none")
+        return pairs
+
+    def peft_config(self) -> dict[str, Any]:
+        """These options as adapter_config.json fields."""
+        return {
+            "r": self.rank, "lora_alpha": self.alpha,
+            "target_modules": [m for m in ADAPTABLE_MODULES if m in self.target_modules],
+            "use_rslora": self.use_rslora, "rank_pattern": dict(self.rank_pattern),
+            "alpha_pattern": dict(self.alpha_pattern),
+            "layers_to_transform": None if self.layers_to_transform is None else list(self.layers_to_transform),
+            "layers_pattern": None if self.layers_pattern is None else list(self.layers_pattern),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +241,15 @@ class AdapterSpec:
     val_explode_factor: float | None = 3.0
     val_samples: int = 0  # greedy generations for this many fixed val prompts at each validation
     metric: str | None = None  # task metric on those generations: "rouge"
+    # PEFT's LoRA options (docs/LORA_OPTIONS.md): scale alpha/sqrt(rank); B's lr = ratio x lr;
+    # per-module ranks / alphas by module-name regex; only these layers carry the adapter; A's init
+    use_rslora: bool = False
+    loraplus_lr_ratio: float | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    init_lora_weights: bool | str = True  # true (kaiming-uniform A) or "gaussian"; B starts at zero
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not ADAPTER_NAME.fullmatch(self.name):
@@ -127,6 +290,20 @@ class AdapterSpec:
         if self.max_steps is not None:
             _check_int(where, "max_steps", self.max_steps, minimum=1)
         self._check_validation()
+        self._check_lora_options(where)
+
+    def _check_lora_options(self, where: str) -> None:
+        layout = LoraLayout(rank=self.rank, alpha=self.alpha, target_modules=self.target_modules,
+                            use_rslora=self.use_rslora, rank_pattern=self.rank_pattern or {},
+                            alpha_pattern=self.alpha_pattern or {}, layers_to_transform=self.layers_to_transform,
+                            layers_pattern=self.layers_pattern, owner=where)
+        object.__setattr__(self, "_layout", layout)  # not a field: built once, kept out of asdict
+        if self.loraplus_lr_ratio is not None:
+            _check_number(where, "loraplus_lr_ratio", self.loraplus_lr_ratio, low=0.0, low_open=True, high=MAX_LR)
+            if self.lr * self.loraplus_lr_ratio > MAX_LR:
+                raise ConfigError(f"{where}: lr x loraplus_lr_ratio = {self.lr * self.loraplus_lr_ratio:g} "
+                                  f"exceeds {MAX_LR:g}; lower one of them")
+        check_init_lora_weights(where, self.init_lora_weights)
 
     def _check_validation(self) -> None:
         where = f"adapter {self.name!r}"
@@ -182,9 +359,32 @@ class AdapterSpec:
         return self.val_dataset is not None or self.val_fraction > 0
 
     @property
+    def layout(self) -> LoraLayout:
+        """Where the adapter sits and with what ranks and scales (rank/alpha patterns, layers)."""
+        return self._layout  # type: ignore[attr-defined]
+
+    @property
     def scale(self) -> float:
-        """LoRA output scale alpha / rank (PEFT's default, non-rsLoRA)."""
-        return self.alpha / self.rank
+        """LoRA output scale: alpha / rank, or alpha / sqrt(rank) with ``use_rslora``."""
+        return self.layout.scale
+
+
+def check_init_lora_weights(where: str, init: Any) -> None:
+    """``ConfigError`` unless ``init`` is an ``init_lora_weights`` that ``fit`` draws, with the
+    reason a PEFT init is refused."""
+    if any(init is allowed or (isinstance(init, str) and init == allowed) for allowed in INIT_LORA_WEIGHTS):
+        return
+    fix = "use init_lora_weights: true (kaiming-uniform A) or 'gaussian'"
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise ConfigError(f"{where}: init_lora_weights={init!r} rewrites the frozen base weight (it subtracts "
+                          "the initial adapter from W), but one frozen base serves every adapter here; " + fix)
+    if init is False:
+        raise ConfigError(f"{where}: init_lora_weights=false starts B at random values (PEFT's debugging "
+                          "init), so the adapter would not start at the base model; " + fix)
+    if isinstance(init, str) and init.lower() == "eva":
+        raise ConfigError(f"{where}: init_lora_weights='eva' draws A from an SVD of layer inputs over "
+                          "training batches, which fit does not compute; " + fix)
+    raise ConfigError(f"{where}: init_lora_weights={init!r} is not implemented here; " + fix)
 
 
 def _check_int(where: str, field_name: str, value: Any, *, minimum: int) -> None:

@@ -22,15 +22,17 @@ def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
 class LoraFactors(nn.Module):
     """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection.
 
-    PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) from the factor's own ``seed`` (drawn on
-    the CPU, so the values do not depend on the device), B = 0, so training starts at the base.
-    ``draw=False`` leaves A at zero until ``draw_initial_a`` (a pipeline stage draws only its
-    own layers' factors)."""
+    PEFT's inits, from the factor's own ``seed`` (drawn on the CPU, so the values do not depend
+    on the device): ``init`` True, A ~ kaiming_uniform(a=sqrt(5)); "gaussian", A ~ N(0, 1/r);
+    B = 0 either way, so training starts at the base. ``draw=False`` leaves A at zero until
+    ``draw_initial_a`` (a pipeline stage draws only its own layers' factors)."""
 
     def __init__(self, rank: int, in_features: int, out_features: int, *, seed: int,
-                 dtype: torch.dtype, device: torch.device | str | None, draw: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, draw: bool = True,
+                 init: bool | str = True) -> None:
         super().__init__()
         self.seed = seed
+        self.init = init
         self.lora_A = nn.Parameter(torch.zeros(rank, in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
         if draw:
@@ -39,7 +41,11 @@ class LoraFactors(nn.Module):
     @torch.no_grad()
     def draw_initial_a(self) -> None:
         a = torch.empty(self.lora_A.shape, dtype=torch.float32)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=torch.Generator().manual_seed(self.seed))
+        generator = torch.Generator().manual_seed(self.seed)
+        if self.init == "gaussian":
+            nn.init.normal_(a, std=1.0 / a.shape[0], generator=generator)
+        else:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         self.lora_A.copy_(a)
 
 
@@ -47,9 +53,14 @@ class AdapterBank(nn.Module):
     """N LoRA adapters (heterogeneous rank, alpha, dropout, target modules) of one decoder.
 
     Parameters live at ``adapters[a][layer][module].lora_A / .lora_B`` (so ``state_dict`` keys
-    look like ``adapters.0.3.q_proj.lora_A``); every layer of the decoder is adapted for each
-    targeted module (PEFT's default). Adapter ``a`` is ``specs[a]``; its index is what routing
-    segments and ``LoraModuleWeights`` tuples use.
+    look like ``adapters.0.3.q_proj.lora_A``); the (layer, module) pairs and their ranks are the
+    spec's ``layout`` (every layer of each targeted module unless ``layers_to_transform`` says
+    otherwise; ``rank_pattern`` ranks). Each factor pair has exactly its own rank: the fused
+    kernels take a rank per (adapter, projection), so nothing is padded. A projection whose
+    ``alpha_pattern`` / ``rank_pattern`` scale differs from the adapter's (``spec.scale``, the
+    routing's) gets B times the ratio in ``module_weights`` (a differentiable product, so B's
+    gradient is PEFT's). Adapter ``a`` is ``specs[a]``; its index is what routing segments and
+    ``LoraModuleWeights`` tuples use.
     """
 
     def __init__(self, specs: Sequence[AdapterSpec], config: DecoderConfig, *,
@@ -65,7 +76,9 @@ class AdapterBank(nn.Module):
         self.config = config
         self.specs: tuple[AdapterSpec, ...] = tuple(specs)
         adapters = []
-        for spec in self.specs:
+        self._b_ratios: dict[tuple[int, int, str], float] = {}  # (adapter, layer, module) -> scale ratio
+        for a, spec in enumerate(self.specs):
+            adapted = set(spec.layout.adapted(config.num_layers))
             for module in spec.target_modules:
                 if module not in config.family.projections:
                     raise ConfigError(
@@ -74,24 +87,31 @@ class AdapterBank(nn.Module):
                         + (" (its checkpoint fuses q/k/v and gate/up, as PEFT names them)"
                            if config.family.fused_qkv or config.family.fused_gate_up else "")
                     )
-                d_in, d_out = config.module_dims(module)
-                if spec.rank > min(d_in, d_out):
-                    raise ConfigError(
-                        f"adapter {spec.name!r}: rank={spec.rank} exceeds {module} dims "
-                        f"(in={d_in}, out={d_out}); use rank <= {min(d_in, d_out)} or drop "
-                        f"{module!r} from target_modules"
-                    )
             layers = nn.ModuleList()
             for layer in range(config.num_layers):
                 layers.append(nn.ModuleDict({
-                    m: LoraFactors(spec.rank, *config.module_dims(m),
-                                   seed=_init_seed(spec.seed, layer, m), dtype=dtype, device=device, draw=draw_a)
-                    for m in ADAPTABLE_MODULES if m in spec.target_modules
+                    m: self._factors(a, spec, layer, m, dtype=dtype, device=device, draw=draw_a)
+                    for m in ADAPTABLE_MODULES if (layer, m) in adapted
                 }))
             adapters.append(layers)
         self.adapters = nn.ModuleList(adapters)
         for p in self.parameters():
             p.requires_grad_(True)
+
+    def _factors(self, a: int, spec: AdapterSpec, layer: int, module: str, **kwargs) -> LoraFactors:
+        layout = spec.layout
+        rank = layout.module_rank(layer, module)
+        d_in, d_out = self.config.module_dims(module)
+        if rank > min(d_in, d_out):
+            field = "rank" if rank == spec.rank else f"rank_pattern rank of layer {layer}"
+            raise ConfigError(f"adapter {spec.name!r}: {field}={rank} exceeds {module} dims "
+                              f"(in={d_in}, out={d_out}); use rank <= {min(d_in, d_out)} or drop "
+                              f"{module!r} from target_modules")
+        ratio = layout.module_scale(layer, module) / layout.scale
+        if ratio != 1.0:
+            self._b_ratios[(a, layer, module)] = ratio
+        return LoraFactors(rank, d_in, d_out, seed=_init_seed(spec.seed, layer, module),
+                           init=spec.init_lora_weights, **kwargs)
 
     def draw_initial_a(self, layers: Sequence[int], adapters: Sequence[int] | None = None) -> None:
         """Draw the initial A factors of ``layers`` (of ``adapters``, default all) for a bank built
@@ -118,6 +138,10 @@ class AdapterBank(nn.Module):
         """Adapter ``adapter_index``'s parameters (for its own optimizer)."""
         return list(self.adapters[adapter_index].parameters())
 
+    def named_parameters_of(self, adapter_index: int) -> list[tuple[str, nn.Parameter]]:
+        """``parameters_of`` with names like ``3.q_proj.lora_B`` (what LoRA+ groups by)."""
+        return list(self.adapters[adapter_index].named_parameters())
+
     def factors(self, adapter_index: int, layer: int, module: str) -> LoraFactors | None:
         layer_dict = self.adapters[adapter_index][layer]
         return layer_dict[module] if module in layer_dict else None
@@ -128,10 +152,15 @@ class AdapterBank(nn.Module):
         per = [self.factors(a, layer, module) for a in range(self.num_adapters)]
         if all(f is None for f in per):
             return None
-        return LoraModuleWeights(
-            a=tuple(None if f is None else f.lora_A for f in per),
-            b=tuple(None if f is None else f.lora_B for f in per),
-        )
+        b = []
+        for a, f in enumerate(per):
+            ratio = self._b_ratios.get((a, layer, module))
+            b.append(None if f is None else f.lora_B if ratio is None else f.lora_B * ratio)
+        return LoraModuleWeights(a=tuple(None if f is None else f.lora_A for f in per), b=tuple(b))
+
+    def module_scale_ratio(self, adapter_index: int, layer: int, module: str) -> float:
+        """The factor ``module_weights`` puts on B of one projection: its scale over the adapter's."""
+        return self._b_ratios.get((adapter_index, layer, module), 1.0)
 
     def view(self, layers: Sequence[int] | None = None) -> BankView:
         """``{(layer, module): LoraModuleWeights}`` for the decoder (default: all layers)."""

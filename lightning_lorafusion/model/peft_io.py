@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from ..specs import ADAPTABLE_MODULES, ALL_TARGET_MODULES, ATTENTION_MODULES, ConfigError
+from ..specs import (
+    ADAPTABLE_MODULES,
+    ALL_TARGET_MODULES,
+    BASE_REWRITING_INITS,
+    ConfigError,
+    LoraLayout,
+    module_path,
+)
 from .adapter_bank import AdapterBank
 
 CONFIG_FILE = "adapter_config.json"
@@ -28,8 +35,7 @@ _TEMP_DIR = re.compile(r"\.(?P<name>.+)\.(tmp|old)-[A-Za-z0-9_]{8}")
 
 def peft_key(layer: int, module: str, factor: str) -> str:
     """HF PEFT's saved name, e.g. ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
-    block = "self_attn" if module in ATTENTION_MODULES or module == "qkv_proj" else "mlp"
-    return f"base_model.model.model.layers.{layer}.{block}.{module}.{factor}.weight"
+    return f"base_model.model.{module_path(layer, module)}.{factor}.weight"
 
 
 def export_peft_adapter(
@@ -56,12 +62,11 @@ def export_peft_adapter(
         raise ValueError(f"adapter {spec.name!r}: rank={spec.rank}, alpha={spec.alpha} cannot be exported "
                          "(adapter_config.json needs r >= 1 and a finite lora_alpha > 0)")
     tensors = {}
-    for layer in range(bank.config.num_layers):
-        for module in spec.target_modules:
-            f = bank.factors(adapter_index, layer, module)
-            for factor, p in (("lora_A", f.lora_A), ("lora_B", f.lora_B)):
-                t = p.detach().to("cpu", dtype or p.dtype).contiguous()
-                tensors[peft_key(layer, module, factor)] = t
+    for layer, module in spec.layout.adapted(bank.config.num_layers):
+        f = bank.factors(adapter_index, layer, module)
+        for factor, p in (("lora_A", f.lora_A), ("lora_B", f.lora_B)):
+            t = p.detach().to("cpu", dtype or p.dtype).contiguous()
+            tensors[peft_key(layer, module, factor)] = t
     bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise FloatingPointError(f"adapter {spec.name!r}: {bad} holds non-finite values; not exported")
@@ -69,20 +74,14 @@ def export_peft_adapter(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
+        **spec.layout.peft_config(),  # r, lora_alpha, target_modules, use_rslora, patterns, layers
         "lora_dropout": spec.dropout,
-        "target_modules": [m for m in ADAPTABLE_MODULES if m in spec.target_modules],
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
         "use_dora": False,
-        "init_lora_weights": True,
+        "init_lora_weights": spec.init_lora_weights,
         "inference_mode": True,
         "modules_to_save": None,
-        "layers_to_transform": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
     }
     check_export_target(out_dir)
     out = Path(out_dir)
@@ -166,26 +165,23 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
     spec = bank.specs[adapter_index]
     where = f"adapter {spec.name!r}: init_from {str(peft_dir)!r}"
     cfg, targets, state = read_peft_adapter(peft_dir, where)
-    mismatches = []
-    if cfg.get("r") != spec.rank:
-        mismatches.append(f"rank: {cfg.get('r')} there, {spec.rank} in the config")
-    if float(cfg.get("lora_alpha", -1)) != float(spec.alpha):
-        mismatches.append(f"alpha: {cfg.get('lora_alpha')} there, {spec.alpha} in the config")
-    if set(targets) != set(spec.target_modules):
-        mismatches.append(f"target_modules: {sorted(targets)} there, {sorted(spec.target_modules)} in the config")
+    layout = peft_layout(cfg, targets, where)
+    num_layers = bank.config.num_layers
+    adapted = spec.layout.adapted(num_layers)
+    mismatches = _layout_mismatches(layout, spec.layout, num_layers)
     if mismatches:
-        raise ConfigError(f"{where} does not match the adapter's spec ({'; '.join(mismatches)}); "
-                          "set the adapter's rank/alpha/target_modules to the PEFT adapter's values")
+        raise ConfigError(f"{where} does not match the adapter's spec ({'; '.join(mismatches)}); set the adapter's "
+                          "rank/alpha/target_modules/use_rslora/rank_pattern/alpha_pattern/layers_to_transform "
+                          "to the PEFT adapter's values")
     expected = {}
-    for layer in range(bank.config.num_layers):
-        for module in spec.target_modules:
-            f = bank.factors(adapter_index, layer, module)
-            expected[peft_key(layer, module, "lora_A")] = f.lora_A
-            expected[peft_key(layer, module, "lora_B")] = f.lora_B
+    for layer, module in adapted:
+        f = bank.factors(adapter_index, layer, module)
+        expected[peft_key(layer, module, "lora_A")] = f.lora_A
+        expected[peft_key(layer, module, "lora_B")] = f.lora_B
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
-        raise ConfigError(f"{where}: weight names do not match a {bank.config.num_layers}-layer model "
+        raise ConfigError(f"{where}: weight names do not match a {num_layers}-layer model "
                           f"(missing e.g. {missing[:3]}, unexpected e.g. {extra[:3]})")
     for key, param in expected.items():
         if tuple(state[key].shape) != tuple(param.shape):
@@ -196,24 +192,72 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
             param.copy_(state[key])
 
 
+def _layout_mismatches(there: LoraLayout, here: LoraLayout, num_layers: int) -> list[str]:
+    """How two layouts differ on a ``num_layers`` model: targets, adapted layers, and the first
+    projection whose rank or scale differs (patterns are compared by what they resolve to)."""
+    out = []
+    if set(there.target_modules) != set(here.target_modules):
+        out.append(f"target_modules: {sorted(there.target_modules)} there, {sorted(here.target_modules)} in the config")
+    if there.rank != here.rank:
+        out.append(f"rank: {there.rank} there, {here.rank} in the config")
+    if float(there.alpha) != float(here.alpha):
+        out.append(f"alpha: {there.alpha} there, {here.alpha} in the config")
+    if there.use_rslora != here.use_rslora:
+        out.append(f"use_rslora: {there.use_rslora} there, {here.use_rslora} in the config")
+    if out:
+        return out
+    pairs_there, pairs_here = there.adapted(num_layers), here.adapted(num_layers)
+    if pairs_there != pairs_here:
+        layers = sorted({layer for layer, _ in pairs_there}), sorted({layer for layer, _ in pairs_here})
+        return [f"adapted layers: {layers[0]} there, {layers[1]} in the config (layers_to_transform)"]
+    for layer, module in pairs_here:
+        rank_there, rank_here = there.module_rank(layer, module), here.module_rank(layer, module)
+        if rank_there != rank_here:
+            return [f"rank of layer {layer} {module}: {rank_there} there, {rank_here} in the config (rank_pattern)"]
+        if there.module_alpha(layer, module) != here.module_alpha(layer, module):
+            return [f"alpha of layer {layer} {module}: {there.module_alpha(layer, module)} there, "
+                    f"{here.module_alpha(layer, module)} in the config (alpha_pattern)"]
+    return []
+
+
+def peft_layout(cfg: dict, targets: tuple[str, ...], where: str) -> LoraLayout:
+    """The ``LoraLayout`` of a PEFT adapter_config.json (``targets``: ``read_peft_adapter``'s);
+    an invalid value is a ``ConfigError`` naming ``where``."""
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{where}: adapter_config.json needs an integer r >= 1; got r={rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ConfigError(f"{where}: adapter_config.json needs a finite lora_alpha > 0; got lora_alpha={alpha!r}")
+    return LoraLayout(rank=rank, alpha=float(alpha), target_modules=targets,
+                      use_rslora=bool(cfg.get("use_rslora") or False),
+                      rank_pattern=cfg.get("rank_pattern") or {}, alpha_pattern=cfg.get("alpha_pattern") or {},
+                      layers_to_transform=cfg.get("layers_to_transform"),
+                      layers_pattern=cfg.get("layers_pattern") or None, owner=where)
+
+
 def read_peft_adapter(peft_dir: str | os.PathLike, where: str
                       ) -> tuple[dict, tuple[str, ...], dict[str, torch.Tensor]]:
     """Read a PEFT LoRA directory: (adapter_config.json as a dict, target modules in our order,
     weights keyed like ``peft_key``). Refuses, naming ``where``, the PEFT features this project
-    does not implement (DoRA, rsLoRA, per-layer rank/alpha patterns, LoRA biases, extra saved
-    modules, transposed weights) and targets outside the known projections (the Llama family's seven,
-    and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``)."""
+    does not implement (DoRA, LoRA biases, extra saved modules, transposed weights, inits that
+    rewrote the base weight) and targets outside the known projections (the Llama family's
+    seven, and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``). rsLoRA, rank/alpha patterns and
+    ``layers_to_transform`` are read by ``peft_layout``."""
     path = Path(peft_dir)
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(f"{where} has no {CONFIG_FILE}; is it a PEFT adapter directory?")
     cfg = json.loads((path / CONFIG_FILE).read_text())
     if cfg.get("peft_type") != "LORA":
         raise ConfigError(f"{where} is a {cfg.get('peft_type')!r} adapter; only LORA is supported")
-    for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
+    for flag in ("use_dora", "fan_in_fan_out"):
         if cfg.get(flag):
             raise ConfigError(f"{where} uses {flag}=true, which is not implemented here")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("layers_to_transform"):
-        raise ConfigError(f"{where} uses rank_pattern/alpha_pattern/layers_to_transform; not supported")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise ConfigError(f"{where} was initialised with init_lora_weights={init!r}, which rewrote its base "
+                          "weight; its factors only work on that rewritten base, and one frozen base serves "
+                          "every adapter here (convert it with PEFT's path_initial_model_for_weight_conversion "
+                          "to a plain LoRA adapter first)")
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
         raise ConfigError(f"{where} trains biases or saves extra modules (bias={cfg.get('bias')!r}, "
                           f"modules_to_save={cfg.get('modules_to_save')!r}); only plain LoRA factors "

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from ..model.decoder import DecoderConfig
-from ..model.peft_io import peft_key, read_peft_adapter
-from ..specs import ALL_TARGET_MODULES, ConfigError
+from ..model.peft_io import peft_key, peft_layout, read_peft_adapter
+from ..specs import ALL_TARGET_MODULES, ConfigError, LoraLayout
 
 # Matrices start at multiples of this many elements inside an adapter's run of pages, so the
 # kernels' vector loads stay aligned (16 elements = 32 bytes in half precision).
@@ -62,11 +62,16 @@ class MatrixSlot:
 class HostAdapter:
     """One adapter's weights in host memory (pinned when serving on CUDA), laid out exactly as
     its run of pool pages will hold them: per (layer, module), ``A`` then ``B`` transposed, so
-    each rank vector is contiguous for the decode gather kernel."""
+    each rank vector is contiguous for the decode gather kernel.
+
+    The kernels take one rank per (adapter, module) and one scale per adapter:
+    ``module_ranks`` (default ``rank`` for every target) and ``scale`` (default alpha / rank).
+    ``rank`` is the largest module rank."""
 
     def __init__(self, *, name: str, rank: int, alpha: float, target_modules: tuple[str, ...],
                  slots: dict[tuple[int, str], MatrixSlot], flat: torch.Tensor, num_layers: int,
-                 path: str | None = None) -> None:
+                 path: str | None = None, scale: float | None = None,
+                 module_ranks: dict[str, int] | None = None) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(f"adapter {name!r}: rank={rank!r} must be an integer >= 1")
         if not math.isfinite(float(alpha)) or float(alpha) <= 0:
@@ -75,7 +80,8 @@ class HostAdapter:
         self.version = 1  # set by the engine's registry (its count of loads under this name)
         self.name, self.rank, self.alpha, self.path = name, rank, float(alpha), path
         self.target_modules = target_modules
-        self.scale = self.alpha / rank
+        self.scale = self.alpha / rank if scale is None else float(scale)
+        ranks = {m: rank for m in target_modules} if module_ranks is None else dict(module_ranks)
         self.slots = slots
         self.flat = flat
         # [layers, modules, 2] element offsets (A, B^T) for the decode kernel; 0 where untargeted
@@ -83,8 +89,7 @@ class HostAdapter:
         for (layer, module), s in slots.items():
             rel[layer, ALL_TARGET_MODULES.index(module)] = torch.tensor([s.a, s.b])
         self.relative_offsets = rel
-        self.module_ranks = torch.tensor(
-            [rank if m in target_modules else 0 for m in ALL_TARGET_MODULES], dtype=torch.int32)
+        self.module_ranks = torch.tensor([ranks.get(m, 0) for m in ALL_TARGET_MODULES], dtype=torch.int32)
 
     @property
     def numel(self) -> int:
@@ -96,8 +101,8 @@ class HostAdapter:
         if bool(torch.isfinite(self.flat).all()):
             return
         bad = int((~torch.isfinite(self.flat)).sum())
-        r = self.rank
         for (layer, module), s in sorted(self.slots.items()):
+            r = int(self.module_ranks[ALL_TARGET_MODULES.index(module)])
             for which, start, size in (("lora_A", s.a, r * s.in_features), ("lora_B", s.b, r * s.out_features)):
                 if not bool(torch.isfinite(self.flat[start:start + size]).all()):
                     raise ConfigError(f"adapter {self.name!r}: {bad} NaN or infinite weights, the first in layer "
@@ -118,51 +123,93 @@ def _matrix_elems(rank: int, in_features: int, out_features: int) -> int:
     return _aligned(rank * in_features) + _aligned(rank * out_features)
 
 
-def adapter_numel(config: DecoderConfig, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:
+def adapter_numel(config: DecoderConfig, rank: int, target_modules: tuple[str, ...] | list[str],
+                  layout: LoraLayout | None = None) -> int:
     """Elements of a ``HostAdapter``'s flat buffer (every layer of each target module), before
-    building it: what sizing a pool for known adapters needs."""
-    return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in target_modules)
+    building it: what sizing a pool for known adapters needs. ``layout`` (rank patterns, adapted
+    layers) overrides ``rank`` and ``target_modules``."""
+    if layout is None:
+        return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in target_modules)
+    ranks, shared = _module_ranks(layout, config)
+    return sum(_matrix_elems(r, *config.module_dims(m)) * (len(layers) + (m in shared))
+               for m, (r, layers) in ranks.items())
+
+
+def _module_ranks(layout: LoraLayout, config: DecoderConfig) -> tuple[dict[str, tuple[int, list[int]]], set[str]]:
+    """Per target module: (its largest rank over layers, the layers it adapts); and the modules
+    some layer leaves unadapted (they get one shared zero slot)."""
+    pairs = layout.adapted(config.num_layers)
+    out: dict[str, tuple[int, list[int]]] = {}
+    for m in ALL_TARGET_MODULES:
+        layers = [layer for layer, mod in pairs if mod == m]
+        if layers:
+            out[m] = (max(layout.module_rank(layer, m) for layer in layers), layers)
+    return out, {m for m, (_, layers) in out.items() if len(layers) < config.num_layers}
 
 
 def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                               *, rank: int, alpha: float, config: DecoderConfig, dtype: torch.dtype,
-                              pin: bool, path: str | None = None) -> HostAdapter:
-    """``factors[(layer, module)] = (lora_A [r, in], lora_B [out, r])`` (PEFT layout) for every
-    layer of each targeted module -> a ``HostAdapter``; shapes are checked against ``config``."""
-    targets = tuple(m for m in ALL_TARGET_MODULES if any(mod == m for _, mod in factors))
-    slots: dict[tuple[int, str], MatrixSlot] = {}
-    offset = 0
-    for layer in range(config.num_layers):
-        for module in targets:
-            k, n = config.module_dims(module)
-            if (layer, module) not in factors:
-                raise ConfigError(f"adapter {name!r}: no LoRA weights for layer {layer} {module}; "
-                                  "adapters must cover every layer of each targeted module")
-            a, b = factors[(layer, module)]
-            if tuple(a.shape) != (rank, k) or tuple(b.shape) != (n, rank):
-                raise ConfigError(
-                    f"adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
-                    f"{tuple(b.shape)}; this base needs [{rank}, {k}] and [{n}, {rank}] "
-                    "(was the adapter trained on another base model?)")
-            slots[(layer, module)] = MatrixSlot(offset, offset + _aligned(rank * k), k, n)
-            offset += _matrix_elems(rank, k, n)
+                              pin: bool, path: str | None = None, layout: LoraLayout | None = None) -> HostAdapter:
+    """``factors[(layer, module)] = (lora_A [r, in], lora_B [out, r])`` (PEFT layout) -> a
+    ``HostAdapter``; shapes are checked against ``config``. Without ``layout``, every layer of
+    each targeted module at ``rank``, scale alpha / rank. With one (rsLoRA, rank and alpha
+    patterns, ``layers_to_transform``), the pairs and ranks it names: a module's layers are
+    padded to its largest rank with zero rows of A and B^T (they add nothing), a projection's
+    scale over the adapter's is folded into its B, and layers without the adapter share one
+    zero slot per module."""
+    if layout is None:
+        targets = tuple(m for m in ALL_TARGET_MODULES if any(mod == m for _, mod in factors))
+        layout = LoraLayout(rank=rank, alpha=alpha, target_modules=targets, owner=f"adapter {name!r}")
+    ranks, shared = _module_ranks(layout, config)
     extra = sorted({lm for lm in factors if lm[0] >= config.num_layers})
     if extra:
         raise ConfigError(f"adapter {name!r} has weights for layers beyond the base's "
                           f"{config.num_layers} (e.g. {extra[:2]}); it belongs to another base model")
+    slots: dict[tuple[int, str], MatrixSlot] = {}
+    offset = 0
+    for module in (m for m in ranks if m in shared):  # one zero A / B^T for the module's unadapted layers
+        k, n = config.module_dims(module)
+        zero = MatrixSlot(offset, offset + _aligned(ranks[module][0] * k), k, n)
+        slots.update({(layer, module): zero for layer in range(config.num_layers)})
+        offset += _matrix_elems(ranks[module][0], k, n)
+    for layer in range(config.num_layers):
+        for module, (r, layers) in ranks.items():
+            if layer not in layers:
+                continue
+            k, n = config.module_dims(module)
+            _check_factor_shapes(name, factors, layer, module, layout.module_rank(layer, module), k, n)
+            slots[(layer, module)] = MatrixSlot(offset, offset + _aligned(r * k), k, n)
+            offset += _matrix_elems(r, k, n)
     flat = torch.zeros(offset, dtype=dtype, pin_memory=pin)
-    for (layer, module), s in slots.items():
-        a, b = factors[(layer, module)]
-        flat[s.a:s.a + rank * s.in_features].view(rank, s.in_features).copy_(a)
-        flat[s.b:s.b + rank * s.out_features].view(rank, s.out_features).copy_(b.t())
-    return HostAdapter(name=name, rank=rank, alpha=alpha, target_modules=targets, slots=slots, flat=flat,
-                       num_layers=config.num_layers, path=path)
+    for module, (r, layers) in ranks.items():
+        for layer in layers:
+            s, (a, b) = slots[(layer, module)], factors[(layer, module)]
+            ratio = layout.module_scale(layer, module) / layout.scale
+            flat[s.a:s.a + r * s.in_features].view(r, s.in_features)[:a.shape[0]].copy_(a)
+            bt = b.t() if ratio == 1.0 else b.t().float() * ratio
+            flat[s.b:s.b + r * s.out_features].view(r, s.out_features)[:a.shape[0]].copy_(bt)
+    return HostAdapter(name=name, rank=max(r for r, _ in ranks.values()), alpha=layout.alpha,
+                       target_modules=tuple(ranks), slots=slots, flat=flat, num_layers=config.num_layers,
+                       path=path, scale=layout.scale, module_ranks={m: r for m, (r, _) in ranks.items()})
+
+
+def _check_factor_shapes(name: str, factors, layer: int, module: str, rank: int, k: int, n: int) -> None:
+    if (layer, module) not in factors:
+        raise ConfigError(f"adapter {name!r}: no LoRA weights for layer {layer} {module}; "
+                          "adapters must cover every layer of each targeted module")
+    a, b = factors[(layer, module)]
+    if tuple(a.shape) != (rank, k) or tuple(b.shape) != (n, rank):
+        raise ConfigError(
+            f"adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}; this base needs [{rank}, {k}] and [{n}, {rank}] "
+            "(was the adapter trained on another base model?)")
 
 
 def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig, *,
                       dtype: torch.dtype, pin: bool = False) -> HostAdapter:
     """Read a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``) for
-    the base described by ``config``; any mismatch is a ``ConfigError`` naming the adapter."""
+    the base described by ``config``; any mismatch is a ``ConfigError`` naming the adapter.
+    rsLoRA, ``rank_pattern`` / ``alpha_pattern`` and ``layers_to_transform`` are honoured."""
     where = f"adapter {name!r} ({str(path)!r})"
     try:
         cfg, targets, state = read_peft_adapter(path, where)
@@ -172,27 +219,24 @@ def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig,
         detail = str(e).splitlines()[0][:200] if str(e) else ""
         raise ConfigError(f"{where}: its files cannot be read as a PEFT adapter ({type(e).__name__}: {detail}); "
                           "re-export it") from None
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ConfigError(f"{where}: adapter_config.json needs an integer r >= 1; got r={rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-        raise ConfigError(f"{where}: adapter_config.json needs a finite lora_alpha > 0; got lora_alpha={alpha!r}")
-    for module in targets:
+    layout = peft_layout(cfg, targets, where)
+    pairs = layout.adapted(config.num_layers)
+    for layer, module in pairs:
+        rank = layout.module_rank(layer, module)
         if rank > min(config.module_dims(module)):
             raise ConfigError(f"{where}: rank {rank} exceeds the dims of {module} "
                               f"{config.module_dims(module)} of this base")
     factors = {}
     expected = set()
-    for layer in range(config.num_layers):
-        for module in targets:
-            ka, kb = peft_key(layer, module, "lora_A"), peft_key(layer, module, "lora_B")
-            expected |= {ka, kb}
-            if ka in state and kb in state:
-                factors[(layer, module)] = (state[ka], state[kb])
+    for layer, module in pairs:
+        ka, kb = peft_key(layer, module, "lora_A"), peft_key(layer, module, "lora_B")
+        expected |= {ka, kb}
+        if ka in state and kb in state:
+            factors[(layer, module)] = (state[ka], state[kb])
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
         raise ConfigError(f"{where}: weight names do not match a {config.num_layers}-layer "
                           f"{config.model_type} base with targets {list(targets)} (missing e.g. "
                           f"{missing[:2]}, unexpected e.g. {extra[:2]}); is it an adapter of this base?")
-    return host_adapter_from_factors(name, factors, rank=rank, alpha=float(alpha), config=config,
-                                     dtype=dtype, pin=pin, path=str(Path(path)))
+    return host_adapter_from_factors(name, factors, rank=layout.rank, alpha=layout.alpha, config=config,
+                                     dtype=dtype, pin=pin, path=str(Path(path)), layout=layout)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..specs import ConfigError
+from ..specs import ConfigError, LoraLayout
 
 # state_dict keys of the adapter bank: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
 _BANK_KEY = re.compile(r"^bank\.adapters\.(\d+)\.(\d+)\.(\w+)\.(lora_A|lora_B)$")
@@ -26,6 +26,7 @@ class CheckpointAdapter:
     alpha: float
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     weights: str  # "best" (best-val weights) or "last" (the bank's weights when saved)
+    layout: LoraLayout | None = None  # rsLoRA, rank/alpha patterns, adapted layers (from its spec)
 
 
 def read_checkpoint_adapters(ckpt_path: str | os.PathLike, names: Sequence[str] | None = None, *,
@@ -84,14 +85,20 @@ def _adapter(name: str, spec: dict[str, Any], tensors: dict[tuple[int, str], dic
     if not tensors:
         raise ConfigError(f"{where}: the checkpoint's state_dict holds no weights for it")
     rank = spec.get("rank")
+    layout = LoraLayout(rank=rank, alpha=spec.get("alpha"), target_modules=tuple(spec.get("target_modules") or ()),
+                        use_rslora=spec.get("use_rslora", False), rank_pattern=spec.get("rank_pattern") or {},
+                        alpha_pattern=spec.get("alpha_pattern") or {},
+                        layers_to_transform=spec.get("layers_to_transform"),
+                        layers_pattern=spec.get("layers_pattern"), owner=where)
     factors = {}
     for lm, pair in tensors.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ConfigError(f"{where}: layer {lm[0]} {lm[1]} lacks {sorted({'lora_A', 'lora_B'} - set(pair))}")
         a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        r = layout.module_rank(*lm)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
             raise ConfigError(f"{where}: layer {lm[0]} {lm[1]} has lora_A {tuple(a.shape)}, lora_B "
-                              f"{tuple(b.shape)}; its spec says rank {rank}")
+                              f"{tuple(b.shape)}; its spec says rank {r}")
         factors[lm] = (a, b)
     return CheckpointAdapter(name=name, rank=int(rank), alpha=float(spec.get("alpha")), factors=factors,
-                             weights=weights)
+                             weights=weights, layout=layout)

@@ -8,7 +8,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..specs import ConfigError
+from ..specs import ConfigError, LoraLayout
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .checkpoint import read_checkpoint_adapters
 
@@ -33,16 +33,17 @@ class AdapterRegistry:
         return self._register(adapter)
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                            *, rank: int, alpha: float) -> AdapterInfo:
+                            *, rank: int, alpha: float, layout: LoraLayout | None = None) -> AdapterInfo:
         """Register an adapter from tensors: ``factors[(layer, module)] = (lora_A [r, in],
         lora_B [out, r])`` for every layer of each targeted module (e.g. from a training
-        checkpoint's adapter bank); copied to host memory like ``add_adapter``."""
+        checkpoint's adapter bank); copied to host memory like ``add_adapter``. ``layout``: the
+        adapter's rsLoRA / rank and alpha patterns / layers (``AdapterSpec.layout``), if any."""
         with self._lock:
             if name in self._adapters:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
         adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
-                                            dtype=self.dtype, pin=self.device.type == "cuda")
+                                            dtype=self.dtype, pin=self.device.type == "cuda", layout=layout)
         adapter.check_finite()
         return self._register(adapter)
 
@@ -59,7 +60,7 @@ class AdapterRegistry:
             raise ConfigError(f"adapter {taken[0]!r} is already loaded; remove_adapter({taken[0]!r}) first")
         hosts = [host_adapter_from_factors(a.name, a.factors, rank=a.rank, alpha=a.alpha, config=self.model_config,
                                            dtype=self.dtype, pin=self.device.type == "cuda",
-                                           path=f"{ckpt_path}#{a.name}")
+                                           path=f"{ckpt_path}#{a.name}", layout=a.layout)
                  for a in found]  # every one checked before any is registered
         for h in hosts:
             h.check_finite()

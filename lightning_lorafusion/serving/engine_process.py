@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import torch
 
-from ..specs import ConfigError
+from ..specs import ConfigError, LoraLayout
 from .adapters import AdapterInfo
 from .engine_child import child_main
 from .request import GenerationRequest, GenerationResult, TokenEvent
@@ -389,10 +389,10 @@ class EngineClient:
         return info
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                            *, rank: int, alpha: float) -> AdapterInfo:
+                            *, rank: int, alpha: float, layout: LoraLayout | None = None) -> AdapterInfo:
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
-        info = self._call("add_adapter_weights", name, on_host, rank, alpha)
-        self._listed([info], {name: ("add_adapter_weights", (name, on_host, rank, alpha))})
+        info = self._call("add_adapter_weights", name, on_host, rank, alpha, layout)
+        self._listed([info], {name: ("add_adapter_weights", (name, on_host, rank, alpha, layout))})
         return info
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,

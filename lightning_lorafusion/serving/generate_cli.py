@@ -236,7 +236,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     engine = Engine.from_pretrained(args.base_model, {n: str(p) for n, p in adapters.items() if p is not None},
                                     config, device=args.device, dtype=dtype)
     for a in from_ckpt:
-        engine.add_adapter_weights(a.name, a.factors, rank=a.rank, alpha=a.alpha)
+        engine.add_adapter_weights(a.name, a.factors, rank=a.rank, alpha=a.alpha, layout=a.layout)
     with engine:
         requests = [GenerationRequest(prompt_token_ids=_prompt_ids(engine.tokenizer, it["prompt"], args.chat,
                                                                    it["where"]),

@@ -263,7 +263,7 @@ class LoRAFusionModule(L.LightningModule):
         optimizers, schedulers = [], []
         for i, spec in enumerate(self.adapter_specs):
             total = dm.total_steps(i, max_epochs) if dm is not None and dm.datasets else 1000
-            opt, sched = build_adapter_optimizer(self.bank.parameters_of(i), spec=spec, total_steps=total)
+            opt, sched = build_adapter_optimizer(self.bank.named_parameters_of(i), spec=spec, total_steps=total)
             optimizers.append(opt)
             schedulers.append(sched)
         return optimizers, schedulers

@@ -26,14 +26,30 @@ def lr_multiplier(step: int, *, spec: AdapterSpec, total_steps: int) -> float:
 
 
 def build_adapter_optimizer(
-    params: Iterable[torch.nn.Parameter], *, spec: AdapterSpec, total_steps: int
+    params: Iterable[torch.nn.Parameter | tuple[str, torch.nn.Parameter]], *, spec: AdapterSpec, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over one adapter's parameters with its own lr, weight decay and schedule."""
+    """AdamW over one adapter's parameters with its own lr, weight decay and schedule.
+
+    ``params``: parameters, or (name, parameter) pairs, which LoRA+ needs. With
+    ``spec.loraplus_lr_ratio`` (LoRA+), two parameter groups as PEFT's ``create_loraplus_optimizer``
+    makes them: ratio x ``lr`` for the B factors (names ending in ``lora_B``) and any 1-D
+    parameter, ``lr`` for the rest (the A factors). The schedule scales both groups alike."""
     params = list(params)
     if not params:
         raise ValueError(f"adapter {spec.name!r} has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    named = all(isinstance(p, tuple) for p in params)
+    if spec.loraplus_lr_ratio is None:
+        groups = [{"params": [p for _, p in params] if named else params}]
+    elif not named:
+        raise ValueError(f"adapter {spec.name!r}: loraplus_lr_ratio needs (name, parameter) pairs "
+                         "to tell the B factors apart")
+    else:
+        is_b = [n.endswith("lora_B") or p.dim() == 1 for n, p in params]
+        groups = [{"params": [p for (_, p), b in zip(params, is_b) if not b], "lr": spec.lr},
+                  {"params": [p for (_, p), b in zip(params, is_b) if b], "lr": spec.lr * spec.loraplus_lr_ratio}]
+    optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, spec=spec, total_steps=total_steps)
     )
     return optimizer, scheduler
+

@@ -57,7 +57,7 @@ def greedy_generate(
     specs = [bank.specs[a] for a in used]
     page_elems = config.num_layers * 2 * page_size * config.kv_size
     kv_pages = sum(-(-(len(p.prompt) + max_new_tokens) // page_size) for p in prompts)
-    adapter_pages = sum(-(-adapter_numel(config, s.rank, s.target_modules) // page_elems) for s in specs)
+    adapter_pages = sum(-(-adapter_numel(config, s.rank, s.target_modules, s.layout) // page_elems) for s in specs)
     prompt_tokens = sum(len(p.prompt) for p in prompts)
     engine_config = EngineConfig(
         page_size=page_size, num_pages=kv_pages + adapter_pages, max_num_seqs=len(prompts),
@@ -69,11 +69,10 @@ def greedy_generate(
     try:
         for a, spec in zip(used, specs):
             factors = {}
-            for layer in range(config.num_layers):
-                for module in spec.target_modules:
-                    f = bank.factors(a, layer, module)
-                    factors[(layer, module)] = (f.lora_A.detach(), f.lora_B.detach())
-            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha)
+            for layer, module in spec.layout.adapted(config.num_layers):
+                f = bank.factors(a, layer, module)
+                factors[(layer, module)] = (f.lora_A.detach(), f.lora_B.detach())
+            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha, layout=spec.layout)
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         requests = [GenerationRequest(prompt_token_ids=p.prompt, adapter=bank.specs[p.adapter].name,
                                       sampling=greedy) for p in prompts]
