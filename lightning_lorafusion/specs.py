@@ -87,6 +87,9 @@ class AdapterSpec:
     val_explode_factor: float | None = 3.0
     val_samples: int = 0  # greedy generations for this many fixed val prompts at each validation
     metric: str | None = None  # task metric on those generations: "rouge"
+    # DoRA (PEFT's use_dora): a trained magnitude per output row rescales W + scale * B A,
+    # normalised per row (kernels/dora.py)
+    dora: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not ADAPTER_NAME.fullmatch(self.name):
@@ -126,6 +129,8 @@ class AdapterSpec:
             )
         if self.max_steps is not None:
             _check_int(where, "max_steps", self.max_steps, minimum=1)
+        if not isinstance(self.dora, bool):
+            raise ConfigError(f"{where}: dora={self.dora!r} must be true or false")
         self._check_validation()
 
     def _check_validation(self) -> None:

@@ -32,6 +32,12 @@ def peft_key(layer: int, module: str, factor: str) -> str:
     return f"base_model.model.model.layers.{layer}.{block}.{module}.{factor}.weight"
 
 
+def peft_magnitude_key(layer: int, module: str) -> str:
+    """HF PEFT's saved name of a DoRA magnitude (no ``.weight``), e.g.
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector``."""
+    return peft_key(layer, module, "lora_magnitude_vector")[:-len(".weight")]
+
+
 def export_peft_adapter(
     bank: AdapterBank,
     adapter_index: int,
@@ -62,6 +68,9 @@ def export_peft_adapter(
             for factor, p in (("lora_A", f.lora_A), ("lora_B", f.lora_B)):
                 t = p.detach().to("cpu", dtype or p.dtype).contiguous()
                 tensors[peft_key(layer, module, factor)] = t
+            if f.lora_magnitude is not None:
+                m = f.lora_magnitude.detach()
+                tensors[peft_magnitude_key(layer, module)] = m.to("cpu", dtype or m.dtype).contiguous()
     bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise FloatingPointError(f"adapter {spec.name!r}: {bad} holds non-finite values; not exported")
@@ -76,7 +85,7 @@ def export_peft_adapter(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": spec.dora,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -169,19 +178,23 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
     mismatches = []
     if cfg.get("r") != spec.rank:
         mismatches.append(f"rank: {cfg.get('r')} there, {spec.rank} in the config")
+    if bool(cfg.get("use_dora", False)) != spec.dora:
+        mismatches.append(f"dora: {bool(cfg.get('use_dora', False))} there, {spec.dora} in the config")
     if float(cfg.get("lora_alpha", -1)) != float(spec.alpha):
         mismatches.append(f"alpha: {cfg.get('lora_alpha')} there, {spec.alpha} in the config")
     if set(targets) != set(spec.target_modules):
         mismatches.append(f"target_modules: {sorted(targets)} there, {sorted(spec.target_modules)} in the config")
     if mismatches:
         raise ConfigError(f"{where} does not match the adapter's spec ({'; '.join(mismatches)}); "
-                          "set the adapter's rank/alpha/target_modules to the PEFT adapter's values")
+                          "set the adapter's rank/alpha/target_modules/dora to the PEFT adapter's values")
     expected = {}
     for layer in range(bank.config.num_layers):
         for module in spec.target_modules:
             f = bank.factors(adapter_index, layer, module)
             expected[peft_key(layer, module, "lora_A")] = f.lora_A
             expected[peft_key(layer, module, "lora_B")] = f.lora_B
+            if f.lora_magnitude is not None:
+                expected[peft_magnitude_key(layer, module)] = f.lora_magnitude
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
@@ -200,7 +213,7 @@ def read_peft_adapter(peft_dir: str | os.PathLike, where: str
                       ) -> tuple[dict, tuple[str, ...], dict[str, torch.Tensor]]:
     """Read a PEFT LoRA directory: (adapter_config.json as a dict, target modules in our order,
     weights keyed like ``peft_key``). Refuses, naming ``where``, the PEFT features this project
-    does not implement (DoRA, rsLoRA, per-layer rank/alpha patterns, LoRA biases, extra saved
+    does not implement (rsLoRA, per-layer rank/alpha patterns, LoRA biases, extra saved
     modules, transposed weights) and targets outside the known projections (the Llama family's seven,
     and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``)."""
     path = Path(peft_dir)
@@ -209,7 +222,7 @@ def read_peft_adapter(peft_dir: str | os.PathLike, where: str
     cfg = json.loads((path / CONFIG_FILE).read_text())
     if cfg.get("peft_type") != "LORA":
         raise ConfigError(f"{where} is a {cfg.get('peft_type')!r} adapter; only LORA is supported")
-    for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
+    for flag in ("use_rslora", "fan_in_fan_out"):
         if cfg.get(flag):
             raise ConfigError(f"{where} uses {flag}=true, which is not implemented here")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("layers_to_transform"):
@@ -235,5 +248,7 @@ def _read_peft_weights(path: Path, where: str) -> dict[str, torch.Tensor]:
         state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ConfigError(f"{where} has no {WEIGHTS_FILE} (or adapter_model.bin)")
-    # some PEFT versions keep the adapter name in the key (".lora_A.default.weight")
-    return {k.replace(".default.weight", ".weight"): v for k, v in state.items()}
+    # some PEFT versions keep the adapter name in the key (".lora_A.default.weight"), and a DoRA
+    # magnitude's ".weight" (saved without it since)
+    state = {k.replace(".default.weight", ".weight"): v for k, v in state.items()}
+    return {k[:-len(".weight")] if k.endswith(".lora_magnitude_vector.weight") else k: v for k, v in state.items()}

@@ -178,6 +178,8 @@ class LoRAFusionModule(L.LightningModule):
         self._bank_on_meta = random_base and not any(s.init_from for s in specs)
         self.bank = AdapterBank(specs, self.config, dtype=torch.float32, draw_a=not self._bank_on_meta,
                                 device="meta" if self._bank_on_meta else None)
+        if self._param_template is not None:  # DoRA magnitudes start at the loaded base's row norms
+            self.bank.init_dora(self.base_params())
         for i, spec in enumerate(specs):
             if spec.init_from:
                 from ..model.peft_io import import_peft_adapter
