@@ -22,7 +22,7 @@ class AdapterRegistry:
             if name in self._adapters:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         adapter = load_peft_adapter(name, path, self.model_config, dtype=self.dtype,
-                                    pin=self.device.type == "cuda")
+                                    pin=self.device.type == "cuda", params=self.params)
         adapter.check_finite()
         return self._register(adapter)
 

@@ -1,0 +1,90 @@
+"""The engine serves DoRA adapters (PEFT ``use_dora``) beside plain LoRA ones: greedy tokens
+and logits equal HF transformers + PEFT in heterogeneous batches (prefill and decode rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.adapters import load_peft_adapter
+from lightning_lorafusion.model.hf_loading import load_base_model
+from lightning_lorafusion.specs import ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+CASES = [
+    ([11, 4, 30, 22, 8, 19, 40], "dora"),
+    ([5, 9, 17], None),
+    ([7, 13, 21, 33, 45, 50, 6, 12, 28], "all4"),
+    ([60, 2, 35, 18, 26], "dora-mlp"),
+    ([44, 41, 10], "dora"),
+]
+
+
+def _write_dora(model_dir, out_dir, *, rank, alpha, targets, seed):
+    """A PEFT DoRA directory: random A, B and magnitudes (moved off the row norms of W)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_dora=True))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def dora_dirs(model_dir, adapter_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dora")
+    return {
+        "dora": _write_dora(model_dir, root / "dora", rank=4, alpha=8.0, seed=1,
+                            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        "dora-mlp": _write_dora(model_dir, root / "dora-mlp", rank=3, alpha=5.0, seed=2,
+                                targets=["gate_proj", "up_proj", "down_proj"]),
+        "all4": adapter_dirs["all4"],
+    }
+
+
+def _requests(cases, sampling=GREEDY):
+    return [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sampling) for p, a in cases]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dora_and_lora_batch_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs, hf_reference_of, backend):
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4, backend=backend)
+    for name, path in dora_dirs.items():
+        engine.add_adapter(name, path)
+    ref = hf_reference_of(model_dir, dora_dirs)
+    cases = CASES if backend == "torch" else CASES[:4]
+    sampling = GREEDY if backend == "torch" else SamplingParams(max_new_tokens=3, temperature=0.0)
+    for (prompt, adapter), res in zip(cases, engine.generate(_requests(cases, sampling))):
+        assert list(res.token_ids) == ref.generate(prompt, adapter, sampling.max_new_tokens), (adapter, prompt)
+    # DoRA changes the outputs: the adapter's tokens differ from the base's
+    prompt = CASES[0][0]
+    outs = {a: engine.generate(_requests([(prompt, a)]))[0].token_ids for a in (None, "dora")}
+    assert outs[None] != outs["dora"]
+
+
+def test_dora_prompt_logprobs_equal_hf_peft_logits(make_engine, model_dir, dora_dirs, hf_reference_of):
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4)
+    engine.add_adapter("dora", dora_dirs["dora"])
+    ref = hf_reference_of(model_dir, {"dora": dora_dirs["dora"]})
+    prompt = CASES[0][0]
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+    res = engine.generate(_requests([(prompt, "dora")], sp))[0]
+    logits = ref.logits(prompt, "dora")
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    got = torch.tensor([lp for lp in res.prompt_logprobs[1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_loading_a_dora_adapter_without_the_base_is_refused(model_dir, dora_dirs):
+    config, _, _ = load_base_model(str(model_dir), dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"is a DoRA adapter \(use_dora\); loading it needs the base weights"):
+        load_peft_adapter("dora", dora_dirs["dora"], config, dtype=torch.float32)
