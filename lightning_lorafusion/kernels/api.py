@@ -40,7 +40,7 @@ def lora_projections(
         return lora_projections_reference(x, weights, biases, loras, routing, dropout_offset, options=options,
                                           operands=operands)
     if any(l is not None and l.magnitude is not None for l in loras):  # DoRA adapters in the group
-        from .dora import fused_dora_projections
+        from .fused_dora import fused_dora_projections
 
         return fused_dora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
                                       options=options, operands=operands)

@@ -1,0 +1,48 @@
+"""The fused LoRA projections with DoRA adapters among the routed ones (``dora.py``'s math
+around ``fused_lora.fused_lora_projections``)."""
+
+from __future__ import annotations
+
+import torch
+
+from .dora import dora_rescale, dora_scale
+from .fused_lora import fused_lora_projections
+from .reference import lora_projections_reference
+
+
+def dora_adapters_routed(loras, routing) -> set[int]:
+    """The adapters routed in ``routing`` that are DoRA on some projection of ``loras``."""
+    routed = {adapter for _, _, adapter in routing.segments}
+    return {a for lora in loras if lora is not None and lora.magnitude is not None
+            for a in routed if lora.magnitude[a] is not None}
+
+
+def fused_dora_projections(x, weights, biases, loras, routing, *, dropout_offset: int = 0, options=None,
+                           operands=None) -> list[torch.Tensor]:
+    """``kernels.fused_lora.fused_lora_projections`` with DoRA adapters among the routed ones:
+    the fused kernels compute ``z = x W^T + s (x A^T) B^T`` for every row (no bias), then each
+    DoRA adapter's rows are rescaled by ``g`` (``dora_rescale``) and the bias added. A DoRA
+    adapter with dropout needs PEFT's second frozen product on its dropped-out rows: that group
+    runs the torch reference."""
+    live = dora_adapters_routed(loras, routing)
+    if not live:
+        return fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
+                                      options=options, operands=operands)
+    if any(routing.dropout_p[a] > 0.0 for a in live):
+        return lora_projections_reference(x, weights, biases, loras, routing, dropout_offset, options=options,
+                                          operands=operands)
+    zs = fused_lora_projections(x, weights, [None] * len(weights), loras, routing, dropout_offset=dropout_offset,
+                                options=options, operands=operands)
+    out = []
+    for z, weight, bias, lora in zip(zs, weights, biases, loras):
+        rows, scales = [], {}
+        for start, end, a in routing.segments if lora is not None else ():
+            magnitude = lora.dora(a)
+            if magnitude is None:
+                continue
+            if a not in scales:  # once per adapter, whatever its number of segments
+                scales[a] = dora_scale(magnitude, weight, lora.a[a], lora.b[a], routing.scales[a],
+                                       lora.weight_sq_norm)
+            rows.append((start, end, scales[a]))
+        out.append(dora_rescale(z, bias, rows))
+    return out
