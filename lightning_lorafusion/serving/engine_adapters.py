@@ -9,6 +9,7 @@ import torch
 from ..specs import ConfigError
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .checkpoint import read_checkpoint_adapters
+from .dora_rows import fold_dora
 
 
 class AdapterRegistry:
@@ -27,18 +28,28 @@ class AdapterRegistry:
         return self._register(adapter)
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                            *, rank: int, alpha: float) -> AdapterInfo:
+                            *, rank: int, alpha: float,
+                            magnitudes: Mapping[tuple[int, str], torch.Tensor] | None = None) -> AdapterInfo:
         """Register an adapter from tensors: ``factors[(layer, module)] = (lora_A [r, in],
         lora_B [out, r])`` for every layer of each targeted module (e.g. from a training
-        checkpoint's adapter bank); copied to host memory like ``add_adapter``."""
+        checkpoint's adapter bank); copied to host memory like ``add_adapter``. ``magnitudes``:
+        a DoRA adapter's ``[out]`` per (layer, module)."""
         with self._lock:
             if name in self._adapters:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
-        adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
-                                            dtype=self.dtype, pin=self.device.type == "cuda")
+        adapter = self._host_adapter(name, on_host, rank=rank, alpha=alpha, magnitudes=magnitudes)
         adapter.check_finite()
         return self._register(adapter)
+
+    def _host_adapter(self, name, factors, *, rank, alpha, magnitudes=None, path=None) -> HostAdapter:
+        scales = None
+        if magnitudes is not None:  # DoRA: g folded into B, g kept beside (serving/dora_rows.py)
+            factors, scales = fold_dora(factors, magnitudes, self.params, scale=float(alpha) / rank)
+        adapter = host_adapter_from_factors(name, factors, rank=rank, alpha=alpha, config=self.model_config,
+                                            dtype=self.dtype, pin=self.device.type == "cuda", path=path)
+        adapter.dora_scales = scales
+        return adapter
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
                                      weights: str = "best") -> list[AdapterInfo]:
@@ -51,9 +62,8 @@ class AdapterRegistry:
             taken = [a.name for a in found if a.name in self._adapters]
         if taken:
             raise ConfigError(f"adapter {taken[0]!r} is already loaded; remove_adapter({taken[0]!r}) first")
-        hosts = [host_adapter_from_factors(a.name, a.factors, rank=a.rank, alpha=a.alpha, config=self.model_config,
-                                           dtype=self.dtype, pin=self.device.type == "cuda",
-                                           path=f"{ckpt_path}#{a.name}")
+        hosts = [self._host_adapter(a.name, a.factors, rank=a.rank, alpha=a.alpha, magnitudes=a.magnitudes,
+                                    path=f"{ckpt_path}#{a.name}")
                  for a in found]  # every one checked before any is registered
         for h in hosts:
             h.check_finite()

@@ -68,12 +68,15 @@ def greedy_generate(
                     eos_token_ids=() if eos_token_id is None else (eos_token_id,))
     try:
         for a, spec in zip(used, specs):
-            factors = {}
+            factors, magnitudes = {}, {}
             for layer in range(config.num_layers):
                 for module in spec.target_modules:
                     f = bank.factors(a, layer, module)
                     factors[(layer, module)] = (f.lora_A.detach(), f.lora_B.detach())
-            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha)
+                    if f.lora_magnitude is not None:  # DoRA
+                        magnitudes[(layer, module)] = f.lora_magnitude.detach().cpu()
+            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha,
+                                       magnitudes=magnitudes or None)
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         requests = [GenerationRequest(prompt_token_ids=p.prompt, adapter=bank.specs[p.adapter].name,
                                       sampling=greedy) for p in prompts]

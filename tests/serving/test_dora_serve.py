@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_lorafusion.model.hf_loading import load_base_model
+from lightning_lorafusion.model.peft_io import peft_key
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.adapters import load_peft_adapter
-from lightning_lorafusion.model.hf_loading import load_base_model
 from lightning_lorafusion.specs import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -88,3 +89,40 @@ def test_loading_a_dora_adapter_without_the_base_is_refused(model_dir, dora_dirs
     config, _, _ = load_base_model(str(model_dir), dtype=torch.float32)
     with pytest.raises(ConfigError, match=r"is a DoRA adapter \(use_dora\); loading it needs the base weights"):
         load_peft_adapter("dora", dora_dirs["dora"], config, dtype=torch.float32)
+
+
+def _bank_state(peft_dir, num_layers, targets):
+    """A DoRA adapter's tensors under the adapter bank's state_dict names (adapter 0)."""
+    from safetensors.torch import load_file
+
+    from lightning_lorafusion.model.peft_io import peft_magnitude_key
+
+    state = load_file(f"{peft_dir}/adapter_model.safetensors")
+    out = {}
+    for layer in range(num_layers):
+        for module in targets:
+            prefix = f"bank.adapters.0.{layer}.{module}."
+            out[prefix + "lora_A"] = state[peft_key(layer, module, "lora_A")]
+            out[prefix + "lora_B"] = state[peft_key(layer, module, "lora_B")]
+            out[prefix + "lora_magnitude"] = state[peft_magnitude_key(layer, module)]
+    return out
+
+
+def test_dora_from_tensors_and_from_a_checkpoint_equal_the_peft_directory(make_engine, dora_dirs, tmp_path):
+    """``add_adapter_weights(magnitudes=...)`` (the val samples of fit) and a fit checkpoint's
+    DoRA adapter serve what the PEFT directory serves."""
+    targets = ("gate_proj", "up_proj", "down_proj")
+    engine = make_engine(with_adapters=False, num_pages=128, page_size=4)
+    engine.add_adapter("dir", dora_dirs["dora-mlp"])
+    state = _bank_state(dora_dirs["dora-mlp"], engine.model_config.num_layers, targets)
+    factors = {(layer, m): (state[f"bank.adapters.0.{layer}.{m}.lora_A"], state[f"bank.adapters.0.{layer}.{m}.lora_B"])
+               for layer in range(engine.model_config.num_layers) for m in targets}
+    magnitudes = {k: state[f"bank.adapters.0.{k[0]}.{k[1]}.lora_magnitude"] for k in factors}
+    engine.add_adapter_weights("tensors", factors, rank=3, alpha=5.0, magnitudes=magnitudes)
+    ckpt = tmp_path / "fit.ckpt"
+    torch.save({"hyper_parameters": {"adapters": [{"name": "ckpt", "rank": 3, "alpha": 5.0, "dora": True}]},
+                "state_dict": state}, ckpt)
+    engine.add_adapters_from_checkpoint(str(ckpt))
+    prompt = CASES[3][0]
+    outs = [engine.generate(_requests([(prompt, a)]))[0].token_ids for a in ("dir", "tensors", "ckpt", None)]
+    assert outs[0] == outs[1] == outs[2] != outs[3]
