@@ -101,3 +101,45 @@ def dora_rescale(z: torch.Tensor, bias: torch.Tensor | None, rows: Sequence[tupl
         y[start:end] = z[start:end] * g.to(z.dtype)
     return y + bias if bias is not None else y
 
+
+
+class DoraRescaleRows(torch.autograd.Function):
+    """In place on ``y`` ``[M, N]`` (a fused product with its bias): ``y = g * (y - bias) + bias``
+    on each ``(start, end)`` row range with its ``g`` ``[N]``; other rows are left as they are
+    (no pass over them). Saves only the ranges' ``y - bias``, for ``g``'s gradient. The same
+    math as ``dora_rescale``."""
+
+    @staticmethod
+    def forward(ctx, y, bias, ranges, *gs):
+        saved = []
+        for (start, end), g in zip(ranges, gs):
+            rows = y[start:end]
+            z = rows - bias if bias is not None else rows.clone()
+            saved.append(z)
+            torch.mul(z, g.to(y.dtype), out=rows)
+            if bias is not None:
+                rows.add_(bias)
+        ctx.mark_dirty(y)
+        ctx.ranges = ranges
+        ctx.save_for_backward(*gs, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        n = len(ctx.ranges)
+        gs, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        dz = dy.clone()
+        dgs = []
+        acc = torch.promote_types(dy.dtype, torch.float32)  # g's gradient sums rows: fp32 at least
+        for (start, end), g, z in zip(ctx.ranges, gs, saved):
+            dz[start:end].mul_(g.to(dz.dtype))
+            dgs.append((dy[start:end].to(acc) * z.to(acc)).sum(0).to(g.dtype))
+        return (dz, None, None, *dgs)
+
+
+def dora_rescale_rows(y: torch.Tensor, bias: torch.Tensor | None, rows: Sequence[tuple[int, int, torch.Tensor]]
+                      ) -> torch.Tensor:
+    """``DoraRescaleRows`` over ``(start, end, g)`` runs (``y`` is returned, modified in place)."""
+    if not rows:
+        return y
+    return DoraRescaleRows.apply(y, bias, tuple((s, e) for s, e, _ in rows), *(g for _, _, g in rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .dora import dora_rescale, dora_scale
+from .dora import dora_rescale_rows, dora_scale
 from .fused_lora import fused_lora_projections
 from .reference import lora_projections_reference
 
@@ -20,8 +20,9 @@ def dora_adapters_routed(loras, routing) -> set[int]:
 def fused_dora_projections(x, weights, biases, loras, routing, *, dropout_offset: int = 0, options=None,
                            operands=None) -> list[torch.Tensor]:
     """``kernels.fused_lora.fused_lora_projections`` with DoRA adapters among the routed ones:
-    the fused kernels compute ``z = x W^T + s (x A^T) B^T`` for every row (no bias), then each
-    DoRA adapter's rows are rescaled by ``g`` (``dora_rescale``) and the bias added. A DoRA
+    the fused kernels compute ``y = x W^T + bias + s (x A^T) B^T`` for every row, then each DoRA
+    adapter's rows become ``g * (y - bias) + bias`` in place (``dora_rescale_rows``: a pass over
+    the DoRA rows only, after the fused product rather than inside its epilogue). A DoRA
     adapter with dropout needs PEFT's second frozen product on its dropped-out rows: that group
     runs the torch reference."""
     live = dora_adapters_routed(loras, routing)
@@ -31,10 +32,10 @@ def fused_dora_projections(x, weights, biases, loras, routing, *, dropout_offset
     if any(routing.dropout_p[a] > 0.0 for a in live):
         return lora_projections_reference(x, weights, biases, loras, routing, dropout_offset, options=options,
                                           operands=operands)
-    zs = fused_lora_projections(x, weights, [None] * len(weights), loras, routing, dropout_offset=dropout_offset,
+    ys = fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
                                 options=options, operands=operands)
     out = []
-    for z, weight, bias, lora in zip(zs, weights, biases, loras):
+    for y, weight, bias, lora in zip(ys, weights, biases, loras):
         rows, scales = [], {}
         for start, end, a in routing.segments if lora is not None else ():
             magnitude = lora.dora(a)
@@ -44,5 +45,5 @@ def fused_dora_projections(x, weights, biases, loras, routing, *, dropout_offset
                 scales[a] = dora_scale(magnitude, weight, lora.a[a], lora.b[a], routing.scales[a],
                                        lora.weight_sq_norm)
             rows.append((start, end, scales[a]))
-        out.append(dora_rescale(z, bias, rows))
+        out.append(dora_rescale_rows(y, bias, rows))
     return out
