@@ -128,12 +128,15 @@ class DoraRescaleRows(torch.autograd.Function):
     def backward(ctx, dy):
         n = len(ctx.ranges)
         gs, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
-        dz = dy.clone()
-        dgs = []
+        if len(ctx.ranges) == 1 and ctx.ranges[0] == (0, dy.shape[0]):  # one DoRA adapter, every row
+            dz = dy * gs[0].to(dy.dtype)
+        else:
+            dz = dy.clone()
+            for (start, end), g in zip(ctx.ranges, gs):
+                dz[start:end].mul_(g.to(dz.dtype))
         acc = torch.promote_types(dy.dtype, torch.float32)  # g's gradient sums rows: fp32 at least
-        for (start, end), g, z in zip(ctx.ranges, gs, saved):
-            dz[start:end].mul_(g.to(dz.dtype))
-            dgs.append((dy[start:end].to(acc) * z.to(acc)).sum(0).to(g.dtype))
+        dgs = [(dy[start:end].to(acc) * z.to(acc)).sum(0).to(g.dtype)
+               for (start, end), g, z in zip(ctx.ranges, gs, saved)]
         return (dz, None, None, *dgs)
 
 
