@@ -135,7 +135,7 @@ class DoraRescaleRows(torch.autograd.Function):
             for (start, end), g in zip(ctx.ranges, gs):
                 dz[start:end].mul_(g.to(dz.dtype))
         acc = torch.promote_types(dy.dtype, torch.float32)  # g's gradient sums rows: fp32 at least
-        dgs = [(dy[start:end].to(acc) * z.to(acc)).sum(0).to(g.dtype)
+        dgs = [(dy[start:end] * z).sum(0, dtype=acc).to(g.dtype)
                for (start, end), g, z in zip(ctx.ranges, gs, saved)]
         return (dz, None, None, *dgs)
 

@@ -51,3 +51,22 @@ def test_row_norm_of_a_quantized_weight_is_that_of_its_dequantized_values(kind):
     assert not torch.equal(dense, w)  # the quantized weight differs from the original
     expected = torch.linalg.norm(dense.double() + 0.5 * (b.double() @ a.double()), dim=1)
     torch.testing.assert_close(dora_row_norm(q, a, b, 0.5).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_in_place_rescale_in_half_precision_is_the_fp64_result_rounded(dtype):
+    """16-bit outputs: the rows rounded once; g's gradient summed in fp32 (half-precision
+    products, so about 1e-2 relative: the half-precision tolerance of the other ops)."""
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(123, 47, generator=g, dtype=torch.float64)
+    gv = (1.0 + 0.3 * torch.randn(47, generator=g, dtype=torch.float64))
+    dy = torch.randn(123, 47, generator=g, dtype=torch.float64)
+    ref = dora_rescale(z, None, [(3, 100, gv)])
+    ref_dg = (dy[3:100] * z[3:100]).sum(0)
+    y = z.to(dtype).requires_grad_()
+    gh = gv.float().requires_grad_()
+    out = dora_rescale_rows(y * 1.0, None, [(3, 100, gh)])
+    (dg,) = torch.autograd.grad(out, [gh], dy.to(dtype))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    assert dg.dtype == torch.float32
+    torch.testing.assert_close(dg.double(), ref_dg, rtol=2e-2, atol=0.2)
