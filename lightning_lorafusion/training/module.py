@@ -408,7 +408,8 @@ class LoRAFusionModule(L.LightningModule):
             backend = "triton" if self.device.type == "cuda" else "torch"
         world = self.trainer.world_size if self._trainer is not None else 1
         reason = cuda_graphs_refusal(device=self.device, backend=backend,
-                                     pipeline=self._pipeline_strategy() is not None, world_size=world)
+                                     pipeline=self._pipeline_strategy() is not None, world_size=world,
+                                     dora=any(s.dora for s in self.adapter_specs))
         if reason is not None:
             if self.cuda_graphs == "on":
                 raise ConfigError(f"model.cuda_graphs='on' but {reason}; use cuda_graphs: auto or off")
