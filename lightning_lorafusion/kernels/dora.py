@@ -60,11 +60,10 @@ def dora_row_norm(weight: torch.Tensor | Fp8Weight | Nf4Weight, a: torch.Tensor,
     if weight_sq_norm is None:
         weight_sq_norm = weight_row_sq_norm(weight)
     a32, b32 = a.detach().float(), b.detach().float()
-    if isinstance(weight, torch.Tensor):
-        # W A^T in the weight's dtype (fp32 accumulation), like the frozen GEMM itself
-        wa = F.linear(a.detach().to(weight.dtype), weight).t().float()  # [N, r]
-    else:
-        wa = dense_weight(weight, torch.float32) @ a32.t()
+    # W A^T in the compute dtype (fp32 accumulation), like the frozen GEMM itself; a quantized
+    # weight dequantized for it (a transient [N, K] in that dtype)
+    dense = weight if isinstance(weight, torch.Tensor) else dense_weight(weight, a.dtype)
+    wa = F.linear(a.detach().to(dense.dtype), dense).t().float()  # [N, r]
     cross = (b32 * wa).sum(1)
     ba_sq = ((b32 @ (a32 @ a32.t())) * b32).sum(1)
     return (weight_sq_norm.float() + (2.0 * scale) * cross + (scale * scale) * ba_sq).clamp_min(0.0).sqrt()
