@@ -126,3 +126,35 @@ def test_dora_from_tensors_and_from_a_checkpoint_equal_the_peft_directory(make_e
     prompt = CASES[3][0]
     outs = [engine.generate(_requests([(prompt, a)]))[0].token_ids for a in ("dir", "tensors", "ckpt", None)]
     assert outs[0] == outs[1] == outs[2] != outs[3]
+
+
+def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path):
+    """Qwen2's q/k/v biases: the DoRA rows' frozen products are rescaled without their bias."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from test_generation import _write_family
+
+    model_dir = _write_family(tmp_path / "qwen2", "qwen2")
+    path = _write_dora(model_dir, tmp_path / "dora", rank=3, alpha=6.0, seed=4,
+                       targets=["q_proj", "k_proj", "v_proj", "down_proj"])
+    engine = Engine.from_pretrained(str(model_dir), {"dora": path}, EngineConfig(num_pages=64, page_size=4),
+                                    device="cpu")
+    cases = [([5, 9, 17, 30, 2, 44, 8, 12], "dora"), ([7, 13, 21], None), ([11, 4, 30], "dora")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    results = engine.generate(_requests(cases, sp))
+    engine.close()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           path).eval()
+    for (prompt, adapter), res in zip(cases, results):
+        ids = torch.tensor([prompt])
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                      pad_token_id=0)
+        with torch.no_grad():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    out = peft_model.generate(**kwargs)
+            else:
+                out = peft_model.generate(**kwargs)
+        assert list(res.token_ids) == out[0, len(prompt):].tolist(), adapter
