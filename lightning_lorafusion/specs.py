@@ -250,6 +250,9 @@ class AdapterSpec:
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     init_lora_weights: bool | str = True  # true (kaiming-uniform A) or "gaussian"; B starts at zero
+    # DoRA (PEFT's use_dora): a trained magnitude per output row rescales W + scale * B A,
+    # normalised per row (kernels/dora.py)
+    dora: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not ADAPTER_NAME.fullmatch(self.name):
@@ -289,6 +292,8 @@ class AdapterSpec:
             )
         if self.max_steps is not None:
             _check_int(where, "max_steps", self.max_steps, minimum=1)
+        if not isinstance(self.dora, bool):
+            raise ConfigError(f"{where}: dora={self.dora!r} must be true or false")
         self._check_validation()
         self._check_lora_options(where)
 

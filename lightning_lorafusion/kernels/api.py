@@ -39,6 +39,11 @@ def lora_projections(
     if backend == "torch" or routing is None or all(l is None for l in loras):
         return lora_projections_reference(x, weights, biases, loras, routing, dropout_offset, options=options,
                                           operands=operands)
+    if any(l is not None and l.magnitude is not None for l in loras):  # DoRA adapters in the group
+        from .fused_dora import fused_dora_projections
+
+        return fused_dora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
+                                      options=options, operands=operands)
     from .fused_lora import fused_lora_projections  # Triton is imported only when used
 
     return fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,

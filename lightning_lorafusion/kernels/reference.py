@@ -8,6 +8,8 @@ Rows not covered by any segment (or routed to an adapter that does not target th
 get the frozen linear only. Shapes: X [M, K], W [N, K], A_a [r_a, K], B_a [N, r_a]. A frozen
 weight may be an ``fp8_linear.Fp8Weight``: the frozen products then run in FP8 (emulated off
 Ada/Hopper) and the LoRA terms, their dropout and gradients stay in X's dtype.
+
+A DoRA adapter (``LoraModuleWeights.magnitude[a]`` given) rescales its rows as ``dora.py`` says.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from .dora import dora_rows_reference, dora_scale
 from .dropout import dropout_keep_mask
 from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
 from .options import KernelOptions
@@ -67,6 +70,14 @@ class LoraModuleWeights:
 
     a: tuple[torch.Tensor | None, ...]  # per adapter [r_a, K]
     b: tuple[torch.Tensor | None, ...]  # per adapter [N, r_a]
+    # DoRA: per adapter its magnitude [N] (None: plain LoRA); None: no DoRA adapter here
+    magnitude: tuple[torch.Tensor | None, ...] | None = None
+    # DoRA: the frozen weight's ||W[n, :]||^2 [N] fp32, computed once (None: computed when needed)
+    weight_sq_norm: torch.Tensor | None = None
+
+    def dora(self, adapter: int) -> torch.Tensor | None:
+        """Adapter ``adapter``'s DoRA magnitude ``[N]`` on this projection, None if plain LoRA."""
+        return None if self.magnitude is None else self.magnitude[adapter]
 
 
 def lora_linear_reference(
@@ -115,6 +126,12 @@ def lora_projections_reference(
         scale = routing.scales[adapter]
         for i in active:
             a, b = loras[i].a[adapter], loras[i].b[adapter]
+            magnitude = loras[i].dora(adapter)
+            if magnitude is not None:
+                g = dora_scale(magnitude, weights[i], a, b, scale, loras[i].weight_sq_norm)
+                ys[i][start:end] = dora_rows_reference(ys[i][start:end].clone(), xs, weights[i], biases[i], a, b, scale, g,
+                                                       dropped=p > 0.0)
+                continue
             ys[i][start:end] += scale * ((xs @ a.to(xs.dtype).t()) @ b.to(xs.dtype).t())
     return ys
 

@@ -8,9 +8,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..kernels.dora import dora_row_norm, weight_row_sq_norm
 from ..kernels.reference import LoraModuleWeights, LoraRouting
 from ..specs import ADAPTABLE_MODULES, AdapterSpec, ConfigError
-from .decoder import BankView, DecoderConfig
+from .decoder import BankView, DecoderConfig, frozen_weight
 
 
 def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
@@ -19,8 +20,14 @@ def _init_seed(adapter_seed: int, layer: int, module: str) -> int:
     return (adapter_seed * 1_000_003 + layer * 131 + ADAPTABLE_MODULES.index(module)) % (2**63 - 1)
 
 
+def _sq_norm_name(layer: int, module: str) -> str:
+    return f"dora_weight_sq_norm_{layer}_{module}"
+
+
 class LoraFactors(nn.Module):
-    """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection.
+    """``lora_A [r, in]`` and ``lora_B [out, r]`` of one adapter on one projection, and with
+    ``dora`` its DoRA magnitude ``lora_magnitude [out]`` (ones until ``AdapterBank.init_dora``
+    sets it to the frozen weight's row norms, PEFT's initialisation).
 
     PEFT's inits, from the factor's own ``seed`` (drawn on the CPU, so the values do not depend
     on the device): ``init`` True, A ~ kaiming_uniform(a=sqrt(5)); "gaussian", A ~ N(0, 1/r);
@@ -29,12 +36,14 @@ class LoraFactors(nn.Module):
 
     def __init__(self, rank: int, in_features: int, out_features: int, *, seed: int,
                  dtype: torch.dtype, device: torch.device | str | None, draw: bool = True,
-                 init: bool | str = True) -> None:
+                 init: bool | str = True, dora: bool = False) -> None:
         super().__init__()
         self.seed = seed
         self.init = init
         self.lora_A = nn.Parameter(torch.zeros(rank, in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
+        self.lora_magnitude = (nn.Parameter(torch.ones(out_features, dtype=dtype, device=device)) if dora
+                               else None)
         if draw:
             self.draw_initial_a()
 
@@ -111,7 +120,7 @@ class AdapterBank(nn.Module):
         if ratio != 1.0:
             self._b_ratios[(a, layer, module)] = ratio
         return LoraFactors(rank, d_in, d_out, seed=_init_seed(spec.seed, layer, module),
-                           init=spec.init_lora_weights, **kwargs)
+                           init=spec.init_lora_weights, dora=spec.dora, **kwargs)
 
     def draw_initial_a(self, layers: Sequence[int], adapters: Sequence[int] | None = None) -> None:
         """Draw the initial A factors of ``layers`` (of ``adapters``, default all) for a bank built
@@ -156,11 +165,46 @@ class AdapterBank(nn.Module):
         for a, f in enumerate(per):
             ratio = self._b_ratios.get((a, layer, module))
             b.append(None if f is None else f.lora_B if ratio is None else f.lora_B * ratio)
-        return LoraModuleWeights(a=tuple(None if f is None else f.lora_A for f in per), b=tuple(b))
+        magnitude = tuple(None if f is None else f.lora_magnitude for f in per)
+        return LoraModuleWeights(
+            a=tuple(None if f is None else f.lora_A for f in per), b=tuple(b),
+            magnitude=magnitude if any(m is not None for m in magnitude) else None,
+            weight_sq_norm=self._buffers.get(_sq_norm_name(layer, module)),
+        )
 
     def module_scale_ratio(self, adapter_index: int, layer: int, module: str) -> float:
         """The factor ``module_weights`` puts on B of one projection: its scale over the adapter's."""
         return self._b_ratios.get((adapter_index, layer, module), 1.0)
+
+    def dora_modules(self, layers: Sequence[int] | None = None) -> list[tuple[int, str]]:
+        """The (layer, module) pairs some DoRA adapter of the bank targets."""
+        pairs = {p for s in self.specs if s.dora for p in s.layout.adapted(self.config.num_layers)}
+        wanted = range(self.config.num_layers) if layers is None else layers
+        return [(layer, m) for layer in wanted for m in ADAPTABLE_MODULES if (layer, m) in pairs]
+
+    @torch.no_grad()
+    def init_dora(self, params, layers: Sequence[int] | None = None, *,
+                  reset: Sequence[int] | None = None) -> None:
+        """Bind the DoRA adapters to the frozen base ``params`` (the decoder's pytree): keep each
+        targeted weight's ``||W[n, :]||^2`` (a non-persistent buffer, computed once) and set the
+        magnitudes of the adapters in ``reset`` (default: all; ``()`` keeps imported ones) to
+        ``||W + scale B A||_row`` (PEFT's init; ``||W||`` while B is zero). ``layers``: only these
+        (a pipeline stage's). An FP8 or NF4 weight is dequantized for its norms."""
+        for layer, module in self.dora_modules(layers):
+            weight, _ = frozen_weight(params["layers"][layer][module])
+            sq = weight_row_sq_norm(weight)
+            name = _sq_norm_name(layer, module)
+            if name in self._buffers:
+                self._buffers[name] = sq
+            else:
+                self.register_buffer(name, sq, persistent=False)
+            for a, spec in enumerate(self.specs):
+                f = self.factors(a, layer, module)
+                if spec.dora and f is not None and (reset is None or a in reset):
+                    # B as module_weights hands it to the decoder (a rank/alpha pattern's scale folded in)
+                    b = f.lora_B * self.module_scale_ratio(a, layer, module)
+                    norm = dora_row_norm(weight, f.lora_A, b, spec.scale, sq)
+                    f.lora_magnitude.copy_(norm.to(f.lora_magnitude.device))
 
     def view(self, layers: Sequence[int] | None = None) -> BankView:
         """``{(layer, module): LoraModuleWeights}`` for the decoder (default: all layers)."""

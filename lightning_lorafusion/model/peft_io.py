@@ -38,6 +38,12 @@ def peft_key(layer: int, module: str, factor: str) -> str:
     return f"base_model.model.{module_path(layer, module)}.{factor}.weight"
 
 
+def peft_magnitude_key(layer: int, module: str) -> str:
+    """HF PEFT's saved name of a DoRA magnitude (no ``.weight``), e.g.
+    ``base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector``."""
+    return peft_key(layer, module, "lora_magnitude_vector")[:-len(".weight")]
+
+
 def export_peft_adapter(
     bank: AdapterBank,
     adapter_index: int,
@@ -67,6 +73,9 @@ def export_peft_adapter(
         for factor, p in (("lora_A", f.lora_A), ("lora_B", f.lora_B)):
             t = p.detach().to("cpu", dtype or p.dtype).contiguous()
             tensors[peft_key(layer, module, factor)] = t
+        if f.lora_magnitude is not None:
+            m = f.lora_magnitude.detach()
+            tensors[peft_magnitude_key(layer, module)] = m.to("cpu", dtype or m.dtype).contiguous()
     bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise FloatingPointError(f"adapter {spec.name!r}: {bad} holds non-finite values; not exported")
@@ -78,7 +87,7 @@ def export_peft_adapter(
         "lora_dropout": spec.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_dora": False,
+        "use_dora": spec.dora,
         "init_lora_weights": spec.init_lora_weights,
         "inference_mode": True,
         "modules_to_save": None,
@@ -169,15 +178,19 @@ def import_peft_adapter(bank: AdapterBank, adapter_index: int, peft_dir: str | o
     num_layers = bank.config.num_layers
     adapted = spec.layout.adapted(num_layers)
     mismatches = _layout_mismatches(layout, spec.layout, num_layers)
+    if bool(cfg.get("use_dora", False)) != spec.dora:
+        mismatches.append(f"dora: {bool(cfg.get('use_dora', False))} there, {spec.dora} in the config")
     if mismatches:
         raise ConfigError(f"{where} does not match the adapter's spec ({'; '.join(mismatches)}); set the adapter's "
-                          "rank/alpha/target_modules/use_rslora/rank_pattern/alpha_pattern/layers_to_transform "
-                          "to the PEFT adapter's values")
+                          "rank/alpha/target_modules/use_rslora/rank_pattern/alpha_pattern/layers_to_transform/"
+                          "dora to the PEFT adapter's values")
     expected = {}
     for layer, module in adapted:
         f = bank.factors(adapter_index, layer, module)
         expected[peft_key(layer, module, "lora_A")] = f.lora_A
         expected[peft_key(layer, module, "lora_B")] = f.lora_B
+        if f.lora_magnitude is not None:
+            expected[peft_magnitude_key(layer, module)] = f.lora_magnitude
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
@@ -239,17 +252,17 @@ def read_peft_adapter(peft_dir: str | os.PathLike, where: str
                       ) -> tuple[dict, tuple[str, ...], dict[str, torch.Tensor]]:
     """Read a PEFT LoRA directory: (adapter_config.json as a dict, target modules in our order,
     weights keyed like ``peft_key``). Refuses, naming ``where``, the PEFT features this project
-    does not implement (DoRA, LoRA biases, extra saved modules, transposed weights, inits that
+    does not implement (LoRA biases, extra saved modules, transposed weights, inits that
     rewrote the base weight) and targets outside the known projections (the Llama family's
     seven, and Phi-3's fused ``qkv_proj`` / ``gate_up_proj``). rsLoRA, rank/alpha patterns and
-    ``layers_to_transform`` are read by ``peft_layout``."""
+    ``layers_to_transform`` are read by ``peft_layout``; DoRA's magnitudes by the callers."""
     path = Path(peft_dir)
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(f"{where} has no {CONFIG_FILE}; is it a PEFT adapter directory?")
     cfg = json.loads((path / CONFIG_FILE).read_text())
     if cfg.get("peft_type") != "LORA":
         raise ConfigError(f"{where} is a {cfg.get('peft_type')!r} adapter; only LORA is supported")
-    for flag in ("use_dora", "fan_in_fan_out"):
+    for flag in ("fan_in_fan_out",):
         if cfg.get(flag):
             raise ConfigError(f"{where} uses {flag}=true, which is not implemented here")
     init = cfg.get("init_lora_weights", True)
@@ -279,5 +292,7 @@ def _read_peft_weights(path: Path, where: str) -> dict[str, torch.Tensor]:
         state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ConfigError(f"{where} has no {WEIGHTS_FILE} (or adapter_model.bin)")
-    # some PEFT versions keep the adapter name in the key (".lora_A.default.weight")
-    return {k.replace(".default.weight", ".weight"): v for k, v in state.items()}
+    # some PEFT versions keep the adapter name in the key (".lora_A.default.weight"), and a DoRA
+    # magnitude's ".weight" (saved without it since)
+    state = {k.replace(".default.weight", ".weight"): v for k, v in state.items()}
+    return {k[:-len(".weight")] if k.endswith(".lora_magnitude_vector.weight") else k: v for k, v in state.items()}

@@ -7,11 +7,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
 from ..model.decoder import DecoderConfig
-from ..model.peft_io import peft_key, peft_layout, read_peft_adapter
+from ..model.peft_io import peft_key, peft_layout, peft_magnitude_key, read_peft_adapter
 from ..specs import ALL_TARGET_MODULES, ConfigError, LoraLayout
 
 # Matrices start at multiples of this many elements inside an adapter's run of pages, so the
@@ -90,6 +91,8 @@ class HostAdapter:
             rel[layer, ALL_TARGET_MODULES.index(module)] = torch.tensor([s.a, s.b])
         self.relative_offsets = rel
         self.module_ranks = torch.tensor([ranks.get(m, 0) for m in ALL_TARGET_MODULES], dtype=torch.int32)
+        # DoRA: g [N] fp32 per (layer, module), B stored as g * B (serving/dora_rows.py); None: LoRA
+        self.dora_scales: dict[tuple[int, str], torch.Tensor] | None = None
 
     @property
     def numel(self) -> int:
@@ -206,10 +209,12 @@ def _check_factor_shapes(name: str, factors, layer: int, module: str, rank: int,
 
 
 def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig, *,
-                      dtype: torch.dtype, pin: bool = False) -> HostAdapter:
+                      dtype: torch.dtype, pin: bool = False, params: Mapping[str, Any] | None = None) -> HostAdapter:
     """Read a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``) for
     the base described by ``config``; any mismatch is a ``ConfigError`` naming the adapter.
-    rsLoRA, ``rank_pattern`` / ``alpha_pattern`` and ``layers_to_transform`` are honoured."""
+    rsLoRA, ``rank_pattern`` / ``alpha_pattern`` and ``layers_to_transform`` are honoured.
+    A DoRA adapter (``use_dora``) needs the base's ``params`` (its scales follow from the frozen
+    weights: ``dora_rows.fold_dora``)."""
     where = f"adapter {name!r} ({str(path)!r})"
     try:
         cfg, targets, state = read_peft_adapter(path, where)
@@ -226,17 +231,31 @@ def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig,
         if rank > min(config.module_dims(module)):
             raise ConfigError(f"{where}: rank {rank} exceeds the dims of {module} "
                               f"{config.module_dims(module)} of this base")
-    factors = {}
+    dora = bool(cfg.get("use_dora", False))
+    if dora and params is None:
+        raise ConfigError(f"{where} is a DoRA adapter (use_dora); loading it needs the base weights "
+                          "(load it through an Engine)")
+    factors, magnitudes = {}, {}
     expected = set()
     for layer, module in pairs:
         ka, kb = peft_key(layer, module, "lora_A"), peft_key(layer, module, "lora_B")
-        expected |= {ka, kb}
+        km = peft_magnitude_key(layer, module)
+        expected |= {ka, kb, km} if dora else {ka, kb}
         if ka in state and kb in state:
             factors[(layer, module)] = (state[ka], state[kb])
+        if km in state:
+            magnitudes[(layer, module)] = state[km]
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
         raise ConfigError(f"{where}: weight names do not match a {config.num_layers}-layer "
                           f"{config.model_type} base with targets {list(targets)} (missing e.g. "
                           f"{missing[:2]}, unexpected e.g. {extra[:2]}); is it an adapter of this base?")
-    return host_adapter_from_factors(name, factors, rank=layout.rank, alpha=layout.alpha, config=config,
-                                     dtype=dtype, pin=pin, path=str(Path(path)), layout=layout)
+    scales = None
+    if dora:
+        from .dora_rows import fold_dora
+
+        factors, scales = fold_dora(factors, magnitudes, params, scale=layout.module_scale)
+    adapter = host_adapter_from_factors(name, factors, rank=layout.rank, alpha=layout.alpha, config=config,
+                                        dtype=dtype, pin=pin, path=str(Path(path)), layout=layout)
+    adapter.dora_scales = scales
+    return adapter

@@ -13,7 +13,8 @@ import torch
 from ..specs import ConfigError, LoraLayout
 
 # state_dict keys of the adapter bank: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
-_BANK_KEY = re.compile(r"^bank\.adapters\.(\d+)\.(\d+)\.(\w+)\.(lora_A|lora_B)$")
+# (and lora_magnitude for a DoRA adapter)
+_BANK_KEY = re.compile(r"^bank\.adapters\.(\d+)\.(\d+)\.(\w+)\.(lora_A|lora_B|lora_magnitude)$")
 WEIGHTS = ("best", "last")
 
 
@@ -27,6 +28,7 @@ class CheckpointAdapter:
     factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     weights: str  # "best" (best-val weights) or "last" (the bank's weights when saved)
     layout: LoraLayout | None = None  # rsLoRA, rank/alpha patterns, adapted layers (from its spec)
+    magnitudes: dict[tuple[int, str], torch.Tensor] | None = None  # DoRA: per (layer, module) [out]
 
 
 def read_checkpoint_adapters(ckpt_path: str | os.PathLike, names: Sequence[str] | None = None, *,
@@ -90,8 +92,10 @@ def _adapter(name: str, spec: dict[str, Any], tensors: dict[tuple[int, str], dic
                         alpha_pattern=spec.get("alpha_pattern") or {},
                         layers_to_transform=spec.get("layers_to_transform"),
                         layers_pattern=spec.get("layers_pattern"), owner=where)
-    factors = {}
+    factors, magnitudes = {}, {}
     for lm, pair in tensors.items():
+        if "lora_magnitude" in pair:
+            magnitudes[lm] = pair.pop("lora_magnitude")
         if set(pair) != {"lora_A", "lora_B"}:
             raise ConfigError(f"{where}: layer {lm[0]} {lm[1]} lacks {sorted({'lora_A', 'lora_B'} - set(pair))}")
         a, b = pair["lora_A"], pair["lora_B"]
@@ -100,5 +104,7 @@ def _adapter(name: str, spec: dict[str, Any], tensors: dict[tuple[int, str], dic
             raise ConfigError(f"{where}: layer {lm[0]} {lm[1]} has lora_A {tuple(a.shape)}, lora_B "
                               f"{tuple(b.shape)}; its spec says rank {r}")
         factors[lm] = (a, b)
+    if bool(spec.get("dora", False)) != bool(magnitudes) or (magnitudes and set(magnitudes) != set(factors)):
+        raise ConfigError(f"{where}: its DoRA magnitudes do not match its spec (dora={spec.get('dora', False)})")
     return CheckpointAdapter(name=name, rank=int(rank), alpha=float(spec.get("alpha")), factors=factors,
-                             weights=weights, layout=layout)
+                             weights=weights, layout=layout, magnitudes=magnitudes or None)

@@ -11,6 +11,7 @@ import torch
 from ..specs import ConfigError, LoraLayout
 from .adapters import AdapterInfo, HostAdapter, UnknownAdapterError, host_adapter_from_factors, load_peft_adapter
 from .checkpoint import read_checkpoint_adapters
+from .dora_rows import fold_dora
 
 
 class AdapterRegistry:
@@ -28,24 +29,39 @@ class AdapterRegistry:
             if name in self._adapters:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         adapter = load_peft_adapter(name, path, self.model_config, dtype=self.dtype,
-                                    pin=self.device.type == "cuda")
+                                    pin=self.device.type == "cuda", params=self.params)
         adapter.check_finite()
         return self._register(adapter)
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                            *, rank: int, alpha: float, layout: LoraLayout | None = None) -> AdapterInfo:
+                            *, rank: int, alpha: float, layout: LoraLayout | None = None,
+                            magnitudes: Mapping[tuple[int, str], torch.Tensor] | None = None) -> AdapterInfo:
         """Register an adapter from tensors: ``factors[(layer, module)] = (lora_A [r, in],
         lora_B [out, r])`` for every layer of each targeted module (e.g. from a training
         checkpoint's adapter bank); copied to host memory like ``add_adapter``. ``layout``: the
-        adapter's rsLoRA / rank and alpha patterns / layers (``AdapterSpec.layout``), if any."""
+        adapter's rsLoRA / rank and alpha patterns / layers (``AdapterSpec.layout``), if any.
+        ``magnitudes``: a DoRA adapter's ``[out]`` per (layer, module)."""
         with self._lock:
             if name in self._adapters:
                 raise ConfigError(f"adapter {name!r} is already loaded; remove_adapter({name!r}) first")
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
-        adapter = host_adapter_from_factors(name, on_host, rank=rank, alpha=alpha, config=self.model_config,
-                                            dtype=self.dtype, pin=self.device.type == "cuda", layout=layout)
+        adapter = self._folded_host_adapter(name, on_host, rank=rank, alpha=alpha, layout=layout,
+                                            magnitudes=magnitudes)
         adapter.check_finite()
         return self._register(adapter)
+
+    def _folded_host_adapter(self, name, factors, *, rank, alpha, layout=None, magnitudes=None,
+                             path=None) -> HostAdapter:
+        """A ``HostAdapter`` from factors; a DoRA adapter's magnitudes folded (serving/dora_rows.py)."""
+        scales = None
+        if magnitudes is not None:  # DoRA: g folded into B, g kept beside
+            scale = layout.module_scale if layout is not None else float(alpha) / rank
+            factors, scales = fold_dora(factors, magnitudes, self.params, scale=scale)
+        adapter = host_adapter_from_factors(name, factors, rank=rank, alpha=alpha, config=self.model_config,
+                                            dtype=self.dtype, pin=self.device.type == "cuda", path=path,
+                                            layout=layout)
+        adapter.dora_scales = scales
+        return adapter
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,
                                      weights: str = "best") -> list[AdapterInfo]:
@@ -58,9 +74,8 @@ class AdapterRegistry:
             taken = [a.name for a in found if a.name in self._adapters]
         if taken:
             raise ConfigError(f"adapter {taken[0]!r} is already loaded; remove_adapter({taken[0]!r}) first")
-        hosts = [host_adapter_from_factors(a.name, a.factors, rank=a.rank, alpha=a.alpha, config=self.model_config,
-                                           dtype=self.dtype, pin=self.device.type == "cuda",
-                                           path=f"{ckpt_path}#{a.name}", layout=a.layout)
+        hosts = [self._folded_host_adapter(a.name, a.factors, rank=a.rank, alpha=a.alpha, layout=a.layout,
+                                           magnitudes=a.magnitudes, path=f"{ckpt_path}#{a.name}")
                  for a in found]  # every one checked before any is registered
         for h in hosts:
             h.check_finite()
@@ -113,7 +128,8 @@ class AdapterRegistry:
             self._check_host_layout(weights)
             return weights
         if isinstance(weights, (str, os.PathLike)):
-            adapter = load_peft_adapter(name, weights, self.model_config, dtype=self.dtype, pin=pin)
+            adapter = load_peft_adapter(name, weights, self.model_config, dtype=self.dtype, pin=pin,
+                                        params=self.params)
         elif isinstance(weights, Mapping) and weights:
             if alpha is None:
                 raise ConfigError(f"update_adapter({name!r}, factors, add=True): a new adapter needs alpha=")

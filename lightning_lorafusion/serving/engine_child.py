@@ -169,9 +169,10 @@ class EngineLoop:
                 value = self.engine.warm_up(**args[0])
             elif name == "update_adapter":  # (name, weights, alpha, add)
                 value = self.engine.update_adapter(args[0], args[1], alpha=args[2], add=args[3])
-            elif name == "add_adapter_weights":  # rank, alpha and layout are keyword-only there
-                adapter, factors, rank, alpha, layout = args
-                value = self.engine.add_adapter_weights(adapter, factors, rank=rank, alpha=alpha, layout=layout)
+            elif name == "add_adapter_weights":  # rank, alpha, layout and magnitudes are keyword-only there
+                adapter, factors, rank, alpha, layout, magnitudes = args
+                value = self.engine.add_adapter_weights(adapter, factors, rank=rank, alpha=alpha, layout=layout,
+                                                        magnitudes=magnitudes)
             else:
                 value = getattr(self.engine, name)(*args)
             reply = ("reply", call_id, True, value)

@@ -389,10 +389,12 @@ class EngineClient:
         return info
 
     def add_adapter_weights(self, name: str, factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                            *, rank: int, alpha: float, layout: LoraLayout | None = None) -> AdapterInfo:
+                            *, rank: int, alpha: float, layout: LoraLayout | None = None,
+                            magnitudes: Mapping[tuple[int, str], torch.Tensor] | None = None) -> AdapterInfo:
         on_host = {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in factors.items()}
-        info = self._call("add_adapter_weights", name, on_host, rank, alpha, layout)
-        self._listed([info], {name: ("add_adapter_weights", (name, on_host, rank, alpha, layout))})
+        mags = None if magnitudes is None else {k: m.detach().cpu() for k, m in magnitudes.items()}
+        info = self._call("add_adapter_weights", name, on_host, rank, alpha, layout, mags)
+        self._listed([info], {name: ("add_adapter_weights", (name, on_host, rank, alpha, layout, mags))})
         return info
 
     def add_adapters_from_checkpoint(self, ckpt_path: str, names: Iterable[str] | None = None, *,

@@ -38,6 +38,7 @@ from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin
+from .dora_rows import apply_dora_rows
 from .fused_weights import FUSED_PROJECTIONS
 from .pool import UnifiedPool
 from .step_batch import MODULE_INDEX as _MODULE_INDEX, StepBatch
@@ -184,6 +185,8 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
         outs = frozen_projections(x, weights, biases)
+    if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
+        apply_dora_rows(outs, names, layer, lp, batch.dora)
     pre = batch.prefill_lora
     if pre is not None and pre.modules.intersection(names):
         segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend)

@@ -27,6 +27,7 @@ from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
+from .dora_rows import step_dora_rows
 from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
@@ -120,12 +121,16 @@ class ModelRunner:
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
         inputs.load_step(decode, rows, next_tokens, token_tensor)
-        if self.graphs is not None:
+        dora = step_dora_rows([(j, j + 1, st.adapter) for j, st in enumerate(decode)], self.device,
+                              self.pool.storage.dtype)
+        if self.graphs is not None and dora is None:  # (the graphs hold no DoRA rescale)
             self.graphs.replay(rows, inputs.has_lora)
             return self._graph_logits[:b]
         # eager: padded steps run every module's gather, as the graphs do
         modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
-        return self.logits(self.forward(self._decode_batch(rows, modules)))[:b]
+        batch = self._decode_batch(rows, modules)
+        batch.dora = dora
+        return self.logits(self.forward(batch))[:b]
 
     def _decode_batch(self, rows: int, modules: frozenset[str]) -> StepBatch:
         """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows (the derived
@@ -216,6 +221,10 @@ class ModelRunner:
         )
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
+        ds = batch.first_decode_row
+        batch.dora = step_dora_rows([(a, e, residents[i].adapter) for a, e, i in segments]
+                                    + [(ds + j, ds + j + 1, st.adapter) for j, st in enumerate(decode)],
+                                    self.device, self.pool.storage.dtype)
         if decode or pad:  # (pad: rank-0 tables past the decode rows, which the pieces read)
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
@@ -343,7 +352,8 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         rows = batch.input_ids.shape[0]
-        if self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets:
+        if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
+                and batch.dora is None):  # DoRA rows run eagerly (serving/dora_rows.py)
             block_r = batch.prefill_lora.block_r if batch.prefill_lora is not None else BASE_BLOCK_R
             pieces = self._mixed.get((rows, block_r))
             if pieces is None:

@@ -5,6 +5,7 @@ read by the runner's forward and by the mixed-step graph pieces (``mixed_graphs`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,8 @@ class StepBatch:
     # padded steps (pad_mixed) put the decode rows first, at rows [0, B), and the prefill rows
     # after them; otherwise prefill rows come first and decode rows follow them
     decode_first: bool = False
+    # rows of DoRA adapters, their frozen products rescaled per column (serving/dora_rows.py)
+    dora: Any = None  # dora_rows.DoraRows | None
 
     @property
     def num_decode_rows(self) -> int:

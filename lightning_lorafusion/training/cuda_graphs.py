@@ -85,8 +85,11 @@ def graph_key(mb: Microbatch) -> GraphKey:
 
 
 def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
-                        world_size: int = 1) -> str | None:
+                        world_size: int = 1, dora: bool = False) -> str | None:
     """Why training steps cannot be graphs here (None: they can)."""
+    if dora:
+        return ("a DoRA adapter's rows are rescaled over row ranges known on the host "
+                "(kernels/fused_dora.py), which a graph replaying other microbatches would not follow")
     if device.type != "cuda":
         return f"training runs on {device.type}, not on a CUDA GPU"
     if backend == "torch":

@@ -178,6 +178,8 @@ class LoRAFusionModule(L.LightningModule):
         self._bank_on_meta = random_base and not any(s.init_from for s in specs)
         self.bank = AdapterBank(specs, self.config, dtype=torch.float32, draw_a=not self._bank_on_meta,
                                 device="meta" if self._bank_on_meta else None)
+        if self._param_template is not None:  # DoRA magnitudes start at the loaded base's row norms
+            self.bank.init_dora(self.base_params())
         for i, spec in enumerate(specs):
             if spec.init_from:
                 from ..model.peft_io import import_peft_adapter
@@ -406,7 +408,8 @@ class LoRAFusionModule(L.LightningModule):
             backend = "triton" if self.device.type == "cuda" else "torch"
         world = self.trainer.world_size if self._trainer is not None else 1
         reason = cuda_graphs_refusal(device=self.device, backend=backend,
-                                     pipeline=self._pipeline_strategy() is not None, world_size=world)
+                                     pipeline=self._pipeline_strategy() is not None, world_size=world,
+                                     dora=any(s.dora for s in self.adapter_specs))
         if reason is not None:
             if self.cuda_graphs == "on":
                 raise ConfigError(f"model.cuda_graphs='on' but {reason}; use cuda_graphs: auto or off")

@@ -43,6 +43,9 @@ def setup_stage(m: Module) -> None:
                     p.zero_()
             m.bank.draw_initial_a(layers)
             m._bank_on_meta = False
+        # DoRA: the drawn base's row norms; magnitudes start there unless imported (init_from)
+        m.bank.init_dora(m.base_params(), layers,
+                         reset=[a for a, s in enumerate(m.adapter_specs) if not s.init_from])
         m._stage_layers = layers
     elif strategy is not None:
         keep_stage_params(m, layers, first, last)

@@ -29,7 +29,7 @@ ADAPTER_MAY_CHANGE = frozenset({
 # What evaluating a checkpoint (`validate`, `test`) needs to match: the base and each adapter's
 # shape and scale. Training hyperparameters and data may differ there.
 EVAL_MODEL_FIELDS = frozenset({"base_model", "dtype", "precision.base", "precision.fp8.exempt_layers"})
-EVAL_ADAPTER_FIELDS = frozenset({"name", "rank", "alpha", "target_modules"})
+EVAL_ADAPTER_FIELDS = frozenset({"name", "rank", "alpha", "target_modules", "dora"})
 
 
 def _plain(value: Any) -> Any:

@@ -68,11 +68,14 @@ def greedy_generate(
                     eos_token_ids=() if eos_token_id is None else (eos_token_id,))
     try:
         for a, spec in zip(used, specs):
-            factors = {}
+            factors, magnitudes = {}, {}
             for layer, module in spec.layout.adapted(config.num_layers):
                 f = bank.factors(a, layer, module)
                 factors[(layer, module)] = (f.lora_A.detach(), f.lora_B.detach())
-            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha, layout=spec.layout)
+                if f.lora_magnitude is not None:  # DoRA
+                    magnitudes[(layer, module)] = f.lora_magnitude.detach().cpu()
+            engine.add_adapter_weights(spec.name, factors, rank=spec.rank, alpha=spec.alpha, layout=spec.layout,
+                                       magnitudes=magnitudes or None)
         greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         requests = [GenerationRequest(prompt_token_ids=p.prompt, adapter=bank.specs[p.adapter].name,
                                       sampling=greedy) for p in prompts]

@@ -330,6 +330,7 @@ def test_what_cannot_be_a_graph_and_why():
     assert "backend='torch'" in cuda_graphs_refusal(device=gpu, backend="torch", pipeline=False)
     assert "pipeline" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True)
     assert "ddp" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, world_size=2)
+    assert "DoRA" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, dora=True)
     assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
     # a microbatch without host metadata takes the eager step, with the reason kept
     config = tiny_config()

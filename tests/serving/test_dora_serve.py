@@ -1,0 +1,160 @@
+"""The engine serves DoRA adapters (PEFT ``use_dora``) beside plain LoRA ones: greedy tokens
+and logits equal HF transformers + PEFT in heterogeneous batches (prefill and decode rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.model.hf_loading import load_base_model
+from lightning_lorafusion.model.peft_io import peft_key
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.adapters import load_peft_adapter
+from lightning_lorafusion.specs import ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+CASES = [
+    ([11, 4, 30, 22, 8, 19, 40], "dora"),
+    ([5, 9, 17], None),
+    ([7, 13, 21, 33, 45, 50, 6, 12, 28], "all4"),
+    ([60, 2, 35, 18, 26], "dora-mlp"),
+    ([44, 41, 10], "dora"),
+]
+
+
+def _write_dora(model_dir, out_dir, *, rank, alpha, targets, seed):
+    """A PEFT DoRA directory: random A, B and magnitudes (moved off the row norms of W)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_dora=True))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def dora_dirs(model_dir, adapter_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dora")
+    return {
+        "dora": _write_dora(model_dir, root / "dora", rank=4, alpha=8.0, seed=1,
+                            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        "dora-mlp": _write_dora(model_dir, root / "dora-mlp", rank=3, alpha=5.0, seed=2,
+                                targets=["gate_proj", "up_proj", "down_proj"]),
+        "all4": adapter_dirs["all4"],
+    }
+
+
+def _requests(cases, sampling=GREEDY):
+    return [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sampling) for p, a in cases]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dora_and_lora_batch_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs, hf_reference_of, backend):
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4, backend=backend)
+    for name, path in dora_dirs.items():
+        engine.add_adapter(name, path)
+    ref = hf_reference_of(model_dir, dora_dirs)
+    cases = CASES if backend == "torch" else CASES[:4]
+    sampling = GREEDY if backend == "torch" else SamplingParams(max_new_tokens=3, temperature=0.0)
+    for (prompt, adapter), res in zip(cases, engine.generate(_requests(cases, sampling))):
+        assert list(res.token_ids) == ref.generate(prompt, adapter, sampling.max_new_tokens), (adapter, prompt)
+    # DoRA changes the outputs: the adapter's tokens differ from the base's
+    prompt = CASES[0][0]
+    outs = {a: engine.generate(_requests([(prompt, a)]))[0].token_ids for a in (None, "dora")}
+    assert outs[None] != outs["dora"]
+
+
+def test_dora_prompt_logprobs_equal_hf_peft_logits(make_engine, model_dir, dora_dirs, hf_reference_of):
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4)
+    engine.add_adapter("dora", dora_dirs["dora"])
+    ref = hf_reference_of(model_dir, {"dora": dora_dirs["dora"]})
+    prompt = CASES[0][0]
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+    res = engine.generate(_requests([(prompt, "dora")], sp))[0]
+    logits = ref.logits(prompt, "dora")
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    got = torch.tensor([lp for lp in res.prompt_logprobs[1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_loading_a_dora_adapter_without_the_base_is_refused(model_dir, dora_dirs):
+    config, _, _ = load_base_model(str(model_dir), dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"is a DoRA adapter \(use_dora\); loading it needs the base weights"):
+        load_peft_adapter("dora", dora_dirs["dora"], config, dtype=torch.float32)
+
+
+def _bank_state(peft_dir, num_layers, targets):
+    """A DoRA adapter's tensors under the adapter bank's state_dict names (adapter 0)."""
+    from safetensors.torch import load_file
+
+    from lightning_lorafusion.model.peft_io import peft_magnitude_key
+
+    state = load_file(f"{peft_dir}/adapter_model.safetensors")
+    out = {}
+    for layer in range(num_layers):
+        for module in targets:
+            prefix = f"bank.adapters.0.{layer}.{module}."
+            out[prefix + "lora_A"] = state[peft_key(layer, module, "lora_A")]
+            out[prefix + "lora_B"] = state[peft_key(layer, module, "lora_B")]
+            out[prefix + "lora_magnitude"] = state[peft_magnitude_key(layer, module)]
+    return out
+
+
+def test_dora_from_tensors_and_from_a_checkpoint_equal_the_peft_directory(make_engine, dora_dirs, tmp_path):
+    """``add_adapter_weights(magnitudes=...)`` (the val samples of fit) and a fit checkpoint's
+    DoRA adapter serve what the PEFT directory serves."""
+    targets = ("gate_proj", "up_proj", "down_proj")
+    engine = make_engine(with_adapters=False, num_pages=128, page_size=4)
+    engine.add_adapter("dir", dora_dirs["dora-mlp"])
+    state = _bank_state(dora_dirs["dora-mlp"], engine.model_config.num_layers, targets)
+    factors = {(layer, m): (state[f"bank.adapters.0.{layer}.{m}.lora_A"], state[f"bank.adapters.0.{layer}.{m}.lora_B"])
+               for layer in range(engine.model_config.num_layers) for m in targets}
+    magnitudes = {k: state[f"bank.adapters.0.{k[0]}.{k[1]}.lora_magnitude"] for k in factors}
+    engine.add_adapter_weights("tensors", factors, rank=3, alpha=5.0, magnitudes=magnitudes)
+    ckpt = tmp_path / "fit.ckpt"
+    torch.save({"hyper_parameters": {"adapters": [{"name": "ckpt", "rank": 3, "alpha": 5.0, "dora": True}]},
+                "state_dict": state}, ckpt)
+    engine.add_adapters_from_checkpoint(str(ckpt))
+    prompt = CASES[3][0]
+    outs = [engine.generate(_requests([(prompt, a)]))[0].token_ids for a in ("dir", "tensors", "ckpt", None)]
+    assert outs[0] == outs[1] == outs[2] != outs[3]
+
+
+def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path):
+    """Qwen2's q/k/v biases: the DoRA rows' frozen products are rescaled without their bias."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from test_generation import _write_family
+
+    model_dir = _write_family(tmp_path / "qwen2", "qwen2")
+    path = _write_dora(model_dir, tmp_path / "dora", rank=3, alpha=6.0, seed=4,
+                       targets=["q_proj", "k_proj", "v_proj", "down_proj"])
+    engine = Engine.from_pretrained(str(model_dir), {"dora": path}, EngineConfig(num_pages=64, page_size=4),
+                                    device="cpu")
+    cases = [([5, 9, 17, 30, 2, 44, 8, 12], "dora"), ([7, 13, 21], None), ([11, 4, 30], "dora")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    results = engine.generate(_requests(cases, sp))
+    engine.close()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           path).eval()
+    for (prompt, adapter), res in zip(cases, results):
+        ids = torch.tensor([prompt])
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                      pad_token_id=0)
+        with torch.no_grad():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    out = peft_model.generate(**kwargs)
+            else:
+                out = peft_model.generate(**kwargs)
+        assert list(res.token_ids) == out[0, len(prompt):].tolist(), adapter
