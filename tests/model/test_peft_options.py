@@ -290,8 +290,9 @@ def test_every_example_of_the_options_page_is_a_valid_adapter():
     blocks = re.findall(r"```yaml\n(.*?)```", page, flags=re.S)
     entries = [entry for block in blocks for entry in yaml.safe_load(block)]
     specs = [AdapterSpec(**entry) for entry in entries]
-    assert len(specs) == 5
+    assert len(specs) == 6
     by_name = {s.name: s for s in specs}
+    assert by_name["legal"].dora and not any(s.dora for s in specs if s.name != "legal")
     assert by_name["big-rank"].scale == 16 / math.sqrt(128)
     assert by_name["shaped"].layout.module_rank(0, "down_proj") == 32
     assert by_name["shaped"].layout.module_rank(1, "down_proj") == 16
