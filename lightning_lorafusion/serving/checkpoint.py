@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..specs import ConfigError, LoraLayout
+from ..specs import ALL_TARGET_MODULES, ConfigError, LoraLayout
 
 # state_dict keys of the adapter bank: bank.adapters.<adapter>.<layer>.<module>.lora_A|lora_B
 # (and lora_magnitude for a DoRA adapter)
@@ -87,7 +87,9 @@ def _adapter(name: str, spec: dict[str, Any], tensors: dict[tuple[int, str], dic
     if not tensors:
         raise ConfigError(f"{where}: the checkpoint's state_dict holds no weights for it")
     rank = spec.get("rank")
-    layout = LoraLayout(rank=rank, alpha=spec.get("alpha"), target_modules=tuple(spec.get("target_modules") or ()),
+    # a spec saved without target_modules: the projections its tensors cover
+    targets = spec.get("target_modules") or tuple(m for m in ALL_TARGET_MODULES if any(lm[1] == m for lm in tensors))
+    layout = LoraLayout(rank=rank, alpha=spec.get("alpha"), target_modules=tuple(targets),
                         use_rslora=spec.get("use_rslora", False), rank_pattern=spec.get("rank_pattern") or {},
                         alpha_pattern=spec.get("alpha_pattern") or {},
                         layers_to_transform=spec.get("layers_to_transform"),
