@@ -277,24 +277,29 @@ def test_model_cards():
     lora = oa.model_card("a", created=5, root="/s/a", parent="base", rank=4, alpha=8.0, target_modules=("q_proj",))
     assert "lora" not in base and lora["lora"] == {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]}
     assert oa.models_list([base, lora])["data"][1]["parent"] == "base"
+    assert "adapter_version" not in lora
+    assert oa.model_card("a", created=5, parent="base", rank=4, alpha=8.0, adapter_version=3)["adapter_version"] == 3
 
 
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(), model=st.text(min_size=1), index=st.integers(0, 40), created=st.integers(0, 2**40),
-       finish=st.sampled_from([None, "stop", "length", "abort"]), chat=st.booleans(), with_usage=st.booleans())
-def test_chunk_writer_is_byte_for_byte_the_dict_path(text, model, index, created, finish, chat, with_usage):
+       finish=st.sampled_from([None, "stop", "length", "abort"]), chat=st.booleans(), with_usage=st.booleans(),
+       version=st.one_of(st.none(), st.integers(1, 2**40)))
+def test_chunk_writer_is_byte_for_byte_the_dict_path(text, model, index, created, finish, chat, with_usage, version):
     """The streamed chunks' pre-encoded template equals ``sse(completion_chunk / chat_chunk)``:
-    any text (quotes, control characters, non-ASCII, empty), model name and finish reason."""
+    any text (quotes, control characters, non-ASCII, empty), model name, finish reason and
+    adapter version."""
     write = oa.ChunkWriter(request_id="cmpl-1\"x", model=model, created=created, chat=chat,
                            with_usage_field=with_usage)
     if chat:
         expected = oa.sse(oa.chat_chunk(request_id="cmpl-1\"x", model=model, created=created, index=index,
                                         delta={"content": text} if text else {}, finish_reason=finish,
-                                        with_usage_field=with_usage))
-        got = write(index, text or None, finish)
+                                        with_usage_field=with_usage, adapter_version=version))
+        got = write(index, text or None, finish, version)
     else:
         expected = oa.sse(oa.completion_chunk(request_id="cmpl-1\"x", model=model, created=created, index=index,
-                                              text=text, finish_reason=finish, with_usage_field=with_usage))
-        got = write(index, text, finish)
+                                              text=text, finish_reason=finish, with_usage_field=with_usage,
+                                              adapter_version=version))
+        got = write(index, text, finish, version)
     assert got == expected
-    assert got == write(index, text or None if chat else text, finish)  # the cached per-index head
+    assert got == write(index, text or None if chat else text, finish, version)  # the cached per-index head
