@@ -298,11 +298,7 @@ class AdapterSpec:
         self._check_lora_options(where)
 
     def _check_lora_options(self, where: str) -> None:
-        layout = LoraLayout(rank=self.rank, alpha=self.alpha, target_modules=self.target_modules,
-                            use_rslora=self.use_rslora, rank_pattern=self.rank_pattern or {},
-                            alpha_pattern=self.alpha_pattern or {}, layers_to_transform=self.layers_to_transform,
-                            layers_pattern=self.layers_pattern, owner=where)
-        object.__setattr__(self, "_layout", layout)  # not a field: built once, kept out of asdict
+        self.layout  # noqa: B018 - builds and so validates the layout options
         if self.loraplus_lr_ratio is not None:
             _check_number(where, "loraplus_lr_ratio", self.loraplus_lr_ratio, low=0.0, low_open=True, high=MAX_LR)
             if self.lr * self.loraplus_lr_ratio > MAX_LR:
@@ -365,8 +361,12 @@ class AdapterSpec:
 
     @property
     def layout(self) -> LoraLayout:
-        """Where the adapter sits and with what ranks and scales (rank/alpha patterns, layers)."""
-        return self._layout  # type: ignore[attr-defined]
+        """Where the adapter sits and with what ranks and scales (rank/alpha patterns, layers);
+        built from the fields on each use (nothing beyond the fields is stored on a spec)."""
+        return LoraLayout(rank=self.rank, alpha=self.alpha, target_modules=self.target_modules,
+                          use_rslora=self.use_rslora, rank_pattern=self.rank_pattern or {},
+                          alpha_pattern=self.alpha_pattern or {}, layers_to_transform=self.layers_to_transform,
+                          layers_pattern=self.layers_pattern, owner=f"adapter {self.name!r}")
 
     @property
     def scale(self) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..kernels.dora import dora_row_norm, weight_row_sq_norm
 from ..kernels.reference import LoraModuleWeights, LoraRouting
-from ..specs import ADAPTABLE_MODULES, AdapterSpec, ConfigError
+from ..specs import ADAPTABLE_MODULES, AdapterSpec, ConfigError, LoraLayout
 from .decoder import BankView, DecoderConfig, frozen_weight
 
 
@@ -87,7 +87,8 @@ class AdapterBank(nn.Module):
         adapters = []
         self._b_ratios: dict[tuple[int, int, str], float] = {}  # (adapter, layer, module) -> scale ratio
         for a, spec in enumerate(self.specs):
-            adapted = set(spec.layout.adapted(config.num_layers))
+            layout = spec.layout
+            adapted = set(layout.adapted(config.num_layers))
             for module in spec.target_modules:
                 if module not in config.family.projections:
                     raise ConfigError(
@@ -99,7 +100,7 @@ class AdapterBank(nn.Module):
             layers = nn.ModuleList()
             for layer in range(config.num_layers):
                 layers.append(nn.ModuleDict({
-                    m: self._factors(a, spec, layer, m, dtype=dtype, device=device, draw=draw_a)
+                    m: self._factors(a, spec, layout, layer, m, dtype=dtype, device=device, draw=draw_a)
                     for m in ADAPTABLE_MODULES if (layer, m) in adapted
                 }))
             adapters.append(layers)
@@ -107,8 +108,8 @@ class AdapterBank(nn.Module):
         for p in self.parameters():
             p.requires_grad_(True)
 
-    def _factors(self, a: int, spec: AdapterSpec, layer: int, module: str, **kwargs) -> LoraFactors:
-        layout = spec.layout
+    def _factors(self, a: int, spec: AdapterSpec, layout: LoraLayout, layer: int, module: str,
+                 **kwargs) -> LoraFactors:
         rank = layout.module_rank(layer, module)
         d_in, d_out = self.config.module_dims(module)
         if rank > min(d_in, d_out):
