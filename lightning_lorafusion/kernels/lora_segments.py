@@ -14,7 +14,7 @@ training kernels' A_all / B_cat), and the base product is a plain GEMM before th
 output. Two launches per group: the shrink ``S[g] = x A^T`` for every projection of the group
 (tensor-core dots over K, fp32 S), then one expand per projection (``S Bt`` added into its
 output, which may be a column view of a fused GEMM's). Both loop over each tile's own rank in
-chunks of ``RANK_CHUNK``: no kernel is compiled per rank or rank mix, and a rank-8 tile does
+chunks (``rank_chunk``): no kernel is compiled per rank or rank mix, and a rank-8 tile does
 not pay for a rank-64 one beside it.
 The grids run over the tile table's length; a tile with ``start == end`` (padding) does nothing.
 Inference only (no autograd). The torch reference (``segment_lora_reference``) computes the
@@ -44,67 +44,67 @@ SHRINK_MAX_SPLITS = 4
 # mixes there on an H100 (1B and 8B), and added 13-70 % at 64 x 16, 64 x 32 and 32 x 64 (docs/kernels.md)
 EXPAND_WIDE_TILE = 64 * 64
 EXPAND_WIDE_TILE_WARPS = 2
-# ranks are looped over in chunks of this many (the kernels' only rank constexpr): the smallest
-# tl.dot width, so a tile of rank <= 16 does the work it did when the rank block was 16
-RANK_CHUNK = 16
+# ranks are looped over in chunks of this many (the kernels' only rank constexpr; the shrink
+# reads its x tile once per chunk): on CUDA 32, one pass for ranks <= 32, two at 64, four at
+# 128; in the interpreter 16, so small test ranks run the loop
+RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
 
 
 # Arguments that change from step to step (the tile count, the step's adapter count in the
 # table strides, its row count in S's stride) are not specialised: Triton would compile a variant
 # per "== 1" and "divisible by 16" of each, and such first-time compiles stalled whole steps for
 # seconds mid-run (docs/kernels.md, "kernels/lora_segments.py"). They only index tables. Nor is
-# anything about ranks: a rank is a runtime value looped over in chunks of RANK_CHUNK (the one
-# rank constexpr), and S's width (``SegmentLora.block_r``) a runtime stride, so one compiled
-# variant serves every mix of ranks (docs/serving.md, "Cold start").
+# anything about ranks: a rank is a runtime loop bound (chunks of ``rank_chunk``, the one rank
+# constexpr), and S's width (``SegmentLora.block_r``) a runtime stride, so one compiled variant
+# serves every mix of ranks (docs/serving.md, "Cold start").
 # The tables' pointers too: they are views at offsets that follow the step's adapter count and
 # the layer (16-byte alignment or not), read one scalar at a time, so specialising on their
 # alignment buys nothing and would compile a variant per parity of the adapter count.
 _SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
-                         "s_split_stride", "s_width", "rank_chunks")
+                         "s_split_stride", "s_width")
 _EXPAND_UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "s_split_stride", "s_width")
 
 
 @triton.jit(do_not_specialize=_SHRINK_UNSPECIALISED)
 def _segment_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, k_per_split, x_stride, n_tiles, a_g_stride,
-    r_g_stride, s_g_stride, s_split_stride, s_width, rank_chunks,
+    r_g_stride, s_g_stride, s_split_stride, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """S[split, g, rows of tile t, rank chunk c] = x[rows, split's K range] A_g[chunk c, range]^T
-    (fp32), A_g of the tile's adapter; the expand sums the splits. Program (t * rank_chunks + c,
-    g, split): chunks at or past the tile's rank return at once (a rank-16 tile costs one
-    program's work per split, a rank-64 tile four; the programs of one tile are adjacent, so
-    they read its x from L2). Splitting K gives a step of few tiles (decode rows, a short
-    prompt) enough programs: one program over all of K = 8,192 is a long chain of dependent
-    loads."""
-    pid = tl.program_id(0)
+    """S[split, g, rows of tile t, :rank] = x[rows, split's K range] A_g[:rank, range]^T (fp32),
+    A_g of the tile's adapter; the expand sums the splits. The tile's own rank is covered in
+    chunks of BLOCK_R, one pass over the split's K each (the grid does not depend on ranks:
+    a captured step serves any rank mix, and an empty or rank-0 tile returns at once).
+    Splitting K gives a step of few tiles (decode rows, a short prompt) enough programs: one
+    program over all of K = 8,192 is a long chain of dependent loads."""
+    t = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
-    t = pid // rank_chunks
-    r0 = (pid % rank_chunks) * BLOCK_R
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
     rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
-    if (end > start) & (rank > r0):
+    if (end > start) & (rank > 0):
         a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
-        offs_r = r0 + tl.arange(0, BLOCK_R)
         m_ok = offs_m < end
-        r_ok = offs_r < rank
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         k_lo = sp * k_per_split
-        for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-            acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-        s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
-                  + offs_r[None, :])
-        tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
+                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
+                      + offs_r[None, :])
+            tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)
@@ -261,6 +261,11 @@ def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[to
             y[start:end] = (y[start:end].float() + delta).to(y.dtype)
 
 
+def rank_chunk(device: torch.device) -> int:
+    """Ranks per pass of the kernels' rank loops on ``device``."""
+    return RANK_CHUNK_CUDA if device.type == "cuda" else RANK_CHUNK_INTERPRETER
+
+
 def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
@@ -271,8 +276,8 @@ def shrink_splits(k: int) -> int:
 
 
 def expand_warps(block_m: int, block_r: int) -> int | None:
-    """The expand's num_warps: 2 for S tiles of >= 64 x 64 (block_m x the rank chunk each dot
-    reads, ``RANK_CHUNK``), Triton's default (4) for smaller ones."""
+    """The expand's num_warps: 2 for S tiles of >= 64 x 64 (block_m x the ranks each dot reads,
+    ``rank_chunk``), Triton's default (4) for smaller ones."""
     return EXPAND_WIDE_TILE_WARPS if block_m * block_r >= EXPAND_WIDE_TILE else None
 
 
@@ -291,7 +296,7 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
     the expand's ``num_warps`` (None: Triton's default, 4, for the shrink; ``expand_warps(block_m,
-    RANK_CHUNK)`` for the expand)."""
+    rank_chunk(device))`` for the expand)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -318,7 +323,7 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     x = x if x.stride(1) == 1 else x.contiguous()
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, block_r = lora.block_m, lora.block_r
-    chunks = block_r // RANK_CHUNK
+    chunk = rank_chunk(x.device)
     block_k = _shrink_block_k(x.device)
     split = shrink_splits(k) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -326,20 +331,20 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
-    launches = [(_segment_shrink_kernel, (n_tiles * chunks, g, split), (
+    launches = [(_segment_shrink_kernel, (n_tiles, g, split), (
         x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
-        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r, chunks),
-        dict(BLOCK_M=block_m, BLOCK_R=RANK_CHUNK, BLOCK_K=block_k, DOT_PRECISION=precision,
+        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r),
+        dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
              **({} if warps[0] is None else {"num_warps": warps[0]})))]
     block_n = 128 if x.is_cuda else 32
-    expand_w = expand_warps(block_m, RANK_CHUNK) if warps[1] is None else warps[1]
+    expand_w = expand_warps(block_m, chunk) if warps[1] is None else warps[1]
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
         launches.append((_segment_expand_kernel, (n_tiles, triton.cdiv(n, block_n * per)), (
             s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
             n_tiles, s.stride(0), block_r),
-            dict(BLOCK_M=block_m, BLOCK_R=RANK_CHUNK, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
+            dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
                  DOT_PRECISION=precision, **({} if expand_w is None else {"num_warps": expand_w}))))
     return launches
 
