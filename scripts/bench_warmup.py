@@ -28,7 +28,7 @@ Phases, in one process unless said:
 Table on stdout, ``bench_warmup.json`` under ``--out``.
 
     PYTHONPATH=. python3 scripts/bench_warmup.py --shape 8b --adapters 160 --ranks 8,16,32,64,4,24,96,128 --requests 256 --rate 24 --out $OUT
-    PYTHONPATH=. python3 scripts/bench_warmup.py --shape tiny --device cpu --dtype float32 --adapters 8 --ranks 4,8,24 --requests 24 --rate 40 --prompt-median 12 --output-median 4 --max-len 48 --max-batched-tokens 64 --max-num-seqs 16 --out /tmp/bw
+    PYTHONPATH=. python3 scripts/bench_warmup.py --shape tiny --device cpu --dtype float32 --adapters 8 --ranks 4,8,24 --requests 24 --rate 40 --prompt-median 12 --output-median 4 --max-len 48 --max-batched-tokens 64 --max-num-seqs 16 --mixed-graphs eager --out /tmp/bw
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
     ap.add_argument("--memory-fraction", type=float, default=0.6)
+    ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
+                    help="EngineTuning.mixed_graphs (eager: the pieces without capture, e.g. on the CPU)")
     ap.add_argument("--trace-max-s", type=float, default=90.0, help="the trace is cut after this long")
     ap.add_argument("--cache-dir", default=None, help="compile caches (default: OUT/compile_cache or a temp dir)")
     ap.add_argument("--keep-cache", action="store_true", help="do not empty the cache directory first")
@@ -91,6 +93,7 @@ def build_engine(args, device: torch.device, dtype: torch.dtype):
 
     from lightning_lorafusion.model.hf_loading import params_from_hf_model
     from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
 
     t0 = time.perf_counter()
     model, tokenizer = build_model(SHAPES[args.shape], device, dtype, args.seed)
@@ -98,8 +101,9 @@ def build_engine(args, device: torch.device, dtype: torch.dtype):
     model_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
-    engine = Engine(config, params, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
-                                                            gpu_memory_fraction=args.memory_fraction, **extra),
+    engine = Engine(config, params, tokenizer,
+                    EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
+                                 tuning=EngineTuning(mixed_graphs=args.mixed_graphs), **extra),
                     device=device, dtype=dtype)
     engine_s = time.perf_counter() - t1
     ranks = sorted(set(args.ranks) | {new_rank(args)})
