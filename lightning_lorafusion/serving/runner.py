@@ -18,7 +18,7 @@ over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``l
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F

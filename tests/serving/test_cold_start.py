@@ -77,9 +77,10 @@ def test_capture_keys_do_not_depend_on_the_rank_mix(make_engine):
 
 
 def test_prefill_lora_kernel_variants_do_not_depend_on_the_rank_mix(make_engine, monkeypatch):
-    """Every prefill LoRA launch of a run (padded mixed pieces, Triton kernels in the interpreter)
-    records its compile keys: a run with ranks 4-128 and one with a single rank need the same
-    set, so a GPU compiles the same kernels for both."""
+    """Every prefill LoRA call of a run through padded mixed pieces records the compile keys of
+    the Triton launches it makes (``segment_kernel_variants``: the launcher's own plan, computed
+    without running it, so the torch references run the math here): a run with ranks 4-128 and
+    one with a single rank need the same set, so a GPU compiles the same kernels for both."""
     seen: list[frozenset] = []
     add = paged_forward_module.segment_lora_add
 
@@ -91,8 +92,7 @@ def test_prefill_lora_kernel_variants_do_not_depend_on_the_rank_mix(make_engine,
     variants = []
     for ranks in ([8], [4, 8, 24, 64, 128]):
         seen.clear()
-        engine = make_ranked_engine(make_engine, ranks, backend="triton", prefill_attention="paged",
-                                    mixed_graphs="eager")
+        engine = make_ranked_engine(make_engine, ranks, mixed_graphs="eager")
         traffic(engine, [f"r{r}" for r in ranks])
         assert seen
         variants.append(frozenset().union(*seen))
@@ -100,17 +100,17 @@ def test_prefill_lora_kernel_variants_do_not_depend_on_the_rank_mix(make_engine,
 
 
 def test_every_rank_through_the_triton_kernels_equals_the_torch_references(make_engine):
-    """Ranks 4, 8, 24, 64 and 128 (one to eight chunks of the kernels' rank loops; 128 the widest)
-    in one batch: the Triton kernels (interpreter, fp32; prefill by row tiles in the pieces' 128
-    wide S, decode gathered) give each request the torch references' tokens and logprobs (the
-    unpadded eager forward, S as wide as the step's largest rank)."""
+    """Ranks 4, 8, 24, 64 and 128 (one to eight chunks of the rank loops; 128 the widest) in one
+    batch: the prefill LoRA's Triton kernels (interpreter, fp32; row tiles into the pieces' 128
+    wide S) give each request the torch references' tokens and logprobs. (The decode gather
+    kernels, unchanged, keep their own rank tests in tests/kernels; the torch one runs here.)"""
     ranks = [4, 8, 24, 64, 128]
     names = [f"r{r}" for r in ranks]
     got = {}
     for backend in ("torch", "triton"):
-        engine = make_ranked_engine(make_engine, ranks, backend=backend,
+        engine = make_ranked_engine(make_engine, ranks, backend=backend, decode_backend="torch",
                                     **({"mixed_graphs": "eager"} if backend == "triton" else {}))
-        got[backend] = traffic(engine, names, new_tokens=3, logprobs=1)
+        got[backend] = traffic(engine, names, new_tokens=2, logprobs=1)
     for (rid, tokens, lps), (rid2, tokens2, lps2) in zip(got["torch"], got["triton"]):
         assert (rid, tokens) == (rid2, tokens2)
         assert lps == pytest.approx(lps2, abs=1e-4)
@@ -137,3 +137,24 @@ def test_engine_sets_the_compile_cache_before_its_first_compile(make_engine, tmp
         monkeypatch.delenv(var)
     make_engine(with_adapters=False, num_pages=32, page_size=4)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+
+
+def test_warm_up_report_reaches_serve_log_and_metrics(make_engine):
+    """What warm-up compiled and captured, by kind, in the line ``serve`` logs and on /metrics."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lightning_lorafusion.serving.serve_cli import warm_up_summary
+    from lightning_lorafusion.serving.server import create_app
+
+    engine = make_ranked_engine(make_engine, [4, 24], mixed_graphs="eager")
+    report = engine.warm_up(prompt_len=4, max_new_tokens=1)
+    buckets = len(engine.runner.token_buckets)
+    line = warm_up_summary(report)
+    assert line.startswith(f"warm-up: {report['seconds']:.2f} s") and f"{buckets} mixed-step token buckets" in line
+    assert "Triton kernels: 0 variants" in line  # the interpreter compiles nothing
+    with TestClient(create_app(engine)) as client:
+        samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
+                   for s in f.samples}
+    assert samples["lorafusion_warm_up_seconds"] == pytest.approx(report["seconds"])
+    assert samples["lorafusion_mixed_piece_keys"] == buckets and samples["lorafusion_decode_graph_keys"] == 0
