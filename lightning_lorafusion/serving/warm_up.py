@@ -49,13 +49,15 @@ def compiled_kernel_variants() -> dict[str, int]:
     from .. import kernels
 
     counts: dict[str, int] = {}
+    seen: set[int] = set()  # a kernel imported into another module is counted once
     prefix = kernels.__name__ + "."
-    for name, module in list(sys.modules.items()):
+    for name, module in sorted(sys.modules.items()):
         if not name.startswith(prefix) or module is None:
             continue
         for attr, obj in vars(module).items():
             caches = getattr(obj, "device_caches", None)
-            if isinstance(caches, dict):
+            if isinstance(caches, dict) and id(obj) not in seen:
+                seen.add(id(obj))
                 n = sum(len(entry[0]) for entry in caches.values())
                 if n:
                     counts[f"{name[len(prefix):]}.{attr}"] = n

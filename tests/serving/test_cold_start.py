@@ -10,6 +10,7 @@ references'. The on-disk compile caches go under the project's cache directory.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -158,3 +159,28 @@ def test_warm_up_report_reaches_serve_log_and_metrics(make_engine):
                    for s in f.samples}
     assert samples["lorafusion_warm_up_seconds"] == pytest.approx(report["seconds"])
     assert samples["lorafusion_mixed_piece_keys"] == buckets and samples["lorafusion_decode_graph_keys"] == 0
+
+
+def test_compiled_kernel_variants_count_each_kernel_once(monkeypatch):
+    """The registry of compiled Triton variants reads each kernel's per-device caches (as
+    Triton's JIT keeps them: a tuple whose first item maps a specialisation to its binary); a
+    kernel imported into a second module counts once, kernels outside the package not at all."""
+    import types
+
+    class FakeKernel:
+        def __init__(self, variants):
+            self.device_caches = {0: ({f"v{i}": object() for i in range(variants)}, {}, None, None, None)}
+
+    shared, other = FakeKernel(2), FakeKernel(3)
+    first = types.ModuleType("lightning_lorafusion.kernels._fake_a")
+    first.shared, first.other, first.unused = shared, other, FakeKernel(0)
+    second = types.ModuleType("lightning_lorafusion.kernels._fake_b")
+    second.shared = shared
+    outside = types.ModuleType("elsewhere_fake")
+    outside.kernel = FakeKernel(5)
+    for module in (first, second, outside):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    counts = compiled_kernel_variants()
+    assert counts.get("_fake_a.shared") == 2 and counts.get("_fake_a.other") == 3
+    assert "_fake_b.shared" not in counts and "_fake_a.unused" not in counts
+    assert not any("elsewhere" in k for k in counts)
