@@ -174,8 +174,8 @@ def warm_up_summary(done: dict) -> str:
     and captured (also on ``/metrics``: ``lorafusion_warm_up_seconds``, ``lorafusion_cuda_graphs``...)."""
     from .warm_up import format_capture_counts
 
-    return (f"warm-up: {done['seconds']:.2f} s ({done['requests']} requests, base and adapter ranks "
-            f"{done['ranks']}; decode graphs captured at start in {done['decode_graphs_s']:.2f} s); "
+    return (f"warm-up: {done['requests']} requests (base and adapter ranks {done['ranks']}) in "
+            f"{done['seconds']:.2f} s (decode graphs captured at start in {done['decode_graphs_s']:.2f} s); "
             f"captured: {format_capture_counts(done['captures'])}; Triton kernels: {done['triton_kernels']} "
             f"variants, {done['triton_compiled']} compiled fresh, the rest from {done['triton_cache_dir']}")
 

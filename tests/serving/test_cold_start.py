@@ -152,7 +152,8 @@ def test_warm_up_report_reaches_serve_log_and_metrics(make_engine):
     report = engine.warm_up(prompt_len=4, max_new_tokens=1)
     buckets = len(engine.runner.token_buckets)
     line = warm_up_summary(report)
-    assert line.startswith(f"warm-up: {report['seconds']:.2f} s") and f"{buckets} mixed-step token buckets" in line
+    assert line.startswith(f"warm-up: {report['requests']} requests (base and adapter ranks [4, 24]) in "
+                           f"{report['seconds']:.2f} s") and f"{buckets} mixed-step token buckets" in line
     assert "Triton kernels: 0 variants" in line  # the interpreter compiles nothing
     with TestClient(create_app(engine)) as client:
         samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
