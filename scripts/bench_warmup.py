@@ -34,6 +34,7 @@ Table on stdout, ``bench_warmup.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -224,9 +225,9 @@ def run_restart(args, device, dtype) -> dict:
         engine.close()
 
 
-def restart_in_new_process(args) -> dict:
+def restart_in_new_process(args, argv: list[str]) -> dict:
     """This script again with ``--phase restart`` (same arguments, same cache directory)."""
-    argv = [a for a in sys.argv[1:]] + ["--phase", "restart", "--keep-cache", "--cache-dir", args.cache_dir]
+    argv = [*argv, "--phase", "restart", "--keep-cache", "--cache-dir", args.cache_dir]
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -248,6 +249,7 @@ def set_cache_dir(args) -> None:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     set_cache_dir(args)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
@@ -276,11 +278,12 @@ def main(argv=None) -> dict:
     finally:
         engine.close()
         del engine
+        gc.collect()
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the restart's process needs the memory
     if not args.no_restart:
         log("restart in a second process")
-        report["restart"] = restart_in_new_process(args)
+        report["restart"] = restart_in_new_process(args, argv)
     print(table(report))
     write_json(args.out, "bench_warmup.json", report)
     return report
