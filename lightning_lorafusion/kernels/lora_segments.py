@@ -40,10 +40,10 @@ EXPAND_BLOCKS_PER_PROGRAM = 4
 # tied at every mix at the 1B and 8B shapes on an H100, 7-43 % less time than 1 split (docs/kernels.md)
 SHRINK_K_PER_SPLIT = 512
 SHRINK_MAX_SPLITS = 4
-# the expand's num_warps for S tiles of block_m x block_r >= 64 x 64: 2 warps took 22-32 % off the
+# the expand's num_warps for S tiles (block_m x ranks per dot) >= 64 x 64: 2 warps took 22-32 % off the
 # mixes there on an H100 (1B and 8B), and added 13-70 % at 64 x 16, 64 x 32 and 32 x 64 (docs/kernels.md)
 EXPAND_WIDE_TILE = 64 * 64
-EXPAND_WIDE_TILE_WARPS = 2
+EXPAND_WIDE_TILE_WARPS = 2  # (measured with whole-rank-block dots; a dot now reads one rank chunk, 64 x 32)
 # ranks are looped over in chunks of this many (the kernels' only rank constexpr; the shrink
 # reads its x tile once per chunk): on CUDA 32, one pass for ranks <= 32, two at 64, four at
 # 128; in the interpreter 16, so small test ranks run the loop
