@@ -306,9 +306,11 @@ def table(report: dict) -> str:
                                                                f"{_f(t['max_token_gap_ms_after_load'])}"),
             ("TTFT p99 s others before / after load", f"{_f(t['ttft_others_before_99_s'])} / "
                                                        f"{_f(t['ttft_others_after_99_s'])}"),
-            ("TTFT p50 / p99 s new-rank adapter", f"{_f(t['ttft_new_adapter_50_s'])} / {_f(t['ttft_new_adapter_99_s'])}"),
+            ("TTFT p50 / p99 s new-rank adapter",
+             f"{_f(t['ttft_new_adapter_50_s'])} / {_f(t['ttft_new_adapter_99_s'])}"),
             ("new adapter rank, load s", f"{t['new_adapter_rank']}, {_f(t['new_adapter_load_s'])}"),
-            ("captures before / after trace", f"{json.dumps(t['captures_before'])} / {json.dumps(t['captures_after'])}"),
+            ("captures before / after trace",
+             f"{json.dumps(t['captures_before'])} / {json.dumps(t['captures_after'])}"),
             ("restart: engine s, warm_up() s", f"{_f(r.get('engine_s'))}, {_f(r.get('warm_up_s'))}"
              if "error" not in r else f"error: {r['error'][-300:]}"),
             ("restart: Triton variants / compiled fresh", f"{rw.get('triton_kernels', '-')} / "

@@ -116,7 +116,8 @@ class EngineWarmUp:
         report = {"requests": sum(map(len, rounds)), "rounds": len(rounds), "ranks": sorted(by_rank),
                   "seconds": seconds, "rounds_s": rounds_s, "prefix_pages_freed": freed,
                   "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s,
-                  "captures": self.runner.capture_counts(), "decode_graphs_s": self.runner.decode_graphs_s, "triton_kernels": sum(kernels.values()),
+                  "captures": self.runner.capture_counts(), "decode_graphs_s": self.runner.decode_graphs_s,
+                  "triton_kernels": sum(kernels.values()),
                   "triton_compiled": _cache_entries(cache_dir) - entries_before, "triton_cache_dir": cache_dir}
         self.warm_up_report = report
         log.info("warm-up in %.1f s (requests %.1f s, mixed-step pieces of %d token buckets %s in %.1f s): %s; "
