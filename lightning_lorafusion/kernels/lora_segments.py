@@ -12,8 +12,10 @@ tables). For projection g of a group sharing the input x:
 The weights stay where the pool keeps them (no per-step concatenation of factors, unlike the
 training kernels' A_all / B_cat), and the base product is a plain GEMM before this adds into its
 output. Two launches per group: the shrink ``S[g] = x A^T`` for every projection of the group
-(tensor-core dots over K, ranks padded in registers to ``block_r``, fp32 S), then one expand per
-projection (``S Bt`` added into its output, which may be a column view of a fused GEMM's).
+(tensor-core dots over K, fp32 S), then one expand per projection (``S Bt`` added into its
+output, which may be a column view of a fused GEMM's). Both loop over each tile's own rank in
+chunks (``rank_chunk``): no kernel is compiled per rank or rank mix, and a rank-8 tile does
+not pay for a rank-64 one beside it.
 The grids run over the tile table's length; a tile with ``start == end`` (padding) does nothing.
 Inference only (no autograd). The torch reference (``segment_lora_reference``) computes the
 same sums per segment from the host copy of the segments.
@@ -38,92 +40,115 @@ EXPAND_BLOCKS_PER_PROGRAM = 4
 # tied at every mix at the 1B and 8B shapes on an H100, 7-43 % less time than 1 split (docs/kernels.md)
 SHRINK_K_PER_SPLIT = 512
 SHRINK_MAX_SPLITS = 4
-# the expand's num_warps for S tiles of block_m x block_r >= 64 x 64: 2 warps took 22-32 % off the
+# the expand's num_warps for S tiles (block_m x ranks per dot) >= 64 x 64: 2 warps took 22-32 % off the
 # mixes there on an H100 (1B and 8B), and added 13-70 % at 64 x 16, 64 x 32 and 32 x 64 (docs/kernels.md)
 EXPAND_WIDE_TILE = 64 * 64
-EXPAND_WIDE_TILE_WARPS = 2
+EXPAND_WIDE_TILE_WARPS = 2  # (measured with whole-rank-block dots; a dot now reads one rank chunk, 64 x 32)
+# ranks are looped over in chunks of this many (the kernels' only rank constexpr; the shrink
+# reads its x tile once per chunk): on CUDA 32, one pass for ranks <= 32, two at 64, four at
+# 128; in the interpreter 16, so small test ranks run the loop
+RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
 
 
 # Arguments that change from step to step (the tile count, the step's adapter count in the
 # table strides, its row count in S's stride) are not specialised: Triton would compile a variant
 # per "== 1" and "divisible by 16" of each, and such first-time compiles stalled whole steps for
-# seconds mid-run (docs/kernels.md, "kernels/lora_segments.py"). They only index tables.
-@triton.jit(do_not_specialize=["n_tiles", "a_g_stride", "r_g_stride", "s_g_stride", "s_split_stride"])
+# seconds mid-run (docs/kernels.md, "kernels/lora_segments.py"). They only index tables. Nor is
+# anything about ranks: a rank is a runtime loop bound (chunks of ``rank_chunk``, the one rank
+# constexpr), and S's width (``SegmentLora.block_r``) a runtime stride, so one compiled variant
+# serves every mix of ranks (docs/serving.md, "Cold start").
+# The tables' pointers too: they are views at offsets that follow the step's adapter count and
+# the layer (16-byte alignment or not), read one scalar at a time, so specialising on their
+# alignment buys nothing and would compile a variant per parity of the adapter count.
+_SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
+                         "s_split_stride", "s_width")
+_EXPAND_UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "s_split_stride", "s_width")
+
+
+@triton.jit(do_not_specialize=_SHRINK_UNSPECIALISED)
 def _segment_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, K, k_per_split, x_stride, n_tiles, a_g_stride,
-    r_g_stride, s_g_stride, s_split_stride,
+    r_g_stride, s_g_stride, s_split_stride, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """S[split, g, rows of tile t, :rank] = x[rows, split's K range] A_g[:, range]^T (fp32), A_g
-    of the tile's adapter; the expand sums the splits. Splitting K gives a step of few tiles
-    (decode rows, a short prompt) enough programs: one program over all of K = 8,192 is a
-    long chain of dependent loads."""
+    """S[split, g, rows of tile t, :rank] = x[rows, split's K range] A_g[:rank, range]^T (fp32),
+    A_g of the tile's adapter; the expand sums the splits. The tile's own rank is covered in
+    chunks of BLOCK_R, one pass over the split's K each (the grid does not depend on ranks:
+    a captured step serves any rank mix, and an empty or rank-0 tile returns at once).
+    Splitting K gives a step of few tiles (decode rows, a short prompt) enough programs: one
+    program over all of K = 8,192 is a long chain of dependent loads."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.load(rank_ptr + g * r_g_stride + ad)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
     if (end > start) & (rank > 0):
         a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < end
-        r_ok = offs_r < rank
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         k_lo = sp * k_per_split
-        for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-            acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-        s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * BLOCK_R
-                  + offs_r[None, :])
-        tl.store(s_ptrs, acc, mask=m_ok[:, None])
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
+                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
+                      + offs_r[None, :])
+            tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["n_tiles", "s_split_stride"])
+@triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)
 def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
+    s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[rows of tile t, N_BLOCKS column blocks] += scale * S[rows, :rank] Bt[:rank, cols]:
-    fp32 sum of the output and the delta, one rounding. A program covers N_BLOCKS blocks of
-    BLOCK_N columns with the tile's S loaded once: a tile of one decode row costs a program's
-    fixed work (tables, S) once per N_BLOCKS blocks, not once per block."""
+    fp32 sum of the output and the delta, one rounding. The rank is looped over in chunks of
+    BLOCK_R (a runtime bound: the tile's own rank, not the step's largest). A program covers
+    N_BLOCKS blocks of BLOCK_N columns: a tile of one decode row costs a program's fixed work
+    (tables) once per N_BLOCKS blocks, not once per block."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.load(rank_ptr + ad)
+    rank = tl.minimum(tl.load(rank_ptr + ad), s_width)
     if (end > start) & (rank > 0):
         b_off = tl.load(b_off_ptr + ad)
         scale = tl.load(scale_ptr + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < end
-        r_ok = offs_r < rank
-        s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * BLOCK_R + offs_r[None, :]
-        s_ok = m_ok[:, None] & r_ok[None, :]
-        s = tl.load(s_ptrs, mask=s_ok, other=0.0)
-        for sp in range(1, SPLIT):  # the shrink's K splits, summed in a fixed order
-            s += tl.load(s_ptrs + sp * s_split_stride, mask=s_ok, other=0.0)
         for j in range(N_BLOCKS):
             offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
-            bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            delta = tl.dot(s, bt, input_precision=DOT_PRECISION) * scale
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < rank
+                s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * s_width + offs_r[None, :]
+                s_ok = m_ok[:, None] & r_ok[None, :]
+                s = tl.load(s_ptrs, mask=s_ok, other=0.0)
+                for sp in range(1, SPLIT):  # the shrink's K splits, summed in a fixed order
+                    s += tl.load(s_ptrs + sp * s_split_stride, mask=s_ok, other=0.0)
+                bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.dot(s, bt, input_precision=DOT_PRECISION)
             out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
             ok = m_ok[:, None] & n_ok[None, :]
             y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, (y + delta).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +165,8 @@ def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int) -> lis
 
 
 def block_r_for(max_rank: int) -> int:
-    """The rank block (a compile-time constant): a power of two >= 16 holding ``max_rank``."""
+    """The width of S (a runtime stride, nothing compiled per value): a power of two >= 16
+    holding ``max_rank``."""
     if not 0 <= max_rank <= MAX_RANK:
         raise ValueError(f"ranks must be in [0, {MAX_RANK}]; got {max_rank}")
     return max(16, triton.next_power_of_2(max(max_rank, 1)))
@@ -155,7 +181,8 @@ class SegmentLora:
     along adapters), ``ranks [G, A]`` int32 (0 = the adapter has no LoRA on that projection),
     ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
     tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
-    ``block_r`` >= every rank (``block_r_for``).
+    ``block_r`` >= every rank (``block_r_for``): the width of the shrink's fp32 scratch S, a
+    runtime value (tables of any rank mix up to it run the same compiled kernels).
     """
 
     pool: torch.Tensor
@@ -234,6 +261,11 @@ def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[to
             y[start:end] = (y[start:end].float() + delta).to(y.dtype)
 
 
+def rank_chunk(device: torch.device) -> int:
+    """Ranks per pass of the kernels' rank loops on ``device``."""
+    return RANK_CHUNK_CUDA if device.type == "cuda" else RANK_CHUNK_INTERPRETER
+
+
 def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
@@ -244,8 +276,8 @@ def shrink_splits(k: int) -> int:
 
 
 def expand_warps(block_m: int, block_r: int) -> int | None:
-    """The expand's num_warps: 2 for S tiles of >= 64 x 64 (block_m x block_r), Triton's default (4)
-    for smaller ones."""
+    """The expand's num_warps: 2 for S tiles of >= 64 x 64 (block_m x the ranks each dot reads,
+    ``rank_chunk``), Triton's default (4) for smaller ones."""
     return EXPAND_WIDE_TILE_WARPS if block_m * block_r >= EXPAND_WIDE_TILE else None
 
 
@@ -264,7 +296,7 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
     the expand's ``num_warps`` (None: Triton's default, 4, for the shrink; ``expand_warps(block_m,
-    block_r)`` for the expand)."""
+    rank_chunk(device))`` for the expand)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -277,12 +309,21 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
+    for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps):
+        kernel[grid](*args, **meta)
+
+
+def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
+                      split_k: int | None, warps: tuple[int | None, int | None]) -> list[tuple]:
+    """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
+    the shrink's then one expand per projection (none for an empty tile table). Allocates S."""
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
-        return
+        return []
     x = x if x.stride(1) == 1 else x.contiguous()
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, block_r = lora.block_m, lora.block_r
+    chunk = rank_chunk(x.device)
     block_k = _shrink_block_k(x.device)
     split = shrink_splits(k) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -290,17 +331,47 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
-    _segment_shrink_kernel[(n_tiles, g, split)](
+    launches = [(_segment_shrink_kernel, (n_tiles, g, split), (
         x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
-        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=precision,
-        **({} if warps[0] is None else {"num_warps": warps[0]}))
+        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r),
+        dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
+             **({} if warps[0] is None else {"num_warps": warps[0]})))]
     block_n = 128 if x.is_cuda else 32
-    expand_w = expand_warps(block_m, block_r) if warps[1] is None else warps[1]
+    expand_w = expand_warps(block_m, chunk) if warps[1] is None else warps[1]
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
-        _segment_expand_kernel[(n_tiles, triton.cdiv(n, block_n * per))](
+        launches.append((_segment_expand_kernel, (n_tiles, triton.cdiv(n, block_n * per)), (
             s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
-            n_tiles, s.stride(0), BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
-            DOT_PRECISION=precision, **({} if expand_w is None else {"num_warps": expand_w}))
+            n_tiles, s.stride(0), block_r),
+            dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
+                 DOT_PRECISION=precision, **({} if expand_w is None else {"num_warps": expand_w}))))
+    return launches
+
+
+def _specialisation(value) -> object:
+    """What Triton's JIT specialises a runtime argument on: a tensor's dtype and 16-byte
+    alignment, an int's "== 1" and "divisible by 16"."""
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), value.data_ptr() % 16 == 0)
+    if isinstance(value, int):
+        return (value == 1, value % 16 == 0)
+    return type(value).__name__
+
+
+def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
+                            n_blocks: int | None = None, split_k: int | None = None,
+                            warps: tuple[int | None, int | None] = (None, None)) -> frozenset[tuple]:
+    """The compiled variants ``segment_lora_add(x, lora, outs, ...)`` (Triton path) needs: per
+    launch, the kernel's name, its constexprs and options, and what the JIT specialises its
+    other arguments on (``do_not_specialize`` ones left out). Two calls with equal sets run the
+    same compiled kernels: the count of distinct keys over a workload is the count of compiles."""
+    keys = set()
+    for kernel, _grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k,
+                                                       warps=warps):
+        names = kernel.arg_names
+        skip = _SHRINK_UNSPECIALISED if kernel is _segment_shrink_kernel else _EXPAND_UNSPECIALISED
+        spec = tuple(_specialisation(v) for name, v in zip(names, args) if name not in skip)
+        keys.add((kernel.fn.__name__,
+                  tuple(sorted(meta.items())), spec))
+    return frozenset(keys)

@@ -235,5 +235,11 @@ class DecodeGraphs:
         self.pool = pool
         return time.perf_counter() - t0
 
+    @property
+    def keys(self) -> list[tuple[int, bool]]:
+        """The captured ``(bucket, lora)`` keys: the ranks of the rows are values in the decode
+        tables the graphs read, so no key depends on them."""
+        return list(self._graphs)
+
     def replay(self, rows: int, lora: bool) -> None:
         self._graphs[(rows, lora)].replay()

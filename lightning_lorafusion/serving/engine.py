@@ -35,7 +35,7 @@ from .request import GenerationRequest, GenerationResult, RequestState, TokenEve
 from .runner import ModelRunner
 from .sampling import LogitAdjustments, SamplingParams, SamplingRows
 from .scheduler import Scheduler
-from .warm_up import EngineWarmUp
+from .warm_up import EngineWarmUp, use_compile_caches
 
 
 def check_servable_family(model_config: DecoderConfig) -> None:
@@ -66,6 +66,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                  config: EngineConfig | None = None, *, eos_token_ids: Iterable[int] | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         check_servable_family(model_config)
+        use_compile_caches()  # before the first kernel compiles (the decode graphs' capture below)
         self.config = config = config or EngineConfig()
         self.model_config = model_config
         base_device, base_dtype = embedding_device_dtype(params)  # plain or FP8 table
@@ -104,6 +105,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         mixed = self._mixed_pieces_mode()
         if mixed is not None:
             self.runner.use_mixed_pieces(mixed)
+        self.warm_up_report: dict[str, Any] | None = None  # the last warm_up's
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed or replaced, freed once no request uses them
         self._versions: dict[str, int] = {}  # name -> its latest version (kept after removal)
@@ -319,6 +321,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
             "prefix_tokens_reused_total": self.scheduler.prefix_tokens_reused,
             "prefix_pages_cached": pool.kv_pages_cached,
             "prefix_pages_evicted_total": pool.prefix_evictions,
+            **self.runner.capture_counts(),  # what is captured (built) now, by kind
+            "warm_up_seconds": self.warm_up_report["seconds"] if self.warm_up_report else 0.0,
         }
 
 

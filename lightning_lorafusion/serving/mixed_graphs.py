@@ -10,8 +10,11 @@ v into a static buffer: its grids depend on the step's requests. Each step copie
 and its prefill LoRA tables into the static buffers (tables padded to fixed lengths: empty tiles
 and rank-0 adapters do nothing; the decode rows' tables are the engine's persistent ones, rank 0
 past the step's decode rows), so a captured piece reads every value at a fixed address and no
-host value is baked in except the shapes: the token bucket and the rank block (``block_r``),
-the key of a set of pieces. docs/serving.md, "Mixed steps as graphs".
+host value is baked in except the shapes: the token bucket is the key of a set of pieces. The
+ranks are values in those tables (the LoRA kernels loop over each tile's and row's own rank,
+up to ``MAX_RANK``, the width of the pieces' scratch), so one set of pieces per bucket serves
+every mix of ranks, including ranks loaded after the capture. docs/serving.md, "Mixed steps as
+graphs" and "Cold start".
 """
 
 from __future__ import annotations
@@ -20,19 +23,22 @@ import dataclasses
 import torch
 
 from ..capture import gc_paused
+from ..kernels.lora_gather import MAX_RANK
 from ..specs import ALL_TARGET_MODULES
 from .paged_forward import after_attention, attention, before_attention, embed_rows, final_norm
 from .step_batch import PrefillLora, StepBatch
 
 
 class MixedPieces:
-    """Static buffers and the L + 1 pieces of padded mixed steps of ``rows`` rows whose LoRA
-    tables use rank block ``block_r``; ``capture``: record each piece as a CUDA graph (into
-    ``pool``, shared with the runner's other graphs), else run the pieces eagerly."""
+    """Static buffers and the L + 1 pieces of padded mixed steps of ``rows`` rows, adapters of
+    any ranks up to ``MAX_RANK``; ``capture``: record each piece as a CUDA graph (into ``pool``,
+    shared with the runner's other graphs), else run the pieces eagerly."""
 
-    def __init__(self, runner: "ModelRunner", rows: int, block_r: int, *, max_tiles: int, max_adapters: int,
+    def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
                  capture: bool, pool=None) -> None:
-        self.runner, self.rows, self.block_r = runner, rows, block_r
+        # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
+        # loop over each tile's own rank): tables of any rank mix fit the captured launches
+        self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
         cfg, dev = runner.config, runner.device
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -44,7 +50,7 @@ class MixedPieces:
             offsets=torch.zeros(cfg.num_layers, n_mod, 2, max_adapters, dtype=torch.int64, device=dev),
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
-            modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=block_r)
+            modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r)
         dtype = runner.pool.storage.dtype
         self.attn = torch.zeros(rows, cfg.q_size, dtype=dtype, device=dev)
         # what attention reads from piece l, at addresses fixed here: a tensor allocated inside a
@@ -73,6 +79,11 @@ class MixedPieces:
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture:
             self._capture(pool)
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs these pieces hold (0 when run eagerly)."""
+        return len(self.graphs) if self.graphs is not None else 0
 
     @staticmethod
     def max_tiles(rows: int, block_m: int, max_segments: int) -> int:
@@ -131,8 +142,8 @@ class MixedPieces:
         lora.scales.zero_()
         segments, modules = (), frozenset()
         if pre is not None:
-            if pre.block_r != self.block_r:
-                raise ValueError(f"a step of rank block {pre.block_r} for pieces of {self.block_r}")
+            if pre.block_r > self.block_r:
+                raise ValueError(f"a step of rank block {pre.block_r} for pieces of at most {self.block_r}")
             n, a = pre.tiles.shape[1], pre.scales.shape[0]
             lora.tiles[:, :n].copy_(pre.tiles, non_blocking=True)
             lora.offsets[..., :a].copy_(pre.offsets, non_blocking=True)

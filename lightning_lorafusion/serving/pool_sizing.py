@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.lora_gather import MAX_RANK
+from ..kernels.lora_segments import SHRINK_MAX_SPLITS
 from ..model.decoder import DecoderConfig
 from ..specs import ConfigError
 from .config import EngineConfig
@@ -12,8 +14,8 @@ from .engine_output import PROMPT_LOGPROB_CHUNK
 
 # Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
 CUDA_HEADROOM_BYTES = 512 * 2**20
-# rank blocks (16, 32, 64, 128) a padded mixed step's pieces may be captured for
-MIXED_RANK_BLOCKS = 4
+# projections sharing one prefill LoRA shrink at most (q/k/v): the rows of its fp32 scratch S
+MAX_GROUP = 3
 
 
 def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype: torch.dtype) -> int:
@@ -31,10 +33,12 @@ def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype
                + (cfg.max_num_seqs + PROMPT_LOGPROB_CHUNK) * mc.vocab_size * 4 * 3)
     if cfg.tuning.mixed_graphs in ("on", "auto"):
         # captured mixed steps keep a forward's temporaries in their graph pool (eager steps
-        # need their own beside it), and static buffers per (token bucket, rank block): at
-        # most 2 x max_num_batched_tokens rows over the buckets, for each of 4 rank blocks
+        # need their own beside it), among them the prefill LoRA's scratch S, MAX_RANK wide in
+        # fp32 per K split and projection (one set of pieces serves every rank), and static
+        # buffers per token bucket: at most 2 x max_num_batched_tokens rows over the buckets
         static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
-        reserve += cfg.max_num_batched_tokens * (per_token + 2 * MIXED_RANK_BLOCKS * static_row)
+        s_row = SHRINK_MAX_SPLITS * MAX_GROUP * MAX_RANK * 4
+        reserve += cfg.max_num_batched_tokens * (per_token + s_row + 2 * static_row)
     pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
     if pages < 1:
         raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "

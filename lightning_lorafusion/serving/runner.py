@@ -18,7 +18,7 @@ over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``l
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,6 @@ from .request import RequestState
 from .step_batch import PrefillLora, PrefixRows, StepBatch
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
-# the rank block of the mixed-step pieces of steps without LoRA rows (block_r_for's smallest)
-BASE_BLOCK_R = block_r_for(0)
 
 
 class ModelRunner:
@@ -83,8 +81,10 @@ class ModelRunner:
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
-        self._mixed: dict[tuple[int, int], MixedPieces] = {}
+        # token bucket -> its pieces (one set serves every rank mix: mixed_graphs.py)
+        self._mixed: dict[int, MixedPieces] = {}
         self.graphs: DecodeGraphs | None = None
+        self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
 
     def capture_decode_graphs(self) -> float:
@@ -98,7 +98,8 @@ class ModelRunner:
         self.pad_decode = True
         self.graphs = DecodeGraphs(self.buckets, self._graph_body)
         with torch.no_grad():
-            return self.graphs.capture()
+            self.decode_graphs_s = self.graphs.capture()
+        return self.decode_graphs_s
 
     def _graph_body(self, rows: int, lora: bool) -> None:
         hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
@@ -331,33 +332,46 @@ class ModelRunner:
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
         self._mixed.clear()
 
-    def _new_pieces(self, rows: int, block_r: int) -> MixedPieces:
-        return MixedPieces(self, rows, block_r, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
-                                                                              self.decode_inputs.max_rows),
+    def _new_pieces(self, rows: int) -> MixedPieces:
+        return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
+                                                                     self.decode_inputs.max_rows),
                            max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
                            pool=self.graphs.pool if self.graphs is not None else None)
 
-    def build_mixed_pieces(self, ranks: Iterable[int]) -> int:
-        """Build (capture, with graphs) the pieces of every token bucket for the rank blocks of
-        steps whose adapters have ``ranks`` (and of base-only steps), now rather than on the
-        first step of each key mid-run. -> how many keys were new. No-op with pieces off."""
+    def build_mixed_pieces(self) -> int:
+        """Build (capture, with graphs) the pieces of every token bucket now rather than on the
+        first step of each bucket mid-run -> how many buckets were new. The pieces serve any
+        mix of ranks (adapters loaded later included), so nothing is built per rank. No-op with
+        pieces off."""
         if self.mixed_pieces is None:
             return 0
-        blocks = {BASE_BLOCK_R} | {block_r_for(r) for r in ranks}
-        new = [(rows, br) for rows in self.token_buckets for br in sorted(blocks) if (rows, br) not in self._mixed]
-        for rows, br in new:
-            self._mixed[(rows, br)] = self._new_pieces(rows, br)
+        new = [rows for rows in self.token_buckets if rows not in self._mixed]
+        for rows in new:
+            self._mixed[rows] = self._new_pieces(rows)
         return len(new)
+
+    def capture_keys(self) -> dict[str, list]:
+        """What this runner has captured (or, with eager pieces, built), by kind: the decode
+        graphs' ``(batch bucket, with LoRA)`` keys and the mixed-step pieces' token buckets.
+        Neither depends on the adapters' ranks."""
+        return {"decode_graphs": sorted(self.graphs.keys) if self.graphs is not None else [],
+                "mixed_pieces": sorted(self._mixed)}
+
+    def capture_counts(self) -> dict[str, int]:
+        """Counts of ``capture_keys`` by kind, plus the CUDA graphs behind them (a decode key is
+        one graph; a token bucket's pieces are L + 1)."""
+        keys = self.capture_keys()
+        return {"decode_graph_keys": len(keys["decode_graphs"]), "mixed_piece_keys": len(keys["mixed_pieces"]),
+                "cuda_graphs": len(keys["decode_graphs"]) + sum(p.num_graphs for p in self._mixed.values())}
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         rows = batch.input_ids.shape[0]
         if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
                 and batch.dora is None):  # DoRA rows run eagerly (serving/dora_rows.py)
-            block_r = batch.prefill_lora.block_r if batch.prefill_lora is not None else BASE_BLOCK_R
-            pieces = self._mixed.get((rows, block_r))
+            pieces = self._mixed.get(rows)
             if pieces is None:
-                pieces = self._mixed[(rows, block_r)] = self._new_pieces(rows, block_r)
+                pieces = self._mixed[rows] = self._new_pieces(rows)
             return pieces.run(batch)
         return paged_forward(self.model, batch)
 

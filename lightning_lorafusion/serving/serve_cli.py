@@ -156,9 +156,7 @@ def run(argv: list[str] | None = None) -> int:
             if store is not None:
                 store.scan()  # the store's adapters too (the server would scan them at its start anyway)
             done = engine.warm_up()
-            logging.getLogger("lightning_lorafusion.serving").info(
-                "warm-up: %d requests (base and adapter ranks %s) in %.2f s", done["requests"], done["ranks"],
-                done["seconds"])
+            logging.getLogger("lightning_lorafusion.serving").info(warm_up_summary(done))
     except ConfigError as e:
         print(f"lightning-lorafusion serve: error: {e}", file=sys.stderr)
         return 2
@@ -169,6 +167,17 @@ def run(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     return 0
+
+
+def warm_up_summary(done: dict) -> str:
+    """``Engine.warm_up``'s report as the one line ``serve`` logs: its time and what it compiled
+    and captured (also on ``/metrics``: ``lorafusion_warm_up_seconds``, ``lorafusion_cuda_graphs``...)."""
+    from .warm_up import format_capture_counts
+
+    return (f"warm-up: {done['requests']} requests (base and adapter ranks {done['ranks']}) in "
+            f"{done['seconds']:.2f} s (decode graphs captured at start in {done['decode_graphs_s']:.2f} s); "
+            f"captured: {format_capture_counts(done['captures'])}; Triton kernels: {done['triton_kernels']} "
+            f"variants, {done['triton_compiled']} compiled fresh, the rest from {done['triton_cache_dir']}")
 
 
 if __name__ == "__main__":

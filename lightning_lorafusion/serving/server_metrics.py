@@ -51,7 +51,13 @@ class EngineCollector:
                ("adapters_resident", "lorafusion_adapters_resident", "Adapters resident in the device pool"),
                ("kv_pages_used", "lorafusion_kv_pages_used", "KV-cache pages in use"),
                ("prefix_pages_cached", "lorafusion_prefix_pages_cached", "Cached prefix pages no request holds"),
-               ("kv_pages_total", "lorafusion_kv_pages_total", "Pages in the pool (KV and adapters)"))
+               ("kv_pages_total", "lorafusion_kv_pages_total", "Pages in the pool (KV and adapters)"),
+               ("warm_up_seconds", "lorafusion_warm_up_seconds", "Seconds the last Engine.warm_up took (0: none)"),
+               ("decode_graph_keys", "lorafusion_decode_graph_keys",
+                "Decode CUDA graphs captured: (batch bucket, with LoRA) keys, whatever the adapters' ranks"),
+               ("mixed_piece_keys", "lorafusion_mixed_piece_keys",
+                "Token buckets whose mixed-step pieces are captured (built): one set serves every rank mix"),
+               ("cuda_graphs", "lorafusion_cuda_graphs", "CUDA graphs captured (decode graphs and mixed-step pieces)"))
 
     def __init__(self, engine: Any):
         self._engine = engine

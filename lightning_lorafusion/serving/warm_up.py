@@ -1,41 +1,135 @@
-"""Engine warm-up: synthetic requests through every kind of step the loaded adapters make."""
+"""Engine warm-up and cold start: synthetic requests through every kind of step, the captures of
+every token bucket, the on-disk compile caches, and a report of what was compiled and captured.
+
+Nothing compiled or captured depends on the adapters' ranks (docs/serving.md, "Cold start"):
+the LoRA kernels take ranks as runtime values, the decode graphs are keyed by (batch bucket,
+with LoRA) and the mixed-step pieces by token bucket, so the work here is the same for one rank
+as for eight, and an adapter of a new rank loaded later runs what is already there.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..model.hf_loading import default_cache_dir
 from ..specs import ConfigError
 from .request import GenerationRequest
 from .sampling import SamplingParams
 
 log = logging.getLogger("lightning_lorafusion.serving")
 
+# compile caches -> their directory under the project's cache directory ($LORAFUSION_CACHE_DIR)
+COMPILE_CACHE_DIRS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+
+
+def use_compile_caches() -> dict[str, str]:
+    """Point Triton's and Inductor's on-disk caches at ``<cache>/triton`` and ``<cache>/inductor``
+    (``<cache>``: ``$LORAFUSION_CACHE_DIR`` or ``./.cache/lightning-lorafusion``) unless their
+    variables are already set, so a restarted server loads its kernels instead of compiling them.
+    Both read the variables when they compile, so this must run before the first compile (the
+    engine calls it first thing). -> the directories in effect, by variable."""
+    root = default_cache_dir()
+    for var, sub in COMPILE_CACHE_DIRS.items():
+        if not os.environ.get(var):
+            os.environ[var] = str(root / sub)
+    return {var: os.environ[var] for var in COMPILE_CACHE_DIRS}
+
+
+def compiled_kernel_variants() -> dict[str, int]:
+    """The package's Triton kernels compiled in this process (from the disk cache or fresh):
+    ``module.kernel -> variants`` (each distinct set of constexprs and specialisations is one),
+    over the kernel modules imported so far. Empty under TRITON_INTERPRET=1 (nothing compiles)."""
+    from .. import kernels
+
+    counts: dict[str, int] = {}
+    seen: set[int] = set()  # a kernel imported into another module is counted once
+    prefix = kernels.__name__ + "."
+    for name, module in sorted(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for attr, obj in vars(module).items():
+            caches = getattr(obj, "device_caches", None)
+            if isinstance(caches, dict) and id(obj) not in seen:
+                seen.add(id(obj))
+                n = sum(len(entry[0]) for entry in caches.values())
+                if n:
+                    counts[f"{name[len(prefix):]}.{attr}"] = n
+    return counts
+
+
+def _cache_entries(directory: str | None) -> int:
+    """Entries (one per compiled kernel) in a Triton cache directory; 0 if it does not exist."""
+    if not directory or not Path(directory).is_dir():
+        return 0
+    return sum(1 for _ in Path(directory).iterdir())
+
 
 class EngineWarmUp:
-    """``Engine.warm_up``."""
+    """``Engine.warm_up`` and the capture report."""
 
     def warm_up(self, *, prompt_len: int = 24, max_new_tokens: int = 2) -> dict[str, Any]:
-        """Run a few synthetic greedy requests through every kind of step the loaded adapters
-        make, so first-time costs (Triton compiles per rank block and launch specialisation, the
-        first replays of the decode graphs, cuBLAS heuristics) are paid here and not by the first
-        users (a step whose mix of ranks is new to the process stalls for seconds on a GPU:
-        docs/BENCHMARKS.md, generation engine). Rounds: the base and one adapter of each distinct
-        rank alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
-        rows, two requests per adapter). Then drops the prompts' cached prefix pages, and builds
-        (on a GPU: captures) the mixed-step pieces of every token bucket for the adapters' rank
-        blocks (``ModelRunner.build_mixed_pieces``). Returns what ran. Call it before serving
-        (``serve`` does, unless ``warm_up: false``)."""
+        """Run a few synthetic greedy requests through every kind of step, then build (on a GPU:
+        capture) the mixed-step pieces of every token bucket, so first-time costs (Triton
+        compiles or loads from the disk cache, graph captures, cuBLAS heuristics) are paid here
+        and not by the first users. Rounds: the base and one adapter of each distinct rank
+        alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
+        rows, two requests per adapter); their cached prefix pages are dropped after. What
+        compiles and what is captured does not depend on the ranks, so the rounds' adapters
+        only exercise the paths (an adapter of a rank loaded later needs nothing new). Returns
+        what ran and what it cost: requests, rounds, ranks, seconds (and of it ``rounds_s``,
+        ``mixed_pieces_s``), ``captures`` (``ModelRunner.capture_counts``: decode graph keys,
+        mixed-piece token buckets, CUDA graphs), ``triton_kernels`` (compiled variants held)
+        and ``triton_compiled`` (of those, new entries in the on-disk cache: fresh compiles;
+        the rest were loaded). Call it before serving (``serve`` does, unless ``warm_up:
+        false``)."""
         if prompt_len < 1 or max_new_tokens < 1:
             raise ConfigError(f"warm_up: prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
         t0 = time.perf_counter()
+        cache_dir = os.environ.get("TRITON_CACHE_DIR")
+        entries_before = _cache_entries(cache_dir)
         by_rank: dict[int, str] = {}
         for info in sorted(self.adapters(), key=lambda a: a.name):
             by_rank.setdefault(info.rank, info.name)
         names: list[str | None] = [None, *(by_rank[r] for r in sorted(by_rank))]
+        rounds = self._warm_up_rounds(names, prompt_len, max_new_tokens)
+        for batch in rounds:
+            self.generate(batch)
+        freed = self.reset_prefix_cache()
+        rounds_s = time.perf_counter() - t0
+        # every token bucket's mixed-step pieces, built (captured) now rather than by the first
+        # step of each bucket; one set per bucket serves any mix of ranks
+        t_pieces = time.perf_counter()
+        with self._step_lock:
+            pieces = self.runner.build_mixed_pieces()
+        pieces_s = time.perf_counter() - t_pieces
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        kernels = compiled_kernel_variants()
+        report = {"requests": sum(map(len, rounds)), "rounds": len(rounds), "ranks": sorted(by_rank),
+                  "seconds": seconds, "rounds_s": rounds_s, "prefix_pages_freed": freed,
+                  "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s,
+                  "captures": self.runner.capture_counts(), "decode_graphs_s": self.runner.decode_graphs_s,
+                  "triton_kernels": sum(kernels.values()),
+                  "triton_compiled": _cache_entries(cache_dir) - entries_before, "triton_cache_dir": cache_dir}
+        self.warm_up_report = report
+        log.info("warm-up in %.1f s (requests %.1f s, mixed-step pieces of %d token buckets %s in %.1f s): %s; "
+                 "Triton kernels: %d variants, %d compiled fresh (cache %s)", seconds, rounds_s, pieces,
+                 "captured" if self.runner.mixed_pieces == "graphs" else "built", pieces_s,
+                 format_capture_counts(report["captures"]), report["triton_kernels"], report["triton_compiled"],
+                 cache_dir)
+        return report
+
+    def _warm_up_rounds(self, names: list[str | None], prompt_len: int,
+                        max_new_tokens: int) -> list[list[GenerationRequest]]:
+        """The synthetic requests of ``warm_up``, by round (each round one ``generate``)."""
         vocab = self.model_config.vocab_size
         pool = self.pool
         gen = torch.Generator().manual_seed(0)
@@ -55,20 +149,10 @@ class EngineWarmUp:
         rounds = [[request(n, prompt_len)] for n in names]
         rounds.append([request(n, prompt_len) for n in names])
         rounds.append([request(n, 4 * prompt_len) for n in names for _ in range(2)])
-        for batch in rounds:
-            self.generate(batch)
-        freed = self.reset_prefix_cache()
-        # mixed steps as pieces: every token bucket's, for the rank blocks these adapters make,
-        # built (captured) now rather than by the first step of each (bucket, rank block)
-        t_pieces = time.perf_counter()
-        with self._step_lock:
-            pieces = self.runner.build_mixed_pieces(by_rank)
-        pieces_s = time.perf_counter() - t_pieces
-        if pieces:
-            log.info("mixed-step pieces: %d (token bucket, rank block) keys %s in %.1f s", pieces,
-                     "captured" if self.runner.mixed_pieces == "graphs" else "built", pieces_s)
-        seconds = time.perf_counter() - t0
-        ranks = sorted(by_rank)
-        return {"requests": sum(map(len, rounds)), "rounds": len(rounds), "ranks": ranks, "seconds": seconds,
-                "prefix_pages_freed": freed, "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s}
+        return rounds
 
+
+def format_capture_counts(counts: dict[str, int]) -> str:
+    """``ModelRunner.capture_counts`` as one log phrase."""
+    return (f"{counts['decode_graph_keys']} decode graph keys, {counts['mixed_piece_keys']} mixed-step token "
+            f"buckets, {counts['cuda_graphs']} CUDA graphs")

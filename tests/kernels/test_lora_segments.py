@@ -16,7 +16,9 @@ import torch
 
 from lightning_lorafusion.kernels.lora_segments import (
     SegmentLora,
+    rank_chunk,
     block_r_for,
+    segment_kernel_variants,
     segment_lora_add,
     segment_lora_reference,
     segment_tiles,
@@ -180,3 +182,43 @@ def test_expand_warps_follow_the_s_tile_size():
 
     assert expand_warps(64, 64) == 2 and expand_warps(64, 128) == 2
     assert expand_warps(64, 16) is None and expand_warps(64, 32) is None and expand_warps(32, 64) is None
+
+
+def test_every_rank_up_to_128_matches_the_reference_in_one_table(device):
+    """Ranks 4, 8, 24, 64 and 128 side by side (one, two, four and eight chunks of the rank loop;
+    128 = the widest S): each segment's rows match the reference (fp32, summation order only),
+    and a tile of rank 4 beside rank 128 adds only its own rank's terms."""
+    k, ns = 40, (24, 40)
+    ranks = [(4, 4), (8, 8), (24, 0), (64, 64), (128, 128)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, device, seed=11)
+    scales = torch.tensor([1.0, 0.5, 2.0, 0.25, 0.125])
+    segments = [(0, 5, 4), (5, 9, 0), (9, 30, 3), (30, 31, 1), (31, 50, 2)]
+    x = torch.randn(52, k, generator=torch.Generator().manual_seed(12)).to(device)
+    base = torch.randn(52, sum(ns), generator=torch.Generator().manual_seed(13)).to(device)
+    lora = make_lora(pool, a_off, b_off, rk, scales, segments, 16, pad_tiles=2, block_r=128)
+    got, want = base.clone(), base.clone()
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton")
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
+    for start, end, _ in segments:
+        assert rel_err(got[start:end] - base[start:end], want[start:end] - base[start:end]) < 1e-5
+    assert torch.equal(got[50:], base[50:])
+    assert torch.equal(got[31:50, 24:], base[31:50, 24:])  # rank 0 on the second projection
+
+
+def test_compiled_variants_do_not_depend_on_ranks_or_the_s_width():
+    """The kernels' compile keys (constexprs, options, JIT specialisations) are the same for
+    one rank, for ranks 4-128 mixed, and for any S width: a rank never seen before runs kernels
+    already compiled. (The rank is a runtime loop bound.)"""
+    k, ns = 64, (32, 48)
+    x = torch.randn(40, k)
+    keys = []
+    for ranks, block_r in (([(8, 8)], 16), ([(8, 8)], 128), ([(4, 4), (8, 0), (24, 24), (64, 64), (128, 128)], 128),
+                           ([(128, 128)], 128), ([(24, 24), (40, 40)], 64)):
+        pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, "cpu")
+        segments = [(i * 8, i * 8 + 8, i) for i in range(len(ranks))]
+        lora = make_lora(pool, a_off, b_off, rk, torch.ones(len(ranks)), segments, 16, block_r=block_r)
+        outs = [torch.zeros(40, n) for n in ns]
+        keys.append(segment_kernel_variants(x, lora, outs))
+    assert all(k_ == keys[0] for k_ in keys)
+    assert len(keys[0]) == 3  # one shrink, two expands (one per output width's column-block count)
+    assert all(dict(meta)["BLOCK_R"] == rank_chunk(torch.device("cpu")) for _, meta, _ in keys[0])

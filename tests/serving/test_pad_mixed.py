@@ -89,7 +89,7 @@ def test_padded_chunked_prefill_with_decode_rows_first(make_engine, backend, att
 def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, attention, monkeypatch):
     """``mixed_graphs: eager``: the pieces a GPU captures, run eagerly over their static buffers
     (inputs and fixed-length LoRA tables copied in per step): the same tokens and logprobs as the
-    plain eager forward; one set of pieces per (token bucket, rank block), reused."""
+    plain eager forward; one set of pieces per token bucket, reused."""
     config = dict(num_pages=128, page_size=4, backend=backend, prefill_attention=attention,
                   max_num_batched_tokens=64, max_num_seqs=8, prefix_caching=False)
     plain, _ = _run(make_engine(**config), False)
@@ -108,7 +108,7 @@ def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, 
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-5)
     built = engine.runner._mixed
-    assert built and all(rows in engine.runner.token_buckets for rows, _ in built)
+    assert built and all(rows in engine.runner.token_buckets for rows in built)
     # attention reads each piece's q through one buffer fixed at construction, never a tensor a
     # piece allocated (under capture that would be wherever the last capture put it)
     for pieces in built.values():

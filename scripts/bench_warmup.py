@@ -1,0 +1,323 @@
+"""Cold start of the generation engine: warm-up time, the first trace after it, an adapter of a new
+rank loaded mid-traffic, and a restart that reuses the on-disk compile cache.
+
+A random-weight Llama of a real shape (``--shape 8b`` / ``1b``; ``tiny`` for the CPU), N
+adapters (``--adapters``) with ranks cycling through ``--ranks`` on all seven projections (one
+random weight set per rank, shared by the adapters of that rank: each is still its own adapter
+to the engine, paged in and out alone). The compile caches go to ``--cache-dir`` (default
+``OUT/compile_cache``, emptied first unless ``--keep-cache``), so the first process compiles
+from scratch and the second loads.
+
+Phases, in one process unless said:
+1. ``build``: the engine (the decode graphs are captured here) and its adapters.
+2. ``warm_up``: ``Engine.warm_up()`` wall time and its report (captures by kind, Triton kernel
+   variants, of them compiled fresh).
+3. ``trace``: the first traffic after warm-up: ``--requests`` requests arriving as a Poisson
+   stream of ``--rate``/s (all at once with ``--rate 0``), adapters by Zipf popularity (alpha 1,
+   the base model among them), prompt and output lengths lognormal (``--prompt-median``,
+   ``--output-median``, sigma ``--sigma``, capped by ``--max-len``). When half the requests have
+   arrived, an adapter of rank ``--new-rank`` (a rank no loaded adapter has) is added
+   (``Engine.add_host_adapter``, timed) and every ``--new-every``-th later request names it.
+   Reported: the longest gap between two tokens while requests were running (an upper bound on
+   the longest engine step), before and after the load; TTFT p50/p99 of the other tenants'
+   requests before and after the load, and of the new adapter's; tokens/s; the engine's
+   capture counts before and after (equal: nothing captured for the new rank).
+4. ``restart`` (a second process, same cache directory; skip with ``--no-restart``): build and
+   ``warm_up`` again, times and fresh compiles (0 expected: all loaded from the cache).
+
+Table on stdout, ``bench_warmup.json`` under ``--out``.
+
+    PYTHONPATH=. python3 scripts/bench_warmup.py --shape 8b --adapters 160 --ranks 8,16,32,64,4,24,96,128 --requests 256 --rate 24 --out $OUT
+    PYTHONPATH=. python3 scripts/bench_warmup.py --shape tiny --device cpu --dtype float32 --adapters 8 --ranks 4,8,24 --requests 24 --rate 40 --prompt-median 12 --output-median 4 --max-len 48 --max-batched-tokens 64 --max-num-seqs 16 --mixed-graphs eager --out /tmp/bw
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from harness import add_device_args, add_output_args, device_info, dtype_of, logger, percentile, write_json
+
+import torch  # noqa: E402
+
+log = logger("bench_warmup")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8b", help="tiny, 1b or 8b (scripts/bench_generation.py's SHAPES)")
+    ap.add_argument("--adapters", type=int, default=160)
+    ap.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64])
+    ap.add_argument("--new-rank", type=int, default=None, help="rank of the adapter loaded mid-traffic "
+                                                               "(default: one not in --ranks)")
+    ap.add_argument("--new-every", type=int, default=8, help="after the load, every n-th request names it")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--rate", type=float, default=24.0, help="requests/s (0: all at once)")
+    ap.add_argument("--prompt-median", type=int, default=256)
+    ap.add_argument("--output-median", type=int, default=96)
+    ap.add_argument("--sigma", type=float, default=0.8, help="of the lognormal lengths")
+    ap.add_argument("--max-len", type=int, default=2048, help="cap of prompt and output lengths")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
+    ap.add_argument("--memory-fraction", type=float, default=0.6)
+    ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
+                    help="EngineTuning.mixed_graphs (eager: the pieces without capture, e.g. on the CPU)")
+    ap.add_argument("--trace-max-s", type=float, default=90.0, help="the trace is cut after this long")
+    ap.add_argument("--cache-dir", default=None, help="compile caches (default: OUT/compile_cache or a temp dir)")
+    ap.add_argument("--keep-cache", action="store_true", help="do not empty the cache directory first")
+    ap.add_argument("--no-restart", action="store_true")
+    ap.add_argument("--phase", choices=("all", "restart"), default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0)
+    add_device_args(ap)
+    add_output_args(ap)
+    return ap.parse_args(argv)
+
+
+def build_engine(args, device: torch.device, dtype: torch.dtype):
+    """-> (engine, model config, host adapters by rank, seconds of the model and of the engine)."""
+    from bench_generation import SHAPES, build_model, random_adapters
+    from bench_serving import host_adapters
+
+    from lightning_lorafusion.model.hf_loading import params_from_hf_model
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
+
+    t0 = time.perf_counter()
+    model, tokenizer = build_model(SHAPES[args.shape], device, dtype, args.seed)
+    config, params = params_from_hf_model(model)
+    model_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
+    engine = Engine(config, params, tokenizer,
+                    EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
+                                 tuning=EngineTuning(mixed_graphs=args.mixed_graphs), **extra),
+                    device=device, dtype=dtype)
+    engine_s = time.perf_counter() - t1
+    ranks = sorted(set(args.ranks) | {new_rank(args)})
+    sets = random_adapters(config, len(ranks), ranks, device, dtype, args.seed + 1, b_std=0.02)
+    pin = device.type == "cuda"
+    by_rank = {r: host_adapters(config, [s], 1, dtype, pin)[0] for r, s in zip(ranks, sets)}
+    return engine, config, by_rank, model_s, engine_s
+
+
+def new_rank(args) -> int:
+    if args.new_rank is not None:
+        return args.new_rank
+    return next(r for r in (48, 40, 56, 72, 80, 96, 112, 120, 128, 12, 20, 28) if r not in args.ranks)
+
+
+def named(adapter, name: str):
+    from lightning_lorafusion.serving.adapters import HostAdapter
+
+    return HostAdapter(name=name, rank=adapter.rank, alpha=adapter.alpha, target_modules=adapter.target_modules,
+                       slots=adapter.slots, flat=adapter.flat, num_layers=adapter.relative_offsets.shape[0])
+
+
+def make_trace(args, vocab: int, names: list[str]) -> list[tuple[float, list[int], int, str | None]]:
+    """(arrival s, prompt, output length, adapter) per request; adapter None = the base."""
+    rng = random.Random(args.seed)
+    choices = [None, *names]
+    weights = [1.0 / (i + 1) for i in range(len(choices))]
+    t, out = 0.0, []
+
+    def length(median: int) -> int:
+        return max(1, min(args.max_len, int(round(rng.lognormvariate(math.log(median), args.sigma)))))
+
+    for _ in range(args.requests):
+        if args.rate > 0:
+            t += rng.expovariate(args.rate)
+        prompt = [rng.randrange(1, vocab) for _ in range(length(args.prompt_median))]
+        out.append((t, prompt, length(args.output_median), rng.choices(choices, weights)[0]))
+    return out
+
+
+def replay(engine, trace, args, new_adapter) -> dict:
+    """Submit the trace at its arrival times into the engine's loop, load ``new_adapter`` halfway."""
+    from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+
+    n = len(trace)
+    first = [None] * n
+    arrival = [0.0] * n
+    token_times: list[float] = []
+    done = threading.Event()
+    left = [n]
+    lock = threading.Lock()
+
+    def on_event(ev) -> None:
+        now = time.perf_counter()
+        i = int(ev.request_id[1:])
+        with lock:
+            if ev.token_id is not None:
+                token_times.append(now)
+                if first[i] is None:
+                    first[i] = now
+            if ev.finish_reason is not None:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    half = n // 2
+    targets = [a for _, _, _, a in trace]
+    for j in range(half, n, args.new_every):
+        targets[j] = new_adapter.name
+    engine.start()
+    t0 = time.perf_counter() + 0.05
+    load_at = load_s = None
+    for i, (t, prompt, out_len, _) in enumerate(trace):
+        while (now := time.perf_counter()) < t0 + t:
+            time.sleep(min(0.01, t0 + t - now))
+        if i == half:
+            load_at = time.perf_counter()
+            engine.add_host_adapter(new_adapter)
+            load_s = time.perf_counter() - load_at
+        arrival[i] = time.perf_counter()
+        engine.submit(GenerationRequest(prompt_token_ids=prompt, adapter=targets[i], request_id=f"q{i}",
+                                        sampling=SamplingParams(max_new_tokens=out_len, temperature=0.0,
+                                                                ignore_eos=True)), on_event)
+    cut = not done.wait(args.trace_max_s)
+    end = time.perf_counter()
+    if cut:
+        for i in range(n):
+            engine.abort(f"q{i}")
+        done.wait(30)
+    ttft = {"others_before": [], "others_after": [], "new_adapter": []}
+    for i in range(n):
+        if first[i] is None:
+            continue
+        key = "new_adapter" if targets[i] == new_adapter.name else "others_before" if i < half else "others_after"
+        ttft[key].append(first[i] - arrival[i])
+    times = sorted(token_times)
+    gaps_before = [b - a for a, b in zip(times, times[1:]) if b <= load_at]
+    gaps_after = [b - a for a, b in zip(times, times[1:]) if a >= load_at]
+    wall = (times[-1] if times else end) - t0
+    return {"requests": n, "finished": sum(f is not None for f in first), "cut": cut, "wall_s": wall,
+            "generated_tok_s": len(times) / wall if wall > 0 else 0.0, "new_adapter_rank": new_adapter.rank,
+            "new_adapter_load_s": load_s,
+            "max_token_gap_ms_before_load": 1e3 * max(gaps_before, default=0.0),
+            "max_token_gap_ms_after_load": 1e3 * max(gaps_after, default=0.0),
+            **{f"ttft_{k}_{q}_s": percentile(v, q) for k, v in ttft.items() for q in (50, 99)},
+            "ttft_counts": {k: len(v) for k, v in ttft.items()}}
+
+
+def run_restart(args, device, dtype) -> dict:
+    engine, _, by_rank, model_s, engine_s = build_engine(args, device, dtype)
+    try:
+        for i in range(args.adapters):
+            engine.add_host_adapter(named(by_rank[args.ranks[i % len(args.ranks)]], f"a{i}"))
+        t0 = time.perf_counter()
+        report = engine.warm_up()
+        return {"model_s": model_s, "engine_s": engine_s, "warm_up_s": time.perf_counter() - t0, "warm_up": report}
+    finally:
+        engine.close()
+
+
+def restart_in_new_process(args, argv: list[str]) -> dict:
+    """This script again with ``--phase restart`` (same arguments, same cache directory)."""
+    argv = [*argv, "--phase", "restart", "--keep-cache", "--cache-dir", args.cache_dir]
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def set_cache_dir(args) -> None:
+    import tempfile
+
+    if args.cache_dir is None:
+        args.cache_dir = str(Path(args.out) / "compile_cache") if args.out else tempfile.mkdtemp(prefix="bw_cache_")
+    if not args.keep_cache and Path(args.cache_dir).exists():
+        shutil.rmtree(args.cache_dir)
+    os.environ["LORAFUSION_CACHE_DIR"] = args.cache_dir
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        os.environ.pop(var, None)  # the engine puts them under LORAFUSION_CACHE_DIR
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    set_cache_dir(args)
+    device, dtype = torch.device(args.device), dtype_of(args.dtype)
+    if args.phase == "restart":
+        print(json.dumps(run_restart(args, device, dtype), default=str))
+        return {}
+    report = {"device": device_info(device), "args": vars(args)}
+    engine, config, by_rank, model_s, engine_s = build_engine(args, device, dtype)
+    try:
+        names = []
+        t_add = time.perf_counter()
+        for i in range(args.adapters):
+            engine.add_host_adapter(named(by_rank[args.ranks[i % len(args.ranks)]], f"a{i}"))
+            names.append(f"a{i}")
+        report["build"] = {"model_s": model_s, "engine_s": engine_s, "adapters_s": time.perf_counter() - t_add,
+                           "decode_graphs_s": engine.runner.decode_graphs_s}
+        log(f"engine built in {engine_s:.1f} s (decode graphs {engine.runner.decode_graphs_s:.1f} s); warm-up")
+        t0 = time.perf_counter()
+        report["warm_up"] = engine.warm_up()
+        report["warm_up"]["wall_s"] = time.perf_counter() - t0
+        log(f"warm-up {report['warm_up']['wall_s']:.1f} s; trace")
+        before = engine.runner.capture_counts()
+        report["trace"] = replay(engine, make_trace(args, config.vocab_size, names), args,
+                                 named(by_rank[new_rank(args)], "new_rank_adapter"))
+        report["trace"]["captures_before"], report["trace"]["captures_after"] = before, engine.runner.capture_counts()
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the restart's process needs the memory
+    if not args.no_restart:
+        log("restart in a second process")
+        report["restart"] = restart_in_new_process(args, argv)
+    print(table(report))
+    write_json(args.out, "bench_warmup.json", report)
+    return report
+
+
+def _f(x, unit="") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}"
+
+
+def table(report: dict) -> str:
+    w, t, r = report["warm_up"], report["trace"], report.get("restart", {})
+    rw = r.get("warm_up", {})
+    rows = [("engine build s (decode graphs s)", f"{_f(report['build']['engine_s'])} "
+                                                 f"({_f(report['build']['decode_graphs_s'])})"),
+            ("warm_up() s", _f(w["wall_s"])),
+            ("  captures", json.dumps(w["captures"])),
+            ("  Triton variants / compiled fresh", f"{w['triton_kernels']} / {w['triton_compiled']}"),
+            ("trace tok/s (finished / requests)", f"{_f(t['generated_tok_s'])} ({t['finished']}/{t['requests']})"),
+            ("max token gap ms before / after new-rank load", f"{_f(t['max_token_gap_ms_before_load'])} / "
+                                                               f"{_f(t['max_token_gap_ms_after_load'])}"),
+            ("TTFT p99 s others before / after load", f"{_f(t['ttft_others_before_99_s'])} / "
+                                                       f"{_f(t['ttft_others_after_99_s'])}"),
+            ("TTFT p50 / p99 s new-rank adapter",
+             f"{_f(t['ttft_new_adapter_50_s'])} / {_f(t['ttft_new_adapter_99_s'])}"),
+            ("new adapter rank, load s", f"{t['new_adapter_rank']}, {_f(t['new_adapter_load_s'])}"),
+            ("captures before / after trace",
+             f"{json.dumps(t['captures_before'])} / {json.dumps(t['captures_after'])}"),
+            ("restart: engine s, warm_up() s", f"{_f(r.get('engine_s'))}, {_f(r.get('warm_up_s'))}"
+             if "error" not in r else f"error: {r['error'][-300:]}"),
+            ("restart: Triton variants / compiled fresh", f"{rw.get('triton_kernels', '-')} / "
+                                                           f"{rw.get('triton_compiled', '-')}")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":
+    main()
