@@ -170,7 +170,7 @@ class AdapterGradReducer(StageHooks):
             return
         per = [self.buckets_of(a) for a in sorted(set(adapters))]
         # interleaved by position: each adapter's k-th bucket covers about the same layers
-        self._order = [b for k in range(max(len(x) for x in per)) for x in per if k < len(x)]
+        self._order = [x[k] for k in range(max(len(x) for x in per)) for x in per if k < len(x)]
         self._next = 0
         self._bucket_of = {}
         for bucket in self._order:
