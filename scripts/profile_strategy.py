@@ -5,11 +5,12 @@ Runs `fit` twice in this process on the same adapters, data and planner: the sin
 fit trains one warm-up epoch (graph captures, compilation), then a timed epoch (real tokens per
 second, the device synchronised at its ends), then profiles a few training batches with
 torch.profiler and stops. Prints tokens/s of each and the 15 largest per-microbatch differences
-in CUDA and in CPU time by op name; writes both Chrome traces and a JSON report under --out.
+in CUDA and in CPU time by op name; writes both Chrome traces (gzipped) and a JSON report under --out.
 
     PYTHONPATH=. python scripts/profile_strategy.py --out $OUT                     # H100, ~4 min
     PYTHONPATH=. python scripts/profile_strategy.py --out /tmp/p --shape tiny --device cpu \\
-        --dtype float32 --capacity 256 --samples 8 --rank 4                        # CPU check
+        --dtype float32 --capacity 128 --samples 4 --global-batch 2 --adapters 2 --rank 4 \\
+        --profile-batches 2                                                        # CPU check
 
 ``--shape``: ``llama8b`` (random Llama-3.1-8B shape, the default), ``tiny`` (2 layers, hidden 64),
 or a path to an HF config.json. Adapters: --adapters of rank --rank on all seven projections,
@@ -19,7 +20,9 @@ each with --samples synthetic `mixed` samples in global batches of --global-batc
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -108,8 +111,11 @@ class _Probe(L.Callback):
         sync(self.device)
         prof, self.profiler = self.profiler, None
         prof.__exit__(None, None, None)
-        if self.trace_path:
+        if self.trace_path:  # gzipped: an eager 8B window is tens of MB of JSON
             prof.export_chrome_trace(self.trace_path)
+            with open(self.trace_path, "rb") as src, gzip.open(self.trace_path + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(self.trace_path)
         for e in prof.key_averages():
             row = self.table.setdefault(e.key, {"cuda_us": 0.0, "cpu_us": 0.0, "count": 0})
             row["cuda_us"] += float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
