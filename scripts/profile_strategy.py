@@ -196,6 +196,8 @@ def report(results: dict[str, dict]) -> str:
         if single["tokens_per_s"] and strategy["tokens_per_s"]:
             lines.append(f"\nstrategy / single-device tokens/s: {strategy['tokens_per_s'] / single['tokens_per_s']:.3f}")
         for field, what in (("cuda_us", "CUDA"), ("cpu_us", "CPU (self)")):
+            if not any(r["ops"].get(n, {}).get(field) for r in (single, strategy) for n in r["ops"]):
+                continue  # no CUDA times on the CPU
             lines += ["", f"top {what} time differences per microbatch (us; strategy - single):",
                       "| op | strategy | single | difference |", "|---|---|---|---|"]
             for name, a, b, d in differences(single, strategy, field):
