@@ -180,7 +180,7 @@ def differences(single: dict, strategy: dict, field: str, top: int = 15) -> list
         a = strategy["ops"].get(name, {}).get(field, 0.0) / nt
         b = single["ops"].get(name, {}).get(field, 0.0) / ns
         rows.append((name, a, b, a - b))
-    rows.sort(key=lambda r: -abs(r[3]))
+    rows.sort(key=lambda r: (-abs(r[3]), r[0]))
     return rows[:top]
 
 

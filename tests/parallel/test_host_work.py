@@ -122,12 +122,13 @@ def _overhead(num_layers: int) -> tuple[int, int, int]:
 
 
 def test_strategy_host_work_per_action_does_not_grow_with_layers():
-    calls2, ops2, actions2 = _overhead(2)
-    calls4, ops4, actions4 = _overhead(4)
-    assert actions2 == actions4 > 10  # the same plan: the same actions
-    print(f"\nstrategy overhead per action: {calls2 / actions2:.1f} Python calls (2 layers), "
-          f"{calls4 / actions4:.1f} (4 layers); tensor ops {ops2}, {ops4}")
-    assert ops2 == ops4 == 0, "the strategy dispatched tensor ops of its own on one stage"
-    assert calls4 == calls2, (
-        f"the strategy's Python calls per window grew from {calls2} (2 layers) to {calls4} (4 layers): "
-        "per-layer or per-parameter host work per action")
+    calls_two_layers, ops_two_layers, actions_two_layers = _overhead(2)
+    calls_four_layers, ops_four_layers, actions_four_layers = _overhead(4)
+    assert actions_two_layers == actions_four_layers > 10  # the same plan: the same actions
+    print(f"\nstrategy overhead per action: {calls_two_layers / actions_two_layers:.1f} Python calls "
+          f"(2 layers), {calls_four_layers / actions_four_layers:.1f} (4 layers); tensor ops "
+          f"{ops_two_layers}, {ops_four_layers}")
+    assert ops_two_layers == ops_four_layers == 0, "the strategy dispatched tensor ops of its own on one stage"
+    assert calls_four_layers == calls_two_layers, (
+        f"the strategy's Python calls per window grew from {calls_two_layers} (2 layers) to "
+        f"{calls_four_layers} (4 layers): per-layer or per-parameter host work per action")
