@@ -16,6 +16,8 @@ off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVL
 
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT               # on a 4-GPU machine
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --only 8b_pp2xdp2,8b_dp4
+    PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --gpus 2 --deadline 540 \
+        --only 8b_single,8b_strategy_pp1,8b_pp2,8b_dp2,8b_2jobs_1gpu     # 2 GPUs: one GPU vs two
 
 Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status and summary),
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
@@ -82,11 +84,16 @@ RUNS = (  # in priority order: the last ones are the first to be cut by the dead
 P2 = "configs/pp2/pp2_70b.yaml"
 D2 = "configs/pp2/devices2.yaml"
 ONE = "configs/pp2/single_gpu.yaml"
+SINGLE = "configs/pp2/single_device.yaml"
 RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
     Run(name="70b_pp2_mixed_4ad", what="70B PP=2, 4 adapters, mixed",
         jobs=(Job(configs=(C70, "configs/pp4/mixed4.yaml", P2), procs=2),), limit_s=170),
     Run(name="70b_pp2_mixed_1ad", what="70B PP=2, 1 adapter, mixed",
         jobs=(Job(configs=(C70, "configs/pp4/mixed1.yaml", P2), procs=2),), limit_s=110),
+    Run(name="8b_single", what="8B one GPU, single-device path (strategy auto), 4 adapters, mixed",
+        jobs=(Job(configs=(C8, SINGLE), procs=1, gpus="0"),), limit_s=100),
+    Run(name="8b_strategy_pp1", what="8B one GPU, the strategy with one stage, 4 adapters, mixed",
+        jobs=(Job(configs=(C8, ONE), procs=1, gpus="0"),), limit_s=100),
     Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed", jobs=(Job(configs=(C8, D2), procs=2),), limit_s=80),
     Run(name="8b_dp2", what="8B DP=2, 4 adapters, mixed",
         jobs=(Job(configs=(C8, D2, "configs/pp4/dp4.yaml"), procs=2),), limit_s=80),
@@ -280,6 +287,9 @@ def table(results: list[dict]) -> str:
         f"{ratio('70b_pp4_mixed_4ad', '70b_pp4_mixed_4ad_flushed')}",
         f"- 70B PP=2 mixed, 4 vs 1 adapter: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_1ad')}; no-flush vs "
         f"flushed: {ratio('70b_pp2_mixed_4ad', '70b_pp2_mixed_4ad_flushed')}",
+        f"- 8B against one GPU's single-device path: strategy with one stage "
+        f"{ratio('8b_strategy_pp1', '8b_single')}, PP=2 {ratio('8b_pp2', '8b_single')}, DP=2 "
+        f"{ratio('8b_dp2', '8b_single')}, two 1-GPU jobs {ratio('8b_2jobs_1gpu', '8b_single')}",
         f"- 8B on 2 GPUs, PP=2 vs DP=2: {ratio('8b_pp2', '8b_dp2')}; PP=2 vs two 1-GPU jobs: "
         f"{ratio('8b_pp2', '8b_2jobs_1gpu')}; two jobs vs DP=2: {ratio('8b_2jobs_1gpu', '8b_dp2')}",
         f"- 8B on 4 GPUs, PP=2xDP=2 vs DP=4: {ratio('8b_pp2xdp2', '8b_dp4')}; "

@@ -24,6 +24,14 @@ class StageModule(Protocol):
     def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class FusedStep:
+    """A microbatch's forward and backward done in one call: the gradient w.r.t. the stage's
+    input (None on the first stage), to send upstream."""
+
+    input_grad: torch.Tensor | None
+
+
 def adapter_loss(loss_sums: torch.Tensor, denominators: torch.Tensor) -> torch.Tensor:
     """``sum_a loss_sums[a] / denominators[a]`` over adapters present (denominator > 0): each
     adapter's gradient is that of its own mean loss over its whole global batch."""
@@ -56,6 +64,23 @@ class DecoderStage:
     # last stage: called with (microbatch, per-adapter summed losses [num_adapters], detached)
     # for logging; the loss to backward is unaffected
     on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
+    # last stage: forward + backward of a microbatch as one captured step (training.cuda_graphs.
+    # TrainingGraphs over these layers): ``step(mb, denominators, stage_input)`` -> loss sums
+    # [num_adapters] or None (run eagerly), the input's gradient in ``input_grad``
+    graphs: Any = None
+
+    def fused_step(self, stage_input: torch.Tensor | None, microbatch: int) -> FusedStep | None:
+        """Forward and backward of ``microbatch`` through ``graphs`` (last stage only); None when
+        there are none or they refuse it (the executor then runs ``forward`` and backward)."""
+        if self.graphs is None or not self.is_last:
+            return None
+        mb = self.microbatches(microbatch)
+        sums = self.graphs.step(mb, mb.loss_denominators, stage_input=stage_input)
+        if sums is None:
+            return None
+        if self.on_loss_sums is not None:
+            self.on_loss_sums(microbatch, sums)
+        return FusedStep(input_grad=None if self.is_first else self.graphs.input_grad)
 
     def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor:
         mb = self.microbatches(microbatch)

@@ -16,6 +16,7 @@ Selecting it from YAML (LightningCLI)::
         class_path: lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy
         init_args: {pipeline_size: 2}        # data_parallel_size defaults to world / pipeline_size
                                              # schedule: no_flush (default) or flushed_1f1b
+                                             # overlap_grad_reduce: true (default), bucket_mb: 25
 
 What it expects from the LightningModule (manual optimization):
 
@@ -51,6 +52,8 @@ from ..data.microbatch import Microbatch
 from ..planner.plan import Plan
 from ..specs import ConfigError
 from .data_parallel import (
+    DEFAULT_BUCKET_MB,
+    AdapterGradReducer,
     ParallelLayout,
     allreduce_adapter_grads,
     build_data_parallel_groups,
@@ -96,19 +99,32 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     ``schedule``: ``"no_flush"`` (default: one 1F1B stream over the whole plan, adapters step
     in flight) or ``"flushed_1f1b"`` (the baseline: the pipeline drains at every step point),
     both over the same planned microbatches.
+
+    ``overlap_grad_reduce`` (data parallelism): each adapter's gradient all-reduce runs in
+    ``bucket_mb`` MiB buckets started during the backward that completes its global batch, and
+    its step waits for its own buckets only (``AdapterGradReducer``); False: one blocking
+    all-reduce per adapter at its step.
     """
 
     strategy_name = "lorafusion_pipeline"
 
     def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
-                 schedule: str = "no_flush", **ddp_kwargs: Any) -> None:
+                 schedule: str = "no_flush", overlap_grad_reduce: bool = True,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, **ddp_kwargs: Any) -> None:
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
         if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
             raise ConfigError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1 or None")
         if schedule not in SCHEDULES:
             raise ConfigError(f"strategy schedule={schedule!r}; allowed: {sorted(SCHEDULES)}")
+        if not isinstance(overlap_grad_reduce, bool):
+            raise ConfigError(f"strategy overlap_grad_reduce={overlap_grad_reduce!r} must be true or false")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ConfigError(f"strategy bucket_mb={bucket_mb!r} must be a number of MiB > 0 (e.g. 25)")
         super().__init__(**ddp_kwargs)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.bucket_mb = float(bucket_mb)
+        self._reducer: AdapterGradReducer | None = None
         self.pipeline_size = pipeline_size
         self.schedule = schedule
         self._requested_dp = data_parallel_size
@@ -221,16 +237,21 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         group = self.data_parallel_group
         check_same_step_order(actions, group)  # every window: a mismatch would hang, not fail
         layers = self._layers
+        reducer = self._grad_reducer(module, group)
 
         def step(adapter: int, batch: int) -> None:
-            allreduce_adapter_grads(module.adapter_parameters(adapter, layers), group)
+            # one replica: nothing to reduce (and no walk over this stage's parameters)
+            if reducer is not None:
+                reducer.wait(adapter)
+            elif group is not None:
+                allreduce_adapter_grads(module.adapter_parameters(adapter, layers), group)
             module.step_adapter(adapter, batch)
 
         record = run_stage(
             actions, self._stage, stage_index=self.stage_index, num_stages=layout.pipeline_size,
             activation_shape=activation_shape, dtype=dtype, device=self.root_device,
             optimizer_step=step, stage_ranks=layout.pipeline_ranks(self.replica),
-            synchronize=synchronize,
+            synchronize=synchronize, hooks=reducer,
         )
         if measure_bubbles:
             pairs = gather_busy_and_wall(record)
@@ -240,6 +261,17 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
                           if layout.stage_of(r) == s] for s in range(layout.pipeline_size)]
             self.last_stage_bubble_ratios = tuple(sum(v) / len(v) for v in per_stage)
         return record
+
+    def _grad_reducer(self, module: Any, group: Any) -> AdapterGradReducer | None:
+        """The overlapped all-reduce of this stage's adapter gradients (built once), or None with
+        one replica or ``overlap_grad_reduce=False``."""
+        if group is None or not self.overlap_grad_reduce:
+            return None
+        if self._reducer is None:
+            layers = self._layers
+            self._reducer = AdapterGradReducer(lambda a: module.adapter_parameters(a, layers), group,
+                                               bucket_mb=self.bucket_mb)
+        return self._reducer
 
     def simulated_bubble_ratio(self, plan: Plan, cost_model: CostModel) -> float:
         """The simulator's prediction for ``plan`` on this pipeline, to log next to

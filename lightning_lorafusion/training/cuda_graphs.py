@@ -17,6 +17,11 @@ then the same function is captured, sharing one memory pool with the other keys'
 static ``.grad`` tensors (bound before every step, so ``zero_grad(set_to_none=True)`` or a
 restored checkpoint is harmless). Optimizer steps stay outside the graph. What cannot be
 captured falls back to the caller's eager step with the reason logged (``refusals``).
+
+A pipeline stage runs the same step over its layers (``layers``, ``is_first``): where a
+microbatch's forward and backward are adjacent in the schedule (one stage, or the last stage of
+a pipeline) the whole pair is one graph; a stage after the first reads its input activation from
+a static buffer and leaves the gradient w.r.t. it in ``input_grad``.
 """
 
 from __future__ import annotations
@@ -85,8 +90,10 @@ def graph_key(mb: Microbatch) -> GraphKey:
 
 
 def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
-                        world_size: int = 1, dora: bool = False) -> str | None:
-    """Why training steps cannot be graphs here (None: they can)."""
+                        world_size: int = 1, fused_stage: bool = False, dora: bool = False) -> str | None:
+    """Why training steps cannot be graphs here (None: they can). ``fused_stage``: under the
+    pipeline strategy, this rank's stage runs each microbatch's backward right after its forward
+    (one stage, or the last stage)."""
     if dora:
         return ("a DoRA adapter's rows are rescaled over row ranges known on the host "
                 "(kernels/fused_dora.py), which a graph replaying other microbatches would not follow")
@@ -96,8 +103,11 @@ def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
         return ("backend='torch': the torch reference LoRA draws its dropout masks from host "
                 "integers; graphs need the fused Triton kernels (backend: auto or triton)")
     if pipeline:
-        return ("the pipeline strategy runs stages through its own executor; graphs of pipeline "
-                "stages are not implemented")
+        if fused_stage:
+            return None
+        return ("under the pipeline strategy only the last stage runs a microbatch's forward and "
+                "backward back to back; graphs of the earlier stages (forward and backward apart, "
+                "several microbatches in flight) are not implemented")
     if world_size > 1:
         return (f"{world_size} processes without the multi-adapter strategy (e.g. strategy: ddp, "
                 "whose gradient all-reduce hooks would run inside the captured backward); graphs "
@@ -152,6 +162,7 @@ class StaticInputs:
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
     sums: torch.Tensor  # the graph's output [A] fp32, inside its memory pool
+    input_grad: torch.Tensor | None = None  # gradient w.r.t. the stage input, in the pool
 
 
 class TrainingGraphs:
@@ -167,8 +178,16 @@ class TrainingGraphs:
     def __init__(self, *, params: Mapping[str, Any], bank, config: DecoderConfig,
                  checkpoint_layers: bool | int = False, chunk_size: int = 1024,
                  max_graphs: int = MAX_GRAPHS, capture: bool = True,
-                 options: DecoderOptions = DEFAULT_OPTIONS) -> None:
+                 options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
+                 is_first: bool = True, activation_dtype: torch.dtype | None = None) -> None:
         self.params, self.bank, self.config, self.options = params, bank, config, options
+        # a pipeline's last stage: these layers (then norm, head, loss), its input from the
+        # previous stage unless ``is_first`` (then the embedding); ``input_grad`` after a step
+        self.layers = range(config.num_layers) if layers is None else layers
+        self.is_first = is_first
+        self.activation_dtype = activation_dtype
+        self.input_grad: torch.Tensor | None = None
+        self._activation: dict[int, torch.Tensor] = {}
         self.checkpoint_layers, self.chunk_size = checkpoint_layers, chunk_size
         self.max_graphs, self.capture = max_graphs, capture
         self.refusals: dict[Any, str] = {}
@@ -186,7 +205,12 @@ class TrainingGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def step(self, mb: Microbatch, denominators: torch.Tensor) -> torch.Tensor | None:
+    def step(self, mb: Microbatch, denominators: torch.Tensor,
+             stage_input: torch.Tensor | None = None) -> torch.Tensor | None:
+        self.input_grad = None
+        if (stage_input is None) != self.is_first:
+            raise ValueError("a stage's graphs take the previous stage's output exactly when the stage "
+                             f"is not the first (is_first={self.is_first})")
         if self.disabled is not None:
             return None
         try:
@@ -204,12 +228,19 @@ class TrainingGraphs:
         self._bind_grads()
         tables.fill(mb.segments, mb.index)
         inputs.load(mb, denominators)
+        if stage_input is not None:
+            with torch.no_grad():
+                self._activation_buffer(mb.capacity, stage_input).copy_(stage_input)
         if captured is not None:
             captured.graph.replay()
             self.replays += 1
+            if captured.input_grad is not None:
+                self.input_grad = captured.input_grad.clone()
             return captured.sums.clone()
         if not self.capture:
-            return self._run_static(key, inputs, tables)
+            sums = self._run_static(key, inputs, tables)
+            self.input_grad = self._take_input_grad(key.capacity)
+            return sums
         return self._warm_up_and_capture(key, inputs, tables)
 
     # ------------------------------------------------------------------ internals
@@ -225,11 +256,33 @@ class TrainingGraphs:
             self._inputs[capacity] = StaticInputs(capacity, self.bank.num_adapters, device)
         return self._tables[capacity], self._inputs[capacity]
 
+    def _activation_buffer(self, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        """The static stage input ``[capacity, hidden]`` (a leaf requiring grad)."""
+        if capacity not in self._activation:
+            dtype = self.activation_dtype or like.dtype
+            self._activation[capacity] = torch.zeros(tuple(like.shape), dtype=dtype, device=like.device,
+                                                     requires_grad=True)
+        return self._activation[capacity]
+
+    def _take_input_grad(self, capacity: int) -> torch.Tensor | None:
+        """The gradient the last step left on the static input (then detached from it)."""
+        x = self._activation.get(capacity)
+        if self.is_first or x is None:
+            return None
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        x.grad = None
+        return grad
+
+    def _stage_parameters(self) -> list[torch.nn.Parameter]:
+        """Every adapter's parameters on this stage's layers (the ones a step gives gradients)."""
+        return [p for a in range(self.bank.num_adapters) for layer in self.layers
+                for p in self.bank.adapters[a][layer].parameters()]
+
     def _bind_grads(self) -> None:
         """Every adapter parameter's ``.grad`` is its static tensor (the graphs add into it):
         one set to None since is zeroed, one replaced (a restored checkpoint) is copied in."""
         if not self._grads:
-            for p in self.bank.parameters():
+            for p in self._stage_parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self._grads.append((p, p.grad))
@@ -250,11 +303,12 @@ class TrainingGraphs:
         # microbatch 0, no segments: the fused kernels find their fixed-shape tables in the cache
         routing = dataclasses.replace(self.bank.routing((), 0, key.capacity, train=True),
                                       launch_cache=tables.cache)
-        h = embed(self.params, inputs.input_ids)
-        h = decoder_layers(self.params, self.bank.view(), h, inputs.position_ids,
+        h = embed(self.params, inputs.input_ids) if self.is_first else self._activation[key.capacity]
+        h = decoder_layers(self.params, self.bank.view(self.layers), h, inputs.position_ids,
                            inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,
-                           microbatch_index=0, backend="triton", max_seqlen=key.max_seqlen,
-                           checkpoint_layers=self.checkpoint_layers, options=self.options)
+                           layers=self.layers, microbatch_index=0, backend="triton",
+                           max_seqlen=key.max_seqlen, checkpoint_layers=self.checkpoint_layers,
+                           options=self.options)
         sums = head_loss_sums(self.params, h, inputs.labels, (), self.bank.num_adapters, config=self.config,
                               chunk_size=self.chunk_size, label_rows=inputs.label_rows[: key.label_rows],
                               row_owner=inputs.row_owner)
@@ -285,6 +339,8 @@ class TrainingGraphs:
                 tables.allocation_context = contextlib.nullcontext
             with torch.cuda.stream(side):
                 sums = sums.clone()  # out of the pool: a later replay may reuse its memory
+                grad = self._take_input_grad(key.capacity)
+                self.input_grad = None if grad is None else grad.clone()
         except StaticTableError as e:  # raised in the forward, before any gradient was touched
             main.wait_stream(side)
             self.disabled = f"launch tables: {e}"
@@ -305,6 +361,7 @@ class TrainingGraphs:
         try:
             with gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 out = self._run_static(key, inputs, tables)
+            input_grad = self._take_input_grad(key.capacity)  # inside the graph's pool
         except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly
             self.disabled = f"capture failed: {type(e).__name__}: {e}"
             self._refuse(key, self.disabled)
@@ -313,7 +370,7 @@ class TrainingGraphs:
             tables.freeze(False)
         if self._pool is None:
             self._pool = graph.pool()
-        self._graphs[key] = _Captured(graph=graph, sums=out)
+        self._graphs[key] = _Captured(graph=graph, sums=out, input_grad=input_grad)
         self.captures += 1
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds

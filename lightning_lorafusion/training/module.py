@@ -407,8 +407,9 @@ class LoRAFusionModule(L.LightningModule):
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         world = self.trainer.world_size if self._trainer is not None else 1
-        reason = cuda_graphs_refusal(device=self.device, backend=backend,
-                                     pipeline=self._pipeline_strategy() is not None, world_size=world,
+        strategy = self._pipeline_strategy()
+        reason = cuda_graphs_refusal(device=self.device, backend=backend, pipeline=strategy is not None,
+                                     world_size=world, fused_stage=pipeline_contract.is_last_stage(strategy),
                                      dora=any(s.dora for s in self.adapter_specs))
         if reason is not None:
             if self.cuda_graphs == "on":
@@ -416,7 +417,8 @@ class LoRAFusionModule(L.LightningModule):
             log.info("CUDA graphs off: %s", reason)
             return
         self._graphs = TrainingGraphs(params=self.base_params(), bank=self.bank, config=self.config,
-                                      checkpoint_layers=self.activation_checkpointing, options=self.decoder_options)
+                                      checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
+                                      **pipeline_contract.stage_graph_args(self, strategy))
 
     def on_train_end(self) -> None:
         """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every

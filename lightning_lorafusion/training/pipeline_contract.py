@@ -22,6 +22,20 @@ def pipeline_strategy(m: Module) -> MultiAdapterPipelineStrategy | None:
     return strategy if isinstance(strategy, MultiAdapterPipelineStrategy) else None
 
 
+def is_last_stage(strategy: MultiAdapterPipelineStrategy | None) -> bool:
+    """Whether this rank runs the pipeline's last stage (where a microbatch's backward follows its
+    forward directly, so both can be one CUDA graph); False without the strategy."""
+    return strategy is not None and strategy.stage_index == strategy.layout.pipeline_size - 1
+
+
+def stage_graph_args(m: Module, strategy: MultiAdapterPipelineStrategy | None) -> dict[str, Any]:
+    """``TrainingGraphs`` arguments for this rank's stage: its layers, and whether it embeds."""
+    if strategy is None:
+        return {}
+    return {"layers": m._stage_layers, "is_first": strategy.stage_index == 0,
+            "activation_dtype": m.base_dtype}
+
+
 def setup_stage(m: Module) -> None:
     """This process's layers: a random base drawn for them on the device, or a loaded base cut
     down to them (before the device move) under the pipeline strategy."""
@@ -71,7 +85,7 @@ def build_stage(m: Module, layers: range, is_first: bool, is_last: bool) -> Deco
         is_first=is_first, is_last=is_last, microbatches=lambda pos: m._window.microbatch(pos),
         backend=m.backend, on_loss_sums=m._on_pipeline_loss_sums if is_last else None,
         checkpoint_layers=m.activation_checkpointing, lm_head_loss=m.lm_head_loss,
-        options=m.decoder_options,
+        options=m.decoder_options, graphs=m._graphs if is_last else None,
     )
 
 
@@ -97,9 +111,9 @@ def train_window(m: Module, window: Any) -> None:
         raise RuntimeError("a PipelineWindow batch needs MultiAdapterPipelineStrategy")
     m._window = window
     dtype = next(iter(m._buffers.values())).dtype
-    sync = torch.cuda.synchronize if m.device.type == "cuda" else None
+    # no synchronize: on CUDA the executor times actions by CUDA events (no host syncs)
     strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
-                          dtype=dtype, synchronize=sync)
+                          dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
     stages = partition_decoder(m.config, strategy.layout.pipeline_size)
     cost = CostModel.from_decoder_config(m.config, [len(r) for r in stages])

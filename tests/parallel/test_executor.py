@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_lorafusion.parallel.data_parallel import (
+    AdapterGradReducer,
     ParallelLayout,
     allreduce_adapter_grads,
     build_data_parallel_groups,
@@ -24,12 +25,27 @@ from lightning_lorafusion.parallel.stage import DecoderStage
 from . import pipeline_case as case
 
 
-def _worker(rank: int, world: int, layouts: list[tuple[int, int]], init_file: str, out_dir: str) -> None:
-    """Train the case once per ``(pipeline_size, data_parallel_size)`` layout; save this rank's bank."""
+class _CountingReducer(AdapterGradReducer):
+    """Records how many buckets were already on their way when each armed backward ended."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.during_backward: list[tuple[int, int]] = []  # (launched before the end, armed)
+
+    def after_backward(self, microbatch, adapters):
+        if adapters:
+            self.during_backward.append((self.launched, len(self._order)))
+        super().after_backward(microbatch, adapters)
+
+
+def _worker(rank: int, world: int, layouts: list[tuple], init_file: str, out_dir: str) -> None:
+    """Train the case once per ``(pipeline_size, data_parallel_size[, "overlap"])`` layout
+    (overlap: gradients all-reduced by ``AdapterGradReducer`` during backward, in tiny buckets);
+    save this rank's bank."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for pp, dp in layouts:
+        for pp, dp, *overlap in layouts:
             layout = ParallelLayout(pipeline_size=pp, data_parallel_size=dp)
             groups = build_data_parallel_groups(layout)
             stage_index, replica = layout.stage_of(rank), layout.replica_of(rank)
@@ -46,9 +62,16 @@ def _worker(rank: int, world: int, layouts: list[tuple[int, int]], init_file: st
             )
             dp_group = groups[stage_index]
 
+            def mine(adapter: int) -> list:
+                return [p for layer in layers for p in bank.adapters[adapter][layer].parameters()]
+
+            reducer = _CountingReducer(mine, dp_group, bucket_mb=0.002) if overlap else None
+
             def step(adapter: int, batch: int) -> None:
-                mine = [p for layer in layers for p in bank.adapters[adapter][layer].parameters()]
-                allreduce_adapter_grads(mine, dp_group)
+                if reducer is not None:
+                    reducer.wait(adapter)
+                else:
+                    allreduce_adapter_grads(mine(adapter), dp_group)
                 opts[adapter].step()
                 opts[adapter].zero_grad(set_to_none=True)
 
@@ -58,10 +81,12 @@ def _worker(rank: int, world: int, layouts: list[tuple[int, int]], init_file: st
                 actions, stage, stage_index=stage_index, num_stages=pp,
                 activation_shape=(case.CAPACITY, config.hidden_size), dtype=torch.float32,
                 device="cpu", optimizer_step=step, stage_ranks=layout.pipeline_ranks(replica),
+                hooks=reducer,
             )
             state = {k: v.detach().clone() for k, v in bank.state_dict().items()}
-            torch.save({"state": state, "layers": list(layers), "events": record.events},
-                       os.path.join(out_dir, f"pp{pp}_dp{dp}_rank{rank}.pt"))
+            torch.save({"state": state, "layers": list(layers), "events": record.events,
+                        "during_backward": reducer.during_backward if reducer else None},
+                       os.path.join(out_dir, f"pp{pp}_dp{dp}{''.join(overlap)}_rank{rank}.pt"))
             dist.barrier()
         # replicas that would step adapters in different orders are refused, on every rank
         group = build_data_parallel_groups(ParallelLayout(pipeline_size=1, data_parallel_size=world))[0]
@@ -83,7 +108,7 @@ def test_pipeline_and_data_parallel_match_single_process_training():
     """After 3 global batches of 3 adapters (mixed-adapter microbatches, dropout on one adapter),
     every stage's adapter weights equal the one-process run, for PP=4, DP=2 x PP=2 and DP=4
     (one spawn of 4 gloo processes runs all three; the Strategy test covers PP=2 alone)."""
-    world, layouts = 4, [(4, 1), (2, 2), (1, 4)]
+    world, layouts = 4, [(4, 1), (2, 2), (1, 4), (2, 2, "overlap"), (1, 4, "overlap")]
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _worker, args=(world, layouts, os.path.join(tmp, "init"), tmp), nprocs=world,
@@ -91,12 +116,28 @@ def test_pipeline_and_data_parallel_match_single_process_training():
         )
         results = {
             (pp, dp, r): torch.load(os.path.join(tmp, f"pp{pp}_dp{dp}_rank{r}.pt"))
-            for pp, dp in layouts for r in range(world)
+            for pp, dp, *overlap in layouts if not overlap for r in range(world)
+        }
+        overlapped = {
+            (pp, dp, r): torch.load(os.path.join(tmp, f"pp{pp}_dp{dp}overlap_rank{r}.pt"))
+            for pp, dp, *overlap in layouts if overlap for r in range(world)
         }
         refused = [torch.load(os.path.join(tmp, f"refused_rank{r}.pt")) for r in range(world)]
     assert all("different orders" in message and "same step order" in message for message in refused), refused
     initial = case.make_bank(case.tiny_config()).state_dict()
-    for pp, dp in layouts:
+    for (pp, dp, rank), result in overlapped.items():
+        # the overlapped all-reduce trains exactly like the blocking one (same sums per element)
+        plain = results[(pp, dp, rank)]["state"]
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, plain[key], rtol=1e-6, atol=1e-7,
+                                       msg=f"overlap pp={pp} dp={dp} rank={rank} {key}")
+        # every step point's buckets were launched, most while the backward was still running
+        during = result["during_backward"]
+        assert during and all(armed > 1 for _, armed in during), during
+        assert sum(launched for launched, _ in during) > sum(armed for _, armed in during) // 2, during
+    for pp, dp, *overlap in layouts:
+        if overlap:
+            continue
         plan, per_replica = case.samples_and_plan(pp, replicas=dp)
         assert len({b for (_, b) in plan.step_points}) == 3
         assert any(len(mb.adapters()) > 1 for mb in plan.microbatches), "want mixed-adapter microbatches"

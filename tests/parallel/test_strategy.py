@@ -87,3 +87,13 @@ def test_strategy_refuses_bad_sizes():
         MultiAdapterPipelineStrategy(pipeline_size=0)
     with pytest.raises(ValueError, match="data_parallel_size"):
         MultiAdapterPipelineStrategy(pipeline_size=2, data_parallel_size=0)
+
+
+def test_strategy_refuses_bad_gradient_overlap_options():
+    with pytest.raises(ValueError, match="overlap_grad_reduce='yes'"):
+        MultiAdapterPipelineStrategy(overlap_grad_reduce="yes")
+    for bad in (0, -1.0, True, "25"):
+        with pytest.raises(ValueError, match="bucket_mb"):
+            MultiAdapterPipelineStrategy(bucket_mb=bad)
+    strategy = MultiAdapterPipelineStrategy(bucket_mb=4)
+    assert strategy.overlap_grad_reduce is True and strategy.bucket_mb == 4.0

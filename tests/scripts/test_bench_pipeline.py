@@ -41,7 +41,7 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
     assert torchrun[torchrun.index("lightning_lorafusion.cli"):] == cmd[2:]
     cfg = _resolved_config(cmd[3:] + ["--print_config"], tmp_path, monkeypatch)
     trainer, model = cfg["trainer"], cfg["model"]
-    strategy = trainer["strategy"]["init_args"]
+    strategy = trainer["strategy"]["init_args"] if isinstance(trainer["strategy"], dict) else trainer["strategy"]
     adapters = [a["name"] for a in model["adapters"]]
     assert trainer["default_root_dir"] == str(tmp_path / "run") and trainer["devices"] == job.procs
     assert trainer["precision"] == "bf16-true" and trainer["max_epochs"] == 2
@@ -69,9 +69,12 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
         assert all(a["dataset"]["distribution"] == "mixed" for a in model["adapters"]) or "_het_" in name
     else:
         assert model["base_model"] == "random:llama8b"
-        layout = {"8b_pp2xdp2": (4, 2), "8b_dp4": (4, 1), "8b_2jobs_pp2": (2, 2), "8b_pp2": (2, 2),
-                  "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1)}[name]
-        assert (trainer["devices"], strategy["pipeline_size"]) == layout
+        if name == "8b_single":  # the single-device path: no strategy of ours
+            assert (trainer["devices"], strategy) == (1, "auto")
+        else:
+            layout = {"8b_pp2xdp2": (4, 2), "8b_dp4": (4, 1), "8b_2jobs_pp2": (2, 2), "8b_pp2": (2, 2),
+                      "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1), "8b_strategy_pp1": (1, 1)}[name]
+            assert (trainer["devices"], strategy["pipeline_size"]) == layout
         want = {"a": ["mixed1", "mixed2"], "b": ["mixed3", "mixed4"]}.get(job.tag, ["mixed1", "mixed2", "mixed3", "mixed4"])
         assert adapters == want
 
