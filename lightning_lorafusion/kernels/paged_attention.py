@@ -183,6 +183,11 @@ def check_scale_window(scale, sliding_window) -> None:
         raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
 
 
+def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention logit cap); identity for None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 @torch.no_grad()
 def paged_decode_attention_reference(
     q: torch.Tensor,
@@ -193,14 +198,15 @@ def paged_decode_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row's newest token over its cached tokens: ``[B, Hq, D]`` in q.dtype.
 
     q ``[B, Hq, D]``; page_table ``[B, max_pages]`` int32 (entries past a row's last page are
     ignored, any value); seq_lens ``[B]`` int32 >= 1, the cached tokens including the current
     one. Query head h reads kv head ``h // (Hq // Hkv)``. Scores ``scale * q.k`` and softmax
-    in fp32; with ``sliding_window`` W only the last W tokens (positions >= seq_len - W) count.
-    Gathers the pages of the longest row for every row (reads seq_lens on the host: a sync).
+    in fp32; with ``sliding_window`` W only the last W tokens (positions >= seq_len - W) count;
+    with ``softcap`` C (Gemma 2) the scores are ``C * tanh(scores / C)``. Gathers the pages of the longest row for every row (reads seq_lens on the host: a sync).
     """
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     b, hq, d = q.shape
@@ -226,7 +232,7 @@ def paged_decode_attention_reference(
     # values, NaN included): zero them, as the Triton kernel's masked loads do (0 * NaN = NaN)
     v = kv[:, :, 1].reshape(b, n_pages * s, hkv, d).float().masked_fill(~valid[:, :, None, None], 0.0)
     qg = q.float().view(b, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
+    scores = soft_capped(torch.einsum("bhgd,bthd->bhgt", qg, k) * scale, softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
@@ -243,6 +249,7 @@ def paged_prefix_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its cached prefix and themselves.
 
@@ -250,7 +257,8 @@ def paged_prefix_attention_reference(
     (and those of positions ``0 .. start - 1``) are already in ``pages`` (``[>= ceil((start + n) /
     S)]`` int, the sequence's page list) of ``kv_pool [P, L, 2, S, Hkv, D]``. Query i sees
     positions j <= start + i (and, with ``sliding_window`` W, j > start + i - W). -> ``[n, Hq, D]``.
-    A torch path (gathers the pages; SDPA), for prefills that reuse a cached prefix.
+    A torch path (gathers the pages; SDPA), for prefills that reuse a cached prefix; with
+    ``softcap`` C the scores are ``C * tanh(scores / C)`` (an explicit fp32 softmax: SDPA has none).
     """
     n, hq, d = q.shape
     s, hkv = kv_pool.shape[3], kv_pool.shape[4]
@@ -263,6 +271,12 @@ def paged_prefix_attention_reference(
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
+    if softcap is not None:
+        k = k.repeat_interleave(hq // hkv, dim=0).float()  # [Hq, total, D]
+        scores = soft_capped(torch.einsum("hnd,htd->hnt", q.transpose(0, 1).float(), k) * scale, softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = torch.einsum("hnt,htd->hnd", probs, v.repeat_interleave(hq // hkv, dim=0).float())
+        return out.transpose(0, 1).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(0, 1)
@@ -277,19 +291,22 @@ def paged_decode_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Same contract as ``paged_decode_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
-    The Triton path reads no value on the host (CUDA-graph safe)."""
+    The Triton path reads no value on the host (CUDA-graph safe); it has no ``softcap`` yet."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
         return paged_decode_attention_reference(
-            q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window
+            q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window, softcap=softcap
         )
+    if softcap is not None:
+        raise ValueError("softcap: the Triton paged decode kernel has no soft-cap; use backend='torch'")
     return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
 
 

@@ -167,6 +167,7 @@ def paged_prefill_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its pages: ``[T, Hq, D]`` in q.dtype.
 
@@ -176,7 +177,8 @@ def paged_prefill_attention_reference(
     those of positions ``0 .. starts[i] - 1`` are in pages ``page_table[i, 0..]`` (``[n,
     max_pages]`` int32; entries past the last needed page are ignored). Query at position p sees
     positions j <= p (and, with ``sliding_window`` W, j > p - W); head h reads kv head
-    ``h // (Hq // Hkv)``. One ``paged_prefix_attention_reference`` (gather + SDPA) per request;
+    ``h // (Hq // Hkv)``; ``softcap`` C: scores ``C * tanh(scores / C)``. One
+    ``paged_prefix_attention_reference`` (gather + SDPA) per request;
     reads cu_seqlens and starts on the host (a sync).
     """
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
@@ -194,7 +196,7 @@ def paged_prefill_attention_reference(
         if need > page_table.shape[1]:
             raise ValueError(f"request {i} needs {need} pages but page_table has {page_table.shape[1]} columns")
         out[a:b] = paged_prefix_attention_reference(q[a:b], kv_pool, layer, page_table[i], firsts[i], scale=scale,
-                                                    sliding_window=sliding_window)
+                                                    sliding_window=sliding_window, softcap=softcap)
     return out
 
 
@@ -209,19 +211,23 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seqlen: int | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
     ``max_seqlen``: an upper bound on any request's new tokens (sizes the Triton grid; read from
-    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host."""
+    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host; it has
+    no ``softcap`` yet."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
         return paged_prefill_attention_reference(q, kv_pool, layer, cu_seqlens, starts, page_table, scale=scale,
-                                                 sliding_window=sliding_window)
+                                                 sliding_window=sliding_window, softcap=softcap)
+    if softcap is not None:
+        raise ValueError("softcap: the Triton paged prefill kernel has no soft-cap; use backend='torch'")
     return _paged_prefill_attention_triton(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window,
                                            max_seqlen=max_seqlen)
 

@@ -13,6 +13,7 @@ import torch
 from ..model.decoder import DecoderConfig
 from ..model.peft_io import peft_key, read_peft_adapter
 from ..specs import ALL_TARGET_MODULES, ConfigError
+from .fused_weights import FUSED_PROJECTIONS
 
 # Matrices start at multiples of this many elements inside an adapter's run of pages, so the
 # kernels' vector loads stay aligned (16 elements = 32 bytes in half precision).
@@ -118,14 +119,39 @@ def _matrix_elems(rank: int, in_features: int, out_features: int) -> int:
 def adapter_numel(config: DecoderConfig, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:
     """Elements of a ``HostAdapter``'s flat buffer (every layer of each target module), before
     building it: what sizing a pool for known adapters needs."""
-    return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in target_modules)
+    members = [m for t in target_modules for m in FUSED_PROJECTIONS.get(t, (t,))]  # as split_fused_factors
+    return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in members)
+
+
+def split_fused_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                        config: DecoderConfig) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA on a fused projection (Phi-3's ``qkv_proj`` / ``gate_up_proj``: one A, a B over all
+    members' outputs, as PEFT and training hold it) as LoRA on its members: each keeps A and
+    takes its rows of B, the same product. The pool and the kernels hold per-member factors."""
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in factors.items():
+        members = FUSED_PROJECTIONS.get(module)
+        if members is None:
+            out[(layer, module)] = (a, b)
+            continue
+        sizes = [config.module_dims(m)[1] for m in members]
+        if b.dim() != 2 or b.shape[0] != sum(sizes):
+            raise ConfigError(f"adapter {name!r}: layer {layer} {module} has lora_B {tuple(b.shape)}; this base "
+                              f"needs [{sum(sizes)}, rank] (was the adapter trained on another base model?)")
+        for member, part in zip(members, b.split(sizes)):
+            if (layer, member) in factors:
+                raise ConfigError(f"adapter {name!r} targets both {module} and its part {member}; keep one")
+            out[(layer, member)] = (a, part)
+    return out
 
 
 def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                               *, rank: int, alpha: float, config: DecoderConfig, dtype: torch.dtype,
                               pin: bool, path: str | None = None) -> HostAdapter:
     """``factors[(layer, module)] = (lora_A [r, in], lora_B [out, r])`` (PEFT layout) for every
-    layer of each targeted module -> a ``HostAdapter``; shapes are checked against ``config``."""
+    layer of each targeted module -> a ``HostAdapter``; shapes are checked against ``config``.
+    A fused projection's factors (Phi-3) are held as its members' (``split_fused_factors``)."""
+    factors = split_fused_factors(name, factors, config)
     targets = tuple(m for m in ALL_TARGET_MODULES if any(mod == m for _, mod in factors))
     slots: dict[tuple[int, str], MatrixSlot] = {}
     offset = 0

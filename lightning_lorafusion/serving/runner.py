@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
@@ -66,9 +65,11 @@ class ModelRunner:
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
+        local = rope_inv_freq(config, self.device, local=True) if config.family.local_rope_theta is not None else None
         self.model = PagedDecoder(config=config, params=params, pool=pool, kernel_backend=self.kernel_backend,
                                   lora_backend=self.lora_backend,
-                                  prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq)
+                                  prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
+                                  local_inv_freq=local)
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -89,9 +90,10 @@ class ModelRunner:
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
         decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
-        if self.device.type != "cuda" or self.kernel_backend != "triton":
-            raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
-                               f"(device {self.device}, decode backend {self.kernel_backend!r})")
+        if not self.can_capture_decode:
+            raise RuntimeError("decode CUDA graphs need a CUDA device, the Triton decode kernels and attention "
+                               f"without a logit soft-cap (device {self.device}, decode backend "
+                               f"{self.kernel_backend!r}, family {self.config.family.name!r})")
         self._graph_logits = torch.empty(self.buckets[-1], self.config.vocab_size, dtype=torch.float32,
                                          device=self.device)
         self.pad_decode = True
@@ -101,7 +103,7 @@ class ModelRunner:
 
     def _graph_body(self, rows: int, lora: bool) -> None:
         hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
-        self._graph_logits[:rows].copy_(F.linear(hidden, self.params["lm_head"]))
+        self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
 
     # ------------------------------------------------------------------ decode-only steps
 
@@ -307,9 +309,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     @property
+    def can_capture_decode(self) -> bool:
+        """Whether decode steps can be captured as CUDA graphs: a CUDA device, the Triton decode
+        kernels, and a family whose attention they compute (Gemma 2's soft-capped attention
+        takes the torch references, which read values on the host)."""
+        return (self.device.type == "cuda" and self.kernel_backend == "triton"
+                and self.config.family.attn_logit_softcap is None)
+
+    @property
     def can_capture_mixed(self) -> bool:
-        """Whether mixed-step pieces can be captured: a CUDA device and the Triton kernels."""
-        return self.device.type == "cuda" and self.lora_backend == "triton" and self.kernel_backend == "triton"
+        """Whether mixed-step pieces can be captured: as ``can_capture_decode``, with the Triton
+        prefill LoRA kernels too."""
+        return self.can_capture_decode and self.lora_backend == "triton"
 
     def use_mixed_pieces(self, mode: str | None) -> None:
         """Padded mixed steps (``pad_mixed``) as pieces: "graphs" (CUDA: each piece captured on
