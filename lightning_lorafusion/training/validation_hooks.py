@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any
 import os
 
 import torch
 from lightning import LightningModule as Module
 
 from ..data.microbatch import IGNORE_INDEX, Microbatch
-from ..specs import ConfigError
 from .evaluation import EARLY_STOPPED, judge_validation
 from .nonfinite_guard import host_copy, named_params, quarantine, stop_adapter, sync_host_copies
 

@@ -100,15 +100,20 @@ class _Family:
         for name in names[1:]:
             ref.load_adapter(self.dirs[name], adapter_name=name)
         self.ref = ref.eval()
-        self.expected = [self.generate(p, a, MAX_NEW) for p, a in CASES]
+        self.expected, self.expected_logprobs = zip(*(self.generate(p, a, MAX_NEW) for p, a in CASES))
 
     @torch.no_grad()
-    def generate(self, prompt, adapter, max_new_tokens) -> list[int]:
+    def generate(self, prompt, adapter, max_new_tokens) -> tuple[list[int], list[float]]:
+        """Greedy tokens and each one's log-probability (a final logit soft-cap, monotonic, keeps
+        the argmax: only the log-probabilities show it)."""
         ids = torch.tensor([prompt])
 
         def run():
-            return self.ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+            out = self.ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new_tokens, pad_token_id=0, return_dict_in_generate=True,
+                                    output_logits=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            return tokens, [torch.log_softmax(lg[0].double(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
 
         if adapter is None:
             with self.ref.disable_adapter():
@@ -133,25 +138,33 @@ def family(request, tmp_path_factory):
     return _Family(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _generate(engine, cases, max_new=MAX_NEW):
-    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0)
-    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp) for p, a in cases]
-    return [list(r.token_ids) for r in engine.generate(reqs)]
+def _generate(engine, cases, max_new=MAX_NEW, logprobs=False):
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, logprobs=1 if logprobs else None)
+    results = engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp) for p, a in cases])
+    tokens = [list(r.token_ids) for r in results]
+    return (tokens, [list(r.logprobs) for r in results]) if logprobs else tokens
+
+
+def _assert_equal_to_hf(family, got):
+    tokens, logprobs = got
+    assert tokens == list(family.expected)
+    for lp, ref in zip(logprobs, family.expected_logprobs):
+        assert lp == pytest.approx(ref, abs=1e-4)
 
 
 def test_greedy_batch_equals_hf_peft_with_prefix_caching_and_chunked_prefill(family):
     engine = family.engine()
     try:
-        assert _generate(engine, CASES) == family.expected
+        _assert_equal_to_hf(family, _generate(engine, CASES, logprobs=True))
         hits = engine.stats()["prefix_cache_hits_total"]
         # again: every prompt's full pages are cached now, so prefills start mid-prompt
-        assert _generate(engine, CASES) == family.expected
+        _assert_equal_to_hf(family, _generate(engine, CASES, logprobs=True))
         assert engine.stats()["prefix_cache_hits_total"] > hits
     finally:
         engine.close()
     # the adapters matter: one prompt decodes differently under each
     prompt = CASES[1][0]
-    outs = {a: tuple(family.generate(prompt, a, MAX_NEW)) for a in (None, *family.dirs)}
+    outs = {a: tuple(family.generate(prompt, a, MAX_NEW)[0]) for a in (None, *family.dirs)}
     assert len(set(outs.values())) == len(outs)
 
 
@@ -159,7 +172,7 @@ def test_padded_mixed_step_pieces_equal_hf_peft(family):
     """The pieces a GPU captures around attention (decode rows first, token buckets), run eagerly."""
     engine = family.engine(mixed_graphs="eager", prefix_caching=False)
     try:
-        assert _generate(engine, CASES[:5]) == family.expected[:5]
+        assert _generate(engine, CASES[:5]) == list(family.expected[:5])
     finally:
         engine.close()
 
