@@ -211,7 +211,7 @@ def check_family(family: str, a: argparse.Namespace, dtype: torch.dtype) -> dict
     return result
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> Report:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", type=comma_list(FAMILIES), default=list(FAMILIES))
     ap.add_argument("--hidden", type=int, default=1024)
@@ -248,8 +248,10 @@ def main(argv=None) -> int:
               f"{r['loss_max_rel_diff']:.2e} | {'yes' if r['ok'] else 'NO'} |")
     for name, err in report["errors"].items():
         print(f"| {name} | error: {err} | | | NO |")
-    return 0 if all(r["ok"] for r in report["families"]) and not report["errors"] else 1
+    report["ok"] = all(r["ok"] for r in report["families"]) and not report["errors"]
+    report.save()
+    return report
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(0 if main()["ok"] else 1)
