@@ -189,3 +189,34 @@ def test_triton_kernels_equal_hf_peft(family):
     finally:
         engine.close()
     assert got == [e[:3] for e in family.expected[1:5]]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_paged_attention_references_soft_cap_as_training_attention_does(window):
+    """Gemma 2's logit soft-cap in the paged decode and prefill references (what the engine runs
+    for a soft-capped family) equals training's varlen attention over the same sequence."""
+    from lightning_lorafusion.kernels.paged_attention import paged_decode_attention, write_kv
+    from lightning_lorafusion.kernels.paged_prefill import paged_prefill_attention
+    from lightning_lorafusion.model.attention import sdpa_varlen_loop
+
+    g = torch.Generator().manual_seed(0)
+    n, hq, hkv, d, page, cap = 11, 4, 2, 8, 4, 1.5
+    q, k, v = (torch.randn(n, h, d, generator=g) * 2 for h in (hq, hkv, hkv))
+    pool = torch.zeros(6, 1, 2, page, hkv, d)
+    pages = torch.tensor([4, 1, 5])
+    write_kv(pool, 0, k, v, pages[torch.arange(n) // page], torch.arange(n) % page)
+    expected = sdpa_varlen_loop(q, k, v, torch.tensor([0, n]), scale=0.3, sliding_window=window, softcap=cap)
+    start = 6  # the prefill of rows 6.. over a cached prefix
+    prefill = paged_prefill_attention(q[start:], pool, 0, torch.tensor([0, n - start], dtype=torch.int32),
+                                      torch.tensor([start], dtype=torch.int32), pages[None].int(), scale=0.3,
+                                      sliding_window=window, softcap=cap, backend="torch")
+    decode = paged_decode_attention(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
+                                    scale=0.3, sliding_window=window, softcap=cap, backend="torch")
+    torch.testing.assert_close(prefill, expected[start:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode, expected[-1:], rtol=1e-5, atol=1e-5)
+    uncapped = paged_decode_attention(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
+                                      scale=0.3, sliding_window=window, backend="torch")
+    assert (uncapped - decode).abs().max() > 1e-2  # the cap bends these scores
+    with pytest.raises(ValueError, match="no soft-cap"):  # the Triton kernels refuse, never ignore, it
+        paged_decode_attention(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
+                               scale=0.3, softcap=cap, backend="triton")
