@@ -26,11 +26,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def soft_cap_log2(s, cap_log2):
+    """``cap * tanh(x / cap)`` of scores in log2 units (``s = x * log2(e)``, ``cap_log2 = cap *
+    log2(e)``), in fp32; tanh(y) as ``1 - 2 / (exp(2y) + 1)``, exact at both saturations."""
+    return cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    qk_scale, window, q_stride_b, q_stride_h, pt_stride,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride,
     stride_p, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -76,6 +84,8 @@ def _paged_decode_kernel(
         k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T], log2 units
+        if HAS_SOFTCAP:
+            scores = soft_cap_log2(scores, cap_log2)
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -181,6 +191,11 @@ def check_scale_window(scale, sliding_window) -> None:
         raise ValueError(f"scale must be a finite number (usually head_dim ** -0.5); got {scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
+
+
+def check_softcap(softcap) -> None:
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0; got {softcap!r}")
 
 
 def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -296,7 +311,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Same contract as ``paged_decode_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
-    The Triton path reads no value on the host (CUDA-graph safe); it has no ``softcap`` yet."""
+    The Triton path reads no value on the host (CUDA-graph safe)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -305,9 +320,8 @@ def paged_decode_attention(
         return paged_decode_attention_reference(
             q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window, softcap=softcap
         )
-    if softcap is not None:
-        raise ValueError("softcap: the Triton paged decode kernel has no soft-cap; use backend='torch'")
-    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window,
+                                          softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,10 +339,11 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
-    splits=None, block_t=None, num_warps=4, num_stages=3,
+    softcap=None, splits=None, block_t=None, num_warps=4, num_stages=3,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
     b, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
@@ -351,9 +366,10 @@ def _paged_decode_attention_triton(
     sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_decode_kernel[(b, hkv, splits)](
         q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
-        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
-        sp, skv, ss, sh,
-        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+        page_table.stride(0), sp, skv, ss, sh,
+        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

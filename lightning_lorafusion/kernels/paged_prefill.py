@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .paged_attention import (
-    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, paged_prefix_attention_reference,
-    triton_prologue,
+    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, check_softcap,
+    paged_prefix_attention_reference, soft_cap_log2, triton_prologue,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -26,9 +26,10 @@ from .paged_attention import (
 
 @triton.jit
 def _attend_key_block(
-    q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d, d_ok, qk_scale,
+    q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d, d_ok, qk_scale, cap_log2,
     stride_p, stride_kv, stride_s,
-    PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax update of a query tile with keys ``t0 .. t0 + BLOCK_N - 1`` (< hi).
 
@@ -43,6 +44,8 @@ def _attend_key_block(
     k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
+    if HAS_SOFTCAP:
+        s = soft_cap_log2(s, cap_log2)
     if MASKED:
         ok = t_ok[None, :] & (t[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -61,9 +64,10 @@ def _attend_key_block(
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, kv_ptr, cu_ptr, start_ptr, pt_ptr, out_ptr,
-    qk_scale, window, q_stride_t, q_stride_h, pt_stride,
+    qk_scale, window, cap_log2, q_stride_t, q_stride_h, pt_stride,
     stride_p, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -102,19 +106,19 @@ def _paged_prefill_kernel(
     if HAS_WINDOW:
         for t0 in range(tl.maximum(start + m0 - window + 1, 0), hi, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, True, True, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, True, True, HAS_SOFTCAP, DOT_PRECISION)
     else:
         # keys up to the tile's first token are visible to every row: no mask on those blocks
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
         for t0 in range(0, full, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, False, False, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, False, False, HAS_SOFTCAP, DOT_PRECISION)
         for t0 in range(full, hi, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, True, False, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, True, False, HAS_SOFTCAP, DOT_PRECISION)
     out = acc / l[:, None]
     tl.store(out_ptr + (q_rows[:, None] * (GROUP * tl.num_programs(2)) + q_heads[:, None]) * HEAD_DIM
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -217,8 +221,7 @@ def paged_prefill_attention(
     """Same contract as ``paged_prefill_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
     ``max_seqlen``: an upper bound on any request's new tokens (sizes the Triton grid; read from
-    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host; it has
-    no ``softcap`` yet."""
+    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -226,10 +229,8 @@ def paged_prefill_attention(
     if backend == "torch":
         return paged_prefill_attention_reference(q, kv_pool, layer, cu_seqlens, starts, page_table, scale=scale,
                                                  sliding_window=sliding_window, softcap=softcap)
-    if softcap is not None:
-        raise ValueError("softcap: the Triton paged prefill kernel has no soft-cap; use backend='torch'")
     return _paged_prefill_attention_triton(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window,
-                                           max_seqlen=max_seqlen)
+                                           max_seqlen=max_seqlen, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,11 +251,12 @@ def _default_blocks(head_dim: int, device: torch.device) -> dict:
 
 def _paged_prefill_attention_triton(
     q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window, *,
-    max_seqlen=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    max_seqlen=None, softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
 ):
     """The launcher; the keyword knobs exist for tests and sweeps (scripts/bench_generation.py --prefill-attention).
     ``block_m`` counts rows of the flattened (token, query head of the group) tile."""
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
+    check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
     t, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
@@ -273,10 +275,10 @@ def _paged_prefill_attention_triton(
     sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_prefill_kernel[(triton.cdiv(max(max_seqlen, 1), tok_m), n, hkv)](
         q, kv_layer, cu_seqlens, starts, page_table, out,
-        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
-        sp, skv, ss, sh,
+        scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+        page_table.stride(0), sp, skv, ss, sh,
         GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
-        TOK_M=tok_m, BLOCK_M=block_m, BLOCK_N=block_n or knobs["block_n"],
+        HAS_SOFTCAP=softcap is not None, TOK_M=tok_m, BLOCK_M=block_m, BLOCK_N=block_n or knobs["block_n"],
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or knobs["num_warps"], num_stages=num_stages or knobs["num_stages"],

@@ -132,10 +132,9 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
-        able = self.runner.can_capture_decode
+        able = self.device.type == "cuda" and self.runner.kernel_backend == "triton"
         if mode == "on" and not able:
-            raise ConfigError(f"EngineConfig.cuda_graphs='on' needs a CUDA device, the Triton decode kernels and a "
-                              f"family without attention soft-cap ({self.model_config.family.name!r}); "
+            raise ConfigError(f"EngineConfig.cuda_graphs='on' needs a CUDA device and the Triton decode kernels; "
                               f"this engine runs on {self.device} with decode backend "
                               f"{self.runner.kernel_backend!r} (use 'auto' or 'off')")
         return mode == "on" or (mode == "auto" and able)

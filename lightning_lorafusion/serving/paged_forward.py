@@ -159,11 +159,7 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
     real = tp + nd
     scale, window = attention_scale(cfg.family, cfg.head_dim), cfg.sliding_window(layer)
-    # the paged Triton kernels have no logit soft-cap (Gemma 2): a soft-capped family's
-    # attention takes their torch references (host syncs: no captured graphs, runner.py)
-    softcap = cfg.family.attn_logit_softcap
-    kernel_backend = m.kernel_backend if softcap is None else "torch"
-    prefill_backend = m.prefill_attention_backend if softcap is None else "torch"
+    softcap = cfg.family.attn_logit_softcap  # Gemma 2: the paged kernels cap the scores too
     # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
     # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
     kv_layer = m.pool.kv[:, layer:layer + 1]
@@ -171,7 +167,7 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
     def decode_part():
         return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
-                                      scale=scale, sliding_window=window, softcap=softcap, backend=kernel_backend)
+                                      scale=scale, sliding_window=window, softcap=softcap, backend=m.kernel_backend)
 
     parts = [decode_part()] if batch.decode_first and nd else []  # in row order
     ps, tf = batch.prefill_start, batch.num_fresh_rows
@@ -185,7 +181,7 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
         pre = batch.prefill_prefixes
         parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
                                              pre.page_table, scale=scale, sliding_window=window, softcap=softcap,
-                                             max_seqlen=pre.max_seqlen, backend=prefill_backend))
+                                             max_seqlen=pre.max_seqlen, backend=m.prefill_attention_backend))
     if not batch.decode_first and nd:
         parts.append(decode_part())
     if real < t:

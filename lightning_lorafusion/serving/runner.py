@@ -90,10 +90,9 @@ class ModelRunner:
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
         decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
-        if not self.can_capture_decode:
-            raise RuntimeError("decode CUDA graphs need a CUDA device, the Triton decode kernels and attention "
-                               f"without a logit soft-cap (device {self.device}, decode backend "
-                               f"{self.kernel_backend!r}, family {self.config.family.name!r})")
+        if self.device.type != "cuda" or self.kernel_backend != "triton":
+            raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
+                               f"(device {self.device}, decode backend {self.kernel_backend!r})")
         self._graph_logits = torch.empty(self.buckets[-1], self.config.vocab_size, dtype=torch.float32,
                                          device=self.device)
         self.pad_decode = True
@@ -309,18 +308,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     @property
-    def can_capture_decode(self) -> bool:
-        """Whether decode steps can be captured as CUDA graphs: a CUDA device, the Triton decode
-        kernels, and a family whose attention they compute (Gemma 2's soft-capped attention
-        takes the torch references, which read values on the host)."""
-        return (self.device.type == "cuda" and self.kernel_backend == "triton"
-                and self.config.family.attn_logit_softcap is None)
-
-    @property
     def can_capture_mixed(self) -> bool:
-        """Whether mixed-step pieces can be captured: as ``can_capture_decode``, with the Triton
-        prefill LoRA kernels too."""
-        return self.can_capture_decode and self.lora_backend == "triton"
+        """Whether mixed-step pieces can be captured: a CUDA device and the Triton kernels."""
+        return self.device.type == "cuda" and self.lora_backend == "triton" and self.kernel_backend == "triton"
 
     def use_mixed_pieces(self, mode: str | None) -> None:
         """Padded mixed steps (``pad_mixed``) as pieces: "graphs" (CUDA: each piece captured on

@@ -122,7 +122,7 @@ class _Family:
         return run()
 
     def engine(self, **config) -> Engine:
-        tuning = {k: config.pop(k) for k in ("mixed_graphs",) if k in config}
+        tuning = {k: config.pop(k) for k in ("mixed_graphs", "prefill_attention") if k in config}
         defaults = dict(num_pages=160, page_size=4, max_num_seqs=8, max_num_batched_tokens=16,
                         prefix_caching=True, enable_chunked_prefill=True)
         engine = Engine(self.config, self.params, None,
@@ -178,12 +178,14 @@ def test_padded_mixed_step_pieces_equal_hf_peft(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3"], indirect=True)
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"], indirect=True)
 def test_triton_kernels_equal_hf_peft(family):
     """Norms (``1 + w`` included), LoRA gathers and segments, RoPE + KV write and paged attention
-    in Triton (the interpreter, fp32), with the family's pieces around them: Gemma 3's q/k norms,
-    GELU-tanh, local RoPE and windows; Phi-3's fused checkpoint projections and their LoRA."""
-    engine = family.engine(backend="triton", enable_chunked_prefill=False, max_num_batched_tokens=64)
+    in Triton (the interpreter, fp32), with the family's pieces around them: Gemma 2's soft-capped
+    paged attention; Gemma 3's q/k norms, GELU-tanh, local RoPE and windows; Phi-3's fused
+    checkpoint projections and their LoRA."""
+    engine = family.engine(backend="triton", prefill_attention="paged", enable_chunked_prefill=False,
+                           max_num_batched_tokens=64)
     try:
         got = _generate(engine, CASES[1:5], max_new=3)
     finally:
@@ -192,10 +194,11 @@ def test_triton_kernels_equal_hf_peft(family):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_paged_attention_references_soft_cap_as_training_attention_does(window):
-    """Gemma 2's logit soft-cap in the paged decode and prefill references (what the engine runs
-    for a soft-capped family) equals training's varlen attention over the same sequence."""
-    from lightning_lorafusion.kernels.paged_attention import paged_decode_attention, write_kv
+def test_paged_attention_soft_caps_as_training_attention_does(window):
+    """Gemma 2's logit soft-cap in the paged decode and prefill attention (references and Triton
+    kernels) equals training's varlen attention over the same sequence."""
+    from lightning_lorafusion.kernels.paged_attention import (_paged_decode_attention_triton, paged_decode_attention,
+                                                              write_kv)
     from lightning_lorafusion.kernels.paged_prefill import paged_prefill_attention
     from lightning_lorafusion.model.attention import sdpa_varlen_loop
 
@@ -217,6 +220,12 @@ def test_paged_attention_references_soft_cap_as_training_attention_does(window):
     uncapped = paged_decode_attention(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
                                       scale=0.3, sliding_window=window, backend="torch")
     assert (uncapped - decode).abs().max() > 1e-2  # the cap bends these scores
-    with pytest.raises(ValueError, match="no soft-cap"):  # the Triton kernels refuse, never ignore, it
-        paged_decode_attention(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
-                               scale=0.3, softcap=cap, backend="triton")
+    # the Triton kernels (interpreter, fp32) soft-cap the same way
+    for splits in (1, 2):  # one program per row, and the flash-decoding split + combine
+        got = _paged_decode_attention_triton(q[-1:], pool, 0, pages[None].int(), torch.tensor([n], dtype=torch.int32),
+                                             0.3, window, softcap=cap, splits=splits)
+        torch.testing.assert_close(got, decode, rtol=1e-5, atol=1e-5)
+    got = paged_prefill_attention(q[start:], pool, 0, torch.tensor([0, n - start], dtype=torch.int32),
+                                  torch.tensor([start], dtype=torch.int32), pages[None].int(), scale=0.3,
+                                  sliding_window=window, softcap=cap, backend="triton")
+    torch.testing.assert_close(got, prefill, rtol=1e-5, atol=1e-5)
