@@ -26,11 +26,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def soft_cap_log2(s, cap_log2):
+    """``cap * tanh(x / cap)`` of scores in log2 units (``s = x * log2(e)``, ``cap_log2 = cap *
+    log2(e)``), in fp32; tanh(y) as ``1 - 2 / (exp(2y) + 1)``, exact at both saturations."""
+    return cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    qk_scale, window, q_stride_b, q_stride_h, pt_stride,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride,
     stride_p, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -76,6 +84,8 @@ def _paged_decode_kernel(
         k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T], log2 units
+        if HAS_SOFTCAP:
+            scores = soft_cap_log2(scores, cap_log2)
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -183,6 +193,16 @@ def check_scale_window(scale, sliding_window) -> None:
         raise ValueError(f"sliding_window must be None or a positive int; got {sliding_window!r}")
 
 
+def check_softcap(softcap) -> None:
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0; got {softcap!r}")
+
+
+def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention logit cap); identity for None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 @torch.no_grad()
 def paged_decode_attention_reference(
     q: torch.Tensor,
@@ -193,14 +213,15 @@ def paged_decode_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each row's newest token over its cached tokens: ``[B, Hq, D]`` in q.dtype.
 
     q ``[B, Hq, D]``; page_table ``[B, max_pages]`` int32 (entries past a row's last page are
     ignored, any value); seq_lens ``[B]`` int32 >= 1, the cached tokens including the current
     one. Query head h reads kv head ``h // (Hq // Hkv)``. Scores ``scale * q.k`` and softmax
-    in fp32; with ``sliding_window`` W only the last W tokens (positions >= seq_len - W) count.
-    Gathers the pages of the longest row for every row (reads seq_lens on the host: a sync).
+    in fp32; with ``sliding_window`` W only the last W tokens (positions >= seq_len - W) count;
+    with ``softcap`` C (Gemma 2) the scores are ``C * tanh(scores / C)``. Gathers the pages of the longest row for every row (reads seq_lens on the host: a sync).
     """
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     b, hq, d = q.shape
@@ -226,7 +247,7 @@ def paged_decode_attention_reference(
     # values, NaN included): zero them, as the Triton kernel's masked loads do (0 * NaN = NaN)
     v = kv[:, :, 1].reshape(b, n_pages * s, hkv, d).float().masked_fill(~valid[:, :, None, None], 0.0)
     qg = q.float().view(b, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
+    scores = soft_capped(torch.einsum("bhgd,bthd->bhgt", qg, k) * scale, softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
@@ -243,6 +264,7 @@ def paged_prefix_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its cached prefix and themselves.
 
@@ -250,7 +272,8 @@ def paged_prefix_attention_reference(
     (and those of positions ``0 .. start - 1``) are already in ``pages`` (``[>= ceil((start + n) /
     S)]`` int, the sequence's page list) of ``kv_pool [P, L, 2, S, Hkv, D]``. Query i sees
     positions j <= start + i (and, with ``sliding_window`` W, j > start + i - W). -> ``[n, Hq, D]``.
-    A torch path (gathers the pages; SDPA), for prefills that reuse a cached prefix.
+    A torch path (gathers the pages; SDPA), for prefills that reuse a cached prefix; with
+    ``softcap`` C the scores are ``C * tanh(scores / C)`` (an explicit fp32 softmax: SDPA has none).
     """
     n, hq, d = q.shape
     s, hkv = kv_pool.shape[3], kv_pool.shape[4]
@@ -263,6 +286,12 @@ def paged_prefix_attention_reference(
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
+    if softcap is not None:
+        k = k.repeat_interleave(hq // hkv, dim=0).float()  # [Hq, total, D]
+        scores = soft_capped(torch.einsum("hnd,htd->hnt", q.transpose(0, 1).float(), k) * scale, softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out = torch.einsum("hnt,htd->hnd", probs, v.repeat_interleave(hq // hkv, dim=0).float())
+        return out.transpose(0, 1).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(0, 1)
@@ -277,6 +306,7 @@ def paged_decode_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Same contract as ``paged_decode_attention_reference``; ``backend``: "torch" (the
@@ -288,9 +318,10 @@ def paged_decode_attention(
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
         return paged_decode_attention_reference(
-            q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window
+            q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window, softcap=softcap
         )
-    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window,
+                                          softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,10 +339,11 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
-    splits=None, block_t=None, num_warps=4, num_stages=3,
+    softcap=None, splits=None, block_t=None, num_warps=4, num_stages=3,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
+    check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
     b, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
@@ -334,9 +366,10 @@ def _paged_decode_attention_triton(
     sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_decode_kernel[(b, hkv, splits)](
         q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
-        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
-        sp, skv, ss, sh,
-        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+        page_table.stride(0), sp, skv, ss, sh,
+        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, SPLIT=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .paged_attention import (
-    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, paged_prefix_attention_reference,
-    triton_prologue,
+    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, check_softcap,
+    paged_prefix_attention_reference, soft_cap_log2, triton_prologue,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -26,9 +26,10 @@ from .paged_attention import (
 
 @triton.jit
 def _attend_key_block(
-    q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d, d_ok, qk_scale,
+    q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d, d_ok, qk_scale, cap_log2,
     stride_p, stride_kv, stride_s,
-    PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax update of a query tile with keys ``t0 .. t0 + BLOCK_N - 1`` (< hi).
 
@@ -43,6 +44,8 @@ def _attend_key_block(
     k = tl.load(tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(tok[:, None] + stride_kv + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
+    if HAS_SOFTCAP:
+        s = soft_cap_log2(s, cap_log2)
     if MASKED:
         ok = t_ok[None, :] & (t[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -61,9 +64,10 @@ def _attend_key_block(
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr, kv_ptr, cu_ptr, start_ptr, pt_ptr, out_ptr,
-    qk_scale, window, q_stride_t, q_stride_h, pt_stride,
+    qk_scale, window, cap_log2, q_stride_t, q_stride_h, pt_stride,
     stride_p, stride_kv, stride_s, stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     TOK_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -102,19 +106,19 @@ def _paged_prefill_kernel(
     if HAS_WINDOW:
         for t0 in range(tl.maximum(start + m0 - window + 1, 0), hi, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, True, True, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, True, True, HAS_SOFTCAP, DOT_PRECISION)
     else:
         # keys up to the tile's first token are visible to every row: no mask on those blocks
         full = (start + m0 + 1) // BLOCK_N * BLOCK_N
         for t0 in range(0, full, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, False, False, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, False, False, HAS_SOFTCAP, DOT_PRECISION)
         for t0 in range(full, hi, BLOCK_N):
             m, l, acc = _attend_key_block(q, m, l, acc, t0, hi, qpos, window, pt_row, kv_head, offs_n, offs_d,
-                                          d_ok, qk_scale, stride_p, stride_kv, stride_s,
-                                          PAGE, True, False, DOT_PRECISION)
+                                          d_ok, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+                                          PAGE, True, False, HAS_SOFTCAP, DOT_PRECISION)
     out = acc / l[:, None]
     tl.store(out_ptr + (q_rows[:, None] * (GROUP * tl.num_programs(2)) + q_heads[:, None]) * HEAD_DIM
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -167,6 +171,7 @@ def paged_prefill_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its pages: ``[T, Hq, D]`` in q.dtype.
 
@@ -176,7 +181,8 @@ def paged_prefill_attention_reference(
     those of positions ``0 .. starts[i] - 1`` are in pages ``page_table[i, 0..]`` (``[n,
     max_pages]`` int32; entries past the last needed page are ignored). Query at position p sees
     positions j <= p (and, with ``sliding_window`` W, j > p - W); head h reads kv head
-    ``h // (Hq // Hkv)``. One ``paged_prefix_attention_reference`` (gather + SDPA) per request;
+    ``h // (Hq // Hkv)``; ``softcap`` C: scores ``C * tanh(scores / C)``. One
+    ``paged_prefix_attention_reference`` (gather + SDPA) per request;
     reads cu_seqlens and starts on the host (a sync).
     """
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
@@ -194,7 +200,7 @@ def paged_prefill_attention_reference(
         if need > page_table.shape[1]:
             raise ValueError(f"request {i} needs {need} pages but page_table has {page_table.shape[1]} columns")
         out[a:b] = paged_prefix_attention_reference(q[a:b], kv_pool, layer, page_table[i], firsts[i], scale=scale,
-                                                    sliding_window=sliding_window)
+                                                    sliding_window=sliding_window, softcap=softcap)
     return out
 
 
@@ -209,6 +215,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seqlen: int | None = None,
+    softcap: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_reference``; ``backend``: "torch" (the
@@ -221,9 +228,9 @@ def paged_prefill_attention(
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
         return paged_prefill_attention_reference(q, kv_pool, layer, cu_seqlens, starts, page_table, scale=scale,
-                                                 sliding_window=sliding_window)
+                                                 sliding_window=sliding_window, softcap=softcap)
     return _paged_prefill_attention_triton(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window,
-                                           max_seqlen=max_seqlen)
+                                           max_seqlen=max_seqlen, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,11 +251,12 @@ def _default_blocks(head_dim: int, device: torch.device) -> dict:
 
 def _paged_prefill_attention_triton(
     q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window, *,
-    max_seqlen=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    max_seqlen=None, softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
 ):
     """The launcher; the keyword knobs exist for tests and sweeps (scripts/bench_generation.py --prefill-attention).
     ``block_m`` counts rows of the flattened (token, query head of the group) tile."""
     _check_inputs(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window)
+    check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
     t, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
@@ -267,10 +275,10 @@ def _paged_prefill_attention_triton(
     sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_prefill_kernel[(triton.cdiv(max(max_seqlen, 1), tok_m), n, hkv)](
         q, kv_layer, cu_seqlens, starts, page_table, out,
-        scale * _LOG2E, sliding_window or 0, q.stride(0), q.stride(1), page_table.stride(0),
-        sp, skv, ss, sh,
+        scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+        page_table.stride(0), sp, skv, ss, sh,
         GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
-        TOK_M=tok_m, BLOCK_M=block_m, BLOCK_N=block_n or knobs["block_n"],
+        HAS_SOFTCAP=softcap is not None, TOK_M=tok_m, BLOCK_M=block_m, BLOCK_N=block_n or knobs["block_n"],
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or knobs["num_warps"], num_stages=num_stages or knobs["num_stages"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +15,7 @@ import torch
 from ..model.decoder import DecoderConfig
 from ..model.peft_io import peft_key, peft_layout, peft_magnitude_key, read_peft_adapter
 from ..specs import ALL_TARGET_MODULES, ConfigError, LoraLayout
+from .fused_weights import FUSED_PROJECTIONS
 
 # Matrices start at multiples of this many elements inside an adapter's run of pages, so the
 # kernels' vector loads stay aligned (16 elements = 32 bytes in half precision).
@@ -130,12 +132,28 @@ def adapter_numel(config: DecoderConfig, rank: int, target_modules: tuple[str, .
                   layout: LoraLayout | None = None) -> int:
     """Elements of a ``HostAdapter``'s flat buffer (every layer of each target module), before
     building it: what sizing a pool for known adapters needs. ``layout`` (rank patterns, adapted
-    layers) overrides ``rank`` and ``target_modules``."""
+    layers) overrides ``rank`` and ``target_modules``. A fused projection (Phi-3's ``qkv_proj``)
+    counts as its members, as ``split_fused_factors`` holds it."""
     if layout is None:
-        return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in target_modules)
-    ranks, shared = _module_ranks(layout, config)
+        members = [m for t in target_modules for m in FUSED_PROJECTIONS.get(t, (t,))]
+        return config.num_layers * sum(_matrix_elems(rank, *config.module_dims(m)) for m in members)
+    ranks, shared = _module_ranks(member_layout(layout), config)
     return sum(_matrix_elems(r, *config.module_dims(m)) * (len(layers) + (m in shared))
                for m, (r, layers) in ranks.items())
+
+
+def member_layout(layout: LoraLayout) -> LoraLayout:
+    """``layout`` with each fused projection (Phi-3's ``qkv_proj`` / ``gate_up_proj``) replaced by
+    its members, which is how the pool holds it. Rank and alpha patterns name modules, so they
+    cannot follow the split: such an adapter on a fused projection is refused."""
+    fused = [m for m in layout.target_modules if m in FUSED_PROJECTIONS]
+    if not fused:
+        return layout
+    if layout.rank_pattern or layout.alpha_pattern:
+        raise ConfigError(f"{layout.owner}: rank_pattern / alpha_pattern on the fused projection(s) {fused} "
+                          "are not served yet; serve it without patterns or on a base with separate projections")
+    members = tuple(m for t in layout.target_modules for m in FUSED_PROJECTIONS.get(t, (t,)))
+    return dataclasses.replace(layout, target_modules=members)
 
 
 def _module_ranks(layout: LoraLayout, config: DecoderConfig) -> tuple[dict[str, tuple[int, list[int]]], set[str]]:
@@ -150,6 +168,28 @@ def _module_ranks(layout: LoraLayout, config: DecoderConfig) -> tuple[dict[str, 
     return out, {m for m, (_, layers) in out.items() if len(layers) < config.num_layers}
 
 
+def split_fused_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                        config: DecoderConfig) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA on a fused projection (Phi-3's ``qkv_proj`` / ``gate_up_proj``: one A, a B over all
+    members' outputs, as PEFT and training hold it) as LoRA on its members: each keeps A and
+    takes its rows of B, the same product. The pool and the kernels hold per-member factors."""
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), (a, b) in factors.items():
+        members = FUSED_PROJECTIONS.get(module)
+        if members is None:
+            out[(layer, module)] = (a, b)
+            continue
+        sizes = [config.module_dims(m)[1] for m in members]
+        if b.dim() != 2 or b.shape[0] != sum(sizes):
+            raise ConfigError(f"adapter {name!r}: layer {layer} {module} has lora_B {tuple(b.shape)}; this base "
+                              f"needs [{sum(sizes)}, rank] (was the adapter trained on another base model?)")
+        for member, part in zip(members, b.split(sizes)):
+            if (layer, member) in factors:
+                raise ConfigError(f"adapter {name!r} targets both {module} and its part {member}; keep one")
+            out[(layer, member)] = (a, part)
+    return out
+
+
 def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                               *, rank: int, alpha: float, config: DecoderConfig, dtype: torch.dtype,
                               pin: bool, path: str | None = None, layout: LoraLayout | None = None) -> HostAdapter:
@@ -159,10 +199,13 @@ def host_adapter_from_factors(name: str, factors: dict[tuple[int, str], tuple[to
     patterns, ``layers_to_transform``), the pairs and ranks it names: a module's layers are
     padded to its largest rank with zero rows of A and B^T (they add nothing), a projection's
     scale over the adapter's is folded into its B, and layers without the adapter share one
-    zero slot per module."""
+    zero slot per module. A fused projection's factors (Phi-3) are held as its members'
+    (``split_fused_factors``)."""
+    factors = split_fused_factors(name, factors, config)
     if layout is None:
         targets = tuple(m for m in ALL_TARGET_MODULES if any(mod == m for _, mod in factors))
         layout = LoraLayout(rank=rank, alpha=alpha, target_modules=targets, owner=f"adapter {name!r}")
+    layout = member_layout(layout)
     ranks, shared = _module_ranks(layout, config)
     extra = sorted({lm for lm in factors if lm[0] >= config.num_layers})
     if extra:

@@ -38,16 +38,6 @@ from .scheduler import Scheduler
 from .warm_up import EngineWarmUp, use_compile_caches
 
 
-def check_servable_family(model_config: DecoderConfig) -> None:
-    """The paged forward computes the Llama block: a base whose block differs is refused in one
-    line rather than served wrong."""
-    family = model_config.family
-    if not family.is_llama_block:
-        raise ConfigError(
-            f"the generation engine runs the Llama block; a {family.name!r} base (its norms, "
-            "activation or attention differ) trains with fit but is not served yet (docs/model.md)")
-
-
 class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarmUp):
     """Many LoRA adapters of one base model served in shared batches (S-LoRA style).
 
@@ -65,7 +55,6 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
     def __init__(self, model_config: DecoderConfig, params: Mapping[str, Any], tokenizer: Any,
                  config: EngineConfig | None = None, *, eos_token_ids: Iterable[int] | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        check_servable_family(model_config)
         use_compile_caches()  # before the first kernel compiles (the decode graphs' capture below)
         self.config = config = config or EngineConfig()
         self.model_config = model_config

@@ -38,6 +38,7 @@ from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin
+from ..model.family import attention_scale, embedding_multiplier, gated_activation, qk_norm, soft_cap
 from .dora_rows import apply_dora_rows
 from .fused_weights import FUSED_PROJECTIONS
 from .pool import UnifiedPool
@@ -66,18 +67,28 @@ class PagedDecoder:
     lora_backend: str
     prefill_attention_backend: str
     inv_freq: torch.Tensor
+    local_inv_freq: torch.Tensor | None = None  # the family's sliding-layer RoPE (Gemma 3)
+
+    def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
+        return add_rms_norm(h, d, weight, self.config.rms_norm_eps, backend=self.kernel_backend,
+                            weight_offset=self.config.family.norm_offset)
 
 
 def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's token embeddings ``h [T, H]`` and RoPE ``cos, sin`` at its positions."""
+    """The step's token embeddings ``h [T, H]`` (times the family's embedding multiplier) and
+    RoPE ``cos, sin`` at its positions."""
     h = embed(m.params, batch.input_ids)
+    multiplier = embedding_multiplier(m.config.family, m.config.hidden_size, h.dtype)
+    if multiplier is not None:
+        h = h * multiplier
     cos, sin = rope_cos_sin(m.config, batch.positions, h.dtype, m.inv_freq)
     return h, cos, sin
 
 
 def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The last layer's residual add + the final RMSNorm -> ``[R, H]``."""
-    return add_rms_norm(h, d, m.params["norm"], m.config.rms_norm_eps, backend=m.kernel_backend)
+    return m.norm(h, d, m.params["norm"])
 
 
 def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
@@ -93,8 +104,9 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
 
 
 def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
-    """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits."""
-    return F.linear(hidden, m.params["lm_head"]).float()
+    """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits (soft-capped as the
+    family says, Gemma 2)."""
+    return soft_cap(F.linear(hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
 
 
 def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
@@ -111,16 +123,33 @@ def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.T
 def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
                      cos: torch.Tensor, sin: torch.Tensor,
                      batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual add + norm, q/k/v (+ LoRA), RoPE and the KV write -> q, k, v ``[T, heads, D]``."""
-    cfg, kb = m.config, m.kernel_backend
+    """Residual add + norm, q/k/v (+ LoRA), the family's q/k norms, RoPE and the KV write -> q,
+    k, v ``[T, heads, D]``. Llama's block adds the decode rows' LoRA in the RoPE + KV write
+    epilogue; q/k norms must see it first, so those families gather it before the norms."""
+    cfg, family = m.config, m.config.family
     t = h.shape[0]
-    x = add_rms_norm(h, d, lp["attn_norm"], cfg.rms_norm_eps, backend=kb)
+    if family.input_norms:
+        x = m.norm(h, d, lp["attn_norm"])
+    else:  # OLMo 2: no norm before attention, the residual stream itself
+        if d is not None:
+            h.add_(d)
+        x = h
     q, k, v = projections(m, x, lp, _QKV, layer, batch)
+    lora = gathered(m, x, layer, _QKV, batch)
+    if family.qk_norm != "none":
+        if lora is not None:
+            for name, y in zip(_QKV[1], (q, k, v)):
+                gather_into(m, x, y, layer, name, batch)
+            lora = None
+        q, k = qk_norm(q.view(t, cfg.num_heads, cfg.head_dim), k.view(t, cfg.num_kv_heads, cfg.head_dim),
+                       lp["q_norm"], lp["k_norm"], cfg.rms_norm_eps, family)
     q = q.view(t, cfg.num_heads, cfg.head_dim)
     k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.local_rope(layer):  # Gemma 3's sliding layers: their own RoPE base
+        cos, sin = rope_cos_sin(cfg, batch.positions, cos.dtype, m.local_inv_freq)
     rope_write_kv(q, k, v, cos, sin, m.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
-                  lora=gathered(m, x, layer, _QKV, batch), backend=kb)
+                  lora=lora, backend=m.kernel_backend)
     return q, k, v
 
 
@@ -130,7 +159,8 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     cfg = m.config
     t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
     real = tp + nd
-    scale, window = cfg.head_dim ** -0.5, cfg.sliding_window(layer)
+    scale, window = attention_scale(cfg.family, cfg.head_dim), cfg.sliding_window(layer)
+    softcap = cfg.family.attn_logit_softcap  # Gemma 2: the paged kernels cap the scores too
     # the layer's slice as a one-layer pool: the Triton launchers would turn a layer index
     # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
     kv_layer = m.pool.kv[:, layer:layer + 1]
@@ -138,7 +168,7 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
     def decode_part():
         return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
-                                      scale=scale, sliding_window=window, backend=m.kernel_backend)
+                                      scale=scale, sliding_window=window, softcap=softcap, backend=m.kernel_backend)
 
     parts = [decode_part()] if batch.decode_first and nd else []  # in row order
     ps, tf = batch.prefill_start, batch.num_fresh_rows
@@ -147,11 +177,11 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
         fresh = slice(ps, ps + tf)
         parts.append(varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
                                              batch.cu_seqlens, scale=scale, sliding_window=window,
-                                             max_seqlen=batch.max_prefill_len))
+                                             max_seqlen=batch.max_prefill_len, softcap=softcap))
     if batch.prefill_prefixes is not None:
         pre = batch.prefill_prefixes
         parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
-                                             pre.page_table, scale=scale, sliding_window=window,
+                                             pre.page_table, scale=scale, sliding_window=window, softcap=softcap,
                                              max_seqlen=pre.max_seqlen, backend=m.prefill_attention_backend))
     if not batch.decode_first and nd:
         parts.append(decode_part())
@@ -162,15 +192,30 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:
-    """o (+ LoRA), residual add + norm, gate/up (+ LoRA), SwiGLU, down (+ LoRA) -> the MLP output."""
-    cfg, kb = m.config, m.kernel_backend
+    """o (+ LoRA), residual add + norm, gate/up (+ LoRA), the gated activation, down (+ LoRA)
+    -> the MLP output (after the family's output norm, Gemma / OLMo 2). SwiGLU adds the decode
+    rows' gate/up LoRA in its epilogue; another activation (GELU-tanh) gets it gathered first."""
+    family = m.config.family
     (o,) = projections(m, attn, lp, _O, layer, batch)
     gather_into(m, attn, o, layer, "o_proj", batch)
-    x = add_rms_norm(h, o, lp["mlp_norm"], cfg.rms_norm_eps, backend=kb)
+    if family.output_norms:
+        o = m.norm(o, None, lp["attn_post_norm"])
+    if family.input_norms:
+        x = m.norm(h, o, lp["mlp_norm"])
+    else:  # OLMo 2
+        h.add_(o)
+        x = h
     g, u = projections(m, x, lp, _GATE_UP, layer, batch)
-    act = swiglu(g, u, lora=gathered(m, x, layer, _GATE_UP, batch), backend=kb)
+    if family.activation == "silu":
+        act = swiglu(g, u, lora=gathered(m, x, layer, _GATE_UP, batch), backend=m.kernel_backend)
+    else:
+        for name, y in zip(_GATE_UP[1], (g, u)):
+            gather_into(m, x, y, layer, name, batch)
+        act = gated_activation(family)(g, u)
     (down,) = projections(m, act, lp, _DOWN, layer, batch)
     gather_into(m, act, down, layer, "down_proj", batch)
+    if family.output_norms:
+        down = m.norm(down, None, lp["mlp_post_norm"])
     return down
 
 
@@ -179,9 +224,10 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     """The frozen projections of a group (one GEMM when the layer has its fused weight; a
     column view per member) plus the prefill rows' LoRA, added in place."""
     fused, names = group
-    if fused is not None and fused in lp:
-        y = F.linear(x, lp[fused]["weight"], lp[fused].get("bias"))
-        outs = list(y.split([lp[n]["weight"].shape[0] for n in names], dim=1))
+    if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
+        w, b = frozen_weight(lp[fused])
+        y = F.linear(x, w, b) if isinstance(w, torch.Tensor) else frozen_projections(x, [w], [b])[0]
+        outs = list(y.split([m.config.module_dims(n)[1] for n in names], dim=1))
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
         outs = frozen_projections(x, weights, biases)

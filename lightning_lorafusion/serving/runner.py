@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
@@ -65,9 +64,11 @@ class ModelRunner:
         decode_backend = decode_backend or backend
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
+        local = rope_inv_freq(config, self.device, local=True) if config.family.local_rope_theta is not None else None
         self.model = PagedDecoder(config=config, params=params, pool=pool, kernel_backend=self.kernel_backend,
                                   lora_backend=self.lora_backend,
-                                  prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq)
+                                  prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
+                                  local_inv_freq=local)
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -103,7 +104,7 @@ class ModelRunner:
 
     def _graph_body(self, rows: int, lora: bool) -> None:
         hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
-        self._graph_logits[:rows].copy_(F.linear(hidden, self.params["lm_head"]))
+        self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
 
     # ------------------------------------------------------------------ decode-only steps
 

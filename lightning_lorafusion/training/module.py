@@ -161,7 +161,6 @@ class LoRAFusionModule(L.LightningModule):
         self._fp8_keep = base.fp8_keep
         self.base_model_dir = base.model_dir
         self.config = base.config
-        validation_hooks.check_samples_can_be_generated(self.config, specs)
         self.tokenizer = base.tokenizer
         self.base_dtype = DTYPES[dtype]
         self._param_template: Any = None
