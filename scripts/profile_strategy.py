@@ -205,6 +205,18 @@ def report(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def run_fit_isolated(args, path: str, tmp: str) -> dict:
+    """``run_fit`` in a fresh process on CUDA: the first fit's CUDA-graph pools, compiled code and
+    allocator cache otherwise stay in this process and the second fit of an 8B base runs out of
+    memory on an 80 GB card. On the CPU it runs here (nothing to isolate, and no spawn cost)."""
+    if torch.device(args.device).type != "cuda":
+        return run_fit(args, path, tmp)
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_fit, (args, path, tmp))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     dtype_of(args.dtype)  # a clear error for a wrong name
@@ -217,7 +229,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for path in paths:
             log(f"fit: {path}")
-            results[path] = run_fit(args, path, tmp)
+            results[path] = run_fit_isolated(args, path, tmp)
             log(f"{path}: {results[path]['tokens_per_s'] or 0:,.0f} tokens/s, fit {results[path]['fit_s']:.0f} s")
     text = report(results)
     print(text, flush=True)
