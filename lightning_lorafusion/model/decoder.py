@@ -101,12 +101,12 @@ def _fuse(backend: str, x: torch.Tensor, options: DecoderOptions) -> bool:
     return mode == "on" or (mode == "auto" and backend == "triton" and x.is_cuda)
 
 
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
+def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` is the fused Triton path on CUDA and the torch reference elsewhere. Resolved once
     per forward, before anything compares it: every caller (the single-device step, pipeline
     stages, CUDA graphs) then gets the elementwise fusion and FP8 MLP that "triton" selects."""
     if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     return backend
 
 
@@ -278,7 +278,7 @@ def decoder_layers(
     ``options``: how the layers compute (``DecoderOptions``: elementwise fusion, FP8 accumulation).
     """
     t = h.shape[0]
-    backend = resolve_backend(backend, h)
+    backend = resolve_backend(backend, h.device)
     if h.dim() != 2 or h.shape[1] != config.hidden_size:
         raise ValueError(f"h must be [tokens, {config.hidden_size}]; got {tuple(h.shape)}")
     if position_ids.shape != (t,):

@@ -63,7 +63,7 @@ def step_dora_rows(rows: Iterable[tuple[int, int, Any]], device: torch.device, d
     row has a DoRA adapter). Adjacent runs of one adapter are merged."""
     ranges: list[list] = []
     for start, end, adapter in sorted(rows, key=lambda r: r[0]):
-        if adapter is None or getattr(adapter, "dora_scales", None) is None:
+        if adapter is None or adapter.dora_scales is None:
             continue
         if ranges and ranges[-1][1] == start and ranges[-1][3] == adapter.key:
             ranges[-1][1] = end

@@ -26,7 +26,7 @@ import torch
 from ..data.microbatch import Microbatch
 from ..kernels.options import KernelOptions
 from ..model.adapter_bank import AdapterBank
-from ..model.decoder import DecoderOptions, decoder_layers, embed, head_loss_sums
+from ..model.decoder import DecoderOptions, decoder_layers, embed, head_loss_sums, resolve_backend
 from ..parallel.stage import adapter_loss
 from ..specs import AdapterSpec, ConfigError
 from . import checkpoint_hooks, export, nonfinite_guard, pipeline_contract, validation_hooks
@@ -402,9 +402,7 @@ class LoRAFusionModule(L.LightningModule):
         self._graphs = None
         if self.cuda_graphs == "off":
             return
-        backend = self.backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+        backend = resolve_backend(self.backend, self.device)
         world = self.trainer.world_size if self._trainer is not None else 1
         strategy = self._pipeline_strategy()
         reason = cuda_graphs_refusal(device=self.device, backend=backend, pipeline=strategy is not None,

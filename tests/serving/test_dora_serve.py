@@ -128,11 +128,8 @@ def test_dora_from_tensors_and_from_a_checkpoint_equal_the_peft_directory(make_e
     assert outs[0] == outs[1] == outs[2] != outs[3]
 
 
-def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path):
+def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path, hf_reference_of):
     """Qwen2's q/k/v biases: the DoRA rows' frozen products are rescaled without their bias."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from lightning_lorafusion.serving import Engine, EngineConfig
     from test_generation import _write_family
 
@@ -145,16 +142,6 @@ def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path):
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     results = engine.generate(_requests(cases, sp))
     engine.close()
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                           path).eval()
+    ref = hf_reference_of(model_dir, {"dora": path})
     for (prompt, adapter), res in zip(cases, results):
-        ids = torch.tensor([prompt])
-        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                      pad_token_id=0)
-        with torch.no_grad():
-            if adapter is None:
-                with peft_model.disable_adapter():
-                    out = peft_model.generate(**kwargs)
-            else:
-                out = peft_model.generate(**kwargs)
-        assert list(res.token_ids) == out[0, len(prompt):].tolist(), adapter
+        assert list(res.token_ids) == ref.generate(prompt, adapter, 6), adapter
