@@ -10,6 +10,12 @@ kernels get fixed-shape launch tables (``kernels/static_routing.py``): every ada
 tiles padded to a bound, the microbatch index folded into the seed column, so the adapters
 present in a microbatch do not change the graph.
 
+A key with no graph of its own replays the cheapest captured graph whose buckets are all at
+least as large (same capacity): the static buffers already pad with empty blocks and label rows
+without a label, so the result is the same, for a few wasted LM-head rows. Such a key gets its
+own capture only after ``CAPTURE_AFTER`` covered uses, so keys that first appear late in a run
+(a new epoch's plan, a data-parallel replica's share) do not stall it with captures.
+
 A step copies the microbatch into static buffers, refills the tables and replays; the first
 microbatch of a key runs eagerly on a side stream (that is its real step: gradients count),
 then the same function is captured, sharing one memory pool with the other keys' graphs
@@ -49,6 +55,7 @@ MAX_GRAPHS = 48  # shape keys captured per run; later new keys run eagerly
 MIN_SEQLEN_BUCKET = 128
 MIN_BLOCKS_BUCKET = 8
 MIN_LABEL_ROWS_STEP = 128
+CAPTURE_AFTER = 8  # uses under a covering graph before a key gets its own capture
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,8 @@ class TrainingGraphs:
                  checkpoint_layers: bool | int = False, chunk_size: int = 1024,
                  max_graphs: int = MAX_GRAPHS, capture: bool = True,
                  options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
-                 is_first: bool = True, activation_dtype: torch.dtype | None = None) -> None:
+                 is_first: bool = True, activation_dtype: torch.dtype | None = None,
+                 capture_after: int = CAPTURE_AFTER) -> None:
         self.params, self.bank, self.config, self.options = params, bank, config, options
         # a pipeline's last stage: these layers (then norm, head, loss), its input from the
         # previous stage unless ``is_first`` (then the embedding); ``input_grad`` after a step
@@ -195,6 +203,10 @@ class TrainingGraphs:
         self.captures = self.replays = 0
         self.capture_seconds = 0.0
         self._graphs: dict[GraphKey, _Captured] = {}
+        self._static_keys: set[GraphKey] = set()  # capture=False: the keys a graph would hold
+        self._covered_uses: dict[GraphKey, int] = {}
+        self.capture_after = capture_after
+        self.covered_steps = 0  # steps replayed under a larger key's graph
         self._tables: dict[int, StaticLaunchTables] = {}
         self._inputs: dict[int, StaticInputs] = {}
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -220,6 +232,7 @@ class TrainingGraphs:
             return None
         if key in self.refusals:
             return None
+        key = self._choose(key)
         captured = self._graphs.get(key)
         if captured is None and self.capture and len(self._graphs) >= self.max_graphs:
             self._refuse(key, f"{self.max_graphs} shape keys are captured already; this one runs eagerly")
@@ -238,12 +251,39 @@ class TrainingGraphs:
                 self.input_grad = captured.input_grad.clone()
             return captured.sums.clone()
         if not self.capture:
+            self._static_keys.add(key)
             sums = self._run_static(key, inputs, tables)
             self.input_grad = self._take_input_grad(key.capacity)
             return sums
         return self._warm_up_and_capture(key, inputs, tables)
 
     # ------------------------------------------------------------------ internals
+    def _covering(self, key: GraphKey) -> GraphKey | None:
+        """The cheapest key already captured that covers ``key`` (same capacity, every bucket at
+        least as large), or None. Padding up is exact: the static buffers hold empty attention
+        blocks and label rows without a label past the microbatch's own."""
+        keys = self._graphs.keys() if self.capture else self._static_keys
+        covers = [k for k in keys if k.capacity == key.capacity and k.max_seqlen >= key.max_seqlen
+                  and k.num_blocks >= key.num_blocks and k.label_rows >= key.label_rows]
+        # the LM head's rows cost the most, then attention's launch width, then empty blocks
+        return min(covers, key=lambda k: (k.label_rows, k.max_seqlen, k.num_blocks), default=None)
+
+    def _choose(self, key: GraphKey) -> GraphKey:
+        """The key this step runs under: its own graph when captured; else a covering graph
+        until the key has come ``capture_after`` times (a capture costs about two steps; a
+        key seen once or twice per epoch is not worth it), then its own capture."""
+        if key in self._graphs or key in self._static_keys:
+            return key
+        cover = self._covering(key)
+        if cover is None:
+            return key
+        uses = self._covered_uses.get(key, 0) + 1
+        self._covered_uses[key] = uses
+        if uses > self.capture_after and len(self._graphs) < self.max_graphs:
+            return key
+        self.covered_steps += 1
+        return cover
+
     def _refuse(self, key, reason: str) -> None:
         if key not in self.refusals:
             log.warning("CUDA graphs: %s runs eagerly: %s", key, reason)

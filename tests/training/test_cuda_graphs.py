@@ -516,3 +516,42 @@ def test_warm_up_pool_routing_calls_balance(monkeypatch):
                      ("begin", 3, (7, 1)), ("endAl", 3, (7, 1)), ("relea", 3, (7, 1))]
     refs = sum(1 if c[0] == "begin" else -1 if c[0] == "relea" else 0 for c in calls if c != "table")
     assert refs == 0
+
+
+def test_a_covering_graph_runs_smaller_keys_exactly_and_own_captures_come_later():
+    """A key without its own graph replays the cheapest captured key whose buckets are all at
+    least as large: same losses and weights as eager steps. Only after ``capture_after``
+    covered uses does the key run under itself (gets its own capture)."""
+    config, specs = tiny_config(1), tiny_specs()
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=256, samples=4, max_length=100, global_batch=2)]
+    keys = [graph_key(mb) for mb in mbs]
+    big = max(range(len(mbs)), key=lambda i: (keys[i].label_rows, keys[i].max_seqlen, keys[i].num_blocks))
+    smaller = [i for i in range(len(mbs)) if keys[i] != keys[big]]
+    mbs = [mbs[i] for i in [big] + smaller[:2]]  # three microbatches keep the interpreter quick
+    covered = [k for k in (graph_key(mb) for mb in mbs[1:]) if k != graph_key(mbs[0])]
+    assert covered, "the case needs microbatches with a smaller key than the first"
+    params, bank_e, opts_e = _setup(config, specs)
+    losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, False), bank_e, opts_e, mbs)
+    params, bank_s, opts_s = _setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank_s, config=config, chunk_size=32, capture=False,
+                            capture_after=100)
+    losses_s = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_s, opts_s, mbs)
+    assert graphs.covered_steps == len(covered) and graphs._static_keys == {graph_key(mbs[0])}
+    torch.testing.assert_close(losses_s, losses_e, rtol=1e-5, atol=1e-6)
+    for (name, pe), ps in zip(bank_e.named_parameters(), bank_s.parameters()):
+        torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_choose_prefers_the_cheapest_cover_then_captures_a_recurring_key():
+    config, specs = tiny_config(), tiny_specs()
+    params, bank, _ = _setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank, config=config, capture=False, capture_after=2)
+    K = GraphKey
+    graphs._static_keys |= {K(64, 64, 16, 64), K(64, 32, 8, 64), K(64, 64, 8, 128), K(32, 64, 64, 64)}
+    small = K(64, 16, 8, 64)
+    assert graphs._choose(small) == K(64, 32, 8, 64)  # cheapest of the two covers; other capacity never
+    assert graphs._choose(small) == K(64, 32, 8, 64)
+    assert graphs._choose(small) == small  # third use: its own
+    assert graphs._choose(K(64, 128, 8, 64)) == K(64, 128, 8, 64)  # nothing covers it
+    assert graphs._choose(K(64, 32, 8, 64)) == K(64, 32, 8, 64)  # held already
+    assert graphs.covered_steps == 2
