@@ -55,7 +55,8 @@ MAX_GRAPHS = 48  # shape keys captured per run; later new keys run eagerly
 MIN_SEQLEN_BUCKET = 128
 MIN_BLOCKS_BUCKET = 8
 MIN_LABEL_ROWS_STEP = 128
-CAPTURE_AFTER = 8  # uses under a covering graph before a key gets its own capture
+CAPTURE_AFTER = 32  # uses under a covering graph before a key gets its own capture (a capture
+# costs about as much as 300-400 covered steps' padded LM-head rows on the 8B shape)
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,9 @@ class TrainingGraphs:
 
     def _choose(self, key: GraphKey) -> GraphKey:
         """The key this step runs under: its own graph when captured; else a covering graph
-        until the key has come ``capture_after`` times (a capture costs about two steps; a
-        key seen once or twice per epoch is not worth it), then its own capture."""
+        until the key has come ``capture_after`` times (a capture, ~1 s on the 8B shape, is
+        worth hundreds of covered steps: those only compute a few extra LM-head rows), then
+        its own capture."""
         if key in self._graphs or key in self._static_keys:
             return key
         cover = self._covering(key)
