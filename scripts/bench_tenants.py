@@ -73,19 +73,21 @@ def make_trace(*, num_requests: int, adapters: list[str | None], zipf: float, pr
                output: tuple[float, float, int], arrivals: str, rate: float, vocab: int,
                seed: int) -> list[TraceItem]:
     """Requests with lognormal lengths (``prompt`` / ``output``: median, sigma, cap), adapters by
-    Zipf popularity (``[None]``: the base), arriving at once (``burst``) or as a Poisson process."""
+    Zipf popularity (``[None]``: the base), arriving at once (``burst``) or as a Poisson process
+    (the same requests either way)."""
     rng = random.Random(seed)
     prompts = lognormal_lengths(rng, num_requests, prompt[0], prompt[1], 1, prompt[2])
     outputs = lognormal_lengths(rng, num_requests, output[0], output[1], 1, output[2])
     weights = adapter_weights(len(adapters), "zipf", zipf)
     names = rng.choices(adapters, weights, k=num_requests)
+    clock = random.Random(seed + 7919)  # its own draws: both arrival modes get the same requests
     t, items = 0.0, []
     for i, (p, o, name) in enumerate(zip(prompts, outputs, names)):
         sp = SamplingParams(max_new_tokens=o, temperature=0.0, ignore_eos=True)
         items.append(TraceItem(t, GenerationRequest(prompt_token_ids=[rng.randrange(4, vocab) for _ in range(p)],
                                                     adapter=name, sampling=sp, request_id=f"r{i}")))
         if arrivals == "poisson":
-            t += rng.expovariate(rate)
+            t += clock.expovariate(rate)
     return items
 
 
