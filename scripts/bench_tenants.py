@@ -41,6 +41,7 @@ printed with what ran.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import time
@@ -211,7 +212,10 @@ class TenantsBench:
         self.tenants = renamed(mixed, [f"t{i}" for i in range(args.adapters)])
         self.slora = renamed(by_rank[args.slora_rank], [f"s{i}" for i in range(args.slora_adapters)]) \
             if args.slora else []
-        del sets, model
+        del sets, model  # the device copies of the factors (the host buffers stay); params keep the weights
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # before the engine sizes its pool from the free memory
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
