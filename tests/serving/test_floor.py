@@ -202,3 +202,25 @@ def test_pool_marks_pages_where_they_are_let_go():
     assert start is not None and pool.pages_moved == 1 and len(made) == before + 1
     assert pool._fences.pending(start, 2) is made[-1]
     pool.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a page-in on its own stream")
+def test_page_in_lands_after_the_last_reader_of_its_pages_gpu():
+    from lightning_lorafusion.serving.adapters import HostAdapter
+
+    pool = UnifiedPool(num_pages=4, page_size=2, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                       device="cuda")
+    pages: list[int] = []
+    assert pool.allocate_kv(pages, 4)
+    kv = pool.storage[:4 * pool.page_elems]
+    kv.fill_(7.0)
+    torch.cuda._sleep(100_000_000)  # keep the compute stream busy, so the read below is still queued
+    seen = kv.clone()  # a step's read of the KV pages, queued before they are let go
+    pool.free_kv(pages)
+    flat = torch.ones(2 * pool.page_elems, dtype=torch.float32).pin_memory()
+    adapter = HostAdapter(name="a", rank=1, alpha=1.0, target_modules=(), slots={}, flat=flat, num_layers=1)
+    resident = pool.page_in(adapter)  # into pages the queued read still holds
+    pool.wait_ready([resident])
+    torch.cuda.synchronize()
+    assert bool((seen == 7.0).all())  # the copy waited for the read
+    assert bool((pool.storage[resident.offset:resident.offset + flat.numel()] == 1.0).all())
