@@ -100,6 +100,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
 
 
+# dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, of the data sheets; the first match of
+# the device name wins (the PCIe H100 before the SXM one)
+DENSE_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+                     ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0))
+
+
+def dense_bf16_tflops(device_name: str) -> float | None:
+    """The data sheet's dense bf16 peak of a GPU by its name (None: not in the table)."""
+    return next((t for key, t in DENSE_BF16_TFLOPS if key in device_name), None)
+
+
 def device_info(device: torch.device | str) -> dict[str, Any]:
     """Where and when the numbers were taken: date (UTC), device name and memory, versions."""
     device = torch.device(device)
@@ -108,7 +119,7 @@ def device_info(device: torch.device | str) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(device_name=props.name, device_memory_gib=props.total_memory / 2**30,
-                    cuda=torch.version.cuda)
+                    cuda=torch.version.cuda, dense_bf16_tflops=dense_bf16_tflops(props.name))
         try:
             import triton
 

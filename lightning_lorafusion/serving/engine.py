@@ -28,6 +28,7 @@ from .engine_adapters import AdapterRegistry
 from .engine_loop import EngineLoop, _LoopSink, log
 from .engine_output import OutputAssembly
 from .engine_step import EngineStep, _Launched, _SampledRows
+from .floor import StepLedger, base_weight_bytes
 from .fused_weights import fuse_projection_weights
 from .pool import UnifiedPool
 from .pool_sizing import pool_pages
@@ -120,6 +121,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         self._inflight: _Launched | None = None
         self._rows: _SampledRows | None = None
         self._token_texts: dict[int, str] = {}
+        self._ledger: StepLedger | None = None  # what each step did, while enable_step_ledger's is on
         self._counters = {"generated_tokens_total": 0, "prompt_tokens_total": 0, "requests_total": 0,
                           "steps_total": 0, "prefill_steps_total": 0, "step_rows_total": 0,
                           # host seconds inside steps that ran a forward (each ends when the tokens
@@ -285,6 +287,28 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                 self._flush_sinks()
 
     # ------------------------------------------------------------------ stats
+
+    def enable_step_ledger(self) -> StepLedger:
+        """Record, from the next step on, what each step does (``StepLedger``: prefill pieces
+        and their context, decode rows and the KV they read, distinct adapters with their ranks,
+        and the byte sizes of the base weights and of a KV token) into a new ledger, returned
+        and kept as ``step_ledger()`` until ``disable_step_ledger``. Host bookkeeping only; the
+        outputs are unchanged."""
+        cfg = self.model_config
+        self._ledger = StepLedger(base_weight_bytes=base_weight_bytes(self.params),
+                                  kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+                                  * self.pool.kv.element_size(),
+                                  adapter_elem_bytes=self.pool.storage.element_size())
+        return self._ledger
+
+    def disable_step_ledger(self) -> StepLedger | None:
+        """Stop recording; returns the ledger recorded so far."""
+        ledger, self._ledger = self._ledger, None
+        return ledger
+
+    def step_ledger(self) -> StepLedger | None:
+        """The ledger being recorded (``enable_step_ledger``), or None."""
+        return self._ledger
 
     def stats(self) -> dict[str, Any]:
         pool = self.pool

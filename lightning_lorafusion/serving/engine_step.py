@@ -36,6 +36,8 @@ class EngineStep:
             plan = self.scheduler.schedule()
             if plan.empty:
                 return events
+        if self._ledger is not None:  # before the step advances the rows' num_cached
+            self._ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
         for state in plan.prefill:
             if state.first_scheduled is None:
                 state.first_scheduled = now

@@ -71,6 +71,45 @@ def prefix_page_keys(adapter_key: int | None, token_ids: Sequence[int], page_siz
     return keys
 
 
+class FreedPageFences:
+    """Where on the compute stream each page was last let go, so a host-to-device copy into
+    pages (an adapter's page-in, on its own stream) waits for the kernels that could still
+    read or write them, and for nothing queued after: a page-in issued right after a step is
+    launched then overlaps that step. ``make_fence()`` marks the compute stream's position now
+    (a recorded CUDA event; anything with ``query()`` -> done); fences complete in the order
+    made, so the done ones are retired oldest first."""
+
+    def __init__(self, num_pages: int, make_fence) -> None:
+        self._make_fence = make_fence
+        self._epoch = np.zeros(num_pages, dtype=np.int64)  # 0: nothing queued ever touched the page
+        self._fences: OrderedDict[int, object] = OrderedDict()  # epoch -> its fence, not known done
+        self._next = 1
+
+    def freed(self, pages) -> None:
+        """``pages`` (indices or a slice) are let go now: later copies into them wait for this point."""
+        epoch = self._next
+        self._next += 1
+        self._fences[epoch] = self._make_fence()
+        self._epoch[pages] = epoch
+        if len(self._fences) > 256:  # (a pool serving no adapters never asks pending)
+            self._retire()
+
+    def pending(self, start: int, count: int):
+        """The fence a copy into pages ``start .. start + count - 1`` must wait for, or None
+        when every kernel that touched them is done."""
+        self._retire()
+        epoch = int(self._epoch[start:start + count].max(initial=0))
+        return self._fences.get(epoch)
+
+    def _retire(self) -> None:
+        """Forget the done fences, oldest first (a page whose epoch has none left is free to write)."""
+        while self._fences:
+            epoch, fence = next(iter(self._fences.items()))
+            if not fence.query():
+                break
+            del self._fences[epoch]
+
+
 class UnifiedPool:
     """``num_pages`` pages of ``page_size`` tokens for every layer (plus the scratch page); see
     the module docstring."""
@@ -94,10 +133,23 @@ class UnifiedPool:
         self._resident: dict[int, ResidentAdapter] = {}  # HostAdapter.key -> its run
         self._tick = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # pages let go on the compute stream -> what a page-in copy into them waits for (CUDA only)
+        self._fences = FreedPageFences(num_pages, self._compute_fence) if self._copy_stream is not None else None
+        if self._fences is not None:
+            self._fences.freed(slice(None))  # the storage's zero fill
         self.page_ins = 0
         self.evictions = 0
         self.pages_moved = 0
         self.prefix_evictions = 0
+
+    def _compute_fence(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _freed(self, pages) -> None:
+        if self._fences is not None:
+            self._fences.freed(pages)
 
     # ------------------------------------------------------------------ accounting
 
@@ -186,6 +238,8 @@ class UnifiedPool:
         freed, or cached (most recently used) if it is registered under a prefix key. Pages are
         let go last first, so a sequence's leading pages are cached as the more recently used
         and dropped after its tail (a dropped page makes every page after it unreachable)."""
+        if pages:  # (a shared page too: this owner's kernels may still read it)
+            self._freed(pages)
         for p in reversed(pages):
             owners = [o for o in self._kv_owner[p] if o is not pages]
             if owners:
@@ -310,8 +364,11 @@ class UnifiedPool:
         r = ResidentAdapter(adapter, start, n, start * self.page_elems)
         dst = self.storage[r.offset:r.offset + adapter.numel]
         if self._copy_stream is not None:
-            # the pages may still be read by queued kernels of their previous owner
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            # queued kernels of the pages' previous owners may still read them: wait for those
+            # (only: a step launched since they were let go runs beside the copy)
+            fence = self._fences.pending(start, n)
+            if fence is not None:
+                self._copy_stream.wait_event(fence)
             with torch.cuda.stream(self._copy_stream):
                 dst.copy_(adapter.flat, non_blocking=True)
                 r.ready = torch.cuda.Event()
@@ -335,6 +392,7 @@ class UnifiedPool:
         r = self._resident.pop(adapter.key)
         assert r.users == 0, "evicting an adapter in use"
         self.wait_ready([r])  # a pending page-in copy must land before the pages are reused
+        self._freed(slice(r.first_page, r.first_page + r.num_pages))  # queued steps may still read it
         self._free[r.first_page:r.first_page + r.num_pages] = True
         self._adapter_pages[r.first_page:r.first_page + r.num_pages] = False
         self.evictions += 1
@@ -379,6 +437,7 @@ class UnifiedPool:
         dst = outside.tolist()
         if src:
             self.kv[dst] = self.kv[src]
+            self._freed(src)  # after the move that reads them
             for s, d in zip(src, dst):
                 self._relocate(s, d)
             self._free[dst] = False

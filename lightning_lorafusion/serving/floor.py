@@ -1,0 +1,201 @@
+"""The engine's per-step ledger and the physical floor of a run: what its steps must compute and read.
+
+``StepLedger`` records, per engine step (``Engine.enable_step_ledger``), what the step had to do:
+its prefill pieces (tokens and the context before them), its decode rows and the KV tokens they
+read, the rows that sample a token, and the distinct adapters present with their module ranks.
+``run_floor`` turns a ledger and the model's shape (``FloorShape``) into the least time those
+steps can take on a device of ``peak_flops`` and ``bandwidth``: per step
+
+    max(FLOPs / peak_flops, bytes / bandwidth)
+
+FLOPs: 2 * (projection weights) per token fed, 2 * hidden * vocab per sampled row (the LM head
+runs on those rows only), 4 * heads * head_dim per (query, key) pair per layer (scores and the
+weighted sum), 2 * (adapter weights) per token of that adapter. Bytes: the base weights once per
+step (whatever the row count), the KV each row reads (a decode row its context and its own token,
+a prefill piece its context and itself), each distinct adapter present in the step once. KV
+writes and activations are left out (a few percent at most), so the floor is a lower bound;
+sliding windows are not modelled (every layer reads the whole context).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ..specs import ALL_TARGET_MODULES
+
+
+@dataclass(frozen=True)
+class LedgerAdapter:
+    """An adapter as the floor needs it: ``module_ranks`` ((module, rank) of each target, every layer)."""
+
+    name: str
+    module_ranks: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: ``prefill`` (tokens fed, tokens already in the KV cache before them) per piece;
+    ``decode_rows`` rows of one token reading ``decode_kv_tokens`` KV tokens in all (each its
+    context and its own token); ``sampled_rows``: rows whose logits are computed; ``adapters``:
+    (adapter key, tokens of that adapter in the step), one entry per distinct adapter."""
+
+    prefill: tuple[tuple[int, int], ...]
+    decode_rows: int
+    decode_kv_tokens: int
+    sampled_rows: int
+    adapters: tuple[tuple[int, int], ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for n, _ in self.prefill) + self.decode_rows
+
+
+@dataclass
+class StepLedger:
+    """The steps an engine ran since ``Engine.enable_step_ledger``, and the byte sizes the floor
+    needs that the engine knows best: ``base_weight_bytes`` (what one step reads of the frozen
+    weights: projections, norms, the LM head; not the embedding table, of which a step reads a
+    few rows), ``kv_bytes_per_token`` (all layers, keys and values), ``adapter_elem_bytes``."""
+
+    base_weight_bytes: int
+    kv_bytes_per_token: int
+    adapter_elem_bytes: int
+    steps: list[StepRecord] = field(default_factory=list)
+    adapters: dict[int, LedgerAdapter] = field(default_factory=dict)  # HostAdapter.key -> shape
+
+    def record(self, prefill: Sequence[Any], prefill_lens: Sequence[int], decode: Sequence[Any]) -> None:
+        """Append the step about to run (request states as the scheduler planned them, before
+        the step advances their ``num_cached``)."""
+        pieces = tuple((int(n), st.num_cached) for st, n in zip(prefill, prefill_lens))
+        sampled = sum(st.num_cached + n == st.num_tokens for st, n in zip(prefill, prefill_lens)) + len(decode)
+        tokens: Counter[int] = Counter()
+        for st, n in zip(prefill, prefill_lens):
+            if st.adapter is not None:
+                tokens[self._adapter_key(st.adapter)] += int(n)
+        for st in decode:
+            if st.adapter is not None:
+                tokens[self._adapter_key(st.adapter)] += 1
+        self.steps.append(StepRecord(prefill=pieces, decode_rows=len(decode),
+                                     decode_kv_tokens=sum(st.num_cached + 1 for st in decode),
+                                     sampled_rows=sampled, adapters=tuple(tokens.items())))
+
+    def _adapter_key(self, adapter: Any) -> int:
+        if adapter.key not in self.adapters:
+            ranks = adapter.module_ranks.tolist()
+            self.adapters[adapter.key] = LedgerAdapter(adapter.name, tuple(
+                (m, int(r)) for m, r in zip(ALL_TARGET_MODULES, ranks) if r > 0))
+        return adapter.key
+
+    def summary(self) -> dict[str, float]:
+        """Totals over the steps: tokens by kind, distinct adapters per step (mean, max)."""
+        per_step = [len(s.adapters) for s in self.steps]
+        return {"steps": len(self.steps), "prefill_tokens": sum(n for s in self.steps for n, _ in s.prefill),
+                "decode_rows": sum(s.decode_rows for s in self.steps),
+                "decode_kv_tokens": sum(s.decode_kv_tokens for s in self.steps),
+                "distinct_adapters": len({k for s in self.steps for k, _ in s.adapters}),
+                "adapters_per_step_mean": sum(per_step) / len(per_step) if per_step else 0.0,
+                "adapters_per_step_max": max(per_step, default=0)}
+
+
+@dataclass(frozen=True)
+class FloorShape:
+    """The model's sizes the FLOPs need: ``module_dims`` (in, out) of each projection a LoRA
+    may target (all seven, fused checkpoints split), per layer."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    module_dims: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def from_config(cls, config: Any) -> "FloorShape":
+        """From a ``DecoderConfig``."""
+        return cls(num_layers=config.num_layers, num_heads=config.num_heads, head_dim=config.head_dim,
+                   hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                   module_dims={m: tuple(config.module_dims(m)) for m in ALL_TARGET_MODULES})
+
+    @property
+    def projection_params(self) -> int:
+        """Weights of every layer's seven projections (2 FLOPs each per token)."""
+        return self.num_layers * sum(k * n for k, n in self.module_dims.values())
+
+    def adapter_elems(self, module_ranks: Iterable[tuple[str, int]]) -> int:
+        """Elements of an adapter's A and B over every layer."""
+        return self.num_layers * sum(r * sum(self.module_dims[m]) for m, r in module_ranks)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    base_bytes: float
+    kv_bytes: float
+    adapter_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.base_bytes + self.kv_bytes + self.adapter_bytes
+
+
+def step_cost(step: StepRecord, ledger: StepLedger, shape: FloorShape) -> StepCost:
+    """What ``step`` must compute and read (see the module docstring)."""
+    pairs = sum(n * ctx + n * (n + 1) // 2 for n, ctx in step.prefill) + step.decode_kv_tokens
+    flops = (2 * shape.projection_params * step.tokens + 2 * shape.hidden_size * shape.vocab_size * step.sampled_rows
+             + 4 * shape.num_layers * shape.num_heads * shape.head_dim * pairs)
+    adapter_elems = 0
+    for key, tokens in step.adapters:
+        elems = shape.adapter_elems(ledger.adapters[key].module_ranks)
+        flops += 2 * elems * tokens
+        adapter_elems += elems
+    kv_tokens = sum(ctx + n for n, ctx in step.prefill) + step.decode_kv_tokens
+    return StepCost(flops=float(flops), base_bytes=float(ledger.base_weight_bytes),
+                    kv_bytes=float(kv_tokens * ledger.kv_bytes_per_token),
+                    adapter_bytes=float(adapter_elems * ledger.adapter_elem_bytes))
+
+
+def run_floor(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, float]:
+    """The floor of the ledger's steps (seconds) with its parts: FLOPs and bytes by kind, and how
+    many steps were bound by compute rather than by memory."""
+    if peak_flops <= 0 or bandwidth <= 0:
+        raise ValueError(f"run_floor needs peak_flops > 0 and bandwidth > 0; got {peak_flops}, {bandwidth}")
+    out = {"floor_s": 0.0, "compute_bound_steps": 0, "flops": 0.0, "base_bytes": 0.0, "kv_bytes": 0.0,
+           "adapter_bytes": 0.0}
+    for step in ledger.steps:
+        cost = step_cost(step, ledger, shape)
+        compute, memory = cost.flops / peak_flops, cost.bytes / bandwidth
+        out["floor_s"] += max(compute, memory)
+        out["compute_bound_steps"] += compute > memory
+        out["flops"] += cost.flops
+        out["base_bytes"] += cost.base_bytes
+        out["kv_bytes"] += cost.kv_bytes
+        out["adapter_bytes"] += cost.adapter_bytes
+    out["steps"] = len(ledger.steps)
+    return out
+
+
+def base_weight_bytes(params: Mapping[str, Any]) -> int:
+    """Bytes of the frozen weights a step reads: the storage of every tensor of ``params``, each
+    once (fused projections' members are views of one matrix), but the embedding table's (a step
+    reads a few of its rows) unless the LM head is that table (tied)."""
+    storages: dict[int, int] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            storage = node.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(node, Mapping):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk({k: v for k, v in params.items() if k != "embed"})
+    if params.get("lm_head") is None or params.get("lm_head") is params.get("embed"):  # tied: the head reads it all
+        walk(params.get("embed"))
+    return sum(storages.values())

@@ -1,0 +1,397 @@
+"""Many tenants against the physical floor: a trace over ~100 adapters of mixed ranks, each run's
+throughput beside the least time its own steps could take on this device.
+
+The trace: ``--requests`` requests (default 384) with lognormal prompt and output lengths
+(``--prompt-median``/``--prompt-sigma``, ``--output-median``/``--output-sigma``, capped at
+``--prompt-max``/``--output-max``; random tokens, greedy, EOS ignored so each request generates
+exactly its output length), each naming one of ``--adapters`` adapters (default 128) of ranks
+``--ranks`` (cycled; default 4,8,16,32,64, all seven projections) drawn with Zipf popularity
+1 / (i + 1)^``--zipf``. Two arrival modes (``--arrivals``): ``burst`` (all at once) and
+``poisson`` (``--rate`` requests/s). Beside each, the same requests on the base model alone
+(``--runs lora,base``). Random weights of a real shape (``--shape 8b`` on a GPU, ``tiny`` on the
+CPU); ``--distinct-weights`` weight sets per rank shared by host buffer, each adapter still paged
+into the GPU pool on its own (scripts/bench_serving.py's ``host_adapters``).
+
+``--slora`` adds the S-LoRA setting: ``--slora-requests`` (64) requests of ``--slora-prompt``
+(256) tokens generating ``--slora-new`` (64) tokens, all at once, over ``--slora-adapters`` (64)
+distinct adapters of rank ``--slora-rank`` (16) on all seven projections; then every request on
+one adapter; then the base alone.
+
+One engine serves every run (prefix caching off: the runs repeat prompts), after its warm-up
+(``Engine.warm_up``, as ``serve`` runs it; timed, not part of any run). Each run replays its trace
+through the engine's background loop (scripts/bench_serving.py's ``replay_engine``) with the step
+ledger on (``Engine.enable_step_ledger``), and reports generated tok/s, wall (first arrival to
+last token), TTFT p50/p99 and the floor (``serving/floor.py``): the sum over its steps of
+max(FLOPs / peak, bytes / bandwidth), peak the GPU's dense bf16 data-sheet figure
+(``harness.dense_bf16_tflops``; on a CPU or an unknown GPU a measured matmul; ``--peak-tflops``
+overrides) and bandwidth a large device-to-device copy measured here (``--bandwidth-gbs``
+overrides). ``fraction`` = floor / wall; ``busy fraction`` = floor / the engine's time inside
+steps (a Poisson run waits for arrivals, which no engine can shorten).
+
+``--deadline S``: no phase starts past S seconds from the start and a run under way is cut there
+(reported as far as it got); the JSON (``--out``) is rewritten after every phase and the table
+printed with what ran.
+
+    PYTHONPATH=. python3 scripts/bench_tenants.py --shape 8b --slora --deadline 370 --out $OUT
+    PYTHONPATH=. python3 scripts/bench_tenants.py --shape tiny --device cpu --dtype float32 --requests 12 \\
+        --adapters 6 --ranks 4,8 --prompt-median 12 --prompt-max 40 --output-median 4 --output-max 8 \\
+        --rate 50 --slora --slora-requests 4 --slora-prompt 16 --slora-new 4 --slora-adapters 4 --slora-rank 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import time
+
+from harness import (add_device_args, add_output_args, comma_list, dense_bf16_tflops, device_info, dtype_of, logger,
+                     percentile, timer, write_json)
+
+import torch  # noqa: E402
+from bench_generation import SHAPES, build_model, random_adapters  # noqa: E402
+from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engine  # noqa: E402
+
+from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
+from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
+from lightning_lorafusion.serving.floor import FloorShape, run_floor  # noqa: E402
+
+log = logger("bench_tenants")
+
+
+# ---------------------------------------------------------------------------------------------
+# the trace
+
+
+def lognormal_lengths(rng: random.Random, count: int, median: float, sigma: float, lo: int, hi: int) -> list[int]:
+    """``count`` lengths, lognormal of that median and log-space sigma, rounded and clipped to lo..hi."""
+    return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(count)]
+
+
+def make_trace(*, num_requests: int, adapters: list[str | None], zipf: float, prompt: tuple[float, float, int],
+               output: tuple[float, float, int], arrivals: str, rate: float, vocab: int,
+               seed: int) -> list[TraceItem]:
+    """Requests with lognormal lengths (``prompt`` / ``output``: median, sigma, cap), adapters by
+    Zipf popularity (``[None]``: the base), arriving at once (``burst``) or as a Poisson process
+    (the same requests either way)."""
+    rng = random.Random(seed)
+    prompts = lognormal_lengths(rng, num_requests, prompt[0], prompt[1], 1, prompt[2])
+    outputs = lognormal_lengths(rng, num_requests, output[0], output[1], 1, output[2])
+    weights = adapter_weights(len(adapters), "zipf", zipf)
+    names = rng.choices(adapters, weights, k=num_requests)
+    clock = random.Random(seed + 7919)  # its own draws: both arrival modes get the same requests
+    t, items = 0.0, []
+    for i, (p, o, name) in enumerate(zip(prompts, outputs, names)):
+        sp = SamplingParams(max_new_tokens=o, temperature=0.0, ignore_eos=True)
+        items.append(TraceItem(t, GenerationRequest(prompt_token_ids=[rng.randrange(4, vocab) for _ in range(p)],
+                                                    adapter=name, sampling=sp, request_id=f"r{i}")))
+        if arrivals == "poisson":
+            t += clock.expovariate(rate)
+    return items
+
+
+def relabel(trace: list[TraceItem], prefix: str, adapter: str | None | bool = False) -> list[TraceItem]:
+    """The same requests with ids ``prefix``-ed and, unless ``adapter`` is False, that adapter
+    (None: the base) for every request."""
+    out = []
+    for it in trace:
+        r = it.request
+        out.append(TraceItem(it.arrival_s, GenerationRequest(
+            prompt_token_ids=r.prompt_token_ids, sampling=r.sampling, request_id=prefix + r.request_id,
+            adapter=r.adapter if adapter is False else adapter)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the device's limits
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes/s of a ``mib`` MiB device-to-device copy (read + write), best of 5."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(5):
+        with timer(device) as t:
+            dst.copy_(src)
+        best = min(best, t.seconds)
+    return 2 * src.numel() / best
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of an n x n x n matmul, best of 5 (the peak where no data-sheet figure is known)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    best = math.inf
+    for _ in range(5):
+        with timer(device) as t:
+            a @ b
+        best = min(best, t.seconds)
+    return 2 * n ** 3 / best
+
+
+def device_limits(args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Peak FLOP/s and bandwidth the floors use, and where each came from."""
+    cuda = device.type == "cuda"
+    if args.peak_tflops is not None:
+        peak, source = args.peak_tflops * 1e12, "given"
+    elif cuda and dense_bf16_tflops(torch.cuda.get_device_name(device)) is not None:
+        peak, source = dense_bf16_tflops(torch.cuda.get_device_name(device)) * 1e12, "data sheet (dense bf16)"
+    else:
+        peak, source = matmul_flops(device, dtype, 8192 if cuda else 512), "measured matmul"
+    if args.bandwidth_gbs is not None:
+        bw, bw_source = args.bandwidth_gbs * 1e9, "given"
+    else:
+        bw, bw_source = copy_bandwidth(device, 2048 if cuda else 64), "measured copy"
+    return {"peak_flops": peak, "peak_source": source, "bandwidth": bw, "bandwidth_source": bw_source}
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs
+
+
+def renamed(adapters: list[HostAdapter], names: list[str]) -> list[HostAdapter]:
+    """Adapters named ``names``, adapter i over the host buffer of ``adapters[i % len]`` (each is
+    still its own adapter to the engine: paged in and evicted on its own)."""
+    out = []
+    for i, name in enumerate(names):
+        a = adapters[i % len(adapters)]
+        out.append(HostAdapter(name=name, rank=a.rank, alpha=a.alpha, target_modules=a.target_modules,
+                               slots=a.slots, flat=a.flat, num_layers=a.relative_offsets.shape[0]))
+    return out
+
+
+def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float) -> dict:
+    """Replay ``trace`` with the step ledger on -> throughput, TTFT and the floor of its steps."""
+    engine = bench.engine
+    before = engine.stats()
+    ledger = engine.enable_step_ledger()
+    try:
+        out = replay_engine(engine, trace, deadline=deadline, slo_ttft=bench.args.slo_ttft)
+    finally:
+        engine.disable_step_ledger()
+    busy = engine.stats()["step_seconds_total"] - before["step_seconds_total"]
+    floor = run_floor(ledger, bench.shape, peak_flops=bench.limits["peak_flops"],
+                      bandwidth=bench.limits["bandwidth"])
+    wall = out["wall_s"]
+    out.pop("tokens", None)
+    out.update(floor=floor, floor_s=floor["floor_s"], busy_s=busy, ledger=ledger.summary(),
+               fraction_of_floor=floor["floor_s"] / wall if wall > 0 else None,
+               busy_fraction_of_floor=floor["floor_s"] / busy if busy > 0 else None,
+               trace_adapters=len({it.request.adapter for it in trace} - {None}),
+               prompt_tokens=sum(len(it.request.prompt_token_ids) for it in trace))
+    return out
+
+
+class TenantsBench:
+    """The model, its adapters, one engine, the device's limits and the report."""
+
+    def __init__(self, args):
+        self.args, self.start = args, time.perf_counter()
+        self.deadline = self.start + args.deadline
+        self.device, self.dtype = torch.device(args.device), dtype_of(args.dtype)
+        self.report: dict = {**device_info(self.device), "args": vars(args), "runs": [], "skipped": [],
+                             "errors": {}}
+        shape = SHAPES[args.shape]
+        self.vocab = shape["vocab_size"]
+        model, tokenizer = build_model(shape, self.device, self.dtype, seed=0)
+        config, params = params_from_hf_model(model)
+        self.shape = FloorShape.from_config(config)
+        ranks = sorted(set(args.ranks) | ({args.slora_rank} if args.slora else set()))
+        sets = random_adapters(config, args.distinct_weights * len(ranks), ranks, self.device, self.dtype, seed=1,
+                               b_std=0.02)
+        pin = self.device.type == "cuda"
+        bases = host_adapters(config, sets, len(sets), self.dtype, pin=pin)
+        by_rank = {r: [a for a in bases if a.rank == r] for r in ranks}
+        mixed = [by_rank[args.ranks[i % len(args.ranks)]][(i // len(args.ranks)) % args.distinct_weights]
+                 for i in range(args.adapters)]
+        self.tenants = renamed(mixed, [f"t{i}" for i in range(args.adapters)])
+        self.slora = renamed(by_rank[args.slora_rank], [f"s{i}" for i in range(args.slora_adapters)]) \
+            if args.slora else []
+        del sets, model  # the device copies of the factors (the host buffers stay); params keep the weights
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # before the engine sizes its pool from the free memory
+        self.engine = Engine(config, params, tokenizer, EngineConfig(
+            max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
+            enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
+            **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
+            device=self.device, dtype=self.dtype)
+        for a in self.tenants + self.slora:
+            self.engine.add_host_adapter(a)
+        self.limits = self.report["limits"] = device_limits(args, self.device, self.dtype)
+        self.report["setup_s"] = time.perf_counter() - self.start
+        log(f"model {args.shape}, {len(self.tenants)} + {len(self.slora)} adapters, limits "
+            f"{self.limits['peak_flops'] / 1e12:.3g} TFLOP/s ({self.limits['peak_source']}), "
+            f"{self.limits['bandwidth'] / 1e9:.0f} GB/s ({self.limits['bandwidth_source']}); "
+            f"{self.report['setup_s']:.1f} s")
+
+    def save(self) -> None:
+        write_json(self.args.out, f"bench_tenants_{self.args.shape}.json", self.report)
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def warm_up(self) -> None:
+        if self.args.warm_up == "off" or self.left() <= 0:
+            return
+        with timer(self.device) as t:
+            info = self.engine.warm_up()
+        self.report["warm_up"] = {"seconds": t.seconds, "captures": info.get("captures"),
+                                  "ranks": info.get("ranks")}
+        log(f"warm-up {t.seconds:.1f} s")
+        self.save()
+
+    def phase(self, run: str, arrivals: str, trace: list[TraceItem]) -> None:
+        """One run unless the deadline passed; a failure is recorded and the others go on."""
+        name = f"{run} {arrivals}"
+        if self.left() < 10:
+            self.report["skipped"].append(name)
+            log(f"skipped (deadline): {name}")
+            return
+        try:
+            row = {"run": run, "arrivals": arrivals, **run_trace(
+                self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s))}
+            self.report["runs"].append(row)
+            log(row_line(row))
+        except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
+            import traceback
+
+            traceback.print_exc()
+            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.save()
+
+    def main_traces(self) -> dict[str, list[TraceItem]]:
+        args = self.args
+        names = [a.name for a in self.tenants]
+        return {mode: make_trace(num_requests=args.requests, adapters=names, zipf=args.zipf, arrivals=mode,
+                                 prompt=(args.prompt_median, args.prompt_sigma, args.prompt_max),
+                                 output=(args.output_median, args.output_sigma, args.output_max),
+                                 rate=args.rate, vocab=self.vocab, seed=args.seed)
+                for mode in args.arrivals}
+
+    def slora_trace(self) -> list[TraceItem]:
+        """The S-LoRA setting: fixed lengths, all at once, request i on adapter s(i % N)."""
+        args = self.args
+        rng = random.Random(args.seed + 1)
+        sp = SamplingParams(max_new_tokens=args.slora_new, temperature=0.0, ignore_eos=True)
+        return [TraceItem(0.0, GenerationRequest(
+            prompt_token_ids=[rng.randrange(4, self.vocab) for _ in range(args.slora_prompt)], sampling=sp,
+            adapter=self.slora[i % len(self.slora)].name, request_id=f"r{i}")) for i in range(args.slora_requests)]
+
+
+def run_all(bench: TenantsBench) -> None:
+    """Every phase in order of what matters most when the deadline cuts: the burst pair, S-LoRA,
+    then the Poisson pair."""
+    args = bench.args
+    traces = bench.main_traces()
+    order = ["burst", "poisson"]
+    for mode in sorted(traces, key=order.index):
+        for run in args.runs:
+            trace = traces[mode] if run == "lora" else relabel(traces[mode], "", None)
+            bench.phase(run, mode, relabel(trace, f"{run}-{mode}-"))
+        if mode == "burst" and args.slora:
+            slora = bench.slora_trace()
+            bench.phase("slora_distinct", "burst", relabel(slora, "sd-"))
+            bench.phase("slora_one", "burst", relabel(slora, "s1-", bench.slora[0].name))
+            bench.phase("slora_base", "burst", relabel(slora, "sb-", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['run']} {r['arrivals']}: {r['complete']}/{r['requests']} requests, {r['tokens_per_s']:.0f} tok/s, "
+            f"wall {r['wall_s']:.2f} s, floor {r['floor_s']:.2f} s ({_f(r['fraction_of_floor'], '.0%')} of it; "
+            f"busy {_f(r['busy_fraction_of_floor'], '.0%')}), TTFT p50 {_f(r['ttft_s']['p50'], '.2f')} "
+            f"p99 {_f(r['ttft_s']['p99'], '.2f')} s")
+
+
+def table(report: dict) -> str:
+    head = (f"{'run':<15} {'arrivals':<8} {'done':>9} {'adapters':>8} {'tok/s':>8} {'wall s':>7} {'floor s':>7} "
+            f"{'floor/wall':>10} {'floor/busy':>10} {'TTFT p50/p99 s':>15} {'ad/step':>7}")
+    lines = [head]
+    for r in report["runs"]:
+        t = r["ttft_s"]
+        lines.append(f"{r['run']:<15} {r['arrivals']:<8} {r['complete']:>4}/{r['requests']:<4} "
+                     f"{r['trace_adapters']:>8} {r['tokens_per_s']:>8.0f} {r['wall_s']:>7.2f} {r['floor_s']:>7.2f} "
+                     f"{_f(r['fraction_of_floor'], '.1%'):>10} {_f(r['busy_fraction_of_floor'], '.1%'):>10} "
+                     f"{_f(t['p50'], '.2f') + '/' + _f(t['p99'], '.2f'):>15} "
+                     f"{r['ledger']['adapters_per_step_mean']:>7.1f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="8b")
+    add_device_args(ap)
+    ap.add_argument("--requests", type=int, default=384)
+    ap.add_argument("--adapters", type=int, default=128)
+    ap.add_argument("--ranks", type=comma_list(cast=int), default=[4, 8, 16, 32, 64])
+    ap.add_argument("--distinct-weights", type=int, default=2, help="random weight sets per rank")
+    ap.add_argument("--zipf", type=float, default=0.8, help="popularity of adapter i: 1 / (i + 1)^zipf")
+    ap.add_argument("--prompt-median", type=float, default=256)
+    ap.add_argument("--prompt-sigma", type=float, default=0.8)
+    ap.add_argument("--prompt-max", type=int, default=2048)
+    ap.add_argument("--output-median", type=float, default=128)
+    ap.add_argument("--output-sigma", type=float, default=0.8)
+    ap.add_argument("--output-max", type=int, default=1024)
+    ap.add_argument("--arrivals", type=comma_list(("burst", "poisson")), default=["burst", "poisson"])
+    ap.add_argument("--rate", type=float, default=16.0, help="Poisson arrivals, requests/s")
+    ap.add_argument("--runs", type=comma_list(("lora", "base")), default=["lora", "base"])
+    ap.add_argument("--slora", action="store_true", help="add the S-LoRA setting (distinct / one adapter / base)")
+    ap.add_argument("--slora-requests", type=int, default=64)
+    ap.add_argument("--slora-prompt", type=int, default=256)
+    ap.add_argument("--slora-new", type=int, default=64)
+    ap.add_argument("--slora-adapters", type=int, default=64)
+    ap.add_argument("--slora-rank", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
+    ap.add_argument("--chunked-prefill", choices=("on", "off"), default="off", help="default: the engine's (off)")
+    ap.add_argument("--memory-fraction", type=float, default=0.85)
+    ap.add_argument("--cpu-pool-mib", type=int, default=256)
+    ap.add_argument("--warm-up", choices=("on", "off"), default="on", help="Engine.warm_up before the runs")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="default: data sheet (GPU) or measured")
+    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="default: measured device copy")
+    ap.add_argument("--slo-ttft", type=float, default=6.0)
+    ap.add_argument("--phase-max-s", type=float, default=120.0, help="a run is cut after this long")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds from the start: no phase runs past it")
+    ap.add_argument("--seed", type=int, default=0)
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    if args.slora and args.slora_rank <= 0:
+        ap.error(f"--slora-rank {args.slora_rank} must be >= 1")
+    if min(args.ranks) < 1 or args.adapters < 1 or args.requests < 1:
+        ap.error("--ranks, --adapters and --requests must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    bench = TenantsBench(args)
+    try:
+        bench.warm_up()
+        run_all(bench)
+    finally:
+        bench.engine.close()
+    report = bench.report
+    print("\n" + table(report))
+    if report["skipped"]:
+        print("skipped (deadline):", ", ".join(report["skipped"]))
+    if report["errors"]:
+        print("errors:", report["errors"])
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""scripts/bench_tenants.py on CPU (tiny shape, fp32): the trace's lengths, popularity and arrivals,
+and a full run whose floors come from the engine's step ledger."""
+
+import json
+import math
+
+from _script_loader import load_script
+
+
+def test_trace_shapes():
+    bench = load_script("bench_tenants")
+    names = [f"t{i}" for i in range(6)]
+    burst = bench.make_trace(num_requests=600, adapters=names, zipf=1.0, prompt=(20, 0.8, 60), output=(8, 0.5, 30),
+                             arrivals="burst", rate=10.0, vocab=64, seed=0)
+    assert all(it.arrival_s == 0.0 for it in burst)
+    prompts = sorted(len(it.request.prompt_token_ids) for it in burst)
+    outputs = [it.request.sampling.max_new_tokens for it in burst]
+    assert 1 <= prompts[0] and prompts[-1] == 60  # capped (a lognormal of sigma 0.8 passes 3x its median)
+    assert 15 <= prompts[len(prompts) // 2] <= 25 and max(outputs) <= 30  # median about 20
+    counts = [sum(it.request.adapter == n for it in burst) for n in names]
+    assert counts[0] > counts[2] > counts[5] > 0  # Zipf: adapter 0 the most popular
+    poisson = bench.make_trace(num_requests=600, adapters=names, zipf=1.0, prompt=(20, 0.8, 60),
+                               output=(8, 0.5, 30), arrivals="poisson", rate=10.0, vocab=64, seed=0)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(poisson, poisson[1:])]
+    assert 0.08 < sum(gaps) / len(gaps) < 0.12  # mean gap 1 / rate
+    assert [it.request.prompt_token_ids for it in poisson] == [it.request.prompt_token_ids for it in burst]
+    base = bench.relabel(burst, "b-", None)
+    assert all(b.request.adapter is None and b.request.request_id == "b-" + it.request.request_id
+               and b.request.prompt_token_ids == it.request.prompt_token_ids for b, it in zip(base, burst))
+
+
+def test_bench_tenants_tiny_cpu(tmp_path):
+    bench = load_script("bench_tenants")
+    # peak and bandwidth given, above what two CPU cores reach: the floor is then a true lower bound
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "10",
+                         "--adapters", "6", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
+                         "--output-median", "4", "--output-max", "8", "--rate", "60", "--warm-up", "off",
+                         "--slora", "--slora-requests", "4", "--slora-prompt", "12", "--slora-new", "3",
+                         "--slora-adapters", "4", "--slora-rank", "4", "--peak-tflops", "5", "--bandwidth-gbs", "500",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {} and report["skipped"] == []
+    saved = json.loads((tmp_path / "bench_tenants_tiny.json").read_text())
+    runs = {(r["run"], r["arrivals"]): r for r in saved["runs"]}
+    assert set(runs) == {("lora", "burst"), ("base", "burst"), ("lora", "poisson"), ("base", "poisson"),
+                         ("slora_distinct", "burst"), ("slora_one", "burst"), ("slora_base", "burst")}
+    assert saved["limits"]["peak_flops"] == 5e12 and saved["limits"]["bandwidth"] == 500e9
+    for r in runs.values():
+        assert r["complete"] == r["requests"] and r["generated_tokens"] > 0 and r["wall_s"] > 0
+        assert r["floor_s"] > 0 and r["floor"]["base_bytes"] > 0 and r["floor"]["flops"] > 0
+        assert 0 < r["fraction_of_floor"] <= 1 and math.isclose(r["fraction_of_floor"], r["floor_s"] / r["wall_s"])
+        assert r["floor"]["steps"] == r["ledger"]["steps"] > 0
+        # every prompt token and every generated token but each request's last is fed once
+        assert r["ledger"]["prefill_tokens"] + r["ledger"]["decode_rows"] == \
+            r["prompt_tokens"] + r["generated_tokens"] - r["requests"]
+    for run in ("lora", "slora_distinct", "slora_one"):
+        assert runs[(run, "burst")]["floor"]["adapter_bytes"] > 0
+    for run in (("base", "burst"), ("base", "poisson"), ("slora_base", "burst")):
+        assert runs[run]["floor"]["adapter_bytes"] == 0 and runs[run]["ledger"]["distinct_adapters"] == 0
+    assert runs[("slora_distinct", "burst")]["ledger"]["distinct_adapters"] == 4
+    assert runs[("slora_one", "burst")]["ledger"]["distinct_adapters"] == 1
+    # the same requests: the LoRA run reads its adapters besides what the base run reads
+    assert runs[("lora", "burst")]["floor"]["flops"] > runs[("base", "burst")]["floor"]["flops"]
+
+
+def test_measured_limits_are_positive():
+    import torch
+
+    bench = load_script("bench_tenants")
+    cpu = torch.device("cpu")
+    assert bench.copy_bandwidth(cpu, 4) > 0 and bench.matmul_flops(cpu, torch.float32, 64) > 0
+    assert load_script("harness").dense_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert load_script("harness").dense_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert load_script("harness").dense_bf16_tflops("cpu") is None
