@@ -112,14 +112,15 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
 
 
 def random_adapters(model_config, count: int, ranks: list[int], device, dtype, seed: int, b_std: float):
-    """``count`` adapters: (name, rank, alpha, {(layer, module): (A [r, in], B [out, r])})."""
+    """``count`` adapters on every projection of the family (Phi-3's fused ``qkv_proj`` /
+    ``gate_up_proj`` as they are): (name, rank, alpha, {(layer, module): (A [r, in], B [out, r])})."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for i in range(count):
         r = ranks[i % len(ranks)]
         factors = {}
         for layer in range(model_config.num_layers):
-            for module in ALL_TARGET_MODULES:
+            for module in model_config.family.projections:
                 k, n = model_config.module_dims(module)
                 a = (torch.randn(r, k, generator=g, device=device) / k ** 0.5).to(dtype)
                 b = (torch.randn(n, r, generator=g, device=device) * b_std).to(dtype)
