@@ -311,6 +311,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> Report:
     args = parse_args(argv)
     started = time.perf_counter()
+    # the fused elementwise groups compile per shape (dynamic=False) and every family brings its
+    # own: keep torch.compile from falling back to eager for the later families of the run
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
     report = Report(args.device, args, out=args.out, file_name="families_bench.json", log=log,
                     describe=lambda r: f"{r.get('tokens_per_s', r.get('adapters', {}).get('step_ms', ''))}")
     for name in args.families:
