@@ -23,7 +23,8 @@ Per family:
 - decode: ``Engine`` decode-only steps of ``--decode-rows`` running requests of
   ``--prompt-len`` tokens spread over ``--decode-adapters`` adapters of rank ``--rank`` (and the
   same rows on the base): ms per step and generated tokens/s (scripts/bench_generation.py's
-  ``step_time``).
+  ``step_time``); with ``--hf-decode`` also the same requests generated whole (prefill +
+  decode) by the engine and by HF + PEFT ``generate`` (a mixed-adapter batch), tokens/s.
 
 ``--deadline S`` stops starting new measurements after S seconds; what was measured is kept
 (the JSON under ``--out`` is rewritten after every measurement). Prints a table per family and
@@ -190,9 +191,23 @@ def decode(args, w: dict) -> dict:
                                                    steps, device)
         out["cuda_graphs"] = engine.runner.graphs is not None
         out["peak_gib"] = peak_gib(device)
+        if args.hf_decode:  # whole requests (prefill + decode) both ways, the same requests
+            out["engine_generate"] = _without_tokens(
+                bench_generation.run_ours(engine, bench_generation._renamed(requests, "g"), device))
     finally:
         engine.close()
+    if args.hf_decode:
+        peft_model = bench_generation.attach_peft(w["model"], adapters)
+        try:
+            out["hf_peft_generate"] = _without_tokens(
+                bench_generation.run_hf(peft_model, requests, len(requests), device, use_adapters=True))
+        finally:
+            w["model"] = peft_model.unload()
     return out
+
+
+def _without_tokens(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "tokens"}
 
 
 def run_family(args, name: str, report: Report, started: float) -> None:
@@ -249,6 +264,10 @@ def family_table(name: str, r: dict) -> str:
         lines.append(f"| decode step ms, {a['running']} rows, adapters / base | {a['step_ms']:.2f} / "
                      f"{b['step_ms']:.2f} |")
         lines.append(f"| decode tok/s, adapters / base | {a['decode_tok_per_s']:,.0f} / {b['decode_tok_per_s']:,.0f} |")
+        if "hf_peft_generate" in dec:
+            ours_g, hf_g = dec["engine_generate"]["tokens_per_s"], dec["hf_peft_generate"]["tokens_per_s"]
+            lines.append(f"| generate tok/s ({a['running']} requests), engine / HF + PEFT | {ours_g:,.0f} / "
+                         f"{hf_g:,.0f} ({ours_g / hf_g:.2f}x) |")
     return "\n".join(lines)
 
 
@@ -296,6 +315,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200 SXM)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--hf-decode", action="store_true",
+                    help="also generate the decode requests whole (prefill + decode) with the engine and with "
+                         "HF + PEFT generate (mixed-adapter batch, adapter_names per row): tokens/s both ways")
     ap.add_argument("--deadline", type=float, default=0.0, help="seconds; start nothing after (0: none)")
     add_device_args(ap)
     add_output_args(ap)

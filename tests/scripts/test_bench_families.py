@@ -38,7 +38,7 @@ def test_bench_families_tiny_cpu(tmp_path):
                          "float32", "--ours", "torch", "--layers", "1", "--adapters", "2", "--samples", "2",
                          "--global-batch", "2", "--max-length", "40", "--capacity", "96", "--pad-multiple", "8",
                          "--decode-rows", "3", "--decode-adapters", "2", "--decode-steps", "1", "--prompt-len", "6",
-                         "--out", str(tmp_path)])
+                         "--hf-decode", "--out", str(tmp_path)])
     assert not report["errors"]
     saved = json.loads((tmp_path / "families_bench.json").read_text())
     for name in families:
@@ -49,6 +49,8 @@ def test_bench_families_tiny_cpu(tmp_path):
         assert r["useful_flops"] > 0 and 0 < ours["fill"] <= 1
         for kind in ("adapters", "base"):
             assert dec[kind]["running"] == 3 and dec[kind]["step_ms"] > 0
+        # the same 3 requests of 2 x 1 + 8 new tokens generated whole, by the engine and by HF + PEFT
+        assert dec["engine_generate"]["generated_tokens"] == dec["hf_peft_generate"]["generated_tokens"] == 3 * 10
     assert saved["phi4_14b"]["targets"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     assert saved["gemma2_9b"]["head_dim"] == 24 and saved["gemma2_9b"]["model_type"] == "gemma2"
 
