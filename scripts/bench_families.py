@@ -242,7 +242,8 @@ def run_family(args, name: str, report: Report, started: float) -> None:
                 report[name][phase] = report.pop(key)
                 report.save()
     finally:
-        del w, model
+        w.clear()  # the model, its data and its adapters go before the next family
+        del model
         reset_peak(device)
 
 
