@@ -118,12 +118,18 @@ def packed_rows(samples, capacity):
     return rows
 
 
+def target_modules(args) -> tuple[str, ...]:
+    """The adapters' targets: ``args.target_modules`` where a caller sets it (a fused Phi-3
+    checkpoint's ``qkv_proj`` / ``gate_up_proj``: scripts/bench_families.py), else all seven."""
+    return tuple(getattr(args, "target_modules", None) or ALL_TARGET_MODULES)
+
+
 def run_hf_peft(args, model, data, device, packed=False):
     from peft import LoraConfig, get_peft_model
 
     names = [f"a{i}" for i in range(len(data))]
     lcfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout,
-                      target_modules=list(ALL_TARGET_MODULES), task_type="CAUSAL_LM")
+                      target_modules=list(target_modules(args)), task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lcfg, adapter_name=names[0])
     for n in names[1:]:
         peft_model.add_adapter(n, lcfg)
@@ -225,7 +231,8 @@ class OursSetup:
     def __init__(self, args, model, data, device, dtype):
         self.config, self.params = params_from_hf_model(model)
         self.specs = [AdapterSpec(name=f"a{i}", rank=args.rank, alpha=2 * args.rank, dropout=args.dropout, seed=i,
-                                  global_batch_size=args.global_batch, dataset={"kind": "synthetic"})
+                                  global_batch_size=args.global_batch, dataset={"kind": "synthetic"},
+                                  target_modules=target_modules(args))
                       for i in range(len(data))]
         self.bank = AdapterBank(self.specs, self.config, dtype=dtype, device=device)
         self.datasets = [[_Sample(x, shifted_labels(x, [t != -100 for t in y])) for x, y in d] for d in data]

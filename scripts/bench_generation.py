@@ -73,7 +73,6 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model, quantize
 from lightning_lorafusion.model.random_model import write_random_llama  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.config import PREFILL_ATTENTION, EngineTuning  # noqa: E402
-from lightning_lorafusion.specs import ALL_TARGET_MODULES  # noqa: E402
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -112,14 +111,15 @@ def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
 
 
 def random_adapters(model_config, count: int, ranks: list[int], device, dtype, seed: int, b_std: float):
-    """``count`` adapters: (name, rank, alpha, {(layer, module): (A [r, in], B [out, r])})."""
+    """``count`` adapters on every projection of the family (Phi-3's fused ``qkv_proj`` /
+    ``gate_up_proj`` as they are): (name, rank, alpha, {(layer, module): (A [r, in], B [out, r])})."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for i in range(count):
         r = ranks[i % len(ranks)]
         factors = {}
         for layer in range(model_config.num_layers):
-            for module in ALL_TARGET_MODULES:
+            for module in model_config.family.projections:
                 k, n = model_config.module_dims(module)
                 a = (torch.randn(r, k, generator=g, device=device) / k ** 0.5).to(dtype)
                 b = (torch.randn(n, r, generator=g, device=device) * b_std).to(dtype)
@@ -129,11 +129,14 @@ def random_adapters(model_config, count: int, ranks: list[int], device, dtype, s
 
 
 def attach_peft(model, adapters):
-    """Wrap the HF model with PEFT holding every adapter (kept in the model's dtype)."""
+    """Wrap the HF model with PEFT holding every adapter (kept in the model's dtype), on the
+    projections the adapters' factors name (the family's, fused ones included)."""
     from peft import LoraConfig, get_peft_model
 
+    targets = list(dict.fromkeys(module for _, module in adapters[0][3]))
+
     def cfg(r, alpha):
-        return LoraConfig(r=r, lora_alpha=alpha, target_modules=list(ALL_TARGET_MODULES), lora_dropout=0.0)
+        return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
 
     name0, r0, alpha0, _ = adapters[0]
     peft_model = get_peft_model(model, cfg(r0, alpha0), adapter_name=name0, autocast_adapter_dtype=False)

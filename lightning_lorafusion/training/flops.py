@@ -8,18 +8,47 @@ from typing import Any, Sequence
 H100_H200_BF16_PEAK_TFLOPS = 989.0
 
 
+def causal_pairs(length: int, window: int | None = None) -> float:
+    """Query-key pairs causal attention over one sample of ``length`` tokens visits, counted as
+    ``length^2 / 2``; with a sliding ``window`` (each query sees its last ``window`` keys) the
+    ``length - window`` later queries see ``window`` keys each: ``length * window - window^2 / 2``."""
+    if window is None or length <= window:
+        return length * length / 2
+    return length * window - window * window / 2
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) of an HF config or a ``DecoderConfig``
+    (Gemma 2/3's per-layer pattern, Mistral's and Phi-3's one window); all None when the config
+    names none (or is neither, e.g. a bare namespace of shapes)."""
+    layers = getattr(config, "num_hidden_layers", None) or config.num_layers
+    if not hasattr(config, "sliding_windows") and getattr(config, "model_type", None) is not None:
+        from ..model.decoder_config import DecoderConfig
+
+        config = DecoderConfig.from_hf(config)
+    windows = tuple(getattr(config, "sliding_windows", ()) or ())
+    return windows if windows else (None,) * layers
+
+
 def lora_training_flops(config: Any, sample_lengths: Sequence[int]) -> float:
     """FLOPs that training over samples of these token counts must do: 4 x the linear weights
     per token (forward and input gradient; the base is frozen, so no weight gradients), the LM
-    head likewise, and causal attention 6 x L^2 x (heads x head_dim) per layer per sample
-    (forward 2, backward 4). LoRA's own FLOPs (< 1% at rank 16) and recomputation are left out.
+    head likewise (a tied head is still a product), and attention 12 x pairs x (heads x head_dim)
+    per layer per sample (QK^T and PV: 4 per pair forward, 8 backward), pairs from ``causal_pairs``
+    with that layer's sliding window (full causal: the 6 x L^2 x heads x head_dim of a sample). Shapes are the family's: ``head_dim`` as
+    the config names it (Gemma: 256, not hidden / heads), Phi-3's fused ``qkv_proj`` /
+    ``gate_up_proj`` as the q/k/v and gate/up products they hold, the full vocabulary.
+    Elementwise work (norms, q/k norms, soft-caps, activations, RoPE), LoRA's own FLOPs (< 1%
+    at rank 16) and recomputation are left out, as matrix-product MFU conventions do.
     ``config``: an HF config or the project's ``DecoderConfig``."""
     from ..parallel.simulator import CostModel
 
-    layers = getattr(config, "num_hidden_layers", None) or config.num_layers
+    windows = layer_windows(config)
+    layers = len(windows)
     unit = CostModel.from_decoder_config(config, (layers,))  # forward FLOPs per token / pair
-    tokens = sum(int(n) for n in sample_lengths)
-    pairs = sum(int(n) * int(n) for n in sample_lengths)
+    lengths = [int(n) for n in sample_lengths]
+    tokens = sum(lengths)
+    pairs = sum(causal_pairs(n, w) for w in windows for n in lengths)  # over layers and samples
     linear = 2 * tokens * (layers * unit.layer_flops_per_token + unit.head_flops_per_token)
-    attention = 3 * layers * unit.attention_flops_per_pair * pairs / 2
+    attention = 3 * unit.attention_flops_per_pair * pairs
     return float(linear + attention)

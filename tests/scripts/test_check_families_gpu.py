@@ -1,20 +1,58 @@
-"""scripts/check_families_gpu.py on CPU (tiny shape, fp32): the engine's greedy tokens and the
-training losses of two families (one with every Gemma 2 piece) equal HF + PEFT's."""
+"""scripts/check_families_gpu.py on CPU (tiny shape, fp32): the engine's greedy tokens, its
+teacher-forced log-probs and the training losses of two families (one with every Gemma 2 piece)
+equal HF + PEFT's; a wrong norm convention or a missing soft-cap fails the log-prob bar."""
 
+import dataclasses
 import json
 
+import pytest
 from _script_loader import load_script
+
+TINY = ["--device", "cpu", "--dtype", "float32", "--hidden", "64", "--intermediate", "96", "--layers", "2",
+        "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--prompts", "4", "--prompt-len", "16", "--max-new", "5",
+        "--adapters", "2"]
 
 
 def test_check_families_tiny_cpu(tmp_path):
     check = load_script("check_families_gpu")
-    report = check.main(["--families", "llama,gemma2", "--device", "cpu", "--dtype", "float32", "--hidden", "64",
-                         "--intermediate", "96", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "128",
-                         "--prompts", "4", "--prompt-len", "16", "--max-new", "5", "--adapters", "2",
-                         "--out", str(tmp_path)])
+    report = check.main(["--families", "llama,gemma2", *TINY, "--out", str(tmp_path)])
     assert report["ok"] and not report["errors"]
     for row in report["families"]:
         assert row["token_match"] == 1.0 and row["exact_requests"] == row["requests"] == 4
         assert row["loss_max_rel_diff"] < 1e-5 and len(row["loss_ours"]) == 2
+        # every token after the first of 4 sequences of ~16 + 5 tokens, scored by both models
+        assert row["logprob_tokens"] == sum(16 - 3 * (i % 4) + 5 - 1 for i in range(4))
+        assert row["logprob_max_abs_diff"] < 1e-4
     saved = json.loads((tmp_path / "families.json").read_text())
     assert [r["family"] for r in saved["families"]] == ["llama", "gemma2"] and saved["ok"]
+
+
+def _norms_plus_one(original):
+    """Our side multiplies by (1 + w) where the checkpoint means w (new tensors: the HF model's stay)."""
+    def mutated(model):
+        config, params = original(model)
+        layers = params["layers"].values() if isinstance(params["layers"], dict) else params["layers"]
+        for layer in layers:
+            for key in [k for k in layer if k.endswith("norm")]:
+                layer[key] = layer[key] + 1.0
+        return config, params
+    return mutated
+
+
+def _without_soft_caps(original):
+    def mutated(model):
+        config, params = original(model)
+        family = dataclasses.replace(config.family, attn_logit_softcap=None, final_logit_softcap=None)
+        return dataclasses.replace(config, family=family), params
+    return mutated
+
+
+@pytest.mark.parametrize("family, mutation", [("llama", _norms_plus_one), ("gemma2", _norms_plus_one),
+                                              ("gemma2", _without_soft_caps)])
+def test_a_wrong_family_piece_fails_the_logprob_bar(monkeypatch, family, mutation):
+    check = load_script("check_families_gpu")
+    monkeypatch.setattr(check, "params_from_hf_model", mutation(check.params_from_hf_model))
+    report = check.main(["--families", family, *TINY])
+    (row,) = report["families"]
+    assert not row["ok"] and not report["ok"]
+    assert row["logprob_mean_abs_diff"] > 4 * check.LOGPROB_ATOL

@@ -201,3 +201,16 @@ def test_auto_capacity_is_refused_with_pipeline_stages():
     dm.trainer = SimpleNamespace(strategy=strategy)
     with pytest.raises(ConfigError, match="pipeline_size=2"):
         dm._adopt_pipeline_layout()
+
+
+def test_auto_capacity_profiles_the_familys_own_model(tmp_path):
+    """The profiler times the module's own forward + backward, so a family's shapes and pieces
+    (here Gemma 2: 1 + w norms, soft-caps, a sliding window shorter than the samples) are what
+    it measures; the chosen capacity then trains every adapter."""
+    from test_families_fit import _tiny_gemma2_dir
+
+    base = _tiny_gemma2_dir(tmp_path / "gemma2")
+    module, dm = _fit_auto(str(base), tiny_specs(), [64, 128])
+    assert module.config.model_type == "gemma2" and module.config.family.attn_logit_softcap == 5.0
+    assert not dm.capacity_pending and dm.packing.capacity in (64, 128)
+    assert all(steps > 0 for steps in module.steps_taken)
