@@ -8,18 +8,29 @@ term as it is), and ``g [N]`` per (layer, projection) is kept beside it (``HostA
 host memory; a device copy is made on first use and kept with the adapter, outside the pool's
 pages). In a step, each run of rows of one DoRA adapter gets its frozen product rescaled
 (``apply_dora_rows``) before the LoRA terms are added: prefill and decode rows alike, in one
-heterogeneous batch. Steps with DoRA rows run eagerly (no captured graph holds the rescale).
+heterogeneous batch.
+
+Graph-shaped decode steps (padded to a batch bucket, replayed as CUDA graphs) cannot take row
+ranges from the host: there each row reads its gain from a fixed-shape table instead
+(``DoraSlots``: per projection ``[layers, slots + 1, N]``, slot 0 all ones for plain-LoRA,
+base and padding rows, one slot per DoRA adapter of the current decode rows, written when it
+takes the slot) through a per-row slot index on the device (``DoraSlotRows``). A step whose
+decode rows hold more DoRA adapters than there are slots runs eagerly. Mixed steps with DoRA
+rows run eagerly (not as captured pieces).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from ..kernels.dora import dora_row_norm
-from ..model.decoder import frozen_weight
+from ..model.decoder import DecoderConfig, frozen_weight
+from ..specs import ALL_TARGET_MODULES
+
+DORA_GRAPH_SLOTS = 8  # DoRA adapters one graph-shaped decode step holds; a step with more runs eagerly
 
 
 @torch.no_grad()
@@ -72,10 +83,73 @@ def step_dora_rows(rows: Iterable[tuple[int, int, Any]], device: torch.device, d
     return DoraRows(tuple((s, e, g) for s, e, g, _ in ranges)) if ranges else None
 
 
+class DoraSlots:
+    """The DoRA gains of graph-shaped decode steps at fixed addresses: ``gains[module]``
+    ``[layers, slots + 1, N]`` in the pool's dtype (slot 0 all ones), and ``row_slot``
+    ``[max_rows]`` int64, each decode row's slot (0 for rows of no DoRA adapter and padding).
+    An adapter keeps its slot while it has rows, and after until the slot is needed."""
+
+    def __init__(self, config: DecoderConfig, *, max_rows: int, device: torch.device, dtype: torch.dtype,
+                 slots: int = DORA_GRAPH_SLOTS) -> None:
+        self.num_slots, self.device, self.dtype = slots, device, dtype
+        self.gains = {m: torch.ones(config.num_layers, slots + 1, config.module_dims(m)[1], dtype=dtype,
+                                    device=device) for m in ALL_TARGET_MODULES}
+        self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self._slot_of: dict[int, int] = {}  # adapter key -> its slot (1..slots)
+
+    def load(self, adapters: Sequence[Any]) -> bool:
+        """``adapters``: each decode row's HostAdapter (or None), in row order -> True after
+        writing the rows' slots (and the gains of adapters new to a slot); False, nothing
+        written, when their DoRA adapters outnumber the slots."""
+        dora = {a.key: a for a in adapters if a is not None and a.dora_scales is not None}
+        if len(dora) > self.num_slots:
+            return False
+        taken = set(self._slot_of.values())
+        free = [s for s in range(1, self.num_slots + 1) if s not in taken]
+        idle = [k for k in self._slot_of if k not in dora]
+        for key, adapter in dora.items():
+            if key in self._slot_of:
+                continue
+            slot = free.pop() if free else self._slot_of.pop(idle.pop())
+            for g in self.gains.values():
+                g[:, slot].fill_(1.0)  # modules the adapter leaves alone
+            for (layer, module), g in _device_scales(adapter, self.device, self.dtype).items():
+                self.gains[module][layer, slot].copy_(g)
+            self._slot_of[key] = slot
+        index = [0 if a is None or a.dora_scales is None else self._slot_of[a.key] for a in adapters]
+        self.row_slot.zero_()
+        if index:
+            self.row_slot[:len(index)].copy_(torch.tensor(index, dtype=torch.int64), non_blocking=True)
+        return True
+
+
+@dataclass(frozen=True)
+class DoraSlotRows:
+    """A graph-shaped step's DoRA: rows ``[first_row, first_row + rows)`` take their gains from
+    ``slots`` by ``slots.row_slot[:rows]`` (device reads only: the same launches for any mix)."""
+
+    slots: DoraSlots
+    first_row: int
+    rows: int
+
+
 def apply_dora_rows(outs: list[torch.Tensor], names: tuple[str, ...], layer: int, lp: Mapping[str, Any],
-                    dora: DoraRows) -> None:
+                    dora: DoraRows | DoraSlotRows) -> None:
     """In place, before the LoRA terms are added: ``y = g * (y - bias) + bias`` on each DoRA run's
-    rows of each projection ``names[i]`` (output ``outs[i]``) its adapter targets."""
+    rows of each projection ``names[i]`` (output ``outs[i]``) its adapter targets; with
+    ``DoraSlotRows`` on every row of the range, ``y + (g - 1) * (y - bias)`` (rows of gain one
+    are left exactly as they are)."""
+    if isinstance(dora, DoraSlotRows):
+        index = dora.slots.row_slot[:dora.rows]
+        for name, y in zip(names, outs):
+            rows = y[dora.first_row:dora.first_row + dora.rows]
+            gain = dora.slots.gains[name][layer].index_select(0, index)
+            bias = lp[name].get("bias")
+            if bias is None:
+                rows.mul_(gain)
+            else:
+                rows.add_((rows - bias) * (gain - 1.0))
+        return
     for start, end, scales in dora.ranges:
         for name, y in zip(names, outs):
             g = scales.get((layer, name))

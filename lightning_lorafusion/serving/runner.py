@@ -18,6 +18,7 @@ over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``l
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
-from .dora_rows import step_dora_rows
+from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
 from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
@@ -87,6 +88,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+        self._slots: DoraSlots | None = None  # DoRA gains of graph-shaped decode steps
+        self._decode_dora_of: tuple[list, bool, Any] = ([], False, None)  # (rows, padded, their DoRA)
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -102,9 +105,35 @@ class ModelRunner:
             self.decode_graphs_s = self.graphs.capture()
         return self.decode_graphs_s
 
-    def _graph_body(self, rows: int, lora: bool) -> None:
-        hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
+    def _graph_body(self, rows: int, lora: bool, dora: bool) -> None:
+        batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
+        batch.dora = DoraSlotRows(self._dora_slots(), 0, rows) if dora else None
+        hidden = self.forward(batch)
         self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
+
+    def _dora_slots(self) -> DoraSlots:
+        """The fixed-shape DoRA gain table of graph-shaped decode steps (made on first use)."""
+        if self._slots is None:
+            self._slots = DoraSlots(self.config, max_rows=self.decode_inputs.max_rows, device=self.device,
+                                    dtype=self.pool.storage.dtype)
+        return self._slots
+
+    def _decode_dora(self, decode: Sequence[RequestState], rows: int) -> DoraRows | DoraSlotRows | None:
+        """A decode-only step's DoRA rows: from the slot table when the step is padded (graph-
+        shaped) and its DoRA adapters fit, else as row ranges; None without DoRA rows. Worked
+        out again only when the rows (or the padding) change."""
+        known, pad, found = self._decode_dora_of
+        if pad != self.pad_decode or len(known) != len(decode) or not all(map(operator.is_, decode, known)):
+            adapters = [st.adapter for st in decode]
+            found = None
+            if any(a is not None and a.dora_scales is not None for a in adapters):
+                if self.pad_decode and self._dora_slots().load(adapters):
+                    found = "slots"
+                else:
+                    found = step_dora_rows([(j, j + 1, a) for j, a in enumerate(adapters)], self.device,
+                                           self.pool.storage.dtype)
+            self._decode_dora_of = (list(decode), self.pad_decode, found)
+        return DoraSlotRows(self._slots, 0, rows) if found == "slots" else found
 
     # ------------------------------------------------------------------ decode-only steps
 
@@ -123,10 +152,9 @@ class ModelRunner:
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
         inputs.load_step(decode, rows, next_tokens, token_tensor)
-        dora = step_dora_rows([(j, j + 1, st.adapter) for j, st in enumerate(decode)], self.device,
-                              self.pool.storage.dtype)
-        if self.graphs is not None and dora is None:  # (the graphs hold no DoRA rescale)
-            self.graphs.replay(rows, inputs.has_lora)
+        dora = self._decode_dora(decode, rows)
+        if self.graphs is not None and not isinstance(dora, DoraRows):  # (ranges: more DoRA adapters than slots)
+            self.graphs.replay(rows, inputs.has_lora, dora is not None)
             return self._graph_logits[:b]
         # eager: padded steps run every module's gather, as the graphs do
         modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules

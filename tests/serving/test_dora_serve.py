@@ -3,6 +3,8 @@ and logits equal HF transformers + PEFT in heterogeneous batches (prefill and de
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,3 +147,70 @@ def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path, hf_reference_of):
     ref = hf_reference_of(model_dir, {"dora": path})
     for (prompt, adapter), res in zip(cases, results):
         assert list(res.token_ids) == ref.generate(prompt, adapter, 6), adapter
+
+
+def _spy_decode_dora(engine):
+    """Record the kind of DoRA rows each decode-only step takes (slot table, ranges, none)."""
+    from lightning_lorafusion.serving.dora_rows import DoraSlotRows
+
+    runner, kinds = engine.runner, []
+    decode_dora = runner._decode_dora
+
+    def spied(decode, rows):
+        found = decode_dora(decode, rows)
+        kinds.append("slots" if isinstance(found, DoraSlotRows) else "ranges" if found is not None else None)
+        return found
+
+    runner._decode_dora = spied
+    return kinds
+
+
+@pytest.mark.parametrize("slots", [8, 1])
+def test_graph_shaped_decode_with_dora_rows_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs,
+                                                                         hf_reference_of, slots):
+    """Decode steps padded to batch buckets (what the decode CUDA graphs run, here eagerly on
+    the CPU): the DoRA rows read their gains from the fixed-shape slot table by a per-row slot
+    index; two DoRA adapters and a LoRA one in one batch give HF + PEFT's greedy tokens. With
+    one slot the steps holding both DoRA adapters take the row ranges (no graph) instead, and
+    the tokens are the same; the slot is reused as the rows change."""
+    from lightning_lorafusion.serving.dora_rows import DoraSlots
+
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4)
+    for name, path in dora_dirs.items():
+        engine.add_adapter(name, path)
+    engine.runner.pad_decode = True
+    engine.runner._slots = DoraSlots(engine.model_config, max_rows=engine.runner.decode_inputs.max_rows,
+                                     device=engine.runner.device, dtype=engine.pool.storage.dtype, slots=slots)
+    kinds = _spy_decode_dora(engine)
+    ref = hf_reference_of(model_dir, dora_dirs)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    # staggered lengths: the decode rows change as requests finish (slots taken and given up)
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=dataclasses.replace(
+        sampling, max_new_tokens=3 + i)) for i, (p, a) in enumerate(CASES)]
+    for req, res in zip(reqs, engine.generate(reqs)):
+        want = ref.generate(req.prompt_token_ids, req.adapter, req.sampling.max_new_tokens)
+        assert list(res.token_ids) == want, (req.adapter, req.prompt_token_ids)
+    assert "slots" in kinds
+    assert ("ranges" in kinds) == (slots == 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_graphs_with_dora_rows_equal_hf_peft(model_dir, dora_dirs, hf_reference_of):
+    """On a GPU (fp32): with decode graphs on, steps with DoRA rows replay a graph (captured on
+    the first such step of a bucket) and the greedy tokens equal graphs off and HF + PEFT."""
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
+
+    def engine(graphs):
+        return Engine.from_pretrained(str(model_dir), dora_dirs, EngineConfig(
+            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs,
+            tuning=EngineTuning(async_decode="off")), device="cuda", dtype=torch.float32)
+
+    on, off = engine("on"), engine("off")
+    ref = hf_reference_of(model_dir, dora_dirs)
+    got_on, got_off = on.generate(_requests(CASES)), off.generate(_requests(CASES))
+    assert any(key[2] for key in on.runner.graphs.keys)  # a DoRA graph was captured and replayed
+    for (prompt, adapter), a, b in zip(CASES, got_on, got_off):
+        assert list(a.token_ids) == list(b.token_ids) == ref.generate(prompt, adapter, GREEDY.max_new_tokens)
+    on.close()
+    off.close()
