@@ -29,6 +29,7 @@ import torch
 from ..kernels.dora import dora_row_norm
 from ..model.decoder import DecoderConfig, frozen_weight
 from ..specs import ALL_TARGET_MODULES
+from .fused_weights import FUSED_PROJECTIONS
 
 DORA_GRAPH_SLOTS = 8  # DoRA adapters one graph-shaped decode step holds; a step with more runs eagerly
 
@@ -36,11 +37,16 @@ DORA_GRAPH_SLOTS = 8  # DoRA adapters one graph-shaped decode step holds; a step
 @torch.no_grad()
 def fold_dora(factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
               magnitudes: Mapping[tuple[int, str], torch.Tensor], params: Mapping[str, Any], *,
-              scale: float | Callable[[int, str], float]) -> tuple[dict, dict]:
+              scale: float | Callable[[int, str], float], config: DecoderConfig) -> tuple[dict, dict]:
     """-> (factors with ``B`` replaced by ``g * B``, ``g`` per (layer, module) ``[N]`` fp32 on the
     host) for a DoRA adapter over the base ``params`` (the engine's pytree; an FP8 or NF4 weight
     is dequantized for its norms). ``scale``: the LoRA scale, or ``(layer, module) -> scale``
-    for an adapter whose rsLoRA / alpha or rank patterns give its modules different scales."""
+    for an adapter whose rsLoRA / alpha or rank patterns give its modules different scales.
+
+    A fused projection (Phi-3's ``qkv_proj`` / ``gate_up_proj``, PEFT's one magnitude over the
+    fused output) is normalised per fused row against the fused weight, as PEFT does; its
+    ``g`` is then split by member rows (``q_proj``, ``k_proj``, ...), the way the pool splits
+    ``g * B`` (``adapters.split_fused_factors``) and the engine's forward splits the product."""
     folded, scales = {}, {}
     for key, (a, b) in factors.items():
         layer, module = key
@@ -49,7 +55,12 @@ def fold_dora(factors: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor
         norm = dora_row_norm(weight, a.to(device), b.to(device), scale(layer, module) if callable(scale) else scale)
         g = (magnitudes[key].to(device, torch.float32) / norm).cpu()
         folded[key] = (a, (b.float() * g[:, None]).to(b.dtype))
-        scales[key] = g
+        members = FUSED_PROJECTIONS.get(module)
+        if members is None:
+            scales[key] = g
+            continue
+        for member, part in zip(members, g.split([config.module_dims(m)[1] for m in members])):
+            scales[(layer, member)] = part.clone()
     return folded, scales
 
 
@@ -133,30 +144,29 @@ class DoraSlotRows:
     rows: int
 
 
-def apply_dora_rows(outs: list[torch.Tensor], names: tuple[str, ...], layer: int, lp: Mapping[str, Any],
-                    dora: DoraRows | DoraSlotRows) -> None:
+def apply_dora_rows(outs: list[torch.Tensor], names: tuple[str, ...], layer: int,
+                    biases: Sequence[torch.Tensor | None], dora: DoraRows | DoraSlotRows) -> None:
     """In place, before the LoRA terms are added: ``y = g * (y - bias) + bias`` on each DoRA run's
-    rows of each projection ``names[i]`` (output ``outs[i]``) its adapter targets; with
+    rows of each projection ``names[i]`` (output ``outs[i]``, bias ``biases[i]``: a fused
+    projection's columns of its bias) its adapter targets; with
     ``DoraSlotRows`` on every row of the range, ``y + (g - 1) * (y - bias)`` (rows of gain one
     are left exactly as they are)."""
     if isinstance(dora, DoraSlotRows):
         index = dora.slots.row_slot[:dora.rows]
-        for name, y in zip(names, outs):
+        for name, y, bias in zip(names, outs, biases):
             rows = y[dora.first_row:dora.first_row + dora.rows]
             gain = dora.slots.gains[name][layer].index_select(0, index)
-            bias = lp[name].get("bias")
             if bias is None:
                 rows.mul_(gain)
             else:
                 rows.add_((rows - bias) * (gain - 1.0))
         return
     for start, end, scales in dora.ranges:
-        for name, y in zip(names, outs):
+        for name, y, bias in zip(names, outs, biases):
             g = scales.get((layer, name))
             if g is None:
                 continue
             rows = y[start:end]
-            bias = lp[name].get("bias")
             if bias is None:
                 rows.mul_(g)
             else:

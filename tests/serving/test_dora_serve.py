@@ -214,3 +214,71 @@ def test_decode_graphs_with_dora_rows_equal_hf_peft(model_dir, dora_dirs, hf_ref
         assert list(a.token_ids) == list(b.token_ids) == ref.generate(prompt, adapter, GREEDY.max_new_tokens)
     on.close()
     off.close()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_dora_on_phi3_fused_projections_equals_hf_peft(tmp_path, padded):
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj``: PEFT's DoRA keeps one magnitude over the
+    fused output and normalises each fused row; the engine splits the adapter into the members
+    (B's rows and the gains by member rows) and gives HF + PEFT's greedy tokens beside a base
+    row, eagerly and in graph-shaped (padded, slot-table) decode steps."""
+    import os
+    import sys
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from lightning_lorafusion.model.hf_loading import params_from_hf_model
+    from lightning_lorafusion.serving import Engine, EngineConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "model"))
+    from _tiny_hf import tiny_hf_model
+
+    model = tiny_hf_model("phi3", seed=1)
+    peft_model = get_peft_model(model, LoraConfig(r=3, lora_alpha=6.0, use_dora=True, target_modules=[
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                if "gate_up_proj" in name:  # one magnitude over the fused output
+                    assert p.shape == (2 * model.config.intermediate_size,)
+                p.mul_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(tmp_path / "dora")
+    model = peft_model.unload()
+    config, params = params_from_hf_model(model)
+    engine = Engine(config, params, None, EngineConfig(num_pages=96, page_size=4))
+    engine.add_adapter("dora", str(tmp_path / "dora"))
+    engine.runner.pad_decode = padded
+    kinds = _spy_decode_dora(engine)
+    cases = [([11, 4, 30, 22, 8, 19, 40, 71], "dora"), ([5, 9, 17, 3], None), ([60, 2, 35, 18, 26], "dora")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    results = engine.generate(_requests(cases, sp))
+    engine.close()
+    assert set(kinds) == {"slots" if padded else "ranges"}
+    ref = PeftModel.from_pretrained(model, str(tmp_path / "dora")).eval()
+    eos = model.generation_config.eos_token_id
+    assert eos is None or all(eos not in r.token_ids for r in results)  # six tokens each, none cut short
+    for (prompt, adapter), res in zip(cases, results):
+        ids = torch.tensor([prompt])
+        with torch.no_grad(), (ref.disable_adapter() if adapter is None else _nothing()):
+            out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=6, pad_token_id=0)
+        assert list(res.token_ids) == out[0, len(prompt):].tolist(), adapter
+    assert results[0].token_ids != engine_base_tokens(ref, cases[0][0])  # the adapter changes the tokens
+
+
+def engine_base_tokens(ref, prompt):
+    """HF's greedy tokens of ``prompt`` on the base (the adapter off)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), ref.disable_adapter():
+        out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                           pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
