@@ -10,13 +10,16 @@ pages). In a step, each run of rows of one DoRA adapter gets its frozen product 
 (``apply_dora_rows``) before the LoRA terms are added: prefill and decode rows alike, in one
 heterogeneous batch.
 
-Graph-shaped decode steps (padded to a batch bucket, replayed as CUDA graphs) cannot take row
-ranges from the host: there each row reads its gain from a fixed-shape table instead
-(``DoraSlots``: per projection ``[layers, slots + 1, N]``, slot 0 all ones for plain-LoRA,
-base and padding rows, one slot per DoRA adapter of the current decode rows, written when it
-takes the slot) through a per-row slot index on the device (``DoraSlotRows``). A step whose
-decode rows hold more DoRA adapters than there are slots runs eagerly. Mixed steps with DoRA
-rows run eagerly (not as captured pieces).
+Graph-shaped steps (decode steps padded to a batch bucket, replayed as CUDA graphs; mixed steps
+padded to a token bucket, run as captured pieces) cannot take row ranges from the host: there
+each row reads its gain from a fixed-shape table instead (``DoraSlots``: per projection
+``[layers, slots + 1, N]``, slot 0 all ones for plain-LoRA, base and padding rows, one slot per
+DoRA adapter of the step's rows, written when it takes the slot) through a per-row slot index
+on the device (``DoraSlotRows``). A step whose rows hold more DoRA adapters than there are
+slots runs eagerly, with row ranges.
+
+A fused projection (Phi-3's ``qkv_proj`` / ``gate_up_proj``) has one magnitude over its fused
+output in PEFT; its gains are computed per fused row and split by member rows (``fold_dora``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..model.decoder import DecoderConfig, frozen_weight
 from ..specs import ALL_TARGET_MODULES
 from .fused_weights import FUSED_PROJECTIONS
 
-DORA_GRAPH_SLOTS = 8  # DoRA adapters one graph-shaped decode step holds; a step with more runs eagerly
+DORA_GRAPH_SLOTS = 8  # DoRA adapters one graph-shaped step holds; a step with more runs eagerly
 
 
 @torch.no_grad()
@@ -95,7 +98,7 @@ def step_dora_rows(rows: Iterable[tuple[int, int, Any]], device: torch.device, d
 
 
 class DoraSlots:
-    """The DoRA gains of graph-shaped decode steps at fixed addresses: ``gains[module]``
+    """The DoRA gains of graph-shaped steps at fixed addresses: ``gains[module]``
     ``[layers, slots + 1, N]`` in the pool's dtype (slot 0 all ones), and ``row_slot``
     ``[max_rows]`` int64, each decode row's slot (0 for rows of no DoRA adapter and padding).
     An adapter keeps its slot while it has rows, and after until the slot is needed."""
@@ -107,14 +110,15 @@ class DoraSlots:
                                     device=device) for m in ALL_TARGET_MODULES}
         self.row_slot = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._slot_of: dict[int, int] = {}  # adapter key -> its slot (1..slots)
+        self.version = 0
 
-    def load(self, adapters: Sequence[Any]) -> bool:
-        """``adapters``: each decode row's HostAdapter (or None), in row order -> True after
-        writing the rows' slots (and the gains of adapters new to a slot); False, nothing
-        written, when their DoRA adapters outnumber the slots."""
+    def assign(self, adapters: Iterable[Any]) -> dict[int, int] | None:
+        """Slots for the DoRA adapters among ``adapters`` (HostAdapters or None): -> adapter key
+        -> slot, the gains of adapters new to a slot written; None, nothing changed, when they
+        outnumber the slots. ``version`` counts the changes."""
         dora = {a.key: a for a in adapters if a is not None and a.dora_scales is not None}
         if len(dora) > self.num_slots:
-            return False
+            return None
         taken = set(self._slot_of.values())
         free = [s for s in range(1, self.num_slots + 1) if s not in taken]
         idle = [k for k in self._slot_of if k not in dora]
@@ -127,21 +131,47 @@ class DoraSlots:
             for (layer, module), g in _device_scales(adapter, self.device, self.dtype).items():
                 self.gains[module][layer, slot].copy_(g)
             self._slot_of[key] = slot
-        index = [0 if a is None or a.dora_scales is None else self._slot_of[a.key] for a in adapters]
+            self.version += 1
+        return {key: self._slot_of[key] for key in dora}
+
+    def load(self, adapters: Sequence[Any]) -> bool:
+        """``adapters``: each decode row's HostAdapter (or None), in row order -> True after
+        writing ``row_slot`` (``assign`` first); False, nothing written, when their DoRA adapters
+        outnumber the slots."""
+        slot_of = self.assign(adapters)
+        if slot_of is None:
+            return False
+        index = [0 if a is None else slot_of.get(a.key, 0) for a in adapters]
         self.row_slot.zero_()
         if index:
             self.row_slot[:len(index)].copy_(torch.tensor(index, dtype=torch.int64), non_blocking=True)
         return True
 
+    def step_rows(self, runs: Iterable[tuple[int, int, Any]], num_rows: int) -> "DoraSlotRows | None":
+        """``runs``: (start, end, HostAdapter or None) of a padded step of ``num_rows`` rows ->
+        its ``DoraSlotRows`` over every row (a fresh index tensor); None when its DoRA adapters
+        outnumber the slots."""
+        runs = list(runs)
+        slot_of = self.assign(a for _, _, a in runs)
+        if slot_of is None:
+            return None
+        index = torch.zeros(num_rows, dtype=torch.int64)
+        for start, end, adapter in runs:
+            if adapter is not None and adapter.key in slot_of:
+                index[start:end] = slot_of[adapter.key]
+        return DoraSlotRows(self, 0, num_rows, index.to(self.device, non_blocking=True))
+
 
 @dataclass(frozen=True)
 class DoraSlotRows:
     """A graph-shaped step's DoRA: rows ``[first_row, first_row + rows)`` take their gains from
-    ``slots`` by ``slots.row_slot[:rows]`` (device reads only: the same launches for any mix)."""
+    ``slots`` by ``index`` ``[rows]`` int64 on the device (each row's slot; the same launches
+    for any mix of adapters)."""
 
     slots: DoraSlots
     first_row: int
     rows: int
+    index: torch.Tensor
 
 
 def apply_dora_rows(outs: list[torch.Tensor], names: tuple[str, ...], layer: int,
@@ -152,7 +182,7 @@ def apply_dora_rows(outs: list[torch.Tensor], names: tuple[str, ...], layer: int
     ``DoraSlotRows`` on every row of the range, ``y + (g - 1) * (y - bias)`` (rows of gain one
     are left exactly as they are)."""
     if isinstance(dora, DoraSlotRows):
-        index = dora.slots.row_slot[:dora.rows]
+        index = dora.index
         for name, y, bias in zip(names, outs, biases):
             rows = y[dora.first_row:dora.first_row + dora.rows]
             gain = dora.slots.gains[name][layer].index_select(0, index)

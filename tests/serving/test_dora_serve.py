@@ -166,16 +166,18 @@ def _spy_decode_dora(engine):
 
 
 @pytest.mark.parametrize("slots", [8, 1])
-def test_graph_shaped_decode_with_dora_rows_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs,
-                                                                         hf_reference_of, slots):
-    """Decode steps padded to batch buckets (what the decode CUDA graphs run, here eagerly on
-    the CPU): the DoRA rows read their gains from the fixed-shape slot table by a per-row slot
-    index; two DoRA adapters and a LoRA one in one batch give HF + PEFT's greedy tokens. With
-    one slot the steps holding both DoRA adapters take the row ranges (no graph) instead, and
-    the tokens are the same; the slot is reused as the rows change."""
+def test_graph_shaped_steps_with_dora_rows_are_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs,
+                                                                        hf_reference_of, slots):
+    """Decode steps padded to batch buckets and mixed steps as pieces (what the decode CUDA
+    graphs and the captured pieces run, here eagerly on the CPU; chunked prefill, so steps mix
+    prefill and decode rows): the DoRA rows read their gains from the fixed-shape slot table
+    by a per-row slot index; two DoRA adapters and a LoRA one in one batch give HF + PEFT's
+    greedy tokens. With one slot the steps holding both DoRA adapters take the row ranges (no
+    graph) instead, and the tokens are the same; the slot is reused as the rows change."""
     from lightning_lorafusion.serving.dora_rows import DoraSlots
 
-    engine = make_engine(with_adapters=False, num_pages=96, page_size=4)
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4, mixed_graphs="eager",
+                         enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
     for name, path in dora_dirs.items():
         engine.add_adapter(name, path)
     engine.runner.pad_decode = True
@@ -192,6 +194,7 @@ def test_graph_shaped_decode_with_dora_rows_is_greedy_equal_to_hf_peft(make_engi
         assert list(res.token_ids) == want, (req.adapter, req.prompt_token_ids)
     assert "slots" in kinds
     assert ("ranges" in kinds) == (slots == 1)
+    assert engine.runner._mixed_dora  # mixed steps with DoRA rows ran their pieces
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
