@@ -391,7 +391,8 @@ class ModelRunner:
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode
-        graphs' ``(batch bucket, with LoRA)`` keys and the mixed-step pieces' token buckets.
+        graphs' ``(batch bucket, with LoRA, with DoRA rows)`` keys and the mixed-step pieces'
+        token buckets (those for steps with DoRA rows are counted in ``capture_counts``' graphs).
         Neither depends on the adapters' ranks."""
         return {"decode_graphs": sorted(self.graphs.keys) if self.graphs is not None else [],
                 "mixed_pieces": sorted(self._mixed)}
