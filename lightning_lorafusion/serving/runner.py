@@ -109,8 +109,8 @@ class ModelRunner:
 
     def _graph_body(self, rows: int, lora: bool, dora: bool) -> None:
         batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
-        slots = self._dora_slots()
-        batch.dora = DoraSlotRows(slots, 0, rows, slots.row_slot[:rows]) if dora else None
+        if dora:  # (the slot table exists: the step that asked for this graph filled it)
+            batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
         hidden = self.forward(batch)
         self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
 
