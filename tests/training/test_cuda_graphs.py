@@ -378,6 +378,9 @@ def test_what_cannot_be_a_graph_and_why():
     assert "pipeline" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True)
     assert "ddp" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, world_size=2)
     assert "DoRA" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, dora_dropout="d")
+    # only a DoRA adapter with dropout keeps graphs off, and the reason names it
+    assert "'legal' is DoRA with dropout" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False,
+                                                                 dora_dropout="legal")
     assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
     # a microbatch without host metadata takes the eager step, with the reason kept
     config = tiny_config()
