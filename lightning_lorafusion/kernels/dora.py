@@ -101,7 +101,6 @@ def dora_rescale(z: torch.Tensor, bias: torch.Tensor | None, rows: Sequence[tupl
     return y + bias if bias is not None else y
 
 
-
 class DoraRescaleRows(torch.autograd.Function):
     """In place on ``y`` ``[M, N]`` (a fused product with its bias): ``y = g * (y - bias) + bias``
     on each ``(start, end)`` row range with its ``g`` ``[N]``; other rows are left as they are
@@ -145,3 +144,41 @@ def dora_rescale_rows(y: torch.Tensor, bias: torch.Tensor | None, rows: Sequence
     if not rows:
         return y
     return DoraRescaleRows.apply(y, bias, tuple((s, e) for s, e, _ in rows), *(g for _, _, g in rows))
+
+
+class DoraRescaleOwned(torch.autograd.Function):
+    """In place on ``y`` ``[M, N]`` (a fused product with its bias): ``y = gains[owner] * (y -
+    bias) + bias`` row by row, ``owner`` ``[M]`` int64 each row's gain row, ``gains`` ``[G, N]``
+    (ones for plain-LoRA adapters and for rows of nobody). The fixed-shape form of
+    ``DoraRescaleRows`` for a captured step: which rows are DoRA is read from the device, not
+    from host row ranges. Saves ``y - bias`` for the gains' gradient (summed per owner)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, owner, gains):
+        z = y - bias if bias is not None else y.clone()
+        torch.mul(z, gains.to(y.dtype).index_select(0, owner), out=y)
+        if bias is not None:
+            y.add_(bias)
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(owner, gains, z)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        owner, gains, z = ctx.saved_tensors
+        dz = dy * gains.to(dy.dtype).index_select(0, owner)
+        dgains = None
+        if ctx.needs_input_grad[3]:
+            acc = torch.promote_types(dy.dtype, torch.float32)  # sums of rows: fp32 at least
+            dgains = torch.zeros(gains.shape, dtype=acc, device=gains.device)
+            dgains.index_add_(0, owner, (dy * z).to(acc))
+            dgains = dgains.to(gains.dtype)
+        return dz, None, None, dgains
+
+
+def dora_rescale_owned(y: torch.Tensor, bias: torch.Tensor | None, owner: torch.Tensor,
+                       gains: torch.Tensor) -> torch.Tensor:
+    """``DoraRescaleOwned`` (``y`` is returned, modified in place)."""
+    if owner.shape != (y.shape[0],) or gains.shape[1:] != y.shape[1:]:
+        raise ValueError(f"owner {tuple(owner.shape)} / gains {tuple(gains.shape)} do not fit y {tuple(y.shape)}")
+    return DoraRescaleOwned.apply(y, bias, owner, gains)

@@ -43,6 +43,10 @@ class LoraRouting:
     # Device-side launch tables of the fused kernels, built once per microbatch on first use
     # (keyed by device, block size and ranks) and shared by every layer. Not part of equality.
     launch_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # A fixed-shape step (a captured graph; ``segments`` empty, its tables in ``launch_cache``):
+    # each row's adapter ``[num_rows]`` int64 on the device, ``num_adapters`` for nobody. DoRA
+    # reads its rows here (``fused_dora.py``). Not part of equality.
+    row_owner: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.scales)
@@ -112,6 +116,8 @@ def lora_projections_reference(
     ys = frozen_projections(x, weights, biases, options=options, operands=operands)
     if routing is None or all(l is None for l in loras):
         return ys
+    if routing.row_owner is not None:
+        raise ValueError("a fixed-shape routing (row_owner, no segments) runs on the fused kernels only")
     for start, end, adapter in routing.segments:
         active = [i for i, l in enumerate(loras) if l is not None and l.a[adapter] is not None]
         if not active:

@@ -297,7 +297,7 @@ def load_peft_adapter(name: str, path: str | os.PathLike, config: DecoderConfig,
     if dora:
         from .dora_rows import fold_dora
 
-        factors, scales = fold_dora(factors, magnitudes, params, scale=layout.module_scale)
+        factors, scales = fold_dora(factors, magnitudes, params, scale=layout.module_scale, config=config)
     adapter = host_adapter_from_factors(name, factors, rank=layout.rank, alpha=layout.alpha, config=config,
                                         dtype=dtype, pin=pin, path=str(Path(path)), layout=layout)
     adapter.dora_scales = scales

@@ -206,40 +206,48 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
-    """One CUDA graph per (bucket, lora) of ``run(rows, lora)``, a decode forward over the
+    """One CUDA graph per (bucket, lora) of ``run(rows, lora, dora)``, a decode forward over the
     first ``rows`` rows of the static inputs that writes its logits into a static buffer.
     Captured largest bucket first into one shared memory pool (a smaller graph reuses the
-    larger ones' intermediates; graphs never run concurrently)."""
+    larger ones' intermediates; graphs never run concurrently). A bucket's graph with DoRA
+    rows (their gains read from the fixed-shape slot table, ``dora_rows.DoraSlots``) is
+    captured on its first such step, into the same pool."""
 
-    def __init__(self, buckets: Sequence[int], run: Callable[[int, bool], None]) -> None:
+    def __init__(self, buckets: Sequence[int], run: Callable[[int, bool, bool], None]) -> None:
         self.buckets = tuple(buckets)
         self._run = run
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None  # the graphs' memory pool (mixed-step pieces share it)
 
     def capture(self) -> float:
-        """Capture every (bucket, lora) pair; returns the seconds it took."""
+        """Capture every (bucket, lora) pair without DoRA; returns the seconds it took."""
         t0 = time.perf_counter()
-        pool = None
         for lora in (True, False):
             for rows in sorted(self.buckets, reverse=True):
-                self._run(rows, lora)  # warm-up: Triton compiles, cuBLAS picks its kernels
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread-local: another engine's thread in this process may use the GPU meanwhile
-                with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self._run(rows, lora)
-                pool = graph.pool() if pool is None else pool
-                self._graphs[(rows, lora)] = graph
+                self._capture(rows, lora, False)
         torch.cuda.synchronize()
-        self.pool = pool
         return time.perf_counter() - t0
 
+    def _capture(self, rows: int, lora: bool, dora: bool) -> None:
+        self._run(rows, lora, dora)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: another engine's thread in this process may use the GPU meanwhile
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._run(rows, lora, dora)
+        self.pool = graph.pool() if self.pool is None else self.pool
+        self._graphs[(rows, lora, dora)] = graph
+
     @property
-    def keys(self) -> list[tuple[int, bool]]:
-        """The captured ``(bucket, lora)`` keys: the ranks of the rows are values in the decode
-        tables the graphs read, so no key depends on them."""
+    def keys(self) -> list[tuple[int, bool, bool]]:
+        """The captured ``(bucket, lora, dora)`` keys: the ranks of the rows and their DoRA gains
+        are values in the tables the graphs read, so no key depends on them."""
         return list(self._graphs)
 
-    def replay(self, rows: int, lora: bool) -> None:
-        self._graphs[(rows, lora)].replay()
+    def replay(self, rows: int, lora: bool, dora: bool = False) -> None:
+        """Replay a bucket's graph (a DoRA one captured now if it is the first: its warm-up
+        runs the step, whose KV writes the replay repeats with the same values)."""
+        key = (rows, lora, dora)
+        if key not in self._graphs:
+            self._capture(*key)
+        self._graphs[key].replay()

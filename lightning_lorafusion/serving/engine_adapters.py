@@ -56,7 +56,7 @@ class AdapterRegistry:
         scales = None
         if magnitudes is not None:  # DoRA: g folded into B, g kept beside
             scale = layout.module_scale if layout is not None else float(alpha) / rank
-            factors, scales = fold_dora(factors, magnitudes, self.params, scale=scale)
+            factors, scales = fold_dora(factors, magnitudes, self.params, scale=scale, config=self.model_config)
         adapter = host_adapter_from_factors(name, factors, rank=rank, alpha=alpha, config=self.model_config,
                                             dtype=self.dtype, pin=self.device.type == "cuda", path=path,
                                             layout=layout)

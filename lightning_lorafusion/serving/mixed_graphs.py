@@ -13,8 +13,10 @@ past the step's decode rows), so a captured piece reads every value at a fixed a
 host value is baked in except the shapes: the token bucket is the key of a set of pieces. The
 ranks are values in those tables (the LoRA kernels loop over each tile's and row's own rank,
 up to ``MAX_RANK``, the width of the pieces' scratch), so one set of pieces per bucket serves
-every mix of ranks, including ranks loaded after the capture. docs/serving.md, "Mixed steps as
-graphs" and "Cold start".
+every mix of ranks, including ranks loaded after the capture. Steps with DoRA rows run their own
+set of pieces per bucket (built on the first such step), whose projections rescale each row by
+its gain from the fixed-shape slot table (``dora_rows.DoraSlots``, a per-row slot index copied in
+like the other inputs). docs/serving.md, "Mixed steps as graphs" and "Cold start".
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from ..capture import gc_paused
 from ..kernels.lora_gather import MAX_RANK
 from ..specs import ALL_TARGET_MODULES
+from .dora_rows import DoraSlotRows, DoraSlots
 from .paged_forward import after_attention, attention, before_attention, embed_rows, final_norm
 from .step_batch import PrefillLora, StepBatch
 
@@ -35,7 +38,7 @@ class MixedPieces:
     shared with the runner's other graphs), else run the pieces eagerly."""
 
     def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
-                 capture: bool, pool=None) -> None:
+                 capture: bool, pool=None, dora: DoraSlots | None = None) -> None:
         # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
         # loop over each tile's own rank): tables of any rank mix fit the captured launches
         self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
@@ -75,6 +78,9 @@ class MixedPieces:
             decode_offsets=inputs.lora_offsets[..., :d], decode_ranks=inputs.lora_ranks[:, :d],
             decode_scales=inputs.lora_scales[:d], decode_modules=frozenset(ALL_TARGET_MODULES) if capture
             else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True)
+        # steps with DoRA rows: each row's slot in ``dora``'s gain table (dora_rows.py)
+        self.dora_index = torch.zeros(rows, dtype=torch.int64, device=dev) if dora is not None else None
+        self.batch.dora = DoraSlotRows(dora, 0, rows, self.dora_index) if dora is not None else None
         self.h = self.cos = self.sin = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture:
@@ -157,6 +163,10 @@ class MixedPieces:
             frozenset(ALL_TARGET_MODULES) if captured else modules))
         if not batch.decode_first:
             raise ValueError("pieces run padded steps, whose decode rows come first")
+        if (batch.dora is not None) != (self.dora_index is not None):
+            raise ValueError("a step with DoRA rows runs the pieces built for DoRA rows, and only those")
+        if self.dora_index is not None:
+            self.dora_index.copy_(batch.dora.index, non_blocking=True)
         self.batch.decode_modules = frozenset(ALL_TARGET_MODULES) if captured else batch.decode_modules
 
     def run(self, batch: "StepBatch") -> torch.Tensor:

@@ -227,12 +227,14 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = F.linear(x, w, b) if isinstance(w, torch.Tensor) else frozen_projections(x, [w], [b])[0]
-        outs = list(y.split([m.config.module_dims(n)[1] for n in names], dim=1))
+        sizes = [m.config.module_dims(n)[1] for n in names]
+        outs = list(y.split(sizes, dim=1))
+        biases = [None] * len(names) if b is None else b.split(sizes)
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
         outs = frozen_projections(x, weights, biases)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
-        apply_dora_rows(outs, names, layer, lp, batch.dora)
+        apply_dora_rows(outs, names, layer, biases, batch.dora)
     pre = batch.prefill_lora
     if pre is not None and pre.modules.intersection(names):
         segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend)

@@ -14,10 +14,12 @@ Steps with prefill rows run eagerly, or (``EngineTuning.mixed_graphs``, on by de
 padded to a token bucket as captured pieces around attention (``mixed_graphs.MixedPieces``): then
 the decode rows come first and take their LoRA from the persistent decode tables (one gather
 over a fixed number of rows per bucket), the prefill rows' LoRA goes through ``lora_segments``.
+DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_rows.DoraSlots``).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,7 +28,7 @@ from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
-from .dora_rows import step_dora_rows
+from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
 from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
@@ -84,9 +86,12 @@ class ModelRunner:
         self.mixed_pieces: str | None = None
         # token bucket -> its pieces (one set serves every rank mix: mixed_graphs.py)
         self._mixed: dict[int, MixedPieces] = {}
+        self._mixed_dora: dict[int, MixedPieces] = {}  # token bucket -> its pieces for steps with DoRA rows
         self.graphs: DecodeGraphs | None = None
         self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
+        self._slots: DoraSlots | None = None  # DoRA gains of graph-shaped steps (decode and mixed)
+        self._decode_dora_of: tuple[list, Any, Any] = ([], None, None)  # (rows, (padded, slots version), DoRA)
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -102,9 +107,39 @@ class ModelRunner:
             self.decode_graphs_s = self.graphs.capture()
         return self.decode_graphs_s
 
-    def _graph_body(self, rows: int, lora: bool) -> None:
-        hidden = self.forward(self._decode_batch(rows, _ALL_MODULES if lora else frozenset()))
+    def _graph_body(self, rows: int, lora: bool, dora: bool) -> None:
+        batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
+        if dora:  # (the slot table exists: the step that asked for this graph filled it)
+            batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
+        hidden = self.forward(batch)
         self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
+
+    def _dora_slots(self) -> DoraSlots:
+        """The fixed-shape DoRA gain table of graph-shaped steps (made on first use)."""
+        if self._slots is None:
+            self._slots = DoraSlots(self.config, max_rows=self.decode_inputs.max_rows, device=self.device,
+                                    dtype=self.pool.storage.dtype)
+        return self._slots
+
+    def _decode_dora(self, decode: Sequence[RequestState], rows: int) -> DoraRows | DoraSlotRows | None:
+        """A decode-only step's DoRA rows: from the slot table when the step is padded (graph-
+        shaped) and its DoRA adapters fit, else as row ranges; None without DoRA rows. Worked
+        out again only when the rows, the padding or the slots (a mixed step's) change."""
+        known, pad, found = self._decode_dora_of
+        version = self._slots.version if self._slots is not None else 0
+        if (pad != (self.pad_decode, version) or len(known) != len(decode)
+                or not all(map(operator.is_, decode, known))):
+            adapters = [st.adapter for st in decode]
+            found = None
+            if any(a is not None and a.dora_scales is not None for a in adapters):
+                if self.pad_decode and self._dora_slots().load(adapters):
+                    found = "slots"
+                else:
+                    found = step_dora_rows([(j, j + 1, a) for j, a in enumerate(adapters)], self.device,
+                                           self.pool.storage.dtype)
+            version = self._slots.version if self._slots is not None else 0
+            self._decode_dora_of = (list(decode), (self.pad_decode, version), found)
+        return DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows]) if found == "slots" else found
 
     # ------------------------------------------------------------------ decode-only steps
 
@@ -123,10 +158,9 @@ class ModelRunner:
             self.pool.wait_ready([st.resident for st in decode if st.resident is not None])
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
         inputs.load_step(decode, rows, next_tokens, token_tensor)
-        dora = step_dora_rows([(j, j + 1, st.adapter) for j, st in enumerate(decode)], self.device,
-                              self.pool.storage.dtype)
-        if self.graphs is not None and dora is None:  # (the graphs hold no DoRA rescale)
-            self.graphs.replay(rows, inputs.has_lora)
+        dora = self._decode_dora(decode, rows)
+        if self.graphs is not None and not isinstance(dora, DoraRows):  # (ranges: more DoRA adapters than slots)
+            self.graphs.replay(rows, inputs.has_lora, dora is not None)
             return self._graph_logits[:b]
         # eager: padded steps run every module's gather, as the graphs do
         modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
@@ -224,9 +258,11 @@ class ModelRunner:
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
         ds = batch.first_decode_row
-        batch.dora = step_dora_rows([(a, e, residents[i].adapter) for a, e, i in segments]
-                                    + [(ds + j, ds + j + 1, st.adapter) for j, st in enumerate(decode)],
-                                    self.device, self.pool.storage.dtype)
+        runs = ([(a, e, residents[i].adapter) for a, e, i in segments]
+                + [(ds + j, ds + j + 1, st.adapter) for j, st in enumerate(decode)])
+        batch.dora = step_dora_rows(runs, self.device, self.pool.storage.dtype)
+        if batch.dora is not None and pad and self.mixed_pieces is not None:  # the pieces' fixed-shape form
+            batch.dora = self._dora_slots().step_rows(runs, len(ids)) or batch.dora
         if decode or pad:  # (pad: rank-0 tables past the decode rows, which the pieces read)
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
@@ -332,12 +368,14 @@ class ModelRunner:
             raise RuntimeError("mixed-step CUDA graphs need a CUDA device and the Triton kernels")
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
         self._mixed.clear()
+        self._mixed_dora.clear()
 
-    def _new_pieces(self, rows: int) -> MixedPieces:
+    def _new_pieces(self, rows: int, dora: bool = False) -> MixedPieces:
         return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
                                                                      self.decode_inputs.max_rows),
                            max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
-                           pool=self.graphs.pool if self.graphs is not None else None)
+                           pool=self.graphs.pool if self.graphs is not None else None,
+                           dora=self._dora_slots() if dora else None)
 
     def build_mixed_pieces(self) -> int:
         """Build (capture, with graphs) the pieces of every token bucket now rather than on the
@@ -353,7 +391,8 @@ class ModelRunner:
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode
-        graphs' ``(batch bucket, with LoRA)`` keys and the mixed-step pieces' token buckets.
+        graphs' ``(batch bucket, with LoRA, with DoRA rows)`` keys and the mixed-step pieces'
+        token buckets (those for steps with DoRA rows are counted in ``capture_counts``' graphs).
         Neither depends on the adapters' ranks."""
         return {"decode_graphs": sorted(self.graphs.keys) if self.graphs is not None else [],
                 "mixed_pieces": sorted(self._mixed)}
@@ -363,16 +402,19 @@ class ModelRunner:
         one graph; a token bucket's pieces are L + 1)."""
         keys = self.capture_keys()
         return {"decode_graph_keys": len(keys["decode_graphs"]), "mixed_piece_keys": len(keys["mixed_pieces"]),
-                "cuda_graphs": len(keys["decode_graphs"]) + sum(p.num_graphs for p in self._mixed.values())}
+                "cuda_graphs": len(keys["decode_graphs"]) + sum(p.num_graphs for p in self._mixed.values())
+                + sum(p.num_graphs for p in self._mixed_dora.values())}
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         rows = batch.input_ids.shape[0]
         if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
-                and batch.dora is None):  # DoRA rows run eagerly (serving/dora_rows.py)
-            pieces = self._mixed.get(rows)
+                and not isinstance(batch.dora, DoraRows)):  # (ranges: more DoRA adapters than slots)
+            # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
+            built = self._mixed_dora if batch.dora is not None else self._mixed
+            pieces = built.get(rows)
             if pieces is None:
-                pieces = self._mixed[rows] = self._new_pieces(rows)
+                pieces = built[rows] = self._new_pieces(rows, dora=batch.dora is not None)
             return pieces.run(batch)
         return paged_forward(self.model, batch)
 

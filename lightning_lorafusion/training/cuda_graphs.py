@@ -8,7 +8,9 @@ blocks to a power of two), and the number of label rows the LM head computes (pa
 multiple of ``capacity / 16`` with a row that has no label). The fused LoRA
 kernels get fixed-shape launch tables (``kernels/static_routing.py``): every adapter active,
 tiles padded to a bound, the microbatch index folded into the seed column, so the adapters
-present in a microbatch do not change the graph.
+present in a microbatch do not change the graph. DoRA adapters read which rows are theirs from
+the static ``row_owner`` and recompute their norms from the current weights inside the step
+(``kernels/fused_dora.py``), every DoRA adapter of the bank whether present or not.
 
 A key with no graph of its own replays the cheapest captured graph whose buckets are all at
 least as large (same capacity): the static buffers already pad with empty blocks and label rows
@@ -98,13 +100,14 @@ def graph_key(mb: Microbatch) -> GraphKey:
 
 
 def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
-                        world_size: int = 1, fused_stage: bool = False, dora: bool = False) -> str | None:
+                        world_size: int = 1, fused_stage: bool = False,
+                        dora_dropout: str | None = None) -> str | None:
     """Why training steps cannot be graphs here (None: they can). ``fused_stage``: under the
     pipeline strategy, this rank's stage runs each microbatch's backward right after its forward
-    (one stage, or the last stage)."""
-    if dora:
-        return ("a DoRA adapter's rows are rescaled over row ranges known on the host "
-                "(kernels/fused_dora.py), which a graph replaying other microbatches would not follow")
+    (one stage, or the last stage). ``dora_dropout``: the name of a DoRA adapter with dropout."""
+    if dora_dropout is not None:
+        return (f"adapter {dora_dropout!r} is DoRA with dropout > 0, which runs PEFT's second frozen "
+                "product on masks drawn on the host (kernels/fused_dora.py); set its dropout to 0 for graphs")
     if device.type != "cuda":
         return f"training runs on {device.type}, not on a CUDA GPU"
     if backend == "torch":
@@ -343,8 +346,9 @@ class TrainingGraphs:
     def _run_static(self, key: GraphKey, inputs: StaticInputs, tables: StaticLaunchTables) -> torch.Tensor:
         """The step a graph holds: forward over the static buffers, backward, loss sums [A]."""
         # microbatch 0, no segments: the fused kernels find their fixed-shape tables in the cache
+        # (and DoRA reads each row's adapter from the static row_owner)
         routing = dataclasses.replace(self.bank.routing((), 0, key.capacity, train=True),
-                                      launch_cache=tables.cache)
+                                      launch_cache=tables.cache, row_owner=inputs.row_owner)
         h = embed(self.params, inputs.input_ids) if self.is_first else self._activation[key.capacity]
         h = decoder_layers(self.params, self.bank.view(self.layers), h, inputs.position_ids,
                            inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,

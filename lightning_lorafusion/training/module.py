@@ -407,7 +407,8 @@ class LoRAFusionModule(L.LightningModule):
         strategy = self._pipeline_strategy()
         reason = cuda_graphs_refusal(device=self.device, backend=backend, pipeline=strategy is not None,
                                      world_size=world, fused_stage=pipeline_contract.is_last_stage(strategy),
-                                     dora=any(s.dora for s in self.adapter_specs))
+                                     dora_dropout=next((s.name for s in self.adapter_specs
+                                                        if s.dora and s.dropout > 0.0), None))
         if reason is not None:
             if self.cuda_graphs == "on":
                 raise ConfigError(f"model.cuda_graphs='on' but {reason}; use cuda_graphs: auto or off")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lorafusion.kernels.dora import dora_rescale, dora_rescale_rows, dora_row_norm
+from lightning_lorafusion.kernels.dora import dora_rescale, dora_rescale_owned, dora_rescale_rows, dora_row_norm
 from lightning_lorafusion.kernels.fp8_linear import quantize_weight
 from lightning_lorafusion.kernels.nf4 import quantize_nf4_reference
 
@@ -70,3 +70,35 @@ def test_in_place_rescale_in_half_precision_is_the_fp64_result_rounded(dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
     assert dg.dtype == torch.float32
     torch.testing.assert_close(dg.double(), ref_dg, rtol=2e-2, atol=0.2)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_owner_rescale_equals_the_row_range_reference(with_bias):
+    """The fixed-shape rescale (each row's gain row read from ``owner`` on the device) equals
+    the row-range reference: values, y's gradient and each gain's gradient (summed over its
+    rows); plain-LoRA rows (gain ones) and rows of nobody (the last gain row) are unchanged."""
+    g = torch.Generator().manual_seed(3)
+    m, n = 47, 123
+    z = torch.randn(m, n, generator=g, dtype=torch.float64)
+    bias = torch.randn(n, generator=g, dtype=torch.float64) if with_bias else None
+    g0 = (1.0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
+    g2 = (1.0 + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
+    dy = torch.randn(m, n, generator=g, dtype=torch.float64)
+    # adapter 0 (DoRA) on rows 0..5 and 30..40, adapter 1 (LoRA) 5..9, adapter 2 (DoRA) 9..30, nobody after 40
+    owner = torch.full((m,), 3, dtype=torch.int64)
+    for start, end, a in [(0, 5, 0), (5, 9, 1), (9, 30, 2), (30, 40, 0)]:
+        owner[start:end] = a
+    ones = torch.ones(n, dtype=torch.float64)
+
+    z_ref = z.clone().requires_grad_()
+    ref = dora_rescale(z_ref, bias, [(0, 5, g0), (9, 30, g2), (30, 40, g0)])
+    ref_grads = torch.autograd.grad(ref, [z_ref, g0, g2], dy)
+
+    z_ours = z.clone().requires_grad_()
+    y = z_ours + bias if with_bias else z_ours * 1.0
+    ours = dora_rescale_owned(y, bias, owner, torch.stack([g0, ones, g2, ones]))
+    assert ours is y
+    ours_grads = torch.autograd.grad(ours, [z_ours, g0, g2], dy)
+    torch.testing.assert_close(ours, ref)
+    for a, b in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(a, b)

@@ -3,6 +3,8 @@ and logits equal HF transformers + PEFT in heterogeneous batches (prefill and de
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,3 +147,141 @@ def test_dora_on_a_base_with_biases_equals_hf_peft(tmp_path, hf_reference_of):
     ref = hf_reference_of(model_dir, {"dora": path})
     for (prompt, adapter), res in zip(cases, results):
         assert list(res.token_ids) == ref.generate(prompt, adapter, 6), adapter
+
+
+def _spy_decode_dora(engine):
+    """Record the kind of DoRA rows each decode-only step takes (slot table, ranges, none)."""
+    from lightning_lorafusion.serving.dora_rows import DoraSlotRows
+
+    runner, kinds = engine.runner, []
+    decode_dora = runner._decode_dora
+
+    def spied(decode, rows):
+        found = decode_dora(decode, rows)
+        kinds.append("slots" if isinstance(found, DoraSlotRows) else "ranges" if found is not None else None)
+        return found
+
+    runner._decode_dora = spied
+    return kinds
+
+
+@pytest.mark.parametrize("slots", [8, 1])
+def test_graph_shaped_steps_with_dora_rows_are_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs,
+                                                                        hf_reference_of, slots):
+    """Decode steps padded to batch buckets and mixed steps as pieces (what the decode CUDA
+    graphs and the captured pieces run, here eagerly on the CPU; chunked prefill, so steps mix
+    prefill and decode rows): the DoRA rows read their gains from the fixed-shape slot table
+    by a per-row slot index; two DoRA adapters and a LoRA one in one batch give HF + PEFT's
+    greedy tokens. With one slot the steps holding both DoRA adapters take the row ranges (no
+    graph) instead, and the tokens are the same; the slot is reused as the rows change."""
+    from lightning_lorafusion.serving.dora_rows import DoraSlots
+
+    engine = make_engine(with_adapters=False, num_pages=96, page_size=4, mixed_graphs="eager",
+                         enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    for name, path in dora_dirs.items():
+        engine.add_adapter(name, path)
+    engine.runner.pad_decode = True
+    engine.runner._slots = DoraSlots(engine.model_config, max_rows=engine.runner.decode_inputs.max_rows,
+                                     device=engine.runner.device, dtype=engine.pool.storage.dtype, slots=slots)
+    kinds = _spy_decode_dora(engine)
+    ref = hf_reference_of(model_dir, dora_dirs)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    # staggered lengths: the decode rows change as requests finish (slots taken and given up)
+    reqs = [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=dataclasses.replace(
+        sampling, max_new_tokens=3 + i)) for i, (p, a) in enumerate(CASES)]
+    for req, res in zip(reqs, engine.generate(reqs)):
+        want = ref.generate(req.prompt_token_ids, req.adapter, req.sampling.max_new_tokens)
+        assert list(res.token_ids) == want, (req.adapter, req.prompt_token_ids)
+    assert "slots" in kinds
+    assert ("ranges" in kinds) == (slots == 1)
+    assert engine.runner._mixed_dora  # mixed steps with DoRA rows ran their pieces
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_graphs_with_dora_rows_equal_hf_peft(model_dir, dora_dirs, hf_reference_of):
+    """On a GPU (fp32): with decode graphs on, steps with DoRA rows replay a graph (captured on
+    the first such step of a bucket) and the greedy tokens equal graphs off and HF + PEFT."""
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
+
+    def engine(graphs):
+        return Engine.from_pretrained(str(model_dir), dora_dirs, EngineConfig(
+            num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs=graphs,
+            tuning=EngineTuning(async_decode="off")), device="cuda", dtype=torch.float32)
+
+    on, off = engine("on"), engine("off")
+    ref = hf_reference_of(model_dir, dora_dirs)
+    got_on, got_off = on.generate(_requests(CASES)), off.generate(_requests(CASES))
+    assert any(key[2] for key in on.runner.graphs.keys)  # a DoRA graph was captured and replayed
+    for (prompt, adapter), a, b in zip(CASES, got_on, got_off):
+        assert list(a.token_ids) == list(b.token_ids) == ref.generate(prompt, adapter, GREEDY.max_new_tokens)
+    on.close()
+    off.close()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_dora_on_phi3_fused_projections_equals_hf_peft(tmp_path, padded):
+    """Phi-3's fused ``qkv_proj`` / ``gate_up_proj``: PEFT's DoRA keeps one magnitude over the
+    fused output and normalises each fused row; the engine splits the adapter into the members
+    (B's rows and the gains by member rows) and gives HF + PEFT's greedy tokens beside a base
+    row, eagerly and in graph-shaped (padded, slot-table) decode steps."""
+    import os
+    import sys
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from lightning_lorafusion.model.hf_loading import params_from_hf_model
+    from lightning_lorafusion.serving import Engine, EngineConfig
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "model"))
+    from _tiny_hf import tiny_hf_model
+
+    model = tiny_hf_model("phi3", seed=1)
+    peft_model = get_peft_model(model, LoraConfig(r=3, lora_alpha=6.0, use_dora=True, target_modules=[
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                if "gate_up_proj" in name:  # one magnitude over the fused output
+                    assert p.shape == (2 * model.config.intermediate_size,)
+                p.mul_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(tmp_path / "dora")
+    model = peft_model.unload()
+    config, params = params_from_hf_model(model)
+    engine = Engine(config, params, None, EngineConfig(num_pages=96, page_size=4))
+    engine.add_adapter("dora", str(tmp_path / "dora"))
+    engine.runner.pad_decode = padded
+    kinds = _spy_decode_dora(engine)
+    cases = [([11, 4, 30, 22, 8, 19, 40, 71], "dora"), ([5, 9, 17, 3], None), ([60, 2, 35, 18, 26], "dora")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    results = engine.generate(_requests(cases, sp))
+    engine.close()
+    assert set(kinds) == {"slots" if padded else "ranges"}
+    ref = PeftModel.from_pretrained(model, str(tmp_path / "dora")).eval()
+    eos = model.generation_config.eos_token_id
+    assert eos is None or all(eos not in r.token_ids for r in results)  # six tokens each, none cut short
+    for (prompt, adapter), res in zip(cases, results):
+        ids = torch.tensor([prompt])
+        with torch.no_grad(), (ref.disable_adapter() if adapter is None else _nothing()):
+            out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=6, pad_token_id=0)
+        assert list(res.token_ids) == out[0, len(prompt):].tolist(), adapter
+    assert results[0].token_ids != engine_base_tokens(ref, cases[0][0])  # the adapter changes the tokens
+
+
+def engine_base_tokens(ref, prompt):
+    """HF's greedy tokens of ``prompt`` on the base (the adapter off)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), ref.disable_adapter():
+        out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                           pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -303,6 +303,53 @@ def test_fixed_shape_step_equals_the_eager_step(checkpoint_layers):
         torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _dora_setup(config, specs, seed=0):
+    """``_setup`` with the DoRA adapters bound to the base (``||W||^2`` kept), their perturbed
+    magnitudes kept: ``g = m / ||W + s B A||`` is not 1, so the rescale shows."""
+    params, bank, opts = _setup(config, specs, seed=seed)
+    bank.init_dora(params, reset=())
+    return params, bank, opts
+
+
+def test_fixed_shape_step_with_dora_adapters_equals_the_eager_step():
+    """DoRA adapters beside a plain LoRA adapter (with dropout) on shared projections: the
+    fixed-shape step, which reads each row's adapter from the static ``row_owner`` and
+    recomputes the DoRA norms from the current weights, gives the eager step's loss sums and,
+    after several optimizer steps over microbatches of different row layouts (a DoRA adapter
+    absent from some), the same factors and magnitudes. Tolerances as in the LoRA-only test."""
+    config = tiny_config()
+    specs = tiny_specs()
+    specs = [specs[0], dataclasses.replace(specs[1], dropout=0.0, dora=True), dataclasses.replace(specs[2], dora=True)]
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=64, samples=4, max_length=14, global_batch=2)]
+    layouts = {tuple(mb.segments) for mb in mbs}
+    assert len(layouts) == len(mbs) and any(1 not in mb.adapters() or 2 not in mb.adapters() for mb in mbs)
+    params, bank_e, opts_e = _dora_setup(config, specs)
+    losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, False), bank_e, opts_e, mbs)
+    params, bank_s, opts_s = _dora_setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank_s, config=config, chunk_size=32, capture=False)
+    losses_s = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_s, opts_s, mbs)
+    assert not graphs.refusals
+    torch.testing.assert_close(losses_s, losses_e, rtol=1e-5, atol=1e-6)
+    names = [name for name, _ in bank_e.named_parameters()]
+    assert sum("lora_magnitude" in n for n in names) > 0
+    for name, pe, ps in zip(names, bank_e.parameters(), bank_s.parameters()):
+        torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    start = _dora_setup(config, specs)[1]  # the magnitudes moved: their gradients were not zero
+    moved = [n for (n, p0), p in zip(start.named_parameters(), bank_s.parameters())
+             if "lora_magnitude" in n and not torch.equal(p0, p)]
+    assert moved
+
+
+def test_a_fixed_shape_step_refuses_dora_with_dropout():
+    config = tiny_config()
+    specs = [dataclasses.replace(s, dora=True) if i == 0 else s for i, s in enumerate(tiny_specs())]
+    params, bank, _ = _dora_setup(config, specs)
+    graphs = TrainingGraphs(params=params, bank=bank, config=config, chunk_size=32, capture=False)
+    mb = microbatches(config, capacity=64, samples=4, max_length=14, global_batch=2)[0].to(DEVICE)
+    with pytest.raises(ValueError, match="DoRA with dropout"):
+        graphs.step(mb, mb.loss_denominators)
+
+
 def test_grads_are_rebound_to_the_static_tensors():
     config, specs = tiny_config(), tiny_specs()
     params, bank, _ = _setup(config, specs, device="cpu")
@@ -330,7 +377,10 @@ def test_what_cannot_be_a_graph_and_why():
     assert "backend='torch'" in cuda_graphs_refusal(device=gpu, backend="torch", pipeline=False)
     assert "pipeline" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True)
     assert "ddp" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, world_size=2)
-    assert "DoRA" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, dora=True)
+    assert "DoRA" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, dora_dropout="d")
+    # only a DoRA adapter with dropout keeps graphs off, and the reason names it
+    assert "'legal' is DoRA with dropout" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False,
+                                                                 dora_dropout="legal")
     assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False) is None
     # a microbatch without host metadata takes the eager step, with the reason kept
     config = tiny_config()
@@ -373,6 +423,12 @@ def _gpu_case(*, layers=3):
     return config, specs, mbs
 
 
+def _gpu_dora_specs():
+    """``tiny_specs`` with adapters b and c DoRA (no dropout) beside LoRA adapter a (dropout)."""
+    a, b, c = tiny_specs(dropout=0.1)
+    return [a, dataclasses.replace(b, dropout=0.0, dora=True), dataclasses.replace(c, dora=True)]
+
+
 def _gpu_setup(config, specs, base_precision="bf16"):
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, seed=0, std=0.05)
     if base_precision == "fp8":
@@ -384,6 +440,7 @@ def _gpu_setup(config, specs, base_precision="bf16"):
         g = torch.Generator(device="cuda").manual_seed(1)
         for p in bank.parameters():
             p.add_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+    bank.init_dora(params, reset=())  # DoRA adapters: their perturbed magnitudes kept (g is not 1)
     opts = [torch.optim.AdamW(bank.parameters_of(a), lr=s.lr) for a, s in enumerate(specs)]
     return params, bank, opts
 
@@ -397,8 +454,9 @@ def _fp8_tensor_cores() -> bool:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("checkpoint_layers,base_precision", [(False, "bf16"), (True, "bf16"), (False, "fp8")])
-def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision):
+@pytest.mark.parametrize("checkpoint_layers,base_precision,dora", [(False, "bf16", False), (True, "bf16", False),
+                                                                   (False, "fp8", False), (False, "bf16", True)])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
     adapters step several times). Tolerance: the two runs share every kernel except the
@@ -406,11 +464,13 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     bucket, so losses agree to bf16 rounding (rtol 1e-2 on per-adapter sums); AdamW can flip
     the sign of near-zero gradients, so each weight may differ by up to 2 lr per step, and the
     updates as a whole (w - w0) must agree to 5% in norm. With the FP8 base both runs use the
-    same e4m3 weights and per-row activation scales, so the same bounds hold."""
+    same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
+    adapters the graphs rescale rows by their owner read on the device (the same products)."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
         pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
     config, specs, mbs = _gpu_case()
+    specs = _gpu_dora_specs() if dora else specs
     params, bank_e, opts_e = _gpu_setup(config, specs, base_precision)
     start = [p.detach().clone() for p in bank_e.parameters()]
 
@@ -441,7 +501,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     assert not graphs.refusals, graphs.refusals
     assert graphs.captures >= 1 and graphs.replays >= len(mbs)
     rel = ((losses_g - losses_e).abs() / losses_e.abs().clamp_min(1e-6)).max().item()
-    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}, {base_precision}): {graphs.captures} graphs, "
+    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}, {base_precision}, dora={dora}): {graphs.captures} graphs, "
           f"{graphs.replays} replays, worst relative loss-sum gap {rel:.2e}")
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
     steps = sum(len(mb.step_adapters) for mb in epochs)
