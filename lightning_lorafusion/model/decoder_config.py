@@ -297,18 +297,19 @@ def rope_long_rows(config: DecoderConfig, position_ids: torch.Tensor, cu_seqlens
 
 def rope_cos_sin(
     config: DecoderConfig, position_ids: torch.Tensor, dtype: torch.dtype, inv_freq: torch.Tensor | None = None,
-    *, local: bool = False, long: torch.Tensor | None = None,
+    *, local: bool = False, long: torch.Tensor | None = None, long_inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """position_ids ``[T]`` -> cos, sin ``[T, 1, rotary_dim]`` (broadcast over heads), times the
     RoPE's attention factor (YaRN, LongRoPE; computed in fp32, rounded once, as HF does).
     ``inv_freq``: the config's ``rope_inv_freq`` if the caller keeps it; ``local``: see
     ``rope_inv_freq``; ``long``: ``[T]`` bool, longrope's long factors on those rows
-    (``rope_long_rows``; None: the short ones)."""
+    (``rope_long_rows``; None: the short ones), ``long_inv_freq`` their frequencies if kept."""
     if inv_freq is None:
         inv_freq = rope_inv_freq(config, position_ids.device, local=local)
     if long is not None and not local:
-        long_freq = rope_inv_freq(config, position_ids.device, long=True)
-        inv_freq = torch.where(long[:, None], long_freq[None, :], inv_freq[None, :])
+        if long_inv_freq is None:
+            long_inv_freq = rope_inv_freq(config, position_ids.device, long=True)
+        inv_freq = torch.where(long[:, None], long_inv_freq[None, :], inv_freq[None, :])
     freqs = position_ids.float()[:, None] * inv_freq  # [T, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = emb.cos(), emb.sin()
