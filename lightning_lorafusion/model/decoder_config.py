@@ -13,6 +13,7 @@ from ..specs import ConfigError
 from .family import DecoderFamily
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+PARTIAL_ROTARY_TYPES = ("phi3",)  # model types whose HF model rotates only part of each head
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +163,10 @@ def _rope_fields(hf_config: Any) -> dict:
             "changes the frequencies with the sequence length and is not implemented"
         )
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1.0) and hf_config.model_type not in PARTIAL_ROTARY_TYPES:
+        raise ConfigError(f"{hf_config.model_type}: partial_rotary_factor={partial} is not applied by this "
+                          f"family's transformers model (it rotates whole heads); only {PARTIAL_ROTARY_TYPES} "
+                          "rotate part of each head: remove the field or use one of those model types")
     out = {"rope_theta": float(params["rope_theta"]), "rope_type": rope_type,
            "partial_rotary_factor": float(1.0 if partial is None else partial)}
     if rope_type == "default":
