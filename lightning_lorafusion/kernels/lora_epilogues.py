@@ -50,24 +50,18 @@ def _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, l
 
 
 @triton.jit
-def _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+def _load_cols(base, cols, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
                b_g_stride, r_g_stride, N, col0,
-               HALF: tl.constexpr, HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_KB: tl.constexpr):
-    """A head's two halves (fp32 values of its dtype), with the row's LoRA added and rounded."""
-    x1 = tl.load(base + offs, mask=ok, other=0.0)
-    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
+               HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """A head's columns ``cols`` (fp32 values of its dtype), with the row's LoRA added and rounded."""
+    x = tl.load(base + cols, mask=ok, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
     if HAS_LORA:
-        x1 = _with_lora(x1, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
-                        b_g_stride, r_g_stride, N, col0 + offs, ok,
-                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-        x2 = _with_lora(x2, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
-                        b_g_stride, r_g_stride, N, col0 + HALF + offs, ok,
-                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-    return x1, x2
+        x = _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+                       b_g_stride, r_g_stride, N, col0 + cols, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -78,53 +72,82 @@ def _rope_kv_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
     row0,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
 ):
     """Program (row0 + i, head): head < HQ is query head ``head`` (LoRA, RoPE, in place);
     otherwise kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value
-    (LoRA, in place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``."""
+    (LoRA, in place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``.
+    RoPE rotates the head's first ``2 * ROT_HALF`` dims (cos, sin are that wide); the ``PASS``
+    dims after them (partial rotary) only get their LoRA."""
     row = row0 + tl.program_id(0)
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    ok = offs < HALF
+    offs = tl.arange(0, BLOCK_ROT)
+    ok = offs < ROT_HALF
     cos1 = tl.load(cos_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row64 * cs_stride + ROT_HALF + offs, mask=ok, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row64 * cs_stride + ROT_HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)
+    ok_p = offs_p < 2 * ROT_HALF + PASS
     lrow = row - first_row
     if head < HQ:
         base = q_ptr + row64 * q_stride + head * q_hstride
-        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, lora_rows,
-                            k_blocks, b_g_stride, r_g_stride, HQ * 2 * HALF, head * 2 * HALF,
-                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        n, col0 = HQ * 2 * HALF, head * 2 * HALF
+        x1 = _load_cols(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        x2 = _load_cols(base, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         tl.store(base + offs, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(base + HALF + offs, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(base + ROT_HALF + offs, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=ok)
+        if PASS > 0 and HAS_LORA:
+            xp = _load_cols(base, offs_p, ok_p, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                            0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+            tl.store(base + offs_p, xp.to(q_ptr.dtype.element_ty), mask=ok_p)
     else:
         j = head - HQ
         slot = (kv_ptr + tl.load(page_ptr + row).to(tl.int64) * kv_sp + tl.load(slot_ptr + row).to(tl.int64) * kv_ss
                 + j * kv_sh)
         base = k_ptr + row64 * k_stride + j * k_hstride
-        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, lora_rows,
-                            k_blocks, b_g_stride, r_g_stride, HKV * 2 * HALF, j * 2 * HALF,
-                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        n, col0 = HKV * 2 * HALF, j * 2 * HALF
+        x1 = _load_cols(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        x2 = _load_cols(base, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
         k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
         tl.store(base + offs, k1, mask=ok)
-        tl.store(base + HALF + offs, k2, mask=ok)
+        tl.store(base + ROT_HALF + offs, k2, mask=ok)
         tl.store(slot + offs, k1.to(kv_ptr.dtype.element_ty), mask=ok)
-        tl.store(slot + HALF + offs, k2.to(kv_ptr.dtype.element_ty), mask=ok)
+        tl.store(slot + ROT_HALF + offs, k2.to(kv_ptr.dtype.element_ty), mask=ok)
+        if PASS > 0:
+            kp = _load_cols(base, offs_p, ok_p, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                            1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
+                            BLOCK_KB=BLOCK_KB).to(k_ptr.dtype.element_ty)
+            if HAS_LORA:
+                tl.store(base + offs_p, kp, mask=ok_p)
+            tl.store(slot + offs_p, kp.to(kv_ptr.dtype.element_ty), mask=ok_p)
         base = v_ptr + row64 * v_stride + j * v_hstride
-        x1, x2 = _load_head(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 2, lora_rows,
-                            k_blocks, b_g_stride, r_g_stride, HKV * 2 * HALF, j * 2 * HALF,
-                            HALF=HALF, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-        v1 = x1.to(v_ptr.dtype.element_ty)
-        v2 = x2.to(v_ptr.dtype.element_ty)
+        offs_v = tl.arange(0, BLOCK_HALF)
+        ok_v = offs_v < HALF
+        v1 = _load_cols(base, offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(v_ptr.dtype.element_ty)
+        v2 = _load_cols(base, HALF + offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                        2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(v_ptr.dtype.element_ty)
         if HAS_LORA:
-            tl.store(base + offs, v1, mask=ok)
-            tl.store(base + HALF + offs, v2, mask=ok)
-        tl.store(slot + kv_skv + offs, v1.to(kv_ptr.dtype.element_ty), mask=ok)
-        tl.store(slot + kv_skv + HALF + offs, v2.to(kv_ptr.dtype.element_ty), mask=ok)
+            tl.store(base + offs_v, v1, mask=ok_v)
+            tl.store(base + HALF + offs_v, v2, mask=ok_v)
+        tl.store(slot + kv_skv + offs_v, v1.to(kv_ptr.dtype.element_ty), mask=ok_v)
+        tl.store(slot + kv_skv + HALF + offs_v, v2.to(kv_ptr.dtype.element_ty), mask=ok_v)
 
 
 @triton.jit
@@ -133,44 +156,55 @@ def _rope_kv_rows_kernel(
     cos_ptr, sin_ptr, cs_stride,
     kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh, row0,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
     """``_rope_kv_kernel`` without LoRA, a program per row (every head as one tile): for the
     rows of a prefill, where a program per (row, head) moves 128 elements and launches are what
     cost. The same arithmetic per element, so the same bits."""
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    ok = offs < HALF
+    offs = tl.arange(0, BLOCK_ROT)
+    ok = offs < ROT_HALF
     cos1 = tl.load(cos_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + row64 * cs_stride + ROT_HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + row64 * cs_stride + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_ptr + row64 * cs_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + row64 * cs_stride + ROT_HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
     hq = tl.arange(0, BLOCK_HQ)
     q_ok = (hq < HQ)[:, None] & ok[None, :]
     base = q_ptr + row64 * q_stride + hq[:, None] * q_hstride + offs[None, :]
     x1 = tl.load(base, mask=q_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + ROT_HALF, mask=q_ok, other=0.0).to(tl.float32)
     tl.store(base, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=q_ok)
-    tl.store(base + HALF, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=q_ok)
+    tl.store(base + ROT_HALF, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=q_ok)
     hk = tl.arange(0, BLOCK_HKV)
     k_ok = (hk < HKV)[:, None] & ok[None, :]
-    slot = (kv_ptr + tl.load(page_ptr + row).to(tl.int64) * kv_sp + tl.load(slot_ptr + row).to(tl.int64) * kv_ss
-            + hk[:, None] * kv_sh + offs[None, :])
-    base = k_ptr + row64 * k_stride + hk[:, None] * k_hstride + offs[None, :]
+    slot_h = (kv_ptr + tl.load(page_ptr + row).to(tl.int64) * kv_sp + tl.load(slot_ptr + row).to(tl.int64) * kv_ss
+              + hk[:, None] * kv_sh)
+    slot = slot_h + offs[None, :]
+    k_base = k_ptr + row64 * k_stride + hk[:, None] * k_hstride
+    base = k_base + offs[None, :]
     x1 = tl.load(base, mask=k_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=k_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + ROT_HALF, mask=k_ok, other=0.0).to(tl.float32)
     k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
     k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
     tl.store(base, k1, mask=k_ok)
-    tl.store(base + HALF, k2, mask=k_ok)
+    tl.store(base + ROT_HALF, k2, mask=k_ok)
     tl.store(slot, k1.to(kv_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(slot + HALF, k2.to(kv_ptr.dtype.element_ty), mask=k_ok)
-    base = v_ptr + row64 * v_stride + hk[:, None] * v_hstride + offs[None, :]
-    v1 = tl.load(base, mask=k_ok, other=0.0)
-    v2 = tl.load(base + HALF, mask=k_ok, other=0.0)
-    tl.store(slot + kv_skv, v1.to(kv_ptr.dtype.element_ty), mask=k_ok)
-    tl.store(slot + kv_skv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(slot + ROT_HALF, k2.to(kv_ptr.dtype.element_ty), mask=k_ok)
+    if PASS > 0:  # partial rotary: the key's remaining dims go to the page as they are
+        offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)
+        p_ok = (hk < HKV)[:, None] & (offs_p < 2 * ROT_HALF + PASS)[None, :]
+        kp = tl.load(k_base + offs_p[None, :], mask=p_ok, other=0.0)
+        tl.store(slot_h + offs_p[None, :], kp.to(kv_ptr.dtype.element_ty), mask=p_ok)
+    offs_v = tl.arange(0, BLOCK_HALF)
+    v_ok = (hk < HKV)[:, None] & (offs_v < HALF)[None, :]
+    slot = slot_h + offs_v[None, :]
+    base = v_ptr + row64 * v_stride + hk[:, None] * v_hstride + offs_v[None, :]
+    v1 = tl.load(base, mask=v_ok, other=0.0)
+    v2 = tl.load(base + HALF, mask=v_ok, other=0.0)
+    tl.store(slot + kv_skv, v1.to(kv_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(slot + kv_skv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -232,9 +266,13 @@ def _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lor
     if d % 2 or tuple(kv_pool.shape[5:]) != (d,) or kv_pool.dtype != q.dtype or kv_pool.device != q.device:
         raise ValueError(f"kv_pool {tuple(kv_pool.shape)} {kv_pool.dtype} on {kv_pool.device} does not hold "
                          f"heads of q's even head_dim {d} in {q.dtype} on {q.device}")
+    r = cos.shape[-1] if isinstance(cos, torch.Tensor) else 0
+    if r % 2 or not 0 < r <= d:
+        raise ValueError(f"cos must be as wide as the rotated dims (even, 2..head_dim={d}); got "
+                         f"{tuple(getattr(cos, 'shape', ()))}")
     for name, c in (("cos", cos), ("sin", sin)):
-        if c.numel() != t * d or c.shape[0] != t or c.dtype != q.dtype or c.device != q.device:
-            raise ValueError(f"{name} must be [{t}, {d}] or [{t}, 1, {d}] {q.dtype} on {q.device}; got "
+        if c.numel() != t * r or c.shape[0] != t or c.dtype != q.dtype or c.device != q.device:
+            raise ValueError(f"{name} must be [{t}, {r}] or [{t}, 1, {r}] {q.dtype} on {q.device}; got "
                              f"{tuple(c.shape)} {c.dtype}")
     for name, s in (("slot_pages", slot_pages), ("slot_offsets", slot_offsets)):
         if s.shape != (t,) or s.dtype not in (torch.int32, torch.int64) or s.device != q.device:
@@ -247,14 +285,16 @@ def _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lor
 def rope_write_kv_reference(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets,
                             lora: GatheredLora | None = None) -> None:
     """In place: q ``[T, Hq, D]``, k, v ``[T, Hkv, D]`` (+)= the decode rows' LoRA (``lora``:
-    projections q, k, v, rows from ``lora.first_row``); RoPE on q and k (cos, sin ``[T, D]`` or
-    ``[T, 1, D]``: the same angle for every head); k and v written to ``kv_pool`` at layer
+    projections q, k, v, rows from ``lora.first_row``); RoPE on q and k (cos, sin ``[T, R]`` or
+    ``[T, 1, R]``: the same angle for every head; ``R`` < D rotates only each head's first R
+    dims, partial rotary); k and v written to ``kv_pool`` at layer
     ``layer``, token t into page ``slot_pages[t]``, slot ``slot_offsets[t]`` (as ``write_kv``)."""
     _check_rope(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, lora)
     t, _, d = q.shape
     if lora is not None:
         lora.add_reference([q.view(t, -1), k.view(t, -1), v.view(t, -1)])
-    cos, sin = cos.reshape(t, 1, d), sin.reshape(t, 1, d)
+    r = cos.shape[-1]
+    cos, sin = cos.reshape(t, 1, r), sin.reshape(t, 1, r)
     q.copy_(apply_rope(q, cos, sin))
     k.copy_(apply_rope(k, cos, sin))
     write_kv(kv_pool, layer, k, v, slot_pages, slot_offsets)
@@ -338,7 +378,8 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
     hkv = kv_pool.shape[4]
     if t == 0:
         return None
-    cos, sin = cos.reshape(t, d), sin.reshape(t, d)
+    r = cos.shape[-1]
+    cos, sin = cos.reshape(t, r), sin.reshape(t, r)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D]: the pointer carries the layer's offset
@@ -346,20 +387,22 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
     plain = (_no_lora_args(q), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     half, block_half = d // 2, triton.next_power_of_2(d // 2)
+    widths = dict(ROT_HALF=r // 2, BLOCK_ROT=triton.next_power_of_2(r // 2), PASS=d - r,
+                  BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)))
     for row0, rows, with_lora in _row_launches(t, lora):
         if not with_lora and rows >= ROPE_ROWS_KERNEL_MIN_ROWS:  # a prefill's rows: a program per row
             _rope_kv_rows_kernel[(rows,)](
                 q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
                 cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, row0,
                 HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-                BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=block_half, num_warps=ROPE_ROWS_WARPS,
+                BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=block_half, **widths, num_warps=ROPE_ROWS_WARPS,
             )
             continue
         args, meta = gathered if with_lora else plain
         _rope_kv_kernel[(rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
-            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **meta, num_warps=num_warps,
+            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps,
         )
     return None
 

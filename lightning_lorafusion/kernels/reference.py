@@ -161,6 +161,11 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``[T, heads, D]``, rotating the two halves of each head (the HF/Llama convention)."""
+    """``[T, heads, D]``, rotating the two halves of each head's first ``R`` dims (the HF/Llama
+    convention); cos, sin ``[..., R]``: ``R < D`` is partial rotary (Phi-4-mini), the dims past
+    ``R`` pass through unchanged."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

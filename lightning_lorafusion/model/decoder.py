@@ -49,7 +49,8 @@ from ..kernels.options import KernelOptions
 from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
 from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
-from .decoder_config import ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq  # noqa: F401 (also imported from here)
+from .decoder_config import (ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq,  # noqa: F401 (also imported from here)
+                             rope_long_rows)
 from .family import (
     SUPPORTED_MODEL_TYPES,
     DecoderFamily,
@@ -289,7 +290,7 @@ def decoder_layers(
         layers = range(config.num_layers)
     if microbatch_index is None:
         microbatch_index = routing.microbatch_index if routing is not None else 0
-    cos, sin = rope_cos_sin(config, position_ids, h.dtype)
+    cos, sin = rope_cos_sin(config, position_ids, h.dtype, long=rope_long_rows(config, position_ids, cu_seqlens))
     ropes = {False: (cos, sin)}
     if any(config.local_rope(i) for i in layers):
         ropes[True] = rope_cos_sin(config, position_ids, h.dtype, local=True)

@@ -47,6 +47,8 @@ class MixedPieces:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.slot_pages = torch.full((rows,), runner.pool.scratch_page, dtype=torch.int64, device=dev)
         self.slot_offsets = torch.zeros(rows, dtype=torch.int64, device=dev)
+        longrope = cfg.rope_type == "longrope"
+        self.rope_long = torch.zeros(rows, dtype=torch.bool, device=dev) if longrope else None
         n_mod = len(ALL_TARGET_MODULES)
         self.lora = PrefillLora(
             tiles=torch.zeros(3, max_tiles, dtype=torch.int32, device=dev),
@@ -77,11 +79,12 @@ class MixedPieces:
             max_prefill_len=0, prefill_prefixes=None, prefill_lora=self.lora, page_table=None, seq_lens=None,
             decode_offsets=inputs.lora_offsets[..., :d], decode_ranks=inputs.lora_ranks[:, :d],
             decode_scales=inputs.lora_scales[:d], decode_modules=frozenset(ALL_TARGET_MODULES) if capture
-            else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True)
+            else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True,
+            rope_long=self.rope_long)
         # steps with DoRA rows: each row's slot in ``dora``'s gain table (dora_rows.py)
         self.dora_index = torch.zeros(rows, dtype=torch.int64, device=dev) if dora is not None else None
         self.batch.dora = DoraSlotRows(dora, 0, rows, self.dora_index) if dora is not None else None
-        self.h = self.cos = self.sin = self.final = None
+        self.h = self.rope = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture:
             self._capture(pool)
@@ -103,12 +106,12 @@ class MixedPieces:
         m, b = self.runner.model, self.batch
         layers = m.params["layers"]
         if i == 0:
-            self.h, self.cos, self.sin = embed_rows(m, b)
+            self.h, self.rope = embed_rows(m, b)
             d = None
         else:
             d = after_attention(m, i - 1, layers[i - 1], self.h, self.attn, b)
         if i < m.config.num_layers:
-            q, k, v = before_attention(m, i, layers[i], self.h, d, self.cos, self.sin, b)
+            q, k, v = before_attention(m, i, layers[i], self.h, d, self.rope, b)
             self.q.copy_(q)
             if self.k is not None:
                 self.k.copy_(k)
@@ -142,6 +145,8 @@ class MixedPieces:
         self.positions.copy_(batch.positions, non_blocking=True)
         self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
+        if self.rope_long is not None:
+            self.rope_long.copy_(batch.rope_long, non_blocking=True)
         lora, pre = self.lora, batch.prefill_lora
         lora.tiles.zero_()
         lora.ranks.zero_()

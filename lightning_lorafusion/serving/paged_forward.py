@@ -58,7 +58,10 @@ class PagedDecoder:
     (KV pages and adapter weights), the kernels to use and the RoPE frequencies.
     ``kernel_backend``: norms, epilogues, the decode rows' LoRA gather and paged decode
     attention; ``lora_backend``: the prefill rows' LoRA (``lora_segments``);
-    ``prefill_attention_backend``: paged prefill attention."""
+    ``prefill_attention_backend``: paged prefill attention. RoPE frequencies: ``inv_freq`` (the
+    config's; longrope: its short factors), ``local_inv_freq`` (the family's sliding-layer RoPE,
+    Gemma 3), ``long_inv_freq`` (longrope's long factors, for the rows ``StepBatch.rope_long``
+    marks)."""
 
     config: DecoderConfig
     params: Mapping[str, Any]
@@ -67,7 +70,8 @@ class PagedDecoder:
     lora_backend: str
     prefill_attention_backend: str
     inv_freq: torch.Tensor
-    local_inv_freq: torch.Tensor | None = None  # the family's sliding-layer RoPE (Gemma 3)
+    local_inv_freq: torch.Tensor | None = None
+    long_inv_freq: torch.Tensor | None = None
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
@@ -75,15 +79,23 @@ class PagedDecoder:
                             weight_offset=self.config.family.norm_offset)
 
 
-def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# a step's RoPE tables: local (Gemma 3's sliding layers) or not -> cos, sin [T, 1, rotary_dim]
+StepRope = dict[bool, tuple[torch.Tensor, torch.Tensor]]
+
+
+def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, StepRope]:
     """The step's token embeddings ``h [T, H]`` (times the family's embedding multiplier) and
-    RoPE ``cos, sin`` at its positions."""
+    its RoPE tables at its positions: one per RoPE the layers use, built once per step (every
+    sliding layer of Gemma 3 reads the same local one)."""
     h = embed(m.params, batch.input_ids)
     multiplier = embedding_multiplier(m.config.family, m.config.hidden_size, h.dtype)
     if multiplier is not None:
         h = h * multiplier
-    cos, sin = rope_cos_sin(m.config, batch.positions, h.dtype, m.inv_freq)
-    return h, cos, sin
+    rope = {False: rope_cos_sin(m.config, batch.positions, h.dtype, m.inv_freq, long=batch.rope_long,
+                                long_inv_freq=m.long_inv_freq)}
+    if m.local_inv_freq is not None:
+        rope[True] = rope_cos_sin(m.config, batch.positions, h.dtype, m.local_inv_freq, local=True)
+    return h, rope
 
 
 def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -94,10 +106,10 @@ def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tenso
 def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
     """One eager forward of ``batch`` -> final-normed hidden states of ``batch.output_rows``
     (every row when None): ``[R, H]``."""
-    h, cos, sin = embed_rows(m, batch)
+    h, rope = embed_rows(m, batch)
     d = None
     for layer in range(m.config.num_layers):
-        d = decoder_layer(m, layer, m.params["layers"][layer], h, d, cos, sin, batch)
+        d = decoder_layer(m, layer, m.params["layers"][layer], h, d, rope, batch)
     if batch.output_rows is not None:
         h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
     return final_norm(m, h, d)
@@ -110,19 +122,18 @@ def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-                  cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+                  rope: StepRope, batch: StepBatch) -> torch.Tensor:
     """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
     in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
     pieces: what a piecewise graph would capture before attention, attention (its launch
     grids depend on the step's requests), and what it would capture after."""
-    q, k, v = before_attention(m, layer, lp, h, d, cos, sin, batch)
+    q, k, v = before_attention(m, layer, lp, h, d, rope, batch)
     attn = attention(m, layer, q, k, v, batch)
     return after_attention(m, layer, lp, h, attn, batch)
 
 
 def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-                     cos: torch.Tensor, sin: torch.Tensor,
-                     batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     rope: StepRope, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add + norm, q/k/v (+ LoRA), the family's q/k norms, RoPE and the KV write -> q,
     k, v ``[T, heads, D]``. Llama's block adds the decode rows' LoRA in the RoPE + KV write
     epilogue; q/k norms must see it first, so those families gather it before the norms."""
@@ -146,8 +157,7 @@ def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torc
     q = q.view(t, cfg.num_heads, cfg.head_dim)
     k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.local_rope(layer):  # Gemma 3's sliding layers: their own RoPE base
-        cos, sin = rope_cos_sin(cfg, batch.positions, cos.dtype, m.local_inv_freq)
+    cos, sin = rope[cfg.local_rope(layer)]  # Gemma 3's sliding layers: their own RoPE base
     rope_write_kv(q, k, v, cos, sin, m.pool.kv, layer, batch.slot_pages, batch.slot_offsets,
                   lora=lora, backend=m.kernel_backend)
     return q, k, v

@@ -67,10 +67,11 @@ class ModelRunner:
         self.kernel_backend = auto if decode_backend == "auto" else decode_backend  # gather + paged attention
         self.inv_freq = rope_inv_freq(config, self.device)
         local = rope_inv_freq(config, self.device, local=True) if config.family.local_rope_theta is not None else None
+        long = rope_inv_freq(config, self.device, long=True) if config.rope_type == "longrope" else None
         self.model = PagedDecoder(config=config, params=params, pool=pool, kernel_backend=self.kernel_backend,
                                   lora_backend=self.lora_backend,
                                   prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
-                                  local_inv_freq=local)
+                                  local_inv_freq=local, long_inv_freq=long)
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -182,8 +183,13 @@ class ModelRunner:
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
             decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
             decode_scales=inputs.lora_scales[:rows] if lora else None,
-            decode_modules=modules, spans=[], output_rows=None)
+            decode_modules=modules, spans=[], output_rows=None, rope_long=self._rope_long_decode(positions))
 
+    def _rope_long_decode(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """longrope: a decode row's request holds position + 1 tokens (device op: graph-safe)."""
+        if self.config.rope_type != "longrope":
+            return None
+        return positions + 1 > self.config.rope_original_max_positions
     # ------------------------------------------------------------------ inputs
 
     def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
@@ -255,6 +261,8 @@ class ModelRunner:
             spans=spans, output_rows=tensor(out_rows), real_rows=real if pad else None,
             decode_first=pad,
         )
+        if self.config.rope_type == "longrope":
+            batch.rope_long = self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids))
         if segments:
             batch.prefill_lora = self._prefill_lora(segments, residents)
         ds = batch.first_decode_row
@@ -267,6 +275,20 @@ class ModelRunner:
             self._prepare_decode(batch, decode)
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
+
+    def _rope_long_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
+                        prefill_lens: Sequence[int] | None, decode: Sequence[RequestState], rows: int) -> torch.Tensor:
+        """longrope, in ``prepare``'s row order: True on the rows of requests holding more tokens
+        than ``original_max_position_embeddings`` (prompt and generated so far: the length of
+        their cache once fed), as HF picks the long factors for a sequence longer than that."""
+        limit = self.config.rope_original_max_positions
+        fed = [(prefill[i].num_tokens - prefill[i].num_cached if prefill_lens is None else prefill_lens[i],
+                prefill[i].num_tokens > limit) for i in order]
+        dec = [(1, st.num_tokens > limit) for st in decode]
+        parts = dec + fed if self.pad_mixed else fed + dec
+        flags = [long for n, long in parts for _ in range(n)]
+        flags += [False] * (rows - len(flags))  # padding rows
+        return torch.tensor(flags, dtype=torch.bool).to(self.device, non_blocking=True)
 
     def _add_prefill_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
                           prefill_lens: Sequence[int] | None, ids: list[int], pos: list[int], slot_pages: list[int],

@@ -76,6 +76,9 @@ class StepBatch:
     decode_first: bool = False
     # rows of DoRA adapters, their frozen products rescaled per column (serving/dora_rows.py)
     dora: Any = None  # dora_rows.DoraRows | None
+    # [T] bool, longrope only: the rows whose request is longer than the pretraining context
+    # (original_max_position_embeddings) take its long factors (docs/model.md, "RoPE scaling")
+    rope_long: torch.Tensor | None = None
 
     @property
     def num_decode_rows(self) -> int:

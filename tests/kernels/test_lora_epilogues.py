@@ -79,7 +79,7 @@ SHAPES = {  # name: (tokens, Hq, Hkv, head_dim, hidden K, first_row, rows after 
 QKV_RANKS = [(4, 4, 4), (3, 0, 5), (20, 20, 2)]
 
 
-def make_rope_case(name, dtype, device, with_lora, fused, seed=0):
+def make_rope_case(name, dtype, device, with_lora, fused, seed=0, partial=1.0):
     t, hq, hkv, d, k, first, after = SHAPES[name]
     gen = torch.Generator().manual_seed(seed + 11)
     widths = (hq * d, hkv * d, hkv * d)
@@ -89,7 +89,7 @@ def make_rope_case(name, dtype, device, with_lora, fused, seed=0):
     else:
         q, k_, v = (torch.randn(t, w // d, d, generator=gen).to(device, dtype) for w in widths)
     cfg = DecoderConfig(vocab_size=8, hidden_size=k, intermediate_size=8, num_layers=1, num_heads=hq,
-                        num_kv_heads=hkv, head_dim=d, rope_theta=100.0)
+                        num_kv_heads=hkv, head_dim=d, rope_theta=100.0, partial_rotary_factor=partial)
     positions = torch.randint(0, 40, (t,), generator=gen)
     cos, sin = rope_cos_sin(cfg, positions, dtype, rope_inv_freq(cfg))
     pages, page_size, layers = 6, 4, 3
@@ -175,6 +175,59 @@ def test_rope_rows_kernel_gives_the_per_head_kernels_bits(device, dtype, shape, 
         outs.append(got)
     for name in ("q", "k", "v", "kv_pool"):
         assert torch.equal(outs[0][name], outs[1][name]), name
+
+
+# partial rotary (Phi-4-mini rotates 3/4 of each head): shapes whose rotated width is a quarter,
+# a half (head_dim 6 -> 2 dims) and three quarters of the head, the rest passing through
+PARTIAL = [("mha", 0.25), ("mixed_rows_odd_half", 0.34), ("decode", 0.5), ("lora_rows_in_the_middle", 0.75)]
+
+
+def test_partial_rotary_reference_rotates_only_the_leading_dims():
+    """cos, sin as wide as the rotated dims: those dims get HF's rotate_half, the rest of each
+    head passes through (after its LoRA), in q, k and the pool."""
+    case, factors = make_rope_case("mha", torch.float32, "cpu", True, False, partial=0.75)
+    t, _, d = case["q"].shape
+    r = case["cos"].shape[-1]
+    assert r == 12 < d
+    first = case["lora"].first_row
+    want = {}
+    for g, name in enumerate(("q", "k", "v")):
+        y = case[name].double().reshape(t, -1).clone()
+        y[first:] += lora_delta64(case["lora"], factors, g, y.shape[1])
+        want[name] = y.view(t, -1, d)
+    cos, sin = case["cos"].double().reshape(t, 1, r), case["sin"].double().reshape(t, 1, r)
+
+    def rope(x):
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        rotated = x_rot * cos + torch.cat((-x_rot[..., r // 2:], x_rot[..., : r // 2]), dim=-1) * sin
+        return torch.cat((rotated, x_pass), dim=-1)
+
+    want["q"], want["k"] = rope(want["q"]), rope(want["k"])
+    ref = clone_case(case)
+    rope_write_kv_reference(**ref)
+    for name in ("q", "k", "v"):
+        assert rel_err(ref[name], want[name]) < 1e-5, name
+    assert rel_err(ref["kv_pool"][case["slot_pages"], 1, 0, case["slot_offsets"]], want["k"]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape,partial", PARTIAL)
+@pytest.mark.parametrize("with_lora", [True, False])
+def test_partial_rotary_triton_matches_reference(device, dtype, shape, partial, with_lora, monkeypatch):
+    """Both kernels (per (row, head), and per row for rows without LoRA) rotate only the first
+    rotary_dim dims and carry the rest (+ LoRA) into q, k and the pages."""
+    import lightning_lorafusion.kernels.lora_epilogues as epi
+
+    case, _ = make_rope_case(shape, dtype, device, with_lora, True, partial=partial)
+    assert case["cos"].shape[-1] < case["q"].shape[-1]
+    ref = clone_case(case)
+    rope_write_kv_reference(**ref)
+    for threshold in (1, 10**9):
+        monkeypatch.setattr(epi, "ROPE_ROWS_KERNEL_MIN_ROWS", threshold)
+        got = clone_case(case)
+        rope_write_kv(**got, backend="triton")
+        for name in ("q", "k", "v", "kv_pool"):
+            assert rel_err(got[name], ref[name]) < TOL[dtype], (threshold, name, rel_err(got[name], ref[name]))
 
 
 def test_rope_triton_shrink_blocks_and_rank_above_max(device):

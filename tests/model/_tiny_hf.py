@@ -25,16 +25,41 @@ FAMILY_OVERRIDES = {
 NEW_FAMILIES = ("qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
 
 
+def _longrope(rotated_pairs: int, partial: float = 1.0) -> dict:
+    # factors unlike each other and unlike 1, so a swapped or dropped set shows
+    return {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.15 * i for i in range(rotated_pairs)],
+            "long_factor": [2.0 + 0.7 * i for i in range(rotated_pairs)]}
+
+
+# RoPE scaling variants: name -> (model_type, overrides). The pretraining context is short
+# (16 / 32 tokens of the 128), so YaRN's ramp and LongRoPE's long factors act in short tests.
+ROPE_VARIANTS = {
+    "qwen3_yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                  "original_max_position_embeddings": 16})),
+    "llama_yarn_mscale": ("llama", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2})),
+    "phi3_longrope": ("phi3", dict(original_max_position_embeddings=32, rope_parameters=_longrope(6))),
+    # Phi-4-mini's shape of RoPE: 3/4 of each head (12 of 16 dims) rotates, with longrope
+    "phi3_partial_longrope": ("phi3", dict(hidden_size=64, original_max_position_embeddings=32,
+                                           rope_parameters=_longrope(6, 0.75))),
+}
+
+
 def tiny_hf_config(family: str, **overrides):
-    """A 2-layer config of one family; sizes are deliberately not powers of two."""
+    """A 2-layer config of one family (or a ``ROPE_VARIANTS`` name); sizes are deliberately not
+    powers of two."""
     from transformers import AutoConfig
 
     common = dict(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
-    common.update(FAMILY_OVERRIDES[family])
+    model_type, variant = ROPE_VARIANTS.get(family, (family, {}))
+    common.update(FAMILY_OVERRIDES[model_type])
+    common.update(variant)
     common.update(overrides)
-    return AutoConfig.for_model(family, **common)
+    return AutoConfig.for_model(model_type, **common)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

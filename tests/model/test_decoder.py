@@ -92,9 +92,8 @@ def test_unsupported_configs_raise_clearly():
 
     with pytest.raises(ConfigError, match="model_type='gpt2'"):
         D.DecoderConfig.from_hf(GPT2Config())
-    with pytest.raises(ConfigError, match="yarn"):
-        D.DecoderConfig.from_hf(tiny_hf_config("llama", rope_scaling={
-            "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}))
+    with pytest.raises(ConfigError, match="'dynamic'.*dynamic NTK"):
+        D.DecoderConfig.from_hf(tiny_hf_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ConfigError, match="num_kv_heads"):
         D.DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                         num_heads=3, num_kv_heads=2, head_dim=4)

@@ -87,7 +87,7 @@ def _write_adapters(model, root) -> dict[str, str]:
 class _Family:
     """A tiny model of one family, its PEFT adapters and HF + PEFT greedy references."""
 
-    def __init__(self, family: str, root) -> None:
+    def __init__(self, family: str, root, cases=CASES) -> None:
         from peft import PeftModel
 
         model = tiny_hf_model(family, seed=1)
@@ -100,7 +100,8 @@ class _Family:
         for name in names[1:]:
             ref.load_adapter(self.dirs[name], adapter_name=name)
         self.ref = ref.eval()
-        self.expected, self.expected_logprobs = zip(*(self.generate(p, a, MAX_NEW) for p, a in CASES))
+        self.cases = cases
+        self.expected, self.expected_logprobs = zip(*(self.generate(p, a, MAX_NEW) for p, a in cases))
 
     @torch.no_grad()
     def generate(self, prompt, adapter, max_new_tokens) -> tuple[list[int], list[float]]:
@@ -229,3 +230,79 @@ def test_paged_attention_soft_caps_as_training_attention_does(window):
                                   torch.tensor([start], dtype=torch.int32), pages[None].int(), scale=0.3,
                                   sliding_window=window, softcap=cap, backend="triton")
     torch.testing.assert_close(got, prefill, rtol=1e-5, atol=1e-5)
+
+
+# Partial rotary + LongRoPE (Phi-4-mini's RoPE; 32-token pretraining context): prompts longer
+# than it take the long factors from their first step (chunked prefill included: the choice is
+# by the request's length, not the chunk's), prompts that stay within it keep the short ones.
+# Two long and two short prompts share prefixes (prefix caching reuses pages of the same kind).
+# A request crossing the switch mid-decode is not here: HF recomputes its whole cache with the
+# long factors at that point, the engine keeps the keys it wrote (docs/model.md, "RoPE scaling").
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 101, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+LONGROPE_CASES = [
+    (_prompt(1, 37), "all4"),
+    (_prompt(1, 40)[:36] + _prompt(2, 5), "attn2"),
+    (_prompt(3, 12), None),
+    (_prompt(4, 45), TRAINED),
+    (_prompt(3, 12)[:8] + _prompt(5, 6), "mlp6"),
+    (_prompt(6, 21), "all4"),
+    (_prompt(7, 34), None),
+]
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    return _Family("phi3_partial_longrope", tmp_path_factory.mktemp("longrope"), cases=LONGROPE_CASES)
+
+
+def test_partial_rotary_longrope_greedy_equals_hf_peft(longrope):
+    assert longrope.config.rotary_dim < longrope.config.head_dim and longrope.config.rope_type == "longrope"
+    assert {len(p) + MAX_NEW > 32 for p, _ in LONGROPE_CASES} == {True, False}
+    engine = longrope.engine()
+    try:
+        _assert_equal_to_hf(longrope, _generate(engine, LONGROPE_CASES, logprobs=True))
+        hits = engine.stats()["prefix_cache_hits_total"]
+        _assert_equal_to_hf(longrope, _generate(engine, LONGROPE_CASES, logprobs=True))
+        assert engine.stats()["prefix_cache_hits_total"] > hits
+    finally:
+        engine.close()
+    engine = longrope.engine(mixed_graphs="eager", prefix_caching=False)  # the pieces a GPU captures
+    try:
+        assert _generate(engine, LONGROPE_CASES) == list(longrope.expected)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_partial_rotary_longrope_triton_kernels_equal_hf_peft(longrope):
+    """The RoPE + KV write kernels (interpreter, fp32) rotating 12 of 16 dims, long and short rows."""
+    engine = longrope.engine(backend="triton", prefill_attention="paged", enable_chunked_prefill=False,
+                             max_num_batched_tokens=64)
+    try:
+        got = _generate(engine, LONGROPE_CASES[:4], max_new=3)
+    finally:
+        engine.close()
+    assert got == [e[:3] for e in longrope.expected[:4]]
+
+
+def test_local_rope_table_is_built_once_per_step(monkeypatch):
+    """Gemma 3 (two sliding layers of three): each forward builds one global and one local
+    RoPE table, however many sliding layers read them."""
+    from lightning_lorafusion.serving import paged_forward
+
+    config, params = params_from_hf_model(tiny_hf_model("gemma3_text", seed=1))
+    assert sum(config.local_rope(i) for i in range(config.num_layers)) == 2
+    builds, forwards = [], []
+    build, embed = paged_forward.rope_cos_sin, paged_forward.embed_rows
+    monkeypatch.setattr(paged_forward, "rope_cos_sin", lambda *a, **k: builds.append(k.get("local")) or build(*a, **k))
+    monkeypatch.setattr(paged_forward, "embed_rows", lambda *a, **k: forwards.append(1) or embed(*a, **k))
+    engine = Engine(config, params, None, EngineConfig(num_pages=64, page_size=4, max_num_seqs=4))
+    try:
+        _generate(engine, [(p, None) for p, _ in CASES[:3]], max_new=3)
+    finally:
+        engine.close()
+    assert forwards and len(builds) == 2 * len(forwards)
+    assert builds.count(True) == len(forwards)
