@@ -237,6 +237,9 @@ def run_family(args, name: str, report: Report, started: float) -> None:
                 report["errors"][key] = f"skipped: past --deadline {args.deadline:g} s"
                 report.save()
                 continue
+            gc.collect()  # the previous phase's graphs and caches go before this one sizes memory
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             result = report.measure(key, lambda f=fn: f(args, w))
             if result is not None:
                 report[name][phase] = report.pop(key)
