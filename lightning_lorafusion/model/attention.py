@@ -7,6 +7,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .flex_attention import flex_softcap_attention
+
 
 def varlen_causal_attention(
     q: torch.Tensor,
@@ -27,8 +29,9 @@ def varlen_causal_attention(
     On CUDA uses ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention) when this torch
     has it and the dtype is half precision; elsewhere a per-sequence SDPA loop.
     ``softcap`` C (Gemma 2): scores become ``C * tanh(scores / C)`` before the softmax. The
-    FlashAttention path has no soft-cap, so soft-capped attention always takes the reference
-    loop (correct, not fast: it materialises ``[heads, L, L]`` per sequence).
+    FlashAttention path has no soft-cap: on CUDA soft-capped attention runs as compiled
+    FlexAttention (``flex_attention.py``), on a CPU (or if that fails) the reference loop
+    (correct, not fast: it materialises ``[heads, L, L]`` per sequence).
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -38,6 +41,11 @@ def varlen_causal_attention(
         raise ValueError(f"softcap={softcap!r} must be > 0 or None")
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and softcap is None:
         out = _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen)
+        if out is not None:
+            return out
+    if q.is_cuda and softcap is not None:
+        out = flex_softcap_attention(q, k, v, cu_seqlens, scale=scale, softcap=softcap,
+                                     sliding_window=sliding_window)
         if out is not None:
             return out
     return sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)
