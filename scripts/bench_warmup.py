@@ -236,7 +236,10 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
     for i in range(n):
         if first[i] is None:
             continue
-        key = "new_adapter" if targets[i] == new_name else "others_before" if i < half else "others_after"
+        if new_name is not None and targets[i] == new_name:
+            key = "new_adapter"
+        else:
+            key = "others_before" if i < half else "others_after"
         ttft[key].append(first[i] - arrival[i])
     times = sorted(token_times)
     gaps_before = [b - a for a, b in zip(times, times[1:]) if b <= load_at]
