@@ -28,6 +28,9 @@ EIGHT_RANKS = [4, 8, 16, 24, 32, 64, 96, 128]
 # Triton kernels in the interpreter, pieces run eagerly; a step budget of 16 tokens (5 token
 # buckets) keeps the interpreter's work small
 TRITON = dict(backend="triton", mixed_graphs="eager", max_num_batched_tokens=16)
+# the same with the decode rows' kernels as torch references outside the pieces (the requests'
+# decode-only steps), where a whole warm-up runs
+TRITON_PREFILL = dict(TRITON, decode_backend="torch")
 
 
 def _package_kernels() -> list:
@@ -96,7 +99,7 @@ def test_everything_warm_up_launches_is_the_same_for_one_rank_and_eight(make_eng
     are loaded: nothing in it is per rank."""
     launched, reports = [], []
     for ranks in ([8], EIGHT_RANKS):
-        engine = make_ranked_engine(make_engine, ranks, **TRITON)
+        engine = make_ranked_engine(make_engine, ranks, **TRITON_PREFILL)
         with interpreter_launches() as found:
             reports.append(engine.warm_up(prompt_len=3, max_new_tokens=2))
         launched.append(frozenset(found))
@@ -109,7 +112,7 @@ def test_warm_up_compiles_the_listed_variants_concurrently(make_engine, monkeypa
     """``warm_up`` hands every variant of ``warm_up_variants`` to the compile function once, from
     the thread pool, before it builds the pieces; its report counts them."""
     monkeypatch.setattr(compile_ahead, "record_launches", interpreter_launches)
-    engine = make_ranked_engine(make_engine, [4, 64], **TRITON)
+    engine = make_ranked_engine(make_engine, [4, 64], **TRITON_PREFILL)
     expected = warm_up_variants(engine)
     calls: list[tuple[KernelVariant, str]] = []
     lock = threading.Lock()
