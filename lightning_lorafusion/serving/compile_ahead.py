@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,24 +56,27 @@ def _runtime_knobs() -> Any | None:
 
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[KernelVariant]]:
-    """Within the block, a launch of a Triton variant not compiled yet appends it to the yielded
-    list and neither compiles nor runs (its outputs keep whatever they held); variants already
-    compiled launch as usual. Process-wide while it lasts: no other thread may launch kernels
-    meanwhile. Yields a list that stays empty where Triton has no ``jit_cache_hook``."""
+    """Within the block, a launch by this thread of a Triton variant not compiled yet appends it
+    to the yielded list and neither compiles nor runs (its outputs keep whatever they held);
+    variants already compiled launch as usual, and so do other threads' launches (another
+    engine's steps in this process compile as without the hook: the hook is process-wide, the
+    recording is not). Yields a list that stays empty where Triton has no ``jit_cache_hook``."""
     found: list[KernelVariant] = []
     runtime = _runtime_knobs()
     if runtime is None:
         yield found
         return
+    previous = runtime.jit_cache_hook
+    recording = threading.get_ident()
 
-    def hook(*, fn, compile, **_: Any) -> bool:
+    def hook(*, fn, compile, **kwargs: Any) -> bool:
         data = compile.get("specialization_data")
-        if data is None:
-            return False  # compile it now, as without the hook
+        if data is None or threading.get_ident() != recording:
+            # compile it now, as without this hook (and ask the one it replaced, if any)
+            return bool(previous(fn=fn, compile=compile, **kwargs)) if previous is not None else False
         found.append(KernelVariant(f"{fn.module}:{fn.name}", data, fn.jit_function))
         return True
 
-    previous = runtime.jit_cache_hook
     runtime.jit_cache_hook = hook
     try:
         yield found

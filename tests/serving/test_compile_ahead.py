@@ -135,21 +135,36 @@ def test_warm_up_compiles_the_listed_variants_concurrently(make_engine, monkeypa
 
 
 def test_record_launches_skips_uncompiled_launches_and_restores_the_hook(monkeypatch):
-    """With Triton's runtime knobs: inside the block the cache hook records the variant and
-    answers True (skip compile and launch); a launch without specialisation data compiles as
-    usual; the previous hook comes back after. Without knobs nothing is recorded."""
-    previous = object()
+    """With Triton's runtime knobs: inside the block the cache hook records this thread's
+    variant and answers True (skip compile and launch); a launch without specialisation data,
+    or from another thread, compiles as usual (the hook it replaced is asked); that hook comes
+    back after. Without knobs nothing is recorded."""
+    asked = []
+
+    def previous(**kwargs):
+        asked.append(kwargs["key"])
+        return False
+
     runtime = types.SimpleNamespace(jit_cache_hook=previous)
     monkeypatch.setattr(compile_ahead, "_runtime_knobs", lambda: runtime)
     kernel = object()
     fn = types.SimpleNamespace(module="m", name="k", jit_function=kernel)
+
+    def launch(key, data):
+        compile = {} if data is None else {"specialization_data": data}
+        return runtime.jit_cache_hook(key=key, repr="", fn=fn, compile=compile, is_manual_warmup=False,
+                                      already_compiled=False)
+
     with record_launches() as found:
-        assert runtime.jit_cache_hook(key=1, repr="", fn=fn, compile={"specialization_data": "{}"},
-                                      is_manual_warmup=False, already_compiled=False) is True
-        assert runtime.jit_cache_hook(key=2, repr="", fn=fn, compile={}, is_manual_warmup=False,
-                                      already_compiled=False) is False
+        assert launch(1, "{}") is True
+        assert launch(2, None) is False
+        other = []
+        thread = threading.Thread(target=lambda: other.append(launch(3, "{}")))
+        thread.start()
+        thread.join()
+        assert other == [False]
     assert found == [KernelVariant("m:k", "{}", kernel)] and found[0].kernel is kernel
-    assert runtime.jit_cache_hook is previous
+    assert asked == [2, 3] and runtime.jit_cache_hook is previous
     monkeypatch.setattr(compile_ahead, "_runtime_knobs", lambda: None)
     with record_launches() as found:
         pass
