@@ -8,32 +8,39 @@ to the engine, paged in and out alone). The compile caches go to ``--cache-dir``
 ``OUT/compile_cache``, emptied first unless ``--keep-cache``), so the first process compiles
 from scratch and the second loads.
 
-Phases, in one process unless said:
-1. ``build``: the engine (the decode graphs are captured here) and its adapters.
+Phases (``--phases``, any of ``warm_up,trace,newrank,restart``; each its own time limit,
+``--limits``), in one process unless said; when a phase runs past its limit the table of what
+was measured so far is printed and written, and the script exits with status 3:
+1. ``build`` (always, before the others): the engine (the decode graphs are compiled ahead and
+   captured here) and its adapters.
 2. ``warm_up``: ``Engine.warm_up()`` wall time and its report (captures by kind, Triton kernel
-   variants, of them compiled fresh).
-3. ``trace``: the first traffic after warm-up: ``--requests`` requests arriving as a Poisson
+   variants compiled ahead, of them compiled fresh).
+3. ``trace`` / ``newrank``: the first traffic after warm-up (the warm-up skipped if not asked): ``--requests`` requests arriving as a Poisson
    stream of ``--rate``/s (all at once with ``--rate 0``), adapters by Zipf popularity (alpha 1,
    the base model among them), prompt and output lengths lognormal (``--prompt-median``,
-   ``--output-median``, sigma ``--sigma``, capped by ``--max-len``). When half the requests have
-   arrived, an adapter of rank ``--new-rank`` (a rank no loaded adapter has) is added
-   (``Engine.add_host_adapter``, timed) and every ``--new-every``-th later request names it.
+   ``--output-median``, sigma ``--sigma``, capped by ``--max-len``), cut after its limit. With
+   ``newrank``: when half the requests have arrived, an adapter of rank ``--new-rank`` (a rank no
+   loaded adapter has) is added (``Engine.add_host_adapter``, timed) and every
+   ``--new-every``-th later request names it.
    Reported: the longest gap between two tokens while requests were running (an upper bound on
    the longest engine step), before and after the load; TTFT p50/p99 of the other tenants'
    requests before and after the load, and of the new adapter's; tokens/s; the engine's
    capture counts before and after (equal: nothing captured for the new rank).
 4. ``restart`` (a second process, same cache directory; skip with ``--no-restart``): build and
-   ``warm_up`` again, times and fresh compiles (0 expected: all loaded from the cache).
+   ``warm_up`` again, times and fresh compiles (0 expected: all loaded from the cache). Alone
+   (``--phases restart``) it runs in this process on the cache a previous run left in
+   ``--cache-dir`` (kept, not emptied).
 
 Table on stdout, ``bench_warmup.json`` under ``--out``.
 
-    PYTHONPATH=. python3 scripts/bench_warmup.py --shape 8b --adapters 160 --ranks 8,16,32,64,4,24,96,128 --requests 256 --rate 24 --out $OUT
+    PYTHONPATH=. python3 scripts/bench_warmup.py --shape 8b --adapters 160 --ranks 8,16,32,64,4,24,96,128 --requests 256 --rate 24 --phases warm_up,newrank,restart --limits build=90,warm_up=120,newrank=100,restart=150 --out $OUT
     PYTHONPATH=. python3 scripts/bench_warmup.py --shape tiny --device cpu --dtype float32 --adapters 8 --ranks 4,8,24 --requests 24 --rate 40 --prompt-median 12 --output-median 4 --max-len 48 --max-batched-tokens 64 --max-num-seqs 16 --mixed-graphs eager --out /tmp/bw
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -53,8 +60,31 @@ import torch  # noqa: E402
 log = logger("bench_warmup")
 
 
+PHASES = ("warm_up", "trace", "newrank", "restart")
+DEFAULT_LIMITS = {"build": 120.0, "warm_up": 180.0, "trace": 90.0, "newrank": 90.0, "restart": 240.0}
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _phases(text: str) -> list[str]:
+    phases = [p for p in text.split(",") if p]
+    bad = [p for p in phases if p not in PHASES]
+    if bad or not phases:
+        raise argparse.ArgumentTypeError(f"--phases {text!r}: each of {', '.join(PHASES)}, comma separated")
+    return phases
+
+
+def _limits(text: str) -> dict[str, float]:
+    limits = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in DEFAULT_LIMITS or not value:
+            raise argparse.ArgumentTypeError(f"--limits {item!r}: name=seconds with a name of "
+                                             f"{', '.join(DEFAULT_LIMITS)}")
+        limits[name] = float(value)
+    return limits
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,7 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
                     help="EngineTuning.mixed_graphs (eager: the pieces without capture, e.g. on the CPU)")
-    ap.add_argument("--trace-max-s", type=float, default=90.0, help="the trace is cut after this long")
+    ap.add_argument("--trace-max-s", type=float, default=None, help="the trace is cut after this long "
+                                                                     "(default: its phase's limit)")
+    ap.add_argument("--phases", type=_phases, default=list(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    ap.add_argument("--limits", type=_limits, default={}, help="seconds per phase, e.g. warm_up=120,restart=150 "
+                                                                f"(defaults: {DEFAULT_LIMITS})")
     ap.add_argument("--cache-dir", default=None, help="compile caches (default: OUT/compile_cache or a temp dir)")
     ap.add_argument("--keep-cache", action="store_true", help="do not empty the cache directory first")
     ap.add_argument("--no-restart", action="store_true")
@@ -145,8 +179,9 @@ def make_trace(args, vocab: int, names: list[str]) -> list[tuple[float, list[int
     return out
 
 
-def replay(engine, trace, args, new_adapter) -> dict:
-    """Submit the trace at its arrival times into the engine's loop, load ``new_adapter`` halfway."""
+def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
+    """Submit the trace at its arrival times into the engine's loop, load ``new_adapter`` halfway
+    (None: load nothing); requests still running after ``max_s`` are aborted."""
     from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 
     n = len(trace)
@@ -172,8 +207,10 @@ def replay(engine, trace, args, new_adapter) -> dict:
 
     half = n // 2
     targets = [a for _, _, _, a in trace]
-    for j in range(half, n, args.new_every):
-        targets[j] = new_adapter.name
+    new_name = new_adapter.name if new_adapter is not None else None
+    if new_adapter is not None:
+        for j in range(half, n, args.new_every):
+            targets[j] = new_name
     engine.start()
     t0 = time.perf_counter() + 0.05
     load_at = load_s = None
@@ -182,13 +219,14 @@ def replay(engine, trace, args, new_adapter) -> dict:
             time.sleep(min(0.01, t0 + t - now))
         if i == half:
             load_at = time.perf_counter()
-            engine.add_host_adapter(new_adapter)
-            load_s = time.perf_counter() - load_at
+            if new_adapter is not None:
+                engine.add_host_adapter(new_adapter)
+                load_s = time.perf_counter() - load_at
         arrival[i] = time.perf_counter()
         engine.submit(GenerationRequest(prompt_token_ids=prompt, adapter=targets[i], request_id=f"q{i}",
                                         sampling=SamplingParams(max_new_tokens=out_len, temperature=0.0,
                                                                 ignore_eos=True)), on_event)
-    cut = not done.wait(args.trace_max_s)
+    cut = not done.wait(max_s)
     end = time.perf_counter()
     if cut:
         for i in range(n):
@@ -198,14 +236,18 @@ def replay(engine, trace, args, new_adapter) -> dict:
     for i in range(n):
         if first[i] is None:
             continue
-        key = "new_adapter" if targets[i] == new_adapter.name else "others_before" if i < half else "others_after"
+        if new_name is not None and targets[i] == new_name:
+            key = "new_adapter"
+        else:
+            key = "others_before" if i < half else "others_after"
         ttft[key].append(first[i] - arrival[i])
     times = sorted(token_times)
     gaps_before = [b - a for a, b in zip(times, times[1:]) if b <= load_at]
     gaps_after = [b - a for a, b in zip(times, times[1:]) if a >= load_at]
     wall = (times[-1] if times else end) - t0
     return {"requests": n, "finished": sum(f is not None for f in first), "cut": cut, "wall_s": wall,
-            "generated_tok_s": len(times) / wall if wall > 0 else 0.0, "new_adapter_rank": new_adapter.rank,
+            "generated_tok_s": len(times) / wall if wall > 0 else 0.0,
+            "new_adapter_rank": new_adapter.rank if new_adapter is not None else None,
             "new_adapter_load_s": load_s,
             "max_token_gap_ms_before_load": 1e3 * max(gaps_before, default=0.0),
             "max_token_gap_ms_after_load": 1e3 * max(gaps_after, default=0.0),
@@ -225,12 +267,15 @@ def run_restart(args, device, dtype) -> dict:
         engine.close()
 
 
-def restart_in_new_process(args, argv: list[str]) -> dict:
-    """This script again with ``--phase restart`` (same arguments, same cache directory)."""
+def restart_in_new_process(args, argv: list[str], limit_s: float) -> dict:
+    """This script again with ``--phase restart`` (same arguments, same cache directory), cut
+    after ``limit_s``."""
     argv = [*argv, "--phase", "restart", "--keep-cache", "--cache-dir", args.cache_dir]
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env, capture_output=True,
-                          text=True, timeout=600)
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=dict(os.environ),
+                              capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"cut after its limit of {limit_s:.0f} s", "cut": True}
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout)[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -248,16 +293,75 @@ def set_cache_dir(args) -> None:
         os.environ.pop(var, None)  # the engine puts them under LORAFUSION_CACHE_DIR
 
 
+class PhaseClock:
+    """Each phase under its time limit: ``with clock.phase(name):``. A phase that runs past its
+    limit cannot be stopped from outside (a compile, a capture): a timer thread then prints and
+    writes the report as it stands, with the phase marked cut, and ends the process (status 3)."""
+
+    def __init__(self, args, report: dict) -> None:
+        self.args, self.report = args, report
+        self.limits = {**DEFAULT_LIMITS, **args.limits}
+        self.lock = threading.Lock()
+
+    def limit(self, name: str) -> float:
+        return self.limits[name]
+
+    def _cut(self, name: str) -> None:
+        with self.lock:
+            self.report.setdefault("cut", []).append(name)
+            self.report.setdefault(name, {})["cut_after_s"] = self.limits[name]
+            log(f"phase {name} passed its limit of {self.limits[name]:.0f} s: partial report")
+            print(table(self.report), flush=True)
+            write_json(self.args.out, "bench_warmup.json", self.report)
+            os._exit(3)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, watchdog: bool = True):
+        timer = threading.Timer(self.limits[name], self._cut, (name,)) if watchdog else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self.lock:
+                self.report.setdefault("phase_s", {})[name] = time.perf_counter() - t0
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    restart_alone = args.phases == ["restart"]
+    if restart_alone:
+        args.keep_cache = True  # the cache a previous run left
     set_cache_dir(args)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
     if args.phase == "restart":
         print(json.dumps(run_restart(args, device, dtype), default=str))
         return {}
     report = {"device": device_info(device), "args": vars(args)}
-    engine, config, by_rank, model_s, engine_s = build_engine(args, device, dtype)
+    clock = PhaseClock(args, report)
+    if restart_alone:
+        with clock.phase("restart"):
+            report["restart"] = run_restart(args, device, dtype)
+    else:
+        measure_in_process(args, device, dtype, clock, report)
+        if "restart" in args.phases and not args.no_restart:
+            log("restart in a second process")
+            with clock.phase("restart", watchdog=False):  # (the child is cut by its own timeout)
+                report["restart"] = restart_in_new_process(args, argv, clock.limit("restart"))
+    print(table(report))
+    write_json(args.out, "bench_warmup.json", report)
+    return report
+
+
+def measure_in_process(args, device, dtype, clock: PhaseClock, report: dict) -> None:
+    """The phases of this process: build, then warm_up, trace / newrank as asked."""
+    with clock.phase("build"):
+        engine, config, by_rank, model_s, engine_s = build_engine(args, device, dtype)
     try:
         names = []
         t_add = time.perf_counter()
@@ -265,28 +369,32 @@ def main(argv=None) -> dict:
             engine.add_host_adapter(named(by_rank[args.ranks[i % len(args.ranks)]], f"a{i}"))
             names.append(f"a{i}")
         report["build"] = {"model_s": model_s, "engine_s": engine_s, "adapters_s": time.perf_counter() - t_add,
-                           "decode_graphs_s": engine.runner.decode_graphs_s}
-        log(f"engine built in {engine_s:.1f} s (decode graphs {engine.runner.decode_graphs_s:.1f} s); warm-up")
-        t0 = time.perf_counter()
-        report["warm_up"] = engine.warm_up()
-        report["warm_up"]["wall_s"] = time.perf_counter() - t0
-        log(f"warm-up {report['warm_up']['wall_s']:.1f} s; trace")
-        before = engine.runner.capture_counts()
-        report["trace"] = replay(engine, make_trace(args, config.vocab_size, names), args,
-                                 named(by_rank[new_rank(args)], "new_rank_adapter"))
-        report["trace"]["captures_before"], report["trace"]["captures_after"] = before, engine.runner.capture_counts()
+                           "decode_graphs_s": engine.runner.decode_graphs_s,
+                           "decode_compile": engine.runner.decode_compile}
+        log(f"engine built in {engine_s:.1f} s (decode graphs {engine.runner.decode_graphs_s:.1f} s)")
+        if "warm_up" in args.phases:
+            with clock.phase("warm_up"):
+                t0 = time.perf_counter()
+                report["warm_up"] = engine.warm_up()
+                report["warm_up"]["wall_s"] = time.perf_counter() - t0
+            log(f"warm-up {report['warm_up']['wall_s']:.1f} s")
+        newrank = "newrank" in args.phases
+        if newrank or "trace" in args.phases:
+            name = "newrank" if newrank else "trace"
+            max_s = args.trace_max_s or clock.limit(name)
+            with clock.phase(name, watchdog=False):  # (the trace cuts itself at max_s)
+                before = engine.runner.capture_counts()
+                new = named(by_rank[new_rank(args)], "new_rank_adapter") if newrank else None
+                report["trace"] = replay(engine, make_trace(args, config.vocab_size, names), args, new, max_s)
+                report["trace"]["captures_before"] = before
+                report["trace"]["captures_after"] = engine.runner.capture_counts()
+            log(f"{name}: {report['trace']['finished']}/{report['trace']['requests']} requests")
     finally:
         engine.close()
         del engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the restart's process needs the memory
-    if not args.no_restart:
-        log("restart in a second process")
-        report["restart"] = restart_in_new_process(args, argv)
-    print(table(report))
-    write_json(args.out, "bench_warmup.json", report)
-    return report
 
 
 def _f(x, unit="") -> str:
@@ -294,29 +402,40 @@ def _f(x, unit="") -> str:
 
 
 def table(report: dict) -> str:
-    w, t, r = report["warm_up"], report["trace"], report.get("restart", {})
-    rw = r.get("warm_up", {})
-    rows = [("engine build s (decode graphs s)", f"{_f(report['build']['engine_s'])} "
-                                                 f"({_f(report['build']['decode_graphs_s'])})"),
-            ("warm_up() s", _f(w["wall_s"])),
-            ("  captures", json.dumps(w["captures"])),
-            ("  Triton variants / compiled fresh", f"{w['triton_kernels']} / {w['triton_compiled']}"),
-            ("trace tok/s (finished / requests)", f"{_f(t['generated_tok_s'])} ({t['finished']}/{t['requests']})"),
-            ("max token gap ms before / after new-rank load", f"{_f(t['max_token_gap_ms_before_load'])} / "
-                                                               f"{_f(t['max_token_gap_ms_after_load'])}"),
-            ("TTFT p99 s others before / after load", f"{_f(t['ttft_others_before_99_s'])} / "
-                                                       f"{_f(t['ttft_others_after_99_s'])}"),
+    """The report as a two-column table; phases not run (or cut) show "-"."""
+    b, w, t, r = (report.get(k) or {} for k in ("build", "warm_up", "trace", "restart"))
+    rw, ahead = r.get("warm_up") or {}, w.get("compile_ahead") or {}
+    dc = b.get("decode_compile") or {}
+    rows = [("phases run (s)", json.dumps({k: round(v, 1) for k, v in report.get("phase_s", {}).items()})),
+            ("cut", ", ".join(report.get("cut", [])) or "-"),
+            ("engine build s (decode graphs s; variants compiled ahead)",
+             f"{_f(b.get('engine_s'))} ({_f(b.get('decode_graphs_s'))}; {dc.get('variants', '-')})"),
+            ("warm_up() s (compile s, pieces s, requests s)",
+             f"{_f(w.get('wall_s'))} ({_f(w.get('compile_s'))}, {_f(w.get('mixed_pieces_s'))}, "
+             f"{_f(w.get('rounds_s'))})"),
+            ("  variants compiled ahead / threads", f"{ahead.get('variants', '-')} / {ahead.get('workers', '-')}"),
+            ("  captures", json.dumps(w.get("captures"))),
+            ("  Triton variants / compiled fresh", f"{w.get('triton_kernels', '-')} / {w.get('triton_compiled', '-')}"),
+            ("trace tok/s (finished / requests)",
+             f"{_f(t.get('generated_tok_s'))} ({t.get('finished', '-')}/{t.get('requests', '-')})"),
+            ("max token gap ms before / after new-rank load", f"{_f(_ms(t, 'before'))} / {_f(_ms(t, 'after'))}"),
+            ("TTFT p99 s others before / after load", f"{_f(t.get('ttft_others_before_99_s'))} / "
+                                                       f"{_f(t.get('ttft_others_after_99_s'))}"),
             ("TTFT p50 / p99 s new-rank adapter",
-             f"{_f(t['ttft_new_adapter_50_s'])} / {_f(t['ttft_new_adapter_99_s'])}"),
-            ("new adapter rank, load s", f"{t['new_adapter_rank']}, {_f(t['new_adapter_load_s'])}"),
+             f"{_f(t.get('ttft_new_adapter_50_s'))} / {_f(t.get('ttft_new_adapter_99_s'))}"),
+            ("new adapter rank, load s", f"{_f(t.get('new_adapter_rank'))}, {_f(t.get('new_adapter_load_s'))}"),
             ("captures before / after trace",
-             f"{json.dumps(t['captures_before'])} / {json.dumps(t['captures_after'])}"),
+             f"{json.dumps(t.get('captures_before'))} / {json.dumps(t.get('captures_after'))}"),
             ("restart: engine s, warm_up() s", f"{_f(r.get('engine_s'))}, {_f(r.get('warm_up_s'))}"
              if "error" not in r else f"error: {r['error'][-300:]}"),
             ("restart: Triton variants / compiled fresh", f"{rw.get('triton_kernels', '-')} / "
                                                            f"{rw.get('triton_compiled', '-')}")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _ms(trace: dict, when: str) -> float | None:
+    return trace.get(f"max_token_gap_ms_{when}_load")
 
 
 if __name__ == "__main__":

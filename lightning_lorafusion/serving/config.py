@@ -95,6 +95,9 @@ class EngineConfig:
     # to the originals, so a caller that shares its own weights (a training module) holds both: off there
     fuse_projections: bool = True
     seed: int = 0  # seeds the per-request generators of requests that give no seed
+    # a JSON file of each adapter name's latest version, read at start and rewritten at every
+    # new version: versions stay unique across restarts of the engine (None: they restart at 1)
+    adapter_versions_file: str | None = None
     # execution modes a user need not set (their "auto" defaults suit every device); YAML: a
     # nested mapping (``tuning: {mixed_graphs: eager}``)
     tuning: EngineTuning = field(default_factory=EngineTuning)
@@ -130,6 +133,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.prefetch_depth={self.prefetch_depth} must be >= 0")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ConfigError(f"EngineConfig.kv_watermark={self.kv_watermark} must be in [0, 1)")
+        if self.adapter_versions_file is not None and (not isinstance(self.adapter_versions_file, str)
+                                                       or not self.adapter_versions_file):
+            raise ConfigError(f"EngineConfig.adapter_versions_file={self.adapter_versions_file!r} must be a file "
+                              "path (or None to number versions from 1 in each process)")
 
 
 # EngineConfig fields that moved into EngineTuning: passing one flat names its new place

@@ -24,7 +24,7 @@ from ..specs import ConfigError
 from .adapters import HostAdapter, UnknownAdapterError
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
-from .engine_adapters import AdapterRegistry
+from .engine_adapters import AdapterRegistry, read_versions
 from .engine_loop import EngineLoop, _LoopSink, log
 from .engine_output import OutputAssembly
 from .engine_step import EngineStep, _Launched, _SampledRows
@@ -98,7 +98,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         self.warm_up_report: dict[str, Any] | None = None  # the last warm_up's
         self._adapters: dict[str, HostAdapter] = {}
         self._retired: list[HostAdapter] = []  # removed or replaced, freed once no request uses them
-        self._versions: dict[str, int] = {}  # name -> its latest version (kept after removal)
+        # name -> its latest version (kept after removal; and across restarts with a versions file)
+        self._versions: dict[str, int] = read_versions(config.adapter_versions_file)
         self._states: dict[str, RequestState] = {}  # every unfinished request
         self._incoming: deque[RequestState] = deque()
         self._aborts: deque[str] = deque()

@@ -3,6 +3,7 @@ removed and retired."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, Mapping
 
@@ -160,6 +161,8 @@ class AdapterRegistry:
                                   "run on; build a new one for an update")
             adapter.version = self._versions.get(adapter.name, 0) + 1
             self._versions[adapter.name] = adapter.version
+            if self.config.adapter_versions_file is not None:
+                write_versions(self.config.adapter_versions_file, self._versions)
             self._adapters[adapter.name] = adapter
             if old is not None:
                 self._retired.append(old)
@@ -192,3 +195,32 @@ class AdapterRegistry:
         for adapter in done:
             if self.pool.resident(adapter) is not None:
                 self.pool.evict(adapter)
+
+
+def read_versions(path: str | None) -> dict[str, int]:
+    """Each adapter name's latest version from ``EngineConfig.adapter_versions_file`` (empty
+    when None or the file does not exist yet)."""
+    if path is None or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            versions = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"EngineConfig.adapter_versions_file={path!r} cannot be read ({exc}); fix or remove "
+                          "it (versions then restart at 1)") from exc
+    if not isinstance(versions, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
+                                                 for k, v in versions.items()):
+        raise ConfigError(f"EngineConfig.adapter_versions_file={path!r} must hold a JSON object of adapter name "
+                          "-> latest version (an int >= 0); fix or remove it")
+    return versions
+
+
+def write_versions(path: str, versions: Mapping[str, int]) -> None:
+    """Rewrite the versions file atomically (a new file renamed over the old one), so a crash
+    mid-write leaves the previous counts, never a partial file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(dict(versions), f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

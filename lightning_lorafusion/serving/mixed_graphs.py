@@ -38,7 +38,8 @@ class MixedPieces:
     shared with the runner's other graphs), else run the pieces eagerly."""
 
     def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
-                 capture: bool, pool=None, dora: DoraSlots | None = None) -> None:
+                 capture: bool, pool=None, dora: DoraSlots | None = None,
+                 defer_capture: bool = False) -> None:
         # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
         # loop over each tile's own rank): tables of any rank mix fit the captured launches
         self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
@@ -86,8 +87,8 @@ class MixedPieces:
         self.batch.dora = DoraSlotRows(dora, 0, rows, self.dora_index) if dora is not None else None
         self.h = self.rope = self.final = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        if capture:
-            self._capture(pool)
+        if capture and not defer_capture:  # (deferred: ``capture`` later, e.g. after ``dry_run``)
+            self.capture(pool)
 
     @property
     def num_graphs(self) -> int:
@@ -119,7 +120,22 @@ class MixedPieces:
         else:
             self.final = final_norm(m, self.h, d)
 
-    def _capture(self, pool) -> None:
+    def dry_run(self) -> None:
+        """Every piece once, as captured (every module's LoRA kernels launched), on whatever the
+        static buffers hold, no attention between: what ``compile_ahead.variants_of`` records
+        the kernel variants of."""
+        lora, modules = self.batch.prefill_lora, self.batch.decode_modules
+        self.batch.prefill_lora = dataclasses.replace(lora, segments=(), modules=frozenset(ALL_TARGET_MODULES))
+        self.batch.decode_modules = frozenset(ALL_TARGET_MODULES)
+        try:
+            with torch.no_grad():
+                for i in range(self.runner.config.num_layers + 1):
+                    self.piece(i)
+        finally:
+            self.batch.prefill_lora, self.batch.decode_modules = lora, modules
+
+    def capture(self, pool) -> None:
+        """Record each piece as a CUDA graph into ``pool`` (None: a new pool)."""
         graphs = []
         with torch.no_grad():
             for i in range(self.runner.config.num_layers + 1):

@@ -20,13 +20,15 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
+from .compile_ahead import compile_ahead
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
 from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
 from .mixed_graphs import MixedPieces
@@ -89,7 +91,8 @@ class ModelRunner:
         self._mixed: dict[int, MixedPieces] = {}
         self._mixed_dora: dict[int, MixedPieces] = {}  # token bucket -> its pieces for steps with DoRA rows
         self.graphs: DecodeGraphs | None = None
-        self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took
+        self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took (their compiles ahead included)
+        self.decode_compile: dict[str, Any] | None = None  # compile_ahead's report before that capture
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
         self._slots: DoraSlots | None = None  # DoRA gains of graph-shaped steps (decode and mixed)
         self._decode_dora_of: tuple[list, Any, Any] = ([], None, None)  # (rows, (padded, slots version), DoRA)
@@ -105,10 +108,32 @@ class ModelRunner:
         self.pad_decode = True
         self.graphs = DecodeGraphs(self.buckets, self._graph_body)
         with torch.no_grad():
-            self.decode_graphs_s = self.graphs.capture()
+            # every bucket's kernel variants compiled at once, then captured (compile_ahead.py)
+            self.decode_compile = compile_ahead([unit for _, unit in self.decode_compile_units()], self.device)
+            self.decode_graphs_s = self.graphs.capture() + self.decode_compile["seconds"] + \
+                self.decode_compile["record_s"]
         return self.decode_graphs_s
 
-    def _graph_body(self, rows: int, lora: bool, dora: bool) -> None:
+    def decode_compile_units(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, call) per decode graph key: the padded decode forward of that bucket, with or
+        without LoRA, over the persistent decode tables (whatever they hold: rank values do not
+        change what is launched)."""
+        return [(f"decode rows={rows} lora={lora}", partial(self._graph_body, rows, lora))
+                for lora in (True, False) for rows in self.buckets]
+
+    def mixed_compile_units(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, call) per token bucket of the mixed-step pieces (none with pieces off): every
+        piece of that bucket run once (``MixedPieces.dry_run``; a bucket not built yet on
+        temporary buffers). Nothing here depends on the adapters loaded or their ranks."""
+        if self.mixed_pieces is None:
+            return []
+        return [(f"mixed rows={rows}", partial(self._dry_run_pieces, rows)) for rows in self.token_buckets]
+
+    def _dry_run_pieces(self, rows: int) -> None:
+        pieces = self._mixed.get(rows)
+        (pieces or self._new_pieces(rows, defer_capture=True)).dry_run()
+
+    def _graph_body(self, rows: int, lora: bool, dora: bool = False) -> None:
         batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
         if dora:  # (the slot table exists: the step that asked for this graph filled it)
             batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
@@ -382,7 +407,7 @@ class ModelRunner:
 
     def use_mixed_pieces(self, mode: str | None) -> None:
         """Padded mixed steps (``pad_mixed``) as pieces: "graphs" (CUDA: each piece captured on
-        first use of its token bucket and rank block), "eager" (same buffers, run eagerly), or
+        first use of its token bucket, or by ``build_mixed_pieces``), "eager" (same buffers, run eagerly), or
         None (off: one eager forward, unpadded)."""
         if mode not in (None, "eager", "graphs"):
             raise ValueError(f"mixed pieces mode {mode!r}; allowed: None, 'eager', 'graphs'")
@@ -392,12 +417,12 @@ class ModelRunner:
         self._mixed.clear()
         self._mixed_dora.clear()
 
-    def _new_pieces(self, rows: int, dora: bool = False) -> MixedPieces:
+    def _new_pieces(self, rows: int, dora: bool = False, *, defer_capture: bool = False) -> MixedPieces:
         return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
                                                                      self.decode_inputs.max_rows),
                            max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
                            pool=self.graphs.pool if self.graphs is not None else None,
-                           dora=self._dora_slots() if dora else None)
+                           dora=self._dora_slots() if dora else None, defer_capture=defer_capture)
 
     def build_mixed_pieces(self) -> int:
         """Build (capture, with graphs) the pieces of every token bucket now rather than on the

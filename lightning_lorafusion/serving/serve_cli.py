@@ -175,7 +175,9 @@ def warm_up_summary(done: dict) -> str:
     from .warm_up import format_capture_counts
 
     return (f"warm-up: {done['requests']} requests (base and adapter ranks {done['ranks']}) in "
-            f"{done['seconds']:.2f} s (decode graphs captured at start in {done['decode_graphs_s']:.2f} s); "
+            f"{done['seconds']:.2f} s (decode graphs captured at start in {done['decode_graphs_s']:.2f} s; "
+            f"{done['compile_ahead']['variants']} kernel variants compiled ahead by "
+            f"{done['compile_ahead']['workers']} threads in {done['compile_s']:.2f} s); "
             f"captured: {format_capture_counts(done['captures'])}; Triton kernels: {done['triton_kernels']} "
             f"variants, {done['triton_compiled']} compiled fresh, the rest from {done['triton_cache_dir']}")
 

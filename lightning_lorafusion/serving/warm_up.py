@@ -1,5 +1,6 @@
-"""Engine warm-up and cold start: synthetic requests through every kind of step, the captures of
-every token bucket, the on-disk compile caches, and a report of what was compiled and captured.
+"""Engine warm-up and cold start: every kernel variant compiled ahead and concurrently, the
+captures of every token bucket, synthetic requests through every kind of step, the on-disk
+compile caches, and a report of what was compiled and captured.
 
 Nothing compiled or captured depends on the adapters' ranks (docs/serving.md, "Cold start"):
 the LoRA kernels take ranks as runtime values, the decode graphs are keyed by (batch bucket,
@@ -20,6 +21,7 @@ import torch
 
 from ..model.hf_loading import default_cache_dir
 from ..specs import ConfigError
+from .compile_ahead import KernelVariant, compile_variants, variants_of
 from .request import GenerationRequest
 from .sampling import SamplingParams
 
@@ -71,58 +73,75 @@ def _cache_entries(directory: str | None) -> int:
     return sum(1 for _ in Path(directory).iterdir())
 
 
+def warm_up_variants(engine) -> list[KernelVariant]:
+    """The Triton kernel variants ``warm_up`` compiles ahead for ``engine``: those the mixed-step
+    pieces of every token bucket launch and that are not compiled yet (the decode graphs' were
+    compiled ahead when they were captured, at the engine's construction). Found by running the
+    pieces with launches recorded (``compile_ahead.variants_of``); the pieces read the step's
+    tables at fixed addresses and the kernels take ranks as runtime values, so the set depends on
+    the model, dtype and token buckets, never on the adapters loaded or their ranks. Empty where
+    nothing compiles (the CPU) or Triton cannot record launches."""
+    with engine._step_lock:
+        return variants_of(unit for _, unit in engine.runner.mixed_compile_units())
+
+
 class EngineWarmUp:
     """``Engine.warm_up`` and the capture report."""
 
     def warm_up(self, *, prompt_len: int = 24, max_new_tokens: int = 2) -> dict[str, Any]:
-        """Run a few synthetic greedy requests through every kind of step, then build (on a GPU:
-        capture) the mixed-step pieces of every token bucket, so first-time costs (Triton
-        compiles or loads from the disk cache, graph captures, cuBLAS heuristics) are paid here
-        and not by the first users. Rounds: the base and one adapter of each distinct rank
-        alone; all of them in one batch; two of each with prompts 4x longer (tiles spanning
-        rows, two requests per adapter); their cached prefix pages are dropped after. What
-        compiles and what is captured does not depend on the ranks, so the rounds' adapters
-        only exercise the paths (an adapter of a rank loaded later needs nothing new). Returns
-        what ran and what it cost: requests, rounds, ranks, seconds (and of it ``rounds_s``,
-        ``mixed_pieces_s``), ``captures`` (``ModelRunner.capture_counts``: decode graph keys,
-        mixed-piece token buckets, CUDA graphs), ``triton_kernels`` (compiled variants held)
-        and ``triton_compiled`` (of those, new entries in the on-disk cache: fresh compiles;
-        the rest were loaded). Call it before serving (``serve`` does, unless ``warm_up:
-        false``)."""
+        """Compile every kernel variant the steps need, concurrently (``warm_up_variants`` then
+        ``compile_ahead.compile_variants``), build (on a GPU: capture) the mixed-step pieces of
+        every token bucket, then run a few synthetic greedy requests through every kind of step,
+        so first-time costs (Triton compiles or loads from the disk cache, graph captures,
+        cuBLAS heuristics, attention kernels) are paid here and not by the first users. Rounds:
+        the base alone, one adapter alone (the first by name), both in one batch, two of each
+        with prompts 4x longer (tiles spanning rows); their cached prefix pages are dropped after.
+        Neither the compiles nor the captures nor the rounds depend on the adapters' ranks (the
+        kernels take ranks as runtime values): the work is the same for one rank as for eight,
+        and an adapter of a rank loaded later needs nothing new. Returns what ran and what it
+        cost: requests, rounds, ranks (of the adapters loaded), seconds (and of it
+        ``compile_s``, ``mixed_pieces_s``, ``rounds_s``), ``compile_ahead`` (variants compiled
+        ahead, workers, seconds, failures), ``captures`` (``ModelRunner.capture_counts``: decode
+        graph keys, mixed-piece token buckets, CUDA graphs), ``triton_kernels`` (compiled
+        variants held) and ``triton_compiled`` (of those, new entries in the on-disk cache: fresh
+        compiles; the rest were loaded). Call it before serving (``serve`` does, unless
+        ``warm_up: false``)."""
         if prompt_len < 1 or max_new_tokens < 1:
             raise ConfigError(f"warm_up: prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
         t0 = time.perf_counter()
         cache_dir = os.environ.get("TRITON_CACHE_DIR")
         entries_before = _cache_entries(cache_dir)
-        by_rank: dict[int, str] = {}
-        for info in sorted(self.adapters(), key=lambda a: a.name):
-            by_rank.setdefault(info.rank, info.name)
-        names: list[str | None] = [None, *(by_rank[r] for r in sorted(by_rank))]
-        rounds = self._warm_up_rounds(names, prompt_len, max_new_tokens)
-        for batch in rounds:
-            self.generate(batch)
-        freed = self.reset_prefix_cache()
-        rounds_s = time.perf_counter() - t0
+        ahead = compile_variants(warm_up_variants(self), self.device)
+        compile_s = time.perf_counter() - t0
         # every token bucket's mixed-step pieces, built (captured) now rather than by the first
         # step of each bucket; one set per bucket serves any mix of ranks
         t_pieces = time.perf_counter()
         with self._step_lock:
             pieces = self.runner.build_mixed_pieces()
         pieces_s = time.perf_counter() - t_pieces
+        t_rounds = time.perf_counter()
+        adapters = sorted(self.adapters(), key=lambda a: a.name)
+        rounds = self._warm_up_rounds([None, *(a.name for a in adapters[:1])], prompt_len, max_new_tokens)
+        for batch in rounds:
+            self.generate(batch)
+        freed = self.reset_prefix_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        rounds_s = time.perf_counter() - t_rounds
         seconds = time.perf_counter() - t0
         kernels = compiled_kernel_variants()
-        report = {"requests": sum(map(len, rounds)), "rounds": len(rounds), "ranks": sorted(by_rank),
-                  "seconds": seconds, "rounds_s": rounds_s, "prefix_pages_freed": freed,
+        report = {"requests": sum(map(len, rounds)), "rounds": len(rounds),
+                  "ranks": sorted({a.rank for a in adapters}), "seconds": seconds, "compile_s": compile_s,
+                  "compile_ahead": ahead, "rounds_s": rounds_s, "prefix_pages_freed": freed,
                   "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s,
                   "captures": self.runner.capture_counts(), "decode_graphs_s": self.runner.decode_graphs_s,
                   "triton_kernels": sum(kernels.values()),
                   "triton_compiled": _cache_entries(cache_dir) - entries_before, "triton_cache_dir": cache_dir}
         self.warm_up_report = report
-        log.info("warm-up in %.1f s (requests %.1f s, mixed-step pieces of %d token buckets %s in %.1f s): %s; "
-                 "Triton kernels: %d variants, %d compiled fresh (cache %s)", seconds, rounds_s, pieces,
-                 "captured" if self.runner.mixed_pieces == "graphs" else "built", pieces_s,
+        log.info("warm-up in %.1f s (%d kernel variants compiled ahead by %d threads in %.1f s; mixed-step pieces "
+                 "of %d token buckets %s in %.1f s; requests %.1f s): %s; Triton kernels: %d variants, %d compiled "
+                 "fresh (cache %s)", seconds, ahead["variants"], ahead["workers"], compile_s, pieces,
+                 "captured" if self.runner.mixed_pieces == "graphs" else "built", pieces_s, rounds_s,
                  format_capture_counts(report["captures"]), report["triton_kernels"], report["triton_compiled"],
                  cache_dir)
         return report

@@ -173,3 +173,27 @@ def test_update_from_factors_versions_and_refusals(model_dir, version_dirs, refe
     assert {a.name: a.version for a in engine.adapters()} == {"a": 3, "b": 1}
     out = engine.generate([_request("g")])[0]
     assert list(out.token_ids) == references["v3"] and out.adapter_version == 3
+
+
+def test_versions_stay_unique_across_restarts_with_a_versions_file(make_engine, version_dirs, tmp_path):
+    """With ``adapter_versions_file``, a second engine (a restarted server) numbers each name on
+    from the first's latest version instead of from 1; the file holds the latest versions. A
+    file that is not a name -> version object is refused at start, naming the field."""
+    import json
+
+    path = str(tmp_path / "versions.json")
+    first = make_engine(with_adapters=False, num_pages=64, page_size=4, adapter_versions_file=path)
+    assert first.add_adapter("a", version_dirs["v1"]).version == 1
+    assert first.update_adapter("a", version_dirs["v2"]).version == 2
+    assert first.add_adapter("b", version_dirs["v1"]).version == 1
+    first.close()
+    assert json.loads((tmp_path / "versions.json").read_text()) == {"a": 2, "b": 1}
+    second = make_engine(with_adapters=False, num_pages=64, page_size=4, adapter_versions_file=path)
+    assert second.add_adapter("a", version_dirs["v3"]).version == 3
+    assert second.update_adapter("a", version_dirs["v1"]).version == 4
+    assert [a.version for a in second.adapters()] == [4]
+    plain = make_engine(with_adapters=False, num_pages=64, page_size=4)
+    assert plain.add_adapter("a", version_dirs["v1"]).version == 1  # without the file: from 1
+    (tmp_path / "bad.json").write_text('{"a": "two"}')
+    with pytest.raises(ConfigError, match="adapter_versions_file"):
+        make_engine(with_adapters=False, num_pages=64, page_size=4, adapter_versions_file=str(tmp_path / "bad.json"))

@@ -112,7 +112,9 @@ def test_outputs_equal_the_in_process_engine(engines):
 def test_warm_up_runs_in_the_child(engines):
     local, remote = engines
     done = remote.warm_up(prompt_len=5)
-    assert (done["requests"], done["ranks"]) == (1 + 2 + 3 + 6, [2, 4])  # base, attn2 (2), all4 (4)
+    # the base and one adapter (whatever the ranks loaded, here 2 and 4): alone, together, two
+    # of each with longer prompts
+    assert (done["requests"], done["ranks"]) == (1 + 1 + 2 + 4, [2, 4])
     stats = remote.stats()
     assert stats["running"] == stats["waiting"] == stats["kv_pages_used"] == 0
 
