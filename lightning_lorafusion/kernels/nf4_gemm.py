@@ -1,0 +1,190 @@
+"""The NF4 GEMM: frozen products that dequantize the 4-bit weight inside their operand tiles
+(``nf4.Nf4Weight``; its torch reference ``nf4_matmul_reference`` is the spec).
+
+Forward ``Y [M, N] = X [M, K] @ dequant(W)^T (+ b)`` and input gradient ``dX [M, K] = dY [M, N]
+@ dequant(W)`` (optionally added to a ``dX`` already holding other projections' terms). Each
+program loads its ``W`` tile as packed bytes plus the per-block absmax (undoing double
+quantization in the tile: ``dyn[q] * nested_absmax[j // 256] + offset``), expands it to fp32
+exactly as ``nf4.dequantize_nf4_reference`` does (code times absmax, rounded once to the
+activations' dtype), and feeds it to ``tl.dot`` with fp32 accumulation. No dequantized copy of
+``W`` is ever written to memory: the weight traffic is the 4-bit data, 0.5 byte per value.
+
+Element ``(n, k)`` of ``W`` is flat value ``i = n * K + k``: byte ``i // 2`` (high nibble for even
+``k``), absmax block ``i // blocksize``. Floating-point contraction is off so the nested
+absmax's multiply-add rounds like the reference's two ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .nf4 import Nf4Weight
+
+
+@triton.jit
+def _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, n_idx, k_idx, K, mask,
+              BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
+    """fp32 ``W[n_idx, k_idx]`` (broadcast index tensors; masked entries are 0)."""
+    i = n_idx.to(tl.int64) * K + k_idx
+    packed = tl.load(data_ptr + i // 2, mask=mask, other=0).to(tl.int32)
+    c = (packed >> (4 * (1 - (k_idx & 1)))) & 15
+    value = tl.load(code_ptr + c)
+    block = i // BLOCKSIZE
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + block // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return tl.where(mask, value * scale, 0.0)
+
+
+@triton.jit
+def _nf4_fwd_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, y_ptr,
+                    M, N, K, stride_xm, stride_xk, stride_ym,
+                    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y = X @ W^T (+ b)``: one ``[BLOCK_M, BLOCK_N]`` tile, ``W`` tiles read as ``[BLOCK_K, BLOCK_N]``."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)  # grouped order: programs sharing W tiles run together
+    first_m = group * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
+    pid_n = (pid % (GROUP_M * grid_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn[None, :], kk[:, None],
+                      K, (rn[None, :] < N) & (kk[:, None] < K), BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
+        acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _nf4_dx_kernel(dy_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, dx_ptr,
+                   M, N, K, stride_dym, stride_dyn, stride_dxm,
+                   BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+                   ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``dX (+)= dY @ W``: one ``[BLOCK_M, BLOCK_K]`` tile, ``W`` tiles read as ``[BLOCK_N, BLOCK_K]``."""
+    pid = tl.program_id(0)
+    grid_m, grid_k = tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K)
+    group = pid // (GROUP_M * grid_k)
+    first_m = group * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_k)) % size_m
+    pid_k = (pid % (GROUP_M * grid_k)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        nn = n0 + rn
+        dy = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym + nn[None, :] * stride_dyn,
+                     mask=(rm[:, None] < M) & (nn[None, :] < N), other=0.0)
+        w = _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, nn[:, None], rk[None, :],
+                      K, (nn[:, None] < N) & (rk[None, :] < K), BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
+        acc = tl.dot(dy, w.to(dy_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+    out = dx_ptr + rm[:, None].to(tl.int64) * stride_dxm + rk[None, :]
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    if ACCUMULATE:  # the other projections' terms, rounded once more like ``addmm_``
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------ launchers
+
+
+def _block_m(m: int) -> int:
+    # decode-sized M: the smallest tile tl.dot takes, so few rows are not padded to 128
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def _weight_args(w: Nf4Weight) -> tuple:
+    if w.nested:
+        return (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset), w.nested_blocksize
+    return (w.data, w.absmax, w.code, w.code, w.code, w.code), 1
+
+
+def _check(a: torch.Tensor, w: Nf4Weight, inner: int, what: str) -> None:
+    if a.dim() != 2 or a.shape[1] != inner:
+        raise ValueError(f"nf4 GEMM: {what} must be 2-D [M, {inner}] for an NF4 weight {tuple(w.shape)}; "
+                         f"got {tuple(a.shape)}")
+    if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"nf4 GEMM: {what} must be fp32/fp16/bf16; got {a.dtype}")
+    if a.device != w.device:
+        raise ValueError(f"nf4 GEMM: {what} is on {a.device} but the NF4 weight on {w.device}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit operands ignore it
+
+
+def nf4_linear_fused(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype``, fp32 accumulation."""
+    n, k = w.shape
+    _check(x, w, k, "x")
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    args, nested_bs = _weight_args(w)
+    bm, bn, bk = _block_m(m), (64 if m <= 64 else 128), 64
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _nf4_fwd_kernel[grid](
+        x, *args, bias if bias is not None else y, y, m, n, k, x.stride(0), x.stride(1), y.stride(0),
+        BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=4, num_stages=3, enable_fp_fusion=False)
+    return y
+
+
+def nf4_input_grad_fused(dy: torch.Tensor, w: Nf4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dy [M, N] @ dequant(w) -> [M, K]`` in ``dy.dtype`` (fp32 accumulation); ``out``: a
+    contiguous-row ``[M, K]`` tensor to add the product to (``out += dy @ W``, in place)."""
+    n, k = w.shape
+    _check(dy, w, n, "dy")
+    m = dy.shape[0]
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(m, k, dtype=dy.dtype, device=dy.device)
+    elif out.shape != (m, k) or out.stride(1) != 1:
+        raise ValueError(f"nf4 GEMM: out must be [{m}, {k}] with unit column stride; got {tuple(out.shape)}")
+    if m == 0:
+        return out
+    args, nested_bs = _weight_args(w)
+    bm, bk, bn = _block_m(m), (64 if m <= 64 else 128), 64
+    grid = (triton.cdiv(m, bm) * triton.cdiv(k, bk),)
+    _nf4_dx_kernel[grid](
+        dy, *args, out, m, n, k, dy.stride(0), dy.stride(1), out.stride(0),
+        BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, ACCUMULATE=accumulate,
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, GROUP_M=8, DOT_PRECISION=_dot_precision(dy.dtype),
+        num_warps=4, num_stages=3, enable_fp_fusion=False)
+    return out
+
+
+# ------------------------------------------------------------------------ torch reference
+
+
+def nf4_matmul_reference(a: torch.Tensor, w: Nf4Weight, *, transpose: bool, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """The spec: ``a @ W^T (+ bias)`` (``transpose``, the forward) or ``a @ W`` (the input
+    gradient), ``W`` dequantized to ``a.dtype`` first (each value rounded once), the product in
+    fp32 and cast to ``a.dtype``."""
+    wd = w.dequantize(a.dtype, backend="torch").float()
+    y = a.float() @ (wd.t() if transpose else wd)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(a.dtype)
