@@ -16,6 +16,8 @@ absmax's multiply-add rounds like the reference's two ops.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -126,6 +128,9 @@ def _check(a: torch.Tensor, w: Nf4Weight, inner: int, what: str) -> None:
         raise ValueError(f"nf4 GEMM: {what} must be fp32/fp16/bf16; got {a.dtype}")
     if a.device != w.device:
         raise ValueError(f"nf4 GEMM: {what} is on {a.device} but the NF4 weight on {w.device}")
+    if not a.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # read per call, never at import
+        raise ValueError(f"nf4_gemm='fused' runs a Triton kernel: it needs a CUDA device (or TRITON_INTERPRET=1 "
+                         f"on CPU); {what} is on {a.device}: use nf4_gemm: buffer")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
