@@ -50,3 +50,12 @@ def test_nf4_base_engine_equals_dequantized_engine(model_dir, adapter_dirs, gemm
     want, _ = _generate(config, dense, adapter_dirs, fuse_projections=False)
     assert got == want
     assert all(len(t) == NEW_TOKENS for t in got)
+
+
+def test_engine_nf4_gemm_value_is_checked():
+    from lightning_lorafusion.serving.config import EngineTuning
+    from lightning_lorafusion.specs import ConfigError
+
+    assert EngineTuning(nf4_gemm="fused").nf4_gemm == "fused"
+    with pytest.raises(ConfigError, match="EngineTuning.nf4_gemm='tiles'; allowed: auto, buffer, fused"):
+        EngineConfig(tuning={"nf4_gemm": "tiles"})
