@@ -10,8 +10,11 @@ activations' dtype), and feeds it to ``tl.dot`` with fp32 accumulation. No dequa
 ``W`` is ever written to memory: the weight traffic is the 4-bit data, 0.5 byte per value.
 
 Element ``(n, k)`` of ``W`` is flat value ``i = n * K + k``: byte ``i // 2`` (high nibble for even
-``k``), absmax block ``i // blocksize``. Floating-point contraction is off so the nested
-absmax's multiply-add rounds like the reference's two ops.
+``k``), absmax block ``i // blocksize``. A tile is read a byte at a time: the high nibbles are
+the even ``k``, the low ones the odd ``k``, so the kernels multiply them against the even and
+odd columns of ``X`` (or produce the even and odd columns of ``dX``) instead of interleaving
+the weight. Floating-point contraction is off so the nested absmax's multiply-add rounds like
+the reference's two ops.
 """
 
 from __future__ import annotations
@@ -26,21 +29,22 @@ from .nf4 import Nf4Weight
 
 
 @triton.jit
-def _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, n_idx, k_idx, K, mask,
-              BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
-    """fp32 ``W[n_idx, k_idx]`` (broadcast index tensors; masked entries are 0)."""
-    i = n_idx.to(tl.int64) * K + k_idx
-    packed = tl.load(data_ptr + i // 2, mask=mask, other=0).to(tl.int32)
-    c = (packed >> (4 * (1 - (k_idx & 1)))) & 15
-    value = tl.load(code_ptr + c)
-    block = i // BLOCKSIZE
+def _nf4_pairs(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, n_idx, b_idx, half_k, mask,
+               BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
+    """fp32 ``(W[n, 2b], W[n, 2b + 1])`` for byte column ``b_idx`` of rows ``n_idx`` (broadcast
+    index tensors; masked entries are 0): one byte load and one absmax per pair of values."""
+    byte = n_idx.to(tl.int64) * half_k + b_idx
+    packed = tl.load(data_ptr + byte, mask=mask, other=0).to(tl.int32)
+    block = (2 * byte) // BLOCKSIZE  # both values of a byte share a block (block sizes are even)
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
         scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + block // NESTED_BLOCKSIZE, mask=mask, other=0.0)
         scale = scale + tl.load(offset_ptr)
     else:
         scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
-    return tl.where(mask, value * scale, 0.0)
+    hi = tl.load(code_ptr + (packed >> 4)) * scale
+    lo = tl.load(code_ptr + (packed & 15)) * scale
+    return tl.where(mask, hi, 0.0), tl.where(mask, lo, 0.0)
 
 
 @triton.jit
@@ -49,7 +53,9 @@ def _nf4_fwd_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, 
                     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``Y = X @ W^T (+ b)``: one ``[BLOCK_M, BLOCK_N]`` tile, ``W`` tiles read as ``[BLOCK_K, BLOCK_N]``."""
+    """``Y = X @ W^T (+ b)``: one ``[BLOCK_M, BLOCK_N]`` tile. Each step reads ``BLOCK_K / 2``
+    bytes per row of ``W`` as two ``[BLOCK_K / 2, BLOCK_N]`` operands (the high nibbles: even
+    ``k``; the low: odd ``k``) against ``X``'s even and odd columns: two dots, no shuffle."""
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)  # grouped order: programs sharing W tiles run together
@@ -59,15 +65,20 @@ def _nf4_fwd_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, 
     pid_n = (pid % (GROUP_M * grid_n)) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    half_k = K // 2
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + kk[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn[None, :], kk[:, None],
-                      K, (rn[None, :] < N) & (kk[:, None] < K), BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
-        acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+    for b0 in range(0, half_k, BLOCK_K // 2):
+        bb = b0 + rb
+        x_mask = (rm[:, None] < M) & (bb[None, :] < half_k)
+        x_even = tl.load(x_rows + (2 * bb[None, :]) * stride_xk, mask=x_mask, other=0.0)
+        x_odd = tl.load(x_rows + (2 * bb[None, :] + 1) * stride_xk, mask=x_mask, other=0.0)
+        hi, lo = _nf4_pairs(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn[None, :],
+                            bb[:, None], half_k, (rn[None, :] < N) & (bb[:, None] < half_k),
+                            BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
+        acc = tl.dot(x_even, hi.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_odd, lo.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -80,7 +91,9 @@ def _nf4_dx_kernel(dy_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, 
                    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
                    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``dX (+)= dY @ W``: one ``[BLOCK_M, BLOCK_K]`` tile, ``W`` tiles read as ``[BLOCK_N, BLOCK_K]``."""
+    """``dX (+)= dY @ W``: one ``[BLOCK_M, BLOCK_K]`` tile, computed as its even and odd columns
+    (``dY`` against the high and the low nibbles of ``BLOCK_K / 2`` byte columns), interleaved
+    once at the store."""
     pid = tl.program_id(0)
     grid_m, grid_k = tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K)
     group = pid // (GROUP_M * grid_k)
@@ -89,16 +102,22 @@ def _nf4_dx_kernel(dy_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, 
     pid_m = first_m + (pid % (GROUP_M * grid_k)) % size_m
     pid_k = (pid % (GROUP_M * grid_k)) // size_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     rn = tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    half_k = K // 2
+    acc_even = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, BLOCK_K // 2), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         nn = n0 + rn
         dy = tl.load(dy_ptr + rm[:, None].to(tl.int64) * stride_dym + nn[None, :] * stride_dyn,
                      mask=(rm[:, None] < M) & (nn[None, :] < N), other=0.0)
-        w = _nf4_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, nn[:, None], rk[None, :],
-                      K, (nn[:, None] < N) & (rk[None, :] < K), BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
-        acc = tl.dot(dy, w.to(dy_ptr.dtype.element_ty), acc, input_precision=DOT_PRECISION)
+        hi, lo = _nf4_pairs(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, nn[:, None],
+                            rb[None, :], half_k, (nn[:, None] < N) & (rb[None, :] < half_k),
+                            BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
+        acc_even = tl.dot(dy, hi.to(dy_ptr.dtype.element_ty), acc_even, input_precision=DOT_PRECISION)
+        acc_odd = tl.dot(dy, lo.to(dy_ptr.dtype.element_ty), acc_odd, input_precision=DOT_PRECISION)
+    acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_M, BLOCK_K))  # column 2b + t = (b, t)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     out = dx_ptr + rm[:, None].to(tl.int64) * stride_dxm + rk[None, :]
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     if ACCUMULATE:  # the other projections' terms, rounded once more like ``addmm_``
@@ -146,7 +165,7 @@ def nf4_linear_fused(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = 
     if m == 0:
         return y
     args, nested_bs = _weight_args(w)
-    bm, bn, bk = _block_m(m), (64 if m <= 64 else 128), 64
+    bm, bn, bk = _block_m(m), (64 if m <= 64 else 128), (128 if m <= 64 else 64)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _nf4_fwd_kernel[grid](
         x, *args, bias if bias is not None else y, y, m, n, k, x.stride(0), x.stride(1), y.stride(0),
