@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import Nf4Weight
+# ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
+# (lazily, when the fused GEMM is asked for), so this one does not import it back.
 
 
 @triton.jit
