@@ -38,6 +38,12 @@ base by itself moves the held-out loss, the yardstick for whether training widen
 ``--backend torch`` runs both paths through the torch reference LoRA (with the emulated FP8
 products off the GPU): SmolLM2 on ACLSum on the CPU (docs/kernels.md "FP8 base").
 
+NF4 base (``--base-precision nf4``, QLoRA): the same comparison and checks (``--fp8-final-rel``,
+``--fp8-max-rel`` apply to whichever quantized base runs), the base quantized by
+``quantize_base_nf4`` (blocks of 64, double-quantized absmax); ``--nf4-gemm`` picks the frozen
+products (buffer: dequantize then matmul; fused: the NF4 GEMM kernel). NF4 keeps 4 bits per
+weight, coarser than e4m3, so the untrained gap is larger; the 1% target is on the trained loss.
+
     python scripts/bench_convergence.py --model llama8b smollm2 --gguf /path/SmolLM2.gguf --png --out $OUT
     python scripts/bench_convergence.py --model llama8b --base-precision fp8 --steps 30 --eval-samples 8 --out $OUT
     TRITON_INTERPRET=1 python scripts/bench_convergence.py --model tiny --device cpu --dtype float32 --steps 3
@@ -73,6 +79,7 @@ from lightning_lorafusion.model.hf_loading import (  # noqa: E402
     params_from_hf_model,
     params_to,
     quantize_base_fp8,
+    quantize_base_nf4,
 )
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
@@ -400,33 +407,44 @@ def verdict(ours_vs_torch: dict, torch_vs_ref: dict | None, *, factor: float, ma
     return out
 
 
-def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
-    """Ours with the FP8 base vs ours with the bf16 base (module docstring: tolerance)."""
-    dtype = DTYPES[args.dtype]
-    adapter_dtype = DTYPES[args.adapter_dtype]
-    t0 = time.perf_counter()
-    case = build_case(args, model, device, dtype)
+def quantized_base(args, case: Case) -> tuple[dict[str, Any], DecoderOptions]:
+    """The case's base in ``args.base_precision`` (fp8 or nf4) and the decoder options to run it."""
+    if args.base_precision == "nf4":
+        return (quantize_base_nf4(case.params),
+                DecoderOptions(kernels=KernelOptions(nf4_gemm=getattr(args, "nf4_gemm", "auto"))))
     keep = fp8_exempt_layer_set(case.config.num_layers, args.fp8_exempt_layers)
     fp8_params = quantize_base_fp8(case.params, embedding=not case.config.tie_word_embeddings, keep_layers=keep)
-    options = DecoderOptions(kernels=KernelOptions(fp8_fast_accum_forward=args.fp8_fast_accum in ("forward", "both"),
-                                                   fp8_fast_accum_input_grad=args.fp8_fast_accum == "both"))
+    return fp8_params, DecoderOptions(kernels=KernelOptions(
+        fp8_fast_accum_forward=args.fp8_fast_accum in ("forward", "both"),
+        fp8_fast_accum_input_grad=args.fp8_fast_accum == "both"))
+
+
+def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
+    """Ours with the quantized (FP8 or NF4) base vs ours with the 16/32-bit base (module
+    docstring: tolerance). Run labels and keys name the format (``ours_fp8``, ``nf4_vs_bf16``)."""
+    dtype = DTYPES[args.dtype]
+    adapter_dtype = DTYPES[args.adapter_dtype]
+    q = args.base_precision
+    t0 = time.perf_counter()
+    case = build_case(args, model, device, dtype)
+    fp8_params, options = quantized_base(args, case)
     print(f"[{model}] {case.config.num_layers} layers, {len(case.microbatches)} microbatches, "
           f"{len(case.eval_microbatches)} eval microbatches, built in {time.perf_counter() - t0:.1f}s", flush=True)
     init = adapter_vectors(AdapterBank(case.specs, case.config, dtype=adapter_dtype, device="cpu"))
     untrained: dict[str, list[float]] = {}
     if case.eval_microbatches:  # B = 0 before training: the held-out loss of each base alone
         bank0 = AdapterBank(case.specs, case.config, dtype=adapter_dtype, device=device)
-        for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
+        for label, params in ((f"ours_{args.dtype}", case.params), (f"ours_{q}", fp8_params)):
             untrained[label] = eval_losses(case, bank0, params, args.backend, options)
         print(f"[{model}] eval before training: {untrained}", flush=True)
     runs = {}
-    for label, params in ((f"ours_{args.dtype}", case.params), ("ours_fp8", fp8_params)):
+    for label, params in ((f"ours_{args.dtype}", case.params), (f"ours_{q}", fp8_params)):
         runs[label] = train(case, label=label, backend=args.backend, params=params, adapter_dtype=adapter_dtype,
                             options=options)
         r = runs[label]
         print(f"[{model}] {label}: {r.seconds:.1f}s, loss a0 {r.losses[0][0]:.4f} -> {r.losses[0][-1]:.4f}"
               f", eval {r.eval_losses}", flush=True)
-    base, fp8 = runs[f"ours_{args.dtype}"], runs["ours_fp8"]
+    base, fp8 = runs[f"ours_{args.dtype}"], runs[f"ours_{q}"]
     ref_vs = None
     if args.reference_dtype != "none":
         ref_name = "float32" if args.reference_dtype == "auto" else args.reference_dtype
@@ -450,36 +468,37 @@ def run_fp8_model(args, model: str, device: torch.device) -> dict[str, Any]:
                 "max_rel_limit": args.fp8_max_rel}
     if untrained:  # how far the FP8 base alone moves the held-out loss (no training involved)
         verdict_["untrained_rel"] = [abs(f - b) / abs(b) for f, b in
-                                     zip(untrained["ours_fp8"], untrained[f"ours_{args.dtype}"])]
+                                     zip(untrained[f"ours_{q}"], untrained[f"ours_{args.dtype}"])]
     if ref_vs is not None:
-        verdict_["fp8_vs_bf16_over_bf16_vs_ref"] = fp8_vs["pooled"]["mean_rel"] / max(ref_vs["pooled"]["mean_rel"], 1e-30)
+        verdict_[f"{q}_vs_bf16_over_bf16_vs_ref"] = fp8_vs["pooled"]["mean_rel"] / max(ref_vs["pooled"]["mean_rel"], 1e-30)
     return {
         "model": model, "layers": case.config.num_layers, "microbatches": len(case.microbatches),
-        "steps": case.steps, "adapters": len(case.specs), "base_precision": "fp8",
-        "fp8_exempt_layers": args.fp8_exempt_layers,
+        "steps": case.steps, "adapters": len(case.specs), "base_precision": q,
+        "fp8_exempt_layers": args.fp8_exempt_layers if q == "fp8" else None,
         "base_label": f"ours_{args.dtype}",
         "runs": {k: {"backend": r.backend, "dtype": r.dtype, "seconds": round(r.seconds, 2), "losses": r.losses,
                      "eval_losses": r.eval_losses} for k, r in runs.items()},
-        "eval_untrained": untrained, "fp8_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
+        "eval_untrained": untrained, f"{q}_vs_bf16": fp8_vs, "bf16_vs_reference": ref_vs, "verdict": verdict_,
         "seconds_total": round(time.perf_counter() - t0, 1),
     }
 
 
 def print_fp8_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'model':8} {'adapter':7} {'train loss first->last (base | fp8)':>38} {'eval base':>9} "
-          f"{'eval fp8':>9} {'final rel':>9} {'max step rel':>12} {'untrained rel':>13}")
     for r in results:
+        q = r["base_precision"]
+        print(f"\n{'model':8} {'adapter':7} {f'train loss first->last (base | {q})':>38} {'eval base':>9} "
+              f"{f'eval {q}':>9} {'final rel':>9} {'max step rel':>12} {'untrained rel':>13}")
         runs, v = r["runs"], r["verdict"]
-        base, fp8 = runs[r["base_label"]], runs["ours_fp8"]
-        for a, p in enumerate(r["fp8_vs_bf16"]["per_adapter"]):
+        base, fp8 = runs[r["base_label"]], runs[f"ours_{q}"]
+        for a, p in enumerate(r[f"{q}_vs_bf16"]["per_adapter"]):
             eb = base["eval_losses"][a] if base["eval_losses"] else float("nan")
             ef = fp8["eval_losses"][a] if fp8["eval_losses"] else float("nan")
             print(f"{r['model']:8} a{a:<6} {base['losses'][a][0]:8.4f} -> {base['losses'][a][-1]:7.4f} | "
                   f"{fp8['losses'][a][0]:7.4f} -> {fp8['losses'][a][-1]:7.4f} {eb:9.4f} {ef:9.4f} "
                   f"{v['final_rel'][a]:9.2e} {p['max_rel']:12.2e} "
                   f"{v['untrained_rel'][a] if 'untrained_rel' in v else float('nan'):13.2e}")
-        extra = (f", fp8-vs-bf16 / bf16-vs-fp32 mean per-step gap {v['fp8_vs_bf16_over_bf16_vs_ref']:.1f}x"
-                 if "fp8_vs_bf16_over_bf16_vs_ref" in v else "")
+        extra = (f", {q}-vs-bf16 / bf16-vs-fp32 mean per-step gap {v[f'{q}_vs_bf16_over_bf16_vs_ref']:.1f}x"
+                 if f"{q}_vs_bf16_over_bf16_vs_ref" in v else "")
         print(f"{r['model']:8} {'PASS' if v['pass'] else 'FAIL'} ({v['final_kind']}): "
               + ", ".join(f"{k}: {ok}" for k, ok in v["checks"].items()) + extra + f"; {r['seconds_total']}s")
 
@@ -633,8 +652,11 @@ def main() -> None:
     ap.add_argument("--max-weights-rel", type=float, default=None,
                     help="cap on final-weight difference relative to the update (default: fp32 1e-3, "
                          "16-bit none: judged against the reference run instead)")
-    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8"],
-                    help="fp8: ours with the FP8 base vs ours with the bf16 base (see the docstring)")
+    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8", "nf4"],
+                    help="fp8 / nf4: ours with the FP8 / NF4 base vs ours with the bf16 (--dtype) base "
+                         "(see the docstring)")
+    ap.add_argument("--nf4-gemm", default="auto", choices=["auto", "buffer", "fused"],
+                    help="nf4: frozen products through a dequantized buffer or the fused NF4 GEMM")
     ap.add_argument("--eval-samples", type=int, default=0, help="held-out samples per adapter, scored after training")
     ap.add_argument("--fp8-fast-accum", default="off", choices=["off", "forward", "both"],
                     help="fp8: fast accumulation of the forward / forward and dX products (GPU)")
@@ -654,12 +676,12 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the fused kernels are first imported
-    fp8 = args.base_precision == "fp8"
+    fp8 = args.base_precision in ("fp8", "nf4")
     results = [(run_fp8_model if fp8 else run_model)(args, m, device) for m in args.model]
     info = device_info(device)
     name = info["device_name"]
     for r in results:
-        write_json(args.out, f"convergence_{r['model']}{'_fp8' if fp8 else ''}.json", {**info, "args": vars(args), **r})
+        write_json(args.out, f"convergence_{r['model']}{'_' + args.base_precision if fp8 else ''}.json", {**info, "args": vars(args), **r})
     print(f"\n{name}, torch {torch.__version__}, {args.dtype}, r={args.rank} alpha={args.alpha:g} "
           f"p={args.dropout} lr={args.lr:g}, {args.adapters} adapters x {args.steps} steps")
     (print_fp8_table if fp8 else print_table)(results)

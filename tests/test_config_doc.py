@@ -85,6 +85,7 @@ def test_every_config_object_has_a_table():
         "lightning_lorafusion.parallel.strategy.MultiAdapterPipelineStrategy",
         "lightning_lorafusion.training.precision.PrecisionConfig",
         "lightning_lorafusion.training.precision.Fp8Config",
+        "lightning_lorafusion.training.precision.Nf4Config",
         "lightning_lorafusion.training.epoch_planning.PlanningConfig",
     }
 

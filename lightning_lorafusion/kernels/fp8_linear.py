@@ -436,10 +436,11 @@ def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weig
                        ) -> list[torch.Tensor]:
     """The frozen part of a projection group, ``x [M, K] -> [M, N_i]``: ``F.linear`` for plain
     weights, FP8 (``Fp8FrozenProjections``, with ``options``' accumulation, taking offers from
-    ``operands``) when the weights are ``Fp8Weight``; NF4 (``nf4.nf4_frozen_projections``) when
-    they are ``nf4.Nf4Weight``."""
+    ``operands``) when the weights are ``Fp8Weight``; NF4 (``nf4.nf4_frozen_projections``, with
+    ``options.nf4_gemm``) when they are ``nf4.Nf4Weight``."""
     if any(isinstance(w, Nf4Weight) for w in weights):
-        return nf4_frozen_projections(x, weights, biases)
+        return nf4_frozen_projections(x, weights, biases,
+                                      gemm=options.nf4_gemm if options is not None else "auto")
     kinds = {isinstance(w, Fp8Weight) for w in weights}
     if kinds == {False}:
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]

@@ -149,7 +149,7 @@ def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan,
     """Quantized frozen products of the group (FP8: X quantized once, or taken from
     ``operands``; NF4: weights dequantized), each LoRA term added in place."""
     if isinstance(weights[0], Nf4Weight):  # NF4: each weight dequantized, then cuBLAS
-        ys = nf4_outputs(x, weights, biases)
+        ys = nf4_outputs(x, weights, biases, plan.options.nf4_gemm)
     else:
         ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
                          fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
@@ -275,7 +275,7 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
     t, m, k = plan.table, plan.m, plan.k
     has_lora = ds is not None
     if isinstance(weights[0], Nf4Weight):  # the same 4-bit weights dequantized again
-        dx = nf4_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device)
+        dx = nf4_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device, gemm=plan.options.nf4_gemm)
         if has_lora:
             _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx

@@ -23,10 +23,12 @@ pieces are stored bit-cast to int32 so that casts of floating buffers (``Module.
 Lightning's bf16-true) leave them alone. Block sizes follow from the tensor sizes (powers of
 two), so reading a weight never asks the device for a number.
 
-Frozen product (``Nf4FrozenProjections``): each weight is dequantized into one scratch buffer
-per projection group (the Triton kernel on CUDA, the torch reference elsewhere: the same bits),
-then multiplied by cuBLAS; the backward's input gradient dequantizes the same 4-bit weight again
-(no dequantized copy is kept for backward). The weight gets no gradient.
+Frozen product (``Nf4FrozenProjections``), two ways (``KernelOptions.nf4_gemm``): ``buffer``:
+each weight is dequantized into one scratch buffer per projection group (the Triton kernel on
+CUDA, the torch reference elsewhere: the same bits), then multiplied by cuBLAS; ``fused``: the
+NF4 GEMM (``nf4_gemm.py``) dequantizes inside its operand tiles. Either way the backward's input
+gradient reads the same 4-bit weight again (no dequantized copy is kept for backward). The
+weight gets no gradient.
 """
 
 from __future__ import annotations
@@ -265,16 +267,37 @@ def _dequantized(weights: Sequence[Nf4Weight], dtype: torch.dtype):
         yield w.dequantize(dtype, out=buf)
 
 
-def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None]
-                ) -> list[torch.Tensor]:
-    """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``."""
+def resolve_nf4_gemm(gemm: str) -> str:
+    """``KernelOptions.nf4_gemm`` -> "buffer" or "fused" ("auto" is the buffer until the fused
+    GEMM is measured faster on the GPUs this runs on: docs/BENCHMARKS.md "NF4 frozen base")."""
+    if gemm not in ("auto", "buffer", "fused"):
+        raise ValueError(f"nf4_gemm={gemm!r}; allowed: ('auto', 'buffer', 'fused')")
+    return "fused" if gemm == "fused" else "buffer"
+
+
+def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
+                gemm: str = "auto") -> list[torch.Tensor]:
+    """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``;
+    ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM)."""
+    if resolve_nf4_gemm(gemm) == "fused":
+        from .nf4_gemm import nf4_linear_fused  # Triton is imported only when used
+
+        return [nf4_linear_fused(x, w, b) for w, b in zip(weights, biases)]
     return [torch.nn.functional.linear(x, wd, b) for wd, b in zip(_dequantized(weights, x.dtype), biases)]
 
 
 def nf4_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Nf4Weight], *, m: int, k: int,
-                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``dX [M, K] = sum_i dY_i W_i`` (``dY_i`` None: zero), each ``W_i`` dequantized again."""
+                   dtype: torch.dtype, device: torch.device, gemm: str = "auto") -> torch.Tensor:
+    """``dX [M, K] = sum_i dY_i W_i`` (``dY_i`` None: zero), each ``W_i`` read from its 4 bits
+    again (dequantized into the buffer, or inside the fused GEMM's tiles)."""
     pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
+    if pairs and resolve_nf4_gemm(gemm) == "fused":
+        from .nf4_gemm import nf4_input_grad_fused
+
+        dx = None
+        for dy, w in pairs:
+            dx = nf4_input_grad_fused(dy.to(dtype), w, out=dx)
+        return dx
     dx = torch.zeros(m, k, dtype=dtype, device=device)
     if pairs:
         for (dy, _), wd in zip(pairs, _dequantized([w for _, w in pairs], dtype)):
@@ -286,28 +309,29 @@ class Nf4FrozenProjections(torch.autograd.Function):
     """``x -> [x W_i^T + b_i]`` with NF4 weights; differentiable w.r.t. ``x`` only."""
 
     @staticmethod
-    def forward(ctx, x, n_proj, *rest):
+    def forward(ctx, x, gemm, n_proj, *rest):
         weights, biases = rest[:n_proj], rest[n_proj:]
-        ctx.weights, ctx.x_meta = weights, (x.shape, x.dtype, x.device)
-        return tuple(nf4_outputs(x, weights, biases))
+        ctx.weights, ctx.gemm, ctx.x_meta = weights, gemm, (x.shape, x.dtype, x.device)
+        return tuple(nf4_outputs(x, weights, biases, gemm))
 
     @staticmethod
     def backward(ctx, *dys):
         (m, k), dtype, device = ctx.x_meta
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = nf4_input_grad(dys, ctx.weights, m=m, k=k, dtype=dtype, device=device)
-        return (dx, None) + (None,) * (2 * len(ctx.weights))
+            dx = nf4_input_grad(dys, ctx.weights, m=m, k=k, dtype=dtype, device=device, gemm=ctx.gemm)
+        return (dx, None, None) + (None,) * (2 * len(ctx.weights))
 
 
 def nf4_frozen_projections(x: torch.Tensor, weights: Sequence[Nf4Weight],
-                           biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The frozen part of a projection group with NF4 weights, ``x [M, K] -> [M, N_i]``."""
+                           biases: Sequence[torch.Tensor | None], *, gemm: str = "auto") -> list[torch.Tensor]:
+    """The frozen part of a projection group with NF4 weights, ``x [M, K] -> [M, N_i]``;
+    ``gemm``: ``KernelOptions.nf4_gemm``."""
     if not all(isinstance(w, Nf4Weight) for w in weights):
         raise TypeError("a projection group mixes NF4 and other weights; quantize all or none")
     for w in weights:
         if w.shape[1] != x.shape[-1]:
             raise ValueError(f"an NF4 weight is {tuple(w.shape)} but x is {tuple(x.shape)}")
     if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine)
-        return nf4_outputs(x, weights, biases)
-    return list(Nf4FrozenProjections.apply(x, len(weights), *weights, *biases))
+        return nf4_outputs(x, weights, biases, gemm)
+    return list(Nf4FrozenProjections.apply(x, gemm, len(weights), *weights, *biases))

@@ -79,7 +79,7 @@ class DecoderOptions:
     ``elementwise_fusion``: "auto" (compile the elementwise groups on CUDA with the Triton
     backend), "on" (always) or "off"; ``fusion_compiler``: the torch.compile backend
     ("inductor"; "aot_eager" traces without code generation, for tests); ``kernels``: the
-    kernels' options (``KernelOptions``: FP8 accumulation)."""
+    kernels' options (``KernelOptions``: FP8 accumulation, the NF4 GEMM)."""
 
     elementwise_fusion: str = "auto"
     fusion_compiler: str = "inductor"

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ..kernels.options import NF4_GEMM_MODES
 from ..specs import ConfigError
 
 BACKENDS = ("auto", "torch", "triton")
@@ -44,6 +45,10 @@ class EngineTuning:
     # on a stop token or string costs one discarded row in the step after. "auto" (the
     # default): on with CUDA; "on": also on a CPU (the same logic, nothing to overlap); "off"
     async_decode: str = "auto"
+    # an NF4 base's frozen products (``KernelOptions.nf4_gemm``): "buffer" (dequantize each weight
+    # into a scratch buffer, then a GEMM), "fused" (the NF4 GEMM reads the 4-bit weight in its
+    # tiles; CUDA), "auto" (buffer until measured: docs/BENCHMARKS.md "NF4 frozen base")
+    nf4_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -55,6 +60,8 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
         if self.async_decode not in ASYNC_DECODE:
             raise ConfigError(f"EngineTuning.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
+        if self.nf4_gemm not in NF4_GEMM_MODES:
+            raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from ..kernels.lora_epilogues import rope_write_kv, swiglu
 from ..kernels.lora_gather import GatheredLora, lora_gather
 from ..kernels.lora_segments import segment_lora_add
 from ..kernels.paged_attention import paged_decode_attention
+from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
@@ -70,8 +71,9 @@ class PagedDecoder:
     lora_backend: str
     prefill_attention_backend: str
     inv_freq: torch.Tensor
-    local_inv_freq: torch.Tensor | None = None
+    local_inv_freq: torch.Tensor | None = None  # the family's sliding-layer RoPE (Gemma 3)
     long_inv_freq: torch.Tensor | None = None
+    kernel_options: KernelOptions = KernelOptions()  # the frozen products' (an NF4 base's GEMM)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
@@ -236,13 +238,14 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     fused, names = group
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
-        y = F.linear(x, w, b) if isinstance(w, torch.Tensor) else frozen_projections(x, [w], [b])[0]
+        y = (F.linear(x, w, b) if isinstance(w, torch.Tensor)
+             else frozen_projections(x, [w], [b], options=m.kernel_options)[0])
         sizes = [m.config.module_dims(n)[1] for n in names]
         outs = list(y.split(sizes, dim=1))
         biases = [None] * len(names) if b is None else b.split(sizes)
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-        outs = frozen_projections(x, weights, biases)
+        outs = frozen_projections(x, weights, biases, options=m.kernel_options)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     pre = batch.prefill_lora

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..kernels.lora_segments import block_r_for, segment_tiles
+from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .compile_ahead import compile_ahead
@@ -53,7 +54,7 @@ class ModelRunner:
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
-                 max_batched_tokens: int = 8192) -> None:
+                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -73,7 +74,8 @@ class ModelRunner:
         self.model = PagedDecoder(config=config, params=params, pool=pool, kernel_backend=self.kernel_backend,
                                   lora_backend=self.lora_backend,
                                   prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
-                                  local_inv_freq=local, long_inv_freq=long)
+                                  local_inv_freq=local, long_inv_freq=long,
+                                  kernel_options=KernelOptions(nf4_gemm=nf4_gemm))
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,

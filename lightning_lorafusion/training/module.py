@@ -151,8 +151,8 @@ class LoRAFusionModule(L.LightningModule):
         self.precision = precision
         self.base_precision = precision.base
         fast = precision.fp8.fast_accumulation
-        self.decoder_options = DecoderOptions(kernels=KernelOptions(fp8_fast_accum_forward=fast,
-                                                                    fp8_fast_accum_input_grad=fast))
+        self.decoder_options = DecoderOptions(kernels=KernelOptions(
+            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm))
         self.cuda_graphs = cuda_graphs
         self._graphs: TrainingGraphs | None = None  # made in on_train_start when graphs are used
 

@@ -1,10 +1,13 @@
-"""The generation engine over an NF4 base (QLoRA's 4-bit weights, dequantized per product)
-against the engine over the same weights dequantized to fp32: greedy tokens agree exactly."""
+"""The generation engine over an NF4 base (QLoRA's 4-bit weights, dequantized per product into a
+buffer, or read inside the NF4 GEMM's tiles: ``EngineTuning.nf4_gemm``) against the engine over
+the same weights dequantized to fp32: greedy tokens agree exactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lightning_lorafusion.kernels import nf4_gemm
 from lightning_lorafusion.kernels.nf4 import Nf4Weight, dequantize_nf4_reference, is_nf4
 from lightning_lorafusion.model.hf_loading import load_base_model, quantize_base_nf4
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams
@@ -27,13 +30,32 @@ def _generate(config, params, adapter_dirs, **engine_kwargs):
         engine.close()
 
 
-def test_nf4_base_engine_equals_dequantized_engine(model_dir, adapter_dirs):
+@pytest.mark.parametrize("gemm", ["buffer", "fused"])
+def test_nf4_base_engine_equals_dequantized_engine(model_dir, adapter_dirs, gemm, monkeypatch):
+    fused_calls, linear = [], nf4_gemm.nf4_linear_fused
+
+    def counted(x, w, b=None):
+        fused_calls.append(x.shape[0])
+        return linear(x, w, b)
+
+    monkeypatch.setattr(nf4_gemm, "nf4_linear_fused", counted)
     config, params, _ = load_base_model(str(model_dir), dtype=torch.float32)
     nf4 = quantize_base_nf4(params)
     dense = {**nf4, "layers": [{k: {"weight": dequantize_nf4_reference(Nf4Weight.from_params(v))} if is_nf4(v) else v
                                 for k, v in lp.items()} for lp in nf4["layers"]]}
-    got, served = _generate(config, nf4, adapter_dirs)
+    got, served = _generate(config, nf4, adapter_dirs, tuning={"nf4_gemm": gemm})
+    # fused: every frozen product of prefill and decode steps read the 4-bit weights in the GEMM
+    assert (gemm == "fused") == bool(fused_calls) and (gemm == "buffer" or min(fused_calls) <= len(CASES))
     assert is_nf4(served["layers"][1]["down_proj"]) and is_nf4(served["layers"][0]["q_proj"]), "served 4-bit"
     want, _ = _generate(config, dense, adapter_dirs, fuse_projections=False)
     assert got == want
     assert all(len(t) == NEW_TOKENS for t in got)
+
+
+def test_engine_nf4_gemm_value_is_checked():
+    from lightning_lorafusion.serving.config import EngineTuning
+    from lightning_lorafusion.specs import ConfigError
+
+    assert EngineTuning(nf4_gemm="fused").nf4_gemm == "fused"
+    with pytest.raises(ConfigError, match="EngineTuning.nf4_gemm='tiles'; allowed: auto, buffer, fused"):
+        EngineConfig(tuning={"nf4_gemm": "tiles"})

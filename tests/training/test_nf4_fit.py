@@ -87,3 +87,18 @@ def test_random_base_is_quantized_to_nf4_at_setup(tmp_path):
     buffers = dict(module.named_buffers())
     assert buffers[f"base__layers__1__gate_proj__{WEIGHT_KEY}"].dtype == torch.uint8
     assert not any(n.endswith("proj__weight") for n in buffers) and buffers["base__embed"].is_floating_point()
+
+
+def test_nf4_gemm_option_reaches_the_decoder_and_is_checked(tiny_model_dir):
+    """``model.precision.nf4.gemm`` becomes the decoder's ``KernelOptions.nf4_gemm``; a wrong
+    value, or the option without an NF4 base, is a ConfigError naming the field."""
+    fused = {"precision": {"base": "nf4", "nf4": {"gemm": "fused"}}}
+    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **fused)
+    assert module.decoder_options.kernels.nf4_gemm == "fused"
+    default = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **NF4)
+    assert default.decoder_options.kernels.nf4_gemm == "auto"
+    with pytest.raises(ConfigError, match=r"model.precision.nf4.gemm='tiles'; allowed: \('auto', 'buffer', 'fused'\)"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1],
+                         precision={"base": "nf4", "nf4": {"gemm": "tiles"}})
+    with pytest.raises(ConfigError, match="model.precision.nf4.gemm='fused' applies only with model.precision.base: nf4"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], precision={"nf4": {"gemm": "fused"}})
