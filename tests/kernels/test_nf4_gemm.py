@@ -156,5 +156,5 @@ def test_tiny_model_trains_alike_with_fused_and_buffer(backend, tmp_path, device
     assert torch.isfinite(loss_b).all() and loss_b.abs().min() > 0
     torch.testing.assert_close(loss_f, loss_b, rtol=1e-5, atol=1e-5)
     assert len(grads_b) == len(grads_f) and all(g.abs().max() > 0 for g in grads_b)
-    for gf, gb in zip(grads_f, grads_b):
-        torch.testing.assert_close(gf, gb, rtol=1e-4, atol=1e-5)  # fp32 sums in another order
+    for gf, gb in zip(grads_f, grads_b):  # order-of-summation noise scales with the largest entries
+        torch.testing.assert_close(gf, gb, rtol=1e-4, atol=1e-4 * gb.abs().max().item())
