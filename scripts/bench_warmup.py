@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import math
 import os
 import random
@@ -331,9 +332,22 @@ class PhaseClock:
                 self.report.setdefault("phase_s", {})[name] = time.perf_counter() - t0
 
 
+def _log_engine_progress() -> None:
+    """The engine's INFO lines (each warm-up stage's time as it ends) on stderr, so a phase cut
+    by its limit still shows where its time went."""
+    engine_log = logging.getLogger("lightning_lorafusion.serving")
+    if not any(getattr(h, "_bench_warmup", False) for h in engine_log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[engine %(asctime)s] %(message)s", "%H:%M:%S"))
+        handler._bench_warmup = True
+        engine_log.addHandler(handler)
+    engine_log.setLevel(min(engine_log.level or logging.INFO, logging.INFO))
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    _log_engine_progress()
     restart_alone = args.phases == ["restart"]
     if restart_alone:
         args.keep_cache = True  # the cache a previous run left

@@ -111,19 +111,28 @@ class EngineWarmUp:
         t0 = time.perf_counter()
         cache_dir = os.environ.get("TRITON_CACHE_DIR")
         entries_before = _cache_entries(cache_dir)
-        ahead = compile_variants(warm_up_variants(self), self.device)
+        variants = warm_up_variants(self)
+        log.info("warm-up: %d kernel variants to compile ahead (recorded in %.1f s)", len(variants),
+                 time.perf_counter() - t0)
+        ahead = compile_variants(variants, self.device)
         compile_s = time.perf_counter() - t0
+        log.info("warm-up: compiled ahead in %.1f s (%s workers, %s failed)", compile_s, ahead.get("workers"),
+                 ahead.get("failed"))
         # every token bucket's mixed-step pieces, built (captured) now rather than by the first
         # step of each bucket; one set per bucket serves any mix of ranks
         t_pieces = time.perf_counter()
         with self._step_lock:
             pieces = self.runner.build_mixed_pieces()
         pieces_s = time.perf_counter() - t_pieces
+        log.info("warm-up: mixed-step pieces of %d token buckets built in %.1f s", pieces, pieces_s)
         t_rounds = time.perf_counter()
         adapters = sorted(self.adapters(), key=lambda a: a.name)
         rounds = self._warm_up_rounds([None, *(a.name for a in adapters[:1])], prompt_len, max_new_tokens)
-        for batch in rounds:
+        for i, batch in enumerate(rounds):
+            t_round = time.perf_counter()
             self.generate(batch)
+            log.info("warm-up: round %d/%d (%d requests) in %.1f s", i + 1, len(rounds), len(batch),
+                     time.perf_counter() - t_round)
         freed = self.reset_prefix_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

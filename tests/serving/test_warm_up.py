@@ -62,3 +62,13 @@ def test_warm_up_builds_the_mixed_pieces_of_every_bucket(make_engine):
     assert engine.runner.build_mixed_pieces() == 0  # nothing left to build, whatever ranks come later
     assert _answers(engine) == _answers(make_engine(**config))
     assert make_engine(**config).warm_up(prompt_len=6)["mixed_piece_keys"] == 0
+
+
+def test_warm_up_logs_each_stage_as_it_ends(make_engine, caplog):
+    """A warm-up cut short (a benchmark's limit, a killed start) still shows where its time went."""
+    engine = make_engine(num_pages=96, page_size=4)
+    with caplog.at_level("INFO", logger="lightning_lorafusion.serving"):
+        done = engine.warm_up(prompt_len=6)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up:")]
+    assert any("compiled ahead" in m for m in lines) and any("token buckets built" in m for m in lines)
+    assert sum(m.startswith("warm-up: round ") for m in lines) == done["rounds"]
