@@ -82,7 +82,9 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                    prefix_caching=config.prefix_caching,
                                    chunked_prefill=config.enable_chunked_prefill,
                                    prefill_wait_steps=config.prefill_wait_steps,
-                                   scheduling=config.scheduling)
+                                   scheduling=config.scheduling,
+                                   rope_switch=(model_config.rope_original_max_positions
+                                                if model_config.rope_type == "longrope" else None))
         self.runner = ModelRunner(model_config, self.params, self.pool, backend=config.backend,
                                   decode_backend=config.tuning.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.tuning.prefill_attention,

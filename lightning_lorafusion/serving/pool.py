@@ -56,14 +56,15 @@ PageKey = bytes  # a 32-byte digest chaining the adapter, the previous page's ke
 
 
 def prefix_page_keys(adapter_key: int | None, token_ids: Sequence[int], page_size: int,
-                     num_pages: int, known: Sequence[PageKey] = ()) -> list[PageKey]:
+                     num_pages: int, known: Sequence[PageKey] = (), salt: bytes = b"") -> list[PageKey]:
     """Keys of the first ``num_pages`` full pages of ``token_ids``: page i's key hashes the
     adapter identity (``HostAdapter.key``, unique per load; None = base), page i-1's key and
     page i's token ids, so equal keys mean the same adapter and the same leading tokens.
     ``known``: keys of the first pages from an earlier call over the same leading tokens (a
-    sequence that grew by decoding); only the pages after them are hashed."""
+    sequence that grew by decoding); only the pages after them are hashed. ``salt``: what else
+    the cached keys and values depend on (LongRoPE's short or long factors)."""
     keys = list(known[:num_pages])
-    prev = keys[-1] if keys else (b"base" if adapter_key is None else b"adapter%d" % adapter_key)
+    prev = keys[-1] if keys else (b"base" if adapter_key is None else b"adapter%d" % adapter_key) + salt
     for i in range(len(keys), num_pages):
         tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], dtype=np.int64)
         prev = hashlib.sha256(prev + b"|" + tokens.tobytes()).digest()

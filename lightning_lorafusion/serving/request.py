@@ -108,6 +108,7 @@ class RequestState:
     num_preemptions: int = 0
     queued_step: int = 0  # the scheduler's step count when it (last) joined the queue
     cacheable: bool = True  # its full pages may enter the prefix cache (False once its KV is suspect)
+    rope_salt: bytes = b""  # LongRoPE: the factors its prefix pages were written with (scheduler)
     # what ends it, fixed at creation (checked for every row of every step)
     stop_ids: frozenset[int] = field(init=False)  # eos_token_ids and the request's stop_token_ids
     max_output: int = field(init=False)  # generated tokens that end it ("length"): max_new_tokens or the context

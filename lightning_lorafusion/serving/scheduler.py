@@ -80,8 +80,12 @@ class Scheduler:
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
-                 chunked_prefill: bool = False, prefill_wait_steps: int = 0, scheduling: str = "fifo") -> None:
+                 chunked_prefill: bool = False, prefill_wait_steps: int = 0, scheduling: str = "fifo",
+                 rope_switch: int | None = None) -> None:
         self.pool = pool
+        # LongRoPE: a request holding more tokens than this runs on the long factors (runner.py),
+        # so its cached keys differ from a shorter request's over the same tokens
+        self.rope_switch = rope_switch
         self.fair = FairShare() if scheduling == "fair" else None
         self.prefill_wait_steps = prefill_wait_steps
         self.steps = 0  # schedule() calls: the clock of prefill_wait_steps
@@ -303,7 +307,8 @@ class Scheduler:
         if self.prefix_caching:
             ids = state.all_ids
             state.page_keys = prefix_page_keys(None if state.adapter is None else state.adapter.key, ids,
-                                               pool.page_size, len(ids) // pool.page_size)
+                                               pool.page_size, len(ids) // pool.page_size,
+                                               salt=self._rope_salt(state))
             if not state.wants_prompt_logprobs:
                 reused = pool.match_prefix(state.page_keys[:(len(ids) - 1) // pool.page_size])
                 pool.share(state.pages, reused)  # before allocating, so they cannot be dropped for it
@@ -323,6 +328,15 @@ class Scheduler:
         self.running.append(state)
         return True
 
+    def _rope_salt(self, state: RequestState) -> bytes:
+        """The prefix-key salt of ``state`` from its admission on: b"" without LongRoPE, else
+        which factors its prompt is computed with (by its length now, as the runner picks)."""
+        if self.rope_switch is None:
+            state.rope_salt = b""
+        else:
+            state.rope_salt = b"long" if state.num_tokens > self.rope_switch else b"short"
+        return state.rope_salt
+
     def register_computed_pages(self, state: RequestState) -> None:
         """Make ``state``'s full pages whose keys and values are all written (tokens
         ``all_ids[:num_cached]``) reusable prefixes. Called after each prefill piece, and for
@@ -333,9 +347,15 @@ class Scheduler:
             return
         pool = self.pool
         full = state.num_cached // pool.page_size
+        if self.rope_switch is not None and state.rope_salt == b"short":
+            # admitted on the short factors: its tokens from position ``rope_switch`` on were
+            # written with the long ones (it grew past the switch), so only the pages before
+            # that hold short-factor keys throughout
+            full = min(full, self.rope_switch // pool.page_size)
         if len(state.page_keys) < full:  # pages filled since admission: extend the key chain
             state.page_keys = prefix_page_keys(None if state.adapter is None else state.adapter.key,
-                                               state.all_ids, pool.page_size, full, known=state.page_keys)
+                                               state.all_ids, pool.page_size, full, known=state.page_keys,
+                                               salt=state.rope_salt)
         for page, key in zip(state.pages[:full], state.page_keys):
             pool.register(page, key)
 

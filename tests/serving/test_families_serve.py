@@ -276,6 +276,32 @@ def test_partial_rotary_longrope_greedy_equals_hf_peft(longrope):
         engine.close()
 
 
+def test_longrope_prefix_pages_are_never_shared_between_short_and_long_factors(longrope):
+    """A prompt within the 32-token switch caches pages written with the short factors; a longer
+    prompt over the same tokens runs on the long ones, so it must not reuse them (nor may a
+    short request reuse a long one's), while requests on the same side still share."""
+    short = _prompt(8, 24)
+    long = short + _prompt(9, 14)
+    engine = longrope.engine()
+    try:
+        _generate(engine, [(short, None)], max_new=2)
+        hits = engine.stats()["prefix_cache_hits_total"]
+        got_long = _generate(engine, [(long, None)], max_new=4)
+        assert engine.stats()["prefix_cache_hits_total"] == hits  # the short pages are not its prefix
+        got_short = _generate(engine, [(short + [7], None)], max_new=2)  # 25 tokens: short again
+        assert engine.stats()["prefix_cache_hits_total"] == hits + 1
+        _generate(engine, [(long + [7], None)], max_new=2)  # long again: reuses the long pages
+        assert engine.stats()["prefix_cache_hits_total"] == hits + 2
+    finally:
+        engine.close()
+    engine = longrope.engine(prefix_caching=False)
+    try:
+        assert _generate(engine, [(long, None)], max_new=4) == got_long
+        assert _generate(engine, [(short + [7], None)], max_new=2) == got_short
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 def test_partial_rotary_longrope_triton_kernels_equal_hf_peft(longrope):
     """The RoPE + KV write kernels (interpreter, fp32) rotating 12 of 16 dims, long and short rows."""
