@@ -11,7 +11,7 @@ from lightning_lorafusion.specs import ConfigError
 
 
 def test_moved_keys_name_their_new_place():
-    assert set(MOVED_TO_TUNING) == {"decode_backend", "prefill_attention", "mixed_graphs", "async_decode"}
+    assert set(MOVED_TO_TUNING) == {"decode_backend", "prefill_attention", "mixed_graphs", "async_decode", "nf4_gemm"}
     for name in MOVED_TO_TUNING:
         with pytest.raises(ConfigError, match=rf"EngineConfig\.{name} moved to EngineConfig\.tuning\.{name}") as e:
             EngineConfig(**{name: "auto"})
