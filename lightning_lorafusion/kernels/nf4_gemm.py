@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .nf4_triton import nf4_byte_pair
+
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, when the fused GEMM is asked for), so this one does not import it back.
 
@@ -33,19 +35,9 @@ import triton.language as tl
 def _nf4_pairs(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, n_idx, b_idx, half_k, mask,
                BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
     """fp32 ``(W[n, 2b], W[n, 2b + 1])`` for byte column ``b_idx`` of rows ``n_idx`` (broadcast
-    index tensors; masked entries are 0): one byte load and one absmax per pair of values."""
-    byte = n_idx.to(tl.int64) * half_k + b_idx
-    packed = tl.load(data_ptr + byte, mask=mask, other=0).to(tl.int32)
-    block = (2 * byte) // BLOCKSIZE  # both values of a byte share a block (block sizes are even)
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + block // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-        scale = scale + tl.load(offset_ptr)
-    else:
-        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
-    hi = tl.load(code_ptr + (packed >> 4)) * scale
-    lo = tl.load(code_ptr + (packed & 15)) * scale
-    return tl.where(mask, hi, 0.0), tl.where(mask, lo, 0.0)
+    index tensors; masked entries are 0)."""
+    return nf4_byte_pair(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr,
+                         n_idx.to(tl.int64) * half_k + b_idx, mask, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
 
 
 @triton.jit

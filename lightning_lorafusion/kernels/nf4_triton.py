@@ -16,24 +16,35 @@ BLOCK = 1024  # packed bytes per program
 
 
 @triton.jit
-def _nf4_dequant_kernel(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, out_ptr,
-                        n_bytes, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    byte = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = byte < n_bytes
+def nf4_byte_pair(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, byte, mask,
+                  BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
+    """fp32 ``(value 2 * byte, value 2 * byte + 1)`` of the packed NF4 bytes at ``byte`` (an
+    index tensor; masked entries are 0): the byte's high and low nibble through the codebook,
+    times the absmax of their block (decoded from its 8-bit code and the nested scale with
+    double quantization). One byte load and one absmax per pair of values."""
     packed = tl.load(data_ptr + byte, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(code_ptr + (packed >> 4))
-    lo = tl.load(code_ptr + (packed & 15))
-    # both values of a byte share a block (block sizes are even)
-    block = (2 * byte) // BLOCKSIZE
+    block = (2 * byte) // BLOCKSIZE  # both values of a byte share a block (block sizes are even)
     if NESTED:
         q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
         scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + block // NESTED_BLOCKSIZE, mask=mask, other=0.0)
         scale = scale + tl.load(offset_ptr)
     else:
         scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
-    values = tl.interleave(hi * scale, lo * scale)
+    hi = tl.load(code_ptr + (packed >> 4)) * scale
+    lo = tl.load(code_ptr + (packed & 15)) * scale
+    return tl.where(mask, hi, 0.0), tl.where(mask, lo, 0.0)
+
+
+@triton.jit
+def _nf4_dequant_kernel(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, out_ptr,
+                        n_bytes, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    byte = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = byte < n_bytes
+    hi, lo = nf4_byte_pair(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, byte, mask,
+                           BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
+    values = tl.interleave(hi, lo)
     out = 2 * pid.to(tl.int64) * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + out, values.to(out_ptr.dtype.element_ty), mask=out < 2 * n_bytes)
 
