@@ -20,6 +20,7 @@ def varlen_causal_attention(
     sliding_window: int | None = None,
     max_seqlen: int | None = None,
     softcap: float | None = None,
+    block_mask=None,
 ) -> torch.Tensor:
     """Causal attention inside each packed sequence.
 
@@ -31,7 +32,9 @@ def varlen_causal_attention(
     ``softcap`` C (Gemma 2): scores become ``C * tanh(scores / C)`` before the softmax. The
     FlashAttention path has no soft-cap: on CUDA soft-capped attention runs as compiled
     FlexAttention (``flex_attention.py``), on a CPU (or if that fails) the reference loop
-    (correct, not fast: it materialises ``[heads, L, L]`` per sequence).
+    (correct, not fast: it materialises ``[heads, L, L]`` per sequence). ``block_mask``: the
+    FlexAttention mask of this ``cu_seqlens`` and window, built once per forward
+    (``flex_attention.softcap_block_masks``); None builds it here.
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
         raise ValueError(f"expected q [T, Hq, D], k/v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -45,7 +48,7 @@ def varlen_causal_attention(
             return out
     if q.is_cuda and softcap is not None:
         out = flex_softcap_attention(q, k, v, cu_seqlens, scale=scale, softcap=softcap,
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, block_mask=block_mask)
         if out is not None:
             return out
     return sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale, sliding_window=sliding_window, softcap=softcap)

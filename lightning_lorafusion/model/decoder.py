@@ -49,6 +49,7 @@ from ..kernels.options import KernelOptions
 from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_norm
 from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
+from .flex_attention import softcap_block_masks
 from .decoder_config import (ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq,  # noqa: F401 (also imported from here)
                              rope_long_rows)
 from .family import (
@@ -185,10 +186,13 @@ def decoder_layer(
     backend: str = "torch",
     max_seqlen: int | None = None,
     options: DecoderOptions = DEFAULT_OPTIONS,
+    attention_masks: Mapping[int | None, Any] | None = None,
 ) -> torch.Tensor:
     """One block ``h [T, H] -> [T, H]``: attention then gated MLP, each with LoRA, arranged as
     ``config.family`` says (Llama's pre-norm SwiGLU block by default). ``cos``/``sin``: this
-    layer's RoPE (``decoder_layers`` picks the local or global one per layer)."""
+    layer's RoPE (``decoder_layers`` picks the local or global one per layer).
+    ``attention_masks``: soft-capped attention's FlexAttention masks by sliding window, built once
+    per forward by ``decoder_layers`` (None: built by the attention itself)."""
     view = bank_view or {}
     kernel_options = options.kernels
     family, eps = config.family, config.rms_norm_eps
@@ -213,9 +217,10 @@ def decoder_layer(
         q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], eps, family)
     q, k = rope_qk(q, k, cos, sin)
     v = v.reshape(t, config.num_kv_heads, config.head_dim)
+    window = config.sliding_window(layer)
     a = varlen_causal_attention(q, k, v, cu_seqlens, scale=attention_scale(family, config.head_dim),
-                                sliding_window=config.sliding_window(layer), max_seqlen=max_seqlen,
-                                softcap=family.attn_logit_softcap)
+                                sliding_window=window, max_seqlen=max_seqlen, softcap=family.attn_logit_softcap,
+                                block_mask=None if attention_masks is None else attention_masks.get(window))
     wo, bo = frozen_weight(lp["o_proj"])
     (o,) = lora_projections(a.reshape(t, config.q_size), [wo], [bo], lora("o_proj"), routing,
                             dropout_offset=offset(1), backend=backend, options=kernel_options)
@@ -294,6 +299,9 @@ def decoder_layers(
     ropes = {False: (cos, sin)}
     if any(config.local_rope(i) for i in layers):
         ropes[True] = rope_cos_sin(config, position_ids, h.dtype, local=True)
+    masks = None
+    if config.family.attn_logit_softcap is not None and h.is_cuda:  # one FlexAttention mask per window
+        masks = softcap_block_masks(cu_seqlens, t, {config.sliding_window(i) for i in layers})
     multiplier = embedding_multiplier(config.family, config.hidden_size, h.dtype)
     if multiplier is not None and 0 in layers:
         # the family's embedding scale (Gemma): applied here, before the first layer, so every
@@ -307,7 +315,7 @@ def decoder_layers(
     for i in layers:
         args = (params["layers"][i], bank_view, h, *ropes[config.local_rope(i)], cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
-                      max_seqlen=max_seqlen, options=options)
+                      max_seqlen=max_seqlen, options=options, attention_masks=masks)
         if i < recompute_below:
             # no torch RNG inside (dropout masks are hashes): nothing to preserve, and a CUDA
             # graph capture may not read or set the generator's state

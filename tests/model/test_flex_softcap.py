@@ -40,6 +40,23 @@ def test_forward_equals_the_reference_loop_on_cpu(window, softcap):
         assert (uncapped[:real] - ref[:real]).abs().max() > 1e-2
 
 
+def test_masks_built_once_per_forward_give_the_same_attention():
+    """``decoder_layers`` builds one mask per window for all its layers; each layer's attention
+    with it equals the attention that builds its own."""
+    q, k, v, cu = _case("cpu", torch.float32)
+    masks = fa.softcap_block_masks(cu, q.shape[0], {None, 7})
+    assert set(masks) == {None, 7}
+    for window in (None, 7):
+        own = fa.flex_softcap_attention(q, k, v, cu, scale=0.25, softcap=2.0, sliding_window=window,
+                                        compiled=False)
+        shared = fa.flex_softcap_attention(q, k, v, cu, scale=0.25, softcap=2.0, sliding_window=window,
+                                           compiled=False, block_mask=masks[window])
+        torch.testing.assert_close(shared, own, rtol=0, atol=0)
+    other = fa.flex_softcap_attention(q, k, v, cu, scale=0.25, softcap=2.0, sliding_window=None,
+                                      compiled=False, block_mask=masks[7])
+    assert (other - fa.flex_softcap_attention(q, k, v, cu, scale=0.25, softcap=2.0, compiled=False)).abs().max() > 0
+
+
 def test_a_failure_is_logged_once_and_the_caller_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(fa, "_failed", None)
 
