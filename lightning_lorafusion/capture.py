@@ -1,10 +1,26 @@
-"""Helpers around CUDA-graph capture shared by the engine's and the trainer's graphs."""
+"""Helpers around CUDA-graph capture shared by the engine's and the trainer's graphs.
+
+A capture's fixed costs, not its kernels, decide how long a warm-up takes: the engine captures
+L + 1 graphs per token bucket (480 at the 8B shape) and ``torch.cuda.graph`` pays per graph
+a device synchronisation, ``empty_cache`` (device and pinned host: every cached block is handed
+back, and the next eager run allocates it again) and, with ``gc_paused``, a full garbage
+collection. ``capture_batch`` pays the collection and the cache release once for a run of
+captures and ``graph_capture`` records one graph without them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from typing import Iterator
+
+import torch
+
+_batch = threading.local()
+_lock = threading.Lock()
+_paused = 0  # capture batches open in the process (gc is process-wide)
+_gc_was_enabled = True
 
 
 @contextlib.contextmanager
@@ -15,9 +31,10 @@ def gc_paused() -> Iterator[None]:
     pinned host buffers and events, left in reference cycles): freeing pinned memory queries
     or synchronises events, which invalidates the capture ("operation failed due to a previous
     error during capture", seen on an H100 when an engine was built after others in one
-    process). ``torch.cuda.graph`` collects once when it starts; the Python that runs between
-    its kernels can trigger another collection before it ends."""
-    gc.collect()
+    process). The Python that runs between a capture's kernels can trigger a collection before
+    it ends. Inside ``capture_batch`` (same thread) it does not collect: the batch did."""
+    if not getattr(_batch, "depth", 0):
+        gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -25,3 +42,59 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def capture_batch(device: torch.device | None = None) -> Iterator[None]:
+    """A run of captures: garbage collected and the allocators' caches released once on entry
+    (on a CUDA ``device``), the cyclic collector off until the outermost batch of the process
+    ends. ``graph_capture`` and ``gc_paused`` inside it (same thread) skip their own collection."""
+    global _paused, _gc_was_enabled
+    depth = getattr(_batch, "depth", 0)
+    if depth == 0:
+        gc.collect()
+        with _lock:
+            if _paused == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _paused += 1
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+    _batch.depth = depth + 1
+    try:
+        yield
+    finally:
+        _batch.depth = depth
+        if depth == 0:
+            with _lock:
+                _paused -= 1
+                if _paused == 0 and _gc_was_enabled:
+                    gc.enable()
+
+
+_side_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+@contextlib.contextmanager
+def graph_capture(graph: "torch.cuda.CUDAGraph", *, pool=None, stream: "torch.cuda.Stream | None" = None,
+                  device: torch.device | None = None) -> Iterator[None]:
+    """Record the block into ``graph`` (thread-local capture mode: another thread of the process
+    may use the GPU meanwhile) on ``stream`` (default: one side stream per device), in the
+    memory ``pool`` (None: a new one). What ``torch.cuda.graph`` does, less its per-graph
+    ``empty_cache`` and host cache release; the garbage collector is paused as in ``gc_paused``
+    (collected on entry unless inside ``capture_batch``)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    if stream is None:
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        stream = _side_streams.get(index)
+        if stream is None:
+            stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    with gc_paused():
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode="thread_local")
+            try:
+                yield
+            finally:
+                graph.capture_end()

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..capture import gc_paused
+from ..capture import capture_batch, graph_capture
 from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
 
@@ -222,9 +222,10 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every (bucket, lora) pair without DoRA; returns the seconds it took."""
         t0 = time.perf_counter()
-        for lora in (True, False):
-            for rows in sorted(self.buckets, reverse=True):
-                self._capture(rows, lora, False)
+        with capture_batch(torch.device("cuda", torch.cuda.current_device())):
+            for lora in (True, False):
+                for rows in sorted(self.buckets, reverse=True):
+                    self._capture(rows, lora, False)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -233,7 +234,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread-local: another engine's thread in this process may use the GPU meanwhile
-        with gc_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with graph_capture(graph, pool=self.pool):
             self._run(rows, lora, dora)
         self.pool = graph.pool() if self.pool is None else self.pool
         self._graphs[(rows, lora, dora)] = graph

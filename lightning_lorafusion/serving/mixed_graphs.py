@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import torch
 
-from ..capture import gc_paused
+from ..capture import capture_batch, graph_capture
 from ..kernels.lora_gather import MAX_RANK
 from ..specs import ALL_TARGET_MODULES
 from .dora_rows import DoraSlotRows, DoraSlots
@@ -137,14 +137,14 @@ class MixedPieces:
     def capture(self, pool) -> None:
         """Record each piece as a CUDA graph into ``pool`` (None: a new pool)."""
         graphs = []
-        with torch.no_grad():
+        with torch.no_grad(), capture_batch(torch.device("cuda", torch.cuda.current_device())):
             for i in range(self.runner.config.num_layers + 1):
                 self.piece(i)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 # captured mid-run (the first step of its key): other threads of the engine may
                 # use the GPU meanwhile, which the default ("global") mode turns into an error
-                with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with graph_capture(graph, pool=pool):
                     self.piece(i)
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)

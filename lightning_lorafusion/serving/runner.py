@@ -19,7 +19,9 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 
 from __future__ import annotations
 
+import logging
 import operator
+import time
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
@@ -29,6 +31,7 @@ from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
+from ..capture import capture_batch
 from .compile_ahead import compile_ahead
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
 from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
@@ -39,6 +42,7 @@ from .request import RequestState
 from .step_batch import PrefillLora, PrefixRows, StepBatch
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -434,9 +438,15 @@ class ModelRunner:
         if self.mixed_pieces is None:
             return 0
         new = [rows for rows in self.token_buckets if rows not in self._mixed]
-        for rows in new:
-            self._mixed[rows] = self._new_pieces(rows)
+        with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
+            self._build_pieces(new)
         return len(new)
+
+    def _build_pieces(self, new: list[int]) -> None:
+        for rows in new:
+            t0 = time.perf_counter()
+            self._mixed[rows] = self._new_pieces(rows)
+            log.info("mixed-step pieces of the %d-token bucket built in %.2f s", rows, time.perf_counter() - t0)
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode

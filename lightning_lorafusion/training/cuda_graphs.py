@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..capture import gc_paused
+from ..capture import graph_capture
 from ..data.microbatch import Microbatch
 from ..kernels.static_routing import StaticLaunchTables, StaticTableError
 from ..model.decoder import DEFAULT_OPTIONS, DecoderConfig, DecoderOptions, decoder_layers, embed, head_loss_sums
@@ -405,7 +405,7 @@ class TrainingGraphs:
         graph = torch.cuda.CUDAGraph()
         tables.freeze()
         try:
-            with gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            with graph_capture(graph, pool=self._pool, stream=side, device=main.device):
                 out = self._run_static(key, inputs, tables)
             input_grad = self._take_input_grad(key.capacity)  # inside the graph's pool
         except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly

@@ -14,9 +14,10 @@ from lightning_lorafusion.kernels.options import KernelOptions
 
 # (M, N, K): M of decode (1, 5) and training tiles with tails; N, K off the block sizes (K even)
 SHAPES = [(1, 47, 130), (5, 64, 96), (37, 130, 66), (70, 33, 258)]
-# fp32: the same products summed in another order (ieee dots), ~1e-6 relative to |x||w|;
+# fp32: the same products summed in another order (ieee dots): sums of K = 258 unit-scale
+# products reach ~16, so an output near zero can differ by a few 1e-5 (1.1e-5 seen on an H100);
 # fp16: both round the fp32 sum once to fp16 (2^-11 = 4.9e-4 relative), so one ulp apart at most
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=5e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 
 def _weight(n: int, k: int, nested: bool, blocksize: int = 64, seed: int = 0) -> Nf4Weight:
