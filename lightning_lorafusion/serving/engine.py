@@ -332,6 +332,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
             "pages_free": pool.num_free,
             "kv_pages_moved_total": pool.pages_moved,
             "preemptions_total": self.scheduler.num_preemptions,
+            "rope_recomputes_total": self.scheduler.rope_recomputes,
             "prefill_chunks_total": self.scheduler.prefill_chunks,
             "prefill_held_steps_total": self.scheduler.held_steps,
             "prefix_cache_hits_total": self.scheduler.prefix_cache_hits,

@@ -72,6 +72,13 @@ class Scheduler:
     when they would fill every free running slot. A preempted request never waits (it goes back
     at the head of the queue and is admitted as before).
 
+    LongRoPE (``rope_switch``: the checkpoint's ``original_max_position_embeddings``): a
+    request holding more tokens than the switch runs on the long factors. One admitted on the
+    short factors that grows past the switch while decoding is recomputed, as HF's Phi-3 does
+    at that token: its pages are given back (those before the switch stay cached, keyed as
+    short) and it is prefilled again, prompt and generated tokens, on the long factors, before
+    it decodes on (``rope_recomputes`` counts them).
+
     ``scheduling="fair"`` changes which waiting request is admitted next: instead of the
     oldest, the oldest of the tenant (adapter) that has been served least (``FairShare``);
     preempted requests still go first, and admission still stops at the first request that
@@ -86,6 +93,7 @@ class Scheduler:
         # LongRoPE: a request holding more tokens than this runs on the long factors (runner.py),
         # so its cached keys differ from a shorter request's over the same tokens
         self.rope_switch = rope_switch
+        self.rope_recomputes = 0  # requests re-prefilled on the long factors after growing past it
         self.fair = FairShare() if scheduling == "fair" else None
         self.prefill_wait_steps = prefill_wait_steps
         self.steps = 0  # schedule() calls: the clock of prefill_wait_steps
@@ -117,6 +125,8 @@ class Scheduler:
         self.steps += 1
         plan = StepPlan()
         prefilling: list[RequestState] = []
+        if self.rope_switch is not None:
+            self._recompute_past_rope_switch(plan)
         if not self._grow_all(plan, prefilling):
             for state in list(self.running):
                 if state.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -137,6 +147,20 @@ class Scheduler:
         if self.fair is not None:  # (prefill pieces are charged as they are added)
             self.fair.charge_decode(plan.decode)
         return plan
+
+    def _crosses_rope_switch(self, state: RequestState, tokens: int) -> bool:
+        """Whether ``state``, once holding ``tokens`` tokens, runs past the LongRoPE switch with
+        keys computed on the short factors."""
+        return self.rope_switch is not None and state.rope_salt == b"short" and tokens > self.rope_switch
+
+    def _recompute_past_rope_switch(self, plan: StepPlan) -> None:
+        """Send the decoding requests that now hold more tokens than the LongRoPE switch, with
+        their cache on the short factors, back to be prefilled again (on the long ones)."""
+        for state in [st for st in self.running
+                      if st.num_tokens - st.num_cached == 1 and self._crosses_rope_switch(st, st.num_tokens)]:
+            self._preempt(state, count=False)
+            plan.preempted.append(state)
+            self.rope_recomputes += 1
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         """Admit queued requests into ``plan`` while slots, ``budget`` tokens and pages last."""
@@ -189,6 +213,9 @@ class Scheduler:
         going_on = [state for state in decode if len(state.output_ids) + 1 < state.max_output]
         if not going_on or (self.waiting and len(going_on) < self.max_num_seqs):
             return None
+        if self.rope_switch is not None and any(self._crosses_rope_switch(st, st.num_tokens + 1)
+                                                for st in going_on):
+            return None  # one goes past the LongRoPE switch: schedule() re-prefills it
         size = self.pool.page_size
         growing: list[RequestState] = []
         counts: list[int] = []
@@ -304,11 +331,11 @@ class Scheduler:
         if state.adapter is not None and pool.page_in(state.adapter, protect=protect) is None:
             return False
         reused: list[int] = []
+        salt = self._rope_salt(state)
         if self.prefix_caching:
             ids = state.all_ids
             state.page_keys = prefix_page_keys(None if state.adapter is None else state.adapter.key, ids,
-                                               pool.page_size, len(ids) // pool.page_size,
-                                               salt=self._rope_salt(state))
+                                               pool.page_size, len(ids) // pool.page_size, salt=salt)
             if not state.wants_prompt_logprobs:
                 reused = pool.match_prefix(state.page_keys[:(len(ids) - 1) // pool.page_size])
                 pool.share(state.pages, reused)  # before allocating, so they cannot be dropped for it
@@ -366,13 +393,15 @@ class Scheduler:
             self.pool.release(state.adapter)
             state.resident = None
 
-    def _preempt(self, state: RequestState) -> None:
+    def _preempt(self, state: RequestState, *, count: bool = True) -> None:
+        """Free ``state``'s pages and queue it first, to be prefilled again (``count``: a
+        preemption for pages, in ``num_preemptions``)."""
         self._release(state)
         self.running.remove(state)
         state.status = Status.WAITING
         state.num_cached = 0
         state.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += count
         self.waiting.appendleft(state)
         if self.fair is not None:
             self.fair.queued(state, self.running, front=True)

@@ -26,6 +26,8 @@ class EngineCollector:
                  ("adapter_page_ins_total", "lorafusion_adapter_page_ins", "Adapters copied host -> device pool"),
                  ("adapter_evictions_total", "lorafusion_adapter_evictions", "Adapters evicted from the device pool"),
                  ("preemptions_total", "lorafusion_preemptions", "Requests preempted for KV pages"),
+                 ("rope_recomputes_total", "lorafusion_rope_recomputes",
+                  "LongRoPE requests prefilled again on the long factors after decoding past the switch"),
                  ("prefix_cache_hits_total", "lorafusion_prefix_cache_hits", "Requests that reused cached prefix pages"),
                  ("prefix_tokens_reused_total", "lorafusion_prefix_tokens_reused",
                   "Prompt tokens not prefilled thanks to the prefix cache"),

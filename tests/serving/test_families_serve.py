@@ -332,3 +332,35 @@ def test_local_rope_table_is_built_once_per_step(monkeypatch):
         engine.close()
     assert forwards and len(builds) == 2 * len(forwards)
     assert builds.count(True) == len(forwards)
+
+
+# prompts within the 32-token switch whose greedy continuation grows past it while decoding
+CROSSING_CASES = [
+    (_prompt(10, 27), "all4"),
+    (_prompt(11, 30), None),
+    (_prompt(12, 25), TRAINED),
+    (_prompt(3, 12), "mlp6"),  # stays short throughout
+]
+
+
+@pytest.fixture(scope="module")
+def crossing(tmp_path_factory):
+    return _Family("phi3_partial_longrope", tmp_path_factory.mktemp("crossing"), cases=CROSSING_CASES)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_longrope_request_crossing_the_switch_mid_decode_is_recomputed_like_hf(crossing, prefix_caching):
+    """HF's Phi-3 recomputes the whole cache on the long factors at the token that takes a
+    sequence past ``original_max_position_embeddings``; the engine re-prefills the request
+    there (its pages on the short factors given back), so tokens and log-probs stay HF's."""
+    assert all(len(p) <= 32 < len(p) + MAX_NEW for p, _ in CROSSING_CASES[:3])
+    engine = crossing.engine(prefix_caching=prefix_caching)
+    try:
+        _assert_equal_to_hf(crossing, _generate(engine, CROSSING_CASES, logprobs=True))
+        assert engine.stats()["rope_recomputes_total"] == 3
+        assert engine.stats()["preemptions_total"] == 0  # not counted as preemptions for pages
+        # the same prompts again: short prefixes are reused, and the recomputed requests still agree
+        _assert_equal_to_hf(crossing, _generate(engine, CROSSING_CASES, logprobs=True))
+        assert engine.stats()["rope_recomputes_total"] == 6
+    finally:
+        engine.close()
