@@ -184,6 +184,7 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
     """Submit the trace at its arrival times into the engine's loop, load ``new_adapter`` halfway
     (None: load nothing); requests still running after ``max_s`` are aborted."""
     from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+    from lightning_lorafusion.serving.warm_up import compiled_kernel_variants
 
     n = len(trace)
     first = [None] * n
@@ -212,6 +213,8 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
     if new_adapter is not None:
         for j in range(half, n, args.new_every):
             targets[j] = new_name
+    kernels_before = sum(compiled_kernel_variants().values())
+    page_ins_before = engine.stats()["adapter_page_ins_total"]
     engine.start()
     t0 = time.perf_counter() + 0.05
     load_at = load_s = None
@@ -245,6 +248,8 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
     times = sorted(token_times)
     gaps_before = [b - a for a, b in zip(times, times[1:]) if b <= load_at]
     gaps_after = [b - a for a, b in zip(times, times[1:]) if a >= load_at]
+    # where the longest gap ended (seconds into the trace), and what the trace compiled or paged in
+    longest = max(zip(times, times[1:]), key=lambda ab: ab[1] - ab[0], default=None)
     wall = (times[-1] if times else end) - t0
     return {"requests": n, "finished": sum(f is not None for f in first), "cut": cut, "wall_s": wall,
             "generated_tok_s": len(times) / wall if wall > 0 else 0.0,
@@ -252,6 +257,9 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
             "new_adapter_load_s": load_s,
             "max_token_gap_ms_before_load": 1e3 * max(gaps_before, default=0.0),
             "max_token_gap_ms_after_load": 1e3 * max(gaps_after, default=0.0),
+            "max_token_gap_ends_at_s": None if longest is None else longest[1] - t0,
+            "triton_variants_compiled_in_trace": sum(compiled_kernel_variants().values()) - kernels_before,
+            "adapter_page_ins_in_trace": engine.stats()["adapter_page_ins_total"] - page_ins_before,
             **{f"ttft_{k}_{q}_s": percentile(v, q) for k, v in ttft.items() for q in (50, 99)},
             "ttft_counts": {k: len(v) for k, v in ttft.items()}}
 
@@ -433,6 +441,9 @@ def table(report: dict) -> str:
             ("trace tok/s (finished / requests)",
              f"{_f(t.get('generated_tok_s'))} ({t.get('finished', '-')}/{t.get('requests', '-')})"),
             ("max token gap ms before / after new-rank load", f"{_f(_ms(t, 'before'))} / {_f(_ms(t, 'after'))}"),
+            ("  longest gap ends at s; Triton variants compiled, adapter page-ins in the trace",
+             f"{_f(t.get('max_token_gap_ends_at_s'))}; {t.get('triton_variants_compiled_in_trace', '-')}, "
+             f"{t.get('adapter_page_ins_in_trace', '-')}"),
             ("TTFT p99 s others before / after load", f"{_f(t.get('ttft_others_before_99_s'))} / "
                                                        f"{_f(t.get('ttft_others_after_99_s'))}"),
             ("TTFT p50 / p99 s new-rank adapter",

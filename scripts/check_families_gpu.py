@@ -14,9 +14,13 @@ local and global RoPE bases), with ``--adapters`` PEFT adapters of different ran
 - training: each adapter's mean loss over its samples packed in one microbatch (our forward,
   adapters imported from the same PEFT directories) against HF + PEFT's on each sample alone.
 
-Pass/fail rests on the losses (``--loss-rtol``) and the teacher-forced log-probabilities
-(``--logprob-atol``, on the mean absolute difference per token): both compare the two models
-on the same tokens, so they stay meaningful on random weights. The greedy columns are reported
+Pass/fail rests on the losses (``--loss-rtol``) and the teacher-forced log-probabilities: both
+compare the two models on the same tokens, so they stay meaningful on random weights. The
+log-prob bar is calibrated by HF's own rounding: with a 16-bit ``--dtype`` the same tokens are
+also scored by an fp32 copy of the HF + PEFT model, and a family passes when the engine's mean
+absolute distance to that fp32 reference is at most ``--logprob-rel`` times HF's own 16-bit
+distance to it (how far a correct bf16 implementation lands), or when its distance to HF's 16-bit
+log-probs is within ``--logprob-atol`` (the bar in fp32, where HF's own distance is 0). The greedy columns are reported
 but do not decide: random weights give near-flat logits whose argmax is a near-tie that bf16
 rounding flips, so correct implementations part early (docs/BENCHMARKS.md, "Model families");
 the exact greedy equality is shown in fp32 (``--dtype float32``, tests/serving). Prints a
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import tempfile
 from pathlib import Path
 
@@ -53,6 +58,10 @@ TARGETS = (ALL, ("q_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_p
 # them by tenths (tiny fp32 shapes, tests/scripts/test_check_families_gpu.py: norms multiplied by
 # 1 + w instead of w 0.4-0.7, Gemma 2 without its soft-caps 1.4).
 LOGPROB_ATOL = 0.05
+# ... or, calibrated: the engine at most this many times as far from HF in fp32 as HF's own
+# 16-bit forward is (bf16 rounding moves some families' log-probs more than others': Gemma 3's
+# q/k norms and 262k-scale embeddings)
+LOGPROB_REL = 1.5
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 
@@ -148,21 +157,38 @@ def check_serving(model, config, params, adapters, prompts, a, dtype, device) ->
     ref = PeftModel.from_pretrained(model, adapters[names[1]][0], adapter_name=names[1])
     for name in names[2:]:
         ref.load_adapter(adapters[name][0], adapter_name=name)
-    match, exact, diffs = [], 0, []
+    ref32 = copy.deepcopy(ref).float() if dtype != torch.float32 else None
+    match, exact, diffs, ours32, hf32 = [], 0, [], [], []
     with torch.no_grad():
         for (prompt, name), ours, (seq, _), lp in zip(cases, got, scored, engine_lp):
             with _reference_adapter(ref, name):
                 ids = torch.tensor([prompt], device=device)
                 expected = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                         max_new_tokens=a.max_new, pad_token_id=0)[0, len(prompt):].tolist()
-                diffs += (torch.tensor(lp) - _hf_logprobs(ref, seq, device)).abs().tolist()
+                hf = _hf_logprobs(ref, seq, device)
+                diffs += (torch.tensor(lp) - hf).abs().tolist()
+            if ref32 is not None:
+                with _reference_adapter(ref32, name):
+                    exact32 = _hf_logprobs(ref32, seq, device)
+                ours32 += (torch.tensor(lp) - exact32).abs().tolist()
+                hf32 += (hf - exact32).abs().tolist()
             same = next((i for i, (x, y) in enumerate(zip(ours, expected)) if x != y), len(expected))
             match.append(same / len(expected))
             exact += ours == expected
     ref.unload()
+    mean = (lambda v: sum(v) / len(v) if v else None)
     return {"token_match": sum(match) / len(match), "exact_requests": exact, "requests": len(cases),
-            "logprob_mean_abs_diff": sum(diffs) / len(diffs), "logprob_max_abs_diff": max(diffs),
-            "logprob_tokens": len(diffs)}
+            "logprob_mean_abs_diff": mean(diffs), "logprob_max_abs_diff": max(diffs),
+            "logprob_tokens": len(diffs), "logprob_ours_vs_fp32": mean(ours32), "logprob_hf_vs_fp32": mean(hf32)}
+
+
+def logprob_ok(result: dict, atol: float, rel: float) -> bool:
+    """The log-prob bar (module docstring): within ``atol`` of HF at the same dtype, or (16-bit)
+    at most ``rel`` times as far from HF's fp32 log-probs as HF's own forward at that dtype."""
+    if result["logprob_mean_abs_diff"] <= atol:
+        return True
+    ours, hf = result.get("logprob_ours_vs_fp32"), result.get("logprob_hf_vs_fp32")
+    return ours is not None and hf is not None and ours <= rel * hf
 
 
 @contextlib.contextmanager
@@ -242,7 +268,7 @@ def check_family(family: str, a: argparse.Namespace, dtype: torch.dtype) -> dict
         result = {"family": family}
         result.update(check_serving(model, config, params, adapters, prompts, a, dtype, a.device))
         result.update(check_training(model, config, params, adapters, prompts, a.device, backend))
-    result["ok"] = result["loss_max_rel_diff"] <= a.loss_rtol and result["logprob_mean_abs_diff"] <= a.logprob_atol
+    result["ok"] = result["loss_max_rel_diff"] <= a.loss_rtol and logprob_ok(result, a.logprob_atol, a.logprob_rel)
     return result
 
 
@@ -262,6 +288,8 @@ def main(argv=None) -> Report:
     ap.add_argument("--loss-rtol", type=float, default=0.02, help="pass bar: max relative loss difference")
     ap.add_argument("--logprob-atol", type=float, default=LOGPROB_ATOL,
                     help="pass bar: mean absolute difference of the teacher-forced token log-probs (nats)")
+    ap.add_argument("--logprob-rel", type=float, default=LOGPROB_REL,
+                    help="or: the engine's mean distance to HF's fp32 log-probs at most this times HF's own (16-bit)")
     ap.add_argument("--seed", type=int, default=0)
     add_device_args(ap)
     add_output_args(ap)
@@ -277,14 +305,16 @@ def main(argv=None) -> Report:
         if result is not None:
             report["families"].append(result)
             report.save()
-    print("\n| family | max rel loss diff | log-prob mean / max abs diff | greedy token match (not a bar) "
-          "| exact requests | ok |\n| --- | --- | --- | --- | --- | --- |")
+    print("\n| family | max rel loss diff | log-prob mean / max abs diff | to fp32: ours / HF's own "
+          "| greedy token match (not a bar) | exact requests | ok |\n| --- | --- | --- | --- | --- | --- | --- |")
     for r in report["families"]:
+        fp32 = ("-" if r.get("logprob_ours_vs_fp32") is None
+                else f"{r['logprob_ours_vs_fp32']:.2e} / {r['logprob_hf_vs_fp32']:.2e}")
         print(f"| {r['family']} | {r['loss_max_rel_diff']:.2e} | {r['logprob_mean_abs_diff']:.2e} / "
-              f"{r['logprob_max_abs_diff']:.2e} | {r['token_match']:.3f} | {r['exact_requests']}/{r['requests']} | "
-              f"{'yes' if r['ok'] else 'NO'} |")
+              f"{r['logprob_max_abs_diff']:.2e} | {fp32} | {r['token_match']:.3f} | "
+              f"{r['exact_requests']}/{r['requests']} | {'yes' if r['ok'] else 'NO'} |")
     for name, err in report["errors"].items():
-        print(f"| {name} | error: {err} | | | | NO |")
+        print(f"| {name} | error: {err} | | | | | NO |")
     report["ok"] = all(r["ok"] for r in report["families"]) and not report["errors"]
     report.save()
     return report

@@ -56,3 +56,24 @@ def test_a_wrong_family_piece_fails_the_logprob_bar(monkeypatch, family, mutatio
     (row,) = report["families"]
     assert not row["ok"] and not report["ok"]
     assert row["logprob_mean_abs_diff"] > 4 * check.LOGPROB_ATOL
+
+
+def test_logprob_bar_is_calibrated_by_hfs_own_rounding():
+    check = load_script("check_families_gpu")
+    row = {"logprob_mean_abs_diff": 0.066, "logprob_ours_vs_fp32": 0.05, "logprob_hf_vs_fp32": 0.04}
+    assert check.logprob_ok(row, 0.05, 1.5)  # over the absolute bar, but no farther from fp32 than HF
+    assert not check.logprob_ok({**row, "logprob_ours_vs_fp32": 0.5}, 0.05, 1.5)  # 12x HF's own error
+    assert not check.logprob_ok({**row, "logprob_ours_vs_fp32": None, "logprob_hf_vs_fp32": None}, 0.05, 1.5)
+    assert check.logprob_ok({**row, "logprob_mean_abs_diff": 0.01, "logprob_ours_vs_fp32": None}, 0.05, 1.5)
+
+
+def test_bf16_check_scores_against_an_fp32_copy_of_hf(tmp_path, monkeypatch):
+    """In bf16 (on the CPU) both distances to HF's fp32 log-probs are measured; a wrong norm
+    convention lands far beyond HF's own bf16 distance, so the calibrated bar still fails it."""
+    check = load_script("check_families_gpu")
+    bf16 = [x if x != "float32" else "bfloat16" for x in TINY]
+    (row,) = check.main(["--families", "gemma2", *bf16, "--out", str(tmp_path)])["families"]
+    assert row["ok"] and 0 < row["logprob_hf_vs_fp32"] and row["logprob_ours_vs_fp32"] < 1.5 * row["logprob_hf_vs_fp32"] + 0.05
+    monkeypatch.setattr(check, "params_from_hf_model", _norms_plus_one(check.params_from_hf_model))
+    (bad,) = check.main(["--families", "gemma2", *bf16])["families"]
+    assert not bad["ok"] and bad["logprob_ours_vs_fp32"] > 4 * bad["logprob_hf_vs_fp32"]
