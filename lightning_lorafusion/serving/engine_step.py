@@ -24,20 +24,30 @@ class EngineStep:
         running, self._inflight = self._inflight, None
         plan = None
         now = time.perf_counter()
+        clock = self._ledger.clock if self._ledger is not None else None
+        drained = False
         if running is not None:  # a step is on the device: launch the next one first
             if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
                 plan = self.scheduler.plan_ahead(running.seqs)
+                if clock is not None:
+                    clock.add("schedule_s", time.perf_counter() - now)
             if plan is None:  # the next step depends on its tokens
                 self._complete(running, events)
-                running = None
+                running, drained = None, True
             else:
                 self._counters["decode_steps_ahead_total"] += 1
         if plan is None:
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             if plan.empty:
+                if clock is not None:  # the call only read the last launched step's tokens (if any)
+                    clock.drain(now, time.perf_counter()) if drained else clock.drop_phases()
                 return events
-        if self._ledger is not None:  # before the step advances the rows' num_cached
+            if clock is not None:
+                clock.add("schedule_s", time.perf_counter() - t0)
+        if clock is not None:  # before the step advances the rows' num_cached
             self._ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
+            clock.begin(now)
         for state in plan.prefill:
             if state.first_scheduled is None:
                 state.first_scheduled = now
@@ -47,7 +57,10 @@ class EngineStep:
             if running is not None:
                 self.scheduler.prefetch()  # after the launch: a page-in may move KV pages
                 self._complete(running, events)
-        seconds = time.perf_counter() - now
+        end = time.perf_counter()
+        seconds = end - now
+        if clock is not None:
+            clock.end(end, self.runner.step_kind)
         counters = self._counters
         counters["steps_total"] += 1
         counters["step_rows_total"] += len(plan.prefill) + len(plan.decode)
@@ -78,7 +91,7 @@ class EngineStep:
                     last_rows.append(end - 1)
             seqs += plan.decode
             last_rows += [end - 1 for _, end in batch.spans[len(plan.prefill):]]
-            if not seqs:
+            if not seqs:  # (the step's end marks its launch)
                 return
             logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
         elif running is not None:  # decode only, fed the running step's tokens on the device
@@ -113,6 +126,8 @@ class EngineStep:
         # that request ends ("abort", logged), the others go on
         launched = _Launched(seqs, rows, tokens, torch.where(finite, tokens, -1), chosen, top_vals, top_ids,
                              self.pool.pages_moved, decode_only=not plan.prefill)
+        if self._ledger is not None:
+            self._ledger.clock.launched()
         if self._overlap:
             self._inflight = launched
             return
@@ -120,10 +135,16 @@ class EngineStep:
 
     def _complete(self, launched: "_Launched", events: list[TokenEvent]) -> None:
         """Read a launched step's tokens (waiting for the device) and emit them."""
+        clock = self._ledger.clock if self._ledger is not None else None
+        t0 = time.perf_counter()
         tokens, chosen, top_vals, top_ids = launched.read()
         if launched.decode_only:
             self._last_sampled = (launched.seqs, tokens)
+        t1 = time.perf_counter()
         self._emit(launched.seqs, tokens, launched.rows, chosen, top_vals, top_ids, events)
+        if clock is not None:
+            clock.add("wait_s", t1 - t0)
+            clock.add("emit_s", time.perf_counter() - t1)
 
     def _sampled_rows(self, seqs: list[RequestState], ahead: bool = False) -> "_SampledRows":
         """What sampling needs of ``seqs``, reused while the batch keeps the same requests in

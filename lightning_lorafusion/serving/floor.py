@@ -15,6 +15,9 @@ step (whatever the row count), the KV each row reads (a decode row its context a
 a prefill piece its context and itself), each distinct adapter present in the step once. KV
 writes and activations are left out (a few percent at most), so the floor is a lower bound;
 sliding windows are not modelled (every layer reads the whole context).
+
+The ledger's ``clock`` holds how long each step took, its kind and the time between steps
+(``step_times.py``); ``step_times.breakdown`` sets them beside each kind's floor.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ..specs import ALL_TARGET_MODULES
+from .step_times import StepClock
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ class StepLedger:
     adapter_elem_bytes: int
     steps: list[StepRecord] = field(default_factory=list)
     adapters: dict[int, LedgerAdapter] = field(default_factory=dict)  # HostAdapter.key -> shape
+    # each step's kind and times, and the time between steps (step_times.py), as the engine ran them
+    clock: StepClock = field(default_factory=lambda: StepClock(cuda=False))
 
     def record(self, prefill: Sequence[Any], prefill_lens: Sequence[int], decode: Sequence[Any]) -> None:
         """Append the step about to run (request states as the scheduler planned them, before
@@ -140,6 +146,13 @@ class StepCost:
     @property
     def bytes(self) -> float:
         return self.base_bytes + self.kv_bytes + self.adapter_bytes
+
+
+def step_floor_s(step: StepRecord, ledger: StepLedger, shape: FloorShape, *, peak_flops: float,
+                 bandwidth: float) -> float:
+    """The least time ``step`` can take: max(FLOPs / peak_flops, bytes / bandwidth)."""
+    cost = step_cost(step, ledger, shape)
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
 
 
 def step_cost(step: StepRecord, ledger: StepLedger, shape: FloorShape) -> StepCost:
