@@ -310,8 +310,9 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         return self._ledger
 
     def disable_step_ledger(self) -> StepLedger | None:
-        """Stop recording; returns the ledger recorded so far."""
-        ledger, self._ledger = self._ledger, None
+        """Stop recording (after the step under way, if any); returns the ledger recorded so far."""
+        with self._step_lock:
+            ledger, self._ledger = self._ledger, None
         return ledger
 
     def step_ledger(self) -> StepLedger | None:

@@ -24,7 +24,8 @@ class EngineStep:
         running, self._inflight = self._inflight, None
         plan = None
         now = time.perf_counter()
-        clock = self._ledger.clock if self._ledger is not None else None
+        ledger = self._ledger  # (read once: another thread may turn it off meanwhile)
+        clock = ledger.clock if ledger is not None else None
         drained = False
         if running is not None:  # a step is on the device: launch the next one first
             if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
@@ -46,7 +47,7 @@ class EngineStep:
             if clock is not None:
                 clock.add("schedule_s", time.perf_counter() - t0)
         if clock is not None:  # before the step advances the rows' num_cached
-            self._ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
+            ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
             clock.begin(now)
         for state in plan.prefill:
             if state.first_scheduled is None:
@@ -126,8 +127,9 @@ class EngineStep:
         # that request ends ("abort", logged), the others go on
         launched = _Launched(seqs, rows, tokens, torch.where(finite, tokens, -1), chosen, top_vals, top_ids,
                              self.pool.pages_moved, decode_only=not plan.prefill)
-        if self._ledger is not None:
-            self._ledger.clock.launched()
+        ledger = self._ledger  # (read once: another thread may turn it off meanwhile)
+        if ledger is not None:
+            ledger.clock.launched()
         if self._overlap:
             self._inflight = launched
             return
@@ -135,7 +137,8 @@ class EngineStep:
 
     def _complete(self, launched: "_Launched", events: list[TokenEvent]) -> None:
         """Read a launched step's tokens (waiting for the device) and emit them."""
-        clock = self._ledger.clock if self._ledger is not None else None
+        ledger = self._ledger
+        clock = ledger.clock if ledger is not None else None
         t0 = time.perf_counter()
         tokens, chosen, top_vals, top_ids = launched.read()
         if launched.decode_only:

@@ -168,7 +168,7 @@ def breakdown(ledger: Any, shape: Any, *, peak_flops: float, bandwidth: float) -
     from .floor import step_floor_s  # (floor.py holds the ledger, which holds a StepClock)
 
     clock = ledger.clock
-    if len(clock.times) != len(ledger.steps):
+    if len(ledger.steps) != len(clock.times):
         raise ValueError(f"the ledger has {len(ledger.steps)} steps but {len(clock.times)} step times: "
                          "breakdown needs a ledger an engine recorded from its enable_step_ledger")
     clock.resolve()
@@ -215,17 +215,17 @@ def breakdown_table(report: dict[str, Any]) -> str:
 
     def line(r: dict[str, Any]) -> str:
         per = 1e3 / max(r["steps"], 1)  # host phases: ms per step
-        return (f"  {r['kind']:<26} {r['steps']:>6} {r['wall_s']:>8.3f} {_f(r['gpu_s'], '8.3f')} "
-                f"{r['floor_s']:>8.3f} {_f(r['floor_over_gpu'], '10.1%')} {r['schedule_s'] * per:>9.2f} "
+        return (f"  {r['kind']:<26} {r['steps']:>6} {r['wall_s']:>8.4g} {_f(r['gpu_s'], '8.4g')} "
+                f"{r['floor_s']:>8.4g} {_f(r['floor_over_gpu'], '10.1%')} {r['schedule_s'] * per:>9.2f} "
                 f"{r['launch_s'] * per:>9.2f} {r['wait_s'] * per:>9.2f} {r['emit_s'] * per:>9.2f}")
 
     lines += [line(r) for r in report["kinds"]]
     t = report["total"]
     lines.append(line(t))
-    lines.append(f"  between steps: host {t['gap_s']:.3f} s, last read {t['drain_s']:.3f} s"
-                 + (f", device idle {t['gpu_gap_s']:.3f} s" if gpu else ""))
+    lines.append(f"  between steps: host {t['gap_s']:.4g} s, reads of the last launched step {t['drain_s']:.4g} s"
+                 + (f", device idle {t['gpu_gap_s']:.4g} s" if gpu else ""))
     return "\n".join(lines)
 
 
 def _f(x: float | None, spec: str) -> str:
-    return f"{'-':>{spec.split('.')[0]}}" if x is None else format(x, spec)
+    return f"{'-':>{int(spec.split('.')[0])}}" if x is None else format(x, spec)
