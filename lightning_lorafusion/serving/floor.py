@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -78,15 +79,16 @@ class StepLedger:
         the step advances their ``num_cached``)."""
         pieces = tuple((int(n), st.num_cached) for st, n in zip(prefill, prefill_lens))
         sampled = sum(st.num_cached + n == st.num_tokens for st, n in zip(prefill, prefill_lens)) + len(decode)
-        tokens: Counter[int] = Counter()
+        per_adapter: Counter[Any] = Counter()  # adapter -> its tokens (one count per decode row)
         for st, n in zip(prefill, prefill_lens):
-            if st.adapter is not None:
-                tokens[self._adapter_key(st.adapter)] += int(n)
-        for st in decode:
-            if st.adapter is not None:
-                tokens[self._adapter_key(st.adapter)] += 1
+            per_adapter[st.adapter] += int(n)
+        per_adapter.update(map(_adapter_of, decode))
+        per_adapter.pop(None, None)  # the base
+        tokens: Counter[int] = Counter()
+        for adapter, n in per_adapter.items():
+            tokens[self._adapter_key(adapter)] += n
         self.steps.append(StepRecord(prefill=pieces, decode_rows=len(decode),
-                                     decode_kv_tokens=sum(st.num_cached + 1 for st in decode),
+                                     decode_kv_tokens=sum(map(_num_cached, decode)) + len(decode),
                                      sampled_rows=sampled, adapters=tuple(tokens.items())))
 
     def _adapter_key(self, adapter: Any) -> int:
@@ -105,6 +107,10 @@ class StepLedger:
                 "distinct_adapters": len({k for s in self.steps for k, _ in s.adapters}),
                 "adapters_per_step_mean": sum(per_step) / len(per_step) if per_step else 0.0,
                 "adapters_per_step_max": max(per_step, default=0)}
+
+
+_adapter_of = attrgetter("adapter")
+_num_cached = attrgetter("num_cached")
 
 
 @dataclass(frozen=True)

@@ -400,7 +400,7 @@ class ModelRunner:
         by where each sits in the pool."""
         tiles = segment_tiles(segments, self.segment_block_m)
         dev = self.device
-        offsets = torch.stack([r.adapter.relative_offsets + r.offset for r in residents], dim=-1)  # [L, M, 2, A]
+        offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
         ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
         return PrefillLora(
             tiles=torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True),

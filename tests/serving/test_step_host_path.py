@@ -242,3 +242,33 @@ def test_single_token_text_cache_changes_no_text(make_engine):
                 d.add_token(s[k])
                 assert (d.text, d.stopped, d.take_delta()) == (c.text, c.stopped, c.take_delta())
     assert cache and all(cache[t] == engine.tokenizer.decode([t], skip_special_tokens=True) for t in cache)
+
+
+def test_decode_tables_equal_each_row_looked_up(make_engine):
+    """The decode rows' page table and LoRA tables (built in a few array operations when the
+    rows change, patched where a row gained a page) equal each row's own pages and adapter:
+    requests on three adapters and the base joining and finishing, pages of 2 tokens."""
+    engine = make_engine(num_pages=128, page_size=2, async_decode="off")
+    inputs = engine.runner.decode_inputs
+    load = inputs.load_tables
+    checked = []
+
+    def checked_load(decode, pages_moved):
+        rebuilt = load(decode, pages_moved)
+        b = len(decode)
+        for i, st in enumerate(decode):
+            assert inputs.page_table[i, :len(st.pages)].tolist() == st.pages
+            r = st.resident
+            want = (torch.zeros_like(inputs.lora_offsets[..., 0]) if r is None
+                    else r.adapter.relative_offsets + r.offset)
+            assert torch.equal(inputs.lora_offsets[..., i], want)
+            assert inputs.lora_ranks[:, i].tolist() == ([0] * 7 if r is None else r.adapter.module_ranks.tolist())
+            assert inputs.lora_scales[i].item() == (0.0 if r is None else pytest.approx(r.adapter.scale))
+        assert (inputs.page_table[b:, 0] == inputs.scratch_page).all() and (inputs.lora_ranks[:, b:] == 0).all()
+        checked.append(rebuilt)
+        return rebuilt
+
+    inputs.load_tables = checked_load
+    sp = SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)
+    _trace(engine, _requests("d", sp), {0: [0, 1, 2], 2: [3], 4: [4, 5]}, 30)
+    assert any(checked) and not all(checked)  # rebuilt when the rows changed, patched otherwise
