@@ -79,14 +79,16 @@ class StepLedger:
         the step advances their ``num_cached``)."""
         pieces = tuple((int(n), st.num_cached) for st, n in zip(prefill, prefill_lens))
         sampled = sum(st.num_cached + n == st.num_tokens for st, n in zip(prefill, prefill_lens)) + len(decode)
-        per_adapter: Counter[Any] = Counter()  # adapter -> its tokens (one count per decode row)
-        for st, n in zip(prefill, prefill_lens):
-            per_adapter[st.adapter] += int(n)
-        per_adapter.update(map(_adapter_of, decode))
-        per_adapter.pop(None, None)  # the base
         tokens: Counter[int] = Counter()
-        for adapter, n in per_adapter.items():
-            tokens[self._adapter_key(adapter)] += n
+        for st, n in zip(prefill, prefill_lens):
+            if st.adapter is not None:
+                tokens[self._adapter_key(st.adapter)] += int(n)
+        # decode rows: one token each, counted per adapter object in one pass (no per-row call)
+        adapters = list(map(_adapter_of, decode))
+        by_id = dict(zip(map(id, adapters), adapters))
+        for aid, n in Counter(map(id, adapters)).items():
+            if by_id[aid] is not None:
+                tokens[self._adapter_key(by_id[aid])] += n
         self.steps.append(StepRecord(prefill=pieces, decode_rows=len(decode),
                                      decode_kv_tokens=sum(map(_num_cached, decode)) + len(decode),
                                      sampled_rows=sampled, adapters=tuple(tokens.items())))
