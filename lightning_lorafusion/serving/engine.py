@@ -306,7 +306,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
                                   * self.pool.kv.element_size(),
                                   adapter_elem_bytes=self.pool.storage.element_size(),
-                                  clock=StepClock(cuda=self.device.type == "cuda"))
+                                  clock=StepClock(cuda=self.device.type == "cuda", device=self.device))
         return self._ledger
 
     def disable_step_ledger(self) -> StepLedger | None:

@@ -75,10 +75,12 @@ class StepTime:
 class StepClock:
     """The ledger's timer: ``begin`` at a step's start, phases added while it runs, ``launched``
     when its device work is queued, ``end`` once it is over; ``drain`` for a call that only read
-    the last launched step. ``cuda``: record timing events around each step's device work."""
+    the last launched step. ``cuda``: record timing events around each step's device work (on
+    ``device``'s current stream)."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, device: torch.device | str | None = None) -> None:
         self.cuda = cuda
+        self.device = device  # (CUDA: the events go on this device's current stream)
         self.times: list[StepTime] = []
         self.drain_s = 0.0
         self.gap_s = 0.0  # host time between steps and reads, in all
@@ -107,7 +109,7 @@ class StepClock:
         self._launch_t0 = time.perf_counter()
         if self.cuda:
             first = torch.cuda.Event(enable_timing=True)
-            first.record()
+            first.record(torch.cuda.current_stream(self.device))
             self._open.events = (first, None)
 
     def launched(self) -> None:
@@ -118,7 +120,7 @@ class StepClock:
         step.launch_s = max(time.perf_counter() - self._launch_t0, 1e-12)
         if step.events is not None:
             last = torch.cuda.Event(enable_timing=True)
-            last.record()
+            last.record(torch.cuda.current_stream(self.device))
             step.events = (step.events[0], last)
 
     def end(self, end: float, kind: StepKind | None) -> None:

@@ -4,6 +4,7 @@ to its busy time, each step lands in the kind of what it ran, and the breakdown 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.decode_graphs import bucket_for
@@ -114,3 +115,16 @@ def test_clock_by_hand():
                        module_dims={"q_proj": (1, 1)})
     with pytest.raises(ValueError, match="2 step times"):  # no step records beside the times
         breakdown(ledger, shape, peak_flops=1.0, bandwidth=1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA timing events")
+def test_step_times_read_cuda_events_gpu(make_engine):
+    engine = make_engine(prefix_caching=False, max_num_seqs=4, device="cuda")
+    ledger, busy = _run_with_ledger(engine)
+    report = breakdown(ledger, FloorShape.from_config(engine.model_config), peak_flops=1e12, bandwidth=1e11)
+    times = ledger.clock.times
+    assert ledger.clock.cuda and report["gpu_times"] is True
+    assert all(t.gpu_s is not None and t.gpu_s > 0 for t in times)
+    assert all(t.gpu_gap_s is not None for t in times[1:]) and report["total"]["gpu_gap_s"] >= 0
+    assert report["total"]["gpu_s"] == pytest.approx(sum(t.gpu_s for t in times), rel=1e-9)
+    assert report["total"]["floor_over_gpu"] == pytest.approx(report["total"]["floor_s"] / report["total"]["gpu_s"])
