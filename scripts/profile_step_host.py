@@ -30,6 +30,7 @@ import io
 import pstats
 import random
 import time
+from typing import Callable
 
 from harness import add_device_args, add_output_args, comma_list, dtype_of, logger, write_json
 
@@ -63,10 +64,13 @@ def build_engine(args) -> tuple[Engine, list[str], FloorShape]:
     return engine, names, FloorShape.from_config(config)
 
 
-def stub_forward() -> None:
+def stub_forward() -> Callable[[], None]:
     """The runner's eager forward returns random final hidden states of the rows it would
-    return (random, so greedy picks ordinary tokens whose text the detokenizers work on)."""
+    return (random, so greedy picks ordinary tokens whose text the detokenizers work on).
+    Returns what puts the real forward back."""
     from lightning_lorafusion.serving import runner
+
+    real = runner.paged_forward
 
     gen = torch.Generator().manual_seed(0)
 
@@ -76,6 +80,7 @@ def stub_forward() -> None:
         return torch.randn(rows, model.config.hidden_size, generator=gen).to(embed.device, embed.dtype)
 
     runner.paged_forward = hidden
+    return lambda: setattr(runner, "paged_forward", real)
 
 
 def requests(args, names: list[str], prefix: str, vocab: int) -> list[GenerationRequest]:
@@ -159,10 +164,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.forward == "stub":
-        stub_forward()
+    restore = stub_forward() if args.forward == "stub" else (lambda: None)
+    try:
+        report = profile(args)
+    finally:
+        restore()
+        torch.set_num_threads(threads)
+    write_json(args.out, "profile_step_host.json", report)
+    return report
+
+
+def profile(args) -> dict:
     engine, names, shape = build_engine(args)
     vocab = engine.model_config.vocab_size
     report: dict = {"args": vars(args)}
@@ -194,7 +209,6 @@ def main(argv=None) -> dict:
             print(text)
     finally:
         engine.close()
-    write_json(args.out, "profile_step_host.json", report)
     return report
 
 
