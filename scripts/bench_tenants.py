@@ -63,8 +63,8 @@ from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engi
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
-from lightning_lorafusion.serving.floor import FloorShape, run_floor  # noqa: E402
-from lightning_lorafusion.serving.step_times import breakdown, breakdown_table  # noqa: E402
+from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
+from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 
 log = logger("bench_tenants")
 

@@ -42,8 +42,8 @@ from bench_tenants import renamed  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
-from lightning_lorafusion.serving.floor import FloorShape  # noqa: E402
-from lightning_lorafusion.serving.step_times import breakdown, breakdown_table  # noqa: E402
+from lightning_lorafusion.serving.floor import FloorShape, breakdown  # noqa: E402
+from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 
 log = logger("profile_step_host")
 

@@ -299,7 +299,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         and the byte sizes of the base weights and of a KV token) into a new ledger, returned
         and kept as ``step_ledger()`` until ``disable_step_ledger``; and each step's kind, wall
         time, host phases and (CUDA) device time, and the time between steps, in its ``clock``
-        (``step_times.breakdown`` reads them). Host bookkeeping and two CUDA events per step,
+        (``floor.breakdown`` reads them). Host bookkeeping and two CUDA events per step,
         read after the run; the outputs are unchanged."""
         cfg = self.model_config
         self._ledger = StepLedger(base_weight_bytes=base_weight_bytes(self.params),

@@ -17,7 +17,7 @@ writes and activations are left out (a few percent at most), so the floor is a l
 sliding windows are not modelled (every layer reads the whole context).
 
 The ledger's ``clock`` holds how long each step took, its kind and the time between steps
-(``step_times.py``); ``step_times.breakdown`` sets them beside each kind's floor.
+(``step_times.py``); ``breakdown`` sets them beside each kind's floor.
 """
 
 from __future__ import annotations
@@ -220,3 +220,46 @@ def base_weight_bytes(params: Mapping[str, Any]) -> int:
     if params.get("lm_head") is None or params.get("lm_head") is params.get("embed"):  # tied: the head reads it all
         walk(params.get("embed"))
     return sum(storages.values())
+
+
+def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, Any]:
+    """A ledger's steps grouped by kind: per kind its steps, wall s, GPU s (None on a CPU),
+    floor s and floor / GPU (floor / wall without a GPU time), host phases; and the totals with
+    the host time between steps (``gap_s``) and, on CUDA, the device's idle time between steps
+    (``gpu_gap_s``). Needs a ledger recorded by an engine (one time per step)."""
+    clock = ledger.clock
+    if len(ledger.steps) != len(clock.times):
+        raise ValueError(f"the ledger has {len(ledger.steps)} steps but {len(clock.times)} step times: "
+                         "breakdown needs a ledger an engine recorded from its enable_step_ledger")
+    clock.resolve()
+    keys = ("steps", "wall_s", "gpu_s", "floor_s", "schedule_s", "launch_s", "wait_s", "emit_s")
+    kinds: dict[str, dict[str, Any]] = {}
+    total = dict.fromkeys(keys, 0.0)
+    total.update(gap_s=clock.gap_s, gpu_gap_s=0.0, drain_s=clock.drain_s)
+    has_gpu = bool(clock.times) and all(t.gpu_s is not None for t in clock.times)
+    for record, t in zip(ledger.steps, clock.times):
+        floor = step_floor_s(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth)
+        label = t.kind.label if t.kind is not None else "unknown"
+        row = kinds.setdefault(label, dict.fromkeys(keys, 0.0))
+        values = {"steps": 1, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
+                  "schedule_s": t.schedule_s, "launch_s": t.launch_s, "wait_s": t.wait_s, "emit_s": t.emit_s}
+        for k, v in values.items():
+            row[k] += v
+            total[k] += v
+        total["gpu_gap_s"] += t.gpu_gap_s or 0.0
+    rows = []
+    for label, row in sorted(kinds.items(), key=lambda kv: -kv[1]["wall_s"]):
+        rows.append(_finish(label, row, has_gpu))
+    total = _finish("all", total, has_gpu)
+    if not has_gpu:
+        total["gpu_gap_s"] = None
+    return {"kinds": rows, "total": total, "gpu_times": has_gpu}
+
+
+def _finish(label: str, row: dict[str, Any], has_gpu: bool) -> dict[str, Any]:
+    row["steps"] = int(row["steps"])
+    if not has_gpu:
+        row["gpu_s"] = None
+    device = row["gpu_s"] if has_gpu else row["wall_s"]
+    row["floor_over_gpu"] = row["floor_s"] / device if device > 0 else None
+    return {"kind": label, **row}

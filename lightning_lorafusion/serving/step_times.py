@@ -1,5 +1,5 @@
 """Where a run's time goes: each ledger step's kind, wall time, device time and host phases, and
-the time between steps; ``breakdown`` sets them beside each kind's floor.
+the time between steps; ``floor.breakdown`` sets them beside each kind's floor.
 
 With the step ledger on (``Engine.enable_step_ledger``), the engine times every step it runs
 (``StepTime``, one per ``StepRecord``, same order):
@@ -14,7 +14,7 @@ With the step ledger on (``Engine.enable_step_ledger``), the engine times every 
   forward and sampling launched, the sampled tokens' copies queued), ``wait_s`` (blocked reading
   sampled tokens: the device still busy), ``emit_s`` (detokenize, stop checks, events);
 - on CUDA, two timing events around the step's device work (recorded at the launch's start and
-  end, read only by ``breakdown``, so nothing waits for them during the run): ``gpu_s`` (the
+  end, read only by ``floor.breakdown``, so nothing waits for them during the run): ``gpu_s`` (the
   device's span of the step) and ``gpu_gap_s`` (the device idle between the previous step's end
   and this step's start). On a CPU there are no events and ``gpu_s`` is None: the breakdown uses
   the wall time instead.
@@ -162,53 +162,8 @@ class StepClock:
                 previous = t.events[1]
 
 
-def breakdown(ledger: Any, shape: Any, *, peak_flops: float, bandwidth: float) -> dict[str, Any]:
-    """A ledger's steps grouped by kind: per kind its steps, wall s, GPU s (None on a CPU),
-    floor s and floor / GPU (floor / wall without a GPU time), host phases; and the totals with
-    the host time between steps (``gap_s``) and, on CUDA, the device's idle time between steps
-    (``gpu_gap_s``). Needs a ledger recorded by an engine (one time per step)."""
-    from .floor import step_floor_s  # (floor.py holds the ledger, which holds a StepClock)
-
-    clock = ledger.clock
-    if len(ledger.steps) != len(clock.times):
-        raise ValueError(f"the ledger has {len(ledger.steps)} steps but {len(clock.times)} step times: "
-                         "breakdown needs a ledger an engine recorded from its enable_step_ledger")
-    clock.resolve()
-    keys = ("steps", "wall_s", "gpu_s", "floor_s", "schedule_s", "launch_s", "wait_s", "emit_s")
-    kinds: dict[str, dict[str, Any]] = {}
-    total = dict.fromkeys(keys, 0.0)
-    total.update(gap_s=clock.gap_s, gpu_gap_s=0.0, drain_s=clock.drain_s)
-    has_gpu = bool(clock.times) and all(t.gpu_s is not None for t in clock.times)
-    for record, t in zip(ledger.steps, clock.times):
-        floor = step_floor_s(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth)
-        label = t.kind.label if t.kind is not None else "unknown"
-        row = kinds.setdefault(label, dict.fromkeys(keys, 0.0))
-        values = {"steps": 1, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
-                  "schedule_s": t.schedule_s, "launch_s": t.launch_s, "wait_s": t.wait_s, "emit_s": t.emit_s}
-        for k, v in values.items():
-            row[k] += v
-            total[k] += v
-        total["gpu_gap_s"] += t.gpu_gap_s or 0.0
-    rows = []
-    for label, row in sorted(kinds.items(), key=lambda kv: -kv[1]["wall_s"]):
-        rows.append(_finish(label, row, has_gpu))
-    total = _finish("all", total, has_gpu)
-    if not has_gpu:
-        total["gpu_gap_s"] = None
-    return {"kinds": rows, "total": total, "gpu_times": has_gpu}
-
-
-def _finish(label: str, row: dict[str, Any], has_gpu: bool) -> dict[str, Any]:
-    row["steps"] = int(row["steps"])
-    if not has_gpu:
-        row["gpu_s"] = None
-    device = row["gpu_s"] if has_gpu else row["wall_s"]
-    row["floor_over_gpu"] = row["floor_s"] / device if device > 0 else None
-    return {"kind": label, **row}
-
-
 def breakdown_table(report: dict[str, Any]) -> str:
-    """``breakdown``'s result as a table, by kind, then the totals and the time between steps."""
+    """``floor.breakdown``'s result as a table, by kind, then the totals and the time between steps."""
     gpu = report["gpu_times"]
     head = (f"  {'step kind':<26} {'steps':>6} {'wall s':>8} {'GPU s':>8} {'floor s':>8} "
             f"{'floor/' + ('GPU' if gpu else 'wall'):>10} {'sched ms':>9} {'launch ms':>9} {'wait ms':>9} "

@@ -8,8 +8,8 @@ import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.decode_graphs import bucket_for
-from lightning_lorafusion.serving.floor import FloorShape, StepLedger, run_floor
-from lightning_lorafusion.serving.step_times import StepClock, StepKind, breakdown, breakdown_table
+from lightning_lorafusion.serving.floor import FloorShape, StepLedger, breakdown, run_floor
+from lightning_lorafusion.serving.step_times import StepClock, StepKind, breakdown_table
 
 PROMPTS = {"x": ([5, 6, 7, 8, 9], "all4"), "y": ([9, 8, 7, 6, 5, 4, 3], "attn2"), "z": ([11, 12, 13], None),
            "w": ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], None)}
