@@ -20,6 +20,9 @@ requests: the fastest pass's table is shown, and the stepping thread's CPU time 
 pass; steadier than wall time on a shared machine).
 
     PYTHONPATH=. python3 scripts/profile_step_host.py --device cpu --dtype float32 --out /tmp/host
+
+On a GPU (``--device cuda --dtype bfloat16 --forward real``) the tiny model's steps are bound by
+the host: the table then shows that host's phases per step beside the graphs' device time.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ with the overlapped decode, the launched step whose tokens are read a call later
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 
@@ -41,8 +42,10 @@ class EngineStep:
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             if plan.empty:
-                if clock is not None:  # the call only read the last launched step's tokens (if any)
-                    clock.drain(now, time.perf_counter()) if drained else clock.drop_phases()
+                if clock is not None and drained:  # the call only read the last launched step's tokens
+                    clock.drain(now, time.perf_counter())
+                elif clock is not None:
+                    clock.drop_phases()
                 return events
             if clock is not None:
                 clock.add("schedule_s", time.perf_counter() - t0)
@@ -206,6 +209,11 @@ def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+_greedy = operator.attrgetter("greedy")
+_adjusts = operator.attrgetter("adjusts_logits")
+_logprobs = operator.attrgetter("logprobs")
+
+
 class _SampledRows:
     """What a step needs of its sampled requests (``states``, in row order), gathered once per
     batch composition: their sampling settings, their logit adjustments, the rows that want
@@ -214,10 +222,14 @@ class _SampledRows:
     def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
                  previous: "_SampledRows | None" = None, ahead: int = 0) -> None:
         self.states = list(states)
-        self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
-                                           [len(s.output_ids) + ahead for s in states], device)
+        rows = range(len(states))
+        if all(map(_greedy, states)):  # (what build gives for greedy rows only, without a pass over them)
+            self.sampling = SamplingRows.build((), (), (), device)
+        else:
+            self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
+                                               [len(s.output_ids) + ahead for s in states], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
-        adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
+        adjusted = list(itertools.compress(rows, map(_adjusts, states)))
         self.adjust = None if not adjusted else LogitAdjustments(
             adjusted, [states[i].sampling for i in adjusted], [states[i].request.prompt_token_ids for i in adjusted],
             [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted],
@@ -225,7 +237,8 @@ class _SampledRows:
             # ``previous`` holds its states, so no id() of theirs is reused meanwhile)
             ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust,
             ahead=ahead)
-        want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
+        # rows that asked for logprobs (their states' lists, possibly still empty, are not None)
+        want = list(itertools.compress(rows, map(operator.is_not, map(_logprobs, states), itertools.repeat(None))))
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
         self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)

@@ -272,3 +272,36 @@ def test_decode_tables_equal_each_row_looked_up(make_engine):
     sp = SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)
     _trace(engine, _requests("d", sp), {0: [0, 1, 2], 2: [3], 4: [4, 5]}, 30)
     assert any(checked) and not all(checked)  # rebuilt when the rows changed, patched otherwise
+
+
+@pytest.mark.parametrize("mix", ["greedy", "mixed"])
+def test_sampled_rows_gather_what_each_row_asks(make_engine, mix):
+    """A step's sampling rows (gathered from the states' fixed flags) are those each row's
+    settings name: rows that draw, rows with a bias or penalty, rows that want logprobs (0
+    included)."""
+    from lightning_lorafusion.serving.sampling import SamplingRows
+
+    engine = make_engine(with_adapters=False)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    kinds = [greedy] if mix == "greedy" else [
+        greedy, SamplingParams(max_new_tokens=4, temperature=0.7, seed=3),
+        SamplingParams(max_new_tokens=4, temperature=0.0, logit_bias={5: 2.0}),
+        SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=0),
+        SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.5, logprobs=2, presence_penalty=0.5)]
+    rng = random.Random(0)
+    states = [engine._new_state(GenerationRequest(prompt_token_ids=[3, 4, 5], sampling=rng.choice(kinds),
+                                                  request_id=f"s{i}"), None) for i in range(40)]
+    rows = _SampledRows(states, torch.device("cpu"), engine.model_config.vocab_size)
+    sps = [s.sampling for s in states]
+    want = SamplingRows.build(sps, [s.seed for s in states], [0] * len(states), torch.device("cpu"))
+    assert rows.sampling.rows == want.rows
+    for name in ("index", "temperature", "top_k", "top_p", "seeds", "draws", "min_p"):
+        a, b = getattr(rows.sampling, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b)
+    adjusted = tuple(i for i, sp in enumerate(sps) if sp.adjusts_logits)
+    assert (rows.adjust is None) == (not adjusted) and (rows.adjust is None or rows.adjust.rows == adjusted)
+    asking = [i for i, sp in enumerate(sps) if sp.logprobs is not None]
+    assert rows.logprob_row == {i: j for j, i in enumerate(asking)}
+    assert rows.top_n == max((sps[i].logprobs for i in asking), default=None)
+    if mix == "mixed":
+        assert rows.sampling.rows and adjusted and asking and any(sps[i].logprobs == 0 for i in asking)
