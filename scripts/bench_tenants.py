@@ -32,6 +32,13 @@ steps (a Poisson run waits for arrivals, which no engine can shorten).
 (reported as far as it got); the JSON (``--out``) is rewritten after every phase and the table
 printed with what ran.
 
+Where each run's time goes (``serving/step_times.py``): per step kind (decode-only by batch
+bucket, mixed by token bucket; base / LoRA / DoRA rows; captured graph, padded pieces or eager)
+its steps, wall s (host, step start to end), GPU s (CUDA events around the step's device work),
+floor s and floor / GPU, with each step's host phases (schedule, launch, wait for the device,
+emit) in ms per step; then the host time between steps and the device's idle time between them.
+In the JSON as each run's ``breakdown``.
+
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape 8b --slora --deadline 370 --out $OUT
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape tiny --device cpu --dtype float32 --requests 12 \\
         --adapters 6 --ranks 4,8 --prompt-median 12 --prompt-max 40 --output-median 4 --output-max 8 \\
@@ -56,7 +63,8 @@ from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engi
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
-from lightning_lorafusion.serving.floor import FloorShape, run_floor  # noqa: E402
+from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
+from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 
 log = logger("bench_tenants")
 
@@ -175,11 +183,12 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float) ->
     finally:
         engine.disable_step_ledger()
     busy = engine.stats()["step_seconds_total"] - before["step_seconds_total"]
-    floor = run_floor(ledger, bench.shape, peak_flops=bench.limits["peak_flops"],
-                      bandwidth=bench.limits["bandwidth"])
+    limits = {"peak_flops": bench.limits["peak_flops"], "bandwidth": bench.limits["bandwidth"]}
+    floor = run_floor(ledger, bench.shape, **limits)
     wall = out["wall_s"]
     out.pop("tokens", None)
     out.update(floor=floor, floor_s=floor["floor_s"], busy_s=busy, ledger=ledger.summary(),
+               breakdown=breakdown(ledger, bench.shape, **limits),
                fraction_of_floor=floor["floor_s"] / wall if wall > 0 else None,
                busy_fraction_of_floor=floor["floor_s"] / busy if busy > 0 else None,
                trace_adapters=len({it.request.adapter for it in trace} - {None}),
@@ -257,7 +266,7 @@ class TenantsBench:
             row = {"run": run, "arrivals": arrivals, **run_trace(
                 self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s))}
             self.report["runs"].append(row)
-            log(row_line(row))
+            log(row_line(row) + "\n" + breakdown_table(row["breakdown"]))
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
             import traceback
 
@@ -386,6 +395,8 @@ def main(argv=None) -> dict:
         bench.engine.close()
     report = bench.report
     print("\n" + table(report))
+    for r in report["runs"]:
+        print(f"\n{r['run']} {r['arrivals']}: time by step kind\n" + breakdown_table(r["breakdown"]))
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))
     if report["errors"]:

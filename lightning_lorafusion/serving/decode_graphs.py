@@ -4,6 +4,7 @@ buckets, and one captured graph per (bucket, with or without LoRA)."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import time
 from typing import Callable, Sequence
@@ -67,6 +68,8 @@ class DecodeInputs:
         self.lora_offsets = torch.zeros(num_layers, n_mod, 2, max_rows, dtype=torch.int64, device=device)
         self.lora_ranks = torch.zeros(n_mod, max_rows, dtype=torch.int32, device=device)
         self.lora_scales = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self._no_offsets = torch.zeros(num_layers, n_mod, 2, dtype=torch.int64)  # table row 0: no adapter
+        self._no_ranks = torch.zeros(n_mod, dtype=torch.int32)
         self.modules: frozenset[str] = frozenset()  # modules some current row adapts
         self._rows: list[RequestState] = []  # the requests the tables hold, in row order
         self._pages_written: list[int] = []
@@ -167,10 +170,12 @@ class DecodeInputs:
         self._rows = list(decode)
         self._pages_written = [len(st.pages) for st in decode]
         if b:
-            width = max(self._pages_written)
+            lens = np.array(self._pages_written)
+            width = int(lens.max())
             table = np.full((b, width), self.scratch_page, dtype=np.int32)
-            for i, st in enumerate(decode):
-                table[i, :len(st.pages)] = st.pages
+            # every row's pages at once: the mask's True cells in row order are the pages in row order
+            table[np.arange(width) < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(st.pages for st in decode), dtype=np.int32, count=int(lens.sum()))
             self.page_table[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
         # distinct adapters of the rows (index 0 = no adapter), then one gather per table
         slot: dict[int, int] = {}
@@ -185,14 +190,10 @@ class DecodeInputs:
                 slot[id(r)] = len(residents) + 1
                 residents.append(r)
             index.append(slot[id(r)])
-        n_layers, n_mod = self.lora_offsets.shape[:2]
-        offsets = torch.zeros(len(residents) + 1, n_layers, n_mod, 2, dtype=torch.int64)
-        ranks = torch.zeros(len(residents) + 1, n_mod, dtype=torch.int32)
-        scales = torch.zeros(len(residents) + 1, dtype=torch.float32)
-        for j, r in enumerate(residents, start=1):
-            offsets[j] = r.adapter.relative_offsets + r.offset
-            ranks[j] = r.adapter.module_ranks
-            scales[j] = r.adapter.scale
+        n_layers, n_mod = self.lora_offsets.shape[:2]  # (one stack per table, not a write per adapter)
+        offsets = torch.stack([self._no_offsets] + [r.lora_offsets for r in residents])
+        ranks = torch.stack([self._no_ranks] + [r.adapter.module_ranks for r in residents])
+        scales = torch.tensor([0.0] + [r.adapter.scale for r in residents], dtype=torch.float32)
         idx = torch.tensor(index, dtype=torch.int64)
         if b:
             self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)

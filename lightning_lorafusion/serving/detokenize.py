@@ -106,12 +106,16 @@ def add_tokens(items: Iterable[tuple[IncrementalDetokenizer, int]],
 def decode_many(tokenizer: Any, seqs: list[list[int]]) -> list[str]:
     """``tokenizer.decode(ids, skip_special_tokens=True)`` of each of ``seqs``. A fast
     tokenizer that decodes as transformers' base class does (no subclass override, no clean-up
-    pass) goes through its Rust backend's ``decode_batch`` in one call: the same strings."""
+    pass) goes straight to its Rust backend's ``decode``, one call per sequence: the same
+    strings without transformers' per-call wrapper. (Not the backend's ``decode_batch``: its
+    thread pool costs more than it saves on a step's sequences of a few tokens each, 5.5 ms
+    against 0.8 ms for 260 of them on a shared 2-core CPU.)"""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
             and getattr(cls, "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", None)
             and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False):
-        return tokenizer.backend_tokenizer.decode_batch(seqs, skip_special_tokens=True)
+        decode = tokenizer.backend_tokenizer.decode
+        return [decode(ids, skip_special_tokens=True) for ids in seqs]
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]

@@ -36,6 +36,7 @@ from .request import GenerationRequest, GenerationResult, RequestState, TokenEve
 from .runner import ModelRunner
 from .sampling import LogitAdjustments, SamplingParams, SamplingRows
 from .scheduler import Scheduler
+from .step_times import StepClock
 from .warm_up import EngineWarmUp, use_compile_caches
 
 
@@ -296,18 +297,22 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         """Record, from the next step on, what each step does (``StepLedger``: prefill pieces
         and their context, decode rows and the KV they read, distinct adapters with their ranks,
         and the byte sizes of the base weights and of a KV token) into a new ledger, returned
-        and kept as ``step_ledger()`` until ``disable_step_ledger``. Host bookkeeping only; the
-        outputs are unchanged."""
+        and kept as ``step_ledger()`` until ``disable_step_ledger``; and each step's kind, wall
+        time, host phases and (CUDA) device time, and the time between steps, in its ``clock``
+        (``floor.breakdown`` reads them). Host bookkeeping and two CUDA events per step,
+        read after the run; the outputs are unchanged."""
         cfg = self.model_config
         self._ledger = StepLedger(base_weight_bytes=base_weight_bytes(self.params),
                                   kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
                                   * self.pool.kv.element_size(),
-                                  adapter_elem_bytes=self.pool.storage.element_size())
+                                  adapter_elem_bytes=self.pool.storage.element_size(),
+                                  clock=StepClock(cuda=self.device.type == "cuda", device=self.device))
         return self._ledger
 
     def disable_step_ledger(self) -> StepLedger | None:
-        """Stop recording; returns the ledger recorded so far."""
-        ledger, self._ledger = self._ledger, None
+        """Stop recording (after the step under way, if any); returns the ledger recorded so far."""
+        with self._step_lock:
+            ledger, self._ledger = self._ledger, None
         return ledger
 
     def step_ledger(self) -> StepLedger | None:

@@ -3,6 +3,7 @@ with the overlapped decode, the launched step whose tokens are read a call later
 
 from __future__ import annotations
 
+import itertools
 import operator
 import time
 
@@ -24,20 +25,33 @@ class EngineStep:
         running, self._inflight = self._inflight, None
         plan = None
         now = time.perf_counter()
+        ledger = self._ledger  # (read once: another thread may turn it off meanwhile)
+        clock = ledger.clock if ledger is not None else None
+        drained = False
         if running is not None:  # a step is on the device: launch the next one first
             if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
                 plan = self.scheduler.plan_ahead(running.seqs)
+                if clock is not None:
+                    clock.add("schedule_s", time.perf_counter() - now)
             if plan is None:  # the next step depends on its tokens
                 self._complete(running, events)
-                running = None
+                running, drained = None, True
             else:
                 self._counters["decode_steps_ahead_total"] += 1
         if plan is None:
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             if plan.empty:
+                if clock is not None and drained:  # the call only read the last launched step's tokens
+                    clock.drain(now, time.perf_counter())
+                elif clock is not None:
+                    clock.drop_phases()
                 return events
-        if self._ledger is not None:  # before the step advances the rows' num_cached
-            self._ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
+            if clock is not None:
+                clock.add("schedule_s", time.perf_counter() - t0)
+        if clock is not None:  # before the step advances the rows' num_cached
+            ledger.record(plan.prefill, plan.prefill_lens, plan.decode)
+            clock.begin(now)
         for state in plan.prefill:
             if state.first_scheduled is None:
                 state.first_scheduled = now
@@ -47,7 +61,10 @@ class EngineStep:
             if running is not None:
                 self.scheduler.prefetch()  # after the launch: a page-in may move KV pages
                 self._complete(running, events)
-        seconds = time.perf_counter() - now
+        end = time.perf_counter()
+        seconds = end - now
+        if clock is not None:
+            clock.end(end, self.runner.step_kind)
         counters = self._counters
         counters["steps_total"] += 1
         counters["step_rows_total"] += len(plan.prefill) + len(plan.decode)
@@ -78,7 +95,7 @@ class EngineStep:
                     last_rows.append(end - 1)
             seqs += plan.decode
             last_rows += [end - 1 for _, end in batch.spans[len(plan.prefill):]]
-            if not seqs:
+            if not seqs:  # (the step's end marks its launch)
                 return
             logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
         elif running is not None:  # decode only, fed the running step's tokens on the device
@@ -113,6 +130,9 @@ class EngineStep:
         # that request ends ("abort", logged), the others go on
         launched = _Launched(seqs, rows, tokens, torch.where(finite, tokens, -1), chosen, top_vals, top_ids,
                              self.pool.pages_moved, decode_only=not plan.prefill)
+        ledger = self._ledger  # (read once: another thread may turn it off meanwhile)
+        if ledger is not None:
+            ledger.clock.launched()
         if self._overlap:
             self._inflight = launched
             return
@@ -120,10 +140,17 @@ class EngineStep:
 
     def _complete(self, launched: "_Launched", events: list[TokenEvent]) -> None:
         """Read a launched step's tokens (waiting for the device) and emit them."""
+        ledger = self._ledger
+        clock = ledger.clock if ledger is not None else None
+        t0 = time.perf_counter()
         tokens, chosen, top_vals, top_ids = launched.read()
         if launched.decode_only:
             self._last_sampled = (launched.seqs, tokens)
+        t1 = time.perf_counter()
         self._emit(launched.seqs, tokens, launched.rows, chosen, top_vals, top_ids, events)
+        if clock is not None:
+            clock.add("wait_s", t1 - t0)
+            clock.add("emit_s", time.perf_counter() - t1)
 
     def _sampled_rows(self, seqs: list[RequestState], ahead: bool = False) -> "_SampledRows":
         """What sampling needs of ``seqs``, reused while the batch keeps the same requests in
@@ -182,6 +209,11 @@ def _to_host(t: torch.Tensor, cuda: bool) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+_greedy = operator.attrgetter("greedy")
+_adjusts = operator.attrgetter("adjusts_logits")
+_logprobs = operator.attrgetter("logprobs")
+
+
 class _SampledRows:
     """What a step needs of its sampled requests (``states``, in row order), gathered once per
     batch composition: their sampling settings, their logit adjustments, the rows that want
@@ -190,10 +222,14 @@ class _SampledRows:
     def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
                  previous: "_SampledRows | None" = None, ahead: int = 0) -> None:
         self.states = list(states)
-        self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
-                                           [len(s.output_ids) + ahead for s in states], device)
+        rows = range(len(states))
+        if all(map(_greedy, states)):  # (what build gives for greedy rows only, without a pass over them)
+            self.sampling = SamplingRows.build((), (), (), device)
+        else:
+            self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
+                                               [len(s.output_ids) + ahead for s in states], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
-        adjusted = [i for i, s in enumerate(states) if s.sampling.adjusts_logits]
+        adjusted = list(itertools.compress(rows, map(_adjusts, states)))
         self.adjust = None if not adjusted else LogitAdjustments(
             adjusted, [states[i].sampling for i in adjusted], [states[i].request.prompt_token_ids for i in adjusted],
             [states[i].output_ids for i in adjusted], vocab, device, [states[i].stop_ids for i in adjusted],
@@ -201,7 +237,8 @@ class _SampledRows:
             # ``previous`` holds its states, so no id() of theirs is reused meanwhile)
             ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust,
             ahead=ahead)
-        want = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
+        # rows that asked for logprobs (their states' lists, possibly still empty, are not None)
+        want = list(itertools.compress(rows, map(operator.is_not, map(_logprobs, states), itertools.repeat(None))))
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
         self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)

@@ -15,17 +15,22 @@ step (whatever the row count), the KV each row reads (a decode row its context a
 a prefill piece its context and itself), each distinct adapter present in the step once. KV
 writes and activations are left out (a few percent at most), so the floor is a lower bound;
 sliding windows are not modelled (every layer reads the whole context).
+
+The ledger's ``clock`` holds how long each step took, its kind and the time between steps
+(``step_times.py``); ``breakdown`` sets them beside each kind's floor.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from ..specs import ALL_TARGET_MODULES
+from .step_times import StepClock
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class StepLedger:
     adapter_elem_bytes: int
     steps: list[StepRecord] = field(default_factory=list)
     adapters: dict[int, LedgerAdapter] = field(default_factory=dict)  # HostAdapter.key -> shape
+    # each step's kind and times, and the time between steps (step_times.py), as the engine ran them
+    clock: StepClock = field(default_factory=lambda: StepClock(cuda=False))
 
     def record(self, prefill: Sequence[Any], prefill_lens: Sequence[int], decode: Sequence[Any]) -> None:
         """Append the step about to run (request states as the scheduler planned them, before
@@ -76,11 +83,14 @@ class StepLedger:
         for st, n in zip(prefill, prefill_lens):
             if st.adapter is not None:
                 tokens[self._adapter_key(st.adapter)] += int(n)
-        for st in decode:
-            if st.adapter is not None:
-                tokens[self._adapter_key(st.adapter)] += 1
+        # decode rows: one token each, counted per adapter object in one pass (no per-row call)
+        adapters = list(map(_adapter_of, decode))
+        by_id = dict(zip(map(id, adapters), adapters))
+        for aid, n in Counter(map(id, adapters)).items():
+            if by_id[aid] is not None:
+                tokens[self._adapter_key(by_id[aid])] += n
         self.steps.append(StepRecord(prefill=pieces, decode_rows=len(decode),
-                                     decode_kv_tokens=sum(st.num_cached + 1 for st in decode),
+                                     decode_kv_tokens=sum(map(_num_cached, decode)) + len(decode),
                                      sampled_rows=sampled, adapters=tuple(tokens.items())))
 
     def _adapter_key(self, adapter: Any) -> int:
@@ -99,6 +109,10 @@ class StepLedger:
                 "distinct_adapters": len({k for s in self.steps for k, _ in s.adapters}),
                 "adapters_per_step_mean": sum(per_step) / len(per_step) if per_step else 0.0,
                 "adapters_per_step_max": max(per_step, default=0)}
+
+
+_adapter_of = attrgetter("adapter")
+_num_cached = attrgetter("num_cached")
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,13 @@ class StepCost:
     @property
     def bytes(self) -> float:
         return self.base_bytes + self.kv_bytes + self.adapter_bytes
+
+
+def step_floor_s(step: StepRecord, ledger: StepLedger, shape: FloorShape, *, peak_flops: float,
+                 bandwidth: float) -> float:
+    """The least time ``step`` can take: max(FLOPs / peak_flops, bytes / bandwidth)."""
+    cost = step_cost(step, ledger, shape)
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
 
 
 def step_cost(step: StepRecord, ledger: StepLedger, shape: FloorShape) -> StepCost:
@@ -199,3 +220,46 @@ def base_weight_bytes(params: Mapping[str, Any]) -> int:
     if params.get("lm_head") is None or params.get("lm_head") is params.get("embed"):  # tied: the head reads it all
         walk(params.get("embed"))
     return sum(storages.values())
+
+
+def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, Any]:
+    """A ledger's steps grouped by kind: per kind its steps, wall s, GPU s (None on a CPU),
+    floor s and floor / GPU (floor / wall without a GPU time), host phases; and the totals with
+    the host time between steps (``gap_s``) and, on CUDA, the device's idle time between steps
+    (``gpu_gap_s``). Needs a ledger recorded by an engine (one time per step)."""
+    clock = ledger.clock
+    if len(ledger.steps) != len(clock.times):
+        raise ValueError(f"the ledger has {len(ledger.steps)} steps but {len(clock.times)} step times: "
+                         "breakdown needs a ledger an engine recorded from its enable_step_ledger")
+    clock.resolve()
+    keys = ("steps", "wall_s", "gpu_s", "floor_s", "schedule_s", "launch_s", "wait_s", "emit_s")
+    kinds: dict[str, dict[str, Any]] = {}
+    total = dict.fromkeys(keys, 0.0)
+    total.update(gap_s=clock.gap_s, gpu_gap_s=0.0, drain_s=clock.drain_s)
+    has_gpu = bool(clock.times) and all(t.gpu_s is not None for t in clock.times)
+    for record, t in zip(ledger.steps, clock.times):
+        floor = step_floor_s(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth)
+        label = t.kind.label if t.kind is not None else "unknown"
+        row = kinds.setdefault(label, dict.fromkeys(keys, 0.0))
+        values = {"steps": 1, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
+                  "schedule_s": t.schedule_s, "launch_s": t.launch_s, "wait_s": t.wait_s, "emit_s": t.emit_s}
+        for k, v in values.items():
+            row[k] += v
+            total[k] += v
+        total["gpu_gap_s"] += t.gpu_gap_s or 0.0
+    rows = []
+    for label, row in sorted(kinds.items(), key=lambda kv: -kv[1]["wall_s"]):
+        rows.append(_finish(label, row, has_gpu))
+    total = _finish("all", total, has_gpu)
+    if not has_gpu:
+        total["gpu_gap_s"] = None
+    return {"kinds": rows, "total": total, "gpu_times": has_gpu}
+
+
+def _finish(label: str, row: dict[str, Any], has_gpu: bool) -> dict[str, Any]:
+    row["steps"] = int(row["steps"])
+    if not has_gpu:
+        row["gpu_s"] = None
+    device = row["gpu_s"] if has_gpu else row["wall_s"]
+    row["floor_over_gpu"] = row["floor_s"] / device if device > 0 else None
+    return {"kind": label, **row}

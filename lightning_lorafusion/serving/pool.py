@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -50,6 +51,12 @@ class ResidentAdapter:
     users: int = 0  # running requests using it (not evictable while > 0)
     last_used: int = 0
     ready: torch.cuda.Event | None = None  # its host-to-device copy, when asynchronous
+
+    @cached_property
+    def lora_offsets(self) -> torch.Tensor:
+        """``[L, modules, 2]`` int64 element offsets of its A and B^T in the pool (its
+        ``relative_offsets`` moved by where it sits), host tensor, computed once per residency."""
+        return self.adapter.relative_offsets + self.offset
 
 
 PageKey = bytes  # a 32-byte digest chaining the adapter, the previous page's key and the page's tokens

@@ -112,6 +112,9 @@ class RequestState:
     # what ends it, fixed at creation (checked for every row of every step)
     stop_ids: frozenset[int] = field(init=False)  # eos_token_ids and the request's stop_token_ids
     max_output: int = field(init=False)  # generated tokens that end it ("length"): max_new_tokens or the context
+    # how it samples, fixed at creation (read for every row whenever a step's rows change)
+    greedy: bool = field(init=False)
+    adjusts_logits: bool = field(init=False)  # logit bias or penalties
 
     def __post_init__(self) -> None:
         sp = self.request.sampling
@@ -119,6 +122,7 @@ class RequestState:
             self.logprobs, self.top_logprobs = [], []
         self.stop_ids = self.eos_token_ids | frozenset(sp.stop_token_ids)
         self.max_output = min(sp.max_new_tokens, self.max_total_len - len(self.request.prompt_token_ids))
+        self.greedy, self.adjusts_logits = sp.greedy, sp.adjusts_logits
 
     @property
     def request_id(self) -> str:

@@ -40,6 +40,7 @@ from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 from .step_batch import PrefillLora, PrefixRows, StepBatch
+from .step_times import StepKind
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class ModelRunner:
         self._graph_logits: torch.Tensor | None = None  # [max rows, V] fp32, written by the graphs
         self._slots: DoraSlots | None = None  # DoRA gains of graph-shaped steps (decode and mixed)
         self._decode_dora_of: tuple[list, Any, Any] = ([], None, None)  # (rows, (padded, slots version), DoRA)
+        self.step_kind: StepKind | None = None  # what the last step run was (step_times.py)
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -191,14 +193,18 @@ class ModelRunner:
             next_tokens = None  # KV pages moved: every row's slot page is looked up again
         inputs.load_step(decode, rows, next_tokens, token_tensor)
         dora = self._decode_dora(decode, rows)
+        adapters = "dora" if dora is not None else "lora" if inputs.has_lora else "base"
         if self.graphs is not None and not isinstance(dora, DoraRows):  # (ranges: more DoRA adapters than slots)
             self.graphs.replay(rows, inputs.has_lora, dora is not None)
+            self.step_kind = StepKind("decode", rows, adapters, "graph")
             return self._graph_logits[:b]
         # eager: padded steps run every module's gather, as the graphs do
         modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
         batch = self._decode_batch(rows, modules)
         batch.dora = dora
-        return self.logits(self.forward(batch))[:b]
+        logits = self.logits(self.forward(batch))[:b]
+        self.step_kind = StepKind("decode", bucket_for(b, self.buckets), adapters, "eager")
+        return logits
 
     def _decode_batch(self, rows: int, modules: frozenset[str]) -> StepBatch:
         """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows (the derived
@@ -394,7 +400,7 @@ class ModelRunner:
         by where each sits in the pool."""
         tiles = segment_tiles(segments, self.segment_block_m)
         dev = self.device
-        offsets = torch.stack([r.adapter.relative_offsets + r.offset for r in residents], dim=-1)  # [L, M, 2, A]
+        offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
         ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
         return PrefillLora(
             tiles=torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True),
@@ -467,6 +473,8 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
         rows = batch.input_ids.shape[0]
+        adapters = ("dora" if batch.dora is not None else
+                    "lora" if batch.prefill_lora is not None or batch.decode_modules else "base")
         if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
                 and not isinstance(batch.dora, DoraRows)):  # (ranges: more DoRA adapters than slots)
             # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
@@ -474,7 +482,10 @@ class ModelRunner:
             pieces = built.get(rows)
             if pieces is None:
                 pieces = built[rows] = self._new_pieces(rows, dora=batch.dora is not None)
+            self.step_kind = StepKind("mixed", rows, adapters, "graph" if self.mixed_pieces == "graphs" else "pieces")
             return pieces.run(batch)
+        bucket = bucket_for(rows, self.token_buckets) if rows <= self.token_buckets[-1] else rows
+        self.step_kind = StepKind("mixed", bucket, adapters, "eager")
         return paged_forward(self.model, batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

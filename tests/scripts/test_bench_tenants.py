@@ -52,6 +52,14 @@ def test_bench_tenants_tiny_cpu(tmp_path):
         # every prompt token and every generated token but each request's last is fed once
         assert r["ledger"]["prefill_tokens"] + r["ledger"]["decode_rows"] == \
             r["prompt_tokens"] + r["generated_tokens"] - r["requests"]
+        # where the time went: the steps by kind add up to the run's steps, busy time and floor
+        total, kinds = r["breakdown"]["total"], r["breakdown"]["kinds"]
+        assert total["steps"] == r["ledger"]["steps"] == sum(k["steps"] for k in kinds)
+        assert math.isclose(total["wall_s"], r["busy_s"], rel_tol=1e-9)
+        assert math.isclose(total["floor_s"], r["floor_s"], rel_tol=1e-9)
+        assert r["breakdown"]["gpu_times"] is False and total["gpu_s"] is None  # a CPU: wall times
+        assert {k["kind"].split()[0] for k in kinds} == {"mixed", "decode"}
+        assert all(k["kind"].split()[2] == ("base" if "base" in r["run"] else "lora") for k in kinds)
     for run in ("lora", "slora_distinct", "slora_one"):
         assert runs[(run, "burst")]["floor"]["adapter_bytes"] > 0
     for run in (("base", "burst"), ("base", "poisson"), ("slora_base", "burst")):

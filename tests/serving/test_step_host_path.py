@@ -242,3 +242,66 @@ def test_single_token_text_cache_changes_no_text(make_engine):
                 d.add_token(s[k])
                 assert (d.text, d.stopped, d.take_delta()) == (c.text, c.stopped, c.take_delta())
     assert cache and all(cache[t] == engine.tokenizer.decode([t], skip_special_tokens=True) for t in cache)
+
+
+def test_decode_tables_equal_each_row_looked_up(make_engine):
+    """The decode rows' page table and LoRA tables (built in a few array operations when the
+    rows change, patched where a row gained a page) equal each row's own pages and adapter:
+    requests on three adapters and the base joining and finishing, pages of 2 tokens."""
+    engine = make_engine(num_pages=128, page_size=2, async_decode="off")
+    inputs = engine.runner.decode_inputs
+    load = inputs.load_tables
+    checked = []
+
+    def checked_load(decode, pages_moved):
+        rebuilt = load(decode, pages_moved)
+        b = len(decode)
+        for i, st in enumerate(decode):
+            assert inputs.page_table[i, :len(st.pages)].tolist() == st.pages
+            r = st.resident
+            want = (torch.zeros_like(inputs.lora_offsets[..., 0]) if r is None
+                    else r.adapter.relative_offsets + r.offset)
+            assert torch.equal(inputs.lora_offsets[..., i], want)
+            assert inputs.lora_ranks[:, i].tolist() == ([0] * 7 if r is None else r.adapter.module_ranks.tolist())
+            assert inputs.lora_scales[i].item() == (0.0 if r is None else pytest.approx(r.adapter.scale))
+        assert (inputs.page_table[b:, 0] == inputs.scratch_page).all() and (inputs.lora_ranks[:, b:] == 0).all()
+        checked.append(rebuilt)
+        return rebuilt
+
+    inputs.load_tables = checked_load
+    sp = SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)
+    _trace(engine, _requests("d", sp), {0: [0, 1, 2], 2: [3], 4: [4, 5]}, 30)
+    assert any(checked) and not all(checked)  # rebuilt when the rows changed, patched otherwise
+
+
+@pytest.mark.parametrize("mix", ["greedy", "mixed"])
+def test_sampled_rows_gather_what_each_row_asks(make_engine, mix):
+    """A step's sampling rows (gathered from the states' fixed flags) are those each row's
+    settings name: rows that draw, rows with a bias or penalty, rows that want logprobs (0
+    included)."""
+    from lightning_lorafusion.serving.sampling import SamplingRows
+
+    engine = make_engine(with_adapters=False)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    kinds = [greedy] if mix == "greedy" else [
+        greedy, SamplingParams(max_new_tokens=4, temperature=0.7, seed=3),
+        SamplingParams(max_new_tokens=4, temperature=0.0, logit_bias={5: 2.0}),
+        SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=0),
+        SamplingParams(max_new_tokens=4, temperature=0.9, top_p=0.5, logprobs=2, presence_penalty=0.5)]
+    rng = random.Random(0)
+    states = [engine._new_state(GenerationRequest(prompt_token_ids=[3, 4, 5], sampling=rng.choice(kinds),
+                                                  request_id=f"s{i}"), None) for i in range(40)]
+    rows = _SampledRows(states, torch.device("cpu"), engine.model_config.vocab_size)
+    sps = [s.sampling for s in states]
+    want = SamplingRows.build(sps, [s.seed for s in states], [0] * len(states), torch.device("cpu"))
+    assert rows.sampling.rows == want.rows
+    for name in ("index", "temperature", "top_k", "top_p", "seeds", "draws", "min_p"):
+        a, b = getattr(rows.sampling, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b)
+    adjusted = tuple(i for i, sp in enumerate(sps) if sp.adjusts_logits)
+    assert (rows.adjust is None) == (not adjusted) and (rows.adjust is None or rows.adjust.rows == adjusted)
+    asking = [i for i, sp in enumerate(sps) if sp.logprobs is not None]
+    assert rows.logprob_row == {i: j for j, i in enumerate(asking)}
+    assert rows.top_n == max((sps[i].logprobs for i in asking), default=None)
+    if mix == "mixed":
+        assert rows.sampling.rows and adjusted and asking and any(sps[i].logprobs == 0 for i in asking)
