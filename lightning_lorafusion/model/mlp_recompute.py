@@ -98,6 +98,15 @@ class _GatedActivation(torch.autograd.Function):
         return dg, du, None, None
 
 
+def _enclosing_hooks():
+    """The saved-tensor hooks in force around this call (an offloading or a counting context), or
+    None: saved-tensor hooks do not nest (the innermost alone applies), so the down projection's
+    hooks pass every tensor but ``mid`` on to them. torch exposes the current pair only through
+    ``torch._C`` (its AOT autograd reads it the same way); without it, no enclosing hooks are seen."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
                    down: Callable[[torch.Tensor], torch.Tensor], mode: str) -> torch.Tensor:
     """``down(act(*gate_up(x)))`` keeping for backward what ``mode`` says (module docstring).
@@ -115,13 +124,17 @@ def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
     del g, u
     mid_storage = mid.untyped_storage().data_ptr()  # the hooks hold this number, never ``mid``
 
+    outer = _enclosing_hooks()  # the down projection's other saved tensors still go through them
+
     def pack(t: torch.Tensor):
         if t.device == x.device and t.untyped_storage().data_ptr() == mid_storage:
             return _MidToken(rebuilt, t)
-        return t
+        return t if outer is None else outer[0](t)
 
     def unpack(saved):
-        return saved.tensor() if isinstance(saved, _MidToken) else saved
+        if isinstance(saved, _MidToken):
+            return saved.tensor()
+        return saved if outer is None else outer[1](saved)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return down(mid)
