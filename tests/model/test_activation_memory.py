@@ -5,6 +5,8 @@ with fewer bytes kept, by what the accounting says."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -70,9 +72,10 @@ def flash_like(monkeypatch):
     monkeypatch.setattr(dec, "varlen_causal_attention", attention)
 
 
-def _saved_bytes(num_layers: int, tokens: int, mode: str) -> int:
+def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None = None) -> int:
     """Bytes of the distinct storages autograd keeps after the forward of ``num_layers`` layers
-    over ``tokens`` tokens of two adapters (fused kernels, eager elementwise, fp32)."""
+    over ``tokens`` tokens of two adapters (fused kernels, fp32; elementwise groups eager, or
+    compiled by ``compiler``)."""
     config = _config(num_layers)
     params = random_base_params(config, device="cpu", dtype=torch.float32)
     bank = _bank(config)
@@ -98,7 +101,8 @@ def _saved_bytes(num_layers: int, tokens: int, mode: str) -> int:
     routing = bank.routing([(0, half, 0), (half, tokens, 1)], 0, tokens)
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     h = embed(params, ids)
-    options = DecoderOptions(elementwise_fusion="off", mlp_recompute=mode)
+    options = DecoderOptions(elementwise_fusion="off" if compiler is None else "on",
+                             fusion_compiler=compiler or "inductor", mlp_recompute=mode)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = decoder_layers(params, bank.view(), h, torch.cat([torch.arange(half)] * 2),
                              torch.tensor([0, half, tokens], dtype=torch.int32), routing, config=config,
@@ -120,6 +124,18 @@ def test_accounting_equals_what_autograd_keeps(flash_like, mode):
     full = layer_saved_bytes(_config(2), 4, dtype=torch.float32, elementwise_compiled=False)
     i = CONFIG["intermediate_size"] * 4
     assert sum(full.values()) - sum(accounted.values()) == {"none": 0, "activation": 2 * i, "gate_up": 4 * i}[mode]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor's CPU code needs a C++ compiler")
+def test_accounting_of_the_compiled_elementwise_groups(flash_like):
+    """The norms and activation compiled by inductor, as on a GPU: a norm keeps its input and
+    1/rms, SwiGLU keeps gate and up only; the accounting's compiled column is what is kept."""
+    t1, t2 = 64, 128
+    for mode in ("none", "gate_up"):
+        layer = [(_saved_bytes(2, t, mode, "inductor") - _saved_bytes(1, t, mode, "inductor")) for t in (t1, t2)]
+        accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode)
+        assert (layer[1] - layer[0]) / (t2 - t1) == sum(accounted.values()), (mode, accounted)
 
 
 def test_accounting_at_the_8b_shape():
@@ -148,7 +164,7 @@ def test_accounting_refuses_other_blocks_and_modes():
         layer_saved_bytes(_config(2), {"gate": 4})
 
 
-def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False):
+def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off"):
     for p in bank.parameters():
         p.grad = None
     t = 96
@@ -159,7 +175,8 @@ def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False
     loss = forward_loss_sums(params, bank.view(), ids, labels, torch.cat([torch.arange(32)] * 3),
                              torch.tensor([0, 32, 64, 96], dtype=torch.int32), routing, config=config,
                              backend=backend, checkpoint_layers=checkpoint_layers,
-                             options=DecoderOptions(elementwise_fusion="off", mlp_recompute=mode))
+                             options=DecoderOptions(elementwise_fusion=fusion, fusion_compiler="aot_eager",
+                                                    mlp_recompute=mode))
     (loss * torch.tensor([1.0, 0.5])).sum().backward()
     return loss.detach(), [p.grad.clone() for p in bank.parameters()]
 
@@ -198,3 +215,40 @@ def test_recomputed_mlp_with_a_dora_adapter():
 def test_mlp_recompute_option_is_checked():
     with pytest.raises(ValueError, match="mlp_recompute='all'.*'none', 'activation', 'gate_up'"):
         DecoderOptions(mlp_recompute="all")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_recomputed_mlp_with_a_fused_gate_up_projection(backend):
+    """A family whose checkpoint fuses gate/up (Phi-3: one product chunked after) and whose MLP
+    is GeGLU: the rebuilt halves are views of one rebuilt product, the same gradients."""
+    family = DecoderFamily(name="phi3", fused_qkv=True, fused_gate_up=True, activation="gelu_tanh")
+    config = DecoderConfig(num_layers=2, family=family, **CONFIG)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    specs = [AdapterSpec(name=f"a{i}", rank=4, alpha=8, lr=1e-3, global_batch_size=1, seed=i, dropout=0.1,
+                         target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                         dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
+             for i in range(2)]
+    bank = AdapterBank(specs, config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
+    for mode in ("activation", "gate_up"):
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend)
+        assert torch.equal(loss, ref_loss), mode
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), mode
+
+
+def test_recomputed_mlp_with_the_compiled_activation():
+    """The elementwise groups compiled (as on a GPU; traced by aot_eager here): the recomputing
+    activation runs the compiled one in forward and backward, the same gradients."""
+    config = _config(2)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch", fusion="on")
+    for mode in ("activation", "gate_up"):
+        loss, grads = _loss_and_grads(params, config, bank, mode, "torch", fusion="on")
+        assert torch.equal(loss, ref_loss), mode
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), mode
