@@ -252,3 +252,47 @@ def test_recomputed_mlp_with_the_compiled_activation():
         assert torch.equal(loss, ref_loss), mode
         for a, b in zip(grads, ref_grads):
             assert torch.equal(a, b), mode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory is measured on a CUDA GPU")
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
+    """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
+    memory a forward leaves allocated drops, per mode, by exactly what the accounting says the
+    mode keeps less of; backward then gives the keeping path's gradients (bf16: the compiled
+    activation's forward-only and training graphs may round differently)."""
+    config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
+                                            "head_dim": 64, "vocab_size": 512})
+    params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
+    params = quantize_base_nf4(params) if base == "nf4" else params
+    specs = [AdapterSpec(name=f"a{i}", rank=16, alpha=32, lr=1e-3, global_batch_size=1, seed=i, dropout=0.1,
+                         dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
+             for i in range(2)]
+    bank = AdapterBank(specs, config, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    t = 2048
+    routing = bank.routing([(0, 1024, 0), (1024, t, 1)], 0, t)
+    ids = torch.randint(0, config.vocab_size, (t,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cu = torch.tensor([0, 512, 1024, t], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(512), torch.arange(512), torch.arange(1024)]).cuda()
+    kept, grads = {}, {}
+    for mode in MODES:
+        for p in bank.parameters():
+            p.grad = None
+        h = embed(params, ids)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",
+                             options=DecoderOptions(mlp_recompute=mode))
+        torch.cuda.synchronize()
+        kept[mode] = torch.cuda.memory_allocated() - before
+        out.float().pow(2).mean().backward()
+        grads[mode] = [p.grad.float().clone() for p in bank.parameters()]
+        del out
+    per_layer = {m: sum(layer_saved_bytes(config, 16, mlp_recompute=m).values()) for m in MODES}
+    for mode in ("activation", "gate_up"):
+        assert kept["none"] - kept[mode] == config.num_layers * t * (per_layer["none"] - per_layer[mode]), kept
+        for a, b in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
