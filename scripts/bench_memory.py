@@ -9,7 +9,7 @@ capacity, and whether it meets the memory target: peak <= --target-gib at >= --t
 best NF4 tokens/s of the run. Rows past --time-budget seconds are skipped (listed as such).
 
     PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096,8192 \\
-        --settings none,activation,gate_up,ckpt4+gate_up --out $OUT
+        --settings none,activation,gate_up,ckpt4+gate_up --extra-rows 2048:none,2048:activation --out $OUT
     PYTHONPATH=. python3 scripts/bench_memory.py --shape tiny --layers 2 --device cpu --backend torch \\
         --samples 4 --capacities 256,512 --bf16-capacity 256   # smoke test
 """
@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.set_defaults(samples=16)
     ap.add_argument("--capacities", type=comma_list(cast=int), default=[4096, 8192])
     ap.add_argument("--settings", type=comma_list(), default=["none", "activation", "gate_up", "ckpt4+gate_up"])
+    ap.add_argument("--extra-rows", type=comma_list(), default=[],
+                    help="more rows after the sweep, each CAPACITY:SETTING (e.g. 2048:none,2048:activation)")
     ap.add_argument("--base-precision", choices=("nf4", "bf16"), default="nf4", help="the swept base")
     ap.add_argument("--bf16-capacity", type=int, default=8192,
                     help="capacity of the bf16-base reference row, run first (0: none)")
@@ -67,6 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_setting(s)
         except argparse.ArgumentTypeError as error:
             ap.error(f"--settings: {error}")
+    for row in args.extra_rows:
+        capacity, _, setting = row.partition(":")
+        try:
+            if not capacity.isdigit():
+                raise argparse.ArgumentTypeError(f"row {row!r} is not CAPACITY:SETTING")
+            parse_setting(setting)
+        except argparse.ArgumentTypeError as error:
+            ap.error(f"--extra-rows: {error}")
     return args
 
 
@@ -98,7 +108,8 @@ def _run_row(args, w: dict, precision: str, capacity: int, setting: str) -> dict
 
 def planned_rows(args) -> list[tuple[str, int, str]]:
     rows = [("bf16", args.bf16_capacity, "none")] if args.bf16_capacity and args.base_precision == "nf4" else []
-    return rows + [(args.base_precision, c, s) for c in args.capacities for s in args.settings]
+    extra = [(args.base_precision, int(c), s) for c, _, s in (r.partition(":") for r in args.extra_rows)]
+    return rows + [(args.base_precision, c, s) for c in args.capacities for s in args.settings] + extra
 
 
 def print_table(rows: list[dict], args, device_name: str) -> None:

@@ -23,6 +23,10 @@ def test_settings_parse():
         bench.parse_setting("mlp")
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--extra-rows", "none:2048"])
+    args = bench.parse_args(["--capacities", "4096", "--settings", "none", "--extra-rows", "2048:activation"])
+    assert bench.planned_rows(args) == [("bf16", 8192, "none"), ("nf4", 4096, "none"), ("nf4", 2048, "activation")]
 
 
 def test_bench_memory_tiny_cpu(tmp_path):
