@@ -25,6 +25,10 @@ from typing import Callable
 import torch
 
 MLP_RECOMPUTE_MODES = ("none", "activation", "gate_up")
+# the rebuilt tensors are dropped after the first backward (kept, every layer's would live until
+# the graph dies), so a retained graph cannot be walked again
+_SECOND_BACKWARD = ("DecoderOptions.mlp_recompute does not support a second backward through the same graph "
+                    "(retain_graph=True); use mlp_recompute='none' there")
 
 GateUp = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,6 +46,8 @@ class _Rebuilt:
         self._mid: torch.Tensor | None = None
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gu is None and not self.kept:
+            raise RuntimeError(_SECOND_BACKWARD)
         if self._gu is None:
             if self.gate_up_fn is None:  # "activation": g and u were kept
                 self._gu = (self.kept[0], self.kept[1])
@@ -88,6 +94,8 @@ class _GatedActivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dmid):
         rebuilt, ctx.rebuilt = ctx.rebuilt, None
+        if rebuilt is None:
+            raise RuntimeError(_SECOND_BACKWARD)
         rebuilt.kept = ctx.saved_tensors
         g, u = rebuilt.gate_up()
         rebuilt.release()
@@ -122,12 +130,13 @@ def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
     rebuilt = _Rebuilt(act, gate_up if mode == "gate_up" else None)
     mid = _GatedActivation.apply(g, u, x, rebuilt)
     del g, u
-    mid_storage = mid.untyped_storage().data_ptr()  # the hooks hold this number, never ``mid``
+    # the hooks hold these numbers, never ``mid`` or ``x`` (torch keeps the hooks with each saved tensor)
+    mid_storage, device = mid.untyped_storage().data_ptr(), x.device
 
     outer = _enclosing_hooks()  # the down projection's other saved tensors still go through them
 
     def pack(t: torch.Tensor):
-        if t.device == x.device and t.untyped_storage().data_ptr() == mid_storage:
+        if t.device == device and t.untyped_storage().data_ptr() == mid_storage:
             return _MidToken(rebuilt, t)
         return t if outer is None else outer[0](t)
 

@@ -212,6 +212,21 @@ def test_recomputed_mlp_with_a_dora_adapter():
         assert torch.equal(a, b)
 
 
+def test_a_second_backward_through_a_recomputing_graph_is_refused():
+    """The rebuilt tensors are dropped after the first backward (keeping them would hold every
+    layer's until the graph dies); a retained graph's second backward says so in one line."""
+    config = _config(1)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config)
+    routing = bank.routing([(0, 16, 0), (16, 32, 1)], 0, 32)
+    h = decoder_layers(params, bank.view(), embed(params, torch.arange(32)), torch.arange(32),
+                       torch.tensor([0, 32], dtype=torch.int32), routing, config=config,
+                       options=DecoderOptions(elementwise_fusion="off", mlp_recompute="gate_up"))
+    h.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+        h.sum().backward()
+
+
 def test_mlp_recompute_option_is_checked():
     with pytest.raises(ValueError, match="mlp_recompute='all'.*'none', 'activation', 'gate_up'"):
         DecoderOptions(mlp_recompute="all")
