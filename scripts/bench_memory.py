@@ -9,7 +9,7 @@ capacity, and whether it meets the memory target: peak <= --target-gib at >= --t
 best NF4 tokens/s of the run. Rows past --time-budget seconds are skipped (listed as such).
 
     PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096,8192 \\
-        --settings none,activation,gate_up,ckpt4+gate_up --extra-rows 2048:none,2048:activation --out $OUT
+        --settings none,activation,gate_up,ckpt4+gate_up --extra-rows 2048:none,2048:activation,2048:ckpt2+activation --out $OUT
     PYTHONPATH=. python3 scripts/bench_memory.py --shape tiny --layers 2 --device cpu --backend torch \\
         --samples 4 --capacities 256,512 --bf16-capacity 256   # smoke test
 """
