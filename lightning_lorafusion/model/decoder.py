@@ -33,7 +33,7 @@ layers, and (last stage) ``head_loss_sums``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -50,6 +50,7 @@ from ..kernels.reference import LoraModuleWeights, LoraRouting, apply_rope, rms_
 from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
 from .flex_attention import softcap_block_masks
+from .mlp_recompute import MLP_RECOMPUTE_MODES, recomputed_mlp
 from .decoder_config import (ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq,  # noqa: F401 (also imported from here)
                              rope_long_rows)
 from .family import (
@@ -80,11 +81,16 @@ class DecoderOptions:
     ``elementwise_fusion``: "auto" (compile the elementwise groups on CUDA with the Triton
     backend), "on" (always) or "off"; ``fusion_compiler``: the torch.compile backend
     ("inductor"; "aot_eager" traces without code generation, for tests); ``kernels``: the
-    kernels' options (``KernelOptions``: FP8 accumulation, the NF4 GEMM)."""
+    kernels' options (``KernelOptions``: FP8 accumulation, the NF4 GEMM); ``mlp_recompute``:
+    which of the MLP's ``[T, intermediate]`` tensors backward rebuilds instead of keeping:
+    "none", "activation" (the activation's output, elementwise) or "gate_up" (also the gate/up
+    products, one extra gate+up product per layer); ``mlp_recompute.py``. Layers under
+    ``checkpoint_layers`` recompute whole and ignore it."""
 
     elementwise_fusion: str = "auto"
     fusion_compiler: str = "inductor"
     kernels: KernelOptions = field(default_factory=KernelOptions)
+    mlp_recompute: str = "none"
 
     def __post_init__(self) -> None:
         if self.elementwise_fusion not in ELEMENTWISE_FUSION_MODES:
@@ -92,6 +98,8 @@ class DecoderOptions:
                              "allowed: 'auto', 'on', 'off'")
         if not isinstance(self.kernels, KernelOptions):
             raise TypeError(f"DecoderOptions.kernels must be a KernelOptions; got {type(self.kernels).__name__}")
+        if self.mlp_recompute not in MLP_RECOMPUTE_MODES:
+            raise ValueError(f"DecoderOptions.mlp_recompute={self.mlp_recompute!r}; allowed: {MLP_RECOMPUTE_MODES}")
 
 
 DEFAULT_OPTIONS = DecoderOptions()
@@ -171,6 +179,49 @@ def _qkv_projections(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: Lora
                             dropout_offset=dropout_offset, backend=backend, options=options)
 
 
+def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | None, act, *, config: DecoderConfig,
+         offset, backend: str, options: DecoderOptions) -> torch.Tensor:
+    """The gated MLP ``x [T, H] -> [T, H]`` with its LoRA; ``options.mlp_recompute`` says which of
+    its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``)."""
+    family, kernel_options = config.family, options.kernels
+    wd, bd = frozen_weight(lp["down_proj"])
+    if family.fused_gate_up:  # one product, chunked into gate and up after
+        wgu, bgu = frozen_weight(lp["gate_up_proj"])
+
+        def gate_up(x):
+            (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
+                                     backend=backend, options=kernel_options)
+            return gu.chunk(2, dim=-1)
+    else:
+        (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
+        # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
+        # for dX, handed over through `operands` (the fused projections' backward takes the
+        # gradient; the torch reference sums its gradient from slices and would not)
+        if (backend == "triton" and family.activation == "silu"
+                and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd))):
+            if options.mlp_recompute != "none":
+                raise ValueError(f"DecoderOptions.mlp_recompute={options.mlp_recompute!r} does not apply to an "
+                                 "FP8 base's MLP (its SwiGLU hands quantized operands to down); use 'none'")
+            operands = QuantizedOperands()
+            g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
+                                    dropout_offset=offset(2), backend=backend, options=kernel_options,
+                                    operands=operands)
+            (d,) = lora_projections(fp8_swiglu(g, u, wg, wu, operands), [wd], [bd], lora("down_proj"), routing,
+                                    dropout_offset=offset(3), backend=backend, options=kernel_options,
+                                    operands=operands)
+            return d
+
+        def gate_up(x):
+            return lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
+                                    dropout_offset=offset(2), backend=backend, options=kernel_options)
+
+    def down(mid):
+        return lora_projections(mid, [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
+                                backend=backend, options=kernel_options)[0]
+
+    return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute)
+
+
 def decoder_layer(
     lp: Mapping[str, Any],
     bank_view: BankView | None,
@@ -230,26 +281,7 @@ def decoder_layer(
         h, x = add_norm(h, o, lp["mlp_norm"], eps)
     else:
         h = x = h + o
-    wd, bd = frozen_weight(lp["down_proj"])
-    operands = None
-    if family.fused_gate_up:  # one product, chunked into gate and up after
-        wgu, bgu = frozen_weight(lp["gate_up_proj"])
-        (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
-                                 backend=backend, options=kernel_options)
-        mid = act(*gu.chunk(2, dim=-1))
-    else:
-        (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
-        # FP8 MLP on the Triton backend: SwiGLU also quantizes h for down and the gate/up gradient
-        # for dX, handed over through `operands` (the fused projections' backward takes the
-        # gradient; the torch reference sums its gradient from slices and would not)
-        fp8_mlp = (backend == "triton" and family.activation == "silu"
-                   and all(isinstance(w, Fp8Weight) for w in (wg, wu, wd)))
-        operands = QuantizedOperands() if fp8_mlp else None
-        g, u = lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing, dropout_offset=offset(2),
-                                backend=backend, options=kernel_options, operands=operands)
-        mid = fp8_swiglu(g, u, wg, wu, operands) if fp8_mlp else act(g, u)
-    (d,) = lora_projections(mid, [wd], [bd], lora("down_proj"), routing,
-                            dropout_offset=offset(3), backend=backend, options=kernel_options, operands=operands)
+    d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options)
     if family.output_norms:
         d = norm(d, lp["mlp_post_norm"], eps)
     return h + d
@@ -312,6 +344,7 @@ def decoder_layers(
     else:
         recompute_below = int(checkpoint_layers)
     recompute_below = recompute_below if torch.is_grad_enabled() else 0
+    whole = replace(options, mlp_recompute="none")  # a checkpointed layer recomputes all of it
     for i in layers:
         args = (params["layers"][i], bank_view, h, *ropes[config.local_rope(i)], cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
@@ -319,7 +352,8 @@ def decoder_layers(
         if i < recompute_below:
             # no torch RNG inside (dropout masks are hashes): nothing to preserve, and a CUDA
             # graph capture may not read or set the generator's state
-            h = checkpoint(decoder_layer, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+            h = checkpoint(decoder_layer, *args, use_reentrant=False, preserve_rng_state=False,
+                           **{**kwargs, "options": whole})
         else:
             h = decoder_layer(*args, **kwargs)
     return h

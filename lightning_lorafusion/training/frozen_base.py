@@ -11,6 +11,7 @@ import torch
 
 from ..data.sources import parse_source
 from ..model.decoder import LM_HEAD_LOSSES, DecoderConfig
+from ..model.mlp_recompute import MLP_RECOMPUTE_MODES
 from ..model.hf_loading import fp8_exempt_layer_set, load_base_model, quantize_base_fp8, resolve_model_dir
 from ..model.random_model import is_random_base, random_base_config, random_base_params
 from ..specs import AdapterSpec, ConfigError, check_adapter_names
@@ -41,7 +42,7 @@ def check_adapters(adapters: Sequence[AdapterSpec | dict]) -> tuple[AdapterSpec,
 
 
 def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any, precision: PrecisionConfig,
-                         lm_head_loss: str, cuda_graphs: str | bool) -> str:
+                         lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none") -> str:
     """``ConfigError`` naming the first model option out of range; returns ``cuda_graphs`` as a
     mode name (YAML reads a bare on/off as a boolean)."""
     if dtype not in DTYPES:
@@ -54,6 +55,12 @@ def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any
     check_base_precision(precision, dtype)
     if lm_head_loss not in LM_HEAD_LOSSES:
         raise ConfigError(f"model.lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
+    if mlp_recompute not in MLP_RECOMPUTE_MODES:
+        raise ConfigError(f"model.mlp_recompute={mlp_recompute!r}; allowed: {MLP_RECOMPUTE_MODES}")
+    if mlp_recompute != "none" and precision.base == "fp8":
+        raise ConfigError(f"model.mlp_recompute={mlp_recompute!r} does not apply to an FP8 base (its SwiGLU "
+                          "hands quantized operands to the down projection); set it to 'none' or use "
+                          "activation_checkpointing")
     if isinstance(cuda_graphs, bool):
         cuda_graphs = "on" if cuda_graphs else "off"
     if cuda_graphs not in CUDA_GRAPH_MODES:

@@ -83,6 +83,12 @@ class LoRAFusionModule(L.LightningModule):
             the layer (less memory per token, so a larger ``data.capacity`` fits): ``true`` for
             every layer, or a number n for the first n layers (under the pipeline strategy the
             early stages, which hold the most microbatches in flight, recompute first).
+        mlp_recompute: which of each layer's MLP tensors ``[tokens, intermediate]`` backward
+            rebuilds instead of keeping: "none"; "activation" (the activation's output, rebuilt
+            elementwise from gate and up: a third of the MLP's activations for no extra product);
+            "gate_up" (all three, from the MLP input: one extra gate+up product per layer).
+            Exact (the same gradients); layers under ``activation_checkpointing`` recompute
+            whole. Not with an FP8 base. docs/model.md "Activation memory".
         precision: how the frozen base is stored (``PrecisionConfig``): ``{base: bf16}`` (the
             default: the projections multiply in ``dtype``) or ``{base: fp8, fp8: {...}}``: the
             seven projection weights of every layer are quantized once to float8 e4m3
@@ -117,6 +123,7 @@ class LoRAFusionModule(L.LightningModule):
         max_nonfinite_steps: int = 3,
         export_on_fit_end: bool = True,
         activation_checkpointing: bool | int = False,
+        mlp_recompute: str = "none",
         precision: PrecisionConfig = PrecisionConfig(),
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
@@ -128,7 +135,7 @@ class LoRAFusionModule(L.LightningModule):
         precision = PrecisionConfig.parse(precision)
         cuda_graphs = check_module_options(
             dtype=dtype, grad_clip=grad_clip, max_nonfinite_steps=max_nonfinite_steps, precision=precision,
-            lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs)
+            lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute)
         self.save_hyperparameters(ignore=["adapters", "precision"])
         self.hparams["precision"] = dataclasses.asdict(precision)  # plain data in checkpoints
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -152,7 +159,7 @@ class LoRAFusionModule(L.LightningModule):
         self.base_precision = precision.base
         fast = precision.fp8.fast_accumulation
         self.decoder_options = DecoderOptions(kernels=KernelOptions(
-            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm))
+            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm), mlp_recompute=mlp_recompute)
         self.cuda_graphs = cuda_graphs
         self._graphs: TrainingGraphs | None = None  # made in on_train_start when graphs are used
 

@@ -23,7 +23,7 @@ from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
 from lightning_lorafusion.kernels.routing_table import build_launch_table
 from lightning_lorafusion.kernels.static_routing import StaticLaunchTables, max_tiles
 from lightning_lorafusion.model.adapter_bank import AdapterBank
-from lightning_lorafusion.model.decoder import DecoderConfig, forward_loss_sums
+from lightning_lorafusion.model.decoder import DecoderConfig, DecoderOptions, forward_loss_sums
 from lightning_lorafusion.model.random_model import random_base_params
 from lightning_lorafusion.parallel.stage import adapter_loss
 from lightning_lorafusion.planner import plan_microbatches
@@ -454,9 +454,10 @@ def _fp8_tensor_cores() -> bool:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("checkpoint_layers,base_precision,dora", [(False, "bf16", False), (True, "bf16", False),
-                                                                   (False, "fp8", False), (False, "bf16", True)])
-def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora):
+@pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute", [
+    (False, "bf16", False, "none"), (True, "bf16", False, "none"), (False, "fp8", False, "none"),
+    (False, "bf16", True, "none"), (False, "bf16", False, "gate_up"), (2, "bf16", False, "activation")])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
     adapters step several times). Tolerance: the two runs share every kernel except the
@@ -465,7 +466,8 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     the sign of near-zero gradients, so each weight may differ by up to 2 lr per step, and the
     updates as a whole (w - w0) must agree to 5% in norm. With the FP8 base both runs use the
     same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
-    adapters the graphs rescale rows by their owner read on the device (the same products)."""
+    adapters the graphs rescale rows by their owner read on the device (the same products).
+    With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph)."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
         pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
@@ -478,14 +480,16 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
         routing = bank_e.routing(mb.segments, mb.index, mb.capacity)
         sums = forward_loss_sums(params, bank_e.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
                                  routing, config=config, backend="triton", max_seqlen=mb.max_seqlen,
-                                 label_rows=mb.label_rows)
+                                 label_rows=mb.label_rows, options=options)
         adapter_loss(sums, mb.loss_denominators).backward()
         return sums.detach()
 
+    options = DecoderOptions(mlp_recompute=mlp_recompute)
     epochs = mbs + [dataclasses.replace(mb, index=mb.index + 100) for mb in mbs]
     losses_e = _train(eager, bank_e, opts_e, epochs)
     params, bank_g, opts_g = _gpu_setup(config, specs, base_precision)
-    graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers)
+    graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers,
+                            options=options)
 
     def replayed(mb):
         if graph_key(mb) not in graphs._graphs:
@@ -501,7 +505,8 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     assert not graphs.refusals, graphs.refusals
     assert graphs.captures >= 1 and graphs.replays >= len(mbs)
     rel = ((losses_g - losses_e).abs() / losses_e.abs().clamp_min(1e-6)).max().item()
-    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}, {base_precision}, dora={dora}): {graphs.captures} graphs, "
+    print(f"\ngraphs vs eager (checkpoint_layers={checkpoint_layers}, {base_precision}, dora={dora}, "
+          f"mlp_recompute={mlp_recompute}): {graphs.captures} graphs, "
           f"{graphs.replays} replays, worst relative loss-sum gap {rel:.2e}")
     torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
     steps = sum(len(mb.step_adapters) for mb in epochs)

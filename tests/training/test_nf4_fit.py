@@ -102,3 +102,20 @@ def test_nf4_gemm_option_reaches_the_decoder_and_is_checked(tiny_model_dir):
                          precision={"base": "nf4", "nf4": {"gemm": "tiles"}})
     with pytest.raises(ConfigError, match="model.precision.nf4.gemm='fused' applies only with model.precision.base: nf4"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], precision={"nf4": {"gemm": "fused"}})
+
+
+def test_mlp_recompute_option_trains_the_same_adapters(tiny_model_dir):
+    """``model.mlp_recompute`` reaches the decoder; training with the MLP recomputed gives the
+    same adapters, bit for bit, as keeping it (NF4 base, several adapters packed); a wrong
+    value, or the option with an FP8 base, is a ConfigError naming the field."""
+    kept, _, _ = fit_joint(tiny_model_dir, tiny_specs(), module_kwargs=NF4)
+    rebuilt, _, _ = fit_joint(tiny_model_dir, tiny_specs(), module_kwargs={**NF4, "mlp_recompute": "gate_up"})
+    assert rebuilt.decoder_options.mlp_recompute == "gate_up" and kept.decoder_options.mlp_recompute == "none"
+    assert rebuilt.steps_taken == kept.steps_taken == [3, 3, 2]
+    for (name, a), (_, b) in zip(kept.bank.named_parameters(), rebuilt.bank.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match=r"model.mlp_recompute='mlp'; allowed: \('none', 'activation', 'gate_up'\)"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], mlp_recompute="mlp")
+    with pytest.raises(ConfigError, match="model.mlp_recompute='activation' does not apply to an FP8 base"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], dtype="bfloat16",
+                         mlp_recompute="activation", precision={"base": "fp8", "fp8": {"emulate": True}})

@@ -1,0 +1,149 @@
+"""Selective recomputation of the gated MLP: which of its ``[T, intermediate]`` tensors the
+training step keeps for backward and which backward rebuilds (``DecoderOptions.mlp_recompute``).
+
+The MLP ``d = down(act(gate(x), up(x)))`` keeps three ``[T, I]`` tensors alive from forward to
+backward: ``g`` and ``u`` (for the activation's gradient) and ``mid = act(g, u)`` (the down
+projection's LoRA ``dA``). At an 8B shape they are most of a layer's activations.
+
+- ``"none"``: keep all three.
+- ``"activation"``: keep ``g`` and ``u``; ``mid`` is rebuilt in backward by the elementwise
+  activation (no product runs twice).
+- ``"gate_up"``: keep only the MLP input ``x`` (kept anyway by the gate/up projections); backward
+  reruns the gate/up projections with their LoRA terms (one extra gate+up product per layer)
+  and the activation.
+
+The rest of the graph is unchanged: the down projection saves a token instead of ``mid``
+(``saved_tensors_hooks``) and the activation is a small autograd Function whose saved tensors
+are only what the mode keeps. Recomputation runs the same functions on the same inputs
+(dropout masks are hashes of seed and offset), so it gives the forward's values bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+MLP_RECOMPUTE_MODES = ("none", "activation", "gate_up")
+# the rebuilt tensors are dropped after the first backward (kept, every layer's would live until
+# the graph dies), so a retained graph cannot be walked again
+_SECOND_BACKWARD = ("DecoderOptions.mlp_recompute does not support a second backward through the same graph "
+                    "(retain_graph=True); use mlp_recompute='none' there")
+
+GateUp = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Rebuilt:
+    """One layer's ``g``, ``u`` and ``mid`` for its backward, rebuilt on first use and dropped by
+    the activation's backward (the last to need them). Holds the kept tensors only (``g, u`` or
+    ``x``), never ``mid``."""
+
+    def __init__(self, act: Activation, gate_up: GateUp | None) -> None:
+        self.act, self.gate_up_fn = act, gate_up
+        self.kept: tuple[torch.Tensor, ...] = ()
+        self._gu: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mid: torch.Tensor | None = None
+
+    def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gu is None and not self.kept:
+            raise RuntimeError(_SECOND_BACKWARD)
+        if self._gu is None:
+            if self.gate_up_fn is None:  # "activation": g and u were kept
+                self._gu = (self.kept[0], self.kept[1])
+            else:
+                with torch.no_grad():
+                    self._gu = self.gate_up_fn(self.kept[0])
+        return self._gu
+
+    def mid(self) -> torch.Tensor:
+        if self._mid is None:
+            g, u = self.gate_up()
+            with torch.no_grad():
+                self._mid = self.act(g, u)
+        return self._mid
+
+    def release(self) -> None:
+        self.kept, self._gu, self._mid = (), None, None
+
+
+class _MidToken:
+    """What the down projection saves instead of ``mid`` (or a view of it)."""
+
+    __slots__ = ("rebuilt", "shape", "stride", "offset")
+
+    def __init__(self, rebuilt: _Rebuilt, t: torch.Tensor) -> None:
+        self.rebuilt, self.shape, self.stride, self.offset = rebuilt, t.shape, t.stride(), t.storage_offset()
+
+    def tensor(self) -> torch.Tensor:
+        return self.rebuilt.mid().as_strided(self.shape, self.stride, self.offset)
+
+
+class _GatedActivation(torch.autograd.Function):
+    """``act(g, u)`` saving only what the mode keeps: ``g, u`` ("activation") or the MLP input
+    ``x`` ("gate_up"); ``x`` is an input only so that its saving is seen like any other."""
+
+    @staticmethod
+    def forward(ctx, g, u, x, rebuilt: _Rebuilt):
+        ctx.rebuilt = rebuilt
+        kept = (g, u) if rebuilt.gate_up_fn is None else (x,)
+        ctx.save_for_backward(*kept)
+        rebuilt.kept = kept
+        return rebuilt.act(g, u)
+
+    @staticmethod
+    def backward(ctx, dmid):
+        rebuilt, ctx.rebuilt = ctx.rebuilt, None
+        if rebuilt is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        rebuilt.kept = ctx.saved_tensors
+        g, u = rebuilt.gate_up()
+        rebuilt.release()
+        with torch.enable_grad():
+            g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
+            mid = rebuilt.act(g, u)
+        dg, du = torch.autograd.grad(mid, (g, u), dmid)
+        return dg, du, None, None
+
+
+def _enclosing_hooks():
+    """The saved-tensor hooks in force around this call (an offloading or a counting context), or
+    None: saved-tensor hooks do not nest (the innermost alone applies), so the down projection's
+    hooks pass every tensor but ``mid`` on to them. torch exposes the current pair only through
+    ``torch._C`` (its AOT autograd reads it the same way); without it, no enclosing hooks are seen."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
+                   down: Callable[[torch.Tensor], torch.Tensor], mode: str) -> torch.Tensor:
+    """``down(act(*gate_up(x)))`` keeping for backward what ``mode`` says (module docstring).
+
+    ``gate_up``: ``x [T, H] -> (g, u)`` each ``[T, I]`` (with their LoRA terms); ``act``: the
+    elementwise gated activation; ``down``: ``[T, I] -> [T, H]``. Under ``torch.no_grad`` or with
+    mode "none" this is the plain composition."""
+    if mode not in MLP_RECOMPUTE_MODES:
+        raise ValueError(f"mlp_recompute={mode!r}; allowed: {MLP_RECOMPUTE_MODES}")
+    g, u = gate_up(x)
+    if mode == "none" or not torch.is_grad_enabled():
+        return down(act(g, u))
+    rebuilt = _Rebuilt(act, gate_up if mode == "gate_up" else None)
+    mid = _GatedActivation.apply(g, u, x, rebuilt)
+    del g, u
+    # the hooks hold these numbers, never ``mid`` or ``x`` (torch keeps the hooks with each saved tensor)
+    mid_storage, device = mid.untyped_storage().data_ptr(), x.device
+
+    outer = _enclosing_hooks()  # the down projection's other saved tensors still go through them
+
+    def pack(t: torch.Tensor):
+        if t.device == device and t.untyped_storage().data_ptr() == mid_storage:
+            return _MidToken(rebuilt, t)
+        return t if outer is None else outer[0](t)
+
+    def unpack(saved):
+        if isinstance(saved, _MidToken):
+            return saved.tensor()
+        return saved if outer is None else outer[1](saved)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return down(mid)

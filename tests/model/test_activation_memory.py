@@ -1,0 +1,315 @@
+"""The activation accounting (``model.activation_memory``) against the bytes autograd really keeps
+for backward on a tiny model (counted with ``saved_tensors_hooks``), and the selective MLP
+recomputation (``DecoderOptions.mlp_recompute``): same losses and LoRA gradients, bit for bit,
+with fewer bytes kept, by what the accounting says."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_lorafusion.model import decoder as dec
+from lightning_lorafusion.model.activation_memory import layer_saved_bytes, step_activation_bytes
+from lightning_lorafusion.model.adapter_bank import AdapterBank
+from lightning_lorafusion.model.attention import sdpa_varlen_loop
+from lightning_lorafusion.model.family import DecoderFamily
+from lightning_lorafusion.model.decoder import DecoderConfig, DecoderOptions, decoder_layers, embed, forward_loss_sums
+from lightning_lorafusion.model.hf_loading import quantize_base_nf4
+from lightning_lorafusion.model.random_model import random_base_params
+from lightning_lorafusion.specs import AdapterSpec
+
+MODES = ("none", "activation", "gate_up")
+# hidden and intermediate sizes are whole NF4 blocks (64 values); intermediate unlike hidden
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=192, num_heads=4,
+              num_kv_heads=2, head_dim=16)
+
+
+def _config(num_layers: int) -> DecoderConfig:
+    return DecoderConfig(num_layers=num_layers, **CONFIG)
+
+
+def _bank(config, ranks=(4, 4), dora=False, dropout=0.0):
+    specs = [AdapterSpec(name=f"a{i}", rank=r, alpha=2 * r, dropout=dropout, lr=1e-3, global_batch_size=1, seed=i,
+                         dora=dora and i == 1,
+                         dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
+             for i, r in enumerate(ranks)]
+    bank = AdapterBank(specs, config, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # B away from zero, so every LoRA term is live
+    return bank
+
+
+class _FlashLike(torch.autograd.Function):
+    """Keeps for backward what FlashAttention keeps (q, k, v after RoPE, the output and an fp32
+    log-sum-exp per head and token); the CPU's SDPA keeps the score matrices instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out = sdpa_varlen_loop(q, k, v, cu_seqlens, scale=scale)
+        ctx.save_for_backward(q, k, v, out, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32))
+        ctx.cu_seqlens, ctx.scale = cu_seqlens, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            out = sdpa_varlen_loop(q, k, v, ctx.cu_seqlens, scale=ctx.scale)
+        return *torch.autograd.grad(out, (q, k, v), dout), None, None
+
+
+@pytest.fixture
+def flash_like(monkeypatch):
+    def attention(q, k, v, cu_seqlens, *, scale, sliding_window=None, **_):
+        assert sliding_window is None
+        return _FlashLike.apply(q, k, v, cu_seqlens, scale)
+
+    monkeypatch.setattr(dec, "varlen_causal_attention", attention)
+
+
+def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None = None) -> int:
+    """Bytes of the distinct storages autograd keeps after the forward of ``num_layers`` layers
+    over ``tokens`` tokens of two adapters (fused kernels, fp32; elementwise groups eager, or
+    compiled by ``compiler``)."""
+    config = _config(num_layers)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config)
+    frozen = {p.untyped_storage().data_ptr() for p in bank.parameters()}
+    stack = [params]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            frozen.add(node.untyped_storage().data_ptr())
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    kept: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in frozen:
+            kept[ptr] = t.untyped_storage()
+        return t
+
+    half = tokens // 2
+    routing = bank.routing([(0, half, 0), (half, tokens, 1)], 0, tokens)
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    h = embed(params, ids)
+    options = DecoderOptions(elementwise_fusion="off" if compiler is None else "on",
+                             fusion_compiler=compiler or "inductor", mlp_recompute=mode)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = decoder_layers(params, bank.view(), h, torch.cat([torch.arange(half)] * 2),
+                             torch.tensor([0, half, tokens], dtype=torch.int32), routing, config=config,
+                             backend="triton", options=options)
+    assert out.requires_grad
+    return sum(s.nbytes() for s in kept.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accounting_equals_what_autograd_keeps(flash_like, mode):
+    """One layer's bytes per token, measured as the difference between a 2- and a 1-layer model
+    at two token counts (so adapter factors and per-forward tables drop out), equal the
+    accounting's sum; and the recomputing modes keep less by exactly the accounting's drop."""
+    t1, t2 = 64, 128  # adapter segments of 32 / 64 rows: whole row tiles of the kernels
+    layer = [(_saved_bytes(2, t, mode) - _saved_bytes(1, t, mode)) for t in (t1, t2)]
+    measured = (layer[1] - layer[0]) / (t2 - t1)
+    accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode, elementwise_compiled=False)
+    assert measured == sum(accounted.values()), accounted
+    full = layer_saved_bytes(_config(2), 4, dtype=torch.float32, elementwise_compiled=False)
+    i = CONFIG["intermediate_size"] * 4
+    assert sum(full.values()) - sum(accounted.values()) == {"none": 0, "activation": 2 * i, "gate_up": 4 * i}[mode]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor's CPU code needs a C++ compiler")
+def test_accounting_of_the_compiled_elementwise_groups(flash_like):
+    """The norms and activation compiled by inductor, as on a GPU: a norm keeps its input and
+    1/rms, SwiGLU keeps gate and up only; the accounting's compiled column is what is kept."""
+    t1, t2 = 64, 128
+    for mode in ("none", "gate_up"):
+        layer = [(_saved_bytes(2, t, mode, "inductor") - _saved_bytes(1, t, mode, "inductor")) for t in (t1, t2)]
+        accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode)
+        assert (layer[1] - layer[0]) / (t2 - t1) == sum(accounted.values()), (mode, accounted)
+
+
+def test_accounting_at_the_8b_shape():
+    """The 8B shape, r=16 on all seven projections, compiled elementwise, bf16: the MLP's three
+    [T, 14336] tensors are 84 KiB of the layer's 136 KiB per token; "gate_up" leaves 52.4 KiB."""
+    from lightning_lorafusion.model.random_model import random_base_config
+
+    config = random_base_config("random:llama8b")
+    full = layer_saved_bytes(config, 16)
+    assert full["gate"] == full["up"] == full["act_output"] == 14336 * 2
+    assert sum(full.values()) == 139_624
+    assert sum(layer_saved_bytes(config, 16, mlp_recompute="gate_up").values()) == 139_624 - 3 * 14336 * 2
+    assert step_activation_bytes(config, 16, 4096) == 4096 * 32 * 139_624
+    assert step_activation_bytes(config, 16, 4096, checkpoint_layers=True) == 4096 * 32 * 4096 * 2
+    mixed = step_activation_bytes(config, 16, 4096, checkpoint_layers=8, mlp_recompute="activation")
+    assert mixed == 4096 * (8 * 8192 + 24 * (139_624 - 14336 * 2))
+
+
+def test_accounting_refuses_other_blocks_and_modes():
+    with pytest.raises(ValueError, match="Llama block"):
+        layer_saved_bytes(DecoderConfig(num_layers=2, family=DecoderFamily(name="olmo2", input_norms=False,
+                                                                            output_norms=True), **CONFIG), 4)
+    with pytest.raises(ValueError, match="mlp_recompute='all'"):
+        layer_saved_bytes(_config(2), 4, mlp_recompute="all")
+    with pytest.raises(ValueError, match="rank names"):
+        layer_saved_bytes(_config(2), {"gate": 4})
+
+
+def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off"):
+    for p in bank.parameters():
+        p.grad = None
+    t = 96
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (t,), generator=gen)
+    labels = torch.randint(0, config.vocab_size, (t,), generator=gen)
+    routing = bank.routing([(0, 32, 0), (32, 64, 1), (64, 96, 0)], 0, t)
+    loss = forward_loss_sums(params, bank.view(), ids, labels, torch.cat([torch.arange(32)] * 3),
+                             torch.tensor([0, 32, 64, 96], dtype=torch.int32), routing, config=config,
+                             backend=backend, checkpoint_layers=checkpoint_layers,
+                             options=DecoderOptions(elementwise_fusion=fusion, fusion_compiler="aot_eager",
+                                                    mlp_recompute=mode))
+    (loss * torch.tensor([1.0, 0.5])).sum().backward()
+    return loss.detach(), [p.grad.clone() for p in bank.parameters()]
+
+
+@pytest.mark.parametrize("base", ["fp32", "nf4"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_recomputed_mlp_gives_the_same_losses_and_gradients(base, backend):
+    """Several adapters per microbatch (one of them in two segments), dropout on, on a dense and
+    an NF4 base, fused kernels and the torch reference: every mode's losses and LoRA gradients
+    equal the keeping path's exactly, also with the first layer checkpointed whole."""
+    config = _config(2)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    params = quantize_base_nf4(params) if base == "nf4" else params
+    bank = _bank(config, ranks=(4, 2), dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
+    assert all(g.abs().sum() > 0 for g in ref_grads)
+    for mode, ckpt in [("activation", False), ("gate_up", False), ("gate_up", 1)]:
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=ckpt)
+        assert torch.equal(loss, ref_loss), (mode, ckpt)
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), (mode, ckpt)
+
+
+def test_recomputed_mlp_with_a_dora_adapter():
+    """A DoRA adapter beside a LoRA adapter in one microbatch (fused path): the same gradients."""
+    config = _config(2)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dora=True)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "triton")
+    loss, grads = _loss_and_grads(params, config, bank, "gate_up", "triton")
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+
+
+def test_a_second_backward_through_a_recomputing_graph_is_refused():
+    """The rebuilt tensors are dropped after the first backward (keeping them would hold every
+    layer's until the graph dies); a retained graph's second backward says so in one line."""
+    config = _config(1)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config)
+    routing = bank.routing([(0, 16, 0), (16, 32, 1)], 0, 32)
+    h = decoder_layers(params, bank.view(), embed(params, torch.arange(32)), torch.arange(32),
+                       torch.tensor([0, 32], dtype=torch.int32), routing, config=config,
+                       options=DecoderOptions(elementwise_fusion="off", mlp_recompute="gate_up"))
+    h.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+        h.sum().backward()
+
+
+def test_mlp_recompute_option_is_checked():
+    with pytest.raises(ValueError, match="mlp_recompute='all'.*'none', 'activation', 'gate_up'"):
+        DecoderOptions(mlp_recompute="all")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_recomputed_mlp_with_a_fused_gate_up_projection(backend):
+    """A family whose checkpoint fuses gate/up (Phi-3: one product chunked after) and whose MLP
+    is GeGLU: the rebuilt halves are views of one rebuilt product, the same gradients."""
+    family = DecoderFamily(name="phi3", fused_qkv=True, fused_gate_up=True, activation="gelu_tanh")
+    config = DecoderConfig(num_layers=2, family=family, **CONFIG)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    specs = [AdapterSpec(name=f"a{i}", rank=4, alpha=8, lr=1e-3, global_batch_size=1, seed=i, dropout=0.1,
+                         target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                         dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
+             for i in range(2)]
+    bank = AdapterBank(specs, config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
+    for mode in ("activation", "gate_up"):
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend)
+        assert torch.equal(loss, ref_loss), mode
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), mode
+
+
+def test_recomputed_mlp_with_the_compiled_activation():
+    """The elementwise groups compiled (as on a GPU; traced by aot_eager here): the recomputing
+    activation runs the compiled one in forward and backward, the same gradients."""
+    config = _config(2)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch", fusion="on")
+    for mode in ("activation", "gate_up"):
+        loss, grads = _loss_and_grads(params, config, bank, mode, "torch", fusion="on")
+        assert torch.equal(loss, ref_loss), mode
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b), mode
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory is measured on a CUDA GPU")
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
+    """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
+    memory a forward leaves allocated drops, per mode, by exactly what the accounting says the
+    mode keeps less of; backward then gives the keeping path's gradients (bf16: the compiled
+    activation's forward-only and training graphs may round differently)."""
+    config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
+                                            "head_dim": 64, "vocab_size": 512})
+    params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
+    params = quantize_base_nf4(params) if base == "nf4" else params
+    specs = [AdapterSpec(name=f"a{i}", rank=16, alpha=32, lr=1e-3, global_batch_size=1, seed=i, dropout=0.1,
+                         dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
+             for i in range(2)]
+    bank = AdapterBank(specs, config, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    t = 2048
+    routing = bank.routing([(0, 1024, 0), (1024, t, 1)], 0, t)
+    ids = torch.randint(0, config.vocab_size, (t,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cu = torch.tensor([0, 512, 1024, t], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(512), torch.arange(512), torch.arange(1024)]).cuda()
+    kept, grads = {}, {}
+    # a first round allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
+    # each mode's compiled kernels); the second round's passes are compared
+    for mode in (*MODES, *MODES):
+        for p in bank.parameters():
+            p.grad = None
+        h = embed(params, ids)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",
+                             options=DecoderOptions(mlp_recompute=mode))
+        torch.cuda.synchronize()
+        kept[mode] = torch.cuda.memory_allocated() - before
+        out.float().pow(2).mean().backward()
+        grads[mode] = [p.grad.float().clone() for p in bank.parameters()]
+        del out
+    per_layer = {m: sum(layer_saved_bytes(config, 16, mlp_recompute=m).values()) for m in MODES}
+    for mode in ("activation", "gate_up"):
+        assert kept["none"] - kept[mode] == config.num_layers * t * (per_layer["none"] - per_layer[mode]), kept
+        for a, b in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
