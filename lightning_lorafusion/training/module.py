@@ -29,7 +29,7 @@ from ..model.adapter_bank import AdapterBank
 from ..model.decoder import DecoderOptions, decoder_layers, embed, head_loss_sums, resolve_backend
 from ..parallel.stage import adapter_loss
 from ..specs import AdapterSpec, ConfigError
-from . import checkpoint_hooks, export, nonfinite_guard, pipeline_contract, validation_hooks
+from . import checkpoint_hooks, epoch_graphs, export, nonfinite_guard, pipeline_contract, validation_hooks
 from .cuda_graphs import TrainingGraphs, cuda_graphs_refusal
 from .evaluation import AdapterProgress
 from .frozen_base import (
@@ -396,6 +396,10 @@ class LoRAFusionModule(L.LightningModule):
         if (self.validate_before_training and fresh) or self._val_due_on_resume:
             validation_hooks.validate_now(self)
         self._val_due_on_resume = False
+
+    def on_train_epoch_start(self) -> None:
+        # every graph the epoch needs, captured before its first step (no capture mid-epoch)
+        epoch_graphs.precapture_epoch(self)
 
     def _start_cuda_graphs(self) -> None:
         """Resolve ``cuda_graphs`` now that the device and the strategy are known."""

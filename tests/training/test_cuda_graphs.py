@@ -9,6 +9,7 @@ why. On a GPU (skipped here): captured and replayed steps against eager steps.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from lightning_lorafusion.training.cuda_graphs import (
     graph_key,
     label_rows_step,
 )
+from lightning_lorafusion.training.graph_cover import covers
 
 CUDA = torch.cuda.is_available()
 # the kernel-level checks run on the GPU where there is one (fp32), else in the Triton interpreter
@@ -615,3 +617,42 @@ def test_choose_prefers_the_cheapest_cover_then_captures_a_recurring_key():
     assert graphs._choose(K(64, 128, 8, 64)) == K(64, 128, 8, 64)  # nothing covers it
     assert graphs._choose(K(64, 32, 8, 64)) == K(64, 32, 8, 64)  # held already
     assert graphs.covered_steps == 2
+
+
+def test_precaptured_graphs_change_no_gradient_and_cover_the_epoch():
+    """Graphs captured before an epoch: their warm-up steps run idle microbatches (no gradient
+    changes, bit for bit); every planned microbatch then runs under a precaptured key, none gets
+    a capture of its own mid-epoch (even with ``capture_after=0``), and training matches eager
+    steps. A key nobody planned still gets its own capture after ``capture_after`` covered uses."""
+    config, specs = tiny_config(1), tiny_specs()
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=256, samples=4, max_length=100, global_batch=2)]
+    mbs = mbs[:3]
+    planned = Counter(graph_key(mb) for mb in mbs)
+    params, bank_e, opts_e = _setup(config, specs)
+    losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, False), bank_e, opts_e, mbs)
+    params, bank_s, opts_s = _setup(config, specs)
+    g = torch.Generator().manual_seed(5)
+    for p in bank_s.parameters():  # gradients left from before: a warm-up must add nothing
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+    before = [p.grad.clone() for p in bank_s.parameters()]
+    graphs = TrainingGraphs(params=params, bank=bank_s, config=config, chunk_size=32, capture=False,
+                            capture_after=0, max_precapture=1)
+    done = graphs.precapture(planned, DEVICE)
+    assert len(done) == 1 and all(covers(done[0], k) for k in planned)
+    assert graphs._static_keys == set(done) and graphs.planned == frozenset(planned)
+    for p, b in zip(bank_s.parameters(), before):
+        assert torch.equal(p.grad, b)
+    for p in bank_s.parameters():
+        p.grad = None
+    losses_s = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_s, opts_s, mbs)
+    assert graphs._static_keys == set(done)  # no capture of its own mid-epoch
+    assert graphs.covered_steps == sum(n for k, n in planned.items() if k != done[0]) > 0
+    torch.testing.assert_close(losses_s, losses_e, rtol=1e-5, atol=1e-6)
+    for (name, pe), ps in zip(bank_e.named_parameters(), bank_s.parameters()):
+        torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # the next epoch's keys replace the planned set; keys held already need no new graph
+    assert graphs.precapture(planned, DEVICE) == [] and graphs.planned == frozenset(planned)
+    # a key outside the plan keeps the old rule: its own capture after capture_after (0) covered uses
+    other = next(k for k in planned if k != done[0])
+    assert graphs._choose(other) == done[0]
+    assert graphs.precapture({}, DEVICE) == [] and graphs._choose(other) == other
