@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -111,3 +112,94 @@ def test_replay_cost_orders_lm_head_rows_first():
     keys = [K(C, s, b, r) for s, b, r in itertools.product((2048, 8192), (8, 64), (512, 1024))]
     ordered = sorted(keys, key=replay_cost)
     assert [k.label_rows for k in ordered] == [512] * 4 + [1024] * 4
+
+
+def _synthetic(n, seed, distribution="xsum"):
+    return {"kind": "synthetic", "distribution": distribution, "num_samples": n, "seed": seed, "vocab_size": 97}
+
+
+def _datamodule():
+    from lightning_lorafusion.specs import AdapterSpec
+    from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
+
+    specs = [AdapterSpec(name=f"x{i}", rank=4, global_batch_size=2, seed=i, dataset=_synthetic(6, i))
+             for i in range(3)]
+    dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, prefetch=2, planner={"window": 1})
+    dm.configure(specs, None)
+    dm.load_datasets()
+    return dm, specs
+
+
+def test_the_data_module_lists_the_epoch_the_stream_continues_with():
+    from lightning_lorafusion.training.epoch_graphs import epoch_keys
+
+    dm, _ = _datamodule()
+    plan = dm.epoch_plan(0).plan
+    real = [pos for pos, mb in enumerate(plan.microbatches) if not mb.is_noop]
+    assert dm.stream_start() == (0, 0)
+    packed = list(dm.packed_epoch(0))
+    assert [mb.index for mb in packed] == [dm.pack_position(0, pos).index for pos in real]
+    epoch, keys = epoch_keys(dm)
+    assert epoch == 0 and keys == Counter(graph_key(mb) for mb in packed) and sum(keys.values()) == len(real)
+    # the resume point at the end of epoch 0: the stream, and the keys, are epoch 1's
+    dm.epoch, dm.position = 0, len(plan.microbatches)
+    assert dm.stream_start() == (1, 0) and epoch_keys(dm)[0] == 1
+    dm.epoch, dm.position = 0, real[-1]
+    assert dm.stream_start() == (0, real[-1]) and sum(epoch_keys(dm)[1].values()) == 1
+
+
+def test_precapture_epoch_captures_before_the_first_step_what_the_epoch_needs():
+    """The training module's epoch-start hook: the coming epoch's keys from the data module, a
+    covering set held before any step (graphs without capture: CPU), each planned key covered."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.model.decoder import DecoderConfig
+    from lightning_lorafusion.model.random_model import random_base_params
+    from lightning_lorafusion.training.cuda_graphs import TrainingGraphs
+    from lightning_lorafusion.training.epoch_graphs import epoch_keys, precapture_epoch
+
+    dm, specs = _datamodule()
+    config = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    graphs = TrainingGraphs(params=random_base_params(config, seed=0, std=0.2), config=config, capture=False,
+                            bank=AdapterBank(specs, config, dtype=torch.float32), chunk_size=32, max_precapture=2)
+    trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace())
+    module = SimpleNamespace(_graphs=graphs, _trainer=trainer, trainer=trainer, device=torch.device("cpu"))
+    done = precapture_epoch(module)
+    _, keys = epoch_keys(dm)
+    assert 1 <= len(done) <= 2 and graphs._static_keys == set(done) and graphs.planned == frozenset(keys)
+    assert all(cheapest_cover(k, done) is not None for k in keys)
+    assert all(p.grad is None or not p.grad.any() for p in graphs.bank.parameters())  # nothing trained
+    assert precapture_epoch(module) == []  # held already
+    assert precapture_epoch(SimpleNamespace(_graphs=None, _trainer=trainer, trainer=trainer)) == []
+
+
+def _union_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mine = Counter({K(C, 2048, 16, 512): 3, K(C, 2048, 32, 512): 1} if rank == 0 else
+                       {K(C, 2048, 16, 512): 2, K(C, 4096, 16, 1536): 1})
+        union = union_over_replicas(mine, dist.group.WORLD)
+        torch.save({"union": dict(union), "chosen": plan_captures(union, [], limit=4)}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicas_agree_on_the_keys_and_so_on_the_graphs(tmp_path):
+    """Two gloo ranks with different shares of an epoch: both see the union of their keys and
+    choose the same graphs, which cover every microbatch of either."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_union_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+    assert got[0] == got[1]
+    assert got[0]["union"] == {K(C, 2048, 16, 512): 5, K(C, 2048, 32, 512): 1, K(C, 4096, 16, 1536): 1}
+    assert all(cheapest_cover(k, got[0]["chosen"]) is not None for k in got[0]["union"])
