@@ -331,7 +331,7 @@ class TrainingGraphs:
             self._take_input_grad(key.capacity)
             self._static_keys.add(key)
             return True
-        self._warm_up_and_capture(key, inputs, tables)
+        self._warm_up_and_capture(key, inputs, tables, up_front=True)
         return key in self._graphs
 
     # ------------------------------------------------------------------ internals
@@ -439,8 +439,8 @@ class TrainingGraphs:
             loss.backward()
         return sums.detach()
 
-    def _warm_up_and_capture(self, key: GraphKey, inputs: StaticInputs,
-                             tables: StaticLaunchTables) -> torch.Tensor | None:
+    def _warm_up_and_capture(self, key: GraphKey, inputs: StaticInputs, tables: StaticLaunchTables,
+                             up_front: bool = False) -> torch.Tensor | None:
         t0 = time.perf_counter()
         main = torch.cuda.current_stream()
         if self._side is None:
@@ -496,7 +496,8 @@ class TrainingGraphs:
         self.captures += 1
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
-        log.info("CUDA graphs: captured %s in %.2f s (%d graphs)", key, seconds, len(self._graphs))
+        log.info("CUDA graphs: captured %s%s in %.2f s (%d graphs)", key, " up front" if up_front else "",
+                 seconds, len(self._graphs))
         return sums
 
 
