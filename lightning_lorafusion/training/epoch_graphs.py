@@ -49,7 +49,7 @@ def precapture_epoch(m: Any) -> list[GraphKey]:
     its first step; nothing without graphs or a data module that can list the epoch."""
     graphs = m._graphs
     dm = m.trainer.datamodule if m._trainer is not None else None
-    if graphs is None or dm is None or not hasattr(dm, "packed_epoch"):
+    if graphs is None or dm is None or not hasattr(dm, "packed_epoch") or graphs.max_precapture == 0:
         return []
     epoch, keys = epoch_keys(dm)
     strategy = pipeline_strategy(m)

@@ -406,6 +406,10 @@ def test_module_cuda_graphs_option(tiny_model_dir):
     assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graphs == "auto"  # default
     for yaml_bool, mode in ((False, "off"), (True, "on")):  # a bare YAML off/on arrives as a boolean
         assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs=yaml_bool).cuda_graphs == mode
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="cuda_graph_precapture"):
+            LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graph_precapture=bad)
+    assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graph_precapture == 4
     with pytest.raises(ConfigError, match="not on a CUDA GPU"):
         fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "on"})
     module, _, _ = fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "auto"})

@@ -172,6 +172,8 @@ def test_precapture_epoch_captures_before_the_first_step_what_the_epoch_needs():
     assert all(cheapest_cover(k, done) is not None for k in keys)
     assert all(p.grad is None or not p.grad.any() for p in graphs.bank.parameters())  # nothing trained
     assert precapture_epoch(module) == []  # held already
+    graphs.max_precapture, graphs.planned = 0, frozenset()  # cuda_graph_precapture: 0 turns it off
+    assert precapture_epoch(module) == [] and graphs.planned == frozenset()
     assert precapture_epoch(SimpleNamespace(_graphs=None, _trainer=trainer, trainer=trainer)) == []
 
 
