@@ -523,6 +523,55 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_precaptured_graphs_replay_every_step_and_train_like_eager_steps():
+    """Graphs captured before the epoch (``precapture``, idle warm-ups): the gradients held
+    before them are unchanged bit for bit, every step of the epoch replays a graph (no capture
+    mid-epoch, no eager step, no host sync), and losses and updates match eager steps within the
+    bounds of ``test_replayed_graphs_train_like_eager_steps``."""
+    torch.manual_seed(0)
+    config, specs, mbs = _gpu_case()
+    params, bank_e, opts_e = _gpu_setup(config, specs)
+    start = [p.detach().clone() for p in bank_e.parameters()]
+
+    def eager(mb):
+        routing = bank_e.routing(mb.segments, mb.index, mb.capacity)
+        sums = forward_loss_sums(params, bank_e.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=config, backend="triton", max_seqlen=mb.max_seqlen,
+                                 label_rows=mb.label_rows)
+        adapter_loss(sums, mb.loss_denominators).backward()
+        return sums.detach()
+
+    losses_e = _train(eager, bank_e, opts_e, mbs)
+    params, bank_g, opts_g = _gpu_setup(config, specs)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for p in bank_g.parameters():
+        p.grad = torch.randn(p.shape, generator=g, device="cuda")
+    held = [p.grad.clone() for p in bank_g.parameters()]
+    graphs = TrainingGraphs(params=params, bank=bank_g, config=config)
+    done = graphs.precapture(Counter(graph_key(mb) for mb in mbs), torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert done and graphs.captures == len(done) and not graphs.refusals, graphs.refusals
+    for p, h in zip(bank_g.parameters(), held):
+        assert torch.equal(p.grad, h)
+        p.grad = None
+
+    def replayed(mb):
+        torch.cuda.set_sync_debug_mode("error")  # every step replays: nothing read back
+        try:
+            return graphs.step(mb, mb.loss_denominators)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    losses_g = _train(replayed, bank_g, opts_g, mbs)
+    torch.cuda.synchronize()
+    assert graphs.captures == len(done) and graphs.replays == len(mbs) and not graphs.refusals
+    torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
+    upd_e = torch.cat([(pe - p0).flatten() for pe, p0 in zip(bank_e.parameters(), start)])
+    upd_g = torch.cat([(pg - p0).flatten() for pg, p0 in zip(bank_g.parameters(), start)])
+    assert upd_e.norm() > 0 and (upd_g - upd_e).norm() <= 0.05 * upd_e.norm()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
 def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     """Through the Trainer on one GPU (bf16-true, fused kernels, dropout 0.1): cuda_graphs on
     replays graphs and ends with the weights of cuda_graphs off (bf16: 0.05 absolute on
