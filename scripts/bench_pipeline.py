@@ -23,6 +23,8 @@ Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status a
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
 fraction of all GPUs over the run's window (the executor's timestamps); simulated = the
 analytic simulator on the same plan and schedule (parallel.simulator.CostModel defaults).
+Graph captures of the timed epoch, from the logs: those made before its first step ("up front",
+training/cuda_graphs.py) and those in the middle of it (0 when every planned key was covered).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,6 +251,40 @@ def combine(summaries: list[dict | None]) -> dict | None:
     return row
 
 
+_EPOCH_GRAPHS = re.compile(r"CUDA graphs: epoch (\d+): .* (\d+) graphs captured up front in ([\d.]+) s")
+_CAPTURE = re.compile(r"CUDA graphs: captured GraphKey\(.*?\)( up front)? in ([\d.]+) s")
+
+
+def graph_captures(log_text: str) -> dict[int, dict]:
+    """Training-graph captures per epoch from a fit log (all ranks' lines): ``up_front`` graphs
+    and seconds (the epoch-start line of each rank holding graphs), ``mid_epoch`` captures and
+    seconds (a capture line without "up front" after an epoch's line, counted for the latest
+    epoch seen: with ranks' lines interleaved, an approximation at epoch boundaries)."""
+    out: dict[int, dict] = {}
+    epoch = None
+    for line in log_text.splitlines():
+        m = _EPOCH_GRAPHS.search(line)
+        if m:
+            epoch = max(int(m.group(1)), epoch if epoch is not None else -1)
+            e = out.setdefault(int(m.group(1)), {"up_front": 0, "up_front_s": 0.0, "mid_epoch": 0, "mid_epoch_s": 0.0})
+            e["up_front"] += int(m.group(2))
+            e["up_front_s"] += float(m.group(3))
+            continue
+        m = _CAPTURE.search(line)
+        if m and not m.group(1) and epoch is not None:
+            e = out.setdefault(epoch, {"up_front": 0, "up_front_s": 0.0, "mid_epoch": 0, "mid_epoch_s": 0.0})
+            e["mid_epoch"] += 1
+            e["mid_epoch_s"] += float(m.group(2))
+    return out
+
+
+def _captures_cell(captures: dict | None) -> str:
+    if not captures:
+        return "-"
+    return (f"{captures['up_front']} ({captures['up_front_s']:.1f} s) / "
+            f"{captures['mid_epoch']} ({captures['mid_epoch_s']:.1f} s)")
+
+
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -259,12 +296,13 @@ def _pct(v: float | None) -> str:
 
 def table(results: list[dict]) -> str:
     lines = ["| run | layout | adapters | tokens/s (real) | MFU | bubble measured | bubble simulated | "
-             "peak GiB per GPU | microbatches (no-op) | timed epoch s | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GiB per GPU | microbatches (no-op) | timed epoch s | graph captures up front / "
+             "mid-epoch (all ranks) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.get("row")
         if row is None:
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
         warm = "" if row["epoch"] >= 1 else " (epoch 0 only: includes warm-up)"
         layout = row["layout"] + (f", {row['schedule']}" if row.get("schedule") == "flushed_1f1b" else "")
@@ -272,7 +310,8 @@ def table(results: list[dict]) -> str:
             f"| {r['name']} | {layout} | {row['adapters']} | {row['tokens_per_s']:,.0f} | {_pct(row['mfu'])} | "
             f"{_pct(row['bubble_ratio'])} | {_pct(row['simulated_bubble_ratio'])} | "
             f"{', '.join(f'{g:.1f}' for g in row['peak_allocated_gib'])} | {row['microbatches']} "
-            f"({row['noop_slots']}) | {row['wall_s']:.1f} | {r['status']}{warm} |")
+            f"({row['noop_slots']}) | {row['wall_s']:.1f} | {_captures_cell(row.get('captures'))} | "
+            f"{r['status']}{warm} |")
     rows = {r["name"]: r.get("row") for r in results}
 
     def ratio(a: str, b: str) -> str:
@@ -385,6 +424,8 @@ def execute(args, i: int, run: Run, base_env: dict, limit: float, t_start: float
     summaries = [_read_json(os.path.join(root, "run_summary.json")) for root in roots]
     status = ", ".join(sorted(set(statuses)))
     row = combine(summaries)
+    if row is not None:
+        row["captures"] = _timed_captures(roots, row["epoch"])
     if row is None and status == "ok":
         status = "ok, no summary"
     print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {status} after {time.monotonic() - t0:.0f} s"
@@ -396,6 +437,22 @@ def execute(args, i: int, run: Run, base_env: dict, limit: float, t_start: float
                 print("".join(f.readlines()[-25:]), flush=True)
     return {"name": run.name, "what": run.what, "status": status, "row": row, "elapsed_s": time.monotonic() - t0,
             "summaries": summaries, "commands": [c for c, _, _ in commands]}
+
+
+def _timed_captures(roots: list[str], epoch: int) -> dict | None:
+    """The timed epoch's graph captures, summed over a run's jobs (None: no log line about them)."""
+    total = None
+    for root in roots:
+        try:
+            with open(os.path.join(root, "fit.log"), errors="replace") as f:
+                found = graph_captures(f.read()).get(epoch)
+        except OSError:
+            continue
+        if found is not None:
+            total = total or {"up_front": 0, "up_front_s": 0.0, "mid_epoch": 0, "mid_epoch_s": 0.0}
+            for k, v in found.items():
+                total[k] += v
+    return total
 
 
 def write_outputs(args, results: list[dict]) -> str:

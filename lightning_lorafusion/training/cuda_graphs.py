@@ -18,6 +18,13 @@ without a label, so the result is the same, for a few wasted LM-head rows. Such 
 own capture only after ``CAPTURE_AFTER`` covered uses, so keys that first appear late in a run
 (a new epoch's plan, a data-parallel replica's share) do not stall it with captures.
 
+Before an epoch's first step the training module hands ``precapture`` every shape key of the
+epoch (all data-parallel replicas' keys, so every replica captures the same graphs at the same
+time): a few keys covering them all (``graph_cover.plan_captures``, at most ``max_precapture``)
+are captured then, in one ``capture_batch``, each warmed up on an idle microbatch that trains
+nothing. A planned key replays its cover for the whole epoch; ``CAPTURE_AFTER`` applies only to
+keys the plan did not name, so no capture happens mid-epoch.
+
 A step copies the microbatch into static buffers, refills the tables and replays; the first
 microbatch of a key runs eagerly on a side stream (that is its real step: gradients count),
 then the same function is captured, sharing one memory pool with the other keys' graphs
@@ -44,11 +51,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..capture import graph_capture
-from ..data.microbatch import Microbatch
+from ..capture import capture_batch, graph_capture
+from ..data.microbatch import IGNORE_INDEX, Microbatch
 from ..kernels.static_routing import StaticLaunchTables, StaticTableError
 from ..model.decoder import DEFAULT_OPTIONS, DecoderConfig, DecoderOptions, decoder_layers, embed, head_loss_sums
 from ..parallel.stage import adapter_loss
+from .graph_cover import DEFAULT_PRECAPTURE, GraphKey, cheapest_cover, plan_captures
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +67,6 @@ MIN_BLOCKS_BUCKET = 8
 MIN_LABEL_ROWS_STEP = 128
 CAPTURE_AFTER = 32  # uses under a covering graph before a key gets its own capture (a capture
 # costs about as much as 300-400 covered steps' padded LM-head rows on the 8B shape)
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """What a captured step's launches depend on, bucketed (see the module docstring)."""
-
-    capacity: int
-    max_seqlen: int
-    num_blocks: int
-    label_rows: int
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -97,6 +95,24 @@ def graph_key(mb: Microbatch) -> GraphKey:
         num_blocks=min(cap, _pow2_at_least(mb.cu_seqlens.shape[0] - 1, MIN_BLOCKS_BUCKET)),
         label_rows=min(cap, -(-max(mb.num_label_rows, 1) // step) * step),
     )
+
+
+def idle_microbatch(key: GraphKey, num_adapters: int, device: torch.device | str = "cpu") -> Microbatch | None:
+    """A microbatch of key ``key`` that trains nothing: no label (every row IGNORE_INDEX), zero
+    loss denominators, every row adapter 0's; attention blocks of ``key.max_seqlen`` rows over
+    the whole capacity (a graph's warm-up must see blocks it can launch). None when ``key`` has
+    too few blocks for that (no packed microbatch has such a key: its blocks cover the capacity)."""
+    cap, width = key.capacity, key.max_seqlen
+    bounds = list(range(0, cap, width)) + [cap]
+    if len(bounds) - 1 > key.num_blocks:
+        return None
+    i64 = dict(dtype=torch.int64, device=device)
+    return Microbatch(
+        input_ids=torch.zeros(cap, **i64), labels=torch.full((cap,), IGNORE_INDEX, **i64),
+        position_ids=torch.cat([torch.arange(e - s, **i64) for s, e in zip(bounds, bounds[1:])]),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device), segments=((0, cap, 0),),
+        samples=(), loss_denominators=torch.zeros(num_adapters, dtype=torch.float32, device=device),
+        step_adapters=(), index=0, max_seqlen=min(width, cap), label_rows=torch.zeros(0, **i64))
 
 
 def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
@@ -191,7 +207,7 @@ class TrainingGraphs:
                  max_graphs: int = MAX_GRAPHS, capture: bool = True,
                  options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
                  is_first: bool = True, activation_dtype: torch.dtype | None = None,
-                 capture_after: int = CAPTURE_AFTER) -> None:
+                 capture_after: int = CAPTURE_AFTER, max_precapture: int = DEFAULT_PRECAPTURE) -> None:
         self.params, self.bank, self.config, self.options = params, bank, config, options
         # a pipeline's last stage: these layers (then norm, head, loss), its input from the
         # previous stage unless ``is_first`` (then the embedding); ``input_grad`` after a step
@@ -210,6 +226,10 @@ class TrainingGraphs:
         self._static_keys: set[GraphKey] = set()  # capture=False: the keys a graph would hold
         self._covered_uses: dict[GraphKey, int] = {}
         self.capture_after = capture_after
+        self.max_precapture = max_precapture
+        self.planned: frozenset[GraphKey] = frozenset()  # this epoch's keys (``precapture``)
+        self.precaptures = 0
+        self.precapture_seconds = 0.0
         self.covered_steps = 0  # steps replayed under a larger key's graph
         self._tables: dict[int, StaticLaunchTables] = {}
         self._inputs: dict[int, StaticInputs] = {}
@@ -220,6 +240,11 @@ class TrainingGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    @property
+    def num_held(self) -> int:
+        """Keys with a graph (without capture: keys a graph would hold)."""
+        return len(self._held())
 
     def step(self, mb: Microbatch, denominators: torch.Tensor,
              stage_input: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -261,16 +286,64 @@ class TrainingGraphs:
             return sums
         return self._warm_up_and_capture(key, inputs, tables)
 
+    def precapture(self, planned, device: torch.device) -> list[GraphKey]:
+        """Capture, before an epoch's first step, graphs covering every one of ``planned`` (the
+        epoch's keys; a mapping: with their number of microbatches): ``plan_captures`` picks at
+        most ``max_precapture`` keys, captured in one ``capture_batch``. A planned key then
+        replays its cover for the whole epoch (no capture of its own, ``capture_after`` is for
+        keys not planned). Each capture's warm-up step runs an idle microbatch (``idle_microbatch``:
+        no label, zero loss denominators), so no gradient changes. Without capture the keys are
+        only marked as held (CPU tests). Returns the keys captured."""
+        self.planned = frozenset(planned)
+        if self.disabled is not None:
+            return []
+        room = max(0, self.max_graphs - len(self._graphs)) if self.capture else self.max_precapture
+        keys = plan_captures(planned, self._held(), limit=min(self.max_precapture, room))
+        done: list[GraphKey] = []
+        t0 = time.perf_counter()
+        with capture_batch(device) if self.capture else contextlib.nullcontext():
+            for key in keys:
+                if self.disabled is None and self._idle_step(key, device):
+                    done.append(key)
+        self.input_grad = None
+        seconds = time.perf_counter() - t0
+        self.precaptures += len(done)
+        self.precapture_seconds += seconds
+        return done
+
+    def _idle_step(self, key: GraphKey, device: torch.device) -> bool:
+        """Warm up and capture ``key`` on an idle microbatch; False when none fits the key."""
+        mb = idle_microbatch(key, self.bank.num_adapters, device)
+        if mb is None:
+            log.info("CUDA graphs: %s has no idle layout (fewer blocks than capacity / max_seqlen); "
+                     "it is captured on first use", key)
+            return False
+        tables, inputs = self._buffers(key.capacity, device)
+        self._bind_grads()
+        tables.fill(mb.segments, mb.index)
+        inputs.load(mb, mb.loss_denominators)
+        if not self.is_first:
+            hidden = (key.capacity, self.config.hidden_size)
+            with torch.no_grad():
+                self._activation_buffer(key.capacity, torch.zeros(hidden, device=device)).zero_()
+        if not self.capture:
+            self._run_static(key, inputs, tables)
+            self._take_input_grad(key.capacity)
+            self._static_keys.add(key)
+            return True
+        self._warm_up_and_capture(key, inputs, tables, up_front=True)
+        return key in self._graphs
+
     # ------------------------------------------------------------------ internals
     def _covering(self, key: GraphKey) -> GraphKey | None:
         """The cheapest key already captured that covers ``key`` (same capacity, every bucket at
         least as large), or None. Padding up is exact: the static buffers hold empty attention
         blocks and label rows without a label past the microbatch's own."""
-        keys = self._graphs.keys() if self.capture else self._static_keys
-        covers = [k for k in keys if k.capacity == key.capacity and k.max_seqlen >= key.max_seqlen
-                  and k.num_blocks >= key.num_blocks and k.label_rows >= key.label_rows]
-        # the LM head's rows cost the most, then attention's launch width, then empty blocks
-        return min(covers, key=lambda k: (k.label_rows, k.max_seqlen, k.num_blocks), default=None)
+        return cheapest_cover(key, self._held())
+
+    def _held(self):
+        """The keys that have a graph (without capture: that a graph would hold)."""
+        return self._graphs.keys() if self.capture else self._static_keys
 
     def _choose(self, key: GraphKey) -> GraphKey:
         """The key this step runs under: its own graph when captured; else a covering graph
@@ -282,6 +355,9 @@ class TrainingGraphs:
         cover = self._covering(key)
         if cover is None:
             return key
+        if key in self.planned:  # the epoch's captures were chosen for it: never its own mid-epoch
+            self.covered_steps += 1
+            return cover
         uses = self._covered_uses.get(key, 0) + 1
         self._covered_uses[key] = uses
         if uses > self.capture_after and len(self._graphs) < self.max_graphs:
@@ -363,8 +439,8 @@ class TrainingGraphs:
             loss.backward()
         return sums.detach()
 
-    def _warm_up_and_capture(self, key: GraphKey, inputs: StaticInputs,
-                             tables: StaticLaunchTables) -> torch.Tensor | None:
+    def _warm_up_and_capture(self, key: GraphKey, inputs: StaticInputs, tables: StaticLaunchTables,
+                             up_front: bool = False) -> torch.Tensor | None:
         t0 = time.perf_counter()
         main = torch.cuda.current_stream()
         if self._side is None:
@@ -420,7 +496,8 @@ class TrainingGraphs:
         self.captures += 1
         seconds = time.perf_counter() - t0
         self.capture_seconds += seconds
-        log.info("CUDA graphs: captured %s in %.2f s (%d graphs)", key, seconds, len(self._graphs))
+        log.info("CUDA graphs: captured %s%s in %.2f s (%d graphs)", key, " up front" if up_front else "",
+                 seconds, len(self._graphs))
         return sums
 
 

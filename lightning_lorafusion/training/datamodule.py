@@ -419,6 +419,26 @@ class MultiAdapterDataModule(L.LightningDataModule):
             index=epoch * EPOCH_STRIDE + pos,
         )
 
+    def stream_start(self) -> tuple[int, int]:
+        """The (epoch, position) the training stream continues from: our own resume point, the
+        next epoch once the rest of the current one holds only no-op slots."""
+        epoch, start = self.epoch, self.position
+        with _PLAN_LOCK:
+            rest = self.epoch_plan(epoch).plan.microbatches[start:]
+        if all(mb.is_noop for mb in rest):
+            epoch, start = epoch + 1, 0
+        return epoch, start
+
+    def packed_epoch(self, epoch: int, start: int = 0) -> Iterator[Microbatch]:
+        """This replica's microbatches of ``epoch`` from ``start``, packed on the host (no-op
+        slots skipped): what depends on the whole epoch's shapes, such as the CUDA graphs
+        captured before it, reads them here."""
+        with _PLAN_LOCK:
+            positions = [pos for pos, mb in enumerate(self.epoch_plan(epoch).plan.microbatches)
+                         if pos >= start and not mb.is_noop]
+        for pos in positions:
+            yield self.pack_position(epoch, pos)
+
     def iter_windows(self, epoch: int, start: int = 0) -> Iterator[PipelineWindow]:
         """Pipeline mode: the whole epoch is one window, so the pipeline drains once per epoch.
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..data.packing import PackingConfig, SampleLookup
-from ..parallel.replica_shards import split_global_batch
+from ..parallel.replica_shards import ReplicaLookup, bundle_global_batch, slot_lengths
 from ..planner import PlannerConfig, join_plans, plan_stream
 from ..planner.config import METHODS
 from ..planner.plan import Plan
@@ -130,17 +130,26 @@ def check_restored_plan(plan: Plan, lengths, *, packing: PackingConfig, excluded
 
 def replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, lengths, *, data_parallel_size: int,
                    replica: int) -> tuple[SampleLookup, list]:
-    """This replica's share of every global batch, and the slot lengths to plan (replica
-    0's, which bound every replica's sample in the same slot): one plan shape for all
+    """This replica's share of every global batch, and the slot lengths to plan (each slot's
+    longest bundle, which bounds every replica's bundle in it): one plan shape for all
     replicas, so they step adapters in the same order (``parallel.replica_shards``)."""
     dp = data_parallel_size
-    shards = [[split_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
-              for a in range(len(lengths))]
-    mine = [[s[replica] for s in per_adapter] for per_adapter in shards]
-    slots = [[[len(datasets[a][i].input_ids) for i in s[0]] for s in shards[a]] for a in range(len(lengths))]
+    bundles = [[bundle_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
+               for a in range(len(lengths))]
+    batches, positions, slots = [], [], []
+    for a, per_adapter in enumerate(bundles):
+        slots.append([slot_lengths(b, dict(zip(batch, lens)))
+                      for b, batch, lens in zip(per_adapter, lookup.batches[a], lengths[a])])
+        flat, where = [], []
+        for b in per_adapter:
+            mine = b[replica]
+            starts = [sum(len(x) for x in mine[:k]) for k in range(len(mine))]
+            flat.append([i for bundle in mine for i in bundle])
+            where.append([tuple(range(s, s + len(bundle))) for s, bundle in zip(starts, mine)])
+        batches.append(flat)
+        positions.append(where)
     real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
     planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
-    log.info("data parallel x%d: replica %d of each global batch; slots padded to the longest "
-             "sample dealt with them keep %.1f%% of the planned tokens real", dp, replica,
-             100 * real / max(1, planned))
-    return SampleLookup(datasets, mine), slots
+    log.info("data parallel x%d: replica %d of each global batch; slots padded to their longest "
+             "bundle keep %.1f%% of the planned tokens real", dp, replica, 100 * real / max(1, planned))
+    return ReplicaLookup(datasets, batches, positions), slots

@@ -42,7 +42,8 @@ def check_adapters(adapters: Sequence[AdapterSpec | dict]) -> tuple[AdapterSpec,
 
 
 def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any, precision: PrecisionConfig,
-                         lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none") -> str:
+                         lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none",
+                         cuda_graph_precapture: Any = 0) -> str:
     """``ConfigError`` naming the first model option out of range; returns ``cuda_graphs`` as a
     mode name (YAML reads a bare on/off as a boolean)."""
     if dtype not in DTYPES:
@@ -65,6 +66,10 @@ def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any
         cuda_graphs = "on" if cuda_graphs else "off"
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ConfigError(f"model.cuda_graphs={cuda_graphs!r}; allowed: {CUDA_GRAPH_MODES}")
+    precapture = cuda_graph_precapture
+    if isinstance(precapture, bool) or not isinstance(precapture, int) or precapture < 0:
+        raise ConfigError(f"model.cuda_graph_precapture={cuda_graph_precapture!r} must be an int >= 0 (0: capture "
+                          "each shape key when first met)")
     return cuda_graphs
 
 

@@ -121,9 +121,7 @@ class ResumableStream:
         # Our own (epoch, position), restored from the checkpoint, decide what comes next, not
         # trainer.current_epoch: after a resume from an epoch-end checkpoint Lightning re-enters
         # the finished epoch under its old number and counts it as the next one.
-        epoch, start = dm.epoch, dm.position
-        if all(mb.is_noop for mb in dm.epoch_plan(epoch).plan.microbatches[start:]):
-            epoch, start = epoch + 1, 0
+        epoch, start = dm.stream_start()
         if self.windows:
             return dm.iter_windows(epoch, start)
         return dm.iter_microbatches(epoch, start)

@@ -29,8 +29,9 @@ from ..model.adapter_bank import AdapterBank
 from ..model.decoder import DecoderOptions, decoder_layers, embed, head_loss_sums, resolve_backend
 from ..parallel.stage import adapter_loss
 from ..specs import AdapterSpec, ConfigError
-from . import checkpoint_hooks, export, nonfinite_guard, pipeline_contract, validation_hooks
+from . import checkpoint_hooks, epoch_graphs, export, nonfinite_guard, pipeline_contract, validation_hooks
 from .cuda_graphs import TrainingGraphs, cuda_graphs_refusal
+from .graph_cover import DEFAULT_PRECAPTURE
 from .evaluation import AdapterProgress
 from .frozen_base import (
     DTYPES,
@@ -108,6 +109,9 @@ class LoRAFusionModule(L.LightningModule):
             the same, and a ``ConfigError`` where graphs cannot be used. Steps a graph cannot
             hold fall back to eager with the reason logged (``training/cuda_graphs.py``,
             docs/training.md "CUDA graphs").
+        cuda_graph_precapture: graphs captured before each epoch's first step at most, chosen to
+            cover every microbatch the epoch's plan holds (docs/training.md "Captured before the
+            epoch"); 0: none, every shape key captured when first met, as without a plan.
     """
 
     def __init__(
@@ -129,13 +133,15 @@ class LoRAFusionModule(L.LightningModule):
         sample_max_new_tokens: int = 32,
         lm_head_loss: str = "checkpointed",
         cuda_graphs: str | bool = "auto",
+        cuda_graph_precapture: int = DEFAULT_PRECAPTURE,
     ) -> None:
         super().__init__()
         specs = check_adapters(adapters)
         precision = PrecisionConfig.parse(precision)
         cuda_graphs = check_module_options(
             dtype=dtype, grad_clip=grad_clip, max_nonfinite_steps=max_nonfinite_steps, precision=precision,
-            lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute)
+            lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute,
+            cuda_graph_precapture=cuda_graph_precapture)
         self.save_hyperparameters(ignore=["adapters", "precision"])
         self.hparams["precision"] = dataclasses.asdict(precision)  # plain data in checkpoints
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -161,6 +167,7 @@ class LoRAFusionModule(L.LightningModule):
         self.decoder_options = DecoderOptions(kernels=KernelOptions(
             fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm), mlp_recompute=mlp_recompute)
         self.cuda_graphs = cuda_graphs
+        self.cuda_graph_precapture = cuda_graph_precapture
         self._graphs: TrainingGraphs | None = None  # made in on_train_start when graphs are used
 
         base = load_frozen_base(base_model, dtype=dtype, cache_dir=cache_dir, precision=precision,
@@ -404,6 +411,10 @@ class LoRAFusionModule(L.LightningModule):
             validation_hooks.validate_now(self)
         self._val_due_on_resume = False
 
+    def on_train_epoch_start(self) -> None:
+        # every graph the epoch needs, captured before its first step (no capture mid-epoch)
+        epoch_graphs.precapture_epoch(self)
+
     def _start_cuda_graphs(self) -> None:
         """Resolve ``cuda_graphs`` now that the device and the strategy are known."""
         self._graphs = None
@@ -423,6 +434,7 @@ class LoRAFusionModule(L.LightningModule):
             return
         self._graphs = TrainingGraphs(params=self.base_params(), bank=self.bank, config=self.config,
                                       checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
+                                      max_precapture=self.cuda_graph_precapture,
                                       **pipeline_contract.stage_graph_args(self, strategy))
 
     def on_train_end(self) -> None:

@@ -139,3 +139,25 @@ def test_side_by_side_jobs_add_rates_and_the_table_reads_the_last_epoch():
     assert "| 8b_dp4 | - |" in text and "exit 1" in text
     assert "timeout (epoch 0 only: includes warm-up)" in text
     assert BENCH_PIPELINE.combine([a, None]) is None
+
+
+def test_graph_captures_per_epoch_from_the_log():
+    log = "\n".join([
+        "[lorafusion] CUDA graphs: captured GraphKey(capacity=8192, max_seqlen=4096, num_blocks=16, "
+        "label_rows=1024) up front in 6.07 s (1 graphs)",
+        "[lorafusion] CUDA graphs: epoch 0: 9 shape keys over 42 microbatches (all replicas); 1 graphs captured "
+        "up front in 6.50 s: [(8192, 4096, 16, 1024)]; 1 graphs held",
+        "[lorafusion] CUDA graphs: epoch 0: 9 shape keys over 42 microbatches (all replicas); 1 graphs captured "
+        "up front in 6.20 s: [(8192, 4096, 16, 1024)]; 1 graphs held",
+        "[lorafusion] CUDA graphs: captured GraphKey(capacity=8192, max_seqlen=8192, num_blocks=8, "
+        "label_rows=512) in 1.09 s (2 graphs)",
+        "[lorafusion] epoch 1 planned (greedy): 20 microbatches of 8192 tokens, fill 96.3%",
+        "[lorafusion] CUDA graphs: epoch 1: 7 shape keys over 40 microbatches (all replicas); 0 graphs captured "
+        "up front in 0.00 s: []; 2 graphs held",
+    ])
+    got = BENCH_PIPELINE.graph_captures(log)
+    assert got[0] == {"up_front": 2, "up_front_s": pytest.approx(12.7), "mid_epoch": 1,
+                      "mid_epoch_s": pytest.approx(1.09)}
+    assert got[1] == {"up_front": 0, "up_front_s": 0.0, "mid_epoch": 0, "mid_epoch_s": 0.0}
+    assert BENCH_PIPELINE._captures_cell(got[0]) == "2 (12.7 s) / 1 (1.1 s)"
+    assert BENCH_PIPELINE.graph_captures("no graphs here") == {}

@@ -9,6 +9,7 @@ why. On a GPU (skipped here): captured and replayed steps against eager steps.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from lightning_lorafusion.training.cuda_graphs import (
     graph_key,
     label_rows_step,
 )
+from lightning_lorafusion.training.graph_cover import covers
 
 CUDA = torch.cuda.is_available()
 # the kernel-level checks run on the GPU where there is one (fp32), else in the Triton interpreter
@@ -404,6 +406,10 @@ def test_module_cuda_graphs_option(tiny_model_dir):
     assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graphs == "auto"  # default
     for yaml_bool, mode in ((False, "off"), (True, "on")):  # a bare YAML off/on arrives as a boolean
         assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graphs=yaml_bool).cuda_graphs == mode
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="cuda_graph_precapture"):
+            LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(), cuda_graph_precapture=bad)
+    assert LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs()).cuda_graph_precapture == 4
     with pytest.raises(ConfigError, match="not on a CUDA GPU"):
         fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "on"})
     module, _, _ = fit_joint(tiny_model_dir, fit_specs(), module_kwargs={"cuda_graphs": "auto"})
@@ -522,6 +528,55 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
+def test_precaptured_graphs_replay_every_step_and_train_like_eager_steps():
+    """Graphs captured before the epoch (``precapture``, idle warm-ups): the gradients held
+    before them are unchanged bit for bit, every step of the epoch replays a graph (no capture
+    mid-epoch, no eager step, no host sync), and losses and updates match eager steps within the
+    bounds of ``test_replayed_graphs_train_like_eager_steps``."""
+    torch.manual_seed(0)
+    config, specs, mbs = _gpu_case()
+    params, bank_e, opts_e = _gpu_setup(config, specs)
+    start = [p.detach().clone() for p in bank_e.parameters()]
+
+    def eager(mb):
+        routing = bank_e.routing(mb.segments, mb.index, mb.capacity)
+        sums = forward_loss_sums(params, bank_e.view(), mb.input_ids, mb.labels, mb.position_ids, mb.cu_seqlens,
+                                 routing, config=config, backend="triton", max_seqlen=mb.max_seqlen,
+                                 label_rows=mb.label_rows)
+        adapter_loss(sums, mb.loss_denominators).backward()
+        return sums.detach()
+
+    losses_e = _train(eager, bank_e, opts_e, mbs)
+    params, bank_g, opts_g = _gpu_setup(config, specs)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for p in bank_g.parameters():
+        p.grad = torch.randn(p.shape, generator=g, device="cuda")
+    held = [p.grad.clone() for p in bank_g.parameters()]
+    graphs = TrainingGraphs(params=params, bank=bank_g, config=config)
+    done = graphs.precapture(Counter(graph_key(mb) for mb in mbs), torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert done and graphs.captures == len(done) and not graphs.refusals, graphs.refusals
+    for p, h in zip(bank_g.parameters(), held):
+        assert torch.equal(p.grad, h)
+        p.grad = None
+
+    def replayed(mb):
+        torch.cuda.set_sync_debug_mode("error")  # every step replays: nothing read back
+        try:
+            return graphs.step(mb, mb.loss_denominators)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    losses_g = _train(replayed, bank_g, opts_g, mbs)
+    torch.cuda.synchronize()
+    assert graphs.captures == len(done) and graphs.replays == len(mbs) and not graphs.refusals
+    torch.testing.assert_close(losses_g, losses_e, rtol=1e-2, atol=1e-3)
+    upd_e = torch.cat([(pe - p0).flatten() for pe, p0 in zip(bank_e.parameters(), start)])
+    upd_g = torch.cat([(pg - p0).flatten() for pg, p0 in zip(bank_g.parameters(), start)])
+    assert upd_e.norm() > 0 and (upd_g - upd_e).norm() <= 0.05 * upd_e.norm()
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
 def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     """Through the Trainer on one GPU (bf16-true, fused kernels, dropout 0.1): cuda_graphs on
     replays graphs and ends with the weights of cuda_graphs off (bf16: 0.05 absolute on
@@ -620,3 +675,42 @@ def test_choose_prefers_the_cheapest_cover_then_captures_a_recurring_key():
     assert graphs._choose(K(64, 128, 8, 64)) == K(64, 128, 8, 64)  # nothing covers it
     assert graphs._choose(K(64, 32, 8, 64)) == K(64, 32, 8, 64)  # held already
     assert graphs.covered_steps == 2
+
+
+def test_precaptured_graphs_change_no_gradient_and_cover_the_epoch():
+    """Graphs captured before an epoch: their warm-up steps run idle microbatches (no gradient
+    changes, bit for bit); every planned microbatch then runs under a precaptured key, none gets
+    a capture of its own mid-epoch (even with ``capture_after=0``), and training matches eager
+    steps. A key nobody planned still gets its own capture after ``capture_after`` covered uses."""
+    config, specs = tiny_config(1), tiny_specs()
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=256, samples=4, max_length=100, global_batch=2)]
+    mbs = mbs[:3]
+    planned = Counter(graph_key(mb) for mb in mbs)
+    params, bank_e, opts_e = _setup(config, specs)
+    losses_e = _train(lambda mb: _eager_step(params, bank_e, config, mb, False), bank_e, opts_e, mbs)
+    params, bank_s, opts_s = _setup(config, specs)
+    g = torch.Generator().manual_seed(5)
+    for p in bank_s.parameters():  # gradients left from before: a warm-up must add nothing
+        p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+    before = [p.grad.clone() for p in bank_s.parameters()]
+    graphs = TrainingGraphs(params=params, bank=bank_s, config=config, chunk_size=32, capture=False,
+                            capture_after=0, max_precapture=1)
+    done = graphs.precapture(planned, DEVICE)
+    assert len(done) == 1 and all(covers(done[0], k) for k in planned)
+    assert graphs._static_keys == set(done) and graphs.planned == frozenset(planned)
+    for p, b in zip(bank_s.parameters(), before):
+        assert torch.equal(p.grad, b)
+    for p in bank_s.parameters():
+        p.grad = None
+    losses_s = _train(lambda mb: graphs.step(mb, mb.loss_denominators), bank_s, opts_s, mbs)
+    assert graphs._static_keys == set(done)  # no capture of its own mid-epoch
+    assert graphs.covered_steps == sum(n for k, n in planned.items() if k != done[0]) > 0
+    torch.testing.assert_close(losses_s, losses_e, rtol=1e-5, atol=1e-6)
+    for (name, pe), ps in zip(bank_e.named_parameters(), bank_s.parameters()):
+        torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # the next epoch's keys replace the planned set; keys held already need no new graph
+    assert graphs.precapture(planned, DEVICE) == [] and graphs.planned == frozenset(planned)
+    # a key outside the plan keeps the old rule: its own capture after capture_after (0) covered uses
+    other = next(k for k in planned if k != done[0])
+    assert graphs._choose(other) == done[0]
+    assert graphs.precapture({}, DEVICE) == [] and graphs._choose(other) == other

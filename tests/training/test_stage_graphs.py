@@ -5,12 +5,15 @@ executor's fused forward+backward): the fixed-shape step a graph captures, run w
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 import torch
 
 from lightning_lorafusion.parallel.executor import run_stage
 from lightning_lorafusion.parallel.schedule import Backward, Forward, OptimizerStep
 from lightning_lorafusion.parallel.stage import DecoderStage
-from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, cuda_graphs_refusal
+from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, cuda_graphs_refusal, graph_key
 from test_cuda_graphs import DEVICE, _setup, microbatches, tiny_config, tiny_specs
 
 
@@ -25,16 +28,22 @@ def _stage(params, bank, config, mbs, layers, *, is_first, is_last, graphs=None)
                         is_last=is_last, microbatches=mbs.__getitem__, backend="triton", graphs=graphs)
 
 
-def test_last_stage_graph_step_gives_the_eager_gradients_and_input_gradient():
+@pytest.mark.parametrize("precapture", [False, True])
+def test_last_stage_graph_step_gives_the_eager_gradients_and_input_gradient(precapture):
     """Two stages in one process: the last stage's fused step (its layers from the static input
     buffer, norm, head, loss, backward) returns the same gradient for its input as the eager
-    stage, and every adapter gradient on both stages matches."""
+    stage, and every adapter gradient on both stages matches. ``precapture``: the epoch's keys
+    held before the first step (warm-ups on idle microbatches from a zero stage input)."""
     config, specs, mbs = _case(4)
     first, last = range(0, 2), range(2, 4)
     params, bank_e, _ = _setup(config, specs)
     _, bank_g, _ = _setup(config, specs)
     graphs = TrainingGraphs(params=params, bank=bank_g, config=config, capture=False, layers=last,
-                            is_first=False)
+                            is_first=False, max_precapture=1)
+    if precapture:
+        held = graphs.precapture(Counter(graph_key(mb) for mb in mbs), DEVICE)
+        assert len(held) == 1 and graphs.input_grad is None
+        assert all(p.grad is None or not p.grad.any() for p in bank_g.parameters())
     s0_e = _stage(params, bank_e, config, mbs, first, is_first=True, is_last=False)
     s1_e = _stage(params, bank_e, config, mbs, last, is_first=False, is_last=True)
     s0_g = _stage(params, bank_g, config, mbs, first, is_first=True, is_last=False)
@@ -51,6 +60,8 @@ def test_last_stage_graph_step_gives_the_eager_gradients_and_input_gradient():
         torch.testing.assert_close(done.input_grad, x.grad, rtol=1e-4, atol=1e-6)
         h.backward(done.input_grad)
     assert not graphs.refusals
+    if precapture:  # every step replayed the one precaptured key: no capture of its own
+        assert graphs.num_held == 1 and graphs.covered_steps == sum(graph_key(mb) != held[0] for mb in mbs)
     for (name, pe), pg in zip(bank_e.named_parameters(), bank_g.parameters()):
         if pe.grad is None:
             assert pg.grad is None or not pg.grad.any(), name

@@ -1,0 +1,63 @@
+"""The training module's CUDA graphs at an epoch's start: the epoch's shape keys, agreed between
+data-parallel replicas, and their covering graphs captured before the first step
+(``TrainingGraphs.precapture``). Functions over the training module's state."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any
+
+import torch.distributed as dist
+
+from .cuda_graphs import GraphKey, graph_key
+from .pipeline_contract import pipeline_strategy
+
+log = logging.getLogger(__name__)
+
+
+def epoch_keys(dm: Any) -> tuple[int, Counter]:
+    """The epoch the stream continues with and its shape keys with their number of microbatches
+    (this replica's share, packed on the host)."""
+    epoch, start = dm.stream_start()
+    keys: Counter = Counter()
+    for mb in dm.packed_epoch(epoch, start):
+        try:
+            keys[graph_key(mb)] += 1
+        except ValueError:  # no host metadata: that microbatch runs eagerly anyway
+            continue
+    return epoch, keys
+
+
+def union_over_replicas(keys: Counter, group: Any) -> Counter:
+    """``keys`` summed over the ranks of ``group`` (collective over it; unchanged without one):
+    every replica then chooses the same graphs, so none waits on another's capture."""
+    if group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return keys
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sorted((dataclasses.astuple(k), n) for k, n in keys.items()), group=group)
+    total: Counter = Counter()
+    for part in gathered:
+        for fields, n in part:
+            total[GraphKey(*fields)] += n
+    return total
+
+
+def precapture_epoch(m: Any) -> list[GraphKey]:
+    """Capture the graphs covering the coming epoch's microbatches (all replicas' keys) before
+    its first step; nothing without graphs or a data module that can list the epoch."""
+    graphs = m._graphs
+    dm = m.trainer.datamodule if m._trainer is not None else None
+    if graphs is None or dm is None or not hasattr(dm, "packed_epoch") or graphs.max_precapture == 0:
+        return []
+    epoch, keys = epoch_keys(dm)
+    strategy = pipeline_strategy(m)
+    keys = union_over_replicas(keys, strategy.data_parallel_group if strategy is not None else None)
+    before = graphs.precapture_seconds
+    done = graphs.precapture(keys, m.device)
+    log.info("CUDA graphs: epoch %d: %d shape keys over %d microbatches (all replicas); %d graphs "
+             "captured up front in %.2f s: %s; %d graphs held", epoch, len(keys), sum(keys.values()),
+             len(done), graphs.precapture_seconds - before, [dataclasses.astuple(k) for k in done],
+             graphs.num_held)
+    return done
