@@ -79,40 +79,6 @@ def _nf4_fwd_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, 
 
 
 @triton.jit
-def _nf4_fwd_splitk_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, ws_ptr,
-                           M, N, K, stride_xm, stride_xk, k_per_split,
-                           BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
-    """Decode-sized ``X @ W^T``: program ``(n tile, m tile, split)`` reduces its split's
-    ``k_per_split`` columns into an fp32 partial ``ws[split, m, n]`` (summed by the launcher).
-    The weight tile is read as ``[BLOCK_N, BLOCK_K / 2]`` bytes, each row's bytes contiguous (one
-    coalesced read of the 4-bit data), and transposed in registers for the dots; with few rows
-    the splits over K give the GPU enough programs to reach its memory bandwidth."""
-    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rb = tl.arange(0, BLOCK_K // 2)
-    half_k = K // 2
-    b_start = split * (k_per_split // 2)
-    b_end = tl.minimum(b_start + k_per_split // 2, half_k)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b0 in range(b_start, b_end, BLOCK_K // 2):
-        bb = b0 + rb
-        x_mask = (rm[:, None] < M) & (bb[None, :] < b_end)
-        x_even = tl.load(x_rows + (2 * bb[None, :]) * stride_xk, mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + (2 * bb[None, :] + 1) * stride_xk, mask=x_mask, other=0.0)
-        hi, lo = _nf4_pairs(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn[:, None],
-                            bb[None, :], half_k, (rn[:, None] < N) & (bb[None, :] < b_end),
-                            BLOCKSIZE, NESTED, NESTED_BLOCKSIZE)
-        acc = tl.dot(x_even, tl.trans(hi.to(x_ptr.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(x_odd, tl.trans(lo.to(x_ptr.dtype.element_ty)), acc, input_precision=DOT_PRECISION)
-    out = ws_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
 def _nf4_dx_kernel(dy_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, dx_ptr,
                    M, N, K, stride_dym, stride_dyn, stride_dxm,
                    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
@@ -183,55 +149,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit operands ignore it
 
 
-SPLITK_MAX_M = 64  # rows up to which the forward splits K (decode and small prefills)
-_SPLITK_BLOCK_N, _SPLITK_BLOCK_K = 64, 256
-
-
-def splitk_splits(m: int, n: int, k: int, programs: int) -> int:
-    """Splits over K for the small-M forward: enough programs to fill ``programs`` slots (about
-    two per streaming multiprocessor), each split at least one ``BLOCK_K`` and a whole number
-    of them."""
-    tiles = triton.cdiv(n, _SPLITK_BLOCK_N) * triton.cdiv(m, _block_m(m))
-    chunks = triton.cdiv(k, _SPLITK_BLOCK_K)
-    return max(1, min(chunks, triton.cdiv(programs, tiles)))
-
-
-def _program_slots(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _nf4_linear_splitk(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    n, k = w.shape
-    m = x.shape[0]
-    args, nested_bs = _weight_args(w)
-    bm = _block_m(m)
-    splits = splitk_splits(m, n, k, _program_slots(x.device))
-    per_split = triton.cdiv(triton.cdiv(k, _SPLITK_BLOCK_K), splits) * _SPLITK_BLOCK_K
-    splits = triton.cdiv(k, per_split)
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, _SPLITK_BLOCK_N), triton.cdiv(m, bm), splits)
-    _nf4_fwd_splitk_kernel[grid](
-        x, *args, ws, m, n, k, x.stride(0), x.stride(1), per_split,
-        BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, BLOCK_M=bm,
-        BLOCK_N=_SPLITK_BLOCK_N, BLOCK_K=_SPLITK_BLOCK_K, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=4, num_stages=3, enable_fp_fusion=False)
-    y = ws.sum(0)  # a new tensor even with one split (never a view of the workspace)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
 def nf4_linear_fused(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype``, fp32 accumulation. Up to
-    ``SPLITK_MAX_M`` rows: split over K, the 4-bit tiles read row-contiguous, partial sums added
-    in fp32 and rounded once; more rows: one tile of the output per program."""
+    """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype``, fp32 accumulation."""
     n, k = w.shape
     _check(x, w, k, "x")
     m = x.shape[0]
-    if 0 < m <= SPLITK_MAX_M:
-        return _nf4_linear_splitk(x, w, bias)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -159,20 +159,3 @@ def test_tiny_model_trains_alike_with_fused_and_buffer(backend, tmp_path, device
     assert len(grads_b) == len(grads_f) and all(g.abs().max() > 0 for g in grads_b)
     for gf, gb in zip(grads_f, grads_b):  # order-of-summation noise scales with the largest entries
         torch.testing.assert_close(gf, gb, rtol=1e-4, atol=1e-4 * gb.abs().max().item())
-
-
-@pytest.mark.parametrize("nested", [False, True])
-def test_small_m_forward_split_over_k_equals_the_reference(nested, device):
-    """Decode-sized rows split K across programs (fp32 partials summed, rounded once): several
-    splits, the last one short, blocks straddling rows and splits."""
-    from lightning_lorafusion.kernels.nf4_gemm import SPLITK_MAX_M, splitk_splits
-
-    m, n, k = 3, 40, 1030
-    assert splitk_splits(m, n, k, programs=8) == 5  # 5 chunks of 256 over K, 1 output tile
-    assert splitk_splits(m, n, k, programs=1) == 1 and splitk_splits(SPLITK_MAX_M, 4096, 4096, 264) == 5
-    w = _weight(n, k, nested)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(m, k, generator=gen)
-    bias = torch.randn(n, generator=gen)
-    y = nf4_linear_fused(x.to(device), _on(w, device), bias.to(device)).cpu()
-    torch.testing.assert_close(y, nf4_matmul_reference(x, w, transpose=True, bias=bias), rtol=1e-5, atol=1e-4)
