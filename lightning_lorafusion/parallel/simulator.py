@@ -43,6 +43,28 @@ class DeadlockError(ScheduleError):
     """Every unfinished rank waits on a message that will never be posted."""
 
 
+def causal_pairs(length: int, window: int | None = None) -> float:
+    """Query-key pairs causal attention over one sample of ``length`` tokens visits, counted as
+    ``length^2 / 2``; with a sliding ``window`` (each query sees its last ``window`` keys) the
+    ``length - window`` later queries see ``window`` keys each: ``length * window - window^2 / 2``."""
+    if window is None or length <= window:
+        return length * length / 2
+    return length * window - window * window / 2
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) of an HF config or a ``DecoderConfig``
+    (Gemma 2/3's per-layer pattern, Mistral's and Phi-3's one window); all None when the config
+    names none (or is neither, e.g. a bare namespace of shapes)."""
+    layers = getattr(config, "num_hidden_layers", None) or config.num_layers
+    if not hasattr(config, "sliding_windows") and getattr(config, "model_type", None) is not None:
+        from ..model.decoder_config import DecoderConfig
+
+        config = DecoderConfig.from_hf(config)
+    windows = tuple(getattr(config, "sliding_windows", ()) or ())
+    return windows if windows else (None,) * layers
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Seconds per action on each stage of a pipeline, from FLOP counts.
@@ -50,7 +72,9 @@ class CostModel:
     A stage with ``L`` decoder layers spends, on a microbatch of ``tokens`` tokens whose samples
     have squared lengths summing to ``seq_sq``,
     ``L * (layer_flops_per_token * tokens + attention_flops_per_pair * seq_sq / 2) / flops_per_second``
-    in forward (causal attention visits about ``len^2 / 2`` query-key pairs per sample); the last
+    in forward (causal attention visits about ``len^2 / 2`` query-key pairs per sample; with
+    ``stage_windows``, each layer's sliding window, a windowed layer visits ``causal_pairs(len,
+    window)`` per sample, from the samples' lengths); the last
     stage adds ``head_flops_per_token * tokens`` (norm, LM head, loss). Backward costs
     ``backward_factor`` times forward: the base is frozen, so backward computes input
     gradients only (one GEMM per forward GEMM) plus rank-r LoRA gradients; attention backward is
@@ -70,12 +94,16 @@ class CostModel:
     p2p_latency: float = 20e-6
     bytes_per_token: float = 0.0
     p2p_bandwidth: float = 100e9
+    stage_windows: tuple[tuple[int | None, ...], ...] = ()  # per stage, each layer's window; (): none
 
     def __post_init__(self) -> None:
         if not self.stage_layers or any(n < 0 for n in self.stage_layers):
             raise ValueError(
                 f"stage_layers={self.stage_layers!r} must list a non-negative layer count per stage"
             )
+        if self.stage_windows and [len(w) for w in self.stage_windows] != list(self.stage_layers):
+            raise ValueError(f"CostModel.stage_windows has {[len(w) for w in self.stage_windows]} layers per "
+                             f"stage; stage_layers={self.stage_layers!r}: one window (or None) per layer")
         for name in ("flops_per_second", "p2p_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be > 0")
@@ -107,6 +135,15 @@ class CostModel:
         kv_heads = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
                     or heads)
         head_dim = getattr(config, "head_dim", None) or h // heads
+        try:
+            windows = layer_windows(config)
+        except AttributeError:  # a bare namespace of shapes: no layer count, no windows
+            windows = ()
+        counts = [int(n) for n in stage_layers]
+        stage_windows: tuple[tuple[int | None, ...], ...] = ()
+        if any(w is not None for w in windows) and sum(counts) == len(windows):
+            bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+            stage_windows = tuple(tuple(windows[bounds[s]:bounds[s + 1]]) for s in range(len(counts)))
         linear_params = (
             h * heads * head_dim * 2  # q_proj, o_proj
             + h * kv_heads * head_dim * 2  # k_proj, v_proj
@@ -118,19 +155,26 @@ class CostModel:
             attention_flops_per_pair=4.0 * heads * head_dim,  # QK^T and PV
             head_flops_per_token=2.0 * h * config.vocab_size,
             bytes_per_token=float(h * bytes_per_element),
-            **overrides,
+            **{"stage_windows": stage_windows, **overrides},
         )
 
-    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0) -> float:
-        flops = self.stage_layers[stage] * (
-            self.layer_flops_per_token * tokens + self.attention_flops_per_pair * seq_sq / 2
-        )
+    def attention_pairs(self, stage: int, seq_sq: int, lengths: Sequence[int] | None = None) -> float:
+        """Query-key pairs the stage's layers visit on a microbatch: ``seq_sq / 2`` per layer, or
+        with windowed layers (and the samples' ``lengths``) ``causal_pairs`` per layer and sample."""
+        windows = self.stage_windows[stage] if self.stage_windows else ()
+        if lengths is None or all(w is None for w in windows):
+            return self.stage_layers[stage] * seq_sq / 2
+        return sum(causal_pairs(n, w) for w in windows for n in lengths)
+
+    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
+        flops = (self.stage_layers[stage] * self.layer_flops_per_token * tokens
+                 + self.attention_flops_per_pair * self.attention_pairs(stage, seq_sq, lengths))
         if stage == self.num_stages - 1:
             flops += self.head_flops_per_token * tokens
         return self.launch_overhead + flops / self.flops_per_second
 
-    def backward_time(self, stage: int, tokens: int, seq_sq: int = 0) -> float:
-        compute = self.forward_time(stage, tokens, seq_sq) - self.launch_overhead
+    def backward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
+        compute = self.forward_time(stage, tokens, seq_sq, lengths) - self.launch_overhead
         return self.launch_overhead + self.backward_factor * compute
 
     def p2p_time(self, capacity: int) -> float:
@@ -378,9 +422,11 @@ class _Simulation:
         )
 
 
-def _work(plan: Plan, mb: PlannedMicrobatch) -> tuple[int, int]:
-    """Padded tokens of ``mb`` and the sum of its samples' squared lengths (the cost model's inputs)."""
-    return mb.padded_tokens(plan.pad_multiple), sum(s.length ** 2 for s in mb.samples)
+def _work(plan: Plan, mb: PlannedMicrobatch) -> tuple[int, int, tuple[int, ...]]:
+    """Padded tokens of ``mb``, the sum of its samples' squared lengths and the lengths (the cost
+    model's inputs)."""
+    lengths = tuple(s.length for s in mb.samples)
+    return mb.padded_tokens(plan.pad_multiple), sum(n * n for n in lengths), lengths
 
 
 def simulate(

@@ -4,30 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..parallel.simulator import causal_pairs, layer_windows
+
+__all__ = ["H100_H200_BF16_PEAK_TFLOPS", "causal_pairs", "layer_windows", "lora_training_flops"]
+
 # Dense bf16 datasheet peak of one H100/H200 SXM, TFLOP/s (the MFU denominator in BENCHMARKS.md).
 H100_H200_BF16_PEAK_TFLOPS = 989.0
-
-
-def causal_pairs(length: int, window: int | None = None) -> float:
-    """Query-key pairs causal attention over one sample of ``length`` tokens visits, counted as
-    ``length^2 / 2``; with a sliding ``window`` (each query sees its last ``window`` keys) the
-    ``length - window`` later queries see ``window`` keys each: ``length * window - window^2 / 2``."""
-    if window is None or length <= window:
-        return length * length / 2
-    return length * window - window * window / 2
-
-
-def layer_windows(config: Any) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention) of an HF config or a ``DecoderConfig``
-    (Gemma 2/3's per-layer pattern, Mistral's and Phi-3's one window); all None when the config
-    names none (or is neither, e.g. a bare namespace of shapes)."""
-    layers = getattr(config, "num_hidden_layers", None) or config.num_layers
-    if not hasattr(config, "sliding_windows") and getattr(config, "model_type", None) is not None:
-        from ..model.decoder_config import DecoderConfig
-
-        config = DecoderConfig.from_hf(config)
-    windows = tuple(getattr(config, "sliding_windows", ()) or ())
-    return windows if windows else (None,) * layers
 
 
 def lora_training_flops(config: Any, sample_lengths: Sequence[int]) -> float:

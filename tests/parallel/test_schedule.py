@@ -262,3 +262,28 @@ def test_measured_bubble_ratio_agrees_with_the_simulators_definition():
     assert measured_bubble_ratio([(1.0, 2.0), (2.0, 2.0)]) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="at least one rank"):
         measured_bubble_ratio([])
+
+
+def test_cost_model_counts_sliding_windows_per_stage():
+    """A stage of windowed layers (Gemma 2's alternating pattern) costs its samples'
+    ``causal_pairs`` per layer, not ``len^2 / 2``: a long sample's attention shrinks, a sample
+    within the window costs as before, and the windows follow the stage split."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.parallel.simulator import causal_pairs
+
+    shapes = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=100)
+    windowed = SimpleNamespace(num_layers=4, sliding_windows=(8, None, 8, None), **shapes)
+    full = SimpleNamespace(num_layers=4, sliding_windows=(), **shapes)
+    costs = CostModel.from_decoder_config(windowed, (3, 1), flops_per_second=1.0)
+    assert costs.stage_windows == ((8, None, 8), (None,))
+    plain = CostModel.from_decoder_config(full, (3, 1), flops_per_second=1.0)
+    assert plain.stage_windows == ()
+    lengths = (40, 6)
+    seq_sq = sum(n * n for n in lengths)
+    assert costs.attention_pairs(0, seq_sq, lengths) == 2 * (causal_pairs(40, 8) + 18) + (800 + 18)
+    assert costs.attention_pairs(1, seq_sq, lengths) == plain.attention_pairs(1, seq_sq, lengths) == seq_sq / 2
+    assert costs.forward_time(0, 46, seq_sq, lengths) < plain.forward_time(0, 46, seq_sq, lengths)
+    assert costs.forward_time(0, 6, 36, (6,)) == plain.forward_time(0, 6, 36, (6,))  # within the window
+    with pytest.raises(ValueError, match="one window"):
+        CostModel(stage_layers=(2,), layer_flops_per_token=1.0, stage_windows=((8,),))
