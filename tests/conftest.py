@@ -1,5 +1,6 @@
 """Test-wide setup: Triton kernels run in the interpreter when no GPU is present; the
-``sync_guard`` fixture (no device->host syncs on the training forward)."""
+``sync_guard`` fixture (no device->host syncs on the training forward); torch.compile caches
+emptied per test module."""
 
 import os
 import threading
@@ -50,3 +51,15 @@ class _SyncGuard:
 def sync_guard(monkeypatch):
     """See ``_SyncGuard``: forbid nonzero() and record varlen attention's max_seqlen inside ``run``."""
     return _SyncGuard(monkeypatch)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Each test module starts with torch.compile's caches empty: the library compiles the same
+    norm and activation functions at many shapes and dtypes across the suite, and Dynamo stops
+    recompiling a function after ``recompile_limit`` variants in one process (a module's own
+    compiles stay well under it)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
