@@ -293,8 +293,8 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     cu = torch.tensor([0, 512, 1024, t], dtype=torch.int32, device="cuda")
     pos = torch.cat([torch.arange(512), torch.arange(512), torch.arange(1024)]).cuda()
     kept, grads = {}, {}
-    # a first round allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
-    # each mode's compiled kernels); the second round's passes are compared
+    # a first pass over the modes allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
+    # each mode's compiled kernels); the second pass's are compared
     for mode in (*MODES, *MODES):
         for p in bank.parameters():
             p.grad = None
