@@ -17,17 +17,27 @@ from .pipeline_contract import pipeline_strategy
 log = logging.getLogger(__name__)
 
 
-def epoch_keys(dm: Any) -> tuple[int, Counter]:
+def epoch_keys(dm: Any, lookahead: int = 0, last_epoch: int | None = None) -> tuple[int, Counter]:
     """The epoch the stream continues with and its shape keys with their number of microbatches
-    (this replica's share, packed on the host)."""
+    (this replica's share, packed on the host), plus those of the ``lookahead`` epochs after it
+    (none past ``last_epoch``)."""
     epoch, start = dm.stream_start()
     keys: Counter = Counter()
-    for mb in dm.packed_epoch(epoch, start):
-        try:
-            keys[graph_key(mb)] += 1
-        except ValueError:  # no host metadata: that microbatch runs eagerly anyway
-            continue
+    for e in range(epoch, epoch + 1 + lookahead):
+        if e > epoch and last_epoch is not None and e > last_epoch:
+            break
+        for mb in dm.packed_epoch(e, start if e == epoch else 0):
+            try:
+                keys[graph_key(mb)] += 1
+            except ValueError:  # no host metadata: that microbatch runs eagerly anyway
+                continue
     return epoch, keys
+
+
+def _last_epoch(trainer: Any) -> int | None:
+    """The trainer's last epoch index (None: no epoch limit)."""
+    max_epochs = getattr(trainer, "max_epochs", None)
+    return max_epochs - 1 if isinstance(max_epochs, int) and max_epochs > 0 else None
 
 
 def union_over_replicas(keys: Counter, group: Any) -> Counter:
@@ -45,18 +55,20 @@ def union_over_replicas(keys: Counter, group: Any) -> Counter:
 
 
 def precapture_epoch(m: Any) -> list[GraphKey]:
-    """Capture the graphs covering the coming epoch's microbatches (all replicas' keys) before
-    its first step; nothing without graphs or a data module that can list the epoch."""
+    """Capture the graphs covering the coming epoch's microbatches and the next epoch's (all
+    replicas' keys) before its first step: a later epoch whose plan brings keys no graph covers
+    then finds them captured already, instead of stopping every replica to capture at its
+    start. Nothing without graphs or a data module that can list the epoch."""
     graphs = m._graphs
     dm = m.trainer.datamodule if m._trainer is not None else None
     if graphs is None or dm is None or not hasattr(dm, "packed_epoch") or graphs.max_precapture == 0:
         return []
-    epoch, keys = epoch_keys(dm)
+    epoch, keys = epoch_keys(dm, lookahead=1, last_epoch=_last_epoch(m.trainer))
     strategy = pipeline_strategy(m)
     keys = union_over_replicas(keys, strategy.data_parallel_group if strategy is not None else None)
     before = graphs.precapture_seconds
     done = graphs.precapture(keys, m.device)
-    log.info("CUDA graphs: epoch %d: %d shape keys over %d microbatches (all replicas); %d graphs "
+    log.info("CUDA graphs: epoch %d: %d shape keys over %d microbatches of it and the next (all replicas); %d graphs "
              "captured up front in %.2f s: %s; %d graphs held", epoch, len(keys), sum(keys.values()),
              len(done), graphs.precapture_seconds - before, [dataclasses.astuple(k) for k in done],
              graphs.num_held)

@@ -167,7 +167,7 @@ def test_precapture_epoch_captures_before_the_first_step_what_the_epoch_needs():
     trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace())
     module = SimpleNamespace(_graphs=graphs, _trainer=trainer, trainer=trainer, device=torch.device("cpu"))
     done = precapture_epoch(module)
-    _, keys = epoch_keys(dm)
+    _, keys = epoch_keys(dm, lookahead=1)  # this epoch's keys and the next one's (no epoch limit)
     assert 1 <= len(done) <= 2 and graphs._static_keys == set(done) and graphs.planned == frozenset(keys)
     assert all(cheapest_cover(k, done) is not None for k in keys)
     assert all(p.grad is None or not p.grad.any() for p in graphs.bank.parameters())  # nothing trained
@@ -205,3 +205,78 @@ def test_replicas_agree_on_the_keys_and_so_on_the_graphs(tmp_path):
     assert got[0] == got[1]
     assert got[0]["union"] == {K(C, 2048, 16, 512): 5, K(C, 2048, 32, 512): 1, K(C, 4096, 16, 1536): 1}
     assert all(cheapest_cover(k, got[0]["chosen"]) is not None for k in got[0]["union"])
+
+
+def test_epoch_start_also_covers_the_next_epoch_so_it_captures_nothing():
+    """The keys of the epoch after the coming one are covered at the coming one's start (not past
+    the trainer's last epoch): the next epoch's start then captures nothing."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.model.decoder import DecoderConfig
+    from lightning_lorafusion.model.random_model import random_base_params
+    from lightning_lorafusion.training.cuda_graphs import TrainingGraphs
+    from lightning_lorafusion.training.epoch_graphs import epoch_keys, precapture_epoch
+
+    dm, specs = _datamodule()
+    _, first = epoch_keys(dm)
+    _, both = epoch_keys(dm, lookahead=1)
+    second = Counter(graph_key(mb) for mb in dm.packed_epoch(1))
+    assert both == first + second
+    assert epoch_keys(dm, lookahead=1, last_epoch=0)[1] == first  # no epoch past the last
+    config = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    graphs = TrainingGraphs(params=random_base_params(config, seed=0, std=0.2), config=config, capture=False,
+                            bank=AdapterBank(specs, config, dtype=torch.float32), chunk_size=32, max_precapture=4)
+    trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace(), max_epochs=2)
+    module = SimpleNamespace(_graphs=graphs, _trainer=trainer, trainer=trainer, device=torch.device("cpu"))
+    done = precapture_epoch(module)
+    assert done and all(cheapest_cover(k, done) is not None for k in second)
+    dm.epoch, dm.position = 1, 0
+    assert precapture_epoch(module) == []  # epoch 1's keys were covered at epoch 0's start
+
+
+def test_a_key_first_planned_for_the_next_epoch_is_captured_one_epoch_early(monkeypatch):
+    """Epoch 1 plans a shape no graph of epoch 0 covers (longer samples): it is captured at epoch
+    0's start, so epoch 1 starts capturing nothing; with the trainer ending after epoch 0 it is
+    not captured at all."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.model.decoder import DecoderConfig
+    from lightning_lorafusion.model.random_model import random_base_params
+    from lightning_lorafusion.training import epoch_graphs
+    from lightning_lorafusion.training.cuda_graphs import TrainingGraphs
+
+    real_dm, specs = _datamodule()
+    short, long = GraphKey(128, 32, 4, 8), GraphKey(128, 64, 4, 16)  # long is not covered by short
+    plans = {0: [short] * 3, 1: [short, long]}
+
+    class Stream:
+        epoch = position = 0
+
+        def stream_start(self):
+            return self.epoch, self.position
+
+        def packed_epoch(self, epoch, start=0):
+            return iter(plans.get(epoch, [])[start:])
+
+    monkeypatch.setattr(epoch_graphs, "graph_key", lambda key: key)  # the stand-in yields keys
+    config = DecoderConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+
+    def module(max_epochs):
+        graphs = TrainingGraphs(params=random_base_params(config, seed=0, std=0.2), config=config, capture=False,
+                                bank=AdapterBank(specs, config, dtype=torch.float32), chunk_size=32,
+                                max_precapture=4)
+        dm = Stream()
+        trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace(), max_epochs=max_epochs)
+        return SimpleNamespace(_graphs=graphs, _trainer=trainer, trainer=trainer, device=torch.device("cpu")), dm
+
+    m, dm = module(max_epochs=2)
+    done = epoch_graphs.precapture_epoch(m)
+    assert cheapest_cover(long, done) is not None and cheapest_cover(short, done) is not None
+    dm.epoch = 1
+    assert epoch_graphs.precapture_epoch(m) == []
+    m, dm = module(max_epochs=1)
+    assert cheapest_cover(long, epoch_graphs.precapture_epoch(m)) is None  # no epoch 1 to prepare for
