@@ -176,10 +176,13 @@ def check_serving(model, config, params, adapters, prompts, a, dtype, device) ->
             match.append(same / len(expected))
             exact += ours == expected
     ref.unload()
-    mean = (lambda v: sum(v) / len(v) if v else None)
     return {"token_match": sum(match) / len(match), "exact_requests": exact, "requests": len(cases),
-            "logprob_mean_abs_diff": mean(diffs), "logprob_max_abs_diff": max(diffs),
-            "logprob_tokens": len(diffs), "logprob_ours_vs_fp32": mean(ours32), "logprob_hf_vs_fp32": mean(hf32)}
+            "logprob_mean_abs_diff": _mean(diffs), "logprob_max_abs_diff": max(diffs),
+            "logprob_tokens": len(diffs), "logprob_ours_vs_fp32": _mean(ours32), "logprob_hf_vs_fp32": _mean(hf32)}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def logprob_ok(result: dict, atol: float, rel: float) -> bool:
