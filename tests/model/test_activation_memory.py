@@ -312,4 +312,6 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     for mode in ("activation", "gate_up"):
         assert kept["none"] - kept[mode] == config.num_layers * t * (per_layer["none"] - per_layer[mode]), kept
         for a, b in zip(grads[mode], grads["none"]):
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
+            # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
+            # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
