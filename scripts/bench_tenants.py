@@ -37,7 +37,10 @@ bucket, mixed by token bucket; base / LoRA / DoRA rows; captured graph, padded p
 its steps, wall s (host, step start to end), GPU s (CUDA events around the step's device work),
 floor s and floor / GPU, with each step's host phases (schedule, launch, wait for the device,
 emit) in ms per step; then the host time between steps and the device's idle time between them.
-In the JSON as each run's ``breakdown``.
+In the JSON as each run's ``breakdown``. On CUDA, ``--profile-steps N`` also profiles the first N
+steps of the runs named in ``--profile-runs`` (``scripts/profile_steps.py``: each step's device
+span split into kernel-busy and idle time, and its costliest kernels, by step kind; the run's
+``profile`` in the JSON): a span much longer than its kernels means the device waited for the host.
 
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape 8b --slora --deadline 370 --out $OUT
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape tiny --device cpu --dtype float32 --requests 12 \\
@@ -65,6 +68,7 @@ from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
+from profile_steps import StepProfile, table as profile_table  # noqa: E402
 
 log = logger("bench_tenants")
 
@@ -173,13 +177,24 @@ def renamed(adapters: list[HostAdapter], names: list[str]) -> list[HostAdapter]:
     return out
 
 
-def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float) -> dict:
-    """Replay ``trace`` with the step ledger on -> throughput, TTFT and the floor of its steps."""
+def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, name: str = "") -> dict:
+    """Replay ``trace`` with the step ledger on -> throughput, TTFT and the floor of its steps;
+    with ``--profile-steps`` and ``name`` in ``--profile-runs``, the kernels of its first steps
+    by step kind (``profile_steps.StepProfile``) too."""
     engine = bench.engine
     before = engine.stats()
     ledger = engine.enable_step_ledger()
+    args = bench.args
+    profile = None
+    if args.profile_steps > 0 and name in args.profile_runs and bench.device.type == "cuda":
+        profile = StepProfile(engine, args.profile_steps, f"/tmp/profile_{name.replace(' ', '_')}.json")
     try:
-        out = replay_engine(engine, trace, deadline=deadline, slo_ttft=bench.args.slo_ttft)
+        if profile is None:
+            out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)
+        else:
+            with profile:
+                out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)
+            out["profile"] = profile.rows
     finally:
         engine.disable_step_ledger()
     busy = engine.stats()["step_seconds_total"] - before["step_seconds_total"]
@@ -264,7 +279,7 @@ class TenantsBench:
             return
         try:
             row = {"run": run, "arrivals": arrivals, **run_trace(
-                self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s))}
+                self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s), name)}
             self.report["runs"].append(row)
             log(row_line(row) + "\n" + breakdown_table(row["breakdown"]))
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
@@ -376,6 +391,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--phase-max-s", type=float, default=120.0, help="a run is cut after this long")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds from the start: no phase runs past it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="CUDA: profile this many steps of each run in --profile-runs (kernels by step kind)")
+    ap.add_argument("--profile-runs", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                    default=["lora burst", "base burst"], help="runs to profile, e.g. 'lora burst,base burst'")
     add_output_args(ap)
     args = ap.parse_args(argv)
     if args.slora and args.slora_rank <= 0:
@@ -397,6 +416,9 @@ def main(argv=None) -> dict:
     print("\n" + table(report))
     for r in report["runs"]:
         print(f"\n{r['run']} {r['arrivals']}: time by step kind\n" + breakdown_table(r["breakdown"]))
+        if r.get("profile"):
+            print(f"\n{r['run']} {r['arrivals']}: kernels of its first {args.profile_steps} steps\n"
+                  + profile_table(r["profile"]))
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))
     if report["errors"]:

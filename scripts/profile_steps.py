@@ -1,0 +1,153 @@
+"""Device time inside engine steps, from a CUDA profiler trace: what each step kind's kernels
+take, and how much of a step's device span the device sits idle waiting for the host.
+
+``floor.breakdown`` times a step with two CUDA events around its device work, so a step whose
+host launches cannot keep up shows the launch time as device time. This splits that span: with
+``StepProfile`` around a run, every ``Engine.step`` call first launches a marker kernel
+(``torch.cuda._sleep``, named ``spin_kernel``) on the engine's stream; the profiler (CUDA
+activity only, so the host is barely slowed) records every kernel, and the kernels between two
+markers on that stream are that call's. The engine's step ledger (``enable_step_ledger``) names
+each call's step kind. ``summarize`` gives, per kind: steps, the device span (first kernel's start
+to last kernel's end), the kernels' busy time (union of their intervals), the idle inside the
+span, and the kernels that take the most time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+MARKER = "spin_kernel"
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def union_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def is_marker(event: dict) -> bool:
+    """The marker kernel (its trace name is demangled, e.g. ``at::cuda::(anonymous
+    namespace)::spin_kernel(long)``)."""
+    return event.get("cat") == "kernel" and MARKER in event.get("name", "")
+
+
+def call_windows(events: Sequence[dict]) -> list[list[dict]]:
+    """Device events of a trace cut into calls: window ``i`` holds what ran after the ``i``-th
+    marker (on the markers' stream, plus any other stream's events that start in that time) and
+    before the next marker. Events before the first marker are dropped."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    markers = sorted((e for e in device if is_marker(e)), key=lambda e: e["ts"])
+    if not markers:
+        return []
+    starts = [m["ts"] for m in markers]
+    windows: list[list[dict]] = [[] for _ in markers]
+    for e in device:
+        if is_marker(e) or e["ts"] < starts[0]:
+            continue
+        lo, hi = 0, len(starts) - 1  # the last marker at or before e's start
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if starts[mid] <= e["ts"]:
+                lo = mid
+            else:
+                hi = mid - 1
+        windows[lo].append(e)
+    return windows
+
+
+def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], top: int = 8) -> list[dict]:
+    """Per step kind (``kinds[i]`` names window ``i``; None: a call that launched no step, skipped):
+    steps, device span, busy and idle-inside ms in all, and the ``top`` kernels by time."""
+    acc: dict[str, dict[str, Any]] = {}
+    for events, kind in zip(windows, kinds):
+        if kind is None or not events:
+            continue
+        row = acc.setdefault(kind, {"kind": kind, "steps": 0, "span_ms": 0.0, "busy_ms": 0.0,
+                                    "kernels": defaultdict(lambda: [0, 0.0])})
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
+        row["steps"] += 1
+        row["span_ms"] += (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
+        row["busy_ms"] += union_us(spans) / 1e3
+        for e in events:
+            k = row["kernels"][e["name"]]
+            k[0] += 1
+            k[1] += e["dur"] / 1e3
+    rows = []
+    for row in sorted(acc.values(), key=lambda r: -r["span_ms"]):
+        kernels = sorted(row.pop("kernels").items(), key=lambda kv: -kv[1][1])
+        n = row["steps"]
+        rows.append({**row, "idle_ms": row["span_ms"] - row["busy_ms"],
+                     "busy_fraction": row["busy_ms"] / row["span_ms"] if row["span_ms"] > 0 else None,
+                     "span_ms_per_step": row["span_ms"] / n, "busy_ms_per_step": row["busy_ms"] / n,
+                     "top": [{"name": name[:90], "per_step": c / n, "ms_per_step": t / n}
+                             for name, (c, t) in kernels[:top]]})
+    return rows
+
+
+def table(rows: Sequence[dict]) -> str:
+    lines = ["| step kind | steps | device span ms/step | kernels busy ms/step | busy / span | top kernels (ms/step) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        tops = "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.2f}" for t in r["top"][:4])
+        frac = "-" if r["busy_fraction"] is None else f"{r['busy_fraction']:.0%}"
+        lines.append(f"| {r['kind']} | {r['steps']} | {r['span_ms_per_step']:.2f} | {r['busy_ms_per_step']:.2f} | "
+                     f"{frac} | {tops} |")
+    return "\n".join(lines)
+
+
+class StepProfile:
+    """Profile the next ``steps`` calls of ``engine.step`` (CUDA activity only); after the
+    context, ``rows`` holds ``summarize``'s table. The engine's step ledger must be on (it
+    names each call's kind); ``trace_path``: where the raw trace is written (large)."""
+
+    def __init__(self, engine, steps: int, trace_path: str) -> None:
+        self.engine, self.steps, self.trace_path = engine, steps, trace_path
+        self.kinds: list[str | None] = []
+        self.rows: list[dict] = []
+
+    def __enter__(self) -> "StepProfile":
+        import torch
+
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self._prof.__enter__()
+        original = self._original = self.engine.step
+        ledger = self.engine.step_ledger()
+        if ledger is None:
+            raise RuntimeError("StepProfile needs the engine's step ledger on (enable_step_ledger)")
+
+        def step():
+            if sum(k is not None for k in self.kinds) >= self.steps:
+                return original()
+            before = len(ledger.clock.times)
+            torch.cuda._sleep(1)  # the marker that opens this call's window
+            try:
+                return original()
+            finally:
+                times = ledger.clock.times
+                self.kinds.append(times[-1].kind.label if len(times) > before and times[-1].kind else None)
+
+        self.engine.step = step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        self.engine.step = self._original
+        torch.cuda.synchronize()
+        self._prof.__exit__(*exc)
+        self._prof.export_chrome_trace(self.trace_path)
+        with open(self.trace_path) as f:
+            events = json.load(f).get("traceEvents", [])
+        self.rows = summarize(call_windows(events), self.kinds)

@@ -1,0 +1,53 @@
+"""scripts/profile_steps.py: a profiler trace cut into engine-step windows at the marker kernels,
+and each step kind's device span, kernel-busy time and costliest kernels."""
+
+import pytest
+
+from _script_loader import load_script
+
+
+def kernel(name, ts, dur, stream=7, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_union_counts_overlaps_once():
+    script = load_script("profile_steps")
+    assert script.union_us([(0, 10), (5, 12), (20, 25), (24, 30), (40, 41)]) == 12 + 10 + 1
+    assert script.union_us([]) == 0
+
+
+def test_windows_and_summary_split_busy_from_idle():
+    script = load_script("profile_steps")
+    m = script.MARKER
+    events = [
+        kernel("before_any_marker", 0, 5),
+        kernel(m, 10, 1),
+        kernel("gemm", 12, 20), kernel("lora_shrink", 40, 10),  # step 0: span 12..50 = 38, busy 30
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 15, "dur": 3},  # host events are ignored
+        kernel(m, 60, 1),
+        kernel("gemm", 62, 20), kernel("copy", 70, 4, stream=9, cat="gpu_memcpy"),  # step 1: span 62..82, busy 20
+        kernel(f"at::cuda::(anonymous namespace)::{m}(long)", 100, 1),  # a call that launched nothing
+        kernel(m, 200, 1),
+        kernel("gemm", 201, 10), kernel("attn", 211, 5),  # step 3: span 15, busy 15
+    ]
+    windows = script.call_windows(events)
+    assert [[e["name"] for e in w] for w in windows] == [["gemm", "lora_shrink"], ["gemm", "copy"], [], ["gemm", "attn"]]
+    rows = script.summarize(windows, ["mixed t8192 lora graph", "decode b8 lora graph", None,
+                                      "decode b8 lora graph"])
+    by = {r["kind"]: r for r in rows}
+    mixed, dec = by["mixed t8192 lora graph"], by["decode b8 lora graph"]
+    assert mixed["steps"] == 1 and mixed["span_ms"] == pytest.approx(0.038) and mixed["busy_ms"] == pytest.approx(0.030)
+    assert mixed["idle_ms"] == pytest.approx(0.008) and mixed["busy_fraction"] == pytest.approx(30 / 38)
+    assert [t["name"] for t in mixed["top"]] == ["gemm", "lora_shrink"]
+    assert dec["steps"] == 2 and dec["span_ms"] == pytest.approx(0.020 + 0.015)
+    assert dec["busy_ms"] == pytest.approx(0.020 + 0.015)
+    gemm = next(t for t in dec["top"] if t["name"] == "gemm")
+    assert gemm["per_step"] == 1 and gemm["ms_per_step"] == pytest.approx(0.015)
+    assert rows[0]["kind"] == "mixed t8192 lora graph"  # the kind with the most device time first
+    text = script.table(rows)
+    assert "mixed t8192 lora graph" in text and "79%" in text
+
+
+def test_no_marker_no_windows():
+    script = load_script("profile_steps")
+    assert script.call_windows([kernel("gemm", 0, 5)]) == []
