@@ -68,7 +68,8 @@ SHAPES = {
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
 }
 DISTRIBUTIONS = {"xsum": ["xsum"] * 4, "cnn_dailymail": ["cnn_dailymail"] * 4, "wikisum": ["wikisum"] * 4,
-                 "mixed": ["mixed"] * 4, "heterogeneous": ["xsum", "cnn_dailymail", "wikisum", "mixed"]}
+                 "mixed": ["mixed"] * 4, "heterogeneous": ["xsum", "cnn_dailymail", "wikisum", "mixed"],
+                 "fixed": []}  # every sample exactly --max-length tokens, the last 64 (at most) its completion
 
 
 class _Sample:
@@ -88,7 +89,22 @@ def build_model(args, device, dtype):
     return cfg, model
 
 
+def fixed_length_samples(n: int, length: int, *, vocab_size: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` random samples of exactly ``length`` tokens; the last ``min(64, length // 2)`` are the
+    completion (labels), the rest the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    completion = max(1, min(64, length // 2))
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+        out.append((ids, [-100] * (length - completion) + ids[length - completion:]))
+    return out
+
+
 def workload(args, vocab):
+    if args.workload == "fixed":
+        return [fixed_length_samples(args.samples, args.max_length, vocab_size=vocab, seed=100 + a)
+                for a in range(args.adapters)]
     data = []
     for a, dist in enumerate(DISTRIBUTIONS[args.workload][: args.adapters]):
         pairs = synthetic_token_samples(dist, args.samples, vocab_size=vocab, seed=100 + a, max_length=args.max_length)

@@ -19,3 +19,14 @@ def test_bench_e2e_tiny_cpu(tmp_path):
     assert rows[1]["microbatches"] >= 1 and 0 < rows[1]["fill"] <= 1
     saved = json.loads((tmp_path / "e2e_tiny_xsum_c128.json").read_text())
     assert saved["device_name"] == "cpu" and [r["variant"] for r in saved["rows"]] == ["hf", "torch"]
+
+
+def test_fixed_workload_has_samples_of_exactly_max_length(tmp_path):
+    module = load_script("bench_e2e")
+    samples = module.fixed_length_samples(3, 40, vocab_size=50, seed=1)
+    assert len(samples) == 3 and all(len(ids) == len(labels) == 40 for ids, labels in samples)
+    assert all(labels[:20] == [-100] * 20 and labels[20:] == ids[20:] for ids, labels in samples)
+    rows = module.main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--variants", "torch", "--workload",
+                        "fixed", "--adapters", "2", "--samples", "2", "--global-batch", "2", "--max-length", "48",
+                        "--capacity", "128", "--out", str(tmp_path)])
+    assert rows[0]["real_tokens"] == 2 * 2 * 48
