@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import random
 import time
 
@@ -187,7 +188,10 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, na
     args = bench.args
     profile = None
     if args.profile_steps > 0 and name in args.profile_runs and bench.device.type == "cuda":
-        profile = StepProfile(engine, args.profile_steps, f"/tmp/profile_{name.replace(' ', '_')}.json")
+        tag = name.replace(" ", "_")
+        os.makedirs(args.out, exist_ok=True)
+        profile = StepProfile(engine, args.profile_steps, f"/tmp/profile_{tag}.json",
+                              os.path.join(args.out, f"profile_{tag}_steps.json.gz"))
     try:
         if profile is None:
             out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)

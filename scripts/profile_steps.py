@@ -14,6 +14,7 @@ span, and the kernels that take the most time.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
@@ -46,15 +47,16 @@ def is_marker(event: dict) -> bool:
 def call_windows(events: Sequence[dict]) -> list[list[dict]]:
     """Device events of a trace cut into calls: window ``i`` holds what ran after the ``i``-th
     marker (on the markers' stream, plus any other stream's events that start in that time) and
-    before the next marker. Events before the first marker are dropped."""
+    before the next marker. Events before the first marker or after the last are dropped (the
+    last marker closes the last window)."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     markers = sorted((e for e in device if is_marker(e)), key=lambda e: e["ts"])
     if not markers:
         return []
     starts = [m["ts"] for m in markers]
-    windows: list[list[dict]] = [[] for _ in markers]
+    windows: list[list[dict]] = [[] for _ in markers[:-1]]
     for e in device:
-        if is_marker(e) or e["ts"] < starts[0]:
+        if is_marker(e) or e["ts"] < starts[0] or e["ts"] >= starts[-1]:
             continue
         lo, hi = 0, len(starts) - 1  # the last marker at or before e's start
         while lo < hi:
@@ -67,6 +69,18 @@ def call_windows(events: Sequence[dict]) -> list[list[dict]]:
     return windows
 
 
+def idle_gaps(events: Sequence[dict], min_us: float = 20.0) -> list[tuple[str, str, float]]:
+    """The device's idle stretches inside a window of at least ``min_us``: (the event that ran
+    last before it, the one after it, idle us). Events of every stream count as busy."""
+    out, end, last = [], None, ""
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] - end >= min_us:
+            out.append((last, e["name"], e["ts"] - end))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    return out
+
+
 def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], top: int = 8) -> list[dict]:
     """Per step kind (``kinds[i]`` names window ``i``; None: a call that launched no step, skipped):
     steps, device span, busy and idle-inside ms in all, and the ``top`` kernels by time."""
@@ -75,7 +89,11 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
         if kind is None or not events:
             continue
         row = acc.setdefault(kind, {"kind": kind, "steps": 0, "span_ms": 0.0, "busy_ms": 0.0,
-                                    "kernels": defaultdict(lambda: [0, 0.0])})
+                                    "kernels": defaultdict(lambda: [0, 0.0]), "gaps": defaultdict(lambda: [0, 0.0])})
+        for before, after, idle in idle_gaps(events):
+            g = row["gaps"][(before[:40], after[:40])]
+            g[0] += 1
+            g[1] += idle / 1e3
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
         row["steps"] += 1
         row["span_ms"] += (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
@@ -87,33 +105,40 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
     rows = []
     for row in sorted(acc.values(), key=lambda r: -r["span_ms"]):
         kernels = sorted(row.pop("kernels").items(), key=lambda kv: -kv[1][1])
+        gaps = sorted(row.pop("gaps").items(), key=lambda kv: -kv[1][1])
         n = row["steps"]
         rows.append({**row, "idle_ms": row["span_ms"] - row["busy_ms"],
                      "busy_fraction": row["busy_ms"] / row["span_ms"] if row["span_ms"] > 0 else None,
                      "span_ms_per_step": row["span_ms"] / n, "busy_ms_per_step": row["busy_ms"] / n,
                      "top": [{"name": name[:90], "per_step": c / n, "ms_per_step": t / n}
-                             for name, (c, t) in kernels[:top]]})
+                             for name, (c, t) in kernels[:top]],
+                     "idle_gaps": [{"after": a, "before": b, "per_step": c / n, "ms_per_step": t / n}
+                                   for (a, b), (c, t) in gaps[:top]]})
     return rows
 
 
 def table(rows: Sequence[dict]) -> str:
-    lines = ["| step kind | steps | device span ms/step | kernels busy ms/step | busy / span | top kernels (ms/step) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| step kind | steps | device span ms/step | kernels busy ms/step | busy / span | top kernels (ms/step) "
+             "| largest idle, after -> before (ms/step) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         tops = "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.2f}" for t in r["top"][:4])
+        gaps = "; ".join(f"{g['after'][:28]} -> {g['before'][:28]} {g['ms_per_step']:.2f}"
+                         for g in r.get("idle_gaps", [])[:3])
         frac = "-" if r["busy_fraction"] is None else f"{r['busy_fraction']:.0%}"
         lines.append(f"| {r['kind']} | {r['steps']} | {r['span_ms_per_step']:.2f} | {r['busy_ms_per_step']:.2f} | "
-                     f"{frac} | {tops} |")
+                     f"{frac} | {tops} | {gaps} |")
     return "\n".join(lines)
 
 
 class StepProfile:
     """Profile the next ``steps`` calls of ``engine.step`` (CUDA activity only); after the
     context, ``rows`` holds ``summarize``'s table. The engine's step ledger must be on (it
-    names each call's kind); ``trace_path``: where the raw trace is written (large)."""
+    names each call's kind); ``trace_path``: where the raw trace is written (large);
+    ``steps_path``: the profiled steps' device events by step (gzipped JSON, small)."""
 
-    def __init__(self, engine, steps: int, trace_path: str) -> None:
+    def __init__(self, engine, steps: int, trace_path: str, steps_path: str | None = None) -> None:
         self.engine, self.steps, self.trace_path = engine, steps, trace_path
+        self.steps_path = steps_path or trace_path.replace(".json", "_steps.json.gz")
         self.kinds: list[str | None] = []
         self.rows: list[dict] = []
 
@@ -128,10 +153,13 @@ class StepProfile:
             raise RuntimeError("StepProfile needs the engine's step ledger on (enable_step_ledger)")
 
         def step():
-            if sum(k is not None for k in self.kinds) >= self.steps:
-                return original()
+            if self.kinds and self.kinds[-1] is None and sum(k is not None for k in self.kinds) >= self.steps:
+                return original()  # counted steps and the closing marker are done
             before = len(ledger.clock.times)
-            torch.cuda._sleep(1)  # the marker that opens this call's window
+            torch.cuda._sleep(1)  # the marker that opens this call's window (and closes the last one)
+            if sum(k is not None for k in self.kinds) >= self.steps:
+                self.kinds.append(None)  # a call past the count: its marker only closes the last window
+                return original()
             try:
                 return original()
             finally:
@@ -150,4 +178,10 @@ class StepProfile:
         self._prof.export_chrome_trace(self.trace_path)
         with open(self.trace_path) as f:
             events = json.load(f).get("traceEvents", [])
-        self.rows = summarize(call_windows(events), self.kinds)
+        windows = call_windows(events)
+        self.rows = summarize(windows, self.kinds)
+        kept = [{"kind": k, "events": [{"name": e["name"][:80], "ts": e["ts"], "dur": e["dur"],
+                                        "stream": e.get("args", {}).get("stream")} for e in w]}
+                for w, k in zip(windows, self.kinds) if k is not None]
+        with gzip.open(self.steps_path, "wt") as f:
+            json.dump(kept, f)

@@ -29,6 +29,8 @@ def test_windows_and_summary_split_busy_from_idle():
         kernel(f"at::cuda::(anonymous namespace)::{m}(long)", 100, 1),  # a call that launched nothing
         kernel(m, 200, 1),
         kernel("gemm", 201, 10), kernel("attn", 211, 5),  # step 3: span 15, busy 15
+        kernel(m, 300, 1),  # the closing marker
+        kernel("after_the_profiled_steps", 301, 50),
     ]
     windows = script.call_windows(events)
     assert [[e["name"] for e in w] for w in windows] == [["gemm", "lora_shrink"], ["gemm", "copy"], [], ["gemm", "attn"]]
@@ -51,3 +53,12 @@ def test_windows_and_summary_split_busy_from_idle():
 def test_no_marker_no_windows():
     script = load_script("profile_steps")
     assert script.call_windows([kernel("gemm", 0, 5)]) == []
+    assert script.call_windows([kernel(script.MARKER, 0, 1), kernel("gemm", 2, 5)]) == []  # never closed
+
+
+def test_idle_gaps_name_their_neighbours():
+    script = load_script("profile_steps")
+    events = [kernel("a", 0, 10), kernel("copy", 5, 30, stream=9), kernel("b", 100, 5), kernel("c", 110, 5)]
+    assert script.idle_gaps(events) == [("copy", "b", 65.0)]  # 105 -> 110 is under the 20 us floor
+    rows = script.summarize([events], ["mixed t512 lora graph"])
+    assert rows[0]["idle_gaps"] == [{"after": "copy", "before": "b", "per_step": 1.0, "ms_per_step": 0.065}]
