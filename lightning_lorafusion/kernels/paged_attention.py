@@ -32,7 +32,14 @@ def soft_cap_log2(s, cap_log2):
     return cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
 
 
-@triton.jit
+# Per-step integers that only index tables: the page table's width (a mixed step's eager decode
+# part gets the step's longest request; see paged_prefill.PREFILL_UNSPECIALISED) and the split
+# count of the combine; left unspecialised so that no width compiles a variant of its own mid-run.
+DECODE_UNSPECIALISED = ("pt_stride",)
+COMBINE_UNSPECIALISED = ("splits",)
+
+
+@triton.jit(do_not_specialize=DECODE_UNSPECIALISED)
 def _paged_decode_kernel(
     q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
     qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride,
@@ -105,7 +112,7 @@ def _paged_decode_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COMBINE_UNSPECIALISED)
 def _combine_splits_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -61,7 +61,14 @@ def _attend_key_block(
     return m_new, l, acc
 
 
-@triton.jit
+# The page table's row stride is its width, the step's longest request in pages: Triton would
+# compile a variant for a width of 1 and one for widths divisible by 16 (it specialises integer
+# arguments on both), and such a first-time compile stopped a serving step for 1.3 s mid-run on
+# an H100 (docs/BENCHMARKS.md, "Many tenants against their floor"). It only indexes the table.
+PREFILL_UNSPECIALISED = ("pt_stride",)
+
+
+@triton.jit(do_not_specialize=PREFILL_UNSPECIALISED)
 def _paged_prefill_kernel(
     q_ptr, kv_ptr, cu_ptr, start_ptr, pt_ptr, out_ptr,
     qk_scale, window, cap_log2, q_stride_t, q_stride_h, pt_stride,

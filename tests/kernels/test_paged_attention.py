@@ -164,3 +164,27 @@ def test_bad_inputs_raise_clear_errors(device):
         paged_decode_attention(q.half(), pool, 0, table, seq_lens, scale=1.0)
     with pytest.raises(ValueError, match="seq_lens need 3 pages but page_table has 2 columns"):
         paged_decode_attention_reference(q, pool, 0, table, seq_lens + 5, scale=1.0)
+
+
+def test_per_step_integers_are_not_compile_keys():
+    from lightning_lorafusion.kernels import paged_attention as pa
+
+    assert "pt_stride" in pa.DECODE_UNSPECIALISED and "splits" in pa.COMBINE_UNSPECIALISED
+    assert set(pa.DECODE_UNSPECIALISED) <= set(pa._paged_decode_kernel.arg_names)
+    assert set(pa.COMBINE_UNSPECIALISED) <= set(pa._combine_splits_kernel.arg_names)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile records need a GPU")
+def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
+    from lightning_lorafusion.kernels.paged_attention import paged_decode_attention
+    from lightning_lorafusion.serving.compile_ahead import distinct, record_launches
+
+    q, pool, table, lens = make_problem([5, 12, 3], 16, 8, 2, 64, torch.bfloat16, "cuda")
+    found = []
+    for width in (2, 1, 16, 17, 32):
+        wide = torch.full((table.shape[0], width), -1, dtype=table.dtype, device="cuda")
+        wide[:, :min(width, table.shape[1])] = table[:, :width]
+        with record_launches() as launched:
+            paged_decode_attention(q, pool, 1, wide, lens, scale=0.125, backend="triton")
+        found += launched
+    assert len({v.name for v in distinct(found)}) == len(distinct(found)), [v.data[:200] for v in distinct(found)]

@@ -154,3 +154,33 @@ def test_bf16_on_gpu():
         want = paged_prefill_attention_reference(q.float(), pool.float(), 1, cu, starts, table, scale=d**-0.5,
                                                  sliding_window=window)
         assert rel_err(got, want) < TOL[torch.bfloat16], (hq, hkv, d, window, rel_err(got, want))
+
+
+def widened(table: torch.Tensor, width: int) -> torch.Tensor:
+    """The page table with ``width`` columns (extra entries -1, never read)."""
+    out = torch.full((table.shape[0], width), -1, dtype=table.dtype, device=table.device)
+    out[:, :min(width, table.shape[1])] = table[:, :width]
+    return out
+
+
+def test_page_table_width_is_not_a_compile_key():
+    """The table's row stride (its width: the step's longest request in pages) only indexes the
+    table, so it is left unspecialised; the names must be the kernel's own arguments."""
+    from lightning_lorafusion.kernels import paged_prefill
+
+    assert "pt_stride" in paged_prefill.PREFILL_UNSPECIALISED
+    assert set(paged_prefill.PREFILL_UNSPECIALISED) <= set(paged_prefill._paged_prefill_kernel.arg_names)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile records need a GPU")
+def test_no_page_table_width_compiles_a_variant_of_its_own():
+    from lightning_lorafusion.serving.compile_ahead import distinct, record_launches
+
+    q, pool, cu, starts, table, _ = make_problem([(3, 5), (0, 9)], 16, 8, 2, 64, torch.bfloat16, "cuda")
+    found = []
+    for width in (2, 1, 16, 17, 32):  # 1 and multiples of 16 are what Triton would specialise on
+        with record_launches() as launched:
+            paged_prefill_attention(q, pool, 1, cu, starts, widened(table, max(width, 1)), scale=0.125,
+                                    max_seqlen=9)
+        found += launched
+    assert len(distinct(found)) <= 1, [v.data[:200] for v in distinct(found)]
