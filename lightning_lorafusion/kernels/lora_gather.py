@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
@@ -67,6 +68,52 @@ def _lora_shrink_kernel(
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         tl.store(part_row + r0 + offs_r, tl.sum(a.to(tl.float32) * x[None, :], axis=1), mask=r_ok)
+
+
+# Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
+# rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
+GROUP_ROWS = 16
+# the grouped shrink serves batches of at least this many rows (smaller ones have few repeats)
+GROUPED_MIN_ROWS = 32
+
+
+@triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))
+def _lora_grouped_shrink_kernel(
+    x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
+    groups_stride, k_blocks,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
+    K block kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
+    loads that adapter's A tile once per rank chunk and writes each row's ``part[g, row, kb]``
+    as the per-row kernel does. ``groups [3, n_groups]`` int32: start, end (positions in the
+    third row, ``perm``, the rows sorted by adapter; ``groups_stride`` between the rows); an
+    empty group (start == end) returns."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    g = tl.program_id(2)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
+        first = tl.load(groups_ptr + 2 * groups_stride + start)
+        rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + first), MAX_R)
+        a_off = tl.load(a_off_ptr + g * a_g_stride + first)
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + row[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        offs_r = tl.arange(0, BLOCK_R)
+        part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
+        for r0 in range(0, rank, BLOCK_R):
+            r_ok = r0 + offs_r < rank
+            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
+            tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -238,8 +285,10 @@ def lora_gather(
     *,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``lora_gather_reference``; ``backend``: "torch" (the reference),
+    """Same contract as ``lora_gather_reference``; ``groups``: the rows grouped by adapter
+    (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
     "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA, torch
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
     (shrink x A^T per K block, expand into N), reads no value on the host, and so can be
@@ -251,7 +300,7 @@ def lora_gather(
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
-    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
+    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +328,9 @@ class GatheredLora:
     ranks: torch.Tensor
     scales: torch.Tensor
     first_row: int = 0
+    # the rows grouped by adapter (``decode_groups``): [3, n] int32 start / end into the third
+    # row, the rows sorted by adapter; None: the per-row shrink
+    groups: torch.Tensor | None = None
 
     @property
     def num_projections(self) -> int:
@@ -313,6 +365,28 @@ class GatheredLora:
                                   self.scales, y.shape[1], out=y[self.first_row:self.first_row + self.x.shape[0]])
 
 
+def adapter_groups(keys: Sequence[int], width: int, group_rows: int = GROUP_ROWS) -> torch.Tensor:
+    """``GatheredLora.groups`` of rows whose adapters are ``keys`` (row i's adapter; 0: none,
+    left out): the rows sorted by adapter (stable), runs of one adapter cut into groups of at
+    most ``group_rows``. -> ``[3, width]`` int32 (CPU): start, end, and the sorted rows from
+    column 0 on; unused columns are empty groups (0, 0) and row 0."""
+    if len(keys) > width:
+        raise ValueError(f"{len(keys)} rows do not fit groups of width {width}")
+    order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
+    out = torch.zeros(3, width, dtype=torch.int32)
+    bounds, n = [], 0
+    while n < len(order):
+        end = n + 1
+        while end < len(order) and end - n < group_rows and keys[order[end]] == keys[order[n]]:
+            end += 1
+        bounds.append((n, end))
+        n = end
+    if bounds:
+        out[:2, :len(bounds)] = torch.tensor(bounds, dtype=torch.int32).t()
+        out[2, :len(order)] = torch.tensor(order, dtype=torch.int32)
+    return out
+
+
 def _require_triton(t: torch.Tensor) -> None:
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -345,7 +419,15 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     k_blocks = triton.cdiv(k, block_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    if rows:
+    if rows and lora.groups is not None and rows >= GROUPED_MIN_ROWS:
+        groups = lora.groups
+        _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
+            x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
+            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=GROUP_ROWS,
+            BLOCK_R=max(block_r, 16), BLOCK_K=block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        )
+    elif rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
@@ -360,7 +442,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=4,
+    block_k=None, block_n=None, block_r=None, num_warps=4, groups=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -374,7 +456,8 @@ def _lora_gather_triton(
         return result
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     block_n = block_n or (256 if x.is_cuda else 32)
-    part, k_blocks = lora_shrink(GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales),
+    part, k_blocks = lora_shrink(GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales,
+                                              groups=groups),
                                  block_k=block_k, block_r=block_r, num_warps=num_warps)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),

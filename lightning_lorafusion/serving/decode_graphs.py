@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..capture import capture_batch, graph_capture
+from ..kernels.lora_gather import adapter_groups
 from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
 
@@ -52,7 +53,8 @@ class DecodeInputs:
       position);
     - ``page_table [max_rows, max_pages]`` int32, ``lora_offsets [L, modules, 2, max_rows]``
       int64 (element offsets of A and B^T in the pool), ``lora_ranks [modules, max_rows]``
-      int32 (0 = no LoRA), ``lora_scales [max_rows]`` fp32: rebuilt when the decode rows change
+      int32 (0 = no LoRA), ``lora_scales [max_rows]`` fp32, ``lora_groups [3, max_rows]`` int32
+      (the rows grouped by adapter, ``lora_gather.adapter_groups``): rebuilt when the decode rows change
       (a request joins, leaves or is preempted, or KV pages were moved); between rebuilds only
       the page-table entries of rows that gained a page are written.
     """
@@ -68,6 +70,7 @@ class DecodeInputs:
         self.lora_offsets = torch.zeros(num_layers, n_mod, 2, max_rows, dtype=torch.int64, device=device)
         self.lora_ranks = torch.zeros(n_mod, max_rows, dtype=torch.int32, device=device)
         self.lora_scales = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.lora_groups = torch.zeros(3, max_rows, dtype=torch.int32, device=device)  # (adapter_groups)
         self._no_offsets = torch.zeros(num_layers, n_mod, 2, dtype=torch.int64)  # table row 0: no adapter
         self._no_ranks = torch.zeros(n_mod, dtype=torch.int32)
         self.modules: frozenset[str] = frozenset()  # modules some current row adapts
@@ -199,6 +202,7 @@ class DecodeInputs:
             self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)
             self.lora_ranks[:, :b].copy_(ranks[idx].t(), non_blocking=True)
             self.lora_scales[:b].copy_(scales[idx], non_blocking=True)
+        self.lora_groups.copy_(adapter_groups(index, self.max_rows), non_blocking=True)  # (empty past b)
         # rows past the real ones are inert in any bucket: the scratch page, rank 0
         self.page_table[b:, 0] = self.scratch_page
         self.lora_ranks[:, b:] = 0

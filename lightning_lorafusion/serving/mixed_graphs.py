@@ -81,7 +81,7 @@ class MixedPieces:
             decode_offsets=inputs.lora_offsets[..., :d], decode_ranks=inputs.lora_ranks[:, :d],
             decode_scales=inputs.lora_scales[:d], decode_modules=frozenset(ALL_TARGET_MODULES) if capture
             else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True,
-            rope_long=self.rope_long)
+            rope_long=self.rope_long, decode_groups=inputs.lora_groups[:, :d])
         # steps with DoRA rows: each row's slot in ``dora``'s gain table (dora_rows.py)
         self.dora_index = torch.zeros(rows, dtype=torch.int64, device=dev) if dora is not None else None
         self.batch.dora = DoraSlotRows(dora, 0, rows, self.dora_index) if dora is not None else None

@@ -220,7 +220,8 @@ class ModelRunner:
             decode_offsets=inputs.lora_offsets[..., :rows] if lora else None,
             decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
             decode_scales=inputs.lora_scales[:rows] if lora else None,
-            decode_modules=modules, spans=[], output_rows=None, rope_long=self._rope_long_decode(positions))
+            decode_modules=modules, spans=[], output_rows=None, rope_long=self._rope_long_decode(positions),
+            decode_groups=inputs.lora_groups[:, :rows] if lora else None)
 
     def _rope_long_decode(self, positions: torch.Tensor) -> torch.Tensor | None:
         """longrope: a decode row's request holds position + 1 tokens (device op: graph-safe)."""
@@ -393,6 +394,7 @@ class ModelRunner:
             batch.decode_ranks = inputs.lora_ranks[:, :b]
             batch.decode_scales = inputs.lora_scales[:b]
             batch.decode_modules = inputs.modules
+            batch.decode_groups = inputs.lora_groups[:, :b]
 
     def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter]) -> PrefillLora:
         """The step's prefill LoRA tables: tiles of ``segment_block_m`` rows, one copy each to

@@ -156,3 +156,51 @@ def test_bad_inputs_raise_clear_errors(device):
         lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="cuda")
     with pytest.raises(ValueError, match="reaches past the pool"):
         lora_gather_reference(x, pool, a_off, b_off + 1000, rk, scales, n)
+
+
+def test_adapter_groups_sort_rows_by_adapter_in_runs_of_at_most_group_rows():
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    keys = [2, 0, 1, 2, 2, 1, 3, 2, 0]
+    g = adapter_groups(keys, 12, group_rows=2)
+    starts, ends, perm = g.tolist()
+    bounds = [(s, e) for s, e in zip(starts, ends) if e > s]
+    rows = [perm[s:e] for s, e in bounds]
+    assert rows == [[2, 5], [0, 3], [4, 7], [6]]  # adapter 1, then 2 (cut at 2 rows), then 3; rank-0 rows left out
+    assert all(len({keys[i] for i in r}) == 1 for r in rows)
+    assert sorted(i for r in rows for i in r) == [i for i, k in enumerate(keys) if k]
+    assert starts[len(bounds):] == ends[len(bounds):] == [0] * (12 - len(bounds))
+    assert adapter_groups([0, 0], 4).count_nonzero() == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        adapter_groups([1] * 5, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_shrink_gives_the_per_row_results(device, dtype):
+    """Rows grouped by adapter (one A read per group) add what the per-row kernel adds, for a
+    batch big enough to take the grouped shrink, with rank-0 rows and groups cut at 16 rows."""
+    from lightning_lorafusion.kernels.lora_gather import GROUPED_MIN_ROWS, adapter_groups
+
+    k, n, ranks = 70, 41, [8, 0, 5, 16, 33]
+    rows = GROUPED_MIN_ROWS + 7
+    row_adapter = [(i * 5 + i // 7) % len(ranks) for i in range(rows)]
+    row_adapter[:20] = [3] * 20  # one adapter over 20 rows: two groups
+    pool, adapters = make_adapters(ranks, k, n, dtype, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    keys = [ad + 1 if ranks[ad] else 0 for ad in row_adapter]
+    groups = adapter_groups(keys, rows).to(device)
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    per_row = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton")
+    assert rel_err(got - y0, want - y0) < TOL[dtype]
+    assert rel_err(got - y0, per_row - y0) < TOL[dtype]
+    # the groups as a view of a wider table (the engine's persistent one, sliced to the batch)
+    wide = adapter_groups(keys, rows + 9).to(device)[:, :rows]
+    viewed = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=wide)
+    assert torch.equal(viewed, got)
+    # a wrong grouping is caught: all rows told they share adapter 3's rows
+    wrong = adapter_groups([1] * rows, rows).to(device)
+    bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=wrong)
+    assert rel_err(bad - y0, want - y0) > 0.1
