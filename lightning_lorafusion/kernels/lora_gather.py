@@ -73,8 +73,10 @@ def _lora_shrink_kernel(
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
-# the grouped shrink serves batches of at least this many rows (smaller ones have few repeats)
-GROUPED_MIN_ROWS = 32
+# the grouped shrink serves batches of at least this many rows: on an H200 (q/k/v shrink + o's
+# gather of the 8B shape, docs/kernels.md) it took 0.55-0.92x the per-row kernels' time at 256
+# rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
+GROUPED_MIN_ROWS = 256
 
 
 @triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))

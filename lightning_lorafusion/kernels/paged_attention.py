@@ -336,12 +336,17 @@ def paged_decode_attention(
 # ----------------------------------------------------------------------------------------------
 
 
+# the most sequence splits; the combine always reads this many (masked), so that the split
+# count, which follows the step's rows and page-table width, never selects a kernel variant
+MAX_SPLITS = 64
+
+
 def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
     """Sequence splits per (row, kv head) so about two programs per SM are in flight."""
     if device.type != "cuda":
         return min(2, max_blocks)  # exercise the combine path in the interpreter
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_blocks, 64, triton.cdiv(2 * sms, programs)))
+    return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(2 * sms, programs)))
 
 
 def _paged_decode_attention_triton(
@@ -364,6 +369,8 @@ def _paged_decode_attention_triton(
         max_tokens = min(max_tokens, sliding_window)
     if splits is None:
         splits = _num_splits(b * hkv, triton.cdiv(max_tokens, block_t), q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits={splits} must be in [1, {MAX_SPLITS}]")
     if splits > 1:
         part_o = torch.empty(b * hq * splits * d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b * hq * splits * 2, dtype=torch.float32, device=q.device)
@@ -383,7 +390,7 @@ def _paged_decode_attention_triton(
     )
     if splits > 1:
         _combine_splits_kernel[(b * hq,)](
-            part_o, part_ml, out, splits, HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(splits),
+            part_o, part_ml, out, splits, HEAD_DIM=d, BLOCK_S=MAX_SPLITS,
             BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
         )
     return out

@@ -176,13 +176,16 @@ def test_adapter_groups_sort_rows_by_adapter_in_runs_of_at_most_group_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_grouped_shrink_gives_the_per_row_results(device, dtype):
+def test_grouped_shrink_gives_the_per_row_results(device, dtype, monkeypatch):
     """Rows grouped by adapter (one A read per group) add what the per-row kernel adds, for a
-    batch big enough to take the grouped shrink, with rank-0 rows and groups cut at 16 rows."""
-    from lightning_lorafusion.kernels.lora_gather import GROUPED_MIN_ROWS, adapter_groups
+    batch that takes the grouped shrink (its row bound lowered to keep the interpreter quick),
+    with rank-0 rows and groups cut at 16 rows."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
 
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 32)
     k, n, ranks = 70, 41, [8, 0, 5, 16, 33]
-    rows = GROUPED_MIN_ROWS + 7
+    rows = 32 + 7
     row_adapter = [(i * 5 + i // 7) % len(ranks) for i in range(rows)]
     row_adapter[:20] = [3] * 20  # one adapter over 20 rows: two groups
     pool, adapters = make_adapters(ranks, k, n, dtype, device)
