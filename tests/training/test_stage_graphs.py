@@ -100,12 +100,14 @@ def test_one_stage_executor_fuses_forward_and_backward_through_the_graph_step():
         torch.testing.assert_close(pg, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_graphs_refused_only_for_stages_that_split_forward_and_backward():
+def test_every_pipeline_stage_may_have_graphs():
+    """The last stage fuses forward and backward, the earlier ones capture them apart
+    (``SplitStageGraphs``): no stage is refused for its place in the pipeline."""
     gpu = torch.device("cuda", 0)
-    assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True, fused_stage=True) is None
-    assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True, world_size=4, fused_stage=True) is None
-    reason = cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True, world_size=2)
-    assert "last stage" in reason and "earlier stages" in reason
+    assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True) is None
+    assert cuda_graphs_refusal(device=gpu, backend="triton", pipeline=True, world_size=4) is None
+    assert "torch reference" in cuda_graphs_refusal(device=gpu, backend="torch", pipeline=True)
+    assert "2 processes" in cuda_graphs_refusal(device=gpu, backend="triton", pipeline=False, world_size=2)
 
 
 # ------------------------------------------------------------------ stages before the last
@@ -228,3 +230,37 @@ def test_each_slot_keeps_its_microbatch_until_its_backward():
     assert ("slot", 2) in graphs.refusals
     with pytest.raises(TypeError, match="forward/backward"):
         graphs.step(mbs[0], mbs[0].loss_denominators)
+
+
+def test_each_stage_gets_its_kind_of_graphs_and_logs_its_replays(caplog):
+    """Under the strategy, the last stage gets the fused ``TrainingGraphs``, the earlier ones
+    ``SplitStageGraphs`` with ``pipeline_size - stage`` slots; the epoch-end line counts the
+    replays apart (what scripts/bench_pipeline.py reads per stage)."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.training.epoch_graphs import log_replays, replay_counts
+    from lightning_lorafusion.training.pipeline_contract import stage_graphs
+
+    config, specs = tiny_config(4), tiny_specs()
+    params, bank, _ = _setup(config, specs)
+    m = SimpleNamespace(_stage_layers=range(0, 2), base_dtype=torch.float32, _graphs=None, _trainer=None)
+    common = dict(params=params, bank=bank, config=config, capture=False)
+    kinds = []
+    for index, size in ((0, 3), (1, 3), (2, 3), (0, 1)):
+        strategy = SimpleNamespace(stage_index=index, layout=SimpleNamespace(pipeline_size=size))
+        graphs = stage_graphs(m, strategy, **common)
+        kinds.append((type(graphs).__name__, getattr(graphs, "num_slots", None), graphs.is_first))
+    assert kinds == [("SplitStageGraphs", 3, True), ("SplitStageGraphs", 2, False), ("TrainingGraphs", None, False),
+                     ("TrainingGraphs", None, True)]
+    assert type(stage_graphs(m, None, **common)).__name__ == "TrainingGraphs"
+    mbs = _case(2)[2]
+    split = SplitStageGraphs(**common, layers=range(0, 1), is_first=True, slots=2)
+    out = split.forward(mbs[0], None, 0)
+    split.backward(0, torch.ones_like(out))
+    assert split.forward(mbs[1], None, 5) is None
+    m._graphs = split
+    with caplog.at_level("INFO", logger="lightning_lorafusion.training.epoch_graphs"):
+        assert log_replays(m) == {"forward": 0, "backward": 0, "fused": 0, "eager": 1, "captures": 0}
+    assert "CUDA graphs: stage 0 replays: 0 forward, 0 backward, 0 fused; 1 eager; 0 captures" in caplog.text
+    assert replay_counts(TrainingGraphs(**common))["fused"] == 0
+    assert log_replays(SimpleNamespace(_graphs=None)) is None
