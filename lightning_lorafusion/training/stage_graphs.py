@@ -140,7 +140,12 @@ class SplitStageGraphs(TrainingGraphs):
             s.forward.replay()
             self.forward_replays += 1
         else:
-            s.output = self._forward_static(s, s.key)
+            # a graph's backward reads the weights as they are at its replay; so does this one
+            # (saved tensors behind hooks are not version-checked): adapters absent from the
+            # microbatch (the fixed-shape step computes them, with zero effect) may step while
+            # it is in flight, present ones cannot (the bubble lemma)
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                s.output = self._forward_static(s, s.key)
         s.microbatch = mb.index
         self.graphed_forwards += 1
         return s.output.detach()
@@ -310,6 +315,10 @@ class SplitStageGraphs(TrainingGraphs):
         finally:
             s.tables.freeze(False)
         s.forward, s.backward, s.output = forward, backward, out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def stage_key_of(key: GraphKey) -> GraphKey:
