@@ -103,8 +103,8 @@ class LoRAFusionModule(L.LightningModule):
             ``fp8.emulate``: for tests, FP8 products emulated where tensor cores are missing.
             docs/kernels.md "FP8 base".
         cuda_graphs: "auto" (the default): each training microbatch's forward + backward
-            replays a captured CUDA graph when training runs on one CUDA GPU with the fused
-            kernels (eager otherwise, the reason logged); "off": eager (YAML's bare ``off``/``on``
+            replays a captured CUDA graph when training runs on one CUDA GPU or on any stage of
+            the pipeline strategy with the fused kernels (eager otherwise, the reason logged); "off": eager (YAML's bare ``off``/``on``
             booleans mean "off"/"on"); "on":
             the same, and a ``ConfigError`` where graphs cannot be used. Steps a graph cannot
             hold fall back to eager with the reason logged (``training/cuda_graphs.py``,
