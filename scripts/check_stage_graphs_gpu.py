@@ -12,8 +12,9 @@ forward and their backward at its backward; the stages after it run forward and 
 different ranks, dropout on) run ``--passes`` times with the stage eager, then graphed, from the
 same adapter weights; reported per variant: the largest relative difference of the stage's
 outputs, of the losses and of every adapter gradient (accumulated over all passes), the graphs'
-replays, captures and eager fallbacks, and the time of the last pass (both ways, the whole
-emulated pipeline on one GPU). Pass: outputs and gradients within ``--rtol`` (relative to the
+replays, captures and eager fallbacks, and the time of the last pass (both ways): the whole
+emulated pipeline on one GPU, and the stage's own calls (CUDA events around each: device time
+with the host's gaps, what a host-bound stage costs). Pass: outputs and gradients within ``--rtol`` (relative to the
 largest eager value), losses within ``--rtol`` / 10, every microbatch replayed, none eager.
 
     python3 scripts/check_stage_graphs_gpu.py --out $OUT/pp-graphs
@@ -102,7 +103,33 @@ def bank_of(config, device) -> AdapterBank:
     return bank
 
 
-def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, losses: dict) -> None:
+class _StageClock:
+    """Time spent in stage ``g``'s calls: CUDA events around each (device time, host gaps
+    included: what a host-bound stage costs), the host clock on the CPU."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def add(self, t0) -> None:
+        self.marks.append((t0, self.mark()))
+
+    def seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.marks) / 1e3
+        return sum(b - a for a, b in self.marks)
+
+
+def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, losses: dict,
+             clock: _StageClock) -> None:
     """Stage ``g``'s 1F1B order over ``n`` microbatches (see the module docstring)."""
     kept = {}
     for k, i in one_f_one_b_order(list(range(n)), g, len(stages)):
@@ -111,6 +138,7 @@ def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, 
             for s in stages[:g]:
                 h = s.forward(h, i)
             x = None if h is None else h.detach()
+            t0 = clock.mark()
             if graphed:
                 out = stages[g].graphed_forward(x, i, slots[i])
                 if out is None:
@@ -118,6 +146,7 @@ def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, 
             else:
                 x = None if x is None else x.requires_grad_(True)
                 out = stages[g].forward(x, i)
+            clock.add(t0)
             outputs.setdefault(i, out.detach().float().clone())
             y = out.detach().requires_grad_(True)
             z = y
@@ -128,11 +157,13 @@ def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, 
             kept[i] = (h, x, out, y.grad)
         else:
             h, x, out, grad = kept.pop(i)
+            t0 = clock.mark()
             if graphed:
                 x_grad = stages[g].graphed_backward(i, slots[i], grad)
             else:
                 out.backward(grad)
                 x_grad = None if x is None else x.grad
+            clock.add(t0)
             if h is not None:
                 h.backward(x_grad)
 
@@ -158,11 +189,13 @@ def run(variant: str, graphed: bool, config, params, mbs, args, device) -> dict:
     for _ in range(args.passes):
         sync(device)
         t0 = time.perf_counter()
-        one_pass(stages, g, len(mbs), slots, graphed, outputs, losses)
+        clock = _StageClock(device)
+        one_pass(stages, g, len(mbs), slots, graphed, outputs, losses, clock)
         sync(device)
         seconds.append(time.perf_counter() - t0)
     grads = {n: p.grad.detach().float().clone() for n, p in bank.named_parameters() if p.grad is not None}
     out = {"outputs": outputs, "losses": losses, "grads": grads, "last_pass_s": seconds[-1],
+           "stage_s": clock.seconds(),
            "slots": max(slots.values()) + 1}
     if graphs is not None:
         out["graphs"] = {"forward_replays": graphs.forward_replays, "backward_replays": graphs.backward_replays,
@@ -193,12 +226,13 @@ def compare(variant: str, config, params, mbs, args, device) -> dict:
     ok = replayed and out_rel <= args.rtol and grad_rel <= args.rtol and loss_rel <= args.rtol / 10
     return {"pass": ok, "slots": graphed["slots"], "output_rel": out_rel, "loss_rel": loss_rel,
             "grad_rel": grad_rel, "eager_s": eager["last_pass_s"], "graphed_s": graphed["last_pass_s"],
+            "eager_stage_s": eager["stage_s"], "graphed_stage_s": graphed["stage_s"],
             **gs}
 
 
 def table(report: dict, variants) -> str:
     lines = ["| variant | slots | keys of the microbatches | captures (up front) | forward / backward replays | "
-             "eager | output rel | loss rel | grad rel | eager pass s | graphed pass s | pass |",
+             "eager | output rel | loss rel | grad rel | pass s eager / graphed | stage s eager / graphed | pass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = report.get(v)
@@ -207,7 +241,8 @@ def table(report: dict, variants) -> str:
             continue
         lines.append(f"| {v} | {r['slots']} | {report['keys']} | {r['captures']} ({r['precaptures']}) | "
                      f"{r['forward_replays']} / {r['backward_replays']} | {r['eager']} | {r['output_rel']:.2e} | "
-                     f"{r['loss_rel']:.2e} | {r['grad_rel']:.2e} | {r['eager_s']:.3f} | {r['graphed_s']:.3f} | "
+                     f"{r['loss_rel']:.2e} | {r['grad_rel']:.2e} | {r['eager_s']:.3f} / {r['graphed_s']:.3f} | "
+                     f"{r['eager_stage_s']:.3f} / {r['graphed_stage_s']:.3f} | "
                      f"{'PASS' if r['pass'] else 'FAIL'} |")
     return "\n".join(lines)
 
