@@ -50,7 +50,13 @@ from lightning_lorafusion.specs import AdapterSpec  # noqa: E402
 from lightning_lorafusion.training.cuda_graphs import graph_key  # noqa: E402
 from lightning_lorafusion.training.stage_graphs import SplitStageGraphs, stage_key  # noqa: E402
 
-VARIANTS = {"first": (2, 0, False), "first_ckpt": (2, 0, True), "middle": (3, 1, False)}  # stages, stage, AC
+# stages, stage under test, activation checkpointing, shape (None: the command line's)
+VARIANTS = {"first": (2, 0, False, None), "first_ckpt": (2, 0, True, None), "middle": (3, 1, False, None),
+            "first_8b_layers": (2, 0, False, "8b_layers")}
+# two layers per stage of Llama-3.1-8B's dimensions at the 8B runs' capacity: what a replay saves
+# per layer at that shape
+SHAPES = {"8b_layers": {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "layers": 4,
+                        "capacity": 8192, "microbatches": 4}}
 
 log = logger("stage-graphs")
 
@@ -85,13 +91,33 @@ def packed(config: DecoderConfig, capacity: int, n: int, max_length: int, seed: 
                             step_adapters=(), index=0) for p in plan.microbatches if not p.is_noop]
 
 
-def microbatches(config: DecoderConfig, args, device) -> list:
-    """``--microbatches`` alternating between short samples (many attention blocks) and long ones
-    (long blocks): at least two shape keys."""
-    many = packed(config, args.capacity, 4 * args.capacity // 64, max(16, args.capacity // 16), seed=0)
-    few = packed(config, args.capacity, 2 * args.capacity // 256 + 2, max(16, args.capacity // 2), seed=7)
-    mixed = [mb for pair in zip(many, few) for mb in pair][: args.microbatches]
+def microbatches(config: DecoderConfig, capacity: int, count: int, device) -> list:
+    """``count`` microbatches alternating between short samples (many attention blocks) and long
+    ones (long blocks): at least two shape keys."""
+    many = packed(config, capacity, 4 * capacity // 64, max(16, capacity // 16), seed=0)
+    few = packed(config, capacity, 2 * capacity // 256 + 2, max(16, capacity // 2), seed=7)
+    mixed = [mb for pair in zip(many, few) for mb in pair][:count]
     return [dataclasses.replace(mb, index=3000 + i).to(device) for i, mb in enumerate(mixed)]
+
+
+def build_case(args, shape: str | None, device) -> dict:
+    """The base, the microbatches and their shape keys of ``shape`` (None: the command line's)."""
+    if shape is None:
+        heads = max(2, args.hidden // 64)
+        dims = {"hidden": args.hidden, "intermediate": args.hidden * 11 // 4, "heads": heads,
+                "kv_heads": max(1, heads // 4), "layers": args.layers, "capacity": args.capacity,
+                "microbatches": args.microbatches}
+    else:
+        dims = SHAPES[shape]
+    config = DecoderConfig(vocab_size=4096, hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+                           num_layers=dims["layers"], num_heads=dims["heads"], num_kv_heads=dims["kv_heads"],
+                           head_dim=dims["hidden"] // dims["heads"])
+    params = random_base_params(config, device=device, dtype=args.dtype, seed=0, std=0.02)
+    mbs = microbatches(config, dims["capacity"], dims["microbatches"], device)
+    keys = sorted({(k.max_seqlen, k.num_blocks) for k in map(stage_key, mbs)})
+    log(f"shape {shape or 'command line'}: {len(mbs)} microbatches of capacity {dims['capacity']}, "
+        f"{len(keys)} shape keys (max_seqlen, blocks) {keys}")
+    return {"config": config, "params": params, "mbs": mbs, "keys": keys, "dims": dims}
 
 
 def bank_of(config, device) -> AdapterBank:
@@ -169,7 +195,7 @@ def one_pass(stages, g: int, n: int, slots: dict, graphed: bool, outputs: dict, 
 
 
 def run(variant: str, graphed: bool, config, params, mbs, args, device) -> dict:
-    num_stages, g, ckpt = VARIANTS[variant]
+    num_stages, g, ckpt, _ = VARIANTS[variant]
     bank = bank_of(config, device)
     ranges = partition_layers(config.num_layers, num_stages)
     graphs = None
@@ -210,7 +236,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare(variant: str, config, params, mbs, args, device) -> dict:
+def compare(variant: str, case: dict, args, device) -> dict:
+    config, params, mbs = case["config"], case["params"], case["mbs"]
     eager = run(variant, False, config, params, mbs, args, device)
     graphed = run(variant, True, config, params, mbs, args, device)
     n = len(mbs)
@@ -224,8 +251,8 @@ def compare(variant: str, config, params, mbs, args, device) -> dict:
     if device.type == "cuda":
         replayed = replayed and gs["forward_replays"] == gs["backward_replays"] == n * args.passes
     ok = replayed and out_rel <= args.rtol and grad_rel <= args.rtol and loss_rel <= args.rtol / 10
-    return {"pass": ok, "slots": graphed["slots"], "output_rel": out_rel, "loss_rel": loss_rel,
-            "grad_rel": grad_rel, "eager_s": eager["last_pass_s"], "graphed_s": graphed["last_pass_s"],
+    return {"pass": ok, "slots": graphed["slots"], "mb_keys": len(case["keys"]), "output_rel": out_rel,
+            "loss_rel": loss_rel, "grad_rel": grad_rel, "eager_s": eager["last_pass_s"], "graphed_s": graphed["last_pass_s"],
             "eager_stage_s": eager["stage_s"], "graphed_stage_s": graphed["stage_s"],
             **gs}
 
@@ -239,7 +266,7 @@ def table(report: dict, variants) -> str:
         if r is None:
             lines.append(f"| {v} | error: {report['errors'].get(v, '?')} |")
             continue
-        lines.append(f"| {v} | {r['slots']} | {report['keys']} | {r['captures']} ({r['precaptures']}) | "
+        lines.append(f"| {v} | {r['slots']} | {r['mb_keys']} | {r['captures']} ({r['precaptures']}) | "
                      f"{r['forward_replays']} / {r['backward_replays']} | {r['eager']} | {r['output_rel']:.2e} | "
                      f"{r['loss_rel']:.2e} | {r['grad_rel']:.2e} | {r['eager_s']:.3f} / {r['graphed_s']:.3f} | "
                      f"{r['eager_stage_s']:.3f} / {r['graphed_stage_s']:.3f} | "
@@ -261,21 +288,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     args.dtype = dtype_of(args.dtype)
-    heads = max(2, args.hidden // 64)
-    config = DecoderConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                           num_layers=args.layers, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                           head_dim=args.hidden // heads)
-    params = random_base_params(config, device=device, dtype=args.dtype, seed=0, std=0.02)
-    mbs = microbatches(config, args, device)
     report = Report(device, args, out=args.out, file_name="stage_graphs.json", log=log,
                     describe=lambda r: ("PASS " if r["pass"] else "FAIL ") + str({k: r[k] for k in (
                         "output_rel", "loss_rel", "grad_rel", "forward_replays", "captures", "eager")}))
-    keys = sorted({(k.max_seqlen, k.num_blocks) for k in map(stage_key, mbs)})
-    report["keys"] = len(keys)
-    report["key_buckets"] = keys
-    log(f"{len(mbs)} microbatches of capacity {args.capacity}, {len(keys)} shape keys {keys}")
+    cases: dict = {}
     for v in args.variants:
-        report.measure(v, lambda v=v: compare(v, config, params, mbs, args, device))
+        shape = VARIANTS[v][3]
+
+        def measure(v=v, shape=shape):
+            if shape not in cases:
+                cases.clear()  # one base on the device at a time
+                cases[shape] = build_case(args, shape, device)
+            return compare(v, cases[shape], args, device)
+
+        report.measure(v, measure)
     print(table(report, args.variants))
     ok = all(report.get(v, {}).get("pass") for v in args.variants)
     if args.out:

@@ -15,8 +15,9 @@ one call. Elsewhere (the earlier stages, microbatches in flight between forward 
 stage offering ``graphed_forward`` / ``graphed_backward`` gets each microbatch's in-flight slot
 (``schedule.in_flight_slots``: taken at its forward, freed at its backward): a forward the stage
 graphed returns its output from the slot's static buffer (sent from there) and its backward is
-asked of the same slot; a forward it declines (None) runs and back-propagates eagerly. The per-action host work is constant: no device synchronisation (on CUDA, actions are
-timed by CUDA events read once at the end of the run), nothing per layer or per parameter.
+asked of the same slot; a forward it declines (None) runs and back-propagates eagerly. The
+per-action host work is constant: no device synchronisation (on CUDA, actions are timed by CUDA
+events read once at the end of the run), nothing per layer or per parameter.
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ class LoRAFusionModule(L.LightningModule):
             docs/kernels.md "FP8 base".
         cuda_graphs: "auto" (the default): each training microbatch's forward + backward
             replays a captured CUDA graph when training runs on one CUDA GPU or on any stage of
-            the pipeline strategy with the fused kernels (eager otherwise, the reason logged); "off": eager (YAML's bare ``off``/``on``
-            booleans mean "off"/"on"); "on":
+            the pipeline strategy with the fused kernels (eager otherwise, the reason logged);
+            "off": eager (YAML's bare ``off``/``on`` booleans mean "off"/"on"); "on":
             the same, and a ``ConfigError`` where graphs cannot be used. Steps a graph cannot
             hold fall back to eager with the reason logged (``training/cuda_graphs.py``,
             docs/training.md "CUDA graphs").
