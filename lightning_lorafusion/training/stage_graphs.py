@@ -308,9 +308,12 @@ class SplitStageGraphs(TrainingGraphs):
             if s.grad_out is None or s.grad_out.shape != out.shape or s.grad_out.dtype != out.dtype:
                 s.grad_out = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
             with graph_capture(backward, pool=s.pool, stream=side, device=main.device):
-                # retain_graph: the saved activations stay allocated in the pool, where every
-                # forward replay writes them for the next backward replay
-                torch.autograd.backward(out, grad_tensors=s.grad_out, retain_graph=True)
+                # without retain_graph (compiled pieces donate their buffers and refuse it, and
+                # torch.cuda.make_graphed_callables does the same): the saved activations' memory
+                # goes back to the slot's private pool, where no other graph is ever captured,
+                # so only this backward's later kernels reuse it, after reading them, as they
+                # will at every replay; each forward replay writes them again
+                torch.autograd.backward(out, grad_tensors=s.grad_out)
             s.input_grad = self._slot_input_grad(s)
         finally:
             s.tables.freeze(False)
