@@ -25,6 +25,9 @@ fraction of all GPUs over the run's window (the executor's timestamps); simulate
 analytic simulator on the same plan and schedule (parallel.simulator.CostModel defaults).
 Graph captures of the timed epoch, from the logs: those made before its first step ("up front",
 training/cuda_graphs.py) and those in the middle of it (0 when every planned key was covered).
+Graph replays per pipeline stage, from the line each rank logs at an epoch's end: forward and
+backward replays apart on a stage before the last (training/stage_graphs.py), with the
+microbatches it ran eagerly, fused forward + backward replays on the last stage.
 """
 
 from __future__ import annotations
@@ -278,6 +281,36 @@ def graph_captures(log_text: str) -> dict[int, dict]:
     return out
 
 
+_REPLAYS = re.compile(r"CUDA graphs: stage (\d+) replays: (\d+) forward, (\d+) backward, (\d+) fused; "
+                      r"(\d+) eager; (\d+) captures")
+
+
+def graph_replays(log_text: str) -> dict[int, dict]:
+    """Per pipeline stage, the graph replays a rank logged at its last epoch's end (counts are
+    cumulative; with several replicas of a stage, the largest): ``forward`` / ``backward`` (a stage
+    before the last, captured apart), ``fused`` (the last stage or one GPU), ``eager`` microbatches
+    and ``captures``."""
+    out: dict[int, dict] = {}
+    for m in _REPLAYS.finditer(log_text):
+        counts = dict(zip(("forward", "backward", "fused", "eager", "captures"), map(int, m.groups()[1:])))
+        stage = out.setdefault(int(m.group(1)), dict.fromkeys(counts, 0))
+        for k, v in counts.items():
+            stage[k] = max(stage[k], v)
+    return out
+
+
+def _replays_cell(replays: dict | None) -> str:
+    if not replays:
+        return "-"
+    cells = []
+    for s, c in sorted(replays.items()):
+        if c["forward"] or c["backward"] or c["eager"]:
+            cells.append(f"s{s}: F/B {c['forward']}/{c['backward']}, eager {c['eager']}, captures {c['captures']}")
+        else:
+            cells.append(f"s{s}: fused {c['fused']}, captures {c['captures']}")
+    return "; ".join(cells)
+
+
 def _captures_cell(captures: dict | None) -> str:
     if not captures:
         return "-"
@@ -297,12 +330,12 @@ def _pct(v: float | None) -> str:
 def table(results: list[dict]) -> str:
     lines = ["| run | layout | adapters | tokens/s (real) | MFU | bubble measured | bubble simulated | "
              "peak GiB per GPU | microbatches (no-op) | timed epoch s | graph captures up front / "
-             "mid-epoch (all ranks) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mid-epoch (all ranks) | graph replays per stage (to the last epoch's end) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.get("row")
         if row is None:
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
         warm = "" if row["epoch"] >= 1 else " (epoch 0 only: includes warm-up)"
         layout = row["layout"] + (f", {row['schedule']}" if row.get("schedule") == "flushed_1f1b" else "")
@@ -311,6 +344,7 @@ def table(results: list[dict]) -> str:
             f"{_pct(row['bubble_ratio'])} | {_pct(row['simulated_bubble_ratio'])} | "
             f"{', '.join(f'{g:.1f}' for g in row['peak_allocated_gib'])} | {row['microbatches']} "
             f"({row['noop_slots']}) | {row['wall_s']:.1f} | {_captures_cell(row.get('captures'))} | "
+            f"{_replays_cell(row.get('replays'))} | "
             f"{r['status']}{warm} |")
     rows = {r["name"]: r.get("row") for r in results}
 
@@ -426,6 +460,7 @@ def execute(args, i: int, run: Run, base_env: dict, limit: float, t_start: float
     row = combine(summaries)
     if row is not None:
         row["captures"] = _timed_captures(roots, row["epoch"])
+        row["replays"] = _replays(roots)
     if row is None and status == "ok":
         status = "ok, no summary"
     print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {status} after {time.monotonic() - t0:.0f} s"
@@ -453,6 +488,22 @@ def _timed_captures(roots: list[str], epoch: int) -> dict | None:
             for k, v in found.items():
                 total[k] += v
     return total
+
+
+def _replays(roots: list[str]) -> dict | None:
+    """Graph replays per stage from a run's logs (``graph_replays``; jobs' counts added)."""
+    total: dict[int, dict] = {}
+    for root in roots:
+        try:
+            with open(os.path.join(root, "fit.log"), errors="replace") as f:
+                found = graph_replays(f.read())
+        except OSError:
+            continue
+        for s, counts in found.items():
+            into = total.setdefault(s, dict.fromkeys(counts, 0))
+            for k, v in counts.items():
+                into[k] += v
+    return total or None
 
 
 def write_outputs(args, results: list[dict]) -> str:

@@ -11,8 +11,13 @@ is called where the schedule places ``OptimizerStep``.
 
 Where a microbatch's backward follows its forward directly (one stage, and the last stage of a
 pipeline) and the stage offers ``fused_step`` (a captured CUDA graph of both), the pair runs as
-one call. The per-action host work is constant: no device synchronisation (on CUDA, actions are
-timed by CUDA events read once at the end of the run), nothing per layer or per parameter.
+one call. Elsewhere (the earlier stages, microbatches in flight between forward and backward) a
+stage offering ``graphed_forward`` / ``graphed_backward`` gets each microbatch's in-flight slot
+(``schedule.in_flight_slots``: taken at its forward, freed at its backward): a forward the stage
+graphed returns its output from the slot's static buffer (sent from there) and its backward is
+asked of the same slot; a forward it declines (None) runs and back-propagates eagerly. The
+per-action host work is constant: no device synchronisation (on CUDA, actions are timed by CUDA
+events read once at the end of the run), nothing per layer or per parameter.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .schedule import (
     SendActivation,
     SendGrad,
     communication_runs,
+    in_flight_slots,
 )
 from .stage import StageModule
 
@@ -140,6 +146,7 @@ class _StageRun:
         group: dist.ProcessGroup | None,
         synchronize: Callable[[], None] | None,
         hooks: StageHooks | None = None,
+        slots: dict[int, int] | None = None,
     ) -> None:
         self.stage = stage
         self.stage_index = stage_index
@@ -150,6 +157,11 @@ class _StageRun:
         self.group = group
         self.hooks = hooks or StageHooks()
         self.fused = getattr(stage, "fused_step", None)
+        # graphed forward / backward of a microbatch in flight, by slot (earlier stages)
+        self.slots = slots or {}
+        self.graphed_forward = getattr(stage, "graphed_forward", None)
+        self.graphed_backward = getattr(stage, "graphed_backward", None)
+        self.graphed: dict[int, int] = {}  # microbatch -> slot of a graphed forward, until its backward
         self.armed: int | None = None  # the microbatch whose before_backward hook has run
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.prev_rank = ranks[stage_index - 1] if not self.first else None
@@ -216,6 +228,12 @@ class _StageRun:
     def forward(self, item: Forward) -> tuple[str, int]:
         i = item.microbatch
         x = None
+        if self.graphed_forward is not None and not self.last and i in self.slots:
+            out = self.graphed_forward(None if self.first else self.inputs[i], i, self.slots[i])
+            if out is not None:
+                self.outputs[i] = out
+                self.graphed[i] = self.slots[i]
+                return "F", i
         if not self.first:
             x = self.inputs[i].requires_grad_(True)
         out = self.stage.forward(x, i)
@@ -232,6 +250,14 @@ class _StageRun:
         grad = None if self.last else self.grads_in.pop(i)
         if self.armed != i:  # not already, by a fused step that fell back to this eager one
             self.hooks.before_backward(i, steps)
+        if i in self.graphed:
+            input_grad = self.graphed_backward(i, self.graphed.pop(i), grad)
+            self.hooks.after_backward(i, steps)
+            self.armed = None
+            if not self.first:
+                self.inputs.pop(i)
+                self.grads_out[i] = input_grad
+            return "B", i
         # A data-parallel replica's share of a microbatch can be empty (all padding): on the
         # first stage its output then has no graph to adapters, and there is nothing to do.
         if out.requires_grad:
@@ -356,6 +382,7 @@ def run_stage(
         group=group,
         synchronize=synchronize,
         hooks=hooks,
+        slots=in_flight_slots(actions),
     )
     items = communication_runs(actions)
     steps_after = _steps_after(items)

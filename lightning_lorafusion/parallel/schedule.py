@@ -114,6 +114,32 @@ def communication_runs(actions: Sequence[Action]) -> list[Action | tuple[Action,
     return items
 
 
+def in_flight_slots(actions: Sequence[Action]) -> dict[int, int]:
+    """``{microbatch: slot}``: each ``Forward`` takes the lowest slot no microbatch holds, its
+    ``Backward`` frees it; a stage holds at most ``max(slots) + 1`` microbatches between their
+    forward and backward (``num_stages - stage`` under 1F1B). Raises ``ScheduleError`` for a
+    backward without its forward or a forward taken twice."""
+    slots: dict[int, int] = {}
+    held: dict[int, int] = {}  # microbatch -> slot, while in flight
+    free: list[int] = []
+    top = 0
+    for a in actions:
+        if isinstance(a, Forward):
+            if a.microbatch in held:
+                raise ScheduleError(f"Forward({a.microbatch}) twice before its Backward")
+            if free:
+                slot = min(free)
+                free.remove(slot)
+            else:
+                slot, top = top, top + 1
+            held[a.microbatch] = slots[a.microbatch] = slot
+        elif isinstance(a, Backward):
+            if a.microbatch not in held:
+                raise ScheduleError(f"Backward({a.microbatch}) without a Forward before it")
+            free.append(held.pop(a.microbatch))
+    return slots
+
+
 def one_f_one_b_order(
     slots: Sequence[int], stage: int, num_stages: int
 ) -> list[tuple[str, int]]:

@@ -66,7 +66,10 @@ class DecoderStage:
     on_loss_sums: Callable[[int, torch.Tensor], None] | None = None
     # last stage: forward + backward of a microbatch as one captured step (training.cuda_graphs.
     # TrainingGraphs over these layers): ``step(mb, denominators, stage_input)`` -> loss sums
-    # [num_adapters] or None (run eagerly), the input's gradient in ``input_grad``
+    # [num_adapters] or None (run eagerly), the input's gradient in ``input_grad``. Other stages:
+    # forward and backward captured apart per in-flight slot (training.stage_graphs.
+    # SplitStageGraphs): ``forward(mb, stage_input, slot)`` -> output or None, ``backward(slot,
+    # grad)`` -> the input's gradient
     graphs: Any = None
 
     def fused_step(self, stage_input: torch.Tensor | None, microbatch: int) -> FusedStep | None:
@@ -81,6 +84,20 @@ class DecoderStage:
         if self.on_loss_sums is not None:
             self.on_loss_sums(microbatch, sums)
         return FusedStep(input_grad=None if self.is_first else self.graphs.input_grad)
+
+    def graphed_forward(self, stage_input: torch.Tensor | None, microbatch: int,
+                        slot: int) -> torch.Tensor | None:
+        """The forward of ``microbatch`` replayed in in-flight ``slot`` of ``graphs`` (a stage
+        before the last): its output ``[capacity, hidden]`` (no autograd graph: the backward is
+        ``graphed_backward`` of the same slot), or None (run ``forward`` eagerly)."""
+        if self.graphs is None or self.is_last:
+            return None
+        return self.graphs.forward(self.microbatches(microbatch), stage_input, slot)
+
+    def graphed_backward(self, microbatch: int, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The backward of the microbatch ``graphed_forward`` put in ``slot``, from ``grad`` (the
+        gradient w.r.t. its output): the gradient w.r.t. the stage input (None on stage 0)."""
+        return self.graphs.backward(slot, grad)
 
     def forward(self, stage_input: torch.Tensor | None, microbatch: int) -> torch.Tensor:
         mb = self.microbatches(microbatch)

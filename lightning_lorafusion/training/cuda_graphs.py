@@ -36,7 +36,8 @@ captured falls back to the caller's eager step with the reason logged (``refusal
 A pipeline stage runs the same step over its layers (``layers``, ``is_first``): where a
 microbatch's forward and backward are adjacent in the schedule (one stage, or the last stage of
 a pipeline) the whole pair is one graph; a stage after the first reads its input activation from
-a static buffer and leaves the gradient w.r.t. it in ``input_grad``.
+a static buffer and leaves the gradient w.r.t. it in ``input_grad``. The earlier stages, whose
+forward and backward are apart, have their own graphs (``stage_graphs.SplitStageGraphs``).
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ def idle_microbatch(key: GraphKey, num_adapters: int, device: torch.device | str
 
 
 def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
-                        world_size: int = 1, fused_stage: bool = False,
-                        dora_dropout: str | None = None) -> str | None:
-    """Why training steps cannot be graphs here (None: they can). ``fused_stage``: under the
-    pipeline strategy, this rank's stage runs each microbatch's backward right after its forward
-    (one stage, or the last stage). ``dora_dropout``: the name of a DoRA adapter with dropout."""
+                        world_size: int = 1, dora_dropout: str | None = None) -> str | None:
+    """Why training steps cannot be graphs here (None: they can). Under the pipeline strategy
+    every stage can: the last one fuses each microbatch's forward and backward, the earlier ones
+    capture them apart per in-flight slot (``stage_graphs.SplitStageGraphs``). ``dora_dropout``:
+    the name of a DoRA adapter with dropout."""
     if dora_dropout is not None:
         return (f"adapter {dora_dropout!r} is DoRA with dropout > 0, which runs PEFT's second frozen "
                 "product on masks drawn on the host (kernels/fused_dora.py); set its dropout to 0 for graphs")
@@ -130,11 +131,7 @@ def cuda_graphs_refusal(*, device: torch.device, backend: str, pipeline: bool,
         return ("backend='torch': the torch reference LoRA draws its dropout masks from host "
                 "integers; graphs need the fused Triton kernels (backend: auto or triton)")
     if pipeline:
-        if fused_stage:
-            return None
-        return ("under the pipeline strategy only the last stage runs a microbatch's forward and "
-                "backward back to back; graphs of the earlier stages (forward and backward apart, "
-                "several microbatches in flight) are not implemented")
+        return None
     if world_size > 1:
         return (f"{world_size} processes without the multi-adapter strategy (e.g. strategy: ddp, "
                 "whose gradient all-reduce hooks would run inside the captured backward); graphs "

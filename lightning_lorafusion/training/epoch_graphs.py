@@ -73,3 +73,25 @@ def precapture_epoch(m: Any) -> list[GraphKey]:
              len(done), graphs.precapture_seconds - before, [dataclasses.astuple(k) for k in done],
              graphs.num_held)
     return done
+
+
+def replay_counts(graphs: Any) -> dict[str, int]:
+    """What a rank's training graphs ran so far: forward and backward replays apart (a stage
+    before the last), fused forward + backward replays (the one-GPU step, the last stage),
+    microbatches run eagerly (apart only) and captures (up front ones included)."""
+    return {"forward": getattr(graphs, "forward_replays", 0), "backward": getattr(graphs, "backward_replays", 0),
+            "fused": 0 if hasattr(graphs, "forward_replays") else graphs.replays,
+            "eager": getattr(graphs, "eager_microbatches", 0), "captures": graphs.captures}
+
+
+def log_replays(m: Any) -> dict[str, int] | None:
+    """Log this rank's graph replays so far (``replay_counts``), under its pipeline stage (0
+    without the strategy) at an epoch's end; None without graphs."""
+    if m._graphs is None:
+        return None
+    strategy = pipeline_strategy(m)
+    counts = replay_counts(m._graphs)
+    log.info("CUDA graphs: stage %d replays: %d forward, %d backward, %d fused; %d eager; %d captures",
+             strategy.stage_index if strategy is not None else 0, counts["forward"], counts["backward"],
+             counts["fused"], counts["eager"], counts["captures"])
+    return counts

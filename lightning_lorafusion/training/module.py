@@ -103,9 +103,9 @@ class LoRAFusionModule(L.LightningModule):
             ``fp8.emulate``: for tests, FP8 products emulated where tensor cores are missing.
             docs/kernels.md "FP8 base".
         cuda_graphs: "auto" (the default): each training microbatch's forward + backward
-            replays a captured CUDA graph when training runs on one CUDA GPU with the fused
-            kernels (eager otherwise, the reason logged); "off": eager (YAML's bare ``off``/``on``
-            booleans mean "off"/"on"); "on":
+            replays a captured CUDA graph when training runs on one CUDA GPU or on any stage of
+            the pipeline strategy with the fused kernels (eager otherwise, the reason logged);
+            "off": eager (YAML's bare ``off``/``on`` booleans mean "off"/"on"); "on":
             the same, and a ``ConfigError`` where graphs cannot be used. Steps a graph cannot
             hold fall back to eager with the reason logged (``training/cuda_graphs.py``,
             docs/training.md "CUDA graphs").
@@ -415,6 +415,9 @@ class LoRAFusionModule(L.LightningModule):
         # every graph the epoch needs, captured before its first step (no capture mid-epoch)
         epoch_graphs.precapture_epoch(self)
 
+    def on_train_epoch_end(self) -> None:
+        epoch_graphs.log_replays(self)
+
     def _start_cuda_graphs(self) -> None:
         """Resolve ``cuda_graphs`` now that the device and the strategy are known."""
         self._graphs = None
@@ -424,7 +427,7 @@ class LoRAFusionModule(L.LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         strategy = self._pipeline_strategy()
         reason = cuda_graphs_refusal(device=self.device, backend=backend, pipeline=strategy is not None,
-                                     world_size=world, fused_stage=pipeline_contract.is_last_stage(strategy),
+                                     world_size=world,
                                      dora_dropout=next((s.name for s in self.adapter_specs
                                                         if s.dora and s.dropout > 0.0), None))
         if reason is not None:
@@ -432,10 +435,10 @@ class LoRAFusionModule(L.LightningModule):
                 raise ConfigError(f"model.cuda_graphs='on' but {reason}; use cuda_graphs: auto or off")
             log.info("CUDA graphs off: %s", reason)
             return
-        self._graphs = TrainingGraphs(params=self.base_params(), bank=self.bank, config=self.config,
-                                      checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
-                                      max_precapture=self.cuda_graph_precapture,
-                                      **pipeline_contract.stage_graph_args(self, strategy))
+        self._graphs = pipeline_contract.stage_graphs(
+            self, strategy, params=self.base_params(), bank=self.bank, config=self.config,
+            checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
+            max_precapture=self.cuda_graph_precapture)
 
     def on_train_end(self) -> None:
         """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every

@@ -13,8 +13,10 @@ from ..parallel.partition import partition_decoder
 from ..parallel.simulator import CostModel
 from ..parallel.stage import DecoderStage
 from ..parallel.strategy import MultiAdapterPipelineStrategy
+from .cuda_graphs import TrainingGraphs
 from .frozen_base import draw_stage_base, flatten_tree, stage_template
 from .nonfinite_guard import agree_on_quarantine, step_adapter
+from .stage_graphs import SplitStageGraphs
 
 
 def pipeline_strategy(m: Module) -> MultiAdapterPipelineStrategy | None:
@@ -28,12 +30,17 @@ def is_last_stage(strategy: MultiAdapterPipelineStrategy | None) -> bool:
     return strategy is not None and strategy.stage_index == strategy.layout.pipeline_size - 1
 
 
-def stage_graph_args(m: Module, strategy: MultiAdapterPipelineStrategy | None) -> dict[str, Any]:
-    """``TrainingGraphs`` arguments for this rank's stage: its layers, and whether it embeds."""
+def stage_graphs(m: Module, strategy: MultiAdapterPipelineStrategy | None, **kwargs: Any) -> TrainingGraphs:
+    """The CUDA graphs of this rank's training steps (``kwargs``: ``TrainingGraphs``' common
+    arguments): the fused forward + backward without the strategy and on the last stage, forward
+    and backward apart per in-flight slot on the others (``pipeline_size - stage_index`` slots,
+    what 1F1B holds at most: ``schedule.in_flight_slots``)."""
     if strategy is None:
-        return {}
-    return {"layers": m._stage_layers, "is_first": strategy.stage_index == 0,
-            "activation_dtype": m.base_dtype}
+        return TrainingGraphs(**kwargs)
+    stage = {"layers": m._stage_layers, "is_first": strategy.stage_index == 0, "activation_dtype": m.base_dtype}
+    if is_last_stage(strategy):
+        return TrainingGraphs(**kwargs, **stage)
+    return SplitStageGraphs(**kwargs, **stage, slots=strategy.layout.pipeline_size - strategy.stage_index)
 
 
 def setup_stage(m: Module) -> None:
@@ -85,7 +92,7 @@ def build_stage(m: Module, layers: range, is_first: bool, is_last: bool) -> Deco
         is_first=is_first, is_last=is_last, microbatches=lambda pos: m._window.microbatch(pos),
         backend=m.backend, on_loss_sums=m._on_pipeline_loss_sums if is_last else None,
         checkpoint_layers=m.activation_checkpointing, lm_head_loss=m.lm_head_loss,
-        options=m.decoder_options, graphs=m._graphs if is_last else None,
+        options=m.decoder_options, graphs=m._graphs,
     )
 
 

@@ -21,6 +21,7 @@ from lightning_lorafusion.parallel.schedule import (
     SendGrad,
     build_1f1b_flushed_schedule,
     build_pipeline_schedule,
+    in_flight_slots,
 )
 from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.simulator import CostModel, DeadlockError, simulate
@@ -101,6 +102,48 @@ def test_padded_plans_schedule_cleanly_and_keep_every_promise(case):
         fwd = [x.microbatch for x in actions if isinstance(x, Forward)]
         bwd = [x.microbatch for x in actions if isinstance(x, Backward)]
         assert fwd == sorted(fwd) and bwd == sorted(bwd)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans())
+def test_in_flight_slots_are_taken_at_forward_and_freed_at_backward(case):
+    """Each microbatch of a stage's action list gets a slot (what the CUDA graphs of a stage
+    before the last hold per in-flight microbatch): no two microbatches in flight share one, a
+    forward takes the lowest free slot, and 1F1B needs ``num_stages - stage`` of them at most
+    (exactly that many once the stream is long enough to fill the pipeline)."""
+    num_stages, groups = case
+    plan = make_plan(pad_for_lemma(groups, num_stages), num_stages=num_stages)
+    for builder in (build_pipeline_schedule, build_1f1b_flushed_schedule):
+        for stage, actions in enumerate(builder(plan, num_stages)):
+            slots = in_flight_slots(actions)
+            forwards = [a.microbatch for a in actions if isinstance(a, Forward)]
+            assert sorted(slots) == sorted(forwards)
+            holding: dict[int, int] = {}  # slot -> microbatch
+            for a in actions:
+                if isinstance(a, Forward):
+                    slot = slots[a.microbatch]
+                    assert slot not in holding and slot == min(set(range(len(holding) + 1)) - set(holding))
+                    holding[slot] = a.microbatch
+                elif isinstance(a, Backward):
+                    assert holding.pop(slots[a.microbatch]) == a.microbatch
+            assert not holding
+            if slots:
+                assert max(slots.values()) + 1 <= num_stages - stage
+    long_plan = make_plan([[(0, 0, 8)]] * 8, num_stages=3)
+    assert [max(in_flight_slots(a).values()) + 1 for a in build_pipeline_schedule(long_plan, 3)] == [3, 2, 1]
+
+
+def test_in_flight_slots_follow_the_1f1b_order_and_refuse_broken_lists():
+    """Stage 0 of 2: F0 F1 B0 F2 B1 F3 B2 B3 -> slots 0 1 | 0 | 1 | 0 (freed and retaken)."""
+    plan = make_plan([[(0, 0, 8)]] * 4, num_stages=2)
+    actions = build_pipeline_schedule(plan, 2)[0]
+    order = [(type(a).__name__[0], a.microbatch) for a in actions if isinstance(a, (Forward, Backward))]
+    assert order == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert in_flight_slots(actions) == {0: 0, 1: 1, 2: 0, 3: 1}
+    with pytest.raises(ScheduleError, match="without a Forward"):
+        in_flight_slots([Backward(0)])
+    with pytest.raises(ScheduleError, match="twice"):
+        in_flight_slots([Forward(0), Forward(0)])
 
 
 @settings(max_examples=150, deadline=None)

@@ -161,3 +161,20 @@ def test_graph_captures_per_epoch_from_the_log():
     assert got[1] == {"up_front": 0, "up_front_s": 0.0, "mid_epoch": 0, "mid_epoch_s": 0.0}
     assert BENCH_PIPELINE._captures_cell(got[0]) == "2 (12.7 s) / 1 (1.1 s)"
     assert BENCH_PIPELINE.graph_captures("no graphs here") == {}
+
+
+def test_graph_replays_per_stage_from_the_log():
+    """The epoch-end line of each rank (training/epoch_graphs.log_replays): counts are cumulative,
+    the last epoch's (largest) per stage; stage 0 split into forward / backward, the last fused."""
+    log = "\n".join([
+        "[lorafusion] CUDA graphs: stage 0 replays: 20 forward, 20 backward, 0 fused; 1 eager; 2 captures",
+        "[lorafusion] CUDA graphs: stage 1 replays: 0 forward, 0 backward, 21 fused; 0 eager; 1 captures",
+        "[lorafusion] CUDA graphs: stage 0 replays: 40 forward, 40 backward, 0 fused; 1 eager; 2 captures",
+        "[lorafusion] CUDA graphs: stage 1 replays: 0 forward, 0 backward, 41 fused; 0 eager; 1 captures",
+    ])
+    got = BENCH_PIPELINE.graph_replays(log)
+    assert got == {0: {"forward": 40, "backward": 40, "fused": 0, "eager": 1, "captures": 2},
+                   1: {"forward": 0, "backward": 0, "fused": 41, "eager": 0, "captures": 1}}
+    assert BENCH_PIPELINE._replays_cell(got) == ("s0: F/B 40/40, eager 1, captures 2; "
+                                                 "s1: fused 41, captures 1")
+    assert BENCH_PIPELINE.graph_replays("no graphs here") == {} and BENCH_PIPELINE._replays_cell(None) == "-"
