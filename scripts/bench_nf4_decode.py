@@ -150,10 +150,11 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
     return [c for c in out if c != base]
 
 
-def measure_sweep(args, weights, device, dtype) -> list[dict]:
+def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
     """Each (shape, rows): the default and the other tilings (split-K also at half and double
-    the default's), best first; stops starting new cases after ``--sweep-budget`` seconds."""
-    start, out = time.perf_counter(), []
+    the default's), best first, appended to ``out`` (``saved()`` after each case, so a run cut
+    short keeps them); stops starting new cases after ``--sweep-budget`` seconds."""
+    start = time.perf_counter()
     for m in args.rows:
         for name, (w16, w) in weights.items():
             if time.perf_counter() - start > args.sweep_budget:
@@ -168,13 +169,14 @@ def measure_sweep(args, weights, device, dtype) -> list[dict]:
             for cfg in configs:
                 try:
                     err = _max_rel(nf4_linear_decode(x, w, config=cfg), want)
-                    ms = _time(lambda: nf4_linear_decode(x, w, config=cfg), device, args, rep=20)
+                    ms = _time(lambda: nf4_linear_decode(x, w, config=cfg), device, args, rep=10)
                 except Exception as exc:  # a tiling the compiler refuses is a result, not a stop
                     timed.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                     continue
                 timed.append({"config": asdict(cfg), "ms": ms, "max_rel": err})
             timed.sort(key=lambda r: r.get("ms", float("inf")))
             out.append({"what": name, "rows": m, "default_split": split, "results": timed})
+            saved()
             best = timed[0]
             log(f"sweep {name} rows={m}: best {best.get('ms', float('nan')):.4f} ms {best['config']}")
     return out
@@ -214,7 +216,8 @@ def main(argv=None) -> dict:
             engine_args = argparse.Namespace(**{**vars(args), "variants": ["bf16", "buffer", "auto"]})
             report.measure("engine", lambda: measure_decode(engine_args, device, dtype))
         if args.sweep == "on":
-            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype))
+            report["sweep"] = []
+            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype, report["sweep"], report.save))
     print_tables(report, args)
     if report["errors"]:
         print(f"errors: {report['errors']}", file=sys.stderr)
