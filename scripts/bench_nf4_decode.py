@@ -88,6 +88,11 @@ def _reference(x, w) -> torch.Tensor:
     return x.float() @ w.dequantize(x.dtype, backend="torch").float().t()
 
 
+def _weight_bytes(w) -> int:
+    """Bytes of an NF4 weight as the decode kernel reads them (packed codes and absmax pieces)."""
+    return sum(t.numel() * t.element_size() for t in (w.data, w.absmax, w.nested_absmax) if t is not None)
+
+
 def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
@@ -116,9 +121,11 @@ def measure_shapes(args, weights, device, dtype) -> list[dict]:
             for variant in VARIANTS:
                 row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args)
             row["max_rel"] = _max_rel(nf4_linear_decode(x, weights[name][1]), _reference(x, weights[name][1]))
+            row["decode_gbps"] = _weight_bytes(weights[name][1]) / row["decode_ms"] / 1e6
+            row["bf16_gbps"] = weights[name][0].numel() * weights[name][0].element_size() / row["bf16_ms"] / 1e6
             out.append(row)
             log(f"{name} rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS)
-                + f", max_rel {row['max_rel']:.1e}")
+                + f", max_rel {row['max_rel']:.1e}, weight read at {row['decode_gbps']:.0f} GB/s")
     return out
 
 
@@ -164,7 +171,7 @@ def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -
             want = _reference(x, w)
             split = default_split(m, w, default_config(m))
             configs = [default_config(m), *sweep_configs(m)]
-            configs += [replace(default_config(m), split_k=s) for s in (max(1, split // 2), 2 * split) if s != split]
+            configs += [replace(default_config(m), split_k=s) for s in (max(1, split // 2), 2 * split, 4 * split) if s != split]
             timed = []
             for cfg in configs:
                 try:
