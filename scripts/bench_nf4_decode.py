@@ -119,7 +119,7 @@ def measure_shapes(args, weights, device, dtype) -> list[dict]:
             x = _inputs(m, weights[name][0].shape[1], device, dtype)
             row = {"what": name, "rows": m, "config": asdict(default_config(m))}
             for variant in VARIANTS:
-                row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args)
+                row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args, rep=20)
             row["max_rel"] = _max_rel(nf4_linear_decode(x, weights[name][1]), _reference(x, weights[name][1]))
             row["decode_gbps"] = _weight_bytes(weights[name][1]) / row["decode_ms"] / 1e6
             row["bf16_gbps"] = weights[name][0].numel() * weights[name][0].element_size() / row["bf16_ms"] / 1e6
@@ -145,21 +145,21 @@ def measure_layer(args, weights, device, dtype) -> list[dict]:
 
 
 def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Tilings around ``default_config(m)``: one knob changed at a time, then GEMV vs dots."""
+    """Tilings beside ``default_config(m)``: rows of ``W`` per program x absmax blocks per step x
+    programs per SM, then one knob at a time (codebook by selects, warps, stages, GEMV vs dots)."""
     base = default_config(m)
-    out = [replace(base, lookup=1), replace(base, groups=1), replace(base, groups=4),
-           replace(base, block_n=base.block_n // 2), replace(base, block_n=base.block_n * 2),
-           replace(base, num_warps=8 if base.num_warps == 4 else 4), replace(base, num_stages=3)]
-    if base.use_dot:
-        out += [replace(base, block_m=16) if m > 16 else replace(base, use_dot=False, block_n=32)]
-    else:
-        out += [DecodeConfig(block_n=64, groups=2, use_dot=True), replace(base, block_n=16, groups=4)]
-    return [c for c in out if c != base]
+    out = [replace(base, block_n=bn, groups=g, fill=f) for bn in (base.block_n, 2 * base.block_n)
+           for g in (2, 4) for f in (4, 8)]
+    out += [replace(base, block_n=base.block_n // 2, fill=8), replace(base, fill=2), replace(base, fill=16),
+            replace(base, lookup=1), replace(base, num_warps=8), replace(base, groups=1), replace(base, num_stages=3)]
+    if base.use_dot and m > 16:
+        out += [replace(base, block_m=16)]
+    out += [replace(base, use_dot=not base.use_dot)] if m <= 16 else []
+    return [c for c in dict.fromkeys(out) if c != base]
 
 
 def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
-    """Each (shape, rows): the default and the other tilings (split-K also at half and double
-    the default's), best first, appended to ``out`` (``saved()`` after each case, so a run cut
+    """Each (shape, rows): the default and the other tilings, best first, appended to ``out`` (``saved()`` after each case, so a run cut
     short keeps them); stops starting new cases after ``--sweep-budget`` seconds."""
     start = time.perf_counter()
     for m in args.rows:
@@ -171,7 +171,6 @@ def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -
             want = _reference(x, w)
             split = default_split(m, w, default_config(m))
             configs = [default_config(m), *sweep_configs(m)]
-            configs += [replace(default_config(m), split_k=s) for s in (max(1, split // 2), 2 * split, 4 * split) if s != split]
             timed = []
             for cfg in configs:
                 try:

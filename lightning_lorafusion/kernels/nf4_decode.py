@@ -164,13 +164,15 @@ def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, SPLITS, HAS_BIAS: tl.con
 @dataclass(frozen=True)
 class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
-    ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: enough to
-    fill the GPU), ``use_dot`` (else GEMV, one row of ``X`` per program), ``lookup`` 0 (codebook
-    table) or 1 (selects), ``block_m`` rows of ``X`` per program (0: from M)."""
+    ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
+    as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV, one row of ``X`` per
+    program), ``lookup`` 0 (codebook table) or 1 (selects), ``block_m`` rows of ``X`` per program
+    (0: from M)."""
 
     block_n: int = 64
     groups: int = 2
     split_k: int = 0
+    fill: int = 4
     use_dot: bool = True
     lookup: int = 0
     block_m: int = 0
@@ -183,10 +185,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs_target(device: torch.device) -> int:
-    """Programs that fill the device about twice (a fixed guess off CUDA: the interpreter)."""
-    return 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-                if device.type == "cuda" else 4)
+def _sm_count_of(device: torch.device) -> int:
+    """The device's SMs (a fixed guess off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _block_m(m: int, cfg: DecodeConfig) -> int:
@@ -195,18 +198,19 @@ def _block_m(m: int, cfg: DecodeConfig) -> int:
 
 def default_split(m: int, w, cfg: DecodeConfig) -> int:
     """Programs along ``K`` for ``m`` rows of ``w``: ``cfg.split_k``, or (0) as many as bring the
-    grid to about twice the device's SMs, at most one per loop step."""
+    grid to about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's
+    latency), at most one per loop step."""
     if cfg.split_k:
         return cfg.split_k
     tiles = triton.cdiv(w.shape[0], cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
     steps = triton.cdiv(w.shape[1] // w.blocksize, cfg.groups)
-    return max(1, min(steps, round(_programs_target(w.device) / tiles)))
+    return max(1, min(steps, round(cfg.fill * _sm_count_of(w.device) / tiles)))
 
 
 def default_config(m: int) -> DecodeConfig:
     """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode")."""
     if m == 1:
-        return DecodeConfig(block_n=32, groups=2, use_dot=False)
+        return DecodeConfig(block_n=64, groups=2, use_dot=False)
     return DecodeConfig(block_n=64, groups=2, use_dot=True)
 
 
