@@ -27,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64  # the largest M this kernel serves (above: the buffer path)
-MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of each row
+from .nf4 import DECODE_MAX_BLOCKSIZE as MAX_BLOCKSIZE  # a loop step holds whole absmax blocks of a row
+from .nf4 import Nf4Weight
+
+MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``auto`` sends it)
 
 
 @triton.jit
@@ -196,7 +198,7 @@ def _block_m(m: int, cfg: DecodeConfig) -> int:
     return 1 if not cfg.use_dot else cfg.block_m or max(16, triton.next_power_of_2(m))
 
 
-def default_split(m: int, w, cfg: DecodeConfig) -> int:
+def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
     """Programs along ``K`` for ``m`` rows of ``w``: ``cfg.split_k``, or (0) as many as bring the
     grid to about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's
     latency), at most one per loop step."""
@@ -214,7 +216,7 @@ def default_config(m: int) -> DecodeConfig:
     return DecodeConfig(block_n=64, groups=2, use_dot=True)
 
 
-def _check(x: torch.Tensor, w) -> None:
+def _check(x: torch.Tensor, w: Nf4Weight) -> None:
     n, k = w.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"nf4 decode: x must be 2-D [M, {k}] for an NF4 weight {tuple(w.shape)}; got {tuple(x.shape)}")
@@ -232,14 +234,7 @@ def _check(x: torch.Tensor, w) -> None:
                          f"CPU); x is on {x.device}")
 
 
-def supports_decode(x: torch.Tensor, w) -> bool:
-    """True when ``nf4_linear_decode`` serves ``x @ W^T``: CUDA, at most ``MAX_ROWS`` rows, whole
-    absmax blocks per row of ``W``."""
-    return (x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and w.shape[1] % w.blocksize == 0
-            and w.blocksize <= MAX_BLOCKSIZE)
-
-
-def nf4_linear_decode(x: torch.Tensor, w, bias: torch.Tensor | None = None, *,
+def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None, *,
                       config: DecodeConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype`` (fp32 accumulation), for
     ``M <= MAX_ROWS`` and ``K`` a multiple of ``w.blocksize``; ``config``: the tiling
