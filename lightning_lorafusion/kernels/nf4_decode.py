@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4 import DECODE_MAX_BLOCKSIZE as MAX_BLOCKSIZE  # a loop step holds whole absmax blocks of a row
-from .nf4 import Nf4Weight
+# ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
+# (lazily, for few rows), so this one does not import it back.
 
 MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``auto`` sends it)
+MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of a row (nf4.DECODE_MAX_BLOCKSIZE)
 
 
 @triton.jit

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels.nf4 import (
-    DECODE_ROWS, Nf4Weight, dequantize_nf4_reference, nf4_forward_kind, quantize_nf4_reference,
+    DECODE_MAX_BLOCKSIZE, DECODE_ROWS, Nf4Weight, dequantize_nf4_reference, nf4_forward_kind, quantize_nf4_reference,
 )
-from lightning_lorafusion.kernels.nf4_decode import MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode
+from lightning_lorafusion.kernels.nf4_decode import MAX_BLOCKSIZE, MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode
 from lightning_lorafusion.kernels.nf4_gemm import nf4_matmul_reference
 
 # (M, N, K): decode row counts (1, a few, a tile's worth and past it); N off every block_n; K
@@ -107,4 +107,5 @@ def test_auto_takes_the_decode_kernel_for_few_rows_on_cuda():
     assert nf4_forward_kind(1, True, ws + [_weight(4, 96, False)]) == "buffer"  # 96 = 1.5 blocks per row
     assert nf4_forward_kind(1, True, ws, "buffer") == "buffer"
     assert nf4_forward_kind(1, True, ws, "fused") == "fused"
-    assert DECODE_ROWS <= MAX_ROWS
+    assert nf4_forward_kind(1, True, [_weight(4, 1024, False, blocksize=512)]) == "buffer"  # over the kernel's blocks
+    assert DECODE_ROWS <= MAX_ROWS and DECODE_MAX_BLOCKSIZE == MAX_BLOCKSIZE
