@@ -154,7 +154,10 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
             replace(base, lookup=1), replace(base, num_warps=8), replace(base, groups=1), replace(base, num_stages=3)]
     if base.use_dot and m > 16:
         out += [replace(base, block_m=16)]
-    out += [replace(base, use_dot=not base.use_dot)] if m <= 16 else []
+    if m > 1:  # multiply-adds for several rows a program against dots
+        out += [replace(base, use_dot=False, block_m=bm) for bm in (4, 16) if bm <= m]
+    else:
+        out += [replace(base, use_dot=True)]
     return [c for c in dict.fromkeys(out) if c != base]
 
 

@@ -12,8 +12,8 @@ table (``LOOKUP=0``: every lane of a warp hits one cache line) or selected arith
 scalars (``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits). Both nibbles of a byte are kept apart
 (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd columns, so nothing
 is interleaved. The product is either ``tl.dot`` with the weight rows as the MMA's long side
-(``Y^T = W X^T``; ``USE_DOT``) or, for one row, multiply-adds into a per-lane accumulator reduced
-once at the end (GEMV). Every weight value is ``code[c] * absmax`` in fp32 rounded once to the
+(``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per program into a
+per-lane accumulator reduced once at the end, for several rows summed per step). Every weight value is ``code[c] * absmax`` in fp32 rounded once to the
 activations' dtype, exactly as ``nf4.dequantize_nf4_reference``.
 """
 
@@ -94,6 +94,38 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
 
 
 @triton.jit
+def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half: tl.constexpr,
+              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T`` over one loop step."""
+    bb = g0 * half + tl.arange(0, GROUPS * half)  # byte columns of this step
+    x_mask = m_mask[None, :] & (bb < g_end * half)[:, None]
+    x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm
+    x_even = tl.load(x_rows + (2 * bb[:, None]) * stride_xk, mask=x_mask, other=0.0)
+    x_odd = tl.load(x_rows + (2 * bb[:, None] + 1) * stride_xk, mask=x_mask, other=0.0)
+    acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), x_even, acc, input_precision=DOT_PRECISION)
+    return tl.dot(tl.reshape(lo, (BLOCK_N, GROUPS * half)), x_odd, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]``: each of rows ``m0 ..`` of ``X`` against the weight tile by
+    multiply-adds, summed over the step."""
+    bb = g[:, None] * half + tl.arange(0, half)[None, :]
+    cols = tl.arange(0, BLOCK_M)
+    hi = hi.to(tl.float32)
+    lo = lo.to(tl.float32)
+    for i in tl.static_range(BLOCK_M):
+        x_row = x_ptr + (m0 + i).to(tl.int64) * stride_xm
+        x_mask = g_mask[:, None] & (m0 + i < M)
+        x_even = tl.load(x_row + 2 * bb * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + (2 * bb + 1) * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(tl.fma(hi, x_even[None, :, :], lo * x_odd[None, :, :]), axis=2), axis=1)
+        acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, out_ptr,
                        M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
                        BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
@@ -111,32 +143,27 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
     n_mask, m_mask = rn < N, rm < M
     g_start = pid_k * blocks_per_split
     g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)  # GEMV of one row: per-lane sums
     for g0 in range(g_start, g_end, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
         g_mask = g < g_end
         hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
                               g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP)
-        if USE_DOT:  # Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T
-            bb = g0 * half + tl.arange(0, GROUPS * half)  # byte columns of this step
-            x_mask = m_mask[None, :] & (bb < g_end * half)[:, None]
-            x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm
-            x_even = tl.load(x_rows + (2 * bb[:, None]) * stride_xk, mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows + (2 * bb[:, None] + 1) * stride_xk, mask=x_mask, other=0.0)
-            acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), x_even, acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(tl.reshape(lo, (BLOCK_N, GROUPS * half)), x_odd, acc, input_precision=DOT_PRECISION)
-        else:  # one row of X: multiply-adds per lane, reduced once after the loop
-            x_row = x_ptr + pid_m.to(tl.int64) * stride_xm  # BLOCK_M is 1
+        if USE_DOT:
+            acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
+                            DOT_PRECISION)
+        elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
+            x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
             bb = g[:, None] * half + tl.arange(0, half)[None, :]
             x_mask = g_mask[:, None] & (pid_m < M)
             x_even = tl.load(x_row + 2 * bb * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
             x_odd = tl.load(x_row + (2 * bb + 1) * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
             acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
             acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
-    if not USE_DOT:
+        else:
+            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, BLOCK_M)
+    if not USE_DOT and BLOCK_M == 1:
         acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
     out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
@@ -168,9 +195,9 @@ def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, SPLITS, HAS_BIAS: tl.con
 class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
     ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
-    as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV, one row of ``X`` per
-    program), ``lookup`` 0 (codebook table) or 1 (selects), ``block_m`` rows of ``X`` per program
-    (0: from M)."""
+    as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
+    ``lookup`` 0 (codebook table) or 1 (selects), ``block_m`` rows of ``X`` per program (0: one
+    for GEMV, ``M`` rounded up to a power of two >= 16 for dots; a power of two)."""
 
     block_n: int = 64
     groups: int = 2
@@ -196,7 +223,9 @@ def _sm_count_of(device: torch.device) -> int:
 
 
 def _block_m(m: int, cfg: DecodeConfig) -> int:
-    return 1 if not cfg.use_dot else cfg.block_m or max(16, triton.next_power_of_2(m))
+    if not cfg.use_dot:
+        return cfg.block_m or 1
+    return cfg.block_m or max(16, triton.next_power_of_2(m))
 
 
 def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:

@@ -22,6 +22,7 @@ CONFIGS = [
     DecodeConfig(block_n=32, groups=2, split_k=1, use_dot=False, lookup=1),
     DecodeConfig(block_n=16, groups=4, split_k=2, use_dot=False, lookup=0),
     DecodeConfig(block_n=32, groups=2, split_k=0, use_dot=True, block_m=16),
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, block_m=4),
 ]
 # fp32: the same products summed in another order (ieee dots / fp32 multiply-adds): sums of up
 # to 384 unit-scale products, so a few 1e-5 apart near zero; fp16: both round the fp32 sum once
@@ -43,7 +44,7 @@ def _on(w: Nf4Weight, device) -> Nf4Weight:
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else
-                         f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}")
+                         f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}m{c.block_m}")
 def test_forward_equals_the_reference(config, shape, nested, dtype, device):
     m, n, k = shape
     w = _weight(n, k, nested)
