@@ -38,10 +38,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench_nf4 import make_weights, measure_decode, projection_shapes  # noqa: E402
 from lightning_lorafusion.kernels.nf4 import nf4_outputs  # noqa: E402
-from lightning_lorafusion.kernels.nf4_decode import DecodeConfig, default_config, default_split, nf4_linear_decode  # noqa: E402
+from lightning_lorafusion.kernels.nf4_decode import (  # noqa: E402
+    DecodeConfig, default_config, default_split, nf4_linear_decode,
+)
 
 log = logger("bench_nf4_decode")
 VARIANTS = ("bf16", "buffer", "decode")
+SWEEP_ORDER = ("o", "gate", "down", "qkv")
 LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -162,11 +165,14 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
 
 
 def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
-    """Each (shape, rows): the default and the other tilings, best first, appended to ``out`` (``saved()`` after each case, so a run cut
-    short keeps them); stops starting new cases after ``--sweep-budget`` seconds."""
+    """Each (shape, rows): the default and the other tilings, best first, appended to ``out``
+    (``saved()`` after each case, so a run cut short keeps them); stops starting new cases
+    after ``--sweep-budget`` seconds."""
     start = time.perf_counter()
-    for m in args.rows:
-        for name, (w16, w) in weights.items():
+    order = [n for n in SWEEP_ORDER if n in weights] + [n for n in weights if n not in SWEEP_ORDER]
+    for name in order:  # shape by shape: each row count early, the smallest and largest N first
+        w16, w = weights[name]
+        for m in args.rows:
             if time.perf_counter() - start > args.sweep_budget:
                 log(f"sweep: budget spent, {name} rows={m} and later cases skipped")
                 return out

@@ -13,8 +13,9 @@ scalars (``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits). Both nibbles of a 
 (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd columns, so nothing
 is interleaved. The product is either ``tl.dot`` with the weight rows as the MMA's long side
 (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per program into a
-per-lane accumulator reduced once at the end, for several rows summed per step). Every weight value is ``code[c] * absmax`` in fp32 rounded once to the
-activations' dtype, exactly as ``nf4.dequantize_nf4_reference``.
+per-lane accumulator reduced once at the end, for several rows summed per step). Every weight
+value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
+``nf4.dequantize_nf4_reference``.
 """
 
 from __future__ import annotations

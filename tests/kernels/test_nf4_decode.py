@@ -10,7 +10,9 @@ import torch
 from lightning_lorafusion.kernels.nf4 import (
     DECODE_MAX_BLOCKSIZE, DECODE_ROWS, Nf4Weight, dequantize_nf4_reference, nf4_forward_kind, quantize_nf4_reference,
 )
-from lightning_lorafusion.kernels.nf4_decode import MAX_BLOCKSIZE, MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode
+from lightning_lorafusion.kernels.nf4_decode import (
+    MAX_BLOCKSIZE, MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode,
+)
 from lightning_lorafusion.kernels.nf4_gemm import nf4_matmul_reference
 
 # (M, N, K): decode row counts (1, a few, a tile's worth and past it); N off every block_n; K

@@ -24,7 +24,7 @@ def test_bench_nf4_decode_tiny_cpu(tmp_path):
     assert [(d["variant"], d["rows"]) for d in report["engine"]] == [
         (v, n) for v in ("bf16", "buffer", "auto") for n in (1, 2)]
     (case,) = report["sweep"]  # the budget stops the sweep after its first case
-    assert (case["what"], case["rows"]) == ("qkv", 1) and len(case["results"]) > 5
+    assert (case["what"], case["rows"]) == ("o", 1) and len(case["results"]) > 5
     times = [r["ms"] for r in case["results"]]
     assert times == sorted(times) and all(r["max_rel"] < 1e-5 for r in case["results"])
     saved = json.loads((tmp_path / "nf4_decode_h64_i128.json").read_text())
