@@ -58,8 +58,10 @@ def _code_select(c, code_ptr):
 @triton.jit
 def _code(c, code_ptr, LOOKUP: tl.constexpr):
     if LOOKUP == 1:
-        return _code_select(c, code_ptr)
-    return tl.load(code_ptr + c)
+        value = _code_select(c, code_ptr)
+    else:
+        value = tl.load(code_ptr + c)
+    return value
 
 
 @triton.jit
@@ -70,8 +72,10 @@ def _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask,
     if NESTED:
         q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
         scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + blk // NESTED_BLOCKSIZE, mask=mask, other=0.0)
-        return tl.where(mask, scale + tl.load(offset_ptr), 0.0)
-    return tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+        scale = tl.where(mask, scale + tl.load(offset_ptr), 0.0)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
 
 
 @triton.jit
