@@ -148,19 +148,16 @@ def measure_layer(args, weights, device, dtype) -> list[dict]:
 
 
 def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Tilings beside ``default_config(m)``: rows of ``W`` per program x absmax blocks per step x
-    programs per SM, then one knob at a time (codebook by selects, warps, stages, GEMV vs dots)."""
+    """Tilings beside ``default_config(m)``, one or two knobs changed: the codebook lookups, rows
+    of ``W`` x warps, blocks per step, pipeline stages, programs per SM, GEMV against dots."""
     base = default_config(m)
-    out = [replace(base, block_n=bn, groups=g, fill=f) for bn in (base.block_n, 2 * base.block_n)
-           for g in (2, 4) for f in (4, 8)]
-    out += [replace(base, block_n=base.block_n // 2, fill=8), replace(base, fill=2), replace(base, fill=16),
-            replace(base, lookup=1), replace(base, num_warps=8), replace(base, groups=1), replace(base, num_stages=3)]
-    if base.use_dot and m > 16:
-        out += [replace(base, block_m=16)]
-    if m > 1:  # multiply-adds for several rows a program against dots
-        out += [replace(base, use_dot=False, block_m=bm) for bm in (4, 16) if bm <= m]
+    out = [replace(base, lookup=0), replace(base, lookup=1), replace(base, block_n=64, num_warps=4),
+           replace(base, block_n=128, num_warps=4), replace(base, groups=4), replace(base, num_stages=3),
+           replace(base, num_stages=4), replace(base, fill=1), replace(base, fill=4), replace(base, fill=8)]
+    if m > 16:
+        out += [replace(base, block_m=16), replace(base, block_n=64, num_warps=4, block_m=16)]
     else:
-        out += [replace(base, use_dot=True)]
+        out += [DecodeConfig(block_n=64, groups=2, fill=4, use_dot=False, lookup=lk, num_warps=4) for lk in (0, 2)]
     return [c for c in dict.fromkeys(out) if c != base]
 
 

@@ -7,9 +7,11 @@ still fills the GPU: fp32 partials, summed by a second kernel). ``K`` is walked 
 blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D
 ``[BLOCK_N, GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one
 ``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over the
-block, never a per-value gather. The 16-entry codebook is read per value either from the 64-byte
-table (``LOOKUP=0``: every lane of a warp hits one cache line) or selected arithmetically from 16
-scalars (``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits). Both nibbles of a byte are kept apart
+block, never a per-value gather from memory. The 16-entry codebook is loaded once per step into
+registers and gathered there (``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit
+addresses), or read per value from the 64-byte table in global memory (``LOOKUP=0``: one cache
+line per warp, but a 64-bit address per value), or selected arithmetically from 16 scalars
+(``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits). Both nibbles of a byte are kept apart
 (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd columns, so nothing
 is interleaved. The product is either ``tl.dot`` with the weight rows as the MMA's long side
 (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per program into a
@@ -33,6 +35,7 @@ import triton.language as tl
 
 MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``auto`` sends it)
 MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of a row (nf4.DECODE_MAX_BLOCKSIZE)
+MIN_STEPS = 4  # loop steps a split-K program runs at least
 
 
 @triton.jit
@@ -59,6 +62,9 @@ def _code_select(c, code_ptr):
 def _code(c, code_ptr, LOOKUP: tl.constexpr):
     if LOOKUP == 1:
         value = _code_select(c, code_ptr)
+    elif LOOKUP == 2:  # the table held in registers, gathered there (shared memory or shuffles)
+        flat = tl.reshape(c, (c.numel,))
+        value = tl.reshape(tl.gather(tl.load(code_ptr + tl.arange(0, 16)), flat, 0), c.shape)
     else:
         value = tl.load(code_ptr + c)
     return value
@@ -99,32 +105,37 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
 
 
 @triton.jit
+def _x_pairs(x_row, g, g_mask, stride_xk, half: tl.constexpr, GROUPS: tl.constexpr):
+    """fp32 ``(X[even k], X[odd k])`` of one row over absmax block columns ``g``: two
+    ``[GROUPS, half]`` tensors, read contiguous and split."""
+    k = g[:, None] * (2 * half) + tl.arange(0, 2 * half)[None, :]
+    x = tl.load(x_row + k * stride_xk, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (GROUPS, half, 2)))
+
+
+@triton.jit
 def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half: tl.constexpr,
               GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T`` over one loop step."""
-    bb = g0 * half + tl.arange(0, GROUPS * half)  # byte columns of this step
-    x_mask = m_mask[None, :] & (bb < g_end * half)[:, None]
-    x_rows = x_ptr + rm.to(tl.int64)[None, :] * stride_xm
-    x_even = tl.load(x_rows + (2 * bb[:, None]) * stride_xk, mask=x_mask, other=0.0)
-    x_odd = tl.load(x_rows + (2 * bb[:, None] + 1) * stride_xk, mask=x_mask, other=0.0)
-    acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), x_even, acc, input_precision=DOT_PRECISION)
-    return tl.dot(tl.reshape(lo, (BLOCK_N, GROUPS * half)), x_odd, acc, input_precision=DOT_PRECISION)
+    kk = g0 * (2 * half) + tl.arange(0, GROUPS * 2 * half)  # columns of X in this step, read contiguous
+    x_mask = m_mask[:, None] & (kk < g_end * (2 * half))[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
+    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], GROUPS * half, 2)))
+    acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(tl.reshape(lo, (BLOCK_N, GROUPS * half)), tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half: tl.constexpr,
-               BLOCK_M: tl.constexpr):
+               GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]``: each of rows ``m0 ..`` of ``X`` against the weight tile by
     multiply-adds, summed over the step."""
-    bb = g[:, None] * half + tl.arange(0, half)[None, :]
     cols = tl.arange(0, BLOCK_M)
     hi = hi.to(tl.float32)
     lo = lo.to(tl.float32)
     for i in tl.static_range(BLOCK_M):
-        x_row = x_ptr + (m0 + i).to(tl.int64) * stride_xm
-        x_mask = g_mask[:, None] & (m0 + i < M)
-        x_even = tl.load(x_row + 2 * bb * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + (2 * bb + 1) * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+        x_even, x_odd = _x_pairs(x_ptr + (m0 + i).to(tl.int64) * stride_xm, g, g_mask & (m0 + i < M), stride_xk,
+                                 half, GROUPS)
         part = tl.sum(tl.sum(tl.fma(hi, x_even[None, :, :], lo * x_odd[None, :, :]), axis=2), axis=1)
         acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
     return acc
@@ -159,15 +170,13 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
             acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
                             DOT_PRECISION)
         elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
-            x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-            bb = g[:, None] * half + tl.arange(0, half)[None, :]
-            x_mask = g_mask[:, None] & (pid_m < M)
-            x_even = tl.load(x_row + 2 * bb * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + (2 * bb + 1) * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
+                                     half, GROUPS)
             acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
             acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
         else:
-            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, BLOCK_M)
+            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
+                             BLOCK_M)
     if not USE_DOT and BLOCK_M == 1:
         acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
     out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
@@ -201,17 +210,17 @@ class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
     ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
     as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
-    ``lookup`` 0 (codebook table) or 1 (selects), ``block_m`` rows of ``X`` per program (0: one
-    for GEMV, ``M`` rounded up to a power of two >= 16 for dots; a power of two)."""
+    ``lookup`` 2 (codebook in registers), 0 (table in memory) or 1 (selects), ``block_m`` rows
+    of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two >= 16 for dots)."""
 
-    block_n: int = 64
+    block_n: int = 128
     groups: int = 2
     split_k: int = 0
-    fill: int = 4
+    fill: int = 2
     use_dot: bool = True
-    lookup: int = 0
+    lookup: int = 2
     block_m: int = 0
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
 
@@ -236,19 +245,20 @@ def _block_m(m: int, cfg: DecodeConfig) -> int:
 def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
     """Programs along ``K`` for ``m`` rows of ``w``: ``cfg.split_k``, or (0) as many as bring the
     grid to about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's
-    latency), at most one per loop step."""
+    latency), each of at least ``MIN_STEPS`` loop steps (the pipeline's prologue amortized)."""
     if cfg.split_k:
         return cfg.split_k
     tiles = triton.cdiv(w.shape[0], cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
     steps = triton.cdiv(w.shape[1] // w.blocksize, cfg.groups)
-    return max(1, min(steps, round(cfg.fill * _sm_count_of(w.device) / tiles)))
+    return max(1, min(steps // MIN_STEPS, round(cfg.fill * _sm_count_of(w.device) / tiles)))
 
 
 def default_config(m: int) -> DecodeConfig:
     """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode")."""
-    if m == 1:
-        return DecodeConfig(block_n=64, groups=2, use_dot=False)
-    return DecodeConfig(block_n=64, groups=2, use_dot=True)
+    # By the instructions per weight value of the compiled loop (sm_90, Triton 3.7): dots with the
+    # codebook in registers (lookup 2) issue ~7.5 per value against ~10-11.5 for GEMV or a table
+    # read from global memory, and 128 rows of W by 8 warps stay under 128 registers (no spills).
+    return DecodeConfig(block_m=0 if m <= 16 else 32 if m <= 32 else 64)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
