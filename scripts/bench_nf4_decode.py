@@ -148,16 +148,18 @@ def measure_layer(args, weights, device, dtype) -> list[dict]:
 
 
 def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Tilings beside ``default_config(m)``, one or two knobs changed: the codebook lookups, rows
-    of ``W`` x warps, blocks per step, pipeline stages, programs per SM, GEMV against dots."""
+    """Tilings beside ``default_config(m)``, one or two knobs changed: pipeline stages, blocks per
+    step, rows of ``W`` x warps, programs per SM, the codebook by selects; for one row also GEMV
+    (multiply-adds, the table read from memory or gathered in registers)."""
     base = default_config(m)
-    out = [replace(base, lookup=0), replace(base, lookup=1), replace(base, block_n=64, num_warps=4),
-           replace(base, block_n=128, num_warps=4), replace(base, groups=4), replace(base, num_stages=3),
-           replace(base, num_stages=4), replace(base, fill=1), replace(base, fill=4), replace(base, fill=8)]
+    out = [replace(base, num_stages=3), replace(base, num_stages=4), replace(base, groups=4),
+           replace(base, groups=4, num_stages=3), replace(base, block_n=64, num_warps=4),
+           replace(base, block_n=64, num_warps=4, num_stages=3), replace(base, fill=1), replace(base, fill=4),
+           replace(base, fill=8), replace(base, lookup=1)]
     if m > 16:
-        out += [replace(base, block_m=16), replace(base, block_n=64, num_warps=4, block_m=16)]
-    else:
-        out += [DecodeConfig(block_n=64, groups=2, fill=4, use_dot=False, lookup=lk, num_warps=4) for lk in (0, 2)]
+        out += [replace(base, block_m=16), replace(base, block_m=16, num_stages=3)]
+    if m == 1:
+        out += [DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, lookup=lk, num_warps=4) for lk in (0, 2)]
     return [c for c in dict.fromkeys(out) if c != base]
 
 
