@@ -155,7 +155,7 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
     out = [replace(base, num_stages=3), replace(base, num_stages=4), replace(base, groups=4),
            replace(base, groups=4, num_stages=3), replace(base, block_n=64, num_warps=4),
            replace(base, block_n=64, num_warps=4, num_stages=3), replace(base, fill=1), replace(base, fill=4),
-           replace(base, fill=8), replace(base, lookup=1)]
+           replace(base, fill=8), replace(base, lookup=1), replace(base, lookup=3)]
     if m > 16:
         out += [replace(base, block_m=16), replace(base, block_m=16, num_stages=3)]
     if m == 1:

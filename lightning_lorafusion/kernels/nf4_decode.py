@@ -11,7 +11,8 @@ block, never a per-value gather from memory. The 16-entry codebook is loaded onc
 registers and gathered there (``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit
 addresses), or read per value from the 64-byte table in global memory (``LOOKUP=0``: one cache
 line per warp, but a 64-bit address per value), or selected arithmetically from 16 scalars
-(``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits). Both nibbles of a byte are kept apart
+(``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits), or each block's 16 final values are built
+once (``code * absmax`` rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte are kept apart
 (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd columns, so nothing
 is interleaved. The product is either ``tl.dot`` with the weight rows as the MMA's long side
 (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per program into a
@@ -99,8 +100,13 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
     blk = rn[:, None] * blocks_per_row + g[None, :]
     scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
                          NESTED, NESTED_BLOCKSIZE)[:, :, None]
-    hi = (_code(packed >> 4, code_ptr, LOOKUP) * scale).to(dtype)
-    lo = (_code(packed & 15, code_ptr, LOOKUP) * scale).to(dtype)
+    if LOOKUP == 3:  # each block's 16 final values, code * absmax rounded once, then one gather per value
+        table = (tl.load(code_ptr + tl.arange(0, 16))[None, None, :] * scale).to(dtype)
+        hi = tl.gather(table, packed >> 4, 2)
+        lo = tl.gather(table, packed & 15, 2)
+    else:
+        hi = (_code(packed >> 4, code_ptr, LOOKUP) * scale).to(dtype)
+        lo = (_code(packed & 15, code_ptr, LOOKUP) * scale).to(dtype)
     return hi, lo
 
 
@@ -210,8 +216,9 @@ class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
     ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
     as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
-    ``lookup`` 2 (codebook in registers), 0 (table in memory) or 1 (selects), ``block_m`` rows
-    of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two >= 16 for dots)."""
+    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects) or 3 (per-block
+    tables of final values), ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M``
+    rounded up to a power of two >= 16 for dots)."""
 
     block_n: int = 128
     groups: int = 2

@@ -1,6 +1,6 @@
 """The NF4 decode kernel (few rows, the 4-bit weight read once) against its torch reference,
 dequantize then matmul: odd N, K of several absmax blocks, plain and double-quantized absmax,
-the three codebook lookups, GEMV and dots, split-K, bias; bit-exact weights through an identity
+the four codebook lookups, GEMV and dots, split-K, bias; bit-exact weights through an identity
 operand; fp32 and fp16 (bf16 is wrong in the Triton interpreter); and where ``nf4_gemm="auto"``
 sends a forward."""
 
@@ -26,6 +26,7 @@ CONFIGS = [
     DecodeConfig(block_n=32, groups=2, split_k=0, use_dot=True, block_m=16),
     DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, block_m=4),
     DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=False, lookup=2, num_warps=4),
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=True, lookup=3),
 ]
 # fp32: the same products summed in another order (ieee dots / fp32 multiply-adds): sums of up
 # to 384 unit-scale products, so a few 1e-5 apart near zero; fp16: both round the fp32 sum once
@@ -62,7 +63,7 @@ def test_forward_equals_the_reference(config, shape, nested, dtype, device):
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("blocksize", [32, 64, 128])
 @pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("lookup", [0, 1, 2])
+@pytest.mark.parametrize("lookup", [0, 1, 2, 3])
 def test_weight_is_dequantized_bit_for_bit(lookup, use_dot, blocksize, nested, device):
     """Rows of the identity as ``x``: every output is one weight value times 1 (plus exact
     zeros), so the values the kernel built equal ``dequantize_nf4_reference`` bit for bit (all
