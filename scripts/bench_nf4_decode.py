@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-layers", type=int, default=8, help="engine: layers of the model")
     ap.add_argument("--decode-steps", type=int, default=16, help="engine: timed steps per batch size")
     ap.add_argument("--prompt", type=int, default=64, help="engine: prompt tokens per request")
-    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help="engine: EngineConfig.cuda_graphs")
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                    help="engine: EngineConfig.cuda_graphs")
     ap.add_argument("--sweep", choices=("on", "off"), default="on", help="time other tilings of the kernel")
     ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds the sweep may take")
     ap.add_argument("--warmup", type=int, default=2, help="CPU timing: untimed runs")
@@ -148,18 +149,21 @@ def measure_layer(args, weights, device, dtype) -> list[dict]:
 
 
 def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Tilings beside ``default_config(m)``, one or two knobs changed: pipeline stages, blocks per
-    step, rows of ``W`` x warps, programs per SM, the codebook by selects; for one row also GEMV
-    (multiply-adds, the table read from memory or gathered in registers)."""
+    """Tilings beside ``default_config(m)``, one or two knobs changed: programs per SM, blocks per
+    step, rows of ``W`` x warps, pipeline stages, the codebook lookups; GEMV against dots."""
     base = default_config(m)
-    out = [replace(base, num_stages=3), replace(base, num_stages=4), replace(base, groups=4),
-           replace(base, groups=4, num_stages=3), replace(base, block_n=64, num_warps=4),
-           replace(base, block_n=64, num_warps=4, num_stages=3), replace(base, fill=1), replace(base, fill=4),
-           replace(base, fill=8), replace(base, lookup=1), replace(base, lookup=3)]
-    if m > 16:
-        out += [replace(base, block_m=16), replace(base, block_m=16, num_stages=3)]
     if m == 1:
-        out += [DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, lookup=lk, num_warps=4) for lk in (0, 2)]
+        out = [replace(base, fill=4), replace(base, fill=16), replace(base, groups=4), replace(base, block_n=32),
+               replace(base, block_n=128, num_warps=8), replace(base, lookup=0), replace(base, lookup=3),
+               DecodeConfig(block_n=128, num_warps=8, num_stages=4),
+               DecodeConfig(block_n=64, num_warps=4, num_stages=3)]
+    else:
+        wide = (64, 4) if base.block_n == 128 else (128, 8)
+        out = [replace(base, num_stages=2), replace(base, num_stages=4 if base.num_stages == 3 else 3),
+               replace(base, block_n=wide[0], num_warps=wide[1]),
+               replace(base, fill=1), replace(base, fill=4), replace(base, groups=4), replace(base, lookup=3),
+               replace(base, lookup=1)]
+        out += [replace(base, block_m=16)] if m > 16 else []
     return [c for c in dict.fromkeys(out) if c != base]
 
 

@@ -4,21 +4,21 @@ generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
 still fills the GPU: fp32 partials, summed by a second kernel). ``K`` is walked in whole absmax
-blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D
-``[BLOCK_N, GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one
-``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over the
-block, never a per-value gather from memory. The 16-entry codebook is loaded once per step into
-registers and gathered there (``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit
-addresses), or read per value from the 64-byte table in global memory (``LOOKUP=0``: one cache
-line per warp, but a 64-bit address per value), or selected arithmetically from 16 scalars
-(``LOOKUP=1``: a tree of ``tl.where`` on the 4 bits), or each block's 16 final values are built
-once (``code * absmax`` rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte are kept apart
-(high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd columns, so nothing
-is interleaved. The product is either ``tl.dot`` with the weight rows as the MMA's long side
-(``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per program into a
-per-lane accumulator reduced once at the end, for several rows summed per step). Every weight
-value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
-``nf4.dequantize_nf4_reference``.
+blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D ``[BLOCK_N,
+GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one ``[BLOCK_N, GROUPS]`` load
+(double quantization undone there, once per block) broadcast over the block, never a per-value
+gather from memory. The 16-entry codebook is loaded once per step into registers and gathered there
+(``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit addresses), or read per value
+from the 64-byte table in global memory (``LOOKUP=0``: one cache line per warp, but a 64-bit
+address per value), or selected arithmetically from 16 scalars (``LOOKUP=1``: a tree of
+``tl.where`` on the 4 bits), or each block's 16 final values are built once (``code * absmax``
+rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte
+are kept apart (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd
+columns, so nothing is interleaved. The product is either ``tl.dot`` with the weight rows as the
+MMA's long side (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per
+program into a per-lane accumulator reduced once at the end, for several rows summed per step).
+Every weight value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly
+as ``nf4.dequantize_nf4_reference``.
 """
 
 from __future__ import annotations
@@ -261,11 +261,13 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
 
 
 def default_config(m: int) -> DecodeConfig:
-    """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode")."""
-    # By the instructions per weight value of the compiled loop (sm_90, Triton 3.7): dots with the
-    # codebook in registers (lookup 2) issue ~7.5 per value against ~10-11.5 for GEMV or a table
-    # read from global memory, and 128 rows of W by 8 warps stay under 128 registers (no spills).
-    return DecodeConfig(block_m=0 if m <= 16 else 32 if m <= 32 else 64)
+    """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
+    kernel", measured on an H100 at the 8B projection shapes)."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM: 0.81-0.83x bf16 on the big shapes
+        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+    if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
+        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
