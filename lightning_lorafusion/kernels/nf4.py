@@ -48,6 +48,9 @@ NF4_CODE = (
 )
 DEFAULT_BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256  # double quantization of the absmax (bitsandbytes' fixed choice)
+# forward products of at most this many rows take the decode kernel under nf4_gemm="auto" on
+# CUDA (nf4_decode.py; docs/BENCHMARKS.md "NF4 decode"), for blocks of at most 256 values
+DECODE_ROWS, DECODE_MAX_BLOCKSIZE = 64, 256
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 WEIGHT_KEY = "weight_nf4"
 ABSMAX_KEY, CODE_KEY = "nf4_absmax", "nf4_code"
@@ -268,19 +271,38 @@ def _dequantized(weights: Sequence[Nf4Weight], dtype: torch.dtype):
 
 
 def resolve_nf4_gemm(gemm: str) -> str:
-    """``KernelOptions.nf4_gemm`` -> "buffer" or "fused" ("auto" is the buffer until the fused
-    GEMM is measured faster on the GPUs this runs on: docs/BENCHMARKS.md "NF4 frozen base")."""
+    """``KernelOptions.nf4_gemm`` -> "buffer" or "fused" for products of any size ("auto" is the
+    buffer there; the fused GEMM is slower on the GPUs measured: docs/BENCHMARKS.md "NF4 frozen
+    base"). Forward products of few rows may take the decode kernel instead: ``nf4_forward_kind``."""
     if gemm not in ("auto", "buffer", "fused"):
         raise ValueError(f"nf4_gemm={gemm!r}; allowed: ('auto', 'buffer', 'fused')")
     return "fused" if gemm == "fused" else "buffer"
 
 
+def nf4_forward_kind(m: int, on_cuda: bool, weights: Sequence[Nf4Weight], gemm: str = "auto") -> str:
+    """How the frozen forward ``x [m, K] @ W_i^T`` runs: "decode" (``nf4_decode``: the 4-bit
+    weight read once, for ``gemm="auto"`` on CUDA with ``1 <= m <= DECODE_ROWS`` and whole absmax
+    blocks per row of every weight), else ``resolve_nf4_gemm(gemm)``."""
+    kind = resolve_nf4_gemm(gemm)
+    if gemm != "auto" or not on_cuda or not 1 <= m <= DECODE_ROWS:
+        return kind
+    if all(w.shape[1] % w.blocksize == 0 and w.blocksize <= DECODE_MAX_BLOCKSIZE for w in weights):
+        return "decode"
+    return kind
+
+
 def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
                 gemm: str = "auto") -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``;
-    ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM)."""
-    if resolve_nf4_gemm(gemm) == "fused":
-        from .nf4_gemm import nf4_linear_fused  # Triton is imported only when used
+    ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM;
+    "auto": the decode kernel for few rows, ``nf4_forward_kind``)."""
+    kind = nf4_forward_kind(x.shape[0], x.is_cuda, weights, gemm)
+    if kind == "decode":
+        from .nf4_decode import nf4_linear_decode  # Triton is imported only when used
+
+        return [nf4_linear_decode(x, w, b) for w, b in zip(weights, biases)]
+    if kind == "fused":
+        from .nf4_gemm import nf4_linear_fused
 
         return [nf4_linear_fused(x, w, b) for w, b in zip(weights, biases)]
     return [torch.nn.functional.linear(x, wd, b) for wd, b in zip(_dequantized(weights, x.dtype), biases)]

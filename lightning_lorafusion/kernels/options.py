@@ -19,7 +19,8 @@ class KernelOptions:
     ``nf4_gemm``: how an NF4 base's frozen products read the 4-bit weight: ``buffer`` (each
     weight dequantized into a reused scratch buffer, then a cuBLAS GEMM), ``fused`` (the NF4
     GEMM kernel dequantizes inside its operand tiles, ``kernels.nf4_gemm``) or ``auto``
-    (``buffer`` until the fused kernel is measured faster: docs/BENCHMARKS.md)."""
+    (forward products of at most 64 rows on CUDA: the decode kernel, ``kernels.nf4_decode``;
+    the rest ``buffer``, the fused GEMM being measured slower: docs/BENCHMARKS.md)."""
 
     fp8_fast_accum_forward: bool = False
     fp8_fast_accum_input_grad: bool = False

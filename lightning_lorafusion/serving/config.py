@@ -47,7 +47,8 @@ class EngineTuning:
     async_decode: str = "auto"
     # an NF4 base's frozen products (``KernelOptions.nf4_gemm``): "buffer" (dequantize each weight
     # into a scratch buffer, then a GEMM), "fused" (the NF4 GEMM reads the 4-bit weight in its
-    # tiles; CUDA), "auto" (buffer until measured: docs/BENCHMARKS.md "NF4 frozen base")
+    # tiles; CUDA), "auto" (decode steps of at most 64 rows on CUDA: the NF4 decode kernel, which
+    # reads the 4-bit weight once; larger products: buffer; docs/BENCHMARKS.md "NF4 frozen base")
     nf4_gemm: str = "auto"
 
     def __post_init__(self) -> None:

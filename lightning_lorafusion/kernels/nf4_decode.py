@@ -1,0 +1,323 @@
+"""The NF4 decode product: ``Y [M, N] = X [M, K] @ dequant(W)^T (+ b)`` for few rows (the
+generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4.Nf4Weight``;
+``nf4_gemm.nf4_matmul_reference`` is the spec).
+
+Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
+still fills the GPU: fp32 partials, summed by a second kernel). ``K`` is walked in whole absmax
+blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D ``[BLOCK_N,
+GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one ``[BLOCK_N, GROUPS]`` load
+(double quantization undone there, once per block) broadcast over the block, never a per-value
+gather from memory. The 16-entry codebook is loaded once per step into registers and gathered there
+(``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit addresses), or read per value
+from the 64-byte table in global memory (``LOOKUP=0``: one cache line per warp, but a 64-bit
+address per value), or selected arithmetically from 16 scalars (``LOOKUP=1``: a tree of
+``tl.where`` on the 4 bits), or each block's 16 final values are built once (``code * absmax``
+rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte
+are kept apart (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd
+columns, so nothing is interleaved. The product is either ``tl.dot`` with the weight rows as the
+MMA's long side (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per
+program into a per-lane accumulator reduced once at the end, for several rows summed per step).
+Every weight value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly
+as ``nf4.dequantize_nf4_reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
+# (lazily, for few rows), so this one does not import it back.
+
+MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``auto`` sends it)
+MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of a row (nf4.DECODE_MAX_BLOCKSIZE)
+MIN_STEPS = 4  # loop steps a split-K program runs at least
+
+
+@triton.jit
+def _code_select(c, code_ptr):
+    """fp32 ``code[c]`` for 4-bit codes ``c`` (int32 tensor), by selects on the bits."""
+    b0 = (c & 1) != 0
+    b1 = (c & 2) != 0
+    b2 = (c & 4) != 0
+    b3 = (c & 8) != 0
+    v01 = tl.where(b0, tl.load(code_ptr + 1), tl.load(code_ptr + 0))
+    v23 = tl.where(b0, tl.load(code_ptr + 3), tl.load(code_ptr + 2))
+    v45 = tl.where(b0, tl.load(code_ptr + 5), tl.load(code_ptr + 4))
+    v67 = tl.where(b0, tl.load(code_ptr + 7), tl.load(code_ptr + 6))
+    v89 = tl.where(b0, tl.load(code_ptr + 9), tl.load(code_ptr + 8))
+    vab = tl.where(b0, tl.load(code_ptr + 11), tl.load(code_ptr + 10))
+    vcd = tl.where(b0, tl.load(code_ptr + 13), tl.load(code_ptr + 12))
+    vef = tl.where(b0, tl.load(code_ptr + 15), tl.load(code_ptr + 14))
+    lo = tl.where(b2, tl.where(b1, v67, v45), tl.where(b1, v23, v01))
+    hi = tl.where(b2, tl.where(b1, vef, vcd), tl.where(b1, vab, v89))
+    return tl.where(b3, hi, lo)
+
+
+@triton.jit
+def _code(c, code_ptr, LOOKUP: tl.constexpr):
+    if LOOKUP == 1:
+        value = _code_select(c, code_ptr)
+    elif LOOKUP == 2:  # the table held in registers, gathered there (shared memory or shuffles)
+        flat = tl.reshape(c, (c.numel,))
+        value = tl.reshape(tl.gather(tl.load(code_ptr + tl.arange(0, 16)), flat, 0), c.shape)
+    else:
+        value = tl.load(code_ptr + c)
+    return value
+
+
+@triton.jit
+def _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask,
+                 NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr):
+    """fp32 absmax of blocks ``blk`` (masked: 0); with double quantization
+    ``dyn[q] * nested_absmax[blk // NESTED_BLOCKSIZE] + offset`` (two roundings, as the reference)."""
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(dyn_ptr + q) * tl.load(nested_ptr + blk // NESTED_BLOCKSIZE, mask=mask, other=0.0)
+        scale = tl.where(mask, scale + tl.load(offset_ptr), 0.0)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
+def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
+                 blocks_per_row, dtype: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                 NESTED_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr):
+    """``(W[n, even k], W[n, odd k])`` in ``dtype`` for rows ``rn`` [BLOCK_N] and absmax block
+    columns ``g`` [GROUPS] of those rows: two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
+    half: tl.constexpr = BLOCKSIZE // 2
+    rh = tl.arange(0, half)
+    row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * half)
+    mask = n_mask[:, None, None] & g_mask[None, :, None]
+    packed = tl.load(data_ptr + row + (g[None, :, None] * half + rh[None, None, :]), mask=mask, other=0)
+    packed = packed.to(tl.int32)
+    blk = rn[:, None] * blocks_per_row + g[None, :]
+    scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
+                         NESTED, NESTED_BLOCKSIZE)[:, :, None]
+    if LOOKUP == 3:  # each block's 16 final values, code * absmax rounded once, then one gather per value
+        table = (tl.load(code_ptr + tl.arange(0, 16))[None, None, :] * scale).to(dtype)
+        hi = tl.gather(table, packed >> 4, 2)
+        lo = tl.gather(table, packed & 15, 2)
+    else:
+        hi = (_code(packed >> 4, code_ptr, LOOKUP) * scale).to(dtype)
+        lo = (_code(packed & 15, code_ptr, LOOKUP) * scale).to(dtype)
+    return hi, lo
+
+
+@triton.jit
+def _x_pairs(x_row, g, g_mask, stride_xk, half: tl.constexpr, GROUPS: tl.constexpr):
+    """fp32 ``(X[even k], X[odd k])`` of one row over absmax block columns ``g``: two
+    ``[GROUPS, half]`` tensors, read contiguous and split."""
+    k = g[:, None] * (2 * half) + tl.arange(0, 2 * half)[None, :]
+    x = tl.load(x_row + k * stride_xk, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (GROUPS, half, 2)))
+
+
+@triton.jit
+def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half: tl.constexpr,
+              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T`` over one loop step."""
+    kk = g0 * (2 * half) + tl.arange(0, GROUPS * 2 * half)  # columns of X in this step, read contiguous
+    x_mask = m_mask[:, None] & (kk < g_end * (2 * half))[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
+    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], GROUPS * half, 2)))
+    acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(tl.reshape(lo, (BLOCK_N, GROUPS * half)), tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half: tl.constexpr,
+               GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]``: each of rows ``m0 ..`` of ``X`` against the weight tile by
+    multiply-adds, summed over the step."""
+    cols = tl.arange(0, BLOCK_M)
+    hi = hi.to(tl.float32)
+    lo = lo.to(tl.float32)
+    for i in tl.static_range(BLOCK_M):
+        x_even, x_odd = _x_pairs(x_ptr + (m0 + i).to(tl.int64) * stride_xm, g, g_mask & (m0 + i < M), stride_xk,
+                                 half, GROUPS)
+        part = tl.sum(tl.sum(tl.fma(hi, x_even[None, :, :], lo * x_odd[None, :, :]), axis=2), axis=1)
+        acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, out_ptr,
+                       M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
+                       BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
+    blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
+    fp32 partial sum into ``out[pid_k]``."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    half: tl.constexpr = BLOCKSIZE // 2
+    dtype = x_ptr.dtype.element_ty
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask, m_mask = rn < N, rm < M
+    g_start = pid_k * blocks_per_split
+    g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)  # GEMV of one row: per-lane sums
+    for g0 in range(g_start, g_end, GROUPS):
+        g = g0 + tl.arange(0, GROUPS)
+        g_mask = g < g_end
+        hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
+                              g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP)
+        if USE_DOT:
+            acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
+                            DOT_PRECISION)
+        elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
+            x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
+                                     half, GROUPS)
+            acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
+            acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
+        else:
+            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
+                             BLOCK_M)
+    if not USE_DOT and BLOCK_M == 1:
+        acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y [M, N] = sum_s part[s] (+ bias)`` (fp32 sums in split order, then the output dtype)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------ launcher
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
+    ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
+    as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
+    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects) or 3 (per-block
+    tables of final values), ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M``
+    rounded up to a power of two >= 16 for dots)."""
+
+    block_n: int = 128
+    groups: int = 2
+    split_k: int = 0
+    fill: int = 2
+    use_dot: bool = True
+    lookup: int = 2
+    block_m: int = 0
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count_of(device: torch.device) -> int:
+    """The device's SMs (a fixed guess off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _block_m(m: int, cfg: DecodeConfig) -> int:
+    if not cfg.use_dot:
+        return cfg.block_m or 1
+    return cfg.block_m or max(16, triton.next_power_of_2(m))
+
+
+def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
+    """Programs along ``K`` for ``m`` rows of ``w``: ``cfg.split_k``, or (0) as many as bring the
+    grid to about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's
+    latency), each of at least ``MIN_STEPS`` loop steps (the pipeline's prologue amortized)."""
+    if cfg.split_k:
+        return cfg.split_k
+    tiles = triton.cdiv(w.shape[0], cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
+    steps = triton.cdiv(w.shape[1] // w.blocksize, cfg.groups)
+    return max(1, min(steps // MIN_STEPS, round(cfg.fill * _sm_count_of(w.device) / tiles)))
+
+
+def default_config(m: int) -> DecodeConfig:
+    """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
+    kernel", measured on an H100 at the 8B projection shapes)."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM: 0.81-0.83x bf16 on the big shapes
+        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+    if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
+        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
+
+
+def _check(x: torch.Tensor, w: Nf4Weight) -> None:
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"nf4 decode: x must be 2-D [M, {k}] for an NF4 weight {tuple(w.shape)}; got {tuple(x.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"nf4 decode: x has {x.shape[0]} rows; this kernel serves at most {MAX_ROWS}")
+    if k % w.blocksize or w.blocksize > MAX_BLOCKSIZE:
+        raise ValueError(f"nf4 decode: in_features {k} must be a multiple of the weight's blocksize {w.blocksize}, "
+                         f"at most {MAX_BLOCKSIZE}; use the buffer path (nf4_gemm: buffer)")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"nf4 decode: x must be fp32/fp16/bf16; got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"nf4 decode: x is on {x.device} but the NF4 weight on {w.device}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # read per call, never at import
+        raise ValueError(f"nf4 decode runs a Triton kernel: it needs a CUDA device (or TRITON_INTERPRET=1 on "
+                         f"CPU); x is on {x.device}")
+
+
+def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None, *,
+                      config: DecodeConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype`` (fp32 accumulation), for
+    ``M <= MAX_ROWS`` and ``K`` a multiple of ``w.blocksize``; ``config``: the tiling
+    (``default_config(M)`` when None)."""
+    n, k = w.shape
+    cfg = config or default_config(x.shape[0])
+    _check(x, w)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m = _block_m(m, cfg)
+    blocks_per_row = k // w.blocksize
+    per_split = cfg.groups * triton.cdiv(triton.cdiv(blocks_per_row, cfg.groups), default_split(m, w, cfg))
+    split = triton.cdiv(blocks_per_row, per_split)  # absmax blocks per program: whole loop steps
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if w.nested:
+        wargs, nested_bs = (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset), w.nested_blocksize
+    else:
+        wargs, nested_bs = (w.data, w.absmax, w.code, w.code, w.code, w.code), 1
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    _nf4_decode_kernel[grid](
+        x, *wargs, bias if bias is not None else y, out, m, n, blocks_per_row, per_split, x.stride(0), x.stride(1),
+        n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
+        PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=cfg.lookup, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n, split,
+                                                         HAS_BIAS=bias is not None, BLOCK=block)
+    return y

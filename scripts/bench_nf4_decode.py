@@ -1,0 +1,246 @@
+"""NF4 decode products: the decode kernel (``kernels/nf4_decode.py``) against bf16 cuBLAS and the
+NF4 buffer path, at decode row counts, on one model's projection shapes (default Llama-3.1-8B).
+
+Sections (in this order; each is written to the JSON as soon as it is measured):
+
+    shapes  per projection shape (qkv fused [q + 2 kv, hidden], o, gate (= up), down) and row
+            count of ``--rows``: ms of ``bf16`` (``F.linear``), ``buffer`` (dequantize into a
+            scratch buffer, then the GEMM), ``decode`` (the kernel, its default tiling), and
+            ``max_rel``: the decode result's largest difference from the reference (the weight
+            dequantized by the torch reference, fp32 product), relative to its largest value
+    layer   a decoder layer's frozen products as the engine runs them (q, k, v, o, gate, up,
+            down), the same three variants
+    engine  the generation engine's decode step over ``--decode-layers`` layers: bf16 base, NF4
+            base with ``nf4_gemm: buffer`` and with ``auto`` (the decode kernel up to its rows)
+    sweep   other tilings of the decode kernel per shape and rows (``--sweep on``), within
+            ``--sweep-budget`` seconds: the best one found per case
+
+Times: CUDA-graph medians of Triton's ``do_bench_cudagraph`` on a GPU (no launch overhead, as the
+engine's captured decode steps run), wall-clock medians elsewhere. On a CPU the kernel runs in the
+Triton interpreter: set ``TRITON_INTERPRET=1`` in the environment.
+
+    python scripts/bench_nf4_decode.py --out $OUT                                   # 8B shapes, GPU
+    TRITON_INTERPRET=1 python scripts/bench_nf4_decode.py --device cpu --dtype float32 --hidden 64 --intermediate 128 \\
+        --heads 4 --kv-heads 2 --head-dim 16 --vocab 128 --rows 1,5 --decode-rows 1,2 --decode-layers 1 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, replace
+
+from harness import Report, add_device_args, add_output_args, comma_list, dtype_of, logger, timed_ms
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench_nf4 import make_weights, measure_decode, projection_shapes  # noqa: E402
+from lightning_lorafusion.kernels.nf4 import nf4_outputs  # noqa: E402
+from lightning_lorafusion.kernels.nf4_decode import (  # noqa: E402
+    DecodeConfig, default_config, default_split, nf4_linear_decode,
+)
+
+log = logger("bench_nf4_decode")
+VARIANTS = ("bf16", "buffer", "decode")
+SWEEP_ORDER = ("o", "gate", "down", "qkv")
+LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=128256, help="engine: the model's vocabulary")
+    ap.add_argument("--rows", type=comma_list(cast=int), default=[1, 16, 64], help="token counts")
+    ap.add_argument("--decode-rows", type=lambda s: [int(v) for v in s.split(",") if v], default=[1, 16, 64],
+                    help="engine decode steps at these batch sizes ('' skips)")
+    ap.add_argument("--decode-layers", type=int, default=8, help="engine: layers of the model")
+    ap.add_argument("--decode-steps", type=int, default=16, help="engine: timed steps per batch size")
+    ap.add_argument("--prompt", type=int, default=64, help="engine: prompt tokens per request")
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                    help="engine: EngineConfig.cuda_graphs")
+    ap.add_argument("--sweep", choices=("on", "off"), default="on", help="time other tilings of the kernel")
+    ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds the sweep may take")
+    ap.add_argument("--warmup", type=int, default=2, help="CPU timing: untimed runs")
+    ap.add_argument("--reps", type=int, default=5, help="CPU timing: timed runs (median)")
+    add_device_args(ap)
+    add_output_args(ap)
+    return ap.parse_args(argv)
+
+
+def shape_cases(args) -> dict[str, tuple[int, int]]:
+    """``name -> (N, K)``: the four distinct product shapes of a Llama layer (qkv as one weight)."""
+    p = projection_shapes(args)
+    q, kv = p["q_proj"][0], p["k_proj"][0]
+    return {"qkv": (q + 2 * kv, args.hidden), "o": p["o_proj"], "gate": p["gate_proj"], "down": p["down_proj"]}
+
+
+def _time(fn, device, args, rep: int = 40) -> float:
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    return timed_ms(fn, device, warmup=args.warmup, reps=args.reps)["median_ms"]
+
+
+def _reference(x, w) -> torch.Tensor:
+    return x.float() @ w.dequantize(x.dtype, backend="torch").float().t()
+
+
+def _weight_bytes(w) -> int:
+    """Bytes of an NF4 weight as the decode kernel reads them (packed codes and absmax pieces)."""
+    return sum(t.numel() * t.element_size() for t in (w.data, w.absmax, w.nested_absmax) if t is not None)
+
+
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _products(variant: str, x, names, weights, config: DecodeConfig | None = None):
+    """A no-argument callable running the products of ``names`` on ``x`` one after another."""
+    if variant == "bf16":
+        dense = [weights[n][0] for n in names]
+        return lambda: [F.linear(x, w) for w in dense]
+    nf4 = [weights[n][1] for n in names]
+    if variant == "buffer":
+        return lambda: nf4_outputs(x, nf4, [None] * len(nf4), "buffer")
+    return lambda: [nf4_linear_decode(x, w, config=config) for w in nf4]
+
+
+def _inputs(m: int, k: int, device, dtype) -> torch.Tensor:
+    return torch.randn(m, k, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(m))
+
+
+def measure_shapes(args, weights, device, dtype) -> list[dict]:
+    out = []
+    for m in args.rows:
+        for name in weights:
+            x = _inputs(m, weights[name][0].shape[1], device, dtype)
+            row = {"what": name, "rows": m, "config": asdict(default_config(m))}
+            for variant in VARIANTS:
+                row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args, rep=20)
+            row["max_rel"] = _max_rel(nf4_linear_decode(x, weights[name][1]), _reference(x, weights[name][1]))
+            row["decode_gbps"] = _weight_bytes(weights[name][1]) / row["decode_ms"] / 1e6
+            row["bf16_gbps"] = weights[name][0].numel() * weights[name][0].element_size() / row["bf16_ms"] / 1e6
+            out.append(row)
+            log(f"{name} rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS)
+                + f", max_rel {row['max_rel']:.1e}, weight read at {row['decode_gbps']:.0f} GB/s")
+    return out
+
+
+def measure_layer(args, weights, device, dtype) -> list[dict]:
+    out = []
+    for m in args.rows:
+        xs = {k: _inputs(m, k, device, dtype) for k in {weights[n][0].shape[1] for n in LAYER}}
+        row = {"what": "layer", "rows": m}
+        for variant in VARIANTS:
+            fns = [_products(variant, xs[weights[n][0].shape[1]], [n], weights) for n in LAYER]
+            row[f"{variant}_ms"] = _time(lambda: [f() for f in fns], device, args)
+        row["max_rel"] = max(_max_rel(nf4_linear_decode(xs[weights[n][0].shape[1]], weights[n][1]),
+                                      _reference(xs[weights[n][0].shape[1]], weights[n][1])) for n in LAYER)
+        out.append(row)
+        log(f"layer rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS))
+    return out
+
+
+def sweep_configs(m: int) -> list[DecodeConfig]:
+    """Tilings beside ``default_config(m)``, one or two knobs changed: programs per SM, blocks per
+    step, rows of ``W`` x warps, pipeline stages, the codebook lookups; GEMV against dots."""
+    base = default_config(m)
+    if m == 1:
+        out = [replace(base, fill=4), replace(base, fill=16), replace(base, groups=4), replace(base, block_n=32),
+               replace(base, block_n=128, num_warps=8), replace(base, lookup=0), replace(base, lookup=3),
+               DecodeConfig(block_n=128, num_warps=8, num_stages=4),
+               DecodeConfig(block_n=64, num_warps=4, num_stages=3)]
+    else:
+        wide = (64, 4) if base.block_n == 128 else (128, 8)
+        out = [replace(base, num_stages=2), replace(base, num_stages=4 if base.num_stages == 3 else 3),
+               replace(base, block_n=wide[0], num_warps=wide[1]),
+               replace(base, fill=1), replace(base, fill=4), replace(base, groups=4), replace(base, lookup=3),
+               replace(base, lookup=1)]
+        out += [replace(base, block_m=16)] if m > 16 else []
+    return [c for c in dict.fromkeys(out) if c != base]
+
+
+def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
+    """Each (shape, rows): the default and the other tilings, best first, appended to ``out``
+    (``saved()`` after each case, so a run cut short keeps them); stops starting new cases
+    after ``--sweep-budget`` seconds."""
+    start = time.perf_counter()
+    order = [n for n in SWEEP_ORDER if n in weights] + [n for n in weights if n not in SWEEP_ORDER]
+    for name in order:  # shape by shape: each row count early, the smallest and largest N first
+        w16, w = weights[name]
+        for m in args.rows:
+            if time.perf_counter() - start > args.sweep_budget:
+                log(f"sweep: budget spent, {name} rows={m} and later cases skipped")
+                return out
+            x = _inputs(m, w16.shape[1], device, dtype)
+            want = _reference(x, w)
+            split = default_split(m, w, default_config(m))
+            configs = [default_config(m), *sweep_configs(m)]
+            timed = []
+            for cfg in configs:
+                try:
+                    err = _max_rel(nf4_linear_decode(x, w, config=cfg), want)
+                    ms = _time(lambda: nf4_linear_decode(x, w, config=cfg), device, args, rep=10)
+                except Exception as exc:  # a tiling the compiler refuses is a result, not a stop
+                    timed.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    continue
+                timed.append({"config": asdict(cfg), "ms": ms, "max_rel": err})
+            timed.sort(key=lambda r: r.get("ms", float("inf")))
+            out.append({"what": name, "rows": m, "default_split": split, "results": timed})
+            saved()
+            best = timed[0]
+            log(f"sweep {name} rows={m}: best {best.get('ms', float('nan')):.4f} ms {best['config']}")
+    return out
+
+
+def print_tables(report: dict, args) -> None:
+    print(f"\n{report['device_name']}, {args.dtype}; hidden {args.hidden}, intermediate {args.intermediate}")
+    sweep = {(s["what"], s["rows"]): s["results"][0] for s in report.get("sweep") or [] if "ms" in s["results"][0]}
+    print(f"{'what':6} {'rows':>4} {'bf16 ms':>9} {'buffer ms':>9} {'decode ms':>9} {'dec/bf16':>8} "
+          f"{'best ms':>9} {'best/bf16':>9} {'max_rel':>8}")
+    for r in (report.get("shapes") or []) + (report.get("layer") or []):
+        best = sweep.get((r["what"], r["rows"]))
+        best_ms = f"{best['ms']:9.4f} {best['ms'] / r['bf16_ms']:9.2f}" if best else f"{'-':>9} {'-':>9}"
+        print(f"{r['what']:6} {r['rows']:4d} {r['bf16_ms']:9.4f} {r['buffer_ms']:9.4f} {r['decode_ms']:9.4f} "
+              f"{r['decode_ms'] / r['bf16_ms']:8.2f} {best_ms} {r['max_rel']:8.1e}")
+    if report.get("engine"):
+        print(f"\nengine decode step ({args.decode_layers} layers), ms: variant (nf4_gemm), rows, step, forward")
+        for r in report["engine"]:
+            fwd = "-" if r["forward_ms"] is None else f"{r['forward_ms']:.3f}"
+            print(f"  {r['variant']:7} {r['rows']:4d} {r['step_ms']:9.3f} {fwd:>9}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), dtype_of(args.dtype)
+    torch.manual_seed(0)
+    report = Report(device, args, out=args.out, file_name=f"nf4_decode_h{args.hidden}_i{args.intermediate}.json",
+                    log=log, describe=lambda rows: f"{len(rows)} rows")
+    shapes = shape_cases(args)
+    with torch.no_grad():
+        weights = make_weights(shapes, device, dtype)
+        report.measure("shapes", lambda: measure_shapes(args, weights, device, dtype))
+        layer = make_weights(projection_shapes(args), device, dtype)
+        report.measure("layer", lambda: measure_layer(args, layer, device, dtype))
+        del layer
+        if args.decode_rows:
+            engine_args = argparse.Namespace(**{**vars(args), "variants": ["bf16", "buffer", "auto"]})
+            report.measure("engine", lambda: measure_decode(engine_args, device, dtype))
+        if args.sweep == "on":
+            report["sweep"] = []
+            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype, report["sweep"], report.save))
+    print_tables(report, args)
+    if report["errors"]:
+        print(f"errors: {report['errors']}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["errors"] else 0)

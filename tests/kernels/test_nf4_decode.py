@@ -1,0 +1,116 @@
+"""The NF4 decode kernel (few rows, the 4-bit weight read once) against its torch reference,
+dequantize then matmul: odd N, K of several absmax blocks, plain and double-quantized absmax,
+the four codebook lookups, GEMV and dots, split-K, bias; bit-exact weights through an identity
+operand; fp32 and fp16 (bf16 is wrong in the Triton interpreter); and where ``nf4_gemm="auto"``
+sends a forward."""
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.nf4 import (
+    DECODE_MAX_BLOCKSIZE, DECODE_ROWS, Nf4Weight, dequantize_nf4_reference, nf4_forward_kind, quantize_nf4_reference,
+)
+from lightning_lorafusion.kernels.nf4_decode import (
+    MAX_BLOCKSIZE, MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode,
+)
+from lightning_lorafusion.kernels.nf4_gemm import nf4_matmul_reference
+
+# (M, N, K): decode row counts (1, a few, a tile's worth and past it); N off every block_n; K
+# several absmax blocks, not a multiple of the loop step (groups * blocksize)
+SHAPES = [(1, 47, 192), (5, 33, 320), (17, 70, 128), (40, 20, 384)]
+CONFIGS = [
+    None,  # default_config(M)
+    DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=True, lookup=1),
+    DecodeConfig(block_n=32, groups=2, split_k=1, use_dot=False, lookup=1),
+    DecodeConfig(block_n=16, groups=4, split_k=2, use_dot=False, lookup=0),
+    DecodeConfig(block_n=32, groups=2, split_k=0, use_dot=True, block_m=16),
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, block_m=4),
+    DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=False, lookup=2, num_warps=4),
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=True, lookup=3),
+]
+# fp32: the same products summed in another order (ieee dots / fp32 multiply-adds): sums of up
+# to 384 unit-scale products, so a few 1e-5 apart near zero; fp16: both round the fp32 sum once
+# to fp16 (2^-11 relative), so one ulp apart at most
+TOL = {torch.float32: dict(rtol=1e-5, atol=6e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _weight(n: int, k: int, nested: bool, blocksize: int = 64, seed: int = 0) -> Nf4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_nf4_reference(torch.randn(n, k, generator=gen), blocksize=blocksize, double_quant=nested)
+
+
+def _on(w: Nf4Weight, device) -> Nf4Weight:
+    return Nf4Weight(*(t.to(device) if t is not None else None for t in
+                       (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else
+                         f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}m{c.block_m}")
+def test_forward_equals_the_reference(config, shape, nested, dtype, device):
+    m, n, k = shape
+    w = _weight(n, k, nested)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    y = nf4_linear_decode(x.to(device), _on(w, device), bias.to(device), config=config).cpu()
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, nf4_matmul_reference(x, w, transpose=True, bias=bias), **TOL[dtype])
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("blocksize", [32, 64, 128])
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("lookup", [0, 1, 2, 3])
+def test_weight_is_dequantized_bit_for_bit(lookup, use_dot, blocksize, nested, device):
+    """Rows of the identity as ``x``: every output is one weight value times 1 (plus exact
+    zeros), so the values the kernel built equal ``dequantize_nf4_reference`` bit for bit (all
+    16 codes occur among the 37 x 10 values read back)."""
+    n, k = 37, 2 * blocksize
+    w = _on(_weight(n, k, nested, blocksize, seed=3), device)
+    want = dequantize_nf4_reference(w).cpu()
+    eye = torch.eye(k, device=device)
+    # both nibbles, each block's first and last values, across row ends (the interpreter is slow:
+    # a sample of columns, every absmax block of W is still read by each product)
+    cols = sorted({0, 1, blocksize - 2, blocksize - 1, blocksize, blocksize + 3, k - 2, k - 1, 7, k // 2 + 5})
+    config = DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=use_dot, lookup=lookup)
+    y = nf4_linear_decode(eye[cols], w, config=config).cpu()
+    assert torch.equal(y, want[:, cols].t())
+
+
+def test_strided_x_reads_right(device):
+    """A column slice of a wider tensor (row stride > K) is read through its strides."""
+    w = _on(_weight(24, 128, True), device)
+    wide = torch.randn(3, 140, device=device)
+    x = wide[:, 5:133]
+    for config in (default_config(1), default_config(3)):
+        torch.testing.assert_close(nf4_linear_decode(x, w, config=config),
+                                   nf4_matmul_reference(x.contiguous(), w, transpose=True), rtol=1e-5, atol=5e-5)
+
+
+def test_inputs_are_checked():
+    w = _weight(16, 128, False)
+    with pytest.raises(ValueError, match=r"x must be 2-D \[M, 128\]"):
+        nf4_linear_decode(torch.randn(2, 126), w)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS}"):
+        nf4_linear_decode(torch.randn(MAX_ROWS + 1, 128), w)
+    with pytest.raises(ValueError, match="multiple of the weight's blocksize 64"):
+        nf4_linear_decode(torch.randn(2, 96), _weight(16, 96, False))
+
+
+def test_auto_takes_the_decode_kernel_for_few_rows_on_cuda():
+    """``nf4_gemm="auto"``: the decode kernel for 1..DECODE_ROWS rows on CUDA; the buffer for more
+    rows, off CUDA, or when a weight's rows are not whole absmax blocks; explicit choices kept."""
+    ws = [_weight(16, 128, True), _weight(8, 128, False)]
+    assert nf4_forward_kind(1, True, ws) == "decode"
+    assert nf4_forward_kind(DECODE_ROWS, True, ws) == "decode"
+    assert nf4_forward_kind(DECODE_ROWS + 1, True, ws) == "buffer"
+    assert nf4_forward_kind(0, True, ws) == "buffer"
+    assert nf4_forward_kind(1, False, ws) == "buffer"
+    assert nf4_forward_kind(1, True, ws + [_weight(4, 96, False)]) == "buffer"  # 96 = 1.5 blocks per row
+    assert nf4_forward_kind(1, True, ws, "buffer") == "buffer"
+    assert nf4_forward_kind(1, True, ws, "fused") == "fused"
+    assert nf4_forward_kind(1, True, [_weight(4, 1024, False, blocksize=512)]) == "buffer"  # over the kernel's blocks
+    assert DECODE_ROWS <= MAX_ROWS and DECODE_MAX_BLOCKSIZE == MAX_BLOCKSIZE
