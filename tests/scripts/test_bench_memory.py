@@ -75,7 +75,8 @@ def test_a_graphs_row_runs_the_captured_step_with_its_options(monkeypatch):
     monkeypatch.setattr(bench, "run_ours", fake_run_ours)
     from lightning_lorafusion.model.decoder_config import DecoderConfig
 
-    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu", torch.float32)[0]
+    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
+                                                     torch.float32)[0]
     w = {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
          "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
     args = bench.parse_args(["--device", "cpu", "--rank", "4"])
