@@ -309,9 +309,10 @@ def test_recomputed_mlp_with_the_compiled_activation():
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
-    memory a forward leaves allocated drops, per mode, by exactly what the accounting says the
-    mode keeps less of; backward then gives the keeping path's gradients (bf16: the compiled
-    activation's forward-only and training graphs may round differently)."""
+    memory a forward leaves allocated drops, per mode (also with ``norm_recompute``), by exactly
+    what the accounting says the setting keeps less of; backward then gives the keeping path's
+    gradients (bf16: the compiled activation's forward-only and training graphs, and the fused
+    add + norm against the separate ones, may round differently)."""
     config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
                                             "head_dim": 64, "vocab_size": 512})
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
@@ -329,25 +330,28 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     cu = torch.tensor([0, 512, 1024, t], dtype=torch.int32, device="cuda")
     pos = torch.cat([torch.arange(512), torch.arange(512), torch.arange(1024)]).cuda()
     kept, grads = {}, {}
-    # a first pass over the modes allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
-    # each mode's compiled kernels); the second pass's are compared
-    for mode in (*MODES, *MODES):
+    settings = [(m, False) for m in MODES] + [("activation", True), ("gate_up", True)]  # (mlp_recompute, norms)
+    # a first pass over the settings allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
+    # each setting's compiled kernels); the second pass's are compared
+    for setting in (*settings, *settings):
         for p in bank.parameters():
             p.grad = None
         h = embed(params, ids)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",
-                             options=DecoderOptions(mlp_recompute=mode))
+                             options=DecoderOptions(mlp_recompute=setting[0], norm_recompute=setting[1]))
         torch.cuda.synchronize()
-        kept[mode] = torch.cuda.memory_allocated() - before
+        kept[setting] = torch.cuda.memory_allocated() - before
         out.float().pow(2).mean().backward()
-        grads[mode] = [p.grad.float().clone() for p in bank.parameters()]
+        grads[setting] = [p.grad.float().clone() for p in bank.parameters()]
         del out
-    per_layer = {m: sum(layer_saved_bytes(config, 16, mlp_recompute=m).values()) for m in MODES}
-    for mode in ("activation", "gate_up"):
-        assert kept["none"] - kept[mode] == config.num_layers * t * (per_layer["none"] - per_layer[mode]), kept
-        for a, b in zip(grads[mode], grads["none"]):
+    per_layer = {s: sum(layer_saved_bytes(config, 16, mlp_recompute=s[0], norm_recompute=s[1]).values())
+                 for s in settings}
+    plain = ("none", False)
+    for setting in settings[1:]:
+        assert kept[plain] - kept[setting] == config.num_layers * t * (per_layer[plain] - per_layer[setting]), kept
+        for a, b in zip(grads[setting], grads[plain]):
             # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
             # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
             torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
