@@ -284,11 +284,27 @@ def test_recomputed_mlp_with_a_fused_gate_up_projection(backend):
         for p in bank.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
-    for mode in ("activation", "gate_up"):
-        loss, grads = _loss_and_grads(params, config, bank, mode, backend)
-        assert torch.equal(loss, ref_loss), mode
+    for mode, norms in (("activation", False), ("gate_up", False), ("activation", True)):
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend, norms=norms)
+        assert torch.equal(loss, ref_loss), (mode, norms)
         for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b), mode
+            assert torch.equal(a, b), (mode, norms)
+
+
+@pytest.mark.parametrize("family", [
+    DecoderFamily(name="gemma2", norm_offset=1.0, output_norms=True, activation="gelu_tanh", embedding_scale=True),
+    DecoderFamily(name="olmo2", input_norms=False, output_norms=True, qk_norm="projection")])
+def test_rebuilt_norms_in_other_blocks(family):
+    """Gemma's offset norms with post-norms (the input norms rebuilt, the output norms as before)
+    and OLMo 2's block without input norms (nothing to rebuild): the same losses and gradients."""
+    config = DecoderConfig(num_layers=2, family=family, **CONFIG)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch")
+    loss, grads = _loss_and_grads(params, config, bank, "activation", "torch", norms=True)
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
 
 
 def test_recomputed_mlp_with_the_compiled_activation():
