@@ -293,10 +293,7 @@ def decoder_layer(
                             dropout_offset=offset(1), backend=backend, options=kernel_options)
     if family.output_norms:
         o = norm(o, lp["attn_post_norm"], eps)
-    if rebuild:  # the sum, then the norm alone: the rebuild in backward reruns the same norm on it
-        h = h + o
-        x = norm(h, lp["mlp_norm"], eps)
-    elif family.input_norms:
+    if family.input_norms:
         h, x = add_norm(h, o, lp["mlp_norm"], eps)
     else:
         h = x = h + o

@@ -5,8 +5,9 @@ projections after them, whose LoRA terms keep it for their ``dA``; the norm itse
 its input ``h`` (and the fp32 ``1/rms``) for its own gradient. So ``x`` is a second ``[T, H]``
 copy of what ``h`` determines: inside ``rebuilt_in_backward(x, rebuild, h)`` every tensor saved
 for backward that is ``x`` (or a view of it) is saved as a token, and backward calls
-``rebuild(h)`` (the same norm on the same ``h``: the forward's values bit for bit) when it
-unpacks one. Nothing
+``rebuild(h)`` (the same norm on the same ``h``) when it unpacks one: the forward's values bit
+for bit with eager or traced norms; a compiled residual add + norm may normalise the unrounded
+sum, so there the rebuilt output can differ from the forward's in the last bit. Nothing
 is cached: each unpack reruns the elementwise norm, so no rebuilt tensor outlives its use.
 """
 
