@@ -52,7 +52,7 @@ from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
 from .flex_attention import softcap_block_masks
 from .mlp_recompute import MLP_RECOMPUTE_MODES, recomputed_mlp
-from .norm_recompute import rebuilt_in_backward
+from .rebuilt_copies import rebuilt_in_backward
 from .decoder_config import (ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq,  # noqa: F401 (also imported from here)
                              rope_long_rows)
 from .family import (
@@ -88,7 +88,7 @@ class DecoderOptions:
     "none", "activation" (the activation's output, elementwise) or "gate_up" (also the gate/up
     products, one extra gate+up product per layer); ``mlp_recompute.py``. ``norm_recompute``:
     backward rebuilds the attention and MLP input norms' outputs from their inputs (kept by the
-    norms anyway) instead of keeping them for the projections' LoRA (``norm_recompute.py``;
+    norms anyway) instead of keeping them for the projections' LoRA (``rebuilt_copies.py``;
     elementwise work only). Layers under ``checkpoint_layers`` recompute whole and ignore both."""
 
     elementwise_fusion: str = "auto"

@@ -371,3 +371,39 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
             # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
             # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
             torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
+
+
+def test_repeated_kv_are_rebuilt_not_kept():
+    """An attention without grouped heads gets k and v repeated to the query heads; what it keeps
+    of them for backward is the [T, Hkv, D] originals (1/rep of the repeated bytes), and the
+    gradients of q, k, v equal those of keeping the repeated copies."""
+    from lightning_lorafusion.model.attention import repeated_kv_attention
+
+    gen = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = 48, 8, 2, 16
+    q, k, v = (torch.randn(t, h, d, generator=gen, requires_grad=True) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, 20, t], dtype=torch.int32)
+
+    def attention(k_rep, v_rep):  # keeps its inputs, as FlashAttention does
+        return _FlashLike.apply(q, k_rep, v_rep, cu, d ** -0.5)
+
+    def run(rebuilt: bool):
+        kept: dict[int, int] = {}
+
+        def pack(x):
+            kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if rebuilt:
+                out = repeated_kv_attention(attention, k, v, hq // hkv)
+            else:
+                out = attention(k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1))
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+        return sum(kept.values()), grads
+
+    kept_bytes, grads = run(True)
+    ref_bytes, ref_grads = run(False)
+    assert ref_bytes - kept_bytes == 2 * t * (hq - hkv) * d * 4
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)

@@ -1,14 +1,19 @@
-"""Rebuilding a pre-norm's output in backward instead of keeping it (``DecoderOptions.norm_recompute``).
+"""Tensors that are cheap functions of tensors kept anyway, rebuilt in backward instead of kept.
 
-The attention and MLP input norms ``x = norm(h)`` of a pre-norm block hand ``x [T, H]`` to the
-projections after them, whose LoRA terms keep it for their ``dA``; the norm itself already keeps
-its input ``h`` (and the fp32 ``1/rms``) for its own gradient. So ``x`` is a second ``[T, H]``
-copy of what ``h`` determines: inside ``rebuilt_in_backward(x, rebuild, h)`` every tensor saved
-for backward that is ``x`` (or a view of it) is saved as a token, and backward calls
-``rebuild(h)`` (the same norm on the same ``h``) when it unpacks one: the forward's values bit
-for bit with eager or traced norms; a compiled residual add + norm may normalise the unrounded
-sum, so there the rebuilt output can differ from the forward's in the last bit. Nothing
-is cached: each unpack reruns the elementwise norm, so no rebuilt tensor outlives its use.
+- The pre-norms (``DecoderOptions.norm_recompute``): the attention and MLP input norms
+  ``x = norm(h)`` hand ``x [T, H]`` to the projections after them, whose LoRA terms keep it for
+  their ``dA``; the norm itself already keeps its input ``h`` (and the fp32 ``1/rms``) for its
+  own gradient, so ``x`` is a second ``[T, H]`` copy of what ``h`` determines.
+- GQA on a FlashAttention without native grouped heads (``attention._flash_varlen``): ``k`` and
+  ``v`` repeated to the query heads are kept by the attention's backward; rebuilt from the
+  ``[T, Hkv, D]`` originals they cost ``Hkv / Hq`` of that.
+
+Inside ``rebuilt_in_backward(x, rebuild, source)`` every tensor saved for backward that is ``x``
+(or a view of it) is saved as a token, and backward calls ``rebuild(source)`` when it unpacks
+one: the forward's values bit for bit for the same function on the same input (a compiled
+residual add + norm may normalise the unrounded sum, so there the rebuilt norm output can differ
+from the forward's in the last bit). Nothing is cached: each unpack reruns the elementwise
+function, so no rebuilt tensor outlives its use.
 """
 
 from __future__ import annotations
