@@ -441,6 +441,10 @@ def _gpu_setup(config, specs, base_precision="bf16"):
         from lightning_lorafusion.model.hf_loading import quantize_base_fp8
 
         params = quantize_base_fp8(params, embedding=True)
+    elif base_precision == "nf4":
+        from lightning_lorafusion.model.hf_loading import quantize_base_nf4
+
+        params = quantize_base_nf4(params)
     bank = AdapterBank(specs, config, dtype=torch.float32, device="cuda")
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -463,7 +467,8 @@ def _fp8_tensor_cores() -> bool:
 @pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute,norms", [
     (False, "bf16", False, "none", False), (True, "bf16", False, "none", False), (False, "fp8", False, "none", False),
     (False, "bf16", True, "none", False), (False, "bf16", False, "gate_up", False),
-    (2, "bf16", False, "activation", False), (False, "bf16", False, "activation", True)])
+    (2, "bf16", False, "activation", False), (False, "bf16", False, "activation", True),
+    (False, "nf4", False, "activation", True)])
 def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
@@ -475,7 +480,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
     adapters the graphs rescale rows by their owner read on the device (the same products).
     With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph), with
-    ``norms`` (``norm_recompute``) the norm outputs too."""
+    ``norms`` (``norm_recompute``) the norm outputs too; an NF4 base dequantizes in both."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
         pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
