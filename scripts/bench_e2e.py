@@ -36,6 +36,7 @@ and warms up every shape). Reports real (non-padding) tokens/s and peak memory.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import time
@@ -351,9 +352,11 @@ def run_hf_qlora(args, model, data, device, layers: dict):
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None, options=DEFAULT_OPTIONS):
+             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
-    and releases the HF model's bf16 weights, so later ones cannot quantize again)."""
+    and releases the HF model's bf16 weights, so later ones cannot quantize again).
+    ``precapture``: with ``graphs``, capture graphs covering every planned shape key before the
+    first pass, as ``fit`` does before an epoch (else keys are captured on first use)."""
     w = OursSetup(args, model, data, device, dtype)
     if base_precision in QUANTIZED:
         fp8_params = {} if fp8_params is None else fp8_params
@@ -377,6 +380,8 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
 
         runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
                                 options=options)
+        if precapture:
+            runner.precapture(collections.Counter(graph_key(mb) for mb in mbs), device)
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
                                      checkpoint_layers=args.checkpoint_layers if runner is None else 0)
@@ -395,7 +400,8 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
     if runner is not None:
         extra = {"graphs": runner.num_graphs, "keys": len({graph_key(mb) for mb in mbs}),
                  "replays": runner.replays, "capture_s": round(runner.capture_seconds, 1),
-                 "refusals": {str(k): v for k, v in runner.refusals.items()}}
+                 "refusals": {str(k): v for k, v in runner.refusals.items()},
+                 "precaptured": runner.precaptures, "captures": runner.captures}
     return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
 
 

@@ -2,14 +2,19 @@
 bf16) base for each capacity x recomputation setting, with the bf16 base's row for reference, in
 one process (same samples, same kernels as scripts/bench_e2e.py's "triton" variant).
 
-A setting is ``none``, an ``mlp_recompute`` mode (``activation``, ``gate_up``), ``ckptN`` (the
-first N layers checkpointed whole) or both joined by ``+`` (``ckpt8+activation``). Each row also
-shows what ``model.activation_memory`` says the decoder layers keep for backward at that
-capacity, and whether it meets the memory target: peak <= --target-gib at >= --target-ratio of the
-best NF4 tokens/s of the run. Rows past --time-budget seconds are skipped (listed as such).
+A setting is ``none`` or parts joined by ``+``: an ``mlp_recompute`` mode (``activation``,
+``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward),
+``ckptN`` (the first N layers checkpointed whole) and ``graphs`` (the step captured in CUDA
+graphs, ``training/cuda_graphs.py``, covering every planned shape key before the first pass as
+``fit`` does; not with ``ckptN``), e.g. ``activation+norms+graphs``. Each row also shows what
+``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
+allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
+whether it meets the memory target: peak allocated <= --target-gib at >= --target-ratio of the
+best NF4 tokens/s of the run. ``--breakdown`` prints what is live at the peak of one eager step
+(scripts/memory_peak.py). Rows past --time-budget seconds are skipped (listed as such).
 
-    PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096,8192 \\
-        --settings none,activation,gate_up,ckpt4+gate_up --extra-rows 2048:none,2048:activation,2048:ckpt2+activation --out $OUT
+    PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096 --settings none,gate_up+norms \\
+        --extra-rows 2048:activation+norms+graphs,4096:none+graphs --bf16-capacity 0 --out $OUT
     PYTHONPATH=. python3 scripts/bench_memory.py --shape tiny --layers 2 --device cpu --backend torch \\
         --samples 4 --capacities 256,512 --bf16-capacity 256   # smoke test
 """
@@ -20,6 +25,7 @@ import argparse
 import gc
 import json
 import time
+from dataclasses import dataclass
 
 from harness import add_output_args, comma_list, device_info, write_json
 
@@ -31,18 +37,30 @@ from lightning_lorafusion.model.decoder import DecoderOptions  # noqa: E402
 from lightning_lorafusion.model.mlp_recompute import MLP_RECOMPUTE_MODES  # noqa: E402
 
 
-def parse_setting(text: str) -> tuple[str, int]:
-    """``"ckpt8+activation"`` -> (mlp_recompute, checkpointed layers)."""
-    mode, layers = "none", 0
+@dataclass(frozen=True)
+class Setting:
+    mlp_recompute: str = "none"
+    checkpoint_layers: int = 0
+    norm_recompute: bool = False
+    graphs: bool = False
+
+
+def parse_setting(text: str) -> Setting:
+    """``"ckpt8+activation"`` -> Setting(mlp_recompute="activation", checkpoint_layers=8)."""
+    mode, layers, norms, graphs = "none", 0, False, False
     for part in text.split("+"):
         if part.startswith("ckpt") and part[4:].isdigit():
             layers = int(part[4:])
         elif part in MLP_RECOMPUTE_MODES:
             mode = part
+        elif part in ("norms", "graphs"):
+            norms, graphs = norms or part == "norms", graphs or part == "graphs"
         else:
-            raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES} "
-                                             "or ckptN (N layers checkpointed)")
-    return mode, layers
+            raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
+                                             "norms, graphs or ckptN (N layers checkpointed)")
+    if graphs and layers:
+        raise argparse.ArgumentTypeError(f"setting {text!r}: graphs with ckptN is not measured here; drop one")
+    return Setting(mode, layers, norms, graphs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
     ap.add_argument("--target-gib", type=float, default=16.0)
     ap.add_argument("--target-ratio", type=float, default=0.9)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print what is live at the peak of one eager step of each eager row (memory_peak.py)")
     ap.add_argument("--time-budget", type=float, default=270.0,
                     help="seconds from the start; a row that would end past it (as long as the longest so "
                          "far) is skipped")
@@ -80,30 +100,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _run_row(args, w: dict, precision: str, capacity: int, setting: str) -> dict:
-    mode, ckpt = parse_setting(setting)
+def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
+    setting = parse_setting(text)
     # bench_e2e's arguments for one "triton" row (its quantize_all reads the precision list)
-    row_args = argparse.Namespace(**{**vars(args), "capacity": capacity, "checkpoint_layers": ckpt,
-                                     "profile": False, "memory_peak": False, "variants": "triton",
-                                     "base_precision": [precision], "fp8_exempt_layers": 0})
+    row_args = argparse.Namespace(**{**vars(args), "capacity": capacity, "checkpoint_layers": setting.checkpoint_layers,
+                                     "profile": False, "memory_peak": args.breakdown and not setting.graphs,
+                                     "variants": "triton", "base_precision": [precision], "fp8_exempt_layers": 0})
     device = w["device"]
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"base": precision, "capacity": capacity, "setting": setting}
+    row = {"base": precision, "capacity": capacity, "setting": text}
+    options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
     try:
-        tps, secs, toks, fill, n, _ = run_ours(row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
-                                               args.backend, base_precision=precision, label=f"{precision}_{setting}",
-                                               fp8_params=w["quantized"], options=DecoderOptions(mlp_recompute=mode))
+        tps, secs, toks, fill, n, extra = run_ours(row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
+                                                   args.backend, base_precision=precision, graphs=setting.graphs,
+                                                   label=f"{precision}_{capacity}_{text}", fp8_params=w["quantized"],
+                                                   options=options, precapture=setting.graphs)
     except torch.OutOfMemoryError:
         return {**row, "error": "out of memory"}
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    kept = step_activation_bytes(w["config"], args.rank, capacity, dtype=w["dtype"], mlp_recompute=mode,
-                                 checkpoint_layers=ckpt, elementwise_compiled=device.type == "cuda")
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
+    kept = step_activation_bytes(w["config"], args.rank, capacity, dtype=w["dtype"],
+                                 mlp_recompute=setting.mlp_recompute, checkpoint_layers=setting.checkpoint_layers,
+                                 elementwise_compiled=cuda, norm_recompute=setting.norm_recompute)
     return {**row, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2), "real_tokens": toks,
-            "peak_gib": round(peak, 2), "kept_bytes": kept, "fill": round(fill, 3),
-            "microbatches": n}
+            "peak_gib": round(peak, 2), "reserved_gib": round(reserved, 2), "kept_bytes": kept,
+            "fill": round(fill, 3), "microbatches": n, **extra}
 
 
 def planned_rows(args) -> list[tuple[str, int, str]]:
@@ -117,19 +142,21 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
           f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} backend={args.backend}")
     swept = [r for r in rows if r["base"] == args.base_precision and "tokens_per_s" in r]
     best = max((r["tokens_per_s"] for r in swept), default=float("nan"))
-    print(f"{'base':5} {'capacity':>8} {'setting':22} {'tok/s':>9} {'vs best':>8} {'peak GiB':>9} "
-          f"{'kept GiB':>9}  target")
+    print(f"{'base':5} {'capacity':>8} {'setting':26} {'tok/s':>9} {'vs best':>8} {'peak GiB':>9} "
+          f"{'resv GiB':>9} {'kept GiB':>9} {'graphs':>7}  target")
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:22} {r.get('error', 'skipped')}")
+            print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:26} {r.get('error', 'skipped')}")
             continue
         ratio = r["tokens_per_s"] / best
         meets = r["base"] == args.base_precision and r["peak_gib"] <= args.target_gib and ratio >= args.target_ratio
-        print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:22} {r['tokens_per_s']:>9.1f} {ratio:>7.3f}x "
-              f"{r['peak_gib']:>9.2f} {r['kept_bytes'] / 2**30:>9.2f}  {'yes' if meets else ''}")
+        graphs = f"{r['replays']}/{r['microbatches'] * 2}" if "replays" in r else ""  # replays of both passes' steps
+        print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:26} {r['tokens_per_s']:>9.1f} {ratio:>7.3f}x "
+              f"{r['peak_gib']:>9.2f} {r['reserved_gib']:>9.2f} {r['kept_bytes'] / 2**30:>9.2f} {graphs:>7}  "
+              f"{'yes' if meets else ''}")
     print(f"target: peak <= {args.target_gib} GiB at >= {args.target_ratio:.0%} of the best {args.base_precision} "
-          f"tok/s of this run ({best:.1f}); kept GiB: what the decoder layers keep for backward at that "
-          "capacity (model.activation_memory)")
+          f"tok/s of this run ({best:.1f}); resv: peak reserved; kept GiB: what the decoder layers keep for "
+          "backward at that capacity (model.activation_memory); graphs: replayed steps / steps of both passes")
 
 
 def main(argv=None) -> list[dict]:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .flex_attention import flex_softcap_attention
+from .rebuilt_copies import rebuilt_in_backward
 
 
 def varlen_causal_attention(
@@ -129,13 +130,25 @@ def _flash_varlen(q, k, v, cu_seqlens, scale, sliding_window, max_seqlen):
         kwargs["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         return None
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if max_seqlen is None:
         max_seqlen = int((cu[1:] - cu[:-1]).max())
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" not in params:
+            return repeated_kv_attention(lambda k, v: varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs),
+                                         k, v, q.shape[1] // k.shape[1])
+        kwargs["enable_gqa"] = True
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def repeated_kv_attention(attention, k: torch.Tensor, v: torch.Tensor, rep: int) -> torch.Tensor:
+    """``attention(k', v')`` with k, v ``[T, Hkv, D]`` repeated ``rep`` times per head to the query
+    heads (an attention without grouped heads). The repeated copies the attention keeps for
+    backward are rebuilt there from k and v (``rebuilt_copies.py``): ``1 / rep`` of their bytes."""
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(rep, dim=1)
+
+    k_rep, v_rep = repeat(k), repeat(v)
+    with rebuilt_in_backward(k_rep, repeat, k), rebuilt_in_backward(v_rep, repeat, v):
+        return attention(k_rep, v_rep)

@@ -32,6 +32,7 @@ layers, and (last stage) ``head_loss_sums``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
@@ -51,6 +52,7 @@ from ..specs import IGNORE_INDEX, ConfigError
 from .attention import varlen_causal_attention
 from .flex_attention import softcap_block_masks
 from .mlp_recompute import MLP_RECOMPUTE_MODES, recomputed_mlp
+from .rebuilt_copies import rebuilt_in_backward
 from .decoder_config import (ROPE_TYPES, DecoderConfig, rope_cos_sin, rope_inv_freq,  # noqa: F401 (also imported from here)
                              rope_long_rows)
 from .family import (
@@ -84,13 +86,16 @@ class DecoderOptions:
     kernels' options (``KernelOptions``: FP8 accumulation, the NF4 GEMM); ``mlp_recompute``:
     which of the MLP's ``[T, intermediate]`` tensors backward rebuilds instead of keeping:
     "none", "activation" (the activation's output, elementwise) or "gate_up" (also the gate/up
-    products, one extra gate+up product per layer); ``mlp_recompute.py``. Layers under
-    ``checkpoint_layers`` recompute whole and ignore it."""
+    products, one extra gate+up product per layer); ``mlp_recompute.py``. ``norm_recompute``:
+    backward rebuilds the attention and MLP input norms' outputs from their inputs (kept by the
+    norms anyway) instead of keeping them for the projections' LoRA (``rebuilt_copies.py``;
+    elementwise work only). Layers under ``checkpoint_layers`` recompute whole and ignore both."""
 
     elementwise_fusion: str = "auto"
     fusion_compiler: str = "inductor"
     kernels: KernelOptions = field(default_factory=KernelOptions)
     mlp_recompute: str = "none"
+    norm_recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.elementwise_fusion not in ELEMENTWISE_FUSION_MODES:
@@ -100,6 +105,8 @@ class DecoderOptions:
             raise TypeError(f"DecoderOptions.kernels must be a KernelOptions; got {type(self.kernels).__name__}")
         if self.mlp_recompute not in MLP_RECOMPUTE_MODES:
             raise ValueError(f"DecoderOptions.mlp_recompute={self.mlp_recompute!r}; allowed: {MLP_RECOMPUTE_MODES}")
+        if not isinstance(self.norm_recompute, bool):
+            raise TypeError(f"DecoderOptions.norm_recompute must be a bool; got {self.norm_recompute!r}")
 
 
 DEFAULT_OPTIONS = DecoderOptions()
@@ -222,6 +229,13 @@ def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | No
     return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute)
 
 
+def _rebuilt_norm(enabled: bool, x: torch.Tensor, norm, h: torch.Tensor, weight, eps: float):
+    """``x = norm(h, weight, eps)`` rebuilt in backward from ``h`` when ``enabled`` (else nothing)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return rebuilt_in_backward(x, lambda source: norm(source, weight, eps), h)
+
+
 def decoder_layer(
     lp: Mapping[str, Any],
     bank_view: BankView | None,
@@ -260,9 +274,11 @@ def decoder_layer(
         c = options.fusion_compiler
         norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
                                         _compiled(_rope_qk, c), _compiled(act, c))
+    rebuild = options.norm_recompute and family.input_norms
     x = norm(h, lp["attn_norm"], eps) if family.input_norms else h
-    q, k, v = _qkv_projections(x, lp, lora, routing, config=config, dropout_offset=offset(0), backend=backend,
-                               options=kernel_options)
+    with _rebuilt_norm(rebuild, x, norm, h, lp.get("attn_norm"), eps):
+        q, k, v = _qkv_projections(x, lp, lora, routing, config=config, dropout_offset=offset(0), backend=backend,
+                                   options=kernel_options)
     q, k = q.reshape(t, config.num_heads, config.head_dim), k.reshape(t, config.num_kv_heads, config.head_dim)
     if family.qk_norm != "none":
         q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], eps, family)
@@ -281,7 +297,8 @@ def decoder_layer(
         h, x = add_norm(h, o, lp["mlp_norm"], eps)
     else:
         h = x = h + o
-    d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options)
+    with _rebuilt_norm(rebuild, x, norm, h, lp.get("mlp_norm"), eps):
+        d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options)
     if family.output_norms:
         d = norm(d, lp["mlp_post_norm"], eps)
     return h + d
@@ -344,7 +361,7 @@ def decoder_layers(
     else:
         recompute_below = int(checkpoint_layers)
     recompute_below = recompute_below if torch.is_grad_enabled() else 0
-    whole = replace(options, mlp_recompute="none")  # a checkpointed layer recomputes all of it
+    whole = replace(options, mlp_recompute="none", norm_recompute=False)  # a checkpointed layer recomputes all
     for i in layers:
         args = (params["layers"][i], bank_view, h, *ropes[config.local_rope(i)], cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,

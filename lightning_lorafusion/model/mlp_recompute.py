@@ -106,7 +106,7 @@ class _GatedActivation(torch.autograd.Function):
         return dg, du, None, None
 
 
-def _enclosing_hooks():
+def enclosing_saved_tensor_hooks():
     """The saved-tensor hooks in force around this call (an offloading or a counting context), or
     None: saved-tensor hooks do not nest (the innermost alone applies), so the down projection's
     hooks pass every tensor but ``mid`` on to them. torch exposes the current pair only through
@@ -133,7 +133,7 @@ def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
     # the hooks hold these numbers, never ``mid`` or ``x`` (torch keeps the hooks with each saved tensor)
     mid_storage, device = mid.untyped_storage().data_ptr(), x.device
 
-    outer = _enclosing_hooks()  # the down projection's other saved tensors still go through them
+    outer = enclosing_saved_tensor_hooks()  # the down projection's other saved tensors still go through them
 
     def pack(t: torch.Tensor):
         if t.device == device and t.untyped_storage().data_ptr() == mid_storage:

@@ -43,7 +43,7 @@ def check_adapters(adapters: Sequence[AdapterSpec | dict]) -> tuple[AdapterSpec,
 
 def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any, precision: PrecisionConfig,
                          lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none",
-                         cuda_graph_precapture: Any = 0) -> str:
+                         cuda_graph_precapture: Any = 0, norm_recompute: Any = False) -> str:
     """``ConfigError`` naming the first model option out of range; returns ``cuda_graphs`` as a
     mode name (YAML reads a bare on/off as a boolean)."""
     if dtype not in DTYPES:
@@ -62,6 +62,8 @@ def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any
         raise ConfigError(f"model.mlp_recompute={mlp_recompute!r} does not apply to an FP8 base (its SwiGLU "
                           "hands quantized operands to the down projection); set it to 'none' or use "
                           "activation_checkpointing")
+    if not isinstance(norm_recompute, bool):
+        raise ConfigError(f"model.norm_recompute={norm_recompute!r} must be true or false")
     if isinstance(cuda_graphs, bool):
         cuda_graphs = "on" if cuda_graphs else "off"
     if cuda_graphs not in CUDA_GRAPH_MODES:

@@ -90,6 +90,9 @@ class LoRAFusionModule(L.LightningModule):
             "gate_up" (all three, from the MLP input: one extra gate+up product per layer).
             Exact (the same gradients); layers under ``activation_checkpointing`` recompute
             whole. Not with an FP8 base. docs/model.md "Activation memory".
+        norm_recompute: rebuild the attention and MLP input norms' outputs in backward from the
+            norms' inputs (kept anyway) instead of keeping them for the projections' LoRA: two
+            ``[tokens, hidden]`` tensors fewer per layer for elementwise work only. Exact.
         precision: how the frozen base is stored (``PrecisionConfig``): ``{base: bf16}`` (the
             default: the projections multiply in ``dtype``) or ``{base: fp8, fp8: {...}}``: the
             seven projection weights of every layer are quantized once to float8 e4m3
@@ -128,6 +131,7 @@ class LoRAFusionModule(L.LightningModule):
         export_on_fit_end: bool = True,
         activation_checkpointing: bool | int = False,
         mlp_recompute: str = "none",
+        norm_recompute: bool = False,
         precision: PrecisionConfig = PrecisionConfig(),
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
@@ -141,7 +145,7 @@ class LoRAFusionModule(L.LightningModule):
         cuda_graphs = check_module_options(
             dtype=dtype, grad_clip=grad_clip, max_nonfinite_steps=max_nonfinite_steps, precision=precision,
             lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute,
-            cuda_graph_precapture=cuda_graph_precapture)
+            norm_recompute=norm_recompute, cuda_graph_precapture=cuda_graph_precapture)
         self.save_hyperparameters(ignore=["adapters", "precision"])
         self.hparams["precision"] = dataclasses.asdict(precision)  # plain data in checkpoints
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -165,7 +169,8 @@ class LoRAFusionModule(L.LightningModule):
         self.base_precision = precision.base
         fast = precision.fp8.fast_accumulation
         self.decoder_options = DecoderOptions(kernels=KernelOptions(
-            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm), mlp_recompute=mlp_recompute)
+            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm),
+            mlp_recompute=mlp_recompute, norm_recompute=norm_recompute)
         self.cuda_graphs = cuda_graphs
         self.cuda_graph_precapture = cuda_graph_precapture
         self._graphs: TrainingGraphs | None = None  # made in on_train_start when graphs are used

@@ -30,12 +30,12 @@ def _config(num_layers: int) -> DecoderConfig:
     return DecoderConfig(num_layers=num_layers, **CONFIG)
 
 
-def _bank(config, ranks=(4, 4), dora=False, dropout=0.0):
+def _bank(config, ranks=(4, 4), dora=False, dropout=0.0, dtype=torch.float32):
     specs = [AdapterSpec(name=f"a{i}", rank=r, alpha=2 * r, dropout=dropout, lr=1e-3, global_batch_size=1, seed=i,
                          dora=dora and i == 1,
                          dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 2, "seed": i})
              for i, r in enumerate(ranks)]
-    bank = AdapterBank(specs, config, dtype=torch.float32)
+    bank = AdapterBank(specs, config, dtype=dtype)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in bank.parameters():
@@ -72,13 +72,14 @@ def flash_like(monkeypatch):
     monkeypatch.setattr(dec, "varlen_causal_attention", attention)
 
 
-def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None = None) -> int:
+def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None = None, norms: bool = False,
+                 dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the distinct storages autograd keeps after the forward of ``num_layers`` layers
-    over ``tokens`` tokens of two adapters (fused kernels, fp32; elementwise groups eager, or
-    compiled by ``compiler``)."""
+    over ``tokens`` tokens of two adapters (fused kernels, ``dtype``; elementwise groups eager,
+    or compiled by ``compiler``; ``norms``: ``norm_recompute``)."""
     config = _config(num_layers)
-    params = random_base_params(config, device="cpu", dtype=torch.float32)
-    bank = _bank(config)
+    params = random_base_params(config, device="cpu", dtype=dtype)
+    bank = _bank(config, dtype=dtype)
     frozen = {p.untyped_storage().data_ptr() for p in bank.parameters()}
     stack = [params]
     while stack:
@@ -102,7 +103,7 @@ def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None =
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     h = embed(params, ids)
     options = DecoderOptions(elementwise_fusion="off" if compiler is None else "on",
-                             fusion_compiler=compiler or "inductor", mlp_recompute=mode)
+                             fusion_compiler=compiler or "inductor", mlp_recompute=mode, norm_recompute=norms)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = decoder_layers(params, bank.view(), h, torch.cat([torch.arange(half)] * 2),
                              torch.tensor([0, half, tokens], dtype=torch.int32), routing, config=config,
@@ -126,16 +127,45 @@ def test_accounting_equals_what_autograd_keeps(flash_like, mode):
     assert sum(full.values()) - sum(accounted.values()) == {"none": 0, "activation": 2 * i, "gate_up": 4 * i}[mode]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_rebuilt_norms_keep_less_by_the_accounting(flash_like, mode):
+    """``norm_recompute`` with each MLP mode: one layer's bytes per token equal the accounting's
+    sum, which is two ``[T, H]`` norm outputs fewer than without it (fp32, eager norms: the
+    norm's fp32 input is the layer's own tensor, so the rebuild holds nothing more)."""
+    t1, t2 = 64, 128
+    layer = [(_saved_bytes(2, t, mode, norms=True) - _saved_bytes(1, t, mode, norms=True)) for t in (t1, t2)]
+    measured = (layer[1] - layer[0]) / (t2 - t1)
+    accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode, elementwise_compiled=False,
+                                  norm_recompute=True)
+    assert measured == sum(accounted.values()), accounted
+    kept = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode, elementwise_compiled=False)
+    assert sum(kept.values()) - sum(accounted.values()) == 2 * CONFIG["hidden_size"] * 4
+
+
+def test_rebuilt_norms_in_16_bits_with_eager_norms(flash_like):
+    """bf16 with eager norms: a norm keeps an fp32 copy of its input, so the rebuild keeps the
+    16-bit input as well; the accounting says so and the measured bytes agree."""
+    t1, t2 = 64, 128
+    for norms in (False, True):
+        layer = [(_saved_bytes(2, t, "activation", norms=norms, dtype=torch.bfloat16)
+                  - _saved_bytes(1, t, "activation", norms=norms, dtype=torch.bfloat16)) for t in (t1, t2)]
+        accounted = layer_saved_bytes(_config(2), 4, dtype=torch.bfloat16, mlp_recompute="activation",
+                                      elementwise_compiled=False, norm_recompute=norms)
+        assert (layer[1] - layer[0]) / (t2 - t1) == sum(accounted.values()), (norms, accounted)
+    assert accounted["attn_norm_rebuild_input"] == accounted["mlp_norm_rebuild_input"] == CONFIG["hidden_size"] * 2
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
                     reason="inductor's CPU code needs a C++ compiler")
 def test_accounting_of_the_compiled_elementwise_groups(flash_like):
     """The norms and activation compiled by inductor, as on a GPU: a norm keeps its input and
     1/rms, SwiGLU keeps gate and up only; the accounting's compiled column is what is kept."""
     t1, t2 = 64, 128
-    for mode in ("none", "gate_up"):
-        layer = [(_saved_bytes(2, t, mode, "inductor") - _saved_bytes(1, t, mode, "inductor")) for t in (t1, t2)]
-        accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode)
-        assert (layer[1] - layer[0]) / (t2 - t1) == sum(accounted.values()), (mode, accounted)
+    for mode, norms in (("none", False), ("gate_up", False), ("activation", True)):
+        layer = [(_saved_bytes(2, t, mode, "inductor", norms) - _saved_bytes(1, t, mode, "inductor", norms))
+                 for t in (t1, t2)]
+        accounted = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode, norm_recompute=norms)
+        assert (layer[1] - layer[0]) / (t2 - t1) == sum(accounted.values()), (mode, norms, accounted)
 
 
 def test_accounting_at_the_8b_shape():
@@ -152,6 +182,10 @@ def test_accounting_at_the_8b_shape():
     assert step_activation_bytes(config, 16, 4096, checkpoint_layers=True) == 4096 * 32 * 4096 * 2
     mixed = step_activation_bytes(config, 16, 4096, checkpoint_layers=8, mlp_recompute="activation")
     assert mixed == 4096 * (8 * 8192 + 24 * (139_624 - 14336 * 2))
+    # the two norm outputs: 16 KiB per token per layer
+    for mode in MODES:
+        kept = sum(layer_saved_bytes(config, 16, mlp_recompute=mode).values())
+        assert sum(layer_saved_bytes(config, 16, mlp_recompute=mode, norm_recompute=True).values()) == kept - 2 * 8192
 
 
 def test_accounting_refuses_other_blocks_and_modes():
@@ -164,7 +198,7 @@ def test_accounting_refuses_other_blocks_and_modes():
         layer_saved_bytes(_config(2), {"gate": 4})
 
 
-def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off"):
+def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off", norms=False):
     for p in bank.parameters():
         p.grad = None
     t = 96
@@ -176,7 +210,7 @@ def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False
                              torch.tensor([0, 32, 64, 96], dtype=torch.int32), routing, config=config,
                              backend=backend, checkpoint_layers=checkpoint_layers,
                              options=DecoderOptions(elementwise_fusion=fusion, fusion_compiler="aot_eager",
-                                                    mlp_recompute=mode))
+                                                    mlp_recompute=mode, norm_recompute=norms))
     (loss * torch.tensor([1.0, 0.5])).sum().backward()
     return loss.detach(), [p.grad.clone() for p in bank.parameters()]
 
@@ -193,11 +227,13 @@ def test_recomputed_mlp_gives_the_same_losses_and_gradients(base, backend):
     bank = _bank(config, ranks=(4, 2), dropout=0.1)
     ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
     assert all(g.abs().sum() > 0 for g in ref_grads)
-    for mode, ckpt in [("activation", False), ("gate_up", False), ("gate_up", 1)]:
-        loss, grads = _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=ckpt)
-        assert torch.equal(loss, ref_loss), (mode, ckpt)
+    for mode, ckpt, norms in [("activation", False, False), ("gate_up", False, False), ("gate_up", 1, False),
+                              ("none", False, True), ("activation", False, True), ("gate_up", False, True),
+                              ("activation", 1, True)]:
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=ckpt, norms=norms)
+        assert torch.equal(loss, ref_loss), (mode, ckpt, norms)
         for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b), (mode, ckpt)
+            assert torch.equal(a, b), (mode, ckpt, norms)
 
 
 def test_recomputed_mlp_with_a_dora_adapter():
@@ -248,11 +284,27 @@ def test_recomputed_mlp_with_a_fused_gate_up_projection(backend):
         for p in bank.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
-    for mode in ("activation", "gate_up"):
-        loss, grads = _loss_and_grads(params, config, bank, mode, backend)
-        assert torch.equal(loss, ref_loss), mode
+    for mode, norms in (("activation", False), ("gate_up", False), ("activation", True)):
+        loss, grads = _loss_and_grads(params, config, bank, mode, backend, norms=norms)
+        assert torch.equal(loss, ref_loss), (mode, norms)
         for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b), mode
+            assert torch.equal(a, b), (mode, norms)
+
+
+@pytest.mark.parametrize("family", [
+    DecoderFamily(name="gemma2", norm_offset=1.0, output_norms=True, activation="gelu_tanh", embedding_scale=True),
+    DecoderFamily(name="olmo2", input_norms=False, output_norms=True, qk_norm="projection")])
+def test_rebuilt_norms_in_other_blocks(family):
+    """Gemma's offset norms with post-norms (the input norms rebuilt, the output norms as before)
+    and OLMo 2's block without input norms (nothing to rebuild): the same losses and gradients."""
+    config = DecoderConfig(num_layers=2, family=family, **CONFIG)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch")
+    loss, grads = _loss_and_grads(params, config, bank, "activation", "torch", norms=True)
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
 
 
 def test_recomputed_mlp_with_the_compiled_activation():
@@ -262,20 +314,21 @@ def test_recomputed_mlp_with_the_compiled_activation():
     params = random_base_params(config, device="cpu", dtype=torch.float32)
     bank = _bank(config, dropout=0.1)
     ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch", fusion="on")
-    for mode in ("activation", "gate_up"):
-        loss, grads = _loss_and_grads(params, config, bank, mode, "torch", fusion="on")
-        assert torch.equal(loss, ref_loss), mode
+    for mode, norms in (("activation", False), ("gate_up", False), ("activation", True)):
+        loss, grads = _loss_and_grads(params, config, bank, mode, "torch", fusion="on", norms=norms)
+        assert torch.equal(loss, ref_loss), (mode, norms)
         for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b), mode
+            assert torch.equal(a, b), (mode, norms)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory is measured on a CUDA GPU")
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
-    memory a forward leaves allocated drops, per mode, by exactly what the accounting says the
-    mode keeps less of; backward then gives the keeping path's gradients (bf16: the compiled
-    activation's forward-only and training graphs may round differently)."""
+    memory a forward leaves allocated drops, per mode (also with ``norm_recompute``), by exactly
+    what the accounting says the setting keeps less of; backward then gives the keeping path's
+    gradients (bf16: the compiled activation's forward-only and training graphs, and the fused
+    add + norm against the separate ones, may round differently)."""
     config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
                                             "head_dim": 64, "vocab_size": 512})
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
@@ -293,25 +346,64 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     cu = torch.tensor([0, 512, 1024, t], dtype=torch.int32, device="cuda")
     pos = torch.cat([torch.arange(512), torch.arange(512), torch.arange(1024)]).cuda()
     kept, grads = {}, {}
-    # a first pass over the modes allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
-    # each mode's compiled kernels); the second pass's are compared
-    for mode in (*MODES, *MODES):
+    settings = [(m, False) for m in MODES] + [("activation", True), ("gate_up", True)]  # (mlp_recompute, norms)
+    # a first pass over the settings allocates what persists (cuBLAS workspace, the NF4 dequantization buffer,
+    # each setting's compiled kernels); the second pass's are compared
+    for setting in (*settings, *settings):
         for p in bank.parameters():
             p.grad = None
         h = embed(params, ids)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = decoder_layers(params, bank.view(), h, pos, cu, routing, config=config, backend="triton",
-                             options=DecoderOptions(mlp_recompute=mode))
+                             options=DecoderOptions(mlp_recompute=setting[0], norm_recompute=setting[1]))
         torch.cuda.synchronize()
-        kept[mode] = torch.cuda.memory_allocated() - before
+        kept[setting] = torch.cuda.memory_allocated() - before
         out.float().pow(2).mean().backward()
-        grads[mode] = [p.grad.float().clone() for p in bank.parameters()]
+        grads[setting] = [p.grad.float().clone() for p in bank.parameters()]
         del out
-    per_layer = {m: sum(layer_saved_bytes(config, 16, mlp_recompute=m).values()) for m in MODES}
-    for mode in ("activation", "gate_up"):
-        assert kept["none"] - kept[mode] == config.num_layers * t * (per_layer["none"] - per_layer[mode]), kept
-        for a, b in zip(grads[mode], grads["none"]):
+    per_layer = {s: sum(layer_saved_bytes(config, 16, mlp_recompute=s[0], norm_recompute=s[1]).values())
+                 for s in settings}
+    plain = ("none", False)
+    for setting in settings[1:]:
+        assert kept[plain] - kept[setting] == config.num_layers * t * (per_layer[plain] - per_layer[setting]), kept
+        for a, b in zip(grads[setting], grads[plain]):
             # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
             # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
             torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
+
+
+def test_repeated_kv_are_rebuilt_not_kept():
+    """An attention without grouped heads gets k and v repeated to the query heads; what it keeps
+    of them for backward is the [T, Hkv, D] originals (1/rep of the repeated bytes), and the
+    gradients of q, k, v equal those of keeping the repeated copies."""
+    from lightning_lorafusion.model.attention import repeated_kv_attention
+
+    gen = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = 48, 8, 2, 16
+    q, k, v = (torch.randn(t, h, d, generator=gen, requires_grad=True) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, 20, t], dtype=torch.int32)
+
+    def attention(k_rep, v_rep):  # keeps its inputs, as FlashAttention does
+        return _FlashLike.apply(q, k_rep, v_rep, cu, d ** -0.5)
+
+    def run(rebuilt: bool):
+        kept: dict[int, int] = {}
+
+        def pack(x):
+            kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if rebuilt:
+                out = repeated_kv_attention(attention, k, v, hq // hkv)
+            else:
+                out = attention(k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1))
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+        return sum(kept.values()), grads
+
+    kept_bytes, grads = run(True)
+    ref_bytes, ref_grads = run(False)
+    assert ref_bytes - kept_bytes == 2 * t * (hq - hkv) * d * 4
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)

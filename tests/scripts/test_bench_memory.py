@@ -16,11 +16,16 @@ from lightning_lorafusion.model.activation_memory import step_activation_bytes
 
 def test_settings_parse():
     bench = load_script("bench_memory")
-    assert bench.parse_setting("none") == ("none", 0)
-    assert bench.parse_setting("ckpt8+gate_up") == ("gate_up", 8)
-    assert bench.parse_setting("activation+ckpt2") == ("activation", 2)
+    Setting = bench.Setting
+    assert bench.parse_setting("none") == Setting("none", 0)
+    assert bench.parse_setting("ckpt8+gate_up") == Setting("gate_up", 8)
+    assert bench.parse_setting("activation+ckpt2") == Setting("activation", 2)
+    assert bench.parse_setting("activation+norms+graphs") == Setting("activation", 0, norm_recompute=True, graphs=True)
+    assert bench.parse_setting("graphs") == Setting(graphs=True)
     with pytest.raises(argparse.ArgumentTypeError, match="setting 'mlp'"):
         bench.parse_setting("mlp")
+    with pytest.raises(argparse.ArgumentTypeError, match="graphs with ckptN"):
+        bench.parse_setting("ckpt2+graphs")
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
@@ -34,9 +39,10 @@ def test_bench_memory_tiny_cpu(tmp_path):
     rows = bench.main(["--shape", "tiny", "--layers", "2", "--device", "cpu", "--backend", "torch",
                        "--adapters", "2", "--samples", "2", "--global-batch", "2", "--max-length", "64",
                        "--pad-multiple", "16", "--capacities", "128", "--bf16-capacity", "128",
-                       "--settings", "none,gate_up,ckpt1+activation", "--out", str(tmp_path)])
+                       "--settings", "none,gate_up,ckpt1+activation,gate_up+norms", "--out", str(tmp_path)])
     assert [(r["base"], r["capacity"], r["setting"]) for r in rows] == [
-        ("bf16", 128, "none"), ("nf4", 128, "none"), ("nf4", 128, "gate_up"), ("nf4", 128, "ckpt1+activation")]
+        ("bf16", 128, "none"), ("nf4", 128, "none"), ("nf4", 128, "gate_up"), ("nf4", 128, "ckpt1+activation"),
+        ("nf4", 128, "gate_up+norms")]
     assert len({r["real_tokens"] for r in rows}) == 1 and rows[0]["real_tokens"] > 0  # the same samples
     for r in rows:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
@@ -48,8 +54,36 @@ def test_bench_memory_tiny_cpu(tmp_path):
     assert kept["gate_up"] == step_activation_bytes(config, 16, 128, dtype=torch.float32, mlp_recompute="gate_up",
                                                     elementwise_compiled=False)
     assert kept["none"] > kept["gate_up"]
+    assert kept["gate_up+norms"] == step_activation_bytes(config, 16, 128, dtype=torch.float32, mlp_recompute="gate_up",
+                                                          elementwise_compiled=False, norm_recompute=True)
+    assert kept["gate_up+norms"] < kept["gate_up"]
     saved = json.loads((tmp_path / "memory_tiny_nf4.json").read_text())
-    assert saved["device_name"] == "cpu" and len(saved["rows"]) == 4
+    assert saved["device_name"] == "cpu" and len(saved["rows"]) == 5
+
+
+def test_a_graphs_row_runs_the_captured_step_with_its_options(monkeypatch):
+    """``graphs`` turns on the CUDA-graph step (precaptured, as ``fit`` does) for that row only,
+    with the row's recomputation options; its replay counts reach the row."""
+    bench = load_script("bench_memory")
+    calls = []
+
+    def fake_run_ours(args, *a, graphs=False, precapture=False, options=None, **k):
+        calls.append((args.capacity, graphs, precapture, options.mlp_recompute, options.norm_recompute))
+        extra = {"graphs": 1, "replays": 4, "refusals": {}} if graphs else {}
+        return 100.0, 1.0, 100, 1.0, 2, extra
+
+    monkeypatch.setattr(bench, "run_ours", fake_run_ours)
+    from lightning_lorafusion.model.decoder_config import DecoderConfig
+
+    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
+                                                     torch.float32)[0]
+    w = {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
+         "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+    args = bench.parse_args(["--device", "cpu", "--rank", "4"])
+    graphs_row = bench._run_row(args, w, "nf4", 64, "activation+norms+graphs")
+    eager_row = bench._run_row(args, w, "nf4", 64, "activation")
+    assert calls == [(64, True, True, "activation", True), (64, False, False, "activation", False)]
+    assert graphs_row["replays"] == 4 and "replays" not in eager_row
 
 
 def test_rows_past_the_time_budget_are_skipped(tmp_path):

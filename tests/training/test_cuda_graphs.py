@@ -442,6 +442,10 @@ def _gpu_setup(config, specs, base_precision="bf16"):
         from lightning_lorafusion.model.hf_loading import quantize_base_fp8
 
         params = quantize_base_fp8(params, embedding=True)
+    elif base_precision == "nf4":
+        from lightning_lorafusion.model.hf_loading import quantize_base_nf4
+
+        params = quantize_base_nf4(params)
     bank = AdapterBank(specs, config, dtype=torch.float32, device="cuda")
     with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -461,10 +465,12 @@ def _fp8_tensor_cores() -> bool:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute", [
-    (False, "bf16", False, "none"), (True, "bf16", False, "none"), (False, "fp8", False, "none"),
-    (False, "bf16", True, "none"), (False, "bf16", False, "gate_up"), (2, "bf16", False, "activation")])
-def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute):
+@pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute,norms", [
+    (False, "bf16", False, "none", False), (True, "bf16", False, "none", False), (False, "fp8", False, "none", False),
+    (False, "bf16", True, "none", False), (False, "bf16", False, "gate_up", False),
+    (2, "bf16", False, "activation", False), (False, "bf16", False, "activation", True),
+    (False, "nf4", False, "activation", True)])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
     adapters step several times). Tolerance: the two runs share every kernel except the
@@ -474,7 +480,8 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     updates as a whole (w - w0) must agree to 5% in norm. With the FP8 base both runs use the
     same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
     adapters the graphs rescale rows by their owner read on the device (the same products).
-    With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph)."""
+    With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph), with
+    ``norms`` (``norm_recompute``) the norm outputs too; an NF4 base dequantizes in both."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
         pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
@@ -491,7 +498,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
         adapter_loss(sums, mb.loss_denominators).backward()
         return sums.detach()
 
-    options = DecoderOptions(mlp_recompute=mlp_recompute)
+    options = DecoderOptions(mlp_recompute=mlp_recompute, norm_recompute=norms)
     epochs = mbs + [dataclasses.replace(mb, index=mb.index + 100) for mb in mbs]
     losses_e = _train(eager, bank_e, opts_e, epochs)
     params, bank_g, opts_g = _gpu_setup(config, specs, base_precision)

@@ -119,3 +119,18 @@ def test_mlp_recompute_option_trains_the_same_adapters(tiny_model_dir):
     with pytest.raises(ConfigError, match="model.mlp_recompute='activation' does not apply to an FP8 base"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], dtype="bfloat16",
                          mlp_recompute="activation", precision={"base": "fp8", "fp8": {"emulate": True}})
+
+
+def test_norm_recompute_option_trains_the_same_adapters(tiny_model_dir):
+    """``model.norm_recompute`` reaches the decoder; with the norm outputs rebuilt in backward
+    (beside the recomputed activation) training gives the same adapters, bit for bit, as keeping
+    them (NF4 base, several adapters packed); a value that is not a bool is a ConfigError."""
+    kept, _, _ = fit_joint(tiny_model_dir, tiny_specs(), module_kwargs=NF4)
+    rebuilt, _, _ = fit_joint(tiny_model_dir, tiny_specs(),
+                              module_kwargs={**NF4, "norm_recompute": True, "mlp_recompute": "activation"})
+    assert rebuilt.decoder_options.norm_recompute and not kept.decoder_options.norm_recompute
+    assert rebuilt.steps_taken == kept.steps_taken == [3, 3, 2]
+    for (name, a), (_, b) in zip(kept.bank.named_parameters(), rebuilt.bank.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="model.norm_recompute='yes' must be true or false"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], norm_recompute="yes")
