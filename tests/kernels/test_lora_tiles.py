@@ -1,0 +1,97 @@
+"""Row-tile LoRA with S held across column blocks (``kernels/lora_tiles.py``) against the torch
+reference of ``lora_segments``: the Triton kernels in the interpreter on CPU (fp32 / fp16),
+tolerances as in test_lora_segments.py (fp32 1e-5: summation order only; fp16 2e-3: one ulp of
+outputs of magnitude 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels.lora_segments import segment_lora_reference
+from lightning_lorafusion.kernels.lora_tiles import (
+    TILE_SHRINK_SPLIT_BELOW,
+    held_ranks,
+    tile_launches,
+    tile_lora_add,
+    tile_shrink_splits,
+)
+
+from test_lora_segments import GPU_ONLY, TOL, make_lora, make_pool, rel_err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_matches_reference_on_column_views_of_one_output(device, dtype, block_m):
+    """q/k/v-like group into column views of one output: ranks held in the small tile, in the
+    wide one and above both (chunks per column block), a rank-0 projection, rows outside every
+    segment, padding tiles."""
+    k, ns = 70, (48, 16, 16)
+    ranks = [(8, 8, 8), (20, 20, 20), (3, 0, 3), (40, 40, 40)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, dtype, device, seed=3)
+    scales = torch.tensor([2.0, 0.125, 1.0, 0.5])
+    segments = [(0, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 107, 1)]
+    x = torch.randn(110, k, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    base = torch.randn(110, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    lora = make_lora(pool, a_off, b_off, rk, scales, segments, block_m, pad_tiles=3, block_r=64)
+    got, want = base.clone(), base.clone()
+    tile_lora_add(x, lora, list(got.split(ns, dim=1)))
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
+    assert rel_err(got - base, want - base) < TOL[dtype]
+    assert torch.equal(got[40:44], base[40:44]) and torch.equal(got[107:], base[107:])
+    assert torch.equal(got[44:45, 48:64], base[44:45, 48:64])  # adapter 2 has no k LoRA
+
+
+@pytest.mark.parametrize("n_blocks,split_k", [(1, 1), (3, 2), (8, 3), (2, 8)])
+def test_column_blocks_and_k_splits(device, n_blocks, split_k):
+    """An expand program over 1, 2, 3 or 8 column blocks (some past the width), the shrink's K in
+    1, 2, 3 or 8 splits (the last ones empty): the same sums; every rank up to 128 beside each
+    other (small tile, wide tile, chunks of the wide one)."""
+    k, ns = 70, (100,)
+    ranks = [(6,), (9,), (16,), (17,), (32,), (33,), (128,)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, device, seed=8)
+    segments = [(0, 1, 1), (1, 40, 0), (41, 42, 1), (42, 50, 2), (50, 61, 3), (61, 70, 4), (70, 79, 5), (79, 97, 6)]
+    scales = torch.tensor([0.5, 2.0, 1.0, 0.25, 0.75, 1.5, 0.125])
+    lora = make_lora(pool, a_off, b_off, rk, scales, segments, 16, block_r=128)
+    x = torch.randn(99, k, generator=torch.Generator().manual_seed(9)).to(device)
+    base = torch.randn(99, 100, generator=torch.Generator().manual_seed(10)).to(device)
+    got, want = base.clone(), base.clone()
+    tile_lora_add(x, lora, [got], n_blocks=n_blocks, split_k=split_k)
+    segment_lora_reference(x, lora, [want])
+    for start, end, _ in segments:
+        assert rel_err(got[start:end] - base[start:end], want[start:end] - base[start:end]) < 1e-5
+    assert torch.equal(got[40:41], base[40:41]) and torch.equal(got[97:], base[97:])
+
+
+def test_shrink_splits_k_only_for_short_tables():
+    assert tile_shrink_splits(4096, TILE_SHRINK_SPLIT_BELOW, 1) == 1
+    assert tile_shrink_splits(4096, 8, 3) == 4 and tile_shrink_splits(14336, 8, 1) == 4
+    assert tile_shrink_splits(512, 8, 1) == 1
+
+
+def test_one_compiled_variant_for_every_rank_mix():
+    """The launches' constexprs do not depend on the ranks present or on S's width: a rank never
+    seen before runs kernels already compiled."""
+    k, ns = 64, (32, 48)
+    x = torch.randn(40, k)
+    metas = []
+    for ranks, block_r in (([(8, 8)], 16), ([(4, 4), (24, 0), (64, 64), (128, 128)], 128), ([(40, 40)], 64)):
+        pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, "cpu")
+        segments = [(i * 8, i * 8 + 8, i) for i in range(len(ranks))]
+        lora = make_lora(pool, a_off, b_off, rk, torch.ones(len(ranks)), segments, 16, block_r=block_r)
+        launches = tile_launches(x, lora, [torch.zeros(40, n) for n in ns])
+        metas.append([(kernel.fn.__name__, tuple(sorted(meta.items()))) for kernel, _, _, meta in launches])
+    assert all(m == metas[0] for m in metas)
+    small, held = held_ranks(torch.device("cpu"))
+    assert dict(metas[0][1][1])["SMALL_R"] == small and dict(metas[0][1][1])["HELD_R"] == held
+
+
+def test_refuses_the_cpu_without_the_interpreter(monkeypatch):
+    k, ns = 8, (8,)
+    pool, a_off, b_off, rk, _ = make_pool([(4,)], k, ns, torch.float32, "cpu")
+    lora = make_lora(pool, a_off, b_off, rk, torch.tensor([1.0]), [(0, 4, 0)], 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        tile_lora_add(torch.randn(4, k), lora, [torch.zeros(4, 8)])
+    with pytest.raises(ValueError, match="backend="):
+        tile_lora_add(torch.randn(4, k), lora, [torch.zeros(4, 8)], backend="cuda")
