@@ -32,9 +32,12 @@ HELD_RANK_CUDA, HELD_RANK_INTERPRETER = 64, 32
 SMALL_RANK_CUDA, SMALL_RANK_INTERPRETER = 32, 16
 # column blocks per expand program (the tile's S is loaded once for all of them)
 TILE_EXPAND_BLOCKS = 8
-# the shrink's K splits when the tile table is short (few programs otherwise); a long table
-# (many prefill rows) splits nothing, so the expand sums no partial S
-TILE_SHRINK_SPLIT_BELOW = 256  # tiles x projections under which K is split
+# the shrink's K splits: enough that (row blocks x projections x splits) reaches
+# TILE_SHRINK_PROGRAMS (two waves of an H100's 132 SMs), at most one per
+# TILE_SHRINK_K_PER_SPLIT of K and TILE_SHRINK_MAX_SPLITS; the expand sums the splits once per
+# program. Row blocks, not the tile table's length: a captured step's table is padded with
+# empty tiles (MixedPieces.max_tiles) that do no work.
+TILE_SHRINK_PROGRAMS = 264
 TILE_SHRINK_K_PER_SPLIT, TILE_SHRINK_MAX_SPLITS = 1024, 4
 
 _SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
@@ -169,12 +172,13 @@ def held_ranks(device: torch.device) -> tuple[int, int]:
     return SMALL_RANK_INTERPRETER, HELD_RANK_INTERPRETER
 
 
-def tile_shrink_splits(k: int, n_tiles: int, projections: int) -> int:
-    """K splits of the shrink: none for a long tile table (enough programs already), else one per
-    TILE_SHRINK_K_PER_SPLIT of K, at most TILE_SHRINK_MAX_SPLITS."""
-    if n_tiles * projections >= TILE_SHRINK_SPLIT_BELOW:
-        return 1
-    return max(1, min(TILE_SHRINK_MAX_SPLITS, k // TILE_SHRINK_K_PER_SPLIT))
+def tile_shrink_splits(k: int, rows: int, block_m: int, projections: int) -> int:
+    """K splits of the shrink for ``rows`` rows in tiles of ``block_m``: the fewest that give
+    TILE_SHRINK_PROGRAMS programs, at most one per TILE_SHRINK_K_PER_SPLIT of K and
+    TILE_SHRINK_MAX_SPLITS (a fixed function of the shapes: a captured launch keeps it)."""
+    programs = max(1, -(-rows // block_m) * projections)
+    want = -(-TILE_SHRINK_PROGRAMS // programs)
+    return max(1, min(want, TILE_SHRINK_MAX_SPLITS, k // TILE_SHRINK_K_PER_SPLIT))
 
 
 def tile_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None = None,
@@ -189,7 +193,7 @@ def tile_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
     block_m, block_r = lora.block_m, lora.block_r
     small, held = held_ranks(x.device)
     block_k = 64 if x.is_cuda else 16
-    split = tile_shrink_splits(k, n_tiles, g) if split_k is None else split_k
+    split = tile_shrink_splits(k, rows, block_m, g) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
@@ -230,3 +234,12 @@ def tile_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
                            "on the CPU, or set TRITON_INTERPRET=1")
     for kernel, grid, args, meta in tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps):
         kernel[grid](*args, **meta)
+
+
+def tile_shrink(x: torch.Tensor, lora: SegmentLora, *, split_k: int | None = None) -> torch.Tensor | None:
+    """Only the shrink of ``tile_lora_add``: ``S [split, G, T, block_r]`` fp32 (None for an empty
+    tile table), for an expand fused elsewhere (``lora_linear``)."""
+    launches = tile_launches(x, lora, [], split_k=split_k)
+    for kernel, grid, args, meta in launches:
+        kernel[grid](*args, **meta)
+    return launches[0][2][5] if launches else None

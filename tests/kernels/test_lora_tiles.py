@@ -10,7 +10,6 @@ import torch
 
 from lightning_lorafusion.kernels.lora_segments import segment_lora_reference
 from lightning_lorafusion.kernels.lora_tiles import (
-    TILE_SHRINK_SPLIT_BELOW,
     held_ranks,
     tile_launches,
     tile_lora_add,
@@ -63,10 +62,13 @@ def test_column_blocks_and_k_splits(device, n_blocks, split_k):
     assert torch.equal(got[40:41], base[40:41]) and torch.equal(got[97:], base[97:])
 
 
-def test_shrink_splits_k_only_for_short_tables():
-    assert tile_shrink_splits(4096, TILE_SHRINK_SPLIT_BELOW, 1) == 1
-    assert tile_shrink_splits(4096, 8, 3) == 4 and tile_shrink_splits(14336, 8, 1) == 4
-    assert tile_shrink_splits(512, 8, 1) == 1
+def test_shrink_splits_k_until_there_are_enough_programs():
+    """8,192 rows of q/k/v (384 programs): no split; o, gate/up, down: 3, 2, 3; 2,048 rows of
+    down: the most (4); a short K is never split finer than 1,024."""
+    assert tile_shrink_splits(4096, 8192, 64, 3) == 1
+    assert [tile_shrink_splits(k, 8192, 64, g) for k, g in ((4096, 1), (4096, 2), (14336, 1))] == [3, 2, 3]
+    assert tile_shrink_splits(14336, 2048, 64, 1) == 4
+    assert tile_shrink_splits(1024, 64, 64, 1) == 1 and tile_shrink_splits(512, 64, 64, 1) == 1
 
 
 def test_one_compiled_variant_for_every_rank_mix():
