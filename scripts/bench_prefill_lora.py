@@ -171,7 +171,7 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre):
             y = F.linear(x, w)
             outs = list(y.split(sizes[name], dim=1))
             if variant.startswith("segments"):
-                segment_lora_add(x, groups[name], outs, backend="triton", check=False,
+                segment_lora_add(x, groups[name], outs, backend="triton", check=False, form="segments",
                                  split_k=1 if variant == "segments-split1" else None)
             elif variant.startswith("tiles"):
                 tile_lora_add(x, groups[name], outs, check=False, **tile_opts[variant])

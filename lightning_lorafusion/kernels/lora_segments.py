@@ -34,6 +34,11 @@ import triton.language as tl
 from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 
 BACKENDS = ("torch", "triton", "auto")
+# the Triton path's kernels: "segments" (this module's: S re-read per column block) or "tiles"
+# (``lora_tiles``: S held across an expand program's column blocks, K split by row blocks);
+# ``segment_lora_add``'s default, what the engine runs ("auto" / "triton")
+FORMS = ("segments", "tiles")
+DEFAULT_FORM = "tiles"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
@@ -288,10 +293,13 @@ def _expand_blocks_per_program(col_blocks: int) -> int:
 
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
-                     split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None)) -> None:
+                     split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
+                     form: str | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
-    "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
+    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
+    (``lora_tiles.tile_lora_add``, which reads ``n_blocks`` / ``split_k`` / ``warps`` its own
+    way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
@@ -303,6 +311,14 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         segment_lora_reference(x, lora, outs)
+        return
+    form = DEFAULT_FORM if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}; allowed: {FORMS}")
+    if form == "tiles":
+        from .lora_tiles import tile_lora_add  # (it imports this module)
+
+        tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
         return
     if check:
         lora.check(x, outs)
@@ -361,16 +377,27 @@ def _specialisation(value) -> object:
 
 def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                             n_blocks: int | None = None, split_k: int | None = None,
-                            warps: tuple[int | None, int | None] = (None, None)) -> frozenset[tuple]:
-    """The compiled variants ``segment_lora_add(x, lora, outs, ...)`` (Triton path) needs: per
-    launch, the kernel's name, its constexprs and options, and what the JIT specialises its
-    other arguments on (``do_not_specialize`` ones left out). Two calls with equal sets run the
-    same compiled kernels: the count of distinct keys over a workload is the count of compiles."""
+                            warps: tuple[int | None, int | None] = (None, None),
+                            form: str | None = None) -> frozenset[tuple]:
+    """The compiled variants ``segment_lora_add(x, lora, outs, ..., form=form)`` (Triton path)
+    needs: per launch, the kernel's name, its constexprs and options, and what the JIT
+    specialises its other arguments on (``do_not_specialize`` ones left out). Two calls with
+    equal sets run the same compiled kernels: the count of distinct keys over a workload is the
+    count of compiles."""
+    form = DEFAULT_FORM if form is None else form
+    if form == "tiles":
+        from . import lora_tiles
+
+        launches = lora_tiles.tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
+                                            lora_tiles._EXPAND_UNSPECIALISED)
+    else:
+        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        shrink, shrink_skip, expand_skip = _segment_shrink_kernel, _SHRINK_UNSPECIALISED, _EXPAND_UNSPECIALISED
     keys = set()
-    for kernel, _grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k,
-                                                       warps=warps):
+    for kernel, _grid, args, meta in launches:
         names = kernel.arg_names
-        skip = _SHRINK_UNSPECIALISED if kernel is _segment_shrink_kernel else _EXPAND_UNSPECIALISED
+        skip = shrink_skip if kernel is shrink else expand_skip
         spec = tuple(_specialisation(v) for name, v in zip(names, args) if name not in skip)
         keys.add((kernel.fn.__name__,
                   tuple(sorted(meta.items())), spec))

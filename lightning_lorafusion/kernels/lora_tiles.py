@@ -114,6 +114,32 @@ def _expand_held(s, pool_ptr, b_off, rank, out_ptr, offs_m, m_ok, nb, N, out_str
         tl.store(out_ptrs, (y + acc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _expand_chunks(s_ptr, pool_ptr, b_off, rank, scale, out_ptr, offs_m, m_ok, nb, N, out_stride, s_width,
+                   s_split_stride, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   N_BLOCKS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Ranks above the held width: per column block, the rank in chunks of R (S re-read)."""
+    for j in range(N_BLOCKS):
+        offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, R):
+            offs_r = r0 + tl.arange(0, R)
+            r_ok = offs_r < rank
+            s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * s_width + offs_r[None, :]
+            s_ok = m_ok[:, None] & r_ok[None, :]
+            s = tl.load(s_ptrs, mask=s_ok, other=0.0)
+            for sp in range(1, SPLIT):
+                s += tl.load(s_ptrs + sp * s_split_stride, mask=s_ok, other=0.0)
+            bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(s, bt, input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)
 def _tile_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
@@ -135,34 +161,19 @@ def _tile_expand_kernel(
         scale = tl.load(scale_ptr + ad)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
+        # (each branch names its own tensors: Triton merges names both branches of an if define)
         if rank <= SMALL_R:
-            s = _held_s(s_ptr, offs_m, m_ok, rank, scale, s_width, s_split_stride, SMALL_R, SPLIT)
-            _expand_held(s, pool_ptr, b_off, rank, out_ptr, offs_m, m_ok, nb, N, out_stride, SMALL_R, BLOCK_N,
-                         N_BLOCKS, DOT_PRECISION)
-        elif rank <= HELD_R:
-            s = _held_s(s_ptr, offs_m, m_ok, rank, scale, s_width, s_split_stride, HELD_R, SPLIT)
-            _expand_held(s, pool_ptr, b_off, rank, out_ptr, offs_m, m_ok, nb, N, out_stride, HELD_R, BLOCK_N,
-                         N_BLOCKS, DOT_PRECISION)
+            s_small = _held_s(s_ptr, offs_m, m_ok, rank, scale, s_width, s_split_stride, SMALL_R, SPLIT)
+            _expand_held(s_small, pool_ptr, b_off, rank, out_ptr, offs_m, m_ok, nb, N, out_stride, SMALL_R,
+                         BLOCK_N, N_BLOCKS, DOT_PRECISION)
         else:
-            for j in range(N_BLOCKS):
-                offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < N
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rank, HELD_R):
-                    offs_r = r0 + tl.arange(0, HELD_R)
-                    r_ok = offs_r < rank
-                    s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * s_width + offs_r[None, :]
-                    s_ok = m_ok[:, None] & r_ok[None, :]
-                    s = tl.load(s_ptrs, mask=s_ok, other=0.0)
-                    for sp in range(1, SPLIT):
-                        s += tl.load(s_ptrs + sp * s_split_stride, mask=s_ok, other=0.0)
-                    bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
-                                 mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-                    acc += tl.dot(s, bt, input_precision=DOT_PRECISION)
-                out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-                ok = m_ok[:, None] & n_ok[None, :]
-                y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-                tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            if rank <= HELD_R:
+                s_held = _held_s(s_ptr, offs_m, m_ok, rank, scale, s_width, s_split_stride, HELD_R, SPLIT)
+                _expand_held(s_held, pool_ptr, b_off, rank, out_ptr, offs_m, m_ok, nb, N, out_stride, HELD_R,
+                             BLOCK_N, N_BLOCKS, DOT_PRECISION)
+            else:
+                _expand_chunks(s_ptr, pool_ptr, b_off, rank, scale, out_ptr, offs_m, m_ok, nb, N, out_stride,
+                               s_width, s_split_stride, HELD_R, BLOCK_M, BLOCK_N, N_BLOCKS, SPLIT, DOT_PRECISION)
 
 
 def held_ranks(device: torch.device) -> tuple[int, int]:

@@ -88,6 +88,45 @@ def test_one_compiled_variant_for_every_rank_mix():
     assert dict(metas[0][1][1])["SMALL_R"] == small and dict(metas[0][1][1])["HELD_R"] == held
 
 
+def test_compile_keys_do_not_depend_on_ranks_or_the_s_width():
+    """Every launch's compile key (constexprs, options, what the JIT specialises the other
+    arguments on) is the same for one rank and for ranks 4-128 mixed at any S width, and
+    ``segment_lora_add``'s default form runs these kernels."""
+    from lightning_lorafusion.kernels.lora_segments import DEFAULT_FORM, segment_kernel_variants
+
+    assert DEFAULT_FORM == "tiles"
+    k, ns = 64, (32, 48)
+    x = torch.randn(40, k)
+    keys = []
+    for ranks, block_r in (([(8, 8)], 16), ([(4, 4), (8, 0), (24, 24), (64, 64), (128, 128)], 128),
+                           ([(40, 40)], 64)):
+        pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, torch.float32, "cpu")
+        segments = [(i * 8, i * 8 + 8, i) for i in range(len(ranks))]
+        lora = make_lora(pool, a_off, b_off, rk, torch.ones(len(ranks)), segments, 16, block_r=block_r)
+        keys.append(segment_kernel_variants(x, lora, [torch.zeros(40, n) for n in ns]))
+    assert all(key == keys[0] for key in keys)
+    assert {name for name, _, _ in keys[0]} == {"_tile_shrink_kernel", "_tile_expand_kernel"}
+
+
+def test_segment_lora_add_dispatches_by_form(device):
+    """``form="tiles"`` (the default) and ``form="segments"`` give the reference's sums; an
+    unknown form is refused."""
+    from lightning_lorafusion.kernels.lora_segments import segment_lora_add
+
+    k, ns = 40, (33,)
+    pool, a_off, b_off, rk, _ = make_pool([(5,), (40,)], k, ns, torch.float32, device, seed=6)
+    lora = make_lora(pool, a_off, b_off, rk, torch.tensor([1.0, 0.75]), [(2, 19, 1), (19, 23, 0)], 16, block_r=64)
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(7)).to(device)
+    want = torch.zeros(23, 33, device=device)
+    segment_lora_reference(x, lora, [want])
+    for form in (None, "tiles", "segments"):
+        got = torch.zeros(23, 33, device=device)
+        segment_lora_add(x, lora, [got], backend="triton", form=form)
+        assert rel_err(got, want) < 1e-5
+    with pytest.raises(ValueError, match="form="):
+        segment_lora_add(x, lora, [want], backend="triton", form="fused")
+
+
 def test_refuses_the_cpu_without_the_interpreter(monkeypatch):
     k, ns = 8, (8,)
     pool, a_off, b_off, rk, _ = make_pool([(4,)], k, ns, torch.float32, "cpu")
