@@ -13,16 +13,18 @@ engine does, and the step's tables come from the engine's own builder
 
 Variants (``--variants``): ``base`` (the cuBLAS products only), ``segments`` (products +
 ``segment_lora_add``, what the engine runs), ``segments-split1`` (its shrink without K splits),
-``tiles`` / ``tiles-nb4`` / ``tiles-nb16`` / ``tiles-split1`` / ``tiles-split4`` / ``tiles-w8``
+``tiles`` / ``tiles-nb4`` / ``tiles-nb16`` / ``tiles-split1`` / ``tiles-split4`` / ``tiles-w2`` / ``tiles-w8``
 (``lora_tiles``: S held across column blocks; 4 or 16 column blocks per program, the shrink's K
-in 1 or 4 splits, 8 warps in the expand), ``fused`` / ``fused-128`` (the shrink, then a Triton GEMM adding the expand in its
+in 1 or 4 splits, 2 or 8 warps in the expand), ``fused`` / ``fused-128`` (the shrink, then a Triton GEMM adding the expand in its
 epilogue, ``lora_linear``; ``fused-128``: 128 x 128 blocks), ``triton-base`` (that GEMM with no
-LoRA, against cuBLAS). Each timed with Triton's ``do_bench`` (median, L2 flushed; on the CPU one
+LoRA, against cuBLAS). Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
+as the engine's captured mixed steps run them; ``do_bench`` where capture fails; on the CPU one
 wall-clock run); "LoRA ms" = the variant's time minus ``base``. The floor of the LoRA part: x
 read once per group, each adapter's A and B once per projection, every output read and written
 once, at a measured copy bandwidth. Each variant is checked against the torch reference
 (``segment_lora_reference`` after the cuBLAS products): relative error of the added delta. With
-``--profile`` a torch.profiler table of one repetition per variant (kernel, count, total us).
+``--profile`` a torch.profiler table of one repetition of each of ``--profile-variants`` (kernel,
+count, total us). ``--deadline``: variants not started by then are skipped (the table still prints).
 
     PYTHONPATH=. python3 scripts/bench_prefill_lora.py --out $OUT/prefill-lora
     PYTHONPATH=. python3 scripts/bench_prefill_lora.py --shape tiny --device cpu --dtype float32 --rows 96,160 \\
@@ -51,8 +53,8 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2048),
 }
-VARIANTS = ("base", "segments", "tiles", "fused", "triton-base", "segments-split1", "tiles-nb4", "tiles-nb16",
-            "tiles-split1", "tiles-split4", "tiles-w8", "fused-128")
+VARIANTS = ("base", "segments", "tiles", "fused", "triton-base", "tiles-w2", "segments-split1", "tiles-nb4",
+            "tiles-nb16", "tiles-split1", "tiles-split4", "tiles-w8", "fused-128")
 # groups: (name, members, input); members' weights are one fused matrix
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj"), "x"), ("o", ("o_proj",), "attn"),
           ("gate_up", ("gate_proj", "up_proj"), "x"), ("down", ("down_proj",), "act"))
@@ -155,7 +157,8 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre):
     rows = inputs["x"].shape[0]
     ra, re_ = (torch.from_numpy(t).to(pool.device) for t in row_tables(pre.segments, rows))
     tile_opts = {"tiles": {}, "tiles-nb4": {"n_blocks": 4}, "tiles-nb16": {"n_blocks": 16},
-                 "tiles-split1": {"split_k": 1}, "tiles-split4": {"split_k": 4}, "tiles-w8": {"warps": (None, 8)}}
+                 "tiles-split1": {"split_k": 1}, "tiles-split4": {"split_k": 4}, "tiles-w8": {"warps": (None, 8)},
+                 "tiles-w2": {"warps": (None, 2)}}
     big = (128, 128, 64, 8, 4, 4) if pool.device.type == "cuda" else None
 
     def run():
@@ -254,7 +257,7 @@ def measure_rows(args, rows: int, kinds, bandwidth: float, stop_at: float) -> di
             if v == "triton-base":
                 row["rel_err"] = max(float((got[k].float() - base_ref[k].float()).abs().max()) for k in got)
             row["ms"], row["timing"] = time_ms(run, dev)
-            if args.profile:
+            if args.profile and v in args.profile_variants:
                 row["profile"] = profile_one(run, dev, args.profile_top)
         except Exception as exc:  # one broken variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -303,6 +306,7 @@ def parse_args(argv=None):
     ap.add_argument("--graph-tables", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-top", type=int, default=6)
+    ap.add_argument("--profile-variants", type=comma_list(VARIANTS), default=["base", "segments", "tiles", "fused"])
     ap.add_argument("--deadline", type=float, default=120.0,
                     help="seconds from the start after which remaining variants are skipped (default %(default)s)")
     return ap.parse_args(argv)
