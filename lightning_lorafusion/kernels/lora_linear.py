@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_segments import SegmentLora
+from .segment_tables import SegmentLora
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) on CUDA; the interpreter's small one
 LINEAR_CONFIG_CUDA = (128, 256, 64, 8, 8, 3)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_segments import SHRINK_MAX_SPLITS, SegmentLora, segment_lora_reference
+from .segment_tables import SegmentLora, segment_lora_reference
 
 # ranks held in one pass (S's register tile in the expand; the shrink's per-pass width) on CUDA;
 # ranks <= SMALL_RANK use a tile of that width instead (less padding for ranks 4-32)
@@ -38,8 +38,8 @@ TILE_EXPAND_BLOCKS = 8
 # program. Row blocks, not the tile table's length: a captured step's table is padded with
 # empty tiles (MixedPieces.max_tiles) that do no work.
 TILE_SHRINK_PROGRAMS = 264
-# (serving/pool_sizing.py reserves S for SHRINK_MAX_SPLITS splits: the same bound)
-TILE_SHRINK_K_PER_SPLIT, TILE_SHRINK_MAX_SPLITS = 1024, SHRINK_MAX_SPLITS
+# (serving/pool_sizing.py reserves S for lora_segments.SHRINK_MAX_SPLITS splits: at least this many)
+TILE_SHRINK_K_PER_SPLIT, TILE_SHRINK_MAX_SPLITS = 1024, 4
 
 _SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
                          "s_split_stride", "s_width")

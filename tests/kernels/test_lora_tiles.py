@@ -69,6 +69,10 @@ def test_shrink_splits_k_until_there_are_enough_programs():
     assert [tile_shrink_splits(k, 8192, 64, g) for k, g in ((4096, 1), (4096, 2), (14336, 1))] == [3, 2, 3]
     assert tile_shrink_splits(14336, 2048, 64, 1) == 4
     assert tile_shrink_splits(1024, 64, 64, 1) == 1 and tile_shrink_splits(512, 64, 64, 1) == 1
+    # the pool's sizing reserves S for lora_segments' most splits: never more here
+    from lightning_lorafusion.kernels.lora_segments import SHRINK_MAX_SPLITS
+
+    assert max(tile_shrink_splits(k, 1, 64, 1) for k in (4096, 14336, 65536)) <= SHRINK_MAX_SPLITS
 
 
 def test_one_compiled_variant_for_every_rank_mix():
