@@ -11,13 +11,18 @@ engine does, and the step's tables come from the engine's own builder
 (``--graph-tables``, default on: S as wide as ``MAX_RANK``, the tile table padded to
 ``MixedPieces.max_tiles``).
 
-Variants (``--variants``): ``base`` (the cuBLAS products only), ``segments`` (products +
-``segment_lora_add``, what the engine runs), ``segments-split1`` (its shrink without K splits),
-``tiles`` / ``tiles-nb4`` / ``tiles-nb16`` / ``tiles-split1`` / ``tiles-split4`` / ``tiles-w2`` / ``tiles-w8``
-(``lora_tiles``: S held across column blocks; 4 or 16 column blocks per program, the shrink's K
-in 1 or 4 splits, 2 or 8 warps in the expand), ``fused`` / ``fused-128`` (the shrink, then a Triton GEMM adding the expand in its
-epilogue, ``lora_linear``; ``fused-128``: 128 x 128 blocks), ``triton-base`` (that GEMM with no
-LoRA, against cuBLAS). Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
+Variants (``--variants``; the first ten by default): ``base`` (the cuBLAS products only),
+``segments`` (products + ``segment_lora_add``'s "segments" form, what the engine runs),
+``segments-nb2`` / ``segments-split1`` (2 column blocks per expand program / the shrink's K
+unsplit), ``tiles`` (``lora_tiles`` with its defaults: the shrink's projections side by side,
+each output block read before its rank work), ``tiles-lowp`` (the expand's dot in bf16),
+``tiles-hold`` / ``tiles-hold-lowp`` (S held in registers over the column blocks),
+``tiles-nb2`` / ``tiles-nb8`` / ``tiles-nb16`` / ``tiles-split1`` / ``tiles-w2`` / ``tiles-w8``
+(column blocks, K splits, expand warps), ``addmm`` (the expand writes the delta alone, then
+cuBLAS adds it as the GEMM's C input: no read-modify-write pass), ``fused`` / ``fused-128``
+(the shrink, then a Triton GEMM adding the expand in its epilogue, ``lora_linear``;
+``fused-128``: 128 x 128 blocks, 4 warps, 4 stages), ``triton-base`` (that GEMM with no LoRA,
+against cuBLAS). Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
 as the engine's captured mixed steps run them; ``do_bench`` where capture fails; on the CPU one
 wall-clock run); "LoRA ms" = the variant's time minus ``base``. The floor of the LoRA part: x
 read once per group, each adapter's A and B once per projection, every output read and written
@@ -53,8 +58,10 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2048),
 }
-VARIANTS = ("base", "segments", "tiles", "fused", "triton-base", "tiles-w2", "segments-split1", "tiles-nb4",
-            "tiles-nb16", "tiles-split1", "tiles-split4", "tiles-w8", "fused-128")
+VARIANTS = ("base", "segments", "tiles", "tiles-lowp", "addmm", "tiles-hold", "tiles-hold-lowp", "tiles-nb2",
+            "segments-nb2", "tiles-w2", "fused", "triton-base", "segments-split1", "tiles-nb8", "tiles-nb16",
+            "tiles-split1", "tiles-w8", "fused-128")
+DEFAULT_VARIANTS = VARIANTS[:10]
 # groups: (name, members, input); members' weights are one fused matrix
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj"), "x"), ("o", ("o_proj",), "attn"),
           ("gate_up", ("gate_proj", "up_proj"), "x"), ("down", ("down_proj",), "act"))
@@ -156,9 +163,10 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre):
     groups = {name: pre.group(pool.storage, 0, members) for name, members, _ in GROUPS}
     rows = inputs["x"].shape[0]
     ra, re_ = (torch.from_numpy(t).to(pool.device) for t in row_tables(pre.segments, rows))
-    tile_opts = {"tiles": {}, "tiles-nb4": {"n_blocks": 4}, "tiles-nb16": {"n_blocks": 16},
-                 "tiles-split1": {"split_k": 1}, "tiles-split4": {"split_k": 4}, "tiles-w8": {"warps": (None, 8)},
-                 "tiles-w2": {"warps": (None, 2)}}
+    tile_opts = {"tiles": {}, "tiles-lowp": {"lowp": True}, "tiles-hold": {"hold": True},
+                 "tiles-hold-lowp": {"hold": True, "lowp": True}, "tiles-nb2": {"n_blocks": 2},
+                 "tiles-w2": {"warps": (None, 2)}, "tiles-nb8": {"n_blocks": 8}, "tiles-nb16": {"n_blocks": 16},
+                 "tiles-split1": {"split_k": 1}, "tiles-w8": {"warps": (None, 8)}}
     big = (128, 128, 64, 8, 4, 4) if pool.device.type == "cuda" else None
 
     def run():
@@ -171,11 +179,17 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre):
                 ys[name] = linear_lora(x, w, sizes[name], lora, s, ra, re_,
                                        config=big if variant == "fused-128" else None)
                 continue
+            if variant == "addmm":  # the delta written alone, then the GEMM adds it as its C input
+                d = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+                tile_lora_add(x, groups[name], list(d.split(sizes[name], dim=1)), check=False, store_only=True)
+                ys[name] = torch.addmm(d, x, w.t())
+                continue
             y = F.linear(x, w)
             outs = list(y.split(sizes[name], dim=1))
             if variant.startswith("segments"):
                 segment_lora_add(x, groups[name], outs, backend="triton", check=False, form="segments",
-                                 split_k=1 if variant == "segments-split1" else None)
+                                 split_k=1 if variant == "segments-split1" else None,
+                                 n_blocks=2 if variant == "segments-nb2" else None)
             elif variant.startswith("tiles"):
                 tile_lora_add(x, groups[name], outs, check=False, **tile_opts[variant])
             ys[name] = y
@@ -302,11 +316,11 @@ def parse_args(argv=None):
     ap.add_argument("--median-len", type=float, default=256.0)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--variants", type=comma_list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--variants", type=comma_list(VARIANTS), default=list(DEFAULT_VARIANTS))
     ap.add_argument("--graph-tables", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-top", type=int, default=6)
-    ap.add_argument("--profile-variants", type=comma_list(VARIANTS), default=["base", "segments", "tiles", "fused"])
+    ap.add_argument("--profile-variants", type=comma_list(VARIANTS), default=["base", "segments", "tiles", "addmm"])
     ap.add_argument("--deadline", type=float, default=120.0,
                     help="seconds from the start after which remaining variants are skipped (default %(default)s)")
     return ap.parse_args(argv)

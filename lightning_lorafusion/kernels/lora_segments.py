@@ -39,11 +39,11 @@ __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "s
            "expand_warps"]
 
 BACKENDS = ("torch", "triton", "auto")
-# the Triton path's kernels: "segments" (this module's: S re-read per column block) or "tiles"
-# (``lora_tiles``: S held across an expand program's column blocks, K split by row blocks);
-# ``segment_lora_add``'s default, what the engine runs ("auto" / "triton")
+# the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
+# options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
+# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
 FORMS = ("segments", "tiles")
-DEFAULT_FORM = "tiles"
+DEFAULT_FORM = "segments"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
@@ -193,8 +193,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
-    (``lora_tiles.tile_lora_add``, which reads ``n_blocks`` / ``split_k`` / ``warps`` its own
-    way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
+    (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
+    ``warps`` its own way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
