@@ -24,16 +24,26 @@ same sums per segment from the host copy of the segments.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
+from . import lora_tiles
+from .lora_tiles import tile_launches, tile_lora_add
+from .segment_tables import SegmentLora, block_r_for, segment_lora_reference, segment_tiles
+
+__all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "segment_lora_reference",
+           "segment_tiles", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
+           "expand_warps"]
 
 BACKENDS = ("torch", "triton", "auto")
+# the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
+# options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
+# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
+FORMS = ("segments", "tiles")
+DEFAULT_FORM = "segments"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
@@ -151,116 +161,6 @@ def _segment_expand_kernel(
             tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tables
-# ----------------------------------------------------------------------------------------------
-
-
-def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int) -> list[tuple[int, int, int]]:
-    """Segments ``(start, end, adapter)`` -> tiles of at most ``block_m`` rows, in order."""
-    tiles = []
-    for start, end, adapter in segments:
-        tiles += [(s, min(s + block_m, end), adapter) for s in range(start, end, block_m)]
-    return tiles
-
-
-def block_r_for(max_rank: int) -> int:
-    """The width of S (a runtime stride, nothing compiled per value): a power of two >= 16
-    holding ``max_rank``."""
-    if not 0 <= max_rank <= MAX_RANK:
-        raise ValueError(f"ranks must be in [0, {MAX_RANK}]; got {max_rank}")
-    return max(16, triton.next_power_of_2(max(max_rank, 1)))
-
-
-@dataclass(frozen=True)
-class SegmentLora:
-    """A step's prefill rows' LoRA for G projections sharing an input.
-
-    ``tiles [3, n_tiles]`` int32 (row start, row end, adapter index; padding tiles have start ==
-    end), ``a_offsets`` / ``b_offsets [G, A]`` int64 element offsets into ``pool`` (unit stride
-    along adapters), ``ranks [G, A]`` int32 (0 = the adapter has no LoRA on that projection),
-    ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
-    tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
-    ``block_r`` >= every rank (``block_r_for``): the width of the shrink's fp32 scratch S, a
-    runtime value (tables of any rank mix up to it run the same compiled kernels).
-    """
-
-    pool: torch.Tensor
-    tiles: torch.Tensor
-    a_offsets: torch.Tensor
-    b_offsets: torch.Tensor
-    ranks: torch.Tensor
-    scales: torch.Tensor
-    segments: tuple[tuple[int, int, int], ...]
-    block_m: int
-    block_r: int
-
-    @property
-    def num_projections(self) -> int:
-        return self.a_offsets.shape[0]
-
-    def check(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        """Shapes, dtypes and devices only (no device value read)."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be a 2-D tensor [rows, in_features]; got {getattr(x, 'shape', type(x))}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-        pool = self.pool
-        if pool.dim() != 1 or pool.dtype != x.dtype or pool.device != x.device:
-            raise TypeError(f"pool must be 1-D {x.dtype} on {x.device}; got {tuple(pool.shape)} {pool.dtype} "
-                            f"on {pool.device}")
-        g = self.num_projections
-        if len(outs) != g:
-            raise ValueError(f"{g} projections' tables but {len(outs)} outputs")
-        n_ad = self.scales.shape[0]
-        for name, t, dtype in (("a_offsets", self.a_offsets, torch.int64), ("b_offsets", self.b_offsets, torch.int64),
-                               ("ranks", self.ranks, torch.int32)):
-            if t.shape != (g, n_ad) or t.dtype != dtype or t.device != x.device or (n_ad > 1 and t.stride(1) != 1):
-                raise ValueError(f"SegmentLora.{name} must be [{g}, {n_ad}] {dtype} on {x.device} with unit "
-                                 f"stride along adapters; got {tuple(t.shape)} {t.dtype} on {t.device}")
-        if self.tiles.dim() != 2 or self.tiles.shape[0] != 3 or self.tiles.dtype != torch.int32 \
-                or not self.tiles.is_contiguous():
-            raise ValueError(f"SegmentLora.tiles must be a contiguous [3, tiles] int32 tensor; got "
-                             f"{tuple(self.tiles.shape)} {self.tiles.dtype}")
-        if self.scales.dtype != torch.float32:
-            raise TypeError(f"SegmentLora.scales must be float32; got {self.scales.dtype}")
-        if self.block_r < 16 or self.block_r & (self.block_r - 1) or self.block_r > MAX_RANK:
-            raise ValueError(f"block_r must be a power of two in [16, {MAX_RANK}]; got {self.block_r}")
-        rows = x.shape[0]
-        for i, y in enumerate(outs):
-            if y.dim() != 2 or y.shape[0] != rows or y.dtype != x.dtype or y.device != x.device or y.stride(1) != 1:
-                raise ValueError(f"outs[{i}] must be [{rows}, N] {x.dtype} on {x.device} with unit column stride; "
-                                 f"got {tuple(y.shape)} {y.dtype} strides {y.stride()}")
-        if any(end > rows for _, end, _ in self.segments):
-            raise ValueError(f"a segment ends past x's {rows} rows: {self.segments}")
-
-
-@torch.no_grad()
-def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor]) -> None:
-    """``outs[g][segment rows] +=`` each segment's LoRA (fp32 sums, one rounding), in place.
-    Reads the adapter tables on the host (a device sync): for the CPU and tests."""
-    lora.check(x, outs)
-    k = x.shape[1]
-    a_off, b_off, ranks, scales = (t.cpu().tolist() for t in (lora.a_offsets, lora.b_offsets, lora.ranks,
-                                                               lora.scales))
-    pool = lora.pool
-    for g, y in enumerate(outs):
-        n = y.shape[1]
-        for start, end, ad in lora.segments:
-            r = ranks[g][ad]
-            if r == 0 or end <= start:
-                continue
-            if r > lora.block_r:
-                raise ValueError(f"adapter {ad} has rank {r} on projection {g}, above block_r={lora.block_r}")
-            a, b = a_off[g][ad], b_off[g][ad]
-            if a < 0 or b < 0 or a + r * k > pool.numel() or b + r * n > pool.numel():
-                raise ValueError(f"adapter {ad}, projection {g}: A at {a} / B^T at {b} (rank {r}, K={k}, N={n}) "
-                                 f"reach past the pool ({pool.numel()} elements)")
-            s = x[start:end].float() @ pool[a:a + r * k].view(r, k).float().T
-            delta = (s @ pool[b:b + r * n].view(r, n).float()) * scales[ad]
-            y[start:end] = (y[start:end].float() + delta).to(y.dtype)
-
-
 def rank_chunk(device: torch.device) -> int:
     """Ranks per pass of the kernels' rank loops on ``device``."""
     return RANK_CHUNK_CUDA if device.type == "cuda" else RANK_CHUNK_INTERPRETER
@@ -288,10 +188,13 @@ def _expand_blocks_per_program(col_blocks: int) -> int:
 
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
-                     split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None)) -> None:
+                     split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
+                     form: str | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
-    "auto" (Triton on CUDA). The Triton path reads nothing on the host: one shrink launch for
+    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
+    (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
+    ``warps`` its own way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
@@ -303,6 +206,12 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         segment_lora_reference(x, lora, outs)
+        return
+    form = DEFAULT_FORM if form is None else form
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}; allowed: {FORMS}")
+    if form == "tiles":
+        tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
         return
     if check:
         lora.check(x, outs)
@@ -361,16 +270,25 @@ def _specialisation(value) -> object:
 
 def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                             n_blocks: int | None = None, split_k: int | None = None,
-                            warps: tuple[int | None, int | None] = (None, None)) -> frozenset[tuple]:
-    """The compiled variants ``segment_lora_add(x, lora, outs, ...)`` (Triton path) needs: per
-    launch, the kernel's name, its constexprs and options, and what the JIT specialises its
-    other arguments on (``do_not_specialize`` ones left out). Two calls with equal sets run the
-    same compiled kernels: the count of distinct keys over a workload is the count of compiles."""
+                            warps: tuple[int | None, int | None] = (None, None),
+                            form: str | None = None) -> frozenset[tuple]:
+    """The compiled variants ``segment_lora_add(x, lora, outs, ..., form=form)`` (Triton path)
+    needs: per launch, the kernel's name, its constexprs and options, and what the JIT
+    specialises its other arguments on (``do_not_specialize`` ones left out). Two calls with
+    equal sets run the same compiled kernels: the count of distinct keys over a workload is the
+    count of compiles."""
+    form = DEFAULT_FORM if form is None else form
+    if form == "tiles":
+        launches = tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
+                                            lora_tiles._EXPAND_UNSPECIALISED)
+    else:
+        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        shrink, shrink_skip, expand_skip = _segment_shrink_kernel, _SHRINK_UNSPECIALISED, _EXPAND_UNSPECIALISED
     keys = set()
-    for kernel, _grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k,
-                                                       warps=warps):
+    for kernel, _grid, args, meta in launches:
         names = kernel.arg_names
-        skip = _SHRINK_UNSPECIALISED if kernel is _segment_shrink_kernel else _EXPAND_UNSPECIALISED
+        skip = shrink_skip if kernel is shrink else expand_skip
         spec = tuple(_specialisation(v) for name, v in zip(names, args) if name not in skip)
         keys.add((kernel.fn.__name__,
                   tuple(sorted(meta.items())), spec))

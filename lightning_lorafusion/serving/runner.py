@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..kernels.lora_segments import block_r_for, segment_tiles
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
@@ -39,7 +38,7 @@ from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
-from .step_batch import PrefillLora, PrefixRows, StepBatch
+from .step_batch import PrefillLora, PrefixRows, StepBatch, prefill_lora_tables
 from .step_times import StepKind
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
@@ -397,20 +396,9 @@ class ModelRunner:
             batch.decode_groups = inputs.lora_groups[:, :b]
 
     def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter]) -> PrefillLora:
-        """The step's prefill LoRA tables: tiles of ``segment_block_m`` rows, one copy each to
-        the device; the adapters' offsets are ``relative_offsets`` (per layer and module) moved
-        by where each sits in the pool."""
-        tiles = segment_tiles(segments, self.segment_block_m)
-        dev = self.device
-        offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
-        ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
-        return PrefillLora(
-            tiles=torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(dev, non_blocking=True),
-            offsets=offsets.to(dev, non_blocking=True), ranks=ranks.to(dev, non_blocking=True),
-            scales=torch.tensor([r.adapter.scale for r in residents], dtype=torch.float32).to(dev, non_blocking=True),
-            segments=tuple(segments),
-            modules=frozenset(m for r in residents for m in r.adapter.target_modules),
-            block_m=self.segment_block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
+        """The step's prefill LoRA tables (``step_batch.prefill_lora_tables``, tiles of
+        ``segment_block_m`` rows)."""
+        return prefill_lora_tables(segments, residents, self.segment_block_m, self.device)
 
     # ------------------------------------------------------------------ forward
 

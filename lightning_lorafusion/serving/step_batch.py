@@ -5,11 +5,11 @@ read by the runner's forward and by the mixed-step graph pieces (``mixed_graphs`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from ..kernels.lora_segments import SegmentLora
+from ..kernels.lora_segments import SegmentLora, block_r_for, segment_tiles
 from ..specs import ALL_TARGET_MODULES
 
 MODULE_INDEX = {m: i for i, m in enumerate(ALL_TARGET_MODULES)}
@@ -46,6 +46,24 @@ class PrefillLora:
         return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
                            b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
                            segments=self.segments, block_m=self.block_m, block_r=self.block_r)
+
+
+def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
+                        device: torch.device) -> PrefillLora:
+    """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
+    the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows,
+    one copy each to ``device``; the adapters' offsets are their ``lora_offsets`` (per layer and
+    module, absolute in the pool)."""
+    tiles = segment_tiles(segments, block_m)
+    offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
+    ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
+    return PrefillLora(
+        tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(device, non_blocking=True),
+        offsets=offsets.to(device, non_blocking=True), ranks=ranks.to(device, non_blocking=True),
+        scales=torch.tensor([r.adapter.scale for r in residents], dtype=torch.float32).to(device, non_blocking=True),
+        segments=tuple(segments),
+        modules=frozenset(m for r in residents for m in r.adapter.target_modules),
+        block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
 
 
 @dataclass

@@ -116,7 +116,7 @@ def test_triton_matches_reference_on_column_views_of_one_output(device, dtype, b
     base = torch.randn(110, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype)
     lora = make_lora(pool, a_off, b_off, rk, scales, segments, block_m, pad_tiles=3)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton")
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="segments")
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
     assert rel_err(got - base, want - base) < TOL[dtype]
     assert torch.equal(got[40:44], base[40:44]) and torch.equal(got[107:], base[107:])  # no segment there
@@ -133,7 +133,7 @@ def test_triton_separate_outputs_and_block_r_wider_than_ranks(device):
     x = torch.randn(23, k, generator=torch.Generator().manual_seed(7)).to(device)
     got = torch.zeros(23, 33, device=device)
     want = got.clone()
-    segment_lora_add(x, lora, [got], backend="triton")
+    segment_lora_add(x, lora, [got], backend="triton", form="segments")
     segment_lora_reference(x, lora, [want])
     assert rel_err(got, want) < 1e-5
     assert torch.equal(got[:2], torch.zeros(2, 33, device=device))
@@ -151,7 +151,7 @@ def test_expand_programs_over_several_column_blocks(device, n_blocks, split_k):
     x = torch.randn(44, k, generator=torch.Generator().manual_seed(9)).to(device)
     base = torch.randn(44, 100, generator=torch.Generator().manual_seed(10)).to(device)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, lora, [got], backend="triton", n_blocks=n_blocks, split_k=split_k)
+    segment_lora_add(x, lora, [got], backend="triton", n_blocks=n_blocks, split_k=split_k, form="segments")
     segment_lora_reference(x, lora, [want])
     assert rel_err(got - base, want - base) < 1e-5
     assert torch.equal(got[40:41], base[40:41]) and torch.equal(got[42:], base[42:])
@@ -197,7 +197,7 @@ def test_every_rank_up_to_128_matches_the_reference_in_one_table(device):
     base = torch.randn(52, sum(ns), generator=torch.Generator().manual_seed(13)).to(device)
     lora = make_lora(pool, a_off, b_off, rk, scales, segments, 16, pad_tiles=2, block_r=128)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton")
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="segments")
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
     for start, end, _ in segments:
         assert rel_err(got[start:end] - base[start:end], want[start:end] - base[start:end]) < 1e-5
@@ -218,7 +218,7 @@ def test_compiled_variants_do_not_depend_on_ranks_or_the_s_width():
         segments = [(i * 8, i * 8 + 8, i) for i in range(len(ranks))]
         lora = make_lora(pool, a_off, b_off, rk, torch.ones(len(ranks)), segments, 16, block_r=block_r)
         outs = [torch.zeros(40, n) for n in ns]
-        keys.append(segment_kernel_variants(x, lora, outs))
+        keys.append(segment_kernel_variants(x, lora, outs, form="segments"))
     assert all(k_ == keys[0] for k_ in keys)
     assert len(keys[0]) == 3  # one shrink, two expands (one per output width's column-block count)
     assert all(dict(meta)["BLOCK_R"] == rank_chunk(torch.device("cpu")) for _, meta, _ in keys[0])

@@ -1,0 +1,118 @@
+"""The prefill rows' LoRA tables (``SegmentLora``: row tiles of one adapter each over the pool) and
+their torch reference, shared by both Triton forms (``lora_segments``, ``lora_tiles``) and the
+fused-epilogue product (``lora_linear``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+
+from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
+
+
+def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int) -> list[tuple[int, int, int]]:
+    """Segments ``(start, end, adapter)`` -> tiles of at most ``block_m`` rows, in order."""
+    tiles = []
+    for start, end, adapter in segments:
+        tiles += [(s, min(s + block_m, end), adapter) for s in range(start, end, block_m)]
+    return tiles
+
+
+def block_r_for(max_rank: int) -> int:
+    """The width of S (a runtime stride, nothing compiled per value): a power of two >= 16
+    holding ``max_rank``."""
+    if not 0 <= max_rank <= MAX_RANK:
+        raise ValueError(f"ranks must be in [0, {MAX_RANK}]; got {max_rank}")
+    return max(16, triton.next_power_of_2(max(max_rank, 1)))
+
+
+@dataclass(frozen=True)
+class SegmentLora:
+    """A step's prefill rows' LoRA for G projections sharing an input.
+
+    ``tiles [3, n_tiles]`` int32 (row start, row end, adapter index; padding tiles have start ==
+    end), ``a_offsets`` / ``b_offsets [G, A]`` int64 element offsets into ``pool`` (unit stride
+    along adapters), ``ranks [G, A]`` int32 (0 = the adapter has no LoRA on that projection),
+    ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
+    tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
+    ``block_r`` >= every rank (``block_r_for``): the width of the shrink's fp32 scratch S, a
+    runtime value (tables of any rank mix up to it run the same compiled kernels).
+    """
+
+    pool: torch.Tensor
+    tiles: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+    block_m: int
+    block_r: int
+
+    @property
+    def num_projections(self) -> int:
+        return self.a_offsets.shape[0]
+
+    def check(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Shapes, dtypes and devices only (no device value read)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a 2-D tensor [rows, in_features]; got {getattr(x, 'shape', type(x))}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        pool = self.pool
+        if pool.dim() != 1 or pool.dtype != x.dtype or pool.device != x.device:
+            raise TypeError(f"pool must be 1-D {x.dtype} on {x.device}; got {tuple(pool.shape)} {pool.dtype} "
+                            f"on {pool.device}")
+        g = self.num_projections
+        if len(outs) != g:
+            raise ValueError(f"{g} projections' tables but {len(outs)} outputs")
+        n_ad = self.scales.shape[0]
+        for name, t, dtype in (("a_offsets", self.a_offsets, torch.int64), ("b_offsets", self.b_offsets, torch.int64),
+                               ("ranks", self.ranks, torch.int32)):
+            if t.shape != (g, n_ad) or t.dtype != dtype or t.device != x.device or (n_ad > 1 and t.stride(1) != 1):
+                raise ValueError(f"SegmentLora.{name} must be [{g}, {n_ad}] {dtype} on {x.device} with unit "
+                                 f"stride along adapters; got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if self.tiles.dim() != 2 or self.tiles.shape[0] != 3 or self.tiles.dtype != torch.int32 \
+                or not self.tiles.is_contiguous():
+            raise ValueError(f"SegmentLora.tiles must be a contiguous [3, tiles] int32 tensor; got "
+                             f"{tuple(self.tiles.shape)} {self.tiles.dtype}")
+        if self.scales.dtype != torch.float32:
+            raise TypeError(f"SegmentLora.scales must be float32; got {self.scales.dtype}")
+        if self.block_r < 16 or self.block_r & (self.block_r - 1) or self.block_r > MAX_RANK:
+            raise ValueError(f"block_r must be a power of two in [16, {MAX_RANK}]; got {self.block_r}")
+        rows = x.shape[0]
+        for i, y in enumerate(outs):
+            if y.dim() != 2 or y.shape[0] != rows or y.dtype != x.dtype or y.device != x.device or y.stride(1) != 1:
+                raise ValueError(f"outs[{i}] must be [{rows}, N] {x.dtype} on {x.device} with unit column stride; "
+                                 f"got {tuple(y.shape)} {y.dtype} strides {y.stride()}")
+        if any(end > rows for _, end, _ in self.segments):
+            raise ValueError(f"a segment ends past x's {rows} rows: {self.segments}")
+
+
+@torch.no_grad()
+def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor]) -> None:
+    """``outs[g][segment rows] +=`` each segment's LoRA (fp32 sums, one rounding), in place.
+    Reads the adapter tables on the host (a device sync): for the CPU and tests."""
+    lora.check(x, outs)
+    k = x.shape[1]
+    a_off, b_off, ranks, scales = (t.cpu().tolist() for t in (lora.a_offsets, lora.b_offsets, lora.ranks,
+                                                               lora.scales))
+    pool = lora.pool
+    for g, y in enumerate(outs):
+        n = y.shape[1]
+        for start, end, ad in lora.segments:
+            r = ranks[g][ad]
+            if r == 0 or end <= start:
+                continue
+            if r > lora.block_r:
+                raise ValueError(f"adapter {ad} has rank {r} on projection {g}, above block_r={lora.block_r}")
+            a, b = a_off[g][ad], b_off[g][ad]
+            if a < 0 or b < 0 or a + r * k > pool.numel() or b + r * n > pool.numel():
+                raise ValueError(f"adapter {ad}, projection {g}: A at {a} / B^T at {b} (rank {r}, K={k}, N={n}) "
+                                 f"reach past the pool ({pool.numel()} elements)")
+            s = x[start:end].float() @ pool[a:a + r * k].view(r, k).float().T
+            delta = (s @ pool[b:b + r * n].view(r, n).float()) * scales[ad]
+            y[start:end] = (y[start:end].float() + delta).to(y.dtype)
