@@ -173,7 +173,8 @@ def test_per_step_integers_are_not_compile_keys():
     assert set(pa.DECODE_UNSPECIALISED) <= set(pa._paged_decode_kernel.arg_names)
     assert set(pa.COMBINE_UNSPECIALISED) <= set(pa._combine_splits_kernel.arg_names)
     with pytest.raises(ValueError, match="splits"):
-        q, pool, table, lens = make_problem([5, 12], 4, 4, 2, 16, torch.float32, "cpu")
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU tensors need the interpreter)
+        q, pool, table, lens = make_problem([5, 12], 4, 4, 2, 16, torch.float32, dev)
         pa._paged_decode_attention_triton(q, pool, 1, table, lens, 0.25, None, splits=pa.MAX_SPLITS + 1)
 
 
