@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import lora_tiles
 from .lora_tiles import tile_launches, tile_lora_add
-from .segment_tables import SegmentLora, block_r_for, segment_lora_reference, segment_tiles
+from .segment_tables import SegmentLora, block_r_for, segment_lora_reference, segment_tiles, shrink_tile
 
 __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "segment_lora_reference",
            "segment_tiles", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
@@ -90,31 +90,9 @@ def _segment_shrink_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
-    if (end > start) & (rank > 0):
-        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        k_lo = sp * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-            s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
-                      + offs_r[None, :])
-            tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    shrink_tile(x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, t, g, sp, K, k_per_split, x_stride, n_tiles,
+                a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
+                BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segment_tables import SegmentLora, segment_lora_reference
+from .segment_tables import SegmentLora, segment_lora_reference, shrink_tile
 
 # ranks held in one pass (S's register tile in the expand; the shrink's per-pass width) on CUDA;
 # ranks <= SMALL_RANK use a tile of that width instead (less padding for ranks 4-32)
@@ -57,31 +57,9 @@ def _tile_shrink_kernel(
     g = pid % G
     t = pid // G
     sp = tl.program_id(1)
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
-    if (end > start) & (rank > 0):
-        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        k_lo = sp * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
-            s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
-                      + offs_r[None, :])
-            tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    shrink_tile(x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, t, g, sp, K, k_per_split, x_stride, n_tiles,
+                a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
+                BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION)
 
 
 @triton.jit

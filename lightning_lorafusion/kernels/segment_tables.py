@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 
@@ -116,3 +117,40 @@ def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[to
             s = x[start:end].float() @ pool[a:a + r * k].view(r, k).float().T
             delta = (s @ pool[b:b + r * n].view(r, n).float()) * scales[ad]
             y[start:end] = (y[start:end].float() + delta).to(y.dtype)
+
+
+@triton.jit
+def shrink_tile(
+    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, t, g, sp, K, k_per_split, x_stride, n_tiles, a_g_stride,
+    r_g_stride, s_g_stride, s_split_stride, s_width,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program's shrink, shared by both prefill LoRA forms (``lora_segments``,
+    ``lora_tiles``; they differ only in how the grid maps to (tile t, projection g, K split sp)):
+    S[sp, g, rows of tile t, :rank] = x[rows, sp's K range] A_g[:rank, range]^T in fp32, the
+    tile's own rank in chunks of BLOCK_R; an empty or rank-0 tile does nothing."""
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
+    if (end > start) & (rank > 0):
+        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        k_lo = sp * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
+                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
+                      + offs_r[None, :])
+            tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
