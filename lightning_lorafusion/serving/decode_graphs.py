@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..capture import capture_batch, graph_capture
+from ..kernels import lora_gather
 from ..kernels.lora_gather import adapter_groups
 from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
@@ -202,7 +203,8 @@ class DecodeInputs:
             self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)
             self.lora_ranks[:, :b].copy_(ranks[idx].t(), non_blocking=True)
             self.lora_scales[:b].copy_(scales[idx], non_blocking=True)
-        self.lora_groups.copy_(adapter_groups(index, self.max_rows), non_blocking=True)  # (empty past b)
+        if self.max_rows >= lora_gather.GROUPED_MIN_ROWS:  # (else no batch is large enough to read them)
+            self.lora_groups.copy_(adapter_groups(index, self.max_rows), non_blocking=True)  # (empty past b)
         # rows past the real ones are inert in any bucket: the scratch page, rank 0
         self.page_table[b:, 0] = self.scratch_page
         self.lora_ranks[:, b:] = 0
