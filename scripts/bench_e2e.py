@@ -150,10 +150,14 @@ def run_hf_peft(args, model, data, device, packed=False):
     peft_model = get_peft_model(model, lcfg, adapter_name=names[0])
     for n in names[1:]:
         peft_model.add_adapter(n, lcfg)
+    if args.hf_checkpointing:  # what PEFT's prepare_model_for_kbit_training turns on for QLoRA
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         for timed_pass in (False, True):  # the first pass warms up every shape, untimed
             tokens, t_total = _hf_pass(args, peft_model, names, data, device, packed)
     finally:
+        if args.hf_checkpointing:
+            model.gradient_checkpointing_disable()
         base = peft_model.unload()  # take PEFT's injected layers out of the shared base model
     return tokens / t_total, t_total, tokens, base
 
@@ -448,6 +452,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_workload_args(ap, layers=8)
     add_output_args(ap)
     ap.add_argument("--hf-batch", type=int, default=4, help="HF micro-batch (samples, padded)")
+    ap.add_argument("--hf-checkpointing", action="store_true",
+                    help="HF + PEFT rows with activation checkpointing of every layer (the QLoRA recipe's "
+                         "default through PEFT's prepare_model_for_kbit_training)")
     ap.add_argument("--capacity", type=int, default=8192)
     ap.add_argument("--variants", default="hf,hf_packed,torch,triton")
     ap.add_argument("--base-precision", type=comma_list(("bf16", "fp8", "nf4")), default=["bf16"],

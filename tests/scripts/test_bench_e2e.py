@@ -30,3 +30,24 @@ def test_fixed_workload_has_samples_of_exactly_max_length(tmp_path):
                         "fixed", "--adapters", "2", "--samples", "2", "--global-batch", "2", "--max-length", "48",
                         "--capacity", "128", "--out", str(tmp_path)])
     assert rows[0]["real_tokens"] == 2 * 2 * 48
+
+
+def test_hf_checkpointing_is_on_during_the_hf_passes_only_with_the_flag(tmp_path):
+    module = load_script("bench_e2e")
+    seen, real_pass = [], module._hf_pass
+
+    def recording_pass(args, peft_model, names, data, device, packed):
+        seen.append(peft_model.get_base_model().is_gradient_checkpointing)
+        return real_pass(args, peft_model, names, data, device, packed)
+
+    module._hf_pass = recording_pass
+    rows = module.main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--variants", "hf",
+                        "--hf-checkpointing", "--adapters", "2", "--samples", "2", "--global-batch", "2",
+                        "--max-length", "32", "--capacity", "128", "--out", str(tmp_path)])
+    assert seen == [True, True] and rows[0]["real_tokens"] > 0
+    seen.clear()
+    module.main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--variants", "hf", "--adapters", "2",
+                 "--samples", "2", "--global-batch", "2", "--max-length", "32", "--capacity", "128",
+                 "--out", str(tmp_path)])
+    module._hf_pass = real_pass
+    assert seen == [False, False]
