@@ -27,7 +27,7 @@ allocated GiB). ``--breakdown`` prints what is live at the peak of one eager ste
     PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096 --settings none,gate_up+norms \\
         --extra-rows 2048:activation+norms+graphs,4096:none+graphs --bf16-capacity 0 --out $OUT
     PYTHONPATH=. python3 scripts/bench_memory.py --shape tiny --layers 2 --device cpu --backend torch \\
-        --samples 4 --capacities 256,512 --bf16-capacity 256   # smoke test
+        --samples 4 --max-length 256 --capacities 256,512 --bf16-capacity 256   # smoke test
 """
 
 from __future__ import annotations
