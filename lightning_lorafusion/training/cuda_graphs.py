@@ -31,7 +31,10 @@ then the same function is captured, sharing one memory pool with the other keys'
 (never replayed concurrently; outputs are copied out at once). Gradients accumulate into
 static ``.grad`` tensors (bound before every step, so ``zero_grad(set_to_none=True)`` or a
 restored checkpoint is harmless). Optimizer steps stay outside the graph. What cannot be
-captured falls back to the caller's eager step with the reason logged (``refusals``).
+captured falls back to the caller's eager step with the reason logged (``refusals``). How the
+warm-ups and captures use the allocator (capture order, cache releases, the first warm-up's
+pool) is ``CaptureMemory``'s choice: the pool stays reserved between replays, so it and the
+eager allocator's reserve, not the allocated peak, are a graph run's memory.
 
 A pipeline stage runs the same step over its layers (``layers``, ``is_first``): where a
 microbatch's forward and backward are adjacent in the schedule (one stage, or the last stage of
