@@ -12,7 +12,9 @@ change how the captures use the allocator (``training/cuda_graphs.CaptureMemory`
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
 captured up front per epoch, ``model.cuda_graph_precapture``); and for any row ``expandable``
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
-switched on for that row only). Each row also shows what
+switched on for that row only: segments made before it, the base's among them, stay as they
+were; for the whole process set the variable before the start, and compare with a run without
+it through ``--earlier-rows``). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -36,6 +38,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -44,6 +47,7 @@ from harness import add_output_args, comma_list, device_info, write_json
 import torch  # noqa: E402
 
 from bench_e2e import add_workload_args, model_and_workload, run_ours  # noqa: E402
+from lightning_lorafusion.capture import pool_usage  # noqa: E402
 from lightning_lorafusion.model.activation_memory import step_activation_bytes  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderOptions  # noqa: E402
 from lightning_lorafusion.model.mlp_recompute import MLP_RECOMPUTE_MODES  # noqa: E402
@@ -129,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
                     help="print what is live at the peak of one eager step of each eager row (memory_peak.py)")
+    ap.add_argument("--earlier-rows", default=None, metavar="JSON",
+                    help="a JSON this script wrote in an earlier process (e.g. under another "
+                         "PYTORCH_CUDA_ALLOC_CONF): its rows head the table and count for the best tok/s")
     ap.add_argument("--time-budget", type=float, default=270.0,
                     help="seconds from the start; a row that would end past it (as long as the longest so "
                          "far) is skipped")
@@ -160,10 +167,13 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"base": precision, "capacity": capacity, "setting": text}
+    row = {"base": precision, "capacity": capacity, "setting": text,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
     graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture}
     cuda = device.type == "cuda"
+    if cuda:  # what the rows before and the model left in the eager allocator
+        row["at_start"] = pool_usage(device=device)
     try:
         with expandable_segments(setting.expandable, device):
             if cuda:
@@ -194,12 +204,16 @@ def planned_rows(args) -> list[tuple[str, int, str]]:
 
 def print_table(rows: list[dict], args, device_name: str) -> None:
     print(f"\n{device_name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
-          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} backend={args.backend}")
+          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} backend={args.backend} "
+          f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
     swept = [r for r in rows if r["base"] == args.base_precision and "tokens_per_s" in r]
     best = max((r["tokens_per_s"] for r in swept), default=float("nan"))
+    rows = [{**r, "setting": r["setting"] + (f" [{r['alloc_conf']}]" if r.get("alloc_conf") else "")}
+            for r in rows]  # a row of a process with its own allocator settings says so
     width = max([26] + [len(r["setting"]) for r in rows])
     print(f"{'base':5} {'capacity':>8} {'setting':{width}} {'tok/s':>9} {'vs best':>8} {'peak GiB':>9} "
-          f"{'resv GiB':>9} {'kept GiB':>9} {'graphs':>7} {'cap a/r':>11} {'pool r/a':>11} {'eager r/a':>11}  target")
+          f"{'resv GiB':>9} {'kept GiB':>9} {'graphs':>7} {'start r/a':>11} {'cap a/r':>11} {'pool r/a':>11} "
+          f"{'eager r/a':>11}  target")
     for r in rows:
         if "tokens_per_s" not in r:
             print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:{width}} {r.get('error', 'skipped')}")
@@ -211,20 +225,22 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
         graphs = f"{r['replays']}/{r['microbatches'] * 2}" if "replays" in r else ""  # replays of both passes' steps
         cap = r.get("at_capture") or {}
         pools = r.get("pools") or {}
+        start = (r.get("at_start") or {}).get("eager", {})
 
         def pair(a, b):
             return f"{a:.2f}/{b:.2f}" if a is not None and b is not None else ""
 
         print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:{width}} {r['tokens_per_s']:>9.1f} {ratio:>7.3f}x "
               f"{r['peak_gib']:>9.2f} {r['reserved_gib']:>9.2f} {r['kept_bytes'] / 2**30:>9.2f} {graphs:>7} "
+              f"{pair(start.get('reserved'), start.get('allocated')):>11} "
               f"{pair(cap.get('peak_gib'), cap.get('reserved_gib')):>11} "
               f"{pair(*(pools.get('graphs', {}).get(k) for k in ('reserved', 'allocated'))):>11} "
               f"{pair(*(pools.get('eager', {}).get(k) for k in ('reserved', 'allocated'))):>11}  {'+'.join(meets)}")
     print(f"target: peak <= {args.target_gib} GiB at >= {args.target_ratio:.0%} of the best {args.base_precision} "
           f"tok/s of this run ({best:.1f}), met on peak allocated (alloc) and/or peak reserved (resv); kept GiB: "
           "what the decoder layers keep for backward at that capacity (model.activation_memory); graphs: replayed "
-          "steps / steps of both passes; cap a/r: peak allocated/reserved GiB when the captures ended (no optimizer "
-          "state yet); pool r/a, eager r/a: GiB reserved/allocated at the row's end by the graph pools and by the "
+          "steps / steps of both passes; start r/a: GiB the eager allocator reserved/allocated at the row's start; "
+          "cap a/r: peak allocated/reserved GiB when the captures ended (no optimizer state yet); pool r/a, eager r/a: GiB reserved/allocated at the row's end by the graph pools and by the "
           "eager allocator")
 
 
@@ -247,8 +263,13 @@ def main(argv=None) -> list[dict]:
             longest = max(longest, time.perf_counter() - began)
         print(json.dumps({**rows[-1], "elapsed_s": round(time.perf_counter() - start, 1)}), flush=True)
     info = device_info(device)
-    print_table(rows, args, info["device_name"])
-    write_json(args.out, f"memory_{args.shape}_{args.base_precision}.json", {**info, "args": vars(args), "rows": rows})
+    earlier = []
+    if args.earlier_rows:
+        with open(args.earlier_rows) as f:
+            earlier = json.load(f)["rows"]
+    print_table(earlier + rows, args, info["device_name"])
+    write_json(args.out, f"memory_{args.shape}_{args.base_precision}.json",
+               {**info, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "args": vars(args), "rows": rows})
     return rows
 
 

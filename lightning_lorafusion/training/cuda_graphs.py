@@ -80,8 +80,8 @@ class CaptureMemory:
     so a smaller key's step fits in blocks the largest one freed in the shared pool instead of
     growing it. ``release``: the allocator's cached blocks are handed back before every capture
     and after a batch of captures, not only after the first warm-up. ``warm_in_pool``: the
-    first key's eager warm-up allocates from the graphs' pool too (created before it), so the
-    capture reuses the warm-up's blocks."""
+    first key's eager warm-up allocates from the graphs' pool too (a ``torch.cuda.MemPool`` made
+    before it), so the capture reuses the warm-up's blocks."""
 
     largest_first: bool = False
     release: bool = False
@@ -261,6 +261,7 @@ class TrainingGraphs:
         self._inputs: dict[int, StaticInputs] = {}
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._pool = None
+        self._mempool = None  # CaptureMemory.warm_in_pool: the pool made before the first warm-up
         self._side = None  # the warm-up stream
 
     @property
@@ -483,7 +484,10 @@ class TrainingGraphs:
             # instead of needing as much again (the 8B shape at capacity 8192 does not fit twice
             # on an 80 GB GPU)
             if self._pool is None and self.memory.warm_in_pool:
-                self._pool = torch.cuda.graph_pool_handle()
+                # a MemPool holds a reference to its pool: a bare handle's pool is dropped when
+                # the warm-up's routing ends (before any graph holds it)
+                self._mempool = torch.cuda.MemPool()
+                self._pool = self._mempool.id
             pool = self._pool
             tables.allocation_context = lambda: _outside(pool, main.device)
             try:

@@ -137,3 +137,28 @@ def test_a_graphs_row_passes_its_capture_memory(monkeypatch):
     assert seen == [{"memory": CaptureMemory(largest_first=True), "max_precapture": 2}]
     assert row["pools"]["graphs"]["reserved"] == 1.0
     bench.print_table([row], args, "cpu")  # the pool columns format
+
+
+def test_earlier_rows_head_the_table_labelled_with_their_allocator_settings(tmp_path, capsys, monkeypatch):
+    """Rows of another process (another PYTORCH_CUDA_ALLOC_CONF) come first, labelled with it, and
+    count for the best tok/s the ratios are taken against."""
+    bench = load_script("bench_memory")
+    base = {"base": "nf4", "capacity": 64, "kept_bytes": 0, "seconds": 1.0, "peak_gib": 1.0, "reserved_gib": 2.0}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": [{**base, "setting": "graphs", "tokens_per_s": 200.0,
+                                             "alloc_conf": ""}]}))
+    monkeypatch.setattr(bench, "run_ours", lambda *a, **k: (100.0, 1.0, 100, 1.0, 2, {}))
+    monkeypatch.setattr(bench, "model_and_workload", lambda args: (torch.device("cpu"), torch.float32, None,
+                                                                    None, None))
+    monkeypatch.setattr(bench, "step_activation_bytes", lambda *a, **k: 0)
+    from lightning_lorafusion.model import hf_loading
+
+    monkeypatch.setattr(hf_loading, "params_from_hf_model", lambda model: (None, None))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    rows = bench.main(["--device", "cpu", "--capacities", "64", "--settings", "none", "--bf16-capacity", "0",
+                       "--earlier-rows", str(earlier), "--out", str(tmp_path / "out")])
+    assert [r["alloc_conf"] for r in rows] == ["expandable_segments:True"]
+    table = capsys.readouterr().out.split("PYTORCH_CUDA_ALLOC_CONF=")[1].splitlines()
+    lines = [line for line in table if line.startswith("nf4")]
+    assert lines[0].split()[2] == "graphs" and "2.000x" not in lines[0] and "1.000x" in lines[0]
+    assert "none [expandable_segments:True]" in lines[1] and "0.500x" in lines[1]

@@ -37,6 +37,7 @@ class _Recorder:
         self.capturing = None
         self.graphs = 0
         self.handles = 0
+        self.refs: dict = {}  # references to each pool (torch drops a pool whose count reaches 0)
         ev = self.events
 
         class Stream:
@@ -61,19 +62,28 @@ class _Recorder:
         def graph_capture(graph, *, pool=None, stream=None, device=None):
             graph.captured_pool = pool
             ev.append(("capture", pool))
+            self.incref(pool if pool is not None else graph.id)  # the graph holds its pool
             self.capturing = pool if pool is not None else graph.id
             try:
                 yield
             finally:
                 self.capturing = None
 
-        def handle():
-            self.handles += 1
-            ev.append(("pool_handle",))
-            return ("handle", self.handles)
+        class MemPool:
+            def __init__(pool):
+                self.handles += 1
+                ev.append(("mempool",))
+                pool.id = ("handle", self.handles)
+                self.incref(pool.id)
 
         def begin(index, pool):
             self.routed.append(pool)
+            self.incref(pool)
+
+        def release(index, pool):
+            self.refs[pool] -= 1
+            if self.refs[pool] == 0:
+                ev.append(("pool_dropped", pool))
 
         def end(index, pool):
             assert self.routed and self.routed[-1] == pool
@@ -91,14 +101,17 @@ class _Recorder:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: ev.append(("sync",)))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: ev.append(("empty_cache",)))
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "graph_pool_handle", handle)
+        monkeypatch.setattr(torch.cuda, "MemPool", MemPool)
         monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", begin, raising=False)
         monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-        monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda index, pool: None, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_releasePool", release, raising=False)
         monkeypatch.setattr(cg, "graph_capture", graph_capture)
         monkeypatch.setattr(cg, "capture_batch", lambda device: _batch(ev))
         monkeypatch.setattr(TrainingGraphs, "_run_static", run_static)
         monkeypatch.setattr(TrainingGraphs, "_buffers", lambda graphs, capacity, device: (_Tables(), _Inputs()))
+
+    def incref(self, pool) -> None:
+        self.refs[pool] = self.refs.get(pool, 0) + 1
 
     def flow(self) -> list[tuple]:
         """The events without the synchronisations (each cache release follows one)."""
@@ -181,16 +194,18 @@ def test_release_hands_cached_blocks_back_before_every_capture_and_after_the_bat
 
 
 def test_warm_in_pool_makes_the_pool_before_the_first_warm_up(monkeypatch):
-    """The first warm-up allocates from a pool made for it, the capture then records into that
-    same pool: no cache release is needed (nothing of the warm-up stays in the eager cache)."""
+    """The first warm-up allocates from a pool made for it (a MemPool: it holds the pool, which
+    the warm-up's own routing would otherwise drop when it ends), the capture then records into
+    that same pool: no cache release is needed (nothing of the warm-up stays in the eager cache)."""
     graphs, rec = _precapture(monkeypatch, CaptureMemory(warm_in_pool=True))
     handle = ("handle", 1)
     assert rec.flow() == [
-        ("batch",), ("pool_handle",),
+        ("batch",), ("mempool",),
         ("step", "eager", SMALL, handle), ("capture", handle), ("step", "capture", SMALL, handle),
         ("step", "eager", BIG, handle), ("capture", handle), ("step", "capture", BIG, handle),
         ("batch_end",)]
-    assert graphs._pool == handle and rec.routed == []
+    assert graphs._pool == handle and rec.routed == [] and graphs._mempool.id == handle
+    assert rec.refs[handle] == 3  # the MemPool and the two graphs
 
 
 def test_a_first_use_capture_follows_the_same_rules(monkeypatch):
@@ -205,7 +220,7 @@ def test_a_first_use_capture_follows_the_same_rules(monkeypatch):
     sums = graphs.step(mb, mb.loss_denominators)
     assert sums is not None and graphs.captures == 1 and set(graphs._graphs) == {key}
     handle = ("handle", 1)
-    assert rec.flow() == [("pool_handle",), ("step", "eager", key, handle), ("empty_cache",), ("capture", handle),
+    assert rec.flow() == [("mempool",), ("step", "eager", key, handle), ("empty_cache",), ("capture", handle),
                           ("step", "capture", key, handle)]
 
 
