@@ -6,7 +6,8 @@ a device synchronisation, ``empty_cache`` (device and pinned host: every cached 
 back, and the next eager run allocates it again) and, with ``gc_paused``, a full garbage
 collection. ``capture_batch`` pays the collection and the cache release once for a run of
 captures and ``graph_capture`` records one graph without them. ``pool_usage`` says what the
-caching allocator holds per memory pool (the eager one and each graph pool).
+caching allocator holds per memory pool (the eager one and each graph pool);
+``expandable_segments_by_default`` asks for the allocator's expandable segments.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Iterator
+from typing import Iterator, MutableMapping
 
 import torch
 
@@ -129,3 +130,20 @@ def pool_usage(segments: list[dict] | None = None, device: torch.device | None =
         row["largest_free"] = max(row["largest_free"], max(free, default=0) / gib)
     return {name: {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
             for name, row in out.items()}
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def expandable_segments_by_default(environ: MutableMapping[str, str]) -> bool:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in ``environ`` unless allocator
+    options are set there already (the user's stay as they are); True when it set it. Read once,
+    at the process's first CUDA allocation, so call it before that. Why: with segments that grow
+    in place, ``empty_cache`` (before a batch of graph captures) hands back free pages anywhere,
+    not only segments with nothing live in them, so the blocks loading and quantizing the base
+    freed around what stays do not stay reserved beside the graphs' pool."""
+    if any(environ.get(name) for name in ALLOC_CONF_VARS):
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    return True

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from lightning_lorafusion.capture import pool_usage
+from lightning_lorafusion.capture import expandable_segments_by_default, pool_usage
 from lightning_lorafusion.model.adapter_bank import AdapterBank
 from lightning_lorafusion.model.decoder import DecoderConfig
 from lightning_lorafusion.model.random_model import random_base_params
@@ -243,3 +243,14 @@ def test_pool_usage_sums_segments_per_pool():
     assert usage["graphs"] == {"reserved": 2.0, "allocated": 1.008, "largest_free": 0.992, "segments": 2,
                                "expandable": 0}
     assert pool_usage([], torch.device("cuda", 0)) == {}
+
+
+def test_expandable_segments_are_asked_for_unless_allocator_options_are_set():
+    env = {"HOME": "/x"}
+    assert expandable_segments_by_default(env) is True
+    assert env == {"HOME": "/x", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+        env = dict(user)
+        assert expandable_segments_by_default(env) is False and env == user
+    env = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # set but empty: nothing asked for
+    assert expandable_segments_by_default(env) is True and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
