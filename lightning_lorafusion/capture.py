@@ -138,11 +138,12 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 def expandable_segments_by_default(environ: MutableMapping[str, str]) -> bool:
     """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in ``environ`` unless allocator
-    options are set there already (the user's stay as they are); True when it set it. Read once,
-    at the process's first CUDA allocation, so call it before that. Why: with segments that grow
-    in place, ``empty_cache`` (before a batch of graph captures) hands back free pages anywhere,
-    not only segments with nothing live in them, so the blocks loading and quantizing the base
-    freed around what stays do not stay reserved beside the graphs' pool."""
+    options are set there already (the user's stay as they are); True when it set it. torch reads
+    it once, at the process's first CUDA allocation, so ``fit`` calls this before that. Why: with
+    segments that grow in place, ``empty_cache`` (before a batch of graph captures) hands back
+    free pages anywhere, not only segments with nothing live left in them; without, the blocks
+    freed while the base was loaded and quantized stay reserved around what lives on (1.3 GiB
+    of the 8B NF4 base's run on an H100, beside the graphs' pool: docs/training.md)."""
     if any(environ.get(name) for name in ALLOC_CONF_VARS):
         return False
     environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS

@@ -6,6 +6,7 @@ and captures, which memory pool each one allocates from, and the order keys are 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -254,3 +255,25 @@ def test_expandable_segments_are_asked_for_unless_allocator_options_are_set():
         assert expandable_segments_by_default(env) is False and env == user
     env = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # set but empty: nothing asked for
     assert expandable_segments_by_default(env) is True and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_fit_asks_for_expandable_segments_before_anything_runs(monkeypatch):
+    """The console script's fit / validate path sets the allocator option (the user's own stays);
+    serve and generate do not touch it."""
+    from lightning_lorafusion import cli
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # restored after the test
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "LoRAFusionCLI", lambda *a, **k: seen.append(os.environ["PYTORCH_CUDA_ALLOC_CONF"]))
+    monkeypatch.setattr(cli, "_keep_wandb_local", lambda: None)
+    assert cli.main(["fit", "--config", "x.yaml"]) == 0
+    assert seen == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert cli.main(["fit", "--config", "x.yaml"]) == 0
+    assert seen[-1] == "max_split_size_mb:64"
+    import lightning_lorafusion.serving.generate_cli as generate_cli
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.setattr(generate_cli, "run", lambda args: 0)
+    assert cli.main(["generate"]) == 0 and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ""
