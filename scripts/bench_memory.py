@@ -101,7 +101,9 @@ def parse_setting(text: str) -> Setting:
 def expandable_segments(on: bool, device: torch.device):
     """The CUDA allocator's expandable segments on for the block (then off again); nothing when
     ``on`` is False or off CUDA. New segments follow the setting, existing ones stay as they are."""
-    if not on or device.type != "cuda":
+    process_wide = any("expandable_segments:true" in os.environ.get(v, "").lower()
+                       for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if not on or device.type != "cuda" or process_wide:  # on for the whole process: leave it on
         yield
         return
     # torch's runtime form of PYTORCH_CUDA_ALLOC_CONF (the older name where the new one is absent)
