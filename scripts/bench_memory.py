@@ -242,8 +242,8 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
           f"tok/s of this run ({best:.1f}), met on peak allocated (alloc) and/or peak reserved (resv); kept GiB: "
           "what the decoder layers keep for backward at that capacity (model.activation_memory); graphs: replayed "
           "steps / steps of both passes; start r/a: GiB the eager allocator reserved/allocated at the row's start; "
-          "cap a/r: peak allocated/reserved GiB when the captures ended (no optimizer state yet); pool r/a, eager r/a: GiB reserved/allocated at the row's end by the graph pools and by the "
-          "eager allocator")
+          "cap a/r: peak allocated/reserved GiB when the captures ended (no optimizer state yet); pool r/a, "
+          "eager r/a: GiB reserved/allocated at the row's end by the graph pools and by the eager allocator")
 
 
 def main(argv=None) -> list[dict]:

@@ -250,7 +250,8 @@ def test_expandable_segments_are_asked_for_unless_allocator_options_are_set():
     env = {"HOME": "/x"}
     assert expandable_segments_by_default(env) is True
     assert env == {"HOME": "/x", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+                 {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
         env = dict(user)
         assert expandable_segments_by_default(env) is False and env == user
     env = {"PYTORCH_CUDA_ALLOC_CONF": ""}  # set but empty: nothing asked for
