@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
+from .capture import expandable_segments_by_default
 from .specs import ConfigError
 from .training.datamodule import MultiAdapterDataModule
 from .training.module import LoRAFusionModule
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         # --debug flag, which is ours, is taken out of it.
         sys.argv[1:] = args
     _keep_wandb_local()
+    expandable_segments_by_default(os.environ)  # before the first CUDA allocation (capture.py says why)
     _log_to_stderr()
     # parse errors raise (UsageError, one line) instead of printing the whole usage first
     quiet = {"exit_on_error": False}

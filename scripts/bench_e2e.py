@@ -356,11 +356,12 @@ def run_hf_qlora(args, model, data, device, layers: dict):
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False):
+             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False, graph_kwargs=None):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again).
     ``precapture``: with ``graphs``, capture graphs covering every planned shape key before the
-    first pass, as ``fit`` does before an epoch (else keys are captured on first use)."""
+    first pass, as ``fit`` does before an epoch (else keys are captured on first use).
+    ``graph_kwargs``: more ``TrainingGraphs`` arguments (``memory``, ``max_precapture``)."""
     w = OursSetup(args, model, data, device, dtype)
     if base_precision in QUANTIZED:
         fp8_params = {} if fp8_params is None else fp8_params
@@ -383,9 +384,10 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, graph_key
 
         runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
-                                options=options)
+                                options=options, **(graph_kwargs or {}))
         if precapture:
             runner.precapture(collections.Counter(graph_key(mb) for mb in mbs), device)
+    at_capture = _peaks(device)  # before any optimizer step: no AdamW state yet
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
                                      checkpoint_layers=args.checkpoint_layers if runner is None else 0)
@@ -406,7 +408,19 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
                  "replays": runner.replays, "capture_s": round(runner.capture_seconds, 1),
                  "refusals": {str(k): v for k, v in runner.refusals.items()},
                  "precaptured": runner.precaptures, "captures": runner.captures}
+        if device.type == "cuda":  # while the graphs (their pool) are alive
+            from lightning_lorafusion.capture import pool_usage
+
+            extra.update(at_capture=at_capture, pools=pool_usage(device=device))
     return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
+
+
+def _peaks(device) -> dict:
+    """Peak allocated and reserved GiB so far (CUDA; empty elsewhere)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def _profile(args, label, fn) -> None:

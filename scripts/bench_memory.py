@@ -6,24 +6,39 @@ A setting is ``none`` or parts joined by ``+``: an ``mlp_recompute`` mode (``act
 ``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward),
 ``ckptN`` (the first N layers checkpointed whole) and ``graphs`` (the step captured in CUDA
 graphs, ``training/cuda_graphs.py``, covering every planned shape key before the first pass as
-``fit`` does; not with ``ckptN``), e.g. ``activation+norms+graphs``. Each row also shows what
+``fit`` does; not with ``ckptN``), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
+change how the captures use the allocator (``training/cuda_graphs.CaptureMemory``): ``largest``
+(keys captured largest first), ``release`` (cached blocks handed back before every capture),
+``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
+captured up front per epoch, ``model.cuda_graph_precapture``); and for any row ``expandable``
+(the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+switched on for that row only: segments made before it, the base's among them, stay as they
+were; for the whole process set the variable before the start, and compare with a run without
+it through ``--earlier-rows``). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
-whether it meets the memory target: peak allocated <= --target-gib at >= --target-ratio of the
-best NF4 tokens/s of the run. ``--breakdown`` prints what is live at the peak of one eager step
+whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
+--target-gib at >= --target-ratio of the best NF4 tokens/s of the run. A graph replay allocates
+nothing the allocator counts: its intermediates live in the graphs' pool, which stays reserved,
+so for graph rows the reserved peak is the memory the run needs. Graph rows also give the peaks
+reached by the end of the captures (before any optimizer state exists) and what each pool holds
+at the end (``capture.pool_usage``: the eager allocator's and the graph pools' reserved and
+allocated GiB). ``--breakdown`` prints what is live at the peak of one eager step
 (scripts/memory_peak.py). Rows past --time-budget seconds are skipped (listed as such).
 
     PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096 --settings none,gate_up+norms \\
         --extra-rows 2048:activation+norms+graphs,4096:none+graphs --bf16-capacity 0 --out $OUT
     PYTHONPATH=. python3 scripts/bench_memory.py --shape tiny --layers 2 --device cpu --backend torch \\
-        --samples 4 --capacities 256,512 --bf16-capacity 256   # smoke test
+        --samples 4 --max-length 256 --capacities 256,512 --bf16-capacity 256   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,9 +47,15 @@ from harness import add_output_args, comma_list, device_info, write_json
 import torch  # noqa: E402
 
 from bench_e2e import add_workload_args, model_and_workload, run_ours  # noqa: E402
+from lightning_lorafusion.capture import pool_usage  # noqa: E402
 from lightning_lorafusion.model.activation_memory import step_activation_bytes  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderOptions  # noqa: E402
 from lightning_lorafusion.model.mlp_recompute import MLP_RECOMPUTE_MODES  # noqa: E402
+from lightning_lorafusion.training.cuda_graphs import DEFAULT_CAPTURE_MEMORY, CaptureMemory  # noqa: E402
+from lightning_lorafusion.training.graph_cover import DEFAULT_PRECAPTURE  # noqa: E402
+
+
+GRAPH_MEMORY_PARTS = {"largest": "largest_first", "release": "release", "poolwarm": "warm_in_pool"}
 
 
 @dataclass(frozen=True)
@@ -43,24 +64,58 @@ class Setting:
     checkpoint_layers: int = 0
     norm_recompute: bool = False
     graphs: bool = False
+    memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY
+    precapture: int = DEFAULT_PRECAPTURE
+    expandable: bool = False
 
 
 def parse_setting(text: str) -> Setting:
     """``"ckpt8+activation"`` -> Setting(mlp_recompute="activation", checkpoint_layers=8)."""
-    mode, layers, norms, graphs = "none", 0, False, False
+    fields: dict = {}
+    memory: dict = {}
     for part in text.split("+"):
         if part.startswith("ckpt") and part[4:].isdigit():
-            layers = int(part[4:])
+            fields["checkpoint_layers"] = int(part[4:])
+        elif part.startswith("pre") and part[3:].isdigit():
+            fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
-            mode = part
-        elif part in ("norms", "graphs"):
-            norms, graphs = norms or part == "norms", graphs or part == "graphs"
+            fields["mlp_recompute"] = part
+        elif part in ("norms", "graphs", "expandable"):
+            fields[{"norms": "norm_recompute"}.get(part, part)] = True
+        elif part in GRAPH_MEMORY_PARTS:
+            memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs or ckptN (N layers checkpointed)")
-    if graphs and layers:
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, or with "
+                                             f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
+    setting = Setting(**fields, memory=CaptureMemory(**memory))
+    if setting.graphs and setting.checkpoint_layers:
         raise argparse.ArgumentTypeError(f"setting {text!r}: graphs with ckptN is not measured here; drop one")
-    return Setting(mode, layers, norms, graphs)
+    if not setting.graphs and (memory or "precapture" in fields):
+        raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)} and preN apply to "
+                                         "graphs; add +graphs")
+    return setting
+
+
+@contextlib.contextmanager
+def expandable_segments(on: bool, device: torch.device):
+    """The CUDA allocator's expandable segments on for the block (then off again); nothing when
+    ``on`` is False or off CUDA. New segments follow the setting, existing ones stay as they are."""
+    process_wide = any("expandable_segments:true" in os.environ.get(v, "").lower()
+                       for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if not on or device.type != "cuda" or process_wide:  # on for the whole process: leave it on
+        yield
+        return
+    # torch's runtime form of PYTORCH_CUDA_ALLOC_CONF (the older name where the new one is absent)
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setting("expandable_segments:True")
+    try:
+        yield
+    finally:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        setting("expandable_segments:False")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
                     help="print what is live at the peak of one eager step of each eager row (memory_peak.py)")
+    ap.add_argument("--earlier-rows", default=None, metavar="JSON",
+                    help="a JSON this script wrote in an earlier process (e.g. under another "
+                         "PYTORCH_CUDA_ALLOC_CONF): its rows head the table and count for the best tok/s")
     ap.add_argument("--time-budget", type=float, default=270.0,
                     help="seconds from the start; a row that would end past it (as long as the longest so "
                          "far) is skipped")
@@ -111,18 +169,27 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"base": precision, "capacity": capacity, "setting": text}
+    row = {"base": precision, "capacity": capacity, "setting": text,
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
+    graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture}
+    cuda = device.type == "cuda"
+    if cuda:  # what the rows before and the model left in the eager allocator
+        row["at_start"] = pool_usage(device=device)
     try:
-        tps, secs, toks, fill, n, extra = run_ours(row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"],
-                                                   args.backend, base_precision=precision, graphs=setting.graphs,
-                                                   label=f"{precision}_{capacity}_{text}", fp8_params=w["quantized"],
-                                                   options=options, precapture=setting.graphs)
+        with expandable_segments(setting.expandable, device):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            tps, secs, toks, fill, n, extra = run_ours(
+                row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"], args.backend,
+                base_precision=precision, graphs=setting.graphs, label=f"{precision}_{capacity}_{text}",
+                fp8_params=w["quantized"], options=options, precapture=setting.graphs, graph_kwargs=graph_kwargs)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
     except torch.OutOfMemoryError:
         return {**row, "error": "out of memory"}
-    cuda = device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
+    except RuntimeError as error:  # e.g. an allocator setting this torch refuses
+        return {**row, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     kept = step_activation_bytes(w["config"], args.rank, capacity, dtype=w["dtype"],
                                  mlp_recompute=setting.mlp_recompute, checkpoint_layers=setting.checkpoint_layers,
                                  elementwise_compiled=cuda, norm_recompute=setting.norm_recompute)
@@ -139,24 +206,44 @@ def planned_rows(args) -> list[tuple[str, int, str]]:
 
 def print_table(rows: list[dict], args, device_name: str) -> None:
     print(f"\n{device_name}, torch {torch.__version__}, shape={args.shape} layers={args.layers} "
-          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} backend={args.backend}")
+          f"workload={args.workload} adapters={args.adapters}x{args.samples} r={args.rank} backend={args.backend} "
+          f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
     swept = [r for r in rows if r["base"] == args.base_precision and "tokens_per_s" in r]
     best = max((r["tokens_per_s"] for r in swept), default=float("nan"))
-    print(f"{'base':5} {'capacity':>8} {'setting':26} {'tok/s':>9} {'vs best':>8} {'peak GiB':>9} "
-          f"{'resv GiB':>9} {'kept GiB':>9} {'graphs':>7}  target")
+    rows = [{**r, "setting": r["setting"] + (f" [{r['alloc_conf']}]" if r.get("alloc_conf") else "")}
+            for r in rows]  # a row of a process with its own allocator settings says so
+    width = max([26] + [len(r["setting"]) for r in rows])
+    print(f"{'base':5} {'capacity':>8} {'setting':{width}} {'tok/s':>9} {'vs best':>8} {'peak GiB':>9} "
+          f"{'resv GiB':>9} {'kept GiB':>9} {'graphs':>7} {'start r/a':>11} {'cap a/r':>11} {'pool r/a':>11} "
+          f"{'eager r/a':>11}  target")
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:26} {r.get('error', 'skipped')}")
+            print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:{width}} {r.get('error', 'skipped')}")
             continue
         ratio = r["tokens_per_s"] / best
-        meets = r["base"] == args.base_precision and r["peak_gib"] <= args.target_gib and ratio >= args.target_ratio
+        fast = r["base"] == args.base_precision and ratio >= args.target_ratio
+        meets = [name for name, key in (("alloc", "peak_gib"), ("resv", "reserved_gib"))
+                 if fast and r[key] <= args.target_gib]
         graphs = f"{r['replays']}/{r['microbatches'] * 2}" if "replays" in r else ""  # replays of both passes' steps
-        print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:26} {r['tokens_per_s']:>9.1f} {ratio:>7.3f}x "
-              f"{r['peak_gib']:>9.2f} {r['reserved_gib']:>9.2f} {r['kept_bytes'] / 2**30:>9.2f} {graphs:>7}  "
-              f"{'yes' if meets else ''}")
+        cap = r.get("at_capture") or {}
+        pools = r.get("pools") or {}
+        start = (r.get("at_start") or {}).get("eager", {})
+
+        def pair(a, b):
+            return f"{a:.2f}/{b:.2f}" if a is not None and b is not None else ""
+
+        print(f"{r['base']:5} {r['capacity']:>8} {r['setting']:{width}} {r['tokens_per_s']:>9.1f} {ratio:>7.3f}x "
+              f"{r['peak_gib']:>9.2f} {r['reserved_gib']:>9.2f} {r['kept_bytes'] / 2**30:>9.2f} {graphs:>7} "
+              f"{pair(start.get('reserved'), start.get('allocated')):>11} "
+              f"{pair(cap.get('peak_gib'), cap.get('reserved_gib')):>11} "
+              f"{pair(*(pools.get('graphs', {}).get(k) for k in ('reserved', 'allocated'))):>11} "
+              f"{pair(*(pools.get('eager', {}).get(k) for k in ('reserved', 'allocated'))):>11}  {'+'.join(meets)}")
     print(f"target: peak <= {args.target_gib} GiB at >= {args.target_ratio:.0%} of the best {args.base_precision} "
-          f"tok/s of this run ({best:.1f}); resv: peak reserved; kept GiB: what the decoder layers keep for "
-          "backward at that capacity (model.activation_memory); graphs: replayed steps / steps of both passes")
+          f"tok/s of this run ({best:.1f}), met on peak allocated (alloc) and/or peak reserved (resv); kept GiB: "
+          "what the decoder layers keep for backward at that capacity (model.activation_memory); graphs: replayed "
+          "steps / steps of both passes; start r/a: GiB the eager allocator reserved/allocated at the row's start; "
+          "cap a/r: peak allocated/reserved GiB when the captures ended (no optimizer state yet); pool r/a, "
+          "eager r/a: GiB reserved/allocated at the row's end by the graph pools and by the eager allocator")
 
 
 def main(argv=None) -> list[dict]:
@@ -178,8 +265,13 @@ def main(argv=None) -> list[dict]:
             longest = max(longest, time.perf_counter() - began)
         print(json.dumps({**rows[-1], "elapsed_s": round(time.perf_counter() - start, 1)}), flush=True)
     info = device_info(device)
-    print_table(rows, args, info["device_name"])
-    write_json(args.out, f"memory_{args.shape}_{args.base_precision}.json", {**info, "args": vars(args), "rows": rows})
+    earlier = []
+    if args.earlier_rows:
+        with open(args.earlier_rows) as f:
+            earlier = json.load(f)["rows"]
+    print_table(earlier + rows, args, info["device_name"])
+    write_json(args.out, f"memory_{args.shape}_{args.base_precision}.json",
+               {**info, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "args": vars(args), "rows": rows})
     return rows
 
 

@@ -31,7 +31,10 @@ then the same function is captured, sharing one memory pool with the other keys'
 (never replayed concurrently; outputs are copied out at once). Gradients accumulate into
 static ``.grad`` tensors (bound before every step, so ``zero_grad(set_to_none=True)`` or a
 restored checkpoint is harmless). Optimizer steps stay outside the graph. What cannot be
-captured falls back to the caller's eager step with the reason logged (``refusals``).
+captured falls back to the caller's eager step with the reason logged (``refusals``). How the
+warm-ups and captures use the allocator (capture order, cache releases, the first warm-up's
+pool) is ``CaptureMemory``'s choice: the pool stays reserved between replays, so it and the
+eager allocator's reserve, not the allocated peak, are a graph run's memory.
 
 A pipeline stage runs the same step over its layers (``layers``, ``is_first``): where a
 microbatch's forward and backward are adjacent in the schedule (one stage, or the last stage of
@@ -68,6 +71,30 @@ MIN_BLOCKS_BUCKET = 8
 MIN_LABEL_ROWS_STEP = 128
 CAPTURE_AFTER = 32  # uses under a covering graph before a key gets its own capture (a capture
 # costs about as much as 300-400 covered steps' padded LM-head rows on the 8B shape)
+
+
+@dataclass(frozen=True)
+class CaptureMemory:
+    """How captures use the allocator (what a captured step's pool and the eager allocator keep
+    reserved). ``largest_first``: an epoch's keys are captured largest first (``capture_size``),
+    so a smaller key's step fits in blocks the largest one freed in the shared pool instead of
+    growing it. ``release``: the allocator's cached blocks are handed back before every capture
+    and after a batch of captures, not only after the first warm-up. ``warm_in_pool``: the
+    first key's eager warm-up allocates from the graphs' pool too (a ``torch.cuda.MemPool`` made
+    before it), so the capture reuses the warm-up's blocks."""
+
+    largest_first: bool = False
+    release: bool = False
+    warm_in_pool: bool = False
+
+
+DEFAULT_CAPTURE_MEMORY = CaptureMemory()
+
+
+def capture_size(key: GraphKey) -> tuple[int, int, int, int]:
+    """Sort order of keys by the memory a captured step takes: tokens, then the LM head's
+    rows, attention's launch width, attention blocks."""
+    return key.capacity, key.label_rows, key.max_seqlen, key.num_blocks
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -204,8 +231,10 @@ class TrainingGraphs:
                  max_graphs: int = MAX_GRAPHS, capture: bool = True,
                  options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
                  is_first: bool = True, activation_dtype: torch.dtype | None = None,
-                 capture_after: int = CAPTURE_AFTER, max_precapture: int = DEFAULT_PRECAPTURE) -> None:
+                 capture_after: int = CAPTURE_AFTER, max_precapture: int = DEFAULT_PRECAPTURE,
+                 memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY) -> None:
         self.params, self.bank, self.config, self.options = params, bank, config, options
+        self.memory = memory
         # a pipeline's last stage: these layers (then norm, head, loss), its input from the
         # previous stage unless ``is_first`` (then the embedding); ``input_grad`` after a step
         self.layers = range(config.num_layers) if layers is None else layers
@@ -232,6 +261,7 @@ class TrainingGraphs:
         self._inputs: dict[int, StaticInputs] = {}
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._pool = None
+        self._mempool = None  # CaptureMemory.warm_in_pool: the pool made before the first warm-up
         self._side = None  # the warm-up stream
 
     @property
@@ -296,12 +326,16 @@ class TrainingGraphs:
             return []
         room = max(0, self.max_graphs - len(self._graphs)) if self.capture else self.max_precapture
         keys = plan_captures(planned, self._held(), limit=min(self.max_precapture, room))
+        if self.memory.largest_first:
+            keys.sort(key=capture_size, reverse=True)
         done: list[GraphKey] = []
         t0 = time.perf_counter()
         with capture_batch(device) if self.capture else contextlib.nullcontext():
             for key in keys:
                 if self.disabled is None and self._idle_step(key, device):
                     done.append(key)
+            if self.capture and self.memory.release and done:
+                _release_cache(device)
         self.input_grad = None
         seconds = time.perf_counter() - t0
         self.precaptures += len(done)
@@ -449,6 +483,11 @@ class TrainingGraphs:
             # allocates from their pool, so its activations reuse the graphs' intermediate memory
             # instead of needing as much again (the 8B shape at capacity 8192 does not fit twice
             # on an 80 GB GPU)
+            if self._pool is None and self.memory.warm_in_pool:
+                # a MemPool holds a reference to its pool: a bare handle's pool is dropped when
+                # the warm-up's routing ends (before any graph holds it)
+                self._mempool = torch.cuda.MemPool()
+                self._pool = self._mempool.id
             pool = self._pool
             tables.allocation_context = lambda: _outside(pool, main.device)
             try:
@@ -466,11 +505,10 @@ class TrainingGraphs:
             self._refuse(key, self.disabled)
             return None
         main.wait_stream(side)
-        if self._pool is None:
-            # the first warm-up's activations sit in the allocator's cache; hand them back so
-            # the graphs' private pool can take that memory
-            torch.cuda.synchronize(main.device)
-            torch.cuda.empty_cache()
+        if pool is None or self.memory.release:
+            # the first warm-up's activations sit in the allocator's cache (unless it ran in the
+            # pool); hand them back so the graphs' private pool can take that memory
+            _release_cache(main.device)
         if tables.num_tables == 0:
             self.disabled = "the fused LoRA kernels did not take the fixed-shape launch tables"
             self._refuse(key, self.disabled)
@@ -496,6 +534,12 @@ class TrainingGraphs:
         log.info("CUDA graphs: captured %s%s in %.2f s (%d graphs)", key, " up front" if up_front else "",
                  seconds, len(self._graphs))
         return sums
+
+
+def _release_cache(device: torch.device) -> None:
+    """Hand the allocator's cached blocks back to the device once the work queued on it ended."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _pool_calls(pool, device: torch.device):

@@ -93,3 +93,72 @@ def test_rows_past_the_time_budget_are_skipped(tmp_path):
                        "--pad-multiple", "16", "--capacities", "64", "--bf16-capacity", "0",
                        "--settings", "none,activation", "--time-budget", "0"])
     assert [r.get("error") for r in rows] == ["skipped (time budget)"] * 2
+
+
+def test_capture_memory_parts_parse_and_reach_the_graphs():
+    """``largest``, ``release``, ``poolwarm`` and ``preN`` set the graphs' ``CaptureMemory`` and
+    precapture budget of that row (graph rows only); ``expandable`` is the allocator's setting,
+    for any row."""
+    bench = load_script("bench_memory")
+    from lightning_lorafusion.training.cuda_graphs import DEFAULT_CAPTURE_MEMORY, CaptureMemory
+    from lightning_lorafusion.training.graph_cover import DEFAULT_PRECAPTURE
+
+    s = bench.parse_setting("none+norms+graphs+largest+release+poolwarm+pre1+expandable")
+    assert s == bench.Setting("none", 0, norm_recompute=True, graphs=True, precapture=1, expandable=True,
+                              memory=CaptureMemory(largest_first=True, release=True, warm_in_pool=True))
+    plain = bench.parse_setting("graphs+largest")
+    assert plain.memory == CaptureMemory(largest_first=True) and plain.precapture == DEFAULT_PRECAPTURE
+    assert bench.parse_setting("activation+expandable") == bench.Setting("activation", expandable=True)
+    assert bench.parse_setting("graphs").memory == DEFAULT_CAPTURE_MEMORY
+    for text in ("none+largest", "activation+pre2", "norms+poolwarm"):
+        with pytest.raises(argparse.ArgumentTypeError, match="add \\+graphs"):
+            bench.parse_setting(text)
+
+
+def test_a_graphs_row_passes_its_capture_memory(monkeypatch):
+    bench = load_script("bench_memory")
+    seen = []
+
+    def fake_run_ours(args, *a, graph_kwargs=None, **k):
+        seen.append(graph_kwargs)
+        return 100.0, 1.0, 100, 1.0, 2, {"graphs": 1, "replays": 4, "refusals": {},
+                                         "pools": {"graphs": {"reserved": 1.0, "allocated": 0.1}}}
+
+    monkeypatch.setattr(bench, "run_ours", fake_run_ours)
+    from lightning_lorafusion.model.decoder_config import DecoderConfig
+    from lightning_lorafusion.training.cuda_graphs import CaptureMemory
+
+    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
+                                                     torch.float32)[0]
+    w = {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
+         "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+    args = bench.parse_args(["--device", "cpu", "--rank", "4"])
+    row = bench._run_row(args, w, "nf4", 64, "none+graphs+largest+pre2")
+    assert seen == [{"memory": CaptureMemory(largest_first=True), "max_precapture": 2}]
+    assert row["pools"]["graphs"]["reserved"] == 1.0
+    bench.print_table([row], args, "cpu")  # the pool columns format
+
+
+def test_earlier_rows_head_the_table_labelled_with_their_allocator_settings(tmp_path, capsys, monkeypatch):
+    """Rows of another process (another PYTORCH_CUDA_ALLOC_CONF) come first, labelled with it, and
+    count for the best tok/s the ratios are taken against."""
+    bench = load_script("bench_memory")
+    base = {"base": "nf4", "capacity": 64, "kept_bytes": 0, "seconds": 1.0, "peak_gib": 1.0, "reserved_gib": 2.0}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": [{**base, "setting": "graphs", "tokens_per_s": 200.0,
+                                             "alloc_conf": ""}]}))
+    monkeypatch.setattr(bench, "run_ours", lambda *a, **k: (100.0, 1.0, 100, 1.0, 2, {}))
+    monkeypatch.setattr(bench, "model_and_workload", lambda args: (torch.device("cpu"), torch.float32, None,
+                                                                    None, None))
+    monkeypatch.setattr(bench, "step_activation_bytes", lambda *a, **k: 0)
+    from lightning_lorafusion.model import hf_loading
+
+    monkeypatch.setattr(hf_loading, "params_from_hf_model", lambda model: (None, None))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    rows = bench.main(["--device", "cpu", "--capacities", "64", "--settings", "none", "--bf16-capacity", "0",
+                       "--earlier-rows", str(earlier), "--out", str(tmp_path / "out")])
+    assert [r["alloc_conf"] for r in rows] == ["expandable_segments:True"]
+    table = capsys.readouterr().out.split("PYTORCH_CUDA_ALLOC_CONF=")[1].splitlines()
+    lines = [line for line in table if line.startswith("nf4")]
+    assert lines[0].split()[2] == "graphs" and "2.000x" not in lines[0] and "1.000x" in lines[0]
+    assert "none [expandable_segments:True]" in lines[1] and "0.500x" in lines[1]
