@@ -118,6 +118,93 @@ def _lora_grouped_shrink_kernel(
             tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
 
 
+# the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows
+# (an expand launch's rows; the same table as the shrink's, so the engine builds it from the
+# smaller of the two bounds, ``grouped_min_rows``)
+GROUPED_EXPAND_MIN_ROWS = 256
+# the grouped expand's column block and warps (scripts/bench_decode_groups.py sweeps them)
+GROUPED_EXPAND_BLOCK_N = 128
+GROUPED_EXPAND_WARPS = 4
+# its products S B^T: S holds fp32 sums (not exact in tf32), so fp32 products by default
+GROUPED_EXPAND_DOT = "ieee"
+
+
+def grouped_min_rows() -> int:
+    """The fewest decode rows for which some LoRA kernel reads ``GatheredLora.groups`` (the
+    engine builds the table only where its batches can reach this)."""
+    return min(GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS)
+
+
+def takes_groups(rows: int, groups: torch.Tensor | None, bound: int) -> bool:
+    """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound)."""
+    return groups is not None and rows > 0 and rows >= bound
+
+
+@triton.jit
+def lora_group_delta(
+    part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
+    groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The expand half for the rows of one group (``perm[start:end]``, one adapter, at most
+    BLOCK_M) and a block of columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]`` (local to
+    the gathered rows), their mask, the adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]``
+    fp32): ``scale_row * (sum over K blocks of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``,
+    each rank chunk of B^T loaded once for all the rows (``lora_delta`` loads it per row)."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
+    first = tl.load(groups_ptr + 2 * groups_stride + start)
+    rank_in = tl.load(rank_ptr + g * r_g_stride + first)
+    rank = tl.minimum(rank_in, MAX_R)
+    b_off = tl.load(b_off_ptr + g * b_g_stride + first)
+    scale = tl.load(scale_ptr + row, mask=m_ok, other=0.0)
+    part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks) * MAX_R
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    kb_ok = offs_kb < k_blocks
+    acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        part = tl.load(part_rows[:, None, None] + offs_kb[None, :, None] * MAX_R + (r0 + offs_r)[None, None, :],
+                       mask=m_ok[:, None, None] & kb_ok[None, :, None] & r_ok[None, None, :], other=0.0)
+        s = tl.sum(part, axis=1) * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
+        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
+    return row, m_ok, rank_in, acc
+
+
+@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g"))
+def _lora_grouped_expand_kernel(
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
+    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[rows of group t, n block] += their delta of projection g (``lora_group_delta``), one
+    rounding to out's dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row
+    expand). Column n of a row lives at ``(n // head_dim) * out_hstride + n % head_dim`` (a
+    [rows, heads, head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block)."""
+    t = tl.program_id(0)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        row, m_ok, rank_in, delta = lora_group_delta(
+            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
+            groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
+            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+        delta = tl.where(rank_in > MAX_R, float("nan"), delta)
+        cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
+        ptrs = out_ptr + row[:, None].to(tl.int64) * out_stride + cols[None, :]
+        live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
+        acc = delta + tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
 @triton.jit
 def lora_delta(
     part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
@@ -367,11 +454,13 @@ class GatheredLora:
                                   self.scales, y.shape[1], out=y[self.first_row:self.first_row + self.x.shape[0]])
 
 
-def adapter_groups(keys: Sequence[int], width: int, group_rows: int = GROUP_ROWS) -> torch.Tensor:
+def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = None) -> torch.Tensor:
     """``GatheredLora.groups`` of rows whose adapters are ``keys`` (row i's adapter; 0: none,
     left out): the rows sorted by adapter (stable), runs of one adapter cut into groups of at
-    most ``group_rows``. -> ``[3, width]`` int32 (CPU): start, end, and the sorted rows from
-    column 0 on; unused columns are empty groups (0, 0) and row 0."""
+    most ``group_rows`` (default ``GROUP_ROWS``, the kernels' block of rows). -> ``[3, width]``
+    int32 (CPU): start, end, and the sorted rows from column 0 on; unused columns are empty
+    groups (0, 0) and row 0."""
+    group_rows = group_rows or GROUP_ROWS
     if len(keys) > width:
         raise ValueError(f"{len(keys)} rows do not fit groups of width {width}")
     order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
@@ -421,13 +510,13 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     k_blocks = triton.cdiv(k, block_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    if rows and lora.groups is not None and rows >= GROUPED_MIN_ROWS:
+    if takes_groups(rows, lora.groups, GROUPED_MIN_ROWS):
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
-            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=GROUP_ROWS,
+            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=triton.next_power_of_2(GROUP_ROWS),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+            DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
         )
     elif rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](
@@ -435,6 +524,34 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
         )
     return part, k_blocks
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The grouped shrink's ``tl.dot`` precision: exact products (half inputs are exact in
+    tf32; fp32 ones need "ieee")."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g: int, out: torch.Tensor, *,
+                        head_dim: int | None = None, block_r: int | None = None) -> None:
+    """Triton, in place: ``out [B, N]`` (or ``[B, heads, head_dim]``, unit stride along
+    head_dim; row i is gathered row i) += projection g's delta of the grouped rows, one
+    launch over (group, column block) that reads each group's B^T once. ``part``, ``k_blocks``:
+    the group's shrink (``lora_shrink``). Rows in no group (no adapter, padding) are not
+    touched: their rank is 0, so they have nothing to add."""
+    n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
+    hd = head_dim or n
+    hstride = out.stride(1) if out.dim() == 3 else 0
+    _, block_r = shrink_blocks(out.device, None, block_r)
+    groups = lora.groups
+    block_n = GROUPED_EXPAND_BLOCK_N if out.is_cuda else 16
+    _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
+        lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
+        g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
+        MAX_R=MAX_RANK, BLOCK_M=triton.next_power_of_2(GROUP_ROWS), BLOCK_R=max(block_r, 16),
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=GROUPED_EXPAND_DOT,
+        num_warps=GROUPED_EXPAND_WARPS,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,9 +575,13 @@ def _lora_gather_triton(
         return result
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     block_n = block_n or (256 if x.is_cuda else 32)
-    part, k_blocks = lora_shrink(GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales,
-                                              groups=groups),
-                                 block_k=block_k, block_r=block_r, num_warps=num_warps)
+    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
+    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
+        if out is None:
+            result.zero_()
+        lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
+        return result
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

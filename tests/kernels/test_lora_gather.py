@@ -206,4 +206,86 @@ def test_grouped_shrink_gives_the_per_row_results(device, dtype, monkeypatch):
     # a wrong grouping is caught: all rows told they share adapter 3's rows
     wrong = adapter_groups([1] * rows, rows).to(device)
     bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=wrong)
-    assert rel_err(bad - y0, want - y0) > 0.1
+    # (a row whose own rank exceeds its group's reads partial sums nobody wrote: NaN counts too)
+    assert not rel_err(bad - y0, want - y0) <= 0.1
+
+
+def grouped_case(dtype, device, rows=37):
+    """Rows over adapters of ranks 8, 0 (a row without LoRA), 5, 16, 33 (several rank blocks),
+    one adapter over 20 rows (two groups of 16 and 4) -> (x, pool, routing, keys, y0)."""
+    k, n, ranks = 70, 41, [8, 0, 5, 16, 33]
+    row_adapter = [(i * 5 + i // 7) % len(ranks) for i in range(rows)]
+    row_adapter[:20] = [3] * 20
+    row_adapter[25] = row_adapter[31] = 1
+    pool, adapters = make_adapters(ranks, k, n, dtype, device)
+    routing = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    keys = [ad + 1 if ranks[ad] else 0 for ad in row_adapter]
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    return x, pool, routing, keys, y0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shrink_bound", [1, 10**9])
+def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, monkeypatch):
+    """The expand reading each group's B^T once (its row bound lowered), after the grouped or
+    the per-row shrink: what the per-row kernels and the reference add, into ``out`` and as a
+    fresh delta; rows without LoRA are not touched."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", shrink_bound)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 10**9)
+    per_row = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    assert rel_err(got - y0, want - y0) < TOL[dtype]
+    assert rel_err(got - y0, per_row - y0) < TOL[dtype]
+    no_lora = rk == 0
+    assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    fresh = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton", groups=groups)
+    assert rel_err(fresh, want - y0) < TOL[dtype] and not bool(fresh[no_lora].any())
+
+
+@pytest.mark.parametrize("wrong", ["one_adapter", "shifted", "dropped_group"])
+def test_grouped_expand_catches_a_wrong_grouping(device, wrong, monkeypatch):
+    """A grouping that does not match the rows' adapters fails the comparison: all rows told
+    they share one adapter, every row paired with its neighbour's adapter, a group left out."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)  # the per-row shrink: only the expand is wrong
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(torch.float32, device)
+    n, rows = y0.shape[1], len(keys)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    if wrong == "one_adapter":
+        groups = adapter_groups([1] * rows, rows)
+    elif wrong == "shifted":
+        groups = adapter_groups(keys[1:] + keys[:1], rows)
+    else:
+        groups = adapter_groups(keys, rows)
+        groups[:, 0] = groups[:, 1]  # the first group's columns replaced by a copy of the second
+    bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
+                      groups=groups.to(device))
+    assert not rel_err(bad - y0, want - y0) <= 0.05  # (NaN, from partial sums never written, counts)
+
+
+def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, monkeypatch):
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import MAX_RANK, adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(torch.float32, device)
+    bad_rows = torch.tensor([k == 4 for k in keys], device=device)  # the rank-16 adapter's rows
+    rk = torch.where(bad_rows, MAX_RANK + 1, rk).to(torch.int32)
+    groups = adapter_groups(keys, len(keys)).to(device)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, y0.shape[1], out=y0.clone(), backend="triton",
+                      groups=groups)
+    assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[~bad_rows]).any()
