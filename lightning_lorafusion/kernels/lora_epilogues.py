@@ -504,6 +504,6 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
         gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
         lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
-        BLOCK_M=triton.next_power_of_2(_gather.GROUP_ROWS), BLOCK_R=max(block_r, 16), BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn,
-        DOT_PRECISION=_gather.GROUPED_EXPAND_DOT, num_warps=_gather.GROUPED_EXPAND_WARPS,
+        BLOCK_M=_gather.group_block_m(), BLOCK_R=max(block_r, 16), BLOCK_KB=triton.next_power_of_2(k_blocks),
+        BLOCK_N=bn, DOT_PRECISION=_gather.GROUPED_EXPAND_DOT, num_warps=_gather.GROUPED_EXPAND_WARPS,
     )

@@ -135,6 +135,11 @@ def grouped_min_rows() -> int:
     return min(GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS)
 
 
+def group_block_m() -> int:
+    """The grouped kernels' block of rows: ``GROUP_ROWS`` as a power of two, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(GROUP_ROWS))
+
+
 def takes_groups(rows: int, groups: torch.Tensor | None, bound: int) -> bool:
     """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound)."""
     return groups is not None and rows > 0 and rows >= bound
@@ -514,7 +519,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
-            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=triton.next_power_of_2(GROUP_ROWS),
+            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
         )
@@ -548,7 +553,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
-        MAX_R=MAX_RANK, BLOCK_M=triton.next_power_of_2(GROUP_ROWS), BLOCK_R=max(block_r, 16),
+        MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=max(block_r, 16),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=GROUPED_EXPAND_DOT,
         num_warps=GROUPED_EXPAND_WARPS,
     )
