@@ -77,6 +77,9 @@ GROUP_ROWS = 16
 # gather of the 8B shape, docs/kernels.md) it took 0.55-0.92x the per-row kernels' time at 256
 # rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
 GROUPED_MIN_ROWS = 256
+# the grouped shrink's K block and warps (None: the per-row shrink's; the decode-groups sweep sets them)
+GROUPED_SHRINK_BLOCK_K: int | None = None
+GROUPED_SHRINK_WARPS: int | None = None
 
 
 @triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))
@@ -119,8 +122,7 @@ def _lora_grouped_shrink_kernel(
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows
-# (an expand launch's rows; the same table as the shrink's, so the engine builds it from the
-# smaller of the two bounds, ``grouped_min_rows``)
+# (the shrink's table: the engine builds it from the smaller bound, ``grouped_min_rows``)
 GROUPED_EXPAND_MIN_ROWS = 256
 # the grouped expand's column block and warps (scripts/bench_decode_groups.py sweeps them)
 GROUPED_EXPAND_BLOCK_N = 128
@@ -152,11 +154,10 @@ def lora_group_delta(
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The expand half for the rows of one group (``perm[start:end]``, one adapter, at most
-    BLOCK_M) and a block of columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]`` (local to
-    the gathered rows), their mask, the adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]``
-    fp32): ``scale_row * (sum over K blocks of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``,
-    each rank chunk of B^T loaded once for all the rows (``lora_delta`` loads it per row)."""
+    """The expand half for the rows ``perm[start:end]`` of one group (one adapter, at most
+    BLOCK_M) and columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]``, their mask, the
+    adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]`` fp32 = ``scale_row * (sum over kb
+    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows."""
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
     row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
@@ -512,10 +513,14 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     x = lora.x if lora.x.stride(1) == 1 else lora.x.contiguous()
     g, rows = lora.ranks.shape
     k = x.shape[1]
+    grouped = takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    if grouped:  # the grouped kernel's own knobs, where set and the caller set none
+        block_k = block_k or GROUPED_SHRINK_BLOCK_K
+        num_warps = GROUPED_SHRINK_WARPS or num_warps
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     k_blocks = triton.cdiv(k, block_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    if takes_groups(rows, lora.groups, GROUPED_MIN_ROWS):
+    if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
@@ -540,10 +545,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g: int, out: torch.Tensor, *,
                         head_dim: int | None = None, block_r: int | None = None) -> None:
     """Triton, in place: ``out [B, N]`` (or ``[B, heads, head_dim]``, unit stride along
-    head_dim; row i is gathered row i) += projection g's delta of the grouped rows, one
-    launch over (group, column block) that reads each group's B^T once. ``part``, ``k_blocks``:
-    the group's shrink (``lora_shrink``). Rows in no group (no adapter, padding) are not
-    touched: their rank is 0, so they have nothing to add."""
+    head_dim) += projection g's delta of the grouped rows, a program per (group, column block)
+    (``part``, ``k_blocks``: ``lora_shrink``'s). Rows in no group (no adapter, padding; rank
+    0) are not touched."""
     n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
     hd = head_dim or n
     hstride = out.stride(1) if out.dim() == 3 else 0
