@@ -205,8 +205,8 @@ def fmt(v, spec=".1f") -> str:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("\n| rows | adapters | ranks | distinct | floor µs | base µs | per row +µs | shrink grouped +µs | grouped +µs "
-          "| grouped / per row (LoRA part) | best sweep +µs | best setting | max rel diff |")
+    print("\n| rows | adapters | ranks | distinct | floor µs | base µs | per row +µs | shrink grouped +µs "
+          "| grouped +µs | grouped / per row (LoRA part) | best sweep +µs | best setting | max rel diff |")
     print("|" + "---|" * 13)
     for r in rows:
         base = r["base_us"]
@@ -215,8 +215,9 @@ def print_tables(rows: list[dict]) -> None:
         ratio = None if lora["grouped"] is None else lora["grouped"] / lora["per_row"]
         best = min((x for x in r.get("sweep", []) if x["grouped_us"] is not None), key=lambda x: x["grouped_us"],
                    default=None)
-        print(f"| {r['rows']} | {r['adapters']} | {r['ranks']} | {r['distinct']} | {fmt(r['floor_us'])} | {fmt(base)} "
-              f"| {fmt(lora['per_row'])} | {fmt(lora['shrink_grouped'])} | {fmt(lora['grouped'])} | {fmt(ratio, '.2f')} "
+        print(f"| {r['rows']} | {r['adapters']} | {r['ranks']} | {r['distinct']} | {fmt(r['floor_us'])} "
+              f"| {fmt(base)} | {fmt(lora['per_row'])} | {fmt(lora['shrink_grouped'])} | {fmt(lora['grouped'])} "
+              f"| {fmt(ratio, '.2f')} "
               f"| {fmt(None if best is None or base is None else best['grouped_us'] - base)} "
               f"| {'-' if best is None else '/'.join(str(best[k]) for k in KNOBS)} | {r['max_rel_diff']:.1e} |")
 
@@ -234,7 +235,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="layers of their own adapter weights per timed pass")
     ap.add_argument("--sweep-rows", type=comma_list(cast=int), default=[64, 128, 256],
                     help="batches whose cases get the block sweep (mixed ranks)")
-    ap.add_argument("--budget-s", type=float, default=75.0, help="no new sweep setting after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=120.0,
+                    help="no new sweep setting after this many seconds (from the start)")
+    ap.add_argument("--stop-s", type=float, default=70.0, help="no new case after this many seconds")
     add_output_args(ap)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
@@ -248,6 +251,9 @@ def main(argv=None) -> dict:
                                                           "copy_gbps": gbps, "sweep_settings": SWEEP, "rows": rows})
 
     for ranks, b, a in itertools.product(mixes, args.batches, args.adapters):
+        if time.monotonic() > start + args.stop_s:
+            log(f"--stop-s {args.stop_s} reached: ({b}, {a}, {ranks}) and the cases after it not run")
+            break
         row, s = measure(args, b, a, ranks, device, dtype, gbps)
         rows.append(row)
         if ranks is args.ranks and b in args.sweep_rows:
