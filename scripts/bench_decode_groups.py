@@ -15,7 +15,7 @@ L2), reported per layer, medians of CUDA-graph replays (``harness.kernel_ms``):
   device's copy bandwidth, a bound no LoRA path can beat.
 
 Then the grouped path at each setting of ``SWEEP`` (GROUP_ROWS, the expand's BLOCK_N and warps,
-the grouped shrink's BLOCK_K and warps) for the mixed-rank cases of ``--sweep-rows``, and the
+the grouped shrink's BLOCK_K, K split and warps) for the mixed-rank cases of ``--sweep-rows``, and the
 best per case.
 Each grouped result is checked against the per-row one (``max_rel_diff``). The sweep stops
 when ``--budget-s`` is spent (the table is printed and the JSON written either way).
@@ -44,13 +44,14 @@ log = logger("bench_decode_groups")
 
 # (hidden, heads, kv heads, head_dim, intermediate)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336), "tiny": (64, 4, 2, 16, 96)}
-# sweep settings: (GROUP_ROWS, expand BLOCK_N, expand warps, grouped shrink BLOCK_K, shrink warps)
+# sweep settings: (GROUP_ROWS, expand BLOCK_N, expand warps, grouped shrink BLOCK_K, its K split, its warps)
 # (the first: the engine's defaults); ordered by what is expected to matter most, as the
 # sweep stops at ``--budget-s``
-SWEEP = [(16, 128, 4, None, None), (16, 256, 4, None, None), (16, 64, 4, None, None), (32, 128, 4, None, None),
-         (16, 128, 8, None, None), (16, 128, 4, 256, None), (32, 256, 8, None, None), (16, 128, 4, 512, 8)]
+SWEEP = [(16, 128, 4, None, None, None), (16, 256, 4, None, None, None), (16, 128, 4, None, 2048, None),
+         (16, 256, 8, None, 2048, None), (32, 128, 4, None, None, None), (16, 64, 4, None, None, None),
+         (16, 128, 4, 256, 1024, None), (16, 128, 8, None, None, 8), (16, 256, 4, None, 4096, None)]
 KNOBS = ("GROUP_ROWS", "GROUPED_EXPAND_BLOCK_N", "GROUPED_EXPAND_WARPS", "GROUPED_SHRINK_BLOCK_K",
-         "GROUPED_SHRINK_WARPS")
+         "GROUPED_SHRINK_SPLIT_K", "GROUPED_SHRINK_WARPS")
 
 
 def projection_dims(shape: str) -> list[tuple[int, int]]:

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from . import lora_gather as _gather
-from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta,
-                          lora_group_delta, lora_grouped_expand, lora_row_tables, lora_shrink, shrink_blocks,
-                          takes_groups)
+from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta, lora_grouped_expand,
+                          lora_row_tables, lora_shrink, shrink_blocks, takes_groups)
+from .lora_grouped_kernels import lora_group_delta
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .lora_grouped_kernels import _lora_grouped_expand_kernel, _lora_grouped_shrink_kernel
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
 MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sums per K block)
@@ -77,48 +79,11 @@ GROUP_ROWS = 16
 # gather of the 8B shape, docs/kernels.md) it took 0.55-0.92x the per-row kernels' time at 256
 # rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
 GROUPED_MIN_ROWS = 256
-# the grouped shrink's K block and warps (None: the per-row shrink's; the decode-groups sweep sets them)
+# the grouped shrink's K tile, K columns per program (a multiple of the tile: fewer partials for
+# the expand to sum) and warps; None: the per-row shrink's K block (tile and split), its warps
 GROUPED_SHRINK_BLOCK_K: int | None = None
+GROUPED_SHRINK_SPLIT_K: int | None = None
 GROUPED_SHRINK_WARPS: int | None = None
-
-
-@triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))
-def _lora_grouped_shrink_kernel(
-    x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
-    groups_stride, k_blocks,
-    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
-    K block kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
-    loads that adapter's A tile once per rank chunk and writes each row's ``part[g, row, kb]``
-    as the per-row kernel does. ``groups [3, n_groups]`` int32: start, end (positions in the
-    third row, ``perm``, the rows sorted by adapter; ``groups_stride`` between the rows); an
-    empty group (start == end) returns."""
-    t = tl.program_id(0)
-    kb = tl.program_id(1)
-    g = tl.program_id(2)
-    start = tl.load(groups_ptr + t)
-    end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
-        first = tl.load(groups_ptr + 2 * groups_stride + start)
-        rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + first), MAX_R)
-        a_off = tl.load(a_off_ptr + g * a_g_stride + first)
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + row[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        offs_r = tl.arange(0, BLOCK_R)
-        part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
-        for r0 in range(0, rank, BLOCK_R):
-            r_ok = r0 + offs_r < rank
-            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
-            tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows
@@ -145,70 +110,6 @@ def group_block_m() -> int:
 def takes_groups(rows: int, groups: torch.Tensor | None, bound: int) -> bool:
     """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound)."""
     return groups is not None and rows > 0 and rows >= bound
-
-
-@triton.jit
-def lora_group_delta(
-    part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
-    groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
-    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The expand half for the rows ``perm[start:end]`` of one group (one adapter, at most
-    BLOCK_M) and columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]``, their mask, the
-    adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]`` fp32 = ``scale_row * (sum over kb
-    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows."""
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < end
-    row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
-    first = tl.load(groups_ptr + 2 * groups_stride + start)
-    rank_in = tl.load(rank_ptr + g * r_g_stride + first)
-    rank = tl.minimum(rank_in, MAX_R)
-    b_off = tl.load(b_off_ptr + g * b_g_stride + first)
-    scale = tl.load(scale_ptr + row, mask=m_ok, other=0.0)
-    part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks) * MAX_R
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_kb = tl.arange(0, BLOCK_KB)
-    kb_ok = offs_kb < k_blocks
-    acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_ok = r0 + offs_r < rank
-        part = tl.load(part_rows[:, None, None] + offs_kb[None, :, None] * MAX_R + (r0 + offs_r)[None, None, :],
-                       mask=m_ok[:, None, None] & kb_ok[None, :, None] & r_ok[None, None, :], other=0.0)
-        s = tl.sum(part, axis=1) * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
-        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
-    return row, m_ok, rank_in, acc
-
-
-@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g"))
-def _lora_grouped_expand_kernel(
-    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
-    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
-    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """out[rows of group t, n block] += their delta of projection g (``lora_group_delta``), one
-    rounding to out's dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row
-    expand). Column n of a row lives at ``(n // head_dim) * out_hstride + n % head_dim`` (a
-    [rows, heads, head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block)."""
-    t = tl.program_id(0)
-    start = tl.load(groups_ptr + t)
-    end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        row, m_ok, rank_in, delta = lora_group_delta(
-            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
-            groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
-            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
-        delta = tl.where(rank_in > MAX_R, float("nan"), delta)
-        cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
-        ptrs = out_ptr + row[:, None].to(tl.int64) * out_stride + cols[None, :]
-        live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
-        acc = delta + tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -506,7 +407,9 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
                 num_warps: int = 4) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
-    ``lora_delta``; entries past a row's rank are never written nor read)."""
+    ``lora_delta``; entries past a row's rank are never written nor read). Rows grouped by
+    adapter (from ``GROUPED_MIN_ROWS`` rows): ``lora_grouped_kernels``' shrink, its K blocks
+    ``GROUPED_SHRINK_SPLIT_K`` wide where set."""
     _require_triton(lora.x)
     if lora.pool.stride(0) != 1:
         raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
@@ -518,14 +421,15 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
         block_k = block_k or GROUPED_SHRINK_BLOCK_K
         num_warps = GROUPED_SHRINK_WARPS or num_warps
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
-    k_blocks = triton.cdiv(k, block_k)
+    split_k = triton.cdiv(GROUPED_SHRINK_SPLIT_K or block_k, block_k) * block_k if grouped else block_k
+    k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
-            BLOCK_R=max(block_r, 16), BLOCK_K=block_k,
+            BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
             DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
         )
     elif rows:
@@ -582,7 +486,7 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    _, block_r = shrink_blocks(x.device, block_k, block_r)
     block_n = block_n or (256 if x.is_cuda else 32)
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)

@@ -289,3 +289,28 @@ def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, monkeyp
     got = lora_gather(x, pool, a_off, b_off, rk, scales, y0.shape[1], out=y0.clone(), backend="triton",
                       groups=groups)
     assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[~bad_rows]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split_k", [64, 40])
+def test_grouped_shrink_split_k_gives_the_reference(device, dtype, split_k, monkeypatch):
+    """The grouped shrink walking several K tiles per program (``GROUPED_SHRINK_SPLIT_K``; 40
+    rounds up to two tiles of 32; K = 70: the last split is partial) writes fewer partial sums
+    that the per-row and the grouped expand both read correctly."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", split_k)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    for expand_bound in (10**9, 8):
+        monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", expand_bound)
+        got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+        assert rel_err(got - y0, want - y0) < TOL[dtype], expand_bound
+    # the split is what the shrink ran with: partial sums over 64 columns, not 32
+    part, k_blocks = module.lora_shrink(module.GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales,
+                                                            groups=groups))
+    assert k_blocks == 2
