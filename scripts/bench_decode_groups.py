@@ -14,9 +14,10 @@ L2), reported per layer, medians of CUDA-graph replays (``harness.kernel_ms``):
 - ``floor``: the adapters' bytes present in the step (each distinct adapter once) at the
   device's copy bandwidth, a bound no LoRA path can beat.
 
-Then the grouped path at each setting of ``SWEEP`` (GROUP_ROWS, the expand's BLOCK_N and warps,
-the grouped shrink's BLOCK_K, K split and warps) for the mixed-rank cases of ``--sweep-rows``, and the
-best per case.
+Then both grouped modes at each setting of ``SWEEP`` (changes to ``KNOBS``: GROUP_ROWS, the
+expand's BLOCK_N, warps, form (row loop or dot) and dot precision, the grouped shrink's BLOCK_K,
+K split and warps) for the mixed-rank cases of ``--sweep-rows``: the best per case, and a table
+of each setting's LoRA time over the per-row one.
 Each grouped result is checked against the per-row one (``max_rel_diff``). The sweep stops
 when ``--budget-s`` is spent (the table is printed and the JSON written either way).
 
@@ -44,14 +45,17 @@ log = logger("bench_decode_groups")
 
 # (hidden, heads, kv heads, head_dim, intermediate)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336), "tiny": (64, 4, 2, 16, 96)}
-# sweep settings: (GROUP_ROWS, expand BLOCK_N, expand warps, grouped shrink BLOCK_K, its K split, its warps)
-# (the first: the engine's defaults); ordered by what is expected to matter most, as the
-# sweep stops at ``--budget-s``
-SWEEP = [(16, 128, 4, None, None, None), (16, 256, 4, None, None, None), (16, 128, 4, None, 2048, None),
-         (16, 256, 8, None, 2048, None), (32, 128, 4, None, None, None), (16, 64, 4, None, None, None),
-         (16, 128, 4, 256, 1024, None), (16, 128, 8, None, None, 8), (16, 256, 4, None, 4096, None)]
-KNOBS = ("GROUP_ROWS", "GROUPED_EXPAND_BLOCK_N", "GROUPED_EXPAND_WARPS", "GROUPED_SHRINK_BLOCK_K",
-         "GROUPED_SHRINK_SPLIT_K", "GROUPED_SHRINK_WARPS")
+# sweep settings, each a change from the engine's knobs in ``lora_gather`` (the first: none);
+# ordered by what is expected to matter most, as the sweep stops at ``--budget-s``
+SWEEP = [{}, {"GROUPED_SHRINK_SPLIT_K": 16384}, {"GROUPED_SHRINK_SPLIT_K": 2048},
+         {"GROUPED_EXPAND_ROW_LOOP": False, "GROUPED_EXPAND_DOT": "tf32"},
+         {"GROUPED_EXPAND_ROW_LOOP": False, "GROUPED_EXPAND_DOT": "tf32", "GROUPED_SHRINK_SPLIT_K": 16384},
+         {"GROUPED_EXPAND_BLOCK_N": 128}, {"GROUP_ROWS": 32},
+         {"GROUPED_EXPAND_BLOCK_N": 512, "GROUPED_EXPAND_WARPS": 8},
+         {"GROUPED_EXPAND_ROW_LOOP": False}, {"GROUPED_SHRINK_SPLIT_K": 16384, "GROUPED_SHRINK_WARPS": 8},
+         {"GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 1024}]
+KNOBS = ("GROUP_ROWS", "GROUPED_EXPAND_BLOCK_N", "GROUPED_EXPAND_WARPS", "GROUPED_EXPAND_ROW_LOOP",
+         "GROUPED_EXPAND_DOT", "GROUPED_SHRINK_BLOCK_K", "GROUPED_SHRINK_SPLIT_K", "GROUPED_SHRINK_WARPS")
 
 
 def projection_dims(shape: str) -> list[tuple[int, int]]:
@@ -137,9 +141,16 @@ def outputs(s: dict, groups) -> list[torch.Tensor]:
     return [s[k].float().clone() for k in ("qkv", "o", "down")] + [a.float() for a in acts]
 
 
-def set_knobs(values) -> None:
-    for name, value in zip(KNOBS, values):
-        setattr(lg, name, value)
+def set_knobs(defaults: dict, change: dict) -> None:
+    for name in KNOBS:
+        setattr(lg, name, change.get(name, defaults[name]))
+
+
+def setting_name(change: dict) -> str:
+    short = {"GROUP_ROWS": "rows", "GROUPED_EXPAND_BLOCK_N": "bn", "GROUPED_EXPAND_WARPS": "xw",
+             "GROUPED_EXPAND_ROW_LOOP": "loop", "GROUPED_EXPAND_DOT": "dot", "GROUPED_SHRINK_BLOCK_K": "bk",
+             "GROUPED_SHRINK_SPLIT_K": "split", "GROUPED_SHRINK_WARPS": "sw"}
+    return ",".join(f"{short[k]}={v}" for k, v in change.items()) or "engine"
 
 
 def time_mode(s: dict, mode: str, device) -> tuple[float | None, float]:
@@ -167,10 +178,9 @@ def copy_gbps(device) -> float | None:
 
 
 def measure(args, b: int, a: int, ranks: list[int], device, dtype, gbps) -> tuple[dict, dict]:
-    """The four modes of one case -> (its table row, its problem, for the sweep)."""
+    """The four modes of one case at the engine's knobs -> (its table row, its problem)."""
     s = layer_step(b, a, ranks, args, device, dtype)
     s["init"] = {k: s[k].clone() for k in IN_PLACE}
-    set_knobs(SWEEP[0])
     lg.GROUPED_MIN_ROWS = lg.GROUPED_EXPAND_MIN_ROWS = 10**9
     s["want"] = outputs(s, None)
     row = {"rows": b, "adapters": a, "ranks": ",".join(map(str, ranks)), "distinct": len(set(s["keys"])),
@@ -182,45 +192,64 @@ def measure(args, b: int, a: int, ranks: list[int], device, dtype, gbps) -> tupl
     return row, s
 
 
-def sweep(cases: list[tuple[dict, dict]], device, deadline: float) -> None:
-    """Each sweep setting (outer: its kernels compile once) over every case (inner), into the
-    rows' ``sweep`` lists, until ``deadline``."""
-    for row, _ in cases:  # the first setting is the engine's: the grouped mode's time
-        row["sweep"] = [{**dict(zip(KNOBS, SWEEP[0])), "grouped_us": row["grouped_us"],
-                         "max_rel_diff": row["max_rel_diff"]}]
-    for values in SWEEP[1:]:
+def sweep(cases: list[tuple[dict, dict]], device, deadline: float, defaults: dict) -> None:
+    """Each sweep setting (outer: its kernels compile once) over every case (inner), both
+    grouped modes, into the rows' ``sweep`` lists, until ``deadline``."""
+    for row, _ in cases:  # the first setting is the engine's: the modes' times
+        row["sweep"] = [{"setting": "engine", "grouped_us": row["grouped_us"],
+                         "shrink_grouped_us": row["shrink_grouped_us"], "max_rel_diff": row["max_rel_diff"]}]
+    for change in SWEEP[1:]:
         if time.monotonic() > deadline:
             for row, _ in cases:
                 row["sweep_cut"] = True
             break
-        set_knobs(values)
+        set_knobs(defaults, change)
         for row, s in cases:
-            us, diff = time_mode(s, "grouped", device)
-            row["sweep"].append({**dict(zip(KNOBS, values)), "grouped_us": us, "max_rel_diff": diff})
-        log(f"swept {values}")
-    set_knobs(SWEEP[0])
+            entry = {"setting": setting_name(change), **change, "max_rel_diff": 0.0}
+            for mode in ("grouped", "shrink_grouped"):
+                entry[f"{mode}_us"], diff = time_mode(s, mode, device)
+                entry["max_rel_diff"] = max(entry["max_rel_diff"], diff)
+            row["sweep"].append(entry)
+        log(f"swept {setting_name(change)}")
+    set_knobs(defaults, {})
 
 
 def fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def lora_part(r: dict, us: float | None) -> float | None:
+    return None if us is None or r["base_us"] is None else us - r["base_us"]
+
+
 def print_tables(rows: list[dict]) -> None:
     print("\n| rows | adapters | ranks | distinct | floor µs | base µs | per row +µs | shrink grouped +µs "
-          "| grouped +µs | grouped / per row (LoRA part) | best sweep +µs | best setting | max rel diff |")
+          "| grouped +µs | grouped / per row | best +µs | best setting (mode) | max rel diff |")
     print("|" + "---|" * 13)
     for r in rows:
-        base = r["base_us"]
-        lora = {m: (None if r[f"{m}_us"] is None or base is None else r[f"{m}_us"] - base)
-                for m in ("per_row", "shrink_grouped", "grouped")}
+        lora = {m: lora_part(r, r[f"{m}_us"]) for m in ("per_row", "shrink_grouped", "grouped")}
         ratio = None if lora["grouped"] is None else lora["grouped"] / lora["per_row"]
-        best = min((x for x in r.get("sweep", []) if x["grouped_us"] is not None), key=lambda x: x["grouped_us"],
-                   default=None)
+        tries = [(lora_part(r, x[f"{m}_us"]), f"{x['setting']} ({m})") for x in r.get("sweep", [])
+                 for m in ("grouped", "shrink_grouped") if x[f"{m}_us"] is not None]
+        best = min(tries, default=(None, "-"))
         print(f"| {r['rows']} | {r['adapters']} | {r['ranks']} | {r['distinct']} | {fmt(r['floor_us'])} "
-              f"| {fmt(base)} | {fmt(lora['per_row'])} | {fmt(lora['shrink_grouped'])} | {fmt(lora['grouped'])} "
-              f"| {fmt(ratio, '.2f')} "
-              f"| {fmt(None if best is None or base is None else best['grouped_us'] - base)} "
-              f"| {'-' if best is None else '/'.join(str(best[k]) for k in KNOBS)} | {r['max_rel_diff']:.1e} |")
+              f"| {fmt(r['base_us'])} | {fmt(lora['per_row'])} | {fmt(lora['shrink_grouped'])} "
+              f"| {fmt(lora['grouped'])} | {fmt(ratio, '.2f')} | {fmt(best[0])} | {best[1]} "
+              f"| {r['max_rel_diff']:.1e} |")
+    swept = [r for r in rows if r.get("sweep") and r["base_us"] is not None]
+    if not swept:
+        return
+    print("\nsweep: LoRA part over the per-row one, per swept case (rows/adapters), grouped | shrink grouped")
+    print("| setting | " + " | ".join(f"{r['rows']}/{r['adapters']}" for r in swept) + " |")
+    print("|" + "---|" * (len(swept) + 1))
+    for i, x in enumerate(swept[0]["sweep"]):
+        cells = []
+        for r in swept:
+            e = r["sweep"][i] if i < len(r["sweep"]) else None
+            per_row = lora_part(r, r["per_row_us"])
+            cells.append("-" if e is None else " / ".join(fmt(lora_part(r, e[f"{m}_us"]) / per_row, ".2f")
+                                                         for m in ("grouped", "shrink_grouped")))
+        print(f"| {x['setting']} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> dict:
@@ -236,20 +265,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="layers of their own adapter weights per timed pass")
     ap.add_argument("--sweep-rows", type=comma_list(cast=int), default=[64, 128, 256],
                     help="batches whose cases get the block sweep (mixed ranks)")
-    ap.add_argument("--budget-s", type=float, default=120.0,
+    ap.add_argument("--budget-s", type=float, default=105.0,
                     help="no new sweep setting after this many seconds (from the start)")
     ap.add_argument("--stop-s", type=float, default=70.0, help="no new case after this many seconds")
     add_output_args(ap)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
     start = time.monotonic()
+    defaults = {name: getattr(lg, name) for name in KNOBS}
     gbps = copy_gbps(device)
     mixes = [args.ranks, [16]][:args.rank_mixes]
     rows, swept = [], []
 
     def save():
         write_json(args.out, "bench_decode_groups.json", {**device_info(device), "args": vars(args),
-                                                          "copy_gbps": gbps, "sweep_settings": SWEEP, "rows": rows})
+                                                          "copy_gbps": gbps, "engine_knobs": defaults,
+                                                          "sweep_settings": SWEEP, "rows": rows})
 
     for ranks, b, a in itertools.product(mixes, args.batches, args.adapters):
         if time.monotonic() > start + args.stop_s:
@@ -260,10 +291,10 @@ def main(argv=None) -> dict:
         if ranks is args.ranks and b in args.sweep_rows:
             swept.append((row, s))
         save()
-    sweep(swept, device, start + args.budget_s)
+    sweep(swept, device, start + args.budget_s, defaults)
     save()
     print(f"\nper layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass); '+µs': over base; "
-          f"copy bandwidth {fmt(gbps, '.0f')} GB/s; setting: {'/'.join(KNOBS)}")
+          f"copy bandwidth {fmt(gbps, '.0f')} GB/s; engine knobs: {defaults}")
     print_tables(rows)
     return {"rows": rows}
 

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from . import lora_gather as _gather
-from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta, lora_grouped_expand,
-                          lora_row_tables, lora_shrink, shrink_blocks, takes_groups)
-from .lora_grouped_kernels import lora_group_delta
+from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
+                          shrink_blocks, takes_groups)
+from .lora_grouped_kernels import lora_delta, lora_group_delta, lora_row_tables
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
 
@@ -246,34 +246,52 @@ def _swiglu_grouped_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
     b_g_stride, r_g_stride,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
 ):
-    """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block): the group's gate and up
-    B^T read once for its rows (``lora_group_delta``), the same roundings per element. Rows in
-    no group are left to the plain launch."""
+    """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
+    B^T read once for its rows: ROW_LOOP, the rows one after another through ``_with_lora``
+    (the per-row kernel's bits, the tile from L1 after the first row); else one dot for them
+    all (``lora_group_delta``), the same roundings per element. Rows in no group are left to
+    the plain launch."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
     if end > start:
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < N
-        row, m_ok, rank_g, dg = lora_group_delta(
-            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
-            groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
-        _, _, rank_u, du = lora_group_delta(
-            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
-            groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
-        row64 = (first_row + row).to(tl.int64)[:, None]
-        live = m_ok[:, None] & ok[None, :]
-        g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
-        u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
-        dtype = g.dtype
-        g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
-        u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+        if ROW_LOOP:
+            for i in range(start, end):
+                lrow = tl.load(groups_ptr + 2 * groups_stride + i)
+                row64 = (first_row + lrow).to(tl.int64)
+                g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+                u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+                dtype = g.dtype
+                g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
+                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
+                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            row, m_ok, rank_g, dg = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+            _, _, rank_u, du = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+            row64 = (first_row + row).to(tl.int64)[:, None]
+            live = m_ok[:, None] & ok[None, :]
+            g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
+            u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
+            dtype = g.dtype
+            g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
+            u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,6 +522,7 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
         gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
         lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
-        BLOCK_M=_gather.group_block_m(), BLOCK_R=max(block_r, 16), BLOCK_KB=triton.next_power_of_2(k_blocks),
-        BLOCK_N=bn, DOT_PRECISION=_gather.GROUPED_EXPAND_DOT, num_warps=_gather.GROUPED_EXPAND_WARPS,
+        BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.GROUPED_EXPAND_DOT,
+        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, num_warps=_gather.GROUPED_EXPAND_WARPS,
     )

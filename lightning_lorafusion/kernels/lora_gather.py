@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_grouped_kernels import _lora_grouped_expand_kernel, _lora_grouped_shrink_kernel
+from .lora_grouped_kernels import (_lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, lora_delta,
+                                   lora_row_tables)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
@@ -90,9 +91,12 @@ GROUPED_SHRINK_WARPS: int | None = None
 # (the shrink's table: the engine builds it from the smaller bound, ``grouped_min_rows``)
 GROUPED_EXPAND_MIN_ROWS = 256
 # the grouped expand's column block and warps (scripts/bench_decode_groups.py sweeps them)
-GROUPED_EXPAND_BLOCK_N = 128
+GROUPED_EXPAND_BLOCK_N = 256
 GROUPED_EXPAND_WARPS = 4
-# its products S B^T: S holds fp32 sums (not exact in tf32), so fp32 products by default
+# its form: the group's rows one after another through the per-row helpers (True; B^T's tile
+# from L1 after the first row, the per-row kernels' bits) or one dot for them all (False)
+GROUPED_EXPAND_ROW_LOOP = True
+# the dot's products S B^T: S holds fp32 sums (not exact in tf32), so fp32 products by default
 GROUPED_EXPAND_DOT = "ieee"
 
 
@@ -107,54 +111,14 @@ def group_block_m() -> int:
     return max(16, triton.next_power_of_2(GROUP_ROWS))
 
 
+def grouped_expand_block_r(block_r: int) -> int:
+    """The grouped expand's rank chunk: the per-row one's (its row loop), at least 16 (its dot)."""
+    return block_r if GROUPED_EXPAND_ROW_LOOP else max(block_r, 16)
+
+
 def takes_groups(rows: int, groups: torch.Tensor | None, bound: int) -> bool:
     """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound)."""
     return groups is not None and rows > 0 and rows >= bound
-
-
-@triton.jit
-def lora_delta(
-    part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-):
-    """The expand half for one row and one block of output columns ``offs_n`` (fp32, shape of
-    offs_n): ``scale * (sum over K blocks of part[kb, :rank]) @ Bt[:rank, offs_n]``.
-
-    ``part_row`` points at the row's ``part[g, row, 0, 0]`` (written by the shrink); ``rank``
-    already clamped to MAX_R (0: no LoRA, the loop does not run); ``Bt [rank, N]`` at
-    ``pool_ptr + b_off``.
-    """
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_kb = tl.arange(0, BLOCK_KB)
-    kb_ok = offs_kb < k_blocks
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_ok = r0 + offs_r < rank
-        part = tl.load(part_row + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :],
-                       mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
-        s = tl.sum(part, axis=0) * scale
-        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
-    return acc
-
-
-@triton.jit
-def lora_row_tables(
-    b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, rows, k_blocks, b_g_stride, r_g_stride,
-    MAX_R: tl.constexpr,
-):
-    """Row ``lrow`` of a gathered group's tables for projection g -> (rank as given, rank
-    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow`` outside
-    ``[0, rows)`` (a row before ``GatheredLora.first_row`` or after its rows): rank 0, nothing
-    read."""
-    live = (lrow >= 0) & (lrow < rows)
-    safe = tl.maximum(lrow, 0)
-    rank_in = tl.load(rank_ptr + g * r_g_stride + safe, mask=live, other=0)
-    b_off = tl.load(b_off_ptr + g * b_g_stride + safe, mask=live, other=0)
-    scale = tl.load(scale_ptr + safe, mask=live, other=0.0)
-    part_row = part_ptr + ((g * rows + safe).to(tl.int64) * k_blocks) * MAX_R
-    return rank_in, tl.minimum(rank_in, MAX_R), b_off, scale, part_row
 
 
 @triton.jit
@@ -461,9 +425,9 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
-        MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=max(block_r, 16),
+        MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=GROUPED_EXPAND_DOT,
-        num_warps=GROUPED_EXPAND_WARPS,
+        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, num_warps=GROUPED_EXPAND_WARPS,
     )
 
 

@@ -17,6 +17,8 @@ from lightning_lorafusion.kernels.lora_gather import MAX_RANK, GatheredLora
 from lightning_lorafusion.model.decoder import rope_cos_sin, rope_inv_freq
 from lightning_lorafusion.model.decoder import DecoderConfig
 
+from _decode_groups import wrong_groups
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -305,26 +307,25 @@ def test_bad_inputs_raise_clear_errors(device):
 def with_groups(lora, ranks, group_rows, wrong=None):
     """``lora`` with its rows grouped by adapter (``make_group``'s routing; an adapter with no
     rank on any projection counts as no adapter, left out of the groups), in groups of at most
-    ``group_rows``; ``wrong``: a grouping that does not match the rows ("shifted": each row
-    given its neighbour's adapter; "one_adapter": every row the same one)."""
+    ``group_rows``; ``wrong``: a grouping that does not match the rows (``wrong_groups`` of
+    test_lora_gather.py)."""
     from dataclasses import replace
 
     from lightning_lorafusion.kernels.lora_gather import adapter_groups
 
     rows = lora.ranks.shape[1]
     keys = [a + 1 if any(ranks[a]) else 0 for a in ((i * 5 + 1) % len(ranks) for i in range(rows))]
-    if wrong == "shifted":
-        keys = keys[1:] + keys[:1]
-    elif wrong == "one_adapter":
-        keys = [1] * rows
-    return replace(lora, groups=adapter_groups(keys, rows, group_rows).to(lora.x.device))
+    groups = adapter_groups(keys, rows, group_rows) if wrong is None else wrong_groups(keys, wrong)
+    return replace(lora, groups=groups.to(lora.x.device))
 
 
-@pytest.fixture
-def grouped_expand(monkeypatch):
-    """Every grouped expand taken (row bound 1), the shrink per row; groups cut at 2 rows."""
+@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+def grouped_expand(request, monkeypatch):
+    """Every grouped expand taken (row bound 1), in each form, the shrink per row; groups cut
+    at 2 rows."""
     from lightning_lorafusion.kernels import lora_gather as module
 
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
     monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 1)
     monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
     monkeypatch.setattr(module, "GROUP_ROWS", 2)
@@ -359,9 +360,11 @@ def test_rope_grouped_expand_matches_per_row_and_reference(device, dtype, shape,
         for name in ("q", "k", "v", "kv_pool"):
             assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
             assert rel_err(got[name], per_row[name]) < TOL[dtype], name
+            if grouped_expand.GROUPED_EXPAND_ROW_LOOP:  # the per-row helpers, in the same order: same bits
+                assert torch.equal(got[name], per_row[name]), name
 
 
-@pytest.mark.parametrize("wrong", ["shifted", "one_adapter"])
+@pytest.mark.parametrize("wrong", ["shifted", "dropped_group", "duplicated_row"])
 def test_rope_grouped_expand_catches_a_wrong_grouping(device, wrong, grouped_expand):
     case, _ = make_rope_case("decode_rows_first", torch.float32, device, False, True)
     t = case["q"].shape[0]
@@ -392,11 +395,13 @@ def test_swiglu_grouped_expand_matches_per_row_and_reference(device, dtype, n, f
     got = swiglu(gate, up, lora=grouped, backend="triton")
     assert torch.equal(gu, before)
     assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
+    if grouped_expand.GROUPED_EXPAND_ROW_LOOP:
+        assert torch.equal(got, per_row)
     outside = [i for i in range(t) if not first_row <= i < first_row + rows]
     assert torch.equal(got[outside], per_row[outside])  # rows outside the gathered ones: the plain kernel's
 
 
-@pytest.mark.parametrize("wrong", ["shifted", "one_adapter"])
+@pytest.mark.parametrize("wrong", ["shifted", "dropped_group", "duplicated_row"])
 def test_swiglu_grouped_expand_catches_a_wrong_grouping(device, wrong, grouped_expand):
     n, t = 40, 6
     gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(3)).to(device)

@@ -15,6 +15,8 @@ import torch
 
 from lightning_lorafusion.kernels.lora_gather import _lora_gather_triton, lora_gather, lora_gather_reference
 
+from _decode_groups import wrong_groups
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
@@ -225,12 +227,22 @@ def grouped_case(dtype, device, rows=37):
     return x, pool, routing, keys, y0
 
 
+@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+def expand_form(request, monkeypatch):
+    """The grouped expand's two forms (``GROUPED_EXPAND_ROW_LOOP``)."""
+    from lightning_lorafusion.kernels import lora_gather as module
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shrink_bound", [1, 10**9])
-def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, monkeypatch):
+def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, expand_form, monkeypatch):
     """The expand reading each group's B^T once (its row bound lowered), after the grouped or
-    the per-row shrink: what the per-row kernels and the reference add, into ``out`` and as a
-    fresh delta; rows without LoRA are not touched."""
+    the per-row shrink: what the per-row kernels and the reference add (the row loop: the
+    per-row expand's bits), into ``out`` and as a fresh delta; rows without LoRA are not
+    touched."""
     from lightning_lorafusion.kernels import lora_gather as module
     from lightning_lorafusion.kernels.lora_gather import adapter_groups
 
@@ -245,6 +257,8 @@ def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, m
     per_row = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
     assert rel_err(got - y0, want - y0) < TOL[dtype]
     assert rel_err(got - y0, per_row - y0) < TOL[dtype]
+    if expand_form:
+        assert torch.equal(got, per_row)
     no_lora = rk == 0
     assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
     monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
@@ -252,31 +266,27 @@ def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, m
     assert rel_err(fresh, want - y0) < TOL[dtype] and not bool(fresh[no_lora].any())
 
 
-@pytest.mark.parametrize("wrong", ["one_adapter", "shifted", "dropped_group"])
-def test_grouped_expand_catches_a_wrong_grouping(device, wrong, monkeypatch):
-    """A grouping that does not match the rows' adapters fails the comparison: all rows told
-    they share one adapter, every row paired with its neighbour's adapter, a group left out."""
+@pytest.mark.parametrize("wrong", ["one_adapter", "shifted", "dropped_group", "duplicated_row"])
+def test_grouped_expand_catches_a_wrong_grouping(device, wrong, expand_form, monkeypatch):
+    """A grouping that does not match the rows fails the comparison. The row loop reads each
+    row's own tables, so only which rows the groups hold matters to it: every row told it
+    shares one adapter (each still in exactly one group) gives the right answer there."""
     from lightning_lorafusion.kernels import lora_gather as module
-    from lightning_lorafusion.kernels.lora_gather import adapter_groups
 
     monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
     monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)  # the per-row shrink: only the expand is wrong
     x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(torch.float32, device)
-    n, rows = y0.shape[1], len(keys)
+    n = y0.shape[1]
     want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
-    if wrong == "one_adapter":
-        groups = adapter_groups([1] * rows, rows)
-    elif wrong == "shifted":
-        groups = adapter_groups(keys[1:] + keys[:1], rows)
-    else:
-        groups = adapter_groups(keys, rows)
-        groups[:, 0] = groups[:, 1]  # the first group's columns replaced by a copy of the second
     bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
-                      groups=groups.to(device))
-    assert not rel_err(bad - y0, want - y0) <= 0.05  # (NaN, from partial sums never written, counts)
+                      groups=wrong_groups(keys, wrong).to(device))
+    if expand_form and wrong == "one_adapter":
+        assert rel_err(bad - y0, want - y0) < TOL[torch.float32]
+    else:
+        assert not rel_err(bad - y0, want - y0) <= 0.05  # (NaN, from partial sums never written, counts)
 
 
-def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, monkeypatch):
+def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, expand_form, monkeypatch):
     from lightning_lorafusion.kernels import lora_gather as module
     from lightning_lorafusion.kernels.lora_gather import MAX_RANK, adapter_groups
 
