@@ -523,6 +523,6 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
         lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
-        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.GROUPED_EXPAND_DOT,
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
         ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, num_warps=_gather.GROUPED_EXPAND_WARPS,
     )

@@ -87,23 +87,29 @@ GROUPED_SHRINK_SPLIT_K: int | None = None
 GROUPED_SHRINK_WARPS: int | None = None
 
 
-# the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows
-# (the shrink's table: the engine builds it from the smaller bound, ``grouped_min_rows``)
-GROUPED_EXPAND_MIN_ROWS = 256
+# the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
+# None: never. Off: on an H100 (one 8B layer's decode LoRA, 64-256 rows over 8-100 adapters of
+# ranks 4-64, docs/BENCHMARKS.md) neither form beat the per-row expand after the grouped shrink
+# (the dot, tf32: 0.99x of its time at 256 rows x 8 adapters, 1.10x with 32, 1.56x with 100,
+# up to 1.9x at 64-128 rows; the row loop 1.04-3.2x)
+GROUPED_EXPAND_MIN_ROWS: int | None = None
 # the grouped expand's column block and warps (scripts/bench_decode_groups.py sweeps them)
 GROUPED_EXPAND_BLOCK_N = 256
 GROUPED_EXPAND_WARPS = 4
-# its form: the group's rows one after another through the per-row helpers (True; B^T's tile
-# from L1 after the first row, the per-row kernels' bits) or one dot for them all (False)
-GROUPED_EXPAND_ROW_LOOP = True
-# the dot's products S B^T: S holds fp32 sums (not exact in tf32), so fp32 products by default
-GROUPED_EXPAND_DOT = "ieee"
+# its form: one dot for the group's rows (False) or the rows one after another through the
+# per-row helpers (True: the per-row kernels' bits, B^T's tile from L1 after the first row;
+# measured the slower of the two)
+GROUPED_EXPAND_ROW_LOOP = False
+# the dot's precision; None: "tf32" for half-precision outputs (S, fp32 sums, rounded to tf32:
+# no coarser than the output's rounding; its LoRA time 1.04-1.22x shorter than "ieee"'s),
+# "ieee" for fp32
+GROUPED_EXPAND_DOT: str | None = None
 
 
 def grouped_min_rows() -> int:
     """The fewest decode rows for which some LoRA kernel reads ``GatheredLora.groups`` (the
     engine builds the table only where its batches can reach this)."""
-    return min(GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS)
+    return min(b for b in (GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS) if b is not None)
 
 
 def group_block_m() -> int:
@@ -116,9 +122,15 @@ def grouped_expand_block_r(block_r: int) -> int:
     return block_r if GROUPED_EXPAND_ROW_LOOP else max(block_r, 16)
 
 
-def takes_groups(rows: int, groups: torch.Tensor | None, bound: int) -> bool:
-    """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound)."""
-    return groups is not None and rows > 0 and rows >= bound
+def takes_groups(rows: int, groups: torch.Tensor | None, bound: int | None) -> bool:
+    """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound;
+    bound None: never)."""
+    return groups is not None and bound is not None and rows > 0 and rows >= bound
+
+
+def expand_dot_precision(dtype: torch.dtype) -> str:
+    """The grouped expand's dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
+    return GROUPED_EXPAND_DOT or ("ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton.jit
@@ -426,7 +438,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
-        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=GROUPED_EXPAND_DOT,
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
         ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, num_warps=GROUPED_EXPAND_WARPS,
     )
 
