@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_delta, lora_row_tables,
-                          lora_shrink, shrink_blocks)
+from . import lora_gather as _gather
+from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
+                          shrink_blocks, takes_groups)
+from .lora_grouped_kernels import lora_delta, lora_group_delta, lora_row_tables
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
 
@@ -238,6 +240,60 @@ def _swiglu_kernel(
     tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride"))
+def _swiglu_grouped_kernel(
+    g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
+    b_g_stride, r_g_stride,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+):
+    """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
+    B^T read once for its rows: ROW_LOOP, the rows one after another through ``_with_lora``
+    (the per-row kernel's bits, the tile from L1 after the first row); else one dot for them
+    all (``lora_group_delta``), the same roundings per element. Rows in no group are left to
+    the plain launch."""
+    t = tl.program_id(0)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = offs < N
+        if ROW_LOOP:
+            for i in range(start, end):
+                lrow = tl.load(groups_ptr + 2 * groups_stride + i)
+                row64 = (first_row + lrow).to(tl.int64)
+                g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+                u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+                dtype = g.dtype
+                g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
+                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
+                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            row, m_ok, rank_g, dg = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+            _, _, rank_u, du = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+            row64 = (first_row + row).to(tl.int64)[:, None]
+            live = m_ok[:, None] & ok[None, :]
+            g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
+            u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
+            dtype = g.dtype
+            g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
+            u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
 # ----------------------------------------------------------------------------------------------
 # References
 # ----------------------------------------------------------------------------------------------
@@ -384,6 +440,14 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
         cos, sin = cos.contiguous(), sin.contiguous()
     kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D]: the pointer carries the layer's offset
     sp, skv, ss, sh, _ = kv_layer.stride()
+    if lora is not None and _grouped(lora):
+        # each group's B^T read once: the LoRA added into q, k, v in place (rounded as the
+        # per-row kernel rounds it), then every row takes the plain kernels
+        part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+        rows = slice(lora.first_row, lora.first_row + lora.ranks.shape[1])
+        for g, y in enumerate((q, k, v)):
+            lora_grouped_expand(lora, part, k_blocks, g, y[rows], head_dim=d, block_r=block_r)
+        lora = None
     plain = (_no_lora_args(q), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     half, block_half = d // 2, triton.next_power_of_2(d // 2)
@@ -421,6 +485,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     if t == 0:
         return out
+    grouped = lora if lora is not None and _grouped(lora) else None
+    if grouped is not None:  # every row plain first, then the groups' rows again with their LoRA
+        lora = None
     plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     for row0, rows, with_lora in _row_launches(t, lora):
@@ -435,4 +502,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
             BLOCK_N=bn, num_warps=warps,
         )
+    if grouped is not None:
+        _swiglu_grouped(gate, up, out, grouped, block_k, block_r, num_warps)
     return out
+
+
+def _grouped(lora: GatheredLora) -> bool:
+    """Whether the epilogue takes the grouped expand (``lora_gather.GROUPED_EXPAND_MIN_ROWS``)."""
+    return takes_groups(lora.ranks.shape[1], lora.groups, _gather.GROUPED_EXPAND_MIN_ROWS)
+
+
+def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_warps) -> None:
+    """The gate/up shrink, then ``out``'s LoRA rows rewritten a group at a time."""
+    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    _, block_r = shrink_blocks(gate.device, block_k, block_r)
+    n, groups = gate.shape[1], lora.groups
+    bn = _gather.GROUPED_EXPAND_BLOCK_N if gate.is_cuda else 16
+    _swiglu_grouped_kernel[(groups.shape[1], triton.cdiv(n, bn))](
+        gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
+        lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
+        lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
+        BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
+        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, num_warps=_gather.GROUPED_EXPAND_WARPS,
+    )

@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .lora_grouped_kernels import (_lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, lora_delta,
+                                   lora_row_tables)
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
 MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sums per K block)
@@ -77,90 +80,57 @@ GROUP_ROWS = 16
 # gather of the 8B shape, docs/kernels.md) it took 0.55-0.92x the per-row kernels' time at 256
 # rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
 GROUPED_MIN_ROWS = 256
+# the grouped shrink's K tile, K columns per program (a multiple of the tile: fewer partials for
+# the expand to sum) and warps; None: the per-row shrink's K block (tile and split), its warps
+GROUPED_SHRINK_BLOCK_K: int | None = None
+GROUPED_SHRINK_SPLIT_K: int | None = None
+GROUPED_SHRINK_WARPS: int | None = None
 
 
-@triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))
-def _lora_grouped_shrink_kernel(
-    x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
-    groups_stride, k_blocks,
-    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
-    K block kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
-    loads that adapter's A tile once per rank chunk and writes each row's ``part[g, row, kb]``
-    as the per-row kernel does. ``groups [3, n_groups]`` int32: start, end (positions in the
-    third row, ``perm``, the rows sorted by adapter; ``groups_stride`` between the rows); an
-    empty group (start == end) returns."""
-    t = tl.program_id(0)
-    kb = tl.program_id(1)
-    g = tl.program_id(2)
-    start = tl.load(groups_ptr + t)
-    end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
-        first = tl.load(groups_ptr + 2 * groups_stride + start)
-        rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + first), MAX_R)
-        a_off = tl.load(a_off_ptr + g * a_g_stride + first)
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + row[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        offs_r = tl.arange(0, BLOCK_R)
-        part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
-        for r0 in range(0, rank, BLOCK_R):
-            r_ok = r0 + offs_r < rank
-            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
-            tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
+# the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
+# None: never. Off: on an H100 (one 8B layer's decode LoRA, 64-256 rows over 8-100 adapters of
+# ranks 4-64, docs/BENCHMARKS.md) neither form beat the per-row expand after the grouped shrink
+# (the dot, tf32: 0.99x of its time at 256 rows x 8 adapters, 1.10x with 32, 1.56x with 100,
+# up to 1.9x at 64-128 rows; the row loop 1.04-3.2x)
+GROUPED_EXPAND_MIN_ROWS: int | None = None
+# the grouped expand's column block and warps (scripts/bench_decode_groups.py sweeps them)
+GROUPED_EXPAND_BLOCK_N = 256
+GROUPED_EXPAND_WARPS = 4
+# its form: one dot for the group's rows (False) or the rows one after another through the
+# per-row helpers (True: the per-row kernels' bits, B^T's tile from L1 after the first row;
+# measured the slower of the two)
+GROUPED_EXPAND_ROW_LOOP = False
+# the dot's precision; None: "tf32" for half-precision outputs (S, fp32 sums, rounded to tf32:
+# no coarser than the output's rounding; its LoRA time 1.04-1.22x shorter than "ieee"'s),
+# "ieee" for fp32
+GROUPED_EXPAND_DOT: str | None = None
 
 
-@triton.jit
-def lora_delta(
-    part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-):
-    """The expand half for one row and one block of output columns ``offs_n`` (fp32, shape of
-    offs_n): ``scale * (sum over K blocks of part[kb, :rank]) @ Bt[:rank, offs_n]``.
-
-    ``part_row`` points at the row's ``part[g, row, 0, 0]`` (written by the shrink); ``rank``
-    already clamped to MAX_R (0: no LoRA, the loop does not run); ``Bt [rank, N]`` at
-    ``pool_ptr + b_off``.
-    """
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_kb = tl.arange(0, BLOCK_KB)
-    kb_ok = offs_kb < k_blocks
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r_ok = r0 + offs_r < rank
-        part = tl.load(part_row + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :],
-                       mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
-        s = tl.sum(part, axis=0) * scale
-        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
-    return acc
+def grouped_min_rows() -> int:
+    """The fewest decode rows for which some LoRA kernel reads ``GatheredLora.groups`` (the
+    engine builds the table only where its batches can reach this)."""
+    return min(b for b in (GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS) if b is not None)
 
 
-@triton.jit
-def lora_row_tables(
-    b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, rows, k_blocks, b_g_stride, r_g_stride,
-    MAX_R: tl.constexpr,
-):
-    """Row ``lrow`` of a gathered group's tables for projection g -> (rank as given, rank
-    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow`` outside
-    ``[0, rows)`` (a row before ``GatheredLora.first_row`` or after its rows): rank 0, nothing
-    read."""
-    live = (lrow >= 0) & (lrow < rows)
-    safe = tl.maximum(lrow, 0)
-    rank_in = tl.load(rank_ptr + g * r_g_stride + safe, mask=live, other=0)
-    b_off = tl.load(b_off_ptr + g * b_g_stride + safe, mask=live, other=0)
-    scale = tl.load(scale_ptr + safe, mask=live, other=0.0)
-    part_row = part_ptr + ((g * rows + safe).to(tl.int64) * k_blocks) * MAX_R
-    return rank_in, tl.minimum(rank_in, MAX_R), b_off, scale, part_row
+def group_block_m() -> int:
+    """The grouped kernels' block of rows: ``GROUP_ROWS`` as a power of two, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(GROUP_ROWS))
+
+
+def grouped_expand_block_r(block_r: int) -> int:
+    """The grouped expand's rank chunk: the per-row one's (its row loop), at least 16 (its dot)."""
+    return block_r if GROUPED_EXPAND_ROW_LOOP else max(block_r, 16)
+
+
+def takes_groups(rows: int, groups: torch.Tensor | None, bound: int | None) -> bool:
+    """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound;
+    bound None: never)."""
+    return groups is not None and bound is not None and rows > 0 and rows >= bound
+
+
+def expand_dot_precision(dtype: torch.dtype) -> str:
+    """The grouped expand's dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
+    return GROUPED_EXPAND_DOT or ("ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton.jit
@@ -367,11 +337,13 @@ class GatheredLora:
                                   self.scales, y.shape[1], out=y[self.first_row:self.first_row + self.x.shape[0]])
 
 
-def adapter_groups(keys: Sequence[int], width: int, group_rows: int = GROUP_ROWS) -> torch.Tensor:
+def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = None) -> torch.Tensor:
     """``GatheredLora.groups`` of rows whose adapters are ``keys`` (row i's adapter; 0: none,
     left out): the rows sorted by adapter (stable), runs of one adapter cut into groups of at
-    most ``group_rows``. -> ``[3, width]`` int32 (CPU): start, end, and the sorted rows from
-    column 0 on; unused columns are empty groups (0, 0) and row 0."""
+    most ``group_rows`` (default ``GROUP_ROWS``, the kernels' block of rows). -> ``[3, width]``
+    int32 (CPU): start, end, and the sorted rows from column 0 on; unused columns are empty
+    groups (0, 0) and row 0."""
+    group_rows = group_rows or GROUP_ROWS
     if len(keys) > width:
         raise ValueError(f"{len(keys)} rows do not fit groups of width {width}")
     order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
@@ -411,23 +383,30 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
                 num_warps: int = 4) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
-    ``lora_delta``; entries past a row's rank are never written nor read)."""
+    ``lora_delta``; entries past a row's rank are never written nor read). Rows grouped by
+    adapter (from ``GROUPED_MIN_ROWS`` rows): ``lora_grouped_kernels``' shrink, its K blocks
+    ``GROUPED_SHRINK_SPLIT_K`` wide where set."""
     _require_triton(lora.x)
     if lora.pool.stride(0) != 1:
         raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
     x = lora.x if lora.x.stride(1) == 1 else lora.x.contiguous()
     g, rows = lora.ranks.shape
     k = x.shape[1]
+    grouped = takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    if grouped:  # the grouped kernel's own knobs, where set and the caller set none
+        block_k = block_k or GROUPED_SHRINK_BLOCK_K
+        num_warps = GROUPED_SHRINK_WARPS or num_warps
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
-    k_blocks = triton.cdiv(k, block_k)
+    split_k = triton.cdiv(GROUPED_SHRINK_SPLIT_K or block_k, block_k) * block_k if grouped else block_k
+    k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    if rows and lora.groups is not None and rows >= GROUPED_MIN_ROWS:
+    if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
-            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=GROUP_ROWS,
-            BLOCK_R=max(block_r, 16), BLOCK_K=block_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+            lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
+            BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
+            DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
         )
     elif rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](
@@ -435,6 +414,33 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
         )
     return part, k_blocks
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The grouped shrink's ``tl.dot`` precision: exact products (half inputs are exact in
+    tf32; fp32 ones need "ieee")."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g: int, out: torch.Tensor, *,
+                        head_dim: int | None = None, block_r: int | None = None) -> None:
+    """Triton, in place: ``out [B, N]`` (or ``[B, heads, head_dim]``, unit stride along
+    head_dim) += projection g's delta of the grouped rows, a program per (group, column block)
+    (``part``, ``k_blocks``: ``lora_shrink``'s). Rows in no group (no adapter, padding; rank
+    0) are not touched."""
+    n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
+    hd = head_dim or n
+    hstride = out.stride(1) if out.dim() == 3 else 0
+    _, block_r = shrink_blocks(out.device, None, block_r)
+    groups = lora.groups
+    block_n = GROUPED_EXPAND_BLOCK_N if out.is_cuda else 16
+    _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
+        lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
+        g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
+        MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
+        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, num_warps=GROUPED_EXPAND_WARPS,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,11 +462,15 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    _, block_r = shrink_blocks(x.device, block_k, block_r)
     block_n = block_n or (256 if x.is_cuda else 32)
-    part, k_blocks = lora_shrink(GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales,
-                                              groups=groups),
-                                 block_k=block_k, block_r=block_r, num_warps=num_warps)
+    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
+    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
+        if out is None:
+            result.zero_()
+        lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
+        return result
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

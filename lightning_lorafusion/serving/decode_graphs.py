@@ -203,7 +203,7 @@ class DecodeInputs:
             self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)
             self.lora_ranks[:, :b].copy_(ranks[idx].t(), non_blocking=True)
             self.lora_scales[:b].copy_(scales[idx], non_blocking=True)
-        if self.max_rows >= lora_gather.GROUPED_MIN_ROWS:  # (else no batch is large enough to read them)
+        if self.max_rows >= lora_gather.grouped_min_rows():  # (else no batch is large enough to read them)
             self.lora_groups.copy_(adapter_groups(index, self.max_rows), non_blocking=True)  # (empty past b)
         # rows past the real ones are inert in any bucket: the scratch page, rank 0
         self.page_table[b:, 0] = self.scratch_page

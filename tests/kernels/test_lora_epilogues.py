@@ -17,6 +17,8 @@ from lightning_lorafusion.kernels.lora_gather import MAX_RANK, GatheredLora
 from lightning_lorafusion.model.decoder import rope_cos_sin, rope_inv_freq
 from lightning_lorafusion.model.decoder import DecoderConfig
 
+from _decode_groups import wrong_groups
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -298,3 +300,128 @@ def test_bad_inputs_raise_clear_errors(device):
         swiglu(g, torch.randn(3, 6, device=device))
     with pytest.raises(ValueError, match="backend="):
         swiglu(g, g, backend="gpu")
+
+
+# ---- rows grouped by adapter: the expand reads each group's B^T once -----------------------------
+
+def with_groups(lora, ranks, group_rows, wrong=None):
+    """``lora`` with its rows grouped by adapter (``make_group``'s routing; an adapter with no
+    rank on any projection counts as no adapter, left out of the groups), in groups of at most
+    ``group_rows``; ``wrong``: a grouping that does not match the rows (``wrong_groups`` of
+    test_lora_gather.py)."""
+    from dataclasses import replace
+
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    rows = lora.ranks.shape[1]
+    keys = [a + 1 if any(ranks[a]) else 0 for a in ((i * 5 + 1) % len(ranks) for i in range(rows))]
+    groups = adapter_groups(keys, rows, group_rows) if wrong is None else wrong_groups(keys, wrong)
+    return replace(lora, groups=groups.to(lora.x.device))
+
+
+@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+def grouped_expand(request, monkeypatch):
+    """Every grouped expand taken (row bound 1), in each form, the shrink per row; groups cut
+    at 2 rows."""
+    from lightning_lorafusion.kernels import lora_gather as module
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 1)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
+    monkeypatch.setattr(module, "GROUP_ROWS", 2)
+    return module
+
+
+GROUPED_QKV_RANKS = QKV_RANKS + [(0, 0, 0)]  # the last: rows without LoRA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", ["decode", "decode_rows_first", "lora_rows_in_the_middle", "mixed_rows_odd_half"])
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_rope_grouped_expand_matches_per_row_and_reference(device, dtype, shape, partial, grouped_expand,
+                                                           monkeypatch):
+    """q/k/v's LoRA added a group at a time, then the plain RoPE kernels: the reference's q, k,
+    v and pages, and the per-row fused kernel's (both kernels of rows without LoRA)."""
+    import lightning_lorafusion.kernels.lora_epilogues as epi
+
+    case, _ = make_rope_case(shape, dtype, device, False, True, partial=partial)
+    t, first, after = case["q"].shape[0], SHAPES[shape][5], SHAPES[shape][6]
+    lora, _ = make_group(SHAPES[shape][4], (case["q"][0].numel(), case["k"][0].numel(), case["v"][0].numel()),
+                         GROUPED_QKV_RANKS, t - first - after, dtype, device, first_row=first)
+    case["lora"] = with_groups(lora, GROUPED_QKV_RANKS, 2)
+    assert int(case["lora"].groups[1].count_nonzero()) >= 2
+    ref, per_row = clone_case(case), clone_case(case)
+    rope_write_kv_reference(**ref)
+    rope_write_kv(**{**per_row, "lora": lora}, backend="triton")
+    for threshold in (1, 10**9):
+        monkeypatch.setattr(epi, "ROPE_ROWS_KERNEL_MIN_ROWS", threshold)
+        got = clone_case(case)
+        rope_write_kv(**got, backend="triton")
+        for name in ("q", "k", "v", "kv_pool"):
+            assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
+            assert rel_err(got[name], per_row[name]) < TOL[dtype], name
+            if grouped_expand.GROUPED_EXPAND_ROW_LOOP:  # the per-row helpers, in the same order: same bits
+                assert torch.equal(got[name], per_row[name]), name
+
+
+@pytest.mark.parametrize("wrong", ["shifted", "dropped_group", "duplicated_row"])
+def test_rope_grouped_expand_catches_a_wrong_grouping(device, wrong, grouped_expand):
+    case, _ = make_rope_case("decode_rows_first", torch.float32, device, False, True)
+    t = case["q"].shape[0]
+    lora, _ = make_group(24, (32, 16, 16), GROUPED_QKV_RANKS, t - 4, torch.float32, device)
+    ref = clone_case({**case, "lora": lora})
+    rope_write_kv_reference(**ref)
+    got = clone_case({**case, "lora": with_groups(lora, GROUPED_QKV_RANKS, 2, wrong=wrong)})
+    rope_write_kv(**got, backend="triton")
+    assert not rel_err(got["q"], ref["q"]) <= 1e-2  # (NaN, from partial sums never written, counts)
+
+
+GROUPED_GATE_UP_RANKS = [(4, 4), (0, 7), (17, 2), (0, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,first_row,rows", [(47, 0, 6), (123, 2, 4), (64, 1, 5)])
+def test_swiglu_grouped_expand_matches_per_row_and_reference(device, dtype, n, first_row, rows, grouped_expand):
+    """The grouped SwiGLU (every row plain, then the groups' rows with their LoRA): the
+    reference and the per-row fused kernel; gate and up not written."""
+    t, k = 7, 29
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(n)).to(device, dtype)
+    gate, up = gu[:, :n], gu[:, n:]
+    lora, _ = make_group(k, (n, n), GROUPED_GATE_UP_RANKS, rows, dtype, device, first_row=first_row)
+    grouped = with_groups(lora, GROUPED_GATE_UP_RANKS, 2)
+    before = gu.clone()
+    want = swiglu_reference(gate, up, lora)
+    per_row = swiglu(gate, up, lora=lora, backend="triton")
+    got = swiglu(gate, up, lora=grouped, backend="triton")
+    assert torch.equal(gu, before)
+    assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
+    if grouped_expand.GROUPED_EXPAND_ROW_LOOP:
+        assert torch.equal(got, per_row)
+    outside = [i for i in range(t) if not first_row <= i < first_row + rows]
+    assert torch.equal(got[outside], per_row[outside])  # rows outside the gathered ones: the plain kernel's
+
+
+@pytest.mark.parametrize("wrong", ["shifted", "dropped_group", "duplicated_row"])
+def test_swiglu_grouped_expand_catches_a_wrong_grouping(device, wrong, grouped_expand):
+    n, t = 40, 6
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(3)).to(device)
+    lora, _ = make_group(29, (n, n), GROUPED_GATE_UP_RANKS, t, torch.float32, device)
+    want = swiglu_reference(gu[:, :n], gu[:, n:], lora)
+    got = swiglu(gu[:, :n], gu[:, n:], lora=with_groups(lora, GROUPED_GATE_UP_RANKS, 2, wrong=wrong),
+                 backend="triton")
+    assert not rel_err(got, want) <= 1e-2
+
+
+def test_swiglu_grouped_rank_above_max_is_nan_for_its_rows_only(device, grouped_expand):
+    n, t = 40, 6
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(3)).to(device)
+    lora, _ = make_group(29, (n, n), GROUPED_GATE_UP_RANKS, t, torch.float32, device)
+    bad_adapter = 2  # rows (i * 5 + 1) % 4 == 2: rows 1 and 5
+    bad_rows = [i for i in range(t) if (i * 5 + 1) % 4 == bad_adapter]
+    ranks = lora.ranks.clone()
+    ranks[0, bad_rows] = MAX_RANK + 1
+    from dataclasses import replace
+    got = swiglu(gu[:, :n], gu[:, n:], lora=with_groups(replace(lora, ranks=ranks), GROUPED_GATE_UP_RANKS, 2),
+                 backend="triton")
+    good = [i for i in range(t) if i not in bad_rows]
+    assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[good]).any()

@@ -15,6 +15,8 @@ import torch
 
 from lightning_lorafusion.kernels.lora_gather import _lora_gather_triton, lora_gather, lora_gather_reference
 
+from _decode_groups import wrong_groups
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
 
@@ -206,4 +208,119 @@ def test_grouped_shrink_gives_the_per_row_results(device, dtype, monkeypatch):
     # a wrong grouping is caught: all rows told they share adapter 3's rows
     wrong = adapter_groups([1] * rows, rows).to(device)
     bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=wrong)
-    assert rel_err(bad - y0, want - y0) > 0.1
+    # (a row whose own rank exceeds its group's reads partial sums nobody wrote: NaN counts too)
+    assert not rel_err(bad - y0, want - y0) <= 0.1
+
+
+def grouped_case(dtype, device, rows=37):
+    """Rows over adapters of ranks 8, 0 (a row without LoRA), 5, 16, 33 (several rank blocks),
+    one adapter over 20 rows (two groups of 16 and 4) -> (x, pool, routing, keys, y0)."""
+    k, n, ranks = 70, 41, [8, 0, 5, 16, 33]
+    row_adapter = [(i * 5 + i // 7) % len(ranks) for i in range(rows)]
+    row_adapter[:20] = [3] * 20
+    row_adapter[25] = row_adapter[31] = 1
+    pool, adapters = make_adapters(ranks, k, n, dtype, device)
+    routing = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    keys = [ad + 1 if ranks[ad] else 0 for ad in row_adapter]
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    return x, pool, routing, keys, y0
+
+
+@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+def expand_form(request, monkeypatch):
+    """The grouped expand's two forms (``GROUPED_EXPAND_ROW_LOOP``)."""
+    from lightning_lorafusion.kernels import lora_gather as module
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shrink_bound", [1, 10**9])
+def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, expand_form, monkeypatch):
+    """The expand reading each group's B^T once (its row bound lowered), after the grouped or
+    the per-row shrink: what the per-row kernels and the reference add (the row loop: the
+    per-row expand's bits), into ``out`` and as a fresh delta; rows without LoRA are not
+    touched."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", shrink_bound)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 10**9)
+    per_row = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    assert rel_err(got - y0, want - y0) < TOL[dtype]
+    assert rel_err(got - y0, per_row - y0) < TOL[dtype]
+    if expand_form:
+        assert torch.equal(got, per_row)
+    no_lora = rk == 0
+    assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    fresh = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton", groups=groups)
+    assert rel_err(fresh, want - y0) < TOL[dtype] and not bool(fresh[no_lora].any())
+
+
+@pytest.mark.parametrize("wrong", ["one_adapter", "shifted", "dropped_group", "duplicated_row"])
+def test_grouped_expand_catches_a_wrong_grouping(device, wrong, expand_form, monkeypatch):
+    """A grouping that does not match the rows fails the comparison. The row loop reads each
+    row's own tables, so only which rows the groups hold matters to it: every row told it
+    shares one adapter (each still in exactly one group) gives the right answer there."""
+    from lightning_lorafusion.kernels import lora_gather as module
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)  # the per-row shrink: only the expand is wrong
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(torch.float32, device)
+    n = y0.shape[1]
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
+                      groups=wrong_groups(keys, wrong).to(device))
+    if expand_form and wrong == "one_adapter":
+        assert rel_err(bad - y0, want - y0) < TOL[torch.float32]
+    else:
+        assert not rel_err(bad - y0, want - y0) <= 0.05  # (NaN, from partial sums never written, counts)
+
+
+def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, expand_form, monkeypatch):
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import MAX_RANK, adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(torch.float32, device)
+    bad_rows = torch.tensor([k == 4 for k in keys], device=device)  # the rank-16 adapter's rows
+    rk = torch.where(bad_rows, MAX_RANK + 1, rk).to(torch.int32)
+    groups = adapter_groups(keys, len(keys)).to(device)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, y0.shape[1], out=y0.clone(), backend="triton",
+                      groups=groups)
+    assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[~bad_rows]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split_k", [64, 40])
+def test_grouped_shrink_split_k_gives_the_reference(device, dtype, split_k, monkeypatch):
+    """The grouped shrink walking several K tiles per program (``GROUPED_SHRINK_SPLIT_K``; 40
+    rounds up to two tiles of 32; K = 70: the last split is partial) writes fewer partial sums
+    that the per-row and the grouped expand both read correctly."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", split_k)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    for expand_bound in (10**9, 8):
+        monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", expand_bound)
+        got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+        assert rel_err(got - y0, want - y0) < TOL[dtype], expand_bound
+    # the split is what the shrink ran with: partial sums over 64 columns, not 32
+    part, k_blocks = module.lora_shrink(module.GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales,
+                                                            groups=groups))
+    assert k_blocks == 2

@@ -1,0 +1,184 @@
+"""The Triton kernels of the decode LoRA for rows grouped by adapter (``GatheredLora.groups``).
+
+A group is up to BLOCK_M decode rows of one adapter (``lora_gather.adapter_groups``: ``groups
+[3, n]`` int32, start and end of each group in the third row, ``perm``, the rows sorted by
+adapter; unused columns are empty groups). The shrink reads the adapter's A once for the
+group's rows (a tensor-core dot), the expand its B^T once (a dot, or the group's rows one after
+another through the per-row helpers ``lora_row_tables`` / ``lora_delta``, which live here too,
+with the tile in L1 after the first row); they write and read the per-row kernels' partial sums
+(``part [G, rows, k_blocks, MAX_R]`` fp32), so a grouped half pairs with a per-row one. The launchers, knobs and row bounds are in ``lora_gather.py``; the
+SwiGLU epilogue's grouped form in ``lora_epilogues.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def lora_delta(
+    part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """The expand half for one row and one block of output columns ``offs_n`` (fp32, shape of
+    offs_n): ``scale * (sum over K blocks of part[kb, :rank]) @ Bt[:rank, offs_n]``.
+
+    ``part_row`` points at the row's ``part[g, row, 0, 0]`` (written by the shrink); ``rank``
+    already clamped to MAX_R (0: no LoRA, the loop does not run); ``Bt [rank, N]`` at
+    ``pool_ptr + b_off``.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    kb_ok = offs_kb < k_blocks
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        part = tl.load(part_row + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :],
+                       mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
+        s = tl.sum(part, axis=0) * scale
+        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
+def lora_row_tables(
+    b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, rows, k_blocks, b_g_stride, r_g_stride,
+    MAX_R: tl.constexpr,
+):
+    """Row ``lrow`` of a gathered group's tables for projection g -> (rank as given, rank
+    clamped to MAX_R, B^T offset, scale, the row's partials in ``part``). ``lrow`` outside
+    ``[0, rows)`` (a row before ``GatheredLora.first_row`` or after its rows): rank 0, nothing
+    read."""
+    live = (lrow >= 0) & (lrow < rows)
+    safe = tl.maximum(lrow, 0)
+    rank_in = tl.load(rank_ptr + g * r_g_stride + safe, mask=live, other=0)
+    b_off = tl.load(b_off_ptr + g * b_g_stride + safe, mask=live, other=0)
+    scale = tl.load(scale_ptr + safe, mask=live, other=0.0)
+    part_row = part_ptr + ((g * rows + safe).to(tl.int64) * k_blocks) * MAX_R
+    return rank_in, tl.minimum(rank_in, MAX_R), b_off, scale, part_row
+
+
+@triton.jit(do_not_specialize=("rows", "groups_stride", "a_g_stride", "r_g_stride"))
+def _lora_grouped_shrink_kernel(
+    x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
+    groups_stride, k_blocks,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
+    K split kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
+    loads that adapter's A tile once per rank chunk and writes each row's ``part[g, row, kb]``
+    as the per-row kernel does, over the SPLIT_K columns of split kb (a multiple of BLOCK_K,
+    walked BLOCK_K at a time: fewer splits, fewer partials for the expand to sum). An empty
+    group (start == end) returns."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    g = tl.program_id(2)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
+        first = tl.load(groups_ptr + 2 * groups_stride + start)
+        rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + first), MAX_R)
+        a_off = tl.load(a_off_ptr + g * a_g_stride + first)
+        offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + row[:, None].to(tl.int64) * x_stride
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        offs_r = tl.arange(0, BLOCK_R)
+        part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
+        for r0 in range(0, rank, BLOCK_R):
+            r_ok = r0 + offs_r < rank
+            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
+                        mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
+            for k0 in range(BLOCK_K, tl.minimum(SPLIT_K, K - kb * SPLIT_K), BLOCK_K):  # (none: SPLIT_K == BLOCK_K)
+                ok = offs_k + k0 < K
+                xk = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+                a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
+                            mask=r_ok[:, None] & ok[None, :], other=0.0)
+                s += tl.dot(xk, tl.trans(a), input_precision=DOT_PRECISION)
+            tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def lora_group_delta(
+    part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
+    groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The expand half for the rows ``perm[start:end]`` of one group (one adapter, at most
+    BLOCK_M) and columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]``, their mask, the
+    adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]`` fp32 = ``scale_row * (sum over kb
+    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
+    first = tl.load(groups_ptr + 2 * groups_stride + start)
+    rank_in = tl.load(rank_ptr + g * r_g_stride + first)
+    rank = tl.minimum(rank_in, MAX_R)
+    b_off = tl.load(b_off_ptr + g * b_g_stride + first)
+    scale = tl.load(scale_ptr + row, mask=m_ok, other=0.0)
+    part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks) * MAX_R
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    kb_ok = offs_kb < k_blocks
+    acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        part = tl.load(part_rows[:, None, None] + offs_kb[None, :, None] * MAX_R + (r0 + offs_r)[None, None, :],
+                       mask=m_ok[:, None, None] & kb_ok[None, :, None] & r_ok[None, None, :], other=0.0)
+        s = tl.sum(part, axis=1) * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
+        bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
+    return row, m_ok, rank_in, acc
+
+
+@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g"))
+def _lora_grouped_expand_kernel(
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
+    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+):
+    """out[rows of group t, n block] += their delta of projection g, one rounding to out's
+    dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row expand). Column n
+    of a row lives at ``(n // head_dim) * out_hstride + n % head_dim`` (a [rows, heads,
+    head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP: the
+    group's rows one after another through the per-row helpers (the per-row kernel's bits; the
+    adapter's B^T tile comes from L1 after the first row); else ``lora_group_delta``'s dot."""
+    t = tl.program_id(0)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
+        if ROW_LOOP:
+            for i in range(start, end):
+                row = tl.load(groups_ptr + 2 * groups_stride + i)
+                rank_in, rank, b_off, scale, part_row = lora_row_tables(
+                    b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, g, rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+                delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                                   MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                ptrs = out_ptr + row.to(tl.int64) * out_stride + cols
+                live = n_ok & (rank_in > 0)
+                acc = tl.where(rank_in > MAX_R, float("nan"), delta)
+                acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+        else:
+            row, m_ok, rank_in, delta = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+            delta = tl.where(rank_in > MAX_R, float("nan"), delta)
+            ptrs = out_ptr + row[:, None].to(tl.int64) * out_stride + cols[None, :]
+            live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
+            acc = delta + tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
