@@ -97,7 +97,9 @@ class EngineStep:
             last_rows += [end - 1 for _, end in batch.spans[len(plan.prefill):]]
             if not seqs:  # (the step's end marks its launch)
                 return
-            logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
+            # pinned, asynchronous: a copy from pageable memory would wait here for the forward
+            rows_t = torch.tensor(last_rows, pin_memory=hidden.is_cuda).to(hidden.device, non_blocking=True)
+            logits = self.runner.logits(hidden.index_select(0, rows_t))
         elif running is not None:  # decode only, fed the running step's tokens on the device
             seqs = plan.decode
             fed = running.tokens

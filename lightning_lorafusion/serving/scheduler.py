@@ -79,6 +79,12 @@ class Scheduler:
     short) and it is prefilled again, prompt and generated tokens, on the long factors, before
     it decodes on (``rope_recomputes`` counts them).
 
+    Prefetch: after a step's admissions (and once a step planned ahead is launched), the
+    adapters of the queued requests next in line are paged in, into free pages only, so their
+    copies run beside the step on the device and the step that admits them does not wait for
+    them (``_prefetch``; ``pool.prefetch_hits`` / ``prefetch_misses`` here count how often that
+    worked).
+
     ``scheduling="fair"`` changes which waiting request is admitted next: instead of the
     oldest, the oldest of the tenant (adapter) that has been served least (``FairShare``);
     preempted requests still go first, and admission still stops at the first request that
@@ -87,6 +93,7 @@ class Scheduler:
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
+                 prefetch_ahead: bool = True,
                  chunked_prefill: bool = False, prefill_wait_steps: int = 0, scheduling: str = "fifo",
                  rope_switch: int | None = None) -> None:
         self.pool = pool
@@ -106,6 +113,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefetch_depth = prefetch_depth
+        # prefetch also every queued request the next step could admit (``_prefetch``)
+        self.prefetch_ahead = prefetch_ahead
+        self.prefetch_misses = 0  # admissions that paged their adapter in themselves (the step waits on it)
         self.watermark_pages = watermark_pages
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -328,6 +338,7 @@ class Scheduler:
     def _admit(self, state: RequestState) -> bool:
         pool = self.pool
         protect = {state.adapter.key} if state.adapter is not None else set()
+        missed = state.adapter is not None and pool.resident(state.adapter) is None
         if state.adapter is not None and pool.page_in(state.adapter, protect=protect) is None:
             return False
         reused: list[int] = []
@@ -347,6 +358,7 @@ class Scheduler:
                 return False
         if state.adapter is not None:
             state.resident = pool.acquire(state.adapter)
+            self.prefetch_misses += missed
         state.status = Status.RUNNING
         state.num_cached = len(reused) * pool.page_size
         if reused:
@@ -407,15 +419,27 @@ class Scheduler:
             self.fair.queued(state, self.running, front=True)
 
     def _prefetch(self) -> None:
-        """Page in adapters of the next queued requests, into free pages only (never evicting)."""
+        """Page in the adapters of the queued requests next in line, into free pages only (never
+        evicting: no adapter a running or queued request uses is dropped for it): the first
+        ``prefetch_depth`` and, with ``prefetch_ahead``, every one the next step could admit
+        (its token budget over their prompts, at least one). With ``prefetch_ahead`` each also
+        leaves room for the KV pages of the requests up to it, so it never takes the pages the
+        next admissions need. Called after a step's admissions (never delaying them) and, for
+        a step planned ahead, once it is launched: the copies run beside that step."""
         pool = self.pool
         upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
+        ahead = self.prefetch_ahead
+        reserve = self.watermark_pages + len(self.running)
+        tokens = 0
         for i, state in enumerate(upcoming):
-            if i >= self.prefetch_depth:
+            if i >= self.prefetch_depth and not (ahead and tokens < self.max_num_batched_tokens):
                 break
+            tokens += state.num_tokens - state.num_cached
+            if ahead:
+                reserve += pool.pages_for_tokens(state.num_tokens)
             a = state.adapter
             if a is None or pool.resident(a) is not None:
                 continue
-            if pool.num_free - pool.pages_for_adapter(a) < self.watermark_pages + len(self.running):
+            if pool.num_free - pool.pages_for_adapter(a) < reserve:
                 break
-            pool.page_in(a, may_evict=False)
+            pool.page_in(a, may_evict=False, prefetch=True)
