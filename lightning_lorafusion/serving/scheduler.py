@@ -422,7 +422,7 @@ class Scheduler:
         """Page in the adapters of the queued requests next in line, into free pages only (never
         evicting: no adapter a running or queued request uses is dropped for it): the first
         ``prefetch_depth`` and, with ``prefetch_ahead``, every one the next step could admit
-        (its token budget over their prompts, at least one). With ``prefetch_ahead`` each also
+        (at most ``max_num_seqs``, within its token budget over their prompts, at least one). With ``prefetch_ahead`` each also
         leaves room for the KV pages of the requests up to it, so it never takes the pages the
         next admissions need. Called after a step's admissions (never delaying them) and, for
         a step planned ahead, once it is launched: the copies run beside that step."""
@@ -432,7 +432,8 @@ class Scheduler:
         reserve = self.watermark_pages + len(self.running)
         tokens = 0
         for i, state in enumerate(upcoming):
-            if i >= self.prefetch_depth and not (ahead and tokens < self.max_num_batched_tokens):
+            if i >= self.prefetch_depth and not (ahead and tokens < self.max_num_batched_tokens
+                                                 and i < self.max_num_seqs):
                 break
             tokens += state.num_tokens - state.num_cached
             if ahead:

@@ -36,41 +36,53 @@ def _run(engine, events=()) -> dict[str, list[int]]:
     return tokens
 
 
-def _one_slot(make_engine, ahead: str, **config):
-    """One running request at a time, no queued request within ``prefetch_depth`` (0): what is
+ADAPTERS = ["all4", "all4", "attn2", "mlp8", "attn2"]
+
+
+def _two_slots(make_engine, ahead: str, **config):
+    """Two running requests at a time, no queued request within ``prefetch_depth`` (0): what is
     paged in early is what the next step could admit."""
-    return make_engine(backend="torch", max_num_seqs=1, max_num_batched_tokens=64, prefetch_depth=0,
-                       prefix_caching=False, num_pages=96, page_size=4, prefetch_ahead=ahead, **config)
+    engine = make_engine(backend="torch", max_num_seqs=2, max_num_batched_tokens=64, prefetch_depth=0,
+                         prefix_caching=False, num_pages=96, page_size=4, prefetch_ahead=ahead, **config)
+    for i, adapter in enumerate(ADAPTERS):
+        engine.submit(_request(f"r{i}", adapter))
+    return engine
 
 
 @pytest.mark.parametrize("async_decode", ["off", "on"])
 def test_the_next_admissions_adapters_are_paged_in_while_the_step_before_runs(make_engine, async_decode):
-    engine = _one_slot(make_engine, "on", async_decode=async_decode)
-    for i, adapter in enumerate(["all4", "attn2", "mlp8"]):
-        engine.submit(_request(f"r{i}", adapter))
-    first = engine.step()  # admits r0; r1 and r2 fit the next step's token budget
+    engine = _two_slots(make_engine, "on", async_decode=async_decode)
+    first = engine.step()  # admits r0 and r1; r2 and r3 are the most the next step could admit
     assert _resident(engine) == {"all4", "attn2", "mlp8"}
     assert engine.stats()["adapter_prefetches_total"] == 2
     tokens = _run(engine, first)
     stats = engine.stats()
+    # r2 and r3 found theirs paged in; r0 paged all4 in itself (r1 and r4: resident, in use)
     assert (stats["adapter_prefetch_hits_total"], stats["adapter_prefetch_misses_total"]) == (2, 1)
     assert stats["adapter_prefetch_wasted_total"] == 0 and stats["adapter_page_ins_total"] == 3
     # the same tokens as without prefetching ahead, and as each request alone
-    off = _one_slot(make_engine, "off", async_decode=async_decode)
-    for i, adapter in enumerate(["all4", "attn2", "mlp8"]):
-        off.submit(_request(f"r{i}", adapter))
+    off = _two_slots(make_engine, "off", async_decode=async_decode)
     first = off.step()
     assert _resident(off) == {"all4"}  # prefetch_depth 0: nothing paged in early
     assert _run(off, first) == tokens
     assert off.stats()["adapter_prefetch_misses_total"] == 3 and off.stats()["adapter_prefetch_hits_total"] == 0
     alone = make_engine(backend="torch", prefix_caching=False, num_pages=96, page_size=4)
-    for i, adapter in enumerate(["all4", "attn2", "mlp8"]):
+    for i, adapter in enumerate(ADAPTERS):
         assert list(alone.generate([_request(f"a{i}", adapter)])[0].token_ids) == tokens[f"r{i}"]
     engine.pool.check()
 
 
+def test_the_window_ends_at_the_next_steps_slots(make_engine):
+    engine = make_engine(backend="torch", max_num_seqs=1, max_num_batched_tokens=64, prefetch_depth=0,
+                         prefix_caching=False, num_pages=96, page_size=4, async_decode="off")
+    for i, adapter in enumerate(["all4", "attn2", "mlp8"]):
+        engine.submit(_request(f"r{i}", adapter))
+    engine.step()  # r0 runs: the next step admits r1 at most
+    assert _resident(engine) == {"all4", "attn2"}
+
+
 def test_the_window_ends_at_the_next_steps_token_budget(make_engine):
-    engine = make_engine(backend="torch", max_num_seqs=1, max_num_batched_tokens=8, prefetch_depth=0,
+    engine = make_engine(backend="torch", max_num_seqs=4, max_num_batched_tokens=8, prefetch_depth=0,
                          prefix_caching=False, num_pages=96, page_size=4, async_decode="off")
     engine.submit(_request("r0", "all4"))
     engine.submit(_request("r1", "attn2", prompt=(3, 4, 5, 6, 7, 8, 9, 10)))  # the whole budget
