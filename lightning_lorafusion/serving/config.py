@@ -162,7 +162,9 @@ class EngineConfig:
 
 
 # EngineConfig fields that moved into EngineTuning: passing one flat names its new place
-MOVED_TO_TUNING = tuple(f.name for f in fields(EngineTuning))
+MOVED_TO_TUNING = ("decode_backend", "prefill_attention", "mixed_graphs", "async_decode", "nf4_gemm")
+# every EngineTuning field (those added there since, passed flat, get the same message)
+TUNING_FIELDS = tuple(f.name for f in fields(EngineTuning))
 
 
 def moved_key_error(name: str) -> ConfigError:
@@ -179,7 +181,7 @@ def _refuse_moved_keys(init):
     @functools.wraps(init)
     def __init__(self, **kwargs: Any) -> None:
         for name in kwargs:
-            if name in MOVED_TO_TUNING:
+            if name in TUNING_FIELDS:
                 raise moved_key_error(name)
         init(self, **kwargs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.serving import EngineConfig, GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.config import EngineTuning
 from lightning_lorafusion.specs import ConfigError
 
@@ -130,3 +130,6 @@ def test_prefetch_ahead_and_host_tables_are_checked():
         EngineTuning(prefetch_ahead="yes")
     with pytest.raises(ConfigError, match="host_tables"):
         EngineTuning(host_tables="pinned")
+    with pytest.raises(ConfigError, match=r"EngineConfig\.tuning\.prefetch_ahead"):  # passed flat
+        EngineConfig(prefetch_ahead="off")
+    assert EngineConfig(tuning={"host_tables": "separate"}).tuning.host_tables == "separate"
