@@ -353,11 +353,12 @@ class UnifiedPool:
         r.last_used = self._tick
 
     def page_in(self, adapter: HostAdapter, *, may_evict: bool = True, protect: Iterable[int] = (),
-                prefetch: bool = False) -> ResidentAdapter | None:
+                prefetch: bool = False, may_move: bool = True) -> ResidentAdapter | None:
         """Make ``adapter`` resident (a no-op if it is). Uses free pages, moving KV pages to
-        open a contiguous run if needed, and, if ``may_evict``, evicts idle adapters (not in
-        ``protect``, a set of adapter keys) least recently used first. None if it cannot fit now.
-        ``prefetch``: paged in ahead of any request's admission (counted in ``prefetch_*``)."""
+        open a contiguous run if needed (and ``may_move``), and, if ``may_evict``, evicts idle
+        adapters (not in ``protect``, a set of adapter keys) least recently used first. None if
+        it cannot fit now. ``prefetch``: paged in ahead of any request's admission (counted in
+        ``prefetch_*``)."""
         r = self._resident.get(adapter.key)
         if r is not None:
             self.touch(r)
@@ -368,7 +369,7 @@ class UnifiedPool:
         protect = set(protect)
         while True:
             start = self._find_run(n)
-            if start is None and int(self._free.sum()) >= n:
+            if start is None and may_move and int(self._free.sum()) >= n:
                 start = self._open_run(n)
             if start is not None:
                 break

@@ -153,7 +153,8 @@ class Scheduler:
             self.held_steps += 1
         else:
             self._admit_waiting(plan, budget)
-        self._prefetch()
+        if not self.prefetch_ahead:  # (else once the step is launched: ``prefetch``)
+            self._prefetch()
         if self.fair is not None:  # (prefill pieces are charged as they are added)
             self.fair.charge_decode(plan.decode)
         return plan
@@ -245,7 +246,9 @@ class Scheduler:
         return StepPlan(decode=going_on)
 
     def prefetch(self) -> None:
-        """``_prefetch`` for a step planned by ``plan_ahead``, once that step is launched."""
+        """``_prefetch`` once a step is launched: one planned by ``plan_ahead``, and with
+        ``prefetch_ahead`` every step (its page-in copies then queue behind the step's own
+        host-to-device copies instead of before them, and overlap its kernels)."""
         if self.waiting:
             self._prefetch()
 
@@ -424,8 +427,8 @@ class Scheduler:
         ``prefetch_depth`` and, with ``prefetch_ahead``, every one the next step could admit
         (at most ``max_num_seqs``, within its token budget over their prompts, at least one). With ``prefetch_ahead`` each also
         leaves room for the KV pages of the requests up to it, so it never takes the pages the
-        next admissions need. Called after a step's admissions (never delaying them) and, for
-        a step planned ahead, once it is launched: the copies run beside that step."""
+        next admissions need. Called once a step is launched (``prefetch``; without
+        ``prefetch_ahead`` also after a step's admissions): the copies run beside that step."""
         pool = self.pool
         upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
         ahead = self.prefetch_ahead
@@ -443,4 +446,7 @@ class Scheduler:
                 continue
             if pool.num_free - pool.pages_for_adapter(a) < reserve:
                 break
-            pool.page_in(a, may_evict=False, prefetch=True)
+            # ahead: issued behind a launched step, so no KV page is moved for it (the step
+            # could not be followed by one planned ahead, and its tables would be rebuilt)
+            if pool.page_in(a, may_evict=False, prefetch=True, may_move=not ahead) is None:
+                break

@@ -72,6 +72,27 @@ def test_the_next_admissions_adapters_are_paged_in_while_the_step_before_runs(ma
     engine.pool.check()
 
 
+@pytest.mark.parametrize("ahead", ["on", "off"])
+def test_prefetch_copies_are_issued_after_the_step_is_launched(make_engine, ahead):
+    """Ahead: the next admissions' page-ins come after the step's forward is queued (a copy
+    queued before it would hold its own host-to-device copies back); before: in ``schedule``."""
+    engine = make_engine(backend="torch", max_num_seqs=2, max_num_batched_tokens=64, prefetch_depth=8,
+                         prefix_caching=False, num_pages=96, page_size=4, prefetch_ahead=ahead, async_decode="off")
+    for i, adapter in enumerate(ADAPTERS):
+        engine.submit(_request(f"r{i}", adapter))
+    seen = []
+    forward = engine.runner.forward
+
+    def recording(batch):
+        seen.append(_resident(engine))
+        return forward(batch)
+
+    engine.runner.forward = recording
+    engine.step()
+    assert seen == [{"all4"} if ahead == "on" else {"all4", "attn2", "mlp8"}]
+    assert _resident(engine) == {"all4", "attn2", "mlp8"}
+
+
 def test_the_window_ends_at_the_next_steps_slots(make_engine):
     engine = make_engine(backend="torch", max_num_seqs=1, max_num_batched_tokens=64, prefetch_depth=0,
                          prefix_caching=False, num_pages=96, page_size=4, async_decode="off")
