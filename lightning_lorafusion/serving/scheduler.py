@@ -427,8 +427,9 @@ class Scheduler:
         ``prefetch_depth`` and, with ``prefetch_ahead``, every one the next step could admit
         (at most ``max_num_seqs``, within its token budget over their prompts, at least one).
         With ``prefetch_ahead`` each also leaves room for the KV pages of the requests up to
-        it, so it never takes the pages the next admissions need. Called once a step is launched (``prefetch``; without
-        ``prefetch_ahead`` also after a step's admissions): the copies run beside that step."""
+        it, so it never takes the pages the next admissions need. Called once a step is
+        launched (``prefetch``), so the copies run beside that step; without ``prefetch_ahead``
+        after a step's admissions instead (and after a step planned ahead is launched)."""
         pool = self.pool
         upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
         ahead = self.prefetch_ahead
