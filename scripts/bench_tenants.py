@@ -201,7 +201,10 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, na
             out["profile"] = profile.rows
     finally:
         engine.disable_step_ledger()
-    busy = engine.stats()["step_seconds_total"] - before["step_seconds_total"]
+    after = engine.stats()
+    busy = after["step_seconds_total"] - before["step_seconds_total"]
+    paging = {k: after[f"adapter_{k}_total"] - before[f"adapter_{k}_total"]
+              for k in ("page_ins", "prefetches", "prefetch_hits", "prefetch_misses", "prefetch_wasted")}
     limits = {"peak_flops": bench.limits["peak_flops"], "bandwidth": bench.limits["bandwidth"]}
     floor = run_floor(ledger, bench.shape, **limits)
     wall = out["wall_s"]
@@ -210,7 +213,7 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, na
                breakdown=breakdown(ledger, bench.shape, **limits),
                fraction_of_floor=floor["floor_s"] / wall if wall > 0 else None,
                busy_fraction_of_floor=floor["floor_s"] / busy if busy > 0 else None,
-               trace_adapters=len({it.request.adapter for it in trace} - {None}),
+               trace_adapters=len({it.request.adapter for it in trace} - {None}), paging=paging,
                prompt_tokens=sum(len(it.request.prompt_token_ids) for it in trace))
     return out
 
@@ -274,9 +277,27 @@ class TenantsBench:
         log(f"warm-up {t.seconds:.1f} s")
         self.save()
 
+    def set_variant(self, variant: str) -> None:
+        """``--variants``: "new" runs the engine's defaults, "old" the host paths as they were
+        (``EngineTuning.prefetch_ahead="off"``, ``host_tables="separate"``), on the same engine."""
+        engine = self.engine
+        engine.scheduler.prefetch_ahead = variant == "new"
+        engine.runner.host_tables = "packed" if variant == "new" else "separate"
+
+    def page_out(self) -> None:
+        """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
+        first one did (the same page-ins for every variant)."""
+        pool = self.engine.pool
+        with self.engine._step_lock:
+            for r in pool.resident_adapters():
+                if r.users == 0:
+                    pool.evict(r.adapter)
+
     def phase(self, run: str, arrivals: str, trace: list[TraceItem]) -> None:
         """One run unless the deadline passed; a failure is recorded and the others go on."""
         name = f"{run} {arrivals}"
+        if self.args.page_out == "on":
+            self.page_out()
         if self.left() < 10:
             self.report["skipped"].append(name)
             log(f"skipped (deadline): {name}")
@@ -322,7 +343,10 @@ def run_all(bench: TenantsBench) -> None:
     for mode in sorted(traces, key=order.index):
         for run in args.runs:
             trace = traces[mode] if run == "lora" else relabel(traces[mode], "", None)
-            bench.phase(run, mode, relabel(trace, f"{run}-{mode}-"))
+            for variant in args.variants:  # side by side: the host paths now and as they were
+                bench.set_variant(variant)
+                label = run if len(args.variants) == 1 else f"{run}-{variant}"
+                bench.phase(label, mode, relabel(trace, f"{label}-{mode}-"))
         if mode == "burst" and args.slora:
             slora = bench.slora_trace()
             bench.phase("slora_distinct", "burst", relabel(slora, "sd-"))
@@ -347,7 +371,8 @@ def row_line(r: dict) -> str:
 
 def table(report: dict) -> str:
     head = (f"{'run':<15} {'arrivals':<8} {'done':>9} {'adapters':>8} {'tok/s':>8} {'wall s':>7} {'floor s':>7} "
-            f"{'floor/wall':>10} {'floor/busy':>10} {'TTFT p50/p99 s':>15} {'ad/step':>7}")
+            f"{'floor/wall':>10} {'floor/busy':>10} {'TTFT p50/p99 s':>15} {'ad/step':>7} {'page-ins':>8} "
+            f"{'prefetch hit/miss':>17}")
     lines = [head]
     for r in report["runs"]:
         t = r["ttft_s"]
@@ -355,7 +380,8 @@ def table(report: dict) -> str:
                      f"{r['trace_adapters']:>8} {r['tokens_per_s']:>8.0f} {r['wall_s']:>7.2f} {r['floor_s']:>7.2f} "
                      f"{_f(r['fraction_of_floor'], '.1%'):>10} {_f(r['busy_fraction_of_floor'], '.1%'):>10} "
                      f"{_f(t['p50'], '.2f') + '/' + _f(t['p99'], '.2f'):>15} "
-                     f"{r['ledger']['adapters_per_step_mean']:>7.1f}")
+                     f"{r['ledger']['adapters_per_step_mean']:>7.1f} {r['paging']['page_ins']:>8} "
+                     f"{str(r['paging']['prefetch_hits']) + '/' + str(r['paging']['prefetch_misses']):>17}")
     return "\n".join(lines)
 
 
@@ -399,6 +425,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="CUDA: profile this many steps of each run in --profile-runs (kernels by step kind)")
     ap.add_argument("--profile-runs", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     default=["lora burst", "base burst"], help="runs to profile, e.g. 'lora burst,base burst'")
+    ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
+                    help="each run with the engine's host paths now (new) and as they were (old: no prefetch "
+                         "ahead, tables copied one by one); runs named run-variant when both")
+    ap.add_argument("--page-out", choices=("on", "off"), default="off",
+                    help="evict every idle adapter before each run (each pages its adapters in afresh)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     if args.slora and args.slora_rank <= 0:

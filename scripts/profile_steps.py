@@ -8,8 +8,10 @@ host launches cannot keep up shows the launch time as device time. This splits t
 activity only, so the host is barely slowed) records every kernel, and the kernels between two
 markers on that stream are that call's. The engine's step ledger (``enable_step_ledger``) names
 each call's step kind. ``summarize`` gives, per kind: steps, the device span (first kernel's start
-to last kernel's end), the kernels' busy time (union of their intervals), the idle inside the
-span, and the kernels that take the most time.
+to last kernel's end), the kernels' busy time (union of their intervals, copies included), the
+idle inside the span, the compute kernels' own union (copies left out: a copy the step waits
+for counts as busy above but not here) and how long after the span's start the first compute
+kernel runs, and the kernels that take the most time.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
     for events, kind in zip(windows, kinds):
         if kind is None or not events:
             continue
-        row = acc.setdefault(kind, {"kind": kind, "steps": 0, "span_ms": 0.0, "busy_ms": 0.0,
-                                    "kernels": defaultdict(lambda: [0, 0.0]), "gaps": defaultdict(lambda: [0, 0.0])})
+        row = acc.setdefault(kind, {"kind": kind, "steps": 0, "span_ms": 0.0, "busy_ms": 0.0, "compute_ms": 0.0,
+                                    "lead_ms": 0.0, "kernels": defaultdict(lambda: [0, 0.0]),
+                                    "gaps": defaultdict(lambda: [0, 0.0])})
         for before, after, idle in idle_gaps(events):
             g = row["gaps"][(before[:40], after[:40])]
             g[0] += 1
@@ -98,6 +101,11 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
         row["steps"] += 1
         row["span_ms"] += (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3
         row["busy_ms"] += union_us(spans) / 1e3
+        # kernels only (copies overlap compute or hold it back): their union, and how long after
+        # the window's first event the first kernel starts (e.g. behind adapter page-in copies)
+        kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat", "kernel") == "kernel"]
+        row["compute_ms"] += union_us(kernels) / 1e3
+        row["lead_ms"] += (min(s for s, _ in kernels) - min(s for s, _ in spans)) / 1e3 if kernels else 0.0
         for e in events:
             k = row["kernels"][e["name"]]
             k[0] += 1
@@ -110,6 +118,7 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
         rows.append({**row, "idle_ms": row["span_ms"] - row["busy_ms"],
                      "busy_fraction": row["busy_ms"] / row["span_ms"] if row["span_ms"] > 0 else None,
                      "span_ms_per_step": row["span_ms"] / n, "busy_ms_per_step": row["busy_ms"] / n,
+                     "compute_ms_per_step": row["compute_ms"] / n, "lead_ms_per_step": row["lead_ms"] / n,
                      "top": [{"name": name[:90], "per_step": c / n, "ms_per_step": t / n}
                              for name, (c, t) in kernels[:top]],
                      "idle_gaps": [{"after": a, "before": b, "per_step": c / n, "ms_per_step": t / n}
@@ -118,15 +127,17 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
 
 
 def table(rows: Sequence[dict]) -> str:
-    lines = ["| step kind | steps | device span ms/step | kernels busy ms/step | busy / span | top kernels (ms/step) "
-             "| largest idle, after -> before (ms/step) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| step kind | steps | device span ms/step | kernels busy ms/step | busy / span | compute only ms/step "
+             "| first kernel after ms | top kernels (ms/step) | largest idle, after -> before (ms/step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tops = "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.2f}" for t in r["top"][:4])
         gaps = "; ".join(f"{g['after'][:28]} -> {g['before'][:28]} {g['ms_per_step']:.2f}"
                          for g in r.get("idle_gaps", [])[:3])
         frac = "-" if r["busy_fraction"] is None else f"{r['busy_fraction']:.0%}"
         lines.append(f"| {r['kind']} | {r['steps']} | {r['span_ms_per_step']:.2f} | {r['busy_ms_per_step']:.2f} | "
-                     f"{frac} | {tops} | {gaps} |")
+                     f"{frac} | {r.get('compute_ms_per_step', 0.0):.2f} | {r.get('lead_ms_per_step', 0.0):.2f} | "
+                     f"{tops} | {gaps} |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ PREFILL_ATTENTION = ("auto", "varlen", "paged")
 MIXED_GRAPHS = ("auto", "on", "off", "eager")
 ASYNC_DECODE = ("auto", "on", "off")
 SCHEDULING = ("fifo", "fair")
+ON_OFF = ("on", "off")
+HOST_TABLES = ("packed", "separate")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,14 @@ class EngineTuning:
     # tiles; CUDA), "auto" (decode steps of at most 64 rows on CUDA: the NF4 decode kernel, which
     # reads the 4-bit weight once; larger products: buffer; docs/BENCHMARKS.md "NF4 frozen base")
     nf4_gemm: str = "auto"
+    # adapters paged in ahead (``EngineConfig.prefetch_depth``): "on" (the default) also every
+    # queued request the next step could admit (its token budget over their prompts), leaving
+    # room for their KV pages; "off": only the first ``prefetch_depth`` queued requests
+    prefetch_ahead: str = "on"
+    # a step's host tables (token ids, positions, KV slots, LoRA tiles, page tables): "packed"
+    # (the default: one host buffer, pinned on CUDA, one asynchronous copy; serving/staging.py)
+    # or "separate" (one copy per table from pageable memory, each synchronous with the host)
+    host_tables: str = "packed"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -61,6 +71,10 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
         if self.async_decode not in ASYNC_DECODE:
             raise ConfigError(f"EngineTuning.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
+        if self.prefetch_ahead not in ON_OFF:
+            raise ConfigError(f"EngineTuning.prefetch_ahead={self.prefetch_ahead!r}; allowed: {', '.join(ON_OFF)}")
+        if self.host_tables not in HOST_TABLES:
+            raise ConfigError(f"EngineTuning.host_tables={self.host_tables!r}; allowed: {', '.join(HOST_TABLES)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 
@@ -148,7 +162,9 @@ class EngineConfig:
 
 
 # EngineConfig fields that moved into EngineTuning: passing one flat names its new place
-MOVED_TO_TUNING = tuple(f.name for f in fields(EngineTuning))
+MOVED_TO_TUNING = ("decode_backend", "prefill_attention", "mixed_graphs", "async_decode", "nf4_gemm")
+# every EngineTuning field (those added there since, passed flat, get the same message)
+TUNING_FIELDS = tuple(f.name for f in fields(EngineTuning))
 
 
 def moved_key_error(name: str) -> ConfigError:
@@ -165,7 +181,7 @@ def _refuse_moved_keys(init):
     @functools.wraps(init)
     def __init__(self, **kwargs: Any) -> None:
         for name in kwargs:
-            if name in MOVED_TO_TUNING:
+            if name in TUNING_FIELDS:
                 raise moved_key_error(name)
         init(self, **kwargs)
 

@@ -17,6 +17,7 @@ from ..kernels import lora_gather
 from ..kernels.lora_gather import adapter_groups
 from ..specs import ALL_TARGET_MODULES
 from .request import RequestState
+from .staging import SeparateTables, StagedTables
 
 
 _pages_of = operator.attrgetter("pages")
@@ -88,6 +89,8 @@ class DecodeInputs:
         self._host = self._host_tensor.numpy()  # the same memory
         self._step_rows: list[RequestState] = []  # the rows of the last load_step, in order
         self._step_bucket = 0
+        # how the rebuilt tables reach the device (staging.py; the runner's ``host_tables`` sets it)
+        self.tables: StagedTables | SeparateTables = SeparateTables(device)
 
     @property
     def has_lora(self) -> bool:
@@ -173,6 +176,8 @@ class DecodeInputs:
         b = len(decode)
         self._rows = list(decode)
         self._pages_written = [len(st.pages) for st in decode]
+        tables = self.tables  # the host tables queued, then uploaded (one copy when packed)
+        queued = {}
         if b:
             lens = np.array(self._pages_written)
             width = int(lens.max())
@@ -180,7 +185,7 @@ class DecodeInputs:
             # every row's pages at once: the mask's True cells in row order are the pages in row order
             table[np.arange(width) < lens[:, None]] = np.fromiter(
                 itertools.chain.from_iterable(st.pages for st in decode), dtype=np.int32, count=int(lens.sum()))
-            self.page_table[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
+            queued["table"] = tables.add(table, torch.int32)
         # distinct adapters of the rows (index 0 = no adapter), then one gather per table
         slot: dict[int, int] = {}
         residents = []
@@ -194,17 +199,24 @@ class DecodeInputs:
                 slot[id(r)] = len(residents) + 1
                 residents.append(r)
             index.append(slot[id(r)])
-        n_layers, n_mod = self.lora_offsets.shape[:2]  # (one stack per table, not a write per adapter)
         offsets = torch.stack([self._no_offsets] + [r.lora_offsets for r in residents])
         ranks = torch.stack([self._no_ranks] + [r.adapter.module_ranks for r in residents])
         scales = torch.tensor([0.0] + [r.adapter.scale for r in residents], dtype=torch.float32)
         idx = torch.tensor(index, dtype=torch.int64)
-        if b:
-            self.lora_offsets[..., :b].copy_(offsets[idx].permute(1, 2, 3, 0), non_blocking=True)
-            self.lora_ranks[:, :b].copy_(ranks[idx].t(), non_blocking=True)
-            self.lora_scales[:b].copy_(scales[idx], non_blocking=True)
+        if b:  # (one stack per table, not a write per adapter)
+            queued["offsets"] = tables.add(offsets[idx].permute(1, 2, 3, 0), torch.int64)
+            queued["ranks"] = tables.add(ranks[idx].t(), torch.int32)
+            queued["scales"] = tables.add(scales[idx], torch.float32)
         if self.max_rows >= lora_gather.grouped_min_rows():  # (else no batch is large enough to read them)
-            self.lora_groups.copy_(adapter_groups(index, self.max_rows), non_blocking=True)  # (empty past b)
+            queued["groups"] = tables.add(adapter_groups(index, self.max_rows), torch.int32)  # (empty past b)
+        up = tables.upload() if queued else []
+        if b:
+            self.page_table[:b, :table.shape[1]].copy_(up[queued["table"]])
+            self.lora_offsets[..., :b].copy_(up[queued["offsets"]])
+            self.lora_ranks[:, :b].copy_(up[queued["ranks"]])
+            self.lora_scales[:b].copy_(up[queued["scales"]])
+        if "groups" in queued:
+            self.lora_groups.copy_(up[queued["groups"]])
         # rows past the real ones are inert in any bucket: the scratch page, rank 0
         self.page_table[b:, 0] = self.scratch_page
         self.lora_ranks[:, b:] = 0

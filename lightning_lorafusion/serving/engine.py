@@ -79,6 +79,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         self.scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefetch_depth=config.prefetch_depth,
+                                   prefetch_ahead=config.tuning.prefetch_ahead == "on",
                                    watermark_pages=int(config.kv_watermark * self.pool.num_pages),
                                    prefix_caching=config.prefix_caching,
                                    chunked_prefill=config.enable_chunked_prefill,
@@ -93,6 +94,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   nf4_gemm=config.tuning.nf4_gemm,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))
+        self.runner.host_tables = config.tuning.host_tables
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
@@ -331,6 +333,13 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
             "adapters_resident": len(pool.resident_adapters()),
             "adapter_page_ins_total": pool.page_ins,
             "adapter_evictions_total": pool.evictions,
+            # adapters paged in ahead of admission; admissions that found theirs so (hits) or
+            # paged it in themselves, the step waiting on the copy (misses); prefetched, then
+            # evicted unused (wasted)
+            "adapter_prefetches_total": pool.prefetch_page_ins,
+            "adapter_prefetch_hits_total": pool.prefetch_hits,
+            "adapter_prefetch_misses_total": self.scheduler.prefetch_misses,
+            "adapter_prefetch_wasted_total": pool.prefetch_wasted,
             "adapter_pages_used": pool.adapter_pages_used,
             "kv_pages_used": pool.kv_pages_used,
             "kv_pages_total": pool.num_pages,

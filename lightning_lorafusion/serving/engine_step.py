@@ -59,7 +59,6 @@ class EngineStep:
         with torch.no_grad():
             self._run(plan, events, running)
             if running is not None:
-                self.scheduler.prefetch()  # after the launch: a page-in may move KV pages
                 self._complete(running, events)
         end = time.perf_counter()
         seconds = end - now
@@ -96,8 +95,11 @@ class EngineStep:
             seqs += plan.decode
             last_rows += [end - 1 for _, end in batch.spans[len(plan.prefill):]]
             if not seqs:  # (the step's end marks its launch)
+                self._prefetch_after_launch(running)
                 return
-            logits = self.runner.logits(hidden.index_select(0, torch.tensor(last_rows, device=self.device)))
+            # pinned, asynchronous: a copy from pageable memory would wait here for the forward
+            rows_t = torch.tensor(last_rows, pin_memory=hidden.is_cuda).to(hidden.device, non_blocking=True)
+            logits = self.runner.logits(hidden.index_select(0, rows_t))
         elif running is not None:  # decode only, fed the running step's tokens on the device
             seqs = plan.decode
             fed = running.tokens
@@ -133,10 +135,18 @@ class EngineStep:
         ledger = self._ledger  # (read once: another thread may turn it off meanwhile)
         if ledger is not None:
             ledger.clock.launched()
+        self._prefetch_after_launch(running)
         if self._overlap:
             self._inflight = launched
             return
         self._complete(launched, events)
+
+    def _prefetch_after_launch(self, running: "_Launched | None") -> None:
+        """Page in the next admissions' adapters now that the step is queued on the device
+        (``Scheduler.prefetch``): after a step planned ahead (``running``: the step before it
+        is still on the device), and after every step with ``prefetch_ahead``."""
+        if running is not None or self.scheduler.prefetch_ahead:
+            self.scheduler.prefetch()
 
     def _complete(self, launched: "_Launched", events: list[TokenEvent]) -> None:
         """Read a launched step's tokens (waiting for the device) and emit them."""

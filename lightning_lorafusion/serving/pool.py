@@ -51,6 +51,7 @@ class ResidentAdapter:
     users: int = 0  # running requests using it (not evictable while > 0)
     last_used: int = 0
     ready: torch.cuda.Event | None = None  # its host-to-device copy, when asynchronous
+    prefetched: bool = False  # paged in ahead of its requests' admission, none admitted since
 
     @cached_property
     def lora_offsets(self) -> torch.Tensor:
@@ -147,6 +148,11 @@ class UnifiedPool:
             self._fences.freed(slice(None))  # the storage's zero fill
         self.page_ins = 0
         self.evictions = 0
+        # page-ins ahead of admission (``page_in(prefetch=True)``): how many, how many a request
+        # was admitted on (hits), how many were evicted before any was (wasted)
+        self.prefetch_page_ins = 0
+        self.prefetch_hits = 0
+        self.prefetch_wasted = 0
         self.pages_moved = 0
         self.prefix_evictions = 0
 
@@ -331,6 +337,9 @@ class UnifiedPool:
         """Mark a resident adapter used by one more running request."""
         r = self._resident[adapter.key]
         r.users += 1
+        if r.prefetched:
+            r.prefetched = False
+            self.prefetch_hits += 1
         self.touch(r)
         return r
 
@@ -343,11 +352,13 @@ class UnifiedPool:
         self._tick += 1
         r.last_used = self._tick
 
-    def page_in(self, adapter: HostAdapter, *, may_evict: bool = True,
-                protect: Iterable[int] = ()) -> ResidentAdapter | None:
+    def page_in(self, adapter: HostAdapter, *, may_evict: bool = True, protect: Iterable[int] = (),
+                prefetch: bool = False, may_move: bool = True) -> ResidentAdapter | None:
         """Make ``adapter`` resident (a no-op if it is). Uses free pages, moving KV pages to
-        open a contiguous run if needed, and, if ``may_evict``, evicts idle adapters (not in
-        ``protect``, a set of adapter keys) least recently used first. None if it cannot fit now."""
+        open a contiguous run if needed (and ``may_move``), and, if ``may_evict``, evicts idle
+        adapters (not in ``protect``, a set of adapter keys) least recently used first. None if
+        it cannot fit now. ``prefetch``: paged in ahead of any request's admission (counted in
+        ``prefetch_*``)."""
         r = self._resident.get(adapter.key)
         if r is not None:
             self.touch(r)
@@ -358,7 +369,7 @@ class UnifiedPool:
         protect = set(protect)
         while True:
             start = self._find_run(n)
-            if start is None and int(self._free.sum()) >= n:
+            if start is None and may_move and int(self._free.sum()) >= n:
                 start = self._open_run(n)
             if start is not None:
                 break
@@ -386,6 +397,9 @@ class UnifiedPool:
         self._resident[adapter.key] = r
         self.touch(r)
         self.page_ins += 1
+        if prefetch:
+            r.prefetched = True
+            self.prefetch_page_ins += 1
         return r
 
     def wait_ready(self, residents: Iterable[ResidentAdapter]) -> None:
@@ -399,6 +413,7 @@ class UnifiedPool:
         """Drop an idle adapter's pages (its host copy stays)."""
         r = self._resident.pop(adapter.key)
         assert r.users == 0, "evicting an adapter in use"
+        self.prefetch_wasted += r.prefetched
         self.wait_ready([r])  # a pending page-in copy must land before the pages are reused
         self._freed(slice(r.first_page, r.first_page + r.num_pages))  # queued steps may still read it
         self._free[r.first_page:r.first_page + r.num_pages] = True

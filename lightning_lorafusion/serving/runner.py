@@ -25,6 +25,7 @@ import time
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..kernels.options import KernelOptions
@@ -38,7 +39,8 @@ from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
-from .step_batch import PrefillLora, PrefixRows, StepBatch, prefill_lora_tables
+from .staging import make_tables
+from .step_batch import PrefixRows, Queued, StepBatch, prefill_lora_tables
 from .step_times import StepKind
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
@@ -85,6 +87,7 @@ class ModelRunner:
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
             page_size=pool.page_size, scratch_page=pool.scratch_page, device=self.device)
         self.pad_decode = False
+        self.host_tables = "packed"  # a step's host tables: one pinned buffer, one copy (staging.py)
         # mixed steps padded to token buckets, decode rows first with their LoRA from the decode
         # tables, the prefill rows' LoRA by row tiles: the fixed shapes a captured mixed step
         # needs; settable on the CPU to test
@@ -103,6 +106,19 @@ class ModelRunner:
         self._slots: DoraSlots | None = None  # DoRA gains of graph-shaped steps (decode and mixed)
         self._decode_dora_of: tuple[list, Any, Any] = ([], None, None)  # (rows, (padded, slots version), DoRA)
         self.step_kind: StepKind | None = None  # what the last step run was (step_times.py)
+
+    @property
+    def host_tables(self) -> str:
+        """How a step's host tables reach the device (``EngineTuning.host_tables``): "packed"
+        (one host buffer, pinned on CUDA, one asynchronous copy; ``staging.StagedTables``) or
+        "separate" (one copy per table from pageable memory)."""
+        return self._host_tables
+
+    @host_tables.setter
+    def host_tables(self, mode: str) -> None:
+        self._tables = make_tables(mode, self.device)
+        self.decode_inputs.tables = make_tables(mode, self.device)
+        self._host_tables = mode
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
@@ -268,7 +284,7 @@ class ModelRunner:
         # row bounds of the prefill requests in row order (fresh, then paged), from their first row
         cu = self._add_prefill_rows(prefill, fresh + paged, prefill_lens, ids, pos, slot_pages, spans, out_rows,
                                     add_segment)
-        n_prefill, n_fresh = len(ids) - n_decode_first, cu[len(fresh)]
+        n_prefill = len(ids) - n_decode_first
         if not pad:
             self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
         real = len(ids)
@@ -279,29 +295,8 @@ class ModelRunner:
             pos += [0] * extra
             slot_pages += [self.pool.scratch_page] * extra
 
-        dev = self.device
-
-        def tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        positions = torch.tensor(pos, dtype=torch.int64)
-        fresh_cu = cu[:len(fresh) + 1]
-        batch = StepBatch(
-            input_ids=tensor(ids), positions=positions.to(dev, non_blocking=True),
-            slot_pages=tensor(slot_pages), slot_offsets=(positions % s).to(dev, non_blocking=True),
-            num_prefill_rows=n_prefill, num_fresh_rows=n_fresh,
-            cu_seqlens=tensor(fresh_cu, torch.int32) if fresh else None,
-            max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
-            prefill_prefixes=self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None,
-            prefill_lora=None, page_table=None, seq_lens=None,
-            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
-            spans=spans, output_rows=tensor(out_rows), real_rows=real if pad else None,
-            decode_first=pad,
-        )
-        if self.config.rope_type == "longrope":
-            batch.rope_long = self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids))
-        if segments:
-            batch.prefill_lora = self._prefill_lora(segments, residents)
+        batch = self._upload_rows(prefill, decode, prefill_lens, fresh, paged, cu, (ids, pos, slot_pages, out_rows),
+                                  spans, segments, residents, n_prefill, real)
         ds = batch.first_decode_row
         runs = ([(a, e, residents[i].adapter) for a, e, i in segments]
                 + [(ds + j, ds + j + 1, st.adapter) for j, st in enumerate(decode)])
@@ -313,8 +308,44 @@ class ModelRunner:
         self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
         return batch
 
+    def _upload_rows(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
+                     prefill_lens: Sequence[int] | None, fresh: list[int], paged: list[int], cu: list[int],
+                     rows: tuple[list[int], list[int], list[int], list[int]], spans: list[tuple[int, int]],
+                     segments: list[tuple[int, int, int]], residents: list[ResidentAdapter], n_prefill: int,
+                     real: int) -> StepBatch:
+        """``prepare``'s rows (token ids, positions, KV pages, output rows) and the tables
+        derived from them, queued on the step's host tables and uploaded in one copy
+        (``staging.py``; with ``host_tables`` "separate", one copy each) -> the ``StepBatch``."""
+        ids, pos, slot_pages, out_rows = rows
+        s, pad = self.pool.page_size, self.pad_mixed
+        tables = self._tables
+        fresh_cu = cu[:len(fresh) + 1]
+        queued = [tables.add(ids, torch.int64), tables.add(pos, torch.int64), tables.add(slot_pages, torch.int64),
+                  tables.add(np.asarray(pos, dtype=np.int64) % s, torch.int64), tables.add(out_rows, torch.int64),
+                  tables.add(fresh_cu, torch.int32) if fresh else None]
+        prefix = self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None
+        if self.config.rope_type == "longrope":
+            queued.append(tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
+                                     torch.bool))
+        lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables) if segments else None
+        up = tables.upload()
+        batch = StepBatch(
+            input_ids=up[queued[0]], positions=up[queued[1]], slot_pages=up[queued[2]], slot_offsets=up[queued[3]],
+            num_prefill_rows=n_prefill, num_fresh_rows=cu[len(fresh)],
+            cu_seqlens=up[queued[5]] if fresh else None,
+            max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
+            prefill_prefixes=prefix.finish(up) if prefix is not None else None,
+            prefill_lora=lora.finish(up) if lora is not None else None, page_table=None, seq_lens=None,
+            decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
+            spans=spans, output_rows=up[queued[4]], real_rows=real if pad else None,
+            decode_first=pad,
+        )
+        if len(queued) > 6:
+            batch.rope_long = up[queued[6]]
+        return batch
+
     def _rope_long_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
-                        prefill_lens: Sequence[int] | None, decode: Sequence[RequestState], rows: int) -> torch.Tensor:
+                        prefill_lens: Sequence[int] | None, decode: Sequence[RequestState], rows: int) -> list[bool]:
         """longrope, in ``prepare``'s row order: True on the rows of requests holding more tokens
         than ``original_max_position_embeddings`` (prompt and generated so far: the length of
         their cache once fed), as HF picks the long factors for a sequence longer than that."""
@@ -325,7 +356,7 @@ class ModelRunner:
         parts = dec + fed if self.pad_mixed else fed + dec
         flags = [long for n, long in parts for _ in range(n)]
         flags += [False] * (rows - len(flags))  # padding rows
-        return torch.tensor(flags, dtype=torch.bool).to(self.device, non_blocking=True)
+        return flags
 
     def _add_prefill_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
                           prefill_lens: Sequence[int] | None, ids: list[int], pos: list[int], slot_pages: list[int],
@@ -368,19 +399,24 @@ class ModelRunner:
             spans[n_prefill_requests + j] = (len(out_rows), len(out_rows) + 1)
             out_rows.append(len(ids) - 1)
 
-    def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> PrefixRows:
-        """Device tables of the prefill requests that attend over their pages; ``bounds`` their
-        rows' bounds in the step (consecutive)."""
+    def _prefix_rows(self, states: Sequence[RequestState], bounds: Sequence[int]) -> Queued:
+        """Device tables of the prefill requests that attend over their pages (queued on the
+        step's tables; ``finish`` -> ``PrefixRows``); ``bounds`` their rows' bounds in the step
+        (consecutive)."""
         s = self.pool.page_size
         lens = [b - a for a, b in zip(bounds, bounds[1:])]
         pages = [st.pages[:-(-(st.num_cached + n) // s)] for st, n in zip(states, lens)]
         width = max(len(p) for p in pages)
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32)
-        dev = self.device
-        return PrefixRows(
-            cu_seqlens=torch.tensor([b - bounds[0] for b in bounds], dtype=torch.int32).to(dev, non_blocking=True),
-            starts=torch.tensor([st.num_cached for st in states], dtype=torch.int32).to(dev, non_blocking=True),
-            page_table=table.to(dev, non_blocking=True), max_seqlen=max(lens))
+        tables = self._tables
+        queued = (tables.add([b - bounds[0] for b in bounds], torch.int32),
+                  tables.add([st.num_cached for st in states], torch.int32),
+                  tables.add([p + [0] * (width - len(p)) for p in pages], torch.int32))
+
+        def finish(up: Sequence[torch.Tensor]) -> PrefixRows:
+            cu_t, starts, table = (up[i] for i in queued)
+            return PrefixRows(cu_seqlens=cu_t, starts=starts, page_table=table, max_seqlen=max(lens))
+
+        return Queued(finish)
 
     def _prepare_decode(self, batch: StepBatch, decode: Sequence[RequestState]) -> None:
         inputs = self.decode_inputs
@@ -394,11 +430,6 @@ class ModelRunner:
             batch.decode_scales = inputs.lora_scales[:b]
             batch.decode_modules = inputs.modules
             batch.decode_groups = inputs.lora_groups[:, :b]
-
-    def _prefill_lora(self, segments: list[tuple[int, int, int]], residents: Sequence[ResidentAdapter]) -> PrefillLora:
-        """The step's prefill LoRA tables (``step_batch.prefill_lora_tables``, tiles of
-        ``segment_block_m`` rows)."""
-        return prefill_lora_tables(segments, residents, self.segment_block_m, self.device)
 
     # ------------------------------------------------------------------ forward
 

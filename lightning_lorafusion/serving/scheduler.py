@@ -79,6 +79,12 @@ class Scheduler:
     short) and it is prefilled again, prompt and generated tokens, on the long factors, before
     it decodes on (``rope_recomputes`` counts them).
 
+    Prefetch: after a step's admissions (and once a step planned ahead is launched), the
+    adapters of the queued requests next in line are paged in, into free pages only, so their
+    copies run beside the step on the device and the step that admits them does not wait for
+    them (``_prefetch``; ``pool.prefetch_hits`` / ``prefetch_misses`` here count how often that
+    worked).
+
     ``scheduling="fair"`` changes which waiting request is admitted next: instead of the
     oldest, the oldest of the tenant (adapter) that has been served least (``FairShare``);
     preempted requests still go first, and admission still stops at the first request that
@@ -87,6 +93,7 @@ class Scheduler:
 
     def __init__(self, pool: UnifiedPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefetch_depth: int, watermark_pages: int, prefix_caching: bool = False,
+                 prefetch_ahead: bool = True,
                  chunked_prefill: bool = False, prefill_wait_steps: int = 0, scheduling: str = "fifo",
                  rope_switch: int | None = None) -> None:
         self.pool = pool
@@ -106,6 +113,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefetch_depth = prefetch_depth
+        # prefetch also every queued request the next step could admit (``_prefetch``)
+        self.prefetch_ahead = prefetch_ahead
+        self.prefetch_misses = 0  # admissions that paged their adapter in themselves (the step waits on it)
         self.watermark_pages = watermark_pages
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -143,7 +153,8 @@ class Scheduler:
             self.held_steps += 1
         else:
             self._admit_waiting(plan, budget)
-        self._prefetch()
+        if not self.prefetch_ahead:  # (else once the step is launched: ``prefetch``)
+            self._prefetch()
         if self.fair is not None:  # (prefill pieces are charged as they are added)
             self.fair.charge_decode(plan.decode)
         return plan
@@ -235,7 +246,9 @@ class Scheduler:
         return StepPlan(decode=going_on)
 
     def prefetch(self) -> None:
-        """``_prefetch`` for a step planned by ``plan_ahead``, once that step is launched."""
+        """``_prefetch`` once a step is launched: one planned by ``plan_ahead``, and with
+        ``prefetch_ahead`` every step (its page-in copies then queue behind the step's own
+        host-to-device copies instead of before them, and overlap its kernels)."""
         if self.waiting:
             self._prefetch()
 
@@ -328,6 +341,7 @@ class Scheduler:
     def _admit(self, state: RequestState) -> bool:
         pool = self.pool
         protect = {state.adapter.key} if state.adapter is not None else set()
+        missed = state.adapter is not None and pool.resident(state.adapter) is None
         if state.adapter is not None and pool.page_in(state.adapter, protect=protect) is None:
             return False
         reused: list[int] = []
@@ -347,6 +361,7 @@ class Scheduler:
                 return False
         if state.adapter is not None:
             state.resident = pool.acquire(state.adapter)
+            self.prefetch_misses += missed
         state.status = Status.RUNNING
         state.num_cached = len(reused) * pool.page_size
         if reused:
@@ -407,15 +422,32 @@ class Scheduler:
             self.fair.queued(state, self.running, front=True)
 
     def _prefetch(self) -> None:
-        """Page in adapters of the next queued requests, into free pages only (never evicting)."""
+        """Page in the adapters of the queued requests next in line, into free pages only (never
+        evicting: no adapter a running or queued request uses is dropped for it): the first
+        ``prefetch_depth`` and, with ``prefetch_ahead``, every one the next step could admit
+        (at most ``max_num_seqs``, within its token budget over their prompts, at least one).
+        With ``prefetch_ahead`` each also leaves room for the KV pages of the requests up to
+        it, so it never takes the pages the next admissions need. Called once a step is
+        launched (``prefetch``), so the copies run beside that step; without ``prefetch_ahead``
+        after a step's admissions instead (and after a step planned ahead is launched)."""
         pool = self.pool
         upcoming = self.waiting if self.fair is None else self.fair.heads()  # fair: in the order it admits
+        ahead = self.prefetch_ahead
+        reserve = self.watermark_pages + len(self.running)
+        tokens = 0
         for i, state in enumerate(upcoming):
-            if i >= self.prefetch_depth:
+            if i >= self.prefetch_depth and not (ahead and tokens < self.max_num_batched_tokens
+                                                 and i < self.max_num_seqs):
                 break
+            tokens += state.num_tokens - state.num_cached
+            if ahead:
+                reserve += pool.pages_for_tokens(state.num_tokens)
             a = state.adapter
             if a is None or pool.resident(a) is not None:
                 continue
-            if pool.num_free - pool.pages_for_adapter(a) < self.watermark_pages + len(self.running):
+            if pool.num_free - pool.pages_for_adapter(a) < reserve:
                 break
-            pool.page_in(a, may_evict=False)
+            # ahead: issued behind a launched step, so no KV page is moved for it (the step
+            # could not be followed by one planned ahead, and its tables would be rebuilt)
+            if pool.page_in(a, may_evict=False, prefetch=True, may_move=not ahead) is None:
+                break

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..kernels.lora_segments import SegmentLora, block_r_for, segment_tiles
@@ -49,21 +50,43 @@ class PrefillLora:
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
-                        device: torch.device) -> PrefillLora:
+                        device: "torch.device | str | Any"):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
-    the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows,
-    one copy each to ``device``; the adapters' offsets are their ``lora_offsets`` (per layer and
-    module, absolute in the pool)."""
+    the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
+    the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
+    pool). ``device``: a device -> the ``PrefillLora``, one copy per table; or a step's table
+    queue (``staging.StagedTables`` / ``SeparateTables``) -> a ``Queued`` whose ``finish(uploaded)``
+    gives it once the queue is uploaded."""
+    from .staging import SeparateTables  # (staging imports nothing of this module)
+
+    tables = SeparateTables(device) if isinstance(device, (torch.device, str)) else device
     tiles = segment_tiles(segments, block_m)
     offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
     ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
-    return PrefillLora(
-        tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(device, non_blocking=True),
-        offsets=offsets.to(device, non_blocking=True), ranks=ranks.to(device, non_blocking=True),
-        scales=torch.tensor([r.adapter.scale for r in residents], dtype=torch.float32).to(device, non_blocking=True),
-        segments=tuple(segments),
-        modules=frozenset(m for r in residents for m in r.adapter.target_modules),
-        block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
+    queued = (tables.add(np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T, torch.int32),  # [3, tiles]
+              tables.add(offsets, torch.int64), tables.add(ranks, torch.int32),
+              tables.add([r.adapter.scale for r in residents], torch.float32))
+
+    def finish(up: Sequence[torch.Tensor]) -> PrefillLora:
+        t, o, rk, sc = (up[i] for i in queued)
+        return PrefillLora(
+            tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
+            modules=frozenset(m for r in residents for m in r.adapter.target_modules),
+            block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
+
+    if tables is device:
+        return Queued(finish)
+    return finish(tables.upload())
+
+
+class Queued:
+    """Tables queued for a step's one upload: ``finish(uploaded)`` builds their holder from the
+    upload's device tensors."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish) -> None:
+        self.finish = finish
 
 
 @dataclass

@@ -79,3 +79,24 @@ def test_measured_limits_are_positive():
     assert load_script("harness").dense_bf16_tflops("NVIDIA H100 PCIe") == 756.0
     assert load_script("harness").dense_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert load_script("harness").dense_bf16_tflops("cpu") is None
+
+
+def test_bench_tenants_variants_side_by_side(tmp_path):
+    bench = load_script("bench_tenants")
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "10",
+                         "--adapters", "6", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
+                         "--output-median", "4", "--output-max", "8", "--arrivals", "burst", "--warm-up", "off",
+                         "--max-num-seqs", "3", "--variants", "new,old", "--page-out", "on",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {} and report["skipped"] == []
+    runs = {r["run"]: r for r in report["runs"]}
+    assert set(runs) == {"lora-new", "lora-old", "base-new", "base-old"}
+    new, old = runs["lora-new"], runs["lora-old"]
+    assert new["generated_tokens"] == old["generated_tokens"] and new["complete"] == new["requests"]
+    # paged out before each run: both page every adapter of the trace in again
+    assert new["paging"]["page_ins"] >= new["trace_adapters"] and old["paging"]["page_ins"] >= old["trace_adapters"]
+    # admissions that found their adapter paged in ahead or paged it in themselves: the window
+    # ahead holds at least the first prefetch_depth queued requests, so it misses no more
+    assert new["paging"]["prefetch_misses"] <= old["paging"]["prefetch_misses"]
+    assert new["paging"]["prefetch_hits"] + new["paging"]["prefetch_misses"] > 0
+    assert runs["base-new"]["paging"]["page_ins"] == 0

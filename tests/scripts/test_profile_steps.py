@@ -62,3 +62,15 @@ def test_idle_gaps_name_their_neighbours():
     assert script.idle_gaps(events) == [("copy", "b", 65.0)]  # 105 -> 110 is under the 20 us floor
     rows = script.summarize([events], ["mixed t512 lora graph"])
     assert rows[0]["idle_gaps"] == [{"after": "copy", "before": "b", "per_step": 1.0, "ms_per_step": 0.065}]
+
+
+def test_compute_only_leaves_copies_out():
+    """A step whose kernels wait for a page-in copy: the copy is busy time, not compute, and
+    the first kernel starts after it."""
+    script = load_script("profile_steps")
+    events = [kernel(script.MARKER, 0, 1), kernel("page-in", 10, 30, stream=13, cat="gpu_memcpy"),
+              kernel("gemm", 40, 20), kernel("copy", 45, 5, stream=13, cat="gpu_memcpy"), kernel(script.MARKER, 100, 1)]
+    (row,) = script.summarize(script.call_windows(events), ["mixed t512 lora graph"])
+    assert row["busy_ms"] == pytest.approx(0.050) and row["compute_ms"] == pytest.approx(0.020)
+    assert row["lead_ms_per_step"] == pytest.approx(0.030)
+    assert "| 0.02 | 0.03 |" in script.table([row])

@@ -7,7 +7,7 @@ import torch
 
 from lightning_lorafusion.model.random_model import write_random_llama
 from lightning_lorafusion.serving import Engine, EngineConfig
-from lightning_lorafusion.serving.config import MOVED_TO_TUNING, EngineTuning
+from lightning_lorafusion.serving.config import TUNING_FIELDS, EngineTuning
 
 # name -> (rank, alpha, target modules); ranks and targets differ on purpose
 ADAPTERS = {
@@ -58,7 +58,7 @@ def make_engine(model_dir, adapter_dirs):
         """An engine over the tiny model; ``config``: EngineConfig's fields, and EngineTuning's
         (``async_decode="off"``), which go into its ``tuning``."""
         adapters = adapter_dirs if with_adapters else None
-        tuning = {k: config.pop(k) for k in MOVED_TO_TUNING if k in config}
+        tuning = {k: config.pop(k) for k in TUNING_FIELDS if k in config}
         if tuning:
             config["tuning"] = EngineTuning(**tuning)
         if device is None:  # Triton kernels on CPU tensors need the interpreter, set only without a GPU

@@ -231,3 +231,18 @@ def test_fragmented_pool_moves_kv_pages_to_fit_an_adapter():
     for i, pages in enumerate(lists):
         if i % 2:
             assert bool((pool.kv[pages] == float(i)).all())
+
+
+def test_page_in_without_moving_kv_pages_waits_for_a_free_run():
+    pool = UnifiedPool(num_pages=12, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2,
+                       dtype=torch.float32, device="cpu")
+    lists = [[] for _ in range(12)]
+    for pages in lists:
+        assert pool.allocate_kv(pages, 1)
+    for pages in lists[::2]:  # every other page free: no run of 2
+        pool.free_kv(pages)
+    adapter = _fake_adapter(5 * pool.page_elems)
+    assert pool.page_in(adapter, may_evict=False, may_move=False) is None  # (a prefetch behind a launched step)
+    assert pool.pages_moved == 0 and pool.resident(adapter) is None
+    assert pool.page_in(adapter, may_evict=False) is not None and pool.pages_moved > 0
+    pool.check()
