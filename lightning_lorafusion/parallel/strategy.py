@@ -218,9 +218,9 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             ranges = partition_layers(num_layers, pp)
         if self.requested_stage_layers is None and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
-            counts = [[len(r) for r in ranges]]
-            dist.broadcast_object_list(counts, src=0)
-            ranges = ranges_of(counts[0])
+            chosen = [[len(r) for r in ranges], label_fraction]
+            dist.broadcast_object_list(chosen, src=0)
+            ranges, label_fraction = ranges_of(chosen[0]), chosen[1]
         self._ranges, self._label_fraction = ranges, label_fraction
         return ranges
 
