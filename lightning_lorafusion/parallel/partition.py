@@ -121,11 +121,13 @@ def label_fraction(datasets: Sequence[Sequence[Any]], *, max_samples: int = 512)
     """Share of tokens that carry a label (the rows the LM head computes) over the first
     ``max_samples`` samples of each adapter's dataset (objects with pre-shifted ``labels``);
     None when there are none. Deterministic in the data, so every rank finds the same."""
+    from itertools import islice
+
     from ..specs import IGNORE_INDEX
 
     labelled = total = 0
     for samples in datasets:
-        for sample in list(samples[:max_samples]):
+        for sample in islice(samples, max_samples):
             labels = sample.labels
             total += len(labels)
             labelled += sum(1 for t in labels if t != IGNORE_INDEX)
