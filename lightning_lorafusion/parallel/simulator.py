@@ -118,6 +118,12 @@ class CostModel:
     dearer, hence the default slightly above 1. Every compute action also pays
     ``launch_overhead`` seconds. A P2P message of a microbatch costs
     ``p2p_latency + capacity * bytes_per_token / p2p_bandwidth`` (shapes are static).
+
+    Time terms (zero in the FLOPs-only model, set by ``timed``): each layer also moves
+    ``layer_bytes_per_token`` and the last stage ``head_bytes_per_token`` at
+    ``memory_bandwidth``; the head's GEMM runs on ``head_token_fraction`` of the tokens (the
+    labelled rows) at ``head_flops_per_second`` (0: ``flops_per_second``), and its backward costs
+    ``head_backward_factor`` times its forward (None: ``backward_factor``).
     """
 
     stage_layers: tuple[int, ...]
