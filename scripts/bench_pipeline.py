@@ -11,18 +11,22 @@ Lightning's launcher start them after rank 0 has set up, one start-up longer). E
 time limit (on expiry it is killed with every descendant; the next run starts anyway), all
 under one overall deadline (the flushed run, last, is the first to be cut). Each run
 writes `run_summary.json` (training.callbacks.RunSummary) after every epoch; the table reads
-its last epoch (the first includes torch.compile and allocator warm-up). NVLink multicast stays
+its last epoch (the first includes torch.compile and allocator warm-up); a run ends as soon as every
+job's summary holds all its epochs (teardown is not waited for). NVLink multicast stays
 off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT               # on a 4-GPU machine
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --only 8b_pp2xdp2,8b_dp4
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --gpus 2 --deadline 540 \
         --only 8b_single,8b_strategy_pp1,8b_pp2,8b_dp2,8b_2jobs_1gpu     # 2 GPUs: one GPU vs two
+    PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --gpus 2 --deadline 305 \
+        --only 8b_single,8b_pp2,8b_pp2_flops,8b_dp2      # the stage split: time-balanced vs FLOPs 17/15
 
 Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status and summary),
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
 fraction of all GPUs over the run's window (the executor's timestamps); simulated = the
-analytic simulator on the same plan and schedule (parallel.simulator.CostModel defaults).
+analytic simulator on the same plan, schedule and split (the strategy's cost_model:
+parallel.simulator.CostModel.timed); per stage too, next to the split (layers per stage).
 Graph captures of the timed epoch, from the logs: those made before its first step ("up front",
 training/cuda_graphs.py) and those in the middle of it (0 when every planned key was covered).
 Graph replays per pipeline stage, from the line each rank logs at an epoch's end: forward and
@@ -42,6 +46,7 @@ import sys
 import tarfile
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from harness import write_json
 
@@ -100,7 +105,10 @@ RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
         jobs=(Job(configs=(C8, SINGLE), procs=1, gpus="0"),), limit_s=150),
     Run(name="8b_strategy_pp1", what="8B one GPU, the strategy with one stage, 4 adapters, mixed",
         jobs=(Job(configs=(C8, ONE), procs=1, gpus="0"),), limit_s=130),
-    Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed", jobs=(Job(configs=(C8, D2), procs=2),), limit_s=120),
+    Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed (default split: balanced by time)",
+        jobs=(Job(configs=(C8, D2), procs=2),), limit_s=120),
+    Run(name="8b_pp2_flops", what="8B PP=2, 4 adapters, mixed, the FLOPs split 17/15 (stage_layers)",
+        jobs=(Job(configs=(C8, D2, "configs/pp2/split_flops.yaml"), procs=2),), limit_s=120),
     Run(name="8b_dp2", what="8B DP=2, 4 adapters, mixed",
         jobs=(Job(configs=(C8, D2, "configs/pp4/dp4.yaml"), procs=2),), limit_s=120),
     Run(name="8b_2jobs_1gpu", what="8B 2 jobs x (1 GPU, 2 adapters), side by side",
@@ -180,9 +188,12 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             time.sleep(0.2)
 
 
-def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float) -> list[str]:
+def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float,
+             done: Callable[[], bool] | None = None) -> list[str]:
     """Start every ``(command, env, log path)`` at once, each in its own process group; wait up
-    to ``limit_s`` for all. Returns one status per command: "ok", "exit <code>" or "timeout"."""
+    to ``limit_s`` for all, or until ``done()`` (polled) says the run has what it needs (its
+    summaries hold every epoch: the rest is teardown). Returns one status per command: "ok",
+    "exit <code>" or "timeout" (a job still running when ``done()`` held is "ok")."""
     procs = []
     for cmd, env, log in commands:
         with open(log, "w") as f:
@@ -191,15 +202,28 @@ def run_jobs(commands: list[tuple[list[str], dict, str]], limit_s: float) -> lis
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True, cwd=REPO))
     deadline = time.monotonic() + limit_s
+    complete = False
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        if done is not None and done():
+            complete = True
+            break
+        time.sleep(0.5)
     statuses = []
     for proc in procs:
-        try:
-            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            statuses.append("ok" if code == 0 else f"exit {code}")
-        except subprocess.TimeoutExpired:
-            statuses.append("timeout")
+        code = proc.poll()
+        statuses.append(("ok" if complete else "timeout") if code is None else "ok" if code == 0 else f"exit {code}")
         _kill_tree(proc)  # also on success: no rank may hold a GPU into the next run
     return statuses
+
+
+def summaries_complete(roots: list[str]) -> bool:
+    """Every job's ``run_summary.json`` holds all its epochs (``max_epochs``, as RunSummary
+    records it)."""
+    for root in roots:
+        summary = _read_json(os.path.join(root, "run_summary.json"))
+        if not summary or not summary.get("max_epochs") or len(summary.get("epochs", ())) < summary["max_epochs"]:
+            return False
+    return True
 
 
 def _wait_for_free_gpus(max_wait_s: float = 20.0) -> None:
@@ -248,6 +272,11 @@ def combine(summaries: list[dict | None]) -> dict | None:
         "noop_slots": sum(e.get("noop_slots", 0) for e in epochs),
         "schedule": summaries[0].get("schedule"),
         "wall_s": max(e["wall_s"] for e in epochs),
+        # the pipeline's split (layers per stage) and per-stage bubble ratios, jobs one after another
+        "stage_layers": " + ".join("/".join(map(str, s["stage_layers"])) for s in summaries
+                                   if s.get("stage_layers")) or None,
+        "stage_bubble_ratios": [v for e in epochs for v in e.get("stage_bubble_ratios") or []],
+        "simulated_stage_bubble_ratios": [v for e in epochs for v in e.get("simulated_stage_bubble_ratios") or []],
     }
     if len(epochs) > 1:
         row["overlap"] = _overlap([(e["start_unix"], e["end_unix"]) for e in epochs])
@@ -318,6 +347,19 @@ def _captures_cell(captures: dict | None) -> str:
             f"{captures['mid_epoch']} ({captures['mid_epoch_s']:.1f} s)")
 
 
+def _stages_cell(row: dict) -> str:
+    """Per-stage bubble ratios, measured / simulated: ``s0 5.0% / 4.1%; s1 18.3% / 9.9%``."""
+    measured = row.get("stage_bubble_ratios") or []
+    simulated = row.get("simulated_stage_bubble_ratios") or []
+    if len(measured) < 2:  # one stage: nothing to balance
+        return "-"
+    cells = []
+    for s, m in enumerate(measured):
+        sim = simulated[s] if s < len(simulated) else None
+        cells.append(f"s{s} {_pct(m)} / {_pct(sim)}")
+    return "; ".join(cells)
+
+
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -330,12 +372,13 @@ def _pct(v: float | None) -> str:
 def table(results: list[dict]) -> str:
     lines = ["| run | layout | adapters | tokens/s (real) | MFU | bubble measured | bubble simulated | "
              "peak GiB per GPU | microbatches (no-op) | timed epoch s | graph captures up front / "
-             "mid-epoch (all ranks) | graph replays per stage (to the last epoch's end) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mid-epoch (all ranks) | graph replays per stage (to the last epoch's end) | split (layers "
+             "per stage) | bubble per stage, measured / simulated | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         row = r.get("row")
         if row is None:
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | - | - | {r['status']} |")
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | - | - | - | - | {r['status']} |")
             continue
         warm = "" if row["epoch"] >= 1 else " (epoch 0 only: includes warm-up)"
         layout = row["layout"] + (f", {row['schedule']}" if row.get("schedule") == "flushed_1f1b" else "")
@@ -344,7 +387,7 @@ def table(results: list[dict]) -> str:
             f"{_pct(row['bubble_ratio'])} | {_pct(row['simulated_bubble_ratio'])} | "
             f"{', '.join(f'{g:.1f}' for g in row['peak_allocated_gib'])} | {row['microbatches']} "
             f"({row['noop_slots']}) | {row['wall_s']:.1f} | {_captures_cell(row.get('captures'))} | "
-            f"{_replays_cell(row.get('replays'))} | "
+            f"{_replays_cell(row.get('replays'))} | {row.get('stage_layers') or '-'} | {_stages_cell(row)} | "
             f"{r['status']}{warm} |")
     rows = {r["name"]: r.get("row") for r in results}
 
@@ -363,6 +406,8 @@ def table(results: list[dict]) -> str:
         f"- 8B against one GPU's single-device path: strategy with one stage "
         f"{ratio('8b_strategy_pp1', '8b_single')}, PP=2 {ratio('8b_pp2', '8b_single')}, DP=2 "
         f"{ratio('8b_dp2', '8b_single')}, two 1-GPU jobs {ratio('8b_2jobs_1gpu', '8b_single')}",
+        f"- 8B PP=2, split balanced by time vs the FLOPs split 17/15: {ratio('8b_pp2', '8b_pp2_flops')} "
+        f"(against the single-device path: {ratio('8b_pp2', '8b_single')} vs {ratio('8b_pp2_flops', '8b_single')})",
         f"- 8B on 2 GPUs, PP=2 vs DP=2: {ratio('8b_pp2', '8b_dp2')}; PP=2 vs two 1-GPU jobs: "
         f"{ratio('8b_pp2', '8b_2jobs_1gpu')}; two jobs vs DP=2: {ratio('8b_2jobs_1gpu', '8b_dp2')}",
         f"- 8B on 4 GPUs, PP=2xDP=2 vs DP=4: {ratio('8b_pp2xdp2', '8b_dp4')}; "
@@ -417,6 +462,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="who starts the ranks (see fit_command)")
     ap.add_argument("--gpus", type=int, choices=[2, 4], default=4,
                     help="4: the runs above; 2: the fallback set for a 2-GPU machine (70B in 2 stages)")
+    ap.add_argument("--limit-scale", type=float, default=1.0,
+                    help="multiply every run's time limit (a CPU smoke run with a tiny model via --extra)")
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args(argv)
     run_set = RUNS if args.gpus == 4 else RUNS_2GPU
@@ -453,7 +500,7 @@ def execute(args, i: int, run: Run, base_env: dict, limit: float, t_start: float
     commands, roots = job_commands(args, i, run, base_env)
     t0 = time.monotonic()
     print(f"[{time.monotonic() - t_start:6.1f}s] {run.name}: {run.what} (limit {limit:.0f} s)", flush=True)
-    statuses = run_jobs(commands, limit)
+    statuses = run_jobs(commands, limit, done=lambda: summaries_complete(roots))
     _wait_for_free_gpus()
     summaries = [_read_json(os.path.join(root, "run_summary.json")) for root in roots]
     status = ", ".join(sorted(set(statuses)))
@@ -540,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < 30.0:
             results.append({"name": run.name, "what": run.what, "status": "skipped (deadline)", "row": None})
             continue
-        results.append(execute(args, i, run, base_env, min(run.limit_s, left), t_start))
+        results.append(execute(args, i, run, base_env, min(run.limit_s * args.limit_scale, left), t_start))
     text = write_outputs(args, results)
     print(f"\ntotal {time.monotonic() - t_start:.0f} s\n\n{text}", flush=True)
     return 0

@@ -7,8 +7,10 @@ For each synthetic workload, adapter count and stage count:
 - baseline: each adapter packed and trained alone, one after the other, with plain 1F1B that
   flushes the pipeline at every global batch (``build_1f1b_flushed_schedule``).
 
-Costs come from ``CostModel.from_decoder_config`` for a Llama-3-8B-shaped decoder whose layers are
-split by ``partition_decoder``. Usage::
+Costs come from ``CostModel.timed`` (``--cost time``, the default: GEMMs at a rate plus memory-bound
+traffic, the LM head on ``--label-fraction`` of the tokens) or ``CostModel.from_decoder_config``
+(``--cost flops``, at ``--flops``) for a Llama-3-8B-shaped decoder whose layers are split by
+``partition_decoder`` with the same cost model, or as ``--stage-layers`` gives them. Usage::
 
     PYTHONPATH=. python scripts/simulate_pipeline.py --png docs/figures/pipeline_timeline.png
 
@@ -46,16 +48,15 @@ LLAMA3_8B = SimpleNamespace(
 
 
 def cost_model(num_stages: int, args: argparse.Namespace) -> CostModel:
-    stages = partition_decoder(LLAMA3_8B, num_stages)
-    return CostModel.from_decoder_config(
-        LLAMA3_8B,
-        [len(r) for r in stages],
-        flops_per_second=args.flops,
-        launch_overhead=args.launch_overhead,
-        optimizer_step_time=args.step_time,
-        p2p_latency=args.p2p_latency,
-        p2p_bandwidth=args.p2p_bandwidth,
-    )
+    given = args.stage_layers if args.stage_layers and len(args.stage_layers) == num_stages else None
+    stages = partition_decoder(LLAMA3_8B, num_stages, stage_layers=given, cost=args.cost,
+                               label_fraction=args.label_fraction)
+    common = dict(launch_overhead=args.launch_overhead, optimizer_step_time=args.step_time,
+                  p2p_latency=args.p2p_latency, p2p_bandwidth=args.p2p_bandwidth)
+    counts = [len(r) for r in stages]
+    if args.cost == "flops":
+        return CostModel.from_decoder_config(LLAMA3_8B, counts, flops_per_second=args.flops, **common)
+    return CostModel.timed(LLAMA3_8B, counts, label_fraction=args.label_fraction, **common)
 
 
 def run_case(workload: str, adapters: int, num_stages: int, args: argparse.Namespace):
@@ -408,7 +409,13 @@ def main(argv=None) -> None:
     p.add_argument("--capacity", type=int, default=4096, help="tokens per microbatch")
     p.add_argument("--pad-multiple", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--flops", type=float, default=400e12, help="sustained FLOP/s per GPU")
+    p.add_argument("--cost", choices=["time", "flops"], default="time",
+                   help="cost model of the split and the simulation (see the module doc)")
+    p.add_argument("--label-fraction", type=float, default=0.25,
+                   help="share of tokens with a label (the LM head's rows), --cost time")
+    p.add_argument("--stage-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="layers per stage, e.g. 17,15 (used where --stages matches its length)")
+    p.add_argument("--flops", type=float, default=400e12, help="sustained FLOP/s per GPU (--cost flops)")
     p.add_argument("--launch-overhead", type=float, default=2e-4, help="seconds per compute action")
     p.add_argument("--step-time", type=float, default=1e-4, help="seconds per adapter optimizer step")
     p.add_argument("--p2p-latency", type=float, default=2e-5)

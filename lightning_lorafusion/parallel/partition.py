@@ -61,16 +61,74 @@ def partition_layers(
     return tuple(range(bounds[s], bounds[s + 1]) for s in range(num_stages))
 
 
-def partition_decoder(config: Any, num_stages: int) -> tuple[range, ...]:
-    """Balanced stages of a decoder (HF config or ``DecoderConfig``) by FLOPs per token: the
-    embedding lookup is free, the last stage pays norm + LM head (``2 * hidden * vocab``)."""
-    from .simulator import CostModel
+COST_MODELS = ("time", "flops")
 
-    unit = CostModel.from_decoder_config(config, (1,))
+
+def check_stage_layers(stage_layers: Any, num_stages: int, num_layers: int | None = None) -> tuple[int, ...]:
+    """``stage_layers`` (layers per pipeline stage, e.g. ``[16, 16]``) as a tuple, or ``ConfigError``:
+    one positive int per stage and, when ``num_layers`` is known, summing to it."""
+    from ..specs import ConfigError
+
+    if (not isinstance(stage_layers, (list, tuple)) or not stage_layers
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stage_layers)):
+        raise ConfigError(f"strategy stage_layers={stage_layers!r} must list one positive layer count "
+                          f"per pipeline stage, e.g. [16, 16]")
+    if len(stage_layers) != num_stages:
+        raise ConfigError(f"strategy stage_layers={list(stage_layers)} has {len(stage_layers)} entries for "
+                          f"pipeline_size={num_stages}: give one layer count per stage")
+    if num_layers is not None and sum(stage_layers) != num_layers:
+        raise ConfigError(f"strategy stage_layers={list(stage_layers)} sums to {sum(stage_layers)}; the "
+                          f"decoder has {num_layers} layers: the counts must add up to it")
+    return tuple(int(n) for n in stage_layers)
+
+
+def ranges_of(counts: Sequence[int]) -> tuple[range, ...]:
+    """Contiguous layer ranges from layers per stage: ``[3, 2]`` -> ``(range(0, 3), range(3, 5))``."""
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + int(n))
+    return tuple(range(a, b) for a, b in zip(bounds, bounds[1:]))
+
+
+def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[int] | None = None,
+                      cost: str = "time", label_fraction: float | None = None) -> tuple[range, ...]:
+    """Contiguous stages of a decoder (HF config or ``DecoderConfig``).
+
+    ``stage_layers``: the split as given (checked: one positive count per stage, summing to the
+    decoder's layers). Otherwise balanced by ``cost``: ``"time"`` (default: ``CostModel.timed``,
+    a layer's GEMMs plus its memory-bound traffic against the LM head on the labelled
+    ``label_fraction`` of tokens) or ``"flops"`` (FLOPs per token; the head costs
+    ``2 * hidden * vocab`` on every token). The embedding lookup is free either way.
+    """
+    from .simulator import DEFAULT_LABEL_FRACTION, CostModel
+
     num_layers = getattr(config, "num_hidden_layers", None) or config.num_layers
-    return partition_layers(
-        num_layers,
-        num_stages,
-        layer_cost=unit.layer_flops_per_token,
-        last_stage_extra=unit.head_flops_per_token,
-    )
+    if stage_layers is not None:
+        return ranges_of(check_stage_layers(stage_layers, num_stages, num_layers))
+    if cost not in COST_MODELS:
+        raise ValueError(f"cost={cost!r}; allowed: {COST_MODELS}")
+    if cost == "flops":
+        unit = CostModel.from_decoder_config(config, (1,))
+        layer, head = unit.layer_flops_per_token, unit.head_flops_per_token
+    else:
+        fraction = DEFAULT_LABEL_FRACTION if label_fraction is None else label_fraction
+        unit = CostModel.timed(config, (1,), label_fraction=fraction)
+        layer, head = unit.layer_time_per_token(), unit.head_time_per_token()
+    return partition_layers(num_layers, num_stages, layer_cost=layer, last_stage_extra=head)
+
+
+def label_fraction(datasets: Sequence[Sequence[Any]], *, max_samples: int = 512) -> float | None:
+    """Share of tokens that carry a label (the rows the LM head computes) over the first
+    ``max_samples`` samples of each adapter's dataset (objects with pre-shifted ``labels``);
+    None when there are none. Deterministic in the data, so every rank finds the same."""
+    from itertools import islice
+
+    from ..specs import IGNORE_INDEX
+
+    labelled = total = 0
+    for samples in datasets:
+        for sample in islice(samples, max_samples):
+            labels = sample.labels
+            total += len(labels)
+            labelled += sum(1 for t in labels if t != IGNORE_INDEX)
+    return labelled / total if total else None

@@ -65,6 +65,43 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     return windows if windows else (None,) * layers
 
 
+# ``CostModel.timed``'s rates, for an H100 / H200 in bf16 (989 TFLOP/s dense peak, 3.35 / 4.8 TB/s
+# HBM). A layer's projections run with the LoRA shrink/expand fused around them and k/v are narrow
+# (1024 columns on the 8B shape): ~60% of peak; the LM head is one [tokens, 4096] x [4096, 128k]
+# GEMM: ~80%. Memory-bound kernels reach ~3 TB/s. With these a Llama-8B-shaped layer's forward +
+# backward is ~1.9 us per token: 32 layers ~16k tokens/s, near the single-device path's measured
+# 14.5-15k (docs/parallel.md, "Stage split").
+LAYER_GEMM_FLOPS = 600e12
+HEAD_GEMM_FLOPS = 800e12
+HBM_BYTES_PER_S = 3.0e12
+# Share of tokens with a label (the LM head's rows) when the data is not at hand: completions are
+# a minority of instruction and summarisation samples (the mixed synthetic workload: ~8%).
+DEFAULT_LABEL_FRACTION = 0.25
+
+
+def _shapes(config: Any) -> dict[str, int]:
+    h = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+                or heads)
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    return {"hidden": h, "q": heads * head_dim, "kv": kv_heads * head_dim, "inter": config.intermediate_size}
+
+
+def layer_traffic_bytes(config: Any, *, lora_rank: int = 16, bytes_per_element: int = 2) -> float:
+    """Bytes one decoder layer's memory-bound work moves per token in forward: two RMSNorms and
+    two residual adds over ``[T, hidden]``, RoPE on q and k, SwiGLU (reads gate and up, writes
+    one), attention's q/k/v reads and output write, and per LoRA projection (all seven) the shrink
+    reading its input and writing ``[T, r]`` and the expand reading ``[T, r]`` and reading +
+    writing ``[T, out]``."""
+    s = _shapes(config)
+    h, q, kv, inter, r = s["hidden"], s["q"], s["kv"], s["inter"], lora_rank
+    projections = ((h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h))
+    lora = sum(fan_in + 2 * r + 2 * fan_out for fan_in, fan_out in projections)
+    elements = 2 * 2 * h + 2 * 3 * h + 2 * (q + kv) + 3 * inter + (2 * q + 2 * kv) + lora
+    return float(elements * bytes_per_element)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Seconds per action on each stage of a pipeline, from FLOP counts.
@@ -81,6 +118,12 @@ class CostModel:
     dearer, hence the default slightly above 1. Every compute action also pays
     ``launch_overhead`` seconds. A P2P message of a microbatch costs
     ``p2p_latency + capacity * bytes_per_token / p2p_bandwidth`` (shapes are static).
+
+    Time terms (zero in the FLOPs-only model, set by ``timed``): each layer also moves
+    ``layer_bytes_per_token`` and the last stage ``head_bytes_per_token`` at
+    ``memory_bandwidth``; the head's GEMM runs on ``head_token_fraction`` of the tokens (the
+    labelled rows) at ``head_flops_per_second`` (0: ``flops_per_second``), and its backward costs
+    ``head_backward_factor`` times its forward (None: ``backward_factor``).
     """
 
     stage_layers: tuple[int, ...]
@@ -95,6 +138,14 @@ class CostModel:
     bytes_per_token: float = 0.0
     p2p_bandwidth: float = 100e9
     stage_windows: tuple[tuple[int | None, ...], ...] = ()  # per stage, each layer's window; (): none
+    # time terms (``CostModel.timed``): memory-bound traffic at ``memory_bandwidth`` bytes/s, the
+    # LM head's GEMM on the labelled fraction of tokens only, at its own rate (0: flops_per_second)
+    layer_bytes_per_token: float = 0.0
+    head_bytes_per_token: float = 0.0
+    memory_bandwidth: float = 3.0e12
+    head_token_fraction: float = 1.0
+    head_flops_per_second: float = 0.0
+    head_backward_factor: float | None = None  # None: backward_factor
 
     def __post_init__(self) -> None:
         if not self.stage_layers or any(n < 0 for n in self.stage_layers):
@@ -104,14 +155,19 @@ class CostModel:
         if self.stage_windows and [len(w) for w in self.stage_windows] != list(self.stage_layers):
             raise ValueError(f"CostModel.stage_windows has {[len(w) for w in self.stage_windows]} layers per "
                              f"stage; stage_layers={self.stage_layers!r}: one window (or None) per layer")
-        for name in ("flops_per_second", "p2p_bandwidth"):
+        for name in ("flops_per_second", "p2p_bandwidth", "memory_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be > 0")
         for name in ("layer_flops_per_token", "attention_flops_per_pair", "head_flops_per_token",
                      "backward_factor", "launch_overhead", "optimizer_step_time", "p2p_latency",
-                     "bytes_per_token"):
+                     "bytes_per_token", "layer_bytes_per_token", "head_bytes_per_token",
+                     "head_flops_per_second"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
+        if not 0.0 <= self.head_token_fraction <= 1.0:
+            raise ValueError(f"CostModel.head_token_fraction={self.head_token_fraction} must be in [0, 1]")
+        if self.head_backward_factor is not None and self.head_backward_factor < 0:
+            raise ValueError(f"CostModel.head_backward_factor={self.head_backward_factor} must be >= 0")
 
     @property
     def num_stages(self) -> int:
@@ -149,14 +205,57 @@ class CostModel:
             + h * kv_heads * head_dim * 2  # k_proj, v_proj
             + 3 * h * config.intermediate_size  # gate, up, down
         )
-        return cls(
-            stage_layers=tuple(int(n) for n in stage_layers),
+        computed = dict(
             layer_flops_per_token=2.0 * linear_params,
             attention_flops_per_pair=4.0 * heads * head_dim,  # QK^T and PV
             head_flops_per_token=2.0 * h * config.vocab_size,
             bytes_per_token=float(h * bytes_per_element),
-            **{"stage_windows": stage_windows, **overrides},
+            stage_windows=stage_windows,
         )
+        return cls(stage_layers=tuple(int(n) for n in stage_layers), **{**computed, **overrides})
+
+    @classmethod
+    def timed(
+        cls,
+        config: Any,
+        stage_layers: Sequence[int],
+        *,
+        label_fraction: float = DEFAULT_LABEL_FRACTION,
+        lora_rank: int = 16,
+        bytes_per_element: int = 2,
+        **overrides: Any,
+    ) -> "CostModel":
+        """Seconds, not FLOPs: ``from_decoder_config``'s GEMM FLOPs at ``LAYER_GEMM_FLOPS`` (a
+        layer's projections with the LoRA kernels fused around them) and ``HEAD_GEMM_FLOPS`` (the
+        LM head, one large GEMM), plus each layer's memory-bound traffic (``layer_traffic_bytes``)
+        at ``HBM_BYTES_PER_S``. The LM head runs on the labelled rows only
+        (``decoder.head_loss_sums``): ``label_fraction`` of the tokens; its checkpointed backward
+        recomputes the logits (two GEMMs). ``overrides`` replace any field."""
+        shapes = _shapes(config)
+        defaults = dict(
+            flops_per_second=LAYER_GEMM_FLOPS, head_flops_per_second=HEAD_GEMM_FLOPS,
+            memory_bandwidth=HBM_BYTES_PER_S, head_token_fraction=float(label_fraction),
+            head_backward_factor=2.0,
+            layer_bytes_per_token=layer_traffic_bytes(config, lora_rank=lora_rank,
+                                                      bytes_per_element=bytes_per_element),
+            head_bytes_per_token=float(4 * shapes["hidden"] * bytes_per_element),  # final norm: read + write
+        )
+        return cls.from_decoder_config(config, stage_layers, bytes_per_element=bytes_per_element,
+                                       **{**defaults, **overrides})
+
+    def layer_time_per_token(self) -> float:
+        """Forward + backward seconds of one decoder layer per token, attention left out (the
+        partition's unit: attention depends on the samples, and is the same for every layer)."""
+        forward = self.layer_flops_per_token / self.flops_per_second + self.layer_bytes_per_token / self.memory_bandwidth
+        return (1.0 + self.backward_factor) * forward
+
+    def head_time_per_token(self) -> float:
+        """Forward + backward seconds of the final norm, LM head and loss per token."""
+        head_rate = self.head_flops_per_second or self.flops_per_second
+        back = self.backward_factor if self.head_backward_factor is None else self.head_backward_factor
+        gemm = self.head_token_fraction * self.head_flops_per_token / head_rate
+        norm = self.head_bytes_per_token / self.memory_bandwidth
+        return (1.0 + back) * gemm + (1.0 + self.backward_factor) * norm
 
     def attention_pairs(self, stage: int, seq_sq: int, lengths: Sequence[int] | None = None) -> float:
         """Query-key pairs the stage's layers visit on a microbatch: ``seq_sq / 2`` per layer, or
@@ -166,16 +265,27 @@ class CostModel:
             return self.stage_layers[stage] * seq_sq / 2
         return sum(causal_pairs(n, w) for w in windows for n in lengths)
 
-    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
-        flops = (self.stage_layers[stage] * self.layer_flops_per_token * tokens
+    def _layers_and_head(self, stage: int, tokens: int, seq_sq: int,
+                         lengths: Sequence[int] | None) -> tuple[float, float]:
+        """Forward seconds of the stage's layers and of its head (0 before the last stage)."""
+        layers = self.stage_layers[stage]
+        flops = (layers * self.layer_flops_per_token * tokens
                  + self.attention_flops_per_pair * self.attention_pairs(stage, seq_sq, lengths))
-        if stage == self.num_stages - 1:
-            flops += self.head_flops_per_token * tokens
-        return self.launch_overhead + flops / self.flops_per_second
+        body = flops / self.flops_per_second + layers * self.layer_bytes_per_token * tokens / self.memory_bandwidth
+        if stage != self.num_stages - 1:
+            return body, 0.0
+        head_rate = self.head_flops_per_second or self.flops_per_second
+        gemm = self.head_token_fraction * self.head_flops_per_token * tokens / head_rate
+        return body + self.head_bytes_per_token * tokens / self.memory_bandwidth, gemm
+
+    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
+        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths)
+        return self.launch_overhead + body + head
 
     def backward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
-        compute = self.forward_time(stage, tokens, seq_sq, lengths) - self.launch_overhead
-        return self.launch_overhead + self.backward_factor * compute
+        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths)
+        back = self.backward_factor if self.head_backward_factor is None else self.head_backward_factor
+        return self.launch_overhead + self.backward_factor * body + back * head
 
     def p2p_time(self, capacity: int) -> float:
         return self.p2p_latency + capacity * self.bytes_per_token / self.p2p_bandwidth

@@ -17,6 +17,7 @@ Selecting it from YAML (LightningCLI)::
         init_args: {pipeline_size: 2}        # data_parallel_size defaults to world / pipeline_size
                                              # schedule: no_flush (default) or flushed_1f1b
                                              # overlap_grad_reduce: true (default), bucket_mb: 25
+                                             # stage_layers: [16, 16] (default: split by time)
 
 What it expects from the LightningModule (manual optimization):
 
@@ -60,9 +61,9 @@ from .data_parallel import (
     check_same_step_order,
 )
 from .executor import StageRecord, gather_busy_and_wall, measured_bubble_ratio, run_stage
-from .partition import partition_decoder, partition_layers
+from .partition import check_stage_layers, partition_decoder, partition_layers, ranges_of
 from .schedule import SCHEDULES
-from .simulator import CostModel, simulate
+from .simulator import DEFAULT_LABEL_FRACTION, CostModel, simulate
 from .stage import StageModule
 
 
@@ -104,13 +105,19 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     ``bucket_mb`` MiB buckets started during the backward that completes its global batch, and
     its step waits for its own buckets only (``AdapterGradReducer``); False: one blocking
     all-reduce per adapter at its step.
+
+    ``stage_layers`` (e.g. ``[16, 16]``): decoder layers per stage, contiguous from the first;
+    one positive count per stage summing to the decoder's layers (checked once the model is
+    known). None (default): ``partition_decoder``'s time model balances the stages, with the LM
+    head charged for the labelled share of the training data's tokens (``stage_ranges``).
     """
 
     strategy_name = "lorafusion_pipeline"
 
     def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
                  schedule: str = "no_flush", overlap_grad_reduce: bool = True,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, **ddp_kwargs: Any) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, stage_layers: list[int] | None = None,
+                 **ddp_kwargs: Any) -> None:
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
         if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
@@ -121,7 +128,11 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ConfigError(f"strategy overlap_grad_reduce={overlap_grad_reduce!r} must be true or false")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ConfigError(f"strategy bucket_mb={bucket_mb!r} must be a number of MiB > 0 (e.g. 25)")
+        self.requested_stage_layers = (None if stage_layers is None
+                                       else check_stage_layers(stage_layers, pipeline_size))
         super().__init__(**ddp_kwargs)
+        self._ranges: tuple[range, ...] | None = None  # every stage's layers, once known
+        self._label_fraction: float | None = None
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_mb = float(bucket_mb)
         self._reducer: AdapterGradReducer | None = None
@@ -187,14 +198,48 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         layout = self._require_layout()
         return {"num_replicas": layout.data_parallel_size, "rank": self.replica}
 
-    def stage_layers(self, config: Any = None, *, num_layers: int | None = None) -> range:
-        """This rank's layers: balanced by FLOPs for a decoder ``config``, else evenly."""
-        layout = self._require_layout()
-        if config is not None:
-            return partition_decoder(config, layout.pipeline_size)[self.stage_index]
-        if num_layers is None:
+    def stage_ranges(self, config: Any = None, *, num_layers: int | None = None,
+                     label_fraction: float | None = None) -> tuple[range, ...]:
+        """Every stage's layers, fixed at the first call: ``stage_layers`` as given, else for a
+        decoder ``config`` balanced by the time model (``label_fraction``: the share of tokens the
+        LM head sees; default ``DEFAULT_LABEL_FRACTION``), else ``num_layers`` evenly. The split
+        computed here is rank 0's, broadcast, so every rank runs the same one."""
+        if self._ranges is not None:
+            return self._ranges
+        pp = self._require_layout().pipeline_size
+        if config is None and num_layers is None:
             raise ValueError("stage_layers needs a decoder config or num_layers")
-        return partition_layers(num_layers, layout.pipeline_size)[self.stage_index]
+        if config is not None:
+            ranges = partition_decoder(config, pp, stage_layers=self.requested_stage_layers,
+                                       label_fraction=label_fraction)
+        elif self.requested_stage_layers is not None:
+            ranges = ranges_of(check_stage_layers(self.requested_stage_layers, pp, num_layers))
+        else:
+            ranges = partition_layers(num_layers, pp)
+        if self.requested_stage_layers is None and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            chosen = [[len(r) for r in ranges], label_fraction]
+            dist.broadcast_object_list(chosen, src=0)
+            ranges, label_fraction = ranges_of(chosen[0]), chosen[1]
+        self._ranges, self._label_fraction = ranges, label_fraction
+        return ranges
+
+    @property
+    def stage_layer_counts(self) -> tuple[int, ...] | None:
+        """Decoder layers per stage of the split in use; None before ``stage_ranges`` fixed it."""
+        return None if self._ranges is None else tuple(len(r) for r in self._ranges)
+
+    def stage_layers(self, config: Any = None, *, num_layers: int | None = None,
+                     label_fraction: float | None = None) -> range:
+        """This rank's layers (``stage_ranges``)."""
+        return self.stage_ranges(config, num_layers=num_layers, label_fraction=label_fraction)[self.stage_index]
+
+    def cost_model(self, config: Any, **overrides: Any) -> CostModel:
+        """The simulator's time model (``CostModel.timed``) of this pipeline's split and the
+        training data's label share, for ``simulated_bubble_ratio``."""
+        fraction = DEFAULT_LABEL_FRACTION if self._label_fraction is None else self._label_fraction
+        counts = [len(r) for r in self.stage_ranges(config)]
+        return CostModel.timed(config, counts, label_fraction=fraction, **overrides)
 
     # ---- no DDP wrapper: gradients are reduced per adapter at its step --------------------
     def _setup_model(self, model: Module) -> Module:
@@ -276,8 +321,13 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     def simulated_bubble_ratio(self, plan: Plan, cost_model: CostModel) -> float:
         """The simulator's prediction for ``plan`` on this pipeline, to log next to
         ``last_bubble_ratio``."""
+        return self.simulate(plan, cost_model).bubble_ratio
+
+    def simulate(self, plan: Plan, cost_model: CostModel):
+        """The simulator's run of ``plan`` on this pipeline (``SimulationResult``: the bubble
+        ratio overall and per stage)."""
         pp = self._require_layout().pipeline_size
-        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model).bubble_ratio
+        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model)
 
     # ---- checkpoints and export ------------------------------------------------------------
     def stage_checkpoint_path(self, filepath: str) -> str:

@@ -33,15 +33,23 @@ class TokenThroughput(L.Callback):
             self._t0, self._tokens, self._capacity, self._count = time.perf_counter(), 0, 0, 0
 
 
+def _stage_layers(strategy) -> list[int] | None:
+    """Decoder layers per pipeline stage as the strategy split them; None before the split or
+    without the pipeline strategy."""
+    counts = getattr(strategy, "stage_layer_counts", None)
+    return list(counts) if counts else None
+
+
 class RunSummary(L.Callback):
     """One JSON record per training epoch, written by global rank 0 to ``path`` (default
     ``<default_root_dir>/run_summary.json``) after every epoch, so a run stopped later keeps
     the epochs it finished. Per epoch: wall seconds between barriers at its start and end (CUDA
     synchronised), real tokens trained over all data-parallel replicas and their rate, useful
     FLOPs and MFU over ``world_size x peak_tflops``, the pipeline's measured and simulated
-    bubble ratios (as the module logged them), the plan's microbatches, and each rank's peak
+    bubble ratios (as the module logged them; per stage too), the plan's microbatches, and each rank's peak
     allocated and reserved GPU memory (reset at the epoch's start). Time the second epoch of a
-    run: the first includes compilation and allocator warm-up."""
+    run: the first includes compilation and allocator warm-up. The run's ``stage_layers`` is the
+    pipeline's split (decoder layers per stage; null without the pipeline strategy)."""
 
     def __init__(self, path: str | None = None, peak_tflops: float | None = None, name: str | None = None) -> None:
         from .flops import H100_H200_BF16_PEAK_TFLOPS
@@ -111,6 +119,7 @@ class RunSummary(L.Callback):
             return float(metrics[key]) if key in metrics else None
 
         stages = [metric(f"pipeline/bubble_ratio_stage{s}") for s in range(pp)] if layout is not None else []
+        simulated = [metric(f"pipeline/simulated_bubble_ratio_stage{s}") for s in range(pp)] if layout is not None else []
         gpus = strategy.world_size
         record = {
             "epoch": trainer.current_epoch, "wall_s": wall, "start_unix": self._start_unix,
@@ -118,7 +127,7 @@ class RunSummary(L.Callback):
             "useful_flops": flops, "mfu": flops / wall / (gpus * self.peak_tflops * 1e12),
             "bubble_ratio": metric("pipeline/bubble_ratio"),
             "simulated_bubble_ratio": metric("pipeline/simulated_bubble_ratio"),
-            "stage_bubble_ratios": stages, **self._plan,
+            "stage_bubble_ratios": stages, "simulated_stage_bubble_ratios": simulated, **self._plan,
             "peak_allocated_gib": [round(float(v), 2) for v in mem[:, 0]],
             "peak_reserved_gib": [round(float(v), 2) for v in mem[:, 1]],
         }
@@ -138,6 +147,7 @@ class RunSummary(L.Callback):
             "adapters": [s.name for s in getattr(pl_module, "adapter_specs", ())],
             "gpus": gpus, "pipeline_size": pp, "data_parallel_size": gpus // pp,
             "schedule": getattr(trainer.strategy, "schedule", None),
+            "stage_layers": _stage_layers(trainer.strategy), "max_epochs": trainer.max_epochs,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "peak_tflops": self.peak_tflops, "epochs": self.epochs,
         }

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from lightning import LightningModule as Module
 
-from ..parallel.partition import partition_decoder
-from ..parallel.simulator import CostModel
+from ..parallel.partition import label_fraction
 from ..parallel.stage import DecoderStage
 from ..parallel.strategy import MultiAdapterPipelineStrategy
 from .cuda_graphs import TrainingGraphs
@@ -48,7 +47,8 @@ def setup_stage(m: Module) -> None:
     down to them (before the device move) under the pipeline strategy."""
     strategy = pipeline_strategy(m)
     if strategy is not None:
-        layers = strategy.stage_layers(m.config)
+        dm = m.trainer.datamodule if m._trainer is not None else None
+        layers = strategy.stage_layers(m.config, label_fraction=label_fraction(getattr(dm, "datasets", None) or ()))
         first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
     else:
         layers, first, last = range(m.config.num_layers), True, True
@@ -122,12 +122,13 @@ def train_window(m: Module, window: Any) -> None:
     strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
                           dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
-    stages = partition_decoder(m.config, strategy.layout.pipeline_size)
-    cost = CostModel.from_decoder_config(m.config, [len(r) for r in stages])
+    # the simulator's time model on this pipeline's split (stage_layers or the balanced default)
+    simulated = strategy.simulate(window.plan, strategy.cost_model(m.config))
     m.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
-    m.log("pipeline/simulated_bubble_ratio", strategy.simulated_bubble_ratio(window.plan, cost), batch_size=1)
+    m.log("pipeline/simulated_bubble_ratio", simulated.bubble_ratio, batch_size=1)
     for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
         m.log(f"pipeline/bubble_ratio_stage{s}", float(ratio), batch_size=1)
+        m.log(f"pipeline/simulated_bubble_ratio_stage{s}", simulated.stage_bubble_ratios[s], batch_size=1)
     dm = m.trainer.datamodule
     if dm is not None:
         dm.on_window_trained(window)

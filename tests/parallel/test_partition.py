@@ -42,10 +42,70 @@ def test_partition_is_contiguous_complete_and_optimal(costs, num_stages, first_e
     assert max_stage_cost(ranges, costs, first_extra, last_extra) == best
 
 
+LLAMA3_8B = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+
+
 def test_llama3_8b_last_stage_gets_fewer_layers_for_the_head():
-    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
-    stages = partition_decoder(config, 4)
+    """Under the FLOPs cost model (the head charged on every token) the last stage gives up layers."""
+    config = LLAMA3_8B
+    stages = partition_decoder(config, 4, cost="flops")
     assert [i for r in stages for i in r] == list(range(32))
     assert len(stages[-1]) < min(len(r) for r in stages[:-1])
-    assert [len(r) for r in partition_decoder(config, 1)] == [32]
+    assert [len(r) for r in partition_decoder(config, 1, cost="flops")] == [32]
+
+
+def test_time_cost_balances_llama3_8b_evenly_where_flops_gave_the_head_two_layers():
+    """The measured 2-GPU fit ran 17/15 (FLOPs) with stage 1 idle 18% vs stage 0 5%: the head is
+    charged on labelled rows only and a layer's memory-bound work counts, so 16/16."""
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, cost="flops")] == [17, 15]
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2)] == [16, 16]
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=0.08)] == [16, 16]
+    # a head on every token (label_fraction 1) costs ~2 layers in time too: the last stage gives one up
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=1.0)] == [17, 15]
+    with pytest.raises(ValueError, match="cost='bytes'"):
+        partition_decoder(LLAMA3_8B, 2, cost="bytes")
+
+
+def test_time_cost_terms_of_a_layer_and_the_head():
+    from lightning_lorafusion.parallel.simulator import CostModel, layer_traffic_bytes
+
+    unit = CostModel.timed(LLAMA3_8B, (1,), label_fraction=0.25)
+    flops = CostModel.from_decoder_config(LLAMA3_8B, (1,))
+    gemm = flops.layer_flops_per_token / unit.flops_per_second
+    memory = layer_traffic_bytes(LLAMA3_8B) / unit.memory_bandwidth
+    assert unit.layer_time_per_token() == pytest.approx((1 + unit.backward_factor) * (gemm + memory))
+    assert memory > 0.1 * gemm  # the memory-bound share is not negligible on this shape
+    # the head's GEMM scales with the labelled share; its norm does not
+    quarter, whole = unit.head_time_per_token(), CostModel.timed(LLAMA3_8B, (1,), label_fraction=1.0).head_time_per_token()
+    norm = (1 + unit.backward_factor) * unit.head_bytes_per_token / unit.memory_bandwidth
+    assert (whole - norm) == pytest.approx(4 * (quarter - norm))
+    # LoRA traffic grows with the rank
+    assert layer_traffic_bytes(LLAMA3_8B, lora_rank=64) > layer_traffic_bytes(LLAMA3_8B, lora_rank=16)
+    with pytest.raises(ValueError, match="head_token_fraction"):
+        CostModel.timed(LLAMA3_8B, (1,), label_fraction=1.5)
+
+
+def test_explicit_stage_layers_are_used_as_given_and_checked():
+    from lightning_lorafusion.specs import ConfigError
+
+    assert [(r.start, r.stop) for r in partition_decoder(LLAMA3_8B, 2, stage_layers=[20, 12])] == [(0, 20), (20, 32)]
+    assert partition_decoder(LLAMA3_8B, 2, stage_layers=(17, 15)) == partition_decoder(LLAMA3_8B, 2, cost="flops")
+    for bad, match in (([16, 15], "sums to 31; the decoder has 32"), ([32], "1 entries for pipeline_size=2"),
+                       ([33, -1], "one positive layer count"), ([16.0, 16], "one positive layer count"),
+                       ([True, 31], "one positive layer count"), ("16,16", "one positive layer count")):
+        with pytest.raises(ConfigError, match=r"stage_layers=.*" + match):
+            partition_decoder(LLAMA3_8B, 2, stage_layers=bad)
+
+
+def test_label_fraction_counts_labelled_tokens_of_every_adapter():
+    from lightning_lorafusion.parallel.partition import label_fraction
+
+    def sample(labels):
+        return SimpleNamespace(labels=tuple(labels))
+
+    a = [sample([-100, -100, 5, 6]), sample([-100, 7])]
+    b = [sample([-100] * 3 + [1])]
+    assert label_fraction([a, b]) == pytest.approx(4 / 10)
+    assert label_fraction([a, b], max_samples=1) == pytest.approx(3 / 8)
+    assert label_fraction([]) is None and label_fraction([[]]) is None

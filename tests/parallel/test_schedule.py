@@ -330,3 +330,30 @@ def test_cost_model_counts_sliding_windows_per_stage():
     assert costs.forward_time(0, 6, 36, (6,)) == plain.forward_time(0, 6, 36, (6,))  # within the window
     with pytest.raises(ValueError, match="one window"):
         CostModel(stage_layers=(2,), layer_flops_per_token=1.0, stage_windows=((8,),))
+
+
+def test_time_model_bubble_reflects_imbalanced_stages():
+    """On the 8B shape and the mixed workload, the FLOPs split 17/15 looks balanced to the FLOPs
+    model but leaves the last stage idle under the time model (as the GPU measured: stage 1 idle
+    far more than stage 0); the time-balanced 16/16 idles less overall. A head's backward under
+    the time model follows ``head_backward_factor`` (the checkpointed LM head recomputes)."""
+    from lightning_lorafusion.data.synthetic import workload_lengths
+    from lightning_lorafusion.planner import plan_microbatches
+
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+    lengths = workload_lengths("mixed", 4, num_batches=4, batch_size=16, seed=0, max_length=8192)
+    plan = plan_microbatches(lengths, capacity=8192, pad_multiple=128, num_stages=2, method="greedy")
+    schedule = build_pipeline_schedule(plan, 2)
+    flops_view = simulate(plan, schedule, CostModel.from_decoder_config(config, (17, 15)))
+    timed_17 = simulate(plan, schedule, CostModel.timed(config, (17, 15), label_fraction=0.08))
+    timed_16 = simulate(plan, schedule, CostModel.timed(config, (16, 16), label_fraction=0.08))
+    s0, s1 = timed_17.stage_bubble_ratios
+    assert s1 > s0 + 0.05  # the last stage waits on the first
+    assert abs(flops_view.stage_bubble_ratios[0] - flops_view.stage_bubble_ratios[1]) < s1 - s0
+    assert timed_17.bubble_ratio > flops_view.bubble_ratio
+    assert timed_16.bubble_ratio < timed_17.bubble_ratio and timed_16.makespan < timed_17.makespan
+    head = CostModel.timed(config, (0, 1), label_fraction=0.5, layer_flops_per_token=0.0,
+                           layer_bytes_per_token=0.0, head_bytes_per_token=0.0)
+    assert head.backward_time(1, 100) == pytest.approx(2.0 * head.forward_time(1, 100))
+    assert head.forward_time(0, 100) == 0.0

@@ -17,14 +17,16 @@ from . import pipeline_case as case
 from .pipeline_case import PipelineCaseModule
 
 
-def test_strategy_trains_a_two_stage_pipeline_like_one_process():
+@pytest.mark.parametrize("stage_layers", [None, [3, 1]], ids=["balanced", "stage_layers_3_1"])
+def test_strategy_trains_a_two_stage_pipeline_like_one_process(stage_layers):
+    """Any split trains like one process; ``stage_layers`` is the split every rank runs."""
     with tempfile.TemporaryDirectory() as tmp:
         module = PipelineCaseModule(tmp, num_stages=2)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
             strategy=MultiAdapterPipelineStrategy(pipeline_size=2, start_method="spawn",
-                                                  process_group_backend="gloo"),
+                                                  process_group_backend="gloo", stage_layers=stage_layers),
         )
         trainer.fit(module)
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
@@ -35,6 +37,8 @@ def test_strategy_trains_a_two_stage_pipeline_like_one_process():
     reference = case.reference_training(plan, per_replica).state_dict()
     assert [r["stage"] for r in results] == [0, 1]
     assert sorted(i for r in results for i in r["layers"]) == list(range(4))
+    if stage_layers is not None:
+        assert [list(r["layers"]) for r in results] == [[0, 1, 2], [3]]
     for r, shard in zip(results, shards):
         for key in reference:
             if int(key.split(".")[2]) in r["layers"]:
@@ -97,3 +101,23 @@ def test_strategy_refuses_bad_gradient_overlap_options():
             MultiAdapterPipelineStrategy(bucket_mb=bad)
     strategy = MultiAdapterPipelineStrategy(bucket_mb=4)
     assert strategy.overlap_grad_reduce is True and strategy.bucket_mb == 4.0
+
+
+def test_strategy_refuses_bad_stage_layers():
+    """One positive int per stage at construction; the sum once the decoder's layer count is known."""
+    from lightning_lorafusion.parallel.data_parallel import ParallelLayout
+    from lightning_lorafusion.specs import ConfigError
+
+    for bad, match in (([32], "1 entries for pipeline_size=2"), ([0, 32], "one positive layer count"),
+                       ([16, "16"], "one positive layer count"), ([], "one positive layer count")):
+        with pytest.raises(ConfigError, match=r"stage_layers=.*" + match):
+            MultiAdapterPipelineStrategy(pipeline_size=2, stage_layers=bad)
+    strategy = MultiAdapterPipelineStrategy(pipeline_size=2, stage_layers=[3, 2])
+    strategy.layout = ParallelLayout(pipeline_size=2, data_parallel_size=1)
+    with pytest.raises(ConfigError, match=r"stage_layers=\[3, 2\] sums to 5; the decoder has 4 layers"):
+        strategy.stage_ranges(num_layers=4)
+    assert strategy.stage_layer_counts is None
+    assert strategy.stage_ranges(num_layers=5) == (range(0, 3), range(3, 5))
+    assert strategy.stage_layer_counts == (3, 2)
+    # fixed once computed: a later call (the executor's) gets the same split
+    assert strategy.stage_ranges(num_layers=99) == (range(0, 3), range(3, 5))

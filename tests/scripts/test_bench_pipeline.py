@@ -73,8 +73,11 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
             assert (trainer["devices"], strategy) == (1, "auto")
         else:
             layout = {"8b_pp2xdp2": (4, 2), "8b_dp4": (4, 1), "8b_2jobs_pp2": (2, 2), "8b_pp2": (2, 2),
-                      "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1), "8b_strategy_pp1": (1, 1)}[name]
+                      "8b_pp2_flops": (2, 2), "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1),
+                      "8b_strategy_pp1": (1, 1)}[name]
             assert (trainer["devices"], strategy["pipeline_size"]) == layout
+            # the FLOPs split row names it; every other run takes the default (balanced by time)
+            assert strategy.get("stage_layers") == ([17, 15] if name == "8b_pp2_flops" else None)
         want = {"a": ["mixed1", "mixed2"], "b": ["mixed3", "mixed4"]}.get(job.tag, ["mixed1", "mixed2", "mixed3", "mixed4"])
         assert adapters == want
 
@@ -137,6 +140,7 @@ def test_side_by_side_jobs_add_rates_and_the_table_reads_the_last_epoch():
     text = BENCH_PIPELINE.table(results)
     assert "| 8b_2jobs_pp2 | PP2xDP1 + PP2xDP1 | 4 | 490 |" in text
     assert "| 8b_dp4 | - |" in text and "exit 1" in text
+    assert text.splitlines()[0].count("|") == text.splitlines()[1].count("|") == text.splitlines()[4].count("|")
     assert "timeout (epoch 0 only: includes warm-up)" in text
     assert BENCH_PIPELINE.combine([a, None]) is None
 
@@ -178,3 +182,39 @@ def test_graph_replays_per_stage_from_the_log():
     assert BENCH_PIPELINE._replays_cell(got) == ("s0: F/B 40/40, eager 1, captures 2; "
                                                  "s1: fused 41, captures 1")
     assert BENCH_PIPELINE.graph_replays("no graphs here") == {} and BENCH_PIPELINE._replays_cell(None) == "-"
+
+
+def test_rows_report_the_split_and_per_stage_bubbles():
+    flops = _summary(2, 2, ["a"], [_epoch(1, 1000, 4.0, 4e15, 0.0, [9.0, 9.0], bubble=0.117)])
+    flops["stage_layers"] = [17, 15]
+    flops["epochs"][0].update(stage_bubble_ratios=[0.05, 0.183], simulated_stage_bubble_ratios=[0.021, 0.126])
+    timed = _summary(2, 2, ["a"], [_epoch(1, 1100, 4.0, 4e15, 0.0, [9.0, 9.0], bubble=0.05)])
+    timed["stage_layers"] = [16, 16]
+    timed["epochs"][0].update(stage_bubble_ratios=[0.04, 0.06], simulated_stage_bubble_ratios=[0.039, 0.029])
+    dp = _summary(2, 1, ["a"], [_epoch(1, 1050, 4.0, 4e15, 0.0, [9.0, 9.0])])
+    dp["epochs"][0].update(stage_bubble_ratios=[0.0], simulated_stage_bubble_ratios=[0.0])
+    rows = [{"name": n, "status": "ok", "row": BENCH_PIPELINE.combine([s])}
+            for n, s in (("8b_pp2_flops", flops), ("8b_pp2", timed), ("8b_dp2", dp))]
+    assert rows[0]["row"]["stage_layers"] == "17/15" and rows[2]["row"]["stage_layers"] is None
+    text = BENCH_PIPELINE.table(rows + [{"name": "8b_single", "status": "ok",
+                                         "row": BENCH_PIPELINE.combine([_summary(1, 1, ["a"], [_epoch(1, 600, 4.0, 1e15, 0.0, [9.0])])])}])
+    assert "| 17/15 | s0 5.0% / 2.1%; s1 18.3% / 12.6% | ok |" in text
+    assert "| 16/16 | s0 4.0% / 3.9%; s1 6.0% / 2.9% | ok |" in text
+    assert "| - | - | ok |" in text  # DP=2: no split, one stage
+    assert "time vs the FLOPs split 17/15: 1.10x (against the single-device path: 1.83x vs 1.67x)" in text
+
+
+def test_a_run_ends_once_every_summary_holds_all_epochs(tmp_path):
+    """Teardown after the last epoch is not waited for: the job still running is stopped, "ok"."""
+    root = tmp_path / "run"
+    root.mkdir()
+    summary = root / "run_summary.json"
+    writer = ("import json, time, sys; time.sleep(1.0); "
+              f"json.dump({{'max_epochs': 2, 'epochs': [{{}}, {{}}]}}, open({str(summary)!r}, 'w')); "
+              "time.sleep(600)")
+    assert not BENCH_PIPELINE.summaries_complete([str(root)])
+    statuses = BENCH_PIPELINE.run_jobs([([sys.executable, "-c", writer], dict(os.environ), str(tmp_path / "w.log"))],
+                                       limit_s=60.0, done=lambda: BENCH_PIPELINE.summaries_complete([str(root)]))
+    assert statuses == ["ok"]  # with the limit alone the sleeping job would be a "timeout"
+    summary.write_text('{"max_epochs": 2, "epochs": [{}]}')
+    assert not BENCH_PIPELINE.summaries_complete([str(root)])

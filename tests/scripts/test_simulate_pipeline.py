@@ -31,3 +31,20 @@ def test_measure_tiny_cpu(tmp_path):
     assert summary["one"]["tokens"] == summary["pp2"]["tokens"] > 0
     assert 0 <= summary["pp2_bubble_measured"] <= 1 and 0 <= summary["pp2_bubble_simulated"] <= 1
     assert all(math.isfinite(summary[m]["tokens_per_s"]) and summary[m]["tokens_per_s"] >= 0 for m in ("one", "pp2"))
+
+
+def test_cost_model_follows_the_split_and_cost_options():
+    """Default: the time model and its balanced split (16/16 on the 8B shape); --stage-layers
+    pins a split; --cost flops is the FLOPs model and its split (17/15)."""
+    from argparse import Namespace
+
+    module = load_script("simulate_pipeline")
+    args = Namespace(stage_layers=None, cost="time", label_fraction=0.08, launch_overhead=0.0, step_time=0.0,
+                     p2p_latency=0.0, p2p_bandwidth=1e11, flops=4e14)
+    timed = module.cost_model(2, args)
+    assert timed.stage_layers == (16, 16) and timed.head_token_fraction == 0.08
+    pinned = module.cost_model(2, Namespace(**{**vars(args), "stage_layers": [17, 15]}))
+    assert pinned.stage_layers == (17, 15) and pinned.layer_bytes_per_token == timed.layer_bytes_per_token > 0
+    assert module.cost_model(4, Namespace(**{**vars(args), "stage_layers": [17, 15]})).stage_layers == (8, 8, 8, 8)
+    flops = module.cost_model(2, Namespace(**{**vars(args), "cost": "flops"}))
+    assert flops.stage_layers == (17, 15) and flops.head_token_fraction == 1.0 and flops.layer_bytes_per_token == 0

@@ -37,11 +37,12 @@ class RecordBase(L.Callback):
         held = {n[len("base__"):]: [tuple(b.shape), str(b.dtype), str(b.device)]
                 for n, b in pl_module.named_buffers() if n.startswith("base__")}
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"stage": trainer.strategy.stage_index, "held": held}, f)
+            json.dump({"stage": trainer.strategy.stage_index, "held": held,
+                       "label_fraction": trainer.strategy._label_fraction}, f)
 
 
 def _fit(base, specs, out_dir, *, devices, pipeline_size, schedule="no_flush", precision="32-true",
-         dtype="float32", callbacks=()):
+         dtype="float32", callbacks=(), stage_layers=None):
     module = LoRAFusionModule(base_model=base, adapters=specs, backend="torch", grad_clip=0.0, dtype=dtype,
                               export_dir=str(out_dir))
     dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
@@ -49,7 +50,8 @@ def _fit(base, specs, out_dir, *, devices, pipeline_size, schedule="no_flush", p
         accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision=precision, callbacks=list(callbacks),
         strategy=MultiAdapterPipelineStrategy(pipeline_size=pipeline_size, schedule=schedule,
-                                              start_method="spawn", process_group_backend="gloo"),
+                                              start_method="spawn", process_group_backend="gloo",
+                                              stage_layers=stage_layers),
     )
     trainer.fit(module, datamodule=dm)
     return module, trainer
@@ -91,3 +93,33 @@ def test_flushed_schedule_on_a_random_base_matches_one_process(tmp_path):
     single, _, _ = fit_joint(base, specs, max_epochs=2)  # the same seeded weights, all on one process
     single.export_adapters(str(tmp_path / "one"))
     _assert_same_adapters(tmp_path / "flushed", tmp_path / "one", specs, rtol=1e-4, atol=1e-5)
+
+
+def test_stage_layers_split_holds_its_layers_and_the_summary_records_it(tmp_path):
+    """``stage_layers: [3, 1]``: stage 0 holds layers 0-2, stage 1 layer 3 with the head; the run
+    summary records the split and the simulator's per-stage bubble ratios next to the measured."""
+    base = _random_base(tmp_path)
+    summary = tmp_path / "summary.json"
+    _fit(base, tiny_specs(), tmp_path / "adapters", devices=2, pipeline_size=2, stage_layers=[3, 1],
+         callbacks=[RecordBase(str(tmp_path)), RunSummary(path=str(summary))])
+    for rank, want in enumerate(({0, 1, 2}, {3})):
+        held = json.load(open(tmp_path / f"rank{rank}.json"))["held"]
+        assert {int(name.split("__")[1]) for name in held if name.startswith("layers__")} == want
+    run = json.load(open(summary))
+    assert run["stage_layers"] == [3, 1] and run["max_epochs"] == 2
+    for epoch in run["epochs"]:
+        assert len(epoch["simulated_stage_bubble_ratios"]) == 2 == len(epoch["stage_bubble_ratios"])
+        assert all(0 <= r < 1 for r in epoch["simulated_stage_bubble_ratios"])
+        # 3 layers against 1 layer + head: the simulator sees stage 1 waiting on stage 0
+        assert epoch["simulated_stage_bubble_ratios"][1] > epoch["simulated_stage_bubble_ratios"][0]
+
+
+def test_default_split_takes_the_label_share_of_the_data_on_every_rank(tmp_path):
+    base = _random_base(tmp_path)
+    summary = tmp_path / "summary.json"
+    _fit(base, tiny_specs(), tmp_path / "adapters", devices=2, pipeline_size=2,
+         callbacks=[RecordBase(str(tmp_path)), RunSummary(path=str(summary))])
+    fractions = [json.load(open(tmp_path / f"rank{r}.json"))["label_fraction"] for r in range(2)]
+    assert fractions[0] == fractions[1] and 0 < fractions[0] < 1
+    run = json.load(open(summary))
+    assert run["stage_layers"] == [2, 2]
