@@ -73,12 +73,7 @@ def test_a_graphs_row_runs_the_captured_step_with_its_options(monkeypatch):
         return 100.0, 1.0, 100, 1.0, 2, extra
 
     monkeypatch.setattr(bench, "run_ours", fake_run_ours)
-    from lightning_lorafusion.model.decoder_config import DecoderConfig
-
-    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
-                                                     torch.float32)[0]
-    w = {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
-         "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+    w = _tiny_workload()
     args = bench.parse_args(["--device", "cpu", "--rank", "4"])
     graphs_row = bench._run_row(args, w, "nf4", 64, "activation+norms+graphs")
     eager_row = bench._run_row(args, w, "nf4", 64, "activation")
@@ -125,13 +120,9 @@ def test_a_graphs_row_passes_its_capture_memory(monkeypatch):
                                          "pools": {"graphs": {"reserved": 1.0, "allocated": 0.1}}}
 
     monkeypatch.setattr(bench, "run_ours", fake_run_ours)
-    from lightning_lorafusion.model.decoder_config import DecoderConfig
     from lightning_lorafusion.training.cuda_graphs import CaptureMemory
 
-    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
-                                                     torch.float32)[0]
-    w = {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
-         "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+    w = _tiny_workload()
     args = bench.parse_args(["--device", "cpu", "--rank", "4"])
     row = bench._run_row(args, w, "nf4", 64, "none+graphs+largest+pre2")
     assert seen == [{"memory": CaptureMemory(largest_first=True), "max_precapture": 2}]
@@ -162,3 +153,13 @@ def test_earlier_rows_head_the_table_labelled_with_their_allocator_settings(tmp_
     lines = [line for line in table if line.startswith("nf4")]
     assert lines[0].split()[2] == "graphs" and "2.000x" not in lines[0] and "1.000x" in lines[0]
     assert "none [expandable_segments:True]" in lines[1] and "0.500x" in lines[1]
+
+
+def _tiny_workload() -> dict:
+    """What ``bench_memory._run_row`` reads of a workload, for a tiny one-layer model on CPU."""
+    from lightning_lorafusion.model.decoder_config import DecoderConfig
+
+    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
+                                                     torch.float32)[0]
+    return {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
+            "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
