@@ -15,7 +15,7 @@ import torch
 
 from lightning_lorafusion.kernels.lora_gather import _lora_gather_triton, lora_gather, lora_gather_reference
 
-from _decode_groups import wrong_groups
+from _decode_groups import assert_per_row_bits, wrong_groups
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
@@ -258,7 +258,7 @@ def test_grouped_expand_gives_the_per_row_results(device, dtype, shrink_bound, e
     assert rel_err(got - y0, want - y0) < TOL[dtype]
     assert rel_err(got - y0, per_row - y0) < TOL[dtype]
     if expand_form:
-        assert torch.equal(got, per_row)
+        assert_per_row_bits(got, per_row)
     no_lora = rk == 0
     assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
     monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 8)
@@ -311,6 +311,7 @@ def test_grouped_shrink_split_k_gives_the_reference(device, dtype, split_k, monk
     from lightning_lorafusion.kernels.lora_gather import adapter_groups
 
     monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_K", 32)  # (a GPU's default tile is wider than the split)
     monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", split_k)
     x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
     n = y0.shape[1]
