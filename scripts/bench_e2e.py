@@ -150,13 +150,14 @@ def run_hf_peft(args, model, data, device, packed=False):
     peft_model = get_peft_model(model, lcfg, adapter_name=names[0])
     for n in names[1:]:
         peft_model.add_adapter(n, lcfg)
-    if args.hf_checkpointing:  # what PEFT's prepare_model_for_kbit_training turns on for QLoRA
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing = args.hf_checkpointing
     try:
+        if checkpointing:  # what PEFT's prepare_model_for_kbit_training turns on for QLoRA
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for timed_pass in (False, True):  # the first pass warms up every shape, untimed
             tokens, t_total = _hf_pass(args, peft_model, names, data, device, packed)
     finally:
-        if args.hf_checkpointing:
+        if checkpointing:
             model.gradient_checkpointing_disable()
         base = peft_model.unload()  # take PEFT's injected layers out of the shared base model
     return tokens / t_total, t_total, tokens, base

@@ -330,7 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--layers, --adapters, --samples, --decode-rows, --decode-adapters and --decode-steps must be >= 1")
     # what bench_e2e's training functions read beside the workload
     args.peak = args.peak_tflops * 1e12
-    args.checkpoint_layers, args.profile, args.memory_peak = 0, False, False
+    args.checkpoint_layers, args.profile, args.memory_peak, args.hf_checkpointing = 0, False, False, False
     return args
 
 
