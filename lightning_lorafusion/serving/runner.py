@@ -320,28 +320,31 @@ class ModelRunner:
         s, pad = self.pool.page_size, self.pad_mixed
         tables = self._tables
         fresh_cu = cu[:len(fresh) + 1]
-        queued = [tables.add(ids, torch.int64), tables.add(pos, torch.int64), tables.add(slot_pages, torch.int64),
-                  tables.add(np.asarray(pos, dtype=np.int64) % s, torch.int64), tables.add(out_rows, torch.int64),
-                  tables.add(fresh_cu, torch.int32) if fresh else None]
+        queued = {"ids": tables.add(ids, torch.int64), "pos": tables.add(pos, torch.int64),
+                  "pages": tables.add(slot_pages, torch.int64),
+                  "offsets": tables.add(np.asarray(pos, dtype=np.int64) % s, torch.int64),
+                  "out": tables.add(out_rows, torch.int64)}
+        if fresh:
+            queued["cu"] = tables.add(fresh_cu, torch.int32)
         prefix = self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None
         if self.config.rope_type == "longrope":
-            queued.append(tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
-                                     torch.bool))
+            queued["long"] = tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
+                                        torch.bool)
         lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables) if segments else None
         up = tables.upload()
         batch = StepBatch(
-            input_ids=up[queued[0]], positions=up[queued[1]], slot_pages=up[queued[2]], slot_offsets=up[queued[3]],
-            num_prefill_rows=n_prefill, num_fresh_rows=cu[len(fresh)],
-            cu_seqlens=up[queued[5]] if fresh else None,
+            input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],
+            slot_offsets=up[queued["offsets"]], num_prefill_rows=n_prefill, num_fresh_rows=cu[len(fresh)],
+            cu_seqlens=up[queued["cu"]] if fresh else None,
             max_prefill_len=max((b - a for a, b in zip(fresh_cu, fresh_cu[1:])), default=0),
             prefill_prefixes=prefix.finish(up) if prefix is not None else None,
             prefill_lora=lora.finish(up) if lora is not None else None, page_table=None, seq_lens=None,
             decode_offsets=None, decode_ranks=None, decode_scales=None, decode_modules=frozenset(),
-            spans=spans, output_rows=up[queued[4]], real_rows=real if pad else None,
+            spans=spans, output_rows=up[queued["out"]], real_rows=real if pad else None,
             decode_first=pad,
         )
-        if len(queued) > 6:
-            batch.rope_long = up[queued[6]]
+        if "long" in queued:
+            batch.rope_long = up[queued["long"]]
         return batch
 
     def _rope_long_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
