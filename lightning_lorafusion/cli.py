@@ -181,6 +181,19 @@ class LoRAFusionCLI(LightningCLI):
             message = " ".join(str(error).split())
             raise UsageError(message, _usage_hint(str(error), parsers, subcommand)) from None
 
+    def instantiate_classes(self) -> None:
+        """Build the configured classes. A class's own refusal (a ``ConfigError`` of, say, the
+        strategy's ``__init__``) reaches us from jsonargparse as a ValueError listing each type it
+        tried; that refusal becomes the one-line ``ConfigError`` it was."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            refusals = [line.strip()[2:] for line in str(error).splitlines()
+                        if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+            if "Does not validate against any of the Union subtypes" in str(error) and refusals:
+                raise ConfigError("; ".join(refusals)) from None
+            raise
+
     def _parse_ckpt_path(self) -> None:
         """With ``--ckpt_path``, check the config's model section against the checkpoint's (a
         mismatch is a ``ConfigError`` naming the field). Lightning's own version would replace the

@@ -137,11 +137,15 @@ def _jsonl_config(tmp_path, model_dir):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["missing model", "malformed jsonl"])
+@pytest.mark.parametrize("case", ["missing model", "malformed jsonl", "strategy refusal"])
 def test_user_errors_are_one_line(tiny_model_dir, tmp_path, case):
     if case == "missing model":
         args = ["fit", "--config", TINY, "--model.base_model", str(tmp_path / "no-such-model")]
         message = "no-such-model': no such directory"
+    elif case == "strategy refusal":  # a ConfigError of the strategy's __init__, wrapped by jsonargparse
+        args = ["fit", "--config", TINY, "--model.base_model", tiny_model_dir, "--trainer.strategy",
+                "lightning_lorafusion.MultiAdapterPipelineStrategy", "--trainer.strategy.stage_layers", "[0]"]
+        message = "stage_layers=[0] must list one positive layer count per pipeline stage"
     else:
         args = ["fit", "--config", _jsonl_config(tmp_path, tiny_model_dir)]
         message = "train.jsonl line 2 is not valid JSON"
