@@ -91,7 +91,8 @@ def ranges_of(counts: Sequence[int]) -> tuple[range, ...]:
 
 
 def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[int] | None = None,
-                      cost: str = "time", label_fraction: float | None = None) -> tuple[range, ...]:
+                      cost: str = "time", label_fraction: float | None = None,
+                      checkpoint_layers: bool | int = False) -> tuple[range, ...]:
     """Contiguous stages of a decoder (HF config or ``DecoderConfig``).
 
     ``stage_layers``: the split as given (checked: one positive count per stage, summing to the
@@ -99,6 +100,9 @@ def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[in
     a layer's GEMMs plus its memory-bound traffic against the LM head on the labelled
     ``label_fraction`` of tokens) or ``"flops"`` (FLOPs per token; the head costs
     ``2 * hidden * vocab`` on every token). The embedding lookup is free either way.
+    ``checkpoint_layers`` (the module's ``activation_checkpointing``: True or a layer count ``n``,
+    the layers of global index < n): those layers run their forward twice, so each costs
+    ``CostModel.recompute_factor`` plain layers and the stages holding them get fewer.
     """
     from .simulator import DEFAULT_LABEL_FRACTION, CostModel
 
@@ -114,7 +118,9 @@ def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[in
         fraction = DEFAULT_LABEL_FRACTION if label_fraction is None else label_fraction
         unit = CostModel.timed(config, (1,), label_fraction=fraction)
         layer, head = unit.layer_time_per_token(), unit.head_time_per_token()
-    return partition_layers(num_layers, num_stages, layer_cost=layer, last_stage_extra=head)
+    recomputed = num_layers if checkpoint_layers is True else min(int(checkpoint_layers or 0), num_layers)
+    costs = [layer * unit.recompute_factor()] * recomputed + [layer] * (num_layers - recomputed)
+    return partition_layers(num_layers, num_stages, layer_cost=costs, last_stage_extra=head)
 
 
 def label_fraction(datasets: Sequence[Sequence[Any]], *, max_samples: int = 512) -> float | None:

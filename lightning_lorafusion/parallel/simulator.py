@@ -102,6 +102,21 @@ def layer_traffic_bytes(config: Any, *, lora_rank: int = 16, bytes_per_element: 
     return float(elements * bytes_per_element)
 
 
+def recomputed_per_stage(stage_layers: Sequence[int], checkpoint_layers: bool | int) -> tuple[int, ...]:
+    """Per stage, its layers that recompute their forward in backward: ``checkpoint_layers``
+    True is every layer, a count ``n`` the layers of global index < n (the decoder's rule), so
+    the early stages recompute first. () when nothing is recomputed."""
+    counts = [int(n) for n in stage_layers]
+    below = sum(counts) if checkpoint_layers is True else int(checkpoint_layers or 0)
+    if below <= 0:
+        return ()
+    out, start = [], 0
+    for n in counts:
+        out.append(max(0, min(n, below - start)))
+        start += n
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Seconds per action on each stage of a pipeline, from FLOP counts.
@@ -146,6 +161,9 @@ class CostModel:
     head_token_fraction: float = 1.0
     head_flops_per_second: float = 0.0
     head_backward_factor: float | None = None  # None: backward_factor
+    # per stage, how many of its layers recompute their forward in backward (activation
+    # checkpointing, ``recomputed_per_stage``); (): none
+    stage_recomputed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stage_layers or any(n < 0 for n in self.stage_layers):
@@ -168,6 +186,10 @@ class CostModel:
             raise ValueError(f"CostModel.head_token_fraction={self.head_token_fraction} must be in [0, 1]")
         if self.head_backward_factor is not None and self.head_backward_factor < 0:
             raise ValueError(f"CostModel.head_backward_factor={self.head_backward_factor} must be >= 0")
+        if self.stage_recomputed and (len(self.stage_recomputed) != len(self.stage_layers) or any(
+                not 0 <= r <= n for r, n in zip(self.stage_recomputed, self.stage_layers))):
+            raise ValueError(f"CostModel.stage_recomputed={self.stage_recomputed!r} must give 0..layers "
+                             f"recomputed layers for each stage of stage_layers={self.stage_layers!r}")
 
     @property
     def num_stages(self) -> int:
@@ -223,6 +245,7 @@ class CostModel:
         label_fraction: float = DEFAULT_LABEL_FRACTION,
         lora_rank: int = 16,
         bytes_per_element: int = 2,
+        checkpoint_layers: bool | int = False,
         **overrides: Any,
     ) -> "CostModel":
         """Seconds, not FLOPs: ``from_decoder_config``'s GEMM FLOPs at ``LAYER_GEMM_FLOPS`` (a
@@ -230,7 +253,9 @@ class CostModel:
         LM head, one large GEMM), plus each layer's memory-bound traffic (``layer_traffic_bytes``)
         at ``HBM_BYTES_PER_S``. The LM head runs on the labelled rows only
         (``decoder.head_loss_sums``): ``label_fraction`` of the tokens; its checkpointed backward
-        recomputes the logits (two GEMMs). ``overrides`` replace any field."""
+        recomputes the logits (two GEMMs). ``checkpoint_layers`` (the module's
+        ``activation_checkpointing``): layers that run their forward again in backward
+        (``recomputed_per_stage``). ``overrides`` replace any field."""
         shapes = _shapes(config)
         defaults = dict(
             flops_per_second=LAYER_GEMM_FLOPS, head_flops_per_second=HEAD_GEMM_FLOPS,
@@ -239,6 +264,7 @@ class CostModel:
             layer_bytes_per_token=layer_traffic_bytes(config, lora_rank=lora_rank,
                                                       bytes_per_element=bytes_per_element),
             head_bytes_per_token=float(4 * shapes["hidden"] * bytes_per_element),  # final norm: read + write
+            stage_recomputed=recomputed_per_stage(stage_layers, checkpoint_layers),
         )
         return cls.from_decoder_config(config, stage_layers, bytes_per_element=bytes_per_element,
                                        **{**defaults, **overrides})
@@ -248,6 +274,10 @@ class CostModel:
         partition's unit: attention depends on the samples, and is the same for every layer)."""
         forward = self.layer_flops_per_token / self.flops_per_second + self.layer_bytes_per_token / self.memory_bandwidth
         return (1.0 + self.backward_factor) * forward
+
+    def recompute_factor(self) -> float:
+        """A recomputed layer's forward + backward over a plain layer's: one forward more."""
+        return (2.0 + self.backward_factor) / (1.0 + self.backward_factor)
 
     def head_time_per_token(self) -> float:
         """Forward + backward seconds of the final norm, LM head and loss per token."""
@@ -265,13 +295,17 @@ class CostModel:
             return self.stage_layers[stage] * seq_sq / 2
         return sum(causal_pairs(n, w) for w in windows for n in lengths)
 
-    def _layers_and_head(self, stage: int, tokens: int, seq_sq: int,
-                         lengths: Sequence[int] | None) -> tuple[float, float]:
-        """Forward seconds of the stage's layers and of its head (0 before the last stage)."""
+    def _layers_body(self, stage: int, tokens: int, seq_sq: int, lengths: Sequence[int] | None) -> float:
+        """Forward seconds of the stage's decoder layers."""
         layers = self.stage_layers[stage]
         flops = (layers * self.layer_flops_per_token * tokens
                  + self.attention_flops_per_pair * self.attention_pairs(stage, seq_sq, lengths))
-        body = flops / self.flops_per_second + layers * self.layer_bytes_per_token * tokens / self.memory_bandwidth
+        return flops / self.flops_per_second + layers * self.layer_bytes_per_token * tokens / self.memory_bandwidth
+
+    def _layers_and_head(self, stage: int, tokens: int, seq_sq: int,
+                         lengths: Sequence[int] | None) -> tuple[float, float]:
+        """Forward seconds of the stage's layers and of its head (0 before the last stage)."""
+        body = self._layers_body(stage, tokens, seq_sq, lengths)
         if stage != self.num_stages - 1:
             return body, 0.0
         head_rate = self.head_flops_per_second or self.flops_per_second
@@ -285,7 +319,11 @@ class CostModel:
     def backward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
         body, head = self._layers_and_head(stage, tokens, seq_sq, lengths)
         back = self.backward_factor if self.head_backward_factor is None else self.head_backward_factor
-        return self.launch_overhead + self.backward_factor * body + back * head
+        recompute = 0.0
+        if self.stage_recomputed and self.stage_recomputed[stage]:  # their forward again, before backward
+            share = self.stage_recomputed[stage] / self.stage_layers[stage]
+            recompute = share * self._layers_body(stage, tokens, seq_sq, lengths)
+        return self.launch_overhead + self.backward_factor * body + back * head + recompute
 
     def p2p_time(self, capacity: int) -> float:
         return self.p2p_latency + capacity * self.bytes_per_token / self.p2p_bandwidth

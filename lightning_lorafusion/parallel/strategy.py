@@ -133,6 +133,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         super().__init__(**ddp_kwargs)
         self._ranges: tuple[range, ...] | None = None  # every stage's layers, once known
         self._label_fraction: float | None = None
+        self._checkpoint_layers: bool | int = False  # the module's activation_checkpointing, for the time model
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_mb = float(bucket_mb)
         self._reducer: AdapterGradReducer | None = None
@@ -199,11 +200,13 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         return {"num_replicas": layout.data_parallel_size, "rank": self.replica}
 
     def stage_ranges(self, config: Any = None, *, num_layers: int | None = None,
-                     label_fraction: float | None = None) -> tuple[range, ...]:
+                     label_fraction: float | None = None,
+                     checkpoint_layers: bool | int = False) -> tuple[range, ...]:
         """Every stage's layers, fixed at the first call: ``stage_layers`` as given, else for a
         decoder ``config`` balanced by the time model (``label_fraction``: the share of tokens the
-        LM head sees; default ``DEFAULT_LABEL_FRACTION``), else ``num_layers`` evenly. The split
-        computed here is rank 0's, broadcast, so every rank runs the same one."""
+        LM head sees; default ``DEFAULT_LABEL_FRACTION``; ``checkpoint_layers``: the module's
+        ``activation_checkpointing``, whose layers cost one forward more), else ``num_layers``
+        evenly. The split computed here is rank 0's, broadcast, so every rank runs the same one."""
         if self._ranges is not None:
             return self._ranges
         pp = self._require_layout().pipeline_size
@@ -211,7 +214,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ValueError("stage_layers needs a decoder config or num_layers")
         if config is not None:
             ranges = partition_decoder(config, pp, stage_layers=self.requested_stage_layers,
-                                       label_fraction=label_fraction)
+                                       label_fraction=label_fraction, checkpoint_layers=checkpoint_layers)
         elif self.requested_stage_layers is not None:
             ranges = ranges_of(check_stage_layers(self.requested_stage_layers, pp, num_layers))
         else:
@@ -222,6 +225,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             dist.broadcast_object_list(chosen, src=0)
             ranges, label_fraction = ranges_of(chosen[0]), chosen[1]
         self._ranges, self._label_fraction = ranges, label_fraction
+        self._checkpoint_layers = checkpoint_layers
         return ranges
 
     @property
@@ -230,16 +234,18 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         return None if self._ranges is None else tuple(len(r) for r in self._ranges)
 
     def stage_layers(self, config: Any = None, *, num_layers: int | None = None,
-                     label_fraction: float | None = None) -> range:
+                     label_fraction: float | None = None, checkpoint_layers: bool | int = False) -> range:
         """This rank's layers (``stage_ranges``)."""
-        return self.stage_ranges(config, num_layers=num_layers, label_fraction=label_fraction)[self.stage_index]
+        return self.stage_ranges(config, num_layers=num_layers, label_fraction=label_fraction,
+                                 checkpoint_layers=checkpoint_layers)[self.stage_index]
 
     def cost_model(self, config: Any, **overrides: Any) -> CostModel:
         """The simulator's time model (``CostModel.timed``) of this pipeline's split and the
         training data's label share, for ``simulated_bubble_ratio``."""
         fraction = DEFAULT_LABEL_FRACTION if self._label_fraction is None else self._label_fraction
         counts = [len(r) for r in self.stage_ranges(config)]
-        return CostModel.timed(config, counts, label_fraction=fraction, **overrides)
+        return CostModel.timed(config, counts, label_fraction=fraction,
+                               checkpoint_layers=self._checkpoint_layers, **overrides)
 
     # ---- no DDP wrapper: gradients are reduced per adapter at its step --------------------
     def _setup_model(self, model: Module) -> Module:

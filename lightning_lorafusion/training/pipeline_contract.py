@@ -48,7 +48,8 @@ def setup_stage(m: Module) -> None:
     strategy = pipeline_strategy(m)
     if strategy is not None:
         dm = m.trainer.datamodule if m._trainer is not None else None
-        layers = strategy.stage_layers(m.config, label_fraction=label_fraction(getattr(dm, "datasets", None) or ()))
+        layers = strategy.stage_layers(m.config, label_fraction=label_fraction(getattr(dm, "datasets", None) or ()),
+                                       checkpoint_layers=m.activation_checkpointing)
         first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
     else:
         layers, first, last = range(m.config.num_layers), True, True

@@ -109,3 +109,49 @@ def test_label_fraction_counts_labelled_tokens_of_every_adapter():
     assert label_fraction([a, b]) == pytest.approx(4 / 10)
     assert label_fraction([a, b], max_samples=1) == pytest.approx(3 / 8)
     assert label_fraction([]) is None and label_fraction([[]]) is None
+
+
+LLAMA3_70B = SimpleNamespace(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=80)
+
+
+def test_recomputed_layers_per_stage_follow_the_global_layer_index():
+    from lightning_lorafusion.parallel.simulator import recomputed_per_stage
+
+    assert recomputed_per_stage([40, 40], 16) == (16, 0)
+    assert recomputed_per_stage([10, 10, 10], 25) == (10, 10, 5)
+    assert recomputed_per_stage([16, 16], True) == (16, 16)
+    assert recomputed_per_stage([16, 16], False) == () and recomputed_per_stage([16, 16], 0) == ()
+
+
+def test_recomputing_stage_gets_fewer_layers_and_the_simulator_charges_its_second_forward():
+    """The 70B PP=2 config recomputes the first 16 layers, all on stage 0: measured stage-0 idle
+    0.8% against stage 1's 22% on the even 40/40 split. Each recomputed layer costs one forward
+    more, so the split moves layers to stage 1 and the simulated backward of stage 0 grows."""
+    from lightning_lorafusion.parallel.simulator import CostModel
+
+    assert [len(r) for r in partition_decoder(LLAMA3_70B, 2)] == [40, 40]
+    split = [len(r) for r in partition_decoder(LLAMA3_70B, 2, checkpoint_layers=16)]
+    assert split[0] < 40 and sum(split) == 80
+    # every layer recomputed is the same as none for the balance
+    assert partition_decoder(LLAMA3_70B, 2, checkpoint_layers=True) == partition_decoder(LLAMA3_70B, 2)
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, checkpoint_layers=16)][0] < 16
+
+    plain = CostModel.timed(LLAMA3_70B, (40, 40))
+    ckpt = CostModel.timed(LLAMA3_70B, (40, 40), checkpoint_layers=16)
+    assert ckpt.stage_recomputed == (16, 0) and plain.stage_recomputed == ()
+    fwd = plain.forward_time(0, 2048, 2048 * 2048)
+    assert ckpt.forward_time(0, 2048, 2048 * 2048) == pytest.approx(fwd)
+    # stage 0's backward pays 16 of its 40 layers' forward again; stage 1 is unchanged
+    assert ckpt.backward_time(0, 2048, 2048 * 2048) == pytest.approx(plain.backward_time(0, 2048, 2048 * 2048)
+                                                                     + 16 / 40 * fwd)
+    assert ckpt.backward_time(1, 2048, 2048 * 2048) == pytest.approx(plain.backward_time(1, 2048, 2048 * 2048))
+    # the balanced split of the recomputing model: its stages' forward + backward are closer than 40/40's
+    def stage_times(model):
+        return [model.forward_time(s, 2048, 2048 * 2048) + model.backward_time(s, 2048, 2048 * 2048)
+                for s in range(2)]
+    even = stage_times(ckpt)
+    moved = stage_times(CostModel.timed(LLAMA3_70B, split, checkpoint_layers=16))
+    assert abs(moved[0] - moved[1]) < abs(even[0] - even[1])
+    with pytest.raises(ValueError, match="stage_recomputed"):
+        CostModel.timed(LLAMA3_70B, (40, 40), stage_recomputed=(41, 0))

@@ -121,3 +121,24 @@ def test_strategy_refuses_bad_stage_layers():
     assert strategy.stage_layer_counts == (3, 2)
     # fixed once computed: a later call (the executor's) gets the same split
     assert strategy.stage_ranges(num_layers=99) == (range(0, 3), range(3, 5))
+
+
+def test_strategy_split_and_cost_model_charge_the_modules_recompute():
+    """``stage_ranges(config, checkpoint_layers=n)`` (what the module's setup passes from its
+    ``activation_checkpointing``) balances with the recompute, and the simulator's cost model of
+    the strategy charges it on the stages that hold those layers."""
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.parallel.data_parallel import ParallelLayout
+    from lightning_lorafusion.parallel.partition import partition_decoder
+
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+    strategy = MultiAdapterPipelineStrategy(pipeline_size=2)
+    strategy.layout = ParallelLayout(pipeline_size=2, data_parallel_size=1)
+    ranges = strategy.stage_ranges(config, label_fraction=0.1, checkpoint_layers=16)
+    assert ranges == partition_decoder(config, 2, label_fraction=0.1, checkpoint_layers=16)
+    assert len(ranges[0]) < 16
+    model = strategy.cost_model(config)
+    assert model.stage_layers == tuple(len(r) for r in ranges)
+    assert model.stage_recomputed == (len(ranges[0]), 16 - len(ranges[0]))

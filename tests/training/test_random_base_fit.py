@@ -18,11 +18,11 @@ from test_dp_fit import _assert_same_adapters
 from test_equivalence import fit_joint, tiny_specs
 
 
-def _random_base(tmp_path) -> str:
-    """``random:<dir>``: a 4-layer Llama config.json and nothing else (no weights, no tokenizer)."""
+def _random_base(tmp_path, layers: int = 4) -> str:
+    """``random:<dir>``: a ``layers``-layer Llama config.json and nothing else (no weights, no tokenizer)."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "cfg")
     return f"random:{tmp_path / 'cfg'}"
 
@@ -42,9 +42,9 @@ class RecordBase(L.Callback):
 
 
 def _fit(base, specs, out_dir, *, devices, pipeline_size, schedule="no_flush", precision="32-true",
-         dtype="float32", callbacks=(), stage_layers=None):
+         dtype="float32", callbacks=(), stage_layers=None, activation_checkpointing=False):
     module = LoRAFusionModule(base_model=base, adapters=specs, backend="torch", grad_clip=0.0, dtype=dtype,
-                              export_dir=str(out_dir))
+                              export_dir=str(out_dir), activation_checkpointing=activation_checkpointing)
     dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_epochs=2, logger=False, enable_checkpointing=False,
@@ -123,3 +123,23 @@ def test_default_split_takes_the_label_share_of_the_data_on_every_rank(tmp_path)
     assert fractions[0] == fractions[1] and 0 < fractions[0] < 1
     run = json.load(open(summary))
     assert run["stage_layers"] == [2, 2]
+
+
+def test_default_split_moves_layers_off_the_stage_that_recomputes(tmp_path):
+    """``activation_checkpointing: 4`` on 8 layers recomputes layers 0-3, all on stage 0 of an even
+    split: each costs one forward more, so the default split gives stage 0 fewer layers (what the
+    time model says for this config) and the run trains."""
+    base = _random_base(tmp_path, layers=8)
+    summary = tmp_path / "summary.json"
+    _fit(base, tiny_specs(), tmp_path / "adapters", devices=2, pipeline_size=2, activation_checkpointing=4,
+         callbacks=[RecordBase(str(tmp_path)), RunSummary(path=str(summary))])
+    fraction = json.load(open(tmp_path / "rank0.json"))["label_fraction"]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base[len("random:"):])
+    want = [len(r) for r in partition_decoder(config, 2, label_fraction=fraction, checkpoint_layers=4)]
+    assert want[0] < 4  # the recompute moved a layer (without it: 4/4)
+    assert [len(r) for r in partition_decoder(config, 2, label_fraction=fraction)] == [4, 4]
+    run = json.load(open(summary))
+    assert run["stage_layers"] == want
+    assert all(0 <= r < 1 for epoch in run["epochs"] for r in epoch["simulated_stage_bubble_ratios"])
