@@ -21,6 +21,8 @@ off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVL
         --only 8b_single,8b_strategy_pp1,8b_pp2,8b_dp2,8b_2jobs_1gpu     # 2 GPUs: one GPU vs two
     PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --gpus 2 --deadline 305 \
         --only 8b_single,8b_pp2,8b_pp2_flops,8b_dp2      # the stage split: time-balanced vs FLOPs 17/15
+    PYTHONPATH=. python3 scripts/bench_pipeline.py --out $OUT --gpus 2 --deadline 260 \
+        --only 8b_pp2_ckpt16,8b_pp2_ckpt16_even          # recompute charged in the split vs even 16/16
 
 Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status and summary),
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
@@ -109,6 +111,11 @@ RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
         jobs=(Job(configs=(C8, D2), procs=2),), limit_s=120),
     Run(name="8b_pp2_flops", what="8B PP=2, 4 adapters, mixed, the FLOPs split 17/15 (stage_layers)",
         jobs=(Job(configs=(C8, D2, "configs/pp2/split_flops.yaml"), procs=2),), limit_s=120),
+    Run(name="8b_pp2_ckpt16", what="8B PP=2, first 16 layers recomputed, default split (charges it: 14/18)",
+        jobs=(Job(configs=(C8, D2, "configs/pp2/ckpt16.yaml"), procs=2),), limit_s=120),
+    Run(name="8b_pp2_ckpt16_even", what="8B PP=2, first 16 layers recomputed, even split 16/16 (stage_layers)",
+        jobs=(Job(configs=(C8, D2, "configs/pp2/ckpt16.yaml", "configs/pp2/split_even.yaml"), procs=2),),
+        limit_s=120),
     Run(name="8b_dp2", what="8B DP=2, 4 adapters, mixed",
         jobs=(Job(configs=(C8, D2, "configs/pp4/dp4.yaml"), procs=2),), limit_s=120),
     Run(name="8b_2jobs_1gpu", what="8B 2 jobs x (1 GPU, 2 adapters), side by side",
@@ -408,6 +415,8 @@ def table(results: list[dict]) -> str:
         f"{ratio('8b_dp2', '8b_single')}, two 1-GPU jobs {ratio('8b_2jobs_1gpu', '8b_single')}",
         f"- 8B PP=2, split balanced by time vs the FLOPs split 17/15: {ratio('8b_pp2', '8b_pp2_flops')} "
         f"(against the single-device path: {ratio('8b_pp2', '8b_single')} vs {ratio('8b_pp2_flops', '8b_single')})",
+        f"- 8B PP=2 with 16 layers recomputed, split charging the recompute vs even 16/16: "
+        f"{ratio('8b_pp2_ckpt16', '8b_pp2_ckpt16_even')}",
         f"- 8B on 2 GPUs, PP=2 vs DP=2: {ratio('8b_pp2', '8b_dp2')}; PP=2 vs two 1-GPU jobs: "
         f"{ratio('8b_pp2', '8b_2jobs_1gpu')}; two jobs vs DP=2: {ratio('8b_2jobs_1gpu', '8b_dp2')}",
         f"- 8B on 4 GPUs, PP=2xDP=2 vs DP=4: {ratio('8b_pp2xdp2', '8b_dp4')}; "
