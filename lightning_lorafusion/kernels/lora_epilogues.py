@@ -420,7 +420,7 @@ def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num
 
 def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *,
                   lora: GatheredLora | None = None, backend: str = "auto",
-                  block_k: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+                  block_k: int | None = None, block_r: int | None = None, num_warps: int | None = None) -> None:
     """Same contract as ``rope_write_kv_reference``; ``backend``: "torch", "triton" or "auto".
     The Triton path: the q/k/v shrink (if ``lora``), then one launch over (row, Hq + Hkv
     heads); no host read, so it can be captured in a CUDA graph. q, k, v may be strided views
@@ -466,14 +466,14 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
         _rope_kv_kernel[(rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
-            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps,
+            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps or 4,
         )
     return None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None, backend: str = "auto",
            block_n: int | None = None, block_k: int | None = None, block_r: int | None = None,
-           num_warps: int = 4) -> torch.Tensor:
+           num_warps: int | None = None) -> torch.Tensor:
     """Same contract as ``swiglu_reference``; ``backend``: "torch", "triton" or "auto". The
     Triton path: the gate/up shrink (if ``lora``), then one launch over (row, column block);
     gate and up may be column slices of one fused gate|up GEMM output."""
@@ -494,10 +494,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)
-        bn, warps = block_n, num_warps
+        bn, warps = block_n, num_warps or (_gather.ROW_EXPAND_WARPS if with_lora else 4)
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8
-        bn = bn or ((256 if with_lora else 1024) if gate.is_cuda else 32)
+        bn = bn or ((_gather.ROW_EXPAND_BLOCK_N if with_lora else 1024) if gate.is_cuda else 32)
         _swiglu_kernel[(rows, triton.cdiv(n, bn))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
             BLOCK_N=bn, num_warps=warps,

@@ -73,6 +73,14 @@ def _lora_shrink_kernel(
         tl.store(part_row + r0 + offs_r, tl.sum(a.to(tl.float32) * x[None, :], axis=1), mask=r_ok)
 
 
+# The per-row kernels' blocks on a GPU (module-level so scripts/profile_decode_lora.py can vary
+# them): the shrink's K block and warps, the expand's column block and warps (``lora_gather``'s
+# own expand for o and down; the SwiGLU epilogue's LoRA rows take ``ROW_EXPAND_BLOCK_N`` too)
+ROW_SHRINK_BLOCK_K = 512
+ROW_SHRINK_WARPS = 4
+ROW_EXPAND_BLOCK_N = 256
+ROW_EXPAND_WARPS = 4
+
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
@@ -376,11 +384,11 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     # H100, 8B shapes, r=16, 16-256 rows (docs/kernels.md): K blocks of
     # 512 and rank blocks of 16 beat 256 / 32 by 1.3-2.1x in the fused epilogues (no masked lanes
     # at r=16, half the programs); mixed ranks 8-64 lost nothing
-    return block_k or (512 if gpu else 32), block_r or (16 if gpu else 16)
+    return block_k or (ROW_SHRINK_BLOCK_K if gpu else 32), block_r or 16
 
 
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
-                num_warps: int = 4) -> tuple[torch.Tensor, int]:
+                num_warps: int | None = None) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
     ``lora_delta``; entries past a row's rank are never written nor read). Rows grouped by
@@ -395,7 +403,8 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     grouped = takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
     if grouped:  # the grouped kernel's own knobs, where set and the caller set none
         block_k = block_k or GROUPED_SHRINK_BLOCK_K
-        num_warps = GROUPED_SHRINK_WARPS or num_warps
+        num_warps = num_warps or GROUPED_SHRINK_WARPS
+    num_warps = num_warps or ROW_SHRINK_WARPS
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
     split_k = triton.cdiv(GROUPED_SHRINK_SPLIT_K or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
@@ -450,7 +459,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=4, groups=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -463,7 +472,7 @@ def _lora_gather_triton(
     if rows == 0:
         return result
     _, block_r = shrink_blocks(x.device, block_k, block_r)
-    block_n = block_n or (256 if x.is_cuda else 32)
+    block_n = block_n or (ROW_EXPAND_BLOCK_N if x.is_cuda else 32)
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
@@ -474,6 +483,6 @@ def _lora_gather_triton(
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
-        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps or ROW_EXPAND_WARPS,
     )
     return result
