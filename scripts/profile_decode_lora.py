@@ -53,6 +53,9 @@ MODES = {
     "grouped_small_tiles": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_BLOCK_K": 256,
                             "GROUPED_EXPAND_BLOCK_N": 64},
     "shrink_grouped_k256": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 256},
+    "grouped_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half"},
+    "grouped_half_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half",
+                          "GROUPED_EXPAND_BLOCK_N": 128},
     # the per-row kernels' blocks and warps (today's: K block 512, 4 warps; expand columns 256, 4 warps)
     "per_row_k256": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 256},
     "per_row_k1024": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 1024},

@@ -246,7 +246,7 @@ def _swiglu_grouped_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
     b_g_stride, r_g_stride,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
     B^T read once for its rows: ROW_LOOP, the rows one after another through ``_with_lora``
@@ -278,11 +278,13 @@ def _swiglu_grouped_kernel(
             row, m_ok, rank_g, dg = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             _, _, rank_u, du = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             row64 = (first_row + row).to(tl.int64)[:, None]
             live = m_ok[:, None] & ok[None, :]
             g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
@@ -524,5 +526,6 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
         lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
-        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, num_warps=_gather.GROUPED_EXPAND_WARPS,
+        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, HALF_S=_gather.expand_half_s(out.dtype),
+        num_warps=_gather.GROUPED_EXPAND_WARPS,
     )

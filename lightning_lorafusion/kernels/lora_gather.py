@@ -110,7 +110,7 @@ GROUPED_EXPAND_WARPS = 4
 GROUPED_EXPAND_ROW_LOOP = False
 # the dot's precision; None: "tf32" for half-precision outputs (S, fp32 sums, rounded to tf32:
 # no coarser than the output's rounding; its LoRA time 1.04-1.22x shorter than "ieee"'s),
-# "ieee" for fp32
+# "ieee" for fp32; "half": S rounded to the output's half dtype, a half-precision dot (fp32 for fp32)
 GROUPED_EXPAND_DOT: str | None = None
 
 
@@ -137,8 +137,16 @@ def takes_groups(rows: int, groups: torch.Tensor | None, bound: int | None) -> b
 
 
 def expand_dot_precision(dtype: torch.dtype) -> str:
-    """The grouped expand's dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
-    return GROUPED_EXPAND_DOT or ("ieee" if dtype == torch.float32 else "tf32")
+    """The grouped expand's fp32 dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
+    if GROUPED_EXPAND_DOT in (None, "half"):
+        return "ieee" if dtype == torch.float32 else "tf32"
+    return GROUPED_EXPAND_DOT
+
+
+def expand_half_s(dtype: torch.dtype) -> bool:
+    """Whether the grouped expand's dot takes S rounded to a half-precision output's dtype
+    (``GROUPED_EXPAND_DOT`` "half")."""
+    return GROUPED_EXPAND_DOT == "half" and dtype != torch.float32
 
 
 @triton.jit
@@ -448,7 +456,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
-        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, num_warps=GROUPED_EXPAND_WARPS,
+        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, HALF_S=expand_half_s(out.dtype), num_warps=GROUPED_EXPAND_WARPS,
     )
 
 

@@ -110,12 +110,13 @@ def lora_group_delta(
     part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
     groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """The expand half for the rows ``perm[start:end]`` of one group (one adapter, at most
     BLOCK_M) and columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]``, their mask, the
     adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]`` fp32 = ``scale_row * (sum over kb
-    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows."""
+    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows. HALF_S:
+    the scaled S rounded to B^T's dtype before the dot (a half-precision dot; else tf32 / fp32)."""
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
     row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
@@ -136,7 +137,10 @@ def lora_group_delta(
         s = tl.sum(part, axis=1) * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
         bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
+        if HALF_S:  # S rounded to B's (half) dtype: a half-precision tensor-core dot, fp32 sums
+            acc += tl.dot(s.to(bt.dtype), bt)
+        else:
+            acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
     return row, m_ok, rank_in, acc
 
 
@@ -145,7 +149,7 @@ def _lora_grouped_expand_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
     g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """out[rows of group t, n block] += their delta of projection g, one rounding to out's
     dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row expand). Column n
@@ -176,7 +180,8 @@ def _lora_grouped_expand_kernel(
             row, m_ok, rank_in, delta = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             delta = tl.where(rank_in > MAX_R, float("nan"), delta)
             ptrs = out_ptr + row[:, None].to(tl.int64) * out_stride + cols[None, :]
             live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)

@@ -227,13 +227,16 @@ def grouped_case(dtype, device, rows=37):
     return x, pool, routing, keys, y0
 
 
-@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+@pytest.fixture(params=["row_loop", "dot", "dot_half"])
 def expand_form(request, monkeypatch):
-    """The grouped expand's two forms (``GROUPED_EXPAND_ROW_LOOP``)."""
+    """The grouped expand's forms (``GROUPED_EXPAND_ROW_LOOP``; the dot with fp32 S or, "half",
+    S rounded to the output's dtype: ``GROUPED_EXPAND_DOT``) -> whether it is the row loop."""
     from lightning_lorafusion.kernels import lora_gather as module
 
-    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
-    return request.param
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param == "row_loop")
+    if request.param == "dot_half":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_DOT", "half")
+    return request.param == "row_loop"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
