@@ -20,7 +20,7 @@ Every mode's outputs are checked against the per-row path's (``max_rel_diff``).
 
     PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
     PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
-        --cases 16x3 --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
+        --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
 """
 
 from __future__ import annotations
@@ -47,21 +47,28 @@ NEVER = 10**9
 # mode -> lora_gather module settings (row bounds and knobs); "base" runs no LoRA
 MODES = {
     "base": {},
+    # today's paths: per row (the engine below GROUPED_MIN_ROWS = 256 rows), the grouped shrink
+    # with per-row expands (from 256 rows)
     "per_row": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None},
     "shrink_grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None},
+    # the grouped shrink with one-row groups done per row, K tiles of 256 in splits of 512
+    "shrink_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                      "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512},
+    "shrink_hybrid_k512": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None,
+                           "GROUPED_SHRINK_SINGLE_ROWS": True},
+    "shrink_grouped_k256": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 256,
+                            "GROUPED_SHRINK_SPLIT_K": 512},
+    # the expands grouped too
     "grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0},
-    "grouped_small_tiles": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_BLOCK_K": 256,
-                            "GROUPED_EXPAND_BLOCK_N": 64},
-    "shrink_grouped_k256": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 256},
-    "grouped_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half"},
-    "grouped_half_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half",
-                          "GROUPED_EXPAND_BLOCK_N": 128},
+    "grouped_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                       "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512},
+    "grouped_hybrid_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                            "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512, "GROUPED_EXPAND_DOT": "half"},
+    "grouped_hybrid_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                            "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
+                            "GROUPED_EXPAND_BLOCK_N": 128},
     # the per-row kernels' blocks and warps (today's: K block 512, 4 warps; expand columns 256, 4 warps)
-    "per_row_k256": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 256},
     "per_row_k1024": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 1024},
-    "per_row_w8": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_WARPS": 8,
-                   "ROW_EXPAND_WARPS": 8},
-    "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
                      "ROW_EXPAND_WARPS": 8},
 }
@@ -223,8 +230,8 @@ def outputs(s: dict, groups) -> list[torch.Tensor]:
     return [s[k].float().clone() for k in ("qkv", "o", "down")] + [a.float() for a in acts]
 
 
-def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, gbps) -> dict:
-    s = bdg.layer_step(b, a, ranks, args, device, dtype)
+def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, gbps, cycle: bool = False) -> dict:
+    s = bdg.layer_step(b, a, ranks, args, device, dtype, cycle=cycle)
     s["init"] = {k: s[k].clone() for k in bdg.IN_PLACE}
     rank_of = [ranks[i % len(ranks)] for i in range(a)]
     row_adapter = [k - 1 for k in s["keys"]]
@@ -232,7 +239,8 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
     groups = adapter_groups(s["keys"], b).to(device)
     apply_mode("per_row", defaults)
     want = outputs(s, groups)
-    row = {"rows": b, "adapters": a, "ranks": ",".join(map(str, ranks)), "distinct": len(set(row_adapter)),
+    row = {"rows": b, "adapters": a, "cycled": cycle, "ranks": ",".join(map(str, ranks)),
+           "distinct": len(set(row_adapter)),
            "adapter_bytes": s["bytes_present"], "floor_us": s["bytes_present"] / (gbps * 1e3) if gbps else None,
            "modes": []}
     for mode in args.modes:
@@ -260,7 +268,7 @@ def kernel_tables(rows: list[dict]) -> list[str]:
         for m in r["modes"]:
             if not m.get("kernels"):
                 continue
-            lines += [f"\n{r['rows']} x {r['adapters']} (ranks {r['ranks']}), {m['mode']}: graph {fmt(m.get('graph_us'))} "
+            lines += [f"\n{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} (ranks {r['ranks']}), {m['mode']}: graph {fmt(m.get('graph_us'))} "
                       f"µs per layer, kernels {fmt(m.get('kernel_us'))} µs, {fmt(m.get('launches'), '.0f')} launches",
                       "| piece | kernel | µs | launches | grid | occ % | MB needed | MB per-row | GB/s |",
                       "|---|---|---|---|---|---|---|---|---|"]
@@ -274,7 +282,7 @@ def kernel_tables(rows: list[dict]) -> list[str]:
 
 def summary_table(rows: list[dict]) -> list[str]:
     """One line per case and mode: graph time, its part over base, kernel time, launches."""
-    lines = ["| rows x adapters (ranks) | floor µs | mode | graph µs | LoRA +µs | × per row | kernels µs "
+    lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs | × per row | kernels µs "
              "| launches | max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
@@ -284,10 +292,20 @@ def summary_table(rows: list[dict]) -> list[str]:
             g = m.get("graph_us")
             over = None if g is None or base is None else g - base
             ratio = None if over is None or per_row is None or per_row == base else over / (per_row - base)
-            lines.append(f"| {r['rows']} x {r['adapters']} ({r['ranks']}) | {fmt(r['floor_us'])} | {m['mode']} "
+            lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) | {fmt(r['floor_us'])} | {m['mode']} "
                          f"| {fmt(g)} | {fmt(over)} | {fmt(ratio, '.2f')} | {fmt(m.get('kernel_us'))} "
                          f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
     return lines
+
+
+def parse_cases(text: str) -> list[tuple[int, int, bool]]:
+    """"64x8,64x64c" -> [(64, 8, False), (64, 64, True)] (rows, adapters, cycled)."""
+    cases = []
+    for c in text.split(","):
+        cycle = c.endswith("c")
+        b, a = c.rstrip("c").split("x")
+        cases.append((int(b), int(a), cycle))
+    return cases
 
 
 def main(argv=None) -> dict:
@@ -305,8 +323,9 @@ def _main(argv, defaults: dict) -> dict:
     add_device_args(ap)
     ap.add_argument("--tiny", action="store_const", const="tiny", dest="shape", default="8b",
                     help="a tiny layer (for the interpreter) instead of the 8B shape")
-    ap.add_argument("--cases", type=lambda t: [tuple(int(v) for v in c.split("x")) for c in t.split(",")],
-                    default=[(64, 64), (64, 8), (256, 8), (256, 64)], help="rows x adapters, comma-separated")
+    ap.add_argument("--cases", type=parse_cases, default=parse_cases("64x64c,64x64,64x8,256x8,256x64"),
+                    help="rows x adapters, comma-separated; a trailing 'c': row i on adapter i %% adapters (every "
+                         "adapter in the batch, S-LoRA's setting), else rows drawn uniformly")
     ap.add_argument("--rank-sets", type=lambda t: [[int(r) for r in x.split(",")] for x in t.split(";")],
                     default=[[16], [4, 8, 16, 32, 64]], help="';'-separated rank lists, each cycled over adapters")
     ap.add_argument("--modes", type=comma_list(tuple(MODES)), default=list(MODES))
@@ -320,11 +339,11 @@ def _main(argv, defaults: dict) -> dict:
     gbps = bdg.copy_gbps(device)
     rows = []
     for ranks in args.rank_sets:
-        for b, a in args.cases:
+        for b, a, cycle in args.cases:
             if time.monotonic() > start + args.stop_s:
                 log(f"--stop-s reached: {b}x{a} r={ranks} not run")
                 continue
-            rows.append(case(args, b, a, ranks, device, dtype, defaults, gbps))
+            rows.append(case(args, b, a, ranks, device, dtype, defaults, gbps, cycle))
             write_json(args.out, "profile_decode_lora.json", {**device_info(device), "args": vars(args),
                                                               "copy_gbps": gbps, "modes": MODES, "rows": rows})
     head = f"per layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass, copy {fmt(gbps, '.0f')} GB/s)"

@@ -93,6 +93,9 @@ GROUPED_MIN_ROWS = 256
 GROUPED_SHRINK_BLOCK_K: int | None = None
 GROUPED_SHRINK_SPLIT_K: int | None = None
 GROUPED_SHRINK_WARPS: int | None = None
+# a group of one row (an adapter alone in the batch) takes the per-row arithmetic inside the
+# grouped shrink instead of a 16-row dot for it
+GROUPED_SHRINK_SINGLE_ROWS = False
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -423,7 +426,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
         )
     elif rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](

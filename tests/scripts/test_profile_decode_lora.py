@@ -46,14 +46,18 @@ def test_profile_decode_lora_tiny_cpu(tmp_path, monkeypatch):
     from lightning_lorafusion.kernels import lora_gather
 
     before = {name: getattr(lora_gather, name) for name in script.SETTINGS}
-    report = script.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--cases", "16x3",
-                          "--rank-sets", "4,8", "--modes", "base,per_row,grouped,per_row_n128", "--layers", "1",
+    report = script.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--cases", "16x3,6x6c",
+                          "--rank-sets", "4,8", "--modes", "base,per_row,grouped_hybrid", "--layers", "1",
                           "--out", str(tmp_path)])
     assert {name: getattr(lora_gather, name) for name in script.SETTINGS} == before
-    (row,) = report["rows"]
-    assert [m["mode"] for m in row["modes"]] == ["base", "per_row", "grouped", "per_row_n128"]
-    assert all(m["max_rel_diff"] < 1e-5 for m in row["modes"][1:])
-    assert row["modes"][1]["max_rel_diff"] == 0.0  # the reference path itself
-    assert row["adapter_bytes"] > 0 and row["distinct"] <= 3
+    drawn, cycled = report["rows"]
+    for row in (drawn, cycled):
+        assert [m["mode"] for m in row["modes"]] == ["base", "per_row", "grouped_hybrid"]
+        assert row["modes"][1]["max_rel_diff"] == 0.0  # the reference path itself
+        assert row["modes"][2]["max_rel_diff"] < 1e-5
+        assert row["adapter_bytes"] > 0
+    assert drawn["distinct"] <= 3 and not drawn["cycled"]
+    assert cycled["distinct"] == 6 and cycled["cycled"]  # every adapter in the batch
     saved = json.loads((tmp_path / "profile_decode_lora.json").read_text())
-    assert len(saved["rows"]) == 1
+    assert len(saved["rows"]) == 2
+    assert "6 x 6c (4,8)" in (tmp_path / "profile_decode_lora.md").read_text()
