@@ -67,6 +67,13 @@ MODES = {
     "grouped_hybrid_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
                             "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
                             "GROUPED_EXPAND_BLOCK_N": 128},
+    # the expand's groups of at most 1 / 4 rows by the row loop, larger ones by the dot
+    "grouped_hybrid_loop1": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                             "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
+                             "GROUPED_EXPAND_LOOP_ROWS": 1},
+    "grouped_hybrid_loop4": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
+                             "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
+                             "GROUPED_EXPAND_LOOP_ROWS": 4},
     # the per-row kernels' blocks and warps (today's: K block 512, 4 warps; expand columns 256, 4 warps)
     "per_row_k1024": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 1024},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,

@@ -240,19 +240,19 @@ def _swiglu_kernel(
     tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride"))
+@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
 def _swiglu_grouped_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
-    b_g_stride, r_g_stride,
+    b_g_stride, r_g_stride, loop_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
-    B^T read once for its rows: ROW_LOOP, the rows one after another through ``_with_lora``
-    (the per-row kernel's bits, the tile from L1 after the first row); else one dot for them
-    all (``lora_group_delta``), the same roundings per element. Rows in no group are left to
-    the plain launch."""
+    B^T read once for its rows: ROW_LOOP (or a group of at most ``loop_rows`` rows), the rows
+    one after another through ``_with_lora`` (the per-row kernel's bits, the tile from L1 after
+    the first row); else one dot for them all (``lora_group_delta``), the same roundings per
+    element. Rows in no group are left to the plain launch."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
@@ -260,20 +260,13 @@ def _swiglu_grouped_kernel(
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < N
         if ROW_LOOP:
-            for i in range(start, end):
-                lrow = tl.load(groups_ptr + 2 * groups_stride + i)
-                row64 = (first_row + lrow).to(tl.int64)
-                g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
-                u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
-                dtype = g.dtype
-                g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
-                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-                u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
-                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-                s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-                tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        elif end - start <= loop_rows:
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         else:
             row, m_ok, rank_g, dg = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
@@ -294,6 +287,29 @@ def _swiglu_grouped_kernel(
             u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
             tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                     scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                     r_g_stride, start, end, offs, ok,
+                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The rows ``perm[start:end]`` one after another through ``_with_lora`` (the per-row kernel's
+    arithmetic)."""
+    for i in range(start, end):
+        lrow = tl.load(groups_ptr + 2 * groups_stride + i)
+        row64 = (first_row + lrow).to(tl.int64)
+        g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+        u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+        dtype = g.dtype
+        g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,7 +539,7 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
     _swiglu_grouped_kernel[(groups.shape[1], triton.cdiv(n, bn))](
         gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
-        lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
+        lora.b_offsets.stride(0), lora.ranks.stride(0), _gather.GROUPED_EXPAND_LOOP_ROWS, MAX_R=MAX_RANK,
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
         ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, HALF_S=_gather.expand_half_s(out.dtype),

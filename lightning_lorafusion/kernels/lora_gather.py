@@ -111,6 +111,9 @@ GROUPED_EXPAND_WARPS = 4
 # per-row helpers (True: the per-row kernels' bits, B^T's tile from L1 after the first row;
 # measured the slower of the two)
 GROUPED_EXPAND_ROW_LOOP = False
+# the dot form's groups of at most this many rows take the row loop instead (0: none): a
+# group's dot costs the same for 1 row as for 16
+GROUPED_EXPAND_LOOP_ROWS = 0
 # the dot's precision; None: "tf32" for half-precision outputs (S, fp32 sums, rounded to tf32:
 # no coarser than the output's rounding; its LoRA time 1.04-1.22x shorter than "ieee"'s),
 # "ieee" for fp32; "half": S rounded to the output's half dtype, a half-precision dot (fp32 for fp32)
@@ -457,6 +460,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
+        GROUPED_EXPAND_LOOP_ROWS,
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
         ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, HALF_S=expand_half_s(out.dtype), num_warps=GROUPED_EXPAND_WARPS,

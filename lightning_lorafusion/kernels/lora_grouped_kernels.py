@@ -189,19 +189,20 @@ def lora_group_delta(
     return row, m_ok, rank_in, acc
 
 
-@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g"))
+@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g", "loop_rows"))
 def _lora_grouped_expand_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
-    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
+    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, loop_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """out[rows of group t, n block] += their delta of projection g, one rounding to out's
     dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row expand). Column n
     of a row lives at ``(n // head_dim) * out_hstride + n % head_dim`` (a [rows, heads,
-    head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP: the
-    group's rows one after another through the per-row helpers (the per-row kernel's bits; the
-    adapter's B^T tile comes from L1 after the first row); else ``lora_group_delta``'s dot."""
+    head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP, or a
+    group of at most ``loop_rows`` rows: the group's rows one after another through the per-row
+    helpers (the per-row kernel's bits; the adapter's B^T tile comes from L1 after the first
+    row); else ``lora_group_delta``'s dot."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
@@ -210,17 +211,13 @@ def _lora_grouped_expand_kernel(
         n_ok = offs_n < N
         cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
         if ROW_LOOP:
-            for i in range(start, end):
-                row = tl.load(groups_ptr + 2 * groups_stride + i)
-                rank_in, rank, b_off, scale, part_row = lora_row_tables(
-                    b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, g, rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
-                delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                                   MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-                ptrs = out_ptr + row.to(tl.int64) * out_stride + cols
-                live = n_ok & (rank_in > 0)
-                acc = tl.where(rank_in > MAX_R, float("nan"), delta)
-                acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+            _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                             start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                             MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        elif end - start <= loop_rows:
+            _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                             start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                             MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         else:
             row, m_ok, rank_in, delta = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
@@ -232,3 +229,21 @@ def _lora_grouped_expand_kernel(
             live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
             acc = delta + tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                     start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The rows ``perm[start:end]`` one after another: each row's delta added into ``out``."""
+    for i in range(start, end):
+        row = tl.load(groups_ptr + 2 * groups_stride + i)
+        rank_in, rank, b_off, scale, part_row = lora_row_tables(
+            b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, g, rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+        delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                           MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        ptrs = out_ptr + row.to(tl.int64) * out_stride + cols
+        live = n_ok & (rank_in > 0)
+        acc = tl.where(rank_in > MAX_R, float("nan"), delta)
+        acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)

@@ -227,15 +227,19 @@ def grouped_case(dtype, device, rows=37):
     return x, pool, routing, keys, y0
 
 
-@pytest.fixture(params=["row_loop", "dot", "dot_half"])
+@pytest.fixture(params=["row_loop", "dot", "dot_half", "dot_loop3"])
 def expand_form(request, monkeypatch):
     """The grouped expand's forms (``GROUPED_EXPAND_ROW_LOOP``; the dot with fp32 S or, "half",
-    S rounded to the output's dtype: ``GROUPED_EXPAND_DOT``) -> whether it is the row loop."""
+    S rounded to the output's dtype: ``GROUPED_EXPAND_DOT``; "loop3": the dot for groups of
+    more than 3 rows, the row loop for the others, ``GROUPED_EXPAND_LOOP_ROWS``) -> whether it
+    is the row loop."""
     from lightning_lorafusion.kernels import lora_gather as module
 
     monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param == "row_loop")
     if request.param == "dot_half":
         monkeypatch.setattr(module, "GROUPED_EXPAND_DOT", "half")
+    if request.param == "dot_loop3":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_LOOP_ROWS", 3)
     return request.param == "row_loop"
 
 
