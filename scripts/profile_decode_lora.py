@@ -47,35 +47,32 @@ NEVER = 10**9
 # mode -> lora_gather module settings (row bounds and knobs); "base" runs no LoRA
 MODES = {
     "base": {},
-    # today's paths: per row (the engine below GROUPED_MIN_ROWS = 256 rows), the grouped shrink
-    # with per-row expands (from 256 rows)
+    # the engine: per row below GROUPED_MIN_ROWS (256) rows, from there the grouped shrink with
+    # its one-row groups per row, K tiles of 256 in splits of 512, the expands per row
+    "engine": {},
+    # the engine before that: the grouped shrink's K tile and split 512, every group by the dot
+    "before": {"GROUPED_SHRINK_SINGLE_ROWS": False, "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
     "per_row": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None},
-    "shrink_grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None},
-    # the grouped shrink with one-row groups done per row, K tiles of 256 in splits of 512
-    "shrink_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                      "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512},
-    "shrink_hybrid_k512": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None,
-                           "GROUPED_SHRINK_SINGLE_ROWS": True},
-    "shrink_grouped_k256": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 256,
-                            "GROUPED_SHRINK_SPLIT_K": 512},
+    "shrink_grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_SINGLE_ROWS": False,
+                       "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
+    "shrink_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None},
+    "shrink_hybrid_k512": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 512,
+                           "GROUPED_SHRINK_SPLIT_K": 512},
     # the expands grouped too
-    "grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0},
-    "grouped_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                       "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512},
-    "grouped_hybrid_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                            "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512, "GROUPED_EXPAND_DOT": "half"},
-    "grouped_hybrid_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                            "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
-                            "GROUPED_EXPAND_BLOCK_N": 128},
+    "grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": False,
+                "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
+    "grouped_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0},
+    "grouped_hybrid_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half"},
+    "grouped_hybrid_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_BLOCK_N": 128},
     # the expand's groups of at most 1 / 4 rows by the row loop, larger ones by the dot
-    "grouped_hybrid_loop1": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                             "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
-                             "GROUPED_EXPAND_LOOP_ROWS": 1},
-    "grouped_hybrid_loop4": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": True,
-                             "GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 512,
-                             "GROUPED_EXPAND_LOOP_ROWS": 4},
-    # the per-row kernels' blocks and warps (today's: K block 512, 4 warps; expand columns 256, 4 warps)
+    "grouped_hybrid_loop1": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_LOOP_ROWS": 1},
+    "grouped_hybrid_loop4": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_LOOP_ROWS": 4},
+    # the per-row kernels' blocks and warps (the engine's: K block 512, 4 warps; expand columns 256, 4 warps)
+    "per_row_k256": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 256},
     "per_row_k1024": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 1024},
+    "per_row_w8": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_WARPS": 8,
+                   "ROW_EXPAND_WARPS": 8},
+    "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
                      "ROW_EXPAND_WARPS": 8},
 }
@@ -288,19 +285,24 @@ def kernel_tables(rows: list[dict]) -> list[str]:
 
 
 def summary_table(rows: list[dict]) -> list[str]:
-    """One line per case and mode: graph time, its part over base, kernel time, launches."""
-    lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs | × per row | kernels µs "
-             "| launches | max rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    """One line per case and mode: graph time, its part over base (× the per-row path's and × the
+    engine's before, where run), kernel time, launches."""
+    lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
+             "| × per row | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
         base = modes.get("base", {}).get("graph_us")
-        per_row = modes.get("per_row", {}).get("graph_us")
+
+        def lora_us(name):
+            g = modes.get(name, {}).get("graph_us")
+            return None if g is None or base is None else g - base
+
         for m in r["modes"]:
-            g = m.get("graph_us")
-            over = None if g is None or base is None else g - base
-            ratio = None if over is None or per_row is None or per_row == base else over / (per_row - base)
-            lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) | {fmt(r['floor_us'])} | {m['mode']} "
-                         f"| {fmt(g)} | {fmt(over)} | {fmt(ratio, '.2f')} | {fmt(m.get('kernel_us'))} "
+            over = lora_us(m["mode"])
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("per_row", "before")]
+            lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
+                         f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
+                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(m.get('kernel_us'))} "
                          f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
     return lines
 

@@ -89,13 +89,20 @@ GROUP_ROWS = 16
 # rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
 GROUPED_MIN_ROWS = 256
 # the grouped shrink's K tile, K columns per program (a multiple of the tile: fewer partials for
-# the expand to sum) and warps; None: the per-row shrink's K block (tile and split), its warps
+# the expand to sum) and warps; None: on a GPU ``GROUPED_SHRINK_GPU_TILES``, in the interpreter
+# the per-row shrink's K block (tile and split); the per-row shrink's warps
 GROUPED_SHRINK_BLOCK_K: int | None = None
 GROUPED_SHRINK_SPLIT_K: int | None = None
 GROUPED_SHRINK_WARPS: int | None = None
+# (K tile, split) on a GPU: tiles of 256 in splits of 512 (8 partials, as the per-row shrink's
+# K blocks of 512). One 512 tile staged two 16 KB operands for its dot and ran at 0 % estimated
+# occupancy (25 % with 256); H100, docs/BENCHMARKS.md "Where one layer's decode LoRA spends its time"
+GROUPED_SHRINK_GPU_TILES = (256, 512)
 # a group of one row (an adapter alone in the batch) takes the per-row arithmetic inside the
-# grouped shrink instead of a 16-row dot for it
-GROUPED_SHRINK_SINGLE_ROWS = False
+# grouped shrink instead of a 16-row dot for it. With the GPU tiles above, on an H100 the layer's
+# LoRA at 256 rows took 0.75-0.98x the per-row path's time at r=16 (8-128 adapters) against
+# 0.77-1.04x for the grouped shrink before; mixed ranks 4-64 0.79-1.00x against 0.78-1.04x
+GROUPED_SHRINK_SINGLE_ROWS = True
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -415,12 +422,15 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     g, rows = lora.ranks.shape
     k = x.shape[1]
     grouped = takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    split_k = None
     if grouped:  # the grouped kernel's own knobs, where set and the caller set none
-        block_k = block_k or GROUPED_SHRINK_BLOCK_K
+        gpu_tiles = GROUPED_SHRINK_GPU_TILES if x.is_cuda else (None, None)
+        block_k = block_k or GROUPED_SHRINK_BLOCK_K or gpu_tiles[0]
+        split_k = GROUPED_SHRINK_SPLIT_K or gpu_tiles[1]
         num_warps = num_warps or GROUPED_SHRINK_WARPS
     num_warps = num_warps or ROW_SHRINK_WARPS
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
-    split_k = triton.cdiv(GROUPED_SHRINK_SPLIT_K or block_k, block_k) * block_k if grouped else block_k
+    split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
     if grouped:
