@@ -64,10 +64,11 @@ def projection_dims(shape: str) -> list[tuple[int, int]]:
     return [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h), (h, i), (h, i), (i, h)]
 
 
-def layer_step(b: int, a: int, ranks: list[int], args, device, dtype, seed: int = 0) -> dict:
+def layer_step(b: int, a: int, ranks: list[int], args, device, dtype, seed: int = 0, cycle: bool = False) -> dict:
     """``args.layers`` layers' adapter weights for ``a`` adapters (rank ``ranks[i % len]`` on
-    every projection) in one pool, a batch of ``b`` rows drawn among them, and the layer's
-    activations -> everything ``run_layers`` needs."""
+    every projection) in one pool, a batch of ``b`` rows drawn among them (``cycle``: row i
+    takes adapter i % a, S-LoRA's setting), and the layer's activations -> everything
+    ``run_layers`` needs."""
     rng = random.Random(seed)
     dims = projection_dims(args.shape)
     rank_of = [ranks[i % len(ranks)] for i in range(a)]
@@ -80,7 +81,7 @@ def layer_step(b: int, a: int, ranks: list[int], args, device, dtype, seed: int 
             pos += sum(r * (kk + n) for kk, n in dims)
         offsets.append(per_adapter)
     pool = torch.randn(pos, device=device, dtype=dtype) * 0.02
-    row_adapter = [rng.randrange(a) for _ in range(b)]
+    row_adapter = [i % a if cycle else rng.randrange(a) for i in range(b)]
     h, hq, hkv, d, inter = SHAPES[args.shape]
     g = torch.Generator(device=device).manual_seed(seed)
 

@@ -240,19 +240,19 @@ def _swiglu_kernel(
     tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride"))
+@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
 def _swiglu_grouped_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
-    b_g_stride, r_g_stride,
+    b_g_stride, r_g_stride, loop_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
-    B^T read once for its rows: ROW_LOOP, the rows one after another through ``_with_lora``
-    (the per-row kernel's bits, the tile from L1 after the first row); else one dot for them
-    all (``lora_group_delta``), the same roundings per element. Rows in no group are left to
-    the plain launch."""
+    B^T read once for its rows: ROW_LOOP (or a group of at most ``loop_rows`` rows), the rows
+    one after another through ``_with_lora`` (the per-row kernel's bits, the tile from L1 after
+    the first row); else one dot for them all (``lora_group_delta``), the same roundings per
+    element. Rows in no group are left to the plain launch."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
@@ -260,29 +260,24 @@ def _swiglu_grouped_kernel(
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < N
         if ROW_LOOP:
-            for i in range(start, end):
-                lrow = tl.load(groups_ptr + 2 * groups_stride + i)
-                row64 = (first_row + lrow).to(tl.int64)
-                g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
-                u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
-                dtype = g.dtype
-                g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
-                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-                u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
-                               k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-                s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-                tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        elif end - start <= loop_rows:
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         else:
             row, m_ok, rank_g, dg = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             _, _, rank_u, du = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             row64 = (first_row + row).to(tl.int64)[:, None]
             live = m_ok[:, None] & ok[None, :]
             g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
@@ -292,6 +287,29 @@ def _swiglu_grouped_kernel(
             u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
             tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                     scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                     r_g_stride, start, end, offs, ok,
+                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The rows ``perm[start:end]`` one after another through ``_with_lora`` (the per-row kernel's
+    arithmetic)."""
+    for i in range(start, end):
+        lrow = tl.load(groups_ptr + 2 * groups_stride + i)
+        row64 = (first_row + lrow).to(tl.int64)
+        g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+        u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+        dtype = g.dtype
+        g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +438,7 @@ def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num
 
 def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *,
                   lora: GatheredLora | None = None, backend: str = "auto",
-                  block_k: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+                  block_k: int | None = None, block_r: int | None = None, num_warps: int | None = None) -> None:
     """Same contract as ``rope_write_kv_reference``; ``backend``: "torch", "triton" or "auto".
     The Triton path: the q/k/v shrink (if ``lora``), then one launch over (row, Hq + Hkv
     heads); no host read, so it can be captured in a CUDA graph. q, k, v may be strided views
@@ -466,14 +484,14 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
         _rope_kv_kernel[(rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
-            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps,
+            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps or 4,
         )
     return None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None, backend: str = "auto",
            block_n: int | None = None, block_k: int | None = None, block_r: int | None = None,
-           num_warps: int = 4) -> torch.Tensor:
+           num_warps: int | None = None) -> torch.Tensor:
     """Same contract as ``swiglu_reference``; ``backend``: "torch", "triton" or "auto". The
     Triton path: the gate/up shrink (if ``lora``), then one launch over (row, column block);
     gate and up may be column slices of one fused gate|up GEMM output."""
@@ -494,10 +512,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)
-        bn, warps = block_n, num_warps
+        bn, warps = block_n, num_warps or (_gather.ROW_EXPAND_WARPS if with_lora else 4)
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8
-        bn = bn or ((256 if with_lora else 1024) if gate.is_cuda else 32)
+        bn = bn or ((_gather.ROW_EXPAND_BLOCK_N if with_lora else 1024) if gate.is_cuda else 32)
         _swiglu_kernel[(rows, triton.cdiv(n, bn))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
             BLOCK_N=bn, num_warps=warps,
@@ -521,8 +539,9 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
     _swiglu_grouped_kernel[(groups.shape[1], triton.cdiv(n, bn))](
         gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
-        lora.b_offsets.stride(0), lora.ranks.stride(0), MAX_R=MAX_RANK,
+        lora.b_offsets.stride(0), lora.ranks.stride(0), _gather.GROUPED_EXPAND_LOOP_ROWS, MAX_R=MAX_RANK,
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
-        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, num_warps=_gather.GROUPED_EXPAND_WARPS,
+        ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, HALF_S=_gather.expand_half_s(out.dtype),
+        num_warps=_gather.GROUPED_EXPAND_WARPS,
     )

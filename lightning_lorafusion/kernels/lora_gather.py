@@ -73,6 +73,14 @@ def _lora_shrink_kernel(
         tl.store(part_row + r0 + offs_r, tl.sum(a.to(tl.float32) * x[None, :], axis=1), mask=r_ok)
 
 
+# The per-row kernels' blocks on a GPU (module-level so scripts/profile_decode_lora.py can vary
+# them): the shrink's K block and warps, the expand's column block and warps (``lora_gather``'s
+# own expand for o and down; the SwiGLU epilogue's LoRA rows take ``ROW_EXPAND_BLOCK_N`` too)
+ROW_SHRINK_BLOCK_K = 512
+ROW_SHRINK_WARPS = 4
+ROW_EXPAND_BLOCK_N = 256
+ROW_EXPAND_WARPS = 4
+
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
@@ -81,10 +89,20 @@ GROUP_ROWS = 16
 # rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
 GROUPED_MIN_ROWS = 256
 # the grouped shrink's K tile, K columns per program (a multiple of the tile: fewer partials for
-# the expand to sum) and warps; None: the per-row shrink's K block (tile and split), its warps
+# the expand to sum) and warps; None: on a GPU ``GROUPED_SHRINK_GPU_TILES``, in the interpreter
+# the per-row shrink's K block (tile and split); the per-row shrink's warps
 GROUPED_SHRINK_BLOCK_K: int | None = None
 GROUPED_SHRINK_SPLIT_K: int | None = None
 GROUPED_SHRINK_WARPS: int | None = None
+# (K tile, split) on a GPU: tiles of 256 in splits of 512 (8 partials, as the per-row shrink's
+# K blocks of 512). One 512 tile staged two 16 KB operands for its dot and ran at 0 % estimated
+# occupancy (25 % with 256); H100, docs/BENCHMARKS.md "Where one layer's decode LoRA spends its time"
+GROUPED_SHRINK_GPU_TILES = (256, 512)
+# a group of one row (an adapter alone in the batch) takes the per-row arithmetic inside the
+# grouped shrink instead of a 16-row dot for it. With the GPU tiles above, on an H100 the layer's
+# LoRA at 256 rows took 0.75-0.98x the per-row path's time at r=16 (8-128 adapters) against
+# 0.77-1.04x for the grouped shrink before; mixed ranks 4-64 0.79-1.00x against 0.78-1.04x
+GROUPED_SHRINK_SINGLE_ROWS = True
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -100,9 +118,12 @@ GROUPED_EXPAND_WARPS = 4
 # per-row helpers (True: the per-row kernels' bits, B^T's tile from L1 after the first row;
 # measured the slower of the two)
 GROUPED_EXPAND_ROW_LOOP = False
+# the dot form's groups of at most this many rows take the row loop instead (0: none): a
+# group's dot costs the same for 1 row as for 16
+GROUPED_EXPAND_LOOP_ROWS = 0
 # the dot's precision; None: "tf32" for half-precision outputs (S, fp32 sums, rounded to tf32:
 # no coarser than the output's rounding; its LoRA time 1.04-1.22x shorter than "ieee"'s),
-# "ieee" for fp32
+# "ieee" for fp32; "half": S rounded to the output's half dtype, a half-precision dot (fp32 for fp32)
 GROUPED_EXPAND_DOT: str | None = None
 
 
@@ -129,8 +150,16 @@ def takes_groups(rows: int, groups: torch.Tensor | None, bound: int | None) -> b
 
 
 def expand_dot_precision(dtype: torch.dtype) -> str:
-    """The grouped expand's dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
-    return GROUPED_EXPAND_DOT or ("ieee" if dtype == torch.float32 else "tf32")
+    """The grouped expand's fp32 dot precision (``GROUPED_EXPAND_DOT``, or by the output dtype)."""
+    if GROUPED_EXPAND_DOT in (None, "half"):
+        return "ieee" if dtype == torch.float32 else "tf32"
+    return GROUPED_EXPAND_DOT
+
+
+def expand_half_s(dtype: torch.dtype) -> bool:
+    """Whether the grouped expand's dot takes S rounded to a half-precision output's dtype
+    (``GROUPED_EXPAND_DOT`` "half")."""
+    return GROUPED_EXPAND_DOT == "half" and dtype != torch.float32
 
 
 @triton.jit
@@ -376,11 +405,11 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     # H100, 8B shapes, r=16, 16-256 rows (docs/kernels.md): K blocks of
     # 512 and rank blocks of 16 beat 256 / 32 by 1.3-2.1x in the fused epilogues (no masked lanes
     # at r=16, half the programs); mixed ranks 8-64 lost nothing
-    return block_k or (512 if gpu else 32), block_r or (16 if gpu else 16)
+    return block_k or (ROW_SHRINK_BLOCK_K if gpu else 32), block_r or 16
 
 
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
-                num_warps: int = 4) -> tuple[torch.Tensor, int]:
+                num_warps: int | None = None) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
     ``lora_delta``; entries past a row's rank are never written nor read). Rows grouped by
@@ -393,11 +422,15 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     g, rows = lora.ranks.shape
     k = x.shape[1]
     grouped = takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    split_k = None
     if grouped:  # the grouped kernel's own knobs, where set and the caller set none
-        block_k = block_k or GROUPED_SHRINK_BLOCK_K
-        num_warps = GROUPED_SHRINK_WARPS or num_warps
+        gpu_tiles = GROUPED_SHRINK_GPU_TILES if x.is_cuda else (None, None)
+        block_k = block_k or GROUPED_SHRINK_BLOCK_K or gpu_tiles[0]
+        split_k = GROUPED_SHRINK_SPLIT_K or gpu_tiles[1]
+        num_warps = num_warps or GROUPED_SHRINK_WARPS
+    num_warps = num_warps or ROW_SHRINK_WARPS
     block_k, block_r = shrink_blocks(x.device, block_k, block_r)
-    split_k = triton.cdiv(GROUPED_SHRINK_SPLIT_K or block_k, block_k) * block_k if grouped else block_k
+    split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
     if grouped:
@@ -406,7 +439,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps,
+            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
         )
     elif rows:
         _lora_shrink_kernel[(rows, k_blocks, g)](
@@ -437,9 +470,10 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
+        GROUPED_EXPAND_LOOP_ROWS,
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
-        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, num_warps=GROUPED_EXPAND_WARPS,
+        ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, HALF_S=expand_half_s(out.dtype), num_warps=GROUPED_EXPAND_WARPS,
     )
 
 
@@ -450,7 +484,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=4, groups=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -463,7 +497,7 @@ def _lora_gather_triton(
     if rows == 0:
         return result
     _, block_r = shrink_blocks(x.device, block_k, block_r)
-    block_n = block_n or (256 if x.is_cuda else 32)
+    block_n = block_n or (ROW_EXPAND_BLOCK_N if x.is_cuda else 32)
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
@@ -474,6 +508,6 @@ def _lora_gather_triton(
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
-        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps or ROW_EXPAND_WARPS,
     )
     return result

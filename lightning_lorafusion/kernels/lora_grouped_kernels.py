@@ -66,43 +66,85 @@ def _lora_grouped_shrink_kernel(
     x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
     groups_stride, k_blocks,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE_ROWS: tl.constexpr,
 ):
     """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
     K split kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
     loads that adapter's A tile once per rank chunk and writes each row's ``part[g, row, kb]``
     as the per-row kernel does, over the SPLIT_K columns of split kb (a multiple of BLOCK_K,
     walked BLOCK_K at a time: fewer splits, fewer partials for the expand to sum). An empty
-    group (start == end) returns."""
+    group (start == end) returns. SINGLE_ROWS: a group of one row takes the per-row kernel's
+    arithmetic (a sum over K of A * x on the CUDA cores) instead of a 16-row dot for it."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
     g = tl.program_id(2)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
     if end > start:
-        offs_m = start + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
         first = tl.load(groups_ptr + 2 * groups_stride + start)
         rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + first), MAX_R)
         a_off = tl.load(a_off_ptr + g * a_g_stride + first)
-        offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + row[:, None].to(tl.int64) * x_stride
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        offs_r = tl.arange(0, BLOCK_R)
-        part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
-        for r0 in range(0, rank, BLOCK_R):
-            r_ok = r0 + offs_r < rank
-            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
-                        mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-            s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
-            for k0 in range(BLOCK_K, tl.minimum(SPLIT_K, K - kb * SPLIT_K), BLOCK_K):  # (none: SPLIT_K == BLOCK_K)
-                ok = offs_k + k0 < K
-                xk = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
-                a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
-                            mask=r_ok[:, None] & ok[None, :], other=0.0)
-                s += tl.dot(xk, tl.trans(a), input_precision=DOT_PRECISION)
-            tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
+        k_end = tl.minimum(SPLIT_K, K - kb * SPLIT_K)
+        if SINGLE_ROWS:
+            if end - start == 1:
+                _shrink_row(x_ptr, pool_ptr, part_ptr, first, g, kb, rank, a_off, K, k_end, x_stride, rows,
+                            k_blocks, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K)
+            else:
+                _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
+                              x_stride, rows, groups_stride, k_blocks, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
+                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION)
+        else:
+            _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
+                          x_stride, rows, groups_stride, k_blocks, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
+                          BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION)
+
+
+@triton.jit
+def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_stride, rows, k_blocks,
+                MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One row's ``part[g, row, kb, :rank]`` over split kb's K columns (``_lora_shrink_kernel``'s
+    arithmetic, BLOCK_K columns at a time)."""
+    offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_row = x_ptr + row.to(tl.int64) * x_stride
+    part_row = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            ok = offs_k + k0 < K
+            x = tl.load(x_row + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
+            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
+                        mask=r_ok[:, None] & ok[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+        tl.store(part_row + r0 + offs_r, acc, mask=r_ok)
+
+
+@triton.jit
+def _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end, x_stride, rows,
+                  groups_stride, k_blocks, MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The rows ``perm[start:end]``' partial sums: the adapter's A tile read once for them, a dot."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
+    offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + row[:, None].to(tl.int64) * x_stride
+    x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
+    for r0 in range(0, rank, BLOCK_R):
+        r_ok = r0 + offs_r < rank
+        a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
+                    mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
+        for k0 in range(BLOCK_K, k_end, BLOCK_K):  # (none: SPLIT_K == BLOCK_K)
+            ok = offs_k + k0 < K
+            xk = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
+                        mask=r_ok[:, None] & ok[None, :], other=0.0)
+            s += tl.dot(xk, tl.trans(a), input_precision=DOT_PRECISION)
+        tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -110,12 +152,13 @@ def lora_group_delta(
     part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
     groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """The expand half for the rows ``perm[start:end]`` of one group (one adapter, at most
     BLOCK_M) and columns ``offs_n`` of projection g -> (rows ``[BLOCK_M]``, their mask, the
     adapter's rank as given, delta ``[BLOCK_M, len(offs_n)]`` fp32 = ``scale_row * (sum over kb
-    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows."""
+    of part[g, row, kb, :rank]) @ Bt[:rank, offs_n]``): B^T read once for all the rows. HALF_S:
+    the scaled S rounded to B^T's dtype before the dot (a half-precision dot; else tf32 / fp32)."""
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
     row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
@@ -126,33 +169,40 @@ def lora_group_delta(
     scale = tl.load(scale_ptr + row, mask=m_ok, other=0.0)
     part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks) * MAX_R
     offs_r = tl.arange(0, BLOCK_R)
-    offs_kb = tl.arange(0, BLOCK_KB)
-    kb_ok = offs_kb < k_blocks
     acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r_ok = r0 + offs_r < rank
-        part = tl.load(part_rows[:, None, None] + offs_kb[None, :, None] * MAX_R + (r0 + offs_r)[None, None, :],
-                       mask=m_ok[:, None, None] & kb_ok[None, :, None] & r_ok[None, None, :], other=0.0)
-        s = tl.sum(part, axis=1) * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
+        # the partials summed as BLOCK_KB 2-D tiles, unrolled (all loads in flight at once): one
+        # 3-D [BLOCK_M, BLOCK_KB, BLOCK_R] tile reduced over its middle axis spilled registers
+        # with 28 K blocks (down's expand 2-5x the per-row one's time, docs/kernels.md)
+        s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kb in tl.static_range(BLOCK_KB):
+            s += tl.load(part_rows[:, None] + kb * MAX_R + (r0 + offs_r)[None, :],
+                         mask=m_ok[:, None] & r_ok[None, :] & (kb < k_blocks), other=0.0)
+        s = s * scale[:, None]  # [BLOCK_M, BLOCK_R] fp32
         bt = tl.load(pool_ptr + b_off + (r0 + offs_r)[:, None] * N + offs_n[None, :],
                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
+        if HALF_S:  # S rounded to B's (half) dtype: a half-precision tensor-core dot, fp32 sums
+            acc += tl.dot(s.to(bt.dtype), bt)
+        else:
+            acc += tl.dot(s, bt.to(tl.float32), input_precision=DOT_PRECISION)
     return row, m_ok, rank_in, acc
 
 
-@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g"))
+@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g", "loop_rows"))
 def _lora_grouped_expand_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
-    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
+    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, loop_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
     """out[rows of group t, n block] += their delta of projection g, one rounding to out's
     dtype (rows of rank 0 not touched; rank above MAX_R: NaN, as the per-row expand). Column n
     of a row lives at ``(n // head_dim) * out_hstride + n % head_dim`` (a [rows, heads,
-    head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP: the
-    group's rows one after another through the per-row helpers (the per-row kernel's bits; the
-    adapter's B^T tile comes from L1 after the first row); else ``lora_group_delta``'s dot."""
+    head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP, or a
+    group of at most ``loop_rows`` rows: the group's rows one after another through the per-row
+    helpers (the per-row kernel's bits; the adapter's B^T tile comes from L1 after the first
+    row); else ``lora_group_delta``'s dot."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
@@ -161,24 +211,39 @@ def _lora_grouped_expand_kernel(
         n_ok = offs_n < N
         cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
         if ROW_LOOP:
-            for i in range(start, end):
-                row = tl.load(groups_ptr + 2 * groups_stride + i)
-                rank_in, rank, b_off, scale, part_row = lora_row_tables(
-                    b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, g, rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
-                delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                                   MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-                ptrs = out_ptr + row.to(tl.int64) * out_stride + cols
-                live = n_ok & (rank_in > 0)
-                acc = tl.where(rank_in > MAX_R, float("nan"), delta)
-                acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+            _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                             start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                             MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        elif end - start <= loop_rows:
+            _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                             start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                             MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         else:
             row, m_ok, rank_in, delta = lora_group_delta(
                 part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, rows, k_blocks,
                 groups_stride, b_g_stride, r_g_stride, N, offs_n, n_ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION)
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
             delta = tl.where(rank_in > MAX_R, float("nan"), delta)
             ptrs = out_ptr + row[:, None].to(tl.int64) * out_stride + cols[None, :]
             live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
             acc = delta + tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride,
+                     start, end, g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, offs_n, n_ok, cols,
+                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The rows ``perm[start:end]`` one after another: each row's delta added into ``out``."""
+    for i in range(start, end):
+        row = tl.load(groups_ptr + 2 * groups_stride + i)
+        rank_in, rank, b_off, scale, part_row = lora_row_tables(
+            b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, g, rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+        delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                           MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        ptrs = out_ptr + row.to(tl.int64) * out_stride + cols
+        live = n_ok & (rank_in > 0)
+        acc = tl.where(rank_in > MAX_R, float("nan"), delta)
+        acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)

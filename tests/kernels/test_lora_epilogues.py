@@ -319,13 +319,18 @@ def with_groups(lora, ranks, group_rows, wrong=None):
     return replace(lora, groups=groups.to(lora.x.device))
 
 
-@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+@pytest.fixture(params=["row_loop", "dot", "dot_half", "dot_loop1"])
 def grouped_expand(request, monkeypatch):
-    """Every grouped expand taken (row bound 1), in each form, the shrink per row; groups cut
-    at 2 rows."""
+    """Every grouped expand taken (row bound 1), in each form (the dot with S in fp32 or
+    rounded to the output's dtype; "loop1": groups of one row by the row loop, of two by the
+    dot), the shrink per row; groups cut at 2 rows."""
     from lightning_lorafusion.kernels import lora_gather as module
 
-    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param == "row_loop")
+    if request.param == "dot_half":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_DOT", "half")
+    if request.param == "dot_loop1":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_LOOP_ROWS", 1)
     monkeypatch.setattr(module, "GROUPED_EXPAND_MIN_ROWS", 1)
     monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
     monkeypatch.setattr(module, "GROUP_ROWS", 2)

@@ -227,13 +227,20 @@ def grouped_case(dtype, device, rows=37):
     return x, pool, routing, keys, y0
 
 
-@pytest.fixture(params=[True, False], ids=["row_loop", "dot"])
+@pytest.fixture(params=["row_loop", "dot", "dot_half", "dot_loop3"])
 def expand_form(request, monkeypatch):
-    """The grouped expand's two forms (``GROUPED_EXPAND_ROW_LOOP``)."""
+    """The grouped expand's forms (``GROUPED_EXPAND_ROW_LOOP``; the dot with fp32 S or, "half",
+    S rounded to the output's dtype: ``GROUPED_EXPAND_DOT``; "loop3": the dot for groups of
+    more than 3 rows, the row loop for the others, ``GROUPED_EXPAND_LOOP_ROWS``) -> whether it
+    is the row loop."""
     from lightning_lorafusion.kernels import lora_gather as module
 
-    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param)
-    return request.param
+    monkeypatch.setattr(module, "GROUPED_EXPAND_ROW_LOOP", request.param == "row_loop")
+    if request.param == "dot_half":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_DOT", "half")
+    if request.param == "dot_loop3":
+        monkeypatch.setattr(module, "GROUPED_EXPAND_LOOP_ROWS", 3)
+    return request.param == "row_loop"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -325,3 +332,50 @@ def test_grouped_shrink_split_k_gives_the_reference(device, dtype, split_k, monk
     part, k_blocks = module.lora_shrink(module.GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales,
                                                             groups=groups))
     assert k_blocks == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split_k", [None, 64])
+def test_grouped_shrink_single_row_groups_give_the_reference(device, dtype, split_k, monkeypatch):
+    """``GROUPED_SHRINK_SINGLE_ROWS``: groups of one row (adapters alone in the batch, heterogeneous
+    ranks 5 / 16 / 33, a split of two K tiles) take the per-row arithmetic inside the grouped
+    shrink, groups of several rows the dot, rank-0 rows nothing: the reference's result, and the
+    per-row kernels' partial sums for the single rows; a wrong grouping (each row given its
+    neighbour's adapter) is caught."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import GatheredLora, adapter_groups, lora_shrink
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", True)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_K", 32)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", split_k)
+    k, n, ranks = 70, 41, [8, 0, 5, 16, 33, 8, 12]
+    # adapters 2, 3, 4 and 6 one row each, adapter 0 five rows, 5 three, 1 (rank 0) two
+    row_adapter = [0, 2, 0, 1, 3, 0, 5, 4, 0, 5, 1, 6, 5, 0]
+    rows = len(row_adapter)
+    pool, adapters = make_adapters(ranks, k, n, dtype, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, ranks, device)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    keys = [ad + 1 if ranks[ad] else 0 for ad in row_adapter]
+    groups = adapter_groups(keys, rows).to(device)
+    sizes = [e - s for s, e in zip(*groups[:2].tolist()) if e > s]
+    assert sorted(sizes) == [1, 1, 1, 1, 3, 5]
+    y0 = torch.randn(rows, n, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    assert rel_err(got - y0, want - y0) < TOL[dtype]
+    assert torch.equal(got[rk == 0], y0[rk == 0])
+    # the single rows' partial sums are the per-row shrink's over the same K split
+    lora = GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales, groups=groups)
+    part, k_blocks = lora_shrink(lora)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 10**9)
+    ref_part, ref_blocks = lora_shrink(lora, block_k=split_k or 32)
+    assert k_blocks == ref_blocks == (2 if split_k else 3)
+    part, ref_part = (p.view(rows, k_blocks, module.MAX_RANK) for p in (part, ref_part))
+    for i in (1, 4, 7, 11):  # adapters 2, 3, 4, 6: alone
+        r = ranks[row_adapter[i]]
+        torch.testing.assert_close(part[i, :, :r], ref_part[i, :, :r], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
+                      groups=wrong_groups(keys, "shifted").to(device))
+    assert not rel_err(bad - y0, want - y0) <= 0.1

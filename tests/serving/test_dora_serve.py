@@ -58,8 +58,19 @@ def _requests(cases, sampling=GREEDY):
     return [GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sampling) for p, a in cases]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dora_and_lora_batch_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs, hf_reference_of, backend):
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_grouped"])
+def test_dora_and_lora_batch_is_greedy_equal_to_hf_peft(make_engine, model_dir, dora_dirs, hf_reference_of, backend,
+                                                        monkeypatch):
+    """"triton_grouped": the decode rows' LoRA grouped by adapter from the first row (the
+    grouped shrink with its one-row groups per row, the grouped expand with its one-row groups
+    by the row loop): DoRA rows (g * B folded at load) go through it like LoRA rows."""
+    if backend == "triton_grouped":
+        from lightning_lorafusion.kernels import lora_gather
+
+        for name, value in (("GROUPED_MIN_ROWS", 1), ("GROUPED_EXPAND_MIN_ROWS", 1),
+                            ("GROUPED_SHRINK_SINGLE_ROWS", True), ("GROUPED_EXPAND_LOOP_ROWS", 1)):
+            monkeypatch.setattr(lora_gather, name, value)
+        backend = "triton"
     engine = make_engine(with_adapters=False, num_pages=96, page_size=4, backend=backend)
     for name, path in dora_dirs.items():
         engine.add_adapter(name, path)

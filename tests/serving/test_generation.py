@@ -308,17 +308,21 @@ def test_other_families_equal_hf_peft(tmp_path, family, write_random_peft_adapte
         assert list(res.token_ids) == out[0, len(prompt):].tolist(), (family, adapter)
 
 
-@pytest.mark.parametrize("expand_bound", [10**9, 32])
-def test_triton_decode_rows_grouped_by_adapter_equal_torch(make_engine, monkeypatch, expand_bound):
+@pytest.mark.parametrize("expand_bound,single_rows", [(10**9, False), (32, False), (32, True)])
+def test_triton_decode_rows_grouped_by_adapter_equal_torch(make_engine, monkeypatch, expand_bound, single_rows):
     """A decode batch of at least ``GROUPED_MIN_ROWS`` rows (lowered to 32 here, to keep the
     interpreter quick) takes the shrink that reads each adapter's A once for its group of rows
     (rows of one adapter scattered over the batch, base rows among them), and from
     ``GROUPED_EXPAND_MIN_ROWS`` the expands (q/k/v before RoPE, o, gate/up in SwiGLU, down)
-    that read its B once: same tokens and logprobs as the torch references (interpreter, fp32)."""
+    that read its B once (``single_rows``: groups cut at one row, each done per row inside the
+    grouped shrink): same tokens and logprobs as the torch references (interpreter, fp32)."""
     from lightning_lorafusion.kernels import lora_gather
 
     monkeypatch.setattr(lora_gather, "GROUPED_MIN_ROWS", 32)
     monkeypatch.setattr(lora_gather, "GROUPED_EXPAND_MIN_ROWS", expand_bound)
+    monkeypatch.setattr(lora_gather, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
+    if single_rows:
+        monkeypatch.setattr(lora_gather, "GROUP_ROWS", 1)
     GROUPED_MIN_ROWS = 32
     sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
     names = [None, "all4", "attn2", "mlp8"]

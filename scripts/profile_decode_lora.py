@@ -1,0 +1,369 @@
+"""Where one layer's decode LoRA spends its time: every kernel it launches, timed, with its grid and bytes.
+
+The layer is ``bench_decode_groups``' (8B shape by default: the RoPE + KV epilogue with q/k/v's
+LoRA, o's gather, the SwiGLU epilogue with gate/up's LoRA, down's gather; ``--layers`` layers of
+their own adapter weights per pass, so a pass does not find the adapters in L2). For each case
+(B rows over A adapters drawn uniformly, each rank set of ``--rank-sets``) and each mode of
+``MODES`` (the LoRA paths: per row, the grouped shrink, both grouped, and variants of their
+blocks and warps), it prints:
+
+- per layer: the CUDA-graph time (``harness.kernel_ms``), the sum of its kernels' times under
+  ``torch.profiler`` (eager; CUDA kernel events, grid and block from the trace), the launches
+  per layer, and the time over ``base`` (the same kernels without LoRA);
+- per kernel (summed over the layer's launches of it, by the piece of the layer that launched
+  it: qkv, o, gate_up, down): µs per layer, launches, grid, achieved occupancy as the trace
+  estimates it, the bytes it must move (the distinct adapters' A or Bᵀ once, the activations it
+  reads and writes) and those bytes over its time (GB/s), beside the bytes the per-row kernels
+  actually fetch (each row re-reads its adapter: "row bytes", from L2 when adapters repeat).
+
+Every mode's outputs are checked against the per-row path's (``max_rel_diff``).
+
+    PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
+    PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
+        --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+
+from harness import add_device_args, add_output_args, comma_list, device_info, dtype_of, kernel_ms, logger, write_json
+
+import torch  # noqa: E402
+
+import bench_decode_groups as bdg  # noqa: E402
+from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
+from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu  # noqa: E402
+from lightning_lorafusion.kernels.lora_gather import GatheredLora, adapter_groups, lora_gather  # noqa: E402
+
+log = logger("profile_decode_lora")
+
+NEVER = 10**9
+# mode -> lora_gather module settings (row bounds and knobs); "base" runs no LoRA
+MODES = {
+    "base": {},
+    # the engine: per row below GROUPED_MIN_ROWS (256) rows, from there the grouped shrink with
+    # its one-row groups per row, K tiles of 256 in splits of 512, the expands per row
+    "engine": {},
+    # the engine before that: the grouped shrink's K tile and split 512, every group by the dot
+    "before": {"GROUPED_SHRINK_SINGLE_ROWS": False, "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
+    "per_row": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None},
+    "shrink_grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_SINGLE_ROWS": False,
+                       "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
+    "shrink_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None},
+    "shrink_hybrid_k512": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": None, "GROUPED_SHRINK_BLOCK_K": 512,
+                           "GROUPED_SHRINK_SPLIT_K": 512},
+    # the expands grouped too
+    "grouped": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_SHRINK_SINGLE_ROWS": False,
+                "GROUPED_SHRINK_BLOCK_K": 512, "GROUPED_SHRINK_SPLIT_K": 512},
+    "grouped_hybrid": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0},
+    "grouped_hybrid_half": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_DOT": "half"},
+    "grouped_hybrid_n128": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_BLOCK_N": 128},
+    # the expand's groups of at most 1 / 4 rows by the row loop, larger ones by the dot
+    "grouped_hybrid_loop1": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_LOOP_ROWS": 1},
+    "grouped_hybrid_loop4": {"GROUPED_MIN_ROWS": 0, "GROUPED_EXPAND_MIN_ROWS": 0, "GROUPED_EXPAND_LOOP_ROWS": 4},
+    # the per-row kernels' blocks and warps (the engine's: K block 512, 4 warps; expand columns 256, 4 warps)
+    "per_row_k256": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 256},
+    "per_row_k1024": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_BLOCK_K": 1024},
+    "per_row_w8": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_SHRINK_WARPS": 8,
+                   "ROW_EXPAND_WARPS": 8},
+    "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
+    "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
+                     "ROW_EXPAND_WARPS": 8},
+}
+SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
+# (name, projections, input width key, outputs' widths keys) of the layer's four pieces
+PIECES = (("qkv", (0, 1, 2)), ("o", (3,)), ("gate_up", (4, 5)), ("down", (6,)))
+
+
+def apply_mode(mode: str, defaults: dict) -> None:
+    for name in SETTINGS:
+        setattr(lg, name, MODES[mode].get(name, defaults[name]))
+
+
+def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torch.Tensor]:
+    """``bench_decode_groups.run_layers`` with each piece in a ``record_function`` range (the
+    profile maps every kernel to the piece that launched it)."""
+    hq, hkv, d, inter = s["heads"]
+    b, outs = s["b"], []
+
+    def piece(name):
+        return torch.profiler.record_function(f"piece:{name}") if annotate else _Null()
+
+    for t in s["tables"]:
+        def gathered(name, x):
+            return GatheredLora(x, s["pool"], *t[name], s["scales"], groups=groups) if lora else None
+        q, k, v = s["qkv"].split([hq * d, hkv * d, hkv * d], dim=1)
+        with piece("qkv"):
+            rope_write_kv(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), s["cos"], s["sin"], s["kv"], 0,
+                          s["slot_pages"], s["slot_offsets"], lora=gathered("qkv", s["x"]), backend="triton")
+        if lora:
+            with piece("o"):
+                a_off, b_off, rk = t["o"]
+                lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
+                            out=s["o"], backend="triton", groups=groups)
+        with piece("gate_up"):
+            act = swiglu(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]), backend="triton")
+        if lora:
+            with piece("down"):
+                a_off, b_off, rk = t["down"]
+                lora_gather(s["act"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
+                            out=s["down"], backend="triton", groups=groups)
+        outs.append(act)
+    return outs
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def piece_bytes(s: dict, args, row_adapter: list[int], rank_of: list[int], esz: int) -> dict:
+    """Per piece: the distinct adapters' A and Bᵀ bytes, what the per-row kernels fetch of them
+    (every row its own copy), the input's and the outputs' bytes."""
+    dims = bdg.projection_dims(args.shape)
+    distinct = sorted(set(row_adapter))
+    out = {}
+    for name, ps in PIECES:
+        k = dims[ps[0]][0]
+        n = sum(dims[p][1] for p in ps)
+        out[name] = {"a": sum(rank_of[a] for a in distinct) * k * len(ps) * esz,
+                     "b": sum(rank_of[a] for a in distinct) * n * esz,
+                     "a_rows": sum(rank_of[a] for a in row_adapter) * k * len(ps) * esz,
+                     "b_rows": sum(rank_of[a] for a in row_adapter) * n * esz,
+                     "x": len(row_adapter) * k * esz, "y": len(row_adapter) * n * esz}
+    return out
+
+
+def parse_trace(path: str, reps: int, layers: int) -> list[dict]:
+    """The chrome trace's CUDA kernels -> one entry per (piece, kernel name, grid): µs and
+    launches per layer, block, occupancy. A kernel's piece is the ``piece:`` range whose CPU
+    span holds the launch call with the kernel's correlation id."""
+    events = json.load(open(path))["traceEvents"]
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
+                    if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("piece:"))
+    gpu_ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events
+                        if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("piece:"))
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    def piece_of(kernel):
+        ts = launch_ts.get(kernel.get("args", {}).get("correlation"))
+        found = next((p for lo, hi, p in ranges if ts is not None and lo <= ts <= hi), None)
+        # no launch record for it: the GPU-side range its start falls in
+        return found or next((p for lo, hi, p in gpu_ranges if lo <= kernel["ts"] < hi), "?")
+
+    table = defaultdict(lambda: {"us": 0.0, "launches": 0, "occupancy": []})
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        a = e.get("args", {})
+        key = (piece_of(e), e["name"], tuple(a.get("grid", ())), tuple(a.get("block", ())))
+        row = table[key]
+        row["us"] += e["dur"]
+        row["launches"] += 1
+        if "est. achieved occupancy %" in a:
+            row["occupancy"].append(a["est. achieved occupancy %"])
+    per = reps * layers
+    return [{"piece": p, "kernel": name, "grid": list(grid), "block": list(block), "us": v["us"] / per,
+             "launches": v["launches"] / per,
+             "occupancy_pct": sum(v["occupancy"]) / len(v["occupancy"]) if v["occupancy"] else None}
+            for (p, name, grid, block), v in table.items()]
+
+
+def kernel_bytes(k: dict, pieces: dict, lora: bool) -> tuple[int | None, int | None]:
+    """(bytes the kernel must move, bytes the per-row form fetches) from its piece and role: a
+    shrink reads A and x; an expand or epilogue reads Bᵀ and reads + writes the outputs."""
+    p = pieces.get(k["piece"])
+    if p is None:
+        return None, None
+    if "shrink" in k["kernel"]:
+        return p["a"] + p["x"], p["a_rows"] + p["x"]
+    adapters = (p["b"], p["b_rows"]) if lora else (0, 0)
+    return adapters[0] + 2 * p["y"], adapters[1] + 2 * p["y"]
+
+
+def profile_mode(s: dict, mode: str, device, groups, reps: int) -> dict:
+    """Graph time per layer and the profiler's kernels of ``reps`` eager passes."""
+    lora = mode != "base"
+    layers = len(s["tables"])
+    run_layers(s, lora, groups)  # compiles
+    res = {"mode": mode}
+    if device.type != "cuda":
+        return res
+    res["graph_us"] = 1e3 * kernel_ms(lambda: run_layers(s, lora, groups), graph=True) / layers
+    torch.cuda.synchronize()
+    try:
+        kernels = _profiled_kernels(s, lora, groups, reps, layers)
+    except Exception as exc:  # (no CUPTI on the machine): keep the graph time
+        log(f"profiler failed: {type(exc).__name__}: {exc}")
+        return res
+    for k in kernels:
+        k["bytes"], k["row_bytes"] = kernel_bytes(k, s["pieces"], lora)
+        k["gbps"] = k["bytes"] / (k["us"] * 1e3) if k["bytes"] and k["us"] else None
+    res["kernels"] = sorted(kernels, key=lambda k: ("qkv o gate_up down ?".split().index(k["piece"]), -k["us"]))
+    res["kernel_us"] = sum(k["us"] for k in kernels)
+    res["launches"] = sum(k["launches"] for k in kernels)
+    return res
+
+
+def _profiled_kernels(s: dict, lora: bool, groups, reps: int, layers: int) -> list[dict]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run_layers(s, lora, groups, annotate=True)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return parse_trace(path, reps, layers)
+
+
+def outputs(s: dict, groups) -> list[torch.Tensor]:
+    for k in bdg.IN_PLACE:
+        s[k].copy_(s["init"][k])
+    acts = run_layers(s, True, groups)
+    return [s[k].float().clone() for k in ("qkv", "o", "down")] + [a.float() for a in acts]
+
+
+def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, gbps, cycle: bool = False) -> dict:
+    s = bdg.layer_step(b, a, ranks, args, device, dtype, cycle=cycle)
+    s["init"] = {k: s[k].clone() for k in bdg.IN_PLACE}
+    rank_of = [ranks[i % len(ranks)] for i in range(a)]
+    row_adapter = [k - 1 for k in s["keys"]]
+    s["pieces"] = piece_bytes(s, args, row_adapter, rank_of, s["pool"].element_size())
+    groups = adapter_groups(s["keys"], b).to(device)
+    apply_mode("per_row", defaults)
+    want = outputs(s, groups)
+    row = {"rows": b, "adapters": a, "cycled": cycle, "ranks": ",".join(map(str, ranks)),
+           "distinct": len(set(row_adapter)),
+           "adapter_bytes": s["bytes_present"], "floor_us": s["bytes_present"] / (gbps * 1e3) if gbps else None,
+           "modes": []}
+    for mode in args.modes:
+        apply_mode(mode, defaults)
+        res = profile_mode(s, mode, device, groups, args.reps)
+        if mode != "base":
+            got = outputs(s, groups)
+            res["max_rel_diff"] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                                      for g, w in zip(got, want))
+        row["modes"].append(res)
+        log(f"{b}x{a} r={row['ranks']} {mode}: graph {res.get('graph_us')} µs/layer, "
+            f"{res.get('launches')} launches, diff {res.get('max_rel_diff')}")
+    apply_mode("per_row", defaults)
+    return row
+
+
+def fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def kernel_tables(rows: list[dict]) -> list[str]:
+    """Per case and mode: each kernel's line."""
+    lines = []
+    for r in rows:
+        for m in r["modes"]:
+            if not m.get("kernels"):
+                continue
+            lines += [f"\n{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} (ranks {r['ranks']}), {m['mode']}: graph {fmt(m.get('graph_us'))} "
+                      f"µs per layer, kernels {fmt(m.get('kernel_us'))} µs, {fmt(m.get('launches'), '.0f')} launches",
+                      "| piece | kernel | µs | launches | grid | occ % | MB needed | MB per-row | GB/s |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for k in m["kernels"]:
+                lines.append(f"| {k['piece']} | {k['kernel'][:40]} | {k['us']:.1f} | {k['launches']:.0f} | "
+                             f"{'x'.join(map(str, k['grid']))} | {fmt(k['occupancy_pct'], '.0f')} | "
+                             f"{fmt(k['bytes'] and k['bytes'] / 1e6, '.2f')} | "
+                             f"{fmt(k['row_bytes'] and k['row_bytes'] / 1e6, '.2f')} | {fmt(k['gbps'], '.0f')} |")
+    return lines
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    """One line per case and mode: graph time, its part over base (× the per-row path's and × the
+    engine's before, where run), kernel time, launches."""
+    lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
+             "| × per row | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
+    for r in rows:
+        modes = {m["mode"]: m for m in r["modes"]}
+        base = modes.get("base", {}).get("graph_us")
+
+        def lora_us(name):
+            g = modes.get(name, {}).get("graph_us")
+            return None if g is None or base is None else g - base
+
+        for m in r["modes"]:
+            over = lora_us(m["mode"])
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("per_row", "before")]
+            lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
+                         f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
+                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(m.get('kernel_us'))} "
+                         f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
+    return lines
+
+
+def parse_cases(text: str) -> list[tuple[int, int, bool]]:
+    """"64x8,64x64c" -> [(64, 8, False), (64, 64, True)] (rows, adapters, cycled)."""
+    cases = []
+    for c in text.split(","):
+        cycle = c.endswith("c")
+        b, a = c.rstrip("c").split("x")
+        cases.append((int(b), int(a), cycle))
+    return cases
+
+
+def main(argv=None) -> dict:
+    """The profile; the kernels' module settings are put back after it."""
+    defaults = {name: getattr(lg, name) for name in SETTINGS}
+    try:
+        return _main(argv, defaults)
+    finally:
+        for name, value in defaults.items():
+            setattr(lg, name, value)
+
+
+def _main(argv, defaults: dict) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_device_args(ap)
+    ap.add_argument("--tiny", action="store_const", const="tiny", dest="shape", default="8b",
+                    help="a tiny layer (for the interpreter) instead of the 8B shape")
+    ap.add_argument("--cases", type=parse_cases, default=parse_cases("64x64c,64x64,64x8,256x8,256x64"),
+                    help="rows x adapters, comma-separated; a trailing 'c': row i on adapter i %% adapters (every "
+                         "adapter in the batch, S-LoRA's setting), else rows drawn uniformly")
+    ap.add_argument("--rank-sets", type=lambda t: [[int(r) for r in x.split(",")] for x in t.split(";")],
+                    default=[[16], [4, 8, 16, 32, 64]], help="';'-separated rank lists, each cycled over adapters")
+    ap.add_argument("--modes", type=comma_list(tuple(MODES)), default=list(MODES))
+    ap.add_argument("--layers", type=int, default=4, help="layers of their own adapter weights per pass")
+    ap.add_argument("--reps", type=int, default=5, help="profiled passes")
+    ap.add_argument("--stop-s", type=float, default=1e9, help="no new case after this many seconds")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), dtype_of(args.dtype)
+    start = time.monotonic()
+    gbps = bdg.copy_gbps(device)
+    rows = []
+    for ranks in args.rank_sets:
+        for b, a, cycle in args.cases:
+            if time.monotonic() > start + args.stop_s:
+                log(f"--stop-s reached: {b}x{a} r={ranks} not run")
+                continue
+            rows.append(case(args, b, a, ranks, device, dtype, defaults, gbps, cycle))
+            write_json(args.out, "profile_decode_lora.json", {**device_info(device), "args": vars(args),
+                                                              "copy_gbps": gbps, "modes": MODES, "rows": rows})
+    head = f"per layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass, copy {fmt(gbps, '.0f')} GB/s)"
+    text = "\n".join([head] + kernel_tables(rows) + ["", head] + summary_table(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile_decode_lora.md"), "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
