@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .nf4_lookup import nf4_words_to_values
+
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, for few rows), so this one does not import it back.
 
@@ -88,18 +90,27 @@ def _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask,
 @triton.jit
 def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
                  blocks_per_row, dtype: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                 NESTED_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr):
-    """``(W[n, even k], W[n, odd k])`` in ``dtype`` for rows ``rn`` [BLOCK_N] and absmax block
-    columns ``g`` [GROUPS] of those rows: two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
+                 NESTED_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr, ASM: tl.constexpr):
+    """The weight values in ``dtype`` for rows ``rn`` [BLOCK_N] and absmax block columns ``g``
+    [GROUPS] of those rows: ``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order (``CONTIG``), else
+    ``(W[n, even k], W[n, odd k])``, two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
     half: tl.constexpr = BLOCKSIZE // 2
-    rh = tl.arange(0, half)
-    row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * half)
-    mask = n_mask[:, None, None] & g_mask[None, :, None]
-    packed = tl.load(data_ptr + row + (g[None, :, None] * half + rh[None, None, :]), mask=mask, other=0)
-    packed = packed.to(tl.int32)
     blk = rn[:, None] * blocks_per_row + g[None, :]
     scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
-                         NESTED, NESTED_BLOCKSIZE)[:, :, None]
+                         NESTED, NESTED_BLOCKSIZE)
+    mask = n_mask[:, None, None] & g_mask[None, :, None]
+    if LOOKUP == 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
+        words_per_block: tl.constexpr = BLOCKSIZE // 8
+        rw = tl.arange(0, words_per_block)
+        row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * words_per_block)
+        words = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + row + (g[None, :, None] * words_per_block
+                        + rw[None, None, :]), mask=mask, other=0)
+        return nf4_words_to_values(words, scale, code_ptr, dtype, CONTIG, ASM)
+    rh = tl.arange(0, half)
+    row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * half)
+    packed = tl.load(data_ptr + row + (g[None, :, None] * half + rh[None, None, :]), mask=mask, other=0)
+    packed = packed.to(tl.int32)
+    scale = scale[:, :, None]
     if LOOKUP == 3:  # each block's 16 final values, code * absmax rounded once, then one gather per value
         table = (tl.load(code_ptr + tl.arange(0, 16))[None, None, :] * scale).to(dtype)
         hi = tl.gather(table, packed >> 4, 2)
@@ -107,7 +118,10 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
     else:
         hi = (_code(packed >> 4, code_ptr, LOOKUP) * scale).to(dtype)
         lo = (_code(packed & 15, code_ptr, LOOKUP) * scale).to(dtype)
-    return hi, lo
+    if CONTIG:
+        return tl.reshape(tl.join(hi, lo), (hi.shape[0], hi.shape[1] * BLOCKSIZE))
+    else:
+        return hi, lo
 
 
 @triton.jit
@@ -132,6 +146,38 @@ def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, h
 
 
 @triton.jit
+def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
+                     GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` over one loop step, ``W`` in ``k`` order: ``X`` is read
+    as it lies (straight into the dot's operand)."""
+    kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
+    x_mask = m_mask[:, None] & (kk < g_end * BLOCKSIZE)[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
+    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemv_contig(acc, acc3, w, x_ptr, m0, M, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
+                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Multiply-adds of rows ``m0 ..`` of ``X`` against ``W`` in ``k`` order: one row into the
+    per-lane ``acc3`` (reduced after the loop), several summed per step into ``acc``."""
+    kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
+    k_mask = kk < g_end * BLOCKSIZE
+    w = w.to(tl.float32)
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + m0.to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 < M), other=0.0)
+        acc3 = tl.fma(w, x.to(tl.float32)[None, :], acc3)
+    else:
+        cols = tl.arange(0, BLOCK_M)
+        for i in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + (m0 + i).to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 + i < M),
+                        other=0.0)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
+    return acc, acc3
+
+
+@triton.jit
 def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half: tl.constexpr,
                GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]``: each of rows ``m0 ..`` of ``X`` against the weight tile by
@@ -152,8 +198,8 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
                        M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
                        BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       CONTIG: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
     fp32 partial sum into ``out[pid_k]``."""
@@ -166,25 +212,33 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
     g_start = pid_k * blocks_per_split
     g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)  # GEMV of one row: per-lane sums
+    if CONTIG:  # GEMV of one row: per-lane sums
+        acc3 = tl.zeros((BLOCK_N, GROUPS * BLOCKSIZE), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
         g_mask = g < g_end
-        hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
-                              g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP)
-        if USE_DOT:
-            acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
-                            DOT_PRECISION)
-        elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
-            x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
-                                     half, GROUPS)
-            acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
-            acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
+        if CONTIG:
+            w = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
+                             blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG, ASM)
+            if USE_DOT:
+                acc = _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE,
+                                       GROUPS, DOT_PRECISION)
+            else:
+                acc, acc3 = _gemv_contig(acc, acc3, w, x_ptr, pid_m * BLOCK_M, M, g0, g_end, stride_xm, stride_xk,
+                                         BLOCKSIZE, GROUPS, BLOCK_M)
         else:
-            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
-                             BLOCK_M)
+            hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
+                                  g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG,
+                                  ASM)
+            acc, acc3 = _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm,
+                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION)
     if not USE_DOT and BLOCK_M == 1:
-        acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
+        if CONTIG:
+            acc = tl.reshape(tl.sum(acc3, axis=1), (BLOCK_N, 1))
+        else:
+            acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
     out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
@@ -193,6 +247,25 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm, stride_xk,
+                half: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One loop step with the weight as even and odd ``k``: dots, or multiply-adds."""
+    if USE_DOT:
+        acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
+                        DOT_PRECISION)
+    elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
+        x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
+                                 half, GROUPS)
+        acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
+        acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
+    else:
+        acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
+                         BLOCK_M)
+    return acc, acc3
 
 
 @triton.jit
@@ -216,9 +289,12 @@ class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
     ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
     as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
-    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects) or 3 (per-block
-    tables of final values), ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M``
-    rounded up to a power of two >= 16 for dots)."""
+    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects), 3 (per-block
+    tables of final values, gathered) or 4 (per-block tables looked up by byte permutes,
+    ``nf4_lookup``; 16-bit activations: fp32 ones take 2), ``contiguous`` (the weight tile in
+    ``k`` order, ``X`` read as it lies; else even and odd ``k`` apart, ``X`` split to match),
+    ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two
+    >= 16 for dots)."""
 
     block_n: int = 128
     groups: int = 2
@@ -227,6 +303,7 @@ class DecodeConfig:
     use_dot: bool = True
     lookup: int = 2
     block_m: int = 0
+    contiguous: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -297,6 +374,9 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
     cfg = config or default_config(x.shape[0])
     _check(x, w)
     m = x.shape[0]
+    lookup = cfg.lookup
+    if lookup == 4 and (x.dtype == torch.float32 or w.data.data_ptr() % 4 or not w.data.is_contiguous()):
+        lookup = 2  # byte permutes build 16-bit values from 32-bit words of codes
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -313,7 +393,8 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
     _nf4_decode_kernel[grid](
         x, *wargs, bias if bias is not None else y, out, m, n, blocks_per_row, per_split, x.stride(0), x.stride(1),
         n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=cfg.lookup, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=lookup, CONTIG=cfg.contiguous, ASM=x.is_cuda,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if split > 1:
