@@ -339,12 +339,14 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
 
 def default_config(m: int) -> DecodeConfig:
     """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
-    kernel", measured on an H100 at the 8B projection shapes)."""
-    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM: 0.81-0.83x bf16 on the big shapes
-        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+    kernel", measured on an H100 at the 8B projection shapes): the byte-permute lookup, the
+    weight tile in ``k`` order."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM
+        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4, lookup=4, contiguous=True)
     if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
-        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
+        return DecodeConfig(block_n=128, num_warps=8, num_stages=4, lookup=4, contiguous=True)
+    return DecodeConfig(block_n=128, num_warps=8, num_stages=3, block_m=32 if m <= 32 else 64, lookup=4,
+                        contiguous=True)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
