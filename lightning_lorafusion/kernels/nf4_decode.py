@@ -147,13 +147,16 @@ def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, h
 
 @triton.jit
 def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
-                     GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` over one loop step, ``W`` in ``k`` order: ``X`` is read
-    as it lies (straight into the dot's operand)."""
+                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` (or ``XW``: ``Y [BLOCK_M, BLOCK_N] += X W^T``) over one
+    loop step, ``W`` in ``k`` order: ``X`` is read as it lies (straight into the dot's operand)."""
     kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
     x_mask = m_mask[:, None] & (kk < g_end * BLOCKSIZE)[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
-    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    if XW:
+        return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -198,7 +201,8 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
                        M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
                        BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
-                       CONTIG: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CONTIG: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr,
                        GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
@@ -211,7 +215,10 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
     n_mask, m_mask = rn < N, rm < M
     g_start = pid_k * blocks_per_split
     g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if XW:  # Y = X W^T: the weight tile as the dot's second operand (read from shared memory)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if CONTIG:  # GEMV of one row: per-lane sums
         acc3 = tl.zeros((BLOCK_N, GROUPS * BLOCKSIZE), dtype=tl.float32)
     else:
@@ -224,7 +231,7 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
                              blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG, ASM)
             if USE_DOT:
                 acc = _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE,
-                                       GROUPS, DOT_PRECISION)
+                                       GROUPS, XW, DOT_PRECISION)
             else:
                 acc, acc3 = _gemv_contig(acc, acc3, w, x_ptr, pid_m * BLOCK_M, M, g0, g_end, stride_xm, stride_xk,
                                          BLOCKSIZE, GROUPS, BLOCK_M)
@@ -234,6 +241,8 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
                                   ASM)
             acc, acc3 = _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm,
                                     stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION)
+    if XW:
+        acc = tl.trans(acc)
     if not USE_DOT and BLOCK_M == 1:
         if CONTIG:
             acc = tl.reshape(tl.sum(acc3, axis=1), (BLOCK_N, 1))
@@ -294,7 +303,8 @@ class DecodeConfig:
     ``nf4_lookup``; 16-bit activations: fp32 ones take 2), ``contiguous`` (the weight tile in
     ``k`` order, ``X`` read as it lies; else even and odd ``k`` apart, ``X`` split to match),
     ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two
-    >= 16 for dots)."""
+    >= 16 for dots), ``x_first`` (dots in ``k`` order: ``Y = X W^T``, the weight tile the second
+    operand, which the GPU's MMA reads from shared memory; else ``Y^T = W X^T``)."""
 
     block_n: int = 128
     groups: int = 2
@@ -304,6 +314,7 @@ class DecodeConfig:
     lookup: int = 2
     block_m: int = 0
     contiguous: bool = False
+    x_first: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -396,8 +407,7 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
         x, *wargs, bias if bias is not None else y, out, m, n, blocks_per_row, per_split, x.stride(0), x.stride(1),
         n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
         PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=lookup, CONTIG=cfg.contiguous, ASM=x.is_cuda,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if split > 1:
         block = 1024

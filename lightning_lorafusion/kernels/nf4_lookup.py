@@ -5,8 +5,9 @@ in ``H0..H3``); then every 32-bit word of packed codes (8 values) is looked up w
 (PTX byte permute: any 4 bytes of 2 registers, picked by 4 nibbles, which are our codes).
 
 Per word: 8 permutes pick the low and high bytes of codes 0-7 and 8-15 for 4 codes at a time,
-2 more choose between them by each code's bit 3, 2 pair the bytes into two 16-bit values, about
-2.9 instructions per value against ~7.5 for the codebook gathered in registers. On CUDA it is
+4 bitwise selects choose between them by each code's bit 3 (masks built by 2 more permutes in
+their sign-copying mode), 4 pair the bytes into 16-bit values: 22 instructions per 8 values
+against ~7.5 per value for the codebook gathered in registers. On CUDA it is
 inline PTX; under the Triton interpreter (no PTX) the same steps run as integer operations
 (``_prmt``), so the interpreter tests check the selector arithmetic the PTX uses.
 
@@ -33,19 +34,17 @@ def _table_asm(cvt: str) -> str:
     return "{\n.reg .b32 p<8>;\n" + pack + split + "}"
 
 
-def _half_asm(src: str, outs: tuple[int, int, int, int], pair: tuple[int, int]) -> str:
-    """4 codes (nibbles 0-3 of ``src``) -> 4 16-bit outputs: ``outs`` are their operand numbers."""
+def _half_asm(a: str, b: str, mask: str, outs: tuple[int, int, int, int], pair: tuple[int, int]) -> str:
+    """4 codes -> 4 16-bit outputs (operands ``outs``): ``a`` selects them among values 0-7
+    (codes 8-15 select garbage there), ``b`` (bit 3 flipped) among 8-15, ``mask`` has 0xFF in the
+    bytes whose code is 8-15."""
     o = outs
-    return (f"and.b32 s, {src}, 0x7777;\n"
-            f"shr.u32 m, {src}, 1;\n"
-            "and.b32 m, m, 0x4444;\n"
-            "or.b32 m, m, 0x3210;\n"
-            "prmt.b32 a, $9, $10, s;\n"
-            "prmt.b32 b, $11, $12, s;\n"
-            "prmt.b32 lo, a, b, m;\n"
-            "prmt.b32 a, $13, $14, s;\n"
-            "prmt.b32 b, $15, $16, s;\n"
-            "prmt.b32 hi, a, b, m;\n"
+    return (f"prmt.b32 x, $9, $10, {a};\n"
+            f"prmt.b32 y, $11, $12, {b};\n"
+            f"lop3.b32 lo, x, y, {mask}, 0xD8;\n"  # (x & ~mask) | (y & mask): 0xF0 & ~0xAA | 0xCC & 0xAA
+            f"prmt.b32 x, $13, $14, {a};\n"
+            f"prmt.b32 y, $15, $16, {b};\n"
+            f"lop3.b32 hi, x, y, {mask}, 0xD8;\n"
             f"prmt.b32 q, lo, hi, {pair[0]:#06x};\n"
             f"mov.b32 {{${o[0]}, ${o[1]}}}, q;\n"
             f"prmt.b32 q, lo, hi, {pair[1]:#06x};\n"
@@ -53,10 +52,18 @@ def _half_asm(src: str, outs: tuple[int, int, int, int], pair: tuple[int, int]) 
 
 
 def _lookup_asm(pair: tuple[int, int]) -> str:
-    return ("{\n.reg .b32 s, m, a, b, lo, hi, q, w;\n"
-            + _half_asm("$8", (0, 1, 2, 3), pair)
-            + "shr.u32 w, $8, 16;\n"
-            + _half_asm("w", (4, 5, 6, 7), pair) + "}")
+    """``$8``: the word; nibbles 0-3 then 4-7 (``prmt`` reads a selector's low 16 bits). A
+    selector nibble with bit 3 set replicates a byte's sign bit, which builds the masks: bit 3
+    of nibble 2i+1 is bit 7 of byte i of the word, of nibble 2i bit 7 of byte i of ``word << 4``."""
+    return ("{\n.reg .b32 wb, sh, ma, mb, a, b, x, y, lo, hi, q;\n"
+            "xor.b32 wb, $8, 0x88888888;\n"
+            "shl.b32 sh, $8, 4;\n"
+            "prmt.b32 ma, sh, $8, 0xD9C8;\n"
+            "prmt.b32 mb, sh, $8, 0xFBEA;\n"
+            + _half_asm("$8", "wb", "ma", (0, 1, 2, 3), pair)
+            + "shr.u32 a, $8, 16;\n"
+            + "shr.u32 b, wb, 16;\n"
+            + _half_asm("a", "b", "mb", (4, 5, 6, 7), pair) + "}")
 
 
 TABLE_ASM_BF16 = tl.constexpr(_table_asm("bf16x2"))
@@ -69,12 +76,16 @@ _LOOKUP_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
 
 @triton.jit
 def _prmt(a, b, s):
-    """PTX ``prmt.b32`` (default mode, selector nibbles 0-7) on uint32 tensors, in integer steps."""
+    """PTX ``prmt.b32`` (default mode) on uint32 tensors, in integer steps: result byte ``i`` is
+    byte ``n & 7`` of ``b:a`` for selector nibble ``n = s >> 4i``, or with ``n & 8`` that byte's
+    sign bit copied to all 8 bits."""
     out = tl.zeros_like(a)
     for i in tl.static_range(4):
-        sel = (s >> (4 * i)) & 7
-        src = tl.where(sel < 4, a, b)
-        out |= ((src >> ((sel & 3) * 8)) & 0xFF) << (8 * i)
+        sel = (s >> (4 * i)) & 15
+        src = tl.where((sel & 7) < 4, a, b)
+        byte = (src >> ((sel & 3) * 8)) & 0xFF
+        byte = tl.where((sel & 8) != 0, tl.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte.to(tl.uint32) << (8 * i)
     return out
 
 
@@ -122,13 +133,12 @@ def block_tables(code_ptr, scale, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _half_emulated(w, l0, l1, l2, l3, h0, h1, h2, h3, PAIR0: tl.constexpr, PAIR1: tl.constexpr):
-    s = w & 0x7777
-    m = ((w >> 1) & 0x4444) | 0x3210
-    lo = _prmt(_prmt(l0, l1, s), _prmt(l2, l3, s), m)
-    hi = _prmt(_prmt(h0, h1, s), _prmt(h2, h3, s), m)
-    q0 = _prmt(lo, hi, tl.full(w.shape, PAIR0, tl.uint32))
-    q1 = _prmt(lo, hi, tl.full(w.shape, PAIR1, tl.uint32))
+def _half_emulated(a, b, mask, l0, l1, l2, l3, h0, h1, h2, h3, PAIR0: tl.constexpr, PAIR1: tl.constexpr):
+    keep = mask ^ 0xFFFFFFFF
+    lo = (_prmt(l0, l1, a) & keep) | (_prmt(l2, l3, b) & mask)
+    hi = (_prmt(h0, h1, a) & keep) | (_prmt(h2, h3, b) & mask)
+    q0 = _prmt(lo, hi, tl.full(a.shape, PAIR0, tl.uint32))
+    q1 = _prmt(lo, hi, tl.full(a.shape, PAIR1, tl.uint32))
     return (q0 & 0xFFFF).to(tl.uint16), (q0 >> 16).to(tl.uint16), (q1 & 0xFFFF).to(tl.uint16), \
         (q1 >> 16).to(tl.uint16)
 
@@ -150,8 +160,13 @@ def lookup_words(words, l0, l1, l2, l3, h0, h1, h2, h3, dtype: tl.constexpr, SPL
                           tl.broadcast_to(h2, words.shape), tl.broadcast_to(h3, words.shape))
         p0: tl.constexpr = 0x7351 if SPLIT else 0x4051
         p1: tl.constexpr = 0x6240 if SPLIT else 0x6273
-        o0, o1, o2, o3 = _half_emulated(words, l0, l1, l2, l3, h0, h1, h2, h3, p0, p1)
-        o4, o5, o6, o7 = _half_emulated(words >> 16, l0, l1, l2, l3, h0, h1, h2, h3, p0, p1)
+        words = words.to(tl.uint32, bitcast=True)
+        flipped = words ^ 0x88888888
+        shifted = words << 4
+        mask_lo = _prmt(shifted, words, tl.full(words.shape, 0xD9C8, tl.uint32))
+        mask_hi = _prmt(shifted, words, tl.full(words.shape, 0xFBEA, tl.uint32))
+        o0, o1, o2, o3 = _half_emulated(words, flipped, mask_lo, l0, l1, l2, l3, h0, h1, h2, h3, p0, p1)
+        o4, o5, o6, o7 = _half_emulated(words >> 16, flipped >> 16, mask_hi, l0, l1, l2, l3, h0, h1, h2, h3, p0, p1)
     return (o0.to(dtype, bitcast=True), o1.to(dtype, bitcast=True), o2.to(dtype, bitcast=True),
             o3.to(dtype, bitcast=True), o4.to(dtype, bitcast=True), o5.to(dtype, bitcast=True),
             o6.to(dtype, bitcast=True), o7.to(dtype, bitcast=True))
@@ -162,7 +177,15 @@ def nf4_words_to_values(words, scale, code_ptr, dtype: tl.constexpr, CONTIG: tl.
     """``words`` uint32 ``[R, G, W]`` (``W`` words of each of ``R x G`` absmax blocks, ``scale``
     fp32 ``[R, G]``) -> the values in ``dtype``: ``[R, G * 8 W]`` in ``k`` order (``CONTIG``), or
     ``(even k, odd k)``, two ``[R, G, 4 W]``."""
-    l0, l1, l2, l3, h0, h1, h2, h3 = block_tables(code_ptr, scale, dtype, ASM)
+    # the scale taken to the words' layout (an identity tied to them on CUDA) and reduced back
+    # over the words: the tables are then built where their words are, not moved there (a
+    # shared-memory round trip and two barriers for each of the 8 registers)
+    if ASM:
+        tied = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [scale[:, :, None], words], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        tied = tl.broadcast_to(scale[:, :, None], words.shape)
+    l0, l1, l2, l3, h0, h1, h2, h3 = block_tables(code_ptr, tl.max(tied, axis=2), dtype, ASM)
     l0, l1, l2, l3 = l0[:, :, None], l1[:, :, None], l2[:, :, None], l3[:, :, None]
     h0, h1, h2, h3 = h0[:, :, None], h1[:, :, None], h2[:, :, None], h3[:, :, None]
     o0, o1, o2, o3, o4, o5, o6, o7 = lookup_words(words, l0, l1, l2, l3, h0, h1, h2, h3, dtype, not CONTIG, ASM)
