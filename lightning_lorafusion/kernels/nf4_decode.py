@@ -356,8 +356,8 @@ def default_config(m: int) -> DecodeConfig:
         return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4, lookup=4, contiguous=True)
     if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
         return DecodeConfig(block_n=128, num_warps=8, num_stages=4, lookup=4, contiguous=True)
-    return DecodeConfig(block_n=128, num_warps=8, num_stages=3, block_m=32 if m <= 32 else 64, lookup=4,
-                        contiguous=True)
+    # Y = X W^T: the weight tile is the MMA's shared-memory operand, rows padded to Hopper's 64
+    return DecodeConfig(block_n=128, num_warps=8, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
