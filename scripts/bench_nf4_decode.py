@@ -180,22 +180,26 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
     ``W`` x warps, stages, programs per SM; the register gather (2) in ``k`` order to tell the
     two changes apart."""
     p4 = DecodeConfig(lookup=4, contiguous=True)
-    xw = replace(p4, x_first=True, block_n=128, num_warps=8, num_stages=3, block_m=64)
+    xw = replace(p4, x_first=True, block_n=128, num_warps=4, num_stages=3, block_m=64)
     if m == 1:
         gemv = replace(p4, block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
-        out = [gemv, replace(gemv, contiguous=False), replace(gemv, fill=4), replace(gemv, block_n=32),
-               replace(gemv, block_n=128, num_warps=8), xw, replace(xw, block_n=64, num_warps=4),
-               replace(xw, block_m=16, num_stages=4), replace(p4, block_n=128, num_warps=8, num_stages=4),
-               replace(gemv, lookup=2)]
+        out = [gemv, replace(gemv, contiguous=False), replace(gemv, groups=4), replace(gemv, groups=4, contiguous=False),
+               replace(gemv, block_n=32), replace(gemv, block_n=32, contiguous=False), replace(gemv, fill=12),
+               replace(gemv, num_stages=3), xw, replace(xw, block_n=64), replace(xw, num_warps=8),
+               replace(xw, block_m=16), replace(xw, fill=4), replace(p4, block_n=128, num_warps=4, num_stages=3),
+               replace(gemv, lookup=2, contiguous=False)]
     elif m <= 16:
-        dot = replace(p4, block_n=128, num_warps=8, num_stages=4)
-        out = [dot, replace(dot, contiguous=False), replace(xw, block_m=16, num_stages=4), xw,
-               replace(xw, block_n=64, num_warps=4), replace(dot, block_n=64, num_warps=4, num_stages=3),
-               replace(dot, block_n=256, num_stages=3), replace(dot, fill=4), replace(dot, lookup=2)]
+        dot = replace(p4, block_n=128, num_warps=4, num_stages=3)
+        out = [dot, replace(dot, block_n=64), replace(dot, num_stages=4), replace(dot, fill=4), replace(dot, groups=4),
+               xw, replace(xw, block_m=16), replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=4),
+               replace(xw, block_n=256, num_warps=8), replace(dot, contiguous=False),
+               replace(dot, block_n=128, num_warps=8, num_stages=4), replace(dot, lookup=2)]
     else:
-        out = [xw, replace(xw, x_first=False), replace(xw, block_n=64, num_warps=4),
-               replace(xw, block_n=256, num_stages=2), replace(xw, num_stages=4), replace(xw, fill=4),
-               replace(xw, x_first=False, contiguous=False), replace(xw, block_m=32), replace(xw, lookup=2)]
+        dot = replace(p4, block_n=64, num_warps=4, num_stages=3, block_m=64)
+        out = [dot, replace(dot, num_stages=4), replace(dot, fill=1), replace(dot, fill=4), replace(dot, block_n=32),
+               replace(dot, groups=4), xw, replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
+               replace(xw, block_n=256, num_warps=8), replace(xw, num_stages=4), replace(dot, contiguous=False),
+               replace(dot, lookup=2)]
     return [c for c in dict.fromkeys(out) if c != default_config(m)]
 
 

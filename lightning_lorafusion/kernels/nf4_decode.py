@@ -350,14 +350,12 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
 
 def default_config(m: int) -> DecodeConfig:
     """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
-    kernel", measured on an H100 at the 8B projection shapes): the byte-permute lookup, the
-    weight tile in ``k`` order."""
-    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM
-        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4, lookup=4, contiguous=True)
-    if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
-        return DecodeConfig(block_n=128, num_warps=8, num_stages=4, lookup=4, contiguous=True)
-    # Y = X W^T: the weight tile is the MMA's shared-memory operand, rows padded to Hopper's 64
-    return DecodeConfig(block_n=128, num_warps=8, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
+    kernel", measured on an H100 at the 8B projection shapes): the byte-permute lookup."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM, even/odd k apart
+        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4, lookup=4)
+    if m <= 16:  # dots on 16 rows, 128 rows of W by 4 warps, 3 stages of the weight in flight
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3, lookup=4, contiguous=True)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
