@@ -177,29 +177,31 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
     """Candidate tilings beside ``default_config(m)``: the byte-permute lookup (4) with the
     weight in ``k`` order or even/odd apart, GEMV against dots, ``Y = X W^T`` (``x_first``: the
     weight the MMA's shared-memory operand, rows padded to 64 for Hopper's wgmma or 16), rows of
-    ``W`` x warps, stages, programs per SM; the register gather (2) in ``k`` order to tell the
-    two changes apart."""
+    ``W`` x warps, stages, programs per SM, split-K summed in the same launch (``fused_sum``);
+    the register gather (2) to tell the lookup's share apart."""
     p4 = DecodeConfig(lookup=4, contiguous=True)
     xw = replace(p4, x_first=True, block_n=128, num_warps=4, num_stages=3, block_m=64)
     if m == 1:
         gemv = replace(p4, block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
-        out = [gemv, replace(gemv, contiguous=False), replace(gemv, groups=4), replace(gemv, groups=4, contiguous=False),
+        out = [gemv, replace(gemv, contiguous=False), replace(gemv, groups=4),
+               replace(gemv, groups=4, contiguous=False),
                replace(gemv, block_n=32), replace(gemv, block_n=32, contiguous=False), replace(gemv, fill=12),
                replace(gemv, num_stages=3), xw, replace(xw, block_n=64), replace(xw, num_warps=8),
                replace(xw, block_m=16), replace(xw, fill=4), replace(p4, block_n=128, num_warps=4, num_stages=3),
-               replace(gemv, lookup=2, contiguous=False)]
+               replace(gemv, contiguous=False, fused_sum=True), replace(gemv, lookup=2, contiguous=False)]
     elif m <= 16:
         dot = replace(p4, block_n=128, num_warps=4, num_stages=3)
         out = [dot, replace(dot, block_n=64), replace(dot, num_stages=4), replace(dot, fill=4), replace(dot, groups=4),
                xw, replace(xw, block_m=16), replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=4),
                replace(xw, block_n=256, num_warps=8), replace(dot, contiguous=False),
-               replace(dot, block_n=128, num_warps=8, num_stages=4), replace(dot, lookup=2)]
+               replace(dot, block_n=128, num_warps=8, num_stages=4), replace(dot, fused_sum=True),
+               replace(dot, lookup=2)]
     else:
         dot = replace(p4, block_n=64, num_warps=4, num_stages=3, block_m=64)
         out = [dot, replace(dot, num_stages=4), replace(dot, fill=1), replace(dot, fill=4), replace(dot, block_n=32),
                replace(dot, groups=4), xw, replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
                replace(xw, block_n=256, num_warps=8), replace(xw, num_stages=4), replace(dot, contiguous=False),
-               replace(dot, lookup=2)]
+               replace(dot, fused_sum=True), replace(dot, lookup=2)]
     return [c for c in dict.fromkeys(out) if c != default_config(m)]
 
 
@@ -254,7 +256,8 @@ def measure_engine(args, device, dtype) -> list[dict]:
 def _knobs(c: dict) -> str:
     dot = ("xw" if c.get("x_first") else "dot") if c["use_dot"] else "gemv"
     return (f"l{c['lookup']}{'c' if c['contiguous'] else 's'} {dot} n{c['block_n']} "
-            f"g{c['groups']} w{c['num_warps']} s{c['num_stages']} f{c['fill']}" + (f" m{c['block_m']}" if c['block_m'] else ""))
+            f"g{c['groups']} w{c['num_warps']} s{c['num_stages']} f{c['fill']}"
+            + (f" m{c['block_m']}" if c['block_m'] else "") + (" fs" if c.get("fused_sum") else ""))
 
 
 def print_tables(report: dict, args) -> None:

@@ -198,15 +198,16 @@ def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half:
 
 @triton.jit
 def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, out_ptr,
-                       M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
-                       BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
-                       CONTIG: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr,
+                       y_ptr, count_ptr, M, N, blocks_per_row, blocks_per_split, splits, stride_xm, stride_xk,
+                       stride_om, stride_os, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                       NESTED_BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                       FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr,
+                       ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
-    fp32 partial sum into ``out[pid_k]``."""
+    fp32 partial sum into ``out[pid_k]``; with ``FUSED_SUM`` the tile's last program to finish
+    (``count_ptr``: zeroed counters, one per tile) sums the ``splits`` partials into ``y``."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     half: tl.constexpr = BLOCKSIZE // 2
     dtype = x_ptr.dtype.element_ty
@@ -252,10 +253,33 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
         tl.store(out, acc, mask=mask)
+        if FUSED_SUM:
+            _sum_if_last(out_ptr, y_ptr, bias_ptr, count_ptr + pid_m * tl.num_programs(0) + pid_n, splits, rn, rm,
+                         mask, n_mask, stride_om, stride_os, HAS_BIAS, ASM)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_if_last(part_ptr, y_ptr, bias_ptr, count_ptr, splits, rn, rm, mask, n_mask, stride_om, stride_os,
+                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    """Count this program's partial in (each thread's stores made visible first); the program
+    that counts last sums the tile's partials in split order (as ``_split_sum_kernel``) into
+    ``y``. Saves the second launch of split-K."""
+    if ASM:  # every thread: its partial visible at GPU scope before the count
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [rn], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        offs = rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        total = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(part_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -304,7 +328,8 @@ class DecodeConfig:
     ``k`` order, ``X`` read as it lies; else even and odd ``k`` apart, ``X`` split to match),
     ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two
     >= 16 for dots), ``x_first`` (dots in ``k`` order: ``Y = X W^T``, the weight tile the second
-    operand, which the GPU's MMA reads from shared memory; else ``Y^T = W X^T``)."""
+    operand, which the GPU's MMA reads from shared memory; else ``Y^T = W X^T``), ``fused_sum``
+    (split-K partials summed by each tile's last program, one launch; else by a second kernel)."""
 
     block_n: int = 128
     groups: int = 2
@@ -315,6 +340,7 @@ class DecodeConfig:
     block_m: int = 0
     contiguous: bool = False
     x_first: bool = False
+    fused_sum: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -396,18 +422,22 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
     per_split = cfg.groups * triton.cdiv(triton.cdiv(blocks_per_row, cfg.groups), default_split(m, w, cfg))
     split = triton.cdiv(blocks_per_row, per_split)  # absmax blocks per program: whole loop steps
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    fused_sum = cfg.fused_sum and split > 1
+    counts = (torch.zeros(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m), dtype=torch.int32, device=x.device)
+              if fused_sum else y)  # (unused without fused_sum: no memset)
     if w.nested:
         wargs, nested_bs = (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset), w.nested_blocksize
     else:
         wargs, nested_bs = (w.data, w.absmax, w.code, w.code, w.code, w.code), 1
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     _nf4_decode_kernel[grid](
-        x, *wargs, bias if bias is not None else y, out, m, n, blocks_per_row, per_split, x.stride(0), x.stride(1),
-        n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=lookup, CONTIG=cfg.contiguous, ASM=x.is_cuda,
-        XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m, BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, *wargs, bias if bias is not None else y, out, y, counts, m, n, blocks_per_row, per_split, split, x.stride(0),
+        x.stride(1), n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, FUSED_SUM=fused_sum, USE_DOT=cfg.use_dot, LOOKUP=lookup,
+        CONTIG=cfg.contiguous, ASM=x.is_cuda, XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-    if split > 1:
+    if split > 1 and not fused_sum:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n, split,
                                                          HAS_BIAS=bias is not None, BLOCK=block)

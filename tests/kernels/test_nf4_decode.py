@@ -36,6 +36,9 @@ CONFIGS = [
     # Y = X W^T (the weight the dot's second operand), rows padded to 64 or a tile of 16
     DecodeConfig(block_n=32, groups=2, split_k=2, use_dot=True, lookup=4, contiguous=True, x_first=True, block_m=64),
     DecodeConfig(block_n=16, groups=1, split_k=0, use_dot=True, lookup=2, contiguous=True, x_first=True),
+    # split-K partials summed by each tile's last program (one launch)
+    DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=False, lookup=4, fused_sum=True),
+    DecodeConfig(block_n=32, groups=1, split_k=2, use_dot=True, lookup=4, contiguous=True, fused_sum=True),
 ]
 # fp32: the same products summed in another order (ieee dots / fp32 multiply-adds): sums of up
 # to 384 unit-scale products, so a few 1e-5 apart near zero; fp16: both round the fp32 sum once
@@ -58,7 +61,7 @@ def _on(w: Nf4Weight, device) -> Nf4Weight:
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else
                          f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}m{c.block_m}"
-                         f"{'c' if c.contiguous else ''}{'x' if c.x_first else ''}")
+                         f"{'c' if c.contiguous else ''}{'x' if c.x_first else ''}{'f' if c.fused_sum else ''}")
 def test_forward_equals_the_reference(config, shape, nested, dtype, device):
     m, n, k = shape
     w = _weight(n, k, nested)
