@@ -199,7 +199,8 @@ def sweep_configs(m: int) -> list[DecodeConfig]:
     else:
         dot = replace(p4, block_n=64, num_warps=4, num_stages=3, block_m=64)
         out = [dot, replace(dot, num_stages=4), replace(dot, fill=1), replace(dot, fill=4), replace(dot, block_n=32),
-               replace(dot, block_n=128), replace(dot, groups=4), xw, replace(xw, block_n=256, num_warps=8, fill=1), replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
+               replace(dot, block_n=128), replace(dot, groups=4), xw, replace(xw, block_n=256, num_warps=8, fill=1),
+               replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
                replace(xw, block_n=256, num_warps=8), replace(xw, num_stages=4), replace(dot, contiguous=False),
                replace(dot, fused_sum=True), replace(dot, lookup=2)]
     return [c for c in dict.fromkeys(out) if c != default_config(m)]
