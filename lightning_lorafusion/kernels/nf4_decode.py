@@ -375,13 +375,15 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
 
 
 def default_config(m: int) -> DecodeConfig:
-    """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
-    kernel", measured on an H100 at the 8B projection shapes): the byte-permute lookup."""
-    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM, even/odd k apart
-        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4, lookup=4)
-    if m <= 16:  # dots on 16 rows, 128 rows of W by 4 warps, 3 stages of the weight in flight
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=3, lookup=4, contiguous=True)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True)
+    """The tiling ``nf4_linear_decode`` uses for ``m`` rows: per row count, the candidate with
+    the least time over a layer's 8B products (docs/BENCHMARKS.md "NF4 decode kernel, byte-permute
+    lookup", H100 sweep), all with the byte-permute lookup."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 4 absmax blocks a step, even/odd k apart
+        return DecodeConfig(block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, lookup=4)
+    if m <= 16:  # Y^T = W X^T on 16 rows, 64 rows of W by 4 warps, 3 stages of the weight in flight
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True)
+    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
