@@ -1,24 +1,24 @@
 """The NF4 decode product: ``Y [M, N] = X [M, K] @ dequant(W)^T (+ b)`` for few rows (the
 generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4.Nf4Weight``;
-``nf4_gemm.nf4_matmul_reference`` is the spec).
+``nf4_gemm.nf4_matmul_reference`` is the spec; docs/kernels.md "NF4 decode products").
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
-still fills the GPU: fp32 partials, summed by a second kernel). ``K`` is walked in whole absmax
-blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D ``[BLOCK_N,
-GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one ``[BLOCK_N, GROUPS]`` load
-(double quantization undone there, once per block) broadcast over the block, never a per-value
-gather from memory. The 16-entry codebook is loaded once per step into registers and gathered there
-(``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit addresses), or read per value
-from the 64-byte table in global memory (``LOOKUP=0``: one cache line per warp, but a 64-bit
-address per value), or selected arithmetically from 16 scalars (``LOOKUP=1``: a tree of
-``tl.where`` on the 4 bits), or each block's 16 final values are built once (``code * absmax``
-rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte
-are kept apart (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd
-columns, so nothing is interleaved. The product is either ``tl.dot`` with the weight rows as the
-MMA's long side (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per
-program into a per-lane accumulator reduced once at the end, for several rows summed per step).
-Every weight value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly
-as ``nf4.dequantize_nf4_reference``.
+still fills the GPU: fp32 partials, summed by a second kernel or, ``FUSED_SUM``, by each tile's
+last program). ``K`` is walked in whole absmax blocks (``GROUPS`` blocks of ``blocksize`` values
+per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double quantization undone
+there, once per block) broadcast over the block, and the tile is decoded once for all rows of
+``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
+block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
+16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
+its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on the 4 bits (1),
+or each block's 16 final values are gathered per value (3). The tile is either in ``k`` order
+(``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and odd ``k``)
+against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the weight
+the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma reads
+from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
+accumulator reduced once at the end, several rows summed per step). Every weight value is
+``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
+``nf4.dequantize_nf4_reference``.
 """
 
 from __future__ import annotations
