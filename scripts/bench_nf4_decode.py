@@ -1,19 +1,23 @@
 """NF4 decode products: the decode kernel (``kernels/nf4_decode.py``) against bf16 cuBLAS and the
-NF4 buffer path, at decode row counts, on one model's projection shapes (default Llama-3.1-8B).
+kernel's earlier tilings, at decode row counts, on one model's projection shapes (default
+Llama-3.1-8B).
 
 Sections (in this order; each is written to the JSON as soon as it is measured):
 
     shapes  per projection shape (qkv fused [q + 2 kv, hidden], o, gate (= up), down) and row
-            count of ``--rows``: ms of ``bf16`` (``F.linear``), ``buffer`` (dequantize into a
-            scratch buffer, then the GEMM), ``decode`` (the kernel, its default tiling), and
-            ``max_rel``: the decode result's largest difference from the reference (the weight
-            dequantized by the torch reference, fp32 product), relative to its largest value
+            count of ``--rows``: ms of ``bf16`` (``F.linear``), ``previous`` (the kernel with the
+            tilings it had before the byte-permute lookup: ``previous_config``), ``decode`` (its
+            default tiling now), and ``max_rel``: the decode result's largest difference from the
+            reference (the weight dequantized by the torch reference, fp32 product), relative to
+            its largest value
+    sweep   candidate tilings per shape and rows (``--sweep on``), within ``--sweep-budget``
+            seconds, each with its ``max_rel``: best first
     layer   a decoder layer's frozen products as the engine runs them (q, k, v, o, gate, up,
-            down), the same three variants
+            down), ``bf16``, ``previous``, ``decode`` and ``buffer`` (dequantize into a scratch
+            buffer, then the GEMM)
     engine  the generation engine's decode step over ``--decode-layers`` layers: bf16 base, NF4
-            base with ``nf4_gemm: buffer`` and with ``auto`` (the decode kernel up to its rows)
-    sweep   other tilings of the decode kernel per shape and rows (``--sweep on``), within
-            ``--sweep-budget`` seconds: the best one found per case
+            base with ``auto`` (the decode kernel up to its rows) and ``auto-previous`` (the same
+            with ``previous_config``)
 
 Times: CUDA-graph medians of Triton's ``do_bench_cudagraph`` on a GPU (no launch overhead, as the
 engine's captured decode steps run), wall-clock medians elsewhere. On a CPU the kernel runs in the
@@ -27,6 +31,7 @@ Triton interpreter: set ``TRITON_INTERPRET=1`` in the environment.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import asdict, replace
@@ -43,7 +48,8 @@ from lightning_lorafusion.kernels.nf4_decode import (  # noqa: E402
 )
 
 log = logger("bench_nf4_decode")
-VARIANTS = ("bf16", "buffer", "decode")
+VARIANTS = ("bf16", "previous", "decode")
+LAYER_VARIANTS = VARIANTS + ("buffer",)
 SWEEP_ORDER = ("o", "gate", "down", "qkv")
 LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -103,6 +109,8 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _products(variant: str, x, names, weights, config: DecodeConfig | None = None):
     """A no-argument callable running the products of ``names`` on ``x`` one after another."""
+    if variant == "previous":
+        config = previous_config(x.shape[0])
     if variant == "bf16":
         dense = [weights[n][0] for n in names]
         return lambda: [F.linear(x, w) for w in dense]
@@ -122,9 +130,16 @@ def measure_shapes(args, weights, device, dtype) -> list[dict]:
         for name in weights:
             x = _inputs(m, weights[name][0].shape[1], device, dtype)
             row = {"what": name, "rows": m, "config": asdict(default_config(m))}
-            for variant in VARIANTS:
-                row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args, rep=20)
-            row["max_rel"] = _max_rel(nf4_linear_decode(x, weights[name][1]), _reference(x, weights[name][1]))
+            want = _reference(x, weights[name][1])
+            for variant in VARIANTS:  # a variant that fails is a result (NaN and its error), not a stop
+                try:
+                    row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args, rep=20)
+                    if variant != "bf16":
+                        key = "max_rel" if variant == "decode" else f"{variant}_max_rel"
+                        row[key] = _max_rel(_products(variant, x, [name], weights)()[0], want)
+                except Exception as exc:
+                    row[f"{variant}_ms"] = row["max_rel" if variant == "decode" else f"{variant}_max_rel"] = math.nan
+                    row.setdefault("errors", {})[variant] = f"{type(exc).__name__}: {str(exc)[:300]}"
             row["decode_gbps"] = _weight_bytes(weights[name][1]) / row["decode_ms"] / 1e6
             row["bf16_gbps"] = weights[name][0].numel() * weights[name][0].element_size() / row["bf16_ms"] / 1e6
             out.append(row)
@@ -138,33 +153,57 @@ def measure_layer(args, weights, device, dtype) -> list[dict]:
     for m in args.rows:
         xs = {k: _inputs(m, k, device, dtype) for k in {weights[n][0].shape[1] for n in LAYER}}
         row = {"what": "layer", "rows": m}
-        for variant in VARIANTS:
+        for variant in LAYER_VARIANTS:
             fns = [_products(variant, xs[weights[n][0].shape[1]], [n], weights) for n in LAYER]
             row[f"{variant}_ms"] = _time(lambda: [f() for f in fns], device, args)
         row["max_rel"] = max(_max_rel(nf4_linear_decode(xs[weights[n][0].shape[1]], weights[n][1]),
                                       _reference(xs[weights[n][0].shape[1]], weights[n][1])) for n in LAYER)
         out.append(row)
-        log(f"layer rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS))
+        log(f"layer rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in LAYER_VARIANTS))
     return out
 
 
-def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Tilings beside ``default_config(m)``, one or two knobs changed: programs per SM, blocks per
-    step, rows of ``W`` x warps, pipeline stages, the codebook lookups; GEMV against dots."""
-    base = default_config(m)
+def previous_config(m: int) -> DecodeConfig:
+    """The kernel's tilings before the byte-permute lookup (codebook gathered in registers,
+    even and odd ``k`` apart), the baseline of the ``previous`` columns."""
     if m == 1:
-        out = [replace(base, fill=4), replace(base, fill=16), replace(base, groups=4), replace(base, block_n=32),
-               replace(base, block_n=128, num_warps=8), replace(base, lookup=0), replace(base, lookup=3),
-               DecodeConfig(block_n=128, num_warps=8, num_stages=4),
-               DecodeConfig(block_n=64, num_warps=4, num_stages=3)]
+        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+    if m <= 16:
+        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
+
+
+def sweep_configs(m: int) -> list[DecodeConfig]:
+    """Candidate tilings beside ``default_config(m)``: the byte-permute lookup (4) with the
+    weight in ``k`` order or even/odd apart, GEMV against dots, ``Y = X W^T`` (``x_first``: the
+    weight the MMA's shared-memory operand, rows padded to 64 for Hopper's wgmma or 16), rows of
+    ``W`` x warps, stages, programs per SM, split-K summed in the same launch (``fused_sum``);
+    the register gather (2) to tell the lookup's share apart."""
+    p4 = DecodeConfig(lookup=4, contiguous=True)
+    xw = replace(p4, x_first=True, block_n=128, num_warps=4, num_stages=3, block_m=64)
+    if m == 1:
+        gemv = replace(p4, block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+        out = [gemv, replace(gemv, contiguous=False), replace(gemv, groups=4),
+               replace(gemv, groups=4, contiguous=False),
+               replace(gemv, block_n=32), replace(gemv, block_n=32, contiguous=False), replace(gemv, fill=12),
+               replace(gemv, num_stages=3), xw, replace(xw, block_n=64), replace(xw, num_warps=8),
+               replace(xw, block_m=16), replace(xw, fill=4), replace(p4, block_n=128, num_warps=4, num_stages=3),
+               replace(gemv, contiguous=False, fused_sum=True), replace(gemv, lookup=2, contiguous=False)]
+    elif m <= 16:
+        dot = replace(p4, block_n=128, num_warps=4, num_stages=3)
+        out = [dot, replace(dot, block_n=64), replace(dot, num_stages=4), replace(dot, fill=4), replace(dot, groups=4),
+               xw, replace(xw, block_m=16), replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=4),
+               replace(xw, block_n=256, num_warps=8), replace(dot, contiguous=False),
+               replace(dot, block_n=128, num_warps=8, num_stages=4), replace(dot, fused_sum=True),
+               replace(dot, lookup=2)]
     else:
-        wide = (64, 4) if base.block_n == 128 else (128, 8)
-        out = [replace(base, num_stages=2), replace(base, num_stages=4 if base.num_stages == 3 else 3),
-               replace(base, block_n=wide[0], num_warps=wide[1]),
-               replace(base, fill=1), replace(base, fill=4), replace(base, groups=4), replace(base, lookup=3),
-               replace(base, lookup=1)]
-        out += [replace(base, block_m=16)] if m > 16 else []
-    return [c for c in dict.fromkeys(out) if c != base]
+        dot = replace(p4, block_n=64, num_warps=4, num_stages=3, block_m=64)
+        out = [dot, replace(dot, num_stages=4), replace(dot, fill=1), replace(dot, fill=4), replace(dot, block_n=32),
+               replace(dot, block_n=128), replace(dot, groups=4), xw, replace(xw, block_n=256, num_warps=8, fill=1),
+               replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
+               replace(xw, block_n=256, num_warps=8), replace(xw, num_stages=4), replace(dot, contiguous=False),
+               replace(dot, fused_sum=True), replace(dot, lookup=2)]
+    return [c for c in dict.fromkeys(out) if c != default_config(m)]
 
 
 def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
@@ -200,21 +239,44 @@ def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -
     return out
 
 
+def measure_engine(args, device, dtype) -> list[dict]:
+    """The engine's decode step: bf16 base, NF4 ``auto`` with the kernel's tilings now and with
+    ``previous_config`` (``nf4_decode.default_config`` swapped for the run, then put back)."""
+    from lightning_lorafusion.kernels import nf4_decode
+
+    out = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["bf16", "auto"]}), device, dtype)
+    current = nf4_decode.default_config
+    nf4_decode.default_config = previous_config
+    try:
+        previous = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["auto"]}), device, dtype)
+    finally:
+        nf4_decode.default_config = current
+    return out + [{**r, "variant": "auto-previous"} for r in previous]
+
+
+def _knobs(c: dict) -> str:
+    dot = ("xw" if c.get("x_first") else "dot") if c["use_dot"] else "gemv"
+    return (f"l{c['lookup']}{'c' if c['contiguous'] else 's'} {dot} n{c['block_n']} "
+            f"g{c['groups']} w{c['num_warps']} s{c['num_stages']} f{c['fill']}"
+            + (f" m{c['block_m']}" if c['block_m'] else "") + (" fs" if c.get("fused_sum") else ""))
+
+
 def print_tables(report: dict, args) -> None:
     print(f"\n{report['device_name']}, {args.dtype}; hidden {args.hidden}, intermediate {args.intermediate}")
     sweep = {(s["what"], s["rows"]): s["results"][0] for s in report.get("sweep") or [] if "ms" in s["results"][0]}
-    print(f"{'what':6} {'rows':>4} {'bf16 ms':>9} {'buffer ms':>9} {'decode ms':>9} {'dec/bf16':>8} "
-          f"{'best ms':>9} {'best/bf16':>9} {'max_rel':>8}")
+    print(f"{'what':6} {'rows':>4} {'bf16 ms':>9} {'prev ms':>9} {'decode ms':>9} {'prev/bf16':>9} {'dec/bf16':>8} "
+          f"{'best/bf16':>9} {'max_rel':>8}  best tiling")
     for r in (report.get("shapes") or []) + (report.get("layer") or []):
         best = sweep.get((r["what"], r["rows"]))
-        best_ms = f"{best['ms']:9.4f} {best['ms'] / r['bf16_ms']:9.2f}" if best else f"{'-':>9} {'-':>9}"
-        print(f"{r['what']:6} {r['rows']:4d} {r['bf16_ms']:9.4f} {r['buffer_ms']:9.4f} {r['decode_ms']:9.4f} "
-              f"{r['decode_ms'] / r['bf16_ms']:8.2f} {best_ms} {r['max_rel']:8.1e}")
+        best_txt = (f"{best['ms'] / r['bf16_ms']:9.2f}", _knobs(best["config"])) if best else (f"{'-':>9}", "")
+        print(f"{r['what']:6} {r['rows']:4d} {r['bf16_ms']:9.4f} {r['previous_ms']:9.4f} {r['decode_ms']:9.4f} "
+              f"{r['previous_ms'] / r['bf16_ms']:9.2f} {r['decode_ms'] / r['bf16_ms']:8.2f} {best_txt[0]} "
+              f"{r['max_rel']:8.1e}  {best_txt[1]}")
     if report.get("engine"):
-        print(f"\nengine decode step ({args.decode_layers} layers), ms: variant (nf4_gemm), rows, step, forward")
+        print(f"\nengine decode step ({args.decode_layers} layers), ms: variant, rows, step, forward")
         for r in report["engine"]:
             fwd = "-" if r["forward_ms"] is None else f"{r['forward_ms']:.3f}"
-            print(f"  {r['variant']:7} {r['rows']:4d} {r['step_ms']:9.3f} {fwd:>9}")
+            print(f"  {r['variant']:13} {r['rows']:4d} {r['step_ms']:9.3f} {fwd:>9}")
 
 
 def main(argv=None) -> dict:
@@ -227,15 +289,15 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         weights = make_weights(shapes, device, dtype)
         report.measure("shapes", lambda: measure_shapes(args, weights, device, dtype))
+        if args.sweep == "on":
+            report["sweep"] = []
+            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype, report["sweep"], report.save))
+        del weights
         layer = make_weights(projection_shapes(args), device, dtype)
         report.measure("layer", lambda: measure_layer(args, layer, device, dtype))
         del layer
         if args.decode_rows:
-            engine_args = argparse.Namespace(**{**vars(args), "variants": ["bf16", "buffer", "auto"]})
-            report.measure("engine", lambda: measure_decode(engine_args, device, dtype))
-        if args.sweep == "on":
-            report["sweep"] = []
-            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype, report["sweep"], report.save))
+            report.measure("engine", lambda: measure_engine(args, device, dtype))
     print_tables(report, args)
     if report["errors"]:
         print(f"errors: {report['errors']}", file=sys.stderr)

@@ -1,24 +1,24 @@
 """The NF4 decode product: ``Y [M, N] = X [M, K] @ dequant(W)^T (+ b)`` for few rows (the
 generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4.Nf4Weight``;
-``nf4_gemm.nf4_matmul_reference`` is the spec).
+``nf4_gemm.nf4_matmul_reference`` is the spec; docs/kernels.md "NF4 decode products").
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
-still fills the GPU: fp32 partials, summed by a second kernel). ``K`` is walked in whole absmax
-blocks (``GROUPS`` blocks of ``blocksize`` values per step), so a weight tile is a 3-D ``[BLOCK_N,
-GROUPS, blocksize / 2]`` array of packed bytes whose absmax is one ``[BLOCK_N, GROUPS]`` load
-(double quantization undone there, once per block) broadcast over the block, never a per-value
-gather from memory. The 16-entry codebook is loaded once per step into registers and gathered there
-(``LOOKUP=2``, ``tl.gather``: shared memory or shuffles with 32-bit addresses), or read per value
-from the 64-byte table in global memory (``LOOKUP=0``: one cache line per warp, but a 64-bit
-address per value), or selected arithmetically from 16 scalars (``LOOKUP=1``: a tree of
-``tl.where`` on the 4 bits), or each block's 16 final values are built once (``code * absmax``
-rounded, 16 products per 64 values) and gathered per value (``LOOKUP=3``). Both nibbles of a byte
-are kept apart (high: even ``k``, low: odd ``k``) and multiplied against ``X``'s even and odd
-columns, so nothing is interleaved. The product is either ``tl.dot`` with the weight rows as the
-MMA's long side (``Y^T = W X^T``; ``USE_DOT``) or multiply-adds (GEMV: for one row of ``X`` per
-program into a per-lane accumulator reduced once at the end, for several rows summed per step).
-Every weight value is ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly
-as ``nf4.dequantize_nf4_reference``.
+still fills the GPU: fp32 partials, summed by a second kernel or, ``FUSED_SUM``, by each tile's
+last program). ``K`` is walked in whole absmax blocks (``GROUPS`` blocks of ``blocksize`` values
+per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double quantization undone
+there, once per block) broadcast over the block, and the tile is decoded once for all rows of
+``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
+block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
+16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
+its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on the 4 bits (1),
+or each block's 16 final values are gathered per value (3). The tile is either in ``k`` order
+(``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and odd ``k``)
+against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the weight
+the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma reads
+from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
+accumulator reduced once at the end, several rows summed per step). Every weight value is
+``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
+``nf4.dequantize_nf4_reference``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .nf4_lookup import nf4_words_to_values
 
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, for few rows), so this one does not import it back.
@@ -88,18 +90,27 @@ def _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask,
 @triton.jit
 def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
                  blocks_per_row, dtype: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                 NESTED_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr):
-    """``(W[n, even k], W[n, odd k])`` in ``dtype`` for rows ``rn`` [BLOCK_N] and absmax block
-    columns ``g`` [GROUPS] of those rows: two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
+                 NESTED_BLOCKSIZE: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr, ASM: tl.constexpr):
+    """The weight values in ``dtype`` for rows ``rn`` [BLOCK_N] and absmax block columns ``g``
+    [GROUPS] of those rows: ``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order (``CONTIG``), else
+    ``(W[n, even k], W[n, odd k])``, two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
     half: tl.constexpr = BLOCKSIZE // 2
-    rh = tl.arange(0, half)
-    row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * half)
-    mask = n_mask[:, None, None] & g_mask[None, :, None]
-    packed = tl.load(data_ptr + row + (g[None, :, None] * half + rh[None, None, :]), mask=mask, other=0)
-    packed = packed.to(tl.int32)
     blk = rn[:, None] * blocks_per_row + g[None, :]
     scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
-                         NESTED, NESTED_BLOCKSIZE)[:, :, None]
+                         NESTED, NESTED_BLOCKSIZE)
+    mask = n_mask[:, None, None] & g_mask[None, :, None]
+    if LOOKUP == 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
+        words_per_block: tl.constexpr = BLOCKSIZE // 8
+        rw = tl.arange(0, words_per_block)
+        row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * words_per_block)
+        words = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + row + (g[None, :, None] * words_per_block
+                        + rw[None, None, :]), mask=mask, other=0)
+        return nf4_words_to_values(words, scale, code_ptr, dtype, CONTIG, ASM)
+    rh = tl.arange(0, half)
+    row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * half)
+    packed = tl.load(data_ptr + row + (g[None, :, None] * half + rh[None, None, :]), mask=mask, other=0)
+    packed = packed.to(tl.int32)
+    scale = scale[:, :, None]
     if LOOKUP == 3:  # each block's 16 final values, code * absmax rounded once, then one gather per value
         table = (tl.load(code_ptr + tl.arange(0, 16))[None, None, :] * scale).to(dtype)
         hi = tl.gather(table, packed >> 4, 2)
@@ -107,7 +118,10 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
     else:
         hi = (_code(packed >> 4, code_ptr, LOOKUP) * scale).to(dtype)
         lo = (_code(packed & 15, code_ptr, LOOKUP) * scale).to(dtype)
-    return hi, lo
+    if CONTIG:
+        return tl.reshape(tl.join(hi, lo), (hi.shape[0], hi.shape[1] * BLOCKSIZE))
+    else:
+        return hi, lo
 
 
 @triton.jit
@@ -132,6 +146,41 @@ def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, h
 
 
 @triton.jit
+def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
+                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` (or ``XW``: ``Y [BLOCK_M, BLOCK_N] += X W^T``) over one
+    loop step, ``W`` in ``k`` order: ``X`` is read as it lies (straight into the dot's operand)."""
+    kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
+    x_mask = m_mask[:, None] & (kk < g_end * BLOCKSIZE)[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
+    if XW:
+        return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemv_contig(acc, acc3, w, x_ptr, m0, M, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
+                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Multiply-adds of rows ``m0 ..`` of ``X`` against ``W`` in ``k`` order: one row into the
+    per-lane ``acc3`` (reduced after the loop), several summed per step into ``acc``."""
+    kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
+    k_mask = kk < g_end * BLOCKSIZE
+    w = w.to(tl.float32)
+    if BLOCK_M == 1:
+        x = tl.load(x_ptr + m0.to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 < M), other=0.0)
+        acc3 = tl.fma(w, x.to(tl.float32)[None, :], acc3)
+    else:
+        cols = tl.arange(0, BLOCK_M)
+        for i in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + (m0 + i).to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 + i < M),
+                        other=0.0)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.where(cols[None, :] == i, part[:, None], 0.0)
+    return acc, acc3
+
+
+@triton.jit
 def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half: tl.constexpr,
                GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]``: each of rows ``m0 ..`` of ``X`` against the weight tile by
@@ -149,14 +198,16 @@ def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half:
 
 @triton.jit
 def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, out_ptr,
-                       M, N, blocks_per_row, blocks_per_split, stride_xm, stride_xk, stride_om, stride_os,
-                       BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       y_ptr, count_ptr, M, N, blocks_per_row, blocks_per_split, splits, stride_xm, stride_xk,
+                       stride_om, stride_os, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                       NESTED_BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                       FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr,
+                       ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
-    fp32 partial sum into ``out[pid_k]``."""
+    fp32 partial sum into ``out[pid_k]``; with ``FUSED_SUM`` the tile's last program to finish
+    (``count_ptr``: zeroed counters, one per tile) sums the ``splits`` partials into ``y``."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     half: tl.constexpr = BLOCKSIZE // 2
     dtype = x_ptr.dtype.element_ty
@@ -165,34 +216,89 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
     n_mask, m_mask = rn < N, rm < M
     g_start = pid_k * blocks_per_split
     g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)  # GEMV of one row: per-lane sums
+    if XW:  # Y = X W^T: the weight tile as the dot's second operand (read from shared memory)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if CONTIG:  # GEMV of one row: per-lane sums
+        acc3 = tl.zeros((BLOCK_N, GROUPS * BLOCKSIZE), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
         g_mask = g < g_end
-        hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
-                              g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP)
-        if USE_DOT:
-            acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
-                            DOT_PRECISION)
-        elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
-            x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
-                                     half, GROUPS)
-            acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
-            acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
+        if CONTIG:
+            w = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
+                             blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG, ASM)
+            if USE_DOT:
+                acc = _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE,
+                                       GROUPS, XW, DOT_PRECISION)
+            else:
+                acc, acc3 = _gemv_contig(acc, acc3, w, x_ptr, pid_m * BLOCK_M, M, g0, g_end, stride_xm, stride_xk,
+                                         BLOCKSIZE, GROUPS, BLOCK_M)
         else:
-            acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
-                             BLOCK_M)
+            hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
+                                  g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG,
+                                  ASM)
+            acc, acc3 = _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm,
+                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION)
+    if XW:
+        acc = tl.trans(acc)
     if not USE_DOT and BLOCK_M == 1:
-        acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
+        if CONTIG:
+            acc = tl.reshape(tl.sum(acc3, axis=1), (BLOCK_N, 1))
+        else:
+            acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
     out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     if PARTIAL:
         tl.store(out, acc, mask=mask)
+        if FUSED_SUM:
+            _sum_if_last(out_ptr, y_ptr, bias_ptr, count_ptr + pid_m * tl.num_programs(0) + pid_n, splits, rn, rm,
+                         mask, n_mask, stride_om, stride_os, HAS_BIAS, ASM)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_if_last(part_ptr, y_ptr, bias_ptr, count_ptr, splits, rn, rm, mask, n_mask, stride_om, stride_os,
+                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    """Count this program's partial in (each thread's stores made visible first); the program
+    that counts last sums the tile's partials in split order (as ``_split_sum_kernel``) into
+    ``y``. Saves the second launch of split-K."""
+    if ASM:  # every thread: its partial visible at GPU scope before the count
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [rn], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        offs = rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        total = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(part_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm, stride_xk,
+                half: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One loop step with the weight as even and odd ``k``: dots, or multiply-adds."""
+    if USE_DOT:
+        acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
+                        DOT_PRECISION)
+    elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
+        x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
+                                 half, GROUPS)
+        acc3 = tl.fma(hi.to(tl.float32), x_even[None, :, :], acc3)
+        acc3 = tl.fma(lo.to(tl.float32), x_odd[None, :, :], acc3)
+    else:
+        acc = _gemv_rows(acc, hi, lo, x_ptr, pid_m * BLOCK_M, M, g, g_mask, stride_xm, stride_xk, half, GROUPS,
+                         BLOCK_M)
+    return acc, acc3
 
 
 @triton.jit
@@ -216,9 +322,14 @@ class DecodeConfig:
     """How ``nf4_linear_decode`` tiles a product: ``block_n`` rows of ``W`` per program,
     ``groups`` absmax blocks of ``K`` per loop step, ``split_k`` programs along ``K`` (0: as many
     as bring the grid to ``fill`` programs per SM), ``use_dot`` (else GEMV: multiply-adds),
-    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects) or 3 (per-block
-    tables of final values), ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M``
-    rounded up to a power of two >= 16 for dots)."""
+    ``lookup`` 2 (codebook in registers), 0 (table in memory), 1 (selects), 3 (per-block
+    tables of final values, gathered) or 4 (per-block tables looked up by byte permutes,
+    ``nf4_lookup``; 16-bit activations: fp32 ones take 2), ``contiguous`` (the weight tile in
+    ``k`` order, ``X`` read as it lies; else even and odd ``k`` apart, ``X`` split to match),
+    ``block_m`` rows of ``X`` per program (0: one for GEMV, ``M`` rounded up to a power of two
+    >= 16 for dots), ``x_first`` (dots in ``k`` order: ``Y = X W^T``, the weight tile the second
+    operand, which the GPU's MMA reads from shared memory; else ``Y^T = W X^T``), ``fused_sum``
+    (split-K partials summed by each tile's last program, one launch; else by a second kernel)."""
 
     block_n: int = 128
     groups: int = 2
@@ -227,6 +338,9 @@ class DecodeConfig:
     use_dot: bool = True
     lookup: int = 2
     block_m: int = 0
+    contiguous: bool = False
+    x_first: bool = False
+    fused_sum: bool = False
     num_warps: int = 8
     num_stages: int = 2
 
@@ -261,13 +375,15 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
 
 
 def default_config(m: int) -> DecodeConfig:
-    """The tiling ``nf4_linear_decode`` uses for ``m`` rows (docs/BENCHMARKS.md "NF4 decode
-    kernel", measured on an H100 at the 8B projection shapes)."""
-    if m == 1:  # multiply-adds, 64 rows of W a program, 8 programs per SM: 0.81-0.83x bf16 on the big shapes
-        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
-    if m <= 16:  # dots on 16 rows, 128 rows of W by 8 warps, 4 stages of the weight in flight
-        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
+    """The tiling ``nf4_linear_decode`` uses for ``m`` rows: per row count, the candidate with
+    the least time over a layer's 8B products (docs/BENCHMARKS.md "NF4 decode kernel, byte-permute
+    lookup", H100 sweep), all with the byte-permute lookup."""
+    if m == 1:  # multiply-adds, 64 rows of W a program, 4 absmax blocks a step, even/odd k apart
+        return DecodeConfig(block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, lookup=4)
+    if m <= 16:  # Y^T = W X^T on 16 rows, 64 rows of W by 4 warps, 3 stages of the weight in flight
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True)
+    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
@@ -297,6 +413,9 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
     cfg = config or default_config(x.shape[0])
     _check(x, w)
     m = x.shape[0]
+    lookup = cfg.lookup
+    if lookup == 4 and (x.dtype == torch.float32 or w.data.data_ptr() % 4 or not w.data.is_contiguous()):
+        lookup = 2  # byte permutes build 16-bit values from 32-bit words of codes
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -305,18 +424,22 @@ def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None =
     per_split = cfg.groups * triton.cdiv(triton.cdiv(blocks_per_row, cfg.groups), default_split(m, w, cfg))
     split = triton.cdiv(blocks_per_row, per_split)  # absmax blocks per program: whole loop steps
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    fused_sum = cfg.fused_sum and split > 1
+    counts = (torch.zeros(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m), dtype=torch.int32, device=x.device)
+              if fused_sum else y)  # (unused without fused_sum: no memset)
     if w.nested:
         wargs, nested_bs = (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset), w.nested_blocksize
     else:
         wargs, nested_bs = (w.data, w.absmax, w.code, w.code, w.code, w.code), 1
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
     _nf4_decode_kernel[grid](
-        x, *wargs, bias if bias is not None else y, out, m, n, blocks_per_row, per_split, x.stride(0), x.stride(1),
-        n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, USE_DOT=cfg.use_dot, LOOKUP=cfg.lookup, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, *wargs, bias if bias is not None else y, out, y, counts, m, n, blocks_per_row, per_split, split, x.stride(0),
+        x.stride(1), n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, FUSED_SUM=fused_sum, USE_DOT=cfg.use_dot, LOOKUP=lookup,
+        CONTIG=cfg.contiguous, ASM=x.is_cuda, XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-    if split > 1:
+    if split > 1 and not fused_sum:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n, split,
                                                          HAS_BIAS=bias is not None, BLOCK=block)

@@ -27,6 +27,18 @@ CONFIGS = [
     DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, block_m=4),
     DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=False, lookup=2, num_warps=4),
     DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=True, lookup=3),
+    # byte permutes (fp16; fp32 activations take lookup 2), the weight tile in k order or split
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=True, lookup=4, contiguous=True),
+    DecodeConfig(block_n=32, groups=1, split_k=0, use_dot=False, lookup=4, contiguous=True),
+    DecodeConfig(block_n=16, groups=2, split_k=1, use_dot=False, lookup=4, block_m=4, contiguous=True),
+    DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=True, lookup=4),
+    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, lookup=2, contiguous=True),
+    # Y = X W^T (the weight the dot's second operand), rows padded to 64 or a tile of 16
+    DecodeConfig(block_n=32, groups=2, split_k=2, use_dot=True, lookup=4, contiguous=True, x_first=True, block_m=64),
+    DecodeConfig(block_n=16, groups=1, split_k=0, use_dot=True, lookup=2, contiguous=True, x_first=True),
+    # split-K partials summed by each tile's last program (one launch)
+    DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=False, lookup=4, fused_sum=True),
+    DecodeConfig(block_n=32, groups=1, split_k=2, use_dot=True, lookup=4, contiguous=True, fused_sum=True),
 ]
 # fp32: the same products summed in another order (ieee dots / fp32 multiply-adds): sums of up
 # to 384 unit-scale products, so a few 1e-5 apart near zero; fp16: both round the fp32 sum once
@@ -48,7 +60,8 @@ def _on(w: Nf4Weight, device) -> Nf4Weight:
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else
-                         f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}m{c.block_m}")
+                         f"n{c.block_n}g{c.groups}s{c.split_k}{'dot' if c.use_dot else 'gemv'}l{c.lookup}m{c.block_m}"
+                         f"{'c' if c.contiguous else ''}{'x' if c.x_first else ''}{'f' if c.fused_sum else ''}")
 def test_forward_equals_the_reference(config, shape, nested, dtype, device):
     m, n, k = shape
     w = _weight(n, k, nested)
@@ -63,21 +76,25 @@ def test_forward_equals_the_reference(config, shape, nested, dtype, device):
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("blocksize", [32, 64, 128])
 @pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("lookup", [0, 1, 2, 3])
-def test_weight_is_dequantized_bit_for_bit(lookup, use_dot, blocksize, nested, device):
+@pytest.mark.parametrize("lookup,contiguous,dtype", [(0, False, torch.float32), (1, False, torch.float32),
+                                                     (2, False, torch.float32), (3, False, torch.float32),
+                                                     (2, True, torch.float32), (4, False, torch.float16),
+                                                     (4, True, torch.float16)])
+def test_weight_is_dequantized_bit_for_bit(lookup, contiguous, dtype, use_dot, blocksize, nested, device):
     """Rows of the identity as ``x``: every output is one weight value times 1 (plus exact
     zeros), so the values the kernel built equal ``dequantize_nf4_reference`` bit for bit (all
-    16 codes occur among the 37 x 10 values read back)."""
+    16 codes occur among the 37 x 10 values read back). Byte permutes build 16-bit values: fp16
+    (exact through the product: one value times 1, summed with zeros in fp32)."""
     n, k = 37, 2 * blocksize
     w = _on(_weight(n, k, nested, blocksize, seed=3), device)
-    want = dequantize_nf4_reference(w).cpu()
-    eye = torch.eye(k, device=device)
+    want = dequantize_nf4_reference(w, dtype).cpu()
+    eye = torch.eye(k, device=device, dtype=dtype)
     # both nibbles, each block's first and last values, across row ends (the interpreter is slow:
     # a sample of columns, every absmax block of W is still read by each product)
     cols = sorted({0, 1, blocksize - 2, blocksize - 1, blocksize, blocksize + 3, k - 2, k - 1, 7, k // 2 + 5})
-    config = DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=use_dot, lookup=lookup)
+    config = DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=use_dot, lookup=lookup, contiguous=contiguous)
     y = nf4_linear_decode(eye[cols], w, config=config).cpu()
-    assert torch.equal(y, want[:, cols].t())
+    assert y.dtype == dtype and torch.equal(y, want[:, cols].t())
 
 
 def test_strided_x_reads_right(device):
