@@ -60,6 +60,11 @@ class EngineTuning:
     # (the default: one host buffer, pinned on CUDA, one asynchronous copy; serving/staging.py)
     # or "separate" (one copy per table from pageable memory, each synchronous with the host)
     host_tables: str = "packed"
+    # the prefill rows' LoRA: "on" (the default) writes it first into the projection's output
+    # (zeros on rows without LoRA) and lets the frozen GEMM add its product onto it (cuBLAS's
+    # C input, beta = 1); "off": the product first, then the LoRA read-added into it
+    # (docs/serving.md "Prefill LoRA written first")
+    prefill_lora_write: str = "on"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -75,6 +80,9 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.prefetch_ahead={self.prefetch_ahead!r}; allowed: {', '.join(ON_OFF)}")
         if self.host_tables not in HOST_TABLES:
             raise ConfigError(f"EngineTuning.host_tables={self.host_tables!r}; allowed: {', '.join(HOST_TABLES)}")
+        if self.prefill_lora_write not in ON_OFF:
+            raise ConfigError(f"EngineTuning.prefill_lora_write={self.prefill_lora_write!r}; "
+                              f"allowed: {', '.join(ON_OFF)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 

@@ -60,12 +60,15 @@ class ModelRunner:
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
-                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto") -> None:
+                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: bool = True) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill LoRA (lora_segments)
         self.segment_block_m = 64 if self.device.type == "cuda" else 16  # rows per prefill LoRA tile
+        # prefill LoRA written first, the frozen GEMM adding onto it (``EngineTuning.prefill_lora_write``):
+        # the step's tile tables cover every row (``PrefillLora.covering``)
+        self.prefill_lora_write = prefill_lora_write
         self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         if prefill_attention not in ("auto", "varlen", "paged"):
             raise ValueError(f"prefill_attention={prefill_attention!r}; allowed: auto, varlen, paged")
@@ -330,7 +333,8 @@ class ModelRunner:
         if self.config.rope_type == "longrope":
             queued["long"] = tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
                                         torch.bool)
-        lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables) if segments else None
+        lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
+                                   rows=len(ids) if self.prefill_lora_write else None) if segments else None
         up = tables.upload()
         batch = StepBatch(
             input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],
@@ -455,7 +459,8 @@ class ModelRunner:
 
     def _new_pieces(self, rows: int, dora: bool = False, *, defer_capture: bool = False) -> MixedPieces:
         return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
-                                                                     self.decode_inputs.max_rows),
+                                                                     self.decode_inputs.max_rows,
+                                                                     covering=self.prefill_lora_write),
                            max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
                            pool=self.graphs.pool if self.graphs is not None else None,
                            dora=self._dora_slots() if dora else None, defer_capture=defer_capture)
