@@ -18,6 +18,7 @@ ASYNC_DECODE = ("auto", "on", "off")
 SCHEDULING = ("fifo", "fair")
 ON_OFF = ("on", "off")
 HOST_TABLES = ("packed", "separate")
+PAGE_IN_WAIT = ("layer", "step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,11 @@ class EngineTuning:
     # C input, beta = 1); "off": the product first, then the LoRA read-added into it
     # (docs/serving.md "Prefill LoRA written first")
     prefill_lora_write: str = "on"
+    # a step admitting a request whose adapter's page-in copy is still running: "layer" (the
+    # default) copies adapters in slices of one layer, an event after each, and orders each
+    # layer of the step after its own slice only; "step": one copy, and the step's first kernel
+    # waits for all of it (docs/serving.md "Page-ins by layer")
+    page_in_wait: str = "layer"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -83,6 +89,8 @@ class EngineTuning:
         if self.prefill_lora_write not in ON_OFF:
             raise ConfigError(f"EngineTuning.prefill_lora_write={self.prefill_lora_write!r}; "
                               f"allowed: {', '.join(ON_OFF)}")
+        if self.page_in_wait not in PAGE_IN_WAIT:
+            raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 

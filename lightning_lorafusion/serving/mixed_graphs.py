@@ -209,9 +209,12 @@ class MixedPieces:
         """The step's forward -> final-normed hidden states of ``batch.output_rows``."""
         self.load(batch)
         r = self.runner
+        waits = batch.layer_waits  # adapters' page-in slices still copying: piece i runs layer i's LoRA
         for i in range(r.config.num_layers + 1):
             if i:
                 self.attn.copy_(attention(r.model, i - 1, self.q, self.k, self.v, batch))
+            if waits:
+                waits.before(i)
             if self.graphs is not None:
                 self.graphs[i].replay()
             else:

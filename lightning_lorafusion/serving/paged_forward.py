@@ -110,7 +110,10 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
     (every row when None): ``[R, H]``."""
     h, rope = embed_rows(m, batch)
     d = None
+    waits = batch.layer_waits  # adapters' page-in slices still copying: layer l waits for its own
     for layer in range(m.config.num_layers):
+        if waits:
+            waits.before(layer)
         d = decoder_layer(m, layer, m.params["layers"][layer], h, d, rope, batch)
     if batch.output_rows is not None:
         h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)

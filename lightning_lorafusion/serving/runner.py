@@ -40,6 +40,7 @@ from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 from .staging import make_tables
+from .page_in_layers import step_layer_waits
 from .step_batch import PrefixRows, Queued, StepBatch, prefill_lora_tables
 from .step_times import StepKind
 
@@ -308,7 +309,12 @@ class ModelRunner:
             batch.dora = self._dora_slots().step_rows(runs, len(ids)) or batch.dora
         if decode or pad:  # (pad: rank-0 tables past the decode rows, which the pieces read)
             self._prepare_decode(batch, decode)
-        self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
+        decode_residents = [st.resident for st in decode if st.resident is not None]
+        if self.pool.page_in_groups > 1:  # the prefill adapters' pending copies: waited for by layer
+            self.pool.wait_ready(decode_residents)
+            batch.layer_waits = step_layer_waits(residents, self.pool.order_after)
+        else:
+            self.pool.wait_ready(residents + decode_residents)
         return batch
 
     def _upload_rows(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],

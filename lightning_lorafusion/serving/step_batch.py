@@ -127,6 +127,9 @@ class StepBatch:
     # [3, B] int32: the decode rows grouped by adapter (kernels/lora_gather.py ``adapter_groups``):
     # the gather kernels' shrink reads each group's A once; None: per row
     decode_groups: torch.Tensor | None = None
+    # page-in copies still pending for the prefill rows' adapters, waited for layer by layer
+    # (page_in_layers.LayerWaits: the forward calls ``before(layer)``); None: nothing pending
+    layer_waits: Any = None
 
     @property
     def num_decode_rows(self) -> int:
