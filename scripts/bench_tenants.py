@@ -278,11 +278,23 @@ class TenantsBench:
         self.save()
 
     def set_variant(self, variant: str) -> None:
-        """``--variants``: "new" runs the engine's defaults, "old" the host paths as they were
-        (``EngineTuning.prefetch_ahead="off"``, ``host_tables="separate"``), on the same engine."""
-        engine = self.engine
-        engine.scheduler.prefetch_ahead = variant == "new"
-        engine.runner.host_tables = "packed" if variant == "new" else "separate"
+        """``--variants``: "new" runs the engine's defaults, "old" the paths named in ``--old`` as
+        they were, on the same engine: "host" (``EngineTuning.prefetch_ahead="off"``,
+        ``host_tables="separate"``), "prefill-lora" (``prefill_lora_write="off"``: the LoRA
+        read-added after the product; that mode's mixed-step pieces are built before the run, not
+        timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step)."""
+        engine, old = self.engine, set(self.args.old) if variant == "old" else set()
+        engine.scheduler.prefetch_ahead = "host" not in old
+        engine.runner.host_tables = "separate" if "host" in old else "packed"
+        engine.pool.page_in_groups = 1 if "page-in" in old else engine.model_config.num_layers
+        write = "prefill-lora" not in old
+        if engine.runner.prefill_lora_write != write:
+            with engine._step_lock:
+                engine.runner.prefill_lora_write = write
+                if self.args.warm_up == "on":
+                    with timer(self.device) as t:
+                        engine.runner.build_mixed_pieces()
+                    log(f"mixed-step pieces of prefill_lora_write={write} built in {t.seconds:.1f} s")
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -426,8 +438,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-runs", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     default=["lora burst", "base burst"], help="runs to profile, e.g. 'lora burst,base burst'")
     ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
-                    help="each run with the engine's host paths now (new) and as they were (old: no prefetch "
-                         "ahead, tables copied one by one); runs named run-variant when both")
+                    help="each run with the engine's paths now (new) and as they were (old: those --old names); "
+                         "runs named run-variant when both")
+    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in")), default=["host"],
+                    help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
+                         "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
+                         "the step); default %(default)s")
     ap.add_argument("--page-out", choices=("on", "off"), default="off",
                     help="evict every idle adapter before each run (each pages its adapters in afresh)")
     add_output_args(ap)

@@ -67,9 +67,6 @@ class ModelRunner:
         auto = "triton" if self.device.type == "cuda" else "torch"
         self.lora_backend = auto if backend == "auto" else backend  # prefill LoRA (lora_segments)
         self.segment_block_m = 64 if self.device.type == "cuda" else 16  # rows per prefill LoRA tile
-        # prefill LoRA written first, the frozen GEMM adding onto it (``EngineTuning.prefill_lora_write``):
-        # the step's tile tables cover every row (``PrefillLora.covering``)
-        self.prefill_lora_write = prefill_lora_write
         self.prefill_attention_backend = self.lora_backend  # paged prefill attention
         if prefill_attention not in ("auto", "varlen", "paged"):
             raise ValueError(f"prefill_attention={prefill_attention!r}; allowed: auto, varlen, paged")
@@ -100,9 +97,12 @@ class ModelRunner:
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
-        # token bucket -> its pieces (one set serves every rank mix: mixed_graphs.py)
+        # token bucket -> its pieces (one set serves every rank mix: mixed_graphs.py), and for
+        # steps with DoRA rows; one pair of these per prefill LoRA mode (``prefill_lora_write``)
         self._mixed: dict[int, MixedPieces] = {}
-        self._mixed_dora: dict[int, MixedPieces] = {}  # token bucket -> its pieces for steps with DoRA rows
+        self._mixed_dora: dict[int, MixedPieces] = {}
+        self._pieces_by_mode: dict[bool, tuple[dict[int, MixedPieces], dict[int, MixedPieces]]] = {}
+        self.prefill_lora_write = prefill_lora_write
         self.graphs: DecodeGraphs | None = None
         self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took (their compiles ahead included)
         self.decode_compile: dict[str, Any] | None = None  # compile_ahead's report before that capture
@@ -447,6 +447,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     @property
+    def prefill_lora_write(self) -> bool:
+        """The prefill rows' LoRA written first and the frozen GEMM adding its product onto it
+        (``EngineTuning.prefill_lora_write``): the steps' tile tables then cover every row
+        (``PrefillLora.covering``). Settable between steps; the mixed-step pieces of each mode
+        are kept (a switch back runs the ones built before)."""
+        return self._prefill_lora_write
+
+    @prefill_lora_write.setter
+    def prefill_lora_write(self, on: bool) -> None:
+        self._prefill_lora_write = bool(on)
+        self._mixed, self._mixed_dora = self._pieces_by_mode.setdefault(bool(on), ({}, {}))
+
+    @property
     def can_capture_mixed(self) -> bool:
         """Whether mixed-step pieces can be captured: a CUDA device and the Triton kernels."""
         return self.device.type == "cuda" and self.lora_backend == "triton" and self.kernel_backend == "triton"
@@ -460,8 +473,9 @@ class ModelRunner:
         if mode == "graphs" and not self.can_capture_mixed:
             raise RuntimeError("mixed-step CUDA graphs need a CUDA device and the Triton kernels")
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
-        self._mixed.clear()
-        self._mixed_dora.clear()
+        for built in self._pieces_by_mode.values():
+            for pieces in built:
+                pieces.clear()
 
     def _new_pieces(self, rows: int, dora: bool = False, *, defer_capture: bool = False) -> MixedPieces:
         return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
