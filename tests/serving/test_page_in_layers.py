@@ -182,3 +182,26 @@ def test_each_layer_reads_only_slices_ordered_before_it(make_engine, monkeypatch
         assert engine.pool.page_ins >= 3 and log.issued
     assert runs["layer"] == runs["step"] and len(runs["layer"]) == 5
     assert any(pending["layer"]) and not any(pending["step"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream and its events need a GPU")
+def test_real_page_in_slices_change_no_token_gpu(make_engine, monkeypatch):
+    """On CUDA: the copies run in slices on the copy stream and steps wait for them by layer
+    (as captured mixed-step pieces); greedy tokens equal with the whole copy waited before the step."""
+    from lightning_lorafusion.serving import runner as runner_mod
+
+    runs, taken = {}, []
+    real = runner_mod.step_layer_waits
+
+    def spy(residents, wait):
+        waits = real(residents, wait)
+        taken.append(waits is not None)
+        return waits
+
+    monkeypatch.setattr(runner_mod, "step_layer_waits", spy)
+    for mode in ("layer", "step"):
+        engine = make_engine(num_pages=256, page_size=4, page_in_wait=mode, backend="triton", async_decode="off",
+                             prefix_caching=False, prefetch_depth=0)
+        runs[mode] = _run(engine, None)
+    assert runs["layer"] == runs["step"] and len(runs["layer"]) == 5
+    assert any(taken)
