@@ -68,6 +68,7 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
+from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 from profile_steps import StepProfile, table as profile_table  # noqa: E402
 
@@ -286,7 +287,8 @@ class TenantsBench:
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.runner.host_tables = "separate" if "host" in old else "packed"
-        engine.pool.page_in_groups = 1 if "page-in" in old else engine.model_config.num_layers
+        engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
+                                                    "step" if "page-in" in old else "layer")
         write = "prefill-lora" not in old
         if engine.runner.prefill_lora_write != write:
             with engine._step_lock:

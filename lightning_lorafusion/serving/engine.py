@@ -30,6 +30,7 @@ from .engine_output import OutputAssembly
 from .engine_step import EngineStep, _Launched, _SampledRows
 from .floor import StepLedger, base_weight_bytes
 from .fused_weights import fuse_projection_weights
+from .page_in_layers import page_in_groups
 from .pool import UnifiedPool
 from .pool_sizing import pool_pages
 from .request import GenerationRequest, GenerationResult, RequestState, TokenEvent
@@ -96,7 +97,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))
         self.runner.host_tables = config.tuning.host_tables
-        self.pool.page_in_groups = model_config.num_layers if config.tuning.page_in_wait == "layer" else 1
+        self.pool.page_in_groups = page_in_groups(model_config.num_layers, config.tuning.page_in_wait)
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)

@@ -2,8 +2,11 @@
 
 An adapter's flat layout (``adapters.HostAdapter``) holds its shared zero slots first, then
 every layer's slots in layer order, so a run of layers is a run of elements. ``layer_chunks``
-cuts the copy into ``groups`` slices of consecutive layers; the pool (``UnifiedPool.page_in``)
-copies each slice on its copy stream and records one event after each. A step that admits a
+cuts the copy into ``groups`` slices of consecutive layers; the pool leaves the page-ins of a
+step's admissions pending (``UnifiedPool.page_in``) and issues them together before the step
+(``UnifiedPool.flush_copies``) layer-major (``copy_rounds``): round g copies slice g of every
+pending adapter, then records one event, so the first layers of all of them land first.
+Prefetches (issued behind a running step) stay one copy each. A step that admits a
 request on an adapter whose copy is still pending does not hold its first kernel back for the
 whole copy: ``LayerWaits`` orders the compute stream after slice g's event just before the
 first layer of slice g runs (the eager forward before each layer, the mixed-step pieces before
@@ -16,6 +19,27 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 from ..specs import ALL_TARGET_MODULES
+
+# slices of an admission's page-in copy (fewer when the model has fewer layers): each slice of
+# each adapter is one host-to-device copy, and thousands of them queued at once fill the copy
+# stream's launch queue, which blocks the host (measured: per-layer slices of ~80 adapters held
+# the host ~180 ms per 8,192-token step on an H100)
+LAYER_SLICES = 8
+
+
+def page_in_groups(num_layers: int, mode: str) -> int:
+    """``UnifiedPool.page_in_groups`` for ``EngineTuning.page_in_wait`` ``mode``: "layer" ->
+    ``LAYER_SLICES`` (at most the layer count), "step" -> 1 (one copy)."""
+    if mode not in ("layer", "step"):
+        raise ValueError(f"page_in_wait={mode!r}; allowed: layer, step")
+    return max(1, min(LAYER_SLICES, num_layers)) if mode == "layer" else 1
+
+
+def copy_rounds(plans: Sequence[Sequence[tuple[int, int, int]]]) -> list[list[tuple[int, tuple[int, int, int]]]]:
+    """Adapters' slices (``layer_chunks`` each) -> rounds, layer-major: round g holds
+    ``(adapter index, its slice g)`` for every adapter with a slice g, in adapter order."""
+    rounds = max((len(p) for p in plans), default=0)
+    return [[(i, p[g]) for i, p in enumerate(plans) if g < len(p)] for g in range(rounds)]
 
 
 def layer_chunks(adapter: Any, num_layers: int, groups: int) -> list[tuple[int, int, int]]:

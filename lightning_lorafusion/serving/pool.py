@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .adapters import HostAdapter
-from .page_in_layers import layer_chunks
+from .page_in_layers import copy_rounds, layer_chunks
 
 
 @dataclass(eq=False)
@@ -145,9 +145,10 @@ class UnifiedPool:
         self._resident: dict[int, ResidentAdapter] = {}  # HostAdapter.key -> its run
         self._tick = 0
         self.num_layers = num_layers
-        # an adapter's page-in copy in this many slices of layers, one event each (1: one copy);
-        # ``EngineTuning.page_in_wait`` "layer" sets it to the layer count (page_in_layers.py)
+        # an admission's page-in copy in this many slices of layers, one event each (1: one copy);
+        # ``EngineTuning.page_in_wait`` "layer" sets it (``page_in_layers.page_in_groups``)
         self.page_in_groups = 1
+        self._pending_copies: list[tuple[ResidentAdapter, int, int]] = []  # admissions' page-ins, not issued yet
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # pages let go on the compute stream -> what a page-in copy into them waits for (CUDA only)
         self._fences = FreedPageFences(num_pages, self._compute_fence) if self._copy_stream is not None else None
@@ -388,7 +389,7 @@ class UnifiedPool:
         self._free[start:start + n] = False
         self._adapter_pages[start:start + n] = True
         r = ResidentAdapter(adapter, start, n, start * self.page_elems)
-        self._copy_in(r, start, n)
+        self._copy_in(r, start, n, sliced=not prefetch)
         self._resident[adapter.key] = r
         self.touch(r)
         self.page_ins += 1
@@ -397,36 +398,63 @@ class UnifiedPool:
             self.prefetch_page_ins += 1
         return r
 
-    def _copy_in(self, r: ResidentAdapter, start: int, n: int) -> None:
+    def _copy_in(self, r: ResidentAdapter, start: int, n: int, sliced: bool = False) -> None:
         """Copy ``r``'s adapter into its pages ``start .. start + n - 1``: on CUDA on the copy
-        stream, in ``page_in_groups`` slices of layers with an event after each (``r.layer_ready``;
-        ``r.ready`` the last: the whole copy); else synchronously."""
+        stream, with an event after it (``r.ready``); ``sliced`` (a page-in for an admission,
+        with ``page_in_groups`` > 1): left pending for ``flush_copies``, which copies every
+        pending adapter in slices of layers; else (CPU) synchronously."""
         adapter = r.adapter
         dst = self.storage[r.offset:r.offset + adapter.numel]
         if self._copy_stream is None:
             dst.copy_(adapter.flat)
             return
+        if sliced and self.page_in_groups > 1:
+            self._pending_copies.append((r, start, n))
+            return
+        self._wait_fence(start, n)
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(adapter.flat, non_blocking=True)
+            r.ready = torch.cuda.Event()
+            r.ready.record()
+
+    def _wait_fence(self, start: int, n: int) -> None:
         # queued kernels of the pages' previous owners may still read them: wait for those
         # (only: a step launched since they were let go runs beside the copy)
         fence = self._fences.pending(start, n)
         if fence is not None:
             self._copy_stream.wait_event(fence)
-        slices = []
+
+    def flush_copies(self) -> None:
+        """Issue the pending page-in copies (``_copy_in(sliced=True)``) layer-major: round g
+        copies slice g (``layer_chunks``) of every pending adapter, then records one event; each
+        adapter's ``layer_ready`` lists (its slice's first layer, that event), so layer 0 of all
+        of them lands after the first round, not after the whole copy of all but the last."""
+        todo, self._pending_copies = self._pending_copies, []
+        if not todo:
+            return
+        for _, start, n in todo:
+            self._wait_fence(start, n)
+        plans = [layer_chunks(r.adapter, self.num_layers, self.page_in_groups) for r, _, _ in todo]
         with torch.cuda.stream(self._copy_stream):
-            for first, a, b in layer_chunks(adapter, self.num_layers, self.page_in_groups):
-                dst[a:b].copy_(adapter.flat[a:b], non_blocking=True)
+            for round_ in copy_rounds(plans):
+                for i, (_first, a, b) in round_:
+                    r = todo[i][0]
+                    self.storage[r.offset + a:r.offset + b].copy_(r.adapter.flat[a:b], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                slices.append((first, event))
-        r.ready = slices[-1][1]
-        r.layer_ready = slices if len(slices) > 1 else None
+                for i, (first, _a, _b) in round_:
+                    r = todo[i][0]
+                    r.layer_ready = (r.layer_ready or []) + [(first, event)]
+                    r.ready = event
 
     def order_after(self, event) -> None:
         """Order the current (compute) stream after ``event`` (a page-in copy's)."""
         torch.cuda.current_stream(self.device).wait_event(event)
 
     def wait_ready(self, residents: Iterable[ResidentAdapter]) -> None:
-        """Order the current stream after the page-in copies of ``residents``."""
+        """Order the current stream after the page-in copies of ``residents`` (pending ones
+        issued first)."""
+        self.flush_copies()
         for r in residents:
             if r.ready is not None:
                 self.order_after(r.ready)

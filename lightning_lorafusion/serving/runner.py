@@ -311,7 +311,7 @@ class ModelRunner:
             self._prepare_decode(batch, decode)
         decode_residents = [st.resident for st in decode if st.resident is not None]
         if self.pool.page_in_groups > 1:  # the prefill adapters' pending copies: waited for by layer
-            self.pool.wait_ready(decode_residents)
+            self.pool.wait_ready(decode_residents)  # (issues the admissions' pending copies first)
             batch.layer_waits = step_layer_waits(residents, self.pool.order_after)
         else:
             self.pool.wait_ready(residents + decode_residents)

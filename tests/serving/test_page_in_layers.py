@@ -16,7 +16,8 @@ from lightning_lorafusion.serving import paged_forward
 from lightning_lorafusion.serving.adapters import host_adapter_from_factors
 from lightning_lorafusion.serving.config import ConfigError, EngineTuning
 from lightning_lorafusion.serving.mixed_graphs import MixedPieces
-from lightning_lorafusion.serving.page_in_layers import LayerWaits, layer_chunks, step_layer_waits
+from lightning_lorafusion.serving.page_in_layers import (LayerWaits, copy_rounds, layer_chunks, page_in_groups,
+                                                         step_layer_waits)
 from lightning_lorafusion.specs import LoraLayout
 
 CFG = DecoderConfig.from_hf(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
@@ -51,6 +52,27 @@ def test_layer_chunks_cover_the_buffer_and_hold_each_layer_by_its_first_layer(la
         assert s.b + ranks[module] * s.out_features <= copied_by, (layer, module)
     if groups >= CFG.num_layers and layers is None:  # one slice per layer, each holding its layer
         assert [f for f, _, _ in chunks] == list(range(CFG.num_layers))
+
+
+def test_copy_rounds_are_layer_major_and_slices_stay_in_order():
+    """Round g: slice g of every adapter that has one, so every adapter's first layers are copied
+    before any adapter's later ones; each adapter's slices keep their order."""
+    a, b = _adapter(), _adapter(layers=(1, 3))
+    plans = [layer_chunks(a, CFG.num_layers, 5), layer_chunks(b, CFG.num_layers, 5), [(0, 0, 10)]]
+    rounds = copy_rounds(plans)
+    assert len(rounds) == 5 and rounds[0] == [(0, plans[0][0]), (1, plans[1][0]), (2, (0, 0, 10))]
+    assert [i for i, _ in rounds[3]] == [0] and rounds[4] == [(0, plans[0][4])]
+    for i, plan in enumerate(plans):
+        assert [c for rd in rounds for j, c in rd if j == i] == plan
+    firsts = [max(c[0] for _, c in rd) for rd in rounds]
+    assert firsts == sorted(firsts)
+    assert copy_rounds([]) == []
+
+
+def test_page_in_groups_follow_the_mode():
+    assert page_in_groups(32, "layer") == 8 and page_in_groups(5, "layer") == 5 and page_in_groups(32, "step") == 1
+    with pytest.raises(ValueError, match="page_in_wait='slice'"):
+        page_in_groups(32, "slice")
 
 
 class FakeEvent:
@@ -105,7 +127,7 @@ class CopyLog:
         self.pool, self.waited, self.issued, self.layer = pool, [], [], None
         self.first_layer_pending = []  # per LoRA call of layer 0: slices of later layers not yet waited
 
-    def copy_in(self, r, start, n):
+    def copy_in(self, r, start, n, sliced=False):
         self.pool.storage[r.offset:r.offset + r.adapter.numel].copy_(r.adapter.flat)
         slices = []
         for first, _a, b in layer_chunks(r.adapter, self.pool.num_layers, self.pool.page_in_groups):
