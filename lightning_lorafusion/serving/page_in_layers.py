@@ -4,7 +4,7 @@ An adapter's flat layout (``adapters.HostAdapter``) holds its shared zero slots 
 every layer's slots in layer order, so a run of layers is a run of elements. ``layer_chunks``
 cuts the copy into ``groups`` slices of consecutive layers; the pool leaves the page-ins of a
 step's admissions pending (``UnifiedPool.page_in``) and issues them together before the step
-(``UnifiedPool.flush_copies``) layer-major (``copy_rounds``): round g copies slice g of every
+(``UnifiedPool.flush_copies``) layer-major (``copy_waves``): wave g copies slice g of every
 pending adapter, then records one event, so the first layers of all of them land first.
 Prefetches (issued behind a running step) stay one copy each. A step that admits a
 request on an adapter whose copy is still pending does not hold its first kernel back for the
@@ -35,11 +35,11 @@ def page_in_groups(num_layers: int, mode: str) -> int:
     return max(1, min(LAYER_SLICES, num_layers)) if mode == "layer" else 1
 
 
-def copy_rounds(plans: Sequence[Sequence[tuple[int, int, int]]]) -> list[list[tuple[int, tuple[int, int, int]]]]:
-    """Adapters' slices (``layer_chunks`` each) -> rounds, layer-major: round g holds
+def copy_waves(plans: Sequence[Sequence[tuple[int, int, int]]]) -> list[list[tuple[int, tuple[int, int, int]]]]:
+    """Adapters' slices (``layer_chunks`` each) -> waves, layer-major: wave g holds
     ``(adapter index, its slice g)`` for every adapter with a slice g, in adapter order."""
-    rounds = max((len(p) for p in plans), default=0)
-    return [[(i, p[g]) for i, p in enumerate(plans) if g < len(p)] for g in range(rounds)]
+    waves = max((len(p) for p in plans), default=0)
+    return [[(i, p[g]) for i, p in enumerate(plans) if g < len(p)] for g in range(waves)]
 
 
 def layer_chunks(adapter: Any, num_layers: int, groups: int) -> list[tuple[int, int, int]]:

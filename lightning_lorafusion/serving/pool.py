@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .adapters import HostAdapter
-from .page_in_layers import copy_rounds, layer_chunks
+from .page_in_layers import copy_waves, layer_chunks
 
 
 @dataclass(eq=False)
@@ -425,10 +425,10 @@ class UnifiedPool:
             self._copy_stream.wait_event(fence)
 
     def flush_copies(self) -> None:
-        """Issue the pending page-in copies (``_copy_in(sliced=True)``) layer-major: round g
+        """Issue the pending page-in copies (``_copy_in(sliced=True)``) layer-major: wave g
         copies slice g (``layer_chunks``) of every pending adapter, then records one event; each
         adapter's ``layer_ready`` lists (its slice's first layer, that event), so layer 0 of all
-        of them lands after the first round, not after the whole copy of all but the last."""
+        of them lands after the first wave, not after the whole copy of all but the last."""
         todo, self._pending_copies = self._pending_copies, []
         if not todo:
             return
@@ -436,13 +436,13 @@ class UnifiedPool:
             self._wait_fence(start, n)
         plans = [layer_chunks(r.adapter, self.num_layers, self.page_in_groups) for r, _, _ in todo]
         with torch.cuda.stream(self._copy_stream):
-            for round_ in copy_rounds(plans):
-                for i, (_first, a, b) in round_:
+            for wave in copy_waves(plans):
+                for i, (_first, a, b) in wave:
                     r = todo[i][0]
                     self.storage[r.offset + a:r.offset + b].copy_(r.adapter.flat[a:b], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                for i, (first, _a, _b) in round_:
+                for i, (first, _a, _b) in wave:
                     r = todo[i][0]
                     r.layer_ready = (r.layer_ready or []) + [(first, event)]
                     r.ready = event

@@ -16,7 +16,7 @@ from lightning_lorafusion.serving import paged_forward
 from lightning_lorafusion.serving.adapters import host_adapter_from_factors
 from lightning_lorafusion.serving.config import ConfigError, EngineTuning
 from lightning_lorafusion.serving.mixed_graphs import MixedPieces
-from lightning_lorafusion.serving.page_in_layers import (LayerWaits, copy_rounds, layer_chunks, page_in_groups,
+from lightning_lorafusion.serving.page_in_layers import (LayerWaits, copy_waves, layer_chunks, page_in_groups,
                                                          step_layer_waits)
 from lightning_lorafusion.specs import LoraLayout
 
@@ -54,19 +54,19 @@ def test_layer_chunks_cover_the_buffer_and_hold_each_layer_by_its_first_layer(la
         assert [f for f, _, _ in chunks] == list(range(CFG.num_layers))
 
 
-def test_copy_rounds_are_layer_major_and_slices_stay_in_order():
-    """Round g: slice g of every adapter that has one, so every adapter's first layers are copied
+def test_copy_waves_are_layer_major_and_slices_stay_in_order():
+    """Wave g: slice g of every adapter that has one, so every adapter's first layers are copied
     before any adapter's later ones; each adapter's slices keep their order."""
     a, b = _adapter(), _adapter(layers=(1, 3))
     plans = [layer_chunks(a, CFG.num_layers, 5), layer_chunks(b, CFG.num_layers, 5), [(0, 0, 10)]]
-    rounds = copy_rounds(plans)
-    assert len(rounds) == 5 and rounds[0] == [(0, plans[0][0]), (1, plans[1][0]), (2, (0, 0, 10))]
-    assert [i for i, _ in rounds[3]] == [0] and rounds[4] == [(0, plans[0][4])]
+    waves = copy_waves(plans)
+    assert len(waves) == 5 and waves[0] == [(0, plans[0][0]), (1, plans[1][0]), (2, (0, 0, 10))]
+    assert [i for i, _ in waves[3]] == [0] and waves[4] == [(0, plans[0][4])]
     for i, plan in enumerate(plans):
-        assert [c for rd in rounds for j, c in rd if j == i] == plan
-    firsts = [max(c[0] for _, c in rd) for rd in rounds]
+        assert [c for rd in waves for j, c in rd if j == i] == plan
+    firsts = [max(c[0] for _, c in rd) for rd in waves]
     assert firsts == sorted(firsts)
-    assert copy_rounds([]) == []
+    assert copy_waves([]) == []
 
 
 def test_page_in_groups_follow_the_mode():
