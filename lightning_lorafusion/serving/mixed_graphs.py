@@ -40,7 +40,7 @@ class MixedPieces:
 
     def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
                  capture: bool, pool=None, dora: DoraSlots | None = None,
-                 defer_capture: bool = False) -> None:
+                 defer_capture: bool = False, write: bool = False) -> None:
         # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
         # loop over each tile's own rank): tables of any rank mix fit the captured launches
         self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
@@ -58,12 +58,12 @@ class MixedPieces:
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
             modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r,
-            covering=runner.prefill_lora_write)
+            covering=runner.prefill_lora_write != "off", write=write)
         # covering tables (write-first prefill LoRA): a step without prefill LoRA rows loads tiles
         # of no adapter over every row, so the write-first expand still writes each row
         self.no_lora_tiles = (torch.tensor(segment_tiles([], runner.segment_block_m, rows=rows), dtype=torch.int32,
                                            device=dev).reshape(-1, 3).t().contiguous()
-                              if runner.prefill_lora_write else None)
+                              if self.lora.covering else None)
         if self.no_lora_tiles is not None:
             self.lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
         dtype = runner.pool.storage.dtype
@@ -178,9 +178,11 @@ class MixedPieces:
         lora.ranks.zero_()
         lora.scales.zero_()
         segments, modules = (), frozenset()
-        if pre is not None and pre.covering != lora.covering:
-            raise ValueError(f"a step's prefill LoRA tables with covering={pre.covering} for pieces of "
-                             f"covering={lora.covering}")
+        # (pieces for DoRA rows add the LoRA after the product whatever the step's tables say)
+        if pre is not None and (pre.covering != lora.covering
+                                or (self.dora_index is None and pre.write != lora.write)):
+            raise ValueError(f"a step's prefill LoRA tables with covering={pre.covering}, write={pre.write} for "
+                             f"pieces of covering={lora.covering}, write={lora.write}")
         if pre is None and self.no_lora_tiles is not None:
             lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
         if pre is not None:

@@ -237,13 +237,13 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
 def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
                 group: tuple[str | None, tuple[str, ...]], layer: int, batch: StepBatch) -> list[torch.Tensor]:
     """The frozen projections of a group (one GEMM when the layer has its fused weight; a
-    column view per member) plus the prefill rows' LoRA, added in place; with covering tables
-    (``PrefillLora.covering``) and plain weights, the LoRA is written first and the GEMM adds
-    the frozen product onto it (``write_first``)."""
+    column view per member) plus the prefill rows' LoRA, added in place; when the step writes
+    it first (``PrefillLora.write``, covering tables) and the weights are plain, the LoRA is
+    written first and the GEMM adds the frozen product onto it (``write_first``)."""
     fused, names = group
     pre = batch.prefill_lora
     adapted = pre is not None and bool(pre.modules.intersection(names))
-    if adapted and pre.covering and batch.dora is None:
+    if adapted and pre.write and pre.covering and batch.dora is None:
         outs = write_first(m, x, lp, group, layer, batch)
         if outs is not None:
             return outs

@@ -45,6 +45,8 @@ class PrefillLora:
     # projections write the LoRA first and let the GEMM add the frozen product onto it
     # (``paged_forward.projections``, ``EngineTuning.prefill_lora_write``)
     covering: bool = False
+    # this step's projections write the LoRA first (needs ``covering``); else it is added after
+    write: bool = False
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
@@ -54,7 +56,7 @@ class PrefillLora:
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
-                        device: "torch.device | str | Any", *, rows: int | None = None):
+                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
     the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
     the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
@@ -76,7 +78,8 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
         return PrefillLora(
             tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
-            block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None)
+            block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None,
+            write=write)
 
     if tables is device:
         return Queued(finish)

@@ -104,7 +104,8 @@ def test_bench_tenants_variants_side_by_side(tmp_path):
 
 def test_bench_tenants_old_variant_switches_the_named_paths(tmp_path, monkeypatch):
     """``--old prefill-lora,page-in``: the old runs add the prefill LoRA after the product and
-    wait for page-ins whole (host paths as new); the new runs write it first and wait by layer."""
+    wait for page-ins whole (host paths as new); the new runs write it first and wait by layer.
+    ``--prime on``: the trace runs once first, outside the reported runs."""
     bench = load_script("bench_tenants")
     seen = []
     real = bench.TenantsBench.phase
@@ -120,9 +121,11 @@ def test_bench_tenants_old_variant_switches_the_named_paths(tmp_path, monkeypatc
                          "--adapters", "4", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "3", "--output-max", "6", "--arrivals", "burst", "--warm-up", "off",
                          "--runs", "lora", "--variants", "new,old", "--old", "prefill-lora,page-in",
-                         "--page-out", "on", "--phase-max-s", "3600", "--out", str(tmp_path)])
+                         "--page-out", "on", "--prime", "on", "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
+    assert seen[0][0] == "prime" and [r["run"] for r in report["primed"]] == ["prime"]  # run first, not reported
+    seen = seen[1:]
     slices = min(8, bench.SHAPES["tiny"]["num_hidden_layers"])
-    assert seen == [("lora-new", True, slices, True, "packed"), ("lora-old", False, 1, True, "packed")]
+    assert seen == [("lora-new", "auto", slices, True, "packed"), ("lora-old", "off", 1, True, "packed")]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]

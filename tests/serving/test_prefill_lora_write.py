@@ -1,6 +1,7 @@
-"""The prefill rows' LoRA written first (``EngineTuning.prefill_lora_write="on"``): covering tile
-tables, the write-first expand into the projection's output and the frozen GEMM adding its
-product onto it (``paged_forward.write_first``); the same tokens as the additive path."""
+"""The prefill rows' LoRA written first (``EngineTuning.prefill_lora_write`` "on", or "auto" in
+steps mostly of adapted prefill rows): covering tile tables, the write-first expand into the
+projection's output and the frozen GEMM adding its product onto it (``paged_forward.write_first``);
+the same tokens as the additive path."""
 
 from __future__ import annotations
 
@@ -62,8 +63,36 @@ def test_write_first_gives_the_additive_paths_tokens(make_engine, monkeypatch, p
     assert all(len(t) == 4 for t in runs["on"].values())
 
 
-def test_prefill_lora_write_is_checked():
-    assert EngineTuning().prefill_lora_write == "on"
+@pytest.mark.parametrize("pieces", ["off", "eager"])
+def test_auto_writes_first_only_in_steps_mostly_of_adapted_prefill_rows(make_engine, monkeypatch, pieces):
+    """"auto": a step of long adapted prompts writes first; a later step of many decode rows and
+    one short adapted prompt (well under half its rows) adds after; tokens equal "off"'s."""
+    seen = _spy(monkeypatch)
+    runs = {}
+    for mode in ("auto", "off"):
+        seen.clear()
+        engine = make_engine(num_pages=128, page_size=4, prefill_lora_write=mode, mixed_graphs=pieces,
+                             async_decode="off", prefix_caching=False)
+        tokens = {}
+        prompts = {0: [("a", "all4", 40), ("b", "attn2", 40), ("c", None, 5), ("d", None, 5), ("e", None, 5)],
+                   3: [("f", "mlp8", 2)]}
+        for step in range(12):
+            for rid, adapter, n in prompts.get(step, []):
+                engine.submit(GenerationRequest(
+                    prompt_token_ids=[(5 * j + len(rid)) % 60 + 1 for j in range(n)], adapter=adapter, request_id=rid,
+                    sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)))
+            for ev in engine.step():
+                if ev.token_id is not None:
+                    tokens.setdefault(ev.request_id, []).append(ev.token_id)
+        runs[mode] = tokens
+        assert set(seen) == ({False, True} if mode == "auto" else {True})
+    assert runs["auto"] == runs["off"] and len(runs["auto"]) == 6
+
+
+def test_prefill_lora_write_is_checked(make_engine):
+    assert EngineTuning().prefill_lora_write == "auto"
+    with pytest.raises(ValueError, match="prefill_lora_write='yes'"):
+        make_engine(num_pages=32, page_size=4).runner.prefill_lora_write = "yes"
     with pytest.raises(ConfigError, match="prefill_lora_write='yes'"):
         EngineTuning(prefill_lora_write="yes")
 
