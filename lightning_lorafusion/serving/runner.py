@@ -41,15 +41,15 @@ from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 from .staging import make_tables
 from .page_in_layers import step_layer_waits
+from .step_batch import PrefixRows, Queued, StepBatch, prefill_lora_tables
+from .step_times import StepKind
+
+_ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 # "auto" prefill LoRA (``EngineTuning.prefill_lora_write``): written first in steps whose adapted
 # prefill rows are at least this share of their rows (the write-first expand writes every row,
 # zeros included, and cuBLAS's beta = 1 reads them all: on an H100 it cost 3-7 % more in the
 # burst trace's mixed steps of 512-2,048 tokens, mostly decode rows, and saved in its 8,192-token ones)
 WRITE_FIRST_MIN_SHARE = 0.5
-from .step_batch import PrefixRows, Queued, StepBatch, prefill_lora_tables
-from .step_times import StepKind
-
-_ALL_MODULES = frozenset(ALL_TARGET_MODULES)
 log = logging.getLogger(__name__)
 
 
