@@ -22,7 +22,13 @@ each output block read before its rank work), ``tiles-lowp`` (the expand's dot i
 cuBLAS adds it as the GEMM's C input: no read-modify-write pass), ``fused`` / ``fused-128``
 (the shrink, then a Triton GEMM adding the expand in its epilogue, ``lora_linear``;
 ``fused-128``: 128 x 128 blocks, 4 warps, 4 stages), ``triton-base`` (that GEMM with no LoRA,
-against cuBLAS). Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
+against cuBLAS), ``write`` (write-first, the engine's ``EngineTuning.prefill_lora_write``: the
+"segments" expand writes the delta, zeros on rows without LoRA, into an uninitialised output, and
+cuBLAS adds the frozen product onto it in place, ``y.addmm_(x, W^T)``, beta = 1; ``addmm`` above
+instead adds into a new tensor, which copies the delta first), ``base-beta1`` (the frozen
+products alone as ``y.addmm_`` onto an existing output: cuBLAS's speed with beta = 1).
+``--per-group``: also each projection group alone (q/k/v, o, gate/up, down) for ``base``,
+``base-beta1``, ``segments`` and ``write``. Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
 as the engine's captured mixed steps run them; ``do_bench`` where capture fails; on the CPU one
 wall-clock run); "LoRA ms" = the variant's time minus ``base``. The floor of the LoRA part: x
 read once per group, each adapter's A and B once per projection, every output read and written
@@ -60,7 +66,9 @@ SHAPES = {
 }
 VARIANTS = ("base", "segments", "tiles", "tiles-lowp", "addmm", "tiles-hold", "tiles-hold-lowp", "tiles-nb2",
             "segments-nb2", "tiles-w2", "fused", "triton-base", "segments-split1", "tiles-nb8", "tiles-nb16",
-            "tiles-split1", "tiles-w8", "fused-128")
+            "tiles-split1", "tiles-w8", "fused-128", "write", "base-beta1")
+# per-group timings (``--per-group``): the frozen product, today's additive expand, write-first
+PER_GROUP_VARIANTS = ("base", "base-beta1", "segments", "write")
 DEFAULT_VARIANTS = VARIANTS[:10]
 # groups: (name, members, input); members' weights are one fused matrix
 GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj"), "x"), ("o", ("o_proj",), "attn"),
@@ -153,8 +161,9 @@ def lora_floor_bytes(cfg, pre, segments, rows: int, elem: int) -> int:
     return total
 
 
-def make_runner(variant: str, cfg, weights, inputs, pool, pre):
-    """``run() -> {group: output [T, N]}`` of one variant (base products + its LoRA)."""
+def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None = None):
+    """``run() -> {group: output [T, N]}`` of one variant (base products + its LoRA); ``only``:
+    that group alone."""
     from lightning_lorafusion.kernels.lora_linear import linear_lora, row_tables
     from lightning_lorafusion.kernels.lora_segments import segment_lora_add
     from lightning_lorafusion.kernels.lora_tiles import tile_lora_add, tile_shrink
@@ -168,11 +177,26 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre):
                  "tiles-w2": {"warps": (None, 2)}, "tiles-nb8": {"n_blocks": 8}, "tiles-nb16": {"n_blocks": 16},
                  "tiles-split1": {"split_k": 1}, "tiles-w8": {"warps": (None, 8)}}
     big = (128, 128, 64, 8, 4, 4) if pool.device.type == "cuda" else None
+    # beta = 1 outputs, allocated once (the values accumulate over repetitions; the first run's
+    # are checked): what the frozen product costs when it adds onto an existing output
+    held = {name: torch.zeros(rows, weights[name].shape[0], dtype=inputs["x"].dtype, device=pool.device)
+            for name, _, _ in GROUPS} if variant == "base-beta1" else {}
 
     def run():
         ys = {}
         for name, _, inp in GROUPS:
+            if only is not None and name != only:
+                continue
             x, w = inputs[inp], weights[name]
+            if variant == "base-beta1":
+                ys[name] = held[name].addmm_(x, w.t())
+                continue
+            if variant == "write":  # write-first: the delta (zeros elsewhere), then beta = 1 in place
+                y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+                segment_lora_add(x, groups[name], list(y.split(sizes[name], dim=1)), backend="triton", check=False,
+                                 form="segments", accumulate=False)
+                ys[name] = y.addmm_(x, w.t())
+                continue
             if variant.startswith("fused") or variant == "triton-base":
                 lora = None if variant == "triton-base" else groups[name]
                 s = tile_shrink(x, lora) if lora is not None else None
@@ -216,6 +240,8 @@ def rel_err(got, base, want) -> float:
     num = sum(float(((got[k].double() - base[k].double()) - (want[k].double() - base[k].double())).norm() ** 2)
               for k in got)
     den = sum(float((want[k].double() - base[k].double()).norm() ** 2) for k in got)
+    if den == 0.0:  # base against base: relative to the products themselves
+        den = sum(float(base[k].double().norm() ** 2) for k in got)
     return math.sqrt(num / max(den, 1e-30))
 
 
@@ -267,7 +293,7 @@ def measure_rows(args, rows: int, kinds, bandwidth: float, stop_at: float) -> di
         try:
             run = make_runner(v, cfg, weights, inputs, pool, pre)
             got = run()
-            row["rel_err"] = rel_err(got, base_ref, base_ref if v in ("base", "triton-base") else want)
+            row["rel_err"] = rel_err(got, base_ref, base_ref if v in ("base", "triton-base", "base-beta1") else want)
             if v == "triton-base":
                 row["rel_err"] = max(float((got[k].float() - base_ref[k].float()).abs().max()) for k in got)
             row["ms"], row["timing"] = time_ms(run, dev)
@@ -278,8 +304,55 @@ def measure_rows(args, rows: int, kinds, bandwidth: float, stop_at: float) -> di
             log(f"rows={rows} {v}: {row['error']}")
         out["variants"][v] = row
         log(f"rows={rows} {v}: " + ", ".join(f"{k}={row[k]:.4g}" for k in ("ms", "rel_err") if k in row))
+    if args.per_group:
+        out["groups"] = per_group(args, (cfg, weights, inputs, pool, pre), (base_ref, want), dev, stop_at)
     del weights, inputs, pool
     return out
+
+
+def per_group(args, layer, refs, dev, stop_at: float) -> dict:
+    """{group: {variant: {ms, rel_err} or {error}}} for ``PER_GROUP_VARIANTS``, each group alone."""
+    base_ref, want = refs
+    out = {}
+    for name, _, _ in GROUPS:
+        out[name] = {}
+        for v in PER_GROUP_VARIANTS:
+            if time.monotonic() > stop_at:
+                out[name][v] = {"error": "skipped: past --deadline"}
+                continue
+            try:
+                run = make_runner(v, *layer, only=name)
+                got = run()
+                ref = base_ref if v.startswith("base") else want
+                row = {"rel_err": rel_err(got, {name: base_ref[name]}, {name: ref[name]})}
+                row["ms"], row["timing"] = time_ms(run, dev)
+            except Exception as exc:  # one broken variant must not lose the others
+                row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            out[name][v] = row
+            log(f"{name} {v}: " + ", ".join(f"{k}={row[k]:.4g}" for k in ("ms", "rel_err") if k in row))
+    return out
+
+
+def print_groups(report: dict) -> None:
+    """Per projection group: ms of the products alone, with beta = 1, and each LoRA path's
+    time over the products (LoRA ms), with its relative error."""
+    print("\n| rows | group | products ms | products, beta=1 ms | today's (additive) LoRA ms | write-first LoRA ms |"
+          " rel err today / write-first |")
+    print("|---|---|---|---|---|---|---|")
+    for res in report["rows"]:
+        for name, vs in res.get("groups", {}).items():
+            def ms(v):
+                return vs.get(v, {}).get("ms")
+            base = ms("base")
+
+            def cell(v, minus=True):
+                m = ms(v)
+                if m is None:
+                    return vs.get(v, {}).get("error", "")[:30]
+                return f"{m - base:.3f}" if minus and base is not None else f"{m:.3f}"
+            errs = " / ".join(f"{vs.get(v, {}).get('rel_err', float('nan')):.1e}" for v in ("segments", "write"))
+            print(f"| {res['rows']} | {name} | {cell('base', False)} | {cell('base-beta1', False)} | "
+                  f"{cell('segments')} | {cell('write')} | {errs} |")
 
 
 def print_tables(report: dict, args, dtype) -> None:
@@ -297,7 +370,7 @@ def print_tables(report: dict, args, dtype) -> None:
             if "ms" not in row:
                 print(f"| {res['rows']} | | {v} | error | | | | {row.get('error', '')[:60]} |")
                 continue
-            lora = row["ms"] - base if base is not None and v not in ("base", "triton-base") else None
+            lora = row["ms"] - base if base is not None and v not in ("base", "triton-base", "base-beta1") else None
             ok = "" if row.get("rel_err", 0) <= TOL[dtype] or v == "triton-base" else " FAIL"
             lora_s = "" if lora is None else f"{lora:.3f}"
             ratio = "" if lora is None else f"{lora / res['lora_floor_ms']:.1f}x"
@@ -321,6 +394,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-top", type=int, default=6)
     ap.add_argument("--profile-variants", type=comma_list(VARIANTS), default=["base", "segments", "tiles", "addmm"])
+    ap.add_argument("--per-group", action=argparse.BooleanOptionalAction, default=False,
+                    help="also time each projection group alone (base, base-beta1, segments, write)")
     ap.add_argument("--deadline", type=float, default=120.0,
                     help="seconds from the start after which remaining variants are skipped (default %(default)s)")
     return ap.parse_args(argv)
@@ -346,6 +421,8 @@ def main(argv=None) -> int:
                                            t0 + args.deadline))
         report.save()
     print_tables(report, args, dtype)
+    if args.per_group:
+        print_groups(report)
     return 0
 
 

@@ -68,6 +68,7 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
+from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 from profile_steps import StepProfile, table as profile_table  # noqa: E402
 
@@ -278,11 +279,24 @@ class TenantsBench:
         self.save()
 
     def set_variant(self, variant: str) -> None:
-        """``--variants``: "new" runs the engine's defaults, "old" the host paths as they were
-        (``EngineTuning.prefetch_ahead="off"``, ``host_tables="separate"``), on the same engine."""
-        engine = self.engine
-        engine.scheduler.prefetch_ahead = variant == "new"
-        engine.runner.host_tables = "packed" if variant == "new" else "separate"
+        """``--variants``: "new" runs the engine's defaults, "old" the paths named in ``--old`` as
+        they were, on the same engine: "host" (``EngineTuning.prefetch_ahead="off"``,
+        ``host_tables="separate"``), "prefill-lora" (``prefill_lora_write="off"``: the LoRA
+        read-added after the product; that mode's mixed-step pieces are built before the run, not
+        timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step)."""
+        engine, old = self.engine, set(self.args.old) if variant == "old" else set()
+        engine.scheduler.prefetch_ahead = "host" not in old
+        engine.runner.host_tables = "separate" if "host" in old else "packed"
+        engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
+                                                    "step" if "page-in" in old else "layer")
+        write = "off" if "prefill-lora" in old else engine.config.tuning.prefill_lora_write
+        if engine.runner.prefill_lora_write != write:
+            with engine._step_lock:
+                engine.runner.prefill_lora_write = write
+                if self.args.warm_up == "on":
+                    with timer(self.device) as t:
+                        engine.runner.build_mixed_pieces()
+                    log(f"mixed-step pieces of prefill_lora_write={write} built in {t.seconds:.1f} s")
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -340,6 +354,12 @@ def run_all(bench: TenantsBench) -> None:
     args = bench.args
     traces = bench.main_traces()
     order = ["burst", "poisson"]
+    if args.prime == "on":  # the first run's one-time host costs land here, on no variant
+        mode = sorted(traces, key=order.index)[0]
+        bench.set_variant(args.variants[0])
+        bench.phase("prime", mode, relabel(traces[mode], "prime-"))
+        bench.report["primed"] = [r for r in bench.report["runs"] if r["run"] == "prime"]
+        bench.report["runs"] = [r for r in bench.report["runs"] if r["run"] != "prime"]
     for mode in sorted(traces, key=order.index):
         for run in args.runs:
             trace = traces[mode] if run == "lora" else relabel(traces[mode], "", None)
@@ -426,8 +446,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-runs", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     default=["lora burst", "base burst"], help="runs to profile, e.g. 'lora burst,base burst'")
     ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
-                    help="each run with the engine's host paths now (new) and as they were (old: no prefetch "
-                         "ahead, tables copied one by one); runs named run-variant when both")
+                    help="each run with the engine's paths now (new) and as they were (old: those --old names); "
+                         "runs named run-variant when both")
+    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in")), default=["host"],
+                    help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
+                         "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
+                         "the step); default %(default)s")
+    ap.add_argument("--prime", choices=("on", "off"), default="off",
+                    help="run the first trace once before the measured runs, not reported among them (the "
+                         "first run after warm-up carries one-time host costs: whichever variant runs first)")
     ap.add_argument("--page-out", choices=("on", "off"), default="off",
                     help="evict every idle adapter before each run (each pages its adapters in afresh)")
     add_output_args(ap)

@@ -32,10 +32,11 @@ import triton.language as tl
 
 from . import lora_tiles
 from .lora_tiles import tile_launches, tile_lora_add
-from .segment_tables import SegmentLora, block_r_for, segment_lora_reference, segment_tiles, shrink_tile
+from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segments, segment_lora_reference,
+                             segment_tiles, shrink_tile)
 
 __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "segment_lora_reference",
-           "segment_tiles", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
+           "segment_tiles", "covering_segments", "NO_ADAPTER", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
            "expand_warps"]
 
 BACKENDS = ("torch", "triton", "auto")
@@ -100,22 +101,29 @@ def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
     s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """out[rows of tile t, N_BLOCKS column blocks] += scale * S[rows, :rank] Bt[:rank, cols]:
     fp32 sum of the output and the delta, one rounding. The rank is looped over in chunks of
     BLOCK_R (a runtime bound: the tile's own rank, not the step's largest). A program covers
     N_BLOCKS blocks of BLOCK_N columns: a tile of one decode row costs a program's fixed work
-    (tables) once per N_BLOCKS blocks, not once per block."""
+    (tables) once per N_BLOCKS blocks, not once per block. Not ACCUMULATE (write-first): out =
+    the delta, read nothing; a tile of rank 0 (or adapter index -1, rows without LoRA) writes
+    zeros, so a GEMM can add the frozen product onto it as its C input."""
     t = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.minimum(tl.load(rank_ptr + ad), s_width)
-    if (end > start) & (rank > 0):
-        b_off = tl.load(b_off_ptr + ad)
-        scale = tl.load(scale_ptr + ad)
+    has = ad >= 0
+    adc = tl.maximum(ad, 0)
+    rank = tl.minimum(tl.load(rank_ptr + adc, mask=has, other=0), s_width)
+    live = end > start
+    if ACCUMULATE:
+        live = live & (rank > 0)
+    if live:
+        b_off = tl.load(b_off_ptr + adc, mask=rank > 0, other=0)
+        scale = tl.load(scale_ptr + adc, mask=rank > 0, other=0.0)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
         for j in range(N_BLOCKS):
@@ -135,8 +143,11 @@ def _segment_expand_kernel(
                 acc += tl.dot(s, bt, input_precision=DOT_PRECISION)
             out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
             ok = m_ok[:, None] & n_ok[None, :]
-            y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            if ACCUMULATE:
+                y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+                tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rank_chunk(device: torch.device) -> int:
@@ -167,8 +178,13 @@ def _expand_blocks_per_program(col_blocks: int) -> int:
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
-                     form: str | None = None) -> None:
+                     form: str | None = None, accumulate: bool = True) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
+    ``accumulate=False`` (write-first): write the LoRA into ``outs`` instead, reading nothing of
+    them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
+    (``segment_tiles(..., rows=T)``) every row is written, and a GEMM adds the frozen product
+    onto it as its C input (``y.addmm_(x, W.t())``); rows outside every tile are left as they
+    are. The "segments" form and the torch reference only.
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
     (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
@@ -183,12 +199,14 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
-        segment_lora_reference(x, lora, outs)
+        segment_lora_reference(x, lora, outs, accumulate=accumulate)
         return
     form = DEFAULT_FORM if form is None else form
     if form not in FORMS:
         raise ValueError(f"form={form!r}; allowed: {FORMS}")
     if form == "tiles":
+        if not accumulate:
+            raise ValueError("accumulate=False (write-first) runs the 'segments' form; got form='tiles'")
         tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
         return
     if check:
@@ -196,12 +214,14 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
-    for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps):
+    for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
+                                                      accumulate=accumulate):
         kernel[grid](*args, **meta)
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
-                      split_k: int | None, warps: tuple[int | None, int | None]) -> list[tuple]:
+                      split_k: int | None, warps: tuple[int | None, int | None],
+                      accumulate: bool = True) -> list[tuple]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table). Allocates S."""
     n_tiles = lora.tiles.shape[1]
@@ -232,7 +252,8 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
             s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
             n_tiles, s.stride(0), block_r),
             dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
-                 DOT_PRECISION=precision, **({} if expand_w is None else {"num_warps": expand_w}))))
+                 DOT_PRECISION=precision, ACCUMULATE=accumulate,
+                 **({} if expand_w is None else {"num_warps": expand_w}))))
     return launches
 
 
@@ -249,7 +270,7 @@ def _specialisation(value) -> object:
 def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                             n_blocks: int | None = None, split_k: int | None = None,
                             warps: tuple[int | None, int | None] = (None, None),
-                            form: str | None = None) -> frozenset[tuple]:
+                            form: str | None = None, accumulate: bool = True) -> frozenset[tuple]:
     """The compiled variants ``segment_lora_add(x, lora, outs, ..., form=form)`` (Triton path)
     needs: per launch, the kernel's name, its constexprs and options, and what the JIT
     specialises its other arguments on (``do_not_specialize`` ones left out). Two calls with
@@ -261,7 +282,8 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
                                             lora_tiles._EXPAND_UNSPECIALISED)
     else:
-        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
+                                     accumulate=accumulate)
         shrink, shrink_skip, expand_skip = _segment_shrink_kernel, _SHRINK_UNSPECIALISED, _EXPAND_UNSPECIALISED
     keys = set()
     for kernel, _grid, args, meta in launches:

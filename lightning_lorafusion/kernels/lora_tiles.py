@@ -165,7 +165,7 @@ def _tile_expand_kernel(
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.minimum(tl.load(rank_ptr + ad), s_width)
+    rank = tl.minimum(tl.load(rank_ptr + tl.maximum(ad, 0), mask=ad >= 0, other=0), s_width)  # -1: no LoRA
     if (end > start) & (rank > 0):
         b_off = tl.load(b_off_ptr + ad)
         scale = tl.load(scale_ptr + ad)

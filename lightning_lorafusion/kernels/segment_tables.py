@@ -14,12 +14,37 @@ import triton.language as tl
 from .lora_gather import MAX_RANK, SUPPORTED_DTYPES
 
 
-def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int) -> list[tuple[int, int, int]]:
-    """Segments ``(start, end, adapter)`` -> tiles of at most ``block_m`` rows, in order."""
+NO_ADAPTER = -1  # a tile's adapter index for rows without LoRA (the gaps of a covering table)
+
+
+def segment_tiles(segments: Sequence[tuple[int, int, int]], block_m: int,
+                  rows: int | None = None) -> list[tuple[int, int, int]]:
+    """Segments ``(start, end, adapter)`` -> tiles of at most ``block_m`` rows, in order.
+    ``rows``: also cover every other row of ``[0, rows)`` with tiles of adapter ``NO_ADAPTER``
+    (a covering table, what the write-first expand needs: it writes every row of its output,
+    zeros where no LoRA); the segments must then be in row order and not overlap."""
+    if rows is not None:
+        segments = covering_segments(segments, rows)
     tiles = []
     for start, end, adapter in segments:
         tiles += [(s, min(s + block_m, end), adapter) for s in range(start, end, block_m)]
     return tiles
+
+
+def covering_segments(segments: Sequence[tuple[int, int, int]], rows: int) -> list[tuple[int, int, int]]:
+    """``segments`` in row order plus ``(start, end, NO_ADAPTER)`` for each run of the ``rows``
+    rows they leave out."""
+    out, pos = [], 0
+    for start, end, adapter in segments:
+        if start < pos or end < start or end > rows:
+            raise ValueError(f"segments must be in row order, not overlap and end by row {rows}; got {list(segments)}")
+        if start > pos:
+            out.append((pos, start, NO_ADAPTER))
+        out.append((start, end, adapter))
+        pos = end
+    if pos < rows:
+        out.append((pos, rows, NO_ADAPTER))
+    return out
 
 
 def block_r_for(max_rank: int) -> int:
@@ -94,10 +119,15 @@ class SegmentLora:
 
 
 @torch.no_grad()
-def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor]) -> None:
+def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
+                           accumulate: bool = True) -> None:
     """``outs[g][segment rows] +=`` each segment's LoRA (fp32 sums, one rounding), in place.
-    Reads the adapter tables on the host (a device sync): for the CPU and tests."""
+    ``accumulate=False`` (write-first): ``outs[g]`` = the LoRA on the segments' rows, zeros on
+    every other row. Reads the adapter tables on the host (a device sync): for the CPU and tests."""
     lora.check(x, outs)
+    if not accumulate:
+        for y in outs:
+            y.zero_()
     k = x.shape[1]
     a_off, b_off, ranks, scales = (t.cpu().tolist() for t in (lora.a_offsets, lora.b_offsets, lora.ranks,
                                                                lora.scales))
@@ -132,9 +162,11 @@ def shrink_tile(
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + ad), s_width)
+    has = ad >= 0  # -1: rows without LoRA (a covering table's gap tile)
+    adc = tl.maximum(ad, 0)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
     if (end > start) & (rank > 0):
-        a_off = tl.load(a_off_ptr + g * a_g_stride + ad)
+        a_off = tl.load(a_off_ptr + g * a_g_stride + adc)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
         k_lo = sp * k_per_split

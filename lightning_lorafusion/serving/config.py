@@ -18,6 +18,8 @@ ASYNC_DECODE = ("auto", "on", "off")
 SCHEDULING = ("fifo", "fair")
 ON_OFF = ("on", "off")
 HOST_TABLES = ("packed", "separate")
+PAGE_IN_WAIT = ("layer", "step")
+PREFILL_LORA_WRITE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,17 @@ class EngineTuning:
     # (the default: one host buffer, pinned on CUDA, one asynchronous copy; serving/staging.py)
     # or "separate" (one copy per table from pageable memory, each synchronous with the host)
     host_tables: str = "packed"
+    # the prefill rows' LoRA: "on" writes it first into the projection's output (zeros on rows
+    # without LoRA) and lets the frozen GEMM add its product onto it (cuBLAS's C input, beta = 1);
+    # "off": the product first, then the LoRA read-added into it; "auto" (the default): written
+    # first in steps whose adapted prefill rows are at least half their rows, added after in the
+    # others (docs/serving.md "Prefill LoRA written first")
+    prefill_lora_write: str = "auto"
+    # a step admitting a request whose adapter's page-in copy is still running: "layer" (the
+    # default) copies adapters in slices of one layer, an event after each, and orders each
+    # layer of the step after its own slice only; "step": one copy, and the step's first kernel
+    # waits for all of it (docs/serving.md "Page-ins by layer")
+    page_in_wait: str = "layer"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -75,6 +88,11 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.prefetch_ahead={self.prefetch_ahead!r}; allowed: {', '.join(ON_OFF)}")
         if self.host_tables not in HOST_TABLES:
             raise ConfigError(f"EngineTuning.host_tables={self.host_tables!r}; allowed: {', '.join(HOST_TABLES)}")
+        if self.prefill_lora_write not in PREFILL_LORA_WRITE:
+            raise ConfigError(f"EngineTuning.prefill_lora_write={self.prefill_lora_write!r}; "
+                              f"allowed: {', '.join(PREFILL_LORA_WRITE)}")
+        if self.page_in_wait not in PAGE_IN_WAIT:
+            raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 

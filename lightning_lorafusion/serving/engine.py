@@ -30,6 +30,7 @@ from .engine_output import OutputAssembly
 from .engine_step import EngineStep, _Launched, _SampledRows
 from .floor import StepLedger, base_weight_bytes
 from .fused_weights import fuse_projection_weights
+from .page_in_layers import page_in_groups
 from .pool import UnifiedPool
 from .pool_sizing import pool_pages
 from .request import GenerationRequest, GenerationResult, RequestState, TokenEvent
@@ -92,9 +93,11 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   prefill_attention=config.tuning.prefill_attention,
                                   max_batched_tokens=config.max_num_batched_tokens,
                                   nf4_gemm=config.tuning.nf4_gemm,
+                                  prefill_lora_write=config.tuning.prefill_lora_write,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))
         self.runner.host_tables = config.tuning.host_tables
+        self.pool.page_in_groups = page_in_groups(model_config.num_layers, config.tuning.page_in_wait)
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs()
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)

@@ -26,6 +26,7 @@ import torch
 
 from ..capture import capture_batch, graph_capture
 from ..kernels.lora_gather import MAX_RANK
+from ..kernels.segment_tables import segment_tiles
 from ..specs import ALL_TARGET_MODULES
 from .dora_rows import DoraSlotRows, DoraSlots
 from .paged_forward import after_attention, attention, before_attention, embed_rows, final_norm
@@ -39,7 +40,7 @@ class MixedPieces:
 
     def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
                  capture: bool, pool=None, dora: DoraSlots | None = None,
-                 defer_capture: bool = False) -> None:
+                 defer_capture: bool = False, write: bool = False) -> None:
         # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
         # loop over each tile's own rank): tables of any rank mix fit the captured launches
         self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
@@ -56,7 +57,15 @@ class MixedPieces:
             offsets=torch.zeros(cfg.num_layers, n_mod, 2, max_adapters, dtype=torch.int64, device=dev),
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
-            modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r)
+            modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r,
+            covering=runner.prefill_lora_write != "off", write=write)
+        # covering tables (write-first prefill LoRA): a step without prefill LoRA rows loads tiles
+        # of no adapter over every row, so the write-first expand still writes each row
+        self.no_lora_tiles = (torch.tensor(segment_tiles([], runner.segment_block_m, rows=rows), dtype=torch.int32,
+                                           device=dev).reshape(-1, 3).t().contiguous()
+                              if self.lora.covering else None)
+        if self.no_lora_tiles is not None:
+            self.lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
         dtype = runner.pool.storage.dtype
         self.attn = torch.zeros(rows, cfg.q_size, dtype=dtype, device=dev)
         # what attention reads from piece l, at addresses fixed here: a tensor allocated inside a
@@ -96,9 +105,10 @@ class MixedPieces:
         return len(self.graphs) if self.graphs is not None else 0
 
     @staticmethod
-    def max_tiles(rows: int, block_m: int, max_segments: int) -> int:
-        """Tiles of any step of at most ``rows`` rows in at most ``max_segments`` segments."""
-        return -(-rows // block_m) + max_segments
+    def max_tiles(rows: int, block_m: int, max_segments: int, *, covering: bool = False) -> int:
+        """Tiles of any step of at most ``rows`` rows in at most ``max_segments`` segments
+        (``covering``: plus the tiles of the up to ``max_segments + 1`` runs of rows between them)."""
+        return -(-rows // block_m) + (2 * max_segments + 1 if covering else max_segments)
 
     # ------------------------------------------------------------------ the pieces
 
@@ -168,6 +178,13 @@ class MixedPieces:
         lora.ranks.zero_()
         lora.scales.zero_()
         segments, modules = (), frozenset()
+        # (pieces for DoRA rows add the LoRA after the product whatever the step's tables say)
+        if pre is not None and (pre.covering != lora.covering
+                                or (self.dora_index is None and pre.write != lora.write)):
+            raise ValueError(f"a step's prefill LoRA tables with covering={pre.covering}, write={pre.write} for "
+                             f"pieces of covering={lora.covering}, write={lora.write}")
+        if pre is None and self.no_lora_tiles is not None:
+            lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
         if pre is not None:
             if pre.block_r > self.block_r:
                 raise ValueError(f"a step of rank block {pre.block_r} for pieces of at most {self.block_r}")
@@ -194,9 +211,12 @@ class MixedPieces:
         """The step's forward -> final-normed hidden states of ``batch.output_rows``."""
         self.load(batch)
         r = self.runner
+        waits = batch.layer_waits  # adapters' page-in slices still copying: piece i runs layer i's LoRA
         for i in range(r.config.num_layers + 1):
             if i:
                 self.attn.copy_(attention(r.model, i - 1, self.q, self.k, self.v, batch))
+            if waits:
+                waits.before(i)
             if self.graphs is not None:
                 self.graphs[i].replay()
             else:

@@ -110,7 +110,10 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
     (every row when None): ``[R, H]``."""
     h, rope = embed_rows(m, batch)
     d = None
+    waits = batch.layer_waits  # adapters' page-in slices still copying: layer l waits for its own
     for layer in range(m.config.num_layers):
+        if waits:
+            waits.before(layer)
         d = decoder_layer(m, layer, m.params["layers"][layer], h, d, rope, batch)
     if batch.output_rows is not None:
         h, d = h.index_select(0, batch.output_rows), d.index_select(0, batch.output_rows)
@@ -234,8 +237,16 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
 def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
                 group: tuple[str | None, tuple[str, ...]], layer: int, batch: StepBatch) -> list[torch.Tensor]:
     """The frozen projections of a group (one GEMM when the layer has its fused weight; a
-    column view per member) plus the prefill rows' LoRA, added in place."""
+    column view per member) plus the prefill rows' LoRA, added in place; when the step writes
+    it first (``PrefillLora.write``, covering tables) and the weights are plain, the LoRA is
+    written first and the GEMM adds the frozen product onto it (``write_first``)."""
     fused, names = group
+    pre = batch.prefill_lora
+    adapted = pre is not None and bool(pre.modules.intersection(names))
+    if adapted and pre.write and pre.covering and batch.dora is None:
+        outs = write_first(m, x, lp, group, layer, batch)
+        if outs is not None:
+            return outs
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = (F.linear(x, w, b) if isinstance(w, torch.Tensor)
@@ -248,9 +259,32 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
         outs = frozen_projections(x, weights, biases, options=m.kernel_options)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
-    pre = batch.prefill_lora
-    if pre is not None and pre.modules.intersection(names):
+    if adapted:
         segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend)
+    return outs
+
+
+def write_first(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],
+                layer: int, batch: StepBatch) -> list[torch.Tensor] | None:
+    """A group's outputs as the prefill rows' LoRA written first (every row: zeros where none,
+    the tables cover the step) and the frozen product added onto it by the GEMM as its C input
+    (``addmm_``, beta = 1): the output is written once by the expand and read once by cuBLAS's
+    epilogue, instead of read and written again by an additive expand. None (the caller adds
+    the LoRA after the product) for weights that are not plain tensors (FP8, NF4) or carry a bias."""
+    fused, names = group
+    if fused is not None and fused in lp:
+        parts = [frozen_weight(lp[fused])]
+    else:
+        parts = [frozen_weight(lp[n]) for n in names]
+    if any(not isinstance(w, torch.Tensor) or b is not None for w, b in parts):
+        return None
+    sizes = [m.config.module_dims(n)[1] for n in names]
+    ys = [x.new_empty(x.shape[0], w.shape[0]) for w, _ in parts]
+    outs = list(ys[0].split(sizes, dim=1)) if len(parts) == 1 else ys
+    segment_lora_add(x, batch.prefill_lora.group(m.pool.storage, layer, names), outs, backend=m.lora_backend,
+                     accumulate=False)
+    for y, (w, _) in zip(ys, parts):
+        y.addmm_(x, w.t())
     return outs
 
 

@@ -32,12 +32,13 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from .adapters import HostAdapter
+from .page_in_layers import copy_waves, layer_chunks
 
 
 @dataclass(eq=False)
@@ -51,6 +52,8 @@ class ResidentAdapter:
     users: int = 0  # running requests using it (not evictable while > 0)
     last_used: int = 0
     ready: torch.cuda.Event | None = None  # its host-to-device copy, when asynchronous
+    # the copy in slices of layers (``page_in_layers``): (first layer, event after the slice), or None
+    layer_ready: list[tuple[int, Any]] | None = None
     prefetched: bool = False  # paged in ahead of its requests' admission, none admitted since
 
     @cached_property
@@ -141,6 +144,11 @@ class UnifiedPool:
         self._adapter_pages = np.zeros(num_pages, dtype=bool)
         self._resident: dict[int, ResidentAdapter] = {}  # HostAdapter.key -> its run
         self._tick = 0
+        self.num_layers = num_layers
+        # an admission's page-in copy in this many slices of layers, one event each (1: one copy);
+        # ``EngineTuning.page_in_wait`` "layer" sets it (``page_in_layers.page_in_groups``)
+        self.page_in_groups = 1
+        self._pending_copies: list[tuple[ResidentAdapter, int, int]] = []  # admissions' page-ins, not issued yet
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # pages let go on the compute stream -> what a page-in copy into them waits for (CUDA only)
         self._fences = FreedPageFences(num_pages, self._compute_fence) if self._copy_stream is not None else None
@@ -381,19 +389,7 @@ class UnifiedPool:
         self._free[start:start + n] = False
         self._adapter_pages[start:start + n] = True
         r = ResidentAdapter(adapter, start, n, start * self.page_elems)
-        dst = self.storage[r.offset:r.offset + adapter.numel]
-        if self._copy_stream is not None:
-            # queued kernels of the pages' previous owners may still read them: wait for those
-            # (only: a step launched since they were let go runs beside the copy)
-            fence = self._fences.pending(start, n)
-            if fence is not None:
-                self._copy_stream.wait_event(fence)
-            with torch.cuda.stream(self._copy_stream):
-                dst.copy_(adapter.flat, non_blocking=True)
-                r.ready = torch.cuda.Event()
-                r.ready.record()
-        else:
-            dst.copy_(adapter.flat)
+        self._copy_in(r, start, n, sliced=not prefetch)
         self._resident[adapter.key] = r
         self.touch(r)
         self.page_ins += 1
@@ -402,12 +398,67 @@ class UnifiedPool:
             self.prefetch_page_ins += 1
         return r
 
+    def _copy_in(self, r: ResidentAdapter, start: int, n: int, sliced: bool = False) -> None:
+        """Copy ``r``'s adapter into its pages ``start .. start + n - 1``: on CUDA on the copy
+        stream, with an event after it (``r.ready``); ``sliced`` (a page-in for an admission,
+        with ``page_in_groups`` > 1): left pending for ``flush_copies``, which copies every
+        pending adapter in slices of layers; else (CPU) synchronously."""
+        adapter = r.adapter
+        dst = self.storage[r.offset:r.offset + adapter.numel]
+        if self._copy_stream is None:
+            dst.copy_(adapter.flat)
+            return
+        if sliced and self.page_in_groups > 1:
+            self._pending_copies.append((r, start, n))
+            return
+        self._wait_fence(start, n)
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(adapter.flat, non_blocking=True)
+            r.ready = torch.cuda.Event()
+            r.ready.record()
+
+    def _wait_fence(self, start: int, n: int) -> None:
+        # queued kernels of the pages' previous owners may still read them: wait for those
+        # (only: a step launched since they were let go runs beside the copy)
+        fence = self._fences.pending(start, n)
+        if fence is not None:
+            self._copy_stream.wait_event(fence)
+
+    def flush_copies(self) -> None:
+        """Issue the pending page-in copies (``_copy_in(sliced=True)``) layer-major: wave g
+        copies slice g (``layer_chunks``) of every pending adapter, then records one event; each
+        adapter's ``layer_ready`` lists (its slice's first layer, that event), so layer 0 of all
+        of them lands after the first wave, not after the whole copy of all but the last."""
+        todo, self._pending_copies = self._pending_copies, []
+        if not todo:
+            return
+        for _, start, n in todo:
+            self._wait_fence(start, n)
+        plans = [layer_chunks(r.adapter, self.num_layers, self.page_in_groups) for r, _, _ in todo]
+        with torch.cuda.stream(self._copy_stream):
+            for wave in copy_waves(plans):
+                for i, (_first, a, b) in wave:
+                    r = todo[i][0]
+                    self.storage[r.offset + a:r.offset + b].copy_(r.adapter.flat[a:b], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                for i, (first, _a, _b) in wave:
+                    r = todo[i][0]
+                    r.layer_ready = (r.layer_ready or []) + [(first, event)]
+                    r.ready = event
+
+    def order_after(self, event) -> None:
+        """Order the current (compute) stream after ``event`` (a page-in copy's)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     def wait_ready(self, residents: Iterable[ResidentAdapter]) -> None:
-        """Order the current stream after the page-in copies of ``residents``."""
+        """Order the current stream after the page-in copies of ``residents`` (pending ones
+        issued first)."""
+        self.flush_copies()
         for r in residents:
             if r.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(r.ready)
-                r.ready = None
+                self.order_after(r.ready)
+                r.ready, r.layer_ready = None, None
 
     def evict(self, adapter: HostAdapter) -> None:
         """Drop an idle adapter's pages (its host copy stays)."""

@@ -40,10 +40,16 @@ from .paged_forward import PagedDecoder, lm_logits, paged_forward
 from .pool import ResidentAdapter, UnifiedPool
 from .request import RequestState
 from .staging import make_tables
+from .page_in_layers import step_layer_waits
 from .step_batch import PrefixRows, Queued, StepBatch, prefill_lora_tables
 from .step_times import StepKind
 
 _ALL_MODULES = frozenset(ALL_TARGET_MODULES)
+# "auto" prefill LoRA (``EngineTuning.prefill_lora_write``): written first in steps whose adapted
+# prefill rows are at least this share of their rows (the write-first expand writes every row,
+# zeros included, and cuBLAS's beta = 1 reads them all: on an H100 it cost 3-7 % more in the
+# burst trace's mixed steps of 512-2,048 tokens, mostly decode rows, and saved in its 8,192-token ones)
+WRITE_FIRST_MIN_SHARE = 0.5
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +66,7 @@ class ModelRunner:
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
-                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto") -> None:
+                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -96,9 +102,13 @@ class ModelRunner:
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
-        # token bucket -> its pieces (one set serves every rank mix: mixed_graphs.py)
-        self._mixed: dict[int, MixedPieces] = {}
-        self._mixed_dora: dict[int, MixedPieces] = {}  # token bucket -> its pieces for steps with DoRA rows
+        # prefill LoRA written first or added after (``PrefillLora.write``) -> token bucket -> its
+        # pieces (one set serves every rank mix: mixed_graphs.py), and those for steps with DoRA
+        # rows (added after only)
+        self._pieces_by_mode: dict[bool, tuple[dict[int, MixedPieces], dict[int, MixedPieces]]] = {
+            True: ({}, {}), False: ({}, {})}
+        self._prefill_lora_write = "off"
+        self.prefill_lora_write = prefill_lora_write
         self.graphs: DecodeGraphs | None = None
         self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took (their compiles ahead included)
         self.decode_compile: dict[str, Any] | None = None  # compile_ahead's report before that capture
@@ -153,8 +163,9 @@ class ModelRunner:
         return [(f"mixed rows={rows}", partial(self._dry_run_pieces, rows)) for rows in self.token_buckets]
 
     def _dry_run_pieces(self, rows: int) -> None:
-        pieces = self._mixed.get(rows)
-        (pieces or self._new_pieces(rows, defer_capture=True)).dry_run()
+        for write in self._write_modes():
+            pieces = self._pieces_by_mode[write][0].get(rows)
+            (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
 
     def _graph_body(self, rows: int, lora: bool, dora: bool = False) -> None:
         batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
@@ -305,7 +316,12 @@ class ModelRunner:
             batch.dora = self._dora_slots().step_rows(runs, len(ids)) or batch.dora
         if decode or pad:  # (pad: rank-0 tables past the decode rows, which the pieces read)
             self._prepare_decode(batch, decode)
-        self.pool.wait_ready(residents + [st.resident for st in decode if st.resident is not None])
+        decode_residents = [st.resident for st in decode if st.resident is not None]
+        if self.pool.page_in_groups > 1:  # the prefill adapters' pending copies: waited for by layer
+            self.pool.wait_ready(decode_residents)  # (issues the admissions' pending copies first)
+            batch.layer_waits = step_layer_waits(residents, self.pool.order_after)
+        else:
+            self.pool.wait_ready(residents + decode_residents)
         return batch
 
     def _upload_rows(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
@@ -330,7 +346,10 @@ class ModelRunner:
         if self.config.rope_type == "longrope":
             queued["long"] = tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
                                         torch.bool)
-        lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables) if segments else None
+        covering = self._prefill_lora_write != "off"
+        write = covering and self._step_writes(sum(e - s for s, e, _ in segments), len(ids))
+        lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
+                                   rows=len(ids) if covering else None, write=write) if segments else None
         up = tables.upload()
         batch = StepBatch(
             input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],
@@ -437,6 +456,49 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     @property
+    def prefill_lora_write(self) -> str:
+        """``EngineTuning.prefill_lora_write``: "on" (every step's projections write the prefill
+        LoRA first and the frozen GEMM adds its product onto it), "off" (added after the product),
+        "auto" (written first in steps whose adapted prefill rows are at least
+        ``WRITE_FIRST_MIN_SHARE`` of their rows). With "on" / "auto" the steps' tile tables cover
+        every row (``PrefillLora.covering``). Settable between steps: the mixed-step pieces of each
+        way are kept (built on first use or by ``build_mixed_pieces``), all of them rebuilt when
+        the tables' covering changes."""
+        return self._prefill_lora_write
+
+    @prefill_lora_write.setter
+    def prefill_lora_write(self, mode: str) -> None:
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"prefill_lora_write={mode!r}; allowed: auto, on, off")
+        if (mode == "off") != (self._prefill_lora_write == "off"):  # the static tables' covering changes
+            self._clear_pieces()
+        self._prefill_lora_write = mode
+
+    def _write_modes(self) -> list[bool]:
+        """The ``PrefillLora.write`` values steps can take, the usual one first."""
+        return {"on": [True], "off": [False], "auto": [True, False]}[self._prefill_lora_write]
+
+    def _step_writes(self, lora_rows: int, rows: int) -> bool:
+        """Whether a step of ``rows`` rows, ``lora_rows`` of them adapted prefill rows, writes the
+        prefill LoRA first."""
+        mode = self._prefill_lora_write
+        return mode == "on" or (mode == "auto" and lora_rows >= WRITE_FIRST_MIN_SHARE * rows)
+
+    @property
+    def _mixed(self) -> dict[int, "MixedPieces"]:
+        """The pieces of the usual prefill LoRA way, by token bucket."""
+        return self._pieces_by_mode[self._write_modes()[0]][0]
+
+    @property
+    def _mixed_dora(self) -> dict[int, "MixedPieces"]:
+        return self._pieces_by_mode[False][1]
+
+    def _clear_pieces(self) -> None:
+        for built in self._pieces_by_mode.values():
+            for pieces in built:
+                pieces.clear()
+
+    @property
     def can_capture_mixed(self) -> bool:
         """Whether mixed-step pieces can be captured: a CUDA device and the Triton kernels."""
         return self.device.type == "cuda" and self.lora_backend == "triton" and self.kernel_backend == "triton"
@@ -450,33 +512,41 @@ class ModelRunner:
         if mode == "graphs" and not self.can_capture_mixed:
             raise RuntimeError("mixed-step CUDA graphs need a CUDA device and the Triton kernels")
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
-        self._mixed.clear()
-        self._mixed_dora.clear()
+        self._clear_pieces()
 
-    def _new_pieces(self, rows: int, dora: bool = False, *, defer_capture: bool = False) -> MixedPieces:
+    def _new_pieces(self, rows: int, dora: bool = False, *, write: bool = False,
+                    defer_capture: bool = False) -> MixedPieces:
         return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
-                                                                     self.decode_inputs.max_rows),
+                                                                     self.decode_inputs.max_rows,
+                                                                     covering=self.prefill_lora_write != "off"),
+                           write=write and not dora,
                            max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
                            pool=self.graphs.pool if self.graphs is not None else None,
                            dora=self._dora_slots() if dora else None, defer_capture=defer_capture)
 
     def build_mixed_pieces(self) -> int:
         """Build (capture, with graphs) the pieces of every token bucket now rather than on the
-        first step of each bucket mid-run -> how many buckets were new. The pieces serve any
+        first step of each bucket mid-run (both ways of the prefill LoRA with "auto") -> how many
+        buckets were new. The pieces serve any
         mix of ranks (adapters loaded later included), so nothing is built per rank. No-op with
         pieces off."""
         if self.mixed_pieces is None:
             return 0
-        new = [rows for rows in self.token_buckets if rows not in self._mixed]
-        with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
-            self._build_pieces(new)
-        return len(new)
+        buckets = set()  # (with "auto" prefill LoRA, each bucket has a set per way: counted once)
+        for write in self._write_modes():
+            built = self._pieces_by_mode[write][0]
+            new = [rows for rows in self.token_buckets if rows not in built]
+            with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
+                self._build_pieces(new, write)
+            buckets.update(new)
+        return len(buckets)
 
-    def _build_pieces(self, new: list[int]) -> None:
+    def _build_pieces(self, new: list[int], write: bool) -> None:
         for rows in new:
             t0 = time.perf_counter()
-            self._mixed[rows] = self._new_pieces(rows)
-            log.info("mixed-step pieces of the %d-token bucket built in %.2f s", rows, time.perf_counter() - t0)
+            self._pieces_by_mode[write][0][rows] = self._new_pieces(rows, write=write)
+            log.info("mixed-step pieces of the %d-token bucket (prefill LoRA %s) built in %.2f s", rows,
+                     "written first" if write else "added after", time.perf_counter() - t0)
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode
@@ -491,8 +561,8 @@ class ModelRunner:
         one graph; a token bucket's pieces are L + 1)."""
         keys = self.capture_keys()
         return {"decode_graph_keys": len(keys["decode_graphs"]), "mixed_piece_keys": len(keys["mixed_pieces"]),
-                "cuda_graphs": len(keys["decode_graphs"]) + sum(p.num_graphs for p in self._mixed.values())
-                + sum(p.num_graphs for p in self._mixed_dora.values())}
+                "cuda_graphs": len(keys["decode_graphs"]) + sum(
+                    p.num_graphs for built in self._pieces_by_mode.values() for d in built for p in d.values())}
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """-> final-normed hidden states of ``batch.output_rows``: ``[R, H]``."""
@@ -502,10 +572,12 @@ class ModelRunner:
         if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
                 and not isinstance(batch.dora, DoraRows)):  # (ranges: more DoRA adapters than slots)
             # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
-            built = self._mixed_dora if batch.dora is not None else self._mixed
+            pre, dora = batch.prefill_lora, batch.dora is not None
+            write = not dora and (pre.write if pre is not None else self._write_modes()[0])
+            built = self._pieces_by_mode[write][1 if dora else 0]
             pieces = built.get(rows)
             if pieces is None:
-                pieces = built[rows] = self._new_pieces(rows, dora=batch.dora is not None)
+                pieces = built[rows] = self._new_pieces(rows, dora=dora, write=write)
             self.step_kind = StepKind("mixed", rows, adapters, "graph" if self.mixed_pieces == "graphs" else "pieces")
             return pieces.run(batch)
         bucket = bucket_for(rows, self.token_buckets) if rows <= self.token_buckets[-1] else rows

@@ -41,6 +41,12 @@ class PrefillLora:
     modules: frozenset[str]  # modules some prefill adapter targets
     block_m: int
     block_r: int
+    # the tiles cover every row of the step (rows without LoRA in tiles of adapter -1): the
+    # projections write the LoRA first and let the GEMM add the frozen product onto it
+    # (``paged_forward.projections``, ``EngineTuning.prefill_lora_write``)
+    covering: bool = False
+    # this step's projections write the LoRA first (needs ``covering``); else it is added after
+    write: bool = False
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
@@ -50,7 +56,7 @@ class PrefillLora:
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
-                        device: "torch.device | str | Any"):
+                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
     the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
     the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
@@ -60,7 +66,7 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
     from .staging import SeparateTables  # (staging imports nothing of this module)
 
     tables = SeparateTables(device) if isinstance(device, (torch.device, str)) else device
-    tiles = segment_tiles(segments, block_m)
+    tiles = segment_tiles(segments, block_m, rows=rows)
     offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
     ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
     queued = (tables.add(np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T, torch.int32),  # [3, tiles]
@@ -72,7 +78,8 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
         return PrefillLora(
             tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
-            block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)))
+            block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None,
+            write=write)
 
     if tables is device:
         return Queued(finish)
@@ -123,6 +130,9 @@ class StepBatch:
     # [3, B] int32: the decode rows grouped by adapter (kernels/lora_gather.py ``adapter_groups``):
     # the gather kernels' shrink reads each group's A once; None: per row
     decode_groups: torch.Tensor | None = None
+    # page-in copies still pending for the prefill rows' adapters, waited for layer by layer
+    # (page_in_layers.LayerWaits: the forward calls ``before(layer)``); None: nothing pending
+    layer_waits: Any = None
 
     @property
     def num_decode_rows(self) -> int:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels.lora_segments import (
+    NO_ADAPTER,
     SegmentLora,
+    covering_segments,
     rank_chunk,
     block_r_for,
     segment_kernel_variants,
@@ -222,3 +224,85 @@ def test_compiled_variants_do_not_depend_on_ranks_or_the_s_width():
     assert all(k_ == keys[0] for k_ in keys)
     assert len(keys[0]) == 3  # one shrink, two expands (one per output width's column-block count)
     assert all(dict(meta)["BLOCK_R"] == rank_chunk(torch.device("cpu")) for _, meta, _ in keys[0])
+
+
+def make_covering_lora(pool, a_off, b_off, rk, scales, segments, block_m, rows, *, pad_tiles=0):
+    """A covering table: the segments' tiles plus ``NO_ADAPTER`` tiles over every other row."""
+    lora = make_lora(pool, a_off, b_off, rk, scales, segments, block_m)
+    tiles = segment_tiles(segments, block_m, rows=rows) + [(0, 0, 0)] * pad_tiles
+    tiles_t = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(pool.device)
+    return SegmentLora(pool=pool, tiles=tiles_t, a_offsets=lora.a_offsets, b_offsets=lora.b_offsets,
+                       ranks=lora.ranks, scales=lora.scales, segments=lora.segments, block_m=block_m,
+                       block_r=lora.block_r)
+
+
+def test_covering_tiles_fill_the_gaps_with_no_adapter_tiles():
+    assert covering_segments([(2, 5, 1), (5, 6, 0), (9, 30, 1)], 40) == [
+        (0, 2, NO_ADAPTER), (2, 5, 1), (5, 6, 0), (6, 9, NO_ADAPTER), (9, 30, 1), (30, 40, NO_ADAPTER)]
+    assert segment_tiles([(3, 4, 0)], 16, rows=40) == [(0, 3, -1), (3, 4, 0), (4, 20, -1), (20, 36, -1),
+                                                        (36, 40, -1)]
+    assert segment_tiles([], 16, rows=20) == [(0, 16, -1), (16, 20, -1)]
+    with pytest.raises(ValueError, match="row order"):
+        covering_segments([(5, 9, 0), (2, 4, 1)], 10)
+    with pytest.raises(ValueError, match="end by row 8"):
+        covering_segments([(5, 9, 0)], 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_write_first_writes_every_row_and_a_gemm_adds_the_frozen_product(device, dtype, block_m):
+    """Write-first (accumulate=False) over a covering table, into an output full of NaN: every row
+    written (the LoRA on the segments' rows, zeros on rows without an adapter and on a
+    projection an adapter does not target), equal to the reference's write; then ``addmm_`` of the
+    frozen product gives what the product + the additive path gives."""
+    k, ns, rows = 70, (48, 16, 16), 120
+    ranks = [(8, 8, 8), (20, 20, 20), (3, 0, 3), (16, 16, 16)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, dtype, device, seed=3)
+    scales = torch.tensor([2.0, 0.125, 1.0, 0.5])
+    segments = [(3, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 107, 1)]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    w = (torch.randn(sum(ns), k, generator=torch.Generator().manual_seed(5)) * k**-0.5).to(device, dtype)
+    lora = make_covering_lora(pool, a_off, b_off, rk, scales, segments, block_m, rows, pad_tiles=2)
+    got = torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device)
+    want = got.clone()
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", accumulate=False)
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)), accumulate=False)
+    assert not got.isnan().any()
+    assert rel_err(got, want) < TOL[dtype]
+    zeros = torch.zeros(rows, sum(ns), dtype=dtype, device=device)
+    for a, b in ((0, 3), (40, 44), (107, rows)):
+        assert torch.equal(got[a:b], zeros[a:b])
+    assert torch.equal(got[44:45, 48:64], zeros[44:45, 48:64])  # adapter 2 has no k LoRA
+    got.addmm_(x, w.t())
+    added = x @ w.t()
+    segment_lora_add(x, lora, list(added.split(ns, dim=1)), backend="triton")  # the additive path
+    assert rel_err(got - x @ w.t(), added - x @ w.t()) < 2 * TOL[dtype]
+
+
+def test_additive_paths_skip_no_adapter_tiles(device):
+    """A covering table through the additive kernels of both forms: the ``NO_ADAPTER`` tiles
+    read no table entry (-1 would be out of bounds) and leave their rows as they are."""
+    from lightning_lorafusion.kernels.lora_tiles import tile_lora_add
+
+    k, ns, rows = 40, (33, 20), 70
+    pool, a_off, b_off, rk, _ = make_pool([(5, 5), (12, 0)], k, ns, torch.float32, device, seed=6)
+    segments = [(2, 19, 1), (19, 23, 0), (40, 61, 1)]
+    lora = make_covering_lora(pool, a_off, b_off, rk, torch.tensor([1.0, 0.75]), segments, 16, rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(device)
+    base = torch.randn(rows, sum(ns), generator=torch.Generator().manual_seed(8)).to(device)
+    want = base.clone()
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
+    for run in (lambda o: segment_lora_add(x, lora, o, backend="triton", form="segments"),
+                lambda o: tile_lora_add(x, lora, o)):
+        got = base.clone()
+        run(list(got.split(ns, dim=1)))
+        assert rel_err(got - base, want - base) < 1e-5
+        assert torch.equal(got[:2], base[:2]) and torch.equal(got[23:40], base[23:40])
+
+
+def test_write_first_refuses_the_tiles_form():
+    pool, a_off, b_off, rk, _ = make_pool([(4,)], 8, (8,), torch.float32, "cpu")
+    lora = make_lora(pool, a_off, b_off, rk, torch.tensor([1.0]), [(0, 4, 0)], 16)
+    with pytest.raises(ValueError, match="write-first"):
+        segment_lora_add(torch.zeros(4, 8), lora, [torch.zeros(4, 8)], backend="triton", form="tiles",
+                         accumulate=False)

@@ -100,3 +100,32 @@ def test_bench_tenants_variants_side_by_side(tmp_path):
     assert new["paging"]["prefetch_misses"] <= old["paging"]["prefetch_misses"]
     assert new["paging"]["prefetch_hits"] + new["paging"]["prefetch_misses"] > 0
     assert runs["base-new"]["paging"]["page_ins"] == 0
+
+
+def test_bench_tenants_old_variant_switches_the_named_paths(tmp_path, monkeypatch):
+    """``--old prefill-lora,page-in``: the old runs add the prefill LoRA after the product and
+    wait for page-ins whole (host paths as new); the new runs write it first and wait by layer.
+    ``--prime on``: the trace runs once first, outside the reported runs."""
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        engine = self.engine
+        seen.append((run, engine.runner.prefill_lora_write, engine.pool.page_in_groups,
+                     engine.scheduler.prefetch_ahead, engine.runner.host_tables))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "8",
+                         "--adapters", "4", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
+                         "--output-median", "3", "--output-max", "6", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora", "--variants", "new,old", "--old", "prefill-lora,page-in",
+                         "--page-out", "on", "--prime", "on", "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen[0][0] == "prime" and [r["run"] for r in report["primed"]] == ["prime"]  # run first, not reported
+    seen = seen[1:]
+    slices = min(8, bench.SHAPES["tiny"]["num_hidden_layers"])
+    assert seen == [("lora-new", "auto", slices, True, "packed"), ("lora-old", "off", 1, True, "packed")]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]
