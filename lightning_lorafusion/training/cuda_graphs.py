@@ -329,6 +329,8 @@ class TrainingGraphs:
         if self.memory.largest_first:
             keys.sort(key=capture_size, reverse=True)
         done: list[GraphKey] = []
+        if not keys:  # nothing to capture: no collection, device sync or cache release either
+            return done
         t0 = time.perf_counter()
         with capture_batch(device) if self.capture else contextlib.nullcontext():
             for key in keys:
