@@ -16,6 +16,7 @@ loaders Lightning iterates) and ``capacity`` (``capacity: auto``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Iterator, Sequence
@@ -38,6 +39,7 @@ from .epoch_planning import (
     check_restored_plan,
     plan_fill,
     plan_windows,
+    deal_replica_shards,
     replica_shards,
     window_starts,
 )
@@ -259,6 +261,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
         lookup = self._lookup(epoch)
         lengths = lookup.lengths()
         denominators = lookup.denominators()  # each adapter's whole global batch, all replicas
+        whole = (lookup, lengths)
         if self.data_parallel_size > 1:
             lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
@@ -271,12 +274,18 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 epoch, self.planner.method, len(plan.microbatches), self.packing.capacity,
                 100 * plan_fill(plan, self.packing.capacity),
             )
+        capacities = None
+        if self.data_parallel_size > 1:  # the slots dealt to the replicas, now that the plan is known
+            lookup, capacities = deal_replica_shards(
+                self.datasets, *whole, plan, data_parallel_size=self.data_parallel_size, replica=self.replica,
+                pad_multiple=self.packing.pad_multiple, trim=self.num_stages == 1)
         return EpochPlan(
             epoch=epoch,
             plan=plan,
             lookup=lookup,
             denominators=denominators,
             step_adapters=plan.step_adapters(),
+            capacities=capacities,
         )
 
     def _check_restored_plan(self, plan: Plan, lengths) -> None:
@@ -407,12 +416,15 @@ class MultiAdapterDataModule(L.LightningDataModule):
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
         ep = self.epoch_plan(epoch)
         planned = ep.plan.microbatches[pos]
+        config = self.packing
         if self.data_parallel_size > 1:  # the shape plan's slots, filled with this replica's samples
             planned = replica_microbatch(planned, ep.lookup)
+            if ep.capacities is not None:  # no pipeline: packed at the level its position needs
+                config = dataclasses.replace(config, capacity=ep.capacities[pos])
         return pack_microbatch(
             planned,
             ep.lookup,
-            config=self.packing,
+            config=config,
             num_adapters=len(self.specs),
             denominators=ep.denominators,
             step_adapters=ep.step_adapters.get(pos, ()),
