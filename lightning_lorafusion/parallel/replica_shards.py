@@ -27,10 +27,12 @@ planning the replicas jointly:
 5. Without a pipeline (one stage: nothing crosses a stage boundary, so nothing fixes the
    activation shape) a microbatch need not be as long as the capacity. ``deal_slots`` also gives
    each planned microbatch's *need*: its longest replica share, adapter segments padded as
-   packing pads them; ``capacity_levels`` picks at most ``REPLICA_CAPACITY_LEVELS`` capacities
-   for an epoch (the fewest tokens over its microbatches), and every replica packs position
-   ``i`` at the smallest level holding its need (``level_of``), the same on every replica. Few
-   levels keep the CUDA graphs of an epoch few (one capacity, one graph at least).
+   packing pads them; rounded up to a multiple of ``capacity / LEVEL_STEPS`` (``rounded_needs``),
+   ``capacity_levels`` picks at most ``REPLICA_CAPACITY_LEVELS`` of them for an epoch (the fewest
+   tokens over its microbatches), and every replica packs position
+   ``i`` at the smallest level holding its need (``level_of``), the same on every replica. Few,
+   coarse levels keep the shapes of a run few: each new capacity compiles the decoder's fused
+   elementwise groups again and takes a CUDA graph of its own.
 
 ``split_global_batch`` is the earlier one-sample-per-slot deal (replica ``r``'s slot ``k`` is the
 ``(k * replicas + r)``-th longest sample): a slot costs the longest of its ``replicas`` samples.
@@ -49,6 +51,9 @@ from ..planner.plan import Plan, PlannedMicrobatch, SampleRef, padded_length
 
 # capacities an epoch's microbatches are packed at, at most, without a pipeline (module docstring, 5)
 REPLICA_CAPACITY_LEVELS = 3
+# levels are multiples of capacity / LEVEL_STEPS (rounded to pad_multiple): a few shapes per run,
+# each of which compiles and captures once
+LEVEL_STEPS = 16
 
 
 def split_global_batch(indices: Sequence[int], lengths: Sequence[int], replicas: int) -> list[list[int]]:
@@ -231,6 +236,18 @@ def capacity_levels(needs: Sequence[int], levels: int = REPLICA_CAPACITY_LEVELS)
         chosen.append(values[i])
         i, m = back[m][i], m - 1
     return sorted(chosen)
+
+
+def level_step(capacity: int, pad_multiple: int) -> int:
+    """The granularity of capacity levels: ``capacity / LEVEL_STEPS``, a multiple of
+    ``pad_multiple`` (at least one)."""
+    return max(pad_multiple, capacity // LEVEL_STEPS // pad_multiple * pad_multiple)
+
+
+def rounded_needs(needs: Sequence[int], capacity: int, pad_multiple: int) -> list[int]:
+    """``needs`` rounded up to the level step (``level_step``), never past ``capacity``; 0 stays 0."""
+    step = level_step(capacity, pad_multiple)
+    return [min(capacity, -(-n // step) * step) if n else 0 for n in needs]
 
 
 def level_of(need: int, levels: Sequence[int]) -> int:

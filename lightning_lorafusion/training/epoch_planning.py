@@ -15,6 +15,7 @@ from ..parallel.replica_shards import (
     capacity_levels,
     deal_slots,
     level_of,
+    rounded_needs,
     slot_lengths,
 )
 from ..planner import PlannerConfig, join_plans, plan_stream
@@ -174,6 +175,7 @@ def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup,
     mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
     if not trim:
         return mine, None
+    needs = rounded_needs(needs, plan.capacity, pad_multiple)
     levels = capacity_levels(needs)
     capacities = tuple(level_of(n, levels) if n else plan.capacity for n in needs)
     real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)

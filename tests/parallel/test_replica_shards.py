@@ -17,6 +17,8 @@ from lightning_lorafusion.parallel.replica_shards import (
     bundle_global_batch,
     capacity_levels,
     level_of,
+    level_step,
+    rounded_needs,
     replica_microbatch,
     slot_lengths,
     split_global_batch,
@@ -195,6 +197,9 @@ def test_capacity_levels_are_the_fewest_tokens_of_any_choice_of_levels():
                    for c in itertools.combinations(real[:-1], m))
         assert cost(got) == best
     assert level_of(17, [16, 24, 64]) == 24
+    assert level_step(8192, 128) == 512 and level_step(128, 8) == 8 and level_step(64, 128) == 128
+    assert rounded_needs([0, 7000, 7680, 8100], 8192, 128) == [0, 7168, 7680, 8192]
+    assert rounded_needs([8000], 8000, 64) == [8000]  # never past the capacity
     with pytest.raises(ValueError, match="holds 65 tokens"):
         level_of(65, [16, 64])
 
@@ -218,18 +223,18 @@ def _mixed_workload(replicas: int):
     return lengths, shares
 
 
-def test_data_parallel_microbatches_without_a_pipeline_take_about_the_tokens_of_the_fewest_microbatches():
+def test_data_parallel_microbatches_without_a_pipeline_are_packed_below_the_capacity():
     """The 8B benchmark's workload at two replicas, no pipeline: the shape plan has 20
-    microbatches where a replica's tokens fill 19, but packed at the epoch's capacity levels they
-    take less than 19.5 microbatches' worth; every replica packs position i at the same
-    capacity, and every one of its shares fits there."""
+    microbatches where a replica's tokens fill 19; packed at the epoch's capacity levels
+    (multiples of capacity / 16) they take fewer tokens than 20 full ones, every replica packs
+    position i at the same capacity, and every one of its shares fits there."""
     lengths, shares = _mixed_workload(2)
     total = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
     fewest = -(-total // (2 * 8192))
     (plan, mine0, caps), (_, mine1, caps1) = shares
     assert len(plan.microbatches) <= fewest + 1 and caps == caps1
     assert len(set(caps)) <= REPLICA_CAPACITY_LEVELS and max(caps) <= 8192
-    assert sum(caps) <= (fewest + 0.5) * 8192
+    assert all(c % 512 == 0 for c in caps) and sum(caps) <= (len(caps) - 2) * 8192 + 2 * 7680
     for mine in (mine0, mine1):
         for pos, mb in enumerate(plan.microbatches):
             packed = pack_microbatch(replica_microbatch(mb, mine), mine,
