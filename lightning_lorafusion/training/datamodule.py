@@ -26,7 +26,7 @@ import numpy as np
 
 from ..data.microbatch import Microbatch
 from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
-from ..parallel.replica_shards import replica_microbatch
+from ..parallel.replica_shards import REPLICA_CAPACITY_LEVELS, replica_microbatch
 from ..parallel.strategy import MultiAdapterPipelineStrategy
 from ..planner.plan import Plan
 from ..planner.verify import carry_state
@@ -75,6 +75,10 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
         prefetch: microbatches packed ahead of the training step.
+        replica_capacity_levels: data-parallel replicas without a pipeline pack each epoch's
+            microbatches at up to this many capacities, multiples of ``capacity / 16``, each
+            position at the smallest holding its longest replica share (``parallel.replica_shards``);
+            0: every microbatch at ``capacity``. Each capacity compiles and captures once.
     """
 
     def __init__(
@@ -89,8 +93,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: int | None = None,
         prefetch: int = 4,
         seed: int = 0,
+        replica_capacity_levels: int = REPLICA_CAPACITY_LEVELS,
     ) -> None:
         super().__init__()
+        if (isinstance(replica_capacity_levels, bool) or not isinstance(replica_capacity_levels, int)
+                or replica_capacity_levels < 0):
+            raise ConfigError(f"data.replica_capacity_levels={replica_capacity_levels!r} must be an int >= 0 "
+                              "(0: every microbatch at data.capacity)")
+        self.replica_capacity_levels = replica_capacity_levels
         planner = PlanningConfig.parse(planner)
         if isinstance(capacity, str) and capacity != "auto":
             raise ConfigError(f"data.capacity={capacity!r}; give a number of tokens or 'auto'")
@@ -278,7 +288,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if self.data_parallel_size > 1:  # the slots dealt to the replicas, now that the plan is known
             lookup, capacities = deal_replica_shards(
                 self.datasets, *whole, plan, data_parallel_size=self.data_parallel_size, replica=self.replica,
-                pad_multiple=self.packing.pad_multiple, trim=self.num_stages == 1)
+                pad_multiple=self.packing.pad_multiple,
+                levels=self.replica_capacity_levels if self.num_stages == 1 else 0)
         return EpochPlan(
             epoch=epoch,
             plan=plan,

@@ -159,11 +159,12 @@ def replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, leng
 
 def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, lengths, plan: Plan, *,
                         data_parallel_size: int, replica: int, pad_multiple: int,
-                        trim: bool) -> tuple[SampleLookup, tuple[int, ...] | None]:
+                        levels: int) -> tuple[SampleLookup, tuple[int, ...] | None]:
     """This replica's share once ``plan`` (the shape plan of ``replica_shards``' slot lengths) is
     known: each slot's bundles dealt so that every planned microbatch holds about as many tokens
-    on every replica (``deal_slots``), and with ``trim`` (no pipeline) the capacity each plan
-    position is packed at, the same on every replica (``capacity_levels``); None: the plan's."""
+    on every replica (``deal_slots``), and with ``levels`` > 0 (only without a pipeline) the
+    capacity each plan position is packed at, one of at most ``levels``, the same on every
+    replica (``capacity_levels``); None: the plan's."""
     dp = data_parallel_size
     bundles = _bundles(lookup, lengths, dp)
     length_of = [dict(zip((i for batch in lookup.batches[a] for i in batch),
@@ -173,15 +174,15 @@ def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup,
               for k in range(len(b[0]) if b else 0)}
     deal, needs = deal_slots(plan, tokens, pad_multiple=pad_multiple)
     mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
-    if not trim:
+    if levels < 1:
         return mine, None
     needs = rounded_needs(needs, plan.capacity, pad_multiple)
-    levels = capacity_levels(needs)
-    capacities = tuple(level_of(n, levels) if n else plan.capacity for n in needs)
+    chosen = capacity_levels(needs, levels)
+    capacities = tuple(level_of(n, chosen) if n else plan.capacity for n in needs)
     real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
     packed = dp * sum(c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop)
     log.info("data parallel x%d without a pipeline: microbatches packed at capacities %s (%.1f%% of the tokens "
-             "real; %.1f%% at the plan's capacity %d)", dp, levels, 100 * real / max(1, packed),
+             "real; %.1f%% at the plan's capacity %d)", dp, chosen, 100 * real / max(1, packed),
              100 * real / max(1, dp * plan.capacity * sum(not mb.is_noop for mb in plan.microbatches)), plan.capacity)
     return mine, capacities
 

@@ -219,7 +219,7 @@ def _mixed_workload(replicas: int):
         _, slots = replica_shards(datasets, lookup, lengths, data_parallel_size=replicas, replica=replica)
         plan = plan_microbatches(slots, capacity=8192, pad_multiple=128, num_stages=1, method="greedy")
         shares.append((plan, *deal_replica_shards(datasets, lookup, lengths, plan, data_parallel_size=replicas,
-                                                  replica=replica, pad_multiple=128, trim=True)))
+                                                  replica=replica, pad_multiple=128, levels=REPLICA_CAPACITY_LEVELS)))
     return lengths, shares
 
 
@@ -357,7 +357,7 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
         plan = plan_microbatches(slots, capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE, num_stages=1,
                                  method="greedy")
         mine, caps = deal_replica_shards(datasets, lookup, lengths, plan, data_parallel_size=2, replica=replica,
-                                         pad_multiple=case.PAD_MULTIPLE, trim=True)
+                                         pad_multiple=case.PAD_MULTIPLE, levels=3)
         capacities.append(caps)
         for key, grads in _gradients_at_steps(plan, pack(plan, mine, caps.__getitem__), bank(), config).items():
             got[key] = grads if key not in got else [g + h for g, h in zip(got[key], grads)]
@@ -373,7 +373,7 @@ def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
     epoch's level for it (the same on both replicas, some below ``data.capacity``); with two
     stages (activations cross a stage boundary at a fixed shape) every microbatch has the full
     capacity. Either way both replicas together run every sample of the epoch once."""
-    from lightning_lorafusion.specs import AdapterSpec
+    from lightning_lorafusion.specs import AdapterSpec, ConfigError
     from lightning_lorafusion.training.datamodule import MultiAdapterDataModule
 
     specs = [AdapterSpec(name=f"m{i}", rank=4, global_batch_size=6, seed=i + 1,
@@ -396,3 +396,13 @@ def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
         else:
             assert set(capacities[0]) == {256} and dm.epoch_plan(0).capacities is None
         assert sorted(samples) == sorted((a, i) for a in range(3) for i in range(12))
+    # data.replica_capacity_levels: 0 packs every microbatch at the capacity; not an int >= 0 is refused
+    dm = MultiAdapterDataModule(capacity=256, pad_multiple=8, max_length=120, planner={"window": 2},
+                                replica_capacity_levels=0)
+    dm.configure(specs, None)
+    dm.load_datasets()
+    dm.num_stages, dm.data_parallel_size, dm.replica, dm.pipeline = 1, 2, 0, True
+    assert {mb.capacity for mb in dm.packed_epoch(0)} == {256} and dm.epoch_plan(0).capacities is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="data.replica_capacity_levels"):
+            MultiAdapterDataModule(capacity=256, replica_capacity_levels=bad)
