@@ -157,34 +157,52 @@ def replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, leng
     return _replica_lookup(datasets, bundles, replica, lambda a, j, k: replica), slots
 
 
+def replica_needs(lookup: SampleLookup, lengths, plan: Plan, *, data_parallel_size: int,
+                  pad_multiple: int) -> list[int]:
+    """Each planned microbatch's need once its slots are dealt (``deal_slots``: its longest replica
+    share), rounded up to the capacity-level step (``rounded_needs``); 0 for a no-op slot."""
+    _, _, needs = _dealt(lookup, lengths, plan, data_parallel_size, pad_multiple)
+    return rounded_needs(needs, plan.capacity, pad_multiple)
+
+
+def run_capacity_levels(needs: Sequence[Sequence[int]], capacity: int, levels: int) -> tuple[int, ...]:
+    """The capacities a run packs at (``capacity_levels`` over the needs of the epochs given, the
+    plan's ``capacity`` always among them, so every later epoch's microbatch fits one)."""
+    return tuple(capacity_levels([n for epoch in needs for n in epoch] + [capacity], levels))
+
+
 def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, lengths, plan: Plan, *,
                         data_parallel_size: int, replica: int, pad_multiple: int,
-                        levels: int) -> tuple[SampleLookup, tuple[int, ...] | None]:
+                        levels: Sequence[int] | None = None) -> tuple[SampleLookup, tuple[int, ...] | None]:
     """This replica's share once ``plan`` (the shape plan of ``replica_shards``' slot lengths) is
     known: each slot's bundles dealt so that every planned microbatch holds about as many tokens
-    on every replica (``deal_slots``), and with ``levels`` > 0 (only without a pipeline) the
-    capacity each plan position is packed at, one of at most ``levels``, the same on every
-    replica (``capacity_levels``); None: the plan's."""
+    on every replica (``deal_slots``), and with capacity ``levels`` (only without a pipeline) the
+    capacity each plan position is packed at, the smallest level holding its need, the same on
+    every replica; None: the plan's."""
     dp = data_parallel_size
-    bundles = _bundles(lookup, lengths, dp)
+    bundles, deal, needs = _dealt(lookup, lengths, plan, dp, pad_multiple)
+    mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
+    if not levels:
+        return mine, None
+    needs = rounded_needs(needs, plan.capacity, pad_multiple)
+    capacities = tuple(level_of(n, levels) if n else plan.capacity for n in needs)
+    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
+    packed = dp * sum(c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop)
+    log.info("data parallel x%d without a pipeline: microbatches packed at capacities %s (%.1f%% of the tokens "
+             "real; %.1f%% at the plan's capacity %d)", dp, sorted(set(capacities)), 100 * real / max(1, packed),
+             100 * real / max(1, dp * plan.capacity * sum(not mb.is_noop for mb in plan.microbatches)), plan.capacity)
+    return mine, capacities
+
+
+def _dealt(lookup: SampleLookup, lengths, plan: Plan, replicas: int, pad_multiple: int):
+    bundles = _bundles(lookup, lengths, replicas)
     length_of = [dict(zip((i for batch in lookup.batches[a] for i in batch),
                           (n for batch in lengths[a] for n in batch))) for a in range(len(lengths))]
     tokens = {(a, j, k): [sum(length_of[a][i] for i in per_replica[k]) for per_replica in b]
               for a, per_adapter in enumerate(bundles) for j, b in enumerate(per_adapter)
               for k in range(len(b[0]) if b else 0)}
     deal, needs = deal_slots(plan, tokens, pad_multiple=pad_multiple)
-    mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
-    if levels < 1:
-        return mine, None
-    needs = rounded_needs(needs, plan.capacity, pad_multiple)
-    chosen = capacity_levels(needs, levels)
-    capacities = tuple(level_of(n, chosen) if n else plan.capacity for n in needs)
-    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
-    packed = dp * sum(c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop)
-    log.info("data parallel x%d without a pipeline: microbatches packed at capacities %s (%.1f%% of the tokens "
-             "real; %.1f%% at the plan's capacity %d)", dp, chosen, 100 * real / max(1, packed),
-             100 * real / max(1, dp * plan.capacity * sum(not mb.is_noop for mb in plan.microbatches)), plan.capacity)
-    return mine, capacities
+    return bundles, deal, needs
 
 
 def _bundles(lookup: SampleLookup, lengths, replicas: int) -> list:

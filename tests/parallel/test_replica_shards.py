@@ -206,7 +206,12 @@ def test_capacity_levels_are_the_fewest_tokens_of_any_choice_of_levels():
 
 def _mixed_workload(replicas: int):
     from lightning_lorafusion.data.synthetic import synthetic_token_samples
-    from lightning_lorafusion.training.epoch_planning import deal_replica_shards, replica_shards
+    from lightning_lorafusion.training.epoch_planning import (
+        deal_replica_shards,
+        replica_needs,
+        replica_shards,
+        run_capacity_levels,
+    )
 
     datasets = []
     for a in range(4):
@@ -218,8 +223,11 @@ def _mixed_workload(replicas: int):
     for replica in range(replicas):
         _, slots = replica_shards(datasets, lookup, lengths, data_parallel_size=replicas, replica=replica)
         plan = plan_microbatches(slots, capacity=8192, pad_multiple=128, num_stages=1, method="greedy")
+        needs = replica_needs(lookup, lengths, plan, data_parallel_size=replicas, pad_multiple=128)
+        levels = run_capacity_levels([needs], 8192, REPLICA_CAPACITY_LEVELS)
+        assert 8192 in levels and len(levels) <= REPLICA_CAPACITY_LEVELS
         shares.append((plan, *deal_replica_shards(datasets, lookup, lengths, plan, data_parallel_size=replicas,
-                                                  replica=replica, pad_multiple=128, levels=REPLICA_CAPACITY_LEVELS)))
+                                                  replica=replica, pad_multiple=128, levels=levels)))
     return lengths, shares
 
 
@@ -312,7 +320,12 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
     import dataclasses
 
     from lightning_lorafusion.model.adapter_bank import AdapterBank
-    from lightning_lorafusion.training.epoch_planning import deal_replica_shards, replica_shards
+    from lightning_lorafusion.training.epoch_planning import (
+        deal_replica_shards,
+        replica_needs,
+        replica_shards,
+        run_capacity_levels,
+    )
 
     config = case.tiny_config()
     specs = [dataclasses.replace(s, dropout=0.0) for s in case.adapter_specs()]  # masks follow positions
@@ -356,8 +369,10 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
         _, slots = replica_shards(datasets, lookup, lengths, data_parallel_size=2, replica=replica)
         plan = plan_microbatches(slots, capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE, num_stages=1,
                                  method="greedy")
+        needs = replica_needs(lookup, lengths, plan, data_parallel_size=2, pad_multiple=case.PAD_MULTIPLE)
         mine, caps = deal_replica_shards(datasets, lookup, lengths, plan, data_parallel_size=2, replica=replica,
-                                         pad_multiple=case.PAD_MULTIPLE, levels=3)
+                                         pad_multiple=case.PAD_MULTIPLE,
+                                         levels=run_capacity_levels([needs], case.CAPACITY, 3))
         capacities.append(caps)
         for key, grads in _gradients_at_steps(plan, pack(plan, mine, caps.__getitem__), bank(), config).items():
             got[key] = grads if key not in got else [g + h for g, h in zip(got[key], grads)]
@@ -379,23 +394,37 @@ def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
     specs = [AdapterSpec(name=f"m{i}", rank=4, global_batch_size=6, seed=i + 1,
                          dataset={"kind": "synthetic", "distribution": "xsum", "num_samples": 12, "seed": i + 1,
                                   "vocab_size": 97}) for i in range(3)]
+    def data_module(**kwargs):
+        dm = MultiAdapterDataModule(capacity=256, pad_multiple=8, max_length=120, planner={"window": 2}, **kwargs)
+        dm.configure(specs, None)
+        dm.load_datasets()
+        return dm
+
     for stages in (1, 2):
         capacities, samples = [], []
         for replica in (0, 1):
-            dm = MultiAdapterDataModule(capacity=256, pad_multiple=8, max_length=120, planner={"window": 2})
-            dm.configure(specs, None)
-            dm.load_datasets()
+            dm = data_module()
             dm.num_stages, dm.data_parallel_size, dm.replica, dm.pipeline = stages, 2, replica, True
-            mbs = list(dm.packed_epoch(0))
-            capacities.append([mb.capacity for mb in mbs])
-            lookup = dm.epoch_plan(0).lookup
-            samples += [(s.adapter, lookup.batches[s.adapter][s.batch][s.index]) for mb in mbs for s in mb.samples]
+            capacities.append([])
+            for epoch in range(3):
+                mbs = list(dm.packed_epoch(epoch))
+                capacities[-1] += [mb.capacity for mb in mbs]
+                lookup = dm.epoch_plan(epoch).lookup
+                samples += [(epoch, s.adapter, lookup.batches[s.adapter][s.batch][s.index])
+                            for mb in mbs for s in mb.samples]
         assert capacities[0] == capacities[1]
-        if stages == 1:
-            assert min(capacities[0]) < 256 and len(set(capacities[0])) <= REPLICA_CAPACITY_LEVELS
+        if stages == 1:  # three epochs, at most three capacities in all, the plan's among them
+            assert min(capacities[0]) < 256 and 256 in dm._capacity_levels
+            assert set(capacities[0]) <= set(dm._capacity_levels) and len(dm._capacity_levels) <= 3
+            assert dm.state_dict()["capacity_levels"] == list(dm._capacity_levels)
         else:
-            assert set(capacities[0]) == {256} and dm.epoch_plan(0).capacities is None
-        assert sorted(samples) == sorted((a, i) for a in range(3) for i in range(12))
+            assert set(capacities[0]) == {256} and dm.epoch_plan(2).capacities is None
+        assert sorted(samples) == sorted((e, a, i) for e in range(3) for a in range(3) for i in range(12))
+    # a resumed run packs at the checkpoint's levels, not at ones chosen again
+    dm = data_module()
+    dm.num_stages, dm.data_parallel_size, dm.replica, dm.pipeline = 1, 2, 0, True
+    dm.load_state_dict({"epoch": 1, "position": 0, "capacity": 256, "capacity_levels": [128, 256]})
+    assert {mb.capacity for mb in dm.packed_epoch(1)} <= {128, 256} and dm._capacity_levels == (128, 256)
     # data.replica_capacity_levels: 0 packs every microbatch at the capacity; not an int >= 0 is refused
     dm = MultiAdapterDataModule(capacity=256, pad_multiple=8, max_length=120, planner={"window": 2},
                                 replica_capacity_levels=0)
