@@ -28,11 +28,12 @@ planning the replicas jointly:
    activation shape) a microbatch need not be as long as the capacity. ``deal_slots`` also gives
    each planned microbatch's *need*: its longest replica share, adapter segments padded as
    packing pads them; rounded up to a multiple of ``capacity / LEVEL_STEPS`` (``rounded_needs``),
-   ``capacity_levels`` picks at most ``REPLICA_CAPACITY_LEVELS`` of them for an epoch (the fewest
-   tokens over its microbatches), and every replica packs position
-   ``i`` at the smallest level holding its need (``level_of``), the same on every replica. Few,
-   coarse levels keep the shapes of a run few: each new capacity compiles the decoder's fused
-   elementwise groups again and takes a CUDA graph of its own.
+   ``capacity_levels`` picks at most ``REPLICA_CAPACITY_LEVELS`` of them for the whole run (the
+   fewest tokens over the needs it is given: the data module gives its first two epochs', and
+   the capacity), and every replica packs position ``i`` at the smallest level holding its need
+   (``level_of``), the same on every replica. Few, coarse levels keep the shapes of a run few:
+   each new capacity compiles the decoder's fused elementwise groups again and takes a CUDA
+   graph of its own.
 
 ``split_global_batch`` is the earlier one-sample-per-slot deal (replica ``r``'s slot ``k`` is the
 ``(k * replicas + r)``-th longest sample): a slot costs the longest of its ``replicas`` samples.
@@ -49,7 +50,7 @@ from typing import Mapping, Sequence
 from ..data.packing import SampleLookup
 from ..planner.plan import Plan, PlannedMicrobatch, SampleRef, padded_length
 
-# capacities an epoch's microbatches are packed at, at most, without a pipeline (module docstring, 5)
+# capacities a run's microbatches are packed at, at most, without a pipeline (module docstring, 5)
 REPLICA_CAPACITY_LEVELS = 3
 # levels are multiples of capacity / LEVEL_STEPS (rounded to pad_multiple): a few shapes per run,
 # each of which compiles and captures once

@@ -319,8 +319,9 @@ class TrainingGraphs:
         most ``max_precapture`` keys, captured in one ``capture_batch``. A planned key then
         replays its cover for the whole epoch (no capture of its own, ``capture_after`` is for
         keys not planned). An epoch of more capacities than ``max_precapture`` (data-parallel
-        replicas without a pipeline pack at a few) gets one graph per capacity. Each capture's warm-up step runs an idle microbatch (``idle_microbatch``:
-        no label, zero loss denominators), so no gradient changes. Without capture the keys are
+        replicas without a pipeline pack at a few) gets one graph per capacity. Each capture's
+        warm-up step runs an idle microbatch (``idle_microbatch``: no label, zero loss
+        denominators), so no gradient changes. Without capture the keys are
         only marked as held (CPU tests). Returns the keys captured."""
         self.planned = frozenset(planned)
         if self.disabled is not None:

@@ -77,10 +77,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
         prefetch: microbatches packed ahead of the training step.
-        replica_capacity_levels: data-parallel replicas without a pipeline pack each epoch's
-            microbatches at up to this many capacities, multiples of ``capacity / 16``, each
-            position at the smallest holding its longest replica share (``parallel.replica_shards``);
-            0: every microbatch at ``capacity``. Each capacity compiles and captures once.
+        replica_capacity_levels: data-parallel replicas without a pipeline pack a run's
+            microbatches at up to this many capacities (multiples of ``capacity / 16``,
+            ``capacity`` among them, chosen once), each position at the smallest holding its
+            longest replica share (``parallel.replica_shards``); 0: every microbatch at
+            ``capacity``. Each capacity compiles and captures once.
     """
 
     def __init__(
