@@ -19,6 +19,22 @@ planning the replicas jointly:
    padding): it still runs, so the pipeline and the step points stay aligned, and contributes
    nothing.
 
+4. ``deal_slots`` chooses, once the shape plan is known, which of a slot's bundles each replica
+   runs: per planned microbatch, the slots with the most uneven bundles first, each one's largest
+   bundle to the replica holding the fewest tokens of that microbatch so far. The shape plan does
+   not change (a slot's length is its longest bundle, whoever runs it), but the replicas, which
+   wait for each other at every adapter's step, get microbatches of nearly equal tokens.
+5. Without a pipeline (one stage: nothing crosses a stage boundary, so nothing fixes the
+   activation shape) a microbatch need not be as long as the capacity. ``deal_slots`` also gives
+   each planned microbatch's *need*: its longest replica share, adapter segments padded as
+   packing pads them; rounded up to a multiple of ``capacity / LEVEL_STEPS`` (``rounded_needs``),
+   ``capacity_levels`` picks at most ``REPLICA_CAPACITY_LEVELS`` of them for the whole run (the
+   fewest tokens over the needs it is given: the data module gives its first two epochs', and
+   the capacity), and every replica packs position ``i`` at the smallest level holding its need
+   (``level_of``), the same on every replica. Few, coarse levels keep the shapes of a run few:
+   each new capacity compiles the decoder's fused elementwise groups again and takes a CUDA
+   graph of its own.
+
 ``split_global_batch`` is the earlier one-sample-per-slot deal (replica ``r``'s slot ``k`` is the
 ``(k * replicas + r)``-th longest sample): a slot costs the longest of its ``replicas`` samples.
 On the mixed workload of the 8B benchmark (4 adapters x 64 samples, global batches of 16,
@@ -29,10 +45,16 @@ what is left is the room a bundle of 8 samples per replica cannot fill).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..data.packing import SampleLookup
-from ..planner.plan import PlannedMicrobatch, SampleRef
+from ..planner.plan import Plan, PlannedMicrobatch, SampleRef, padded_length
+
+# capacities a run's microbatches are packed at, at most, without a pipeline (module docstring, 5)
+REPLICA_CAPACITY_LEVELS = 3
+# levels are multiples of capacity / LEVEL_STEPS (rounded to pad_multiple): a few shapes per run,
+# each of which compiles and captures once
+LEVEL_STEPS = 16
 
 
 def split_global_batch(indices: Sequence[int], lengths: Sequence[int], replicas: int) -> list[list[int]]:
@@ -144,3 +166,94 @@ def _bundles_of(planned: PlannedMicrobatch, lookup: ReplicaLookup) -> PlannedMic
                 f"{ref.length} planned for its slot; bundles must come from bundle_global_batch"
             )
     return PlannedMicrobatch(tuple(refs))
+
+
+Slot = tuple[int, int, int]  # (adapter, global batch, slot index)
+
+
+def deal_slots(plan: Plan, tokens: Mapping[Slot, Sequence[int]], *, pad_multiple: int
+               ) -> tuple[dict[Slot, tuple[int, ...]], list[int]]:
+    """Which bundle of every slot each replica runs, and each planned microbatch's need (module
+    docstring, steps 4 and 5).
+
+    ``tokens[(a, j, k)][b]`` = tokens of bundle ``b`` of adapter ``a``'s global batch ``j``, slot
+    ``k`` (``bundles[b][k]`` of ``bundle_global_batch``). Returns ``deal[(a, j, k)][r]`` = the
+    bundle replica ``r`` runs there, and ``needs[i]`` = the longest replica share of planned
+    microbatch ``i`` with every adapter segment padded to ``pad_multiple`` (0 for a no-op
+    slot). Deterministic: every replica, and a resumed run, deals the same.
+    """
+    deal: dict[Slot, tuple[int, ...]] = {}
+    needs: list[int] = []
+    for mb in plan.microbatches:
+        slots = [(ref.adapter, ref.batch, ref.index) for ref in mb.samples]
+        if not slots:
+            needs.append(0)
+            continue
+        replicas = len(tokens[slots[0]])
+        load = [dict.fromkeys((a for a, _, _ in slots), 0) for _ in range(replicas)]
+        spread = lambda slot: max(tokens[slot]) - min(tokens[slot])  # noqa: E731
+        for slot in sorted(slots, key=lambda slot: (-spread(slot), slot)):
+            padded = [sum(padded_length(n, pad_multiple) for n in mine.values()) for mine in load]
+            emptiest = sorted(range(replicas), key=lambda r: (padded[r], r))
+            largest = sorted(range(replicas), key=lambda b: (-tokens[slot][b], b))
+            dealt = [0] * replicas
+            for r, b in zip(emptiest, largest):
+                dealt[r] = b
+                load[r][slot[0]] += tokens[slot][b]
+            deal[slot] = tuple(dealt)
+        needs.append(max(sum(padded_length(n, pad_multiple) for n in mine.values()) for mine in load))
+    return deal, needs
+
+
+def capacity_levels(needs: Sequence[int], levels: int = REPLICA_CAPACITY_LEVELS) -> list[int]:
+    """At most ``levels`` capacities, ascending, such that every need fits one of them and the
+    microbatches, each packed at the smallest level holding its need, take the fewest tokens
+    (exact: a dynamic programme over the distinct needs; the largest need is always a level).
+    Needs of 0 (no-op slots) are ignored."""
+    if levels < 1:
+        raise ValueError(f"levels={levels} must be >= 1")
+    values = sorted({n for n in needs if n > 0})
+    if not values:
+        return []
+    count = [sum(1 for n in needs if n == v) for v in values]
+    prefix = [0]
+    for c in count:
+        prefix.append(prefix[-1] + c)
+    n, inf = len(values), float("inf")
+    # best[m][i]: fewest tokens for the needs up to values[i], with m levels, the top one at values[i]
+    best = [[inf] * n for _ in range(levels + 1)]
+    back = [[-1] * n for _ in range(levels + 1)]
+    for i in range(n):
+        best[1][i] = values[i] * prefix[i + 1]
+    for m in range(2, levels + 1):
+        for i in range(n):
+            for p in range(i):
+                cost = best[m - 1][p] + values[i] * (prefix[i + 1] - prefix[p + 1])
+                if cost < best[m][i]:
+                    best[m][i], back[m][i] = cost, p
+    m = min(range(1, levels + 1), key=lambda m: (best[m][n - 1], m))
+    chosen, i = [], n - 1
+    while i >= 0 and m >= 1:
+        chosen.append(values[i])
+        i, m = back[m][i], m - 1
+    return sorted(chosen)
+
+
+def level_step(capacity: int, pad_multiple: int) -> int:
+    """The granularity of capacity levels: ``capacity / LEVEL_STEPS``, a multiple of
+    ``pad_multiple`` (at least one)."""
+    return max(pad_multiple, capacity // LEVEL_STEPS // pad_multiple * pad_multiple)
+
+
+def rounded_needs(needs: Sequence[int], capacity: int, pad_multiple: int) -> list[int]:
+    """``needs`` rounded up to the level step (``level_step``), never past ``capacity``; 0 stays 0."""
+    step = level_step(capacity, pad_multiple)
+    return [min(capacity, -(-n // step) * step) if n else 0 for n in needs]
+
+
+def level_of(need: int, levels: Sequence[int]) -> int:
+    """The smallest of ``levels`` holding ``need`` tokens."""
+    fits = [c for c in levels if c >= need]
+    if not fits:
+        raise ValueError(f"no capacity level of {list(levels)} holds {need} tokens")
+    return min(fits)

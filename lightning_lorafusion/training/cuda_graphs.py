@@ -318,17 +318,23 @@ class TrainingGraphs:
         epoch's keys; a mapping: with their number of microbatches): ``plan_captures`` picks at
         most ``max_precapture`` keys, captured in one ``capture_batch``. A planned key then
         replays its cover for the whole epoch (no capture of its own, ``capture_after`` is for
-        keys not planned). Each capture's warm-up step runs an idle microbatch (``idle_microbatch``:
-        no label, zero loss denominators), so no gradient changes. Without capture the keys are
+        keys not planned). An epoch of more capacities than ``max_precapture`` (data-parallel
+        replicas without a pipeline pack at a few) gets one graph per capacity. Each capture's
+        warm-up step runs an idle microbatch (``idle_microbatch``: no label, zero loss
+        denominators), so no gradient changes. Without capture the keys are
         only marked as held (CPU tests). Returns the keys captured."""
         self.planned = frozenset(planned)
         if self.disabled is not None:
             return []
-        room = max(0, self.max_graphs - len(self._graphs)) if self.capture else self.max_precapture
-        keys = plan_captures(planned, self._held(), limit=min(self.max_precapture, room))
+        # one graph per capacity at least: a capacity left out would be captured mid-epoch
+        limit = max(self.max_precapture, len({k.capacity for k in planned})) if self.max_precapture else 0
+        room = max(0, self.max_graphs - len(self._graphs)) if self.capture else limit
+        keys = plan_captures(planned, self._held(), limit=min(limit, room))
         if self.memory.largest_first:
             keys.sort(key=capture_size, reverse=True)
         done: list[GraphKey] = []
+        if not keys:  # nothing to capture: no collection, device sync or cache release either
+            return done
         t0 = time.perf_counter()
         with capture_batch(device) if self.capture else contextlib.nullcontext():
             for key in keys:

@@ -16,6 +16,7 @@ loaders Lightning iterates) and ``capacity`` (``capacity: auto``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Iterator, Sequence
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..data.microbatch import Microbatch
 from ..data.packing import PackingConfig, SampleLookup, pack_microbatch
-from ..parallel.replica_shards import replica_microbatch
+from ..parallel.replica_shards import REPLICA_CAPACITY_LEVELS, replica_microbatch
 from ..parallel.strategy import MultiAdapterPipelineStrategy
 from ..planner.plan import Plan
 from ..planner.verify import carry_state
@@ -36,9 +37,12 @@ from .epoch_planning import (
     EpochPlan,
     PlanningConfig,
     check_restored_plan,
+    deal_replica_shards,
     plan_fill,
     plan_windows,
+    replica_needs,
     replica_shards,
+    run_capacity_levels,
     window_starts,
 )
 from .microbatch_stream import PipelineWindow, Sealed, ValLoader, train_loader
@@ -73,6 +77,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
         prefetch: microbatches packed ahead of the training step.
+        replica_capacity_levels: data-parallel replicas without a pipeline pack a run's
+            microbatches at up to this many capacities (multiples of ``capacity / 16``,
+            ``capacity`` among them, chosen once), each position at the smallest holding its
+            longest replica share (``parallel.replica_shards``); 0: every microbatch at
+            ``capacity``. Each capacity compiles and captures once.
     """
 
     def __init__(
@@ -87,8 +96,17 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: int | None = None,
         prefetch: int = 4,
         seed: int = 0,
+        replica_capacity_levels: int = REPLICA_CAPACITY_LEVELS,
     ) -> None:
         super().__init__()
+        if (isinstance(replica_capacity_levels, bool) or not isinstance(replica_capacity_levels, int)
+                or replica_capacity_levels < 0):
+            raise ConfigError(f"data.replica_capacity_levels={replica_capacity_levels!r} must be an int >= 0 "
+                              "(0: every microbatch at data.capacity)")
+        self.replica_capacity_levels = replica_capacity_levels
+        # the capacities this run packs data-parallel microbatches at (chosen once, checkpointed)
+        self._capacity_levels: tuple[int, ...] | None = None
+        self._shape_plans: dict[int, Plan] = {}  # epochs planned ahead to choose those levels
         planner = PlanningConfig.parse(planner)
         if isinstance(capacity, str) and capacity != "auto":
             raise ConfigError(f"data.capacity={capacity!r}; give a number of tokens or 'auto'")
@@ -259,11 +277,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
         lookup = self._lookup(epoch)
         lengths = lookup.lengths()
         denominators = lookup.denominators()  # each adapter's whole global batch, all replicas
+        whole = (lookup, lengths)
         if self.data_parallel_size > 1:
             lookup, lengths = self._replica_shards(lookup, lengths)
         if self._restored_plan is not None and self._restored_plan[0] == epoch:
             plan = self._restored_plan[1]  # exactly what the interrupted run trained on
             self._check_restored_plan(plan, lengths)
+        elif epoch in self._shape_plans:  # planned already, to choose the capacity levels
+            plan = self._shape_plans.pop(epoch)
         else:
             plan = self._plan(epoch, self._planned_lengths(lengths), self.packing.capacity, self.planner.method)
             log.info(
@@ -271,13 +292,44 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 epoch, self.planner.method, len(plan.microbatches), self.packing.capacity,
                 100 * plan_fill(plan, self.packing.capacity),
             )
+        capacities = None
+        if self.data_parallel_size > 1:  # the slots dealt to the replicas, now that the plan is known
+            levels = self._run_levels(epoch, whole, plan) if self.num_stages == 1 else None
+            lookup, capacities = deal_replica_shards(
+                self.datasets, *whole, plan, data_parallel_size=self.data_parallel_size, replica=self.replica,
+                pad_multiple=self.packing.pad_multiple, levels=levels)
         return EpochPlan(
             epoch=epoch,
             plan=plan,
             lookup=lookup,
             denominators=denominators,
             step_adapters=plan.step_adapters(),
+            capacities=capacities,
         )
+
+    def _run_levels(self, epoch: int, whole: tuple[SampleLookup, list], plan: Plan) -> tuple[int, ...] | None:
+        """The run's capacity levels (``data.replica_capacity_levels`` of them, None when 0): chosen
+        at the first epoch this process plans, from its needs and the next epoch's (planned here
+        and kept for it), and kept for the whole run (and in checkpoints), so that the run compiles
+        and captures a bounded set of shapes."""
+        if not self.replica_capacity_levels:
+            return None
+        if self._capacity_levels is None:
+            pad, dp = self.packing.pad_multiple, self.data_parallel_size
+            needs = [replica_needs(*whole, plan, data_parallel_size=dp, pad_multiple=pad)]
+            last = getattr(self.trainer, "max_epochs", None) if self.trainer is not None else None
+            if not isinstance(last, int) or last < 1 or epoch + 1 < last:
+                lookup = self._lookup(epoch + 1)
+                lengths = lookup.lengths()
+                _, slots = self._replica_shards(lookup, lengths)
+                ahead = self._plan(epoch + 1, self._planned_lengths(slots), self.packing.capacity,
+                                   self.planner.method)
+                self._shape_plans[epoch + 1] = ahead
+                needs.append(replica_needs(lookup, lengths, ahead, data_parallel_size=dp, pad_multiple=pad))
+            self._capacity_levels = run_capacity_levels(needs, self.packing.capacity, self.replica_capacity_levels)
+            log.info("data parallel x%d without a pipeline: this run packs microbatches at capacities %s",
+                     dp, list(self._capacity_levels))
+        return self._capacity_levels
 
     def _check_restored_plan(self, plan: Plan, lengths) -> None:
         check_restored_plan(plan, lengths, packing=self.packing, excluded=self.excluded, epoch=self.epoch)
@@ -332,6 +384,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             return
         with _PLAN_LOCK:
             self.excluded = self.excluded | new
+            self._shape_plans.clear()  # planned ahead with them
             for epoch in sorted(e for e in self._plans if e >= self.epoch):
                 if epoch not in self._streamed:
                     del self._plans[epoch]  # planned ahead, not started: plan it again without them
@@ -407,12 +460,15 @@ class MultiAdapterDataModule(L.LightningDataModule):
         """Plan position ``pos`` of ``epoch`` as tensors (no-op slots pack to empty tensors)."""
         ep = self.epoch_plan(epoch)
         planned = ep.plan.microbatches[pos]
+        config = self.packing
         if self.data_parallel_size > 1:  # the shape plan's slots, filled with this replica's samples
             planned = replica_microbatch(planned, ep.lookup)
+            if ep.capacities is not None:  # no pipeline: packed at the level its position needs
+                config = dataclasses.replace(config, capacity=ep.capacities[pos])
         return pack_microbatch(
             planned,
             ep.lookup,
-            config=self.packing,
+            config=config,
             num_adapters=len(self.specs),
             denominators=ep.denominators,
             step_adapters=ep.step_adapters.get(pos, ()),
@@ -504,6 +560,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
             "epoch": self.epoch, "position": self.position, "capacity": self.packing.capacity,
             "excluded": sorted(self.excluded),
         }
+        if self._capacity_levels is not None:
+            state["capacity_levels"] = list(self._capacity_levels)
         current = self._plans.get(self.epoch)
         if current is not None:
             # The plan itself, so a resumed run never depends on re-planning identically.
@@ -518,3 +576,5 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if "plan" in state:
             self._restored_plan = (self.epoch, Plan.from_json(state["plan"]))
         self.excluded = frozenset(state.get("excluded", ()))
+        if "capacity_levels" in state:
+            self._capacity_levels = tuple(int(c) for c in state["capacity_levels"])

@@ -17,21 +17,36 @@ from .pipeline_contract import pipeline_strategy
 log = logging.getLogger(__name__)
 
 
-def epoch_keys(dm: Any, lookahead: int = 0, last_epoch: int | None = None) -> tuple[int, Counter]:
+def epoch_keys(dm: Any, lookahead: int = 0, last_epoch: int | None = None,
+               cache: dict | None = None) -> tuple[int, Counter]:
     """The epoch the stream continues with and its shape keys with their number of microbatches
     (this replica's share, packed on the host), plus those of the ``lookahead`` epochs after it
-    (none past ``last_epoch``)."""
+    (none past ``last_epoch``). ``cache`` keeps each epoch's keys with the plan they came from, so
+    the next epoch's start reuses its lookahead instead of packing that epoch on the host again."""
     epoch, start = dm.stream_start()
     keys: Counter = Counter()
     for e in range(epoch, epoch + 1 + lookahead):
         if e > epoch and last_epoch is not None and e > last_epoch:
             break
-        for mb in dm.packed_epoch(e, start if e == epoch else 0):
-            try:
-                keys[graph_key(mb)] += 1
-            except ValueError:  # no host metadata: that microbatch runs eagerly anyway
-                continue
+        keys.update(_keys_of(dm, e, start if e == epoch else 0, cache))
     return epoch, keys
+
+
+def _keys_of(dm: Any, epoch: int, start: int, cache: dict | None) -> Counter:
+    plan = dm.epoch_plan(epoch).plan if cache is not None and hasattr(dm, "epoch_plan") else None
+    if plan is not None and cache.get((epoch, start), (None,))[0] is plan:  # a re-planned epoch is a new plan
+        return cache[(epoch, start)][1]
+    keys: Counter = Counter()
+    for mb in dm.packed_epoch(epoch, start):
+        try:
+            keys[graph_key(mb)] += 1
+        except ValueError:  # no host metadata: that microbatch runs eagerly anyway
+            continue
+    if plan is not None:
+        for old in [k for k in cache if k[0] < epoch - 1]:
+            del cache[old]
+        cache[(epoch, start)] = (plan, keys)
+    return keys
 
 
 def _last_epoch(trainer: Any) -> int | None:
@@ -63,7 +78,9 @@ def precapture_epoch(m: Any) -> list[GraphKey]:
     dm = m.trainer.datamodule if m._trainer is not None else None
     if graphs is None or dm is None or not hasattr(dm, "packed_epoch") or graphs.max_precapture == 0:
         return []
-    epoch, keys = epoch_keys(dm, lookahead=1, last_epoch=_last_epoch(m.trainer))
+    if getattr(m, "_epoch_keys", None) is None:
+        m._epoch_keys = {}
+    epoch, keys = epoch_keys(dm, lookahead=1, last_epoch=_last_epoch(m.trainer), cache=m._epoch_keys)
     strategy = pipeline_strategy(m)
     keys = union_over_replicas(keys, strategy.data_parallel_group if strategy is not None else None)
     before = graphs.precapture_seconds

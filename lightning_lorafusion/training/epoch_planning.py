@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..data.packing import PackingConfig, SampleLookup
-from ..parallel.replica_shards import ReplicaLookup, bundle_global_batch, slot_lengths
+from ..parallel.replica_shards import (
+    ReplicaLookup,
+    bundle_global_batch,
+    capacity_levels,
+    deal_slots,
+    level_of,
+    rounded_needs,
+    slot_lengths,
+)
 from ..planner import PlannerConfig, join_plans, plan_stream
 from ..planner.config import METHODS
 from ..planner.plan import Plan
@@ -71,6 +79,8 @@ class EpochPlan:
     lookup: SampleLookup
     denominators: dict[tuple[int, int], int]
     step_adapters: dict[int, tuple[int, ...]]  # microbatch position -> adapters that step
+    # per position, the capacity it is packed at (data parallel without a pipeline); None: the plan's
+    capacities: tuple[int, ...] | None = None
 
 
 def window_starts(plan: Plan, window: int) -> dict[int, int]:
@@ -132,24 +142,85 @@ def replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, leng
                    replica: int) -> tuple[SampleLookup, list]:
     """This replica's share of every global batch, and the slot lengths to plan (each slot's
     longest bundle, which bounds every replica's bundle in it): one plan shape for all
-    replicas, so they step adapters in the same order (``parallel.replica_shards``)."""
+    replicas, so they step adapters in the same order (``parallel.replica_shards``). Each slot's
+    bundles in the order ``bundle_global_batch`` made them (``deal_replica_shards`` deals them
+    once the plan is known)."""
     dp = data_parallel_size
-    bundles = [[bundle_global_batch(batch, lens, dp) for batch, lens in zip(lookup.batches[a], lengths[a])]
-               for a in range(len(lengths))]
-    batches, positions, slots = [], [], []
+    bundles = _bundles(lookup, lengths, dp)
+    slots = [[slot_lengths(b, dict(zip(batch, lens)))
+              for b, batch, lens in zip(per_adapter, lookup.batches[a], lengths[a])]
+             for a, per_adapter in enumerate(bundles)]
+    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
+    planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
+    log.info("data parallel x%d: replica %d of each global batch; slots padded to their longest "
+             "bundle keep %.1f%% of the planned tokens real", dp, replica, 100 * real / max(1, planned))
+    return _replica_lookup(datasets, bundles, replica, lambda a, j, k: replica), slots
+
+
+def replica_needs(lookup: SampleLookup, lengths, plan: Plan, *, data_parallel_size: int,
+                  pad_multiple: int) -> list[int]:
+    """Each planned microbatch's need once its slots are dealt (``deal_slots``: its longest replica
+    share), rounded up to the capacity-level step (``rounded_needs``); 0 for a no-op slot."""
+    _, _, needs = _dealt(lookup, lengths, plan, data_parallel_size, pad_multiple)
+    return rounded_needs(needs, plan.capacity, pad_multiple)
+
+
+def run_capacity_levels(needs: Sequence[Sequence[int]], capacity: int, levels: int) -> tuple[int, ...]:
+    """The capacities a run packs at (``capacity_levels`` over the needs of the epochs given, the
+    plan's ``capacity`` always among them, so every later epoch's microbatch fits one)."""
+    return tuple(capacity_levels([n for epoch in needs for n in epoch] + [capacity], levels))
+
+
+def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup, lengths, plan: Plan, *,
+                        data_parallel_size: int, replica: int, pad_multiple: int,
+                        levels: Sequence[int] | None = None) -> tuple[SampleLookup, tuple[int, ...] | None]:
+    """This replica's share once ``plan`` (the shape plan of ``replica_shards``' slot lengths) is
+    known: each slot's bundles dealt so that every planned microbatch holds about as many tokens
+    on every replica (``deal_slots``), and with capacity ``levels`` (only without a pipeline) the
+    capacity each plan position is packed at, the smallest level holding its need, the same on
+    every replica; None: the plan's."""
+    dp = data_parallel_size
+    bundles, deal, needs = _dealt(lookup, lengths, plan, dp, pad_multiple)
+    mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
+    if not levels:
+        return mine, None
+    needs = rounded_needs(needs, plan.capacity, pad_multiple)
+    capacities = tuple(level_of(n, levels) if n else plan.capacity for n in needs)
+    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
+    packed = dp * sum(c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop)
+    log.info("data parallel x%d without a pipeline: microbatches packed at capacities %s (%.1f%% of the tokens "
+             "real; %.1f%% at the plan's capacity %d)", dp, sorted(set(capacities)), 100 * real / max(1, packed),
+             100 * real / max(1, dp * plan.capacity * sum(not mb.is_noop for mb in plan.microbatches)), plan.capacity)
+    return mine, capacities
+
+
+def _dealt(lookup: SampleLookup, lengths, plan: Plan, replicas: int, pad_multiple: int):
+    bundles = _bundles(lookup, lengths, replicas)
+    length_of = [dict(zip((i for batch in lookup.batches[a] for i in batch),
+                          (n for batch in lengths[a] for n in batch))) for a in range(len(lengths))]
+    tokens = {(a, j, k): [sum(length_of[a][i] for i in per_replica[k]) for per_replica in b]
+              for a, per_adapter in enumerate(bundles) for j, b in enumerate(per_adapter)
+              for k in range(len(b[0]) if b else 0)}
+    deal, needs = deal_slots(plan, tokens, pad_multiple=pad_multiple)
+    return bundles, deal, needs
+
+
+def _bundles(lookup: SampleLookup, lengths, replicas: int) -> list:
+    return [[bundle_global_batch(batch, lens, replicas) for batch, lens in zip(lookup.batches[a], lengths[a])]
+            for a in range(len(lengths))]
+
+
+def _replica_lookup(datasets, bundles, replica: int, bundle_of) -> ReplicaLookup:
+    """Replica ``replica``'s ``ReplicaLookup``: in slot ``k`` of adapter ``a``'s global batch ``j``
+    it runs bundle ``bundle_of(a, j, k)``."""
+    batches, positions = [], []
     for a, per_adapter in enumerate(bundles):
-        slots.append([slot_lengths(b, dict(zip(batch, lens)))
-                      for b, batch, lens in zip(per_adapter, lookup.batches[a], lengths[a])])
         flat, where = [], []
-        for b in per_adapter:
-            mine = b[replica]
+        for j, b in enumerate(per_adapter):
+            mine = [b[bundle_of(a, j, k)][k] for k in range(len(b[0]) if b else 0)]
             starts = [sum(len(x) for x in mine[:k]) for k in range(len(mine))]
             flat.append([i for bundle in mine for i in bundle])
             where.append([tuple(range(s, s + len(bundle))) for s, bundle in zip(starts, mine)])
         batches.append(flat)
         positions.append(where)
-    real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
-    planned = dp * sum(n for per_adapter in slots for batch in per_adapter for n in batch)
-    log.info("data parallel x%d: replica %d of each global batch; slots padded to their longest "
-             "bundle keep %.1f%% of the planned tokens real", dp, replica, 100 * real / max(1, planned))
-    return ReplicaLookup(datasets, batches, positions), slots
+    return ReplicaLookup(datasets, batches, positions)

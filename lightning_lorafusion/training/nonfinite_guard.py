@@ -52,8 +52,7 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
     opt.step()
     # a finite gradient can still step to non-finite weights (an overflowing lr): those
     # weights would poison every later step, so the adapter is quarantined at once
-    finite = [torch.isfinite(p.detach()).all() for p in params]
-    if finite and not bool(torch.stack(finite).all()):
+    if not all_finite(params):
         opt.zero_grad(set_to_none=True)
         _drop_global_batch(m, a)
         quarantine(m, a, f"its weights became non-finite in optimizer step {m.steps_taken[a] + 1}; "
@@ -69,6 +68,20 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
     m.log(f"lr/{name}", sched.get_last_lr()[0], on_step=True, on_epoch=False, batch_size=1)
     m.log(f"grad_norm/{name}", float(norm), on_step=True, on_epoch=False, batch_size=1)
     _drop_global_batch(m, a)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite. One total norm first (a few foreach
+    launches and one sync, where a check per tensor launches two kernels each: this runs at every
+    step, between the step's device sync and the next microbatch); only when that norm is not
+    finite (a NaN or inf, or finite values too large to square) each tensor is checked exactly."""
+    tensors = list(tensors)
+    if not tensors:
+        return True
+    with torch.no_grad():
+        if bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, foreach=True))):
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def _skip_nonfinite_step(m: Module, a: int, opt, loss: float, norm: float) -> None:

@@ -278,3 +278,13 @@ def test_fit_asks_for_expandable_segments_before_anything_runs(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     monkeypatch.setattr(generate_cli, "run", lambda args: 0)
     assert cli.main(["generate"]) == 0 and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == ""
+
+
+def test_an_epoch_whose_keys_are_held_starts_with_no_collection_sync_or_release(monkeypatch):
+    """A precapture with nothing left to capture (the usual epoch after the first) touches
+    neither the collector nor the device: no capture batch, no synchronisation, no cache release
+    (releasing the cache would make the epoch's first steps allocate from the driver again)."""
+    graphs, rec = _precapture(monkeypatch, CaptureMemory(release=True))
+    rec.events.clear()
+    assert graphs.precapture(PLANNED, torch.device("cpu")) == []
+    assert rec.events == [] and graphs.planned == frozenset(PLANNED)

@@ -3,6 +3,7 @@ warm-up runs (training/cuda_graphs.py) and the data module's view of a whole epo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import Counter
@@ -280,3 +281,28 @@ def test_a_key_first_planned_for_the_next_epoch_is_captured_one_epoch_early(monk
     assert epoch_graphs.precapture_epoch(m) == []
     m, dm = module(max_epochs=1)
     assert cheapest_cover(long, epoch_graphs.precapture_epoch(m)) is None  # no epoch 1 to prepare for
+
+
+def test_the_next_epoch_start_reuses_the_keys_its_lookahead_packed():
+    """With a cache, an epoch's keys are packed on the host once: the epoch before it (its
+    lookahead) packs them, its own start reads them back; a re-planned epoch is packed again."""
+    from lightning_lorafusion.training.epoch_graphs import epoch_keys
+
+    dm, _ = _datamodule()
+    packed: list[tuple[int, int]] = []
+    original = dm.packed_epoch
+
+    def counting(epoch, start=0):
+        packed.append((epoch, start))
+        return original(epoch, start)
+
+    dm.packed_epoch = counting
+    cache: dict = {}
+    _, both = epoch_keys(dm, lookahead=1, cache=cache)
+    assert packed == [(0, 0), (1, 0)] and both == epoch_keys(dm, lookahead=1)[1]
+    packed.clear()
+    dm.epoch, dm.position = 1, 0
+    _, second = epoch_keys(dm, lookahead=1, last_epoch=1, cache=cache)
+    assert packed == [] and second == Counter(graph_key(mb) for mb in original(1))
+    dm._plans[1] = dataclasses.replace(dm._plans[1], plan=dataclasses.replace(dm._plans[1].plan))
+    assert epoch_keys(dm, lookahead=1, last_epoch=1, cache=cache)[1] == second and packed == [(1, 0)]

@@ -90,3 +90,20 @@ def test_val_loss_explosion_quarantines_an_lr_1e6_adapter(tiny_model_dir, withou
     assert json.loads((out / "last" / "trainer_state.json").read_text())["weights"] == "last_good"
     best = load_file(out / "adapter_model.safetensors")
     assert all(float(t.abs().max()) < 10 for t in best.values())  # not the diverged weights
+
+
+def test_all_finite_checks_every_element_even_where_the_total_norm_overflows():
+    """The post-step weight check: a NaN or inf anywhere is caught; finite weights too large for
+    the one total norm (it overflows) fall back to the exact check and pass."""
+    from lightning_lorafusion.training.nonfinite_guard import all_finite
+
+    ok = [torch.randn(5, 3), torch.randn(7)]
+    assert all_finite(ok) and all_finite([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(7)
+        t[3] = bad
+        assert not all_finite([ok[0], t]), bad
+    assert all_finite([torch.full((4,), 1e30), ok[1]])  # squares overflow fp32, the values do not
+    huge = torch.full((4,), 1e30)
+    huge[1] = float("nan")
+    assert not all_finite([huge])

@@ -5,6 +5,7 @@ executor's fused forward+backward): the fixed-shape step a graph captures, run w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 
@@ -264,3 +265,29 @@ def test_each_stage_gets_its_kind_of_graphs_and_logs_its_replays(caplog):
     assert "CUDA graphs: stage 0 replays: 0 forward, 0 backward, 0 fused; 1 eager; 0 captures" in caplog.text
     assert replay_counts(TrainingGraphs(**common))["fused"] == 0
     assert log_replays(SimpleNamespace(_graphs=None)) is None
+
+
+def test_a_stage_whose_slots_cover_the_epoch_starts_it_without_a_capture_batch(monkeypatch):
+    """Every slot already holding a key that covers the epoch: precapture returns at once, with
+    no capture batch (collection, device sync, cache release); a slot still empty gets one."""
+    from lightning_lorafusion.training import stage_graphs
+
+    batches: list[int] = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        batches.append(1)
+        yield
+
+    monkeypatch.setattr(stage_graphs, "capture_batch", recording)
+    config, specs = tiny_config(2), tiny_specs()
+    mbs = [mb.to(DEVICE) for mb in microbatches(config, capacity=64, samples=3, max_length=14, global_batch=2)]
+    params, bank, _ = _setup(config, specs)
+    graphs = SplitStageGraphs(params=params, bank=bank, config=config, capture=False, layers=range(0, 1),
+                              is_first=True, slots=2)
+    graphs.capture = True  # the batch is entered only when capturing; the captures stay fake below
+    monkeypatch.setattr(graphs, "_capture_slot", lambda slot, key, device, up_front=False: bool(
+        setattr(graphs._slots[slot], "key", key)) or True)
+    planned = Counter(stage_key(mb) for mb in mbs)
+    assert len(graphs.precapture(planned, DEVICE)) == 2 and batches == [1]
+    assert graphs.precapture(planned, DEVICE) == [] and batches == [1]
