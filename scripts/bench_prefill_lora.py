@@ -26,7 +26,10 @@ against cuBLAS), ``write`` (write-first, the engine's ``EngineTuning.prefill_lor
 "segments" expand writes the delta, zeros on rows without LoRA, into an uninitialised output, and
 cuBLAS adds the frozen product onto it in place, ``y.addmm_(x, W^T)``, beta = 1; ``addmm`` above
 instead adds into a new tensor, which copies the delta first), ``base-beta1`` (the frozen
-products alone as ``y.addmm_`` onto an existing output: cuBLAS's speed with beta = 1).
+products alone as ``y.addmm_`` onto an existing output: cuBLAS's speed with beta = 1),
+``segments-live`` / ``write-live`` (``segments`` / ``write`` on the live grids: the padded table's
+live-tile count on the device, ``SegmentLora.live``, a fixed number of programs per SM walking
+those tiles only; what the engine's captured mixed steps run).
 ``--per-group``: also each projection group alone (q/k/v, o, gate/up, down) for ``base``,
 ``base-beta1``, ``segments`` and ``write``. Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
 as the engine's captured mixed steps run them; ``do_bench`` where capture fails; on the CPU one
@@ -66,7 +69,7 @@ SHAPES = {
 }
 VARIANTS = ("base", "segments", "tiles", "tiles-lowp", "addmm", "tiles-hold", "tiles-hold-lowp", "tiles-nb2",
             "segments-nb2", "tiles-w2", "fused", "triton-base", "segments-split1", "tiles-nb8", "tiles-nb16",
-            "tiles-split1", "tiles-w8", "fused-128", "write", "base-beta1")
+            "tiles-split1", "tiles-w8", "fused-128", "write", "base-beta1", "segments-live", "write-live")
 # per-group timings (``--per-group``): the frozen product, today's additive expand, write-first
 PER_GROUP_VARIANTS = ("base", "base-beta1", "segments", "write")
 DEFAULT_VARIANTS = VARIANTS[:10]
@@ -124,7 +127,8 @@ def setup(args, rows: int, kinds):
         cap = MixedPieces.max_tiles(rows, block_m, 256)
         tiles = torch.zeros(3, cap, dtype=torch.int32, device=dev)
         tiles[:, :pre.tiles.shape[1]] = pre.tiles
-        pre = dataclasses.replace(pre, tiles=tiles, block_r=MAX_RANK)
+        pre = dataclasses.replace(pre, tiles=tiles, block_r=MAX_RANK,
+                                  live=torch.tensor([pre.tiles.shape[1]], dtype=torch.int32, device=dev))
     return cfg, weights, inputs, pool, pre, segments
 
 
@@ -169,6 +173,9 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None 
     from lightning_lorafusion.kernels.lora_tiles import tile_lora_add, tile_shrink
 
     sizes = {name: [cfg.module_dims(m)[1] for m in members] for name, members, _ in GROUPS}
+    if not variant.endswith("-live"):  # the grids over the whole table; "-live": over its live tiles
+        pre = dataclasses.replace(pre, live=None)
+    variant = variant.removesuffix("-live")
     groups = {name: pre.group(pool.storage, 0, members) for name, members, _ in GROUPS}
     rows = inputs["x"].shape[0]
     ra, re_ = (torch.from_numpy(t).to(pool.device) for t in row_tables(pre.segments, rows))

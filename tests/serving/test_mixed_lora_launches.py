@@ -126,9 +126,10 @@ def test_pieces_without_lora_and_live_grids_give_the_old_paths_tokens(make_engin
     for rid in runs[False]:
         assert [t for t, _ in runs[True][rid]] == [t for t, _ in runs[False][rid]]
         assert [lp for _, lp in runs[True][rid]] == pytest.approx([lp for _, lp in runs[False][rid]], abs=1e-5)
-    # the first steps hold base rows only: no LoRA launch with the pieces without LoRA
-    assert launches[True][0] == 0 and launches[True][1] == 0
-    assert launches[False][0] > 0 or write == "off"  # (write-first pieces launch their covering tiles)
+    # the first steps hold base rows only: no LoRA launch with the pieces without LoRA (eager pieces
+    # of the old way launch only the modules a step adapts, so none either: what a captured piece
+    # launches is the test above's)
+    assert launches[True][0] == 0 and launches[True][1] == 0 and sum(launches[True]) > 0
 
 
 def test_set_mixed_lora_drops_the_pieces_built_the_other_way(make_engine):
