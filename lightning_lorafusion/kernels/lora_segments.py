@@ -225,8 +225,11 @@ def _sm_count(index: int) -> int:
 
 def live_programs(device: torch.device, items: int, per_sm: int) -> int:
     """Programs of a live grid: ``per_sm`` per SM (``LIVE_PROGRAMS_INTERPRETER`` off CUDA), at
-    most ``items`` (the most items the table can hold), at least 1."""
-    if device.type == "cuda":
+    most ``items`` (the most items the table can hold), at least 1; ``per_sm`` 0: ``items`` (a
+    program per item, those past the live tiles' exiting after reading the count)."""
+    if per_sm == 0:
+        n = items
+    elif device.type == "cuda":
         n = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         n = LIVE_PROGRAMS_INTERPRETER

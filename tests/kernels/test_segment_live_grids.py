@@ -88,10 +88,11 @@ def test_one_live_tile_among_many_empty_ones(device, dtype):
     assert torch.equal(got[:6], base[:6]) and torch.equal(got[11:], base[11:])
 
 
-@pytest.mark.parametrize("n_blocks,split_k,programs", [(1, 1, 1), (3, 2, 2), (4, 3, 5)])
+@pytest.mark.parametrize("n_blocks,split_k,programs", [(1, 1, 1), (3, 2, 2), (4, 3, 5), (2, 4, 0)])
 def test_live_grid_walks_every_item_whatever_the_program_count(device, monkeypatch, n_blocks, split_k, programs):
     """Items = live tiles x projections x K splits (shrink), x column groups (expand): with 1, 2
-    or 5 programs (per SM on CUDA) each walks many of them, tiles of different ranks interleaved."""
+    or 5 programs (per SM on CUDA) each walks many of them, tiles of different ranks interleaved;
+    0: a program per item of the whole table."""
     k, ns, tables = group(torch.float32, device, seed=14)
     segments = [(0, 1, 1), (1, 40, 0), (41, 42, 2), (42, 77, 3)]
     lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=7)
@@ -134,6 +135,7 @@ def test_live_programs_are_capped_by_the_table_items():
     assert live_programs(cpu, 1000, 8) == lora_segments.LIVE_PROGRAMS_INTERPRETER
     assert live_programs(cpu, 2, 8) == 2
     assert live_programs(cpu, 0, 8) == 1
+    assert live_programs(cpu, 1000, 0) == 1000  # 0: a program per item
 
 
 def test_a_bad_live_count_tensor_is_refused(device):
