@@ -33,6 +33,13 @@ from .paged_forward import after_attention, attention, before_attention, embed_r
 from .step_batch import PrefillLora, StepBatch
 
 
+# the largest token bucket whose pieces run the prefill LoRA on live grids (larger ones: grids over
+# the whole table). One 8B layer on an H100: the live grids took 18 % / 11 % off the LoRA at 512 /
+# 2,048 rows and the burst trace's 4,096-token steps 1 %, but added 7-19 % at 8,192 rows, where
+# ~130 live tiles keep the table-long grid busy (docs/BENCHMARKS.md "Many tenants against their floor")
+LIVE_GRID_MAX_ROWS = 4096
+
+
 class MixedPieces:
     """Static buffers and the L + 1 pieces of padded mixed steps of ``rows`` rows, adapters of
     any ranks up to ``MAX_RANK``; ``capture``: record each piece as a CUDA graph (into ``pool``,
@@ -114,10 +121,12 @@ class MixedPieces:
                   defer_capture: bool = False) -> "MixedPieces":
         """Pieces of ``rows`` rows as ``runner`` is set now; ``write``: the prefill LoRA written
         first or added after (None: no LoRA at all, for steps none of whose rows has an
-        adapter); ``dora``: for steps with DoRA rows."""
+        adapter); ``dora``: for steps with DoRA rows. The prefill LoRA runs on live grids with
+        ``runner.live_grids`` up to ``LIVE_GRID_MAX_ROWS`` rows."""
         return cls(runner, rows, max_tiles=cls.max_tiles(rows, runner.segment_block_m, runner.decode_inputs.max_rows,
                                                          covering=runner.prefill_lora_write != "off"),
-                   write=bool(write) and not dora, lora=write is not None, live_grid=runner.live_grids,
+                   write=bool(write) and not dora, lora=write is not None,
+                   live_grid=runner.live_grids and rows <= LIVE_GRID_MAX_ROWS,
                    max_adapters=runner.decode_inputs.max_rows, capture=runner.mixed_pieces == "graphs",
                    pool=runner.graphs.pool if runner.graphs is not None else None,
                    dora=runner._dora_slots() if dora else None, defer_capture=defer_capture)

@@ -10,7 +10,7 @@ import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving import paged_forward
-from lightning_lorafusion.serving.mixed_graphs import MixedPieces
+from lightning_lorafusion.serving.mixed_graphs import LIVE_GRID_MAX_ROWS, MixedPieces
 
 
 def _count_lora_launches(monkeypatch) -> dict[str, int]:
@@ -70,9 +70,9 @@ def _run(engine, prompts: dict[int, list[tuple[str, str | None, int]]], steps: i
         hidden = forward(batch)
         if batch.real_rows is not None:
             kinds.append("base" if batch.prefill_lora is None and not batch.decode_modules else "lora")
-            live = engine.runner._pieces_by_mode  # the pieces just run: their live count
-            if batch.prefill_lora is not None and engine.runner.live_grids:
-                pieces = live[batch.prefill_lora.write][0][batch.input_ids.shape[0]]
+            built, rows = engine.runner._pieces_by_mode, batch.input_ids.shape[0]  # the pieces just run
+            if batch.prefill_lora is not None and engine.runner.live_grids and rows <= LIVE_GRID_MAX_ROWS:
+                pieces = built[batch.prefill_lora.write][0][rows]
                 assert int(pieces.live) == batch.prefill_lora.tiles.shape[1]
         return hidden
 
@@ -138,7 +138,9 @@ def test_set_mixed_lora_drops_the_pieces_built_the_other_way(make_engine):
     assert runner.base_pieces and runner.live_grids  # the defaults
     assert runner.build_mixed_pieces() == len(runner.token_buckets)
     assert set(runner._pieces_by_mode[None][0]) == set(runner.token_buckets)  # built ahead, like the others
-    assert all(p.live is not None for p in runner._mixed.values())
+    # live grids up to LIVE_GRID_MAX_ROWS rows, grids over the whole table above
+    assert all((p.live is not None) == (rows <= LIVE_GRID_MAX_ROWS) for rows, p in runner._mixed.items())
+    assert any(p.live is not None for p in runner._mixed.values())
     runner.set_mixed_lora(base_pieces=True, live_grids=True)  # unchanged: kept
     assert runner._mixed
     runner.set_mixed_lora(base_pieces=False, live_grids=False)
