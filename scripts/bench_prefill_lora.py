@@ -193,7 +193,8 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None 
     if live_opts and "scale" in live_opts:
         from lightning_lorafusion.kernels import lora_segments as ls
 
-        per_sm = (ls.LIVE_SHRINK_PROGRAMS_PER_SM * live_opts["scale"], ls.LIVE_EXPAND_PROGRAMS_PER_SM * live_opts["scale"])
+        scale = live_opts["scale"]
+        per_sm = (ls.LIVE_SHRINK_PROGRAMS_PER_SM * scale, ls.LIVE_EXPAND_PROGRAMS_PER_SM * scale)
     groups = {name: pre.group(pool.storage, 0, members) for name, members, _ in GROUPS}
     rows = inputs["x"].shape[0]
     ra, re_ = (torch.from_numpy(t).to(pool.device) for t in row_tables(pre.segments, rows))

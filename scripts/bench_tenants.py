@@ -499,7 +499,8 @@ def main(argv=None) -> dict:
               f"captures {w['captures']}")
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
-              f"{b['base_pieces']}, live_grids={b['live_grids']}) built in {b['seconds']:.1f} s, captures {b['captures']}")
+              f"{b['base_pieces']}, live_grids={b['live_grids']}) built in {b['seconds']:.1f} s, "
+              f"captures {b['captures']}")
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))
     if report["errors"]:
