@@ -26,7 +26,12 @@ against cuBLAS), ``write`` (write-first, the engine's ``EngineTuning.prefill_lor
 "segments" expand writes the delta, zeros on rows without LoRA, into an uninitialised output, and
 cuBLAS adds the frozen product onto it in place, ``y.addmm_(x, W^T)``, beta = 1; ``addmm`` above
 instead adds into a new tensor, which copies the delta first), ``base-beta1`` (the frozen
-products alone as ``y.addmm_`` onto an existing output: cuBLAS's speed with beta = 1).
+products alone as ``y.addmm_`` onto an existing output: cuBLAS's speed with beta = 1),
+``segments-live`` / ``write-live`` (``segments`` / ``write`` on the live grids: the padded table's
+live-tile count on the device, ``SegmentLora.live``, a fixed number of programs per SM walking
+those tiles only; what the engine's captured mixed steps run), ``-live-x4`` (4x the programs per
+SM), ``-live-all`` (a program per item of the whole table, the padding's exiting after reading the
+count), ``-live-sorted`` (the tiles of the largest ranks first in the table).
 ``--per-group``: also each projection group alone (q/k/v, o, gate/up, down) for ``base``,
 ``base-beta1``, ``segments`` and ``write``. Each timed as CUDA graph replays (Triton's ``do_bench_cudagraph``, median:
 as the engine's captured mixed steps run them; ``do_bench`` where capture fails; on the CPU one
@@ -66,7 +71,13 @@ SHAPES = {
 }
 VARIANTS = ("base", "segments", "tiles", "tiles-lowp", "addmm", "tiles-hold", "tiles-hold-lowp", "tiles-nb2",
             "segments-nb2", "tiles-w2", "fused", "triton-base", "segments-split1", "tiles-nb8", "tiles-nb16",
-            "tiles-split1", "tiles-w8", "fused-128", "write", "base-beta1")
+            "tiles-split1", "tiles-w8", "fused-128", "write", "base-beta1", "segments-live", "write-live",
+            "segments-live-x4", "write-live-x4", "segments-live-all", "write-live-all", "segments-live-sorted",
+            "write-live-sorted")
+# the live grids' variants: programs per SM (shrink, expand) as a multiple of the defaults, or every
+# item of the table its own program (padding programs exit after reading the count); "sorted":
+# the table's tiles heaviest rank first (the programs' round-robin shares of work even out)
+LIVE_OPTS = {"": {}, "-x4": {"scale": 4}, "-all": {"scale": 0}, "-sorted": {"sorted": True}}
 # per-group timings (``--per-group``): the frozen product, today's additive expand, write-first
 PER_GROUP_VARIANTS = ("base", "base-beta1", "segments", "write")
 DEFAULT_VARIANTS = VARIANTS[:10]
@@ -124,7 +135,8 @@ def setup(args, rows: int, kinds):
         cap = MixedPieces.max_tiles(rows, block_m, 256)
         tiles = torch.zeros(3, cap, dtype=torch.int32, device=dev)
         tiles[:, :pre.tiles.shape[1]] = pre.tiles
-        pre = dataclasses.replace(pre, tiles=tiles, block_r=MAX_RANK)
+        pre = dataclasses.replace(pre, tiles=tiles, block_r=MAX_RANK,
+                                  live=torch.tensor([pre.tiles.shape[1]], dtype=torch.int32, device=dev))
     return cfg, weights, inputs, pool, pre, segments
 
 
@@ -169,6 +181,20 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None 
     from lightning_lorafusion.kernels.lora_tiles import tile_lora_add, tile_shrink
 
     sizes = {name: [cfg.module_dims(m)[1] for m in members] for name, members, _ in GROUPS}
+    live_opts = None
+    if "-live" not in variant:  # the grids over the whole table; "-live": over its live tiles
+        pre = dataclasses.replace(pre, live=None)
+    else:
+        variant, suffix = variant.split("-live")
+        live_opts = LIVE_OPTS[suffix]
+        if live_opts.get("sorted"):
+            pre = heaviest_first(pre)
+    per_sm = (None, None)
+    if live_opts and "scale" in live_opts:
+        from lightning_lorafusion.kernels import lora_segments as ls
+
+        scale = live_opts["scale"]
+        per_sm = (ls.LIVE_SHRINK_PROGRAMS_PER_SM * scale, ls.LIVE_EXPAND_PROGRAMS_PER_SM * scale)
     groups = {name: pre.group(pool.storage, 0, members) for name, members, _ in GROUPS}
     rows = inputs["x"].shape[0]
     ra, re_ = (torch.from_numpy(t).to(pool.device) for t in row_tables(pre.segments, rows))
@@ -194,7 +220,7 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None 
             if variant == "write":  # write-first: the delta (zeros elsewhere), then beta = 1 in place
                 y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
                 segment_lora_add(x, groups[name], list(y.split(sizes[name], dim=1)), backend="triton", check=False,
-                                 form="segments", accumulate=False)
+                                 form="segments", accumulate=False, per_sm=per_sm)
                 ys[name] = y.addmm_(x, w.t())
                 continue
             if variant.startswith("fused") or variant == "triton-base":
@@ -213,13 +239,26 @@ def make_runner(variant: str, cfg, weights, inputs, pool, pre, only: str | None 
             if variant.startswith("segments"):
                 segment_lora_add(x, groups[name], outs, backend="triton", check=False, form="segments",
                                  split_k=1 if variant == "segments-split1" else None,
-                                 n_blocks=2 if variant == "segments-nb2" else None)
+                                 n_blocks=2 if variant == "segments-nb2" else None, per_sm=per_sm)
             elif variant.startswith("tiles"):
                 tile_lora_add(x, groups[name], outs, check=False, **tile_opts[variant])
             ys[name] = y
         return ys
 
     return run
+
+
+def heaviest_first(pre):
+    """``pre`` with its live tiles ordered by their adapter's largest rank, largest first (ties
+    and rows of no adapter in row order, the latter last); the padding stays after them."""
+    n = int(pre.live)
+    tiles = pre.tiles[:, :n].cpu()
+    rank = pre.ranks.max(dim=0).values.cpu()
+    key = [(-(int(rank[a]) if a >= 0 else -1), i) for i, a in enumerate(tiles[2].tolist())]
+    order = torch.tensor([i for _, i in sorted(key)], dtype=torch.int64)
+    out = pre.tiles.clone()
+    out[:, :n] = tiles[:, order].to(out.device)
+    return dataclasses.replace(pre, tiles=out)
 
 
 def reference(cfg, weights, inputs, pool, pre):

@@ -274,7 +274,7 @@ class TenantsBench:
         with timer(self.device) as t:
             info = self.engine.warm_up()
         self.report["warm_up"] = {"seconds": t.seconds, "captures": info.get("captures"),
-                                  "ranks": info.get("ranks")}
+                                  "ranks": info.get("ranks"), "mixed_pieces_s": info.get("mixed_pieces_s")}
         log(f"warm-up {t.seconds:.1f} s")
         self.save()
 
@@ -283,20 +283,30 @@ class TenantsBench:
         they were, on the same engine: "host" (``EngineTuning.prefetch_ahead="off"``,
         ``host_tables="separate"``), "prefill-lora" (``prefill_lora_write="off"``: the LoRA
         read-added after the product; that mode's mixed-step pieces are built before the run, not
-        timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step)."""
+        timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step),
+        "base-pieces" (steps none of whose rows has an adapter run the LoRA pieces, their LoRA
+        kernels on empty tables) and "table-grids" (the prefill LoRA's grids over the whole padded
+        table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
+        graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.runner.host_tables = "separate" if "host" in old else "packed"
         engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
                                                     "step" if "page-in" in old else "layer")
         write = "off" if "prefill-lora" in old else engine.config.tuning.prefill_lora_write
-        if engine.runner.prefill_lora_write != write:
+        runner = engine.runner
+        lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
+        if runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values()):
             with engine._step_lock:
-                engine.runner.prefill_lora_write = write
+                runner.prefill_lora_write = write
+                runner.set_mixed_lora(**lora)
                 if self.args.warm_up == "on":
                     with timer(self.device) as t:
-                        engine.runner.build_mixed_pieces()
-                    log(f"mixed-step pieces of prefill_lora_write={write} built in {t.seconds:.1f} s")
+                        runner.build_mixed_pieces()
+                    log(f"mixed-step pieces of prefill_lora_write={write}, {lora} built in {t.seconds:.1f} s")
+                    self.report.setdefault("pieces_builds", []).append(
+                        {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
+                         "captures": runner.capture_counts()})
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -448,10 +458,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
-    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in")), default=["host"],
+    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids")),
+                    default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
-                         "the step); default %(default)s")
+                         "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
+                         "(the prefill LoRA's grids over the whole padded table); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -481,6 +493,14 @@ def main(argv=None) -> dict:
         if r.get("profile"):
             print(f"\n{r['run']} {r['arrivals']}: kernels of its first {args.profile_steps} steps\n"
                   + profile_table(r["profile"]))
+    w = report.get("warm_up")
+    if w:
+        print(f"\nwarm-up {w['seconds']:.1f} s (mixed-step pieces {_f(w.get('mixed_pieces_s'), '.1f')} s), "
+              f"captures {w['captures']}")
+    for b in report.get("pieces_builds", []):
+        print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
+              f"{b['base_pieces']}, live_grids={b['live_grids']}) built in {b['seconds']:.1f} s, "
+              f"captures {b['captures']}")
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))
     if report["errors"]:

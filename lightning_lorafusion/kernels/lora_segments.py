@@ -17,12 +17,16 @@ output, which may be a column view of a fused GEMM's). Both loop over each tile'
 chunks (``rank_chunk``): no kernel is compiled per rank or rank mix, and a rank-8 tile does
 not pay for a rank-64 one beside it.
 The grids run over the tile table's length; a tile with ``start == end`` (padding) does nothing.
+A table padded to a fixed length (a captured mixed step's) may carry ``live``, a device count of
+its leading tiles that hold rows: then a fixed number of programs per SM walks those tiles' work
+only, and the padding launches no program (docs/kernels.md, "Live grids").
 Inference only (no autograd). The torch reference (``segment_lora_reference``) computes the
 same sums per segment from the host copy of the segments.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -37,7 +41,7 @@ from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segm
 
 __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "segment_lora_reference",
            "segment_tiles", "covering_segments", "NO_ADAPTER", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
-           "expand_warps"]
+           "expand_warps", "live_programs"]
 
 BACKENDS = ("torch", "triton", "auto")
 # the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
@@ -103,15 +107,27 @@ def _segment_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """out[rows of tile t, N_BLOCKS column blocks] += scale * S[rows, :rank] Bt[:rank, cols]:
+    """One program per (tile, N_BLOCKS column blocks): ``expand_tile``."""
+    expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, tl.program_id(0),
+                tl.program_id(1), N, out_stride, n_tiles, s_split_stride, s_width,
+                BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
+                DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+
+
+@triton.jit
+def expand_tile(
+    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, nb, N, out_stride, n_tiles,
+    s_split_stride, s_width,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """out[rows of tile t, column blocks nb * N_BLOCKS ...] += scale * S[rows, :rank] Bt[:rank, cols]:
     fp32 sum of the output and the delta, one rounding. The rank is looped over in chunks of
     BLOCK_R (a runtime bound: the tile's own rank, not the step's largest). A program covers
     N_BLOCKS blocks of BLOCK_N columns: a tile of one decode row costs a program's fixed work
     (tables) once per N_BLOCKS blocks, not once per block. Not ACCUMULATE (write-first): out =
     the delta, read nothing; a tile of rank 0 (or adapter index -1, rows without LoRA) writes
     zeros, so a GEMM can add the frozen product onto it as its C input."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
@@ -150,6 +166,76 @@ def _segment_expand_kernel(
                 tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# The "live" grids (``SegmentLora.live``, a device count of the table's leading tiles that hold
+# rows): a fixed number of programs per SM walks the (tile, K split / column block) items of those
+# tiles only, so a captured step's padding tiles launch no program at all. Programs per SM: the
+# expand holds a 64 x 128 fp32 tile in 2-4 warps (about four resident per SM), the shrink a
+# 64 x 32 one.
+LIVE_SHRINK_PROGRAMS_PER_SM = 8
+LIVE_EXPAND_PROGRAMS_PER_SM = 4
+# in the interpreter: a few programs, so that each walks several items
+LIVE_PROGRAMS_INTERPRETER = 3
+_LIVE_SHRINK_UNSPECIALISED = _SHRINK_UNSPECIALISED + ("live_ptr", "n_groups", "n_split")
+_LIVE_EXPAND_UNSPECIALISED = _EXPAND_UNSPECIALISED + ("live_ptr", "n_col")
+
+
+@triton.jit(do_not_specialize=_LIVE_SHRINK_UNSPECIALISED)
+def _live_shrink_kernel(
+    x_ptr, pool_ptr, tiles_ptr, live_ptr, a_off_ptr, rank_ptr, s_ptr, K, k_per_split, x_stride, n_tiles,
+    a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width, n_groups, n_split,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``_segment_shrink_kernel``'s work over the first ``live`` tiles only: item i = (tile,
+    projection, K split), taken by program i mod programs. A step whose table holds no tile
+    reads one scalar per program."""
+    per_tile = n_groups * n_split
+    n_items = tl.minimum(tl.load(live_ptr), n_tiles) * per_tile
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        t = item // per_tile
+        rest = item - t * per_tile
+        g = rest // n_split
+        sp = rest - g * n_split
+        shrink_tile(x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, t, g, sp, K, k_per_split, x_stride,
+                    n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
+                    BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=_LIVE_EXPAND_UNSPECIALISED)
+def _live_expand_kernel(
+    s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
+    s_split_stride, s_width, n_col,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``expand_tile`` over the first ``live`` tiles only: item i = (tile, group of N_BLOCKS
+    column blocks), ``n_col`` groups a tile, taken by program i mod programs."""
+    n_items = tl.minimum(tl.load(live_ptr), n_tiles) * n_col
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        t = item // n_col
+        expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, item - t * n_col, N,
+                    out_stride, n_tiles, s_split_stride, s_width,
+                    BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
+                    DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def live_programs(device: torch.device, items: int, per_sm: int) -> int:
+    """Programs of a live grid: ``per_sm`` per SM (``LIVE_PROGRAMS_INTERPRETER`` off CUDA), at
+    most ``items`` (the most items the table can hold), at least 1; ``per_sm`` 0: ``items`` (a
+    program per item, those past the live tiles' exiting after reading the count)."""
+    if per_sm == 0:
+        n = items
+    elif device.type == "cuda":
+        n = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        n = LIVE_PROGRAMS_INTERPRETER
+    return max(1, min(n, items))
+
+
 def rank_chunk(device: torch.device) -> int:
     """Ranks per pass of the kernels' rank loops on ``device``."""
     return RANK_CHUNK_CUDA if device.type == "cuda" else RANK_CHUNK_INTERPRETER
@@ -178,7 +264,8 @@ def _expand_blocks_per_program(col_blocks: int) -> int:
 def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
-                     form: str | None = None, accumulate: bool = True) -> None:
+                     form: str | None = None, accumulate: bool = True,
+                     per_sm: tuple[int | None, int | None] = (None, None)) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``accumulate=False`` (write-first): write the LoRA into ``outs`` instead, reading nothing of
     them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
@@ -193,7 +280,10 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     column blocks per expand program (default ``EXPAND_BLOCKS_PER_PROGRAM``, capped by the width);
     ``split_k``: K splits of the shrink (default ``shrink_splits(K)``); ``warps``: the shrink's and
     the expand's ``num_warps`` (None: Triton's default, 4, for the shrink; ``expand_warps(block_m,
-    rank_chunk(device))`` for the expand)."""
+    rank_chunk(device))`` for the expand). With ``lora.live`` (a device count: the table's tiles
+    past it are padding) a fixed number of programs walks the live tiles' work only (``per_sm``:
+    programs per SM of the shrink and the expand; None: ``LIVE_*_PROGRAMS_PER_SM``): what a
+    captured step's padded table runs, its padding costing nothing; same sums, same rounding."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -215,15 +305,18 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
-                                                      accumulate=accumulate):
+                                                      accumulate=accumulate, per_sm=per_sm):
         kernel[grid](*args, **meta)
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
                       split_k: int | None, warps: tuple[int | None, int | None],
-                      accumulate: bool = True) -> list[tuple]:
+                      accumulate: bool = True,
+                      per_sm: tuple[int | None, int | None] = (None, None)) -> list[tuple]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
-    the shrink's then one expand per projection (none for an empty tile table). Allocates S."""
+    the shrink's then one expand per projection (none for an empty tile table): grids over the
+    tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
+    and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). Allocates S."""
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
         return []
@@ -238,22 +331,34 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
-    launches = [(_segment_shrink_kernel, (n_tiles, g, split), (
-        x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
-        lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r),
-        dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
-             **({} if warps[0] is None else {"num_warps": warps[0]})))]
+    live = lora.live
+    per_sm = (LIVE_SHRINK_PROGRAMS_PER_SM if per_sm[0] is None else per_sm[0],
+              LIVE_EXPAND_PROGRAMS_PER_SM if per_sm[1] is None else per_sm[1])
+    shrink_meta = dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
+                       **({} if warps[0] is None else {"num_warps": warps[0]}))
+    shrink_args = (x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
+                   lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r)
+    if live is None:
+        launches = [(_segment_shrink_kernel, (n_tiles, g, split), shrink_args, shrink_meta)]
+    else:  # (tiles, pointers ..., the live count after the tile table)
+        launches = [(_live_shrink_kernel, (live_programs(x.device, n_tiles * g * split, per_sm[0]),),
+                     shrink_args[:3] + (live,) + shrink_args[3:] + (g, split), shrink_meta)]
     block_n = 128 if x.is_cuda else 32
     expand_w = expand_warps(block_m, chunk) if warps[1] is None else warps[1]
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
-        launches.append((_segment_expand_kernel, (n_tiles, triton.cdiv(n, block_n * per)), (
-            s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
-            n_tiles, s.stride(0), block_r),
-            dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
-                 DOT_PRECISION=precision, ACCUMULATE=accumulate,
-                 **({} if expand_w is None else {"num_warps": expand_w}))))
+        n_col = triton.cdiv(n, block_n * per)
+        args = (s[:, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
+                n_tiles, s.stride(0), block_r)
+        meta = dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
+                    DOT_PRECISION=precision, ACCUMULATE=accumulate,
+                    **({} if expand_w is None else {"num_warps": expand_w}))
+        if live is None:
+            launches.append((_segment_expand_kernel, (n_tiles, n_col), args, meta))
+        else:
+            launches.append((_live_expand_kernel, (live_programs(x.device, n_tiles * n_col, per_sm[1]),),
+                             args[:3] + (live,) + args[3:] + (n_col,), meta))
     return launches
 
 
@@ -288,7 +393,9 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
     keys = set()
     for kernel, _grid, args, meta in launches:
         names = kernel.arg_names
-        skip = shrink_skip if kernel is shrink else expand_skip
+        skip = (_LIVE_SHRINK_UNSPECIALISED if kernel is _live_shrink_kernel else
+                _LIVE_EXPAND_UNSPECIALISED if kernel is _live_expand_kernel else
+                shrink_skip if kernel is shrink else expand_skip)
         spec = tuple(_specialisation(v) for name, v in zip(names, args) if name not in skip)
         keys.add((kernel.fn.__name__,
                   tuple(sorted(meta.items())), spec))

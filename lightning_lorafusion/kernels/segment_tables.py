@@ -65,7 +65,10 @@ class SegmentLora:
     ``scales [A]`` fp32, all on the pool's device. ``segments``: the host copy of what the
     tiles cover (for the reference); ``block_m`` the tile height the tiles were cut at,
     ``block_r`` >= every rank (``block_r_for``): the width of the shrink's fp32 scratch S, a
-    runtime value (tables of any rank mix up to it run the same compiled kernels).
+    runtime value (tables of any rank mix up to it run the same compiled kernels). ``live``:
+    None, or ``[1]`` int32 on the pool's device, the count of the table's leading tiles that
+    may hold rows (the rest are padding): the Triton kernels then walk those tiles only
+    (``lora_segments``' live grids); the torch reference reads ``segments`` either way.
     """
 
     pool: torch.Tensor
@@ -77,6 +80,7 @@ class SegmentLora:
     segments: tuple[tuple[int, int, int], ...]
     block_m: int
     block_r: int
+    live: torch.Tensor | None = None
 
     @property
     def num_projections(self) -> int:
@@ -107,6 +111,10 @@ class SegmentLora:
                              f"{tuple(self.tiles.shape)} {self.tiles.dtype}")
         if self.scales.dtype != torch.float32:
             raise TypeError(f"SegmentLora.scales must be float32; got {self.scales.dtype}")
+        live = self.live
+        if live is not None and (live.shape != (1,) or live.dtype != torch.int32 or live.device != x.device):
+            raise ValueError(f"SegmentLora.live must be a [1] int32 tensor on {x.device} (the count of live tiles) "
+                             f"or None; got {tuple(live.shape)} {live.dtype} on {live.device}")
         if self.block_r < 16 or self.block_r & (self.block_r - 1) or self.block_r > MAX_RANK:
             raise ValueError(f"block_r must be a power of two in [16, {MAX_RANK}]; got {self.block_r}")
         rows = x.shape[0]

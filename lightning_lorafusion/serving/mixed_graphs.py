@@ -33,6 +33,13 @@ from .paged_forward import after_attention, attention, before_attention, embed_r
 from .step_batch import PrefillLora, StepBatch
 
 
+# the largest token bucket whose pieces run the prefill LoRA on live grids (larger ones: grids over
+# the whole table). One 8B layer on an H100: the live grids took 18 % / 11 % off the LoRA at 512 /
+# 2,048 rows and the burst trace's 4,096-token steps 1 %, but added 7-19 % at 8,192 rows, where
+# ~130 live tiles keep the table-long grid busy (docs/BENCHMARKS.md "Many tenants against their floor")
+LIVE_GRID_MAX_ROWS = 4096
+
+
 class MixedPieces:
     """Static buffers and the L + 1 pieces of padded mixed steps of ``rows`` rows, adapters of
     any ranks up to ``MAX_RANK``; ``capture``: record each piece as a CUDA graph (into ``pool``,
@@ -40,7 +47,8 @@ class MixedPieces:
 
     def __init__(self, runner: "ModelRunner", rows: int, *, max_tiles: int, max_adapters: int,
                  capture: bool, pool=None, dora: DoraSlots | None = None,
-                 defer_capture: bool = False, write: bool = False) -> None:
+                 defer_capture: bool = False, write: bool = False, lora: bool = True,
+                 live_grid: bool = False) -> None:
         # the prefill LoRA's scratch S is MAX_RANK wide (a runtime stride of the kernels, which
         # loop over each tile's own rank): tables of any rank mix fit the captured launches
         self.runner, self.rows, self.block_r = runner, rows, MAX_RANK
@@ -52,20 +60,24 @@ class MixedPieces:
         longrope = cfg.rope_type == "longrope"
         self.rope_long = torch.zeros(rows, dtype=torch.bool, device=dev) if longrope else None
         n_mod = len(ALL_TARGET_MODULES)
-        self.lora = PrefillLora(
+        # the count of the step's live tiles (the tables' padding past it launches nothing)
+        self.live = torch.zeros(1, dtype=torch.int32, device=dev) if live_grid and lora else None
+        self.lora = None if not lora else PrefillLora(
             tiles=torch.zeros(3, max_tiles, dtype=torch.int32, device=dev),
             offsets=torch.zeros(cfg.num_layers, n_mod, 2, max_adapters, dtype=torch.int64, device=dev),
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
             modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r,
-            covering=runner.prefill_lora_write != "off", write=write)
+            covering=runner.prefill_lora_write != "off", write=write, live=self.live)
         # covering tables (write-first prefill LoRA): a step without prefill LoRA rows loads tiles
         # of no adapter over every row, so the write-first expand still writes each row
         self.no_lora_tiles = (torch.tensor(segment_tiles([], runner.segment_block_m, rows=rows), dtype=torch.int32,
                                            device=dev).reshape(-1, 3).t().contiguous()
-                              if self.lora.covering else None)
+                              if lora and self.lora.covering else None)
         if self.no_lora_tiles is not None:
             self.lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
+            if self.live is not None:
+                self.live.fill_(self.no_lora_tiles.shape[1])
         dtype = runner.pool.storage.dtype
         self.attn = torch.zeros(rows, cfg.q_size, dtype=dtype, device=dev)
         # what attention reads from piece l, at addresses fixed here: a tensor allocated inside a
@@ -83,14 +95,19 @@ class MixedPieces:
         # (prefill or padding) get nothing from them
         inputs = runner.decode_inputs
         d = min(inputs.max_rows, rows)
+        # pieces without LoRA (``lora`` False: steps none of whose rows has an adapter) launch
+        # no LoRA kernel at all, and their GEMMs write their outputs (no write-first C input)
+        decode_lora = capture and lora
         self.batch = StepBatch(
             input_ids=self.input_ids, positions=self.positions, slot_pages=self.slot_pages,
             slot_offsets=self.slot_offsets, num_prefill_rows=rows, num_fresh_rows=0, cu_seqlens=None,
             max_prefill_len=0, prefill_prefixes=None, prefill_lora=self.lora, page_table=None, seq_lens=None,
-            decode_offsets=inputs.lora_offsets[..., :d], decode_ranks=inputs.lora_ranks[:, :d],
-            decode_scales=inputs.lora_scales[:d], decode_modules=frozenset(ALL_TARGET_MODULES) if capture
-            else frozenset(), spans=[], output_rows=None, real_rows=None, decode_first=True,
-            rope_long=self.rope_long, decode_groups=inputs.lora_groups[:, :d])
+            decode_offsets=inputs.lora_offsets[..., :d] if lora else None,
+            decode_ranks=inputs.lora_ranks[:, :d] if lora else None,
+            decode_scales=inputs.lora_scales[:d] if lora else None,
+            decode_modules=frozenset(ALL_TARGET_MODULES) if decode_lora else frozenset(), spans=[], output_rows=None,
+            real_rows=None, decode_first=True, rope_long=self.rope_long,
+            decode_groups=inputs.lora_groups[:, :d] if lora else None)
         # steps with DoRA rows: each row's slot in ``dora``'s gain table (dora_rows.py)
         self.dora_index = torch.zeros(rows, dtype=torch.int64, device=dev) if dora is not None else None
         self.batch.dora = DoraSlotRows(dora, 0, rows, self.dora_index) if dora is not None else None
@@ -98,6 +115,21 @@ class MixedPieces:
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if capture and not defer_capture:  # (deferred: ``capture`` later, e.g. after ``dry_run``)
             self.capture(pool)
+
+    @classmethod
+    def of_runner(cls, runner: "ModelRunner", rows: int, *, dora: bool, write: bool | None,
+                  defer_capture: bool = False) -> "MixedPieces":
+        """Pieces of ``rows`` rows as ``runner`` is set now; ``write``: the prefill LoRA written
+        first or added after (None: no LoRA at all, for steps none of whose rows has an
+        adapter); ``dora``: for steps with DoRA rows. The prefill LoRA runs on live grids with
+        ``runner.live_grids`` up to ``LIVE_GRID_MAX_ROWS`` rows."""
+        return cls(runner, rows, max_tiles=cls.max_tiles(rows, runner.segment_block_m, runner.decode_inputs.max_rows,
+                                                         covering=runner.prefill_lora_write != "off"),
+                   write=bool(write) and not dora, lora=write is not None,
+                   live_grid=runner.live_grids and rows <= LIVE_GRID_MAX_ROWS,
+                   max_adapters=runner.decode_inputs.max_rows, capture=runner.mixed_pieces == "graphs",
+                   pool=runner.graphs.pool if runner.graphs is not None else None,
+                   dora=runner._dora_slots() if dora else None, defer_capture=defer_capture)
 
     @property
     def num_graphs(self) -> int:
@@ -135,8 +167,9 @@ class MixedPieces:
         static buffers hold, no attention between: what ``compile_ahead.variants_of`` records
         the kernel variants of."""
         lora, modules = self.batch.prefill_lora, self.batch.decode_modules
-        self.batch.prefill_lora = dataclasses.replace(lora, segments=(), modules=frozenset(ALL_TARGET_MODULES))
-        self.batch.decode_modules = frozenset(ALL_TARGET_MODULES)
+        if lora is not None:
+            self.batch.prefill_lora = dataclasses.replace(lora, segments=(), modules=frozenset(ALL_TARGET_MODULES))
+            self.batch.decode_modules = frozenset(ALL_TARGET_MODULES)
         try:
             with torch.no_grad():
                 for i in range(self.runner.config.num_layers + 1):
@@ -173,7 +206,25 @@ class MixedPieces:
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
         if self.rope_long is not None:
             self.rope_long.copy_(batch.rope_long, non_blocking=True)
-        lora, pre = self.lora, batch.prefill_lora
+        captured = self.graphs is not None
+        if self.lora is None:  # pieces without LoRA: only for steps none of whose rows has an adapter
+            if batch.prefill_lora is not None or batch.decode_modules:
+                raise ValueError("a step with adapted rows for the mixed-step pieces without LoRA")
+        else:
+            self._load_lora(batch.prefill_lora, captured)
+        if not batch.decode_first:
+            raise ValueError("pieces run padded steps, whose decode rows come first")
+        if (batch.dora is not None) != (self.dora_index is not None):
+            raise ValueError("a step with DoRA rows runs the pieces built for DoRA rows, and only those")
+        if self.dora_index is not None:
+            self.dora_index.copy_(batch.dora.index, non_blocking=True)
+        if self.lora is not None:
+            self.batch.decode_modules = frozenset(ALL_TARGET_MODULES) if captured else batch.decode_modules
+
+    def _load_lora(self, pre: "PrefillLora | None", captured: bool) -> None:
+        """Copy a step's prefill LoRA tables (None: no prefill row adapted) into the static ones,
+        padded (empty tiles, rank-0 adapters), and the count of its live tiles."""
+        lora = self.lora
         lora.tiles.zero_()
         lora.ranks.zero_()
         lora.scales.zero_()
@@ -183,29 +234,25 @@ class MixedPieces:
                                 or (self.dora_index is None and pre.write != lora.write)):
             raise ValueError(f"a step's prefill LoRA tables with covering={pre.covering}, write={pre.write} for "
                              f"pieces of covering={lora.covering}, write={lora.write}")
+        live = 0
         if pre is None and self.no_lora_tiles is not None:
-            lora.tiles[:, :self.no_lora_tiles.shape[1]].copy_(self.no_lora_tiles)
+            live = self.no_lora_tiles.shape[1]
+            lora.tiles[:, :live].copy_(self.no_lora_tiles)
         if pre is not None:
             if pre.block_r > self.block_r:
                 raise ValueError(f"a step of rank block {pre.block_r} for pieces of at most {self.block_r}")
-            n, a = pre.tiles.shape[1], pre.scales.shape[0]
-            lora.tiles[:, :n].copy_(pre.tiles, non_blocking=True)
+            live, a = pre.tiles.shape[1], pre.scales.shape[0]
+            lora.tiles[:, :live].copy_(pre.tiles, non_blocking=True)
             lora.offsets[..., :a].copy_(pre.offsets, non_blocking=True)
             lora.ranks[:, :a].copy_(pre.ranks, non_blocking=True)
             lora.scales[:a].copy_(pre.scales, non_blocking=True)
             segments, modules = pre.segments, pre.modules
+        if self.live is not None:
+            self.live.fill_(live)
         # the torch references read the segments on the host (eager pieces only; a captured
         # piece launches every group's kernels, and rank-0 tiles and rows do nothing)
-        captured = self.graphs is not None
         self.batch.prefill_lora = dataclasses.replace(lora, segments=segments, modules=(
             frozenset(ALL_TARGET_MODULES) if captured else modules))
-        if not batch.decode_first:
-            raise ValueError("pieces run padded steps, whose decode rows come first")
-        if (batch.dora is not None) != (self.dora_index is not None):
-            raise ValueError("a step with DoRA rows runs the pieces built for DoRA rows, and only those")
-        if self.dora_index is not None:
-            self.dora_index.copy_(batch.dora.index, non_blocking=True)
-        self.batch.decode_modules = frozenset(ALL_TARGET_MODULES) if captured else batch.decode_modules
 
     def run(self, batch: "StepBatch") -> torch.Tensor:
         """The step's forward -> final-normed hidden states of ``batch.output_rows``."""

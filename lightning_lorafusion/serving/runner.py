@@ -102,11 +102,14 @@ class ModelRunner:
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
-        # prefill LoRA written first or added after (``PrefillLora.write``) -> token bucket -> its
-        # pieces (one set serves every rank mix: mixed_graphs.py), and those for steps with DoRA
-        # rows (added after only)
-        self._pieces_by_mode: dict[bool, tuple[dict[int, MixedPieces], dict[int, MixedPieces]]] = {
-            True: ({}, {}), False: ({}, {})}
+        # prefill LoRA written first or added after (``PrefillLora.write``; None: no LoRA, the
+        # steps none of whose rows has an adapter) -> token bucket -> its pieces (one set serves
+        # every rank mix: mixed_graphs.py), and those for steps with DoRA rows (added after only)
+        self._pieces_by_mode: dict[bool | None, tuple[dict[int, MixedPieces], dict[int, MixedPieces]]] = {
+            True: ({}, {}), False: ({}, {}), None: ({}, {})}
+        # the mixed-step pieces' LoRA (``set_mixed_lora``): base-only steps without LoRA kernels,
+        # and the prefill LoRA's live grids (its padded tables' padding launching nothing)
+        self.base_pieces, self.live_grids = True, True
         self._prefill_lora_write = "off"
         self.prefill_lora_write = prefill_lora_write
         self.graphs: DecodeGraphs | None = None
@@ -163,7 +166,7 @@ class ModelRunner:
         return [(f"mixed rows={rows}", partial(self._dry_run_pieces, rows)) for rows in self.token_buckets]
 
     def _dry_run_pieces(self, rows: int) -> None:
-        for write in self._write_modes():
+        for write in self._write_modes() + ([None] if self.base_pieces else []):
             pieces = self._pieces_by_mode[write][0].get(rows)
             (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
 
@@ -514,15 +517,18 @@ class ModelRunner:
         self.mixed_pieces, self.pad_mixed = mode, mode is not None
         self._clear_pieces()
 
-    def _new_pieces(self, rows: int, dora: bool = False, *, write: bool = False,
+    def set_mixed_lora(self, *, base_pieces: bool, live_grids: bool) -> None:
+        """Steps none of whose rows has an adapter run pieces without LoRA (``base_pieces``; else
+        those of the other steps, their LoRA kernels on empty tables); the prefill LoRA of the
+        pieces' padded tables runs on live grids (``live_grids``; else grids over the whole
+        table). Pieces built the other way are dropped."""
+        if (base_pieces, live_grids) != (self.base_pieces, self.live_grids):
+            self._clear_pieces()
+        self.base_pieces, self.live_grids = base_pieces, live_grids
+
+    def _new_pieces(self, rows: int, dora: bool = False, *, write: bool | None = False,
                     defer_capture: bool = False) -> MixedPieces:
-        return MixedPieces(self, rows, max_tiles=MixedPieces.max_tiles(rows, self.segment_block_m,
-                                                                     self.decode_inputs.max_rows,
-                                                                     covering=self.prefill_lora_write != "off"),
-                           write=write and not dora,
-                           max_adapters=self.decode_inputs.max_rows, capture=self.mixed_pieces == "graphs",
-                           pool=self.graphs.pool if self.graphs is not None else None,
-                           dora=self._dora_slots() if dora else None, defer_capture=defer_capture)
+        return MixedPieces.of_runner(self, rows, dora=dora, write=write, defer_capture=defer_capture)
 
     def build_mixed_pieces(self) -> int:
         """Build (capture, with graphs) the pieces of every token bucket now rather than on the
@@ -533,7 +539,7 @@ class ModelRunner:
         if self.mixed_pieces is None:
             return 0
         buckets = set()  # (with "auto" prefill LoRA, each bucket has a set per way: counted once)
-        for write in self._write_modes():
+        for write in self._write_modes() + ([None] if self.base_pieces else []):
             built = self._pieces_by_mode[write][0]
             new = [rows for rows in self.token_buckets if rows not in built]
             with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
@@ -546,7 +552,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             self._pieces_by_mode[write][0][rows] = self._new_pieces(rows, write=write)
             log.info("mixed-step pieces of the %d-token bucket (prefill LoRA %s) built in %.2f s", rows,
-                     "written first" if write else "added after", time.perf_counter() - t0)
+                     "none" if write is None else "written first" if write else "added after",
+                     time.perf_counter() - t0)
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode
@@ -574,6 +581,8 @@ class ModelRunner:
             # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
             pre, dora = batch.prefill_lora, batch.dora is not None
             write = not dora and (pre.write if pre is not None else self._write_modes()[0])
+            if self.base_pieces and pre is None and not dora and not batch.decode_modules:
+                write = None  # no row adapted: the pieces without LoRA
             built = self._pieces_by_mode[write][1 if dora else 0]
             pieces = built.get(rows)
             if pieces is None:

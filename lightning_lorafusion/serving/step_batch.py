@@ -47,12 +47,15 @@ class PrefillLora:
     covering: bool = False
     # this step's projections write the LoRA first (needs ``covering``); else it is added after
     write: bool = False
+    # [1] int32: the count of ``tiles``' leading tiles that hold rows (the rest padding), for the
+    # kernels' live grids (``SegmentLora.live``; a captured mixed step's); None: every tile
+    live: torch.Tensor | None = None
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
         return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
                            b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
-                           segments=self.segments, block_m=self.block_m, block_r=self.block_r)
+                           segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live)
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,

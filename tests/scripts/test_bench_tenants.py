@@ -129,3 +129,28 @@ def test_bench_tenants_old_variant_switches_the_named_paths(tmp_path, monkeypatc
     assert seen == [("lora-new", "auto", slices, True, "packed"), ("lora-old", "off", 1, True, "packed")]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]
+
+
+def test_bench_tenants_old_variant_switches_the_mixed_pieces_lora(tmp_path, monkeypatch):
+    """``--old base-pieces,table-grids``: the old runs send base-only mixed steps through the
+    LoRA pieces and run the prefill LoRA on grids over the whole padded table; the new runs
+    neither; the tokens agree."""
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, self.engine.runner.base_pieces, self.engine.runner.live_grids))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4,8", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "5", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora,base", "--variants", "new,old", "--old", "base-pieces,table-grids",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("lora-new", True, True), ("lora-old", False, False), ("base-new", True, True),
+                    ("base-old", False, False)]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]

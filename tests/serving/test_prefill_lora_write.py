@@ -112,11 +112,13 @@ def test_covering_pieces_leave_room_for_the_gaps_and_cover_a_step_without_lora()
 
 def test_pieces_of_covering_tables_run_a_step_without_prefill_lora(make_engine):
     """Eager pieces with write-first: a base-only prompt (no prefill LoRA tables) still gets every
-    row of its outputs written (the pieces' own tiles of no adapter), the same tokens as off."""
+    row of its outputs written (the pieces' own tiles of no adapter), the same tokens as off.
+    (With the pieces without LoRA off: otherwise such a step runs those.)"""
     runs = {}
     for mode in ("on", "off"):
         engine = make_engine(num_pages=96, page_size=4, prefill_lora_write=mode, mixed_graphs="eager",
                              async_decode="off", prefix_caching=False)
+        engine.runner.set_mixed_lora(base_pieces=False, live_grids=True)
         tokens = {}
         engine.submit(GenerationRequest(prompt_token_ids=list(range(1, 12)), adapter=None, request_id="base",
                                         sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
