@@ -292,14 +292,18 @@ def nf4_forward_kind(m: int, on_cuda: bool, weights: Sequence[Nf4Weight], gemm: 
 
 
 def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
-                gemm: str = "auto") -> list[torch.Tensor]:
+                gemm: str = "auto", *, grouped: bool = False) -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``;
     ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM;
-    "auto": the decode kernel for few rows, ``nf4_forward_kind``)."""
+    "auto": the decode kernel for few rows, ``nf4_forward_kind``). ``grouped``: the decode
+    kernel runs the group in one launch (``nf4_decode.nf4_decode_group``), its outputs column
+    views of one tensor, as a fused 16-bit weight's are (the caller takes views)."""
     kind = nf4_forward_kind(x.shape[0], x.is_cuda, weights, gemm)
     if kind == "decode":
-        from .nf4_decode import nf4_linear_decode  # Triton is imported only when used
+        from .nf4_decode import groupable, nf4_decode_group, nf4_linear_decode  # Triton: imported when used
 
+        if grouped and len(weights) > 1 and groupable(weights, biases):
+            return nf4_decode_group(x, weights, biases)
         return [nf4_linear_decode(x, w, b) for w, b in zip(weights, biases)]
     if kind == "fused":
         from .nf4_gemm import nf4_linear_fused
@@ -354,6 +358,6 @@ def nf4_frozen_projections(x: torch.Tensor, weights: Sequence[Nf4Weight],
     for w in weights:
         if w.shape[1] != x.shape[-1]:
             raise ValueError(f"an NF4 weight is {tuple(w.shape)} but x is {tuple(x.shape)}")
-    if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine)
-        return nf4_outputs(x, weights, biases, gemm)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine): one launch a group
+        return nf4_outputs(x, weights, biases, gemm, grouped=True)
     return list(Nf4FrozenProjections.apply(x, gemm, len(weights), *weights, *biases))
