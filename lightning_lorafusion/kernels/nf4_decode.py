@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4_lookup import nf4_words_to_values
+from .nf4_lookup import nf4_chunk_values, nf4_words_to_values
 
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, for few rows), so this one does not import it back.
@@ -98,11 +98,14 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
     [GROUPS] of those rows: ``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order (``CONTIG``), else
     ``(W[n, even k], W[n, odd k])``, two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
     half: tl.constexpr = BLOCKSIZE // 2
+    if LOOKUP == 5:  # chunks of 8 words, each word its own load: a thread holds a chunk's 8 words
+        return _chunk_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
+                           blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, ASM)
     blk = rn[:, None] * blocks_per_row + g[None, :]
     scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
                          NESTED, NESTED_BLOCKSIZE)
     mask = n_mask[:, None, None] & g_mask[None, :, None]
-    if LOOKUP == 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
+    if LOOKUP >= 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
         words_per_block: tl.constexpr = BLOCKSIZE // 8
         rw = tl.arange(0, words_per_block)
         row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * words_per_block)
@@ -128,6 +131,29 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
 
 
 @triton.jit
+def _chunk_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
+                blocks_per_row, dtype: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                NESTED_BLOCKSIZE: tl.constexpr, ASM: tl.constexpr):
+    """``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order as chunks of 64 codes (``BLOCKSIZE >=
+    64``): the scale, the index and the 8 word loads all ``[BLOCK_N, chunks]`` alike."""
+    per_block: tl.constexpr = BLOCKSIZE // 64
+    chunks: tl.constexpr = g.shape[0] * per_block
+    cc = tl.arange(0, chunks)
+    gc = tl.min(g, axis=0) + cc // per_block  # the block column of each chunk
+    c_mask = (cc // per_block < g.shape[0]) & (gc < tl.max(tl.where(g_mask, g + 1, 0), axis=0))
+    blk = rn[:, None] * blocks_per_row + gc[None, :]
+    mask = n_mask[:, None] & c_mask[None, :]
+    scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask, NESTED, NESTED_BLOCKSIZE)
+    words = data_ptr.to(tl.pointer_type(tl.uint32)) + (rn.to(tl.int64)[:, None] * (blocks_per_row * BLOCKSIZE // 8)
+                                                       + (gc * (BLOCKSIZE // 8) + (cc % per_block) * 8)[None, :])
+    w0, w1 = tl.load(words, mask=mask, other=0), tl.load(words + 1, mask=mask, other=0)
+    w2, w3 = tl.load(words + 2, mask=mask, other=0), tl.load(words + 3, mask=mask, other=0)
+    w4, w5 = tl.load(words + 4, mask=mask, other=0), tl.load(words + 5, mask=mask, other=0)
+    w6, w7 = tl.load(words + 6, mask=mask, other=0), tl.load(words + 7, mask=mask, other=0)
+    return nf4_chunk_values(w0, w1, w2, w3, w4, w5, w6, w7, scale, code_ptr, dtype, ASM)
+
+
+@triton.jit
 def _x_pairs(x_row, g, g_mask, stride_xk, half: tl.constexpr, GROUPS: tl.constexpr):
     """fp32 ``(X[even k], X[odd k])`` of one row over absmax block columns ``g``: two
     ``[GROUPS, half]`` tensors, read contiguous and split."""
@@ -138,10 +164,10 @@ def _x_pairs(x_row, g, g_mask, stride_xk, half: tl.constexpr, GROUPS: tl.constex
 
 @triton.jit
 def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half: tl.constexpr,
-              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T`` over one loop step."""
     kk = g0 * (2 * half) + tl.arange(0, GROUPS * 2 * half)  # columns of X in this step, read contiguous
-    x_mask = m_mask[:, None] & (kk < g_end * (2 * half))[None, :]
+    x_mask = m_mask[:, None] & ((kk < g_end * (2 * half)) | EVEN_K)[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
     x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], GROUPS * half, 2)))
     acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
@@ -150,11 +176,11 @@ def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, h
 
 @triton.jit
 def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
-                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` (or ``XW``: ``Y [BLOCK_M, BLOCK_N] += X W^T``) over one
     loop step, ``W`` in ``k`` order: ``X`` is read as it lies (straight into the dot's operand)."""
     kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
-    x_mask = m_mask[:, None] & (kk < g_end * BLOCKSIZE)[None, :]
+    x_mask = m_mask[:, None] & ((kk < g_end * BLOCKSIZE) | EVEN_K)[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
     if XW:
         return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -164,11 +190,11 @@ def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk,
 
 @triton.jit
 def _gemv_contig(acc, acc3, w, x_ptr, m0, M, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
-                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
     """Multiply-adds of rows ``m0 ..`` of ``X`` against ``W`` in ``k`` order: one row into the
     per-lane ``acc3`` (reduced after the loop), several summed per step into ``acc``."""
     kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
-    k_mask = kk < g_end * BLOCKSIZE
+    k_mask = (kk < g_end * BLOCKSIZE) | EVEN_K
     w = w.to(tl.float32)
     if BLOCK_M == 1:
         x = tl.load(x_ptr + m0.to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 < M), other=0.0)
@@ -218,7 +244,8 @@ def _nf4_decode_kernel(x_ptr, data0, absmax0, code0, nested0, dyn0, offset0, bia
                        NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
                        CONTIG: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       EVEN_K: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
     fp32 partial sum into ``out[pid_k]`` (the bias in split 0's); with ``FUSED_SUM`` the tile's
@@ -241,7 +268,7 @@ def _nf4_decode_kernel(x_ptr, data0, absmax0, code0, nested0, dyn0, offset0, bia
     acc = _tile_product(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, rm, n_mask,
                         m_mask, pid_m, M, g_start, g_end, blocks_per_row, stride_xm, stride_xk, dtype, BLOCKSIZE,
                         NESTED, NESTED_BLOCKSIZE, USE_DOT, LOOKUP, CONTIG, ASM, XW, BLOCK_M, BLOCK_N, GROUPS,
-                        DOT_PRECISION)
+                        DOT_PRECISION, EVEN_K)
     if HAS_BIAS:  # in the final values, or in split 0's partial
         b = tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)
         acc += b[:, None]
@@ -263,9 +290,9 @@ def _tile_product(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, of
                   BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
                   USE_DOT: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr, ASM: tl.constexpr,
                   XW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """fp32 ``Y^T [BLOCK_N, BLOCK_M]`` of rows ``rn`` of the weight against rows ``rm`` of ``X``
-    over absmax block columns ``[g_start, g_end)``."""
+    over absmax block columns ``[g_start, g_end)`` (``EVEN_K``: a whole number of loop steps)."""
     half: tl.constexpr = BLOCKSIZE // 2
     if XW:  # Y = X W^T: the weight tile as the dot's second operand (read from shared memory)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -277,22 +304,22 @@ def _tile_product(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, of
         acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
-        g_mask = g < g_end
+        g_mask = (g < g_end) | EVEN_K  # whole steps: no mask along K (vector loads)
         if CONTIG:
             w = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
                              blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG, ASM)
             if USE_DOT:
                 acc = _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE,
-                                       GROUPS, XW, DOT_PRECISION)
+                                       GROUPS, XW, DOT_PRECISION, EVEN_K)
             else:
                 acc, acc3 = _gemv_contig(acc, acc3, w, x_ptr, pid_m * BLOCK_M, M, g0, g_end, stride_xm, stride_xk,
-                                         BLOCKSIZE, GROUPS, BLOCK_M)
+                                         BLOCKSIZE, GROUPS, BLOCK_M, EVEN_K)
         else:
             hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
                                   g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG,
                                   ASM)
             acc, acc3 = _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm,
-                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION)
+                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION, EVEN_K)
     if XW:
         acc = tl.trans(acc)
     if not USE_DOT and BLOCK_M == 1:
@@ -324,11 +351,11 @@ def _sum_if_last(part_ptr, y_ptr, count_ptr, splits, rn, offs, mask, stride_os, 
 @triton.jit
 def _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm, stride_xk,
                 half: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """One loop step with the weight as even and odd ``k``: dots, or multiply-adds."""
     if USE_DOT:
         acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
-                        DOT_PRECISION)
+                        DOT_PRECISION, EVEN_K)
     elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
         x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
                                  half, GROUPS)
@@ -480,9 +507,11 @@ def _weight_args(w: Nf4Weight, bias: torch.Tensor | None, y: torch.Tensor) -> tu
 
 
 def _lookup(cfg: DecodeConfig, x: torch.Tensor, weights: Sequence[Nf4Weight]) -> int:
-    if cfg.lookup == 4 and (x.dtype == torch.float32 or any(w.data.data_ptr() % 4 or not w.data.is_contiguous()
+    if cfg.lookup >= 4 and (x.dtype == torch.float32 or any(w.data.data_ptr() % 4 or not w.data.is_contiguous()
                                                             for w in weights)):
         return 2  # byte permutes build 16-bit values from 32-bit words of codes
+    if cfg.lookup == 5 and (weights[0].blocksize < 64 or not cfg.contiguous):
+        return 4  # 8 words (64 codes) of one block a thread, in k order
     return cfg.lookup
 
 
@@ -537,7 +566,8 @@ def nf4_decode_group(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequ
         PARTIAL=split > 1, FUSED_SUM=fused_sum, USE_DOT=cfg.use_dot, LOOKUP=_lookup(cfg, x, weights),
         CONTIG=cfg.contiguous, ASM=x.is_cuda, XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        EVEN_K=blocks_per_row % cfg.groups == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False)
     if split > 1 and not fused_sum:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block)
