@@ -188,3 +188,34 @@ def test_what_groups():
     assert not groupable(ws * 2, [None] * 4) and MAX_GROUP == 3
     with pytest.raises(ValueError, match="at most 3 sharing K"):
         nf4_decode_group(torch.randn(2, 128), ws * 2, [None] * 4)
+
+
+def test_inference_group_is_one_launch_with_the_callers_workspace(monkeypatch, device):
+    """The engine's path (``nf4_frozen_projections`` without grad, a workspace kept by the
+    caller): a q/k/v-like group as the decode kernel's one launch, outputs column views of one
+    tensor, each its weight's reference product; with autograd each output stays its own."""
+    from lightning_lorafusion.kernels import nf4, nf4_decode
+
+    monkeypatch.setattr(nf4, "nf4_forward_kind", lambda *a, **k: "decode")  # the CPU takes the buffer path
+    monkeypatch.setattr(nf4_decode, "default_config", lambda m, shape=None: DecodeConfig(
+        block_n=16, groups=1, split_k=2, use_dot=True, lookup=4, contiguous=True, fused_sum=True))
+    ws = [_weight(n, 128, True, seed=i) for i, n in enumerate((32, 16, 16))]
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    workspace = nf4_decode.DecodeWorkspace.create(device, counters=16)
+    with torch.no_grad():
+        ys = nf4.nf4_frozen_projections(x.to(device), [_on(w, device) for w in ws], [None] * 3, workspace=workspace)
+    assert len({y.untyped_storage().data_ptr() for y in ys}) == 1 and ys[1].stride(0) == 64
+    for y, w in zip(ys, ws):
+        torch.testing.assert_close(y.cpu(), nf4_matmul_reference(x, w, transpose=True), **TOL[torch.float16])
+    assert int(workspace.counters.count_nonzero()) == 0
+    xg = x.to(device).float().requires_grad_()
+    ys = nf4.nf4_frozen_projections(xg, [_on(w, device) for w in ws], [None] * 3)
+    assert len({y.untyped_storage().data_ptr() for y in ys}) == 3
+
+
+def test_decode_workspace_only_for_an_nf4_base_on_cuda():
+    from lightning_lorafusion.kernels.nf4 import nf4_decode_workspace
+
+    nf4_params = {"layers": [{"q_proj": _weight(16, 128, True).to_params()}]}
+    assert nf4_decode_workspace(nf4_params, "cpu") is None
+    assert nf4_decode_workspace({"layers": [{"q_proj": {"weight": torch.zeros(2, 2)}}]}, "cpu") is None
