@@ -12,13 +12,13 @@ Sections (in this order; each is written to the JSON as soon as it is measured):
             tiling now), and ``max_rel``: the new result's largest difference from the reference
             (the weight dequantized by the torch reference, fp32 product), relative to its
             largest value
-    sweep   candidate tilings per launch and rows (``--sweep on``), within ``--sweep-budget``
-            seconds, each with its ``max_rel``: best first
     layer   a decoder layer's frozen products as the engine runs them: ``bf16`` (4 GEMMs),
             ``today`` (7 products), ``new`` (4 launches)
     engine  the generation engine's decode step over ``--decode-layers`` layers: bf16 base, NF4
             base with ``auto`` (the decode kernel up to its rows) and ``auto-today`` (the same
             with ``today_config`` and no group launches)
+    sweep   last, candidate tilings per launch and rows (``--sweep on``), within ``--sweep-budget``
+            seconds, each with its ``max_rel``: best first
 
 Every timed callable runs its products over ``--copies`` copies of the weights in turn (time per
 copy), so the weights are read from memory as in a step over many layers, not from the L2 cache
@@ -199,16 +199,14 @@ def sweep_configs(m: int, shape) -> list[DecodeConfig]:
                replace(gemv, fill=4, fused_sum=True)]
     elif m <= 16:
         dot = replace(p4, block_n=64, num_warps=4, num_stages=3)
-        out = [dot, replace(dot, fused_sum=True), replace(dot, block_n=128), replace(dot, block_n=128, fused_sum=True),
-               replace(dot, fill=4), replace(dot, fill=4, fused_sum=True), replace(dot, block_n=32),
-               replace(dot, split_k=1), replace(xw, block_m=16), replace(dot, lookup=5),
-               replace(dot, lookup=5, block_n=128), replace(dot, block_n=128, num_warps=8, num_stages=4)]
+        out = [dot, replace(dot, fused_sum=True), replace(dot, fill=4), replace(dot, fill=4, fused_sum=True),
+               replace(dot, fill=8, fused_sum=True), replace(dot, fill=4, fused_sum=True, num_stages=4),
+               replace(dot, block_n=128), replace(dot, block_n=32, fill=4, fused_sum=True), replace(xw, block_m=16)]
     else:
-        out = [xw, replace(xw, fused_sum=True), replace(xw, block_n=128), replace(xw, block_n=128, fused_sum=True),
-               replace(xw, block_n=128, num_warps=8), replace(xw, block_n=256, num_warps=8), replace(xw, fill=1),
-               replace(xw, fill=4), replace(xw, fill=4, fused_sum=True), replace(xw, split_k=1),
-               replace(xw, groups=4), replace(xw, num_stages=4), replace(xw, lookup=5),
-               replace(xw, lookup=5, block_n=128)]
+        out = [xw, replace(xw, block_n=128), replace(xw, block_n=128, num_warps=8), replace(xw, block_n=32),
+               replace(xw, block_n=32, fill=4), replace(xw, groups=1), replace(xw, groups=1, fill=4),
+               replace(xw, num_warps=8), replace(xw, fill=3), replace(xw, num_stages=2), replace(xw, fused_sum=True),
+               replace(xw, block_n=128, fused_sum=True)]
     return [c for c in dict.fromkeys(out) if c != default_config(m, shape)]
 
 
@@ -254,7 +252,7 @@ def measure_engine(args, device, dtype) -> list[dict]:
     from lightning_lorafusion.kernels import nf4_decode
 
     out = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["bf16", "auto"]}), device, dtype)
-    current, groupable = nf4_decode.default_config, nf4_decode.groupable
+    current, groupable = nf4_decode.default_config, nf4_decode.groupable  # groupable: what nf4_outputs asks
     nf4_decode.default_config, nf4_decode.groupable = today_config, lambda *a: False
     try:
         today = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["auto"]}), device, dtype)
@@ -299,14 +297,14 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         launches = make_launches(args, device, dtype)
         report.measure("shapes", lambda: measure_shapes(args, launches, device, dtype))
+        report.measure("layer", lambda: measure_layer(args, launches, device, dtype))
+        if args.decode_rows:
+            report.measure("engine", lambda: measure_engine(args, device, dtype))
+        print_tables(report, args)  # the side-by-side result first: a run cut short in the sweep keeps it
         if args.sweep == "on":
             report["sweep"] = []
             report.measure("sweep", lambda: measure_sweep(args, launches, device, dtype, report["sweep"], report.save))
-        report.measure("layer", lambda: measure_layer(args, launches, device, dtype))
-        del launches
-        if args.decode_rows:
-            report.measure("engine", lambda: measure_engine(args, device, dtype))
-    print_tables(report, args)
+            print_tables(report, args)
     if report["errors"]:
         print(f"errors: {report['errors']}", file=sys.stderr)
     return report

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4_lookup import nf4_chunk_values, nf4_words_to_values
+from .nf4_lookup import nf4_words_to_values
 
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, for few rows), so this one does not import it back.
@@ -41,6 +41,7 @@ MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``a
 MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of a row (nf4.DECODE_MAX_BLOCKSIZE)
 MIN_STEPS = 4  # loop steps a split-K program runs at least
 MAX_GROUP = 3  # weights one launch serves (q, k, v)
+SMALL_PRODUCT = 4096 * 4096  # N x K at most this: few tiles of 128 rows, 64 measured faster (64 rows of X)
 WORKSPACE_COUNTERS = 8192  # a workspace's split-K counters: tiles of the largest launch
 
 
@@ -98,14 +99,11 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
     [GROUPS] of those rows: ``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order (``CONTIG``), else
     ``(W[n, even k], W[n, odd k])``, two ``[BLOCK_N, GROUPS, BLOCKSIZE / 2]`` tensors."""
     half: tl.constexpr = BLOCKSIZE // 2
-    if LOOKUP == 5:  # chunks of 8 words, each word its own load: a thread holds a chunk's 8 words
-        return _chunk_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
-                           blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, ASM)
     blk = rn[:, None] * blocks_per_row + g[None, :]
     scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, n_mask[:, None] & g_mask[None, :],
                          NESTED, NESTED_BLOCKSIZE)
     mask = n_mask[:, None, None] & g_mask[None, :, None]
-    if LOOKUP >= 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
+    if LOOKUP == 4:  # 32-bit words of 8 codes, looked up by byte permutes in per-block tables
         words_per_block: tl.constexpr = BLOCKSIZE // 8
         rw = tl.arange(0, words_per_block)
         row = rn.to(tl.int64)[:, None, None] * (blocks_per_row * words_per_block)
@@ -128,29 +126,6 @@ def _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr
         return tl.reshape(tl.join(hi, lo), (hi.shape[0], hi.shape[1] * BLOCKSIZE))
     else:
         return hi, lo
-
-
-@triton.jit
-def _chunk_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
-                blocks_per_row, dtype: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                NESTED_BLOCKSIZE: tl.constexpr, ASM: tl.constexpr):
-    """``[BLOCK_N, GROUPS * BLOCKSIZE]`` in ``k`` order as chunks of 64 codes (``BLOCKSIZE >=
-    64``): the scale, the index and the 8 word loads all ``[BLOCK_N, chunks]`` alike."""
-    per_block: tl.constexpr = BLOCKSIZE // 64
-    chunks: tl.constexpr = g.shape[0] * per_block
-    cc = tl.arange(0, chunks)
-    gc = tl.min(g, axis=0) + cc // per_block  # the block column of each chunk
-    c_mask = (cc // per_block < g.shape[0]) & (gc < tl.max(tl.where(g_mask, g + 1, 0), axis=0))
-    blk = rn[:, None] * blocks_per_row + gc[None, :]
-    mask = n_mask[:, None] & c_mask[None, :]
-    scale = _block_scale(absmax_ptr, nested_ptr, dyn_ptr, offset_ptr, blk, mask, NESTED, NESTED_BLOCKSIZE)
-    words = data_ptr.to(tl.pointer_type(tl.uint32)) + (rn.to(tl.int64)[:, None] * (blocks_per_row * BLOCKSIZE // 8)
-                                                       + (gc * (BLOCKSIZE // 8) + (cc % per_block) * 8)[None, :])
-    w0, w1 = tl.load(words, mask=mask, other=0), tl.load(words + 1, mask=mask, other=0)
-    w2, w3 = tl.load(words + 2, mask=mask, other=0), tl.load(words + 3, mask=mask, other=0)
-    w4, w5 = tl.load(words + 4, mask=mask, other=0), tl.load(words + 5, mask=mask, other=0)
-    w6, w7 = tl.load(words + 6, mask=mask, other=0), tl.load(words + 7, mask=mask, other=0)
-    return nf4_chunk_values(w0, w1, w2, w3, w4, w5, w6, w7, scale, code_ptr, dtype, ASM)
 
 
 @triton.jit
@@ -441,16 +416,19 @@ def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig, n: int | None = None)
 
 
 def default_config(m: int, shape: tuple[int, int] | None = None) -> DecodeConfig:
-    """The tiling for ``m`` rows of a product of ``shape`` (``(N, K)`` of the launch, a group's
-    ``N`` summed): per row count, the candidate with the least time over a layer's 8B products
-    (docs/BENCHMARKS.md "NF4 decode kernel, byte-permute lookup", H100 sweep), all with the
-    byte-permute lookup; per shape where a shape was measured faster with another."""
+    """The tiling for ``m`` rows of a launch of ``shape`` (``(N, K)``, a group's ``N`` summed):
+    the candidate with the least time per row count and, where one shape was measured faster
+    with another, per shape (docs/BENCHMARKS.md "NF4 decode, group launches", H100 sweep of the
+    8B launches with cold weights); all with the byte-permute lookup."""
     if m == 1:  # multiply-adds, 64 rows of W a program, 4 absmax blocks a step, even/odd k apart
         return DecodeConfig(block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, lookup=4)
-    if m <= 16:  # Y^T = W X^T on 16 rows, 64 rows of W by 4 warps, 3 stages of the weight in flight
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True)
-    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
+    if m <= 16:  # Y^T = W X^T, 64 rows of W by 4 warps; split-K to 4 programs per SM, summed in the launch
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True, fill=4, fused_sum=True)
+    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64;
+    # 128 rows of W a program (X read half as often) except on a square 4096 product (o)
+    block_n = 64 if shape is not None and shape[0] * shape[1] <= SMALL_PRODUCT else 128
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True,
+                        x_first=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -485,7 +463,7 @@ def _check(x: torch.Tensor, w: Nf4Weight) -> None:
                          f"CPU); x is on {x.device}")
 
 
-def groupable(weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None]) -> bool:
+def _groupable(weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None]) -> bool:
     """True when ``nf4_decode_group`` runs ``weights`` as one launch: at most ``MAX_GROUP``, one
     ``K``, blocksize and absmax layout, biases on all or none."""
     w0, nb = weights[0], _nested_blocksize(weights)
@@ -493,6 +471,9 @@ def groupable(weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None
                                                and w.nested == w0.nested for w in weights)
             and all(w.nested_blocksize == nb or w.nested_absmax.numel() == 1 for w in weights if w.nested)
             and len({b is None for b in biases}) == 1)
+
+
+groupable = _groupable  # what callers ask (nf4.nf4_outputs); the launcher checks with its own name
 
 
 def _nested_blocksize(weights: Sequence[Nf4Weight]) -> int:
@@ -507,11 +488,9 @@ def _weight_args(w: Nf4Weight, bias: torch.Tensor | None, y: torch.Tensor) -> tu
 
 
 def _lookup(cfg: DecodeConfig, x: torch.Tensor, weights: Sequence[Nf4Weight]) -> int:
-    if cfg.lookup >= 4 and (x.dtype == torch.float32 or any(w.data.data_ptr() % 4 or not w.data.is_contiguous()
+    if cfg.lookup == 4 and (x.dtype == torch.float32 or any(w.data.data_ptr() % 4 or not w.data.is_contiguous()
                                                             for w in weights)):
         return 2  # byte permutes build 16-bit values from 32-bit words of codes
-    if cfg.lookup == 5 and (weights[0].blocksize < 64 or not cfg.contiguous):
-        return 4  # 8 words (64 codes) of one block a thread, in k order
     return cfg.lookup
 
 
@@ -530,7 +509,7 @@ def nf4_decode_group(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequ
     """``[x @ dequant(w_i)^T (+ b_i)]`` for weights sharing ``K`` (``groupable``) in one launch
     (and one split-K sum): column views ``[M, N_i]`` of one ``[M, sum N_i]`` output, as a fused
     16-bit weight's product gives them. ``config``: ``default_config(M, (sum N_i, K))`` when None."""
-    if not groupable(weights, biases):
+    if not _groupable(weights, biases):
         raise ValueError(f"nf4 decode: a group of {len(weights)} weights must be at most {MAX_GROUP} sharing K, "
                          "blocksize and absmax layout, with biases on all or none")
     for w in weights:

@@ -200,38 +200,3 @@ def nf4_words_to_values(words, scale, code_ptr, dtype: tl.constexpr, CONTIG: tl.
         even = tl.join(tl.join(o0, o4), tl.join(o1, o5))
         odd = tl.join(tl.join(o2, o6), tl.join(o3, o7))
         return tl.reshape(even, (r, g, nw * 4)), tl.reshape(odd, (r, g, nw * 4))
-
-
-@triton.jit
-def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """``[..., 8]`` holding ``v0 .. v7`` in order (a tree of joins flattens bit-reversed)."""
-    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-
-
-@triton.jit
-def nf4_chunk_values(w0, w1, w2, w3, w4, w5, w6, w7, scale, code_ptr, dtype: tl.constexpr, ASM: tl.constexpr):
-    """Chunks of 8 words (64 codes of one absmax block, fp32 ``scale`` each): ``w0 .. w7``
-    uint32 ``[R, C]``, word ``j`` of each chunk -> ``[R, C * 64]`` in ``dtype``, ``k`` order.
-    Every tensor shares one layout, so a thread holds all 8 words of its chunks: it builds their
-    block's tables once for the 64 values, and the values leave it 64 in a row (against
-    ``nf4_words_to_values``, whose layout can spread a block's words over threads, each building
-    the block's tables again)."""
-    l0, l1, l2, l3, h0, h1, h2, h3 = block_tables(code_ptr, scale, dtype, ASM)
-    o0 = lookup_words(w0, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o1 = lookup_words(w1, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o2 = lookup_words(w2, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o3 = lookup_words(w3, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o4 = lookup_words(w4, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o5 = lookup_words(w5, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o6 = lookup_words(w6, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    o7 = lookup_words(w7, l0, l1, l2, l3, h0, h1, h2, h3, dtype, False, ASM)
-    # value 8 j + t of a chunk is output t of word j: words the slower of the two last dims
-    v = _join8(_join8(o0[0], o1[0], o2[0], o3[0], o4[0], o5[0], o6[0], o7[0]),
-               _join8(o0[1], o1[1], o2[1], o3[1], o4[1], o5[1], o6[1], o7[1]),
-               _join8(o0[2], o1[2], o2[2], o3[2], o4[2], o5[2], o6[2], o7[2]),
-               _join8(o0[3], o1[3], o2[3], o3[3], o4[3], o5[3], o6[3], o7[3]),
-               _join8(o0[4], o1[4], o2[4], o3[4], o4[4], o5[4], o6[4], o7[4]),
-               _join8(o0[5], o1[5], o2[5], o3[5], o4[5], o5[5], o6[5], o7[5]),
-               _join8(o0[6], o1[6], o2[6], o3[6], o4[6], o5[6], o6[6], o7[6]),
-               _join8(o0[7], o1[7], o2[7], o3[7], o4[7], o5[7], o6[7], o7[7]))
-    return tl.reshape(v, (w0.shape[0], w0.shape[1] * 64))

@@ -34,9 +34,6 @@ CONFIGS = [
     DecodeConfig(block_n=16, groups=2, split_k=1, use_dot=False, lookup=4, block_m=4, contiguous=True),
     DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=True, lookup=4),
     DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=False, lookup=2, contiguous=True),
-    # byte permutes over chunks of 8 words a thread (k order; blocks of 32 fall back to 4)
-    DecodeConfig(block_n=16, groups=2, split_k=2, use_dot=True, lookup=5, contiguous=True, x_first=True, block_m=64),
-    DecodeConfig(block_n=32, groups=1, split_k=0, use_dot=True, lookup=5, contiguous=True),
     # Y = X W^T (the weight the dot's second operand), rows padded to 64 or a tile of 16
     DecodeConfig(block_n=32, groups=2, split_k=2, use_dot=True, lookup=4, contiguous=True, x_first=True, block_m=64),
     DecodeConfig(block_n=16, groups=1, split_k=0, use_dot=True, lookup=2, contiguous=True, x_first=True),
@@ -83,7 +80,7 @@ def test_forward_equals_the_reference(config, shape, nested, dtype, device):
 @pytest.mark.parametrize("lookup,contiguous,dtype", [(0, False, torch.float32), (1, False, torch.float32),
                                                      (2, False, torch.float32), (3, False, torch.float32),
                                                      (2, True, torch.float32), (4, False, torch.float16),
-                                                     (4, True, torch.float16), (5, True, torch.float16)])
+                                                     (4, True, torch.float16)])
 def test_weight_is_dequantized_bit_for_bit(lookup, contiguous, dtype, use_dot, blocksize, nested, device):
     """Rows of the identity as ``x``: every output is one weight value times 1 (plus exact
     zeros), so the values the kernel built equal ``dequantize_nf4_reference`` bit for bit (all
