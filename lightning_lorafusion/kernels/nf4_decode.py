@@ -4,9 +4,12 @@ generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
 still fills the GPU: fp32 partials, summed by a second kernel or, ``FUSED_SUM``, by each tile's
-last program). ``K`` is walked in whole absmax blocks (``GROUPS`` blocks of ``blocksize`` values
-per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double quantization undone
-there, once per block) broadcast over the block, and the tile is decoded once for all rows of
+last program, whose counter it sets back to 0 so that counters kept in a ``DecodeWorkspace``
+need no fill per call). Up to ``MAX_GROUP`` weights sharing ``K`` (q/k/v, gate/up) run as one
+launch (``nf4_decode_group``): each program picks its weight's pointers by its column tile, and
+the outputs are column views of one tensor. ``K`` is walked in whole absmax blocks
+(``GROUPS`` blocks of ``blocksize`` values per step), so a block's absmax is one
+``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over the block, and the tile is decoded once for all rows of
 ``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
 block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
 16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
