@@ -9,8 +9,8 @@ need no fill per call). Up to ``MAX_GROUP`` weights sharing ``K`` (q/k/v, gate/u
 launch (``nf4_decode_group``): each program picks its weight's pointers by its column tile, and
 the outputs are column views of one tensor. ``K`` is walked in whole absmax blocks
 (``GROUPS`` blocks of ``blocksize`` values per step), so a block's absmax is one
-``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over the block, and the tile is decoded once for all rows of
-``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
+``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over
+the block, and the tile is decoded once for all rows of ``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
 block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
 16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
 its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on the 4 bits (1),
