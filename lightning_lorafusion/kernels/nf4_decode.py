@@ -4,21 +4,21 @@ generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
 still fills the GPU: fp32 partials, summed by a second kernel or, ``FUSED_SUM``, by each tile's
-last program, whose counter it sets back to 0 so that counters kept in a ``DecodeWorkspace``
-need no fill per call). Up to ``MAX_GROUP`` weights sharing ``K`` (q/k/v, gate/up) run as one
-launch (``nf4_decode_group``): each program picks its weight's pointers by its column tile, and
-the outputs are column views of one tensor. ``K`` is walked in whole absmax blocks
-(``GROUPS`` blocks of ``blocksize`` values per step), so a block's absmax is one
-``[BLOCK_N, GROUPS]`` load (double quantization undone there, once per block) broadcast over
-the block, and the tile is decoded once for all rows of ``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
-block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
-16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
-its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on the 4 bits (1),
-or each block's 16 final values are gathered per value (3). The tile is either in ``k`` order
-(``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and odd ``k``)
-against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the weight
-the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma reads
-from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
+last program, whose counter it sets back to 0 so that counters kept in a ``DecodeWorkspace`` need
+no fill per call). Up to ``MAX_GROUP`` weights sharing ``K`` (q/k/v, gate/up) run as one launch
+(``nf4_decode_group``): each program picks its weight's pointers by its column tile, and the
+outputs are column views of one tensor. ``K`` is walked in whole absmax blocks (``GROUPS`` blocks
+of ``blocksize`` values per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double
+quantization undone there, once per block) broadcast over the block, and the tile is decoded once
+for all rows of ``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``,
+``nf4_lookup``: each block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit
+activations), or the 16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``),
+read per value from its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on
+the 4 bits (1), or each block's 16 final values are gathered per value (3). The tile is either in
+``k`` order (``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and
+odd ``k``) against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the
+weight the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma
+reads from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
 accumulator reduced once at the end, several rows summed per step). Every weight value is
 ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
 ``nf4.dequantize_nf4_reference``.
