@@ -4,20 +4,25 @@ Llama-3.1-8B).
 
 Sections (in this order; each is written to the JSON as soon as it is measured):
 
-    shapes  per projection shape (qkv fused [q + 2 kv, hidden], o, gate (= up), down) and row
-            count of ``--rows``: ms of ``bf16`` (``F.linear``), ``previous`` (the kernel with the
-            tilings it had before the byte-permute lookup: ``previous_config``), ``decode`` (its
-            default tiling now), and ``max_rel``: the decode result's largest difference from the
-            reference (the weight dequantized by the torch reference, fp32 product), relative to
-            its largest value
-    sweep   candidate tilings per shape and rows (``--sweep on``), within ``--sweep-budget``
-            seconds, each with its ``max_rel``: best first
-    layer   a decoder layer's frozen products as the engine runs them (q, k, v, o, gate, up,
-            down), ``bf16``, ``previous``, ``decode`` and ``buffer`` (dequantize into a scratch
-            buffer, then the GEMM)
+    shapes  per launch of the engine's decode step (``qkv``: q, k and v, one fused 16-bit weight
+            and one NF4 group launch; ``o``; ``gate_up``: gate and up, likewise; ``down``) and row
+            count of ``--rows``: ms of ``bf16`` (``F.linear`` on the fused weight, as the engine
+            runs it), ``today`` (the kernel before groups: one launch pair per weight, its
+            tilings then, ``today_config``), ``new`` (one launch for the group, the default
+            tiling now), and ``max_rel``: the new result's largest difference from the reference
+            (the weight dequantized by the torch reference, fp32 product), relative to its
+            largest value
+    layer   a decoder layer's frozen products as the engine runs them: ``bf16`` (4 GEMMs),
+            ``today`` (7 products), ``new`` (4 launches)
     engine  the generation engine's decode step over ``--decode-layers`` layers: bf16 base, NF4
-            base with ``auto`` (the decode kernel up to its rows) and ``auto-previous`` (the same
-            with ``previous_config``)
+            base with ``auto`` (the decode kernel up to its rows) and ``auto-today`` (the same
+            with ``today_config`` and no group launches)
+    sweep   last, candidate tilings per launch and rows (``--sweep on``), within ``--sweep-budget``
+            seconds, each with its ``max_rel``: best first
+
+Every timed callable runs its products over ``--copies`` copies of the weights in turn (time per
+copy), so the weights are read from memory as in a step over many layers, not from the L2 cache
+(which holds a 4096 x 4096 bf16 weight).
 
 Times: CUDA-graph medians of Triton's ``do_bench_cudagraph`` on a GPU (no launch overhead, as the
 engine's captured decode steps run), wall-clock medians elsewhere. On a CPU the kernel runs in the
@@ -42,16 +47,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_nf4 import make_weights, measure_decode, projection_shapes  # noqa: E402
-from lightning_lorafusion.kernels.nf4 import nf4_outputs  # noqa: E402
+from lightning_lorafusion.kernels.nf4 import Nf4Weight  # noqa: E402
 from lightning_lorafusion.kernels.nf4_decode import (  # noqa: E402
-    DecodeConfig, default_config, default_split, nf4_linear_decode,
+    DecodeConfig, DecodeWorkspace, default_config, default_split, nf4_decode_group, nf4_linear_decode,
 )
 
 log = logger("bench_nf4_decode")
-VARIANTS = ("bf16", "previous", "decode")
-LAYER_VARIANTS = VARIANTS + ("buffer",)
-SWEEP_ORDER = ("o", "gate", "down", "qkv")
-LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VARIANTS = ("bf16", "today", "new")
+# (launch, rows) in the order the sweep takes them: the cases furthest behind bf16 first
+SWEEP_ORDER = (("o", 64), ("qkv", 64), ("o", 16), ("o", 1), ("down", 64), ("gate_up", 64), ("qkv", 16),
+               ("qkv", 1), ("down", 16), ("gate_up", 16), ("down", 1), ("gate_up", 1))
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,18 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="engine: EngineConfig.cuda_graphs")
     ap.add_argument("--sweep", choices=("on", "off"), default="on", help="time other tilings of the kernel")
     ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds the sweep may take")
+    ap.add_argument("--copies", type=int, default=4, help="weight copies each timing runs through (cold L2)")
     ap.add_argument("--warmup", type=int, default=2, help="CPU timing: untimed runs")
     ap.add_argument("--reps", type=int, default=5, help="CPU timing: timed runs (median)")
     add_device_args(ap)
     add_output_args(ap)
     return ap.parse_args(argv)
-
-
-def shape_cases(args) -> dict[str, tuple[int, int]]:
-    """``name -> (N, K)``: the four distinct product shapes of a Llama layer (qkv as one weight)."""
-    p = projection_shapes(args)
-    q, kv = p["q_proj"][0], p["k_proj"][0]
-    return {"qkv": (q + 2 * kv, args.hidden), "o": p["o_proj"], "gate": p["gate_proj"], "down": p["down_proj"]}
 
 
 def _time(fn, device, args, rep: int = 40) -> float:
@@ -98,160 +99,171 @@ def _reference(x, w) -> torch.Tensor:
     return x.float() @ w.dequantize(x.dtype, backend="torch").float().t()
 
 
-def _weight_bytes(w) -> int:
-    """Bytes of an NF4 weight as the decode kernel reads them (packed codes and absmax pieces)."""
-    return sum(t.numel() * t.element_size() for t in (w.data, w.absmax, w.nested_absmax) if t is not None)
-
-
 def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def _products(variant: str, x, names, weights, config: DecodeConfig | None = None):
-    """A no-argument callable running the products of ``names`` on ``x`` one after another."""
-    if variant == "previous":
-        config = previous_config(x.shape[0])
+def _copy_nf4(w: Nf4Weight) -> Nf4Weight:
+    return Nf4Weight(*(t.clone() if t is not None else None for t in
+                       (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset)))
+
+
+def make_launches(args, device, dtype) -> dict[str, list[tuple[torch.Tensor, list[Nf4Weight]]]]:
+    """Per launch of the engine's step (``GROUPS``): ``--copies`` of (the fused 16-bit weight,
+    its members' NF4 weights)."""
+    weights = make_weights(projection_shapes(args), device, dtype)
+    out = {}
+    for name, members in GROUPS.items():
+        dense = torch.cat([weights[m][0] for m in members])
+        nf4 = [weights[m][1] for m in members]
+        out[name] = [(dense, nf4)] + [(dense.clone(), [_copy_nf4(w) for w in nf4]) for _ in range(args.copies - 1)]
+    return out
+
+
+def _launch_fn(variant: str, x, copies, config: DecodeConfig | None = None, workspace=None):
+    """A no-argument callable running one launch's products on ``x`` over every copy."""
     if variant == "bf16":
-        dense = [weights[n][0] for n in names]
-        return lambda: [F.linear(x, w) for w in dense]
-    nf4 = [weights[n][1] for n in names]
-    if variant == "buffer":
-        return lambda: nf4_outputs(x, nf4, [None] * len(nf4), "buffer")
-    return lambda: [nf4_linear_decode(x, w, config=config) for w in nf4]
+        dense = [d for d, _ in copies]
+        return lambda: [F.linear(x, d) for d in dense]
+    groups = [ws for _, ws in copies]
+    if variant == "today":
+        cfg = today_config(x.shape[0])
+        return lambda: [nf4_linear_decode(x, w, config=cfg) for ws in groups for w in ws]
+    return lambda: [nf4_decode_group(x, ws, [None] * len(ws), config=config, workspace=workspace) for ws in groups]
 
 
 def _inputs(m: int, k: int, device, dtype) -> torch.Tensor:
     return torch.randn(m, k, device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(m))
 
 
-def measure_shapes(args, weights, device, dtype) -> list[dict]:
+def _group_rel(ys, x, ws) -> float:
+    return max(_max_rel(y, _reference(x, w)) for y, w in zip(ys, ws))
+
+
+def measure_shapes(args, launches, device, dtype) -> list[dict]:
+    """Per launch and rows: bf16, today, new (with a kept workspace, as the engine runs it; the
+    ``max_rel`` call after the timed replays checks that its counters stayed zeroed)."""
     out = []
+    workspace = DecodeWorkspace.create(device)
     for m in args.rows:
-        for name in weights:
-            x = _inputs(m, weights[name][0].shape[1], device, dtype)
-            row = {"what": name, "rows": m, "config": asdict(default_config(m))}
-            want = _reference(x, weights[name][1])
+        for name, copies in launches.items():
+            dense, ws = copies[0]
+            x = _inputs(m, dense.shape[1], device, dtype)
+            row = {"what": name, "rows": m, "config": asdict(default_config(m, tuple(dense.shape)))}
             for variant in VARIANTS:  # a variant that fails is a result (NaN and its error), not a stop
                 try:
-                    row[f"{variant}_ms"] = _time(_products(variant, x, [name], weights), device, args, rep=20)
-                    if variant != "bf16":
-                        key = "max_rel" if variant == "decode" else f"{variant}_max_rel"
-                        row[key] = _max_rel(_products(variant, x, [name], weights)()[0], want)
+                    fn = _launch_fn(variant, x, copies, workspace=workspace)
+                    row[f"{variant}_ms"] = _time(fn, device, args, rep=20) / len(copies)
                 except Exception as exc:
-                    row[f"{variant}_ms"] = row["max_rel" if variant == "decode" else f"{variant}_max_rel"] = math.nan
+                    row[f"{variant}_ms"] = math.nan
                     row.setdefault("errors", {})[variant] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            row["decode_gbps"] = _weight_bytes(weights[name][1]) / row["decode_ms"] / 1e6
-            row["bf16_gbps"] = weights[name][0].numel() * weights[name][0].element_size() / row["bf16_ms"] / 1e6
+            row["max_rel"] = _group_rel(nf4_decode_group(x, ws, [None] * len(ws), workspace=workspace), x, ws)
+            row["today_max_rel"] = _group_rel([nf4_linear_decode(x, w, config=today_config(m)) for w in ws], x, ws)
             out.append(row)
             log(f"{name} rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS)
-                + f", max_rel {row['max_rel']:.1e}, weight read at {row['decode_gbps']:.0f} GB/s")
+                + f", max_rel {row['max_rel']:.1e}")
     return out
 
 
-def measure_layer(args, weights, device, dtype) -> list[dict]:
+def measure_layer(args, launches, device, dtype) -> list[dict]:
     out = []
     for m in args.rows:
-        xs = {k: _inputs(m, k, device, dtype) for k in {weights[n][0].shape[1] for n in LAYER}}
+        xs = {k: _inputs(m, k, device, dtype) for k in {c[0][0].shape[1] for c in launches.values()}}
         row = {"what": "layer", "rows": m}
-        for variant in LAYER_VARIANTS:
-            fns = [_products(variant, xs[weights[n][0].shape[1]], [n], weights) for n in LAYER]
-            row[f"{variant}_ms"] = _time(lambda: [f() for f in fns], device, args)
-        row["max_rel"] = max(_max_rel(nf4_linear_decode(xs[weights[n][0].shape[1]], weights[n][1]),
-                                      _reference(xs[weights[n][0].shape[1]], weights[n][1])) for n in LAYER)
+        workspace = DecodeWorkspace.create(device)
+        for variant in VARIANTS:
+            fns = [_launch_fn(variant, xs[c[0][0].shape[1]], c, workspace=workspace) for c in launches.values()]
+            row[f"{variant}_ms"] = _time(lambda: [f() for f in fns], device, args) / args.copies
         out.append(row)
-        log(f"layer rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in LAYER_VARIANTS))
+        log(f"layer rows={m}: " + ", ".join(f"{v} {row[f'{v}_ms']:.4f} ms" for v in VARIANTS))
     return out
 
 
-def previous_config(m: int) -> DecodeConfig:
-    """The kernel's tilings before the byte-permute lookup (codebook gathered in registers,
-    even and odd ``k`` apart), the baseline of the ``previous`` columns."""
+def today_config(m: int, shape=None) -> DecodeConfig:
+    """The kernel's tilings before group launches and per-shape choices (one launch pair per
+    weight), the baseline of the ``today`` columns."""
     if m == 1:
-        return DecodeConfig(block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
+        return DecodeConfig(block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, lookup=4)
     if m <= 16:
-        return DecodeConfig(block_n=128, num_warps=8, num_stages=4)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=32 if m <= 32 else 64)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
 
 
-def sweep_configs(m: int) -> list[DecodeConfig]:
-    """Candidate tilings beside ``default_config(m)``: the byte-permute lookup (4) with the
-    weight in ``k`` order or even/odd apart, GEMV against dots, ``Y = X W^T`` (``x_first``: the
-    weight the MMA's shared-memory operand, rows padded to 64 for Hopper's wgmma or 16), rows of
-    ``W`` x warps, stages, programs per SM, split-K summed in the same launch (``fused_sum``);
-    the register gather (2) to tell the lookup's share apart."""
+def sweep_configs(m: int, shape) -> list[DecodeConfig]:
+    """Candidate tilings beside ``default_config(m, shape)``: GEMV against dots, ``W X^T`` against
+    ``X W^T`` (the weight wgmma's shared-memory operand), rows of ``W`` x warps (wider tiles read
+    ``X`` fewer times), stages, programs per SM, no split-K, split-K summed in the launch with
+    kept counters (``fused_sum``, no fill kernel)."""
     p4 = DecodeConfig(lookup=4, contiguous=True)
-    xw = replace(p4, x_first=True, block_n=128, num_warps=4, num_stages=3, block_m=64)
+    xw = replace(p4, x_first=True, block_n=64, num_warps=4, num_stages=3, block_m=64)
     if m == 1:
-        gemv = replace(p4, block_n=64, groups=2, fill=8, use_dot=False, num_warps=4)
-        out = [gemv, replace(gemv, contiguous=False), replace(gemv, groups=4),
-               replace(gemv, groups=4, contiguous=False),
-               replace(gemv, block_n=32), replace(gemv, block_n=32, contiguous=False), replace(gemv, fill=12),
-               replace(gemv, num_stages=3), xw, replace(xw, block_n=64), replace(xw, num_warps=8),
-               replace(xw, block_m=16), replace(xw, fill=4), replace(p4, block_n=128, num_warps=4, num_stages=3),
-               replace(gemv, contiguous=False, fused_sum=True), replace(gemv, lookup=2, contiguous=False)]
+        gemv = replace(p4, block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, contiguous=False)
+        out = [gemv, replace(gemv, contiguous=True), replace(gemv, fused_sum=True),
+               replace(gemv, contiguous=True, fused_sum=True), replace(gemv, fill=4), replace(gemv, fill=16),
+               replace(gemv, block_n=32), replace(gemv, block_n=128, num_warps=8), replace(gemv, groups=2),
+               replace(gemv, fill=4, fused_sum=True)]
     elif m <= 16:
-        dot = replace(p4, block_n=128, num_warps=4, num_stages=3)
-        out = [dot, replace(dot, block_n=64), replace(dot, num_stages=4), replace(dot, fill=4), replace(dot, groups=4),
-               xw, replace(xw, block_m=16), replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=4),
-               replace(xw, block_n=256, num_warps=8), replace(dot, contiguous=False),
-               replace(dot, block_n=128, num_warps=8, num_stages=4), replace(dot, fused_sum=True),
-               replace(dot, lookup=2)]
+        dot = replace(p4, block_n=64, num_warps=4, num_stages=3)
+        out = [dot, replace(dot, fused_sum=True), replace(dot, fill=4), replace(dot, fill=4, fused_sum=True),
+               replace(dot, fill=8, fused_sum=True), replace(dot, fill=4, fused_sum=True, num_stages=4),
+               replace(dot, block_n=128), replace(dot, block_n=32, fill=4, fused_sum=True), replace(xw, block_m=16)]
     else:
-        dot = replace(p4, block_n=64, num_warps=4, num_stages=3, block_m=64)
-        out = [dot, replace(dot, num_stages=4), replace(dot, fill=1), replace(dot, fill=4), replace(dot, block_n=32),
-               replace(dot, block_n=128), replace(dot, groups=4), xw, replace(xw, block_n=256, num_warps=8, fill=1),
-               replace(xw, block_n=64), replace(xw, num_warps=8), replace(xw, fill=1),
-               replace(xw, block_n=256, num_warps=8), replace(xw, num_stages=4), replace(dot, contiguous=False),
-               replace(dot, fused_sum=True), replace(dot, lookup=2)]
-    return [c for c in dict.fromkeys(out) if c != default_config(m)]
+        out = [xw, replace(xw, block_n=128), replace(xw, block_n=128, num_warps=8), replace(xw, block_n=32),
+               replace(xw, block_n=32, fill=4), replace(xw, groups=1), replace(xw, groups=1, fill=4),
+               replace(xw, num_warps=8), replace(xw, fill=3), replace(xw, num_stages=2), replace(xw, fused_sum=True),
+               replace(xw, block_n=128, fused_sum=True)]
+    return [c for c in dict.fromkeys(out) if c != default_config(m, shape)]
 
 
-def measure_sweep(args, weights, device, dtype, out: list, saved=lambda: None) -> list[dict]:
-    """Each (shape, rows): the default and the other tilings, best first, appended to ``out``
+def measure_sweep(args, launches, device, dtype, out: list, saved=lambda: None) -> list[dict]:
+    """Each (launch, rows): the default and the other tilings, best first, appended to ``out``
     (``saved()`` after each case, so a run cut short keeps them); stops starting new cases
     after ``--sweep-budget`` seconds."""
     start = time.perf_counter()
-    order = [n for n in SWEEP_ORDER if n in weights] + [n for n in weights if n not in SWEEP_ORDER]
-    for name in order:  # shape by shape: each row count early, the smallest and largest N first
-        w16, w = weights[name]
-        for m in args.rows:
-            if time.perf_counter() - start > args.sweep_budget:
-                log(f"sweep: budget spent, {name} rows={m} and later cases skipped")
-                return out
-            x = _inputs(m, w16.shape[1], device, dtype)
-            want = _reference(x, w)
-            split = default_split(m, w, default_config(m))
-            configs = [default_config(m), *sweep_configs(m)]
-            timed = []
-            for cfg in configs:
-                try:
-                    err = _max_rel(nf4_linear_decode(x, w, config=cfg), want)
-                    ms = _time(lambda: nf4_linear_decode(x, w, config=cfg), device, args, rep=10)
-                except Exception as exc:  # a tiling the compiler refuses is a result, not a stop
-                    timed.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    continue
-                timed.append({"config": asdict(cfg), "ms": ms, "max_rel": err})
-            timed.sort(key=lambda r: r.get("ms", float("inf")))
-            out.append({"what": name, "rows": m, "default_split": split, "results": timed})
-            saved()
-            best = timed[0]
-            log(f"sweep {name} rows={m}: best {best.get('ms', float('nan')):.4f} ms {best['config']}")
+    workspace = DecodeWorkspace.create(device)
+    cases = [c for c in SWEEP_ORDER if c[0] in launches and c[1] in args.rows]
+    cases += [(n, m) for m in args.rows for n in launches if (n, m) not in cases]
+    for name, m in cases:
+        copies = launches[name]
+        dense, ws = copies[0]
+        if time.perf_counter() - start > args.sweep_budget:
+            log(f"sweep: budget spent, {name} rows={m} and later cases skipped")
+            return out
+        x = _inputs(m, dense.shape[1], device, dtype)
+        shape = tuple(dense.shape)
+        configs = [default_config(m, shape), *sweep_configs(m, shape)]
+        timed = []
+        for cfg in configs:
+            try:
+                err = _group_rel(nf4_decode_group(x, ws, [None] * len(ws), config=cfg, workspace=workspace), x, ws)
+                ms = _time(_launch_fn("new", x, copies, cfg, workspace), device, args, rep=10) / len(copies)
+            except Exception as exc:  # a tiling the compiler refuses is a result, not a stop
+                timed.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                continue
+            timed.append({"config": asdict(cfg), "ms": ms, "max_rel": err,
+                          "split": default_split(m, ws[0], cfg, shape[0])})
+        timed.sort(key=lambda r: r.get("ms", float("inf")))
+        out.append({"what": name, "rows": m, "results": timed})
+        saved()
+        best = timed[0]
+        log(f"sweep {name} rows={m}: best {best.get('ms', float('nan')):.4f} ms {_knobs(best['config'])}; "
+            + "; ".join(f"{_knobs(r['config'])} {r['ms']:.4f}" for r in timed[1:] if "ms" in r))
     return out
 
 
 def measure_engine(args, device, dtype) -> list[dict]:
-    """The engine's decode step: bf16 base, NF4 ``auto`` with the kernel's tilings now and with
-    ``previous_config`` (``nf4_decode.default_config`` swapped for the run, then put back)."""
+    """The engine's decode step: bf16 base, NF4 ``auto`` with the kernel now, and as it was
+    (``today_config``, no group launches: ``nf4_decode`` swapped for the run, then put back)."""
     from lightning_lorafusion.kernels import nf4_decode
 
     out = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["bf16", "auto"]}), device, dtype)
-    current = nf4_decode.default_config
-    nf4_decode.default_config = previous_config
+    current, groupable = nf4_decode.default_config, nf4_decode.groupable  # groupable: what nf4_outputs asks
+    nf4_decode.default_config, nf4_decode.groupable = today_config, lambda *a: False
     try:
-        previous = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["auto"]}), device, dtype)
+        today = measure_decode(argparse.Namespace(**{**vars(args), "variants": ["auto"]}), device, dtype)
     finally:
-        nf4_decode.default_config = current
-    return out + [{**r, "variant": "auto-previous"} for r in previous]
+        nf4_decode.default_config, nf4_decode.groupable = current, groupable
+    return out + [{**r, "variant": "auto-today"} for r in today]
 
 
 def _knobs(c: dict) -> str:
@@ -262,16 +274,18 @@ def _knobs(c: dict) -> str:
 
 
 def print_tables(report: dict, args) -> None:
-    print(f"\n{report['device_name']}, {args.dtype}; hidden {args.hidden}, intermediate {args.intermediate}")
+    print(f"\n{report['device_name']}, {args.dtype}; hidden {args.hidden}, intermediate {args.intermediate}; "
+          f"ms per launch over {args.copies} weight copies")
     sweep = {(s["what"], s["rows"]): s["results"][0] for s in report.get("sweep") or [] if "ms" in s["results"][0]}
-    print(f"{'what':6} {'rows':>4} {'bf16 ms':>9} {'prev ms':>9} {'decode ms':>9} {'prev/bf16':>9} {'dec/bf16':>8} "
+    print(f"{'what':8} {'rows':>4} {'bf16 ms':>9} {'today ms':>9} {'new ms':>9} {'today/bf16':>10} {'new/bf16':>8} "
           f"{'best/bf16':>9} {'max_rel':>8}  best tiling")
     for r in (report.get("shapes") or []) + (report.get("layer") or []):
         best = sweep.get((r["what"], r["rows"]))
         best_txt = (f"{best['ms'] / r['bf16_ms']:9.2f}", _knobs(best["config"])) if best else (f"{'-':>9}", "")
-        print(f"{r['what']:6} {r['rows']:4d} {r['bf16_ms']:9.4f} {r['previous_ms']:9.4f} {r['decode_ms']:9.4f} "
-              f"{r['previous_ms'] / r['bf16_ms']:9.2f} {r['decode_ms'] / r['bf16_ms']:8.2f} {best_txt[0]} "
-              f"{r['max_rel']:8.1e}  {best_txt[1]}")
+        rel = f"{r['max_rel']:8.1e}" if "max_rel" in r else f"{'-':>8}"
+        print(f"{r['what']:8} {r['rows']:4d} {r['bf16_ms']:9.4f} {r['today_ms']:9.4f} {r['new_ms']:9.4f} "
+              f"{r['today_ms'] / r['bf16_ms']:10.2f} {r['new_ms'] / r['bf16_ms']:8.2f} {best_txt[0]} {rel}  "
+              f"{best_txt[1]}")
     if report.get("engine"):
         print(f"\nengine decode step ({args.decode_layers} layers), ms: variant, rows, step, forward")
         for r in report["engine"]:
@@ -285,20 +299,17 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     report = Report(device, args, out=args.out, file_name=f"nf4_decode_h{args.hidden}_i{args.intermediate}.json",
                     log=log, describe=lambda rows: f"{len(rows)} rows")
-    shapes = shape_cases(args)
     with torch.no_grad():
-        weights = make_weights(shapes, device, dtype)
-        report.measure("shapes", lambda: measure_shapes(args, weights, device, dtype))
-        if args.sweep == "on":
-            report["sweep"] = []
-            report.measure("sweep", lambda: measure_sweep(args, weights, device, dtype, report["sweep"], report.save))
-        del weights
-        layer = make_weights(projection_shapes(args), device, dtype)
-        report.measure("layer", lambda: measure_layer(args, layer, device, dtype))
-        del layer
+        launches = make_launches(args, device, dtype)
+        report.measure("shapes", lambda: measure_shapes(args, launches, device, dtype))
+        report.measure("layer", lambda: measure_layer(args, launches, device, dtype))
         if args.decode_rows:
             report.measure("engine", lambda: measure_engine(args, device, dtype))
-    print_tables(report, args)
+        print_tables(report, args)  # the side-by-side result first: a run cut short in the sweep keeps it
+        if args.sweep == "on":
+            report["sweep"] = []
+            report.measure("sweep", lambda: measure_sweep(args, launches, device, dtype, report["sweep"], report.save))
+            print_tables(report, args)
     if report["errors"]:
         print(f"errors: {report['errors']}", file=sys.stderr)
     return report

@@ -432,15 +432,15 @@ def resolve_emulate(device: torch.device, emulate: bool | None) -> bool:
 
 def frozen_projections(x: torch.Tensor, weights: Sequence[torch.Tensor | Fp8Weight],
                        biases: Sequence[torch.Tensor | None], *, emulate: bool | None = None,
-                       options: KernelOptions | None = None, operands: QuantizedOperands | None = None
-                       ) -> list[torch.Tensor]:
+                       options: KernelOptions | None = None, operands: QuantizedOperands | None = None,
+                       nf4_workspace=None) -> list[torch.Tensor]:
     """The frozen part of a projection group, ``x [M, K] -> [M, N_i]``: ``F.linear`` for plain
     weights, FP8 (``Fp8FrozenProjections``, with ``options``' accumulation, taking offers from
     ``operands``) when the weights are ``Fp8Weight``; NF4 (``nf4.nf4_frozen_projections``, with
-    ``options.nf4_gemm``) when they are ``nf4.Nf4Weight``."""
+    ``options.nf4_gemm`` and the caller's ``nf4_workspace``) when they are ``nf4.Nf4Weight``."""
     if any(isinstance(w, Nf4Weight) for w in weights):
-        return nf4_frozen_projections(x, weights, biases,
-                                      gemm=options.nf4_gemm if options is not None else "auto")
+        return nf4_frozen_projections(x, weights, biases, gemm=options.nf4_gemm if options is not None else "auto",
+                                      workspace=nf4_workspace)
     kinds = {isinstance(w, Fp8Weight) for w in weights}
     if kinds == {False}:
         return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]

@@ -292,15 +292,20 @@ def nf4_forward_kind(m: int, on_cuda: bool, weights: Sequence[Nf4Weight], gemm: 
 
 
 def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
-                gemm: str = "auto") -> list[torch.Tensor]:
+                gemm: str = "auto", *, grouped: bool = False, workspace: Any = None) -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``;
     ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM;
-    "auto": the decode kernel for few rows, ``nf4_forward_kind``)."""
+    "auto": the decode kernel for few rows, ``nf4_forward_kind``). ``grouped``: the decode
+    kernel runs the group in one launch (``nf4_decode.nf4_decode_group``), its outputs column
+    views of one tensor, as a fused 16-bit weight's are (the caller takes views). ``workspace``:
+    the caller's ``nf4_decode.DecodeWorkspace`` (split-K counters kept across calls), or None."""
     kind = nf4_forward_kind(x.shape[0], x.is_cuda, weights, gemm)
     if kind == "decode":
-        from .nf4_decode import nf4_linear_decode  # Triton is imported only when used
+        from .nf4_decode import groupable, nf4_decode_group, nf4_linear_decode  # Triton: imported when used
 
-        return [nf4_linear_decode(x, w, b) for w, b in zip(weights, biases)]
+        if grouped and len(weights) > 1 and groupable(weights, biases):
+            return nf4_decode_group(x, weights, biases, workspace=workspace)
+        return [nf4_linear_decode(x, w, b, workspace=workspace) for w, b in zip(weights, biases)]
     if kind == "fused":
         from .nf4_gemm import nf4_linear_fused
 
@@ -345,15 +350,30 @@ class Nf4FrozenProjections(torch.autograd.Function):
         return (dx, None, None) + (None,) * (2 * len(ctx.weights))
 
 
+def nf4_decode_workspace(params: Mapping[str, Any], device: torch.device | str) -> Any:
+    """A ``nf4_decode.DecodeWorkspace`` for a caller that runs the decode products of a base
+    with NF4 projections on CUDA again and again (the generation engine keeps one; its counters
+    are zeroed once here, before any graph capture); None for other bases or off CUDA."""
+    layers = params.get("layers", [])
+    layers = layers.values() if isinstance(layers, Mapping) else layers
+    if torch.device(device).type != "cuda" or not any(is_nf4(p) for lp in layers for p in lp.values()):
+        return None
+    from .nf4_decode import DecodeWorkspace  # Triton is imported only when used
+
+    return DecodeWorkspace.create(device)
+
+
 def nf4_frozen_projections(x: torch.Tensor, weights: Sequence[Nf4Weight],
-                           biases: Sequence[torch.Tensor | None], *, gemm: str = "auto") -> list[torch.Tensor]:
+                           biases: Sequence[torch.Tensor | None], *, gemm: str = "auto",
+                           workspace: Any = None) -> list[torch.Tensor]:
     """The frozen part of a projection group with NF4 weights, ``x [M, K] -> [M, N_i]``;
-    ``gemm``: ``KernelOptions.nf4_gemm``."""
+    ``gemm``: ``KernelOptions.nf4_gemm``; ``workspace``: the decode kernel's, kept by the caller
+    (``nf4_decode.DecodeWorkspace``; inference only)."""
     if not all(isinstance(w, Nf4Weight) for w in weights):
         raise TypeError("a projection group mixes NF4 and other weights; quantize all or none")
     for w in weights:
         if w.shape[1] != x.shape[-1]:
             raise ValueError(f"an NF4 weight is {tuple(w.shape)} but x is {tuple(x.shape)}")
-    if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine)
-        return nf4_outputs(x, weights, biases, gemm)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # inference (the generation engine): one launch a group
+        return nf4_outputs(x, weights, biases, gemm, grouped=True, workspace=workspace)
     return list(Nf4FrozenProjections.apply(x, gemm, len(weights), *weights, *biases))

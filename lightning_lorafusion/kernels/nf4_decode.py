@@ -4,18 +4,21 @@ generation engine's decode steps, M <= 64), reading the 4-bit weight once (``nf4
 
 Each program owns ``BLOCK_N`` rows of ``W`` and a slice of ``K`` (split-K, so that small ``N``
 still fills the GPU: fp32 partials, summed by a second kernel or, ``FUSED_SUM``, by each tile's
-last program). ``K`` is walked in whole absmax blocks (``GROUPS`` blocks of ``blocksize`` values
-per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double quantization undone
-there, once per block) broadcast over the block, and the tile is decoded once for all rows of
-``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``, ``nf4_lookup``: each
-block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit activations), or the
-16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``), read per value from
-its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on the 4 bits (1),
-or each block's 16 final values are gathered per value (3). The tile is either in ``k`` order
-(``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and odd ``k``)
-against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the weight
-the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma reads
-from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
+last program, whose counter it sets back to 0 so that counters kept in a ``DecodeWorkspace`` need
+no fill per call). Up to ``MAX_GROUP`` weights sharing ``K`` (q/k/v, gate/up) run as one launch
+(``nf4_decode_group``): each program picks its weight's pointers by its column tile, and the
+outputs are column views of one tensor. ``K`` is walked in whole absmax blocks (``GROUPS`` blocks
+of ``blocksize`` values per step), so a block's absmax is one ``[BLOCK_N, GROUPS]`` load (double
+quantization undone there, once per block) broadcast over the block, and the tile is decoded once
+for all rows of ``X`` in the program. Codes become values by byte permutes (``LOOKUP=4``,
+``nf4_lookup``: each block's 16 final values as byte tables, 8 codes per ``prmt`` word; 16-bit
+activations), or the 16-entry codebook is gathered in registers (``LOOKUP=2``, ``tl.gather``),
+read per value from its 64-byte table in global memory (0), selected by a tree of ``tl.where`` on
+the 4 bits (1), or each block's 16 final values are gathered per value (3). The tile is either in
+``k`` order (``CONTIG``: ``X`` read as it lies) or its high and low nibbles kept apart (even and
+odd ``k``) against ``X``'s even and odd columns. The product is ``tl.dot`` (``Y^T = W X^T``, the
+weight the MMA's register operand; or ``XW``: ``Y = X W^T``, the weight the operand Hopper's wgmma
+reads from shared memory) or multiply-adds (GEMV: one row of ``X`` per program into a per-lane
 accumulator reduced once at the end, several rows summed per step). Every weight value is
 ``code[c] * absmax`` in fp32 rounded once to the activations' dtype, exactly as
 ``nf4.dequantize_nf4_reference``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +43,9 @@ from .nf4_lookup import nf4_words_to_values
 MAX_ROWS = 64  # the largest M this kernel serves (nf4.DECODE_ROWS: the most ``auto`` sends it)
 MAX_BLOCKSIZE = 256  # a loop step holds whole absmax blocks of a row (nf4.DECODE_MAX_BLOCKSIZE)
 MIN_STEPS = 4  # loop steps a split-K program runs at least
+MAX_GROUP = 3  # weights one launch serves (q, k, v)
+SMALL_PRODUCT = 4096 * 4096  # N x K at most this: few tiles of 128 rows, 64 measured faster (64 rows of X)
+WORKSPACE_COUNTERS = 8192  # a workspace's split-K counters: tiles of the largest launch
 
 
 @triton.jit
@@ -135,10 +142,10 @@ def _x_pairs(x_row, g, g_mask, stride_xk, half: tl.constexpr, GROUPS: tl.constex
 
 @triton.jit
 def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half: tl.constexpr,
-              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``Y^T [BLOCK_N, BLOCK_M] += W_even X_even^T + W_odd X_odd^T`` over one loop step."""
     kk = g0 * (2 * half) + tl.arange(0, GROUPS * 2 * half)  # columns of X in this step, read contiguous
-    x_mask = m_mask[:, None] & (kk < g_end * (2 * half))[None, :]
+    x_mask = m_mask[:, None] & ((kk < g_end * (2 * half)) | EVEN_K)[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
     x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], GROUPS * half, 2)))
     acc = tl.dot(tl.reshape(hi, (BLOCK_N, GROUPS * half)), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
@@ -147,11 +154,11 @@ def _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, h
 
 @triton.jit
 def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
-                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     GROUPS: tl.constexpr, XW: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``Y^T [BLOCK_N, BLOCK_M] += W X^T`` (or ``XW``: ``Y [BLOCK_M, BLOCK_N] += X W^T``) over one
     loop step, ``W`` in ``k`` order: ``X`` is read as it lies (straight into the dot's operand)."""
     kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
-    x_mask = m_mask[:, None] & (kk < g_end * BLOCKSIZE)[None, :]
+    x_mask = m_mask[:, None] & ((kk < g_end * BLOCKSIZE) | EVEN_K)[None, :]
     x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
     if XW:
         return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -161,11 +168,11 @@ def _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk,
 
 @triton.jit
 def _gemv_contig(acc, acc3, w, x_ptr, m0, M, g0, g_end, stride_xm, stride_xk, BLOCKSIZE: tl.constexpr,
-                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+                 GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
     """Multiply-adds of rows ``m0 ..`` of ``X`` against ``W`` in ``k`` order: one row into the
     per-lane ``acc3`` (reduced after the loop), several summed per step into ``acc``."""
     kk = g0 * BLOCKSIZE + tl.arange(0, GROUPS * BLOCKSIZE)
-    k_mask = kk < g_end * BLOCKSIZE
+    k_mask = (kk < g_end * BLOCKSIZE) | EVEN_K
     w = w.to(tl.float32)
     if BLOCK_M == 1:
         x = tl.load(x_ptr + m0.to(tl.int64) * stride_xm + kk * stride_xk, mask=k_mask & (m0 < M), other=0.0)
@@ -197,25 +204,74 @@ def _gemv_rows(acc, hi, lo, x_ptr, m0, M, g, g_mask, stride_xm, stride_xk, half:
 
 
 @triton.jit
-def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, bias_ptr, out_ptr,
-                       y_ptr, count_ptr, M, N, blocks_per_row, blocks_per_split, splits, stride_xm, stride_xk,
-                       stride_om, stride_os, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                       NESTED_BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                       FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr,
-                       ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _pick(i, a0, a1, a2, NUM_W: tl.constexpr):
+    """``(a0, a1, a2)[i]`` for a program's weight index ``i`` of a group (pointers or ints)."""
+    out = a0
+    if NUM_W > 1:
+        out = tl.where(i == 1, a1, out)
+    if NUM_W > 2:
+        out = tl.where(i == 2, a2, out)
+    return out
+
+
+@triton.jit
+def _nf4_decode_kernel(x_ptr, data0, absmax0, code0, nested0, dyn0, offset0, bias0, data1, absmax1, code1, nested1,
+                       dyn1, offset1, bias1, data2, absmax2, code2, nested2, dyn2, offset2, bias2, out_ptr, y_ptr,
+                       count_ptr, tile1, tile2, n0, n1, n2, col1, col2, M, blocks_per_row, blocks_per_split, splits,
+                       stride_xm, stride_xk, stride_om, stride_os, NUM_W: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                       NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PARTIAL: tl.constexpr, FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr, LOOKUP: tl.constexpr,
+                       CONTIG: tl.constexpr, ASM: tl.constexpr, XW: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       EVEN_K: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``Y`` over absmax block columns ``[pid_k *
     blocks_per_split, +blocks_per_split)`` of ``K``: the final values (``PARTIAL`` off) or an
-    fp32 partial sum into ``out[pid_k]``; with ``FUSED_SUM`` the tile's last program to finish
-    (``count_ptr``: zeroed counters, one per tile) sums the ``splits`` partials into ``y``."""
+    fp32 partial sum into ``out[pid_k]`` (the bias in split 0's); with ``FUSED_SUM`` the tile's
+    last program to finish (``count_ptr``: zeroed counters, one per tile, left zeroed) sums the
+    ``splits`` partials into ``y``. A group of ``NUM_W`` weights sharing ``K`` is one launch:
+    weight ``i`` owns the tiles from ``tile_i`` on and ``Y``'s columns from ``col_i`` on."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wi = (pid_n >= tile1).to(tl.int32) + (pid_n >= tile2).to(tl.int32)
+    data_ptr, absmax_ptr = _pick(wi, data0, data1, data2, NUM_W), _pick(wi, absmax0, absmax1, absmax2, NUM_W)
+    code_ptr, nested_ptr = _pick(wi, code0, code1, code2, NUM_W), _pick(wi, nested0, nested1, nested2, NUM_W)
+    dyn_ptr, offset_ptr = _pick(wi, dyn0, dyn1, dyn2, NUM_W), _pick(wi, offset0, offset1, offset2, NUM_W)
+    bias_ptr = _pick(wi, bias0, bias1, bias2, NUM_W)
     half: tl.constexpr = BLOCKSIZE // 2
     dtype = x_ptr.dtype.element_ty
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (pid_n - _pick(wi, 0, tile1, tile2, NUM_W)) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_mask, m_mask = rn < N, rm < M
+    n_mask, m_mask = rn < _pick(wi, n0, n1, n2, NUM_W), rm < M
     g_start = pid_k * blocks_per_split
     g_end = tl.minimum(g_start + blocks_per_split, blocks_per_row)
+    acc = _tile_product(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, rm, n_mask,
+                        m_mask, pid_m, M, g_start, g_end, blocks_per_row, stride_xm, stride_xk, dtype, BLOCKSIZE,
+                        NESTED, NESTED_BLOCKSIZE, USE_DOT, LOOKUP, CONTIG, ASM, XW, BLOCK_M, BLOCK_N, GROUPS,
+                        DOT_PRECISION, EVEN_K)
+    if HAS_BIAS:  # in the final values, or in split 0's partial
+        b = tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)
+        acc += b[:, None]
+    cols = _pick(wi, 0, col1, col2, NUM_W) + rn
+    offs = rm[None, :].to(tl.int64) * stride_om + cols[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + offs, acc, mask=mask)
+        if FUSED_SUM:
+            _sum_if_last(out_ptr, y_ptr, count_ptr + pid_m * tl.num_programs(0) + pid_n, splits, rn, offs, mask,
+                         stride_os, ASM)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_product(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, rm, n_mask, m_mask,
+                  pid_m, M, g_start, g_end, blocks_per_row, stride_xm, stride_xk, dtype: tl.constexpr,
+                  BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+                  USE_DOT: tl.constexpr, LOOKUP: tl.constexpr, CONTIG: tl.constexpr, ASM: tl.constexpr,
+                  XW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 ``Y^T [BLOCK_N, BLOCK_M]`` of rows ``rn`` of the weight against rows ``rm`` of ``X``
+    over absmax block columns ``[g_start, g_end)`` (``EVEN_K``: a whole number of loop steps)."""
+    half: tl.constexpr = BLOCKSIZE // 2
     if XW:  # Y = X W^T: the weight tile as the dot's second operand (read from shared memory)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -226,22 +282,22 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
         acc3 = tl.zeros((BLOCK_N, GROUPS, half), dtype=tl.float32)
     for g0 in range(g_start, g_end, GROUPS):
         g = g0 + tl.arange(0, GROUPS)
-        g_mask = g < g_end
+        g_mask = (g < g_end) | EVEN_K  # whole steps: no mask along K (vector loads)
         if CONTIG:
             w = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask, g_mask,
                              blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG, ASM)
             if USE_DOT:
                 acc = _dot_step_contig(acc, w, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, BLOCKSIZE,
-                                       GROUPS, XW, DOT_PRECISION)
+                                       GROUPS, XW, DOT_PRECISION, EVEN_K)
             else:
                 acc, acc3 = _gemv_contig(acc, acc3, w, x_ptr, pid_m * BLOCK_M, M, g0, g_end, stride_xm, stride_xk,
-                                         BLOCKSIZE, GROUPS, BLOCK_M)
+                                         BLOCKSIZE, GROUPS, BLOCK_M, EVEN_K)
         else:
             hi, lo = _weight_tile(data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_ptr, offset_ptr, rn, g, n_mask,
                                   g_mask, blocks_per_row, dtype, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE, LOOKUP, CONTIG,
                                   ASM)
             acc, acc3 = _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm,
-                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION)
+                                    stride_xk, half, GROUPS, BLOCK_N, BLOCK_M, USE_DOT, DOT_PRECISION, EVEN_K)
     if XW:
         acc = tl.trans(acc)
     if not USE_DOT and BLOCK_M == 1:
@@ -249,47 +305,35 @@ def _nf4_decode_kernel(x_ptr, data_ptr, absmax_ptr, code_ptr, nested_ptr, dyn_pt
             acc = tl.reshape(tl.sum(acc3, axis=1), (BLOCK_N, 1))
         else:
             acc = tl.reshape(tl.sum(tl.sum(acc3, axis=2), axis=1), (BLOCK_N, 1))
-    out = out_ptr + pid_k.to(tl.int64) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mask)
-        if FUSED_SUM:
-            _sum_if_last(out_ptr, y_ptr, bias_ptr, count_ptr + pid_m * tl.num_programs(0) + pid_n, splits, rn, rm,
-                         mask, n_mask, stride_om, stride_os, HAS_BIAS, ASM)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return acc
 
 
 @triton.jit
-def _sum_if_last(part_ptr, y_ptr, bias_ptr, count_ptr, splits, rn, rm, mask, n_mask, stride_om, stride_os,
-                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+def _sum_if_last(part_ptr, y_ptr, count_ptr, splits, rn, offs, mask, stride_os, ASM: tl.constexpr):
     """Count this program's partial in (each thread's stores made visible first); the program
     that counts last sums the tile's partials in split order (as ``_split_sum_kernel``) into
-    ``y``. Saves the second launch of split-K."""
+    ``y`` and sets the count back to 0 (the counters stay zeroed for the next launch: no fill
+    kernel per call). Saves the second launch of split-K."""
     if ASM:  # every thread: its partial visible at GPU scope before the count
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [rn], dtype=tl.int32, is_pure=False,
                                   pack=1)
     tl.debug_barrier()
     if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        offs = rm[None, :].to(tl.int64) * stride_om + rn[:, None]
         total = tl.zeros(mask.shape, dtype=tl.float32)
         for s in range(0, splits):
             total += tl.load(part_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g_end, stride_xm, stride_xk,
                 half: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """One loop step with the weight as even and odd ``k``: dots, or multiply-adds."""
     if USE_DOT:
         acc = _dot_step(acc, hi, lo, x_ptr, rm, m_mask, g0, g_end, stride_xm, stride_xk, half, GROUPS, BLOCK_N,
-                        DOT_PRECISION)
+                        DOT_PRECISION, EVEN_K)
     elif BLOCK_M == 1:  # multiply-adds per lane, reduced once after the loop
         x_even, x_odd = _x_pairs(x_ptr + pid_m.to(tl.int64) * stride_xm, g, g_mask & (pid_m < M), stride_xk,
                                  half, GROUPS)
@@ -302,15 +346,14 @@ def _split_step(acc, acc3, hi, lo, x_ptr, rm, m_mask, pid_m, M, g, g_mask, g0, g
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, bias_ptr, y_ptr, MN, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """``y [M, N] = sum_s part[s] (+ bias)`` (fp32 sums in split order, then the output dtype)."""
+def _split_sum_kernel(part_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr):
+    """``y [M, N] = sum_s part[s]`` (fp32 sums in split order, then the output dtype; the bias
+    is in split 0's partial)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, SPLITS):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -363,27 +406,46 @@ def _block_m(m: int, cfg: DecodeConfig) -> int:
     return cfg.block_m or max(16, triton.next_power_of_2(m))
 
 
-def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig) -> int:
-    """Programs along ``K`` for ``m`` rows of ``w``: ``cfg.split_k``, or (0) as many as bring the
-    grid to about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's
-    latency), each of at least ``MIN_STEPS`` loop steps (the pipeline's prologue amortized)."""
+def default_split(m: int, w: Nf4Weight, cfg: DecodeConfig, n: int | None = None) -> int:
+    """Programs along ``K`` for ``m`` rows of ``w`` (``n``: the rows of ``W`` a launch covers,
+    a group's sum; ``w``'s own by default): ``cfg.split_k``, or (0) as many as bring the grid to
+    about ``cfg.fill`` programs per SM (the weight's bytes in flight hide the memory's latency),
+    each of at least ``MIN_STEPS`` loop steps (the pipeline's prologue amortized)."""
     if cfg.split_k:
         return cfg.split_k
-    tiles = triton.cdiv(w.shape[0], cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
+    tiles = triton.cdiv(n or w.shape[0], cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
     steps = triton.cdiv(w.shape[1] // w.blocksize, cfg.groups)
     return max(1, min(steps // MIN_STEPS, round(cfg.fill * _sm_count_of(w.device) / tiles)))
 
 
-def default_config(m: int) -> DecodeConfig:
-    """The tiling ``nf4_linear_decode`` uses for ``m`` rows: per row count, the candidate with
-    the least time over a layer's 8B products (docs/BENCHMARKS.md "NF4 decode kernel, byte-permute
-    lookup", H100 sweep), all with the byte-permute lookup."""
+def default_config(m: int, shape: tuple[int, int] | None = None) -> DecodeConfig:
+    """The tiling for ``m`` rows of a launch of ``shape`` (``(N, K)``, a group's ``N`` summed):
+    the candidate with the least time per row count and, where one shape was measured faster
+    with another, per shape (docs/BENCHMARKS.md "NF4 decode, group launches", H100 sweep of the
+    8B launches with cold weights); all with the byte-permute lookup."""
     if m == 1:  # multiply-adds, 64 rows of W a program, 4 absmax blocks a step, even/odd k apart
         return DecodeConfig(block_n=64, groups=4, fill=8, use_dot=False, num_warps=4, lookup=4)
-    if m <= 16:  # Y^T = W X^T on 16 rows, 64 rows of W by 4 warps, 3 stages of the weight in flight
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True)
-    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True, x_first=True)
+    if m <= 16:  # Y^T = W X^T, 64 rows of W by 4 warps; split-K to 4 programs per SM, summed in the launch
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, lookup=4, contiguous=True, fill=4, fused_sum=True)
+    # Y = X W^T: the weight tile is wgmma's shared-memory operand, the rows padded to its 64;
+    # 128 rows of W a program (X read half as often) except on a square 4096 product (o)
+    block_n = 64 if shape is not None and shape[0] * shape[1] <= SMALL_PRODUCT else 128
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, block_m=64, lookup=4, contiguous=True,
+                        x_first=True)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeWorkspace:
+    """Device memory a caller keeps for the decode kernel across calls (the generation engine
+    owns one): ``counters`` int32, zeroed once, for split-K summed in the same launch
+    (``fused_sum``); each launch leaves them zeroed, so a call (or a CUDA graph's replay) needs no
+    fill kernel. One stream at a time: launches in stream order never share a live counter."""
+
+    counters: torch.Tensor
+
+    @classmethod
+    def create(cls, device: torch.device | str, counters: int = WORKSPACE_COUNTERS) -> "DecodeWorkspace":
+        return cls(torch.zeros(counters, dtype=torch.int32, device=device))
 
 
 def _check(x: torch.Tensor, w: Nf4Weight) -> None:
@@ -404,43 +466,91 @@ def _check(x: torch.Tensor, w: Nf4Weight) -> None:
                          f"CPU); x is on {x.device}")
 
 
+def _groupable(weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None]) -> bool:
+    """True when ``nf4_decode_group`` runs ``weights`` as one launch: at most ``MAX_GROUP``, one
+    ``K``, blocksize and absmax layout, biases on all or none."""
+    w0, nb = weights[0], _nested_blocksize(weights)
+    return (len(weights) <= MAX_GROUP and all(w.shape[1] == w0.shape[1] and w.blocksize == w0.blocksize
+                                               and w.nested == w0.nested for w in weights)
+            and all(w.nested_blocksize == nb or w.nested_absmax.numel() == 1 for w in weights if w.nested)
+            and len({b is None for b in biases}) == 1)
+
+
+groupable = _groupable  # what callers ask (nf4.nf4_outputs); the launcher checks with its own name
+
+
+def _nested_blocksize(weights: Sequence[Nf4Weight]) -> int:
+    """The absmax values per nested block, one for the launch (a weight whose absmax is one
+    nested block reads alike with any larger one); 1 without double quantization."""
+    return max(w.nested_blocksize for w in weights) or 1
+
+
+def _weight_args(w: Nf4Weight, bias: torch.Tensor | None, y: torch.Tensor) -> tuple:
+    pieces = (w.nested_absmax, w.nested_code, w.offset) if w.nested else (w.code,) * 3
+    return (w.data, w.absmax, w.code, *pieces, bias if bias is not None else y)
+
+
+def _lookup(cfg: DecodeConfig, x: torch.Tensor, weights: Sequence[Nf4Weight]) -> int:
+    if cfg.lookup == 4 and (x.dtype == torch.float32 or any(w.data.data_ptr() % 4 or not w.data.is_contiguous()
+                                                            for w in weights)):
+        return 2  # byte permutes build 16-bit values from 32-bit words of codes
+    return cfg.lookup
+
+
 def nf4_linear_decode(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None, *,
-                      config: DecodeConfig | None = None) -> torch.Tensor:
+                      config: DecodeConfig | None = None, workspace: DecodeWorkspace | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T (+ bias) -> [M, N]`` in ``x.dtype`` (fp32 accumulation), for
     ``M <= MAX_ROWS`` and ``K`` a multiple of ``w.blocksize``; ``config``: the tiling
-    (``default_config(M)`` when None)."""
-    n, k = w.shape
-    cfg = config or default_config(x.shape[0])
-    _check(x, w)
-    m = x.shape[0]
-    lookup = cfg.lookup
-    if lookup == 4 and (x.dtype == torch.float32 or w.data.data_ptr() % 4 or not w.data.is_contiguous()):
-        lookup = 2  # byte permutes build 16-bit values from 32-bit words of codes
+    (``default_config(M, w.shape)`` when None); ``workspace``: kept counters for ``fused_sum``
+    (else zeroed per call)."""
+    return nf4_decode_group(x, [w], [bias], config=config, workspace=workspace)[0]
+
+
+def nf4_decode_group(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
+                     *, config: DecodeConfig | None = None, workspace: DecodeWorkspace | None = None
+                     ) -> list[torch.Tensor]:
+    """``[x @ dequant(w_i)^T (+ b_i)]`` for weights sharing ``K`` (``groupable``) in one launch
+    (and one split-K sum): column views ``[M, N_i]`` of one ``[M, sum N_i]`` output, as a fused
+    16-bit weight's product gives them. ``config``: ``default_config(M, (sum N_i, K))`` when None."""
+    if not _groupable(weights, biases):
+        raise ValueError(f"nf4 decode: a group of {len(weights)} weights must be at most {MAX_GROUP} sharing K, "
+                         "blocksize and absmax layout, with biases on all or none")
+    for w in weights:
+        _check(x, w)
+    sizes = [w.shape[0] for w in weights]
+    m, n, k, w0 = x.shape[0], sum(sizes), weights[0].shape[1], weights[0]
+    cfg = config or default_config(m, (n, k))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
-    block_m = _block_m(m, cfg)
-    blocks_per_row = k // w.blocksize
-    per_split = cfg.groups * triton.cdiv(triton.cdiv(blocks_per_row, cfg.groups), default_split(m, w, cfg))
+        return list(y.split(sizes, dim=1))
+    block_m, blocks_per_row = _block_m(m, cfg), k // w0.blocksize
+    per_split = cfg.groups * triton.cdiv(triton.cdiv(blocks_per_row, cfg.groups), default_split(m, w0, cfg, n))
     split = triton.cdiv(blocks_per_row, per_split)  # absmax blocks per program: whole loop steps
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    tiles = [triton.cdiv(s, cfg.block_n) for s in sizes] + [0] * (MAX_GROUP - len(sizes))
     fused_sum = cfg.fused_sum and split > 1
-    counts = (torch.zeros(triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m), dtype=torch.int32, device=x.device)
-              if fused_sum else y)  # (unused without fused_sum: no memset)
-    if w.nested:
-        wargs, nested_bs = (w.data, w.absmax, w.code, w.nested_absmax, w.nested_code, w.offset), w.nested_blocksize
-    else:
-        wargs, nested_bs = (w.data, w.absmax, w.code, w.code, w.code, w.code), 1
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))
+    counts = y  # (unused without fused_sum)
+    if fused_sum:
+        need = sum(tiles) * triton.cdiv(m, block_m)
+        counts = (workspace.counters if workspace is not None and workspace.counters.numel() >= need
+                  else torch.zeros(need, dtype=torch.int32, device=x.device))
+    wargs = [a for w, b in zip(weights, biases) for a in _weight_args(w, b, y)]
+    wargs += wargs[:7] * (MAX_GROUP - len(weights))  # unused slots: never selected
+    big = 2 ** 30  # a tile index no program reaches: the slot is empty
+    starts = [tiles[0], tiles[0] + tiles[1]]
+    starts = [s if i + 1 < len(weights) else big for i, s in enumerate(starts)]
+    cols = [sizes[0], sizes[0] + (sizes[1] if len(sizes) > 1 else 0)]
+    grid = (sum(tiles), split, triton.cdiv(m, block_m))
     _nf4_decode_kernel[grid](
-        x, *wargs, bias if bias is not None else y, out, y, counts, m, n, blocks_per_row, per_split, split, x.stride(0),
-        x.stride(1), n, m * n, BLOCKSIZE=w.blocksize, NESTED=w.nested, NESTED_BLOCKSIZE=nested_bs,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, FUSED_SUM=fused_sum, USE_DOT=cfg.use_dot, LOOKUP=lookup,
+        x, *wargs, out, y, counts, *starts, *(sizes + [0] * (MAX_GROUP - len(sizes))), *cols, m, blocks_per_row,
+        per_split, split, x.stride(0), x.stride(1), n, m * n, NUM_W=len(weights), BLOCKSIZE=w0.blocksize,
+        NESTED=w0.nested, NESTED_BLOCKSIZE=_nested_blocksize(weights), HAS_BIAS=biases[0] is not None,
+        PARTIAL=split > 1, FUSED_SUM=fused_sum, USE_DOT=cfg.use_dot, LOOKUP=_lookup(cfg, x, weights),
         CONTIG=cfg.contiguous, ASM=x.is_cuda, XW=cfg.x_first and cfg.use_dot and cfg.contiguous, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, GROUPS=cfg.groups, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        EVEN_K=blocks_per_row % cfg.groups == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False)
     if split > 1 and not fused_sum:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](out, bias if bias is not None else y, y, m * n, n, split,
-                                                         HAS_BIAS=bias is not None, BLOCK=block)
-    return y
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split, BLOCK=block)
+    return list(y.split(sizes, dim=1)) if len(weights) > 1 else [y]

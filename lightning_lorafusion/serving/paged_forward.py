@@ -74,6 +74,7 @@ class PagedDecoder:
     local_inv_freq: torch.Tensor | None = None  # the family's sliding-layer RoPE (Gemma 3)
     long_inv_freq: torch.Tensor | None = None
     kernel_options: KernelOptions = KernelOptions()  # the frozen products' (an NF4 base's GEMM)
+    nf4_workspace: Any = None  # an NF4 base's decode kernel: its kept split-K counters (nf4_decode.DecodeWorkspace)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
@@ -250,13 +251,13 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = (F.linear(x, w, b) if isinstance(w, torch.Tensor)
-             else frozen_projections(x, [w], [b], options=m.kernel_options)[0])
+             else frozen_projections(x, [w], [b], options=m.kernel_options, nf4_workspace=m.nf4_workspace)[0])
         sizes = [m.config.module_dims(n)[1] for n in names]
         outs = list(y.split(sizes, dim=1))
         biases = [None] * len(names) if b is None else b.split(sizes)
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-        outs = frozen_projections(x, weights, biases, options=m.kernel_options)
+        outs = frozen_projections(x, weights, biases, options=m.kernel_options, nf4_workspace=m.nf4_workspace)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:

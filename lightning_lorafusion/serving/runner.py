@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..kernels.nf4 import nf4_decode_workspace
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
@@ -87,7 +88,8 @@ class ModelRunner:
                                   lora_backend=self.lora_backend,
                                   prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
                                   local_inv_freq=local, long_inv_freq=long,
-                                  kernel_options=KernelOptions(nf4_gemm=nf4_gemm))
+                                  kernel_options=KernelOptions(nf4_gemm=nf4_gemm),
+                                  nf4_workspace=nf4_decode_workspace(params, self.device))
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,

@@ -11,7 +11,8 @@ from lightning_lorafusion.kernels.nf4 import (
     DECODE_MAX_BLOCKSIZE, DECODE_ROWS, Nf4Weight, dequantize_nf4_reference, nf4_forward_kind, quantize_nf4_reference,
 )
 from lightning_lorafusion.kernels.nf4_decode import (
-    MAX_BLOCKSIZE, MAX_ROWS, DecodeConfig, default_config, nf4_linear_decode,
+    MAX_BLOCKSIZE, MAX_GROUP, MAX_ROWS, DecodeConfig, DecodeWorkspace, default_config, groupable, nf4_decode_group,
+    nf4_linear_decode,
 )
 from lightning_lorafusion.kernels.nf4_gemm import nf4_matmul_reference
 
@@ -131,3 +132,87 @@ def test_auto_takes_the_decode_kernel_for_few_rows_on_cuda():
     assert nf4_forward_kind(1, True, ws, "fused") == "fused"
     assert nf4_forward_kind(1, True, [_weight(4, 1024, False, blocksize=512)]) == "buffer"  # over the kernel's blocks
     assert DECODE_ROWS <= MAX_ROWS and DECODE_MAX_BLOCKSIZE == MAX_BLOCKSIZE
+
+
+GROUP_CONFIGS = [
+    None,
+    DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=False, lookup=4),
+    DecodeConfig(block_n=32, groups=2, split_k=2, use_dot=True, lookup=4, contiguous=True, x_first=True, block_m=64),
+    DecodeConfig(block_n=16, groups=1, split_k=2, use_dot=True, lookup=4, contiguous=True, fused_sum=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,bias", [((40, 16, 16), False), ((33, 47), True), ((20,), True)])
+@pytest.mark.parametrize("config", GROUP_CONFIGS, ids=lambda c: "default" if c is None else
+                         f"n{c.block_n}s{c.split_k}{'dot' if c.use_dot else 'gemv'}{'f' if c.fused_sum else ''}")
+def test_group_in_one_launch_equals_each_reference(config, rows, bias, dtype, device):
+    """q/k/v- and gate/up-like groups (row counts off every tile, one weight alone too), one
+    launch: each output is its weight's reference product, a column view of one tensor."""
+    k = 192
+    ws = [_weight(n, k, True, seed=i) for i, n in enumerate(rows)]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    bs = [torch.randn(n, generator=gen).to(dtype) if bias else None for n in rows]
+    ys = nf4_decode_group(x.to(device), [_on(w, device) for w in ws], [b.to(device) if bias else None for b in bs],
+                          config=config)
+    assert len(ys) == len(rows)
+    for y, w, b in zip(ys, ws, bs):
+        assert y.shape == (5, w.shape[0]) and y.stride(0) == sum(rows)
+        torch.testing.assert_close(y.cpu(), nf4_matmul_reference(x, w, transpose=True, bias=b), **TOL[dtype])
+
+
+def test_workspace_counters_are_left_zeroed(device):
+    """Split-K summed in the launch with a kept workspace: each launch sets its counters back to
+    0, so repeated calls (as graph replays) stay right without a fill; another shape reuses it."""
+    ws = DecodeWorkspace.create(device, counters=64)
+    cfg = DecodeConfig(block_n=16, groups=1, split_k=3, use_dot=False, lookup=4, fused_sum=True)
+    for n, seed in ((47, 0), (47, 1), (20, 2)):
+        w = _weight(n, 192, False, seed=seed)
+        x = torch.randn(3, 192, generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+        y = nf4_linear_decode(x.to(device), _on(w, device), config=cfg, workspace=ws)
+        torch.testing.assert_close(y.cpu(), nf4_matmul_reference(x, w, transpose=True), **TOL[torch.float16])
+        assert int(ws.counters.count_nonzero()) == 0
+
+
+def test_what_groups():
+    ws = [_weight(16, 128, True), _weight(8, 128, True)]
+    assert groupable(ws, [None, None])
+    assert not groupable(ws, [torch.zeros(16), None])  # biases on some only
+    assert not groupable(ws + [_weight(8, 128, False)], [None] * 3)  # another absmax layout
+    assert groupable([_weight(2048, 128, True), ws[1]], [None] * 2)  # 256 absmax a nested block, and one block
+    assert not groupable([ws[0], _weight(8, 192, True)], [None] * 2)  # another K
+    assert not groupable(ws * 2, [None] * 4) and MAX_GROUP == 3
+    with pytest.raises(ValueError, match="at most 3 sharing K"):
+        nf4_decode_group(torch.randn(2, 128), ws * 2, [None] * 4)
+
+
+def test_inference_group_is_one_launch_with_the_callers_workspace(monkeypatch, device):
+    """The engine's path (``nf4_frozen_projections`` without grad, a workspace kept by the
+    caller): a q/k/v-like group as the decode kernel's one launch, outputs column views of one
+    tensor, each its weight's reference product; with autograd each output stays its own."""
+    from lightning_lorafusion.kernels import nf4, nf4_decode
+
+    monkeypatch.setattr(nf4, "nf4_forward_kind", lambda *a, **k: "decode")  # the CPU takes the buffer path
+    monkeypatch.setattr(nf4_decode, "default_config", lambda m, shape=None: DecodeConfig(
+        block_n=16, groups=1, split_k=2, use_dot=True, lookup=4, contiguous=True, fused_sum=True))
+    ws = [_weight(n, 128, True, seed=i) for i, n in enumerate((32, 16, 16))]
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    workspace = nf4_decode.DecodeWorkspace.create(device, counters=16)
+    with torch.no_grad():
+        ys = nf4.nf4_frozen_projections(x.to(device), [_on(w, device) for w in ws], [None] * 3, workspace=workspace)
+    assert len({y.untyped_storage().data_ptr() for y in ys}) == 1 and ys[1].stride(0) == 64
+    for y, w in zip(ys, ws):
+        torch.testing.assert_close(y.cpu(), nf4_matmul_reference(x, w, transpose=True), **TOL[torch.float16])
+    assert int(workspace.counters.count_nonzero()) == 0
+    xg = x.to(device).float().requires_grad_()
+    ys = nf4.nf4_frozen_projections(xg, [_on(w, device) for w in ws], [None] * 3)
+    assert len({y.untyped_storage().data_ptr() for y in ys}) == 3
+
+
+def test_decode_workspace_only_for_an_nf4_base_on_cuda():
+    from lightning_lorafusion.kernels.nf4 import nf4_decode_workspace
+
+    nf4_params = {"layers": [{"q_proj": _weight(16, 128, True).to_params()}]}
+    assert nf4_decode_workspace(nf4_params, "cpu") is None
+    assert nf4_decode_workspace({"layers": [{"q_proj": {"weight": torch.zeros(2, 2)}}]}, "cpu") is None

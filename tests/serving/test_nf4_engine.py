@@ -59,3 +59,31 @@ def test_engine_nf4_gemm_value_is_checked():
     assert EngineTuning(nf4_gemm="fused").nf4_gemm == "fused"
     with pytest.raises(ConfigError, match="EngineTuning.nf4_gemm='tiles'; allowed: auto, buffer, fused"):
         EngineConfig(tuning={"nf4_gemm": "tiles"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NF4 decode kernel serves decode steps on CUDA only")
+def test_decode_kernel_engine_keeps_its_workspace_zeroed(model_dir, adapter_dirs):
+    """``nf4_gemm: auto`` on CUDA: decode steps run the NF4 group launches (q/k/v, gate/up) with
+    the runner's kept workspace, whose split-K counters every launch leaves zeroed (checked after
+    the graphs' replays); greedy tokens equal the buffer path's over the same 4-bit weights."""
+    config, params, _ = load_base_model(str(model_dir), dtype=torch.float32)
+    nf4 = quantize_base_nf4(params)
+
+    def run(gemm: str):
+        engine = Engine(config, nf4, None, EngineConfig(num_pages=64, page_size=4, tuning={"nf4_gemm": gemm}),
+                        device="cuda")
+        try:
+            for name, path in adapter_dirs.items():
+                engine.add_adapter(name, path)
+            greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+            results = engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=greedy)
+                                       for p, a in CASES])
+            return [list(r.token_ids) for r in results], engine.runner.model.nf4_workspace
+        finally:
+            engine.close()
+
+    got, workspace = run("auto")
+    want, _ = run("buffer")
+    assert workspace is not None and workspace.counters.is_cuda
+    assert int(workspace.counters.count_nonzero()) == 0
+    assert got == want and all(len(t) == NEW_TOKENS for t in got)
