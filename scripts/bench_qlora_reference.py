@@ -168,12 +168,15 @@ def train_ours(case: bc.Case, params: dict[str, Any], options, label: str) -> di
     return {"losses": r.losses, "eval_before": before, "eval_after": r.eval_losses, "seconds": round(r.seconds, 1)}
 
 
-def dequant_difference(nf4_params: dict[str, Any], peft_nf4) -> dict[str, Any]:
+def dequant_difference(case: bc.Case, nf4_params: dict[str, Any], peft_nf4) -> dict[str, Any]:
     """Our dequantized NF4 projections against bitsandbytes' (``dequantize_4bit``) of the same
-    fp32 weights: max |difference| and how many values differ."""
+    fp32 weights: max |difference|, how many values differ, and each one's quantization error
+    ``||W - dequant(W)|| / ||W||`` over all projections."""
     import bitsandbytes.functional as bnbf
 
     worst, differ, total, n = 0.0, 0, 0, 0
+    err = {"ours": 0.0, "bnb": 0.0}
+    norm = 0.0
     hf = peft_nf4.base_model.model
     layers = nf4_params["layers"]
     for i, lp in (layers.items() if isinstance(layers, dict) else enumerate(layers)):
@@ -184,9 +187,14 @@ def dequant_difference(nf4_params: dict[str, Any], peft_nf4) -> dict[str, Any]:
             base = getattr(layer, "base_layer", layer)
             theirs = bnbf.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
             ours = dequantize_nf4_reference(Nf4Weight.from_params(p))
+            w = case.params["layers"][i][module]["weight"].float()
             d = (ours - theirs).abs()
             worst, differ, total, n = max(worst, d.max().item()), differ + int((d > 0).sum()), total + d.numel(), n + 1
-    return {"projections": n, "values": total, "values_differing": differ, "max_abs": worst}
+            err["ours"] += (w - ours).double().pow(2).sum().item()
+            err["bnb"] += (w - theirs).double().pow(2).sum().item()
+            norm += w.double().pow(2).sum().item()
+    return {"projections": n, "values": total, "values_differing": differ, "max_abs": worst,
+            "rel_error_ours": (err["ours"] / norm) ** 0.5, "rel_error_bnb": (err["bnb"] / norm) ** 0.5}
 
 
 # ----------------------------------------------------------------------------- report
@@ -233,7 +241,8 @@ def print_report(result: dict[str, Any]) -> None:
               f"held-out max rel {ag['max_eval_rel']:.2e}")
     d = result["dequant_vs_bnb"]
     print(f"dequantized NF4 weights, ours vs bitsandbytes: {d['values_differing']} of {d['values']} values "
-          f"differ (max |d| {d['max_abs']:.2e}) over {d['projections']} projections")
+          f"differ (max |d| {d['max_abs']:.2e}) over {d['projections']} projections; quantization error "
+          f"||W - dequant(W)|| / ||W||: ours {d['rel_error_ours']:.4e}, bitsandbytes {d['rel_error_bnb']:.4e}")
     print("; ".join(f"{k}: {ok}" for k, ok in s["checks"].items())
           + f"; seconds {', '.join(f'{k} {v}' for k, v in result['seconds'].items())}")
 
@@ -259,7 +268,7 @@ def run(args) -> dict[str, Any]:
         runs["peft_fp32"] = train_peft(pm, case, "peft_fp32")
         del pm
         pm = peft_model(hf_base(case, nf4=True, workdir=Path(tmp)), case)
-        dq = dequant_difference(nf4_params, pm)
+        dq = dequant_difference(case, nf4_params, pm)
         log(f"dequantized weights vs bitsandbytes: {dq}")
         runs["peft_nf4"] = train_peft(pm, case, "peft_nf4")
     return {"model": args.model, "layers": case.config.num_layers, "steps": case.steps,
