@@ -103,10 +103,14 @@ def peft_model(model, case: bc.Case):
 
 
 def token_loss_sum(model, sample) -> torch.Tensor:
-    """Sum of the cross-entropy over one sample's label tokens (labels are pre-shifted)."""
-    ids = torch.tensor([sample.input_ids])
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    return F.cross_entropy(logits, torch.tensor(sample.labels), ignore_index=IGNORE_INDEX, reduction="sum")
+    """Sum of the cross-entropy over one sample's label tokens (labels are pre-shifted). The LM
+    head runs on the label rows only, as ours does (the same values, less work on the CPU)."""
+    hf = model.base_model.model  # the *ForCausalLM under PEFT's wrapper (LoRA layers inside)
+    labels = torch.tensor(sample.labels)
+    rows = labels != IGNORE_INDEX
+    hidden = hf.model(input_ids=torch.tensor([sample.input_ids]), use_cache=False).last_hidden_state[0]
+    logits = hf.lm_head(hidden[rows]).float()
+    return F.cross_entropy(logits, labels[rows], reduction="sum")
 
 
 def label_tokens(samples) -> int:
@@ -262,11 +266,15 @@ def run(args) -> dict[str, Any]:
         f"{time.perf_counter() - t0:.1f}s")
     nf4_params, options = bc.quantized_base(argparse.Namespace(base_precision="nf4", nf4_gemm="auto"), case)
     runs: dict[str, dict[str, Any]] = {}
+    partial = f"qlora_reference_{args.model}_partial.json"  # each run as it ends (long CPU runs)
     runs["ours_fp32"] = train_ours(case, case.params, bc.DEFAULT_OPTIONS, "ours_fp32")
+    write_json(args.out, partial, runs)
     runs["ours_nf4"] = train_ours(case, nf4_params, options, "ours_nf4")
+    write_json(args.out, partial, runs)
     with tempfile.TemporaryDirectory() as tmp:
         pm = peft_model(hf_base(case, nf4=False, workdir=Path(tmp)), case)
         runs["peft_fp32"] = train_peft(pm, case, "peft_fp32")
+        write_json(args.out, partial, runs)
         del pm
         pm = peft_model(hf_base(case, nf4=True, workdir=Path(tmp)), case)
         dq = dequant_difference(case, nf4_params, pm)
