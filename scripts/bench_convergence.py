@@ -218,6 +218,11 @@ class Case:
     real_tokens: int
     reference_params: dict[str, Any] | None = field(default=None, repr=False)
     eval_microbatches: list = field(default_factory=list)  # held-out, scored once after training
+    # What the HF + PEFT reference runs (bench_qlora_reference.py) need: per adapter its training
+    # samples in step order and its held-out samples; the HF model (random models) or its directory.
+    train_samples: list = field(default_factory=list, repr=False)
+    eval_samples: list = field(default_factory=list, repr=False)
+    hf_source: Any = field(default=None, repr=False)
 
 
 def _weights_name(weights: str) -> str:
@@ -233,7 +238,10 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
     if model == "smollm2":
         from lightning_lorafusion.model.hf_loading import load_base_model
 
-        config, params, _ = load_base_model(_weights_name(args.gguf), dtype=torch.float32)
+        from lightning_lorafusion.model.hf_loading import resolve_model_dir
+
+        hf_source = resolve_model_dir(_weights_name(args.gguf))
+        config, params, _ = load_base_model(str(hf_source), dtype=torch.float32)
         if d["layers"] is not None and d["layers"] < config.num_layers:  # CPU checks: fewer layers
             config = replace(config, num_layers=d["layers"],
                              sliding_windows=config.sliding_windows[: d["layers"]])
@@ -252,6 +260,7 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
             hf_model = LlamaForCausalLM(hf_cfg).to(dtype)
         hf_model.requires_grad_(False)
         config, params = params_from_hf_model(hf_model)
+        hf_source = hf_model
         vocab = hf_cfg.vocab_size
         data = [markov_samples(n_train + n_eval, vocab=vocab, seed=100 + a,
                                min_length=d["min_length"], max_length=d["max_length"])
@@ -281,7 +290,8 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
                                     index=10**6 + i).to(device)
                     for i, p in enumerate(ev_plan.microbatches) if not p.is_noop]
     return Case(name=model, config=config, params=params, specs=specs, microbatches=mbs, steps=args.steps,
-                fill=real / (len(mbs) * d["capacity"]), real_tokens=real, eval_microbatches=eval_mbs)
+                fill=real / (len(mbs) * d["capacity"]), real_tokens=real, eval_microbatches=eval_mbs,
+                train_samples=data, eval_samples=[h[:n_eval] for h in held_out], hf_source=hf_source)
 
 
 # ----------------------------------------------------------------------------- training
