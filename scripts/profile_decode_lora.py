@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from collections import defaultdict
@@ -75,6 +76,16 @@ MODES = {
     "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
                      "ROW_EXPAND_WARPS": 8},
+    # few rows (at most FEW_ROWS = 16): the engine's path before the few-rows blocks (K blocks of 512,
+    # rank blocks of 16, expand columns 256), and variants of the few-rows blocks (K 128, rank 64, columns 64)
+    "old": {"FEW_ROWS": None},
+    "few_k64": {"FEW_SHRINK_BLOCK_K": 64},
+    "few_k256": {"FEW_SHRINK_BLOCK_K": 256},
+    "few_k512": {"FEW_SHRINK_BLOCK_K": 512},
+    "few_r32": {"FEW_BLOCK_R": 32},
+    "few_n32": {"FEW_EXPAND_BLOCK_N": 32},
+    "few_n128": {"FEW_EXPAND_BLOCK_N": 128},
+    "few_n256": {"FEW_EXPAND_BLOCK_N": 256},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
@@ -202,6 +213,11 @@ def profile_mode(s: dict, mode: str, device, groups, reps: int) -> dict:
     res["graph_us"] = 1e3 * kernel_ms(lambda: run_layers(s, lora, groups), graph=True) / layers
     torch.cuda.synchronize()
     try:
+        res["graph"] = graph_profile(s, lora, groups, reps)
+    except Exception as exc:  # (no CUPTI on the machine): keep the graph time
+        log(f"graph profile failed: {type(exc).__name__}: {exc}")
+    torch.cuda.synchronize()
+    try:
         kernels = _profiled_kernels(s, lora, groups, reps, layers)
     except Exception as exc:  # (no CUPTI on the machine): keep the graph time
         log(f"profiler failed: {type(exc).__name__}: {exc}")
@@ -225,6 +241,72 @@ def _profiled_kernels(s: dict, lora: bool, groups, reps: int, layers: int) -> li
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         return parse_trace(path, reps, layers)
+
+
+NODE_KINDS = ("KERNEL", "MEMSET", "MEMCPY", "EMPTY", "HOST", "EVENT_RECORD", "WAIT_EVENT", "MEM_ALLOC", "MEM_FREE")
+
+
+def count_nodes(dot: str) -> dict:
+    """A CUDA graph's debug dump (DOT) -> nodes by kind (KERNEL, MEMSET, ...; "other")."""
+    counts: dict = defaultdict(int)
+    for line in dot.splitlines():
+        if "->" in line or "label" not in line or "[" not in line:
+            continue
+        kind = next((k for k in NODE_KINDS if re.search(rf"\b{k}\b", line)), None)
+        counts[kind or "other"] += 1
+    return dict(counts)
+
+
+def graph_profile(s: dict, lora: bool, groups, reps: int) -> dict:
+    """One pass captured as a CUDA graph, as the engine's decode graphs capture a step: its nodes
+    by kind (the graph's debug dump: kernels, memsets, copies) and, from ``reps`` profiled
+    replays, each node's time and the gap before it (the GPU idle between the previous node's
+    end and this one's start: what a node waits on besides its predecessor's work). Per layer."""
+    layers = len(s["tables"])
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_layers(s, lora, groups)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        run_layers(s, lora, groups)
+    res: dict = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "graph.dot")
+            graph.debug_dump(path)
+            res["nodes"] = {k: v / layers for k, v in count_nodes(open(path).read()).items()}
+    except Exception as exc:  # (a torch without the dump): keep the times
+        log(f"graph dump failed: {type(exc).__name__}: {exc}")
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = sorted((e for e in json.load(open(path))["traceEvents"]
+                         if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    per = len(events) // reps if reps else 0
+    if not per:
+        return res
+    timeline = []
+    for i in range(per):
+        these = [events[j * per + i] for j in range(reps)]
+        gaps = [e["ts"] - (events[j * per + i - 1]["ts"] + events[j * per + i - 1]["dur"])
+                for j, e in enumerate(these) if i > 0]
+        timeline.append({"kernel": these[0]["name"], "kind": these[0].get("cat"),
+                         "grid": these[0].get("args", {}).get("grid"), "us": sum(e["dur"] for e in these) / reps,
+                         "gap_us": sum(gaps) / len(gaps) if gaps else None})
+    res["timeline"] = timeline[: per // layers]  # the first layer
+    res["busy_us"] = sum(t["us"] for t in timeline) / layers
+    res["gap_us"] = sum(t["gap_us"] or 0.0 for t in timeline) / layers
+    res["nodes_traced"] = per / layers
+    return res
 
 
 def outputs(s: dict, groups) -> list[torch.Tensor]:
@@ -284,11 +366,35 @@ def kernel_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def graph_tables(rows: list[dict]) -> list[str]:
+    """Per case: each mode's captured layer (nodes by kind, busy and gap µs); then the first
+    layer's node timeline of the modes "old" and "engine"."""
+    lines = ["| case | mode | graph µs | nodes (kernel / memset / other) | busy µs | gaps µs |", "|" + "---|" * 6]
+    timelines = []
+    for r in rows:
+        name = f"{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']})"
+        for m in r["modes"]:
+            g = m.get("graph")
+            if not g:
+                continue
+            n = g.get("nodes", {})
+            other = sum(v for k, v in n.items() if k not in ("KERNEL", "MEMSET"))
+            lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
+                         f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
+                         f"| {fmt(g.get('gap_us'))} |")
+            if m["mode"] in ("old", "engine") and g.get("timeline"):
+                timelines += [f"\n{name}, {m['mode']}: one captured layer, node by node",
+                              "| node | grid | µs | gap before µs |", "|---|---|---|---|"]
+                timelines += [f"| {t['kernel'][:48]} | {'x'.join(map(str, t['grid'] or []))} | {t['us']:.1f} "
+                              f"| {fmt(t['gap_us'])} |" for t in g["timeline"]]
+    return lines + timelines
+
+
 def summary_table(rows: list[dict]) -> list[str]:
     """One line per case and mode: graph time, its part over base (× the per-row path's and × the
     engine's before, where run), kernel time, launches."""
     lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
-             "| × per row | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
+             "| × old | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
         base = modes.get("base", {}).get("graph_us")
@@ -299,7 +405,7 @@ def summary_table(rows: list[dict]) -> list[str]:
 
         for m in r["modes"]:
             over = lora_us(m["mode"])
-            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("per_row", "before")]
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before")]
             lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
                          f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
                          f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(m.get('kernel_us'))} "
@@ -356,7 +462,8 @@ def _main(argv, defaults: dict) -> dict:
             write_json(args.out, "profile_decode_lora.json", {**device_info(device), "args": vars(args),
                                                               "copy_gbps": gbps, "modes": MODES, "rows": rows})
     head = f"per layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass, copy {fmt(gbps, '.0f')} GB/s)"
-    text = "\n".join([head] + kernel_tables(rows) + ["", head] + summary_table(rows))
+    text = "\n".join([head] + kernel_tables(rows) + ["", "captured layers"] + graph_tables(rows)
+                     + ["", head] + summary_table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "profile_decode_lora.md"), "w") as f:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from . import lora_gather as _gather
 from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
-                          shrink_blocks, takes_groups)
+                          row_blocks, shrink_blocks, takes_groups)
 from .lora_grouped_kernels import lora_delta, lora_group_delta, lora_row_tables
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
@@ -429,7 +429,7 @@ def _row_launches(t: int, lora: GatheredLora | None) -> list[tuple[int, int, boo
 def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num_warps: int):
     """The LoRA half of a kernel's arguments and its constexprs (the group's shrink launched now)."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
-    _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
+    _, block_r = row_blocks(lora.x.device, lora.ranks.shape[1], block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
             lora.b_offsets.stride(0), lora.ranks.stride(0))
     return args, {"HAS_LORA": True, "MAX_R": MAX_RANK, "BLOCK_R": block_r,
@@ -515,7 +515,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
         bn, warps = block_n, num_warps or (_gather.ROW_EXPAND_WARPS if with_lora else 4)
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8
-        bn = bn or ((_gather.ROW_EXPAND_BLOCK_N if with_lora else 1024) if gate.is_cuda else 32)
+        if with_lora:
+            bn = _gather.expand_block_n(gate.device, rows, bn)
+        bn = bn or (1024 if gate.is_cuda else 32)
         _swiglu_kernel[(rows, triton.cdiv(n, bn))](
             gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
             BLOCK_N=bn, num_warps=warps,

@@ -81,6 +81,18 @@ ROW_SHRINK_WARPS = 4
 ROW_EXPAND_BLOCK_N = 256
 ROW_EXPAND_WARPS = 4
 
+# Few decode rows: launches over at most ``FEW_ROWS`` rows (None: none) take these blocks. A
+# decode step of 1-16 rows is latency-bound, not byte-bound (a few MB of adapters): each
+# program's chain of dependent loads is what it costs. So a row's whole rank (up to
+# ``FEW_BLOCK_R``) is one tile instead of a loop of 16-rank blocks (one load of A or B^T per
+# program instead of up to four in a row), and narrower K blocks (the shrink) and column blocks
+# (the expands, SwiGLU's LoRA rows) spread one row's A and B^T over more programs. A decode graph
+# is keyed by its rows (the batch bucket), so the choice is fixed per captured bucket.
+FEW_ROWS: int | None = 16
+FEW_SHRINK_BLOCK_K = 128
+FEW_BLOCK_R = 64
+FEW_EXPAND_BLOCK_N = 64
+
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
@@ -408,6 +420,33 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     return block_k or (ROW_SHRINK_BLOCK_K if gpu else 32), block_r or 16
 
 
+def few_rows(rows: int) -> bool:
+    """Whether a launch over ``rows`` decode rows takes the few-rows blocks (``FEW_ROWS``)."""
+    return FEW_ROWS is not None and 0 < rows <= FEW_ROWS
+
+
+def row_blocks(device: torch.device, rows: int, block_k: int | None = None,
+               block_r: int | None = None) -> tuple[int, int]:
+    """(block_k, block_r) of the per-row shrink and the expands' rank loop for a launch over
+    ``rows`` decode rows: ``shrink_blocks``, or the few-rows blocks (K blocks of
+    ``FEW_SHRINK_BLOCK_K`` on a GPU, 16 in the interpreter; rank blocks of ``FEW_BLOCK_R``);
+    a caller's block wins."""
+    if few_rows(rows):
+        return block_k or (FEW_SHRINK_BLOCK_K if device.type == "cuda" else 16), block_r or FEW_BLOCK_R
+    return shrink_blocks(device, block_k, block_r)
+
+
+def expand_block_n(device: torch.device, rows: int, block_n: int | None = None) -> int:
+    """The per-row expands' column block for a launch over ``rows`` decode rows (``lora_gather``'s
+    own expand, SwiGLU's LoRA rows): ``ROW_EXPAND_BLOCK_N``, ``FEW_EXPAND_BLOCK_N`` for few rows,
+    32 in the interpreter; a caller's block wins."""
+    if block_n:
+        return block_n
+    if device.type != "cuda":
+        return 32
+    return FEW_EXPAND_BLOCK_N if few_rows(rows) else ROW_EXPAND_BLOCK_N
+
+
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
@@ -429,7 +468,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
         split_k = GROUPED_SHRINK_SPLIT_K or gpu_tiles[1]
         num_warps = num_warps or GROUPED_SHRINK_WARPS
     num_warps = num_warps or ROW_SHRINK_WARPS
-    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    block_k, block_r = row_blocks(x.device, rows, block_k, block_r)
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
@@ -496,10 +535,10 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    _, block_r = shrink_blocks(x.device, block_k, block_r)
-    block_n = block_n or (ROW_EXPAND_BLOCK_N if x.is_cuda else 32)
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    _, block_r = row_blocks(x.device, rows, block_k, block_r)
+    block_n = expand_block_n(x.device, rows, block_n)
     if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
         if out is None:
             result.zero_()

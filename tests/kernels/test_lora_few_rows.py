@@ -1,0 +1,143 @@
+"""The decode LoRA's few-rows blocks (``lora_gather.FEW_ROWS``): a launch over at most that many
+rows takes a row's whole rank as one tile (``FEW_BLOCK_R``), narrower K blocks in the shrink
+and narrower column blocks in the expands. Checked against the references and against the
+blocks used before (``FEW_ROWS`` None), with heterogeneous ranks (1 to 128: one tile, two tiles
+above ``FEW_BLOCK_R``), rows without an adapter mixed in and a row alone; interpreter fp32 /
+fp16 on the CPU. Tolerances as in test_lora_gather.py / test_lora_epilogues.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels import lora_gather as lg
+from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, rope_write_kv_reference, swiglu, swiglu_reference
+from lightning_lorafusion.kernels.lora_gather import GatheredLora, lora_gather, lora_gather_reference
+
+from test_lora_gather import make_adapters, make_routing, rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# adapter ranks: one below a 16-rank block, several blocks, the whole few-rows tile, above it, the most
+RANKS = [3, 0, 40, 64, 100, 128, 16]
+ROWS = {  # rows -> adapter of each row (rank 0: a base row)
+    "one_row_rank_100": [4],
+    "one_base_row": [1],
+    "mixed_with_base_rows": [0, 1, 2, 3, 1, 4, 5, 6],
+    "sixteen_shared": [i % 3 + 2 for i in range(16)],
+}
+
+
+@pytest.fixture(params=["few", "before"])
+def few(request, monkeypatch):
+    """The few-rows blocks on (the default) or off (the blocks used before them)."""
+    if request.param == "before":
+        monkeypatch.setattr(lg, "FEW_ROWS", None)
+    return request.param
+
+
+def test_few_rows_choose_their_blocks_by_row_count(monkeypatch):
+    """At most FEW_ROWS rows: the few-rows blocks (a caller's blocks still win); more rows or
+    FEW_ROWS None: the blocks of before."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert lg.FEW_ROWS == 16
+    assert lg.row_blocks(gpu, 1) == (lg.FEW_SHRINK_BLOCK_K, lg.FEW_BLOCK_R) == (128, 64)
+    assert lg.row_blocks(gpu, 16) == (128, 64) and lg.expand_block_n(gpu, 16) == lg.FEW_EXPAND_BLOCK_N == 64
+    assert lg.row_blocks(gpu, 17) == lg.shrink_blocks(gpu) == (lg.ROW_SHRINK_BLOCK_K, 16)
+    assert lg.expand_block_n(gpu, 17) == lg.ROW_EXPAND_BLOCK_N and lg.expand_block_n(gpu, 0) == lg.ROW_EXPAND_BLOCK_N
+    assert lg.row_blocks(gpu, 4, block_k=256, block_r=32) == (256, 32) and lg.expand_block_n(gpu, 4, 512) == 512
+    assert lg.row_blocks(cpu, 4) == (16, 64) and lg.expand_block_n(cpu, 4) == 32
+    monkeypatch.setattr(lg, "FEW_ROWS", None)
+    assert lg.row_blocks(gpu, 1) == (lg.ROW_SHRINK_BLOCK_K, 16) and lg.expand_block_n(gpu, 1) == lg.ROW_EXPAND_BLOCK_N
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", sorted(ROWS))
+def test_gather_few_rows_matches_reference(device, dtype, rows, few):
+    k, n = 70, 90
+    row_adapter = ROWS[rows]
+    pool, adapters = make_adapters(RANKS, k, n, dtype, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, RANKS, device)
+    x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    y = torch.randn(len(row_adapter), n, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    want = y.clone()
+    lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=want)
+    got = y.clone()
+    lora_gather(x, pool, a_off, b_off, rk, scales, n, out=got, backend="triton")
+    assert rel_err(got, want) < TOL[dtype]
+    base = [i for i, a in enumerate(row_adapter) if RANKS[a] == 0]
+    assert torch.equal(got[base], y[base])  # rows without an adapter are not touched
+
+
+def test_gather_few_rows_equals_the_blocks_of_before(device, monkeypatch):
+    """Both block choices over the same rows agree to fp32 rounding (only the summation order
+    differs), and the few-rows launch is not the one of before (its shrink has more K blocks)."""
+    k, n, row_adapter = 70, 90, ROWS["mixed_with_base_rows"]
+    pool, adapters = make_adapters(RANKS, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, RANKS, device)
+    x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(5)).to(device)
+    lora = GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales)
+    few = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
+    few_kb = lg.lora_shrink(lora)[1]
+    monkeypatch.setattr(lg, "FEW_ROWS", None)
+    before = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
+    assert lg.lora_shrink(lora)[1] < few_kb
+    assert rel_err(few, before) < 1e-6
+
+
+def test_rank_above_max_is_nan_for_its_row_only_with_few_rows(device):
+    k, n, ranks = 33, 47, [128, 3, 129]
+    pool, adapters = make_adapters(ranks, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, [0, 1, 2], ranks, device)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).to(device)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
+    want = lora_gather_reference(x[:2], pool, a_off[:2], b_off[:2], rk[:2], scales[:2], n)
+    assert rel_err(got[:2], want) < TOL[torch.float32] and torch.isnan(got[2]).all()
+
+
+def _group(k, widths, row_adapter, dtype, device, first_row=0, seed=0):
+    """A GatheredLora over ``row_adapter`` for projections of ``widths`` (adapter a's rank on
+    projection g: RANKS[(a + g) % len(RANKS)], so one row's projections differ in rank)."""
+    g = torch.Generator().manual_seed(seed)
+    pool, adapters = make_adapters(RANKS * len(widths), k, max(widths), dtype, device, seed=seed)
+    rows = len(row_adapter)
+    a_off = torch.zeros(len(widths), rows, dtype=torch.int64)
+    b_off = torch.zeros(len(widths), rows, dtype=torch.int64)
+    rk = torch.zeros(len(widths), rows, dtype=torch.int32)
+    for p in range(len(widths)):
+        for i, a in enumerate(row_adapter):
+            j = p * len(RANKS) + (a + p) % len(RANKS)
+            a_off[p, i], b_off[p, i], rk[p, i] = adapters[j][0], adapters[j][1], RANKS[(a + p) % len(RANKS)]
+    scales = (torch.rand(rows, generator=g) + 0.5).to(device)
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    return GatheredLora(x, pool, a_off.to(device), b_off.to(device), rk.to(device), scales, first_row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", ["one_row_rank_100", "mixed_with_base_rows"])
+def test_swiglu_few_rows_matches_reference(device, dtype, rows, few):
+    t, n = len(ROWS[rows]) + 2, 72
+    lora = _group(40, (n, n), ROWS[rows], dtype, device, first_row=1)
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(t, 2 * n, generator=g).to(device, dtype)
+    want = swiglu_reference(gu[:, :n], gu[:, n:], lora)
+    got = swiglu(gu[:, :n], gu[:, n:], lora=lora, backend="triton")
+    assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", ["one_row_rank_100", "mixed_with_base_rows"])
+def test_rope_write_kv_few_rows_matches_reference(device, dtype, rows, few):
+    from test_lora_epilogues import SHAPES, make_rope_case
+
+    t, hq, hkv, d, k, first, _ = SHAPES["decode"]
+    case, _ = make_rope_case("decode", dtype, device, False, True)
+    row_adapter = ROWS[rows][:t]
+    case["lora"] = _group(k, (hq * d, hkv * d, hkv * d), row_adapter, dtype, device, first_row=first)
+    want = {key: case[key].clone() for key in ("q", "k", "v", "kv_pool")}
+    got = {key: case[key].clone() for key in ("q", "k", "v", "kv_pool")}
+    common = {key: case[key] for key in ("cos", "sin", "layer", "slot_pages", "slot_offsets", "lora")}
+    rope_write_kv_reference(want["q"], want["k"], want["v"], kv_pool=want["kv_pool"], **common)
+    rope_write_kv(got["q"], got["k"], got["v"], kv_pool=got["kv_pool"], backend="triton", **common)
+    for key in want:
+        assert rel_err(got[key], want[key]) < TOL[dtype], key
