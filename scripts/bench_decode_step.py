@@ -56,6 +56,7 @@ def engine_for(args, config, params, adapters, device, dtype) -> Engine:
     pages = None if device.type == "cuda" else 4096
     engine = Engine(config, params, None, EngineConfig(
         num_pages=pages, gpu_memory_fraction=args.memory_fraction, max_num_seqs=rows, prefix_caching=False,
+        max_num_batched_tokens=max(256, rows * args.prompt),
         cuda_graphs="auto"), device=device, dtype=dtype)
     for name, r, alpha, factors in adapters:
         engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--variants", type=comma_list(VARIANTS), default=list(VARIANTS))
-    ap.add_argument("--memory-fraction", type=float, default=0.6)
+    ap.add_argument("--memory-fraction", type=float, default=0.4)
     add_output_args(ap)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)

@@ -18,6 +18,16 @@ blocks and warps), it prints:
 
 Every mode's outputs are checked against the per-row path's (``max_rel_diff``).
 
+On CUDA each mode's pass is also captured as one CUDA graph, as the engine's decode graphs
+capture a step: its nodes by kind per layer (kernels, memsets, copies; the graph's debug dump),
+and from profiled replays each node's time and the gap before it (the GPU idle between the
+previous node's end and its start), with the first layer's nodes one by one for the modes
+"old" (the blocks before the few-rows ones) and "engine". Few rows (1-16), mixed ranks, rows on
+their own adapters and sharing them, the engine against before:
+
+    PYTHONPATH=. python3 scripts/profile_decode_lora.py --cases 1x1,4x4c,16x16c,64x64c,16x4,64x16 \
+        --rank-sets "64,4,32,8,16" --modes base,old,engine,few_k64,few_k256,few_r32,few_n128,few_rows64 --out $OUT
+
     PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
     PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
         --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
@@ -86,6 +96,9 @@ MODES = {
     "few_n32": {"FEW_EXPAND_BLOCK_N": 32},
     "few_n128": {"FEW_EXPAND_BLOCK_N": 128},
     "few_n256": {"FEW_EXPAND_BLOCK_N": 256},
+    # the few-rows blocks up to 32 / 64 rows
+    "few_rows32": {"FEW_ROWS": 32},
+    "few_rows64": {"FEW_ROWS": 64},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
