@@ -10,7 +10,9 @@ forward alone). Variants (``--variants``):
 - ``base``: the same requests without adapters;
 - ``lora``: with adapters, the engine's decode LoRA (few-rows blocks up to
   ``lora_gather.FEW_ROWS`` rows);
-- ``lora_old``: with adapters, the decode LoRA as before the few-rows blocks (``FEW_ROWS`` None).
+- ``lora_old``: with adapters, the decode LoRA as before the few-rows blocks (``FEW_ROWS`` None,
+  ``AHEAD_MAX_ROWS`` None);
+- ``lora_ahead``: ``lora`` with SwiGLU computing down's shrink up to 16 rows (``AHEAD_MAX_ROWS``).
 
 Every variant's greedy tokens of the first batch are compared with ``lora_old``'s (``lora``
 must produce the same tokens up to bf16 rounding; ``same_tokens`` counts agreeing positions).
@@ -39,7 +41,9 @@ log = logger("bench_decode_step")
 
 # (hidden, heads, kv heads, head_dim, intermediate, vocab)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336, 128256), "tiny": (64, 4, 2, 16, 96, 256)}
-VARIANTS = ("base", "lora", "lora_old")
+# variant -> lora_gather settings for its engine (base: the requests without adapters)
+VARIANTS = {"base": {}, "lora": {}, "lora_old": {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None},
+            "lora_ahead": {"AHEAD_MAX_ROWS": 16}}
 
 
 def build(args, device, dtype):
@@ -65,8 +69,9 @@ def engine_for(args, config, params, adapters, device, dtype) -> Engine:
 
 def measure(args, variant: str, built, device, dtype) -> list[dict]:
     config, params, adapters = built
-    saved = lg.FEW_ROWS
-    lg.FEW_ROWS = None if variant == "lora_old" else saved
+    saved = {name: getattr(lg, name) for name in VARIANTS[variant]}
+    for name, value in VARIANTS[variant].items():
+        setattr(lg, name, value)
     engine = engine_for(args, config, params, adapters if variant != "base" else [], device, dtype)
     vocab = config.vocab_size
     prompts = torch.randint(4, vocab, (max(args.rows), args.prompt), generator=torch.Generator().manual_seed(1)).tolist()
@@ -88,7 +93,8 @@ def measure(args, variant: str, built, device, dtype) -> list[dict]:
         tokens = {res.request_id.split("-", 2)[-1]: list(res.token_ids) for res in check}
     finally:
         engine.close()
-        lg.FEW_ROWS = saved
+        for name, value in saved.items():
+            setattr(lg, name, value)
     return out, tokens
 
 
@@ -102,7 +108,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=comma_list(cast=int), default=[1, 4, 16, 64])
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
-    ap.add_argument("--variants", type=comma_list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)), default=["base", "lora", "lora_old"])
     ap.add_argument("--memory-fraction", type=float, default=0.4)
     add_output_args(ap)
     args = ap.parse_args(argv)
@@ -128,8 +134,9 @@ def main(argv=None) -> dict:
     by = {(r["variant"], r["rows"]): r for r in rows}
     print(f"\ndecode step, {args.shape} shape, {args.layers} layers, {args.adapters} adapters of ranks {args.ranks} "
           f"(row i on adapter i % {args.adapters}); ms per step (forward alone); same tokens as lora_old: {agree}")
-    print("| rows | " + " | ".join(args.variants) + " | LoRA +ms (lora) | LoRA +ms (lora_old) |")
-    print("|" + "---|" * (len(args.variants) + 3))
+    lora = [v for v in args.variants if v != "base"]
+    print("| rows | " + " | ".join(args.variants) + " | " + " | ".join(f"LoRA +ms ({v})" for v in lora) + " |")
+    print("|" + "---|" * (len(args.variants) + len(lora) + 1))
     for n in args.rows:
         cells = [by.get((v, n)) for v in args.variants]
         txt = ["-" if c is None else f"{c['step_ms']:.3f} ({c['forward_ms'] or float('nan'):.3f})" for c in cells]
@@ -138,7 +145,7 @@ def main(argv=None) -> dict:
         def over(v):
             c = by.get((v, n))
             return "-" if c is None or base is None else f"{c['step_ms'] - base['step_ms']:+.3f}"
-        print(f"| {n} | " + " | ".join(txt) + f" | {over('lora')} | {over('lora_old')} |")
+        print(f"| {n} | " + " | ".join(txt + [over(v) for v in lora]) + " |")
     return report
 
 

@@ -49,7 +49,8 @@ import torch  # noqa: E402
 
 import bench_decode_groups as bdg  # noqa: E402
 from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
-from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu  # noqa: E402
+from lightning_lorafusion.kernels.lora_ahead import ShrinkAhead  # noqa: E402
+from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu_ahead  # noqa: E402
 from lightning_lorafusion.kernels.lora_gather import GatheredLora, adapter_groups, lora_gather  # noqa: E402
 
 log = logger("profile_decode_lora")
@@ -96,6 +97,9 @@ MODES = {
     "few_n32": {"FEW_EXPAND_BLOCK_N": 32},
     "few_n128": {"FEW_EXPAND_BLOCK_N": 128},
     "few_n256": {"FEW_EXPAND_BLOCK_N": 256},
+    # SwiGLU's LoRA rows compute down's shrink (one launch less per layer) up to 16 / 64 rows
+    "ahead": {"AHEAD_MAX_ROWS": 16},
+    "ahead_rows64": {"AHEAD_MAX_ROWS": 64, "FEW_ROWS": 64},
     # the few-rows blocks up to 32 / 64 rows
     "few_rows32": {"FEW_ROWS": 32},
     "few_rows64": {"FEW_ROWS": 64},
@@ -131,13 +135,15 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
                 a_off, b_off, rk = t["o"]
                 lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
                             out=s["o"], backend="triton", groups=groups)
-        with piece("gate_up"):
-            act = swiglu(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]), backend="triton")
+        with piece("gate_up"):  # down's shrink folded in where AHEAD_MAX_ROWS says so (as the engine)
+            ahead = ShrinkAhead(s["pool"], t["down"][0][0], t["down"][2][0]) if lora else None
+            act, partials = swiglu_ahead(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]),
+                                         ahead=ahead, backend="triton")
         if lora:
-            with piece("down"):
+            with piece("down"):  # down reads SwiGLU's output, as in the engine
                 a_off, b_off, rk = t["down"]
-                lora_gather(s["act"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
-                            out=s["down"], backend="triton", groups=groups)
+                lora_gather(act, s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
+                            out=s["down"], backend="triton", groups=groups, partials=partials)
         outs.append(act)
     return outs
 

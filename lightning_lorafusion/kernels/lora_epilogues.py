@@ -22,6 +22,7 @@ import triton.language as tl
 from . import lora_gather as _gather
 from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
                           row_blocks, shrink_blocks, takes_groups)
+from .lora_ahead import ShrinkAhead, shrink_ahead
 from .lora_grouped_kernels import lora_delta, lora_group_delta, lora_row_tables
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
@@ -213,12 +214,13 @@ def _rope_kv_rows_kernel(
 def _swiglu_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
-    row0,
+    row0, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr,
 ):
     """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
-    first; silu rounded before the product, as the eager ops do."""
+    first; silu rounded before the product, as the eager ops do. AHEAD (a launch over the LoRA
+    rows): the next projection's shrink partials of this block too (``lora_ahead``)."""
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,7 +239,11 @@ def _swiglu_kernel(
                        b_g_stride, r_g_stride, N, offs, ok,
                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+    act = (s * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row64 * out_stride + offs, act, mask=ok)
+    if AHEAD:
+        shrink_ahead(act.to(tl.float32), nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr, row - first_row,
+                     tl.program_id(1), tl.num_programs(1), N, offs, ok, MAX_R=MAX_R, NX_BLOCK_R=NX_BLOCK_R)
 
 
 @triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
@@ -495,19 +501,33 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     """Same contract as ``swiglu_reference``; ``backend``: "torch", "triton" or "auto". The
     Triton path: the gate/up shrink (if ``lora``), then one launch over (row, column block);
     gate and up may be column slices of one fused gate|up GEMM output."""
+    return swiglu_ahead(gate, up, lora=lora, backend=backend, block_n=block_n, block_k=block_k, block_r=block_r,
+                        num_warps=num_warps)[0]
+
+
+def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None,
+                 ahead: ShrinkAhead | None = None, backend: str = "auto", block_n: int | None = None,
+                 block_k: int | None = None, block_r: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+    """``swiglu`` -> (its output, the next projection's shrink partials or None). With ``ahead``
+    (down's A tables for ``lora``'s rows) the LoRA rows' launch also computes down's shrink
+    (``lora_ahead``) where it applies (Triton, per-row LoRA, at most
+    ``lora_gather.AHEAD_MAX_ROWS`` rows): ``(part, k_blocks)`` for ``lora_gather(partials=)``;
+    None elsewhere (down's gather then runs its own shrink)."""
     if _resolve(backend, gate) == "torch":
-        return swiglu_reference(gate, up, lora)
+        return swiglu_reference(gate, up, lora), None
     _check_swiglu(gate, up, lora)
     _require_triton(gate)
     t, n = gate.shape
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     if t == 0:
-        return out
+        return out, None
     grouped = lora if lora is not None and _grouped(lora) else None
     if grouped is not None:  # every row plain first, then the groups' rows again with their LoRA
         lora = None
     plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
+    fused = _ahead_args(gate, lora, ahead, block_n)
     for row0, rows, with_lora in _row_launches(t, lora):
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
@@ -517,14 +537,34 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
             bn, warps = 2048, 8
         if with_lora:
             bn = _gather.expand_block_n(gate.device, rows, bn)
+        nx, nx_meta = (fused[0], fused[1]) if with_lora and fused else ((gate, gate, gate, gate), _NO_AHEAD)
+        if with_lora and fused:
+            bn, warps = fused[2], num_warps or fused[3]
         bn = bn or (1024 if gate.is_cuda else 32)
         _swiglu_kernel[(rows, triton.cdiv(n, bn))](
-            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, *nx, **meta, **nx_meta,
             BLOCK_N=bn, num_warps=warps,
         )
     if grouped is not None:
         _swiglu_grouped(gate, up, out, grouped, block_k, block_r, num_warps)
-    return out
+    return out, (None if not fused else (fused[0][3], triton.cdiv(n, fused[2])))
+
+
+_NO_AHEAD = {"AHEAD": False, "NX_BLOCK_R": 16}
+
+
+def _ahead_args(gate: torch.Tensor, lora: GatheredLora | None, ahead: ShrinkAhead | None, block_n: int | None):
+    """(next-shrink pointers, constexprs, column block, warps) of a fused LoRA-row launch, or None
+    where the next projection's shrink is not folded in (no ``ahead``, no per-row LoRA, more rows
+    than ``AHEAD_MAX_ROWS``)."""
+    rows = 0 if lora is None else lora.ranks.shape[1]
+    if ahead is None or not _gather.ahead_rows(rows):
+        return None
+    ahead.check(rows, gate.device, gate.dtype)
+    bn = block_n or (_gather.AHEAD_BLOCK_N if gate.is_cuda else 32)
+    part = torch.empty(rows * triton.cdiv(gate.shape[1], bn) * MAX_RANK, dtype=torch.float32, device=gate.device)
+    nx_block_r = row_blocks(gate.device, rows)[1]
+    return (ahead.pool, ahead.a_offsets, ahead.ranks, part), {"AHEAD": True, "NX_BLOCK_R": nx_block_r}, bn, _gather.AHEAD_WARPS
 
 
 def _grouped(lora: GatheredLora) -> bool:

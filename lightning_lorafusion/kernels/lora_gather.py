@@ -93,6 +93,12 @@ FEW_SHRINK_BLOCK_K = 128
 FEW_BLOCK_R = 64
 FEW_EXPAND_BLOCK_N = 64
 
+# SwiGLU's LoRA rows compute down's shrink too (``lora_ahead``; the engine passes down's tables)
+# for at most this many decode rows (None: never), with this column block (down's K block) and warps
+AHEAD_MAX_ROWS: int | None = None
+AHEAD_BLOCK_N = 256
+AHEAD_WARPS = 8
+
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
@@ -299,6 +305,7 @@ def lora_gather(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     groups: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``lora_gather_reference``; ``groups``: the rows grouped by adapter
     (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
@@ -306,14 +313,16 @@ def lora_gather(
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
     (shrink x A^T per K block, expand into N), reads no value on the host, and so can be
     captured in a CUDA graph; it cannot check ranks on the host either: rows of rank above
-    ``MAX_RANK`` come out NaN (the reference raises)."""
+    ``MAX_RANK`` come out NaN (the reference raises). ``partials``: the shrink already done
+    (``lora_epilogues.swiglu_ahead``'s ``(part, k_blocks)`` for these rows): only the expand runs."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
-    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups)
+    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups,
+                               partials=partials)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,6 +434,13 @@ def few_rows(rows: int) -> bool:
     return FEW_ROWS is not None and 0 < rows <= FEW_ROWS
 
 
+def ahead_rows(rows: int) -> bool:
+    """Whether SwiGLU's launch over ``rows`` decode rows folds down's shrink in (``AHEAD_MAX_ROWS``;
+    never where those rows take the grouped shrink)."""
+    return (AHEAD_MAX_ROWS is not None and 0 < rows <= AHEAD_MAX_ROWS and rows < GROUPED_MIN_ROWS
+            and (GROUPED_EXPAND_MIN_ROWS is None or rows < GROUPED_EXPAND_MIN_ROWS))
+
+
 def row_blocks(device: torch.device, rows: int, block_k: int | None = None,
                block_r: int | None = None) -> tuple[int, int]:
     """(block_k, block_r) of the per-row shrink and the expands' rank loop for a launch over
@@ -523,7 +539,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -536,7 +552,13 @@ def _lora_gather_triton(
     if rows == 0:
         return result
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
-    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    if partials is None:
+        part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    else:
+        part, k_blocks = partials
+        if part.numel() != rows * k_blocks * MAX_RANK or part.dtype != torch.float32:
+            raise ValueError(f"partials must be [{rows} rows x {k_blocks} K blocks x {MAX_RANK}] fp32; got "
+                             f"{part.numel()} {part.dtype}")
     _, block_r = row_blocks(x.device, rows, block_k, block_r)
     block_n = expand_block_n(x.device, rows, block_n)
     if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):

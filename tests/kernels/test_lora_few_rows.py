@@ -141,3 +141,62 @@ def test_rope_write_kv_few_rows_matches_reference(device, dtype, rows, few):
     rope_write_kv(got["q"], got["k"], got["v"], kv_pool=got["kv_pool"], backend="triton", **common)
     for key in want:
         assert rel_err(got[key], want[key]) < TOL[dtype], key
+
+
+def _ahead_case(row_adapter, dtype, device, first_row=1, after=2):
+    """SwiGLU's gate/up LoRA over ``row_adapter`` (rows from ``first_row``, ``after`` plain rows
+    after them) and down's tables for the same rows (down's rank of adapter a: RANKS[(a + 3) % len])."""
+    n, h = 72, 24
+    rows = len(row_adapter)
+    t = first_row + rows + after
+    lora = _group(40, (n, n), row_adapter, dtype, device, first_row=first_row)
+    down_ranks = [RANKS[(a + 3) % len(RANKS)] for a in range(len(RANKS))]
+    pool, adapters = make_adapters(down_ranks, n, h, dtype, device, seed=4)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, down_ranks, device)
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    return lora, gu, n, (pool, a_off, b_off, rk, lora.scales, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", ["one_row_rank_100", "mixed_with_base_rows", "sixteen_shared"])
+def test_swiglu_ahead_gives_down_its_shrink(device, dtype, rows, monkeypatch):
+    """SwiGLU's LoRA rows computing down's shrink (``AHEAD_MAX_ROWS``): its output is SwiGLU's,
+    and down's gather from those partials (its expand alone) equals the reference on the
+    activation; ranks up to 128 (two rank tiles), rows without an adapter, a row alone."""
+    from lightning_lorafusion.kernels.lora_ahead import ShrinkAhead
+    from lightning_lorafusion.kernels.lora_epilogues import swiglu_ahead
+
+    monkeypatch.setattr(lg, "AHEAD_MAX_ROWS", 16)
+    lora, gu, n, (pool, a_off, b_off, rk, scales, h) = _ahead_case(ROWS[rows], dtype, device)
+    act, partials = swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ShrinkAhead(pool, a_off, rk), backend="triton")
+    assert partials is not None and partials[1] == -(-n // 32)  # the interpreter's column block: 32
+    assert rel_err(act, swiglu_reference(gu[:, :n], gu[:, n:], lora)) < TOL[dtype]
+    rows_act = act[lora.first_row:lora.first_row + len(ROWS[rows])]
+    y = torch.randn(rows_act.shape[0], h, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    want, got = y.clone(), y.clone()
+    lora_gather_reference(rows_act, pool, a_off, b_off, rk, scales, h, out=want)
+    lora_gather(rows_act, pool, a_off, b_off, rk, scales, h, out=got, backend="triton", partials=partials)
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_swiglu_ahead_only_where_it_applies(device, monkeypatch):
+    """No partials without ``AHEAD_MAX_ROWS``, above it, or on the torch path; wrong tables and
+    wrong partials are refused."""
+    from lightning_lorafusion.kernels.lora_ahead import ShrinkAhead
+    from lightning_lorafusion.kernels.lora_epilogues import swiglu_ahead
+
+    lora, gu, n, (pool, a_off, b_off, rk, scales, h) = _ahead_case(ROWS["mixed_with_base_rows"], torch.float32,
+                                                                   device)
+    ahead = ShrinkAhead(pool, a_off, rk)
+    assert swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ahead, backend="triton")[1] is None
+    monkeypatch.setattr(lg, "AHEAD_MAX_ROWS", 4)  # 8 rows: more than the bound
+    assert swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ahead, backend="triton")[1] is None
+    monkeypatch.setattr(lg, "AHEAD_MAX_ROWS", 16)
+    assert swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ahead, backend="torch")[1] is None
+    with pytest.raises(ValueError, match="ShrinkAhead.ranks"):
+        swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ShrinkAhead(pool, a_off, rk[:-1]), backend="triton")
+    _, partials = swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ahead, backend="triton")
+    x = torch.zeros(rk.shape[0] + 1, n, device=device)
+    with pytest.raises(ValueError, match="partials must be"):
+        lora_gather(x, pool, *(torch.cat([t, t[:1]]) for t in (a_off, b_off, rk, scales)), h, backend="triton",
+                    partials=partials)
