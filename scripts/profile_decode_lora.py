@@ -263,16 +263,19 @@ def _profiled_kernels(s: dict, lora: bool, groups, reps: int, layers: int) -> li
 
 
 NODE_KINDS = ("KERNEL", "MEMSET", "MEMCPY", "EMPTY", "HOST", "EVENT_RECORD", "WAIT_EVENT", "MEM_ALLOC", "MEM_FREE")
+KIND_WORD = re.compile(r"(?<![A-Z_])(" + "|".join(NODE_KINDS) + r")(?![A-Z_])")
 
 
 def count_nodes(dot: str) -> dict:
-    """A CUDA graph's debug dump (DOT) -> nodes by kind (KERNEL, MEMSET, ...; "other")."""
+    """A CUDA graph's debug dump (DOT) -> nodes by kind (KERNEL, MEMSET, ...; "other"): each node
+    definition (``"graph_i_node_j"[...]``, its label over one line or several) by the first kind
+    word in it."""
+    starts = list(re.finditer(r'"graph_\d+_node_\d+"\s*\[', dot))
     counts: dict = defaultdict(int)
-    for line in dot.splitlines():
-        if "->" in line or "label" not in line or "[" not in line:
-            continue
-        kind = next((k for k in NODE_KINDS if re.search(rf"\b{k}\b", line)), None)
-        counts[kind or "other"] += 1
+    for i, m in enumerate(starts):
+        body = dot[m.end():starts[i + 1].start() if i + 1 < len(starts) else len(dot)]
+        found = [(w.start(), w.group(1)) for w in KIND_WORD.finditer(body)]
+        counts[min(found)[1] if found else "other"] += 1
     return dict(counts)
 
 
