@@ -11,7 +11,9 @@ forward alone). Variants (``--variants``):
 - ``lora``: with adapters, the engine's decode LoRA (few-rows blocks up to
   ``lora_gather.FEW_ROWS`` rows);
 - ``lora_old``: with adapters, the decode LoRA as before the few-rows blocks (``FEW_ROWS`` None,
-  ``AHEAD_MAX_ROWS`` None);
+  ``AHEAD_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False);
+- ``lora_pair``: the epilogues' paired rank loops alone (``FEW_ROWS`` None);
+- ``lora_few16``: the few-rows blocks up to 16 rows;
 - ``lora_ahead``: ``lora`` with SwiGLU computing down's shrink up to 16 rows (``AHEAD_MAX_ROWS``).
 
 Every variant's greedy tokens of the first batch are compared with ``lora_old``'s (``lora``
@@ -42,8 +44,9 @@ log = logger("bench_decode_step")
 # (hidden, heads, kv heads, head_dim, intermediate, vocab)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336, 128256), "tiny": (64, 4, 2, 16, 96, 256)}
 # variant -> lora_gather settings for its engine (base: the requests without adapters)
-VARIANTS = {"base": {}, "lora": {}, "lora_old": {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None},
-            "lora_ahead": {"AHEAD_MAX_ROWS": 16}}
+OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False}
+VARIANTS = {"base": {}, "lora": {}, "lora_old": OLD, "lora_pair": {"FEW_ROWS": None},
+            "lora_few16": {"FEW_ROWS": 16}, "lora_ahead": {"AHEAD_MAX_ROWS": 16}}
 
 
 def build(args, device, dtype):

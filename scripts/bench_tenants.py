@@ -302,11 +302,12 @@ class TenantsBench:
 
     def set_decode_lora(self, old: bool) -> None:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
-        (``lora_gather.FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None); the decode graphs are captured
+        (``lora_gather.FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False); the decode graphs are captured
         again when that changes (not timed)."""
         if not hasattr(self, "decode_knobs"):
-            self.decode_knobs = {n: getattr(lora_gather, n) for n in ("FEW_ROWS", "AHEAD_MAX_ROWS")}
-        want = dict.fromkeys(self.decode_knobs) if old else self.decode_knobs
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES")
+            self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
+        want = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False} if old else self.decode_knobs
         if all(getattr(lora_gather, n) == v for n, v in want.items()):
             return
         for n, v in want.items():

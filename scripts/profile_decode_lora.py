@@ -87,9 +87,13 @@ MODES = {
     "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
                      "ROW_EXPAND_WARPS": 8},
-    # few rows (at most FEW_ROWS = 16): the engine's path before the few-rows blocks (K blocks of 512,
-    # rank blocks of 16, expand columns 256), and variants of the few-rows blocks (K 128, rank 64, columns 64)
-    "old": {"FEW_ROWS": None},
+    # few rows: the engine's path before the few-rows blocks (K blocks of 512, rank blocks of 16,
+    # expand columns 256, the epilogues' column sets one after the other), the paired epilogues
+    # alone, and variants of the few-rows blocks (at most FEW_ROWS rows; K 256, rank 64, columns 64)
+    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False},
+    "pair": {"FEW_ROWS": None},
+    "few16": {"FEW_ROWS": 16},
+    "few16_k128": {"FEW_ROWS": 16, "FEW_SHRINK_BLOCK_K": 128},
     "few_k64": {"FEW_SHRINK_BLOCK_K": 64},
     "few_k256": {"FEW_SHRINK_BLOCK_K": 256},
     "few_k512": {"FEW_SHRINK_BLOCK_K": 512},

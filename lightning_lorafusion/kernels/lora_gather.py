@@ -88,10 +88,14 @@ ROW_EXPAND_WARPS = 4
 # program instead of up to four in a row), and narrower K blocks (the shrink) and column blocks
 # (the expands, SwiGLU's LoRA rows) spread one row's A and B^T over more programs. A decode graph
 # is keyed by its rows (the batch bucket), so the choice is fixed per captured bucket.
-FEW_ROWS: int | None = 16
-FEW_SHRINK_BLOCK_K = 128
+FEW_ROWS: int | None = 4
+FEW_SHRINK_BLOCK_K = 256
 FEW_BLOCK_R = 64
 FEW_EXPAND_BLOCK_N = 64
+
+# the fused epilogues add two column sets' LoRA in one rank loop (RoPE's halves of a head, SwiGLU's
+# gate and up: ``lora_grouped_kernels.lora_delta_pair``) instead of one after the other
+PAIR_EPILOGUES = True
 
 # SwiGLU's LoRA rows compute down's shrink too (``lora_ahead``; the engine passes down's tables)
 # for at most this many decode rows (None: never), with this column block (down's K block) and warps
@@ -519,7 +523,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
     hd = head_dim or n
     hstride = out.stride(1) if out.dim() == 3 else 0
-    _, block_r = shrink_blocks(out.device, None, block_r)
+    _, block_r = row_blocks(out.device, lora.ranks.shape[1], None, block_r)  # the per-row expand's (its row loop)
     groups = lora.groups
     block_n = GROUPED_EXPAND_BLOCK_N if out.is_cuda else 16
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](

@@ -28,11 +28,12 @@ ROWS = {  # rows -> adapter of each row (rank 0: a base row)
 }
 
 
-@pytest.fixture(params=["few", "before"])
+@pytest.fixture(params=["few", "before", "few_unpaired"])
 def few(request, monkeypatch):
-    """The few-rows blocks on (the default) or off (the blocks used before them)."""
-    if request.param == "before":
-        monkeypatch.setattr(lg, "FEW_ROWS", None)
+    """The few-rows blocks on (for up to 16 rows) or off (the blocks used before them); the
+    epilogues' column sets in one rank loop (the default) or one after the other."""
+    monkeypatch.setattr(lg, "FEW_ROWS", None if request.param == "before" else 16)
+    monkeypatch.setattr(lg, "PAIR_EPILOGUES", request.param != "few_unpaired")
     return request.param
 
 
@@ -40,9 +41,10 @@ def test_few_rows_choose_their_blocks_by_row_count(monkeypatch):
     """At most FEW_ROWS rows: the few-rows blocks (a caller's blocks still win); more rows or
     FEW_ROWS None: the blocks of before."""
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    assert lg.FEW_ROWS == 16
-    assert lg.row_blocks(gpu, 1) == (lg.FEW_SHRINK_BLOCK_K, lg.FEW_BLOCK_R) == (128, 64)
-    assert lg.row_blocks(gpu, 16) == (128, 64) and lg.expand_block_n(gpu, 16) == lg.FEW_EXPAND_BLOCK_N == 64
+    assert lg.FEW_ROWS is not None and lg.FEW_ROWS >= 1
+    monkeypatch.setattr(lg, "FEW_ROWS", 16)
+    assert lg.row_blocks(gpu, 1) == (lg.FEW_SHRINK_BLOCK_K, lg.FEW_BLOCK_R) != lg.shrink_blocks(gpu)
+    assert lg.row_blocks(gpu, 16) == (lg.FEW_SHRINK_BLOCK_K, 64) and lg.expand_block_n(gpu, 16) == 64
     assert lg.row_blocks(gpu, 17) == lg.shrink_blocks(gpu) == (lg.ROW_SHRINK_BLOCK_K, 16)
     assert lg.expand_block_n(gpu, 17) == lg.ROW_EXPAND_BLOCK_N and lg.expand_block_n(gpu, 0) == lg.ROW_EXPAND_BLOCK_N
     assert lg.row_blocks(gpu, 4, block_k=256, block_r=32) == (256, 32) and lg.expand_block_n(gpu, 4, 512) == 512
@@ -77,6 +79,7 @@ def test_gather_few_rows_equals_the_blocks_of_before(device, monkeypatch):
     a_off, b_off, rk, scales = make_routing(adapters, row_adapter, RANKS, device)
     x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(5)).to(device)
     lora = GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales)
+    monkeypatch.setattr(lg, "FEW_ROWS", 16)
     few = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton")
     few_kb = lg.lora_shrink(lora)[1]
     monkeypatch.setattr(lg, "FEW_ROWS", None)
@@ -167,6 +170,7 @@ def test_swiglu_ahead_gives_down_its_shrink(device, dtype, rows, monkeypatch):
     from lightning_lorafusion.kernels.lora_epilogues import swiglu_ahead
 
     monkeypatch.setattr(lg, "AHEAD_MAX_ROWS", 16)
+    monkeypatch.setattr(lg, "FEW_ROWS", 16)
     lora, gu, n, (pool, a_off, b_off, rk, scales, h) = _ahead_case(ROWS[rows], dtype, device)
     act, partials = swiglu_ahead(gu[:, :n], gu[:, n:], lora=lora, ahead=ShrinkAhead(pool, a_off, rk), backend="triton")
     assert partials is not None and partials[1] == -(-n // 32)  # the interpreter's column block: 32
