@@ -302,12 +302,14 @@ class TenantsBench:
 
     def set_decode_lora(self, old: bool) -> None:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
-        (``lora_gather.FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False); the decode graphs are captured
+        (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
+        ``PAIR_EPILOGUES`` False); the decode graphs are captured
         again when that changes (not timed)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
-        want = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False} if old else self.decode_knobs
+        want = ({"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
+                if old else self.decode_knobs)
         if all(getattr(lora_gather, n) == v for n, v in want.items()):
             return
         for n, v in want.items():

@@ -90,10 +90,13 @@ MODES = {
     # few rows: the engine's path before the few-rows blocks (K blocks of 512, rank blocks of 16,
     # expand columns 256, the epilogues' column sets one after the other), the paired epilogues
     # alone, and variants of the few-rows blocks (at most FEW_ROWS rows; K 256, rank 64, columns 64)
-    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False},
-    "pair": {"FEW_ROWS": None},
+    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None},
+    "pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
     "few16": {"FEW_ROWS": 16},
     "few16_k128": {"FEW_ROWS": 16, "FEW_SHRINK_BLOCK_K": 128},
+    # the shrink's rank blocks over 4 programs (up to 64 rows), with the blocks of before
+    "rsplit": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64},
+    "rsplit_r32": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64, "RANK_SPLIT": 2},
     "few_k64": {"FEW_SHRINK_BLOCK_K": 64},
     "few_k256": {"FEW_SHRINK_BLOCK_K": 256},
     "few_k512": {"FEW_SHRINK_BLOCK_K": 512},

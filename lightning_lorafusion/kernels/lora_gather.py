@@ -48,17 +48,20 @@ MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sum
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride,
-    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_SPLIT: tl.constexpr,
 ):
     """part[g, row, kb, :rank] = x[row, kb's columns] A_g^T[kb's columns, :rank] (fp32).
 
-    Program (row, K block kb, projection g): loads the row's A tile of projection g for its K
-    block, BLOCK_R rank vectors at a time up to the row's own rank (a rank-8 row loads 8 rows
-    of A, not the largest rank's). The G projections of a group share the row's x.
+    Program (row, K block kb, projection g x rank split s): loads the row's A tile of
+    projection g for its K block, BLOCK_R rank vectors at a time up to the row's own rank (a
+    rank-8 row loads 8 rows of A, not the largest rank's), the rank blocks s, s + RANK_SPLIT,
+    ... (RANK_SPLIT programs share a row's rank: at a few rows each walks one block instead of
+    a chain of them; programs past the rank return). The G projections of a group share x.
     """
     row = tl.program_id(0)
     kb = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // RANK_SPLIT
+    split = tl.program_id(2) % RANK_SPLIT
     rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + row), MAX_R)
     a_off = tl.load(a_off_ptr + g * a_g_stride + row)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -66,7 +69,7 @@ def _lora_shrink_kernel(
     k_ok = offs_k < K
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     part_row = part_ptr + ((g * tl.num_programs(0) + row).to(tl.int64) * tl.num_programs(1) + kb) * MAX_R
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
         r_ok = r0 + offs_r < rank
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -86,9 +89,9 @@ ROW_EXPAND_WARPS = 4
 # program's chain of dependent loads is what it costs. So a row's whole rank (up to
 # ``FEW_BLOCK_R``) is one tile instead of a loop of 16-rank blocks (one load of A or B^T per
 # program instead of up to four in a row), and narrower K blocks (the shrink) and column blocks
-# (the expands, SwiGLU's LoRA rows) spread one row's A and B^T over more programs. A decode graph
-# is keyed by its rows (the batch bucket), so the choice is fixed per captured bucket.
-FEW_ROWS: int | None = 4
+# (the expands, SwiGLU's LoRA rows) spread one row's A and B^T over more programs; H100: faster
+# up to 8 rows, slower from 16 (docs/kernels.md). Decode graphs are keyed by their bucket of rows.
+FEW_ROWS: int | None = 8
 FEW_SHRINK_BLOCK_K = 256
 FEW_BLOCK_R = 64
 FEW_EXPAND_BLOCK_N = 64
@@ -96,6 +99,12 @@ FEW_EXPAND_BLOCK_N = 64
 # the fused epilogues add two column sets' LoRA in one rank loop (RoPE's halves of a head, SwiGLU's
 # gate and up: ``lora_grouped_kernels.lora_delta_pair``) instead of one after the other
 PAIR_EPILOGUES = True
+
+# the per-row shrink's rank blocks over this many programs per (row, K block, projection) for
+# launches of at most RANK_SPLIT_MAX_ROWS rows (None: never): a row's rank blocks side by side
+# instead of one after another (at rank 64 with 16-rank blocks: 4 programs of one block each)
+RANK_SPLIT = 4
+RANK_SPLIT_MAX_ROWS: int | None = 64
 
 # SwiGLU's LoRA rows compute down's shrink too (``lora_ahead``; the engine passes down's tables)
 # for at most this many decode rows (None: never), with this column block (down's K block) and warps
@@ -445,6 +454,15 @@ def ahead_rows(rows: int) -> bool:
             and (GROUPED_EXPAND_MIN_ROWS is None or rows < GROUPED_EXPAND_MIN_ROWS))
 
 
+def rank_split(device: torch.device, rows: int) -> int:
+    """Programs sharing a row's rank blocks in the per-row shrink over ``rows`` rows:
+    ``RANK_SPLIT`` up to ``RANK_SPLIT_MAX_ROWS`` rows, else 1 (and 1 where the few-rows blocks
+    hold a row's rank in one tile)."""
+    if RANK_SPLIT_MAX_ROWS is None or not 0 < rows <= RANK_SPLIT_MAX_ROWS or few_rows(rows):
+        return 1
+    return RANK_SPLIT
+
+
 def row_blocks(device: torch.device, rows: int, block_k: int | None = None,
                block_r: int | None = None) -> tuple[int, int]:
     """(block_k, block_r) of the per-row shrink and the expands' rank loop for a launch over
@@ -501,9 +519,11 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
         )
     elif rows:
-        _lora_shrink_kernel[(rows, k_blocks, g)](
+        split = rank_split(x.device, rows)
+        _lora_shrink_kernel[(rows, k_blocks, g * split)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
-            lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+            lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
+            num_warps=num_warps,
         )
     return part, k_blocks
 

@@ -28,12 +28,14 @@ ROWS = {  # rows -> adapter of each row (rank 0: a base row)
 }
 
 
-@pytest.fixture(params=["few", "before", "few_unpaired"])
+@pytest.fixture(params=["few", "before", "few_unpaired", "rank_split"])
 def few(request, monkeypatch):
     """The few-rows blocks on (for up to 16 rows) or off (the blocks used before them); the
-    epilogues' column sets in one rank loop (the default) or one after the other."""
-    monkeypatch.setattr(lg, "FEW_ROWS", None if request.param == "before" else 16)
+    epilogues' column sets in one rank loop (the default) or one after the other; the shrink's
+    rank blocks over several programs (``RANK_SPLIT``) with the blocks of before."""
+    monkeypatch.setattr(lg, "FEW_ROWS", None if request.param in ("before", "rank_split") else 16)
     monkeypatch.setattr(lg, "PAIR_EPILOGUES", request.param != "few_unpaired")
+    monkeypatch.setattr(lg, "RANK_SPLIT_MAX_ROWS", 16 if request.param == "rank_split" else None)
     return request.param
 
 
@@ -204,3 +206,27 @@ def test_swiglu_ahead_only_where_it_applies(device, monkeypatch):
     with pytest.raises(ValueError, match="partials must be"):
         lora_gather(x, pool, *(torch.cat([t, t[:1]]) for t in (a_off, b_off, rk, scales)), h, backend="triton",
                     partials=partials)
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_rank_split_shrink_gives_the_same_bits(device, split, monkeypatch):
+    """The shrink's rank blocks spread over ``split`` programs compute each block as before:
+    the same partial sums, bit for bit (ranks 1-128 with 16-rank blocks: up to 8 blocks, some
+    programs with none, one with two), and a split above the bound is not taken."""
+    k, n, row_adapter = 70, 90, ROWS["mixed_with_base_rows"]
+    pool, adapters = make_adapters(RANKS, k, n, torch.float32, device)
+    a_off, b_off, rk, scales = make_routing(adapters, row_adapter, RANKS, device)
+    x = torch.randn(len(row_adapter), k, generator=torch.Generator().manual_seed(5)).to(device)
+    lora = GatheredLora(x, pool, a_off[None], b_off[None], rk[None], scales)
+    monkeypatch.setattr(lg, "FEW_ROWS", None)
+    monkeypatch.setattr(lg, "RANK_SPLIT_MAX_ROWS", None)
+    part, kb = lg.lora_shrink(lora, block_r=16)
+    monkeypatch.setattr(lg, "RANK_SPLIT", split)
+    monkeypatch.setattr(lg, "RANK_SPLIT_MAX_ROWS", len(row_adapter))
+    assert lg.rank_split(device, len(row_adapter)) == split and lg.rank_split(device, len(row_adapter) + 1) == 1
+    part_split, kb_split = lg.lora_shrink(lora, block_r=16)
+    view = (len(row_adapter), kb, lg.MAX_RANK)
+    for i, a in enumerate(row_adapter):  # entries past a row's rank are never written: compare the rest
+        r = min(RANKS[a], lg.MAX_RANK)
+        assert torch.equal(part.view(view)[i, :, :r], part_split.view(view)[i, :, :r])
+    assert kb_split == kb
