@@ -126,8 +126,14 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         built = build(args, device, dtype)
     rows, tokens = [], {}
+    errors = {}
     for variant in args.variants:
-        got, tokens[variant] = measure(args, variant, built, device, dtype)
+        try:
+            got, tokens[variant] = measure(args, variant, built, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - keep the other variants' numbers
+            errors[variant] = f"{type(exc).__name__}: {exc}"
+            log(f"{variant} failed: {errors[variant]}")
+            continue
         rows += got
         write_json(args.out, "bench_decode_step.json", {**device_info(device), "args": vars(args), "rows": rows})
     ref = tokens.get("lora_old")
@@ -143,7 +149,7 @@ def main(argv=None) -> dict:
             agree[variant] += (f", first tokens {sum(p > 0 for p in prefix)}/{len(prefix)}, "
                                f"mean common prefix {sum(prefix) / max(len(prefix), 1):.1f}")
     report = {**device_info(device), "args": vars(args), "rows": rows, "same_tokens_as_lora_old": agree,
-              "seconds": time.monotonic() - start}
+              "errors": errors, "seconds": time.monotonic() - start}
     write_json(args.out, "bench_decode_step.json", report)
     by = {(r["variant"], r["rows"]): r for r in rows}
     print(f"\ndecode step, {args.shape} shape, {args.layers} layers, {args.adapters} adapters of ranks {args.ranks} "
