@@ -335,6 +335,8 @@ def graph_profile(s: dict, lora: bool, groups, reps: int) -> dict:
     res["busy_us"] = sum(t["us"] for t in timeline) / layers
     res["gap_us"] = sum(t["gap_us"] or 0.0 for t in timeline) / layers
     res["nodes_traced"] = per / layers
+    kinds = {"kernel": "KERNEL", "gpu_memset": "MEMSET", "gpu_memcpy": "MEMCPY"}
+    res["nodes_traced_by_kind"] = {kinds[k]: sum(t["kind"] == k for t in timeline) / layers for k in kinds}
     return res
 
 
@@ -398,7 +400,8 @@ def kernel_tables(rows: list[dict]) -> list[str]:
 def graph_tables(rows: list[dict]) -> list[str]:
     """Per case: each mode's captured layer (nodes by kind, busy and gap µs); then the first
     layer's node timeline of the modes "old" and "engine"."""
-    lines = ["| case | mode | graph µs | nodes (kernel / memset / other) | busy µs | gaps µs |", "|" + "---|" * 6]
+    lines = ["| case | mode | graph µs | nodes per layer (kernel / memset / other) | busy µs | gaps µs |",
+             "|" + "---|" * 6]
     timelines = []
     for r in rows:
         name = f"{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']})"
@@ -406,7 +409,7 @@ def graph_tables(rows: list[dict]) -> list[str]:
             g = m.get("graph")
             if not g:
                 continue
-            n = g.get("nodes", {})
+            n = g.get("nodes") or g.get("nodes_traced_by_kind", {})  # the dump, else the traced replays
             other = sum(v for k, v in n.items() if k not in ("KERNEL", "MEMSET"))
             lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
                          f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
