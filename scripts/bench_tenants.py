@@ -64,6 +64,7 @@ import torch  # noqa: E402
 from bench_generation import SHAPES, build_model, random_adapters  # noqa: E402
 from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engine  # noqa: E402
 
+from lightning_lorafusion.kernels import lora_gather  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
@@ -289,6 +290,7 @@ class TenantsBench:
         table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
         graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
+        self.set_decode_lora("decode-lora" in old)
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.runner.host_tables = "separate" if "host" in old else "packed"
         engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
@@ -307,6 +309,25 @@ class TenantsBench:
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
                          "captures": runner.capture_counts()})
+
+    def set_decode_lora(self, old: bool) -> None:
+        """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
+        (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
+        ``PAIR_EPILOGUES`` False); the decode graphs are captured
+        again when that changes (not timed)."""
+        if not hasattr(self, "decode_knobs"):
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS")
+            self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
+        want = ({"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
+                if old else self.decode_knobs)
+        if all(getattr(lora_gather, n) == v for n, v in want.items()):
+            return
+        for n, v in want.items():
+            setattr(lora_gather, n, v)
+        if self.engine.runner.graphs is not None:
+            with self.engine._step_lock, timer(self.device) as t:
+                self.engine.runner.capture_decode_graphs()
+            log(f"decode graphs captured again ({'old' if old else 'new'} decode LoRA) in {t.seconds:.1f} s")
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -458,12 +479,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
-    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids")),
+    ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
+                                              "decode-lora")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
                          "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
-                         "(the prefill LoRA's grids over the whole padded table); default %(default)s")
+                         "(the prefill LoRA's grids over the whole padded table), decode-lora (the decode "
+                         "LoRA's blocks before the few-rows ones); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -486,6 +509,8 @@ def main(argv=None) -> dict:
         run_all(bench)
     finally:
         bench.engine.close()
+        for name, value in getattr(bench, "decode_knobs", {}).items():  # (--old decode-lora changed them)
+            setattr(lora_gather, name, value)
     report = bench.report
     print("\n" + table(report))
     for r in report["runs"]:

@@ -18,6 +18,16 @@ blocks and warps), it prints:
 
 Every mode's outputs are checked against the per-row path's (``max_rel_diff``).
 
+On CUDA each mode's pass is also captured as one CUDA graph, as the engine's decode graphs
+capture a step: its nodes by kind per layer (kernels, memsets, copies; the graph's debug dump),
+and from profiled replays each node's time and the gap before it (the GPU idle between the
+previous node's end and its start), with the first layer's nodes one by one for the modes
+"old" (the blocks before the few-rows ones) and "engine". Few rows (1-16), mixed ranks, rows on
+their own adapters and sharing them, the engine against before:
+
+    PYTHONPATH=. python3 scripts/profile_decode_lora.py --cases 1x1,4x4c,16x16c,64x64c,16x4,64x16 \
+        --rank-sets "64,4,32,8,16" --modes base,old,engine,few_k64,few_k256,few_r32,few_n128,few_rows64 --out $OUT
+
     PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
     PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
         --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
@@ -28,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from collections import defaultdict
@@ -38,7 +49,8 @@ import torch  # noqa: E402
 
 import bench_decode_groups as bdg  # noqa: E402
 from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
-from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu  # noqa: E402
+from lightning_lorafusion.kernels.lora_ahead import ShrinkAhead  # noqa: E402
+from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu_ahead  # noqa: E402
 from lightning_lorafusion.kernels.lora_gather import GatheredLora, adapter_groups, lora_gather  # noqa: E402
 
 log = logger("profile_decode_lora")
@@ -75,6 +87,29 @@ MODES = {
     "per_row_n128": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 128},
     "per_row_n512": {"GROUPED_MIN_ROWS": NEVER, "GROUPED_EXPAND_MIN_ROWS": None, "ROW_EXPAND_BLOCK_N": 512,
                      "ROW_EXPAND_WARPS": 8},
+    # few rows: the engine's path before the few-rows blocks (K blocks of 512, rank blocks of 16,
+    # expand columns 256, the epilogues' column sets one after the other), the paired epilogues
+    # alone, and variants of the few-rows blocks (at most FEW_ROWS rows; K 256, rank 64, columns 64)
+    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None},
+    "pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
+    "few16": {"FEW_ROWS": 16},
+    "few16_k128": {"FEW_ROWS": 16, "FEW_SHRINK_BLOCK_K": 128},
+    # the shrink's rank blocks over 4 programs (up to 64 rows), with the blocks of before
+    "rsplit": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64},
+    "rsplit_r32": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64, "RANK_SPLIT": 2},
+    "few_k64": {"FEW_SHRINK_BLOCK_K": 64},
+    "few_k256": {"FEW_SHRINK_BLOCK_K": 256},
+    "few_k512": {"FEW_SHRINK_BLOCK_K": 512},
+    "few_r32": {"FEW_BLOCK_R": 32},
+    "few_n32": {"FEW_EXPAND_BLOCK_N": 32},
+    "few_n128": {"FEW_EXPAND_BLOCK_N": 128},
+    "few_n256": {"FEW_EXPAND_BLOCK_N": 256},
+    # SwiGLU's LoRA rows compute down's shrink (one launch less per layer) up to 16 / 64 rows
+    "ahead": {"AHEAD_MAX_ROWS": 16},
+    "ahead_rows64": {"AHEAD_MAX_ROWS": 64, "FEW_ROWS": 64},
+    # the few-rows blocks up to 32 / 64 rows
+    "few_rows32": {"FEW_ROWS": 32},
+    "few_rows64": {"FEW_ROWS": 64},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
@@ -107,13 +142,15 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
                 a_off, b_off, rk = t["o"]
                 lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
                             out=s["o"], backend="triton", groups=groups)
-        with piece("gate_up"):
-            act = swiglu(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]), backend="triton")
+        with piece("gate_up"):  # down's shrink folded in where AHEAD_MAX_ROWS says so (as the engine)
+            ahead = ShrinkAhead(s["pool"], t["down"][0][0], t["down"][2][0]) if lora else None
+            act, partials = swiglu_ahead(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]),
+                                         ahead=ahead, backend="triton")
         if lora:
-            with piece("down"):
+            with piece("down"):  # down reads SwiGLU's output, as in the engine
                 a_off, b_off, rk = t["down"]
-                lora_gather(s["act"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
-                            out=s["down"], backend="triton", groups=groups)
+                lora_gather(act, s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
+                            out=s["down"], backend="triton", groups=groups, partials=partials)
         outs.append(act)
     return outs
 
@@ -202,6 +239,11 @@ def profile_mode(s: dict, mode: str, device, groups, reps: int) -> dict:
     res["graph_us"] = 1e3 * kernel_ms(lambda: run_layers(s, lora, groups), graph=True) / layers
     torch.cuda.synchronize()
     try:
+        res["graph"] = graph_profile(s, lora, groups, reps)
+    except Exception as exc:  # (no CUPTI on the machine): keep the graph time
+        log(f"graph profile failed: {type(exc).__name__}: {exc}")
+    torch.cuda.synchronize()
+    try:
         kernels = _profiled_kernels(s, lora, groups, reps, layers)
     except Exception as exc:  # (no CUPTI on the machine): keep the graph time
         log(f"profiler failed: {type(exc).__name__}: {exc}")
@@ -225,6 +267,77 @@ def _profiled_kernels(s: dict, lora: bool, groups, reps: int, layers: int) -> li
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         return parse_trace(path, reps, layers)
+
+
+NODE_KINDS = ("KERNEL", "MEMSET", "MEMCPY", "EMPTY", "HOST", "EVENT_RECORD", "WAIT_EVENT", "MEM_ALLOC", "MEM_FREE")
+KIND_WORD = re.compile(r"(?<![A-Z_])(" + "|".join(NODE_KINDS) + r")(?![A-Z_])")
+
+
+def count_nodes(dot: str) -> dict:
+    """A CUDA graph's debug dump (DOT) -> nodes by kind (KERNEL, MEMSET, ...; "other"): each node
+    definition (``"graph_i_node_j"[...]``, its label over one line or several) by the first kind
+    word in it."""
+    starts = list(re.finditer(r'"graph_\d+_node_\d+"\s*\[', dot))
+    counts: dict = defaultdict(int)
+    for i, m in enumerate(starts):
+        body = dot[m.end():starts[i + 1].start() if i + 1 < len(starts) else len(dot)]
+        found = [(w.start(), w.group(1)) for w in KIND_WORD.finditer(body)]
+        counts[min(found)[1] if found else "other"] += 1
+    return dict(counts)
+
+
+def graph_profile(s: dict, lora: bool, groups, reps: int) -> dict:
+    """One pass captured as a CUDA graph, as the engine's decode graphs capture a step: its nodes
+    by kind (the graph's debug dump: kernels, memsets, copies) and, from ``reps`` profiled
+    replays, each node's time and the gap before it (the GPU idle between the previous node's
+    end and this one's start: what a node waits on besides its predecessor's work). Per layer."""
+    layers = len(s["tables"])
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_layers(s, lora, groups)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        run_layers(s, lora, groups)
+    res: dict = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "graph.dot")
+            graph.debug_dump(path)
+            res["nodes"] = {k: v / layers for k, v in count_nodes(open(path).read()).items()}
+    except Exception as exc:  # (a torch without the dump): keep the times
+        log(f"graph dump failed: {type(exc).__name__}: {exc}")
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = sorted((e for e in json.load(open(path))["traceEvents"]
+                         if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+    per = len(events) // reps if reps else 0
+    if not per:
+        return res
+    timeline = []
+    for i in range(per):
+        these = [events[j * per + i] for j in range(reps)]
+        gaps = [e["ts"] - (events[j * per + i - 1]["ts"] + events[j * per + i - 1]["dur"])
+                for j, e in enumerate(these) if i > 0]
+        timeline.append({"kernel": these[0]["name"], "kind": these[0].get("cat"),
+                         "grid": these[0].get("args", {}).get("grid"), "us": sum(e["dur"] for e in these) / reps,
+                         "gap_us": sum(gaps) / len(gaps) if gaps else None})
+    res["timeline"] = timeline[: per // layers]  # the first layer
+    res["busy_us"] = sum(t["us"] for t in timeline) / layers
+    res["gap_us"] = sum(t["gap_us"] or 0.0 for t in timeline) / layers
+    res["nodes_traced"] = per / layers
+    kinds = {"kernel": "KERNEL", "gpu_memset": "MEMSET", "gpu_memcpy": "MEMCPY"}
+    res["nodes_traced_by_kind"] = {kinds[k]: sum(t["kind"] == k for t in timeline) / layers for k in kinds}
+    return res
 
 
 def outputs(s: dict, groups) -> list[torch.Tensor]:
@@ -284,11 +397,36 @@ def kernel_tables(rows: list[dict]) -> list[str]:
     return lines
 
 
+def graph_tables(rows: list[dict]) -> list[str]:
+    """Per case: each mode's captured layer (nodes by kind, busy and gap µs); then the first
+    layer's node timeline of the modes "old" and "engine"."""
+    lines = ["| case | mode | graph µs | nodes per layer (kernel / memset / other) | busy µs | gaps µs |",
+             "|" + "---|" * 6]
+    timelines = []
+    for r in rows:
+        name = f"{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']})"
+        for m in r["modes"]:
+            g = m.get("graph")
+            if not g:
+                continue
+            n = g.get("nodes") or g.get("nodes_traced_by_kind", {})  # the dump, else the traced replays
+            other = sum(v for k, v in n.items() if k not in ("KERNEL", "MEMSET"))
+            lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
+                         f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
+                         f"| {fmt(g.get('gap_us'))} |")
+            if m["mode"] in ("old", "engine") and g.get("timeline"):
+                timelines += [f"\n{name}, {m['mode']}: one captured layer, node by node",
+                              "| node | grid | µs | gap before µs |", "|---|---|---|---|"]
+                timelines += [f"| {t['kernel'][:48]} | {'x'.join(map(str, t['grid'] or []))} | {t['us']:.1f} "
+                              f"| {fmt(t['gap_us'])} |" for t in g["timeline"]]
+    return lines + timelines
+
+
 def summary_table(rows: list[dict]) -> list[str]:
     """One line per case and mode: graph time, its part over base (× the per-row path's and × the
     engine's before, where run), kernel time, launches."""
     lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
-             "| × per row | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
+             "| × old | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
         base = modes.get("base", {}).get("graph_us")
@@ -299,7 +437,7 @@ def summary_table(rows: list[dict]) -> list[str]:
 
         for m in r["modes"]:
             over = lora_us(m["mode"])
-            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("per_row", "before")]
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before")]
             lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
                          f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
                          f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(m.get('kernel_us'))} "
@@ -356,7 +494,8 @@ def _main(argv, defaults: dict) -> dict:
             write_json(args.out, "profile_decode_lora.json", {**device_info(device), "args": vars(args),
                                                               "copy_gbps": gbps, "modes": MODES, "rows": rows})
     head = f"per layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass, copy {fmt(gbps, '.0f')} GB/s)"
-    text = "\n".join([head] + kernel_tables(rows) + ["", head] + summary_table(rows))
+    text = "\n".join([head] + kernel_tables(rows) + ["", "captured layers"] + graph_tables(rows)
+                     + ["", head] + summary_table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "profile_decode_lora.md"), "w") as f:

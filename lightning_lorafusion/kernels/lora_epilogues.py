@@ -21,8 +21,9 @@ import triton.language as tl
 
 from . import lora_gather as _gather
 from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
-                          shrink_blocks, takes_groups)
-from .lora_grouped_kernels import lora_delta, lora_group_delta, lora_row_tables
+                          row_blocks, takes_groups)
+from .lora_ahead import ShrinkAhead, shrink_ahead
+from .lora_grouped_kernels import _swiglu_grouped_kernel, _with_lora, _with_lora_pair
 from .paged_attention import _check_pool, write_kv
 from .reference import apply_rope
 
@@ -36,19 +37,6 @@ ROPE_ROWS_WARPS = 4
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
-               b_g_stride, r_g_stride, N, offs_n, n_ok,
-               MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
-    """x (fp32 values of the output dtype at columns offs_n of projection g) + the row's LoRA
-    delta, still fp32 (the caller rounds). NaN where the row's rank exceeds MAX_R."""
-    rank_in, rank, b_off, scale, part_row = lora_row_tables(
-        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
-    delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-    return tl.where(rank_in > MAX_R, float("nan"), x + delta)
 
 
 @triton.jit
@@ -67,6 +55,45 @@ def _load_cols(base, cols, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_pt
 
 
 @triton.jit
+def _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
+                    k_blocks, b_g_stride, r_g_stride, N, col0,
+                    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """``_load_cols`` of two column sets of one head (RoPE's halves) of projection g: their LoRA
+    in one rank loop (``_with_lora_pair``), the same values."""
+    xa = tl.load(base + cols_a, mask=ok, other=0.0)
+    dtype = xa.dtype
+    xa = xa.to(tl.float32)
+    xb = tl.load(base + cols_b, mask=ok, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        xa, xb = _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, g, lora_rows,
+                                 k_blocks, b_g_stride, r_g_stride, N, N, col0 + cols_a, ok, col0 + cols_b, ok,
+                                 MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        xa = xa.to(dtype).to(tl.float32)
+        xb = xb.to(dtype).to(tl.float32)
+    return xa, xb
+
+
+@triton.jit
+def _load_halves(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
+                 k_blocks, b_g_stride, r_g_stride, N, col0,
+                 HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                 PAIR: tl.constexpr):
+    """A head's two column sets with their LoRA: in one rank loop (PAIR) or one after the other."""
+    if PAIR:
+        xa, xb = _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
+                                 g, lora_rows, k_blocks, b_g_stride, r_g_stride, N, col0,
+                                 HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+    else:
+        xa = _load_cols(base, cols_a, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
+                        k_blocks, b_g_stride, r_g_stride, N, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        xb = _load_cols(base, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
+                        k_blocks, b_g_stride, r_g_stride, N, col0,
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+    return xa, xb
+
+
+@triton.jit
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
     cos_ptr, sin_ptr, cs_stride,
@@ -76,12 +103,14 @@ def _rope_kv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     """Program (row0 + i, head): head < HQ is query head ``head`` (LoRA, RoPE, in place);
     otherwise kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value
     (LoRA, in place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``.
     RoPE rotates the head's first ``2 * ROT_HALF`` dims (cos, sin are that wide); the ``PASS``
-    dims after them (partial rotary) only get their LoRA."""
+    dims after them (partial rotary) only get their LoRA. PAIR: a head's two halves take their
+    LoRA in one rank loop (``_load_cols_pair``), else one after the other (the same values)."""
     row = row0 + tl.program_id(0)
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -97,12 +126,9 @@ def _rope_kv_kernel(
     if head < HQ:
         base = q_ptr + row64 * q_stride + head * q_hstride
         n, col0 = HQ * 2 * HALF, head * 2 * HALF
-        x1 = _load_cols(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-        x2 = _load_cols(base, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        x1, x2 = _load_halves(base, offs, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr,
+                              lrow, 0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
         tl.store(base + offs, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(base + ROT_HALF + offs, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=ok)
         if PASS > 0 and HAS_LORA:
@@ -116,12 +142,9 @@ def _rope_kv_kernel(
                 + j * kv_sh)
         base = k_ptr + row64 * k_stride + j * k_hstride
         n, col0 = HKV * 2 * HALF, j * 2 * HALF
-        x1 = _load_cols(base, offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-        x2 = _load_cols(base, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        x1, x2 = _load_halves(base, offs, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr,
+                              lrow, 1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
         k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
         k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
         tl.store(base + offs, k1, mask=ok)
@@ -139,12 +162,11 @@ def _rope_kv_kernel(
         base = v_ptr + row64 * v_stride + j * v_hstride
         offs_v = tl.arange(0, BLOCK_HALF)
         ok_v = offs_v < HALF
-        v1 = _load_cols(base, offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(v_ptr.dtype.element_ty)
-        v2 = _load_cols(base, HALF + offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
-                        2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(v_ptr.dtype.element_ty)
+        v1, v2 = _load_halves(base, offs_v, HALF + offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr,
+                              part_ptr, lrow, 2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
+        v1 = v1.to(v_ptr.dtype.element_ty)
+        v2 = v2.to(v_ptr.dtype.element_ty)
         if HAS_LORA:
             tl.store(base + offs_v, v1, mask=ok_v)
             tl.store(base + HALF + offs_v, v2, mask=ok_v)
@@ -213,12 +235,13 @@ def _rope_kv_rows_kernel(
 def _swiglu_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
-    row0,
+    row0, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr, PAIR: tl.constexpr,
 ):
     """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
-    first; silu rounded before the product, as the eager ops do."""
+    first; silu rounded before the product, as the eager ops do. AHEAD (a launch over the LoRA
+    rows): the next projection's shrink partials of this block too (``lora_ahead``)."""
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,88 +251,25 @@ def _swiglu_kernel(
     dtype = g.dtype
     g = g.to(tl.float32)
     u = u.to(tl.float32)
-    if HAS_LORA:
-        lrow = row - first_row
-        g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, lora_rows, k_blocks,
+    if HAS_LORA and PAIR:  # gate's and up's LoRA in one rank loop
+        g, u = _with_lora_pair(g, u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, 1,
+                               lora_rows, k_blocks, b_g_stride, r_g_stride, N, N, offs, ok, offs, ok,
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        g = g.to(dtype).to(tl.float32)
+        u = u.to(dtype).to(tl.float32)
+    elif HAS_LORA:
+        g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, lora_rows, k_blocks,
                        b_g_stride, r_g_stride, N, offs, ok,
                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-        u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, lora_rows, k_blocks,
+        u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 1, lora_rows, k_blocks,
                        b_g_stride, r_g_stride, N, offs, ok,
                        MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
-def _swiglu_grouped_kernel(
-    g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
-    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
-    b_g_stride, r_g_stride, loop_rows,
-    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
-):
-    """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
-    B^T read once for its rows: ROW_LOOP (or a group of at most ``loop_rows`` rows), the rows
-    one after another through ``_with_lora`` (the per-row kernel's bits, the tile from L1 after
-    the first row); else one dot for them all (``lora_group_delta``), the same roundings per
-    element. Rows in no group are left to the plain launch."""
-    t = tl.program_id(0)
-    start = tl.load(groups_ptr + t)
-    end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
-        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = offs < N
-        if ROW_LOOP:
-            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
-                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
-                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-        elif end - start <= loop_rows:
-            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
-                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
-                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
-        else:
-            row, m_ok, rank_g, dg = lora_group_delta(
-                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
-                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                HALF_S=HALF_S)
-            _, _, rank_u, du = lora_group_delta(
-                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
-                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                HALF_S=HALF_S)
-            row64 = (first_row + row).to(tl.int64)[:, None]
-            live = m_ok[:, None] & ok[None, :]
-            g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
-            u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
-            dtype = g.dtype
-            g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
-            u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
-
-
-@triton.jit
-def _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
-                     scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
-                     r_g_stride, start, end, offs, ok,
-                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
-    """The rows ``perm[start:end]`` one after another through ``_with_lora`` (the per-row kernel's
-    arithmetic)."""
-    for i in range(start, end):
-        lrow = tl.load(groups_ptr + 2 * groups_stride + i)
-        row64 = (first_row + lrow).to(tl.int64)
-        g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
-        u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
-        dtype = g.dtype
-        g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
-                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-        u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
-                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+    act = (s * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row64 * out_stride + offs, act, mask=ok)
+    if AHEAD:
+        shrink_ahead(act.to(tl.float32), nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr, row - first_row,
+                     tl.program_id(1), tl.num_programs(1), N, offs, ok, MAX_R=MAX_R, NX_BLOCK_R=NX_BLOCK_R)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,7 +389,7 @@ def _row_launches(t: int, lora: GatheredLora | None) -> list[tuple[int, int, boo
 def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num_warps: int):
     """The LoRA half of a kernel's arguments and its constexprs (the group's shrink launched now)."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
-    _, block_r = shrink_blocks(lora.x.device, block_k, block_r)
+    _, block_r = row_blocks(lora.x.device, lora.ranks.shape[1], block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
             lora.b_offsets.stride(0), lora.ranks.stride(0))
     return args, {"HAS_LORA": True, "MAX_R": MAX_RANK, "BLOCK_R": block_r,
@@ -484,7 +444,8 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
         _rope_kv_kernel[(rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
-            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, num_warps=num_warps or 4,
+            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, PAIR=_gather.PAIR_EPILOGUES,
+            num_warps=num_warps or 4,
         )
     return None
 
@@ -495,19 +456,33 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
     """Same contract as ``swiglu_reference``; ``backend``: "torch", "triton" or "auto". The
     Triton path: the gate/up shrink (if ``lora``), then one launch over (row, column block);
     gate and up may be column slices of one fused gate|up GEMM output."""
+    return swiglu_ahead(gate, up, lora=lora, backend=backend, block_n=block_n, block_k=block_k, block_r=block_r,
+                        num_warps=num_warps)[0]
+
+
+def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None,
+                 ahead: ShrinkAhead | None = None, backend: str = "auto", block_n: int | None = None,
+                 block_k: int | None = None, block_r: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+    """``swiglu`` -> (its output, the next projection's shrink partials or None). With ``ahead``
+    (down's A tables for ``lora``'s rows) the LoRA rows' launch also computes down's shrink
+    (``lora_ahead``) where it applies (Triton, per-row LoRA, at most
+    ``lora_gather.AHEAD_MAX_ROWS`` rows): ``(part, k_blocks)`` for ``lora_gather(partials=)``;
+    None elsewhere (down's gather then runs its own shrink)."""
     if _resolve(backend, gate) == "torch":
-        return swiglu_reference(gate, up, lora)
+        return swiglu_reference(gate, up, lora), None
     _check_swiglu(gate, up, lora)
     _require_triton(gate)
     t, n = gate.shape
     out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
     if t == 0:
-        return out
+        return out, None
     grouped = lora if lora is not None and _grouped(lora) else None
     if grouped is not None:  # every row plain first, then the groups' rows again with their LoRA
         lora = None
     plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
+    fused = _ahead_args(gate, lora, ahead, block_n)
     for row0, rows, with_lora in _row_launches(t, lora):
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
@@ -515,14 +490,36 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
         bn, warps = block_n, num_warps or (_gather.ROW_EXPAND_WARPS if with_lora else 4)
         if not with_lora and block_n is None and rows >= 1024 and gate.is_cuda:
             bn, warps = 2048, 8
-        bn = bn or ((_gather.ROW_EXPAND_BLOCK_N if with_lora else 1024) if gate.is_cuda else 32)
+        if with_lora:
+            bn = _gather.expand_block_n(gate.device, rows, bn)
+        nx, nx_meta = (fused[0], fused[1]) if with_lora and fused else ((gate, gate, gate, gate), _NO_AHEAD)
+        if with_lora and fused:
+            bn, warps = fused[2], num_warps or fused[3]
+        bn = bn or (1024 if gate.is_cuda else 32)
         _swiglu_kernel[(rows, triton.cdiv(n, bn))](
-            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, **meta,
-            BLOCK_N=bn, num_warps=warps,
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, *nx, **meta, **nx_meta,
+            BLOCK_N=bn, PAIR=_gather.PAIR_EPILOGUES, num_warps=warps,
         )
     if grouped is not None:
         _swiglu_grouped(gate, up, out, grouped, block_k, block_r, num_warps)
-    return out
+    return out, (None if not fused else (fused[0][3], triton.cdiv(n, fused[2])))
+
+
+_NO_AHEAD = {"AHEAD": False, "NX_BLOCK_R": 16}
+
+
+def _ahead_args(gate: torch.Tensor, lora: GatheredLora | None, ahead: ShrinkAhead | None, block_n: int | None):
+    """(next-shrink pointers, constexprs, column block, warps) of a fused LoRA-row launch, or None
+    where the next projection's shrink is not folded in (no ``ahead``, no per-row LoRA, more rows
+    than ``AHEAD_MAX_ROWS``)."""
+    rows = 0 if lora is None else lora.ranks.shape[1]
+    if ahead is None or not _gather.ahead_rows(rows):
+        return None
+    ahead.check(rows, gate.device, gate.dtype)
+    bn = block_n or (_gather.AHEAD_BLOCK_N if gate.is_cuda else 32)
+    part = torch.empty(rows * triton.cdiv(gate.shape[1], bn) * MAX_RANK, dtype=torch.float32, device=gate.device)
+    nx_block_r = row_blocks(gate.device, rows)[1]
+    return (ahead.pool, ahead.a_offsets, ahead.ranks, part), {"AHEAD": True, "NX_BLOCK_R": nx_block_r}, bn, _gather.AHEAD_WARPS
 
 
 def _grouped(lora: GatheredLora) -> bool:
@@ -533,7 +530,7 @@ def _grouped(lora: GatheredLora) -> bool:
 def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_warps) -> None:
     """The gate/up shrink, then ``out``'s LoRA rows rewritten a group at a time."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
-    _, block_r = shrink_blocks(gate.device, block_k, block_r)
+    _, block_r = row_blocks(gate.device, lora.ranks.shape[1], block_k, block_r)
     n, groups = gate.shape[1], lora.groups
     bn = _gather.GROUPED_EXPAND_BLOCK_N if gate.is_cuda else 16
     _swiglu_grouped_kernel[(groups.shape[1], triton.cdiv(n, bn))](

@@ -48,17 +48,20 @@ MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sum
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride,
-    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_SPLIT: tl.constexpr,
 ):
     """part[g, row, kb, :rank] = x[row, kb's columns] A_g^T[kb's columns, :rank] (fp32).
 
-    Program (row, K block kb, projection g): loads the row's A tile of projection g for its K
-    block, BLOCK_R rank vectors at a time up to the row's own rank (a rank-8 row loads 8 rows
-    of A, not the largest rank's). The G projections of a group share the row's x.
+    Program (row, K block kb, projection g x rank split s): loads the row's A tile of
+    projection g for its K block, BLOCK_R rank vectors at a time up to the row's own rank (a
+    rank-8 row loads 8 rows of A, not the largest rank's), the rank blocks s, s + RANK_SPLIT,
+    ... (RANK_SPLIT programs share a row's rank: at a few rows each walks one block instead of
+    a chain of them; programs past the rank return). The G projections of a group share x.
     """
     row = tl.program_id(0)
     kb = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // RANK_SPLIT
+    split = tl.program_id(2) % RANK_SPLIT
     rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + row), MAX_R)
     a_off = tl.load(a_off_ptr + g * a_g_stride + row)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -66,7 +69,7 @@ def _lora_shrink_kernel(
     k_ok = offs_k < K
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     part_row = part_ptr + ((g * tl.num_programs(0) + row).to(tl.int64) * tl.num_programs(1) + kb) * MAX_R
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
         r_ok = r0 + offs_r < rank
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -80,6 +83,34 @@ ROW_SHRINK_BLOCK_K = 512
 ROW_SHRINK_WARPS = 4
 ROW_EXPAND_BLOCK_N = 256
 ROW_EXPAND_WARPS = 4
+
+# Few decode rows: launches over at most ``FEW_ROWS`` rows (None: none) take these blocks. A
+# decode step of 1-16 rows is latency-bound, not byte-bound (a few MB of adapters): each
+# program's chain of dependent loads is what it costs. So a row's whole rank (up to
+# ``FEW_BLOCK_R``) is one tile instead of a loop of 16-rank blocks (one load of A or B^T per
+# program instead of up to four in a row), and narrower K blocks (the shrink) and column blocks
+# (the expands, SwiGLU's LoRA rows) spread one row's A and B^T over more programs; H100: faster
+# up to 8 rows, slower from 16 (docs/kernels.md). Decode graphs are keyed by their bucket of rows.
+FEW_ROWS: int | None = 8
+FEW_SHRINK_BLOCK_K = 256
+FEW_BLOCK_R = 64
+FEW_EXPAND_BLOCK_N = 64
+
+# the fused epilogues add two column sets' LoRA in one rank loop (RoPE's halves of a head, SwiGLU's
+# gate and up: ``lora_grouped_kernels.lora_delta_pair``) instead of one after the other
+PAIR_EPILOGUES = True
+
+# the per-row shrink's rank blocks over this many programs per (row, K block, projection) for
+# launches of at most RANK_SPLIT_MAX_ROWS rows (None: never): a row's rank blocks side by side
+# instead of one after another (at rank 64 with 16-rank blocks: 4 programs of one block each)
+RANK_SPLIT = 4
+RANK_SPLIT_MAX_ROWS: int | None = 64
+
+# SwiGLU's LoRA rows compute down's shrink too (``lora_ahead``; the engine passes down's tables)
+# for at most this many decode rows (None: never), with this column block (down's K block) and warps
+AHEAD_MAX_ROWS: int | None = None
+AHEAD_BLOCK_N = 256
+AHEAD_WARPS = 8
 
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
@@ -287,6 +318,7 @@ def lora_gather(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     groups: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``lora_gather_reference``; ``groups``: the rows grouped by adapter
     (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
@@ -294,14 +326,16 @@ def lora_gather(
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
     (shrink x A^T per K block, expand into N), reads no value on the host, and so can be
     captured in a CUDA graph; it cannot check ranks on the host either: rows of rank above
-    ``MAX_RANK`` come out NaN (the reference raises)."""
+    ``MAX_RANK`` come out NaN (the reference raises). ``partials``: the shrink already done
+    (``lora_epilogues.swiglu_ahead``'s ``(part, k_blocks)`` for these rows): only the expand runs."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
-    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups)
+    return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups,
+                               partials=partials)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -408,6 +442,49 @@ def shrink_blocks(device: torch.device, block_k: int | None = None, block_r: int
     return block_k or (ROW_SHRINK_BLOCK_K if gpu else 32), block_r or 16
 
 
+def few_rows(rows: int) -> bool:
+    """Whether a launch over ``rows`` decode rows takes the few-rows blocks (``FEW_ROWS``)."""
+    return FEW_ROWS is not None and 0 < rows <= FEW_ROWS
+
+
+def ahead_rows(rows: int) -> bool:
+    """Whether SwiGLU's launch over ``rows`` decode rows folds down's shrink in (``AHEAD_MAX_ROWS``;
+    never where those rows take the grouped shrink)."""
+    return (AHEAD_MAX_ROWS is not None and 0 < rows <= AHEAD_MAX_ROWS and rows < GROUPED_MIN_ROWS
+            and (GROUPED_EXPAND_MIN_ROWS is None or rows < GROUPED_EXPAND_MIN_ROWS))
+
+
+def rank_split(device: torch.device, rows: int) -> int:
+    """Programs sharing a row's rank blocks in the per-row shrink over ``rows`` rows:
+    ``RANK_SPLIT`` up to ``RANK_SPLIT_MAX_ROWS`` rows, else 1 (and 1 where the few-rows blocks
+    hold a row's rank in one tile)."""
+    if RANK_SPLIT_MAX_ROWS is None or not 0 < rows <= RANK_SPLIT_MAX_ROWS or few_rows(rows):
+        return 1
+    return RANK_SPLIT
+
+
+def row_blocks(device: torch.device, rows: int, block_k: int | None = None,
+               block_r: int | None = None) -> tuple[int, int]:
+    """(block_k, block_r) of the per-row shrink and the expands' rank loop for a launch over
+    ``rows`` decode rows: ``shrink_blocks``, or the few-rows blocks (K blocks of
+    ``FEW_SHRINK_BLOCK_K`` on a GPU, 16 in the interpreter; rank blocks of ``FEW_BLOCK_R``);
+    a caller's block wins."""
+    if few_rows(rows):
+        return block_k or (FEW_SHRINK_BLOCK_K if device.type == "cuda" else 16), block_r or FEW_BLOCK_R
+    return shrink_blocks(device, block_k, block_r)
+
+
+def expand_block_n(device: torch.device, rows: int, block_n: int | None = None) -> int:
+    """The per-row expands' column block for a launch over ``rows`` decode rows (``lora_gather``'s
+    own expand, SwiGLU's LoRA rows): ``ROW_EXPAND_BLOCK_N``, ``FEW_EXPAND_BLOCK_N`` for few rows,
+    32 in the interpreter; a caller's block wins."""
+    if block_n:
+        return block_n
+    if device.type != "cuda":
+        return 32
+    return FEW_EXPAND_BLOCK_N if few_rows(rows) else ROW_EXPAND_BLOCK_N
+
+
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
@@ -429,7 +506,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
         split_k = GROUPED_SHRINK_SPLIT_K or gpu_tiles[1]
         num_warps = num_warps or GROUPED_SHRINK_WARPS
     num_warps = num_warps or ROW_SHRINK_WARPS
-    block_k, block_r = shrink_blocks(x.device, block_k, block_r)
+    block_k, block_r = row_blocks(x.device, rows, block_k, block_r)
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
@@ -442,9 +519,11 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
         )
     elif rows:
-        _lora_shrink_kernel[(rows, k_blocks, g)](
+        split = rank_split(x.device, rows)
+        _lora_shrink_kernel[(rows, k_blocks, g * split)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
-            lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+            lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
+            num_warps=num_warps,
         )
     return part, k_blocks
 
@@ -464,7 +543,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
     n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
     hd = head_dim or n
     hstride = out.stride(1) if out.dim() == 3 else 0
-    _, block_r = shrink_blocks(out.device, None, block_r)
+    _, block_r = row_blocks(out.device, lora.ranks.shape[1], None, block_r)  # the per-row expand's (its row loop)
     groups = lora.groups
     block_n = GROUPED_EXPAND_BLOCK_N if out.is_cuda else 16
     _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
@@ -484,7 +563,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -496,10 +575,16 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    _, block_r = shrink_blocks(x.device, block_k, block_r)
-    block_n = block_n or (ROW_EXPAND_BLOCK_N if x.is_cuda else 32)
     lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
-    part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    if partials is None:
+        part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
+    else:
+        part, k_blocks = partials
+        if part.numel() != rows * k_blocks * MAX_RANK or part.dtype != torch.float32:
+            raise ValueError(f"partials must be [{rows} rows x {k_blocks} K blocks x {MAX_RANK}] fp32; got "
+                             f"{part.numel()} {part.dtype}")
+    _, block_r = row_blocks(x.device, rows, block_k, block_r)
+    block_n = expand_block_n(x.device, rows, block_n)
     if takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS):
         if out is None:
             result.zero_()

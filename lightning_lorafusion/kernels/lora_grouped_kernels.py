@@ -44,6 +44,36 @@ def lora_delta(
 
 
 @triton.jit
+def lora_delta_pair(
+    part_a, b_off_a, rank_a, N_a, offs_a, ok_a, part_b, b_off_b, rank_b, N_b, offs_b, ok_b, pool_ptr, scale,
+    k_blocks, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """Two ``lora_delta`` in one rank loop (up to the larger rank, each masked to its own): the
+    same arithmetic per element, one chain of dependent loads instead of two (a decode step of
+    few rows waits on those chains). a and b: the same projection's two column sets (RoPE's
+    halves) or two projections of a row (gate and up)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    kb_ok = offs_kb < k_blocks
+    acc_a = tl.zeros(offs_a.shape, dtype=tl.float32)
+    acc_b = tl.zeros(offs_b.shape, dtype=tl.float32)
+    for r0 in range(0, tl.maximum(rank_a, rank_b), BLOCK_R):
+        ra_ok = r0 + offs_r < rank_a
+        rb_ok = r0 + offs_r < rank_b
+        pa = tl.load(part_a + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :], mask=kb_ok[:, None] & ra_ok[None, :],
+                     other=0.0)
+        pb = tl.load(part_b + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :], mask=kb_ok[:, None] & rb_ok[None, :],
+                     other=0.0)
+        bta = tl.load(pool_ptr + b_off_a + (r0 + offs_r)[:, None] * N_a + offs_a[None, :],
+                      mask=ra_ok[:, None] & ok_a[None, :], other=0.0)
+        btb = tl.load(pool_ptr + b_off_b + (r0 + offs_r)[:, None] * N_b + offs_b[None, :],
+                      mask=rb_ok[:, None] & ok_b[None, :], other=0.0)
+        acc_a += tl.sum((tl.sum(pa, axis=0) * scale)[:, None] * bta.to(tl.float32), axis=0)
+        acc_b += tl.sum((tl.sum(pb, axis=0) * scale)[:, None] * btb.to(tl.float32), axis=0)
+    return acc_a, acc_b
+
+
+@triton.jit
 def lora_row_tables(
     b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, rows, k_blocks, b_g_stride, r_g_stride,
     MAX_R: tl.constexpr,
@@ -247,3 +277,102 @@ def _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_
         acc = tl.where(rank_in > MAX_R, float("nan"), delta)
         acc += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+@triton.jit
+def _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
+               b_g_stride, r_g_stride, N, offs_n, n_ok,
+               MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """x (fp32 values of the output dtype at columns offs_n of projection g) + the row's LoRA
+    delta, still fp32 (the caller rounds). NaN where the row's rank exceeds MAX_R."""
+    rank_in, rank, b_off, scale, part_row = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+    delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+    return tl.where(rank_in > MAX_R, float("nan"), x + delta)
+
+
+@triton.jit
+def _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, ga, gb, lora_rows, k_blocks,
+                    b_g_stride, r_g_stride, N_a, N_b, offs_a, ok_a, offs_b, ok_b,
+                    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """``_with_lora`` of two column sets at once (projection ga at offs_a, gb at offs_b; the
+    same or two projections of row ``lrow``): one rank loop (``lora_delta_pair``), the same values."""
+    rank_a_in, rank_a, b_off_a, scale, part_a = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, ga, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+    rank_b_in, rank_b, b_off_b, _, part_b = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, gb, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
+    da, db = lora_delta_pair(part_a, b_off_a, rank_a, N_a, offs_a, ok_a, part_b, b_off_b, rank_b, N_b, offs_b, ok_b,
+                             pool_ptr, scale, k_blocks, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+    return (tl.where(rank_a_in > MAX_R, float("nan"), xa + da), tl.where(rank_b_in > MAX_R, float("nan"), xb + db))
+
+
+@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
+def _swiglu_grouped_kernel(
+    g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
+    b_g_stride, r_g_stride, loop_rows,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
+):
+    """``_swiglu_kernel``'s LoRA rows, a program per (group t, n block), the group's gate and up
+    B^T read once for its rows: ROW_LOOP (or a group of at most ``loop_rows`` rows), the rows
+    one after another through ``_with_lora`` (the per-row kernel's bits, the tile from L1 after
+    the first row); else one dot for them all (``lora_group_delta``), the same roundings per
+    element. Rows in no group are left to the plain launch."""
+    t = tl.program_id(0)
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end > start:
+        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = offs < N
+        if ROW_LOOP:
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        elif end - start <= loop_rows:
+            _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                             scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                             r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+        else:
+            row, m_ok, rank_g, dg = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
+            _, _, rank_u, du = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
+                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
+            row64 = (first_row + row).to(tl.int64)[:, None]
+            live = m_ok[:, None] & ok[None, :]
+            g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
+            u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
+            dtype = g.dtype
+            g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
+            u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swiglu_row_loop(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                     scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                     r_g_stride, start, end, offs, ok,
+                     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """The rows ``perm[start:end]`` one after another through ``_with_lora`` (the per-row kernel's
+    arithmetic)."""
+    for i in range(start, end):
+        lrow = tl.load(groups_ptr + 2 * groups_stride + i)
+        row64 = (first_row + lrow).to(tl.int64)
+        g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
+        u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
+        dtype = g.dtype
+        g = _with_lora(g.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        u = _with_lora(u.to(tl.float32), pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, rows,
+                       k_blocks, b_g_stride, r_g_stride, N, offs, ok,
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row64 * out_stride + offs, (s * u).to(out_ptr.dtype.element_ty), mask=ok)

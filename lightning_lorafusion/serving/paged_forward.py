@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.fp8_linear import frozen_projections
-from ..kernels.lora_epilogues import rope_write_kv, swiglu
+from ..kernels.lora_ahead import ShrinkAhead
+from ..kernels.lora_epilogues import rope_write_kv, swiglu_ahead
 from ..kernels.lora_gather import GatheredLora, lora_gather
 from ..kernels.lora_segments import segment_lora_add
 from ..kernels.paged_attention import paged_decode_attention
@@ -222,14 +223,16 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
         h.add_(o)
         x = h
     g, u = projections(m, x, lp, _GATE_UP, layer, batch)
+    partials = None  # down's shrink, where SwiGLU's LoRA rows computed it (few decode rows)
     if family.activation == "silu":
-        act = swiglu(g, u, lora=gathered(m, x, layer, _GATE_UP, batch), backend=m.kernel_backend)
+        act, partials = swiglu_ahead(g, u, lora=gathered(m, x, layer, _GATE_UP, batch),
+                                     ahead=down_ahead(m, layer, batch), backend=m.kernel_backend)
     else:
         for name, y in zip(_GATE_UP[1], (g, u)):
             gather_into(m, x, y, layer, name, batch)
         act = gated_activation(family)(g, u)
     (down,) = projections(m, act, lp, _DOWN, layer, batch)
-    gather_into(m, act, down, layer, "down_proj", batch)
+    gather_into(m, act, down, layer, "down_proj", batch, partials=partials)
     if family.output_norms:
         down = m.norm(down, None, lp["mlp_post_norm"])
     return down
@@ -302,11 +305,21 @@ def gathered(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | No
                         first_row=ds, groups=batch.decode_groups)
 
 
-def gather_into(m: PagedDecoder, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch) -> None:
-    """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``)."""
+def down_ahead(m: PagedDecoder, layer: int, batch: StepBatch) -> ShrinkAhead | None:
+    """down's A tables of the decode rows, for SwiGLU to run its shrink (None: no decode row adapts down)."""
+    if batch.decode_offsets is None or "down_proj" not in batch.decode_modules:
+        return None
+    i = _MODULE_INDEX["down_proj"]
+    return ShrinkAhead(m.pool.storage, batch.decode_offsets[layer, i, 0], batch.decode_ranks[i])
+
+
+def gather_into(m: PagedDecoder, x: torch.Tensor, y: torch.Tensor, layer: int, name: str, batch: StepBatch,
+                partials: tuple[torch.Tensor, int] | None = None) -> None:
+    """``y[decode rows] += `` their LoRA of projection ``name`` (input ``x``; ``partials``: its
+    shrink already done)."""
     if batch.decode_offsets is None or name not in batch.decode_modules:
         return
     i, ds, b = _MODULE_INDEX[name], batch.first_decode_row, batch.decode_scales.shape[0]
     lora_gather(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, i, 0],
                 batch.decode_offsets[layer, i, 1], batch.decode_ranks[i], batch.decode_scales, y.shape[1],
-                out=y[ds:ds + b], backend=m.kernel_backend, groups=batch.decode_groups)
+                out=y[ds:ds + b], backend=m.kernel_backend, groups=batch.decode_groups, partials=partials)

@@ -61,3 +61,29 @@ def test_profile_decode_lora_tiny_cpu(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "profile_decode_lora.json").read_text())
     assert len(saved["rows"]) == 2
     assert "6 x 6c (4,8)" in (tmp_path / "profile_decode_lora.md").read_text()
+
+
+def test_count_nodes_reads_a_graph_dump():
+    script = load_script("profile_decode_lora")
+    dot = "\n".join([
+        'digraph dot {', 'subgraph cluster_1 {', 'label="graph_1" graph[style="dashed"];',
+        '"graph_1_node_0"[style="solid" shape="rectangle" label="0\\nKERNEL\\n_lora_shrink_kernel"];',
+        '"graph_1_node_1"[style="solid" shape="rectangle" label="1\\nMEMSET\\n"];',
+        '"graph_1_node_2"[style="solid" shape="rectangle" label="2\\nKERNEL\\n_rope_kv_kernel"];',
+        '"graph_1_node_3"[style="solid" shape="record" label="{', 'MEMCPY', '| {ID | 3}}"];',
+        '"graph_1_node_4"[style="solid" label="4"];',
+        '"graph_1_node_0" -> "graph_1_node_1";', '"graph_1_node_1" -> "graph_1_node_2";', '}', '}'])
+    assert script.count_nodes(dot) == {"KERNEL": 2, "MEMSET": 1, "MEMCPY": 1, "other": 1}
+
+
+def test_profile_decode_lora_few_rows_modes_tiny_cpu(tmp_path, monkeypatch):
+    """The modes of the few-rows blocks, the blocks before them and SwiGLU computing down's
+    shrink agree with the per-row path on a row alone and 4 rows on their own adapters."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    script = load_script("profile_decode_lora")
+    report = script.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--cases", "1x1,4x4c",
+                          "--rank-sets", "64,4,32,8", "--modes", "per_row,old,engine,ahead,few_r32", "--layers", "1",
+                          "--out", str(tmp_path)])
+    for row in report["rows"]:
+        diffs = {m["mode"]: m["max_rel_diff"] for m in row["modes"]}
+        assert diffs["per_row"] == 0.0 and max(diffs.values()) < 1e-5, diffs
