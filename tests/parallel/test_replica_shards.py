@@ -154,15 +154,9 @@ def test_data_parallel_shards_of_the_mixed_workload_need_about_half_the_microbat
     """The 8B benchmark's workload (4 adapters x 64 mixed samples, global batches of 16, capacity
     8192) at two replicas: the shape plan needs at most one microbatch more than half the
     tokens take (dealing one sample per slot needed two more)."""
-    from lightning_lorafusion.data.synthetic import synthetic_token_samples
     from lightning_lorafusion.training.epoch_planning import replica_shards
 
-    datasets = []
-    for a in range(4):
-        pairs = synthetic_token_samples("mixed", 64, vocab_size=1000, seed=a + 1, max_length=8192)
-        datasets.append([Sample(list(x), list(y)) for x, y in pairs])
-    lookup = SampleLookup(datasets, [[list(range(j, j + 16)) for j in range(0, 64, 16)] for _ in range(4)])
-    lengths = lookup.lengths()
+    datasets, lookup, lengths = _mixed_datasets()
     total = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
     need = -(-total // (2 * 8192))
     counts = []
@@ -204,8 +198,19 @@ def test_capacity_levels_are_the_fewest_tokens_of_any_choice_of_levels():
         level_of(65, [16, 64])
 
 
-def _mixed_workload(replicas: int):
+def _mixed_datasets():
+    """The 8B benchmark's workload: 4 adapters x 64 mixed samples in global batches of 16."""
     from lightning_lorafusion.data.synthetic import synthetic_token_samples
+
+    datasets = []
+    for a in range(4):
+        pairs = synthetic_token_samples("mixed", 64, vocab_size=1000, seed=a + 1, max_length=8192)
+        datasets.append([Sample(list(x), list(y)) for x, y in pairs])
+    lookup = SampleLookup(datasets, [[list(range(j, j + 16)) for j in range(0, 64, 16)] for _ in range(4)])
+    return datasets, lookup, lookup.lengths()
+
+
+def _mixed_workload(replicas: int):
     from lightning_lorafusion.training.epoch_planning import (
         deal_replica_shards,
         replica_needs,
@@ -213,12 +218,7 @@ def _mixed_workload(replicas: int):
         run_capacity_levels,
     )
 
-    datasets = []
-    for a in range(4):
-        pairs = synthetic_token_samples("mixed", 64, vocab_size=1000, seed=a + 1, max_length=8192)
-        datasets.append([Sample(list(x), list(y)) for x, y in pairs])
-    lookup = SampleLookup(datasets, [[list(range(j, j + 16)) for j in range(0, 64, 16)] for _ in range(4)])
-    lengths = lookup.lengths()
+    datasets, lookup, lengths = _mixed_datasets()
     shares = []
     for replica in range(replicas):
         _, slots = replica_shards(datasets, lookup, lengths, data_parallel_size=replicas, replica=replica)

@@ -17,15 +17,16 @@ CASES = [([5, 9, 17], None), ([11, 4, 30, 22, 8, 19, 40], "all4"), ([60, 2, 35, 
          ([7, 13, 21, 33, 45, 50, 6, 12], "attn2")]
 
 
-def _generate(config, params, adapter_dirs, **engine_kwargs):
-    engine = Engine(config, params, None, EngineConfig(num_pages=64, page_size=4, **engine_kwargs), device="cpu")
+def _generate(config, params, adapter_dirs, device="cpu", keep=lambda engine: engine.params, **engine_kwargs):
+    """Greedy tokens of ``CASES`` and ``keep(engine)`` (read before the engine closes)."""
+    engine = Engine(config, params, None, EngineConfig(num_pages=64, page_size=4, **engine_kwargs), device=device)
     try:
         for name, path in adapter_dirs.items():
             engine.add_adapter(name, path)
         greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
         results = engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=greedy)
                                    for p, a in CASES])
-        return [list(r.token_ids) for r in results], engine.params
+        return [list(r.token_ids) for r in results], keep(engine)
     finally:
         engine.close()
 
@@ -70,17 +71,8 @@ def test_decode_kernel_engine_keeps_its_workspace_zeroed(model_dir, adapter_dirs
     nf4 = quantize_base_nf4(params)
 
     def run(gemm: str):
-        engine = Engine(config, nf4, None, EngineConfig(num_pages=64, page_size=4, tuning={"nf4_gemm": gemm}),
-                        device="cuda")
-        try:
-            for name, path in adapter_dirs.items():
-                engine.add_adapter(name, path)
-            greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
-            results = engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=greedy)
-                                       for p, a in CASES])
-            return [list(r.token_ids) for r in results], engine.runner.model.nf4_workspace
-        finally:
-            engine.close()
+        return _generate(config, nf4, adapter_dirs, device="cuda", keep=lambda e: e.runner.model.nf4_workspace,
+                         tuning={"nf4_gemm": gemm})
 
     got, workspace = run("auto")
     want, _ = run("buffer")
