@@ -336,8 +336,11 @@ class UvicornThread:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        # log_config=None: uvicorn's own dictConfig would close every logging handler this process
+        # holds (a library's handler on a stream it then closes, ours)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    loop=loop, http=http, timeout_graceful_shutdown=10))
+                                                    log_config=None, loop=loop, http=http,
+                                                    timeout_graceful_shutdown=10))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

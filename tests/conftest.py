@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`-n 2` on CI's two cores) each worker computes on one thread, so two
+# workers do not oversubscribe the cores; subprocesses the tests start keep their own defaults.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 class _SyncGuard:
     """Within ``run()`` on this thread: ``nonzero`` raises, and varlen attention records the

@@ -44,11 +44,13 @@ def test_nf4_base_engine_equals_dequantized_engine(model_dir, adapter_dirs, gemm
     nf4 = quantize_base_nf4(params)
     dense = {**nf4, "layers": [{k: {"weight": dequantize_nf4_reference(Nf4Weight.from_params(v))} if is_nf4(v) else v
                                 for k, v in lp.items()} for lp in nf4["layers"]]}
-    got, served = _generate(config, nf4, adapter_dirs, tuning={"nf4_gemm": gemm})
+    # the fused GEMM is a Triton kernel: on a GPU machine it runs on CUDA tensors (no interpreter there)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got, served = _generate(config, nf4, adapter_dirs, device, tuning={"nf4_gemm": gemm})
     # fused: every frozen product of prefill and decode steps read the 4-bit weights in the GEMM
     assert (gemm == "fused") == bool(fused_calls) and (gemm == "buffer" or min(fused_calls) <= len(CASES))
     assert is_nf4(served["layers"][1]["down_proj"]) and is_nf4(served["layers"][0]["q_proj"]), "served 4-bit"
-    want, _ = _generate(config, dense, adapter_dirs, fuse_projections=False)
+    want, _ = _generate(config, dense, adapter_dirs, device, fuse_projections=False)
     assert got == want
     assert all(len(t) == NEW_TOKENS for t in got)
 

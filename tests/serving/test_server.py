@@ -513,7 +513,7 @@ class _Uvicorn:
 
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    **config))
+                                                    log_config=None, **config))  # keep this process's handlers
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
