@@ -110,6 +110,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     one positive count per stage summing to the decoder's layers (checked once the model is
     known). None (default): ``partition_decoder``'s time model balances the stages, with the LM
     head charged for the labelled share of the training data's tokens (``stage_ranges``).
+
+    ``action_trace`` (a directory; relative: under the trainer's ``default_root_dir``): every
+    rank appends one JSON line per trained window to ``actions_rank<r>.jsonl``: its measured
+    action times (``StageRecord``), the simulator's times for the same actions, and each
+    microbatch's shape (tokens, label rows, graph key). ``scripts/pipeline_action_times.py``
+    compares them per stage. None (default): nothing is written.
     """
 
     strategy_name = "lorafusion_pipeline"
@@ -117,7 +123,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
                  schedule: str = "no_flush", overlap_grad_reduce: bool = True,
                  bucket_mb: float = DEFAULT_BUCKET_MB, stage_layers: list[int] | None = None,
-                 **ddp_kwargs: Any) -> None:
+                 action_trace: str | None = None, **ddp_kwargs: Any) -> None:
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
         if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
@@ -128,6 +134,9 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ConfigError(f"strategy overlap_grad_reduce={overlap_grad_reduce!r} must be true or false")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ConfigError(f"strategy bucket_mb={bucket_mb!r} must be a number of MiB > 0 (e.g. 25)")
+        if action_trace is not None and (not isinstance(action_trace, str) or not action_trace):
+            raise ConfigError(f"strategy action_trace={action_trace!r} must be a directory path or null")
+        self.action_trace = action_trace
         self.requested_stage_layers = (None if stage_layers is None
                                        else check_stage_layers(stage_layers, pipeline_size))
         super().__init__(**ddp_kwargs)

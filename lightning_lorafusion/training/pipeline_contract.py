@@ -4,6 +4,9 @@ through the pipeline schedule. Functions over the training module's state."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from typing import Any
 
 import torch
@@ -12,7 +15,7 @@ from lightning import LightningModule as Module
 from ..parallel.partition import label_fraction
 from ..parallel.stage import DecoderStage
 from ..parallel.strategy import MultiAdapterPipelineStrategy
-from .cuda_graphs import TrainingGraphs
+from .cuda_graphs import TrainingGraphs, graph_key
 from .frozen_base import draw_stage_base, flatten_tree, stage_template
 from .nonfinite_guard import agree_on_quarantine, step_adapter
 from .stage_graphs import SplitStageGraphs
@@ -120,8 +123,8 @@ def train_window(m: Module, window: Any) -> None:
     m._window = window
     dtype = next(iter(m._buffers.values())).dtype
     # no synchronize: on CUDA the executor times actions by CUDA events (no host syncs)
-    strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
-                          dtype=dtype)
+    record = strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
+                                   dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
     # the simulator's time model on this pipeline's split (stage_layers or the balanced default)
     simulated = strategy.simulate(window.plan, strategy.cost_model(m.config))
@@ -130,8 +133,48 @@ def train_window(m: Module, window: Any) -> None:
     for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
         m.log(f"pipeline/bubble_ratio_stage{s}", float(ratio), batch_size=1)
         m.log(f"pipeline/simulated_bubble_ratio_stage{s}", simulated.stage_bubble_ratios[s], batch_size=1)
+    if strategy.action_trace is not None:
+        write_action_trace(m, strategy, window, record, simulated)
     dm = m.trainer.datamodule
     if dm is not None:
         dm.on_window_trained(window)
     m._window = None
     agree_on_quarantine(m, strategy)
+
+
+def write_action_trace(m: Module, strategy: MultiAdapterPipelineStrategy, window: Any, record: Any,
+                       simulated: Any) -> str:
+    """Append this rank's line for ``window`` to ``<action_trace>/actions_rank<r>.jsonl`` (the
+    strategy's ``action_trace`` option): measured action times, the simulator's for this stage,
+    and each real microbatch's tokens, label rows and graph key; returns the file's path."""
+    root = strategy.action_trace
+    if not os.path.isabs(root):
+        root = os.path.join(m.trainer.default_root_dir, root)
+    os.makedirs(root, exist_ok=True)
+    plan, stage = window.plan, strategy.stage_index
+    microbatches = {}
+    for pos, planned in enumerate(plan.microbatches):
+        if planned.is_noop:
+            continue
+        mb = window.microbatch(pos)
+        lengths = [s.length for s in planned.samples]
+        try:
+            key = list(dataclasses.astuple(graph_key(mb)))
+        except ValueError:
+            key = None
+        microbatches[pos] = {"tokens": planned.padded_tokens(plan.pad_multiple), "real_tokens": sum(lengths),
+                             "seq_sq": sum(n * n for n in lengths), "label_rows": mb.num_label_rows,
+                             "graph_key": key}
+    graphs = m._graphs
+    held = sorted(dataclasses.astuple(k) for k in graphs._held()) if graphs is not None and hasattr(graphs, "_held") else []
+    line = {
+        "epoch": window.epoch, "rank": strategy.global_rank, "stage": stage,
+        "stage_layers": list(strategy.stage_layer_counts or ()), "wall": record.wall,
+        "events": [list(e) for e in record.events],
+        "simulated": [[kind, label, t0, t1] for s, kind, label, t0, t1 in simulated.timeline if s == stage],
+        "simulated_makespan": simulated.makespan, "microbatches": microbatches, "held_graph_keys": held,
+    }
+    path = os.path.join(root, f"actions_rank{strategy.global_rank}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return path
