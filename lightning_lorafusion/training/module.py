@@ -443,7 +443,7 @@ class LoRAFusionModule(L.LightningModule):
         self._graphs = pipeline_contract.stage_graphs(
             self, strategy, params=self.base_params(), bank=self.bank, config=self.config,
             checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
-            max_precapture=self.cuda_graph_precapture)
+            max_precapture=self.cuda_graph_precapture, lm_head_loss=self.lm_head_loss)
 
     def on_train_end(self) -> None:
         """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every
