@@ -338,11 +338,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         ``last_bubble_ratio``."""
         return self.simulate(plan, cost_model).bubble_ratio
 
-    def simulate(self, plan: Plan, cost_model: CostModel):
+    def simulate(self, plan: Plan, cost_model: CostModel, head_rows: Mapping[int, int] | None = None):
         """The simulator's run of ``plan`` on this pipeline (``SimulationResult``: the bubble
-        ratio overall and per stage)."""
+        ratio overall and per stage); ``head_rows``: the LM head's rows per microbatch
+        (``simulator.simulate``)."""
         pp = self._require_layout().pipeline_size
-        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model)
+        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model, head_rows=head_rows)
 
     # ---- checkpoints and export ------------------------------------------------------------
     def stage_checkpoint_path(self, filepath: str) -> str:

@@ -127,7 +127,7 @@ def train_window(m: Module, window: Any) -> None:
                                    dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
     # the simulator's time model on this pipeline's split (stage_layers or the balanced default)
-    simulated = strategy.simulate(window.plan, strategy.cost_model(m.config))
+    simulated = strategy.simulate(window.plan, strategy.cost_model(m.config), head_rows=head_rows(m, window))
     m.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
     m.log("pipeline/simulated_bubble_ratio", simulated.bubble_ratio, batch_size=1)
     for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
@@ -140,6 +140,25 @@ def train_window(m: Module, window: Any) -> None:
         dm.on_window_trained(window)
     m._window = None
     agree_on_quarantine(m, strategy)
+
+
+def head_rows(m: Module, window: Any) -> dict[int, int]:
+    """Rows the last stage's LM head computes per real microbatch of ``window`` (plan position),
+    for the simulator: under CUDA graphs the label rows of the microbatch's graph key (padded to
+    its bucket; a covering graph may pad further), else its label rows. The same on every rank
+    (host metadata only)."""
+    rows = {}
+    for pos, planned in enumerate(window.plan.microbatches):
+        if planned.is_noop:
+            continue
+        mb = window.microbatch(pos)
+        if mb.num_label_rows is None:
+            continue
+        try:
+            rows[pos] = graph_key(mb).label_rows if m._graphs is not None else mb.num_label_rows
+        except ValueError:  # no host metadata: it runs eagerly, on its own rows
+            rows[pos] = mb.num_label_rows
+    return rows
 
 
 def write_action_trace(m: Module, strategy: MultiAdapterPipelineStrategy, window: Any, record: Any,
