@@ -217,6 +217,7 @@ class LoRAFusionModule(L.LightningModule):
         # weights whose loss and gradients were finite (with their step), kept at every good step
         self._best_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._spare_weights: dict[int, dict[str, torch.Tensor]] = {}  # host buffers for the next copy
         self._val_sums: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
         self._adapter_params: dict[int, dict[str, torch.nn.Parameter]] = {}
