@@ -77,6 +77,18 @@ HBM_BYTES_PER_S = 3.0e12
 # Share of tokens with a label (the LM head's rows) when the data is not at hand: completions are
 # a minority of instruction and summarisation samples (the mixed synthetic workload: ~8%).
 DEFAULT_LABEL_FRACTION = 0.25
+# Memory-bound bytes per LM-head row and vocabulary entry in each pass over the logits (forward,
+# recompute, backward): the cross-entropy writes and reads the row's fp32 logits a few times.
+# With it the checkpointed head of the 8B shape costs 6.3 us per row forward + backward: 2 x H200
+# under `fit` measured the last stage 4.5 ms per microbatch dearer than the first at 741 rows
+# (the model had 2.9 ms without it; docs/BENCHMARKS.md, "Pipeline parallelism").
+HEAD_BYTES_PER_VOCAB_ENTRY = 18.0
+# Seconds of one adapter's optimizer step on a stage (norm, finiteness check, AdamW, host copy of
+# the weights): mostly host time with the device idle behind it. 2 x H200 under `fit`, 8B
+# shape, 16 layers a stage: 15-26 ms, ~20 on average (multi-tensor AdamW; before the step's
+# one device read and the fused AdamW).
+OPTIMIZER_STEP_SECONDS = 0.02
+LM_HEAD_LOSSES = ("checkpointed", "fused")
 
 
 def _shapes(config: Any) -> dict[str, int]:
@@ -249,21 +261,32 @@ class CostModel:
         lora_rank: int = 16,
         bytes_per_element: int = 2,
         checkpoint_layers: bool | int = False,
+        lm_head_loss: str = "checkpointed",
         **overrides: Any,
     ) -> "CostModel":
         """Seconds, not FLOPs: ``from_decoder_config``'s GEMM FLOPs at ``LAYER_GEMM_FLOPS`` (a
         layer's projections with the LoRA kernels fused around them) and ``HEAD_GEMM_FLOPS`` (the
         LM head, one large GEMM), plus each layer's memory-bound traffic (``layer_traffic_bytes``)
         at ``HBM_BYTES_PER_S``. The LM head runs on the labelled rows only
-        (``decoder.head_loss_sums``): ``label_fraction`` of the tokens; its checkpointed backward
-        recomputes the logits (two GEMMs). ``checkpoint_layers`` (the module's
+        (``decoder.head_loss_sums``): ``label_fraction`` of the tokens (or the simulation's
+        ``head_rows``), each pass over a row's logits also moving ``HEAD_BYTES_PER_VOCAB_ENTRY``
+        bytes per vocabulary entry. ``lm_head_loss`` (the module's): "checkpointed" (forward one
+        logits GEMM; backward recomputes it and forms the input gradient: two) or "fused" (both
+        GEMMs in the forward, the backward only scales the kept gradient). Each optimizer step
+        costs ``OPTIMIZER_STEP_SECONDS``. ``checkpoint_layers`` (the module's
         ``activation_checkpointing``): layers that run their forward again in backward
         (``recomputed_per_stage``). ``overrides`` replace any field."""
+        if lm_head_loss not in LM_HEAD_LOSSES:
+            raise ValueError(f"lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
         shapes = _shapes(config)
+        passes = 2.0 if lm_head_loss == "fused" else 1.0  # logits passes in the forward
         defaults = dict(
             flops_per_second=LAYER_GEMM_FLOPS, head_flops_per_second=HEAD_GEMM_FLOPS,
             memory_bandwidth=HBM_BYTES_PER_S, head_token_fraction=float(label_fraction),
-            head_backward_factor=2.0,
+            head_backward_factor=0.0 if lm_head_loss == "fused" else 2.0,
+            head_flops_per_token=passes * 2.0 * shapes["hidden"] * config.vocab_size,
+            head_row_bytes=passes * HEAD_BYTES_PER_VOCAB_ENTRY * config.vocab_size,
+            optimizer_step_time=OPTIMIZER_STEP_SECONDS,
             layer_bytes_per_token=layer_traffic_bytes(config, lora_rank=lora_rank,
                                                       bytes_per_element=bytes_per_element),
             head_bytes_per_token=float(4 * shapes["hidden"] * bytes_per_element),  # final norm: read + write

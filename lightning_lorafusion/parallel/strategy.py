@@ -143,6 +143,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         self._ranges: tuple[range, ...] | None = None  # every stage's layers, once known
         self._label_fraction: float | None = None
         self._checkpoint_layers: bool | int = False  # the module's activation_checkpointing, for the time model
+        self._lm_head_loss = "checkpointed"  # the module's, for the time model
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_mb = float(bucket_mb)
         self._reducer: AdapterGradReducer | None = None
@@ -210,11 +211,13 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
 
     def stage_ranges(self, config: Any = None, *, num_layers: int | None = None,
                      label_fraction: float | None = None,
-                     checkpoint_layers: bool | int = False) -> tuple[range, ...]:
+                     checkpoint_layers: bool | int = False,
+                     lm_head_loss: str = "checkpointed") -> tuple[range, ...]:
         """Every stage's layers, fixed at the first call: ``stage_layers`` as given, else for a
         decoder ``config`` balanced by the time model (``label_fraction``: the share of tokens the
         LM head sees; default ``DEFAULT_LABEL_FRACTION``; ``checkpoint_layers``: the module's
-        ``activation_checkpointing``, whose layers cost one forward more), else ``num_layers``
+        ``activation_checkpointing``, whose layers cost one forward more; ``lm_head_loss``: the
+        module's, charged by the time model), else ``num_layers``
         evenly. The split computed here is rank 0's, broadcast, so every rank runs the same one."""
         if self._ranges is not None:
             return self._ranges
@@ -223,7 +226,8 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ValueError("stage_layers needs a decoder config or num_layers")
         if config is not None:
             ranges = partition_decoder(config, pp, stage_layers=self.requested_stage_layers,
-                                       label_fraction=label_fraction, checkpoint_layers=checkpoint_layers)
+                                       label_fraction=label_fraction, checkpoint_layers=checkpoint_layers,
+                                       lm_head_loss=lm_head_loss)
         elif self.requested_stage_layers is not None:
             ranges = ranges_of(check_stage_layers(self.requested_stage_layers, pp, num_layers))
         else:
@@ -235,6 +239,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             ranges, label_fraction = ranges_of(chosen[0]), chosen[1]
         self._ranges, self._label_fraction = ranges, label_fraction
         self._checkpoint_layers = checkpoint_layers
+        self._lm_head_loss = lm_head_loss
         return ranges
 
     @property
@@ -243,18 +248,19 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         return None if self._ranges is None else tuple(len(r) for r in self._ranges)
 
     def stage_layers(self, config: Any = None, *, num_layers: int | None = None,
-                     label_fraction: float | None = None, checkpoint_layers: bool | int = False) -> range:
+                     label_fraction: float | None = None, checkpoint_layers: bool | int = False,
+                     lm_head_loss: str = "checkpointed") -> range:
         """This rank's layers (``stage_ranges``)."""
         return self.stage_ranges(config, num_layers=num_layers, label_fraction=label_fraction,
-                                 checkpoint_layers=checkpoint_layers)[self.stage_index]
+                                 checkpoint_layers=checkpoint_layers, lm_head_loss=lm_head_loss)[self.stage_index]
 
     def cost_model(self, config: Any, **overrides: Any) -> CostModel:
         """The simulator's time model (``CostModel.timed``) of this pipeline's split and the
         training data's label share, for ``simulated_bubble_ratio``."""
         fraction = DEFAULT_LABEL_FRACTION if self._label_fraction is None else self._label_fraction
         counts = [len(r) for r in self.stage_ranges(config)]
-        return CostModel.timed(config, counts, label_fraction=fraction,
-                               checkpoint_layers=self._checkpoint_layers, **overrides)
+        return CostModel.timed(config, counts, label_fraction=fraction, checkpoint_layers=self._checkpoint_layers,
+                               **{"lm_head_loss": self._lm_head_loss, **overrides})
 
     # ---- no DDP wrapper: gradients are reduced per adapter at its step --------------------
     def _setup_model(self, model: Module) -> Module:

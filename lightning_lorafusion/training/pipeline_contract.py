@@ -52,7 +52,7 @@ def setup_stage(m: Module) -> None:
     if strategy is not None:
         dm = m.trainer.datamodule if m._trainer is not None else None
         layers = strategy.stage_layers(m.config, label_fraction=label_fraction(getattr(dm, "datasets", None) or ()),
-                                       checkpoint_layers=m.activation_checkpointing)
+                                       checkpoint_layers=m.activation_checkpointing, lm_head_loss=m.lm_head_loss)
         first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
     else:
         layers, first, last = range(m.config.num_layers), True, True
