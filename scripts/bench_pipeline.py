@@ -111,11 +111,6 @@ RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
         jobs=(Job(configs=(C8, D2), procs=2),), limit_s=120),
     Run(name="8b_pp2_trace", what="8B PP=2 as 8b_pp2, each rank's action times written (action_trace)",
         jobs=(Job(configs=(C8, D2, "configs/pp2/action_trace.yaml"), procs=2),), limit_s=120),
-    Run(name="8b_pp2_fused", what="8B PP=2, the fused LM-head loss (action times written)",
-        jobs=(Job(configs=(C8, D2, "configs/pp2/fused_head.yaml", "configs/pp2/action_trace.yaml"), procs=2),),
-        limit_s=120),
-    Run(name="8b_single_fused", what="8B one GPU, single-device path, the fused LM-head loss",
-        jobs=(Job(configs=(C8, SINGLE, "configs/pp2/fused_head.yaml"), procs=1, gpus="0"),), limit_s=150),
     Run(name="8b_pp2_flops", what="8B PP=2, 4 adapters, mixed, the FLOPs split 17/15 (stage_layers)",
         jobs=(Job(configs=(C8, D2, "configs/pp2/split_flops.yaml"), procs=2),), limit_s=120),
     Run(name="8b_pp2_ckpt16", what="8B PP=2, first 16 layers recomputed, default split (charges it: 14/18)",
@@ -422,9 +417,6 @@ def table(results: list[dict]) -> str:
         f"{ratio('8b_dp2', '8b_single')}, two 1-GPU jobs {ratio('8b_2jobs_1gpu', '8b_single')}",
         f"- 8B PP=2 with its action times written vs without: {ratio('8b_pp2_trace', '8b_pp2')} "
         f"(against the single-device path: {ratio('8b_pp2_trace', '8b_single')})",
-        f"- 8B with the fused LM-head loss: PP=2 vs its single-device path {ratio('8b_pp2_fused', '8b_single_fused')}, "
-        f"vs the checkpointed single-device path {ratio('8b_pp2_fused', '8b_single')}; fused vs checkpointed: "
-        f"PP=2 {ratio('8b_pp2_fused', '8b_pp2_trace')}, one GPU {ratio('8b_single_fused', '8b_single')}",
         f"- 8B PP=2, split balanced by time vs the FLOPs split 17/15: {ratio('8b_pp2', '8b_pp2_flops')} "
         f"(against the single-device path: {ratio('8b_pp2', '8b_single')} vs {ratio('8b_pp2_flops', '8b_single')})",
         f"- 8B PP=2 with 16 layers recomputed, split charging the recompute vs even 16/16: "

@@ -4,7 +4,8 @@ Reads the strategy's action trace (``MultiAdapterPipelineStrategy(action_trace=D
 ``actions_rank<r>.jsonl`` per rank, one line per trained window) from a directory or a
 ``.tar.gz`` holding such files, takes one epoch (default: the last one every rank has), and
 prints per stage the measured busy time (CUDA events of each forward, backward, fused
-forward + backward and optimizer step) against the simulator's for the same actions, then per
+forward + backward and optimizer step) against the simulator's for the same actions, the
+optimizer step's host time by phase (what the device waits for behind it), then per
 microbatch the last stage's compute minus the first stage's, measured and simulated, with the
 microbatch's label rows and the rows its graph computes (the cheapest held graph key covering
 it), and a least-squares line of that difference over the graph's label rows.
@@ -118,6 +119,7 @@ def summarize(trace: dict[int, list[dict]], epoch: int | None = None) -> dict:
                 info.setdefault(int(pos), mb)
             if s == last_stage:
                 held_last = [tuple(k) for k in line.get("held_graph_keys", [])]
+            st.setdefault("step_phases", []).extend(line.get("step_phases", []))
     wall = max(st["wall_s"] for st in stages.values())
     makespan = max(st["simulated_makespan_s"] for st in stages.values())
     for st in stages.values():
@@ -127,6 +129,9 @@ def summarize(trace: dict[int, list[dict]], epoch: int | None = None) -> dict:
         st["bubble_simulated"] = 1.0 - sim_busy / makespan if makespan else None
         st["compute_measured_over_simulated"] = (st["measured_compute_s"] / st["simulated_compute_s"]
                                                  if st["simulated_compute_s"] else None)
+        phases = st.pop("step_phases", [])
+        st["step_phase_ms"] = ([1e3 * sum(p[k] for p in phases) / len(phases) for k in range(len(phases[0]))]
+                               if phases else None)
     rows = []
     first, last = min(per_mb), max(per_mb)
     for pos in sorted(set(per_mb[first]) & set(per_mb[last])):
@@ -164,6 +169,11 @@ def report(summary: dict) -> str:
                    f"{st['simulated_compute_s']:.3f} ({ratio:.3f}) | {st['measured_steps_s']:.3f} / "
                    f"{st['simulated_steps_s']:.3f} | {st['waits_s']:.3f} | "
                    f"{100 * st['bubble_measured']:.1f}% / {100 * st['bubble_simulated']:.1f}% |")
+    out += ["", "Optimizer step, host ms per step (mean): queue norm + weights' copy / wait for the device "
+            "read / optimizer / weights' check / the rest (zeroing, schedule, logs)"]
+    for st in summary["stages"]:
+        phases = st.get("step_phase_ms")
+        out.append(f"- stage {st['stage']}: " + (" / ".join(f"{v:.2f}" for v in phases) if phases else "-"))
     out += ["", "| mb | tokens | label rows (graph's) | first stage ms meas / sim | last stage ms meas / sim | "
             "last - first ms meas / sim |", "|---|---|---|---|---|---|"]
     for r in summary["microbatches"]:

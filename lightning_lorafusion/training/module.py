@@ -218,6 +218,7 @@ class LoRAFusionModule(L.LightningModule):
         self._best_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         self._spare_weights: dict[int, dict[str, torch.Tensor]] = {}  # host buffers for the next copy
+        self._step_phases: list[list[float]] | None = None  # host seconds per step phase, when traced
         self._val_sums: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
         self._adapter_params: dict[int, dict[str, torch.nn.Parameter]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -24,7 +25,12 @@ def _drop_global_batch(m: Module, a: int) -> None:
 def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None = None,
                  log_loss: bool = True) -> None:
     """Clip, check and step adapter ``a``'s optimizer and schedule (its global batch is
-    complete). A non-finite loss or gradient skips the step; too many in a row quarantine."""
+    complete). A non-finite loss or gradient skips the step; too many in a row quarantine.
+    With ``m._step_phases`` a list (the pipeline strategy's ``action_trace``), a good step
+    appends its host seconds per phase: queueing the norm and the weights' copy, waiting for
+    the device read, the optimizer, the weights' check, the rest (zeroing, schedule, logs)."""
+    phases = getattr(m, "_step_phases", None)
+    marks = [time.perf_counter()] if phases is not None else None
     spec = m.adapter_specs[a]
     optimizers = m.optimizers()
     schedulers = m.lr_schedulers()
@@ -43,7 +49,9 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
     norm = (torch.nn.utils.get_total_norm([g.float() for g in grads], foreach=True) if grads
             else torch.tensor(0.0))
     copy = host_copy(named_params(m, a, params), m._spare_weights.pop(a, None))
+    _mark(marks)
     loss, norm_value = _read_loss_and_norm(m._gb_loss, a, norm)
+    _mark(marks)
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
         m._spare_weights[a] = copy
         _skip_nonfinite_step(m, a, opt, loss, norm_value)
@@ -56,9 +64,12 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
             for g in grads:
                 g.mul_(scale)
     opt.step()
+    _mark(marks)
     # a finite gradient can still step to non-finite weights (an overflowing lr): those
     # weights would poison every later step, so the adapter is quarantined at once
-    if not all_finite(params):
+    finite = all_finite(params)
+    _mark(marks)
+    if not finite:
         opt.zero_grad(set_to_none=True)
         _drop_global_batch(m, a)
         quarantine(m, a, f"its weights became non-finite in optimizer step {m.steps_taken[a] + 1}; "
@@ -74,6 +85,14 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
     m.log(f"lr/{name}", sched.get_last_lr()[0], on_step=True, on_epoch=False, batch_size=1)
     m.log(f"grad_norm/{name}", norm_value, on_step=True, on_epoch=False, batch_size=1)
     _drop_global_batch(m, a)
+    if marks is not None:
+        _mark(marks)
+        phases.append([t1 - t0 for t0, t1 in zip(marks, marks[1:])])
+
+
+def _mark(marks: list[float] | None) -> None:
+    if marks is not None:
+        marks.append(time.perf_counter())
 
 
 def _read_loss_and_norm(gb_loss, a: int, norm: torch.Tensor) -> tuple[float, float]:

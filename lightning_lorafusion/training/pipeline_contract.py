@@ -123,6 +123,7 @@ def train_window(m: Module, window: Any) -> None:
     m._window = window
     dtype = next(iter(m._buffers.values())).dtype
     # no synchronize: on CUDA the executor times actions by CUDA events (no host syncs)
+    m._step_phases = [] if strategy.action_trace is not None else None
     record = strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
                                    dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
@@ -192,6 +193,9 @@ def write_action_trace(m: Module, strategy: MultiAdapterPipelineStrategy, window
         "events": [list(e) for e in record.events],
         "simulated": [[kind, label, t0, t1] for s, kind, label, t0, t1 in simulated.timeline if s == stage],
         "simulated_makespan": simulated.makespan, "microbatches": microbatches, "held_graph_keys": held,
+        # host seconds per good optimizer step: queue norm + copy, device read, optimizer,
+        # weights' check, the rest (nonfinite_guard.step_adapter)
+        "step_phases": m._step_phases or [],
     }
     path = os.path.join(root, f"actions_rank{strategy.global_rank}.jsonl")
     with open(path, "a") as f:

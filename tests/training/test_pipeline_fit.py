@@ -59,6 +59,9 @@ def _check_action_trace(trace):
             measured = sorted((k, int(i)) for k, i, *_ in line["events"] if k in ("F", "B", "S"))
             simulated = sorted((k, int(i)) for k, i, *_ in line["simulated"])
             assert measured == simulated and len(line["microbatches"]) > 0
+            # every good step's host seconds in its five phases
+            assert len(line["step_phases"]) == sum(k == "S" for k, *_ in line["events"])
+            assert all(len(p) == 5 and min(p) >= 0 for p in line["step_phases"])
             assert all(t0 <= t1 <= line["wall"] + 1e-6 for *_, t0, t1 in line["events"])
     import importlib.util
     import pathlib
@@ -70,7 +73,7 @@ def _check_action_trace(trace):
     summary = tool.summarize(tool.load_trace(str(trace)))
     assert summary["epoch"] == 1 and [st["stage"] for st in summary["stages"]] == [0, 1]
     assert len(summary["microbatches"]) == len(lines[-1]["microbatches"])
-    assert "| stage |" in tool.report(summary)
+    assert "| stage |" in tool.report(summary) and len(summary["stages"][0]["step_phase_ms"]) == 5
 
 
 def test_pipeline_fit_resumes_from_epoch_checkpoint(tiny_model_dir, tmp_path):
