@@ -109,6 +109,8 @@ RUNS_2GPU = (  # the fallback set for a 2-GPU machine (--gpus 2)
         jobs=(Job(configs=(C8, ONE), procs=1, gpus="0"),), limit_s=130),
     Run(name="8b_pp2", what="8B PP=2, 4 adapters, mixed (default split: balanced by time)",
         jobs=(Job(configs=(C8, D2), procs=2),), limit_s=120),
+    Run(name="8b_pp2_trace", what="8B PP=2 as 8b_pp2, each rank's action times written (action_trace)",
+        jobs=(Job(configs=(C8, D2, "configs/pp2/action_trace.yaml"), procs=2),), limit_s=120),
     Run(name="8b_pp2_flops", what="8B PP=2, 4 adapters, mixed, the FLOPs split 17/15 (stage_layers)",
         jobs=(Job(configs=(C8, D2, "configs/pp2/split_flops.yaml"), procs=2),), limit_s=120),
     Run(name="8b_pp2_ckpt16", what="8B PP=2, first 16 layers recomputed, default split (charges it: 14/18)",
@@ -413,6 +415,8 @@ def table(results: list[dict]) -> str:
         f"- 8B against one GPU's single-device path: strategy with one stage "
         f"{ratio('8b_strategy_pp1', '8b_single')}, PP=2 {ratio('8b_pp2', '8b_single')}, DP=2 "
         f"{ratio('8b_dp2', '8b_single')}, two 1-GPU jobs {ratio('8b_2jobs_1gpu', '8b_single')}",
+        f"- 8B PP=2 with its action times written vs without: {ratio('8b_pp2_trace', '8b_pp2')} "
+        f"(against the single-device path: {ratio('8b_pp2_trace', '8b_single')})",
         f"- 8B PP=2, split balanced by time vs the FLOPs split 17/15: {ratio('8b_pp2', '8b_pp2_flops')} "
         f"(against the single-device path: {ratio('8b_pp2', '8b_single')} vs {ratio('8b_pp2_flops', '8b_single')})",
         f"- 8B PP=2 with 16 layers recomputed, split charging the recompute vs even 16/16: "
@@ -576,6 +580,9 @@ def write_outputs(args, results: list[dict]) -> str:
                     path = os.path.join(args.work, name, fname)
                     if os.path.exists(path):
                         tar.add(path, arcname=f"{name}/{fname}")
+                actions = os.path.join(args.work, name, "actions")  # the strategy's action_trace
+                if os.path.isdir(actions):
+                    tar.add(actions, arcname=f"{name}/actions")
     return text
 
 

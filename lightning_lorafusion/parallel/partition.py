@@ -92,7 +92,8 @@ def ranges_of(counts: Sequence[int]) -> tuple[range, ...]:
 
 def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[int] | None = None,
                       cost: str = "time", label_fraction: float | None = None,
-                      checkpoint_layers: bool | int = False) -> tuple[range, ...]:
+                      checkpoint_layers: bool | int = False,
+                      lm_head_loss: str = "checkpointed") -> tuple[range, ...]:
     """Contiguous stages of a decoder (HF config or ``DecoderConfig``).
 
     ``stage_layers``: the split as given (checked: one positive count per stage, summing to the
@@ -103,6 +104,7 @@ def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[in
     ``checkpoint_layers`` (the module's ``activation_checkpointing``: True or a layer count ``n``,
     the layers of global index < n): those layers run their forward twice, so each costs
     ``CostModel.recompute_factor`` plain layers and the stages holding them get fewer.
+    ``lm_head_loss``: the module's LM-head loss, which the time model charges (``CostModel.timed``).
     """
     from .simulator import DEFAULT_LABEL_FRACTION, CostModel
 
@@ -116,7 +118,7 @@ def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[in
         layer, head = unit.layer_flops_per_token, unit.head_flops_per_token
     else:
         fraction = DEFAULT_LABEL_FRACTION if label_fraction is None else label_fraction
-        unit = CostModel.timed(config, (1,), label_fraction=fraction)
+        unit = CostModel.timed(config, (1,), label_fraction=fraction, lm_head_loss=lm_head_loss)
         layer, head = unit.layer_time_per_token(), unit.head_time_per_token()
     recomputed = num_layers if checkpoint_layers is True else min(int(checkpoint_layers or 0), num_layers)
     costs = [layer * unit.recompute_factor()] * recomputed + [layer] * (num_layers - recomputed)

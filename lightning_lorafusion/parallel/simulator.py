@@ -21,7 +21,7 @@ global batch right after the last backward of that batch on that stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..planner.plan import Plan, PlannedMicrobatch
 from .schedule import (
@@ -77,6 +77,18 @@ HBM_BYTES_PER_S = 3.0e12
 # Share of tokens with a label (the LM head's rows) when the data is not at hand: completions are
 # a minority of instruction and summarisation samples (the mixed synthetic workload: ~8%).
 DEFAULT_LABEL_FRACTION = 0.25
+# Memory-bound bytes per LM-head row and vocabulary entry in each pass over the logits (forward,
+# recompute, backward): the cross-entropy writes and reads the row's fp32 logits a few times.
+# With it the checkpointed head of the 8B shape costs 6.3 us per row forward + backward: 2 x H200
+# under `fit` measured the last stage 4.5 ms per microbatch dearer than the first at 741 rows
+# (the model had 2.9 ms without it; docs/BENCHMARKS.md, "Pipeline parallelism").
+HEAD_BYTES_PER_VOCAB_ENTRY = 18.0
+# Seconds of one adapter's optimizer step on a stage, as the device sees it (the host's AdamW,
+# check of the new weights, zeroing, schedule and logging after the step's device read, with the
+# device idle behind it). 2 x H200 under `fit`, 8B shape, 16 layers a stage: 9-10 ms with the
+# fused AdamW and one read (15-26 ms before: multi-tensor AdamW, the weights' copy after the read).
+OPTIMIZER_STEP_SECONDS = 0.0095
+LM_HEAD_LOSSES = ("checkpointed", "fused")
 
 
 def _shapes(config: Any) -> dict[str, int]:
@@ -161,6 +173,9 @@ class CostModel:
     head_token_fraction: float = 1.0
     head_flops_per_second: float = 0.0
     head_backward_factor: float | None = None  # None: backward_factor
+    # memory-bound bytes per LM-head row in forward (the row's fp32 logits written and read by
+    # the cross-entropy), at ``memory_bandwidth``; backward: ``head_backward_factor`` times
+    head_row_bytes: float = 0.0
     # per stage, how many of its layers recompute their forward in backward (activation
     # checkpointing, ``recomputed_per_stage``); (): none
     stage_recomputed: tuple[int, ...] = ()
@@ -179,7 +194,7 @@ class CostModel:
         for name in ("layer_flops_per_token", "attention_flops_per_pair", "head_flops_per_token",
                      "backward_factor", "launch_overhead", "optimizer_step_time", "p2p_latency",
                      "bytes_per_token", "layer_bytes_per_token", "head_bytes_per_token",
-                     "head_flops_per_second"):
+                     "head_flops_per_second", "head_row_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name}={getattr(self, name)} must be >= 0")
         if not 0.0 <= self.head_token_fraction <= 1.0:
@@ -246,21 +261,32 @@ class CostModel:
         lora_rank: int = 16,
         bytes_per_element: int = 2,
         checkpoint_layers: bool | int = False,
+        lm_head_loss: str = "checkpointed",
         **overrides: Any,
     ) -> "CostModel":
         """Seconds, not FLOPs: ``from_decoder_config``'s GEMM FLOPs at ``LAYER_GEMM_FLOPS`` (a
         layer's projections with the LoRA kernels fused around them) and ``HEAD_GEMM_FLOPS`` (the
         LM head, one large GEMM), plus each layer's memory-bound traffic (``layer_traffic_bytes``)
         at ``HBM_BYTES_PER_S``. The LM head runs on the labelled rows only
-        (``decoder.head_loss_sums``): ``label_fraction`` of the tokens; its checkpointed backward
-        recomputes the logits (two GEMMs). ``checkpoint_layers`` (the module's
+        (``decoder.head_loss_sums``): ``label_fraction`` of the tokens (or the simulation's
+        ``head_rows``), each pass over a row's logits also moving ``HEAD_BYTES_PER_VOCAB_ENTRY``
+        bytes per vocabulary entry. ``lm_head_loss`` (the module's): "checkpointed" (forward one
+        logits GEMM; backward recomputes it and forms the input gradient: two) or "fused" (both
+        GEMMs in the forward, the backward only scales the kept gradient). Each optimizer step
+        costs ``OPTIMIZER_STEP_SECONDS``. ``checkpoint_layers`` (the module's
         ``activation_checkpointing``): layers that run their forward again in backward
         (``recomputed_per_stage``). ``overrides`` replace any field."""
+        if lm_head_loss not in LM_HEAD_LOSSES:
+            raise ValueError(f"lm_head_loss={lm_head_loss!r}; allowed: {LM_HEAD_LOSSES}")
         shapes = _shapes(config)
+        passes = 2.0 if lm_head_loss == "fused" else 1.0  # logits passes in the forward
         defaults = dict(
             flops_per_second=LAYER_GEMM_FLOPS, head_flops_per_second=HEAD_GEMM_FLOPS,
             memory_bandwidth=HBM_BYTES_PER_S, head_token_fraction=float(label_fraction),
-            head_backward_factor=2.0,
+            head_backward_factor=0.0 if lm_head_loss == "fused" else 2.0,
+            head_flops_per_token=passes * 2.0 * shapes["hidden"] * config.vocab_size,
+            head_row_bytes=passes * HEAD_BYTES_PER_VOCAB_ENTRY * config.vocab_size,
+            optimizer_step_time=OPTIMIZER_STEP_SECONDS,
             layer_bytes_per_token=layer_traffic_bytes(config, lora_rank=lora_rank,
                                                       bytes_per_element=bytes_per_element),
             head_bytes_per_token=float(4 * shapes["hidden"] * bytes_per_element),  # final norm: read + write
@@ -283,7 +309,8 @@ class CostModel:
         """Forward + backward seconds of the final norm, LM head and loss per token."""
         head_rate = self.head_flops_per_second or self.flops_per_second
         back = self.backward_factor if self.head_backward_factor is None else self.head_backward_factor
-        gemm = self.head_token_fraction * self.head_flops_per_token / head_rate
+        gemm = self.head_token_fraction * (self.head_flops_per_token / head_rate
+                                           + self.head_row_bytes / self.memory_bandwidth)
         norm = self.head_bytes_per_token / self.memory_bandwidth
         return (1.0 + back) * gemm + (1.0 + self.backward_factor) * norm
 
@@ -302,22 +329,27 @@ class CostModel:
                  + self.attention_flops_per_pair * self.attention_pairs(stage, seq_sq, lengths))
         return flops / self.flops_per_second + layers * self.layer_bytes_per_token * tokens / self.memory_bandwidth
 
-    def _layers_and_head(self, stage: int, tokens: int, seq_sq: int,
-                         lengths: Sequence[int] | None) -> tuple[float, float]:
-        """Forward seconds of the stage's layers and of its head (0 before the last stage)."""
+    def _layers_and_head(self, stage: int, tokens: int, seq_sq: int, lengths: Sequence[int] | None,
+                         head_rows: int | None = None) -> tuple[float, float]:
+        """Forward seconds of the stage's layers and of its head (0 before the last stage); the
+        head's GEMM runs on ``head_rows`` rows when given, else on ``head_token_fraction`` of
+        the tokens."""
         body = self._layers_body(stage, tokens, seq_sq, lengths)
         if stage != self.num_stages - 1:
             return body, 0.0
         head_rate = self.head_flops_per_second or self.flops_per_second
-        gemm = self.head_token_fraction * self.head_flops_per_token * tokens / head_rate
+        rows = self.head_token_fraction * tokens if head_rows is None else head_rows
+        gemm = rows * (self.head_flops_per_token / head_rate + self.head_row_bytes / self.memory_bandwidth)
         return body + self.head_bytes_per_token * tokens / self.memory_bandwidth, gemm
 
-    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
-        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths)
+    def forward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None,
+                     head_rows: int | None = None) -> float:
+        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths, head_rows)
         return self.launch_overhead + body + head
 
-    def backward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None) -> float:
-        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths)
+    def backward_time(self, stage: int, tokens: int, seq_sq: int = 0, lengths: Sequence[int] | None = None,
+                      head_rows: int | None = None) -> float:
+        body, head = self._layers_and_head(stage, tokens, seq_sq, lengths, head_rows)
         back = self.backward_factor if self.head_backward_factor is None else self.head_backward_factor
         recompute = 0.0
         if self.stage_recomputed and self.stage_recomputed[stage]:  # their forward again, before backward
@@ -419,14 +451,16 @@ class _Simulation:
     """The clocks, message posts and per-stage bookkeeping of one simulated run."""
 
     def __init__(
-        self, plan: Plan, schedule: Sequence[Sequence[Action]], cost_model: CostModel, rendezvous: bool
+        self, plan: Plan, schedule: Sequence[Sequence[Action]], cost_model: CostModel, rendezvous: bool,
+        head_rows: Mapping[int, int] | None = None,
     ) -> None:
         num_stages = len(schedule)
         self.num_stages = num_stages
         self.cost_model = cost_model
         self.rendezvous = rendezvous
         self.step_points = Plan.compute_step_points(plan.microbatches)
-        self.costs = [_work(plan, mb) for mb in plan.microbatches]
+        rows = head_rows or {}
+        self.costs = [(*_work(plan, mb), rows.get(i)) for i, mb in enumerate(plan.microbatches)]
         self.message_time = cost_model.p2p_time(plan.capacity)
         self.programs = [communication_runs(actions) for actions in schedule]
         self.pc = [0] * num_stages
@@ -583,8 +617,12 @@ def simulate(
     cost_model: CostModel,
     *,
     rendezvous: bool = True,
+    head_rows: Mapping[int, int] | None = None,
 ) -> SimulationResult:
-    """Run ``schedule`` (one action list per stage) of ``plan`` on ``cost_model``'s clock."""
+    """Run ``schedule`` (one action list per stage) of ``plan`` on ``cost_model``'s clock.
+    ``head_rows``: rows the last stage's LM head computes per microbatch (plan position; e.g. a
+    CUDA graph's padded label rows); a microbatch without an entry uses the model's
+    ``head_token_fraction``."""
     num_stages = len(schedule)
     if cost_model.num_stages != num_stages:
         raise ValueError(
@@ -592,6 +630,6 @@ def simulate(
             "build the CostModel with one stage_layers entry per pipeline stage"
         )
     _check_static(plan, schedule)
-    simulation = _Simulation(plan, schedule, cost_model, rendezvous)
+    simulation = _Simulation(plan, schedule, cost_model, rendezvous, head_rows)
     simulation.run()
     return simulation.result()

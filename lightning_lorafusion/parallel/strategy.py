@@ -110,6 +110,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     one positive count per stage summing to the decoder's layers (checked once the model is
     known). None (default): ``partition_decoder``'s time model balances the stages, with the LM
     head charged for the labelled share of the training data's tokens (``stage_ranges``).
+
+    ``action_trace`` (a directory; relative: under the trainer's ``default_root_dir``): every
+    rank appends one JSON line per trained window to ``actions_rank<r>.jsonl``: its measured
+    action times (``StageRecord``), the simulator's times for the same actions, and each
+    microbatch's shape (tokens, label rows, graph key). ``scripts/pipeline_action_times.py``
+    compares them per stage. None (default): nothing is written.
     """
 
     strategy_name = "lorafusion_pipeline"
@@ -117,7 +123,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
     def __init__(self, pipeline_size: int = 1, data_parallel_size: int | None = None,
                  schedule: str = "no_flush", overlap_grad_reduce: bool = True,
                  bucket_mb: float = DEFAULT_BUCKET_MB, stage_layers: list[int] | None = None,
-                 **ddp_kwargs: Any) -> None:
+                 action_trace: str | None = None, **ddp_kwargs: Any) -> None:
         if not isinstance(pipeline_size, int) or pipeline_size < 1:
             raise ConfigError(f"pipeline_size={pipeline_size!r} must be an int >= 1")
         if data_parallel_size is not None and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
@@ -128,12 +134,16 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ConfigError(f"strategy overlap_grad_reduce={overlap_grad_reduce!r} must be true or false")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ConfigError(f"strategy bucket_mb={bucket_mb!r} must be a number of MiB > 0 (e.g. 25)")
+        if action_trace is not None and (not isinstance(action_trace, str) or not action_trace):
+            raise ConfigError(f"strategy action_trace={action_trace!r} must be a directory path or null")
+        self.action_trace = action_trace
         self.requested_stage_layers = (None if stage_layers is None
                                        else check_stage_layers(stage_layers, pipeline_size))
         super().__init__(**ddp_kwargs)
         self._ranges: tuple[range, ...] | None = None  # every stage's layers, once known
         self._label_fraction: float | None = None
         self._checkpoint_layers: bool | int = False  # the module's activation_checkpointing, for the time model
+        self._lm_head_loss = "checkpointed"  # the module's, for the time model
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_mb = float(bucket_mb)
         self._reducer: AdapterGradReducer | None = None
@@ -201,11 +211,13 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
 
     def stage_ranges(self, config: Any = None, *, num_layers: int | None = None,
                      label_fraction: float | None = None,
-                     checkpoint_layers: bool | int = False) -> tuple[range, ...]:
+                     checkpoint_layers: bool | int = False,
+                     lm_head_loss: str = "checkpointed") -> tuple[range, ...]:
         """Every stage's layers, fixed at the first call: ``stage_layers`` as given, else for a
         decoder ``config`` balanced by the time model (``label_fraction``: the share of tokens the
         LM head sees; default ``DEFAULT_LABEL_FRACTION``; ``checkpoint_layers``: the module's
-        ``activation_checkpointing``, whose layers cost one forward more), else ``num_layers``
+        ``activation_checkpointing``, whose layers cost one forward more; ``lm_head_loss``: the
+        module's, charged by the time model), else ``num_layers``
         evenly. The split computed here is rank 0's, broadcast, so every rank runs the same one."""
         if self._ranges is not None:
             return self._ranges
@@ -214,7 +226,8 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             raise ValueError("stage_layers needs a decoder config or num_layers")
         if config is not None:
             ranges = partition_decoder(config, pp, stage_layers=self.requested_stage_layers,
-                                       label_fraction=label_fraction, checkpoint_layers=checkpoint_layers)
+                                       label_fraction=label_fraction, checkpoint_layers=checkpoint_layers,
+                                       lm_head_loss=lm_head_loss)
         elif self.requested_stage_layers is not None:
             ranges = ranges_of(check_stage_layers(self.requested_stage_layers, pp, num_layers))
         else:
@@ -226,6 +239,7 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
             ranges, label_fraction = ranges_of(chosen[0]), chosen[1]
         self._ranges, self._label_fraction = ranges, label_fraction
         self._checkpoint_layers = checkpoint_layers
+        self._lm_head_loss = lm_head_loss
         return ranges
 
     @property
@@ -234,18 +248,19 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         return None if self._ranges is None else tuple(len(r) for r in self._ranges)
 
     def stage_layers(self, config: Any = None, *, num_layers: int | None = None,
-                     label_fraction: float | None = None, checkpoint_layers: bool | int = False) -> range:
+                     label_fraction: float | None = None, checkpoint_layers: bool | int = False,
+                     lm_head_loss: str = "checkpointed") -> range:
         """This rank's layers (``stage_ranges``)."""
         return self.stage_ranges(config, num_layers=num_layers, label_fraction=label_fraction,
-                                 checkpoint_layers=checkpoint_layers)[self.stage_index]
+                                 checkpoint_layers=checkpoint_layers, lm_head_loss=lm_head_loss)[self.stage_index]
 
     def cost_model(self, config: Any, **overrides: Any) -> CostModel:
         """The simulator's time model (``CostModel.timed``) of this pipeline's split and the
         training data's label share, for ``simulated_bubble_ratio``."""
         fraction = DEFAULT_LABEL_FRACTION if self._label_fraction is None else self._label_fraction
         counts = [len(r) for r in self.stage_ranges(config)]
-        return CostModel.timed(config, counts, label_fraction=fraction,
-                               checkpoint_layers=self._checkpoint_layers, **overrides)
+        return CostModel.timed(config, counts, label_fraction=fraction, checkpoint_layers=self._checkpoint_layers,
+                               **{"lm_head_loss": self._lm_head_loss, **overrides})
 
     # ---- no DDP wrapper: gradients are reduced per adapter at its step --------------------
     def _setup_model(self, model: Module) -> Module:
@@ -329,11 +344,12 @@ class MultiAdapterPipelineStrategy(DDPStrategy):
         ``last_bubble_ratio``."""
         return self.simulate(plan, cost_model).bubble_ratio
 
-    def simulate(self, plan: Plan, cost_model: CostModel):
+    def simulate(self, plan: Plan, cost_model: CostModel, head_rows: Mapping[int, int] | None = None):
         """The simulator's run of ``plan`` on this pipeline (``SimulationResult``: the bubble
-        ratio overall and per stage)."""
+        ratio overall and per stage); ``head_rows``: the LM head's rows per microbatch
+        (``simulator.simulate``)."""
         pp = self._require_layout().pipeline_size
-        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model)
+        return simulate(plan, SCHEDULES[self.schedule](plan, pp), cost_model, head_rows=head_rows)
 
     # ---- checkpoints and export ------------------------------------------------------------
     def stage_checkpoint_path(self, filepath: str) -> str:

@@ -102,10 +102,11 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 
 def label_rows_step(capacity: int) -> int:
-    """Label-row counts are padded to multiples of this: at most 16 buckets per capacity, and
-    at most ``capacity / 16`` rows (6% of a microbatch's tokens) of LM head computed for
-    nothing."""
-    return min(capacity, max(MIN_LABEL_ROWS_STEP, capacity // 16))
+    """Label-row counts are padded to multiples of this: at most 64 buckets per capacity, and
+    at most ``capacity / 64`` rows (1.6% of a microbatch's tokens) of LM head computed for
+    nothing under a graph of the key's own (a replay costs ~8 us per LM-head row on the 8B
+    shape: 512-row buckets left a quarter of an 8192-token microbatch's head padding)."""
+    return min(capacity, max(MIN_LABEL_ROWS_STEP, capacity // 64))
 
 
 def graph_key(mb: Microbatch) -> GraphKey:
@@ -224,10 +225,13 @@ class TrainingGraphs:
     after accumulating the gradients of ``adapter_loss(sums, denominators)``, or None when this
     microbatch must take the caller's eager step (reason in ``refusals`` and the log).
     ``capture=False`` runs the same fixed-shape step without graphs (CPU tests of the logic).
+    ``lm_head_loss``: the LM-head loss the step holds (``decoder.head_loss_sums``: "checkpointed"
+    or "fused"), the module's option.
     """
 
     def __init__(self, *, params: Mapping[str, Any], bank, config: DecoderConfig,
                  checkpoint_layers: bool | int = False, chunk_size: int = 1024,
+                 lm_head_loss: str = "checkpointed",
                  max_graphs: int = MAX_GRAPHS, capture: bool = True,
                  options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
                  is_first: bool = True, activation_dtype: torch.dtype | None = None,
@@ -243,6 +247,7 @@ class TrainingGraphs:
         self.input_grad: torch.Tensor | None = None
         self._activation: dict[int, torch.Tensor] = {}
         self.checkpoint_layers, self.chunk_size = checkpoint_layers, chunk_size
+        self.lm_head_loss = lm_head_loss
         self.max_graphs, self.capture = max_graphs, capture
         self.refusals: dict[Any, str] = {}
         self.disabled: str | None = None  # set after a failed capture: every later step is eager
@@ -470,7 +475,7 @@ class TrainingGraphs:
                            options=self.options)
         sums = head_loss_sums(self.params, h, inputs.labels, (), self.bank.num_adapters, config=self.config,
                               chunk_size=self.chunk_size, label_rows=inputs.label_rows[: key.label_rows],
-                              row_owner=inputs.row_owner)
+                              row_owner=inputs.row_owner, lm_head_loss=self.lm_head_loss)
         loss = adapter_loss(sums, inputs.denominators)
         if loss.requires_grad:
             loss.backward()

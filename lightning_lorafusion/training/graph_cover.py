@@ -62,7 +62,12 @@ def plan_captures(planned: Iterable[GraphKey] | Mapping[GraphKey, int], captured
     that covers the most uncovered microbatches, the cheapest (``replay_cost``) of those that
     tie, until all are covered. When that would take more than ``limit`` keys, the last ones are
     the ``join`` of what is left per capacity (keys no microbatch has, but covering all of it).
-    Deterministic: every data-parallel replica given the same keys picks the same ones.
+    When some key needed a cover (a capture batch happens anyway), keys left in the budget then
+    go to the planned keys whose own graph saves the most LM-head rows over the epoch
+    (``padded_rows_saved``: a covered microbatch computes its cover's label rows), as long as
+    one saves any; an epoch whose keys are all covered captures nothing (no capture batch only
+    to save rows). Deterministic: every data-parallel replica given the same keys picks the
+    same ones.
     """
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"limit={limit!r} must be an int >= 0")
@@ -80,4 +85,27 @@ def plan_captures(planned: Iterable[GraphKey] | Mapping[GraphKey, int], captured
                                         c.capacity))
         chosen.append(best)
         todo = {k: n for k, n in todo.items() if not covers(best, k)}
+    while chosen and len(chosen) < limit:
+        held_now = held + chosen
+        gains = {c: padded_rows_saved(c, uses, held_now) for c in uses if c not in held_now}
+        best = min(gains, key=lambda c: (-gains[c], replay_cost(c), c.capacity), default=None)
+        if best is None or gains[best] <= 0:
+            break
+        chosen.append(best)
     return chosen
+
+
+def padded_rows_saved(candidate: GraphKey, uses: Mapping[GraphKey, int], held: Iterable[GraphKey]) -> int:
+    """LM-head rows an epoch of ``uses`` (planned keys with their microbatches) computes for
+    nothing less if ``candidate`` is captured besides ``held``: over each key ``candidate``
+    covers, its microbatches times the label rows by which ``candidate`` undercuts the key's
+    cheapest held cover (uncovered keys count as gaining nothing)."""
+    held = list(held)
+    saved = 0
+    for key, n in uses.items():
+        if not covers(candidate, key):
+            continue
+        cover = cheapest_cover(key, held)
+        if cover is not None and cover.label_rows > candidate.label_rows:
+            saved += n * (cover.label_rows - candidate.label_rows)
+    return saved

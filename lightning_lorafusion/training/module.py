@@ -217,6 +217,8 @@ class LoRAFusionModule(L.LightningModule):
         # weights whose loss and gradients were finite (with their step), kept at every good step
         self._best_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._last_good: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._spare_weights: dict[int, dict[str, torch.Tensor]] = {}  # host buffers for the next copy
+        self._step_phases: list[list[float]] | None = None  # host seconds per step phase, when traced
         self._val_sums: torch.Tensor | None = None
         self._val_tokens: torch.Tensor | None = None
         self._adapter_params: dict[int, dict[str, torch.nn.Parameter]] = {}
@@ -443,7 +445,7 @@ class LoRAFusionModule(L.LightningModule):
         self._graphs = pipeline_contract.stage_graphs(
             self, strategy, params=self.base_params(), bank=self.bank, config=self.config,
             checkpoint_layers=self.activation_checkpointing, options=self.decoder_options,
-            max_precapture=self.cuda_graph_precapture)
+            max_precapture=self.cuda_graph_precapture, lm_head_loss=self.lm_head_loss)
 
     def on_train_end(self) -> None:
         """Checkpoint the end of training (after the callbacks' own ``on_train_end``) into every

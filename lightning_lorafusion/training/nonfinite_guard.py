@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -24,7 +25,12 @@ def _drop_global_batch(m: Module, a: int) -> None:
 def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None = None,
                  log_loss: bool = True) -> None:
     """Clip, check and step adapter ``a``'s optimizer and schedule (its global batch is
-    complete). A non-finite loss or gradient skips the step; too many in a row quarantine."""
+    complete). A non-finite loss or gradient skips the step; too many in a row quarantine.
+    With ``m._step_phases`` a list (the pipeline strategy's ``action_trace``), a good step
+    appends its host seconds per phase: queueing the norm and the weights' copy, waiting for
+    the device read, the optimizer, the weights' check, the rest (zeroing, schedule, logs)."""
+    phases = getattr(m, "_step_phases", None)
+    marks = [time.perf_counter()] if phases is not None else None
     spec = m.adapter_specs[a]
     optimizers = m.optimizers()
     schedulers = m.lr_schedulers()
@@ -36,23 +42,34 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
         _drop_global_batch(m, a)
         return
     grads = [p.grad for p in params if p.grad is not None]
-    norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            if grads else torch.tensor(0.0))
-    loss = float(m._gb_loss[a])
-    if not (math.isfinite(loss) and bool(torch.isfinite(norm))):
-        _skip_nonfinite_step(m, a, opt, loss, float(norm))
+    # Everything up to the one device->host read below is queued while the device still runs
+    # the backward: the gradient norm as a few multi-tensor launches, and a copy of the weights
+    # as they are into spare host buffers (kept as the last good weights only if the check
+    # passes). After the read the device waits for the host.
+    norm = (torch.nn.utils.get_total_norm([g.float() for g in grads], foreach=True) if grads
+            else torch.tensor(0.0))
+    copy = host_copy(named_params(m, a, params), m._spare_weights.pop(a, None))
+    _mark(marks)
+    loss, norm_value = _read_loss_and_norm(m._gb_loss, a, norm)
+    _mark(marks)
+    if not (math.isfinite(loss) and math.isfinite(norm_value)):
+        m._spare_weights[a] = copy
+        _skip_nonfinite_step(m, a, opt, loss, norm_value)
         return
     m._nonfinite_streak[a] = 0
-    keep_last_good(m, a, params)
+    keep_last_good(m, a, params, copy)
     if m.grad_clip and m.grad_clip > 0:
-        scale = min(1.0, m.grad_clip / (float(norm) + 1e-6))
+        scale = min(1.0, m.grad_clip / (norm_value + 1e-6))
         if scale < 1.0:
             for g in grads:
                 g.mul_(scale)
     opt.step()
+    _mark(marks)
     # a finite gradient can still step to non-finite weights (an overflowing lr): those
     # weights would poison every later step, so the adapter is quarantined at once
-    if not all_finite(params):
+    finite = all_finite(params)
+    _mark(marks)
+    if not finite:
         opt.zero_grad(set_to_none=True)
         _drop_global_batch(m, a)
         quarantine(m, a, f"its weights became non-finite in optimizer step {m.steps_taken[a] + 1}; "
@@ -66,8 +83,25 @@ def step_adapter(m: Module, a: int, params: Sequence[torch.nn.Parameter] | None 
         m.log(f"loss/{name}", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
         m.log(f"tokens/{name}", float(m._gb_tokens[a]), on_step=True, on_epoch=False, batch_size=1)
     m.log(f"lr/{name}", sched.get_last_lr()[0], on_step=True, on_epoch=False, batch_size=1)
-    m.log(f"grad_norm/{name}", float(norm), on_step=True, on_epoch=False, batch_size=1)
+    m.log(f"grad_norm/{name}", norm_value, on_step=True, on_epoch=False, batch_size=1)
     _drop_global_batch(m, a)
+    if marks is not None:
+        _mark(marks)
+        phases.append([t1 - t0 for t0, t1 in zip(marks, marks[1:])])
+
+
+def _mark(marks: list[float] | None) -> None:
+    if marks is not None:
+        marks.append(time.perf_counter())
+
+
+def _read_loss_and_norm(gb_loss, a: int, norm: torch.Tensor) -> tuple[float, float]:
+    """Adapter ``a``'s global-batch loss and its gradient norm as floats, in one device->host
+    read when both are on one device."""
+    if torch.is_tensor(gb_loss) and gb_loss.device == norm.device:
+        loss, value = torch.stack([gb_loss[a].double(), norm.double()]).tolist()
+        return loss, value
+    return float(gb_loss[a]), float(norm)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -130,10 +164,16 @@ def sync_host_copies(m: Module) -> None:
         torch.cuda.synchronize(m.device)
 
 
-def keep_last_good(m: Module, a: int, params: Sequence[torch.nn.Parameter]) -> None:
-    """Before a good step: these weights gave a finite loss and gradient norm."""
+def keep_last_good(m: Module, a: int, params: Sequence[torch.nn.Parameter],
+                   copy: dict[str, torch.Tensor] | None = None) -> None:
+    """Before a good step: these weights gave a finite loss and gradient norm. ``copy``: their
+    host copy made already (the replaced copy's buffers become the spare for the next one)."""
     old = m._last_good.get(a)
-    m._last_good[a] = (m.steps_taken[a], host_copy(named_params(m, a, params), old and old[1]))
+    if copy is None:
+        copy = host_copy(named_params(m, a, params), old and old[1])
+    elif old is not None:
+        m._spare_weights[a] = old[1]
+    m._last_good[a] = (m.steps_taken[a], copy)
 
 
 def load_weights(m: Module, a: int, weights: dict[str, torch.Tensor]) -> None:

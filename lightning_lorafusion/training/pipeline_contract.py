@@ -4,6 +4,9 @@ through the pipeline schedule. Functions over the training module's state."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from typing import Any
 
 import torch
@@ -12,7 +15,7 @@ from lightning import LightningModule as Module
 from ..parallel.partition import label_fraction
 from ..parallel.stage import DecoderStage
 from ..parallel.strategy import MultiAdapterPipelineStrategy
-from .cuda_graphs import TrainingGraphs
+from .cuda_graphs import TrainingGraphs, graph_key
 from .frozen_base import draw_stage_base, flatten_tree, stage_template
 from .nonfinite_guard import agree_on_quarantine, step_adapter
 from .stage_graphs import SplitStageGraphs
@@ -49,7 +52,7 @@ def setup_stage(m: Module) -> None:
     if strategy is not None:
         dm = m.trainer.datamodule if m._trainer is not None else None
         layers = strategy.stage_layers(m.config, label_fraction=label_fraction(getattr(dm, "datasets", None) or ()),
-                                       checkpoint_layers=m.activation_checkpointing)
+                                       checkpoint_layers=m.activation_checkpointing, lm_head_loss=m.lm_head_loss)
         first, last = strategy.stage_index == 0, strategy.stage_index == strategy.layout.pipeline_size - 1
     else:
         layers, first, last = range(m.config.num_layers), True, True
@@ -120,18 +123,81 @@ def train_window(m: Module, window: Any) -> None:
     m._window = window
     dtype = next(iter(m._buffers.values())).dtype
     # no synchronize: on CUDA the executor times actions by CUDA events (no host syncs)
-    strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
-                          dtype=dtype)
+    m._step_phases = [] if strategy.action_trace is not None else None
+    record = strategy.run_pipeline(window.plan, activation_shape=(window.plan.capacity, m.config.hidden_size),
+                                   dtype=dtype)
     # measured idle fraction (executor timestamps) next to the analytic simulator's prediction
     # the simulator's time model on this pipeline's split (stage_layers or the balanced default)
-    simulated = strategy.simulate(window.plan, strategy.cost_model(m.config))
+    simulated = strategy.simulate(window.plan, strategy.cost_model(m.config), head_rows=head_rows(m, window))
     m.log("pipeline/bubble_ratio", float(strategy.last_bubble_ratio), prog_bar=True, batch_size=1)
     m.log("pipeline/simulated_bubble_ratio", simulated.bubble_ratio, batch_size=1)
     for s, ratio in enumerate(strategy.last_stage_bubble_ratios):
         m.log(f"pipeline/bubble_ratio_stage{s}", float(ratio), batch_size=1)
         m.log(f"pipeline/simulated_bubble_ratio_stage{s}", simulated.stage_bubble_ratios[s], batch_size=1)
+    if strategy.action_trace is not None:
+        write_action_trace(m, strategy, window, record, simulated)
     dm = m.trainer.datamodule
     if dm is not None:
         dm.on_window_trained(window)
     m._window = None
     agree_on_quarantine(m, strategy)
+
+
+def head_rows(m: Module, window: Any) -> dict[int, int]:
+    """Rows the last stage's LM head computes per real microbatch of ``window`` (plan position),
+    for the simulator: under CUDA graphs the label rows of the microbatch's graph key (padded to
+    its bucket; a covering graph may pad further), else its label rows. The same on every rank
+    (host metadata only)."""
+    rows = {}
+    for pos, planned in enumerate(window.plan.microbatches):
+        if planned.is_noop:
+            continue
+        mb = window.microbatch(pos)
+        if mb.num_label_rows is None:
+            continue
+        try:
+            rows[pos] = graph_key(mb).label_rows if m._graphs is not None else mb.num_label_rows
+        except ValueError:  # no host metadata: it runs eagerly, on its own rows
+            rows[pos] = mb.num_label_rows
+    return rows
+
+
+def write_action_trace(m: Module, strategy: MultiAdapterPipelineStrategy, window: Any, record: Any,
+                       simulated: Any) -> str:
+    """Append this rank's line for ``window`` to ``<action_trace>/actions_rank<r>.jsonl`` (the
+    strategy's ``action_trace`` option): measured action times, the simulator's for this stage,
+    and each real microbatch's tokens, label rows and graph key; returns the file's path."""
+    root = strategy.action_trace
+    if not os.path.isabs(root):
+        root = os.path.join(m.trainer.default_root_dir, root)
+    os.makedirs(root, exist_ok=True)
+    plan, stage = window.plan, strategy.stage_index
+    microbatches = {}
+    for pos, planned in enumerate(plan.microbatches):
+        if planned.is_noop:
+            continue
+        mb = window.microbatch(pos)
+        lengths = [s.length for s in planned.samples]
+        try:
+            key = list(dataclasses.astuple(graph_key(mb)))
+        except ValueError:
+            key = None
+        microbatches[pos] = {"tokens": planned.padded_tokens(plan.pad_multiple), "real_tokens": sum(lengths),
+                             "seq_sq": sum(n * n for n in lengths), "label_rows": mb.num_label_rows,
+                             "graph_key": key}
+    graphs = m._graphs
+    held = sorted(dataclasses.astuple(k) for k in graphs._held()) if graphs is not None and hasattr(graphs, "_held") else []
+    line = {
+        "epoch": window.epoch, "rank": strategy.global_rank, "stage": stage,
+        "stage_layers": list(strategy.stage_layer_counts or ()), "wall": record.wall,
+        "events": [list(e) for e in record.events],
+        "simulated": [[kind, label, t0, t1] for s, kind, label, t0, t1 in simulated.timeline if s == stage],
+        "simulated_makespan": simulated.makespan, "microbatches": microbatches, "held_graph_keys": held,
+        # host seconds per good optimizer step: queue norm + copy, device read, optimizer,
+        # weights' check, the rest (nonfinite_guard.step_adapter)
+        "step_phases": m._step_phases or [],
+    }
+    path = os.path.join(root, f"actions_rank{strategy.global_rank}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return path

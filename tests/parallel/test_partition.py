@@ -61,8 +61,10 @@ def test_time_cost_balances_llama3_8b_evenly_where_flops_gave_the_head_two_layer
     assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, cost="flops")] == [17, 15]
     assert [len(r) for r in partition_decoder(LLAMA3_8B, 2)] == [16, 16]
     assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=0.08)] == [16, 16]
-    # a head on every token (label_fraction 1) costs ~2 layers in time too: the last stage gives one up
-    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=1.0)] == [17, 15]
+    # a head on every token (label_fraction 1) costs ~3 layers in time (its fp32 logits' traffic
+    # counted): the last stage gives two up; the fused LM-head loss, ~2 layers: one
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=1.0)] == [18, 14]
+    assert [len(r) for r in partition_decoder(LLAMA3_8B, 2, label_fraction=1.0, lm_head_loss="fused")] == [17, 15]
     with pytest.raises(ValueError, match="cost='bytes'"):
         partition_decoder(LLAMA3_8B, 2, cost="bytes")
 

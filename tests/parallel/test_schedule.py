@@ -357,3 +357,28 @@ def test_time_model_bubble_reflects_imbalanced_stages():
                            layer_bytes_per_token=0.0, head_bytes_per_token=0.0)
     assert head.backward_time(1, 100) == pytest.approx(2.0 * head.forward_time(1, 100))
     assert head.forward_time(0, 100) == 0.0
+
+
+def test_head_rows_per_microbatch_replace_the_label_fraction():
+    """The LM head's rows given per microbatch (a CUDA graph's padded label rows) set the last
+    stage's head time; the row's memory traffic (``head_row_bytes``) adds to its GEMM. Stages
+    before the last and microbatches without an entry are unchanged."""
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, num_hidden_layers=32)
+    model = CostModel.timed(config, (16, 16), label_fraction=0.1, head_row_bytes=4e6)
+    bare = CostModel.timed(config, (16, 16), label_fraction=0.1)
+    per_row = 2 * 4096 * 128256 / model.head_flops_per_second + 4e6 / model.memory_bandwidth
+    assert model.forward_time(1, 8192, head_rows=1000) - model.forward_time(1, 8192, head_rows=0) == \
+        pytest.approx(1000 * per_row)
+    assert model.forward_time(1, 8192, head_rows=819.2) == pytest.approx(model.forward_time(1, 8192))
+    assert model.forward_time(0, 8192, head_rows=1000) == model.forward_time(0, 8192)
+    assert model.head_time_per_token() > bare.head_time_per_token()
+    plan = make_plan([[(0, 0, 160)], [(1, 0, 160)], [(2, 0, 160)]], num_stages=2)
+    schedule = build_pipeline_schedule(plan, 2)
+    plain = simulate(plan, schedule, model)
+    padded = simulate(plan, schedule, model, head_rows={0: 90, 1: 90})
+    same = simulate(plan, schedule, model, head_rows={0: 16, 1: 16, 2: 16})  # 0.1 x 160 tokens
+    last = {(k, i): t1 - t0 for s, k, i, t0, t1 in padded.timeline if s == 1}
+    base = {(k, i): t1 - t0 for s, k, i, t0, t1 in plain.timeline if s == 1}
+    assert last[("F", 0)] > base[("F", 0)] and last[("F", 2)] == pytest.approx(base[("F", 2)])
+    assert same.makespan == pytest.approx(plain.makespan)

@@ -69,17 +69,20 @@ def test_each_run_config_resolves_to_its_layout(tmp_path, monkeypatch, name, job
         assert all(a["dataset"]["distribution"] == "mixed" for a in model["adapters"]) or "_het_" in name
     else:
         assert model["base_model"] == "random:llama8b"
-        if name == "8b_single":  # the single-device path: no strategy of ours
+        if name.startswith("8b_single"):  # the single-device path: no strategy of ours
             assert (trainer["devices"], strategy) == (1, "auto")
         else:
             layout = {"8b_pp2xdp2": (4, 2), "8b_dp4": (4, 1), "8b_2jobs_pp2": (2, 2), "8b_pp2": (2, 2),
                       "8b_pp2_flops": (2, 2), "8b_dp2": (2, 1), "8b_2jobs_1gpu": (1, 1),
-                      "8b_strategy_pp1": (1, 1), "8b_pp2_ckpt16": (2, 2), "8b_pp2_ckpt16_even": (2, 2)}[name]
+                      "8b_strategy_pp1": (1, 1), "8b_pp2_ckpt16": (2, 2), "8b_pp2_ckpt16_even": (2, 2),
+                      "8b_pp2_trace": (2, 2)}[name]
             assert (trainer["devices"], strategy["pipeline_size"]) == layout
             # the FLOPs and even split rows name theirs; every other run takes the default (balanced by time)
             pinned = {"8b_pp2_flops": [17, 15], "8b_pp2_ckpt16_even": [16, 16]}.get(name)
             assert strategy.get("stage_layers") == pinned
             assert model["activation_checkpointing"] == (16 if "ckpt16" in name else False)
+            assert strategy.get("action_trace") == ("actions" if name == "8b_pp2_trace" else None)
+        assert model["lm_head_loss"] == "fused"
         want = {"a": ["mixed1", "mixed2"], "b": ["mixed3", "mixed4"]}.get(job.tag, ["mixed1", "mixed2", "mixed3", "mixed4"])
         assert adapters == want
 

@@ -107,7 +107,7 @@ def test_graph_key_bounds_buckets_and_reuse():
     mbs = microbatches(config, capacity=128, samples=12)
     keys = [graph_key(mb) for mb in mbs]
     step = label_rows_step(128)
-    assert step == 128 and label_rows_step(8192) == 512 and label_rows_step(64) == 64
+    assert step == 128 and label_rows_step(8192) == 128 and label_rows_step(16384) == 256 and label_rows_step(64) == 64
     for mb, key in zip(mbs, keys):
         assert key.capacity == mb.capacity == 128
         assert mb.max_seqlen <= key.max_seqlen <= 128 and key.max_seqlen & (key.max_seqlen - 1) == 0
@@ -305,6 +305,26 @@ def test_fixed_shape_step_equals_the_eager_step(checkpoint_layers):
         torch.testing.assert_close(ps, pe, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_fixed_shape_step_holds_the_modules_lm_head_loss():
+    """With ``lm_head_loss="fused"`` the fixed-shape step forms the LM head's input gradient in
+    the forward (fused linear cross-entropy): the same loss sums and adapter gradients as the
+    checkpointed step on the same microbatch (fp32: summation order only)."""
+    config, specs = tiny_config(), tiny_specs()
+    mb = microbatches(config, capacity=64, samples=4, max_length=14, global_batch=2)[0].to(DEVICE)
+    got = {}
+    for head in ("checkpointed", "fused"):
+        params, bank, _ = _setup(config, specs)
+        graphs = TrainingGraphs(params=params, bank=bank, config=config, chunk_size=32, capture=False,
+                                lm_head_loss=head)
+        assert graphs.lm_head_loss == head
+        sums = graphs.step(mb, mb.loss_denominators)
+        got[head] = (sums, [p.grad.clone() for p in bank.parameters()])
+    torch.testing.assert_close(got["fused"][0], got["checkpointed"][0], rtol=1e-5, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in got["checkpointed"][1])
+    for gf, gc in zip(got["fused"][1], got["checkpointed"][1]):
+        torch.testing.assert_close(gf, gc, rtol=1e-4, atol=1e-6)
+
+
 def _dora_setup(config, specs, seed=0):
     """``_setup`` with the DoRA adapters bound to the base (``||W||^2`` kept), their perturbed
     magnitudes kept: ``g = m / ||W + s B A||`` is not 1, so the rescale shows."""
@@ -465,12 +485,14 @@ def _fp8_tensor_cores() -> bool:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute,norms", [
-    (False, "bf16", False, "none", False), (True, "bf16", False, "none", False), (False, "fp8", False, "none", False),
-    (False, "bf16", True, "none", False), (False, "bf16", False, "gate_up", False),
-    (2, "bf16", False, "activation", False), (False, "bf16", False, "activation", True),
-    (False, "nf4", False, "activation", True)])
-def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms):
+@pytest.mark.parametrize("checkpoint_layers,base_precision,dora,mlp_recompute,norms,lm_head_loss", [
+    (False, "bf16", False, "none", False, "checkpointed"), (True, "bf16", False, "none", False, "checkpointed"),
+    (False, "fp8", False, "none", False, "checkpointed"), (False, "bf16", True, "none", False, "checkpointed"),
+    (False, "bf16", False, "gate_up", False, "checkpointed"), (2, "bf16", False, "activation", False, "checkpointed"),
+    (False, "bf16", False, "activation", True, "checkpointed"), (False, "nf4", False, "activation", True, "checkpointed"),
+    (False, "bf16", False, "none", False, "fused")])
+def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms,
+                                                lm_head_loss):
     """Captured + replayed training steps against eager steps from the same start, bf16,
     dropout 0.1, two epochs over the microbatches (so keys are replayed with new contents and
     adapters step several times). Tolerance: the two runs share every kernel except the
@@ -481,7 +503,9 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
     adapters the graphs rescale rows by their owner read on the device (the same products).
     With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph), with
-    ``norms`` (``norm_recompute``) the norm outputs too; an NF4 base dequantizes in both."""
+    ``norms`` (``norm_recompute``) the norm outputs too; an NF4 base dequantizes in both. With
+    the fused LM-head loss the graphs form the head's input gradient in the forward (the eager
+    steps recompute checkpointed chunks): the same products in another order."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
         pytest.skip("the FP8 base needs FP8 tensor cores (compute capability 8.9+)")
     torch.manual_seed(0)
@@ -503,7 +527,7 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     losses_e = _train(eager, bank_e, opts_e, epochs)
     params, bank_g, opts_g = _gpu_setup(config, specs, base_precision)
     graphs = TrainingGraphs(params=params, bank=bank_g, config=config, checkpoint_layers=checkpoint_layers,
-                            options=options)
+                            options=options, lm_head_loss=lm_head_loss)
 
     def replayed(mb):
         if graph_key(mb) not in graphs._graphs:

@@ -19,6 +19,7 @@ from lightning_lorafusion.training.graph_cover import (
     cheapest_cover,
     covers,
     join,
+    padded_rows_saved,
     plan_captures,
     replay_cost,
 )
@@ -50,13 +51,30 @@ def test_plan_captures_covers_every_planned_key_with_few_graphs():
                K(C, 2048, 16, 1536): 1, K(C, 4096, 16, 1024): 4}
     chosen = plan_captures(planned, held, limit=4)
     assert _covered(planned, held + chosen)
-    # (2048, 32, 1024) covers both 32-block keys; (2048, 16, 1536) only itself
-    assert chosen == [K(C, 2048, 32, 1024), K(C, 2048, 16, 1536)]
+    # (2048, 32, 1024) covers both 32-block keys; (2048, 16, 1536) only itself; the budget left
+    # then gives (2048, 32, 512)'s 3 microbatches their own graph (512 LM-head rows fewer each)
+    assert chosen == [K(C, 2048, 32, 1024), K(C, 2048, 16, 1536), K(C, 2048, 32, 512)]
     assert plan_captures(planned, held + chosen) == []  # nothing left: nothing to capture
     # a key held already is never chosen again, and nothing is chosen past the limit
     assert plan_captures(planned, held, limit=0) == []
     one = plan_captures(planned, held, limit=1)
     assert one == [K(C, 2048, 32, 1536)] and _covered(planned, held + one)  # the join of what is left
+
+
+def test_plan_captures_spends_the_budget_left_on_padded_lm_head_rows():
+    """After the cover, keys left in the budget go where they save the most padded LM-head rows
+    (microbatches x rows undercut), and none is taken that saves nothing."""
+    small, big, wide = K(C, 2048, 16, 256), K(C, 2048, 16, 1024), K(C, 4096, 16, 384)
+    planned = {small: 10, big: 1, wide: 2}
+    assert padded_rows_saved(small, planned, [K(C, 4096, 16, 1024)]) == 10 * 768
+    assert padded_rows_saved(wide, planned, [K(C, 4096, 16, 1024)]) == 10 * 640 + 2 * 640
+    assert padded_rows_saved(big, planned, []) == 0  # covers nothing held: no rows to save
+    assert plan_captures(planned, [], limit=1) == [K(C, 4096, 16, 1024)]  # the join
+    chosen = plan_captures(planned, [], limit=4)
+    # the cover first (wide covers small too: 12 microbatches; big needs its own), then
+    # small's own graph (128 rows fewer for 10 microbatches)
+    assert chosen == [wide, big, small]
+    assert plan_captures(planned, chosen, limit=4) == []  # nothing saves a row any more
 
 
 def test_plan_captures_prefers_more_microbatches_then_the_cheaper_key():

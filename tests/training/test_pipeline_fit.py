@@ -12,7 +12,8 @@ from lightning_lorafusion.training.module import LoRAFusionModule
 from test_equivalence import fit_joint, tiny_specs
 
 
-def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbacks=(), ckpt_path=None):
+def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbacks=(), ckpt_path=None,
+                  action_trace=None):
     module = LoRAFusionModule(base_model=model_dir, adapters=specs, backend="torch", grad_clip=0.0,
                               export_dir=str(out_dir))
     dm = MultiAdapterDataModule(capacity=128, pad_multiple=8, max_length=48, planner={"window": 2})
@@ -21,7 +22,7 @@ def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbac
         enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
         enable_progress_bar=False, enable_model_summary=False,
         strategy=MultiAdapterPipelineStrategy(pipeline_size=pipeline_size, start_method="spawn",
-                                              process_group_backend="gloo"),
+                                              process_group_backend="gloo", action_trace=action_trace),
     )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return trainer
@@ -29,10 +30,12 @@ def _pipeline_fit(model_dir, specs, out_dir, devices=2, pipeline_size=2, callbac
 
 def test_two_stage_pipeline_fit_matches_one_process(tiny_model_dir, tmp_path):
     specs = tiny_specs()  # dropout 0: masks depend on packing, which the pipeline plan changes
-    trainer = _pipeline_fit(tiny_model_dir, specs, tmp_path / "pp")
+    trace = tmp_path / "actions"
+    trainer = _pipeline_fit(tiny_model_dir, specs, tmp_path / "pp", action_trace=str(trace))
     metrics = trainer.callback_metrics  # rank 0's, sent back by the spawn launcher
     for key in ("pipeline/bubble_ratio", "pipeline/simulated_bubble_ratio", "pipeline/bubble_ratio_stage1"):
         assert 0.0 <= float(metrics[key]) < 1.0, key
+    _check_action_trace(trace)
     single, _, _ = fit_joint(tiny_model_dir, specs, max_epochs=2)
     single.export_adapters(str(tmp_path / "one"))
     for spec in specs:
@@ -43,6 +46,34 @@ def test_two_stage_pipeline_fit_matches_one_process(tiny_model_dir, tmp_path):
             # The 2-stage plan packs differently (bubble-lemma spacing), so gradients are summed
             # in another order; after 8+ AdamW steps fp32 rounding reaches ~1e-6 absolute.
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m, k=key, n=spec.name: f"{n}: {k}\n{m}")
+
+
+def _check_action_trace(trace):
+    """Each rank wrote one line per epoch whose measured and simulated actions match one for one."""
+    import json
+
+    for rank in (0, 1):
+        lines = [json.loads(t) for t in (trace / f"actions_rank{rank}.jsonl").read_text().splitlines()]
+        assert [line["epoch"] for line in lines] == [0, 1] and {line["stage"] for line in lines} == {rank}
+        for line in lines:
+            measured = sorted((k, int(i)) for k, i, *_ in line["events"] if k in ("F", "B", "S"))
+            simulated = sorted((k, int(i)) for k, i, *_ in line["simulated"])
+            assert measured == simulated and len(line["microbatches"]) > 0
+            # every good step's host seconds in its five phases
+            assert len(line["step_phases"]) == sum(k == "S" for k, *_ in line["events"])
+            assert all(len(p) == 5 and min(p) >= 0 for p in line["step_phases"])
+            assert all(t0 <= t1 <= line["wall"] + 1e-6 for *_, t0, t1 in line["events"])
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "pipeline_action_times.py"
+    spec = importlib.util.spec_from_file_location("pipeline_action_times", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    summary = tool.summarize(tool.load_trace(str(trace)))
+    assert summary["epoch"] == 1 and [st["stage"] for st in summary["stages"]] == [0, 1]
+    assert len(summary["microbatches"]) == len(lines[-1]["microbatches"])
+    assert "| stage |" in tool.report(summary) and len(summary["stages"][0]["step_phase_ms"]) == 5
 
 
 def test_pipeline_fit_resumes_from_epoch_checkpoint(tiny_model_dir, tmp_path):

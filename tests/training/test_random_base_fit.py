@@ -121,8 +121,13 @@ def test_default_split_takes_the_label_share_of_the_data_on_every_rank(tmp_path)
          callbacks=[RecordBase(str(tmp_path)), RunSummary(path=str(summary))])
     fractions = [json.load(open(tmp_path / f"rank{r}.json"))["label_fraction"] for r in range(2)]
     assert fractions[0] == fractions[1] and 0 < fractions[0] < 1
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base[len("random:"):])
     run = json.load(open(summary))
-    assert run["stage_layers"] == [2, 2]
+    # the time model's split at the data's label share (on this tiny shape the head's logits
+    # traffic outweighs a layer's work: the last stage gets fewer layers)
+    assert run["stage_layers"] == [len(r) for r in partition_decoder(config, 2, label_fraction=fractions[0])]
 
 
 def test_default_split_moves_layers_off_the_stage_that_recomputes(tmp_path):
@@ -138,8 +143,8 @@ def test_default_split_moves_layers_off_the_stage_that_recomputes(tmp_path):
 
     config = AutoConfig.from_pretrained(base[len("random:"):])
     want = [len(r) for r in partition_decoder(config, 2, label_fraction=fraction, checkpoint_layers=4)]
-    assert want[0] < 4  # the recompute moved a layer (without it: 4/4)
-    assert [len(r) for r in partition_decoder(config, 2, label_fraction=fraction)] == [4, 4]
+    plain = [len(r) for r in partition_decoder(config, 2, label_fraction=fraction)]
+    assert want[0] < plain[0]  # the recompute moved a layer off stage 0
     run = json.load(open(summary))
     assert run["stage_layers"] == want
     assert all(0 <= r < 1 for epoch in run["epochs"] for r in epoch["simulated_stage_bubble_ratios"])
