@@ -130,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--base-precision", choices=("nf4", "bf16"), default="nf4", help="the swept base")
     ap.add_argument("--bf16-capacity", type=int, default=8192,
                     help="capacity of the bf16-base reference row, run first (0: none)")
+    ap.add_argument("--bf16-setting", default="none",
+                    help="the bf16 reference row's setting (e.g. none+graphs, to compare with NF4 graph rows)")
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
     ap.add_argument("--target-gib", type=float, default=16.0)
     ap.add_argument("--target-ratio", type=float, default=0.9)
@@ -147,6 +149,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_setting(s)
         except argparse.ArgumentTypeError as error:
             ap.error(f"--settings: {error}")
+    try:
+        parse_setting(args.bf16_setting)
+    except argparse.ArgumentTypeError as error:
+        ap.error(f"--bf16-setting: {error}")
     for row in args.extra_rows:
         capacity, _, setting = row.partition(":")
         try:
@@ -199,7 +205,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
 
 
 def planned_rows(args) -> list[tuple[str, int, str]]:
-    rows = [("bf16", args.bf16_capacity, "none")] if args.bf16_capacity and args.base_precision == "nf4" else []
+    rows = [("bf16", args.bf16_capacity, args.bf16_setting)] if args.bf16_capacity and args.base_precision == "nf4" else []
     extra = [(args.base_precision, int(c), s) for c, _, s in (r.partition(":") for r in args.extra_rows)]
     return rows + [(args.base_precision, c, s) for c in args.capacities for s in args.settings] + extra
 

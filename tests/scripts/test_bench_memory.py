@@ -32,6 +32,11 @@ def test_settings_parse():
         bench.parse_args(["--extra-rows", "none:2048"])
     args = bench.parse_args(["--capacities", "4096", "--settings", "none", "--extra-rows", "2048:activation"])
     assert bench.planned_rows(args) == [("bf16", 8192, "none"), ("nf4", 4096, "none"), ("nf4", 2048, "activation")]
+    args = bench.parse_args(["--capacities", "4096", "--settings", "none", "--bf16-capacity", "4096",
+                             "--bf16-setting", "none+graphs"])
+    assert bench.planned_rows(args)[0] == ("bf16", 4096, "none+graphs")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bf16-setting", "mlp"])
 
 
 def test_bench_memory_tiny_cpu(tmp_path):
