@@ -14,7 +14,9 @@ captured up front per epoch, ``model.cuda_graph_precapture``); and for any row `
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
 switched on for that row only: segments made before it, the base's among them, stay as they
 were; for the whole process set the variable before the start, and compare with a run without
-it through ``--earlier-rows``). Each row also shows what
+it through ``--earlier-rows``); ``hostembed`` (the NF4 base's input embedding table in pinned host
+memory, read in place by the gather: ``model/host_embedding.py``; the device copy is dropped for
+the row and put back after it). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -67,6 +69,7 @@ class Setting:
     memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY
     precapture: int = DEFAULT_PRECAPTURE
     expandable: bool = False
+    host_embedding: bool = False
 
 
 def parse_setting(text: str) -> Setting:
@@ -80,13 +83,13 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable"):
-            fields[{"norms": "norm_recompute"}.get(part, part)] = True
+        elif part in ("norms", "graphs", "expandable", "hostembed"):
+            fields[{"norms": "norm_recompute", "hostembed": "host_embedding"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, or with "
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if setting.graphs and setting.checkpoint_layers:
@@ -116,6 +119,37 @@ def expandable_segments(on: bool, device: torch.device):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         setting("expandable_segments:False")
+
+
+@contextlib.contextmanager
+def embedding_on_host_for_row(on: bool, w: dict, precision: str):
+    """The quantized base's input embedding table in pinned host memory for the block
+    (``model.host_embedding``): the device copy is dropped (the HF model's too, which shares
+    it), then put back from the host copy. Nothing when ``on`` is False."""
+    if not on:
+        yield
+        return
+    from lightning_lorafusion.model.host_embedding import embedding_on_host
+
+    params = w["quantized"][precision]
+    emb = w["model"].get_input_embeddings()
+    if emb.weight is not params["embed"]:
+        raise RuntimeError("hostembed: the HF model's embedding is not the quantized base's table")
+    device = params["embed"].device
+    moved = embedding_on_host(params)
+    params["embed"] = moved["embed"]
+    emb.weight = torch.nn.Parameter(moved["embed"], requires_grad=False)
+    del moved
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        back = params["embed"].clone()  # a device copy of the pinned rows
+        params["embed"] = back
+        emb.weight = torch.nn.Parameter(back, requires_grad=False)
+        gc.collect()
+        torch.cuda.synchronize(device)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,11 +214,13 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
     graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture}
     cuda = device.type == "cuda"
-    if cuda:  # what the rows before and the model left in the eager allocator
-        row["at_start"] = pool_usage(device=device)
+    if setting.host_embedding and (precision not in w["quantized"] or not cuda):
+        return {**row, "error": f"hostembed needs CUDA and an earlier {precision} row (the one that quantizes)"}
     try:
-        with expandable_segments(setting.expandable, device):
-            if cuda:
+        with expandable_segments(setting.expandable, device), \
+                embedding_on_host_for_row(setting.host_embedding, w, precision):
+            if cuda:  # what the rows before and the model left in the eager allocator
+                row["at_start"] = pool_usage(device=device)
                 torch.cuda.reset_peak_memory_stats()
             tps, secs, toks, fill, n, extra = run_ours(
                 row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"], args.backend,
