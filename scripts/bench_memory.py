@@ -6,7 +6,7 @@ A setting is ``none`` or parts joined by ``+``: an ``mlp_recompute`` mode (``act
 ``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward),
 ``ckptN`` (the first N layers checkpointed whole) and ``graphs`` (the step captured in CUDA
 graphs, ``training/cuda_graphs.py``, covering every planned shape key before the first pass as
-``fit`` does; not with ``ckptN``), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
+``fit`` does; with ``ckptN`` the captured step recomputes those layers, as ``fit`` does), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
 change how the captures use the allocator (``training/cuda_graphs.CaptureMemory``): ``largest``
 (keys captured largest first), ``release`` (cached blocks handed back before every capture),
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
@@ -92,8 +92,6 @@ def parse_setting(text: str) -> Setting:
                                              "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
-    if setting.graphs and setting.checkpoint_layers:
-        raise argparse.ArgumentTypeError(f"setting {text!r}: graphs with ckptN is not measured here; drop one")
     if not setting.graphs and (memory or "precapture" in fields):
         raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)} and preN apply to "
                                          "graphs; add +graphs")

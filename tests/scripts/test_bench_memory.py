@@ -24,8 +24,8 @@ def test_settings_parse():
     assert bench.parse_setting("graphs") == Setting(graphs=True)
     with pytest.raises(argparse.ArgumentTypeError, match="setting 'mlp'"):
         bench.parse_setting("mlp")
-    with pytest.raises(argparse.ArgumentTypeError, match="graphs with ckptN"):
-        bench.parse_setting("ckpt2+graphs")
+    assert bench.parse_setting("ckpt2+activation+graphs+hostembed") == bench.Setting(
+        mlp_recompute="activation", checkpoint_layers=2, graphs=True, host_embedding=True)
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
