@@ -357,12 +357,14 @@ def run_hf_qlora(args, model, data, device, layers: dict):
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False, graph_kwargs=None):
+             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False, graph_kwargs=None, fused_adam=False):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again).
     ``precapture``: with ``graphs``, capture graphs covering every planned shape key before the
     first pass, as ``fit`` does before an epoch (else keys are captured on first use).
-    ``graph_kwargs``: more ``TrainingGraphs`` arguments (``memory``, ``max_precapture``)."""
+    ``graph_kwargs``: more ``TrainingGraphs`` arguments (``memory``, ``max_precapture``).
+    ``fused_adam``: torch's fused AdamW (one kernel, no temporaries) instead of the default
+    (multi-tensor)."""
     w = OursSetup(args, model, data, device, dtype)
     if base_precision in QUANTIZED:
         fp8_params = {} if fp8_params is None else fp8_params
@@ -373,7 +375,8 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     config, params, specs, bank, lookup, dens = w.config, w.params, w.specs, w.bank, w.lookup, w.denominators
-    opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4) for i in range(len(specs))]
+    opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4, **({"fused": True} if fused_adam else {}))
+            for i in range(len(specs))]
     plan = plan_microbatches(w.lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
     steps = plan.step_adapters()
     cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)

@@ -16,7 +16,8 @@ switched on for that row only: segments made before it, the base's among them, s
 were; for the whole process set the variable before the start, and compare with a run without
 it through ``--earlier-rows``); ``hostembed`` (the NF4 base's input embedding table in pinned host
 memory, read in place by the gather: ``model/host_embedding.py``; the device copy is dropped for
-the row and put back after it). Each row also shows what
+the row and put back after it); ``fusedadam`` (torch's fused AdamW: no multi-tensor temporaries
+in the allocator's cache). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -70,6 +71,7 @@ class Setting:
     precapture: int = DEFAULT_PRECAPTURE
     expandable: bool = False
     host_embedding: bool = False
+    fused_adam: bool = False
 
 
 def parse_setting(text: str) -> Setting:
@@ -83,13 +85,14 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable", "hostembed"):
-            fields[{"norms": "norm_recompute", "hostembed": "host_embedding"}.get(part, part)] = True
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam"):
+            fields[{"norms": "norm_recompute", "hostembed": "host_embedding",
+                    "fusedadam": "fused_adam"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, or with "
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields):
@@ -223,7 +226,8 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
             tps, secs, toks, fill, n, extra = run_ours(
                 row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"], args.backend,
                 base_precision=precision, graphs=setting.graphs, label=f"{precision}_{capacity}_{text}",
-                fp8_params=w["quantized"], options=options, precapture=setting.graphs, graph_kwargs=graph_kwargs)
+                fp8_params=w["quantized"], options=options, precapture=setting.graphs, graph_kwargs=graph_kwargs,
+                fused_adam=setting.fused_adam)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
     except torch.OutOfMemoryError:
