@@ -126,7 +126,8 @@ def expandable_segments(on: bool, device: torch.device):
 def embedding_on_host_for_row(on: bool, w: dict, precision: str):
     """The quantized base's input embedding table in pinned host memory for the block
     (``model.host_embedding``): the device copy is dropped (the HF model's too, which shares
-    it), then put back from the host copy. Nothing when ``on`` is False."""
+    its storage), then put back from the host copy; the row's ``at_start`` eager allocated
+    shows the drop. Nothing when ``on`` is False."""
     if not on:
         yield
         return
@@ -134,8 +135,6 @@ def embedding_on_host_for_row(on: bool, w: dict, precision: str):
 
     params = w["quantized"][precision]
     emb = w["model"].get_input_embeddings()
-    if emb.weight is not params["embed"]:
-        raise RuntimeError("hostembed: the HF model's embedding is not the quantized base's table")
     device = params["embed"].device
     moved = embedding_on_host(params)
     params["embed"] = moved["embed"]
@@ -292,6 +291,9 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    # every capacity x grad mode compiles each elementwise group again (dynamic=False, as fit
+    # does for its one capacity): a sweep of several capacities passes torch's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     args.checkpoint_layers, args.profile, args.memory_peak = 0, False, False
     start = time.perf_counter()
     device, dtype, hf_config, model, data = model_and_workload(args)
