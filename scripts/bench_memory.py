@@ -171,6 +171,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
                     help="print what is live at the peak of one eager step of each eager row (memory_peak.py)")
+    ap.add_argument("--profile-rows", type=comma_list(), default=[],
+                    help="rows (CAPACITY:SETTING, as in the sweep) whose 4 first microbatches are profiled after "
+                         "the timed pass: kernel table and kernels per microbatch (bench_e2e.kernel_time_summary)")
     ap.add_argument("--earlier-rows", default=None, metavar="JSON",
                     help="a JSON this script wrote in an earlier process (e.g. under another "
                          "PYTORCH_CUDA_ALLOC_CONF): its rows head the table and count for the best tok/s")
@@ -202,7 +205,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     setting = parse_setting(text)
     # bench_e2e's arguments for one "triton" row (its quantize_all reads the precision list)
     row_args = argparse.Namespace(**{**vars(args), "capacity": capacity, "checkpoint_layers": setting.checkpoint_layers,
-                                     "profile": False, "memory_peak": args.breakdown and not setting.graphs,
+                                     "profile": f"{capacity}:{text}" in args.profile_rows, "memory_peak": args.breakdown and not setting.graphs,
                                      "variants": "triton", "base_precision": [precision], "fp8_exempt_layers": 0})
     device = w["device"]
     gc.collect()
@@ -294,7 +297,7 @@ def main(argv=None) -> list[dict]:
     # every capacity x grad mode compiles each elementwise group again (dynamic=False, as fit
     # does for its one capacity): a sweep of several capacities passes torch's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    args.checkpoint_layers, args.profile, args.memory_peak = 0, False, False
+    args.checkpoint_layers, args.memory_peak = 0, False
     start = time.perf_counter()
     device, dtype, hf_config, model, data = model_and_workload(args)
     from lightning_lorafusion.model.hf_loading import params_from_hf_model

@@ -168,3 +168,14 @@ def _tiny_workload() -> dict:
                                                      torch.float32)[0]
     return {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
             "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+
+
+def test_kernel_time_summary_splits_short_kernels():
+    e2e = load_script("bench_e2e")
+    s = e2e.kernel_time_summary([("gemm", 8, 8000.0), ("lora_add", 40, 400.0), ("idle", 0, 0.0)], microbatches=4)
+    assert s["kernels"] == 12 and s["device_ms"] == 2.1
+    assert s["short_kernels"] == 10 and s["short_ms"] == 0.1
+    assert s["top"][0] == ("gemm", 8, 2.0)
+    bench = load_script("bench_memory")
+    args = bench.parse_args(["--profile-rows", "2816:activation+graphs,4096:none"])
+    assert args.profile_rows == ["2816:activation+graphs", "4096:none"]
