@@ -357,12 +357,14 @@ def run_hf_qlora(args, model, data, device, layers: dict):
 
 
 def run_ours(args, hf_config, model, data, device, dtype, backend, base_precision="bf16", graphs=False, label=None,
-             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False, graph_kwargs=None):
+             fp8_params=None, options=DEFAULT_OPTIONS, precapture=False, graph_kwargs=None, fused_adam=False):
     """``fp8_params``: a dict that keeps the FP8 base between FP8 runs (the first one quantizes
     and releases the HF model's bf16 weights, so later ones cannot quantize again).
     ``precapture``: with ``graphs``, capture graphs covering every planned shape key before the
     first pass, as ``fit`` does before an epoch (else keys are captured on first use).
-    ``graph_kwargs``: more ``TrainingGraphs`` arguments (``memory``, ``max_precapture``)."""
+    ``graph_kwargs``: more ``TrainingGraphs`` arguments (``memory``, ``max_precapture``).
+    ``fused_adam``: torch's fused AdamW (one kernel, no temporaries) instead of the default
+    (multi-tensor)."""
     w = OursSetup(args, model, data, device, dtype)
     if base_precision in QUANTIZED:
         fp8_params = {} if fp8_params is None else fp8_params
@@ -373,7 +375,8 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     config, params, specs, bank, lookup, dens = w.config, w.params, w.specs, w.bank, w.lookup, w.denominators
-    opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4) for i in range(len(specs))]
+    opts = [torch.optim.AdamW(bank.parameters_of(i), lr=1e-4, **({"fused": True} if fused_adam else {}))
+            for i in range(len(specs))]
     plan = plan_microbatches(w.lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
     steps = plan.step_adapters()
     cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
@@ -385,13 +388,13 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         from lightning_lorafusion.training.cuda_graphs import TrainingGraphs, graph_key
 
         runner = TrainingGraphs(params=params, bank=bank, config=config, capture=device.type == "cuda",
-                                options=options, **(graph_kwargs or {}))
+                                options=options, checkpoint_layers=args.checkpoint_layers, **(graph_kwargs or {}))
         if precapture:
             runner.precapture(collections.Counter(graph_key(mb) for mb in mbs), device)
     at_capture = _peaks(device)  # before any optimizer step: no AdamW state yet
     for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
         tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
-                                     checkpoint_layers=args.checkpoint_layers if runner is None else 0)
+                                     checkpoint_layers=args.checkpoint_layers)
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
         _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner, options))
@@ -424,18 +427,42 @@ def _peaks(device) -> dict:
             "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
-def _profile(args, label, fn) -> None:
-    """Kernel time table (torch.profiler) of ``fn``: where a step's device time goes."""
+def kernel_time_summary(kernels, microbatches: int, short_us: float = 20.0) -> dict:
+    """``kernels``: ``(name, launches, device µs in all)`` per kernel name -> per microbatch: the
+    kernels launched, their device ms, and the part in kernels whose mean time is under
+    ``short_us`` (work whose time hardly depends on the tokens), with the top names by time."""
+    kernels = [(n, c, t) for n, c, t in kernels if c > 0]
+    short = [(n, c, t) for n, c, t in kernels if t / c < short_us]
+    per = max(microbatches, 1)
+    return {"microbatches": microbatches, "kernels": sum(c for _, c, _ in kernels) / per,
+            "device_ms": sum(t for _, _, t in kernels) / per / 1e3,
+            "short_kernels": sum(c for _, c, _ in short) / per, "short_ms": sum(t for _, _, t in short) / per / 1e3,
+            "short_us": short_us,
+            "top": [(n[:80], c, round(t / per / 1e3, 3)) for n, c, t in sorted(kernels, key=lambda k: -k[2])[:12]]}
+
+
+def _profile(args, label, fn, microbatches: int = 4) -> None:
+    """Kernel time table (torch.profiler) of ``fn``: where a step's device time goes, and
+    ``kernel_time_summary`` of it (the CUDA kernels of the steps, CUDA-graph replays included)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-    print(f"--- profile: {label}, 4 microbatches ---\n" + "\n".join(table.splitlines()[:25]), flush=True)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    print(f"--- profile: {label}, {microbatches} microbatches ---\n" + "\n".join(table.splitlines()[:25]), flush=True)
+    kernels = [(e.key, e.count, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+               for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA]
+    summary = kernel_time_summary(kernels, microbatches)
+    print(f"--- kernels per microbatch: {summary['kernels']:.0f} launched, {summary['device_ms']:.1f} ms of device time, "
+          f"{summary['short_ms']:.1f} ms in {summary['short_kernels']:.0f} kernels of mean < {summary['short_us']:.0f} µs",
+          flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"profile_{args.workload}_{label}.txt"), "w") as f:
             f.write(table)
+        write_json(args.out, f"profile_{args.workload}_{label}.json", summary)
 
 
 def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS,

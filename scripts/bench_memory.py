@@ -6,7 +6,7 @@ A setting is ``none`` or parts joined by ``+``: an ``mlp_recompute`` mode (``act
 ``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward),
 ``ckptN`` (the first N layers checkpointed whole) and ``graphs`` (the step captured in CUDA
 graphs, ``training/cuda_graphs.py``, covering every planned shape key before the first pass as
-``fit`` does; not with ``ckptN``), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
+``fit`` does; with ``ckptN`` the captured step recomputes those layers, as ``fit`` does), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
 change how the captures use the allocator (``training/cuda_graphs.CaptureMemory``): ``largest``
 (keys captured largest first), ``release`` (cached blocks handed back before every capture),
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
@@ -14,7 +14,10 @@ captured up front per epoch, ``model.cuda_graph_precapture``); and for any row `
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
 switched on for that row only: segments made before it, the base's among them, stay as they
 were; for the whole process set the variable before the start, and compare with a run without
-it through ``--earlier-rows``). Each row also shows what
+it through ``--earlier-rows``); ``hostembed`` (the NF4 base's input embedding table in pinned host
+memory, read in place by the gather: ``model/host_embedding.py``; the device copy is dropped for
+the row and put back after it); ``fusedadam`` (torch's fused AdamW: no multi-tensor temporaries
+in the allocator's cache). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -67,6 +70,8 @@ class Setting:
     memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY
     precapture: int = DEFAULT_PRECAPTURE
     expandable: bool = False
+    host_embedding: bool = False
+    fused_adam: bool = False
 
 
 def parse_setting(text: str) -> Setting:
@@ -80,17 +85,16 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable"):
-            fields[{"norms": "norm_recompute"}.get(part, part)] = True
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam"):
+            fields[{"norms": "norm_recompute", "hostembed": "host_embedding",
+                    "fusedadam": "fused_adam"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, or with "
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
-    if setting.graphs and setting.checkpoint_layers:
-        raise argparse.ArgumentTypeError(f"setting {text!r}: graphs with ckptN is not measured here; drop one")
     if not setting.graphs and (memory or "precapture" in fields):
         raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)} and preN apply to "
                                          "graphs; add +graphs")
@@ -118,6 +122,36 @@ def expandable_segments(on: bool, device: torch.device):
         setting("expandable_segments:False")
 
 
+@contextlib.contextmanager
+def embedding_on_host_for_row(on: bool, w: dict, precision: str):
+    """The quantized base's input embedding table in pinned host memory for the block
+    (``model.host_embedding``): the device copy is dropped (the HF model's too, which shares
+    its storage), then put back from the host copy; the row's ``at_start`` eager allocated
+    shows the drop. Nothing when ``on`` is False."""
+    if not on:
+        yield
+        return
+    from lightning_lorafusion.model.host_embedding import embedding_on_host
+
+    params = w["quantized"][precision]
+    emb = w["model"].get_input_embeddings()
+    device = params["embed"].device
+    moved = embedding_on_host(params)
+    params["embed"] = moved["embed"]
+    emb.weight = torch.nn.Parameter(moved["embed"], requires_grad=False)
+    del moved
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        back = params["embed"].clone()  # a device copy of the pinned rows
+        params["embed"] = back
+        emb.weight = torch.nn.Parameter(back, requires_grad=False)
+        gc.collect()
+        torch.cuda.synchronize(device)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, layers=32)
@@ -130,11 +164,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--base-precision", choices=("nf4", "bf16"), default="nf4", help="the swept base")
     ap.add_argument("--bf16-capacity", type=int, default=8192,
                     help="capacity of the bf16-base reference row, run first (0: none)")
+    ap.add_argument("--bf16-setting", default="none",
+                    help="the bf16 reference row's setting (e.g. none+graphs, to compare with NF4 graph rows)")
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
     ap.add_argument("--target-gib", type=float, default=16.0)
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
                     help="print what is live at the peak of one eager step of each eager row (memory_peak.py)")
+    ap.add_argument("--profile-rows", type=comma_list(), default=[],
+                    help="rows (CAPACITY:SETTING, as in the sweep) whose 4 first microbatches are profiled after "
+                         "the timed pass: kernel table and kernels per microbatch (bench_e2e.kernel_time_summary)")
     ap.add_argument("--earlier-rows", default=None, metavar="JSON",
                     help="a JSON this script wrote in an earlier process (e.g. under another "
                          "PYTORCH_CUDA_ALLOC_CONF): its rows head the table and count for the best tok/s")
@@ -147,6 +186,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_setting(s)
         except argparse.ArgumentTypeError as error:
             ap.error(f"--settings: {error}")
+    try:
+        parse_setting(args.bf16_setting)
+    except argparse.ArgumentTypeError as error:
+        ap.error(f"--bf16-setting: {error}")
     for row in args.extra_rows:
         capacity, _, setting = row.partition(":")
         try:
@@ -162,7 +205,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     setting = parse_setting(text)
     # bench_e2e's arguments for one "triton" row (its quantize_all reads the precision list)
     row_args = argparse.Namespace(**{**vars(args), "capacity": capacity, "checkpoint_layers": setting.checkpoint_layers,
-                                     "profile": False, "memory_peak": args.breakdown and not setting.graphs,
+                                     "profile": f"{capacity}:{text}" in args.profile_rows, "memory_peak": args.breakdown and not setting.graphs,
                                      "variants": "triton", "base_precision": [precision], "fp8_exempt_layers": 0})
     device = w["device"]
     gc.collect()
@@ -174,16 +217,19 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
     graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture}
     cuda = device.type == "cuda"
-    if cuda:  # what the rows before and the model left in the eager allocator
-        row["at_start"] = pool_usage(device=device)
+    if setting.host_embedding and (precision not in w["quantized"] or not cuda):
+        return {**row, "error": f"hostembed needs CUDA and an earlier {precision} row (the one that quantizes)"}
     try:
-        with expandable_segments(setting.expandable, device):
-            if cuda:
+        with expandable_segments(setting.expandable, device), \
+                embedding_on_host_for_row(setting.host_embedding, w, precision):
+            if cuda:  # what the rows before and the model left in the eager allocator
+                row["at_start"] = pool_usage(device=device)
                 torch.cuda.reset_peak_memory_stats()
             tps, secs, toks, fill, n, extra = run_ours(
                 row_args, w["hf_config"], w["model"], w["data"], device, w["dtype"], args.backend,
                 base_precision=precision, graphs=setting.graphs, label=f"{precision}_{capacity}_{text}",
-                fp8_params=w["quantized"], options=options, precapture=setting.graphs, graph_kwargs=graph_kwargs)
+                fp8_params=w["quantized"], options=options, precapture=setting.graphs, graph_kwargs=graph_kwargs,
+                fused_adam=setting.fused_adam)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan")
     except torch.OutOfMemoryError:
@@ -199,7 +245,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
 
 
 def planned_rows(args) -> list[tuple[str, int, str]]:
-    rows = [("bf16", args.bf16_capacity, "none")] if args.bf16_capacity and args.base_precision == "nf4" else []
+    rows = [("bf16", args.bf16_capacity, args.bf16_setting)] if args.bf16_capacity and args.base_precision == "nf4" else []
     extra = [(args.base_precision, int(c), s) for c, _, s in (r.partition(":") for r in args.extra_rows)]
     return rows + [(args.base_precision, c, s) for c in args.capacities for s in args.settings] + extra
 
@@ -248,7 +294,10 @@ def print_table(rows: list[dict], args, device_name: str) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    args.checkpoint_layers, args.profile, args.memory_peak = 0, False, False
+    # every capacity x grad mode compiles each elementwise group again (dynamic=False, as fit
+    # does for its one capacity): a sweep of several capacities passes torch's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    args.checkpoint_layers, args.memory_peak = 0, False
     start = time.perf_counter()
     device, dtype, hf_config, model, data = model_and_workload(args)
     from lightning_lorafusion.model.hf_loading import params_from_hf_model

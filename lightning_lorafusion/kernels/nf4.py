@@ -325,10 +325,12 @@ def nf4_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Nf4Weig
         for dy, w in pairs:
             dx = nf4_input_grad_fused(dy.to(dtype), w, out=dx)
         return dx
-    dx = torch.zeros(m, k, dtype=dtype, device=device)
-    if pairs:
-        for (dy, _), wd in zip(pairs, _dequantized([w for _, w in pairs], dtype)):
-            dx.addmm_(dy.to(dtype), wd)
+    if not pairs:
+        return torch.zeros(m, k, dtype=dtype, device=device)
+    dx = None
+    for (dy, _), wd in zip(pairs, _dequantized([w for _, w in pairs], dtype)):
+        # the first product writes dX (no zero fill to read back), the others add into it
+        dx = torch.mm(dy.to(dtype), wd) if dx is None else dx.addmm_(dy.to(dtype), wd)
     return dx
 
 

@@ -7,7 +7,7 @@ projection's LoRA ``dA``). At an 8B shape they are most of a layer's activations
 
 - ``"none"``: keep all three.
 - ``"activation"``: keep ``g`` and ``u``; ``mid`` is rebuilt in backward by the elementwise
-  activation (no product runs twice).
+  activation (no product runs twice; the activation's own backward reuses that rebuild).
 - ``"gate_up"``: keep only the MLP input ``x`` (kept anyway by the gate/up projections); backward
   reruns the gate/up projections with their LoRA terms (one extra gate+up product per layer)
   and the activation.
@@ -37,13 +37,18 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class _Rebuilt:
     """One layer's ``g``, ``u`` and ``mid`` for its backward, rebuilt on first use and dropped by
     the activation's backward (the last to need them). Holds the kept tensors only (``g, u`` or
-    ``x``), never ``mid``."""
+    ``x``) until backward, never ``mid``.
+
+    ``mid`` is rebuilt once, with autograd on over detached ``g, u``: the down projection's
+    backward reads its values, and the activation's backward differentiates that same graph, so
+    the elementwise activation runs once in backward, not twice."""
 
     def __init__(self, act: Activation, gate_up: GateUp | None) -> None:
         self.act, self.gate_up_fn = act, gate_up
         self.kept: tuple[torch.Tensor, ...] = ()
         self._gu: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mid: torch.Tensor | None = None
+        self._mid: torch.Tensor | None = None  # the rebuilt act(g, u), attached to self._leaves
+        self._leaves: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._gu is None and not self.kept:
@@ -56,15 +61,28 @@ class _Rebuilt:
                     self._gu = self.gate_up_fn(self.kept[0])
         return self._gu
 
+    def _rebuild(self) -> None:
+        g, u = self.gate_up()
+        with torch.enable_grad():
+            self._leaves = (g.detach().requires_grad_(), u.detach().requires_grad_())
+            self._mid = self.act(*self._leaves)
+
     def mid(self) -> torch.Tensor:
+        """``act(g, u)``, its values only (what the down projection saved)."""
         if self._mid is None:
-            g, u = self.gate_up()
-            with torch.no_grad():
-                self._mid = self.act(g, u)
-        return self._mid
+            self._rebuild()
+        return self._mid.detach()
+
+    def grads(self, dmid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dg, du)`` through the activation; drops everything rebuilt."""
+        if self._mid is None:  # the down projection never read ``mid`` (e.g. it has no LoRA)
+            self._rebuild()
+        mid, leaves = self._mid, self._leaves
+        self.release()
+        return torch.autograd.grad(mid, leaves, dmid)
 
     def release(self) -> None:
-        self.kept, self._gu, self._mid = (), None, None
+        self.kept, self._gu, self._mid, self._leaves = (), None, None, None
 
 
 class _MidToken:
@@ -97,12 +115,7 @@ class _GatedActivation(torch.autograd.Function):
         if rebuilt is None:
             raise RuntimeError(_SECOND_BACKWARD)
         rebuilt.kept = ctx.saved_tensors
-        g, u = rebuilt.gate_up()
-        rebuilt.release()
-        with torch.enable_grad():
-            g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
-            mid = rebuilt.act(g, u)
-        dg, du = torch.autograd.grad(mid, (g, u), dmid)
+        dg, du = rebuilt.grads(dmid)
         return dg, du, None, None
 
 

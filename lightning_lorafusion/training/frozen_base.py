@@ -43,7 +43,8 @@ def check_adapters(adapters: Sequence[AdapterSpec | dict]) -> tuple[AdapterSpec,
 
 def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any, precision: PrecisionConfig,
                          lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none",
-                         cuda_graph_precapture: Any = 0, norm_recompute: Any = False) -> str:
+                         cuda_graph_precapture: Any = 0, norm_recompute: Any = False,
+                         embedding_on_host: Any = False) -> str:
     """``ConfigError`` naming the first model option out of range; returns ``cuda_graphs`` as a
     mode name (YAML reads a bare on/off as a boolean)."""
     if dtype not in DTYPES:
@@ -64,6 +65,11 @@ def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any
                           "activation_checkpointing")
     if not isinstance(norm_recompute, bool):
         raise ConfigError(f"model.norm_recompute={norm_recompute!r} must be true or false")
+    if not isinstance(embedding_on_host, bool):
+        raise ConfigError(f"model.embedding_on_host={embedding_on_host!r} must be true or false")
+    if embedding_on_host and precision.base == "fp8":
+        raise ConfigError("model.embedding_on_host does not apply to an FP8 base (its embedding table is stored "
+                          "in FP8 on the device already); set it to false")
     if isinstance(cuda_graphs, bool):
         cuda_graphs = "on" if cuda_graphs else "off"
     if cuda_graphs not in CUDA_GRAPH_MODES:

@@ -115,6 +115,11 @@ class LoRAFusionModule(L.LightningModule):
         cuda_graph_precapture: graphs captured before each epoch's first step at most, chosen to
             cover every microbatch the epoch's plan holds (docs/training.md "Captured before the
             epoch"); 0: none, every shape key captured when first met, as without a plan.
+        embedding_on_host: on a CUDA device, training keeps the frozen input embedding table in
+            pinned host memory, read in place by the gather (only the microbatch's rows cross the
+            host link): ``vocab x hidden`` values of device memory fewer (1 GiB at Llama 3 8B's
+            shape). Not with tied embeddings (the LM head reads the whole table) or an FP8 base
+            (its table is FP8 already). ``model/host_embedding.py``.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class LoRAFusionModule(L.LightningModule):
         lm_head_loss: str = "checkpointed",
         cuda_graphs: str | bool = "auto",
         cuda_graph_precapture: int = DEFAULT_PRECAPTURE,
+        embedding_on_host: bool = False,
     ) -> None:
         super().__init__()
         specs = check_adapters(adapters)
@@ -145,7 +151,8 @@ class LoRAFusionModule(L.LightningModule):
         cuda_graphs = check_module_options(
             dtype=dtype, grad_clip=grad_clip, max_nonfinite_steps=max_nonfinite_steps, precision=precision,
             lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute,
-            norm_recompute=norm_recompute, cuda_graph_precapture=cuda_graph_precapture)
+            norm_recompute=norm_recompute, cuda_graph_precapture=cuda_graph_precapture,
+            embedding_on_host=embedding_on_host)
         self.save_hyperparameters(ignore=["adapters", "precision"])
         self.hparams["precision"] = dataclasses.asdict(precision)  # plain data in checkpoints
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -173,6 +180,7 @@ class LoRAFusionModule(L.LightningModule):
             mlp_recompute=mlp_recompute, norm_recompute=norm_recompute)
         self.cuda_graphs = cuda_graphs
         self.cuda_graph_precapture = cuda_graph_precapture
+        self.embedding_on_host = embedding_on_host
         self._graphs: TrainingGraphs | None = None  # made in on_train_start when graphs are used
 
         base = load_frozen_base(base_model, dtype=dtype, cache_dir=cache_dir, precision=precision,
@@ -180,6 +188,9 @@ class LoRAFusionModule(L.LightningModule):
         self._fp8_keep = base.fp8_keep
         self.base_model_dir = base.model_dir
         self.config = base.config
+        if embedding_on_host and self.config.tie_word_embeddings:
+            raise ConfigError(f"model.embedding_on_host: {base_model} ties its input embedding to the LM head, "
+                              "which reads the whole table every microbatch; keep it on the device (false)")
         self.tokenizer = base.tokenizer
         self.base_dtype = DTYPES[dtype]
         self._param_template: Any = None
@@ -396,7 +407,20 @@ class LoRAFusionModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint_hooks.load_state(self, checkpoint)
 
+    def _embedding_to_host(self) -> None:
+        """``embedding_on_host``: the input embedding buffer (on its CUDA device now) replaced by
+        a view of a pinned host copy; the device copy is freed with the old buffer."""
+        table = self._buffers.get("base__embed")
+        if not self.embedding_on_host or table is None or not table.is_cuda:
+            return
+        from ..model.host_embedding import host_mapped
+
+        self._buffers["base__embed"] = host_mapped(table, table.device)
+        del table
+        torch.cuda.empty_cache()
+
     def on_fit_start(self) -> None:
+        self._embedding_to_host()
         # data.capacity=auto is profiled here: the model is on its device, no loader exists yet
         dm = self.trainer.datamodule if self._trainer is not None else None
         if dm is not None and getattr(dm, "capacity_pending", False):

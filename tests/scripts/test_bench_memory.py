@@ -24,14 +24,19 @@ def test_settings_parse():
     assert bench.parse_setting("graphs") == Setting(graphs=True)
     with pytest.raises(argparse.ArgumentTypeError, match="setting 'mlp'"):
         bench.parse_setting("mlp")
-    with pytest.raises(argparse.ArgumentTypeError, match="graphs with ckptN"):
-        bench.parse_setting("ckpt2+graphs")
+    assert bench.parse_setting("ckpt2+activation+graphs+hostembed") == bench.Setting(
+        mlp_recompute="activation", checkpoint_layers=2, graphs=True, host_embedding=True)
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--extra-rows", "none:2048"])
     args = bench.parse_args(["--capacities", "4096", "--settings", "none", "--extra-rows", "2048:activation"])
     assert bench.planned_rows(args) == [("bf16", 8192, "none"), ("nf4", 4096, "none"), ("nf4", 2048, "activation")]
+    args = bench.parse_args(["--capacities", "4096", "--settings", "none", "--bf16-capacity", "4096",
+                             "--bf16-setting", "none+graphs"])
+    assert bench.planned_rows(args)[0] == ("bf16", 4096, "none+graphs")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bf16-setting", "mlp"])
 
 
 def test_bench_memory_tiny_cpu(tmp_path):
@@ -163,3 +168,14 @@ def _tiny_workload() -> dict:
                                                      torch.float32)[0]
     return {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
             "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}
+
+
+def test_kernel_time_summary_splits_short_kernels():
+    e2e = load_script("bench_e2e")
+    s = e2e.kernel_time_summary([("gemm", 8, 8000.0), ("lora_add", 40, 400.0), ("idle", 0, 0.0)], microbatches=4)
+    assert s["kernels"] == 12 and s["device_ms"] == 2.1
+    assert s["short_kernels"] == 10 and s["short_ms"] == 0.1
+    assert s["top"][0] == ("gemm", 8, 2.0)
+    bench = load_script("bench_memory")
+    args = bench.parse_args(["--profile-rows", "2816:activation+graphs,4096:none"])
+    assert args.profile_rows == ["2816:activation+graphs", "4096:none"]

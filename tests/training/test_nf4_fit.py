@@ -134,3 +134,38 @@ def test_norm_recompute_option_trains_the_same_adapters(tiny_model_dir):
         assert torch.equal(a, b), name
     with pytest.raises(ConfigError, match="model.norm_recompute='yes' must be true or false"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], norm_recompute="yes")
+
+
+def test_embedding_on_host_option(tiny_model_dir, tmp_path):
+    """``model.embedding_on_host``: checked at construction (a bool; not with an FP8 base, whose
+    table is FP8 already, nor with tied embeddings); off a CUDA device the table stays where it
+    is; on a GPU the buffer becomes a view of pinned host memory and training gives the same
+    adapters as with the table on the device."""
+    with pytest.raises(ConfigError, match="model.embedding_on_host='yes' must be true or false"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], embedding_on_host="yes")
+    with pytest.raises(ConfigError, match="model.embedding_on_host does not apply to an FP8 base"):
+        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], dtype="bfloat16",
+                         embedding_on_host=True, precision={"base": "fp8", "fp8": {"emulate": True}})
+    tied = tmp_path / "tied"
+    from transformers import AutoConfig
+
+    from lightning_lorafusion.model.random_model import write_random_llama
+
+    write_random_llama(tied)
+    config = AutoConfig.from_pretrained(tied)
+    config.tie_word_embeddings = True
+    config.save_pretrained(tied)
+    with pytest.raises(ConfigError, match="ties its input embedding to the LM head"):
+        LoRAFusionModule(base_model=str(tied), adapters=tiny_specs()[:1], embedding_on_host=True)
+    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], embedding_on_host=True, **NF4)
+    before = module.base__embed
+    module._embedding_to_host()
+    assert module.base__embed is before  # on the CPU: nothing to move
+    if torch.cuda.is_available():
+        on_host, _, _ = fit_joint(tiny_model_dir, tiny_specs(), module_kwargs={**NF4, "embedding_on_host": True},
+                                  accelerator="gpu")
+        on_device, _, _ = fit_joint(tiny_model_dir, tiny_specs(), module_kwargs=NF4, accelerator="gpu")
+        assert on_host.steps_taken == on_device.steps_taken
+        for (name, a), (_, b) in zip(on_device.bank.named_parameters(), on_host.bank.named_parameters()):
+            # the same gathered rows; CUDA's atomic sums (index_add) may order additions apart
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}\n{m}")
