@@ -36,13 +36,21 @@ def test_bench_tenants_tiny_cpu(tmp_path):
                          "--adapters", "6", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "4", "--output-max", "8", "--rate", "60", "--warm-up", "off",
                          "--slora", "--slora-requests", "4", "--slora-prompt", "12", "--slora-new", "3",
-                         "--slora-adapters", "4", "--slora-rank", "4", "--peak-tflops", "5", "--bandwidth-gbs", "500",
+                         "--slora-adapters", "4", "--slora-rank", "4", "--slora-repeat", "2",
+                         "--profile-steps", "2", "--profile-runs", "slora_one burst", "--profile-again", "on",
+                         "--peak-tflops", "5", "--bandwidth-gbs", "500",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {} and report["skipped"] == []
     saved = json.loads((tmp_path / "bench_tenants_tiny.json").read_text())
     runs = {(r["run"], r["arrivals"]): r for r in saved["runs"]}
+    # the S-LoRA runs twice in turn; the run named in --profile-runs again after itself (profiled on CUDA)
+    assert [r["run"] for r in saved["runs"] if r["run"].startswith("slora")] == [
+        "slora_distinct", "slora_one", "slora_one-profiled", "slora_base",
+        "slora_distinct-2", "slora_one-2", "slora_base-2"]
     assert set(runs) == {("lora", "burst"), ("base", "burst"), ("lora", "poisson"), ("base", "poisson"),
-                         ("slora_distinct", "burst"), ("slora_one", "burst"), ("slora_base", "burst")}
+                         ("slora_distinct", "burst"), ("slora_one", "burst"), ("slora_base", "burst"),
+                         ("slora_one-profiled", "burst"), ("slora_distinct-2", "burst"), ("slora_one-2", "burst"),
+                         ("slora_base-2", "burst")}
     assert saved["limits"]["peak_flops"] == 5e12 and saved["limits"]["bandwidth"] == 500e9
     for r in runs.values():
         assert r["complete"] == r["requests"] and r["generated_tokens"] > 0 and r["wall_s"] > 0
@@ -60,7 +68,7 @@ def test_bench_tenants_tiny_cpu(tmp_path):
         assert r["breakdown"]["gpu_times"] is False and total["gpu_s"] is None  # a CPU: wall times
         assert {k["kind"].split()[0] for k in kinds} == {"mixed", "decode"}
         assert all(k["kind"].split()[2] == ("base" if "base" in r["run"] else "lora") for k in kinds)
-    for run in ("lora", "slora_distinct", "slora_one"):
+    for run in ("lora", "slora_distinct", "slora_one", "slora_one-profiled", "slora_distinct-2"):
         assert runs[(run, "burst")]["floor"]["adapter_bytes"] > 0
     for run in (("base", "burst"), ("base", "poisson"), ("slora_base", "burst")):
         assert runs[run]["floor"]["adapter_bytes"] == 0 and runs[run]["ledger"]["distinct_adapters"] == 0
