@@ -295,7 +295,7 @@ class TenantsBench:
         table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
         graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
-        self.set_decode_lora("decode-lora" in old)
+        self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.runner.host_tables = "separate" if "host" in old else "packed"
         engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
@@ -315,16 +315,20 @@ class TenantsBench:
                         {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
-    def set_decode_lora(self, old: bool) -> None:
+    def set_decode_lora(self, old: set[str]) -> None:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
         (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
-        ``PAIR_EPILOGUES`` False); the decode graphs are captured
-        again when that changes (not timed)."""
+        ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
+        (``lora_gather.PDL`` False). The decode graphs are captured again when that changes (not
+        timed; the mixed-step pieces keep what they captured at warm-up)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
-        want = ({"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
-                if old else self.decode_knobs)
+        want = dict(self.decode_knobs)
+        if "decode-lora" in old:
+            want.update(FEW_ROWS=None, AHEAD_MAX_ROWS=None, PAIR_EPILOGUES=False, RANK_SPLIT_MAX_ROWS=None)
+        if "pdl" in old:
+            want.update(PDL=False)
         if all(getattr(lora_gather, n) == v for n, v in want.items()):
             return
         for n, v in want.items():
@@ -332,7 +336,7 @@ class TenantsBench:
         if self.engine.runner.graphs is not None:
             with self.engine._step_lock, timer(self.device) as t:
                 self.engine.runner.capture_decode_graphs()
-            log(f"decode graphs captured again ({'old' if old else 'new'} decode LoRA) in {t.seconds:.1f} s")
+            log(f"decode graphs captured again ({sorted(old) or 'new'} decode LoRA) in {t.seconds:.1f} s")
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -416,10 +420,12 @@ def run_all(bench: TenantsBench) -> None:
         if mode == "burst" and args.slora:
             slora = bench.slora_trace()
             for i in range(args.slora_repeat):  # repeats: "-2", "-3", ... (adapters resident unless --page-out)
-                tag = "" if i == 0 else f"-{i + 1}"
-                bench.phase(f"slora_distinct{tag}", "burst", relabel(slora, f"sd{tag}-"))
-                bench.phase(f"slora_one{tag}", "burst", relabel(slora, f"s1{tag}-", bench.slora[0].name))
-                bench.phase(f"slora_base{tag}", "burst", relabel(slora, f"sb{tag}-", None))
+                for variant in args.variants:
+                    bench.set_variant(variant)
+                    tag = ("" if len(args.variants) == 1 else f"-{variant}") + ("" if i == 0 else f"-{i + 1}")
+                    bench.phase(f"slora_distinct{tag}", "burst", relabel(slora, f"sd{tag}-"))
+                    bench.phase(f"slora_one{tag}", "burst", relabel(slora, f"s1{tag}-", bench.slora[0].name))
+                    bench.phase(f"slora_base{tag}", "burst", relabel(slora, f"sb{tag}-", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,13 +508,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora")),
+                                              "decode-lora", "pdl")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
                          "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
                          "(the prefill LoRA's grids over the whole padded table), decode-lora (the decode "
-                         "LoRA's blocks before the few-rows ones); default %(default)s")
+                         "LoRA's blocks before the few-rows ones), pdl (the decode LoRA without programmatic "
+                         "dependent launch); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

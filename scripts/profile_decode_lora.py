@@ -110,6 +110,9 @@ MODES = {
     # the few-rows blocks up to 32 / 64 rows
     "few_rows32": {"FEW_ROWS": 32},
     "few_rows64": {"FEW_ROWS": 64},
+    # programmatic dependent launch between each shrink and the kernel reading its partials, on / off
+    "pdl": {"PDL": True},
+    "nopdl": {"PDL": False},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
