@@ -113,6 +113,7 @@ MODES = {
     # programmatic dependent launch between each shrink and the kernel reading its partials, on / off
     "pdl": {"PDL": True},
     "nopdl": {"PDL": False},
+    "pdl_nosplit": {"PDL": True, "RANK_SPLIT_MAX_ROWS": None},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
