@@ -366,7 +366,14 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
            "modes": []}
     for mode in args.modes:
         apply_mode(mode, defaults)
-        res = profile_mode(s, mode, device, groups, args.reps)
+        try:
+            res = profile_mode(s, mode, device, groups, args.reps)
+        except Exception as exc:  # noqa: BLE001 - keep the other modes' numbers
+            log(f"{b}x{a} {mode} failed: {type(exc).__name__}: {exc}")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            row["modes"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"})
+            continue
         if mode != "base":
             got = outputs(s, groups)
             res["max_rel_diff"] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
