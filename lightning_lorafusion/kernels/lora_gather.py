@@ -169,15 +169,26 @@ GROUPED_EXPAND_DOT: str | None = None
 # rank chunk of B^T, then waits for the shrink's grid (``gdc_wait``) before it reads the partial
 # sums: the gap between the two kernels and the expand's first weight loads overlap the shrink's
 # last programs. Same sums in the same order (the first chunk is peeled out of the rank loop).
-PDL = False
+# Not where the per-row shrink splits a row's rank over programs (``rank_split``, 9-64 rows):
+# there the consumers did not start early and one 8B layer's LoRA took 1.06-1.07x longer with
+# it at 64 rows, against 0.88x at 8 rows, 0.96x at one and 0.95x at 256 (H200, r = 16,
+# docs/BENCHMARKS.md "Many tenants against their floor")
+PDL = True
 
 
-def pdl_options(device: torch.device) -> tuple[dict, dict, dict]:
-    """(the consumer's constexprs, its launch options, the shrink's constexprs) for kernels on
-    ``device`` under ``PDL``: on a CUDA device of compute capability 9.0 or more with a Triton
-    that has grid dependency control, ``PRELOAD`` and ``GDC`` on, ``launch_pdl``; elsewhere with
-    ``PDL`` on, ``PRELOAD`` only (the same arithmetic, so the interpreter checks it); else none."""
-    if not PDL:
+def pdl_applies(device: torch.device, rows: int) -> bool:
+    """Whether a decode LoRA launch over ``rows`` rows takes ``PDL``: on, and the shrink over
+    those rows does not split ranks (``rank_split`` 1)."""
+    return PDL and rank_split(device, rows) == 1
+
+
+def pdl_options(device: torch.device, rows: int) -> tuple[dict, dict, dict]:
+    """(the consumer's constexprs, its launch options, the shrink's constexprs) for a decode
+    LoRA launch over ``rows`` rows on ``device`` where ``pdl_applies``: on a CUDA device of
+    compute capability 9.0 or more with a Triton that has grid dependency control, ``PRELOAD``
+    and ``GDC`` on, ``launch_pdl``; elsewhere ``PRELOAD`` only (the same arithmetic, so the
+    interpreter checks it); where it does not apply, none."""
+    if not pdl_applies(device, rows):
         return {"PRELOAD": False, "GDC": False}, {}, {"GDC": False}
     gdc = device.type == "cuda" and _pdl_supported(device.index if device.index is not None
                                                     else torch.cuda.current_device())
@@ -553,7 +564,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    trigger = pdl_options(x.device)[2]
+    trigger = pdl_options(x.device, rows)[2]
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
@@ -635,7 +646,7 @@ def _lora_gather_triton(
             result.zero_()
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
-    pdl_meta, pdl_launch, _ = pdl_options(x.device)
+    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

@@ -1,6 +1,7 @@
-"""The decode LoRA under programmatic dependent launch (``lora_gather.PDL``): the expands and the
-RoPE + KV / SwiGLU epilogues load their rows' first rank chunk of B^T before the partial sums
-(and on a Hopper GPU wait for the shrink's grid in between). The sums are the same in the same
+"""The decode LoRA under programmatic dependent launch (``lora_gather.PDL``, where the shrink does
+not split ranks over programs): the expands and the RoPE + KV / SwiGLU epilogues load their
+rows' first rank chunk of B^T before the partial sums (and on a Hopper GPU wait for the
+shrink's grid in between). The sums are the same in the same
 order, so the outputs must equal those with ``PDL`` off bit for bit: checked in the interpreter
 (fp32, fp16) over ranks of one chunk, several chunks, rank 0 and ranks above a chunk on the same
 row's projections, the few-rows blocks and the blocks of before, paired and unpaired epilogues.
@@ -22,13 +23,21 @@ RANKS = [3, 0, 40, 64, 100, 128, 16]
 
 
 def test_pdl_options(monkeypatch):
-    """Off: no constexpr on, no launch option. On, off CUDA: the preloaded first chunk only (the
-    interpreter checks its arithmetic); grid dependency control needs a CUDA device."""
+    """Off, or over rows whose shrink splits ranks over programs: no constexpr on, no launch
+    option. On, off CUDA: the preloaded first chunk only (the interpreter checks its arithmetic);
+    grid dependency control needs a CUDA device."""
     cpu = torch.device("cpu")
+    off = ({"PRELOAD": False, "GDC": False}, {}, {"GDC": False})
+    monkeypatch.setattr(lg, "FEW_ROWS", 8)
+    monkeypatch.setattr(lg, "RANK_SPLIT_MAX_ROWS", 64)
     monkeypatch.setattr(lg, "PDL", False)
-    assert lg.pdl_options(cpu) == ({"PRELOAD": False, "GDC": False}, {}, {"GDC": False})
+    assert all(lg.pdl_options(cpu, rows) == off for rows in (1, 16, 256))
     monkeypatch.setattr(lg, "PDL", True)
-    assert lg.pdl_options(cpu) == ({"PRELOAD": True, "GDC": False}, {}, {"GDC": False})
+    for rows in (1, 8, 65, 256):  # the few-rows blocks, or past the rank split's bound
+        assert lg.rank_split(cpu, rows) == 1 and lg.pdl_applies(cpu, rows)
+        assert lg.pdl_options(cpu, rows) == ({"PRELOAD": True, "GDC": False}, {}, {"GDC": False})
+    for rows in (9, 64):
+        assert lg.rank_split(cpu, rows) > 1 and not lg.pdl_applies(cpu, rows) and lg.pdl_options(cpu, rows) == off
 
 
 def _both(monkeypatch, fn):
