@@ -11,7 +11,7 @@ forward alone). Variants (``--variants``):
 - ``lora``: with adapters, the engine's decode LoRA (few-rows blocks up to
   ``lora_gather.FEW_ROWS`` rows);
 - ``lora_old``: with adapters, the decode LoRA as before the few-rows blocks (``FEW_ROWS`` None,
-  ``AHEAD_MAX_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False);
+  ``AHEAD_MAX_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False, ``PDL`` False);
 - ``lora_pair``: the epilogues' paired rank loops alone (``FEW_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None);
 - ``lora_rsplit``: the paired loops and the shrink's rank blocks over several programs up to 64
   rows, without the few-rows blocks;
@@ -50,7 +50,7 @@ log = logger("bench_decode_step")
 # (hidden, heads, kv heads, head_dim, intermediate, vocab)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336, 128256), "tiny": (64, 4, 2, 16, 96, 256)}
 # variant -> lora_gather settings for its engine (base: the requests without adapters)
-OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
+OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None, "PDL": False}
 VARIANTS = {"base": {}, "lora": {}, "lora_old": OLD, "lora_pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
             "lora_rsplit": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64}, "lora_nosplit": {"RANK_SPLIT_MAX_ROWS": None},
             "lora_few16": {"FEW_ROWS": 16}, "lora_ahead": {"AHEAD_MAX_ROWS": 16}, "lora_pdl": {"PDL": True},

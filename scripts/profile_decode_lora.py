@@ -90,7 +90,7 @@ MODES = {
     # few rows: the engine's path before the few-rows blocks (K blocks of 512, rank blocks of 16,
     # expand columns 256, the epilogues' column sets one after the other), the paired epilogues
     # alone, and variants of the few-rows blocks (at most FEW_ROWS rows; K 256, rank 64, columns 64)
-    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None},
+    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None, "PDL": False},
     "pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
     "few16": {"FEW_ROWS": 16},
     "few16_k128": {"FEW_ROWS": 16, "FEW_SHRINK_BLOCK_K": 128},
@@ -114,6 +114,7 @@ MODES = {
     "pdl": {"PDL": True},
     "nopdl": {"PDL": False},
     "pdl_nosplit": {"PDL": True, "RANK_SPLIT_MAX_ROWS": None},
+    "nosplit": {"PDL": False, "RANK_SPLIT_MAX_ROWS": None},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
