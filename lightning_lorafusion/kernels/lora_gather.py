@@ -19,6 +19,7 @@ add).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -171,8 +172,9 @@ GROUPED_EXPAND_DOT: str | None = None
 # last programs. Same sums in the same order (the first chunk is peeled out of the rank loop).
 # Not where the per-row shrink splits a row's rank over programs (``rank_split``, 9-64 rows):
 # there the consumers did not start early and one 8B layer's LoRA took 1.06-1.07x longer with
-# it at 64 rows, against 0.88x at 8 rows, 0.96x at one and 0.95x at 256 (H200, r = 16,
-# docs/BENCHMARKS.md "Many tenants against their floor")
+# it at 64 rows, against 0.88x at 8 rows, 0.96x at one and 0.95x at 256 (H200, r = 16); in the
+# engine (burst trace, ranks 4-64) decode steps of 1-8 rows took 0.12-0.21 ms less, those of
+# 128-256 rows the same (docs/BENCHMARKS.md "Many tenants against their floor")
 PDL = True
 
 
@@ -195,20 +197,17 @@ def pdl_options(device: torch.device, rows: int) -> tuple[dict, dict, dict]:
     return {"PRELOAD": True, "GDC": gdc}, ({"launch_pdl": True} if gdc else {}), {"GDC": gdc}
 
 
-_PDL_SUPPORT: dict[int, bool] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _pdl_supported(index: int) -> bool:
-    if index not in _PDL_SUPPORT:
-        ok = gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
-        if ok:
-            try:
-                from triton.backends.nvidia.compiler import CUDAOptions
-                ok = "launch_pdl" in CUDAOptions.__dataclass_fields__
-            except (ImportError, AttributeError):
-                ok = False
-        _PDL_SUPPORT[index] = ok
-    return _PDL_SUPPORT[index]
+    """Whether CUDA device ``index`` (compute capability 9.0 or more) and this Triton (grid
+    dependency control, the ``launch_pdl`` option) take programmatic dependent launch."""
+    if gdc_wait is None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def grouped_min_rows() -> int:
