@@ -11,15 +11,17 @@ forward alone). Variants (``--variants``):
 - ``lora``: with adapters, the engine's decode LoRA (few-rows blocks up to
   ``lora_gather.FEW_ROWS`` rows);
 - ``lora_old``: with adapters, the decode LoRA as before the few-rows blocks (``FEW_ROWS`` None,
-  ``AHEAD_MAX_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False);
+  ``AHEAD_MAX_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None, ``PAIR_EPILOGUES`` False, ``PDL`` False);
 - ``lora_pair``: the epilogues' paired rank loops alone (``FEW_ROWS``, ``RANK_SPLIT_MAX_ROWS`` None);
 - ``lora_rsplit``: the paired loops and the shrink's rank blocks over several programs up to 64
   rows, without the few-rows blocks;
 - ``lora_nosplit``: ``lora`` without the shrink's rank blocks over several programs;
 - ``lora_few16``: the few-rows blocks up to 16 rows;
-- ``lora_ahead``: ``lora`` with SwiGLU computing down's shrink up to 16 rows (``AHEAD_MAX_ROWS``).
+- ``lora_ahead``: ``lora`` with SwiGLU computing down's shrink up to 16 rows (``AHEAD_MAX_ROWS``);
+- ``lora_pdl`` / ``lora_nopdl``: ``lora`` with and without programmatic dependent launch
+  between each shrink and the kernel consuming its partial sums (``PDL``).
 
-Every variant's greedy tokens of a batch are compared with ``lora_old``'s (agreeing positions,
+Every variant's greedy tokens of a batch are compared with ``--ref``'s (default ``lora_old``; agreeing positions,
 first tokens, mean common prefix; on a random model a bf16 rounding difference can change a
 near-tied token and all after it).
 
@@ -48,10 +50,11 @@ log = logger("bench_decode_step")
 # (hidden, heads, kv heads, head_dim, intermediate, vocab)
 SHAPES = {"8b": (4096, 32, 8, 128, 14336, 128256), "tiny": (64, 4, 2, 16, 96, 256)}
 # variant -> lora_gather settings for its engine (base: the requests without adapters)
-OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
+OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None, "PDL": False}
 VARIANTS = {"base": {}, "lora": {}, "lora_old": OLD, "lora_pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
             "lora_rsplit": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64}, "lora_nosplit": {"RANK_SPLIT_MAX_ROWS": None},
-            "lora_few16": {"FEW_ROWS": 16}, "lora_ahead": {"AHEAD_MAX_ROWS": 16}}
+            "lora_few16": {"FEW_ROWS": 16}, "lora_ahead": {"AHEAD_MAX_ROWS": 16}, "lora_pdl": {"PDL": True},
+            "lora_nopdl": {"PDL": False}}
 
 
 def build(args, device, dtype):
@@ -117,6 +120,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)), default=["base", "lora", "lora_old"])
+    ap.add_argument("--ref", choices=tuple(VARIANTS), default="lora_old", help="the variant whose tokens the others "
+                    "are compared with")
     ap.add_argument("--memory-fraction", type=float, default=0.4)
     add_output_args(ap)
     args = ap.parse_args(argv)
@@ -136,7 +141,7 @@ def main(argv=None) -> dict:
             continue
         rows += got
         write_json(args.out, "bench_decode_step.json", {**device_info(device), "args": vars(args), "rows": rows})
-    ref = tokens.get("lora_old")
+    ref = tokens.get(args.ref)
     agree = {}
     for variant, t in tokens.items():
         if ref is not None and variant != "base":
@@ -148,12 +153,12 @@ def main(argv=None) -> dict:
                       for k in ref]
             agree[variant] += (f", first tokens {sum(p > 0 for p in prefix)}/{len(prefix)}, "
                                f"mean common prefix {sum(prefix) / max(len(prefix), 1):.1f}")
-    report = {**device_info(device), "args": vars(args), "rows": rows, "same_tokens_as_lora_old": agree,
+    report = {**device_info(device), "args": vars(args), "rows": rows, f"same_tokens_as_{args.ref}": agree,
               "errors": errors, "seconds": time.monotonic() - start}
     write_json(args.out, "bench_decode_step.json", report)
     by = {(r["variant"], r["rows"]): r for r in rows}
     print(f"\ndecode step, {args.shape} shape, {args.layers} layers, {args.adapters} adapters of ranks {args.ranks} "
-          f"(row i on adapter i % {args.adapters}); ms per step (forward alone); same tokens as lora_old: {agree}")
+          f"(row i on adapter i % {args.adapters}); ms per step (forward alone); same tokens as {args.ref}: {agree}")
     lora = [v for v in args.variants if v != "base"]
     print("| rows | " + " | ".join(args.variants) + " | " + " | ".join(f"LoRA +ms ({v})" for v in lora) + " |")
     print("|" + "---|" * (len(args.variants) + len(lora) + 1))

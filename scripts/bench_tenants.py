@@ -15,7 +15,7 @@ into the GPU pool on its own (scripts/bench_serving.py's ``host_adapters``).
 ``--slora`` adds the S-LoRA setting: ``--slora-requests`` (64) requests of ``--slora-prompt``
 (256) tokens generating ``--slora-new`` (64) tokens, all at once, over ``--slora-adapters`` (64)
 distinct adapters of rank ``--slora-rank`` (16) on all seven projections; then every request on
-one adapter; then the base alone.
+one adapter; then the base alone (``--slora-repeat N``: the three N times in turn).
 
 One engine serves every run (prefix caching off: the runs repeat prompts), after its warm-up
 (``Engine.warm_up``, as ``serve`` runs it; timed, not part of any run). Each run replays its trace
@@ -41,6 +41,8 @@ In the JSON as each run's ``breakdown``. On CUDA, ``--profile-steps N`` also pro
 steps of the runs named in ``--profile-runs`` (``scripts/profile_steps.py``: each step's device
 span split into kernel-busy and idle time, and its costliest kernels, by step kind; the run's
 ``profile`` in the JSON): a span much longer than its kernels means the device waited for the host.
+The profiler slows the steps it records: ``--profile-again on`` runs each of those runs plain for
+its numbers, then once more profiled (named "<run>-profiled") for its kernels.
 
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape 8b --slora --deadline 370 --out $OUT
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape tiny --device cpu --dtype float32 --requests 12 \\
@@ -180,16 +182,19 @@ def renamed(adapters: list[HostAdapter], names: list[str]) -> list[HostAdapter]:
     return out
 
 
-def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, name: str = "") -> dict:
+def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, name: str = "",
+              profiled: bool | None = None) -> dict:
     """Replay ``trace`` with the step ledger on -> throughput, TTFT and the floor of its steps;
-    with ``--profile-steps`` and ``name`` in ``--profile-runs``, the kernels of its first steps
-    by step kind (``profile_steps.StepProfile``) too."""
+    with ``--profile-steps`` and ``profiled`` (default: ``name`` in ``--profile-runs``), the
+    kernels of its first steps by step kind (``profile_steps.StepProfile``) too."""
     engine = bench.engine
     before = engine.stats()
     ledger = engine.enable_step_ledger()
     args = bench.args
     profile = None
-    if args.profile_steps > 0 and name in args.profile_runs and bench.device.type == "cuda":
+    if profiled is None:
+        profiled = name in args.profile_runs
+    if args.profile_steps > 0 and profiled and bench.device.type == "cuda":
         tag = name.replace(" ", "_")
         os.makedirs(args.out, exist_ok=True)
         profile = StepProfile(engine, args.profile_steps, f"/tmp/profile_{tag}.json",
@@ -290,7 +295,7 @@ class TenantsBench:
         table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
         graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
-        self.set_decode_lora("decode-lora" in old)
+        self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.runner.host_tables = "separate" if "host" in old else "packed"
         engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
@@ -310,16 +315,20 @@ class TenantsBench:
                         {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
-    def set_decode_lora(self, old: bool) -> None:
+    def set_decode_lora(self, old: set[str]) -> None:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
         (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
-        ``PAIR_EPILOGUES`` False); the decode graphs are captured
-        again when that changes (not timed)."""
+        ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
+        (``lora_gather.PDL`` False). The decode graphs are captured again when that changes (not
+        timed; the mixed-step pieces keep what they captured at warm-up)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
-        want = ({"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None}
-                if old else self.decode_knobs)
+        want = dict(self.decode_knobs)
+        if "decode-lora" in old:
+            want.update(FEW_ROWS=None, AHEAD_MAX_ROWS=None, PAIR_EPILOGUES=False, RANK_SPLIT_MAX_ROWS=None)
+        if "pdl" in old:
+            want.update(PDL=False)
         if all(getattr(lora_gather, n) == v for n, v in want.items()):
             return
         for n, v in want.items():
@@ -327,7 +336,7 @@ class TenantsBench:
         if self.engine.runner.graphs is not None:
             with self.engine._step_lock, timer(self.device) as t:
                 self.engine.runner.capture_decode_graphs()
-            log(f"decode graphs captured again ({'old' if old else 'new'} decode LoRA) in {t.seconds:.1f} s")
+            log(f"decode graphs captured again ({sorted(old) or 'new'} decode LoRA) in {t.seconds:.1f} s")
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -339,24 +348,34 @@ class TenantsBench:
                     pool.evict(r.adapter)
 
     def phase(self, run: str, arrivals: str, trace: list[TraceItem]) -> None:
-        """One run unless the deadline passed; a failure is recorded and the others go on."""
+        """One run unless the deadline passed; a failure is recorded and the others go on. With
+        ``--profile-again on``, a run named in ``--profile-runs`` runs plain (its numbers) and
+        then once more under the profiler as "<run>-profiled" (its kernels)."""
         name = f"{run} {arrivals}"
+        if self.args.profile_again == "on" and self.args.profile_steps > 0 and name in self.args.profile_runs:
+            self._phase(run, arrivals, trace, name, profiled=False)
+            self._phase(f"{run}-profiled", arrivals, relabel(trace, "p-"), name, profiled=True)
+        else:
+            self._phase(run, arrivals, trace, name)
+
+    def _phase(self, run: str, arrivals: str, trace: list[TraceItem], name: str,
+               profiled: bool | None = None) -> None:
         if self.args.page_out == "on":
             self.page_out()
         if self.left() < 10:
-            self.report["skipped"].append(name)
-            log(f"skipped (deadline): {name}")
+            self.report["skipped"].append(f"{run} {arrivals}")
+            log(f"skipped (deadline): {run} {arrivals}")
             return
         try:
             row = {"run": run, "arrivals": arrivals, **run_trace(
-                self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s), name)}
+                self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s), name, profiled)}
             self.report["runs"].append(row)
             log(row_line(row) + "\n" + breakdown_table(row["breakdown"]))
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
             import traceback
 
             traceback.print_exc()
-            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
+            self.report["errors"][f"{run} {arrivals}"] = f"{type(exc).__name__}: {exc}"
         finally:
             self.save()
 
@@ -400,9 +419,13 @@ def run_all(bench: TenantsBench) -> None:
                 bench.phase(label, mode, relabel(trace, f"{label}-{mode}-"))
         if mode == "burst" and args.slora:
             slora = bench.slora_trace()
-            bench.phase("slora_distinct", "burst", relabel(slora, "sd-"))
-            bench.phase("slora_one", "burst", relabel(slora, "s1-", bench.slora[0].name))
-            bench.phase("slora_base", "burst", relabel(slora, "sb-", None))
+            for i in range(args.slora_repeat):  # repeats: "-2", "-3", ... (adapters resident unless --page-out)
+                for variant in args.variants:
+                    bench.set_variant(variant)
+                    tag = ("" if len(args.variants) == 1 else f"-{variant}") + ("" if i == 0 else f"-{i + 1}")
+                    bench.phase(f"slora_distinct{tag}", "burst", relabel(slora, f"sd{tag}-"))
+                    bench.phase(f"slora_one{tag}", "burst", relabel(slora, f"s1{tag}-", bench.slora[0].name))
+                    bench.phase(f"slora_base{tag}", "burst", relabel(slora, f"sb{tag}-", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,13 +444,13 @@ def row_line(r: dict) -> str:
 
 
 def table(report: dict) -> str:
-    head = (f"{'run':<15} {'arrivals':<8} {'done':>9} {'adapters':>8} {'tok/s':>8} {'wall s':>7} {'floor s':>7} "
+    head = (f"{'run':<24} {'arrivals':<8} {'done':>9} {'adapters':>8} {'tok/s':>8} {'wall s':>7} {'floor s':>7} "
             f"{'floor/wall':>10} {'floor/busy':>10} {'TTFT p50/p99 s':>15} {'ad/step':>7} {'page-ins':>8} "
             f"{'prefetch hit/miss':>17}")
     lines = [head]
     for r in report["runs"]:
         t = r["ttft_s"]
-        lines.append(f"{r['run']:<15} {r['arrivals']:<8} {r['complete']:>4}/{r['requests']:<4} "
+        lines.append(f"{r['run']:<24} {r['arrivals']:<8} {r['complete']:>4}/{r['requests']:<4} "
                      f"{r['trace_adapters']:>8} {r['tokens_per_s']:>8.0f} {r['wall_s']:>7.2f} {r['floor_s']:>7.2f} "
                      f"{_f(r['fraction_of_floor'], '.1%'):>10} {_f(r['busy_fraction_of_floor'], '.1%'):>10} "
                      f"{_f(t['p50'], '.2f') + '/' + _f(t['p99'], '.2f'):>15} "
@@ -460,6 +483,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slora-new", type=int, default=64)
     ap.add_argument("--slora-adapters", type=int, default=64)
     ap.add_argument("--slora-rank", type=int, default=16)
+    ap.add_argument("--slora-repeat", type=int, default=1,
+                    help="the three S-LoRA runs this many times in turn (repeats named slora_*-2, -3, ...)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="off", help="default: the engine's (off)")
@@ -476,17 +501,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="CUDA: profile this many steps of each run in --profile-runs (kernels by step kind)")
     ap.add_argument("--profile-runs", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                     default=["lora burst", "base burst"], help="runs to profile, e.g. 'lora burst,base burst'")
+    ap.add_argument("--profile-again", choices=("on", "off"), default="off",
+                    help="on: each run in --profile-runs runs plain, then once more profiled as <run>-profiled "
+                         "(the profiler slows what it records)")
     ap.add_argument("--variants", type=comma_list(("new", "old")), default=["new"],
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora")),
+                                              "decode-lora", "pdl")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
                          "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
                          "(the prefill LoRA's grids over the whole padded table), decode-lora (the decode "
-                         "LoRA's blocks before the few-rows ones); default %(default)s")
+                         "LoRA's blocks before the few-rows ones), pdl (the decode LoRA without programmatic "
+                         "dependent launch); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -494,6 +523,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="evict every idle adapter before each run (each pages its adapters in afresh)")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.slora_repeat < 1:
+        ap.error(f"--slora-repeat {args.slora_repeat} must be >= 1")
     if args.slora and args.slora_rank <= 0:
         ap.error(f"--slora-rank {args.slora_rank} must be >= 1")
     if min(args.ranks) < 1 or args.adapters < 1 or args.requests < 1:

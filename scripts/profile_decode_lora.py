@@ -90,7 +90,7 @@ MODES = {
     # few rows: the engine's path before the few-rows blocks (K blocks of 512, rank blocks of 16,
     # expand columns 256, the epilogues' column sets one after the other), the paired epilogues
     # alone, and variants of the few-rows blocks (at most FEW_ROWS rows; K 256, rank 64, columns 64)
-    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None},
+    "old": {"FEW_ROWS": None, "PAIR_EPILOGUES": False, "RANK_SPLIT_MAX_ROWS": None, "PDL": False},
     "pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
     "few16": {"FEW_ROWS": 16},
     "few16_k128": {"FEW_ROWS": 16, "FEW_SHRINK_BLOCK_K": 128},
@@ -110,6 +110,11 @@ MODES = {
     # the few-rows blocks up to 32 / 64 rows
     "few_rows32": {"FEW_ROWS": 32},
     "few_rows64": {"FEW_ROWS": 64},
+    # programmatic dependent launch between each shrink and the kernel reading its partials, on / off
+    "pdl": {"PDL": True},
+    "nopdl": {"PDL": False},
+    "pdl_nosplit": {"PDL": True, "RANK_SPLIT_MAX_ROWS": None},
+    "nosplit": {"PDL": False, "RANK_SPLIT_MAX_ROWS": None},
 }
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
@@ -362,7 +367,14 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
            "modes": []}
     for mode in args.modes:
         apply_mode(mode, defaults)
-        res = profile_mode(s, mode, device, groups, args.reps)
+        try:
+            res = profile_mode(s, mode, device, groups, args.reps)
+        except Exception as exc:  # noqa: BLE001 - keep the other modes' numbers
+            log(f"{b}x{a} {mode} failed: {type(exc).__name__}: {exc}")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            row["modes"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"})
+            continue
         if mode != "base":
             got = outputs(s, groups)
             res["max_rel_diff"] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))

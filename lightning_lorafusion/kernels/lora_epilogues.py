@@ -42,7 +42,8 @@ ROPE_ROWS_WARPS = 4
 @triton.jit
 def _load_cols(base, cols, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
                b_g_stride, r_g_stride, N, col0,
-               HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+               HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+               PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
     """A head's columns ``cols`` (fp32 values of its dtype), with the row's LoRA added and rounded."""
     x = tl.load(base + cols, mask=ok, other=0.0)
     dtype = x.dtype
@@ -50,14 +51,16 @@ def _load_cols(base, cols, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_pt
     if HAS_LORA:
         x = _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
                        b_g_stride, r_g_stride, N, col0 + cols, ok,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD,
+                       GDC=GDC).to(dtype).to(tl.float32)
     return x
 
 
 @triton.jit
 def _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
                     k_blocks, b_g_stride, r_g_stride, N, col0,
-                    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+                    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
     """``_load_cols`` of two column sets of one head (RoPE's halves) of projection g: their LoRA
     in one rank loop (``_with_lora_pair``), the same values."""
     xa = tl.load(base + cols_a, mask=ok, other=0.0)
@@ -67,7 +70,7 @@ def _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, sca
     if HAS_LORA:
         xa, xb = _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, g, lora_rows,
                                  k_blocks, b_g_stride, r_g_stride, N, N, col0 + cols_a, ok, col0 + cols_b, ok,
-                                 MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                                 MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
         xa = xa.to(dtype).to(tl.float32)
         xb = xb.to(dtype).to(tl.float32)
     return xa, xb
@@ -77,19 +80,20 @@ def _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, sca
 def _load_halves(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
                  k_blocks, b_g_stride, r_g_stride, N, col0,
                  HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-                 PAIR: tl.constexpr):
+                 PAIR: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
     """A head's two column sets with their LoRA: in one rank loop (PAIR) or one after the other."""
     if PAIR:
         xa, xb = _load_cols_pair(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
                                  g, lora_rows, k_blocks, b_g_stride, r_g_stride, N, col0,
-                                 HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                                 HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                                 PRELOAD=PRELOAD, GDC=GDC)
     else:
         xa = _load_cols(base, cols_a, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
                         k_blocks, b_g_stride, r_g_stride, N, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
         xb = _load_cols(base, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows,
                         k_blocks, b_g_stride, r_g_stride, N, col0,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
     return xa, xb
 
 
@@ -103,14 +107,16 @@ def _rope_kv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    PAIR: tl.constexpr,
+    PAIR: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """Program (row0 + i, head): head < HQ is query head ``head`` (LoRA, RoPE, in place);
     otherwise kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value
     (LoRA, in place, into the page). The KV slot is ``kv[page[row], 0 / 1, slot[row], kv head]``.
     RoPE rotates the head's first ``2 * ROT_HALF`` dims (cos, sin are that wide); the ``PASS``
     dims after them (partial rotary) only get their LoRA. PAIR: a head's two halves take their
-    LoRA in one rank loop (``_load_cols_pair``), else one after the other (the same values)."""
+    LoRA in one rank loop (``_load_cols_pair``), else one after the other (the same values).
+    PRELOAD / GDC (``lora_gather.PDL``): every program waits for the shrink's grid in its first
+    LoRA rank loop, before reading the partials and before any store."""
     row = row0 + tl.program_id(0)
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -128,13 +134,15 @@ def _rope_kv_kernel(
         n, col0 = HQ * 2 * HALF, head * 2 * HALF
         x1, x2 = _load_halves(base, offs, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr,
                               lrow, 0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR,
+                              PRELOAD=PRELOAD, GDC=GDC)
         tl.store(base + offs, (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(base + ROT_HALF + offs, (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty), mask=ok)
         if PASS > 0 and HAS_LORA:
             xp = _load_cols(base, offs_p, ok_p, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
                             0, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                            PRELOAD=PRELOAD, GDC=GDC)
             tl.store(base + offs_p, xp.to(q_ptr.dtype.element_ty), mask=ok_p)
     else:
         j = head - HQ
@@ -144,7 +152,8 @@ def _rope_kv_kernel(
         n, col0 = HKV * 2 * HALF, j * 2 * HALF
         x1, x2 = _load_halves(base, offs, ROT_HALF + offs, ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr,
                               lrow, 1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR,
+                              PRELOAD=PRELOAD, GDC=GDC)
         k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
         k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
         tl.store(base + offs, k1, mask=ok)
@@ -155,7 +164,7 @@ def _rope_kv_kernel(
             kp = _load_cols(base, offs_p, ok_p, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow,
                             1, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
                             HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
-                            BLOCK_KB=BLOCK_KB).to(k_ptr.dtype.element_ty)
+                            BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC).to(k_ptr.dtype.element_ty)
             if HAS_LORA:
                 tl.store(base + offs_p, kp, mask=ok_p)
             tl.store(slot + offs_p, kp.to(kv_ptr.dtype.element_ty), mask=ok_p)
@@ -164,7 +173,8 @@ def _rope_kv_kernel(
         ok_v = offs_v < HALF
         v1, v2 = _load_halves(base, offs_v, HALF + offs_v, ok_v, pool_ptr, b_off_ptr, rank_ptr, scale_ptr,
                               part_ptr, lrow, 2, lora_rows, k_blocks, b_g_stride, r_g_stride, n, col0,
-                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR)
+                              HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PAIR=PAIR,
+                              PRELOAD=PRELOAD, GDC=GDC)
         v1 = v1.to(v_ptr.dtype.element_ty)
         v2 = v2.to(v_ptr.dtype.element_ty)
         if HAS_LORA:
@@ -238,10 +248,13 @@ def _swiglu_kernel(
     row0, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr, PAIR: tl.constexpr,
+    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
     first; silu rounded before the product, as the eager ops do. AHEAD (a launch over the LoRA
-    rows): the next projection's shrink partials of this block too (``lora_ahead``)."""
+    rows): the next projection's shrink partials of this block too (``lora_ahead``). PRELOAD /
+    GDC (``lora_gather.PDL``): the LoRA rows wait for the shrink's grid in their first rank
+    loop, before reading the partials and before any store."""
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,16 +267,16 @@ def _swiglu_kernel(
     if HAS_LORA and PAIR:  # gate's and up's LoRA in one rank loop
         g, u = _with_lora_pair(g, u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, 1,
                                lora_rows, k_blocks, b_g_stride, r_g_stride, N, N, offs, ok, offs, ok,
-                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                               MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
         g = g.to(dtype).to(tl.float32)
         u = u.to(dtype).to(tl.float32)
     elif HAS_LORA:
         g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, lora_rows, k_blocks,
-                       b_g_stride, r_g_stride, N, offs, ok,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                       b_g_stride, r_g_stride, N, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                       PRELOAD=PRELOAD, GDC=GDC).to(dtype).to(tl.float32)
         u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 1, lora_rows, k_blocks,
-                       b_g_stride, r_g_stride, N, offs, ok,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB).to(dtype).to(tl.float32)
+                       b_g_stride, r_g_stride, N, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                       PRELOAD=PRELOAD, GDC=GDC).to(dtype).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     act = (s * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row64 * out_stride + offs, act, mask=ok)
@@ -392,8 +405,9 @@ def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num
     _, block_r = row_blocks(lora.x.device, lora.ranks.shape[1], block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
             lora.b_offsets.stride(0), lora.ranks.stride(0))
+    pdl_meta, pdl_launch, _ = _gather.pdl_options(lora.x.device, lora.ranks.shape[1])
     return args, {"HAS_LORA": True, "MAX_R": MAX_RANK, "BLOCK_R": block_r,
-                  "BLOCK_KB": triton.next_power_of_2(k_blocks)}
+                  "BLOCK_KB": triton.next_power_of_2(k_blocks), **pdl_meta, **pdl_launch}
 
 
 def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *,

@@ -19,6 +19,7 @@ add).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_grouped_kernels import (_lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, lora_delta,
-                                   lora_row_tables)
+from .lora_grouped_kernels import (_lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, gdc_launch_dependents,
+                                   gdc_wait, lora_delta, lora_row_tables)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
@@ -49,6 +50,7 @@ MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sum
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride,
     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_SPLIT: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     """part[g, row, kb, :rank] = x[row, kb's columns] A_g^T[kb's columns, :rank] (fp32).
 
@@ -57,7 +59,11 @@ def _lora_shrink_kernel(
     rank-8 row loads 8 rows of A, not the largest rank's), the rank blocks s, s + RANK_SPLIT,
     ... (RANK_SPLIT programs share a row's rank: at a few rows each walks one block instead of
     a chain of them; programs past the rank return). The G projections of a group share x.
+    GDC: the expand launched after it as a programmatic dependent (``PDL``) may start once
+    every program here has started; it waits for this grid before reading ``part``.
     """
+    if GDC:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     kb = tl.program_id(1)
     g = tl.program_id(2) // RANK_SPLIT
@@ -158,6 +164,52 @@ GROUPED_EXPAND_LOOP_ROWS = 0
 GROUPED_EXPAND_DOT: str | None = None
 
 
+# Programmatic dependent launch (Hopper and later, ``pdl_options``): the shrink lets the kernel
+# launched after it start as soon as all of its programs have started, and that kernel (the
+# expand, the RoPE + KV and SwiGLU epilogues' LoRA rows) loads its rows' tables and the first
+# rank chunk of B^T, then waits for the shrink's grid (``gdc_wait``) before it reads the partial
+# sums: the gap between the two kernels and the expand's first weight loads overlap the shrink's
+# last programs. Same sums in the same order (the first chunk is peeled out of the rank loop).
+# Not where the per-row shrink splits a row's rank over programs (``rank_split``, 9-64 rows):
+# there the consumers did not start early and one 8B layer's LoRA took 1.06-1.07x longer with
+# it at 64 rows, against 0.88x at 8 rows, 0.96x at one and 0.95x at 256 (H200, r = 16); in the
+# engine (burst trace, ranks 4-64) decode steps of 1-8 rows took 0.12-0.21 ms less, those of
+# 128-256 rows the same (docs/BENCHMARKS.md "Many tenants against their floor")
+PDL = True
+
+
+def pdl_applies(device: torch.device, rows: int) -> bool:
+    """Whether a decode LoRA launch over ``rows`` rows takes ``PDL``: on, and the shrink over
+    those rows does not split ranks (``rank_split`` 1)."""
+    return PDL and rank_split(device, rows) == 1
+
+
+def pdl_options(device: torch.device, rows: int) -> tuple[dict, dict, dict]:
+    """(the consumer's constexprs, its launch options, the shrink's constexprs) for a decode
+    LoRA launch over ``rows`` rows on ``device`` where ``pdl_applies``: on a CUDA device of
+    compute capability 9.0 or more with a Triton that has grid dependency control, ``PRELOAD``
+    and ``GDC`` on, ``launch_pdl``; elsewhere ``PRELOAD`` only (the same arithmetic, so the
+    interpreter checks it); where it does not apply, none."""
+    if not pdl_applies(device, rows):
+        return {"PRELOAD": False, "GDC": False}, {}, {"GDC": False}
+    gdc = device.type == "cuda" and _pdl_supported(device.index if device.index is not None
+                                                    else torch.cuda.current_device())
+    return {"PRELOAD": True, "GDC": gdc}, ({"launch_pdl": True} if gdc else {}), {"GDC": gdc}
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_supported(index: int) -> bool:
+    """Whether CUDA device ``index`` (compute capability 9.0 or more) and this Triton (grid
+    dependency control, the ``launch_pdl`` option) take programmatic dependent launch."""
+    if gdc_wait is None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def grouped_min_rows() -> int:
     """The fewest decode rows for which some LoRA kernel reads ``GatheredLora.groups`` (the
     engine builds the table only where its batches can reach this)."""
@@ -197,14 +249,15 @@ def expand_half_s(dtype: torch.dtype) -> bool:
 def _lora_expand_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride,
     ACCUMULATE: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_KB: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr, BLOCK_N: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """out[row, n block] (+)= scale * (sum over K blocks of part[row]) Bt[:rank, n block].
 
     Sum in fp32, one rounding to the output dtype (a read-modify-write when ACCUMULATE; rows of
     rank 0 are then not touched at all). A row whose rank exceeds MAX_R gets NaN: the shrink
     could not hold its sums, and a loud wrong answer beats a quiet one (no host check is
-    possible without a device sync).
+    possible without a device sync). PRELOAD / GDC: ``lora_delta``'s (``PDL``); every program
+    waits before it reads ``part`` or ``out``.
     """
     row = tl.program_id(0)
     nb = tl.program_id(1)
@@ -213,7 +266,7 @@ def _lora_expand_kernel(
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                     MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                     MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
     acc = tl.where(rank_in > MAX_R, float("nan"), acc)
     out_ptrs = out_ptr + row.to(tl.int64) * out_stride + offs_n
     if ACCUMULATE:
@@ -510,6 +563,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
+    trigger = pdl_options(x.device, rows)[2]
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
@@ -517,13 +571,14 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
             DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
+            **trigger,
         )
     elif rows:
         split = rank_split(x.device, rows)
         _lora_shrink_kernel[(rows, k_blocks, g * split)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
-            num_warps=num_warps,
+            num_warps=num_warps, **trigger,
         )
     return part, k_blocks
 
@@ -590,9 +645,11 @@ def _lora_gather_triton(
             result.zero_()
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
+    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps or ROW_EXPAND_WARPS,
+        **pdl_meta, **pdl_launch,
     )
     return result

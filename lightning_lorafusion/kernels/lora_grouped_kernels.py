@@ -15,24 +15,45 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # Hopper's grid dependency control (programmatic dependent launch); absent from older Tritons
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - the launchers then never set GDC
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def lora_delta(
     part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
     MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """The expand half for one row and one block of output columns ``offs_n`` (fp32, shape of
     offs_n): ``scale * (sum over K blocks of part[kb, :rank]) @ Bt[:rank, offs_n]``.
 
     ``part_row`` points at the row's ``part[g, row, 0, 0]`` (written by the shrink); ``rank``
     already clamped to MAX_R (0: no LoRA, the loop does not run); ``Bt [rank, N]`` at
-    ``pool_ptr + b_off``.
+    ``pool_ptr + b_off``. PRELOAD: the first rank chunk of B^T is loaded before the partials
+    and, with GDC, before waiting for the grid that wrote them (``gdc_wait``: a kernel launched
+    as a programmatic dependent of the shrink reads the adapter's weights while the shrink
+    finishes); the same sums in the same order.
     """
     offs_r = tl.arange(0, BLOCK_R)
     offs_kb = tl.arange(0, BLOCK_KB)
     kb_ok = offs_kb < k_blocks
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    first = 0
+    if PRELOAD:
+        r_ok = offs_r < rank
+        bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+        part = tl.load(part_row + offs_kb[:, None] * MAX_R + offs_r[None, :],
+                       mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
+        s = tl.sum(part, axis=0) * scale
+        acc += tl.sum(s[:, None] * bt.to(tl.float32), axis=0)
+        first = BLOCK_R
+    for r0 in range(first, rank, BLOCK_R):
         r_ok = r0 + offs_r < rank
         part = tl.load(part_row + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :],
                        mask=kb_ok[:, None] & r_ok[None, :], other=0.0)
@@ -47,17 +68,35 @@ def lora_delta(
 def lora_delta_pair(
     part_a, b_off_a, rank_a, N_a, offs_a, ok_a, part_b, b_off_b, rank_b, N_b, offs_b, ok_b, pool_ptr, scale,
     k_blocks, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """Two ``lora_delta`` in one rank loop (up to the larger rank, each masked to its own): the
     same arithmetic per element, one chain of dependent loads instead of two (a decode step of
     few rows waits on those chains). a and b: the same projection's two column sets (RoPE's
-    halves) or two projections of a row (gate and up)."""
+    halves) or two projections of a row (gate and up). PRELOAD / GDC: as ``lora_delta``'s."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_kb = tl.arange(0, BLOCK_KB)
     kb_ok = offs_kb < k_blocks
     acc_a = tl.zeros(offs_a.shape, dtype=tl.float32)
     acc_b = tl.zeros(offs_b.shape, dtype=tl.float32)
-    for r0 in range(0, tl.maximum(rank_a, rank_b), BLOCK_R):
+    first = 0
+    if PRELOAD:
+        ra_ok = offs_r < rank_a
+        rb_ok = offs_r < rank_b
+        bta = tl.load(pool_ptr + b_off_a + offs_r[:, None] * N_a + offs_a[None, :],
+                      mask=ra_ok[:, None] & ok_a[None, :], other=0.0)
+        btb = tl.load(pool_ptr + b_off_b + offs_r[:, None] * N_b + offs_b[None, :],
+                      mask=rb_ok[:, None] & ok_b[None, :], other=0.0)
+        if GDC:
+            gdc_wait()
+        pa = tl.load(part_a + offs_kb[:, None] * MAX_R + offs_r[None, :], mask=kb_ok[:, None] & ra_ok[None, :],
+                     other=0.0)
+        pb = tl.load(part_b + offs_kb[:, None] * MAX_R + offs_r[None, :], mask=kb_ok[:, None] & rb_ok[None, :],
+                     other=0.0)
+        acc_a += tl.sum((tl.sum(pa, axis=0) * scale)[:, None] * bta.to(tl.float32), axis=0)
+        acc_b += tl.sum((tl.sum(pb, axis=0) * scale)[:, None] * btb.to(tl.float32), axis=0)
+        first = BLOCK_R
+    for r0 in range(first, tl.maximum(rank_a, rank_b), BLOCK_R):
         ra_ok = r0 + offs_r < rank_a
         rb_ok = r0 + offs_r < rank_b
         pa = tl.load(part_a + offs_kb[:, None] * MAX_R + r0 + offs_r[None, :], mask=kb_ok[:, None] & ra_ok[None, :],
@@ -96,7 +135,7 @@ def _lora_grouped_shrink_kernel(
     x_ptr, pool_ptr, a_off_ptr, rank_ptr, groups_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride, rows,
     groups_stride, k_blocks,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE_ROWS: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE_ROWS: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
     K split kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
@@ -104,7 +143,11 @@ def _lora_grouped_shrink_kernel(
     as the per-row kernel does, over the SPLIT_K columns of split kb (a multiple of BLOCK_K,
     walked BLOCK_K at a time: fewer splits, fewer partials for the expand to sum). An empty
     group (start == end) returns. SINGLE_ROWS: a group of one row takes the per-row kernel's
-    arithmetic (a sum over K of A * x on the CUDA cores) instead of a 16-row dot for it."""
+    arithmetic (a sum over K of A * x on the CUDA cores) instead of a 16-row dot for it. GDC:
+    the kernel launched after it as a programmatic dependent (``lora_gather.PDL``) may start
+    once every program here has started (it waits for this grid before reading the partials)."""
+    if GDC:
+        gdc_launch_dependents()
     t = tl.program_id(0)
     kb = tl.program_id(1)
     g = tl.program_id(2)
@@ -281,20 +324,23 @@ def _expand_row_loop(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_
 @triton.jit
 def _with_lora(x, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks,
                b_g_stride, r_g_stride, N, offs_n, n_ok,
-               MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+               MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+               PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
     """x (fp32 values of the output dtype at columns offs_n of projection g) + the row's LoRA
-    delta, still fp32 (the caller rounds). NaN where the row's rank exceeds MAX_R."""
+    delta, still fp32 (the caller rounds). NaN where the row's rank exceeds MAX_R. PRELOAD /
+    GDC: ``lora_delta``'s."""
     rank_in, rank, b_off, scale, part_row = lora_row_tables(
         b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, g, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
     delta = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                       MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
     return tl.where(rank_in > MAX_R, float("nan"), x + delta)
 
 
 @triton.jit
 def _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, ga, gb, lora_rows, k_blocks,
                     b_g_stride, r_g_stride, N_a, N_b, offs_a, ok_a, offs_b, ok_b,
-                    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+                    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
     """``_with_lora`` of two column sets at once (projection ga at offs_a, gb at offs_b; the
     same or two projections of row ``lrow``): one rank loop (``lora_delta_pair``), the same values."""
     rank_a_in, rank_a, b_off_a, scale, part_a = lora_row_tables(
@@ -302,7 +348,8 @@ def _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, 
     rank_b_in, rank_b, b_off_b, _, part_b = lora_row_tables(
         b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, gb, lora_rows, k_blocks, b_g_stride, r_g_stride, MAX_R)
     da, db = lora_delta_pair(part_a, b_off_a, rank_a, N_a, offs_a, ok_a, part_b, b_off_b, rank_b, N_b, offs_b, ok_b,
-                             pool_ptr, scale, k_blocks, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
+                             pool_ptr, scale, k_blocks, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                             PRELOAD=PRELOAD, GDC=GDC)
     return (tl.where(rank_a_in > MAX_R, float("nan"), xa + da), tl.where(rank_b_in > MAX_R, float("nan"), xb + db))
 
 

@@ -36,13 +36,21 @@ def test_bench_tenants_tiny_cpu(tmp_path):
                          "--adapters", "6", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "4", "--output-max", "8", "--rate", "60", "--warm-up", "off",
                          "--slora", "--slora-requests", "4", "--slora-prompt", "12", "--slora-new", "3",
-                         "--slora-adapters", "4", "--slora-rank", "4", "--peak-tflops", "5", "--bandwidth-gbs", "500",
+                         "--slora-adapters", "4", "--slora-rank", "4", "--slora-repeat", "2",
+                         "--profile-steps", "2", "--profile-runs", "slora_one burst", "--profile-again", "on",
+                         "--peak-tflops", "5", "--bandwidth-gbs", "500",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {} and report["skipped"] == []
     saved = json.loads((tmp_path / "bench_tenants_tiny.json").read_text())
     runs = {(r["run"], r["arrivals"]): r for r in saved["runs"]}
+    # the S-LoRA runs twice in turn; the run named in --profile-runs again after itself (profiled on CUDA)
+    assert [r["run"] for r in saved["runs"] if r["run"].startswith("slora")] == [
+        "slora_distinct", "slora_one", "slora_one-profiled", "slora_base",
+        "slora_distinct-2", "slora_one-2", "slora_base-2"]
     assert set(runs) == {("lora", "burst"), ("base", "burst"), ("lora", "poisson"), ("base", "poisson"),
-                         ("slora_distinct", "burst"), ("slora_one", "burst"), ("slora_base", "burst")}
+                         ("slora_distinct", "burst"), ("slora_one", "burst"), ("slora_base", "burst"),
+                         ("slora_one-profiled", "burst"), ("slora_distinct-2", "burst"), ("slora_one-2", "burst"),
+                         ("slora_base-2", "burst")}
     assert saved["limits"]["peak_flops"] == 5e12 and saved["limits"]["bandwidth"] == 500e9
     for r in runs.values():
         assert r["complete"] == r["requests"] and r["generated_tokens"] > 0 and r["wall_s"] > 0
@@ -60,7 +68,7 @@ def test_bench_tenants_tiny_cpu(tmp_path):
         assert r["breakdown"]["gpu_times"] is False and total["gpu_s"] is None  # a CPU: wall times
         assert {k["kind"].split()[0] for k in kinds} == {"mixed", "decode"}
         assert all(k["kind"].split()[2] == ("base" if "base" in r["run"] else "lora") for k in kinds)
-    for run in ("lora", "slora_distinct", "slora_one"):
+    for run in ("lora", "slora_distinct", "slora_one", "slora_one-profiled", "slora_distinct-2"):
         assert runs[(run, "burst")]["floor"]["adapter_bytes"] > 0
     for run in (("base", "burst"), ("base", "poisson"), ("slora_base", "burst")):
         assert runs[run]["floor"]["adapter_bytes"] == 0 and runs[run]["ledger"]["distinct_adapters"] == 0
@@ -157,9 +165,9 @@ def test_bench_tenants_old_variant_switches_the_mixed_pieces_lora(tmp_path, monk
 
 
 def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monkeypatch):
-    """``--old decode-lora``: the old runs take the decode LoRA's blocks before the few-rows ones
-    (``FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, the epilogues unpaired), the new runs the engine's;
-    put back after."""
+    """``--old decode-lora,pdl``: the old runs take the decode LoRA's blocks before the few-rows
+    ones (``FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, the epilogues unpaired) and no programmatic
+    dependent launch, the new runs the engine's; put back after."""
     from lightning_lorafusion.kernels import lora_gather
 
     bench = load_script("bench_tenants")
@@ -167,17 +175,26 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
     real = bench.TenantsBench.phase
 
     def phase(self, run, arrivals, trace):
-        seen.append((run, lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES))
+        seen.append((run, lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES,
+                     lora_gather.PDL))
         return real(self, run, arrivals, trace)
 
     monkeypatch.setattr(bench.TenantsBench, "phase", phase)
     monkeypatch.setattr(lora_gather, "AHEAD_MAX_ROWS", 16)
     monkeypatch.setattr(lora_gather, "FEW_ROWS", 16)
+    monkeypatch.setattr(lora_gather, "PDL", True)
     report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
                          "--adapters", "3", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "3", "--output-max", "5", "--arrivals", "burst", "--warm-up", "off",
-                         "--runs", "lora", "--variants", "new,old", "--old", "decode-lora",
+                         "--runs", "lora", "--variants", "new,old", "--old", "decode-lora,pdl",
+                         "--slora", "--slora-requests", "2", "--slora-prompt", "6", "--slora-new", "2",
+                         "--slora-adapters", "2", "--slora-rank", "4",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    assert seen == [("lora-new", 16, 16, True), ("lora-old", None, None, False)]
-    assert (lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES) == (16, 16, True)
+    new, old = (16, 16, True, True), (None, None, False, False)
+    # the S-LoRA runs side by side too, each variant's three in turn
+    assert seen == [("lora-new", *new), ("lora-old", *old), ("slora_distinct-new", *new), ("slora_one-new", *new),
+                    ("slora_base-new", *new), ("slora_distinct-old", *old), ("slora_one-old", *old),
+                    ("slora_base-old", *old)]
+    assert (lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES, lora_gather.PDL) == \
+        (16, 16, True, True)

@@ -1,6 +1,7 @@
 """The decode LoRA at few rows in the engine: the few-rows blocks (``lora_gather.FEW_ROWS``) and
-SwiGLU computing down's shrink (``AHEAD_MAX_ROWS``), with the epilogues' paired rank loops, and
-the shrink's rank blocks over several programs (``RANK_SPLIT_MAX_ROWS``) give the tokens and logprobs of the blocks
+SwiGLU computing down's shrink (``AHEAD_MAX_ROWS``), with the epilogues' paired rank loops, the
+shrink's rank blocks over several programs (``RANK_SPLIT_MAX_ROWS``) and the first rank chunk
+of B^T loaded ahead of the partials (``PDL``) give the tokens and logprobs of the blocks
 used before and of the torch references (Triton interpreter on the CPU, fp32, tiny model with
 a base row and adapters of ranks 2-8 on attention only, MLP only and all projections)."""
 
@@ -27,12 +28,18 @@ def test_few_rows_paths_give_the_tokens_of_before(make_engine, monkeypatch, case
 
     want = _run(make_engine, "torch", cases)
     runs = {}
-    for name, few, ahead, pair, split in (("before", None, None, False, None), ("few", 16, None, True, None),
-                                          ("few_ahead", 16, 16, True, None), ("rank_split", None, None, True, 16)):
+    for name, few, ahead, pair, split, pdl in (("before", None, None, False, None, False),
+                                               ("few", 16, None, True, None, False),
+                                               ("few_ahead", 16, 16, True, None, False),
+                                               ("rank_split", None, None, True, 16, False),
+                                               ("pdl", 16, 16, True, 16, True)):
+        if pdl and len(cases) > 1:  # (the kernel tests check it bit for bit; one engine run of it here)
+            continue
         monkeypatch.setattr(lora_gather, "FEW_ROWS", few)
         monkeypatch.setattr(lora_gather, "AHEAD_MAX_ROWS", ahead)
         monkeypatch.setattr(lora_gather, "PAIR_EPILOGUES", pair)
         monkeypatch.setattr(lora_gather, "RANK_SPLIT_MAX_ROWS", split)
+        monkeypatch.setattr(lora_gather, "PDL", pdl)
         runs[name] = _run(make_engine, "triton", cases)
     for name, got in runs.items():
         assert [t for t, _ in got] == [t for t, _ in want], name
