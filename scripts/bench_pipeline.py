@@ -28,7 +28,7 @@ Writes to --out: pp4_summary.md (the table), pp4_runs.json (every run's status a
 pp4_logs.tar.gz (each run's log, resolved config and summary). Measured bubble ratio = idle
 fraction of all GPUs over the run's window (the executor's timestamps); simulated = the
 analytic simulator on the same plan, schedule and split (the strategy's cost_model:
-parallel.simulator.CostModel.timed); per stage too, next to the split (layers per stage).
+parallel.cost_model.CostModel.timed); per stage too, next to the split (layers per stage).
 Graph captures of the timed epoch, from the logs: those made before its first step ("up front",
 training/cuda_graphs.py) and those in the middle of it (0 when every planned key was covered).
 Graph replays per pipeline stage, from the line each rank logs at an epoch's end: forward and

@@ -37,7 +37,8 @@ from lightning_lorafusion.data.synthetic import workload_lengths
 from lightning_lorafusion.parallel.executor import measured_bubble_ratio
 from lightning_lorafusion.parallel.partition import partition_decoder
 from lightning_lorafusion.parallel.schedule import build_1f1b_flushed_schedule, build_pipeline_schedule
-from lightning_lorafusion.parallel.simulator import CostModel, SimulationResult, simulate
+from lightning_lorafusion.parallel.cost_model import CostModel
+from lightning_lorafusion.parallel.simulator import SimulationResult, simulate
 from lightning_lorafusion.planner import plan_microbatches
 
 # Llama-3-8B shapes (public config.json of meta-llama/Meta-Llama-3-8B).

@@ -106,7 +106,7 @@ def partition_decoder(config: Any, num_stages: int, *, stage_layers: Sequence[in
     ``CostModel.recompute_factor`` plain layers and the stages holding them get fewer.
     ``lm_head_loss``: the module's LM-head loss, which the time model charges (``CostModel.timed``).
     """
-    from .simulator import DEFAULT_LABEL_FRACTION, CostModel
+    from .cost_model import DEFAULT_LABEL_FRACTION, CostModel
 
     num_layers = getattr(config, "num_hidden_layers", None) or config.num_layers
     if stage_layers is not None:

@@ -63,7 +63,8 @@ from .data_parallel import (
 from .executor import StageRecord, gather_busy_and_wall, measured_bubble_ratio, run_stage
 from .partition import check_stage_layers, partition_decoder, partition_layers, ranges_of
 from .schedule import SCHEDULES
-from .simulator import DEFAULT_LABEL_FRACTION, CostModel, simulate
+from .cost_model import DEFAULT_LABEL_FRACTION, CostModel
+from .simulator import simulate
 from .stage import StageModule
 
 

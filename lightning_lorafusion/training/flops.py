@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..parallel.simulator import causal_pairs, layer_windows
+from ..parallel.cost_model import causal_pairs, layer_windows
 
 __all__ = ["H100_H200_BF16_PEAK_TFLOPS", "causal_pairs", "layer_windows", "lora_training_flops"]
 
@@ -23,7 +23,7 @@ def lora_training_flops(config: Any, sample_lengths: Sequence[int]) -> float:
     Elementwise work (norms, q/k norms, soft-caps, activations, RoPE), LoRA's own FLOPs (< 1%
     at rank 16) and recomputation are left out, as matrix-product MFU conventions do.
     ``config``: an HF config or the project's ``DecoderConfig``."""
-    from ..parallel.simulator import CostModel
+    from ..parallel.cost_model import CostModel
 
     windows = layer_windows(config)
     layers = len(windows)

@@ -70,7 +70,7 @@ def test_time_cost_balances_llama3_8b_evenly_where_flops_gave_the_head_two_layer
 
 
 def test_time_cost_terms_of_a_layer_and_the_head():
-    from lightning_lorafusion.parallel.simulator import CostModel, layer_traffic_bytes
+    from lightning_lorafusion.parallel.cost_model import CostModel, layer_traffic_bytes
 
     unit = CostModel.timed(LLAMA3_8B, (1,), label_fraction=0.25)
     flops = CostModel.from_decoder_config(LLAMA3_8B, (1,))
@@ -118,7 +118,7 @@ LLAMA3_70B = SimpleNamespace(hidden_size=8192, intermediate_size=28672, num_atte
 
 
 def test_recomputed_layers_per_stage_follow_the_global_layer_index():
-    from lightning_lorafusion.parallel.simulator import recomputed_per_stage
+    from lightning_lorafusion.parallel.cost_model import recomputed_per_stage
 
     assert recomputed_per_stage([40, 40], 16) == (16, 0)
     assert recomputed_per_stage([10, 10, 10], 25) == (10, 10, 5)
@@ -130,7 +130,7 @@ def test_recomputing_stage_gets_fewer_layers_and_the_simulator_charges_its_secon
     """The 70B PP=2 config recomputes the first 16 layers, all on stage 0: measured stage-0 idle
     0.8% against stage 1's 22% on the even 40/40 split. Each recomputed layer costs one forward
     more, so the split moves layers to stage 1 and the simulated backward of stage 0 grows."""
-    from lightning_lorafusion.parallel.simulator import CostModel
+    from lightning_lorafusion.parallel.cost_model import CostModel
 
     assert [len(r) for r in partition_decoder(LLAMA3_70B, 2)] == [40, 40]
     split = [len(r) for r in partition_decoder(LLAMA3_70B, 2, checkpoint_layers=16)]

@@ -24,7 +24,8 @@ from lightning_lorafusion.parallel.schedule import (
     in_flight_slots,
 )
 from lightning_lorafusion.parallel.executor import measured_bubble_ratio
-from lightning_lorafusion.parallel.simulator import CostModel, DeadlockError, simulate
+from lightning_lorafusion.parallel.cost_model import CostModel
+from lightning_lorafusion.parallel.simulator import DeadlockError, simulate
 from lightning_lorafusion.planner.plan import Plan
 
 from .plans import interleaved_groups, lemma_gap_violations, make_plan, pad_for_lemma
@@ -313,7 +314,7 @@ def test_cost_model_counts_sliding_windows_per_stage():
     within the window costs as before, and the windows follow the stage split."""
     from types import SimpleNamespace
 
-    from lightning_lorafusion.parallel.simulator import causal_pairs
+    from lightning_lorafusion.parallel.cost_model import causal_pairs
 
     shapes = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=100)
     windowed = SimpleNamespace(num_layers=4, sliding_windows=(8, None, 8, None), **shapes)
