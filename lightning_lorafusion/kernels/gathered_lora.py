@@ -118,6 +118,10 @@ class GatheredLora:
     # the rows grouped by adapter (``decode_groups``): [3, n] int32 start / end into the third
     # row, the rows sorted by adapter; None: the per-row shrink
     groups: torch.Tensor | None = None
+    # the rows' ranks are known on the host to be at most this (a decode step's largest rank,
+    # bucketed: ``lora_gather.decode_rank_bound``); None: any up to MAX_RANK. It picks which
+    # kernel variant the launches take, never what they compute: every variant takes every rank
+    rank_bound: int | None = None
 
     @property
     def num_projections(self) -> int:

@@ -133,20 +133,44 @@ GROUPED_EXPAND_DOT: str | None = None
 # 128-256 rows the same (docs/BENCHMARKS.md "Many tenants against their floor")
 PDL = True
 
+# Launches whose rows' ranks are known on the host to be at most this (``rank_bound``; None:
+# never) take no rank split, and so PDL, at any row count: a row of rank <= 16 is one rank
+# block, the split's other programs only exit. One 8B layer's decode LoRA at 16-64 rows on
+# distinct r = 16 adapters took 0.77-0.84x the split's time that way, but 1.01-1.16x with ranks
+# 4-64 mixed (H200, docs/BENCHMARKS.md "Many tenants against their floor"). The engine picks
+# the variant per decode step from the step's largest rank (``decode_rank_bound``).
+UNSPLIT_MAX_RANK: int | None = 16
 
-def pdl_applies(device: torch.device, rows: int) -> bool:
+
+def decode_rank_bound(rows: int, max_rank: int) -> int | None:
+    """The ``rank_bound`` a decode step over ``rows`` rows whose largest rank is ``max_rank``
+    launches its LoRA with (and its CUDA graph is captured for): ``UNSPLIT_MAX_RANK`` where
+    ``max_rank`` is within it and a launch over ``rows`` rows would otherwise split ranks; else
+    None. So a bucket has at most two variants, whatever ranks are loaded."""
+    if UNSPLIT_MAX_RANK is None or max_rank > UNSPLIT_MAX_RANK or rank_split(None, rows) == 1:
+        return None
+    return UNSPLIT_MAX_RANK
+
+
+def decode_rank_bounds(rows: int) -> tuple[int | None, ...]:
+    """Every ``decode_rank_bound`` a decode step over ``rows`` rows can take (what warm-up
+    captures for its bucket): ``(None,)`` or ``(None, UNSPLIT_MAX_RANK)``."""
+    return tuple(dict.fromkeys((None, decode_rank_bound(rows, 0))))
+
+
+def pdl_applies(device: torch.device, rows: int, rank_bound: int | None = None) -> bool:
     """Whether a decode LoRA launch over ``rows`` rows takes ``PDL``: on, and the shrink over
     those rows does not split ranks (``rank_split`` 1)."""
-    return PDL and rank_split(device, rows) == 1
+    return PDL and rank_split(device, rows, rank_bound) == 1
 
 
-def pdl_options(device: torch.device, rows: int) -> tuple[dict, dict, dict]:
+def pdl_options(device: torch.device, rows: int, rank_bound: int | None = None) -> tuple[dict, dict, dict]:
     """(the consumer's constexprs, its launch options, the shrink's constexprs) for a decode
     LoRA launch over ``rows`` rows on ``device`` where ``pdl_applies``: on a CUDA device of
     compute capability 9.0 or more with a Triton that has grid dependency control, ``PRELOAD``
     and ``GDC`` on, ``launch_pdl``; elsewhere ``PRELOAD`` only (the same arithmetic, so the
     interpreter checks it); where it does not apply, none."""
-    if not pdl_applies(device, rows):
+    if not pdl_applies(device, rows, rank_bound):
         return {"PRELOAD": False, "GDC": False}, {}, {"GDC": False}
     gdc = device.type == "cuda" and _pdl_supported(device.index if device.index is not None
                                                     else torch.cuda.current_device())
@@ -214,8 +238,10 @@ def lora_gather(
     backend: str = "auto",
     groups: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, int] | None = None,
+    rank_bound: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``lora_gather_reference``; ``groups``: the rows grouped by adapter
+    """Same contract as ``lora_gather_reference``; ``rank_bound``: the rows' ranks are known to
+    be at most this (``GatheredLora.rank_bound``: picks the kernels' variant, never the result); ``groups``: the rows grouped by adapter
     (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
     "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA, torch
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
@@ -230,7 +256,7 @@ def lora_gather(
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
     return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups,
-                               partials=partials)
+                               partials=partials, rank_bound=rank_bound)
 
 
 def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = None) -> torch.Tensor:
@@ -287,11 +313,13 @@ def ahead_rows(rows: int) -> bool:
             and (GROUPED_EXPAND_MIN_ROWS is None or rows < GROUPED_EXPAND_MIN_ROWS))
 
 
-def rank_split(device: torch.device, rows: int) -> int:
+def rank_split(device: torch.device | None, rows: int, rank_bound: int | None = None) -> int:
     """Programs sharing a row's rank blocks in the per-row shrink over ``rows`` rows:
     ``RANK_SPLIT`` up to ``RANK_SPLIT_MAX_ROWS`` rows, else 1 (and 1 where the few-rows blocks
-    hold a row's rank in one tile)."""
+    hold a row's rank in one tile, or the rows' ``rank_bound`` is within ``UNSPLIT_MAX_RANK``)."""
     if RANK_SPLIT_MAX_ROWS is None or not 0 < rows <= RANK_SPLIT_MAX_ROWS or few_rows(rows):
+        return 1
+    if rank_bound is not None and UNSPLIT_MAX_RANK is not None and rank_bound <= UNSPLIT_MAX_RANK:
         return 1
     return RANK_SPLIT
 
@@ -343,7 +371,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    trigger = pdl_options(x.device, rows)[2]
+    trigger = pdl_options(x.device, rows, lora.rank_bound)[2]
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
@@ -354,7 +382,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             **trigger,
         )
     elif rows:
-        split = rank_split(x.device, rows)
+        split = rank_split(x.device, rows, lora.rank_bound)
         _lora_shrink_kernel[(rows, k_blocks, g * split)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
@@ -398,7 +426,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None, rank_bound=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
     check_gather_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
@@ -410,7 +438,8 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
+    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups,
+                        rank_bound=rank_bound)
     if partials is None:
         part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     else:
@@ -425,7 +454,7 @@ def _lora_gather_triton(
             result.zero_()
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
-    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows)
+    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, rank_bound)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
