@@ -241,8 +241,9 @@ def lora_gather(
     rank_bound: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``lora_gather_reference``; ``rank_bound``: the rows' ranks are known to
-    be at most this (``GatheredLora.rank_bound``: picks the kernels' variant, never the result); ``groups``: the rows grouped by adapter
-    (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
+    be at most this (``GatheredLora.rank_bound``: picks the kernels' variant, never the result);
+    ``groups``: the rows grouped by adapter (``GatheredLora.groups``; the Triton shrink reads each
+    group's A once); ``backend``: "torch" (the reference),
     "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA, torch
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
     (shrink x A^T per K block, expand into N), reads no value on the host, and so can be
