@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 import triton
 
-from .gathered_lora import (MAX_RANK, SUPPORTED_DTYPES, GatheredLora, check_gather_inputs,  # noqa: F401 (callers' names)
+# (SUPPORTED_DTYPES and lora_gather_reference: names callers import from here)
+from .gathered_lora import (MAX_RANK, SUPPORTED_DTYPES, GatheredLora, check_gather_inputs,  # noqa: F401
                             lora_gather_reference)
 from .lora_grouped_kernels import _lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, gdc_wait
 from .lora_row_kernels import _lora_expand_kernel, _lora_shrink_kernel
