@@ -116,12 +116,13 @@ MODES = {
     "pdl_nosplit": {"PDL": True, "RANK_SPLIT_MAX_ROWS": None},
     "nosplit": {"PDL": False, "RANK_SPLIT_MAX_ROWS": None},
     # the engine's rank variant (``lora_gather.decode_rank_bound`` of the case's largest rank: no
-    # split and PDL where it is at most UNSPLIT_MAX_RANK), and that bound at 32 / 64
+    # split and PDL where it is at most UNSPLIT_MAX_RANK), and that bound at 16 / 32 / 64
     "bound": {},
+    "bound16": {"UNSPLIT_MAX_RANK": 16},
     "bound32": {"UNSPLIT_MAX_RANK": 32},
     "bound64": {"UNSPLIT_MAX_RANK": 64},
 }
-BOUND_MODES = ("bound", "bound32", "bound64")  # (their launches take the case's rank bound)
+BOUND_MODES = ("bound", "bound16", "bound32", "bound64")  # (their launches take the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
 PIECES = (("qkv", (0, 1, 2)), ("o", (3,)), ("gate_up", (4, 5)), ("down", (6,)))

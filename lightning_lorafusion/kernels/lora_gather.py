@@ -135,12 +135,14 @@ GROUPED_EXPAND_DOT: str | None = None
 PDL = True
 
 # Launches whose rows' ranks are known on the host to be at most this (``rank_bound``; None:
-# never) take no rank split, and so PDL, at any row count: a row of rank <= 16 is one rank
-# block, the split's other programs only exit. One 8B layer's decode LoRA at 16-64 rows on
-# distinct r = 16 adapters took 0.77-0.84x the split's time that way, but 1.01-1.16x with ranks
-# 4-64 mixed (H200, docs/BENCHMARKS.md "Many tenants against their floor"). The engine picks
-# the variant per decode step from the step's largest rank (``decode_rank_bound``).
-UNSPLIT_MAX_RANK: int | None = 16
+# never) take no rank split, and so PDL, at any row count: at rank <= 16 a row is one rank
+# block and the split's other programs only exit; at 32, two blocks in one program still beat
+# two programs without PDL. One 8B layer's decode LoRA at 16-64 rows on distinct adapters took
+# 0.78-0.84x the split's time that way at r = 16 (ranks 4-16 mixed: 0.77-0.83x), 0.92-0.93x
+# at r = 32, but 1.01-1.16x with ranks 4-64 mixed (H200, docs/BENCHMARKS.md "Many tenants
+# against their floor"). The engine picks the variant per decode step from the step's largest
+# rank (``decode_rank_bound``).
+UNSPLIT_MAX_RANK: int | None = 32
 
 
 def decode_rank_bound(rows: int, max_rank: int) -> int | None:
