@@ -22,9 +22,9 @@ from test_lora_gather import make_adapters, make_routing, rel_err
 
 
 def test_decode_rank_bound_by_rows_and_largest_rank(monkeypatch):
-    """With the engine's knobs (few rows up to 8, rank split up to 64 rows, unsplit up to rank
-    16): rows that never split keep one variant; 9-64 rows take the bound where the largest rank
-    is at most 16 (rank 0: no LoRA row at all), and with it no split and PDL."""
+    """Few rows up to 8, the rank split up to 64 rows (the engine's), unsplit up to rank 16:
+    rows that never split keep one variant; 9-64 rows take the bound where the largest rank is
+    at most 16 (rank 0: no LoRA row at all), and with it no split and PDL."""
     cpu = torch.device("cpu")
     for name, value in (("FEW_ROWS", 8), ("RANK_SPLIT_MAX_ROWS", 64), ("UNSPLIT_MAX_RANK", 16), ("PDL", True)):
         monkeypatch.setattr(lg, name, value)
