@@ -280,9 +280,32 @@ class TenantsBench:
         with timer(self.device) as t:
             info = self.engine.warm_up()
         self.report["warm_up"] = {"seconds": t.seconds, "captures": info.get("captures"),
-                                  "ranks": info.get("ranks"), "mixed_pieces_s": info.get("mixed_pieces_s")}
-        log(f"warm-up {t.seconds:.1f} s")
+                                  "ranks": info.get("ranks"), "mixed_pieces_s": info.get("mixed_pieces_s"),
+                                  "decode_graphs_s": info.get("decode_graphs_s")}
+        log(f"warm-up {t.seconds:.1f} s (decode graphs at build {_f(info.get('decode_graphs_s'), '.1f')} s)")
+        if "old" in self.args.variants and "rank-variant" in self.args.old:
+            self.recapture_rank_variants()
         self.save()
+
+    def recapture_rank_variants(self) -> None:
+        """``--old rank-variant``: the decode graphs captured again without the rank variant
+        (``lora_gather.UNSPLIT_MAX_RANK`` None: the keys of before), then with it, timed (the
+        kernels compiled already: what the variant's extra captures cost), into the report's
+        ``decode_recapture``."""
+        runner, default = self.engine.runner, lora_gather.UNSPLIT_MAX_RANK
+        if runner.graphs is None:
+            return
+        out = self.report["decode_recapture"] = []
+        try:
+            for bound in (None, default):
+                lora_gather.UNSPLIT_MAX_RANK = bound
+                with self.engine._step_lock, timer(self.device) as t:
+                    runner.capture_decode_graphs()
+                out.append({"unsplit_max_rank": bound, "seconds": t.seconds, "captures": runner.capture_counts()})
+                log(f"decode graphs captured again with UNSPLIT_MAX_RANK={bound}: {t.seconds:.2f} s, "
+                    f"{runner.capture_counts()}")
+        finally:
+            lora_gather.UNSPLIT_MAX_RANK = default
 
     def set_variant(self, variant: str) -> None:
         """``--variants``: "new" runs the engine's defaults, "old" the paths named in ``--old`` as
@@ -319,21 +342,24 @@ class TenantsBench:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
         (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
         ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
-        (``lora_gather.PDL`` False). The decode graphs are captured again when that changes (not
-        timed; the mixed-step pieces keep what they captured at warm-up)."""
+        (``lora_gather.PDL`` False); ``--old rank-variant``: every decode step in the split
+        variant (``UNSPLIT_MAX_RANK`` None; its graphs were captured at warm-up, so nothing is
+        captured again for it alone). The decode graphs are captured again when the others
+        change (not timed; the mixed-step pieces keep what they captured at warm-up)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)
         if "decode-lora" in old:
             want.update(FEW_ROWS=None, AHEAD_MAX_ROWS=None, PAIR_EPILOGUES=False, RANK_SPLIT_MAX_ROWS=None)
         if "pdl" in old:
             want.update(PDL=False)
-        if all(getattr(lora_gather, n) == v for n, v in want.items()):
-            return
-        for n, v in want.items():
-            setattr(lora_gather, n, v)
-        if self.engine.runner.graphs is not None:
+        if "rank-variant" in old:
+            want.update(UNSPLIT_MAX_RANK=None)
+        changed = {n for n, v in want.items() if getattr(lora_gather, n) != v}
+        for n in changed:
+            setattr(lora_gather, n, want[n])
+        if changed - {"UNSPLIT_MAX_RANK"} and self.engine.runner.graphs is not None:
             with self.engine._step_lock, timer(self.device) as t:
                 self.engine.runner.capture_decode_graphs()
             log(f"decode graphs captured again ({sorted(old) or 'new'} decode LoRA) in {t.seconds:.1f} s")
@@ -508,14 +534,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl")),
+                                              "decode-lora", "pdl", "rank-variant")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
                          "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
                          "(the prefill LoRA's grids over the whole padded table), decode-lora (the decode "
                          "LoRA's blocks before the few-rows ones), pdl (the decode LoRA without programmatic "
-                         "dependent launch); default %(default)s")
+                         "dependent launch), rank-variant (every decode step's LoRA in the rank-split variant, "
+                         "whatever its ranks; the decode graphs' capture timed without and with it after "
+                         "warm-up); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

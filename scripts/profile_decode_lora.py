@@ -115,7 +115,14 @@ MODES = {
     "nopdl": {"PDL": False},
     "pdl_nosplit": {"PDL": True, "RANK_SPLIT_MAX_ROWS": None},
     "nosplit": {"PDL": False, "RANK_SPLIT_MAX_ROWS": None},
+    # the engine's rank variant (``lora_gather.decode_rank_bound`` of the case's largest rank: no
+    # split and PDL where it is at most UNSPLIT_MAX_RANK), and that bound at 16 / 32 / 64
+    "bound": {},
+    "bound16": {"UNSPLIT_MAX_RANK": 16},
+    "bound32": {"UNSPLIT_MAX_RANK": 32},
+    "bound64": {"UNSPLIT_MAX_RANK": 64},
 }
+BOUND_MODES = ("bound", "bound16", "bound32", "bound64")  # (their launches take the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
 PIECES = (("qkv", (0, 1, 2)), ("o", (3,)), ("gate_up", (4, 5)), ("down", (6,)))
@@ -137,7 +144,8 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
 
     for t in s["tables"]:
         def gathered(name, x):
-            return GatheredLora(x, s["pool"], *t[name], s["scales"], groups=groups) if lora else None
+            return GatheredLora(x, s["pool"], *t[name], s["scales"], groups=groups,
+                                rank_bound=s.get("rank_bound")) if lora else None
         q, k, v = s["qkv"].split([hq * d, hkv * d, hkv * d], dim=1)
         with piece("qkv"):
             rope_write_kv(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), s["cos"], s["sin"], s["kv"], 0,
@@ -146,7 +154,7 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
             with piece("o"):
                 a_off, b_off, rk = t["o"]
                 lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
-                            out=s["o"], backend="triton", groups=groups)
+                            out=s["o"], backend="triton", groups=groups, rank_bound=s.get("rank_bound"))
         with piece("gate_up"):  # down's shrink folded in where AHEAD_MAX_ROWS says so (as the engine)
             ahead = ShrinkAhead(s["pool"], t["down"][0][0], t["down"][2][0]) if lora else None
             act, partials = swiglu_ahead(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]),
@@ -155,7 +163,8 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
             with piece("down"):  # down reads SwiGLU's output, as in the engine
                 a_off, b_off, rk = t["down"]
                 lora_gather(act, s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
-                            out=s["down"], backend="triton", groups=groups, partials=partials)
+                            out=s["down"], backend="triton", groups=groups, partials=partials,
+                            rank_bound=s.get("rank_bound"))
         outs.append(act)
     return outs
 
@@ -367,6 +376,8 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
            "modes": []}
     for mode in args.modes:
         apply_mode(mode, defaults)
+        s["rank_bound"] = lg.decode_rank_bound(b, max((rank_of[x] for x in row_adapter if x >= 0), default=0)) \
+            if mode in BOUND_MODES else None
         try:
             res = profile_mode(s, mode, device, groups, args.reps)
         except Exception as exc:  # noqa: BLE001 - keep the other modes' numbers
@@ -375,6 +386,7 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
                 torch.cuda.synchronize()
             row["modes"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"})
             continue
+        res["rank_bound"] = s["rank_bound"]
         if mode != "base":
             got = outputs(s, groups)
             res["max_rel_diff"] = max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30))
@@ -383,6 +395,7 @@ def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, 
         log(f"{b}x{a} r={row['ranks']} {mode}: graph {res.get('graph_us')} µs/layer, "
             f"{res.get('launches')} launches, diff {res.get('max_rel_diff')}")
     apply_mode("per_row", defaults)
+    s["rank_bound"] = None
     return row
 
 

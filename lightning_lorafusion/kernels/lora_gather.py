@@ -15,71 +15,28 @@ tables of G projections, ``lora_shrink`` computes every projection's ``x A^T`` i
 and the expand half (``lora_delta``, a Triton helper) runs inside whatever kernel consumes the
 projection's output (``lora_epilogues.py``: RoPE + KV write, SwiGLU; ``lora_gather``: a plain
 add).
+
+This module holds the knobs, the blocks and variants a launch over so many rows takes, and the
+launchers; the per-row Triton kernels are in ``lora_row_kernels.py``, the grouped ones in
+``lora_grouped_kernels.py``, the tables' contract and the torch reference in ``gathered_lora.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
-from .lora_grouped_kernels import (_lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, gdc_launch_dependents,
-                                   gdc_wait, lora_delta, lora_row_tables)
+# (SUPPORTED_DTYPES and lora_gather_reference: names callers import from here)
+from .gathered_lora import (MAX_RANK, SUPPORTED_DTYPES, GatheredLora, check_gather_inputs,  # noqa: F401
+                            lora_gather_reference)
+from .lora_grouped_kernels import _lora_grouped_expand_kernel, _lora_grouped_shrink_kernel, gdc_wait
+from .lora_row_kernels import _lora_expand_kernel, _lora_shrink_kernel
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
-MAX_RANK = 128  # largest rank per row (the shrink's scratch holds this many sums per K block)
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton kernels
-# ----------------------------------------------------------------------------------------------
-# Two launches, each over all rows (S-LoRA / Punica's shrink and expand). A first single-kernel
-# version (per (row, N-split) program: reduce x A^T over K, then sweep the split's columns)
-# measured 25-240 us per call on an H200 at 8B decode shapes: its K loop is a chain of
-# dependent loads per program (latency bound). Splitting the K reduction over programs puts
-# every tile of A and Bt in flight at once.
-
-
-@triton.jit
-def _lora_shrink_kernel(
-    x_ptr, pool_ptr, a_off_ptr, rank_ptr, part_ptr, K, x_stride, a_g_stride, r_g_stride,
-    MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_SPLIT: tl.constexpr,
-    GDC: tl.constexpr = False,
-):
-    """part[g, row, kb, :rank] = x[row, kb's columns] A_g^T[kb's columns, :rank] (fp32).
-
-    Program (row, K block kb, projection g x rank split s): loads the row's A tile of
-    projection g for its K block, BLOCK_R rank vectors at a time up to the row's own rank (a
-    rank-8 row loads 8 rows of A, not the largest rank's), the rank blocks s, s + RANK_SPLIT,
-    ... (RANK_SPLIT programs share a row's rank: at a few rows each walks one block instead of
-    a chain of them; programs past the rank return). The G projections of a group share x.
-    GDC: the expand launched after it as a programmatic dependent (``PDL``) may start once
-    every program here has started; it waits for this grid before reading ``part``.
-    """
-    if GDC:
-        gdc_launch_dependents()
-    row = tl.program_id(0)
-    kb = tl.program_id(1)
-    g = tl.program_id(2) // RANK_SPLIT
-    split = tl.program_id(2) % RANK_SPLIT
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + row), MAX_R)
-    a_off = tl.load(a_off_ptr + g * a_g_stride + row)
-    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
-    k_ok = offs_k < K
-    x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    part_row = part_ptr + ((g * tl.num_programs(0) + row).to(tl.int64) * tl.num_programs(1) + kb) * MAX_R
-    for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
-        r_ok = r0 + offs_r < rank
-        a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        tl.store(part_row + r0 + offs_r, tl.sum(a.to(tl.float32) * x[None, :], axis=1), mask=r_ok)
 
 
 # The per-row kernels' blocks on a GPU (module-level so scripts/profile_decode_lora.py can vary
@@ -177,20 +134,46 @@ GROUPED_EXPAND_DOT: str | None = None
 # 128-256 rows the same (docs/BENCHMARKS.md "Many tenants against their floor")
 PDL = True
 
+# Launches whose rows' ranks are known on the host to be at most this (``rank_bound``; None:
+# never) take no rank split, and so PDL, at any row count: at rank <= 16 a row is one rank
+# block and the split's other programs only exit; at 32, two blocks in one program still beat
+# two programs without PDL. One 8B layer's decode LoRA at 16-64 rows on distinct adapters took
+# 0.78-0.84x the split's time that way at r = 16 (ranks 4-16 mixed: 0.77-0.83x), 0.92-0.93x
+# at r = 32, but 1.01-1.16x with ranks 4-64 mixed (H200, docs/BENCHMARKS.md "Many tenants
+# against their floor"). The engine picks the variant per decode step from the step's largest
+# rank (``decode_rank_bound``).
+UNSPLIT_MAX_RANK: int | None = 32
 
-def pdl_applies(device: torch.device, rows: int) -> bool:
+
+def decode_rank_bound(rows: int, max_rank: int) -> int | None:
+    """The ``rank_bound`` a decode step over ``rows`` rows whose largest rank is ``max_rank``
+    launches its LoRA with (and its CUDA graph is captured for): ``UNSPLIT_MAX_RANK`` where
+    ``max_rank`` is within it and a launch over ``rows`` rows would otherwise split ranks; else
+    None. So a bucket has at most two variants, whatever ranks are loaded."""
+    if UNSPLIT_MAX_RANK is None or max_rank > UNSPLIT_MAX_RANK or rank_split(None, rows) == 1:
+        return None
+    return UNSPLIT_MAX_RANK
+
+
+def decode_rank_bounds(rows: int) -> tuple[int | None, ...]:
+    """Every ``decode_rank_bound`` a decode step over ``rows`` rows can take (what warm-up
+    captures for its bucket): ``(None,)`` or ``(None, UNSPLIT_MAX_RANK)``."""
+    return tuple(dict.fromkeys((None, decode_rank_bound(rows, 0))))
+
+
+def pdl_applies(device: torch.device, rows: int, rank_bound: int | None = None) -> bool:
     """Whether a decode LoRA launch over ``rows`` rows takes ``PDL``: on, and the shrink over
     those rows does not split ranks (``rank_split`` 1)."""
-    return PDL and rank_split(device, rows) == 1
+    return PDL and rank_split(device, rows, rank_bound) == 1
 
 
-def pdl_options(device: torch.device, rows: int) -> tuple[dict, dict, dict]:
+def pdl_options(device: torch.device, rows: int, rank_bound: int | None = None) -> tuple[dict, dict, dict]:
     """(the consumer's constexprs, its launch options, the shrink's constexprs) for a decode
     LoRA launch over ``rows`` rows on ``device`` where ``pdl_applies``: on a CUDA device of
     compute capability 9.0 or more with a Triton that has grid dependency control, ``PRELOAD``
     and ``GDC`` on, ``launch_pdl``; elsewhere ``PRELOAD`` only (the same arithmetic, so the
     interpreter checks it); where it does not apply, none."""
-    if not pdl_applies(device, rows):
+    if not pdl_applies(device, rows, rank_bound):
         return {"PRELOAD": False, "GDC": False}, {}, {"GDC": False}
     gdc = device.type == "cuda" and _pdl_supported(device.index if device.index is not None
                                                     else torch.cuda.current_device())
@@ -245,120 +228,6 @@ def expand_half_s(dtype: torch.dtype) -> bool:
     return GROUPED_EXPAND_DOT == "half" and dtype != torch.float32
 
 
-@triton.jit
-def _lora_expand_kernel(
-    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride,
-    ACCUMULATE: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_KB: tl.constexpr, BLOCK_N: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
-):
-    """out[row, n block] (+)= scale * (sum over K blocks of part[row]) Bt[:rank, n block].
-
-    Sum in fp32, one rounding to the output dtype (a read-modify-write when ACCUMULATE; rows of
-    rank 0 are then not touched at all). A row whose rank exceeds MAX_R gets NaN: the shrink
-    could not hold its sums, and a loud wrong answer beats a quiet one (no host check is
-    possible without a device sync). PRELOAD / GDC: ``lora_delta``'s (``PDL``); every program
-    waits before it reads ``part`` or ``out``.
-    """
-    row = tl.program_id(0)
-    nb = tl.program_id(1)
-    rank_in, rank, b_off, scale, part_row = lora_row_tables(
-        b_off_ptr, rank_ptr, scale_ptr, part_ptr, row, 0, tl.num_programs(0), k_blocks, 0, 0, MAX_R)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    acc = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                     MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
-    acc = tl.where(rank_in > MAX_R, float("nan"), acc)
-    out_ptrs = out_ptr + row.to(tl.int64) * out_stride + offs_n
-    if ACCUMULATE:
-        live = n_ok & (rank_in > 0)
-        acc += tl.load(out_ptrs, mask=live, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out) -> None:
-    """Shapes, dtypes and devices only: no value is read (no device sync, CUDA-graph safe)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [rows, in_features]; got {getattr(x, 'shape', type(x))}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x.dtype={x.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 1:
-        raise ValueError(f"pool must be a 1-D tensor of adapter weights; got {getattr(pool, 'shape', type(pool))}")
-    if pool.dtype != x.dtype or pool.device != x.device:
-        raise TypeError(f"pool is {pool.dtype} on {pool.device} but x is {x.dtype} on {x.device}; they must match")
-    if not isinstance(out_features, int) or out_features < 1:
-        raise ValueError(f"out_features must be a positive int; got {out_features!r}")
-    b = x.shape[0]
-    for name, t, dtype in (
-        ("a_offsets", a_offsets, torch.int64),
-        ("b_offsets", b_offsets, torch.int64),
-        ("ranks", ranks, torch.int32),
-        ("scales", scales, torch.float32),
-    ):
-        if not isinstance(t, torch.Tensor) or t.shape != (b,) or t.dtype != dtype or t.device != x.device:
-            raise ValueError(
-                f"{name} must be a [{b}] {dtype} tensor on {x.device} (one entry per row of x); got "
-                f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')} on {getattr(t, 'device', '')}"
-            )
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or out.shape != (b, out_features):
-            raise ValueError(f"out must be [{b}, {out_features}]; got {getattr(out, 'shape', type(out))}")
-        if out.dtype != x.dtype or out.device != x.device:
-            raise TypeError(f"out is {out.dtype} on {out.device} but x is {x.dtype} on {x.device}; they must match")
-
-
-def _add_into(delta: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    # One rounding to the output dtype, after the fp32 sum (what the kernel does).
-    if out is None:
-        return delta.to(dtype)
-    out.copy_(out.float() + delta)
-    return out
-
-
-@torch.no_grad()
-def lora_gather_reference(
-    x: torch.Tensor,
-    pool: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scales: torch.Tensor,
-    out_features: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-row LoRA delta ``[B, N]`` (the spec of ``lora_gather``).
-
-    x ``[B, K]``; pool 1-D (x's dtype and device); a_offsets / b_offsets ``[B]`` int64 element
-    offsets into pool; ranks ``[B]`` int32 (0 = no LoRA, at most MAX_RANK = 128); scales
-    ``[B]`` fp32 (alpha / r); out_features N. Returns ``scale_i * (x_i A_i^T) Bt_i`` computed in fp32 and cast to
-    x.dtype, or, with ``out [B, N]``, adds it into ``out`` in place (fp32 sum, one rounding)
-    and returns ``out``. Rows with the same (offsets, rank) are computed as one matmul; the
-    grouping reads the routing on the host (a device sync), so use it for CPU and tests.
-    """
-    _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
-    k, n = x.shape[1], out_features
-    delta = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
-    keys = torch.stack([a_offsets, b_offsets, ranks.to(torch.int64)], dim=1)
-    live = ranks > 0
-    if bool(live.any()):
-        if bool((ranks < 0).any()) or bool((ranks > MAX_RANK).any()):
-            raise ValueError(f"ranks must be in [0, {MAX_RANK}]; got {ranks.tolist()}")
-        groups, inverse = torch.unique(keys[live], dim=0, return_inverse=True)
-        live_rows = live.nonzero().squeeze(1)
-        for g, (a, b, r) in enumerate(groups.tolist()):
-            if a < 0 or b < 0 or a + r * k > pool.numel() or b + r * n > pool.numel():
-                raise ValueError(
-                    f"adapter at a_offset={a}, b_offset={b}, rank={r} reaches past the pool "
-                    f"({pool.numel()} elements, K={k}, N={n})"
-                )
-            rows = live_rows[inverse == g]
-            s = x[rows].float() @ pool[a : a + r * k].view(r, k).float().T
-            delta[rows] = (s * scales[rows, None]) @ pool[b : b + r * n].view(r, n).float()
-    return _add_into(delta, x.dtype, out)
-
-
 def lora_gather(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -372,9 +241,12 @@ def lora_gather(
     backend: str = "auto",
     groups: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, int] | None = None,
+    rank_bound: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``lora_gather_reference``; ``groups``: the rows grouped by adapter
-    (``GatheredLora.groups``; the Triton shrink reads each group's A once); ``backend``: "torch" (the reference),
+    """Same contract as ``lora_gather_reference``; ``rank_bound``: the rows' ranks are known to
+    be at most this (``GatheredLora.rank_bound``: picks the kernels' variant, never the result);
+    ``groups``: the rows grouped by adapter (``GatheredLora.groups``; the Triton shrink reads each
+    group's A once); ``backend``: "torch" (the reference),
     "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA, torch
     elsewhere). The Triton path is two launches over all rows whatever the mix of adapters
     (shrink x A^T per K block, expand into N), reads no value on the host, and so can be
@@ -388,69 +260,7 @@ def lora_gather(
     if backend == "torch":
         return lora_gather_reference(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out=out)
     return _lora_gather_triton(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, groups=groups,
-                               partials=partials)
-
-
-# ----------------------------------------------------------------------------------------------
-# A group of projections sharing an input
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GatheredLora:
-    """The decode rows' LoRA for G projections that share an input (q/k/v: G=3, gate/up: 2, or
-    one projection): row i of ``x [B, K]`` uses, for projection g, ``A`` at ``a_offsets[g, i]``
-    and ``B^T`` at ``b_offsets[g, i]`` in ``pool`` with rank ``ranks[g, i]`` (0 = none) and
-    scale ``scales[i]``, as in ``lora_gather``. The projections' outputs hold these B rows from
-    ``first_row`` on (rows outside ``[first_row, first_row + B)``, e.g. a step's prefill rows,
-    get no LoRA from here).
-
-    ``a_offsets`` / ``b_offsets [G, B]`` int64, ``ranks [G, B]`` int32 (unit stride along rows;
-    any stride between projections), ``scales [B]`` fp32, all on x's device.
-    """
-
-    x: torch.Tensor
-    pool: torch.Tensor
-    a_offsets: torch.Tensor
-    b_offsets: torch.Tensor
-    ranks: torch.Tensor
-    scales: torch.Tensor
-    first_row: int = 0
-    # the rows grouped by adapter (``decode_groups``): [3, n] int32 start / end into the third
-    # row, the rows sorted by adapter; None: the per-row shrink
-    groups: torch.Tensor | None = None
-
-    @property
-    def num_projections(self) -> int:
-        return self.a_offsets.shape[0]
-
-    def check(self, out_features: tuple[int, ...], rows: int) -> None:
-        """Shapes only (no value read): one output width per projection; ``rows``: rows of the
-        outputs, which must hold the gathered rows."""
-        g, b = self.a_offsets.shape if self.a_offsets.dim() == 2 else (None, None)
-        if g is None or len(out_features) != g:
-            raise ValueError(f"GatheredLora.a_offsets must be [{len(out_features)}, rows]; got "
-                             f"{tuple(self.a_offsets.shape)}")
-        for name in ("b_offsets", "ranks"):
-            t = getattr(self, name)
-            if t.shape != (g, b) or t.stride(1) != 1:
-                raise ValueError(f"GatheredLora.{name} must be [{g}, {b}] with unit row stride like "
-                                 f"a_offsets; got {tuple(t.shape)} strides {t.stride()}")
-        if self.a_offsets.stride(1) != 1:
-            raise ValueError(f"GatheredLora.a_offsets needs unit row stride; got {self.a_offsets.stride()}")
-        for i in range(g):
-            _check_inputs(self.x, self.pool, self.a_offsets[i], self.b_offsets[i], self.ranks[i], self.scales,
-                          out_features[i], None)
-        if not 0 <= self.first_row or self.first_row + b > rows:
-            raise ValueError(f"GatheredLora: {b} rows from first_row={self.first_row} must lie within the "
-                             f"outputs' {rows} rows")
-
-    def add_reference(self, outs: list[torch.Tensor]) -> None:
-        """Add each projection's LoRA into ``outs[g] [rows, N_g]`` (rows from ``first_row``), in
-        place, with ``lora_gather_reference``."""
-        for g, y in enumerate(outs):
-            lora_gather_reference(self.x, self.pool, self.a_offsets[g], self.b_offsets[g], self.ranks[g],
-                                  self.scales, y.shape[1], out=y[self.first_row:self.first_row + self.x.shape[0]])
+                               partials=partials, rank_bound=rank_bound)
 
 
 def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = None) -> torch.Tensor:
@@ -507,11 +317,13 @@ def ahead_rows(rows: int) -> bool:
             and (GROUPED_EXPAND_MIN_ROWS is None or rows < GROUPED_EXPAND_MIN_ROWS))
 
 
-def rank_split(device: torch.device, rows: int) -> int:
+def rank_split(device: torch.device | None, rows: int, rank_bound: int | None = None) -> int:
     """Programs sharing a row's rank blocks in the per-row shrink over ``rows`` rows:
     ``RANK_SPLIT`` up to ``RANK_SPLIT_MAX_ROWS`` rows, else 1 (and 1 where the few-rows blocks
-    hold a row's rank in one tile)."""
+    hold a row's rank in one tile, or the rows' ``rank_bound`` is within ``UNSPLIT_MAX_RANK``)."""
     if RANK_SPLIT_MAX_ROWS is None or not 0 < rows <= RANK_SPLIT_MAX_ROWS or few_rows(rows):
+        return 1
+    if rank_bound is not None and UNSPLIT_MAX_RANK is not None and rank_bound <= UNSPLIT_MAX_RANK:
         return 1
     return RANK_SPLIT
 
@@ -563,7 +375,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
-    trigger = pdl_options(x.device, rows)[2]
+    trigger = pdl_options(x.device, rows, lora.rank_bound)[2]
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
@@ -574,7 +386,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             **trigger,
         )
     elif rows:
-        split = rank_split(x.device, rows)
+        split = rank_split(x.device, rows, lora.rank_bound)
         _lora_shrink_kernel[(rows, k_blocks, g * split)](
             x, lora.pool, lora.a_offsets, lora.ranks, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
@@ -618,10 +430,10 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
 
 def _lora_gather_triton(
     x, pool, a_offsets, b_offsets, ranks, scales, out_features, out, *,
-    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None,
+    block_k=None, block_n=None, block_r=None, num_warps=None, groups=None, partials=None, rank_bound=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps."""
-    _check_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
+    check_gather_inputs(x, pool, a_offsets, b_offsets, ranks, scales, out_features, out)
     _require_triton(x)
     if out is not None and out.stride(1) != 1:
         raise ValueError(f"out must have unit stride along features (it is written in place); got strides {out.stride()}")
@@ -630,7 +442,8 @@ def _lora_gather_triton(
     result = out if out is not None else torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return result
-    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups)
+    lora = GatheredLora(x, pool, a_offsets[None], b_offsets[None], ranks[None], scales, groups=groups,
+                        rank_bound=rank_bound)
     if partials is None:
         part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     else:
@@ -645,7 +458,7 @@ def _lora_gather_triton(
             result.zero_()
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
-    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows)
+    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, rank_bound)
     _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

@@ -1,5 +1,5 @@
 """Decode steps as CUDA graphs: the decode rows' persistent input buffers, padded to batch-size
-buckets, and one captured graph per (bucket, with or without LoRA)."""
+buckets, and one captured graph per (bucket, with or without LoRA, rank variant)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class DecodeInputs:
         self._no_offsets = torch.zeros(num_layers, n_mod, 2, dtype=torch.int64)  # table row 0: no adapter
         self._no_ranks = torch.zeros(n_mod, dtype=torch.int32)
         self.modules: frozenset[str] = frozenset()  # modules some current row adapts
+        self.max_rank = 0  # the largest rank of any module of any current row (0: no LoRA)
         self._rows: list[RequestState] = []  # the requests the tables hold, in row order
         self._pages_written: list[int] = []
         self._pages_moved = -1
@@ -222,52 +223,70 @@ class DecodeInputs:
         self.lora_ranks[:, b:] = 0
         self.lora_scales[b:] = 0.0
         self.modules = frozenset(m for r in residents for m in r.adapter.target_modules)
+        self.max_rank = int(ranks.max())
+
+
+def graph_key(rows: int, lora: bool, dora: bool, max_rank: int) -> tuple[int, bool, bool, int | None]:
+    """The decode graph a step over ``rows`` (a bucket) rows replays: ``(bucket, lora, dora,
+    rank bound)``, the bound ``lora_gather.decode_rank_bound`` of the rows' largest rank
+    ``max_rank`` (None without LoRA): the kernels' rank variant, one of at most two per bucket."""
+    return rows, lora, dora, lora_gather.decode_rank_bound(rows, max_rank) if lora else None
+
+
+def captured_keys(buckets: Sequence[int]) -> list[tuple[int, bool, bool, int | None]]:
+    """The keys ``DecodeGraphs.capture`` captures, in order (largest bucket first, LoRA first):
+    every bucket without LoRA, and with LoRA once per rank variant of that bucket
+    (``lora_gather.decode_rank_bounds``). Nothing here depends on the adapters loaded."""
+    return [(rows, lora, False, bound) for lora in (True, False) for rows in sorted(buckets, reverse=True)
+            for bound in (lora_gather.decode_rank_bounds(rows) if lora else (None,))]
 
 
 class DecodeGraphs:
-    """One CUDA graph per (bucket, lora) of ``run(rows, lora, dora)``, a decode forward over the
-    first ``rows`` rows of the static inputs that writes its logits into a static buffer.
-    Captured largest bucket first into one shared memory pool (a smaller graph reuses the
-    larger ones' intermediates; graphs never run concurrently). A bucket's graph with DoRA
-    rows (their gains read from the fixed-shape slot table, ``dora_rows.DoraSlots``) is
+    """One CUDA graph per key (``graph_key``) of ``run(rows, lora, dora, rank_bound)``, a decode
+    forward over the first ``rows`` rows of the static inputs that writes its logits into a
+    static buffer. Captured largest bucket first into one shared memory pool (a smaller graph
+    reuses the larger ones' intermediates; graphs never run concurrently). A bucket's graph with
+    DoRA rows (their gains read from the fixed-shape slot table, ``dora_rows.DoraSlots``) is
     captured on its first such step, into the same pool."""
 
-    def __init__(self, buckets: Sequence[int], run: Callable[[int, bool, bool], None]) -> None:
+    def __init__(self, buckets: Sequence[int], run: Callable[[int, bool, bool, int | None], None]) -> None:
         self.buckets = tuple(buckets)
         self._run = run
-        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.pool = None  # the graphs' memory pool (mixed-step pieces share it)
 
     def capture(self) -> float:
-        """Capture every (bucket, lora) pair without DoRA; returns the seconds it took."""
+        """Capture every ``captured_keys`` key (none with DoRA); returns the seconds it took."""
         t0 = time.perf_counter()
         with capture_batch(torch.device("cuda", torch.cuda.current_device())):
-            for lora in (True, False):
-                for rows in sorted(self.buckets, reverse=True):
-                    self._capture(rows, lora, False)
+            for key in captured_keys(self.buckets):
+                self._capture(*key)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def _capture(self, rows: int, lora: bool, dora: bool) -> None:
-        self._run(rows, lora, dora)  # warm-up: Triton compiles, cuBLAS picks its kernels
+    def _capture(self, rows: int, lora: bool, dora: bool, rank_bound: int | None) -> None:
+        self._run(rows, lora, dora, rank_bound)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread-local: another engine's thread in this process may use the GPU meanwhile
         with graph_capture(graph, pool=self.pool):
-            self._run(rows, lora, dora)
+            self._run(rows, lora, dora, rank_bound)
         self.pool = graph.pool() if self.pool is None else self.pool
-        self._graphs[(rows, lora, dora)] = graph
+        self._graphs[(rows, lora, dora, rank_bound)] = graph
 
     @property
-    def keys(self) -> list[tuple[int, bool, bool]]:
-        """The captured ``(bucket, lora, dora)`` keys: the ranks of the rows and their DoRA gains
-        are values in the tables the graphs read, so no key depends on them."""
-        return list(self._graphs)
+    def keys(self) -> list[tuple[int, bool, bool, int | None]]:
+        """The captured ``(bucket, lora, dora, rank bound)`` keys, sorted (bound None first): the
+        ranks of the rows and their DoRA gains are values in the tables the graphs read; the bound
+        takes at most two values per bucket (``graph_key``), so no key depends on which ranks
+        are loaded."""
+        return sorted(self._graphs, key=lambda key: (*key[:3], -1 if key[3] is None else key[3]))
 
-    def replay(self, rows: int, lora: bool, dora: bool = False) -> None:
-        """Replay a bucket's graph (a DoRA one captured now if it is the first: its warm-up
-        runs the step, whose KV writes the replay repeats with the same values)."""
-        key = (rows, lora, dora)
+    def replay(self, rows: int, lora: bool, dora: bool = False, max_rank: int = 0) -> None:
+        """Replay the graph of a step over ``rows`` rows whose largest rank is ``max_rank``
+        (a DoRA one captured now if it is the first: its warm-up runs the step, whose KV writes
+        the replay repeats with the same values)."""
+        key = graph_key(rows, lora, dora, max_rank)
         if key not in self._graphs:
             self._capture(*key)
         self._graphs[key].replay()

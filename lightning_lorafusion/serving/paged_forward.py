@@ -302,7 +302,7 @@ def gathered(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | No
     ds, b = batch.first_decode_row, batch.decode_scales.shape[0]
     return GatheredLora(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
                         batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
-                        first_row=ds, groups=batch.decode_groups)
+                        first_row=ds, groups=batch.decode_groups, rank_bound=batch.decode_rank_bound)
 
 
 def down_ahead(m: PagedDecoder, layer: int, batch: StepBatch) -> ShrinkAhead | None:
@@ -322,4 +322,5 @@ def gather_into(m: PagedDecoder, x: torch.Tensor, y: torch.Tensor, layer: int, n
     i, ds, b = _MODULE_INDEX[name], batch.first_decode_row, batch.decode_scales.shape[0]
     lora_gather(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, i, 0],
                 batch.decode_offsets[layer, i, 1], batch.decode_ranks[i], batch.decode_scales, y.shape[1],
-                out=y[ds:ds + b], backend=m.kernel_backend, groups=batch.decode_groups, partials=partials)
+                out=y[ds:ds + b], backend=m.kernel_backend, groups=batch.decode_groups, partials=partials,
+                rank_bound=batch.decode_rank_bound)

@@ -34,7 +34,7 @@ from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from ..capture import capture_batch
 from .compile_ahead import compile_ahead
-from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, graph_buckets
+from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, captured_keys, graph_buckets, graph_key
 from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
 from .mixed_graphs import MixedPieces
 from .paged_forward import PagedDecoder, lm_logits, paged_forward
@@ -136,7 +136,7 @@ class ModelRunner:
         self._host_tables = mode
 
     def capture_decode_graphs(self) -> float:
-        """Capture the decode forward for every bucket, with and without LoRA (CUDA, Triton
+        """Capture the decode forward of every ``decode_graphs.captured_keys`` key (CUDA, Triton
         decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
         if self.device.type != "cuda" or self.kernel_backend != "triton":
             raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
@@ -153,11 +153,10 @@ class ModelRunner:
         return self.decode_graphs_s
 
     def decode_compile_units(self) -> list[tuple[str, Callable[[], None]]]:
-        """(name, call) per decode graph key: the padded decode forward of that bucket, with or
-        without LoRA, over the persistent decode tables (whatever they hold: rank values do not
-        change what is launched)."""
-        return [(f"decode rows={rows} lora={lora}", partial(self._graph_body, rows, lora))
-                for lora in (True, False) for rows in self.buckets]
+        """(name, call) per decode graph key (``captured_keys``): the padded decode forward over the
+        persistent decode tables (whatever ranks they hold: only the key picks the kernels)."""
+        return [(f"decode rows={rows} lora={lora} rank bound={r}", partial(self._graph_body, rows, lora, False, r))
+                for rows, lora, _, r in captured_keys(self.buckets)]
 
     def mixed_compile_units(self) -> list[tuple[str, Callable[[], None]]]:
         """(name, call) per token bucket of the mixed-step pieces (none with pieces off): every
@@ -172,8 +171,8 @@ class ModelRunner:
             pieces = self._pieces_by_mode[write][0].get(rows)
             (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
 
-    def _graph_body(self, rows: int, lora: bool, dora: bool = False) -> None:
-        batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset())
+    def _graph_body(self, rows: int, lora: bool, dora: bool = False, rank_bound: int | None = None) -> None:
+        batch = self._decode_batch(rows, _ALL_MODULES if lora else frozenset(), rank_bound)
         if dora:  # (the slot table exists: the step that asked for this graph filled it)
             batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
         hidden = self.forward(batch)
@@ -226,20 +225,20 @@ class ModelRunner:
         dora = self._decode_dora(decode, rows)
         adapters = "dora" if dora is not None else "lora" if inputs.has_lora else "base"
         if self.graphs is not None and not isinstance(dora, DoraRows):  # (ranges: more DoRA adapters than slots)
-            self.graphs.replay(rows, inputs.has_lora, dora is not None)
+            self.graphs.replay(rows, inputs.has_lora, dora is not None, inputs.max_rank)
             self.step_kind = StepKind("decode", rows, adapters, "graph")
             return self._graph_logits[:b]
         # eager: padded steps run every module's gather, as the graphs do
         modules = _ALL_MODULES if self.pad_decode and inputs.has_lora else inputs.modules
-        batch = self._decode_batch(rows, modules)
+        batch = self._decode_batch(rows, modules, graph_key(rows, bool(modules), False, inputs.max_rank)[3])
         batch.dora = dora
         logits = self.logits(self.forward(batch))[:b]
         self.step_kind = StepKind("decode", bucket_for(b, self.buckets), adapters, "eager")
         return logits
 
-    def _decode_batch(self, rows: int, modules: frozenset[str]) -> StepBatch:
-        """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows (the derived
-        tensors are computed by device ops, so they are part of a captured graph)."""
+    def _decode_batch(self, rows: int, modules: frozenset[str], rank_bound: int | None = None) -> StepBatch:
+        """A ``StepBatch`` of views into the decode buffers' first ``rows`` rows, its LoRA in rank
+        variant ``rank_bound`` (derived tensors by device ops: part of a captured graph)."""
         inputs = self.decode_inputs
         positions = inputs.step[1, :rows]
         lora = bool(modules)
@@ -252,7 +251,8 @@ class ModelRunner:
             decode_ranks=inputs.lora_ranks[:, :rows] if lora else None,
             decode_scales=inputs.lora_scales[:rows] if lora else None,
             decode_modules=modules, spans=[], output_rows=None, rope_long=self._rope_long_decode(positions),
-            decode_groups=inputs.lora_groups[:, :rows] if lora else None)
+            decode_groups=inputs.lora_groups[:, :rows] if lora else None,
+            decode_rank_bound=rank_bound if lora else None)
 
     def _rope_long_decode(self, positions: torch.Tensor) -> torch.Tensor | None:
         """longrope: a decode row's request holds position + 1 tokens (device op: graph-safe)."""
@@ -559,10 +559,10 @@ class ModelRunner:
 
     def capture_keys(self) -> dict[str, list]:
         """What this runner has captured (or, with eager pieces, built), by kind: the decode
-        graphs' ``(batch bucket, with LoRA, with DoRA rows)`` keys and the mixed-step pieces'
-        token buckets (those for steps with DoRA rows are counted in ``capture_counts``' graphs).
-        Neither depends on the adapters' ranks."""
-        return {"decode_graphs": sorted(self.graphs.keys) if self.graphs is not None else [],
+        graphs' ``(batch bucket, with LoRA, with DoRA rows, rank bound)`` keys and the mixed-step
+        pieces' token buckets (those for steps with DoRA rows are counted in ``capture_counts``'
+        graphs). Neither depends on the adapters' ranks."""
+        return {"decode_graphs": self.graphs.keys if self.graphs is not None else [],
                 "mixed_pieces": sorted(self._mixed)}
 
     def capture_counts(self) -> dict[str, int]:

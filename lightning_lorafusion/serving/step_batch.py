@@ -133,6 +133,9 @@ class StepBatch:
     # [3, B] int32: the decode rows grouped by adapter (kernels/lora_gather.py ``adapter_groups``):
     # the gather kernels' shrink reads each group's A once; None: per row
     decode_groups: torch.Tensor | None = None
+    # the decode rows' ranks are at most this (``lora_gather.decode_rank_bound`` of the step's
+    # largest rank: which variant the gather kernels launch); None: any
+    decode_rank_bound: int | None = None
     # page-in copies still pending for the prefill rows' adapters, waited for layer by layer
     # (page_in_layers.LayerWaits: the forward calls ``before(layer)``); None: nothing pending
     layer_waits: Any = None

@@ -82,7 +82,7 @@ def test_profile_decode_lora_few_rows_modes_tiny_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     script = load_script("profile_decode_lora")
     report = script.main(["--device", "cpu", "--dtype", "float32", "--tiny", "--cases", "1x1,4x4c",
-                          "--rank-sets", "64,4,32,8", "--modes", "per_row,old,engine,ahead,few_r32", "--layers", "1",
+                          "--rank-sets", "64,4,32,8", "--modes", "per_row,old,engine,ahead,few_r32,bound32", "--layers", "1",
                           "--out", str(tmp_path)])
     for row in report["rows"]:
         diffs = {m["mode"]: m["max_rel_diff"] for m in row["modes"]}

@@ -1,7 +1,8 @@
 """The decode LoRA at few rows in the engine: the few-rows blocks (``lora_gather.FEW_ROWS``) and
 SwiGLU computing down's shrink (``AHEAD_MAX_ROWS``), with the epilogues' paired rank loops, the
-shrink's rank blocks over several programs (``RANK_SPLIT_MAX_ROWS``) and the first rank chunk
-of B^T loaded ahead of the partials (``PDL``) give the tokens and logprobs of the blocks
+shrink's rank blocks over several programs (``RANK_SPLIT_MAX_ROWS``), the unsplit rank variant
+of steps whose ranks are all small (``UNSPLIT_MAX_RANK``) and the first rank chunk of B^T
+loaded ahead of the partials (``PDL``) give the tokens and logprobs of the blocks
 used before and of the torch references (Triton interpreter on the CPU, fp32, tiny model with
 a base row and adapters of ranks 2-8 on attention only, MLP only and all projections)."""
 
@@ -28,19 +29,30 @@ def test_few_rows_paths_give_the_tokens_of_before(make_engine, monkeypatch, case
 
     want = _run(make_engine, "torch", cases)
     runs = {}
-    for name, few, ahead, pair, split, pdl in (("before", None, None, False, None, False),
-                                               ("few", 16, None, True, None, False),
-                                               ("few_ahead", 16, 16, True, None, False),
-                                               ("rank_split", None, None, True, 16, False),
-                                               ("pdl", 16, 16, True, 16, True)):
-        if pdl and len(cases) > 1:  # (the kernel tests check it bit for bit; one engine run of it here)
+    split_of = lora_gather.rank_split
+    bounds = []  # the rank bounds the shrinks were launched with
+    monkeypatch.setattr(lora_gather, "rank_split", lambda d, r, b=None: bounds.append(b) or split_of(d, r, b))
+    for name, few, ahead, pair, split, pdl, unsplit in (("before", None, None, False, None, False, None),
+                                                        ("few", 16, None, True, None, False, None),
+                                                        ("few_ahead", 16, 16, True, None, False, None),
+                                                        ("rank_split", None, None, True, 16, False, None),
+                                                        ("unsplit_pdl", None, None, True, 16, True, 16),
+                                                        ("pdl", 16, 16, True, 16, True, 16)):
+        # (the kernel tests check these bit for bit; each runs through the engine once here: the
+        # rows split ranks and PDL at one row, the unsplit variant with PDL at five)
+        if name in (("rank_split", "pdl") if len(cases) > 1 else ("unsplit_pdl",)):
             continue
         monkeypatch.setattr(lora_gather, "FEW_ROWS", few)
         monkeypatch.setattr(lora_gather, "AHEAD_MAX_ROWS", ahead)
         monkeypatch.setattr(lora_gather, "PAIR_EPILOGUES", pair)
         monkeypatch.setattr(lora_gather, "RANK_SPLIT_MAX_ROWS", split)
         monkeypatch.setattr(lora_gather, "PDL", pdl)
+        monkeypatch.setattr(lora_gather, "UNSPLIT_MAX_RANK", unsplit)
+        bounds.clear()
         runs[name] = _run(make_engine, "triton", cases)
+        # ranks 2-8 over 2-5 rows: the shrinks of steps the rank split covers take the unsplit
+        # variant where it is on (the step's largest rank within it), never where it is off
+        assert (16 in bounds) == (name == "unsplit_pdl"), name
     for name, got in runs.items():
         assert [t for t, _ in got] == [t for t, _ in want], name
         assert [lp for _, lps in got for lp in lps] == pytest.approx([lp for _, lps in want for lp in lps],
