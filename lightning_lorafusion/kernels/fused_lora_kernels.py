@@ -238,11 +238,16 @@ def _lora_add_kernel(
 
 @triton.jit
 def _lora_ds_kernel(
-    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs,
+    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs, n_per_split, split_stride,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS)."""
+    """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS).
+
+    ``PARTIAL``: program ``(.., .., sp)`` sums only columns ``[sp * n_per_split, +n_per_split)``
+    of ``dY_i`` and stores its fp32 partial at ``ds + sp * split_stride`` (zeros where its share
+    is empty), for ``_split_sum_kernel``: a microbatch of few row tiles then still fills the GPU
+    instead of a few programs walking all of ``N``."""
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
     rb = tl.program_id(1)
@@ -256,11 +261,18 @@ def _lora_ds_kernel(
     row_ok = offs_m < row_end
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    n_stop = tl.where((rb * BLOCK_R < rank) & (row_start + sub * BLOCK_M < row_end), N, 0)
+    if PARTIAL:
+        n_start = tl.program_id(2) * n_per_split
+        n_end = tl.minimum(n_start + n_per_split, N)
+        ds_ptr += tl.program_id(2).to(tl.int64) * split_stride
+    else:
+        n_start = 0
+        n_end = N
+    n_stop = tl.where((rb * BLOCK_R < rank) & (row_start + sub * BLOCK_M < row_end), n_end, n_start)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(0, n_stop, BLOCK_N):
+    for n0 in range(n_start, n_stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
+        n_ok = offs_n < n_end
         dyt = tl.load(dy_ptr + offs_m[:, None] * N + offs_n[None, :],
                       mask=row_ok[:, None] & n_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[:, None] * b_stride + b_col + offs_r[None, :],
@@ -269,6 +281,17 @@ def _lora_ds_kernel(
     ds_ptrs = ds_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :]
     tl.store(ds_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty),
              mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over sp of part[sp, i] (fp32, in split order), cast to ``out``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + sp * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
