@@ -10,8 +10,8 @@ double-quantized absmax), the byte kernel (codebook gathered per byte) against t
 ``--blocks`` x ``--warps``; ``GB/s`` counts the 4-bit bytes, absmax bytes and 16-bit output read
 and written once. Every tiling's output is checked equal, bit for bit, to the byte kernel's.
 
-``ds``: the LoRA ``dS`` kernel (``dS_i = scale * dY_i B_i``) of each projection group of one
-layer, for ``--adapters`` adapters of rank ``--rank`` on every projection, the rows split evenly
+``ds``: the LoRA ``dS`` kernel (``dS_i = scale * dY_i B_i``) and ``S`` kernel (``S =
+dropout(X) A^T``, split over ``K`` alike) of each projection group of one layer, for ``--adapters`` adapters of rank ``--rank`` on every projection, the rows split evenly
 between them (segments padded to the routing tiles), at each row count of ``--rows``: unsplit
 (split 1, one program per row block walking all of ``N``) against the split the launch plan picks
 (``LoraBlockSizes.ds_waves``; fp32 partial sums, then one summing kernel) and the splits of
@@ -30,7 +30,7 @@ from harness import Report, add_output_args, comma_list, kernel_ms, logger
 import torch  # noqa: E402
 
 from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
-from lightning_lorafusion.kernels.fused_lora_launch import _launch_ds, _launch_split_sum, _Plan  # noqa: E402
+from lightning_lorafusion.kernels.fused_lora_launch import _launch_ds, _launch_s, _launch_split_sum, _Plan  # noqa: E402
 from lightning_lorafusion.kernels.nf4 import quantize_nf4_reference  # noqa: E402
 from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton  # noqa: E402
 from lightning_lorafusion.kernels.reference import LoraRouting  # noqa: E402
@@ -128,7 +128,7 @@ def bench_ds(args, report: Report) -> None:
                     for p, (dy, bc) in enumerate(zip(dys, b_cats)):
                         _launch_ds(dy, bc, ds if part is None else part, p, plan)
                     if part is not None:
-                        _launch_split_sum(part, ds, plan)
+                        _launch_split_sum(part, ds, plan, split)
 
                 run()
                 got = ds.float()
@@ -144,9 +144,29 @@ def bench_ds(args, report: Report) -> None:
                     totals["unsplit"] = totals.get("unsplit", 0.0) + ms
                 if split == auto:
                     totals["auto"] = totals.get("auto", 0.0) + ms
-        report.add(part="ds_layer", rows=m, unsplit_ms=totals.get("unsplit"), auto_ms=totals.get("auto"))
-        log(f"ds rows {m}, one layer's groups: unsplit {totals.get('unsplit', 0) * 1e3:.1f} us, "
-            f"auto {totals.get('auto', 0) * 1e3:.1f} us")
+            # S = dropout(X) A^T of the group (one launch, all its projections' ranks), split over K
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            a_all = torch.randn(table.a_rows, k, device=dev, dtype=torch.bfloat16) * 0.02
+            s_auto = _Plan(table, sizes, m=m, k=k, ns=ns, b_cols=table.b_cols, dtype=torch.bfloat16, device=dev).s_split
+            s_ref = None
+            for split in dict.fromkeys([1, s_auto, *args.splits]):
+                plan = _Plan(table, sizes, m=m, k=k, ns=ns, b_cols=table.b_cols, dtype=torch.bfloat16, device=dev)
+                plan.s_split = split
+                got = _launch_s(x, a_all, plan, 0).float()
+                s_ref = got if s_ref is None else s_ref
+                err = float((got - s_ref).abs().max() / s_ref.abs().max().clamp_min(1e-30))
+                ms = kernel_ms(lambda: _launch_s(x, a_all, plan, 0), graph=True)
+                kind = "unsplit" if split == 1 else ("auto" if split == s_auto else "split")
+                report.add(part="s", rows=m, group=gname, k=k, split=split, kind=kind, ms=ms, max_rel_vs_unsplit=err)
+                log(f"s  rows {m} {gname} K={k}: split {split:2d} ({kind}) {ms * 1e3:.1f} us, max rel {err:.1e}")
+                if split == 1:
+                    totals["s_unsplit"] = totals.get("s_unsplit", 0.0) + ms
+                if split == s_auto:
+                    totals["s_auto"] = totals.get("s_auto", 0.0) + ms
+        report.add(part="layer", rows=m, **{f"{key}_ms": v for key, v in totals.items()})
+        log(f"rows {m}, one layer's groups: dS unsplit {totals.get('unsplit', 0) * 1e3:.1f} us, "
+            f"auto {totals.get('auto', 0) * 1e3:.1f} us; S unsplit {totals.get('s_unsplit', 0) * 1e3:.1f} us, "
+            f"auto {totals.get('s_auto', 0) * 1e3:.1f} us")
 
 
 class _Rows(Report):

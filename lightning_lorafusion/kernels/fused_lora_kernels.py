@@ -48,15 +48,17 @@ def _row_window(row_start, row_end, sub, TILE_M: tl.constexpr, BLOCK_M: tl.const
 
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_s_kernel(
-    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs,
+    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs, k_per_split, split_stride,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows.
 
     Each row block is covered by ``subs`` programs of BLOCK_M rows (more programs in flight);
     a program handles its even and odd rows as two halves sharing one hash evaluation.
+    ``PARTIAL``: program ``(.., .., sp)`` sums only columns ``[sp * k_per_split, +k_per_split)``
+    of ``X`` into an fp32 partial at ``s + sp * split_stride`` (``_split_sum_kernel`` adds them).
     """
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
@@ -70,13 +72,20 @@ def _lora_s_kernel(
     pairs, rows_e, rows_o, ok_e, ok_o, live = _row_window(row_start, row_end, sub, TILE_M, BLOCK_M)
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < width
-    k_stop = tl.where((rb * BLOCK_R < width) & live, K, 0)
+    if PARTIAL:
+        k_start = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        s_ptr += tl.program_id(2).to(tl.int64) * split_stride
+    else:
+        k_start = 0
+        k_end = K
+    k_stop = tl.where((rb * BLOCK_R < width) & live, k_end, k_start)
     pair_h = row_hash(hash_base(seed_h, offset_h), pairs)
     acc_e = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
     acc_o = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, k_stop, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_end
         xe = tl.load(x_ptr + rows_e[:, None] * K + offs_k[None, :],
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],

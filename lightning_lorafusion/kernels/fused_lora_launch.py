@@ -22,7 +22,7 @@ from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
 
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
-DS_MIN_STEPS = 4  # loop steps along N a split dS program runs at least
+SPLIT_MIN_STEPS = 4  # loop steps along K (S) or N (dS) a split program runs at least
 SPLIT_SUM_BLOCK = 1024
 
 
@@ -58,13 +58,14 @@ def _split_count(programs: int, max_tiles: int, sms: int | None, waves: int) -> 
     return max(1, min(max_tiles, _cdiv(waves * sms, max(programs, 1))))
 
 
-def _ds_split_count(programs: int, steps: int, sms: int | None, waves: int) -> int:
-    """Shares of ``N`` the dS kernel splits its reduction into so that its grid (``programs``
-    per share) fills the GPU ``waves`` times over, each share ``DS_MIN_STEPS`` loop steps at
-    least; ``sms=None`` (interpreter): 2 where there are 2 steps, to exercise the split path."""
+def _reduction_split_count(programs: int, steps: int, sms: int | None, waves: int) -> int:
+    """Shares of its long reduction (``K`` for S, ``N`` for dS) a skinny rank kernel splits into
+    so that its grid (``programs`` per share) fills the GPU ``waves`` times over, each share
+    ``SPLIT_MIN_STEPS`` loop steps at least; ``sms=None`` (interpreter): 2 where there are 2
+    steps, to exercise the split path."""
     if sms is None:
         return min(2, steps)
-    return max(1, min(_cdiv(steps, DS_MIN_STEPS), _cdiv(waves * sms, max(programs, 1))))
+    return max(1, min(_cdiv(steps, SPLIT_MIN_STEPS), _cdiv(waves * sms, max(programs, 1))))
 
 
 class _Plan:
@@ -78,8 +79,8 @@ class _Plan:
     (dA ``[a_rows, K]`` at ``part_offsets[0]``, dB_i ``[N_i, b_cols_i]`` at ``part_offsets[1 + i]``).
     """
 
-    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "ds_split", "part_offsets", "part_numel",
-                 "launches", "options")
+    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "s_split", "ds_split", "part_offsets",
+                 "part_numel", "launches", "options")
 
     def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
                  b_cols: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -93,10 +94,13 @@ class _Plan:
         rblocks = _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 64))
         programs = _cdiv(k, sizes.skinny_block_k) * len(table.active) * rblocks
         self.split = _split_count(programs, table.max_adapter_tiles, sms, sizes.split_waves)
-        # dS: one split for every projection of the group (they share dS and its partial buffer)
-        ds_rows, ds_subs = _skinny_rows(table, sizes.skinny_block_m)
-        self.ds_split = _ds_split_count(table.num_tiles * ds_subs, _cdiv(max(self.ns), sizes.skinny_block_k), sms,
-                                        sizes.ds_waves)
+        # S and dS split their long sums when the row tiles alone leave the GPU idle; dS: one
+        # split for every projection of the group (they share dS and its partial buffer)
+        _, subs = _skinny_rows(table, sizes.skinny_block_m)
+        s_programs = table.num_tiles * subs * _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 128))
+        self.s_split = _reduction_split_count(s_programs, _cdiv(k, sizes.skinny_block_k), sms, sizes.ds_waves)
+        self.ds_split = _reduction_split_count(table.num_tiles * subs, _cdiv(max(self.ns), sizes.skinny_block_k), sms,
+                                               sizes.ds_waves)
         offsets, numel = [0], _round16b(table.a_rows * k)
         for n, bc in zip(self.ns, b_cols):
             offsets.append(numel)
@@ -121,20 +125,26 @@ def _build_s(plan: _Plan):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 128)
     sub_m, subs = _skinny_rows(plan.table, sz.skinny_block_m)
+    split = plan.s_split
+    k_per_split = _cdiv(_cdiv(plan.k, sz.skinny_block_k), split) * sz.skinny_block_k
     launch = CachedLaunch(
-        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r)),
+        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r), split),
         num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m, BLOCK_M=sub_m,
-        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, DOT_PRECISION=plan.precision,
+        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, PARTIAL=split > 1, DOT_PRECISION=plan.precision,
     )
-    return launch, (plan.k, subs)
+    return launch, (plan.k, subs, k_per_split, max(t.s_numel, 1))
 
 
 def _launch_s(x, a_all, plan: _Plan, off_h: int) -> torch.Tensor:
     t = plan.table
     s = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    part = (torch.empty(plan.s_split, max(t.s_numel, 1), dtype=torch.float32, device=x.device)
+            if plan.s_split > 1 else None)
     launch, fixed = plan.get("s", _build_s)
-    launch(x, a_all, s, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+    launch(x, a_all, s if part is None else part, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+    if part is not None:
+        _launch_split_sum(part, s, plan, plan.s_split)
     return s
 
 
@@ -231,16 +241,17 @@ def _launch_ds(dy, b_cat, ds, proj: int, plan: _Plan) -> None:
     launch(dy, b_cat, ds, t.tiles, t.adapter_int, t.adapter_float, *fixed)
 
 
-def _build_split_sum(plan: _Plan):
+def _build_split_sum(plan: _Plan, split: int):
     numel = max(plan.table.s_numel, 1)
     launch = CachedLaunch(_split_sum_kernel, (_cdiv(numel, SPLIT_SUM_BLOCK),), num_warps=4, num_stages=1,
-                          SPLIT=plan.ds_split, BLOCK=SPLIT_SUM_BLOCK)
+                          SPLIT=split, BLOCK=SPLIT_SUM_BLOCK)
     return launch, (numel,)
 
 
-def _launch_split_sum(part: torch.Tensor, ds: torch.Tensor, plan: _Plan) -> None:
-    launch, fixed = plan.get("split_sum", _build_split_sum)
-    launch(part, ds, *fixed)
+def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split: int) -> None:
+    """``out`` (S or dS, ``[s_numel]``) = the sum of the ``split`` fp32 partials ``part``."""
+    launch, fixed = plan.get(("split_sum", split), _build_split_sum, split)
+    launch(part, out, *fixed)
 
 
 def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
@@ -379,7 +390,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         if need_db[i]:
             _launch_db(dy, s, b_cats[i], part, i, plan)
     if ds_part is not None:
-        _launch_split_sum(ds_part, ds, plan)
+        _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
         _launch_da(x, ds, part, plan, off_h)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None

@@ -149,31 +149,33 @@ def test_large_blocks_and_lora_free_projection(device):
     check_against_reference(x, ws, bs, loras, routing, 7, torch.float32, sizes)
 
 
-def test_ds_split_three_ways_with_empty_shares(device):
-    """dS summed over N in 3 shares of fp32 partials (as a GPU plan splits a microbatch of few
-    row tiles), the narrow projection's last shares empty: gradients still equal the reference."""
+def test_s_and_ds_split_three_ways_with_empty_shares(device):
+    """S summed over K and dS over N in 3 shares of fp32 partials (as a GPU plan splits a
+    microbatch of few row tiles), the narrow projection's last dS shares empty: outputs and
+    gradients still equal the reference."""
     from lightning_lorafusion.kernels.fused_lora_launch import _Plan
 
-    x, ws, bs, loras = make_problem(70, 48, (100, 20), ((4, 8), (4, 8)), torch.float32, device)
+    x, ws, bs, loras = make_problem(70, 80, (100, 20), ((4, 8), (4, 8)), torch.float32, device)
     routing = LoraRouting(num_rows=70, segments=((0, 40, 0), (40, 70, 1)), scales=(2.0, 0.5),
                           dropout_p=(0.1, 0.0), seeds=(1, 2))
     with torch.no_grad():
         fused_lora_projections(x, ws, bs, loras, routing, dropout_offset=3, block_sizes=SMALL)
     plans = [p for p in routing.launch_cache.values() if isinstance(p, _Plan)]
     assert len(plans) == 1
-    plans[0].ds_split = 3
+    plans[0].s_split = plans[0].ds_split = 3
+    plans[0].launches.clear()
     check_against_reference(x, ws, bs, loras, routing, 3, torch.float32)
 
 
 def test_ds_split_fills_the_gpu_with_enough_steps_per_share():
-    from lightning_lorafusion.kernels.fused_lora_launch import _ds_split_count
+    from lightning_lorafusion.kernels.fused_lora_launch import _reduction_split_count
 
     # 2,816 rows in 22 tiles of 4 programs, N = 14336 in 112 steps, 132 SMs, 4 programs per SM
-    assert _ds_split_count(88, 112, 132, 4) == 6
-    assert _ds_split_count(216, 112, 132, 4) == 3  # 6,912 rows
-    assert _ds_split_count(88, 8, 132, 4) == 2  # N = 1024: shares of 4 steps at least
-    assert _ds_split_count(600, 112, 132, 4) == 1  # the grid fills the GPU already
-    assert _ds_split_count(88, 112, None, 4) == 2 and _ds_split_count(88, 1, None, 4) == 1  # interpreter
+    assert _reduction_split_count(88, 112, 132, 4) == 6
+    assert _reduction_split_count(216, 112, 132, 4) == 3  # 6,912 rows
+    assert _reduction_split_count(88, 8, 132, 4) == 2  # N = 1024: shares of 4 steps at least
+    assert _reduction_split_count(600, 112, 132, 4) == 1  # the grid fills the GPU already
+    assert _reduction_split_count(88, 112, None, 4) == 2 and _reduction_split_count(88, 1, None, 4) == 1  # interpreter
 
 
 def test_same_seed_same_mask_forward_and_backward(device):
