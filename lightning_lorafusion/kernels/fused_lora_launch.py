@@ -241,16 +241,18 @@ def _launch_ds(dy, b_cat, ds, proj: int, plan: _Plan) -> None:
     launch(dy, b_cat, ds, t.tiles, t.adapter_int, t.adapter_float, *fixed)
 
 
-def _build_split_sum(plan: _Plan, split: int):
-    numel = max(plan.table.s_numel, 1)
+def _build_split_sum(plan: _Plan, split: int, numel: int):
     launch = CachedLaunch(_split_sum_kernel, (_cdiv(numel, SPLIT_SUM_BLOCK),), num_warps=4, num_stages=1,
                           SPLIT=split, BLOCK=SPLIT_SUM_BLOCK)
     return launch, (numel,)
 
 
-def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split: int) -> None:
-    """``out`` (S or dS, ``[s_numel]``) = the sum of the ``split`` fp32 partials ``part``."""
-    launch, fixed = plan.get(("split_sum", split), _build_split_sum, split)
+def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split: int,
+                      numel: int | None = None) -> None:
+    """``out [numel]`` (default: S or dS, ``s_numel``) = the sum of the ``split`` fp32 partials
+    ``part [split, numel]``, cast to ``out``'s dtype: one launch."""
+    numel = max(plan.table.s_numel, 1) if numel is None else numel
+    launch, fixed = plan.get(("split_sum", split, numel), _build_split_sum, split, numel)
     launch(part, out, *fixed)
 
 
@@ -396,7 +398,8 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None:
-        grads = (part[0] if plan.split == 1 else part.sum(0)).to(a_all.dtype)
+        grads = torch.empty(plan.part_numel, dtype=a_all.dtype, device=x.device)
+        _launch_split_sum(part, grads, plan, plan.split, plan.part_numel)  # one launch: sum and cast
         if need_da:
             da = grads[:t.a_rows * k].view(t.a_rows, k)
         for i in db_proj:
