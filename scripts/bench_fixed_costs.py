@@ -15,7 +15,8 @@ dropout(X) A^T``, split over ``K`` alike) of each projection group of one layer,
 between them (segments padded to the routing tiles), at each row count of ``--rows``: unsplit
 (split 1, one program per row block walking all of ``N``) against the split the launch plan picks
 (``LoraBlockSizes.ds_waves``; fp32 partial sums, then one summing kernel) and the splits of
-``--splits``. The split results are checked against the unsplit one.
+``--splits``. The split results are checked against the unsplit one. Then dA and dB of the group
+(with their summing kernel) at the device's ``split_waves`` and those of ``--split-waves``.
 
     PYTHONPATH=. python3 scripts/bench_fixed_costs.py --out $OUT
 """
@@ -23,6 +24,7 @@ between them (segments padded to the routing tiles), at each row count of ``--ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from harness import Report, add_output_args, comma_list, kernel_ms, logger
@@ -30,7 +32,9 @@ from harness import Report, add_output_args, comma_list, kernel_ms, logger
 import torch  # noqa: E402
 
 from lightning_lorafusion.kernels.block_sizes import block_sizes_for  # noqa: E402
-from lightning_lorafusion.kernels.fused_lora_launch import _launch_ds, _launch_s, _launch_split_sum, _Plan  # noqa: E402
+from lightning_lorafusion.kernels.fused_lora_launch import (  # noqa: E402
+    _launch_da, _launch_db, _launch_ds, _launch_s, _launch_split_sum, _Plan,
+)
 from lightning_lorafusion.kernels.nf4 import quantize_nf4_reference  # noqa: E402
 from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton  # noqa: E402
 from lightning_lorafusion.kernels.reference import LoraRouting  # noqa: E402
@@ -53,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warps", type=comma_list(cast=int), default=[4, 8], help="dequant: warps per program")
     ap.add_argument("--rows", type=comma_list(cast=int), default=[2816, 6912], help="ds: microbatch tokens")
     ap.add_argument("--splits", type=comma_list(cast=int), default=[2, 4, 8, 16], help="ds: splits to compare")
+    ap.add_argument("--split-waves", type=comma_list(cast=int), default=[4, 8],
+                    help="ds: LoraBlockSizes.split_waves to time dA and dB at, beside the device's")
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     add_output_args(ap)
@@ -163,10 +169,34 @@ def bench_ds(args, report: Report) -> None:
                     totals["s_unsplit"] = totals.get("s_unsplit", 0.0) + ms
                 if split == s_auto:
                     totals["s_auto"] = totals.get("s_auto", 0.0) + ms
+            # dA and dB of the group (fp32 partials over shares of each adapter's tiles, summed
+            # and cast once) at each LoraBlockSizes.split_waves
+            s_vals = _launch_s(x, a_all, plan, 0)
+            ds_vals = ref.to(torch.bfloat16)
+            grads = torch.empty(1, dtype=torch.bfloat16, device=dev)
+            for waves in dict.fromkeys([sizes.split_waves, *args.split_waves]):
+                plan = _Plan(table, dataclasses.replace(sizes, split_waves=waves), m=m, k=k, ns=ns,
+                             b_cols=table.b_cols, dtype=torch.bfloat16, device=dev)
+                part = torch.empty(plan.split, plan.part_numel, dtype=torch.float32, device=dev)
+                grads = torch.empty(plan.part_numel, dtype=torch.bfloat16, device=dev)
+
+                def run_dadb():
+                    for p, (dy, bc) in enumerate(zip(dys, b_cats)):
+                        _launch_db(dy, s_vals, bc, part, p, plan)
+                    _launch_da(x, ds_vals, part, plan, 0)
+                    _launch_split_sum(part, grads, plan, plan.split, plan.part_numel)
+
+                run_dadb()
+                ms = kernel_ms(run_dadb, graph=True)
+                kind = "default" if waves == sizes.split_waves else "other"
+                report.add(part="dadb", rows=m, group=gname, split_waves=waves, split=plan.split, kind=kind, ms=ms)
+                log(f"dA+dB rows {m} {gname}: split_waves {waves} (split {plan.split}, {kind}) {ms * 1e3:.1f} us")
+                if kind == "default":
+                    totals["dadb"] = totals.get("dadb", 0.0) + ms
         report.add(part="layer", rows=m, **{f"{key}_ms": v for key, v in totals.items()})
         log(f"rows {m}, one layer's groups: dS unsplit {totals.get('unsplit', 0) * 1e3:.1f} us, "
             f"auto {totals.get('auto', 0) * 1e3:.1f} us; S unsplit {totals.get('s_unsplit', 0) * 1e3:.1f} us, "
-            f"auto {totals.get('s_auto', 0) * 1e3:.1f} us")
+            f"auto {totals.get('s_auto', 0) * 1e3:.1f} us; dA+dB {totals.get('dadb', 0) * 1e3:.1f} us")
 
 
 class _Rows(Report):
