@@ -95,7 +95,7 @@ def _lora_s_kernel(
             xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)
             xo = tl.where((h >> 16) >= threshold, xo, 0.0).to(x_ptr.dtype.element_ty)
         at = tl.load(a_ptr + (a_row + offs_r)[None, :] * K + offs_k[:, None],
-                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                     mask=r_ok[None, :] & k_ok[:, None], other=0.0).to(x_ptr.dtype.element_ty)
         acc_e = tl.dot(xe, at, acc_e, input_precision=DOT_PRECISION)
         acc_o = tl.dot(xo, at, acc_o, input_precision=DOT_PRECISION)
     s_cols = s_ptr + s_off + offs_r[None, :]
@@ -142,9 +142,9 @@ def _lora_fwd_gemm_kernel(
                 r_ok = offs_r < rank
                 st = tl.load(s_rows[:, None] + offs_r[None, :],
                              mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-                st = (st.to(tl.float32) * scale).to(b_ptr.dtype.element_ty)
+                st = (st.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
                 bt = tl.load(b_ptr + cols[None, :] * b_stride + b_col + offs_r[:, None],
-                             mask=r_ok[:, None], other=0.0)
+                             mask=r_ok[:, None], other=0.0).to(x_ptr.dtype.element_ty)
                 acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
     y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -226,10 +226,10 @@ def _lora_add_kernel(
             r_ok = offs_r < rank
             if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
             else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
             le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
             lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
             part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
@@ -285,7 +285,7 @@ def _lora_ds_kernel(
         dyt = tl.load(dy_ptr + offs_m[:, None] * N + offs_n[None, :],
                       mask=row_ok[:, None] & n_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[:, None] * b_stride + b_col + offs_r[None, :],
-                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(dy_ptr.dtype.element_ty)
         acc = tl.dot(dyt, bt, acc, input_precision=DOT_PRECISION)
     ds_ptrs = ds_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :]
     tl.store(ds_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty),
@@ -402,7 +402,7 @@ def _lora_dx_gemm_kernel(
                 dst = tl.load(ds_rows[:, None] + offs_r[None, :],
                               mask=row_ok[:, None] & r_ok[None, :], other=0.0)
                 at = tl.load(a_ptr + (a_row + offs_r)[:, None] * K + kcols[None, :],
-                             mask=r_ok[:, None], other=0.0)
+                             mask=r_ok[:, None], other=0.0).to(ds_ptr.dtype.element_ty)
                 part = tl.dot(dst, at, part, input_precision=DOT_PRECISION)
             if HAS_DROPOUT:
                 seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)

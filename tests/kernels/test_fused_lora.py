@@ -167,6 +167,22 @@ def test_s_and_ds_split_three_ways_with_empty_shares(device):
     check_against_reference(x, ws, bs, loras, routing, 3, torch.float32)
 
 
+@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+def test_fp32_factors_with_fp16_activations(device, gemm):
+    """fp32 adapter factors (as the adapter bank keeps them) under fp16 activations: the kernels
+    read them in fp32 and round on load; outputs and every gradient (fp32 for the factors)
+    equal the reference."""
+    x, ws, bs, loras = make_problem(70, 48, (40, 20), ((4, 8), (4, 0)), torch.float16, device)
+
+    def fp32(t):
+        return None if t is None else t.detach().float().requires_grad_(True)
+
+    loras = [None if l is None else LoraModuleWeights(tuple(map(fp32, l.a)), tuple(map(fp32, l.b))) for l in loras]
+    routing = LoraRouting(num_rows=70, segments=((0, 40, 0), (40, 70, 1)), scales=(2.0, 0.5),
+                          dropout_p=(0.1, 0.0), seeds=(1, 2))
+    check_against_reference(x, ws, bs, loras, routing, 3, torch.float16, dataclasses.replace(SMALL, gemm=gemm))
+
+
 def test_ds_split_fills_the_gpu_with_enough_steps_per_share():
     from lightning_lorafusion.kernels.fused_lora_launch import _reduction_split_count
 
