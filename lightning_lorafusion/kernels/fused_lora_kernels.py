@@ -292,14 +292,14 @@ def _lora_ds_kernel(
              mask=row_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = sum over sp of part[sp, i] (fp32, in split order), cast to ``out``'s dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sp in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + sp * numel + offs, mask=mask, other=0.0)
+    for sp in tl.static_range(SPLIT):  # 64-bit offsets: split x numel may pass 2^31 (many adapters' dA)
+        acc += tl.load(part_ptr + sp * numel.to(tl.int64) + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
