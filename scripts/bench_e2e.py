@@ -447,7 +447,7 @@ def _profile(args, label, fn, microbatches: int = 4) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         fn()
     averages = prof.key_averages()
     table = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
@@ -458,11 +458,37 @@ def _profile(args, label, fn, microbatches: int = 4) -> None:
     print(f"--- kernels per microbatch: {summary['kernels']:.0f} launched, {summary['device_ms']:.1f} ms of device time, "
           f"{summary['short_ms']:.1f} ms in {summary['short_kernels']:.0f} kernels of mean < {summary['short_us']:.0f} µs",
           flush=True)
+    ops = launching_ops(prof.key_averages(group_by_stack_n=12), microbatches)
+    if ops:  # eager steps: which operators launch the kernels (a graph replay has none to name)
+        print("--- operators by kernels launched per microbatch (launches, device ms, mean µs):\n"
+              + "\n".join(f"{n[:110]:110} {c:8.1f} {t:8.3f} {u:8.1f}" for n, c, t, u in ops[:30]), flush=True)
+        summary["ops"] = ops[:60]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"profile_{args.workload}_{label}.txt"), "w") as f:
             f.write(table)
         write_json(args.out, f"profile_{args.workload}_{label}.json", summary)
+
+
+def launching_ops(averages, microbatches: int) -> list[tuple[str, float, float, float]]:
+    """Host operators that launch kernels themselves (self device time > 0), most launches
+    first: (name and the innermost caller in this repository, calls per microbatch, self device
+    ms per microbatch, mean µs per call); ``averages`` grouped by stack."""
+    from torch.autograd import DeviceType
+
+    per = max(microbatches, 1)
+    merged: dict[str, list[float]] = {}
+    for e in averages:
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if getattr(e, "device_type", None) != DeviceType.CPU or t <= 0 or e.count <= 0:
+            continue
+        here = [f for f in (e.stack or []) if "lightning_lorafusion" in f or "scripts" in f]
+        name = e.key + (" @ " + here[0].split("lightning_lorafusion/")[-1] if here else "")
+        m = merged.setdefault(name, [0.0, 0.0])
+        m[0] += e.count
+        m[1] += t
+    out = [(n, round(c / per, 1), round(t / per / 1e3, 3), round(t / c, 1)) for n, (c, t) in merged.items()]
+    return sorted(out, key=lambda o: -o[1])
 
 
 def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS,

@@ -59,6 +59,7 @@ class LoraBlockSizes:
     add_warps: int = 4
     add_n_blocks: int = 1  # column blocks each add-kernel program sweeps
     split_waves: int = 2  # dA / dB split an adapter's rows until the grid is this many waves
+    ds_waves: int = 3  # S / dS split their sums over K / N until their grid holds this many programs per SM
     skinny_warps: int = 4
     skinny_stages: int = 3
     # "cublas": frozen GEMMs through torch (cuBLAS), LoRA terms added in place by Triton;

@@ -166,17 +166,22 @@ def lora_ranks(loras: Sequence[LoraModuleWeights | None], num_adapters: int) -> 
     )
 
 
-def _concat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _concat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype, keep_fp32: bool) -> torch.Tensor:
     # Differentiable concatenation (gradients flow back to each adapter's factor); a single
     # factor is used as is, saving a copy and a launch in the common one-adapter case.
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    if keep_fp32 and all(p.dtype == torch.float32 for p in parts):
+        return out.contiguous()
     return out.to(dtype).contiguous()
 
 
-def _factors(loras, table, dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """A_all (active adapters' A factors stacked in ``table.a_order``) and per projection B_cat."""
-    a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, dtype)
-    b_cats = [_concat([loras[i].b[a] for a in order], 1, dtype) if order else None
+def _factors(loras, table, dtype, keep_fp32: bool = False) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """A_all (active adapters' A factors stacked in ``table.a_order``) and per projection B_cat,
+    in ``dtype``; with ``keep_fp32``, fp32 factors stay fp32: the kernels round each value to
+    the activations' dtype as they load it (the rounding a cast would do) and their gradients
+    come back in fp32, which saves a cast launch per concatenation and per gradient each call."""
+    a_all = _concat([loras[i].a[a] for a, i in table.a_order], 0, dtype, keep_fp32)
+    b_cats = [_concat([loras[i].b[a] for a in order], 1, dtype, keep_fp32) if order else None
               for i, order in enumerate(table.b_order)]
     return a_all, b_cats
 
@@ -226,7 +231,7 @@ def fused_lora_projections(
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
         return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
-    a_all, b_cats = _factors(loras, table, x.dtype)
+    a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
     return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, *weights,
                                            *biases, *b_cats))
 

@@ -48,15 +48,17 @@ def _row_window(row_start, row_end, sub, TILE_M: tl.constexpr, BLOCK_M: tl.const
 
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_s_kernel(
-    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs,
+    x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs, k_per_split, split_stride,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """S[tile rows, rank block] = dropout(X[tile rows]) A_a^T over all of the adapter's A rows.
 
     Each row block is covered by ``subs`` programs of BLOCK_M rows (more programs in flight);
     a program handles its even and odd rows as two halves sharing one hash evaluation.
+    ``PARTIAL``: program ``(.., .., sp)`` sums only columns ``[sp * k_per_split, +k_per_split)``
+    of ``X`` into an fp32 partial at ``s + sp * split_stride`` (``_split_sum_kernel`` adds them).
     """
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
@@ -70,13 +72,20 @@ def _lora_s_kernel(
     pairs, rows_e, rows_o, ok_e, ok_o, live = _row_window(row_start, row_end, sub, TILE_M, BLOCK_M)
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < width
-    k_stop = tl.where((rb * BLOCK_R < width) & live, K, 0)
+    if PARTIAL:
+        k_start = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        s_ptr += tl.program_id(2).to(tl.int64) * split_stride
+    else:
+        k_start = 0
+        k_end = K
+    k_stop = tl.where((rb * BLOCK_R < width) & live, k_end, k_start)
     pair_h = row_hash(hash_base(seed_h, offset_h), pairs)
     acc_e = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
     acc_o = tl.zeros((BLOCK_M // 2, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, k_stop, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_end
         xe = tl.load(x_ptr + rows_e[:, None] * K + offs_k[None, :],
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
@@ -86,7 +95,7 @@ def _lora_s_kernel(
             xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)
             xo = tl.where((h >> 16) >= threshold, xo, 0.0).to(x_ptr.dtype.element_ty)
         at = tl.load(a_ptr + (a_row + offs_r)[None, :] * K + offs_k[:, None],
-                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                     mask=r_ok[None, :] & k_ok[:, None], other=0.0).to(x_ptr.dtype.element_ty)
         acc_e = tl.dot(xe, at, acc_e, input_precision=DOT_PRECISION)
         acc_o = tl.dot(xo, at, acc_o, input_precision=DOT_PRECISION)
     s_cols = s_ptr + s_off + offs_r[None, :]
@@ -133,9 +142,9 @@ def _lora_fwd_gemm_kernel(
                 r_ok = offs_r < rank
                 st = tl.load(s_rows[:, None] + offs_r[None, :],
                              mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-                st = (st.to(tl.float32) * scale).to(b_ptr.dtype.element_ty)
+                st = (st.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
                 bt = tl.load(b_ptr + cols[None, :] * b_stride + b_col + offs_r[:, None],
-                             mask=r_ok[:, None], other=0.0)
+                             mask=r_ok[:, None], other=0.0).to(x_ptr.dtype.element_ty)
                 acc = tl.dot(st, bt, acc, input_precision=DOT_PRECISION)
     y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
     y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -217,10 +226,10 @@ def _lora_add_kernel(
             r_ok = offs_r < rank
             if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
             else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
             le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
             lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
             part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
@@ -238,11 +247,16 @@ def _lora_add_kernel(
 
 @triton.jit
 def _lora_ds_kernel(
-    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs,
+    dy_ptr, b_ptr, ds_ptr, tiles_ptr, ai_ptr, af_ptr, N, b_stride, proj_col, subs, n_per_split, split_stride,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS)."""
+    """dS_i[tile rows, rank block] = scale * dY_i[tile rows] B_i (projection i's columns of dS).
+
+    ``PARTIAL``: program ``(.., .., sp)`` sums only columns ``[sp * n_per_split, +n_per_split)``
+    of ``dY_i`` and stores its fp32 partial at ``ds + sp * split_stride`` (zeros where its share
+    is empty), for ``_split_sum_kernel``: a microbatch of few row tiles then still fills the GPU
+    instead of a few programs walking all of ``N``."""
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
     rb = tl.program_id(1)
@@ -256,19 +270,37 @@ def _lora_ds_kernel(
     row_ok = offs_m < row_end
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    n_stop = tl.where((rb * BLOCK_R < rank) & (row_start + sub * BLOCK_M < row_end), N, 0)
+    if PARTIAL:
+        n_start = tl.program_id(2) * n_per_split
+        n_end = tl.minimum(n_start + n_per_split, N)
+        ds_ptr += tl.program_id(2).to(tl.int64) * split_stride
+    else:
+        n_start = 0
+        n_end = N
+    n_stop = tl.where((rb * BLOCK_R < rank) & (row_start + sub * BLOCK_M < row_end), n_end, n_start)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(0, n_stop, BLOCK_N):
+    for n0 in range(n_start, n_stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
+        n_ok = offs_n < n_end
         dyt = tl.load(dy_ptr + offs_m[:, None] * N + offs_n[None, :],
                       mask=row_ok[:, None] & n_ok[None, :], other=0.0)
         bt = tl.load(b_ptr + offs_n[:, None] * b_stride + b_col + offs_r[None, :],
-                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(dy_ptr.dtype.element_ty)
         acc = tl.dot(dyt, bt, acc, input_precision=DOT_PRECISION)
     ds_ptrs = ds_ptr + s_off + (offs_m - row_start)[:, None] * width + s_col + offs_r[None, :]
     tl.store(ds_ptrs, (acc * scale).to(ds_ptr.dtype.element_ty),
              mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over sp of part[sp, i] (fp32, in split order), cast to ``out``'s dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLIT):  # 64-bit offsets: split x numel may pass 2^31 (many adapters' dA)
+        acc += tl.load(part_ptr + sp * numel.to(tl.int64) + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -370,7 +402,7 @@ def _lora_dx_gemm_kernel(
                 dst = tl.load(ds_rows[:, None] + offs_r[None, :],
                               mask=row_ok[:, None] & r_ok[None, :], other=0.0)
                 at = tl.load(a_ptr + (a_row + offs_r)[:, None] * K + kcols[None, :],
-                             mask=r_ok[:, None], other=0.0)
+                             mask=r_ok[:, None], other=0.0).to(ds_ptr.dtype.element_ty)
                 part = tl.dot(dst, at, part, input_precision=DOT_PRECISION)
             if HAS_DROPOUT:
                 seed_h = tl.load(ai_ptr + adapter * AI_STRIDE + 2)

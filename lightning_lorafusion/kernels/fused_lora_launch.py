@@ -16,12 +16,14 @@ from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
 from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
 from .fused_lora_kernels import (_lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
-                                 _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel)
+                                 _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
 
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
+SPLIT_MIN_STEPS = 4  # loop steps along K (S) or N (dS) a split program runs at least
+SPLIT_SUM_BLOCK = 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,6 +58,16 @@ def _split_count(programs: int, max_tiles: int, sms: int | None, waves: int) -> 
     return max(1, min(max_tiles, _cdiv(waves * sms, max(programs, 1))))
 
 
+def _reduction_split_count(programs: int, steps: int, sms: int | None, waves: int) -> int:
+    """Shares of its long reduction (``K`` for S, ``N`` for dS) a skinny rank kernel splits into
+    so that its grid (``programs`` per share) fills the GPU ``waves`` times over, each share
+    ``SPLIT_MIN_STEPS`` loop steps at least; ``sms=None`` (interpreter): 2 where there are 2
+    steps, to exercise the split path."""
+    if sms is None:
+        return min(2, steps)
+    return max(1, min(_cdiv(steps, SPLIT_MIN_STEPS), _cdiv(waves * sms, max(programs, 1))))
+
+
 class _Plan:
     """Everything host-side about one projection group's launches on one routing table.
 
@@ -67,8 +79,8 @@ class _Plan:
     (dA ``[a_rows, K]`` at ``part_offsets[0]``, dB_i ``[N_i, b_cols_i]`` at ``part_offsets[1 + i]``).
     """
 
-    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "part_offsets", "part_numel",
-                 "launches", "options")
+    __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "s_split", "ds_split", "part_offsets",
+                 "part_numel", "launches", "options")
 
     def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
                  b_cols: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -82,6 +94,13 @@ class _Plan:
         rblocks = _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 64))
         programs = _cdiv(k, sizes.skinny_block_k) * len(table.active) * rblocks
         self.split = _split_count(programs, table.max_adapter_tiles, sms, sizes.split_waves)
+        # S and dS split their long sums when the row tiles alone leave the GPU idle; dS: one
+        # split for every projection of the group (they share dS and its partial buffer)
+        _, subs = _skinny_rows(table, sizes.skinny_block_m)
+        s_programs = table.num_tiles * subs * _cdiv(table.max_total_rank, _rank_block(table.max_total_rank, 128))
+        self.s_split = _reduction_split_count(s_programs, _cdiv(k, sizes.skinny_block_k), sms, sizes.ds_waves)
+        self.ds_split = _reduction_split_count(table.num_tiles * subs, _cdiv(max(self.ns), sizes.skinny_block_k), sms,
+                                               sizes.ds_waves)
         offsets, numel = [0], _round16b(table.a_rows * k)
         for n, bc in zip(self.ns, b_cols):
             offsets.append(numel)
@@ -97,35 +116,41 @@ class _Plan:
         return hit
 
 
-def _skinny_rows(plan: _Plan, block_m: int) -> tuple[int, int]:
-    sub_m = min(block_m, plan.table.block_m)
-    return sub_m, plan.table.block_m // sub_m
+def _skinny_rows(table, block_m: int) -> tuple[int, int]:
+    sub_m = min(block_m, table.block_m)
+    return sub_m, table.block_m // sub_m
 
 
 def _build_s(plan: _Plan):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 128)
-    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    sub_m, subs = _skinny_rows(plan.table, sz.skinny_block_m)
+    split = plan.s_split
+    k_per_split = _cdiv(_cdiv(plan.k, sz.skinny_block_k), split) * sz.skinny_block_k
     launch = CachedLaunch(
-        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r)),
+        _lora_s_kernel, (t.num_tiles * subs, _cdiv(t.max_total_rank, block_r), split),
         num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m, BLOCK_M=sub_m,
-        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, DOT_PRECISION=plan.precision,
+        BLOCK_R=block_r, BLOCK_K=sz.skinny_block_k, PARTIAL=split > 1, DOT_PRECISION=plan.precision,
     )
-    return launch, (plan.k, subs)
+    return launch, (plan.k, subs, k_per_split, max(t.s_numel, 1))
 
 
 def _launch_s(x, a_all, plan: _Plan, off_h: int) -> torch.Tensor:
     t = plan.table
     s = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    part = (torch.empty(plan.s_split, max(t.s_numel, 1), dtype=torch.float32, device=x.device)
+            if plan.s_split > 1 else None)
     launch, fixed = plan.get("s", _build_s)
-    launch(x, a_all, s, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+    launch(x, a_all, s if part is None else part, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
+    if part is not None:
+        _launch_split_sum(part, s, plan, plan.s_split)
     return s
 
 
 def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int):
     t, sz = plan.table, plan.sizes
-    sub_m, subs = _skinny_rows(plan, sz.add_block_m)
+    sub_m, subs = _skinny_rows(plan.table, sz.add_block_m)
     rank = t.max_total_rank if dx_mode else t.max_rank[proj]
     launch = CachedLaunch(
         _lora_add_kernel, (t.num_tiles * subs, _cdiv(n, sz.add_block_n * sz.add_n_blocks)),
@@ -196,20 +221,39 @@ def _launch_fwd_gemm(x, w, bias, s, b_cat, proj: int, plan: _Plan) -> torch.Tens
 def _build_ds(plan: _Plan, proj: int, n: int, b_stride: int):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_rank[proj], 128)
-    sub_m, subs = _skinny_rows(plan, sz.skinny_block_m)
+    sub_m, subs = _skinny_rows(plan.table, sz.skinny_block_m)
+    split = plan.ds_split
+    n_per_split = _cdiv(_cdiv(n, sz.skinny_block_k), split) * sz.skinny_block_k
     launch = CachedLaunch(
-        _lora_ds_kernel, (t.num_tiles * subs, _cdiv(t.max_rank[proj], block_r)),
+        _lora_ds_kernel, (t.num_tiles * subs, _cdiv(t.max_rank[proj], block_r), split),
         num_warps=sz.skinny_warps if block_r <= 64 else 8, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=sub_m, BLOCK_R=block_r, BLOCK_N=sz.skinny_block_k,
-        DOT_PRECISION=plan.precision,
+        PARTIAL=split > 1, DOT_PRECISION=plan.precision,
     )
-    return launch, (n, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
+    return launch, (n, b_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs, n_per_split, max(t.s_numel, 1))
 
 
 def _launch_ds(dy, b_cat, ds, proj: int, plan: _Plan) -> None:
+    """dS_i into ``ds``: the final values, or with ``plan.ds_split > 1`` the fp32 partial sums
+    ``[ds_split, s_numel]`` that ``_launch_split_sum`` adds up."""
     t = plan.table
     launch, fixed = plan.get(("ds", proj), _build_ds, proj, dy.shape[1], b_cat.shape[1])
     launch(dy, b_cat, ds, t.tiles, t.adapter_int, t.adapter_float, *fixed)
+
+
+def _build_split_sum(plan: _Plan, split: int, numel: int):
+    launch = CachedLaunch(_split_sum_kernel, (_cdiv(numel, SPLIT_SUM_BLOCK),), num_warps=4, num_stages=1,
+                          SPLIT=split, BLOCK=SPLIT_SUM_BLOCK)
+    return launch, (numel,)
+
+
+def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split: int,
+                      numel: int | None = None) -> None:
+    """``out [numel]`` (default: S or dS, ``s_numel``) = the sum of the ``split`` fp32 partials
+    ``part [split, numel]``, cast to ``out``'s dtype: one launch."""
+    numel = max(plan.table.s_numel, 1) if numel is None else numel
+    launch, fixed = plan.get(("split_sum", split, numel), _build_split_sum, split, numel)
+    launch(part, out, *fixed)
 
 
 def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
@@ -337,20 +381,25 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
     lora_proj = [i for i in range(n_proj) if b_cats[i] is not None and t.max_rank[i] > 0]
     db_proj = [i for i in lora_proj if need_db[i]]
     ds = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
+    ds_part = (torch.empty(plan.ds_split, max(t.s_numel, 1), dtype=torch.float32, device=x.device)
+               if plan.ds_split > 1 and lora_proj else None)
     # dA and every dB share one fp32 partial-sum buffer: one reduction and one cast for all
     part = (torch.empty(plan.split, plan.part_numel, dtype=torch.float32, device=x.device)
             if db_proj or need_da else None)
     for i in lora_proj:
         dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
-        _launch_ds(dy, b_cats[i], ds, i, plan)
+        _launch_ds(dy, b_cats[i], ds if ds_part is None else ds_part, i, plan)
         if need_db[i]:
             _launch_db(dy, s, b_cats[i], part, i, plan)
+    if ds_part is not None:
+        _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
         _launch_da(x, ds, part, plan, off_h)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None:
-        grads = (part[0] if plan.split == 1 else part.sum(0)).to(a_all.dtype)
+        grads = torch.empty(plan.part_numel, dtype=a_all.dtype, device=x.device)
+        _launch_split_sum(part, grads, plan, plan.split, plan.part_numel)  # one launch: sum and cast
         if need_da:
             da = grads[:t.a_rows * k].view(t.a_rows, k)
         for i in db_proj:

@@ -149,6 +149,51 @@ def test_large_blocks_and_lora_free_projection(device):
     check_against_reference(x, ws, bs, loras, routing, 7, torch.float32, sizes)
 
 
+def test_s_and_ds_split_three_ways_with_empty_shares(device):
+    """S summed over K and dS over N in 3 shares of fp32 partials (as a GPU plan splits a
+    microbatch of few row tiles), the narrow projection's last dS shares empty: outputs and
+    gradients still equal the reference."""
+    from lightning_lorafusion.kernels.fused_lora_launch import _Plan
+
+    x, ws, bs, loras = make_problem(70, 80, (100, 20), ((4, 8), (4, 8)), torch.float32, device)
+    routing = LoraRouting(num_rows=70, segments=((0, 40, 0), (40, 70, 1)), scales=(2.0, 0.5),
+                          dropout_p=(0.1, 0.0), seeds=(1, 2))
+    with torch.no_grad():
+        fused_lora_projections(x, ws, bs, loras, routing, dropout_offset=3, block_sizes=SMALL)
+    plans = [p for p in routing.launch_cache.values() if isinstance(p, _Plan)]
+    assert len(plans) == 1
+    plans[0].s_split = plans[0].ds_split = 3
+    plans[0].launches.clear()
+    check_against_reference(x, ws, bs, loras, routing, 3, torch.float32)
+
+
+@pytest.mark.parametrize("gemm", ["triton", "cublas"])
+def test_fp32_factors_with_fp16_activations(device, gemm):
+    """fp32 adapter factors (as the adapter bank keeps them) under fp16 activations: the kernels
+    read them in fp32 and round on load; outputs and every gradient (fp32 for the factors)
+    equal the reference."""
+    x, ws, bs, loras = make_problem(70, 48, (40, 20), ((4, 8), (4, 0)), torch.float16, device)
+
+    def fp32(t):
+        return None if t is None else t.detach().float().requires_grad_(True)
+
+    loras = [None if l is None else LoraModuleWeights(tuple(map(fp32, l.a)), tuple(map(fp32, l.b))) for l in loras]
+    routing = LoraRouting(num_rows=70, segments=((0, 40, 0), (40, 70, 1)), scales=(2.0, 0.5),
+                          dropout_p=(0.1, 0.0), seeds=(1, 2))
+    check_against_reference(x, ws, bs, loras, routing, 3, torch.float16, dataclasses.replace(SMALL, gemm=gemm))
+
+
+def test_ds_split_fills_the_gpu_with_enough_steps_per_share():
+    from lightning_lorafusion.kernels.fused_lora_launch import _reduction_split_count
+
+    # 2,816 rows in 22 tiles of 4 programs, N = 14336 in 112 steps, 132 SMs, 4 programs per SM
+    assert _reduction_split_count(88, 112, 132, 4) == 6
+    assert _reduction_split_count(216, 112, 132, 4) == 3  # 6,912 rows
+    assert _reduction_split_count(88, 8, 132, 4) == 2  # N = 1024: shares of 4 steps at least
+    assert _reduction_split_count(600, 112, 132, 4) == 1  # the grid fills the GPU already
+    assert _reduction_split_count(88, 112, None, 4) == 2 and _reduction_split_count(88, 1, None, 4) == 1  # interpreter
+
+
 def test_same_seed_same_mask_forward_and_backward(device):
     # With p=0.5 a backward that drew a different mask than the forward would miss dA by ~100%;
     # also: same (seed, offset) -> identical outputs, another offset -> different ones.

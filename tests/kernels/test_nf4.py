@@ -102,6 +102,9 @@ def test_double_quantization_against_bitsandbytes(shape, dtype):
 @pytest.mark.parametrize("blocksize", [64, 256])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_dequantize_equals_reference(shape, blocksize, dtype, double_quant, device):
+    if dtype == torch.float16 and shape == SHAPES[3] and device.type == "cpu":
+        pytest.skip("whole blocks in fp16: the block kernel, minutes in the interpreter at this size (its own "
+                    "test covers it on small shapes)")
     torch.manual_seed(2)
     w = quantize_nf4_reference(torch.randn(shape, device=device), blocksize=blocksize, double_quant=double_quant)
     expected = dequantize_nf4_reference(w, dtype)
@@ -111,10 +114,45 @@ def test_triton_dequantize_equals_reference(shape, blocksize, dtype, double_quan
     assert got.data_ptr() == buf.data_ptr() and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("blocksize,shape,blocks", [(32, (40, 96), 16), (64, (64, 96), 32), (128, (3, 128), 2),
+                                                    (256, (16, 256), 4)])
+def test_block_kernel_equals_byte_kernel_and_reference(blocksize, shape, blocks, double_quant, device):
+    """Whole absmax blocks in fp16 take the block kernel (codes by byte permutes; emulated in
+    the interpreter); it writes the reference's bits, as the byte kernel does, also when the
+    last program has blocks past the end (``blocks`` per program does not divide the count)."""
+    from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton, uses_block_kernel
+
+    torch.manual_seed(4)
+    w = quantize_nf4_reference(torch.randn(shape, device=device), blocksize=blocksize, double_quant=double_quant)
+    assert uses_block_kernel(w.data, blocksize, torch.float16)
+    assert not uses_block_kernel(w.data, blocksize, torch.float32)
+    nested = (w.nested_absmax, w.nested_code, w.offset, w.nested_blocksize) if double_quant else None
+    expected = dequantize_nf4_reference(w, torch.float16)
+    block = dequantize_nf4_triton(w.data, w.absmax, w.code, blocksize, nested, dtype=torch.float16, blocks=blocks)
+    byte = dequantize_nf4_triton(w.data, w.absmax, w.code, blocksize, nested, dtype=torch.float16, force_bytes=True)
+    assert torch.equal(block, expected) and torch.equal(byte, expected)
+
+
+def test_block_kernel_only_for_whole_blocks():
+    w = quantize_nf4_reference(torch.randn(47, 130))  # 6110 values: the last block of 64 is short
+    from lightning_lorafusion.kernels.nf4_triton import uses_block_kernel
+
+    assert not uses_block_kernel(w.data, w.blocksize, torch.float16)
+    assert not uses_block_kernel(w.data[:, 1:], 64, torch.float16)  # not contiguous
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 arithmetic is checked on the GPU only")
 def test_triton_dequantize_bf16_on_gpu():
-    w = quantize_nf4_reference(torch.randn(256, 1024, device="cuda"), double_quant=True)
-    assert torch.equal(w.dequantize(torch.bfloat16, backend="triton"), dequantize_nf4_reference(w, torch.bfloat16))
+    from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton
+
+    for blocksize in (64, 256):
+        w = quantize_nf4_reference(torch.randn(256, 1024 + 256, device="cuda"), blocksize=blocksize, double_quant=True)
+        expected = dequantize_nf4_reference(w, torch.bfloat16)
+        assert torch.equal(w.dequantize(torch.bfloat16, backend="triton"), expected)  # the block kernel
+        nested = (w.nested_absmax, w.nested_code, w.offset, w.nested_blocksize)
+        assert torch.equal(dequantize_nf4_triton(w.data, w.absmax, w.code, blocksize, nested, dtype=torch.bfloat16,
+                                                 force_bytes=True), expected)
 
 
 def test_params_round_trip_survives_dtype_casts():
