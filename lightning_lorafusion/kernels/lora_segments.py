@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import lora_tiles
+from . import lora_splitk, lora_tiles
+from .lora_splitk import splitk_launches, splitk_lora_add
 from .lora_tiles import tile_launches, tile_lora_add
 from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segments, segment_lora_reference,
                              segment_tiles, shrink_tile)
@@ -47,7 +48,7 @@ BACKENDS = ("torch", "triton", "auto")
 # the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
 # options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
 # measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
-FORMS = ("segments", "tiles")
+FORMS = ("segments", "tiles", "splitk")
 DEFAULT_FORM = "segments"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
@@ -296,8 +297,12 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         raise ValueError(f"form={form!r}; allowed: {FORMS}")
     if form == "tiles":
         if not accumulate:
-            raise ValueError("accumulate=False (write-first) runs the 'segments' form; got form='tiles'")
+            raise ValueError("accumulate=False (write-first) runs the 'segments' or 'splitk' form; got form='tiles'")
         tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        return
+    if form == "splitk":
+        splitk_lora_add(x, lora, outs, check=check, accumulate=accumulate, split_k=split_k,
+                        n_blocks=1 if n_blocks is None else n_blocks, warps=warps)
         return
     if check:
         lora.check(x, outs)
@@ -386,6 +391,11 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         launches = tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
         shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
                                             lora_tiles._EXPAND_UNSPECIALISED)
+    elif form == "splitk":
+        launches = splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k,
+                                   n_blocks=1 if n_blocks is None else n_blocks, warps=warps)
+        shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
+                                            lora_splitk._EXPAND_UNSPECIALISED)
     else:
         launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                      accumulate=accumulate)

@@ -1,0 +1,293 @@
+"""Prefill-time multi-adapter LoRA by row tiles, third form: K split by the step's size, the splits
+summed once in the shrink, the expand by (tile, column block).
+
+The same math, tables and contract as ``lora_segments`` (``SegmentLora``: row tiles of one
+adapter each, offsets into the pool, a runtime rank per (projection, adapter), one compiled
+variant for every rank mix, padding tiles do nothing, nothing read on the host). What differs:
+
+- the shrink splits K as many ways as the step needs to give the GPU enough programs (a
+  256-row prompt has 4 tiles: with K split in 4, a down projection's 16 programs each walked
+  3,584 of K in one chain), a runtime count chosen from the step's rows (``shrink_split``:
+  nothing compiled per count);
+- the splits' fp32 partials are summed once, in the shrink, by the program of a (tile,
+  projection) that finishes last (a counter per (tile, projection), ``atomic_add``; the sum is
+  in split order whatever the arrival order, so the result is deterministic): the expand reads
+  one S instead of every split's partial for each of its column blocks;
+- the expand's item is (tile, ``n_blocks`` column blocks of ``BLOCK_N``), the tile's first rank
+  chunk of S loaded once and held over its column blocks.
+
+Both launches walk items ``pid, pid + P, ...`` over the live tiles (``SegmentLora.live`` or the
+whole table), ``P`` a runtime choice (a program per item, or a fixed number per SM).
+``splitk_lora_add`` is a drop-in for ``segment_lora_add``'s Triton path (``form="splitk"``).
+The counters (``[tiles * G]`` int32) must be zero before a launch; the shrink leaves them zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .segment_tables import SegmentLora
+
+# K per split at least (4 chunks of BLOCK_K 64), and the shrink's programs the split aims at, per SM
+SPLIT_MIN_K = 256
+SPLIT_TARGET_PER_SM = 4
+# the fp32 partials' rows (splits x projections x rows) a call may use: what 4 splits of 3
+# projections of a 4,096-row step take (serving/pool_sizing.py reserves S for this many)
+SPLIT_ROW_BUDGET = 4 * 3 * 4096
+# SMs assumed off CUDA (the interpreter), so that small test steps still split K
+INTERPRETER_SMS = 2
+# the expand's column block and rank chunk on CUDA / in the interpreter
+BLOCK_N_CUDA, BLOCK_N_INTERPRETER = 128, 32
+RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
+
+_SHRINK_UNSPECIALISED = ("tiles_ptr", "live_ptr", "a_off_ptr", "rank_ptr", "cnt_ptr", "n_tiles", "n_split",
+                         "k_per_split", "a_g_stride", "r_g_stride", "s_g_stride", "s_split_stride", "s_width", "G")
+_EXPAND_UNSPECIALISED = ("tiles_ptr", "live_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "n_col",
+                         "n_blocks", "s_width")
+
+
+@triton.jit
+def _shrink_item(
+    x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, t, g, sp, n_split, K, k_per_split, x_stride,
+    n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Partial[sp, g, rows of tile t, :rank] = x[rows, sp's K range] A_g[:rank, range]^T (fp32);
+    the last of the tile's n_split programs for g sums the partials in split order into
+    partial[0] (= S) and resets the counter."""
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    has = ad >= 0  # -1: rows without LoRA (a covering table's gap tile)
+    adc = tl.maximum(ad, 0)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
+    if (end > start) & (rank > 0):
+        a_off = tl.load(a_off_ptr + g * a_g_stride + adc)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        k_lo = sp * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        rows = s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
+                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            tl.store(rows + sp * s_split_stride + offs_r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
+        if n_split > 1:
+            # every thread's partial stored before the one release below (threadfence-reduction order)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + g * n_tiles + t, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_split - 1:  # the last of the tile's programs for g: sum in split order
+                for r0 in range(0, rank, BLOCK_R):
+                    offs_r = r0 + tl.arange(0, BLOCK_R)
+                    ok = m_ok[:, None] & (offs_r < rank)[None, :]
+                    ptrs = rows + offs_r[None, :]
+                    acc = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+                    for j in range(1, n_split):
+                        acc += tl.load(ptrs + j * s_split_stride, mask=ok, other=0.0, cache_modifier=".cg")
+                    tl.store(ptrs, acc, mask=ok)
+                tl.atomic_xchg(cnt_ptr + g * n_tiles + t, 0)
+
+
+@triton.jit(do_not_specialize=_SHRINK_UNSPECIALISED)
+def _splitk_shrink_kernel(
+    x_ptr, pool_ptr, tiles_ptr, live_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, K, k_per_split, n_split, x_stride,
+    n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width, G,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+):
+    """Items (tile, K split, projection), projection fastest (the programs reading one x block
+    run side by side), walked ``pid, pid + P, ...`` over the live tiles."""
+    n_live = n_tiles
+    if HAS_LIVE:
+        n_live = tl.minimum(tl.load(live_ptr), n_tiles)
+    per_tile = G * n_split
+    for item in range(tl.program_id(0), n_live * per_tile, tl.num_programs(0)):
+        t = item // per_tile
+        rest = item - t * per_tile
+        sp = rest // G
+        g = rest - sp * G
+        _shrink_item(x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, t, g, sp, n_split, K,
+                     k_per_split, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
+                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION)
+
+
+@triton.jit
+def _expand_item(
+    s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, c, n_blocks, N, out_stride, n_tiles,
+    s_width,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """out[rows of tile t, column blocks c * n_blocks ...] (+)= scale * S[rows, :rank] Bt[:rank, cols]
+    (fp32 sum, one rounding). S's first rank chunk is loaded once and held over the column
+    blocks; further chunks (ranks above BLOCK_R) are read per block. Not ACCUMULATE (write-first):
+    the delta is written, zeros on tiles of rank 0 or adapter -1."""
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    has = ad >= 0
+    adc = tl.maximum(ad, 0)
+    rank = tl.minimum(tl.load(rank_ptr + adc, mask=has, other=0), s_width)
+    live = end > start
+    if ACCUMULATE:
+        live = live & (rank > 0)
+    if live:
+        b_off = tl.load(b_off_ptr + adc, mask=rank > 0, other=0)
+        scale = tl.load(scale_ptr + adc, mask=rank > 0, other=0.0)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        s_rows = s_ptr + offs_m[:, None].to(tl.int64) * s_width
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        s0 = tl.load(s_rows + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        for j in range(0, n_blocks):
+            offs_n = (c * n_blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(s0, bt, input_precision=DOT_PRECISION)
+            for r0 in range(BLOCK_R, rank, BLOCK_R):
+                offs_q = r0 + tl.arange(0, BLOCK_R)
+                q_ok = offs_q < rank
+                s = tl.load(s_rows + offs_q[None, :], mask=m_ok[:, None] & q_ok[None, :], other=0.0)
+                bq = tl.load(pool_ptr + b_off + offs_q[:, None] * N + offs_n[None, :],
+                             mask=q_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.dot(s, bq, input_precision=DOT_PRECISION)
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
+            if ACCUMULATE:
+                y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+                tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)
+def _splitk_expand_kernel(
+    s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, n_col,
+    n_blocks, s_width,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_LIVE: tl.constexpr,
+):
+    """Items (column group, tile), tile fastest (neighbouring programs share an adapter's Bt
+    block), walked ``pid, pid + P, ...`` over the live tiles."""
+    n_live = n_tiles
+    if HAS_LIVE:
+        n_live = tl.minimum(tl.load(live_ptr), n_tiles)
+    for item in range(tl.program_id(0), n_live * n_col, tl.num_programs(0)):
+        c = item // n_live
+        t = item - c * n_live
+        _expand_item(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, c, n_blocks, N,
+                     out_stride, n_tiles, s_width, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N,
+                     DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (``INTERPRETER_SMS`` off CUDA)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def shrink_split(k: int, groups: int, rows: int, block_m: int, sms: int) -> int:
+    """K splits of the shrink for a step of ``rows`` rows (tiles of ``block_m``) and ``groups``
+    projections: enough that tiles x projections x splits reach ``SPLIT_TARGET_PER_SM`` programs
+    per SM, at least ``SPLIT_MIN_K`` of K each, the partials within ``SPLIT_ROW_BUDGET`` rows."""
+    tiles = max(1, triton.cdiv(rows, block_m))
+    want = triton.cdiv(SPLIT_TARGET_PER_SM * sms, groups * tiles)
+    return max(1, min(want, k // SPLIT_MIN_K, SPLIT_ROW_BUDGET // max(1, groups * rows)))
+
+
+def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, check: bool = True,
+                    accumulate: bool = True, split_k: int | None = None, n_blocks: int = 1,
+                    programs: tuple[int, int] = (0, 0), block_n: int | None = None, rank_chunk: int | None = None,
+                    warps: tuple[int | None, int | None] = (None, None),
+                    counters: torch.Tensor | None = None) -> None:
+    """``outs[g]`` (+)= the prefill rows' LoRA of projection g (``segment_lora_add``'s contract;
+    ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
+    ``shrink_split``); ``n_blocks``: column blocks per expand item; ``programs``: programs per SM
+    of the shrink and the expand (0: a program per item of the table, those past the live tiles
+    exiting at once); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
+    both (None: the device's defaults); ``counters``: ``[tiles * G]`` int32 zeros the shrink
+    leaves zero (None: allocated zeroed here)."""
+    if check:
+        lora.check(x, outs)
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"the Triton path needs CUDA tensors (got x on {x.device}); set TRITON_INTERPRET=1 "
+                           "on the CPU")
+    for kernel, grid, args, meta in splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k,
+                                                    n_blocks=n_blocks, programs=programs, block_n=block_n,
+                                                    rank_chunk=rank_chunk, warps=warps, counters=counters):
+        kernel[grid](*args, **meta)
+
+
+def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, accumulate: bool = True,
+                    split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] = (0, 0),
+                    block_n: int | None = None, rank_chunk: int | None = None,
+                    warps: tuple[int | None, int | None] = (None, None),
+                    counters: torch.Tensor | None = None) -> list[tuple]:
+    """``(kernel, grid, args, keywords)`` of ``splitk_lora_add``: the shrink, then one expand per
+    projection (none for an empty table). Allocates the partials (and the counters if None)."""
+    n_tiles = lora.tiles.shape[1]
+    if n_tiles == 0:
+        return []
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cuda = x.is_cuda
+    g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
+    block_m, width = lora.block_m, lora.block_r
+    chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
+    block_k = 64 if cuda else 16
+    sms = sm_count(x.device)
+    split = shrink_split(k, g, rows, block_m, sms) if split_k is None else split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty split: each must arrive at the counter
+    s = torch.empty(split, g, rows, width, dtype=torch.float32, device=x.device)
+    if counters is None:
+        counters = torch.zeros(n_tiles * g, dtype=torch.int32, device=x.device)
+    elif counters.numel() < n_tiles * g or counters.dtype != torch.int32:
+        raise ValueError(f"counters must hold {n_tiles * g} int32 zeros; got {counters.numel()} {counters.dtype}")
+    precision = "tf32" if cuda and x.dtype != torch.float32 else "ieee"
+    live = lora.live
+    live_arg = live if live is not None else lora.tiles  # (never read without HAS_LIVE)
+
+    def grid_of(items: int, per_sm: int) -> tuple[int]:
+        return (max(1, items if per_sm == 0 else min(items, per_sm * sms)),)
+
+    launches = [(_splitk_shrink_kernel, grid_of(n_tiles * g * split, programs[0]),
+                 (x, lora.pool, lora.tiles, live_arg, lora.a_offsets, lora.ranks, s, counters, k, k_per_split, split,
+                  x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
+                  width, g),
+                 dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
+                      HAS_LIVE=live is not None, **({} if warps[0] is None else {"num_warps": warps[0]})))]
+    bn = block_n or (BLOCK_N_CUDA if cuda else BLOCK_N_INTERPRETER)
+    for i, y in enumerate(outs):
+        n = y.shape[1]
+        per = max(1, min(n_blocks, triton.cdiv(n, bn)))
+        n_col = triton.cdiv(n, bn * per)
+        launches.append((_splitk_expand_kernel, grid_of(n_tiles * n_col, programs[1]),
+                         (s[0, i], lora.pool, lora.tiles, live_arg, lora.b_offsets[i], lora.ranks[i], lora.scales, y,
+                          n, y.stride(0), n_tiles, n_col, per, width),
+                         dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,
+                              ACCUMULATE=accumulate, HAS_LIVE=live is not None,
+                              **({} if warps[1] is None else {"num_warps": warps[1]}))))
+    return launches

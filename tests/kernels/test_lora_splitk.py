@@ -1,0 +1,150 @@
+"""The prefill LoRA's split-K form (``lora_splitk``): K split by the step's size with the splits
+summed in the shrink, against the torch reference.
+
+Interpreter runs on the CPU in fp32 / fp16 (bf16 on the GPU only); tolerances as in
+test_lora_segments.py (fp32 1e-5: summation order only; fp16 2e-3: one rounding into fp16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels import lora_splitk
+from lightning_lorafusion.kernels.lora_segments import (segment_kernel_variants, segment_lora_add,
+                                                        segment_lora_reference, segment_tiles)
+from lightning_lorafusion.kernels.lora_splitk import shrink_split, splitk_lora_add
+from test_lora_segments import GPU_ONLY, TOL, make_lora, make_pool, rel_err
+
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)]
+
+
+def group(dtype, device, seed=3, k=70):
+    ns = (48, 16, 16)
+    ranks = [(8, 8, 8), (20, 20, 20), (3, 0, 3), (16, 16, 16), (0, 0, 0), (37, 37, 37)]
+    pool, a_off, b_off, rk, _ = make_pool(ranks, k, ns, dtype, device, seed=seed)
+    return k, ns, (pool, a_off, b_off, rk, torch.tensor([2.0, 0.125, 1.0, 0.5, 1.0, 0.25]))
+
+
+def with_live(lora, count: int):
+    return dataclasses.replace(lora, live=torch.tensor([count], dtype=torch.int32, device=lora.pool.device))
+
+
+def run_both(x, lora, ns, base, *, accumulate=True, **opts):
+    got, want = base.clone(), base.clone()
+    splitk_lora_add(x, lora, list(got.split(ns, dim=1)), accumulate=accumulate, **opts)
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)), accumulate=accumulate)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 3, 5])
+def test_splitk_matches_the_reference_mixed_ranks_one_row_segments_and_padding(device, dtype, split_k):
+    """Segments of 1 row and many tiles, ranks 3-37 (a rank above the 16-wide chunk, a rank-0
+    projection, an adapter of rank 0 everywhere), padding tiles; rows outside every segment and
+    the untargeted projection untouched; the counters left zero."""
+    k, ns, tables = group(dtype, device, k=97)
+    segments = [(0, 1, 5), (1, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 92, 4), (92, 107, 5)]
+    lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=3)
+    x = torch.randn(110, k, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    base = torch.randn(110, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    counters = torch.zeros(lora.tiles.shape[1] * 3, dtype=torch.int32, device=device)
+    got, want = run_both(x, lora, ns, base, split_k=split_k, counters=counters)
+    assert rel_err(got - base, want - base) < TOL[dtype]
+    assert torch.equal(got[40:44], base[40:44]) and torch.equal(got[107:], base[107:])
+    assert torch.equal(got[44:45, 48:64], base[44:45, 48:64])  # adapter 2 has no k LoRA
+    assert torch.equal(got[90:92], base[90:92])  # adapter 4: rank 0 everywhere
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_splitk_write_first_over_a_covering_table(device, dtype):
+    """Write-first into NaN over a covering table (base rows in tiles of no adapter): every row
+    written, zeros where no LoRA, equal to the reference's write."""
+    k, ns, tables = group(dtype, device, seed=7)
+    rows = 120
+    segments = [(3, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 107, 5)]
+    tiles = segment_tiles(segments, 16, rows=rows)
+    lora = dataclasses.replace(make_lora(*tables[:4], tables[4], segments, 16),
+                               tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(device))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    base = torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device)
+    got, want = run_both(x, lora, ns, base, accumulate=False, split_k=2)
+    assert not got.isnan().any()
+    assert rel_err(got, want) < TOL[dtype]
+    assert not got[40:44].any() and not got[107:].any() and not got[:3].any()
+
+
+@pytest.mark.parametrize("programs", [(1, 1), (2, 3), (0, 0)])
+def test_splitk_walks_the_live_tiles_only_with_any_program_count(device, monkeypatch, programs):
+    """A table padded with 30 empty tiles, its live count on the device: 1-3 programs (per SM;
+    the interpreter counts 2 SMs) walk every item; tiles past the count are not run."""
+    k, ns, tables = group(torch.float32, device, seed=9)
+    segments = [(0, 1, 1), (1, 40, 0), (41, 42, 2), (42, 77, 3)]
+    lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=30)
+    n_live = len(segment_tiles(segments, 16))
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(10)).to(device)
+    base = torch.randn(80, sum(ns), generator=torch.Generator().manual_seed(11)).to(device)
+    got, want = run_both(x, with_live(lora, n_live), ns, base, programs=programs, split_k=3, n_blocks=2)
+    assert rel_err(got - base, want - base) < 1e-5
+    first = base.clone()
+    splitk_lora_add(x, with_live(lora, 1), list(first.split(ns, dim=1)), programs=programs, split_k=3)
+    assert torch.equal(first[1:], base[1:]) and not torch.equal(first[:1], base[:1])
+
+
+def test_splitk_is_deterministic_and_equal_for_any_program_count(device):
+    """The splits are summed in split order by whichever program arrives last: the same output
+    bit for bit whatever walks the items."""
+    k, ns, tables = group(torch.float32, device, seed=12, k=130)
+    lora = make_lora(*tables[:4], tables[4], [(0, 33, 1), (33, 60, 5)], 16)
+    x = torch.randn(60, k, generator=torch.Generator().manual_seed(13)).to(device)
+    base = torch.randn(60, sum(ns), generator=torch.Generator().manual_seed(14)).to(device)
+    outs = []
+    for programs in ((0, 0), (1, 1), (3, 2)):
+        got = base.clone()
+        splitk_lora_add(x, lora, list(got.split(ns, dim=1)), programs=programs, split_k=4)
+        outs.append(got)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_empty_table_and_empty_adapters_do_nothing(device):
+    k, ns, tables = group(torch.float32, device)
+    x = torch.randn(20, k, device=device)
+    base = torch.randn(20, sum(ns), device=device)
+    for segments in ([], [(0, 20, 4)]):  # no tile; one adapter of rank 0 on every projection
+        got = base.clone()
+        splitk_lora_add(x, make_lora(*tables[:4], tables[4], segments, 16), list(got.split(ns, dim=1)))
+        assert torch.equal(got, base)
+
+
+def test_split_count_follows_the_step_size():
+    """Few tiles: K split up to SPLIT_MIN_K per split; many: the target reached with few splits;
+    the partials kept within the row budget."""
+    assert shrink_split(4096, 3, 256, 64, 132) == 16  # one 256-row prompt: 4 tiles x 3 x 16
+    assert shrink_split(14336, 1, 256, 64, 132) == 56
+    assert shrink_split(4096, 3, 8192, 64, 132) == 2
+    assert shrink_split(14336, 1, 8192, 64, 132) == 5
+    assert shrink_split(64, 3, 16, 16, 132) == 1
+    for rows in (1, 100, 3000, 8192, 32768):
+        s = shrink_split(14336, 3, rows, 64, 132)
+        assert s >= 1 and (s == 1 or s * 3 * rows <= lora_splitk.SPLIT_ROW_BUDGET)
+
+
+def test_splitk_via_segment_lora_add_and_one_compiled_variant_for_every_rank_mix(device):
+    """``form="splitk"`` dispatches here; the compile keys are the same for ranks 3-37 and one
+    rank, any table length, split count and live count."""
+    k, ns, tables = group(torch.float32, device)
+    x = torch.randn(60, k, device=device)
+    base = torch.randn(60, sum(ns), device=device)
+    lora = make_lora(*tables[:4], tables[4], [(0, 33, 1), (33, 60, 5)], 16)
+    got, want = base.clone(), base.clone()
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="splitk")
+    segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
+    assert rel_err(got - base, want - base) < 1e-5
+    outs = list(base.split(ns, dim=1))
+    keys = {segment_kernel_variants(x, make_lora(*tables[:4], tables[4], segs, 16, pad_tiles=pad, block_r=128),
+                                    outs, form="splitk", split_k=split)
+            for segs, pad, split in (([(0, 33, 1), (33, 60, 5)], 0, 1), ([(0, 5, 3)], 9, 4), ([(2, 60, 0)], 1, 2))}
+    assert len(keys) == 1
