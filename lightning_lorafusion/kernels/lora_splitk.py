@@ -221,15 +221,17 @@ def shrink_split(k: int, groups: int, rows: int, block_m: int, sms: int) -> int:
 def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, check: bool = True,
                     accumulate: bool = True, split_k: int | None = None, n_blocks: int = 1,
                     programs: tuple[int, int] = (0, 0), block_n: int | None = None, rank_chunk: int | None = None,
-                    warps: tuple[int | None, int | None] = (None, None),
+                    warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
+                    stages: tuple[int | None, int | None] = (None, None),
                     counters: torch.Tensor | None = None) -> None:
     """``outs[g]`` (+)= the prefill rows' LoRA of projection g (``segment_lora_add``'s contract;
     ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
     ``shrink_split``); ``n_blocks``: column blocks per expand item; ``programs``: programs per SM
     of the shrink and the expand (0: a program per item of the table, those past the live tiles
     exiting at once); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
-    both (None: the device's defaults); ``counters``: ``[tiles * G]`` int32 zeros the shrink
-    leaves zero (None: allocated zeroed here)."""
+    both (None: the device's defaults); ``warps`` / ``stages``: the shrink's and the expand's
+    ``num_warps`` / ``num_stages`` (None: Triton's); ``block_k``: the shrink's K block;
+    ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: allocated zeroed here)."""
     if check:
         lora.check(x, outs)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -237,14 +239,16 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                            "on the CPU")
     for kernel, grid, args, meta in splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k,
                                                     n_blocks=n_blocks, programs=programs, block_n=block_n,
-                                                    rank_chunk=rank_chunk, warps=warps, counters=counters):
+                                                    rank_chunk=rank_chunk, warps=warps, block_k=block_k,
+                                                    stages=stages, counters=counters):
         kernel[grid](*args, **meta)
 
 
 def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, accumulate: bool = True,
                     split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] = (0, 0),
                     block_n: int | None = None, rank_chunk: int | None = None,
-                    warps: tuple[int | None, int | None] = (None, None),
+                    warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
+                    stages: tuple[int | None, int | None] = (None, None),
                     counters: torch.Tensor | None = None) -> list[tuple]:
     """``(kernel, grid, args, keywords)`` of ``splitk_lora_add``: the shrink, then one expand per
     projection (none for an empty table). Allocates the partials (and the counters if None)."""
@@ -256,7 +260,7 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, width = lora.block_m, lora.block_r
     chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
-    block_k = 64 if cuda else 16
+    block_k = block_k or (64 if cuda else 16)
     sms = sm_count(x.device)
     split = shrink_split(k, g, rows, block_m, sms) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -278,7 +282,7 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                   x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
                   width, g),
                  dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
-                      HAS_LIVE=live is not None, **({} if warps[0] is None else {"num_warps": warps[0]})))]
+                      HAS_LIVE=live is not None, **_options(warps[0], stages[0])))]
     bn = block_n or (BLOCK_N_CUDA if cuda else BLOCK_N_INTERPRETER)
     for i, y in enumerate(outs):
         n = y.shape[1]
@@ -289,5 +293,9 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                           n, y.stride(0), n_tiles, n_col, per, width),
                          dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,
                               ACCUMULATE=accumulate, HAS_LIVE=live is not None,
-                              **({} if warps[1] is None else {"num_warps": warps[1]}))))
+                              **_options(warps[1], stages[1]))))
     return launches
+
+
+def _options(warps: int | None, stages: int | None) -> dict:
+    return {**({} if warps is None else {"num_warps": warps}), **({} if stages is None else {"num_stages": stages})}
