@@ -291,9 +291,10 @@ class TenantsBench:
         read-added after the product; that mode's mixed-step pieces are built before the run, not
         timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step),
         "base-pieces" (steps none of whose rows has an adapter run the LoRA pieces, their LoRA
-        kernels on empty tables) and "table-grids" (the prefill LoRA's grids over the whole padded
-        table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
-        graphs in the report's "pieces_builds")."""
+        kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
+        table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
+        kernels instead of the default form, ``ModelRunner.prefill_lora_form``), the pieces
+        rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -303,10 +304,13 @@ class TenantsBench:
         write = "off" if "prefill-lora" in old else engine.config.tuning.prefill_lora_write
         runner = engine.runner
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
-        if runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values()):
+        form = "segments" if "prefill-form" in old else None
+        if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
+                or runner.prefill_lora_form != form):
             with engine._step_lock:
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
+                runner.prefill_lora_form = form
                 if self.args.warm_up == "on":
                     with timer(self.device) as t:
                         runner.build_mixed_pieces()
@@ -508,14 +512,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl")),
+                                              "decode-lora", "pdl", "prefill-form")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
                          "the step), base-pieces (base-only mixed steps through the LoRA pieces), table-grids "
                          "(the prefill LoRA's grids over the whole padded table), decode-lora (the decode "
                          "LoRA's blocks before the few-rows ones), pdl (the decode LoRA without programmatic "
-                         "dependent launch); default %(default)s")
+                         "dependent launch), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
+                         "default form); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

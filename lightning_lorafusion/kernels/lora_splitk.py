@@ -42,6 +42,11 @@ SPLIT_TARGET_PER_SM = 4
 SPLIT_ROW_BUDGET = 4 * 3 * 4096
 # SMs assumed off CUDA (the interpreter), so that small test steps still split K
 INTERPRETER_SMS = 2
+# programs per SM of the shrink and the expand on CUDA (0: a program per item of the table, those
+# past the live tiles exiting at once); in the interpreter, which runs programs one by one in
+# Python, a few programs walk the items instead
+PROGRAMS_PER_SM = (0, 0)
+PROGRAMS_PER_SM_INTERPRETER = (2, 2)
 # the expand's column block and rank chunk on CUDA / in the interpreter
 BLOCK_N_CUDA, BLOCK_N_INTERPRETER = 128, 32
 RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
@@ -220,7 +225,7 @@ def shrink_split(k: int, groups: int, rows: int, block_m: int, sms: int) -> int:
 
 def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, check: bool = True,
                     accumulate: bool = True, split_k: int | None = None, n_blocks: int = 1,
-                    programs: tuple[int, int] = (0, 0), block_n: int | None = None, rank_chunk: int | None = None,
+                    programs: tuple[int, int] | None = None, block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
                     stages: tuple[int | None, int | None] = (None, None),
                     counters: torch.Tensor | None = None) -> None:
@@ -228,10 +233,11 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
     ``shrink_split``); ``n_blocks``: column blocks per expand item; ``programs``: programs per SM
     of the shrink and the expand (0: a program per item of the table, those past the live tiles
-    exiting at once); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
+    exiting at once; None: ``PROGRAMS_PER_SM``, in the interpreter ``PROGRAMS_PER_SM_INTERPRETER``); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
     both (None: the device's defaults); ``warps`` / ``stages``: the shrink's and the expand's
     ``num_warps`` / ``num_stages`` (None: Triton's); ``block_k``: the shrink's K block;
-    ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: allocated zeroed here)."""
+    ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: ``lora.counters``, or
+    allocated zeroed here)."""
     if check:
         lora.check(x, outs)
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -245,7 +251,7 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
 
 
 def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, accumulate: bool = True,
-                    split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] = (0, 0),
+                    split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] | None = None,
                     block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
                     stages: tuple[int | None, int | None] = (None, None),
@@ -262,10 +268,13 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
     block_k = block_k or (64 if cuda else 16)
     sms = sm_count(x.device)
+    if programs is None:
+        programs = PROGRAMS_PER_SM if cuda else PROGRAMS_PER_SM_INTERPRETER
     split = shrink_split(k, g, rows, block_m, sms) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty split: each must arrive at the counter
     s = torch.empty(split, g, rows, width, dtype=torch.float32, device=x.device)
+    counters = lora.counters if counters is None else counters
     if counters is None:
         counters = torch.zeros(n_tiles * g, dtype=torch.int32, device=x.device)
     elif counters.numel() < n_tiles * g or counters.dtype != torch.int32:

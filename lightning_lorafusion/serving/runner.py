@@ -19,6 +19,7 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -28,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..kernels.lora_segments import FORMS
 from ..kernels.nf4 import nf4_decode_workspace
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
@@ -478,6 +480,21 @@ class ModelRunner:
         if (mode == "off") != (self._prefill_lora_write == "off"):  # the static tables' covering changes
             self._clear_pieces()
         self._prefill_lora_write = mode
+
+    @property
+    def prefill_lora_form(self) -> str | None:
+        """The prefill LoRA's Triton kernels (``lora_segments.FORMS``; None: ``DEFAULT_FORM``).
+        Settable between steps: the mixed-step pieces, which captured the other form's
+        launches, are dropped (rebuilt on first use or by ``build_mixed_pieces``)."""
+        return self.model.lora_form
+
+    @prefill_lora_form.setter
+    def prefill_lora_form(self, form: str | None) -> None:
+        if form is not None and form not in FORMS:
+            raise ValueError(f"prefill_lora_form={form!r}; allowed: None, {', '.join(FORMS)}")
+        if form != self.model.lora_form:
+            self._clear_pieces()
+            self.model = dataclasses.replace(self.model, lora_form=form)
 
     def _write_modes(self) -> list[bool]:
         """The ``PrefillLora.write`` values steps can take, the usual one first."""

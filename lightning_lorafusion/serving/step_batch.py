@@ -50,12 +50,16 @@ class PrefillLora:
     # [1] int32: the count of ``tiles``' leading tiles that hold rows (the rest padding), for the
     # kernels' live grids (``SegmentLora.live``; a captured mixed step's); None: every tile
     live: torch.Tensor | None = None
+    # int32 zeros, at least tiles x projections of a group: the split-K form's arrival counters,
+    # kept here so that a captured step launches no zeroing (``SegmentLora.counters``); None: per call
+    counters: torch.Tensor | None = None
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
         return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
                            b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
-                           segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live)
+                           segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live,
+                           counters=self.counters)
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
