@@ -48,6 +48,8 @@ VARIANTS = {
     "splitk-add": ("splitk", {}),
     "splitk-p8": ("splitk", {"programs": (8, 8)}),
     "splitk-p4": ("splitk", {"programs": (4, 4)}),
+    "splitk-pr": ("splitk", {"programs": (-1, -1)}),
+    "splitk-pr-nb2": ("splitk", {"programs": (-1, -1), "n_blocks": 2}),
     "splitk-nb2": ("splitk", {"n_blocks": 2}),
     "splitk-nb4": ("splitk", {"n_blocks": 4}),
     "splitk-bn64": ("splitk", {"block_n": 64}),

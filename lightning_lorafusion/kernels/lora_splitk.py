@@ -233,7 +233,8 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
     ``shrink_split``); ``n_blocks``: column blocks per expand item; ``programs``: programs per SM
     of the shrink and the expand (0: a program per item of the table, those past the live tiles
-    exiting at once; None: ``PROGRAMS_PER_SM``, in the interpreter ``PROGRAMS_PER_SM_INTERPRETER``); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
+    exiting at once; -1: a program per item of the tiles ``rows / block_m`` would fill, walking
+    further items if the live tiles are more; None: ``PROGRAMS_PER_SM``, in the interpreter ``PROGRAMS_PER_SM_INTERPRETER``); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
     both (None: the device's defaults); ``warps`` / ``stages``: the shrink's and the expand's
     ``num_warps`` / ``num_stages`` (None: Triton's); ``block_k``: the shrink's K block;
     ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: ``lora.counters``, or
@@ -283,10 +284,17 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     live = lora.live
     live_arg = live if live is not None else lora.tiles  # (never read without HAS_LIVE)
 
-    def grid_of(items: int, per_sm: int) -> tuple[int]:
-        return (max(1, items if per_sm == 0 else min(items, per_sm * sms)),)
+    row_tiles = min(n_tiles, triton.cdiv(rows, block_m))
 
-    launches = [(_splitk_shrink_kernel, grid_of(n_tiles * g * split, programs[0]),
+    def grid_of(per_tile: int, per_sm: int) -> tuple[int]:
+        items = n_tiles * per_tile
+        if per_sm == 0:
+            return (max(1, items),)
+        if per_sm < 0:  # a program per item of as many tiles as the rows fill (more live tiles: walked)
+            return (max(1, row_tiles * per_tile),)
+        return (max(1, min(items, per_sm * sms)),)
+
+    launches = [(_splitk_shrink_kernel, grid_of(g * split, programs[0]),
                  (x, lora.pool, lora.tiles, live_arg, lora.a_offsets, lora.ranks, s, counters, k, k_per_split, split,
                   x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
                   width, g),
@@ -297,7 +305,7 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
         n = y.shape[1]
         per = max(1, min(n_blocks, triton.cdiv(n, bn)))
         n_col = triton.cdiv(n, bn * per)
-        launches.append((_splitk_expand_kernel, grid_of(n_tiles * n_col, programs[1]),
+        launches.append((_splitk_expand_kernel, grid_of(n_col, programs[1]),
                          (s[0, i], lora.pool, lora.tiles, live_arg, lora.b_offsets[i], lora.ranks[i], lora.scales, y,
                           n, y.stride(0), n_tiles, n_col, per, width),
                          dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,

@@ -77,10 +77,11 @@ def test_splitk_write_first_over_a_covering_table(device, dtype):
     assert not got[40:44].any() and not got[107:].any() and not got[:3].any()
 
 
-@pytest.mark.parametrize("programs", [(1, 1), (2, 3), (0, 0)])
+@pytest.mark.parametrize("programs", [(1, 1), (2, 3), (0, 0), (-1, -1)])
 def test_splitk_walks_the_live_tiles_only_with_any_program_count(device, monkeypatch, programs):
     """A table padded with 30 empty tiles, its live count on the device: 1-3 programs (per SM;
-    the interpreter counts 2 SMs) walk every item; tiles past the count are not run."""
+    the interpreter counts 2 SMs) walk every item, or a program per item of the rows' tiles
+    (fewer than the live ones here: some walk two); tiles past the count are not run."""
     k, ns, tables = group(torch.float32, device, seed=9)
     segments = [(0, 1, 1), (1, 40, 0), (41, 42, 2), (42, 77, 3)]
     lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=30)
