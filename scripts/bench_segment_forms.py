@@ -65,6 +65,9 @@ VARIANTS = {
     "splitk-k128": ("splitk", {"block_k": 128}),
     "splitk-st2": ("splitk", {"stages": (2, 2)}),
     "splitk-st4": ("splitk", {"stages": (4, 4)}),
+    "splitk-est1": ("splitk", {"stages": (None, 1)}),
+    "splitk-hold": ("splitk", {"hold": True}),
+    "splitk-hold-nb4": ("splitk", {"hold": True, "n_blocks": 4}),
     # the shrink launch alone (what the expand costs: the full variant's time minus this)
     "segments-shrink": ("segments", {}),
     "splitk-shrink": ("splitk", {}),
@@ -96,7 +99,7 @@ def build_case(args, rows: int, mix: str, dev: torch.device, dtype: torch.dtype)
         pos, i = end, i + 1
     present = sorted({a for _, _, a in segments})
     rank_of = [ranks[a % len(ranks)] for a in range(n_ad)]
-    # the pool: per adapter and projection, A [r, K] then Bt [r, N]
+    # the pool: per adapter and projection, A [r, K] then Bt [r, N] (K, N multiples of 16)
     sizes = [sum(rank_of[a] * (k + n) for _, ns, k in groups for n in ns) for a in range(n_ad)]
     pool = (torch.randn(sum(sizes) + 64, generator=g, device=dev, dtype=torch.float32) * 0.05).to(dtype)
     block_m = 64 if dev.type == "cuda" else 16
@@ -123,7 +126,8 @@ def build_case(args, rows: int, mix: str, dev: torch.device, dtype: torch.dtype)
         rk = torch.tensor([[offs[(name, p, a)][2] for a in range(n_ad)] for p in range(len(ns))], dtype=torch.int32)
         loras[name] = SegmentLora(pool=pool, tiles=tiles_t, a_offsets=a_off.to(dev), b_offsets=b_off.to(dev),
                                   ranks=rk.to(dev), scales=scales, segments=tuple(segments), block_m=block_m,
-                                  block_r=MAX_RANK if args.graph_tables else 64, live=live)
+                                  block_r=MAX_RANK if args.graph_tables else 64, live=live,
+                                  factor_align=16)  # (every offset below is a multiple of 16, as in the pool)
         inputs[name] = torch.randn(rows, k, generator=g, device=dev, dtype=torch.float32).to(dtype)
         outs[name] = torch.empty(rows, sum(ns), dtype=dtype, device=dev)
     elem = torch.finfo(dtype).bits // 8

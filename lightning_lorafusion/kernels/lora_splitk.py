@@ -13,8 +13,8 @@ variant for every rank mix, padding tiles do nothing, nothing read on the host).
   projection) that finishes last (a counter per (tile, projection), ``atomic_add``; the sum is
   in split order whatever the arrival order, so the result is deterministic): the expand reads
   one S instead of every split's partial for each of its column blocks;
-- the expand's item is (tile, ``n_blocks`` column blocks of ``BLOCK_N``), the tile's first rank
-  chunk of S loaded once and held over its column blocks.
+- the expand's item is (tile, ``n_blocks`` column blocks of ``BLOCK_N``), S read once per block
+  (or its first rank chunk held over the blocks, ``hold``).
 
 Both launches walk items ``pid, pid + P, ...`` over the live tiles (``SegmentLora.live`` or the
 whole table), ``P`` a runtime choice (a program per item, or a fixed number per SM).
@@ -47,6 +47,9 @@ INTERPRETER_SMS = 2
 # Python, a few programs walk the items instead
 PROGRAMS_PER_SM = (0, 0)
 PROGRAMS_PER_SM_INTERPRETER = (2, 2)
+# the expand holds S's first rank chunk in registers over its column blocks (two dot sites:
+# twice the shared memory of reading every chunk per block)
+HOLD_S = False
 # the expand's column block and rank chunk on CUDA / in the interpreter
 BLOCK_N_CUDA, BLOCK_N_INTERPRETER = 128, 32
 RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
@@ -62,6 +65,7 @@ def _shrink_item(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, t, g, sp, n_split, K, k_per_split, x_stride,
     n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FACTOR_ALIGN: tl.constexpr,
 ):
     """Partial[sp, g, rows of tile t, :rank] = x[rows, sp's K range] A_g[:rank, range]^T (fp32);
     the last of the tile's n_split programs for g sums the partials in split order into
@@ -73,12 +77,13 @@ def _shrink_item(
     adc = tl.maximum(ad, 0)
     rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
     if (end > start) & (rank > 0):
-        a_off = tl.load(a_off_ptr + g * a_g_stride + adc)
+        a_off = tl.multiple_of(tl.load(a_off_ptr + g * a_g_stride + adc), FACTOR_ALIGN)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
-        k_lo = sp * k_per_split
+        k_lo = tl.multiple_of(sp * k_per_split, BLOCK_K)  # (k_per_split: a multiple of BLOCK_K)
         k_hi = tl.minimum(k_lo + k_per_split, K)
-        rows = s_ptr + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
+        # S's width and the projections' stride are multiples of 16 (vector stores and loads)
+        rows = s_ptr + tl.multiple_of(g * s_g_stride, 16) + tl.multiple_of(offs_m.to(tl.int64) * s_width, 16)[:, None]
         for r0 in range(0, rank, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_ok = offs_r < rank
@@ -113,7 +118,7 @@ def _splitk_shrink_kernel(
     x_ptr, pool_ptr, tiles_ptr, live_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, K, k_per_split, n_split, x_stride,
     n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width, G,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_LIVE: tl.constexpr,
+    HAS_LIVE: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """Items (tile, K split, projection), projection fastest (the programs reading one x block
     run side by side), walked ``pid, pid + P, ...`` over the live tiles."""
@@ -128,7 +133,8 @@ def _splitk_shrink_kernel(
         g = rest - sp * G
         _shrink_item(x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, cnt_ptr, t, g, sp, n_split, K,
                      k_per_split, x_stride, n_tiles, a_g_stride, r_g_stride, s_g_stride, s_split_stride, s_width,
-                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION)
+                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
+                     FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @triton.jit
@@ -136,12 +142,13 @@ def _expand_item(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, c, n_blocks, N, out_stride, n_tiles,
     s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HOLD_S: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """out[rows of tile t, column blocks c * n_blocks ...] (+)= scale * S[rows, :rank] Bt[:rank, cols]
-    (fp32 sum, one rounding). S's first rank chunk is loaded once and held over the column
-    blocks; further chunks (ranks above BLOCK_R) are read per block. Not ACCUMULATE (write-first):
-    the delta is written, zeros on tiles of rank 0 or adapter -1."""
+    (fp32 sum, one rounding), the rank in chunks of BLOCK_R. HOLD_S: S's first rank chunk is
+    loaded once and held over the column blocks (further chunks read per block); else every
+    chunk is read per block (one dot in the loop: half the shared memory). Not ACCUMULATE
+    (write-first): the delta is written, zeros on tiles of rank 0 or adapter -1."""
     start = tl.load(tiles_ptr + t)
     end = tl.load(tiles_ptr + n_tiles + t)
     ad = tl.load(tiles_ptr + 2 * n_tiles + t)
@@ -152,21 +159,27 @@ def _expand_item(
     if ACCUMULATE:
         live = live & (rank > 0)
     if live:
-        b_off = tl.load(b_off_ptr + adc, mask=rank > 0, other=0)
+        b_off = tl.multiple_of(tl.load(b_off_ptr + adc, mask=rank > 0, other=0), FACTOR_ALIGN)
         scale = tl.load(scale_ptr + adc, mask=rank > 0, other=0.0)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
-        s_rows = s_ptr + offs_m[:, None].to(tl.int64) * s_width
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        s0 = tl.load(s_rows + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        s_rows = s_ptr + tl.multiple_of(offs_m.to(tl.int64) * s_width, 16)[:, None]
+        if HOLD_S:
+            offs_r = tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            s0 = tl.load(s_rows + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
         for j in range(0, n_blocks):
             offs_n = (c * n_blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
-            bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            acc = tl.dot(s0, bt, input_precision=DOT_PRECISION)
-            for r0 in range(BLOCK_R, rank, BLOCK_R):
+            if HOLD_S:
+                bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+                acc = tl.dot(s0, bt, input_precision=DOT_PRECISION)
+                r_next = BLOCK_R
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                r_next = 0
+            for r0 in range(r_next, rank, BLOCK_R):
                 offs_q = r0 + tl.arange(0, BLOCK_R)
                 q_ok = offs_q < rank
                 s = tl.load(s_rows + offs_q[None, :], mask=m_ok[:, None] & q_ok[None, :], other=0.0)
@@ -187,7 +200,7 @@ def _splitk_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, n_col,
     n_blocks, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HAS_LIVE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HAS_LIVE: tl.constexpr, HOLD_S: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """Items (column group, tile), tile fastest (neighbouring programs share an adapter's Bt
     block), walked ``pid, pid + P, ...`` over the live tiles."""
@@ -199,7 +212,8 @@ def _splitk_expand_kernel(
         t = item - c * n_live
         _expand_item(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, c, n_blocks, N,
                      out_stride, n_tiles, s_width, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N,
-                     DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+                     DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, HOLD_S=HOLD_S,
+                     FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @functools.lru_cache(maxsize=8)
@@ -227,7 +241,7 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                     accumulate: bool = True, split_k: int | None = None, n_blocks: int = 1,
                     programs: tuple[int, int] | None = None, block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
-                    stages: tuple[int | None, int | None] = (None, None),
+                    stages: tuple[int | None, int | None] = (None, None), hold: bool = HOLD_S,
                     counters: torch.Tensor | None = None) -> None:
     """``outs[g]`` (+)= the prefill rows' LoRA of projection g (``segment_lora_add``'s contract;
     ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
@@ -237,6 +251,7 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     further items if the live tiles are more; None: ``PROGRAMS_PER_SM``, in the interpreter ``PROGRAMS_PER_SM_INTERPRETER``); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
     both (None: the device's defaults); ``warps`` / ``stages``: the shrink's and the expand's
     ``num_warps`` / ``num_stages`` (None: Triton's); ``block_k``: the shrink's K block;
+    ``hold``: the expand holds S's first rank chunk over its column blocks (``HOLD_S``);
     ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: ``lora.counters``, or
     allocated zeroed here)."""
     if check:
@@ -247,7 +262,7 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     for kernel, grid, args, meta in splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k,
                                                     n_blocks=n_blocks, programs=programs, block_n=block_n,
                                                     rank_chunk=rank_chunk, warps=warps, block_k=block_k,
-                                                    stages=stages, counters=counters):
+                                                    stages=stages, hold=hold, counters=counters):
         kernel[grid](*args, **meta)
 
 
@@ -255,7 +270,7 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                     split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] | None = None,
                     block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
-                    stages: tuple[int | None, int | None] = (None, None),
+                    stages: tuple[int | None, int | None] = (None, None), hold: bool = HOLD_S,
                     counters: torch.Tensor | None = None) -> list[tuple]:
     """``(kernel, grid, args, keywords)`` of ``splitk_lora_add``: the shrink, then one expand per
     projection (none for an empty table). Allocates the partials (and the counters if None)."""
@@ -299,7 +314,7 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                   x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
                   width, g),
                  dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
-                      HAS_LIVE=live is not None, **_options(warps[0], stages[0])))]
+                      HAS_LIVE=live is not None, FACTOR_ALIGN=lora.factor_align, **_options(warps[0], stages[0])))]
     bn = block_n or (BLOCK_N_CUDA if cuda else BLOCK_N_INTERPRETER)
     for i, y in enumerate(outs):
         n = y.shape[1]
@@ -309,7 +324,8 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                          (s[0, i], lora.pool, lora.tiles, live_arg, lora.b_offsets[i], lora.ranks[i], lora.scales, y,
                           n, y.stride(0), n_tiles, n_col, per, width),
                          dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,
-                              ACCUMULATE=accumulate, HAS_LIVE=live is not None,
+                              ACCUMULATE=accumulate, HAS_LIVE=live is not None, HOLD_S=hold,
+                              FACTOR_ALIGN=lora.factor_align,
                               **_options(warps[1], stages[1]))))
     return launches
 

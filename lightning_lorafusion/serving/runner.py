@@ -356,7 +356,8 @@ class ModelRunner:
         covering = self._prefill_lora_write != "off"
         write = covering and self._step_writes(sum(e - s for s, e, _ in segments), len(ids))
         lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
-                                   rows=len(ids) if covering else None, write=write) if segments else None
+                                   rows=len(ids) if covering else None, write=write,
+                                   factor_align=self.pool.factor_align) if segments else None
         up = tables.upload()
         batch = StepBatch(
             input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],

@@ -53,17 +53,20 @@ class PrefillLora:
     # int32 zeros, at least tiles x projections of a group: the split-K form's arrival counters,
     # kept here so that a captured step launches no zeroing (``SegmentLora.counters``); None: per call
     counters: torch.Tensor | None = None
+    # the adapters' matrices sit at multiples of this many elements (``UnifiedPool.factor_align``)
+    factor_align: int = 1
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
         return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
                            b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
                            segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live,
-                           counters=self.counters)
+                           counters=self.counters, factor_align=self.factor_align)
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
-                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False):
+                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False,
+                        factor_align: int = 1):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
     the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
     the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
@@ -86,7 +89,7 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
             tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
             block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None,
-            write=write)
+            write=write, factor_align=factor_align)
 
     if tables is device:
         return Queued(finish)

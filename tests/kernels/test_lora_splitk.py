@@ -149,3 +149,23 @@ def test_splitk_via_segment_lora_add_and_one_compiled_variant_for_every_rank_mix
                                     outs, form="splitk", split_k=split)
             for segs, pad, split in (([(0, 33, 1), (33, 60, 5)], 0, 1), ([(0, 5, 3)], 9, 4), ([(2, 60, 0)], 1, 2))}
     assert len(keys) == 1
+
+
+def test_factor_alignment_is_checked_and_an_aligned_pool_runs(device):
+    """``factor_align`` promises the offsets' alignment (vector loads on a GPU): 1-16, powers of
+    two; a pool laid out at multiples of 16 elements runs with 16."""
+    k, ns = 64, (32, 16)
+    lora = make_lora(*group(torch.float32, device)[2][:4], torch.ones(6), [(0, 5, 1)], 16)
+    x = torch.zeros(5, 70, device=device)
+    with pytest.raises(ValueError, match="factor_align"):
+        dataclasses.replace(lora, factor_align=3).check(x, [torch.zeros(5, n, device=device) for n in (48, 16, 16)])
+    pool = torch.randn(16 + 2 * 8 * (k + sum(ns)), generator=torch.Generator().manual_seed(20)).to(device)
+    offs = torch.tensor([[16, 16 + 8 * (k + ns[0])], [16 + 8 * k, 16 + 8 * (2 * k + ns[0])]], dtype=torch.int64)
+    aligned = dataclasses.replace(
+        make_lora(pool, offs[0:1].T.reshape(2, 1).to(device), offs[1:2].T.reshape(2, 1).to(device),
+                  torch.full((2, 1), 8, dtype=torch.int32, device=device), torch.ones(1), [(0, 30, 0)], 16),
+        factor_align=16)
+    x = torch.randn(30, k, generator=torch.Generator().manual_seed(21)).to(device)
+    base = torch.randn(30, sum(ns), generator=torch.Generator().manual_seed(22)).to(device)
+    got, want = run_both(x, aligned, ns, base, split_k=2)
+    assert rel_err(got - base, want - base) < 1e-5
