@@ -66,6 +66,9 @@ VARIANTS = {
     "splitk-st2": ("splitk", {"stages": (2, 2)}),
     "splitk-st4": ("splitk", {"stages": (4, 4)}),
     "splitk-est1": ("splitk", {"stages": (None, 1)}),
+    "splitk-est1-bn64": ("splitk", {"stages": (None, 1), "block_n": 64}),
+    "splitk-est1-nb4": ("splitk", {"stages": (None, 1), "n_blocks": 4}),
+    "splitk-est1-pr": ("splitk", {"stages": (None, 1), "programs": (-1, -1)}),
     "splitk-hold": ("splitk", {"hold": True}),
     "splitk-hold-nb4": ("splitk", {"hold": True, "n_blocks": 4}),
     # the shrink launch alone (what the expand costs: the full variant's time minus this)
