@@ -60,6 +60,7 @@ VARIANTS = {
     "splitk-ew8": ("splitk", {"warps": (None, 8)}),
     "splitk-sw8": ("splitk", {"warps": (8, None)}),
     "splitk-s4": ("splitk", {"split_k": 4}),
+    "splitk-s8": ("splitk", {"split_k": 8}),
     "splitk-s1": ("splitk", {"split_k": 1}),
     "splitk-nb4-s4": ("splitk", {"n_blocks": 4, "split_k": 4}),
     "splitk-k128": ("splitk", {"block_k": 128}),
