@@ -314,9 +314,11 @@ class TenantsBench:
                 if self.args.warm_up == "on":
                     with timer(self.device) as t:
                         runner.build_mixed_pieces()
-                    log(f"mixed-step pieces of prefill_lora_write={write}, {lora} built in {t.seconds:.1f} s")
+                    log(f"mixed-step pieces of prefill_lora_write={write}, {lora}, form {form or 'default'} built in "
+                        f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
-                        {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
+                        {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
+                         "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
     def set_decode_lora(self, old: set[str]) -> None:
@@ -560,7 +562,8 @@ def main(argv=None) -> dict:
               f"captures {w['captures']}")
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
-              f"{b['base_pieces']}, live_grids={b['live_grids']}) built in {b['seconds']:.1f} s, "
+              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}) "
+              f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))
