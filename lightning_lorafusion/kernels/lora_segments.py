@@ -301,8 +301,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
         return
     if form == "splitk":
-        splitk_lora_add(x, lora, outs, check=check, accumulate=accumulate, split_k=split_k,
-                        n_blocks=1 if n_blocks is None else n_blocks, warps=warps)
+        splitk_lora_add(x, lora, outs, check=check, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
+                        warps=warps)
         return
     if check:
         lora.check(x, outs)
@@ -392,8 +392,8 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
                                             lora_tiles._EXPAND_UNSPECIALISED)
     elif form == "splitk":
-        launches = splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k,
-                                   n_blocks=1 if n_blocks is None else n_blocks, warps=warps)
+        launches = splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
+                                   warps=warps)
         shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
                                             lora_splitk._EXPAND_UNSPECIALISED)
     else:

@@ -50,6 +50,9 @@ PROGRAMS_PER_SM_INTERPRETER = (2, 2)
 # the expand holds S's first rank chunk in registers over its column blocks (two dot sites:
 # twice the shared memory of reading every chunk per block)
 HOLD_S = False
+# column blocks per expand item; num_stages of the shrink and the expand (None: Triton's)
+EXPAND_BLOCKS = 1
+STAGES = (None, None)
 # the expand's column block and rank chunk on CUDA / in the interpreter
 BLOCK_N_CUDA, BLOCK_N_INTERPRETER = 128, 32
 RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
@@ -238,20 +241,20 @@ def shrink_split(k: int, groups: int, rows: int, block_m: int, sms: int) -> int:
 
 
 def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, check: bool = True,
-                    accumulate: bool = True, split_k: int | None = None, n_blocks: int = 1,
+                    accumulate: bool = True, split_k: int | None = None, n_blocks: int | None = None,
                     programs: tuple[int, int] | None = None, block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
-                    stages: tuple[int | None, int | None] = (None, None), hold: bool = HOLD_S,
+                    stages: tuple[int | None, int | None] | None = None, hold: bool | None = None,
                     counters: torch.Tensor | None = None) -> None:
     """``outs[g]`` (+)= the prefill rows' LoRA of projection g (``segment_lora_add``'s contract;
     ``accumulate=False`` writes first). ``split_k``: the shrink's K splits (None:
-    ``shrink_split``); ``n_blocks``: column blocks per expand item; ``programs``: programs per SM
+    ``shrink_split``); ``n_blocks``: column blocks per expand item (None: ``EXPAND_BLOCKS``); ``programs``: programs per SM
     of the shrink and the expand (0: a program per item of the table, those past the live tiles
     exiting at once; -1: a program per item of the tiles ``rows / block_m`` would fill, walking
     further items if the live tiles are more; None: ``PROGRAMS_PER_SM``, in the interpreter ``PROGRAMS_PER_SM_INTERPRETER``); ``block_n`` / ``rank_chunk``: the expand's column block and the rank chunk of
     both (None: the device's defaults); ``warps`` / ``stages``: the shrink's and the expand's
-    ``num_warps`` / ``num_stages`` (None: Triton's); ``block_k``: the shrink's K block;
-    ``hold``: the expand holds S's first rank chunk over its column blocks (``HOLD_S``);
+    ``num_warps`` / ``num_stages`` (None: Triton's; ``stages`` None: ``STAGES``); ``block_k``: the shrink's K block;
+    ``hold``: the expand holds S's first rank chunk over its column blocks (None: ``HOLD_S``);
     ``counters``: ``[tiles * G]`` int32 zeros the shrink leaves zero (None: ``lora.counters``, or
     allocated zeroed here)."""
     if check:
@@ -267,10 +270,11 @@ def splitk_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
 
 
 def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, accumulate: bool = True,
-                    split_k: int | None = None, n_blocks: int = 1, programs: tuple[int, int] | None = None,
+                    split_k: int | None = None, n_blocks: int | None = None,
+                    programs: tuple[int, int] | None = None,
                     block_n: int | None = None, rank_chunk: int | None = None,
                     warps: tuple[int | None, int | None] = (None, None), block_k: int | None = None,
-                    stages: tuple[int | None, int | None] = (None, None), hold: bool = HOLD_S,
+                    stages: tuple[int | None, int | None] | None = None, hold: bool | None = None,
                     counters: torch.Tensor | None = None) -> list[tuple]:
     """``(kernel, grid, args, keywords)`` of ``splitk_lora_add``: the shrink, then one expand per
     projection (none for an empty table). Allocates the partials (and the counters if None)."""
@@ -286,6 +290,9 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     sms = sm_count(x.device)
     if programs is None:
         programs = PROGRAMS_PER_SM if cuda else PROGRAMS_PER_SM_INTERPRETER
+    n_blocks = EXPAND_BLOCKS if n_blocks is None else n_blocks
+    stages = STAGES if stages is None else stages
+    hold = HOLD_S if hold is None else hold
     split = shrink_split(k, g, rows, block_m, sms) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty split: each must arrive at the counter
