@@ -103,6 +103,12 @@ class ModelRunner:
         # needs; settable on the CPU to test
         self.pad_mixed = False
         self.token_buckets = graph_buckets(max_batched_tokens)
+        # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
+        # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
+        # in max_decode_rows segments, per module
+        self.prefill_counters = torch.zeros(
+            MixedPieces.max_tiles(max_batched_tokens, self.segment_block_m, max_decode_rows, covering=True)
+            * len(ALL_TARGET_MODULES), dtype=torch.int32, device=self.device)
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
@@ -357,7 +363,8 @@ class ModelRunner:
         write = covering and self._step_writes(sum(e - s for s, e, _ in segments), len(ids))
         lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
                                    rows=len(ids) if covering else None, write=write,
-                                   factor_align=self.pool.factor_align) if segments else None
+                                   factor_align=self.pool.factor_align,
+                                   counters=self.prefill_counters) if segments else None
         up = tables.upload()
         batch = StepBatch(
             input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],

@@ -66,17 +66,21 @@ class PrefillLora:
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
                         device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False,
-                        factor_align: int = 1):
+                        factor_align: int = 1, counters: torch.Tensor | None = None):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
     the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
     the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
     pool). ``device``: a device -> the ``PrefillLora``, one copy per table; or a step's table
     queue (``staging.StagedTables`` / ``SeparateTables``) -> a ``Queued`` whose ``finish(uploaded)``
-    gives it once the queue is uploaded."""
+    gives it once the queue is uploaded. ``factor_align``: the pool's (``UnifiedPool.factor_align``);
+    ``counters``: kept int32 zeros for the split-K form, used if they hold the step's tiles x
+    ``len(ALL_TARGET_MODULES)`` (else that form allocates its own per call)."""
     from .staging import SeparateTables  # (staging imports nothing of this module)
 
     tables = SeparateTables(device) if isinstance(device, (torch.device, str)) else device
     tiles = segment_tiles(segments, block_m, rows=rows)
+    if counters is not None and counters.numel() < len(tiles) * len(ALL_TARGET_MODULES):
+        counters = None
     offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
     ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
     queued = (tables.add(np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T, torch.int32),  # [3, tiles]
@@ -89,7 +93,7 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
             tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
             block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None,
-            write=write, factor_align=factor_align)
+            write=write, factor_align=factor_align, counters=counters)
 
     if tables is device:
         return Queued(finish)

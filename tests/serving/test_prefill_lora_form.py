@@ -29,7 +29,10 @@ def _run(engine) -> dict[str, list[int]]:
     return tokens
 
 
-def test_splitk_pieces_give_the_references_tokens(make_engine, monkeypatch):
+@pytest.mark.parametrize("pieces", ["eager", "off"])
+def test_splitk_gives_the_references_tokens(make_engine, monkeypatch, pieces):
+    """As mixed-step pieces (padded tables, live counts, their counters) and as eager steps (the
+    runner's counters)."""
     forms = []
     real = lora_segments.segment_lora_add
 
@@ -40,14 +43,16 @@ def test_splitk_pieces_give_the_references_tokens(make_engine, monkeypatch):
     monkeypatch.setattr(paged_forward, "segment_lora_add", spy)
     runs = {}
     for backend in ("torch", "triton"):
-        engine = make_engine(num_pages=64, page_size=4, prefill_lora_write="on", mixed_graphs="eager",
+        engine = make_engine(num_pages=64, page_size=4, prefill_lora_write="on", mixed_graphs=pieces,
                              async_decode="off", backend=backend, decode_backend="torch", prefix_caching=False)
         engine.runner.prefill_lora_form = "splitk"
         runs[backend] = _run(engine)
         if backend == "triton":
             built = [p for by_rows in engine.runner._pieces_by_mode.values() for p in by_rows[0].values()
                      if p.lora is not None]
-            assert built and all(not p.lora.counters.any() for p in built)  # left zero by the shrinks
+            assert bool(built) == (pieces == "eager")
+            assert all(not p.lora.counters.any() for p in built)  # left zero by the shrinks
+            assert not engine.runner.prefill_counters.any()
     assert ("triton", "splitk") in forms
     assert runs["triton"] == runs["torch"] and len(runs["torch"]) == len(PROMPTS)
 
