@@ -7,8 +7,8 @@ taken in turn) over ``adapters`` adapters of rank 16 or of ranks 4, 8, 16, 32, 6
 (``--mixes``: ``1x16``, ``8x16``, ``64x16``, ``64xmix``), targeting q/k/v, o, gate/up and down.
 The tables take the form a captured mixed step gives them: a covering tile table padded to
 ``MixedPieces.max_tiles`` with 256 sequences, S ``MAX_RANK`` wide, the live-tile count on the
-device (the "segments" form runs its live grids up to ``LIVE_GRID_MAX_ROWS`` rows, as the engine
-does). Every variant writes first (the engine's ``prefill_lora_write`` in steps of adapted rows)
+device (the "segments" and "splitk" forms run their live grids up to ``LIVE_GRID_MAX_ROWS`` rows,
+as the engine does; variants: ``VARIANTS``). Every variant writes first (the engine's ``prefill_lora_write`` in steps of adapted rows)
 unless its name ends in ``-add``. Each variant's four groups are timed together as CUDA graph
 replays (``do_bench_cudagraph``, median ms) and checked against ``segment_lora_reference``
 (relative error of the delta). Floor: x read once per group, each present adapter's A and Bᵀ
@@ -40,44 +40,51 @@ SHAPES = {
     "tiny": (("qkv", (64, 32, 32), 64), ("o", (64,), 64), ("gate_up", (96, 96), 64), ("down", (64,), 96)),
 }
 MIX_RANKS = (4, 8, 16, 32, 64)
-# variant -> (form, options); "-add": additive instead of write-first
+# variant -> (form, options); "-add": additive instead of write-first, "-shrink": the shrink
+# launch alone. "segments": the row-tile kernels as before; "splitk": ``lora_splitk``'s shrink
+# (K split by the step's size, the splits summed in the shrink) before the segments' expand over
+# the summed S (``per_sm``: the shrink's programs per SM, 0 = one per item); "items":
+# ``lora_splitk`` whole, its own expand by (tile, column block) items, and its options
 VARIANTS = {
     "segments": ("segments", {}),
     "segments-add": ("segments", {}),
+    "segments-shrink": ("segments", {}),
     "splitk": ("splitk", {}),
     "splitk-add": ("splitk", {}),
-    "splitk-p8": ("splitk", {"programs": (8, 8)}),
-    "splitk-p4": ("splitk", {"programs": (4, 4)}),
-    "splitk-pr": ("splitk", {"programs": (-1, -1)}),
-    "splitk-pr-nb2": ("splitk", {"programs": (-1, -1), "n_blocks": 2}),
-    "splitk-nb2": ("splitk", {"n_blocks": 2}),
-    "splitk-nb4": ("splitk", {"n_blocks": 4}),
-    "splitk-bn64": ("splitk", {"block_n": 64}),
-    "splitk-bn256": ("splitk", {"block_n": 256}),
-    "splitk-c16": ("splitk", {"rank_chunk": 16}),
-    "splitk-c64": ("splitk", {"rank_chunk": 64}),
-    "splitk-ew2": ("splitk", {"warps": (None, 2)}),
-    "splitk-ew8": ("splitk", {"warps": (None, 8)}),
-    "splitk-sw8": ("splitk", {"warps": (8, None)}),
-    "splitk-s4": ("splitk", {"split_k": 4}),
-    "splitk-s8": ("splitk", {"split_k": 8}),
-    "splitk-s1": ("splitk", {"split_k": 1}),
-    "splitk-nb4-s4": ("splitk", {"n_blocks": 4, "split_k": 4}),
-    "splitk-k128": ("splitk", {"block_k": 128}),
-    "splitk-st2": ("splitk", {"stages": (2, 2)}),
-    "splitk-st4": ("splitk", {"stages": (4, 4)}),
-    "splitk-est1": ("splitk", {"stages": (None, 1)}),
-    "splitk-est1-bn64": ("splitk", {"stages": (None, 1), "block_n": 64}),
-    "splitk-est1-nb4": ("splitk", {"stages": (None, 1), "n_blocks": 4}),
-    "splitk-est1-pr": ("splitk", {"stages": (None, 1), "programs": (-1, -1)}),
-    "splitk-hold": ("splitk", {"hold": True}),
-    "splitk-hold-nb4": ("splitk", {"hold": True, "n_blocks": 4}),
-    # the shrink launch alone (what the expand costs: the full variant's time minus this)
-    "segments-shrink": ("segments", {}),
     "splitk-shrink": ("splitk", {}),
+    "splitk-p0": ("splitk", {"per_sm": (0, None)}),
+    "splitk-p4": ("splitk", {"per_sm": (4, None)}),
+    "splitk-p16": ("splitk", {"per_sm": (16, None)}),
+    "splitk-s4": ("splitk", {"split_k": 4}),
+    "items": ("items", {}),
+    "items-add": ("items", {}),
+    "items-shrink": ("items", {}),
+    "items-p8": ("items", {"programs": (8, 8)}),
+    "items-p4": ("items", {"programs": (4, 4)}),
+    "items-pr": ("items", {"programs": (-1, -1)}),
+    "items-nb2": ("items", {"n_blocks": 2}),
+    "items-nb4": ("items", {"n_blocks": 4}),
+    "items-bn64": ("items", {"block_n": 64}),
+    "items-bn256": ("items", {"block_n": 256}),
+    "items-c16": ("items", {"rank_chunk": 16}),
+    "items-c64": ("items", {"rank_chunk": 64}),
+    "items-ew2": ("items", {"warps": (None, 2)}),
+    "items-ew8": ("items", {"warps": (None, 8)}),
+    "items-sw8": ("items", {"warps": (8, None)}),
+    "items-s4": ("items", {"split_k": 4}),
+    "items-s8": ("items", {"split_k": 8}),
+    "items-k128": ("items", {"block_k": 128}),
+    "items-st2": ("items", {"stages": (2, 2)}),
+    "items-st4": ("items", {"stages": (4, 4)}),
+    "items-est1": ("items", {"stages": (None, 1)}),
+    "items-est1-bn64": ("items", {"stages": (None, 1), "block_n": 64}),
+    "items-est1-nb4": ("items", {"stages": (None, 1), "n_blocks": 4}),
+    "items-est1-pr": ("items", {"stages": (None, 1), "programs": (-1, -1)}),
+    "items-hold": ("items", {"hold": True}),
+    "items-hold-nb4": ("items", {"hold": True, "n_blocks": 4}),
 }
-DEFAULT_VARIANTS = ("segments", "splitk", "splitk-p8", "splitk-nb2", "splitk-nb4", "splitk-bn64", "splitk-c16",
-                    "splitk-ew2", "splitk-ew8", "splitk-s4")
+DEFAULT_VARIANTS = ("segments", "splitk", "segments-shrink", "splitk-shrink", "splitk-p0", "segments-add",
+                    "splitk-add", "items-est1-nb4")
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -154,7 +161,9 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
     rows = next(iter(inputs.values())).shape[0]
     counters = {name: torch.zeros(loras[name].tiles.shape[1] * len(ns), dtype=torch.int32, device=dev)
                 for name, ns, _ in groups}
-    use = {name: (loras[name] if form != "segments" or rows <= LIVE_GRID_MAX_ROWS
+    # the engine's captured pieces run live grids up to LIVE_GRID_MAX_ROWS rows (both forms of
+    # lora_segments); "items" always walks the live tiles
+    use = {name: (loras[name] if form == "items" or rows <= LIVE_GRID_MAX_ROWS
                   else dataclasses.replace(loras[name], live=None)) for name, _, _ in groups}
 
     def run():
@@ -162,17 +171,20 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
             y = outs[name]
             parts = list(y.split(list(ns), dim=1))
             if variant.endswith("-shrink"):
-                launches = (_segment_launches(inputs[name], use[name], parts, n_blocks=None, split_k=None,
-                                              warps=(None, None), accumulate=False) if form == "segments" else
-                            splitk_launches(inputs[name], use[name], parts, accumulate=False, counters=counters[name]))
+                launches = (splitk_launches(inputs[name], use[name], parts, accumulate=False, counters=counters[name])
+                            if form == "items" else
+                            _segment_launches(inputs[name], dataclasses.replace(use[name], counters=counters[name]),
+                                              parts, n_blocks=None, split_k=None, warps=(None, None),
+                                              accumulate=False, splitk=form == "splitk"))
                 kernel, grid, a, meta = launches[0]
                 kernel[grid](*a, **meta)
-            elif form == "segments":
-                segment_lora_add(inputs[name], use[name], parts, backend="triton", check=False,
-                                 form="segments", accumulate=accumulate)
-            else:
+            elif form == "items":
                 splitk_lora_add(inputs[name], use[name], parts, check=False, accumulate=accumulate,
                                 counters=counters[name], **opts)
+            else:
+                segment_lora_add(inputs[name], dataclasses.replace(use[name], counters=counters[name]), parts,
+                                 backend="triton", check=False, form=form, accumulate=accumulate,
+                                 split_k=opts.get("split_k"), per_sm=opts.get("per_sm", (None, None)))
     return run
 
 

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import lora_splitk, lora_tiles
-from .lora_splitk import splitk_launches, splitk_lora_add
+from .lora_splitk import PROGRAMS_PER_SM_INTERPRETER, splitk_launches, splitk_lora_add, splitk_shrink_launch
 from .lora_tiles import tile_launches, tile_lora_add
 from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segments, segment_lora_reference,
                              segment_tiles, shrink_tile)
@@ -47,9 +47,13 @@ __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "s
 BACKENDS = ("torch", "triton", "auto")
 # the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
 # options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
-# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
-FORMS = ("segments", "tiles", "splitk")
-DEFAULT_FORM = "segments"
+# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles": the split-K shrink took
+# 0.57-0.72x the segments shrink's time at 2,048-8,192 rows of an 8B layer on an H200)
+# "splitk": the shrink of ``lora_splitk`` (K split by the step's size, the splits summed in the
+# shrink) before this module's expand over the one summed S; "items": ``lora_splitk`` whole (its
+# own expand, by (tile, column block) items: measured slower than this module's)
+FORMS = ("segments", "tiles", "splitk", "items")
+DEFAULT_FORM = "splitk"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
@@ -173,6 +177,9 @@ def expand_tile(
 # expand holds a 64 x 128 fp32 tile in 2-4 warps (about four resident per SM), the shrink a
 # 64 x 32 one.
 LIVE_SHRINK_PROGRAMS_PER_SM = 8
+# the split-K shrink's programs per SM (form "splitk"), walking the live tiles' items: a program
+# per item of a captured step's padded table cost 25k programs at 256 rows (q/k/v, 16 splits)
+SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3
@@ -272,9 +279,11 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
     (``segment_tiles(..., rows=T)``) every row is written, and a GEMM adds the frozen product
     onto it as its C input (``y.addmm_(x, W.t())``); rows outside every tile are left as they
-    are. The "segments" form and the torch reference only.
+    are. Not the "tiles" form.
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
-    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
+    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below), "splitk" (the
+    same expands after ``lora_splitk``'s shrink: K split by the step's size, the splits summed in
+    the shrink; ``split_k`` None: its rule), "items" (``lora_splitk.splitk_lora_add``) or "tiles"
     (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
     ``warps`` its own way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
@@ -300,7 +309,7 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
             raise ValueError("accumulate=False (write-first) runs the 'segments' or 'splitk' form; got form='tiles'")
         tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
         return
-    if form == "splitk":
+    if form == "items":
         splitk_lora_add(x, lora, outs, check=check, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
                         warps=warps)
         return
@@ -310,18 +319,22 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
-                                                      accumulate=accumulate, per_sm=per_sm):
+                                                      accumulate=accumulate, per_sm=per_sm,
+                                                      splitk=form == "splitk"):
         kernel[grid](*args, **meta)
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
                       split_k: int | None, warps: tuple[int | None, int | None],
                       accumulate: bool = True,
-                      per_sm: tuple[int | None, int | None] = (None, None)) -> list[tuple]:
+                      per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False) -> list[tuple]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
-    and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). Allocates S."""
+    and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). ``splitk``: the shrink is ``lora_splitk``'s
+    (K split by the step's size, ``split_k`` None: its rule; ``per_sm[0]`` of its programs, None:
+    ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
+    Allocates S."""
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
         return []
@@ -330,9 +343,15 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     block_m, block_r = lora.block_m, lora.block_r
     chunk = rank_chunk(x.device)
     block_k = _shrink_block_k(x.device)
-    split = shrink_splits(k) if split_k is None else split_k
+    if splitk:
+        programs = per_sm[0] if per_sm[0] is not None else (
+            SPLITK_SHRINK_PROGRAMS_PER_SM if x.is_cuda else PROGRAMS_PER_SM_INTERPRETER[0])
+        shrink, s = splitk_shrink_launch(x, lora, split_k=split_k, programs=programs, warps=warps[0])
+        split = 1  # (the expand reads split 0's slot: the sum)
+    else:
+        split = shrink_splits(k) if split_k is None else split_k
+        s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
@@ -343,7 +362,9 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                        **({} if warps[0] is None else {"num_warps": warps[0]}))
     shrink_args = (x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
                    lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r)
-    if live is None:
+    if splitk:
+        launches = [shrink]
+    elif live is None:
         launches = [(_segment_shrink_kernel, (n_tiles, g, split), shrink_args, shrink_meta)]
     else:  # (tiles, pointers ..., the live count after the tile table)
         launches = [(_live_shrink_kernel, (live_programs(x.device, n_tiles * g * split, per_sm[0]),),
@@ -391,11 +412,16 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         launches = tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
         shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
                                             lora_tiles._EXPAND_UNSPECIALISED)
-    elif form == "splitk":
+    elif form == "items":
         launches = splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
                                    warps=warps)
         shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
                                             lora_splitk._EXPAND_UNSPECIALISED)
+    elif form == "splitk":
+        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
+                                     accumulate=accumulate, splitk=True)
+        shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
+                                            _EXPAND_UNSPECIALISED)
     else:
         launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                      accumulate=accumulate)

@@ -278,22 +278,64 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
                     counters: torch.Tensor | None = None) -> list[tuple]:
     """``(kernel, grid, args, keywords)`` of ``splitk_lora_add``: the shrink, then one expand per
     projection (none for an empty table). Allocates the partials (and the counters if None)."""
-    n_tiles = lora.tiles.shape[1]
-    if n_tiles == 0:
+    if lora.tiles.shape[1] == 0:
         return []
-    x = x if x.stride(1) == 1 else x.contiguous()
     cuda = x.is_cuda
-    g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
-    block_m, width = lora.block_m, lora.block_r
-    chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
-    block_k = block_k or (64 if cuda else 16)
-    sms = sm_count(x.device)
     if programs is None:
         programs = PROGRAMS_PER_SM if cuda else PROGRAMS_PER_SM_INTERPRETER
     n_blocks = EXPAND_BLOCKS if n_blocks is None else n_blocks
     stages = STAGES if stages is None else stages
     hold = HOLD_S if hold is None else hold
-    split = shrink_split(k, g, rows, block_m, sms) if split_k is None else split_k
+    shrink, s = splitk_shrink_launch(x, lora, split_k=split_k, programs=programs[0], rank_chunk=rank_chunk,
+                                     warps=warps[0], block_k=block_k, stages=stages[0], counters=counters)
+    n_tiles, width, block_m = lora.tiles.shape[1], lora.block_r, lora.block_m
+    chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
+    precision = "tf32" if cuda and x.dtype != torch.float32 else "ieee"
+    live = lora.live
+    live_arg = live if live is not None else lora.tiles  # (never read without HAS_LIVE)
+    launches = [shrink]
+    bn = block_n or (BLOCK_N_CUDA if cuda else BLOCK_N_INTERPRETER)
+    for i, y in enumerate(outs):
+        n = y.shape[1]
+        per = max(1, min(n_blocks, triton.cdiv(n, bn)))
+        n_col = triton.cdiv(n, bn * per)
+        launches.append((_splitk_expand_kernel, _grid(n_tiles, n_col, x.shape[0], block_m, programs[1], x.device),
+                         (s[0, i], lora.pool, lora.tiles, live_arg, lora.b_offsets[i], lora.ranks[i], lora.scales, y,
+                          n, y.stride(0), n_tiles, n_col, per, width),
+                         dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,
+                              ACCUMULATE=accumulate, HAS_LIVE=live is not None, HOLD_S=hold,
+                              FACTOR_ALIGN=lora.factor_align,
+                              **_options(warps[1], stages[1]))))
+    return launches
+
+
+def _grid(n_tiles: int, per_tile: int, rows: int, block_m: int, per_sm: int, device: torch.device) -> tuple[int]:
+    """Programs walking ``n_tiles x per_tile`` items: ``per_sm`` per SM; 0: one per item; -1: one
+    per item of as many tiles as the rows fill (more live tiles: walked)."""
+    items = n_tiles * per_tile
+    if per_sm == 0:
+        return (max(1, items),)
+    if per_sm < 0:
+        return (max(1, min(n_tiles, triton.cdiv(rows, block_m)) * per_tile),)
+    return (max(1, min(items, per_sm * sm_count(device))),)
+
+
+def splitk_shrink_launch(x: torch.Tensor, lora: SegmentLora, *, split_k: int | None = None, programs: int = 0,
+                         rank_chunk: int | None = None, warps: int | None = None, block_k: int | None = None,
+                         stages: int | None = None, counters: torch.Tensor | None = None
+                         ) -> tuple[tuple, torch.Tensor]:
+    """The split-K shrink's launch ``(kernel, grid, args, keywords)`` (``programs`` per SM, see
+    ``_grid``) and its scratch ``[splits, G, rows, block_r]`` fp32: after the launch, split 0's
+    slot holds S (the splits summed). Allocates the scratch (and the counters if None and
+    ``lora.counters`` is None)."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cuda = x.is_cuda
+    n_tiles = lora.tiles.shape[1]
+    g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
+    block_m, width = lora.block_m, lora.block_r
+    chunk = rank_chunk or (RANK_CHUNK_CUDA if cuda else RANK_CHUNK_INTERPRETER)
+    block_k = block_k or (64 if cuda else 16)
+    split = shrink_split(k, g, rows, block_m, sm_count(x.device)) if split_k is None else split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty split: each must arrive at the counter
     s = torch.empty(split, g, rows, width, dtype=torch.float32, device=x.device)
@@ -305,36 +347,13 @@ def splitk_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Ten
     precision = "tf32" if cuda and x.dtype != torch.float32 else "ieee"
     live = lora.live
     live_arg = live if live is not None else lora.tiles  # (never read without HAS_LIVE)
-
-    row_tiles = min(n_tiles, triton.cdiv(rows, block_m))
-
-    def grid_of(per_tile: int, per_sm: int) -> tuple[int]:
-        items = n_tiles * per_tile
-        if per_sm == 0:
-            return (max(1, items),)
-        if per_sm < 0:  # a program per item of as many tiles as the rows fill (more live tiles: walked)
-            return (max(1, row_tiles * per_tile),)
-        return (max(1, min(items, per_sm * sms)),)
-
-    launches = [(_splitk_shrink_kernel, grid_of(g * split, programs[0]),
-                 (x, lora.pool, lora.tiles, live_arg, lora.a_offsets, lora.ranks, s, counters, k, k_per_split, split,
-                  x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
-                  width, g),
-                 dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
-                      HAS_LIVE=live is not None, FACTOR_ALIGN=lora.factor_align, **_options(warps[0], stages[0])))]
-    bn = block_n or (BLOCK_N_CUDA if cuda else BLOCK_N_INTERPRETER)
-    for i, y in enumerate(outs):
-        n = y.shape[1]
-        per = max(1, min(n_blocks, triton.cdiv(n, bn)))
-        n_col = triton.cdiv(n, bn * per)
-        launches.append((_splitk_expand_kernel, grid_of(n_col, programs[1]),
-                         (s[0, i], lora.pool, lora.tiles, live_arg, lora.b_offsets[i], lora.ranks[i], lora.scales, y,
-                          n, y.stride(0), n_tiles, n_col, per, width),
-                         dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=bn, DOT_PRECISION=precision,
-                              ACCUMULATE=accumulate, HAS_LIVE=live is not None, HOLD_S=hold,
-                              FACTOR_ALIGN=lora.factor_align,
-                              **_options(warps[1], stages[1]))))
-    return launches
+    launch = (_splitk_shrink_kernel, _grid(n_tiles, g * split, rows, block_m, programs, x.device),
+              (x, lora.pool, lora.tiles, live_arg, lora.a_offsets, lora.ranks, s, counters, k, k_per_split, split,
+               x.stride(0), n_tiles, lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0),
+               width, g),
+              dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_K=block_k, DOT_PRECISION=precision,
+                   HAS_LIVE=live is not None, FACTOR_ALIGN=lora.factor_align, **_options(warps, stages)))
+    return launch, s
 
 
 def _options(warps: int | None, stages: int | None) -> dict:

@@ -1,5 +1,6 @@
-"""The prefill LoRA's split-K form (``lora_splitk``): K split by the step's size with the splits
-summed in the shrink, against the torch reference.
+"""The prefill LoRA's split-K shrink (``lora_splitk``): K split by the step's size with the splits
+summed in the shrink, before ``lora_segments``' expand (form "splitk") or its own (form "items",
+``splitk_lora_add``), against the torch reference.
 
 Interpreter runs on the CPU in fp32 / fp16 (bf16 on the GPU only); tolerances as in
 test_lora_segments.py (fp32 1e-5: summation order only; fp16 2e-3: one rounding into fp16).
@@ -32,16 +33,20 @@ def with_live(lora, count: int):
     return dataclasses.replace(lora, live=torch.tensor([count], dtype=torch.int32, device=lora.pool.device))
 
 
-def run_both(x, lora, ns, base, *, accumulate=True, **opts):
+def run_both(x, lora, ns, base, *, accumulate=True, form="items", **opts):
     got, want = base.clone(), base.clone()
-    splitk_lora_add(x, lora, list(got.split(ns, dim=1)), accumulate=accumulate, **opts)
+    if form == "items":
+        splitk_lora_add(x, lora, list(got.split(ns, dim=1)), accumulate=accumulate, **opts)
+    else:
+        segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form=form, accumulate=accumulate,
+                         **opts)
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)), accumulate=accumulate)
     return got, want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 3, 5])
-def test_splitk_matches_the_reference_mixed_ranks_one_row_segments_and_padding(device, dtype, split_k):
+@pytest.mark.parametrize("split_k,form", [(1, "items"), (3, "items"), (5, "items"), (3, "splitk"), (5, "splitk")])
+def test_splitk_matches_the_reference_mixed_ranks_one_row_segments_and_padding(device, dtype, split_k, form):
     """Segments of 1 row and many tiles, ranks 3-37 (a rank above the 16-wide chunk, a rank-0
     projection, an adapter of rank 0 everywhere), padding tiles; rows outside every segment and
     the untargeted projection untouched; the counters left zero."""
@@ -51,7 +56,8 @@ def test_splitk_matches_the_reference_mixed_ranks_one_row_segments_and_padding(d
     x = torch.randn(110, k, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     base = torch.randn(110, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype)
     counters = torch.zeros(lora.tiles.shape[1] * 3, dtype=torch.int32, device=device)
-    got, want = run_both(x, lora, ns, base, split_k=split_k, counters=counters)
+    lora = dataclasses.replace(lora, counters=counters)
+    got, want = run_both(x, lora, ns, base, split_k=split_k, form=form)
     assert rel_err(got - base, want - base) < TOL[dtype]
     assert torch.equal(got[40:44], base[40:44]) and torch.equal(got[107:], base[107:])
     assert torch.equal(got[44:45, 48:64], base[44:45, 48:64])  # adapter 2 has no k LoRA
@@ -60,7 +66,8 @@ def test_splitk_matches_the_reference_mixed_ranks_one_row_segments_and_padding(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_splitk_write_first_over_a_covering_table(device, dtype):
+@pytest.mark.parametrize("form", ["items", "splitk"])
+def test_splitk_write_first_over_a_covering_table(device, dtype, form):
     """Write-first into NaN over a covering table (base rows in tiles of no adapter): every row
     written, zeros where no LoRA, equal to the reference's write."""
     k, ns, tables = group(dtype, device, seed=7)
@@ -71,7 +78,7 @@ def test_splitk_write_first_over_a_covering_table(device, dtype):
                                tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(device))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(device, dtype)
     base = torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device)
-    got, want = run_both(x, lora, ns, base, accumulate=False, split_k=2)
+    got, want = run_both(x, lora, ns, base, accumulate=False, split_k=2, form=form)
     assert not got.isnan().any()
     assert rel_err(got, want) < TOL[dtype]
     assert not got[40:44].any() and not got[107:].any() and not got[:3].any()
@@ -133,22 +140,27 @@ def test_split_count_follows_the_step_size():
         assert s >= 1 and (s == 1 or s * 3 * rows <= lora_splitk.SPLIT_ROW_BUDGET)
 
 
-def test_splitk_via_segment_lora_add_and_one_compiled_variant_for_every_rank_mix(device):
-    """``form="splitk"`` dispatches here; the compile keys are the same for ranks 3-37 and one
-    rank, any table length, split count and live count."""
+@pytest.mark.parametrize("form", ["splitk", "items"])
+def test_forms_via_segment_lora_add_and_one_compiled_variant_for_every_rank_mix(device, form):
+    """``form="splitk"`` / ``"items"`` dispatch here; the compile keys are the same for ranks
+    3-37 and one rank, any table length, split count and live count."""
     k, ns, tables = group(torch.float32, device)
     x = torch.randn(60, k, device=device)
     base = torch.randn(60, sum(ns), device=device)
     lora = make_lora(*tables[:4], tables[4], [(0, 33, 1), (33, 60, 5)], 16)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="splitk")
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form=form)
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
     assert rel_err(got - base, want - base) < 1e-5
     outs = list(base.split(ns, dim=1))
     keys = {segment_kernel_variants(x, make_lora(*tables[:4], tables[4], segs, 16, pad_tiles=pad, block_r=128),
-                                    outs, form="splitk", split_k=split)
+                                    outs, form=form, split_k=split)
             for segs, pad, split in (([(0, 33, 1), (33, 60, 5)], 0, 1), ([(0, 5, 3)], 9, 4), ([(2, 60, 0)], 1, 2))}
     assert len(keys) == 1
+    live = {segment_kernel_variants(x, with_live(make_lora(*tables[:4], tables[4], segs, 16, pad_tiles=pad), n),
+                                    outs, form=form)
+            for segs, pad, n in (([(0, 33, 1), (33, 60, 5)], 3, 4), ([(0, 5, 3)], 9, 1))}
+    assert len(live) == 1
 
 
 def test_factor_alignment_is_checked_and_an_aligned_pool_runs(device):
@@ -169,3 +181,21 @@ def test_factor_alignment_is_checked_and_an_aligned_pool_runs(device):
     base = torch.randn(30, sum(ns), generator=torch.Generator().manual_seed(22)).to(device)
     got, want = run_both(x, aligned, ns, base, split_k=2)
     assert rel_err(got - base, want - base) < 1e-5
+
+
+@pytest.mark.parametrize("programs", [1, 3, 0])
+def test_splitk_form_walks_the_live_tiles_and_equals_the_items_form(device, programs):
+    """Form "splitk" (this shrink, ``lora_segments``' live expand over the summed S) over a padded
+    table with its live count: 1 or 3 shrink programs per SM walking, or one per item; equal to
+    the reference; tiles past the count not run."""
+    k, ns, tables = group(torch.float32, device, seed=23)
+    segments = [(0, 1, 1), (1, 40, 0), (41, 42, 2), (42, 77, 5)]
+    lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=30)
+    n_live = len(segment_tiles(segments, 16))
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(24)).to(device)
+    base = torch.randn(80, sum(ns), generator=torch.Generator().manual_seed(25)).to(device)
+    got, want = run_both(x, with_live(lora, n_live), ns, base, form="splitk", split_k=3, per_sm=(programs, None))
+    assert rel_err(got - base, want - base) < 1e-5
+    first = base.clone()
+    segment_lora_add(x, with_live(lora, 1), list(first.split(ns, dim=1)), backend="triton", form="splitk", split_k=3)
+    assert torch.equal(first[1:], base[1:]) and not torch.equal(first[:1], base[:1])
