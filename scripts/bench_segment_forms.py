@@ -56,6 +56,9 @@ VARIANTS = {
     "splitk-p4": ("splitk", {"per_sm": (4, None)}),
     "splitk-p16": ("splitk", {"per_sm": (16, None)}),
     "splitk-s4": ("splitk", {"split_k": 4}),
+    "splitk-nb1": ("splitk", {"n_blocks": 1}),
+    "splitk-nb2": ("splitk", {"n_blocks": 2}),
+    "splitk-e8": ("splitk", {"per_sm": (None, 8)}),
     "items": ("items", {}),
     "items-add": ("items", {}),
     "items-shrink": ("items", {}),
@@ -184,7 +187,8 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
             else:
                 segment_lora_add(inputs[name], dataclasses.replace(use[name], counters=counters[name]), parts,
                                  backend="triton", check=False, form=form, accumulate=accumulate,
-                                 split_k=opts.get("split_k"), per_sm=opts.get("per_sm", (None, None)))
+                                 split_k=opts.get("split_k"), per_sm=opts.get("per_sm", (None, None)),
+                                 n_blocks=opts.get("n_blocks"))
     return run
 
 
