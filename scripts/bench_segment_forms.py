@@ -43,7 +43,8 @@ MIX_RANKS = (4, 8, 16, 32, 64)
 # variant -> (form, options); "-add": additive instead of write-first, "-shrink": the shrink
 # launch alone. "segments": the row-tile kernels as before; "splitk": ``lora_splitk``'s shrink
 # (K split by the step's size, the splits summed in the shrink) before the segments' expand over
-# the summed S (``per_sm``: the shrink's programs per SM, 0 = one per item); "items":
+# the summed S (``per_sm``: the shrink's programs per SM, 0 = one per item; ``expand_align`` /
+# ``expand_stages``: the expands' vector loads and num_stages, 0 = Triton's); "items":
 # ``lora_splitk`` whole, its own expand by (tile, column block) items, and its options
 VARIANTS = {
     "segments": ("segments", {}),
@@ -59,6 +60,9 @@ VARIANTS = {
     "splitk-nb1": ("splitk", {"n_blocks": 1}),
     "splitk-nb2": ("splitk", {"n_blocks": 2}),
     "splitk-e8": ("splitk", {"per_sm": (None, 8)}),
+    "splitk-noalign": ("splitk", {"expand_align": False}),
+    "splitk-st0": ("splitk", {"expand_stages": 0}),
+    "segments-align": ("segments", {"expand_align": True}),
     "items": ("items", {}),
     "items-add": ("items", {}),
     "items-shrink": ("items", {}),
@@ -188,7 +192,8 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
                 segment_lora_add(inputs[name], dataclasses.replace(use[name], counters=counters[name]), parts,
                                  backend="triton", check=False, form=form, accumulate=accumulate,
                                  split_k=opts.get("split_k"), per_sm=opts.get("per_sm", (None, None)),
-                                 n_blocks=opts.get("n_blocks"))
+                                 n_blocks=opts.get("n_blocks"), expand_align=opts.get("expand_align"),
+                                 expand_stages=opts.get("expand_stages"))
     return run
 
 

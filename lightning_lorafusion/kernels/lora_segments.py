@@ -110,13 +110,13 @@ def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
     s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """One program per (tile, N_BLOCKS column blocks): ``expand_tile``."""
     expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, tl.program_id(0),
                 tl.program_id(1), N, out_stride, n_tiles, s_split_stride, s_width,
                 BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
-                DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+                DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def expand_tile(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, nb, N, out_stride, n_tiles,
     s_split_stride, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """out[rows of tile t, column blocks nb * N_BLOCKS ...] += scale * S[rows, :rank] Bt[:rank, cols]:
     fp32 sum of the output and the delta, one rounding. The rank is looped over in chunks of
@@ -147,6 +147,10 @@ def expand_tile(
         scale = tl.load(scale_ptr + adc, mask=rank > 0, other=0.0)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
+        s_row = offs_m.to(tl.int64) * s_width
+        if FACTOR_ALIGN > 1:  # (vector loads of Bt rows and of S rows, whose width is a multiple of 16)
+            b_off = tl.multiple_of(b_off, FACTOR_ALIGN)
+            s_row = tl.multiple_of(s_row, 16)
         for j in range(N_BLOCKS):
             offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
@@ -154,7 +158,7 @@ def expand_tile(
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_ok = offs_r < rank
-                s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * s_width + offs_r[None, :]
+                s_ptrs = s_ptr + s_row[:, None] + offs_r[None, :]
                 s_ok = m_ok[:, None] & r_ok[None, :]
                 s = tl.load(s_ptrs, mask=s_ok, other=0.0)
                 for sp in range(1, SPLIT):  # the shrink's K splits, summed in a fixed order
@@ -180,6 +184,11 @@ LIVE_SHRINK_PROGRAMS_PER_SM = 8
 # the split-K shrink's programs per SM (form "splitk"), walking the live tiles' items: a program
 # per item of a captured step's padded table cost 25k programs at 256 rows (q/k/v, 16 splits)
 SPLITK_SHRINK_PROGRAMS_PER_SM = 8
+# the expands after it: one S to read (no loop over K splits), so Triton would pipeline the rank
+# loop (3 stages: 40 KB of shared memory a program against 24 KB); one stage keeps the segments
+# expand's footprint. Bᵀ and S rows loaded as vectors (``SegmentLora.factor_align``)
+SPLITK_EXPAND_STAGES = 1
+SPLITK_EXPAND_ALIGN = True
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3
@@ -213,7 +222,7 @@ def _live_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
     s_split_stride, s_width, n_col,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """``expand_tile`` over the first ``live`` tiles only: item i = (tile, group of N_BLOCKS
     column blocks), ``n_col`` groups a tile, taken by program i mod programs."""
@@ -223,7 +232,7 @@ def _live_expand_kernel(
         expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, item - t * n_col, N,
                     out_stride, n_tiles, s_split_stride, s_width,
                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
-                    DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+                    DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @functools.lru_cache(maxsize=8)
@@ -273,7 +282,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
                      form: str | None = None, accumulate: bool = True,
-                     per_sm: tuple[int | None, int | None] = (None, None)) -> None:
+                     per_sm: tuple[int | None, int | None] = (None, None), expand_align: bool | None = None,
+                     expand_stages: int | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``accumulate=False`` (write-first): write the LoRA into ``outs`` instead, reading nothing of
     them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
@@ -293,7 +303,10 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     rank_chunk(device))`` for the expand). With ``lora.live`` (a device count: the table's tiles
     past it are padding) a fixed number of programs walks the live tiles' work only (``per_sm``:
     programs per SM of the shrink and the expand; None: ``LIVE_*_PROGRAMS_PER_SM``): what a
-    captured step's padded table runs, its padding costing nothing; same sums, same rounding."""
+    captured step's padded table runs, its padding costing nothing; same sums, same rounding.
+    ``expand_align`` / ``expand_stages`` (forms "segments" / "splitk"): the expands load Bᵀ and S
+    rows as vectors (``lora.factor_align``) / their ``num_stages`` (0: Triton's); None: the form's
+    (``SPLITK_EXPAND_ALIGN`` / ``SPLITK_EXPAND_STAGES`` for "splitk"; off / Triton's for "segments")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -320,21 +333,27 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                                       accumulate=accumulate, per_sm=per_sm,
-                                                      splitk=form == "splitk"):
+                                                      splitk=form == "splitk", expand_align=expand_align,
+                                                      expand_stages=expand_stages):
         kernel[grid](*args, **meta)
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
                       split_k: int | None, warps: tuple[int | None, int | None],
                       accumulate: bool = True,
-                      per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False) -> list[tuple]:
+                      per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
+                      expand_align: bool | None = None, expand_stages: int | None = None) -> list[tuple]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
     and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). ``splitk``: the shrink is ``lora_splitk``'s
     (K split by the step's size, ``split_k`` None: its rule; ``per_sm[0]`` of its programs, None:
     ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
-    Allocates S."""
+    ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S."""
+    if expand_align is None:
+        expand_align = splitk and SPLITK_EXPAND_ALIGN
+    if expand_stages is None:
+        expand_stages = SPLITK_EXPAND_STAGES if splitk else 0
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
         return []
@@ -379,6 +398,8 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                 n_tiles, s.stride(0), block_r)
         meta = dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
                     DOT_PRECISION=precision, ACCUMULATE=accumulate,
+                    **({"FACTOR_ALIGN": lora.factor_align} if expand_align and lora.factor_align > 1 else {}),
+                    **({"num_stages": expand_stages} if expand_stages else {}),
                     **({} if expand_w is None else {"num_warps": expand_w}))
         if live is None:
             launches.append((_segment_expand_kernel, (n_tiles, n_col), args, meta))
