@@ -60,7 +60,7 @@ VARIANTS = {
     "splitk-nb1": ("splitk", {"n_blocks": 1}),
     "splitk-nb2": ("splitk", {"n_blocks": 2}),
     "splitk-e8": ("splitk", {"per_sm": (None, 8)}),
-    "splitk-noalign": ("splitk", {"expand_align": False}),
+    "splitk-align": ("splitk", {"expand_align": True}),
     "splitk-st0": ("splitk", {"expand_stages": 0}),
     "segments-align": ("segments", {"expand_align": True}),
     "items": ("items", {}),

@@ -185,10 +185,11 @@ LIVE_SHRINK_PROGRAMS_PER_SM = 8
 # per item of a captured step's padded table cost 25k programs at 256 rows (q/k/v, 16 splits)
 SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 # the expands after it: one S to read (no loop over K splits), so Triton would pipeline the rank
-# loop (3 stages: 40 KB of shared memory a program against 24 KB); one stage keeps the segments
-# expand's footprint. Bᵀ and S rows loaded as vectors (``SegmentLora.factor_align``)
+# loop (3 stages: 40 KB of shared memory a program against 24 KB; the 8,192-token steps' expands
+# took 9 % longer so on an H100); one stage keeps the segments expand's footprint. Bᵀ and S rows
+# as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
 SPLITK_EXPAND_STAGES = 1
-SPLITK_EXPAND_ALIGN = True
+SPLITK_EXPAND_ALIGN = False
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3

@@ -165,7 +165,8 @@ def test_forms_via_segment_lora_add_and_one_compiled_variant_for_every_rank_mix(
 
 def test_factor_alignment_is_checked_and_an_aligned_pool_runs(device):
     """``factor_align`` promises the offsets' alignment (vector loads on a GPU): 1-16, powers of
-    two; a pool laid out at multiples of 16 elements runs with 16."""
+    two; a pool laid out at multiples of 16 elements runs with 16 (the shrink's loads, and the
+    expands' with ``expand_align``)."""
     k, ns = 64, (32, 16)
     lora = make_lora(*group(torch.float32, device)[2][:4], torch.ones(6), [(0, 5, 1)], 16)
     x = torch.zeros(5, 70, device=device)
@@ -181,6 +182,8 @@ def test_factor_alignment_is_checked_and_an_aligned_pool_runs(device):
     base = torch.randn(30, sum(ns), generator=torch.Generator().manual_seed(22)).to(device)
     got, want = run_both(x, aligned, ns, base, split_k=2)
     assert rel_err(got - base, want - base) < 1e-5
+    got, want = run_both(x, aligned, ns, base, form="splitk", expand_align=True)  # the expands' vector loads
+    assert rel_err(got - base, want - base) < 1e-5
 
 
 @pytest.mark.parametrize("programs", [1, 3, 0])
@@ -194,7 +197,8 @@ def test_splitk_form_walks_the_live_tiles_and_equals_the_items_form(device, prog
     n_live = len(segment_tiles(segments, 16))
     x = torch.randn(80, k, generator=torch.Generator().manual_seed(24)).to(device)
     base = torch.randn(80, sum(ns), generator=torch.Generator().manual_seed(25)).to(device)
-    got, want = run_both(x, with_live(lora, n_live), ns, base, form="splitk", split_k=3, per_sm=(programs, None))
+    got, want = run_both(x, with_live(dataclasses.replace(lora, factor_align=1), n_live), ns, base, form="splitk",
+                         split_k=3, per_sm=(programs, None), expand_align=True, expand_stages=0)
     assert rel_err(got - base, want - base) < 1e-5
     first = base.clone()
     segment_lora_add(x, with_live(lora, 1), list(first.split(ns, dim=1)), backend="triton", form="splitk", split_k=3)
