@@ -49,8 +49,8 @@ BACKENDS = ("torch", "triton", "auto")
 # options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
 # measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles": the split-K shrink took
 # 0.57-0.72x the segments shrink's time at 2,048-8,192 rows of an 8B layer on an H200)
-# "splitk": the shrink of ``lora_splitk`` (K split by the step's size, the splits summed in the
-# shrink) before this module's expand over the one summed S; "items": ``lora_splitk`` whole (its
+# "splitk": the shrink of ``lora_splitk`` (vector loads, the splits summed in the shrink) before
+# this module's expand over the one summed S; "items": ``lora_splitk`` whole (its
 # own expand, by (tile, column block) items: measured slower than this module's)
 FORMS = ("segments", "tiles", "splitk", "items")
 DEFAULT_FORM = "splitk"
@@ -293,8 +293,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     are. Not the "tiles" form.
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
     "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below), "splitk" (the
-    same expands after ``lora_splitk``'s shrink: K split by the step's size, the splits summed in
-    the shrink; ``split_k`` None: its rule), "items" (``lora_splitk.splitk_lora_add``) or "tiles"
+    same expands after ``lora_splitk``'s shrink: vector loads, the splits summed in the shrink;
+    ``split_k`` None: ``shrink_splits(K)``), "items" (``lora_splitk.splitk_lora_add``) or "tiles"
     (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
     ``warps`` its own way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
@@ -348,7 +348,7 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
     and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). ``splitk``: the shrink is ``lora_splitk``'s
-    (K split by the step's size, ``split_k`` None: its rule; ``per_sm[0]`` of its programs, None:
+    (``split_k`` None: ``shrink_splits(K)``; ``per_sm[0]`` of its programs, None:
     ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
     ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S."""
     if expand_align is None:
@@ -366,7 +366,11 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     if splitk:
         programs = per_sm[0] if per_sm[0] is not None else (
             SPLITK_SHRINK_PROGRAMS_PER_SM if x.is_cuda else PROGRAMS_PER_SM_INTERPRETER[0])
-        shrink, s = splitk_shrink_launch(x, lora, split_k=split_k, programs=programs, warps=warps[0])
+        # K in shrink_splits(K) parts (4 for K >= 2,048), as the segments shrink: on an H100 that
+        # beat the step-size rule (``lora_splitk.shrink_split``) in 11 of 16 one-layer cases and
+        # lost nowhere by more than 2 % (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
+        shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
+                                         programs=programs, warps=warps[0])
         split = 1  # (the expand reads split 0's slot: the sum)
     else:
         split = shrink_splits(k) if split_k is None else split_k
