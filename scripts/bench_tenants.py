@@ -314,9 +314,10 @@ class TenantsBench:
         read-added after the product; that mode's mixed-step pieces are built before the run, not
         timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step),
         "base-pieces" (steps none of whose rows has an adapter run the LoRA pieces, their LoRA
-        kernels on empty tables) and "table-grids" (the prefill LoRA's grids over the whole padded
-        table): ``ModelRunner.set_mixed_lora``, the pieces rebuilt before the run (time and CUDA
-        graphs in the report's "pieces_builds")."""
+        kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
+        table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
+        kernels instead of the default form, ``ModelRunner.prefill_lora_form``), the pieces
+        rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -326,16 +327,21 @@ class TenantsBench:
         write = "off" if "prefill-lora" in old else engine.config.tuning.prefill_lora_write
         runner = engine.runner
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
-        if runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values()):
+        form = "segments" if "prefill-form" in old else None
+        if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
+                or runner.prefill_lora_form != form):
             with engine._step_lock:
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
+                runner.prefill_lora_form = form
                 if self.args.warm_up == "on":
                     with timer(self.device) as t:
                         runner.build_mixed_pieces()
-                    log(f"mixed-step pieces of prefill_lora_write={write}, {lora} built in {t.seconds:.1f} s")
+                    log(f"mixed-step pieces of prefill_lora_write={write}, {lora}, form {form or 'default'} built in "
+                        f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
-                        {"variant": variant, "prefill_lora_write": write, **lora, "seconds": t.seconds,
+                        {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
+                         "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
     def set_decode_lora(self, old: set[str]) -> None:
@@ -534,7 +540,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl", "rank-variant")),
+                                              "decode-lora", "pdl", "rank-variant", "prefill-form")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -543,7 +549,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "LoRA's blocks before the few-rows ones), pdl (the decode LoRA without programmatic "
                          "dependent launch), rank-variant (every decode step's LoRA in the rank-split variant, "
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
-                         "warm-up); default %(default)s")
+                         "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
+                         "default form); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -583,7 +590,8 @@ def main(argv=None) -> dict:
               f"captures {w['captures']}")
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
-              f"{b['base_pieces']}, live_grids={b['live_grids']}) built in {b['seconds']:.1f} s, "
+              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}) "
+              f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:
         print("skipped (deadline):", ", ".join(report["skipped"]))

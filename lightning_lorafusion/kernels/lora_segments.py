@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import lora_tiles
+from . import lora_splitk, lora_tiles
+from .lora_splitk import PROGRAMS_PER_SM_INTERPRETER, splitk_launches, splitk_lora_add, splitk_shrink_launch
 from .lora_tiles import tile_launches, tile_lora_add
 from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segments, segment_lora_reference,
                              segment_tiles, shrink_tile)
@@ -46,9 +47,13 @@ __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "s
 BACKENDS = ("torch", "triton", "auto")
 # the Triton path's kernels: "segments" (this module's) or "tiles" (``lora_tiles``: the expand's
 # options); ``segment_lora_add``'s default, what the engine runs ("auto" / "triton"): the one
-# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
-FORMS = ("segments", "tiles")
-DEFAULT_FORM = "segments"
+# measured fastest (docs/BENCHMARKS.md "Prefill LoRA by row tiles": the split-K shrink took
+# 0.57-0.72x the segments shrink's time at 2,048-8,192 rows of an 8B layer on an H200)
+# "splitk": the shrink of ``lora_splitk`` (vector loads, the splits summed in the shrink) before
+# this module's expand over the one summed S; "items": ``lora_splitk`` whole (its
+# own expand, by (tile, column block) items: measured slower than this module's)
+FORMS = ("segments", "tiles", "splitk", "items")
+DEFAULT_FORM = "splitk"
 # column blocks of BLOCK_N an expand program covers (1-8 measured on an H100: docs/kernels.md)
 EXPAND_BLOCKS_PER_PROGRAM = 4
 # the shrink's K splits: one per this much of K, at most the max. 4 splits measured fastest or
@@ -105,13 +110,13 @@ def _segment_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles, s_split_stride,
     s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """One program per (tile, N_BLOCKS column blocks): ``expand_tile``."""
     expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, tl.program_id(0),
                 tl.program_id(1), N, out_stride, n_tiles, s_split_stride, s_width,
                 BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
-                DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+                DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @triton.jit
@@ -119,7 +124,7 @@ def expand_tile(
     s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, nb, N, out_stride, n_tiles,
     s_split_stride, s_width,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """out[rows of tile t, column blocks nb * N_BLOCKS ...] += scale * S[rows, :rank] Bt[:rank, cols]:
     fp32 sum of the output and the delta, one rounding. The rank is looped over in chunks of
@@ -142,6 +147,10 @@ def expand_tile(
         scale = tl.load(scale_ptr + adc, mask=rank > 0, other=0.0)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
+        s_row = offs_m.to(tl.int64) * s_width
+        if FACTOR_ALIGN > 1:  # (vector loads of Bt rows and of S rows, whose width is a multiple of 16)
+            b_off = tl.multiple_of(b_off, FACTOR_ALIGN)
+            s_row = tl.multiple_of(s_row, 16)
         for j in range(N_BLOCKS):
             offs_n = (nb * N_BLOCKS + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
@@ -149,7 +158,7 @@ def expand_tile(
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_ok = offs_r < rank
-                s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * s_width + offs_r[None, :]
+                s_ptrs = s_ptr + s_row[:, None] + offs_r[None, :]
                 s_ok = m_ok[:, None] & r_ok[None, :]
                 s = tl.load(s_ptrs, mask=s_ok, other=0.0)
                 for sp in range(1, SPLIT):  # the shrink's K splits, summed in a fixed order
@@ -172,6 +181,15 @@ def expand_tile(
 # expand holds a 64 x 128 fp32 tile in 2-4 warps (about four resident per SM), the shrink a
 # 64 x 32 one.
 LIVE_SHRINK_PROGRAMS_PER_SM = 8
+# the split-K shrink's programs per SM (form "splitk"), walking the live tiles' items: a program
+# per item of a captured step's padded table cost 25k programs at 256 rows (q/k/v, 16 splits)
+SPLITK_SHRINK_PROGRAMS_PER_SM = 8
+# the expands after it: one S to read (no loop over K splits), so Triton would pipeline the rank
+# loop (3 stages: 40 KB of shared memory a program against 24 KB; the 8,192-token steps' expands
+# took 9 % longer so on an H100); one stage keeps the segments expand's footprint. Bᵀ and S rows
+# as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
+SPLITK_EXPAND_STAGES = 1
+SPLITK_EXPAND_ALIGN = False
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3
@@ -205,7 +223,7 @@ def _live_expand_kernel(
     s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, N, out_stride, n_tiles,
     s_split_stride, s_width, n_col,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, FACTOR_ALIGN: tl.constexpr = 1,
 ):
     """``expand_tile`` over the first ``live`` tiles only: item i = (tile, group of N_BLOCKS
     column blocks), ``n_col`` groups a tile, taken by program i mod programs."""
@@ -215,7 +233,7 @@ def _live_expand_kernel(
         expand_tile(s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, out_ptr, t, item - t * n_col, N,
                     out_stride, n_tiles, s_split_stride, s_width,
                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS, SPLIT=SPLIT,
-                    DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE)
+                    DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @functools.lru_cache(maxsize=8)
@@ -265,15 +283,18 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
                      backend: str = "auto", check: bool = True, n_blocks: int | None = None,
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
                      form: str | None = None, accumulate: bool = True,
-                     per_sm: tuple[int | None, int | None] = (None, None)) -> None:
+                     per_sm: tuple[int | None, int | None] = (None, None), expand_align: bool | None = None,
+                     expand_stages: int | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``accumulate=False`` (write-first): write the LoRA into ``outs`` instead, reading nothing of
     them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
     (``segment_tiles(..., rows=T)``) every row is written, and a GEMM adds the frozen product
     onto it as its C input (``y.addmm_(x, W.t())``); rows outside every tile are left as they
-    are. The "segments" form and the torch reference only.
+    are. Not the "tiles" form.
     ``backend``: "torch" (the reference), "triton" (CUDA, or the CPU under TRITON_INTERPRET=1),
-    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below) or "tiles"
+    "auto" (Triton on CUDA). ``form``: the Triton kernels, "segments" (below), "splitk" (the
+    same expands after ``lora_splitk``'s shrink: vector loads, the splits summed in the shrink;
+    ``split_k`` None: ``shrink_splits(K)``), "items" (``lora_splitk.splitk_lora_add``) or "tiles"
     (``lora_tiles.tile_lora_add`` with its defaults, which reads ``n_blocks`` / ``split_k`` /
     ``warps`` its own way); None: ``DEFAULT_FORM``. The Triton path reads nothing on the host: one shrink launch for
     the group, one expand per projection, grids over the tile table's length; ``n_blocks``:
@@ -283,7 +304,10 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     rank_chunk(device))`` for the expand). With ``lora.live`` (a device count: the table's tiles
     past it are padding) a fixed number of programs walks the live tiles' work only (``per_sm``:
     programs per SM of the shrink and the expand; None: ``LIVE_*_PROGRAMS_PER_SM``): what a
-    captured step's padded table runs, its padding costing nothing; same sums, same rounding."""
+    captured step's padded table runs, its padding costing nothing; same sums, same rounding.
+    ``expand_align`` / ``expand_stages`` (forms "segments" / "splitk"): the expands load Bᵀ and S
+    rows as vectors (``lora.factor_align``) / their ``num_stages`` (0: Triton's); None: the form's
+    (``SPLITK_EXPAND_ALIGN`` / ``SPLITK_EXPAND_STAGES`` for "splitk"; off / Triton's for "segments")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -296,8 +320,12 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         raise ValueError(f"form={form!r}; allowed: {FORMS}")
     if form == "tiles":
         if not accumulate:
-            raise ValueError("accumulate=False (write-first) runs the 'segments' form; got form='tiles'")
+            raise ValueError("accumulate=False (write-first) runs the 'segments' or 'splitk' form; got form='tiles'")
         tile_lora_add(x, lora, outs, check=check, n_blocks=n_blocks, split_k=split_k, warps=warps)
+        return
+    if form == "items":
+        splitk_lora_add(x, lora, outs, check=check, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
+                        warps=warps)
         return
     if check:
         lora.check(x, outs)
@@ -305,18 +333,28 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
         raise RuntimeError(f"backend='triton' needs CUDA tensors (got x on {x.device}); use backend='torch' or "
                            "'auto' on the CPU, or set TRITON_INTERPRET=1")
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
-                                                      accumulate=accumulate, per_sm=per_sm):
+                                                      accumulate=accumulate, per_sm=per_sm,
+                                                      splitk=form == "splitk", expand_align=expand_align,
+                                                      expand_stages=expand_stages):
         kernel[grid](*args, **meta)
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
                       split_k: int | None, warps: tuple[int | None, int | None],
                       accumulate: bool = True,
-                      per_sm: tuple[int | None, int | None] = (None, None)) -> list[tuple]:
+                      per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
+                      expand_align: bool | None = None, expand_stages: int | None = None) -> list[tuple]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
-    and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). Allocates S."""
+    and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). ``splitk``: the shrink is ``lora_splitk``'s
+    (``split_k`` None: ``shrink_splits(K)``; ``per_sm[0]`` of its programs, None:
+    ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
+    ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S."""
+    if expand_align is None:
+        expand_align = splitk and SPLITK_EXPAND_ALIGN
+    if expand_stages is None:
+        expand_stages = SPLITK_EXPAND_STAGES if splitk else 0
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
         return []
@@ -325,9 +363,19 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
     block_m, block_r = lora.block_m, lora.block_r
     chunk = rank_chunk(x.device)
     block_k = _shrink_block_k(x.device)
-    split = shrink_splits(k) if split_k is None else split_k
+    if splitk:
+        programs = per_sm[0] if per_sm[0] is not None else (
+            SPLITK_SHRINK_PROGRAMS_PER_SM if x.is_cuda else PROGRAMS_PER_SM_INTERPRETER[0])
+        # K in shrink_splits(K) parts (4 for K >= 2,048), as the segments shrink: on an H100 that
+        # beat the step-size rule (``lora_splitk.shrink_split``) in 11 of 16 one-layer cases and
+        # lost nowhere by more than 2 % (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
+        shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
+                                         programs=programs, warps=warps[0])
+        split = 1  # (the expand reads split 0's slot: the sum)
+    else:
+        split = shrink_splits(k) if split_k is None else split_k
+        s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
     # fp32 inputs: full-precision dots; 16-bit inputs: their products are exact in TF32, and the
     # expand's fp32 S is rounded to TF32's 10 mantissa bits (finer than the inputs' own)
     precision = "tf32" if x.is_cuda and x.dtype != torch.float32 else "ieee"
@@ -338,7 +386,9 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                        **({} if warps[0] is None else {"num_warps": warps[0]}))
     shrink_args = (x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
                    lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r)
-    if live is None:
+    if splitk:
+        launches = [shrink]
+    elif live is None:
         launches = [(_segment_shrink_kernel, (n_tiles, g, split), shrink_args, shrink_meta)]
     else:  # (tiles, pointers ..., the live count after the tile table)
         launches = [(_live_shrink_kernel, (live_programs(x.device, n_tiles * g * split, per_sm[0]),),
@@ -353,6 +403,8 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                 n_tiles, s.stride(0), block_r)
         meta = dict(BLOCK_M=block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, SPLIT=split,
                     DOT_PRECISION=precision, ACCUMULATE=accumulate,
+                    **({"FACTOR_ALIGN": lora.factor_align} if expand_align and lora.factor_align > 1 else {}),
+                    **({"num_stages": expand_stages} if expand_stages else {}),
                     **({} if expand_w is None else {"num_warps": expand_w}))
         if live is None:
             launches.append((_segment_expand_kernel, (n_tiles, n_col), args, meta))
@@ -386,6 +438,16 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         launches = tile_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps)
         shrink, shrink_skip, expand_skip = (lora_tiles._tile_shrink_kernel, lora_tiles._SHRINK_UNSPECIALISED,
                                             lora_tiles._EXPAND_UNSPECIALISED)
+    elif form == "items":
+        launches = splitk_launches(x, lora, outs, accumulate=accumulate, split_k=split_k, n_blocks=n_blocks,
+                                   warps=warps)
+        shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
+                                            lora_splitk._EXPAND_UNSPECIALISED)
+    elif form == "splitk":
+        launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
+                                     accumulate=accumulate, splitk=True)
+        shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
+                                            _EXPAND_UNSPECIALISED)
     else:
         launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                      accumulate=accumulate)

@@ -69,6 +69,12 @@ class SegmentLora:
     None, or ``[1]`` int32 on the pool's device, the count of the table's leading tiles that
     may hold rows (the rest are padding): the Triton kernels then walk those tiles only
     (``lora_segments``' live grids); the torch reference reads ``segments`` either way.
+    ``counters``: None, or int32 zeros on the pool's device, at least ``tiles x G``: the split-K
+    form's per-(tile, projection) arrival counters (``lora_splitk``; its shrink leaves them zero),
+    kept by the caller so that a step launches no zeroing (None: that form allocates them).
+    ``factor_align``: every offset in ``a_offsets`` / ``b_offsets`` is a multiple of this many
+    elements (the engine's pool aligns each matrix to ``adapters.ALIGN``): the split-K form's
+    loads of A and Bᵀ rows are then vector loads (1: no promise, element loads).
     """
 
     pool: torch.Tensor
@@ -81,6 +87,8 @@ class SegmentLora:
     block_m: int
     block_r: int
     live: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
+    factor_align: int = 1
 
     @property
     def num_projections(self) -> int:
@@ -115,6 +123,14 @@ class SegmentLora:
         if live is not None and (live.shape != (1,) or live.dtype != torch.int32 or live.device != x.device):
             raise ValueError(f"SegmentLora.live must be a [1] int32 tensor on {x.device} (the count of live tiles) "
                              f"or None; got {tuple(live.shape)} {live.dtype} on {live.device}")
+        cnt = self.counters
+        if cnt is not None and (cnt.dim() != 1 or cnt.dtype != torch.int32 or cnt.device != x.device
+                                or cnt.numel() < self.tiles.shape[1] * g):
+            raise ValueError(f"SegmentLora.counters must be 1-D int32 zeros on {x.device}, at least tiles x "
+                             f"projections = {self.tiles.shape[1] * g}; got {tuple(cnt.shape)} {cnt.dtype} "
+                             f"on {cnt.device}")
+        if self.factor_align not in (1, 2, 4, 8, 16):
+            raise ValueError(f"SegmentLora.factor_align must be 1, 2, 4, 8 or 16; got {self.factor_align}")
         if self.block_r < 16 or self.block_r & (self.block_r - 1) or self.block_r > MAX_RANK:
             raise ValueError(f"block_r must be a power of two in [16, {MAX_RANK}]; got {self.block_r}")
         rows = x.shape[0]

@@ -68,7 +68,9 @@ class MixedPieces:
             ranks=torch.zeros(n_mod, max_adapters, dtype=torch.int32, device=dev),
             scales=torch.zeros(max_adapters, dtype=torch.float32, device=dev), segments=(),
             modules=frozenset(ALL_TARGET_MODULES), block_m=runner.segment_block_m, block_r=self.block_r,
-            covering=runner.prefill_lora_write != "off", write=write, live=self.live)
+            covering=runner.prefill_lora_write != "off", write=write, live=self.live,
+            counters=torch.zeros(max_tiles * n_mod, dtype=torch.int32, device=dev),
+            factor_align=runner.pool.factor_align)
         # covering tables (write-first prefill LoRA): a step without prefill LoRA rows loads tiles
         # of no adapter over every row, so the write-first expand still writes each row
         self.no_lora_tiles = (torch.tensor(segment_tiles([], runner.segment_block_m, rows=rows), dtype=torch.int32,

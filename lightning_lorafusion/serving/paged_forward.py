@@ -76,6 +76,7 @@ class PagedDecoder:
     long_inv_freq: torch.Tensor | None = None
     kernel_options: KernelOptions = KernelOptions()  # the frozen products' (an NF4 base's GEMM)
     nf4_workspace: Any = None  # an NF4 base's decode kernel: its kept split-K counters (nf4_decode.DecodeWorkspace)
+    lora_form: str | None = None  # the prefill LoRA's Triton kernels (``lora_segments.FORMS``; None: its default)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
@@ -264,7 +265,7 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:
-        segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend)
+        segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend, form=m.lora_form)
     return outs
 
 
@@ -286,7 +287,7 @@ def write_first(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any], group: 
     ys = [x.new_empty(x.shape[0], w.shape[0]) for w, _ in parts]
     outs = list(ys[0].split(sizes, dim=1)) if len(parts) == 1 else ys
     segment_lora_add(x, batch.prefill_lora.group(m.pool.storage, layer, names), outs, backend=m.lora_backend,
-                     accumulate=False)
+                     accumulate=False, form=m.lora_form)
     for y, (w, _) in zip(ys, parts):
         y.addmm_(x, w.t())
     return outs

@@ -29,6 +29,7 @@ scheduler preempts a request).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,7 +38,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from .adapters import HostAdapter
+from .adapters import ALIGN, HostAdapter
 from .page_in_layers import copy_waves, layer_chunks
 
 
@@ -132,6 +133,9 @@ class UnifiedPool:
             raise ValueError(f"pool needs num_pages >= 1 and page_size >= 1; got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
         self.page_elems = num_layers * 2 * page_size * num_kv_heads * head_dim
+        # every adapter matrix's element offset is a multiple of this (pages start adapters, and
+        # matrices sit at multiples of adapters.ALIGN inside them): the prefill LoRA's vector loads
+        self.factor_align = math.gcd(self.page_elems, ALIGN)
         self.device = torch.device(device)
         self.scratch_page = num_pages  # outside the accounting: where padded decode rows write
         self.storage = torch.zeros((num_pages + 1) * self.page_elems, dtype=dtype, device=self.device)

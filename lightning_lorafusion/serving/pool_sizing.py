@@ -7,6 +7,7 @@ import torch
 
 from ..kernels.lora_gather import MAX_RANK
 from ..kernels.lora_segments import SHRINK_MAX_SPLITS
+from ..kernels.lora_splitk import SPLIT_ROW_BUDGET
 from ..model.decoder import DecoderConfig
 from ..specs import ConfigError
 from .config import EngineConfig
@@ -36,9 +37,10 @@ def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype
         # need their own beside it), among them the prefill LoRA's scratch S, MAX_RANK wide in
         # fp32 per K split and projection (one set of pieces serves every rank), and static
         # buffers per token bucket: at most 2 x max_num_batched_tokens rows over the buckets
+        # (the split-K form splits small steps' K more ways: at most SPLIT_ROW_BUDGET rows of S)
         static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
-        s_row = SHRINK_MAX_SPLITS * MAX_GROUP * MAX_RANK * 4
-        reserve += cfg.max_num_batched_tokens * (per_token + s_row + 2 * static_row)
+        s_bytes = max(cfg.max_num_batched_tokens * SHRINK_MAX_SPLITS * MAX_GROUP, SPLIT_ROW_BUDGET) * MAX_RANK * 4
+        reserve += cfg.max_num_batched_tokens * (per_token + 2 * static_row) + s_bytes
     pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
     if pages < 1:
         raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "

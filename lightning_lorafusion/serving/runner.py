@@ -19,6 +19,7 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -28,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..kernels.lora_segments import FORMS
 from ..kernels.nf4 import nf4_decode_workspace
 from ..kernels.options import KernelOptions
 from ..model.decoder import DecoderConfig, rope_inv_freq
@@ -101,6 +103,12 @@ class ModelRunner:
         # needs; settable on the CPU to test
         self.pad_mixed = False
         self.token_buckets = graph_buckets(max_batched_tokens)
+        # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
+        # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
+        # in max_decode_rows segments, per module
+        self.prefill_counters = torch.zeros(
+            MixedPieces.max_tiles(max_batched_tokens, self.segment_block_m, max_decode_rows, covering=True)
+            * len(ALL_TARGET_MODULES), dtype=torch.int32, device=self.device)
         # padded mixed steps as pieces around attention (mixed_graphs.py): None (one eager
         # forward), "eager" (the pieces on static buffers, run eagerly: the CPU path) or "graphs"
         self.mixed_pieces: str | None = None
@@ -354,7 +362,9 @@ class ModelRunner:
         covering = self._prefill_lora_write != "off"
         write = covering and self._step_writes(sum(e - s for s, e, _ in segments), len(ids))
         lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
-                                   rows=len(ids) if covering else None, write=write) if segments else None
+                                   rows=len(ids) if covering else None, write=write,
+                                   factor_align=self.pool.factor_align,
+                                   counters=self.prefill_counters) if segments else None
         up = tables.upload()
         batch = StepBatch(
             input_ids=up[queued["ids"]], positions=up[queued["pos"]], slot_pages=up[queued["pages"]],
@@ -478,6 +488,21 @@ class ModelRunner:
         if (mode == "off") != (self._prefill_lora_write == "off"):  # the static tables' covering changes
             self._clear_pieces()
         self._prefill_lora_write = mode
+
+    @property
+    def prefill_lora_form(self) -> str | None:
+        """The prefill LoRA's Triton kernels (``lora_segments.FORMS``; None: ``DEFAULT_FORM``).
+        Settable between steps: the mixed-step pieces, which captured the other form's
+        launches, are dropped (rebuilt on first use or by ``build_mixed_pieces``)."""
+        return self.model.lora_form
+
+    @prefill_lora_form.setter
+    def prefill_lora_form(self, form: str | None) -> None:
+        if form is not None and form not in FORMS:
+            raise ValueError(f"prefill_lora_form={form!r}; allowed: None, {', '.join(FORMS)}")
+        if form != self.model.lora_form:
+            self._clear_pieces()
+            self.model = dataclasses.replace(self.model, lora_form=form)
 
     def _write_modes(self) -> list[bool]:
         """The ``PrefillLora.write`` values steps can take, the usual one first."""

@@ -50,26 +50,37 @@ class PrefillLora:
     # [1] int32: the count of ``tiles``' leading tiles that hold rows (the rest padding), for the
     # kernels' live grids (``SegmentLora.live``; a captured mixed step's); None: every tile
     live: torch.Tensor | None = None
+    # int32 zeros, at least tiles x projections of a group: the split-K form's arrival counters,
+    # kept here so that a captured step launches no zeroing (``SegmentLora.counters``); None: per call
+    counters: torch.Tensor | None = None
+    # the adapters' matrices sit at multiples of this many elements (``UnifiedPool.factor_align``)
+    factor_align: int = 1
 
     def group(self, pool: torch.Tensor, layer: int, names: tuple[str, ...]) -> SegmentLora:
         m0, m1 = MODULE_INDEX[names[0]], MODULE_INDEX[names[-1]] + 1
         return SegmentLora(pool=pool, tiles=self.tiles, a_offsets=self.offsets[layer, m0:m1, 0],
                            b_offsets=self.offsets[layer, m0:m1, 1], ranks=self.ranks[m0:m1], scales=self.scales,
-                           segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live)
+                           segments=self.segments, block_m=self.block_m, block_r=self.block_r, live=self.live,
+                           counters=self.counters, factor_align=self.factor_align)
 
 
 def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Sequence[Any], block_m: int,
-                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False):
+                        device: "torch.device | str | Any", *, rows: int | None = None, write: bool = False,
+                        factor_align: int = 1, counters: torch.Tensor | None = None):
     """A step's prefill LoRA tables: ``segments`` (row start, row end, index into ``residents``,
     the step's resident adapters, ``pool.ResidentAdapter``) cut into tiles of ``block_m`` rows;
     the adapters' offsets are their ``lora_offsets`` (per layer and module, absolute in the
     pool). ``device``: a device -> the ``PrefillLora``, one copy per table; or a step's table
     queue (``staging.StagedTables`` / ``SeparateTables``) -> a ``Queued`` whose ``finish(uploaded)``
-    gives it once the queue is uploaded."""
+    gives it once the queue is uploaded. ``factor_align``: the pool's (``UnifiedPool.factor_align``);
+    ``counters``: kept int32 zeros for the split-K form, used if they hold the step's tiles x
+    ``len(ALL_TARGET_MODULES)`` (else that form allocates its own per call)."""
     from .staging import SeparateTables  # (staging imports nothing of this module)
 
     tables = SeparateTables(device) if isinstance(device, (torch.device, str)) else device
     tiles = segment_tiles(segments, block_m, rows=rows)
+    if counters is not None and counters.numel() < len(tiles) * len(ALL_TARGET_MODULES):
+        counters = None
     offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
     ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
     queued = (tables.add(np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T, torch.int32),  # [3, tiles]
@@ -82,7 +93,7 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
             tiles=t, offsets=o, ranks=rk, scales=sc, segments=tuple(segments),
             modules=frozenset(m for r in residents for m in r.adapter.target_modules),
             block_m=block_m, block_r=block_r_for(max(r.adapter.rank for r in residents)), covering=rows is not None,
-            write=write)
+            write=write, factor_align=factor_align, counters=counters)
 
     if tables is device:
         return Queued(finish)

@@ -265,7 +265,7 @@ def test_write_first_writes_every_row_and_a_gemm_adds_the_frozen_product(device,
     lora = make_covering_lora(pool, a_off, b_off, rk, scales, segments, block_m, rows, pad_tiles=2)
     got = torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device)
     want = got.clone()
-    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", accumulate=False)
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", accumulate=False, form="segments")
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)), accumulate=False)
     assert not got.isnan().any()
     assert rel_err(got, want) < TOL[dtype]
@@ -275,7 +275,7 @@ def test_write_first_writes_every_row_and_a_gemm_adds_the_frozen_product(device,
     assert torch.equal(got[44:45, 48:64], zeros[44:45, 48:64])  # adapter 2 has no k LoRA
     got.addmm_(x, w.t())
     added = x @ w.t()
-    segment_lora_add(x, lora, list(added.split(ns, dim=1)), backend="triton")  # the additive path
+    segment_lora_add(x, lora, list(added.split(ns, dim=1)), backend="triton", form="segments")  # additive
     assert rel_err(got - x @ w.t(), added - x @ w.t()) < 2 * TOL[dtype]
 
 

@@ -144,11 +144,11 @@ def test_compile_keys_do_not_depend_on_ranks_or_the_s_width():
 
 
 def test_segment_lora_add_dispatches_by_form(device):
-    """``form="tiles"``, ``form="segments"`` and the default (the one measured fastest,
-    "segments") give the reference's sums; an unknown form is refused."""
+    """``form="tiles"``, ``"segments"``, ``"splitk"``, ``"items"`` and the default (the one measured
+    fastest, "splitk") give the reference's sums; an unknown form is refused."""
     from lightning_lorafusion.kernels.lora_segments import DEFAULT_FORM
 
-    assert DEFAULT_FORM == "segments"
+    assert DEFAULT_FORM == "splitk"
     from lightning_lorafusion.kernels.lora_segments import segment_lora_add
 
     k, ns = 40, (33,)
@@ -157,7 +157,7 @@ def test_segment_lora_add_dispatches_by_form(device):
     x = torch.randn(23, k, generator=torch.Generator().manual_seed(7)).to(device)
     want = torch.zeros(23, 33, device=device)
     segment_lora_reference(x, lora, [want])
-    for form in (None, "tiles", "segments"):
+    for form in (None, "tiles", "segments", "splitk", "items"):
         got = torch.zeros(23, 33, device=device)
         segment_lora_add(x, lora, [got], backend="triton", form=form)
         assert rel_err(got, want) < 1e-5

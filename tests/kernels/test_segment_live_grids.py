@@ -1,4 +1,4 @@
-"""The prefill LoRA's live grids (``SegmentLora.live``): a fixed number of programs walking the
+"""The prefill LoRA's live grids (``SegmentLora.live``) of the "segments" kernels: a fixed number of programs walking the
 live tiles of a padded table, against the torch reference and against the grids over the whole
 table (which run the same per-element sums in the same order, so their outputs are bitwise equal).
 
@@ -59,8 +59,8 @@ def test_live_grid_equals_the_table_grid_and_the_reference_with_padding_and_base
     base = (torch.randn(rows, sum(ns), generator=torch.Generator().manual_seed(5)).to(device, dtype) if accumulate
             else torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device))
     got, old, want = base.clone(), base.clone(), base.clone()
-    segment_lora_add(x, with_live(lora, n_live), list(got.split(ns, dim=1)), backend="triton", accumulate=accumulate)
-    segment_lora_add(x, lora, list(old.split(ns, dim=1)), backend="triton", accumulate=accumulate)
+    segment_lora_add(x, with_live(lora, n_live), list(got.split(ns, dim=1)), backend="triton", form="segments", accumulate=accumulate)
+    segment_lora_add(x, lora, list(old.split(ns, dim=1)), backend="triton", form="segments", accumulate=accumulate)
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)), accumulate=accumulate)
     assert torch.equal(got, old)
     if accumulate:
@@ -82,7 +82,7 @@ def test_one_live_tile_among_many_empty_ones(device, dtype):
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(12)).to(device, dtype)
     base = torch.randn(64, sum(ns), generator=torch.Generator().manual_seed(13)).to(device, dtype)
     got, want = base.clone(), base.clone()
-    segment_lora_add(x, with_live(lora, live_count(lora)), list(got.split(ns, dim=1)), backend="triton")
+    segment_lora_add(x, with_live(lora, live_count(lora)), list(got.split(ns, dim=1)), backend="triton", form="segments")
     segment_lora_reference(x, lora, list(want.split(ns, dim=1)))
     assert rel_err(got - base, want - base) < TOL[dtype]
     assert torch.equal(got[:6], base[:6]) and torch.equal(got[11:], base[11:])
@@ -99,7 +99,7 @@ def test_live_grid_walks_every_item_whatever_the_program_count(device, monkeypat
     x = torch.randn(80, k, generator=torch.Generator().manual_seed(15)).to(device)
     base = torch.randn(80, sum(ns), generator=torch.Generator().manual_seed(16)).to(device)
     got, old = base.clone(), base.clone()
-    opts = dict(backend="triton", n_blocks=n_blocks, split_k=split_k)
+    opts = dict(backend="triton", form="segments", n_blocks=n_blocks, split_k=split_k)
     monkeypatch.setattr(lora_segments, "LIVE_PROGRAMS_INTERPRETER", programs)
     segment_lora_add(x, with_live(lora, live_count(lora)), list(got.split(ns, dim=1)), per_sm=(programs, programs),
                      **opts)
@@ -119,9 +119,9 @@ def test_tiles_past_the_live_count_are_not_run(device, accumulate):
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(18)).to(device)
     base = torch.randn(32, sum(ns), generator=torch.Generator().manual_seed(19)).to(device)
     got = base.clone()
-    segment_lora_add(x, with_live(lora, 0), list(got.split(ns, dim=1)), backend="triton", accumulate=accumulate)
+    segment_lora_add(x, with_live(lora, 0), list(got.split(ns, dim=1)), backend="triton", form="segments", accumulate=accumulate)
     assert torch.equal(got, base)
-    segment_lora_add(x, with_live(lora, 1), list(got.split(ns, dim=1)), backend="triton", accumulate=accumulate)
+    segment_lora_add(x, with_live(lora, 1), list(got.split(ns, dim=1)), backend="triton", form="segments", accumulate=accumulate)
     first = dataclasses.replace(lora, segments=((0, 16, 1),))
     want = base.clone()
     segment_lora_reference(x, first, list(want.split(ns, dim=1)), accumulate=accumulate)
@@ -144,7 +144,7 @@ def test_a_bad_live_count_tensor_is_refused(device):
     x, outs = torch.zeros(4, k, device=device), [torch.zeros(4, n, device=device) for n in ns]
     for bad in (torch.tensor([1, 2], dtype=torch.int32), torch.tensor([1], dtype=torch.int64)):
         with pytest.raises(ValueError, match="SegmentLora.live must be"):
-            segment_lora_add(x, dataclasses.replace(lora, live=bad.to(device)), outs, backend="triton")
+            segment_lora_add(x, dataclasses.replace(lora, live=bad.to(device)), outs, backend="triton", form="segments")
 
 
 def test_live_grid_variants_do_not_depend_on_the_table_length_or_the_live_count(device):
@@ -156,7 +156,7 @@ def test_live_grid_variants_do_not_depend_on_the_table_length_or_the_live_count(
     keys = set()
     for pad, live in ((0, 3), (5, 1), (40, 0), (17, 7)):
         lora = make_lora(*tables[:4], tables[4], [(0, 40, 1), (40, 41, 2)], 16, pad_tiles=pad)
-        keys.add(segment_kernel_variants(x, with_live(lora, live), outs))
+        keys.add(segment_kernel_variants(x, with_live(lora, live), outs, form="segments"))
     assert len(keys) == 1
     names = {key[0] for key in next(iter(keys))}
     assert names == {"_live_shrink_kernel", "_live_expand_kernel"}
