@@ -89,8 +89,9 @@ def test_warm_up_variant_set_does_not_grow_with_the_number_of_ranks(make_engine,
         sets.append(frozenset(warm_up_variants(engine)))
     assert sets[0] == sets[1]
     names = {v.name.rsplit(":", 1)[1] for v in sets[0]}
-    # (the pieces' prefill LoRA runs on the live grids: ``ModelRunner.live_grids``)
-    assert {"_live_shrink_kernel", "_live_expand_kernel", "_lora_shrink_kernel", "_swiglu_kernel",
+    # (the pieces' prefill LoRA: the split-K shrink, the engine's default form, then the row tiles'
+    # expand on the live grids: ``ModelRunner.prefill_lora_form``, ``ModelRunner.live_grids``)
+    assert {"_splitk_shrink_kernel", "_live_expand_kernel", "_lora_shrink_kernel", "_swiglu_kernel",
             "_rope_kv_kernel"} <= names
 
 
