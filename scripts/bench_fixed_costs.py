@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import sys
 
-from harness import Report, add_output_args, comma_list, kernel_ms, logger
+from harness import Report, add_layer_shape_args, add_output_args, comma_list, kernel_ms, logger
 
 import torch  # noqa: E402
 
@@ -46,11 +46,7 @@ PARTS = ("dequant", "ds")
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_layer_shape_args(ap)
     ap.add_argument("--parts", type=comma_list(PARTS), default=list(PARTS))
     ap.add_argument("--blocks", type=comma_list(cast=int), default=[32, 64, 128, 256],
                     help="dequant: absmax blocks per program of the block kernel")

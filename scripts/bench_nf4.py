@@ -32,7 +32,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness import Report, add_device_args, add_output_args, comma_list, dtype_of, kernel_ms, logger, timed_ms
+from harness import (Report, add_device_args, add_layer_shape_args, add_output_args, comma_list,
+                     dtype_of, kernel_ms, logger, timed_ms)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -49,11 +50,7 @@ GROUPS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_layer_shape_args(ap)
     ap.add_argument("--vocab", type=int, default=128256, help="decode: the model's vocabulary")
     ap.add_argument("--rows", type=comma_list(cast=int), default=[1, 16, 64, 2048, 8192], help="token counts")
     ap.add_argument("--variants", type=comma_list(VARIANTS), default=list(VARIANTS))

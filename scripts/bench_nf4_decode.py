@@ -41,7 +41,8 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from harness import Report, add_device_args, add_output_args, comma_list, dtype_of, logger, timed_ms
+from harness import (Report, add_device_args, add_layer_shape_args, add_output_args, comma_list,
+                     dtype_of, logger, timed_ms)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -63,11 +64,7 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_layer_shape_args(ap)
     ap.add_argument("--vocab", type=int, default=128256, help="engine: the model's vocabulary")
     ap.add_argument("--rows", type=comma_list(cast=int), default=[1, 16, 64], help="token counts")
     ap.add_argument("--decode-rows", type=lambda s: [int(v) for v in s.split(",") if v], default=[1, 16, 64],

@@ -140,6 +140,16 @@ def add_output_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help="directory for the JSON report (default: print only)")
 
 
+def add_layer_shape_args(ap: argparse.ArgumentParser) -> None:
+    """``--hidden --intermediate --heads --kv-heads --head-dim``: one decoder layer's shape, the
+    Llama-3.1-8B layer by default."""
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+
+
 def dtype_of(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``, with a clear error for a wrong name."""
     dtype = getattr(torch, name, None)
