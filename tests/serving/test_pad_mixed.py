@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
-from lightning_lorafusion.serving import runner as runner_module
+from lightning_lorafusion.serving import mixed_settings as pieces_module
 
 CASES = [([5, 9, 11, 3, 7, 2, 2], "all4"), ([2, 8, 8, 1], "mlp8"), ([4, 4, 6, 30, 12, 9, 1, 1, 3], None),
          ([13, 2, 5, 6, 7], "attn2"), ([9, 9, 9], "all4")]
@@ -98,12 +98,12 @@ def test_mixed_pieces_on_static_buffers_equal_one_forward(make_engine, backend, 
     engine.runner.pad_mixed = True
     q_ptrs = {}
 
-    class Recorded(runner_module.MixedPieces):
+    class Recorded(pieces_module.MixedPieces):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             q_ptrs[id(self)] = self.q.data_ptr()
 
-    monkeypatch.setattr(runner_module, "MixedPieces", Recorded)
+    monkeypatch.setattr(pieces_module, "MixedPieces", Recorded)
     events, shapes = _run(engine, True)
     assert [(r, t) for r, t, _ in plain] == [(r, t) for r, t, _ in events]
     assert [lp for *_, lp in plain] == pytest.approx([lp for *_, lp in events], abs=1e-5)
