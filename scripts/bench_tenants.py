@@ -350,10 +350,12 @@ class TenantsBench:
         ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
         (``lora_gather.PDL`` False); ``--old rank-variant``: every decode step in the split
         variant (``UNSPLIT_MAX_RANK`` None; its graphs were captured at warm-up, so nothing is
-        captured again for it alone). The decode graphs are captured again when the others
+        captured again for it alone); ``--old beside``: every decode step's LoRA shrinks in stream
+        order after the frozen GEMMs (``BESIDE_MAX_ROWS`` None). The decode graphs are captured again when the others
         change (not timed; the mixed-step pieces keep what they captured at warm-up)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK",
+                     "BESIDE_MAX_ROWS")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)
         if "decode-lora" in old:
@@ -362,6 +364,8 @@ class TenantsBench:
             want.update(PDL=False)
         if "rank-variant" in old:
             want.update(UNSPLIT_MAX_RANK=None)
+        if "beside" in old:
+            want.update(BESIDE_MAX_ROWS=None)
         changed = {n for n, v in want.items() if getattr(lora_gather, n) != v}
         for n in changed:
             setattr(lora_gather, n, want[n])
@@ -540,7 +544,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl", "rank-variant", "prefill-form")),
+                                              "decode-lora", "pdl", "rank-variant", "prefill-form", "beside")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -550,7 +554,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "dependent launch), rank-variant (every decode step's LoRA in the rank-split variant, "
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
-                         "default form); default %(default)s")
+                         "default form), beside (the decode steps' LoRA shrinks after the frozen GEMMs, in stream "
+                         "order, instead of beside them on a second stream); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
