@@ -178,6 +178,14 @@ SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 # as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
 SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
+# small steps (form "splitk", at most SMALL_STEP_ROWS rows, None: none; a captured mixed step's
+# pieces are per token bucket): the shrink's K in SMALL_STEP_SPLITS parts and the expands'
+# programs SMALL_STEP_EXPAND_BLOCKS column blocks each. A 256-token prompt has four row tiles:
+# with K in 4 parts and 4 column blocks a program, each shrink program walks 1,024 of K and each
+# expand program 4 blocks, chains of dependent loads on a few dozen programs
+SMALL_STEP_ROWS: int | None = None
+SMALL_STEP_SPLITS = 16
+SMALL_STEP_EXPAND_BLOCKS = 1
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3
@@ -249,6 +257,11 @@ def rank_chunk(device: torch.device) -> int:
 
 def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
+
+
+def small_step(rows: int) -> bool:
+    """Whether a "splitk" launch over ``rows`` rows takes the small steps' split and blocks."""
+    return SMALL_STEP_ROWS is not None and rows <= SMALL_STEP_ROWS
 
 
 def shrink_splits(k: int) -> int:
@@ -357,6 +370,9 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
         # K in shrink_splits(K) parts (4 for K >= 2,048), as the segments shrink: on an H100 that
         # beat the step-size rule (``lora_splitk.shrink_split``) in 11 of 16 one-layer cases and
         # lost nowhere by more than 2 % (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
+        if small_step(rows):
+            split_k = SMALL_STEP_SPLITS if split_k is None else split_k
+            n_blocks = SMALL_STEP_EXPAND_BLOCKS if n_blocks is None else n_blocks
         shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
                                          programs=programs, warps=warps[0])
         split = 1  # (the expand reads split 0's slot: the sum)
