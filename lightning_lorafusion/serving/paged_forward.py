@@ -110,9 +110,21 @@ def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, StepRop
     return h, rope
 
 
-def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+# a layer's MLP output ``[T, H]``, or that and its decode rows' LoRA not added yet (fp32 rows,
+# first row: down's expand ran beside down's GEMM, ``expand_beside``), which the next residual
+# add + RMSNorm adds (``PagedDecoder.norm(lora=)``)
+LayerOutput = torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, int]]
+
+
+def split_output(d: LayerOutput | None) -> tuple[torch.Tensor | None, tuple[torch.Tensor, int] | None]:
+    """A layer's output -> (the MLP output, its decode rows' LoRA still to add or None)."""
+    return d if isinstance(d, tuple) else (d, None)
+
+
+def final_norm(m: PagedDecoder, h: torch.Tensor, d: LayerOutput) -> torch.Tensor:
     """The last layer's residual add + the final RMSNorm -> ``[R, H]``."""
-    return m.norm(h, d, m.params["norm"])
+    d, lora = split_output(d)
+    return m.norm(h, d, m.params["norm"], lora=lora)
 
 
 def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
@@ -136,10 +148,11 @@ def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
     return soft_cap(F.linear(hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
 
 
-def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-                  rope: StepRope, batch: StepBatch) -> torch.Tensor:
+def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: LayerOutput | None,
+                  rope: StepRope, batch: StepBatch) -> LayerOutput:
     """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
-    in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
+    in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it; with its
+    decode rows' LoRA still to add where down's expand ran beside: ``LayerOutput``). Three
     pieces: what a piecewise graph would capture before attention, attention (its launch
     grids depend on the step's requests), and what it would capture after."""
     q, k, v = before_attention(m, layer, lp, h, d, rope, batch)
@@ -147,15 +160,16 @@ def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.T
     return after_attention(m, layer, lp, h, attn, batch)
 
 
-def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: LayerOutput | None,
                      rope: StepRope, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add + norm, q/k/v (+ LoRA), the family's q/k norms, RoPE and the KV write -> q,
     k, v ``[T, heads, D]``. Llama's block adds the decode rows' LoRA in the RoPE + KV write
     epilogue; q/k norms must see it first, so those families gather it before the norms."""
     cfg, family = m.config, m.config.family
     t = h.shape[0]
+    d, d_lora = split_output(d)
     if family.input_norms:
-        x = m.norm(h, d, lp["attn_norm"])
+        x = m.norm(h, d, lp["attn_norm"], lora=d_lora)
     else:  # OLMo 2: no norm before attention, the residual stream itself
         if d is not None:
             h.add_(d)
@@ -218,15 +232,16 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
-                    batch: StepBatch) -> torch.Tensor:
+                    batch: StepBatch) -> LayerOutput:
     """o (+ LoRA), residual add + norm, gate/up (+ LoRA), the gated activation, down (+ LoRA)
     -> the MLP output (after the family's output norm, Gemma / OLMo 2). SwiGLU adds the decode
-    rows' gate/up LoRA in its epilogue; another activation (GELU-tanh) gets it gathered first."""
+    rows' gate/up LoRA in its epilogue; another activation (GELU-tanh) gets it gathered first.
+    In a decode step whose o / down expands run beside their GEMMs (``expands_beside``), the
+    norm after o adds o's rows, and the output carries down's for the next norm."""
     family = m.config.family
     o_lora = None  # o's decode rows' LoRA as fp32 rows, where its expand ran beside o's GEMM too
     with beside(m, attn, layer, _O, batch) as launched:
-        if (launched is not None and launched.partials is not None and lora_gather_knobs.EXPAND_BESIDE
-                and family.input_norms and not family.output_norms):  # (the norm after o adds them)
+        if expands_beside(m, launched, batch):
             o_lora = (expand_beside(launched, m.config.module_dims("o_proj")[1], lora_stream(m, batch)),
                       batch.first_decode_row)
         (o,) = projections(m, attn, lp, _O, layer, batch)
@@ -251,9 +266,15 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
         for name, y in zip(_GATE_UP[1], (g, u)):
             gather_into(m, x, y, layer, name, batch)
         act = gated_activation(family)(g, u)
-    with beside(m, act, layer, _DOWN, batch, skip=partials is not None) as down_lora:
+    down_lora = None  # as o's: added by the next layer's norm (or the final one)
+    with beside(m, act, layer, _DOWN, batch, skip=partials is not None) as launched:
+        if expands_beside(m, launched, batch) and batch.output_rows is None:
+            down_lora = (expand_beside(launched, m.config.module_dims("down_proj")[1], lora_stream(m, batch)),
+                         batch.first_decode_row)
         (down,) = projections(m, act, lp, _DOWN, layer, batch)
-    gather_into(m, act, down, layer, "down_proj", batch, partials=partials or (down_lora and down_lora.partials))
+    if down_lora is not None:
+        return down, down_lora
+    gather_into(m, act, down, layer, "down_proj", batch, partials=partials or (launched and launched.partials))
     if family.output_norms:
         down = m.norm(down, None, lp["mlp_post_norm"])
     return down
@@ -337,6 +358,15 @@ def beside(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | None
     applies = stream is not None and not skip and lora_gather_knobs.BESIDE_MAX_ROWS is not None \
         and rows <= lora_gather_knobs.BESIDE_MAX_ROWS
     return shrink_beside(gathered(m, x, layer, group, batch) if applies else None, stream)
+
+
+def expands_beside(m: PagedDecoder, launched: GatheredLora | None, batch: StepBatch) -> bool:
+    """Whether o's or down's expand runs beside its GEMM too (``lora_gather.EXPAND_BESIDE``): its
+    shrink did, and the family's next kernel after the projection is the residual add + RMSNorm
+    that adds the rows (input norms, no output norms: Llama's block)."""
+    family = m.config.family
+    return (launched is not None and launched.partials is not None and lora_gather_knobs.EXPAND_BESIDE
+            and family.input_norms and not family.output_norms)
 
 
 def lora_stream(m: PagedDecoder, batch: StepBatch) -> torch.cuda.Stream | None:
