@@ -201,3 +201,28 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
                     ("slora_base-old", *old)]
     assert (lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES, lora_gather.PDL,
             lora_gather.UNSPLIT_MAX_RANK, lora_gather.BESIDE_MAX_ROWS) == (16, 16, True, True, 16, 64)
+
+
+def test_bench_tenants_old_small_steps_splits_small_steps_as_large_ones(tmp_path, monkeypatch):
+    """``--old small-steps``: the old runs take ``lora_segments.SMALL_STEP_ROWS`` None (the
+    mixed-step pieces dropped and rebuilt), the new ones the engine's; put back after."""
+    from lightning_lorafusion.kernels import lora_segments
+
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, lora_segments.SMALL_STEP_ROWS))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", 512)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                         "--adapters", "2", "--ranks", "4", "--prompt-median", "10", "--prompt-max", "20",
+                         "--output-median", "2", "--output-max", "3", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora", "--variants", "new,old", "--old", "small-steps",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("lora-new", 512), ("lora-old", None)]
+    assert lora_segments.SMALL_STEP_ROWS == 512
