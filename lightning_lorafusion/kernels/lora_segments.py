@@ -179,11 +179,15 @@ SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
 # small steps (form "splitk", at most SMALL_STEP_ROWS rows, None: none; a captured mixed step's
-# pieces are per token bucket): the shrink's K in SMALL_STEP_SPLITS parts and the expands'
-# programs SMALL_STEP_EXPAND_BLOCKS column blocks each. A 256-token prompt has four row tiles:
-# with K in 4 parts and 4 column blocks a program, each shrink program walks 1,024 of K and each
-# expand program 4 blocks, chains of dependent loads on a few dozen programs
-SMALL_STEP_ROWS: int | None = None
+# pieces are per token bucket, and a 256-token prompt beside decode rows is a step of the 512
+# bucket): the shrink's K in SMALL_STEP_SPLITS parts and the expands' programs
+# SMALL_STEP_EXPAND_BLOCKS column blocks each. A 256-token prompt has four row tiles: with K in
+# 4 parts and 4 column blocks a program, each shrink program walks 1,024 of K and each expand
+# program 4 blocks, chains of dependent loads on a few dozen programs. One 8B layer's four
+# groups at 256 rows (H200): 0.085 against 0.114 ms (one adapter), 0.128 against 0.200 ms (8,
+# ranks 4-64) (docs/kernels.md, "Small steps"); the 16 splits' partials fit
+# the S that serving/pool_sizing.py reserves up to 1,024 rows
+SMALL_STEP_ROWS: int | None = 512
 SMALL_STEP_SPLITS = 16
 SMALL_STEP_EXPAND_BLOCKS = 1
 LIVE_EXPAND_PROGRAMS_PER_SM = 4

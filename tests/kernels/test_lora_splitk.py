@@ -212,7 +212,7 @@ def test_small_steps_take_their_split_and_expand_blocks(device, dtype, monkeypat
     blocks per expand program; written first over a covering table, equal to the reference."""
     from lightning_lorafusion.kernels import lora_segments
 
-    k, ns, tables = group(dtype, device, seed=9, k=97)
+    k, ns, tables = group(dtype, device, seed=9, k=257)  # (3 splits of K blocks of 16 and of 64: 96 / 128 wide)
     rows = 60
     segments = [(3, 37, 1), (37, 40, 0), (44, 45, 2), (45, 58, 5)]
     tiles = segment_tiles(segments, 16, rows=rows)
