@@ -16,9 +16,11 @@ and the expand half (``lora_delta``, a Triton helper) runs inside whatever kerne
 projection's output (``lora_epilogues.py``: RoPE + KV write, SwiGLU; ``lora_gather``: a plain
 add).
 
-This module holds the knobs, the blocks and variants a launch over so many rows takes, and the
-launchers; the per-row Triton kernels are in ``lora_row_kernels.py``, the grouped ones in
-``lora_grouped_kernels.py``, the tables' contract and the torch reference in ``gathered_lora.py``.
+This module holds the knobs, the blocks and variants a launch over so many rows takes, the
+launchers, and the shrink (and a single projection's expand) launched on a second stream beside
+the frozen GEMM (``shrink_beside``, ``expand_beside``); the per-row Triton kernels are in
+``lora_row_kernels.py``, the grouped ones in ``lora_grouped_kernels.py``, the tables' contract
+and the torch reference in ``gathered_lora.py``.
 """
 
 from __future__ import annotations
@@ -157,8 +159,10 @@ UNSPLIT_MAX_RANK: int | None = 32
 # outputs the epilogues read before their wait)
 BESIDE_MAX_ROWS: int | None = 64
 # where the shrink runs beside, a single projection's expand too (``expand_beside``: its rows'
-# fp32 delta, which the kernel reading the projection's output adds, the residual add + RMSNorm
-# after o): the whole LoRA of o off the step's critical path
+# fp32 delta, which the kernel reading the projection's output adds: the residual add + RMSNorm
+# after o, and after down the next layer's): the whole LoRA of o and down off the critical path.
+# One 8B layer's decode LoRA took 0.51-0.65x its added time at one row, 0.87-0.98x at 8-64 rows
+# (H200, docs/BENCHMARKS.md "Decode kernels")
 EXPAND_BESIDE = True
 
 
