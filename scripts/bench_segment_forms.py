@@ -57,6 +57,11 @@ VARIANTS = {
     "splitk-p4": ("splitk", {"per_sm": (4, None)}),
     "splitk-p16": ("splitk", {"per_sm": (16, None)}),
     "splitk-s4": ("splitk", {"split_k": 4}),
+    "splitk-s8": ("splitk", {"split_k": 8}),
+    "splitk-s16": ("splitk", {"split_k": 16}),
+    "splitk-s16-nb1": ("splitk", {"split_k": 16, "n_blocks": 1}),
+    # the large steps' split and column blocks at any size (what "splitk" ran before SMALL_STEP_ROWS)
+    "splitk-s4-nb4": ("splitk", {"split_k": 4, "n_blocks": 4}),
     "splitk-nb1": ("splitk", {"n_blocks": 1}),
     "splitk-nb2": ("splitk", {"n_blocks": 2}),
     "splitk-e8": ("splitk", {"per_sm": (None, 8)}),

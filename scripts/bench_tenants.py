@@ -66,7 +66,7 @@ import torch  # noqa: E402
 from bench_generation import SHAPES, build_model, random_adapters  # noqa: E402
 from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engine  # noqa: E402
 
-from lightning_lorafusion.kernels import lora_gather  # noqa: E402
+from lightning_lorafusion.kernels import lora_gather, lora_segments  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
@@ -315,9 +315,10 @@ class TenantsBench:
         timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step),
         "base-pieces" (steps none of whose rows has an adapter run the LoRA pieces, their LoRA
         kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
-        table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
-        kernels instead of the default form, ``ModelRunner.prefill_lora_form``), the pieces
-        rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
+        table): ``ModelRunner.set_mixed_lora``, "prefill-form" (the prefill LoRA's "segments"
+        kernels instead of the default form, ``ModelRunner.prefill_lora_form``) and "small-steps"
+        (``lora_segments.SMALL_STEP_ROWS`` None: small steps' prefill LoRA split as large ones'),
+        the pieces rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -328,9 +329,15 @@ class TenantsBench:
         runner = engine.runner
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
+        if not hasattr(self, "small_step_rows"):
+            self.small_step_rows = lora_segments.SMALL_STEP_ROWS
+        small = None if "small-steps" in old else self.small_step_rows
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
-                or runner.prefill_lora_form != form):
+                or runner.prefill_lora_form != form or lora_segments.SMALL_STEP_ROWS != small):
             with engine._step_lock:
+                if lora_segments.SMALL_STEP_ROWS != small:
+                    lora_segments.SMALL_STEP_ROWS = small
+                    runner.clear_mixed_pieces()
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
                 runner.prefill_lora_form = form
@@ -341,6 +348,7 @@ class TenantsBench:
                         f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
+                         "small_step_rows": small,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -350,10 +358,12 @@ class TenantsBench:
         ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
         (``lora_gather.PDL`` False); ``--old rank-variant``: every decode step in the split
         variant (``UNSPLIT_MAX_RANK`` None; its graphs were captured at warm-up, so nothing is
-        captured again for it alone). The decode graphs are captured again when the others
+        captured again for it alone); ``--old beside``: every decode step's LoRA shrinks in stream
+        order after the frozen GEMMs (``BESIDE_MAX_ROWS`` None). The decode graphs are captured again when the others
         change (not timed; the mixed-step pieces keep what they captured at warm-up)."""
         if not hasattr(self, "decode_knobs"):
-            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK")
+            names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK",
+                     "BESIDE_MAX_ROWS")
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)
         if "decode-lora" in old:
@@ -362,6 +372,8 @@ class TenantsBench:
             want.update(PDL=False)
         if "rank-variant" in old:
             want.update(UNSPLIT_MAX_RANK=None)
+        if "beside" in old:
+            want.update(BESIDE_MAX_ROWS=None)
         changed = {n for n, v in want.items() if getattr(lora_gather, n) != v}
         for n in changed:
             setattr(lora_gather, n, want[n])
@@ -540,7 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl", "rank-variant", "prefill-form")),
+                                              "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
+                                              "small-steps")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -550,7 +563,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "dependent launch), rank-variant (every decode step's LoRA in the rank-split variant, "
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
-                         "default form); default %(default)s")
+                         "default form), beside (the decode steps' LoRA shrinks after the frozen GEMMs, in stream "
+                         "order, instead of beside them on a second stream), small-steps (small mixed steps' "
+                         "prefill LoRA split as large ones'); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -577,6 +592,8 @@ def main(argv=None) -> dict:
         bench.engine.close()
         for name, value in getattr(bench, "decode_knobs", {}).items():  # (--old decode-lora changed them)
             setattr(lora_gather, name, value)
+        if hasattr(bench, "small_step_rows"):  # (--old small-steps changed it)
+            lora_segments.SMALL_STEP_ROWS = bench.small_step_rows
     report = bench.report
     print("\n" + table(report))
     for r in report["runs"]:

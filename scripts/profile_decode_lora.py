@@ -51,7 +51,9 @@ import bench_decode_groups as bdg  # noqa: E402
 from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
 from lightning_lorafusion.kernels.lora_ahead import ShrinkAhead  # noqa: E402
 from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu_ahead  # noqa: E402
-from lightning_lorafusion.kernels.lora_gather import GatheredLora, adapter_groups, lora_gather  # noqa: E402
+from lightning_lorafusion.kernels.lora_gather import (GatheredLora, adapter_groups, expand_beside,  # noqa: E402
+                                                       lora_gather, shrink_beside)
+from lightning_lorafusion.kernels.rms_norm import add_rms_norm  # noqa: E402
 
 log = logger("profile_decode_lora")
 
@@ -121,23 +123,39 @@ MODES = {
     "bound16": {"UNSPLIT_MAX_RANK": 16},
     "bound32": {"UNSPLIT_MAX_RANK": 32},
     "bound64": {"UNSPLIT_MAX_RANK": 64},
+    # each group's shrink on a second stream beside the frozen GEMM reading its input (with
+    # --gemms; the engine's decode steps of at most BESIDE_MAX_ROWS rows), with the rank variant
+    # (o's expand beside its GEMM too, its delta added by the norm after o: EXPAND_BESIDE)
+    "beside": {"BESIDE_MAX_ROWS": 64},
+    "beside_shrinks": {"BESIDE_MAX_ROWS": 64, "EXPAND_BESIDE": False},
 }
-BOUND_MODES = ("bound", "bound16", "bound32", "bound64")  # (their launches take the case's rank bound)
+BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks")  # (the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
+# settings off in every mode that does not name them (the others take the module's default)
+OFF_UNLESS_NAMED = ("BESIDE_MAX_ROWS",)
 # (name, projections, input width key, outputs' widths keys) of the layer's four pieces
 PIECES = (("qkv", (0, 1, 2)), ("o", (3,)), ("gate_up", (4, 5)), ("down", (6,)))
 
 
 def apply_mode(mode: str, defaults: dict) -> None:
     for name in SETTINGS:
-        setattr(lg, name, MODES[mode].get(name, defaults[name]))
+        setattr(lg, name, MODES[mode].get(name, None if name in OFF_UNLESS_NAMED else defaults[name]))
 
 
 def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torch.Tensor]:
     """``bench_decode_groups.run_layers`` with each piece in a ``record_function`` range (the
-    profile maps every kernel to the piece that launched it)."""
+    profile maps every kernel to the piece that launched it); with ``s["weights"]`` (``--gemms``)
+    each piece's frozen GEMM first, its LoRA shrink beside it where ``BESIDE_MAX_ROWS`` says so
+    (``shrink_beside`` on ``s["stream"]``, as the engine's paged forward), and the residual add
+    + RMSNorm after o (o's expand beside too with ``EXPAND_BESIDE``, its delta added there).
+    -> each layer's SwiGLU output, and with the norm its output too."""
     hq, hkv, d, inter = s["heads"]
     b, outs = s["b"], []
+    weights, stream = s.get("weights"), s.get("stream")
+
+    def gemm(name, x):
+        if weights is not None:
+            torch.matmul(x, weights[name].t(), out=s[name])
 
     def piece(name):
         return torch.profiler.record_function(f"piece:{name}") if annotate else _Null()
@@ -148,23 +166,43 @@ def run_layers(s: dict, lora: bool, groups, annotate: bool = False) -> list[torc
                                 rank_bound=s.get("rank_bound")) if lora else None
         q, k, v = s["qkv"].split([hq * d, hkv * d, hkv * d], dim=1)
         with piece("qkv"):
+            with shrink_beside(gathered("qkv", s["x"]), stream) as qkv_lora:
+                gemm("qkv", s["x"])
             rope_write_kv(q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), s["cos"], s["sin"], s["kv"], 0,
-                          s["slot_pages"], s["slot_offsets"], lora=gathered("qkv", s["x"]), backend="triton")
-        if lora:
-            with piece("o"):
+                          s["slot_pages"], s["slot_offsets"], lora=qkv_lora, backend="triton")
+        with piece("o"):
+            with shrink_beside(gathered("o", s["attn"]), stream) as o_lora:
+                delta = None
+                if o_lora is not None and o_lora.partials is not None and lg.EXPAND_BESIDE and weights is not None:
+                    delta = expand_beside(o_lora, s["o"].shape[1], stream)
+                gemm("o", s["attn"])
+            if weights is not None:
+                if lora and delta is None:
+                    a_off, b_off, rk = t["o"]
+                    lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
+                                out=s["o"], backend="triton", groups=groups, rank_bound=s.get("rank_bound"),
+                                partials=o_lora.partials)
+                outs.append(add_rms_norm(s["h"], s["o"], s["norm_w"], 1e-5, backend="triton",
+                                         lora=None if delta is None else (delta, 0)))
+            elif lora:
                 a_off, b_off, rk = t["o"]
                 lora_gather(s["attn"], s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["o"].shape[1],
-                            out=s["o"], backend="triton", groups=groups, rank_bound=s.get("rank_bound"))
+                            out=s["o"], backend="triton", groups=groups, rank_bound=s.get("rank_bound"),
+                            partials=o_lora.partials)
         with piece("gate_up"):  # down's shrink folded in where AHEAD_MAX_ROWS says so (as the engine)
+            with shrink_beside(gathered("gate_up", s["x"]), stream) as gate_up_lora:
+                gemm("gu", s["x"])
             ahead = ShrinkAhead(s["pool"], t["down"][0][0], t["down"][2][0]) if lora else None
-            act, partials = swiglu_ahead(s["gu"][:, :inter], s["gu"][:, inter:], lora=gathered("gate_up", s["x"]),
+            act, partials = swiglu_ahead(s["gu"][:, :inter], s["gu"][:, inter:], lora=gate_up_lora,
                                          ahead=ahead, backend="triton")
-        if lora:
-            with piece("down"):  # down reads SwiGLU's output, as in the engine
+        with piece("down"):  # down reads SwiGLU's output, as in the engine
+            with shrink_beside(gathered("down", act) if partials is None else None, stream) as down_lora:
+                gemm("down", act)
+            if lora:
                 a_off, b_off, rk = t["down"]
                 lora_gather(act, s["pool"], a_off[0], b_off[0], rk[0], s["scales"], s["down"].shape[1],
-                            out=s["down"], backend="triton", groups=groups, partials=partials,
-                            rank_bound=s.get("rank_bound"))
+                            out=s["down"], backend="triton", groups=groups,
+                            partials=partials or (down_lora and down_lora.partials), rank_bound=s.get("rank_bound"))
         outs.append(act)
     return outs
 
@@ -355,15 +393,24 @@ def graph_profile(s: dict, lora: bool, groups, reps: int) -> dict:
 
 
 def outputs(s: dict, groups) -> list[torch.Tensor]:
-    for k in bdg.IN_PLACE:
+    """One pass from the in-place buffers' first values -> what it wrote (fp32): q|k|v, down, and o
+    (without the norm: with ``--gemms`` the residual stream instead, o's LoRA may be added there)."""
+    for k in bdg.IN_PLACE + (("h",) if "h" in s else ()):
         s[k].copy_(s["init"][k])
-    acts = run_layers(s, True, groups)
-    return [s[k].float().clone() for k in ("qkv", "o", "down")] + [a.float() for a in acts]
+    outs = run_layers(s, True, groups)
+    keys = ("qkv", "down") + (("h",) if "h" in s else ("o",))
+    return [s[k].float().clone() for k in keys] + [a.float() for a in outs]
 
 
-def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, gbps, cycle: bool = False) -> dict:
+def case(args, b: int, a: int, ranks: list[int], device, dtype, defaults: dict, gbps, cycle: bool = False,
+         weights: dict | None = None) -> dict:
     s = bdg.layer_step(b, a, ranks, args, device, dtype, cycle=cycle)
-    s["init"] = {k: s[k].clone() for k in bdg.IN_PLACE}
+    if weights is not None:
+        s["weights"] = weights
+        s["stream"] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        s["h"] = torch.randn(b, weights["o"].shape[0], device=device, dtype=dtype)
+        s["norm_w"] = torch.rand(weights["o"].shape[0], device=device, dtype=dtype) + 0.5
+    s["init"] = {k: s[k].clone() for k in bdg.IN_PLACE + (("h",) if "h" in s else ())}
     rank_of = [ranks[i % len(ranks)] for i in range(a)]
     row_adapter = [k - 1 for k in s["keys"]]
     s["pieces"] = piece_bytes(s, args, row_adapter, rank_of, s["pool"].element_size())
@@ -439,7 +486,7 @@ def graph_tables(rows: list[dict]) -> list[str]:
             lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
                          f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
                          f"| {fmt(g.get('gap_us'))} |")
-            if m["mode"] in ("old", "engine") and g.get("timeline"):
+            if m["mode"] in ("old", "engine", "bound", "beside") and g.get("timeline"):
                 timelines += [f"\n{name}, {m['mode']}: one captured layer, node by node",
                               "| node | grid | µs | gap before µs |", "|---|---|---|---|"]
                 timelines += [f"| {t['kernel'][:48]} | {'x'.join(map(str, t['grid'] or []))} | {t['us']:.1f} "
@@ -448,10 +495,10 @@ def graph_tables(rows: list[dict]) -> list[str]:
 
 
 def summary_table(rows: list[dict]) -> list[str]:
-    """One line per case and mode: graph time, its part over base (× the per-row path's and × the
-    engine's before, where run), kernel time, launches."""
+    """One line per case and mode: graph time, its part over base (× the per-row path's, × the
+    engine's before and × the rank variant's "bound", where run), kernel time, launches."""
     lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
-             "| × old | × before | kernels µs | launches | max rel diff |", "|" + "---|" * 10]
+             "| × old | × before | × bound | kernels µs | launches | max rel diff |", "|" + "---|" * 11]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
         base = modes.get("base", {}).get("graph_us")
@@ -462,12 +509,24 @@ def summary_table(rows: list[dict]) -> list[str]:
 
         for m in r["modes"]:
             over = lora_us(m["mode"])
-            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before")]
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before", "bound")]
             lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
                          f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
-                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(m.get('kernel_us'))} "
+                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(ratios[2], '.2f')} | {fmt(m.get('kernel_us'))} "
                          f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
     return lines
+
+
+def layer_weights(shape: str, device, dtype) -> dict:
+    """The layer's frozen weights ``[N, K]`` by the buffer their GEMM writes (qkv, o, gu, down)."""
+    dims = bdg.projection_dims(shape)
+    g = torch.Generator(device=device).manual_seed(11)
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    return {"qkv": w(sum(n for _, n in dims[:3]), dims[0][0]), "o": w(dims[3][1], dims[3][0]),
+            "gu": w(dims[4][1] + dims[5][1], dims[4][0]), "down": w(dims[6][1], dims[6][0])}
 
 
 def parse_cases(text: str) -> list[tuple[int, int, bool]]:
@@ -504,18 +563,23 @@ def _main(argv, defaults: dict) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="layers of their own adapter weights per pass")
     ap.add_argument("--reps", type=int, default=5, help="profiled passes")
     ap.add_argument("--stop-s", type=float, default=1e9, help="no new case after this many seconds")
+    ap.add_argument("--gemms", action="store_true",
+                    help="each piece runs its frozen GEMM too (one set of the layer's weights, shared by the "
+                         "--layers layers): what the LoRA adds is then over a layer with its GEMMs, and the "
+                         "'beside' modes can hide the shrinks behind them")
     add_output_args(ap)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
     start = time.monotonic()
     gbps = bdg.copy_gbps(device)
+    weights = layer_weights(args.shape, device, dtype) if args.gemms else None
     rows = []
     for ranks in args.rank_sets:
         for b, a, cycle in args.cases:
             if time.monotonic() > start + args.stop_s:
                 log(f"--stop-s reached: {b}x{a} r={ranks} not run")
                 continue
-            rows.append(case(args, b, a, ranks, device, dtype, defaults, gbps, cycle))
+            rows.append(case(args, b, a, ranks, device, dtype, defaults, gbps, cycle, weights))
             write_json(args.out, "profile_decode_lora.json", {**device_info(device), "args": vars(args),
                                                               "copy_gbps": gbps, "modes": MODES, "rows": rows})
     head = f"per layer ({args.shape} shape, {args.dtype}, {args.layers} layers per pass, copy {fmt(gbps, '.0f')} GB/s)"

@@ -122,6 +122,10 @@ class GatheredLora:
     # bucketed: ``lora_gather.decode_rank_bound``); None: any up to MAX_RANK. It picks which
     # kernel variant the launches take, never what they compute: every variant takes every rank
     rank_bound: int | None = None
+    # the group's shrink already launched, on another stream beside the frozen GEMM
+    # (``lora_gather.shrink_beside``): ``(part, k_blocks)`` as ``lora_shrink`` returns them, which
+    # the consumers read instead of launching it; None: the consumer launches it
+    partials: tuple[torch.Tensor, int] | None = None
 
     @property
     def num_projections(self) -> int:

@@ -400,12 +400,14 @@ def _row_launches(t: int, lora: GatheredLora | None) -> list[tuple[int, int, boo
 
 
 def _lora_args(lora: GatheredLora, block_k: int | None, block_r: int | None, num_warps: int):
-    """The LoRA half of a kernel's arguments and its constexprs (the group's shrink launched now)."""
+    """The LoRA half of a kernel's arguments and its constexprs (the group's shrink launched now,
+    or its ``partials`` launched beside the GEMM: no PDL edge then)."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     _, block_r = row_blocks(lora.x.device, lora.ranks.shape[1], block_k, block_r)
     args = (lora.pool, lora.b_offsets, lora.ranks, lora.scales, part, lora.first_row, lora.ranks.shape[1], k_blocks,
             lora.b_offsets.stride(0), lora.ranks.stride(0))
-    pdl_meta, pdl_launch, _ = _gather.pdl_options(lora.x.device, lora.ranks.shape[1], lora.rank_bound)
+    pdl_meta, pdl_launch, _ = _gather.pdl_options(lora.x.device, lora.ranks.shape[1], lora.rank_bound,
+                                                  beside=lora.partials is not None)
     return args, {"HAS_LORA": True, "MAX_R": MAX_RANK, "BLOCK_R": block_r,
                   "BLOCK_KB": triton.next_power_of_2(k_blocks), **pdl_meta, **pdl_launch}
 

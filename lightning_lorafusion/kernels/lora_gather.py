@@ -16,16 +16,20 @@ and the expand half (``lora_delta``, a Triton helper) runs inside whatever kerne
 projection's output (``lora_epilogues.py``: RoPE + KV write, SwiGLU; ``lora_gather``: a plain
 add).
 
-This module holds the knobs, the blocks and variants a launch over so many rows takes, and the
-launchers; the per-row Triton kernels are in ``lora_row_kernels.py``, the grouped ones in
-``lora_grouped_kernels.py``, the tables' contract and the torch reference in ``gathered_lora.py``.
+This module holds the knobs, the blocks and variants a launch over so many rows takes, the
+launchers, and the shrink (and a single projection's expand) launched on a second stream beside
+the frozen GEMM (``shrink_beside``, ``expand_beside``); the per-row Triton kernels are in
+``lora_row_kernels.py``, the grouped ones in ``lora_grouped_kernels.py``, the tables' contract
+and the torch reference in ``gathered_lora.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import triton
@@ -145,6 +149,23 @@ PDL = True
 UNSPLIT_MAX_RANK: int | None = 32
 
 
+# The shrink beside the frozen GEMM: a decode launch over at most this many rows (None: never)
+# with a second CUDA stream given (``shrink_beside``) launches its group's shrink on that stream
+# as soon as the group's input is written, so it runs while the frozen GEMM that reads the same
+# input runs on the main stream; the kernel that reads the partials waits for both. At a few
+# decode rows each shrink is a few µs of latency on the step's critical path (four per layer),
+# while the frozen GEMMs beside them stream the layer's weights for tens of µs. The same kernels
+# and sums (the consumers take no PDL edge then: their stream predecessor is the GEMM, whose
+# outputs the epilogues read before their wait)
+BESIDE_MAX_ROWS: int | None = 64
+# where the shrink runs beside, a single projection's expand too (``expand_beside``: its rows'
+# fp32 delta, which the kernel reading the projection's output adds: the residual add + RMSNorm
+# after o, and after down the next layer's): the whole LoRA of o and down off the critical path.
+# One 8B layer's decode LoRA took 0.51-0.65x its added time at one row, 0.87-0.98x at 8-64 rows
+# (H200, docs/BENCHMARKS.md "Decode kernels")
+EXPAND_BESIDE = True
+
+
 def decode_rank_bound(rows: int, max_rank: int) -> int | None:
     """The ``rank_bound`` a decode step over ``rows`` rows whose largest rank is ``max_rank``
     launches its LoRA with (and its CUDA graph is captured for): ``UNSPLIT_MAX_RANK`` where
@@ -167,14 +188,18 @@ def pdl_applies(device: torch.device, rows: int, rank_bound: int | None = None) 
     return PDL and rank_split(device, rows, rank_bound) == 1
 
 
-def pdl_options(device: torch.device, rows: int, rank_bound: int | None = None) -> tuple[dict, dict, dict]:
+def pdl_options(device: torch.device, rows: int, rank_bound: int | None = None,
+                beside: bool = False) -> tuple[dict, dict, dict]:
     """(the consumer's constexprs, its launch options, the shrink's constexprs) for a decode
     LoRA launch over ``rows`` rows on ``device`` where ``pdl_applies``: on a CUDA device of
     compute capability 9.0 or more with a Triton that has grid dependency control, ``PRELOAD``
     and ``GDC`` on, ``launch_pdl``; elsewhere ``PRELOAD`` only (the same arithmetic, so the
-    interpreter checks it); where it does not apply, none."""
+    interpreter checks it); where it does not apply, none. ``beside``: the shrink ran on another
+    stream (``shrink_beside``): the consumer takes none (the shrink's constexprs are unchanged)."""
     if not pdl_applies(device, rows, rank_bound):
         return {"PRELOAD": False, "GDC": False}, {}, {"GDC": False}
+    if beside:
+        return {"PRELOAD": False, "GDC": False}, {}, pdl_options(device, rows, rank_bound)[2]
     gdc = device.type == "cuda" and _pdl_supported(device.index if device.index is not None
                                                     else torch.cuda.current_device())
     return {"PRELOAD": True, "GDC": gdc}, ({"launch_pdl": True} if gdc else {}), {"GDC": gdc}
@@ -351,12 +376,16 @@ def expand_block_n(device: torch.device, rows: int, block_n: int | None = None) 
 
 
 def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int | None = None,
-                num_warps: int | None = None) -> tuple[torch.Tensor, int]:
+                num_warps: int | None = None, stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, int]:
     """Triton: every projection's ``x A^T`` of the group in one launch -> (part, k_blocks):
     ``part [G, B, k_blocks, MAX_RANK]`` fp32 partial sums over K blocks (read by
     ``lora_delta``; entries past a row's rank are never written nor read). Rows grouped by
     adapter (from ``GROUPED_MIN_ROWS`` rows): ``lora_grouped_kernels``' shrink, its K blocks
-    ``GROUPED_SHRINK_SPLIT_K`` wide where set."""
+    ``GROUPED_SHRINK_SPLIT_K`` wide where set. ``lora.partials`` set (launched already,
+    ``shrink_beside``): those, nothing launched. ``stream``: launched on that CUDA stream, ``part``
+    allocated on the current one (``shrink_beside`` orders the two)."""
+    if lora.partials is not None:
+        return lora.partials
     _require_triton(lora.x)
     if lora.pool.stride(0) != 1:
         raise ValueError("pool must be contiguous (a flat buffer of adapter weights)")
@@ -376,6 +405,18 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
     k_blocks = triton.cdiv(k, split_k)
     part = torch.empty(max(g * rows * k_blocks * MAX_RANK, 1), dtype=torch.float32, device=x.device)
     trigger = pdl_options(x.device, rows, lora.rank_bound)[2]
+    if stream is not None:  # x, part and everything before them enqueued on the current stream first
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        if x is not lora.x:
+            x.record_stream(stream)
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        _launch_shrink(lora, x, part, grouped, g, rows, k, k_blocks, block_k, block_r, split_k, num_warps, trigger)
+    return part, k_blocks
+
+
+def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grouped: bool, g: int, rows: int, k: int,
+                   k_blocks: int, block_k: int, block_r: int, split_k: int, num_warps: int, trigger: dict) -> None:
+    """``lora_shrink``'s launch: the grouped kernel or the per-row one (none for no rows)."""
     if grouped:
         groups = lora.groups
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
@@ -392,7 +433,62 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
             lora.ranks.stride(0), MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_K=block_k, RANK_SPLIT=split,
             num_warps=num_warps, **trigger,
         )
-    return part, k_blocks
+
+
+def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> bool:
+    """Whether ``shrink_beside(lora, stream)`` launches the shrink on ``stream``: a second stream
+    given, CUDA tensors, at most ``BESIDE_MAX_ROWS`` rows, per-row shrink (not the grouped one),
+    not launched already."""
+    if lora is None or stream is None or BESIDE_MAX_ROWS is None or lora.partials is not None:
+        return False
+    rows = lora.ranks.shape[1]
+    return lora.x.is_cuda and 0 < rows <= BESIDE_MAX_ROWS and not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+
+
+def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """The rows' LoRA of ``lora``'s one projection as an fp32 delta ``[B, out_features]`` (rows of
+    rank 0: zeros), by the per-row expand launched on ``stream`` after the shrink that
+    ``shrink_beside`` launched there (its partials), a programmatic dependent of it where
+    ``pdl_applies``. Call it first in ``shrink_beside``'s block, before anything else is enqueued
+    on the current stream: the delta is allocated there, and ``stream`` waited for that stream
+    at the fork; the block's join orders the delta before the kernel that adds it
+    (``add_rms_norm(lora=)``), whose sum rounds as an additive expand into the output rounds.
+    ``stream`` None: the current stream (the interpreter)."""
+    if lora.partials is None or lora.num_projections != 1:
+        raise ValueError("expand_beside needs one projection's partials launched beside (shrink_beside)")
+    part, k_blocks = lora.partials
+    x, rows = lora.x, lora.ranks.shape[1]
+    delta = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
+    _, block_r = row_blocks(x.device, rows)
+    block_n = expand_block_n(x.device, rows)
+    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, lora.rank_bound)
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        _lora_expand_kernel[(rows, triton.cdiv(out_features, block_n))](
+            lora.pool, lora.b_offsets[0], lora.ranks[0], lora.scales, part, delta, out_features, k_blocks,
+            delta.stride(0), ACCUMULATE=False, MAX_R=MAX_RANK, BLOCK_R=block_r,
+            BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=ROW_EXPAND_WARPS,
+            **pdl_meta, **pdl_launch,
+        )
+    return delta
+
+
+@contextlib.contextmanager
+def shrink_beside(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> Iterator[GatheredLora | None]:
+    """Where ``beside_applies``: the group's shrink is launched on ``stream`` after the work
+    enqueued so far on the current stream (``lora.x`` written), and the block runs with
+    ``lora`` carrying those ``partials`` (enqueue the frozen GEMM there: it runs beside the
+    shrink); on leaving, the current stream waits for ``stream``, so the consumer launched
+    after it (the epilogue, ``lora_gather``) reads finished partials. Elsewhere: ``lora`` as
+    it is, nothing launched. Works the same under CUDA graph capture (a fork and a join)."""
+    if not beside_applies(lora, stream):
+        yield lora
+        return
+    main = torch.cuda.current_stream(lora.x.device)
+    part = lora_shrink(lora, stream=stream)
+    try:
+        yield dataclasses.replace(lora, partials=part)
+    finally:
+        main.wait_stream(stream)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

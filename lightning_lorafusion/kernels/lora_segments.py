@@ -37,8 +37,9 @@ import triton.language as tl
 from . import lora_splitk, lora_tiles
 from .lora_splitk import PROGRAMS_PER_SM_INTERPRETER, splitk_launches, splitk_lora_add, splitk_shrink_launch
 from .lora_tiles import tile_launches, tile_lora_add
-from .segment_tables import (NO_ADAPTER, SegmentLora, block_r_for, covering_segments, segment_lora_reference,
-                             segment_tiles, shrink_tile)
+from .segment_tables import (EXPAND_UNSPECIALISED, NO_ADAPTER, SHRINK_UNSPECIALISED, SegmentLora, block_r_for,
+                             covering_segments, segment_lora_reference, segment_tiles, shrink_tile, store_delta,
+                             tile_header)
 
 __all__ = ["BACKENDS", "FORMS", "DEFAULT_FORM", "SegmentLora", "block_r_for", "segment_lora_reference",
            "segment_tiles", "covering_segments", "NO_ADAPTER", "segment_lora_add", "segment_kernel_variants", "rank_chunk", "shrink_splits",
@@ -80,9 +81,7 @@ RANK_CHUNK_CUDA, RANK_CHUNK_INTERPRETER = 32, 16
 # The tables' pointers too: they are views at offsets that follow the step's adapter count and
 # the layer (16-byte alignment or not), read one scalar at a time, so specialising on their
 # alignment buys nothing and would compile a variant per parity of the adapter count.
-_SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
-                         "s_split_stride", "s_width")
-_EXPAND_UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "s_split_stride", "s_width")
+_SHRINK_UNSPECIALISED, _EXPAND_UNSPECIALISED = SHRINK_UNSPECIALISED, EXPAND_UNSPECIALISED
 
 
 @triton.jit(do_not_specialize=_SHRINK_UNSPECIALISED)
@@ -133,12 +132,7 @@ def expand_tile(
     (tables) once per N_BLOCKS blocks, not once per block. Not ACCUMULATE (write-first): out =
     the delta, read nothing; a tile of rank 0 (or adapter index -1, rows without LoRA) writes
     zeros, so a GEMM can add the frozen product onto it as its C input."""
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    has = ad >= 0
-    adc = tl.maximum(ad, 0)
-    rank = tl.minimum(tl.load(rank_ptr + adc, mask=has, other=0), s_width)
+    start, end, adc, rank = tile_header(tiles_ptr, rank_ptr, 0, 0, t, n_tiles, s_width)
     live = end > start
     if ACCUMULATE:
         live = live & (rank > 0)
@@ -166,13 +160,7 @@ def expand_tile(
                 bt = tl.load(pool_ptr + b_off + offs_r[:, None] * N + offs_n[None, :],
                              mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(s, bt, input_precision=DOT_PRECISION)
-            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-            ok = m_ok[:, None] & n_ok[None, :]
-            if ACCUMULATE:
-                y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-                tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
-            else:
-                tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            store_delta(out_ptr, offs_m, m_ok, offs_n, n_ok, out_stride, acc, scale, ACCUMULATE=ACCUMULATE)
 
 
 # The "live" grids (``SegmentLora.live``, a device count of the table's leading tiles that hold
@@ -190,6 +178,18 @@ SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 # as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
 SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
+# small steps (form "splitk", at most SMALL_STEP_ROWS rows, None: none; a captured mixed step's
+# pieces are per token bucket, and a 256-token prompt beside decode rows is a step of the 512
+# bucket): the shrink's K in SMALL_STEP_SPLITS parts and the expands' programs
+# SMALL_STEP_EXPAND_BLOCKS column blocks each. A 256-token prompt has four row tiles: with K in
+# 4 parts and 4 column blocks a program, each shrink program walks 1,024 of K and each expand
+# program 4 blocks, chains of dependent loads on a few dozen programs. One 8B layer's four
+# groups at 256 rows (H200): 0.085 against 0.114 ms (one adapter), 0.128 against 0.200 ms (8,
+# ranks 4-64) (docs/kernels.md, "Small steps"); the 16 splits' partials fit
+# the S that serving/pool_sizing.py reserves up to 1,024 rows
+SMALL_STEP_ROWS: int | None = 512
+SMALL_STEP_SPLITS = 16
+SMALL_STEP_EXPAND_BLOCKS = 1
 LIVE_EXPAND_PROGRAMS_PER_SM = 4
 # in the interpreter: a few programs, so that each walks several items
 LIVE_PROGRAMS_INTERPRETER = 3
@@ -261,6 +261,11 @@ def rank_chunk(device: torch.device) -> int:
 
 def _shrink_block_k(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
+
+
+def small_step(rows: int) -> bool:
+    """Whether a "splitk" launch over ``rows`` rows takes the small steps' split and blocks."""
+    return SMALL_STEP_ROWS is not None and rows <= SMALL_STEP_ROWS
 
 
 def shrink_splits(k: int) -> int:
@@ -369,6 +374,9 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
         # K in shrink_splits(K) parts (4 for K >= 2,048), as the segments shrink: on an H100 that
         # beat the step-size rule (``lora_splitk.shrink_split``) in 11 of 16 one-layer cases and
         # lost nowhere by more than 2 % (docs/BENCHMARKS.md "Prefill LoRA by row tiles")
+        if small_step(rows):
+            split_k = SMALL_STEP_SPLITS if split_k is None else split_k
+            n_blocks = SMALL_STEP_EXPAND_BLOCKS if n_blocks is None else n_blocks
         shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
                                          programs=programs, warps=warps[0])
         split = 1  # (the expand reads split 0's slot: the sum)

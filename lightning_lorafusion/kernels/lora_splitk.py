@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segment_tables import SegmentLora
+from .segment_tables import SegmentLora, shrink_chunk, store_delta, tile_header
 
 # K per split at least (4 chunks of BLOCK_K 64), and the shrink's programs the split aims at, per SM
 SPLIT_MIN_K = 256
@@ -73,12 +73,7 @@ def _shrink_item(
     """Partial[sp, g, rows of tile t, :rank] = x[rows, sp's K range] A_g[:rank, range]^T (fp32);
     the last of the tile's n_split programs for g sums the partials in split order into
     partial[0] (= S) and resets the counter."""
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    has = ad >= 0  # -1: rows without LoRA (a covering table's gap tile)
-    adc = tl.maximum(ad, 0)
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
+    start, end, adc, rank = tile_header(tiles_ptr, rank_ptr, g, r_g_stride, t, n_tiles, s_width)
     if (end > start) & (rank > 0):
         a_off = tl.multiple_of(tl.load(a_off_ptr + g * a_g_stride + adc), FACTOR_ALIGN)
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -88,17 +83,9 @@ def _shrink_item(
         # S's width and the projections' stride are multiples of 16 (vector stores and loads)
         rows = s_ptr + tl.multiple_of(g * s_g_stride, 16) + tl.multiple_of(offs_m.to(tl.int64) * s_width, 16)[:, None]
         for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            acc, offs_r, r_ok = shrink_chunk(x_ptr, pool_ptr, a_off, offs_m, m_ok, r0, rank, k_lo, k_hi, K, x_stride,
+                                             BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+                                             DOT_PRECISION=DOT_PRECISION)
             tl.store(rows + sp * s_split_stride + offs_r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
         if n_split > 1:
             # every thread's partial stored before the one release below (threadfence-reduction order)
@@ -152,12 +139,7 @@ def _expand_item(
     loaded once and held over the column blocks (further chunks read per block); else every
     chunk is read per block (one dot in the loop: half the shared memory). Not ACCUMULATE
     (write-first): the delta is written, zeros on tiles of rank 0 or adapter -1."""
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    has = ad >= 0
-    adc = tl.maximum(ad, 0)
-    rank = tl.minimum(tl.load(rank_ptr + adc, mask=has, other=0), s_width)
+    start, end, adc, rank = tile_header(tiles_ptr, rank_ptr, 0, 0, t, n_tiles, s_width)
     live = end > start
     if ACCUMULATE:
         live = live & (rank > 0)
@@ -189,13 +171,7 @@ def _expand_item(
                 bq = tl.load(pool_ptr + b_off + offs_q[:, None] * N + offs_n[None, :],
                              mask=q_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(s, bq, input_precision=DOT_PRECISION)
-            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-            ok = m_ok[:, None] & n_ok[None, :]
-            if ACCUMULATE:
-                y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-                tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
-            else:
-                tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+            store_delta(out_ptr, offs_m, m_ok, offs_n, n_ok, out_stride, acc, scale, ACCUMULATE=ACCUMULATE)
 
 
 @triton.jit(do_not_specialize=_EXPAND_UNSPECIALISED)

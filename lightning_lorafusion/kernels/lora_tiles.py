@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .segment_tables import SegmentLora, segment_lora_reference, shrink_tile
+from .segment_tables import (EXPAND_UNSPECIALISED, SHRINK_UNSPECIALISED, SegmentLora, segment_lora_reference,
+                             shrink_tile)
 
 # ranks held in one pass (S's register tile in the expand; the shrink's per-pass width) on CUDA;
 # ranks <= SMALL_RANK use a tile of that width instead (less padding for ranks 4-32)
@@ -40,9 +41,7 @@ TILE_EXPAND_BLOCKS = 4
 # (serving/pool_sizing.py reserves S for lora_segments.SHRINK_MAX_SPLITS splits: at least this many)
 TILE_SHRINK_K_PER_SPLIT, TILE_SHRINK_MAX_SPLITS = 512, 4
 
-_SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
-                         "s_split_stride", "s_width")
-_EXPAND_UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "s_split_stride", "s_width")
+_SHRINK_UNSPECIALISED, _EXPAND_UNSPECIALISED = SHRINK_UNSPECIALISED, EXPAND_UNSPECIALISED
 
 
 @triton.jit(do_not_specialize=_SHRINK_UNSPECIALISED)

@@ -1,6 +1,8 @@
 """The prefill rows' LoRA tables (``SegmentLora``: row tiles of one adapter each over the pool) and
-their torch reference, shared by both Triton forms (``lora_segments``, ``lora_tiles``) and the
-fused-epilogue product (``lora_linear``)."""
+their torch reference, shared by the Triton forms (``lora_segments``, ``lora_tiles``,
+``lora_splitk``) and the fused-epilogue product (``lora_linear``), with the Triton helpers the
+forms' kernels share (a tile's table entries, a rank chunk of the shrink, a whole shrink program,
+an expand's output block)."""
 
 from __future__ import annotations
 
@@ -173,6 +175,60 @@ def segment_lora_reference(x: torch.Tensor, lora: SegmentLora, outs: Sequence[to
             y[start:end] = (y[start:end].float() + delta).to(y.dtype)
 
 
+# Arguments of the segment kernels that change from step to step and are not specialised
+# (``lora_segments`` says why): shared by the shrinks and the expands of both forms
+SHRINK_UNSPECIALISED = ("tiles_ptr", "a_off_ptr", "rank_ptr", "n_tiles", "a_g_stride", "r_g_stride", "s_g_stride",
+                        "s_split_stride", "s_width")
+EXPAND_UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "s_split_stride", "s_width")
+
+
+@triton.jit
+def tile_header(tiles_ptr, rank_ptr, g, r_g_stride, t, n_tiles, s_width):
+    """Tile t of a ``SegmentLora`` table -> (row start, row end, adapter index clamped to >= 0,
+    rank). ``rank_ptr``: one projection's ranks; the rank is 0 where the tile names no adapter
+    (-1: rows without LoRA, a covering table's gap tile), at most ``s_width``."""
+    start = tl.load(tiles_ptr + t)
+    end = tl.load(tiles_ptr + n_tiles + t)
+    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
+    has = ad >= 0
+    adc = tl.maximum(ad, 0)
+    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
+    return start, end, adc, rank
+
+
+@triton.jit
+def shrink_chunk(x_ptr, pool_ptr, a_off, offs_m, m_ok, r0, rank, k_lo, k_hi, K, x_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One rank chunk of a tile's shrink -> (acc, offs_r, r_ok): ``acc [BLOCK_M, BLOCK_R]`` fp32 =
+    x[offs_m, k_lo:k_hi] A[r0:r0 + BLOCK_R, k_lo:k_hi]^T (A at ``pool_ptr + a_off``, rank vectors
+    contiguous along K; ranks past ``rank`` and rows outside ``m_ok`` zero)."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+    return acc, offs_r, r_ok
+
+
+@triton.jit
+def store_delta(out_ptr, offs_m, m_ok, offs_n, n_ok, out_stride, acc, scale, ACCUMULATE: tl.constexpr):
+    """An expand's block: out[offs_m, offs_n] = (out +) acc * scale, one rounding to out's dtype
+    (ACCUMULATE: the fp32 sum with the output read; else the delta written, nothing read)."""
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        y = tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (y + acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit
 def shrink_tile(
     x_ptr, pool_ptr, tiles_ptr, a_off_ptr, rank_ptr, s_ptr, t, g, sp, K, k_per_split, x_stride, n_tiles, a_g_stride,
@@ -183,12 +239,7 @@ def shrink_tile(
     ``lora_tiles``; they differ only in how the grid maps to (tile t, projection g, K split sp)):
     S[sp, g, rows of tile t, :rank] = x[rows, sp's K range] A_g[:rank, range]^T in fp32, the
     tile's own rank in chunks of BLOCK_R; an empty or rank-0 tile does nothing."""
-    start = tl.load(tiles_ptr + t)
-    end = tl.load(tiles_ptr + n_tiles + t)
-    ad = tl.load(tiles_ptr + 2 * n_tiles + t)
-    has = ad >= 0  # -1: rows without LoRA (a covering table's gap tile)
-    adc = tl.maximum(ad, 0)
-    rank = tl.minimum(tl.load(rank_ptr + g * r_g_stride + adc, mask=has, other=0), s_width)
+    start, end, adc, rank = tile_header(tiles_ptr, rank_ptr, g, r_g_stride, t, n_tiles, s_width)
     if (end > start) & (rank > 0):
         a_off = tl.load(a_off_ptr + g * a_g_stride + adc)
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -196,17 +247,9 @@ def shrink_tile(
         k_lo = sp * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(pool_ptr + a_off + offs_r[:, None] * K + offs_k[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # rank vectors contiguous along K
-                acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)
+            acc, offs_r, r_ok = shrink_chunk(x_ptr, pool_ptr, a_off, offs_m, m_ok, r0, rank, k_lo, k_hi, K, x_stride,
+                                             BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+                                             DOT_PRECISION=DOT_PRECISION)
             s_ptrs = (s_ptr + sp * s_split_stride + g * s_g_stride + offs_m[:, None].to(tl.int64) * s_width
                       + offs_r[None, :])
             tl.store(s_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])

@@ -78,6 +78,11 @@ class MixedStepSettings:
     def _mixed_dora(self) -> dict[int, "MixedPieces"]:
         return self._pieces_by_mode[False][1]
 
+    def clear_mixed_pieces(self) -> None:
+        """Drop every built mixed-step piece (rebuilt on first use or by ``build_mixed_pieces``):
+        after a kernel knob their captures depend on changed (``lora_segments.SMALL_STEP_ROWS``)."""
+        self._clear_pieces()
+
     def _clear_pieces(self) -> None:
         for built in self._pieces_by_mode.values():
             for pieces in built:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from ..kernels.fp8_linear import frozen_projections
 from ..kernels.lora_ahead import ShrinkAhead
 from ..kernels.lora_epilogues import rope_write_kv, swiglu_ahead
-from ..kernels.lora_gather import GatheredLora, lora_gather
+from ..kernels import lora_gather as lora_gather_knobs
+from ..kernels.lora_gather import GatheredLora, expand_beside, lora_gather, shrink_beside
 from ..kernels.lora_segments import segment_lora_add
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
@@ -77,11 +78,17 @@ class PagedDecoder:
     kernel_options: KernelOptions = KernelOptions()  # the frozen products' (an NF4 base's GEMM)
     nf4_workspace: Any = None  # an NF4 base's decode kernel: its kept split-K counters (nf4_decode.DecodeWorkspace)
     lora_form: str | None = None  # the prefill LoRA's Triton kernels (``lora_segments.FORMS``; None: its default)
+    # a second CUDA stream for a decode step's LoRA shrinks, each launched beside the frozen GEMM
+    # that reads its input (``lora_gather.shrink_beside``, up to ``BESIDE_MAX_ROWS`` rows); None: none
+    lora_stream: Any = None
 
-    def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
+    def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor,
+             lora: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor.
+        ``lora``: decode rows' LoRA of the projection that wrote ``d`` (fp32 rows, first row), added
+        into ``d`` first (``add_rms_norm(lora=)``)."""
         return add_rms_norm(h, d, weight, self.config.rms_norm_eps, backend=self.kernel_backend,
-                            weight_offset=self.config.family.norm_offset)
+                            weight_offset=self.config.family.norm_offset, lora=lora)
 
 
 # a step's RoPE tables: local (Gemma 3's sliding layers) or not -> cos, sin [T, 1, rotary_dim]
@@ -103,9 +110,21 @@ def embed_rows(m: PagedDecoder, batch: StepBatch) -> tuple[torch.Tensor, StepRop
     return h, rope
 
 
-def final_norm(m: PagedDecoder, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+# a layer's MLP output ``[T, H]``, or that and its decode rows' LoRA not added yet (fp32 rows,
+# first row: down's expand ran beside down's GEMM, ``expand_beside``), which the next residual
+# add + RMSNorm adds (``PagedDecoder.norm(lora=)``)
+LayerOutput = torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, int]]
+
+
+def split_output(d: LayerOutput | None) -> tuple[torch.Tensor | None, tuple[torch.Tensor, int] | None]:
+    """A layer's output -> (the MLP output, its decode rows' LoRA still to add or None)."""
+    return d if isinstance(d, tuple) else (d, None)
+
+
+def final_norm(m: PagedDecoder, h: torch.Tensor, d: LayerOutput) -> torch.Tensor:
     """The last layer's residual add + the final RMSNorm -> ``[R, H]``."""
-    return m.norm(h, d, m.params["norm"])
+    d, lora = split_output(d)
+    return m.norm(h, d, m.params["norm"], lora=lora)
 
 
 def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
@@ -129,10 +148,11 @@ def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
     return soft_cap(F.linear(hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
 
 
-def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
-                  rope: StepRope, batch: StepBatch) -> torch.Tensor:
+def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: LayerOutput | None,
+                  rope: StepRope, batch: StepBatch) -> LayerOutput:
     """``h [T, H]`` (+)= ``d``, the previous layer's MLP output (None before the first layer),
-    in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it). Three
+    in place -> this layer's MLP output ``[T, H]`` (the residual stream is h + it; with its
+    decode rows' LoRA still to add where down's expand ran beside: ``LayerOutput``). Three
     pieces: what a piecewise graph would capture before attention, attention (its launch
     grids depend on the step's requests), and what it would capture after."""
     q, k, v = before_attention(m, layer, lp, h, d, rope, batch)
@@ -140,21 +160,24 @@ def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.T
     return after_attention(m, layer, lp, h, attn, batch)
 
 
-def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
+def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: LayerOutput | None,
                      rope: StepRope, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Residual add + norm, q/k/v (+ LoRA), the family's q/k norms, RoPE and the KV write -> q,
     k, v ``[T, heads, D]``. Llama's block adds the decode rows' LoRA in the RoPE + KV write
     epilogue; q/k norms must see it first, so those families gather it before the norms."""
     cfg, family = m.config, m.config.family
     t = h.shape[0]
+    d, d_lora = split_output(d)
     if family.input_norms:
-        x = m.norm(h, d, lp["attn_norm"])
+        x = m.norm(h, d, lp["attn_norm"], lora=d_lora)
     else:  # OLMo 2: no norm before attention, the residual stream itself
         if d is not None:
             h.add_(d)
         x = h
-    q, k, v = projections(m, x, lp, _QKV, layer, batch)
     lora = gathered(m, x, layer, _QKV, batch)
+    with shrink_beside(lora if family.qk_norm == "none" else None, lora_stream(m, batch)) as launched:
+        q, k, v = projections(m, x, lp, _QKV, layer, batch)
+    lora = launched if family.qk_norm == "none" else lora
     if family.qk_norm != "none":
         if lora is not None:
             for name, y in zip(_QKV[1], (q, k, v)):
@@ -209,31 +232,49 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, attn: torch.Tensor,
-                    batch: StepBatch) -> torch.Tensor:
+                    batch: StepBatch) -> LayerOutput:
     """o (+ LoRA), residual add + norm, gate/up (+ LoRA), the gated activation, down (+ LoRA)
     -> the MLP output (after the family's output norm, Gemma / OLMo 2). SwiGLU adds the decode
-    rows' gate/up LoRA in its epilogue; another activation (GELU-tanh) gets it gathered first."""
+    rows' gate/up LoRA in its epilogue; another activation (GELU-tanh) gets it gathered first.
+    In a decode step whose o / down expands run beside their GEMMs (``expands_beside``), the
+    norm after o adds o's rows, and the output carries down's for the next norm."""
     family = m.config.family
-    (o,) = projections(m, attn, lp, _O, layer, batch)
-    gather_into(m, attn, o, layer, "o_proj", batch)
+    o_lora = None  # o's decode rows' LoRA as fp32 rows, where its expand ran beside o's GEMM too
+    with beside(m, attn, layer, _O, batch) as launched:
+        if expands_beside(m, launched, batch):
+            o_lora = (expand_beside(launched, m.config.module_dims("o_proj")[1], lora_stream(m, batch)),
+                      batch.first_decode_row)
+        (o,) = projections(m, attn, lp, _O, layer, batch)
+    if o_lora is None:
+        gather_into(m, attn, o, layer, "o_proj", batch, partials=launched and launched.partials)
     if family.output_norms:
         o = m.norm(o, None, lp["attn_post_norm"])
     if family.input_norms:
-        x = m.norm(h, o, lp["mlp_norm"])
+        x = m.norm(h, o, lp["mlp_norm"], lora=o_lora)
     else:  # OLMo 2
         h.add_(o)
         x = h
-    g, u = projections(m, x, lp, _GATE_UP, layer, batch)
+    silu = family.activation == "silu"
+    with shrink_beside(gathered(m, x, layer, _GATE_UP, batch) if silu else None,
+                       lora_stream(m, batch)) as gate_up_lora:
+        g, u = projections(m, x, lp, _GATE_UP, layer, batch)
     partials = None  # down's shrink, where SwiGLU's LoRA rows computed it (few decode rows)
-    if family.activation == "silu":
-        act, partials = swiglu_ahead(g, u, lora=gathered(m, x, layer, _GATE_UP, batch),
-                                     ahead=down_ahead(m, layer, batch), backend=m.kernel_backend)
+    if silu:
+        act, partials = swiglu_ahead(g, u, lora=gate_up_lora, ahead=down_ahead(m, layer, batch),
+                                     backend=m.kernel_backend)
     else:
         for name, y in zip(_GATE_UP[1], (g, u)):
             gather_into(m, x, y, layer, name, batch)
         act = gated_activation(family)(g, u)
-    (down,) = projections(m, act, lp, _DOWN, layer, batch)
-    gather_into(m, act, down, layer, "down_proj", batch, partials=partials)
+    down_lora = None  # as o's: added by the next layer's norm (or the final one)
+    with beside(m, act, layer, _DOWN, batch, skip=partials is not None) as launched:
+        if expands_beside(m, launched, batch) and batch.output_rows is None:
+            down_lora = (expand_beside(launched, m.config.module_dims("down_proj")[1], lora_stream(m, batch)),
+                         batch.first_decode_row)
+        (down,) = projections(m, act, lp, _DOWN, layer, batch)
+    if down_lora is not None:
+        return down, down_lora
+    gather_into(m, act, down, layer, "down_proj", batch, partials=partials or (launched and launched.partials))
     if family.output_norms:
         down = m.norm(down, None, lp["mlp_post_norm"])
     return down
@@ -304,6 +345,35 @@ def gathered(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | No
     return GatheredLora(x[ds:ds + b], m.pool.storage, batch.decode_offsets[layer, m0:m1, 0],
                         batch.decode_offsets[layer, m0:m1, 1], batch.decode_ranks[m0:m1], batch.decode_scales,
                         first_row=ds, groups=batch.decode_groups, rank_bound=batch.decode_rank_bound)
+
+
+def beside(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | None, tuple[str, ...]],
+           batch: StepBatch, skip: bool = False):
+    """``shrink_beside`` of the decode rows' LoRA of a group read by ``gather_into`` (o, down):
+    a context whose value is the group's ``GatheredLora`` with its partials launched on the
+    LoRA stream (``lora_stream``; None where no decode row adapts it, or ``skip``: its shrink
+    done already)."""
+    stream = lora_stream(m, batch)
+    rows = 0 if batch.decode_scales is None else batch.decode_scales.shape[0]
+    applies = stream is not None and not skip and lora_gather_knobs.BESIDE_MAX_ROWS is not None \
+        and rows <= lora_gather_knobs.BESIDE_MAX_ROWS
+    return shrink_beside(gathered(m, x, layer, group, batch) if applies else None, stream)
+
+
+def expands_beside(m: PagedDecoder, launched: GatheredLora | None, batch: StepBatch) -> bool:
+    """Whether o's or down's expand runs beside its GEMM too (``lora_gather.EXPAND_BESIDE``): its
+    shrink did, and the family's next kernel after the projection is the residual add + RMSNorm
+    that adds the rows (input norms, no output norms: Llama's block)."""
+    family = m.config.family
+    return (launched is not None and launched.partials is not None and lora_gather_knobs.EXPAND_BESIDE
+            and family.input_norms and not family.output_norms)
+
+
+def lora_stream(m: PagedDecoder, batch: StepBatch) -> torch.cuda.Stream | None:
+    """The stream a step's decode LoRA shrinks run on beside the frozen GEMMs: ``m.lora_stream``
+    in decode steps (no prefill rows: the steps whose graphs are captured per row bucket); None
+    in mixed steps (their shrinks in stream order)."""
+    return m.lora_stream if batch.num_prefill_rows == 0 else None
 
 
 def down_ahead(m: PagedDecoder, layer: int, batch: StepBatch) -> ShrinkAhead | None:

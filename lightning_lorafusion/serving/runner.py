@@ -81,7 +81,8 @@ class ModelRunner(MixedStepSettings):
                                   prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
                                   local_inv_freq=local, long_inv_freq=long,
                                   kernel_options=KernelOptions(nf4_gemm=nf4_gemm),
-                                  nf4_workspace=nf4_decode_workspace(params, self.device))
+                                  nf4_workspace=nf4_decode_workspace(params, self.device),
+                                  lora_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,

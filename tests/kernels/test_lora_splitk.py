@@ -203,3 +203,35 @@ def test_splitk_form_walks_the_live_tiles_and_equals_the_items_form(device, prog
     first = base.clone()
     segment_lora_add(x, with_live(lora, 1), list(first.split(ns, dim=1)), backend="triton", form="splitk", split_k=3)
     assert torch.equal(first[1:], base[1:]) and not torch.equal(first[:1], base[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_small_steps_take_their_split_and_expand_blocks(device, dtype, monkeypatch):
+    """Form "splitk" over at most ``SMALL_STEP_ROWS`` rows: the shrink's K in
+    ``SMALL_STEP_SPLITS`` parts (capped where K is short), ``SMALL_STEP_EXPAND_BLOCKS`` column
+    blocks per expand program; written first over a covering table, equal to the reference."""
+    from lightning_lorafusion.kernels import lora_segments
+
+    k, ns, tables = group(dtype, device, seed=9, k=257)  # (3 splits of K blocks of 16 and of 64: 96 / 128 wide)
+    rows = 60
+    segments = [(3, 37, 1), (37, 40, 0), (44, 45, 2), (45, 58, 5)]
+    tiles = segment_tiles(segments, 16, rows=rows)
+    lora = dataclasses.replace(make_lora(*tables[:4], tables[4], segments, 16),
+                               tiles=torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).t().contiguous().to(device))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(8)).to(device, dtype)
+    outs = [torch.empty(rows, n, dtype=dtype, device=device) for n in ns]
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", None)
+    plain = lora_segments._segment_launches(x, lora, outs, n_blocks=None, split_k=None, warps=(None, None),
+                                            splitk=True)
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", rows)
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_SPLITS", 3)
+    small = lora_segments._segment_launches(x, lora, outs, n_blocks=None, split_k=None, warps=(None, None),
+                                            splitk=True)
+    assert small[0][2][10] == 3 != plain[0][2][10]  # the shrink's split count (its n_split argument)
+    assert all(m["N_BLOCKS"] == lora_segments.SMALL_STEP_EXPAND_BLOCKS for _, _, _, m in small[1:])
+    base = torch.full((rows, sum(ns)), float("nan"), dtype=dtype, device=device)
+    got, want = run_both(x, lora, ns, base, accumulate=False, form="splitk")
+    assert not got.isnan().any() and rel_err(got, want) < TOL[dtype]
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", rows - 1)
+    assert lora_segments._segment_launches(x, lora, outs, n_blocks=None, split_k=None, warps=(None, None),
+                                           splitk=True)[0][2][10] == plain[0][2][10]

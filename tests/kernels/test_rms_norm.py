@@ -98,3 +98,31 @@ def test_triton_one_plus_w_matches_reference(device, dtype, hidden, with_delta):
     assert rel_err(got, want) < TOL[dtype]
     assert rel_err(got, add_rms_norm_reference(h.clone(), None, w, 1e-6)) > 0.1  # the offset matters
     assert torch.equal(h, h_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_rows_are_added_to_the_delta_first(device, dtype):
+    """``lora=(rows, first)``: delta's rows first .. first + B - 1 take fp32 rows before the
+    residual add (rounded to delta's dtype), the other rows as without; delta is not written;
+    Triton = reference bit for bit on the residual (one rounding each); bad rows raise."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(6, 47, generator=g).to(device, dtype)
+    d = torch.randn(6, 47, generator=g).to(device, dtype)
+    w = (torch.rand(47, generator=g) + 0.5).to(device, dtype)
+    rows = torch.randn(3, 47, generator=g).to(device)
+    d_before = d.clone()
+    want_h = h.clone()
+    added = d.clone()
+    added[2:5] = (rows + d[2:5].float()).to(dtype)
+    want = add_rms_norm_reference(want_h, added, w, 1e-5)
+    for backend in ("torch", "triton"):
+        got_h = h.clone()
+        got = add_rms_norm(got_h, d, w, 1e-5, backend=backend, lora=(rows, 2))
+        assert torch.equal(got_h, want_h) and torch.equal(d, d_before), backend
+        assert rel_err(got, want) < TOL[dtype], backend
+    with pytest.raises(ValueError, match="lora needs the delta"):
+        add_rms_norm(h.clone(), None, w, 1e-5, lora=(rows, 2))
+    with pytest.raises(ValueError, match="lora must be"):
+        add_rms_norm(h.clone(), d, w, 1e-5, lora=(rows, 4))
+    with pytest.raises(ValueError, match="lora must be"):
+        add_rms_norm(h.clone(), d, w, 1e-5, lora=(rows.to(dtype) if dtype != torch.float32 else rows[:, :5], 0))

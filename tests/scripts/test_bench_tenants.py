@@ -165,10 +165,10 @@ def test_bench_tenants_old_variant_switches_the_mixed_pieces_lora(tmp_path, monk
 
 
 def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monkeypatch):
-    """``--old decode-lora,pdl,rank-variant``: the old runs take the decode LoRA's blocks before
-    the few-rows ones (``FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, the epilogues unpaired), no
-    programmatic dependent launch and no rank variant (``UNSPLIT_MAX_RANK`` None), the new runs
-    the engine's; put back after."""
+    """``--old decode-lora,pdl,rank-variant,beside``: the old runs take the decode LoRA's blocks
+    before the few-rows ones (``FEW_ROWS`` and ``AHEAD_MAX_ROWS`` None, the epilogues unpaired),
+    no programmatic dependent launch, no rank variant (``UNSPLIT_MAX_RANK`` None) and no shrink
+    beside the GEMMs (``BESIDE_MAX_ROWS`` None), the new runs the engine's; put back after."""
     from lightning_lorafusion.kernels import lora_gather
 
     bench = load_script("bench_tenants")
@@ -177,7 +177,7 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
 
     def phase(self, run, arrivals, trace):
         seen.append((run, lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES,
-                     lora_gather.PDL, lora_gather.UNSPLIT_MAX_RANK))
+                     lora_gather.PDL, lora_gather.UNSPLIT_MAX_RANK, lora_gather.BESIDE_MAX_ROWS))
         return real(self, run, arrivals, trace)
 
     monkeypatch.setattr(bench.TenantsBench, "phase", phase)
@@ -185,18 +185,44 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
     monkeypatch.setattr(lora_gather, "FEW_ROWS", 16)
     monkeypatch.setattr(lora_gather, "PDL", True)
     monkeypatch.setattr(lora_gather, "UNSPLIT_MAX_RANK", 16)
+    monkeypatch.setattr(lora_gather, "BESIDE_MAX_ROWS", 64)
     report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
                          "--adapters", "3", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "3", "--output-max", "5", "--arrivals", "burst", "--warm-up", "off",
-                         "--runs", "lora", "--variants", "new,old", "--old", "decode-lora,pdl,rank-variant",
+                         "--runs", "lora", "--variants", "new,old", "--old", "decode-lora,pdl,rank-variant,beside",
                          "--slora", "--slora-requests", "2", "--slora-prompt", "6", "--slora-new", "2",
                          "--slora-adapters", "2", "--slora-rank", "4",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    new, old = (16, 16, True, True, 16), (None, None, False, False, None)
+    new, old = (16, 16, True, True, 16, 64), (None, None, False, False, None, None)
     # the S-LoRA runs side by side too, each variant's three in turn
     assert seen == [("lora-new", *new), ("lora-old", *old), ("slora_distinct-new", *new), ("slora_one-new", *new),
                     ("slora_base-new", *new), ("slora_distinct-old", *old), ("slora_one-old", *old),
                     ("slora_base-old", *old)]
     assert (lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES, lora_gather.PDL,
-            lora_gather.UNSPLIT_MAX_RANK) == (16, 16, True, True, 16)
+            lora_gather.UNSPLIT_MAX_RANK, lora_gather.BESIDE_MAX_ROWS) == (16, 16, True, True, 16, 64)
+
+
+def test_bench_tenants_old_small_steps_splits_small_steps_as_large_ones(tmp_path, monkeypatch):
+    """``--old small-steps``: the old runs take ``lora_segments.SMALL_STEP_ROWS`` None (the
+    mixed-step pieces dropped and rebuilt), the new ones the engine's; put back after."""
+    from lightning_lorafusion.kernels import lora_segments
+
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, lora_segments.SMALL_STEP_ROWS))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", 512)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "4",
+                         "--adapters", "2", "--ranks", "4", "--prompt-median", "10", "--prompt-max", "20",
+                         "--output-median", "2", "--output-max", "3", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora", "--variants", "new,old", "--old", "small-steps",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("lora-new", 512), ("lora-old", None)]
+    assert lora_segments.SMALL_STEP_ROWS == 512

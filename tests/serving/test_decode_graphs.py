@@ -162,3 +162,33 @@ def test_graph_replay_equals_eager_decode(model_dir, adapter_dirs, hf_reference)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     on.close()
     off.close()
+
+
+@cuda
+def test_decode_lora_shrinks_beside_the_gemms_give_the_same_logits(model_dir, adapter_dirs, monkeypatch):
+    """On a GPU (fp32): a decode step's LoRA shrinks launched on the second stream beside the
+    frozen GEMMs (``lora_gather.BESIDE_MAX_ROWS``) give the logits of the shrinks in stream
+    order bit for bit, replayed from the decode graphs and eagerly."""
+    from lightning_lorafusion.kernels import lora_gather
+    from lightning_lorafusion.serving import Engine
+    from lightning_lorafusion.serving.config import EngineTuning
+
+    monkeypatch.setattr(lora_gather, "BESIDE_MAX_ROWS", 64)
+    engine = Engine.from_pretrained(str(model_dir), adapter_dirs, EngineConfig(
+        num_pages=96, page_size=4, max_num_seqs=16, cuda_graphs="on", tuning=EngineTuning(async_decode="off")),
+        device="cuda", dtype=torch.float32)
+    runner = engine.runner
+    assert runner.model.lora_stream is not None
+    decode = _decode_ready(engine, CASES)
+    got = {}
+    with torch.no_grad():
+        for beside in (64, None):
+            monkeypatch.setattr(lora_gather, "BESIDE_MAX_ROWS", beside)
+            runner.capture_decode_graphs()
+            got[beside, "replayed"] = runner.decode_logits(decode).clone()
+            runner.graphs, graphs = None, runner.graphs
+            got[beside, "eager"] = runner.decode_logits(decode).clone()
+            runner.graphs = graphs
+    for how in ("replayed", "eager"):
+        assert torch.equal(got[64, how], got[None, how]), how
+    engine.close()

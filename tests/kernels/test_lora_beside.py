@@ -1,0 +1,166 @@
+"""The decode LoRA's shrink launched beside the frozen GEMM (``lora_gather.shrink_beside``): the
+consumers (``lora_gather``'s expand, the RoPE + KV and SwiGLU epilogues) read partial sums
+launched earlier, on another stream on a GPU, and take no PDL edge then. The same kernels and
+sums, so the outputs must equal those of the consumer launching its own shrink bit for bit:
+checked in the interpreter (fp32, fp16; the partials given as ``GatheredLora.partials``) and on
+CUDA (a real second stream, a GEMM enqueued between fork and join) over one row of rank 100,
+eight rows with base rows and mixed ranks, and sixteen rows (the rank split's launches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_lorafusion.kernels import lora_gather as lg
+from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu
+from lightning_lorafusion.kernels.lora_gather import GatheredLora, lora_gather, lora_shrink, shrink_beside
+
+from test_lora_few_rows import ROWS, _group
+
+CASES = ["one_row_rank_100", "mixed_with_base_rows", "sixteen_shared"]
+
+
+@pytest.fixture(autouse=True)
+def knobs(monkeypatch):
+    monkeypatch.setattr(lg, "FEW_ROWS", 8)
+    monkeypatch.setattr(lg, "RANK_SPLIT_MAX_ROWS", 16)
+    monkeypatch.setattr(lg, "PDL", True)
+    monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", 64)
+
+
+@contextlib.contextmanager
+def launched(lora: GatheredLora):
+    """``lora`` with its shrink launched beside: on CUDA ``shrink_beside`` on a second stream, a
+    GEMM enqueued on the current one meanwhile; elsewhere the partials launched first."""
+    if not lora.x.is_cuda:
+        yield dataclasses.replace(lora, partials=lora_shrink(lora))
+        return
+    side = torch.cuda.Stream(lora.x.device)
+    with shrink_beside(lora, side) as got:
+        assert got.partials is not None
+        w = torch.randn(2048, lora.x.shape[1], device=lora.x.device, dtype=lora.x.dtype)
+        lora.x @ w.t()  # (the frozen GEMM's stand-in)
+        yield got
+
+
+def test_beside_applies_only_with_a_stream_on_cuda_within_its_rows(monkeypatch):
+    lora = _group(40, (24,), ROWS["mixed_with_base_rows"], torch.float32, torch.device("cpu"))
+    assert not lg.beside_applies(lora, None) and not lg.beside_applies(None, object())
+    assert not lg.beside_applies(lora, object())  # CPU tensors
+    with shrink_beside(lora, None) as same:
+        assert same is lora
+    off = {"PRELOAD": False, "GDC": False}
+    cpu = torch.device("cpu")
+    assert lg.pdl_options(cpu, 1, beside=True) == (off, {}, lg.pdl_options(cpu, 1)[2])
+    if torch.cuda.is_available():
+        cuda = _group(40, (24,), ROWS["mixed_with_base_rows"], torch.float32, torch.device("cuda"))
+        stream = torch.cuda.Stream()
+        assert lg.beside_applies(cuda, stream)
+        monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", 4)
+        assert not lg.beside_applies(cuda, stream)
+        monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", None)
+        assert not lg.beside_applies(cuda, stream)
+
+
+def test_lora_shrink_returns_partials_launched_already(device):
+    lora = _group(40, (24, 24), ROWS["mixed_with_base_rows"], torch.float32, device)
+    given = (torch.zeros(1, device=device), 3)
+    assert lora_shrink(dataclasses.replace(lora, partials=given)) is given
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", CASES)
+def test_gather_beside_gives_the_same_bits(device, dtype, rows):
+    n = 90
+    lora = _group(70, (n,), ROWS[rows], dtype, device)
+    y = torch.randn(len(ROWS[rows]), n, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    args = (lora.x, lora.pool, lora.a_offsets[0], lora.b_offsets[0], lora.ranks[0], lora.scales, n)
+    want = y.clone()
+    lora_gather(*args, out=want, backend="triton")
+    got = y.clone()
+    with launched(lora) as beside:
+        pass
+    lora_gather(*args, out=got, backend="triton", partials=beside.partials)
+    assert torch.equal(got, want)
+    ref = y.clone()
+    lora_gather(*args, out=ref, backend="torch")
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", CASES)
+def test_swiglu_beside_gives_the_same_bits(device, dtype, rows):
+    t, n = len(ROWS[rows]) + 2, 72
+    lora = _group(40, (n, n), ROWS[rows], dtype, device, first_row=1)
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    want = swiglu(gu[:, :n], gu[:, n:], lora=lora, backend="triton")
+    with launched(lora) as beside:
+        pass
+    got = swiglu(gu[:, :n], gu[:, n:], lora=beside, backend="triton")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", CASES[:2])
+def test_rope_write_kv_beside_gives_the_same_bits(device, rows):
+    from test_lora_epilogues import SHAPES, make_rope_case
+
+    t, hq, hkv, d, k, first, _ = SHAPES["decode"]
+    case, _ = make_rope_case("decode", torch.float32, device, False, True)
+    row_adapter = ROWS[rows][:t - first]
+    lora = _group(k, (hq * d, hkv * d, hkv * d), row_adapter, torch.float32, device, first_row=first)
+    common = {key: case[key] for key in ("cos", "sin", "layer", "slot_pages", "slot_offsets")}
+
+    def run(group):
+        got = {key: case[key].clone() for key in ("q", "k", "v", "kv_pool")}
+        rope_write_kv(got["q"], got["k"], got["v"], kv_pool=got["kv_pool"], backend="triton", lora=group, **common)
+        return got
+
+    want = run(lora)
+    with launched(lora) as beside:
+        pass
+    got = run(beside)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", CASES)
+def test_expand_beside_added_by_the_norm_gives_the_same_bits(device, dtype, rows):
+    """o's expand beside its GEMM (``expand_beside``: the rows' fp32 delta) added by the residual
+    add + RMSNorm (``add_rms_norm(lora=)``) = the additive expand into o, then the norm: the same
+    residual stream and normed rows, bit for bit; rows before the LoRA rows untouched."""
+    from lightning_lorafusion.kernels.rms_norm import add_rms_norm
+
+    n, first = 40, 2
+    lora = _group(24, (n,), ROWS[rows], dtype, device)
+    b = len(ROWS[rows])
+    g = torch.Generator().manual_seed(9)
+    o = torch.randn(first + b, n, generator=g).to(device, dtype)
+    h = torch.randn(first + b, n, generator=g).to(device, dtype)
+    w = (torch.rand(n, generator=g) + 0.5).to(device, dtype)
+
+    want_o, want_h = o.clone(), h.clone()
+    lora_gather(lora.x, lora.pool, lora.a_offsets[0], lora.b_offsets[0], lora.ranks[0], lora.scales, n,
+                out=want_o[first:], backend="triton")
+    want_x = add_rms_norm(want_h, want_o, w, 1e-5, backend="triton")
+
+    if device.type == "cuda":  # the expand after the shrink on the second stream, a GEMM meanwhile
+        side = torch.cuda.Stream(device)
+        with shrink_beside(lora, side) as beside:
+            delta = lg.expand_beside(beside, n, side)
+            lora.x @ torch.randn(2048, lora.x.shape[1], device=device, dtype=dtype).t()
+    else:
+        delta = lg.expand_beside(dataclasses.replace(lora, partials=lora_shrink(lora)), n, None)
+    got_h = h.clone()
+    got_x = add_rms_norm(got_h, o, w, 1e-5, backend="triton", lora=(delta, first))
+    assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
+    ref_h = h.clone()
+    ref_x = add_rms_norm(ref_h, o, w, 1e-5, backend="torch", lora=(delta, first))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(ref_h.float(), got_h.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ref_x.float(), got_x.float(), rtol=tol, atol=tol)
