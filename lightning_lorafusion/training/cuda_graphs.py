@@ -466,7 +466,8 @@ class TrainingGraphs:
         # microbatch 0, no segments: the fused kernels find their fixed-shape tables in the cache
         # (and DoRA reads each row's adapter from the static row_owner)
         routing = dataclasses.replace(self.bank.routing((), 0, key.capacity, train=True),
-                                      launch_cache=tables.cache, row_owner=inputs.row_owner)
+                                      launch_cache=tables.cache, row_owner=inputs.row_owner,
+                                      accumulate_grads=True)
         h = embed(self.params, inputs.input_ids) if self.is_first else self._activation[key.capacity]
         h = decoder_layers(self.params, self.bank.view(self.layers), h, inputs.position_ids,
                            inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,
