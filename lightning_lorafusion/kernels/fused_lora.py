@@ -45,7 +45,7 @@ from .block_sizes import LoraBlockSizes, block_sizes_for
 from .dropout_triton import offset_hash_arg
 from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
 from .nf4 import Nf4Weight
-from .fused_lora_launch import GradSink, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
+from .fused_lora_launch import GroupFactors, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
 from .fused_lora_ops import _sizes_to_args, _table_to_args, fused_lora_fwd_op
 from .options import KernelOptions
 from .reference import LoraModuleWeights, LoraRouting
@@ -59,14 +59,14 @@ NF4_NAME = "nf4 (Nf4Weight)"
 class FusedLoraProjections(torch.autograd.Function):
     """Shared-input projections with per-row-tile LoRA; differentiable w.r.t. X, A and B.
 
-    ``sink`` None: the gradients of ``a_all`` and ``b_cats`` (concatenations of the factors) go
-    back to autograd. A ``GradSink``: ``a_all`` and ``b_cats`` are detached copies and the
-    factors themselves follow them as inputs (``leaves``); backward adds their gradients into
-    their ``.grad`` in one launch and returns None for them (or, where it cannot, their
-    gradients as views for autograd to accumulate)."""
+    ``group`` None: the gradients of ``a_all`` and ``b_cats`` (concatenations of the factors) go
+    back to autograd. A ``GroupFactors``: ``a_all`` and ``b_cats`` are its gather (no autograd
+    history) and the factors themselves follow as inputs (``group.leaves``); backward adds their
+    gradients into their ``.grad`` in one launch and returns None for them (or, where it cannot,
+    their gradients as views, for autograd to accumulate)."""
 
     @staticmethod
-    def forward(ctx, x, a_all, plan, off_h, operands, sink, *rest):
+    def forward(ctx, x, a_all, plan, off_h, operands, group, *rest):
         n_proj = len(plan.ns)
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
@@ -83,28 +83,28 @@ class FusedLoraProjections(torch.autograd.Function):
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
             ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
-        ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.sink = plan, off_h, n_proj, operands, sink
+        ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.group = plan, off_h, n_proj, operands, group
         ctx.mark_non_differentiable(s)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
         x, a_all, s, *rest = ctx.saved_tensors
-        n_proj, sink = ctx.n_proj, ctx.sink
+        n_proj, group = ctx.n_proj, ctx.group
         if ctx.fp8_weights is not None:
             rest = [*ctx.fp8_weights, *rest]
         need = ctx.needs_input_grad
         none = (None, None, None, None, None, None, *([None] * (3 * n_proj)))
-        if sink is None:
+        if group is None:
             need_db = [need[6 + 2 * n_proj + i] for i in range(n_proj)]
             dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
                                         ctx.off_h, need[0], need[1], need_db, ctx.operands)
             return (dx, da, *none[2:6], *([None] * (2 * n_proj)), *db_cats)
-        grads = sink.grads()
+        grads = group.grads()
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan, ctx.off_h,
                                     need[0], True, [True] * n_proj, ctx.operands,
-                                    None if grads is None else (sink, grads))
-        leaf_grads = [None] * len(sink.leaves) if grads is not None else sink.split(da, db_cats)
+                                    None if grads is None else (group, grads))
+        leaf_grads = [None] * len(group.leaves) if grads is not None else group.split(da, db_cats)
         return (dx, *none[1:], *leaf_grads)
 
 
@@ -246,31 +246,34 @@ def fused_lora_projections(
         return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
     if routing.accumulate_grads and torch.is_grad_enabled():
-        sink = _grad_sink(routing, plan, loras)
-        if sink is not None:
-            with torch.no_grad():
-                a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
-            return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, sink,
-                                                   *weights, *biases, *b_cats, *sink.leaves))
+        group = _group_factors(routing, plan, loras)
+        if group is not None:
+            gathered = group.gather(x.dtype)
+            if gathered is None:
+                with torch.no_grad():
+                    gathered = _factors(loras, table, x.dtype, keep_fp32=True)
+            a_all, b_cats = gathered
+            return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, group,
+                                                   *weights, *biases, *b_cats, *group.leaves))
     a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
     return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, None,
                                            *weights, *biases, *b_cats))
 
 
-def _grad_sink(routing: LoraRouting, plan: _Plan, loras) -> GradSink | None:
-    """The group's ``GradSink`` (cached with the routing's plans), or None where a factor is not
-    a leaf that takes a gradient (e.g. a B scaled by a per-module alpha): autograd must see it."""
+def _group_factors(routing: LoraRouting, plan: _Plan, loras) -> GroupFactors | None:
+    """The group's ``GroupFactors`` (cached with the routing's plans), or None where a factor is not
+    a leaf that takes a gradient (e.g. a B scaled by a per-module alpha: autograd must see it)."""
     table = plan.table
     a_leaves = [loras[i].a[a] for a, i in table.a_order]
     b_leaves = [[loras[i].b[a] for a in order] for i, order in enumerate(table.b_order)]
     every = [*a_leaves, *(leaf for per in b_leaves for leaf in per)]
-    key = (PLAN_KEY, "grad-sink", id(plan), *(id(leaf) for leaf in every))
-    sink = routing.launch_cache.get(key)
-    if sink is None:
+    key = (PLAN_KEY, "group-factors", id(plan), *(id(leaf) for leaf in every))
+    group = routing.launch_cache.get(key)
+    if group is None:
         if not all(leaf.is_leaf and leaf.requires_grad for leaf in every):
             return None
-        sink = routing.launch_cache[key] = GradSink(plan, a_leaves, b_leaves)
-    return sink
+        group = routing.launch_cache[key] = GroupFactors(plan, a_leaves, b_leaves)
+    return group
 
 
 _NO_LORA = object()  # plan-cache entry of a group none of whose routed rows has LoRA

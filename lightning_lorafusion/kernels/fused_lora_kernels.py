@@ -303,27 +303,44 @@ def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _accumulate_grads_kernel(part_ptr, acc_ptr, adapter_tile_ptr_ptr, grad_like_ptr, numel,
-                             SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Every factor's ``.grad += `` the sum over sp of its slice of ``part[sp]`` (fp32, in split
-    order), one program per ``BLOCK`` elements of one factor (``program_id(1)``: its row of the
-    table ``acc_ptr``). The factor's slice of ``part`` is ``[rows, cols]`` at ``part_stride``
-    apart; its ``.grad`` (``grad_like_ptr``'s dtype) is ``[rows, cols]`` at ``grad_stride``, at the
-    address in the table (a row: part offset, rows, cols, part stride, adapter, grad stride,
-    grad address; ``fused_lora_launch.GradSink``). A factor whose adapter has no row tile in the microbatch (read on the
-    device: a captured step replays any mix of adapters) has a zero gradient: its programs return."""
-    row = acc_ptr + tl.program_id(1) * 7
+@triton.jit
+def _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK: tl.constexpr):
+    """One program's share of a factor table row (``fused_lora_launch.GroupFactors``: launch-layout
+    offset, rows, cols, launch-layout row stride, adapter, tensor row stride, tensor address):
+    element offsets, their row and column, the mask (all off where the factor's adapter has no row
+    tile in the microbatch, read on the device: a captured step replays any mix of adapters)."""
+    row = table_ptr + tl.program_id(1) * 7
     rows = tl.load(row + 1)
     cols = tl.load(row + 2)
     adapter = tl.load(row + 4)
     tiles = tl.load(adapter_tile_ptr_ptr + adapter + 1) - tl.load(adapter_tile_ptr_ptr + adapter)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if (tiles > 0) & (start < rows * cols):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < rows * cols
-        r = offs // cols
-        c = offs % cols
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < rows * cols) & (tiles > 0)
+    r = offs // cols
+    c = offs % cols
+    return row, r, c, mask, (tiles > 0) & (tl.program_id(0).to(tl.int64) * BLOCK < rows * cols)
+
+
+@triton.jit
+def _gather_factors_kernel(out_ptr, table_ptr, adapter_tile_ptr_ptr, factor_like_ptr, BLOCK: tl.constexpr):
+    """Every factor copied (cast to ``out``'s dtype) into its slice of ``out``, the launch layout of
+    A_all and each B_cat; an adapter without rows is skipped (no kernel reads its slice)."""
+    row, r, c, mask, live = _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK)
+    if live:
+        src = tl.load(row + 6).to(factor_like_ptr.dtype) + r * tl.load(row + 5) + c
+        v = tl.load(src, mask=mask, other=0.0)
+        tl.store(out_ptr + tl.load(row) + r * tl.load(row + 3) + c, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _accumulate_grads_kernel(part_ptr, table_ptr, adapter_tile_ptr_ptr, grad_like_ptr, numel,
+                             SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Every factor's ``.grad += `` the sum over sp of its slice of ``part[sp]`` (fp32, in split
+    order; ``part [SPLIT, numel]`` in the launch layout), one program per ``BLOCK`` elements of
+    one factor (``program_id(1)``: its table row, with the ``.grad`` address). A factor whose
+    adapter has no row in the microbatch has a zero gradient: its programs return."""
+    row, r, c, mask, live = _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK)
+    if live:
         src = tl.load(row) + r * tl.load(row + 3) + c
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for sp in tl.static_range(SPLIT):

@@ -15,7 +15,7 @@ import torch
 from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
 from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
-from .fused_lora_kernels import (_accumulate_grads_kernel, _lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
+from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kernel, _lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
                                  _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
@@ -24,7 +24,7 @@ from .triton_launch import CachedLaunch
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
 SPLIT_MIN_STEPS = 4  # loop steps along K (S) or N (dS) a split program runs at least
 SPLIT_SUM_BLOCK = 1024
-ACCUMULATE_BLOCK = 1024
+FACTOR_BLOCK = 1024  # elements per program of the factor gather / accumulation launches
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -371,24 +371,27 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
     return dx
 
 
-class GradSink:
-    """The factors (leaf tensors) of one projection group whose ``.grad`` the backward adds into
-    itself, all in one launch (``_accumulate_grads_kernel``), instead of handing autograd a
-    gradient per factor (one ``add_`` launch each, ~58 a layer for 4 adapters on 7 projections,
-    made for absent adapters too in a captured step, where every adapter is routed).
+class GroupFactors:
+    """The LoRA factors (leaf tensors) of one projection group, moved by one launch each way
+    instead of one per factor: ``gather`` copies them into the launch layout (A_all and each
+    B_cat, as ``fused_lora._factors`` concatenates them: one ``cat`` per A_all and per B_cat), and
+    ``accumulate`` adds their gradients into their ``.grad`` from the dA / dB partial sums
+    (autograd: one ``add_`` per factor, ~58 a layer for 4 adapters on 7 projections). A captured
+    step routes every adapter of the bank; both launches skip, on the device, the factors of
+    adapters without rows in the microbatch.
 
-    ``a_leaves``: A factors in ``plan.table.a_order``; ``b_leaves[i]``: projection i's B factors
-    in ``plan.table.b_order[i]`` (the order ``fused_lora._factors`` concatenates them). The table
-    of each factor's slice of the plan's partial buffer and ``.grad`` address lives on the device,
-    made once per set of ``.grad`` tensors (a captured step's are static)."""
+    ``a_leaves``: A factors in ``plan.table.a_order``; ``b_leaves[i]``: projection i's B factors in
+    ``plan.table.b_order[i]``. Each launch reads a device table of every factor's slice of the
+    launch layout (the plan's ``part_offsets``) and its tensor's address, made once per set of
+    addresses (a captured step's factors and ``.grad`` tensors stay where they are)."""
 
     def __init__(self, plan: _Plan, a_leaves: Sequence[torch.Tensor],
                  b_leaves: Sequence[Sequence[torch.Tensor]]) -> None:
         t = plan.table
         self.plan = plan
         self.leaves = (*a_leaves, *(leaf for per in b_leaves for leaf in per))
-        rows = []  # (part offset, rows, cols, part stride, adapter): the part of a table row fixed by the plan
-        self.views = []  # (projection or None for A, first row / column, width): where a factor sits in dA / dB_cat
+        rows = []  # (layout offset, rows, cols, layout row stride, adapter) of each factor
+        self.views = []  # (projection or None for A, first row / column, width): where it sits in A_all / B_cat
         a_row = 0
         for (adapter, _), leaf in zip(t.a_order, a_leaves):
             r = int(leaf.shape[0])
@@ -402,37 +405,67 @@ class GradSink:
                 rows.append((plan.part_offsets[1 + i] + col, plan.ns[i], r, t.b_cols[i], adapter))
                 self.views.append((i, col, r))
                 col += r
-        self.fixed = rows
-        self.blocks = _cdiv(max(r * c for _, r, c, _, _ in rows), ACCUMULATE_BLOCK)
-        self._key: tuple | None = None
-        self._table: torch.Tensor | None = None
-        self._launch: CachedLaunch | None = None
+        self.fixed = tuple(rows)
+        self.grid = (_cdiv(max(r * c for _, r, c, _, _ in rows), FACTOR_BLOCK), len(rows))
+        self._tables: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._gather: CachedLaunch | None = None
+        self._accumulate: CachedLaunch | None = None
+
+    def _table(self, name: str, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The device table of ``tensors`` (the factors or their ``.grad``), or None where a launch
+        cannot use them (one missing, mixed dtypes, columns not unit-stride, or a new table needed
+        during a capture)."""
+        if any(x is None for x in tensors):
+            return None
+        dtype = tensors[0].dtype
+        if any(x.dtype != dtype or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) for x in tensors):
+            return None
+        key = (dtype, *(x.data_ptr() for x in tensors), *(x.stride(0) for x in tensors))
+        held = self._tables.get(name)
+        if held is not None and held[0] == key:
+            return held[1]
+        device = tensors[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a new table now would be a host copy inside the capture
+        host = [(*fixed, x.stride(0), x.data_ptr()) for fixed, x in zip(self.fixed, tensors)]
+        table = torch.tensor(host, dtype=torch.int64).to(device)
+        self._tables[name] = (key, table)
+        return table
+
+    def gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+        """A_all ``[a_rows, K]`` and each B_cat ``[N_i, b_cols_i]`` (None without LoRA), views of one
+        buffer, in the factors' dtype where it is fp32 (the kernels round on load) else ``dtype``;
+        None where the launch cannot read the factors (then ``fused_lora._factors``)."""
+        table = self._table("factors", self.leaves)
+        if table is None:
+            return None
+        plan, t = self.plan, self.plan.table
+        like = self.leaves[0]
+        out = torch.empty(plan.part_numel, dtype=like.dtype if like.dtype == torch.float32 else dtype,
+                          device=like.device)
+        if self._gather is None:
+            self._gather = CachedLaunch(_gather_factors_kernel, self.grid, num_warps=4, num_stages=1,
+                                        BLOCK=FACTOR_BLOCK)
+        self._gather(out, table, t.adapter_tile_ptr, like)
+        a_all = out[:t.a_rows * plan.k].view(t.a_rows, plan.k)
+        b_cats = [out[off:off + n * bc].view(n, bc) if order else None
+                  for off, n, bc, order in zip(plan.part_offsets[1:], plan.ns, t.b_cols, t.b_order)]
+        return a_all, b_cats
 
     def grads(self) -> list[torch.Tensor] | None:
-        """The factors' ``.grad`` tensors if the launch can add into them (every one there, one
-        dtype, rows of unit stride, the device table made or makeable now), else None: then the
-        caller hands autograd the gradients (``split``)."""
+        """The factors' ``.grad`` tensors when ``accumulate`` can add into them, else None (then
+        autograd gets the gradients: ``split``)."""
         grads = [leaf.grad for leaf in self.leaves]
-        if any(g is None for g in grads):
-            return None
-        dtype = grads[0].dtype
-        if any(g.dtype != dtype or g.dim() != 2 or (g.shape[1] > 1 and g.stride(1) != 1) for g in grads):
-            return None
-        key = (dtype, *(g.data_ptr() for g in grads), *(g.stride(0) for g in grads))
-        if key != self._key:
-            device = grads[0].device
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # a new table now would be a copy inside the capture
-            host = [(*fixed, g.stride(0), g.data_ptr()) for fixed, g in zip(self.fixed, grads)]
-            self._table = torch.tensor(host, dtype=torch.int64).to(device)
-            self._launch = CachedLaunch(_accumulate_grads_kernel, (self.blocks, len(host)), num_warps=4,
-                                        num_stages=1, SPLIT=self.plan.split, BLOCK=ACCUMULATE_BLOCK)
-            self._key = key
-        return grads
+        return grads if self._table("grads", grads) is not None else None
 
     def accumulate(self, part: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        """Every factor's ``.grad += `` its summed partials (one launch)."""
-        self._launch(part, self._table, self.plan.table.adapter_tile_ptr, grads[0], self.plan.part_numel)
+        """Every factor's ``.grad += `` its summed partials ``part [split, part_numel]`` (one
+        launch); ``grads`` as ``grads()`` returned them."""
+        if self._accumulate is None:
+            self._accumulate = CachedLaunch(_accumulate_grads_kernel, self.grid, num_warps=4, num_stages=1,
+                                            SPLIT=self.plan.split, BLOCK=FACTOR_BLOCK)
+        self._accumulate(part, self._tables["grads"][1], self.plan.table.adapter_tile_ptr, grads[0],
+                         self.plan.part_numel)
 
     def split(self, da: torch.Tensor, db_cats: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Each factor's gradient as a view of ``dA_all`` / ``dB_cat_i`` (for autograd)."""
@@ -441,9 +474,9 @@ class GradSink:
 
 
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
-              operands: QuantizedOperands | None = None, sink_grads: tuple | None = None):
+              operands: QuantizedOperands | None = None, into_grads: tuple | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
-    take its quantized gradient from ``operands``. ``sink_grads``: ``(GradSink, its factors'
+    take its quantized gradient from ``operands``. ``into_grads``: ``(GroupFactors, its factors'
     .grad tensors)``: every factor's gradient is added into its ``.grad`` by one launch, and dA_all
     and dB_cat come back None."""
     t = plan.table
@@ -469,8 +502,8 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         _launch_da(x, ds, part, plan, off_h)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
-    if part is not None and sink_grads is not None:
-        sink_grads[0].accumulate(part, sink_grads[1])
+    if part is not None and into_grads is not None:
+        into_grads[0].accumulate(part, into_grads[1])
     elif part is not None:
         grads = torch.empty(plan.part_numel, dtype=a_all.dtype, device=x.device)
         _launch_split_sum(part, grads, plan, plan.split, plan.part_numel)  # one launch: sum and cast

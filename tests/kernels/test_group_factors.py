@@ -1,5 +1,5 @@
 """The fused LoRA backward adding every factor's gradient into its ``.grad`` in one launch
-(``LoraRouting.accumulate_grads``, ``fused_lora_launch.GradSink``) against autograd's
+(``LoraRouting.accumulate_grads``, ``fused_lora_launch.GroupFactors``) against autograd's
 accumulation of the same gradients, in the Triton interpreter on CPU (fp32 / fp16).
 
 fp32 factors: the launch adds the same fp32 sums ``AccumulateGrad`` adds, so the results are
@@ -16,7 +16,7 @@ import torch
 
 from lightning_lorafusion.kernels.block_sizes import INTERPRETER_BLOCK_SIZES
 from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
-from lightning_lorafusion.kernels.fused_lora_launch import GradSink
+from lightning_lorafusion.kernels.fused_lora_launch import GroupFactors
 from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
 from lightning_lorafusion.kernels.static_routing import StaticLaunchTables
 
@@ -67,8 +67,16 @@ def test_one_launch_accumulation_equals_autograds(device, dtype):
     dx_ref, ref = _step(x, ws, a, b, gys, old, _routing(70, segments))
     routing = _routing(70, segments, accumulate_grads=True)
     dx, got = _step(x, ws, a, b, gys, old, routing)
-    sinks = [v for v in routing.launch_cache.values() if isinstance(v, GradSink)]
-    assert len(sinks) == 1 and len(sinks[0].leaves) == 12  # the launch took every factor
+    groups = [v for v in routing.launch_cache.values() if isinstance(v, GroupFactors)]
+    assert len(groups) == 1 and len(groups[0].leaves) == 12  # the launch took every factor
+    # the gather: A_all and each B_cat as the concatenations autograd's path makes
+    group = groups[0]
+    a_all, b_cats = group.gather(dtype)
+    n_a = len(group.plan.table.a_order)
+    assert torch.equal(a_all, torch.cat(group.leaves[:n_a]).detach())
+    b_iter = iter(group.leaves[n_a:])
+    for b_cat, order in zip(b_cats, group.plan.table.b_order):
+        assert torch.equal(b_cat, torch.cat([next(b_iter) for _ in order], dim=1).detach())
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)  # the input gradient is untouched
     for j, (g, r) in enumerate(zip(got, ref)):
@@ -89,8 +97,8 @@ def test_captured_layout_skips_absent_adapters_on_the_device(device):
     tables.fill(segments, 0)
     routing = dataclasses.replace(base, launch_cache=tables.cache, accumulate_grads=True)
     _, got = _step(x, ws, a, b, gys, old, routing)
-    (sink,) = [v for v in tables.cache.values() if isinstance(v, GradSink)]
-    assert len(sink.leaves) == 12
+    (group,) = [v for v in tables.cache.values() if isinstance(v, GroupFactors)]
+    assert len(group.leaves) == 12
     adapters = [ad for per in RANKS for ad in range(3)] * 2
     for j, (g, r, o) in enumerate(zip(got, ref, [o for per in old for o in per])):
         if o is None:
@@ -115,7 +123,7 @@ def test_factor_without_grad_falls_back_to_autograd(device):
 
 
 def test_scaled_factor_is_left_to_autograd(device):
-    """A B that is not a leaf (scaled by a per-module alpha, as the bank hands it): no sink, and
+    """A B that is not a leaf (scaled by a per-module alpha, as the bank hands it): no group, and
     the gradient reaches the leaf through autograd."""
     x, ws, a, b, gys, _ = _problem(torch.float32, device)
     leaf = b[0][0].clone().requires_grad_(True)
@@ -126,7 +134,7 @@ def test_scaled_factor_is_left_to_autograd(device):
     ys = fused_lora_projections(x, ws, [None] * 3, loras, routing, dropout_offset=5,
                                 block_sizes=INTERPRETER_BLOCK_SIZES)
     torch.autograd.backward(ys, gys)
-    assert not any(isinstance(v, GradSink) for v in routing.launch_cache.values())
+    assert not any(isinstance(v, GroupFactors) for v in routing.launch_cache.values())
     assert leaf.grad is not None and a[0][0].grad is not None
 
 
@@ -139,12 +147,12 @@ def test_launch_reads_only_adapters_with_rows(device):
     tables.fill(((0, 40, 0), (40, 64, 2)), 0)
     routing = dataclasses.replace(base, launch_cache=tables.cache, accumulate_grads=True)
     _step(x, ws, a, b, gys, old, routing)
-    (sink,) = [v for v in tables.cache.values() if isinstance(v, GradSink)]
-    grads = sink.grads()
+    (group,) = [v for v in tables.cache.values() if isinstance(v, GroupFactors)]
+    grads = group.grads()
     before = [g.clone() for g in grads]
-    part = torch.ones(sink.plan.split, sink.plan.part_numel, device=device)
-    sink.accumulate(part, grads)
-    absent = [ad == 1 for ad, _ in sink.plan.table.a_order]
-    absent += [ad == 1 for order in sink.plan.table.b_order for ad in order]
+    part = torch.ones(group.plan.split, group.plan.part_numel, device=device)
+    group.accumulate(part, grads)
+    absent = [ad == 1 for ad, _ in group.plan.table.a_order]
+    absent += [ad == 1 for order in group.plan.table.b_order for ad in order]
     for g, was, skip in zip(grads, before, absent):
-        assert torch.equal(g, was if skip else was + sink.plan.split)
+        assert torch.equal(g, was if skip else was + group.plan.split)
