@@ -355,10 +355,11 @@ def _lora_db_kernel(
     dy_ptr, s_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     N, b_cols, part_stride, proj_col, num_rblocks, split,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [N, b_cols]: scale * dY_i^T S_i over share ``sp`` of an
-    adapter's row tiles."""
+    adapter's row tiles; ``SKIP_EMPTY``: nothing written for an adapter without rows (its reader,
+    ``_accumulate_grads_kernel``, skips it too)."""
     pid_n = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -390,7 +391,8 @@ def _lora_db_kernel(
                      mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(dyt, st, acc, input_precision=DOT_PRECISION)
     p_ptrs = part_ptr + sp * part_stride + offs_n[:, None] * b_cols + b_col + offs_r[None, :]
-    tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :])
+    live = (j1 > j0) | (not SKIP_EMPTY)
+    tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :] & live)
 
 
 @triton.jit
@@ -476,10 +478,10 @@ def _lora_da_kernel(
     x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -522,4 +524,5 @@ def _lora_da_kernel(
         acc = tl.dot(dso, xo, acc, input_precision=DOT_PRECISION)
     acc = acc * inv_keep
     p_ptrs = part_ptr + sp * part_stride + (a_row + offs_r)[:, None] * K + offs_k[None, :]
-    tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :])
+    live = (j1 > j0) | (not SKIP_EMPTY)
+    tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :] & live)

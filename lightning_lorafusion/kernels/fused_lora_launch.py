@@ -257,7 +257,7 @@ def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split:
     launch(part, out, *fixed)
 
 
-def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
+def _build_db(plan: _Plan, proj: int, n: int, b_cols: int, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_rank[proj], 64)
     block_n = sz.skinny_block_k
@@ -266,21 +266,22 @@ def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
         _lora_db_kernel, (_cdiv(n, block_n), t.num_adapters * rblocks, plan.split),
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=plan.precision,
+        DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
     )
     return launch, (n, b_cols, plan.part_numel, AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, plan.split)
 
 
-def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan) -> None:
-    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset."""
+def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan, skip_empty: bool = False) -> None:
+    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset;
+    ``skip_empty``: an adapter without rows leaves its slice unwritten (``GroupFactors`` reads)."""
     t = plan.table
-    launch, fixed = plan.get(("db", proj), _build_db, proj, dy.shape[1], b_cat.shape[1])
+    launch, fixed = plan.get(("db", proj, skip_empty), _build_db, proj, dy.shape[1], b_cat.shape[1], skip_empty)
     off = plan.part_offsets[1 + proj]
     launch(dy, s, part[:, off:], t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
            t.adapter_float, *fixed)
 
 
-def _build_da(plan: _Plan):
+def _build_da(plan: _Plan, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 64)
     block_k = sz.skinny_block_k
@@ -289,15 +290,16 @@ def _build_da(plan: _Plan):
         _lora_da_kernel, (_cdiv(plan.k, block_k), t.num_adapters * rblocks, plan.split),
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
-        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision,
+        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
     )
     return launch, (plan.k, plan.part_numel, rblocks, plan.split)
 
 
-def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int) -> None:
-    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0."""
+def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False) -> None:
+    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0;
+    ``skip_empty`` as in ``_launch_db``."""
     t = plan.table
-    launch, fixed = plan.get("da", _build_da)
+    launch, fixed = plan.get(("da", skip_empty), _build_da, skip_empty)
     launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
            off_h, *fixed)
 
@@ -495,11 +497,11 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
         _launch_ds(dy, b_cats[i], ds if ds_part is None else ds_part, i, plan)
         if need_db[i]:
-            _launch_db(dy, s, b_cats[i], part, i, plan)
+            _launch_db(dy, s, b_cats[i], part, i, plan, into_grads is not None)
     if ds_part is not None:
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
-        _launch_da(x, ds, part, plan, off_h)
+        _launch_da(x, ds, part, plan, off_h, into_grads is not None)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None and into_grads is not None:
