@@ -99,8 +99,8 @@ def parse_setting(text: str) -> Setting:
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
-        raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)} , preN and autogradacc apply to "
-                                         "graphs; add +graphs")
+        raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)}, preN and autogradacc "
+                                         "apply to graphs; add +graphs")
     return setting
 
 
