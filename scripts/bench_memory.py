@@ -95,8 +95,9 @@ def parse_setting(text: str) -> Setting:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, fusedadam, autogradacc, or with "
-                                             f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, "
+                                             "fusedadam, or with "
+                                             f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
         raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)}, preN and autogradacc "

@@ -15,8 +15,9 @@ import torch
 from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
 from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
-from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kernel, _lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
-                                 _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
+from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kernel, _lora_add_kernel,
+                                 _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel, _lora_dx_gemm_kernel,
+                                 _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
