@@ -36,6 +36,7 @@ public entry point ``fused_lora_projections``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -272,7 +273,9 @@ def _group_factors(routing: LoraRouting, plan: _Plan, loras) -> GroupFactors | N
     if group is None:
         if not all(leaf.is_leaf and leaf.requires_grad for leaf in every):
             return None
-        group = routing.launch_cache[key] = GroupFactors(plan, a_leaves, b_leaves)
+        cache = routing.launch_cache  # a captured step's tables say, when asked, where to allocate
+        group = cache[key] = GroupFactors(
+            plan, a_leaves, b_leaves, lambda: getattr(cache, "allocation_context", contextlib.nullcontext)())
     return group
 
 

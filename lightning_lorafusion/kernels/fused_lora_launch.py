@@ -8,6 +8,7 @@ call costs a dictionary lookup plus the launches themselves.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -393,10 +394,13 @@ class GroupFactors:
     launch layout (the plan's ``part_offsets``) and its tensor's address, made once per set of
     addresses (a captured step's factors and ``.grad`` tensors stay where they are)."""
 
-    def __init__(self, plan: _Plan, a_leaves: Sequence[torch.Tensor],
-                 b_leaves: Sequence[Sequence[torch.Tensor]]) -> None:
+    def __init__(self, plan: _Plan, a_leaves: Sequence[torch.Tensor], b_leaves: Sequence[Sequence[torch.Tensor]],
+                 allocation_context=contextlib.nullcontext) -> None:
         t = plan.table
         self.plan = plan
+        # entered around the device tables' allocation: in a captured step's warm-up, outside the
+        # graphs' pool (a table lives on; a pool block may be a graph's intermediate in a replay)
+        self.allocation_context = allocation_context
         self.leaves = (*a_leaves, *(leaf for per in b_leaves for leaf in per))
         rows = []  # (layout offset, rows, cols, layout row stride, adapter) of each factor
         self.views = []  # (projection or None for A, first row / column, width): where it sits in A_all / B_cat
@@ -436,7 +440,8 @@ class GroupFactors:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # a new table now would be a host copy inside the capture
         host = [(*fixed, x.stride(0), x.data_ptr()) for fixed, x in zip(self.fixed, tensors)]
-        table = torch.tensor(host, dtype=torch.int64).to(device)
+        with self.allocation_context():
+            table = torch.tensor(host, dtype=torch.int64).to(device)
         self._tables[name] = (key, table)
         return table
 

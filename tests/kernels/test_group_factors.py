@@ -9,6 +9,7 @@ gradient, the launch rounds once after adding, so they differ by one fp16 roundi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -95,10 +96,13 @@ def test_captured_layout_skips_absent_adapters_on_the_device(device):
     base = _routing(64, ())
     tables = StaticLaunchTables(base, device)
     tables.fill(segments, 0)
+    entered = []  # the device tables live on: allocated where the step's owner says (outside a graph pool)
+    tables.allocation_context = lambda: contextlib.nullcontext(entered.append(1))
     routing = dataclasses.replace(base, launch_cache=tables.cache, accumulate_grads=True)
     _, got = _step(x, ws, a, b, gys, old, routing)
     (group,) = [v for v in tables.cache.values() if isinstance(v, GroupFactors)]
     assert len(group.leaves) == 12
+    assert len(entered) == 3  # the launch table, then the factors' and their gradients' tables
     adapters = [ad for per in RANKS for ad in range(3)] * 2
     for j, (g, r, o) in enumerate(zip(got, ref, [o for per in old for o in per])):
         if o is None:
