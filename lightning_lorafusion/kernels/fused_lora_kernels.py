@@ -326,15 +326,15 @@ def _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK: tl.constexpr):
     element offsets, their row and column, the mask (all off where the factor's adapter has no row
     tile in the microbatch, read on the device: a captured step replays any mix of adapters)."""
     row = table_ptr + tl.program_id(1) * 7
-    rows = tl.load(row + 1)
-    cols = tl.load(row + 2)
+    numel = (tl.load(row + 1) * tl.load(row + 2)).to(tl.int32)  # one factor: < 2^31 elements
+    cols = tl.load(row + 2).to(tl.int32)
     adapter = tl.load(row + 4)
     tiles = tl.load(adapter_tile_ptr_ptr + adapter + 1) - tl.load(adapter_tile_ptr_ptr + adapter)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs < rows * cols) & (tiles > 0)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < numel) & (tiles > 0)
     r = offs // cols
     c = offs % cols
-    return row, r, c, mask, (tiles > 0) & (tl.program_id(0).to(tl.int64) * BLOCK < rows * cols)
+    return row, r, c, mask, (tiles > 0) & (tl.program_id(0) * BLOCK < numel)
 
 
 @triton.jit
