@@ -75,25 +75,33 @@ class FusedLoraProjections(torch.autograd.Function):
         s = _launch_s(x, a_all, plan, off_h)
         # quantized frozen weights (FP8 or NF4) hold frozen buffers only: kept by reference
         ctx.fp8_weights = tuple(weights) if isinstance(weights[0], (Fp8Weight, Nf4Weight)) else None
+        # with a group, A_all and B_cat are gathered again in backward instead of kept (their
+        # values do not change in between: a layer's factors, 1-2 % of what a layer keeps)
+        kept = (a_all, *b_cats) if group is None else ()
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
-            ctx.save_for_backward(x, a_all, s, *b_cats)  # Fp8Weights hold frozen buffers only
+            ctx.save_for_backward(x, s, *kept)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
                 _launch_fwd_gemm(x, w, b, s, bc, i, plan)
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
-            ctx.save_for_backward(x, a_all, s, *weights, *b_cats)
+            ctx.save_for_backward(x, s, *kept, *weights)
         ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.group = plan, off_h, n_proj, operands, group
         ctx.mark_non_differentiable(s)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        x, a_all, s, *rest = ctx.saved_tensors
+        x, s, *rest = ctx.saved_tensors
         n_proj, group = ctx.n_proj, ctx.group
+        if group is None:
+            a_all, b_cats, weights = rest[0], rest[1:1 + n_proj], rest[1 + n_proj:]
+        else:
+            (a_all, b_cats), weights = group.factors(x.dtype), rest
         if ctx.fp8_weights is not None:
-            rest = [*ctx.fp8_weights, *rest]
+            weights = ctx.fp8_weights
+        rest = [*weights, *b_cats]
         need = ctx.needs_input_grad
         none = (None, None, None, None, None, None, *([None] * (3 * n_proj)))
         if group is None:
@@ -249,11 +257,7 @@ def fused_lora_projections(
     if routing.accumulate_grads and torch.is_grad_enabled():
         group = _group_factors(routing, plan, loras)
         if group is not None:
-            gathered = group.gather(x.dtype)
-            if gathered is None:
-                with torch.no_grad():
-                    gathered = _factors(loras, table, x.dtype, keep_fp32=True)
-            a_all, b_cats = gathered
+            a_all, b_cats = group.factors(x.dtype)
             return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, group,
                                                    *weights, *biases, *b_cats, *group.leaves))
     a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)

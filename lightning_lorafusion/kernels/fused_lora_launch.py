@@ -448,7 +448,7 @@ class GroupFactors:
     def gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
         """A_all ``[a_rows, K]`` and each B_cat ``[N_i, b_cols_i]`` (None without LoRA), views of one
         buffer, in the factors' dtype where it is fp32 (the kernels round on load) else ``dtype``;
-        None where the launch cannot read the factors (then ``fused_lora._factors``)."""
+        None where the launch cannot read the factors (then ``factors`` concatenates them)."""
         table = self._table("factors", self.leaves)
         if table is None:
             return None
@@ -463,6 +463,22 @@ class GroupFactors:
         a_all = out[:t.a_rows * plan.k].view(t.a_rows, plan.k)
         b_cats = [out[off:off + n * bc].view(n, bc) if order else None
                   for off, n, bc, order in zip(plan.part_offsets[1:], plan.ns, t.b_cols, t.b_order)]
+        return a_all, b_cats
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``gather(dtype)``, or where the launch cannot read the factors their concatenations
+        (``torch.cat``, as ``fused_lora._factors`` makes them), without autograd history."""
+        got = self.gather(dtype)
+        if got is not None:
+            return got
+        like = self.leaves[0]
+        out_dtype = like.dtype if all(leaf.dtype == torch.float32 for leaf in self.leaves) else dtype
+        n_a = len(self.plan.table.a_order)
+        with torch.no_grad():
+            a_all = torch.cat(self.leaves[:n_a]).to(out_dtype).contiguous()
+            b_iter = iter(self.leaves[n_a:])
+            b_cats = [torch.cat([next(b_iter) for _ in order], dim=1).to(out_dtype).contiguous() if order else None
+                      for order in self.plan.table.b_order]
         return a_all, b_cats
 
     def grads(self) -> list[torch.Tensor] | None:

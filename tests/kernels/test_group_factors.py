@@ -42,8 +42,9 @@ def _problem(dtype, device, m=70, k=48, ns=(40, 24, 16), seed=0):
     return x, ws, a, b, gys, old
 
 
-def _step(x, ws, a, b, gys, old, routing, *, keep_none=()):
-    """One forward/backward; returns x.grad and every factor's .grad (None where no factor)."""
+def _step(x, ws, a, b, gys, old, routing, *, keep_none=(), saved=None):
+    """One forward/backward; returns x.grad and every factor's .grad (None where no factor);
+    ``saved``: a list that gets the shape of every tensor the forward keeps for backward."""
     x = x.clone().requires_grad_(True)
     a = [[None if t is None else t.clone().requires_grad_(True) for t in per] for per in a]
     b = [[None if t is None else t.clone().requires_grad_(True) for t in per] for per in b]
@@ -51,8 +52,15 @@ def _step(x, ws, a, b, gys, old, routing, *, keep_none=()):
         if t is not None and j not in keep_none:
             t.grad = o.clone()
     loras = [LoraModuleWeights(tuple(ai), tuple(bi)) for ai, bi in zip(a, b)]
-    ys = fused_lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=5,
-                                block_sizes=INTERPRETER_BLOCK_SIZES)
+
+    def pack(t):
+        if saved is not None:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ys = fused_lora_projections(x, ws, [None] * len(ws), loras, routing, dropout_offset=5,
+                                    block_sizes=INTERPRETER_BLOCK_SIZES)
     torch.autograd.backward(ys, gys)
     return x.grad, [None if t is None else t.grad for per in a + b for t in per]
 
@@ -65,9 +73,12 @@ def _routing(m, segments, **kw):
 def test_one_launch_accumulation_equals_autograds(device, dtype):
     x, ws, a, b, gys, old = _problem(dtype, device)
     segments = ((0, 32, 0), (32, 50, 2), (50, 70, 1))
-    dx_ref, ref = _step(x, ws, a, b, gys, old, _routing(70, segments))
+    kept_ref, kept = [], []
+    dx_ref, ref = _step(x, ws, a, b, gys, old, _routing(70, segments), saved=kept_ref)
     routing = _routing(70, segments, accumulate_grads=True)
-    dx, got = _step(x, ws, a, b, gys, old, routing)
+    dx, got = _step(x, ws, a, b, gys, old, routing, saved=kept)
+    # A_all [28, 48] and the three B_cat are gathered again in backward, not kept
+    assert sorted(kept_ref) == sorted(kept + [(28, 48), (40, 12), (24, 6), (16, 10)])
     groups = [v for v in routing.launch_cache.values() if isinstance(v, GroupFactors)]
     assert len(groups) == 1 and len(groups[0].leaves) == 12  # the launch took every factor
     # the gather: A_all and each B_cat as the concatenations autograd's path makes
