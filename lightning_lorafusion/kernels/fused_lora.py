@@ -76,7 +76,7 @@ class FusedLoraProjections(torch.autograd.Function):
         # quantized frozen weights (FP8 or NF4) hold frozen buffers only: kept by reference
         ctx.fp8_weights = tuple(weights) if isinstance(weights[0], (Fp8Weight, Nf4Weight)) else None
         # with a group, A_all and B_cat are gathered again in backward instead of kept (their
-        # values do not change in between: a layer's factors, 1-2 % of what a layer keeps)
+        # values do not change in between; at 2,816 tokens they are ~4 % of what an 8B layer keeps)
         kept = (a_all, *b_cats) if group is None else ()
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
