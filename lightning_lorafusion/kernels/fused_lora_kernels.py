@@ -46,18 +46,6 @@ def _row_window(row_start, row_end, sub, TILE_M: tl.constexpr, BLOCK_M: tl.const
     return pairs, rows_e, rows_o, ok_e, ok_o, live
 
 
-@triton.jit
-def _load_summed(ptr, mask, split_stride, SPLIT: tl.constexpr, DTYPE: tl.constexpr):
-    """``ptr``'s values, or with ``SPLIT > 1`` the sum of ``SPLIT`` fp32 partials ``split_stride``
-    apart (in split order, cast to ``DTYPE``: the values ``_split_sum_kernel`` would have written)."""
-    if SPLIT == 1:
-        return tl.load(ptr, mask=mask, other=0.0)
-    acc = tl.load(ptr, mask=mask, other=0.0)
-    for sp in tl.static_range(1, SPLIT):
-        acc += tl.load(ptr + sp * split_stride, mask=mask, other=0.0)
-    return acc.to(DTYPE)
-
-
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_s_kernel(
     x_ptr, a_ptr, s_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, K, subs, k_per_split, split_stride,
@@ -185,17 +173,15 @@ def _lora_fwd_gemm_kernel(
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_add_kernel(
     out_ptr, left_ptr, right_ptr, tiles_ptr, ai_ptr, af_ptr, offset_h, N, right_stride, proj_col,
-    subs, left_split_stride, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    subs, AI_STRIDE: tl.constexpr, DX_MODE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    N_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, LEFT_SPLIT: tl.constexpr,
+    N_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """In place, on the rows of one tile: out[rows, cols] += LoRA term (cuBLAS GEMM mode).
 
     forward (``DX_MODE=False``): out = Y [M, N_i], term = scale * S_i B_i^T;
     dX (``DX_MODE=True``): out = dX [M, K], term = (dS A_a) * mask / (1 - p).
     Rows outside every tile are never touched. Even and odd rows are handled as two halves.
-    ``LEFT_SPLIT > 1``: ``left`` is ``LEFT_SPLIT`` fp32 partial sums ``left_split_stride`` apart,
-    added up as they are read (no summing launch before this one).
     """
     t = tl.program_id(0) // subs
     sub = tl.program_id(0) % subs
@@ -240,14 +226,12 @@ def _lora_add_kernel(
             r_ok = offs_r < rank
             if DX_MODE:  # A_a[j, k] at a_ptr + (a_row + j) * K + k
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] * right_stride + offs_n[None, :],
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(out_ptr.dtype.element_ty)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
             else:  # B_i[n, j] at b_ptr + n * b_stride + b_col + j
                 rt = tl.load(right_ptr + right_off + offs_r[:, None] + offs_n[None, :] * right_stride,
-                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(out_ptr.dtype.element_ty)
-            le = _load_summed(left_e[:, None] + offs_r[None, :], ok_e[:, None] & r_ok[None, :], left_split_stride,
-                              LEFT_SPLIT, out_ptr.dtype.element_ty)
-            lo = _load_summed(left_o[:, None] + offs_r[None, :], ok_o[:, None] & r_ok[None, :], left_split_stride,
-                              LEFT_SPLIT, out_ptr.dtype.element_ty)
+                             mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(left_ptr.dtype.element_ty)
+            le = tl.load(left_e[:, None] + offs_r[None, :], mask=ok_e[:, None] & r_ok[None, :], other=0.0)
+            lo = tl.load(left_o[:, None] + offs_r[None, :], mask=ok_o[:, None] & r_ok[None, :], other=0.0)
             part_e = tl.dot(le, rt, part_e, input_precision=DOT_PRECISION)
             part_o = tl.dot(lo, rt, part_o, input_precision=DOT_PRECISION)
         part_e = part_e * factor
@@ -492,14 +476,12 @@ def _lora_dx_gemm_kernel(
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_da_kernel(
     x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
-    offset_h, K, part_stride, num_rblocks, split, ds_split_stride,
+    offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    DS_SPLIT: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``; ``DS_SPLIT > 1``: dS
-    is that many fp32 partial sums ``ds_split_stride`` apart, added up as they are read."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -526,10 +508,10 @@ def _lora_da_kernel(
         row_start, row_end, _a, s_off = _load_tile(tiles_ptr, t)
         pairs, rows_e, rows_o, ok_e, ok_o, _live = _row_window(row_start, row_end, 0, BLOCK_M, BLOCK_M)
         ds_cols = ds_ptr + s_off + offs_r[:, None]
-        dse = _load_summed(ds_cols + (rows_e - row_start)[None, :] * width, r_ok[:, None] & ok_e[None, :],
-                           ds_split_stride, DS_SPLIT, x_ptr.dtype.element_ty)
-        dso = _load_summed(ds_cols + (rows_o - row_start)[None, :] * width, r_ok[:, None] & ok_o[None, :],
-                           ds_split_stride, DS_SPLIT, x_ptr.dtype.element_ty)
+        dse = tl.load(ds_cols + (rows_e - row_start)[None, :] * width,
+                      mask=r_ok[:, None] & ok_e[None, :], other=0.0)
+        dso = tl.load(ds_cols + (rows_o - row_start)[None, :] * width,
+                      mask=r_ok[:, None] & ok_o[None, :], other=0.0)
         xe = tl.load(x_ptr + rows_e[:, None] * K + offs_k[None, :],
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],

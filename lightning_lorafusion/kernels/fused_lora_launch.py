@@ -151,7 +151,7 @@ def _launch_s(x, a_all, plan: _Plan, off_h: int) -> torch.Tensor:
     return s
 
 
-def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int, left_split: int = 1):
+def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int):
     t, sz = plan.table, plan.sizes
     sub_m, subs = _skinny_rows(plan.table, sz.add_block_m)
     rank = t.max_total_rank if dx_mode else t.max_rank[proj]
@@ -160,18 +160,15 @@ def _build_add(plan: _Plan, proj: int, dx_mode: bool, n: int, right_stride: int,
         num_warps=sz.add_warps, num_stages=2,
         AI_STRIDE=t.adapter_int.shape[1], DX_MODE=dx_mode, HAS_DROPOUT=t.has_dropout, TILE_M=t.block_m,
         BLOCK_M=sub_m, BLOCK_N=sz.add_block_n, BLOCK_R=_rank_block(rank, sz.rank_block),
-        N_BLOCKS=sz.add_n_blocks, DOT_PRECISION=plan.precision, LEFT_SPLIT=left_split,
+        N_BLOCKS=sz.add_n_blocks, DOT_PRECISION=plan.precision,
     )
-    return launch, (n, right_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs, max(t.s_numel, 1))
+    return launch, (n, right_stride, AI_FIRST_PROJ + AI_PER_PROJ * proj, subs)
 
 
 def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: bool) -> None:
-    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``); ``left`` may be S / dS
-    or, 2-D, their fp32 partial sums ``[split, s_numel]`` (added up as the kernel reads them)."""
+    """``out += LoRA term`` on the tiles' rows (see ``_lora_add_kernel``)."""
     t = plan.table
-    split = left.shape[0] if left.dim() == 2 else 1
-    launch, fixed = plan.get(("add", proj, dx_mode, split), _build_add, proj, dx_mode, out.shape[1], right.shape[1],
-                             split)
+    launch, fixed = plan.get(("add", proj, dx_mode), _build_add, proj, dx_mode, out.shape[1], right.shape[1])
     launch(out, left, right, t.tiles, t.adapter_int, t.adapter_float, off_h, *fixed)
 
 
@@ -286,7 +283,7 @@ def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan, skip_em
            t.adapter_float, *fixed)
 
 
-def _build_da(plan: _Plan, skip_empty: bool = False, ds_split: int = 1):
+def _build_da(plan: _Plan, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 64)
     block_k = sz.skinny_block_k
@@ -296,17 +293,15 @@ def _build_da(plan: _Plan, skip_empty: bool = False, ds_split: int = 1):
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
         BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
-        DS_SPLIT=ds_split,
     )
-    return launch, (plan.k, plan.part_numel, rblocks, plan.split, max(t.s_numel, 1))
+    return launch, (plan.k, plan.part_numel, rblocks, plan.split)
 
 
 def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False) -> None:
     """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0;
-    ``skip_empty`` as in ``_launch_db``; ``ds`` may be dS's fp32 partials ``[split, s_numel]``."""
+    ``skip_empty`` as in ``_launch_db``."""
     t = plan.table
-    ds_split = ds.shape[0] if ds.dim() == 2 else 1
-    launch, fixed = plan.get(("da", skip_empty, ds_split), _build_da, skip_empty, ds_split)
+    launch, fixed = plan.get(("da", skip_empty), _build_da, skip_empty)
     launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
            off_h, *fixed)
 
@@ -502,13 +497,6 @@ class GroupFactors:
                 for proj, first, w in self.views]
 
 
-def _reads_ds_partials(weights, plan: _Plan, need_dx: bool) -> bool:
-    """Whether every reader of dS takes its fp32 partials: dA always; dX where its LoRA term is
-    the add kernel's (quantized bases and the cuBLAS mode), not the Triton dX GEMM's."""
-    return (not need_dx or isinstance(weights[0], (Nf4Weight, Fp8Weight))
-            or plan.sizes.gemm not in ("triton", "cublas_accumulate"))
-
-
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
               operands: QuantizedOperands | None = None, into_grads: tuple | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
@@ -521,11 +509,9 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
     dys = [None if dy is None else dy.contiguous() for dy in dys]
     lora_proj = [i for i in range(n_proj) if b_cats[i] is not None and t.max_rank[i] > 0]
     db_proj = [i for i in lora_proj if need_db[i]]
+    ds = torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
     ds_part = (torch.empty(plan.ds_split, max(t.s_numel, 1), dtype=torch.float32, device=x.device)
                if plan.ds_split > 1 and lora_proj else None)
-    folded = ds_part is not None and _reads_ds_partials(weights, plan, need_dx)
-    # dS: its fp32 partials where every reader sums them as it loads them, else one tensor
-    ds = ds_part if folded else torch.empty(max(t.s_numel, 1), dtype=x.dtype, device=x.device)
     # dA and every dB share one fp32 partial-sum buffer: one reduction and one cast for all
     part = (torch.empty(plan.split, plan.part_numel, dtype=torch.float32, device=x.device)
             if db_proj or need_da else None)
@@ -534,7 +520,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         _launch_ds(dy, b_cats[i], ds if ds_part is None else ds_part, i, plan)
         if need_db[i]:
             _launch_db(dy, s, b_cats[i], part, i, plan, into_grads is not None)
-    if ds_part is not None and not folded:
+    if ds_part is not None:
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
         _launch_da(x, ds, part, plan, off_h, into_grads is not None)
