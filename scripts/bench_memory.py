@@ -10,7 +10,9 @@ graphs, ``training/cuda_graphs.py``, covering every planned shape key before the
 change how the captures use the allocator (``training/cuda_graphs.CaptureMemory``): ``largest``
 (keys captured largest first), ``release`` (cached blocks handed back before every capture),
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
-captured up front per epoch, ``model.cuda_graph_precapture``); and for any row ``expandable``
+captured up front per epoch, ``model.cuda_graph_precapture``), ``autogradacc`` (the factors'
+gradients added by autograd, one ``add_`` per factor, instead of the fused kernels' one launch per
+projection group: the step as it was, for comparison); and for any row ``expandable``
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
 switched on for that row only: segments made before it, the base's among them, stay as they
 were; for the whole process set the variable before the start, and compare with a run without
@@ -72,6 +74,7 @@ class Setting:
     expandable: bool = False
     host_embedding: bool = False
     fused_adam: bool = False
+    autograd_accumulation: bool = False
 
 
 def parse_setting(text: str) -> Setting:
@@ -85,19 +88,20 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam"):
-            fields[{"norms": "norm_recompute", "hostembed": "host_embedding",
-                    "fusedadam": "fused_adam"}.get(part, part)] = True
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc"):
+            fields[{"norms": "norm_recompute", "hostembed": "host_embedding", "fusedadam": "fused_adam",
+                    "autogradacc": "autograd_accumulation"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, fusedadam, or with "
-                                             f"graphs {sorted(GRAPH_MEMORY_PARTS)} or preN")
+                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, "
+                                             "fusedadam, or with "
+                                             f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
-    if not setting.graphs and (memory or "precapture" in fields):
-        raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)} and preN apply to "
-                                         "graphs; add +graphs")
+    if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
+        raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)}, preN and autogradacc "
+                                         "apply to graphs; add +graphs")
     return setting
 
 
@@ -215,7 +219,8 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     row = {"base": precision, "capacity": capacity, "setting": text,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
-    graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture}
+    graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture,
+                    "accumulate_grads": not setting.autograd_accumulation}
     cuda = device.type == "cuda"
     if setting.host_embedding and (precision not in w["quantized"] or not cuda):
         return {**row, "error": f"hostembed needs CUDA and an earlier {precision} row (the one that quantizes)"}

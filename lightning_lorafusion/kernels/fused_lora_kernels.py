@@ -304,14 +304,62 @@ def _split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
+def _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK: tl.constexpr):
+    """One program's share of a factor table row (``fused_lora_launch.GroupFactors``: launch-layout
+    offset, rows, cols, launch-layout row stride, adapter, tensor row stride, tensor address):
+    element offsets, their row and column, the mask (all off where the factor's adapter has no row
+    tile in the microbatch, read on the device: a captured step replays any mix of adapters)."""
+    row = table_ptr + tl.program_id(1) * 7
+    numel = (tl.load(row + 1) * tl.load(row + 2)).to(tl.int32)  # one factor: < 2^31 elements
+    cols = tl.load(row + 2).to(tl.int32)
+    adapter = tl.load(row + 4)
+    tiles = tl.load(adapter_tile_ptr_ptr + adapter + 1) - tl.load(adapter_tile_ptr_ptr + adapter)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < numel) & (tiles > 0)
+    r = offs // cols
+    c = offs % cols
+    return row, r, c, mask, (tiles > 0) & (tl.program_id(0) * BLOCK < numel)
+
+
+@triton.jit
+def _gather_factors_kernel(out_ptr, table_ptr, adapter_tile_ptr_ptr, factor_like_ptr, BLOCK: tl.constexpr):
+    """Every factor copied (cast to ``out``'s dtype) into its slice of ``out``, the launch layout of
+    A_all and each B_cat; an adapter without rows is skipped (no kernel reads its slice)."""
+    row, r, c, mask, live = _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK)
+    if live:
+        src = tl.load(row + 6).to(factor_like_ptr.dtype) + r * tl.load(row + 5) + c
+        v = tl.load(src, mask=mask, other=0.0)
+        tl.store(out_ptr + tl.load(row) + r * tl.load(row + 3) + c, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _accumulate_grads_kernel(part_ptr, table_ptr, adapter_tile_ptr_ptr, grad_like_ptr, numel,
+                             SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Every factor's ``.grad += `` the sum over sp of its slice of ``part[sp]`` (fp32, in split
+    order; ``part [SPLIT, numel]`` in the launch layout), one program per ``BLOCK`` elements of
+    one factor (``program_id(1)``: its table row, with the ``.grad`` address). A factor whose
+    adapter has no row in the microbatch has a zero gradient: its programs return."""
+    row, r, c, mask, live = _factor_row(table_ptr, adapter_tile_ptr_ptr, BLOCK)
+    if live:
+        src = tl.load(row) + r * tl.load(row + 3) + c
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + sp * numel.to(tl.int64) + src, mask=mask, other=0.0)
+        grad = tl.load(row + 6).to(grad_like_ptr.dtype) + r * tl.load(row + 5) + c
+        old = tl.load(grad, mask=mask, other=0.0)
+        tl.store(grad, (old.to(tl.float32) + acc).to(grad_like_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _lora_db_kernel(
     dy_ptr, s_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     N, b_cols, part_stride, proj_col, num_rblocks, split,
     AI_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [N, b_cols]: scale * dY_i^T S_i over share ``sp`` of an
-    adapter's row tiles."""
+    adapter's row tiles; ``SKIP_EMPTY``: nothing written for an adapter without rows (its reader,
+    ``_accumulate_grads_kernel``, skips it too)."""
     pid_n = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -343,7 +391,8 @@ def _lora_db_kernel(
                      mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         acc = tl.dot(dyt, st, acc, input_precision=DOT_PRECISION)
     p_ptrs = part_ptr + sp * part_stride + offs_n[:, None] * b_cols + b_col + offs_r[None, :]
-    tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :])
+    live = (j1 > j0) | (not SKIP_EMPTY)
+    tl.store(p_ptrs, acc * scale, mask=n_ok[:, None] & r_ok[None, :] & live)
 
 
 @triton.jit
@@ -429,10 +478,10 @@ def _lora_da_kernel(
     x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -475,4 +524,5 @@ def _lora_da_kernel(
         acc = tl.dot(dso, xo, acc, input_precision=DOT_PRECISION)
     acc = acc * inv_keep
     p_ptrs = part_ptr + sp * part_stride + (a_row + offs_r)[:, None] * K + offs_k[None, :]
-    tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :])
+    live = (j1 > j0) | (not SKIP_EMPTY)
+    tl.store(p_ptrs, acc, mask=r_ok[:, None] & k_ok[None, :] & live)

@@ -8,6 +8,7 @@ call costs a dictionary lookup plus the launches themselves.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -15,8 +16,9 @@ import torch
 from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
 from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
-from .fused_lora_kernels import (_lora_add_kernel, _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel,
-                                 _lora_dx_gemm_kernel, _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
+from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kernel, _lora_add_kernel,
+                                 _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel, _lora_dx_gemm_kernel,
+                                 _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
@@ -24,6 +26,7 @@ from .triton_launch import CachedLaunch
 MAX_FUSED_DX_PROJECTIONS = 3  # dX GEMM sums up to this many (dY_i, W_i) pairs per launch
 SPLIT_MIN_STEPS = 4  # loop steps along K (S) or N (dS) a split program runs at least
 SPLIT_SUM_BLOCK = 1024
+FACTOR_BLOCK = 1024  # elements per program of the factor gather / accumulation launches
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -256,7 +259,7 @@ def _launch_split_sum(part: torch.Tensor, out: torch.Tensor, plan: _Plan, split:
     launch(part, out, *fixed)
 
 
-def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
+def _build_db(plan: _Plan, proj: int, n: int, b_cols: int, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_rank[proj], 64)
     block_n = sz.skinny_block_k
@@ -265,21 +268,22 @@ def _build_db(plan: _Plan, proj: int, n: int, b_cols: int):
         _lora_db_kernel, (_cdiv(n, block_n), t.num_adapters * rblocks, plan.split),
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], BLOCK_M=t.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=plan.precision,
+        DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
     )
     return launch, (n, b_cols, plan.part_numel, AI_FIRST_PROJ + AI_PER_PROJ * proj, rblocks, plan.split)
 
 
-def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan) -> None:
-    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset."""
+def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan, skip_empty: bool = False) -> None:
+    """dB_i's partial sums into ``part`` (the plan's joint partial buffer), at its offset;
+    ``skip_empty``: an adapter without rows leaves its slice unwritten (``GroupFactors`` reads)."""
     t = plan.table
-    launch, fixed = plan.get(("db", proj), _build_db, proj, dy.shape[1], b_cat.shape[1])
+    launch, fixed = plan.get(("db", proj, skip_empty), _build_db, proj, dy.shape[1], b_cat.shape[1], skip_empty)
     off = plan.part_offsets[1 + proj]
     launch(dy, s, part[:, off:], t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
            t.adapter_float, *fixed)
 
 
-def _build_da(plan: _Plan):
+def _build_da(plan: _Plan, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 64)
     block_k = sz.skinny_block_k
@@ -288,15 +292,16 @@ def _build_da(plan: _Plan):
         _lora_da_kernel, (_cdiv(plan.k, block_k), t.num_adapters * rblocks, plan.split),
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
-        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision,
+        BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
     )
     return launch, (plan.k, plan.part_numel, rblocks, plan.split)
 
 
-def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int) -> None:
-    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0."""
+def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False) -> None:
+    """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0;
+    ``skip_empty`` as in ``_launch_db``."""
     t = plan.table
-    launch, fixed = plan.get("da", _build_da)
+    launch, fixed = plan.get(("da", skip_empty), _build_da, skip_empty)
     launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
            off_h, *fixed)
 
@@ -370,10 +375,134 @@ def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dt
     return dx
 
 
+class GroupFactors:
+    """The LoRA factors (leaf tensors) of one projection group, moved by one launch each way
+    instead of one per factor: ``gather`` copies them into the launch layout (A_all and each
+    B_cat, as ``fused_lora._factors`` concatenates them: one ``cat`` per A_all and per B_cat), and
+    ``accumulate`` adds their gradients into their ``.grad`` from the dA / dB partial sums
+    (autograd: one ``add_`` per factor, ~58 a layer for 4 adapters on 7 projections). A captured
+    step routes every adapter of the bank; both launches skip, on the device, the factors of
+    adapters without rows in the microbatch.
+
+    ``a_leaves``: A factors in ``plan.table.a_order``; ``b_leaves[i]``: projection i's B factors in
+    ``plan.table.b_order[i]``. Each launch reads a device table of every factor's slice of the
+    launch layout (the plan's ``part_offsets``) and its tensor's address, made once per set of
+    addresses (a captured step's factors and ``.grad`` tensors stay where they are)."""
+
+    def __init__(self, plan: _Plan, a_leaves: Sequence[torch.Tensor], b_leaves: Sequence[Sequence[torch.Tensor]],
+                 allocation_context=contextlib.nullcontext) -> None:
+        t = plan.table
+        self.plan = plan
+        # entered around the device tables' allocation: in a captured step's warm-up, outside the
+        # graphs' pool (a table lives on; a pool block may be a graph's intermediate in a replay)
+        self.allocation_context = allocation_context
+        self.leaves = (*a_leaves, *(leaf for per in b_leaves for leaf in per))
+        rows = []  # (layout offset, rows, cols, layout row stride, adapter) of each factor
+        self.views = []  # (projection or None for A, first row / column, width): where it sits in A_all / B_cat
+        a_row = 0
+        for (adapter, _), leaf in zip(t.a_order, a_leaves):
+            r = int(leaf.shape[0])
+            rows.append((plan.part_offsets[0] + a_row * plan.k, r, plan.k, plan.k, adapter))
+            self.views.append((None, a_row, r))
+            a_row += r
+        for i, per in enumerate(b_leaves):
+            col = 0
+            for adapter, leaf in zip(t.b_order[i], per):
+                r = int(leaf.shape[1])
+                rows.append((plan.part_offsets[1 + i] + col, plan.ns[i], r, t.b_cols[i], adapter))
+                self.views.append((i, col, r))
+                col += r
+        self.fixed = tuple(rows)
+        self.grid = (_cdiv(max(r * c for _, r, c, _, _ in rows), FACTOR_BLOCK), len(rows))
+        self._tables: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._gather: CachedLaunch | None = None
+        self._accumulate: CachedLaunch | None = None
+
+    def _table(self, name: str, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The device table of ``tensors`` (the factors or their ``.grad``), or None where a launch
+        cannot use them (one missing, mixed dtypes, columns not unit-stride, or a new table needed
+        during a capture)."""
+        if any(x is None for x in tensors):
+            return None
+        dtype = tensors[0].dtype
+        if any(x.dtype != dtype or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) for x in tensors):
+            return None
+        key = (dtype, *(x.data_ptr() for x in tensors), *(x.stride(0) for x in tensors))
+        held = self._tables.get(name)
+        if held is not None and held[0] == key:
+            return held[1]
+        device = tensors[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a new table now would be a host copy inside the capture
+        host = [(*fixed, x.stride(0), x.data_ptr()) for fixed, x in zip(self.fixed, tensors)]
+        with self.allocation_context():
+            table = torch.tensor(host, dtype=torch.int64).to(device)
+        self._tables[name] = (key, table)
+        return table
+
+    def gather(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+        """A_all ``[a_rows, K]`` and each B_cat ``[N_i, b_cols_i]`` (None without LoRA), views of one
+        buffer, in the factors' dtype where it is fp32 (the kernels round on load) else ``dtype``;
+        None where the launch cannot read the factors (then ``factors`` concatenates them)."""
+        table = self._table("factors", self.leaves)
+        if table is None:
+            return None
+        plan, t = self.plan, self.plan.table
+        like = self.leaves[0]
+        out = torch.empty(plan.part_numel, dtype=like.dtype if like.dtype == torch.float32 else dtype,
+                          device=like.device)
+        if self._gather is None:
+            self._gather = CachedLaunch(_gather_factors_kernel, self.grid, num_warps=4, num_stages=1,
+                                        BLOCK=FACTOR_BLOCK)
+        self._gather(out, table, t.adapter_tile_ptr, like)
+        a_all = out[:t.a_rows * plan.k].view(t.a_rows, plan.k)
+        b_cats = [out[off:off + n * bc].view(n, bc) if order else None
+                  for off, n, bc, order in zip(plan.part_offsets[1:], plan.ns, t.b_cols, t.b_order)]
+        return a_all, b_cats
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``gather(dtype)``, or where the launch cannot read the factors their concatenations
+        (``torch.cat``, as ``fused_lora._factors`` makes them), without autograd history."""
+        got = self.gather(dtype)
+        if got is not None:
+            return got
+        like = self.leaves[0]
+        out_dtype = like.dtype if all(leaf.dtype == torch.float32 for leaf in self.leaves) else dtype
+        n_a = len(self.plan.table.a_order)
+        with torch.no_grad():
+            a_all = torch.cat(self.leaves[:n_a]).to(out_dtype).contiguous()
+            b_iter = iter(self.leaves[n_a:])
+            b_cats = [torch.cat([next(b_iter) for _ in order], dim=1).to(out_dtype).contiguous() if order else None
+                      for order in self.plan.table.b_order]
+        return a_all, b_cats
+
+    def grads(self) -> list[torch.Tensor] | None:
+        """The factors' ``.grad`` tensors when ``accumulate`` can add into them, else None (then
+        autograd gets the gradients: ``split``)."""
+        grads = [leaf.grad for leaf in self.leaves]
+        return grads if self._table("grads", grads) is not None else None
+
+    def accumulate(self, part: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        """Every factor's ``.grad += `` its summed partials ``part [split, part_numel]`` (one
+        launch); ``grads`` as ``grads()`` returned them."""
+        if self._accumulate is None:
+            self._accumulate = CachedLaunch(_accumulate_grads_kernel, self.grid, num_warps=4, num_stages=1,
+                                            SPLIT=self.plan.split, BLOCK=FACTOR_BLOCK)
+        self._accumulate(part, self._tables["grads"][1], self.plan.table.adapter_tile_ptr, grads[0],
+                         self.plan.part_numel)
+
+    def split(self, da: torch.Tensor, db_cats: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Each factor's gradient as a view of ``dA_all`` / ``dB_cat_i`` (for autograd)."""
+        return [da[first:first + w] if proj is None else db_cats[proj][:, first:first + w]
+                for proj, first, w in self.views]
+
+
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
-              operands: QuantizedOperands | None = None):
+              operands: QuantizedOperands | None = None, into_grads: tuple | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
-    take its quantized gradient from ``operands``."""
+    take its quantized gradient from ``operands``. ``into_grads``: ``(GroupFactors, its factors'
+    .grad tensors)``: every factor's gradient is added into its ``.grad`` by one launch, and dA_all
+    and dB_cat come back None."""
     t = plan.table
     n_proj = len(weights)
     m, k = x.shape
@@ -390,14 +519,16 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         dy = dys[i] if dys[i] is not None else torch.zeros(m, weights[i].shape[0], dtype=x.dtype, device=x.device)
         _launch_ds(dy, b_cats[i], ds if ds_part is None else ds_part, i, plan)
         if need_db[i]:
-            _launch_db(dy, s, b_cats[i], part, i, plan)
+            _launch_db(dy, s, b_cats[i], part, i, plan, into_grads is not None)
     if ds_part is not None:
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
-        _launch_da(x, ds, part, plan, off_h)
+        _launch_da(x, ds, part, plan, off_h, into_grads is not None)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
-    if part is not None:
+    if part is not None and into_grads is not None:
+        into_grads[0].accumulate(part, into_grads[1])
+    elif part is not None:
         grads = torch.empty(plan.part_numel, dtype=a_all.dtype, device=x.device)
         _launch_split_sum(part, grads, plan, plan.split, plan.part_numel)  # one launch: sum and cast
         if need_da:

@@ -47,6 +47,11 @@ class LoraRouting:
     # each row's adapter ``[num_rows]`` int64 on the device, ``num_adapters`` for nobody. DoRA
     # reads its rows here (``fused_dora.py``). Not part of equality.
     row_owner: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+    # The fused kernels gather the factors and add their gradients into their ``.grad`` themselves,
+    # one launch each per projection group (``fused_lora_launch.GroupFactors``), where ``backward()``
+    # is what reads them: no ``torch.autograd.grad`` over the factors and no gradient hooks on them
+    # (a captured step).
+    accumulate_grads: bool = field(default=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.scales)

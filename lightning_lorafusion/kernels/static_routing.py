@@ -69,6 +69,12 @@ class _StaticTableCache(dict):
         # the fused kernels also keep their launch plans here (other keys): a plain dict for those
         return dict.get(self, key, default) if _is_plan_key(key) else self[key]
 
+    @property
+    def allocation_context(self):
+        """Entered around device allocations that outlive the step (the fused kernels' own device
+        tables too): ``StaticLaunchTables.allocation_context``."""
+        return self._owner.allocation_context
+
 
 def _is_plan_key(key) -> bool:
     """A key of ``fused_lora``'s launch plans (its first item is ``fused_lora.PLAN_KEY``);

@@ -236,9 +236,12 @@ class TrainingGraphs:
                  options: DecoderOptions = DEFAULT_OPTIONS, layers: range | None = None,
                  is_first: bool = True, activation_dtype: torch.dtype | None = None,
                  capture_after: int = CAPTURE_AFTER, max_precapture: int = DEFAULT_PRECAPTURE,
-                 memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY) -> None:
+                 memory: CaptureMemory = DEFAULT_CAPTURE_MEMORY, accumulate_grads: bool = True) -> None:
         self.params, self.bank, self.config, self.options = params, bank, config, options
         self.memory = memory
+        # the fused kernels add each projection group's factor gradients into their static
+        # ``.grad`` in one launch (``LoraRouting.accumulate_grads``); False: autograd's add per factor
+        self.accumulate_grads = accumulate_grads
         # a pipeline's last stage: these layers (then norm, head, loss), its input from the
         # previous stage unless ``is_first`` (then the embedding); ``input_grad`` after a step
         self.layers = range(config.num_layers) if layers is None else layers
@@ -466,7 +469,8 @@ class TrainingGraphs:
         # microbatch 0, no segments: the fused kernels find their fixed-shape tables in the cache
         # (and DoRA reads each row's adapter from the static row_owner)
         routing = dataclasses.replace(self.bank.routing((), 0, key.capacity, train=True),
-                                      launch_cache=tables.cache, row_owner=inputs.row_owner)
+                                      launch_cache=tables.cache, row_owner=inputs.row_owner,
+                                      accumulate_grads=self.accumulate_grads)
         h = embed(self.params, inputs.input_ids) if self.is_first else self._activation[key.capacity]
         h = decoder_layers(self.params, self.bank.view(self.layers), h, inputs.position_ids,
                            inputs.cu_seqlens[: key.num_blocks + 1], routing, config=self.config,

@@ -26,6 +26,10 @@ def test_settings_parse():
         bench.parse_setting("mlp")
     assert bench.parse_setting("ckpt2+activation+graphs+hostembed") == bench.Setting(
         mlp_recompute="activation", checkpoint_layers=2, graphs=True, host_embedding=True)
+    assert bench.parse_setting("activation+graphs+autogradacc") == Setting(
+        "activation", graphs=True, autograd_accumulation=True)
+    with pytest.raises(argparse.ArgumentTypeError, match="autogradacc apply to graphs"):
+        bench.parse_setting("activation+autogradacc")
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
@@ -130,7 +134,9 @@ def test_a_graphs_row_passes_its_capture_memory(monkeypatch):
     w = _tiny_workload()
     args = bench.parse_args(["--device", "cpu", "--rank", "4"])
     row = bench._run_row(args, w, "nf4", 64, "none+graphs+largest+pre2")
-    assert seen == [{"memory": CaptureMemory(largest_first=True), "max_precapture": 2}]
+    bench._run_row(args, w, "nf4", 64, "none+graphs+autogradacc")
+    assert seen == [{"memory": CaptureMemory(largest_first=True), "max_precapture": 2, "accumulate_grads": True},
+                    {"memory": CaptureMemory(), "max_precapture": bench.DEFAULT_PRECAPTURE, "accumulate_grads": False}]
     assert row["pools"]["graphs"]["reserved"] == 1.0
     bench.print_table([row], args, "cpu")  # the pool columns format
 
