@@ -317,7 +317,9 @@ class TenantsBench:
         kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
         table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
         kernels instead of the default form, ``ModelRunner.prefill_lora_form``), the pieces
-        rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
+        rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
+        "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
+        the decode graphs captured again, the pieces rebuilt)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -328,8 +330,17 @@ class TenantsBench:
         runner = engine.runner
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
+        gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
+        gemm_changed = runner.decode_gemm != gemm
+        if gemm_changed:
+            with engine._step_lock:
+                runner.decode_gemm = gemm
+                if runner.graphs is not None:
+                    with timer(self.device) as t:
+                        runner.capture_decode_graphs()
+                    log(f"decode graphs captured again with decode_gemm={gemm} in {t.seconds:.1f} s")
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
-                or runner.prefill_lora_form != form):
+                or runner.prefill_lora_form != form or gemm_changed):
             with engine._step_lock:
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
@@ -341,6 +352,7 @@ class TenantsBench:
                         f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
+                         "decode_gemm": gemm,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -540,7 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="each run with the engine's paths now (new) and as they were (old: those --old names); "
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
-                                              "decode-lora", "pdl", "rank-variant", "prefill-form")),
+                                              "decode-lora", "pdl", "rank-variant", "prefill-form",
+                                              "decode-gemm")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -550,7 +563,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "dependent launch), rank-variant (every decode step's LoRA in the rank-split variant, "
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
-                         "default form); default %(default)s")
+                         "default form), decode-gemm (the frozen products of few rows by cuBLAS instead of "
+                         "the Triton split-K product); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

@@ -204,3 +204,52 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, config: SkinnyConfig | No
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return y
+
+
+DECODE_GEMM_MODES = ("auto", "cublas", "triton")
+
+
+def default_config(m: int, n: int, k: int) -> SkinnyConfig | None:
+    """The tiling for ``m`` rows of an ``[n, k]`` weight, or None where cuBLAS is the faster
+    (more than ``MAX_ROWS`` rows, or a row count no tiling was measured to win at)."""
+    if m <= 16:  # Y^T = W X^T: 64 rows of W a program, split-K to about 4 programs per SM
+        return SkinnyConfig(block_n=64, block_k=128, fill=4)
+    if m <= 64:  # Y = X W^T: the weight tile is wgmma's shared-memory operand
+        return SkinnyConfig(block_n=64, block_k=128, fill=4, x_first=True, num_stages=3)
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class SkinnyPlan:
+    """Which frozen products of few rows a forward runs with ``skinny_linear`` (the rest:
+    ``F.linear``): 16-bit plain weights without bias, at most ``max_rows`` rows, where
+    ``default_config`` names a tiling; ``workspace``: the split-K counters all of them share
+    (launches in stream order)."""
+
+    workspace: SkinnyWorkspace
+    max_rows: int = MAX_ROWS
+
+    @classmethod
+    def for_mode(cls, mode: str, device: torch.device, dtype: torch.dtype) -> "SkinnyPlan | None":
+        """The plan of ``EngineTuning.decode_gemm``: "triton" and "auto" on CUDA with a 16-bit
+        dtype; None (cuBLAS everywhere) for "cublas", on a CPU or in fp32."""
+        if mode not in DECODE_GEMM_MODES:
+            raise ValueError(f"decode_gemm={mode!r}; allowed: {', '.join(DECODE_GEMM_MODES)}")
+        if mode == "cublas" or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return None
+        return cls(SkinnyWorkspace.create(device))
+
+    def config_for(self, x: torch.Tensor, w: torch.Tensor) -> SkinnyConfig | None:
+        if (x.shape[0] > self.max_rows or x.dim() != 2 or w.dim() != 2 or x.dtype != w.dtype
+                or x.stride(1) != 1 or w.stride(1) != 1):
+            return None
+        return default_config(x.shape[0], w.shape[0], w.shape[1])
+
+
+def plain_linear(plan: SkinnyPlan | None, x: torch.Tensor, w: torch.Tensor,
+                 b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)``, by ``skinny_linear`` where ``plan`` has a tiling for it (no bias)."""
+    cfg = plan.config_for(x, w) if plan is not None and b is None else None
+    if cfg is None:
+        return F.linear(x, w, b)
+    return skinny_linear(x, w, config=cfg, workspace=plan.workspace)

@@ -37,6 +37,7 @@ from ..kernels.lora_segments import segment_lora_add
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
+from ..kernels.skinny_gemm import SkinnyPlan, plain_linear
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin
@@ -77,6 +78,7 @@ class PagedDecoder:
     kernel_options: KernelOptions = KernelOptions()  # the frozen products' (an NF4 base's GEMM)
     nf4_workspace: Any = None  # an NF4 base's decode kernel: its kept split-K counters (nf4_decode.DecodeWorkspace)
     lora_form: str | None = None  # the prefill LoRA's Triton kernels (``lora_segments.FORMS``; None: its default)
+    skinny: SkinnyPlan | None = None  # plain 16-bit products of few rows by ``skinny_gemm`` (None: cuBLAS)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """``h`` (+)= ``d`` in place, then the family's RMSNorm (``w`` or ``1 + w``) -> a new tensor."""
@@ -126,7 +128,7 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
 def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
     """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits (soft-capped as the
     family says, Gemma 2)."""
-    return soft_cap(F.linear(hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
+    return soft_cap(plain_linear(m.skinny, hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
 
 
 def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,
@@ -254,14 +256,17 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
             return outs
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
-        y = (F.linear(x, w, b) if isinstance(w, torch.Tensor)
+        y = (plain_linear(m.skinny, x, w, b) if isinstance(w, torch.Tensor)
              else frozen_projections(x, [w], [b], options=m.kernel_options, nf4_workspace=m.nf4_workspace)[0])
         sizes = [m.config.module_dims(n)[1] for n in names]
         outs = list(y.split(sizes, dim=1))
         biases = [None] * len(names) if b is None else b.split(sizes)
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-        outs = frozen_projections(x, weights, biases, options=m.kernel_options, nf4_workspace=m.nf4_workspace)
+        if m.skinny is not None and all(isinstance(w, torch.Tensor) for w in weights):
+            outs = [plain_linear(m.skinny, x, w, b) for w, b in zip(weights, biases)]
+        else:
+            outs = frozen_projections(x, weights, biases, options=m.kernel_options, nf4_workspace=m.nf4_workspace)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:

@@ -19,6 +19,7 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from ..kernels.nf4 import nf4_decode_workspace
 from ..kernels.options import KernelOptions
+from ..kernels.skinny_gemm import SkinnyPlan
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .compile_ahead import compile_ahead
@@ -59,7 +61,8 @@ class ModelRunner(MixedStepSettings):
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
-                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto") -> None:
+                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
+                 decode_gemm: str = "auto") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -81,7 +84,9 @@ class ModelRunner(MixedStepSettings):
                                   prefill_attention_backend=self.prefill_attention_backend, inv_freq=self.inv_freq,
                                   local_inv_freq=local, long_inv_freq=long,
                                   kernel_options=KernelOptions(nf4_gemm=nf4_gemm),
-                                  nf4_workspace=nf4_decode_workspace(params, self.device))
+                                  nf4_workspace=nf4_decode_workspace(params, self.device),
+                                  skinny=SkinnyPlan.for_mode(decode_gemm, self.device, params["norm"].dtype))
+        self._decode_gemm = decode_gemm
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -132,6 +137,22 @@ class ModelRunner(MixedStepSettings):
         self._tables = make_tables(mode, self.device)
         self.decode_inputs.tables = make_tables(mode, self.device)
         self._host_tables = mode
+
+    @property
+    def decode_gemm(self) -> str:
+        """How the plain 16-bit frozen products of few rows run (``EngineTuning.decode_gemm``).
+        Settable between steps: the mixed-step pieces are dropped (rebuilt on first use or by
+        ``build_mixed_pieces``); captured decode graphs keep the products they captured until
+        ``capture_decode_graphs`` runs again."""
+        return self._decode_gemm
+
+    @decode_gemm.setter
+    def decode_gemm(self, mode: str) -> None:
+        plan = SkinnyPlan.for_mode(mode, self.device, self.params["norm"].dtype)
+        if mode != self._decode_gemm:
+            self._clear_pieces()
+            self.model = dataclasses.replace(self.model, skinny=plan)
+        self._decode_gemm = mode
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward of every ``decode_graphs.captured_keys`` key (CUDA, Triton

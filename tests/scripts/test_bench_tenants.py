@@ -200,3 +200,26 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
                     ("slora_base-old", *old)]
     assert (lora_gather.FEW_ROWS, lora_gather.AHEAD_MAX_ROWS, lora_gather.PAIR_EPILOGUES, lora_gather.PDL,
             lora_gather.UNSPLIT_MAX_RANK) == (16, 16, True, True, 16)
+
+
+def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypatch):
+    """``--old decode-gemm``: the old runs take the frozen products of few rows by cuBLAS, the
+    new ones the engine's default; the tokens agree."""
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, self.engine.runner.decode_gemm))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "4", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "base", "--variants", "new,old", "--old", "decode-gemm",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("base-new", "auto"), ("base-old", "cublas")]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]
