@@ -70,6 +70,7 @@ from lightning_lorafusion.kernels import lora_gather  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
+from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
@@ -257,6 +258,7 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
+            tuning=EngineTuning(decode_gemm=args.decode_gemm),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -533,6 +535,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="off", help="default: the engine's (off)")
     ap.add_argument("--memory-fraction", type=float, default=0.85)
+    ap.add_argument("--decode-gemm", choices=("auto", "cublas", "triton"), default="auto",
+                    help="EngineTuning.decode_gemm of the engine (the new variant's; --old decode-gemm: cublas)")
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--warm-up", choices=("on", "off"), default="on", help="Engine.warm_up before the runs")
     ap.add_argument("--peak-tflops", type=float, default=None, help="default: data sheet (GPU) or measured")
