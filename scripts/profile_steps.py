@@ -215,23 +215,24 @@ def table(rows: Sequence[dict]) -> str:
 
 
 def category_table(rows: Sequence[dict], kinds: Sequence[dict] | None = None) -> str:
-    """Per step kind: its floor and GPU ms per step (``kinds``: ``floor.breakdown``'s rows of the
-    same run, joined by kind), device span and idle, then ms per step in each category (launches
+    """Per step kind: its tokens fed, floor and GPU ms per step (``kinds``: ``floor.breakdown``'s
+    rows of the same run, joined by kind), device span and idle, then ms per step in each category (launches
     per step in brackets where more than one)."""
     by_kind = {k["kind"]: k for k in kinds or ()}
     used = [c for c in CATEGORIES if any(c in r.get("categories", {}) for r in rows)]
-    lines = ["| step kind | steps | floor ms | GPU ms | span ms | idle ms | " + " | ".join(used) + " |",
-             "|---" * (6 + len(used)) + "|"]
+    lines = ["| step kind | steps | tokens | floor ms | GPU ms | span ms | idle ms | " + " | ".join(used) + " |",
+             "|---" * (7 + len(used)) + "|"]
     for r in rows:
         k = by_kind.get(r["kind"])
         floor = "-" if k is None else f"{1e3 * k['floor_s'] / k['steps']:.2f}"
         gpu = "-" if k is None or not k.get("gpu_s") else f"{1e3 * k['gpu_s'] / k['steps']:.2f}"
+        tokens = "-" if k is None or "tokens" not in k else f"{k['tokens'] / k['steps']:.0f}"
         cells = []
         for c in used:
             v = r.get("categories", {}).get(c)
             cells.append("-" if v is None else f"{v['ms_per_step']:.2f}"
                          + (f" ({v['per_step']:.0f})" if v["per_step"] >= 1.5 else ""))
-        lines.append(f"| {r['kind']} | {r['steps']} | {floor} | {gpu} | {r['span_ms_per_step']:.2f} | "
+        lines.append(f"| {r['kind']} | {r['steps']} | {tokens} | {floor} | {gpu} | {r['span_ms_per_step']:.2f} | "
                      f"{r['span_ms_per_step'] - r['busy_ms_per_step']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -102,9 +102,9 @@ def test_categories_name_each_layer_product_and_the_lm_head():
     by = rows[0]["categories"]
     assert by["gemm down"]["per_step"] == 4 and by["gemm down"]["ms_per_step"] == pytest.approx(12 / 1e3)
     assert by["lm head"]["ms_per_step"] == pytest.approx(5 / 1e3)
-    text = script.category_table(rows, [{"kind": "decode b2 base graph", "steps": 1, "floor_s": 0.005,
+    text = script.category_table(rows, [{"kind": "decode b2 base graph", "steps": 1, "tokens": 2, "floor_s": 0.005,
                                          "gpu_s": 0.006}])
-    assert "| decode b2 base graph | 1 | 5.00 | 6.00 |" in text and "lm head" in text.splitlines()[0]
+    assert "| decode b2 base graph | 1 | 2 | 5.00 | 6.00 |" in text and "lm head" in text.splitlines()[0]
     # products that are not 4 per layer stay unnamed
     odd = [kernel("_add_rms_norm_kernel", 0, 1), kernel("gemm_a", 2, 1), kernel("_add_rms_norm_kernel", 4, 1),
            kernel("gemm_b", 6, 1)]
