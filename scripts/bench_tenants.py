@@ -321,7 +321,8 @@ class TenantsBench:
         kernels instead of the default form, ``ModelRunner.prefill_lora_form``), the pieces
         rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
         "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
-        the decode graphs captured again, the pieces rebuilt)."""
+        the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
+        padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -333,7 +334,10 @@ class TenantsBench:
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
+        buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
         gemm_changed = runner.decode_gemm != gemm
+        pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
+        runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
         if gemm_changed:
             with engine._step_lock:
                 runner.decode_gemm = gemm
@@ -342,7 +346,7 @@ class TenantsBench:
                         runner.capture_decode_graphs()
                     log(f"decode graphs captured again with decode_gemm={gemm} in {t.seconds:.1f} s")
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
-                or runner.prefill_lora_form != form or gemm_changed):
+                or runner.prefill_lora_form != form or pieces_changed):
             with engine._step_lock:
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
@@ -354,7 +358,7 @@ class TenantsBench:
                         f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
-                         "decode_gemm": gemm,
+                         "decode_gemm": gemm, "token_buckets": buckets,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -557,7 +561,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form",
-                                              "decode-gemm")),
+                                              "decode-gemm", "token-buckets")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -568,7 +572,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
                          "default form), decode-gemm (the frozen products of few rows by cuBLAS instead of "
-                         "the Triton split-K product); default %(default)s")
+                         "the Triton split-K product), token-buckets (mixed steps padded to powers of two only); "
+                         "default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

@@ -62,7 +62,7 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto") -> None:
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -97,7 +97,8 @@ class ModelRunner(MixedStepSettings):
         # tables, the prefill rows' LoRA by row tiles: the fixed shapes a captured mixed step
         # needs; settable on the CPU to test
         self.pad_mixed = False
-        self.token_buckets = graph_buckets(max_batched_tokens)
+        self.max_batched_tokens = max_batched_tokens
+        self.token_bucket_mode = token_bucket_mode  # the token buckets of padded mixed steps
         # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
         # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
         # in max_decode_rows segments, per module

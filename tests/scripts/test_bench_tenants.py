@@ -203,23 +203,24 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
 
 
 def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypatch):
-    """``--old decode-gemm``: the old runs take the frozen products of few rows by cuBLAS, the
-    new ones the engine's default; the tokens agree."""
+    """``--old decode-gemm,token-buckets``: the old runs take the frozen products of few rows by
+    cuBLAS and pad mixed steps to powers of two, the new ones the engine's defaults; the tokens
+    agree."""
     bench = load_script("bench_tenants")
     seen = []
     real = bench.TenantsBench.phase
 
     def phase(self, run, arrivals, trace):
-        seen.append((run, self.engine.runner.decode_gemm))
+        seen.append((run, self.engine.runner.decode_gemm, self.engine.runner.token_bucket_mode))
         return real(self, run, arrivals, trace)
 
     monkeypatch.setattr(bench.TenantsBench, "phase", phase)
     report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
                          "--adapters", "3", "--ranks", "4", "--prompt-median", "8", "--prompt-max", "20",
                          "--output-median", "3", "--output-max", "4", "--arrivals", "burst", "--warm-up", "off",
-                         "--runs", "base", "--variants", "new,old", "--old", "decode-gemm",
+                         "--runs", "base", "--variants", "new,old", "--old", "decode-gemm,token-buckets",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    assert seen == [("base-new", "auto"), ("base-old", "cublas")]
+    assert seen == [("base-new", "auto", "fine"), ("base-old", "cublas", "pow2")]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]
