@@ -7,8 +7,12 @@ For every projection of the shape (8B: q/k/v fused [6144, 4096], o [4096, 4096],
 each implementation runs as one CUDA graph of products over ``copies`` distinct weights (enough
 to exceed the L2 cache several times, as a decode step's layers do), timed by CUDA events over
 ``--reps`` replays: µs per product, the weight's GB/s and the bytes floor. Outputs are checked
-against cuBLAS's (max |diff| over max |y|). Last, per row count, a decode step's products (32
-layers of the four plus the LM head) with cuBLAS and with the best tiling per projection.
+against cuBLAS's (max |diff| over max |y|); "default" is the tiling the engine takes
+(``skinny_gemm.default_config``). Before the sweep, every projection at every row count runs once
+with the default tiling and is checked against cuBLAS: the file ``defaults_ok`` under ``--out``
+says all agreed (a GPU command can gate the engine's setting on it). Last, per row count, a decode
+step's products (32 layers of the four plus the LM head) with cuBLAS and with the best tiling per
+projection.
 
     PYTHONPATH=. python3 scripts/bench_skinny_gemm.py --rows 1,4,16,32,64,128,256 --out $OUT
 """
@@ -16,6 +20,7 @@ layers of the four plus the LM head) with cuBLAS and with the best tiling per pr
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from harness import add_output_args, device_info, logger, write_json
@@ -23,11 +28,12 @@ from harness import add_output_args, device_info, logger, write_json
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lightning_lorafusion.kernels.skinny_gemm import SkinnyConfig, SkinnyWorkspace, skinny_linear  # noqa: E402
+from lightning_lorafusion.kernels.skinny_gemm import (SkinnyConfig, SkinnyWorkspace, default_config,  # noqa: E402
+                                                      skinny_linear)
 
 log = logger("bench_skinny_gemm")
 
-SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+SHAPES_8B = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "gate_up": (28672, 4096),
              "lm_head": (128256, 4096)}
 LAYERS = 32
 
@@ -82,6 +88,28 @@ def graph_us(fn, copies: int, reps: int) -> float:
     return best
 
 
+def check_defaults(shapes: dict, rows: list[int], ws: SkinnyWorkspace, device, dtype) -> dict:
+    """Each projection at each row count with ``default_config``'s tiling against cuBLAS:
+    ``"name m": {"rel_err", "ok"}`` (ok: within 2e-2 of the output's largest value)."""
+    out = {}
+    for sname, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        for m in rows:
+            cfg = default_config(m, n, k)
+            if cfg is None:
+                continue
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            try:
+                ref = F.linear(x, w).float()
+                got = skinny_linear(x, w, config=cfg, workspace=ws).float()
+                err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                out[f"{sname} {m}"] = {"rel_err": err, "ok": err < 2e-2}
+            except Exception as exc:  # noqa: BLE001 - reported, the gate fails
+                out[f"{sname} {m}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}", "ok": False}
+        del w
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,32,64,128,256")
@@ -103,6 +131,13 @@ def main(argv=None) -> dict:
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     ws = SkinnyWorkspace.create(device, 65536)
     torch.manual_seed(0)
+    report["defaults"] = check_defaults(shapes, rows, ws, device, dtype)
+    bad = {k: v for k, v in report["defaults"].items() if not v.get("ok")}
+    log(f"default tilings against cuBLAS: {len(report['defaults']) - len(bad)} agree, {len(bad)} do not {bad}")
+    if not bad and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "defaults_ok"), "w").close()
+    write_json(args.out, "bench_skinny_gemm.json", report)
     for sname, (n, k) in shapes.items():
         copies = max(1, -(-args.cold_mib * 2**20 // (n * k * 2)))
         weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
@@ -117,7 +152,10 @@ def main(argv=None) -> dict:
             row = {"shape": sname, "n": n, "k": k, "m": m, "floor_us": floor_us, "copies": copies}
             row["cublas_us"] = graph_us(lambda i: torch.mm(x, weights[i].t(), out=outs[i]), copies, args.reps)
             row["configs"] = {}
-            for cname, cfg in configs.items():
+            chosen = dict(configs)
+            if default_config(m, n, k) is not None:
+                chosen["default"] = default_config(m, n, k)
+            for cname, cfg in chosen.items():
                 try:
                     y = skinny_linear(x, weights[0], config=cfg, workspace=ws)
                     err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
