@@ -190,16 +190,14 @@ def table(report: dict, shapes: dict, rows: list[int]) -> str:
             r = by.get((s, m))
             if r is None:
                 cells.append("-")
-                tot = None if tot is None else tot
                 continue
             b = r["best_us"]
             cells.append(f"{r['floor_us']:.1f} / {r['cublas_us']:.1f} / "
                          + ("-" if b is None else f"{b:.1f} ({r['best']})"))
-            if tot is not None:
-                times = r["floor_us"], r["cublas_us"], min(r["cublas_us"], b or float("inf"))
-                mult = 1 if s == "lm_head" else LAYERS
-                tot = [t + mult * v for t, v in zip(tot, times)]
-        step = "-" if tot is None or len(cells) < len(shapes) else " / ".join(f"{t / 1e3:.2f}" for t in tot)
+            times = r["floor_us"], r["cublas_us"], min(r["cublas_us"], b or float("inf"))
+            mult = 1 if s == "lm_head" else LAYERS
+            tot = [t + mult * v for t, v in zip(tot, times)]
+        step = "-" if "-" in cells or len(shapes) < len(SHAPES_8B) else " / ".join(f"{t / 1e3:.2f}" for t in tot)
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {step} |")
     return "\n".join(lines)
 
