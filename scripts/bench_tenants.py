@@ -615,7 +615,8 @@ def main(argv=None) -> dict:
               f"captures {w['captures']}")
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
-              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}) "
+              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}, "
+              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}) "
               f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:
