@@ -29,7 +29,7 @@ MIN_STEPS = 2  # K loop steps a split-K program runs at least
 WORKSPACE_COUNTERS = 8192  # a workspace's split-K counters: tiles of the largest launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "splits"])  # one variant for every row count of a BLOCK_M (1 included)
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, y_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                    stride_ym, stride_os, PARTIAL: tl.constexpr, X_FIRST: tl.constexpr, ASM: tl.constexpr,
                    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
