@@ -43,6 +43,8 @@ CONFIGS = {
     "n128k128f2": SkinnyConfig(block_n=128, block_k=128, fill=2, num_warps=8, num_stages=3),
     "xw_n64k128": SkinnyConfig(block_n=64, block_k=128, fill=4, x_first=True, num_stages=3),
     "xw_m64n128k64": SkinnyConfig(block_m=64, block_n=128, block_k=64, fill=2, x_first=True, num_stages=4),
+    "xw_m128n128k64w8": SkinnyConfig(block_m=128, block_n=128, block_k=64, fill=2, x_first=True, num_warps=8,
+                                     num_stages=4),
 }
 
 
