@@ -125,10 +125,12 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
     return final_norm(m, h, d)
 
 
-def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(m: PagedDecoder, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits (soft-capped as the
-    family says, Gemma 2)."""
-    return soft_cap(plain_linear(m.skinny, hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
+    family says, Gemma 2); ``out``: an fp32 ``[R, V]`` tensor they are converted into (no fp32
+    temporary: the decode graphs' logits buffer)."""
+    logits = soft_cap(plain_linear(m.skinny, hidden, m.params["lm_head"]), m.config.family.final_logit_softcap)
+    return logits.float() if out is None else out.copy_(logits)
 
 
 def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: torch.Tensor | None,

@@ -196,7 +196,7 @@ class ModelRunner(MixedStepSettings):
         if dora:  # (the slot table exists: the step that asked for this graph filled it)
             batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
         hidden = self.forward(batch)
-        self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
+        lm_logits(self.model, hidden, out=self._graph_logits[:rows])
 
     def _dora_slots(self) -> DoraSlots:
         """The fixed-shape DoRA gain table of graph-shaped steps (made on first use)."""
