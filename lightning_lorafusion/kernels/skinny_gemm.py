@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -209,25 +210,37 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, config: SkinnyConfig | No
 DECODE_GEMM_MODES = ("auto", "cublas", "triton")
 
 
+# the products this kernel takes by default: where it measured faster than cuBLAS in a sweep of
+# the 8B products over cold weights (H200, 2026-11-27, scripts/bench_skinny_gemm.py;
+# docs/BENCHMARKS.md "Many tenants against their floor"): the LM head ([128256, 4096]) up to 64
+# rows (5-7 % faster), gate/up ([28672, 4096]) up to 8 rows (equal at one row, 9 % at four);
+# cuBLAS kept the square and narrow products (o, q/k/v, down: 3-80 % slower here) and wider steps
+WIDE_N = 16384  # gate/up-like products: N at least this
+HEAD_N = 65536  # LM-head-like products: N at least this
+WIDE_MAX_ROWS = 8
+HEAD_MAX_ROWS = 64
+
+
 def default_config(m: int, n: int, k: int) -> SkinnyConfig | None:
     """The tiling for ``m`` rows of an ``[n, k]`` weight, or None where cuBLAS is the faster
-    (more than ``MAX_ROWS`` rows, or a row count no tiling was measured to win at)."""
-    if m <= 16:  # Y^T = W X^T: 64 rows of W a program, split-K to about 4 programs per SM
+    (``WIDE_N`` / ``HEAD_N``)."""
+    if n >= HEAD_N and m <= HEAD_MAX_ROWS:  # 128 rows of W a program, no split (thousands of tiles)
+        return SkinnyConfig(block_n=128, block_k=128, fill=2, num_warps=8, num_stages=3)
+    if n >= WIDE_N and m <= WIDE_MAX_ROWS:  # 64 rows of W a program, split-K to about 4 programs per SM
         return SkinnyConfig(block_n=64, block_k=128, fill=4)
-    if m <= 64:  # Y = X W^T: the weight tile is wgmma's shared-memory operand
-        return SkinnyConfig(block_n=64, block_k=128, fill=4, x_first=True, num_stages=3)
     return None
 
 
 @dataclass(frozen=True, eq=False)
 class SkinnyPlan:
     """Which frozen products of few rows a forward runs with ``skinny_linear`` (the rest:
-    ``F.linear``): 16-bit plain weights without bias, at most ``max_rows`` rows, where
-    ``default_config`` names a tiling; ``workspace``: the split-K counters all of them share
-    (launches in stream order)."""
+    ``F.linear``): plain weights without bias, at most ``max_rows`` rows, where ``choose(m, n,
+    k)`` (``default_config``) names a tiling; ``workspace``: the split-K counters all of them
+    share (launches in stream order)."""
 
     workspace: SkinnyWorkspace
     max_rows: int = MAX_ROWS
+    choose: Callable[[int, int, int], SkinnyConfig | None] = default_config
 
     @classmethod
     def for_mode(cls, mode: str, device: torch.device, dtype: torch.dtype) -> "SkinnyPlan | None":
@@ -243,7 +256,7 @@ class SkinnyPlan:
         if (x.shape[0] > self.max_rows or x.dim() != 2 or w.dim() != 2 or x.dtype != w.dtype
                 or x.stride(1) != 1 or w.stride(1) != 1):
             return None
-        return default_config(x.shape[0], w.shape[0], w.shape[1])
+        return self.choose(x.shape[0], w.shape[0], w.shape[1])
 
 
 def plain_linear(plan: SkinnyPlan | None, x: torch.Tensor, w: torch.Tensor,

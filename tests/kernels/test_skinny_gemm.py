@@ -68,15 +68,24 @@ def test_plan_sends_few_rows_without_bias_and_the_rest_to_f_linear(device, monke
     calls = []
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
-    plan = SkinnyPlan(SkinnyWorkspace.create(device, 64))
+    small = SkinnyConfig(block_n=16, block_k=16)
+    plan = SkinnyPlan(SkinnyWorkspace.create(device, 64), choose=lambda m, n, k: small if m <= 16 else None)
     w, b = torch.randn(20, 32, device=device), torch.randn(20, device=device)
     for m in (1, 16, 64, 65, MAX_ROWS + 1):
         x = torch.randn(m, 32, device=device)
         torch.testing.assert_close(plain_linear(plan, x, w), x @ w.t(), **TOL[torch.float32])
     torch.testing.assert_close(plain_linear(plan, torch.ones(2, 32, device=device), w, b),
                                torch.ones(2, 32, device=device) @ w.t() + b)
-    assert calls == [m for m in (1, 16, 64) if default_config(m, 20, 32) is not None]
+    assert calls == [1, 16]  # 64 rows: none chosen; past MAX_ROWS and with a bias: F.linear
     assert plain_linear(None, torch.ones(1, 32, device=device), w).shape == (1, 20)
+
+
+def test_default_config_takes_the_wide_products_of_few_rows():
+    """The LM head up to 64 rows, gate/up up to 8; o, q/k/v, down and wider steps stay cuBLAS's."""
+    assert default_config(64, 128256, 4096) is not None and default_config(65, 128256, 4096) is None
+    assert default_config(8, 28672, 4096) is not None and default_config(16, 28672, 4096) is None
+    for n, k in ((4096, 4096), (6144, 4096), (4096, 14336)):
+        assert all(default_config(m, n, k) is None for m in (1, 4, 16, 64))
 
 
 def test_plan_for_mode():

@@ -30,8 +30,10 @@ def test_skinny_products_give_the_tokens_of_f_linear(make_engine, monkeypatch, p
     want = _run(make_engine(num_pages=96, page_size=4), pad)
     engine = make_engine(num_pages=96, page_size=4)
     assert engine.runner.model.skinny is None  # CPU, fp32: F.linear unless asked
-    engine.runner.model = dataclasses.replace(engine.runner.model,
-                                              skinny=skinny_gemm.SkinnyPlan(skinny_gemm.SkinnyWorkspace.create("cpu")))
+    # every product of at most 16 rows (the default takes only the 8B shape's wide ones)
+    small = skinny_gemm.SkinnyConfig(block_n=16, block_k=16)
+    plan = skinny_gemm.SkinnyPlan(skinny_gemm.SkinnyWorkspace.create("cpu"), choose=lambda m, n, k: small)
+    engine.runner.model = dataclasses.replace(engine.runner.model, skinny=plan)
     shapes = set()
     real = skinny_gemm.skinny_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, w, **kw: shapes.add(tuple(w.shape)) or real(x, w, **kw))
