@@ -66,7 +66,7 @@ import torch  # noqa: E402
 from bench_generation import SHAPES, build_model, random_adapters  # noqa: E402
 from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engine  # noqa: E402
 
-from lightning_lorafusion.kernels import lora_gather  # noqa: E402
+from lightning_lorafusion.kernels import lora_gather, paged_attention  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
@@ -77,6 +77,8 @@ from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E40
 from profile_steps import StepProfile, category_table, table as profile_table  # noqa: E402
 
 log = logger("bench_tenants")
+
+OLD_PROGRAMS_PER_SM = 2  # --old attention-splits: the decode attention's sequence splits as they were
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +324,9 @@ class TenantsBench:
         rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
         "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
-        padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt)."""
+        padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
+        "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -338,13 +342,19 @@ class TenantsBench:
         gemm_changed = runner.decode_gemm != gemm
         pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
-        if gemm_changed:
+        if not hasattr(self, "programs_per_sm"):
+            self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
+        per_sm = OLD_PROGRAMS_PER_SM if "attention-splits" in old else self.programs_per_sm
+        splits_changed = paged_attention.DECODE_PROGRAMS_PER_SM != per_sm
+        paged_attention.DECODE_PROGRAMS_PER_SM = per_sm  # (the decode graphs keep theirs: captured again)
+        if gemm_changed or splits_changed:
             with engine._step_lock:
                 runner.decode_gemm = gemm
                 if runner.graphs is not None:
                     with timer(self.device) as t:
                         runner.capture_decode_graphs()
-                    log(f"decode graphs captured again with decode_gemm={gemm} in {t.seconds:.1f} s")
+                    log(f"decode graphs captured again with decode_gemm={gemm}, {per_sm} attention programs "
+                        f"per SM in {t.seconds:.1f} s")
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
                 or runner.prefill_lora_form != form or pieces_changed):
             with engine._step_lock:
@@ -561,7 +571,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form",
-                                              "decode-gemm", "token-buckets")),
+                                              "decode-gemm", "token-buckets", "attention-splits")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -572,7 +582,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "whatever its ranks; the decode graphs' capture timed without and with it after "
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
                          "default form), decode-gemm (the frozen products of few rows by cuBLAS instead of "
-                         "the Triton split-K product), token-buckets (mixed steps padded to powers of two only); "
+                         "the Triton split-K product), token-buckets (mixed steps padded to powers of two only), "
+                         "attention-splits (the decode attention split for 2 programs per SM, not 8); "
                          "default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
@@ -600,6 +611,8 @@ def main(argv=None) -> dict:
         bench.engine.close()
         for name, value in getattr(bench, "decode_knobs", {}).items():  # (--old decode-lora changed them)
             setattr(lora_gather, name, value)
+        if hasattr(bench, "programs_per_sm"):  # (--old attention-splits changed it)
+            paged_attention.DECODE_PROGRAMS_PER_SM = bench.programs_per_sm
     report = bench.report
     print("\n" + table(report))
     for r in report["runs"]:

@@ -341,12 +341,21 @@ def paged_decode_attention(
 MAX_SPLITS = 64
 
 
+# programs per SM the sequence splits aim for. A step's rows differ in length (a long-tail
+# request beside short ones), and a program walks its share of a row's tokens alone, so the
+# longest rows set the kernel's time unless they are cut finer: 8 took the decode attention of an
+# 8B burst trace's 64-128-row steps from ~45-60 % of the KV bytes' time toward the 256-row steps'
+# (2 before; docs/BENCHMARKS.md "Many tenants against their floor")
+DECODE_PROGRAMS_PER_SM = 8
+
+
 def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
-    """Sequence splits per (row, kv head) so about two programs per SM are in flight."""
+    """Sequence splits per (row, kv head) so about ``DECODE_PROGRAMS_PER_SM`` programs per SM
+    are in flight."""
     if device.type != "cuda":
         return min(2, max_blocks)  # exercise the combine path in the interpreter
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(2 * sms, programs)))
+    return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, programs)))
 
 
 def _paged_decode_attention_triton(
