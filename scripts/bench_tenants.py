@@ -583,7 +583,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
                          "default form), decode-gemm (the frozen products of few rows by cuBLAS instead of "
                          "the Triton split-K product), token-buckets (mixed steps padded to powers of two only), "
-                         "attention-splits (the decode attention split for 2 programs per SM, not 8); "
+                         "attention-splits (the decode attention split for 2 programs per SM at every row count); "
                          "default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
