@@ -213,8 +213,9 @@ DECODE_GEMM_MODES = ("auto", "cublas", "triton")
 # the products this kernel takes by default: where it measured faster than cuBLAS in a sweep of
 # the 8B products over cold weights (H200, 2026-11-27, scripts/bench_skinny_gemm.py;
 # docs/BENCHMARKS.md "Many tenants against their floor"): the LM head ([128256, 4096]) up to 64
-# rows (5-7 % faster), gate/up ([28672, 4096]) up to 8 rows (equal at one row, 9 % at four);
-# cuBLAS kept the square and narrow products (o, q/k/v, down: 3-80 % slower here) and wider steps
+# rows (5-7 % faster; 7 % on an H100), gate/up ([28672, 4096]) up to 8 rows (equal at one row,
+# 9 % at four; level on an H100); cuBLAS kept the square and narrow products (o, q/k/v, down:
+# 3-80 % slower here) and wider steps
 WIDE_N = 16384  # gate/up-like products: N at least this
 HEAD_N = 65536  # LM-head-like products: N at least this
 WIDE_MAX_ROWS = 8
