@@ -19,7 +19,9 @@ forward alone). Variants (``--variants``):
 - ``lora_few16``: the few-rows blocks up to 16 rows;
 - ``lora_ahead``: ``lora`` with SwiGLU computing down's shrink up to 16 rows (``AHEAD_MAX_ROWS``);
 - ``lora_pdl`` / ``lora_nopdl``: ``lora`` with and without programmatic dependent launch
-  between each shrink and the kernel consuming its partial sums (``PDL``).
+  between each shrink and the kernel consuming its partial sums (``PDL``);
+- ``base_cublas`` / ``lora_cublas``: ``base`` / ``lora`` with the frozen products of few rows by
+  cuBLAS (``EngineTuning.decode_gemm="cublas"``) instead of the engine's default.
 
 Every variant's greedy tokens of a batch are compared with ``--ref``'s (default ``lora_old``; agreeing positions,
 first tokens, mean common prefix; on a random model a bf16 rounding difference can change a
@@ -44,6 +46,7 @@ from lightning_lorafusion.kernels import lora_gather as lg  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderConfig  # noqa: E402
 from lightning_lorafusion.model.random_model import random_base_params  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 
 log = logger("bench_decode_step")
 
@@ -54,7 +57,9 @@ OLD = {"FEW_ROWS": None, "AHEAD_MAX_ROWS": None, "PAIR_EPILOGUES": False, "RANK_
 VARIANTS = {"base": {}, "lora": {}, "lora_old": OLD, "lora_pair": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": None},
             "lora_rsplit": {"FEW_ROWS": None, "RANK_SPLIT_MAX_ROWS": 64}, "lora_nosplit": {"RANK_SPLIT_MAX_ROWS": None},
             "lora_few16": {"FEW_ROWS": 16}, "lora_ahead": {"AHEAD_MAX_ROWS": 16}, "lora_pdl": {"PDL": True},
-            "lora_nopdl": {"PDL": False}}
+            "lora_nopdl": {"PDL": False}, "base_cublas": {}, "lora_cublas": {}}
+# variant -> EngineTuning fields for its engine
+TUNING = {"base_cublas": {"decode_gemm": "cublas"}, "lora_cublas": {"decode_gemm": "cublas"}}
 
 
 def build(args, device, dtype):
@@ -66,13 +71,13 @@ def build(args, device, dtype):
     return config, params, adapters
 
 
-def engine_for(args, config, params, adapters, device, dtype) -> Engine:
+def engine_for(args, config, params, adapters, device, dtype, tuning: dict | None = None) -> Engine:
     rows = max(args.rows)
     pages = None if device.type == "cuda" else 4096
     engine = Engine(config, params, None, EngineConfig(
         num_pages=pages, gpu_memory_fraction=args.memory_fraction, max_num_seqs=rows, prefix_caching=False,
         max_num_batched_tokens=max(256, rows * args.prompt),
-        cuda_graphs="auto"), device=device, dtype=dtype)
+        cuda_graphs="auto", tuning=EngineTuning(**(tuning or {}))), device=device, dtype=dtype)
     for name, r, alpha, factors in adapters:
         engine.add_adapter_weights(name, factors, rank=r, alpha=alpha)
     return engine
@@ -83,14 +88,15 @@ def measure(args, variant: str, built, device, dtype) -> list[dict]:
     saved = {name: getattr(lg, name) for name in VARIANTS[variant]}
     for name, value in VARIANTS[variant].items():
         setattr(lg, name, value)
-    engine = engine_for(args, config, params, adapters if variant != "base" else [], device, dtype)
+    base = variant.startswith("base")
+    engine = engine_for(args, config, params, [] if base else adapters, device, dtype, TUNING.get(variant))
     vocab = config.vocab_size
     prompts = torch.randint(4, vocab, (max(args.rows), args.prompt), generator=torch.Generator().manual_seed(1)).tolist()
     sampling = SamplingParams(max_new_tokens=args.steps + 6, temperature=0.0, ignore_eos=True)
 
     def requests(tag: str, rows: int) -> list:
         return [GenerationRequest(prompt_token_ids=prompts[i], sampling=sampling, request_id=f"{tag}-{i}",
-                                  adapter=None if variant == "base" else adapters[i % len(adapters)][0])
+                                  adapter=None if base else adapters[i % len(adapters)][0])
                 for i in range(rows)]
 
     out = []

@@ -66,16 +66,19 @@ import torch  # noqa: E402
 from bench_generation import SHAPES, build_model, random_adapters  # noqa: E402
 from bench_serving import TraceItem, adapter_weights, host_adapters, replay_engine  # noqa: E402
 
-from lightning_lorafusion.kernels import lora_gather, lora_segments  # noqa: E402
+from lightning_lorafusion.kernels import lora_gather, lora_segments, paged_attention  # noqa: E402
 from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: E402
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
+from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import StepProfile, table as profile_table  # noqa: E402
+from profile_steps import StepProfile, category_table, table as profile_table  # noqa: E402
 
 log = logger("bench_tenants")
+
+OLD_PROGRAMS_PER_SM = 2  # --old attention-splits: the decode attention's sequence splits as they were
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +260,7 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
+            tuning=EngineTuning(decode_gemm=args.decode_gemm),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -315,10 +319,15 @@ class TenantsBench:
         timed), "page-in" (``page_in_wait="step"``: one copy, waited for before the step),
         "base-pieces" (steps none of whose rows has an adapter run the LoRA pieces, their LoRA
         kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
-        table): ``ModelRunner.set_mixed_lora``, "prefill-form" (the prefill LoRA's "segments"
+        table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
         kernels instead of the default form, ``ModelRunner.prefill_lora_form``) and "small-steps"
-        (``lora_segments.SMALL_STEP_ROWS`` None: small steps' prefill LoRA split as large ones'),
-        the pieces rebuilt before the run (time and CUDA graphs in the report's "pieces_builds")."""
+        (``lora_segments.SMALL_STEP_ROWS`` None: small steps' prefill LoRA split as large ones'), the
+        pieces rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
+        "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
+        the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
+        padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
+        "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -329,11 +338,29 @@ class TenantsBench:
         runner = engine.runner
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
+        gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
+        buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
+        gemm_changed = runner.decode_gemm != gemm
+        pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
+        runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
+        if not hasattr(self, "programs_per_sm"):
+            self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
+        per_sm = OLD_PROGRAMS_PER_SM if "attention-splits" in old else self.programs_per_sm
+        splits_changed = paged_attention.DECODE_PROGRAMS_PER_SM != per_sm
+        paged_attention.DECODE_PROGRAMS_PER_SM = per_sm  # (the decode graphs keep theirs: captured again)
+        if gemm_changed or splits_changed:
+            with engine._step_lock:
+                runner.decode_gemm = gemm
+                if runner.graphs is not None:
+                    with timer(self.device) as t:
+                        runner.capture_decode_graphs()
+                    log(f"decode graphs captured again with decode_gemm={gemm}, {per_sm} attention programs "
+                        f"per SM in {t.seconds:.1f} s")
         if not hasattr(self, "small_step_rows"):
             self.small_step_rows = lora_segments.SMALL_STEP_ROWS
         small = None if "small-steps" in old else self.small_step_rows
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
-                or runner.prefill_lora_form != form or lora_segments.SMALL_STEP_ROWS != small):
+                or runner.prefill_lora_form != form or pieces_changed or lora_segments.SMALL_STEP_ROWS != small):
             with engine._step_lock:
                 if lora_segments.SMALL_STEP_ROWS != small:
                     lora_segments.SMALL_STEP_ROWS = small
@@ -349,6 +376,7 @@ class TenantsBench:
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
                          "small_step_rows": small,
+                         "decode_gemm": gemm, "token_buckets": buckets,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -533,6 +561,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: EngineConfig's")
     ap.add_argument("--chunked-prefill", choices=("on", "off"), default="off", help="default: the engine's (off)")
     ap.add_argument("--memory-fraction", type=float, default=0.85)
+    ap.add_argument("--decode-gemm", choices=("auto", "cublas", "triton"), default="auto",
+                    help="EngineTuning.decode_gemm of the engine (the new variant's; --old decode-gemm: cublas)")
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--warm-up", choices=("on", "off"), default="on", help="Engine.warm_up before the runs")
     ap.add_argument("--peak-tflops", type=float, default=None, help="default: data sheet (GPU) or measured")
@@ -553,7 +583,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "runs named run-variant when both")
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
-                                              "small-steps")),
+                                              "small-steps", "decode-gemm", "token-buckets",
+                                              "attention-splits")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -565,7 +596,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "warm-up), prefill-form (the prefill LoRA's 'segments' kernels instead of the "
                          "default form), beside (the decode steps' LoRA shrinks after the frozen GEMMs, in stream "
                          "order, instead of beside them on a second stream), small-steps (small mixed steps' "
-                         "prefill LoRA split as large ones'); default %(default)s")
+                         "prefill LoRA split as large ones'), decode-gemm (the frozen products of few rows by "
+                         "cuBLAS instead of the Triton split-K product), token-buckets (mixed steps padded to "
+                         "powers of two only), attention-splits (the decode attention split for 2 programs per "
+                         "SM at every row count); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -594,6 +628,8 @@ def main(argv=None) -> dict:
             setattr(lora_gather, name, value)
         if hasattr(bench, "small_step_rows"):  # (--old small-steps changed it)
             lora_segments.SMALL_STEP_ROWS = bench.small_step_rows
+        if hasattr(bench, "programs_per_sm"):  # (--old attention-splits changed it)
+            paged_attention.DECODE_PROGRAMS_PER_SM = bench.programs_per_sm
     report = bench.report
     print("\n" + table(report))
     for r in report["runs"]:
@@ -601,13 +637,16 @@ def main(argv=None) -> dict:
         if r.get("profile"):
             print(f"\n{r['run']} {r['arrivals']}: kernels of its first {args.profile_steps} steps\n"
                   + profile_table(r["profile"]))
+            print(f"\n{r['run']} {r['arrivals']}: device ms per step by kernel category (floor and GPU ms: "
+                  f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
     w = report.get("warm_up")
     if w:
         print(f"\nwarm-up {w['seconds']:.1f} s (mixed-step pieces {_f(w.get('mixed_pieces_s'), '.1f')} s), "
               f"captures {w['captures']}")
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
-              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}) "
+              f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}, "
+              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}) "
               f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:

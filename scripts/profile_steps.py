@@ -24,6 +24,16 @@ from typing import Any, Iterable, Sequence
 MARKER = "spin_kernel"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
+# what a step's device time is spent on (``kernel_category``), in table order; a layer's frozen
+# products are told apart by their order (``label_products``)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+CATEGORIES = tuple(f"gemm {p}" for p in PROJECTIONS) + (
+    "gemm", "lm head", "attention decode", "attention prefill", "norm", "rope / swiglu", "lora", "sampling",
+    "elementwise", "copies", "other")
+_GEMM_NAMES = ("gemm", "cutlass", "nvjet", "xmma", "splitkreduce", "_skinny_kernel", "cublas")
+_SAMPLING_NAMES = ("argmax", "softmax", "topk", "sort", "radix", "multinomial", "exponential", "distribution",
+                   "cumsum", "scan", "gather_kernel", "index_kernel")
+
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals."""
@@ -71,6 +81,60 @@ def call_windows(events: Sequence[dict]) -> list[list[dict]]:
     return windows
 
 
+def kernel_category(event: dict) -> str:
+    """A device event's category (``CATEGORIES``; frozen products are "gemm" until
+    ``label_products`` names them) from its trace category and name."""
+    if event.get("cat") in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    n = event.get("name", "").lower()
+    if "lora" in n or "segment" in n:
+        return "lora"
+    if any(g in n for g in _GEMM_NAMES):
+        return "gemm"
+    if "paged_decode" in n or "combine_splits" in n:
+        return "attention decode"
+    if "attention" in n or "attn" in n or "flash" in n or "fmha" in n or "paged_prefill" in n:
+        return "attention decode" if "decode" in n else "attention prefill"
+    if "norm" in n:
+        return "norm"
+    if "rope" in n or "swiglu" in n or "silu" in n or "write_kv" in n:
+        return "rope / swiglu"
+    if any(k in n for k in _SAMPLING_NAMES) or "reduce" in n:
+        return "sampling"
+    if "copy" in n or "memcpy" in n or "memset" in n or "fill" in n:
+        return "copies"
+    if "elementwise" in n or "vectorized" in n:
+        return "elementwise"
+    return "other"
+
+
+def label_products(events: Sequence[dict]) -> list[str]:
+    """Each event's category, in the order given (sorted by start), with the frozen products
+    named: consecutive "gemm" events are one product (a split-K's reduce joins its GEMM); those
+    after the window's last norm are the LM head; those before it, when there are 4 per layer,
+    cycle q/k/v, o, gate/up, down as a decoder layer runs them (else they stay "gemm")."""
+    cats = [kernel_category(e) for e in events]
+    products: list[list[int]] = []
+    for i, c in enumerate(cats):
+        if c != "gemm":
+            continue
+        if products and products[-1][-1] == i - 1:
+            products[-1].append(i)
+        else:
+            products.append([i])
+    last_norm = max((i for i, c in enumerate(cats) if c == "norm"), default=-1)
+    body = [p for p in products if p[0] < last_norm]
+    for p in products:
+        if p[0] > last_norm >= 0:
+            for i in p:
+                cats[i] = "lm head"
+    if body and len(body) % len(PROJECTIONS) == 0:
+        for j, p in enumerate(body):
+            for i in p:
+                cats[i] = f"gemm {PROJECTIONS[j % len(PROJECTIONS)]}"
+    return cats
+
+
 def idle_gaps(events: Sequence[dict], min_us: float = 20.0) -> list[tuple[str, str, float]]:
     """The device's idle stretches inside a window of at least ``min_us``: (the event that ran
     last before it, the one after it, idle us). Events of every stream count as busy."""
@@ -92,7 +156,13 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
             continue
         row = acc.setdefault(kind, {"kind": kind, "steps": 0, "span_ms": 0.0, "busy_ms": 0.0, "compute_ms": 0.0,
                                     "lead_ms": 0.0, "kernels": defaultdict(lambda: [0, 0.0]),
-                                    "gaps": defaultdict(lambda: [0, 0.0])})
+                                    "gaps": defaultdict(lambda: [0, 0.0]),
+                                    "categories": defaultdict(lambda: [0, 0.0])})
+        ordered = sorted(events, key=lambda e: e["ts"])
+        for e, cat in zip(ordered, label_products(ordered)):
+            c = row["categories"][cat]
+            c[0] += 1
+            c[1] += e["dur"] / 1e3
         for before, after, idle in idle_gaps(events):
             g = row["gaps"][(before[:40], after[:40])]
             g[0] += 1
@@ -114,6 +184,7 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
     for row in sorted(acc.values(), key=lambda r: -r["span_ms"]):
         kernels = sorted(row.pop("kernels").items(), key=lambda kv: -kv[1][1])
         gaps = sorted(row.pop("gaps").items(), key=lambda kv: -kv[1][1])
+        cats = row.pop("categories")
         n = row["steps"]
         rows.append({**row, "idle_ms": row["span_ms"] - row["busy_ms"],
                      "busy_fraction": row["busy_ms"] / row["span_ms"] if row["span_ms"] > 0 else None,
@@ -122,7 +193,9 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
                      "top": [{"name": name[:90], "per_step": c / n, "ms_per_step": t / n}
                              for name, (c, t) in kernels[:top]],
                      "idle_gaps": [{"after": a, "before": b, "per_step": c / n, "ms_per_step": t / n}
-                                   for (a, b), (c, t) in gaps[:top]]})
+                                   for (a, b), (c, t) in gaps[:top]],
+                     "categories": {k: {"per_step": cats[k][0] / n, "ms_per_step": cats[k][1] / n}
+                                    for k in CATEGORIES if k in cats}})
     return rows
 
 
@@ -138,6 +211,29 @@ def table(rows: Sequence[dict]) -> str:
         lines.append(f"| {r['kind']} | {r['steps']} | {r['span_ms_per_step']:.2f} | {r['busy_ms_per_step']:.2f} | "
                      f"{frac} | {r.get('compute_ms_per_step', 0.0):.2f} | {r.get('lead_ms_per_step', 0.0):.2f} | "
                      f"{tops} | {gaps} |")
+    return "\n".join(lines)
+
+
+def category_table(rows: Sequence[dict], kinds: Sequence[dict] | None = None) -> str:
+    """Per step kind: its tokens fed, floor and GPU ms per step (``kinds``: ``floor.breakdown``'s
+    rows of the same run, joined by kind), device span and idle, then ms per step in each category (launches
+    per step in brackets where more than one)."""
+    by_kind = {k["kind"]: k for k in kinds or ()}
+    used = [c for c in CATEGORIES if any(c in r.get("categories", {}) for r in rows)]
+    lines = ["| step kind | steps | tokens | floor ms | GPU ms | span ms | idle ms | " + " | ".join(used) + " |",
+             "|---" * (7 + len(used)) + "|"]
+    for r in rows:
+        k = by_kind.get(r["kind"])
+        floor = "-" if k is None else f"{1e3 * k['floor_s'] / k['steps']:.2f}"
+        gpu = "-" if k is None or not k.get("gpu_s") else f"{1e3 * k['gpu_s'] / k['steps']:.2f}"
+        tokens = "-" if k is None or "tokens" not in k else f"{k['tokens'] / k['steps']:.0f}"
+        cells = []
+        for c in used:
+            v = r.get("categories", {}).get(c)
+            cells.append("-" if v is None else f"{v['ms_per_step']:.2f}"
+                         + (f" ({v['per_step']:.0f})" if v["per_step"] >= 1.5 else ""))
+        lines.append(f"| {r['kind']} | {r['steps']} | {tokens} | {floor} | {gpu} | {r['span_ms_per_step']:.2f} | "
+                     f"{r['span_ms_per_step'] - r['busy_ms_per_step']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -341,12 +341,26 @@ def paged_decode_attention(
 MAX_SPLITS = 64
 
 
+# programs per SM the sequence splits aim for. A step's rows differ in length (a long-tail
+# request beside short ones), and a program walks its share of a row's tokens alone, so the
+# longest rows set the kernel's time unless they are cut finer: launches of at most
+# FINE_SPLIT_MAX_PROGRAMS (row, kv head) programs (32 rows of 8 KV heads) aim at 8 per SM, larger
+# ones at 2. On an H100 the burst trace's decode steps of 8-64 rows took 0.05-0.21 ms less with 8
+# (long-tailed rows), S-LoRA's 64-row steps (even rows of ~300 tokens) 0.34 ms more and the 128-row
+# ones 0.35-1.2 ms more, hence the bound (docs/BENCHMARKS.md "Many tenants against their floor")
+DECODE_PROGRAMS_PER_SM = 8
+FINE_SPLIT_MAX_PROGRAMS = 256
+COARSE_PROGRAMS_PER_SM = 2
+
+
 def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
-    """Sequence splits per (row, kv head) so about two programs per SM are in flight."""
+    """Sequence splits per (row, kv head) so about ``DECODE_PROGRAMS_PER_SM`` programs per SM
+    are in flight (``COARSE_PROGRAMS_PER_SM`` above ``FINE_SPLIT_MAX_PROGRAMS`` programs)."""
     if device.type != "cuda":
         return min(2, max_blocks)  # exercise the combine path in the interpreter
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(2 * sms, programs)))
+    per_sm = DECODE_PROGRAMS_PER_SM if programs <= FINE_SPLIT_MAX_PROGRAMS else COARSE_PROGRAMS_PER_SM
+    return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(per_sm * sms, programs)))
 
 
 def _paged_decode_attention_triton(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from ..kernels.options import NF4_GEMM_MODES
+from ..kernels.skinny_gemm import DECODE_GEMM_MODES
 from ..specs import ConfigError
 
 BACKENDS = ("auto", "torch", "triton")
@@ -73,6 +74,15 @@ class EngineTuning:
     # layer of the step after its own slice only; "step": one copy, and the step's first kernel
     # waits for all of it (docs/serving.md "Page-ins by layer")
     page_in_wait: str = "layer"
+    # a 16-bit base's frozen products of at most 256 rows (decode steps, the LM head, small mixed
+    # steps): "triton" (``kernels/skinny_gemm``: split-K over the weight's rows, the split sum in
+    # the launch, where it has a tiling for the row count), "cublas" (``F.linear``), "auto" (the
+    # default: triton on CUDA; docs/serving.md "Frozen products of few rows")
+    decode_gemm: str = "auto"
+    # the token counts padded mixed steps are padded to (their pieces' buckets): "fine" (the
+    # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
+    # pads at most a third of its rows) or "pow2" (powers of two only; fewer pieces to capture)
+    token_buckets: str = "fine"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -93,6 +103,10 @@ class EngineTuning:
                               f"allowed: {', '.join(PREFILL_LORA_WRITE)}")
         if self.page_in_wait not in PAGE_IN_WAIT:
             raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
+        if self.token_buckets not in ("fine", "pow2"):
+            raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: fine, pow2")
+        if self.decode_gemm not in DECODE_GEMM_MODES:
+            raise ConfigError(f"EngineTuning.decode_gemm={self.decode_gemm!r}; allowed: {', '.join(DECODE_GEMM_MODES)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"EngineTuning.nf4_gemm={self.nf4_gemm!r}; allowed: {', '.join(NF4_GEMM_MODES)}")
 

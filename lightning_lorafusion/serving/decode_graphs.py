@@ -36,6 +36,28 @@ def graph_buckets(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
+# padded mixed steps of at least this many tokens get a bucket between each two powers of two
+# (3 * 2^k): from here on an 8B step's products are compute-bound on an H100, so every padding
+# row costs what a real one does (docs/serving.md "Mixed steps as graphs")
+FINE_TOKEN_BUCKETS_FROM = 512
+TOKEN_BUCKETS = ("fine", "pow2")
+
+
+def token_buckets(max_tokens: int, mode: str = "fine") -> tuple[int, ...]:
+    """Token counts a padded mixed step is padded to: ``graph_buckets(max_tokens)`` ("pow2"),
+    with "fine" also 3 * 2^k between the powers of two from ``FINE_TOKEN_BUCKETS_FROM`` on (768,
+    1,536, 3,072, 6,144 up to 8,192): a step fills its bucket to at least two thirds, not one half."""
+    if mode not in TOKEN_BUCKETS:
+        raise ValueError(f"token buckets {mode!r}; allowed: {', '.join(TOKEN_BUCKETS)}")
+    sizes = set(graph_buckets(max_tokens))
+    if mode == "fine":
+        p = FINE_TOKEN_BUCKETS_FROM
+        while 3 * p // 2 < max_tokens:
+            sizes.add(3 * p // 2)
+            p *= 2
+    return tuple(sorted(sizes))
+
+
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:
     """The smallest bucket holding ``rows`` rows."""
     i = bisect.bisect_left(buckets, rows)

@@ -92,7 +92,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   decode_backend=config.tuning.decode_backend, max_decode_rows=config.max_num_seqs,
                                   prefill_attention=config.tuning.prefill_attention,
                                   max_batched_tokens=config.max_num_batched_tokens,
-                                  nf4_gemm=config.tuning.nf4_gemm,
+                                  nf4_gemm=config.tuning.nf4_gemm, decode_gemm=config.tuning.decode_gemm,
+                                  token_bucket_mode=config.tuning.token_buckets,
                                   prefill_lora_write=config.tuning.prefill_lora_write,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))

@@ -223,7 +223,8 @@ def base_weight_bytes(params: Mapping[str, Any]) -> int:
 
 
 def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, Any]:
-    """A ledger's steps grouped by kind: per kind its steps, wall s, GPU s (None on a CPU),
+    """A ledger's steps grouped by kind: per kind its steps, tokens fed (a mixed step's real
+    rows: against its token bucket, how full its padded products were), wall s, GPU s (None on a CPU),
     floor s and floor / GPU (floor / wall without a GPU time), host phases; and the totals with
     the host time between steps (``gap_s``) and, on CUDA, the device's idle time between steps
     (``gpu_gap_s``). Needs a ledger recorded by an engine (one time per step)."""
@@ -232,7 +233,7 @@ def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandw
         raise ValueError(f"the ledger has {len(ledger.steps)} steps but {len(clock.times)} step times: "
                          "breakdown needs a ledger an engine recorded from its enable_step_ledger")
     clock.resolve()
-    keys = ("steps", "wall_s", "gpu_s", "floor_s", "schedule_s", "launch_s", "wait_s", "emit_s")
+    keys = ("steps", "tokens", "wall_s", "gpu_s", "floor_s", "schedule_s", "launch_s", "wait_s", "emit_s")
     kinds: dict[str, dict[str, Any]] = {}
     total = dict.fromkeys(keys, 0.0)
     total.update(gap_s=clock.gap_s, gpu_gap_s=0.0, drain_s=clock.drain_s)
@@ -241,7 +242,7 @@ def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandw
         floor = step_floor_s(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth)
         label = t.kind.label if t.kind is not None else "unknown"
         row = kinds.setdefault(label, dict.fromkeys(keys, 0.0))
-        values = {"steps": 1, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
+        values = {"steps": 1, "tokens": record.tokens, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
                   "schedule_s": t.schedule_s, "launch_s": t.launch_s, "wait_s": t.wait_s, "emit_s": t.emit_s}
         for k, v in values.items():
             row[k] += v
@@ -257,7 +258,7 @@ def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandw
 
 
 def _finish(label: str, row: dict[str, Any], has_gpu: bool) -> dict[str, Any]:
-    row["steps"] = int(row["steps"])
+    row["steps"], row["tokens"] = int(row["steps"]), int(row["tokens"])
     if not has_gpu:
         row["gpu_s"] = None
     device = row["gpu_s"] if has_gpu else row["wall_s"]

@@ -10,6 +10,7 @@ import time
 
 from ..capture import capture_batch
 from ..kernels.lora_segments import FORMS
+from .decode_graphs import token_buckets
 from .mixed_graphs import MixedPieces
 
 # "auto" prefill LoRA (``EngineTuning.prefill_lora_write``): written first in steps whose adapted
@@ -23,7 +24,22 @@ log = logging.getLogger(__name__)
 class MixedStepSettings:
     """Mixed-step settings and pieces of a ``ModelRunner`` (which sets ``_prefill_lora_write``,
     ``_pieces_by_mode``, ``model``, ``mixed_pieces``, ``pad_mixed``, ``base_pieces``, ``live_grids``,
-    ``token_buckets``, ``device`` and the backends in its ``__init__``)."""
+    ``max_batched_tokens``, ``token_bucket_mode``, ``device`` and the backends in its ``__init__``)."""
+
+    @property
+    def token_bucket_mode(self) -> str:
+        """``EngineTuning.token_buckets``: the token counts padded mixed steps are padded to,
+        "fine" (powers of two and, from 512 tokens, 3 * 2^k between them) or "pow2"
+        (``decode_graphs.token_buckets``). Settable between steps: the pieces are dropped (rebuilt
+        on first use or by ``build_mixed_pieces``)."""
+        return self._token_bucket_mode
+
+    @token_bucket_mode.setter
+    def token_bucket_mode(self, mode: str) -> None:
+        buckets = token_buckets(self.max_batched_tokens, mode)
+        if buckets != getattr(self, "token_buckets", buckets):  # (first set: nothing built yet)
+            self._clear_pieces()
+        self.token_buckets, self._token_bucket_mode = buckets, mode
 
     @property
     def prefill_lora_write(self) -> str:

@@ -38,6 +38,7 @@ from ..kernels.lora_segments import segment_lora_add
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
+from ..kernels.skinny_gemm import SkinnyPlan, plain_linear
 from ..kernels.rms_norm import add_rms_norm
 from ..model.attention import varlen_causal_attention
 from ..model.decoder import DecoderConfig, embed, frozen_weight, rope_cos_sin
@@ -81,6 +82,7 @@ class PagedDecoder:
     # a second CUDA stream for a decode step's LoRA shrinks, each launched beside the frozen GEMM
     # that reads its input (``lora_gather.shrink_beside``, up to ``BESIDE_MAX_ROWS`` rows); None: none
     lora_stream: Any = None
+    skinny: SkinnyPlan | None = None  # plain 16-bit products of few rows by ``skinny_gemm`` (None: cuBLAS)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor,
              lora: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -142,10 +144,12 @@ def paged_forward(m: PagedDecoder, batch: StepBatch) -> torch.Tensor:
     return final_norm(m, h, d)
 
 
-def lm_logits(m: PagedDecoder, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(m: PagedDecoder, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, H]`` final-normed hidden states -> ``[R, V]`` fp32 logits (soft-capped as the
-    family says, Gemma 2)."""
-    return soft_cap(F.linear(hidden, m.params["lm_head"]), m.config.family.final_logit_softcap).float()
+    family says, Gemma 2); ``out``: an fp32 ``[R, V]`` tensor they are converted into (no fp32
+    temporary: the decode graphs' logits buffer)."""
+    logits = soft_cap(plain_linear(m.skinny, hidden, m.params["lm_head"]), m.config.family.final_logit_softcap)
+    return logits.float() if out is None else out.copy_(logits)
 
 
 def decoder_layer(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch.Tensor, d: LayerOutput | None,
@@ -295,14 +299,17 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
             return outs
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
-        y = (F.linear(x, w, b) if isinstance(w, torch.Tensor)
+        y = (plain_linear(m.skinny, x, w, b) if isinstance(w, torch.Tensor)
              else frozen_projections(x, [w], [b], options=m.kernel_options, nf4_workspace=m.nf4_workspace)[0])
         sizes = [m.config.module_dims(n)[1] for n in names]
         outs = list(y.split(sizes, dim=1))
         biases = [None] * len(names) if b is None else b.split(sizes)
     else:
         weights, biases = zip(*(frozen_weight(lp[n]) for n in names))  # an FP8 base: Fp8Weight
-        outs = frozen_projections(x, weights, biases, options=m.kernel_options, nf4_workspace=m.nf4_workspace)
+        if m.skinny is not None and all(isinstance(w, torch.Tensor) for w in weights):
+            outs = [plain_linear(m.skinny, x, w, b) for w, b in zip(weights, biases)]
+        else:
+            outs = frozen_projections(x, weights, biases, options=m.kernel_options, nf4_workspace=m.nf4_workspace)
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:

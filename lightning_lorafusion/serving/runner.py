@@ -19,6 +19,7 @@ DoRA rows in such steps read their gains from a fixed-shape slot table (``dora_r
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from ..kernels.nf4 import nf4_decode_workspace
 from ..kernels.options import KernelOptions
+from ..kernels.skinny_gemm import SkinnyPlan
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
 from .compile_ahead import compile_ahead
@@ -59,7 +61,8 @@ class ModelRunner(MixedStepSettings):
     def __init__(self, config: DecoderConfig, params: Mapping[str, Any], pool: UnifiedPool, *,
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
-                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto") -> None:
+                 max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -82,7 +85,9 @@ class ModelRunner(MixedStepSettings):
                                   local_inv_freq=local, long_inv_freq=long,
                                   kernel_options=KernelOptions(nf4_gemm=nf4_gemm),
                                   nf4_workspace=nf4_decode_workspace(params, self.device),
-                                  lora_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+                                  lora_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None,
+                                  skinny=SkinnyPlan.for_mode(decode_gemm, self.device, params["norm"].dtype))
+        self._decode_gemm = decode_gemm
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
             max_rows=max_decode_rows, max_pages=max_pages_per_row or pool.num_pages, num_layers=config.num_layers,
@@ -93,7 +98,8 @@ class ModelRunner(MixedStepSettings):
         # tables, the prefill rows' LoRA by row tiles: the fixed shapes a captured mixed step
         # needs; settable on the CPU to test
         self.pad_mixed = False
-        self.token_buckets = graph_buckets(max_batched_tokens)
+        self.max_batched_tokens = max_batched_tokens
+        self.token_bucket_mode = token_bucket_mode  # the token buckets of padded mixed steps
         # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
         # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
         # in max_decode_rows segments, per module
@@ -133,6 +139,22 @@ class ModelRunner(MixedStepSettings):
         self._tables = make_tables(mode, self.device)
         self.decode_inputs.tables = make_tables(mode, self.device)
         self._host_tables = mode
+
+    @property
+    def decode_gemm(self) -> str:
+        """How the plain 16-bit frozen products of few rows run (``EngineTuning.decode_gemm``).
+        Settable between steps: the mixed-step pieces are dropped (rebuilt on first use or by
+        ``build_mixed_pieces``); captured decode graphs keep the products they captured until
+        ``capture_decode_graphs`` runs again."""
+        return self._decode_gemm
+
+    @decode_gemm.setter
+    def decode_gemm(self, mode: str) -> None:
+        plan = SkinnyPlan.for_mode(mode, self.device, self.params["norm"].dtype)
+        if mode != self._decode_gemm:
+            self._clear_pieces()
+            self.model = dataclasses.replace(self.model, skinny=plan)
+        self._decode_gemm = mode
 
     def capture_decode_graphs(self) -> float:
         """Capture the decode forward of every ``decode_graphs.captured_keys`` key (CUDA, Triton
@@ -175,7 +197,7 @@ class ModelRunner(MixedStepSettings):
         if dora:  # (the slot table exists: the step that asked for this graph filled it)
             batch.dora = DoraSlotRows(self._slots, 0, rows, self._slots.row_slot[:rows])
         hidden = self.forward(batch)
-        self._graph_logits[:rows].copy_(lm_logits(self.model, hidden))
+        lm_logits(self.model, hidden, out=self._graph_logits[:rows])
 
     def _dora_slots(self) -> DoraSlots:
         """The fixed-shape DoRA gain table of graph-shaped steps (made on first use)."""

@@ -165,14 +165,14 @@ class StepClock:
 def breakdown_table(report: dict[str, Any]) -> str:
     """``floor.breakdown``'s result as a table, by kind, then the totals and the time between steps."""
     gpu = report["gpu_times"]
-    head = (f"  {'step kind':<26} {'steps':>6} {'wall s':>8} {'GPU s':>8} {'floor s':>8} "
+    head = (f"  {'step kind':<26} {'steps':>6} {'tok/step':>8} {'wall s':>8} {'GPU s':>8} {'floor s':>8} "
             f"{'floor/' + ('GPU' if gpu else 'wall'):>10} {'sched ms':>9} {'launch ms':>9} {'wait ms':>9} "
             f"{'emit ms':>9}")
     lines = [head]
 
     def line(r: dict[str, Any]) -> str:
         per = 1e3 / max(r["steps"], 1)  # host phases: ms per step
-        return (f"  {r['kind']:<26} {r['steps']:>6} {r['wall_s']:>8.4g} {_f(r['gpu_s'], '8.4g')} "
+        return (f"  {r['kind']:<26} {r['steps']:>6} {r.get('tokens', 0) * per / 1e3:>8.0f} {r['wall_s']:>8.4g} {_f(r['gpu_s'], '8.4g')} "
                 f"{r['floor_s']:>8.4g} {_f(r['floor_over_gpu'], '10.1%')} {r['schedule_s'] * per:>9.2f} "
                 f"{r['launch_s'] * per:>9.2f} {r['wait_s'] * per:>9.2f} {r['emit_s'] * per:>9.2f}")
 

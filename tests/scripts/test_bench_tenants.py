@@ -226,3 +226,33 @@ def test_bench_tenants_old_small_steps_splits_small_steps_as_large_ones(tmp_path
     assert report["errors"] == {}
     assert seen == [("lora-new", 512), ("lora-old", None)]
     assert lora_segments.SMALL_STEP_ROWS == 512
+
+
+def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypatch):
+    """``--old decode-gemm,token-buckets,attention-splits``: the old runs take the frozen products
+    of few rows by cuBLAS, pad mixed steps to powers of two and split decode attention for 2
+    programs per SM, the new ones the engine's defaults; the tokens agree."""
+    from lightning_lorafusion.kernels import paged_attention
+
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, self.engine.runner.decode_gemm, self.engine.runner.token_bucket_mode,
+                     paged_attention.DECODE_PROGRAMS_PER_SM))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "4", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "base", "--variants", "new,old", "--old",
+                         "decode-gemm,token-buckets,attention-splits",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
+    assert seen == [("base-new", "auto", "fine", per_sm), ("base-old", "cublas", "pow2", bench.OLD_PROGRAMS_PER_SM)]
+    assert paged_attention.DECODE_PROGRAMS_PER_SM == per_sm  # set back after the runs
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]

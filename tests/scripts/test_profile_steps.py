@@ -74,3 +74,38 @@ def test_compute_only_leaves_copies_out():
     assert row["busy_ms"] == pytest.approx(0.050) and row["compute_ms"] == pytest.approx(0.020)
     assert row["lead_ms_per_step"] == pytest.approx(0.030)
     assert "| 0.02 | 0.03 |" in script.table([row])
+
+
+def test_categories_name_each_layer_product_and_the_lm_head():
+    """Kernels by category: a layer's four frozen products by their order (a split-K reduce
+    joins its GEMM), the LM head after the last norm, attention, epilogues, sampling, copies;
+    the per-kind table sets each kind's floor and GPU ms beside them."""
+    script = load_script("profile_steps")
+    layer = ["_add_rms_norm_kernel", "nvjet_tst_64x8_qkv", "_rope_kv_kernel", "_paged_decode_kernel",
+             "_combine_splits_kernel", "nvjet_tst_64x8_o", "_add_rms_norm_kernel", "nvjet_tst_128x8_gu",
+             "_swiglu_kernel", "sm90_xmma_gemm_down", "splitKreduce_kernel"]
+    events, t = [kernel("indexSelectLargeIndex", 0, 1)], 2
+    for _ in range(2):
+        for name in layer:
+            events.append(kernel(name, t, 3))
+            t += 4
+    for name in ("_add_rms_norm_kernel", "nvjet_lm_head", "elementwise_kernel", "reduce_kernel<ArgMaxOps>"):
+        events.append(kernel(name, t, 5))
+        t += 6
+    events.append(kernel("Memcpy DtoH", t, 2, cat="gpu_memcpy"))
+    cats = script.label_products(events)
+    assert cats[2] == "gemm qkv" and cats[6] == "gemm o" and cats[8] == "gemm gate_up"
+    assert cats[10] == cats[11] == "gemm down"  # the reduce with its GEMM
+    assert cats[4] == cats[5] == "attention decode" and cats[3] == cats[9] == "rope / swiglu"
+    assert cats[-5:] == ["norm", "lm head", "elementwise", "sampling", "copies"]
+    rows = script.summarize([events], ["decode b2 base graph"])
+    by = rows[0]["categories"]
+    assert by["gemm down"]["per_step"] == 4 and by["gemm down"]["ms_per_step"] == pytest.approx(12 / 1e3)
+    assert by["lm head"]["ms_per_step"] == pytest.approx(5 / 1e3)
+    text = script.category_table(rows, [{"kind": "decode b2 base graph", "steps": 1, "tokens": 2, "floor_s": 0.005,
+                                         "gpu_s": 0.006}])
+    assert "| decode b2 base graph | 1 | 2 | 5.00 | 6.00 |" in text and "lm head" in text.splitlines()[0]
+    # products that are not 4 per layer stay unnamed
+    odd = [kernel("_add_rms_norm_kernel", 0, 1), kernel("gemm_a", 2, 1), kernel("_add_rms_norm_kernel", 4, 1),
+           kernel("gemm_b", 6, 1)]
+    assert script.label_products(odd) == ["norm", "gemm", "norm", "lm head"]

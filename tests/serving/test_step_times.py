@@ -90,6 +90,11 @@ def test_breakdown_by_kind_sums_to_the_run(make_engine):
     for t in ledger.clock.times:
         expected[t.kind.label] = expected.get(t.kind.label, 0) + 1
     assert {k: r["steps"] for k, r in by_label.items()} == expected
+    tokens = {}  # each kind's tokens fed: a mixed step's real rows, a decode step's rows
+    for t, rec in zip(ledger.clock.times, ledger.steps):
+        tokens[t.kind.label] = tokens.get(t.kind.label, 0) + rec.tokens
+    assert {k: r["tokens"] for k, r in by_label.items()} == tokens
+    assert total["tokens"] == sum(s.tokens for s in ledger.steps) > 0
     assert total["gap_s"] == ledger.clock.gap_s > 0
     text = breakdown_table(report)
     assert all(label in text for label in expected) and "between steps" in text
