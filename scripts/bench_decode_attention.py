@@ -19,7 +19,7 @@ import argparse
 import math
 import time
 
-from harness import add_output_args, device_info, logger, write_json
+from harness import add_output_args, copy_bandwidth, device_info, graph_us, logger, write_json
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -28,46 +28,6 @@ from lightning_lorafusion.kernels import paged_attention  # noqa: E402
 
 log = logger("bench_decode_attention")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / best
-
-
-def graph_us(fn, layers: int, reps: int) -> float:
-    """µs per launch of a CUDA graph running ``fn(layer)`` for every layer, best of 3 timings."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(layers):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(layers):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (reps * layers))
-    return best
 
 
 def main(argv=None) -> dict:

@@ -23,7 +23,7 @@ import argparse
 import os
 import time
 
-from harness import add_output_args, device_info, logger, write_json
+from harness import add_output_args, copy_bandwidth, device_info, graph_us, logger, write_json
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -46,48 +46,6 @@ CONFIGS = {
     "xw_m128n128k64w8": SkinnyConfig(block_m=128, block_n=128, block_k=64, fill=2, x_first=True, num_warps=8,
                                      num_stages=4),
 }
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / best
-
-
-def graph_us(fn, copies: int, reps: int) -> float:
-    """µs per product of a CUDA graph running ``fn(i)`` for i in range(copies), best of 3 timings
-    of ``reps`` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (reps * copies))
-    del g
-    return best
 
 
 def check_defaults(shapes: dict, rows: list[int], ws: SkinnyWorkspace, device, dtype) -> dict:

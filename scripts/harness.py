@@ -92,6 +92,49 @@ def kernel_ms(fn: Callable[[], Any], *, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a 2 GiB device-to-device copy moves (read + write), best of 5 (CUDA)."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / best
+
+
+def graph_us(fn: Callable[[int], Any], copies: int, reps: int) -> float:
+    """µs per call of a CUDA graph running ``fn(i)`` for i in range(copies) (e.g. one per layer,
+    so each reads cold weights), best of 3 timings of ``reps`` replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / (reps * copies))
+    del g
+    return best
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank ``q``-th percentile (``q`` in 0..100) of ``values``; None when empty."""
     if not values:

@@ -26,7 +26,6 @@ same sums per segment from the host copy of the segments.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Sequence
 
@@ -37,6 +36,7 @@ import triton.language as tl
 from . import lora_splitk, lora_tiles
 from .lora_splitk import PROGRAMS_PER_SM_INTERPRETER, splitk_launches, splitk_lora_add, splitk_shrink_launch
 from .lora_tiles import tile_launches, tile_lora_add
+from .triton_launch import sm_count
 from .segment_tables import (EXPAND_UNSPECIALISED, NO_ADAPTER, SHRINK_UNSPECIALISED, SegmentLora, block_r_for,
                              covering_segments, segment_lora_reference, segment_tiles, shrink_tile, store_delta,
                              tile_header)
@@ -236,11 +236,6 @@ def _live_expand_kernel(
                     DOT_PRECISION=DOT_PRECISION, ACCUMULATE=ACCUMULATE, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def live_programs(device: torch.device, items: int, per_sm: int) -> int:
     """Programs of a live grid: ``per_sm`` per SM (``LIVE_PROGRAMS_INTERPRETER`` off CUDA), at
     most ``items`` (the most items the table can hold), at least 1; ``per_sm`` 0: ``items`` (a
@@ -248,7 +243,7 @@ def live_programs(device: torch.device, items: int, per_sm: int) -> int:
     if per_sm == 0:
         n = items
     elif device.type == "cuda":
-        n = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n = per_sm * sm_count(device, off_cuda=0)
     else:
         n = LIVE_PROGRAMS_INTERPRETER
     return max(1, min(n, items))

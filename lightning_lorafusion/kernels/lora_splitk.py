@@ -24,7 +24,6 @@ The counters (``[tiles * G]`` int32) must be zero before a launch; the shrink le
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Sequence
 
@@ -32,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_launch
 from .segment_tables import SegmentLora, shrink_chunk, store_delta, tile_header
 
 # K per split at least (4 chunks of BLOCK_K 64), and the shrink's programs the split aims at, per SM
@@ -195,16 +195,9 @@ def _splitk_expand_kernel(
                      FACTOR_ALIGN=FACTOR_ALIGN)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
     """The device's SMs (``INTERPRETER_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return triton_launch.sm_count(device, off_cuda=INTERPRETER_SMS)
 
 
 def shrink_split(k: int, groups: int, rows: int, block_m: int, sms: int) -> int:

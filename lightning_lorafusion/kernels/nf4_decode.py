@@ -26,7 +26,6 @@ accumulator reduced once at the end, several rows summed per step). Every weight
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .nf4_lookup import nf4_words_to_values
+from .triton_launch import sm_count
 
 # ``Nf4Weight`` below is ``nf4.Nf4Weight``, named only in annotations: nf4.py imports this module
 # (lazily, for few rows), so this one does not import it back.
@@ -388,16 +388,9 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sm_count_of(device: torch.device) -> int:
     """The device's SMs (a fixed guess off CUDA: the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device, off_cuda=4)
 
 
 def _block_m(m: int, cfg: DecodeConfig) -> int:

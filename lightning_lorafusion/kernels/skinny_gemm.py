@@ -15,7 +15,6 @@ launch, the same sums whatever the programs' order. The product is ``tl.dot`` ei
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .triton_launch import sm_count
 
 MAX_ROWS = 256  # the largest M this kernel serves
 MIN_STEPS = 2  # K loop steps a split-K program runs at least
@@ -114,16 +115,9 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig: split_k={self.split_k} must be >= 0 and fill={self.fill} >= 1")
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sm_count_of(device: torch.device) -> int:
     """The device's SMs (a fixed guess off CUDA: the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device, off_cuda=4)
 
 
 def block_m_of(m: int, cfg: SkinnyConfig) -> int:

@@ -14,9 +14,23 @@ call (the dropout offset's hash) must be declared ``do_not_specialize`` in the k
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+
+@functools.lru_cache(maxsize=8)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, off_cuda: int) -> int:
+    """The SMs of ``device``, a CUDA device (cached per index); ``off_cuda`` for any other device
+    (the interpreter's stand-in count, which launch grids are sized by on the CPU)."""
+    if device.type != "cuda":
+        return off_cuda
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
 
 def _compiled_kernel_type():
     try:
