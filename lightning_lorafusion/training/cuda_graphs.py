@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -61,6 +60,7 @@ from ..kernels.static_routing import StaticLaunchTables, StaticTableError
 from ..model.decoder import DEFAULT_OPTIONS, DecoderConfig, DecoderOptions, decoder_layers, embed, head_loss_sums
 from ..parallel.stage import adapter_loss
 from .graph_cover import DEFAULT_PRECAPTURE, GraphKey, cheapest_cover, plan_captures
+from .graph_pool import allocating_from, outside_pool, release_cache
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ class TrainingGraphs:
                 if self.disabled is None and self._idle_step(key, device):
                     done.append(key)
             if self.capture and self.memory.release and done:
-                _release_cache(device)
+                release_cache(device)
         self.input_grad = None
         seconds = time.perf_counter() - t0
         self.precaptures += len(done)
@@ -504,9 +504,9 @@ class TrainingGraphs:
                 self._mempool = torch.cuda.MemPool()
                 self._pool = self._mempool.id
             pool = self._pool
-            tables.allocation_context = lambda: _outside(pool, main.device)
+            tables.allocation_context = lambda: outside_pool(pool, main.device)
             try:
-                with torch.cuda.stream(side), _allocating_from(pool, main.device):
+                with torch.cuda.stream(side), allocating_from(pool, main.device):
                     sums = self._run_static(key, inputs, tables)
             finally:
                 tables.allocation_context = contextlib.nullcontext
@@ -523,7 +523,7 @@ class TrainingGraphs:
         if pool is None or self.memory.release:
             # the first warm-up's activations sit in the allocator's cache (unless it ran in the
             # pool); hand them back so the graphs' private pool can take that memory
-            _release_cache(main.device)
+            release_cache(main.device)
         if tables.num_tables == 0:
             self.disabled = "the fused LoRA kernels did not take the fixed-shape launch tables"
             self._refuse(key, self.disabled)
@@ -550,55 +550,3 @@ class TrainingGraphs:
                  seconds, len(self._graphs))
         return sums
 
-
-def _release_cache(device: torch.device) -> None:
-    """Hand the allocator's cached blocks back to the device once the work queued on it ended."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-
-
-def _pool_calls(pool, device: torch.device):
-    """torch's private calls that route a thread's allocations to a graph memory pool (what its
-    own CUDA-graph trees use for their warm-ups) bound to ``pool`` on ``device``: (begin, end,
-    release), each taking no argument; None when ``pool`` is None or torch lacks them."""
-    names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool")
-    calls = [getattr(torch._C, n, None) for n in names]
-    if pool is None or None in calls:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(functools.partial(call, index, pool) for call in calls)
-
-
-@contextlib.contextmanager
-def _allocating_from(pool, device: torch.device):
-    """Allocations of this thread come from the graphs' memory ``pool`` (no change when it is
-    None or torch lacks the calls). A pool's freed blocks are reused only by the stream that freed
-    them: enter this on the stream the graphs are captured on."""
-    calls = _pool_calls(pool, device)
-    if calls is None:
-        yield
-        return
-    begin, end, release = calls
-    begin()
-    try:
-        yield
-    finally:
-        end()
-        release()
-
-
-@contextlib.contextmanager
-def _outside(pool, device: torch.device):
-    """Inside ``_allocating_from(pool)``: these allocations come from the ordinary allocator
-    (tensors that outlive the step must not share memory with a graph's intermediates)."""
-    calls = _pool_calls(pool, device)
-    if calls is None:
-        yield
-        return
-    begin, end, release = calls
-    end()
-    release()
-    try:
-        yield
-    finally:
-        begin()

@@ -648,21 +648,21 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
 
 
 def test_warm_up_pool_routing_calls_balance(monkeypatch):
-    """``_allocating_from(pool)`` begins routing this thread's allocations to the graphs' pool and
-    ends and releases it on the way out; ``_outside`` inside it ends + releases, then begins again
+    """``allocating_from(pool)`` begins routing this thread's allocations to the graphs' pool and
+    ends and releases it on the way out; ``outside_pool`` inside it ends + releases, then begins again
     (each begin holds one reference to the pool, each release drops one); no pool: no calls."""
-    from lightning_lorafusion.training import cuda_graphs as cg
+    from lightning_lorafusion.training import graph_pool as cg
 
     calls = []
     for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool"):
         monkeypatch.setattr(torch._C, name, lambda index, pool, name=name: calls.append((name[6:11], index, pool)),
                             raising=False)
     dev = torch.device("cuda", 3)
-    with cg._allocating_from(None, dev), cg._outside(None, dev):
+    with cg.allocating_from(None, dev), cg.outside_pool(None, dev):
         pass
     assert calls == []
-    with cg._allocating_from((7, 1), dev):
-        with cg._outside((7, 1), dev):
+    with cg.allocating_from((7, 1), dev):
+        with cg.outside_pool((7, 1), dev):
             calls.append("table")
     assert calls == [("begin", 3, (7, 1)), ("endAl", 3, (7, 1)), ("relea", 3, (7, 1)), "table",
                      ("begin", 3, (7, 1)), ("endAl", 3, (7, 1)), ("relea", 3, (7, 1))]
