@@ -107,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.6)
     ap.add_argument("--mixed-graphs", choices=("auto", "off", "eager", "on"), default="auto",
                     help="EngineTuning.mixed_graphs (eager: the pieces without capture, e.g. on the CPU)")
+    ap.add_argument("--variant-record", choices=("on", "off"), default="on",
+                    help="EngineTuning.kernel_variant_record (off: every run records the variants again)")
+    ap.add_argument("--capture-warm-up", choices=("first", "every"), default="first",
+                    help="EngineTuning.capture_warm_up (every: each piece run eagerly before its capture)")
     ap.add_argument("--trace-max-s", type=float, default=None, help="the trace is cut after this long "
                                                                      "(default: its phase's limit)")
     ap.add_argument("--phases", type=_phases, default=list(PHASES), help=f"comma list of {', '.join(PHASES)}")
@@ -139,7 +143,9 @@ def build_engine(args, device: torch.device, dtype: torch.dtype):
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     engine = Engine(config, params, tokenizer,
                     EngineConfig(max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction,
-                                 tuning=EngineTuning(mixed_graphs=args.mixed_graphs), **extra),
+                                 tuning=EngineTuning(mixed_graphs=args.mixed_graphs,
+                                                      kernel_variant_record=args.variant_record,
+                                                      capture_warm_up=args.capture_warm_up), **extra),
                     device=device, dtype=dtype)
     engine_s = time.perf_counter() - t1
     ranks = sorted(set(args.ranks) | {new_rank(args)})
@@ -264,6 +270,24 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
             "ttft_counts": {k: len(v) for k, v in ttft.items()}}
 
 
+def tokens_digest(engine, vocab: int, names: list[str]) -> str:
+    """Greedy tokens of a fixed set of requests (the base and five adapters, prompts of 24 to 600
+    tokens: mixed steps of several token buckets, then decode steps) as a short hash: runs of the
+    same model and adapters whose captures differ only in how they were made give the same one."""
+    import hashlib
+
+    from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+
+    rng = random.Random(1234)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = [GenerationRequest(prompt_token_ids=[rng.randrange(1, vocab) for _ in range(n)], adapter=a, sampling=sp,
+                              request_id=f"check{i}")
+            for i, (n, a) in enumerate(zip((24, 600, 130, 300, 57, 410), [None, *names[:5]]))]
+    tokens = [r.token_ids for r in engine.generate(reqs)]
+    engine.reset_prefix_cache()  # (what follows starts without their pages)
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
 def run_restart(args, device, dtype) -> dict:
     engine, _, by_rank, model_s, engine_s = build_engine(args, device, dtype)
     try:
@@ -271,7 +295,11 @@ def run_restart(args, device, dtype) -> dict:
             engine.add_host_adapter(named(by_rank[args.ranks[i % len(args.ranks)]], f"a{i}"))
         t0 = time.perf_counter()
         report = engine.warm_up()
-        return {"model_s": model_s, "engine_s": engine_s, "warm_up_s": time.perf_counter() - t0, "warm_up": report}
+        warm_up_s = time.perf_counter() - t0
+        return {"model_s": model_s, "engine_s": engine_s, "warm_up_s": warm_up_s, "warm_up": report,
+                "decode_compile": engine.runner.decode_compile,
+                "tokens_digest": tokens_digest(engine, engine.model_config.vocab_size,
+                                               [f"a{i}" for i in range(args.adapters)])}
     finally:
         engine.close()
 
@@ -400,6 +428,7 @@ def measure_in_process(args, device, dtype, clock: PhaseClock, report: dict) -> 
                 report["warm_up"] = engine.warm_up()
                 report["warm_up"]["wall_s"] = time.perf_counter() - t0
             log(f"warm-up {report['warm_up']['wall_s']:.1f} s")
+            report["warm_up"]["tokens_digest"] = tokens_digest(engine, config.vocab_size, names)
         newrank = "newrank" in args.phases
         if newrank or "trace" in args.phases:
             name = "newrank" if newrank else "trace"
@@ -453,10 +482,23 @@ def table(report: dict) -> str:
              f"{json.dumps(t.get('captures_before'))} / {json.dumps(t.get('captures_after'))}"),
             ("restart: engine s, warm_up() s", f"{_f(r.get('engine_s'))}, {_f(r.get('warm_up_s'))}"
              if "error" not in r else f"error: {r['error'][-300:]}"),
+            ("restart: variant lists decode / mixed (s to find them)",
+             f"{_source(r.get('decode_compile'))} / {_source(rw.get('compile_ahead'))}"),
+            ("restart: warm_up() compile s, pieces s, requests s, CUDA graphs",
+             f"{_f(rw.get('compile_s'))}, {_f(rw.get('mixed_pieces_s'))}, {_f(rw.get('rounds_s'))}, "
+             f"{(rw.get('captures') or {}).get('cuda_graphs', '-')}"),
+            ("tokens digest after warm_up / restart", f"{w.get('tokens_digest', '-')} / {r.get('tokens_digest', '-')}"),
             ("restart: Triton variants / compiled fresh", f"{rw.get('triton_kernels', '-')} / "
                                                            f"{rw.get('triton_compiled', '-')}")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _source(found: dict | None) -> str:
+    """Where a list of kernel variants came from and how long finding it took."""
+    if not found:
+        return "-"
+    return f"{found.get('source', 'off')} ({_f(found.get('record_s'))})"
 
 
 def _ms(trace: dict, when: str) -> float | None:

@@ -21,6 +21,7 @@ ON_OFF = ("on", "off")
 HOST_TABLES = ("packed", "separate")
 PAGE_IN_WAIT = ("layer", "step")
 PREFILL_LORA_WRITE = ("auto", "on", "off")
+CAPTURE_WARM_UP = ("first", "every")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,16 @@ class EngineTuning:
     # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
     # pads at most a third of its rows) or "pow2" (powers of two only; fewer pieces to capture)
     token_buckets: str = "fine"
+    # the Triton kernel variants compiled ahead (at the decode graphs' capture and in warm_up):
+    # "on" (the default) keeps the list found by the first run beside the on-disk compile cache
+    # and a restart of the same setup reads it instead of running every step's pieces to find it
+    # again (serving/variant_record.py); "off" finds it every time
+    kernel_variant_record: str = "on"
+    # captures of the mixed-step pieces: "first" (the default) runs a piece eagerly before its
+    # capture only when no piece of the same kind (first, last, or a layer of the same weight
+    # shapes and RoPE) ran in that set yet: the others launch the same kernels on the same
+    # shapes, already loaded and tuned; "every": each piece before its capture
+    capture_warm_up: str = "first"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -105,6 +116,12 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
         if self.token_buckets not in ("fine", "pow2"):
             raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: fine, pow2")
+        if self.kernel_variant_record not in ON_OFF:
+            raise ConfigError(f"EngineTuning.kernel_variant_record={self.kernel_variant_record!r}; "
+                              f"allowed: {', '.join(ON_OFF)}")
+        if self.capture_warm_up not in CAPTURE_WARM_UP:
+            raise ConfigError(f"EngineTuning.capture_warm_up={self.capture_warm_up!r}; "
+                              f"allowed: {', '.join(CAPTURE_WARM_UP)}")
         if self.decode_gemm not in DECODE_GEMM_MODES:
             raise ConfigError(f"EngineTuning.decode_gemm={self.decode_gemm!r}; allowed: {', '.join(DECODE_GEMM_MODES)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:

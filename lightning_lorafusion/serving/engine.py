@@ -13,6 +13,7 @@ import json
 import threading
 import weakref
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -38,6 +39,7 @@ from .runner import ModelRunner
 from .sampling import LogitAdjustments, SamplingParams, SamplingRows
 from .scheduler import Scheduler
 from .step_times import StepClock
+from .variant_record import recorded_variants
 from .warm_up import EngineWarmUp, use_compile_caches
 
 
@@ -99,8 +101,10 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                                         self.pool.num_pages))
         self.runner.host_tables = config.tuning.host_tables
         self.pool.page_in_groups = page_in_groups(model_config.num_layers, config.tuning.page_in_wait)
+        self.runner.capture_warm_up = config.tuning.capture_warm_up
         if self._use_cuda_graphs():
-            seconds = self.runner.capture_decode_graphs()
+            seconds = self.runner.capture_decode_graphs(
+                partial(recorded_variants, self, "decode", use_record=config.tuning.kernel_variant_record == "on"))
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.runner.buckets, seconds)
         mixed = self._mixed_pieces_mode()
         if mixed is not None:

@@ -22,6 +22,8 @@ like the other inputs). docs/serving.md, "Mixed steps as graphs" and "Cold start
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+
 import torch
 
 from ..capture import capture_batch, graph_capture
@@ -38,6 +40,29 @@ from .step_batch import PrefillLora, StepBatch
 # 2,048 rows and the burst trace's 4,096-token steps 1 %, but added 7-19 % at 8,192 rows, where
 # ~130 live tiles keep the table-long grid busy (docs/BENCHMARKS.md "Many tenants against their floor")
 LIVE_GRID_MAX_ROWS = 4096
+
+
+def _meta(obj) -> object:
+    """The shapes, dtypes and strides of the tensors in a parameter pytree, and its plain values;
+    any other object stands for itself (its identity), so layers holding one never compare equal."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), str(obj.dtype), obj.stride(), obj.device.type)
+    if isinstance(obj, Mapping):
+        return ("dict", tuple((k, _meta(v)) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_meta(v) for v in obj))
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj).__name__, tuple((f.name, _meta(getattr(obj, f.name))) for f in dataclasses.fields(obj)))
+    return ("object", id(obj))
+
+
+def layer_kind(m, layer: int) -> tuple:
+    """What a layer's part of a piece depends on besides the values it reads: its weights'
+    shapes, dtypes and strides, its RoPE (Gemma 3's sliding layers: a local one) and window."""
+    cfg = m.config
+    return (cfg.local_rope(layer), cfg.sliding_window(layer), _meta(m.params["layers"][layer]))
 
 
 class MixedPieces:
@@ -164,6 +189,14 @@ class MixedPieces:
         else:
             self.final = final_norm(m, self.h, d)
 
+    def piece_kind(self, i: int) -> tuple:
+        """What piece i launches, up to the tensors it reads: the first and the last piece are
+        their own kinds; a middle piece's kind is the pair of its two layers' ``layer_kind``
+        (pieces of one kind launch the same kernels on the same shapes)."""
+        m = self.runner.model
+        n = m.config.num_layers
+        return (i == 0, i == n, layer_kind(m, i - 1) if i > 0 else None, layer_kind(m, i) if i < n else None)
+
     def dry_run(self) -> None:
         """Every piece once, as captured (every module's LoRA kernels launched), on whatever the
         static buffers hold, no attention between: what ``compile_ahead.variants_of`` records
@@ -182,10 +215,17 @@ class MixedPieces:
     def capture(self, pool) -> None:
         """Record each piece as a CUDA graph into ``pool`` (None: a new pool)."""
         graphs = []
+        warmed: set = set()
+        every = getattr(self.runner, "capture_warm_up", "first") == "every"
         with torch.no_grad(), capture_batch(torch.device("cuda", torch.cuda.current_device())):
             for i in range(self.runner.config.num_layers + 1):
-                self.piece(i)  # warm-up: Triton compiles, cuBLAS picks its kernels
-                torch.cuda.synchronize()
+                kind = self.piece_kind(i)
+                if every or kind not in warmed:
+                    # warm-up: Triton loads (or compiles) its kernels, cuBLAS picks its own; a
+                    # piece of a kind already run launches the same kernels on the same shapes
+                    self.piece(i)
+                    torch.cuda.synchronize()
+                    warmed.add(kind)
                 graph = torch.cuda.CUDAGraph()
                 # captured mid-run (the first step of its key): other threads of the engine may
                 # use the GPU meanwhile, which the default ("global") mode turns into an error

@@ -32,7 +32,7 @@ from ..kernels.options import KernelOptions
 from ..kernels.skinny_gemm import SkinnyPlan
 from ..model.decoder import DecoderConfig, rope_inv_freq
 from ..specs import ALL_TARGET_MODULES
-from .compile_ahead import compile_ahead
+from .compile_ahead import compile_ahead, compile_variants, variants_of
 from .decode_graphs import DecodeGraphs, DecodeInputs, bucket_for, captured_keys, graph_buckets, graph_key
 from .dora_rows import DoraRows, DoraSlotRows, DoraSlots, step_dora_rows
 from .mixed_graphs import MixedPieces
@@ -119,6 +119,9 @@ class ModelRunner(MixedStepSettings):
         self.base_pieces, self.live_grids = True, True
         self._prefill_lora_write = "off"
         self.prefill_lora_write = prefill_lora_write
+        # mixed-step captures: each piece run eagerly first ("every") or only the first of its
+        # kind ("first"; ``EngineTuning.capture_warm_up``, ``MixedPieces.piece_kind``)
+        self.capture_warm_up = "first"
         self.graphs: DecodeGraphs | None = None
         self.decode_graphs_s = 0.0  # seconds the decode graphs' capture took (their compiles ahead included)
         self.decode_compile: dict[str, Any] | None = None  # compile_ahead's report before that capture
@@ -156,9 +159,13 @@ class ModelRunner(MixedStepSettings):
             self.model = dataclasses.replace(self.model, skinny=plan)
         self._decode_gemm = mode
 
-    def capture_decode_graphs(self) -> float:
+    def capture_decode_graphs(self, find_variants: Callable[[Callable[[], list]], tuple[list, dict]] | None = None
+                              ) -> float:
         """Capture the decode forward of every ``decode_graphs.captured_keys`` key (CUDA, Triton
-        decode kernels); from now on decode-only steps replay them. Returns seconds taken."""
+        decode kernels); from now on decode-only steps replay them. Their kernel variants are
+        compiled ahead first: those the keys' forwards record (``compile_ahead.variants_of``), or
+        what ``find_variants(record)`` returns (``(variants, report)``: e.g. read from a record,
+        ``variant_record.recorded_variants``). Returns seconds taken."""
         if self.device.type != "cuda" or self.kernel_backend != "triton":
             raise RuntimeError("decode CUDA graphs need a CUDA device and the Triton decode kernels "
                                f"(device {self.device}, decode backend {self.kernel_backend!r})")
@@ -168,7 +175,12 @@ class ModelRunner(MixedStepSettings):
         self.graphs = DecodeGraphs(self.buckets, self._graph_body)
         with torch.no_grad():
             # every bucket's kernel variants compiled at once, then captured (compile_ahead.py)
-            self.decode_compile = compile_ahead([unit for _, unit in self.decode_compile_units()], self.device)
+            units = [unit for _, unit in self.decode_compile_units()]
+            if find_variants is None:
+                self.decode_compile = compile_ahead(units, self.device)
+            else:
+                variants, found = find_variants(partial(variants_of, units))
+                self.decode_compile = {**compile_variants(variants, self.device), **found}
             self.decode_graphs_s = self.graphs.capture() + self.decode_compile["seconds"] + \
                 self.decode_compile["record_s"]
         return self.decode_graphs_s

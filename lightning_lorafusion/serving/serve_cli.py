@@ -177,9 +177,17 @@ def warm_up_summary(done: dict) -> str:
     return (f"warm-up: {done['requests']} requests (base and adapter ranks {done['ranks']}) in "
             f"{done['seconds']:.2f} s (decode graphs captured at start in {done['decode_graphs_s']:.2f} s; "
             f"{done['compile_ahead']['variants']} kernel variants compiled ahead by "
-            f"{done['compile_ahead']['workers']} threads in {done['compile_s']:.2f} s); "
+            f"{done['compile_ahead']['workers']} threads in {done['compile_s']:.2f} s; their list "
+            f"{_variant_source(done['compile_ahead'].get('source'))}, the decode graphs' "
+            f"{_variant_source(done.get('decode_compile', {}).get('source'))}); "
             f"captured: {format_capture_counts(done['captures'])}; Triton kernels: {done['triton_kernels']} "
             f"variants, {done['triton_compiled']} compiled fresh, the rest from {done['triton_cache_dir']}")
+
+
+def _variant_source(source: str | None) -> str:
+    """How a list of kernel variants was found (``variant_record.recorded_variants``), in words."""
+    return {"record": "read from its record", "recorded": "recorded and kept",
+            "off": "recorded"}.get(source or "off", "recorded")
 
 
 if __name__ == "__main__":

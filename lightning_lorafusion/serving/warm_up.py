@@ -24,6 +24,7 @@ from ..specs import ConfigError
 from .compile_ahead import KernelVariant, compile_variants, variants_of
 from .request import GenerationRequest
 from .sampling import SamplingParams
+from .variant_record import recorded_variants
 
 log = logging.getLogger("lightning_lorafusion.serving")
 
@@ -89,8 +90,9 @@ class EngineWarmUp:
     """``Engine.warm_up`` and the capture report."""
 
     def warm_up(self, *, prompt_len: int = 24, max_new_tokens: int = 2) -> dict[str, Any]:
-        """Compile every kernel variant the steps need, concurrently (``warm_up_variants`` then
-        ``compile_ahead.compile_variants``), build (on a GPU: capture) the mixed-step pieces of
+        """Compile every kernel variant the steps need, concurrently (``warm_up_variants``, or on
+        a restart of the same setup the list it found before, read from its record beside the
+        on-disk cache: ``variant_record``; then ``compile_ahead.compile_variants``), build (on a GPU: capture) the mixed-step pieces of
         every token bucket, then run a few synthetic greedy requests through every kind of step,
         so first-time costs (Triton compiles or loads from the disk cache, graph captures,
         cuBLAS heuristics, attention kernels) are paid here and not by the first users. Rounds:
@@ -101,7 +103,9 @@ class EngineWarmUp:
         and an adapter of a rank loaded later needs nothing new. Returns what ran and what it
         cost: requests, rounds, ranks (of the adapters loaded), seconds (and of it
         ``compile_s``, ``mixed_pieces_s``, ``rounds_s``), ``compile_ahead`` (variants compiled
-        ahead, workers, seconds, failures), ``captures`` (``ModelRunner.capture_counts``: decode
+        ahead, workers, seconds, failures; ``source``: "record" (the list read from its record),
+        "recorded" (found and kept) or "off"; ``record_s``, ``path``), ``decode_compile`` (the same
+        for the decode graphs' variants, at the engine's construction), ``captures`` (``ModelRunner.capture_counts``: decode
         graph keys, mixed-piece token buckets, CUDA graphs), ``triton_kernels`` (compiled
         variants held) and ``triton_compiled`` (of those, new entries in the on-disk cache: fresh
         compiles; the rest were loaded). Call it before serving (``serve`` does, unless
@@ -111,10 +115,11 @@ class EngineWarmUp:
         t0 = time.perf_counter()
         cache_dir = os.environ.get("TRITON_CACHE_DIR")
         entries_before = _cache_entries(cache_dir)
-        variants = warm_up_variants(self)
-        log.info("warm-up: %d kernel variants to compile ahead (recorded in %.1f s)", len(variants),
-                 time.perf_counter() - t0)
-        ahead = compile_variants(variants, self.device)
+        variants, found = recorded_variants(self, "mixed", lambda: warm_up_variants(self),
+                                            use_record=self.config.tuning.kernel_variant_record == "on")
+        log.info("warm-up: %d kernel variants to compile ahead (%s in %.1f s)", len(variants),
+                 "read from their record" if found["source"] == "record" else "recorded", time.perf_counter() - t0)
+        ahead = {**compile_variants(variants, self.device), **found}
         compile_s = time.perf_counter() - t0
         log.info("warm-up: compiled ahead in %.1f s (%s workers, %s failed)", compile_s, ahead.get("workers"),
                  ahead.get("failed"))
@@ -144,6 +149,7 @@ class EngineWarmUp:
                   "compile_ahead": ahead, "rounds_s": rounds_s, "prefix_pages_freed": freed,
                   "mixed_piece_keys": pieces, "mixed_pieces_s": pieces_s,
                   "captures": self.runner.capture_counts(), "decode_graphs_s": self.runner.decode_graphs_s,
+                  "decode_compile": self.runner.decode_compile or {},
                   "triton_kernels": sum(kernels.values()),
                   "triton_compiled": _cache_entries(cache_dir) - entries_before, "triton_cache_dir": cache_dir}
         self.warm_up_report = report
