@@ -186,8 +186,8 @@ def warm_up_summary(done: dict) -> str:
 
 def _variant_source(source: str | None) -> str:
     """How a list of kernel variants was found (``variant_record.recorded_variants``), in words."""
-    return {"record": "read from its record", "recorded": "recorded and kept",
-            "off": "recorded"}.get(source or "off", "recorded")
+    return {"record": "read from its record", "recorded": "found by running the steps, then kept",
+            "off": "found by running the steps"}.get(source or "off", "found by running the steps")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,9 @@ def test_warm_up_report_reaches_serve_log_and_metrics(make_engine):
     assert line.startswith(f"warm-up: {report['requests']} requests (base and adapter ranks [4, 24]) in "
                            f"{report['seconds']:.2f} s") and f"{buckets} mixed-step token buckets" in line
     assert "Triton kernels: 0 variants" in line  # the interpreter compiles nothing
+    assert "their list found by running the steps" in line  # (no record where nothing compiles ahead)
+    restart = {**report, "compile_ahead": {**report["compile_ahead"], "source": "record"}}
+    assert "their list read from its record" in warm_up_summary(restart)
     with TestClient(create_app(engine)) as client:
         samples = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
                    for s in f.samples}
