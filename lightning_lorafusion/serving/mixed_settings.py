@@ -85,6 +85,13 @@ class MixedStepSettings:
         mode = self._prefill_lora_write
         return mode == "on" or (mode == "auto" and lora_rows >= WRITE_FIRST_MIN_SHARE * rows)
 
+    def _reachable(self, write: bool | None, rows: int) -> bool:
+        """Whether a padded step of ``rows`` rows (a token bucket) can run the pieces of prefill
+        LoRA way ``write``: with "auto", added after (False) needs an adapted prefill row count
+        of at least one below ``WRITE_FIRST_MIN_SHARE`` of the rows, which buckets of one and two
+        rows cannot hold (one adapted row is already half of them: written first)."""
+        return not (write is False and self._prefill_lora_write == "auto" and WRITE_FIRST_MIN_SHARE * rows <= 1)
+
     @property
     def _mixed(self) -> dict[int, "MixedPieces"]:
         """The pieces of the usual prefill LoRA way, by token bucket."""
@@ -144,7 +151,7 @@ class MixedStepSettings:
         buckets = set()  # (with "auto" prefill LoRA, each bucket has a set per way: counted once)
         for write in self._write_modes() + ([None] if self.base_pieces else []):
             built = self._pieces_by_mode[write][0]
-            new = [rows for rows in self.token_buckets if rows not in built]
+            new = [rows for rows in self.token_buckets if rows not in built and self._reachable(write, rows)]
             with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
                 self._build_pieces(new, write)
             buckets.update(new)

@@ -201,6 +201,8 @@ class ModelRunner(MixedStepSettings):
 
     def _dry_run_pieces(self, rows: int) -> None:
         for write in self._write_modes() + ([None] if self.base_pieces else []):
+            if not self._reachable(write, rows):
+                continue
             pieces = self._pieces_by_mode[write][0].get(rows)
             (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
 

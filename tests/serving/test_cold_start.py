@@ -188,3 +188,16 @@ def test_compiled_kernel_variants_count_each_kernel_once(monkeypatch):
     assert counts.get("_fake_a.shared") == 2 and counts.get("_fake_a.other") == 3
     assert "_fake_b.shared" not in counts and "_fake_a.unused" not in counts
     assert not any("elsewhere" in k for k in counts)
+
+
+def test_pieces_no_step_can_run_are_not_built(make_engine):
+    """With "auto" prefill LoRA, buckets of one and two rows get no added-after pieces: every
+    count of adapted prefill rows such a step can hold writes first (``_step_writes``, the
+    step's own decision); every larger bucket, where some count adds after, gets both."""
+    engine = make_ranked_engine(make_engine, [8], mixed_graphs="eager", prefill_lora_write="auto")
+    runner = engine.runner
+    runner.build_mixed_pieces()
+    for rows in runner.token_buckets:
+        adds_after = any(not runner._step_writes(k, rows) for k in range(1, rows + 1))
+        assert (rows in runner._pieces_by_mode[False][0]) == adds_after == (rows > 2)
+        assert rows in runner._pieces_by_mode[True][0] and rows in runner._pieces_by_mode[None][0]
