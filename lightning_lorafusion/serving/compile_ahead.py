@@ -84,12 +84,28 @@ def record_launches() -> Iterator[list[KernelVariant]]:
         runtime.jit_cache_hook = previous
 
 
-def compile_variant(variant: KernelVariant, device: torch.device) -> None:
+def compile_variant(variant: KernelVariant, device: torch.device) -> Any:
     """Compile one variant (or load it from the on-disk cache) into its kernel's in-memory
-    cache, for ``device``."""
+    cache, for ``device`` -> the compiled kernel (None where Triton returns none)."""
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        variant.kernel.preload(variant.data)
+        return variant.kernel.preload(variant.data)
+
+
+def load_compiled(kernels: Iterable[Any], device: torch.device) -> int:
+    """Load compiled kernels onto ``device`` now (module and launcher; Triton does it at a
+    kernel's first launch), on this thread: a capture that launches one first then finds it
+    loaded. -> how many failed (logged; their first launch loads them and raises there)."""
+    failed = 0
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        for kernel in kernels:
+            try:
+                getattr(kernel, "run", None)  # (Triton's CompiledKernel loads itself on first access)
+            except Exception as exc:  # noqa: BLE001 - the first launch loads it again and raises
+                failed += 1
+                log.warning("loading %s ahead failed (%s); it loads at its first launch", kernel, exc)
+    return failed
 
 
 def distinct(variants: Iterable[KernelVariant]) -> list[KernelVariant]:
@@ -110,22 +126,25 @@ def variants_of(units: Iterable[Callable[[], None]]) -> list[KernelVariant]:
 def compile_variants(variants: Iterable[KernelVariant], device: torch.device, *,
                      workers: int | None = None) -> dict[str, Any]:
     """Compile ``variants`` concurrently (a thread pool of ``workers``, default: the CPUs, at
-    most 16) -> ``{"variants", "workers", "seconds", "failed"}``. A variant that fails to
-    compile here is logged and left to compile at its first launch (where its error, if any,
-    reaches the caller as before)."""
+    most 16), then on a GPU load them (``load_compiled``) -> ``{"variants", "workers",
+    "seconds", "failed"}``. A variant that fails to compile or load here is logged and left to
+    its first launch (where its error, if any, reaches the caller as before)."""
     todo = distinct(variants)
     workers = max(1, min(workers or min(os.cpu_count() or 1, 16), len(todo) or 1))
     t0 = time.perf_counter()
     failed = 0
+    compiled = []
     if todo:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
             futures = [pool.submit(compile_variant, v, device) for v in todo]
             for v, fut in zip(todo, futures):
                 try:
-                    fut.result()
+                    compiled.append(fut.result())
                 except Exception as exc:  # noqa: BLE001 - the launch compiles it again and raises
                     failed += 1
                     log.warning("compiling %s ahead failed (%s); it compiles at its first launch", v.name, exc)
+        if device.type == "cuda":
+            failed += load_compiled([k for k in compiled if k is not None], device)
     return {"variants": len(todo), "workers": workers, "seconds": time.perf_counter() - t0, "failed": failed}
 
 

@@ -21,12 +21,14 @@ like the other inputs). docs/serving.md, "Mixed steps as graphs" and "Cold start
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from ..capture import capture_batch, graph_capture
+from .compile_ahead import compile_variants, record_launches
 from ..kernels.lora_gather import MAX_RANK
 from ..kernels.segment_tables import segment_tiles
 from ..specs import ALL_TARGET_MODULES
@@ -226,15 +228,31 @@ class MixedPieces:
                     self.piece(i)
                     torch.cuda.synchronize()
                     warmed.add(kind)
-                graph = torch.cuda.CUDAGraph()
-                # captured mid-run (the first step of its key): other threads of the engine may
-                # use the GPU meanwhile, which the default ("global") mode turns into an error
-                with graph_capture(graph, pool=pool):
+                graph = self._capture_piece(i, pool)
+                if graph is None:  # it launched a variant not compiled yet: compiled now, then again
                     self.piece(i)
+                    torch.cuda.synchronize()
+                    graph = self._capture_piece(i, pool, record=False)
                 pool = graph.pool() if pool is None else pool
                 graphs.append(graph)
         torch.cuda.synchronize()
         self.graphs = graphs
+
+    def _capture_piece(self, i: int, pool, *, record: bool = True) -> "torch.cuda.CUDAGraph | None":
+        """Piece i recorded as a CUDA graph into ``pool``; with ``record``, None (its variants
+        compiled now) if it launched a Triton variant not compiled yet, which a capture must not
+        compile: a piece captured without its own eager run whose kind's run did not launch it."""
+        graph = torch.cuda.CUDAGraph()
+        # captured mid-run (the first step of its key): other threads of the engine may use the
+        # GPU meanwhile, which the default ("global") mode turns into an error
+        recording = record_launches() if record else contextlib.nullcontext([])
+        with recording as missing, graph_capture(graph, pool=pool):
+            self.piece(i)
+        if missing:
+            del graph
+            compile_variants(missing, self.runner.device)
+            return None
+        return graph
 
     # ------------------------------------------------------------------ one step
 

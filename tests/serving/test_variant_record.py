@@ -159,3 +159,79 @@ def test_pieces_of_layers_alike_are_one_kind(make_engine):
         assert layer_kind(runner.model, 1) not in (before, wide)
     finally:
         layers[1] = layer
+
+
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    from lightning_lorafusion.model.random_model import write_random_llama
+
+    path = tmp_path_factory.mktemp("four-layers")
+    write_random_llama(path, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                       num_kv_heads=2, init_std=0.15, max_positions=128, seed=3)
+    return path
+
+
+def test_capture_runs_one_piece_of_each_kind_eagerly_and_retries_a_miss(four_layer_dir, monkeypatch):
+    """``MixedPieces.capture`` (its CUDA calls replaced so it runs on the CPU): with "first" only
+    the first piece, the first middle one and the last run eagerly before their captures; a
+    capture that launches a variant not compiled yet is dropped, the variant compiled, the piece
+    run eagerly and captured again; with "every" each piece runs eagerly first."""
+    import contextlib
+
+    from lightning_lorafusion.serving import mixed_graphs
+
+    from lightning_lorafusion.serving import Engine, EngineConfig
+    from lightning_lorafusion.serving.config import EngineTuning
+
+    engine = Engine.from_pretrained(str(four_layer_dir), None, EngineConfig(
+        num_pages=64, max_num_batched_tokens=16, max_num_seqs=4, tuning=EngineTuning(mixed_graphs="eager")),
+        device="cpu", dtype=torch.float32)
+    runner = engine.runner
+    pieces = runner._new_pieces(8, write=True)
+    n = engine.model_config.num_layers
+    assert n == 4
+    log: list[tuple[str, int]] = []
+    state = {"capturing": False, "miss_at": 1}
+    missing: list[list] = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None):
+        state["capturing"] = True
+        yield
+        state["capturing"] = False
+
+    @contextlib.contextmanager
+    def fake_record():
+        found: list = []
+        missing.append(found)
+        yield found
+
+    def piece(i):
+        log.append(("capture" if state["capturing"] else "eager", i))
+        if state["capturing"] and i == state["miss_at"] and missing:
+            missing[-1].append(KernelVariant("m:k", "{}", None))
+            state["miss_at"] = None
+
+    compiled = []
+    monkeypatch.setattr(mixed_graphs, "graph_capture", fake_capture)
+    monkeypatch.setattr(mixed_graphs, "capture_batch", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(mixed_graphs, "record_launches", fake_record)
+    monkeypatch.setattr(mixed_graphs, "compile_variants", lambda variants, device: compiled.extend(variants))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pieces, "piece", piece)
+    pieces.capture(None)
+    eager = [i for kind, i in log if kind == "eager"]
+    assert eager == [0, 1, 1, n]  # piece 1 again after its capture missed a variant
+    assert [i for kind, i in log if kind == "capture"] == [0, 1, 1, *range(2, n + 1)]
+    assert len(pieces.graphs) == n + 1 and [v.name for v in compiled] == ["m:k"]
+    log.clear()
+    runner.capture_warm_up = "every"
+    pieces.capture(None)
+    assert [i for kind, i in log if kind == "eager"] == list(range(n + 1))
+    engine.close()
