@@ -28,10 +28,10 @@ from collections.abc import Mapping
 import torch
 
 from ..capture import capture_batch, graph_capture
-from .compile_ahead import compile_variants, record_launches
 from ..kernels.lora_gather import MAX_RANK
 from ..kernels.segment_tables import segment_tiles
 from ..specs import ALL_TARGET_MODULES
+from .compile_ahead import compile_variants, record_launches
 from .dora_rows import DoraSlotRows, DoraSlots
 from .paged_forward import after_attention, attention, before_attention, embed_rows, final_norm
 from .step_batch import PrefillLora, StepBatch

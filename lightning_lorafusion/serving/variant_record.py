@@ -9,8 +9,8 @@ in ``<cache>/kernel_variants/<part>-<key hash>.json``, keyed by everything that 
 the model's shape, the dtype, the engine's settings and the runner's step modes, the device, the
 versions of torch, Triton and this package. The adapters' ranks are not in the key: no kernel
 variant depends on them (``warm_up``'s module docstring). A record whose key or format does not
-match, or that cannot be read, is ignored with a log line and recorded again; a variant whose
-kernel's source changed since is dropped (it compiles at its first launch, as without a record).
+match, or that cannot be read, or one of whose kernels' source changed since (or is gone), is
+ignored with a log line and recorded again.
 Records are written whole (a temporary file renamed over the old one).
 """
 
@@ -152,19 +152,18 @@ def load_record(path: Path, key: dict[str, Any]) -> tuple[list[KernelVariant], i
             continue
         variants.append(KernelVariant(name, data, kernel))
     if dropped:
-        log.info("kernel variants: %d of the %d recorded at %s changed or are gone; they compile at their first "
-                 "launch", dropped, len(entries), path)
+        log.info("kernel variants: %d of the %d recorded at %s changed or are gone", dropped, len(entries), path)
     return variants, dropped
 
 
 def recorded_variants(engine, part: str, find: Callable[[], list[KernelVariant]], *,
                       use_record: bool = True) -> tuple[list[KernelVariant], dict[str, Any]]:
     """The variants to compile ahead for ``part``: read from its record when one matches
-    (``find`` not called), else ``find()`` (launches recorded), then written as the record (unless
-    the record existed: a later run in this process finds only what is not compiled yet). ->
+    (``find`` not called), else ``find()`` (launches recorded) written as the record. A record
+    some of whose kernels changed since (``load_record``'s dropped) is recorded again. ->
     ``(variants, report)``, the report with ``source`` ("record", "recorded"; "off" where records
     do not apply or ``use_record`` is False), ``record_s`` (reading or recording), ``path``,
-    ``dropped``."""
+    ``dropped`` (0)."""
     t0 = time.perf_counter()
     if not use_record or not uses_records(engine.device):
         variants = find()
@@ -172,10 +171,11 @@ def recorded_variants(engine, part: str, find: Callable[[], list[KernelVariant]]
     key = record_key(engine, part)
     path = record_path(key)
     loaded = load_record(path, key)
+    if loaded is not None and not loaded[1]:
+        return loaded[0], {"source": "record", "record_s": time.perf_counter() - t0, "path": str(path),
+                           "dropped": 0}
     if loaded is not None:
-        variants, dropped = loaded
-        return variants, {"source": "record", "record_s": time.perf_counter() - t0, "path": str(path),
-                          "dropped": dropped}
+        log.info("kernel variants: recording them again (a kernel changed since %s was written)", path)
     variants = find()
     try:
         save_record(path, key, variants)

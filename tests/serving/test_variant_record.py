@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import types
 
 import pytest
 import torch
@@ -81,6 +82,32 @@ def test_a_variant_whose_kernel_changed_or_is_gone_is_dropped(cache):
     path.write_text(json.dumps(body))
     loaded, dropped = load_record(path, key)
     assert loaded == _kernels()[1:] and dropped == 2
+
+
+def test_recorded_variants_reads_a_matching_record_and_records_a_stale_one_again(cache, monkeypatch):
+    key = {"format": 1, "part": "mixed"}
+    monkeypatch.setattr(variant_record, "uses_records", lambda device: True)
+    monkeypatch.setattr(variant_record, "record_key", lambda engine, part: key)
+    engine = types.SimpleNamespace(device=torch.device("cpu"))
+    calls = []
+
+    def find():
+        calls.append(1)
+        return _kernels()
+
+    first = variant_record.recorded_variants(engine, "mixed", find)
+    second = variant_record.recorded_variants(engine, "mixed", find)
+    assert (first[1]["source"], second[1]["source"], len(calls)) == ("recorded", "record", 1)
+    assert first[0] == second[0] == _kernels()
+    path = record_path(key)
+    body = json.loads(path.read_text())
+    body["variants"][1]["source"] = "an older source"
+    path.write_text(json.dumps(body))
+    third = variant_record.recorded_variants(engine, "mixed", find)
+    assert third[1]["source"] == "recorded" and len(calls) == 2
+    assert load_record(path, key) == (_kernels(), 0)  # written again, current
+    assert variant_record.recorded_variants(engine, "mixed", find, use_record=False)[1]["source"] == "off"
+    assert len(calls) == 3
 
 
 def test_the_key_follows_the_setup_not_the_adapters(make_engine):
