@@ -237,6 +237,17 @@ def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
             paged_decode_attention(q, pool, 1, wide, lens, scale=0.125, backend="triton")
         found += launched
     names = [v.name.rsplit(":", 1)[1] for v in distinct(found)]
-    # the split count follows the width; only whether there are splits selects a variant
+    # balanced items: the width selects nothing
+    assert names.count("_paged_decode_balanced_kernel") == 1, [v.data[:300] for v in distinct(found)]
+    assert names.count("_combine_items_kernel") == 1, [v.data[:300] for v in distinct(found)]
+    found = []
+    for width in (2, 1, 16, 17, 32):
+        wide = torch.full((table.shape[0], width), -1, dtype=table.dtype, device="cuda")
+        wide[:, :min(width, table.shape[1])] = table[:, :width]
+        with record_launches() as launched:
+            _paged_decode_attention_triton(q, pool, 1, wide, lens, 0.125, None, mode="per-row")
+        found += launched
+    names = [v.name.rsplit(":", 1)[1] for v in distinct(found)]
+    # per-row splits: the split count follows the width; only whether there are splits selects a variant
     assert names.count("_combine_splits_kernel") <= 1, [v.data[:300] for v in distinct(found)]
     assert names.count("_paged_decode_kernel") <= 2, [v.data[:300] for v in distinct(found)]
