@@ -13,8 +13,8 @@ back), timed by CUDA events: µs per layer and the fraction of the KV bytes' tim
 copy bandwidth (``harness.copy_bandwidth``). Outputs are checked against the torch reference
 (bf16) where it fits, else against the first variant's.
 
-``--variants``: "old" (per-row splits), "new" (the defaults) or "new:ps=8/mc=128/bt=64/w=4/s=3"
-(balanced programs per SM, shortest item, token tile, warps, stages).
+``--variants``: "old" (per-row splits), "new" (the defaults) or "new:ps=4/mc=128/bt=64/w=4/s=3/mr=128"
+(balanced programs per SM, shortest item, token tile, warps, stages, register cap; 0: none).
 
     PYTHONPATH=. python3 scripts/bench_decode_attention.py --out $OUT
 """
@@ -33,7 +33,8 @@ from lightning_lorafusion.kernels import paged_attention  # noqa: E402
 
 log = logger("bench_decode_attention")
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-KNOBS = {"ps": "programs_per_sm", "mc": "min_chunk", "bt": "block_t", "w": "num_warps", "s": "num_stages"}
+KNOBS = {"ps": "programs_per_sm", "mc": "min_chunk", "bt": "block_t", "w": "num_warps", "s": "num_stages",
+         "mr": "max_registers"}
 
 
 def parse_variant(text: str) -> dict:
@@ -63,7 +64,7 @@ def trace_lengths(gen: torch.Generator, rows: int, args) -> list[int]:
 
 
 def launcher(variant: dict, sms: int):
-    kw = {k: variant[k] for k in ("min_chunk", "block_t", "num_warps", "num_stages") if k in variant}
+    kw = {k: variant[k] for k in ("min_chunk", "block_t", "num_warps", "num_stages", "max_registers") if k in variant}
     if variant["mode"] == "balanced" and "programs_per_sm" in variant:
         kw["target"] = -(-variant["programs_per_sm"] * sms // HKV)
     return {"mode": variant["mode"], **kw}

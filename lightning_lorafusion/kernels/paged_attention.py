@@ -151,7 +151,8 @@ def _paged_decode_balanced_kernel(
     BLOCK_T, at least MIN_CHUNK, at least ``total / target`` and at least ``longest /
     MAX_ITEMS``), so a row holds ``ceil(len / chunk) <= MAX_ITEMS`` items and all rows together
     at most ``target + rows``: the grid's first axis, fixed by the launch's rows (CUDA-graph
-    safe). Programs past the last item return at once. A row of one item writes its output;
+    safe). A row's items share its tokens equally (in BLOCK_T multiples: no item is empty).
+    Programs past the last item return at once. A row of one item writes its output;
     a row of several writes one partial (output, max, sum) per item into ``part_*`` at its item
     index, and its first item's program records (first item, items) in ``items_ptr`` for
     ``_combine_items_kernel``.
@@ -174,8 +175,10 @@ def _paged_decode_balanced_kernel(
         n_items = tl.sum(tl.where(at_row, counts, 0))
         first = tl.sum(tl.where(at_row, ends, 0)) - n_items
         seq_len = tl.sum(tl.where(at_row, lens, 0))
-        t_begin = seq_len - tl.sum(tl.where(at_row, spans, 0)) + (item - first) * chunk
-        t_end = tl.minimum(seq_len, t_begin + chunk)
+        span = tl.sum(tl.where(at_row, spans, 0))
+        share = tl.cdiv(tl.cdiv(span, n_items), BLOCK_T) * BLOCK_T  # equal shares, none empty
+        t_begin = seq_len - span + (item - first) * share
+        t_end = tl.minimum(seq_len, t_begin + share)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < GROUP
@@ -205,29 +208,31 @@ def _paged_decode_balanced_kernel(
 @triton.jit
 def _combine_items_kernel(
     part_o_ptr, part_ml_ptr, items_ptr, out_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Program (row, query head): merge the partial softmaxes (base 2) of a row of several
-    work items (``_paged_decode_balanced_kernel``); a row of one item was written already."""
+    """Program (row, kv head): merge the partial softmaxes (base 2) of the GROUP query heads of
+    a row of several work items (``_paged_decode_balanced_kernel``); a row of one item was
+    written already."""
     row = tl.program_id(0)
-    head = tl.program_id(1)
     n_items = tl.load(items_ptr + row * 2 + 1)
     if n_items > 1:
-        hq = tl.num_programs(1)
+        hq = GROUP * tl.num_programs(1)
         first = tl.load(items_ptr + row * 2)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_ok = offs_s < n_items
         d_ok = offs_d < HEAD_DIM
-        part = (first + offs_s).to(tl.int64) * hq + head
-        m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
-        l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-        w = tl.exp2(m - tl.max(m, axis=0))  # every item holds tokens: the max is finite
-        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-        tl.store(out_ptr + (row.to(tl.int64) * hq + head) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty),
-                 mask=d_ok)
+        for g in tl.static_range(GROUP):
+            head = tl.program_id(1) * GROUP + g
+            part = (first + offs_s).to(tl.int64) * hq + head
+            m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
+            l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+            w = tl.exp2(m - tl.max(m, axis=0))  # every item holds tokens: the max is finite
+            o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+            tl.store(out_ptr + (row.to(tl.int64) * hq + head) * HEAD_DIM + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit(do_not_specialize=COMBINE_UNSPECIALISED)
@@ -488,8 +493,12 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 # rows and the page table's width (``_num_splits``), as the engine ran before.
 DECODE_SPLITS = "balanced"
 SPLIT_MODES = ("balanced", "per-row")
-BALANCED_PROGRAMS_PER_SM = 8
+# Four programs per SM: the kernel (4 warps, 3 stages, registers capped at
+# BALANCED_MAX_REGISTERS = 128) keeps four programs resident per SM, so a step of evenly long
+# rows runs as one wave of one item per row, as the per-row splits did, and long rows are cut.
+BALANCED_PROGRAMS_PER_SM = 4
 MIN_CHUNK_TOKENS = 128
+BALANCED_MAX_REGISTERS = 128
 
 
 def balanced_items(seq_lens: list[int], *, target: int, min_chunk: int, block_t: int,
@@ -505,10 +514,12 @@ def balanced_items(seq_lens: list[int], *, target: int, min_chunk: int, block_t:
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
     softcap=None, splits=None, mode=None, target=None, min_chunk=None, block_t=None, num_warps=4, num_stages=3,
+    max_registers=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps: ``splits`` forces the
     per-row mode with that many splits; ``mode`` one of SPLIT_MODES (default DECODE_SPLITS);
-    ``target`` the balanced mode's items per kv head and ``min_chunk`` its shortest item."""
+    ``target`` the balanced mode's items per kv head, ``min_chunk`` its shortest item and
+    ``max_registers`` its register cap per thread (0: none)."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
@@ -534,6 +545,8 @@ def _paged_decode_attention_triton(
         min_chunk = min_chunk or MIN_CHUNK_TOKENS
         if target < 1 or min_chunk < 1:
             raise ValueError(f"target={target} and min_chunk={min_chunk} must be >= 1")
+        cap = BALANCED_MAX_REGISTERS if max_registers is None else max_registers
+        regs = {"maxnreg": cap} if cap else {}  # (uncapped: 145 at 3 stages, 3 programs per SM)
         items = target + b  # the most items the kernel's chunk can make (its docstring)
         part_o = torch.empty(items * hq * d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(items * hq * 2, dtype=torch.float32, device=q.device)
@@ -543,10 +556,10 @@ def _paged_decode_attention_triton(
             scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
             page_table.stride(0), b, target, sp, skv, ss, sh,
             MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=max(16, triton.next_power_of_2(b)), **common,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **regs,
         )
-        _combine_items_kernel[(b, hq)](
-            part_o, part_ml, row_items, out, HEAD_DIM=d, BLOCK_S=MAX_SPLITS,
+        _combine_items_kernel[(b, hkv)](
+            part_o, part_ml, row_items, out, GROUP=group, HEAD_DIM=d, BLOCK_S=MAX_SPLITS,
             BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
         )
         return out
