@@ -155,6 +155,18 @@ def test_balanced_items_match_reference(device, dtype, case):
     assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
 
 
+def test_balanced_items_soft_cap(device):
+    """Gemma 2's score cap through the balanced kernel, rows of several items (fp32)."""
+    lens = [3, 50, 21]
+    q, pool, table, seq_lens = make_problem(lens, 4, 8, 2, 16, torch.float32, device)
+    q = q * 3  # scores well past the cap
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.25, softcap=1.5)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, 0.25, None, softcap=1.5, mode="balanced",
+                                         target=3, min_chunk=16, block_t=16)
+    assert max(balanced_items(lens, target=3, min_chunk=16, block_t=16)[1]) > 1
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
 def test_balanced_items_fit_the_grid():
     """The grid holds target + rows items whatever the lengths, and no row exceeds MAX_SPLITS."""
     g = torch.Generator().manual_seed(1)
