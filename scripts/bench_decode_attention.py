@@ -14,7 +14,8 @@ copy bandwidth (``harness.copy_bandwidth``). Outputs are checked against the tor
 (bf16) where it fits, else against the first variant's.
 
 ``--variants``: "old" (per-row splits), "new" (the defaults) or "new:ps=4/mc=128/bt=64/w=4/s=3/mr=128"
-(balanced programs per SM, shortest item, token tile, warps, stages, register cap; 0: none).
+(balanced programs per SM, shortest item, token tile, warps, stages, register cap; 0: none);
+"stream[:...]" the streamed mode (programs over the rows' tokens laid end to end), same knobs.
 
     PYTHONPATH=. python3 scripts/bench_decode_attention.py --out $OUT
 """
@@ -40,9 +41,10 @@ KNOBS = {"ps": "programs_per_sm", "mc": "min_chunk", "bt": "block_t", "w": "num_
 def parse_variant(text: str) -> dict:
     """"old" / "new" / "new:ps=8/bt=64" -> {"name", "mode", knobs...}."""
     mode, _, knobs = text.partition(":")
-    if mode not in ("old", "new"):
-        raise ValueError(f"variant {text!r}: 'old' or 'new[:knob=value,...]'")
-    out = {"name": text, "mode": "per-row" if mode == "old" else "balanced"}
+    modes = {"old": "per-row", "new": "balanced", "stream": "stream"}
+    if mode not in modes:
+        raise ValueError(f"variant {text!r}: 'old', 'new[:knob=value/...]' or 'stream[:knob=value/...]'")
+    out = {"name": text, "mode": modes[mode]}
     for kv in filter(None, knobs.split("/")):
         k, _, v = kv.partition("=")
         if k not in KNOBS:
@@ -65,7 +67,7 @@ def trace_lengths(gen: torch.Generator, rows: int, args) -> list[int]:
 
 def launcher(variant: dict, sms: int):
     kw = {k: variant[k] for k in ("min_chunk", "block_t", "num_warps", "num_stages", "max_registers") if k in variant}
-    if variant["mode"] == "balanced" and "programs_per_sm" in variant:
+    if variant["mode"] != "per-row" and "programs_per_sm" in variant:
         kw["target"] = -(-variant["programs_per_sm"] * sms // HKV)
     return {"mode": variant["mode"], **kw}
 

@@ -235,6 +235,118 @@ def _combine_items_kernel(
                      out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _stream_layout(len_ptr, rows, window, programs, HAS_WINDOW: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                   MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The streamed kernel's layout from all rows' lengths -> (lengths, spans, their running
+    ends, tokens per program): each kv head's rows' tokens end to end, cut in equal ranges."""
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(len_ptr + offs_b, mask=offs_b < rows, other=0)
+    spans = lens
+    if HAS_WINDOW:
+        spans = tl.minimum(lens, window)
+    width = tl.maximum(tl.cdiv(tl.sum(spans), programs), tl.cdiv(tl.max(spans), MAX_ITEMS - 1))
+    width = tl.cdiv(tl.maximum(width, MIN_CHUNK), BLOCK_T) * BLOCK_T
+    return lens, spans, tl.cumsum(spans, axis=0), width
+
+
+@triton.jit(do_not_specialize=BALANCED_UNSPECIALISED)
+def _paged_decode_stream_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride, rows, target,
+    stride_p, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (p, kv head) of ``target`` per kv head: the rows' tokens laid end to end, program p
+    takes tokens ``[p * width, (p + 1) * width)`` of them (``_stream_layout``), row piece by row
+    piece. A row inside the range writes its output; a piece of a row that begins before the
+    range writes partial slot ``2p`` and one that ends after it slot ``2p + 1``, merged by
+    ``_combine_stream_kernel``. ``width`` >= longest / (MAX_ITEMS - 1): a row touches at most
+    MAX_ITEMS programs."""
+    prog = tl.program_id(0)
+    head = tl.program_id(1)
+    hq = GROUP * tl.num_programs(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens, spans, ends, width = _stream_layout(len_ptr, rows, window, target, HAS_WINDOW, MIN_CHUNK, MAX_ITEMS,
+                                              BLOCK_B, BLOCK_T)
+    total = tl.sum(spans)
+    start = prog * width
+    end = tl.minimum(start + width, total)
+    if start < total:
+        row = tl.sum((ends <= start).to(tl.int32))
+        r_begin = tl.sum(tl.where(offs_b == row, ends - spans, 0))
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
+        out_mask = g_ok[:, None] & d_ok[None, :]
+        q_heads = head * GROUP + offs_g
+        kv_head = kv_ptr + head * stride_h
+        while r_begin < end:
+            seq_len = tl.load(len_ptr + row)
+            span = seq_len
+            if HAS_WINDOW:
+                span = tl.minimum(seq_len, window)
+            lo = tl.maximum(start, r_begin)
+            hi = tl.minimum(end, r_begin + span)
+            t_begin = seq_len - span + lo - r_begin
+            q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                        mask=out_mask, other=0.0)
+            pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+            m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_begin + hi - lo, qk_scale, cap_log2,
+                                       stride_p, stride_kv, stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D,
+                                       BLOCK_T, DOT_PRECISION)
+            if (r_begin >= start) & (r_begin + span <= end):
+                tl.store(out_ptr + (row.to(tl.int64) * hq + q_heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                         (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:  # partials [2 * programs, Hq, D] and [2 * programs, Hq, 2]
+                slot = 2 * prog + (r_begin >= start).to(tl.int32)
+                part = slot.to(tl.int64) * hq + q_heads
+                tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+                tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
+                tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+            r_begin += span
+            row += 1
+
+
+@triton.jit(do_not_specialize=("rows", "target"))
+def _combine_stream_kernel(
+    part_o_ptr, part_ml_ptr, len_ptr, out_ptr, rows, target, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, kv head): merge a row's pieces over programs p0..p1 (slot 2 p0 + 1, then
+    2 p for the others); a row inside one program was written already."""
+    row = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens, spans, ends, width = _stream_layout(len_ptr, rows, window, target, HAS_WINDOW, MIN_CHUNK, MAX_ITEMS,
+                                              BLOCK_B, BLOCK_T)
+    r_end = tl.sum(tl.where(offs_b == row, ends, 0))
+    r_begin = r_end - tl.sum(tl.where(offs_b == row, spans, 0))
+    p0 = r_begin // width
+    n = (r_end - 1) // width - p0 + 1
+    if n > 1:
+        hq = GROUP * tl.num_programs(1)
+        offs_s = tl.arange(0, MAX_ITEMS)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < n
+        d_ok = offs_d < HEAD_DIM
+        slot = 2 * (p0 + offs_s) + (offs_s == 0).to(tl.int32)
+        for g in tl.static_range(GROUP):
+            head = tl.program_id(1) * GROUP + g
+            part = slot.to(tl.int64) * hq + head
+            m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
+            l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+            w = tl.exp2(m - tl.max(m, axis=0))
+            o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+            tl.store(out_ptr + (row.to(tl.int64) * hq + head) * HEAD_DIM + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
 @triton.jit(do_not_specialize=COMBINE_UNSPECIALISED)
 def _combine_splits_kernel(
     part_o_ptr, part_ml_ptr, out_ptr, splits,
@@ -490,9 +602,11 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 # count that follows the step's total tokens (``_paged_decode_balanced_kernel``), about
 # BALANCED_PROGRAMS_PER_SM items per SM, none shorter than MIN_CHUNK_TOKENS; a long row gets many
 # items, a short one one. "per-row": every row cut into the same number of splits, from the
-# rows and the page table's width (``_num_splits``), as the engine ran before.
+# rows and the page table's width (``_num_splits``), as the engine ran before. "stream": a fixed
+# grid of BALANCED_PROGRAMS_PER_SM programs per SM, each an equal range of the rows' tokens laid
+# end to end (``_paged_decode_stream_kernel``), measured beside the others.
 DECODE_SPLITS = "balanced"
-SPLIT_MODES = ("balanced", "per-row")
+SPLIT_MODES = ("balanced", "per-row", "stream")
 # Four programs per SM: the kernel (4 warps, 3 stages, registers capped at
 # BALANCED_MAX_REGISTERS = 128) keeps four programs resident per SM, so a step of evenly long
 # rows runs as one wave of one item per row, as the per-row splits did, and long rows are cut.
@@ -539,6 +653,30 @@ def _paged_decode_attention_triton(
                   HAS_SOFTCAP=softcap is not None, BLOCK_G=max(16, triton.next_power_of_2(group)),
                   BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if mode == "stream":
+        if target is None:
+            target = triton.cdiv(BALANCED_PROGRAMS_PER_SM * sm_count(q.device, 2), hkv)
+        min_chunk = min_chunk or MIN_CHUNK_TOKENS
+        if target < 1 or min_chunk < 1:
+            raise ValueError(f"target={target} and min_chunk={min_chunk} must be >= 1")
+        cap = BALANCED_MAX_REGISTERS if max_registers is None else max_registers
+        regs = {"maxnreg": cap} if cap else {}
+        part_o = torch.empty(2 * target * hq * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(2 * target * hq * 2, dtype=torch.float32, device=q.device)
+        block_b = max(16, triton.next_power_of_2(b))
+        _paged_decode_stream_kernel[(target, hkv)](
+            q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
+            scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+            page_table.stride(0), b, target, sp, skv, ss, sh,
+            MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common,
+            num_warps=num_warps, num_stages=num_stages, **regs,
+        )
+        _combine_stream_kernel[(b, hkv)](
+            part_o, part_ml, seq_lens, out, b, target, sliding_window or 0, GROUP=group, HEAD_DIM=d,
+            HAS_WINDOW=sliding_window is not None, MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b,
+            BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+        )
+        return out
     if mode == "balanced":
         if target is None:
             target = triton.cdiv(BALANCED_PROGRAMS_PER_SM * sm_count(q.device, 2), hkv)

@@ -138,18 +138,21 @@ BALANCED_CASES = {
 }
 
 
+@pytest.mark.parametrize("mode", ["balanced", "stream"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", sorted(BALANCED_CASES))
-def test_balanced_items_match_reference(device, dtype, case):
+def test_balanced_items_match_reference(device, dtype, case, mode):
     """Work items of a token count from the step's total: rows of one item write their output,
-    rows of several are merged by the combine; GQA 1 / 4 / 8, windows, 1-token rows."""
+    rows of several are merged by the combine; GQA 1 / 4 / 8, windows, 1-token rows. The
+    streamed mode over the same rows: ``target`` programs, each a range of the rows' tokens
+    laid end to end (several rows, or a piece of one)."""
     lens, page, hq, hkv, d, window, target, min_chunk = BALANCED_CASES[case]
     chunk, items = balanced_items(lens, target=target, min_chunk=min_chunk, block_t=16, sliding_window=window)
     assert (max(items) > 1) == (case != "gqa4_one_item_each"), (chunk, items)  # the case covers what it names
     q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, dtype, device)
     scale = 1 / math.sqrt(d)
     want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=scale, sliding_window=window)
-    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, mode="balanced",
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, mode=mode,
                                          target=target, min_chunk=min_chunk, block_t=16)
     assert got.dtype == dtype and got.shape == q.shape
     assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
@@ -228,6 +231,7 @@ def test_per_step_integers_are_not_compile_keys():
     assert {"pt_stride", "rows", "target"} <= set(pa.BALANCED_UNSPECIALISED)
     assert set(pa.DECODE_UNSPECIALISED) <= set(pa._paged_decode_kernel.arg_names)
     assert set(pa.BALANCED_UNSPECIALISED) <= set(pa._paged_decode_balanced_kernel.arg_names)
+    assert set(pa.BALANCED_UNSPECIALISED) <= set(pa._paged_decode_stream_kernel.arg_names)
     assert set(pa.COMBINE_UNSPECIALISED) <= set(pa._combine_splits_kernel.arg_names)
     with pytest.raises(ValueError, match="splits"):
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU tensors need the interpreter)
