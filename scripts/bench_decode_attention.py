@@ -15,7 +15,8 @@ copy bandwidth (``harness.copy_bandwidth``). Outputs are checked against the tor
 
 ``--variants``: "old" (per-row splits), "new" (the defaults) or "new:ps=4/mc=128/bt=64/w=4/s=3/mr=128"
 (balanced programs per SM, shortest item, token tile, warps, stages, register cap; 0: none);
-"stream[:...]" the streamed mode (programs over the rows' tokens laid end to end), same knobs.
+"stream[:...]" the streamed mode (programs over the rows' tokens laid end to end), same knobs;
+"auto" the engine's default (balanced items for ``paged_attention.BALANCED_ROWS`` rows).
 
     PYTHONPATH=. python3 scripts/bench_decode_attention.py --out $OUT
 """
@@ -41,9 +42,9 @@ KNOBS = {"ps": "programs_per_sm", "mc": "min_chunk", "bt": "block_t", "w": "num_
 def parse_variant(text: str) -> dict:
     """"old" / "new" / "new:ps=8/bt=64" -> {"name", "mode", knobs...}."""
     mode, _, knobs = text.partition(":")
-    modes = {"old": "per-row", "new": "balanced", "stream": "stream"}
+    modes = {"old": "per-row", "new": "balanced", "stream": "stream", "auto": "auto"}
     if mode not in modes:
-        raise ValueError(f"variant {text!r}: 'old', 'new[:knob=value/...]' or 'stream[:knob=value/...]'")
+        raise ValueError(f"variant {text!r}: 'old', 'auto', 'new[:knob=value/...]' or 'stream[:knob=value/...]'")
     out = {"name": text, "mode": modes[mode]}
     for kv in filter(None, knobs.split("/")):
         k, _, v = kv.partition("=")

@@ -604,8 +604,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "prefill LoRA split as large ones'), decode-gemm (the frozen products of few rows by "
                          "cuBLAS instead of the Triton split-K product), token-buckets (mixed steps padded to "
                          "powers of two only), attention-splits (the decode attention split for 2 programs per "
-                         "SM at every row count), attention-items (the decode attention's per-row splits instead "
-                         "of work items from the step's total tokens); default %(default)s")
+                         "SM at every row count), attention-items (the decode attention's per-row splits at every "
+                         "row count instead of work items from the step's total tokens where "
+                         "paged_attention.BALANCED_ROWS takes them); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

@@ -598,15 +598,34 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
     return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(per_sm * sms, programs)))
 
 
-# How a step's rows are cut into programs. "balanced" (the default): work items of a token
-# count that follows the step's total tokens (``_paged_decode_balanced_kernel``), about
-# BALANCED_PROGRAMS_PER_SM items per SM, none shorter than MIN_CHUNK_TOKENS; a long row gets many
-# items, a short one one. "per-row": every row cut into the same number of splits, from the
-# rows and the page table's width (``_num_splits``), as the engine ran before. "stream": a fixed
-# grid of BALANCED_PROGRAMS_PER_SM programs per SM, each an equal range of the rows' tokens laid
-# end to end (``_paged_decode_stream_kernel``), measured beside the others.
-DECODE_SPLITS = "balanced"
-SPLIT_MODES = ("balanced", "per-row", "stream")
+# How a step's rows are cut into programs. "balanced": work items of a token count that follows
+# the step's total tokens (``_paged_decode_balanced_kernel``), about BALANCED_PROGRAMS_PER_SM
+# items per SM, none shorter than MIN_CHUNK_TOKENS; a long row gets many items, a short one one.
+# "per-row": every row cut into the same number of splits, from the rows and the page table's
+# width (``_num_splits``), as the engine ran before. "stream": a fixed grid of
+# BALANCED_PROGRAMS_PER_SM programs per SM, each an equal range of the rows' tokens laid end to
+# end (``_paged_decode_stream_kernel``), measured beside the others. "auto" (the default):
+# "balanced" for launches of BALANCED_ROWS rows, "per-row" for the others. On an H200 the
+# balanced items took 33 % off 64 rows of long-tailed lengths (55 against 82 µs a layer) and
+# 15 % off 128; in the engine's burst run its 64-row decode steps 5 % shorter, but steps of 1-8
+# rows 2-4 % and of 256 rows 3 % longer (the items' prologue and combine where the per-row
+# kernel already ran one wave), hence the range (docs/BENCHMARKS.md "Many tenants")
+DECODE_SPLITS = "auto"
+SPLIT_MODES = ("auto", "balanced", "per-row", "stream")
+BALANCED_ROWS = (33, 128)
+
+
+def decode_split_mode(rows: int, mode: str | None = None) -> str:
+    """The split mode a launch of ``rows`` decode rows takes: ``mode`` (default DECODE_SPLITS),
+    "auto" resolved by BALANCED_ROWS."""
+    mode = mode or DECODE_SPLITS
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {SPLIT_MODES}")
+    if mode == "auto":
+        return "balanced" if BALANCED_ROWS[0] <= rows <= BALANCED_ROWS[1] else "per-row"
+    return mode
+
+
 # Four programs per SM: the kernel (4 warps, 3 stages, registers capped at
 # BALANCED_MAX_REGISTERS = 128) keeps four programs resident per SM, so a step of evenly long
 # rows runs as one wave of one item per row, as the per-row splits did, and long rows are cut.
@@ -631,16 +650,14 @@ def _paged_decode_attention_triton(
     max_registers=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps: ``splits`` forces the
-    per-row mode with that many splits; ``mode`` one of SPLIT_MODES (default DECODE_SPLITS);
+    per-row mode with that many splits; ``mode`` one of SPLIT_MODES (``decode_split_mode``);
     ``target`` the balanced mode's items per kv head, ``min_chunk`` its shortest item and
     ``max_registers`` its register cap per thread (0: none)."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
-    mode = "per-row" if splits is not None else (mode or DECODE_SPLITS)
-    if mode not in SPLIT_MODES:
-        raise ValueError(f"mode={mode!r}; allowed: {SPLIT_MODES}")
     b, hq, d = q.shape
+    mode = "per-row" if splits is not None else decode_split_mode(b, mode)
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)

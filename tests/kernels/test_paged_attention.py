@@ -170,6 +170,24 @@ def test_balanced_items_soft_cap(device):
     assert rel_err(got, want) < TOL[torch.float32]
 
 
+def test_auto_mode_takes_balanced_items_within_its_rows(device):
+    """"auto": the balanced items for launches of BALANCED_ROWS rows, the per-row splits
+    otherwise (both equal the reference); an unknown mode is refused."""
+    from lightning_lorafusion.kernels import paged_attention as pa
+
+    lo, hi = pa.BALANCED_ROWS
+    assert [pa.decode_split_mode(r, "auto") for r in (lo - 1, lo, hi, hi + 1)] == [
+        "per-row", "balanced", "balanced", "per-row"]
+    assert pa.decode_split_mode(1, "stream") == "stream"
+    with pytest.raises(ValueError, match="mode='fast'"):
+        pa.decode_split_mode(4, "fast")
+    lens = [1 + (i * 7) % 23 for i in range(lo)]
+    q, pool, table, seq_lens = make_problem(lens, 4, 4, 2, 16, torch.float32, device)
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.25)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, 0.25, None, mode="auto")
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
 def test_balanced_items_fit_the_grid():
     """The grid holds target + rows items whatever the lengths, and no row exceeds MAX_SPLITS."""
     g = torch.Generator().manual_seed(1)
@@ -241,7 +259,6 @@ def test_per_step_integers_are_not_compile_keys():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile records need a GPU")
 def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
-    from lightning_lorafusion.kernels.paged_attention import paged_decode_attention
     from lightning_lorafusion.serving.compile_ahead import distinct, record_launches
 
     q, pool, table, lens = make_problem([5, 12, 3], 16, 8, 2, 64, torch.bfloat16, "cuda")
@@ -250,7 +267,7 @@ def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
         wide = torch.full((table.shape[0], width), -1, dtype=table.dtype, device="cuda")
         wide[:, :min(width, table.shape[1])] = table[:, :width]
         with record_launches() as launched:
-            paged_decode_attention(q, pool, 1, wide, lens, scale=0.125, backend="triton")
+            _paged_decode_attention_triton(q, pool, 1, wide, lens, 0.125, None, mode="balanced")
         found += launched
     names = [v.name.rsplit(":", 1)[1] for v in distinct(found)]
     # balanced items: the width selects nothing
