@@ -608,7 +608,7 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
 # "balanced" for launches of BALANCED_ROWS rows, "per-row" for the others. On an H200 the
 # balanced items took 33 % off 64 rows of long-tailed lengths (55 against 82 µs a layer) and
 # 15 % off 128; in the engine's burst run its 64-row decode steps 5 % shorter, but steps of 1-8
-# rows 2-4 % and of 256 rows 3 % longer (the items' prologue and combine where the per-row
+# rows 2-4 % and of 256 rows 1-3 % longer (the items' prologue and combine where the per-row
 # kernel already ran one wave), hence the range (docs/BENCHMARKS.md "Many tenants")
 DECODE_SPLITS = "auto"
 SPLIT_MODES = ("auto", "balanced", "per-row", "stream")
