@@ -670,52 +670,42 @@ def _paged_decode_attention_triton(
                   HAS_SOFTCAP=softcap is not None, BLOCK_G=max(16, triton.next_power_of_2(group)),
                   BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    if mode == "stream":
+    if mode in ("balanced", "stream"):
         if target is None:
             target = triton.cdiv(BALANCED_PROGRAMS_PER_SM * sm_count(q.device, 2), hkv)
         min_chunk = min_chunk or MIN_CHUNK_TOKENS
         if target < 1 or min_chunk < 1:
             raise ValueError(f"target={target} and min_chunk={min_chunk} must be >= 1")
         cap = BALANCED_MAX_REGISTERS if max_registers is None else max_registers
-        regs = {"maxnreg": cap} if cap else {}
-        part_o = torch.empty(2 * target * hq * d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(2 * target * hq * 2, dtype=torch.float32, device=q.device)
+        options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}))
         block_b = max(16, triton.next_power_of_2(b))
-        _paged_decode_stream_kernel[(target, hkv)](
-            q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
-            scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
-            page_table.stride(0), b, target, sp, skv, ss, sh,
-            MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common,
-            num_warps=num_warps, num_stages=num_stages, **regs,
-        )
-        _combine_stream_kernel[(b, hkv)](
-            part_o, part_ml, seq_lens, out, b, target, sliding_window or 0, GROUP=group, HEAD_DIM=d,
-            HAS_WINDOW=sliding_window is not None, MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b,
-            BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
-        )
-        return out
-    if mode == "balanced":
-        if target is None:
-            target = triton.cdiv(BALANCED_PROGRAMS_PER_SM * sm_count(q.device, 2), hkv)
-        min_chunk = min_chunk or MIN_CHUNK_TOKENS
-        if target < 1 or min_chunk < 1:
-            raise ValueError(f"target={target} and min_chunk={min_chunk} must be >= 1")
-        cap = BALANCED_MAX_REGISTERS if max_registers is None else max_registers
-        regs = {"maxnreg": cap} if cap else {}  # (uncapped: 145 at 3 stages, 3 programs per SM)
-        items = target + b  # the most items the kernel's chunk can make (its docstring)
-        part_o = torch.empty(items * hq * d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(items * hq * 2, dtype=torch.float32, device=q.device)
+        block_d = max(16, triton.next_power_of_2(d))
+        scalars = (scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+                   page_table.stride(0), b, target, sp, skv, ss, sh)
+        # the most partials: 2 slots per streamed program; for the items, the most items the
+        # kernel's chunk can make (its docstring)
+        slots = 2 * target if mode == "stream" else target + b
+        part_o = torch.empty(slots * hq * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(slots * hq * 2, dtype=torch.float32, device=q.device)
+        if mode == "stream":
+            _paged_decode_stream_kernel[(target, hkv)](
+                q, kv_layer, page_table, seq_lens, out, part_o, part_ml, *scalars,
+                MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common, **options,
+            )
+            _combine_stream_kernel[(b, hkv)](
+                part_o, part_ml, seq_lens, out, b, target, sliding_window or 0, GROUP=group, HEAD_DIM=d,
+                HAS_WINDOW=sliding_window is not None, MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS,
+                BLOCK_B=block_b, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            )
+            return out
         row_items = torch.empty(b * 2, dtype=torch.int32, device=q.device)
-        _paged_decode_balanced_kernel[(items, hkv)](
-            q, kv_layer, page_table, seq_lens, out, part_o, part_ml, row_items,
-            scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
-            page_table.stride(0), b, target, sp, skv, ss, sh,
-            MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=max(16, triton.next_power_of_2(b)), **common,
-            num_warps=num_warps, num_stages=num_stages, **regs,
+        _paged_decode_balanced_kernel[(target + b, hkv)](
+            q, kv_layer, page_table, seq_lens, out, part_o, part_ml, row_items, *scalars,
+            MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common, **options,
         )
         _combine_items_kernel[(b, hkv)](
-            part_o, part_ml, row_items, out, GROUP=group, HEAD_DIM=d, BLOCK_S=MAX_SPLITS,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+            part_o, part_ml, row_items, out, GROUP=group, HEAD_DIM=d, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
+            num_warps=4,
         )
         return out
     max_tokens = page_table.shape[1] * page
