@@ -348,6 +348,11 @@ class TenantsBench:
         per_sm = OLD_PROGRAMS_PER_SM if "attention-splits" in old else self.programs_per_sm
         splits_changed = paged_attention.DECODE_PROGRAMS_PER_SM != per_sm
         paged_attention.DECODE_PROGRAMS_PER_SM = per_sm  # (the decode graphs keep theirs: captured again)
+        if not hasattr(self, "split_mode"):  # --old attention-items: per-row splits
+            self.split_mode = paged_attention.DECODE_SPLITS
+        mode = "per-row" if "attention-items" in old else self.split_mode
+        splits_changed |= paged_attention.DECODE_SPLITS != mode
+        paged_attention.DECODE_SPLITS = mode
         if gemm_changed or splits_changed:
             with engine._step_lock:
                 runner.decode_gemm = gemm
@@ -584,7 +589,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits")),
+                                              "attention-splits", "attention-items")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -599,7 +604,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "prefill LoRA split as large ones'), decode-gemm (the frozen products of few rows by "
                          "cuBLAS instead of the Triton split-K product), token-buckets (mixed steps padded to "
                          "powers of two only), attention-splits (the decode attention split for 2 programs per "
-                         "SM at every row count); default %(default)s")
+                         "SM at every row count), attention-items (the decode attention's per-row splits at every "
+                         "row count instead of work items from the step's total tokens where "
+                         "paged_attention.BALANCED_ROWS takes them); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -630,6 +637,8 @@ def main(argv=None) -> dict:
             lora_segments.SMALL_STEP_ROWS = bench.small_step_rows
         if hasattr(bench, "programs_per_sm"):  # (--old attention-splits changed it)
             paged_attention.DECODE_PROGRAMS_PER_SM = bench.programs_per_sm
+        if hasattr(bench, "split_mode"):  # (--old attention-items changed it)
+            paged_attention.DECODE_SPLITS = bench.split_mode
     report = bench.report
     print("\n" + table(report))
     for r in report["runs"]:

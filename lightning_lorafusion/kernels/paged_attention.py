@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import sm_count
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("torch", "triton", "auto")
 _LOG2E = 1.4426950408889634
@@ -37,51 +39,29 @@ def soft_cap_log2(s, cap_log2):
 # count of the combine; left unspecialised so that no width compiles a variant of its own mid-run.
 DECODE_UNSPECIALISED = ("pt_stride",)
 COMBINE_UNSPECIALISED = ("splits",)
+# the balanced kernel's rows and item target (a launch of one row would specialise both to 1)
+BALANCED_UNSPECIALISED = ("pt_stride", "rows", "target")
 
 
-@triton.jit(do_not_specialize=DECODE_UNSPECIALISED)
-def _paged_decode_kernel(
-    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride,
-    stride_p, stride_kv, stride_s, stride_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+@triton.jit
+def _attend_tokens(
+    q, kv_head, pt_row, t_begin, t_end, qk_scale, cap_log2, stride_p, stride_kv, stride_s,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (row, kv head, split): the GROUP query heads of one kv head attend together to
-    the split's share of the row's tokens (each K/V tile is loaded once for the whole group).
+    """The query heads ``q [BLOCK_G, BLOCK_D]`` of one kv head over tokens ``t_begin ..
+    t_end - 1`` of one row -> unnormalised ``(m, l, acc)`` (base-2 online softmax, fp32).
 
     Tokens are gathered through the page table one by one (token t: page t // PAGE, slot
-    t % PAGE), so any page size works with any BLOCK_T. Online softmax in fp32 (base 2, the
-    scale folded into ``qk_scale``). With SPLIT (flash-decoding: the grid's third axis cuts each
-    row's tokens into equal shares) each program writes its unnormalised output and (max, sum)
-    for ``_combine_splits_kernel``; the split count is not a compile-time constant.
+    t % PAGE), so any page size works with any BLOCK_T; each K/V tile is loaded once for the
+    whole group. An empty range leaves m = -inf, l = 0, acc = 0.
     """
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    splits = tl.num_programs(2)
-    seq_len = tl.load(len_ptr + row)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    share = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_T) * BLOCK_T
-    t_begin = lo + split * share
-    t_end = tl.minimum(seq_len, t_begin + share)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, BLOCK_T)
-    g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
-    q_heads = head * GROUP + offs_g
-    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    kv_head = kv_ptr + head * stride_h  # kv_ptr: the layer's slice of the pool
-    pt_row = pt_ptr + row.to(tl.int64) * pt_stride
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + offs_t
         t_ok = t < t_end
@@ -100,6 +80,49 @@ def _paged_decode_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
+    return m, l, acc
+
+
+@triton.jit(do_not_specialize=DECODE_UNSPECIALISED)
+def _paged_decode_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride,
+    stride_p, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (row, kv head, split): the GROUP query heads of one kv head attend together to
+    the split's share of the row's tokens (``_attend_tokens``).
+
+    With SPLIT (flash-decoding: the grid's third axis cuts each row's tokens into equal shares)
+    each program writes its unnormalised output and (max, sum) for ``_combine_splits_kernel``;
+    the split count is not a compile-time constant. (The engine's "per-row" splits; the
+    balanced kernel below is the default.)
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    seq_len = tl.load(len_ptr + row)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    share = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_T) * BLOCK_T
+    t_begin = lo + split * share
+    t_end = tl.minimum(seq_len, t_begin + share)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q_heads = head * GROUP + offs_g
+    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    kv_head = kv_ptr + head * stride_h  # kv_ptr: the layer's slice of the pool
+    pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+    m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_end, qk_scale, cap_log2, stride_p, stride_kv,
+                               stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D, BLOCK_T, DOT_PRECISION)
     out_mask = g_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         out = acc / l[:, None]
@@ -110,6 +133,218 @@ def _paged_decode_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+
+
+@triton.jit(do_not_specialize=BALANCED_UNSPECIALISED)
+def _paged_decode_balanced_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr, items_ptr,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride, rows, target,
+    stride_p, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (work item, kv head): work items are chunks of ``chunk`` consecutive tokens of
+    one row, numbered row after row; ``chunk`` follows the step's total tokens, not its rows.
+
+    Every program reads all ``rows`` lengths and derives the same ``chunk`` (a multiple of
+    BLOCK_T, at least MIN_CHUNK, at least ``total / target`` and at least ``longest /
+    MAX_ITEMS``), so a row holds ``ceil(len / chunk) <= MAX_ITEMS`` items and all rows together
+    at most ``target + rows``: the grid's first axis, fixed by the launch's rows (CUDA-graph
+    safe). A row's items share its tokens equally (in BLOCK_T multiples: no item is empty).
+    Programs past the last item return at once. A row of one item writes its output;
+    a row of several writes one partial (output, max, sum) per item into ``part_*`` at its item
+    index, and its first item's program records (first item, items) in ``items_ptr`` for
+    ``_combine_items_kernel``.
+    """
+    item = tl.program_id(0)
+    head = tl.program_id(1)
+    hq = GROUP * tl.num_programs(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(len_ptr + offs_b, mask=offs_b < rows, other=0)
+    spans = lens
+    if HAS_WINDOW:
+        spans = tl.minimum(lens, window)
+    chunk = tl.maximum(tl.cdiv(tl.sum(spans), target), tl.cdiv(tl.max(spans), MAX_ITEMS))
+    chunk = tl.cdiv(tl.maximum(chunk, MIN_CHUNK), BLOCK_T) * BLOCK_T
+    counts = tl.cdiv(spans, chunk)
+    ends = tl.cumsum(counts, axis=0)
+    if item < tl.sum(counts):
+        row = tl.sum((ends <= item).to(tl.int32))
+        at_row = offs_b == row
+        n_items = tl.sum(tl.where(at_row, counts, 0))
+        first = tl.sum(tl.where(at_row, ends, 0)) - n_items
+        seq_len = tl.sum(tl.where(at_row, lens, 0))
+        span = tl.sum(tl.where(at_row, spans, 0))
+        share = tl.cdiv(tl.cdiv(span, n_items), BLOCK_T) * BLOCK_T  # equal shares, none empty
+        t_begin = seq_len - span + (item - first) * share
+        t_end = tl.minimum(seq_len, t_begin + share)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
+        q_heads = head * GROUP + offs_g
+        q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_head = kv_ptr + head * stride_h
+        pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+        m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_end, qk_scale, cap_log2, stride_p,
+                                   stride_kv, stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D, BLOCK_T,
+                                   DOT_PRECISION)
+        out_mask = g_ok[:, None] & d_ok[None, :]
+        if n_items == 1:
+            tl.store(out_ptr + (row.to(tl.int64) * hq + q_heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                     (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:  # partials [items, Hq, D] and [items, Hq, 2]
+            part = item.to(tl.int64) * hq + q_heads
+            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+            tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+        if (head == 0) & (item == first):
+            tl.store(items_ptr + row * 2, first)
+            tl.store(items_ptr + row * 2 + 1, n_items)
+
+
+@triton.jit
+def _combine_items_kernel(
+    part_o_ptr, part_ml_ptr, items_ptr, out_ptr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, kv head): merge the partial softmaxes (base 2) of the GROUP query heads of
+    a row of several work items (``_paged_decode_balanced_kernel``); a row of one item was
+    written already."""
+    row = tl.program_id(0)
+    n_items = tl.load(items_ptr + row * 2 + 1)
+    if n_items > 1:
+        hq = GROUP * tl.num_programs(1)
+        first = tl.load(items_ptr + row * 2)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < n_items
+        d_ok = offs_d < HEAD_DIM
+        for g in tl.static_range(GROUP):
+            head = tl.program_id(1) * GROUP + g
+            part = (first + offs_s).to(tl.int64) * hq + head
+            m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
+            l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+            w = tl.exp2(m - tl.max(m, axis=0))  # every item holds tokens: the max is finite
+            o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+            tl.store(out_ptr + (row.to(tl.int64) * hq + head) * HEAD_DIM + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _stream_layout(len_ptr, rows, window, programs, HAS_WINDOW: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                   MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The streamed kernel's layout from all rows' lengths -> (lengths, spans, their running
+    ends, tokens per program): each kv head's rows' tokens end to end, cut in equal ranges."""
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(len_ptr + offs_b, mask=offs_b < rows, other=0)
+    spans = lens
+    if HAS_WINDOW:
+        spans = tl.minimum(lens, window)
+    width = tl.maximum(tl.cdiv(tl.sum(spans), programs), tl.cdiv(tl.max(spans), MAX_ITEMS - 1))
+    width = tl.cdiv(tl.maximum(width, MIN_CHUNK), BLOCK_T) * BLOCK_T
+    return lens, spans, tl.cumsum(spans, axis=0), width
+
+
+@triton.jit(do_not_specialize=BALANCED_UNSPECIALISED)
+def _paged_decode_stream_kernel(
+    q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    qk_scale, window, cap_log2, q_stride_b, q_stride_h, pt_stride, rows, target,
+    stride_p, stride_kv, stride_s, stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MIN_CHUNK: tl.constexpr, MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (p, kv head) of ``target`` per kv head: the rows' tokens laid end to end, program p
+    takes tokens ``[p * width, (p + 1) * width)`` of them (``_stream_layout``), row piece by row
+    piece. A row inside the range writes its output; a piece of a row that begins before the
+    range writes partial slot ``2p`` and one that ends after it slot ``2p + 1``, merged by
+    ``_combine_stream_kernel``. ``width`` >= longest / (MAX_ITEMS - 1): a row touches at most
+    MAX_ITEMS programs."""
+    prog = tl.program_id(0)
+    head = tl.program_id(1)
+    hq = GROUP * tl.num_programs(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens, spans, ends, width = _stream_layout(len_ptr, rows, window, target, HAS_WINDOW, MIN_CHUNK, MAX_ITEMS,
+                                              BLOCK_B, BLOCK_T)
+    total = tl.sum(spans)
+    start = prog * width
+    end = tl.minimum(start + width, total)
+    if start < total:
+        row = tl.sum((ends <= start).to(tl.int32))
+        r_begin = tl.sum(tl.where(offs_b == row, ends - spans, 0))
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
+        out_mask = g_ok[:, None] & d_ok[None, :]
+        q_heads = head * GROUP + offs_g
+        kv_head = kv_ptr + head * stride_h
+        while r_begin < end:
+            seq_len = tl.load(len_ptr + row)
+            span = seq_len
+            if HAS_WINDOW:
+                span = tl.minimum(seq_len, window)
+            lo = tl.maximum(start, r_begin)
+            hi = tl.minimum(end, r_begin + span)
+            t_begin = seq_len - span + lo - r_begin
+            q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                        mask=out_mask, other=0.0)
+            pt_row = pt_ptr + row.to(tl.int64) * pt_stride
+            m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_begin + hi - lo, qk_scale, cap_log2,
+                                       stride_p, stride_kv, stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D,
+                                       BLOCK_T, DOT_PRECISION)
+            if (r_begin >= start) & (r_begin + span <= end):
+                tl.store(out_ptr + (row.to(tl.int64) * hq + q_heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                         (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+            else:  # partials [2 * programs, Hq, D] and [2 * programs, Hq, 2]
+                slot = 2 * prog + (r_begin >= start).to(tl.int32)
+                part = slot.to(tl.int64) * hq + q_heads
+                tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+                tl.store(part_ml_ptr + part * 2, m, mask=g_ok)
+                tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_ok)
+            r_begin += span
+            row += 1
+
+
+@triton.jit(do_not_specialize=("rows", "target"))
+def _combine_stream_kernel(
+    part_o_ptr, part_ml_ptr, len_ptr, out_ptr, rows, target, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    MAX_ITEMS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row, kv head): merge a row's pieces over programs p0..p1 (slot 2 p0 + 1, then
+    2 p for the others); a row inside one program was written already."""
+    row = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    lens, spans, ends, width = _stream_layout(len_ptr, rows, window, target, HAS_WINDOW, MIN_CHUNK, MAX_ITEMS,
+                                              BLOCK_B, BLOCK_T)
+    r_end = tl.sum(tl.where(offs_b == row, ends, 0))
+    r_begin = r_end - tl.sum(tl.where(offs_b == row, spans, 0))
+    p0 = r_begin // width
+    n = (r_end - 1) // width - p0 + 1
+    if n > 1:
+        hq = GROUP * tl.num_programs(1)
+        offs_s = tl.arange(0, MAX_ITEMS)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < n
+        d_ok = offs_d < HEAD_DIM
+        slot = 2 * (p0 + offs_s) + (offs_s == 0).to(tl.int32)
+        for g in tl.static_range(GROUP):
+            head = tl.program_id(1) * GROUP + g
+            part = slot.to(tl.int64) * hq + head
+            m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
+            l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+            w = tl.exp2(m - tl.max(m, axis=0))
+            o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+            tl.store(out_ptr + (row.to(tl.int64) * hq + head) * HEAD_DIM + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit(do_not_specialize=COMBINE_UNSPECIALISED)
@@ -363,21 +598,116 @@ def _num_splits(programs: int, max_blocks: int, device: torch.device) -> int:
     return max(1, min(max_blocks, MAX_SPLITS, triton.cdiv(per_sm * sms, programs)))
 
 
+# How a step's rows are cut into programs. "balanced": work items of a token count that follows
+# the step's total tokens (``_paged_decode_balanced_kernel``), about BALANCED_PROGRAMS_PER_SM
+# items per SM, none shorter than MIN_CHUNK_TOKENS; a long row gets many items, a short one one.
+# "per-row": every row cut into the same number of splits, from the rows and the page table's
+# width (``_num_splits``), as the engine ran before. "stream": a fixed grid of
+# BALANCED_PROGRAMS_PER_SM programs per SM, each an equal range of the rows' tokens laid end to
+# end (``_paged_decode_stream_kernel``), measured beside the others. "auto" (the default):
+# "balanced" for launches of BALANCED_ROWS rows, "per-row" for the others. On an H200 the
+# balanced items took 33 % off 64 rows of long-tailed lengths (55 against 82 µs a layer) and
+# 15 % off 128; in the engine's burst run its 64-row decode steps 5 % shorter, but steps of 1-8
+# rows 2-4 % and of 256 rows 1-3 % longer (the items' prologue and combine where the per-row
+# kernel already ran one wave), hence the range (docs/BENCHMARKS.md "Many tenants")
+DECODE_SPLITS = "auto"
+SPLIT_MODES = ("auto", "balanced", "per-row", "stream")
+BALANCED_ROWS = (33, 128)
+
+
+def decode_split_mode(rows: int, mode: str | None = None) -> str:
+    """The split mode a launch of ``rows`` decode rows takes: ``mode`` (default DECODE_SPLITS),
+    "auto" resolved by BALANCED_ROWS."""
+    mode = mode or DECODE_SPLITS
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {SPLIT_MODES}")
+    if mode == "auto":
+        return "balanced" if BALANCED_ROWS[0] <= rows <= BALANCED_ROWS[1] else "per-row"
+    return mode
+
+
+# Four programs per SM: the kernel (4 warps, 3 stages, registers capped at
+# BALANCED_MAX_REGISTERS = 128) keeps four programs resident per SM, so a step of evenly long
+# rows runs as one wave of one item per row, as the per-row splits did, and long rows are cut.
+BALANCED_PROGRAMS_PER_SM = 4
+MIN_CHUNK_TOKENS = 128
+BALANCED_MAX_REGISTERS = 128
+
+
+def balanced_items(seq_lens: list[int], *, target: int, min_chunk: int, block_t: int,
+                   sliding_window: int | None = None) -> tuple[int, list[int]]:
+    """The balanced kernel's rule on the host (for tests and benchmarks): -> (chunk, items per
+    row) for these lengths; the kernel derives the same on the device from ``seq_lens``."""
+    spans = [min(n, sliding_window) if sliding_window is not None else n for n in seq_lens]
+    chunk = max(-(-sum(spans) // target), -(-max(spans) // MAX_SPLITS), min_chunk)
+    chunk = -(-chunk // block_t) * block_t
+    return chunk, [-(-n // chunk) for n in spans]
+
+
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
-    softcap=None, splits=None, block_t=None, num_warps=4, num_stages=3,
+    softcap=None, splits=None, mode=None, target=None, min_chunk=None, block_t=None, num_warps=4, num_stages=3,
+    max_registers=None,
 ):
-    """The launcher; the keyword knobs exist for tests and tile sweeps."""
+    """The launcher; the keyword knobs exist for tests and tile sweeps: ``splits`` forces the
+    per-row mode with that many splits; ``mode`` one of SPLIT_MODES (``decode_split_mode``);
+    ``target`` the balanced mode's items per kv head, ``min_chunk`` its shortest item and
+    ``max_registers`` its register cap per thread (0: none)."""
     _check_inputs(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window)
     check_softcap(softcap)
     page_table = triton_prologue(q, kv_pool, page_table)
     b, hq, d = q.shape
+    mode = "per-row" if splits is not None else decode_split_mode(b, mode)
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     block_t = block_t or (64 if q.is_cuda else 16)
+    kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D] view: the pointer carries the offset
+    sp, skv, ss, sh, _ = kv_layer.stride()
+    common = dict(GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
+                  HAS_SOFTCAP=softcap is not None, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                  BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_T=block_t,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if mode in ("balanced", "stream"):
+        if target is None:
+            target = triton.cdiv(BALANCED_PROGRAMS_PER_SM * sm_count(q.device, 2), hkv)
+        min_chunk = min_chunk or MIN_CHUNK_TOKENS
+        if target < 1 or min_chunk < 1:
+            raise ValueError(f"target={target} and min_chunk={min_chunk} must be >= 1")
+        cap = BALANCED_MAX_REGISTERS if max_registers is None else max_registers
+        options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": cap} if cap else {}))
+        block_b = max(16, triton.next_power_of_2(b))
+        block_d = max(16, triton.next_power_of_2(d))
+        scalars = (scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
+                   page_table.stride(0), b, target, sp, skv, ss, sh)
+        # the most partials: 2 slots per streamed program; for the items, the most items the
+        # kernel's chunk can make (its docstring)
+        slots = 2 * target if mode == "stream" else target + b
+        part_o = torch.empty(slots * hq * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(slots * hq * 2, dtype=torch.float32, device=q.device)
+        if mode == "stream":
+            _paged_decode_stream_kernel[(target, hkv)](
+                q, kv_layer, page_table, seq_lens, out, part_o, part_ml, *scalars,
+                MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common, **options,
+            )
+            _combine_stream_kernel[(b, hkv)](
+                part_o, part_ml, seq_lens, out, b, target, sliding_window or 0, GROUP=group, HEAD_DIM=d,
+                HAS_WINDOW=sliding_window is not None, MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS,
+                BLOCK_B=block_b, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            )
+            return out
+        row_items = torch.empty(b * 2, dtype=torch.int32, device=q.device)
+        _paged_decode_balanced_kernel[(target + b, hkv)](
+            q, kv_layer, page_table, seq_lens, out, part_o, part_ml, row_items, *scalars,
+            MIN_CHUNK=min_chunk, MAX_ITEMS=MAX_SPLITS, BLOCK_B=block_b, **common, **options,
+        )
+        _combine_items_kernel[(b, hkv)](
+            part_o, part_ml, row_items, out, GROUP=group, HEAD_DIM=d, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
+            num_warps=4,
+        )
+        return out
     max_tokens = page_table.shape[1] * page
     if sliding_window is not None:
         max_tokens = min(max_tokens, sliding_window)
@@ -390,16 +720,10 @@ def _paged_decode_attention_triton(
         part_ml = torch.empty(b * hq * splits * 2, dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused
-    kv_layer = kv_pool.select(1, layer)  # [P, 2, S, Hkv, D] view: the pointer carries the offset
-    sp, skv, ss, sh, _ = kv_layer.stride()
     _paged_decode_kernel[(b, hkv, splits)](
         q, kv_layer, page_table, seq_lens, out, part_o, part_ml,
         scale * _LOG2E, sliding_window or 0, (softcap or 1.0) * _LOG2E, q.stride(0), q.stride(1),
-        page_table.stride(0), sp, skv, ss, sh,
-        GROUP=group, HEAD_DIM=d, PAGE=page, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, SPLIT=splits > 1,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=block_t, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        page_table.stride(0), sp, skv, ss, sh, SPLIT=splits > 1, **common,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels.paged_attention import (
+    MAX_SPLITS,
     _paged_decode_attention_triton,
+    balanced_items,
     paged_decode_attention,
     paged_decode_attention_reference,
     write_kv,
@@ -116,13 +118,87 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_triton_matches_reference(device, dtype, case):
+    """The per-row splits (``splits`` given, or the "per-row" mode)."""
     lens, page, hq, hkv, d, window, splits = CASES[case]
     q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, dtype, device)
     scale = 1 / math.sqrt(d)
     want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=scale, sliding_window=window)
-    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, splits=splits)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, splits=splits, mode="per-row")
     assert got.dtype == dtype and got.shape == q.shape
     assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
+
+
+BALANCED_CASES = {
+    # name: (seq_lens, page size, Hq, Hkv, head dim, sliding window, target, shortest item)
+    # ragged rows, one-token rows, lengths off the page; long rows cut into several items
+    "gqa4_ragged": ([1, 5, 6, 37, 70, 2], 5, 8, 2, 24, None, 4, 16),
+    "gqa8_one_token_rows": ([1, 1, 90, 17, 1], 16, 8, 1, 16, None, 3, 16),
+    "mha_window": ([16, 17, 3, 70, 41], 16, 3, 3, 16, 30, 8, 16),
+    "gqa4_one_item_each": ([9, 33, 20], 4, 4, 1, 16, None, 64, 64),  # every row one item: no combine
+}
+
+
+@pytest.mark.parametrize("mode", ["balanced", "stream"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(BALANCED_CASES))
+def test_balanced_items_match_reference(device, dtype, case, mode):
+    """Work items of a token count from the step's total: rows of one item write their output,
+    rows of several are merged by the combine; GQA 1 / 4 / 8, windows, 1-token rows. The
+    streamed mode over the same rows: ``target`` programs, each a range of the rows' tokens
+    laid end to end (several rows, or a piece of one)."""
+    lens, page, hq, hkv, d, window, target, min_chunk = BALANCED_CASES[case]
+    chunk, items = balanced_items(lens, target=target, min_chunk=min_chunk, block_t=16, sliding_window=window)
+    assert (max(items) > 1) == (case != "gqa4_one_item_each"), (chunk, items)  # the case covers what it names
+    q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, dtype, device)
+    scale = 1 / math.sqrt(d)
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=scale, sliding_window=window)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, scale, window, mode=mode,
+                                         target=target, min_chunk=min_chunk, block_t=16)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert rel_err(got, want) < TOL[dtype], f"{case}: {rel_err(got, want):.2e}"
+
+
+def test_balanced_items_soft_cap(device):
+    """Gemma 2's score cap through the balanced kernel, rows of several items (fp32)."""
+    lens = [3, 50, 21]
+    q, pool, table, seq_lens = make_problem(lens, 4, 8, 2, 16, torch.float32, device)
+    q = q * 3  # scores well past the cap
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.25, softcap=1.5)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, 0.25, None, softcap=1.5, mode="balanced",
+                                         target=3, min_chunk=16, block_t=16)
+    assert max(balanced_items(lens, target=3, min_chunk=16, block_t=16)[1]) > 1
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
+def test_auto_mode_takes_balanced_items_within_its_rows(device):
+    """"auto": the balanced items for launches of BALANCED_ROWS rows, the per-row splits
+    otherwise (both equal the reference); an unknown mode is refused."""
+    from lightning_lorafusion.kernels import paged_attention as pa
+
+    lo, hi = pa.BALANCED_ROWS
+    assert [pa.decode_split_mode(r, "auto") for r in (lo - 1, lo, hi, hi + 1)] == [
+        "per-row", "balanced", "balanced", "per-row"]
+    assert pa.decode_split_mode(1, "stream") == "stream"
+    with pytest.raises(ValueError, match="mode='fast'"):
+        pa.decode_split_mode(4, "fast")
+    lens = [1 + (i * 7) % 23 for i in range(lo)]
+    q, pool, table, seq_lens = make_problem(lens, 4, 4, 2, 16, torch.float32, device)
+    want = paged_decode_attention_reference(q, pool, 1, table, seq_lens, scale=0.25)
+    got = _paged_decode_attention_triton(q, pool, 1, table, seq_lens, 0.25, None, mode="auto")
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
+def test_balanced_items_fit_the_grid():
+    """The grid holds target + rows items whatever the lengths, and no row exceeds MAX_SPLITS."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        rows = int(torch.randint(1, 300, (1,), generator=g))
+        lens = torch.randint(1, 40000 if trial % 2 else 300, (rows,), generator=g).tolist()
+        target = int(torch.randint(1, 600, (1,), generator=g))
+        window = None if trial % 3 else 4096
+        chunk, items = balanced_items(lens, target=target, min_chunk=128, block_t=64, sliding_window=window)
+        assert chunk % 64 == 0 and chunk >= 128
+        assert sum(items) <= target + rows and max(items) <= MAX_SPLITS and min(items) >= 1
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -170,7 +246,10 @@ def test_per_step_integers_are_not_compile_keys():
     from lightning_lorafusion.kernels import paged_attention as pa
 
     assert "pt_stride" in pa.DECODE_UNSPECIALISED and "splits" in pa.COMBINE_UNSPECIALISED
+    assert {"pt_stride", "rows", "target"} <= set(pa.BALANCED_UNSPECIALISED)
     assert set(pa.DECODE_UNSPECIALISED) <= set(pa._paged_decode_kernel.arg_names)
+    assert set(pa.BALANCED_UNSPECIALISED) <= set(pa._paged_decode_balanced_kernel.arg_names)
+    assert set(pa.BALANCED_UNSPECIALISED) <= set(pa._paged_decode_stream_kernel.arg_names)
     assert set(pa.COMBINE_UNSPECIALISED) <= set(pa._combine_splits_kernel.arg_names)
     with pytest.raises(ValueError, match="splits"):
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU tensors need the interpreter)
@@ -180,7 +259,6 @@ def test_per_step_integers_are_not_compile_keys():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's compile records need a GPU")
 def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
-    from lightning_lorafusion.kernels.paged_attention import paged_decode_attention
     from lightning_lorafusion.serving.compile_ahead import distinct, record_launches
 
     q, pool, table, lens = make_problem([5, 12, 3], 16, 8, 2, 64, torch.bfloat16, "cuda")
@@ -189,9 +267,20 @@ def test_no_page_table_width_compiles_a_decode_variant_of_its_own():
         wide = torch.full((table.shape[0], width), -1, dtype=table.dtype, device="cuda")
         wide[:, :min(width, table.shape[1])] = table[:, :width]
         with record_launches() as launched:
-            paged_decode_attention(q, pool, 1, wide, lens, scale=0.125, backend="triton")
+            _paged_decode_attention_triton(q, pool, 1, wide, lens, 0.125, None, mode="balanced")
         found += launched
     names = [v.name.rsplit(":", 1)[1] for v in distinct(found)]
-    # the split count follows the width; only whether there are splits selects a variant
+    # balanced items: the width selects nothing
+    assert names.count("_paged_decode_balanced_kernel") == 1, [v.data[:300] for v in distinct(found)]
+    assert names.count("_combine_items_kernel") == 1, [v.data[:300] for v in distinct(found)]
+    found = []
+    for width in (2, 1, 16, 17, 32):
+        wide = torch.full((table.shape[0], width), -1, dtype=table.dtype, device="cuda")
+        wide[:, :min(width, table.shape[1])] = table[:, :width]
+        with record_launches() as launched:
+            _paged_decode_attention_triton(q, pool, 1, wide, lens, 0.125, None, mode="per-row")
+        found += launched
+    names = [v.name.rsplit(":", 1)[1] for v in distinct(found)]
+    # per-row splits: the split count follows the width; only whether there are splits selects a variant
     assert names.count("_combine_splits_kernel") <= 1, [v.data[:300] for v in distinct(found)]
     assert names.count("_paged_decode_kernel") <= 2, [v.data[:300] for v in distinct(found)]
