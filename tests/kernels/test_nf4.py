@@ -220,3 +220,56 @@ def test_fused_lora_projections_with_nf4_weights(device):
 
     for got, want in zip(run(ws), run(dense)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and bf16 products: GPU only")
+@pytest.mark.parametrize("graph", [False, True])
+def test_dequantize_ahead_equals_in_line_on_gpu(graph):
+    """``KernelOptions.nf4_dequant_ahead``: the LoRA group's NF4 weights dequantized on a side
+    stream give the same outputs and gradients bit for bit as dequantizing in line, eagerly and
+    in a captured CUDA graph (the side stream joins the capture through its events)."""
+    from lightning_lorafusion.kernels.fused_lora import fused_lora_projections
+    from lightning_lorafusion.kernels.options import KernelOptions
+    from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting
+
+    torch.manual_seed(5)
+    k, m, ns, dtype = 256, 160, (384, 128, 96), torch.bfloat16  # m > 64: the buffer products, not decode
+    ws = [quantize_nf4_reference(torch.randn(n, k, device="cuda") * 0.1, double_quant=True) for n in ns]
+    routing = LoraRouting(num_rows=m, segments=((0, 64, 0), (64, 160, 1)), scales=(2.0, 0.5),
+                          dropout_p=(0.0, 0.1), seeds=(1, 2))
+    factors = [[(torch.randn(r, k, device="cuda") * 0.1, torch.randn(n, r, device="cuda") * 0.1) for r in (4, 2)]
+               for n in ns]
+    x0 = torch.randn(m, k, device="cuda", dtype=dtype)
+    dys = [torch.randn(m, n, device="cuda", dtype=dtype) for n in ns]
+
+    def run(ahead: bool):
+        options = KernelOptions(nf4_dequant_ahead=ahead)
+        x = x0.clone().requires_grad_(True)
+        leaves = [[(a.clone().requires_grad_(True), b.clone().requires_grad_(True)) for a, b in f] for f in factors]
+        loras = [LoraModuleWeights(a=tuple(a for a, _ in f), b=tuple(b for _, b in f)) for f in leaves]
+        params = [x] + [t for f in leaves for pair in f for t in pair]
+
+        def step():
+            ys = fused_lora_projections(x, ws, [None] * len(ns), loras, routing, dropout_offset=3, options=options)
+            torch.autograd.backward(ys, dys)
+            return ys
+
+        if not graph:
+            ys = step()
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: the plans and .grad tensors exist before the capture
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                ys = step()
+            for p in params:
+                p.grad.zero_()
+            captured.replay()
+        torch.cuda.synchronize()
+        return [y.detach().clone() for y in ys] + [p.grad.clone() for p in params]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
