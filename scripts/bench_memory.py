@@ -174,6 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bf16-setting", default="none",
                     help="the bf16 reference row's setting (e.g. none+graphs, to compare with NF4 graph rows)")
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
+    ap.add_argument("--timed-passes", type=int, default=1,
+                    help="passes over the workload timed per row, summed (after one untimed pass)")
     ap.add_argument("--target-gib", type=float, default=16.0)
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
