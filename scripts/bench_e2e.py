@@ -419,7 +419,7 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         if device.type == "cuda":  # while the graphs (their pool) are alive
             from lightning_lorafusion.capture import pool_usage
 
-            extra.update(at_capture=at_capture, pools=pool_usage(device=device))
+            extra.update(at_capture=at_capture, pools=pool_usage(device=device), eager_detail=eager_detail(device))
     return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
 
 
@@ -493,6 +493,27 @@ def launching_ops(averages, microbatches: int) -> list[tuple[str, float, float, 
         m[1] += t
     out = [(n, round(c / per, 1), round(t / per / 1e3, 3), round(t / c, 1)) for n, (c, t) in merged.items()]
     return sorted(out, key=lambda o: -o[1])
+
+
+def eager_detail(device: torch.device, top: int = 6) -> dict:
+    """What the eager allocator (pool (0, 0)) holds, GiB: reserved and allocated in its small
+    (blocks < 1 MiB, 2 MiB segments) and large segments, and its largest free blocks (MiB): the
+    reserved-but-free memory that adds to a graph row's peak beside the graphs' pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gib = 2.0**30
+    out = {"small_reserved": 0.0, "small_allocated": 0.0, "large_reserved": 0.0, "large_allocated": 0.0}
+    free = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", index) != index or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        kind = "small" if seg.get("segment_type") == "small" else "large"
+        out[f"{kind}_reserved"] += seg["total_size"] / gib
+        out[f"{kind}_allocated"] += seg["allocated_size"] / gib
+        free += [b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["largest_free_mib"] = [round(f / 2**20, 1) for f in sorted(free, reverse=True)[:top]]
+    out["free_blocks"] = len(free)
+    return out
 
 
 def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS,
