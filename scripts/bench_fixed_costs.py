@@ -27,12 +27,6 @@ launch of ``fused_lora_launch.GroupFactors`` (adapters without rows skipped on t
 factors of each dtype of ``--grad-dtypes``. The two results are checked equal (fp32: bit for bit;
 16-bit: within one rounding), the absent adapters' ``.grad`` unchanged.
 
-``ahead``: one layer's four LoRA projection groups over NF4 weights, forward and backward
-(``fused_lora_projections``, ``--adapters`` adapters of rank ``--rank`` on every projection, the
-rows split evenly), at each row count of ``--rows``, with the weights dequantized in line against
-dequantized ahead on a side stream (``KernelOptions.nf4_dequant_ahead``); the outputs and every
-gradient are checked equal bit for bit between the two. On the CPU both run in line.
-
 Every part runs on the CPU too (``--device cpu``, Triton interpreter: set ``TRITON_INTERPRET=1``;
 ``--dtype float32``), timed by the wall clock, to check the script at tiny shapes:
 
@@ -58,14 +52,13 @@ from lightning_lorafusion.kernels.fused_lora_launch import (  # noqa: E402
 )
 from lightning_lorafusion.kernels.nf4 import quantize_nf4_reference  # noqa: E402
 from lightning_lorafusion.kernels.nf4_triton import dequantize_nf4_triton  # noqa: E402
-from lightning_lorafusion.kernels.fused_lora import _factors, fused_lora_projections  # noqa: E402
-from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
+from lightning_lorafusion.kernels.fused_lora import _factors  # noqa: E402
 from lightning_lorafusion.kernels.reference import LoraModuleWeights, LoraRouting  # noqa: E402
 from lightning_lorafusion.kernels.routing_table import build_launch_table  # noqa: E402
 from lightning_lorafusion.kernels.static_routing import StaticLaunchTables  # noqa: E402
 
 log = logger("bench_fixed_costs")
-PARTS = ("dequant", "ds", "accum", "ahead")
+PARTS = ("dequant", "ds", "accum")
 GROUPS = ("qkv", "o", "gate_up", "down")
 
 
@@ -328,53 +321,6 @@ def bench_accum(args, report: Report) -> None:
                     f"{totals['gather_old'] * 1e3:.1f} us, new {totals['gather_new'] * 1e3:.1f} us")
 
 
-def bench_ahead(args, report: Report) -> None:
-    dev, dtype = torch.device(args.device), dtype_of(args.dtype)
-    sizes = block_sizes_for(dev)
-    n = args.adapters
-    groups = _groups(args)
-    weights = {g: [quantize_nf4_reference(torch.randn(out, k, device=dev) * 0.02, double_quant=True) for out in ns]
-               for g, (k, ns) in groups.items()}
-    loras = {g: [LoraModuleWeights(a=tuple((torch.randn(args.rank, k, device=dev) * 0.01).requires_grad_(True)
-                                           for _ in range(n)),
-                                   b=tuple((torch.randn(out, args.rank, device=dev) * 0.01).requires_grad_(True)
-                                           for _ in range(n)))
-                 for out in ns] for g, (k, ns) in groups.items()}
-    leaves = [t for per in loras.values() for lw in per for t in (*lw.a, *lw.b)]
-    for m in args.rows:
-        routing = _routing(m, n, sizes.block_m)
-        xs = {g: torch.randn(m, k, device=dev, dtype=dtype).requires_grad_(True) for g, (k, _) in groups.items()}
-        dys = {g: [torch.randn(m, out, device=dev, dtype=dtype) for out in ns] for g, (_, ns) in groups.items()}
-        params = [*xs.values(), *leaves]
-
-        def layer(ahead: bool):
-            options = KernelOptions(nf4_dequant_ahead=ahead)
-
-            def run():
-                outs = []
-                for g in groups:
-                    ys = fused_lora_projections(xs[g], weights[g], [None] * len(weights[g]), loras[g], routing,
-                                                options=options)
-                    torch.autograd.backward(ys, dys[g])
-                    outs += [y.detach() for y in ys]
-                return outs
-            return run
-
-        results = []
-        for ahead in (False, True):
-            for p in params:
-                p.grad = None
-            outs = layer(ahead)()
-            results.append([*outs, *(p.grad.clone() for p in params)])
-        equal = all(torch.equal(x, y) for x, y in zip(*results))
-        in_line, ahead_ms = _ms(layer(False), dev), _ms(layer(True), dev)
-        report.add(part="ahead", rows=m, in_line_ms=in_line, ahead_ms=ahead_ms, saved_us=(in_line - ahead_ms) * 1e3,
-                   equal=equal)
-        log(f"ahead rows {m}: one layer's four groups forward + backward, in line {in_line * 1e3:.1f} us, ahead "
-            f"{ahead_ms * 1e3:.1f} us ({ahead_ms / in_line:.3f}x, {(in_line - ahead_ms) * 1e3:.1f} us saved a layer), "
-            f"equal={equal}")
-
-
 def _module_weights(table, a_leaves, b_leaves, adapters: int) -> list[LoraModuleWeights]:
     """Per projection of the group the factors by adapter (None where absent), for ``_factors``."""
     n_proj = len(table.b_order)
@@ -417,8 +363,6 @@ def main(argv=None) -> int:
         bench_dequant(args, report)
     if "ds" in args.parts:
         bench_ds(args, report)
-    if "ahead" in args.parts:
-        bench_ahead(args, report)
     report.save()
     return 0
 

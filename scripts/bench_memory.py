@@ -19,8 +19,7 @@ were; for the whole process set the variable before the start, and compare with 
 it through ``--earlier-rows``); ``hostembed`` (the NF4 base's input embedding table in pinned host
 memory, read in place by the gather: ``model/host_embedding.py``; the device copy is dropped for
 the row and put back after it); ``fusedadam`` (torch's fused AdamW: no multi-tensor temporaries
-in the allocator's cache); ``ahead`` (``KernelOptions.nf4_dequant_ahead``: each LoRA group's NF4
-weights dequantized on a side stream as the group starts, beside its LoRA kernels). Each row also shows what
+in the allocator's cache). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -56,7 +55,6 @@ import torch  # noqa: E402
 
 from bench_e2e import add_workload_args, model_and_workload, run_ours  # noqa: E402
 from lightning_lorafusion.capture import pool_usage  # noqa: E402
-from lightning_lorafusion.kernels.options import KernelOptions  # noqa: E402
 from lightning_lorafusion.model.activation_memory import step_activation_bytes  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderOptions  # noqa: E402
 from lightning_lorafusion.model.mlp_recompute import MLP_RECOMPUTE_MODES  # noqa: E402
@@ -79,7 +77,6 @@ class Setting:
     host_embedding: bool = False
     fused_adam: bool = False
     autograd_accumulation: bool = False
-    nf4_ahead: bool = False
 
 
 def parse_setting(text: str) -> Setting:
@@ -93,15 +90,15 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc", "ahead"):
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc"):
             fields[{"norms": "norm_recompute", "hostembed": "host_embedding", "fusedadam": "fused_adam",
-                    "autogradacc": "autograd_accumulation", "ahead": "nf4_ahead"}.get(part, part)] = True
+                    "autogradacc": "autograd_accumulation"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
                                              "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, "
-                                             "fusedadam, ahead, or with "
+                                             "fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
@@ -232,8 +229,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
     row = {"base": precision, "capacity": capacity, "setting": text,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute,
-                             kernels=KernelOptions(nf4_dequant_ahead=setting.nf4_ahead))
+    options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
     graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture,
                     "accumulate_grads": not setting.autograd_accumulation}
     cuda = device.type == "cuda"

@@ -72,7 +72,6 @@ class FusedLoraProjections(torch.autograd.Function):
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
         b_cats = rest[2 * n_proj:3 * n_proj]
-        ahead = plan.nf4_ahead(weights, x.dtype, forward=True)  # NF4: dequantizing beside the S kernel
         s = _launch_s(x, a_all, plan, off_h)
         # quantized frozen weights (FP8 or NF4) hold frozen buffers only: kept by reference
         ctx.fp8_weights = tuple(weights) if isinstance(weights[0], (Fp8Weight, Nf4Weight)) else None
@@ -80,7 +79,7 @@ class FusedLoraProjections(torch.autograd.Function):
         # values do not change in between; at 2,816 tokens they are ~4 % of what an 8B layer keeps)
         kept = (a_all, *b_cats) if group is None else ()
         if ctx.fp8_weights is not None:
-            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands, ahead))
+            ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
             ctx.save_for_backward(x, s, *kept)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
@@ -96,9 +95,6 @@ class FusedLoraProjections(torch.autograd.Function):
     def backward(ctx, *dys):
         x, s, *rest = ctx.saved_tensors
         n_proj, group = ctx.n_proj, ctx.group
-        # NF4: dX's weights dequantizing beside the factors' gather and the dS / dB / dA kernels
-        ahead = (ctx.plan.nf4_ahead(ctx.fp8_weights, x.dtype, forward=False)
-                 if ctx.fp8_weights is not None and ctx.needs_input_grad[0] else None)
         if group is None:
             a_all, b_cats, weights = rest[0], rest[1:1 + n_proj], rest[1 + n_proj:]
         else:
@@ -111,12 +107,12 @@ class FusedLoraProjections(torch.autograd.Function):
         if group is None:
             need_db = [need[6 + 2 * n_proj + i] for i in range(n_proj)]
             dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
-                                        ctx.off_h, need[0], need[1], need_db, ctx.operands, ahead=ahead)
+                                        ctx.off_h, need[0], need[1], need_db, ctx.operands)
             return (dx, da, *none[2:6], *([None] * (2 * n_proj)), *db_cats)
         grads = group.grads()
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan, ctx.off_h,
                                     need[0], True, [True] * n_proj, ctx.operands,
-                                    None if grads is None else (group, grads), ahead)
+                                    None if grads is None else (group, grads))
         leaf_grads = [None] * len(group.leaves) if grads is not None else group.split(da, db_cats)
         return (dx, *none[1:], *leaf_grads)
 

@@ -15,7 +15,7 @@ import torch
 
 from .block_sizes import LoraBlockSizes
 from .fp8_linear import Fp8Weight, QuantizedOperands, fp8_input_grad, fp8_outputs, resolve_emulate
-from .nf4 import DequantizedAhead, Nf4Weight, dequantize_ahead, nf4_forward_kind, nf4_input_grad, nf4_outputs
+from .nf4 import Nf4Weight, nf4_input_grad, nf4_outputs
 from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kernel, _lora_add_kernel,
                                  _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel, _lora_dx_gemm_kernel,
                                  _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
@@ -83,14 +83,13 @@ class _Plan:
     """
 
     __slots__ = ("table", "sizes", "m", "k", "ns", "precision", "split", "s_split", "ds_split", "part_offsets",
-                 "part_numel", "launches", "options", "device", "_side_stream")
+                 "part_numel", "launches", "options")
 
     def __init__(self, table, sizes: LoraBlockSizes, *, m: int, k: int, ns: Sequence[int],
                  b_cols: Sequence[int], dtype: torch.dtype, device: torch.device,
                  options: KernelOptions | None = None) -> None:
         self.table, self.sizes, self.m, self.k, self.ns = table, sizes, m, k, tuple(ns)
         self.options = options if options is not None else KernelOptions()
-        self.device, self._side_stream = device, None
         self.precision = _dot_precision(dtype)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         # one split for dA and every dB (they share the partial buffer), sized for dA, which
@@ -111,20 +110,6 @@ class _Plan:
             numel += _round16b(n * bc)
         self.part_offsets, self.part_numel = tuple(offsets), numel
         self.launches: dict = {}
-
-    def nf4_ahead(self, weights, dtype: torch.dtype, *, forward: bool) -> DequantizedAhead | None:
-        """The group's NF4 weights set dequantizing on the plan's side stream
-        (``KernelOptions.nf4_dequant_ahead``), or None (the products dequantize in line): the
-        option off, not CUDA, not NF4, or products that do not read a dequantized buffer."""
-        if not self.options.nf4_dequant_ahead or self.device.type != "cuda" or not isinstance(weights[0], Nf4Weight):
-            return None
-        gemm = self.options.nf4_gemm
-        kind = nf4_forward_kind(self.m, True, weights, gemm) if forward else ("fused" if gemm == "fused" else "buffer")
-        if kind != "buffer":
-            return None
-        if self._side_stream is None:  # high priority: its blocks go first as the main stream's retire
-            self._side_stream = torch.cuda.Stream(self.device, priority=-1)
-        return dequantize_ahead(weights, dtype, self._side_stream)
 
     def get(self, key, build, *args):
         """The launch stored under ``key``, made by ``build(self, *args)`` on first use."""
@@ -188,12 +173,11 @@ def _launch_add(out, left, right, proj: int, plan: _Plan, off_h: int, dx_mode: b
 
 
 def _launch_fwd_fp8(x, weights, biases, s, b_cats, plan: _Plan,
-                    operands: QuantizedOperands | None = None,
-                    ahead: DequantizedAhead | None = None) -> list[torch.Tensor]:
+                    operands: QuantizedOperands | None = None) -> list[torch.Tensor]:
     """Quantized frozen products of the group (FP8: X quantized once, or taken from
-    ``operands``; NF4: weights dequantized, or read from ``ahead``), each LoRA term added in place."""
+    ``operands``; NF4: weights dequantized), each LoRA term added in place."""
     if isinstance(weights[0], Nf4Weight):  # NF4: each weight dequantized, then cuBLAS
-        ys = nf4_outputs(x, weights, biases, plan.options.nf4_gemm, ahead=ahead)
+        ys = nf4_outputs(x, weights, biases, plan.options.nf4_gemm)
     else:
         ys = fp8_outputs(x, weights, biases, emulate=resolve_emulate(x.device, None),
                          fast_accum=plan.options.fp8_fast_accum_forward, operands=operands)
@@ -336,12 +320,11 @@ def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_he
 
 
 def _launch_dx(dys, weights, ds, a_all, plan: _Plan, off_h: int, dtype: torch.dtype, device,
-               operands: QuantizedOperands | None = None, ahead: DequantizedAhead | None = None) -> torch.Tensor:
+               operands: QuantizedOperands | None = None) -> torch.Tensor:
     t, m, k = plan.table, plan.m, plan.k
     has_lora = ds is not None
-    if isinstance(weights[0], Nf4Weight):  # the same 4-bit weights dequantized again (or ahead)
-        dx = nf4_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device, gemm=plan.options.nf4_gemm,
-                            ahead=ahead)
+    if isinstance(weights[0], Nf4Weight):  # the same 4-bit weights dequantized again
+        dx = nf4_input_grad(dys, weights, m=m, k=k, dtype=dtype, device=device, gemm=plan.options.nf4_gemm)
         if has_lora:
             _launch_add(dx, ds, a_all, 0, plan, off_h, dx_mode=True)
         return dx
@@ -515,13 +498,11 @@ class GroupFactors:
 
 
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
-              operands: QuantizedOperands | None = None, into_grads: tuple | None = None,
-              ahead: DequantizedAhead | None = None):
+              operands: QuantizedOperands | None = None, into_grads: tuple | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
     take its quantized gradient from ``operands``. ``into_grads``: ``(GroupFactors, its factors'
     .grad tensors)``: every factor's gradient is added into its ``.grad`` by one launch, and dA_all
-    and dB_cat come back None. ``ahead``: the NF4 weights already dequantizing for dX (its
-    products wait for them after the dS / dB / dA launches)."""
+    and dB_cat come back None."""
     t = plan.table
     n_proj = len(weights)
     m, k = x.shape
@@ -543,9 +524,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
         _launch_da(x, ds, part, plan, off_h, into_grads is not None)
-    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands, ahead) if need_dx else None
-    if ahead is not None and not need_dx:
-        ahead.join()
+    dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None and into_grads is not None:
         into_grads[0].accumulate(part, into_grads[1])

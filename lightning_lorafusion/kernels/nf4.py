@@ -270,60 +270,6 @@ def _dequantized(weights: Sequence[Nf4Weight], dtype: torch.dtype):
         yield w.dequantize(dtype, out=buf)
 
 
-class DequantizedAhead:
-    """A projection group's NF4 weights dequantized on a side stream ahead of their products, so
-    that the dequantization (memory-bound, a fixed cost per microbatch) runs beside the group's
-    LoRA kernels and earlier products instead of between them. Each weight gets its own slice of
-    one buffer (the group's summed size, where ``_dequantized`` reuses one of the largest's) and
-    an event; ``weight(i)`` makes the current stream wait for weight ``i`` only. The same kernel
-    writes the same values as ``_dequantized``: the products are bit for bit the same.
-
-    Made on the stream that will read the weights (a captured step's capture stream included: the
-    side stream joins the capture through the events). ``join()`` waits for every weight: call
-    it before the buffer can be freed, whether or not each weight was read."""
-
-    def __init__(self, weights: Sequence[Nf4Weight], dtype: torch.dtype, stream: torch.cuda.Stream) -> None:
-        sizes = [w.shape[0] * w.shape[1] for w in weights]
-        device = weights[0].device
-        buf = torch.empty(sum(sizes), dtype=dtype, device=device)  # on the reading stream: freed in its order
-        stream.wait_stream(torch.cuda.current_stream(device))  # the buffer's last readers, the inputs
-        self.views: list[torch.Tensor] = []
-        self.events: list[torch.cuda.Event] = []
-        self.waited = [False] * len(weights)
-        with torch.cuda.stream(stream):
-            start = 0
-            for w, size in zip(weights, sizes):
-                self.views.append(w.dequantize(dtype, out=buf[start:start + size]))
-                event = torch.cuda.Event()
-                event.record(stream)
-                self.events.append(event)
-                start += size
-
-    def weight(self, i: int) -> torch.Tensor:
-        """Weight ``i`` dequantized ``[N_i, K]``, once the current stream has waited for it."""
-        if not self.waited[i]:
-            torch.cuda.current_stream(self.views[i].device).wait_event(self.events[i])
-            self.waited[i] = True
-        return self.views[i]
-
-    def join(self) -> None:
-        """The current stream waits for every dequantization (the last event covers the others)."""
-        if not self.waited[-1]:
-            torch.cuda.current_stream(self.views[-1].device).wait_event(self.events[-1])
-            self.waited = [True] * len(self.waited)
-
-
-def dequantize_ahead(weights: Sequence[Any], dtype: torch.dtype, stream: "torch.cuda.Stream | None"
-                     ) -> DequantizedAhead | None:
-    """``DequantizedAhead`` for a group of NF4 weights on CUDA with a side ``stream``, else None
-    (the products then dequantize in line: other weights, CPU, no stream, or a dtype the
-    dequantization does not write)."""
-    if (stream is None or not weights or not all(isinstance(w, Nf4Weight) for w in weights)
-            or not weights[0].device.type == "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-        return None
-    return DequantizedAhead(weights, dtype, stream)
-
-
 def resolve_nf4_gemm(gemm: str) -> str:
     """``KernelOptions.nf4_gemm`` -> "buffer" or "fused" for products of any size ("auto" is the
     buffer there; the fused GEMM is slower on the GPUs measured: docs/BENCHMARKS.md "NF4 frozen
@@ -346,20 +292,14 @@ def nf4_forward_kind(m: int, on_cuda: bool, weights: Sequence[Nf4Weight], gemm: 
 
 
 def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[torch.Tensor | None],
-                gemm: str = "auto", *, grouped: bool = False, workspace: Any = None,
-                ahead: DequantizedAhead | None = None) -> list[torch.Tensor]:
+                gemm: str = "auto", *, grouped: bool = False, workspace: Any = None) -> list[torch.Tensor]:
     """Forward of the frozen projections, no autograd: ``x [M, K] -> [M, N_i]`` in ``x.dtype``;
     ``gemm``: ``KernelOptions.nf4_gemm`` (a reused dequantized buffer, or the fused NF4 GEMM;
     "auto": the decode kernel for few rows, ``nf4_forward_kind``). ``grouped``: the decode
     kernel runs the group in one launch (``nf4_decode.nf4_decode_group``), its outputs column
     views of one tensor, as a fused 16-bit weight's are (the caller takes views). ``workspace``:
-    the caller's ``nf4_decode.DecodeWorkspace`` (split-K counters kept across calls), or None.
-    ``ahead``: the weights already being dequantized (``dequantize_ahead``), read by the buffer
-    products instead of dequantizing them here (the decode and fused kernels join and ignore it)."""
+    the caller's ``nf4_decode.DecodeWorkspace`` (split-K counters kept across calls), or None."""
     kind = nf4_forward_kind(x.shape[0], x.is_cuda, weights, gemm)
-    if ahead is not None and kind != "buffer":
-        ahead.join()
-        ahead = None
     if kind == "decode":
         from .nf4_decode import groupable, nf4_decode_group, nf4_linear_decode  # Triton: imported when used
 
@@ -370,30 +310,13 @@ def nf4_outputs(x: torch.Tensor, weights: Sequence[Nf4Weight], biases: Sequence[
         from .nf4_gemm import nf4_linear_fused
 
         return [nf4_linear_fused(x, w, b) for w, b in zip(weights, biases)]
-    if ahead is not None:
-        ys = [torch.nn.functional.linear(x, ahead.weight(i), b) for i, b in enumerate(biases)]
-        ahead.join()
-        return ys
     return [torch.nn.functional.linear(x, wd, b) for wd, b in zip(_dequantized(weights, x.dtype), biases)]
 
 
 def nf4_input_grad(dys: Sequence[torch.Tensor | None], weights: Sequence[Nf4Weight], *, m: int, k: int,
-                   dtype: torch.dtype, device: torch.device, gemm: str = "auto",
-                   ahead: DequantizedAhead | None = None) -> torch.Tensor:
+                   dtype: torch.dtype, device: torch.device, gemm: str = "auto") -> torch.Tensor:
     """``dX [M, K] = sum_i dY_i W_i`` (``dY_i`` None: zero), each ``W_i`` read from its 4 bits
-    again (dequantized into the buffer, or inside the fused GEMM's tiles); ``ahead``: the
-    weights already being dequantized in ``dtype`` (``dequantize_ahead``; buffer products only)."""
-    if ahead is not None and (resolve_nf4_gemm(gemm) != "buffer" or ahead.views[0].dtype != dtype):
-        ahead.join()
-        ahead = None
-    if ahead is not None:
-        dx = None
-        for i, dy in enumerate(dys):
-            if dy is not None:
-                wd = ahead.weight(i)
-                dx = torch.mm(dy.to(dtype), wd) if dx is None else dx.addmm_(dy.to(dtype), wd)
-        ahead.join()
-        return dx if dx is not None else torch.zeros(m, k, dtype=dtype, device=device)
+    again (dequantized into the buffer, or inside the fused GEMM's tiles)."""
     pairs = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
     if pairs and resolve_nf4_gemm(gemm) == "fused":
         from .nf4_gemm import nf4_input_grad_fused

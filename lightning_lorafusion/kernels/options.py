@@ -20,21 +20,14 @@ class KernelOptions:
     weight dequantized into a reused scratch buffer, then a cuBLAS GEMM), ``fused`` (the NF4
     GEMM kernel dequantizes inside its operand tiles, ``kernels.nf4_gemm``) or ``auto``
     (forward products of at most 64 rows on CUDA: the decode kernel, ``kernels.nf4_decode``;
-    the rest ``buffer``, the fused GEMM being measured slower: docs/BENCHMARKS.md).
-
-    ``nf4_dequant_ahead``: with ``buffer`` products on CUDA, a LoRA projection group's NF4
-    weights are dequantized on a side stream as the group starts (forward and input gradient),
-    so the dequantization overlaps the group's LoRA kernels and its earlier products; each weight
-    gets its own buffer slice (the group's summed size instead of its largest weight's). The
-    same values either way (``nf4.DequantizedAhead``)."""
+    the rest ``buffer``, the fused GEMM being measured slower: docs/BENCHMARKS.md)."""
 
     fp8_fast_accum_forward: bool = False
     fp8_fast_accum_input_grad: bool = False
     nf4_gemm: str = "auto"
-    nf4_dequant_ahead: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fp8_fast_accum_forward", "fp8_fast_accum_input_grad", "nf4_dequant_ahead"):
+        for name in ("fp8_fast_accum_forward", "fp8_fast_accum_input_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r} must be a bool")
         if self.nf4_gemm not in NF4_GEMM_MODES:

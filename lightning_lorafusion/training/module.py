@@ -176,8 +176,7 @@ class LoRAFusionModule(L.LightningModule):
         self.base_precision = precision.base
         fast = precision.fp8.fast_accumulation
         self.decoder_options = DecoderOptions(kernels=KernelOptions(
-            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm,
-            nf4_dequant_ahead=precision.nf4.dequant_ahead),
+            fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm),
             mlp_recompute=mlp_recompute, norm_recompute=norm_recompute)
         self.cuda_graphs = cuda_graphs
         self.cuda_graph_precapture = cuda_graph_precapture

@@ -46,19 +46,13 @@ class Nf4Config:
       dequantized into a reused scratch buffer, then cuBLAS), ``fused`` (the NF4 GEMM kernel
       dequantizes inside its operand tiles; CUDA, or the Triton interpreter on CPU) or
       ``auto`` (``buffer`` for now: docs/BENCHMARKS.md "NF4 frozen base" has the comparison).
-    - ``dequant_ahead``: with ``buffer`` products on CUDA, each LoRA projection group's weights
-      are dequantized on a side stream as the group starts, beside its LoRA kernels
-      (``KernelOptions.nf4_dequant_ahead``; the same values either way).
     """
 
     gemm: str = "auto"
-    dequant_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.gemm not in NF4_GEMM_MODES:
             raise ConfigError(f"model.precision.nf4.gemm={self.gemm!r}; allowed: {NF4_GEMM_MODES}")
-        if not isinstance(self.dequant_ahead, bool):
-            raise ConfigError(f"model.precision.nf4.dequant_ahead={self.dequant_ahead!r} must be true or false")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +86,7 @@ class PrecisionConfig:
     def parse(cls, value: "PrecisionConfig | dict | None") -> "PrecisionConfig":
         """A ``PrecisionConfig`` from itself, a mapping (YAML, Python) or None (the default)."""
         return parse_section(cls, value, where="model.precision", scalar_field="base",
-                             fields="base, fp8 (fp8: fast_accumulation, exempt_layers, emulate), nf4 (nf4: gemm, dequant_ahead)")
+                             fields="base, fp8 (fp8: fast_accumulation, exempt_layers, emulate), nf4 (nf4: gemm)")
 
 
 def check_base_precision(precision: PrecisionConfig, dtype: str) -> None:

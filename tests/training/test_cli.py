@@ -406,6 +406,5 @@ def test_the_new_sections_parse_from_yaml(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     printed = yaml.safe_load(out.stdout)
     assert printed["model"]["precision"] == {"base": "bf16", "fp8": {"fast_accumulation": False, "exempt_layers": 0,
-                                                                      "emulate": False},
-                                             "nf4": {"gemm": "auto", "dequant_ahead": False}}
+                                                                      "emulate": False}, "nf4": {"gemm": "auto"}}
     assert printed["data"]["planner"] == {"method": "milp", "time_limit": 5.0, "window": 3, "workers": 0}

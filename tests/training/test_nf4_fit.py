@@ -90,20 +90,13 @@ def test_random_base_is_quantized_to_nf4_at_setup(tmp_path):
 
 
 def test_nf4_gemm_option_reaches_the_decoder_and_is_checked(tiny_model_dir):
-    """``model.precision.nf4.gemm`` and ``dequant_ahead`` become the decoder's ``KernelOptions``; a wrong
+    """``model.precision.nf4.gemm`` becomes the decoder's ``KernelOptions.nf4_gemm``; a wrong
     value, or the option without an NF4 base, is a ConfigError naming the field."""
     fused = {"precision": {"base": "nf4", "nf4": {"gemm": "fused"}}}
     module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **fused)
     assert module.decoder_options.kernels.nf4_gemm == "fused"
     default = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **NF4)
     assert default.decoder_options.kernels.nf4_gemm == "auto"
-    ahead = {"precision": {"base": "nf4", "nf4": {"dequant_ahead": True}}}
-    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], backend="torch", **ahead)
-    assert module.decoder_options.kernels.nf4_dequant_ahead
-    assert not default.decoder_options.kernels.nf4_dequant_ahead
-    with pytest.raises(ConfigError, match=r"model.precision.nf4.dequant_ahead='yes' must be true or false"):
-        LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1],
-                         precision={"base": "nf4", "nf4": {"dequant_ahead": "yes"}})
     with pytest.raises(ConfigError, match=r"model.precision.nf4.gemm='tiles'; allowed: \('auto', 'buffer', 'fused'\)"):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1],
                          precision={"base": "nf4", "nf4": {"gemm": "tiles"}})
