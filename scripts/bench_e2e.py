@@ -392,9 +392,13 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         if precapture:
             runner.precapture(collections.Counter(graph_key(mb) for mb in mbs), device)
     at_capture = _peaks(device)  # before any optimizer step: no AdamW state yet
-    for timed_pass in (False, True):  # the first pass compiles every kernel variant (captures), untimed
-        tokens, elapsed = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
-                                     checkpoint_layers=args.checkpoint_layers)
+    # the first pass compiles every kernel variant (captures), untimed; then --timed-passes passes, summed
+    _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options, checkpoint_layers=args.checkpoint_layers)
+    tokens, elapsed = 0, 0.0
+    for _ in range(max(1, getattr(args, "timed_passes", 1))):  # callers without the argument time one
+        pass_tokens, pass_seconds = _ours_pass(mbs, bank, opts, params, config, backend, device, runner, options,
+                                               checkpoint_layers=args.checkpoint_layers)
+        tokens, elapsed = tokens + pass_tokens, elapsed + pass_seconds
     label = label or (backend + ("_graphs" if graphs else ""))
     if args.profile and device.type == "cuda":
         _profile(args, label, lambda: _ours_pass(mbs[:4], bank, opts, params, config, backend, device, runner, options))
@@ -415,7 +419,7 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
         if device.type == "cuda":  # while the graphs (their pool) are alive
             from lightning_lorafusion.capture import pool_usage
 
-            extra.update(at_capture=at_capture, pools=pool_usage(device=device))
+            extra.update(at_capture=at_capture, pools=pool_usage(device=device), eager_detail=eager_detail(device))
     return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
 
 
@@ -491,6 +495,27 @@ def launching_ops(averages, microbatches: int) -> list[tuple[str, float, float, 
     return sorted(out, key=lambda o: -o[1])
 
 
+def eager_detail(device: torch.device, top: int = 6) -> dict:
+    """What the eager allocator (pool (0, 0)) holds, GiB: reserved and allocated in its small
+    (blocks < 1 MiB, 2 MiB segments) and large segments, and its largest free blocks (MiB): the
+    reserved-but-free memory that adds to a graph row's peak beside the graphs' pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gib = 2.0**30
+    out = {"small_reserved": 0.0, "small_allocated": 0.0, "large_reserved": 0.0, "large_allocated": 0.0}
+    free = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", index) != index or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        kind = "small" if seg.get("segment_type") == "small" else "large"
+        out[f"{kind}_reserved"] += seg["total_size"] / gib
+        out[f"{kind}_allocated"] += seg["allocated_size"] / gib
+        free += [b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["largest_free_mib"] = [round(f / 2**20, 1) for f in sorted(free, reverse=True)[:top]]
+    out["free_blocks"] = len(free)
+    return out
+
+
 def _ours_pass(mbs, bank, opts, params, config, backend, device, runner=None, options=DEFAULT_OPTIONS,
                checkpoint_layers=0):
     t0 = timed(device)
@@ -539,6 +564,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="eager variants: activation checkpointing of the first N decoder layers (each keeps "
                          "only its input for backward and recomputes the rest; model.activation_checkpointing)")
     ap.add_argument("--profile", action="store_true", help="also write a kernel-time table of 4 microbatches")
+    ap.add_argument("--timed-passes", type=int, default=1, help="passes over the workload timed (after one untimed)")
     ap.add_argument("--memory-peak", action="store_true",
                     help="eager variants: what is live at one microbatch's memory peak, by allocating line "
                          "(scripts/memory_peak.py)")

@@ -28,7 +28,9 @@ nothing the allocator counts: its intermediates live in the graphs' pool, which 
 so for graph rows the reserved peak is the memory the run needs. Graph rows also give the peaks
 reached by the end of the captures (before any optimizer state exists) and what each pool holds
 at the end (``capture.pool_usage``: the eager allocator's and the graph pools' reserved and
-allocated GiB). ``--breakdown`` prints what is live at the peak of one eager step
+allocated GiB; ``eager_detail``: the eager allocator's small and large segments and its largest
+free blocks). Each row starts with the cuBLAS workspaces of earlier rows' streams handed back, as
+in a fresh process. ``--breakdown`` prints what is live at the peak of one eager step
 (scripts/memory_peak.py). Rows past --time-budget seconds are skipped (listed as such).
 
     PYTHONPATH=. python3 scripts/bench_memory.py --capacities 4096 --settings none,gate_up+norms \\
@@ -171,6 +173,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bf16-setting", default="none",
                     help="the bf16 reference row's setting (e.g. none+graphs, to compare with NF4 graph rows)")
     ap.add_argument("--backend", choices=("triton", "torch"), default="triton")
+    ap.add_argument("--timed-passes", type=int, default=1,
+                    help="passes over the workload timed per row, summed (after one untimed pass)")
     ap.add_argument("--target-gib", type=float, default=16.0)
     ap.add_argument("--target-ratio", type=float, default=0.9)
     ap.add_argument("--breakdown", action="store_true",
@@ -214,6 +218,13 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     device = w["device"]
     gc.collect()
     if device.type == "cuda":
+        # cuBLAS keeps a workspace per stream it ran on (32 MiB on Hopper) for the process's life;
+        # each row's graphs bring new streams, so without this a row would also hold the earlier
+        # rows' (0.31 GiB by the fifth), which one fit process does not
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            torch.cuda.synchronize(device)
+            clear_workspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     row = {"base": precision, "capacity": capacity, "setting": text,

@@ -166,14 +166,16 @@ def test_capture_size_orders_by_tokens_then_head_rows():
 def test_plan_order_first_warm_up_released_before_its_capture_later_ones_in_the_pool(monkeypatch):
     """``CaptureMemory()`` off: keys in the plan's order; the first key's eager warm-up uses the
     eager allocator and its cached blocks are handed back before its capture (which makes the
-    pool); the next key warms up inside that pool and is captured into it with no release."""
+    pool); the next key warms up inside that pool and is captured into it with no release; the
+    cache is handed back once after the batch (the warm-ups' backward allocated outside the
+    pool, on autograd's thread)."""
     graphs, rec = _precapture(monkeypatch, CaptureMemory())
     first_pool = ("graph", 1)
     assert rec.flow() == [
         ("batch",),
         ("step", "eager", SMALL, None), ("empty_cache",), ("capture", None), ("step", "capture", SMALL, first_pool),
         ("step", "eager", BIG, first_pool), ("capture", first_pool), ("step", "capture", BIG, first_pool),
-        ("batch_end",)]
+        ("empty_cache",), ("batch_end",)]
     assert graphs._pool == first_pool and set(graphs._graphs) == {SMALL, BIG}
 
 
@@ -197,14 +199,15 @@ def test_release_hands_cached_blocks_back_before_every_capture_and_after_the_bat
 def test_warm_in_pool_makes_the_pool_before_the_first_warm_up(monkeypatch):
     """The first warm-up allocates from a pool made for it (a MemPool: it holds the pool, which
     the warm-up's own routing would otherwise drop when it ends), the capture then records into
-    that same pool: no cache release is needed (nothing of the warm-up stays in the eager cache)."""
+    that same pool: no cache release before the captures, one after them (the warm-ups' backward
+    allocates on autograd's thread, outside the thread's routing)."""
     graphs, rec = _precapture(monkeypatch, CaptureMemory(warm_in_pool=True))
     handle = ("handle", 1)
     assert rec.flow() == [
         ("batch",), ("mempool",),
         ("step", "eager", SMALL, handle), ("capture", handle), ("step", "capture", SMALL, handle),
         ("step", "eager", BIG, handle), ("capture", handle), ("step", "capture", BIG, handle),
-        ("batch_end",)]
+        ("empty_cache",), ("batch_end",)]
     assert graphs._pool == handle and rec.routed == [] and graphs._mempool.id == handle
     assert rec.refs[handle] == 3  # the MemPool and the two graphs
 
@@ -222,7 +225,7 @@ def test_a_first_use_capture_follows_the_same_rules(monkeypatch):
     assert sums is not None and graphs.captures == 1 and set(graphs._graphs) == {key}
     handle = ("handle", 1)
     assert rec.flow() == [("mempool",), ("step", "eager", key, handle), ("empty_cache",), ("capture", handle),
-                          ("step", "capture", key, handle)]
+                          ("step", "capture", key, handle), ("empty_cache",)]
 
 
 def test_pool_usage_sums_segments_per_pool():
