@@ -282,14 +282,14 @@ class LogitAdjustments:
     composition's), the rows of requests it held copy their counts and prompt tokens from it on
     the device, and only newcomers' are built from their token lists (in continuous batching
     the composition changes nearly every step; rebuilding every row's counts from its output
-    would cost the host O(rows x output length) each time). ``ahead`` (0 or 1): every row has
-    that many tokens more than ``outputs`` holds (a step planned before the last one was read;
-    the rows are then all held by ``previous``, whose counts have those tokens)."""
+    would cost the host O(rows x output length) each time). ``ahead`` (0 or 1, or one such value
+    per row): the rows with that many tokens more than ``outputs`` holds (a step planned before
+    the last one was read; those rows are then held by ``previous``, whose counts have them)."""
 
     def __init__(self, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
                  outputs: Sequence[Sequence[int]], vocab: int, device: torch.device,
                  stop_ids: Sequence[Iterable[int]] | None = None, *, ids: Sequence[Hashable] | None = None,
-                 previous: "LogitAdjustments | None" = None, ahead: int = 0) -> None:
+                 previous: "LogitAdjustments | None" = None, ahead: "int | Sequence[int]" = 0) -> None:
         self.rows = tuple(rows)
         self.index = torch.tensor(self.rows, device=device, dtype=torch.int64)
         n = len(self.rows)
@@ -329,7 +329,8 @@ class LogitAdjustments:
         self.min_tokens = self.generated = self.stop_mask = None
         if any(p.min_tokens for p in params):  # each row's stop tokens, masked while it is short
             self.min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
-            self.generated = torch.tensor([len(o) + ahead for o in outputs], device=device)
+            aheads = [ahead] * n if isinstance(ahead, int) else ahead
+            self.generated = torch.tensor([len(o) + a for o, a in zip(outputs, aheads)], device=device)
             self.stop_mask = torch.zeros(n, vocab, device=device, dtype=torch.bool)
             pairs = [(i, t) for i, stops in enumerate(stop_ids or [()] * n) for t in stops if 0 <= t < vocab]
             if pairs:
