@@ -264,7 +264,8 @@ class _SampledRows:
         want = list(itertools.compress(rows, map(operator.is_not, map(_logprobs, states), itertools.repeat(None))))
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
-        self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)
+        self.logprob_index = (torch.tensor(want, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+                              if want and len(want) < len(states) else None)
         # for detokenization: every row generates (none only scores its prompt), the stop ids of any row
         self.all_generate = all(s.max_output for s in states)
         self.stop_ids = frozenset().union(*(s.stop_ids for s in states))
