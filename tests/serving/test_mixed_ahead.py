@@ -9,6 +9,7 @@ in, fair picks) the step waits for the tokens as before."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
 from lightning_lorafusion.serving.config import EngineTuning
@@ -155,3 +156,18 @@ def test_mixed_ahead_setting_is_checked_and_needs_the_overlapped_decode(make_eng
     assert engine.mixed_ahead
     engine.mixed_ahead = False
     assert not engine.mixed_ahead
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned copies, events, CUDA graphs")
+def test_mixed_steps_ahead_on_a_gpu_with_graphs(make_engine):
+    """On a GPU (fp32, Triton kernels, decode graphs and captured mixed-step pieces): the step
+    admitting requests ahead copies the running step's tokens into its padded rows on the
+    device; outputs equal the step-by-step engine's, with stops mid-batch."""
+    config = dict(num_pages=160, page_size=4, max_num_seqs=6, prefix_caching=False, backend="triton",
+                  cuda_graphs="on", max_num_batched_tokens=64)
+    sync, on = make_engine(async_decode="off", **config), make_engine(async_decode="on", **config)
+    assert on.runner.graphs is not None
+    reqs = _requests(sync, 2, 14)
+    _assert_same(_drive(sync, reqs, 2), _drive(on, reqs, 2))
+    assert on.stats()["mixed_steps_ahead_total"] > 0
+    _assert_pool_empty(on)
