@@ -7,7 +7,9 @@ import operator
 from dataclasses import dataclass, field
 
 from .fair_share import FairShare
-from .pool import UnifiedPool, prefix_page_keys
+import numpy as np
+
+from .pool import UnifiedPool, highest_free_run, prefix_page_keys
 from .request import RequestState, Status
 
 
@@ -243,7 +245,7 @@ class Scheduler:
             if not admit:
                 return None
             ended = len(going_on) < len(decode)
-            admitted = self._admit_ahead(going_on, self.pool.num_free - sum(counts), ended)
+            admitted = self._admit_ahead(going_on, sum(counts), ended)
             if admitted is None:
                 return None
         if not going_on and not admitted:
@@ -260,27 +262,39 @@ class Scheduler:
             self.held_steps += 1
             return plan
         for state, _ in admitted:
+            a = state.adapter
+            missed = a is not None and self.pool.resident(a) is None
+            if missed:  # into the free run planned: nothing evicted or moved
+                r = self.pool.page_in(a, may_evict=False, may_move=False)
+                assert r is not None, "a page-in planned ahead found no free run"
             ok = self._admit(state)
             assert ok, "an admission checked ahead failed"
+            self.prefetch_misses += missed
             self._dequeue(state)
             self._add_prefill(plan, state, self.max_num_batched_tokens - plan.num_tokens)
         return plan
 
-    def _admit_ahead(self, going_on: list[RequestState], free: int, ended: bool):
+    def _admit_ahead(self, going_on: list[RequestState], growth: int, ended: bool):
         """The queued requests ``schedule`` would admit into the step after the running one, given
-        that step's decode rows ``going_on`` and ``free`` pages left once they grew: [(state,
+        that step's decode rows ``going_on``, which take ``growth`` new KV pages first: [(state,
         tokens)], "held" (the arrivals wait, prefill coalescing), or None where that is not
         certain before the running step's tokens are read. Certain: FIFO order (fair picks
-        depend on charges made as they go), every admission's adapter already resident (no
-        page-in: one could evict or move what the running step reads) and its KV pages free
-        above the watermark now, before the ending rows give theirs back (no eviction); with
-        prefix caching, no row ending now (its pages are registered when it is read)."""
+        depend on charges made as they go); every admission's adapter resident, or (no prefix
+        caching) going into a run of free pages ``page_in`` would take as it is (no eviction or
+        KV page move: either could touch what the running step reads); its KV pages free above
+        the watermark now, before the ending rows give theirs back (no eviction); with prefix
+        caching, no row ending now (its pages are registered when it is read). The pages are
+        planned on a copy of the free map, in ``schedule``'s order: growth (lowest free
+        pages), then per admission its adapter (the highest run) and its KV pages (lowest)."""
         if self.fair is not None or (self.prefix_caching and ended):
             return None
         budget = self.max_num_batched_tokens - len(going_on)
         if self._hold_arrivals(going_on, False, budget, len(going_on), self.steps + 1):
             return "held"
         pool = self.pool
+        free_map = None  # planned only when an adapter is to be paged in (runs matter then)
+        free = pool.num_free - growth
+        paged: set[int] = set()
         out: list[tuple[RequestState, int]] = []
         for state in self.waiting:
             if len(going_on) + len(out) >= self.max_num_seqs:
@@ -290,14 +304,30 @@ class Scheduler:
                     break
             elif state.num_tokens > budget and (out or going_on):
                 break
-            if state.adapter is not None and pool.resident(state.adapter) is None:
-                return None
+            a = state.adapter
+            if a is not None and pool.resident(a) is None and a.key not in paged:
+                if self.prefix_caching or pool.kv_pages_cached:
+                    return None
+                if free_map is None:
+                    free_map = pool.free_map()
+                    free_map[np.flatnonzero(free_map)[:growth]] = False
+                    for st, _ in out:  # (none paged in before: their KV pages, lowest first)
+                        free_map[np.flatnonzero(free_map)[:pool.pages_for_tokens(st.num_tokens)]] = False
+                n = pool.pages_for_adapter(a)
+                start = highest_free_run(free_map, n)
+                if start is None:
+                    return None
+                free_map[start:start + n] = False
+                free -= n
+                paged.add(a.key)
             pages = pool.pages_for_tokens(state.num_tokens)
             # (the watermark whether or not ``schedule`` would keep it: ``_admit`` keeps it here,
             # the ending rows still running)
             if free - pages < self.watermark_pages:
                 return None
             free -= pages
+            if free_map is not None:
+                free_map[np.flatnonzero(free_map)[:pages]] = False
             n = state.num_tokens - state.num_cached
             if self.chunked_prefill:
                 n = min(n, budget)

@@ -98,30 +98,33 @@ def test_mixed_steps_ahead_with_chunked_prefill_and_prefix_caching(make_engine):
         assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_admissions_that_need_a_page_in_or_a_fair_pick_wait_for_the_tokens(make_engine):
+def test_admissions_paging_in_their_adapter_and_fair_picks(make_engine):
     """Three base requests decode; one on an adapter not yet resident arrives (nothing pages it
-    in ahead: ``prefetch_depth`` 0, no prefetch ahead), then a second on the same adapter: the
-    first's step waits for the running step's tokens (its page-in could evict or move what that
-    step reads), the second's, its adapter resident by then, is planned ahead. Fair scheduling
-    never plans an admission ahead (its picks depend on the charges made as it admits)."""
+    in ahead: ``prefetch_depth`` 0, no prefetch ahead), then a second on the same adapter.
+    Without prefix caching both steps are planned ahead, the first paging its adapter into the
+    free run ``page_in`` would take anyway (counted as a prefetch miss, as reading first
+    would); with prefix caching the first waits for the running step's tokens (where pages go
+    depends on the cache), the second's adapter is resident by then. Fair scheduling never
+    plans an admission ahead (its picks depend on the charges made as it admits)."""
     sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     base = [GenerationRequest(prompt_token_ids=[4 + i, 13, 21], adapter=None, sampling=sp, request_id=f"b{i}")
             for i in range(3)]
     late = [GenerationRequest(prompt_token_ids=[7, 30 + i], adapter="mlp8", sampling=sp, request_id=f"l{i}")
             for i in range(2)]
-    config = dict(num_pages=200, page_size=4, max_num_seqs=8, prefix_caching=False, prefetch_depth=0,
-                  prefetch_ahead="off")
-    sync, off, on = _three(make_engine, **config)
-    results = []
-    for engine in (sync, off, on):
-        calls = {0: base, 3: late[:1], 6: late[1:]}
-        results.append(_drive_at(engine, calls))
-    _assert_same(results[0], results[1])
-    _assert_same(results[0], results[2])
-    stats = on.stats()
-    assert stats["prefill_steps_total"] == 3 and stats["mixed_steps_ahead_total"] == 1
+    calls = {0: base, 3: late[:1], 6: late[1:]}
+    for caching, ahead in ((False, 2), (True, 1)):
+        config = dict(num_pages=200, page_size=4, max_num_seqs=8, prefix_caching=caching, prefetch_depth=0,
+                      prefetch_ahead="off")
+        sync, off, on = _three(make_engine, **config)
+        want = _drive_at(sync, calls)
+        _assert_same(want, _drive_at(off, calls))
+        _assert_same(want, _drive_at(on, calls))
+        stats = on.stats()
+        assert stats["prefill_steps_total"] == 3 and stats["mixed_steps_ahead_total"] == ahead
+        assert stats["adapter_prefetch_misses_total"] == sync.stats()["adapter_prefetch_misses_total"] == 1
+        on.pool.check()
     fair = make_engine(async_decode="on", scheduling="fair", **config)
-    _assert_same(results[0], _drive_at(fair, {0: base, 3: late[:1], 6: late[1:]}))
+    _assert_same(want, _drive_at(fair, calls))
     assert fair.stats()["mixed_steps_ahead_total"] == 0 and fair.stats()["decode_steps_ahead_total"] > 0
 
 
