@@ -78,7 +78,8 @@ class EngineStep:
         launched and left in ``_inflight`` instead (``_complete`` emits it). ``running``: the
         step still on the device whose rows ``plan`` continues (``Scheduler.plan_ahead``; a
         decode-only step, or a step with prefill rows whose prefills all completed): its
-        sampled tokens are this step's inputs."""
+        sampled tokens are the inputs of ``plan``'s decode rows (``plan`` may admit requests
+        too: a mixed step planned ahead, ``EngineTuning.mixed_ahead``)."""
         last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
             # planned ahead: the decode rows' newest tokens are the running step's, on the device
