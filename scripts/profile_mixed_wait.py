@@ -13,11 +13,14 @@ tables: ``upload_rows`` builds and uploads them, ``decode_tables`` the decode ro
 tables), ``forward`` (``pieces_load``: the padded step's inputs copied into the pieces' buffers;
 then the pieces' replays and attention launched), ``decode_forward`` (a decode-only step's
 inputs and graph replay), ``logits``, ``sampled_rows`` / ``sample`` and ``prefetch``. The table:
-per kind of step launched (decode or mixed, small or large, planned ahead or after a read), host
-ms per step of each phase, and the device idle before the step (``gpu_gap``, CUDA events of the
-ledger) beside its device span.
+per kind of step launched (decode or mixed, small or large, planned ahead or after a read), its
+device span (``GPU ms``, the ledger's CUDA events from the step's start, before its tables are
+built, to its launch's end), the device idle between the step before and that start (``gap``),
+the device time from the end of the step before to this step's first piece or graph replay
+(``1st``: what the device waited for the host's tables and launches, per step and in all), and
+host ms per step of each phase.
 
-``--window N`` then runs N steps of the old variant under ``torch.profiler`` (CPU and CUDA
+``--window N`` then runs N steps of ``--window-variant`` under ``torch.profiler`` (CPU and CUDA
 activity) from step ``--window-from``: the CUDA runtime calls the host made (synchronizations,
 copies, host allocations) and the phases' ranges, as a short table; ``--sync-check on`` steps
 the same part of the new variant under ``torch.cuda.set_sync_debug_mode``: each synchronizing
@@ -43,6 +46,7 @@ import bench_tenants  # noqa: E402
 from bench_tenants import TenantsBench, relabel, run_all  # noqa: E402
 
 from lightning_lorafusion.serving import engine_step  # noqa: E402
+from lightning_lorafusion.serving.decode_graphs import DecodeGraphs  # noqa: E402
 from lightning_lorafusion.serving.mixed_graphs import MixedPieces  # noqa: E402
 
 log = logger("profile_mixed_wait")
@@ -57,6 +61,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.current: dict[str, float] = collections.defaultdict(float)
+        self.marks: list = []  # CUDA events at the first piece / graph replay of this call's step
         self.ranges = False
         self._undo: list[Callable[[], None]] = []
 
@@ -79,6 +84,22 @@ class PhaseTimer:
             self._undo.append(lambda: setattr(owner, attr, real))
         else:
             self._undo.append(lambda: owner.__dict__.pop(attr, None))
+
+    def mark(self, owner: Any, attr: str) -> None:
+        """Record a CUDA timing event on the current stream when ``owner.attr`` is entered (the
+        step's first piece or graph replay is queued right after): ``marks`` of this call."""
+        real = getattr(owner, attr)
+        timer = self
+
+        def marked(*args, **kwargs):
+            if torch.cuda.is_available():
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                timer.marks.append(e)
+            return real(*args, **kwargs)
+
+        setattr(owner, attr, marked)
+        self._undo.append(lambda: setattr(owner, attr, real))
 
     def take(self) -> dict[str, float]:
         out, self.current = dict(self.current), collections.defaultdict(float)
@@ -110,6 +131,8 @@ def instrument(engine) -> PhaseTimer:
     t.wrap(engine.pool, "wait_ready", "wait_ready")
     t.wrap(engine_step, "sample_rows_checked", "sample", on_class=True)  # (a module function)
     t.wrap(MixedPieces, "load", "pieces_load", on_class=True)
+    t.mark(MixedPieces, "run")
+    t.mark(DecodeGraphs, "replay")
     return t
 
 
@@ -137,13 +160,19 @@ def step_trace(bench: TenantsBench, trace, timer: PhaseTimer, max_steps: int, on
                 on_step(calls)
             before = dict(engine._counters)
             n_times = len(ledger.clock.times)
+            prev = ledger.clock.times[-1] if ledger.clock.times else None
             timer.take()
+            timer.marks = []
             engine.step()
             phases = timer.take()
             step = ledger.clock.times[-1] if len(ledger.clock.times) > n_times else None
             ahead = (engine._counters["mixed_steps_ahead_total"] + engine._counters["decode_steps_ahead_total"]
                      > before["mixed_steps_ahead_total"] + before["decode_steps_ahead_total"])
-            records.append({"phases": phases, "step": step, "ahead": ahead})
+            # the device from the end of the step before to this step's first piece / replay
+            first = (prev.events[1], timer.marks[0]) if (
+                step is not None and timer.marks and prev is not None and prev.events is not None
+                and prev.events[1] is not None) else None
+            records.append({"phases": phases, "step": step, "ahead": ahead, "first": first})
             calls += 1
         if on_step is not None:
             on_step(-1)
@@ -152,6 +181,9 @@ def step_trace(bench: TenantsBench, trace, timer: PhaseTimer, max_steps: int, on
                 engine.abort(rid)
             engine.step()
         ledger.clock.resolve()
+        for r in records:
+            if r["first"] is not None:
+                r["first"] = max(0.0, r["first"][0].elapsed_time(r["first"][1]))
     finally:
         engine.disable_step_ledger()
     return records
@@ -172,6 +204,9 @@ def summarize(records: list[dict]) -> list[dict]:
         spans = [r["step"].gpu_s for r in rs if r["step"] is not None and r["step"].gpu_s is not None]
         walls = [r["step"].wall_s for r in rs if r["step"] is not None]
         row["gpu_gap"] = 1e3 * sum(gaps) / len(gaps) if gaps else None
+        firsts = [r["first"] for r in rs if r.get("first") is not None]
+        row["to_first"] = sum(firsts) / len(firsts) if firsts else None  # ms (elapsed_time's unit)
+        row["to_first_s"] = sum(firsts) / 1e3
         row["gpu_s"] = 1e3 * sum(spans) / len(spans) if spans else None
         row["wall"] = 1e3 * sum(walls) / len(walls) if walls else None
         row["device_idle_s"] = sum(gaps)
@@ -181,12 +216,13 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def phase_table(rows: list[dict]) -> str:
     shown = [p for p in PHASES if any(r[p] >= 0.005 for r in rows)]
-    head = f"  {'step launched':<30} {'steps':>6} {'GPU ms':>7} {'idle ms':>7} {'idle s':>7} " + " ".join(
-        f"{p[:12]:>12}" for p in shown)
+    head = (f"  {'step launched':<30} {'steps':>6} {'GPU ms':>7} {'gap ms':>7} {'1st ms':>7} {'1st s':>7} "
+            + " ".join(f"{p[:12]:>12}" for p in shown))
     lines = [head]
     for r in rows:
         lines.append(f"  {r['kind']:<30} {r['steps']:>6} {_f(r['gpu_s'], '7.2f')} {_f(r['gpu_gap'], '7.2f')} "
-                     f"{r['device_idle_s']:>7.3f} " + " ".join(f"{r[p]:>12.3f}" for p in shown))
+                     f"{_f(r['to_first'], '7.2f')} {r['to_first_s']:>7.3f} "
+                     + " ".join(f"{r[p]:>12.3f}" for p in shown))
     return "\n".join(lines)
 
 
@@ -218,14 +254,29 @@ def profiler_window(bench: TenantsBench, trace, timer: PhaseTimer, start: int, s
         return {"steps": 0, "kinds": {}, "rows": []}
     window = records[start:start + steps]
     kinds = collections.Counter(group_of(r["step"].kind if r["step"] else None, r["ahead"]) for r in window)
-    rows = []
-    for e in state["prof"].key_averages():
-        if e.key.startswith(("cuda", "phase::", "aten::item", "aten::_local_scalar", "aten::to", "aten::copy_",
-                             "aten::nonzero", "aten::index_put", "aten::tensor", "aten::empty")):
-            rows.append({"name": e.key, "calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3,
-                         "self_cpu_ms": e.self_cpu_time_total / 1e3})
-    rows.sort(key=lambda r: -r["cpu_total_ms"])
-    return {"steps": steps, "kinds": dict(kinds), "rows": rows[:40]}
+    events = list(state["prof"].events())
+    phases = [(e.time_range.start, e.time_range.end, e.name[len("phase::"):]) for e in events
+              if e.name.startswith("phase::")]
+    blocking = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                "cudaHostAlloc", "cudaMallocHost", "cudaMalloc", "cudaFree", "cudaGraphLaunch", "cudaLaunchKernel",
+                "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")
+    by: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if not e.name.startswith(blocking) or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        s0, s1 = e.time_range.start, e.time_range.end
+        inner = [p for p in phases if p[0] <= s0 and s1 <= p[1]]  # innermost: the latest start
+        where = max(inner)[2] if inner else "-"
+        acc = by[(where, e.name)]
+        acc[0] += 1
+        acc[1] += (s1 - s0) / 1e3
+    rows = [{"phase": k[0], "name": k[1], "calls": v[0], "ms": v[1]} for k, v in by.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    totals = collections.Counter()
+    for p in phases:
+        totals[p[2]] += (p[1] - p[0]) / 1e3
+    return {"steps": steps, "kinds": dict(kinds), "rows": rows[:40],
+            "phase_ms": dict(totals.most_common())}
 
 
 def sync_check(bench: TenantsBench, trace, timer: PhaseTimer, start: int, steps: int) -> dict:
@@ -254,57 +305,73 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile-variants", default="old,new", help="mixed steps planned ahead: new; not: old")
     ap.add_argument("--max-steps", type=int, default=100000, help="step calls per variant at most")
-    ap.add_argument("--window", type=int, default=40, help="profiled steps (old variant; 0: none)")
+    ap.add_argument("--window", type=int, default=40, help="profiled steps (0: none)")
     ap.add_argument("--window-from", type=int, default=400)
+    ap.add_argument("--window-variant", choices=("old", "new"), default="new")
     ap.add_argument("--sync-check", choices=("on", "off"), default="on")
     ap.add_argument("--bench", choices=("on", "off"), default="on",
                     help="then bench_tenants' runs (its --variants/--old/--runs/--slora) on the same engine")
+    ap.add_argument("--bench-first", choices=("on", "off"), default="off",
+                    help="on: the bench's runs before the profile (its numbers first, if time runs out)")
     own, rest = ap.parse_known_args(argv)
     args = bench_tenants.parse_args(rest)
     bench = TenantsBench(args)
     report: dict[str, Any] = {"args": vars(own)}
     try:
         bench.warm_up()
-        engine = bench.engine
-        trace = bench.main_traces()["burst"]
-        timer = instrument(engine)
-        try:
-            for variant in own.profile_variants.split(","):
-                engine.mixed_ahead = variant == "new"
-                t0 = time.perf_counter()
-                records = step_trace(bench, relabel(trace, f"w{variant}-"), timer, own.max_steps)
-                rows = summarize(records)
-                report[f"phases_{variant}"] = rows
-                print(f"\nhost ms per step by phase, mixed steps ahead {variant == 'new'} ({len(records)} step calls, "
-                      f"{time.perf_counter() - t0:.1f} s)\n" + phase_table(rows), flush=True)
-            if own.window > 0 and torch.cuda.is_available():
-                engine.mixed_ahead = False
-                report["window_old"] = w = profiler_window(bench, relabel(trace, "pw-"), timer, own.window_from,
-                                                           own.window)
-                print(f"\ntorch.profiler, old variant, steps {own.window_from}..+{own.window} {w['kinds']}: host ms")
-                for r in w["rows"]:
-                    print(f"  {r['name'][:48]:<48} {r['calls']:>7} {r['cpu_total_ms']:>10.2f} {r['self_cpu_ms']:>10.2f}")
-            if own.sync_check == "on" and torch.cuda.is_available():
-                engine.mixed_ahead = True
-                report["syncs_new"] = s = sync_check(bench, relabel(trace, "sc-"), timer, own.window_from,
-                                                     max(own.window, 40))
-                print(f"\nsynchronizing calls, new variant, {s['steps']} steps: {len(s['syncs'])} sites")
-                for site, n in s["syncs"]:
-                    print(f"  {n:>6}  {site}")
-        finally:
-            timer.restore()
-        write_json(args.out, "profile_mixed_wait.json", report)
-        sys.stdout.flush()
-        if own.bench == "on":
+        if own.bench == "on" and own.bench_first == "on":
             run_all(bench)
+            print_bench(bench)
+        profile(bench, own, report)
+        write_json(args.out, "profile_mixed_wait.json", report)
+        if own.bench == "on" and own.bench_first == "off":
+            run_all(bench)
+            print_bench(bench)
     finally:
         bench.engine.close()
-    if own.bench == "on":
-        rep = bench.report
-        print("\n" + bench_tenants.table(rep))
-        for r in rep["runs"]:
-            print(f"\n{r['run']} {r['arrivals']}: time by step kind\n" + bench_tenants.breakdown_table(r["breakdown"]))
     return report
+
+
+def print_bench(bench: TenantsBench) -> None:
+    rep = bench.report
+    print("\n" + bench_tenants.table(rep), flush=True)
+    for r in rep["runs"]:
+        print(f"\n{r['run']} {r['arrivals']}: time by step kind\n" + bench_tenants.breakdown_table(r["breakdown"]))
+    sys.stdout.flush()
+
+
+def profile(bench: TenantsBench, own, report: dict) -> None:
+    """The phase tables of ``--profile-variants``, the profiler window and the sync check."""
+    engine = bench.engine
+    trace = bench.main_traces()["burst"]
+    timer = instrument(engine)
+    try:
+        for variant in own.profile_variants.split(","):
+            engine.mixed_ahead = variant == "new"
+            t0 = time.perf_counter()
+            records = step_trace(bench, relabel(trace, f"w{variant}-"), timer, own.max_steps)
+            rows = summarize(records)
+            report[f"phases_{variant}"] = rows
+            print(f"\nhost ms per step by phase, mixed steps ahead {variant == 'new'} ({len(records)} step calls, "
+                  f"{time.perf_counter() - t0:.1f} s)\n" + phase_table(rows), flush=True)
+        if own.window > 0 and torch.cuda.is_available():
+            engine.mixed_ahead = own.window_variant == "new"
+            report["window"] = w = profiler_window(bench, relabel(trace, "pw-"), timer, own.window_from, own.window)
+            print(f"\ntorch.profiler, {own.window_variant} variant, steps {own.window_from}..+{own.window} "
+                  f"{w['kinds']}: host ms by phase {', '.join(f'{k} {v:.1f}' for k, v in w['phase_ms'].items())}\n"
+                  f"  CUDA runtime calls by the phase they ran in: phase, call, calls, host ms")
+            for r in w["rows"]:
+                print(f"  {r['phase']:<16} {r['name'][:40]:<40} {r['calls']:>7} {r['ms']:>10.2f}")
+        if own.sync_check == "on" and torch.cuda.is_available():
+            engine.mixed_ahead = True
+            report["syncs_new"] = s = sync_check(bench, relabel(trace, "sc-"), timer, own.window_from,
+                                                 max(own.window, 40))
+            print(f"\nsynchronizing calls, new variant, {s['steps']} steps: {len(s['syncs'])} sites")
+            for site, n in s["syncs"]:
+                print(f"  {n:>6}  {site}")
+        sys.stdout.flush()
+    finally:
+        timer.restore()
 
 
 if __name__ == "__main__":
