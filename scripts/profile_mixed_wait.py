@@ -149,6 +149,8 @@ def group_of(kind, ahead: bool) -> str:
 def step_trace(bench: TenantsBench, trace, timer: PhaseTimer, max_steps: int, on_step=None) -> list[dict]:
     """Submit ``trace`` at once and step it in this thread -> one record per ``step`` call."""
     engine = bench.engine
+    if engine._thread is not None:
+        raise RuntimeError("the engine's loop thread is running: close() it before stepping in this thread")
     for item in trace:
         engine.submit(item.request)
     ledger = engine.enable_step_ledger()
@@ -251,7 +253,7 @@ def profiler_window(bench: TenantsBench, trace, timer: PhaseTimer, start: int, s
 
     records = step_trace(bench, trace, timer, start + steps + 1, on_step)
     if "prof" not in state:
-        return {"steps": 0, "kinds": {}, "rows": []}
+        return {"steps": 0, "kinds": {}, "rows": [], "phase_ms": {}}
     window = records[start:start + steps]
     kinds = collections.Counter(group_of(r["step"].kind if r["step"] else None, r["ahead"]) for r in window)
     events = list(state["prof"].events())
@@ -322,6 +324,9 @@ def main(argv=None) -> dict:
         if own.bench == "on" and own.bench_first == "on":
             run_all(bench)
             print_bench(bench)
+            # the bench's runs started the engine's loop thread: stop it, or it steps the engine
+            # beside this thread and the phases below mix both threads' steps
+            bench.engine.close()
         profile(bench, own, report)
         write_json(args.out, "profile_mixed_wait.json", report)
         if own.bench == "on" and own.bench_first == "off":
