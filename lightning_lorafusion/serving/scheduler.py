@@ -6,9 +6,9 @@ from collections import deque
 import operator
 from dataclasses import dataclass, field
 
-from .fair_share import FairShare
 import numpy as np
 
+from .fair_share import FairShare
 from .pool import UnifiedPool, highest_free_run, prefix_page_keys
 from .request import RequestState, Status
 
@@ -240,7 +240,7 @@ class Scheduler:
             if need > 0:
                 growing.append(state)
                 counts.append(need)
-        admitted: list[tuple[RequestState, int]] = []
+        admitted: list[tuple[RequestState, int]] | str = []  # (or "held": arrivals coalescing)
         if self.waiting and len(going_on) < self.max_num_seqs:
             if not admit:
                 return None
