@@ -128,6 +128,27 @@ def test_admissions_paging_in_their_adapter_and_fair_picks(make_engine):
     assert fair.stats()["mixed_steps_ahead_total"] == 0 and fair.stats()["decode_steps_ahead_total"] > 0
 
 
+def test_arrivals_held_back_ahead_as_reading_first_would(make_engine):
+    """Prefill coalescing (``prefill_wait_steps`` 2): arrivals one call apart while six rows
+    decode are held back and admitted together; planned ahead, the scheduler holds and admits
+    them at the same steps as reading first would (greedy to their lengths: the same plans),
+    so the held steps, the prefill steps and every output are the same."""
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    first = [GenerationRequest(prompt_token_ids=[5 + i, 11, 19 + i], adapter=[None, "all4"][i % 2], sampling=sp,
+                               request_id=f"c{i}") for i in range(6)]
+    late = [GenerationRequest(prompt_token_ids=[8, 40 + i], adapter=[None, "attn2"][i % 2], sampling=sp,
+                              request_id=f"d{i}") for i in range(3)]
+    calls = {0: first, 3: late[:1], 4: late[1:2], 5: late[2:]}
+    config = dict(num_pages=200, page_size=4, max_num_seqs=12, prefix_caching=False, prefill_wait_steps=2)
+    sync, off, on = _three(make_engine, **config)
+    want = _drive_at(sync, calls)
+    _assert_same(want, _drive_at(off, calls))
+    _assert_same(want, _drive_at(on, calls))
+    assert on.scheduler.held_steps == sync.scheduler.held_steps > 0
+    assert on.stats()["prefill_steps_total"] == sync.stats()["prefill_steps_total"]
+    assert on.stats()["mixed_steps_ahead_total"] > 0
+
+
 def _drive_at(engine, calls: dict[int, list[GenerationRequest]]) -> dict:
     """Submit ``calls[i]`` before step call i; step until every request ended -> ``_drive``'s results."""
     order = [r for i in sorted(calls) for r in calls[i]]
