@@ -331,6 +331,7 @@ class TenantsBench:
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
+        engine.mixed_ahead = "mixed-ahead" not in old  # (EngineTuning.mixed_ahead; no capture)
         engine.runner.host_tables = "separate" if "host" in old else "packed"
         engine.pool.page_in_groups = page_in_groups(engine.model_config.num_layers,
                                                     "step" if "page-in" in old else "layer")
@@ -589,7 +590,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits", "attention-items")),
+                                              "attention-splits", "attention-items", "mixed-ahead")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -606,7 +607,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "powers of two only), attention-splits (the decode attention split for 2 programs per "
                          "SM at every row count), attention-items (the decode attention's per-row splits at every "
                          "row count instead of work items from the step's total tokens where "
-                         "paged_attention.BALANCED_ROWS takes them); default %(default)s")
+                         "paged_attention.BALANCED_ROWS takes them), mixed-ahead (steps admitting requests wait for "
+                         "the running step's tokens: EngineTuning.mixed_ahead off); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

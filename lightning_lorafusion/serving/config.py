@@ -51,6 +51,13 @@ class EngineTuning:
     # on a stop token or string costs one discarded row in the step after. "auto" (the
     # default): on with CUDA; "on": also on a CPU (the same logic, nothing to overlap); "off"
     async_decode: str = "auto"
+    # with the overlapped decode, the steps that admit queued requests are planned and launched
+    # ahead too, their decode rows fed the running step's tokens on the device: "on" (the
+    # default) where the scheduler can tell, before those tokens are read, what it would admit
+    # (FIFO, the admissions' adapters resident, their KV pages free; ``Scheduler.plan_ahead``),
+    # so the device does not idle while the host builds the step's tables; "off": such a step
+    # waits for the running step's tokens (docs/serving.md "Mixed steps planned ahead")
+    mixed_ahead: str = "on"
     # an NF4 base's frozen products (``KernelOptions.nf4_gemm``): "buffer" (dequantize each weight
     # into a scratch buffer, then a GEMM), "fused" (the NF4 GEMM reads the 4-bit weight in its
     # tiles; CUDA), "auto" (decode steps of at most 64 rows on CUDA: the NF4 decode kernel, which
@@ -105,6 +112,8 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.mixed_graphs={self.mixed_graphs!r}; allowed: {', '.join(MIXED_GRAPHS)}")
         if self.async_decode not in ASYNC_DECODE:
             raise ConfigError(f"EngineTuning.async_decode={self.async_decode!r}; allowed: {', '.join(ASYNC_DECODE)}")
+        if self.mixed_ahead not in ON_OFF:
+            raise ConfigError(f"EngineTuning.mixed_ahead={self.mixed_ahead!r}; allowed: {', '.join(ON_OFF)}")
         if self.prefetch_ahead not in ON_OFF:
             raise ConfigError(f"EngineTuning.prefetch_ahead={self.prefetch_ahead!r}; allowed: {', '.join(ON_OFF)}")
         if self.host_tables not in HOST_TABLES:

@@ -133,6 +133,8 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         # whose tokens the next call emits
         overlap = config.tuning.async_decode
         self._overlap = overlap == "on" or (overlap == "auto" and self.device.type == "cuda")
+        # with it, steps that admit requests are planned ahead too (EngineTuning.mixed_ahead)
+        self._mixed_ahead = self._overlap and config.tuning.mixed_ahead == "on"
         self._inflight: _Launched | None = None
         self._rows: _SampledRows | None = None
         self._token_texts: dict[int, str] = {}
@@ -148,8 +150,10 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                           "ttft_seconds_total": 0.0, "first_tokens_total": 0,
                           "nonfinite_logits_total": 0,  # requests aborted for NaN / inf logits
                           # overlapped decode: steps launched before the previous step's tokens
-                          # were read, and their rows discarded (the request stopped meanwhile)
-                          "decode_steps_ahead_total": 0, "decode_rows_discarded_total": 0}
+                          # were read (decode-only, and with prefill rows: mixed_ahead), and
+                          # their rows discarded (the request stopped meanwhile)
+                          "decode_steps_ahead_total": 0, "mixed_steps_ahead_total": 0,
+                          "decode_rows_discarded_total": 0}
 
     def _use_cuda_graphs(self) -> bool:
         mode = self.config.cuda_graphs
@@ -281,6 +285,18 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         """Whether decode-only steps overlap the host (``EngineTuning.async_decode`` resolved for
         this device: ``auto`` is on for CUDA)."""
         return self._overlap
+
+    @property
+    def mixed_ahead(self) -> bool:
+        """Whether steps that admit requests are planned and launched before the running step's
+        tokens are read too (``EngineTuning.mixed_ahead``; only with the overlapped decode).
+        Settable between steps (benchmarks compare both)."""
+        return self._mixed_ahead
+
+    @mixed_ahead.setter
+    def mixed_ahead(self, on: bool) -> None:
+        with self._step_lock:
+            self._mixed_ahead = bool(on) and self._overlap
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page no running request holds (vLLM's reset_prefix_cache):

@@ -30,14 +30,14 @@ class EngineStep:
         drained = False
         if running is not None:  # a step is on the device: launch the next one first
             if self.pool.pages_moved == running.pages_moved:  # (a prefetch's page-in may move them)
-                plan = self.scheduler.plan_ahead(running.seqs)
+                plan = self.scheduler.plan_ahead(running.seqs, admit=self._mixed_ahead)
                 if clock is not None:
                     clock.add("schedule_s", time.perf_counter() - now)
             if plan is None:  # the next step depends on its tokens
                 self._complete(running, events)
                 running, drained = None, True
             else:
-                self._counters["decode_steps_ahead_total"] += 1
+                self._counters["mixed_steps_ahead_total" if plan.prefill else "decode_steps_ahead_total"] += 1
         if plan is None:
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()
@@ -78,10 +78,13 @@ class EngineStep:
         launched and left in ``_inflight`` instead (``_complete`` emits it). ``running``: the
         step still on the device whose rows ``plan`` continues (``Scheduler.plan_ahead``; a
         decode-only step, or a step with prefill rows whose prefills all completed): its
-        sampled tokens are this step's inputs."""
+        sampled tokens are the inputs of ``plan``'s decode rows (``plan`` may admit requests
+        too: a mixed step planned ahead, ``EngineTuning.mixed_ahead``)."""
         last, self._last_sampled = self._last_sampled, None
         if plan.prefill:
-            batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens)
+            # planned ahead: the decode rows' newest tokens are the running step's, on the device
+            fed = self._fed_tokens(running, plan.decode) if running is not None and plan.decode else None
+            batch = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_lens, fed=fed)
             hidden = self.runner.forward(batch)
             seqs, last_rows = [], []  # requests that sample a token this step, and their rows
             for state, n, (start, end) in zip(plan.prefill, plan.prefill_lens, batch.spans):
@@ -102,18 +105,16 @@ class EngineStep:
             logits = self.runner.logits(hidden.index_select(0, rows_t))
         elif running is not None:  # decode only, fed the running step's tokens on the device
             seqs = plan.decode
-            fed = running.tokens
-            if len(seqs) != len(running.seqs):  # rows that end with the running step left out
-                ids = set(map(id, seqs))
-                keep = [i for i, st in enumerate(running.seqs) if id(st) in ids]
-                fed = fed.index_select(0, torch.tensor(keep, pin_memory=fed.is_cuda).to(fed.device, non_blocking=True))
-            logits = self.runner.decode_logits(seqs, token_tensor=fed)
+            logits = self.runner.decode_logits(seqs, token_tensor=self._fed_tokens(running, seqs))
         else:  # decode only: a CUDA graph replay where captured
             seqs = plan.decode
             # the previous step sampled these very rows: their tokens are the inputs
             same = last is not None and len(last[0]) == len(seqs) and all(map(operator.is_, seqs, last[0]))
             logits = self.runner.decode_logits(seqs, last[1] if same else None)
-        rows = self._sampled_rows(seqs, ahead=running is not None)
+        # planned ahead, every decode row is one token further than its state holds
+        ahead = 0 if running is None else 1 if not plan.prefill else [0] * (len(seqs) - len(plan.decode)) + [1] * len(
+            plan.decode)
+        rows = self._sampled_rows(seqs, ahead=ahead)
         adjust = rows.adjust
         # finite: no NaN / +inf in the row's logits (read off the argmax's pass; a bias or penalty
         # keeps NaN and inf as they are)
@@ -141,6 +142,17 @@ class EngineStep:
             return
         self._complete(launched, events)
 
+    @staticmethod
+    def _fed_tokens(running: "_Launched", seqs: list[RequestState]) -> torch.Tensor:
+        """The running step's sampled tokens of ``seqs`` (in order; its rows that go on), on the
+        device: the inputs of a step planned ahead of them."""
+        fed = running.tokens
+        if len(seqs) != len(running.seqs):  # rows that end with the running step left out
+            ids = set(map(id, seqs))
+            keep = [i for i, st in enumerate(running.seqs) if id(st) in ids]
+            fed = fed.index_select(0, torch.tensor(keep, pin_memory=fed.is_cuda).to(fed.device, non_blocking=True))
+        return fed
+
     def _prefetch_after_launch(self, running: "_Launched | None") -> None:
         """Page in the next admissions' adapters now that the step is queued on the device
         (``Scheduler.prefetch``): after a step planned ahead (``running``: the step before it
@@ -154,23 +166,24 @@ class EngineStep:
         clock = ledger.clock if ledger is not None else None
         t0 = time.perf_counter()
         tokens, chosen, top_vals, top_ids = launched.read()
-        if launched.decode_only:
-            self._last_sampled = (launched.seqs, tokens)
+        # (a step launched after this one with prefill rows moved its rows on: nothing to reuse)
+        self._last_sampled = (launched.seqs, tokens) if launched.decode_only and self._inflight is None else None
         t1 = time.perf_counter()
         self._emit(launched.seqs, tokens, launched.rows, chosen, top_vals, top_ids, events)
         if clock is not None:
             clock.add("wait_s", t1 - t0)
             clock.add("emit_s", time.perf_counter() - t1)
 
-    def _sampled_rows(self, seqs: list[RequestState], ahead: bool = False) -> "_SampledRows":
+    def _sampled_rows(self, seqs: list[RequestState], ahead: "int | list[int]" = 0) -> "_SampledRows":
         """What sampling needs of ``seqs``, reused while the batch keeps the same requests in
-        the same order (decode steps between arrivals and finishes). ``ahead``: each row has one
-        token more than its state holds (a step planned ahead; the rows are then all rows of the
-        last composition, whose device-side counts already hold that token)."""
+        the same order (decode steps between arrivals and finishes). ``ahead`` (one value, or one
+        per row): the rows with one token more than their states hold (a step planned ahead: its
+        decode rows, all rows of the last composition, whose device-side counts already hold
+        that token; not the prefill rows of a mixed step planned ahead)."""
         rows = self._rows
         if rows is None or len(rows.states) != len(seqs) or not all(map(operator.is_, seqs, rows.states)):
             rows = self._rows = _SampledRows(seqs, self.device, self.model_config.vocab_size, previous=rows,
-                                             ahead=int(ahead))
+                                             ahead=ahead)
         return rows
 
     def _take_incoming(self, events: list[TokenEvent]) -> None:
@@ -230,14 +243,15 @@ class _SampledRows:
     logprobs, their detokenizers and stop ids."""
 
     def __init__(self, states: list[RequestState], device: torch.device, vocab: int,
-                 previous: "_SampledRows | None" = None, ahead: int = 0) -> None:
+                 previous: "_SampledRows | None" = None, ahead: "int | list[int]" = 0) -> None:
         self.states = list(states)
         rows = range(len(states))
+        aheads = ahead if isinstance(ahead, list) else [int(ahead)] * len(states)
         if all(map(_greedy, states)):  # (what build gives for greedy rows only, without a pass over them)
             self.sampling = SamplingRows.build((), (), (), device)
         else:
             self.sampling = SamplingRows.build([s.sampling for s in states], [s.seed for s in states],
-                                               [len(s.output_ids) + ahead for s in states], device)
+                                               [len(s.output_ids) + a for s, a in zip(states, aheads)], device)
         # bias and penalties: their rows' token counts, kept up to date while the batch lasts
         adjusted = list(itertools.compress(rows, map(_adjusts, states)))
         self.adjust = None if not adjusted else LogitAdjustments(
@@ -246,12 +260,13 @@ class _SampledRows:
             # keyed by the states themselves (a request id may come back for a new request;
             # ``previous`` holds its states, so no id() of theirs is reused meanwhile)
             ids=[id(states[i]) for i in adjusted], previous=None if previous is None else previous.adjust,
-            ahead=ahead)
+            ahead=[aheads[i] for i in adjusted])
         # rows that asked for logprobs (their states' lists, possibly still empty, are not None)
         want = list(itertools.compress(rows, map(operator.is_not, map(_logprobs, states), itertools.repeat(None))))
         self.top_n = max((states[i].sampling.logprobs for i in want), default=None)
         self.logprob_row = {i: j for j, i in enumerate(want)}  # row -> its row in the logprob tensors
-        self.logprob_index = (torch.tensor(want, device=device) if want and len(want) < len(states) else None)
+        self.logprob_index = (torch.tensor(want, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+                              if want and len(want) < len(states) else None)
         # for detokenization: every row generates (none only scores its prompt), the stop ids of any row
         self.all_generate = all(s.max_output for s in states)
         self.stop_ids = frozenset().union(*(s.stop_ids for s in states))

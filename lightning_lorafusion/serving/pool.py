@@ -488,10 +488,11 @@ class UnifiedPool:
 
     def _find_run(self, n: int) -> int | None:
         """Start of the highest run of ``n`` free pages, or None."""
-        edges = np.diff(np.concatenate(([0], self._free.astype(np.int8), [0])))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        fits = np.flatnonzero(ends - starts >= n)
-        return None if fits.size == 0 else int(ends[fits[-1]] - n)
+        return highest_free_run(self._free, n)
+
+    def free_map(self) -> np.ndarray:
+        """A copy of the free-page map (True: free), for planning allocations without making them."""
+        return self._free.copy()
 
     def _open_run(self, n: int) -> int | None:
         """Free a run of ``n`` pages by moving the KV pages (in use or cached) of the
@@ -536,3 +537,12 @@ class UnifiedPool:
         if key is not None:
             self._page_key[dst] = key
             self._prefix[key] = dst
+
+
+def highest_free_run(free: np.ndarray, n: int) -> int | None:
+    """Start of the highest run of ``n`` True entries of ``free``, or None (where ``page_in``
+    puts an adapter of ``n`` pages without moving or evicting anything)."""
+    edges = np.diff(np.concatenate(([0], free.astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    fits = np.flatnonzero(ends - starts >= n)
+    return None if fits.size == 0 else int(ends[fits[-1]] - n)

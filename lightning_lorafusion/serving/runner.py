@@ -297,7 +297,7 @@ class ModelRunner(MixedStepSettings):
     # ------------------------------------------------------------------ inputs
 
     def prepare(self, prefill: Sequence[RequestState], decode: Sequence[RequestState],
-                prefill_lens: Sequence[int] | None = None) -> StepBatch:
+                prefill_lens: Sequence[int] | None = None, *, fed: torch.Tensor | None = None) -> StepBatch:
         """Host-side bookkeeping of a step -> device tensors. Prefill request i feeds
         ``prefill_lens[i]`` tokens (default: all the rest) from ``num_cached`` (0 unless a cached
         prefix was reused or an earlier chunk ran); decode requests feed their newest token.
@@ -305,7 +305,10 @@ class ModelRunner(MixedStepSettings):
         when it wants prompt logprobs), each decode row. Rows: the prefill requests with nothing
         cached (varlen attention; none with ``prefill_attention`` "paged"), then the others (paged
         prefill attention), then the decode rows; padded (``pad_mixed``): the decode rows first,
-        then the prefill rows, then padding. ``spans`` stay in the order of ``prefill + decode``."""
+        then the prefill rows, then padding. ``spans`` stay in the order of ``prefill + decode``.
+        ``fed`` (``[len(decode)]`` on the device): the decode rows' newest tokens, not in their
+        states yet (a step planned ahead of the one sampling them, the engine's overlapped
+        decode): each row then feeds position ``num_tokens``, its token copied on the device."""
         self.decode_inputs.forget_step()  # its decode rows move on without load_step
         s = self.pool.page_size
         ids: list[int] = []
@@ -329,15 +332,16 @@ class ModelRunner(MixedStepSettings):
         fresh = [i for i, o in enumerate(own) if o]
         paged = [i for i, o in enumerate(own) if not o]
         pad = self.pad_mixed
+        ahead = int(fed is not None)
         if pad:  # decode rows first (their LoRA tables start at row 0 in any bucket), then prefill
-            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
+            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows, ahead)
         n_decode_first = len(ids)
         # row bounds of the prefill requests in row order (fresh, then paged), from their first row
         cu = self._add_prefill_rows(prefill, fresh + paged, prefill_lens, ids, pos, slot_pages, spans, out_rows,
                                     add_segment)
         n_prefill = len(ids) - n_decode_first
         if not pad:
-            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows)
+            self._add_decode_rows(decode, len(prefill), ids, pos, slot_pages, spans, out_rows, ahead)
         real = len(ids)
         if pad:  # inert rows up to the token bucket: token 0 at position 0, KV to the scratch page
             # (a prompt longer than the step budget runs whole, unchunked: no bucket holds it)
@@ -347,8 +351,10 @@ class ModelRunner(MixedStepSettings):
             slot_pages += [self.pool.scratch_page] * extra
 
         batch = self._upload_rows(prefill, decode, prefill_lens, fresh, paged, cu, (ids, pos, slot_pages, out_rows),
-                                  spans, segments, residents, n_prefill, real)
+                                  spans, segments, residents, n_prefill, real, ahead)
         ds = batch.first_decode_row
+        if fed is not None and decode:  # (after the upload, on the same stream)
+            batch.input_ids[ds:ds + len(decode)].copy_(fed)
         runs = ([(a, e, residents[i].adapter) for a, e, i in segments]
                 + [(ds + j, ds + j + 1, st.adapter) for j, st in enumerate(decode)])
         batch.dora = step_dora_rows(runs, self.device, self.pool.storage.dtype)
@@ -368,7 +374,7 @@ class ModelRunner(MixedStepSettings):
                      prefill_lens: Sequence[int] | None, fresh: list[int], paged: list[int], cu: list[int],
                      rows: tuple[list[int], list[int], list[int], list[int]], spans: list[tuple[int, int]],
                      segments: list[tuple[int, int, int]], residents: list[ResidentAdapter], n_prefill: int,
-                     real: int) -> StepBatch:
+                     real: int, ahead: int = 0) -> StepBatch:
         """``prepare``'s rows (token ids, positions, KV pages, output rows) and the tables
         derived from them, queued on the step's host tables and uploaded in one copy
         (``staging.py``; with ``host_tables`` "separate", one copy each) -> the ``StepBatch``."""
@@ -384,8 +390,8 @@ class ModelRunner(MixedStepSettings):
             queued["cu"] = tables.add(fresh_cu, torch.int32)
         prefix = self._prefix_rows([prefill[i] for i in paged], cu[len(fresh):]) if paged else None
         if self.config.rope_type == "longrope":
-            queued["long"] = tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids)),
-                                        torch.bool)
+            queued["long"] = tables.add(self._rope_long_rows(prefill, fresh + paged, prefill_lens, decode, len(ids),
+                                                             ahead), torch.bool)
         covering = self._prefill_lora_write != "off"
         write = covering and self._step_writes(sum(e - s for s, e, _ in segments), len(ids))
         lora = prefill_lora_tables(segments, residents, self.segment_block_m, tables,
@@ -409,14 +415,16 @@ class ModelRunner(MixedStepSettings):
         return batch
 
     def _rope_long_rows(self, prefill: Sequence[RequestState], order: Sequence[int],
-                        prefill_lens: Sequence[int] | None, decode: Sequence[RequestState], rows: int) -> list[bool]:
+                        prefill_lens: Sequence[int] | None, decode: Sequence[RequestState], rows: int,
+                        ahead: int = 0) -> list[bool]:
         """longrope, in ``prepare``'s row order: True on the rows of requests holding more tokens
         than ``original_max_position_embeddings`` (prompt and generated so far: the length of
-        their cache once fed), as HF picks the long factors for a sequence longer than that."""
+        their cache once fed), as HF picks the long factors for a sequence longer than that
+        (``ahead``: the decode rows hold one token more than their states)."""
         limit = self.config.rope_original_max_positions
         fed = [(prefill[i].num_tokens - prefill[i].num_cached if prefill_lens is None else prefill_lens[i],
                 prefill[i].num_tokens > limit) for i in order]
-        dec = [(1, st.num_tokens > limit) for st in decode]
+        dec = [(1, st.num_tokens + ahead > limit) for st in decode]
         parts = dec + fed if self.pad_mixed else fed + dec
         flags = [long for n, long in parts for _ in range(n)]
         flags += [False] * (rows - len(flags))  # padding rows
@@ -451,13 +459,14 @@ class ModelRunner(MixedStepSettings):
 
     def _add_decode_rows(self, decode: Sequence[RequestState], n_prefill_requests: int, ids: list[int],
                          pos: list[int], slot_pages: list[int], spans: list[tuple[int, int]],
-                         out_rows: list[int]) -> None:
+                         out_rows: list[int], ahead: int = 0) -> None:
         """Append the decode rows (their newest tokens), in ``decode`` order (the order of the
-        decode tables), to the step's row lists."""
+        decode tables), to the step's row lists. ``ahead``: each row's newest token is not in its
+        state yet (token 0 here, copied in on the device), at position ``num_tokens``."""
         s = self.pool.page_size
         for j, state in enumerate(decode):
-            p = state.num_tokens - 1
-            ids.append(state.last_token)
+            p = state.num_tokens - 1 + ahead
+            ids.append(0 if ahead else state.last_token)
             pos.append(p)
             slot_pages.append(state.pages[p // s])
             spans[n_prefill_requests + j] = (len(out_rows), len(out_rows) + 1)

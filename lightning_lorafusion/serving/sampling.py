@@ -197,13 +197,13 @@ class SamplingRows:
             return cls((), None, None, None, None, None, None)
         min_p = [params[i].min_p for i in rows]
         return cls(
-            rows, torch.tensor(rows, device=device),
-            torch.tensor([params[i].temperature for i in rows], device=device, dtype=torch.float32),
-            torch.tensor([params[i].top_k for i in rows], device=device, dtype=torch.int64),
-            torch.tensor([params[i].top_p for i in rows], device=device, dtype=torch.float32),
-            torch.tensor([seeds[i] for i in rows], device=device, dtype=torch.int64),
-            torch.tensor([draws[i] for i in rows], device=device, dtype=torch.int64),
-            torch.tensor(min_p, device=device, dtype=torch.float32) if any(min_p) else None)
+            rows, _to_device(rows, device),
+            _to_device([params[i].temperature for i in rows], device, torch.float32),
+            _to_device([params[i].top_k for i in rows], device, torch.int64),
+            _to_device([params[i].top_p for i in rows], device, torch.float32),
+            _to_device([seeds[i] for i in rows], device, torch.int64),
+            _to_device([draws[i] for i in rows], device, torch.int64),
+            _to_device(min_p, device, torch.float32) if any(min_p) else None)
 
 
 _M32 = 0xFFFFFFFF
@@ -282,16 +282,16 @@ class LogitAdjustments:
     composition's), the rows of requests it held copy their counts and prompt tokens from it on
     the device, and only newcomers' are built from their token lists (in continuous batching
     the composition changes nearly every step; rebuilding every row's counts from its output
-    would cost the host O(rows x output length) each time). ``ahead`` (0 or 1): every row has
-    that many tokens more than ``outputs`` holds (a step planned before the last one was read;
-    the rows are then all held by ``previous``, whose counts have those tokens)."""
+    would cost the host O(rows x output length) each time). ``ahead`` (0 or 1, or one such value
+    per row): the rows with that many tokens more than ``outputs`` holds (a step planned before
+    the last one was read; those rows are then held by ``previous``, whose counts have them)."""
 
     def __init__(self, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
                  outputs: Sequence[Sequence[int]], vocab: int, device: torch.device,
                  stop_ids: Sequence[Iterable[int]] | None = None, *, ids: Sequence[Hashable] | None = None,
-                 previous: "LogitAdjustments | None" = None, ahead: int = 0) -> None:
+                 previous: "LogitAdjustments | None" = None, ahead: "int | Sequence[int]" = 0) -> None:
         self.rows = tuple(rows)
-        self.index = torch.tensor(self.rows, device=device, dtype=torch.int64)
+        self.index = _to_device(self.rows, device, torch.int64)
         n = len(self.rows)
         self.ids = tuple(ids) if ids is not None else None
         known = {} if previous is None or previous.ids is None or self.ids is None else \
@@ -304,37 +304,37 @@ class LogitAdjustments:
                 return _token_counts(seqs, n, vocab, device)
             out = torch.zeros(n, vocab, device=device, dtype=old.dtype)
             new_i, old_j = zip(*kept)
-            out[torch.tensor(new_i, device=device)] = old[torch.tensor(old_j, device=device)]
+            out[_to_device(new_i, device)] = old[_to_device(old_j, device)]
             fresh = sorted(set(range(n)) - set(new_i))
             if fresh:
-                out[torch.tensor(fresh, device=device)] = _token_counts([seqs[i] for i in fresh], len(fresh), vocab,
+                out[_to_device(fresh, device)] = _token_counts([seqs[i] for i in fresh], len(fresh), vocab,
                                                                         device).to(old.dtype)
             return out
 
         self.counts = per_row(outputs, None if previous is None else previous.counts)
-        self.frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=torch.float32)
-        self.presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=torch.float32)
+        self.frequency = _to_device([p.frequency_penalty for p in params], device, torch.float32)
+        self.presence = _to_device([p.presence_penalty for p in params], device, torch.float32)
         self.penalized = any(p.frequency_penalty or p.presence_penalty for p in params)
         self.repetition = self.in_prompt = self.bias = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            self.repetition = torch.tensor([p.repetition_penalty for p in params], device=device,
-                                           dtype=torch.float32)[:, None]
+            self.repetition = _to_device([p.repetition_penalty for p in params], device, torch.float32)[:, None]
             self.in_prompt = per_row(prompts, None if previous is None else previous.in_prompt) > 0
         if any(p.logit_bias for p in params):
             self.bias = torch.zeros(n, vocab, device=device, dtype=torch.float32)
             pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
             rows_i, tokens, values = zip(*pairs)
-            self.bias[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
-                values, device=device, dtype=torch.float32)
+            self.bias[_to_device(rows_i, device), _to_device(tokens, device)] = _to_device(
+                values, device, torch.float32)
         self.min_tokens = self.generated = self.stop_mask = None
         if any(p.min_tokens for p in params):  # each row's stop tokens, masked while it is short
-            self.min_tokens = torch.tensor([p.min_tokens for p in params], device=device)
-            self.generated = torch.tensor([len(o) + ahead for o in outputs], device=device)
+            self.min_tokens = _to_device([p.min_tokens for p in params], device)
+            aheads = [ahead] * n if isinstance(ahead, int) else ahead
+            self.generated = _to_device([len(o) + a for o, a in zip(outputs, aheads)], device)
             self.stop_mask = torch.zeros(n, vocab, device=device, dtype=torch.bool)
             pairs = [(i, t) for i, stops in enumerate(stop_ids or [()] * n) for t in stops if 0 <= t < vocab]
             if pairs:
                 rows_i, tokens = zip(*pairs)
-                self.stop_mask[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = True
+                self.stop_mask[_to_device(rows_i, device), _to_device(tokens, device)] = True
         self._arange = torch.arange(n, device=device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -362,12 +362,20 @@ class LogitAdjustments:
             self.generated += 1
 
 
+def _to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` as a tensor on ``device``: on CUDA through pinned memory and an asynchronous
+    copy (one from pageable memory waits for the stream, and a step planned ahead of the running
+    one would wait for that step to end)."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)
+
+
 def _token_counts(seqs: Sequence[Sequence[int]], n: int, vocab: int, device: torch.device) -> torch.Tensor:
     """``[n, vocab]`` int32: how often each token occurs in each of ``seqs``."""
     longest = max((len(q) for q in seqs), default=0)
     counts = torch.zeros(n, vocab + 1, device=device, dtype=torch.int32)  # column vocab: padding
     if longest:
-        ids = torch.tensor([list(q) + [vocab] * (longest - len(q)) for q in seqs], device=device, dtype=torch.int64)
+        ids = _to_device([list(q) + [vocab] * (longest - len(q)) for q in seqs], device, torch.int64)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
     return counts[:, :vocab].contiguous()
 

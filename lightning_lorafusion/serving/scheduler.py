@@ -6,8 +6,10 @@ from collections import deque
 import operator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .fair_share import FairShare
-from .pool import UnifiedPool, prefix_page_keys
+from .pool import UnifiedPool, highest_free_run, prefix_page_keys
 from .request import RequestState, Status
 
 
@@ -149,7 +151,8 @@ class Scheduler:
         for state in prefilling:  # budget >= max_num_seqs: each gets at least one token
             if state.status is Status.RUNNING and budget > 0:
                 budget -= self._add_prefill(plan, state, budget)
-        if self.waiting and self._hold_arrivals(plan, budget):
+        if self.waiting and self._hold_arrivals(plan.decode, bool(plan.prefill), budget, len(self.running),
+                                                self.steps):
             self.held_steps += 1
         else:
             self._admit_waiting(plan, budget)
@@ -203,27 +206,28 @@ class Scheduler:
         if self.fair is not None:
             self.fair.remove(state)
 
-    def plan_ahead(self, decode: list[RequestState]) -> StepPlan | None:
-        """The decode-only step after the one whose sampled rows are ``decode`` (in its row
-        order) is running on the device, planned before that step's tokens are known (the
-        engine's overlapped decode): its rows that the running step's token does not bring to
-        their length limit, in ``decode``'s order, each one token further; the rows ``schedule``
-        would run once those tokens are known (in its own order), short of a row whose request
-        stops on one of them (that row's output is then discarded). The running step may be a
-        decode-only step or one whose prefills all completed. None, with nothing changed, when
-        it might not be: a running request is not in ``decode`` (a chunked prefill under way, a
-        request admitted since), or one is missing (finished, aborted); a queued request could
-        be admitted (a free running slot, counting the rows that end now); no row goes on; or
-        the rows' next KV pages are not all free without eviction or preemption. Prefetch is
-        left to the caller (a page-in may move KV pages)."""
+    def plan_ahead(self, decode: list[RequestState], *, admit: bool = False) -> StepPlan | None:
+        """The step after the one whose sampled rows are ``decode`` (in its row order) is running
+        on the device, planned before that step's tokens are known (the engine's overlapped
+        decode): its rows that the running step's token does not bring to their length limit, in
+        ``decode``'s order, each one token further; the rows ``schedule`` would run once those
+        tokens are known (in its own order), short of a row whose request stops on one of them
+        (that row's output is then discarded). The running step may be a decode-only step or one
+        whose prefills all completed. With ``admit``, queued requests are admitted into it as
+        ``schedule`` would admit them once the rows ending now are gone (a mixed step planned
+        ahead, ``_admit_ahead``). None, with nothing changed, when it might not be: a running
+        request is not in ``decode`` (a chunked prefill under way, a request admitted since), or
+        one is missing (finished, aborted); a queued request could be admitted (a free running
+        slot, counting the rows that end now) and ``admit`` is off or cannot tell what
+        ``schedule`` would admit; no row goes on and nothing is admitted; or the rows' next KV
+        pages are not all free without eviction or preemption. Prefetch is left to the caller
+        (a page-in may move KV pages)."""
         running = self.running
         if len(running) != len(decode) or (not all(map(operator.is_, running, decode))
                                            and set(map(id, running)) != set(map(id, decode))):
             return None
         # the running step's token is the last of these rows' (length): they end when it is read
         going_on = [state for state in decode if len(state.output_ids) + 1 < state.max_output]
-        if not going_on or (self.waiting and len(going_on) < self.max_num_seqs):
-            return None
         if self.rope_switch is not None and any(self._crosses_rope_switch(st, st.num_tokens + 1)
                                                 for st in going_on):
             return None  # one goes past the LongRoPE switch: schedule() re-prefills it
@@ -236,14 +240,100 @@ class Scheduler:
             if need > 0:
                 growing.append(state)
                 counts.append(need)
+        admitted: list[tuple[RequestState, int]] | str = []  # (or "held": arrivals coalescing)
+        if self.waiting and len(going_on) < self.max_num_seqs:
+            if not admit:
+                return None
+            ended = len(going_on) < len(decode)
+            admitted = self._admit_ahead(going_on, sum(counts), ended)
+            if admitted is None:
+                return None
+        if not going_on and not admitted:
+            return None
         if growing and not self.pool.allocate_kv_rows([st.pages for st in growing], counts):
             return None
         for state in growing:  # as in _grow_all: its full pages' KV is computed or being written
             self.register_computed_pages(state)
         self.steps += 1
+        plan = StepPlan(decode=going_on)
         if self.fair is not None:
             self.fair.charge_decode(going_on)
-        return StepPlan(decode=going_on)
+        if admitted == "held":
+            self.held_steps += 1
+            return plan
+        for state, _ in admitted:
+            a = state.adapter
+            missed = a is not None and self.pool.resident(a) is None
+            if missed:  # into the free run planned: nothing evicted or moved
+                r = self.pool.page_in(a, may_evict=False, may_move=False)
+                assert r is not None, "a page-in planned ahead found no free run"
+            ok = self._admit(state)
+            assert ok, "an admission checked ahead failed"
+            self.prefetch_misses += missed
+            self._dequeue(state)
+            self._add_prefill(plan, state, self.max_num_batched_tokens - plan.num_tokens)
+        return plan
+
+    def _admit_ahead(self, going_on: list[RequestState], growth: int, ended: bool):
+        """The queued requests ``schedule`` would admit into the step after the running one, given
+        that step's decode rows ``going_on``, which take ``growth`` new KV pages first: [(state,
+        tokens)], "held" (the arrivals wait, prefill coalescing), or None where that is not
+        certain before the running step's tokens are read. Certain: FIFO order (fair picks
+        depend on charges made as they go); every admission's adapter resident, or (no prefix
+        caching) going into a run of free pages ``page_in`` would take as it is (no eviction or
+        KV page move: either could touch what the running step reads); its KV pages free above
+        the watermark now, before the ending rows give theirs back (no eviction); with prefix
+        caching, no row ending now (its pages are registered when it is read). The pages are
+        planned on a copy of the free map, in ``schedule``'s order: growth (lowest free
+        pages), then per admission its adapter (the highest run) and its KV pages (lowest)."""
+        if self.fair is not None or (self.prefix_caching and ended):
+            return None
+        budget = self.max_num_batched_tokens - len(going_on)
+        if self._hold_arrivals(going_on, False, budget, len(going_on), self.steps + 1):
+            return "held"
+        pool = self.pool
+        free_map = None  # planned only when an adapter is to be paged in (runs matter then)
+        free = pool.num_free - growth
+        paged: set[int] = set()
+        out: list[tuple[RequestState, int]] = []
+        for state in self.waiting:
+            if len(going_on) + len(out) >= self.max_num_seqs:
+                break
+            if self.chunked_prefill:
+                if budget <= 0:
+                    break
+            elif state.num_tokens > budget and (out or going_on):
+                break
+            a = state.adapter
+            if a is not None and pool.resident(a) is None and a.key not in paged:
+                if self.prefix_caching or pool.kv_pages_cached:
+                    return None
+                if free_map is None:
+                    free_map = pool.free_map()
+                    free_map[np.flatnonzero(free_map)[:growth]] = False
+                    for st, _ in out:  # (none paged in before: their KV pages, lowest first)
+                        free_map[np.flatnonzero(free_map)[:pool.pages_for_tokens(st.num_tokens)]] = False
+                n = pool.pages_for_adapter(a)
+                start = highest_free_run(free_map, n)
+                if start is None:
+                    return None
+                free_map[start:start + n] = False
+                free -= n
+                paged.add(a.key)
+            pages = pool.pages_for_tokens(state.num_tokens)
+            # (the watermark whether or not ``schedule`` would keep it: ``_admit`` keeps it here,
+            # the ending rows still running)
+            if free - pages < self.watermark_pages:
+                return None
+            free -= pages
+            if free_map is not None:
+                free_map[np.flatnonzero(free_map)[:pages]] = False
+            n = state.num_tokens - state.num_cached
+            if self.chunked_prefill:
+                n = min(n, budget)
+            out.append((state, n))
+            budget -= n
+        return out
 
     def prefetch(self) -> None:
         """``_prefetch`` once a step is launched: one planned by ``plan_ahead``, and with
@@ -252,18 +342,20 @@ class Scheduler:
         if self.waiting:
             self._prefetch()
 
-    def _hold_arrivals(self, plan: StepPlan, budget: int) -> bool:
+    def _hold_arrivals(self, decode: list[RequestState], prefill: bool, budget: int, running: int,
+                       step: int) -> bool:
         """Whether the queue waits this step, to be prefilled with later arrivals (see the class
-        docstring's prefill coalescing)."""
+        docstring's prefill coalescing): the step's ``decode`` rows, whether it has prefill rows,
+        its token budget left, the count of running requests and the step's number (``steps``)."""
         k = self.prefill_wait_steps
         head = self.waiting[0]
-        if k <= 0 or not plan.decode or plan.prefill or head.num_preemptions:
+        if k <= 0 or not decode or prefill or head.num_preemptions:
             return False
-        if self.steps - head.queued_step > k:  # it was held in k steps already
+        if step - head.queued_step > k:  # it was held in k steps already
             return False
         # holding is worth it while the arrivals are fewer than the rows decoding without them
         # (each held step leaves them out of a batch that runs anyway)
-        limit = min(self.max_num_seqs - len(self.running), len(plan.decode))
+        limit = min(self.max_num_seqs - running, len(decode))
         tokens = 0
         for i, state in enumerate(self.waiting):
             if i + 1 >= limit:

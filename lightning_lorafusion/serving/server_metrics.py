@@ -45,6 +45,8 @@ class EngineCollector:
                   "Requests aborted because their logits were NaN or infinite"),
                  ("decode_steps_ahead_total", "lorafusion_engine_decode_steps_ahead",
                   "Decode steps launched before the previous step's tokens were read (overlapped decode)"),
+                 ("mixed_steps_ahead_total", "lorafusion_engine_mixed_steps_ahead",
+                  "Steps admitting requests launched before the previous step's tokens were read"),
                  ("decode_rows_discarded_total", "lorafusion_engine_decode_rows_discarded",
                   "Rows of overlapped decode steps discarded: their request stopped during the step before"))
     _GAUGES = (("waiting", "lorafusion_queue_length", "Requests waiting for the engine"),

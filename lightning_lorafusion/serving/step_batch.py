@@ -81,8 +81,9 @@ def prefill_lora_tables(segments: Sequence[tuple[int, int, int]], residents: Seq
     tiles = segment_tiles(segments, block_m, rows=rows)
     if counters is not None and counters.numel() < len(tiles) * len(ALL_TARGET_MODULES):
         counters = None
-    offsets = torch.stack([r.lora_offsets for r in residents], dim=-1)  # [L, M, 2, A]
-    ranks = torch.stack([r.adapter.module_ranks for r in residents], dim=-1)  # [M, A]
+    # (numpy: torch's CPU stack along the last dim costs the host more at 32 layers)
+    offsets = np.stack([r.lora_offsets.numpy() for r in residents], axis=-1)  # [L, M, 2, A]
+    ranks = np.stack([r.adapter.module_ranks.numpy() for r in residents], axis=-1)  # [M, A]
     queued = (tables.add(np.asarray(tiles, dtype=np.int32).reshape(-1, 3).T, torch.int32),  # [3, tiles]
               tables.add(offsets, torch.int64), tables.add(ranks, torch.int32),
               tables.add([r.adapter.scale for r in residents], torch.float32))

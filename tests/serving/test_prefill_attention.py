@@ -22,8 +22,8 @@ def _record_prefill_steps(engine: Engine) -> list[dict]:
     steps = []
     prepare = engine.runner.prepare
 
-    def recording(prefill, decode, prefill_lens=None):
-        batch = prepare(prefill, decode, prefill_lens)
+    def recording(prefill, decode, prefill_lens=None, **kwargs):
+        batch = prepare(prefill, decode, prefill_lens, **kwargs)
         if prefill:
             pre = batch.prefill_prefixes
             lens = [] if pre is None else (pre.cu_seqlens[1:] - pre.cu_seqlens[:-1]).tolist()

@@ -193,8 +193,8 @@ def _check_mixed_triton_step(engine, hf_reference, layout):
     steps = []
     prepare = engine.runner.prepare
 
-    def recording_prepare(prefill, decode, *args):
-        batch = prepare(prefill, decode, *args)
+    def recording_prepare(prefill, decode, *args, **kwargs):
+        batch = prepare(prefill, decode, *args, **kwargs)
         pre = batch.prefill_prefixes
         steps.append((batch.num_fresh_rows, batch.num_prefill_rows, len(decode),
                       None if pre is None else (pre.cu_seqlens.tolist(), pre.starts.tolist())))
