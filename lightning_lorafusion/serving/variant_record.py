@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -49,9 +50,11 @@ def uses_records(device: torch.device) -> bool:
 def _versions() -> dict[str, str]:
     import triton
 
-    from .. import __version__
-
-    return {"package": __version__, "torch": torch.__version__, "triton": triton.__version__}
+    try:  # the installed distribution's version (not the package object: serving sits below it)
+        package = importlib.metadata.version("lightning-lorafusion")
+    except importlib.metadata.PackageNotFoundError:
+        package = "not installed"
+    return {"package": package, "torch": torch.__version__, "triton": triton.__version__}
 
 
 def _device_of(device: torch.device) -> dict[str, Any]:

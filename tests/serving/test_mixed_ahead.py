@@ -80,8 +80,8 @@ def test_mixed_steps_ahead_in_a_pool_that_preempts(make_engine):
 
 def test_mixed_steps_ahead_with_chunked_prefill_and_prefix_caching(make_engine):
     """Chunked prefill under a small budget (admissions ahead take the budget's chunk; a request
-    whose prefill is under way stops the planning ahead) and prefix caching (a second round
-    reuses the first's pages): outputs equal the step-by-step engine's."""
+    whose prefill is under way stops the planning ahead) and prefix caching (the second batch of
+    requests reuses the first's pages): outputs equal the step-by-step engine's."""
     config = dict(num_pages=240, page_size=2, max_num_seqs=6, prefix_caching=True, enable_chunked_prefill=True,
                   max_num_batched_tokens=24)
     sync, off, on = _three(make_engine, **config)
