@@ -108,7 +108,8 @@ def parse_setting(text: str) -> Setting:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms (these two with a layer count N: activationN, normsN), graphs, ckptN (N layers checkpointed), expandable, hostembed, "
+                                             "norms (these two with a layer count N: activationN, normsN), graphs, "
+                                             "ckptN (N layers checkpointed), expandable, hostembed, "
                                              "fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
