@@ -1,7 +1,8 @@
 """What a training step keeps from forward to backward, per token and per decoder layer, by tensor:
 the accounting behind ``data.capacity`` and the recomputation options (``mlp_recompute``,
 ``norm_recompute``, their ``*_layers`` counts, ``checkpoint_layers``).
-tests/model/test_activation_memory.py checks it against the bytes autograd really saves (``saved_tensors_hooks``) on a tiny model.
+tests/model/test_activation_memory.py checks it against the bytes autograd really saves
+(``saved_tensors_hooks``) on a tiny model.
 
 It describes the training path on a GPU: the fused LoRA kernels (each projection group keeps its
 input and the compact ``S = X A^T``, dropout masks regenerated), FlashAttention (q, k, v after
