@@ -3,7 +3,9 @@ bf16) base for each capacity x recomputation setting, with the bf16 base's row f
 one process (same samples, same kernels as scripts/bench_e2e.py's "triton" variant).
 
 A setting is ``none`` or parts joined by ``+``: an ``mlp_recompute`` mode (``activation``,
-``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward),
+``gate_up``), ``norms`` (``norm_recompute``: the input norms' outputs rebuilt in backward), either
+with a count N (``activation24``, ``norms16``: only the first N layers rebuild, the others keep,
+``mlp_recompute_layers`` / ``norm_recompute_layers``),
 ``ckptN`` (the first N layers checkpointed whole) and ``graphs`` (the step captured in CUDA
 graphs, ``training/cuda_graphs.py``, covering every planned shape key before the first pass as
 ``fit`` does; with ``ckptN`` the captured step recomputes those layers, as ``fit`` does), e.g. ``activation+norms+graphs``. With ``graphs``, parts that
@@ -77,14 +79,23 @@ class Setting:
     host_embedding: bool = False
     fused_adam: bool = False
     autograd_accumulation: bool = False
+    mlp_recompute_layers: int | None = None
+    norm_recompute_layers: int | None = None
 
 
 def parse_setting(text: str) -> Setting:
-    """``"ckpt8+activation"`` -> Setting(mlp_recompute="activation", checkpoint_layers=8)."""
+    """``"ckpt8+activation"`` -> Setting(mlp_recompute="activation", checkpoint_layers=8);
+    ``"activation24+norms"`` -> the activation rebuilt in the first 24 layers only."""
     fields: dict = {}
     memory: dict = {}
     for part in text.split("+"):
-        if part.startswith("ckpt") and part[4:].isdigit():
+        name = part.rstrip("0123456789")
+        count = int(part[len(name):]) if name != part else None
+        if count is not None and (name in MLP_RECOMPUTE_MODES and name != "none" or name == "norms"):
+            key = "norm_recompute" if name == "norms" else "mlp_recompute"
+            fields[key] = True if name == "norms" else name
+            fields[f"{key}_layers"] = count
+        elif part.startswith("ckpt") and part[4:].isdigit():
             fields["checkpoint_layers"] = int(part[4:])
         elif part.startswith("pre") and part[3:].isdigit():
             fields["precapture"] = int(part[3:])
@@ -97,7 +108,8 @@ def parse_setting(text: str) -> Setting:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
-                                             "norms, graphs, ckptN (N layers checkpointed), expandable, hostembed, "
+                                             "norms (these two with a layer count N: activationN, normsN), graphs, "
+                                             "ckptN (N layers checkpointed), expandable, hostembed, "
                                              "fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
@@ -229,7 +241,9 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
     row = {"base": precision, "capacity": capacity, "setting": text,
            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute)
+    options = DecoderOptions(mlp_recompute=setting.mlp_recompute, norm_recompute=setting.norm_recompute,
+                             mlp_recompute_layers=setting.mlp_recompute_layers,
+                             norm_recompute_layers=setting.norm_recompute_layers)
     graph_kwargs = {"memory": setting.memory, "max_precapture": setting.precapture,
                     "accumulate_grads": not setting.autograd_accumulation}
     cuda = device.type == "cuda"
@@ -254,7 +268,9 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
         return {**row, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     kept = step_activation_bytes(w["config"], args.rank, capacity, dtype=w["dtype"],
                                  mlp_recompute=setting.mlp_recompute, checkpoint_layers=setting.checkpoint_layers,
-                                 elementwise_compiled=cuda, norm_recompute=setting.norm_recompute)
+                                 elementwise_compiled=cuda, norm_recompute=setting.norm_recompute,
+                                 mlp_recompute_layers=setting.mlp_recompute_layers,
+                                 norm_recompute_layers=setting.norm_recompute_layers)
     return {**row, "tokens_per_s": round(tps, 1), "seconds": round(secs, 2), "real_tokens": toks,
             "peak_gib": round(peak, 2), "reserved_gib": round(reserved, 2), "kept_bytes": kept,
             "fill": round(fill, 3), "microbatches": n, **extra}

@@ -1,7 +1,8 @@
 """What a training step keeps from forward to backward, per token and per decoder layer, by tensor:
 the accounting behind ``data.capacity`` and the recomputation options (``mlp_recompute``,
-``norm_recompute``, ``checkpoint_layers``). tests/model/test_activation_memory.py checks it against the bytes autograd
-really saves (``saved_tensors_hooks``) on a tiny model.
+``norm_recompute``, their ``*_layers`` counts, ``checkpoint_layers``).
+tests/model/test_activation_memory.py checks it against the bytes autograd really saves
+(``saved_tensors_hooks``) on a tiny model.
 
 It describes the training path on a GPU: the fused LoRA kernels (each projection group keeps its
 input and the compact ``S = X A^T``, dropout masks regenerated), FlashAttention (q, k, v after
@@ -88,13 +89,23 @@ def layer_saved_bytes(config: DecoderConfig, rank: int | Mapping[str, int], *, d
 def step_activation_bytes(config: DecoderConfig, rank: int | Mapping[str, int], tokens: int, *,
                           dtype: torch.dtype = torch.bfloat16, mlp_recompute: str = "none",
                           checkpoint_layers: bool | int = False, elementwise_compiled: bool = True,
-                          norm_recompute: bool = False) -> int:
+                          norm_recompute: bool = False, mlp_recompute_layers: int | None = None,
+                          norm_recompute_layers: int | None = None) -> int:
     """Bytes the decoder layers of one ``tokens``-token microbatch keep for backward:
-    ``checkpoint_layers`` layers keep their input only, the others ``layer_saved_bytes``."""
+    ``checkpoint_layers`` layers keep their input only, the others ``layer_saved_bytes``, with
+    ``mlp_recompute`` / ``norm_recompute`` in the first ``mlp_recompute_layers`` /
+    ``norm_recompute_layers`` layers only (None: every layer; ``DecoderOptions.for_layer``)."""
     whole = config.num_layers if checkpoint_layers is True else int(checkpoint_layers)
     whole = min(max(whole, 0), config.num_layers)
-    per_layer = sum(layer_saved_bytes(config, rank, dtype=dtype, mlp_recompute=mlp_recompute,
-                                      elementwise_compiled=elementwise_compiled,
-                                      norm_recompute=norm_recompute).values())
+    per_layer: dict[tuple[str, bool], int] = {}
+    total = 0
+    for layer in range(whole, config.num_layers):
+        mode = mlp_recompute if mlp_recompute_layers is None or layer < mlp_recompute_layers else "none"
+        norms = norm_recompute and (norm_recompute_layers is None or layer < norm_recompute_layers)
+        if (mode, norms) not in per_layer:
+            per_layer[mode, norms] = sum(layer_saved_bytes(config, rank, dtype=dtype, mlp_recompute=mode,
+                                                           elementwise_compiled=elementwise_compiled,
+                                                           norm_recompute=norms).values())
+        total += per_layer[mode, norms]
     b = torch.empty((), dtype=dtype).element_size()
-    return tokens * (whole * config.hidden_size * b + (config.num_layers - whole) * per_layer)
+    return tokens * (whole * config.hidden_size * b + total)

@@ -89,13 +89,18 @@ class DecoderOptions:
     products, one extra gate+up product per layer); ``mlp_recompute.py``. ``norm_recompute``:
     backward rebuilds the attention and MLP input norms' outputs from their inputs (kept by the
     norms anyway) instead of keeping them for the projections' LoRA (``rebuilt_copies.py``;
-    elementwise work only). Layers under ``checkpoint_layers`` recompute whole and ignore both."""
+    elementwise work only). ``mlp_recompute_layers`` / ``norm_recompute_layers``: how many layers
+    (the model's first n, global index < n) apply ``mlp_recompute`` / ``norm_recompute``; the others
+    keep what they would keep without it, so spare memory buys back the rebuilds' time (None: every
+    layer). Layers under ``checkpoint_layers`` recompute whole and ignore all four."""
 
     elementwise_fusion: str = "auto"
     fusion_compiler: str = "inductor"
     kernels: KernelOptions = field(default_factory=KernelOptions)
     mlp_recompute: str = "none"
     norm_recompute: bool = False
+    mlp_recompute_layers: int | None = None
+    norm_recompute_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.elementwise_fusion not in ELEMENTWISE_FUSION_MODES:
@@ -107,6 +112,21 @@ class DecoderOptions:
             raise ValueError(f"DecoderOptions.mlp_recompute={self.mlp_recompute!r}; allowed: {MLP_RECOMPUTE_MODES}")
         if not isinstance(self.norm_recompute, bool):
             raise TypeError(f"DecoderOptions.norm_recompute must be a bool; got {self.norm_recompute!r}")
+        for name in ("mlp_recompute_layers", "norm_recompute_layers"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"DecoderOptions.{name}={n!r} must be None (every layer) or an int >= 0")
+
+    def for_layer(self, layer: int) -> "DecoderOptions":
+        """These options as decoder layer ``layer`` (global index) applies them: a layer past
+        ``mlp_recompute_layers`` / ``norm_recompute_layers`` keeps instead of recomputing."""
+        mlp = self.mlp_recompute_layers is None or layer < self.mlp_recompute_layers
+        norm = self.norm_recompute_layers is None or layer < self.norm_recompute_layers
+        if (mlp or self.mlp_recompute == "none") and (norm or not self.norm_recompute):
+            return self
+        return replace(self, mlp_recompute=self.mlp_recompute if mlp else "none",
+                       norm_recompute=self.norm_recompute and norm, mlp_recompute_layers=None,
+                       norm_recompute_layers=None)
 
 
 DEFAULT_OPTIONS = DecoderOptions()
@@ -365,7 +385,7 @@ def decoder_layers(
     for i in layers:
         args = (params["layers"][i], bank_view, h, *ropes[config.local_rope(i)], cu_seqlens, routing)
         kwargs = dict(config=config, layer=i, microbatch_index=microbatch_index, backend=backend,
-                      max_seqlen=max_seqlen, options=options, attention_masks=masks)
+                      max_seqlen=max_seqlen, options=options.for_layer(i), attention_masks=masks)
         if i < recompute_below:
             # no torch RNG inside (dropout masks are hashes): nothing to preserve, and a CUDA
             # graph capture may not read or set the generator's state

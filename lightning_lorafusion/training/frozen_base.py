@@ -44,7 +44,8 @@ def check_adapters(adapters: Sequence[AdapterSpec | dict]) -> tuple[AdapterSpec,
 def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any, precision: PrecisionConfig,
                          lm_head_loss: str, cuda_graphs: str | bool, mlp_recompute: str = "none",
                          cuda_graph_precapture: Any = 0, norm_recompute: Any = False,
-                         embedding_on_host: Any = False) -> str:
+                         embedding_on_host: Any = False, mlp_recompute_layers: Any = None,
+                         norm_recompute_layers: Any = None) -> str:
     """``ConfigError`` naming the first model option out of range; returns ``cuda_graphs`` as a
     mode name (YAML reads a bare on/off as a boolean)."""
     if dtype not in DTYPES:
@@ -65,6 +66,10 @@ def check_module_options(*, dtype: str, grad_clip: Any, max_nonfinite_steps: Any
                           "activation_checkpointing")
     if not isinstance(norm_recompute, bool):
         raise ConfigError(f"model.norm_recompute={norm_recompute!r} must be true or false")
+    for name, n in (("mlp_recompute_layers", mlp_recompute_layers), ("norm_recompute_layers", norm_recompute_layers)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"model.{name}={n!r} must be null (every layer) or an int >= 0 (the first n layers "
+                              "recompute, the others keep)")
     if not isinstance(embedding_on_host, bool):
         raise ConfigError(f"model.embedding_on_host={embedding_on_host!r} must be true or false")
     if embedding_on_host and precision.base == "fp8":

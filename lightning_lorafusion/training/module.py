@@ -93,6 +93,9 @@ class LoRAFusionModule(L.LightningModule):
         norm_recompute: rebuild the attention and MLP input norms' outputs in backward from the
             norms' inputs (kept anyway) instead of keeping them for the projections' LoRA: two
             ``[tokens, hidden]`` tensors fewer per layer for elementwise work only. Exact.
+        mlp_recompute_layers, norm_recompute_layers: how many layers (the model's first n)
+            apply ``mlp_recompute`` / ``norm_recompute``; the others keep what they would keep
+            without it, so memory to spare buys back the rebuilds' time. ``None``: every layer.
         precision: how the frozen base is stored (``PrecisionConfig``): ``{base: bf16}`` (the
             default: the projections multiply in ``dtype``) or ``{base: fp8, fp8: {...}}``: the
             seven projection weights of every layer are quantized once to float8 e4m3
@@ -137,6 +140,8 @@ class LoRAFusionModule(L.LightningModule):
         activation_checkpointing: bool | int = False,
         mlp_recompute: str = "none",
         norm_recompute: bool = False,
+        mlp_recompute_layers: int | None = None,
+        norm_recompute_layers: int | None = None,
         precision: PrecisionConfig = PrecisionConfig(),
         validate_before_training: bool = False,
         sample_max_new_tokens: int = 32,
@@ -152,7 +157,8 @@ class LoRAFusionModule(L.LightningModule):
             dtype=dtype, grad_clip=grad_clip, max_nonfinite_steps=max_nonfinite_steps, precision=precision,
             lm_head_loss=lm_head_loss, cuda_graphs=cuda_graphs, mlp_recompute=mlp_recompute,
             norm_recompute=norm_recompute, cuda_graph_precapture=cuda_graph_precapture,
-            embedding_on_host=embedding_on_host)
+            embedding_on_host=embedding_on_host, mlp_recompute_layers=mlp_recompute_layers,
+            norm_recompute_layers=norm_recompute_layers)
         self.save_hyperparameters(ignore=["adapters", "precision"])
         self.hparams["precision"] = dataclasses.asdict(precision)  # plain data in checkpoints
         # whole specs, as plain data: `fit --ckpt_path` (LightningCLI) re-parses the checkpoint's
@@ -177,7 +183,8 @@ class LoRAFusionModule(L.LightningModule):
         fast = precision.fp8.fast_accumulation
         self.decoder_options = DecoderOptions(kernels=KernelOptions(
             fp8_fast_accum_forward=fast, fp8_fast_accum_input_grad=fast, nf4_gemm=precision.nf4.gemm),
-            mlp_recompute=mlp_recompute, norm_recompute=norm_recompute)
+            mlp_recompute=mlp_recompute, norm_recompute=norm_recompute, mlp_recompute_layers=mlp_recompute_layers,
+            norm_recompute_layers=norm_recompute_layers)
         self.cuda_graphs = cuda_graphs
         self.cuda_graph_precapture = cuda_graph_precapture
         self.embedding_on_host = embedding_on_host

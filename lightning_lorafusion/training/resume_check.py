@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 # what is done once at a fresh start. Every other model field must equal the checkpoint's.
 MODEL_MAY_CHANGE = frozenset({
     "backend", "cuda_graphs", "cuda_graph_precapture", "activation_checkpointing", "mlp_recompute", "norm_recompute",
-    "lm_head_loss", "embedding_on_host",
+    "mlp_recompute_layers", "norm_recompute_layers", "lm_head_loss", "embedding_on_host",
     "precision.fp8.fast_accumulation",
     "export_dir", "export_on_fit_end", "cache_dir", "validate_before_training", "sample_max_new_tokens",
     "max_nonfinite_steps",

@@ -73,10 +73,11 @@ def flash_like(monkeypatch):
 
 
 def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None = None, norms: bool = False,
-                 dtype: torch.dtype = torch.float32) -> int:
+                 dtype: torch.dtype = torch.float32, **layer_counts) -> int:
     """Bytes of the distinct storages autograd keeps after the forward of ``num_layers`` layers
     over ``tokens`` tokens of two adapters (fused kernels, ``dtype``; elementwise groups eager,
-    or compiled by ``compiler``; ``norms``: ``norm_recompute``)."""
+    or compiled by ``compiler``; ``norms``: ``norm_recompute``; ``layer_counts``:
+    ``mlp_recompute_layers`` / ``norm_recompute_layers``)."""
     config = _config(num_layers)
     params = random_base_params(config, device="cpu", dtype=dtype)
     bank = _bank(config, dtype=dtype)
@@ -103,7 +104,8 @@ def _saved_bytes(num_layers: int, tokens: int, mode: str, compiler: str | None =
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     h = embed(params, ids)
     options = DecoderOptions(elementwise_fusion="off" if compiler is None else "on",
-                             fusion_compiler=compiler or "inductor", mlp_recompute=mode, norm_recompute=norms)
+                             fusion_compiler=compiler or "inductor", mlp_recompute=mode, norm_recompute=norms,
+                             **layer_counts)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = decoder_layers(params, bank.view(), h, torch.cat([torch.arange(half)] * 2),
                              torch.tensor([0, half, tokens], dtype=torch.int32), routing, config=config,
@@ -140,6 +142,36 @@ def test_rebuilt_norms_keep_less_by_the_accounting(flash_like, mode):
     assert measured == sum(accounted.values()), accounted
     kept = layer_saved_bytes(_config(2), 4, dtype=torch.float32, mlp_recompute=mode, elementwise_compiled=False)
     assert sum(kept.values()) - sum(accounted.values()) == 2 * CONFIG["hidden_size"] * 4
+
+
+@pytest.mark.parametrize("mode,mlp_layers,norm_layers", [("gate_up", 2, 1), ("activation", 0, None)])
+def test_accounting_of_partial_recomputation(flash_like, mode, mlp_layers, norm_layers):
+    """Only the first ``mlp_recompute_layers`` / ``norm_recompute_layers`` of three layers rebuild,
+    the others keep: what autograd keeps per token more than with both rebuilt in every layer
+    equals the accounting's difference, layer by layer (fp32, eager elementwise groups). The
+    first layer rebuilds its norms in both (its input, the embedding, needs no gradient, so it is
+    kept only for a rebuild: an edge the per-layer accounting leaves out)."""
+    t1, t2 = 64, 128
+    counts = dict(mlp_recompute_layers=mlp_layers, norm_recompute_layers=norm_layers)
+
+    def per_token(**kw):
+        return (_saved_bytes(3, t2, **kw) - _saved_bytes(3, t1, **kw)) / (t2 - t1)
+
+    measured = per_token(mode=mode, norms=True, **counts) - per_token(mode=mode, norms=True)
+    config = _config(3)
+
+    def accounted(**kw):
+        return step_activation_bytes(config, 4, 1, dtype=torch.float32, elementwise_compiled=False, **kw)
+
+    assert measured == (accounted(mlp_recompute=mode, norm_recompute=True, **counts)
+                        - accounted(mlp_recompute=mode, norm_recompute=True)) > 0
+    # per layer: the first n rebuild, the rest keep what the keeping path keeps
+    layer = {(m, n): sum(layer_saved_bytes(config, 4, dtype=torch.float32, mlp_recompute=m, norm_recompute=n,
+                                           elementwise_compiled=False).values())
+             for m in ("none", mode) for n in (False, True)}
+    expected = sum(layer[mode if mlp_layers is None or i < mlp_layers else "none",
+                         norm_layers is None or i < norm_layers] for i in range(3))
+    assert accounted(mlp_recompute=mode, norm_recompute=True, **counts) == expected
 
 
 def test_rebuilt_norms_in_16_bits_with_eager_norms(flash_like):
@@ -198,7 +230,8 @@ def test_accounting_refuses_other_blocks_and_modes():
         layer_saved_bytes(_config(2), {"gate": 4})
 
 
-def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off", norms=False):
+def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False, fusion="off", norms=False,
+                    **layer_counts):
     for p in bank.parameters():
         p.grad = None
     t = 96
@@ -210,7 +243,7 @@ def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False
                              torch.tensor([0, 32, 64, 96], dtype=torch.int32), routing, config=config,
                              backend=backend, checkpoint_layers=checkpoint_layers,
                              options=DecoderOptions(elementwise_fusion=fusion, fusion_compiler="aot_eager",
-                                                    mlp_recompute=mode, norm_recompute=norms))
+                                                    mlp_recompute=mode, norm_recompute=norms, **layer_counts))
     (loss * torch.tensor([1.0, 0.5])).sum().backward()
     return loss.detach(), [p.grad.clone() for p in bank.parameters()]
 
@@ -234,6 +267,25 @@ def test_recomputed_mlp_gives_the_same_losses_and_gradients(base, backend):
         assert torch.equal(loss, ref_loss), (mode, ckpt, norms)
         for a, b in zip(grads, ref_grads):
             assert torch.equal(a, b), (mode, ckpt, norms)
+
+
+def test_partial_recomputation_gives_the_same_losses_and_gradients():
+    """Only the first layer of two rebuilds (the MLP activation, the norms, or each its own
+    count), the other keeps: the losses and LoRA gradients equal the keeping path's and the
+    all-rebuilding path's exactly (torch reference, fp32, dropout on; the layers' options are
+    chosen in ``decoder_layers``, the same for every backend)."""
+    config = _config(2)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, ranks=(4, 2), dropout=0.1)
+    ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", "torch")
+    every_loss, every_grads = _loss_and_grads(params, config, bank, "activation", "torch", norms=True)
+    assert torch.equal(every_loss, ref_loss)
+    for mode, counts in [("activation", dict(mlp_recompute_layers=1)), ("gate_up", dict(norm_recompute_layers=1)),
+                         ("activation", dict(mlp_recompute_layers=0, norm_recompute_layers=1))]:
+        loss, grads = _loss_and_grads(params, config, bank, mode, "torch", norms=True, **counts)
+        assert torch.equal(loss, ref_loss), (mode, counts)
+        for a, b, c in zip(grads, ref_grads, every_grads):
+            assert torch.equal(a, b) and torch.equal(a, c), (mode, counts)
 
 
 def test_recomputed_mlp_with_a_dora_adapter():
@@ -266,6 +318,23 @@ def test_a_second_backward_through_a_recomputing_graph_is_refused():
 def test_mlp_recompute_option_is_checked():
     with pytest.raises(ValueError, match="mlp_recompute='all'.*'none', 'activation', 'gate_up'"):
         DecoderOptions(mlp_recompute="all")
+    for bad in (-1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match=r"DecoderOptions.mlp_recompute_layers=.* must be None .* int >= 0"):
+            DecoderOptions(mlp_recompute_layers=bad)
+        with pytest.raises(ValueError, match=r"DecoderOptions.norm_recompute_layers=.* must be None"):
+            DecoderOptions(norm_recompute_layers=bad)
+
+
+def test_options_for_a_layer():
+    """``for_layer``: layers below the counts rebuild, the others keep; without counts (or with
+    nothing to rebuild) every layer gets the options themselves."""
+    options = DecoderOptions(mlp_recompute="activation", norm_recompute=True, mlp_recompute_layers=2,
+                             norm_recompute_layers=1)
+    got = [(o.mlp_recompute, o.norm_recompute) for o in map(options.for_layer, range(3))]
+    assert got == [("activation", True), ("activation", False), ("none", False)]
+    assert DecoderOptions(mlp_recompute="gate_up").for_layer(31).mlp_recompute == "gate_up"
+    plain = DecoderOptions(mlp_recompute_layers=0, norm_recompute_layers=0)
+    assert plain.for_layer(5) is plain
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

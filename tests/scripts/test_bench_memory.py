@@ -5,6 +5,7 @@ time budget are skipped, not run."""
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -22,6 +23,13 @@ def test_settings_parse():
     assert bench.parse_setting("activation+ckpt2") == Setting("activation", 2)
     assert bench.parse_setting("activation+norms+graphs") == Setting("activation", 0, norm_recompute=True, graphs=True)
     assert bench.parse_setting("graphs") == Setting(graphs=True)
+    assert bench.parse_setting("activation24+norms+graphs") == Setting(
+        "activation", norm_recompute=True, graphs=True, mlp_recompute_layers=24)
+    assert bench.parse_setting("activation+norms16") == Setting("activation", norm_recompute=True,
+                                                                 norm_recompute_layers=16)
+    for text in ("none4", "graphs2", "activation+norm8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"setting '{text}'")):
+            bench.parse_setting(text)
     with pytest.raises(argparse.ArgumentTypeError, match="setting 'mlp'"):
         bench.parse_setting("mlp")
     assert bench.parse_setting("ckpt2+activation+graphs+hostembed") == bench.Setting(
@@ -77,17 +85,23 @@ def test_a_graphs_row_runs_the_captured_step_with_its_options(monkeypatch):
     calls = []
 
     def fake_run_ours(args, *a, graphs=False, precapture=False, options=None, **k):
-        calls.append((args.capacity, graphs, precapture, options.mlp_recompute, options.norm_recompute))
+        calls.append((args.capacity, graphs, precapture, options.mlp_recompute, options.norm_recompute,
+                      options.mlp_recompute_layers, options.norm_recompute_layers))
         extra = {"graphs": 1, "replays": 4, "refusals": {}} if graphs else {}
         return 100.0, 1.0, 100, 1.0, 2, extra
 
     monkeypatch.setattr(bench, "run_ours", fake_run_ours)
-    w = _tiny_workload()
+    w = _tiny_workload(layers=2)
     args = bench.parse_args(["--device", "cpu", "--rank", "4"])
     graphs_row = bench._run_row(args, w, "nf4", 64, "activation+norms+graphs")
     eager_row = bench._run_row(args, w, "nf4", 64, "activation")
-    assert calls == [(64, True, True, "activation", True), (64, False, False, "activation", False)]
+    partial_row = bench._run_row(args, w, "nf4", 64, "activation1+norms0")
+    assert calls == [(64, True, True, "activation", True, None, None),
+                     (64, False, False, "activation", False, None, None), (64, False, False, "activation", True, 1, 0)]
     assert graphs_row["replays"] == 4 and "replays" not in eager_row
+    # the kept bytes count the partial setting per layer (2 layers: the second keeps everything)
+    plain_row = bench._run_row(args, w, "nf4", 64, "none")
+    assert eager_row["kept_bytes"] < partial_row["kept_bytes"] < plain_row["kept_bytes"]
 
 
 def test_rows_past_the_time_budget_are_skipped(tmp_path):
@@ -166,11 +180,11 @@ def test_earlier_rows_head_the_table_labelled_with_their_allocator_settings(tmp_
     assert "none [expandable_segments:True]" in lines[1] and "0.500x" in lines[1]
 
 
-def _tiny_workload() -> dict:
-    """What ``bench_memory._run_row`` reads of a workload, for a tiny one-layer model on CPU."""
+def _tiny_workload(layers: int = 1) -> dict:
+    """What ``bench_memory._run_row`` reads of a workload, for a tiny model on CPU (one layer)."""
     from lightning_lorafusion.model.decoder_config import DecoderConfig
 
-    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=1, shape="tiny"), "cpu",
+    hf_config = load_script("bench_e2e").build_model(argparse.Namespace(layers=layers, shape="tiny"), "cpu",
                                                      torch.float32)[0]
     return {"device": torch.device("cpu"), "dtype": torch.float32, "hf_config": None, "model": None, "data": None,
             "quantized": {}, "config": DecoderConfig.from_hf(hf_config)}

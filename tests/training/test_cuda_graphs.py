@@ -490,7 +490,8 @@ def _fp8_tensor_cores() -> bool:
     (False, "fp8", False, "none", False, "checkpointed"), (False, "bf16", True, "none", False, "checkpointed"),
     (False, "bf16", False, "gate_up", False, "checkpointed"), (2, "bf16", False, "activation", False, "checkpointed"),
     (False, "bf16", False, "activation", True, "checkpointed"), (False, "nf4", False, "activation", True, "checkpointed"),
-    (False, "bf16", False, "none", False, "fused")])
+    (False, "bf16", False, "none", False, "fused"),
+    (False, "nf4", False, "activation", {"mlp_recompute_layers": 1, "norm_recompute_layers": 2}, "checkpointed")])
 def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms,
                                                 lm_head_loss):
     """Captured + replayed training steps against eager steps from the same start, bf16,
@@ -503,7 +504,9 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
     same e4m3 weights and per-row activation scales, so the same bounds hold. With DoRA
     adapters the graphs rescale rows by their owner read on the device (the same products).
     With ``mlp_recompute`` both runs rebuild the MLP tensors in backward (inside the graph), with
-    ``norms`` (``norm_recompute``) the norm outputs too; an NF4 base dequantizes in both. With
+    ``norms`` (``norm_recompute``) the norm outputs too (``norms`` a dict: only the first layers
+    rebuild, by ``mlp_recompute_layers`` / ``norm_recompute_layers``, so the captured step mixes
+    per-layer modes); an NF4 base dequantizes in both. With
     the fused LM-head loss the graphs form the head's input gradient in the forward (the eager
     steps recompute checkpointed chunks): the same products in another order."""
     if base_precision == "fp8" and not _fp8_tensor_cores():
@@ -522,7 +525,8 @@ def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precisio
         adapter_loss(sums, mb.loss_denominators).backward()
         return sums.detach()
 
-    options = DecoderOptions(mlp_recompute=mlp_recompute, norm_recompute=norms)
+    options = DecoderOptions(mlp_recompute=mlp_recompute, norm_recompute=bool(norms),
+                             **(norms if isinstance(norms, dict) else {}))
     epochs = mbs + [dataclasses.replace(mb, index=mb.index + 100) for mb in mbs]
     losses_e = _train(eager, bank_e, opts_e, epochs)
     params, bank_g, opts_g = _gpu_setup(config, specs, base_precision)

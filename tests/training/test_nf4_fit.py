@@ -136,6 +136,24 @@ def test_norm_recompute_option_trains_the_same_adapters(tiny_model_dir):
         LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], norm_recompute="yes")
 
 
+def test_recompute_layer_counts_reach_the_decoder_and_are_checked(tiny_model_dir):
+    """``model.mlp_recompute_layers`` / ``norm_recompute_layers`` reach ``decoder_options`` (the
+    first n layers rebuild, the others keep); null is every layer; anything but an int >= 0 is a
+    ConfigError naming the field."""
+    module = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], mlp_recompute="activation",
+                              norm_recompute=True, mlp_recompute_layers=1, norm_recompute_layers=0)
+    options = module.decoder_options
+    assert (options.mlp_recompute_layers, options.norm_recompute_layers) == (1, 0)
+    assert (options.for_layer(0).mlp_recompute, options.for_layer(1).mlp_recompute) == ("activation", "none")
+    assert not options.for_layer(0).norm_recompute
+    default = LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1]).decoder_options
+    assert default.mlp_recompute_layers is None and default.norm_recompute_layers is None
+    for name in ("mlp_recompute_layers", "norm_recompute_layers"):
+        for bad in (-1, True, "4", 1.5):
+            with pytest.raises(ConfigError, match=rf"model.{name}={bad!r} must be null \(every layer\) or an int >= 0"):
+                LoRAFusionModule(base_model=tiny_model_dir, adapters=tiny_specs()[:1], **{name: bad})
+
+
 def test_embedding_on_host_option(tiny_model_dir, tmp_path):
     """``model.embedding_on_host``: checked at construction (a bool; not with an FP8 base, whose
     table is FP8 already, nor with tied embeddings); off a CUDA device the table stays where it
