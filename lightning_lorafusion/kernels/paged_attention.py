@@ -83,6 +83,21 @@ def _attend_tokens(
     return m, l, acc
 
 
+@triton.jit
+def _group_query(q_ptr, row, head, q_stride_b, q_stride_h, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GROUP query heads of kv head ``head`` in ``row``: (q [BLOCK_G, BLOCK_D], their head
+    indices, the dim offsets, the heads' mask, the output mask)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    out_mask = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_heads = head * GROUP + offs_g
+    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=out_mask, other=0.0)
+    return q, q_heads, offs_d, g_ok, out_mask
+
+
 @triton.jit(do_not_specialize=DECODE_UNSPECIALISED)
 def _paged_decode_kernel(
     q_ptr, kv_ptr, pt_ptr, len_ptr, out_ptr, part_o_ptr, part_ml_ptr,
@@ -112,18 +127,12 @@ def _paged_decode_kernel(
     share = tl.cdiv(tl.cdiv(seq_len - lo, splits), BLOCK_T) * BLOCK_T
     t_begin = lo + split * share
     t_end = tl.minimum(seq_len, t_begin + share)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < GROUP
-    d_ok = offs_d < HEAD_DIM
-    q_heads = head * GROUP + offs_g
-    q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q, q_heads, offs_d, g_ok, out_mask = _group_query(q_ptr, row, head, q_stride_b, q_stride_h, GROUP, HEAD_DIM,
+                                                      BLOCK_G, BLOCK_D)
     kv_head = kv_ptr + head * stride_h  # kv_ptr: the layer's slice of the pool
     pt_row = pt_ptr + row.to(tl.int64) * pt_stride
     m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_end, qk_scale, cap_log2, stride_p, stride_kv,
                                stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D, BLOCK_T, DOT_PRECISION)
-    out_mask = g_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         out = acc / l[:, None]
         tl.store(out_ptr + (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_heads[:, None]) * HEAD_DIM
@@ -179,19 +188,13 @@ def _paged_decode_balanced_kernel(
         share = tl.cdiv(tl.cdiv(span, n_items), BLOCK_T) * BLOCK_T  # equal shares, none empty
         t_begin = seq_len - span + (item - first) * share
         t_end = tl.minimum(seq_len, t_begin + share)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_ok = offs_g < GROUP
-        d_ok = offs_d < HEAD_DIM
-        q_heads = head * GROUP + offs_g
-        q = tl.load(q_ptr + row.to(tl.int64) * q_stride_b + q_heads[:, None] * q_stride_h + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q, q_heads, offs_d, g_ok, out_mask = _group_query(q_ptr, row, head, q_stride_b, q_stride_h, GROUP,
+                                                          HEAD_DIM, BLOCK_G, BLOCK_D)
         kv_head = kv_ptr + head * stride_h
         pt_row = pt_ptr + row.to(tl.int64) * pt_stride
         m, l, acc = _attend_tokens(q, kv_head, pt_row, t_begin, t_end, qk_scale, cap_log2, stride_p,
                                    stride_kv, stride_s, HEAD_DIM, PAGE, HAS_SOFTCAP, BLOCK_G, BLOCK_D, BLOCK_T,
                                    DOT_PRECISION)
-        out_mask = g_ok[:, None] & d_ok[None, :]
         if n_items == 1:
             tl.store(out_ptr + (row.to(tl.int64) * hq + q_heads[:, None]) * HEAD_DIM + offs_d[None, :],
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
