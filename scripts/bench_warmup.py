@@ -267,7 +267,11 @@ def replay(engine, trace, args, new_adapter, max_s: float) -> dict:
             "triton_variants_compiled_in_trace": sum(compiled_kernel_variants().values()) - kernels_before,
             "adapter_page_ins_in_trace": engine.stats()["adapter_page_ins_total"] - page_ins_before,
             **{f"ttft_{k}_{q}_s": percentile(v, q) for k, v in ttft.items() for q in (50, 99)},
-            "ttft_counts": {k: len(v) for k, v in ttft.items()}}
+            "ttft_counts": {k: len(v) for k, v in ttft.items()},
+            # per request: arrival (s into the trace), TTFT s (None: no token), prompt tokens, adapter
+            "timeline": [[round(arrival[i] - t0, 4), None if first[i] is None else round(first[i] - arrival[i], 4),
+                          len(trace[i][1]), targets[i]] for i in range(n)],
+            "load_at_s": None if load_at is None else round(load_at - t0, 4)}
 
 
 def tokens_digest(engine, vocab: int, names: list[str]) -> str:
