@@ -74,7 +74,8 @@ from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import StepProfile, category_table, table as profile_table  # noqa: E402
+from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic,  # noqa: E402
+                           table as profile_table)
 
 log = logger("bench_tenants")
 
@@ -209,6 +210,11 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, na
             with profile:
                 out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)
             out["profile"] = profile.rows
+            runner = engine.runner
+            out["lora_traffic"] = lora_traffic(
+                profile.kinds, profile.records, profile.ledger, bench.shape, max_rows=runner.decode_inputs.max_rows,
+                grouped_min_rows=lora_gather.GROUPED_MIN_ROWS, group_rows=lora_gather.GROUP_ROWS,
+                block_m=runner.segment_block_m)
     finally:
         engine.disable_step_ledger()
     after = engine.stats()
@@ -650,6 +656,13 @@ def main(argv=None) -> dict:
                   + profile_table(r["profile"]))
             print(f"\n{r['run']} {r['arrivals']}: device ms per step by kernel category (floor and GPU ms: "
                   f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
+    profiled = {r["run"]: r for r in report["runs"] if r.get("profile")}
+    for name, r in profiled.items():  # the adapters' kernels: each LoRA run against its base-alone run
+        base = profiled.get(name.replace("lora", "base", 1)) if name.startswith("lora") else None
+        if base is not None:
+            print(f"\n{name} against {base['run']} ({r['arrivals']}): the adapters' kernels by step kind\n"
+                  + lora_kernel_table(r["profile"], base["profile"], r.get("lora_traffic"),
+                                      report["limits"]["bandwidth"]))
     w = report.get("warm_up")
     if w:
         print(f"\nwarm-up {w['seconds']:.1f} s (mixed-step pieces {_f(w.get('mixed_pieces_s'), '.1f')} s), "
