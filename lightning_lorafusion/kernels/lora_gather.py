@@ -164,6 +164,9 @@ BESIDE_MAX_ROWS: int | None = 64
 # One 8B layer's decode LoRA took 0.51-0.65x its added time at one row, 0.87-0.98x at 8-64 rows
 # (H200, docs/BENCHMARKS.md "Decode kernels")
 EXPAND_BESIDE = True
+# whether a launch that takes the grouped shrink (``GROUPED_MIN_ROWS`` rows or more) may run it
+# beside too, where ``BESIDE_MAX_ROWS`` reaches that many rows (the same partial sums either way)
+BESIDE_GROUPED = False
 
 
 def decode_rank_bound(rows: int, max_rank: int) -> int | None:
@@ -437,12 +440,13 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
 
 def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> bool:
     """Whether ``shrink_beside(lora, stream)`` launches the shrink on ``stream``: a second stream
-    given, CUDA tensors, at most ``BESIDE_MAX_ROWS`` rows, per-row shrink (not the grouped one),
-    not launched already."""
+    given, CUDA tensors, at most ``BESIDE_MAX_ROWS`` rows, per-row shrink (the grouped one too
+    with ``BESIDE_GROUPED``), not launched already."""
     if lora is None or stream is None or BESIDE_MAX_ROWS is None or lora.partials is not None:
         return False
     rows = lora.ranks.shape[1]
-    return lora.x.is_cuda and 0 < rows <= BESIDE_MAX_ROWS and not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    return lora.x.is_cuda and 0 < rows <= BESIDE_MAX_ROWS and (
+        BESIDE_GROUPED or not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS))
 
 
 def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
