@@ -333,7 +333,10 @@ class TenantsBench:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
         "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
-        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again)."""
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again) and
+        "lora-beside" (``ModelRunner.decode_lora_beside`` "few": the decode rows' LoRA shrinks beside
+        the frozen GEMMs only in decode steps of at most 64 rows; the decode graphs captured again,
+        the pieces rebuilt)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -348,7 +351,10 @@ class TenantsBench:
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
         buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
         gemm_changed = runner.decode_gemm != gemm
-        pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
+        beside = "few" if "lora-beside" in old else engine.config.tuning.decode_lora_beside
+        beside_changed = runner.decode_lora_beside != beside
+        runner.decode_lora_beside = beside  # (pieces dropped when it changes: rebuilt below; graphs captured again)
+        pieces_changed = gemm_changed or beside_changed or runner.token_bucket_mode != buckets
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
         if not hasattr(self, "programs_per_sm"):
             self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
@@ -360,14 +366,14 @@ class TenantsBench:
         mode = "per-row" if "attention-items" in old else self.split_mode
         splits_changed |= paged_attention.DECODE_SPLITS != mode
         paged_attention.DECODE_SPLITS = mode
-        if gemm_changed or splits_changed:
+        if gemm_changed or splits_changed or beside_changed:
             with engine._step_lock:
                 runner.decode_gemm = gemm
                 if runner.graphs is not None:
                     with timer(self.device) as t:
                         runner.capture_decode_graphs()
                     log(f"decode graphs captured again with decode_gemm={gemm}, {per_sm} attention programs "
-                        f"per SM in {t.seconds:.1f} s")
+                        f"per SM, decode LoRA beside {beside} in {t.seconds:.1f} s")
         if not hasattr(self, "small_step_rows"):
             self.small_step_rows = lora_segments.SMALL_STEP_ROWS
         small = None if "small-steps" in old else self.small_step_rows
@@ -388,7 +394,7 @@ class TenantsBench:
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
                          "small_step_rows": small,
-                         "decode_gemm": gemm, "token_buckets": buckets,
+                         "decode_gemm": gemm, "token_buckets": buckets, "decode_lora_beside": beside,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -596,7 +602,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits", "attention-items", "mixed-ahead")),
+                                              "attention-splits", "attention-items", "mixed-ahead", "lora-beside")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -614,7 +620,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "SM at every row count), attention-items (the decode attention's per-row splits at every "
                          "row count instead of work items from the step's total tokens where "
                          "paged_attention.BALANCED_ROWS takes them), mixed-ahead (steps admitting requests wait for "
-                         "the running step's tokens: EngineTuning.mixed_ahead off); default %(default)s")
+                         "the running step's tokens: EngineTuning.mixed_ahead off), lora-beside (the decode rows' LoRA "
+                         "shrinks beside the frozen GEMMs only in decode steps of at most 64 rows: "
+                         "EngineTuning.decode_lora_beside few; the decode graphs captured again, the pieces "
+                         "rebuilt); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

@@ -438,14 +438,17 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
         )
 
 
-def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> bool:
-    """Whether ``shrink_beside(lora, stream)`` launches the shrink on ``stream``: a second stream
-    given, CUDA tensors, at most ``BESIDE_MAX_ROWS`` rows, per-row shrink (the grouped one too
-    with ``BESIDE_GROUPED``), not launched already."""
-    if lora is None or stream is None or BESIDE_MAX_ROWS is None or lora.partials is not None:
+def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None, wide: bool = False) -> bool:
+    """Whether ``shrink_beside(lora, stream, wide)`` launches the shrink on ``stream``: a second
+    stream given, CUDA tensors, not launched already, and at most ``BESIDE_MAX_ROWS`` rows of
+    per-row shrink (the grouped one too with ``BESIDE_GROUPED``); ``wide``: any rows, either
+    shrink (the engine's ``EngineTuning.decode_lora_beside`` "wide")."""
+    if lora is None or stream is None or lora.partials is not None or not lora.x.is_cuda:
         return False
     rows = lora.ranks.shape[1]
-    return lora.x.is_cuda and 0 < rows <= BESIDE_MAX_ROWS and (
+    if wide:
+        return rows > 0
+    return BESIDE_MAX_ROWS is not None and 0 < rows <= BESIDE_MAX_ROWS and (
         BESIDE_GROUPED or not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS))
 
 
@@ -477,14 +480,16 @@ def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stre
 
 
 @contextlib.contextmanager
-def shrink_beside(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> Iterator[GatheredLora | None]:
+def shrink_beside(lora: GatheredLora | None, stream: torch.cuda.Stream | None,
+                  wide: bool = False) -> Iterator[GatheredLora | None]:
     """Where ``beside_applies``: the group's shrink is launched on ``stream`` after the work
     enqueued so far on the current stream (``lora.x`` written), and the block runs with
     ``lora`` carrying those ``partials`` (enqueue the frozen GEMM there: it runs beside the
     shrink); on leaving, the current stream waits for ``stream``, so the consumer launched
     after it (the epilogue, ``lora_gather``) reads finished partials. Elsewhere: ``lora`` as
-    it is, nothing launched. Works the same under CUDA graph capture (a fork and a join)."""
-    if not beside_applies(lora, stream):
+    it is, nothing launched. Works the same under CUDA graph capture (a fork and a join).
+    ``wide``: ``beside_applies``'."""
+    if not beside_applies(lora, stream, wide):
         yield lora
         return
     main = torch.cuda.current_stream(lora.x.device)
