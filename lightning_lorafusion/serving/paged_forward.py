@@ -34,7 +34,7 @@ from ..kernels.lora_ahead import ShrinkAhead
 from ..kernels.lora_epilogues import rope_write_kv, swiglu_ahead
 from ..kernels import lora_gather as lora_gather_knobs
 from ..kernels.lora_gather import GatheredLora, expand_beside, lora_gather, shrink_beside
-from ..kernels.lora_segments import segment_lora_add
+from ..kernels.lora_segments import segment_lora_add, segment_lora_shrink
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
@@ -301,6 +301,11 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
         outs = write_first(m, x, lp, group, layer, batch)
         if outs is not None:
             return outs
+    # with the decode rows' shrinks beside the GEMMs in mixed steps (``wide_beside``), the prefill
+    # rows' shrink too: on the LoRA stream, beside the GEMM below; the expands after it
+    side = lora_stream(m, batch) if adapted and m.wide_beside and m.lora_backend == "triton" else None
+    tables = pre.group(m.pool.storage, layer, names) if adapted else None
+    shrunk = None if side is None else segment_lora_shrink(x, tables, form=m.lora_form, stream=side)
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = (plain_linear(m.skinny, x, w, b) if isinstance(w, torch.Tensor)
@@ -317,7 +322,9 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:
-        segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend, form=m.lora_form)
+        if shrunk is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        segment_lora_add(x, tables, outs, backend=m.lora_backend, form=m.lora_form, shrunk=shrunk)
     return outs
 
 
