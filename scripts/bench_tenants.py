@@ -266,7 +266,7 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
-            tuning=EngineTuning(decode_gemm=args.decode_gemm),
+            tuning=EngineTuning(decode_gemm=args.decode_gemm, decode_lora_beside=args.decode_lora_beside),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -581,6 +581,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.85)
     ap.add_argument("--decode-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="EngineTuning.decode_gemm of the engine (the new variant's; --old decode-gemm: cublas)")
+    ap.add_argument("--decode-lora-beside", choices=("wide", "few"), default=EngineTuning().decode_lora_beside,
+                    help="EngineTuning.decode_lora_beside of the engine (the new variant's; --old lora-beside: few)")
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--warm-up", choices=("on", "off"), default="on", help="Engine.warm_up before the runs")
     ap.add_argument("--peak-tflops", type=float, default=None, help="default: data sheet (GPU) or measured")
