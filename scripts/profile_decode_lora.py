@@ -131,6 +131,12 @@ MODES = {
     # the same up to 256 rows, the grouped shrink (from GROUPED_MIN_ROWS) beside too
     "beside256": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
     "beside256_shrinks": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "EXPAND_BESIDE": False},
+    # the grouped shrink's rank chunks over 2 / 4 programs, its warps 8; the per-row expands' (and
+    # SwiGLU's LoRA rows') column blocks of 128
+    "gsplit2": {"GROUPED_RANK_SPLIT": 2},
+    "gsplit4": {"GROUPED_RANK_SPLIT": 4},
+    "gs_w8": {"GROUPED_SHRINK_WARPS": 8},
+    "n128": {"ROW_EXPAND_BLOCK_N": 128},
 }
 BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
                "beside256_shrinks")  # (the case's rank bound)

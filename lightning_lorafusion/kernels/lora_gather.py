@@ -101,6 +101,11 @@ GROUPED_SHRINK_GPU_TILES = (256, 512)
 # LoRA at 256 rows took 0.75-0.98x the per-row path's time at r=16 (8-128 adapters) against
 # 0.77-1.04x for the grouped shrink before; mixed ranks 4-64 0.79-1.00x against 0.78-1.04x
 GROUPED_SHRINK_SINGLE_ROWS = True
+# the grouped shrink's rank chunks over this many programs per (group, K split, projection):
+# program s walks chunks s, s + split, ... (as the per-row shrink's ``RANK_SPLIT``): shorter chains
+# of dependent A loads for a rank-64 group, programs past a group's rank return. 1: one program
+# walks them all (the default; the same partial sums either way)
+GROUPED_RANK_SPLIT = 1
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -422,12 +427,12 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
     """``lora_shrink``'s launch: the grouped kernel or the per-row one (none for no rows)."""
     if grouped:
         groups = lora.groups
-        _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
+        _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g * GROUPED_RANK_SPLIT)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
-            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
-            **trigger,
+            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS,
+            RANK_SPLIT=GROUPED_RANK_SPLIT, num_warps=num_warps, **trigger,
         )
     elif rows:
         split = rank_split(x.device, rows, lora.rank_bound)
