@@ -103,11 +103,12 @@ class EngineTuning:
     # shapes, already loaded and tuned; "every": each piece before its capture
     capture_warm_up: str = "first"
     # the decode rows' LoRA shrinks launched on a second CUDA stream beside the frozen GEMM that
-    # reads their input (the o / down expands too, their rows added by the next norm): "wide" in
-    # every decode step and in mixed steps (their decode rows); "few" (the default): only in
-    # decode steps of at most ``lora_gather.BESIDE_MAX_ROWS`` (64) rows, the rest in stream order
-    # after the GEMMs (docs/serving.md "One step")
-    decode_lora_beside: str = "few"
+    # reads their input (the o / down expands too, their rows added by the next norm): "wide" (the
+    # default) in every decode step, the grouped shrink too, and in mixed steps (their decode rows'
+    # shrinks and, where the prefill LoRA is added after the product, the prefill rows' shrink);
+    # "few": only in decode steps of at most ``lora_gather.BESIDE_MAX_ROWS`` (64) rows, the rest in
+    # stream order after the GEMMs (docs/serving.md "LoRA shrinks beside the GEMMs")
+    decode_lora_beside: str = "wide"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
