@@ -357,6 +357,7 @@ def segment_lora_shrink(x: torch.Tensor, lora: SegmentLora, *, form: str | None 
     form = DEFAULT_FORM if form is None else form
     if form not in ("segments", "splitk") or lora.tiles.shape[1] == 0:
         return None
+    lora.check(x, [x] * lora.num_projections)  # (the outputs come later: x stands in for their rows)
     plan = _segment_plan(x, lora, (), n_blocks=None, split_k=split_k, warps=(None, None),
                          splitk=form == "splitk")
     (kernel, grid, args, meta), = plan[0]

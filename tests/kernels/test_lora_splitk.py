@@ -271,5 +271,7 @@ def test_shrink_launched_apart_gives_the_same_bits(device, dtype, form, live):
     with pytest.raises(ValueError, match="shrunk"):
         segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="items", shrunk=shrunk)
     assert segment_lora_shrink(x, lora, form="items") is None
+    with pytest.raises(ValueError, match="rows"):  # tables checked before the launch
+        segment_lora_shrink(x[:1], dataclasses.replace(lora, segments=((0, 5, 0),)), form=form)
     empty = dataclasses.replace(lora, tiles=lora.tiles[:, :0])
     assert segment_lora_shrink(x, empty, form=form) is None
