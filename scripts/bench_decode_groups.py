@@ -67,7 +67,8 @@ def projection_dims(shape: str) -> list[tuple[int, int]]:
 def layer_step(b: int, a: int, ranks: list[int], args, device, dtype, seed: int = 0, cycle: bool = False) -> dict:
     """``args.layers`` layers' adapter weights for ``a`` adapters (rank ``ranks[i % len]`` on
     every projection) in one pool, a batch of ``b`` rows drawn among them (``cycle``: row i
-    takes adapter i % a, S-LoRA's setting), and the layer's activations -> everything
+    takes adapter i % a, S-LoRA's setting; "zipf": drawn by Zipf(0.8) popularity, the
+    many-tenant trace's), and the layer's activations -> everything
     ``run_layers`` needs."""
     rng = random.Random(seed)
     dims = projection_dims(args.shape)
@@ -81,7 +82,10 @@ def layer_step(b: int, a: int, ranks: list[int], args, device, dtype, seed: int 
             pos += sum(r * (kk + n) for kk, n in dims)
         offsets.append(per_adapter)
     pool = torch.randn(pos, device=device, dtype=dtype) * 0.02
-    row_adapter = [i % a if cycle else rng.randrange(a) for i in range(b)]
+    if cycle == "zipf":  # the many-tenant trace's popularity: adapter i drawn with weight 1 / (i + 1)^0.8
+        row_adapter = rng.choices(range(a), weights=[1 / (i + 1) ** 0.8 for i in range(a)], k=b)
+    else:
+        row_adapter = [i % a if cycle else rng.randrange(a) for i in range(b)]
     h, hq, hkv, d, inter = SHAPES[args.shape]
     g = torch.Generator(device=device).manual_seed(seed)
 

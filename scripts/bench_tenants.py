@@ -74,7 +74,8 @@ from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import StepProfile, category_table, table as profile_table  # noqa: E402
+from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic,  # noqa: E402
+                           table as profile_table)
 
 log = logger("bench_tenants")
 
@@ -209,6 +210,11 @@ def run_trace(bench: "TenantsBench", trace: list[TraceItem], deadline: float, na
             with profile:
                 out = replay_engine(engine, trace, deadline=deadline, slo_ttft=args.slo_ttft)
             out["profile"] = profile.rows
+            runner = engine.runner
+            out["lora_traffic"] = lora_traffic(
+                profile.kinds, profile.records, profile.ledger, bench.shape, max_rows=runner.decode_inputs.max_rows,
+                grouped_min_rows=lora_gather.GROUPED_MIN_ROWS, group_rows=lora_gather.GROUP_ROWS,
+                block_m=runner.segment_block_m)
     finally:
         engine.disable_step_ledger()
     after = engine.stats()
@@ -260,7 +266,7 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
-            tuning=EngineTuning(decode_gemm=args.decode_gemm),
+            tuning=EngineTuning(decode_gemm=args.decode_gemm, decode_lora_beside=args.decode_lora_beside),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -327,7 +333,10 @@ class TenantsBench:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
         "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
-        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again)."""
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again) and
+        "lora-beside" (``ModelRunner.decode_lora_beside`` "few": the decode rows' LoRA shrinks beside
+        the frozen GEMMs only in decode steps of at most 64 rows; the decode graphs captured again,
+        the pieces rebuilt)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -342,7 +351,10 @@ class TenantsBench:
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
         buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
         gemm_changed = runner.decode_gemm != gemm
-        pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
+        beside = "few" if "lora-beside" in old else engine.config.tuning.decode_lora_beside
+        beside_changed = runner.decode_lora_beside != beside
+        runner.decode_lora_beside = beside  # (pieces dropped when it changes: rebuilt below; graphs captured again)
+        pieces_changed = gemm_changed or beside_changed or runner.token_bucket_mode != buckets
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
         if not hasattr(self, "programs_per_sm"):
             self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
@@ -354,14 +366,14 @@ class TenantsBench:
         mode = "per-row" if "attention-items" in old else self.split_mode
         splits_changed |= paged_attention.DECODE_SPLITS != mode
         paged_attention.DECODE_SPLITS = mode
-        if gemm_changed or splits_changed:
+        if gemm_changed or splits_changed or beside_changed:
             with engine._step_lock:
                 runner.decode_gemm = gemm
                 if runner.graphs is not None:
                     with timer(self.device) as t:
                         runner.capture_decode_graphs()
                     log(f"decode graphs captured again with decode_gemm={gemm}, {per_sm} attention programs "
-                        f"per SM in {t.seconds:.1f} s")
+                        f"per SM, decode LoRA beside {beside} in {t.seconds:.1f} s")
         if not hasattr(self, "small_step_rows"):
             self.small_step_rows = lora_segments.SMALL_STEP_ROWS
         small = None if "small-steps" in old else self.small_step_rows
@@ -382,7 +394,7 @@ class TenantsBench:
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
                          "small_step_rows": small,
-                         "decode_gemm": gemm, "token_buckets": buckets,
+                         "decode_gemm": gemm, "token_buckets": buckets, "decode_lora_beside": beside,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -569,6 +581,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.85)
     ap.add_argument("--decode-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="EngineTuning.decode_gemm of the engine (the new variant's; --old decode-gemm: cublas)")
+    ap.add_argument("--decode-lora-beside", choices=("wide", "few"), default=EngineTuning().decode_lora_beside,
+                    help="EngineTuning.decode_lora_beside of the engine (the new variant's; --old lora-beside: few)")
     ap.add_argument("--cpu-pool-mib", type=int, default=256)
     ap.add_argument("--warm-up", choices=("on", "off"), default="on", help="Engine.warm_up before the runs")
     ap.add_argument("--peak-tflops", type=float, default=None, help="default: data sheet (GPU) or measured")
@@ -590,7 +604,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits", "attention-items", "mixed-ahead")),
+                                              "attention-splits", "attention-items", "mixed-ahead", "lora-beside")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -608,7 +622,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "SM at every row count), attention-items (the decode attention's per-row splits at every "
                          "row count instead of work items from the step's total tokens where "
                          "paged_attention.BALANCED_ROWS takes them), mixed-ahead (steps admitting requests wait for "
-                         "the running step's tokens: EngineTuning.mixed_ahead off); default %(default)s")
+                         "the running step's tokens: EngineTuning.mixed_ahead off), lora-beside (the decode rows' LoRA "
+                         "shrinks beside the frozen GEMMs only in decode steps of at most 64 rows: "
+                         "EngineTuning.decode_lora_beside few; the decode graphs captured again, the pieces "
+                         "rebuilt); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -650,6 +667,13 @@ def main(argv=None) -> dict:
                   + profile_table(r["profile"]))
             print(f"\n{r['run']} {r['arrivals']}: device ms per step by kernel category (floor and GPU ms: "
                   f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
+    profiled = {r["run"]: r for r in report["runs"] if r.get("profile")}
+    for name, r in profiled.items():  # the adapters' kernels: each LoRA run against its base-alone run
+        base = profiled.get(name.replace("lora", "base", 1)) if name.startswith("lora") else None
+        if base is not None:
+            print(f"\n{name} against {base['run']} ({r['arrivals']}): the adapters' kernels by step kind\n"
+                  + lora_kernel_table(r["profile"], base["profile"], r.get("lora_traffic"),
+                                      report["limits"]["bandwidth"]))
     w = report.get("warm_up")
     if w:
         print(f"\nwarm-up {w['seconds']:.1f} s (mixed-step pieces {_f(w.get('mixed_pieces_s'), '.1f')} s), "

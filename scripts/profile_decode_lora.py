@@ -128,8 +128,18 @@ MODES = {
     # (o's expand beside its GEMM too, its delta added by the norm after o: EXPAND_BESIDE)
     "beside": {"BESIDE_MAX_ROWS": 64},
     "beside_shrinks": {"BESIDE_MAX_ROWS": 64, "EXPAND_BESIDE": False},
+    # the same up to 256 rows, the grouped shrink (from GROUPED_MIN_ROWS) beside too
+    "beside256": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
+    "beside256_shrinks": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "EXPAND_BESIDE": False},
+    # the grouped shrink's rank chunks over 2 / 4 programs, its warps 8; the per-row expands' (and
+    # SwiGLU's LoRA rows') column blocks of 128
+    "gsplit2": {"GROUPED_RANK_SPLIT": 2},
+    "gsplit4": {"GROUPED_RANK_SPLIT": 4},
+    "gs_w8": {"GROUPED_SHRINK_WARPS": 8},
+    "n128": {"ROW_EXPAND_BLOCK_N": 128},
 }
-BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks")  # (the case's rank bound)
+BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
+               "beside256_shrinks")  # (the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # settings off in every mode that does not name them (the others take the module's default)
 OFF_UNLESS_NAMED = ("BESIDE_MAX_ROWS",)
@@ -457,7 +467,7 @@ def kernel_tables(rows: list[dict]) -> list[str]:
         for m in r["modes"]:
             if not m.get("kernels"):
                 continue
-            lines += [f"\n{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} (ranks {r['ranks']}), {m['mode']}: graph {fmt(m.get('graph_us'))} "
+            lines += [f"\n{r['rows']} x {r['adapters']}{_draw(r)} (ranks {r['ranks']}), {m['mode']}: graph {fmt(m.get('graph_us'))} "
                       f"µs per layer, kernels {fmt(m.get('kernel_us'))} µs, {fmt(m.get('launches'), '.0f')} launches",
                       "| piece | kernel | µs | launches | grid | occ % | MB needed | MB per-row | GB/s |",
                       "|---|---|---|---|---|---|---|---|---|"]
@@ -476,7 +486,7 @@ def graph_tables(rows: list[dict]) -> list[str]:
              "|" + "---|" * 6]
     timelines = []
     for r in rows:
-        name = f"{r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']})"
+        name = f"{r['rows']} x {r['adapters']}{_draw(r)} ({r['ranks']})"
         for m in r["modes"]:
             g = m.get("graph")
             if not g:
@@ -510,7 +520,7 @@ def summary_table(rows: list[dict]) -> list[str]:
         for m in r["modes"]:
             over = lora_us(m["mode"])
             ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before", "bound")]
-            lines.append(f"| {r['rows']} x {r['adapters']}{'c' if r['cycled'] else ''} ({r['ranks']}) "
+            lines.append(f"| {r['rows']} x {r['adapters']}{_draw(r)} ({r['ranks']}) "
                          f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
                          f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(ratios[2], '.2f')} | {fmt(m.get('kernel_us'))} "
                          f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
@@ -529,12 +539,18 @@ def layer_weights(shape: str, device, dtype) -> dict:
             "gu": w(dims[4][1] + dims[5][1], dims[4][0]), "down": w(dims[6][1], dims[6][0])}
 
 
-def parse_cases(text: str) -> list[tuple[int, int, bool]]:
-    """"64x8,64x64c" -> [(64, 8, False), (64, 64, True)] (rows, adapters, cycled)."""
+def _draw(r: dict) -> str:
+    """A case's suffix: "c" (row i on adapter i % adapters), "z" (Zipf popularity), "" (uniform)."""
+    return {True: "c", "zipf": "z"}.get(r["cycled"], "")
+
+
+def parse_cases(text: str) -> list[tuple[int, int, bool | str]]:
+    """"64x8,64x64c,256x96z" -> [(64, 8, False), (64, 64, True), (256, 96, "zipf")] (rows, adapters,
+    how rows draw them: uniformly, cycled, by Zipf(0.8) popularity)."""
     cases = []
     for c in text.split(","):
-        cycle = c.endswith("c")
-        b, a = c.rstrip("c").split("x")
+        cycle = True if c.endswith("c") else "zipf" if c.endswith("z") else False
+        b, a = c.rstrip("cz").split("x")
         cases.append((int(b), int(a), cycle))
     return cases
 
@@ -556,7 +572,8 @@ def _main(argv, defaults: dict) -> dict:
                     help="a tiny layer (for the interpreter) instead of the 8B shape")
     ap.add_argument("--cases", type=parse_cases, default=parse_cases("64x64c,64x64,64x8,256x8,256x64"),
                     help="rows x adapters, comma-separated; a trailing 'c': row i on adapter i %% adapters (every "
-                         "adapter in the batch, S-LoRA's setting), else rows drawn uniformly")
+                         "adapter in the batch, S-LoRA's setting), a trailing 'z': drawn by Zipf(0.8) popularity (the "
+                         "many-tenant trace's), else rows drawn uniformly")
     ap.add_argument("--rank-sets", type=lambda t: [[int(r) for r in x.split(",")] for x in t.split(";")],
                     default=[[16], [4, 8, 16, 32, 64]], help="';'-separated rank lists, each cycled over adapters")
     ap.add_argument("--modes", type=comma_list(tuple(MODES)), default=list(MODES))

@@ -187,6 +187,7 @@ def summarize(windows: Sequence[Sequence[dict]], kinds: Sequence[str | None], to
         cats = row.pop("categories")
         n = row["steps"]
         rows.append({**row, "idle_ms": row["span_ms"] - row["busy_ms"],
+                     "all_kernels": {name[:90]: {"per_step": c / n, "ms_per_step": t / n} for name, (c, t) in kernels},
                      "busy_fraction": row["busy_ms"] / row["span_ms"] if row["span_ms"] > 0 else None,
                      "span_ms_per_step": row["span_ms"] / n, "busy_ms_per_step": row["busy_ms"] / n,
                      "compute_ms_per_step": row["compute_ms"] / n, "lead_ms_per_step": row["lead_ms"] / n,
@@ -247,7 +248,9 @@ class StepProfile:
         self.engine, self.steps, self.trace_path = engine, steps, trace_path
         self.steps_path = steps_path or trace_path.replace(".json", "_steps.json.gz")
         self.kinds: list[str | None] = []
+        self.records: list = []  # the ledger's record of each profiled step (None where kinds is None)
         self.rows: list[dict] = []
+        self.ledger = None
 
     def __enter__(self) -> "StepProfile":
         import torch
@@ -255,7 +258,7 @@ class StepProfile:
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         self._prof.__enter__()
         original = self._original = self.engine.step
-        ledger = self.engine.step_ledger()
+        ledger = self.ledger = self.engine.step_ledger()
         if ledger is None:
             raise RuntimeError("StepProfile needs the engine's step ledger on (enable_step_ledger)")
 
@@ -272,6 +275,7 @@ class StepProfile:
             finally:
                 times = ledger.clock.times
                 self.kinds.append(times[-1].kind.label if len(times) > before and times[-1].kind else None)
+                self.records.append(ledger.steps[-1] if self.kinds[-1] is not None and ledger.steps else None)
 
         self.engine.step = step
         return self
@@ -292,3 +296,115 @@ class StepProfile:
                 for w, k in zip(windows, self.kinds) if k is not None]
         with gzip.open(self.steps_path, "wt") as f:
             json.dump(kept, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# the adapters' kernels by step kind: what they take against the base alone, what they must move
+
+
+LORA_NAMES = ("lora", "segment", "splitk", "_live_", "_rope_kv", "_swiglu", "_add_rms_norm")
+
+
+def _launch_rows(kind: str, max_rows: int) -> int:
+    """The rows a step kind's decode LoRA launches cover: a decode step's batch bucket, a mixed
+    step's ``min(max_rows, token bucket)`` (mixed_graphs.MixedPieces)."""
+    for word in kind.split():
+        if word[:1] in "bt" and word[1:].isdigit():
+            n = int(word[1:])
+            return n if word[0] == "b" else min(n, max_rows)
+    return 0
+
+
+def lora_traffic(kinds: Sequence[str | None], records: Sequence, ledger, shape, *, max_rows: int,
+                 grouped_min_rows: int, group_rows: int, block_m: int) -> dict[str, dict]:
+    """Per step kind, per step on average: the distinct adapters' A and Bᵀ bytes (what the LoRA
+    kernels must move: each adapter of the step once) and an estimate of what they fetch (L2 or
+    HBM): the decode rows' shrink one A per row (per group of up to ``group_rows`` rows of one
+    adapter where the launch covers at least ``grouped_min_rows`` rows), their expands one Bᵀ per
+    row; the prefill rows one A and one Bᵀ per row tile of ``block_m`` rows of an adapter."""
+    esz = ledger.adapter_elem_bytes
+    layers = shape.num_layers
+    sizes: dict[int, tuple[int, int]] = {}
+
+    def ab(key: int) -> tuple[int, int]:
+        if key not in sizes:
+            ranks = ledger.adapters[key].module_ranks
+            sizes[key] = (layers * esz * sum(r * shape.module_dims[m][0] for m, r in ranks),
+                          layers * esz * sum(r * shape.module_dims[m][1] for m, r in ranks))
+        return sizes[key]
+
+    out: dict[str, dict] = {}
+    for kind, rec in zip(kinds, records):
+        if kind is None or rec is None:
+            continue
+        row = out.setdefault(kind, dict.fromkeys(("steps", "adapters", "decode_rows", "prefill_tokens", "a_must",
+                                                  "b_must", "a_decode", "b_decode", "a_prefill", "b_prefill"), 0.0))
+        grouped = _launch_rows(kind, max_rows) >= grouped_min_rows
+        decode = dict(getattr(rec, "decode_adapters", ()))
+        row["steps"] += 1
+        row["adapters"] += len(rec.adapters)
+        row["decode_rows"] += rec.decode_rows
+        for key, tokens in rec.adapters:
+            a, b = ab(key)
+            rows = decode.get(key, 0)
+            pre = tokens - rows
+            row["a_must"] += a
+            row["b_must"] += b
+            row["prefill_tokens"] += pre
+            row["a_decode"] += a * (-(-rows // group_rows) if grouped else rows)
+            row["b_decode"] += b * rows
+            tiles = -(-pre // block_m)
+            row["a_prefill"] += a * tiles
+            row["b_prefill"] += b * tiles
+    for row in out.values():
+        n = row.pop("steps")
+        for k in row:
+            row[k] /= n
+        row["steps"] = n
+    return out
+
+
+def lora_kernel_table(lora_rows: Sequence[dict], base_rows: Sequence[dict], traffic: dict[str, dict] | None = None,
+                      bandwidth: float | None = None, kinds: Sequence[str] | None = None,
+                      min_ms: float = 0.03) -> str:
+    """Per step kind of the run with adapters (``kinds``: these, in this order; default all):
+    each kernel whose time differs from the base alone's (the same kind with "base" for "lora")
+    by ``min_ms`` or more a step, or whose name is a LoRA kernel's: ms per step with adapters, without,
+    and added; then the step's adapter bytes (``lora_traffic``): MB it must move (distinct
+    adapters' A and Bᵀ once) against the estimated MB its kernels fetch, and the must-move
+    bytes' time at ``bandwidth``."""
+    base = {r["kind"]: r for r in base_rows}
+    lines = []
+    for r in lora_rows:
+        kind = r["kind"]
+        if kinds is not None and kind not in kinds:
+            continue
+        b = base.get(kind.replace(" lora ", " base "), {})
+        mine, theirs = r.get("all_kernels", {}), b.get("all_kernels", {})
+        names = set(mine) | set(theirs)
+        rows = []
+        for name in names:
+            x = mine.get(name, {}).get("ms_per_step", 0.0)
+            y = theirs.get(name, {}).get("ms_per_step", 0.0)
+            if abs(x - y) >= min_ms or any(k in name for k in LORA_NAMES):
+                launches = mine.get(name, theirs.get(name, {})).get("per_step", 0.0)
+                rows.append((x - y, name, x, y, launches))
+        added = sum(d for d, *_ in rows)
+        span = r["span_ms_per_step"] - b.get("span_ms_per_step", 0.0) if b else None
+        head = f"{kind}: {r['steps']} steps, device span {r['span_ms_per_step']:.2f} ms/step"
+        if b:
+            head += f" ({b['span_ms_per_step']:.2f} base alone: +{span:.2f}); these kernels add {added:.2f}"
+        t = (traffic or {}).get(kind)
+        if t:
+            must = t["a_must"] + t["b_must"]
+            floor = f", {1e3 * must / bandwidth:.2f} ms at {bandwidth / 1e9:.0f} GB/s" if bandwidth else ""
+            head += (f"\n  {t['adapters']:.1f} adapters, {t['decode_rows']:.0f} decode rows, "
+                     f"{t['prefill_tokens']:.0f} adapted prefill tokens a step; must move A {t['a_must'] / 1e6:.0f} + "
+                     f"Bt {t['b_must'] / 1e6:.0f} MB{floor}; fetch (est.): decode shrink A {t['a_decode'] / 1e6:.0f}, "
+                     f"decode expands Bt {t['b_decode'] / 1e6:.0f}, prefill A {t['a_prefill'] / 1e6:.0f} / "
+                     f"Bt {t['b_prefill'] / 1e6:.0f} MB")
+        lines.append(head)
+        lines.append(f"    {'kernel':<60} {'launches':>8} {'ms lora':>8} {'ms base':>8} {'added':>7}")
+        for d, name, x, y, n in sorted(rows, key=lambda v: -abs(v[0])):
+            lines.append(f"    {name[:60]:<60} {n:>8.0f} {x:>8.3f} {y:>8.3f} {d:>+7.3f}")
+    return "\n".join(lines)

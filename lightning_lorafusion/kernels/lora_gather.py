@@ -101,6 +101,11 @@ GROUPED_SHRINK_GPU_TILES = (256, 512)
 # LoRA at 256 rows took 0.75-0.98x the per-row path's time at r=16 (8-128 adapters) against
 # 0.77-1.04x for the grouped shrink before; mixed ranks 4-64 0.79-1.00x against 0.78-1.04x
 GROUPED_SHRINK_SINGLE_ROWS = True
+# the grouped shrink's rank chunks over this many programs per (group, K split, projection):
+# program s walks chunks s, s + split, ... (as the per-row shrink's ``RANK_SPLIT``): shorter chains
+# of dependent A loads for a rank-64 group, programs past a group's rank return. 1: one program
+# walks them all (the default; the same partial sums either way)
+GROUPED_RANK_SPLIT = 1
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -164,6 +169,9 @@ BESIDE_MAX_ROWS: int | None = 64
 # One 8B layer's decode LoRA took 0.51-0.65x its added time at one row, 0.87-0.98x at 8-64 rows
 # (H200, docs/BENCHMARKS.md "Decode kernels")
 EXPAND_BESIDE = True
+# whether a launch that takes the grouped shrink (``GROUPED_MIN_ROWS`` rows or more) may run it
+# beside too, where ``BESIDE_MAX_ROWS`` reaches that many rows (the same partial sums either way)
+BESIDE_GROUPED = False
 
 
 def decode_rank_bound(rows: int, max_rank: int) -> int | None:
@@ -419,12 +427,12 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
     """``lora_shrink``'s launch: the grouped kernel or the per-row one (none for no rows)."""
     if grouped:
         groups = lora.groups
-        _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g)](
+        _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g * GROUPED_RANK_SPLIT)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
-            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS, num_warps=num_warps,
-            **trigger,
+            DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS,
+            RANK_SPLIT=GROUPED_RANK_SPLIT, num_warps=num_warps, **trigger,
         )
     elif rows:
         split = rank_split(x.device, rows, lora.rank_bound)
@@ -435,14 +443,18 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
         )
 
 
-def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> bool:
-    """Whether ``shrink_beside(lora, stream)`` launches the shrink on ``stream``: a second stream
-    given, CUDA tensors, at most ``BESIDE_MAX_ROWS`` rows, per-row shrink (not the grouped one),
-    not launched already."""
-    if lora is None or stream is None or BESIDE_MAX_ROWS is None or lora.partials is not None:
+def beside_applies(lora: GatheredLora | None, stream: torch.cuda.Stream | None, wide: bool = False) -> bool:
+    """Whether ``shrink_beside(lora, stream, wide)`` launches the shrink on ``stream``: a second
+    stream given, CUDA tensors, not launched already, and at most ``BESIDE_MAX_ROWS`` rows of
+    per-row shrink (the grouped one too with ``BESIDE_GROUPED``); ``wide``: any rows, either
+    shrink (the engine's ``EngineTuning.decode_lora_beside`` "wide")."""
+    if lora is None or stream is None or lora.partials is not None or not lora.x.is_cuda:
         return False
     rows = lora.ranks.shape[1]
-    return lora.x.is_cuda and 0 < rows <= BESIDE_MAX_ROWS and not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS)
+    if wide:
+        return rows > 0
+    return BESIDE_MAX_ROWS is not None and 0 < rows <= BESIDE_MAX_ROWS and (
+        BESIDE_GROUPED or not takes_groups(rows, lora.groups, GROUPED_MIN_ROWS))
 
 
 def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stream | None) -> torch.Tensor:
@@ -473,14 +485,16 @@ def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stre
 
 
 @contextlib.contextmanager
-def shrink_beside(lora: GatheredLora | None, stream: torch.cuda.Stream | None) -> Iterator[GatheredLora | None]:
+def shrink_beside(lora: GatheredLora | None, stream: torch.cuda.Stream | None,
+                  wide: bool = False) -> Iterator[GatheredLora | None]:
     """Where ``beside_applies``: the group's shrink is launched on ``stream`` after the work
     enqueued so far on the current stream (``lora.x`` written), and the block runs with
     ``lora`` carrying those ``partials`` (enqueue the frozen GEMM there: it runs beside the
     shrink); on leaving, the current stream waits for ``stream``, so the consumer launched
     after it (the epilogue, ``lora_gather``) reads finished partials. Elsewhere: ``lora`` as
-    it is, nothing launched. Works the same under CUDA graph capture (a fork and a join)."""
-    if not beside_applies(lora, stream):
+    it is, nothing launched. Works the same under CUDA graph capture (a fork and a join).
+    ``wide``: ``beside_applies``'."""
+    if not beside_applies(lora, stream, wide):
         yield lora
         return
     main = torch.cuda.current_stream(lora.x.device)

@@ -136,6 +136,7 @@ def _lora_grouped_shrink_kernel(
     groups_stride, k_blocks,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE_ROWS: tl.constexpr, GDC: tl.constexpr = False,
+    RANK_SPLIT: tl.constexpr = 1,
 ):
     """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
     K split kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
@@ -145,12 +146,15 @@ def _lora_grouped_shrink_kernel(
     group (start == end) returns. SINGLE_ROWS: a group of one row takes the per-row kernel's
     arithmetic (a sum over K of A * x on the CUDA cores) instead of a 16-row dot for it. GDC:
     the kernel launched after it as a programmatic dependent (``lora_gather.PDL``) may start
-    once every program here has started (it waits for this grid before reading the partials)."""
+    once every program here has started (it waits for this grid before reading the partials).
+    RANK_SPLIT: programs (t, kb, g * RANK_SPLIT + s) share the group's rank chunks, s walking
+    chunks s, s + RANK_SPLIT, ... (the same sums: each chunk's partials are its own)."""
     if GDC:
         gdc_launch_dependents()
     t = tl.program_id(0)
     kb = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // RANK_SPLIT
+    split = tl.program_id(2) % RANK_SPLIT
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
     if end > start:
@@ -161,27 +165,30 @@ def _lora_grouped_shrink_kernel(
         if SINGLE_ROWS:
             if end - start == 1:
                 _shrink_row(x_ptr, pool_ptr, part_ptr, first, g, kb, rank, a_off, K, k_end, x_stride, rows,
-                            k_blocks, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K)
+                            k_blocks, split, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
+                            RANK_SPLIT=RANK_SPLIT)
             else:
                 _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
-                              x_stride, rows, groups_stride, k_blocks, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
-                              BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION)
+                              x_stride, rows, groups_stride, k_blocks, split, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                              BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION,
+                              RANK_SPLIT=RANK_SPLIT)
         else:
             _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
-                          x_stride, rows, groups_stride, k_blocks, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
-                          BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION)
+                          x_stride, rows, groups_stride, k_blocks, split, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
+                          BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION, RANK_SPLIT=RANK_SPLIT)
 
 
 @triton.jit
-def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_stride, rows, k_blocks,
-                MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_stride, rows, k_blocks, split,
+                MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                RANK_SPLIT: tl.constexpr = 1):
     """One row's ``part[g, row, kb, :rank]`` over split kb's K columns (``_lora_shrink_kernel``'s
-    arithmetic, BLOCK_K columns at a time)."""
+    arithmetic, BLOCK_K columns at a time); its rank chunks split, split + RANK_SPLIT, ..."""
     offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     x_row = x_ptr + row.to(tl.int64) * x_stride
     part_row = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
         r_ok = r0 + offs_r < rank
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
@@ -195,9 +202,11 @@ def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_
 
 @triton.jit
 def _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end, x_stride, rows,
-                  groups_stride, k_blocks, MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The rows ``perm[start:end]``' partial sums: the adapter's A tile read once for them, a dot."""
+                  groups_stride, k_blocks, split, MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  RANK_SPLIT: tl.constexpr = 1):
+    """The rows ``perm[start:end]``' partial sums: the adapter's A tile read once for them, a dot;
+    rank chunks split, split + RANK_SPLIT, ..."""
     offs_m = start + tl.arange(0, BLOCK_M)
     m_ok = offs_m < end
     row = tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)
@@ -206,7 +215,7 @@ def _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank
     x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
     part_rows = part_ptr + ((g * rows + row).to(tl.int64) * k_blocks + kb) * MAX_R
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
         r_ok = r0 + offs_r < rank
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)

@@ -26,6 +26,8 @@ same sums per segment from the host copy of the segments.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from typing import Sequence
 
@@ -284,8 +286,10 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
                      form: str | None = None, accumulate: bool = True,
                      per_sm: tuple[int | None, int | None] = (None, None), expand_align: bool | None = None,
-                     expand_stages: int | None = None) -> None:
+                     expand_stages: int | None = None, shrunk: tuple[torch.Tensor, int] | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
+    ``shrunk``: the shrink launched already (``segment_lora_shrink``'s S and splits, the same
+    form and ``split_k``): only the expands run.
     ``accumulate=False`` (write-first): write the LoRA into ``outs`` instead, reading nothing of
     them, and zeros on the rows of rank-0 and ``NO_ADAPTER`` tiles: with a covering table
     (``segment_tiles(..., rows=T)``) every row is written, and a GEMM adds the frozen product
@@ -318,6 +322,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     form = DEFAULT_FORM if form is None else form
     if form not in FORMS:
         raise ValueError(f"form={form!r}; allowed: {FORMS}")
+    if shrunk is not None and form not in ("segments", "splitk"):
+        raise ValueError(f"shrunk: the shrink launched apart runs the 'segments' or 'splitk' form; got form={form!r}")
     if form == "tiles":
         if not accumulate:
             raise ValueError("accumulate=False (write-first) runs the 'segments' or 'splitk' form; got form='tiles'")
@@ -335,29 +341,67 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                                       accumulate=accumulate, per_sm=per_sm,
                                                       splitk=form == "splitk", expand_align=expand_align,
-                                                      expand_stages=expand_stages):
+                                                      expand_stages=expand_stages, shrunk=shrunk):
         kernel[grid](*args, **meta)
+
+
+def segment_lora_shrink(x: torch.Tensor, lora: SegmentLora, *, form: str | None = None,
+                        split_k: int | None = None, stream: "torch.cuda.Stream | None" = None
+                        ) -> tuple[torch.Tensor, int] | None:
+    """``segment_lora_add``'s shrink alone (Triton, forms "segments" / "splitk"; None: nothing
+    launched for an empty tile table or another form) -> ``(S, splits)`` for its ``shrunk``: the
+    scratch (and anything the launch needs, x made contiguous) allocated and enqueued on the
+    current stream, the shrink launched on ``stream`` (None: the current one) after it, so it
+    may run beside work enqueued on the current stream meanwhile (the frozen GEMM reading the
+    same ``x``); order the expands after it (``torch.cuda.current_stream().wait_stream``)."""
+    form = DEFAULT_FORM if form is None else form
+    if form not in ("segments", "splitk") or lora.tiles.shape[1] == 0:
+        return None
+    lora.check(x, [x] * lora.num_projections)  # (the outputs come later: x stands in for their rows)
+    plan = _segment_plan(x, lora, (), n_blocks=None, split_k=split_k, warps=(None, None),
+                         splitk=form == "splitk")
+    (kernel, grid, args, meta), = plan[0]
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        kernel[grid](*args, **meta)
+    return plan[1], plan[2]
 
 
 def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
                       split_k: int | None, warps: tuple[int | None, int | None],
                       accumulate: bool = True,
                       per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
-                      expand_align: bool | None = None, expand_stages: int | None = None) -> list[tuple]:
+                      expand_align: bool | None = None, expand_stages: int | None = None,
+                      shrunk: tuple[torch.Tensor, int] | None = None) -> list[tuple]:
+    """``_segment_plan``'s launches."""
+    return _segment_plan(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps, accumulate=accumulate,
+                         per_sm=per_sm, splitk=splitk, expand_align=expand_align, expand_stages=expand_stages,
+                         shrunk=shrunk)[0]
+
+
+def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
+                  split_k: int | None, warps: tuple[int | None, int | None],
+                  accumulate: bool = True,
+                  per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
+                  expand_align: bool | None = None, expand_stages: int | None = None,
+                  shrunk: tuple[torch.Tensor, int] | None = None) -> tuple[list[tuple], torch.Tensor | None, int]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
     and expand; None: ``LIVE_*_PROGRAMS_PER_SM``). ``splitk``: the shrink is ``lora_splitk``'s
     (``split_k`` None: ``shrink_splits(K)``; ``per_sm[0]`` of its programs, None:
     ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
-    ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S."""
+    ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S; ``shrunk``: S
+    and its splits given (the shrink launched apart, ``segment_lora_shrink``): the expands only.
+    -> (launches, S, splits the expands sum)."""
     if expand_align is None:
         expand_align = splitk and SPLITK_EXPAND_ALIGN
     if expand_stages is None:
         expand_stages = SPLITK_EXPAND_STAGES if splitk else 0
     n_tiles = lora.tiles.shape[1]
     if n_tiles == 0:
-        return []
+        return [], None, 0
     x = x if x.stride(1) == 1 else x.contiguous()
     g, rows, k = lora.num_projections, x.shape[0], x.shape[1]
     block_m, block_r = lora.block_m, lora.block_r
@@ -372,9 +416,14 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
         if small_step(rows):
             split_k = SMALL_STEP_SPLITS if split_k is None else split_k
             n_blocks = SMALL_STEP_EXPAND_BLOCKS if n_blocks is None else n_blocks
-        shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
-                                         programs=programs, warps=warps[0])
+        if shrunk is None:
+            shrink, s = splitk_shrink_launch(x, lora, split_k=shrink_splits(k) if split_k is None else split_k,
+                                             programs=programs, warps=warps[0])
+        else:
+            s = shrunk[0]
         split = 1  # (the expand reads split 0's slot: the sum)
+    elif shrunk is not None:
+        s, split = shrunk
     else:
         split = shrink_splits(k) if split_k is None else split_k
         s = torch.empty(split, g, rows, block_r, dtype=torch.float32, device=x.device)
@@ -389,7 +438,12 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                        **({} if warps[0] is None else {"num_warps": warps[0]}))
     shrink_args = (x, lora.pool, lora.tiles, lora.a_offsets, lora.ranks, s, k, k_per_split, x.stride(0), n_tiles,
                    lora.a_offsets.stride(0), lora.ranks.stride(0), s.stride(1), s.stride(0), block_r)
-    if splitk:
+    if shrunk is not None:
+        if s.shape[1:] != (g, rows, block_r) or s.shape[0] < split or s.dtype != torch.float32:
+            raise ValueError(f"shrunk: S must be [>= {split}, {g}, {rows}, {block_r}] fp32 (segment_lora_shrink's); "
+                             f"got {tuple(s.shape)} {s.dtype}")
+        launches = []
+    elif splitk:
         launches = [shrink]
     elif live is None:
         launches = [(_segment_shrink_kernel, (n_tiles, g, split), shrink_args, shrink_meta)]
@@ -414,7 +468,7 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
         else:
             launches.append((_live_expand_kernel, (live_programs(x.device, n_tiles * n_col, per_sm[1]),),
                              args[:3] + (live,) + args[3:] + (n_col,), meta))
-    return launches
+    return launches, s, split
 
 
 def _specialisation(value) -> object:

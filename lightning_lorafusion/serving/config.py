@@ -22,6 +22,7 @@ HOST_TABLES = ("packed", "separate")
 PAGE_IN_WAIT = ("layer", "step")
 PREFILL_LORA_WRITE = ("auto", "on", "off")
 CAPTURE_WARM_UP = ("first", "every")
+DECODE_LORA_BESIDE = ("wide", "few")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +102,13 @@ class EngineTuning:
     # shapes and RoPE) ran in that set yet: the others launch the same kernels on the same
     # shapes, already loaded and tuned; "every": each piece before its capture
     capture_warm_up: str = "first"
+    # the decode rows' LoRA shrinks launched on a second CUDA stream beside the frozen GEMM that
+    # reads their input (the o / down expands too, their rows added by the next norm): "wide" (the
+    # default) in every decode step, the grouped shrink too, and in mixed steps (their decode rows'
+    # shrinks and, where the prefill LoRA is added after the product, the prefill rows' shrink);
+    # "few": only in decode steps of at most ``lora_gather.BESIDE_MAX_ROWS`` (64) rows, the rest in
+    # stream order after the GEMMs (docs/serving.md "LoRA shrinks beside the GEMMs")
+    decode_lora_beside: str = "wide"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -131,6 +139,9 @@ class EngineTuning:
         if self.capture_warm_up not in CAPTURE_WARM_UP:
             raise ConfigError(f"EngineTuning.capture_warm_up={self.capture_warm_up!r}; "
                               f"allowed: {', '.join(CAPTURE_WARM_UP)}")
+        if self.decode_lora_beside not in DECODE_LORA_BESIDE:
+            raise ConfigError(f"EngineTuning.decode_lora_beside={self.decode_lora_beside!r}; "
+                              f"allowed: {', '.join(DECODE_LORA_BESIDE)}")
         if self.decode_gemm not in DECODE_GEMM_MODES:
             raise ConfigError(f"EngineTuning.decode_gemm={self.decode_gemm!r}; allowed: {', '.join(DECODE_GEMM_MODES)}")
         if self.nf4_gemm not in NF4_GEMM_MODES:

@@ -97,6 +97,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   nf4_gemm=config.tuning.nf4_gemm, decode_gemm=config.tuning.decode_gemm,
                                   token_bucket_mode=config.tuning.token_buckets,
                                   prefill_lora_write=config.tuning.prefill_lora_write,
+                                  decode_lora_beside=config.tuning.decode_lora_beside,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
                                                         self.pool.num_pages))
         self.runner.host_tables = config.tuning.host_tables

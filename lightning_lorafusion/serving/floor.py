@@ -46,13 +46,17 @@ class StepRecord:
     """One step: ``prefill`` (tokens fed, tokens already in the KV cache before them) per piece;
     ``decode_rows`` rows of one token reading ``decode_kv_tokens`` KV tokens in all (each its
     context and its own token); ``sampled_rows``: rows whose logits are computed; ``adapters``:
-    (adapter key, tokens of that adapter in the step), one entry per distinct adapter."""
+    (adapter key, tokens of that adapter in the step), one entry per distinct adapter;
+    ``decode_adapters``: (adapter key, decode rows of that adapter), the decode rows' share of
+    those tokens (what the LoRA kernels' traffic depends on: per-row kernels read an adapter once
+    per row, row tiles once per tile)."""
 
     prefill: tuple[tuple[int, int], ...]
     decode_rows: int
     decode_kv_tokens: int
     sampled_rows: int
     adapters: tuple[tuple[int, int], ...]
+    decode_adapters: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -86,12 +90,16 @@ class StepLedger:
         # decode rows: one token each, counted per adapter object in one pass (no per-row call)
         adapters = list(map(_adapter_of, decode))
         by_id = dict(zip(map(id, adapters), adapters))
+        rows: dict[int, int] = {}
         for aid, n in Counter(map(id, adapters)).items():
             if by_id[aid] is not None:
-                tokens[self._adapter_key(by_id[aid])] += n
+                key = self._adapter_key(by_id[aid])
+                tokens[key] += n
+                rows[key] = n
         self.steps.append(StepRecord(prefill=pieces, decode_rows=len(decode),
                                      decode_kv_tokens=sum(map(_num_cached, decode)) + len(decode),
-                                     sampled_rows=sampled, adapters=tuple(tokens.items())))
+                                     sampled_rows=sampled, adapters=tuple(tokens.items()),
+                                     decode_adapters=tuple(rows.items())))
 
     def _adapter_key(self, adapter: Any) -> int:
         if adapter.key not in self.adapters:

@@ -34,7 +34,7 @@ from ..kernels.lora_ahead import ShrinkAhead
 from ..kernels.lora_epilogues import rope_write_kv, swiglu_ahead
 from ..kernels import lora_gather as lora_gather_knobs
 from ..kernels.lora_gather import GatheredLora, expand_beside, lora_gather, shrink_beside
-from ..kernels.lora_segments import segment_lora_add
+from ..kernels.lora_segments import segment_lora_add, segment_lora_shrink
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
@@ -82,6 +82,10 @@ class PagedDecoder:
     # a second CUDA stream for a decode step's LoRA shrinks, each launched beside the frozen GEMM
     # that reads its input (``lora_gather.shrink_beside``, up to ``BESIDE_MAX_ROWS`` rows); None: none
     lora_stream: Any = None
+    # the shrinks beside their GEMMs in decode steps of any rows (the grouped shrink too) and in
+    # mixed steps (their decode rows' LoRA), not only in decode steps of at most ``BESIDE_MAX_ROWS``
+    # rows (``EngineTuning.decode_lora_beside`` "wide")
+    wide_beside: bool = False
     skinny: SkinnyPlan | None = None  # plain 16-bit products of few rows by ``skinny_gemm`` (None: cuBLAS)
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor,
@@ -179,7 +183,7 @@ def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torc
             h.add_(d)
         x = h
     lora = gathered(m, x, layer, _QKV, batch)
-    with shrink_beside(lora if family.qk_norm == "none" else None, lora_stream(m, batch)) as launched:
+    with shrink_beside(lora if family.qk_norm == "none" else None, lora_stream(m, batch), m.wide_beside) as launched:
         q, k, v = projections(m, x, lp, _QKV, layer, batch)
     lora = launched if family.qk_norm == "none" else lora
     if family.qk_norm != "none":
@@ -260,7 +264,7 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
         x = h
     silu = family.activation == "silu"
     with shrink_beside(gathered(m, x, layer, _GATE_UP, batch) if silu else None,
-                       lora_stream(m, batch)) as gate_up_lora:
+                       lora_stream(m, batch), m.wide_beside) as gate_up_lora:
         g, u = projections(m, x, lp, _GATE_UP, layer, batch)
     partials = None  # down's shrink, where SwiGLU's LoRA rows computed it (few decode rows)
     if silu:
@@ -297,6 +301,11 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
         outs = write_first(m, x, lp, group, layer, batch)
         if outs is not None:
             return outs
+    # with the decode rows' shrinks beside the GEMMs in mixed steps (``wide_beside``), the prefill
+    # rows' shrink too: on the LoRA stream, beside the GEMM below; the expands after it
+    side = lora_stream(m, batch) if adapted and m.wide_beside and m.lora_backend == "triton" else None
+    tables = pre.group(m.pool.storage, layer, names) if adapted else None
+    shrunk = None if side is None else segment_lora_shrink(x, tables, form=m.lora_form, stream=side)
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = (plain_linear(m.skinny, x, w, b) if isinstance(w, torch.Tensor)
@@ -313,7 +322,9 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:
-        segment_lora_add(x, pre.group(m.pool.storage, layer, names), outs, backend=m.lora_backend, form=m.lora_form)
+        if shrunk is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        segment_lora_add(x, tables, outs, backend=m.lora_backend, form=m.lora_form, shrunk=shrunk)
     return outs
 
 
@@ -362,9 +373,9 @@ def beside(m: PagedDecoder, x: torch.Tensor, layer: int, group: tuple[str | None
     done already)."""
     stream = lora_stream(m, batch)
     rows = 0 if batch.decode_scales is None else batch.decode_scales.shape[0]
-    applies = stream is not None and not skip and lora_gather_knobs.BESIDE_MAX_ROWS is not None \
-        and rows <= lora_gather_knobs.BESIDE_MAX_ROWS
-    return shrink_beside(gathered(m, x, layer, group, batch) if applies else None, stream)
+    applies = stream is not None and not skip and (m.wide_beside or (
+        lora_gather_knobs.BESIDE_MAX_ROWS is not None and rows <= lora_gather_knobs.BESIDE_MAX_ROWS))
+    return shrink_beside(gathered(m, x, layer, group, batch) if applies else None, stream, m.wide_beside)
 
 
 def expands_beside(m: PagedDecoder, launched: GatheredLora | None, batch: StepBatch) -> bool:
@@ -378,9 +389,9 @@ def expands_beside(m: PagedDecoder, launched: GatheredLora | None, batch: StepBa
 
 def lora_stream(m: PagedDecoder, batch: StepBatch) -> torch.cuda.Stream | None:
     """The stream a step's decode LoRA shrinks run on beside the frozen GEMMs: ``m.lora_stream``
-    in decode steps (no prefill rows: the steps whose graphs are captured per row bucket); None
-    in mixed steps (their shrinks in stream order)."""
-    return m.lora_stream if batch.num_prefill_rows == 0 else None
+    in decode steps (no prefill rows: the steps whose graphs are captured per row bucket), and
+    in mixed steps with ``m.wide_beside``; else None (their shrinks in stream order)."""
+    return m.lora_stream if batch.num_prefill_rows == 0 or m.wide_beside else None
 
 
 def down_ahead(m: PagedDecoder, layer: int, batch: StepBatch) -> ShrinkAhead | None:

@@ -62,7 +62,7 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto", token_bucket_mode: str = "fine") -> None:
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine", decode_lora_beside: str = "few") -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -86,7 +86,8 @@ class ModelRunner(MixedStepSettings):
                                   kernel_options=KernelOptions(nf4_gemm=nf4_gemm),
                                   nf4_workspace=nf4_decode_workspace(params, self.device),
                                   lora_stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None,
-                                  skinny=SkinnyPlan.for_mode(decode_gemm, self.device, params["norm"].dtype))
+                                  skinny=SkinnyPlan.for_mode(decode_gemm, self.device, params["norm"].dtype),
+                                  wide_beside=decode_lora_beside == "wide")
         self._decode_gemm = decode_gemm
         self.buckets = graph_buckets(max_decode_rows)
         self.decode_inputs = DecodeInputs(
@@ -158,6 +159,23 @@ class ModelRunner(MixedStepSettings):
             self._clear_pieces()
             self.model = dataclasses.replace(self.model, skinny=plan)
         self._decode_gemm = mode
+
+    @property
+    def decode_lora_beside(self) -> str:
+        """Where the decode rows' LoRA shrinks run beside the frozen GEMMs
+        (``EngineTuning.decode_lora_beside``): "few" (decode steps of at most
+        ``lora_gather.BESIDE_MAX_ROWS`` rows) or "wide" (every decode step, and mixed steps'
+        decode rows). Settable between steps: the mixed-step pieces are dropped; captured decode
+        graphs keep what they captured until ``capture_decode_graphs`` runs again."""
+        return "wide" if self.model.wide_beside else "few"
+
+    @decode_lora_beside.setter
+    def decode_lora_beside(self, mode: str) -> None:
+        if mode not in ("few", "wide"):
+            raise ValueError(f"decode_lora_beside={mode!r}; allowed: few, wide")
+        if mode != self.decode_lora_beside:
+            self._clear_pieces()
+            self.model = dataclasses.replace(self.model, wide_beside=mode == "wide")
 
     def capture_decode_graphs(self, find_variants: Callable[[Callable[[], list]], tuple[list, dict]] | None = None
                               ) -> float:

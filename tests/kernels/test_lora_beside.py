@@ -33,14 +33,14 @@ def knobs(monkeypatch):
 
 
 @contextlib.contextmanager
-def launched(lora: GatheredLora):
+def launched(lora: GatheredLora, wide: bool = False):
     """``lora`` with its shrink launched beside: on CUDA ``shrink_beside`` on a second stream, a
     GEMM enqueued on the current one meanwhile; elsewhere the partials launched first."""
     if not lora.x.is_cuda:
         yield dataclasses.replace(lora, partials=lora_shrink(lora))
         return
     side = torch.cuda.Stream(lora.x.device)
-    with shrink_beside(lora, side) as got:
+    with shrink_beside(lora, side, wide) as got:
         assert got.partials is not None
         w = torch.randn(2048, lora.x.shape[1], device=lora.x.device, dtype=lora.x.dtype)
         lora.x @ w.t()  # (the frozen GEMM's stand-in)
@@ -164,3 +164,61 @@ def test_expand_beside_added_by_the_norm_gives_the_same_bits(device, dtype, rows
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(ref_h.float(), got_h.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(ref_x.float(), got_x.float(), rtol=tol, atol=tol)
+
+
+def _grouped(k, widths, dtype, device, first_row=0):
+    """Sixteen rows over three adapters with their groups (``adapter_groups``), for a launch that
+    takes the grouped shrink once ``GROUPED_MIN_ROWS`` is 16."""
+    rows = ROWS["sixteen_shared"]
+    lora = _group(k, widths, rows, dtype, device, first_row=first_row)
+    groups = lg.adapter_groups([a + 1 for a in rows], len(rows), group_rows=4).to(device)
+    return dataclasses.replace(lora, groups=groups)
+
+
+def test_wide_beside_takes_any_rows_and_the_grouped_shrink(monkeypatch):
+    """``wide`` (``EngineTuning.decode_lora_beside`` "wide"): beside whatever the rows and with
+    the grouped shrink; without it, only up to ``BESIDE_MAX_ROWS`` rows of per-row shrink."""
+    monkeypatch.setattr(lg, "GROUPED_MIN_ROWS", 16)
+    cpu = _grouped(40, (24,), torch.float32, torch.device("cpu"))
+    assert not lg.beside_applies(cpu, object(), wide=True)  # CPU tensors
+    assert not lg.beside_applies(cpu, None, wide=True)
+    if torch.cuda.is_available():
+        cuda = _grouped(40, (24,), torch.float32, torch.device("cuda"))
+        stream = torch.cuda.Stream()
+        assert not lg.beside_applies(cuda, stream)  # the grouped shrink: not beside unless wide
+        assert lg.beside_applies(cuda, stream, wide=True)
+        monkeypatch.setattr(lg, "BESIDE_GROUPED", True)
+        assert lg.beside_applies(cuda, stream)
+        monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", 8)
+        assert not lg.beside_applies(cuda, stream) and lg.beside_applies(cuda, stream, wide=True)
+        monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", None)
+        assert lg.beside_applies(cuda, stream, wide=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_wide_beside_grouped_shrink_gives_the_same_bits(device, dtype, monkeypatch):
+    """The grouped shrink launched beside (wide) and read by the gather's expand and by SwiGLU's
+    LoRA rows: the same bits as each launching its own grouped shrink."""
+    monkeypatch.setattr(lg, "GROUPED_MIN_ROWS", 16)
+    monkeypatch.setattr(lg, "BESIDE_MAX_ROWS", 8)  # (16 rows: beside only because wide)
+    n = 72
+    lora = _grouped(40, (n,), dtype, device)
+    y = torch.randn(16, n, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    args = (lora.x, lora.pool, lora.a_offsets[0], lora.b_offsets[0], lora.ranks[0], lora.scales, n)
+    want = y.clone()
+    lora_gather(*args, out=want, backend="triton", groups=lora.groups)
+    with launched(lora, wide=True) as beside:
+        pass
+    got = y.clone()
+    lora_gather(*args, out=got, backend="triton", groups=lora.groups, partials=beside.partials)
+    assert torch.equal(got, want)
+    ref = y.clone()
+    lora_gather(*args, out=ref, backend="torch")
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    pair = _grouped(40, (n, n), dtype, device, first_row=1)
+    gu = torch.randn(18, 2 * n, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    want = swiglu(gu[:, :n], gu[:, n:], lora=pair, backend="triton")
+    with launched(pair, wide=True) as beside:
+        pass
+    assert torch.equal(swiglu(gu[:, :n], gu[:, n:], lora=beside, backend="triton"), want)

@@ -382,3 +382,25 @@ def test_grouped_shrink_single_row_groups_give_the_reference(device, dtype, spli
     bad = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
                       groups=wrong_groups(keys, "shifted").to(device))
     assert not rel_err(bad - y0, want - y0) <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("single_rows", [True, False])
+def test_grouped_shrink_rank_split_gives_the_same_bits(device, dtype, single_rows, monkeypatch):
+    """``GROUPED_RANK_SPLIT``: a group's rank chunks over 3 programs (ranks 5-33: one to three
+    16-rank chunks; rank 0 rows; single-row groups by the per-row arithmetic or the dot) write
+    the partial sums one program writes: the output bit for bit, and the reference's."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    monkeypatch.setattr(module, "GROUPED_RANK_SPLIT", 3)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    assert torch.equal(got, want)
+    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    assert rel_err(got - y0, ref - y0) < TOL[dtype]

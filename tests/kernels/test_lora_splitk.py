@@ -235,3 +235,43 @@ def test_small_steps_take_their_split_and_expand_blocks(device, dtype, monkeypat
     monkeypatch.setattr(lora_segments, "SMALL_STEP_ROWS", rows - 1)
     assert lora_segments._segment_launches(x, lora, outs, n_blocks=None, split_k=None, warps=(None, None),
                                            splitk=True)[0][2][10] == plain[0][2][10]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form,live", [("splitk", False), ("splitk", True), ("segments", False), ("segments", True)])
+def test_shrink_launched_apart_gives_the_same_bits(device, dtype, form, live):
+    """``segment_lora_shrink`` (the shrink alone; on a GPU on a second stream, a GEMM enqueued on the
+    current one meanwhile) then ``segment_lora_add(shrunk=)`` (the expands alone): the same bits
+    as the whole ``segment_lora_add``, additive, over a padded table (its live count or grids over
+    the table); S of a wrong shape refused; other forms and an empty table launch nothing."""
+    from lightning_lorafusion.kernels.lora_segments import segment_lora_shrink
+
+    k, ns, tables = group(dtype, device, seed=31, k=97)
+    segments = [(0, 1, 1), (1, 40, 0), (41, 42, 2), (42, 77, 5)]
+    lora = make_lora(*tables[:4], tables[4], segments, 16, pad_tiles=5)
+    lora = dataclasses.replace(lora, counters=torch.zeros(lora.tiles.shape[1] * 3, dtype=torch.int32, device=device))
+    if live:
+        lora = with_live(lora, len(segment_tiles(segments, 16)))
+    x = torch.randn(80, k, generator=torch.Generator().manual_seed(32)).to(device, dtype)
+    base = torch.randn(80, sum(ns), generator=torch.Generator().manual_seed(33)).to(device, dtype)
+    want = base.clone()
+    segment_lora_add(x, lora, list(want.split(ns, dim=1)), backend="triton", form=form)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    shrunk = segment_lora_shrink(x, lora, form=form, stream=side)
+    if side is not None:
+        x @ torch.randn(512, k, device=device, dtype=dtype).t()  # (the frozen GEMM's stand-in)
+        torch.cuda.current_stream(device).wait_stream(side)
+    got = base.clone()
+    segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form=form, shrunk=shrunk)
+    assert torch.equal(got, want)
+    assert not lora.counters.any()
+    with pytest.raises(ValueError, match="shrunk"):
+        segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form=form,
+                         shrunk=(shrunk[0][:, :, :10], shrunk[1]))
+    with pytest.raises(ValueError, match="shrunk"):
+        segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="items", shrunk=shrunk)
+    assert segment_lora_shrink(x, lora, form="items") is None
+    with pytest.raises(ValueError, match="rows"):  # tables checked before the launch
+        segment_lora_shrink(x[:1], dataclasses.replace(lora, segments=((0, 5, 0),)), form=form)
+    empty = dataclasses.replace(lora, tiles=lora.tiles[:, :0])
+    assert segment_lora_shrink(x, empty, form=form) is None

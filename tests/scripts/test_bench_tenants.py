@@ -256,3 +256,27 @@ def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypat
     assert paged_attention.DECODE_PROGRAMS_PER_SM == per_sm  # set back after the runs
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]
+
+
+def test_bench_tenants_old_lora_beside_switches_where_the_shrinks_run(tmp_path, monkeypatch):
+    """``--decode-lora-beside wide --old lora-beside``: the new runs' engine takes the decode rows'
+    shrinks beside the GEMMs in every step, the old ones only in decode steps of few rows
+    (``ModelRunner.decode_lora_beside`` "few"); the tokens agree."""
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, self.engine.runner.decode_lora_beside, self.engine.runner.model.wide_beside))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "4", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora", "--variants", "new,old", "--old", "lora-beside",
+                         "--decode-lora-beside", "wide", "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("lora-new", "wide", True), ("lora-old", "few", False)]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]

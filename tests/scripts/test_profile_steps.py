@@ -109,3 +109,56 @@ def test_categories_name_each_layer_product_and_the_lm_head():
     odd = [kernel("_add_rms_norm_kernel", 0, 1), kernel("gemm_a", 2, 1), kernel("_add_rms_norm_kernel", 4, 1),
            kernel("gemm_b", 6, 1)]
     assert script.label_products(odd) == ["norm", "gemm", "norm", "lm head"]
+
+
+def test_lora_traffic_counts_each_adapter_once_and_per_row_or_group_fetches():
+    from types import SimpleNamespace
+
+    from lightning_lorafusion.serving.floor import LedgerAdapter, StepRecord
+
+    script = load_script("profile_steps")
+    shape = SimpleNamespace(num_layers=2, module_dims={"q_proj": (8, 4), "down_proj": (16, 8)})
+    ledger = SimpleNamespace(adapter_elem_bytes=2, adapters={
+        1: LedgerAdapter("a", (("q_proj", 4),)), 2: LedgerAdapter("b", (("q_proj", 2), ("down_proj", 2)))})
+    # adapter 1: A = 2 layers * 2 B * 4 * 8 = 128 B, Bt = 2 * 2 * 4 * 4 = 64 B;
+    # adapter 2: A = 2 * 2 * (2 * 8 + 2 * 16) = 192 B, Bt = 2 * 2 * (2 * 4 + 2 * 8) = 96 B
+    decode = StepRecord(prefill=(), decode_rows=20, decode_kv_tokens=0, sampled_rows=20,
+                        adapters=((1, 17), (2, 3)), decode_adapters=((1, 17), (2, 3)))
+    mixed = StepRecord(prefill=((70, 0),), decode_rows=3, decode_kv_tokens=0, sampled_rows=4,
+                       adapters=((1, 3), (2, 70)), decode_adapters=((1, 3),))
+    kinds = ["decode b32 lora graph", "mixed t512 lora graph", None]
+    out = script.lora_traffic(kinds, [decode, mixed, None], ledger, shape, max_rows=16, grouped_min_rows=16,
+                              group_rows=16, block_m=64)
+    d, m = out["decode b32 lora graph"], out["mixed t512 lora graph"]
+    assert d["steps"] == 1 and d["adapters"] == 2 and d["decode_rows"] == 20 and d["prefill_tokens"] == 0
+    assert d["a_must"] == 128 + 192 and d["b_must"] == 64 + 96
+    # 32 rows >= 16: grouped shrink, 17 rows of adapter 1 in two groups, adapter 2's 3 in one
+    assert d["a_decode"] == 2 * 128 + 1 * 192 and d["b_decode"] == 17 * 64 + 3 * 96
+    # the mixed step's gather covers min(16, 512) = 16 rows: grouped; adapter 2's 70 prefill rows: 2 tiles
+    assert m["prefill_tokens"] == 70 and m["a_decode"] == 128 and m["b_decode"] == 3 * 64
+    assert m["a_prefill"] == 2 * 192 and m["b_prefill"] == 2 * 96
+    per_row = script.lora_traffic(kinds[:1], [decode], ledger, shape, max_rows=16, grouped_min_rows=64,
+                                  group_rows=16, block_m=64)
+    assert per_row["decode b32 lora graph"]["a_decode"] == 17 * 128 + 3 * 192
+
+
+def test_lora_kernel_table_sets_each_kernel_beside_the_base_alone():
+    script = load_script("profile_steps")
+    lora = [{"kind": "decode b8 lora graph", "steps": 3, "span_ms_per_step": 9.0, "all_kernels": {
+        "_lora_shrink_kernel": {"per_step": 128, "ms_per_step": 1.0},
+        "_swiglu_kernel": {"per_step": 32, "ms_per_step": 0.5}, "gemm_x": {"per_step": 4, "ms_per_step": 2.0},
+        "gemm_y": {"per_step": 4, "ms_per_step": 0.3}}}]
+    base = [{"kind": "decode b8 base graph", "steps": 3, "span_ms_per_step": 7.0, "all_kernels": {
+        "_swiglu_kernel": {"per_step": 32, "ms_per_step": 0.2}, "gemm_x": {"per_step": 4, "ms_per_step": 2.0},
+        "gemm_y": {"per_step": 4, "ms_per_step": 0.25}}}]
+    traffic = {"decode b8 lora graph": {"steps": 3, "adapters": 4.0, "decode_rows": 6.0, "prefill_tokens": 0.0,
+                                        "a_must": 2e6, "b_must": 1e6, "a_decode": 3e6, "b_decode": 2e6,
+                                        "a_prefill": 0.0, "b_prefill": 0.0}}
+    text = script.lora_kernel_table(lora, base, traffic, bandwidth=3e12)
+    lines = text.splitlines()
+    assert "+2.00" in lines[0] and "these kernels add 1.35" in lines[0]
+    assert "must move A 2 + Bt 1 MB, 0.00 ms" in lines[1] and "decode shrink A 3" in lines[1]
+    shrink = next(ln for ln in lines if "_lora_shrink_kernel" in ln)
+    assert shrink.split()[-4:] == ["128", "1.000", "0.000", "+1.000"]
+    assert any("_swiglu_kernel" in ln and ln.endswith("+0.300") for ln in lines)
+    assert any("gemm_y" in ln for ln in lines) and not any("gemm_x" in ln for ln in lines)  # +0.05 shown, 0 not

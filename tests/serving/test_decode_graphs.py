@@ -179,6 +179,7 @@ def test_decode_lora_shrinks_beside_the_gemms_give_the_same_logits(model_dir, ad
         device="cuda", dtype=torch.float32)
     runner = engine.runner
     assert runner.model.lora_stream is not None
+    runner.decode_lora_beside = "few"  # (the row bound decides; "wide" takes every step beside)
     decode = _decode_ready(engine, CASES)
     got = {}
     with torch.no_grad():

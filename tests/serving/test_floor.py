@@ -147,6 +147,12 @@ def test_engine_ledger_matches_its_requests(make_engine, tuning):
     key = {a.name: k for k, a in ledger.adapters.items()}
     tokens = sum(n for s in ledger.steps for k, n in s.adapters if k == key["attn2"])
     assert tokens == 7 + 3  # its prompt and its three generated tokens fed back
+    # the decode rows per adapter: each step's decode rows of an adapter, within its tokens there
+    for s in ledger.steps:
+        assert sum(n for _, n in s.decode_adapters) <= s.decode_rows
+        assert all(n <= dict(s.adapters)[k] for k, n in s.decode_adapters)
+    if not tuning.get("enable_chunked_prefill"):
+        assert sum(n for s in ledger.steps for k, n in s.decode_adapters if k == key["attn2"]) == 3
     pieces = [piece for s in ledger.steps for piece in s.prefill]
     if tuning.get("enable_chunked_prefill"):
         assert any(ctx > 0 for _, ctx in pieces)  # a chunk after an earlier one
