@@ -16,12 +16,16 @@ convergence check's samples (``aclsum_summaries.jsonl.gz``: ACLSum train split, 
 plain "Summary:" prompts).
 
 ``train`` (GPU; needs only torch, numpy, transformers): AdamW (betas 0.9/0.95, weight decay 0.1
-on matrices, grad-norm clip 1.0), linear warmup then cosine decay to 10 % of the peak, fp32
-master weights under bf16 autocast, torch SDPA attention, ``--seq-len`` 1024 windows drawn at
-random offsets of the training stream, ``--batch-tokens`` (~0.5M) per step in micro-batches.
-``--time-budget`` sets the step count from the measured time of the first steps (the schedule
-is fixed from then on); ``--steps`` fixes it outright. Train and held-out loss are logged;
-the model is saved in bf16 with the tokenizer files and ``pretraining.json`` (recipe, curves).
+on matrices, grad-norm clip 1.0), linear warmup (100 steps) then cosine decay to 10 % of the
+peak (1e-3), fp32 master weights under bf16 autocast, torch SDPA attention, ``--seq-len`` 1024
+windows drawn at random offsets of the training stream, ``--batch-tokens`` (16k: many small
+steps; the corpus is under a million tokens) per step. ``--time-budget`` sets the step count
+from the measured time of the first steps and of a held-out pass (the schedule is fixed from
+then on); ``--steps`` fixes it outright. The held-out loss is measured every ``--eval-every``
+steps and the best pass's weights are saved (early stopping: a model this size memorises a
+corpus this small within a few epochs); ``--keep last`` saves the last step's. Saved in bf16
+with the tokenizer files and ``pretraining.json`` (recipe, curves, and the held-out loss of a
+unigram model of the training tokens: what a model that learned only frequencies scores).
 
     python scripts/pretrain_small.py prepare --out aclsum_pretrain
     python3 scripts/pretrain_small.py train --data aclsum_pretrain --out /tmp/aclsum-135m --time-budget 210
@@ -54,6 +58,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # The base (not instruct) SmolLM2 tokenizer's specials: one document separator, no chat roles.
 DOC_SEPARATOR = "<|endoftext|>"
 HELD_OUT_EVERY = 10  # every tenth non-excluded paper (sorted by id) is held out
+CALIBRATION_STEPS = 10  # --time-budget: steps 2..10 time a step, then the schedule is fixed
 ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
              "rope_parameters", "rope_theta", "rope_scaling", "tie_word_embeddings", "vocab_size",
@@ -169,6 +174,14 @@ def lr_at(step: int, *, peak: float, warmup: int, total: int, floor: float) -> f
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
+def unigram_cross_entropy(train: torch.Tensor, heldout: torch.Tensor, vocab: int) -> float:
+    """Held-out cross-entropy (nats per token) of the training tokens' unigram distribution,
+    add-one smoothed: the loss a model that learned only token frequencies would have."""
+    counts = torch.bincount(train, minlength=vocab).double() + 1.0
+    logp = counts.log() - counts.sum().log()
+    return float(-logp[heldout].mean())
+
+
 def token_loss(model, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` [batch, seq + 1] (fp32 logits)."""
     hidden = model.model(input_ids=ids[:, :-1], use_cache=False).last_hidden_state
@@ -231,8 +244,12 @@ def train(args) -> dict[str, Any]:
     history: dict[str, list] = {"step": [], "lr": [], "train_loss": [], "grad_norm": [], "seconds": [],
                                 "heldout": []}
     ev = dict(seq_len=seq, micro_batch=args.micro_batch, device=device, autocast=autocast)
+    sync(device)
+    te = time.perf_counter()
     history["heldout"].append([0, heldout_loss(model, heldout_stream, **ev)])
-    log(f"step 0: held-out loss {history['heldout'][-1][1]:.4f}")
+    eval_seconds = time.perf_counter() - te
+    best_step, best_loss, best_state = 0, history["heldout"][0][1], None
+    log(f"step 0: held-out loss {best_loss:.4f} ({eval_seconds:.1f}s per held-out pass)")
     sync(device)
     t0 = time.perf_counter()
     step_times = []
@@ -262,23 +279,34 @@ def train(args) -> dict[str, Any]:
         history["train_loss"].append(train_loss)
         history["grad_norm"].append(float(grad_norm))
         history["seconds"].append(round(time.perf_counter() - t0, 2))
-        if total is None and step == 3:  # fix the schedule from steps 2-3 (step 1 warms up kernels)
-            per_step = sum(step_times[1:]) / 2
-            evals = (args.time_budget / per_step) / args.eval_every * 0.05 * per_step  # ~5 % of a step each
-            total = max(step + 1, int((args.time_budget - (time.perf_counter() - t0) - evals) / per_step) + step)
+        if total is None and step == CALIBRATION_STEPS:  # step 1 warms up kernels: time the rest
+            per_step = sum(step_times[1:]) / (len(step_times) - 1)
+            cost = per_step + eval_seconds / args.eval_every  # a step and its share of held-out passes
+            total = max(step + 1, step + int((args.time_budget - (time.perf_counter() - t0)) / cost))
             if total <= args.warmup_steps:
                 raise SystemExit(f"--time-budget {args.time_budget}s gives {total} steps at {per_step:.2f}s "
                                  f"per step, not more than --warmup-steps {args.warmup_steps}")
-            log(f"{per_step:.2f}s per step: {total} steps in the {args.time_budget:.0f}s budget")
+            log(f"{per_step:.3f}s per step: {total} steps in the {args.time_budget:.0f}s budget")
         line = f"step {step}/{total}: lr {lr:.2e}, train loss {train_loss:.4f}, grad norm {float(grad_norm):.2f}"
-        if step % args.eval_every == 0 or step == total:
-            history["heldout"].append([step, heldout_loss(model, heldout_stream, **ev)])
-            line += f", held-out {history['heldout'][-1][1]:.4f}"
-        log(line + f" ({time.perf_counter() - t0:.0f}s)")
+        evaluated = step % args.eval_every == 0 or step == total
+        if evaluated:
+            loss = heldout_loss(model, heldout_stream, **ev)
+            history["heldout"].append([step, loss])
+            line += f", held-out {loss:.4f}"
+            if loss < best_loss and args.keep == "best":  # early stopping: keep the best weights
+                best_step, best_loss = step, loss
+                best_state = {k: v.detach().to(torch.bfloat16, copy=True) for k, v in model.state_dict().items()}
+        if evaluated or step % args.log_every == 0 or step <= CALIBRATION_STEPS:
+            log(line + f" ({time.perf_counter() - t0:.0f}s)")
     sync(device)
     seconds = time.perf_counter() - t0
     model.config.use_cache = True
-    model.to(torch.bfloat16).save_pretrained(out)
+    model.to(torch.bfloat16)
+    kept = total
+    if args.keep == "best" and best_state is not None:
+        model.load_state_dict(best_state)
+        kept = best_step
+    model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(data / name, out / name)
     tokens_seen = total * seqs_per_step * seq
@@ -292,20 +320,24 @@ def train(args) -> dict[str, Any]:
                    "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay, "clip": args.clip,
                    "seq_len": seq, "tokens_per_step": seqs_per_step * seq, "micro_batch": args.micro_batch,
                    "steps": total, "precision": "bf16 autocast, fp32 master weights" if use_bf16 else "fp32",
-                   "attention": "torch SDPA", "seed": args.seed, "time_budget": args.time_budget},
+                   "attention": "torch SDPA", "seed": args.seed, "time_budget": args.time_budget,
+                   "eval_every": args.eval_every, "keep": args.keep},
         "tokens_seen": tokens_seen, "epochs": tokens_seen / train_stream.numel(),
         "seconds": round(seconds, 1), "tokens_per_second": round(tokens_seen / seconds),
         "final_train_loss": history["train_loss"][-1], "final_heldout_loss": history["heldout"][-1][1],
-        "best_heldout": min(history["heldout"], key=lambda x: x[1]),
+        "best_heldout": min(history["heldout"], key=lambda x: x[1]), "saved_step": kept,
+        "saved_heldout_loss": dict(map(tuple, history["heldout"]))[kept],
+        "unigram_heldout_loss": unigram_cross_entropy(train_stream, heldout_stream, config.vocab_size),
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "history": history, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
     (out / "pretraining.json").write_text(json.dumps(record, indent=1))
-    log(f"saved {out}: {total} steps, {tokens_seen / 1e6:.1f}M tokens ({record['epochs']:.1f} epochs) in "
-        f"{seconds:.0f}s ({record['tokens_per_second']} tok/s); train loss {record['final_train_loss']:.4f}, "
-        f"held-out {record['final_heldout_loss']:.4f} (best {record['best_heldout'][1]:.4f} at step "
-        f"{record['best_heldout'][0]})")
+    log(f"{total} steps, {tokens_seen / 1e6:.1f}M tokens ({record['epochs']:.1f} epochs) in {seconds:.0f}s "
+        f"({record['tokens_per_second']} tok/s); last step: train loss {record['final_train_loss']:.4f}, held-out "
+        f"{record['final_heldout_loss']:.4f}; saved {out} from step {kept}: held-out "
+        f"{record['saved_heldout_loss']:.4f} (perplexity {math.exp(record['saved_heldout_loss']):.1f}); "
+        f"unigram model of the training tokens: held-out {record['unigram_heldout_loss']:.4f}")
     return record
 
 
@@ -324,14 +356,17 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (else from --time-budget)")
     t.add_argument("--time-budget", type=float, default=210.0, help="seconds of training when --steps is unset")
     t.add_argument("--seq-len", type=int, default=1024)
-    t.add_argument("--batch-tokens", type=int, default=512 * 1024)
+    t.add_argument("--batch-tokens", type=int, default=16 * 1024)
     t.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
-    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--min-lr-ratio", type=float, default=0.1)
-    t.add_argument("--warmup-steps", type=int, default=10)
+    t.add_argument("--warmup-steps", type=int, default=100)
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--eval-every", type=int, default=10)
+    t.add_argument("--eval-every", type=int, default=25)
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--keep", default="best", choices=["best", "last"],
+                   help="save the weights of the best held-out pass (early stopping) or of the last step")
     t.add_argument("--fp32", action="store_true", help="no bf16 autocast (CPU runs are fp32 anyway)")
     t.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

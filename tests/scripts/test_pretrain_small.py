@@ -42,8 +42,9 @@ def tiny_corpus(tmp_path):
 
 
 def test_pretraining_lowers_the_loss_and_saves_a_loadable_bf16_directory(tiny_corpus, tmp_path, monkeypatch):
-    """A few steps from random init: train and held-out loss fall, and the bf16 directory it
-    writes loads through ``load_base_model`` with the corpus's config and tokenizer."""
+    """A few steps from random init: train and held-out loss fall below the unigram model's, the
+    best held-out pass is the one saved, and the bf16 directory loads through
+    ``load_base_model`` with the corpus's config and tokenizer."""
     from lightning_lorafusion.model.hf_loading import load_base_model
 
     pretrain, data = tiny_corpus
@@ -62,6 +63,11 @@ def test_pretraining_lowers_the_loss_and_saves_a_loadable_bf16_directory(tiny_co
     losses = record["history"]["train_loss"]
     assert losses[-1] < losses[0] - 0.5, losses
     assert record["recipe"]["tokens_per_step"] == 256 and record["recipe"]["steps"] == 8
+    best = min(record["history"]["heldout"], key=lambda x: x[1])
+    assert record["saved_step"] == best[0] and record["saved_heldout_loss"] == best[1]
+    # the unigram model of the training tokens (add-one over the 64-token vocabulary) is the bar
+    assert 2.5 < record["unigram_heldout_loss"] < 4.2
+    assert record["saved_heldout_loss"] < record["unigram_heldout_loss"]  # learned more than frequencies
     from safetensors import safe_open
 
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -78,3 +84,19 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     lrs = [pretrain.lr_at(s, peak=1.0, warmup=4, total=20, floor=0.1) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_time_budget_fixes_the_schedule_after_the_calibration_steps(tiny_corpus, tmp_path, monkeypatch):
+    """--time-budget: the step count is set once, after the calibration steps, and the run
+    ends there with a held-out pass at its last step (how many steps depends on the machine)."""
+    pretrain, data = tiny_corpus
+    out = tmp_path / "model"
+    monkeypatch.setattr("sys.argv", ["pretrain_small.py", "train", "--data", str(data), "--out", str(out),
+                                     "--device", "cpu", "--time-budget", "1", "--seq-len", "32",
+                                     "--batch-tokens", "64", "--micro-batch", "2", "--warmup-steps", "2",
+                                     "--eval-every", "5", "--keep", "last"])
+    pretrain.main()
+    record = json.loads((out / "pretraining.json").read_text())
+    steps = record["recipe"]["steps"]
+    assert steps > pretrain.CALIBRATION_STEPS and record["history"]["step"][-1] == steps
+    assert record["history"]["heldout"][-1][0] == steps and record["saved_step"] == steps
