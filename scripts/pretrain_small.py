@@ -29,6 +29,7 @@ unigram model of the training tokens: what a model that learned only frequencies
 
     python scripts/pretrain_small.py prepare --out aclsum_pretrain
     python3 scripts/pretrain_small.py train --data aclsum_pretrain --out /tmp/aclsum-135m --time-budget 210
+    python scripts/pretrain_small.py baselines --data aclsum_pretrain     # unigram / bigram held-out bars
 """
 
 from __future__ import annotations
@@ -180,6 +181,44 @@ def unigram_cross_entropy(train: torch.Tensor, heldout: torch.Tensor, vocab: int
     counts = torch.bincount(train, minlength=vocab).double() + 1.0
     logp = counts.log() - counts.sum().log()
     return float(-logp[heldout].mean())
+
+
+def bigram_cross_entropy(train: torch.Tensor, heldout: torch.Tensor, vocab: int, weight: float) -> float:
+    """Held-out cross-entropy of the training tokens' bigram model interpolated with the unigram
+    one: P(b | a) = weight * count(a, b) / count(a) + (1 - weight) * P_unigram(b)."""
+    uni = torch.bincount(train, minlength=vocab).double() + 1.0
+    uni /= uni.sum()
+    pairs, counts = torch.unique(train[:-1] * vocab + train[1:], return_counts=True)  # sorted
+    context = torch.bincount(train[:-1], minlength=vocab).double()
+    query = heldout[:-1] * vocab + heldout[1:]
+    pos = torch.searchsorted(pairs, query).clamp_max(pairs.numel() - 1)
+    pair_counts = torch.where(pairs[pos] == query, counts[pos].double(), 0.0)
+    ctx = context[heldout[:-1]]
+    p_bigram = torch.where(ctx > 0, pair_counts / ctx.clamp_min(1.0), 0.0)
+    return float(-(weight * p_bigram + (1 - weight) * uni[heldout[1:]]).log().mean())
+
+
+def baselines(args) -> dict[str, Any]:
+    """The held-out bars a pretrained model is judged against: unigram and interpolated bigram
+    models of the training tokens (the bigram's weight picked on the held-out tokens, which
+    flatters it), and optionally an HF model directory's held-out loss (fp32, on the CPU)."""
+    train_stream, heldout_stream, index = read_corpus(Path(args.data))
+    vocab = json.loads((Path(args.data) / "config.json").read_text())["vocab_size"]
+    bigram = {w: bigram_cross_entropy(train_stream, heldout_stream, vocab, w) for w in (0.5, 0.6, 0.7, 0.8, 0.9)}
+    out: dict[str, Any] = {"heldout_tokens": heldout_stream.numel(),
+                           "unigram": unigram_cross_entropy(train_stream, heldout_stream, vocab),
+                           "bigram_by_weight": bigram, "bigram_best": min(bigram.values())}
+    if args.model:
+        from contextlib import nullcontext
+
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+        out["model"] = {"path": args.model, "heldout_loss": heldout_loss(
+            model, heldout_stream, seq_len=args.seq_len, micro_batch=4, device=torch.device("cpu"),
+            autocast=nullcontext)}
+    print(json.dumps(out, indent=1))
+    return out
 
 
 def token_loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -352,6 +391,10 @@ def main() -> None:
     p.add_argument("--tokenizer", default="smollm2-135m-instruct",
                    help="model whose config.json and tokenizer.json to use (built-in name, directory, .gguf)")
     p.add_argument("--max-document-tokens", type=int, default=384, help="paper start kept in the summary prompts")
+    b = sub.add_parser("baselines", help="held-out loss of unigram / bigram models (and of --model), CPU")
+    b.add_argument("--data", required=True, help="a directory written by `prepare`")
+    b.add_argument("--model", default=None, help="an HF model directory to score on the held-out tokens")
+    b.add_argument("--seq-len", type=int, default=1024)
     t = sub.add_parser("train", help="pretrain from random init and save a bf16 HF directory")
     t.add_argument("--data", required=True, help="a directory written by `prepare`")
     t.add_argument("--out", required=True)
@@ -375,6 +418,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.command == "prepare":
         prepare(args)
+    elif args.command == "baselines":
+        baselines(args)
     else:
         if args.steps is None and args.time_budget <= 0:
             sys.exit("set --steps or a positive --time-budget")
