@@ -139,9 +139,11 @@ def markov_samples(num: int, *, vocab: int, seed: int, min_length: int, max_leng
     return out
 
 
-def write_samples_file(path: str, weights: str, *, max_document_tokens: int) -> None:
-    """Tokenize the ACLSum train split (3 aspects) with SmolLM2's tokenizer (chat template) into
-    a gzipped JSONL: ``{"aspect", "input_ids", "label_spans"}`` where ``labels[t] =
+def write_samples_file(path: str, weights: str, *, max_document_tokens: int,
+                       use_chat_template: bool | None = None) -> None:
+    """Tokenize the ACLSum train split (3 aspects) with the tokenizer of ``weights`` (its chat
+    template when it has one and ``use_chat_template`` is not False, else plain "Summary:"
+    prompts) into a gzipped JSONL: ``{"aspect", "input_ids", "label_spans"}`` where ``labels[t] =
     input_ids[t+1]`` for t in each ``[start, end)`` span and IGNORE_INDEX elsewhere."""
     from transformers import AutoTokenizer
 
@@ -151,7 +153,8 @@ def write_samples_file(path: str, weights: str, *, max_document_tokens: int) -> 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(_weights_name(weights)))
     rows = []
     for aspect in ACLSUM_ASPECTS:
-        src = AclsumSource(aspect=aspect, split="train", max_document_tokens=max_document_tokens)
+        src = AclsumSource(aspect=aspect, split="train", max_document_tokens=max_document_tokens,
+                           use_chat_template=use_chat_template)
         for s in src.build(tokenizer, split="train", max_length=None, name=f"aclsum-{aspect}"):
             spans, start = [], None
             for t, lab in enumerate(s.labels + (IGNORE_INDEX,)):
@@ -188,12 +191,18 @@ def read_samples_file(path: str) -> dict[str, list[_Sample]]:
 
 
 def aclsum_adapter_samples(by_aspect: dict[str, list[_Sample]], adapter: int, num: int,
-                           max_length: int) -> list[_Sample]:
-    """Adapter a trains on aspect a mod 3, its papers in a fresh seeded order every epoch."""
+                           max_length: int, held_out: int = 0) -> list[_Sample]:
+    """Adapter a trains on aspect a mod 3, its papers in a fresh seeded order every epoch. The
+    last ``held_out`` of the ``num`` samples are scored, not trained on: they must not repeat a
+    training sample, so ``num`` may exceed the aspect's papers only without them."""
     aspects = sorted(by_aspect)
     pool = [s for s in by_aspect[aspects[adapter % len(aspects)]] if len(s.input_ids) <= max_length]
     if not pool:
         raise SystemExit(f"no sample of {aspects[adapter % len(aspects)]} is <= {max_length} tokens")
+    if held_out and num > len(pool):
+        raise SystemExit(f"{num - held_out} training + {held_out} held-out samples per adapter, but "
+                         f"{aspects[adapter % len(aspects)]} has {len(pool)} papers: held-out samples would "
+                         "repeat training ones; lower --steps, --global-batch or --eval-samples")
     rng = random.Random(1000 + adapter)
     out: list[_Sample] = []
     while len(out) < num:
@@ -248,7 +257,7 @@ def build_case(args, model: str, device: torch.device, dtype: torch.dtype) -> Ca
             params["layers"] = params["layers"][: d["layers"]]
         params = params_to(params, device=device, dtype=dtype)
         by_aspect = read_samples_file(args.samples_file)
-        data = [aclsum_adapter_samples(by_aspect, a, n_train + n_eval, d["max_length"])
+        data = [aclsum_adapter_samples(by_aspect, a, n_train + n_eval, d["max_length"], n_eval)
                 for a in range(args.adapters)]
     else:
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -23,6 +23,7 @@ together, which changes nothing each adapter learns (docs/DESIGN.md), so the los
 rounding when the two paths compute the same thing.
 
     OMP_NUM_THREADS=1 python scripts/bench_qlora_reference.py --model smollm2 --steps 16 --out $OUT
+    python3 scripts/bench_qlora_reference.py --model smollm2 --gguf /path/hf_dir --device cuda --out $OUT
     python scripts/bench_qlora_reference.py --model tiny --steps 2 --adapters 2 --eval-samples 2
 """
 
@@ -69,7 +70,7 @@ def hf_base(case: bc.Case, *, nf4: bool, workdir: Path, double_quant: bool = Tru
         cfg.num_hidden_layers = case.config.num_layers
         if getattr(cfg, "layer_types", None) is not None:
             cfg.layer_types = cfg.layer_types[: case.config.num_layers]
-    kw: dict[str, Any] = {"config": cfg, "dtype": torch.float32, "device_map": "cpu"}
+    kw: dict[str, Any] = {"config": cfg, "dtype": torch.float32, "device_map": str(case_device(case))}
     if nf4:
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
@@ -77,6 +78,10 @@ def hf_base(case: bc.Case, *, nf4: bool, workdir: Path, double_quant: bool = Tru
     model = AutoModelForCausalLM.from_pretrained(src, **kw)
     model.requires_grad_(False)
     return model
+
+
+def case_device(case: bc.Case) -> torch.device:
+    return case.microbatches[0].input_ids.device
 
 
 def peft_model(model, case: bc.Case):
@@ -106,9 +111,10 @@ def token_loss_sum(model, sample) -> torch.Tensor:
     """Sum of the cross-entropy over one sample's label tokens (labels are pre-shifted). The LM
     head runs on the label rows only, as ours does (the same values, less work on the CPU)."""
     hf = model.base_model.model  # the *ForCausalLM under PEFT's wrapper (LoRA layers inside)
-    labels = torch.tensor(sample.labels)
+    device = hf.lm_head.weight.device
+    labels = torch.tensor(sample.labels, device=device)
     rows = labels != IGNORE_INDEX
-    hidden = hf.model(input_ids=torch.tensor([sample.input_ids]), use_cache=False).last_hidden_state[0]
+    hidden = hf.model(input_ids=torch.tensor([sample.input_ids], device=device), use_cache=False).last_hidden_state[0]
     logits = hf.lm_head(hidden[rows]).float()
     return F.cross_entropy(logits, labels[rows], reduction="sum")
 
@@ -164,7 +170,7 @@ def train_peft(pm, case: bc.Case, label: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- ours
 def train_ours(case: bc.Case, params: dict[str, Any], options, label: str) -> dict[str, Any]:
-    bank0 = bc.AdapterBank(case.specs, case.config, dtype=torch.float32, device="cpu")
+    bank0 = bc.AdapterBank(case.specs, case.config, dtype=torch.float32, device=case_device(case))
     before = bc.eval_losses(case, bank0, params, "torch", options)
     r = bc.train(case, label=label, backend="torch", params=params, adapter_dtype=torch.float32, options=options)
     log(f"{label}: {r.seconds:.1f}s, eval before {[round(x, 4) for x in before]}, "
@@ -257,7 +263,10 @@ def run(args) -> dict[str, Any]:
     if args.dropout != 0.0:
         raise SystemExit(f"--dropout {args.dropout}: the reference comparison needs 0 (PEFT's dropout masks "
                          "cannot match ours); leave it at 0")
-    device = torch.device("cpu")
+    device = torch.device(args.device)
+    if device.type == "cuda":  # a true fp32 comparison: no TF32 in either path
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     t0 = time.perf_counter()
     case = bc.build_case(args, args.model, device, torch.float32)
     if not case.eval_samples or not case.eval_samples[0]:
@@ -310,6 +319,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--agree-tol", type=float, default=1e-4,
                     help="allowed relative difference of ours and PEFT over the fp32 base (the same math)")
     ap.add_argument("--target", type=float, default=1e-2, help="the NF4 gap target after training")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (bitsandbytes' CUDA kernels for PEFT's NF4 base)")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -318,7 +328,7 @@ def main() -> None:
     args = parser().parse_args()
     args.min_length = None
     result = run(args)
-    info = device_info(torch.device("cpu"))
+    info = device_info(torch.device(args.device))
     write_json(args.out, f"qlora_reference_{args.model}.json", {**info, "args": vars(args), **result})
     print(f"\n{info['device_name']}, torch {torch.__version__}, {args.model} ({result['layers']} layers), "
           f"r={args.rank} alpha={args.alpha:g} lr={args.lr:g}, {args.adapters} adapters x {args.steps} steps of "
