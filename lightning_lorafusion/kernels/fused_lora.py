@@ -64,10 +64,14 @@ class FusedLoraProjections(torch.autograd.Function):
     back to autograd. A ``GroupFactors``: ``a_all`` and ``b_cats`` are its gather (no autograd
     history) and the factors themselves follow as inputs (``group.leaves``); backward adds their
     gradients into their ``.grad`` in one launch and returns None for them (or, where it cannot,
-    their gradients as views, for autograd to accumulate)."""
+    their gradients as views, for autograd to accumulate).
+
+    ``swiglu``: None, or ``(g, u)`` with ``x == silu(g) * u`` (SwiGLU's gate and up outputs,
+    each like ``x``, kept for backward by their own activation): backward's dA builds X's tiles
+    from them (``_lora_da_kernel``'s ``SWIGLU``) and ``x`` itself is not kept."""
 
     @staticmethod
-    def forward(ctx, x, a_all, plan, off_h, operands, group, *rest):
+    def forward(ctx, x, a_all, plan, off_h, operands, group, swiglu, *rest):
         n_proj = len(plan.ns)
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
@@ -78,22 +82,28 @@ class FusedLoraProjections(torch.autograd.Function):
         # with a group, A_all and B_cat are gathered again in backward instead of kept (their
         # values do not change in between; at 2,816 tokens they are ~4 % of what an 8B layer keeps)
         kept = (a_all, *b_cats) if group is None else ()
+        inputs = (x,) if swiglu is None else tuple(swiglu)
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
-            ctx.save_for_backward(x, s, *kept)  # Fp8Weights hold frozen buffers only
+            ctx.save_for_backward(*inputs, s, *kept)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
                 _launch_fwd_gemm(x, w, b, s, bc, i, plan)
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
-            ctx.save_for_backward(x, s, *kept, *weights)
+            ctx.save_for_backward(*inputs, s, *kept, *weights)
         ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.group = plan, off_h, n_proj, operands, group
+        ctx.swiglu = swiglu is not None
         ctx.mark_non_differentiable(s)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        x, s, *rest = ctx.saved_tensors
+        up = None
+        if ctx.swiglu:  # x's values come from SwiGLU's gate (in x's place) and up output
+            x, up, s, *rest = ctx.saved_tensors
+        else:
+            x, s, *rest = ctx.saved_tensors
         n_proj, group = ctx.n_proj, ctx.group
         if group is None:
             a_all, b_cats, weights = rest[0], rest[1:1 + n_proj], rest[1 + n_proj:]
@@ -103,16 +113,16 @@ class FusedLoraProjections(torch.autograd.Function):
             weights = ctx.fp8_weights
         rest = [*weights, *b_cats]
         need = ctx.needs_input_grad
-        none = (None, None, None, None, None, None, *([None] * (3 * n_proj)))
+        none = (None, None, None, None, None, None, None, *([None] * (3 * n_proj)))
         if group is None:
-            need_db = [need[6 + 2 * n_proj + i] for i in range(n_proj)]
+            need_db = [need[7 + 2 * n_proj + i] for i in range(n_proj)]
             dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
-                                        ctx.off_h, need[0], need[1], need_db, ctx.operands)
-            return (dx, da, *none[2:6], *([None] * (2 * n_proj)), *db_cats)
+                                        ctx.off_h, need[0], need[1], need_db, ctx.operands, up=up)
+            return (dx, da, *none[2:7], *([None] * (2 * n_proj)), *db_cats)
         grads = group.grads()
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan, ctx.off_h,
                                     need[0], True, [True] * n_proj, ctx.operands,
-                                    None if grads is None else (group, grads))
+                                    None if grads is None else (group, grads), up=up)
         leaf_grads = [None] * len(group.leaves) if grads is not None else group.split(da, db_cats)
         return (dx, *none[1:], *leaf_grads)
 
@@ -220,6 +230,7 @@ def fused_lora_projections(
     block_sizes: LoraBlockSizes | None = None,
     options: KernelOptions | None = None,
     operands: QuantizedOperands | None = None,
+    swiglu_input: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
 
@@ -229,8 +240,16 @@ def fused_lora_projections(
     dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
     ``options``: the FP8 products' accumulation (``KernelOptions``; default: fp32). ``operands``:
     an FP8 group's quantized input / output gradient offered by its neighbour (``fp8_swiglu``).
+    ``swiglu_input``: ``(g, u)`` with ``x == silu(g) * u`` ([M, K] each, x's dtype), both kept
+    for backward by their activation anyway: backward rebuilds X's tiles from them inside the
+    dA kernel instead of keeping ``x`` (``FusedLoraProjections``); ignored where it does not
+    apply (an FP8 base, under torch.compile, other layouts).
     """
     _check_inputs(x, weights, biases, loras, routing)
+    if swiglu_input is not None and not all(
+            t.shape == x.shape and t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+            for t in swiglu_input):
+        swiglu_input = None
     x = x.contiguous()
     weights = [w if isinstance(w, (Fp8Weight, Nf4Weight)) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
@@ -254,15 +273,16 @@ def fused_lora_projections(
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
         return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
+    swiglu = None if swiglu_input is None or isinstance(weights[0], Fp8Weight) else tuple(swiglu_input)
     if routing.accumulate_grads and torch.is_grad_enabled():
         group = _group_factors(routing, plan, loras)
         if group is not None:
             a_all, b_cats = group.factors(x.dtype)
             return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, group,
-                                                   *weights, *biases, *b_cats, *group.leaves))
+                                                   swiglu, *weights, *biases, *b_cats, *group.leaves))
     a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
     return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, None,
-                                           *weights, *biases, *b_cats))
+                                           swiglu, *weights, *biases, *b_cats))
 
 
 def _group_factors(routing: LoraRouting, plan: _Plan, loras) -> GroupFactors | None:

@@ -473,15 +473,26 @@ def _lora_dx_gemm_kernel(
     tl.store(dx_ptr + out_off, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def swiglu_tile(g, u, dtype: tl.constexpr):
+    """``silu(g) * u`` of two loaded tiles in fp32, rounded once to ``dtype``: what a fused
+    elementwise SwiGLU stores."""
+    gf = g.to(tl.float32)
+    return (gf * tl.sigmoid(gf) * u.to(tl.float32)).to(dtype)
+
+
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_da_kernel(
-    x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
+    x_ptr, u_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``. ``SWIGLU``: X is
+    ``silu(x) * u`` (``x_ptr`` holds the gate, ``u_ptr`` the up projection, both [M, K]), built
+    per tile instead of read (``swiglu_tile``); otherwise ``u_ptr`` is not read."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -516,6 +527,13 @@ def _lora_da_kernel(
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
                      mask=ok_o[:, None] & k_ok[None, :], other=0.0)
+        if SWIGLU:
+            ue = tl.load(u_ptr + rows_e[:, None] * K + offs_k[None, :],
+                         mask=ok_e[:, None] & k_ok[None, :], other=0.0)
+            uo = tl.load(u_ptr + rows_o[:, None] * K + offs_k[None, :],
+                         mask=ok_o[:, None] & k_ok[None, :], other=0.0)
+            xe = swiglu_tile(xe, ue, x_ptr.dtype.element_ty)
+            xo = swiglu_tile(xo, uo, x_ptr.dtype.element_ty)
         if HAS_DROPOUT:  # 1 / (1 - p) is applied to the accumulator at the end
             h = pair_hash(row_hash(base, pairs), offs_k)
             xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)

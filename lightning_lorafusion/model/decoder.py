@@ -66,6 +66,7 @@ from .family import (
     qk_norm,
     soft_cap,
     swiglu,
+    swiglu_grads,
 )
 
 LM_HEAD_LOSSES = ("checkpointed", "fused")  # head_loss_sums: recompute chunks / fused linear CE
@@ -207,9 +208,10 @@ def _qkv_projections(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: Lora
 
 
 def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | None, act, *, config: DecoderConfig,
-         offset, backend: str, options: DecoderOptions) -> torch.Tensor:
+         offset, backend: str, options: DecoderOptions, act_grads=None) -> torch.Tensor:
     """The gated MLP ``x [T, H] -> [T, H]`` with its LoRA; ``options.mlp_recompute`` says which of
-    its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``)."""
+    its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``);
+    ``act_grads``: SwiGLU's gradients without its output (``family.swiglu_grads``), or None."""
     family, kernel_options = config.family, options.kernels
     wd, bd = frozen_weight(lp["down_proj"])
     if family.fused_gate_up:  # one product, chunked into gate and up after
@@ -242,11 +244,18 @@ def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | No
             return lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
                                     dropout_offset=offset(2), backend=backend, options=kernel_options)
 
-    def down(mid):
+    def down(mid, g=None, u=None):
         return lora_projections(mid, [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
-                                backend=backend, options=kernel_options)[0]
+                                backend=backend, options=kernel_options,
+                                swiglu_input=None if g is None else (g, u))[0]
 
-    return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute)
+    # SwiGLU with its gate and up outputs kept ("activation"): the fused kernels read them for the
+    # down projection's dA instead of a rebuilt ``mid``, and the activation's gradient comes from
+    # them too, so backward never rebuilds ``mid`` (mlp_recompute.py)
+    swiglu_down = (family.activation == "silu" and not family.fused_gate_up and backend == "triton"
+                   and act_grads is not None)
+    return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute, act_grads=act_grads if swiglu_down else None,
+                          down_from_gate_up=down if swiglu_down else None)
 
 
 def _rebuilt_norm(enabled: bool, x: torch.Tensor, norm, h: torch.Tensor, weight, eps: float):
@@ -290,10 +299,12 @@ def decoder_layer(
 
     t = h.shape[0]
     norm, add_norm, act, rope_qk = family_norm(family), family_add_norm(family), gated_activation(family), _rope_qk
+    act_grads = swiglu_grads if act is swiglu else None
     if _fuse(backend, h, options):
         c = options.fusion_compiler
         norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
                                         _compiled(_rope_qk, c), _compiled(act, c))
+        act_grads = None if act_grads is None else _compiled(act_grads, c)
     rebuild = options.norm_recompute and family.input_norms
     x = norm(h, lp["attn_norm"], eps) if family.input_norms else h
     with _rebuilt_norm(rebuild, x, norm, h, lp.get("attn_norm"), eps):
@@ -318,7 +329,8 @@ def decoder_layer(
     else:
         h = x = h + o
     with _rebuilt_norm(rebuild, x, norm, h, lp.get("mlp_norm"), eps):
-        d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options)
+        d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options,
+                 act_grads=act_grads)
     if family.output_norms:
         d = norm(d, lp["mlp_post_norm"], eps)
     return h + d

@@ -253,11 +253,16 @@ def _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=False
 def test_recomputed_mlp_gives_the_same_losses_and_gradients(base, backend):
     """Several adapters per microbatch (one of them in two segments), dropout on, on a dense and
     an NF4 base, fused kernels and the torch reference: every mode's losses and LoRA gradients
-    equal the keeping path's exactly, also with the first layer checkpointed whole."""
+    equal the keeping path's exactly, also with the first layer checkpointed whole. One
+    exception: with ``activation`` the fused kernels' dA of the down projection builds SwiGLU's
+    output from the kept gate and up outputs in its own tiles (fp32, rounded once), whose silu
+    may round differently from torch's by an ulp: the down projections' A gradients are checked
+    within 1e-6 relative there (and differ at all only in that case)."""
     config = _config(2)
     params = random_base_params(config, device="cpu", dtype=torch.float32)
     params = quantize_base_nf4(params) if base == "nf4" else params
     bank = _bank(config, ranks=(4, 2), dropout=0.1)
+    names = [n for n, _ in bank.named_parameters()]
     ref_loss, ref_grads = _loss_and_grads(params, config, bank, "none", backend)
     assert all(g.abs().sum() > 0 for g in ref_grads)
     for mode, ckpt, norms in [("activation", False, False), ("gate_up", False, False), ("gate_up", 1, False),
@@ -265,8 +270,11 @@ def test_recomputed_mlp_gives_the_same_losses_and_gradients(base, backend):
                               ("activation", 1, True)]:
         loss, grads = _loss_and_grads(params, config, bank, mode, backend, checkpoint_layers=ckpt, norms=norms)
         assert torch.equal(loss, ref_loss), (mode, ckpt, norms)
-        for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b), (mode, ckpt, norms)
+        for name, a, b in zip(names, grads, ref_grads):
+            if backend == "triton" and mode == "activation" and name.endswith("down_proj.lora_A"):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+            else:
+                assert torch.equal(a, b), (mode, ckpt, norms, name)
 
 
 def test_partial_recomputation_gives_the_same_losses_and_gradients():

@@ -38,6 +38,12 @@ def test_settings_parse():
         "activation", graphs=True, autograd_accumulation=True)
     with pytest.raises(argparse.ArgumentTypeError, match="autogradacc apply to graphs"):
         bench.parse_setting("activation+autogradacc")
+    assert bench.parse_setting("activation+norms+graphs+midrebuild") == Setting(
+        "activation", norm_recompute=True, graphs=True, mid_rebuild=True)
+    from lightning_lorafusion.model import decoder
+    with bench.mid_rebuilt(True):  # the decoder sees no SwiGLU gradient function: mid is rebuilt
+        assert decoder.swiglu_grads is None
+    assert decoder.swiglu_grads is not None
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
