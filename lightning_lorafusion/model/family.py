@@ -182,12 +182,6 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def swiglu_grads(g: torch.Tensor, u: torch.Tensor, dmid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``swiglu``'s gradients ``(dg, du)`` for its output's gradient ``dmid``, without its output:
-    the products autograd forms (silu's backward of ``dmid * u``, and ``dmid * silu(g)``)."""
-    return torch.ops.aten.silu_backward(dmid * u, g), dmid * F.silu(g)
-
-
 def geglu_tanh(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.gelu(g, approximate="tanh") * u
 

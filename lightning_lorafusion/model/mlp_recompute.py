@@ -7,11 +7,7 @@ projection's LoRA ``dA``). At an 8B shape they are most of a layer's activations
 
 - ``"none"``: keep all three.
 - ``"activation"``: keep ``g`` and ``u``; ``mid`` is rebuilt in backward by the elementwise
-  activation (no product runs twice; the activation's own backward reuses that rebuild). With a
-  down projection that reads ``g`` and ``u`` itself (the fused LoRA kernels build SwiGLU's
-  ``mid`` tile by tile inside their dA kernel: ``lora_projections(swiglu_input=)``) and the
-  activation's gradient as a function of ``g``, ``u`` and ``dmid`` alone, nothing rebuilds
-  ``mid``: one elementwise pass over ``[T, I]`` tensors less per layer.
+  activation (no product runs twice; the activation's own backward reuses that rebuild).
 - ``"gate_up"``: keep only the MLP input ``x`` (kept anyway by the gate/up projections); backward
   reruns the gate/up projections with their LoRA terms (one extra gate+up product per layer)
   and the activation.
@@ -24,7 +20,6 @@ are only what the mode keeps. Recomputation runs the same functions on the same 
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -37,7 +32,6 @@ _SECOND_BACKWARD = ("DecoderOptions.mlp_recompute does not support a second back
 
 GateUp = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-ActivationGrads = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Rebuilt:
@@ -49,8 +43,8 @@ class _Rebuilt:
     backward reads its values, and the activation's backward differentiates that same graph, so
     the elementwise activation runs once in backward, not twice."""
 
-    def __init__(self, act: Activation, gate_up: GateUp | None, act_grads: ActivationGrads | None = None) -> None:
-        self.act, self.gate_up_fn, self.act_grads = act, gate_up, act_grads
+    def __init__(self, act: Activation, gate_up: GateUp | None) -> None:
+        self.act, self.gate_up_fn = act, gate_up
         self.kept: tuple[torch.Tensor, ...] = ()
         self._gu: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mid: torch.Tensor | None = None  # the rebuilt act(g, u), attached to self._leaves
@@ -81,10 +75,6 @@ class _Rebuilt:
 
     def grads(self, dmid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dg, du)`` through the activation; drops everything rebuilt."""
-        if self._mid is None and self.act_grads is not None:  # nothing read ``mid``: no rebuild
-            g, u = self.gate_up()
-            self.release()
-            return self.act_grads(g, u, dmid)
         if self._mid is None:  # the down projection never read ``mid`` (e.g. it has no LoRA)
             self._rebuild()
         mid, leaves = self._mid, self._leaves
@@ -139,28 +129,19 @@ def enclosing_saved_tensor_hooks():
 
 
 def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
-                   down: Callable[[torch.Tensor], torch.Tensor], mode: str, *,
-                   act_grads: ActivationGrads | None = None,
-                   down_from_gate_up: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                   ) -> torch.Tensor:
+                   down: Callable[[torch.Tensor], torch.Tensor], mode: str) -> torch.Tensor:
     """``down(act(*gate_up(x)))`` keeping for backward what ``mode`` says (module docstring).
 
     ``gate_up``: ``x [T, H] -> (g, u)`` each ``[T, I]`` (with their LoRA terms); ``act``: the
     elementwise gated activation; ``down``: ``[T, I] -> [T, H]``. Under ``torch.no_grad`` or with
-    mode "none" this is the plain composition. Mode "activation" only: ``act_grads``:
-    ``(g, u, dmid) -> (dg, du)``, the activation's gradient, used when nothing read the rebuilt
-    ``mid`` (it is then not rebuilt); ``down_from_gate_up``: ``(mid, g, u) -> [T, H]``, ``down``
-    that may keep ``g`` and ``u`` for its backward instead of ``mid`` (``mid == act(g, u)``)."""
+    mode "none" this is the plain composition."""
     if mode not in MLP_RECOMPUTE_MODES:
         raise ValueError(f"mlp_recompute={mode!r}; allowed: {MLP_RECOMPUTE_MODES}")
     g, u = gate_up(x)
     if mode == "none" or not torch.is_grad_enabled():
         return down(act(g, u))
-    rebuilt = _Rebuilt(act, gate_up if mode == "gate_up" else None, act_grads if mode == "activation" else None)
+    rebuilt = _Rebuilt(act, gate_up if mode == "gate_up" else None)
     mid = _GatedActivation.apply(g, u, x, rebuilt)
-    if mode == "activation" and down_from_gate_up is not None:
-        gu = (g, u)  # the same tensors the activation keeps
-        down = functools.partial(_down_from_gate_up, down_from_gate_up, gu)
     del g, u
     # the hooks hold these numbers, never ``mid`` or ``x`` (torch keeps the hooks with each saved tensor)
     mid_storage, device = mid.untyped_storage().data_ptr(), x.device
@@ -179,7 +160,3 @@ def recomputed_mlp(x: torch.Tensor, gate_up: GateUp, act: Activation,
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return down(mid)
-
-
-def _down_from_gate_up(down, gu: tuple[torch.Tensor, torch.Tensor], mid: torch.Tensor) -> torch.Tensor:
-    return down(mid, *gu)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lorafusion.model.family import swiglu, swiglu_grads
+from lightning_lorafusion.model.family import swiglu
 from lightning_lorafusion.model.mlp_recompute import recomputed_mlp
 
 
@@ -56,56 +56,3 @@ def test_activation_gradient_when_down_keeps_nothing_of_its_input():
     dy = torch.randn_like(ref)
     torch.testing.assert_close(torch.autograd.grad(out, x, dy)[0], torch.autograd.grad(ref, x, dy)[0],
                                rtol=1e-12, atol=1e-12)
-
-
-class _DownFromGateUp(torch.autograd.Function):
-    """A down projection that keeps ``g`` and ``u`` for backward instead of its input and builds
-    that input there itself (what the fused kernels' dA does tile by tile)."""
-
-    @staticmethod
-    def forward(ctx, mid, g, u, wd):
-        ctx.save_for_backward(g, u, wd)
-        return mid @ wd.T
-
-    @staticmethod
-    def backward(ctx, dy):
-        g, u, wd = ctx.saved_tensors
-        return dy @ wd, None, None, dy.T @ swiglu(g, u)
-
-
-def test_a_down_projection_reading_gate_and_up_needs_no_rebuild():
-    """``down_from_gate_up`` keeps ``g`` and ``u`` (the tensors the activation keeps) and
-    ``act_grads`` differentiates the activation from them: the activation runs once, in the
-    forward, and the gradients equal the plain composition's. Without ``act_grads`` the
-    activation's backward rebuilds ``mid`` itself, as before."""
-    x, wg, wu, wd = _mlp_parts(seed=2)
-    calls = []
-
-    def act(g, u):
-        calls.append(torch.is_grad_enabled())
-        return swiglu(g, u)
-
-    def gate_up(x):
-        return x @ wg.T, x @ wu.T
-
-    ref = swiglu(*gate_up(x)) @ wd.T
-    dy = torch.randn_like(ref)
-    ref_dx, ref_dwd = torch.autograd.grad(ref, (x, wd), dy)
-    for act_grads, runs in ((swiglu_grads, 1), (None, 2)):
-        calls.clear()
-        out = recomputed_mlp(x, gate_up, act, lambda m: m @ wd.T, "activation", act_grads=act_grads,
-                             down_from_gate_up=lambda m, g, u: _DownFromGateUp.apply(m, g, u, wd))
-        dx, dwd = torch.autograd.grad(out, (x, wd), dy)
-        assert len(calls) == runs
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
-        torch.testing.assert_close(dx, ref_dx, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dwd, ref_dwd, rtol=1e-12, atol=1e-12)
-
-
-def test_swiglu_grads_are_autograds():
-    g, u, dmid = torch.randn(3, 9, 17, dtype=torch.float32, generator=torch.Generator().manual_seed(4)).unbind(0)
-    g.requires_grad_(True)
-    u.requires_grad_(True)
-    dg, du = torch.autograd.grad(swiglu(g, u), (g, u), dmid)
-    got = swiglu_grads(g.detach(), u.detach(), dmid)
-    assert torch.equal(got[0], dg) and torch.equal(got[1], du)
