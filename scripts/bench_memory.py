@@ -14,11 +14,9 @@ change how the captures use the allocator (``training/cuda_graphs.CaptureMemory`
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
 captured up front per epoch, ``model.cuda_graph_precapture``), ``autogradacc`` (the factors'
 gradients added by autograd, one ``add_`` per factor, instead of the fused kernels' one launch per
-projection group: the step as it was, for comparison); and for any row ``midrebuild`` (with
-``activation``: SwiGLU's output rebuilt in backward for the down projection's dA, as before the
-fused dA kernel built it from the kept gate and up outputs: the step as it was), ``normrebuild``
-(with ``norms``: the norm outputs rebuilt as tensors, as before the fused dA kernel normalised
-the kept norm inputs itself), ``expandable``
+projection group: the step as it was, for comparison); and for any row ``normrebuild`` (with
+``norms``: the norm outputs rebuilt in backward as tensors, as before the fused dA kernel
+normalised the kept norm inputs itself: the step as it was), ``expandable``
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
 switched on for that row only: segments made before it, the base's among them, stay as they
 were; for the whole process set the variable before the start, and compare with a run without
@@ -84,7 +82,6 @@ class Setting:
     host_embedding: bool = False
     fused_adam: bool = False
     autograd_accumulation: bool = False
-    mid_rebuild: bool = False
     norm_rebuild: bool = False
     mlp_recompute_layers: int | None = None
     norm_recompute_layers: int | None = None
@@ -108,18 +105,16 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc", "midrebuild",
-                      "normrebuild"):
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc", "normrebuild"):
             fields[{"norms": "norm_recompute", "hostembed": "host_embedding", "fusedadam": "fused_adam",
-                    "autogradacc": "autograd_accumulation", "midrebuild": "mid_rebuild",
-                    "normrebuild": "norm_rebuild"}.get(part, part)] = True
+                    "autogradacc": "autograd_accumulation", "normrebuild": "norm_rebuild"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
                                              "norms (these two with a layer count N: activationN, normsN), graphs, "
                                              "ckptN (N layers checkpointed), expandable, hostembed, "
-                                             "fusedadam, midrebuild, normrebuild, or with "
+                                             "fusedadam, normrebuild, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
@@ -129,20 +124,16 @@ def parse_setting(text: str) -> Setting:
 
 
 @contextlib.contextmanager
-def rebuilt_as_tensors(mid: bool, norms: bool):
-    """``midrebuild`` / ``normrebuild``: for the block the decoder's LoRA projections ignore
-    ``swiglu_input`` / ``norm_input``, so the fused kernels keep SwiGLU's output / the norm
-    outputs and backward rebuilds them as tensors (the step before the fused dA built them
-    itself); nothing when both are False."""
-    drop = [name for name, on in (("swiglu_input", mid), ("norm_input", norms)) if on]
-    if not drop:
+def norms_rebuilt_as_tensors(on: bool):
+    """``normrebuild``: for the block the decoder's LoRA projections ignore ``norm_input``, so
+    the fused kernels keep the rebuilt norm outputs and backward rebuilds them as tensors (the
+    step before the fused dA normalised the kept norm inputs itself); nothing when False."""
+    if not on:
         yield
         return
     projections = decoder_module.lora_projections
 
-    def without(*args, **kwargs):
-        for name in drop:
-            kwargs.pop(name, None)
+    def without(*args, norm_input=None, **kwargs):
         return projections(*args, **kwargs)
 
     decoder_module.lora_projections = without
@@ -283,7 +274,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     if setting.host_embedding and (precision not in w["quantized"] or not cuda):
         return {**row, "error": f"hostembed needs CUDA and an earlier {precision} row (the one that quantizes)"}
     try:
-        with expandable_segments(setting.expandable, device), rebuilt_as_tensors(setting.mid_rebuild, setting.norm_rebuild), \
+        with expandable_segments(setting.expandable, device), norms_rebuilt_as_tensors(setting.norm_rebuild), \
                 embedding_on_host_for_row(setting.host_embedding, w, precision):
             if cuda:  # what the rows before and the model left in the eager allocator
                 row["at_start"] = pool_usage(device=device)

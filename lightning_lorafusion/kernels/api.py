@@ -24,7 +24,6 @@ def lora_projections(
     backend: str = "torch",
     options: KernelOptions | None = None,
     operands: QuantizedOperands | None = None,
-    swiglu_input: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_input: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> list[torch.Tensor]:
     """Projections ``x [M, K] -> [M, N_i]`` of one shared input, each with its LoRA term.
@@ -33,10 +32,9 @@ def lora_projections(
     CUDA, torch elsewhere). ``weights`` may be ``Fp8Weight``s (an FP8 base): the frozen
     products then run through ``fp8_linear`` in either backend, with ``options``' accumulation
     and taking the quantized operands a neighbour offered through ``operands``.
-    ``swiglu_input``: ``(g, u)`` when ``x`` is ``silu(g) * u``: the fused LoRA kernels then keep
-    ``g`` and ``u`` (kept by the activation anyway) instead of ``x`` and rebuild x's values
-    inside their dA kernel; the other paths ignore it. ``norm_input``: ``(h, weight, eps)`` when
-    ``x`` is ``h``'s RMSNorm (``reference.rms_norm``): the same, from the norm's input.
+    ``norm_input``: ``(h, weight, eps)`` when ``x`` is ``h``'s RMSNorm (``reference.rms_norm``):
+    the fused LoRA kernels then keep ``h`` (kept by the norm anyway) instead of ``x`` and
+    normalise its tiles inside their dA kernel; the other paths ignore it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
@@ -53,5 +51,4 @@ def lora_projections(
     from .fused_lora import fused_lora_projections  # Triton is imported only when used
 
     return fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
-                                  options=options, operands=operands, swiglu_input=swiglu_input,
-                                  norm_input=norm_input)
+                                  options=options, operands=operands, norm_input=norm_input)

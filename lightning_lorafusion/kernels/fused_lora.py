@@ -67,13 +67,12 @@ class FusedLoraProjections(torch.autograd.Function):
     gradients into their ``.grad`` in one launch and returns None for them (or, where it cannot,
     their gradients as views, for autograd to accumulate).
 
-    ``source``: None, or where backward's dA builds X's tiles from instead of keeping ``x``
-    (``_lora_da_kernel``'s prologues): ``("swiglu", g, u)`` with ``x == silu(g) * u`` (SwiGLU's
-    gate and up outputs, kept for backward by the activation anyway) or ``("rms_norm", h, w,
-    eps)`` with ``x`` the RMSNorm of ``h`` (kept by the norm anyway) by weight ``w``."""
+    ``norm``: None, or ``(h, w, eps)`` with ``x`` the RMSNorm of ``h`` (kept by the norm for its
+    own backward anyway) by weight ``w``: backward's dA builds X's tiles from ``h`` itself
+    (``_lora_da_kernel``'s ``RMS_NORM``) and ``x`` is not kept."""
 
     @staticmethod
-    def forward(ctx, x, a_all, plan, off_h, operands, group, source, *rest):
+    def forward(ctx, x, a_all, plan, off_h, operands, group, norm, *rest):
         n_proj = len(plan.ns)
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
@@ -84,7 +83,7 @@ class FusedLoraProjections(torch.autograd.Function):
         # with a group, A_all and B_cat are gathered again in backward instead of kept (their
         # values do not change in between; at 2,816 tokens they are ~4 % of what an 8B layer keeps)
         kept = (a_all, *b_cats) if group is None else ()
-        inputs = (x,) if source is None else tuple(source[1:3])
+        inputs = (x,) if norm is None else tuple(norm[:2])
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
             ctx.save_for_backward(*inputs, s, *kept)  # Fp8Weights hold frozen buffers only
@@ -95,17 +94,14 @@ class FusedLoraProjections(torch.autograd.Function):
             )
             ctx.save_for_backward(*inputs, s, *kept, *weights)
         ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.group = plan, off_h, n_proj, operands, group
-        ctx.source = None if source is None else source[0]
-        ctx.eps = source[3] if ctx.source == "rms_norm" else None
+        ctx.eps = None if norm is None else norm[2]
         ctx.mark_non_differentiable(s)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        up = norm = None
-        if ctx.source == "swiglu":  # x's values come from SwiGLU's gate (in x's place) and up output
-            x, up, s, *rest = ctx.saved_tensors
-        elif ctx.source == "rms_norm":  # from the norm's input (in x's place) and weight
+        norm = None
+        if ctx.eps is not None:  # x's values come from the norm's input (in x's place) and weight
             x, weight, s, *rest = ctx.saved_tensors
             norm = (weight, rms_rstd(x, ctx.eps))
         else:
@@ -123,12 +119,12 @@ class FusedLoraProjections(torch.autograd.Function):
         if group is None:
             need_db = [need[7 + 2 * n_proj + i] for i in range(n_proj)]
             dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
-                                        ctx.off_h, need[0], need[1], need_db, ctx.operands, up=up, norm=norm)
+                                        ctx.off_h, need[0], need[1], need_db, ctx.operands, norm=norm)
             return (dx, da, *none[2:7], *([None] * (2 * n_proj)), *db_cats)
         grads = group.grads()
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan, ctx.off_h,
                                     need[0], True, [True] * n_proj, ctx.operands,
-                                    None if grads is None else (group, grads), up=up, norm=norm)
+                                    None if grads is None else (group, grads), norm=norm)
         leaf_grads = [None] * len(group.leaves) if grads is not None else group.split(da, db_cats)
         return (dx, *none[1:], *leaf_grads)
 
@@ -236,7 +232,6 @@ def fused_lora_projections(
     block_sizes: LoraBlockSizes | None = None,
     options: KernelOptions | None = None,
     operands: QuantizedOperands | None = None,
-    swiglu_input: tuple[torch.Tensor, torch.Tensor] | None = None,
     norm_input: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> list[torch.Tensor]:
     """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
@@ -247,24 +242,20 @@ def fused_lora_projections(
     dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
     ``options``: the FP8 products' accumulation (``KernelOptions``; default: fp32). ``operands``:
     an FP8 group's quantized input / output gradient offered by its neighbour (``fp8_swiglu``).
-    ``swiglu_input``: ``(g, u)`` with ``x == silu(g) * u`` ([M, K] each, x's dtype), both kept
-    for backward by their activation anyway: backward rebuilds X's tiles from them inside the
-    dA kernel instead of keeping ``x`` (``FusedLoraProjections``); ignored where it does not
-    apply (an FP8 base, under torch.compile, other layouts). ``norm_input``: ``(h, weight, eps)``
-    with ``x == weight * (h / rms(h))`` rounded as ``reference.rms_norm`` does (``h`` kept by the
-    norm anyway, ``weight [K]`` in x's dtype): the same, the dA kernel normalising ``h``'s tiles.
+    ``norm_input``: ``(h, weight, eps)`` with ``x == weight * (h / rms(h))`` rounded as
+    ``reference.rms_norm`` does (``h [M, K]`` kept by the norm anyway, ``weight [K]``, both in x's
+    dtype): backward's dA kernel normalises ``h``'s tiles instead of ``x`` being kept
+    (``FusedLoraProjections``); ignored where it does not apply (an FP8 base, under torch.compile,
+    other layouts).
     """
     _check_inputs(x, weights, biases, loras, routing)
 
-    def like_x(t: torch.Tensor) -> bool:
-        return t.shape == x.shape and t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
-
-    source = None
-    if swiglu_input is not None and all(map(like_x, swiglu_input)):
-        source = ("swiglu", *swiglu_input)
-    elif norm_input is not None and like_x(norm_input[0]) and norm_input[1].shape == (x.shape[1],) \
-            and norm_input[1].dtype == x.dtype and norm_input[1].device == x.device:
-        source = ("rms_norm", norm_input[0], norm_input[1].contiguous(), float(norm_input[2]))
+    norm = None
+    if norm_input is not None:
+        h, weight, eps = norm_input
+        if (h.shape == x.shape and h.is_contiguous() and weight.shape == (x.shape[1],)
+                and all(t.dtype == x.dtype and t.device == x.device for t in (h, weight))):
+            norm = (h, weight.contiguous(), float(eps))
     x = x.contiguous()
     weights = [w if isinstance(w, (Fp8Weight, Nf4Weight)) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
@@ -288,16 +279,16 @@ def fused_lora_projections(
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
         return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
-    source = None if isinstance(weights[0], Fp8Weight) else source
+    norm = None if isinstance(weights[0], Fp8Weight) else norm
     if routing.accumulate_grads and torch.is_grad_enabled():
         group = _group_factors(routing, plan, loras)
         if group is not None:
             a_all, b_cats = group.factors(x.dtype)
             return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, group,
-                                                   source, *weights, *biases, *b_cats, *group.leaves))
+                                                   norm, *weights, *biases, *b_cats, *group.leaves))
     a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
     return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, None,
-                                           source, *weights, *biases, *b_cats))
+                                           norm, *weights, *biases, *b_cats))
 
 
 def _group_factors(routing: LoraRouting, plan: _Plan, loras) -> GroupFactors | None:

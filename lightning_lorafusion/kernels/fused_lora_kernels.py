@@ -474,14 +474,6 @@ def _lora_dx_gemm_kernel(
 
 
 @triton.jit
-def swiglu_tile(g, u, dtype: tl.constexpr):
-    """``silu(g) * u`` of two loaded tiles in fp32, rounded once to ``dtype``: what a fused
-    elementwise SwiGLU stores."""
-    gf = g.to(tl.float32)
-    return (gf * tl.sigmoid(gf) * u.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def rms_norm_tile(h, rstd, w, dtype: tl.constexpr):
     """``w * (h * rstd)`` of a loaded tile ``h`` with its rows' ``1 / rms`` and the norm weight,
     rounded where the decoder's RMSNorm rounds (the normalised row, then the product)."""
@@ -491,18 +483,16 @@ def rms_norm_tile(h, rstd, w, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_da_kernel(
-    x_ptr, u_ptr, r_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
+    x_ptr, w_ptr, r_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    SWIGLU: tl.constexpr, RMS_NORM: tl.constexpr,
+    RMS_NORM: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``. X is built per tile
-    instead of read: ``SWIGLU``: ``silu(x) * u`` (``x_ptr`` holds the gate, ``u_ptr`` the up
-    projection, both [M, K]; ``swiglu_tile``); ``RMS_NORM``: the RMSNorm of ``x_ptr``'s rows
-    (``u_ptr``: the weight [K], ``r_ptr``: each row's fp32 ``1 / rms`` [M]; ``rms_norm_tile``).
-    ``u_ptr`` / ``r_ptr`` are not read otherwise."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``. ``RMS_NORM``: X is
+    the RMSNorm of ``x_ptr``'s rows, built per tile instead of read (``w_ptr``: the norm weight
+    [K], ``r_ptr``: each row's fp32 ``1 / rms`` [M]; ``rms_norm_tile``); otherwise neither is read."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -537,15 +527,8 @@ def _lora_da_kernel(
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
                      mask=ok_o[:, None] & k_ok[None, :], other=0.0)
-        if SWIGLU:
-            ue = tl.load(u_ptr + rows_e[:, None] * K + offs_k[None, :],
-                         mask=ok_e[:, None] & k_ok[None, :], other=0.0)
-            uo = tl.load(u_ptr + rows_o[:, None] * K + offs_k[None, :],
-                         mask=ok_o[:, None] & k_ok[None, :], other=0.0)
-            xe = swiglu_tile(xe, ue, x_ptr.dtype.element_ty)
-            xo = swiglu_tile(xo, uo, x_ptr.dtype.element_ty)
         if RMS_NORM:
-            w = tl.load(u_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             xe = rms_norm_tile(xe, tl.load(r_ptr + rows_e, mask=ok_e, other=0.0), w, x_ptr.dtype.element_ty)
             xo = rms_norm_tile(xo, tl.load(r_ptr + rows_o, mask=ok_o, other=0.0), w, x_ptr.dtype.element_ty)
         if HAS_DROPOUT:  # 1 / (1 - p) is applied to the accumulator at the end

@@ -283,7 +283,7 @@ def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan, skip_em
            t.adapter_float, *fixed)
 
 
-def _build_da(plan: _Plan, skip_empty: bool = False, swiglu: bool = False, rms_norm: bool = False):
+def _build_da(plan: _Plan, skip_empty: bool = False, rms_norm: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 64)
     block_k = sz.skinny_block_k
@@ -293,22 +293,20 @@ def _build_da(plan: _Plan, skip_empty: bool = False, swiglu: bool = False, rms_n
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
         BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
-        SWIGLU=swiglu, RMS_NORM=rms_norm,
+        RMS_NORM=rms_norm,
     )
     return launch, (plan.k, plan.part_numel, rblocks, plan.split)
 
 
 def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False,
-               up: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0;
-    ``skip_empty`` as in ``_launch_db``. The group's input built per tile by the kernel: ``up``:
-    ``silu(x) * up`` (SwiGLU's gate ``x`` and up projection, each [M, K]); ``norm``: ``(weight
-    [K], rstd [M] fp32)``, the RMSNorm of ``x``."""
+    ``skip_empty`` as in ``_launch_db``. ``norm``: ``(weight [K], rstd [M] fp32)``: the group's
+    input is the RMSNorm of ``x``, built per tile by the kernel."""
     t = plan.table
-    key = ("da", skip_empty, up is not None, norm is not None)
-    launch, fixed = plan.get(key, _build_da, skip_empty, up is not None, norm is not None)
-    aux, rows = (up, x) if up is not None else norm if norm is not None else (x, x)
-    launch(x, aux, rows, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
+    launch, fixed = plan.get(("da", skip_empty, norm is not None), _build_da, skip_empty, norm is not None)
+    weight, rstd = norm if norm is not None else (x, x)
+    launch(x, weight, rstd, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
            t.adapter_float, off_h, *fixed)
 
 
@@ -505,12 +503,11 @@ class GroupFactors:
 
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
               operands: QuantizedOperands | None = None, into_grads: tuple | None = None,
-              up: torch.Tensor | None = None, norm: tuple[torch.Tensor, torch.Tensor] | None = None):
+              norm: tuple[torch.Tensor, torch.Tensor] | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
     take its quantized gradient from ``operands``. ``into_grads``: ``(GroupFactors, its factors'
     .grad tensors)``: every factor's gradient is added into its ``.grad`` by one launch, and dA_all
-    and dB_cat come back None. ``up`` / ``norm``: the input is ``silu(x) * up`` / the RMSNorm of
-    ``x`` (``_launch_da``)."""
+    and dB_cat come back None. ``norm``: the input is the RMSNorm of ``x`` (``_launch_da``)."""
     t = plan.table
     n_proj = len(weights)
     m, k = x.shape
@@ -531,7 +528,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
     if ds_part is not None:
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
-        _launch_da(x, ds, part, plan, off_h, into_grads is not None, up, norm)
+        _launch_da(x, ds, part, plan, off_h, into_grads is not None, norm)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None and into_grads is not None:

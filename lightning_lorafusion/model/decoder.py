@@ -66,7 +66,6 @@ from .family import (
     qk_norm,
     soft_cap,
     swiglu,
-    swiglu_grads,
 )
 
 LM_HEAD_LOSSES = ("checkpointed", "fused")  # head_loss_sums: recompute chunks / fused linear CE
@@ -210,10 +209,9 @@ def _qkv_projections(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: Lora
 
 
 def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | None, act, *, config: DecoderConfig,
-         offset, backend: str, options: DecoderOptions, act_grads=None, norm_input=None) -> torch.Tensor:
+         offset, backend: str, options: DecoderOptions, norm_input=None) -> torch.Tensor:
     """The gated MLP ``x [T, H] -> [T, H]`` with its LoRA; ``options.mlp_recompute`` says which of
     its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``);
-    ``act_grads``: SwiGLU's gradients without its output (``family.swiglu_grads``), or None;
     ``norm_input``: as in ``_qkv_projections``, for the gate/up projections."""
     family, kernel_options = config.family, options.kernels
     wd, bd = frozen_weight(lp["down_proj"])
@@ -248,18 +246,11 @@ def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | No
                                     dropout_offset=offset(2), backend=backend, options=kernel_options,
                                     norm_input=norm_input)
 
-    def down(mid, g=None, u=None):
+    def down(mid):
         return lora_projections(mid, [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
-                                backend=backend, options=kernel_options,
-                                swiglu_input=None if g is None else (g, u))[0]
+                                backend=backend, options=kernel_options)[0]
 
-    # SwiGLU with its gate and up outputs kept ("activation"): the fused kernels read them for the
-    # down projection's dA instead of a rebuilt ``mid``, and the activation's gradient comes from
-    # them too, so backward never rebuilds ``mid`` (mlp_recompute.py)
-    swiglu_down = (family.activation == "silu" and not family.fused_gate_up and backend == "triton"
-                   and act_grads is not None)
-    return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute, act_grads=act_grads if swiglu_down else None,
-                          down_from_gate_up=down if swiglu_down else None)
+    return recomputed_mlp(x, gate_up, act, down, options.mlp_recompute)
 
 
 def _rebuilt_norm(enabled: bool, x: torch.Tensor, norm, h: torch.Tensor, weight, eps: float):
@@ -303,12 +294,10 @@ def decoder_layer(
 
     t = h.shape[0]
     norm, add_norm, act, rope_qk = family_norm(family), family_add_norm(family), gated_activation(family), _rope_qk
-    act_grads = swiglu_grads if act is swiglu else None
     if _fuse(backend, h, options):
         c = options.fusion_compiler
         norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
                                         _compiled(_rope_qk, c), _compiled(act, c))
-        act_grads = None if act_grads is None else _compiled(act_grads, c)
     rebuild = options.norm_recompute and family.input_norms
     # a rebuilt Llama-style norm on the fused kernels: their dA normalises the kept input's tiles
     # itself, so nothing rebuilds the norm's output as a tensor (``lora_projections(norm_input=)``)
@@ -338,7 +327,7 @@ def decoder_layer(
         h = x = h + o
     with _rebuilt_norm(rebuild, x, norm, h, lp.get("mlp_norm"), eps):
         d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options,
-                 act_grads=act_grads, norm_input=(h, lp["mlp_norm"], eps) if in_kernel else None)
+                 norm_input=(h, lp["mlp_norm"], eps) if in_kernel else None)
     if family.output_norms:
         d = norm(d, lp["mlp_post_norm"], eps)
     return h + d
