@@ -46,11 +46,11 @@ from .block_sizes import LoraBlockSizes, block_sizes_for
 from .dropout_triton import offset_hash_arg
 from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
 from .nf4 import Nf4Weight
-from .fused_lora_launch import GroupFactors, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
+from .fused_lora_launch import (GroupFactors, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_rstd, _launch_s,
+                                 _Plan)
 from .fused_lora_ops import _sizes_to_args, _table_to_args, fused_lora_fwd_op
 from .options import KernelOptions
 from .reference import LoraModuleWeights, LoraRouting
-from .rms_norm import rms_rstd
 from .routing_table import PLAN_KEY, build_launch_table
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -103,7 +103,7 @@ class FusedLoraProjections(torch.autograd.Function):
         norm = None
         if ctx.eps is not None:  # x's values come from the norm's input (in x's place) and weight
             x, weight, s, *rest = ctx.saved_tensors
-            norm = (weight, rms_rstd(x, ctx.eps))
+            norm = (weight, _launch_rstd(x, ctx.eps, ctx.plan))
         else:
             x, s, *rest = ctx.saved_tensors
         n_proj, group = ctx.n_proj, ctx.group

@@ -20,6 +20,7 @@ from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kerne
                                  _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel, _lora_dx_gemm_kernel,
                                  _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
+from .rms_norm import _rms_rstd_kernel
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
 
@@ -308,6 +309,20 @@ def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: b
     weight, rstd = norm if norm is not None else (x, x)
     launch(x, weight, rstd, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
            t.adapter_float, off_h, *fixed)
+
+
+def _build_rstd(plan: _Plan):
+    block = 1 << (plan.k - 1).bit_length()
+    return CachedLaunch(_rms_rstd_kernel, (plan.m,), num_warps=4 if block <= 2048 else 8, num_stages=1,
+                        BLOCK_H=block)
+
+
+def _launch_rstd(h: torch.Tensor, eps: float, plan: _Plan) -> torch.Tensor:
+    """``rms_norm.rms_rstd(h, eps)`` [M] fp32 through a launch cached with the plan (no Triton
+    launcher on the host per call: the LoRA groups after every norm of a microbatch ask for it)."""
+    r = torch.empty(plan.m, dtype=torch.float32, device=h.device)
+    plan.get(("rstd",), _build_rstd)(h, r, plan.k, h.stride(0), float(eps))
+    return r
 
 
 def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_here: bool):
