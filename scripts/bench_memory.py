@@ -14,9 +14,7 @@ change how the captures use the allocator (``training/cuda_graphs.CaptureMemory`
 ``poolwarm`` (the first warm-up allocates from the graphs' pool), ``preN`` (at most N graphs
 captured up front per epoch, ``model.cuda_graph_precapture``), ``autogradacc`` (the factors'
 gradients added by autograd, one ``add_`` per factor, instead of the fused kernels' one launch per
-projection group: the step as it was, for comparison); and for any row ``normrebuild`` (with
-``norms``: the norm outputs rebuilt in backward as tensors, as before the fused dA kernel
-normalised the kept norm inputs itself: the step as it was), ``expandable``
+projection group: the step as it was, for comparison); and for any row ``expandable``
 (the allocator's expandable segments, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
 switched on for that row only: segments made before it, the base's among them, stay as they
 were; for the whole process set the variable before the start, and compare with a run without
@@ -60,7 +58,6 @@ import torch  # noqa: E402
 from bench_e2e import add_workload_args, model_and_workload, run_ours  # noqa: E402
 from lightning_lorafusion.capture import pool_usage  # noqa: E402
 from lightning_lorafusion.model.activation_memory import step_activation_bytes  # noqa: E402
-from lightning_lorafusion.model import decoder as decoder_module  # noqa: E402
 from lightning_lorafusion.model.decoder import DecoderOptions  # noqa: E402
 from lightning_lorafusion.model.mlp_recompute import MLP_RECOMPUTE_MODES  # noqa: E402
 from lightning_lorafusion.training.cuda_graphs import DEFAULT_CAPTURE_MEMORY, CaptureMemory  # noqa: E402
@@ -82,7 +79,6 @@ class Setting:
     host_embedding: bool = False
     fused_adam: bool = False
     autograd_accumulation: bool = False
-    norm_rebuild: bool = False
     mlp_recompute_layers: int | None = None
     norm_recompute_layers: int | None = None
 
@@ -105,42 +101,22 @@ def parse_setting(text: str) -> Setting:
             fields["precapture"] = int(part[3:])
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
-        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc", "normrebuild"):
+        elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc"):
             fields[{"norms": "norm_recompute", "hostembed": "host_embedding", "fusedadam": "fused_adam",
-                    "autogradacc": "autograd_accumulation", "normrebuild": "norm_rebuild"}.get(part, part)] = True
+                    "autogradacc": "autograd_accumulation"}.get(part, part)] = True
         elif part in GRAPH_MEMORY_PARTS:
             memory[GRAPH_MEMORY_PARTS[part]] = True
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
                                              "norms (these two with a layer count N: activationN, normsN), graphs, "
                                              "ckptN (N layers checkpointed), expandable, hostembed, "
-                                             "fusedadam, normrebuild, or with "
+                                             "fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
     if not setting.graphs and (memory or "precapture" in fields or setting.autograd_accumulation):
         raise argparse.ArgumentTypeError(f"setting {text!r}: {sorted(GRAPH_MEMORY_PARTS)}, preN and autogradacc "
                                          "apply to graphs; add +graphs")
     return setting
-
-
-@contextlib.contextmanager
-def norms_rebuilt_as_tensors(on: bool):
-    """``normrebuild``: for the block the decoder's LoRA projections ignore ``norm_input``, so
-    the fused kernels keep the rebuilt norm outputs and backward rebuilds them as tensors (the
-    step before the fused dA normalised the kept norm inputs itself); nothing when False."""
-    if not on:
-        yield
-        return
-    projections = decoder_module.lora_projections
-
-    def without(*args, norm_input=None, **kwargs):
-        return projections(*args, **kwargs)
-
-    decoder_module.lora_projections = without
-    try:
-        yield
-    finally:
-        decoder_module.lora_projections = projections
 
 
 @contextlib.contextmanager
@@ -274,7 +250,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     if setting.host_embedding and (precision not in w["quantized"] or not cuda):
         return {**row, "error": f"hostembed needs CUDA and an earlier {precision} row (the one that quantizes)"}
     try:
-        with expandable_segments(setting.expandable, device), norms_rebuilt_as_tensors(setting.norm_rebuild), \
+        with expandable_segments(setting.expandable, device), \
                 embedding_on_host_for_row(setting.host_embedding, w, precision):
             if cuda:  # what the rows before and the model left in the eager allocator
                 row["at_start"] = pool_usage(device=device)

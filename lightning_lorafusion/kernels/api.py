@@ -24,7 +24,6 @@ def lora_projections(
     backend: str = "torch",
     options: KernelOptions | None = None,
     operands: QuantizedOperands | None = None,
-    norm_input: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> list[torch.Tensor]:
     """Projections ``x [M, K] -> [M, N_i]`` of one shared input, each with its LoRA term.
 
@@ -32,9 +31,6 @@ def lora_projections(
     CUDA, torch elsewhere). ``weights`` may be ``Fp8Weight``s (an FP8 base): the frozen
     products then run through ``fp8_linear`` in either backend, with ``options``' accumulation
     and taking the quantized operands a neighbour offered through ``operands``.
-    ``norm_input``: ``(h, weight, eps)`` when ``x`` is ``h``'s RMSNorm (``reference.rms_norm``):
-    the fused LoRA kernels then keep ``h`` (kept by the norm anyway) instead of ``x`` and
-    normalise its tiles inside their dA kernel; the other paths ignore it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
@@ -51,4 +47,4 @@ def lora_projections(
     from .fused_lora import fused_lora_projections  # Triton is imported only when used
 
     return fused_lora_projections(x, weights, biases, loras, routing, dropout_offset=dropout_offset,
-                                  options=options, operands=operands, norm_input=norm_input)
+                                  options=options, operands=operands)

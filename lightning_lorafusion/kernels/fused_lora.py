@@ -46,8 +46,7 @@ from .block_sizes import LoraBlockSizes, block_sizes_for
 from .dropout_triton import offset_hash_arg
 from .fp8_linear import Fp8Weight, QuantizedOperands, frozen_projections
 from .nf4 import Nf4Weight
-from .fused_lora_launch import (GroupFactors, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_rstd, _launch_s,
-                                 _Plan)
+from .fused_lora_launch import GroupFactors, _backward, _launch_fwd_fp8, _launch_fwd_gemm, _launch_s, _Plan
 from .fused_lora_ops import _sizes_to_args, _table_to_args, fused_lora_fwd_op
 from .options import KernelOptions
 from .reference import LoraModuleWeights, LoraRouting
@@ -65,14 +64,10 @@ class FusedLoraProjections(torch.autograd.Function):
     back to autograd. A ``GroupFactors``: ``a_all`` and ``b_cats`` are its gather (no autograd
     history) and the factors themselves follow as inputs (``group.leaves``); backward adds their
     gradients into their ``.grad`` in one launch and returns None for them (or, where it cannot,
-    their gradients as views, for autograd to accumulate).
-
-    ``norm``: None, or ``(h, w, eps)`` with ``x`` the RMSNorm of ``h`` (kept by the norm for its
-    own backward anyway) by weight ``w``: backward's dA builds X's tiles from ``h`` itself
-    (``_lora_da_kernel``'s ``RMS_NORM``) and ``x`` is not kept."""
+    their gradients as views, for autograd to accumulate)."""
 
     @staticmethod
-    def forward(ctx, x, a_all, plan, off_h, operands, group, norm, *rest):
+    def forward(ctx, x, a_all, plan, off_h, operands, group, *rest):
         n_proj = len(plan.ns)
         weights = rest[:n_proj]
         biases = rest[n_proj:2 * n_proj]
@@ -83,29 +78,22 @@ class FusedLoraProjections(torch.autograd.Function):
         # with a group, A_all and B_cat are gathered again in backward instead of kept (their
         # values do not change in between; at 2,816 tokens they are ~4 % of what an 8B layer keeps)
         kept = (a_all, *b_cats) if group is None else ()
-        inputs = (x,) if norm is None else tuple(norm[:2])
         if ctx.fp8_weights is not None:
             ys = tuple(_launch_fwd_fp8(x, weights, biases, s, b_cats, plan, operands))
-            ctx.save_for_backward(*inputs, s, *kept)  # Fp8Weights hold frozen buffers only
+            ctx.save_for_backward(x, s, *kept)  # Fp8Weights hold frozen buffers only
         else:
             ys = tuple(
                 _launch_fwd_gemm(x, w, b, s, bc, i, plan)
                 for i, (w, b, bc) in enumerate(zip(weights, biases, b_cats))
             )
-            ctx.save_for_backward(*inputs, s, *kept, *weights)
+            ctx.save_for_backward(x, s, *kept, *weights)
         ctx.plan, ctx.off_h, ctx.n_proj, ctx.operands, ctx.group = plan, off_h, n_proj, operands, group
-        ctx.eps = None if norm is None else norm[2]
         ctx.mark_non_differentiable(s)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        norm = None
-        if ctx.eps is not None:  # x's values come from the norm's input (in x's place) and weight
-            x, weight, s, *rest = ctx.saved_tensors
-            norm = (weight, _launch_rstd(x, ctx.eps, ctx.plan))
-        else:
-            x, s, *rest = ctx.saved_tensors
+        x, s, *rest = ctx.saved_tensors
         n_proj, group = ctx.n_proj, ctx.group
         if group is None:
             a_all, b_cats, weights = rest[0], rest[1:1 + n_proj], rest[1 + n_proj:]
@@ -115,16 +103,16 @@ class FusedLoraProjections(torch.autograd.Function):
             weights = ctx.fp8_weights
         rest = [*weights, *b_cats]
         need = ctx.needs_input_grad
-        none = (None, None, None, None, None, None, None, *([None] * (3 * n_proj)))
+        none = (None, None, None, None, None, None, *([None] * (3 * n_proj)))
         if group is None:
-            need_db = [need[7 + 2 * n_proj + i] for i in range(n_proj)]
+            need_db = [need[6 + 2 * n_proj + i] for i in range(n_proj)]
             dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan,
-                                        ctx.off_h, need[0], need[1], need_db, ctx.operands, norm=norm)
-            return (dx, da, *none[2:7], *([None] * (2 * n_proj)), *db_cats)
+                                        ctx.off_h, need[0], need[1], need_db, ctx.operands)
+            return (dx, da, *none[2:6], *([None] * (2 * n_proj)), *db_cats)
         grads = group.grads()
         dx, da, db_cats = _backward(list(dys), x, a_all, s, rest[:n_proj], rest[n_proj:], ctx.plan, ctx.off_h,
                                     need[0], True, [True] * n_proj, ctx.operands,
-                                    None if grads is None else (group, grads), norm=norm)
+                                    None if grads is None else (group, grads))
         leaf_grads = [None] * len(group.leaves) if grads is not None else group.split(da, db_cats)
         return (dx, *none[1:], *leaf_grads)
 
@@ -232,7 +220,6 @@ def fused_lora_projections(
     block_sizes: LoraBlockSizes | None = None,
     options: KernelOptions | None = None,
     operands: QuantizedOperands | None = None,
-    norm_input: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> list[torch.Tensor]:
     """Fused ``x [M, K] -> [M, N_i]`` per projection, same math as ``lora_projections_reference``.
 
@@ -242,20 +229,8 @@ def fused_lora_projections(
     dropout mask per adapter, drawn from (seed, ``dropout_offset``, row, col).
     ``options``: the FP8 products' accumulation (``KernelOptions``; default: fp32). ``operands``:
     an FP8 group's quantized input / output gradient offered by its neighbour (``fp8_swiglu``).
-    ``norm_input``: ``(h, weight, eps)`` with ``x == weight * (h / rms(h))`` rounded as
-    ``reference.rms_norm`` does (``h [M, K]`` kept by the norm anyway, ``weight [K]``, both in x's
-    dtype): backward's dA kernel normalises ``h``'s tiles instead of ``x`` being kept
-    (``FusedLoraProjections``); ignored where it does not apply (an FP8 base, under torch.compile,
-    other layouts).
     """
     _check_inputs(x, weights, biases, loras, routing)
-
-    norm = None
-    if norm_input is not None:
-        h, weight, eps = norm_input
-        if (h.shape == x.shape and h.is_contiguous() and weight.shape == (x.shape[1],)
-                and all(t.dtype == x.dtype and t.device == x.device for t in (h, weight))):
-            norm = (h, weight.contiguous(), float(eps))
     x = x.contiguous()
     weights = [w if isinstance(w, (Fp8Weight, Nf4Weight)) else w.contiguous() for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
@@ -279,16 +254,15 @@ def fused_lora_projections(
     if plan is _NO_LORA:  # no routed row has LoRA here: the frozen projections alone
         return frozen_projections(x, weights, biases, options=options, operands=operands)
     table = plan.table
-    norm = None if isinstance(weights[0], Fp8Weight) else norm
     if routing.accumulate_grads and torch.is_grad_enabled():
         group = _group_factors(routing, plan, loras)
         if group is not None:
             a_all, b_cats = group.factors(x.dtype)
             return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, group,
-                                                   norm, *weights, *biases, *b_cats, *group.leaves))
+                                                   *weights, *biases, *b_cats, *group.leaves))
     a_all, b_cats = _factors(loras, table, x.dtype, keep_fp32=True)
     return list(FusedLoraProjections.apply(x, a_all, plan, offset_hash_arg(dropout_offset), operands, None,
-                                           norm, *weights, *biases, *b_cats))
+                                           *weights, *biases, *b_cats))
 
 
 def _group_factors(routing: LoraRouting, plan: _Plan, loras) -> GroupFactors | None:

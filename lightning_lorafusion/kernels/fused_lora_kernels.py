@@ -473,26 +473,15 @@ def _lora_dx_gemm_kernel(
     tl.store(dx_ptr + out_off, acc.to(dx_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def rms_norm_tile(h, rstd, w, dtype: tl.constexpr):
-    """``w * (h * rstd)`` of a loaded tile ``h`` with its rows' ``1 / rms`` and the norm weight,
-    rounded where the decoder's RMSNorm rounds (the normalised row, then the product)."""
-    x = (h.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-    return (x * w[None, :]).to(dtype)
-
-
 @triton.jit(do_not_specialize=["offset_h"])
 def _lora_da_kernel(
-    x_ptr, w_ptr, r_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
+    x_ptr, ds_ptr, part_ptr, tiles_ptr, adapter_tiles_ptr, adapter_tile_ptr_ptr, ai_ptr, af_ptr,
     offset_h, K, part_stride, num_rblocks, split,
     AI_STRIDE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    RMS_NORM: tl.constexpr,
 ):
     """part[sp] (``part_stride`` apart) as [a_rows, K]: dS_a^T (X * mask / (1 - p)) over share
-    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``. ``RMS_NORM``: X is
-    the RMSNorm of ``x_ptr``'s rows, built per tile instead of read (``w_ptr``: the norm weight
-    [K], ``r_ptr``: each row's fp32 ``1 / rms`` [M]; ``rms_norm_tile``); otherwise neither is read."""
+    ``sp`` of an adapter's tiles; ``SKIP_EMPTY`` as in ``_lora_db_kernel``."""
     pid_k = tl.program_id(0)
     adapter = tl.program_id(1) // num_rblocks
     rb = tl.program_id(1) % num_rblocks
@@ -527,10 +516,6 @@ def _lora_da_kernel(
                      mask=ok_e[:, None] & k_ok[None, :], other=0.0)
         xo = tl.load(x_ptr + rows_o[:, None] * K + offs_k[None, :],
                      mask=ok_o[:, None] & k_ok[None, :], other=0.0)
-        if RMS_NORM:
-            w = tl.load(w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            xe = rms_norm_tile(xe, tl.load(r_ptr + rows_e, mask=ok_e, other=0.0), w, x_ptr.dtype.element_ty)
-            xo = rms_norm_tile(xo, tl.load(r_ptr + rows_o, mask=ok_o, other=0.0), w, x_ptr.dtype.element_ty)
         if HAS_DROPOUT:  # 1 / (1 - p) is applied to the accumulator at the end
             h = pair_hash(row_hash(base, pairs), offs_k)
             xe = tl.where((h & 0xFFFF) >= threshold, xe, 0.0).to(x_ptr.dtype.element_ty)

@@ -20,7 +20,6 @@ from .fused_lora_kernels import (_accumulate_grads_kernel, _gather_factors_kerne
                                  _lora_da_kernel, _lora_db_kernel, _lora_ds_kernel, _lora_dx_gemm_kernel,
                                  _lora_fwd_gemm_kernel, _lora_s_kernel, _split_sum_kernel)
 from .options import KernelOptions
-from .rms_norm import _rms_rstd_kernel
 from .routing_table import AI_FIRST_PROJ, AI_PER_PROJ
 from .triton_launch import CachedLaunch
 
@@ -284,7 +283,7 @@ def _launch_db(dy, s, b_cat, part: torch.Tensor, proj: int, plan: _Plan, skip_em
            t.adapter_float, *fixed)
 
 
-def _build_da(plan: _Plan, skip_empty: bool = False, rms_norm: bool = False):
+def _build_da(plan: _Plan, skip_empty: bool = False):
     t, sz = plan.table, plan.sizes
     block_r = _rank_block(t.max_total_rank, 64)
     block_k = sz.skinny_block_k
@@ -294,35 +293,17 @@ def _build_da(plan: _Plan, skip_empty: bool = False, rms_norm: bool = False):
         num_warps=sz.skinny_warps, num_stages=sz.skinny_stages,
         AI_STRIDE=t.adapter_int.shape[1], HAS_DROPOUT=t.has_dropout, BLOCK_M=t.block_m,
         BLOCK_K=block_k, BLOCK_R=block_r, DOT_PRECISION=plan.precision, SKIP_EMPTY=skip_empty,
-        RMS_NORM=rms_norm,
     )
     return launch, (plan.k, plan.part_numel, rblocks, plan.split)
 
 
-def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False,
-               norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def _launch_da(x, ds, part: torch.Tensor, plan: _Plan, off_h: int, skip_empty: bool = False) -> None:
     """dA_all's partial sums into ``part`` (the plan's joint partial buffer), at offset 0;
-    ``skip_empty`` as in ``_launch_db``. ``norm``: ``(weight [K], rstd [M] fp32)``: the group's
-    input is the RMSNorm of ``x``, built per tile by the kernel."""
+    ``skip_empty`` as in ``_launch_db``."""
     t = plan.table
-    launch, fixed = plan.get(("da", skip_empty, norm is not None), _build_da, skip_empty, norm is not None)
-    weight, rstd = norm if norm is not None else (x, x)
-    launch(x, weight, rstd, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int,
-           t.adapter_float, off_h, *fixed)
-
-
-def _build_rstd(plan: _Plan):
-    block = 1 << (plan.k - 1).bit_length()
-    return CachedLaunch(_rms_rstd_kernel, (plan.m,), num_warps=4 if block <= 2048 else 8, num_stages=1,
-                        BLOCK_H=block)
-
-
-def _launch_rstd(h: torch.Tensor, eps: float, plan: _Plan) -> torch.Tensor:
-    """``rms_norm.rms_rstd(h, eps)`` [M] fp32 through a launch cached with the plan (no Triton
-    launcher on the host per call: the LoRA groups after every norm of a microbatch ask for it)."""
-    r = torch.empty(plan.m, dtype=torch.float32, device=h.device)
-    plan.get(("rstd",), _build_rstd)(h, r, plan.k, h.stride(0), float(eps))
-    return r
+    launch, fixed = plan.get(("da", skip_empty), _build_da, skip_empty)
+    launch(x, ds, part, t.tiles, t.adapter_tiles, t.adapter_tile_ptr, t.adapter_int, t.adapter_float,
+           off_h, *fixed)
 
 
 def _build_dx_gemm(plan: _Plan, n_list: tuple[int, ...], has_prev: bool, lora_here: bool):
@@ -517,12 +498,11 @@ class GroupFactors:
 
 
 def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, need_da, need_db,
-              operands: QuantizedOperands | None = None, into_grads: tuple | None = None,
-              norm: tuple[torch.Tensor, torch.Tensor] | None = None):
+              operands: QuantizedOperands | None = None, into_grads: tuple | None = None):
     """dX, dA_all and per-projection dB_cat (None where not needed or no LoRA); an FP8 dX may
     take its quantized gradient from ``operands``. ``into_grads``: ``(GroupFactors, its factors'
     .grad tensors)``: every factor's gradient is added into its ``.grad`` by one launch, and dA_all
-    and dB_cat come back None. ``norm``: the input is the RMSNorm of ``x`` (``_launch_da``)."""
+    and dB_cat come back None."""
     t = plan.table
     n_proj = len(weights)
     m, k = x.shape
@@ -543,7 +523,7 @@ def _backward(dys, x, a_all, s, weights, b_cats, plan: _Plan, off_h, need_dx, ne
     if ds_part is not None:
         _launch_split_sum(ds_part, ds, plan, plan.ds_split)
     if need_da:
-        _launch_da(x, ds, part, plan, off_h, into_grads is not None, norm)
+        _launch_da(x, ds, part, plan, off_h, into_grads is not None)
     dx = _launch_dx(dys, weights, ds, a_all, plan, off_h, x.dtype, x.device, operands) if need_dx else None
     da, db_cats = None, [None] * n_proj
     if part is not None and into_grads is not None:

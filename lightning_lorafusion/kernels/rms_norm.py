@@ -55,28 +55,6 @@ def _add_rms_norm_kernel(
     tl.store(x_ptr + row * x_stride + offs, out.to(x_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _rms_rstd_kernel(h_ptr, r_ptr, H, h_stride, eps, BLOCK_H: tl.constexpr):
-    """Program per row: r[row] = 1 / rms(h[row]) in fp32 (the statistic ``rms_norm`` scales by)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_H)
-    hf = tl.load(h_ptr + row * h_stride + offs, mask=offs < H, other=0.0).to(tl.float32)
-    tl.store(r_ptr + row, tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps))
-
-
-def rms_rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / rms`` of each row of ``h [T, H]`` (unit stride along H), fp32 ``[T]``: one launch, a
-    program per row (Triton: CUDA, or CPU under TRITON_INTERPRET=1)."""
-    _require_triton(h)
-    t, hidden = h.shape
-    r = torch.empty(t, dtype=torch.float32, device=h.device)
-    if t:
-        block = triton.next_power_of_2(hidden)
-        _rms_rstd_kernel[(t,)](h, r, hidden, h.stride(0), float(eps), BLOCK_H=block,
-                               num_warps=4 if block <= 2048 else 8)
-    return r
-
-
 def _check(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> None:
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be a 2-D tensor [tokens, hidden]; got {getattr(h, 'shape', type(h))}")

@@ -193,26 +193,23 @@ def embedding_device_dtype(params: Mapping[str, Any]) -> tuple[torch.device, tor
 
 
 def _qkv_projections(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | None, *,
-                     config: DecoderConfig, dropout_offset: int, backend: str, options: KernelOptions,
-                     norm_input=None):
+                     config: DecoderConfig, dropout_offset: int, backend: str, options: KernelOptions):
     """q, k, v ``[T, q_size]``, ``[T, kv_size]`` x2 with their LoRA: three products, or one over a
-    fused ``qkv_proj`` split after (LoRA on the fused projection, as PEFT has it). ``norm_input``:
-    ``(h, weight, eps)`` when ``x`` is a rebuilt norm's output (``lora_projections``)."""
+    fused ``qkv_proj`` split after (LoRA on the fused projection, as PEFT has it)."""
     if config.family.fused_qkv:
         wqkv, bqkv = frozen_weight(lp["qkv_proj"])
         (qkv,) = lora_projections(x, [wqkv], [bqkv], lora("qkv_proj"), routing, dropout_offset=dropout_offset,
-                                  backend=backend, options=options, norm_input=norm_input)
+                                  backend=backend, options=options)
         return qkv.split([config.q_size, config.kv_size, config.kv_size], dim=-1)
     (wq, bq), (wk, bk), (wv, bv) = (frozen_weight(lp[m]) for m in ("q_proj", "k_proj", "v_proj"))
     return lora_projections(x, [wq, wk, wv], [bq, bk, bv], lora("q_proj", "k_proj", "v_proj"), routing,
-                            dropout_offset=dropout_offset, backend=backend, options=options, norm_input=norm_input)
+                            dropout_offset=dropout_offset, backend=backend, options=options)
 
 
 def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | None, act, *, config: DecoderConfig,
-         offset, backend: str, options: DecoderOptions, norm_input=None) -> torch.Tensor:
+         offset, backend: str, options: DecoderOptions) -> torch.Tensor:
     """The gated MLP ``x [T, H] -> [T, H]`` with its LoRA; ``options.mlp_recompute`` says which of
-    its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``);
-    ``norm_input``: as in ``_qkv_projections``, for the gate/up projections."""
+    its ``[T, I]`` tensors backward rebuilds instead of keeping (``mlp_recompute.py``)."""
     family, kernel_options = config.family, options.kernels
     wd, bd = frozen_weight(lp["down_proj"])
     if family.fused_gate_up:  # one product, chunked into gate and up after
@@ -220,7 +217,7 @@ def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | No
 
         def gate_up(x):
             (gu,) = lora_projections(x, [wgu], [bgu], lora("gate_up_proj"), routing, dropout_offset=offset(2),
-                                     backend=backend, options=kernel_options, norm_input=norm_input)
+                                     backend=backend, options=kernel_options)
             return gu.chunk(2, dim=-1)
     else:
         (wg, bg), (wu, bu) = frozen_weight(lp["gate_proj"]), frozen_weight(lp["up_proj"])
@@ -243,8 +240,7 @@ def _mlp(x: torch.Tensor, lp: Mapping[str, Any], lora, routing: LoraRouting | No
 
         def gate_up(x):
             return lora_projections(x, [wg, wu], [bg, bu], lora("gate_proj", "up_proj"), routing,
-                                    dropout_offset=offset(2), backend=backend, options=kernel_options,
-                                    norm_input=norm_input)
+                                    dropout_offset=offset(2), backend=backend, options=kernel_options)
 
     def down(mid):
         return lora_projections(mid, [wd], [bd], lora("down_proj"), routing, dropout_offset=offset(3),
@@ -299,14 +295,10 @@ def decoder_layer(
         norm, add_norm, rope_qk, act = (_compiled(norm, c), _compiled(add_norm, c),
                                         _compiled(_rope_qk, c), _compiled(act, c))
     rebuild = options.norm_recompute and family.input_norms
-    # a rebuilt Llama-style norm on the fused kernels: their dA normalises the kept input's tiles
-    # itself, so nothing rebuilds the norm's output as a tensor (``lora_projections(norm_input=)``)
-    in_kernel = rebuild and backend == "triton" and not family.norm_offset
     x = norm(h, lp["attn_norm"], eps) if family.input_norms else h
     with _rebuilt_norm(rebuild, x, norm, h, lp.get("attn_norm"), eps):
         q, k, v = _qkv_projections(x, lp, lora, routing, config=config, dropout_offset=offset(0), backend=backend,
-                                   options=kernel_options,
-                                   norm_input=(h, lp["attn_norm"], eps) if in_kernel else None)
+                                   options=kernel_options)
     q, k = q.reshape(t, config.num_heads, config.head_dim), k.reshape(t, config.num_kv_heads, config.head_dim)
     if family.qk_norm != "none":
         q, k = qk_norm(q, k, lp["q_norm"], lp["k_norm"], eps, family)
@@ -326,8 +318,7 @@ def decoder_layer(
     else:
         h = x = h + o
     with _rebuilt_norm(rebuild, x, norm, h, lp.get("mlp_norm"), eps):
-        d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options,
-                 norm_input=(h, lp["mlp_norm"], eps) if in_kernel else None)
+        d = _mlp(x, lp, lora, routing, act, config=config, offset=offset, backend=backend, options=options)
     if family.output_norms:
         d = norm(d, lp["mlp_post_norm"], eps)
     return h + d

@@ -119,51 +119,6 @@ def test_multi_adapter_heterogeneous_ranks(device, p, gemm):
                             dataclasses.replace(SMALL, gemm=gemm))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_input_normalised_inside_the_da_kernel(device, dtype):
-    """``norm_input=(h, w, eps)`` with ``x = rms_norm(h, w, eps)``: the group keeps h (and w)
-    instead of x, and its dA kernel normalises h's tiles by each row's ``1 / rms`` (computed in
-    backward, ``rms_norm.rms_rstd``): outputs, dX and dB equal the plain call's exactly, dA
-    within the rounding of x (fp32: 1e-6, fp16: 2e-3 relative); three projections share it."""
-    from lightning_lorafusion.kernels.reference import rms_norm
-
-    m, k = 100, 70
-    _, ws, bs, loras = make_problem(m, k, (48, 20, 20), ((3, 16), (3, 0), (3, 16)), dtype, device)
-    gen = torch.Generator().manual_seed(6)
-    h = (torch.randn(m, k, generator=gen) * 3).to(device=device, dtype=dtype)
-    w = (1 + 0.1 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
-    routing = LoraRouting(num_rows=m, segments=((3, 40, 1), (40, 90, 0)), scales=(0.5, 2.0), dropout_p=(0.25, 0.0),
-                          seeds=(1, 2))
-    dys = [torch.randn(m, n, generator=gen).to(device=device, dtype=dtype) for n in (48, 20, 20)]
-    params = [t for l in loras for t in l.a + l.b if t is not None]
-    results = []
-    for in_kernel in (False, True):
-        x = rms_norm(h, w, 1e-5).requires_grad_(True)
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            ys = fused_lora_projections(x, ws, bs, loras, routing, dropout_offset=7, block_sizes=SMALL,
-                                        norm_input=(h, w, 1e-5) if in_kernel else None)
-        assert any(t is x for t in saved) != in_kernel and any(t is h for t in saved) == in_kernel
-        results.append((ys, torch.autograd.grad(ys, [x, *params], dys)))
-    (ys0, (dx0, *d0)), (ys1, (dx1, *d1)) = results
-    assert all(torch.equal(a, b) for a, b in zip(ys1, ys0)) and torch.equal(dx1, dx0)
-    tol = 1e-6 if dtype == torch.float32 else 2e-3
-    for i, (a, b) in enumerate(zip(d1, d0)):
-        if b.shape[1] == k:  # an A factor [r, K]
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()), msg=f"factor {i}")
-        else:
-            assert torch.equal(a, b), i
-
-
-def test_rms_rstd_is_the_norms_statistic(device):
-    from lightning_lorafusion.kernels.rms_norm import rms_rstd
-
-    h = torch.randn(37, 123, generator=torch.Generator().manual_seed(2)).to(device) * 4
-    want = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)
-    torch.testing.assert_close(rms_rstd(h, 1e-6), want, rtol=1e-6, atol=0)
-    assert rms_rstd(h[:0], 1e-6).shape == (0,)
-
-
 def test_many_adapters_fp16_padded_segments(device):
     # 6 adapters on block-aligned (padded) segments, one adapter appearing twice, fp16
     m, k = 192, 64

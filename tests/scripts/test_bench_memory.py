@@ -38,18 +38,6 @@ def test_settings_parse():
         "activation", graphs=True, autograd_accumulation=True)
     with pytest.raises(argparse.ArgumentTypeError, match="autogradacc apply to graphs"):
         bench.parse_setting("activation+autogradacc")
-    assert bench.parse_setting("activation+norms+graphs+normrebuild") == Setting(
-        "activation", norm_recompute=True, graphs=True, norm_rebuild=True)
-    from lightning_lorafusion.model import decoder
-    projections, seen = decoder.lora_projections, []
-    decoder.lora_projections = lambda *a, **k: seen.append(sorted(k))
-    try:
-        with bench.norms_rebuilt_as_tensors(True):  # the projections never see norm_input
-            decoder.lora_projections(1, norm_input=3, options=4)
-        decoder.lora_projections(1, norm_input=3, options=4)
-    finally:
-        decoder.lora_projections = projections
-    assert seen == [["options"], ["norm_input", "options"]]
     with pytest.raises(SystemExit):
         bench.parse_args(["--settings", "none,ckptx"])
     with pytest.raises(SystemExit):
