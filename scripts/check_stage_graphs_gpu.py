@@ -17,7 +17,14 @@ emulated pipeline on one GPU, and the stage's own calls (CUDA events around each
 with the host's gaps, what a host-bound stage costs). Pass: outputs and gradients within ``--rtol`` (relative to the
 largest eager value), losses within ``--rtol`` / 10, every microbatch replayed, none eager.
 
+``--memory``: per variant, also what the stage's graphs leave reserved once captured
+(``capture_memory``): a precapture of every slot from an empty cache, then the reserved bytes,
+the eager allocator's cached but free bytes (``capture.pool_usage``), the graph pools', and what
+one more cache release hands back; once as the stage does it (each warm-up's cached blocks handed
+back before its capture) and once with that release left out (a synchronisation only).
+
     python3 scripts/check_stage_graphs_gpu.py --out $OUT/pp-graphs
+    python3 scripts/check_stage_graphs_gpu.py --variants first_8b_layers,middle --memory
     python3 scripts/check_stage_graphs_gpu.py --device cpu --hidden 32 --layers 3 --capacity 128 \
         --microbatches 4 --dtype float32     # the logic on the CPU (no capture; Triton interpreter)
 """
@@ -25,7 +32,9 @@ largest eager value), losses within ``--rtol`` / 10, every microbatch replayed, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import os
 import time
 from collections import Counter
@@ -35,6 +44,7 @@ from harness import Report, add_device_args, add_output_args, comma_list, dtype_
 
 import torch  # noqa: E402  (after harness, which puts the repository on sys.path)
 
+from lightning_lorafusion.capture import pool_usage  # noqa: E402
 from lightning_lorafusion.data.microbatch import IGNORE_INDEX  # noqa: E402
 from lightning_lorafusion.data.packing import PackingConfig, SampleLookup, pack_microbatch  # noqa: E402
 from lightning_lorafusion.data.synthetic import synthetic_token_samples  # noqa: E402
@@ -47,7 +57,9 @@ from lightning_lorafusion.parallel.schedule import Backward, Forward, in_flight_
 from lightning_lorafusion.parallel.stage import DecoderStage  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import AdapterSpec  # noqa: E402
+from lightning_lorafusion.training import stage_graphs  # noqa: E402
 from lightning_lorafusion.training.cuda_graphs import graph_key  # noqa: E402
+from lightning_lorafusion.training.graph_pool import release_cache  # noqa: E402
 from lightning_lorafusion.training.stage_graphs import SplitStageGraphs, stage_key  # noqa: E402
 
 # stages, stage under test, activation checkpointing, shape (None: the command line's)
@@ -257,6 +269,75 @@ def compare(variant: str, case: dict, args, device) -> dict:
             **gs}
 
 
+@contextlib.contextmanager
+def warm_up_release(on: bool):
+    """The stage's cache release between a warm-up and its capture as shipped (``on``), or a
+    device synchronisation only (what the warm-up leaves cached stays in the eager allocator)."""
+    if on:
+        yield
+        return
+    shipped = stage_graphs.release_cache
+    stage_graphs.release_cache = lambda device: torch.cuda.synchronize(device)
+    try:
+        yield
+    finally:
+        stage_graphs.release_cache = shipped
+
+
+def capture_memory(variant: str, case: dict, args, device) -> dict:
+    """GiB a precapture of every slot of ``variant``'s stage leaves reserved, with the warm-ups'
+    release (``release``) and without it (``no_release``): the growth of the reserved bytes, the
+    eager allocator's cached but free bytes and the graph pools' reserved bytes after the
+    captures, what one more cache release hands back, and the peak reserved during the captures
+    (all relative to the reserved bytes before them, the base and microbatches already there)."""
+    num_stages, g, ckpt, _ = VARIANTS[variant]
+    config, params, mbs = case["config"], case["params"], case["mbs"]
+    planned = Counter(graph_key(mb) for mb in mbs)
+    gib = 2.0**30
+    out = {}
+    for mode in ("release", "no_release"):
+        bank = bank_of(config, device)
+        gc.collect()
+        release_cache(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_reserved(device)
+        graphs = SplitStageGraphs(params=params, bank=bank, config=config, layers=partition_layers(
+            config.num_layers, num_stages)[g], is_first=g == 0, slots=num_stages - g, checkpoint_layers=ckpt,
+            activation_dtype=args.dtype, capture=True)
+        with warm_up_release(mode == "release"):
+            captured = graphs.precapture(planned, device)
+        sync(device)
+        usage = pool_usage(device=device)
+        reserved = torch.cuda.memory_reserved(device)
+        peak = torch.cuda.max_memory_reserved(device)
+        release_cache(device)
+        eager, pools = usage.get("eager", {}), usage.get("graphs", {})
+        out[mode] = {"captures": len(captured), "disabled": graphs.disabled,
+                     "reserved": round((reserved - before) / gib, 3), "peak": round((peak - before) / gib, 3),
+                     "eager_free": round(eager.get("reserved", 0.0) - eager.get("allocated", 0.0), 3),
+                     "graph_pools": pools.get("reserved", 0.0),
+                     "release_frees": round((reserved - torch.cuda.memory_reserved(device)) / gib, 3)}
+        del graphs, bank
+        gc.collect()
+        release_cache(device)
+    return out
+
+
+def memory_table(report: dict, variants) -> str:
+    lines = ["| variant | warm-up release | captures | reserved GiB | peak GiB | eager cached free GiB | "
+             "graph pools GiB | one more release frees GiB |", "|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        r = report.get(f"{v}/memory")
+        if r is None:
+            lines.append(f"| {v} | error: {report['errors'].get(f'{v}/memory', 'not measured')} |")
+            continue
+        for mode, m in r.items():
+            lines.append(f"| {v} | {'on' if mode == 'release' else 'off'} | {m['captures']} | {m['reserved']:.3f} | "
+                         f"{m['peak']:.3f} | {m['eager_free']:.3f} | {m['graph_pools']:.3f} | "
+                         f"{m['release_frees']:.3f} |")
+    return "\n".join(lines)
+
+
 def table(report: dict, variants) -> str:
     lines = ["| variant | slots | keys of the microbatches | captures (up front) | forward / backward replays | "
              "eager | output rel | loss rel | grad rel | pass s eager / graphed | stage s eager / graphed | pass |",
@@ -285,12 +366,16 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rtol", type=float, default=2e-2, help="outputs and gradients (bf16); losses: rtol / 10")
     ap.add_argument("--variants", type=comma_list(tuple(VARIANTS)), default=list(VARIANTS))
+    ap.add_argument("--memory", action="store_true",
+                    help="also what each variant's captures leave reserved, with and without the warm-up's "
+                         "cache release (CUDA only)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     args.dtype = dtype_of(args.dtype)
     report = Report(device, args, out=args.out, file_name="stage_graphs.json", log=log,
                     describe=lambda r: ("PASS " if r["pass"] else "FAIL ") + str({k: r[k] for k in (
-                        "output_rel", "loss_rel", "grad_rel", "forward_replays", "captures", "eager")}))
+                        "output_rel", "loss_rel", "grad_rel", "forward_replays", "captures", "eager")})
+                    if "pass" in r else str(r))
     cases: dict = {}
     for v in args.variants:
         shape = VARIANTS[v][3]
@@ -302,12 +387,17 @@ def main(argv=None) -> int:
             return compare(v, cases[shape], args, device)
 
         report.measure(v, measure)
-    print(table(report, args.variants))
+        if args.memory and device.type == "cuda":
+            report.measure(f"{v}/memory", lambda v=v, shape=shape: capture_memory(v, cases[shape], args, device))
+    text = table(report, args.variants)
+    if args.memory and device.type == "cuda":
+        text += "\n\n" + memory_table(report, args.variants)
+    print(text)
     ok = all(report.get(v, {}).get("pass") for v in args.variants)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "stage_graphs.md"), "w") as f:
-            f.write(table(report, args.variants) + "\n")
+            f.write(text + "\n")
     return 0 if ok else 1
 
 

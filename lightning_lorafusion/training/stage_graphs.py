@@ -17,6 +17,12 @@ not cover gets a new capture of the join (the slot's old graphs are released fir
 never holds two sets of saved activations). Each capture warms up on an idle microbatch whose
 backward takes a zero gradient (exact zeros accumulated), so captures can happen at any time.
 What cannot be captured runs eagerly with the reason logged (``refusals``).
+
+The warm-up allocates from the eager allocator (no pool routing) and its cached blocks are handed
+back before the capture (``graph_pool.release_cache``); the captures allocate from the slot's pool
+by stream, which takes the backward's allocations on autograd's device thread too. So nothing of
+a capture stays cached in the eager allocator, unlike a warm-up routed to a pool by thread, whose
+backward escapes the routing (``cuda_graphs.CaptureMemory``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ..data.microbatch import Microbatch
 from ..kernels.static_routing import StaticLaunchTables, StaticTableError
 from ..model.decoder import decoder_layers, embed
 from .cuda_graphs import StaticInputs, TrainingGraphs, graph_key, idle_microbatch
+from .graph_pool import release_cache
 from .graph_cover import GraphKey, covers, join
 
 log = logging.getLogger(__name__)
@@ -236,15 +243,14 @@ class SplitStageGraphs(TrainingGraphs):
         s.activation.grad = None
         return grad
 
-    def _release(self, s: _Slot) -> None:
+    def _release(self, s: _Slot, device: torch.device) -> None:
         """Drop a slot's graphs and their saved activations (the pool goes with them)."""
         had = s.forward is not None
         s.forward = s.backward = s.output = s.input_grad = None
         s.key, s.pool = None, None
         if had and self.capture:
             gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            release_cache(device)
 
     def _capture_slot(self, slot: int, key: GraphKey, device: torch.device, up_front: bool = False) -> bool:
         """Warm up ``key`` on an idle microbatch in ``slot``'s buffers and capture its forward and
@@ -254,7 +260,7 @@ class SplitStageGraphs(TrainingGraphs):
             self._refuse(key, "no idle layout (fewer blocks than capacity / max_seqlen); runs eagerly")
             return False
         s = self._slots[slot]
-        self._release(s)
+        self._release(s, device)
         self._bind_grads()
         s.tables.fill(mb.segments, mb.index)
         s.inputs.load(mb, mb.loss_denominators)
@@ -272,7 +278,7 @@ class SplitStageGraphs(TrainingGraphs):
         except Exception as e:  # noqa: BLE001 - any capture failure means: train eagerly
             self.disabled = f"capture failed: {type(e).__name__}: {e}"
         if self.disabled is not None:
-            self._release(s)
+            self._release(s, device)
             self._refuse(key, self.disabled)
             return False
         s.key = key
@@ -298,8 +304,7 @@ class SplitStageGraphs(TrainingGraphs):
             self._slot_input_grad(s)
             del out
         main.wait_stream(side)
-        torch.cuda.synchronize(main.device)
-        torch.cuda.empty_cache()  # the warm-up's activations, back for the slot's pool
+        release_cache(main.device)  # the warm-up's activations and backward transients, back for the slot's pool
         if s.tables.num_tables == 0:
             raise StaticTableError("the fused LoRA kernels did not take the fixed-shape launch tables")
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

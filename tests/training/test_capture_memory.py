@@ -1,7 +1,8 @@
 """How the training graphs' captures use the CUDA allocator (training/cuda_graphs.CaptureMemory,
-capture.pool_usage), on the CPU: torch.cuda's stream, graph, pool and cache calls are replaced by
-recorders, the step itself by a stub, so what is checked is the order of warm-ups, cache releases
-and captures, which memory pool each one allocates from, and the order keys are captured in."""
+a pipeline stage's split graphs in training/stage_graphs.py, capture.pool_usage), on the CPU:
+torch.cuda's stream, graph, pool and cache calls are replaced by recorders, the step itself by a
+stub, so what is checked is the order of warm-ups, cache releases and captures, which memory pool
+each one allocates from, and the order keys are captured in."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class _Recorder:
 
             def pool(graph):
                 return graph.captured_pool or graph.id
+
+            def replay(graph):
+                ev.append(("replay", graph.id))
 
         @contextlib.contextmanager
         def graph_capture(graph, *, pool=None, stream=None, device=None):
@@ -291,3 +295,69 @@ def test_an_epoch_whose_keys_are_held_starts_with_no_collection_sync_or_release(
     rec.events.clear()
     assert graphs.precapture(PLANNED, torch.device("cpu")) == []
     assert rec.events == [] and graphs.planned == frozenset(PLANNED)
+
+
+def _stage_recorder(monkeypatch) -> _Recorder:
+    """``_Recorder`` for a pipeline stage's split graphs: the stage's forward is a stub whose
+    forward and backward write where they run (eager or captured, and the pool this thread is
+    routed to) and the launch tables count as taken."""
+    from lightning_lorafusion.kernels.static_routing import StaticLaunchTables
+    from lightning_lorafusion.training import stage_graphs as sg
+
+    rec = _Recorder(monkeypatch)
+    ev = rec.events
+
+    def where(kind, key):
+        place = "capture" if rec.capturing is not None else "eager"
+        return (kind, place, key, rec.capturing or (rec.routed[-1] if rec.routed else None))
+
+    def forward_static(graphs, s, key):
+        ev.append(where("forward", key))
+        out = torch.ones(key.capacity, graphs.config.hidden_size, requires_grad=True) * 1.0
+        out.register_hook(lambda grad: ev.append(where("backward", key)))
+        return out
+
+    monkeypatch.setattr(sg, "graph_capture", cg.graph_capture)  # the recorder's
+    monkeypatch.setattr(sg, "capture_batch", lambda device: _batch(ev))
+    monkeypatch.setattr(sg.SplitStageGraphs, "_forward_static", forward_static)
+    monkeypatch.setattr(StaticLaunchTables, "num_tables", property(lambda tables: 1))
+    return rec
+
+
+def test_stage_graphs_hand_each_warm_up_back_before_capturing_into_the_slot_pool(monkeypatch):
+    """A stage's split graphs (``stage_graphs.SplitStageGraphs``): each slot's warm-up (forward
+    and backward) runs in the eager allocator, routed to no pool; its cached blocks are handed
+    back before the slot's forward is captured into a new pool and its backward into the same
+    one; the next slot gets its own pool. A microbatch its slot's key does not cover drops the
+    slot's graphs (cache handed back) and repeats the same flow for the join. No warm-up is
+    routed to a pool by thread, so nothing of the backward stays in the eager cache afterwards
+    (what ``TrainingGraphs`` releases after its captures)."""
+    from lightning_lorafusion.training.cuda_graphs import idle_microbatch
+    from lightning_lorafusion.training.graph_cover import join
+    from lightning_lorafusion.training.stage_graphs import SplitStageGraphs, stage_key, stage_key_of
+
+    rec = _stage_recorder(monkeypatch)
+    base = _graphs()
+    graphs = SplitStageGraphs(params=base.params, bank=base.bank, config=base.config, capture=True,
+                              layers=range(0, 1), is_first=True, slots=2)
+    cpu = torch.device("cpu")  # the buffers stay on the host
+    want = join([stage_key_of(SMALL), stage_key_of(BIG)])
+    assert graphs.precapture(PLANNED, cpu) == [want, want] and graphs.disabled is None
+
+    def slot_flow(key, pool):
+        return [("forward", "eager", key, None), ("backward", "eager", key, None), ("empty_cache",),
+                ("capture", None), ("forward", "capture", key, pool),
+                ("capture", pool), ("backward", "capture", key, pool)]
+
+    assert rec.flow() == [("batch",), *slot_flow(want, ("graph", 1)), *slot_flow(want, ("graph", 3)),
+                          ("batch_end",)]
+    assert [s.pool for s in graphs._slots] == [("graph", 1), ("graph", 3)] and rec.routed == []
+    assert rec.events[rec.events.index(("empty_cache",)) - 1] == ("sync",)  # queued work ended first
+
+    rec.events.clear()  # more attention blocks on slot 0: its graphs go, the join is captured
+    mb = idle_microbatch(GraphKey(64, 4, 16, 0), 1)
+    bigger = join([want, stage_key(mb)])
+    assert bigger.num_blocks == 16 and bigger.max_seqlen == want.max_seqlen
+    assert graphs.forward(mb, None, 0) is not None
+    assert rec.flow() == [("empty_cache",), *slot_flow(bigger, ("graph", 5)), ("replay", ("graph", 5))]
+    assert graphs._slots[0].key == bigger and graphs.captures == 3 and rec.routed == []
