@@ -84,7 +84,8 @@ OLD_PROGRAMS_PER_SM = 2  # --old attention-splits: the decode attention's sequen
 # --old grouped-shrink: the decode LoRA's grouped shrink and per-row expand knobs as they were (lora_gather)
 OLD_GROUPED_KNOBS = {"GROUPED_MIN_ROWS": 256, "GROUPED_RANK_SPLIT": 1, "GROUPED_SHRINK_BLOCK_R": None,
                      "GROUPED_SHRINK_STAGES": None, "GROUPED_SHRINK_WARPS": None, "GROUPED_SHRINK_BLOCK_K": None,
-                     "GROUPED_SHRINK_SPLIT_K": None, "ROW_EXPAND_WARPS": 4, "ROW_EXPAND_BLOCK_N": 256}
+                     "GROUPED_SHRINK_SPLIT_K": None, "GROUPED_SHRINK_UNROLL_K": False, "ROW_EXPAND_WARPS": 4,
+                     "ROW_EXPAND_BLOCK_N": 256}
 
 
 # ---------------------------------------------------------------------------------------------

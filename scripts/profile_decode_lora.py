@@ -151,6 +151,12 @@ MODES = {
     "gs_st1": {"GROUPED_SHRINK_STAGES": 1},
     "gs_st2": {"GROUPED_SHRINK_STAGES": 2},
     "gsplit4_w8": {"GROUPED_RANK_SPLIT": 4, "GROUPED_SHRINK_WARPS": 8},
+    # K tiles of 128 in the splits of 512, unrolled (all four tiles' loads in flight at once), with
+    # rank chunks of 16 / 32 / 64
+    "gs_k128u": {"GROUPED_SHRINK_BLOCK_K": 128, "GROUPED_SHRINK_UNROLL_K": True},
+    "gs_r32_k128u": {"GROUPED_SHRINK_BLOCK_R": 32, "GROUPED_SHRINK_BLOCK_K": 128, "GROUPED_SHRINK_UNROLL_K": True},
+    "gs_r64_w8_k128u": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8, "GROUPED_SHRINK_BLOCK_K": 128,
+                        "GROUPED_SHRINK_UNROLL_K": True},
     "gsplit2_r32": {"GROUPED_RANK_SPLIT": 2, "GROUPED_SHRINK_BLOCK_R": 32},
     # the per-row expands' (and SwiGLU's LoRA rows') warps 8, with column blocks of 256 / 512
     "ew8": {"ROW_EXPAND_WARPS": 8},

@@ -111,6 +111,9 @@ GROUPED_RANK_SPLIT = 1
 # group's whole A tile at once (more bytes in flight per program) instead of four dependent ones
 GROUPED_SHRINK_BLOCK_R: int | None = None
 GROUPED_SHRINK_STAGES: int | None = None
+# the grouped shrink's K tiles of a split unrolled (their loads all in flight at once) instead of a
+# loop over them (the same sums in the same order)
+GROUPED_SHRINK_UNROLL_K = False
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -439,7 +442,8 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
             DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS,
-            RANK_SPLIT=GROUPED_RANK_SPLIT, num_warps=num_warps, **trigger, **stages,
+            RANK_SPLIT=GROUPED_RANK_SPLIT, UNROLL_K=GROUPED_SHRINK_UNROLL_K, num_warps=num_warps, **trigger,
+            **stages,
         )
     elif rows:
         split = rank_split(x.device, rows, lora.rank_bound)
