@@ -31,6 +31,13 @@ their own adapters and sharing them, the engine against before:
     PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
     PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
         --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
+
+The grouped shrink's occupancy knobs at 256 / 128 rows over Zipf-drawn adapters, the fastest
+mode's settings written for ``bench_tenants.py --decode-lora-knobs`` (``--best-knobs``):
+
+    PYTHONPATH=.:scripts python3 scripts/profile_decode_lora.py --cases 256x104z,128x80z \
+        --rank-sets "4,8,16,32,64" --modes base,engine,gsplit4,gs_w8,gs_r32,gs_r64_w8,gs_k128u,gs_r32_k128u,\
+gs_r64_w8_k128u,gs_s256,gs_st1,ew8,g128_r64_w8 --gemms --best-knobs $OUT/best_knobs.txt --out $OUT
 """
 
 from __future__ import annotations
