@@ -156,6 +156,9 @@ MODES = {
     "gs_r64_w8_s256": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8, "GROUPED_SHRINK_BLOCK_K": 256,
                        "GROUPED_SHRINK_SPLIT_K": 256},
     "gs_st1": {"GROUPED_SHRINK_STAGES": 1},
+    "gs_st3": {"GROUPED_SHRINK_STAGES": 3},
+    # the grouped shrink as before its pipelining stages were set (Triton's default)
+    "gs_st_default": {"GROUPED_SHRINK_STAGES": None},
     "gs_st2": {"GROUPED_SHRINK_STAGES": 2},
     "gsplit4_w8": {"GROUPED_RANK_SPLIT": 4, "GROUPED_SHRINK_WARPS": 8},
     # K tiles of 128 in the splits of 512, unrolled (all four tiles' loads in flight at once), with

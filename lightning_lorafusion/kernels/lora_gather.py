@@ -106,13 +106,19 @@ GROUPED_SHRINK_SINGLE_ROWS = True
 # of dependent A loads for a rank-64 group, programs past a group's rank return. 1: one program
 # walks them all (the default; the same partial sums either way)
 GROUPED_RANK_SPLIT = 1
-# the grouped shrink's rank chunk (None: the per-row shrink's rank block, 16; at least tl.dot's 16)
-# and its software-pipelining stages (None: Triton's default): a chunk of 64 loads a rank-64
-# group's whole A tile at once (more bytes in flight per program) instead of four dependent ones
+# the grouped shrink's rank chunk (None: the per-row shrink's rank block, 16; at least tl.dot's 16):
+# a chunk of 64 loads a rank-64 group's whole A tile at once instead of four dependent ones, but
+# its staged operands left no room for a second program (0 % estimated occupancy, 3.9x slower; 32:
+# 1.2x slower; H100, docs/BENCHMARKS.md "The grouped shrink's occupancy")
 GROUPED_SHRINK_BLOCK_R: int | None = None
-GROUPED_SHRINK_STAGES: int | None = None
+# its software-pipelining stages (None: Triton's default, 3): 1 stages nothing ahead of its rank
+# loop (each chunk's A load issued in turn, as before) in less shared memory: 31 % estimated
+# occupancy against 25 %, the four grouped shrinks of an 8B layer at 256 rows over 104 Zipf-drawn
+# adapters 142.3 against 153.7 µs, the decode steps of 256 rows 2 % less GPU time (H100, same sums)
+GROUPED_SHRINK_STAGES: int | None = 1
 # the grouped shrink's K tiles of a split unrolled (their loads all in flight at once) instead of a
-# loop over them (the same sums in the same order)
+# loop over them (the same sums in the same order); with tiles of 128 in splits of 512 1.11x the
+# grouped shrinks' time of tiles of 256 (H100)
 GROUPED_SHRINK_UNROLL_K = False
 
 
