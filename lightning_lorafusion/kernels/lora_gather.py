@@ -104,7 +104,8 @@ GROUPED_SHRINK_SINGLE_ROWS = True
 # the grouped shrink's rank chunks over this many programs per (group, K split, projection):
 # program s walks chunks s, s + split, ... (as the per-row shrink's ``RANK_SPLIT``): shorter chains
 # of dependent A loads for a rank-64 group, programs past a group's rank return. 1: one program
-# walks them all (the default; the same partial sums either way)
+# walks them all (the default; the same partial sums either way). 4: the layer's grouped shrinks
+# 1.15x slower at 256 rows over 104 adapters of ranks 4-64 (H100, docs/kernels.md)
 GROUPED_RANK_SPLIT = 1
 # the grouped shrink's rank chunk (None: the per-row shrink's rank block, 16; at least tl.dot's 16):
 # a chunk of 64 loads a rank-64 group's whole A tile at once instead of four dependent ones, but
