@@ -53,6 +53,7 @@ its numbers, then once more profiled (named "<run>-profiled") for its kernels.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import math
 import os
@@ -80,6 +81,11 @@ from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_
 log = logger("bench_tenants")
 
 OLD_PROGRAMS_PER_SM = 2  # --old attention-splits: the decode attention's sequence splits as they were
+# --old grouped-shrink: the decode LoRA's grouped shrink and per-row expand knobs as they were (lora_gather)
+OLD_GROUPED_KNOBS = {"GROUPED_MIN_ROWS": 256, "GROUPED_RANK_SPLIT": 1, "GROUPED_SHRINK_BLOCK_R": None,
+                     "GROUPED_SHRINK_STAGES": None, "GROUPED_SHRINK_WARPS": None, "GROUPED_SHRINK_BLOCK_K": None,
+                     "GROUPED_SHRINK_SPLIT_K": None, "GROUPED_SHRINK_UNROLL_K": False, "ROW_EXPAND_WARPS": 4,
+                     "ROW_EXPAND_BLOCK_N": 256}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +344,7 @@ class TenantsBench:
         the frozen GEMMs only in decode steps of at most 64 rows; the decode graphs captured again,
         the pieces rebuilt)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
-        self.set_decode_lora(old)
+        knobs_changed = self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
         engine.mixed_ahead = "mixed-ahead" not in old  # (EngineTuning.mixed_ahead; no capture)
         engine.runner.host_tables = "separate" if "host" in old else "packed"
@@ -354,7 +360,9 @@ class TenantsBench:
         beside = "few" if "lora-beside" in old else engine.config.tuning.decode_lora_beside
         beside_changed = runner.decode_lora_beside != beside
         runner.decode_lora_beside = beside  # (pieces dropped when it changes: rebuilt below; graphs captured again)
-        pieces_changed = gemm_changed or beside_changed or runner.token_bucket_mode != buckets
+        pieces_changed = gemm_changed or beside_changed or knobs_changed or runner.token_bucket_mode != buckets
+        if knobs_changed:  # (the pieces captured the decode rows' LoRA kernels with the knobs of before)
+            runner.clear_mixed_pieces()
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
         if not hasattr(self, "programs_per_sm"):
             self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
@@ -398,18 +406,21 @@ class TenantsBench:
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
-    def set_decode_lora(self, old: set[str]) -> None:
+    def set_decode_lora(self, old: set[str]) -> bool:
         """``--old decode-lora``: the decode LoRA's blocks as before the few-rows ones
         (``lora_gather.FEW_ROWS``, ``AHEAD_MAX_ROWS`` and ``RANK_SPLIT_MAX_ROWS`` None,
         ``PAIR_EPILOGUES`` False); ``--old pdl``: without programmatic dependent launch
         (``lora_gather.PDL`` False); ``--old rank-variant``: every decode step in the split
         variant (``UNSPLIT_MAX_RANK`` None; its graphs were captured at warm-up, so nothing is
         captured again for it alone); ``--old beside``: every decode step's LoRA shrinks in stream
-        order after the frozen GEMMs (``BESIDE_MAX_ROWS`` None). The decode graphs are captured again when the others
-        change (not timed; the mixed-step pieces keep what they captured at warm-up)."""
+        order after the frozen GEMMs (``BESIDE_MAX_ROWS`` None); ``--old grouped-shrink``: the grouped
+        shrink's and the per-row expands' knobs as they were (``OLD_GROUPED_KNOBS``; the new variant
+        runs the module's, with ``--decode-lora-knobs`` over them). The decode graphs are captured
+        again when the others change (not timed; the mixed-step pieces keep what they captured at
+        warm-up, except after the grouped knobs change: -> True, the caller rebuilds them)."""
         if not hasattr(self, "decode_knobs"):
             names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK",
-                     "BESIDE_MAX_ROWS")
+                     "BESIDE_MAX_ROWS") + tuple(OLD_GROUPED_KNOBS)
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)
         if "decode-lora" in old:
@@ -420,6 +431,8 @@ class TenantsBench:
             want.update(UNSPLIT_MAX_RANK=None)
         if "beside" in old:
             want.update(BESIDE_MAX_ROWS=None)
+        if "grouped-shrink" in old:
+            want.update(OLD_GROUPED_KNOBS)
         changed = {n for n, v in want.items() if getattr(lora_gather, n) != v}
         for n in changed:
             setattr(lora_gather, n, want[n])
@@ -427,6 +440,10 @@ class TenantsBench:
             with self.engine._step_lock, timer(self.device) as t:
                 self.engine.runner.capture_decode_graphs()
             log(f"decode graphs captured again ({sorted(old) or 'new'} decode LoRA) in {t.seconds:.1f} s")
+        if changed:
+            self.report.setdefault("decode_knobs", []).append(
+                {"old": sorted(old), **{n: getattr(lora_gather, n) for n in self.decode_knobs}})
+        return bool(changed & set(OLD_GROUPED_KNOBS))
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -604,7 +621,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits", "attention-items", "mixed-ahead", "lora-beside")),
+                                              "attention-splits", "attention-items", "mixed-ahead", "lora-beside",
+                                              "grouped-shrink")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -625,7 +643,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the running step's tokens: EngineTuning.mixed_ahead off), lora-beside (the decode rows' LoRA "
                          "shrinks beside the frozen GEMMs only in decode steps of at most 64 rows: "
                          "EngineTuning.decode_lora_beside few; the decode graphs captured again, the pieces "
-                         "rebuilt); default %(default)s")
+                         "rebuilt), grouped-shrink (the grouped shrink's and the per-row expands' knobs as they "
+                         "were: OLD_GROUPED_KNOBS; the decode graphs captured again, the pieces rebuilt); "
+                         "default %(default)s")
+    ap.add_argument("--decode-lora-knobs", type=parse_knobs, default={},
+                    help="NAME=VALUE,... lora_gather knobs (Python literals) set before the engine is built: the "
+                         "new variant's (e.g. the fastest mode of profile_decode_lora.py --best-knobs)")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -642,9 +665,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def parse_knobs(text: str) -> dict:
+    """``--decode-lora-knobs``: "NAME=VALUE,..." -> {NAME: value}, each NAME a ``lora_gather`` knob."""
+    knobs = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if not hasattr(lora_gather, name):
+            raise argparse.ArgumentTypeError(f"{name} is not a lora_gather knob")
+        knobs[name] = ast.literal_eval(value)
+    return knobs
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    before = {n: getattr(lora_gather, n) for n in args.decode_lora_knobs}
+    for name, value in args.decode_lora_knobs.items():
+        setattr(lora_gather, name, value)
+    try:
+        return _main(args)
+    finally:
+        for name, value in before.items():
+            setattr(lora_gather, name, value)
+
+
+def _main(args) -> dict:
     bench = TenantsBench(args)
+    bench.report["decode_lora_knobs"] = args.decode_lora_knobs
     try:
         bench.warm_up()
         run_all(bench)

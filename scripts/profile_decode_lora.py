@@ -31,6 +31,13 @@ their own adapters and sharing them, the engine against before:
     PYTHONPATH=. python3 scripts/profile_decode_lora.py --out $OUT
     PYTHONPATH=. TRITON_INTERPRET=1 python3 scripts/profile_decode_lora.py --device cpu --dtype float32 --tiny \\
         --cases 16x3,8x8c --rank-sets 4,8 --modes base,per_row,grouped --layers 1 --out /tmp/pdl
+
+The grouped shrink's occupancy knobs at 256 / 128 rows over Zipf-drawn adapters, the fastest
+mode's settings written for ``bench_tenants.py --decode-lora-knobs`` (``--best-knobs``):
+
+    PYTHONPATH=.:scripts python3 scripts/profile_decode_lora.py --cases 256x104z,128x80z \
+        --rank-sets "4,8,16,32,64" --modes base,engine,gsplit4,gs_w8,gs_r32,gs_r64_w8,gs_k128u,gs_r32_k128u,\
+gs_r64_w8_k128u,gs_s256,gs_st1,ew8,g128_r64_w8 --gemms --best-knobs $OUT/best_knobs.txt --out $OUT
 """
 
 from __future__ import annotations
@@ -137,6 +144,37 @@ MODES = {
     "gsplit4": {"GROUPED_RANK_SPLIT": 4},
     "gs_w8": {"GROUPED_SHRINK_WARPS": 8},
     "n128": {"ROW_EXPAND_BLOCK_N": 128},
+    # the grouped shrink's occupancy and bytes in flight: rank chunks of 32 / 64 (a rank-64 group's
+    # A tile in one load), with 8 warps, K tiles of 128, splits of 256 (twice the programs, twice the
+    # partials for the expands), pipelining stages 1 / 2, rank split with 8 warps
+    "gs_r32": {"GROUPED_SHRINK_BLOCK_R": 32},
+    "gs_r64": {"GROUPED_SHRINK_BLOCK_R": 64},
+    "gs_r64_w8": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8},
+    "gs_r64_w8_k128": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8, "GROUPED_SHRINK_BLOCK_K": 128},
+    "gs_r32_k128": {"GROUPED_SHRINK_BLOCK_R": 32, "GROUPED_SHRINK_BLOCK_K": 128},
+    "gs_s256": {"GROUPED_SHRINK_BLOCK_K": 256, "GROUPED_SHRINK_SPLIT_K": 256},
+    "gs_r64_w8_s256": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8, "GROUPED_SHRINK_BLOCK_K": 256,
+                       "GROUPED_SHRINK_SPLIT_K": 256},
+    "gs_st1": {"GROUPED_SHRINK_STAGES": 1},
+    "gs_st3": {"GROUPED_SHRINK_STAGES": 3},
+    # the grouped shrink as before its pipelining stages were set (Triton's default)
+    "gs_st_default": {"GROUPED_SHRINK_STAGES": None},
+    "gs_st2": {"GROUPED_SHRINK_STAGES": 2},
+    "gsplit4_w8": {"GROUPED_RANK_SPLIT": 4, "GROUPED_SHRINK_WARPS": 8},
+    # K tiles of 128 in the splits of 512, unrolled (all four tiles' loads in flight at once), with
+    # rank chunks of 16 / 32 / 64
+    "gs_k128u": {"GROUPED_SHRINK_BLOCK_K": 128, "GROUPED_SHRINK_UNROLL_K": True},
+    "gs_r32_k128u": {"GROUPED_SHRINK_BLOCK_R": 32, "GROUPED_SHRINK_BLOCK_K": 128, "GROUPED_SHRINK_UNROLL_K": True},
+    "gs_r64_w8_k128u": {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8, "GROUPED_SHRINK_BLOCK_K": 128,
+                        "GROUPED_SHRINK_UNROLL_K": True},
+    "gsplit2_r32": {"GROUPED_RANK_SPLIT": 2, "GROUPED_SHRINK_BLOCK_R": 32},
+    # the per-row expands' (and SwiGLU's LoRA rows') warps 8, with column blocks of 256 / 512
+    "ew8": {"ROW_EXPAND_WARPS": 8},
+    "n512_w8": {"ROW_EXPAND_BLOCK_N": 512, "ROW_EXPAND_WARPS": 8},
+    # the grouped shrink from 128 rows (the per-row one below), with the engine's blocks and 64-rank chunks
+    "g128": {"GROUPED_MIN_ROWS": 128},
+    "g128_r64_w8": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8},
+    "g128_r64": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64},
 }
 BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
                "beside256_shrinks")  # (the case's rank bound)
@@ -584,6 +622,10 @@ def _main(argv, defaults: dict) -> dict:
                     help="each piece runs its frozen GEMM too (one set of the layer's weights, shared by the "
                          "--layers layers): what the LoRA adds is then over a layer with its GEMMs, and the "
                          "'beside' modes can hide the shrinks behind them")
+    ap.add_argument("--best-knobs", default=None,
+                    help="write the settings of the fastest mode (the least captured-layer time summed over the "
+                         "cases, outputs within 2 %% of the per-row path's; not 'base') to this file as "
+                         "NAME=VALUE,... (bench_tenants.py --decode-lora-knobs); empty: no mode beat 'engine'")
     add_output_args(ap)
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), dtype_of(args.dtype)
@@ -607,7 +649,27 @@ def _main(argv, defaults: dict) -> dict:
         with open(os.path.join(args.out, "profile_decode_lora.md"), "w") as f:
             f.write(text + "\n")
     print(text)
+    if args.best_knobs:
+        best = best_mode(rows)
+        with open(args.best_knobs, "w") as f:
+            f.write(",".join(f"{k}={v!r}" for k, v in MODES.get(best, {}).items()))
+        log(f"fastest mode: {best} {MODES.get(best)}")
     return {"rows": rows}
+
+
+def best_mode(rows: list[dict], max_diff: float = 0.02) -> str | None:
+    """The mode (not "base") of the least captured-layer time summed over every case, among those
+    run in all of them without error and within ``max_diff`` of the per-row path's outputs."""
+    total: dict = defaultdict(float)
+    seen: dict = defaultdict(int)
+    for r in rows:
+        for m in r["modes"]:
+            ok = m.get("graph_us") is not None and (m.get("max_rel_diff") or 0.0) <= max_diff
+            if m["mode"] != "base" and "error" not in m and ok:
+                total[m["mode"]] += m["graph_us"]
+                seen[m["mode"]] += 1
+    fits = [m for m in total if seen[m] == len(rows)]
+    return min(fits, key=total.__getitem__) if fits else None
 
 
 if __name__ == "__main__":

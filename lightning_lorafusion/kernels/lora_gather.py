@@ -104,8 +104,23 @@ GROUPED_SHRINK_SINGLE_ROWS = True
 # the grouped shrink's rank chunks over this many programs per (group, K split, projection):
 # program s walks chunks s, s + split, ... (as the per-row shrink's ``RANK_SPLIT``): shorter chains
 # of dependent A loads for a rank-64 group, programs past a group's rank return. 1: one program
-# walks them all (the default; the same partial sums either way)
+# walks them all (the default; the same partial sums either way). 4: the layer's grouped shrinks
+# 1.15x slower at 256 rows over 104 adapters of ranks 4-64 (H100, docs/kernels.md)
 GROUPED_RANK_SPLIT = 1
+# the grouped shrink's rank chunk (None: the per-row shrink's rank block, 16; at least tl.dot's 16):
+# a chunk of 64 loads a rank-64 group's whole A tile at once instead of four dependent ones, but
+# its staged operands left no room for a second program (0 % estimated occupancy, 3.9x slower; 32:
+# 1.2x slower; H100, docs/BENCHMARKS.md "The grouped shrink's occupancy")
+GROUPED_SHRINK_BLOCK_R: int | None = None
+# its software-pipelining stages (None: Triton's default, 3): 1 stages nothing ahead of its rank
+# loop (each chunk's A load issued in turn, as before) in less shared memory: 31 % estimated
+# occupancy against 25 %, the four grouped shrinks of an 8B layer at 256 rows over 104 Zipf-drawn
+# adapters 142.3 against 153.7 µs, the decode steps of 256 rows 2 % less GPU time (H100, same sums)
+GROUPED_SHRINK_STAGES: int | None = 1
+# the grouped shrink's K tiles of a split unrolled (their loads all in flight at once) instead of a
+# loop over them (the same sums in the same order); with tiles of 128 in splits of 512 1.11x the
+# grouped shrinks' time of tiles of 256 (H100)
+GROUPED_SHRINK_UNROLL_K = False
 
 
 # the expand reads each group's B^T once (``lora_grouped_expand``) from this many decode rows;
@@ -407,6 +422,7 @@ def lora_shrink(lora: GatheredLora, *, block_k: int | None = None, block_r: int 
         block_k = block_k or GROUPED_SHRINK_BLOCK_K or gpu_tiles[0]
         split_k = GROUPED_SHRINK_SPLIT_K or gpu_tiles[1]
         num_warps = num_warps or GROUPED_SHRINK_WARPS
+        block_r = block_r or GROUPED_SHRINK_BLOCK_R
     num_warps = num_warps or ROW_SHRINK_WARPS
     block_k, block_r = row_blocks(x.device, rows, block_k, block_r)
     split_k = triton.cdiv(split_k or block_k, block_k) * block_k if grouped else block_k
@@ -427,12 +443,14 @@ def _launch_shrink(lora: GatheredLora, x: torch.Tensor, part: torch.Tensor, grou
     """``lora_shrink``'s launch: the grouped kernel or the per-row one (none for no rows)."""
     if grouped:
         groups = lora.groups
+        stages = {} if GROUPED_SHRINK_STAGES is None else {"num_stages": GROUPED_SHRINK_STAGES}
         _lora_grouped_shrink_kernel[(groups.shape[1], k_blocks, g * GROUPED_RANK_SPLIT)](
             x, lora.pool, lora.a_offsets, lora.ranks, groups, part, k, x.stride(0), lora.a_offsets.stride(0),
             lora.ranks.stride(0), rows, groups.stride(0), k_blocks, MAX_R=MAX_RANK, BLOCK_M=group_block_m(),
             BLOCK_R=max(block_r, 16), BLOCK_K=block_k, SPLIT_K=split_k,
             DOT_PRECISION=dot_precision(x.dtype), SINGLE_ROWS=GROUPED_SHRINK_SINGLE_ROWS,
-            RANK_SPLIT=GROUPED_RANK_SPLIT, num_warps=num_warps, **trigger,
+            RANK_SPLIT=GROUPED_RANK_SPLIT, UNROLL_K=GROUPED_SHRINK_UNROLL_K, num_warps=num_warps, **trigger,
+            **stages,
         )
     elif rows:
         split = rank_split(x.device, rows, lora.rank_bound)

@@ -136,7 +136,7 @@ def _lora_grouped_shrink_kernel(
     groups_stride, k_blocks,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE_ROWS: tl.constexpr, GDC: tl.constexpr = False,
-    RANK_SPLIT: tl.constexpr = 1,
+    RANK_SPLIT: tl.constexpr = 1, UNROLL_K: tl.constexpr = False,
 ):
     """``_lora_shrink_kernel``'s partial sums for rows that share an adapter: program (group t,
     K split kb, projection g) reads rows ``perm[start_t:end_t]`` (at most BLOCK_M, one adapter),
@@ -148,7 +148,9 @@ def _lora_grouped_shrink_kernel(
     the kernel launched after it as a programmatic dependent (``lora_gather.PDL``) may start
     once every program here has started (it waits for this grid before reading the partials).
     RANK_SPLIT: programs (t, kb, g * RANK_SPLIT + s) share the group's rank chunks, s walking
-    chunks s, s + RANK_SPLIT, ... (the same sums: each chunk's partials are its own)."""
+    chunks s, s + RANK_SPLIT, ... (the same sums: each chunk's partials are its own). UNROLL_K: a
+    split's K tiles unrolled (SPLIT_K / BLOCK_K of them, past K masked), so their loads can all be
+    in flight at once; the same sums in the same order."""
     if GDC:
         gdc_launch_dependents()
     t = tl.program_id(0)
@@ -166,22 +168,23 @@ def _lora_grouped_shrink_kernel(
             if end - start == 1:
                 _shrink_row(x_ptr, pool_ptr, part_ptr, first, g, kb, rank, a_off, K, k_end, x_stride, rows,
                             k_blocks, split, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
-                            RANK_SPLIT=RANK_SPLIT)
+                            RANK_SPLIT=RANK_SPLIT, UNROLL_K=UNROLL_K)
             else:
                 _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
                               x_stride, rows, groups_stride, k_blocks, split, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
                               BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION,
-                              RANK_SPLIT=RANK_SPLIT)
+                              RANK_SPLIT=RANK_SPLIT, UNROLL_K=UNROLL_K)
         else:
             _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end,
                           x_stride, rows, groups_stride, k_blocks, split, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
-                          BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION, RANK_SPLIT=RANK_SPLIT)
+                          BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, DOT_PRECISION=DOT_PRECISION, RANK_SPLIT=RANK_SPLIT,
+                          UNROLL_K=UNROLL_K)
 
 
 @triton.jit
 def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_stride, rows, k_blocks, split,
                 MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                RANK_SPLIT: tl.constexpr = 1):
+                RANK_SPLIT: tl.constexpr = 1, UNROLL_K: tl.constexpr = False):
     """One row's ``part[g, row, kb, :rank]`` over split kb's K columns (``_lora_shrink_kernel``'s
     arithmetic, BLOCK_K columns at a time); its rank chunks split, split + RANK_SPLIT, ..."""
     offs_k = kb * SPLIT_K + tl.arange(0, BLOCK_K)
@@ -191,20 +194,30 @@ def _shrink_row(x_ptr, pool_ptr, part_ptr, row, g, kb, rank, a_off, K, k_end, x_
     for r0 in range(split * BLOCK_R, rank, RANK_SPLIT * BLOCK_R):
         r_ok = r0 + offs_r < rank
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            ok = offs_k + k0 < K
-            x = tl.load(x_row + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
-            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
-                        mask=r_ok[:, None] & ok[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+        if UNROLL_K:
+            for i in tl.static_range(SPLIT_K // BLOCK_K):
+                acc = _row_tile(x_row, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, i * BLOCK_K, K, acc)
+        else:
+            for k0 in range(0, k_end, BLOCK_K):
+                acc = _row_tile(x_row, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, k0, K, acc)
         tl.store(part_row + r0 + offs_r, acc, mask=r_ok)
+
+
+@triton.jit
+def _row_tile(x_row, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, k0, K, acc):
+    """``acc`` plus one row's sum over the K tile at ``offs_k + k0`` of its rank chunk's A * x."""
+    ok = offs_k + k0 < K
+    x = tl.load(x_row + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
+                mask=r_ok[:, None] & ok[None, :], other=0.0)
+    return acc + tl.sum(a.to(tl.float32) * x[None, :], axis=1)
 
 
 @triton.jit
 def _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank, a_off, K, k_end, x_stride, rows,
                   groups_stride, k_blocks, split, MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  RANK_SPLIT: tl.constexpr = 1):
+                  RANK_SPLIT: tl.constexpr = 1, UNROLL_K: tl.constexpr = False):
     """The rows ``perm[start:end]``' partial sums: the adapter's A tile read once for them, a dot;
     rank chunks split, split + RANK_SPLIT, ..."""
     offs_m = start + tl.arange(0, BLOCK_M)
@@ -220,13 +233,25 @@ def _shrink_group(x_ptr, pool_ptr, groups_ptr, part_ptr, start, end, g, kb, rank
         a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + offs_k[None, :],
                     mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         s = tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_R] fp32
-        for k0 in range(BLOCK_K, k_end, BLOCK_K):  # (none: SPLIT_K == BLOCK_K)
-            ok = offs_k + k0 < K
-            xk = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
-            a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
-                        mask=r_ok[:, None] & ok[None, :], other=0.0)
-            s += tl.dot(xk, tl.trans(a), input_precision=DOT_PRECISION)
+        if UNROLL_K:
+            for i in tl.static_range(1, SPLIT_K // BLOCK_K):
+                s = _group_tile(x_rows, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, m_ok, i * BLOCK_K, K, s,
+                                DOT_PRECISION=DOT_PRECISION)
+        else:
+            for k0 in range(BLOCK_K, k_end, BLOCK_K):  # (none: SPLIT_K == BLOCK_K)
+                s = _group_tile(x_rows, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, m_ok, k0, K, s,
+                                DOT_PRECISION=DOT_PRECISION)
         tl.store(part_rows[:, None] + r0 + offs_r[None, :], s, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _group_tile(x_rows, pool_ptr, a_off, offs_k, offs_r, r0, r_ok, m_ok, k0, K, s, DOT_PRECISION: tl.constexpr):
+    """``s`` plus the group's rows' dot over the K tile at ``offs_k + k0`` with their rank chunk of A."""
+    ok = offs_k + k0 < K
+    xk = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+    a = tl.load(pool_ptr + a_off + (r0 + offs_r)[:, None] * K + k0 + offs_k[None, :],
+                mask=r_ok[:, None] & ok[None, :], other=0.0)
+    return s + tl.dot(xk, tl.trans(a), input_precision=DOT_PRECISION)
 
 
 @triton.jit

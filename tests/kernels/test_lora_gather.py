@@ -404,3 +404,58 @@ def test_grouped_shrink_rank_split_gives_the_same_bits(device, dtype, single_row
     assert torch.equal(got, want)
     ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
     assert rel_err(got - y0, ref - y0) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("single_rows", [True, False])
+def test_grouped_shrink_rank_chunks_and_stages(device, dtype, single_rows, monkeypatch):
+    """``GROUPED_SHRINK_BLOCK_R`` (a group's rank chunk: 32, 64 against the default 16, ranks
+    5-33 so chunks past a group's rank are masked) and ``GROUPED_SHRINK_STAGES``, alone and with
+    the rank split: each element's sum over K is the same (the chunk only picks which ranks a
+    program loads at once): in fp16 the output is the default's bit for bit; in fp32 within a few
+    ulp (the interpreter's fp32 dot and sums go through numpy, whose blocking follows the tile's
+    shape); and the reference's."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    for block_r, stages, split in ((32, None, 1), (64, 1, 1), (32, 2, 2)):
+        monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_R", block_r)
+        monkeypatch.setattr(module, "GROUPED_SHRINK_STAGES", stages)
+        monkeypatch.setattr(module, "GROUPED_RANK_SPLIT", split)
+        got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+        if dtype == torch.float16:
+            assert torch.equal(got, want), (block_r, stages, split)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert rel_err(got - y0, ref - y0) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("single_rows", [True, False])
+def test_grouped_shrink_unrolled_k_tiles_give_the_same_bits(device, dtype, single_rows, monkeypatch):
+    """``GROUPED_SHRINK_UNROLL_K``: a split's K tiles unrolled (tiles of 16 in splits of 48, K = 70:
+    the last split's third tile wholly past K, masked) sum the same tiles in the same order as the
+    loop over them: the output bit for bit, and the reference's."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_K", 16)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", 48)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    monkeypatch.setattr(module, "GROUPED_SHRINK_UNROLL_K", True)
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    assert torch.equal(got, want)
+    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    assert rel_err(got - y0, ref - y0) < TOL[dtype]

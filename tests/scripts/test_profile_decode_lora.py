@@ -87,3 +87,21 @@ def test_profile_decode_lora_few_rows_modes_tiny_cpu(tmp_path, monkeypatch):
     for row in report["rows"]:
         diffs = {m["mode"]: m["max_rel_diff"] for m in row["modes"]}
         assert diffs["per_row"] == 0.0 and max(diffs.values()) < 1e-5, diffs
+
+
+def test_best_mode_takes_the_least_total_time_of_modes_run_everywhere():
+    """``--best-knobs``' pick: the least captured-layer time summed over the cases, not "base",
+    not a mode that failed, differs from the per-row outputs or is missing from a case."""
+    script = load_script("profile_decode_lora")
+
+    def m(mode, us, diff=0.0, **kw):
+        return {"mode": mode, "graph_us": us, "max_rel_diff": diff, **kw}
+
+    rows = [{"modes": [m("base", 1.0), m("engine", 10.0), m("gs_r64", 8.0), m("gs_r32", 5.0, diff=0.5),
+                       m("gsplit4", 7.0), m("ew8", 1.0)]},
+            {"modes": [m("base", 1.0), m("engine", 10.0), m("gs_r64", 9.0), m("gs_r32", 5.0, diff=0.5),
+                       m("gsplit4", 11.0), {"mode": "g128", "error": "boom"}]}]
+    assert script.best_mode(rows) == "gs_r64"  # 17 against engine's 20 and gsplit4's 18; ew8 not in case 2
+    rows[1]["modes"][2]["graph_us"] = 12.0
+    assert script.best_mode(rows) == "gsplit4"
+    assert script.best_mode([{"modes": [m("base", 1.0)]}]) is None
