@@ -74,7 +74,7 @@ from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import StepProfile, category_table, table as profile_table  # noqa: E402
+from profile_steps import StepProfile, category_table, part_table, table as profile_table  # noqa: E402
 
 log = logger("bench_tenants")
 
@@ -650,6 +650,8 @@ def main(argv=None) -> dict:
                   + profile_table(r["profile"]))
             print(f"\n{r['run']} {r['arrivals']}: device ms per step by kernel category (floor and GPU ms: "
                   f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
+            print(f"\n{r['run']} {r['arrivals']}: device ms per step by part, each against its own floor (floor.part_floors)\n"
+                  + part_table(r["profile"], r["breakdown"]["kinds"]))
     w = report.get("warm_up")
     if w:
         print(f"\nwarm-up {w['seconds']:.1f} s (mixed-step pieces {_f(w.get('mixed_pieces_s'), '.1f')} s), "

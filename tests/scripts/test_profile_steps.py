@@ -109,3 +109,25 @@ def test_categories_name_each_layer_product_and_the_lm_head():
     odd = [kernel("_add_rms_norm_kernel", 0, 1), kernel("gemm_a", 2, 1), kernel("_add_rms_norm_kernel", 4, 1),
            kernel("gemm_b", 6, 1)]
     assert script.label_products(odd) == ["norm", "gemm", "norm", "lm head"]
+
+
+def test_part_table_sums_categories_against_each_part_floor():
+    """The parts the floor prices on their own: a kind's products summed over its four named
+    products, norms and epilogues as elementwise, each beside its floor and the share reached."""
+    script = load_script("profile_steps")
+    events = [kernel("_add_rms_norm_kernel", 0, 1000), kernel("nvjet_qkv", 1000, 2000),
+              kernel("_rope_kv_rows_kernel", 3000, 500), kernel("_paged_prefill_kernel", 3500, 1500),
+              kernel("nvjet_o", 5000, 1000), kernel("_add_rms_norm_kernel", 6000, 500),
+              kernel("nvjet_gu", 6500, 4000), kernel("_swiglu_kernel", 10500, 500), kernel("nvjet_down", 11000, 2000),
+              kernel("Memcpy DtoD", 13000, 300, cat="gpu_memcpy"), kernel("_add_rms_norm_kernel", 14000, 500)]
+    rows = script.summarize([events], ["mixed t512 base graph"])
+    parts = {"products": 0.0045, "lm_head": 0.0, "attention_decode": 0.0, "attention_prefill": 0.0003,
+             "elementwise": 0.0015, "lora": 0.0}
+    text = script.part_table(rows, [{"kind": "mixed t512 base graph", "steps": 1, "tokens": 400, "floor_s": 0.006,
+                                     "gpu_s": 0.016, "part_floor_s": parts}])
+    line = text.splitlines()[2]
+    # products 2 + 1 + 4 + 2 ms against 4.5; prefill attention 1.5 against 0.3; norms and
+    # epilogues 1 + 0.5 + 0.5 + 0.5 + 0.5 against 1.5; one copy; idle 13.3 to 14 ms in the span
+    assert line.startswith("| mixed t512 base graph | 1 | 400 | 16.00 | 6.00 | 9.00 (4.50, 50%) | - | - | "
+                           "1.50 (0.30, 20%) | 3.00 (1.50, 50%) | - | 0.30 |")
+    assert line.endswith("| 0.70 |")
