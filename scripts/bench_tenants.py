@@ -71,6 +71,7 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
 from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
+from lightning_lorafusion.serving.decode_graphs import graph_token_limit  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
@@ -260,7 +261,8 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
-            tuning=EngineTuning(decode_gemm=args.decode_gemm),
+            tuning=EngineTuning(decode_gemm=args.decode_gemm, mixed_graph_max_tokens=(
+                "all" if "old" in args.variants and "padded-large" in args.old else "auto")),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -327,7 +329,10 @@ class TenantsBench:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
         "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
-        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again)."""
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again), "in-place"
+        (attention's outputs concatenated and copied, ``ModelRunner.attention_in_place`` off: no
+        capture) and "padded-large" (every mixed step padded and run as pieces,
+        ``ModelRunner.mixed_graph_max_tokens`` None: the larger buckets' pieces built)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -342,8 +347,14 @@ class TenantsBench:
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
         buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
         gemm_changed = runner.decode_gemm != gemm
-        pieces_changed = gemm_changed or runner.token_bucket_mode != buckets
+        if not hasattr(self, "graph_max_tokens"):  # --old padded-large: every bucket padded, as pieces
+            self.graph_max_tokens = graph_token_limit("auto", self.shape.projection_params)
+        graph_max = None if "padded-large" in old else self.graph_max_tokens
+        pieces_changed = (gemm_changed or runner.token_bucket_mode != buckets
+                          or runner.mixed_graph_max_tokens != graph_max)
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
+        runner.mixed_graph_max_tokens = graph_max
+        runner.attention_in_place = "in-place" not in old  # (attention runs outside the graphs: no capture)
         if not hasattr(self, "programs_per_sm"):
             self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
         per_sm = OLD_PROGRAMS_PER_SM if "attention-splits" in old else self.programs_per_sm
@@ -382,7 +393,7 @@ class TenantsBench:
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
                          "small_step_rows": small,
-                         "decode_gemm": gemm, "token_buckets": buckets,
+                         "decode_gemm": gemm, "token_buckets": buckets, "mixed_graph_max_tokens": graph_max,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -590,7 +601,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--old", type=comma_list(("host", "prefill-lora", "page-in", "base-pieces", "table-grids",
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
-                                              "attention-splits", "attention-items", "mixed-ahead")),
+                                              "attention-splits", "attention-items", "mixed-ahead", "in-place",
+                                              "padded-large")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -608,7 +620,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "SM at every row count), attention-items (the decode attention's per-row splits at every "
                          "row count instead of work items from the step's total tokens where "
                          "paged_attention.BALANCED_ROWS takes them), mixed-ahead (steps admitting requests wait for "
-                         "the running step's tokens: EngineTuning.mixed_ahead off); default %(default)s")
+                         "the running step's tokens: EngineTuning.mixed_ahead off), in-place (attention's "
+                         "launches each write their own output, concatenated and copied into the pieces' "
+                         "buffer: EngineTuning.attention_in_place off), padded-large (mixed steps of every size "
+                         "padded to token buckets and run as pieces: EngineTuning.mixed_graph_max_tokens 'all'; "
+                         "the engine's pool is then sized for them); default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")
@@ -659,7 +675,8 @@ def main(argv=None) -> dict:
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
               f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}, "
-              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}) "
+              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}, "
+              f"mixed_graph_max_tokens={b.get('mixed_graph_max_tokens')}) "
               f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:

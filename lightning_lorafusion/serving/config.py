@@ -91,6 +91,12 @@ class EngineTuning:
     # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
     # pads at most a third of its rows) or "pow2" (powers of two only; fewer pieces to capture)
     token_buckets: str = "fine"
+    # mixed steps padded to token buckets and run as pieces only up to this many real tokens;
+    # larger ones run unpadded, eagerly (their products over their own rows: the buckets above
+    # are neither captured nor kept): a count, "all" (every bucket up to the step budget) or
+    # "auto" (the default: where a step's frozen products reach ``decode_graphs.GRAPH_MAX_FLOPS``,
+    # from which a step is device-bound and a graph saves no time: 2,048 tokens at the 8B shape)
+    mixed_graph_max_tokens: int | str = "auto"
     # the Triton kernel variants compiled ahead (at the decode graphs' capture and in warm_up):
     # "on" (the default) keeps the list found by the first run beside the on-disk compile cache
     # and a restart of the same setup reads it instead of running every step's pieces to find it
@@ -101,6 +107,11 @@ class EngineTuning:
     # shapes and RoPE) ran in that set yet: the others launch the same kernels on the same
     # shapes, already loaded and tuned; "every": each piece before its capture
     capture_warm_up: str = "first"
+    # attention's launches write their rows of the layer's output in place ("on", the default:
+    # the mixed-step pieces' static buffer, or one new tensor), or ("off") each its own output,
+    # concatenated and (pieces) copied into the static buffer: three passes over the step's
+    # attention output a layer (docs/serving.md "Mixed steps as graphs")
+    attention_in_place: str = "on"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -125,6 +136,14 @@ class EngineTuning:
             raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
         if self.token_buckets not in ("fine", "pow2"):
             raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: fine, pow2")
+        if self.mixed_graph_max_tokens not in ("auto", "all") and (
+                isinstance(self.mixed_graph_max_tokens, bool) or not isinstance(self.mixed_graph_max_tokens, int)
+                or self.mixed_graph_max_tokens < 1):
+            raise ConfigError(f"EngineTuning.mixed_graph_max_tokens={self.mixed_graph_max_tokens!r}; allowed: auto, "
+                              "all or a token count >= 1")
+        if self.attention_in_place not in ON_OFF:
+            raise ConfigError(f"EngineTuning.attention_in_place={self.attention_in_place!r}; allowed: "
+                              f"{', '.join(ON_OFF)}")
         if self.kernel_variant_record not in ON_OFF:
             raise ConfigError(f"EngineTuning.kernel_variant_record={self.kernel_variant_record!r}; "
                               f"allowed: {', '.join(ON_OFF)}")

@@ -58,6 +58,28 @@ def token_buckets(max_tokens: int, mode: str = "fine") -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+# "auto" ``EngineTuning.mixed_graph_max_tokens``: padded mixed steps (captured pieces) up to the
+# token count at which the frozen products take this many FLOPs (2 * projection weights per
+# token: 2,149 tokens at the 8B shape, so its buckets up to 2,048), larger steps unpadded and
+# eager. From there a step is device-bound (an 8B step of 2,048 tokens: ~53 ms on an H100
+# against ~10-25 ms of eager launches), so a graph saves no time, while padding to the next
+# bucket costs up to a third of the step's products (docs/serving.md "Mixed steps as graphs")
+GRAPH_MAX_FLOPS = 3e13
+
+
+def graph_token_limit(setting: int | str, projection_params: int) -> int | None:
+    """The most real tokens of a mixed step padded to a token bucket (``EngineTuning.
+    mixed_graph_max_tokens``): ``setting`` tokens, "all" (None: every bucket) or "auto"
+    (``GRAPH_MAX_FLOPS`` of a model of ``projection_params`` projection weights)."""
+    if setting == "all":
+        return None
+    if setting == "auto":
+        return int(GRAPH_MAX_FLOPS // (2 * max(projection_params, 1)))
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"mixed_graph_max_tokens={setting!r}; allowed: auto, all or a token count >= 1")
+    return setting
+
+
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:
     """The smallest bucket holding ``rows`` rows."""
     i = bisect.bisect_left(buckets, rows)

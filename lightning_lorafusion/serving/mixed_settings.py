@@ -30,16 +30,39 @@ class MixedStepSettings:
     def token_bucket_mode(self) -> str:
         """``EngineTuning.token_buckets``: the token counts padded mixed steps are padded to,
         "fine" (powers of two and, from 512 tokens, 3 * 2^k between them) or "pow2"
-        (``decode_graphs.token_buckets``). Settable between steps: the pieces are dropped (rebuilt
-        on first use or by ``build_mixed_pieces``)."""
+        (``decode_graphs.token_buckets``). Settable between steps: the pieces of buckets no longer
+        taken are dropped (new ones built on first use or by ``build_mixed_pieces``)."""
         return self._token_bucket_mode
 
     @token_bucket_mode.setter
     def token_bucket_mode(self, mode: str) -> None:
-        buckets = token_buckets(self.max_batched_tokens, mode)
-        if buckets != getattr(self, "token_buckets", buckets):  # (first set: nothing built yet)
-            self._clear_pieces()
-        self.token_buckets, self._token_bucket_mode = buckets, mode
+        self._set_buckets(mode, getattr(self, "_graph_max_tokens", None))
+
+    @property
+    def mixed_graph_max_tokens(self) -> int | None:
+        """The most real tokens of a mixed step padded to a token bucket and run as pieces
+        (``EngineTuning.mixed_graph_max_tokens`` resolved by ``decode_graphs.graph_token_limit``;
+        None: every bucket): ``token_buckets`` holds the buckets up to it, and a larger step runs
+        unpadded, eagerly (``prepare`` pads a step only up to the last bucket). Settable between
+        steps: the pieces are dropped when the buckets change (rebuilt on first use or by
+        ``build_mixed_pieces``)."""
+        return self._graph_max_tokens
+
+    @mixed_graph_max_tokens.setter
+    def mixed_graph_max_tokens(self, tokens: int | None) -> None:
+        self._set_buckets(self._token_bucket_mode, tokens)
+
+    def _set_buckets(self, mode: str, max_tokens: int | None) -> None:
+        every = token_buckets(self.max_batched_tokens, mode)
+        # (at least the smallest bucket: a limit below it pads nothing but one-token steps)
+        buckets = every if max_tokens is None else tuple(b for b in every if b <= max_tokens) or every[:1]
+        for built in getattr(self, "_pieces_by_mode", {}).values():  # (a bucket's pieces: its rows alone)
+            for pieces in built:
+                for rows in [r for r in pieces if r not in buckets]:
+                    del pieces[rows]
+        # every bucket, whether captured or not: the step kinds' labels (step_times.StepKind)
+        self.token_buckets, self.label_buckets = buckets, every
+        self._token_bucket_mode, self._graph_max_tokens = mode, max_tokens
 
     @property
     def prefill_lora_write(self) -> str:

@@ -62,7 +62,8 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto", token_bucket_mode: str = "fine") -> None:
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine",
+                 mixed_graph_max_tokens: int | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -99,6 +100,7 @@ class ModelRunner(MixedStepSettings):
         # needs; settable on the CPU to test
         self.pad_mixed = False
         self.max_batched_tokens = max_batched_tokens
+        self._graph_max_tokens = mixed_graph_max_tokens  # padded mixed steps up to this many tokens
         self.token_bucket_mode = token_bucket_mode  # the token buckets of padded mixed steps
         # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
         # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
@@ -158,6 +160,17 @@ class ModelRunner(MixedStepSettings):
             self._clear_pieces()
             self.model = dataclasses.replace(self.model, skinny=plan)
         self._decode_gemm = mode
+
+    @property
+    def attention_in_place(self) -> bool:
+        """Whether attention's launches write their rows of a layer's output in place
+        (``EngineTuning.attention_in_place``; ``PagedDecoder.attention_in_place``). Settable
+        between steps: attention runs outside the captured graphs, so nothing is captured again."""
+        return self.model.attention_in_place
+
+    @attention_in_place.setter
+    def attention_in_place(self, on: bool) -> None:
+        self.model = dataclasses.replace(self.model, attention_in_place=bool(on))
 
     def capture_decode_graphs(self, find_variants: Callable[[Callable[[], list]], tuple[list, dict]] | None = None
                               ) -> float:
@@ -540,7 +553,7 @@ class ModelRunner(MixedStepSettings):
                 pieces = built[rows] = self._new_pieces(rows, dora=dora, write=write)
             self.step_kind = StepKind("mixed", rows, adapters, "graph" if self.mixed_pieces == "graphs" else "pieces")
             return pieces.run(batch)
-        bucket = bucket_for(rows, self.token_buckets) if rows <= self.token_buckets[-1] else rows
+        bucket = bucket_for(rows, self.label_buckets) if rows <= self.label_buckets[-1] else rows
         self.step_kind = StepKind("mixed", bucket, adapters, "eager")
         return paged_forward(self.model, batch)
 

@@ -1,0 +1,104 @@
+"""Two ways a mixed step spends less device time on what is not its own work: attention's
+launches write their rows of the layer's output in place (``EngineTuning.attention_in_place``:
+no concatenation, no copy into the pieces' buffer), and steps above ``mixed_graph_max_tokens``
+run unpadded and eagerly instead of padded to a bucket. Both give the previous path's tokens
+and logprobs (fp32; torch references and the Triton kernels in the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lorafusion.serving import GenerationRequest, SamplingParams
+from lightning_lorafusion.serving.config import EngineTuning
+from lightning_lorafusion.serving.decode_graphs import GRAPH_MAX_FLOPS, graph_token_limit
+from lightning_lorafusion.specs import ConfigError
+
+# prompts joining running decodes (steps of 11-42 rows with the decode rows), adapters and the base
+PROMPTS = [(17, "all4"), (9, None), (30, "mlp8"), (4, "attn2"), (12, None)]
+
+
+def _run(engine, prompts=PROMPTS, new=3):
+    """Greedy tokens and logprobs of ``prompts`` arriving over three steps (two, two, the rest),
+    ``new`` tokens each, and each step's (rows, real rows, kind)."""
+    sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, logprobs=1)
+    reqs = [GenerationRequest(prompt_token_ids=[(5 * i + j) % 50 + 3 for j in range(n)], adapter=a, sampling=sp,
+                              request_id=f"r{i}") for i, (n, a) in enumerate(prompts)]
+    arrive = {0: reqs[:2], 1: reqs[2:4], 2: reqs[4:]}
+    steps, forward = [], engine.runner.forward
+
+    def recording(batch):
+        out = forward(batch)
+        steps.append((batch.input_ids.shape[0], batch.real_rows, engine.runner.step_kind.label))
+        return out
+
+    engine.runner.forward = recording
+    events = []
+    for step in range(new + 4):
+        for r in arrive.get(step, []):
+            engine.submit(r)
+        events += [(ev.request_id, ev.token_id, ev.logprob) for ev in engine.step() if ev.token_id is not None]
+    engine.runner.forward = forward
+    assert len(events) == new * len(prompts)
+    return events, steps
+
+
+CONFIG = dict(num_pages=256, page_size=4, max_num_batched_tokens=64, max_num_seqs=8, prefix_caching=False,
+              mixed_graphs="eager")
+
+
+@pytest.mark.parametrize("backend,attention", [("torch", "varlen"), ("triton", "paged")])
+def test_attention_in_place_equals_concatenated_outputs(make_engine, backend, attention):
+    """The pieces' attention written into their static buffer (padding rows zeroed once a step)
+    and the eager steps' into one new output: bit for bit the concatenated and copied outputs.
+    (The interpreter runs fewer, shorter requests.)"""
+    got = {}
+    run = {} if backend == "torch" else {"prompts": [(9, "all4"), (5, None), (6, "mlp8")], "new": 2}
+    assert make_engine(**CONFIG, attention_in_place="off").runner.attention_in_place is False
+    engine = make_engine(**CONFIG, backend=backend, prefill_attention=attention)
+    for mode in ("on", "off"):  # (settable between steps: attention runs outside the pieces)
+        engine.runner.attention_in_place = mode == "on"
+        got[mode] = _run(engine, **run)
+    (on, on_steps), (off, off_steps) = got["on"], got["off"]
+    assert on == off and on_steps == off_steps
+    assert any(real is not None and real < rows for rows, real, _ in on_steps)  # padded pieces ran
+
+
+def test_steps_above_the_graph_limit_run_unpadded_and_eager(make_engine):
+    """``mixed_graph_max_tokens`` 16: steps of more rows run unpadded and eagerly (labelled by
+    the bucket they would have taken), smaller ones padded as pieces; no piece is built above
+    16 rows; the same tokens and logprobs as every step padded."""
+    padded_all = make_engine(**CONFIG, mixed_graph_max_tokens="all")
+    assert padded_all.runner.mixed_graph_max_tokens is None
+    want, want_steps = _run(padded_all)
+    engine = make_engine(**CONFIG, mixed_graph_max_tokens=16)
+    runner = engine.runner
+    assert runner.mixed_graph_max_tokens == 16 and runner.token_buckets == (1, 2, 4, 8, 16)
+    assert runner.label_buckets == padded_all.runner.token_buckets
+    got, steps = _run(engine)
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in want], abs=1e-5)
+    mixed = [(rows, real, kind) for rows, real, kind in steps if real is not None]
+    large = [(rows, real, kind) for rows, real, kind in mixed if real > 16]
+    assert large and all(rows == real and kind.endswith("eager") for rows, real, kind in large)
+    # labelled by the bucket the padded run took for the same step
+    assert {kind.split()[1] for *_, kind in large} <= {kind.split()[1] for *_, kind in want_steps}
+    assert all(kind.endswith("pieces") for rows, real, kind in mixed if real <= 16)
+    assert max(runner._mixed) <= 16
+    # raised between steps: the larger buckets come back, built on first use
+    runner.mixed_graph_max_tokens = None
+    assert runner.token_buckets == padded_all.runner.token_buckets
+
+
+def test_graph_limit_settings():
+    assert EngineTuning().mixed_graph_max_tokens == "auto" and EngineTuning().attention_in_place == "on"
+    eight_b = 32 * (4096 * 6144 + 4096 * 4096 + 2 * 4096 * 14336 + 14336 * 4096)  # the 8B shape's projections
+    assert graph_token_limit("auto", eight_b) == int(GRAPH_MAX_FLOPS // (2 * eight_b)) == 2149
+    assert graph_token_limit("all", eight_b) is None and graph_token_limit(512, eight_b) == 512
+    for bad in (0, "some", 1.5, True):
+        with pytest.raises(ConfigError, match="mixed_graph_max_tokens"):
+            EngineTuning(mixed_graph_max_tokens=bad)
+        with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
+            graph_token_limit(bad, eight_b)
+    with pytest.raises(ConfigError, match="attention_in_place"):
+        EngineTuning(attention_in_place="yes")
