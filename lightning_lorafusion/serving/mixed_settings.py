@@ -44,8 +44,8 @@ class MixedStepSettings:
         (``EngineTuning.mixed_graph_max_tokens`` resolved by ``decode_graphs.graph_token_limit``;
         None: every bucket): ``token_buckets`` holds the buckets up to it, and a larger step runs
         unpadded, eagerly (``prepare`` pads a step only up to the last bucket). Settable between
-        steps: the pieces are dropped when the buckets change (rebuilt on first use or by
-        ``build_mixed_pieces``)."""
+        steps: the pieces of buckets no longer taken are dropped (new ones built on first use or
+        by ``build_mixed_pieces``)."""
         return self._graph_max_tokens
 
     @mixed_graph_max_tokens.setter
