@@ -102,3 +102,18 @@ def test_graph_limit_settings():
             graph_token_limit(bad, eight_b)
     with pytest.raises(ConfigError, match="attention_in_place"):
         EngineTuning(attention_in_place="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_pieces_below_the_limit_and_eager_steps_above_it(make_engine):
+    """On a GPU: pieces captured as CUDA graphs up to 16 rows, larger steps eager, attention in
+    place: the tokens of every step padded and captured with the outputs concatenated (fp32,
+    Triton kernels)."""
+    config = dict(CONFIG, backend="triton", mixed_graphs="on")
+    want, _ = _run(make_engine(**config, mixed_graph_max_tokens="all", attention_in_place="off"))
+    engine = make_engine(**config, mixed_graph_max_tokens=16)
+    got, steps = _run(engine)
+    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+    assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in want], abs=1e-4)
+    kinds = {kind.split()[-1] for rows, real, kind in steps if real is not None}
+    assert kinds == {"graph", "eager"} and all(p.graphs is not None for p in engine.runner._mixed.values())
