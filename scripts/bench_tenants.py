@@ -332,7 +332,9 @@ class TenantsBench:
         ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again), "in-place"
         (attention's outputs concatenated and copied, ``ModelRunner.attention_in_place`` off: no
         capture) and "padded-large" (every mixed step padded and run as pieces,
-        ``ModelRunner.mixed_graph_max_tokens`` None: the larger buckets' pieces built)."""
+        ``ModelRunner.mixed_graph_max_tokens`` None: the larger buckets' pieces built) and
+        "quarter-buckets" (the "fine" token buckets, ``ModelRunner.token_bucket_mode``; pieces
+        built for either set are kept, so switching back captures nothing)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -345,7 +347,8 @@ class TenantsBench:
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
-        buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
+        buckets = ("pow2" if "token-buckets" in old else "fine" if "quarter-buckets" in old
+                   else engine.config.tuning.token_buckets)
         gemm_changed = runner.decode_gemm != gemm
         if not hasattr(self, "graph_max_tokens"):  # --old padded-large: every bucket padded, as pieces
             self.graph_max_tokens = graph_token_limit("auto", self.shape.projection_params)
@@ -602,7 +605,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
                                               "attention-splits", "attention-items", "mixed-ahead", "in-place",
-                                              "padded-large")),
+                                              "padded-large", "quarter-buckets")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -624,7 +627,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "launches each write their own output, concatenated and copied into the pieces' "
                          "buffer: EngineTuning.attention_in_place off), padded-large (mixed steps of every size "
                          "padded to token buckets and run as pieces: EngineTuning.mixed_graph_max_tokens 'all'; "
-                         "the engine's pool is then sized for them); default %(default)s")
+                         "the engine's pool is then sized for them), quarter-buckets (mixed steps padded to "
+                         "the 'fine' token buckets, 3 * 2^k between the powers of two, instead of 'quarters'); "
+                         "default %(default)s")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

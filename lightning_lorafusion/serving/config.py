@@ -87,10 +87,11 @@ class EngineTuning:
     # the launch, where it has a tiling for the row count), "cublas" (``F.linear``), "auto" (the
     # default: triton on CUDA; docs/serving.md "Frozen products of few rows")
     decode_gemm: str = "auto"
-    # the token counts padded mixed steps are padded to (their pieces' buckets): "fine" (the
-    # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
-    # pads at most a third of its rows) or "pow2" (powers of two only; fewer pieces to capture)
-    token_buckets: str = "fine"
+    # the token counts padded mixed steps are padded to (their pieces' buckets): "quarters" (the
+    # default: powers of two and, from 512 tokens, 5, 6 and 7 * 2^(k-2) between them, so a
+    # compute-bound step pads at most a fifth of its rows), "fine" (3 * 2^k between them: at most
+    # a third) or "pow2" (powers of two only; fewer pieces to capture)
+    token_buckets: str = "quarters"
     # mixed steps padded to token buckets and run as pieces only up to this many real tokens;
     # larger ones run unpadded, eagerly (their products over their own rows: the buckets above
     # are neither captured nor kept): a count, "all" (every bucket up to the step budget) or
@@ -134,8 +135,8 @@ class EngineTuning:
                               f"allowed: {', '.join(PREFILL_LORA_WRITE)}")
         if self.page_in_wait not in PAGE_IN_WAIT:
             raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
-        if self.token_buckets not in ("fine", "pow2"):
-            raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: fine, pow2")
+        if self.token_buckets not in ("quarters", "fine", "pow2"):
+            raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: quarters, fine, pow2")
         if self.mixed_graph_max_tokens not in ("auto", "all") and (
                 isinstance(self.mixed_graph_max_tokens, bool) or not isinstance(self.mixed_graph_max_tokens, int)
                 or self.mixed_graph_max_tokens < 1):

@@ -29,9 +29,10 @@ class MixedStepSettings:
     @property
     def token_bucket_mode(self) -> str:
         """``EngineTuning.token_buckets``: the token counts padded mixed steps are padded to,
-        "fine" (powers of two and, from 512 tokens, 3 * 2^k between them) or "pow2"
-        (``decode_graphs.token_buckets``). Settable between steps: the pieces of buckets no longer
-        taken are dropped (new ones built on first use or by ``build_mixed_pieces``)."""
+        "quarters" (powers of two and, from 512 tokens, 5, 6 and 7 * 2^(k-2) between them), "fine"
+        (3 * 2^k between them) or "pow2" (``decode_graphs.token_buckets``). Settable between
+        steps: pieces already built are kept, new buckets' built on first use or by
+        ``build_mixed_pieces``."""
         return self._token_bucket_mode
 
     @token_bucket_mode.setter
@@ -44,8 +45,8 @@ class MixedStepSettings:
         (``EngineTuning.mixed_graph_max_tokens`` resolved by ``decode_graphs.graph_token_limit``;
         None: every bucket): ``token_buckets`` holds the buckets up to it, and a larger step runs
         unpadded, eagerly (``prepare`` pads a step only up to the last bucket). Settable between
-        steps: the pieces of buckets no longer taken are dropped (new ones built on first use or
-        by ``build_mixed_pieces``)."""
+        steps: pieces already built are kept, new buckets' built on first use or by
+        ``build_mixed_pieces``."""
         return self._graph_max_tokens
 
     @mixed_graph_max_tokens.setter
@@ -56,10 +57,8 @@ class MixedStepSettings:
         every = token_buckets(self.max_batched_tokens, mode)
         # (at least the smallest bucket: a limit below it pads nothing but one-token steps)
         buckets = every if max_tokens is None else tuple(b for b in every if b <= max_tokens) or every[:1]
-        for built in getattr(self, "_pieces_by_mode", {}).values():  # (a bucket's pieces: its rows alone)
-            for pieces in built:
-                for rows in [r for r in pieces if r not in buckets]:
-                    del pieces[rows]
+        # (pieces already built stay: a bucket's pieces depend on its rows alone, and run again
+        # if their bucket is taken again)
         # every bucket, whether captured or not: the step kinds' labels (step_times.StepKind)
         self.token_buckets, self.label_buckets = buckets, every
         self._token_bucket_mode, self._graph_max_tokens = mode, max_tokens

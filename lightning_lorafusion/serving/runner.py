@@ -62,7 +62,7 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto", token_bucket_mode: str = "fine",
+                 decode_gemm: str = "auto", token_bucket_mode: str = "quarters",
                  mixed_graph_max_tokens: int | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
