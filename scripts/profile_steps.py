@@ -91,7 +91,7 @@ def kernel_category(event: dict) -> str:
         return "lora"
     if any(g in n for g in _GEMM_NAMES):
         return "gemm"
-    if "paged_decode" in n or "combine_splits" in n:
+    if "paged_decode" in n or "combine_splits" in n or "combine_items" in n or "combine_stream" in n:
         return "attention decode"
     if "attention" in n or "attn" in n or "flash" in n or "fmha" in n or "paged_prefill" in n:
         return "attention decode" if "decode" in n else "attention prefill"

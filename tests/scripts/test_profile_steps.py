@@ -97,6 +97,7 @@ def test_categories_name_each_layer_product_and_the_lm_head():
     assert cats[2] == "gemm qkv" and cats[6] == "gemm o" and cats[8] == "gemm gate_up"
     assert cats[10] == cats[11] == "gemm down"  # the reduce with its GEMM
     assert cats[4] == cats[5] == "attention decode" and cats[3] == cats[9] == "rope / swiglu"
+    assert script.kernel_category(kernel("_combine_items_kernel", 0, 1)) == "attention decode"  # balanced items
     assert cats[-5:] == ["norm", "lm head", "elementwise", "sampling", "copies"]
     rows = script.summarize([events], ["decode b2 base graph"])
     by = rows[0]["categories"]
