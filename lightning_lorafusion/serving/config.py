@@ -87,16 +87,18 @@ class EngineTuning:
     # the launch, where it has a tiling for the row count), "cublas" (``F.linear``), "auto" (the
     # default: triton on CUDA; docs/serving.md "Frozen products of few rows")
     decode_gemm: str = "auto"
-    # the token counts padded mixed steps are padded to (their pieces' buckets): "quarters" (the
-    # default: powers of two and, from 512 tokens, 5, 6 and 7 * 2^(k-2) between them, so a
-    # compute-bound step pads at most a fifth of its rows), "fine" (3 * 2^k between them: at most
-    # a third) or "pow2" (powers of two only; fewer pieces to capture)
-    token_buckets: str = "quarters"
-    # mixed steps padded to token buckets and run as pieces only up to this many real tokens;
-    # larger ones run unpadded, eagerly (their products over their own rows: the buckets above
-    # are neither captured nor kept): a count, "all" (every bucket up to the step budget) or
-    # "auto" (the default: where a step's frozen products reach ``decode_graphs.GRAPH_MAX_FLOPS``,
-    # from which a step is device-bound and a graph saves no time: 2,048 tokens at the 8B shape)
+    # the token counts padded mixed steps are padded to (their pieces' buckets): "fine" (the
+    # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
+    # pads at most a third of its rows), "quarters" (5, 6 and 7 * 2^(k-2) between them: at most a
+    # fifth, 8 buckets more under 8,192) or "pow2" (powers of two only; fewer pieces to capture)
+    token_buckets: str = "fine"
+    # mixed steps none of whose rows has an adapter padded to token buckets and run as pieces
+    # only up to this many real tokens; larger ones run unpadded, eagerly (their products over
+    # their own rows; the base pieces of the buckets above are not built): a count, "all" (every
+    # bucket up to the step budget) or "auto" (the default: where a step's frozen products reach
+    # ``decode_graphs.GRAPH_MAX_FLOPS``, from which a step is device-bound and a graph saves no
+    # time: 2,048 tokens at the 8B shape). Steps with adapted rows pad to every bucket: eager,
+    # their large steps paid a first-use compile of several seconds on an H100 (docs/serving.md)
     mixed_graph_max_tokens: int | str = "auto"
     # the Triton kernel variants compiled ahead (at the decode graphs' capture and in warm_up):
     # "on" (the default) keeps the list found by the first run beside the on-disk compile cache

@@ -43,7 +43,7 @@ FINE_TOKEN_BUCKETS_FROM = 512
 TOKEN_BUCKETS = ("quarters", "fine", "pow2")
 
 
-def token_buckets(max_tokens: int, mode: str = "quarters") -> tuple[int, ...]:
+def token_buckets(max_tokens: int, mode: str = "fine") -> tuple[int, ...]:
     """Token counts a padded mixed step is padded to: ``graph_buckets(max_tokens)`` ("pow2"),
     from ``FINE_TOKEN_BUCKETS_FROM`` on with "fine" also 3 * 2^k between the powers of two (768,
     1,536, 3,072, 6,144 up to 8,192: a step fills its bucket to at least two thirds, not one half),
@@ -59,9 +59,9 @@ def token_buckets(max_tokens: int, mode: str = "quarters") -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-# "auto" ``EngineTuning.mixed_graph_max_tokens``: padded mixed steps (captured pieces) up to the
-# token count at which the frozen products take this many FLOPs (2 * projection weights per
-# token: 2,149 tokens at the 8B shape, so its buckets up to 2,048), larger steps unpadded and
+# "auto" ``EngineTuning.mixed_graph_max_tokens``: base-only mixed steps padded (captured pieces)
+# up to the token count at which the frozen products take this many FLOPs (2 * projection weights
+# per token: 2,149 tokens at the 8B shape, so its buckets up to 2,048), larger ones unpadded and
 # eager. From there a step is device-bound (an 8B step of 2,048 tokens: ~53 ms on an H100
 # against ~10-25 ms of eager launches), so a graph saves no time, while padding to the next
 # bucket costs up to a third of the step's products (docs/serving.md "Mixed steps as graphs")

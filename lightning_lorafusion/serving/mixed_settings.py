@@ -41,12 +41,13 @@ class MixedStepSettings:
 
     @property
     def mixed_graph_max_tokens(self) -> int | None:
-        """The most real tokens of a mixed step padded to a token bucket and run as pieces
-        (``EngineTuning.mixed_graph_max_tokens`` resolved by ``decode_graphs.graph_token_limit``;
-        None: every bucket): ``token_buckets`` holds the buckets up to it, and a larger step runs
-        unpadded, eagerly (``prepare`` pads a step only up to the last bucket). Settable between
-        steps: pieces already built are kept, new buckets' built on first use or by
-        ``build_mixed_pieces``."""
+        """The most real tokens of a mixed step none of whose rows has an adapter padded to a
+        token bucket and run as pieces (``EngineTuning.mixed_graph_max_tokens`` resolved by
+        ``decode_graphs.graph_token_limit``; None: every bucket): ``base_buckets`` holds the
+        buckets up to it, and a larger base-only step runs unpadded, eagerly (``prepare`` pads
+        it only up to the last of them). Steps with adapted rows take every bucket
+        (``token_buckets``) as before. Settable between steps: pieces already built are kept,
+        new buckets' built on first use or by ``build_mixed_pieces``."""
         return self._graph_max_tokens
 
     @mixed_graph_max_tokens.setter
@@ -56,12 +57,17 @@ class MixedStepSettings:
     def _set_buckets(self, mode: str, max_tokens: int | None) -> None:
         every = token_buckets(self.max_batched_tokens, mode)
         # (at least the smallest bucket: a limit below it pads nothing but one-token steps)
-        buckets = every if max_tokens is None else tuple(b for b in every if b <= max_tokens) or every[:1]
+        base = every if max_tokens is None else tuple(b for b in every if b <= max_tokens) or every[:1]
         # (pieces already built stay: a bucket's pieces depend on its rows alone, and run again
         # if their bucket is taken again)
-        # every bucket, whether captured or not: the step kinds' labels (step_times.StepKind)
-        self.token_buckets, self.label_buckets = buckets, every
+        self.token_buckets, self.base_buckets = every, base
         self._token_bucket_mode, self._graph_max_tokens = mode, max_tokens
+
+    def step_buckets(self, adapted: bool) -> tuple[int, ...]:
+        """The token buckets a padded step pads to: every bucket for a step with adapted rows
+        (or when base-only steps run the LoRA pieces, ``base_pieces`` off), those up to
+        ``mixed_graph_max_tokens`` for one without."""
+        return self.token_buckets if adapted or not self.base_pieces else self.base_buckets
 
     @property
     def prefill_lora_write(self) -> str:
@@ -173,7 +179,8 @@ class MixedStepSettings:
         buckets = set()  # (with "auto" prefill LoRA, each bucket has a set per way: counted once)
         for write in self._write_modes() + ([None] if self.base_pieces else []):
             built = self._pieces_by_mode[write][0]
-            new = [rows for rows in self.token_buckets if rows not in built and self._reachable(write, rows)]
+            new = [rows for rows in self.step_buckets(write is not None)
+                   if rows not in built and self._reachable(write, rows)]
             with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
                 self._build_pieces(new, write)
             buckets.update(new)

@@ -11,8 +11,7 @@ from ..kernels.lora_splitk import SPLIT_ROW_BUDGET
 from ..model.decoder import DecoderConfig
 from ..specs import ConfigError
 from .config import EngineConfig
-from .decode_graphs import graph_token_limit, token_buckets
-from .floor import FloorShape
+from .decode_graphs import token_buckets
 from .engine_output import PROMPT_LOGPROB_CHUNK
 
 # Activation headroom kept out of the pool on CUDA, beyond the per-token estimate.
@@ -38,17 +37,14 @@ def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype
         # captured mixed steps keep a forward's temporaries in their graph pool (eager steps
         # need their own beside it), among them the prefill LoRA's scratch S, MAX_RANK wide in
         # fp32 per K split and projection (one set of pieces serves every rank), and static
-        # buffers per token bucket up to ``mixed_graph_max_tokens``: the buckets' rows summed (2 x
-        # max_num_batched_tokens with powers of two, 3.4 x with the fine buckets, when every bucket
-        # is padded) (the split-K form splits small steps' K
+        # buffers per token bucket: the buckets' rows summed (2 x max_num_batched_tokens with
+        # powers of two, 3.4 x with the fine buckets; steps with adapters pad to every bucket,
+        # base-only ones up to mixed_graph_max_tokens) (the split-K form splits small steps' K
         # more ways: at most SPLIT_ROW_BUDGET rows of S)
         static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
         s_bytes = max(cfg.max_num_batched_tokens * SHRINK_MAX_SPLITS * MAX_GROUP, SPLIT_ROW_BUDGET) * MAX_RANK * 4
-        limit = graph_token_limit(cfg.tuning.mixed_graph_max_tokens, FloorShape.from_config(mc).projection_params)
-        buckets = token_buckets(cfg.max_num_batched_tokens, cfg.tuning.token_buckets)
-        static_rows = sum(b for b in buckets if limit is None or b <= limit) or buckets[0]
-        graph_rows = cfg.max_num_batched_tokens if limit is None else min(limit, cfg.max_num_batched_tokens)
-        reserve += graph_rows * per_token + static_rows * static_row + s_bytes
+        static_rows = sum(token_buckets(cfg.max_num_batched_tokens, cfg.tuning.token_buckets))
+        reserve += cfg.max_num_batched_tokens * per_token + static_rows * static_row + s_bytes
     pages = int((free * cfg.gpu_memory_fraction - reserve) // page_bytes)
     if pages < 1:
         raise ConfigError(f"no GPU memory left for the KV/adapter pool ({free / 2**30:.1f} GiB free, "

@@ -62,7 +62,7 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto", token_bucket_mode: str = "quarters",
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine",
                  mixed_graph_max_tokens: int | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
@@ -214,7 +214,7 @@ class ModelRunner(MixedStepSettings):
 
     def _dry_run_pieces(self, rows: int) -> None:
         for write in self._write_modes() + ([None] if self.base_pieces else []):
-            if not self._reachable(write, rows):
+            if not self._reachable(write, rows) or rows not in self.step_buckets(write is not None):
                 continue
             pieces = self._pieces_by_mode[write][0].get(rows)
             (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
@@ -358,7 +358,9 @@ class ModelRunner(MixedStepSettings):
         real = len(ids)
         if pad:  # inert rows up to the token bucket: token 0 at position 0, KV to the scratch page
             # (a prompt longer than the step budget runs whole, unchunked: no bucket holds it)
-            extra = bucket_for(real, self.token_buckets) - real if real <= self.token_buckets[-1] else 0
+            # (a step none of whose rows has an adapter pads only up to mixed_graph_max_tokens)
+            buckets = self.step_buckets(bool(segments) or any(st.adapter is not None for st in decode))
+            extra = bucket_for(real, buckets) - real if real <= buckets[-1] else 0
             ids += [0] * extra
             pos += [0] * extra
             slot_pages += [self.pool.scratch_page] * extra
@@ -540,7 +542,8 @@ class ModelRunner(MixedStepSettings):
         rows = batch.input_ids.shape[0]
         adapters = ("dora" if batch.dora is not None else
                     "lora" if batch.prefill_lora is not None or batch.decode_modules else "base")
-        if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
+        if (self.mixed_pieces is not None and batch.real_rows is not None
+                and rows in self.step_buckets(adapters != "base")
                 and not isinstance(batch.dora, DoraRows)):  # (ranges: more DoRA adapters than slots)
             # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
             pre, dora = batch.prefill_lora, batch.dora is not None
@@ -553,7 +556,7 @@ class ModelRunner(MixedStepSettings):
                 pieces = built[rows] = self._new_pieces(rows, dora=dora, write=write)
             self.step_kind = StepKind("mixed", rows, adapters, "graph" if self.mixed_pieces == "graphs" else "pieces")
             return pieces.run(batch)
-        bucket = bucket_for(rows, self.label_buckets) if rows <= self.label_buckets[-1] else rows
+        bucket = bucket_for(rows, self.token_buckets) if rows <= self.token_buckets[-1] else rows
         self.step_kind = StepKind("mixed", bucket, adapters, "eager")
         return paged_forward(self.model, batch)
 

@@ -252,7 +252,7 @@ def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypat
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
     per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
-    assert seen == [("base-new", "auto", "quarters", per_sm),
+    assert seen == [("base-new", "auto", "fine", per_sm),
                     ("base-old", "cublas", "pow2", bench.OLD_PROGRAMS_PER_SM)]
     assert paged_attention.DECODE_PROGRAMS_PER_SM == per_sm  # set back after the runs
     runs = {r["run"]: r for r in report["runs"]}
@@ -261,8 +261,9 @@ def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypat
 
 def test_bench_tenants_old_mixed_buffers(tmp_path, monkeypatch):
     """``--old in-place,padded-large,quarter-buckets``: the old runs concatenate attention's
-    outputs, pad mixed steps of every size to the "fine" buckets; the new ones write attention in
-    place, pad up to the engine's graph limit, to "quarters" buckets; the tokens agree."""
+    outputs and pad base-only mixed steps of every size to the "fine" buckets; the new ones write
+    attention in place and pad base-only steps up to the engine's graph limit (to the engine's
+    buckets, "fine" by default); the tokens agree."""
     bench = load_script("bench_tenants")
     seen = []
     real = bench.TenantsBench.phase
@@ -279,6 +280,6 @@ def test_bench_tenants_old_mixed_buffers(tmp_path, monkeypatch):
                          "--runs", "base", "--variants", "new,old", "--old", "in-place,padded-large,quarter-buckets",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    assert seen == [("base-new", True, False, "quarters"), ("base-old", False, True, "fine")]
+    assert seen == [("base-new", True, False, "fine"), ("base-old", False, True, "fine")]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]

@@ -64,30 +64,36 @@ def test_attention_in_place_equals_concatenated_outputs(make_engine, backend, at
     assert any(real is not None and real < rows for rows, real, _ in on_steps)  # padded pieces ran
 
 
-def test_steps_above_the_graph_limit_run_unpadded_and_eager(make_engine):
-    """``mixed_graph_max_tokens`` 16: steps of more rows run unpadded and eagerly (labelled by
-    the bucket they would have taken), smaller ones padded as pieces; no piece is built above
-    16 rows; the same tokens and logprobs as every step padded."""
+def test_base_steps_above_the_graph_limit_run_unpadded_and_eager(make_engine):
+    """``mixed_graph_max_tokens`` 16: steps none of whose rows has an adapter run unpadded and
+    eagerly above 16 rows (labelled by the bucket they would have taken), padded as pieces up to
+    16; steps with adapted rows pad to every bucket as before; no base piece is built above 16
+    rows; the same tokens and logprobs as every step padded."""
+    base = [(n, None) for n, _ in PROMPTS]
+    mixed = [(17, None), (9, None), (30, "mlp8"), (4, None), (12, None)]  # step 1 holds an adapted prompt
     padded_all = make_engine(**CONFIG, mixed_graph_max_tokens="all")
     assert padded_all.runner.mixed_graph_max_tokens is None
-    want, want_steps = _run(padded_all)
     engine = make_engine(**CONFIG, mixed_graph_max_tokens=16)
     runner = engine.runner
-    assert runner.mixed_graph_max_tokens == 16 and runner.token_buckets == (1, 2, 4, 8, 16)
-    assert runner.label_buckets == padded_all.runner.token_buckets
-    got, steps = _run(engine)
-    assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
-    assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in want], abs=1e-5)
-    mixed = [(rows, real, kind) for rows, real, kind in steps if real is not None]
-    large = [(rows, real, kind) for rows, real, kind in mixed if real > 16]
-    assert large and all(rows == real and kind.endswith("eager") for rows, real, kind in large)
-    # labelled by the bucket the padded run took for the same step
-    assert {kind.split()[1] for *_, kind in large} <= {kind.split()[1] for *_, kind in want_steps}
-    assert all(kind.endswith("pieces") for rows, real, kind in mixed if real <= 16)
-    assert max(runner._mixed) <= 16
-    # raised between steps: the larger buckets come back, built on first use
-    runner.mixed_graph_max_tokens = None
+    assert runner.mixed_graph_max_tokens == 16 and runner.base_buckets == (1, 2, 4, 8, 16)
     assert runner.token_buckets == padded_all.runner.token_buckets
+    for prompts in (base, mixed):
+        want, want_steps = _run(padded_all, prompts)
+        got, steps = _run(engine, prompts)
+        assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
+        assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in want], abs=1e-5)
+        for (rows, real, kind), (_, _, want_kind) in zip(steps, want_steps):
+            if real is None:
+                continue
+            if real > 16 and " base " in kind:
+                assert rows == real and kind == want_kind.replace("pieces", "eager")
+            else:  # up to the limit, or with adapted rows: padded as before
+                assert kind == want_kind and kind.endswith("pieces")
+        assert any(real is not None and real > 16 and kind.endswith("eager") for _, real, kind in steps)
+    assert any(real > 16 and " lora " in kind and kind.endswith("pieces") for _, real, kind in steps if real)
+    assert max(runner._pieces_by_mode[None][0]) <= 16  # base pieces only up to the limit
+    runner.mixed_graph_max_tokens = None  # raised between steps: every bucket again
+    assert runner.base_buckets == runner.token_buckets
 
 
 def test_graph_limit_settings():
@@ -106,14 +112,16 @@ def test_graph_limit_settings():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_pieces_below_the_limit_and_eager_steps_above_it(make_engine):
-    """On a GPU: pieces captured as CUDA graphs up to 16 rows, larger steps eager, attention in
-    place: the tokens of every step padded and captured with the outputs concatenated (fp32,
-    Triton kernels)."""
+    """On a GPU: base-only pieces captured as CUDA graphs up to 16 rows, larger base-only steps
+    eager, attention in place: the tokens of every step padded and captured with the outputs
+    concatenated (fp32, Triton kernels)."""
     config = dict(CONFIG, backend="triton", mixed_graphs="on")
-    want, _ = _run(make_engine(**config, mixed_graph_max_tokens="all", attention_in_place="off"))
+    base = [(n, None) for n, _ in PROMPTS]  # (steps with adapted rows pad to every bucket)
+    want, _ = _run(make_engine(**config, mixed_graph_max_tokens="all", attention_in_place="off"), base)
     engine = make_engine(**config, mixed_graph_max_tokens=16)
-    got, steps = _run(engine)
+    got, steps = _run(engine, base)
     assert [(r, t) for r, t, _ in got] == [(r, t) for r, t, _ in want]
     assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in want], abs=1e-4)
     kinds = {kind.split()[-1] for rows, real, kind in steps if real is not None}
-    assert kinds == {"graph", "eager"} and all(p.graphs is not None for p in engine.runner._mixed.values())
+    assert kinds == {"graph", "eager"}
+    assert all(p.graphs is not None for p in engine.runner._pieces_by_mode[None][0].values())
