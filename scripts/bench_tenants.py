@@ -72,10 +72,11 @@ from lightning_lorafusion.model.hf_loading import params_from_hf_model  # noqa: 
 from lightning_lorafusion.serving import Engine, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
 from lightning_lorafusion.serving.adapters import HostAdapter  # noqa: E402
 from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
+from lightning_lorafusion.serving.decode_graphs import graph_token_limit  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic,  # noqa: E402
+from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic, part_table,  # noqa: E402
                            table as profile_table)
 
 log = logger("bench_tenants")
@@ -272,7 +273,9 @@ class TenantsBench:
         self.engine = Engine(config, params, tokenizer, EngineConfig(
             max_num_seqs=args.max_num_seqs, gpu_memory_fraction=args.memory_fraction, prefix_caching=False,
             enable_chunked_prefill=args.chunked_prefill == "on", cpu_pool_mib=args.cpu_pool_mib,
-            tuning=EngineTuning(decode_gemm=args.decode_gemm, decode_lora_beside=args.decode_lora_beside),
+            tuning=EngineTuning(decode_gemm=args.decode_gemm, decode_lora_beside=args.decode_lora_beside,
+                                mixed_graph_max_tokens=(
+                                    "all" if "old" in args.variants and "padded-large" in args.old else "auto")),
             **({} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens})),
             device=self.device, dtype=self.dtype)
         for a in self.tenants + self.slora:
@@ -339,10 +342,15 @@ class TenantsBench:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
         "attention-splits" (the decode attention's sequence splits aiming at 2 programs per SM,
-        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again) and
+        ``paged_attention.DECODE_PROGRAMS_PER_SM``: the decode graphs captured again),
         "lora-beside" (``ModelRunner.decode_lora_beside`` "few": the decode rows' LoRA shrinks beside
         the frozen GEMMs only in decode steps of at most 64 rows; the decode graphs captured again,
-        the pieces rebuilt)."""
+        the pieces rebuilt), "in-place"
+        (attention's outputs concatenated and copied, ``ModelRunner.attention_in_place`` off: no
+        capture) and "padded-large" (every mixed step padded and run as pieces,
+        ``ModelRunner.mixed_graph_max_tokens`` None: the larger buckets' pieces built) and
+        "quarter-buckets" (the "fine" token buckets, ``ModelRunner.token_bucket_mode``; pieces
+        built for either set are kept, so switching back captures nothing)."""
         engine, old = self.engine, set(self.args.old) if variant == "old" else set()
         knobs_changed = self.set_decode_lora(old)
         engine.scheduler.prefetch_ahead = "host" not in old
@@ -355,15 +363,22 @@ class TenantsBench:
         lora = {"base_pieces": "base-pieces" not in old, "live_grids": "table-grids" not in old}
         form = "segments" if "prefill-form" in old else None
         gemm = "cublas" if "decode-gemm" in old else engine.config.tuning.decode_gemm
-        buckets = "pow2" if "token-buckets" in old else engine.config.tuning.token_buckets
+        buckets = ("pow2" if "token-buckets" in old else "fine" if "quarter-buckets" in old
+                   else engine.config.tuning.token_buckets)
         gemm_changed = runner.decode_gemm != gemm
         beside = "few" if "lora-beside" in old else engine.config.tuning.decode_lora_beside
         beside_changed = runner.decode_lora_beside != beside
         runner.decode_lora_beside = beside  # (pieces dropped when it changes: rebuilt below; graphs captured again)
-        pieces_changed = gemm_changed or beside_changed or knobs_changed or runner.token_bucket_mode != buckets
+        if not hasattr(self, "graph_max_tokens"):  # --old padded-large: every bucket padded, as pieces
+            self.graph_max_tokens = graph_token_limit("auto", self.shape.projection_params)
+        graph_max = None if "padded-large" in old else self.graph_max_tokens
+        pieces_changed = (gemm_changed or beside_changed or knobs_changed or runner.token_bucket_mode != buckets
+                          or runner.mixed_graph_max_tokens != graph_max)
         if knobs_changed:  # (the pieces captured the decode rows' LoRA kernels with the knobs of before)
             runner.clear_mixed_pieces()
         runner.token_bucket_mode = buckets  # (pieces dropped when the buckets change: rebuilt below)
+        runner.mixed_graph_max_tokens = graph_max
+        runner.attention_in_place = "in-place" not in old  # (attention runs outside the graphs: no capture)
         if not hasattr(self, "programs_per_sm"):
             self.programs_per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
         per_sm = OLD_PROGRAMS_PER_SM if "attention-splits" in old else self.programs_per_sm
@@ -403,6 +418,7 @@ class TenantsBench:
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
                          "small_step_rows": small,
                          "decode_gemm": gemm, "token_buckets": buckets, "decode_lora_beside": beside,
+                         "mixed_graph_max_tokens": graph_max,
                          "seconds": t.seconds,
                          "captures": runner.capture_counts()})
 
@@ -622,7 +638,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
                                               "attention-splits", "attention-items", "mixed-ahead", "lora-beside",
-                                              "grouped-shrink")),
+                                              "grouped-shrink", "in-place", "padded-large", "quarter-buckets")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -644,7 +660,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "shrinks beside the frozen GEMMs only in decode steps of at most 64 rows: "
                          "EngineTuning.decode_lora_beside few; the decode graphs captured again, the pieces "
                          "rebuilt), grouped-shrink (the grouped shrink's and the per-row expands' knobs as they "
-                         "were: OLD_GROUPED_KNOBS; the decode graphs captured again, the pieces rebuilt); "
+                         "were: OLD_GROUPED_KNOBS; the decode graphs captured again, the pieces rebuilt), "
+                         "in-place (attention's "
+                         "launches each write their own output, concatenated and copied into the pieces' "
+                         "buffer: EngineTuning.attention_in_place off), padded-large (mixed steps of every size "
+                         "padded to token buckets and run as pieces: EngineTuning.mixed_graph_max_tokens 'all'; "
+                         "the engine's pool is then sized for them), quarter-buckets (mixed steps padded to "
+                         "the 'fine' token buckets, 3 * 2^k between the powers of two, instead of the engine's default); "
                          "default %(default)s")
     ap.add_argument("--decode-lora-knobs", type=parse_knobs, default={},
                     help="NAME=VALUE,... lora_gather knobs (Python literals) set before the engine is built: the "
@@ -713,6 +735,8 @@ def _main(args) -> dict:
                   + profile_table(r["profile"]))
             print(f"\n{r['run']} {r['arrivals']}: device ms per step by kernel category (floor and GPU ms: "
                   f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
+            print(f"\n{r['run']} {r['arrivals']}: device ms per step by part, each against its own floor (floor.part_floors)\n"
+                  + part_table(r["profile"], r["breakdown"]["kinds"]))
     profiled = {r["run"]: r for r in report["runs"] if r.get("profile")}
     for name, r in profiled.items():  # the adapters' kernels: each LoRA run against its base-alone run
         base = profiled.get(name.replace("lora", "base", 1)) if name.startswith("lora") else None
@@ -727,7 +751,8 @@ def _main(args) -> dict:
     for b in report.get("pieces_builds", []):
         print(f"pieces for {b['variant']} (prefill_lora_write={b['prefill_lora_write']}, base_pieces="
               f"{b['base_pieces']}, live_grids={b['live_grids']}, form={b.get('prefill_lora_form') or 'default'}, "
-              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}) "
+              f"decode_gemm={b.get('decode_gemm')}, token_buckets={b.get('token_buckets')}, "
+              f"mixed_graph_max_tokens={b.get('mixed_graph_max_tokens')}) "
               f"built in {b['seconds']:.1f} s, "
               f"captures {b['captures']}")
     if report["skipped"]:

@@ -91,7 +91,7 @@ def kernel_category(event: dict) -> str:
         return "lora"
     if any(g in n for g in _GEMM_NAMES):
         return "gemm"
-    if "paged_decode" in n or "combine_splits" in n:
+    if "paged_decode" in n or "combine_splits" in n or "combine_items" in n or "combine_stream" in n:
         return "attention decode"
     if "attention" in n or "attn" in n or "flash" in n or "fmha" in n or "paged_prefill" in n:
         return "attention decode" if "decode" in n else "attention prefill"
@@ -235,6 +235,45 @@ def category_table(rows: Sequence[dict], kinds: Sequence[dict] | None = None) ->
                          + (f" ({v['per_step']:.0f})" if v["per_step"] >= 1.5 else ""))
         lines.append(f"| {r['kind']} | {r['steps']} | {tokens} | {floor} | {gpu} | {r['span_ms_per_step']:.2f} | "
                      f"{r['span_ms_per_step'] - r['busy_ms_per_step']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# the profile's categories summed into the parts the floor prices on their own (``floor.PARTS``)
+PART_CATEGORIES = {
+    "products": tuple(f"gemm {p}" for p in PROJECTIONS) + ("gemm",), "lm_head": ("lm head",),
+    "attention_decode": ("attention decode",), "attention_prefill": ("attention prefill",),
+    "elementwise": ("norm", "rope / swiglu", "elementwise"), "lora": ("lora",),
+}
+
+
+def part_table(rows: Sequence[dict], kinds: Sequence[dict]) -> str:
+    """Per step kind: GPU ms and floor ms per step, then each part's device ms per step with its
+    own floor (``floor.part_floors``, summed by ``floor.breakdown`` as ``part_floor_s``) and the
+    share of it reached, then copies, sampling and other kernels, and the device's idle time
+    inside the step's span (no floor: all of it is waste)."""
+    by_kind = {k["kind"]: k for k in kinds}
+    lines = ["| step kind | steps | tokens | GPU ms | floor ms | " + " | ".join(
+        f"{p.replace('_', ' ')} ms (floor, %)" for p in PART_CATEGORIES) + " | copies | sampling, other | idle |",
+             "|---" * (10 + len(PART_CATEGORIES)) + "|"]
+    for r in rows:
+        k = by_kind.get(r["kind"])
+        if k is None or not k.get("part_floor_s"):
+            continue
+        n = k["steps"]
+        cats = r.get("categories", {})
+
+        def ms(names) -> float:
+            return sum(cats[c]["ms_per_step"] for c in names if c in cats)
+
+        cells = []
+        for part, names in PART_CATEGORIES.items():
+            t, floor = ms(names), 1e3 * k["part_floor_s"][part] / n
+            cells.append("-" if t == 0 and floor == 0 else
+                         f"{t:.2f} ({floor:.2f}, {floor / t:.0%})" if t > 0 else f"0 ({floor:.2f})")
+        gpu = "-" if not k.get("gpu_s") else f"{1e3 * k['gpu_s'] / n:.2f}"
+        lines.append(f"| {r['kind']} | {r['steps']} | {k['tokens'] / n:.0f} | {gpu} | {1e3 * k['floor_s'] / n:.2f} | "
+                     + " | ".join(cells) + f" | {ms(('copies',)):.2f} | {ms(('sampling', 'other')):.2f} | "
+                     f"{r['span_ms_per_step'] - r['busy_ms_per_step']:.2f} |")
     return "\n".join(lines)
 
 

@@ -431,6 +431,18 @@ def triton_prologue(q: torch.Tensor, kv_pool: torch.Tensor, page_table: torch.Te
     return page_table if page_table.stride(1) == 1 else page_table.contiguous()
 
 
+def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where an attention launch writes its ``[rows, Hq, D]`` output: ``out`` (checked: q's
+    shape, dtype and device, contiguous, as the kernels index it), else a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}; got "
+                         f"{getattr(out, 'shape', type(out))} {getattr(out, 'dtype', '')}")
+    return out
+
+
 def check_scale_window(scale, sliding_window) -> None:
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number (usually head_dim ** -0.5); got {scale!r}")
@@ -553,20 +565,23 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_decode_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
-    The Triton path reads no value on the host (CUDA-graph safe)."""
+    The Triton path reads no value on the host (CUDA-graph safe). ``out``: a contiguous tensor
+    of q's shape the output is written into (and returned), e.g. rows of a static buffer."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
-        return paged_decode_attention_reference(
+        result = paged_decode_attention_reference(
             q, kv_pool, layer, page_table, seq_lens, scale=scale, sliding_window=sliding_window, softcap=softcap
         )
+        return result if out is None else output_buffer(q, out).copy_(result)
     return _paged_decode_attention_triton(q, kv_pool, layer, page_table, seq_lens, scale, sliding_window,
-                                          softcap=softcap)
+                                          softcap=softcap, out=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -650,7 +665,7 @@ def balanced_items(seq_lens: list[int], *, target: int, min_chunk: int, block_t:
 def _paged_decode_attention_triton(
     q, kv_pool, layer, page_table, seq_lens, scale, sliding_window, *,
     softcap=None, splits=None, mode=None, target=None, min_chunk=None, block_t=None, num_warps=4, num_stages=3,
-    max_registers=None,
+    max_registers=None, out=None,
 ):
     """The launcher; the keyword knobs exist for tests and tile sweeps: ``splits`` forces the
     per-row mode with that many splits; ``mode`` one of SPLIT_MODES (``decode_split_mode``);
@@ -663,7 +678,7 @@ def _paged_decode_attention_triton(
     mode = "per-row" if splits is not None else decode_split_mode(b, mode)
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    out = output_buffer(q, out)
     if b == 0:
         return out
     block_t = block_t or (64 if q.is_cuda else 16)

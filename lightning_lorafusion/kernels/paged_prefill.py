@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention import (
-    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, check_softcap,
+    _LOG2E, BACKENDS, _check_pool, check_page_table, check_scale_window, check_softcap, output_buffer,
     paged_prefix_attention_reference, soft_cap_log2, triton_prologue,
 )
 
@@ -224,20 +224,23 @@ def paged_prefill_attention(
     max_seqlen: int | None = None,
     softcap: float | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_reference``; ``backend``: "torch" (the
     reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA).
     ``max_seqlen``: an upper bound on any request's new tokens (sizes the Triton grid; read from
-    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host."""
+    cu_seqlens, a sync, when not given). The Triton path reads no other value on the host.
+    ``out``: a contiguous tensor of q's shape the output is written into (and returned)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
-        return paged_prefill_attention_reference(q, kv_pool, layer, cu_seqlens, starts, page_table, scale=scale,
-                                                 sliding_window=sliding_window, softcap=softcap)
+        result = paged_prefill_attention_reference(q, kv_pool, layer, cu_seqlens, starts, page_table, scale=scale,
+                                                   sliding_window=sliding_window, softcap=softcap)
+        return result if out is None else output_buffer(q, out).copy_(result)
     return _paged_prefill_attention_triton(q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window,
-                                           max_seqlen=max_seqlen, softcap=softcap)
+                                           max_seqlen=max_seqlen, softcap=softcap, out=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +261,7 @@ def _default_blocks(head_dim: int, device: torch.device) -> dict:
 
 def _paged_prefill_attention_triton(
     q, kv_pool, layer, cu_seqlens, starts, page_table, scale, sliding_window, *,
-    max_seqlen=None, softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+    max_seqlen=None, softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None, out=None,
 ):
     """The launcher; the keyword knobs exist for tests and sweeps (scripts/bench_generation.py --prefill-attention).
     ``block_m`` counts rows of the flattened (token, query head of the group) tile."""
@@ -268,7 +271,7 @@ def _paged_prefill_attention_triton(
     t, hq, d = q.shape
     _, _, _, page, hkv, _ = kv_pool.shape
     group = hq // hkv
-    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    out = output_buffer(q, out)
     n = cu_seqlens.shape[0] - 1
     if t == 0 or n == 0:
         return out

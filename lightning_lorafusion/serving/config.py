@@ -90,8 +90,17 @@ class EngineTuning:
     decode_gemm: str = "auto"
     # the token counts padded mixed steps are padded to (their pieces' buckets): "fine" (the
     # default: powers of two and, from 512 tokens, 3 * 2^k between them, so a compute-bound step
-    # pads at most a third of its rows) or "pow2" (powers of two only; fewer pieces to capture)
+    # pads at most a third of its rows), "quarters" (5, 6 and 7 * 2^(k-2) between them: at most a
+    # fifth, 8 buckets more under 8,192) or "pow2" (powers of two only; fewer pieces to capture)
     token_buckets: str = "fine"
+    # mixed steps none of whose rows has an adapter padded to token buckets and run as pieces
+    # only up to this many real tokens; larger ones run unpadded, eagerly (their products over
+    # their own rows; the base pieces of the buckets above are not built): a count, "all" (every
+    # bucket up to the step budget) or "auto" (the default: where a step's frozen products reach
+    # ``decode_graphs.GRAPH_MAX_FLOPS``, from which a step is device-bound and a graph saves no
+    # time: 2,048 tokens at the 8B shape). Steps with adapted rows pad to every bucket: eager,
+    # their large steps paid a first-use compile of several seconds on an H100 (docs/serving.md)
+    mixed_graph_max_tokens: int | str = "auto"
     # the Triton kernel variants compiled ahead (at the decode graphs' capture and in warm_up):
     # "on" (the default) keeps the list found by the first run beside the on-disk compile cache
     # and a restart of the same setup reads it instead of running every step's pieces to find it
@@ -109,6 +118,11 @@ class EngineTuning:
     # "few": only in decode steps of at most ``lora_gather.BESIDE_MAX_ROWS`` (64) rows, the rest in
     # stream order after the GEMMs (docs/serving.md "LoRA shrinks beside the GEMMs")
     decode_lora_beside: str = "wide"
+    # attention's launches write their rows of the layer's output in place ("on", the default:
+    # the mixed-step pieces' static buffer, or one new tensor), or ("off") each its own output,
+    # concatenated and (pieces) copied into the static buffer: three passes over the step's
+    # attention output a layer (docs/serving.md "Mixed steps as graphs")
+    attention_in_place: str = "on"
 
     def __post_init__(self) -> None:
         if self.decode_backend is not None and self.decode_backend not in BACKENDS:
@@ -131,8 +145,16 @@ class EngineTuning:
                               f"allowed: {', '.join(PREFILL_LORA_WRITE)}")
         if self.page_in_wait not in PAGE_IN_WAIT:
             raise ConfigError(f"EngineTuning.page_in_wait={self.page_in_wait!r}; allowed: {', '.join(PAGE_IN_WAIT)}")
-        if self.token_buckets not in ("fine", "pow2"):
-            raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: fine, pow2")
+        if self.token_buckets not in ("quarters", "fine", "pow2"):
+            raise ConfigError(f"EngineTuning.token_buckets={self.token_buckets!r}; allowed: quarters, fine, pow2")
+        if self.mixed_graph_max_tokens not in ("auto", "all") and (
+                isinstance(self.mixed_graph_max_tokens, bool) or not isinstance(self.mixed_graph_max_tokens, int)
+                or self.mixed_graph_max_tokens < 1):
+            raise ConfigError(f"EngineTuning.mixed_graph_max_tokens={self.mixed_graph_max_tokens!r}; allowed: auto, "
+                              "all or a token count >= 1")
+        if self.attention_in_place not in ON_OFF:
+            raise ConfigError(f"EngineTuning.attention_in_place={self.attention_in_place!r}; allowed: "
+                              f"{', '.join(ON_OFF)}")
         if self.kernel_variant_record not in ON_OFF:
             raise ConfigError(f"EngineTuning.kernel_variant_record={self.kernel_variant_record!r}; "
                               f"allowed: {', '.join(ON_OFF)}")

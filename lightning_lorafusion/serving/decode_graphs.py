@@ -40,22 +40,45 @@ def graph_buckets(max_rows: int) -> tuple[int, ...]:
 # (3 * 2^k): from here on an 8B step's products are compute-bound on an H100, so every padding
 # row costs what a real one does (docs/serving.md "Mixed steps as graphs")
 FINE_TOKEN_BUCKETS_FROM = 512
-TOKEN_BUCKETS = ("fine", "pow2")
+TOKEN_BUCKETS = ("quarters", "fine", "pow2")
 
 
 def token_buckets(max_tokens: int, mode: str = "fine") -> tuple[int, ...]:
     """Token counts a padded mixed step is padded to: ``graph_buckets(max_tokens)`` ("pow2"),
-    with "fine" also 3 * 2^k between the powers of two from ``FINE_TOKEN_BUCKETS_FROM`` on (768,
-    1,536, 3,072, 6,144 up to 8,192): a step fills its bucket to at least two thirds, not one half."""
+    from ``FINE_TOKEN_BUCKETS_FROM`` on with "fine" also 3 * 2^k between the powers of two (768,
+    1,536, 3,072, 6,144 up to 8,192: a step fills its bucket to at least two thirds, not one half),
+    with "quarters" 5, 6 and 7 * 2^(k-2) (640, 768, 896, 1,280, ...: at least four fifths)."""
     if mode not in TOKEN_BUCKETS:
         raise ValueError(f"token buckets {mode!r}; allowed: {', '.join(TOKEN_BUCKETS)}")
     sizes = set(graph_buckets(max_tokens))
-    if mode == "fine":
-        p = FINE_TOKEN_BUCKETS_FROM
-        while 3 * p // 2 < max_tokens:
-            sizes.add(3 * p // 2)
-            p *= 2
+    steps = {"fine": (6,), "quarters": (5, 6, 7), "pow2": ()}[mode]
+    p = FINE_TOKEN_BUCKETS_FROM
+    while p < max_tokens:
+        sizes.update(n * p // 4 for n in steps if n * p // 4 < max_tokens)
+        p *= 2
     return tuple(sorted(sizes))
+
+
+# "auto" ``EngineTuning.mixed_graph_max_tokens``: base-only mixed steps padded (captured pieces)
+# up to the token count at which the frozen products take this many FLOPs (2 * projection weights
+# per token: 2,149 tokens at the 8B shape, so its buckets up to 2,048), larger ones unpadded and
+# eager. From there a step is device-bound (an 8B step of 2,048 tokens: ~53 ms on an H100
+# against ~10-25 ms of eager launches), so a graph saves no time, while padding to the next
+# bucket costs up to a third of the step's products (docs/serving.md "Mixed steps as graphs")
+GRAPH_MAX_FLOPS = 3e13
+
+
+def graph_token_limit(setting: int | str, projection_params: int) -> int | None:
+    """The most real tokens of a mixed step padded to a token bucket (``EngineTuning.
+    mixed_graph_max_tokens``): ``setting`` tokens, "all" (None: every bucket) or "auto"
+    (``GRAPH_MAX_FLOPS`` of a model of ``projection_params`` projection weights)."""
+    if setting == "all":
+        return None
+    if setting == "auto":
+        return int(GRAPH_MAX_FLOPS // (2 * max(projection_params, 1)))
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"mixed_graph_max_tokens={setting!r}; allowed: auto, all or a token count >= 1")
+    return setting
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:

@@ -29,7 +29,8 @@ from .engine_adapters import AdapterRegistry, read_versions
 from .engine_loop import EngineLoop, _LoopSink, log
 from .engine_output import OutputAssembly
 from .engine_step import EngineStep, _Launched, _SampledRows
-from .floor import StepLedger, base_weight_bytes
+from .decode_graphs import graph_token_limit
+from .floor import FloorShape, StepLedger, base_weight_bytes
 from .fused_weights import fuse_projection_weights
 from .page_in_layers import page_in_groups
 from .pool import UnifiedPool
@@ -96,6 +97,9 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
                                   max_batched_tokens=config.max_num_batched_tokens,
                                   nf4_gemm=config.tuning.nf4_gemm, decode_gemm=config.tuning.decode_gemm,
                                   token_bucket_mode=config.tuning.token_buckets,
+                                  mixed_graph_max_tokens=graph_token_limit(
+                                      config.tuning.mixed_graph_max_tokens,
+                                      FloorShape.from_config(model_config).projection_params),
                                   prefill_lora_write=config.tuning.prefill_lora_write,
                                   decode_lora_beside=config.tuning.decode_lora_beside,
                                   max_pages_per_row=min(self.pool.pages_for_tokens(self.max_model_len),
@@ -103,6 +107,7 @@ class Engine(AdapterRegistry, EngineLoop, EngineStep, OutputAssembly, EngineWarm
         self.runner.host_tables = config.tuning.host_tables
         self.pool.page_in_groups = page_in_groups(model_config.num_layers, config.tuning.page_in_wait)
         self.runner.capture_warm_up = config.tuning.capture_warm_up
+        self.runner.attention_in_place = config.tuning.attention_in_place == "on"
         if self._use_cuda_graphs():
             seconds = self.runner.capture_decode_graphs(
                 partial(recorded_variants, self, "decode", use_record=config.tuning.kernel_variant_record == "on"))

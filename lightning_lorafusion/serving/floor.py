@@ -187,6 +187,47 @@ def step_cost(step: StepRecord, ledger: StepLedger, shape: FloorShape) -> StepCo
                     adapter_bytes=float(adapter_elems * ledger.adapter_elem_bytes))
 
 
+# the parts of a step's device work, each with a floor of its own (``part_floors``)
+PARTS = ("products", "lm_head", "attention_decode", "attention_prefill", "elementwise", "lora")
+
+
+def part_floors(step: StepRecord, ledger: StepLedger, shape: FloorShape, *, peak_flops: float,
+                bandwidth: float) -> dict[str, float]:
+    """The least time of each part of ``step`` on its own (``PARTS``), each max(FLOPs / peak,
+    bytes / bandwidth): the frozen projections (their weights once, 2 FLOPs per weight per token),
+    the LM head (its weight once, its sampled rows), decode and prefill attention (their KV
+    reads, their (query, key) pairs), the elementwise work between the products (residual add +
+    RMSNorm twice a layer, RoPE + the KV write, SwiGLU: the activations they must read and
+    write, which the step's floor leaves out) and the adapters (their bytes once, their FLOPs).
+    Their sum is at least the step's floor; a part's measured time against its own floor says
+    where the step loses it."""
+    elem = ledger.adapter_elem_bytes
+    dims = shape.module_dims
+    hidden, q_size, kv_size = shape.hidden_size, dims["q_proj"][1], dims["k_proj"][1]
+    inter = dims["gate_proj"][1] if "gate_proj" in dims else 0
+    attn_flops = 4 * shape.num_layers * shape.num_heads * shape.head_dim
+    pre_pairs = sum(n * ctx + n * (n + 1) // 2 for n, ctx in step.prefill)
+    pre_kv = sum(ctx + n for n, ctx in step.prefill)
+    # per token and layer: add + norm twice (read h and d, write h and x), RoPE + KV write (read
+    # q, k, v; write q and k, and k and v into their pages), SwiGLU (read gate and up, write one)
+    act = shape.num_layers * (8 * hidden + 2 * q_size + 5 * kv_size + 3 * inter) * elem
+    adapter_elems = sum(shape.adapter_elems(ledger.adapters[k].module_ranks) for k, _ in step.adapters)
+    adapter_flops = sum(2 * shape.adapter_elems(ledger.adapters[k].module_ranks) * n for k, n in step.adapters)
+
+    def part(flops: float, nbytes: float) -> float:
+        return max(flops / peak_flops, nbytes / bandwidth)
+
+    return {
+        "products": part(2 * shape.projection_params * step.tokens, shape.projection_params * elem),
+        "lm_head": part(2 * hidden * shape.vocab_size * step.sampled_rows,
+                        hidden * shape.vocab_size * elem if step.sampled_rows else 0),
+        "attention_decode": part(attn_flops * step.decode_kv_tokens, step.decode_kv_tokens * ledger.kv_bytes_per_token),
+        "attention_prefill": part(attn_flops * pre_pairs, pre_kv * ledger.kv_bytes_per_token),
+        "elementwise": part(0, act * step.tokens),
+        "lora": part(adapter_flops, adapter_elems * elem),
+    }
+
+
 def run_floor(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, float]:
     """The floor of the ledger's steps (seconds) with its parts: FLOPs and bytes by kind, and how
     many steps were bound by compute rather than by memory."""
@@ -233,7 +274,8 @@ def base_weight_bytes(params: Mapping[str, Any]) -> int:
 def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandwidth: float) -> dict[str, Any]:
     """A ledger's steps grouped by kind: per kind its steps, tokens fed (a mixed step's real
     rows: against its token bucket, how full its padded products were), wall s, GPU s (None on a CPU),
-    floor s and floor / GPU (floor / wall without a GPU time), host phases; and the totals with
+    floor s and floor / GPU (floor / wall without a GPU time), each part's own floor s
+    (``part_floor_s``, ``part_floors``), host phases; and the totals with
     the host time between steps (``gap_s``) and, on CUDA, the device's idle time between steps
     (``gpu_gap_s``). Needs a ledger recorded by an engine (one time per step)."""
     clock = ledger.clock
@@ -246,15 +288,19 @@ def breakdown(ledger: StepLedger, shape: FloorShape, *, peak_flops: float, bandw
     total = dict.fromkeys(keys, 0.0)
     total.update(gap_s=clock.gap_s, gpu_gap_s=0.0, drain_s=clock.drain_s)
     has_gpu = bool(clock.times) and all(t.gpu_s is not None for t in clock.times)
+    total["part_floor_s"] = dict.fromkeys(PARTS, 0.0)
     for record, t in zip(ledger.steps, clock.times):
         floor = step_floor_s(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth)
         label = t.kind.label if t.kind is not None else "unknown"
-        row = kinds.setdefault(label, dict.fromkeys(keys, 0.0))
+        row = kinds.setdefault(label, {**dict.fromkeys(keys, 0.0), "part_floor_s": dict.fromkeys(PARTS, 0.0)})
         values = {"steps": 1, "tokens": record.tokens, "wall_s": t.wall_s, "gpu_s": t.gpu_s or 0.0, "floor_s": floor,
                   "schedule_s": t.schedule_s, "launch_s": t.launch_s, "wait_s": t.wait_s, "emit_s": t.emit_s}
         for k, v in values.items():
             row[k] += v
             total[k] += v
+        for k, v in part_floors(record, ledger, shape, peak_flops=peak_flops, bandwidth=bandwidth).items():
+            row["part_floor_s"][k] += v
+            total["part_floor_s"][k] += v
         total["gpu_gap_s"] += t.gpu_gap_s or 0.0
     rows = []
     for label, row in sorted(kinds.items(), key=lambda kv: -kv[1]["wall_s"]):

@@ -318,10 +318,16 @@ class MixedPieces:
         """The step's forward -> final-normed hidden states of ``batch.output_rows``."""
         self.load(batch)
         r = self.runner
+        in_place = r.model.attention_in_place  # attention writes its rows into ``attn`` (no copy)
+        if in_place and batch.real_rows < self.rows:
+            self.attn[batch.real_rows:].zero_()  # padding rows, which no launch writes: once a step
         waits = batch.layer_waits  # adapters' page-in slices still copying: piece i runs layer i's LoRA
         for i in range(r.config.num_layers + 1):
             if i:
-                self.attn.copy_(attention(r.model, i - 1, self.q, self.k, self.v, batch))
+                if in_place:
+                    attention(r.model, i - 1, self.q, self.k, self.v, batch, out=self.attn)
+                else:
+                    self.attn.copy_(attention(r.model, i - 1, self.q, self.k, self.v, batch))
             if waits:
                 waits.before(i)
             if self.graphs is not None:

@@ -29,17 +29,45 @@ class MixedStepSettings:
     @property
     def token_bucket_mode(self) -> str:
         """``EngineTuning.token_buckets``: the token counts padded mixed steps are padded to,
-        "fine" (powers of two and, from 512 tokens, 3 * 2^k between them) or "pow2"
-        (``decode_graphs.token_buckets``). Settable between steps: the pieces are dropped (rebuilt
-        on first use or by ``build_mixed_pieces``)."""
+        "quarters" (powers of two and, from 512 tokens, 5, 6 and 7 * 2^(k-2) between them), "fine"
+        (3 * 2^k between them) or "pow2" (``decode_graphs.token_buckets``). Settable between
+        steps: pieces already built are kept, new buckets' built on first use or by
+        ``build_mixed_pieces``."""
         return self._token_bucket_mode
 
     @token_bucket_mode.setter
     def token_bucket_mode(self, mode: str) -> None:
-        buckets = token_buckets(self.max_batched_tokens, mode)
-        if buckets != getattr(self, "token_buckets", buckets):  # (first set: nothing built yet)
-            self._clear_pieces()
-        self.token_buckets, self._token_bucket_mode = buckets, mode
+        self._set_buckets(mode, getattr(self, "_graph_max_tokens", None))
+
+    @property
+    def mixed_graph_max_tokens(self) -> int | None:
+        """The most real tokens of a mixed step none of whose rows has an adapter padded to a
+        token bucket and run as pieces (``EngineTuning.mixed_graph_max_tokens`` resolved by
+        ``decode_graphs.graph_token_limit``; None: every bucket): ``base_buckets`` holds the
+        buckets up to it, and a larger base-only step runs unpadded, eagerly (``prepare`` pads
+        it only up to the last of them). Steps with adapted rows take every bucket
+        (``token_buckets``) as before. Settable between steps: pieces already built are kept,
+        new buckets' built on first use or by ``build_mixed_pieces``."""
+        return self._graph_max_tokens
+
+    @mixed_graph_max_tokens.setter
+    def mixed_graph_max_tokens(self, tokens: int | None) -> None:
+        self._set_buckets(self._token_bucket_mode, tokens)
+
+    def _set_buckets(self, mode: str, max_tokens: int | None) -> None:
+        every = token_buckets(self.max_batched_tokens, mode)
+        # (at least the smallest bucket: a limit below it pads nothing but one-token steps)
+        base = every if max_tokens is None else tuple(b for b in every if b <= max_tokens) or every[:1]
+        # (pieces already built stay: a bucket's pieces depend on its rows alone, and run again
+        # if their bucket is taken again)
+        self.token_buckets, self.base_buckets = every, base
+        self._token_bucket_mode, self._graph_max_tokens = mode, max_tokens
+
+    def step_buckets(self, adapted: bool) -> tuple[int, ...]:
+        """The token buckets a padded step pads to: every bucket for a step with adapted rows
+        (or when base-only steps run the LoRA pieces, ``base_pieces`` off), those up to
+        ``mixed_graph_max_tokens`` for one without."""
+        return self.token_buckets if adapted or not self.base_pieces else self.base_buckets
 
     @property
     def prefill_lora_write(self) -> str:
@@ -151,7 +179,8 @@ class MixedStepSettings:
         buckets = set()  # (with "auto" prefill LoRA, each bucket has a set per way: counted once)
         for write in self._write_modes() + ([None] if self.base_pieces else []):
             built = self._pieces_by_mode[write][0]
-            new = [rows for rows in self.token_buckets if rows not in built and self._reachable(write, rows)]
+            new = [rows for rows in self.step_buckets(write is not None)
+                   if rows not in built and self._reachable(write, rows)]
             with capture_batch(self.device if self.mixed_pieces == "graphs" else None):
                 self._build_pieces(new, write)
             buckets.update(new)

@@ -87,6 +87,9 @@ class PagedDecoder:
     # rows (``EngineTuning.decode_lora_beside`` "wide")
     wide_beside: bool = False
     skinny: SkinnyPlan | None = None  # plain 16-bit products of few rows by ``skinny_gemm`` (None: cuBLAS)
+    # attention's launches write their rows of one ``[T, Hq * D]`` output in place (mixed steps'
+    # pieces: their static buffer), instead of each its own tensor, concatenated and copied
+    attention_in_place: bool = True
 
     def norm(self, h: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor,
              lora: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -203,8 +206,12 @@ def before_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torc
 
 
 def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              batch: StepBatch) -> torch.Tensor:
-    """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros)."""
+              batch: StepBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every real row's attention -> ``[T, Hq * D]`` (padding rows of a padded step: zeros).
+    ``out``: a contiguous ``[T, Hq * D]`` buffer each launch writes its rows into, returned (no
+    concatenation, no copy); its padding rows are left as they are (the caller zeroes them).
+    Without ``out``, with ``m.attention_in_place`` a new one (its padding rows zeroed), else
+    each launch's own output, concatenated."""
     cfg = m.config
     t, tp, nd = q.shape[0], batch.num_prefill_rows, batch.num_decode_rows
     real = tp + nd
@@ -214,26 +221,36 @@ def attention(m: PagedDecoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     # equal to 1 into a compile-time constant (Triton specialises integer arguments == 1)
     kv_layer = m.pool.kv[:, layer:layer + 1]
     ds = batch.first_decode_row
+    if out is None and m.attention_in_place:
+        out = q.new_empty(t, cfg.q_size)
+        if real < t:
+            out[real:].zero_()
+    o = None if out is None else out.view(t, cfg.num_heads, cfg.head_dim)
 
     def decode_part():
         return paged_decode_attention(q[ds:ds + nd], kv_layer, 0, batch.page_table, batch.seq_lens,
-                                      scale=scale, sliding_window=window, softcap=softcap, backend=m.kernel_backend)
+                                      scale=scale, sliding_window=window, softcap=softcap, backend=m.kernel_backend,
+                                      out=None if o is None else o[ds:ds + nd])
 
     parts = [decode_part()] if batch.decode_first and nd else []  # in row order
     ps, tf = batch.prefill_start, batch.num_fresh_rows
     if tf:
         # q, k, v may be column views of one fused GEMM output: attention gets dense copies
         fresh = slice(ps, ps + tf)
-        parts.append(varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
-                                             batch.cu_seqlens, scale=scale, sliding_window=window,
-                                             max_seqlen=batch.max_prefill_len, softcap=softcap))
+        own = varlen_causal_attention(q[fresh].contiguous(), k[fresh].contiguous(), v[fresh].contiguous(),
+                                      batch.cu_seqlens, scale=scale, sliding_window=window,
+                                      max_seqlen=batch.max_prefill_len, softcap=softcap)
+        parts.append(own if o is None else o[fresh].copy_(own))
     if batch.prefill_prefixes is not None:
         pre = batch.prefill_prefixes
         parts.append(paged_prefill_attention(q[ps + tf:ps + tp], kv_layer, 0, pre.cu_seqlens, pre.starts,
                                              pre.page_table, scale=scale, sliding_window=window, softcap=softcap,
-                                             max_seqlen=pre.max_seqlen, backend=m.prefill_attention_backend))
+                                             max_seqlen=pre.max_seqlen, backend=m.prefill_attention_backend,
+                                             out=None if o is None else o[ps + tf:ps + tp]))
     if not batch.decode_first and nd:
         parts.append(decode_part())
+    if out is not None:
+        return out
     if real < t:
         parts.append(q.new_zeros(t - real, cfg.num_heads, cfg.head_dim))
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)

@@ -38,7 +38,8 @@ def pool_pages(cfg: EngineConfig, mc: DecoderConfig, device: torch.device, dtype
         # need their own beside it), among them the prefill LoRA's scratch S, MAX_RANK wide in
         # fp32 per K split and projection (one set of pieces serves every rank), and static
         # buffers per token bucket: the buckets' rows summed (2 x max_num_batched_tokens with
-        # powers of two, 3.4 x with the fine buckets) (the split-K form splits small steps' K
+        # powers of two, 3.4 x with the fine buckets; steps with adapters pad to every bucket,
+        # base-only ones up to mixed_graph_max_tokens) (the split-K form splits small steps' K
         # more ways: at most SPLIT_ROW_BUDGET rows of S)
         static_row = (2 * mc.hidden_size + 4 * mc.q_size + 2 * mc.kv_size) * elt
         s_bytes = max(cfg.max_num_batched_tokens * SHRINK_MAX_SPLITS * MAX_GROUP, SPLIT_ROW_BUDGET) * MAX_RANK * 4

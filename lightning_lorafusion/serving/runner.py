@@ -62,7 +62,8 @@ class ModelRunner(MixedStepSettings):
                  backend: str = "auto", decode_backend: str | None = None, max_decode_rows: int = 256,
                  max_pages_per_row: int | None = None, prefill_attention: str = "varlen",
                  max_batched_tokens: int = 8192, nf4_gemm: str = "auto", prefill_lora_write: str = "auto",
-                 decode_gemm: str = "auto", token_bucket_mode: str = "fine", decode_lora_beside: str = "few") -> None:
+                 decode_gemm: str = "auto", token_bucket_mode: str = "fine", decode_lora_beside: str = "few",
+                 mixed_graph_max_tokens: int | None = None) -> None:
         self.config, self.params, self.pool = config, params, pool
         self.device = pool.device
         auto = "triton" if self.device.type == "cuda" else "torch"
@@ -100,6 +101,7 @@ class ModelRunner(MixedStepSettings):
         # needs; settable on the CPU to test
         self.pad_mixed = False
         self.max_batched_tokens = max_batched_tokens
+        self._graph_max_tokens = mixed_graph_max_tokens  # padded mixed steps up to this many tokens
         self.token_bucket_mode = token_bucket_mode  # the token buckets of padded mixed steps
         # the split-K prefill LoRA's arrival counters for eager steps (its shrinks leave them zero;
         # a step of more tiles allocates its own): the tiles of a step of max_batched_tokens rows
@@ -177,6 +179,17 @@ class ModelRunner(MixedStepSettings):
             self._clear_pieces()
             self.model = dataclasses.replace(self.model, wide_beside=mode == "wide")
 
+    @property
+    def attention_in_place(self) -> bool:
+        """Whether attention's launches write their rows of a layer's output in place
+        (``EngineTuning.attention_in_place``; ``PagedDecoder.attention_in_place``). Settable
+        between steps: attention runs outside the captured graphs, so nothing is captured again."""
+        return self.model.attention_in_place
+
+    @attention_in_place.setter
+    def attention_in_place(self, on: bool) -> None:
+        self.model = dataclasses.replace(self.model, attention_in_place=bool(on))
+
     def capture_decode_graphs(self, find_variants: Callable[[Callable[[], list]], tuple[list, dict]] | None = None
                               ) -> float:
         """Capture the decode forward of every ``decode_graphs.captured_keys`` key (CUDA, Triton
@@ -219,7 +232,7 @@ class ModelRunner(MixedStepSettings):
 
     def _dry_run_pieces(self, rows: int) -> None:
         for write in self._write_modes() + ([None] if self.base_pieces else []):
-            if not self._reachable(write, rows):
+            if not self._reachable(write, rows) or rows not in self.step_buckets(write is not None):
                 continue
             pieces = self._pieces_by_mode[write][0].get(rows)
             (pieces or self._new_pieces(rows, write=write, defer_capture=True)).dry_run()
@@ -363,7 +376,9 @@ class ModelRunner(MixedStepSettings):
         real = len(ids)
         if pad:  # inert rows up to the token bucket: token 0 at position 0, KV to the scratch page
             # (a prompt longer than the step budget runs whole, unchunked: no bucket holds it)
-            extra = bucket_for(real, self.token_buckets) - real if real <= self.token_buckets[-1] else 0
+            # (a step none of whose rows has an adapter pads only up to mixed_graph_max_tokens)
+            buckets = self.step_buckets(bool(segments) or any(st.adapter is not None for st in decode))
+            extra = bucket_for(real, buckets) - real if real <= buckets[-1] else 0
             ids += [0] * extra
             pos += [0] * extra
             slot_pages += [self.pool.scratch_page] * extra
@@ -545,7 +560,8 @@ class ModelRunner(MixedStepSettings):
         rows = batch.input_ids.shape[0]
         adapters = ("dora" if batch.dora is not None else
                     "lora" if batch.prefill_lora is not None or batch.decode_modules else "base")
-        if (self.mixed_pieces is not None and batch.real_rows is not None and rows in self.token_buckets
+        if (self.mixed_pieces is not None and batch.real_rows is not None
+                and rows in self.step_buckets(adapters != "base")
                 and not isinstance(batch.dora, DoraRows)):  # (ranges: more DoRA adapters than slots)
             # steps with DoRA rows run their own pieces (the gains' rescale in every projection)
             pre, dora = batch.prefill_lora, batch.dora is not None

@@ -228,6 +228,23 @@ def test_public_triton_backend_and_strided_q(device):
     assert rel_err(got, want) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_output_written_into_the_rows_of_a_buffer(device, backend):
+    """``out``: the rows of a larger buffer (a mixed step's attention output) get what the
+    launch would have returned, bit for bit, and nothing else is written; a buffer of another
+    shape or not contiguous is refused."""
+    lens, page, hq, hkv, d = [9, 2, 5], 4, 4, 2, 16
+    q, pool, table, seq_lens = make_problem(lens, page, hq, hkv, d, torch.float32, device)
+    want = paged_decode_attention(q, pool, 1, table, seq_lens, scale=0.25, backend=backend)
+    buf = torch.full((7, hq, d), 3.0, device=device)
+    got = paged_decode_attention(q, pool, 1, table, seq_lens, scale=0.25, backend=backend, out=buf[2:5])
+    assert got.data_ptr() == buf[2].data_ptr() and torch.equal(buf[2:5], want)
+    assert (buf[:2] == 3.0).all() and (buf[5:] == 3.0).all()
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        paged_decode_attention(q, pool, 1, table, seq_lens, scale=0.25, backend=backend,
+                               out=torch.empty(3, d, hq, device=device).transpose(1, 2))
+
+
 def test_bad_inputs_raise_clear_errors(device):
     q, pool, table, seq_lens = make_problem([3, 4], 4, 4, 2, 8, torch.float32, device)
     with pytest.raises(ValueError, match="not a multiple of the pool's 2 kv heads"):

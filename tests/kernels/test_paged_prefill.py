@@ -123,6 +123,19 @@ def test_public_triton_backend_strided_q_and_empty_request(device):
     assert empty.shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_output_written_into_the_rows_of_a_buffer(device, backend):
+    """``out``: rows of a larger buffer get what the launch would have returned, bit for bit,
+    and nothing else is written."""
+    requests = [(6, 5), (4, 0)]
+    q, pool, cu, starts, table, _ = make_problem(requests, 4, 4, 2, 16, torch.float32, device)
+    want = paged_prefill_attention(q, pool, 1, cu, starts, table, scale=0.25, backend=backend)
+    buf = torch.full((q.shape[0] + 3, 4, 16), 3.0, device=device)
+    got = paged_prefill_attention(q, pool, 1, cu, starts, table, scale=0.25, backend=backend, out=buf[1:-2])
+    assert got.data_ptr() == buf[1].data_ptr() and torch.equal(buf[1:-2], want)
+    assert (buf[0] == 3.0).all() and (buf[-2:] == 3.0).all()
+
+
 def test_bad_inputs_raise_clear_errors(device):
     q, pool, cu, starts, table, _ = make_problem([(3, 4), (0, 2)], 4, 4, 2, 8, torch.float32, device)
     with pytest.raises(ValueError, match="not a multiple of the pool's 2 kv heads"):

@@ -289,7 +289,8 @@ def test_bench_tenants_old_decode_gemm_switches_the_products(tmp_path, monkeypat
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
     per_sm = paged_attention.DECODE_PROGRAMS_PER_SM
-    assert seen == [("base-new", "auto", "fine", per_sm), ("base-old", "cublas", "pow2", bench.OLD_PROGRAMS_PER_SM)]
+    assert seen == [("base-new", "auto", "fine", per_sm),
+                    ("base-old", "cublas", "pow2", bench.OLD_PROGRAMS_PER_SM)]
     assert paged_attention.DECODE_PROGRAMS_PER_SM == per_sm  # set back after the runs
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]
@@ -317,3 +318,29 @@ def test_bench_tenants_old_lora_beside_switches_where_the_shrinks_run(tmp_path, 
     assert seen == [("lora-new", "wide", True), ("lora-old", "few", False)]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]
+
+
+def test_bench_tenants_old_mixed_buffers(tmp_path, monkeypatch):
+    """``--old in-place,padded-large,quarter-buckets``: the old runs concatenate attention's
+    outputs and pad base-only mixed steps of every size to the "fine" buckets; the new ones write
+    attention in place and pad base-only steps up to the engine's graph limit (to the engine's
+    buckets, "fine" by default); the tokens agree."""
+    bench = load_script("bench_tenants")
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        r = self.engine.runner
+        seen.append((run, r.attention_in_place, r.mixed_graph_max_tokens is None, r.token_bucket_mode))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "4", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "base", "--variants", "new,old", "--old", "in-place,padded-large,quarter-buckets",
+                         "--phase-max-s", "3600", "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("base-new", True, False, "fine"), ("base-old", False, True, "fine")]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]

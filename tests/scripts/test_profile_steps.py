@@ -97,6 +97,7 @@ def test_categories_name_each_layer_product_and_the_lm_head():
     assert cats[2] == "gemm qkv" and cats[6] == "gemm o" and cats[8] == "gemm gate_up"
     assert cats[10] == cats[11] == "gemm down"  # the reduce with its GEMM
     assert cats[4] == cats[5] == "attention decode" and cats[3] == cats[9] == "rope / swiglu"
+    assert script.kernel_category(kernel("_combine_items_kernel", 0, 1)) == "attention decode"  # balanced items
     assert cats[-5:] == ["norm", "lm head", "elementwise", "sampling", "copies"]
     rows = script.summarize([events], ["decode b2 base graph"])
     by = rows[0]["categories"]
@@ -162,3 +163,25 @@ def test_lora_kernel_table_sets_each_kernel_beside_the_base_alone():
     assert shrink.split()[-4:] == ["128", "1.000", "0.000", "+1.000"]
     assert any("_swiglu_kernel" in ln and ln.endswith("+0.300") for ln in lines)
     assert any("gemm_y" in ln for ln in lines) and not any("gemm_x" in ln for ln in lines)  # +0.05 shown, 0 not
+
+
+def test_part_table_sums_categories_against_each_part_floor():
+    """The parts the floor prices on their own: a kind's products summed over its four named
+    products, norms and epilogues as elementwise, each beside its floor and the share reached."""
+    script = load_script("profile_steps")
+    events = [kernel("_add_rms_norm_kernel", 0, 1000), kernel("nvjet_qkv", 1000, 2000),
+              kernel("_rope_kv_rows_kernel", 3000, 500), kernel("_paged_prefill_kernel", 3500, 1500),
+              kernel("nvjet_o", 5000, 1000), kernel("_add_rms_norm_kernel", 6000, 500),
+              kernel("nvjet_gu", 6500, 4000), kernel("_swiglu_kernel", 10500, 500), kernel("nvjet_down", 11000, 2000),
+              kernel("Memcpy DtoD", 13000, 300, cat="gpu_memcpy"), kernel("_add_rms_norm_kernel", 14000, 500)]
+    rows = script.summarize([events], ["mixed t512 base graph"])
+    parts = {"products": 0.0045, "lm_head": 0.0, "attention_decode": 0.0, "attention_prefill": 0.0003,
+             "elementwise": 0.0015, "lora": 0.0}
+    text = script.part_table(rows, [{"kind": "mixed t512 base graph", "steps": 1, "tokens": 400, "floor_s": 0.006,
+                                     "gpu_s": 0.016, "part_floor_s": parts}])
+    line = text.splitlines()[2]
+    # products 2 + 1 + 4 + 2 ms against 4.5; prefill attention 1.5 against 0.3; norms and
+    # epilogues 1 + 0.5 + 0.5 + 0.5 + 0.5 against 1.5; one copy; idle 13.3 to 14 ms in the span
+    assert line.startswith("| mixed t512 base graph | 1 | 400 | 16.00 | 6.00 | 9.00 (4.50, 50%) | - | - | "
+                           "1.50 (0.30, 20%) | 3.00 (1.50, 50%) | - | 0.30 |")
+    assert line.endswith("| 0.70 |")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_lorafusion.serving import GenerationRequest, SamplingParams
-from lightning_lorafusion.serving.floor import FloorShape, StepLedger, base_weight_bytes, run_floor, step_cost
+from lightning_lorafusion.serving.floor import (FloorShape, StepLedger, base_weight_bytes, part_floors, run_floor,
+                                                step_cost)
 from lightning_lorafusion.serving.pool import FreedPageFences, UnifiedPool
 from lightning_lorafusion.specs import ALL_TARGET_MODULES
 
@@ -62,6 +63,27 @@ def test_decode_step_of_two_rows_by_hand():
     # each distinct adapter of the step is read once
     ledger.record([], [], [_state(5, 6, A), _state(9, 10, B)])
     assert step_cost(ledger.steps[1], ledger, SHAPE).adapter_bytes == (112 + 192) * 2
+
+
+def test_part_floors_by_hand():
+    """Each part of a step on its own: the products' weights or FLOPs, the LM head's, decode and
+    prefill attention's KV or pairs, the activations of norms, RoPE and SwiGLU, the adapters'."""
+    ledger = _ledger()
+    ledger.record([_state(3, 10, B)], [4], [_state(5, 6, A), _state(9, 10)])
+    (step,) = ledger.steps
+    parts = part_floors(step, ledger, SHAPE, peak_flops=1e4, bandwidth=1e3)
+    # 6 tokens: products 2 * 1152 * 6 FLOPs against 1152 * 2 bytes
+    assert parts["products"] == pytest.approx(max(2 * 1152 * 6 / 1e4, 2304 / 1e3))
+    # two decode rows sample (the chunk does not end its prompt): the head's 80 weights once
+    assert parts["lm_head"] == pytest.approx(max(2 * 8 * 10 * 2 / 1e4, 160 / 1e3))
+    # decode rows read 6 + 10 KV tokens; the chunk 7, over 22 pairs
+    assert parts["attention_decode"] == pytest.approx(max(4 * 2 * 2 * 4 * 16 / 1e4, 16 * 32 / 1e3))
+    assert parts["attention_prefill"] == pytest.approx(max(4 * 2 * 2 * 4 * 22 / 1e4, 7 * 32 / 1e3))
+    # per token and layer (8 * 8 + 2 * 8 + 5 * 4 + 3 * 16) elements of 2 bytes, 2 layers
+    assert parts["elementwise"] == pytest.approx(6 * 2 * 148 * 2 / 1e3)
+    # adapters a (1 decode token) and b (4 prefill tokens), each read once
+    assert parts["lora"] == pytest.approx(max((2 * 112 + 2 * 192 * 4) / 1e4, (112 + 192) * 2 / 1e3))
+    assert sum(parts.values()) >= run_floor(ledger, SHAPE, peak_flops=1e4, bandwidth=1e3)["floor_s"]
 
 
 def test_prefill_chunk_by_hand():

@@ -196,8 +196,12 @@ def test_mixed_graphs_modes_resolve_per_device(make_engine):
 def test_token_buckets_between_powers_of_two():
     from lightning_lorafusion.serving.decode_graphs import token_buckets
 
-    assert token_buckets(8192) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
-                                   8192)
+    assert token_buckets(8192, "fine") == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                                           6144, 8192)
+    assert token_buckets(8192) == token_buckets(8192, "fine")
+    assert token_buckets(8192, "quarters") == (
+        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
+        5120, 6144, 7168, 8192)
     assert token_buckets(8192, "pow2") == tuple(2 ** i for i in range(14))
     assert token_buckets(600) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600)  # the budget is the last bucket
     with pytest.raises(ValueError, match="token buckets"):
@@ -205,16 +209,17 @@ def test_token_buckets_between_powers_of_two():
 
 
 def test_fine_token_buckets_pad_less_and_give_the_same_tokens(make_engine):
-    """A step of 635 tokens (eight prompts) is padded to 768 with "fine" buckets and to 1,024 with "pow2":
-    the same tokens and logprobs as unpadded steps either way (eager pieces, torch references)."""
+    """A step of 635 tokens (eight prompts) is padded to 768 with "fine" buckets (the default), 640
+    with "quarters" and 1,024 with "pow2": the same tokens and logprobs as unpadded steps every way
+    (eager pieces, torch references)."""
     prompts = [[(7 * i + j) % 60 + 3 for j in range(n)] for i, n in enumerate((90,) * 7 + (5,))]
     sp = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
     got = {}
-    for mode in ("plain", "fine", "pow2"):
+    for mode in ("plain", "quarters", "fine", "pow2"):
         engine = make_engine(num_pages=512, page_size=4, max_num_batched_tokens=1024, max_num_seqs=8,
                              prefix_caching=False, **({} if mode == "plain" else {"mixed_graphs": "eager"}))
-        if mode == "pow2":
-            engine.runner.token_bucket_mode = "pow2"
+        if mode in ("quarters", "pow2"):
+            engine.runner.token_bucket_mode = mode
         shapes = []
         forward = engine.runner.forward
 
@@ -226,8 +231,8 @@ def test_fine_token_buckets_pad_less_and_give_the_same_tokens(make_engine):
         results = engine.generate([GenerationRequest(prompt_token_ids=p, adapter=a, sampling=sp)
                                    for p, a in zip(prompts, [None, "all4", "mlp8", None] * 2)])
         got[mode] = ([list(r.token_ids) for r in results], [lp for r in results for lp in r.logprobs], shapes)
-    assert got["fine"][2][0] == (768, 635) and got["pow2"][2][0] == (1024, 635)
-    assert got["plain"][2][0] == (635, None)
-    for mode in ("fine", "pow2"):
+    assert got["quarters"][2][0] == (640, 635) and got["fine"][2][0] == (768, 635)
+    assert got["pow2"][2][0] == (1024, 635) and got["plain"][2][0] == (635, None)
+    for mode in ("quarters", "fine", "pow2"):
         assert got[mode][0] == got["plain"][0]
         assert got[mode][1] == pytest.approx(got["plain"][1], abs=1e-5)

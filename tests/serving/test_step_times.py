@@ -84,6 +84,9 @@ def test_breakdown_by_kind_sums_to_the_run(make_engine):
     floor = run_floor(ledger, shape, peak_flops=1e9, bandwidth=1e9)["floor_s"]
     assert total["floor_s"] == pytest.approx(floor, rel=1e-9)
     assert total["floor_s"] == pytest.approx(sum(r["floor_s"] for r in report["kinds"]), rel=1e-9)
+    for part, s in total["part_floor_s"].items():  # each part's own floor, summed by kind
+        assert s == pytest.approx(sum(r["part_floor_s"][part] for r in report["kinds"]), rel=1e-9)
+    assert sum(total["part_floor_s"].values()) >= total["floor_s"] * (1 - 1e-9)
     assert total["floor_over_gpu"] == pytest.approx(floor / busy, rel=1e-9)  # floor / wall without GPU times
     by_label = {r["kind"]: r for r in report["kinds"]}
     expected = {}
