@@ -384,25 +384,32 @@ def test_grouped_shrink_single_row_groups_give_the_reference(device, dtype, spli
     assert not rel_err(bad - y0, want - y0) <= 0.1
 
 
+def grouped_knob_case(dtype, device, single_rows, monkeypatch, **knobs):
+    """``grouped_case`` through the grouped shrink (from 8 rows) with ``knobs`` (lora_gather module
+    constants) set first -> (module, (x, pool, a_off, b_off, rk, scales, n), y0, groups, the
+    output with those knobs)."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import adapter_groups
+
+    for name, value in {"GROUPED_MIN_ROWS": 8, "GROUPED_SHRINK_SINGLE_ROWS": single_rows, **knobs}.items():
+        monkeypatch.setattr(module, name, value)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    args = (x, pool, a_off, b_off, rk, scales, y0.shape[1])
+    groups = adapter_groups(keys, len(keys)).to(device)
+    return module, args, y0, groups, lora_gather(*args, out=y0.clone(), backend="triton", groups=groups)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("single_rows", [True, False])
 def test_grouped_shrink_rank_split_gives_the_same_bits(device, dtype, single_rows, monkeypatch):
     """``GROUPED_RANK_SPLIT``: a group's rank chunks over 3 programs (ranks 5-33: one to three
     16-rank chunks; rank 0 rows; single-row groups by the per-row arithmetic or the dot) write
     the partial sums one program writes: the output bit for bit, and the reference's."""
-    from lightning_lorafusion.kernels import lora_gather as module
-    from lightning_lorafusion.kernels.lora_gather import adapter_groups
-
-    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
-    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
-    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
-    n = y0.shape[1]
-    groups = adapter_groups(keys, len(keys)).to(device)
-    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    module, args, y0, groups, want = grouped_knob_case(dtype, device, single_rows, monkeypatch)
     monkeypatch.setattr(module, "GROUPED_RANK_SPLIT", 3)
-    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    got = lora_gather(*args, out=y0.clone(), backend="triton", groups=groups)
     assert torch.equal(got, want)
-    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    ref = lora_gather_reference(*args, out=y0.clone())
     assert rel_err(got - y0, ref - y0) < TOL[dtype]
 
 
@@ -415,21 +422,13 @@ def test_grouped_shrink_rank_chunks_and_stages(device, dtype, single_rows, monke
     program loads at once): in fp16 the output is the default's bit for bit; in fp32 within a few
     ulp (the interpreter's fp32 dot and sums go through numpy, whose blocking follows the tile's
     shape); and the reference's."""
-    from lightning_lorafusion.kernels import lora_gather as module
-    from lightning_lorafusion.kernels.lora_gather import adapter_groups
-
-    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
-    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
-    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
-    n = y0.shape[1]
-    groups = adapter_groups(keys, len(keys)).to(device)
-    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
-    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    module, args, y0, groups, want = grouped_knob_case(dtype, device, single_rows, monkeypatch)
+    ref = lora_gather_reference(*args, out=y0.clone())
     for block_r, stages, split in ((32, None, 1), (64, 1, 1), (32, 2, 2)):
         monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_R", block_r)
         monkeypatch.setattr(module, "GROUPED_SHRINK_STAGES", stages)
         monkeypatch.setattr(module, "GROUPED_RANK_SPLIT", split)
-        got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+        got = lora_gather(*args, out=y0.clone(), backend="triton", groups=groups)
         if dtype == torch.float16:
             assert torch.equal(got, want), (block_r, stages, split)
         else:
@@ -443,19 +442,10 @@ def test_grouped_shrink_unrolled_k_tiles_give_the_same_bits(device, dtype, singl
     """``GROUPED_SHRINK_UNROLL_K``: a split's K tiles unrolled (tiles of 16 in splits of 48, K = 70:
     the last split's third tile wholly past K, masked) sum the same tiles in the same order as the
     loop over them: the output bit for bit, and the reference's."""
-    from lightning_lorafusion.kernels import lora_gather as module
-    from lightning_lorafusion.kernels.lora_gather import adapter_groups
-
-    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", 8)
-    monkeypatch.setattr(module, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
-    monkeypatch.setattr(module, "GROUPED_SHRINK_BLOCK_K", 16)
-    monkeypatch.setattr(module, "GROUPED_SHRINK_SPLIT_K", 48)
-    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
-    n = y0.shape[1]
-    groups = adapter_groups(keys, len(keys)).to(device)
-    want = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    module, args, y0, groups, want = grouped_knob_case(dtype, device, single_rows, monkeypatch,
+                                                       GROUPED_SHRINK_BLOCK_K=16, GROUPED_SHRINK_SPLIT_K=48)
     monkeypatch.setattr(module, "GROUPED_SHRINK_UNROLL_K", True)
-    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    got = lora_gather(*args, out=y0.clone(), backend="triton", groups=groups)
     assert torch.equal(got, want)
-    ref = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    ref = lora_gather_reference(*args, out=y0.clone())
     assert rel_err(got - y0, ref - y0) < TOL[dtype]
