@@ -261,6 +261,20 @@ def _measure_worker(rank: int, world: int, mode: str, args: argparse.Namespace, 
         dist.destroy_process_group()
 
 
+def _backward_ratio(fwd: dict, bwd: dict, intercept: float) -> float:
+    """Median of backward / forward time above the per-launch overhead, never negative.
+
+    On a tiny model the times are mostly noise and a backward can be shorter than the fitted
+    overhead; the ratio of the plain times is used then.
+    """
+    import numpy as np
+
+    ratio = float(np.median([(bwd[i] - intercept) / max(fwd[i] - intercept, 1e-9) for i in fwd]))
+    if ratio <= 0:
+        ratio = float(np.median([bwd[i] / max(fwd[i], 1e-9) for i in fwd]))
+    return ratio
+
+
 def _fit_cost_model(args: argparse.Namespace, one: dict, num_stages: int) -> CostModel:
     """Fit forward seconds = overhead + FLOPs / rate on the one-GPU run; backward as a ratio."""
     import numpy as np
@@ -280,7 +294,7 @@ def _fit_cost_model(args: argparse.Namespace, one: dict, num_stages: int) -> Cos
     if slope <= 0:  # times do not grow with FLOPs (noise dominates, e.g. a tiny model): a pure rate
         slope, intercept = y.mean() / x.mean(), 0.0
     intercept = max(float(intercept), 0.0)
-    ratio = float(np.median([(bwd[i] - intercept) / max(fwd[i] - intercept, 1e-9) for i in fwd]))
+    ratio = _backward_ratio(fwd, bwd, intercept)
     stages = partition_decoder(config, num_stages)
     return CostModel.from_decoder_config(
         config, [len(r) for r in stages], flops_per_second=1.0 / float(slope),

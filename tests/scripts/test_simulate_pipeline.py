@@ -48,3 +48,13 @@ def test_cost_model_follows_the_split_and_cost_options():
     assert module.cost_model(4, Namespace(**{**vars(args), "stage_layers": [17, 15]})).stage_layers == (8, 8, 8, 8)
     flops = module.cost_model(2, Namespace(**{**vars(args), "cost": "flops"}))
     assert flops.stage_layers == (17, 15) and flops.head_token_fraction == 1.0 and flops.layer_bytes_per_token == 0
+
+
+def test_backward_ratio_is_never_negative_when_backward_is_below_the_overhead():
+    module = load_script("simulate_pipeline")
+    fwd = {0: 0.010, 1: 0.012, 2: 0.011}
+    bwd = {0: 0.004, 1: 0.005, 2: 0.006}  # shorter than the fitted per-launch overhead below
+    ratio = module._backward_ratio(fwd, bwd, intercept=0.008)
+    assert math.isclose(ratio, 0.005 / 0.012)  # median of the plain ratios 0.40, 0.42, 0.55
+    # above the overhead: the ratio of the times above it
+    assert math.isclose(module._backward_ratio({0: 0.010}, {0: 0.014}, intercept=0.002), 1.5)
