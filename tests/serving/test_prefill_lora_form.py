@@ -29,10 +29,13 @@ def _run(engine) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("pieces", ["eager", "off"])
-def test_splitk_gives_the_references_tokens(make_engine, monkeypatch, pieces):
+@pytest.mark.parametrize("pieces,expand", [("eager", "tile"), ("off", "tile"), ("eager", "held"), ("off", "held")])
+def test_splitk_gives_the_references_tokens(make_engine, monkeypatch, pieces, expand):
     """As mixed-step pieces (padded tables, live counts, their counters) and as eager steps (the
-    runner's counters)."""
+    runner's counters); with either expand after the split-K shrink (``SPLITK_EXPAND``)."""
+    monkeypatch.setattr(lora_segments, "SPLITK_EXPAND", expand)
+    held, real_held = [], lora_segments._held_launches
+    monkeypatch.setattr(lora_segments, "_held_launches", lambda *a, **kw: held.append(1) or real_held(*a, **kw))
     forms = []
     real = lora_segments.segment_lora_add
 
@@ -54,6 +57,7 @@ def test_splitk_gives_the_references_tokens(make_engine, monkeypatch, pieces):
             assert all(not p.lora.counters.any() for p in built)  # left zero by the shrinks
             assert not engine.runner.prefill_counters.any()
     assert ("triton", "splitk") in forms
+    assert bool(held) == (expand == "held")
     assert runs["triton"] == runs["torch"] and len(runs["torch"]) == len(PROMPTS)
 
 
