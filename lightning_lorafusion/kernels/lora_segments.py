@@ -182,7 +182,8 @@ SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
 # the expand after the split-K shrink: "tile" (``expand_tile`` above) or "held"
 # (``segment_expand``: the tile's S loaded once per program, Bᵀ rows as vectors, options in
-# HELD_EXPAND); ``segment_lora_add(..., expand=)`` picks per call
+# HELD_EXPAND); ``segment_lora_add(..., expand=)`` picks per call. "held" is built and tested on
+# the CPU, not measured on a GPU yet (docs/kernels.md "The held expand"): "tile" stays the default
 SPLITK_EXPAND = "tile"
 EXPANDS = ("tile", "held")
 # the held expand's options: columns per block, blocks per program (capped by the width), num_warps,
