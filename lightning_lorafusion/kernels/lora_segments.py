@@ -187,8 +187,10 @@ SPLITK_EXPAND_ALIGN = False
 SPLITK_EXPAND = "tile"
 EXPANDS = ("tile", "held")
 # the held expand's options: columns per block, blocks per program (capped by the width), num_warps,
-# the column loop's software-pipeline stages, the dot in the pool's 16-bit dtype (S rounded to it),
-# the grid (column group, tile) instead of (tile, column group), vector loads of Bᵀ / S
+# the column loop's software-pipeline stages (the launch's num_stages: one stage keeps a program's
+# shared memory at 32 KB for sm_90, 12 KB with "lowp"; Triton's 3 took 64 KB), the dot in the
+# pool's 16-bit dtype (S rounded to it), the grid (column group, tile) instead of (tile, column
+# group), vector loads of Bᵀ / S
 HELD_EXPAND = {"block_n": 128, "n_blocks": 4, "warps": 4, "stages": 1, "lowp": False, "col_fastest": False,
                "align": True}
 # small steps (form "splitk", at most SMALL_STEP_ROWS rows, None: none; a captured mixed step's
@@ -520,7 +522,7 @@ def _held_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tens
                 lora.tiles.shape[1], block_r)
         meta = dict(BLOCK_M=lora.block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, DOT_PRECISION=precision,
                     ACCUMULATE=accumulate, FACTOR_ALIGN=align, LOWP=lowp, STAGES=opts["stages"],
-                    COL_FASTEST=bool(opts["col_fastest"]),
+                    COL_FASTEST=bool(opts["col_fastest"]), num_stages=opts["stages"],
                     **({"num_warps": opts["warps"]} if opts["warps"] else {}))
         if live is None:
             grid = (n_col, lora.tiles.shape[1]) if opts["col_fastest"] else (lora.tiles.shape[1], n_col)

@@ -34,6 +34,9 @@ from .triton_launch import sm_count
 # columns per block and blocks per program; num_warps (a 64-row tile holds gate, up and two
 # fp32 deltas of BLOCK_N columns)
 BLOCK_N, N_BLOCKS, WARPS = 64, 4, 4
+# the launch's num_stages: one, as the expands after the split-K shrink (a program's shared
+# memory for sm_90 at Triton's 3 stages: 48 KB)
+STAGES = 1
 # the live grid's programs per SM; in the interpreter, a few programs in all
 LIVE_PROGRAMS_PER_SM, LIVE_PROGRAMS_INTERPRETER = 4, 3
 _UNSPECIALISED = ("tiles_ptr", "b_off_ptr", "rank_ptr", "scale_ptr", "n_tiles", "b_g_stride", "r_g_stride",
@@ -65,7 +68,7 @@ def swiglu_tile(
     g_ptr, u_ptr, out_ptr, s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, t, nb, N, g_stride, u_stride,
     out_stride, n_tiles, b_g_stride, r_g_stride, s_g_stride, s_width, row_lo, row_hi,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """out[rows of tile t within [row_lo, row_hi), column blocks nb * N_BLOCKS ...] =
     silu(gate (+ LoRA)) * (up (+ LoRA)); ADAPTED_ONLY: only tiles with LoRA on gate or up."""
@@ -85,6 +88,10 @@ def swiglu_tile(
         m_ok = offs_m < end
         rows = offs_m.to(tl.int64)
         s_row = rows * s_width
+        if FACTOR_ALIGN > 1:  # (Bt and S rows as 16-byte vectors: S's width is a multiple of 16)
+            b_g = tl.multiple_of(b_g, FACTOR_ALIGN)
+            b_u = tl.multiple_of(b_u, FACTOR_ALIGN)
+            s_row = tl.multiple_of(s_row, 16)
         offs_r = tl.arange(0, BLOCK_R)
         sg0 = tl.load(s_ptr + s_row[:, None] + offs_r[None, :], mask=m_ok[:, None] & (offs_r < rank_g)[None, :],
                       other=0.0)
@@ -112,13 +119,13 @@ def _swiglu_segments_kernel(
     g_ptr, u_ptr, out_ptr, s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, N, g_stride, u_stride,
     out_stride, n_tiles, b_g_stride, r_g_stride, s_g_stride, s_width, row_lo, row_hi,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """A program per (tile, column group): ``swiglu_tile``."""
     swiglu_tile(g_ptr, u_ptr, out_ptr, s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, tl.program_id(0),
                 tl.program_id(1), N, g_stride, u_stride, out_stride, n_tiles, b_g_stride, r_g_stride, s_g_stride,
                 s_width, row_lo, row_hi, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS,
-                DOT_PRECISION=DOT_PRECISION, ADAPTED_ONLY=ADAPTED_ONLY)
+                DOT_PRECISION=DOT_PRECISION, ADAPTED_ONLY=ADAPTED_ONLY, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @triton.jit(do_not_specialize=_LIVE_UNSPECIALISED)
@@ -126,7 +133,7 @@ def _live_swiglu_segments_kernel(
     g_ptr, u_ptr, out_ptr, s_ptr, pool_ptr, tiles_ptr, live_ptr, b_off_ptr, rank_ptr, scale_ptr, N, g_stride,
     u_stride, out_stride, n_tiles, b_g_stride, r_g_stride, s_g_stride, s_width, row_lo, row_hi, n_col,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ADAPTED_ONLY: tl.constexpr, FACTOR_ALIGN: tl.constexpr,
 ):
     """``swiglu_tile`` over the first ``live`` tiles only: item i = (tile, column group), taken by
     program i mod programs."""
@@ -136,7 +143,7 @@ def _live_swiglu_segments_kernel(
         swiglu_tile(g_ptr, u_ptr, out_ptr, s_ptr, pool_ptr, tiles_ptr, b_off_ptr, rank_ptr, scale_ptr, t,
                     item - t * n_col, N, g_stride, u_stride, out_stride, n_tiles, b_g_stride, r_g_stride, s_g_stride,
                     s_width, row_lo, row_hi, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, N_BLOCKS=N_BLOCKS,
-                    DOT_PRECISION=DOT_PRECISION, ADAPTED_ONLY=ADAPTED_ONLY)
+                    DOT_PRECISION=DOT_PRECISION, ADAPTED_ONLY=ADAPTED_ONLY, FACTOR_ALIGN=FACTOR_ALIGN)
 
 
 @torch.no_grad()
@@ -177,7 +184,7 @@ def swiglu_segments(gate: torch.Tensor, up: torch.Tensor, lora: SegmentLora, s: 
             lora.b_offsets.stride(0), lora.ranks.stride(0), s0.stride(0), lora.block_r, lo, hi)
     meta = dict(BLOCK_M=lora.block_m, BLOCK_R=32 if cuda else 16, BLOCK_N=bn, N_BLOCKS=per,
                 DOT_PRECISION="tf32" if cuda and gate.dtype != torch.float32 else "ieee", ADAPTED_ONLY=adapted_only,
-                num_warps=warps or WARPS)
+                FACTOR_ALIGN=lora.factor_align, num_warps=warps or WARPS, num_stages=STAGES)
     if lora.live is None:
         _swiglu_segments_kernel[(n_tiles, n_col)](*args, *rest, **meta)
     else:

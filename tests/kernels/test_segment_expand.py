@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lightning_lorafusion.kernels import lora_segments
-from lightning_lorafusion.kernels.lora_segments import segment_kernel_variants, segment_lora_add, segment_tiles
+from lightning_lorafusion.kernels.lora_segments import (segment_kernel_variants, segment_lora_add, segment_lora_shrink,
+                                                        segment_tiles)
 from test_lora_segments import GPU_ONLY, TOL, make_lora, rel_err
 from test_lora_splitk import group, run_both, with_live
 
@@ -24,7 +25,7 @@ SEGMENTS = [(0, 1, 5), (1, 37, 1), (37, 40, 0), (44, 45, 2), (45, 90, 3), (90, 9
 
 
 def case(dtype, device, seed=3, rows=110, pad_tiles=3):
-    k, ns, tables = group(dtype, device, seed=seed, k=97)
+    k, ns, tables = group(dtype, device, seed=seed, k=40)  # (K: 2.5 interpreter blocks)
     lora = make_lora(*tables[:4], tables[4], SEGMENTS, 16, pad_tiles=pad_tiles)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     base = torch.randn(rows, sum(ns), generator=torch.Generator().manual_seed(seed + 2)).to(device, dtype)
@@ -51,12 +52,13 @@ def test_held_expand_equals_the_tile_expand_bit_for_bit(device, dtype):
     """Same sums in the same order (fp32 dot of the summed S, one rounding): the held expand's
     output equals the tile expand's, written first and additive."""
     ns, lora, x, base = case(dtype, device, seed=21)
+    shrunk = segment_lora_shrink(x, lora, form="splitk", split_k=2)  # (one shrink: the expands compared)
     for accumulate in (True, False):
         outs = []
         for expand in ("tile", "held"):
             got = base.clone()
             segment_lora_add(x, lora, list(got.split(ns, dim=1)), backend="triton", form="splitk",
-                             accumulate=accumulate, split_k=2, expand=expand)
+                             accumulate=accumulate, split_k=2, expand=expand, shrunk=shrunk)
             outs.append(got)
         assert torch.equal(outs[0], outs[1])
 
@@ -84,16 +86,17 @@ def test_held_expand_walks_the_live_tiles_only(device, accumulate):
     live tiles' items (equal to the table grid bit for bit); a count of 1 runs the first tile only."""
     ns, lora, x, base = case(torch.float32, device, seed=9, pad_tiles=30)
     n_live = len(segment_tiles(SEGMENTS, 16))
+    shrunk = segment_lora_shrink(x, lora, form="splitk", split_k=3)  # (one shrink: the expands compared)
     outs = []
     for lo in (lora, with_live(lora, n_live)):
         got = base.clone()
         segment_lora_add(x, lo, list(got.split(ns, dim=1)), backend="triton", form="splitk", split_k=3,
-                         accumulate=accumulate, expand="held", per_sm=(None, 2))
+                         accumulate=accumulate, expand="held", per_sm=(None, 2), shrunk=shrunk)
         outs.append(got)
     assert torch.equal(outs[0], outs[1])
     first = base.clone()
     segment_lora_add(x, with_live(lora, 1), list(first.split(ns, dim=1)), backend="triton", form="splitk",
-                     accumulate=accumulate, expand="held")
+                     accumulate=accumulate, expand="held", shrunk=shrunk)
     assert torch.equal(first[1:], base[1:]) and not torch.equal(first[:1], base[:1])
 
 
