@@ -311,7 +311,8 @@ def main(argv=None) -> int:
                 row = {}
                 try:
                     run = make_run(v, groups, loras, inputs, outs, dev)
-                    row["rel_err"] = 0.0 if v.endswith("-shrink") or v == "fill" else check(v, run, groups, loras, inputs, outs, refs)
+                    row["rel_err"] = (0.0 if v.endswith("-shrink") or v == "fill"
+                                      else check(v, run, groups, loras, inputs, outs, refs))
                     if v.endswith("-shrink"):
                         run()
                     row["ms"] = time_ms(run, dev)

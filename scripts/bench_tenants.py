@@ -341,7 +341,8 @@ class TenantsBench:
         "prefill-expand" (``lora_segments.SPLITK_EXPAND`` "tile": the prefill rows' expand re-reading
         S per column block instead of the held expand; the new variant's: ``--splitk-expand``) and
         "prefill-swiglu" (``paged_forward.PREFILL_SWIGLU`` off: gate/up's prefill LoRA written into
-        their outputs; the new variant's: ``--prefill-swiglu``), the pieces rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
+        their outputs; the new variant's: ``--prefill-swiglu``), the pieces rebuilt before the run
+        (time and CUDA graphs in the report's "pieces_builds"); and
         "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
@@ -408,7 +409,7 @@ class TenantsBench:
             self.splitk_expand = self.args.splitk_expand or lora_segments.SPLITK_EXPAND
             self.prefill_swiglu = {"on": True, "off": False}.get(self.args.prefill_swiglu, paged_forward.PREFILL_SWIGLU)
         expand = "tile" if "prefill-expand" in old else self.splitk_expand
-        swiglu = False if "prefill-swiglu" in old else self.prefill_swiglu  # --old prefill-swiglu: gate/up's LoRA written
+        swiglu = False if "prefill-swiglu" in old else self.prefill_swiglu  # --old prefill-swiglu: written
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
                 or runner.prefill_lora_form != form or pieces_changed or lora_segments.SMALL_STEP_ROWS != small
                 or lora_segments.SPLITK_EXPAND != expand or paged_forward.PREFILL_SWIGLU != swiglu):
