@@ -68,6 +68,25 @@ VARIANTS = {
     "splitk-align": ("splitk", {"expand_align": True}),
     "splitk-st0": ("splitk", {"expand_stages": 0}),
     "segments-align": ("segments", {"expand_align": True}),
+    # the held expand (``segment_expand``: a tile's S loaded once per program) after the split-K
+    # shrink, with its options (``lora_segments.HELD_EXPAND`` updated by ``held``)
+    "held": ("splitk", {"expand": "held"}),
+    "held-add": ("splitk", {"expand": "held"}),
+    "held-noalign": ("splitk", {"expand": "held", "held": {"align": False}}),
+    "held-lp": ("splitk", {"expand": "held", "held": {"lowp": True}}),
+    "held-nb8": ("splitk", {"expand": "held", "held": {"n_blocks": 8}}),
+    "held-nb2": ("splitk", {"expand": "held", "held": {"n_blocks": 2}}),
+    "held-bn64": ("splitk", {"expand": "held", "held": {"block_n": 64, "n_blocks": 8}}),
+    "held-bn256": ("splitk", {"expand": "held", "held": {"block_n": 256, "n_blocks": 2, "warps": 8}}),
+    "held-st2": ("splitk", {"expand": "held", "held": {"stages": 2}}),
+    "held-st3": ("splitk", {"expand": "held", "held": {"stages": 3}}),
+    "held-col": ("splitk", {"expand": "held", "held": {"col_fastest": True}}),
+    "held-w2": ("splitk", {"expand": "held", "held": {"warps": 2}}),
+    "held-w8": ("splitk", {"expand": "held", "held": {"warps": 8}}),
+    "held-lp-st2": ("splitk", {"expand": "held", "held": {"lowp": True, "stages": 2}}),
+    "held-lp-w8": ("splitk", {"expand": "held", "held": {"lowp": True, "warps": 8}}),
+    # not a kernel of the LoRA: each group's output written once (``fill_``), the expand's write floor
+    "fill": ("fill", {}),
     "items": ("items", {}),
     "items-add": ("items", {}),
     "items-shrink": ("items", {}),
@@ -181,6 +200,9 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
     def run():
         for name, ns, _ in groups:
             y = outs[name]
+            if form == "fill":
+                y.fill_(0.0)
+                continue
             parts = list(y.split(list(ns), dim=1))
             if variant.endswith("-shrink"):
                 launches = (splitk_launches(inputs[name], use[name], parts, accumulate=False, counters=counters[name])
@@ -198,7 +220,8 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
                                  backend="triton", check=False, form=form, accumulate=accumulate,
                                  split_k=opts.get("split_k"), per_sm=opts.get("per_sm", (None, None)),
                                  n_blocks=opts.get("n_blocks"), expand_align=opts.get("expand_align"),
-                                 expand_stages=opts.get("expand_stages"))
+                                 expand_stages=opts.get("expand_stages"), expand=opts.get("expand"),
+                                 held=opts.get("held"))
     return run
 
 
@@ -288,7 +311,8 @@ def main(argv=None) -> int:
                 row = {}
                 try:
                     run = make_run(v, groups, loras, inputs, outs, dev)
-                    row["rel_err"] = 0.0 if v.endswith("-shrink") else check(v, run, groups, loras, inputs, outs, refs)
+                    row["rel_err"] = (0.0 if v.endswith("-shrink") or v == "fill"
+                                      else check(v, run, groups, loras, inputs, outs, refs))
                     if v.endswith("-shrink"):
                         run()
                     row["ms"] = time_ms(run, dev)

@@ -75,6 +75,7 @@ from lightning_lorafusion.serving.config import EngineTuning  # noqa: E402
 from lightning_lorafusion.serving.decode_graphs import graph_token_limit  # noqa: E402
 from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor  # noqa: E402
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
+from lightning_lorafusion.serving import paged_forward  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
 from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic, part_table,  # noqa: E402
                            table as profile_table)
@@ -336,8 +337,12 @@ class TenantsBench:
         kernels on empty tables), "table-grids" (the prefill LoRA's grids over the whole padded
         table): ``ModelRunner.set_mixed_lora``, and "prefill-form" (the prefill LoRA's "segments"
         kernels instead of the default form, ``ModelRunner.prefill_lora_form``) and "small-steps"
-        (``lora_segments.SMALL_STEP_ROWS`` None: small steps' prefill LoRA split as large ones'), the
-        pieces rebuilt before the run (time and CUDA graphs in the report's "pieces_builds"); and
+        (``lora_segments.SMALL_STEP_ROWS`` None: small steps' prefill LoRA split as large ones') and
+        "prefill-expand" (``lora_segments.SPLITK_EXPAND`` "tile": the prefill rows' expand re-reading
+        S per column block instead of the held expand; the new variant's: ``--splitk-expand``) and
+        "prefill-swiglu" (``paged_forward.PREFILL_SWIGLU`` off: gate/up's prefill LoRA written into
+        their outputs; the new variant's: ``--prefill-swiglu``), the pieces rebuilt before the run
+        (time and CUDA graphs in the report's "pieces_builds"); and
         "decode-gemm" (the frozen products of few rows by cuBLAS, ``ModelRunner.decode_gemm``:
         the decode graphs captured again, the pieces rebuilt) and "token-buckets" (mixed steps
         padded to powers of two only, ``ModelRunner.token_bucket_mode``: the pieces rebuilt) and
@@ -400,11 +405,20 @@ class TenantsBench:
         if not hasattr(self, "small_step_rows"):
             self.small_step_rows = lora_segments.SMALL_STEP_ROWS
         small = None if "small-steps" in old else self.small_step_rows
+        if not hasattr(self, "splitk_expand"):  # --old prefill-expand: the tile expand re-reading S per block
+            self.splitk_expand = self.args.splitk_expand or lora_segments.SPLITK_EXPAND
+            self.prefill_swiglu = {"on": True, "off": False}.get(self.args.prefill_swiglu, paged_forward.PREFILL_SWIGLU)
+        expand = "tile" if "prefill-expand" in old else self.splitk_expand
+        swiglu = False if "prefill-swiglu" in old else self.prefill_swiglu  # --old prefill-swiglu: written
         if (runner.prefill_lora_write != write or (runner.base_pieces, runner.live_grids) != tuple(lora.values())
-                or runner.prefill_lora_form != form or pieces_changed or lora_segments.SMALL_STEP_ROWS != small):
+                or runner.prefill_lora_form != form or pieces_changed or lora_segments.SMALL_STEP_ROWS != small
+                or lora_segments.SPLITK_EXPAND != expand or paged_forward.PREFILL_SWIGLU != swiglu):
             with engine._step_lock:
-                if lora_segments.SMALL_STEP_ROWS != small:
+                if (lora_segments.SMALL_STEP_ROWS != small or lora_segments.SPLITK_EXPAND != expand
+                        or paged_forward.PREFILL_SWIGLU != swiglu):
                     lora_segments.SMALL_STEP_ROWS = small
+                    lora_segments.SPLITK_EXPAND = expand
+                    paged_forward.PREFILL_SWIGLU = swiglu
                     runner.clear_mixed_pieces()
                 runner.prefill_lora_write = write
                 runner.set_mixed_lora(**lora)
@@ -416,7 +430,7 @@ class TenantsBench:
                         f"{t.seconds:.1f} s")
                     self.report.setdefault("pieces_builds", []).append(
                         {"variant": variant, "prefill_lora_write": write, **lora, "prefill_lora_form": form,
-                         "small_step_rows": small,
+                         "small_step_rows": small, "splitk_expand": expand, "prefill_swiglu": swiglu,
                          "decode_gemm": gemm, "token_buckets": buckets, "decode_lora_beside": beside,
                          "mixed_graph_max_tokens": graph_max,
                          "seconds": t.seconds,
@@ -638,7 +652,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               "decode-lora", "pdl", "rank-variant", "prefill-form", "beside",
                                               "small-steps", "decode-gemm", "token-buckets",
                                               "attention-splits", "attention-items", "mixed-ahead", "lora-beside",
-                                              "grouped-shrink", "in-place", "padded-large", "quarter-buckets")),
+                                              "grouped-shrink", "in-place", "padded-large", "quarter-buckets",
+                                              "prefill-expand", "prefill-swiglu")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -661,7 +676,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "EngineTuning.decode_lora_beside few; the decode graphs captured again, the pieces "
                          "rebuilt), grouped-shrink (the grouped shrink's and the per-row expands' knobs as they "
                          "were: OLD_GROUPED_KNOBS; the decode graphs captured again, the pieces rebuilt), "
-                         "in-place (attention's "
+                         "prefill-expand (the prefill rows' expand re-reading S per column block: "
+                         "lora_segments.SPLITK_EXPAND tile; the pieces rebuilt), prefill-swiglu (the prefill "
+                         "rows' gate/up LoRA written into gate/up's outputs instead of expanded inside SwiGLU: "
+                         "paged_forward.PREFILL_SWIGLU off; the pieces rebuilt), in-place (attention's "
                          "launches each write their own output, concatenated and copied into the pieces' "
                          "buffer: EngineTuning.attention_in_place off), padded-large (mixed steps of every size "
                          "padded to token buckets and run as pieces: EngineTuning.mixed_graph_max_tokens 'all'; "
@@ -671,6 +689,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-lora-knobs", type=parse_knobs, default={},
                     help="NAME=VALUE,... lora_gather knobs (Python literals) set before the engine is built: the "
                          "new variant's (e.g. the fastest mode of profile_decode_lora.py --best-knobs)")
+    ap.add_argument("--splitk-expand", choices=lora_segments.EXPANDS, default=None,
+                    help="the prefill rows' expand after the split-K shrink in the new variant "
+                         "(lora_segments.SPLITK_EXPAND; default: the module's)")
+    ap.add_argument("--prefill-swiglu", choices=("on", "off"), default=None,
+                    help="the prefill rows' gate/up LoRA expanded inside SwiGLU in the new variant "
+                         "(paged_forward.PREFILL_SWIGLU; default: the module's)")
     ap.add_argument("--prime", choices=("on", "off"), default="off",
                     help="run the first trace once before the measured runs, not reported among them (the "
                          "first run after warm-up carries one-time host costs: whichever variant runs first)")

@@ -25,6 +25,8 @@ from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lor
 from .lora_ahead import ShrinkAhead, shrink_ahead
 from .lora_grouped_kernels import _swiglu_grouped_kernel, _with_lora, _with_lora_pair
 from .paged_attention import _check_pool, write_kv
+from .segment_swiglu import swiglu_segments
+from .segment_tables import SegmentLora
 from .reference import apply_rope
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -479,14 +481,23 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = 
 def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None,
                  ahead: ShrinkAhead | None = None, backend: str = "auto", block_n: int | None = None,
                  block_k: int | None = None, block_r: int | None = None,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+                 num_warps: int | None = None, prefill: tuple[SegmentLora, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
     """``swiglu`` -> (its output, the next projection's shrink partials or None). With ``ahead``
     (down's A tables for ``lora``'s rows) the LoRA rows' launch also computes down's shrink
     (``lora_ahead``) where it applies (Triton, per-row LoRA, at most
     ``lora_gather.AHEAD_MAX_ROWS`` rows): ``(part, k_blocks)`` for ``lora_gather(partials=)``;
-    None elsewhere (down's gather then runs its own shrink)."""
+    None elsewhere (down's gather then runs its own shrink). ``prefill`` (Triton's kernels): the
+    prefill rows' gate/up tables over a table covering every row and their split-K shrink's S
+    (``segment_swiglu.swiglu_segments``): every row through that kernel, their LoRA added in it,
+    instead of the plain launches; then ``lora``'s rows as without it, and the adapted prefill
+    rows inside their range (a captured step's) once more through it; with the torch epilogue,
+    the adapted prefill rows written again through it after the reference."""
     if _resolve(backend, gate) == "torch":
-        return swiglu_reference(gate, up, lora), None
+        out = swiglu_reference(gate, up, lora)
+        if prefill is not None:  # (the prefill rows' kernels are Triton's: their rows written again)
+            swiglu_segments(gate, up, prefill[0], prefill[1], out=out, adapted_only=True)
+        return out, None
     _check_swiglu(gate, up, lora)
     _require_triton(gate)
     t, n = gate.shape
@@ -499,7 +510,11 @@ def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | N
     plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
     fused = _ahead_args(gate, lora, ahead, block_n)
+    if prefill is not None:  # every row (the decode rows' rewritten below), the prefill rows' LoRA in
+        swiglu_segments(gate, up, prefill[0], prefill[1], out=out)
     for row0, rows, with_lora in _row_launches(t, lora):
+        if prefill is not None and not with_lora:
+            continue
         args, meta = gathered if with_lora else plain
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)
@@ -518,6 +533,10 @@ def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | N
         )
     if grouped is not None:
         _swiglu_grouped(gate, up, out, grouped, block_k, block_r, num_warps)
+    decode = grouped or lora
+    if prefill is not None and decode is not None:  # prefill rows inside the decode rows' range, written again
+        swiglu_segments(gate, up, prefill[0], prefill[1], out=out, adapted_only=True,
+                        rows=(decode.first_row, decode.first_row + decode.ranks.shape[1]))
     return out, (None if not fused else (fused[0][3], triton.cdiv(n, fused[2])))
 
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import lora_splitk, lora_tiles
+from . import lora_splitk, lora_tiles, segment_expand
 from .lora_splitk import PROGRAMS_PER_SM_INTERPRETER, splitk_launches, splitk_lora_add, splitk_shrink_launch
 from .lora_tiles import tile_launches, tile_lora_add
 from .triton_launch import sm_count
@@ -180,6 +180,19 @@ SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 # as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
 SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
+# the expand after the split-K shrink: "tile" (``expand_tile`` above) or "held"
+# (``segment_expand``: the tile's S loaded once per program, Bᵀ rows as vectors, options in
+# HELD_EXPAND); ``segment_lora_add(..., expand=)`` picks per call. "held" is built and tested on
+# the CPU, not measured on a GPU yet (docs/kernels.md "The held expand"): "tile" stays the default
+SPLITK_EXPAND = "tile"
+EXPANDS = ("tile", "held")
+# the held expand's options: columns per block, blocks per program (capped by the width), num_warps,
+# the column loop's software-pipeline stages (the launch's num_stages: one stage keeps a program's
+# shared memory at 32 KB for sm_90, 12 KB with "lowp"; Triton's 3 took 64 KB), the dot in the
+# pool's 16-bit dtype (S rounded to it), the grid (column group, tile) instead of (tile, column
+# group), vector loads of Bᵀ / S
+HELD_EXPAND = {"block_n": 128, "n_blocks": 4, "warps": 4, "stages": 1, "lowp": False, "col_fastest": False,
+               "align": True}
 # small steps (form "splitk", at most SMALL_STEP_ROWS rows, None: none; a captured mixed step's
 # pieces are per token bucket, and a 256-token prompt beside decode rows is a step of the 512
 # bucket): the shrink's K in SMALL_STEP_SPLITS parts and the expands' programs
@@ -286,7 +299,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
                      split_k: int | None = None, warps: tuple[int | None, int | None] = (None, None),
                      form: str | None = None, accumulate: bool = True,
                      per_sm: tuple[int | None, int | None] = (None, None), expand_align: bool | None = None,
-                     expand_stages: int | None = None, shrunk: tuple[torch.Tensor, int] | None = None) -> None:
+                     expand_stages: int | None = None, shrunk: tuple[torch.Tensor, int] | None = None,
+                     expand: str | None = None, held: dict | None = None) -> None:
     """Add the prefill rows' LoRA of each projection into ``outs[g] [T, N_g]`` (in place).
     ``shrunk``: the shrink launched already (``segment_lora_shrink``'s S and splits, the same
     form and ``split_k``): only the expands run.
@@ -311,7 +325,9 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     captured step's padded table runs, its padding costing nothing; same sums, same rounding.
     ``expand_align`` / ``expand_stages`` (forms "segments" / "splitk"): the expands load Bᵀ and S
     rows as vectors (``lora.factor_align``) / their ``num_stages`` (0: Triton's); None: the form's
-    (``SPLITK_EXPAND_ALIGN`` / ``SPLITK_EXPAND_STAGES`` for "splitk"; off / Triton's for "segments")."""
+    (``SPLITK_EXPAND_ALIGN`` / ``SPLITK_EXPAND_STAGES`` for "splitk"; off / Triton's for "segments").
+    ``expand`` (form "splitk"): "tile" or "held" (``segment_expand``, options ``HELD_EXPAND`` updated
+    by ``held``); None: ``SPLITK_EXPAND``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; allowed: {BACKENDS}")
     if backend == "auto":
@@ -341,7 +357,8 @@ def segment_lora_add(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Te
     for kernel, grid, args, meta in _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
                                                       accumulate=accumulate, per_sm=per_sm,
                                                       splitk=form == "splitk", expand_align=expand_align,
-                                                      expand_stages=expand_stages, shrunk=shrunk):
+                                                      expand_stages=expand_stages, shrunk=shrunk,
+                                                      expand=expand, held=held):
         kernel[grid](*args, **meta)
 
 
@@ -373,11 +390,12 @@ def _segment_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.T
                       accumulate: bool = True,
                       per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
                       expand_align: bool | None = None, expand_stages: int | None = None,
-                      shrunk: tuple[torch.Tensor, int] | None = None) -> list[tuple]:
+                      shrunk: tuple[torch.Tensor, int] | None = None, expand: str | None = None,
+                      held: dict | None = None) -> list[tuple]:
     """``_segment_plan``'s launches."""
     return _segment_plan(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps, accumulate=accumulate,
                          per_sm=per_sm, splitk=splitk, expand_align=expand_align, expand_stages=expand_stages,
-                         shrunk=shrunk)[0]
+                         shrunk=shrunk, expand=expand, held=held)[0]
 
 
 def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *, n_blocks: int | None,
@@ -385,7 +403,8 @@ def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
                   accumulate: bool = True,
                   per_sm: tuple[int | None, int | None] = (None, None), splitk: bool = False,
                   expand_align: bool | None = None, expand_stages: int | None = None,
-                  shrunk: tuple[torch.Tensor, int] | None = None) -> tuple[list[tuple], torch.Tensor | None, int]:
+                  shrunk: tuple[torch.Tensor, int] | None = None, expand: str | None = None,
+                  held: dict | None = None) -> tuple[list[tuple], torch.Tensor | None, int]:
     """The launches of ``segment_lora_add``'s Triton path: ``(kernel, grid, args, keywords)``,
     the shrink's then one expand per projection (none for an empty tile table): grids over the
     tile table, or with ``lora.live`` the live grids (``per_sm``: their programs per SM, shrink
@@ -394,7 +413,13 @@ def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
     ``SPLITK_SHRINK_PROGRAMS_PER_SM``), which sums the splits itself: the expands read one S.
     ``expand_align`` / ``expand_stages``: see ``segment_lora_add``. Allocates S; ``shrunk``: S
     and its splits given (the shrink launched apart, ``segment_lora_shrink``): the expands only.
+    ``expand`` / ``held``: see ``segment_lora_add`` ("held" only after the split-K shrink).
     -> (launches, S, splits the expands sum)."""
+    expand = (SPLITK_EXPAND if splitk else "tile") if expand is None else expand
+    if expand not in EXPANDS:
+        raise ValueError(f"expand={expand!r}; allowed: {EXPANDS}")
+    if expand == "held" and not splitk:
+        raise ValueError("expand='held' reads one summed S: form 'splitk' only")
     if expand_align is None:
         expand_align = splitk and SPLITK_EXPAND_ALIGN
     if expand_stages is None:
@@ -452,6 +477,10 @@ def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
                      shrink_args[:3] + (live,) + shrink_args[3:] + (g, split), shrink_meta)]
     block_n = 128 if x.is_cuda else 32
     expand_w = expand_warps(block_m, chunk) if warps[1] is None else warps[1]
+    if expand == "held":
+        launches += _held_launches(x, lora, outs, s, block_r, chunk, precision, accumulate, live, per_sm[1],
+                                   n_blocks, held)
+        return launches, s, split
     for i, y in enumerate(outs):
         n = y.shape[1]
         per = _expand_blocks_per_program(triton.cdiv(n, block_n)) if n_blocks is None else n_blocks
@@ -471,6 +500,40 @@ def _segment_plan(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tenso
     return launches, s, split
 
 
+def _held_launches(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], s: torch.Tensor, block_r: int,
+                   chunk: int, precision: str, accumulate: bool, live: torch.Tensor | None, per_sm: int,
+                   n_blocks: int | None, held: dict | None) -> list[tuple]:
+    """The held expands' launches (``segment_expand``), one per projection, over the summed S."""
+    opts = dict(HELD_EXPAND)
+    if held:
+        unknown = set(held) - set(HELD_EXPAND)
+        if unknown:
+            raise ValueError(f"held: unknown options {sorted(unknown)}; allowed: {sorted(HELD_EXPAND)}")
+        opts.update(held)
+    block_n = opts["block_n"] if x.is_cuda else 32
+    lowp = bool(opts["lowp"]) and lora.pool.dtype != torch.float32
+    align = lora.factor_align if opts["align"] and lora.factor_align > 1 else 1
+    launches = []
+    for i, y in enumerate(outs):
+        n = y.shape[1]
+        per = max(1, min(opts["n_blocks"] if n_blocks is None else n_blocks, triton.cdiv(n, block_n)))
+        n_col = triton.cdiv(n, block_n * per)
+        args = (s[0, i], lora.pool, lora.tiles, lora.b_offsets[i], lora.ranks[i], lora.scales, y, n, y.stride(0),
+                lora.tiles.shape[1], block_r)
+        meta = dict(BLOCK_M=lora.block_m, BLOCK_R=chunk, BLOCK_N=block_n, N_BLOCKS=per, DOT_PRECISION=precision,
+                    ACCUMULATE=accumulate, FACTOR_ALIGN=align, LOWP=lowp, STAGES=opts["stages"],
+                    COL_FASTEST=bool(opts["col_fastest"]), num_stages=opts["stages"],
+                    **({"num_warps": opts["warps"]} if opts["warps"] else {}))
+        if live is None:
+            grid = (n_col, lora.tiles.shape[1]) if opts["col_fastest"] else (lora.tiles.shape[1], n_col)
+            launches.append((segment_expand._held_expand_kernel, grid, args, meta))
+        else:
+            launches.append((segment_expand._live_held_expand_kernel,
+                             (live_programs(x.device, lora.tiles.shape[1] * n_col, per_sm),),
+                             args[:3] + (live,) + args[3:] + (n_col,), meta))
+    return launches
+
+
 def _specialisation(value) -> object:
     """What Triton's JIT specialises a runtime argument on: a tensor's dtype and 16-byte
     alignment, an int's "== 1" and "divisible by 16"."""
@@ -484,7 +547,8 @@ def _specialisation(value) -> object:
 def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[torch.Tensor], *,
                             n_blocks: int | None = None, split_k: int | None = None,
                             warps: tuple[int | None, int | None] = (None, None),
-                            form: str | None = None, accumulate: bool = True) -> frozenset[tuple]:
+                            form: str | None = None, accumulate: bool = True, expand: str | None = None,
+                            held: dict | None = None) -> frozenset[tuple]:
     """The compiled variants ``segment_lora_add(x, lora, outs, ..., form=form)`` (Triton path)
     needs: per launch, the kernel's name, its constexprs and options, and what the JIT
     specialises its other arguments on (``do_not_specialize`` ones left out). Two calls with
@@ -502,7 +566,7 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
                                             lora_splitk._EXPAND_UNSPECIALISED)
     elif form == "splitk":
         launches = _segment_launches(x, lora, outs, n_blocks=n_blocks, split_k=split_k, warps=warps,
-                                     accumulate=accumulate, splitk=True)
+                                     accumulate=accumulate, splitk=True, expand=expand, held=held)
         shrink, shrink_skip, expand_skip = (lora_splitk._splitk_shrink_kernel, lora_splitk._SHRINK_UNSPECIALISED,
                                             _EXPAND_UNSPECIALISED)
     else:
@@ -514,6 +578,8 @@ def segment_kernel_variants(x: torch.Tensor, lora: SegmentLora, outs: Sequence[t
         names = kernel.arg_names
         skip = (_LIVE_SHRINK_UNSPECIALISED if kernel is _live_shrink_kernel else
                 _LIVE_EXPAND_UNSPECIALISED if kernel is _live_expand_kernel else
+                segment_expand._UNSPECIALISED if kernel is segment_expand._held_expand_kernel else
+                segment_expand._LIVE_UNSPECIALISED if kernel is segment_expand._live_held_expand_kernel else
                 shrink_skip if kernel is shrink else expand_skip)
         spec = tuple(_specialisation(v) for name, v in zip(names, args) if name not in skip)
         keys.add((kernel.fn.__name__,

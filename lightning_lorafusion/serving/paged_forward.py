@@ -34,7 +34,7 @@ from ..kernels.lora_ahead import ShrinkAhead
 from ..kernels.lora_epilogues import rope_write_kv, swiglu_ahead
 from ..kernels import lora_gather as lora_gather_knobs
 from ..kernels.lora_gather import GatheredLora, expand_beside, lora_gather, shrink_beside
-from ..kernels.lora_segments import segment_lora_add, segment_lora_shrink
+from ..kernels.lora_segments import DEFAULT_FORM, segment_lora_add, segment_lora_shrink
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.options import KernelOptions
 from ..kernels.paged_prefill import paged_prefill_attention
@@ -54,6 +54,10 @@ _QKV = ("qkv_proj", FUSED_PROJECTIONS["qkv_proj"])
 _O = (None, ("o_proj",))
 _GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
 _DOWN = (None, ("down_proj",))
+# the prefill rows' gate/up LoRA expanded inside SwiGLU (``swiglu_takes_prefill``) instead of
+# written into gate/up's outputs (first, or added after the product). Off: built and tested on
+# the CPU (greedy tokens equal the torch engine's), not measured on a GPU yet (docs/serving.md)
+PREFILL_SWIGLU = False
 
 
 @dataclass(frozen=True)
@@ -280,13 +284,15 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
         h.add_(o)
         x = h
     silu = family.activation == "silu"
+    # the prefill rows' gate/up expand inside SwiGLU (``swiglu_takes_prefill``): (tables, S) from projections
+    prefill: list | None = [] if silu and swiglu_takes_prefill(m, batch) else None
     with shrink_beside(gathered(m, x, layer, _GATE_UP, batch) if silu else None,
                        lora_stream(m, batch), m.wide_beside) as gate_up_lora:
-        g, u = projections(m, x, lp, _GATE_UP, layer, batch)
+        g, u = projections(m, x, lp, _GATE_UP, layer, batch, deferred=prefill)
     partials = None  # down's shrink, where SwiGLU's LoRA rows computed it (few decode rows)
     if silu:
         act, partials = swiglu_ahead(g, u, lora=gate_up_lora, ahead=down_ahead(m, layer, batch),
-                                     backend=m.kernel_backend)
+                                     backend=m.kernel_backend, prefill=prefill[0] if prefill else None)
     else:
         for name, y in zip(_GATE_UP[1], (g, u)):
             gather_into(m, x, y, layer, name, batch)
@@ -306,15 +312,19 @@ def after_attention(m: PagedDecoder, layer: int, lp: Mapping[str, Any], h: torch
 
 
 def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
-                group: tuple[str | None, tuple[str, ...]], layer: int, batch: StepBatch) -> list[torch.Tensor]:
+                group: tuple[str | None, tuple[str, ...]], layer: int, batch: StepBatch,
+                deferred: list | None = None) -> list[torch.Tensor]:
     """The frozen projections of a group (one GEMM when the layer has its fused weight; a
     column view per member) plus the prefill rows' LoRA, added in place; when the step writes
     it first (``PrefillLora.write``, covering tables) and the weights are plain, the LoRA is
-    written first and the GEMM adds the frozen product onto it (``write_first``)."""
+    written first and the GEMM adds the frozen product onto it (``write_first``). ``deferred``
+    (a list; the prefill rows' split-K form): their shrink only, ``(tables, S)`` appended to it
+    for the consumer to expand (``swiglu_takes_prefill``), the products left without their LoRA."""
     fused, names = group
     pre = batch.prefill_lora
     adapted = pre is not None and bool(pre.modules.intersection(names))
-    if adapted and pre.write and pre.covering and batch.dora is None:
+    defer = adapted and deferred is not None
+    if adapted and pre.write and pre.covering and batch.dora is None and not defer:
         outs = write_first(m, x, lp, group, layer, batch)
         if outs is not None:
             return outs
@@ -322,7 +332,7 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     # rows' shrink too: on the LoRA stream, beside the GEMM below; the expands after it
     side = lora_stream(m, batch) if adapted and m.wide_beside and m.lora_backend == "triton" else None
     tables = pre.group(m.pool.storage, layer, names) if adapted else None
-    shrunk = None if side is None else segment_lora_shrink(x, tables, form=m.lora_form, stream=side)
+    shrunk = None if side is None and not defer else segment_lora_shrink(x, tables, form=m.lora_form, stream=side)
     if fused is not None and fused in lp:  # fused by fuse_projection_weights, or so in the checkpoint (Phi-3)
         w, b = frozen_weight(lp[fused])
         y = (plain_linear(m.skinny, x, w, b) if isinstance(w, torch.Tensor)
@@ -339,10 +349,25 @@ def projections(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any],
     if batch.dora is not None:  # DoRA rows: g * (x W^T) + bias, before their LoRA (g * B) is added
         apply_dora_rows(outs, names, layer, biases, batch.dora)
     if adapted:
-        if shrunk is not None:
+        if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
+        if defer:
+            if shrunk is not None:  # (None: an empty table, nothing to add)
+                deferred.append((tables, shrunk[0]))
+            return outs
         segment_lora_add(x, tables, outs, backend=m.lora_backend, form=m.lora_form, shrunk=shrunk)
     return outs
+
+
+def swiglu_takes_prefill(m: PagedDecoder, batch: StepBatch) -> bool:
+    """Whether the prefill rows' gate/up LoRA is expanded inside SwiGLU (``PREFILL_SWIGLU``):
+    their tables cover the step (so that kernel writes every row), the split-K form (one summed
+    S), the prefill LoRA's Triton kernels, no DoRA rows; then gate/up's products are written once
+    by the GEMM and the delta never reaches memory."""
+    pre = batch.prefill_lora
+    return (PREFILL_SWIGLU and pre is not None and pre.covering and batch.dora is None
+            and bool(pre.modules.intersection(_GATE_UP[1])) and m.lora_backend == "triton"
+            and (m.lora_form or DEFAULT_FORM) == "splitk")
 
 
 def write_first(m: PagedDecoder, x: torch.Tensor, lp: Mapping[str, Any], group: tuple[str | None, tuple[str, ...]],

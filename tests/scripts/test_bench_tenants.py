@@ -344,3 +344,33 @@ def test_bench_tenants_old_mixed_buffers(tmp_path, monkeypatch):
     assert seen == [("base-new", True, False, "fine"), ("base-old", False, True, "fine")]
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["base-new"]["generated_tokens"] == runs["base-old"]["generated_tokens"]
+
+
+def test_bench_tenants_prefill_expand_and_swiglu_knobs(tmp_path, monkeypatch):
+    """``--splitk-expand held --prefill-swiglu on`` with ``--old prefill-expand,prefill-swiglu``: the
+    new runs take the held expand and gate/up's LoRA inside SwiGLU, the old ones neither; the
+    tokens agree."""
+    from lightning_lorafusion.kernels import lora_segments
+    from lightning_lorafusion.serving import paged_forward
+
+    bench = load_script("bench_tenants")
+    monkeypatch.setattr(lora_segments, "SPLITK_EXPAND", lora_segments.SPLITK_EXPAND)
+    monkeypatch.setattr(paged_forward, "PREFILL_SWIGLU", paged_forward.PREFILL_SWIGLU)
+    seen = []
+    real = bench.TenantsBench.phase
+
+    def phase(self, run, arrivals, trace):
+        seen.append((run, lora_segments.SPLITK_EXPAND, paged_forward.PREFILL_SWIGLU))
+        return real(self, run, arrivals, trace)
+
+    monkeypatch.setattr(bench.TenantsBench, "phase", phase)
+    report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
+                         "--adapters", "3", "--ranks", "4,8", "--prompt-median", "8", "--prompt-max", "20",
+                         "--output-median", "3", "--output-max", "5", "--arrivals", "burst", "--warm-up", "off",
+                         "--runs", "lora", "--variants", "new,old", "--old", "prefill-expand,prefill-swiglu",
+                         "--splitk-expand", "held", "--prefill-swiglu", "on", "--phase-max-s", "3600",
+                         "--out", str(tmp_path)])
+    assert report["errors"] == {}
+    assert seen == [("lora-new", "held", True), ("lora-old", "tile", False)]
+    runs = {r["run"]: r for r in report["runs"]}
+    assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]
