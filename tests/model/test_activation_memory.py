@@ -462,8 +462,8 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
     memory a forward leaves allocated drops, per mode (also with ``norm_recompute``), by exactly
     what the accounting says the setting keeps less of; backward then gives the keeping path's
-    gradients (bf16: the compiled activation's forward-only and training graphs, and the fused
-    add + norm against the separate ones, may round differently)."""
+    gradients to bf16 rounding (the compiled activation's forward-only and training graphs, and the
+    fused add + norm against the norm alone that rebuilds its output, may round differently)."""
     config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
                                             "head_dim": 64, "vocab_size": 512})
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
@@ -506,9 +506,14 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     for setting in settings[1:]:
         assert kept[plain] - kept[setting] == config.num_layers * t * (per_layer[plain] - per_layer[setting]), kept
         for a, b in zip(grads[setting], grads[plain]):
-            # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
-            # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
+            # bf16: any change in the last bit (the compiled activation's forward-only graph; with
+            # "gate_up" + norms, gate/up rerun on a rebuilt norm output that the fused add + norm may
+            # round differently) moves every gradient before it by bf16 rounding, where single
+            # elements go far off. So the bar is on each tensor's norm: on the CPU (bf16, the fused
+            # add + norm stood in for, scripts/check_recompute_gradients.py) "gate_up" + norms lands
+            # 1.1e-2 from the keeping step, the keeping step with the norm of the unrounded sum 1.5e-2
+            # from the one with the rounded sum (both correct), a rebuild off by one row 1.4
+            assert (a - b).norm() <= 5e-2 * b.norm(), (setting, float((a - b).norm() / b.norm()))
 
 
 def test_repeated_kv_are_rebuilt_not_kept():
