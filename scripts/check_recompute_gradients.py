@@ -73,7 +73,7 @@ def build(a: argparse.Namespace, device: str, dtype: torch.dtype, base: str):
     return config, params, bank
 
 
-def step(config, params, bank, setting, fusion: str, backend: str, tokens: int):
+def step(config, params, bank, setting, fusion: str, backend: str, tokens: int, wrong_rebuild: bool = False):
     """One step's per-adapter losses and LoRA gradients (fp32 copies)."""
     device = next(bank.parameters()).device
     for p in bank.parameters():
@@ -87,11 +87,32 @@ def step(config, params, bank, setting, fusion: str, backend: str, tokens: int):
     pos = torch.cat([torch.arange(quarter), torch.arange(quarter), torch.arange(tokens - 2 * quarter)]).to(device)
     options = DecoderOptions(elementwise_fusion={"split": "on", "unrounded": "off"}.get(fusion, fusion),
                              mlp_recompute=setting[0], norm_recompute=setting[1])
-    with add_norm_variant(fusion):
+    with add_norm_variant(fusion), (rows_off_by_one() if wrong_rebuild else contextlib.nullcontext()):
         loss = forward_loss_sums(params, bank.view(), ids, labels, pos, cu, routing, config=config, backend=backend,
                                  options=options)
         (loss / tokens).sum().backward()
     return loss.detach().float(), {n: p.grad.float().clone() for n, p in bank.named_parameters()}
+
+
+@contextlib.contextmanager
+def rows_off_by_one():
+    """Within, a deliberately wrong rebuild: the rebuilt norm output is read one row off (what a
+    rebuild token pointing at the wrong tensor or view would give), to show a real error's size."""
+    from lightning_lorafusion.model import decoder as dec
+    from lightning_lorafusion.model.rebuilt_copies import rebuilt_in_backward
+
+    rebuilt_norm = dec._rebuilt_norm
+
+    def wrong(enabled, x, norm, h, weight, eps):
+        if not enabled:
+            return contextlib.nullcontext()
+        return rebuilt_in_backward(x, lambda source: norm(source, weight, eps).roll(1, 0).contiguous(), h)
+
+    dec._rebuilt_norm = wrong
+    try:
+        yield
+    finally:
+        dec._rebuilt_norm = rebuilt_norm
 
 
 def unrounded_add_rms_norm(h: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -153,6 +174,8 @@ def main(argv=None) -> Report:
                     "kernels always do)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--fp32-reference", action="store_true")
+    ap.add_argument("--wrong-rebuild", action="store_true",
+                    help="rebuild the norm outputs one row off (a deliberate error, to size a real one)")
     ap.add_argument("--device", default=default_device())
     add_output_args(ap)
     a = ap.parse_args(argv)
@@ -182,7 +205,8 @@ def main(argv=None) -> Report:
                 first[base], first_loss[base] = plain, plain_loss
             for setting in SETTINGS:
                 loss, grads = (plain_loss, plain) if setting == PLAIN else step(config, params, bank, setting,
-                                                                                 fusion, backend, a.tokens)
+                                                                                 fusion, backend, a.tokens,
+                                                                                 a.wrong_rebuild)
                 row = {"base": base, "fusion": fusion, "mlp_recompute": setting[0], "norms": setting[1],
                        "loss_gap": float((loss - plain_loss).abs().max() / plain_loss.abs().max()),
                        **gaps(grads, plain)}

@@ -13,9 +13,13 @@ projection's LoRA ``dA``). At an 8B shape they are most of a layer's activations
   and the activation.
 
 The rest of the graph is unchanged: the down projection saves a token instead of ``mid``
-(``saved_tensors_hooks``) and the activation is a small autograd Function whose saved tensors
-are only what the mode keeps. Recomputation runs the same functions on the same inputs
-(dropout masks are hashes of seed and offset), so it gives the forward's values bit for bit.
+(``saved_tensors_hooks``) and the activation is a small autograd Function holding only what the
+mode keeps, once, packed by the enclosing saved-tensor hooks like any saved tensor. Recomputation
+runs the same functions on the same inputs (dropout masks are hashes of seed and offset), so it
+gives the forward's values bit for bit; with the norm outputs rebuilt too (``rebuilt_copies.py``)
+"gate_up" reruns gate/up on the rebuilt one, which a compiled fused residual add + norm may round
+differently in the last bit, and then ``g``, ``u`` and the gradients before them differ from the
+keeping path's by bf16 rounding.
 """
 
 from __future__ import annotations
