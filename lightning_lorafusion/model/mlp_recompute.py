@@ -13,9 +13,13 @@ projection's LoRA ``dA``). At an 8B shape they are most of a layer's activations
   and the activation.
 
 The rest of the graph is unchanged: the down projection saves a token instead of ``mid``
-(``saved_tensors_hooks``) and the activation is a small autograd Function whose saved tensors
-are only what the mode keeps. Recomputation runs the same functions on the same inputs
-(dropout masks are hashes of seed and offset), so it gives the forward's values bit for bit.
+(``saved_tensors_hooks``) and the activation is a small autograd Function holding only what the
+mode keeps, once, packed by the enclosing saved-tensor hooks like any saved tensor. Recomputation
+runs the same functions on the same inputs (dropout masks are hashes of seed and offset), so it
+gives the forward's values bit for bit; with the norm outputs rebuilt too (``rebuilt_copies.py``)
+"gate_up" reruns gate/up on the rebuilt one, which a compiled fused residual add + norm may round
+differently in the last bit, and then ``g``, ``u`` and the gradients before them differ from the
+keeping path's by bf16 rounding.
 """
 
 from __future__ import annotations
@@ -45,20 +49,33 @@ class _Rebuilt:
 
     def __init__(self, act: Activation, gate_up: GateUp | None) -> None:
         self.act, self.gate_up_fn = act, gate_up
-        self.kept: tuple[torch.Tensor, ...] = ()
+        self._packed: tuple = ()  # the kept tensors as the enclosing saved-tensor hooks packed them
+        self._outer = None
         self._gu: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mid: torch.Tensor | None = None  # the rebuilt act(g, u), attached to self._leaves
         self._leaves: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def keep(self, kept: tuple[torch.Tensor, ...]) -> None:
+        """Hold ``kept`` until backward through the saved-tensor hooks in force (a norm rebuilt in
+        backward, an offloading or counting context): held as plain tensors they would stay
+        alive whatever those hooks do with them."""
+        self._outer = enclosing_saved_tensor_hooks()
+        self._packed = kept if self._outer is None else tuple(self._outer[0](t) for t in kept)
+
+    @property
+    def kept(self) -> tuple[torch.Tensor, ...]:
+        return self._packed if self._outer is None else tuple(self._outer[1](p) for p in self._packed)
+
     def gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._gu is None and not self.kept:
+        if self._gu is None and not self._packed:
             raise RuntimeError(_SECOND_BACKWARD)
         if self._gu is None:
+            kept = self.kept
             if self.gate_up_fn is None:  # "activation": g and u were kept
-                self._gu = (self.kept[0], self.kept[1])
+                self._gu = (kept[0], kept[1])
             else:
                 with torch.no_grad():
-                    self._gu = self.gate_up_fn(self.kept[0])
+                    self._gu = self.gate_up_fn(kept[0])
         return self._gu
 
     def _rebuild(self) -> None:
@@ -82,7 +99,7 @@ class _Rebuilt:
         return torch.autograd.grad(mid, leaves, dmid)
 
     def release(self) -> None:
-        self.kept, self._gu, self._mid, self._leaves = (), None, None, None
+        self._packed, self._gu, self._mid, self._leaves = (), None, None, None
 
 
 class _MidToken:
@@ -98,15 +115,14 @@ class _MidToken:
 
 
 class _GatedActivation(torch.autograd.Function):
-    """``act(g, u)`` saving only what the mode keeps: ``g, u`` ("activation") or the MLP input
-    ``x`` ("gate_up"); ``x`` is an input only so that its saving is seen like any other."""
+    """``act(g, u)`` keeping only what the mode keeps: ``g, u`` ("activation") or the MLP input
+    ``x`` ("gate_up"), once, in ``rebuilt`` (the down projection's backward rebuilds ``mid``
+    before this backward runs), packed by the enclosing saved-tensor hooks like any saved tensor."""
 
     @staticmethod
     def forward(ctx, g, u, x, rebuilt: _Rebuilt):
         ctx.rebuilt = rebuilt
-        kept = (g, u) if rebuilt.gate_up_fn is None else (x,)
-        ctx.save_for_backward(*kept)
-        rebuilt.kept = kept
+        rebuilt.keep((g, u) if rebuilt.gate_up_fn is None else (x,))
         return rebuilt.act(g, u)
 
     @staticmethod
@@ -114,7 +130,6 @@ class _GatedActivation(torch.autograd.Function):
         rebuilt, ctx.rebuilt = ctx.rebuilt, None
         if rebuilt is None:
             raise RuntimeError(_SECOND_BACKWARD)
-        rebuilt.kept = ctx.saved_tensors
         dg, du = rebuilt.grads(dmid)
         return dg, du, None, None
 

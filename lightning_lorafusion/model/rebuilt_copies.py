@@ -79,5 +79,10 @@ def rebuilt_in_backward(x: torch.Tensor, rebuild: Callable[[torch.Tensor], torch
             return saved.tensor()
         return saved if outer is None else outer[1](saved)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        # torch keeps ``pack`` with every tensor saved within, so its closure's ``source`` would
+        # stay alive whatever the enclosing hooks did with it (e.g. moved it to the host)
+        source = None

@@ -5,10 +5,14 @@ with fewer bytes kept, by what the accounting says."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import shutil
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lorafusion.model import decoder as dec
 from lightning_lorafusion.model.activation_memory import layer_saved_bytes, step_activation_bytes
@@ -390,14 +394,76 @@ def test_recomputed_mlp_with_the_compiled_activation():
             assert torch.equal(a, b), (mode, norms)
 
 
+class _CreatedStorages(TorchDispatchMode):
+    """Within: a weak reference to every storage an op allocates (outputs that alias an input,
+    such as views and in-place results, allocate none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[tuple[StorageWeakRef, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    self.created.append((StorageWeakRef(s), s.data_ptr(), s.nbytes()))
+        return out
+
+
+@pytest.mark.parametrize("mode,norms", [("activation", False), ("gate_up", True)])
+def test_recomputation_holds_what_it_keeps_only_through_the_saved_tensor_hooks(mode, norms):
+    """Under saved-tensor hooks that copy what they pack (as offloading to the host does), no
+    storage the forward allocated stays alive but those copies and the output: the kept ``g, u``
+    or MLP input and the rebuilt norms' inputs are held once, through the hooks, not also as
+    plain references (which the hooks could neither count, move nor free). Backward through the
+    copies gives the keeping step's LoRA gradients bit for bit."""
+    config = _config(1)
+    params = random_base_params(config, device="cpu", dtype=torch.float32)
+    bank = _bank(config, dropout=0.1)
+    t = 32
+    routing = bank.routing([(0, 16, 0), (16, t, 1)], 0, t)
+    h = embed(params, torch.arange(t))
+
+    def step(mode, norms, hooks):
+        held: set[int] = set()
+
+        def pack(x):
+            copy = x.clone()
+            held.add(copy.untyped_storage().data_ptr())
+            return copy
+
+        for p in bank.parameters():
+            p.grad = None
+        view, allocations = bank.view(), _CreatedStorages()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x) if hooks else contextlib.nullcontext():
+            with allocations:
+                out = decoder_layers(params, view, h, torch.arange(t), torch.tensor([0, t], dtype=torch.int32),
+                                     routing, config=config, backend="torch",
+                                     options=DecoderOptions(elementwise_fusion="off", mlp_recompute=mode,
+                                                            norm_recompute=norms))
+        gc.collect()
+        held.add(out.untyped_storage().data_ptr())
+        unheld = {ptr: n for ref, ptr, n in allocations.created if not ref.expired() and ptr not in held}
+        out.pow(2).sum().backward()
+        return unheld, [p.grad.clone() for p in bank.parameters()]
+
+    unheld, grads = step(mode, norms, hooks=True)
+    assert not unheld, f"{sum(unheld.values())} bytes alive beside the hooks"
+    _, ref_grads = step("none", False, hooks=False)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory is measured on a CUDA GPU")
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
     """bf16 on a GPU (fused kernels, FlashAttention, compiled norms and activation): the device
     memory a forward leaves allocated drops, per mode (also with ``norm_recompute``), by exactly
     what the accounting says the setting keeps less of; backward then gives the keeping path's
-    gradients (bf16: the compiled activation's forward-only and training graphs, and the fused
-    add + norm against the separate ones, may round differently)."""
+    gradients to bf16 rounding (the compiled activation's forward-only and training graphs, and the
+    fused add + norm against the norm alone that rebuilds its output, may round differently)."""
     config = DecoderConfig(num_layers=4, **{**CONFIG, "hidden_size": 256, "intermediate_size": 1024,
                                             "head_dim": 64, "vocab_size": 512})
     params = random_base_params(config, device="cuda", dtype=torch.bfloat16, std=0.05)
@@ -435,11 +501,19 @@ def test_gpu_memory_kept_after_forward_drops_by_the_accounting(base):
                  for s in settings}
     plain = ("none", False)
     for setting in settings[1:]:
+        gap = max(float((a - b).norm() / b.norm()) for a, b in zip(grads[setting], grads[plain]))
+        print(f"{base} {setting}: kept {kept[setting]} B, largest gradient gap |a - b| / |b| {gap:.2e}")
+    for setting in settings[1:]:
         assert kept[plain] - kept[setting] == config.num_layers * t * (per_layer[plain] - per_layer[setting]), kept
         for a, b in zip(grads[setting], grads[plain]):
-            # bf16 recomputation rounds differently from the kept tensors: elements near zero get an
-            # absolute bar scaled to the gradient's size (a wrong recompute is off by its whole size)
-            torch.testing.assert_close(a, b, rtol=2e-2, atol=max(1e-4, 2e-3 * float(b.abs().max())))
+            # bf16: any change in the last bit (the compiled activation's forward-only graph; with
+            # "gate_up" + norms, gate/up rerun on a rebuilt norm output that the fused add + norm may
+            # round differently) moves every gradient before it by bf16 rounding, where single
+            # elements go far off. So the bar is on each tensor's norm: on the CPU (bf16, the fused
+            # add + norm stood in for, scripts/check_recompute_gradients.py) "gate_up" + norms lands
+            # 1.1e-2 from the keeping step, the keeping step with the norm of the unrounded sum 1.5e-2
+            # from the one with the rounded sum (both correct), a rebuild off by one row 1.4
+            assert (a - b).norm() <= 5e-2 * b.norm(), (setting, float((a - b).norm() / b.norm()))
 
 
 def test_repeated_kv_are_rebuilt_not_kept():

@@ -491,7 +491,8 @@ def _fp8_tensor_cores() -> bool:
     (False, "bf16", False, "gate_up", False, "checkpointed"), (2, "bf16", False, "activation", False, "checkpointed"),
     (False, "bf16", False, "activation", True, "checkpointed"), (False, "nf4", False, "activation", True, "checkpointed"),
     (False, "bf16", False, "none", False, "fused"),
-    (False, "nf4", False, "activation", {"mlp_recompute_layers": 1, "norm_recompute_layers": 2}, "checkpointed")])
+    (False, "nf4", False, "activation", {"mlp_recompute_layers": 1, "norm_recompute_layers": 2}, "checkpointed"),
+    (False, "nf4", False, "gate_up", True, "checkpointed")])
 def test_replayed_graphs_train_like_eager_steps(checkpoint_layers, base_precision, dora, mlp_recompute, norms,
                                                 lm_head_loss):
     """Captured + replayed training steps against eager steps from the same start, bf16,
