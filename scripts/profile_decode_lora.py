@@ -177,7 +177,8 @@ MODES = {
     "g128_r64": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64},
     # the engine's decode steps ("wide": every shrink beside its GEMM, EngineTuning.decode_lora_beside)
     # with the grouped shrink from 32 rows, the hybrid expands from 32 rows (groups of 2+ rows by
-    # one dot each, in the per-row launch; "sep": a launch of their own; "g4": groups of 4+ rows)
+    # one dot each, in the per-row launches; "sep": launches of their own, q/k/v per row; "g4":
+    # groups of 4+ rows)
     "wide": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
     "wide_g32": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32},
     "wide_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "HYBRID_MIN_ROWS": 32},
@@ -186,10 +187,16 @@ MODES = {
                          "HYBRID_MIN_ROWS": 32, "HYBRID_FUSED": False},
     "wide_g32_hyb_g4": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
                         "HYBRID_MIN_ROWS": 32, "HYBRID_MIN_GROUP": 4},
+    # the hybrid launches with Triton's default pipelining stages (3) instead of 1
+    "wide_g32_hyb_st3": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                         "HYBRID_MIN_ROWS": 32, "HYBRID_STAGES": None},
+    # the hybrid with q/k/v's LoRA per row (HYBRID_QKV off)
+    "wide_g32_hyb_noqkv": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                           "HYBRID_MIN_ROWS": 32, "HYBRID_QKV": False},
 }
 BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
                "beside256_shrinks", "wide", "wide_g32", "wide_hyb", "wide_g32_hyb", "wide_g32_hyb_sep",
-               "wide_g32_hyb_g4")  # (the case's rank bound)
+               "wide_g32_hyb_g4", "wide_g32_hyb_noqkv", "wide_g32_hyb_st3")  # (the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # settings off in every mode that does not name them (the others take the module's default)
 OFF_UNLESS_NAMED = ("BESIDE_MAX_ROWS",)

@@ -125,32 +125,42 @@ def _rope_kv_kernel(
     least ``min_group`` rows (``_rope_group``: one dot per head and projection for the group's
     rows, B^T read once), the rows' own programs nothing for them."""
     head = tl.program_id(1)
-    if tl.program_id(0) < slots:
-        t = tl.program_id(0)
-        start = tl.load(groups_ptr + t)
-        end = tl.load(groups_ptr + groups_stride + t)
-        if end - start >= tl.maximum(min_group, 1):
-            if GDC:
-                gdc_wait()
-            _rope_group(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
-                        cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
-                        pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows,
-                        k_blocks, groups_stride, b_g_stride, r_g_stride, start, end, head,
-                        HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
-                        PASS=PASS, BLOCK_PASS=BLOCK_PASS, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
-                        BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+    pid = tl.program_id(0)
+    if HYBRID:  # (compiled only where taken: the other launches keep their registers)
+        if pid < slots:
+            start = tl.load(groups_ptr + pid)
+            end = tl.load(groups_ptr + groups_stride + pid)
+            if end - start >= tl.maximum(min_group, 1):
+                if GDC:
+                    gdc_wait()
+                _rope_group(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                            cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                            pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows,
+                            k_blocks, groups_stride, b_g_stride, r_g_stride, start, end, head,
+                            HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF,
+                            BLOCK_ROT=BLOCK_ROT, PASS=PASS, BLOCK_PASS=BLOCK_PASS, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                            BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        else:
+            row = row0 + pid - slots
+            grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
+                                       HYBRID=True)
+            if (slots == 0) | (grouped == 0):
+                _rope_row(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                          cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                          pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride,
+                          r_g_stride, row, lrow, head,
+                          HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
+                          PASS=PASS, BLOCK_PASS=BLOCK_PASS, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
+                          BLOCK_KB=BLOCK_KB, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
     else:
-        row = row0 + tl.program_id(0) - slots
-        grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
-                                   HYBRID=HYBRID)
-        if (slots == 0) | (grouped == 0):
-            _rope_row(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
-                      cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
-                      pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride,
-                      r_g_stride, row, lrow, head,
-                      HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
-                      PASS=PASS, BLOCK_PASS=BLOCK_PASS, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
-                      BLOCK_KB=BLOCK_KB, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+        row = row0 + pid
+        _rope_row(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                  cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                  pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride,
+                  r_g_stride, row, row - first_row, head,
+                  HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
+                  PASS=PASS, BLOCK_PASS=BLOCK_PASS, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
+                  BLOCK_KB=BLOCK_KB, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
 
 
 @triton.jit
@@ -419,26 +429,34 @@ def _swiglu_kernel(
     pid = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
-    if pid < slots:
-        start = tl.load(groups_ptr + pid)
-        end = tl.load(groups_ptr + groups_stride + pid)
-        if end - start >= tl.maximum(min_group, 1):
-            if GDC:
-                gdc_wait()
-            swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
-                         scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks, groups_stride, b_g_stride,
-                         r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
-                         BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+    if HYBRID:  # (compiled only where taken: the other launches keep their registers)
+        if pid < slots:
+            start = tl.load(groups_ptr + pid)
+            end = tl.load(groups_ptr + groups_stride + pid)
+            if end - start >= tl.maximum(min_group, 1):
+                if GDC:
+                    gdc_wait()
+                swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
+                             rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks, groups_stride,
+                             b_g_stride, r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                             BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        else:
+            row = row0 + pid - slots
+            grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
+                                       HYBRID=True)
+            if (slots == 0) | (grouped == 0):
+                _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
+                            rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, lrow,
+                            offs, ok, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, AHEAD=AHEAD,
+                            NX_BLOCK_R=NX_BLOCK_R, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
     else:
-        row = row0 + pid - slots
-        grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
-                                   HYBRID=HYBRID)
-        if (slots == 0) | (grouped == 0):
-            _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
-                        scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, lrow, offs, ok,
-                        nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
-                        HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, AHEAD=AHEAD,
-                        NX_BLOCK_R=NX_BLOCK_R, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+        row = row0 + pid
+        _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                    scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, row - first_row, offs, ok,
+                    nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+                    HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, AHEAD=AHEAD,
+                    NX_BLOCK_R=NX_BLOCK_R, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
 
 
 @triton.jit
@@ -763,5 +781,5 @@ def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_war
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
         ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, HALF_S=_gather.expand_half_s(out.dtype),
-        num_warps=_gather.GROUPED_EXPAND_WARPS,
+        num_warps=_gather.GROUPED_EXPAND_WARPS, **(_gather.hybrid_stages() if min_rows > 1 else {}),
     )

@@ -158,6 +158,10 @@ HYBRID_MIN_ROWS: int | None = None
 HYBRID_MIN_GROUP = 2
 HYBRID_FUSED = True
 HYBRID_QKV = True
+# the hybrid launches' software-pipelining stages (None: Triton's default, 3): with 3 the group
+# programs' rank loop staged its B^T tiles and unrolled partial sums ahead, 72 KB of shared memory
+# for o's / down's expand (sm_90 compile), against 8-16 KB with 1 (the per-row launches: none)
+HYBRID_STAGES: int | None = 1
 
 # Programmatic dependent launch (Hopper and later, ``pdl_options``): the shrink lets the kernel
 # launched after it start as soon as all of its programs have started, and that kernel (the
@@ -302,7 +306,12 @@ def hybrid_expand_options(rows: int, groups: torch.Tensor | None, out_dtype: tor
     slots = hybrid_slots(groups) if HYBRID_FUSED else 0
     return ((rows, groups, groups.stride(0), slots, HYBRID_MIN_GROUP),
             {"HYBRID": True, "BLOCK_M": group_block_m(), "DOT_PRECISION": expand_dot_precision(out_dtype),
-             "HALF_S": expand_half_s(out_dtype)}, slots)
+             "HALF_S": expand_half_s(out_dtype), **hybrid_stages()}, slots)
+
+
+def hybrid_stages() -> dict:
+    """The hybrid launches' ``num_stages`` option (``HYBRID_STAGES``; none: Triton's default)."""
+    return {} if HYBRID_STAGES is None else {"num_stages": HYBRID_STAGES}
 
 
 def expand_dot_precision(dtype: torch.dtype) -> str:
@@ -601,6 +610,7 @@ def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
         ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, HALF_S=expand_half_s(out.dtype), num_warps=GROUPED_EXPAND_WARPS,
+        **(hybrid_stages() if min_rows > 1 else {}),
     )
 
 

@@ -76,41 +76,66 @@ def _lora_expand_kernel(
     with no slots the row's program treats it as rank 0 (a grouped launch after this one adds it).
     """
     pid = tl.program_id(0)
-    nb = tl.program_id(1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if pid < slots:
-        start = tl.load(groups_ptr + pid)
-        end = tl.load(groups_ptr + groups_stride + pid)
-        if end - start >= tl.maximum(min_group, 1):
-            if GDC:
-                gdc_wait()
-            grow, m_ok, rank_in, delta = lora_group_delta(
-                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
-                groups_stride, 0, 0, N, offs_n, n_ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                HALF_S=HALF_S)
-            delta = tl.where(rank_in > MAX_R, float("nan"), delta)
-            ptrs = out_ptr + grow[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-            if ACCUMULATE:
-                live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
-                delta += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-            else:
-                live = m_ok[:, None] & n_ok[None, :]
-            tl.store(ptrs, delta.to(out_ptr.dtype.element_ty), mask=live)
+    if HYBRID:  # (compiled only where taken: the per-row launches keep their registers)
+        if pid < slots:
+            _expand_group(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride,
+                          rows, groups_ptr, groups_stride, pid, min_group, offs_n, n_ok,
+                          ACCUMULATE=ACCUMULATE, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, GDC=GDC,
+                          BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        else:
+            grouped, lrow = hybrid_row(pid - slots, groups_ptr + 3 * groups_stride, rows, min_group, HYBRID=True)
+            if (slots == 0) | (grouped == 0):
+                _expand_row(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride,
+                            rows, pid - slots, lrow, offs_n, n_ok, ACCUMULATE=ACCUMULATE, MAX_R=MAX_R,
+                            BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
     else:
-        row = pid - slots
-        grouped, lrow = hybrid_row(row, groups_ptr + 3 * groups_stride, rows, min_group, HYBRID=HYBRID)
-        if (slots == 0) | (grouped == 0):
-            rank_in, rank, b_off, scale, part_row = lora_row_tables(
-                b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows, k_blocks, 0, 0, MAX_R)
-            acc = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
-                             MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
-            acc = tl.where(rank_in > MAX_R, float("nan"), acc)
-            out_ptrs = out_ptr + row.to(tl.int64) * out_stride + offs_n
-            if ACCUMULATE:
-                live = n_ok & (rank_in > 0)
-                acc += tl.load(out_ptrs, mask=live, other=0.0).to(tl.float32)
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
-            else:
-                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        _expand_row(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride, rows,
+                    pid, pid, offs_n, n_ok, ACCUMULATE=ACCUMULATE, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                    PRELOAD=PRELOAD, GDC=GDC)
+
+
+@triton.jit
+def _expand_row(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride, rows, row,
+                lrow, offs_n, n_ok, ACCUMULATE: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_KB: tl.constexpr, PRELOAD: tl.constexpr, GDC: tl.constexpr):
+    """``_lora_expand_kernel``'s program for row ``row`` (its LoRA that of ``lrow``: -1, none)."""
+    rank_in, rank, b_off, scale, part_row = lora_row_tables(
+        b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, rows, k_blocks, 0, 0, MAX_R)
+    acc = lora_delta(part_row, pool_ptr, b_off, rank, scale, N, offs_n, n_ok, k_blocks,
+                     MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
+    acc = tl.where(rank_in > MAX_R, float("nan"), acc)
+    out_ptrs = out_ptr + row.to(tl.int64) * out_stride + offs_n
+    if ACCUMULATE:
+        live = n_ok & (rank_in > 0)
+        acc += tl.load(out_ptrs, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _expand_group(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride, rows,
+                  groups_ptr, groups_stride, t, min_group, offs_n, n_ok, ACCUMULATE: tl.constexpr,
+                  MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, GDC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr):
+    """``_lora_expand_kernel``'s program for group t (nothing for a group under ``min_group`` rows)."""
+    start = tl.load(groups_ptr + t)
+    end = tl.load(groups_ptr + groups_stride + t)
+    if end - start >= tl.maximum(min_group, 1):
+        if GDC:
+            gdc_wait()
+        grow, m_ok, rank_in, delta = lora_group_delta(
+            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+            groups_stride, 0, 0, N, offs_n, n_ok,
+            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+            HALF_S=HALF_S)
+        delta = tl.where(rank_in > MAX_R, float("nan"), delta)
+        ptrs = out_ptr + grow[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+        if ACCUMULATE:
+            live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
+            delta += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+        else:
+            live = m_ok[:, None] & n_ok[None, :]
+        tl.store(ptrs, delta.to(out_ptr.dtype.element_ty), mask=live)
