@@ -441,7 +441,8 @@ class TenantsBench:
         256 rows only (``OLD_HYBRID_KNOBS``: no hybrid expands, ``HYBRID_MIN_ROWS`` None)."""
         if not hasattr(self, "decode_knobs"):
             names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK",
-                     "BESIDE_MAX_ROWS", "HYBRID_FUSED", "HYBRID_MIN_GROUP") + tuple(OLD_GROUPED_KNOBS) + tuple(OLD_HYBRID_KNOBS)
+                     "BESIDE_MAX_ROWS", "HYBRID_FUSED", "HYBRID_MIN_GROUP")
+            names += tuple(OLD_GROUPED_KNOBS) + tuple(OLD_HYBRID_KNOBS)
             names = tuple(dict.fromkeys(names))
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)

@@ -177,8 +177,8 @@ MODES = {
     "g128_r64": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64},
     # the engine's decode steps ("wide": every shrink beside its GEMM, EngineTuning.decode_lora_beside)
     # with the grouped shrink from 32 rows, the hybrid expands from 32 rows (groups of 2+ rows by
-    # one dot each, in the per-row launches; "sep": launches of their own, q/k/v per row; "g4":
-    # groups of 4+ rows)
+    # one dot each, in the per-row launches of o, down and SwiGLU; "sep": launches of their own;
+    # "g4": groups of 4+ rows)
     "wide": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
     "wide_g32": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32},
     "wide_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "HYBRID_MIN_ROWS": 32},
@@ -190,13 +190,15 @@ MODES = {
     # the hybrid launches with Triton's default pipelining stages (3) instead of 1
     "wide_g32_hyb_st3": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
                          "HYBRID_MIN_ROWS": 32, "HYBRID_STAGES": None},
-    # the hybrid with q/k/v's LoRA per row (HYBRID_QKV off)
-    "wide_g32_hyb_noqkv": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
-                           "HYBRID_MIN_ROWS": 32, "HYBRID_QKV": False},
+    # the hybrid with q/k/v's groups in the RoPE + KV epilogue too (HYBRID_QKV); its group programs'
+    # columns 256 at a time instead of 64 (HYBRID_GROUP_N)
+    "wide_g32_hyb_qkv": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                         "HYBRID_MIN_ROWS": 32, "HYBRID_QKV": True},
+    "wide_g32_hyb_n256": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                          "HYBRID_MIN_ROWS": 32, "HYBRID_GROUP_N": 256},
 }
 BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
-               "beside256_shrinks", "wide", "wide_g32", "wide_hyb", "wide_g32_hyb", "wide_g32_hyb_sep",
-               "wide_g32_hyb_g4", "wide_g32_hyb_noqkv", "wide_g32_hyb_st3")  # (the case's rank bound)
+               "beside256_shrinks") + tuple(m for m in MODES if m.startswith("wide"))  # (the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # settings off in every mode that does not name them (the others take the module's default)
 OFF_UNLESS_NAMED = ("BESIDE_MAX_ROWS",)
@@ -553,7 +555,8 @@ def graph_tables(rows: list[dict]) -> list[str]:
             lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
                          f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
                          f"| {fmt(g.get('gap_us'))} |")
-            if m["mode"] in ("old", "engine", "bound", "beside", "wide", "wide_g32_hyb") and g.get("timeline"):
+            if m["mode"] in ("old", "engine", "bound", "beside", "wide", "wide_g32_hyb", "wide_g32_hyb_qkv") \
+                    and g.get("timeline"):
                 timelines += [f"\n{name}, {m['mode']}: one captured layer, node by node",
                               "| node | grid | µs | gap before µs |", "|---|---|---|---|"]
                 timelines += [f"| {t['kernel'][:48]} | {'x'.join(map(str, t['grid'] or []))} | {t['us']:.1f} "

@@ -416,6 +416,7 @@ def _swiglu_kernel(
     BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr, PAIR: tl.constexpr,
     PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False, HYBRID: tl.constexpr = False,
     BLOCK_M: tl.constexpr = 16, DOT_PRECISION: tl.constexpr = "ieee", HALF_S: tl.constexpr = False,
+    GROUP_N: tl.constexpr = 16,
 ):
     """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
     first; silu rounded before the product, as the eager ops do. AHEAD (a launch over the LoRA
@@ -436,10 +437,13 @@ def _swiglu_kernel(
             if end - start >= tl.maximum(min_group, 1):
                 if GDC:
                     gdc_wait()
-                swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
-                             rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks, groups_stride,
-                             b_g_stride, r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
-                             BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+                for c in range(0, BLOCK_N, GROUP_N):  # (GROUP_N columns at a time: fewer live registers)
+                    cols = tl.program_id(1) * BLOCK_N + c + tl.arange(0, GROUP_N)
+                    swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
+                                 rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks,
+                                 groups_stride, b_g_stride, r_g_stride, start, end, cols, cols < N, MAX_R=MAX_R,
+                                 BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                                 HALF_S=HALF_S)
         else:
             row = row0 + pid - slots
             grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
@@ -718,8 +722,10 @@ def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | N
     no_groups, _, _ = _gather.hybrid_expand_options(0, None, out.dtype, out)
     for row0, rows, with_lora in _row_launches(t, lora):
         args, meta = gathered if with_lora else plain
-        groups_args, groups_meta, slots = (_gather.hybrid_expand_options(rows, lora.groups, out.dtype, out)
-                                           if with_lora else (no_groups, {}, 0))
+        groups_args, groups_meta, slots = (no_groups, {}, 0)
+        if with_lora:
+            groups_args, groups_meta, slots = _gather.hybrid_expand_options(
+                rows, lora.groups, out.dtype, out, _gather.expand_block_n(gate.device, rows, block_n))
         groups_args = groups_args[1:]  # (the kernel has its rows already: lora_rows)
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)

@@ -147,21 +147,28 @@ GROUPED_EXPAND_DOT: str | None = None
 
 # Hybrid expands (one launch, whatever the step's adapters): from this many decode rows (None:
 # never) with groups given, the expands (``lora_gather``'s, o's and down's beside, SwiGLU's LoRA
-# rows, q/k/v's in the RoPE epilogue) read each group of at least ``HYBRID_MIN_GROUP`` rows' B^T
+# rows; with ``HYBRID_QKV`` q/k/v's in the RoPE epilogue) read each group of at least ``HYBRID_MIN_GROUP`` rows' B^T
 # once, a tensor-core dot for the group's rows (``lora_group_delta``), while the rows alone on
 # their adapter (or in smaller groups) keep the per-row arithmetic. The groups table says which
 # rows go which way (``adapter_groups``' fourth row), read on the device: a step of one adapter
 # and a step of 64 take the same captured kernels. HYBRID_FUSED: the group programs are extra
 # programs of the per-row launch (no launch more); else a launch of their own after it (q/k/v's
-# then stay per row). HYBRID_QKV: q/k/v's in the RoPE + KV epilogue (group programs per head)
+# then stay per row). HYBRID_QKV: q/k/v's in the RoPE + KV epilogue too (group programs per head;
+# off: in an sm_90 compile its group path took the launch from 64 to 168 registers a thread, with
+# spills, which its per-row programs would run at)
 HYBRID_MIN_ROWS: int | None = None
 HYBRID_MIN_GROUP = 2
 HYBRID_FUSED = True
-HYBRID_QKV = True
+HYBRID_QKV = False
 # the hybrid launches' software-pipelining stages (None: Triton's default, 3): with 3 the group
 # programs' rank loop staged its B^T tiles and unrolled partial sums ahead, 72 KB of shared memory
 # for o's / down's expand (sm_90 compile), against 8-16 KB with 1 (the per-row launches: none)
 HYBRID_STAGES: int | None = 1
+# the group programs' columns per dot (at most the launch's column block; a power of two, at
+# least 16): a [16, 256] fp32 delta and its B^T tile held the fused expand at 158 registers a
+# thread in an sm_90 compile (the per-row path alone: 64); narrower, the launch's per-row programs
+# keep more of their occupancy (``scripts/compile_decode_lora.py``)
+HYBRID_GROUP_N = 64
 
 # Programmatic dependent launch (Hopper and later, ``pdl_options``): the shrink lets the kernel
 # launched after it start as soon as all of its programs have started, and that kernel (the
@@ -296,17 +303,20 @@ def hybrid_slots(groups: torch.Tensor) -> int:
 
 
 def hybrid_expand_options(rows: int, groups: torch.Tensor | None, out_dtype: torch.dtype,
-                          stand_in: torch.Tensor) -> tuple[tuple, dict, int]:
+                          stand_in: torch.Tensor, block_n: int | None = None) -> tuple[tuple, dict, int]:
     """(a per-row kernel's group arguments, its hybrid constexprs, its group programs) for a
     launch over ``rows`` rows: the hybrid's where ``hybrid_applies`` (with ``HYBRID_FUSED`` the
     group programs in this launch; else 0 of them: a grouped launch follows), else none
-    (``stand_in``, any tensor on the device, for the table nothing reads)."""
+    (``stand_in``, any tensor on the device, for the table nothing reads). ``block_n``: the
+    launch's column block, which its group programs walk ``HYBRID_GROUP_N`` at a time (None: the
+    launch has no column blocks)."""
     if not hybrid_applies(rows, groups):
         return (rows, stand_in, 0, 0, 0), {}, 0
     slots = hybrid_slots(groups) if HYBRID_FUSED else 0
+    columns = {} if block_n is None else {"GROUP_N": min(HYBRID_GROUP_N, block_n)}
     return ((rows, groups, groups.stride(0), slots, HYBRID_MIN_GROUP),
             {"HYBRID": True, "BLOCK_M": group_block_m(), "DOT_PRECISION": expand_dot_precision(out_dtype),
-             "HALF_S": expand_half_s(out_dtype), **hybrid_stages()}, slots)
+             "HALF_S": expand_half_s(out_dtype), **columns, **hybrid_stages()}, slots)
 
 
 def hybrid_stages() -> dict:
@@ -549,7 +559,7 @@ def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stre
     _, block_r = row_blocks(x.device, rows)
     block_n = expand_block_n(x.device, rows)
     pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, lora.rank_bound)
-    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, lora.groups, delta.dtype, part)
+    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, lora.groups, delta.dtype, part, block_n)
     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         _lora_expand_kernel[(slots + rows, triton.cdiv(out_features, block_n))](
             lora.pool, lora.b_offsets[0], lora.ranks[0], lora.scales, part, delta, out_features, k_blocks,
@@ -650,7 +660,7 @@ def _lora_gather_triton(
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
     pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, rank_bound)
-    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, groups, result.dtype, part)
+    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, groups, result.dtype, part, block_n)
     _lora_expand_kernel[(slots + rows, triton.cdiv(n, block_n))](
         pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0), *hyb_args,
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,

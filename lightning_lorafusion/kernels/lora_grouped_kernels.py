@@ -1,8 +1,9 @@
 """The Triton kernels of the decode LoRA for rows grouped by adapter (``GatheredLora.groups``).
 
 A group is up to BLOCK_M decode rows of one adapter (``lora_gather.adapter_groups``: ``groups
-[3, n]`` int32, start and end of each group in the third row, ``perm``, the rows sorted by
-adapter; unused columns are empty groups). The shrink reads the adapter's A once for the
+[4, n]`` int32, start and end of each group in the third row, ``perm``, the rows sorted by
+adapter; unused columns are empty groups; the fourth row each row's group size, which
+``hybrid_row`` reads for the hybrid expands' per-row programs). The shrink reads the adapter's A once for the
 group's rows (a tensor-core dot), the expand its B^T once (a dot, or the group's rows one after
 another through the per-row helpers ``lora_row_tables`` / ``lora_delta``, which live here too,
 with the tile in L1 after the first row); they write and read the per-row kernels' partial sums

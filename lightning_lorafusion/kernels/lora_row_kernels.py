@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lora_grouped_kernels import gdc_launch_dependents, gdc_wait, hybrid_row, lora_delta, lora_group_delta, lora_row_tables
+from .lora_grouped_kernels import (gdc_launch_dependents, gdc_wait, hybrid_row, lora_delta, lora_group_delta,
+                                   lora_row_tables)
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _lora_expand_kernel(
     ACCUMULATE: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_KB: tl.constexpr, BLOCK_N: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
     HYBRID: tl.constexpr = False, BLOCK_M: tl.constexpr = 16, DOT_PRECISION: tl.constexpr = "ieee",
-    HALF_S: tl.constexpr = False,
+    HALF_S: tl.constexpr = False, GROUP_N: tl.constexpr = 16,
 ):
     """out[row, n block] (+)= scale * (sum over K blocks of part[row]) Bt[:rank, n block].
 
@@ -81,9 +82,10 @@ def _lora_expand_kernel(
     if HYBRID:  # (compiled only where taken: the per-row launches keep their registers)
         if pid < slots:
             _expand_group(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride,
-                          rows, groups_ptr, groups_stride, pid, min_group, offs_n, n_ok,
+                          rows, groups_ptr, groups_stride, pid, min_group, tl.program_id(1) * BLOCK_N,
                           ACCUMULATE=ACCUMULATE, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, GDC=GDC,
-                          BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+                          BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S, BLOCK_N=BLOCK_N,
+                          GROUP_N=GROUP_N)
         else:
             grouped, lrow = hybrid_row(pid - slots, groups_ptr + 3 * groups_stride, rows, min_group, HYBRID=True)
             if (slots == 0) | (grouped == 0):
@@ -117,25 +119,30 @@ def _expand_row(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, 
 
 @triton.jit
 def _expand_group(pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, out_ptr, N, k_blocks, out_stride, rows,
-                  groups_ptr, groups_stride, t, min_group, offs_n, n_ok, ACCUMULATE: tl.constexpr,
+                  groups_ptr, groups_stride, t, min_group, col0, ACCUMULATE: tl.constexpr,
                   MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, GDC: tl.constexpr,
-                  BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr):
-    """``_lora_expand_kernel``'s program for group t (nothing for a group under ``min_group`` rows)."""
+                  BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_N: tl.constexpr):
+    """``_lora_expand_kernel``'s program for group t (nothing for a group under ``min_group`` rows):
+    the BLOCK_N columns from ``col0``, GROUP_N at a time (fewer live registers per dot)."""
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
     if end - start >= tl.maximum(min_group, 1):
         if GDC:
             gdc_wait()
-        grow, m_ok, rank_in, delta = lora_group_delta(
-            part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
-            groups_stride, 0, 0, N, offs_n, n_ok,
-            MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-            HALF_S=HALF_S)
-        delta = tl.where(rank_in > MAX_R, float("nan"), delta)
-        ptrs = out_ptr + grow[:, None].to(tl.int64) * out_stride + offs_n[None, :]
-        if ACCUMULATE:
-            live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
-            delta += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
-        else:
-            live = m_ok[:, None] & n_ok[None, :]
-        tl.store(ptrs, delta.to(out_ptr.dtype.element_ty), mask=live)
+        for c in range(0, BLOCK_N, GROUP_N):
+            offs_n = col0 + c + tl.arange(0, GROUP_N)
+            n_ok = offs_n < N
+            grow, m_ok, rank_in, delta = lora_group_delta(
+                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+                groups_stride, 0, 0, N, offs_n, n_ok,
+                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                HALF_S=HALF_S)
+            delta = tl.where(rank_in > MAX_R, float("nan"), delta)
+            ptrs = out_ptr + grow[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+            if ACCUMULATE:
+                live = m_ok[:, None] & n_ok[None, :] & (rank_in > 0)
+                delta += tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+            else:
+                live = m_ok[:, None] & n_ok[None, :]
+            tl.store(ptrs, delta.to(out_ptr.dtype.element_ty), mask=live)

@@ -436,12 +436,14 @@ def test_swiglu_grouped_rank_above_max_is_nan_for_its_rows_only(device, grouped_
 
 @pytest.fixture(params=["fused", "separate"])
 def hybrid_expand(request, monkeypatch):
-    """The hybrid expands taken (row bound 1): the groups' programs in the per-row launch
-    ("fused") or a launch of their own after it."""
+    """The hybrid expands taken (row bound 1), q/k/v's too: the groups' programs in the per-row
+    launch ("fused") or a launch of their own after it (q/k/v per row then)."""
     from lightning_lorafusion.kernels import lora_gather as module
 
     monkeypatch.setattr(module, "HYBRID_MIN_ROWS", 1)
     monkeypatch.setattr(module, "HYBRID_FUSED", request.param == "fused")
+    monkeypatch.setattr(module, "HYBRID_QKV", True)
+    monkeypatch.setattr(module, "HYBRID_GROUP_N", 16)  # (the interpreter's column blocks of 32: two dots each)
     return module
 
 

@@ -328,6 +328,7 @@ def test_hybrid_expand_gives_the_per_row_results(device, dtype, fused, shrink_bo
 
     monkeypatch.setattr(module, "HYBRID_MIN_ROWS", 8)
     monkeypatch.setattr(module, "HYBRID_FUSED", fused)
+    monkeypatch.setattr(module, "HYBRID_GROUP_N", 16)  # (the interpreter's column blocks of 32: two dots each)
     monkeypatch.setattr(module, "GROUPED_MIN_ROWS", shrink_bound)
     x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
     n = y0.shape[1]
