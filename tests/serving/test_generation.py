@@ -317,12 +317,13 @@ def test_triton_decode_rows_grouped_by_adapter_equal_torch(make_engine, monkeypa
     (rows of one adapter scattered over the batch, base rows among them), and from
     ``GROUPED_EXPAND_MIN_ROWS`` the expands (q/k/v before RoPE, o, gate/up in SwiGLU, down)
     that read its B once (``single_rows``: groups cut at one row, each done per row inside the
-    grouped shrink; ``hybrid``: from that many rows the hybrid expands, o's, down's and SwiGLU's
-    groups of 2+ rows by one dot each, the rows alone per row): same tokens and logprobs as the
-    torch references (interpreter, fp32)."""
+    grouped shrink; ``hybrid``: from that many rows the hybrid expands, q/k/v's, o's, down's and
+    SwiGLU's groups of 2+ rows by one dot each, the rows alone per row): same tokens and logprobs
+    as the torch references (interpreter, fp32)."""
     from lightning_lorafusion.kernels import lora_gather
 
     monkeypatch.setattr(lora_gather, "HYBRID_MIN_ROWS", hybrid)
+    monkeypatch.setattr(lora_gather, "HYBRID_QKV", True)  # (q/k/v's groups in the RoPE + KV epilogue too)
     monkeypatch.setattr(lora_gather, "GROUPED_MIN_ROWS", 32)
     monkeypatch.setattr(lora_gather, "GROUPED_EXPAND_MIN_ROWS", expand_bound)
     monkeypatch.setattr(lora_gather, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
