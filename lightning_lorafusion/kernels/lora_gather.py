@@ -161,8 +161,9 @@ HYBRID_MIN_GROUP = 2
 HYBRID_FUSED = True
 HYBRID_QKV = False
 # the hybrid launches' software-pipelining stages (None: Triton's default, 3): with 3 the group
-# programs' rank loop staged its B^T tiles and unrolled partial sums ahead, 72 KB of shared memory
-# for o's / down's expand (sm_90 compile), against 8-16 KB with 1 (the per-row launches: none)
+# programs' rank loop staged its B^T tiles and unrolled partial sums ahead, 66-74 KB of shared
+# memory for o's / down's expand in an sm_90 compile, against 2-16 KB with 1 (the per-row launches:
+# none; ``scripts/compile_decode_lora.py``)
 HYBRID_STAGES: int | None = 1
 # the group programs' columns per dot (at most the launch's column block; a power of two, at
 # least 16): a [16, 256] fp32 delta and its B^T tile held the fused expand at 158 registers a
