@@ -452,7 +452,8 @@ def hybrid_expand(request, monkeypatch):
 def test_swiglu_hybrid_expand_matches_per_row_and_reference(device, dtype, n, first_row, rows, hybrid_expand):
     """SwiGLU with groups of two rows by the dot and rows alone on their adapter by the per-row
     arithmetic (``with_groups``' routing has both, and rows without LoRA): the reference and the
-    per-row kernel; the rows alone the per-row kernel's bits; gate and up not written."""
+    per-row kernel; the rows alone the per-row kernel's bits (a few ulp compiled); gate and up
+    not written."""
     t, k = 7, 29
     gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(n)).to(device, dtype)
     gate, up = gu[:, :n], gu[:, n:]
@@ -467,7 +468,7 @@ def test_swiglu_hybrid_expand_matches_per_row_and_reference(device, dtype, n, fi
     assert torch.equal(gu, before)
     assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
     alone = [first_row + i for i, s in enumerate(sizes) if s < 2]
-    assert torch.equal(got[alone], per_row[alone])
+    assert_per_row_bits(got[alone], per_row[alone])
     # a wrong grouping (every row told it shares one adapter) is caught
     wrong = with_groups(lora, GROUPED_GATE_UP_RANKS, 16, wrong="one_adapter")
     assert not rel_err(swiglu(gate, up, lora=wrong, backend="triton"), want) <= 1e-2
@@ -479,7 +480,8 @@ def test_swiglu_hybrid_expand_matches_per_row_and_reference(device, dtype, n, fi
 def test_rope_hybrid_expand_matches_per_row_and_reference(device, dtype, shape, partial, hybrid_expand):
     """q/k/v's LoRA in the RoPE + KV epilogue with its groups' programs ("decode": a group of two
     rows and rows alone; the others rows alone, before and after rows without LoRA): the
-    reference's q, k, v and pages and the per-row kernel's, the rows alone its bits. Separate
+    reference's q, k, v and pages and the per-row kernel's, the rows alone its bits (a few ulp
+    compiled). Separate
     launches (``HYBRID_FUSED`` off) leave q/k/v per row."""
     case, _ = make_rope_case(shape, dtype, device, False, True, partial=partial)
     t, first, after = case["q"].shape[0], SHAPES[shape][5], SHAPES[shape][6]
@@ -498,7 +500,7 @@ def test_rope_hybrid_expand_matches_per_row_and_reference(device, dtype, shape, 
         assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
         assert rel_err(got[name], per_row[name]) < TOL[dtype], name
     for name in ("q", "k", "v"):
-        assert torch.equal(got[name][alone], per_row[name][alone]), name
+        assert_per_row_bits(got[name][alone], per_row[name][alone])
     wrong = clone_case({**case, "lora": with_groups(lora, GROUPED_QKV_RANKS, 16, wrong="one_adapter")})
     rope_write_kv(**wrong, backend="triton")
     if shape == "decode" and hybrid_expand.HYBRID_FUSED:

@@ -321,7 +321,7 @@ def test_hybrid_expand_gives_the_per_row_results(device, dtype, fused, shrink_bo
     by one dot each, rows alone on their adapter by the per-row arithmetic, in the per-row
     launch (``HYBRID_FUSED``) or a grouped launch after it; after the grouped or the per-row
     shrink: the reference's and the per-row kernels' results, the rows alone the per-row
-    kernel's bits, into ``out`` and as a fresh delta; rows without LoRA not touched; a rank
+    kernel's bits (a few ulp compiled), into ``out`` and as a fresh delta; rows without LoRA not touched; a rank
     above MAX_RANK NaN on its rows only; a wrong grouping caught."""
     from lightning_lorafusion.kernels import lora_gather as module
     from lightning_lorafusion.kernels.lora_gather import MAX_RANK, adapter_groups
@@ -341,7 +341,7 @@ def test_hybrid_expand_gives_the_per_row_results(device, dtype, fused, shrink_bo
     assert rel_err(got - y0, want - y0) < TOL[dtype]
     assert rel_err(got - y0, per_row - y0) < TOL[dtype]
     alone = torch.tensor([s == 1 for s in sizes], device=device)
-    assert torch.equal(got[alone], per_row[alone])
+    assert_per_row_bits(got[alone], per_row[alone])
     no_lora = rk == 0
     assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
     fresh = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton", groups=groups)
