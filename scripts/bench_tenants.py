@@ -88,6 +88,9 @@ OLD_GROUPED_KNOBS = {"GROUPED_MIN_ROWS": 256, "GROUPED_RANK_SPLIT": 1, "GROUPED_
                      "GROUPED_SHRINK_STAGES": None, "GROUPED_SHRINK_WARPS": None, "GROUPED_SHRINK_BLOCK_K": None,
                      "GROUPED_SHRINK_SPLIT_K": None, "GROUPED_SHRINK_UNROLL_K": False, "ROW_EXPAND_WARPS": 4,
                      "ROW_EXPAND_BLOCK_N": 256}
+# ``--old decode-hybrid``: the decode rows' LoRA before the hybrid expands and the grouped shrink
+# below 256 rows (per-row kernels up to 255 rows, the expands per row at every row count)
+OLD_HYBRID_KNOBS = {"HYBRID_MIN_ROWS": None, "GROUPED_MIN_ROWS": 256}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,10 +450,14 @@ class TenantsBench:
         shrink's and the per-row expands' knobs as they were (``OLD_GROUPED_KNOBS``; the new variant
         runs the module's, with ``--decode-lora-knobs`` over them). The decode graphs are captured
         again when the others change (not timed; the mixed-step pieces keep what they captured at
-        warm-up, except after the grouped knobs change: -> True, the caller rebuilds them)."""
+        warm-up, except after the grouped knobs change: -> True, the caller rebuilds them);
+        ``--old decode-hybrid``: the expands per row at every row count and the grouped shrink from
+        256 rows only (``OLD_HYBRID_KNOBS``: no hybrid expands, ``HYBRID_MIN_ROWS`` None)."""
         if not hasattr(self, "decode_knobs"):
             names = ("FEW_ROWS", "AHEAD_MAX_ROWS", "PAIR_EPILOGUES", "RANK_SPLIT_MAX_ROWS", "PDL", "UNSPLIT_MAX_RANK",
-                     "BESIDE_MAX_ROWS") + tuple(OLD_GROUPED_KNOBS)
+                     "BESIDE_MAX_ROWS", "HYBRID_FUSED", "HYBRID_MIN_GROUP")
+            names += tuple(OLD_GROUPED_KNOBS) + tuple(OLD_HYBRID_KNOBS)
+            names = tuple(dict.fromkeys(names))
             self.decode_knobs = {n: getattr(lora_gather, n) for n in names}
         want = dict(self.decode_knobs)
         if "decode-lora" in old:
@@ -463,6 +470,8 @@ class TenantsBench:
             want.update(BESIDE_MAX_ROWS=None)
         if "grouped-shrink" in old:
             want.update(OLD_GROUPED_KNOBS)
+        if "decode-hybrid" in old:
+            want.update(OLD_HYBRID_KNOBS)
         changed = {n for n, v in want.items() if getattr(lora_gather, n) != v}
         for n in changed:
             setattr(lora_gather, n, want[n])
@@ -473,7 +482,7 @@ class TenantsBench:
         if changed:
             self.report.setdefault("decode_knobs", []).append(
                 {"old": sorted(old), **{n: getattr(lora_gather, n) for n in self.decode_knobs}})
-        return bool(changed & set(OLD_GROUPED_KNOBS))
+        return bool(changed & (set(OLD_GROUPED_KNOBS) | set(OLD_HYBRID_KNOBS) | {"HYBRID_FUSED", "HYBRID_MIN_GROUP"}))
 
     def page_out(self) -> None:
         """``--page-out on``: evict every idle adapter, so each run pages its adapters in as the
@@ -653,7 +662,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                               "small-steps", "decode-gemm", "token-buckets",
                                               "attention-splits", "attention-items", "mixed-ahead", "lora-beside",
                                               "grouped-shrink", "in-place", "padded-large", "quarter-buckets",
-                                              "prefill-expand", "prefill-swiglu")),
+                                              "prefill-expand", "prefill-swiglu", "decode-hybrid")),
                     default=["host"],
                     help="what the old variant runs as it was: host (no prefetch ahead, tables one by one), "
                          "prefill-lora (LoRA added after the product), page-in (page-ins waited whole before "
@@ -684,7 +693,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "buffer: EngineTuning.attention_in_place off), padded-large (mixed steps of every size "
                          "padded to token buckets and run as pieces: EngineTuning.mixed_graph_max_tokens 'all'; "
                          "the engine's pool is then sized for them), quarter-buckets (mixed steps padded to "
-                         "the 'fine' token buckets, 3 * 2^k between the powers of two, instead of the engine's default); "
+                         "the 'fine' token buckets, 3 * 2^k between the powers of two, instead of the engine's default), "
+                         "decode-hybrid (the decode rows' expands per row at every row count, the grouped shrink "
+                         "from 256 rows: OLD_HYBRID_KNOBS; the decode graphs captured again, the pieces rebuilt); "
                          "default %(default)s")
     ap.add_argument("--decode-lora-knobs", type=parse_knobs, default={},
                     help="NAME=VALUE,... lora_gather knobs (Python literals) set before the engine is built: the "

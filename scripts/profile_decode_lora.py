@@ -175,9 +175,30 @@ MODES = {
     "g128": {"GROUPED_MIN_ROWS": 128},
     "g128_r64_w8": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8},
     "g128_r64": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64},
+    # the engine's decode steps ("wide": every shrink beside its GEMM, EngineTuning.decode_lora_beside)
+    # with the grouped shrink from 32 rows, the hybrid expands from 32 rows (groups of 2+ rows by
+    # one dot each, in the per-row launches of o, down and SwiGLU; "sep": launches of their own;
+    # "g4": groups of 4+ rows)
+    "wide": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
+    "wide_g32": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32},
+    "wide_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "HYBRID_MIN_ROWS": 32},
+    "wide_g32_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32, "HYBRID_MIN_ROWS": 32},
+    "wide_g32_hyb_sep": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                         "HYBRID_MIN_ROWS": 32, "HYBRID_FUSED": False},
+    "wide_g32_hyb_g4": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                        "HYBRID_MIN_ROWS": 32, "HYBRID_MIN_GROUP": 4},
+    # the hybrid launches with Triton's default pipelining stages (3) instead of 1
+    "wide_g32_hyb_st3": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                         "HYBRID_MIN_ROWS": 32, "HYBRID_STAGES": None},
+    # the hybrid with q/k/v's groups in the RoPE + KV epilogue too (HYBRID_QKV); its group programs'
+    # columns 256 at a time instead of 64 (HYBRID_GROUP_N)
+    "wide_g32_hyb_qkv": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                         "HYBRID_MIN_ROWS": 32, "HYBRID_QKV": True},
+    "wide_g32_hyb_n256": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32,
+                          "HYBRID_MIN_ROWS": 32, "HYBRID_GROUP_N": 256},
 }
 BOUND_MODES = ("bound", "bound16", "bound32", "bound64", "beside", "beside_shrinks", "beside256",
-               "beside256_shrinks")  # (the case's rank bound)
+               "beside256_shrinks") + tuple(m for m in MODES if m.startswith("wide"))  # (the case's rank bound)
 SETTINGS = tuple(sorted({k for m in MODES.values() for k in m}))
 # settings off in every mode that does not name them (the others take the module's default)
 OFF_UNLESS_NAMED = ("BESIDE_MAX_ROWS",)
@@ -534,7 +555,8 @@ def graph_tables(rows: list[dict]) -> list[str]:
             lines.append(f"| {name} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(n.get('KERNEL'), '.0f')} / "
                          f"{fmt(n.get('MEMSET', 0), '.0f')} / {fmt(other, '.0f')} | {fmt(g.get('busy_us'))} "
                          f"| {fmt(g.get('gap_us'))} |")
-            if m["mode"] in ("old", "engine", "bound", "beside") and g.get("timeline"):
+            if m["mode"] in ("old", "engine", "bound", "beside", "wide", "wide_g32_hyb", "wide_g32_hyb_qkv") \
+                    and g.get("timeline"):
                 timelines += [f"\n{name}, {m['mode']}: one captured layer, node by node",
                               "| node | grid | µs | gap before µs |", "|---|---|---|---|"]
                 timelines += [f"| {t['kernel'][:48]} | {'x'.join(map(str, t['grid'] or []))} | {t['us']:.1f} "
@@ -546,7 +568,7 @@ def summary_table(rows: list[dict]) -> list[str]:
     """One line per case and mode: graph time, its part over base (× the per-row path's, × the
     engine's before and × the rank variant's "bound", where run), kernel time, launches."""
     lines = ["| rows x adapters ('c': every adapter present) (ranks) | floor µs | mode | graph µs | LoRA +µs "
-             "| × old | × before | × bound | kernels µs | launches | max rel diff |", "|" + "---|" * 11]
+             "| × old | × before | × bound | × wide | kernels µs | launches | max rel diff |", "|" + "---|" * 12]
     for r in rows:
         modes = {m["mode"]: m for m in r["modes"]}
         base = modes.get("base", {}).get("graph_us")
@@ -557,10 +579,12 @@ def summary_table(rows: list[dict]) -> list[str]:
 
         for m in r["modes"]:
             over = lora_us(m["mode"])
-            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref) for ref in ("old", "before", "bound")]
+            ratios = [None if over is None or not lora_us(ref) else over / lora_us(ref)
+                      for ref in ("old", "before", "bound", "wide")]
             lines.append(f"| {r['rows']} x {r['adapters']}{_draw(r)} ({r['ranks']}) "
                          f"| {fmt(r['floor_us'])} | {m['mode']} | {fmt(m.get('graph_us'))} | {fmt(over)} "
-                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(ratios[2], '.2f')} | {fmt(m.get('kernel_us'))} "
+                         f"| {fmt(ratios[0], '.2f')} | {fmt(ratios[1], '.2f')} | {fmt(ratios[2], '.2f')} "
+                         f"| {fmt(ratios[3], '.2f')} | {fmt(m.get('kernel_us'))} "
                          f"| {fmt(m.get('launches'), '.0f')} | {fmt(m.get('max_rel_diff'), '.1e')} |")
     return lines
 

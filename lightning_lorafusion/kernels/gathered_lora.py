@@ -115,7 +115,7 @@ class GatheredLora:
     ranks: torch.Tensor
     scales: torch.Tensor
     first_row: int = 0
-    # the rows grouped by adapter (``decode_groups``): [3, n] int32 start / end into the third
+    # the rows grouped by adapter (``decode_groups``): [4, n] int32 start / end into the third
     # row, the rows sorted by adapter; None: the per-row shrink
     groups: torch.Tensor | None = None
     # the rows' ranks are known on the host to be at most this (a decode step's largest rank,

@@ -15,6 +15,8 @@ to an ulp or so of the output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,8 @@ from . import lora_gather as _gather
 from .lora_gather import (BACKENDS, MAX_RANK, GatheredLora, _require_triton, lora_grouped_expand, lora_shrink,
                           row_blocks, takes_groups)
 from .lora_ahead import ShrinkAhead, shrink_ahead
-from .lora_grouped_kernels import _swiglu_grouped_kernel, _with_lora, _with_lora_pair
+from .lora_grouped_kernels import (_swiglu_grouped_kernel, _with_lora, _with_lora_pair, gdc_wait, hybrid_row,
+                                   lora_group_delta, swiglu_group)
 from .paged_attention import _check_pool, write_kv
 from .segment_swiglu import swiglu_segments
 from .segment_tables import SegmentLora
@@ -99,17 +102,18 @@ def _load_halves(base, cols_a, cols_b, ok, pool_ptr, b_off_ptr, rank_ptr, scale_
     return xa, xb
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("slots", "min_group", "groups_stride"))
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
     cos_ptr, sin_ptr, cs_stride,
     kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
-    row0,
+    row0, groups_ptr, groups_stride, slots, min_group,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
-    PAIR: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
+    PAIR: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False, HYBRID: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 16, DOT_PRECISION: tl.constexpr = "ieee", HALF_S: tl.constexpr = False,
 ):
     """Program (row0 + i, head): head < HQ is query head ``head`` (LoRA, RoPE, in place);
     otherwise kv head ``head - HQ``: its key (LoRA, RoPE, in place, into the page) and value
@@ -118,9 +122,172 @@ def _rope_kv_kernel(
     dims after them (partial rotary) only get their LoRA. PAIR: a head's two halves take their
     LoRA in one rank loop (``_load_cols_pair``), else one after the other (the same values).
     PRELOAD / GDC (``lora_gather.PDL``): every program waits for the shrink's grid in its first
-    LoRA rank loop, before reading the partials and before any store."""
-    row = row0 + tl.program_id(0)
+    LoRA rank loop, before reading the partials and before any store. Programs (slots + i, head).
+    HYBRID (``lora_gather.HYBRID_MIN_ROWS``): the first ``slots`` programs do the groups of at
+    least ``min_group`` rows (``_rope_group``: one dot per head and projection for the group's
+    rows, B^T read once), the rows' own programs nothing for them."""
     head = tl.program_id(1)
+    pid = tl.program_id(0)
+    if HYBRID:  # (compiled only where taken: the other launches keep their registers)
+        if pid < slots:
+            start = tl.load(groups_ptr + pid)
+            end = tl.load(groups_ptr + groups_stride + pid)
+            if end - start >= tl.maximum(min_group, 1):
+                if GDC:
+                    gdc_wait()
+                _rope_group(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                            cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                            pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows,
+                            k_blocks, groups_stride, b_g_stride, r_g_stride, start, end, head,
+                            HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF,
+                            BLOCK_ROT=BLOCK_ROT, PASS=PASS, BLOCK_PASS=BLOCK_PASS, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                            BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        else:
+            row = row0 + pid - slots
+            grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
+                                       HYBRID=True)
+            if (slots == 0) | (grouped == 0):
+                _rope_row(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                          cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                          pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride,
+                          r_g_stride, row, lrow, head,
+                          HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
+                          PASS=PASS, BLOCK_PASS=BLOCK_PASS, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
+                          BLOCK_KB=BLOCK_KB, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+    else:
+        row = row0 + pid
+        _rope_row(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+                  cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+                  pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride,
+                  r_g_stride, row, row - first_row, head,
+                  HQ=HQ, HKV=HKV, HALF=HALF, BLOCK_HALF=BLOCK_HALF, ROT_HALF=ROT_HALF, BLOCK_ROT=BLOCK_ROT,
+                  PASS=PASS, BLOCK_PASS=BLOCK_PASS, HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R,
+                  BLOCK_KB=BLOCK_KB, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+
+
+@triton.jit
+def _group_cols(base, cols, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start, end,
+                g, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, N, col0,
+                MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr):
+    """``_load_cols`` for the rows of one group at once (``base [BLOCK_M]``: each row's head
+    start): ``[BLOCK_M, len(cols)]`` fp32 values of the dtype, the group's LoRA added by one dot
+    (``lora_group_delta``) and rounded."""
+    live = m_ok[:, None] & ok[None, :]
+    x = tl.load(base[:, None] + cols[None, :], mask=live, other=0.0)
+    dtype = x.dtype
+    _, _, rank_in, delta = lora_group_delta(
+        part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, g, lora_rows, k_blocks,
+        groups_stride, b_g_stride, r_g_stride, N, col0 + cols, ok,
+        MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+        HALF_S=HALF_S)
+    return tl.where(rank_in > MAX_R, float("nan"), x.to(tl.float32) + delta).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope_group(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+    cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks, groups_stride,
+    b_g_stride, r_g_stride, start, end, head,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr,
+):
+    """``_rope_row`` for the rows ``perm[start:end]`` of one group (one adapter) and one head:
+    each projection's LoRA by one dot for the group's rows, the same roundings per element."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < end
+    row64 = (first_row + tl.load(groups_ptr + 2 * groups_stride + offs_m, mask=m_ok, other=0)).to(tl.int64)
+    offs = tl.arange(0, BLOCK_ROT)
+    ok = offs < ROT_HALF
+    live = m_ok[:, None] & ok[None, :]
+    cs = row64[:, None] * cs_stride + offs[None, :]
+    cos1 = tl.load(cos_ptr + cs, mask=live, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + cs + ROT_HALF, mask=live, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + cs, mask=live, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + cs + ROT_HALF, mask=live, other=0.0).to(tl.float32)
+    offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)
+    ok_p = offs_p < 2 * ROT_HALF + PASS
+    if head < HQ:
+        base = q_ptr + row64 * q_stride + head * q_hstride
+        n, col0 = HQ * 2 * HALF, head * 2 * HALF
+        x1 = _group_cols(base, offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start,
+                         end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0, MAX_R=MAX_R,
+                         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                         HALF_S=HALF_S)
+        x2 = _group_cols(base, ROT_HALF + offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
+                         part_ptr, start, end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        tl.store(base[:, None] + offs[None, :], (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=live)
+        tl.store(base[:, None] + ROT_HALF + offs[None, :], (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty),
+                 mask=live)
+        if PASS > 0:
+            xp = _group_cols(base, offs_p, ok_p, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr,
+                             start, end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                             MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                             DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+            tl.store(base[:, None] + offs_p[None, :], xp.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & ok_p[None, :])
+    else:
+        j = head - HQ
+        slot = (kv_ptr + tl.load(page_ptr + row64, mask=m_ok, other=0).to(tl.int64) * kv_sp
+                + tl.load(slot_ptr + row64, mask=m_ok, other=0).to(tl.int64) * kv_ss + j * kv_sh)
+        base = k_ptr + row64 * k_stride + j * k_hstride
+        n, col0 = HKV * 2 * HALF, j * 2 * HALF
+        x1 = _group_cols(base, offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start,
+                         end, 1, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0, MAX_R=MAX_R,
+                         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                         HALF_S=HALF_S)
+        x2 = _group_cols(base, ROT_HALF + offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
+                         part_ptr, start, end, 1, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
+        k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
+        tl.store(base[:, None] + offs[None, :], k1, mask=live)
+        tl.store(base[:, None] + ROT_HALF + offs[None, :], k2, mask=live)
+        tl.store(slot[:, None] + offs[None, :], k1.to(kv_ptr.dtype.element_ty), mask=live)
+        tl.store(slot[:, None] + ROT_HALF + offs[None, :], k2.to(kv_ptr.dtype.element_ty), mask=live)
+        if PASS > 0:
+            live_p = m_ok[:, None] & ok_p[None, :]
+            kp = _group_cols(base, offs_p, ok_p, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr,
+                             start, end, 1, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                             MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                             DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S).to(k_ptr.dtype.element_ty)
+            tl.store(base[:, None] + offs_p[None, :], kp, mask=live_p)
+            tl.store(slot[:, None] + offs_p[None, :], kp.to(kv_ptr.dtype.element_ty), mask=live_p)
+        base = v_ptr + row64 * v_stride + j * v_hstride
+        offs_v = tl.arange(0, BLOCK_HALF)
+        ok_v = offs_v < HALF
+        live_v = m_ok[:, None] & ok_v[None, :]
+        v1 = _group_cols(base, offs_v, ok_v, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr,
+                         start, end, 2, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S).to(v_ptr.dtype.element_ty)
+        v2 = _group_cols(base, HALF + offs_v, ok_v, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
+                         part_ptr, start, end, 2, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
+                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S).to(v_ptr.dtype.element_ty)
+        tl.store(base[:, None] + offs_v[None, :], v1, mask=live_v)
+        tl.store(base[:, None] + HALF + offs_v[None, :], v2, mask=live_v)
+        tl.store(slot[:, None] + kv_skv + offs_v[None, :], v1.to(kv_ptr.dtype.element_ty), mask=live_v)
+        tl.store(slot[:, None] + kv_skv + HALF + offs_v[None, :], v2.to(kv_ptr.dtype.element_ty), mask=live_v)
+
+
+@triton.jit
+def _rope_row(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
+    cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
+    pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, lrow, head,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROT_HALF: tl.constexpr, BLOCK_ROT: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+    PAIR: tl.constexpr, PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
+):
+    """``_rope_kv_kernel``'s program for row ``row`` and head ``head`` (its LoRA that of gathered
+    row ``lrow``: rank 0 outside the gathered rows)."""
     row64 = row.to(tl.int64)
     offs = tl.arange(0, BLOCK_ROT)
     ok = offs < ROT_HALF
@@ -130,7 +297,6 @@ def _rope_kv_kernel(
     sin2 = tl.load(sin_ptr + row64 * cs_stride + ROT_HALF + offs, mask=ok, other=0.0).to(tl.float32)
     offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_PASS)
     ok_p = offs_p < 2 * ROT_HALF + PASS
-    lrow = row - first_row
     if head < HQ:
         base = q_ptr + row64 * q_stride + head * q_hstride
         n, col0 = HQ * 2 * HALF, head * 2 * HALF
@@ -243,47 +409,94 @@ def _rope_kv_rows_kernel(
     tl.store(slot + kv_skv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=v_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("slots", "min_group", "groups_stride"))
 def _swiglu_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, first_row, lora_rows, k_blocks, b_g_stride, r_g_stride,
-    row0, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+    row0, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr, groups_ptr, groups_stride, slots, min_group,
     HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr, PAIR: tl.constexpr,
-    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False, HYBRID: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 16, DOT_PRECISION: tl.constexpr = "ieee", HALF_S: tl.constexpr = False,
+    GROUP_N: tl.constexpr = 16,
 ):
     """out[row0 + i, n block] = silu(gate) * up, each (+ the row's LoRA) rounded to the dtype
     first; silu rounded before the product, as the eager ops do. AHEAD (a launch over the LoRA
     rows): the next projection's shrink partials of this block too (``lora_ahead``). PRELOAD /
     GDC (``lora_gather.PDL``): the LoRA rows wait for the shrink's grid in their first rank
-    loop, before reading the partials and before any store."""
-    row = row0 + tl.program_id(0)
-    row64 = row.to(tl.int64)
+    loop, before reading the partials and before any store. Programs (slots + i, n block).
+    HYBRID (``lora_gather.HYBRID_MIN_ROWS``): rows in groups of at least ``min_group`` rows are
+    their group's: the first ``slots`` programs write those groups' rows (``swiglu_group``: one
+    dot per group, B^T read once) and the rows' own programs do nothing; with no slots the rows'
+    programs write them without LoRA (the grouped launch after this one rewrites them)."""
+    pid = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
+    if HYBRID:  # (compiled only where taken: the other launches keep their registers)
+        if pid < slots:
+            start = tl.load(groups_ptr + pid)
+            end = tl.load(groups_ptr + groups_stride + pid)
+            if end - start >= tl.maximum(min_group, 1):
+                if GDC:
+                    gdc_wait()
+                for c in range(0, BLOCK_N, GROUP_N):  # (GROUP_N columns at a time: fewer live registers)
+                    cols = tl.program_id(1) * BLOCK_N + c + tl.arange(0, GROUP_N)
+                    swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
+                                 rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, lora_rows, k_blocks,
+                                 groups_stride, b_g_stride, r_g_stride, start, end, cols, cols < N, MAX_R=MAX_R,
+                                 BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                                 HALF_S=HALF_S)
+        else:
+            row = row0 + pid - slots
+            grouped, lrow = hybrid_row(row - first_row, groups_ptr + 3 * groups_stride, lora_rows, min_group,
+                                       HYBRID=True)
+            if (slots == 0) | (grouped == 0):
+                _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr,
+                            rank_ptr, scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, lrow,
+                            offs, ok, nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+                            HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, AHEAD=AHEAD,
+                            NX_BLOCK_R=NX_BLOCK_R, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+    else:
+        row = row0 + pid
+        _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                    scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, row - first_row, offs, ok,
+                    nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+                    HAS_LORA=HAS_LORA, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, AHEAD=AHEAD,
+                    NX_BLOCK_R=NX_BLOCK_R, PAIR=PAIR, PRELOAD=PRELOAD, GDC=GDC)
+
+
+@triton.jit
+def _swiglu_row(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                scale_ptr, part_ptr, lora_rows, k_blocks, b_g_stride, r_g_stride, row, lrow, offs, ok,
+                nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr,
+                HAS_LORA: tl.constexpr, MAX_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                AHEAD: tl.constexpr, NX_BLOCK_R: tl.constexpr, PAIR: tl.constexpr,
+                PRELOAD: tl.constexpr = False, GDC: tl.constexpr = False):
+    """``_swiglu_kernel``'s row ``row`` at columns ``offs``, its LoRA that of gathered row ``lrow``."""
+    row64 = row.to(tl.int64)
     g = tl.load(g_ptr + row64 * g_stride + offs, mask=ok, other=0.0)
     u = tl.load(u_ptr + row64 * u_stride + offs, mask=ok, other=0.0)
     dtype = g.dtype
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     if HAS_LORA and PAIR:  # gate's and up's LoRA in one rank loop
-        g, u = _with_lora_pair(g, u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, 1,
+        g, u = _with_lora_pair(g, u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, 1,
                                lora_rows, k_blocks, b_g_stride, r_g_stride, N, N, offs, ok, offs, ok,
                                MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, PRELOAD=PRELOAD, GDC=GDC)
         g = g.to(dtype).to(tl.float32)
         u = u.to(dtype).to(tl.float32)
     elif HAS_LORA:
-        g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 0, lora_rows, k_blocks,
+        g = _with_lora(g, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 0, lora_rows, k_blocks,
                        b_g_stride, r_g_stride, N, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
                        PRELOAD=PRELOAD, GDC=GDC).to(dtype).to(tl.float32)
-        u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, row - first_row, 1, lora_rows, k_blocks,
+        u = _with_lora(u, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, lrow, 1, lora_rows, k_blocks,
                        b_g_stride, r_g_stride, N, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
                        PRELOAD=PRELOAD, GDC=GDC).to(dtype).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     act = (s * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row64 * out_stride + offs, act, mask=ok)
     if AHEAD:
-        shrink_ahead(act.to(tl.float32), nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr, row - first_row,
+        shrink_ahead(act.to(tl.float32), nx_pool_ptr, nx_a_ptr, nx_rank_ptr, nx_part_ptr, lrow,
                      tl.program_id(1), tl.num_programs(1), N, offs, ok, MAX_R=MAX_R, NX_BLOCK_R=NX_BLOCK_R)
 
 
@@ -449,6 +662,9 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
     half, block_half = d // 2, triton.next_power_of_2(d // 2)
     widths = dict(ROT_HALF=r // 2, BLOCK_ROT=triton.next_power_of_2(r // 2), PASS=d - r,
                   BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)))
+    no_groups, _, _ = _gather.hybrid_expand_options(0, None, q.dtype, q)
+    # a group's dot needs tiles of at least 16 columns on a GPU (the interpreter takes any)
+    dots = not q.is_cuda or min(widths["BLOCK_ROT"], block_half, widths["BLOCK_PASS"] if d > r else 16) >= 16
     for row0, rows, with_lora in _row_launches(t, lora):
         if not with_lora and rows >= ROPE_ROWS_KERNEL_MIN_ROWS:  # a prefill's rows: a program per row
             _rope_kv_rows_kernel[(rows,)](
@@ -459,11 +675,14 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
             )
             continue
         args, meta = gathered if with_lora else plain
-        _rope_kv_kernel[(rows, hq + hkv)](
+        groups_args, groups_meta, slots = (no_groups, {}, 0)
+        if with_lora and _gather.HYBRID_QKV and _gather.HYBRID_FUSED and dots:
+            groups_args, groups_meta, slots = _gather.hybrid_expand_options(rows, lora.groups, q.dtype, q)
+        _rope_kv_kernel[(slots + rows, hq + hkv)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
             cos, sin, cos.stride(0), kv_layer, slot_pages, slot_offsets, sp, skv, ss, sh, *args, row0,
-            HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, PAIR=_gather.PAIR_EPILOGUES,
-            num_warps=num_warps or 4,
+            *groups_args[1:], HQ=hq, HKV=hkv, HALF=half, BLOCK_HALF=block_half, **widths, **meta, **groups_meta,
+            PAIR=_gather.PAIR_EPILOGUES, num_warps=num_warps or 4,
         )
     return None
 
@@ -509,13 +728,20 @@ def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | N
         lora = None
     plain = (_no_lora_args(gate), _NO_LORA_META)  # rows without LoRA: inert stand-ins
     gathered = plain if lora is None else _lora_args(lora, block_k, block_r, num_warps)
-    fused = _ahead_args(gate, lora, ahead, block_n)
+    hybrid = lora is not None and _gather.hybrid_applies(lora.ranks.shape[1], lora.groups)
+    fused = None if hybrid else _ahead_args(gate, lora, ahead, block_n)
+    no_groups, _, _ = _gather.hybrid_expand_options(0, None, out.dtype, out)
     if prefill is not None:  # every row (the decode rows' rewritten below), the prefill rows' LoRA in
         swiglu_segments(gate, up, prefill[0], prefill[1], out=out)
     for row0, rows, with_lora in _row_launches(t, lora):
         if prefill is not None and not with_lora:
             continue
         args, meta = gathered if with_lora else plain
+        groups_args, groups_meta, slots = (no_groups, {}, 0)
+        if with_lora:
+            groups_args, groups_meta, slots = _gather.hybrid_expand_options(
+                rows, lora.groups, out.dtype, out, _gather.expand_block_n(gate.device, rows, block_n))
+        groups_args = groups_args[1:]  # (the kernel has its rows already: lora_rows)
         # the plain rows: (2048, 8 warps) from 1,024 rows, as fast as any setting swept at 4,096
         # and 16,384 rows of the 8B shape on an H100 (docs/BENCHMARKS.md, generation engine)
         bn, warps = block_n, num_warps or (_gather.ROW_EXPAND_WARPS if with_lora else 4)
@@ -527,10 +753,13 @@ def swiglu_ahead(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | N
         if with_lora and fused:
             bn, warps = fused[2], num_warps or fused[3]
         bn = bn or (1024 if gate.is_cuda else 32)
-        _swiglu_kernel[(rows, triton.cdiv(n, bn))](
-            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, *nx, **meta, **nx_meta,
-            BLOCK_N=bn, PAIR=_gather.PAIR_EPILOGUES, num_warps=warps,
+        _swiglu_kernel[(slots + rows, triton.cdiv(n, bn))](
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), *args, row0, *nx, *groups_args,
+            **meta, **nx_meta, **groups_meta, BLOCK_N=bn, PAIR=_gather.PAIR_EPILOGUES, num_warps=warps,
         )
+        if groups_meta and not slots:  # the hybrid's groups by a launch of their own
+            _swiglu_grouped(gate, up, out, dataclasses.replace(lora, partials=(args[4], args[7])), block_k, block_r,
+                            num_warps, min_rows=_gather.HYBRID_MIN_GROUP)
     if grouped is not None:
         _swiglu_grouped(gate, up, out, grouped, block_k, block_r, num_warps)
     decode = grouped or lora
@@ -562,18 +791,20 @@ def _grouped(lora: GatheredLora) -> bool:
     return takes_groups(lora.ranks.shape[1], lora.groups, _gather.GROUPED_EXPAND_MIN_ROWS)
 
 
-def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_warps) -> None:
-    """The gate/up shrink, then ``out``'s LoRA rows rewritten a group at a time."""
+def _swiglu_grouped(gate, up, out, lora: GatheredLora, block_k, block_r, num_warps, min_rows: int = 0) -> None:
+    """The gate/up shrink, then ``out``'s LoRA rows rewritten a group at a time (``min_rows``: only
+    the groups of at least that many rows, over the first ``hybrid_slots`` columns)."""
     part, k_blocks = lora_shrink(lora, block_k=block_k, block_r=block_r, num_warps=num_warps)
     _, block_r = row_blocks(gate.device, lora.ranks.shape[1], block_k, block_r)
     n, groups = gate.shape[1], lora.groups
     bn = _gather.GROUPED_EXPAND_BLOCK_N if gate.is_cuda else 16
-    _swiglu_grouped_kernel[(groups.shape[1], triton.cdiv(n, bn))](
+    width = _gather.hybrid_slots(groups) if min_rows > 1 else groups.shape[1]
+    _swiglu_grouped_kernel[(width, triton.cdiv(n, bn))](
         gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), lora.pool, lora.b_offsets, lora.ranks,
         lora.scales, groups, part, lora.first_row, lora.ranks.shape[1], k_blocks, groups.stride(0),
-        lora.b_offsets.stride(0), lora.ranks.stride(0), _gather.GROUPED_EXPAND_LOOP_ROWS, MAX_R=MAX_RANK,
+        lora.b_offsets.stride(0), lora.ranks.stride(0), _gather.GROUPED_EXPAND_LOOP_ROWS, min_rows, MAX_R=MAX_RANK,
         BLOCK_M=_gather.group_block_m(), BLOCK_R=_gather.grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=bn, DOT_PRECISION=_gather.expand_dot_precision(out.dtype),
         ROW_LOOP=_gather.GROUPED_EXPAND_ROW_LOOP, HALF_S=_gather.expand_half_s(out.dtype),
-        num_warps=_gather.GROUPED_EXPAND_WARPS,
+        num_warps=_gather.GROUPED_EXPAND_WARPS, **(_gather.hybrid_stages() if min_rows > 1 else {}),
     )

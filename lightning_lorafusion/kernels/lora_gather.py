@@ -145,6 +145,32 @@ GROUPED_EXPAND_LOOP_ROWS = 0
 GROUPED_EXPAND_DOT: str | None = None
 
 
+# Hybrid expands (one launch, whatever the step's adapters): from this many decode rows (None:
+# never) with groups given, the expands (``lora_gather``'s, o's and down's beside, SwiGLU's LoRA
+# rows; with ``HYBRID_QKV`` q/k/v's in the RoPE epilogue) read each group of at least ``HYBRID_MIN_GROUP`` rows' B^T
+# once, a tensor-core dot for the group's rows (``lora_group_delta``), while the rows alone on
+# their adapter (or in smaller groups) keep the per-row arithmetic. The groups table says which
+# rows go which way (``adapter_groups``' fourth row), read on the device: a step of one adapter
+# and a step of 64 take the same captured kernels. HYBRID_FUSED: the group programs are extra
+# programs of the per-row launch (no launch more); else a launch of their own after it (q/k/v's
+# then stay per row). HYBRID_QKV: q/k/v's in the RoPE + KV epilogue too (group programs per head;
+# off: in an sm_90 compile its group path took the launch from 64 to 168 registers a thread, with
+# spills, which its per-row programs would run at)
+HYBRID_MIN_ROWS: int | None = None
+HYBRID_MIN_GROUP = 2
+HYBRID_FUSED = True
+HYBRID_QKV = False
+# the hybrid launches' software-pipelining stages (None: Triton's default, 3): with 3 the group
+# programs' rank loop staged its B^T tiles and unrolled partial sums ahead, 66-74 KB of shared
+# memory for o's / down's expand in an sm_90 compile, against 2-16 KB with 1 (the per-row launches:
+# none; ``scripts/compile_decode_lora.py``)
+HYBRID_STAGES: int | None = 1
+# the group programs' columns per dot (at most the launch's column block; a power of two, at
+# least 16): a [16, 256] fp32 delta and its B^T tile held the fused expand at 158 registers a
+# thread in an sm_90 compile (the per-row path alone: 64); narrower, the launch's per-row programs
+# keep more of their occupancy (``scripts/compile_decode_lora.py``)
+HYBRID_GROUP_N = 64
+
 # Programmatic dependent launch (Hopper and later, ``pdl_options``): the shrink lets the kernel
 # launched after it start as soon as all of its programs have started, and that kernel (the
 # expand, the RoPE + KV and SwiGLU epilogues' LoRA rows) loads its rows' tables and the first
@@ -244,7 +270,7 @@ def _pdl_supported(index: int) -> bool:
 def grouped_min_rows() -> int:
     """The fewest decode rows for which some LoRA kernel reads ``GatheredLora.groups`` (the
     engine builds the table only where its batches can reach this)."""
-    return min(b for b in (GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS) if b is not None)
+    return min(b for b in (GROUPED_MIN_ROWS, GROUPED_EXPAND_MIN_ROWS, HYBRID_MIN_ROWS) if b is not None)
 
 
 def group_block_m() -> int:
@@ -261,6 +287,42 @@ def takes_groups(rows: int, groups: torch.Tensor | None, bound: int | None) -> b
     """Whether a launch over ``rows`` decode rows reads ``groups`` (given, and rows >= bound;
     bound None: never)."""
     return groups is not None and bound is not None and rows > 0 and rows >= bound
+
+
+def hybrid_applies(rows: int, groups: torch.Tensor | None) -> bool:
+    """Whether a launch over ``rows`` decode rows takes the hybrid expands (``HYBRID_MIN_ROWS``;
+    not where the grouped expand takes every group, ``GROUPED_EXPAND_MIN_ROWS``)."""
+    return (takes_groups(rows, groups, HYBRID_MIN_ROWS) and not takes_groups(rows, groups, GROUPED_EXPAND_MIN_ROWS)
+            and groups.shape[0] > 3)
+
+
+def hybrid_slots(groups: torch.Tensor) -> int:
+    """The group programs of a hybrid launch over a groups table of ``groups.shape[1]`` columns:
+    ``adapter_groups`` puts the larger groups first, so at most ``width // HYBRID_MIN_GROUP``
+    columns hold a group of ``HYBRID_MIN_GROUP`` rows or more."""
+    return groups.shape[1] // max(HYBRID_MIN_GROUP, 1)
+
+
+def hybrid_expand_options(rows: int, groups: torch.Tensor | None, out_dtype: torch.dtype,
+                          stand_in: torch.Tensor, block_n: int | None = None) -> tuple[tuple, dict, int]:
+    """(a per-row kernel's group arguments, its hybrid constexprs, its group programs) for a
+    launch over ``rows`` rows: the hybrid's where ``hybrid_applies`` (with ``HYBRID_FUSED`` the
+    group programs in this launch; else 0 of them: a grouped launch follows), else none
+    (``stand_in``, any tensor on the device, for the table nothing reads). ``block_n``: the
+    launch's column block, which its group programs walk ``HYBRID_GROUP_N`` at a time (None: the
+    launch has no column blocks)."""
+    if not hybrid_applies(rows, groups):
+        return (rows, stand_in, 0, 0, 0), {}, 0
+    slots = hybrid_slots(groups) if HYBRID_FUSED else 0
+    columns = {} if block_n is None else {"GROUP_N": min(HYBRID_GROUP_N, block_n)}
+    return ((rows, groups, groups.stride(0), slots, HYBRID_MIN_GROUP),
+            {"HYBRID": True, "BLOCK_M": group_block_m(), "DOT_PRECISION": expand_dot_precision(out_dtype),
+             "HALF_S": expand_half_s(out_dtype), **columns, **hybrid_stages()}, slots)
+
+
+def hybrid_stages() -> dict:
+    """The hybrid launches' ``num_stages`` option (``HYBRID_STAGES``; none: Triton's default)."""
+    return {} if HYBRID_STAGES is None else {"num_stages": HYBRID_STAGES}
 
 
 def expand_dot_precision(dtype: torch.dtype) -> str:
@@ -314,14 +376,17 @@ def lora_gather(
 def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = None) -> torch.Tensor:
     """``GatheredLora.groups`` of rows whose adapters are ``keys`` (row i's adapter; 0: none,
     left out): the rows sorted by adapter (stable), runs of one adapter cut into groups of at
-    most ``group_rows`` (default ``GROUP_ROWS``, the kernels' block of rows). -> ``[3, width]``
+    most ``group_rows`` (default ``GROUP_ROWS``, the kernels' block of rows). -> ``[4, width]``
     int32 (CPU): start, end, and the sorted rows from column 0 on; unused columns are empty
-    groups (0, 0) and row 0."""
+    groups (0, 0) and row 0; the groups' columns ordered by their rows, most first (stable), so
+    the groups of at least m rows are the first columns, at most ``width // m`` of them (the
+    hybrid expands' group programs, ``HYBRID_MIN_ROWS``); the fourth row: row i's group's rows
+    (0: in none), by which the per-row kernels leave a grouped row's LoRA to its group."""
     group_rows = group_rows or GROUP_ROWS
     if len(keys) > width:
         raise ValueError(f"{len(keys)} rows do not fit groups of width {width}")
     order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
-    out = torch.zeros(3, width, dtype=torch.int32)
+    out = torch.zeros(4, width, dtype=torch.int32)
     bounds, n = [], 0
     while n < len(order):
         end = n + 1
@@ -330,8 +395,11 @@ def adapter_groups(keys: Sequence[int], width: int, group_rows: int | None = Non
         bounds.append((n, end))
         n = end
     if bounds:
+        bounds.sort(key=lambda se: se[0] - se[1])  # (stable: equal sizes keep the adapters' order)
         out[:2, :len(bounds)] = torch.tensor(bounds, dtype=torch.int32).t()
         out[2, :len(order)] = torch.tensor(order, dtype=torch.int32)
+        for s, e in bounds:
+            out[3, order[s:e]] = e - s
     return out
 
 
@@ -492,13 +560,16 @@ def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stre
     _, block_r = row_blocks(x.device, rows)
     block_n = expand_block_n(x.device, rows)
     pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, lora.rank_bound)
+    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, lora.groups, delta.dtype, part, block_n)
     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-        _lora_expand_kernel[(rows, triton.cdiv(out_features, block_n))](
+        _lora_expand_kernel[(slots + rows, triton.cdiv(out_features, block_n))](
             lora.pool, lora.b_offsets[0], lora.ranks[0], lora.scales, part, delta, out_features, k_blocks,
-            delta.stride(0), ACCUMULATE=False, MAX_R=MAX_RANK, BLOCK_R=block_r,
+            delta.stride(0), *hyb_args, ACCUMULATE=False, MAX_R=MAX_RANK, BLOCK_R=block_r,
             BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=ROW_EXPAND_WARPS,
-            **pdl_meta, **pdl_launch,
+            **pdl_meta, **pdl_launch, **hyb_meta,
         )
+        if hyb_meta and not slots:
+            lora_grouped_expand(lora, part, k_blocks, 0, delta, block_r=block_r, min_rows=HYBRID_MIN_GROUP)
     return delta
 
 
@@ -530,24 +601,27 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def lora_grouped_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, g: int, out: torch.Tensor, *,
-                        head_dim: int | None = None, block_r: int | None = None) -> None:
+                        head_dim: int | None = None, block_r: int | None = None, min_rows: int = 0) -> None:
     """Triton, in place: ``out [B, N]`` (or ``[B, heads, head_dim]``, unit stride along
     head_dim) += projection g's delta of the grouped rows, a program per (group, column block)
     (``part``, ``k_blocks``: ``lora_shrink``'s). Rows in no group (no adapter, padding; rank
-    0) are not touched."""
+    0) are not touched. ``min_rows``: only the groups of at least that many rows (the hybrid
+    expands': over the first ``hybrid_slots`` columns)."""
     n = out.shape[1] if out.dim() == 2 else out.shape[1] * out.shape[2]
     hd = head_dim or n
     hstride = out.stride(1) if out.dim() == 3 else 0
     _, block_r = row_blocks(out.device, lora.ranks.shape[1], None, block_r)  # the per-row expand's (its row loop)
     groups = lora.groups
     block_n = GROUPED_EXPAND_BLOCK_N if out.is_cuda else 16
-    _lora_grouped_expand_kernel[(groups.shape[1], triton.cdiv(n, block_n))](
+    width = hybrid_slots(groups) if min_rows > 1 else groups.shape[1]
+    _lora_grouped_expand_kernel[(width, triton.cdiv(n, block_n))](
         lora.pool, lora.b_offsets, lora.ranks, lora.scales, groups, part, out, n, out.stride(0), hstride, hd,
         g, lora.ranks.shape[1], k_blocks, groups.stride(0), lora.b_offsets.stride(0), lora.ranks.stride(0),
-        GROUPED_EXPAND_LOOP_ROWS,
+        GROUPED_EXPAND_LOOP_ROWS, min_rows,
         MAX_R=MAX_RANK, BLOCK_M=group_block_m(), BLOCK_R=grouped_expand_block_r(block_r),
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, DOT_PRECISION=expand_dot_precision(out.dtype),
         ROW_LOOP=GROUPED_EXPAND_ROW_LOOP, HALF_S=expand_half_s(out.dtype), num_warps=GROUPED_EXPAND_WARPS,
+        **(hybrid_stages() if min_rows > 1 else {}),
     )
 
 
@@ -587,10 +661,13 @@ def _lora_gather_triton(
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
     pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, rank_bound)
-    _lora_expand_kernel[(rows, triton.cdiv(n, block_n))](
-        pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0),
+    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, groups, result.dtype, part, block_n)
+    _lora_expand_kernel[(slots + rows, triton.cdiv(n, block_n))](
+        pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0), *hyb_args,
         ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
         BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps or ROW_EXPAND_WARPS,
-        **pdl_meta, **pdl_launch,
+        **pdl_meta, **pdl_launch, **hyb_meta,
     )
+    if hyb_meta and not slots:
+        lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r, min_rows=HYBRID_MIN_GROUP)
     return result

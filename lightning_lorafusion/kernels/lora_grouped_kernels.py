@@ -1,8 +1,9 @@
 """The Triton kernels of the decode LoRA for rows grouped by adapter (``GatheredLora.groups``).
 
 A group is up to BLOCK_M decode rows of one adapter (``lora_gather.adapter_groups``: ``groups
-[3, n]`` int32, start and end of each group in the third row, ``perm``, the rows sorted by
-adapter; unused columns are empty groups). The shrink reads the adapter's A once for the
+[4, n]`` int32, start and end of each group in the third row, ``perm``, the rows sorted by
+adapter; unused columns are empty groups; the fourth row each row's group size, which
+``hybrid_row`` reads for the hybrid expands' per-row programs). The shrink reads the adapter's A once for the
 group's rows (a tensor-core dot), the expand its B^T once (a dot, or the group's rows one after
 another through the per-row helpers ``lora_row_tables`` / ``lora_delta``, which live here too,
 with the tile in L1 after the first row); they write and read the per-row kernels' partial sums
@@ -110,6 +111,21 @@ def lora_delta_pair(
         acc_a += tl.sum((tl.sum(pa, axis=0) * scale)[:, None] * bta.to(tl.float32), axis=0)
         acc_b += tl.sum((tl.sum(pb, axis=0) * scale)[:, None] * btb.to(tl.float32), axis=0)
     return acc_a, acc_b
+
+
+@triton.jit
+def hybrid_row(lrow, sizes_ptr, rows, min_group, HYBRID: tl.constexpr):
+    """(whether row ``lrow``'s LoRA is its group's, the row as the per-row helpers take it):
+    with HYBRID, a row in a group of at least ``min_group`` rows (``sizes_ptr``: the groups
+    table's fourth row, ``lora_gather.adapter_groups``) -> (True, -1: rank 0 for the per-row
+    helpers, nothing read); else (False, ``lrow``)."""
+    grouped = lrow < 0  # (a tensor of the right kind; False for every row a caller passes here)
+    if HYBRID:
+        live = (lrow >= 0) & (lrow < rows)
+        size = tl.load(sizes_ptr + tl.maximum(lrow, 0), mask=live, other=0)
+        grouped = live & (size >= min_group)
+        lrow = tl.where(grouped, -1, lrow)
+    return grouped, lrow
 
 
 @triton.jit
@@ -296,10 +312,10 @@ def lora_group_delta(
     return row, m_ok, rank_in, acc
 
 
-@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g", "loop_rows"))
+@triton.jit(do_not_specialize=("rows", "groups_stride", "b_g_stride", "r_g_stride", "g", "loop_rows", "min_rows"))
 def _lora_grouped_expand_kernel(
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, out_ptr, N, out_stride, out_hstride, head_dim,
-    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, loop_rows,
+    g, rows, k_blocks, groups_stride, b_g_stride, r_g_stride, loop_rows, min_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
@@ -309,11 +325,12 @@ def _lora_grouped_expand_kernel(
     head_dim] view; a plain [rows, N] one: head_dim N). Program (t, n block). ROW_LOOP, or a
     group of at most ``loop_rows`` rows: the group's rows one after another through the per-row
     helpers (the per-row kernel's bits; the adapter's B^T tile comes from L1 after the first
-    row); else ``lora_group_delta``'s dot."""
+    row); else ``lora_group_delta``'s dot. Groups of fewer than ``min_rows`` rows (at least 1)
+    are left alone (the hybrid expands' per-row kernel adds theirs)."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
+    if end - start >= tl.maximum(min_rows, 1):
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         cols = (offs_n // head_dim) * out_hstride + offs_n % head_dim
@@ -387,11 +404,12 @@ def _with_lora_pair(xa, xb, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, part_ptr, 
     return (tl.where(rank_a_in > MAX_R, float("nan"), xa + da), tl.where(rank_b_in > MAX_R, float("nan"), xb + db))
 
 
-@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows"))
+@triton.jit(do_not_specialize=("first_row", "rows", "groups_stride", "b_g_stride", "r_g_stride", "loop_rows",
+                               "min_rows"))
 def _swiglu_grouped_kernel(
     g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride,
     pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride,
-    b_g_stride, r_g_stride, loop_rows,
+    b_g_stride, r_g_stride, loop_rows, min_rows,
     MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr, HALF_S: tl.constexpr,
 ):
@@ -399,11 +417,12 @@ def _swiglu_grouped_kernel(
     B^T read once for its rows: ROW_LOOP (or a group of at most ``loop_rows`` rows), the rows
     one after another through ``_with_lora`` (the per-row kernel's bits, the tile from L1 after
     the first row); else one dot for them all (``lora_group_delta``), the same roundings per
-    element. Rows in no group are left to the plain launch."""
+    element. Rows in no group, and groups of fewer than ``min_rows`` rows (at least 1), are left
+    to the plain launch."""
     t = tl.program_id(0)
     start = tl.load(groups_ptr + t)
     end = tl.load(groups_ptr + groups_stride + t)
-    if end > start:
+    if end - start >= tl.maximum(min_rows, 1):
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = offs < N
         if ROW_LOOP:
@@ -415,25 +434,40 @@ def _swiglu_grouped_kernel(
                              scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
                              r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB)
         else:
-            row, m_ok, rank_g, dg = lora_group_delta(
-                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
-                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                HALF_S=HALF_S)
-            _, _, rank_u, du = lora_group_delta(
-                part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
-                groups_stride, b_g_stride, r_g_stride, N, offs, ok,
-                MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                HALF_S=HALF_S)
-            row64 = (first_row + row).to(tl.int64)[:, None]
-            live = m_ok[:, None] & ok[None, :]
-            g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
-            u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
-            dtype = g.dtype
-            g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
-            u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
+            swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                         scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                         r_g_stride, start, end, offs, ok, MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R,
+                         BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+
+
+@triton.jit
+def swiglu_group(g_ptr, u_ptr, out_ptr, N, g_stride, u_stride, out_stride, pool_ptr, b_off_ptr, rank_ptr,
+                 scale_ptr, groups_ptr, part_ptr, first_row, rows, k_blocks, groups_stride, b_g_stride,
+                 r_g_stride, start, end, offs, ok,
+                 MAX_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, HALF_S: tl.constexpr):
+    """SwiGLU's output for the rows ``perm[start:end]`` of one group at columns ``offs``, their
+    gate and up LoRA by one dot each (``lora_group_delta``), each rounded as the per-row kernel
+    rounds it."""
+    row, m_ok, rank_g, dg = lora_group_delta(
+        part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 0, rows, k_blocks,
+        groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+        MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+        HALF_S=HALF_S)
+    _, _, rank_u, du = lora_group_delta(
+        part_ptr, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, start, end, 1, rows, k_blocks,
+        groups_stride, b_g_stride, r_g_stride, N, offs, ok,
+        MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+        HALF_S=HALF_S)
+    row64 = (first_row + row).to(tl.int64)[:, None]
+    live = m_ok[:, None] & ok[None, :]
+    g = tl.load(g_ptr + row64 * g_stride + offs[None, :], mask=live, other=0.0)
+    u = tl.load(u_ptr + row64 * u_stride + offs[None, :], mask=live, other=0.0)
+    dtype = g.dtype
+    g = tl.where(rank_g > MAX_R, float("nan"), g.to(tl.float32) + dg).to(dtype).to(tl.float32)
+    u = tl.where(rank_u > MAX_R, float("nan"), u.to(tl.float32) + du).to(dtype).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row64 * out_stride + offs[None, :], (s * u).to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit

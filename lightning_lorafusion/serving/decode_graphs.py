@@ -100,7 +100,7 @@ class DecodeInputs:
       position);
     - ``page_table [max_rows, max_pages]`` int32, ``lora_offsets [L, modules, 2, max_rows]``
       int64 (element offsets of A and B^T in the pool), ``lora_ranks [modules, max_rows]``
-      int32 (0 = no LoRA), ``lora_scales [max_rows]`` fp32, ``lora_groups [3, max_rows]`` int32
+      int32 (0 = no LoRA), ``lora_scales [max_rows]`` fp32, ``lora_groups [4, max_rows]`` int32
       (the rows grouped by adapter, ``lora_gather.adapter_groups``): rebuilt when the decode rows change
       (a request joins, leaves or is preempted, or KV pages were moved); between rebuilds only
       the page-table entries of rows that gained a page are written.
@@ -117,7 +117,7 @@ class DecodeInputs:
         self.lora_offsets = torch.zeros(num_layers, n_mod, 2, max_rows, dtype=torch.int64, device=device)
         self.lora_ranks = torch.zeros(n_mod, max_rows, dtype=torch.int32, device=device)
         self.lora_scales = torch.zeros(max_rows, dtype=torch.float32, device=device)
-        self.lora_groups = torch.zeros(3, max_rows, dtype=torch.int32, device=device)  # (adapter_groups)
+        self.lora_groups = torch.zeros(4, max_rows, dtype=torch.int32, device=device)  # (adapter_groups)
         self._no_offsets = np.zeros(num_layers * n_mod * 2, dtype=np.int64)  # table column 0: no adapter
         self._no_ranks = np.zeros(n_mod, dtype=np.int32)
         self.modules: frozenset[str] = frozenset()  # modules some current row adapts

@@ -142,7 +142,7 @@ class StepBatch:
     # [T] bool, longrope only: the rows whose request is longer than the pretraining context
     # (original_max_position_embeddings) take its long factors (docs/model.md, "RoPE scaling")
     rope_long: torch.Tensor | None = None
-    # [3, B] int32: the decode rows grouped by adapter (kernels/lora_gather.py ``adapter_groups``):
+    # [4, B] int32: the decode rows grouped by adapter (kernels/lora_gather.py ``adapter_groups``):
     # the gather kernels' shrink reads each group's A once; None: per row
     decode_groups: torch.Tensor | None = None
     # the decode rows' ranks are at most this (``lora_gather.decode_rank_bound`` of the step's

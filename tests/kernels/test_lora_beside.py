@@ -19,6 +19,7 @@ from lightning_lorafusion.kernels import lora_gather as lg
 from lightning_lorafusion.kernels.lora_epilogues import rope_write_kv, swiglu
 from lightning_lorafusion.kernels.lora_gather import GatheredLora, lora_gather, lora_shrink, shrink_beside
 
+from _decode_groups import assert_per_row_bits
 from test_lora_few_rows import ROWS, _group
 
 CASES = ["one_row_rank_100", "mixed_with_base_rows", "sixteen_shared"]
@@ -222,3 +223,35 @@ def test_wide_beside_grouped_shrink_gives_the_same_bits(device, dtype, monkeypat
     with launched(pair, wide=True) as beside:
         pass
     assert torch.equal(swiglu(gu[:, :n], gu[:, n:], lora=beside, backend="triton"), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [True, False])
+def test_hybrid_expand_beside_gives_the_per_row_delta(device, dtype, fused, monkeypatch):
+    """o's expand beside with the hybrid expands (``HYBRID_MIN_ROWS``: groups of four and two rows
+    by one dot each, in the per-row launch or a grouped launch after it on the same stream; rows
+    alone in their group: per row): the per-row delta within rounding, a lone row's bits (a few
+    ulp compiled: ``assert_per_row_bits``)."""
+    n = 72
+    lora = _grouped(40, (n,), dtype, device)
+    keys = [a + 1 for a in ROWS["sixteen_shared"]]
+    keys[5] = 9  # a row alone on its adapter (its tables unchanged: only the grouping moves)
+    lora = dataclasses.replace(lora, groups=lg.adapter_groups(keys, 16, group_rows=4).to(device))
+    assert set(lora.groups[3].tolist()) == {1, 2, 4}
+
+    def delta():
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            with shrink_beside(lora, side, wide=True) as beside:
+                d = lg.expand_beside(beside, n, side)
+                lora.x @ torch.randn(2048, lora.x.shape[1], device=device, dtype=dtype).t()
+            return d
+        return lg.expand_beside(dataclasses.replace(lora, partials=lora_shrink(lora)), n, None)
+
+    per_row = delta()
+    monkeypatch.setattr(lg, "HYBRID_MIN_ROWS", 16)
+    monkeypatch.setattr(lg, "HYBRID_FUSED", fused)
+    got = delta()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, per_row, rtol=tol, atol=tol * float(per_row.abs().max()))
+    assert_per_row_bits(got[5], per_row[5])

@@ -430,3 +430,78 @@ def test_swiglu_grouped_rank_above_max_is_nan_for_its_rows_only(device, grouped_
                  backend="triton")
     good = [i for i in range(t) if i not in bad_rows]
     assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[good]).any()
+
+
+# ---- the hybrid expands: groups of 2+ rows by one dot, rows alone per row, one table ------------
+
+@pytest.fixture(params=["fused", "separate"])
+def hybrid_expand(request, monkeypatch):
+    """The hybrid expands taken (row bound 1), q/k/v's too: the groups' programs in the per-row
+    launch ("fused") or a launch of their own after it (q/k/v per row then)."""
+    from lightning_lorafusion.kernels import lora_gather as module
+
+    monkeypatch.setattr(module, "HYBRID_MIN_ROWS", 1)
+    monkeypatch.setattr(module, "HYBRID_FUSED", request.param == "fused")
+    monkeypatch.setattr(module, "HYBRID_QKV", True)
+    monkeypatch.setattr(module, "HYBRID_GROUP_N", 16)  # (the interpreter's column blocks of 32: two dots each)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,first_row,rows", [(47, 0, 6), (64, 1, 5)])
+def test_swiglu_hybrid_expand_matches_per_row_and_reference(device, dtype, n, first_row, rows, hybrid_expand):
+    """SwiGLU with groups of two rows by the dot and rows alone on their adapter by the per-row
+    arithmetic (``with_groups``' routing has both, and rows without LoRA): the reference and the
+    per-row kernel; the rows alone the per-row kernel's bits (a few ulp compiled); gate and up
+    not written."""
+    t, k = 7, 29
+    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(n)).to(device, dtype)
+    gate, up = gu[:, :n], gu[:, n:]
+    lora, _ = make_group(k, (n, n), GROUPED_GATE_UP_RANKS, rows, dtype, device, first_row=first_row)
+    grouped = with_groups(lora, GROUPED_GATE_UP_RANKS, 16)
+    sizes = grouped.groups[3].tolist()
+    assert 1 in sizes and 2 in sizes  # both ways taken
+    before = gu.clone()
+    want = swiglu_reference(gate, up, lora)
+    per_row = swiglu(gate, up, lora=lora, backend="triton")
+    got = swiglu(gate, up, lora=grouped, backend="triton")
+    assert torch.equal(gu, before)
+    assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
+    alone = [first_row + i for i, s in enumerate(sizes) if s < 2]
+    assert_per_row_bits(got[alone], per_row[alone])
+    # a wrong grouping (every row told it shares one adapter) is caught
+    wrong = with_groups(lora, GROUPED_GATE_UP_RANKS, 16, wrong="one_adapter")
+    assert not rel_err(swiglu(gate, up, lora=wrong, backend="triton"), want) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", ["decode", "lora_rows_in_the_middle", "mixed_rows_odd_half"])
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_rope_hybrid_expand_matches_per_row_and_reference(device, dtype, shape, partial, hybrid_expand):
+    """q/k/v's LoRA in the RoPE + KV epilogue with its groups' programs ("decode": a group of two
+    rows and rows alone; the others rows alone, before and after rows without LoRA): the
+    reference's q, k, v and pages and the per-row kernel's, the rows alone its bits (a few ulp
+    compiled). Separate
+    launches (``HYBRID_FUSED`` off) leave q/k/v per row."""
+    case, _ = make_rope_case(shape, dtype, device, False, True, partial=partial)
+    t, first, after = case["q"].shape[0], SHAPES[shape][5], SHAPES[shape][6]
+    lora, _ = make_group(SHAPES[shape][4], (case["q"][0].numel(), case["k"][0].numel(), case["v"][0].numel()),
+                         GROUPED_QKV_RANKS, t - first - after, dtype, device, first_row=first)
+    case["lora"] = with_groups(lora, GROUPED_QKV_RANKS, 16)
+    sizes = case["lora"].groups[3].tolist()
+    if shape == "decode":
+        assert 1 in sizes and 2 in sizes
+    ref, per_row, got = clone_case(case), clone_case(case), clone_case(case)
+    rope_write_kv_reference(**ref)
+    rope_write_kv(**{**per_row, "lora": lora}, backend="triton")
+    rope_write_kv(**got, backend="triton")
+    alone = [first + i for i, s in enumerate(sizes) if s < 2]
+    for name in ("q", "k", "v", "kv_pool"):
+        assert rel_err(got[name], ref[name]) < TOL[dtype], (name, rel_err(got[name], ref[name]))
+        assert rel_err(got[name], per_row[name]) < TOL[dtype], name
+    for name in ("q", "k", "v"):
+        assert_per_row_bits(got[name][alone], per_row[name][alone])
+    wrong = clone_case({**case, "lora": with_groups(lora, GROUPED_QKV_RANKS, 16, wrong="one_adapter")})
+    rope_write_kv(**wrong, backend="triton")
+    if shape == "decode" and hybrid_expand.HYBRID_FUSED:
+        assert not rel_err(wrong["q"], ref["q"]) <= 1e-2

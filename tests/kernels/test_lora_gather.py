@@ -165,13 +165,18 @@ def test_adapter_groups_sort_rows_by_adapter_in_runs_of_at_most_group_rows():
 
     keys = [2, 0, 1, 2, 2, 1, 3, 2, 0]
     g = adapter_groups(keys, 12, group_rows=2)
-    starts, ends, perm = g.tolist()
+    starts, ends, perm, sizes = g.tolist()
     bounds = [(s, e) for s, e in zip(starts, ends) if e > s]
     rows = [perm[s:e] for s, e in bounds]
     assert rows == [[2, 5], [0, 3], [4, 7], [6]]  # adapter 1, then 2 (cut at 2 rows), then 3; rank-0 rows left out
     assert all(len({keys[i] for i in r}) == 1 for r in rows)
     assert sorted(i for r in rows for i in r) == [i for i, k in enumerate(keys) if k]
     assert starts[len(bounds):] == ends[len(bounds):] == [0] * (12 - len(bounds))
+    assert sizes == [2, 0, 2, 2, 2, 2, 1, 2, 0, 0, 0, 0]  # each row's group's rows (0: in none)
+    # the larger groups first (equal sizes in the adapters' order): adapter 2's 3 rows, then 1's 2, then 3's 1
+    starts, ends, perm, sizes = adapter_groups([3, 1, 2, 2, 1, 2], 6).tolist()
+    assert [perm[s:e] for s, e in zip(starts, ends) if e > s] == [[2, 3, 5], [1, 4], [0]]
+    assert sizes == [1, 2, 3, 3, 2, 3]
     assert adapter_groups([0, 0], 4).count_nonzero() == 0
     with pytest.raises(ValueError, match="do not fit"):
         adapter_groups([1] * 5, 4)
@@ -306,6 +311,49 @@ def test_grouped_expand_rank_above_max_is_nan_for_its_group_only(device, expand_
     got = lora_gather(x, pool, a_off, b_off, rk, scales, y0.shape[1], out=y0.clone(), backend="triton",
                       groups=groups)
     assert torch.isnan(got[bad_rows]).all() and not torch.isnan(got[~bad_rows]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("shrink_bound", [1, 10**9])
+def test_hybrid_expand_gives_the_per_row_results(device, dtype, fused, shrink_bound, monkeypatch):
+    """The hybrid expand (``HYBRID_MIN_ROWS``): groups of at least 2 rows (16, 10, 6, 2 rows here)
+    by one dot each, rows alone on their adapter by the per-row arithmetic, in the per-row
+    launch (``HYBRID_FUSED``) or a grouped launch after it; after the grouped or the per-row
+    shrink: the reference's and the per-row kernels' results, the rows alone the per-row
+    kernel's bits (a few ulp compiled), into ``out`` and as a fresh delta; rows without LoRA not touched; a rank
+    above MAX_RANK NaN on its rows only; a wrong grouping caught."""
+    from lightning_lorafusion.kernels import lora_gather as module
+    from lightning_lorafusion.kernels.lora_gather import MAX_RANK, adapter_groups
+
+    monkeypatch.setattr(module, "HYBRID_MIN_ROWS", 8)
+    monkeypatch.setattr(module, "HYBRID_FUSED", fused)
+    monkeypatch.setattr(module, "HYBRID_GROUP_N", 16)  # (the interpreter's column blocks of 32: two dots each)
+    monkeypatch.setattr(module, "GROUPED_MIN_ROWS", shrink_bound)
+    x, pool, (a_off, b_off, rk, scales), keys, y0 = grouped_case(dtype, device)
+    n = y0.shape[1]
+    groups = adapter_groups(keys, len(keys)).to(device)
+    sizes = groups[3].tolist()
+    assert {1, 2, 16} <= set(sizes)
+    want = lora_gather_reference(x, pool, a_off, b_off, rk, scales, n, out=y0.clone())
+    got = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton", groups=groups)
+    per_row = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton")
+    assert rel_err(got - y0, want - y0) < TOL[dtype]
+    assert rel_err(got - y0, per_row - y0) < TOL[dtype]
+    alone = torch.tensor([s == 1 for s in sizes], device=device)
+    assert_per_row_bits(got[alone], per_row[alone])
+    no_lora = rk == 0
+    assert bool(no_lora.any()) and torch.equal(got[no_lora], y0[no_lora])
+    fresh = lora_gather(x, pool, a_off, b_off, rk, scales, n, backend="triton", groups=groups)
+    assert rel_err(fresh, want - y0) < TOL[dtype] and not bool(fresh[no_lora].any())
+    wrong = lora_gather(x, pool, a_off, b_off, rk, scales, n, out=y0.clone(), backend="triton",
+                        groups=wrong_groups(keys, "one_adapter").to(device))
+    assert not rel_err(wrong - y0, want - y0) <= 0.05
+    if dtype == torch.float32:
+        bad_rows = torch.tensor([k == 4 for k in keys], device=device)  # the rank-16 adapter's rows (one group)
+        bad = lora_gather(x, pool, a_off, b_off, torch.where(bad_rows, MAX_RANK + 1, rk).to(torch.int32), scales, n,
+                          out=y0.clone(), backend="triton", groups=groups)
+        assert torch.isnan(bad[bad_rows]).all() and not torch.isnan(bad[~bad_rows]).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

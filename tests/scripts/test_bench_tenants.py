@@ -207,12 +207,14 @@ def test_bench_tenants_old_decode_lora_sets_the_blocks_of_before(tmp_path, monke
 
 def test_bench_tenants_decode_lora_knobs_and_old_grouped_shrink(tmp_path, monkeypatch):
     """``--decode-lora-knobs``: the new runs take those ``lora_gather`` knobs; ``--old
-    grouped-shrink``: the old runs the grouped shrink's and per-row expands' knobs of before
-    (``OLD_GROUPED_KNOBS``), the mixed-step pieces rebuilt for each; all put back after."""
+    grouped-shrink,decode-hybrid``: the old runs the grouped shrink's and per-row expands' knobs of
+    before (``OLD_GROUPED_KNOBS``) and no hybrid expands (``OLD_HYBRID_KNOBS``), the mixed-step
+    pieces rebuilt for each; all put back after."""
     from lightning_lorafusion.kernels import lora_gather
 
     bench = load_script("bench_tenants")
-    names = ("GROUPED_SHRINK_BLOCK_R", "GROUPED_SHRINK_WARPS", "GROUPED_MIN_ROWS", "ROW_EXPAND_WARPS")
+    names = ("GROUPED_SHRINK_BLOCK_R", "GROUPED_SHRINK_WARPS", "GROUPED_MIN_ROWS", "ROW_EXPAND_WARPS",
+             "HYBRID_MIN_ROWS")
     before = {n: getattr(lora_gather, n) for n in names}
     seen = []
     real = bench.TenantsBench.phase
@@ -227,14 +229,17 @@ def test_bench_tenants_decode_lora_knobs_and_old_grouped_shrink(tmp_path, monkey
     report = bench.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--requests", "6",
                          "--adapters", "3", "--ranks", "4,8", "--prompt-median", "10", "--prompt-max", "30",
                          "--output-median", "3", "--output-max", "5", "--arrivals", "burst", "--warm-up", "off",
-                         "--runs", "lora", "--variants", "new,old", "--old", "grouped-shrink",
-                         "--decode-lora-knobs", "GROUPED_SHRINK_BLOCK_R=64,GROUPED_SHRINK_WARPS=8,GROUPED_MIN_ROWS=2",
+                         "--runs", "lora", "--variants", "new,old", "--old", "grouped-shrink,decode-hybrid",
+                         "--decode-lora-knobs",
+                         "GROUPED_SHRINK_BLOCK_R=64,GROUPED_SHRINK_WARPS=8,GROUPED_MIN_ROWS=2,HYBRID_MIN_ROWS=2",
                          "--phase-max-s", "3600", "--out", str(tmp_path)])
     assert report["errors"] == {}
-    old = tuple(bench.OLD_GROUPED_KNOBS[n] if n in bench.OLD_GROUPED_KNOBS else before[n] for n in names)
-    assert seen == [("lora-new", 64, 8, 2, before["ROW_EXPAND_WARPS"]), ("lora-old", *old)]
+    old_knobs = {**bench.OLD_GROUPED_KNOBS, **bench.OLD_HYBRID_KNOBS}
+    old = tuple(old_knobs[n] if n in old_knobs else before[n] for n in names)
+    assert old[2:] == (256, before["ROW_EXPAND_WARPS"], None)
+    assert seen == [("lora-new", 64, 8, 2, before["ROW_EXPAND_WARPS"], 2), ("lora-old", *old)]
     assert report["decode_lora_knobs"] == {"GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8,
-                                           "GROUPED_MIN_ROWS": 2}
+                                           "GROUPED_MIN_ROWS": 2, "HYBRID_MIN_ROWS": 2}
     runs = {r["run"]: r for r in report["runs"]}
     assert runs["lora-new"]["generated_tokens"] == runs["lora-old"]["generated_tokens"]
     assert {n: getattr(lora_gather, n) for n in names} == before

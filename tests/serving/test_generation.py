@@ -308,16 +308,22 @@ def test_other_families_equal_hf_peft(tmp_path, family, write_random_peft_adapte
         assert list(res.token_ids) == out[0, len(prompt):].tolist(), (family, adapter)
 
 
-@pytest.mark.parametrize("expand_bound,single_rows", [(10**9, False), (32, False), (32, True)])
-def test_triton_decode_rows_grouped_by_adapter_equal_torch(make_engine, monkeypatch, expand_bound, single_rows):
+@pytest.mark.parametrize("expand_bound,single_rows,hybrid", [(10**9, False, None), (32, False, None), (32, True, None),
+                                                             (10**9, False, 32)])
+def test_triton_decode_rows_grouped_by_adapter_equal_torch(make_engine, monkeypatch, expand_bound, single_rows,
+                                                           hybrid):
     """A decode batch of at least ``GROUPED_MIN_ROWS`` rows (lowered to 32 here, to keep the
     interpreter quick) takes the shrink that reads each adapter's A once for its group of rows
     (rows of one adapter scattered over the batch, base rows among them), and from
     ``GROUPED_EXPAND_MIN_ROWS`` the expands (q/k/v before RoPE, o, gate/up in SwiGLU, down)
     that read its B once (``single_rows``: groups cut at one row, each done per row inside the
-    grouped shrink): same tokens and logprobs as the torch references (interpreter, fp32)."""
+    grouped shrink; ``hybrid``: from that many rows the hybrid expands, q/k/v's, o's, down's and
+    SwiGLU's groups of 2+ rows by one dot each, the rows alone per row): same tokens and logprobs
+    as the torch references (interpreter, fp32)."""
     from lightning_lorafusion.kernels import lora_gather
 
+    monkeypatch.setattr(lora_gather, "HYBRID_MIN_ROWS", hybrid)
+    monkeypatch.setattr(lora_gather, "HYBRID_QKV", True)  # (q/k/v's groups in the RoPE + KV epilogue too)
     monkeypatch.setattr(lora_gather, "GROUPED_MIN_ROWS", 32)
     monkeypatch.setattr(lora_gather, "GROUPED_EXPAND_MIN_ROWS", expand_bound)
     monkeypatch.setattr(lora_gather, "GROUPED_SHRINK_SINGLE_ROWS", single_rows)
