@@ -34,7 +34,6 @@ import bench_segment_forms as bsf  # noqa: E402
 
 log = logger("bench_prefill_swiglu")
 VARIANTS = ("base", "write", "write-held", "add", "swiglu")
-TOL = bsf.TOL
 
 
 def make_run(variant: str, x, w, lora, dev):
@@ -139,7 +138,7 @@ def main(argv=None) -> int:
             del groups, loras, inputs, _outs, x, w, y, want, plain
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    print_table(report, args, dtype)
+    bsf.print_table(report, args, dtype, checked="SwiGLU's output")
     return 0
 
 
@@ -147,28 +146,6 @@ def triton_ms(fn, rep: int) -> float:
     import triton
 
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-
-def print_table(report, args, dtype) -> None:
-    print(f"\n{report.get('device_name')}  {report.get('date')}  copy bandwidth {report['bandwidth_gbs']:.0f} GB/s")
-    vs = list(args.variants)
-    print("| rows | mix | tiles | floor ms | " + " | ".join(vs) + " |")
-    print("|---|---|---|---|" + "---|" * len(vs))
-    for c in report["cases"]:
-        cells = []
-        for v in vs:
-            row = c["variants"].get(v, {})
-            if "ms" not in row:
-                cells.append("err" if "error" in row and "deadline" not in row["error"] else "")
-                continue
-            cells.append(f"{row['ms']:.3f}" + ("" if row["rel_err"] <= TOL[dtype] else " FAIL"))
-        print(f"| {c['rows']} | {c['mix']} | {c['tiles']} | {c['floor_ms']:.3f} | " + " | ".join(cells) + " |")
-    for c in report["cases"]:
-        for v, r in c["variants"].items():
-            if "error" in r and "deadline" not in r["error"]:
-                print("error", (c["rows"], c["mix"], v), r["error"])
-    worst = max((r.get("rel_err", 0.0) for c in report["cases"] for r in c["variants"].values()), default=0.0)
-    print(f"largest rel err of SwiGLU's output: {worst:.2e} (tolerance {TOL[dtype]:.1e})")
 
 
 if __name__ == "__main__":
