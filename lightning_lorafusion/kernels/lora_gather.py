@@ -559,18 +559,26 @@ def expand_beside(lora: GatheredLora, out_features: int, stream: torch.cuda.Stre
     delta = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
     _, block_r = row_blocks(x.device, rows)
     block_n = expand_block_n(x.device, rows)
-    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, lora.rank_bound)
-    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, lora.groups, delta.dtype, part, block_n)
     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-        _lora_expand_kernel[(slots + rows, triton.cdiv(out_features, block_n))](
-            lora.pool, lora.b_offsets[0], lora.ranks[0], lora.scales, part, delta, out_features, k_blocks,
-            delta.stride(0), *hyb_args, ACCUMULATE=False, MAX_R=MAX_RANK, BLOCK_R=block_r,
-            BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=ROW_EXPAND_WARPS,
-            **pdl_meta, **pdl_launch, **hyb_meta,
-        )
-        if hyb_meta and not slots:
-            lora_grouped_expand(lora, part, k_blocks, 0, delta, block_r=block_r, min_rows=HYBRID_MIN_GROUP)
+        _row_expand(lora, part, k_blocks, delta, block_r, block_n, accumulate=False, num_warps=ROW_EXPAND_WARPS)
     return delta
+
+
+def _row_expand(lora: GatheredLora, part: torch.Tensor, k_blocks: int, out: torch.Tensor, block_r: int,
+                block_n: int, *, accumulate: bool, num_warps: int) -> None:
+    """The per-row expand of ``lora``'s one projection into ``out [rows, N]`` (``accumulate``:
+    added to it), with the hybrid expands' group programs where ``hybrid_applies`` (without
+    ``HYBRID_FUSED``: a grouped launch of those groups after it)."""
+    rows, n = lora.ranks.shape[1], out.shape[1]
+    pdl_meta, pdl_launch, _ = pdl_options(out.device, rows, lora.rank_bound)
+    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, lora.groups, out.dtype, part, block_n)
+    _lora_expand_kernel[(slots + rows, triton.cdiv(n, block_n))](
+        lora.pool, lora.b_offsets[0], lora.ranks[0], lora.scales, part, out, n, k_blocks, out.stride(0), *hyb_args,
+        ACCUMULATE=accumulate, MAX_R=MAX_RANK, BLOCK_R=block_r, BLOCK_KB=triton.next_power_of_2(k_blocks),
+        BLOCK_N=block_n, num_warps=num_warps, **pdl_meta, **pdl_launch, **hyb_meta,
+    )
+    if hyb_meta and not slots:
+        lora_grouped_expand(lora, part, k_blocks, 0, out, block_r=block_r, min_rows=HYBRID_MIN_GROUP)
 
 
 @contextlib.contextmanager
@@ -660,14 +668,6 @@ def _lora_gather_triton(
             result.zero_()
         lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r)
         return result
-    pdl_meta, pdl_launch, _ = pdl_options(x.device, rows, rank_bound)
-    hyb_args, hyb_meta, slots = hybrid_expand_options(rows, groups, result.dtype, part, block_n)
-    _lora_expand_kernel[(slots + rows, triton.cdiv(n, block_n))](
-        pool, b_offsets, ranks, scales, part, result, n, k_blocks, result.stride(0), *hyb_args,
-        ACCUMULATE=out is not None, MAX_R=MAX_RANK, BLOCK_R=block_r,
-        BLOCK_KB=triton.next_power_of_2(k_blocks), BLOCK_N=block_n, num_warps=num_warps or ROW_EXPAND_WARPS,
-        **pdl_meta, **pdl_launch, **hyb_meta,
-    )
-    if hyb_meta and not slots:
-        lora_grouped_expand(lora, part, k_blocks, 0, result, block_r=block_r, min_rows=HYBRID_MIN_GROUP)
+    _row_expand(lora, part, k_blocks, result, block_r, block_n, accumulate=out is not None,
+                num_warps=num_warps or ROW_EXPAND_WARPS)
     return result
