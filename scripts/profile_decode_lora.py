@@ -175,11 +175,13 @@ MODES = {
     "g128": {"GROUPED_MIN_ROWS": 128},
     "g128_r64_w8": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64, "GROUPED_SHRINK_WARPS": 8},
     "g128_r64": {"GROUPED_MIN_ROWS": 128, "GROUPED_SHRINK_BLOCK_R": 64},
-    # the engine's decode steps ("wide": every shrink beside its GEMM, EngineTuning.decode_lora_beside)
-    # with the grouped shrink from 32 rows, the hybrid expands from 32 rows (groups of 2+ rows by
-    # one dot each, in the per-row launches of o, down and SwiGLU; "sep": launches of their own;
-    # "g4": groups of 4+ rows)
+    # the engine's decode steps ("wide": every shrink beside its GEMM, EngineTuning.decode_lora_beside;
+    # the grouped shrink from GROUPED_MIN_ROWS, 32), "wide_g256": the grouped shrink from 256 rows
+    # only (the default before), "g32": from 32 rows whatever the default; the hybrid expands from
+    # 32 rows (groups of 2+ rows by one dot each, in the per-row launches of o, down and SwiGLU;
+    # "sep": launches of their own; "g4": groups of 4+ rows)
     "wide": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True},
+    "wide_g256": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 256},
     "wide_g32": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32},
     "wide_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "HYBRID_MIN_ROWS": 32},
     "wide_g32_hyb": {"BESIDE_MAX_ROWS": 256, "BESIDE_GROUPED": True, "GROUPED_MIN_ROWS": 32, "HYBRID_MIN_ROWS": 32},

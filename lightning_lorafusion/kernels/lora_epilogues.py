@@ -202,8 +202,7 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
     widths = dict(ROT_HALF=r // 2, BLOCK_ROT=triton.next_power_of_2(r // 2), PASS=d - r,
                   BLOCK_PASS=triton.next_power_of_2(max(d - r, 1)))
     no_groups, _, _ = _gather.hybrid_expand_options(0, None, q.dtype, q)
-    # a group's dot needs tiles of at least 16 columns on a GPU (the interpreter takes any)
-    dots = not q.is_cuda or min(widths["BLOCK_ROT"], block_half, widths["BLOCK_PASS"] if d > r else 16) >= 16
+    dots = rope_group_dots(q, r)
     for row0, rows, with_lora in _row_launches(t, lora):
         if not with_lora and rows >= ROPE_ROWS_KERNEL_MIN_ROWS:  # a prefill's rows: a program per row
             _rope_kv_rows_kernel[(rows,)](
@@ -224,6 +223,16 @@ def rope_write_kv(q, k, v, cos, sin, kv_pool, layer, slot_pages, slot_offsets, *
             PAIR=_gather.PAIR_EPILOGUES, num_warps=num_warps or 4,
         )
     return None
+
+
+def rope_group_dots(q: torch.Tensor, rot: int) -> bool:
+    """Whether the RoPE epilogue's hybrid group programs can run for q [T, Hq, D] with ``rot``
+    rotated dims: a group's dot needs tiles of at least 16 columns on a GPU (the interpreter takes
+    any); without them the groups' rows take the per-row arithmetic."""
+    d = q.shape[-1]
+    tiles = (triton.next_power_of_2(rot // 2), triton.next_power_of_2(d // 2),
+             triton.next_power_of_2(max(d - rot, 1)) if d > rot else 16)
+    return not q.is_cuda or min(tiles) >= 16
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, lora: GatheredLora | None = None, backend: str = "auto",

@@ -82,10 +82,12 @@ AHEAD_WARPS = 8
 # Decode rows grouped by adapter (``GatheredLora.groups``): a program covers up to this many
 # rows of one adapter, so the adapter's A tile is read once for them instead of once per row.
 GROUP_ROWS = 16
-# the grouped shrink serves batches of at least this many rows: on an H200 (q/k/v shrink + o's
-# gather of the 8B shape, docs/kernels.md) it took 0.55-0.92x the per-row kernels' time at 256
-# rows (8-100 adapters) but 1.03-1.46x at 32-128 rows unless few adapters repeat a lot
-GROUPED_MIN_ROWS = 256
+# the grouped shrink serves batches of at least this many rows. With the shrinks beside the frozen
+# GEMMs (EngineTuning.decode_lora_beside "wide"), on an H100 one 8B layer's decode LoRA took
+# 0.66-0.69x the per-row shrink's at 32-64 rows on 1-8 adapters, 0.91x at 128 rows over 80, 1.02x
+# at 32 rows on 32 distinct adapters, 1.00x at 256 (docs/kernels.md "The grouped shrink from 32
+# rows"); below it the per-row kernels (and the few-rows ones up to FEW_ROWS)
+GROUPED_MIN_ROWS = 32
 # the grouped shrink's K tile, K columns per program (a multiple of the tile: fewer partials for
 # the expand to sum) and warps; None: on a GPU ``GROUPED_SHRINK_GPU_TILES``, in the interpreter
 # the per-row shrink's K block (tile and split); the per-row shrink's warps

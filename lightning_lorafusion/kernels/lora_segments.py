@@ -177,13 +177,14 @@ SPLITK_SHRINK_PROGRAMS_PER_SM = 8
 # the expands after it: one S to read (no loop over K splits), so Triton would pipeline the rank
 # loop (3 stages: 40 KB of shared memory a program against 24 KB; the 8,192-token steps' expands
 # took 9 % longer so on an H100); one stage keeps the segments expand's footprint. Bᵀ and S rows
-# as vector loads (``SegmentLora.factor_align``): an option, not measured on a GPU yet
+# as vector loads (``SegmentLora.factor_align``): an option, 1.33-1.74x slower on an H100
 SPLITK_EXPAND_STAGES = 1
 SPLITK_EXPAND_ALIGN = False
 # the expand after the split-K shrink: "tile" (``expand_tile`` above) or "held"
 # (``segment_expand``: the tile's S loaded once per program, Bᵀ rows as vectors, options in
-# HELD_EXPAND); ``segment_lora_add(..., expand=)`` picks per call. "held" is built and tested on
-# the CPU, not measured on a GPU yet (docs/kernels.md "The held expand"): "tile" stays the default
+# HELD_EXPAND); ``segment_lora_add(..., expand=)`` picks per call. "held" took 1.27-1.47x the
+# tile expand's time on an H100, 0.85-0.93x with its dot in bf16 ("lowp"), which the engine's
+# runs did not show (docs/kernels.md "The held expand"): "tile" stays the default
 SPLITK_EXPAND = "tile"
 EXPANDS = ("tile", "held")
 # the held expand's options: columns per block, blocks per program (capped by the width), num_warps,

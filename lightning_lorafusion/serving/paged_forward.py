@@ -55,8 +55,8 @@ _O = (None, ("o_proj",))
 _GATE_UP = ("gate_up_proj", FUSED_PROJECTIONS["gate_up_proj"])
 _DOWN = (None, ("down_proj",))
 # the prefill rows' gate/up LoRA expanded inside SwiGLU (``swiglu_takes_prefill``) instead of
-# written into gate/up's outputs (first, or added after the product). Off: built and tested on
-# the CPU (greedy tokens equal the torch engine's), not measured on a GPU yet (docs/serving.md)
+# written into gate/up's outputs (first, or added after the product). Off: on an H100 it tied the
+# written-first form at 8,192 rows and lost elsewhere (1.02-1.44x; docs/kernels.md)
 PREFILL_SWIGLU = False
 
 
