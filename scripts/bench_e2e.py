@@ -60,6 +60,7 @@ from lightning_lorafusion.model.hf_loading import (  # noqa: E402
 from lightning_lorafusion.parallel.stage import adapter_loss  # noqa: E402
 from lightning_lorafusion.planner import plan_microbatches  # noqa: E402
 from lightning_lorafusion.specs import ALL_TARGET_MODULES, AdapterSpec  # noqa: E402
+from lightning_lorafusion.training.epoch_planning import level_capacities, plan_needs, run_capacity_levels  # noqa: E402
 from lightning_lorafusion.training.flops import lora_training_flops  # noqa: E402
 
 SHAPES = {
@@ -282,6 +283,9 @@ def add_workload_args(ap, layers: int) -> None:
     ap.add_argument("--samples", type=int, default=64, help="samples per adapter")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--pad-multiple", type=int, default=128)
+    ap.add_argument("--capacity-levels", type=int, default=0,
+                    help="ours: pack each microbatch at the smallest of up to this many capacities holding its "
+                         "tokens, as fit does without a pipeline (data.replica_capacity_levels); 0: all at --capacity")
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dropout", type=float, default=0.1)
@@ -379,9 +383,14 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
             for i in range(len(specs))]
     plan = plan_microbatches(w.lengths, capacity=args.capacity, pad_multiple=args.pad_multiple, method="greedy")
     steps = plan.step_adapters()
-    cfg = PackingConfig(capacity=args.capacity, pad_multiple=args.pad_multiple)
-    mbs = [pack_microbatch(p, lookup, config=cfg, num_adapters=len(specs), denominators=dens,
-                           step_adapters=steps.get(i, ()), index=i).to(device)
+    capacities = [args.capacity] * len(plan.microbatches)
+    if getattr(args, "capacity_levels", 0):  # as the data module packs them without a pipeline
+        needs = plan_needs(plan, args.pad_multiple)
+        capacities = level_capacities(needs, run_capacity_levels([needs], args.capacity, args.capacity_levels),
+                                      args.capacity)
+    mbs = [pack_microbatch(p, lookup, config=PackingConfig(capacity=capacities[i], pad_multiple=args.pad_multiple),
+                           num_adapters=len(specs), denominators=dens, step_adapters=steps.get(i, ()),
+                           index=i).to(device)
            for i, p in enumerate(plan.microbatches) if not p.is_noop]
     runner = None
     if graphs:
@@ -411,6 +420,9 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
                                                                   device, options=options))), flush=True)
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     extra = {}
+    if getattr(args, "capacity_levels", 0):  # the real share of the tokens computed at the levels
+        extra["capacities"] = sorted({m.capacity for m in mbs})
+        extra["computed_fill"] = round(sum(m.real_tokens for m in mbs) / sum(m.capacity for m in mbs), 4)
     if runner is not None:
         extra = {"graphs": runner.num_graphs, "keys": len({graph_key(mb) for mb in mbs}),
                  "replays": runner.replays, "capture_s": round(runner.capture_seconds, 1),

@@ -21,7 +21,10 @@ were; for the whole process set the variable before the start, and compare with 
 it through ``--earlier-rows``); ``hostembed`` (the NF4 base's input embedding table in pinned host
 memory, read in place by the gather: ``model/host_embedding.py``; the device copy is dropped for
 the row and put back after it); ``fusedadam`` (torch's fused AdamW: no multi-tensor temporaries
-in the allocator's cache). Each row also shows what
+in the allocator's cache); ``levelsN`` (``levels``: 3): the microbatches packed at up to N
+capacities, each at the smallest holding its tokens, as ``fit`` packs them without a pipeline
+(``data.replica_capacity_levels``; rows without it pack every microbatch at the row's capacity,
+as ``fit`` with 0). Each row also shows what
 ``model.activation_memory`` says the decoder layers keep for backward at that capacity, the
 allocator's peak allocated and reserved bytes (a graph's memory pool stays reserved), and
 whether it meets the memory target: peak allocated (``alloc``) and peak reserved (``resv``) <=
@@ -81,6 +84,7 @@ class Setting:
     autograd_accumulation: bool = False
     mlp_recompute_layers: int | None = None
     norm_recompute_layers: int | None = None
+    capacity_levels: int = 0
 
 
 def parse_setting(text: str) -> Setting:
@@ -99,6 +103,8 @@ def parse_setting(text: str) -> Setting:
             fields["checkpoint_layers"] = int(part[4:])
         elif part.startswith("pre") and part[3:].isdigit():
             fields["precapture"] = int(part[3:])
+        elif part.startswith("levels") and (part[6:].isdigit() or part == "levels"):
+            fields["capacity_levels"] = int(part[6:] or 3)
         elif part in MLP_RECOMPUTE_MODES:
             fields["mlp_recompute"] = part
         elif part in ("norms", "graphs", "expandable", "hostembed", "fusedadam", "autogradacc"):
@@ -109,7 +115,7 @@ def parse_setting(text: str) -> Setting:
         else:
             raise argparse.ArgumentTypeError(f"setting {text!r}: each '+' part is one of {MLP_RECOMPUTE_MODES}, "
                                              "norms (these two with a layer count N: activationN, normsN), graphs, "
-                                             "ckptN (N layers checkpointed), expandable, hostembed, "
+                                             "ckptN (N layers checkpointed), expandable, hostembed, levelsN, "
                                              "fusedadam, or with "
                                              f"graphs {sorted(GRAPH_MEMORY_PARTS)}, preN or autogradacc")
     setting = Setting(**fields, memory=CaptureMemory(**memory))
@@ -225,6 +231,7 @@ def _run_row(args, w: dict, precision: str, capacity: int, text: str) -> dict:
     setting = parse_setting(text)
     # bench_e2e's arguments for one "triton" row (its quantize_all reads the precision list)
     row_args = argparse.Namespace(**{**vars(args), "capacity": capacity, "checkpoint_layers": setting.checkpoint_layers,
+                                     "capacity_levels": setting.capacity_levels,
                                      "profile": f"{capacity}:{text}" in args.profile_rows, "memory_peak": args.breakdown and not setting.graphs,
                                      "variants": "triton", "base_precision": [precision], "fp8_exempt_layers": 0})
     device = w["device"]

@@ -38,7 +38,9 @@ from .epoch_planning import (
     PlanningConfig,
     check_restored_plan,
     deal_replica_shards,
+    level_capacities,
     plan_fill,
+    plan_needs,
     plan_windows,
     replica_needs,
     replica_shards,
@@ -77,11 +79,13 @@ class MultiAdapterDataModule(L.LightningDataModule):
         max_length: samples are truncated to this many tokens by the tokenizer step
             (default: capacity); a longer sample than capacity is an error before training.
         prefetch: microbatches packed ahead of the training step.
-        replica_capacity_levels: data-parallel replicas without a pipeline pack a run's
-            microbatches at up to this many capacities (multiples of ``capacity / 16``,
-            ``capacity`` among them, chosen once), each position at the smallest holding its
-            longest replica share (``parallel.replica_shards``); 0: every microbatch at
-            ``capacity``. Each capacity compiles and captures once.
+        replica_capacity_levels: without a pipeline (one process, or data-parallel replicas), a
+            run's microbatches are packed at up to this many capacities (multiples of
+            ``capacity / 16``, ``capacity`` among them, chosen once), each position at the
+            smallest holding its tokens (with replicas: its longest replica share,
+            ``parallel.replica_shards``), so a microbatch the planner left part empty does not
+            compute its empty tail; 0: every microbatch at ``capacity``. Each capacity compiles
+            and captures once.
     """
 
     def __init__(
@@ -104,7 +108,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
             raise ConfigError(f"data.replica_capacity_levels={replica_capacity_levels!r} must be an int >= 0 "
                               "(0: every microbatch at data.capacity)")
         self.replica_capacity_levels = replica_capacity_levels
-        # the capacities this run packs data-parallel microbatches at (chosen once, checkpointed)
+        # the capacities this run packs microbatches at without a pipeline (chosen once, checkpointed)
         self._capacity_levels: tuple[int, ...] | None = None
         self._shape_plans: dict[int, Plan] = {}  # epochs planned ahead to choose those levels
         planner = PlanningConfig.parse(planner)
@@ -293,11 +297,14 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 100 * plan_fill(plan, self.packing.capacity),
             )
         capacities = None
+        levels = self._run_levels(epoch, whole, plan) if self.num_stages == 1 else None
         if self.data_parallel_size > 1:  # the slots dealt to the replicas, now that the plan is known
-            levels = self._run_levels(epoch, whole, plan) if self.num_stages == 1 else None
             lookup, capacities = deal_replica_shards(
                 self.datasets, *whole, plan, data_parallel_size=self.data_parallel_size, replica=self.replica,
                 pad_multiple=self.packing.pad_multiple, levels=levels)
+        elif levels:  # one process: each position at the smallest level holding its tokens
+            capacities = level_capacities(plan_needs(plan, self.packing.pad_multiple), levels, plan.capacity)
+            self._log_levels(epoch, plan, capacities)
         return EpochPlan(
             epoch=epoch,
             plan=plan,
@@ -316,20 +323,34 @@ class MultiAdapterDataModule(L.LightningDataModule):
             return None
         if self._capacity_levels is None:
             pad, dp = self.packing.pad_multiple, self.data_parallel_size
-            needs = [replica_needs(*whole, plan, data_parallel_size=dp, pad_multiple=pad)]
+
+            def needs_of(lookup: SampleLookup, lengths, plan: Plan) -> list[int]:
+                if dp == 1:
+                    return plan_needs(plan, pad)
+                return replica_needs(lookup, lengths, plan, data_parallel_size=dp, pad_multiple=pad)
+
+            needs = [needs_of(*whole, plan)]
             last = getattr(self.trainer, "max_epochs", None) if self.trainer is not None else None
             if not isinstance(last, int) or last < 1 or epoch + 1 < last:
                 lookup = self._lookup(epoch + 1)
                 lengths = lookup.lengths()
-                _, slots = self._replica_shards(lookup, lengths)
-                ahead = self._plan(epoch + 1, self._planned_lengths(slots), self.packing.capacity,
+                planned = self._replica_shards(lookup, lengths)[1] if dp > 1 else lengths
+                ahead = self._plan(epoch + 1, self._planned_lengths(planned), self.packing.capacity,
                                    self.planner.method)
                 self._shape_plans[epoch + 1] = ahead
-                needs.append(replica_needs(lookup, lengths, ahead, data_parallel_size=dp, pad_multiple=pad))
+                needs.append(needs_of(lookup, lengths, ahead))
             self._capacity_levels = run_capacity_levels(needs, self.packing.capacity, self.replica_capacity_levels)
-            log.info("data parallel x%d without a pipeline: this run packs microbatches at capacities %s",
-                     dp, list(self._capacity_levels))
+            log.info("%s without a pipeline: this run packs microbatches at capacities %s",
+                     f"data parallel x{dp}" if dp > 1 else "one process", list(self._capacity_levels))
         return self._capacity_levels
+
+    def _log_levels(self, epoch: int, plan: Plan, capacities: tuple[int, ...]) -> None:
+        """What packing at the levels saves over packing every microbatch at the capacity."""
+        live = [c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop]
+        real = sum(mb.real_tokens() for mb in plan.microbatches)
+        log.info("epoch %d packed at capacities %s: %.1f%% of the tokens computed real (%.1f%% at capacity %d "
+                 "for every microbatch)", epoch, sorted(set(live)), 100 * real / max(1, sum(live)),
+                 100 * real / max(1, plan.capacity * len(live)), plan.capacity)
 
     def _check_restored_plan(self, plan: Plan, lengths) -> None:
         check_restored_plan(plan, lengths, packing=self.packing, excluded=self.excluded, epoch=self.epoch)
@@ -463,8 +484,8 @@ class MultiAdapterDataModule(L.LightningDataModule):
         config = self.packing
         if self.data_parallel_size > 1:  # the shape plan's slots, filled with this replica's samples
             planned = replica_microbatch(planned, ep.lookup)
-            if ep.capacities is not None:  # no pipeline: packed at the level its position needs
-                config = dataclasses.replace(config, capacity=ep.capacities[pos])
+        if ep.capacities is not None:  # no pipeline: packed at the level its position needs
+            config = dataclasses.replace(config, capacity=ep.capacities[pos])
         return pack_microbatch(
             planned,
             ep.lookup,

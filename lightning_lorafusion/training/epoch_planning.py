@@ -165,6 +165,20 @@ def replica_needs(lookup: SampleLookup, lengths, plan: Plan, *, data_parallel_si
     return rounded_needs(needs, plan.capacity, pad_multiple)
 
 
+def plan_needs(plan: Plan, pad_multiple: int) -> list[int]:
+    """One process's need per planned microbatch (no replicas to deal): its tokens with every
+    adapter segment padded as packing pads it, rounded up to the capacity-level step
+    (``rounded_needs``); 0 for a no-op slot."""
+    needs = [0 if mb.is_noop else mb.padded_tokens(pad_multiple) for mb in plan.microbatches]
+    return rounded_needs(needs, plan.capacity, pad_multiple)
+
+
+def level_capacities(needs: Sequence[int], levels: Sequence[int], capacity: int) -> tuple[int, ...]:
+    """The capacity each plan position is packed at: the smallest of ``levels`` holding its need
+    (``capacity`` for a no-op slot)."""
+    return tuple(level_of(n, levels) if n else capacity for n in needs)
+
+
 def run_capacity_levels(needs: Sequence[Sequence[int]], capacity: int, levels: int) -> tuple[int, ...]:
     """The capacities a run packs at (``capacity_levels`` over the needs of the epochs given, the
     plan's ``capacity`` always among them, so every later epoch's microbatch fits one)."""
@@ -184,8 +198,7 @@ def deal_replica_shards(datasets: Sequence[Sequence[Any]], lookup: SampleLookup,
     mine = _replica_lookup(datasets, bundles, replica, lambda a, j, k: deal.get((a, j, k), (replica,) * dp)[replica])
     if not levels:
         return mine, None
-    needs = rounded_needs(needs, plan.capacity, pad_multiple)
-    capacities = tuple(level_of(n, levels) if n else plan.capacity for n in needs)
+    capacities = level_capacities(rounded_needs(needs, plan.capacity, pad_multiple), levels, plan.capacity)
     real = sum(n for per_adapter in lengths for batch in per_adapter for n in batch)
     packed = dp * sum(c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop)
     log.info("data parallel x%d without a pipeline: microbatches packed at capacities %s (%.1f%% of the tokens "

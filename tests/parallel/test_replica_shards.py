@@ -383,6 +383,68 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def test_one_process_packed_at_capacity_levels_gives_the_full_capacity_gradients():
+    """One process without a pipeline: the plan's microbatches packed at the levels of their
+    tokens (``plan_needs``, some shorter than the plan's capacity) train exactly as packed at the
+    capacity: the same tokens first, and each adapter's gradient at each step equal."""
+    import dataclasses
+
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+    from lightning_lorafusion.training.epoch_planning import level_capacities, plan_needs, run_capacity_levels
+
+    config = case.tiny_config()
+    specs = [dataclasses.replace(s, dropout=0.0) for s in case.adapter_specs()]
+
+    def bank():
+        b = AdapterBank(specs, config)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in sorted(b.named_parameters()):
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        return b
+
+    rng = random.Random(3)
+    datasets = []
+    for _ in specs:
+        ds = []
+        for _ in range(9):
+            n = rng.randint(4, 26)
+            ids = [rng.randrange(61) for _ in range(n)]
+            prompt = rng.randint(1, n - 2)
+            ds.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]))
+        datasets.append(ds)
+    lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, 9))] for _ in specs])
+    lengths, denominators = lookup.lengths(), lookup.denominators()
+    plan = plan_microbatches(lengths, capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE, num_stages=1,
+                             method="greedy")
+    needs = plan_needs(plan, case.PAD_MULTIPLE)
+    capacities = level_capacities(needs, run_capacity_levels([needs], case.CAPACITY, 3), case.CAPACITY)
+    assert min(capacities) < case.CAPACITY
+    assert all(c >= mb.padded_tokens(case.PAD_MULTIPLE) for c, mb in zip(capacities, plan.microbatches))
+    step_at = plan.step_adapters()
+
+    def pack(capacity_of):
+        return {i: pack_microbatch(mb, lookup, config=PackingConfig(capacity=capacity_of(i),
+                                                                    pad_multiple=case.PAD_MULTIPLE),
+                                   num_adapters=len(specs), denominators=denominators,
+                                   step_adapters=step_at.get(i, ()), index=i)
+                for i, mb in enumerate(plan.microbatches) if not mb.is_noop}
+
+    full, short = pack(lambda i: case.CAPACITY), pack(capacities.__getitem__)
+    for i, mb in short.items():
+        assert mb.capacity == capacities[i]
+        assert torch.equal(mb.input_ids, full[i].input_ids[: mb.capacity])
+        assert torch.equal(mb.labels, full[i].labels[: mb.capacity])
+        assert (full[i].labels[mb.capacity:] == IGNORE_INDEX).all()
+    want = _gradients_at_steps(plan, full, bank(), config)
+    got = _gradients_at_steps(plan, short, bank(), config)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
     """``fit``'s data module at two replicas: without a pipeline each position is packed at the
     epoch's level for it (the same on both replicas, some below ``data.capacity``); with two
@@ -420,6 +482,20 @@ def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
         else:
             assert set(capacities[0]) == {256} and dm.epoch_plan(2).capacities is None
         assert sorted(samples) == sorted((e, a, i) for e in range(3) for a in range(3) for i in range(12))
+    # one process without a pipeline packs at levels too, every sample once
+    dm = data_module()
+    dm.num_stages, dm.data_parallel_size, dm.replica, dm.pipeline = 1, 1, 0, False
+    capacities, samples = [], []
+    for epoch in range(3):
+        mbs = list(dm.packed_epoch(epoch))
+        capacities += [mb.capacity for mb in mbs]
+        lookup = dm.epoch_plan(epoch).lookup
+        samples += [(epoch, s.adapter, lookup.batches[s.adapter][s.batch][s.index]) for mb in mbs for s in mb.samples]
+        for mb in mbs:  # the smallest level holding its padded segments
+            end = max(e for _, e, _ in mb.segments)
+            assert end <= mb.capacity and not [c for c in dm._capacity_levels if end <= c < mb.capacity]
+    assert min(capacities) < 256 and set(capacities) <= set(dm._capacity_levels) and 256 in dm._capacity_levels
+    assert sorted(samples) == sorted((e, a, i) for e in range(3) for a in range(3) for i in range(12))
     # a resumed run packs at the checkpoint's levels, not at ones chosen again
     dm = data_module()
     dm.num_stages, dm.data_parallel_size, dm.replica, dm.pipeline = 1, 2, 0, True

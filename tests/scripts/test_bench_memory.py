@@ -34,6 +34,10 @@ def test_settings_parse():
         bench.parse_setting("mlp")
     assert bench.parse_setting("ckpt2+activation+graphs+hostembed") == bench.Setting(
         mlp_recompute="activation", checkpoint_layers=2, graphs=True, host_embedding=True)
+    assert bench.parse_setting("activation+graphs+levels") == Setting("activation", graphs=True, capacity_levels=3)
+    assert bench.parse_setting("none+levels2") == Setting(capacity_levels=2)
+    with pytest.raises(argparse.ArgumentTypeError, match="setting 'levelsx'"):
+        bench.parse_setting("levelsx")
     assert bench.parse_setting("activation+graphs+autogradacc") == Setting(
         "activation", graphs=True, autograd_accumulation=True)
     with pytest.raises(argparse.ArgumentTypeError, match="autogradacc apply to graphs"):
@@ -56,10 +60,14 @@ def test_bench_memory_tiny_cpu(tmp_path):
     rows = bench.main(["--shape", "tiny", "--layers", "2", "--device", "cpu", "--backend", "torch",
                        "--adapters", "2", "--samples", "2", "--global-batch", "2", "--max-length", "64",
                        "--pad-multiple", "16", "--capacities", "128", "--bf16-capacity", "128",
-                       "--settings", "none,gate_up,ckpt1+activation,gate_up+norms", "--out", str(tmp_path)])
+                       "--settings", "none,gate_up,ckpt1+activation,gate_up+norms,none+levels2",
+                       "--out", str(tmp_path)])
     assert [(r["base"], r["capacity"], r["setting"]) for r in rows] == [
         ("bf16", 128, "none"), ("nf4", 128, "none"), ("nf4", 128, "gate_up"), ("nf4", 128, "ckpt1+activation"),
-        ("nf4", 128, "gate_up+norms")]
+        ("nf4", 128, "gate_up+norms"), ("nf4", 128, "none+levels2")]
+    levels = rows[-1]  # the same microbatches, each packed at the smaller of two capacities holding it
+    assert 1 <= len(levels["capacities"]) <= 2 and max(levels["capacities"]) <= 128
+    assert levels["computed_fill"] >= levels["fill"] and "capacities" not in rows[1]
     assert len({r["real_tokens"] for r in rows}) == 1 and rows[0]["real_tokens"] > 0  # the same samples
     for r in rows:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
@@ -67,7 +75,7 @@ def test_bench_memory_tiny_cpu(tmp_path):
     from lightning_lorafusion.model.decoder_config import DecoderConfig
 
     config = DecoderConfig.from_hf(config)
-    kept = {r["setting"]: r["kept_bytes"] for r in rows[1:]}
+    kept = {r["setting"]: r["kept_bytes"] for r in rows[1:-1]}
     assert kept["gate_up"] == step_activation_bytes(config, 16, 128, dtype=torch.float32, mlp_recompute="gate_up",
                                                     elementwise_compiled=False)
     assert kept["none"] > kept["gate_up"]
@@ -75,7 +83,7 @@ def test_bench_memory_tiny_cpu(tmp_path):
                                                           elementwise_compiled=False, norm_recompute=True)
     assert kept["gate_up+norms"] < kept["gate_up"]
     saved = json.loads((tmp_path / "memory_tiny_nf4.json").read_text())
-    assert saved["device_name"] == "cpu" and len(saved["rows"]) == 5
+    assert saved["device_name"] == "cpu" and len(saved["rows"]) == 6
 
 
 def test_a_graphs_row_runs_the_captured_step_with_its_options(monkeypatch):
