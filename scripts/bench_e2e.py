@@ -420,9 +420,6 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
                                                                   device, options=options))), flush=True)
     fill = sum(m.real_tokens for m in mbs) / (len(mbs) * args.capacity)
     extra = {}
-    if getattr(args, "capacity_levels", 0):  # the real share of the tokens computed at the levels
-        extra["capacities"] = sorted({m.capacity for m in mbs})
-        extra["computed_fill"] = round(sum(m.real_tokens for m in mbs) / sum(m.capacity for m in mbs), 4)
     if runner is not None:
         extra = {"graphs": runner.num_graphs, "keys": len({graph_key(mb) for mb in mbs}),
                  "replays": runner.replays, "capture_s": round(runner.capture_seconds, 1),
@@ -432,6 +429,9 @@ def run_ours(args, hf_config, model, data, device, dtype, backend, base_precisio
             from lightning_lorafusion.capture import pool_usage
 
             extra.update(at_capture=at_capture, pools=pool_usage(device=device), eager_detail=eager_detail(device))
+    if getattr(args, "capacity_levels", 0):  # the real share of the tokens computed at the levels
+        extra["capacities"] = sorted({m.capacity for m in mbs})
+        extra["computed_fill"] = round(sum(m.real_tokens for m in mbs) / sum(m.capacity for m in mbs), 4)
     return tokens / elapsed, elapsed, tokens, fill, len(mbs), extra
 
 

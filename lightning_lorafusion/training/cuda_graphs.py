@@ -331,8 +331,8 @@ class TrainingGraphs:
         epoch's keys; a mapping: with their number of microbatches): ``plan_captures`` picks at
         most ``max_precapture`` keys, captured in one ``capture_batch``. A planned key then
         replays its cover for the whole epoch (no capture of its own, ``capture_after`` is for
-        keys not planned). An epoch of more capacities than ``max_precapture`` (data-parallel
-        replicas without a pipeline pack at a few) gets one graph per capacity. Each capture's
+        keys not planned). An epoch of more capacities than ``max_precapture`` (runs without a
+        pipeline pack at a few) gets one graph per capacity. Each capture's
         warm-up step runs an idle microbatch (``idle_microbatch``: no label, zero loss
         denominators), so no gradient changes. Without capture the keys are
         only marked as held (CPU tests). Returns the keys captured."""

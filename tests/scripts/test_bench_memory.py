@@ -60,12 +60,12 @@ def test_bench_memory_tiny_cpu(tmp_path):
     rows = bench.main(["--shape", "tiny", "--layers", "2", "--device", "cpu", "--backend", "torch",
                        "--adapters", "2", "--samples", "2", "--global-batch", "2", "--max-length", "64",
                        "--pad-multiple", "16", "--capacities", "128", "--bf16-capacity", "128",
-                       "--settings", "none,gate_up,ckpt1+activation,gate_up+norms,none+levels2",
+                       "--settings", "none,gate_up,ckpt1+activation,gate_up+norms,graphs+levels2",
                        "--out", str(tmp_path)])
     assert [(r["base"], r["capacity"], r["setting"]) for r in rows] == [
         ("bf16", 128, "none"), ("nf4", 128, "none"), ("nf4", 128, "gate_up"), ("nf4", 128, "ckpt1+activation"),
-        ("nf4", 128, "gate_up+norms"), ("nf4", 128, "none+levels2")]
-    levels = rows[-1]  # the same microbatches, each packed at the smaller of two capacities holding it
+        ("nf4", 128, "gate_up+norms"), ("nf4", 128, "graphs+levels2")]
+    levels = rows[-1]  # the same microbatches (the step in graphs), each at the smaller of two capacities holding it
     assert 1 <= len(levels["capacities"]) <= 2 and max(levels["capacities"]) <= 128
     assert levels["computed_fill"] >= levels["fill"] and "capacities" not in rows[1]
     assert len({r["real_tokens"] for r in rows}) == 1 and rows[0]["real_tokens"] > 0  # the same samples
