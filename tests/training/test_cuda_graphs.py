@@ -614,10 +614,13 @@ def test_precaptured_graphs_replay_every_step_and_train_like_eager_steps():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA GPU")
-def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
+@pytest.mark.parametrize("capacity,pad_multiple", [(128, 128), (256, 16)])
+def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir, capacity, pad_multiple):
     """Through the Trainer on one GPU (bf16-true, fused kernels, dropout 0.1): cuda_graphs on
     replays graphs and ends with the weights of cuda_graphs off (bf16: 0.05 absolute on
-    weights of magnitude ~0.1-1 after a few AdamW steps at lr <= 1e-2)."""
+    weights of magnitude ~0.1-1 after a few AdamW steps at lr <= 1e-2). At capacity 256 with
+    segments padded to 16 the microbatches are packed at several capacity levels (96, 144 and
+    256 on the CPU's lengths): each level gets graphs of its own."""
     import lightning as L
     from test_equivalence import tiny_specs as fit_specs
 
@@ -628,7 +631,7 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
     for mode in ("off", "on"):
         module = LoRAFusionModule(base_model=tiny_model_dir, adapters=fit_specs(dropout=0.1), backend="triton",
                                   dtype="bfloat16", grad_clip=0.0, export_on_fit_end=False, cuda_graphs=mode)
-        dm = MultiAdapterDataModule(capacity=128, pad_multiple=128, max_length=48, prefetch=2,
+        dm = MultiAdapterDataModule(capacity=capacity, pad_multiple=pad_multiple, max_length=48, prefetch=2,
                                     planner={"method": "greedy", "window": 2})
         trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=2, precision="bf16-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -636,6 +639,9 @@ def test_fit_with_cuda_graphs_on_matches_off(tiny_model_dir):
         runs[mode] = module
     graphs = runs["on"]._graphs
     assert graphs is not None and graphs.replays > 0 and not graphs.refusals, graphs and graphs.refusals
+    levels = dm._capacity_levels
+    assert {key.capacity for key in graphs._graphs} == set(levels)
+    assert len(levels) == 1 if capacity == pad_multiple else len(levels) > 1, levels
     assert runs["off"]._graphs is None and runs["on"].steps_taken == runs["off"].steps_taken
     init = dict(AdapterBank(fit_specs(), runs["off"].config).named_parameters())
     off = {n: p.float() for n, p in runs["off"].bank.named_parameters()}
