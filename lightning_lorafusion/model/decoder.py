@@ -147,9 +147,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+# variants dynamo may compile of one fused group in a process (its default is 8): with static
+# shapes each capacity a run packs at (up to three levels without a pipeline), the capacity
+# probe's candidates and a second fit in the same process (tests, notebooks) compile each group
+# again, and a group past the limit under fullgraph=True fails the step instead of running it
+RECOMPILE_LIMIT = 64
+
+
 def _compiled(fn, compiler: str):
     key = (fn, compiler)
     if key not in _COMPILED:
+        config = torch._dynamo.config
+        if getattr(config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            config.recompile_limit = RECOMPILE_LIMIT
         _COMPILED[key] = torch.compile(fn, dynamic=False, fullgraph=True, backend=compiler)
     return _COMPILED[key]
 

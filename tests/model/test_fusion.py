@@ -151,3 +151,25 @@ def test_auto_backend_is_resolved_before_the_layers_see_it(monkeypatch):
     cuda = torch.device("cuda")  # a device name only: no GPU needed
     assert D.resolve_backend("auto", cuda) == "triton"
     assert D.resolve_backend("torch", cuda) == "torch" and D.resolve_backend("triton", h.device) == "triton"
+
+
+def test_a_fused_group_compiles_past_dynamos_default_limit_of_eight_shapes():
+    """With static shapes each capacity compiles a fused group again; under ``fullgraph=True``
+    dynamo's default limit (8 variants) would fail the ninth shape (a run at three capacity
+    levels, its capacity probe, a second fit in the process). ``_compiled`` raises the limit."""
+    from lightning_lorafusion.model import decoder
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 + 1.0
+
+    before = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        fn = decoder._compiled(scaled, "eager")
+        assert torch._dynamo.config.recompile_limit == decoder.RECOMPILE_LIMIT
+        for n in range(1, 13):  # twelve shapes
+            x = torch.arange(n, dtype=torch.float32)
+            torch.testing.assert_close(fn(x), x * 2.0 + 1.0)
+    finally:
+        torch._dynamo.config.recompile_limit = before
+        decoder._COMPILED.pop((scaled, "eager"), None)
