@@ -313,13 +313,48 @@ def _gradients_at_steps(plan, packed, bank, config):
     return grads
 
 
+def _dropout_free_bank_factory(seed: int):
+    """The pipeline case's adapters without dropout (masks follow positions) and a maker of their
+    bank with non-zero B (``pipeline_case.make_bank``'s init with ``seed``)."""
+    import dataclasses
+
+    from lightning_lorafusion.model.adapter_bank import AdapterBank
+
+    specs = [dataclasses.replace(s, dropout=0.0) for s in case.adapter_specs()]
+
+    def bank(config):
+        b = AdapterBank(specs, config)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(b.named_parameters()):
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        return b
+
+    return specs, bank
+
+
+def _prompt_samples(num_adapters: int, per_adapter: int, seed: int) -> list[list[Sample]]:
+    """Random samples of 4-26 tokens, each with a prompt of no label."""
+    rng = random.Random(seed)
+    datasets = []
+    for _ in range(num_adapters):
+        ds = []
+        for _ in range(per_adapter):
+            n = rng.randint(4, 26)
+            ids = [rng.randrange(61) for _ in range(n)]
+            prompt = rng.randint(1, n - 2)
+            ds.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]))
+        datasets.append(ds)
+    return datasets
+
+
 def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
     """Two replicas without a pipeline, their slots dealt and their microbatches packed at the
     epoch's capacity levels (shorter than the plan's capacity): each adapter's gradient at each
     step, summed over the replicas, equals the one-process gradient of the same global batch."""
     import dataclasses
 
-    from lightning_lorafusion.model.adapter_bank import AdapterBank
     from lightning_lorafusion.training.epoch_planning import (
         deal_replica_shards,
         replica_needs,
@@ -328,27 +363,9 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
     )
 
     config = case.tiny_config()
-    specs = [dataclasses.replace(s, dropout=0.0) for s in case.adapter_specs()]  # masks follow positions
-
-    def bank():
-        b = AdapterBank(specs, config)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in sorted(b.named_parameters()):
-                if name.endswith("lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        return b
-
-    rng = random.Random(11)
-    datasets = []
-    for a in range(len(specs)):
-        ds = []
-        for _ in range(10):
-            n = rng.randint(4, 26)
-            ids = [rng.randrange(61) for _ in range(n)]
-            prompt = rng.randint(1, n - 2)
-            ds.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]))
-        datasets.append(ds)
+    specs, make = _dropout_free_bank_factory(7)
+    bank = lambda: make(config)  # noqa: E731
+    datasets = _prompt_samples(len(specs), 10, 11)
     lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, 10))] for _ in specs])
     lengths, denominators = lookup.lengths(), lookup.denominators()
     packing = PackingConfig(capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE)
@@ -387,33 +404,12 @@ def test_one_process_packed_at_capacity_levels_gives_the_full_capacity_gradients
     """One process without a pipeline: the plan's microbatches packed at the levels of their
     tokens (``plan_needs``, some shorter than the plan's capacity) train exactly as packed at the
     capacity: the same tokens first, and each adapter's gradient at each step equal."""
-    import dataclasses
-
-    from lightning_lorafusion.model.adapter_bank import AdapterBank
     from lightning_lorafusion.training.epoch_planning import level_capacities, plan_needs, run_capacity_levels
 
     config = case.tiny_config()
-    specs = [dataclasses.replace(s, dropout=0.0) for s in case.adapter_specs()]
-
-    def bank():
-        b = AdapterBank(specs, config)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for name, p in sorted(b.named_parameters()):
-                if name.endswith("lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        return b
-
-    rng = random.Random(3)
-    datasets = []
-    for _ in specs:
-        ds = []
-        for _ in range(9):
-            n = rng.randint(4, 26)
-            ids = [rng.randrange(61) for _ in range(n)]
-            prompt = rng.randint(1, n - 2)
-            ds.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt + 1:] + [IGNORE_INDEX]))
-        datasets.append(ds)
+    specs, make = _dropout_free_bank_factory(5)
+    bank = lambda: make(config)  # noqa: E731
+    datasets = _prompt_samples(len(specs), 9, 3)
     lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, 9))] for _ in specs])
     lengths, denominators = lookup.lengths(), lookup.denominators()
     plan = plan_microbatches(lengths, capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE, num_stages=1,
