@@ -157,6 +157,25 @@ def _group_cols(base, cols, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, 
 
 
 @triton.jit
+def _group_rotated(base, offs, ok, m_ok, cos1, cos2, sin1, sin2, pool_ptr, b_off_ptr, rank_ptr, scale_ptr,
+                   groups_ptr, part_ptr, start, end, g, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride,
+                   N, col0, ROT_HALF: tl.constexpr, MAX_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   HALF_S: tl.constexpr):
+    """One head's two rotated halves for a group's rows (projection ``g``: its LoRA by one dot,
+    ``_group_cols``), fp32 before the store's rounding."""
+    x1 = _group_cols(base, offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start,
+                     end, g, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, N, col0, MAX_R=MAX_R,
+                     BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
+                     HALF_S=HALF_S)
+    x2 = _group_cols(base, ROT_HALF + offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
+                     part_ptr, start, end, g, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, N, col0,
+                     MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
+                     DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _rope_group(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, q_hstride, k_hstride, v_hstride,
     cos_ptr, sin_ptr, cs_stride, kv_ptr, page_ptr, slot_ptr, kv_sp, kv_skv, kv_ss, kv_sh,
@@ -185,17 +204,12 @@ def _rope_group(
     if head < HQ:
         base = q_ptr + row64 * q_stride + head * q_hstride
         n, col0 = HQ * 2 * HALF, head * 2 * HALF
-        x1 = _group_cols(base, offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start,
-                         end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0, MAX_R=MAX_R,
-                         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                         HALF_S=HALF_S)
-        x2 = _group_cols(base, ROT_HALF + offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
-                         part_ptr, start, end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
-                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
-                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
-        tl.store(base[:, None] + offs[None, :], (x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty), mask=live)
-        tl.store(base[:, None] + ROT_HALF + offs[None, :], (x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty),
-                 mask=live)
+        r1, r2 = _group_rotated(base, offs, ok, m_ok, cos1, cos2, sin1, sin2, pool_ptr, b_off_ptr, rank_ptr,
+                                scale_ptr, groups_ptr, part_ptr, start, end, 0, lora_rows, k_blocks, groups_stride,
+                                b_g_stride, r_g_stride, n, col0, ROT_HALF=ROT_HALF, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                                BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        tl.store(base[:, None] + offs[None, :], r1.to(q_ptr.dtype.element_ty), mask=live)
+        tl.store(base[:, None] + ROT_HALF + offs[None, :], r2.to(q_ptr.dtype.element_ty), mask=live)
         if PASS > 0:
             xp = _group_cols(base, offs_p, ok_p, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr,
                              start, end, 0, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
@@ -208,16 +222,12 @@ def _rope_group(
                 + tl.load(slot_ptr + row64, mask=m_ok, other=0).to(tl.int64) * kv_ss + j * kv_sh)
         base = k_ptr + row64 * k_stride + j * k_hstride
         n, col0 = HKV * 2 * HALF, j * 2 * HALF
-        x1 = _group_cols(base, offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr, part_ptr, start,
-                         end, 1, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0, MAX_R=MAX_R,
-                         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION,
-                         HALF_S=HALF_S)
-        x2 = _group_cols(base, ROT_HALF + offs, ok, m_ok, pool_ptr, b_off_ptr, rank_ptr, scale_ptr, groups_ptr,
-                         part_ptr, start, end, 1, lora_rows, k_blocks, groups_stride, b_g_stride, r_g_stride, n, col0,
-                         MAX_R=MAX_R, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB,
-                         DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
-        k1 = (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty)
-        k2 = (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty)
+        r1, r2 = _group_rotated(base, offs, ok, m_ok, cos1, cos2, sin1, sin2, pool_ptr, b_off_ptr, rank_ptr,
+                                scale_ptr, groups_ptr, part_ptr, start, end, 1, lora_rows, k_blocks, groups_stride,
+                                b_g_stride, r_g_stride, n, col0, ROT_HALF=ROT_HALF, MAX_R=MAX_R, BLOCK_M=BLOCK_M,
+                                BLOCK_R=BLOCK_R, BLOCK_KB=BLOCK_KB, DOT_PRECISION=DOT_PRECISION, HALF_S=HALF_S)
+        k1 = r1.to(k_ptr.dtype.element_ty)
+        k2 = r2.to(k_ptr.dtype.element_ty)
         tl.store(base[:, None] + offs[None, :], k1, mask=live)
         tl.store(base[:, None] + ROT_HALF + offs[None, :], k2, mask=live)
         tl.store(slot[:, None] + offs[None, :], k1.to(kv_ptr.dtype.element_ty), mask=live)
