@@ -38,11 +38,12 @@ from .epoch_planning import (
     PlanningConfig,
     check_restored_plan,
     deal_replica_shards,
+    epoch_needs,
     level_capacities,
+    log_packed_levels,
     plan_fill,
     plan_needs,
     plan_windows,
-    replica_needs,
     replica_shards,
     run_capacity_levels,
     window_starts,
@@ -304,7 +305,7 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 pad_multiple=self.packing.pad_multiple, levels=levels)
         elif levels:  # one process: each position at the smallest level holding its tokens
             capacities = level_capacities(plan_needs(plan, self.packing.pad_multiple), levels, plan.capacity)
-            self._log_levels(epoch, plan, capacities)
+            log_packed_levels(epoch, plan, capacities)
         return EpochPlan(
             epoch=epoch,
             plan=plan,
@@ -322,14 +323,9 @@ class MultiAdapterDataModule(L.LightningDataModule):
         if not self.replica_capacity_levels:
             return None
         if self._capacity_levels is None:
-            pad, dp = self.packing.pad_multiple, self.data_parallel_size
-
-            def needs_of(lookup: SampleLookup, lengths, plan: Plan) -> list[int]:
-                if dp == 1:
-                    return plan_needs(plan, pad)
-                return replica_needs(lookup, lengths, plan, data_parallel_size=dp, pad_multiple=pad)
-
-            needs = [needs_of(*whole, plan)]
+            dp = self.data_parallel_size
+            per = dict(data_parallel_size=dp, pad_multiple=self.packing.pad_multiple)
+            needs = [epoch_needs(*whole, plan, **per)]
             last = getattr(self.trainer, "max_epochs", None) if self.trainer is not None else None
             if not isinstance(last, int) or last < 1 or epoch + 1 < last:
                 lookup = self._lookup(epoch + 1)
@@ -338,19 +334,11 @@ class MultiAdapterDataModule(L.LightningDataModule):
                 ahead = self._plan(epoch + 1, self._planned_lengths(planned), self.packing.capacity,
                                    self.planner.method)
                 self._shape_plans[epoch + 1] = ahead
-                needs.append(needs_of(lookup, lengths, ahead))
+                needs.append(epoch_needs(lookup, lengths, ahead, **per))
             self._capacity_levels = run_capacity_levels(needs, self.packing.capacity, self.replica_capacity_levels)
             log.info("%s without a pipeline: this run packs microbatches at capacities %s",
                      f"data parallel x{dp}" if dp > 1 else "one process", list(self._capacity_levels))
         return self._capacity_levels
-
-    def _log_levels(self, epoch: int, plan: Plan, capacities: tuple[int, ...]) -> None:
-        """What packing at the levels saves over packing every microbatch at the capacity."""
-        live = [c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop]
-        real = sum(mb.real_tokens() for mb in plan.microbatches)
-        log.info("epoch %d packed at capacities %s: %.1f%% of the tokens computed real (%.1f%% at capacity %d "
-                 "for every microbatch)", epoch, sorted(set(live)), 100 * real / max(1, sum(live)),
-                 100 * real / max(1, plan.capacity * len(live)), plan.capacity)
 
     def _check_restored_plan(self, plan: Plan, lengths) -> None:
         check_restored_plan(plan, lengths, packing=self.packing, excluded=self.excluded, epoch=self.epoch)

@@ -173,6 +173,24 @@ def plan_needs(plan: Plan, pad_multiple: int) -> list[int]:
     return rounded_needs(needs, plan.capacity, pad_multiple)
 
 
+def epoch_needs(lookup: SampleLookup, lengths, plan: Plan, *, data_parallel_size: int,
+                pad_multiple: int) -> list[int]:
+    """Each planned microbatch's need: one process's own tokens (``plan_needs``), or with replicas
+    the longest replica share once dealt (``replica_needs``)."""
+    if data_parallel_size == 1:
+        return plan_needs(plan, pad_multiple)
+    return replica_needs(lookup, lengths, plan, data_parallel_size=data_parallel_size, pad_multiple=pad_multiple)
+
+
+def log_packed_levels(epoch: int, plan: Plan, capacities: Sequence[int]) -> None:
+    """What packing at the levels saves over packing every microbatch at the plan's capacity."""
+    live = [c for c, mb in zip(capacities, plan.microbatches) if not mb.is_noop]
+    real = sum(mb.real_tokens() for mb in plan.microbatches)
+    log.info("epoch %d packed at capacities %s: %.1f%% of the tokens computed real (%.1f%% at capacity %d "
+             "for every microbatch)", epoch, sorted(set(live)), 100 * real / max(1, sum(live)),
+             100 * real / max(1, plan.capacity * len(live)), plan.capacity)
+
+
 def level_capacities(needs: Sequence[int], levels: Sequence[int], capacity: int) -> tuple[int, ...]:
     """The capacity each plan position is packed at: the smallest of ``levels`` holding its need
     (``capacity`` for a no-op slot)."""
