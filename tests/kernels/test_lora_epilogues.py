@@ -384,25 +384,33 @@ def test_rope_grouped_expand_catches_a_wrong_grouping(device, wrong, grouped_exp
 GROUPED_GATE_UP_RANKS = [(4, 4), (0, 7), (17, 2), (0, 0)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,first_row,rows", [(47, 0, 6), (123, 2, 4), (64, 1, 5)])
-def test_swiglu_grouped_expand_matches_per_row_and_reference(device, dtype, n, first_row, rows, grouped_expand):
-    """The grouped SwiGLU (every row plain, then the groups' rows with their LoRA): the
-    reference and the per-row fused kernel; gate and up not written."""
+def _grouped_swiglu_case(device, dtype, n, first_row, rows, group_rows):
+    """SwiGLU of 7 rows with gate/up LoRA on ``rows`` of them, per row and grouped by up to
+    ``group_rows`` rows: (per-row LoRA, grouped LoRA, reference, per-row kernel, grouped kernel);
+    checks that gate and up are not written and that both kernels match the reference."""
     t, k = 7, 29
     gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(n)).to(device, dtype)
     gate, up = gu[:, :n], gu[:, n:]
     lora, _ = make_group(k, (n, n), GROUPED_GATE_UP_RANKS, rows, dtype, device, first_row=first_row)
-    grouped = with_groups(lora, GROUPED_GATE_UP_RANKS, 2)
+    grouped = with_groups(lora, GROUPED_GATE_UP_RANKS, group_rows)
     before = gu.clone()
     want = swiglu_reference(gate, up, lora)
     per_row = swiglu(gate, up, lora=lora, backend="triton")
     got = swiglu(gate, up, lora=grouped, backend="triton")
     assert torch.equal(gu, before)
     assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
+    return (gate, up), lora, grouped, want, per_row, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,first_row,rows", [(47, 0, 6), (123, 2, 4), (64, 1, 5)])
+def test_swiglu_grouped_expand_matches_per_row_and_reference(device, dtype, n, first_row, rows, grouped_expand):
+    """The grouped SwiGLU (every row plain, then the groups' rows with their LoRA): the
+    reference and the per-row fused kernel; gate and up not written."""
+    *_, per_row, got = _grouped_swiglu_case(device, dtype, n, first_row, rows, 2)
     if grouped_expand.GROUPED_EXPAND_ROW_LOOP:
         assert_per_row_bits(got, per_row)
-    outside = [i for i in range(t) if not first_row <= i < first_row + rows]
+    outside = [i for i in range(got.shape[0]) if not first_row <= i < first_row + rows]
     assert torch.equal(got[outside], per_row[outside])  # rows outside the gathered ones: the plain kernel's
 
 
@@ -454,19 +462,9 @@ def test_swiglu_hybrid_expand_matches_per_row_and_reference(device, dtype, n, fi
     arithmetic (``with_groups``' routing has both, and rows without LoRA): the reference and the
     per-row kernel; the rows alone the per-row kernel's bits (a few ulp compiled); gate and up
     not written."""
-    t, k = 7, 29
-    gu = torch.randn(t, 2 * n, generator=torch.Generator().manual_seed(n)).to(device, dtype)
-    gate, up = gu[:, :n], gu[:, n:]
-    lora, _ = make_group(k, (n, n), GROUPED_GATE_UP_RANKS, rows, dtype, device, first_row=first_row)
-    grouped = with_groups(lora, GROUPED_GATE_UP_RANKS, 16)
+    (gate, up), lora, grouped, want, per_row, got = _grouped_swiglu_case(device, dtype, n, first_row, rows, 16)
     sizes = grouped.groups[3].tolist()
     assert 1 in sizes and 2 in sizes  # both ways taken
-    before = gu.clone()
-    want = swiglu_reference(gate, up, lora)
-    per_row = swiglu(gate, up, lora=lora, backend="triton")
-    got = swiglu(gate, up, lora=grouped, backend="triton")
-    assert torch.equal(gu, before)
-    assert rel_err(got, want) < TOL[dtype] and rel_err(got, per_row) < TOL[dtype]
     alone = [first_row + i for i, s in enumerate(sizes) if s < 2]
     assert_per_row_bits(got[alone], per_row[alone])
     # a wrong grouping (every row told it shares one adapter) is caught
