@@ -42,7 +42,9 @@ steps of the runs named in ``--profile-runs`` (``scripts/profile_steps.py``: eac
 span split into kernel-busy and idle time, and its costliest kernels, by step kind; the run's
 ``profile`` in the JSON): a span much longer than its kernels means the device waited for the host.
 The profiler slows the steps it records: ``--profile-again on`` runs each of those runs plain for
-its numbers, then once more profiled (named "<run>-profiled") for its kernels.
+its numbers, then once more profiled (named "<run>-profiled") for its kernels. A profiled run also
+gets its ``ceiling`` (``profile_steps.ceiling``): the share of its floor it could reach with its
+frozen products running as profiled and every other part at its own floor.
 
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape 8b --slora --deadline 370 --out $OUT
     PYTHONPATH=. python3 scripts/bench_tenants.py --shape tiny --device cpu --dtype float32 --requests 12 \\
@@ -77,8 +79,8 @@ from lightning_lorafusion.serving.floor import FloorShape, breakdown, run_floor 
 from lightning_lorafusion.serving.page_in_layers import page_in_groups  # noqa: E402
 from lightning_lorafusion.serving import paged_forward  # noqa: E402
 from lightning_lorafusion.serving.step_times import breakdown_table  # noqa: E402
-from profile_steps import (StepProfile, category_table, lora_kernel_table, lora_traffic, part_table,  # noqa: E402
-                           table as profile_table)
+from profile_steps import (StepProfile, category_table, ceiling, ceiling_table, lora_kernel_table,  # noqa: E402
+                           lora_traffic, part_table, table as profile_table)
 
 log = logger("bench_tenants")
 
@@ -515,6 +517,8 @@ class TenantsBench:
         try:
             row = {"run": run, "arrivals": arrivals, **run_trace(
                 self, trace, min(self.deadline, time.perf_counter() + self.args.phase_max_s), name, profiled)}
+            if row.get("profile"):  # products as they run, every other part at its floor
+                row["ceiling"] = ceiling(row["profile"], row["breakdown"]["kinds"])
             self.report["runs"].append(row)
             log(row_line(row) + "\n" + breakdown_table(row["breakdown"]))
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
@@ -772,6 +776,9 @@ def _main(args) -> dict:
                   f"the same run's steps of that kind)\n" + category_table(r["profile"], r["breakdown"]["kinds"]))
             print(f"\n{r['run']} {r['arrivals']}: device ms per step by part, each against its own floor (floor.part_floors)\n"
                   + part_table(r["profile"], r["breakdown"]["kinds"]))
+            if r.get("ceiling"):
+                print(f"\n{r['run']} {r['arrivals']}: its ceiling with the frozen products as measured and every "
+                      f"other part at its floor (profile_steps.ceiling)\n" + ceiling_table(r["ceiling"]))
     profiled = {r["run"]: r for r in report["runs"] if r.get("profile")}
     for name, r in profiled.items():  # the adapters' kernels: each LoRA run against its base-alone run
         base = profiled.get(name.replace("lora", "base", 1)) if name.startswith("lora") else None

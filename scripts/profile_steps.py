@@ -277,6 +277,59 @@ def part_table(rows: Sequence[dict], kinds: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# the parts a ceiling keeps at their measured device time: the frozen weights' products (cuBLAS,
+# or the split-K skinny kernel where it is faster), which no kernel of ours replaces
+MEASURED_PARTS = ("products", "lm_head")
+
+
+def ceiling(rows: Sequence[dict], kinds: Sequence[dict]) -> dict:
+    """The best fraction of its floor a run can reach while its frozen products run as they
+    do: per step kind, the products' and LM head's device ms per step as profiled plus every
+    other part (``floor.part_floors``: attention, elementwise, the adapters) at its own floor,
+    nothing else (no copies, sampling, launches or idle), the parts one after another (a layer's
+    parts wait on each other). Kinds are weighted by their steps in the whole run (``kinds``,
+    ``floor.breakdown``'s rows), so a profile of the first steps of a kind stands for all of
+    them. -> ``{"kinds": [per kind: floor, GPU, products and ceiling ms per step], "floor_s",
+    "gpu_s", "ceiling_s", "fraction_now", "fraction_max"}`` over the profiled kinds; a kind
+    without a profile row or part floors is left out (``left_out_s``: its floor seconds)."""
+    by_row = {r["kind"]: r for r in rows}
+    out: dict = {"kinds": [], "floor_s": 0.0, "gpu_s": 0.0, "ceiling_s": 0.0, "left_out_s": 0.0}
+    for k in kinds:
+        r = by_row.get(k["kind"])
+        if r is None or not k.get("part_floor_s") or not k.get("gpu_s") or k["kind"] == "all":
+            if k["kind"] != "all":
+                out["left_out_s"] += k["floor_s"]
+            continue
+        n, cats = k["steps"], r.get("categories", {})
+        measured = sum(cats[c]["ms_per_step"] for part in MEASURED_PARTS for c in PART_CATEGORIES[part] if c in cats)
+        others = sum(1e3 * s / n for part, s in k["part_floor_s"].items() if part not in MEASURED_PARTS)
+        row = {"kind": k["kind"], "steps": n, "floor_ms": 1e3 * k["floor_s"] / n, "gpu_ms": 1e3 * k["gpu_s"] / n,
+               "products_ms": measured, "others_floor_ms": others, "ceiling_ms": measured + others}
+        out["kinds"].append(row)
+        out["floor_s"] += k["floor_s"]
+        out["gpu_s"] += k["gpu_s"]
+        out["ceiling_s"] += n * row["ceiling_ms"] / 1e3
+    out["fraction_now"] = out["floor_s"] / out["gpu_s"] if out["gpu_s"] else None
+    out["fraction_max"] = out["floor_s"] / out["ceiling_s"] if out["ceiling_s"] else None
+    return out
+
+
+def ceiling_table(c: dict) -> str:
+    """``ceiling``'s result as a table: per step kind, floor, GPU now, the products as measured,
+    the other parts' floors, the ceiling and the share of the floor each reaches; then the run."""
+    lines = ["| step kind | steps | floor ms | GPU ms (share) | products + LM head as measured | other parts' floors "
+             "| ceiling ms (share) |", "|---|---|---|---|---|---|---|"]
+    for r in c["kinds"]:
+        lines.append(f"| {r['kind']} | {r['steps']} | {r['floor_ms']:.2f} | {r['gpu_ms']:.2f} "
+                     f"({r['floor_ms'] / r['gpu_ms']:.0%}) | {r['products_ms']:.2f} | {r['others_floor_ms']:.2f} | "
+                     f"{r['ceiling_ms']:.2f} ({r['floor_ms'] / r['ceiling_ms']:.0%}) |")
+    if c["ceiling_s"]:
+        lines.append(f"| run | {sum(r['steps'] for r in c['kinds'])} | {1e3 * c['floor_s']:.0f} | "
+                     f"{1e3 * c['gpu_s']:.0f} ({c['fraction_now']:.1%}) | | | "
+                     f"{1e3 * c['ceiling_s']:.0f} ({c['fraction_max']:.1%}) |")
+    return "\n".join(lines)
+
+
 class StepProfile:
     """Profile the next ``steps`` calls of ``engine.step`` (CUDA activity only); after the
     context, ``rows`` holds ``summarize``'s table. The engine's step ledger must be on (it

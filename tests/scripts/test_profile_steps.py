@@ -185,3 +185,32 @@ def test_part_table_sums_categories_against_each_part_floor():
     assert line.startswith("| mixed t512 base graph | 1 | 400 | 16.00 | 6.00 | 9.00 (4.50, 50%) | - | - | "
                            "1.50 (0.30, 20%) | 3.00 (1.50, 50%) | - | 0.30 |")
     assert line.endswith("| 0.70 |")
+
+
+def test_ceiling_keeps_products_as_measured_and_every_other_part_at_its_floor():
+    """A run's ceiling: per kind, the products and LM head as profiled plus the other parts'
+    floors, weighted by the kind's steps in the whole run; a kind without a profile is left out."""
+    script = load_script("profile_steps")
+    decode = [kernel("nvjet_qkv", 0, 2000), kernel("_paged_decode_kernel", 2000, 3000), kernel("nvjet_o", 5000, 1000),
+              kernel("nvjet_gu", 6000, 3000), kernel("_swiglu_kernel", 9000, 500), kernel("nvjet_down", 9500, 2000),
+              kernel("nvjet_lm", 11500, 500)]
+    rows = script.summarize([decode], ["decode b64 base graph"])
+    parts = {"products": 0.006, "lm_head": 0.0004, "attention_decode": 0.001, "attention_prefill": 0.0,
+             "elementwise": 0.0002, "lora": 0.0005}
+    kinds = [{"kind": "decode b64 base graph", "steps": 4, "tokens": 256, "floor_s": 0.028, "gpu_s": 0.048,
+              "part_floor_s": {p: 4 * v for p, v in parts.items()}},
+             {"kind": "mixed t512 base graph", "steps": 1, "tokens": 400, "floor_s": 0.006, "gpu_s": 0.016,
+              "part_floor_s": parts},
+             {"kind": "all", "steps": 5, "floor_s": 0.034, "gpu_s": 0.064}]
+    c = script.ceiling(rows, kinds)
+    (row,) = c["kinds"]
+    products = 2.0 + 1.0 + 3.0 + 2.0 + 0.5  # the layer's four products and the LM head as profiled, ms per step
+    assert row["products_ms"] == pytest.approx(products)
+    assert row["others_floor_ms"] == pytest.approx(1.0 + 0.2 + 0.5)  # attention, elementwise, adapters at floor
+    assert c["ceiling_s"] == pytest.approx(4 * (products + 1.7) / 1e3)
+    assert c["floor_s"] == pytest.approx(0.028) and c["left_out_s"] == pytest.approx(0.006)
+    assert c["fraction_max"] == pytest.approx(0.028 / c["ceiling_s"])
+    assert c["fraction_now"] == pytest.approx(0.028 / 0.048)
+    text = script.ceiling_table(c).splitlines()
+    assert text[2].startswith("| decode b64 base graph | 4 | 7.00 | 12.00 (58%) |")
+    assert text[-1].startswith("| run | 4 | 28 | 48 (58.3%) |")
