@@ -87,7 +87,7 @@ def kernel_category(event: dict) -> str:
     if event.get("cat") in ("gpu_memcpy", "gpu_memset"):
         return "copies"
     n = event.get("name", "").lower()
-    if "lora" in n or "segment" in n:
+    if "lora" in n or "segment" in n or "shrink" in n or "expand" in n:  # (prefill LoRA: _splitk_shrink, _live_expand)
         return "lora"
     if any(g in n for g in _GEMM_NAMES):
         return "gemm"
@@ -390,6 +390,18 @@ class StepProfile:
             json.dump(kept, f)
 
 
+def load_steps(path: str) -> tuple[list[list[dict]], list[str]]:
+    """``StepProfile``'s kept steps (``steps_path``) back as (windows of device events, kinds),
+    the input ``summarize`` takes: a profile summarized again, e.g. after a category changed."""
+    with gzip.open(path, "rt") as f:
+        kept = json.load(f)
+    windows = [[{"ph": "X", "cat": "gpu_memcpy" if e["name"].startswith("Memcpy") else
+                 "gpu_memset" if e["name"].startswith("Memset") else "kernel",
+                 "name": e["name"], "ts": e["ts"], "dur": e["dur"], "args": {"stream": e.get("stream")}}
+                for e in step["events"]] for step in kept]
+    return windows, [step["kind"] for step in kept]
+
+
 # ---------------------------------------------------------------------------------------------
 # the adapters' kernels by step kind: what they take against the base alone, what they must move
 
@@ -500,3 +512,36 @@ def lora_kernel_table(lora_rows: Sequence[dict], base_rows: Sequence[dict], traf
         for d, name, x, y, n in sorted(rows, key=lambda v: -abs(v[0])):
             lines.append(f"    {name[:60]:<60} {n:>8.0f} {x:>8.3f} {y:>8.3f} {d:>+7.3f}")
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Summarize a ``bench_tenants.py`` run's kept steps again (after a category changed): for each
+    profiled run of the report, its parts against their floors and its ceiling."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("report", help="bench_tenants_<shape>.json")
+    ap.add_argument("--steps-dir", default=None, help="where profile_<run>_<arrivals>_steps.json.gz are "
+                    "(default: beside the report)")
+    args = ap.parse_args(argv)
+    with open(args.report) as f:
+        report = json.load(f)
+    where = args.steps_dir or os.path.dirname(os.path.abspath(args.report))
+    for r in report["runs"]:
+        if not r.get("profile"):
+            continue
+        name = r["run"].removesuffix("-profiled")
+        path = os.path.join(where, f"profile_{name}_{r['arrivals']}_steps.json.gz".replace(" ", "_"))
+        if not os.path.exists(path):
+            print(f"{r['run']} {r['arrivals']}: no kept steps at {path}")
+            continue
+        rows = summarize(*load_steps(path))
+        kinds = r["breakdown"]["kinds"]
+        print(f"\n{r['run']} {r['arrivals']}: device ms per step by part, each against its own floor\n"
+              + part_table(rows, kinds))
+        print(f"\n{r['run']} {r['arrivals']}: its ceiling\n" + ceiling_table(ceiling(rows, kinds)))
+
+
+if __name__ == "__main__":
+    main()

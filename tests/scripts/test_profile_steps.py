@@ -214,3 +214,28 @@ def test_ceiling_keeps_products_as_measured_and_every_other_part_at_its_floor():
     text = script.ceiling_table(c).splitlines()
     assert text[2].startswith("| decode b64 base graph | 4 | 7.00 | 12.00 (58%) |")
     assert text[-1].startswith("| run | 4 | 28 | 48 (58.3%) |")
+
+
+def test_prefill_lora_kernels_count_as_lora_and_kept_steps_load_back(tmp_path):
+    """The prefill LoRA's split-K shrink and live expand are the adapters' kernels; a profile's
+    kept steps load back into windows that summarize as the profile did."""
+    import gzip
+    import json
+
+    script = load_script("profile_steps")
+    for name in ("_splitk_shrink_kernel", "_live_expand_kernel", "_tile_expand_kernel", "_lora_grouped_shrink_kernel"):
+        assert script.kernel_category({"cat": "kernel", "name": name}) == "lora"
+    assert script.kernel_category({"cat": "kernel", "name": "nvjet_sm90_tst_192x192"}) == "gemm"
+    events = [kernel("nvjet_qkv", 0, 2000), kernel("_splitk_shrink_kernel", 2000, 300),
+              kernel("Memcpy HtoD (Pinned -> Device)", 2300, 400, stream=9, cat="gpu_memcpy"),
+              kernel("_live_expand_kernel", 2700, 500)]
+    path = tmp_path / "steps.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump([{"kind": "mixed t512 lora graph", "events": [
+            {"name": e["name"], "ts": e["ts"], "dur": e["dur"], "stream": e["args"]["stream"]} for e in events]}], f)
+    windows, kinds = script.load_steps(str(path))
+    assert kinds == ["mixed t512 lora graph"]
+    again, first = script.summarize(windows, kinds), script.summarize([events], kinds)
+    assert again[0]["categories"] == first[0]["categories"]
+    assert again[0]["categories"]["lora"]["ms_per_step"] == pytest.approx(0.8)
+    assert again[0]["categories"]["copies"]["ms_per_step"] == pytest.approx(0.4)
