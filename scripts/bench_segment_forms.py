@@ -88,6 +88,8 @@ VARIANTS = {
     # not a kernel of the LoRA: each group's output written once (``fill_``), the expand's write floor
     "fill": ("fill", {}),
     "items": ("items", {}),
+    # the factors staged per step and two grouped GEMMs (``lora_grouped_gemm``; write-first only)
+    "grouped": ("grouped", {}),
     "items-add": ("items", {}),
     "items-shrink": ("items", {}),
     "items-p8": ("items", {"programs": (8, 8)}),
@@ -197,9 +199,18 @@ def make_run(variant: str, groups, loras, inputs, outs, dev):
     use = {name: (loras[name] if form == "items" or rows <= LIVE_GRID_MAX_ROWS
                   else dataclasses.replace(loras[name], live=None)) for name, _, _ in groups}
 
+    if form == "grouped":
+        from lightning_lorafusion.kernels.lora_grouped_gemm import grouped_lora_delta, row_groups
+
+        rgroups = {name: row_groups(loras[name].segments, rows, dev) for name, _, _ in groups}
+        max_ranks = {name: loras[name].ranks.max(dim=1).values.tolist() for name, _, _ in groups}
+
     def run():
         for name, ns, _ in groups:
             y = outs[name]
+            if form == "grouped":  # (the delta is a new tensor, as write-first takes it)
+                outs[name] = grouped_lora_delta(inputs[name], loras[name], ns, max_ranks[name], groups=rgroups[name])
+                continue
             if form == "fill":
                 y.fill_(0.0)
                 continue
@@ -256,7 +267,12 @@ def time_ms(fn, dev) -> float:
     if dev.type == "cuda":
         import triton
 
-        return triton.testing.do_bench_cudagraph(fn, rep=args_rep, return_mode="median")
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=args_rep, return_mode="median")
+        except RuntimeError as exc:  # a variant that cannot be captured: timed eagerly, said in the log
+            log(f"not captured ({str(exc)[:120]}): timed eagerly")
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(fn, rep=args_rep, return_mode="median")
     return timed_ms(fn, dev, warmup=0, reps=1)["median_ms"]
 
 
