@@ -295,10 +295,11 @@ def ceiling(rows: Sequence[dict], kinds: Sequence[dict]) -> dict:
     by_row = {r["kind"]: r for r in rows}
     out: dict = {"kinds": [], "floor_s": 0.0, "gpu_s": 0.0, "ceiling_s": 0.0, "left_out_s": 0.0}
     for k in kinds:
+        if k["kind"] == "all":  # (the breakdown's total row)
+            continue
         r = by_row.get(k["kind"])
-        if r is None or not k.get("part_floor_s") or not k.get("gpu_s") or k["kind"] == "all":
-            if k["kind"] != "all":
-                out["left_out_s"] += k["floor_s"]
+        if r is None or not k.get("part_floor_s") or not k.get("gpu_s"):
+            out["left_out_s"] += k["floor_s"]
             continue
         n, cats = k["steps"], r.get("categories", {})
         measured = sum(cats[c]["ms_per_step"] for part in MEASURED_PARTS for c in PART_CATEGORIES[part] if c in cats)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segment_tables import NO_ADAPTER, SegmentLora
+from .segment_tables import NO_ADAPTER, SegmentLora, covering_segments
 
 __all__ = ["RowGroups", "row_groups", "band_widths", "stage_factors", "stage_factors_reference",
            "grouped_lora_delta", "grouped_available"]
@@ -63,28 +63,19 @@ class RowGroups:
 
 
 def row_groups(segments: Sequence[tuple[int, int, int]], rows: int, device: torch.device) -> RowGroups:
-    """The groups of ``rows`` rows from a step's segments (start, end, adapter): neighbours of
-    the same adapter merged, rows no segment covers in groups without adapter."""
-    out: list[list[int]] = []
-    pos = 0
-    for start, end, ad in sorted(s for s in segments if s[1] > s[0]):
-        if start < pos or end > rows:
-            raise ValueError(f"segment ({start}, {end}) overlaps another or passes the {rows} rows")
-        if start > pos:
-            out.append([pos, start, NO_ADAPTER])
-        if out and out[-1][2] == ad and out[-1][1] == start:
-            out[-1][1] = end
-        else:
-            out.append([start, end, ad])
-        pos = end
-    if pos < rows or not out:
-        out.append([pos, rows, NO_ADAPTER])
+    """The groups of ``rows`` rows from a step's segments (start, end, adapter): the rows no
+    segment covers in groups without adapter (``covering_segments``), neighbours of the same
+    adapter merged."""
+    try:
+        covering = covering_segments(sorted(s for s in segments if s[1] > s[0]), rows)
+    except ValueError as exc:
+        raise ValueError(f"a segment overlaps another or passes the {rows} rows: {list(segments)}") from exc
     merged: list[list[int]] = []
-    for g in out:
-        if merged and merged[-1][2] == g[2]:
-            merged[-1][1] = g[1]
+    for start, end, ad in covering or [(0, rows, NO_ADAPTER)]:
+        if merged and merged[-1][2] == ad:
+            merged[-1][1] = end
         else:
-            merged.append(g)
+            merged.append([start, end, ad])
     bounds = tuple(tuple(g) for g in merged)
     ends = torch.tensor([e for _, e, _ in bounds], dtype=torch.int32).to(device, non_blocking=True)
     adapters = torch.tensor([a for _, _, a in bounds], dtype=torch.int32).to(device, non_blocking=True)

@@ -349,6 +349,25 @@ def _prompt_samples(num_adapters: int, per_adapter: int, seed: int) -> list[list
     return datasets
 
 
+def _levels_case(bank_seed: int, per_adapter: int, data_seed: int):
+    """A tiny model, its dropout-free bank factory and prompt samples of each adapter in two
+    global batches (the first five samples, then the rest): (config, specs, bank, datasets,
+    lookup, lengths, denominators)."""
+    config = case.tiny_config()
+    specs, make = _dropout_free_bank_factory(bank_seed)
+    datasets = _prompt_samples(len(specs), per_adapter, data_seed)
+    lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, per_adapter))] for _ in specs])
+    return config, specs, lambda: make(config), datasets, lookup, lookup.lengths(), lookup.denominators()
+
+
+def _assert_same_gradients(got: dict, want: dict) -> None:
+    """Each adapter's gradient at each step equal (fp32 rounding of the sums' order)."""
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
     """Two replicas without a pipeline, their slots dealt and their microbatches packed at the
     epoch's capacity levels (shorter than the plan's capacity): each adapter's gradient at each
@@ -362,12 +381,7 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
         run_capacity_levels,
     )
 
-    config = case.tiny_config()
-    specs, make = _dropout_free_bank_factory(7)
-    bank = lambda: make(config)  # noqa: E731
-    datasets = _prompt_samples(len(specs), 10, 11)
-    lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, 10))] for _ in specs])
-    lengths, denominators = lookup.lengths(), lookup.denominators()
+    config, specs, bank, datasets, lookup, lengths, denominators = _levels_case(7, 10, 11)
     packing = PackingConfig(capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE)
 
     def pack(plan, mine, capacity_of):
@@ -394,10 +408,7 @@ def test_replicas_packed_at_capacity_levels_sum_to_the_one_process_gradients():
         for key, grads in _gradients_at_steps(plan, pack(plan, mine, caps.__getitem__), bank(), config).items():
             got[key] = grads if key not in got else [g + h for g, h in zip(got[key], grads)]
     assert capacities[0] == capacities[1] and min(capacities[0]) < case.CAPACITY
-    assert sorted(got) == sorted(want)
-    for key in want:
-        for g, w in zip(got[key], want[key]):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    _assert_same_gradients(got, want)
 
 
 def test_one_process_packed_at_capacity_levels_gives_the_full_capacity_gradients():
@@ -406,12 +417,7 @@ def test_one_process_packed_at_capacity_levels_gives_the_full_capacity_gradients
     capacity: the same tokens first, and each adapter's gradient at each step equal."""
     from lightning_lorafusion.training.epoch_planning import level_capacities, plan_needs, run_capacity_levels
 
-    config = case.tiny_config()
-    specs, make = _dropout_free_bank_factory(5)
-    bank = lambda: make(config)  # noqa: E731
-    datasets = _prompt_samples(len(specs), 9, 3)
-    lookup = SampleLookup(datasets, [[list(range(0, 5)), list(range(5, 9))] for _ in specs])
-    lengths, denominators = lookup.lengths(), lookup.denominators()
+    config, specs, bank, _, lookup, lengths, denominators = _levels_case(5, 9, 3)
     plan = plan_microbatches(lengths, capacity=case.CAPACITY, pad_multiple=case.PAD_MULTIPLE, num_stages=1,
                              method="greedy")
     needs = plan_needs(plan, case.PAD_MULTIPLE)
@@ -435,10 +441,7 @@ def test_one_process_packed_at_capacity_levels_gives_the_full_capacity_gradients
         assert (full[i].labels[mb.capacity:] == IGNORE_INDEX).all()
     want = _gradients_at_steps(plan, full, bank(), config)
     got = _gradients_at_steps(plan, short, bank(), config)
-    assert sorted(got) == sorted(want)
-    for key in want:
-        for g, w in zip(got[key], want[key]):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    _assert_same_gradients(got, want)
 
 
 def test_the_data_module_packs_at_capacity_levels_only_without_a_pipeline():
